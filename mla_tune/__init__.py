@@ -1,0 +1,3 @@
+"""mla-tune: offline autotuning of MLA decode attention into a frozen dispatch table."""
+
+__version__ = "0.1.0"

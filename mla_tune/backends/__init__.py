@@ -1,0 +1,70 @@
+"""The backend registry: one module per backend, looked up by name, imported lazily.
+
+A backend module defines (see backends/torch_bmm.py for the smallest one):
+
+    NAME: str
+    def unavailable_reason() -> str | None
+        None when the backend can run here, else one sentence saying why not.
+    def candidates(shape: Shape, space: dict, platform) -> list[Variant]
+        The variants it offers for `shape`, from its search-space section of a config
+        (`space`) and the platform (mla_tune.gpu.Platform: name, arch, is_hip, sm_count).
+    def build(variant: Variant, shape: Shape, device) -> Runner
+        A callable runner(q, kv_data, qo_indptr, kv_indptr) -> (batch, 16, 512) bf16 that
+        owns its buffers (it allocates nothing per call; its output buffer is reused, so
+        copy it before the next call if you keep it). Vendor imports happen here, lazily.
+
+Every variant carries the parameters `kv` (the KV format it reads: bf16, fp8, mxfp4) and
+`q` (bf16, fp8_dynamic, fp8_static), so the runtime checks its inputs generically.
+Backend modules and the kernels they use are *exportable* (see mla_tune/export.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+# name -> module; the order is the order of preference when times tie.
+BACKEND_MODULES = {
+    "triton": "mla_tune.backends.triton_splitk",
+    "torch": "mla_tune.backends.torch_bmm",
+    "aiter": "mla_tune.backends.aiter_mla",
+    "flashinfer": "mla_tune.backends.flashinfer_mla",
+    "flashmla": "mla_tune.backends.flash_mla",
+}
+
+
+# Extra backends for tests and plugins: "name=package.module,name2=package.module2". Read on
+# every lookup so that worker processes, which inherit the environment, see them too.
+EXTRA_BACKENDS_ENV = "MLA_TUNE_EXTRA_BACKENDS"
+
+
+class UnknownBackend(ValueError):
+    pass
+
+
+def _modules() -> dict[str, str]:
+    modules = dict(BACKEND_MODULES)
+    for item in filter(None, os.environ.get(EXTRA_BACKENDS_ENV, "").split(",")):
+        name, sep, module = item.partition("=")
+        if not sep or not name.strip() or not module.strip():
+            raise ValueError(f"{EXTRA_BACKENDS_ENV} entry {item!r} is not name=module.path")
+        modules[name.strip()] = module.strip()
+    return modules
+
+
+def known_backends() -> list[str]:
+    return list(_modules())
+
+
+def get_backend(name: str) -> ModuleType:
+    """The backend module called `name`; an unknown name fails with the list of known ones."""
+    modules = _modules()
+    if name not in modules:
+        raise UnknownBackend(f"unknown backend {name!r}; known backends: {', '.join(modules)}")
+    return importlib.import_module(modules[name])
+
+
+def availability() -> dict[str, str | None]:
+    """Each backend's unavailable_reason() (None: usable here)."""
+    return {name: get_backend(name).unavailable_reason() for name in _modules()}

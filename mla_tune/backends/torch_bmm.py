@@ -1,0 +1,39 @@
+"""The baseline: cuBLAS batched matmuls over the bf16 cache, softmax in fp32.
+
+Always available wherever torch runs; every table records its time as the baseline.
+Uniform batches only (one bmm over batch x kv_len); the runtime never sends it a ragged
+batch, and a KV cache that does not divide into the batch is refused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mla_tune.core import NUM_HEADS, QK_DIM, SM_SCALE, V_DIM, Shape, Variant
+
+NAME = "torch"
+
+
+def unavailable_reason() -> str | None:
+    return None
+
+
+def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
+    return [Variant.make(NAME, kv="bf16", q="bf16")]
+
+
+def build(variant: Variant, shape: Shape, device):
+    if variant.get("kv") != "bf16" or variant.get("q") != "bf16":
+        raise ValueError(f"the torch backend reads bf16 q and bf16 KV only, not {variant}")
+
+    def run_torch_bmm(q, kv_data, qo_indptr, kv_indptr):
+        kv = kv_data["bf16"]
+        batch = q.shape[0]
+        if kv.shape[0] % batch:
+            raise ValueError("torch baseline: total_kv is not batch x kv_len (ragged batch)")
+        kv = kv.view(batch, kv.shape[0] // batch, QK_DIM)
+        scores = torch.bmm(q.view(batch, NUM_HEADS, QK_DIM), kv.transpose(1, 2))
+        probs = torch.softmax(scores.float() * SM_SCALE, dim=-1).to(torch.bfloat16)
+        return torch.bmm(probs, kv[:, :, :V_DIM])
+
+    return run_torch_bmm

@@ -1,0 +1,225 @@
+"""The fixed facts of MLA decode and the small values every other module shares.
+
+This module is *exportable*: `mla-tune export` copies it verbatim into a single-file
+submission, so it imports only the standard library and torch, and every top-level name
+is unique across the exportable modules (see mla_tune/export.py).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# DeepSeek-R1 forward_absorb MLA, as the amd-mixed-mla leaderboard poses it.
+NUM_HEADS = 16
+NUM_KV_HEADS = 1
+KV_LORA_RANK = 512
+QK_ROPE_DIM = 64
+QK_DIM = KV_LORA_RANK + QK_ROPE_DIM  # 576: keys use all of it
+V_DIM = KV_LORA_RANK  # 512: values are the first 512 dims of the same latent
+SM_SCALE = 1.0 / math.sqrt(QK_DIM)
+MXFP4_BLOCK = 32
+MXFP4_SCALES = QK_DIM // MXFP4_BLOCK  # 18 E8M0 scales per token
+
+KV_FORMATS = ("bf16", "fp8", "mxfp4")
+Q_MODES = ("bf16", "fp8_dynamic", "fp8_static")
+
+
+def fp8_dtype_for(device: torch.device | str | None = None) -> torch.dtype:
+    """The fp8 format the leaderboard uses on this device: e4m3fnuz on gfx942, else e4m3fn."""
+    if torch.version.hip and torch.cuda.is_available():
+        dev = torch.device(device) if device is not None else torch.device("cuda")
+        arch = getattr(torch.cuda.get_device_properties(dev), "gcnArchName", "")
+        if arch.startswith("gfx942"):
+            return torch.float8_e4m3fnuz
+    return torch.float8_e4m3fn
+
+
+@dataclass(frozen=True, order=True)
+class Shape:
+    """A uniform decode batch: `batch` sequences of `kv_len` cached tokens, one query each."""
+
+    batch: int
+    kv_len: int
+
+    def __post_init__(self) -> None:
+        for field, value in (("batch", self.batch), ("kv_len", self.kv_len)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Shape.{field} must be a positive int, got {value!r}")
+
+    @property
+    def total_kv(self) -> int:
+        return self.batch * self.kv_len
+
+    def __str__(self) -> str:
+        return f"{self.batch}x{self.kv_len}"
+
+
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_VARIANT_TEXT = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\((.*)\)$")
+
+
+def _param_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, str)):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)
+    raise TypeError(f"variant parameters are int, float, bool or str; got {value!r}")
+
+
+def _param_value(text: str) -> Any:
+    if text in ("true", "false"):
+        return text == "true"
+    if re.fullmatch(r"-?\d+", text):
+        return int(text)
+    if re.fullmatch(r"-?(\d+\.\d*|\.\d+|\d+)([eE][-+]?\d+)?|-?inf|nan", text):
+        return float(text)
+    if _IDENT.match(text):
+        return text
+    raise ValueError(f"cannot read variant parameter value {text!r}")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One runnable configuration: a backend name and its named parameters.
+
+    Frozen and hashable, with a stable text form, `triton(block_n=32,num_splits=4)`, that
+    `Variant.parse` reads back exactly (parameters sorted by name; values are int, float,
+    bool or a bare word, never code).
+    """
+
+    backend: str
+    params: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def make(cls, backend: str, **params: Any) -> Variant:
+        if not _IDENT.match(backend):
+            raise ValueError(f"backend name {backend!r} is not an identifier")
+        for name, value in params.items():
+            _param_text(value)  # type check
+            if isinstance(value, str) and not _IDENT.match(value):
+                raise ValueError(f"string parameter {name}={value!r} must be a bare word")
+        return cls(backend, tuple(sorted(params.items())))
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        match = _VARIANT_TEXT.match(text.strip())
+        if not match:
+            raise ValueError(f"variant text {text!r} is not of the form backend(name=value,...)")
+        params = {}
+        body = match.group(2).strip()
+        for item in body.split(",") if body else []:
+            name, sep, value = item.partition("=")
+            if not sep or not _IDENT.match(name.strip()):
+                raise ValueError(f"variant text {text!r}: {item!r} is not name=value")
+            params[name.strip()] = _param_value(value.strip())
+        return cls.make(match.group(1), **params)
+
+    @property
+    def p(self) -> dict[str, Any]:
+        return dict(self.params)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.p.get(name, default)
+
+    def with_params(self, **params: Any) -> Variant:
+        return Variant.make(self.backend, **{**self.p, **params})
+
+    def __str__(self) -> str:
+        inner = ",".join(f"{k}={_param_text(v)}" for k, v in self.params)
+        return f"{self.backend}({inner})"
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise ValueError(message) unless condition holds (for checks before any launch)."""
+    if not condition:
+        raise ValueError(message)
+
+
+def check_decode_inputs(q, kv_data, qo_indptr, kv_indptr, kv_format: str) -> int:
+    """Check shapes, dtypes, devices and layouts of one decode call; return batch size.
+
+    Everything here reads tensor metadata only (no device sync), so it is cheap enough to
+    run on every call; it raises ValueError naming what was expected before any kernel
+    starts. Index *contents* are checked by `check_indptr_values`, which syncs.
+    """
+    require(isinstance(q, torch.Tensor), f"q must be a torch.Tensor, got {type(q).__name__}")
+    require(
+        q.dim() == 3 and q.shape[1] == NUM_HEADS and q.shape[2] == QK_DIM,
+        f"q must have shape (batch, {NUM_HEADS}, {QK_DIM}), got {tuple(q.shape)}",
+    )
+    require(q.dtype == torch.bfloat16, f"q must be bfloat16, got {q.dtype}")
+    require(q.is_contiguous(), "q must be contiguous; call q.contiguous() first")
+    batch = q.shape[0]
+    require(batch >= 1, "q holds no query (batch 0)")
+    require(isinstance(kv_data, dict), "kv_data must be a dict keyed by KV format")
+    require(kv_format in kv_data, f"kv_data lacks the {kv_format!r} entry this kernel reads")
+    entry = kv_data[kv_format]
+    if kv_format == "bf16":
+        kv = entry
+        require(isinstance(kv, torch.Tensor), 'kv_data["bf16"] must be a tensor')
+        require(kv.dtype == torch.bfloat16, f'kv_data["bf16"] must be bfloat16, got {kv.dtype}')
+        kv_dim = QK_DIM
+    else:
+        require(
+            isinstance(entry, (tuple, list)) and len(entry) == 2,
+            f'kv_data["{kv_format}"] must be a (tensor, scale) pair',
+        )
+        kv, scale = entry
+        if kv_format == "fp8":
+            require(kv.element_size() == 1, f"fp8 KV must be a 1-byte dtype, got {kv.dtype}")
+            require(
+                scale.numel() == 1 and scale.dtype == torch.float32,
+                f"fp8 KV scale must be one float32 value, got {scale.dtype} x {scale.numel()}",
+            )
+            kv_dim = QK_DIM
+        else:
+            require(kv.element_size() == 1, f"mxfp4 KV must be packed bytes, got {kv.dtype}")
+            require(
+                scale.dim() == 2 and scale.shape[0] >= kv.shape[0] and scale.shape[1] >= MXFP4_SCALES,
+                f"mxfp4 scales must be (total_kv, >= {MXFP4_SCALES}), got {tuple(scale.shape)}",
+            )
+            require(scale.element_size() == 1, f"mxfp4 scales must be 1-byte E8M0, got {scale.dtype}")
+            kv_dim = QK_DIM // 2
+        require(scale.device == q.device, f"KV scale is on {scale.device}, q on {q.device}")
+    require(
+        kv.dim() == 3 and kv.shape[1] == NUM_KV_HEADS and kv.shape[2] == kv_dim,
+        f'kv_data["{kv_format}"] must have shape (total_kv, 1, {kv_dim}), got {tuple(kv.shape)}',
+    )
+    require(kv.is_contiguous(), f'kv_data["{kv_format}"] must be contiguous')
+    require(kv.device == q.device, f"KV is on {kv.device} but q is on {q.device}")
+    require(kv.shape[0] >= 1, "the KV cache is empty: every sequence needs kv_len >= 1")
+    for name, ptr in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr)):
+        require(isinstance(ptr, torch.Tensor), f"{name} must be a tensor")
+        require(ptr.dtype == torch.int32, f"{name} must be int32, got {ptr.dtype}")
+        require(
+            ptr.dim() == 1 and ptr.shape[0] == batch + 1,
+            f"{name} must have shape ({batch + 1},) for {batch} queries, got {tuple(ptr.shape)}",
+        )
+        require(ptr.device == q.device, f"{name} is on {ptr.device} but q is on {q.device}")
+    return batch
+
+
+def check_indptr_values(qo_indptr, kv_indptr, total_kv: int) -> list[int]:
+    """Read kv_indptr on the host and check it; return the per-sequence kv lengths.
+
+    This copies two small tensors to the host (a device sync); callers that must not sync
+    (the leaderboard entry point) skip it and trust the config's uniform kv_seq_len.
+    """
+    qo = qo_indptr.tolist()
+    kv = kv_indptr.tolist()
+    require(qo == list(range(len(qo))), f"qo_indptr must be 0,1,2,... (one query each), got {qo[:8]}")
+    require(kv[0] == 0, f"kv_indptr must start at 0, got {kv[0]}")
+    lengths = [b - a for a, b in zip(kv, kv[1:])]
+    require(min(lengths) >= 1, f"every sequence needs kv_len >= 1; kv_indptr gives {min(lengths)}")
+    require(
+        kv[-1] == total_kv,
+        f"kv_indptr ends at {kv[-1]} but the KV cache holds {total_kv} tokens",
+    )
+    return lengths

@@ -1,0 +1,111 @@
+"""What GPU and software this process runs on: the platform and the table's provenance."""
+
+from __future__ import annotations
+
+import platform as _pyplatform
+import re
+import subprocess
+from dataclasses import dataclass, field
+
+import torch
+import triton
+
+# Names a table may be made for, with what torch reports for them.
+KNOWN_GPUS = {
+    "H200": "NVIDIA H200 (sm_90)",
+    "H100": "NVIDIA H100 (sm_90)",
+    "MI355X": "AMD Instinct MI355X (gfx950)",
+    "MI300X": "AMD Instinct MI300X (gfx942)",
+}
+_NAME_RE = re.compile(r"\b(H\d{3}|B\d{3}|A\d{2,3}|L\d{2}S?|MI\d{3}[A-Z]*)\b")
+_ARCH_NAMES = {"gfx950": "MI355X", "gfx942": "MI300X"}
+
+
+def canonical_gpu_name(device_name: str, arch: str = "") -> str:
+    """'NVIDIA H200' -> 'H200', 'AMD Instinct MI355X' -> 'MI355X'; unknown names are
+    returned with spaces replaced, so a table file name never holds a '/' or a space."""
+    match = _NAME_RE.search(device_name.upper())
+    if match:
+        return match.group(1)
+    if arch.split(":")[0] in _ARCH_NAMES:
+        return _ARCH_NAMES[arch.split(":")[0]]
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", device_name.strip()) or "unknown"
+
+
+@dataclass(frozen=True)
+class Platform:
+    """The device a sweep or runtime sees. `name` is canonical ('H200'); CPU gives 'cpu'."""
+
+    name: str
+    device_name: str
+    arch: str
+    is_hip: bool
+    sm_count: int
+    driver: str = ""
+    versions: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.name != "cpu"
+
+
+def software_versions() -> dict:
+    versions = {
+        "python": _pyplatform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda or "",
+        "hip": torch.version.hip or "",
+    }
+    from importlib import metadata
+
+    for dist in ("amd-aiter", "flashinfer-python", "sgl-flash-mla"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def _driver_version() -> str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10,
+        )
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return torch.version.hip or ""
+
+
+def detect(device: int | None = None) -> Platform:
+    """The platform of `device` (default: the current one), or a CPU platform."""
+    if not torch.cuda.is_available():
+        return Platform("cpu", "cpu", "cpu", False, 0, "", software_versions())
+    index = torch.cuda.current_device() if device is None else device
+    props = torch.cuda.get_device_properties(index)
+    is_hip = bool(torch.version.hip)
+    arch = getattr(props, "gcnArchName", "") if is_hip else f"sm_{props.major}{props.minor}"
+    return Platform(
+        name=canonical_gpu_name(props.name, arch),
+        device_name=props.name,
+        arch=arch,
+        is_hip=is_hip,
+        sm_count=props.multi_processor_count,
+        driver=_driver_version(),
+        versions=software_versions(),
+    )
+
+
+def fake_platform(name: str = "H200") -> Platform:
+    """A platform for planning without that GPU (--dry-run, tests)."""
+    table = {
+        "H200": ("NVIDIA H200", "sm_90", False, 132),
+        "H100": ("NVIDIA H100", "sm_90", False, 132),
+        "MI355X": ("AMD Instinct MI355X", "gfx950", True, 256),
+        "MI300X": ("AMD Instinct MI300X", "gfx942", True, 304),
+    }
+    device_name, arch, is_hip, sms = table.get(name, (name, "unknown", False, 132))
+    return Platform(name, device_name, arch, is_hip, sms, "", software_versions())
