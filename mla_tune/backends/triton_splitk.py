@@ -1,0 +1,172 @@
+"""The `triton` backend: split-K flash-decode (mla_tune/kernels/flash_decode.py).
+
+Reads bf16 or fp8 KV with bf16, dynamically quantized or statically quantized fp8 q.
+Handles ragged batches (bounds are read on the device) and any batch size: a runner
+built for one batch reallocates its buffers when a call brings another. Exportable module.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import torch
+
+from mla_tune.core import NUM_HEADS, V_DIM, Shape, Variant, fp8_dtype_for
+from mla_tune.kernels.flash_decode import (
+    FlashDecodeWorkspace,
+    flash_decode,
+    flash_decode_num_splits,
+)
+
+NAME = "triton"
+
+_tsk_KV_FORMATS = ("bf16", "fp8")
+_tsk_Q_MODES = ("bf16", "fp8_dynamic", "fp8_static")
+_tsk_DOT_DTYPES = ("fp16", "bf16")
+_tsk_LAUNCH = ("num_splits", "block_n", "num_warps", "num_stages")
+_tsk_SPACE_KEYS = ("kv", "q", *_tsk_LAUNCH, "dot_dtype")
+_tsk_HIP_KEYS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
+# A grid of more than this many waves of SMs gains nothing from splitting further and
+# pays for the larger stage-2 reduction.
+_tsk_MAX_WAVES = 4
+
+
+def _tsk_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def unavailable_reason() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed; pip install triton (or use the torch backend)."
+    if torch.cuda.is_available() or _tsk_interpreted():
+        return None
+    return "no CUDA or ROCm GPU is visible; set TRITON_INTERPRET=1 to run the kernels on the CPU."
+
+
+def _tsk_list(space: dict, key: str, default: list) -> list:
+    value = space.get(key, default)
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
+    """The product of the lists in `space`, pruned: no split shorter than a tile (unless
+    num_splits is 1) and no grid over 4 waves of SMs (unless it is the smallest offered).
+    fp8_static variants come without q_amax: the sweep calibrates and adds it."""
+    space = dict(space or {})
+    unknown = sorted(set(space) - {*_tsk_SPACE_KEYS, "hip"})
+    if unknown:
+        raise ValueError(
+            f"unknown key(s) {unknown} in the triton search space; known: {', '.join(_tsk_SPACE_KEYS)}, hip"
+        )
+    dot_default = "fp16" if _tsk_interpreted() else "bf16"
+    lists = {
+        "kv": _tsk_list(space, "kv", ["fp8"]),
+        "q": _tsk_list(space, "q", ["bf16"]),
+        "num_splits": _tsk_list(space, "num_splits", [1]),
+        "block_n": _tsk_list(space, "block_n", [32]),
+        "num_warps": _tsk_list(space, "num_warps", [4]),
+        "num_stages": _tsk_list(space, "num_stages", [1]),
+        "dot_dtype": _tsk_list(space, "dot_dtype", [dot_default]),
+    }
+    for key, known in (("kv", _tsk_KV_FORMATS), ("q", _tsk_Q_MODES), ("dot_dtype", _tsk_DOT_DTYPES)):
+        bad = [v for v in lists[key] if v not in known]
+        if bad:
+            raise ValueError(f"triton search space: {key} {bad} not supported; known: {', '.join(known)}")
+    hip = space.get("hip") or {}
+    if not isinstance(hip, dict):
+        raise ValueError(f"triton search space: hip must be a mapping of lists, got {hip!r}")
+    bad_hip = sorted(set(hip) - set(_tsk_HIP_KEYS))
+    if bad_hip:
+        raise ValueError(f"unknown key(s) {bad_hip} in triton hip space; known: {', '.join(_tsk_HIP_KEYS)}")
+    hip_lists = {k: _tsk_list(hip, k, []) for k in hip} if platform.is_hip else {}
+
+    smallest_splits = min(lists["num_splits"])
+    max_grid = _tsk_MAX_WAVES * platform.sm_count
+    keys = list(lists) + list(hip_lists)
+    out: list[Variant] = []
+    for values in itertools.product(*lists.values(), *hip_lists.values()):
+        params = dict(zip(keys, values, strict=True))
+        splits, block_n = params["num_splits"], params["block_n"]
+        if splits > 1 and shape.kv_len / splits < block_n:
+            continue
+        if max_grid > 0 and shape.batch * splits > max_grid and splits != smallest_splits:
+            continue
+        out.append(Variant.make(NAME, **params))
+    return list(dict.fromkeys(out))
+
+
+def default_variant(shape: Shape, sm_count: int = 132) -> Variant:
+    """A config correct for every shape (ragged too): fp8 KV, bf16 q, enough splits to
+    fill about one wave of SMs; the runtime's fallback for shapes a table lacks."""
+    block_n = 32
+    return Variant.make(
+        NAME,
+        kv="fp8",
+        q="bf16",
+        num_splits=flash_decode_num_splits(shape.batch, shape.kv_len, sm_count, block_n),
+        block_n=block_n,
+        num_warps=4,
+        num_stages=2,
+        # The interpreter computes bf16 dots wrongly; fp16 holds every operand here as well.
+        dot_dtype="fp16" if _tsk_interpreted() else "bf16",
+    )
+
+
+def _tsk_param(variant: Variant, name: str, kind: type, allowed: tuple | None = None):
+    value = variant.get(name)
+    if value is None:
+        raise ValueError(f"{variant} lacks the parameter {name!r}; triton variants need {', '.join(_tsk_SPACE_KEYS)}")
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ValueError(f"{variant}: {name} must be {kind.__name__}, got {value!r}")
+    if allowed is not None and value not in allowed:
+        raise ValueError(f"{variant}: {name}={value} not supported; known: {', '.join(allowed)}")
+    return value
+
+
+def build(variant: Variant, shape: Shape, device):
+    """A runner(q, kv_data, qo_indptr, kv_indptr) -> out that launches without a host sync."""
+    if variant.backend != NAME:
+        raise ValueError(f"the triton backend cannot build {variant}")
+    unknown = sorted(set(variant.p) - {*_tsk_SPACE_KEYS, *_tsk_HIP_KEYS, "q_amax"})
+    if unknown:
+        raise ValueError(f"{variant}: unknown parameter(s) {unknown}; known: {', '.join(_tsk_SPACE_KEYS)}, q_amax, {', '.join(_tsk_HIP_KEYS)}")
+    kv_format = _tsk_param(variant, "kv", str, _tsk_KV_FORMATS)
+    q_mode = _tsk_param(variant, "q", str, _tsk_Q_MODES)
+    dot_dtype = _tsk_param(variant, "dot_dtype", str, _tsk_DOT_DTYPES)
+    launch = {name: _tsk_param(variant, name, int) for name in _tsk_LAUNCH}
+    hip_options = {k: variant.get(k) for k in _tsk_HIP_KEYS if variant.get(k) is not None}
+    device = torch.device(device)
+    q_fp8_dtype = fp8_dtype_for(device) if q_mode != "bf16" else torch.float8_e4m3fn
+    q_scale = None
+    if q_mode == "fp8_static":
+        q_amax = variant.get("q_amax")
+        if not isinstance(q_amax, (int, float)) or isinstance(q_amax, bool) or not q_amax > 0:
+            raise ValueError(f"{variant}: q=fp8_static needs a calibrated q_amax > 0 (the sweep adds it)")
+        q_scale = float(q_amax) / torch.finfo(q_fp8_dtype).max
+
+    state: dict = {}
+
+    def allocate(batch: int) -> None:
+        state["batch"] = batch
+        state["out"] = torch.empty((batch, NUM_HEADS, V_DIM), dtype=torch.bfloat16, device=device)
+        state["workspace"] = FlashDecodeWorkspace.allocate(batch, launch["num_splits"], device)
+
+    allocate(shape.batch)
+
+    def run_triton_splitk(q, kv_data, qo_indptr, kv_indptr):
+        if q.shape[0] != state["batch"]:
+            allocate(q.shape[0])
+        if kv_format == "fp8":
+            kv, kv_scale = kv_data["fp8"]
+        else:
+            kv, kv_scale = kv_data["bf16"], None
+        return flash_decode(
+            q, kv, kv_scale, kv_indptr, state["out"], **launch, dot_dtype=dot_dtype,
+            q_mode=q_mode, q_scale=q_scale, q_fp8_dtype=q_fp8_dtype,
+            workspace=state["workspace"], hip_options=hip_options,
+        )
+
+    return run_triton_splitk

@@ -1,0 +1,312 @@
+"""Split-K flash-decode for MLA: one Triton kernel family reading bf16 or fp8 KV.
+
+Stage 1 runs one program per (sequence, split): all 16 heads together, so each KV tile
+is read from memory once and serves every head. The tile is loaded once as [BLOCK_N, 512]
++ [BLOCK_N, 64]; the 512 part is both the key (scores) and the value (output), since MLA's
+values are the first 512 dims of the same latent. Sequence bounds come from kv_indptr on
+the device, so ragged batches need no host sync, and kv_len is never a compile-time value:
+one compile serves every shape. Softmax is online, in fp32, in the log2 domain.
+
+Scales commute with the dots (per-tensor), so they are folded rather than applied per
+element: sm_scale * log2(e) * q_scale * kv_scale multiplies the scores and kv_scale the
+output. Stage 2 merges the splits with their log-sum-exps; with one split, stage 1 writes
+the bf16 output itself (one launch).
+
+q modes: "bf16" uses q as is; "fp8_dynamic" quantizes q per tensor on the device every
+call, exactly as `mla_tune.problem.quantize_fp8` does (scale = bf16(amax / fp8_max), the
+quotient rounded to bf16, clamped, cast) so it reproduces the leaderboard's reference;
+"fp8_static" uses a fixed scale (q_amax / fp8_max, calibrated offline) and clamps values
+beyond it. Quantized q is cast to the dot dtype, which holds every fp8 value exactly.
+
+Exportable module: see docs/architecture.md (imports, `_fd_` prefix, no import-time work).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from mla_tune.core import KV_LORA_RANK, NUM_HEADS, QK_DIM, QK_ROPE_DIM, SM_SCALE, V_DIM
+
+_fd_LOG2E = 1.4426950408889634
+_fd_Q_MODES = {"bf16": 0, "fp8_static": 1, "fp8_dynamic": 2}
+_fd_DOT_DTYPES = {"fp16": tl.float16, "bf16": tl.bfloat16}
+_fd_HIP_OPTIONS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
+# Stage 1 reduces the per-sequence q amax partials in chunks of this many.
+_fd_AMAX_CHUNK = 128
+
+
+@triton.jit
+def _fd_q_amax_kernel(Q, Partial, ROW: tl.constexpr, BLOCK: tl.constexpr):
+    """Partial[b] = max |q[b]|: per-sequence partials that every stage-1 program reduces,
+    so the per-tensor q scale costs one small launch and no host sync."""
+    b = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(0, ROW, BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        x = tl.load(Q + b * ROW + offs, mask=offs < ROW, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, tl.abs(x))
+    tl.store(Partial + b, tl.max(acc, axis=0))
+
+
+@triton.jit
+def _fd_round_to_mantissa(y, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    """Round fp32 y to MANT_BITS mantissa bits, nearest-even (subnormals below 2**MIN_EXP
+    share its ulp; MIN_EXP - MANT_BITS must stay above -127): the value a cast to a narrower float gives, computed in fp32 because
+    Triton's interpreter casts fp32 to fp8 wrongly when the mantissa carries into the
+    exponent (127.04 -> 64), and this way CPU tests run the same code as the GPU."""
+    exp = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    exp = tl.maximum(exp, MIN_EXP) - MANT_BITS
+    ulp = ((exp + 127) << 23).to(tl.float32, bitcast=True)
+    inv_ulp = ((127 - exp) << 23).to(tl.float32, bitcast=True)
+    # Adding 1.5 * 2**23 makes the fp32 adder round to an integer, nearest-even; the
+    # scaled value is < 2**9 and both scalings are exact powers of two.
+    return ((y * inv_ulp + 12582912.0) - 12582912.0) * ulp
+
+
+@triton.jit
+def _fd_quantize_q(x, scale, fp8_max, FP8_MIN_EXP: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """q / scale clamped and rounded to e4m3 (returned in fp32: every e4m3 value is exact
+    in fp16 and bf16, so the dot sees exactly the fp8 operand)."""
+    y = x.to(tl.float32) / scale
+    if ROUND_BF16:  # torch divides bf16 by a bf16 scale: the quotient is rounded to bf16
+        # MIN_EXP -119 keeps the bit tricks in range; anything that small becomes 0 in fp8.
+        y = _fd_round_to_mantissa(y, 7, -119)
+    y = tl.minimum(tl.maximum(y, -fp8_max), fp8_max)
+    return _fd_round_to_mantissa(y, 3, FP8_MIN_EXP)
+
+
+# batch is runtime, never specialized: one compile serves every batch size.
+@triton.jit(do_not_specialize=["batch"])
+def _fd_stage1_kernel(
+    Q, KV, KV_SCALE, KV_INDPTR, Q_AMAX, batch, q_static_scale, fp8_max, qk_scale,
+    Out, PartOut, PartLse,
+    NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    Q_MODE: tl.constexpr, FP8_MIN_EXP: tl.constexpr, KV_SCALED: tl.constexpr,
+    AMAX_CHUNK: tl.constexpr,
+    H: tl.constexpr, D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, D_QK: tl.constexpr,
+):
+    pid_b = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    seq_start = tl.load(KV_INDPTR + pid_b)
+    kv_len = tl.load(KV_INDPTR + pid_b + 1) - seq_start
+    split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = pid_s * split_len
+    hi = tl.minimum(lo + split_len, kv_len)
+
+    offs_h = tl.arange(0, H)
+    offs_d = tl.arange(0, D_NOPE)
+    offs_r = tl.arange(0, D_ROPE)
+    q_row = Q + pid_b.to(tl.int64) * H * D_QK + offs_h[:, None] * D_QK
+    q_nope = tl.load(q_row + offs_d[None, :])
+    q_rope = tl.load(q_row + D_NOPE + offs_r[None, :])
+
+    score_scale = qk_scale  # sm_scale * log2(e), times whatever scales are folded in
+    if Q_MODE == 1:
+        q_nope = _fd_quantize_q(q_nope, q_static_scale, fp8_max, FP8_MIN_EXP, False)
+        q_rope = _fd_quantize_q(q_rope, q_static_scale, fp8_max, FP8_MIN_EXP, False)
+        score_scale = score_scale * q_static_scale
+    elif Q_MODE == 2:
+        amax_acc = tl.zeros([AMAX_CHUNK], dtype=tl.float32)
+        for i in range(0, batch, AMAX_CHUNK):
+            offs_a = i + tl.arange(0, AMAX_CHUNK)
+            amax_acc = tl.maximum(amax_acc, tl.load(Q_AMAX + offs_a, mask=offs_a < batch, other=0.0))
+        amax = tl.maximum(tl.max(amax_acc, axis=0), 1e-12)
+        q_scale = _fd_round_to_mantissa(amax / fp8_max, 7, -119)  # bf16, as problem.quantize_fp8
+        q_nope = _fd_quantize_q(q_nope, q_scale, fp8_max, FP8_MIN_EXP, True)
+        q_rope = _fd_quantize_q(q_rope, q_scale, fp8_max, FP8_MIN_EXP, True)
+        score_scale = score_scale * q_scale
+    q_nope = q_nope.to(DOT_DTYPE)
+    q_rope = q_rope.to(DOT_DTYPE)
+    kv_scale = 1.0
+    if KV_SCALED:
+        kv_scale = tl.load(KV_SCALE)
+        score_scale = score_scale * kv_scale
+
+    m_i = tl.full([H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([H], dtype=tl.float32)
+    acc = tl.zeros([H, D_NOPE], dtype=tl.float32)
+    kv_seq = KV + seq_start.to(tl.int64) * D_QK  # total_kv * 576 may pass 2**31
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        valid = offs_n < hi
+        tok = kv_seq + offs_n[:, None] * D_QK
+        # One load of the latent: keys for the scores and values for the output.
+        kv_nope = tl.load(tok + offs_d[None, :], mask=valid[:, None], other=0.0).to(DOT_DTYPE)
+        kv_rope = tl.load(tok + D_NOPE + offs_r[None, :], mask=valid[:, None], other=0.0).to(DOT_DTYPE)
+        scores = tl.dot(q_nope, tl.trans(kv_nope))
+        scores = tl.dot(q_rope, tl.trans(kv_rope), acc=scores)
+        scores = tl.where(valid[None, :], scores * score_scale, float("-inf"))
+        # Every tile holds at least one valid token, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), kv_nope)
+        m_i = m_new
+
+    # An empty split (more splits than blocks) has l_i == 0: write zeros and lse = -inf.
+    has_tokens = l_i > 0.0
+    out = acc * (kv_scale / tl.where(has_tokens, l_i, 1.0))[:, None]
+    if NUM_SPLITS == 1:
+        o_ptr = Out + pid_b.to(tl.int64) * H * D_NOPE + offs_h[:, None] * D_NOPE + offs_d[None, :]
+        tl.store(o_ptr, out.to(tl.bfloat16))
+    else:
+        row = (pid_b.to(tl.int64) * NUM_SPLITS + pid_s) * H + offs_h
+        tl.store(PartOut + row[:, None] * D_NOPE + offs_d[None, :], out)
+        lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
+        tl.store(PartLse + row, lse)
+
+
+@triton.jit
+def _fd_stage2_kernel(
+    PartOut, PartLse, Out,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+):
+    pid_b = tl.program_id(0).to(tl.int64)
+    pid_h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, D)
+    smask = offs_s < NUM_SPLITS
+    row = (pid_b * NUM_SPLITS + offs_s) * H + pid_h
+    lse = tl.load(PartLse + row, mask=smask, other=float("-inf"))
+    # Split 0 always holds tokens (kv_len >= 1), so the max is finite and empty splits
+    # (lse = -inf) get weight exp2(-inf) = 0.
+    weight = tl.exp2(lse - tl.max(lse, axis=0))
+    parts = tl.load(PartOut + row[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
+    out = tl.sum(parts * weight[:, None], axis=0) / tl.sum(weight, axis=0)
+    tl.store(Out + (pid_b * H + pid_h) * D + offs_d, out.to(tl.bfloat16))
+
+
+@dataclass
+class FlashDecodeWorkspace:
+    """Scratch for `flash_decode`, sized for `batch` sequences and `num_splits` splits:
+    per-split partial outputs (fp32) and log2-sum-exps, and the q amax partials."""
+
+    batch: int
+    num_splits: int
+    part_out: torch.Tensor
+    part_lse: torch.Tensor
+    q_amax: torch.Tensor
+
+    @classmethod
+    def allocate(cls, batch: int, num_splits: int, device) -> FlashDecodeWorkspace:
+        splits = num_splits if num_splits > 1 else 0  # one split writes the output directly
+        return cls(
+            batch,
+            num_splits,
+            torch.empty((batch, splits, NUM_HEADS, V_DIM), dtype=torch.float32, device=device),
+            torch.empty((batch, max(splits, 1), NUM_HEADS), dtype=torch.float32, device=device),
+            torch.empty((batch,), dtype=torch.float32, device=device),
+        )
+
+    def fits(self, batch: int, num_splits: int) -> bool:
+        return self.batch >= batch and self.num_splits == num_splits
+
+
+def _fd_fp8_min_exp(dtype: torch.dtype) -> int:
+    """Exponent of the smallest normal of the e4m3 flavour q is quantized to."""
+    if dtype == torch.float8_e4m3fn:
+        return -6
+    if dtype == torch.float8_e4m3fnuz:  # bias 8 instead of 7
+        return -7
+    raise ValueError(f"q fp8 dtype must be float8_e4m3fn or float8_e4m3fnuz, got {dtype}")
+
+
+def flash_decode(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    kv_scale: torch.Tensor | None,
+    kv_indptr: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    num_splits: int,
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
+    dot_dtype: str,
+    q_mode: str = "bf16",
+    q_scale: float | None = None,
+    q_fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    workspace: FlashDecodeWorkspace | None = None,
+    hip_options: dict | None = None,
+    sm_scale: float = SM_SCALE,
+) -> torch.Tensor:
+    """MLA decode attention over a bf16 or fp8 latent KV cache; writes and returns `out`.
+
+    q: (batch, 16, 576) bf16, contiguous. kv: (total_kv, 1, 576) (or (total_kv, 576)),
+    bf16 or 1-byte fp8; kv_scale: (1,) fp32 dequant scale for fp8 KV, None for bf16.
+    kv_indptr: (batch + 1,) int32 on the device (ragged lengths >= 1 are fine; only the
+    device reads it). out: (batch, 16, 512) bf16, contiguous.
+    num_splits: splits per sequence (1 = single launch); block_n: tokens per tile (>= 16,
+    power of two); dot_dtype: "fp16" | "bf16", the tl.dot operand type (fp32 accumulate).
+    q_mode: "bf16" | "fp8_dynamic" (per-tensor amax on the device, every call) |
+    "fp8_static" (needs q_scale = q_amax / fp8_max); q_fp8_dtype: the fp8 format q is
+    quantized to (`mla_tune.core.fp8_dtype_for(device)`).
+    workspace: from FlashDecodeWorkspace.allocate(batch, num_splits, device); without it
+    one is allocated per call. hip_options: waves_per_eu, matrix_instr_nonkdim, kpack,
+    passed to the stage-1 launch (ROCm only). Nothing here syncs with the device.
+    """
+    batch = q.shape[0]
+    if q.dim() != 3 or tuple(q.shape[1:]) != (NUM_HEADS, QK_DIM) or q.dtype != torch.bfloat16:
+        raise ValueError(f"q must be bf16 (batch, {NUM_HEADS}, {QK_DIM}), got {q.dtype} {tuple(q.shape)}")
+    if kv.shape[-1] != QK_DIM or not kv.is_contiguous():
+        raise ValueError(f"kv must be contiguous (total_kv, 1, {QK_DIM}), got {tuple(kv.shape)}")
+    kv_scaled = kv.dtype != torch.bfloat16
+    if kv_scaled and (kv.element_size() != 1 or kv_scale is None):
+        raise ValueError(f"kv must be bf16, or fp8 with a (1,) fp32 kv_scale; got {kv.dtype}, scale {kv_scale}")
+    if tuple(out.shape) != (batch, NUM_HEADS, V_DIM) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous bf16 ({batch}, {NUM_HEADS}, {V_DIM}) tensor, got {tuple(out.shape)}")
+    if kv_indptr.shape != (batch + 1,) or kv_indptr.dtype != torch.int32:
+        raise ValueError(f"kv_indptr must be int32 of shape ({batch + 1},), got {kv_indptr.dtype} {tuple(kv_indptr.shape)}")
+    if num_splits < 1 or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"need num_splits >= 1 and block_n a power of two >= 16; got {num_splits}, {block_n}")
+    if dot_dtype not in _fd_DOT_DTYPES:
+        raise ValueError(f"dot_dtype must be one of {', '.join(_fd_DOT_DTYPES)}, got {dot_dtype!r}")
+    if q_mode not in _fd_Q_MODES:
+        raise ValueError(f"q_mode must be one of {', '.join(_fd_Q_MODES)}, got {q_mode!r}")
+    if q_mode == "fp8_static" and not (q_scale is not None and q_scale > 0):
+        raise ValueError("q_mode fp8_static needs q_scale = q_amax / fp8_max > 0")
+    if workspace is None:
+        workspace = FlashDecodeWorkspace.allocate(batch, num_splits, q.device)
+    elif not workspace.fits(batch, num_splits):
+        raise ValueError(
+            f"workspace is for batch {workspace.batch} x {workspace.num_splits} splits, not "
+            f"{batch} x {num_splits}; allocate one with FlashDecodeWorkspace.allocate"
+        )
+    extra = {k: v for k, v in (hip_options or {}).items() if v is not None}
+    unknown = set(extra) - set(_fd_HIP_OPTIONS)
+    if unknown:
+        raise ValueError(f"unknown hip_options {sorted(unknown)}; known: {', '.join(_fd_HIP_OPTIONS)}")
+
+    fp8_min_exp = _fd_fp8_min_exp(q_fp8_dtype)
+    if q_mode == "fp8_dynamic":
+        _fd_q_amax_kernel[(batch,)](q, workspace.q_amax, ROW=NUM_HEADS * QK_DIM, BLOCK=1024, num_warps=4)
+    _fd_stage1_kernel[(batch, num_splits)](
+        q, kv, kv_scale if kv_scaled else workspace.q_amax, kv_indptr, workspace.q_amax, batch,
+        float(q_scale or 1.0), float(torch.finfo(q_fp8_dtype).max), float(sm_scale * _fd_LOG2E),
+        out, workspace.part_out, workspace.part_lse,
+        NUM_SPLITS=num_splits, BLOCK_N=block_n, DOT_DTYPE=_fd_DOT_DTYPES[dot_dtype],
+        Q_MODE=_fd_Q_MODES[q_mode], FP8_MIN_EXP=fp8_min_exp, KV_SCALED=kv_scaled, AMAX_CHUNK=_fd_AMAX_CHUNK,
+        H=NUM_HEADS, D_NOPE=KV_LORA_RANK, D_ROPE=QK_ROPE_DIM, D_QK=QK_DIM,
+        num_warps=num_warps, num_stages=num_stages, **extra,
+    )
+    if num_splits > 1:
+        _fd_stage2_kernel[(batch, NUM_HEADS)](
+            workspace.part_out, workspace.part_lse, out,
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+            H=NUM_HEADS, D=V_DIM, num_warps=4,
+        )
+    return out
+
+
+def flash_decode_num_splits(batch: int, kv_len: int, sm_count: int, block_n: int) -> int:
+    """A split count that fills about one wave of `sm_count` SMs without splits shorter
+    than a tile: a power of two up to 32 (the heuristic the fallback variant uses)."""
+    want = max(1, math.ceil(sm_count / max(batch, 1)))
+    splits = min(triton.next_power_of_2(want), 32, max(1, kv_len // block_n))
+    return max(1, splits)

@@ -1,0 +1,98 @@
+"""Check and time an exported submission file the way the leaderboard does.
+
+    PYTHONPATH=. python scripts/check_submission.py submission.py [--shapes bench,test] [--out DIR]
+
+Writes a task.py beside a copy of the file, imports it in this process with nothing of
+mla_tune's on the import path of the submission itself, then per shape: runs
+`custom_kernel` on fresh inputs, checks it against the fp32 reference under the
+`leaderboard` and `strict` rules, and times it under the leaderboard protocol
+(mla_tune.timing.time_call). Prints one table with the geomean over the benchmark shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from mla_tune.problem import RULES, check, generate_input, reference
+from mla_tune.timing import time_call
+
+BENCH_SHAPES = [(b, kv) for b in (4, 32, 64, 256) for kv in (1024, 8192)]
+TEST_SHAPES = [(4, 1024), (32, 1024), (64, 8192), (256, 8192)]
+TASK_PY = "from typing import Any\ninput_t = Any\noutput_t = Any\n"
+
+
+def import_submission(path: Path):
+    workdir = Path(tempfile.mkdtemp(prefix="mla_submission_"))
+    (workdir / "task.py").write_text(TASK_PY)
+    target = workdir / "submission.py"
+    shutil.copy(path, target)
+    sys.path.insert(0, str(workdir))
+    spec = importlib.util.spec_from_file_location("submission", target)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("submission", type=Path)
+    parser.add_argument("--shapes", default="bench,test", help="bench, test or both")
+    parser.add_argument("--seed", type=int, default=4242)
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--out", type=Path, default=None, help="write results.json here")
+    args = parser.parse_args()
+
+    module = import_submission(args.submission)
+    shapes: list[tuple[str, int, int]] = []
+    if "bench" in args.shapes:
+        shapes += [("bench", b, kv) for b, kv in BENCH_SHAPES]
+    if "test" in args.shapes:
+        shapes += [("test", b, kv) for b, kv in TEST_SHAPES]
+
+    rows = []
+    for i, (kind, batch, kv_len) in enumerate(shapes):
+        data = generate_input(batch, kv_len, args.seed + i, device="cuda")
+        out = module.custom_kernel(data).clone()
+        ref = reference(data)
+        lb = check(out, ref, RULES["leaderboard"])
+        strict = check(out, ref, RULES["strict"])
+        timing = time_call(lambda data=data: module.custom_kernel(data), reps=args.reps)
+        rows.append({
+            "kind": kind, "batch": batch, "kv_len": kv_len,
+            "leaderboard_pass": lb.passed, "leaderboard_mismatch": lb.mismatch,
+            "strict_pass": strict.passed, "strict_mismatch": strict.mismatch,
+            **timing.as_dict(),
+        })
+        del data, out, ref
+        torch.cuda.empty_cache()
+
+    bench = [r["median_us"] for r in rows if r["kind"] == "bench"]
+    geomean = math.exp(sum(math.log(t) for t in bench) / len(bench)) if bench else float("nan")
+    print(f"\nsubmission {args.submission} on {torch.cuda.get_device_name()}")
+    print(f"{'kind':5} {'shape':>10} {'lb':>4} {'strict':>6} {'mism%':>6} {'median_us':>10} {'p10':>8} {'p90':>8}")
+    for r in rows:
+        print(
+            f"{r['kind']:5} {r['batch']:>4}x{r['kv_len']:<5} {'ok' if r['leaderboard_pass'] else 'FAIL':>4} "
+            f"{'ok' if r['strict_pass'] else 'FAIL':>6} {100 * r['strict_mismatch']:6.2f} "
+            f"{r['median_us']:10.1f} {r['p10_us']:8.1f} {r['p90_us']:8.1f}"
+        )
+    print(f"geomean over the benchmark shapes: {geomean:.1f} us")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "check_submission.json").write_text(
+            json.dumps({"rows": rows, "geomean_us": geomean}, indent=1)
+        )
+    return 0 if all(r["leaderboard_pass"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""The split-K flash-decode kernels and the `triton` backend against the fp32 reference.
+
+On the CPU the kernels run under Triton's interpreter with fp16 dots (its bf16 dots are
+wrong); on a GPU the same tests use bf16 dots. Shapes stay tiny on the CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mla_tune import problem
+from mla_tune.backends import triton_splitk
+from mla_tune.core import SM_SCALE, Shape, Variant, fp8_dtype_for
+from mla_tune.gpu import fake_platform
+from mla_tune.kernels import flash_decode as fd
+from mla_tune.kernels.flash_decode import FlashDecodeWorkspace, flash_decode
+
+
+def _dot_dtype(device: str) -> str:
+    return "bf16" if device == "cuda" else "fp16"
+
+
+def _calibrated_q_amax(batch: int, device: str, seeds=(901, 902)) -> float:
+    """What the sweep does for fp8_static: the largest |q| seen on calibration inputs."""
+    return max(
+        float(problem.generate_input(batch, 1, seed, device=device)[0].abs().amax()) for seed in seeds
+    )
+
+
+def _expected(data, kv: str, q: str, q_amax: float | None = None) -> torch.Tensor:
+    """The fp32 reference in the formats the variant computes in."""
+    if q == "bf16":
+        return problem.reference(data, "bf16", kv)
+    if q == "fp8_dynamic":
+        return problem.reference(data, "fp8", kv)
+    # fp8_static: q quantized with the fixed scale (values beyond q_amax clamp), in fp32.
+    dtype = fp8_dtype_for(data[0].device)
+    fp8_max = torch.finfo(dtype).max
+    scale = q_amax / fp8_max
+    qf = (data[0].float() / scale).clamp(-fp8_max, fp8_max).to(dtype).float() * scale
+    return problem.reference((qf, *data[1:]), "bf16", kv)
+
+
+def _rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref).norm() / ref.norm())
+
+
+def _assert_close(out, ref, rules=("strict",)) -> None:
+    err = _rel_l2(out, ref)
+    assert err < 1e-2, f"relative L2 error {err:.4f}"
+    for rule in rules:
+        result = problem.check(out, ref, problem.RULES[rule])
+        assert result.passed, f"{rule}: {result.reason}"
+
+
+def _run_variant(variant: Variant, data, device):
+    runner = triton_splitk.build(variant, Shape(data[0].shape[0], data[4]["kv_seq_len"]), device)
+    return runner(*data[:4])
+
+
+# (kv_lens, num_splits, block_n, kv, q): every kv format x q mode, kv_len 1, 17, 100,
+# more splits than blocks (100 tokens, 8 splits of 32: four empty), ragged batches.
+CASES = [
+    ([1], 1, 16, "bf16", "bf16"),
+    ([17, 17], 2, 16, "fp8", "fp8_dynamic"),
+    ([100], 3, 32, "fp8", "bf16"),
+    ([100], 8, 32, "bf16", "fp8_static"),
+    ([1, 17, 40], 4, 16, "fp8", "fp8_static"),
+    ([1, 17, 40], 1, 32, "bf16", "fp8_dynamic"),
+]
+
+
+@pytest.mark.parametrize("kv_lens,num_splits,block_n,kv,q", CASES)
+def test_kernel_matches_reference_in_its_formats(kv_lens, num_splits, block_n, kv, q, device):
+    data = problem.generate_ragged_input(kv_lens, seed=7, device=device)
+    params = dict(kv=kv, q=q, num_splits=num_splits, block_n=block_n, num_warps=4,
+                  num_stages=1, dot_dtype=_dot_dtype(device))
+    q_amax = None
+    if q == "fp8_static":
+        # Below the calibrated amax, so some values of q are clamped, as in serving.
+        q_amax = 0.8 * _calibrated_q_amax(len(kv_lens), device)
+        assert bool((data[0].abs() > q_amax).any())
+        params["q_amax"] = q_amax
+    out = _run_variant(Variant.make("triton", **params), data, device)
+    assert out.shape == (len(kv_lens), 16, 512) and out.dtype == torch.bfloat16
+    _assert_close(out, _expected(data, kv, q, q_amax))
+
+
+def test_dynamic_fp8_q_reproduces_the_leaderboard_reference(device):
+    data = problem.generate_input(2, 40, seed=3, device=device)
+    variant = triton_splitk.default_variant(Shape(2, 40)).with_params(q="fp8_dynamic")
+    out = _run_variant(variant, data, device)
+    _assert_close(out, problem.reference(data), rules=("strict", "leaderboard"))
+
+
+def test_wrong_sm_scale_fails_the_check(device):
+    data = problem.generate_input(2, 40, seed=5, device=device)
+    q, kv_data, _qo, kv_indptr, _cfg = data
+    kv, kv_scale = kv_data["fp8"]
+    out = torch.empty((2, 16, 512), dtype=torch.bfloat16, device=device)
+    flash_decode(q, kv, kv_scale, kv_indptr, out, num_splits=2, block_n=16, num_warps=4,
+                 num_stages=1, dot_dtype=_dot_dtype(device), sm_scale=2 * SM_SCALE)
+    ref = problem.reference(data, "bf16", "fp8")
+    assert _rel_l2(out, ref) > 0.1
+    assert not problem.check(out, ref, problem.RULES["strict"]).passed
+
+
+def test_one_split_is_a_single_launch_and_more_splits_reduce(device, monkeypatch):
+    data = problem.generate_input(1, 20, seed=9, device=device)
+    q, kv_data, _qo, kv_indptr, _cfg = data
+    out = torch.empty((1, 16, 512), dtype=torch.bfloat16, device=device)
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("stage 2 launched")
+
+    monkeypatch.setattr(fd, "_fd_stage2_kernel", NoLaunch())
+    kwargs = dict(block_n=16, num_warps=4, num_stages=1, dot_dtype=_dot_dtype(device))
+    workspace = FlashDecodeWorkspace.allocate(1, 1, device)
+    flash_decode(q, kv_data["bf16"], None, kv_indptr, out, num_splits=1, workspace=workspace, **kwargs)
+    _assert_close(out, problem.reference(data, "bf16", "bf16"))
+    with pytest.raises(AssertionError, match="stage 2 launched"):
+        flash_decode(q, kv_data["bf16"], None, kv_indptr, out, num_splits=2, **kwargs)
+
+
+def test_runner_reuses_its_output_and_follows_a_new_ragged_batch(device):
+    variant = triton_splitk.default_variant(Shape(2, 40))
+    runner = triton_splitk.build(variant, Shape(2, 40), device)
+    first = problem.generate_input(2, 40, seed=1, device=device)
+    out1 = runner(*first[:4])
+    _assert_close(out1, problem.reference(first, "bf16", "fp8"))
+    assert runner(*first[:4]).data_ptr() == out1.data_ptr()
+    ragged = problem.generate_ragged_input([1, 17, 40], seed=2, device=device)
+    out2 = runner(*ragged[:4])
+    assert out2.shape == (3, 16, 512)
+    _assert_close(out2, problem.reference(ragged, "bf16", "fp8"))
+
+
+def test_default_variant_uses_fp16_dots_under_the_interpreter_and_fills_the_gpu():
+    v = triton_splitk.default_variant(Shape(4, 8192), sm_count=132)
+    assert v.get("kv") == "fp8" and v.get("q") == "bf16"
+    assert v.get("dot_dtype") == ("fp16" if triton_splitk._tsk_interpreted() else "bf16")
+    assert v.get("num_splits") == 32  # the cap: more splits cost more in stage 2
+    assert 32 * triton_splitk.default_variant(Shape(32, 8192)).get("num_splits") >= 132
+    assert triton_splitk.default_variant(Shape(256, 8192)).get("num_splits") == 1
+    assert triton_splitk.default_variant(Shape(4, 1)).get("num_splits") == 1
+    assert triton_splitk.unavailable_reason() is None
+
+
+@pytest.mark.parametrize(
+    "params,message",
+    [
+        (dict(kv="fp8", q="bf16", num_splits=1, block_n=32, num_warps=4, dot_dtype="fp16"), "num_stages"),
+        (dict(kv="fp8", q="bf16", num_splits=1, block_n=32, num_warps=4, num_stages=1,
+              dot_dtype="fp16", color=1), "color"),
+        (dict(kv="fp8", q="fp8_static", num_splits=1, block_n=32, num_warps=4, num_stages=1,
+              dot_dtype="fp16"), "q_amax"),
+        (dict(kv="mxfp4", q="bf16", num_splits=1, block_n=32, num_warps=4, num_stages=1,
+              dot_dtype="fp16"), "mxfp4"),
+    ],
+)
+def test_build_rejects_bad_variants_by_name(params, message):
+    with pytest.raises(ValueError, match=message):
+        triton_splitk.build(Variant.make("triton", **params), Shape(2, 40), "cpu")
+
+
+SPACE = {"kv": ["fp8", "bf16"], "q": ["bf16", "fp8_static"], "num_splits": [1, 2, 4, 8],
+         "block_n": [32], "num_warps": [4], "num_stages": [1], "dot_dtype": ["bf16"]}
+
+
+def test_candidates_drop_splits_shorter_than_a_tile():
+    variants = triton_splitk.candidates(Shape(4, 100), SPACE, fake_platform("H200"))
+    assert {v.get("num_splits") for v in variants} == {1, 2}  # 100 / 4 = 25 < 32
+    assert len(variants) == 2 * 2 * 2
+    assert all(v.get("kv") and v.get("q") for v in variants)
+    assert all(v.get("q_amax") is None for v in variants)
+    only_one = triton_splitk.candidates(Shape(4, 1), SPACE, fake_platform("H200"))
+    assert {v.get("num_splits") for v in only_one} == {1}
+
+
+def test_candidates_drop_grids_over_four_waves_but_keep_the_smallest():
+    space = {**SPACE, "num_splits": [4, 8]}
+    big = triton_splitk.candidates(Shape(256, 8192), space, fake_platform("H200"))
+    assert {v.get("num_splits") for v in big} == {4}  # 256 x 8 > 4 x 132; 4 is the smallest
+    small = triton_splitk.candidates(Shape(4, 8192), space, fake_platform("H200"))
+    assert {v.get("num_splits") for v in small} == {4, 8}
+
+
+def test_hip_options_are_offered_only_on_rocm():
+    space = {**SPACE, "kv": ["fp8"], "q": ["bf16"], "num_splits": [1],
+             "hip": {"waves_per_eu": [1, 2], "kpack": [2]}}
+    amd = triton_splitk.candidates(Shape(4, 1024), space, fake_platform("MI355X"))
+    assert len(amd) == 2
+    assert {v.get("waves_per_eu") for v in amd} == {1, 2} and all(v.get("kpack") == 2 for v in amd)
+    nvidia = triton_splitk.candidates(Shape(4, 1024), space, fake_platform("H200"))
+    assert len(nvidia) == 1 and nvidia[0].get("waves_per_eu") is None
+
+
+def test_candidates_name_an_unknown_key():
+    with pytest.raises(ValueError, match="block_size.*known"):
+        triton_splitk.candidates(Shape(4, 1024), {"block_size": [32]}, fake_platform("H200"))
+    with pytest.raises(ValueError, match="mxfp4"):
+        triton_splitk.candidates(Shape(4, 1024), {"kv": ["mxfp4"]}, fake_platform("H200"))
+
+
+# ------------------------------------------------------------------------------ GPU
+LEADERBOARD_SHAPES = [Shape(b, n) for b in (4, 32, 64, 256) for n in (1024, 8192)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("q", ["bf16", "fp8_dynamic", "fp8_static"])
+def test_leaderboard_shapes_on_gpu(kv, q, device):
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    for shape in LEADERBOARD_SHAPES:
+        data = problem.generate_input(shape.batch, shape.kv_len, seed=1001, device=device)
+        variant = triton_splitk.default_variant(shape, sm_count).with_params(
+            kv=kv, q=q, block_n=64, dot_dtype="bf16")
+        q_amax = None
+        if q == "fp8_static":
+            q_amax = _calibrated_q_amax(shape.batch, device)
+            variant = variant.with_params(q_amax=q_amax)
+        out = _run_variant(variant, data, device)
+        torch.cuda.synchronize()
+        _assert_close(out, _expected(data, kv, q, q_amax), rules=("strict", "leaderboard"))
+        result = problem.check(out, problem.reference(data), problem.RULES["leaderboard"])
+        assert result.passed, f"{shape} {variant} vs the leaderboard reference: {result.reason}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_lens", [[1], [17], [3000, 3000], [1, 17, 3000, 640, 2]])
+@pytest.mark.parametrize("num_splits", [1, 5, 16])
+def test_odd_and_ragged_lengths_on_gpu(kv_lens, num_splits, device):
+    data = problem.generate_ragged_input(kv_lens, seed=2002, device=device)
+    for kv, q in (("fp8", "fp8_dynamic"), ("bf16", "bf16")):
+        variant = Variant.make("triton", kv=kv, q=q, num_splits=num_splits, block_n=32,
+                               num_warps=4, num_stages=2, dot_dtype="bf16")
+        out = _run_variant(variant, data, device)
+        _assert_close(out, _expected(data, kv, q), rules=("strict", "leaderboard"))
