@@ -1,0 +1,148 @@
+"""O(1) shape -> variant dispatch with lazily built runners and a fallback for misses.
+
+This module is *exportable*: `mla-tune export` copies it verbatim into a single-file
+submission, so it imports only the standard library and `mla_tune.core`, its private
+names carry the `_dp_` prefix, and it queries no device at import.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from mla_tune.core import (
+    KV_FORMATS,
+    Shape,
+    Variant,
+    check_decode_inputs,
+    check_indptr_values,
+    require,
+)
+
+# Backends whose runners read kv_indptr per sequence; any other backend assumes a uniform
+# batch (torch's bmm would silently mix sequences of a ragged batch whose total divides).
+DISPATCH_RAGGED_BACKENDS = frozenset({"triton"})
+
+
+def _dp_kv_rows(kv_data: dict, kv_format: str) -> int:
+    entry = kv_data[kv_format]
+    tensor = entry if kv_format == "bf16" else entry[0]
+    return int(tensor.shape[0])
+
+
+class Dispatcher:
+    """Pick and run the variant for each decode call's shape; never times anything.
+
+    `table` maps (batch, kv_len) to the Variant tuned for that uniform shape; `builders`
+    maps a backend name to its `build(variant, shape, device) -> runner`; `fallback(shape)`
+    names the variant for everything else.
+
+    Policy:
+    - A uniform batch whose (batch, kv_len) is in the table runs that row's variant.
+    - Any other call (a shape the table lacks, or a ragged batch) runs `fallback(shape)`,
+      with shape = (batch, longest kv_len). The fallback must be correct for every
+      kv_len >= 1; on a ragged batch its backend must read kv_indptr per sequence (one of
+      `ragged_backends`), else the call fails with a ValueError instead of a wrong answer.
+      Each missed shape is counted in `misses` and, with warn_on_miss, warned about once.
+    - Runners are built on first use and kept per (variant, shape, device) in this
+      instance. A runner reuses its output buffer: copy the result to keep it past the next
+      call of the same shape.
+    - Inputs are checked (core.check_decode_inputs, for the chosen variant's KV format)
+      before anything launches. With check_indptr (the default) kv_indptr is read on the
+      host (a sync) to find the lengths; with check_indptr=False the caller vouches that the
+      batch is uniform with `kv_len` tokens each, and only the KV total is checked.
+    """
+
+    def __init__(
+        self,
+        table: dict[tuple[int, int], Variant],
+        builders: dict[str, Callable[..., Any]],
+        fallback: Callable[[Shape], Variant],
+        warn_on_miss: bool = True,
+        ragged_backends: frozenset[str] = DISPATCH_RAGGED_BACKENDS,
+    ) -> None:
+        self._table: dict[Shape, Variant] = {}
+        for (batch, kv_len), variant in table.items():
+            require(isinstance(variant, Variant), f"table entry {batch}x{kv_len} is not a Variant")
+            require(variant.get("kv") in KV_FORMATS, f"{variant} names no KV format (kv=...)")
+            require(variant.backend in builders, f"no builder for backend {variant.backend!r} "
+                    f"(table entry {batch}x{kv_len}); builders: {', '.join(builders)}")
+            self._table[Shape(batch, kv_len)] = variant
+        self._builders = dict(builders)
+        self._fallback = fallback
+        self._fallback_variants: dict[Shape, Variant] = {}
+        self._runners: dict[tuple[Variant, Shape, str], Callable[..., Any]] = {}
+        self._warn_on_miss = warn_on_miss
+        self._ragged_backends = frozenset(ragged_backends)
+        self.misses: dict[Shape, int] = {}
+
+    def variant_for(self, batch: int, kv_len: int, ragged: bool = False) -> Variant:
+        """The variant a call of this shape runs (a uniform batch unless `ragged`)."""
+        shape = Shape(batch, kv_len)
+        variant = None if ragged else self._table.get(shape)
+        if variant is not None:
+            return variant
+        variant = self._fallback_variants.get(shape)
+        if variant is None:
+            variant = self._fallback(shape)
+            require(variant.get("kv") in KV_FORMATS, f"fallback {variant} names no KV format")
+            self._fallback_variants[shape] = variant
+        if ragged and variant.backend not in self._ragged_backends:
+            raise ValueError(
+                f"a ragged batch needs a fallback that reads kv_indptr per sequence "
+                f"({', '.join(sorted(self._ragged_backends))}), but the fallback here is "
+                f"{variant}; pad the batch to one kv_len or make the triton backend available")
+        return variant
+
+    def _miss(self, shape: Shape, variant: Variant, ragged: bool) -> None:
+        count = self.misses.get(shape, 0)
+        self.misses[shape] = count + 1
+        if count == 0 and self._warn_on_miss:
+            why = "a ragged batch" if ragged else "a shape the table lacks"
+            warnings.warn(f"mla-tune: {why} ({shape}); running the fallback {variant}",
+                          stacklevel=3)
+
+    def __call__(self, q, kv_data, qo_indptr, kv_indptr, kv_len: int | None = None,
+                 check_indptr: bool = True):
+        require(hasattr(q, "shape") and len(q.shape) == 3,
+                f"q must be a (batch, 16, 576) tensor, got {getattr(q, 'shape', type(q).__name__)}")
+        batch = int(q.shape[0])
+        ragged = False
+        if check_indptr:
+            require(isinstance(kv_data, dict) and kv_data, "kv_data must be a non-empty dict")
+            probe = next((f for f in KV_FORMATS if f in kv_data), None)
+            require(probe is not None, f"kv_data holds none of the KV formats {KV_FORMATS}")
+            check_decode_inputs(q, kv_data, qo_indptr, kv_indptr, probe)
+            lengths = check_indptr_values(qo_indptr, kv_indptr, _dp_kv_rows(kv_data, probe))
+            ragged = min(lengths) != max(lengths)
+            require(kv_len is None or ragged or kv_len == lengths[0],
+                    f"kv_len={kv_len} but kv_indptr gives {lengths[0]} tokens per sequence")
+            kv_len = max(lengths)
+        else:
+            require(isinstance(kv_len, int) and not isinstance(kv_len, bool) and kv_len >= 1,
+                    f"check_indptr=False needs kv_len, the uniform tokens per sequence (>= 1); "
+                    f"got {kv_len!r}")
+        shape = Shape(batch, kv_len)
+        variant = self.variant_for(batch, kv_len, ragged)
+        if ragged or shape not in self._table:
+            self._miss(shape, variant, ragged)
+        fmt = variant.get("kv")
+        check_decode_inputs(q, kv_data, qo_indptr, kv_indptr, fmt)
+        total = _dp_kv_rows(kv_data, fmt)
+        if ragged:
+            require(total == sum(lengths), f'kv_data["{fmt}"] holds {total} tokens but '
+                    f"kv_indptr ends at {sum(lengths)}")
+        else:
+            require(total == batch * kv_len,
+                    f'kv_data["{fmt}"] holds {total} tokens, not batch x kv_len = '
+                    f"{batch} x {kv_len} = {batch * kv_len}; a ragged batch needs check_indptr=True")
+        key = (variant, shape, str(q.device))
+        runner = self._runners.get(key)
+        if runner is None:
+            builder = self._builders.get(variant.backend)
+            require(builder is not None, f"no builder for backend {variant.backend!r}; "
+                    f"builders: {', '.join(self._builders)}")
+            runner = builder(variant, shape, q.device)
+            self._runners[key] = runner
+        return runner(q, kv_data, qo_indptr, kv_indptr)

@@ -1,0 +1,217 @@
+"""The single-file export: header, no mla_tune import, only the code it needs, correct output.
+
+The exported file is imported in a fresh subprocess whose import system refuses mla_tune
+(the package is installed editable, so a plain sys.path change would not keep it out); it
+runs custom_kernel on saved inputs under the interpreter, and this process checks the
+outputs against the fp32 reference under the leaderboard rule.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from mla_tune.export import ExportError, export_submission, module_from_source, prepare_modules
+from mla_tune.problem import check, generate_input, generate_ragged_input, get_rule, reference
+
+DATA = Path(__file__).parent / "data"
+TABLE = DATA / "table_cpu.yaml"
+RULE = get_rule("leaderboard")
+
+RUNNER = textwrap.dedent('''
+    import importlib, sys, warnings
+    class _NoMlaTune:
+        def find_spec(self, name, path=None, target=None):
+            if name == "mla_tune" or name.startswith("mla_tune."):
+                raise ImportError("the exported file must not import mla_tune")
+    sys.meta_path.insert(0, _NoMlaTune())
+    sys.path.insert(0, ".")
+    import torch
+    warnings.simplefilter("ignore")
+    sub = importlib.import_module(sys.argv[1])
+    cases = torch.load("inputs.pt")
+    outs = [sub.custom_kernel(tuple(case)).clone() for case in cases]
+    assert "mla_tune" not in sys.modules, sorted(m for m in sys.modules if "mla_tune" in m)
+    torch.save(outs, "outputs.pt")
+    print("misses", sorted((s.batch, s.kv_len) for s in sub._EXPORT_DISPATCHER.misses))
+''')
+
+
+def _run_exported(tmp_path: Path, module: str, cases: list) -> tuple[list, str]:
+    (tmp_path / "task.py").write_text("import typing\ninput_t = typing.Any\noutput_t = typing.Any\n")
+    (tmp_path / "run_export.py").write_text(RUNNER)
+    torch.save([list(case) for case in cases], tmp_path / "inputs.pt")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["TRITON_INTERPRET"] = "1"
+    done = subprocess.run([sys.executable, "run_export.py", module], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(tmp_path / "outputs.pt"), done.stdout
+
+
+def _undefined_names(text: str) -> set[str]:
+    """A pyflakes-like check: every name read somewhere is bound somewhere or a builtin."""
+    tree = ast.parse(text)
+    bound = set(dir(builtins))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            bound.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} - bound
+
+
+def _assert_clean(path: Path) -> str:
+    text = path.read_text()
+    compile(text, str(path), "exec")
+    assert _undefined_names(text) == set()
+    ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
+    if Path(ruff).exists():
+        lint = subprocess.run([ruff, "check", "--no-cache", "--isolated", "--select", "F", str(path)],
+                              capture_output=True, text=True)
+        assert lint.returncode == 0, lint.stdout
+    lines = text.splitlines()
+    assert lines[:2] == ["#!POPCORN leaderboard amd-mixed-mla", "#!POPCORN gpu cpu"]
+    assert "import mla_tune" not in text and "from mla_tune" not in text
+    assert "from task import input_t, output_t" in text
+    assert text.count("from __future__ import annotations") == 1
+    return text
+
+
+def _check(outs, cases, formats):
+    for out, case, kv_format in zip(outs, cases, formats, strict=True):
+        result = check(out, reference(case, q_format="bf16", kv_format=kv_format), RULE)
+        assert result.passed, result.reason
+
+
+def test_full_export_runs_without_mla_tune_and_matches_the_reference(tmp_path):
+    path = export_submission(TABLE, tmp_path / "submission.py")
+    text = _assert_clean(path)
+    assert "Backends used: triton, torch; shapes the table lacks run the triton fallback." in text
+    assert "needs no vendor library (torch and triton only)" in text
+    assert "config configs/test.yaml hash 0123abcd, rule leaderboard rtol=0.1" in text
+    assert "def _build_triton(" in text and "def _build_torch(" in text
+    assert "\ndef build(" not in text and "\nNAME =" not in text
+    assert "@triton.jit" in text and "import triton.language as tl" in text
+    assert [p.name for p in tmp_path.iterdir()] == ["submission.py"]  # written atomically
+    # (1, 8): torch row; (2, 40): triton fp8 row; (2, 24): not in the table -> fallback;
+    # (3, 16): a row without a winner -> fallback.
+    cases = [generate_input(b, n, seed=10 + i, device="cpu")
+             for i, (b, n) in enumerate([(1, 8), (2, 40), (2, 24), (3, 16)])]
+    outs, stdout = _run_exported(tmp_path, "submission", cases)
+    _check(outs, cases, ["bf16", "fp8", "fp8", "fp8"])
+    assert "misses [(2, 24), (3, 16)]" in stdout
+
+
+def test_torch_only_export_carries_no_triton_code_and_uses_torch_alternates(tmp_path):
+    path = export_submission(TABLE, tmp_path / "torch_only.py", only_backends=["torch"])
+    text = _assert_clean(path)
+    assert "triton" not in {line.split()[1] for line in text.splitlines()
+                            if line.startswith(("import ", "from "))}
+    assert "@triton.jit" not in text and "flash_decode" not in text
+    assert "(2, 40): 'torch(kv=bf16,q=bf16)'" in text  # the triton row's torch alternate
+    assert "needs no vendor library (torch only)" in text
+    cases = [generate_input(1, 8, seed=1, device="cpu"), generate_input(2, 40, seed=2, device="cpu"),
+             generate_input(3, 16, seed=3, device="cpu")]
+    outs, _ = _run_exported(tmp_path, "torch_only", cases)
+    _check(outs, cases, ["bf16", "bf16", "bf16"])
+
+
+def test_exported_dispatcher_refuses_ragged_batches_with_a_torch_fallback(tmp_path):
+    export_submission(TABLE, tmp_path / "torch_only.py", only_backends=["torch"])
+    ragged = generate_ragged_input([3, 5], seed=1, device="cpu")
+    (tmp_path / "task.py").write_text("import typing\ninput_t = output_t = typing.Any\n")
+    torch.save(list(ragged[:4]), tmp_path / "ragged.pt")
+    script = ("import sys; sys.path.insert(0, '.'); import torch, torch_only\n"
+              "q, kv, qo, ptr = torch.load('ragged.pt')\n"
+              "try:\n    torch_only._EXPORT_DISPATCHER(q, kv, qo, ptr)\n"
+              "except ValueError as exc:\n    print('refused:', exc)\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert "refused: a ragged batch needs a fallback that reads kv_indptr" in done.stdout, done.stderr
+
+
+def test_export_refuses_unknown_or_fallbackless_backend_lists(tmp_path):
+    with pytest.raises(ExportError, match="unknown backend.*warp; known backends: triton, torch"):
+        export_submission(TABLE, tmp_path / "x.py", only_backends=["warp"])
+    with pytest.raises(ExportError, match="the fallback needs the triton or the torch backend"):
+        export_submission(TABLE, tmp_path / "x.py", only_backends=["aiter"])
+    assert not (tmp_path / "x.py").exists()
+
+
+def _module(name, source, backend=None):
+    return module_from_source(name, Path(name.replace(".", "/") + ".py"), textwrap.dedent(source), backend)
+
+
+def test_protocol_names_are_renamed_only_where_they_mean_the_module_level_name():
+    core = _module("mla_tune.core", "import math\nTAU = 2 * math.pi\n")
+    backend = _module("mla_tune.backends.fake", '''
+        """Docstring that says build and NAME."""
+        from __future__ import annotations
+
+        import math
+
+        from mla_tune.core import TAU
+
+        NAME = "fake"
+
+
+        def candidates(shape, space, platform):
+            return [NAME, "candidates"]
+
+
+        def build(variant, shape, device):
+            candidates = [c for c in range(3)]  # a local that shadows the protocol name
+            helper = lambda build: build  # noqa: E731
+            obj.build(NAME, candidates, helper)
+            return build, math.floor(TAU)
+        ''', backend="fake")
+    imports = prepare_modules([core, backend])
+    text = "".join(backend.lines)
+    assert imports == ["import math"]
+    assert '_NAME_fake = "fake"' in text and "def _candidates_fake(shape" in text
+    assert "return [_NAME_fake, \"candidates\"]" in text
+    assert "def _build_fake(variant" in text
+    assert "candidates = [c for c in range(3)]" in text
+    assert "helper = lambda build: build" in text
+    assert "obj.build(_NAME_fake, candidates, helper)" in text
+    assert "return _build_fake, math.floor(TAU)" in text
+    assert '"""Docstring that says build and NAME."""' in text
+    assert "import" not in text.replace('"""Docstring', "")
+
+
+def test_two_modules_defining_one_name_differently_are_refused_naming_both():
+    one = _module("mla_tune.kernels.one", "BLOCK = 32\n\n\ndef helper():\n    return 1\n")
+    two = _module("mla_tune.kernels.two", "BLOCK = 32\n\n\ndef helper():\n    return 2\n")
+    with pytest.raises(ExportError, match=r"`helper` is defined both in mla_tune/kernels/one\.py "
+                                          r"line 4 and in mla_tune/kernels/two\.py line 4"):
+        prepare_modules([one, two])
+    shadow = _module("mla_tune.kernels.three", "import math\n\n\ndef torch():\n    return math.pi\n")
+    uses_torch = _module("mla_tune.kernels.four", "import torch\n")
+    with pytest.raises(ExportError, match="defines `torch`, which the exported file already uses"):
+        prepare_modules([uses_torch, shadow])
+
+
+def test_modules_that_cannot_be_exported_are_refused():
+    with pytest.raises(ExportError, match=r"line 2: an mla_tune import inside a function"):
+        _module("mla_tune.kernels.bad", "def f():\n    from mla_tune.core import QK_DIM\n")
+    with pytest.raises(ExportError, match="without `as` or `\\*`"):
+        _module("mla_tune.kernels.bad", "from mla_tune.core import QK_DIM as D\n")
+    vendor = _module("mla_tune.kernels.bad", "import aiter\n")
+    with pytest.raises(ExportError, match="not aiter; import it inside the function"):
+        prepare_modules([vendor])

@@ -1,0 +1,216 @@
+"""The table schema: built from results, written atomically, loaded with precise errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from mla_tune.core import Shape, Variant
+from mla_tune.problem import get_rule
+from mla_tune.table import TableError, load_table, pick_best, table_from_results, write_table
+
+DATA = Path(__file__).parent / "data"
+TRITON_A = "triton(block_n=32,kv=fp8,num_splits=4,q=bf16)"
+TRITON_B = "triton(block_n=64,kv=fp8,num_splits=2,q=bf16)"
+STATIC = "triton(block_n=32,kv=fp8,num_splits=1,q=fp8_static,q_amax=5.5)"
+TORCH = "torch(kv=bf16,q=bf16)"
+
+
+def _config(shapes=((4, 1024), (8, 64))):
+    return SimpleNamespace(
+        name="test", path=Path("configs/test.yaml"), rule=get_rule("leaderboard"), hash="abc123",
+        shapes=[Shape(b, n) for b, n in shapes], raw={"backends": {"torch": {}, "triton": {}}},
+    )
+
+
+def _header(**extra):
+    header = {
+        "kind": "header", "gpu": "H200", "schema": 1, "date": "2026-12-01",
+        "platform": {"device_name": "NVIDIA H200", "arch": "sm_90", "driver": "570.1",
+                     "versions": {"torch": "2.11.0", "triton": "3.6.0"}},
+        "protocol": {"name": "leaderboard-emulation"}, "copy_bandwidth_gbps": 4280.0,
+        "config": {"path": "configs/test.yaml", "hash": "abc123"},
+        "rule": get_rule("leaderboard").as_dict(), "mla_tune_version": "0.1.0",
+        "unavailable": {"aiter": "ROCm only"},
+    }
+    header.update(extra)
+    return header
+
+
+def _record(variant, status="ok", median=None, shape=(4, 1024), p10=None, p90=None, **extra):
+    v = Variant.parse(variant)
+    time = None
+    if median is not None:
+        time = {"median_us": median, "p10_us": p10 or median * 0.98, "p90_us": p90 or median * 1.02,
+                "samples": 30}
+    record = {"kind": "candidate", "shape": {"batch": shape[0], "kv_len": shape[1]},
+              "variant": variant, "backend": v.backend, "params": v.p, "status": status,
+              "reason": "" if status == "ok" else "because", "checks": [], "time": time,
+              "wall": {"median_us": 40.0} if median else None, "calibration": None,
+              "elapsed_s": 1.0}
+    record.update(extra)
+    return record
+
+
+def _row(table, batch, kv_len):
+    return next(r for r in table["rows"] if (r["batch"], r["kv_len"]) == (batch, kv_len))
+
+
+def test_winner_is_the_fastest_and_the_row_carries_its_evidence():
+    records = [
+        _record(TRITON_A, median=20.0, p10=19.0, p90=21.0),
+        _record(TRITON_B, median=25.0),
+        _record(TORCH, median=40.0),
+        _record("triton(block_n=16,kv=fp8,num_splits=8,q=bf16)", status="rejected"),
+        _record("triton(block_n=16,kv=fp8,num_splits=16,q=bf16)", status="pruned"),
+    ]
+    table = table_from_results(_header(), records, _config())
+    row = _row(table, 4, 1024)
+    assert row["winner"] == {"variant": TRITON_A, "backend": "triton",
+                             "params": Variant.parse(TRITON_A).p}
+    assert row["time_us"] == 20.0 and row["spread"] == pytest.approx(0.1)
+    assert row["wall_us"] == 40.0
+    assert row["runner_up"] == {"variant": TRITON_B, "time_us": 25.0}
+    assert row["backends"] == {"triton": 20.0, "torch": 40.0, "aiter": "unavailable: ROCm only"}
+    assert row["baseline_us"] == 40.0
+    # 4 x 1024 tokens x 576 bytes of fp8 KV at 4280 GB/s
+    assert row["floor_us"] == pytest.approx(4 * 1024 * 576 / 4280e3, abs=1e-3)
+    assert row["floor_share"] == pytest.approx(row["floor_us"] / 20.0, abs=1e-4)
+    assert row["candidates"] == {"tried": 5, "ok": 3, "rejected": 1, "failed": 0, "crashed": 0,
+                                 "timeout": 0, "pruned": 1}
+    assert row["alternates"] == {"triton": {"variant": TRITON_A, "time_us": 20.0},
+                                 "torch": {"variant": TORCH, "time_us": 40.0}}
+    assert table["schema"] == 1 and table["gpu"] == "H200"
+    prov = table["provenance"]
+    assert prov["config"] == {"path": "configs/test.yaml", "hash": "abc123"}
+    assert prov["rule"] == {"name": "leaderboard", "rtol": 0.1, "atol": 0.1, "allowance": 0.05}
+    assert prov["versions"]["triton"] == "3.6.0" and prov["copy_bandwidth_gbps"] == 4280.0
+
+
+def test_ties_within_one_percent_go_to_the_earlier_backend_then_the_text():
+    # torch is 0.5% faster, but within the tie tolerance triton comes first in BACKEND_MODULES.
+    records = [_record(TORCH, median=10.0), _record(TRITON_B, median=10.05),
+               _record(TRITON_A, median=10.08)]
+    row = _row(table_from_results(_header(), records, _config()), 4, 1024)
+    assert row["winner"]["variant"] == TRITON_A  # same backend: the smaller text wins
+    assert row["alternates"]["triton"]["variant"] == TRITON_A
+    # Outside the tolerance the faster one wins.
+    records = [_record(TORCH, median=10.0), _record(TRITON_A, median=10.2)]
+    row = _row(table_from_results(_header(), records, _config()), 4, 1024)
+    assert row["winner"]["variant"] == TORCH
+    assert pick_best([]) is None
+
+
+def test_a_shape_without_an_ok_candidate_has_a_null_winner_and_a_reason():
+    records = [_record(TRITON_A, status="rejected", shape=(8, 64)),
+               _record(TORCH, status="failed", shape=(8, 64)),
+               _record(TORCH, median=9.0)]
+    row = _row(table_from_results(_header(), records, _config()), 8, 64)
+    assert row["winner"] is None and row["time_us"] is None and row["alternates"] == {}
+    assert "triton: all rejected" in row["reason"] and "torch: none ok: 1 failed" in row["reason"]
+    assert row["backends"]["aiter"] == "unavailable: ROCm only"
+
+
+def test_fp8_static_winner_records_its_calibration():
+    calibration = {"seeds": [11, 12], "method": "max |q| over calibration seeds x 1.25"}
+    records = [_record(STATIC, median=5.0, calibration=calibration), _record(TORCH, median=9.0)]
+    row = _row(table_from_results(_header(), records, _config()), 4, 1024)
+    assert row["calibration"] == {**calibration, "q_amax": 5.5}
+
+
+def test_a_rerun_candidate_counts_once_with_its_latest_record():
+    records = [_record(TRITON_A, status="crashed"), _record(TRITON_A, median=12.0)]
+    row = _row(table_from_results(_header(), records, _config()), 4, 1024)
+    assert row["candidates"]["tried"] == 1 and row["candidates"]["ok"] == 1
+    assert row["winner"]["variant"] == TRITON_A
+
+
+def test_results_that_do_not_belong_to_the_config_are_refused():
+    with pytest.raises(TableError, match="config hash zzz"):
+        table_from_results(_header(config={"path": "x", "hash": "zzz"}), [], _config())
+    with pytest.raises(TableError, match="record 1 is for shape 2x2"):
+        table_from_results(_header(), [_record(TORCH, median=1.0, shape=(2, 2))], _config())
+    with pytest.raises(TableError, match="unknown status 'great'"):
+        table_from_results(_header(), [_record(TORCH, status="great")], _config())
+
+
+def test_written_table_round_trips_and_is_written_atomically(tmp_path):
+    records = [_record(TRITON_A, median=20.0), _record(TORCH, median=40.0),
+               _record(TORCH, median=3.0, shape=(8, 64))]
+    table = table_from_results(_header(), records, _config())
+    path = write_table(tmp_path / "H200.yaml", table)
+    text = path.read_text()
+    assert text.startswith("# mla-tune dispatch table for H200, generated by `mla-tune sweep`")
+    assert "floor_us counts only the fp8 KV cache" in text
+    assert [p.name for p in tmp_path.iterdir()] == ["H200.yaml"]  # no temp file left
+    loaded = load_table(path)
+    assert loaded.gpu == "H200" and loaded.path == path
+    assert list(loaded.rows) == [Shape(4, 1024), Shape(8, 64)]
+    assert loaded.lookup(Shape(4, 1024))["time_us"] == 20.0
+    assert loaded.lookup(Shape(5, 5)) is None
+    assert loaded.variants() == {Shape(4, 1024): Variant.parse(TRITON_A), Shape(8, 64): Variant.parse(TORCH)}
+    assert loaded.variants(only_backends=["torch"]) == {Shape(4, 1024): Variant.parse(TORCH),
+                                                        Shape(8, 64): Variant.parse(TORCH)}
+    assert loaded.variants(only_backends=["aiter"]) == {}
+
+
+def test_the_hand_written_test_table_loads():
+    table = load_table(DATA / "table_cpu.yaml")
+    assert table.gpu == "cpu" and len(table.rows) == 3
+    assert table.lookup(Shape(3, 16))["winner"] is None
+    assert set(table.variants()) == {Shape(1, 8), Shape(2, 40)}
+
+
+def _broken(tmp_path, edit) -> Path:
+    data = yaml.safe_load((DATA / "table_cpu.yaml").read_text())
+    edit(data)
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d.update(schema=2), r"schema is 2, this mla-tune reads schema 1"),
+        (lambda d: d.pop("gpu"), r"field `gpu`"),
+        (lambda d: d["provenance"].pop("date"), r"provenance\.date"),
+        (lambda d: d["rows"][1]["winner"].update(variant="warp(kv=fp8,q=bf16)", backend="warp"),
+         r"row 2 \(batch 2, kv_len 40\): winner\.variant names unknown backend 'warp'"),
+        (lambda d: d["rows"][1]["winner"]["params"].update(num_splits=8),
+         r"row 2 \(batch 2, kv_len 40\): winner\.params .* disagrees with winner\.variant"),
+        (lambda d: d["rows"][0]["winner"].update(variant="torch(kv=bf16"),
+         r"row 1 \(batch 1, kv_len 8\): winner\.variant: variant text"),
+        (lambda d: d["rows"][0]["winner"].update(variant="torch(q=bf16)", params={"q": "bf16"}),
+         r"row 1 \(batch 1, kv_len 8\): winner\.variant torch\(q=bf16\) must carry kv"),
+        (lambda d: d["rows"][0].pop("baseline_us"), r"row 1 \(batch 1, kv_len 8\): missing field\(s\) baseline_us"),
+        (lambda d: d["rows"][0].update(time_us="fast"), r"row 1 \(batch 1, kv_len 8\): time_us must be"),
+        (lambda d: d["rows"][2].pop("reason"), r"row 3 \(batch 3, kv_len 16\): winner is null, so field `reason`"),
+        (lambda d: d["rows"][0].update(batch=0), r"row 1 \(batch 0, kv_len 8\): Shape\.batch"),
+        (lambda d: d["rows"].append(dict(d["rows"][0])), r"row 4 \(batch 1, kv_len 8\): a second row"),
+        (lambda d: d["rows"][0]["alternates"].update(torch=d["rows"][0]["alternates"]["triton"]),
+         r"alternates\.torch holds a triton variant"),
+        (lambda d: d["rows"][0]["backends"].update(warp=1.0), r"backends names unknown backend 'warp'"),
+    ],
+)
+def test_a_broken_table_fails_naming_the_file_the_row_and_the_field(tmp_path, edit, message):
+    path = _broken(tmp_path, edit)
+    with pytest.raises(TableError, match=message) as info:
+        load_table(path)
+    assert str(path) in str(info.value)
+
+
+def test_missing_unparsable_or_executable_tables_are_refused(tmp_path):
+    with pytest.raises(TableError, match=r"nope\.yaml does not exist; run `mla-tune sweep"):
+        load_table(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rows: [\n")
+    with pytest.raises(TableError, match="is not valid YAML"):
+        load_table(bad)
+    # safe_load refuses python tags: nothing in a table is ever executed.
+    bad.write_text("schema: !!python/object/apply:os.system ['echo hi']\n")
+    with pytest.raises(TableError, match="is not valid YAML"):
+        load_table(bad)
