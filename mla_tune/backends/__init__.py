@@ -27,6 +27,7 @@ from types import ModuleType
 # name -> module; the order is the order of preference when times tie.
 BACKEND_MODULES = {
     "triton": "mla_tune.backends.triton_splitk",
+    "triton_fused": "mla_tune.backends.triton_fused",
     "torch": "mla_tune.backends.torch_bmm",
     "aiter": "mla_tune.backends.aiter_mla",
     "flashinfer": "mla_tune.backends.flashinfer_mla",
@@ -63,6 +64,14 @@ def get_backend(name: str) -> ModuleType:
     if name not in modules:
         raise UnknownBackend(f"unknown backend {name!r}; known backends: {', '.join(modules)}")
     return importlib.import_module(modules[name])
+
+
+def backend_module_name(name: str) -> str:
+    """The dotted module path of backend `name` (without importing it)."""
+    modules = _modules()
+    if name not in modules:
+        raise UnknownBackend(f"unknown backend {name!r}; known backends: {', '.join(modules)}")
+    return modules[name]
 
 
 def availability() -> dict[str, str | None]:

@@ -1,0 +1,150 @@
+"""FlashMLA's dense decode (package sgl-flash-mla, module `flash_mla`, NVIDIA SM90).
+
+Written against sgl-flash-mla 1.0.0 (flash_mla/flash_mla_interface.py). Dense decoding lives
+on its legacy side only (`use_legacy=True`), with two kernels: bf16 q x bf16 KV, and fp8 q
+x fp8 KV with per-tensor `descale_q` / `descale_k` (fp32, shape (1,)). There is no bf16 q x
+fp8 KV kernel, so fp8 variants quantize q on every call, with a scale computed on the
+device (fp8_dynamic) or calibrated by the sweep (fp8_static, `q_amax`).
+
+FlashMLA pages are 64 tokens (`page_block_size must be 64`). The leaderboard's cache is one
+contiguous (total_kv, 1, 576) tensor, so it is viewed as (total_kv / 64, 64, 1, 576) with
+block_table[b] = the pages of sequence b (an arange), which needs kv_len % 64 == 0.
+
+The split-KV schedule (`get_mla_decoding_metadata`) is computed once in `build` and reused;
+FlashMLA allocates its own output per call (its API takes no `out`), and the runner
+returns that tensor, reshaped, rather than paying a copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mla_tune.core import NUM_HEADS, NUM_KV_HEADS, QK_DIM, SM_SCALE, V_DIM, Shape, Variant
+
+NAME = "flashmla"
+
+_FM_PAGE = 64  # FlashMLA's only page (block) size
+_FM_AMAX_FLOOR = 1e-12  # an all-zero q would otherwise give a zero scale and NaN
+_FM_PAIRS = {"bf16": ("bf16",), "fp8": ("fp8_dynamic", "fp8_static")}  # KV -> q modes with a kernel
+
+
+def _fm_is_cpu_fake(module) -> bool:
+    # tests/fakes/flash_mla runs on the CPU and says so; the real package never sets this.
+    return bool(getattr(module, "MLA_TUNE_CPU_FAKE", False))
+
+
+def unavailable_reason() -> str | None:
+    try:
+        import flash_mla
+    except (ImportError, RuntimeError, OSError) as exc:
+        return f"FlashMLA cannot be imported ({type(exc).__name__}: {exc}); install sgl-flash-mla (mla-tune[nvidia])."
+    if not hasattr(flash_mla, "get_mla_decoding_metadata"):
+        return "This flash_mla has no get_mla_decoding_metadata; install sgl-flash-mla 1.0.0."
+    has_legacy = getattr(flash_mla, "has_legacy", None)
+    if has_legacy is not None and not has_legacy():
+        return "This flash_mla was built without its legacy kernels, which hold dense decoding."
+    if _fm_is_cpu_fake(flash_mla):
+        return None
+    if torch.version.hip or not torch.cuda.is_available():
+        return "FlashMLA needs an NVIDIA GPU, and this process sees none."
+    if torch.cuda.get_device_capability() != (9, 0):
+        return "FlashMLA's dense decode kernels run on SM90 (Hopper) only."
+    return None
+
+
+def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
+    """bf16 x bf16 and fp8 x fp8 variants from the `flashmla:` config section, on SM90,
+    for kv_len a multiple of the 64-token page."""
+    if platform.is_hip or platform.arch != "sm_90" or shape.kv_len % _FM_PAGE:
+        return []
+    kvs = space.get("kv", ["bf16", "fp8"])
+    qs = space.get("q", ["bf16", "fp8_dynamic", "fp8_static"])
+    for key, values, known in (("kv", kvs, ("bf16", "fp8")), ("q", qs, ("bf16", "fp8_dynamic", "fp8_static"))):
+        if not isinstance(values, list) or any(v not in known for v in values):
+            raise ValueError(f"flashmla search space: {key} must be a list of {', '.join(known)}, got {values!r}")
+    return [Variant.make(NAME, kv=kv, q=q) for kv in kvs for q in qs if q in _FM_PAIRS[kv]]
+
+
+def _fm_validate(variant: Variant, shape: Shape) -> None:
+    kv, q = variant.get("kv"), variant.get("q")
+    if kv not in _FM_PAIRS or q not in _FM_PAIRS[kv]:
+        raise ValueError(
+            f"{variant}: FlashMLA's dense decode reads bf16 q with bf16 KV, or fp8 q "
+            "(fp8_dynamic / fp8_static) with fp8 KV"
+        )
+    if shape.kv_len % _FM_PAGE:
+        raise ValueError(
+            f"{variant}: FlashMLA reads 64-token pages, and kv_len {shape.kv_len} is not a "
+            "multiple of 64; use another backend for this shape"
+        )
+    if q == "fp8_static":
+        amax = variant.get("q_amax")
+        if not isinstance(amax, (int, float)) or isinstance(amax, bool) or not amax > 0:
+            raise ValueError(
+                f"{variant}: an fp8_static variant needs a positive q_amax; the sweep calibrates "
+                "it and adds it with variant.with_params(q_amax=...)"
+            )
+
+
+def _fm_q_quantizer(q_mode: str, q_amax, batch: int, device):
+    """Returns quantize(q) -> (q8 (batch, 1, 16, 576), descale (1,)) into buffers made here."""
+    fp8 = torch.float8_e4m3fn
+    fp8_max = float(torch.finfo(fp8).max)
+    q8 = torch.empty((batch, 1, NUM_HEADS, QK_DIM), dtype=fp8, device=device)
+    tmp = torch.empty((batch, 1, NUM_HEADS, QK_DIM), dtype=torch.float32, device=device)
+    scale = torch.empty((1,), dtype=torch.float32, device=device)
+    if q_mode == "fp8_static":
+        scale.fill_(float(q_amax) / fp8_max)
+
+    def quantize(q):
+        if q_mode == "fp8_dynamic":
+            amax = q.abs().amax().reshape(1).to(torch.float32)  # stays on the device
+            torch.div(amax.clamp_(min=_FM_AMAX_FLOOR), fp8_max, out=scale)
+        torch.div(q.view(batch, 1, NUM_HEADS, QK_DIM), scale, out=tmp)
+        tmp.clamp_(-fp8_max, fp8_max)
+        q8.copy_(tmp)
+        return q8, scale
+
+    return quantize
+
+
+def build(variant: Variant, shape: Shape, device):
+    _fm_validate(variant, shape)
+    import flash_mla
+
+    device = torch.device(device)
+    batch, kv_len, total_kv = shape.batch, shape.kv_len, shape.total_kv
+    pages_per_seq, num_pages = kv_len // _FM_PAGE, total_kv // _FM_PAGE
+    fp8 = variant.get("kv") == "fp8"
+    block_table = torch.arange(num_pages, dtype=torch.int32).view(batch, pages_per_seq).to(device)
+    cache_seqlens = torch.full((batch,), kv_len, dtype=torch.int32, device=device)
+    sched = flash_mla.get_mla_metadata()[0]
+    sched.tile_scheduler_metadata, sched.num_splits = flash_mla.get_mla_decoding_metadata(
+        cache_seqlens, NUM_HEADS // NUM_KV_HEADS, NUM_KV_HEADS, h_q=NUM_HEADS,
+        is_fp8_kvcache=fp8, use_legacy=True,
+    )
+    quantize = _fm_q_quantizer(variant.get("q"), variant.get("q_amax"), batch, device) if fp8 else None
+
+    def run_flash_mla(q, kv_data, qo_indptr, kv_indptr):
+        kv, kv_scale = kv_data["fp8"] if fp8 else (kv_data["bf16"], None)
+        if q.shape[0] != batch or kv.shape[0] != total_kv:
+            raise ValueError(
+                f"this FlashMLA runner was built for {shape} (batch {batch}, {total_kv} KV "
+                f"tokens); got batch {q.shape[0]} with {kv.shape[0]} tokens: build one for that shape"
+            )
+        pages = kv.view(num_pages, _FM_PAGE, NUM_KV_HEADS, QK_DIM)
+        if fp8:
+            q8, q_scale = quantize(q)
+            out, _lse = flash_mla.flash_mla_with_kvcache(
+                q8, pages, block_table, cache_seqlens, V_DIM, sched,
+                softmax_scale=SM_SCALE, causal=False, is_fp8_kvcache=True, use_legacy=True,
+                descale_q=q_scale, descale_k=kv_scale,
+            )
+        else:
+            out, _lse = flash_mla.flash_mla_with_kvcache(
+                q.view(batch, 1, NUM_HEADS, QK_DIM), pages, block_table, cache_seqlens, V_DIM,
+                sched, softmax_scale=SM_SCALE, causal=False, is_fp8_kvcache=False, use_legacy=True,
+            )
+        return out.view(batch, NUM_HEADS, V_DIM)
+
+    return run_flash_mla

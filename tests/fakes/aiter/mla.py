@@ -1,0 +1,129 @@
+"""Fake aiter.mla at v0.1.11: mla_decode_fwd with the real signature and contract.
+
+It enforces what the real call path checks or silently depends on (aiter/mla.py,
+csrc/py_itfs_cu/asm_mla.cu, hsa/gfx950/mla/mla_asm.csv) and computes the answer on the CPU
+with mla_tune.problem's reference math, writing it into `o` as the real one does.
+"""
+
+import torch
+from aiter import _state, dtypes
+from aiter._checks import attend, need, need_int, need_pow2, need_tensor
+
+# (q dtype, kv dtype) -> modes with an assembly kernel for 16 heads, 576/512, qlen 1
+_KERNELS = {
+    (dtypes.fp8, dtypes.fp8): ("nonpersistent", "persistent"),
+    (dtypes.bf16, dtypes.fp8): ("persistent",),
+    (dtypes.bf16, dtypes.bf16): ("nonpersistent", "persistent"),
+}
+_PERSISTENT_BUFFERS = ("work_indptr", "work_info_set", "reduce_indptr", "reduce_final_map", "reduce_partial_map")
+
+
+def _check_scale(name, scale):
+    need_tensor(name, scale, dtype=torch.float32)
+    need(tuple(scale.shape) == (1,), f"{name} must be a per-tensor fp32 [1] dequant scale, got {tuple(scale.shape)}")
+
+
+def mla_decode_fwd(
+    q,
+    kv_buffer,
+    o,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    kv_last_page_lens,
+    max_seqlen_q,
+    page_size=1,
+    nhead_kv=1,
+    sm_scale=None,  # 1.0 / (qk_head_dim**0.5)
+    logit_cap=0.0,
+    num_kv_splits=None,  # for experts only!!!
+    num_kv_splits_indptr=None,  # for experts only!!!
+    work_meta_data=None,
+    work_indptr=None,
+    work_info_set=None,
+    reduce_indptr=None,
+    reduce_final_map=None,
+    reduce_partial_map=None,
+    q_scale=None,
+    kv_scale=None,
+    intra_batch_mode=False,
+    return_logits=False,
+    return_lse=False,
+):
+    assert logit_cap <= 0, f"{logit_cap=} is not support yet"
+    # v0.1.10.post2 put page_size and nhead_kv after max_seqlen_q: an old positional call
+    # lands sm_scale here
+    need_pow2("page_size (pass sm_scale and what follows by keyword)", page_size)
+    need(nhead_kv == 1, f"nhead_kv must be 1, got {nhead_kv!r}")
+    need_int("max_seqlen_q", max_seqlen_q)
+    need(max_seqlen_q == 1, "the fake covers decode (max_seqlen_q == 1) only")
+    need_tensor("q", q, dim=3)
+    need(q.is_contiguous(), "q must be contiguous")
+    need(q.shape[1] == 16 and q.shape[2] == 576, f"q must be [total_q, 16, 576], got {tuple(q.shape)}")
+    need_tensor("kv_buffer", kv_buffer, dim=4)
+    need(kv_buffer.shape[1] == page_size and kv_buffer.shape[2] == nhead_kv,
+         f"kv_buffer must be [num_pages, page_size={page_size}, nhead_kv=1, 576], got {tuple(kv_buffer.shape)}")
+    need(kv_buffer.shape[3] == q.shape[2], "KV.size(3) must equal q's head size")
+    need_tensor("o", o, dtype=dtypes.bf16, shape=(q.shape[0], 16, 512))
+    bs = qo_indptr.shape[0] - 1 if isinstance(qo_indptr, torch.Tensor) else -1
+    for name, t, size in (("qo_indptr", qo_indptr, bs + 1), ("kv_indptr", kv_indptr, bs + 1),
+                          ("kv_last_page_lens", kv_last_page_lens, bs), ("kv_indices", kv_indices, None)):
+        need_tensor(name, t, dim=1)
+        need(t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}")
+        need(size is None or t.shape[0] == size, f"{name} must have {size} entries, got {t.shape[0]}")
+    need(sm_scale is None or isinstance(sm_scale, float), f"sm_scale must be a float, got {sm_scale!r}")
+
+    persistent = work_meta_data is not None
+    # Python picks the mode from work_meta_data, C++ from num_kv_splits_indptr
+    need(not (persistent and num_kv_splits_indptr is not None),
+         "never pass num_kv_splits_indptr with work_meta_data: Python and C++ would disagree on the mode")
+    mode = "persistent" if persistent else "nonpersistent"
+    pair = (q.dtype, kv_buffer.dtype)
+    need(mode in _KERNELS.get(pair, ()), f"no {mode} MLA decode kernel for q {q.dtype} with KV {kv_buffer.dtype}")
+    if q.dtype == dtypes.fp8:
+        need(q_scale is not None and kv_scale is not None, "fp8 q needs both q_scale and kv_scale")
+        _check_scale("q_scale", q_scale)
+    else:
+        need(q_scale is None, "q_scale given for a bf16 q")
+    if kv_buffer.dtype == dtypes.fp8:
+        need(kv_scale is not None, "fp8 KV needs kv_scale (v0.1.11 leaves it uninitialised otherwise)")
+        _check_scale("kv_scale", kv_scale)
+    else:
+        need(kv_scale is None, "kv_scale given for a bf16 KV cache")
+
+    if persistent:
+        for name in _PERSISTENT_BUFFERS:
+            need_tensor(name, locals()[name])
+        built = _state.metadata.get(work_meta_data.data_ptr())
+        need(built is not None, "work_meta_data was not filled by get_mla_metadata_v1")
+        need(work_meta_data.tolist() == [work_indptr.data_ptr(), work_info_set.data_ptr()],
+             "work_meta_data points at other buffers than work_indptr / work_info_set (swapped?)")
+        need(built["kv_indptr"] == kv_indptr.tolist(), "metadata was built for other kv lengths")
+        need(built["page_size"] == page_size, "metadata was built for another page size")
+        for key, actual in (("dtype_q", q.dtype), ("dtype_kv", kv_buffer.dtype)):
+            need(built[key] in (None, actual), f"metadata was built for {key}={built[key]}, call has {actual}")
+    elif num_kv_splits_indptr is not None:
+        need_int("num_kv_splits", num_kv_splits)
+        need_tensor("num_kv_splits_indptr", num_kv_splits_indptr, dtype=torch.int32, shape=(bs + 1,))
+        expected = list(range(0, (bs + 1) * num_kv_splits, num_kv_splits))
+        need(num_kv_splits_indptr.tolist() == expected, "num_kv_splits_indptr must be arange(0, (bs+1)*n, n)")
+
+    _state.calls["mla_decode_fwd"] += 1
+    _state.last_call = {"mode": mode, "q_dtype": q.dtype, "kv_dtype": kv_buffer.dtype,
+                        "num_kv_splits": num_kv_splits, "intra_batch_mode": intra_batch_mode}
+
+    q32 = q.float() * (q_scale.float() if q_scale is not None else 1.0)
+    pages = kv_buffer.float() * (kv_scale.float() if kv_scale is not None else 1.0)
+    pages = pages.reshape(kv_buffer.shape[0], page_size, -1)
+    page_bounds, last = kv_indptr.tolist(), kv_last_page_lens.tolist()
+    tokens, token_indptr = [], [0]
+    for b in range(bs):
+        ids = kv_indices[page_bounds[b]:page_bounds[b + 1]].long()
+        seq = pages[ids].reshape(-1, pages.shape[-1])
+        seq = seq[: (len(ids) - 1) * page_size + last[b]]
+        tokens.append(seq)
+        token_indptr.append(token_indptr[-1] + seq.shape[0])
+    scale = sm_scale if sm_scale is not None else 1.0 / (576 ** 0.5)
+    out = attend(q32, torch.cat(tokens), token_indptr, scale)
+    o.copy_(out.to(o.dtype))
+    return out.unsqueeze(1), None

@@ -1,0 +1,162 @@
+"""Fake aiter.ops.attention at v0.1.11: the persistent-mode metadata functions.
+
+Signatures, buffer-size formulas and builder checks follow ROCm/aiter v0.1.11
+(aiter/ops/attention.py, csrc/kernels/mla/metadata.cu, metadata/v1_0_device.cuh), with the
+CU count taken from the fake's configuration instead of the device.
+"""
+
+import math
+
+import torch
+from aiter import _state
+from aiter._checks import FakeAiterError, need, need_pow2, need_tensor
+
+
+def _tiles_per_batch(max_seqlen_qo, num_head_qo, q_dtype, kv_dtype):
+    from aiter import dtypes
+
+    if num_head_qo == 16 or (num_head_qo == 128 and kv_dtype == dtypes.fp8 and q_dtype == dtypes.fp8):
+        return int(math.ceil(max_seqlen_qo * num_head_qo / 128))
+    return int(math.ceil(max_seqlen_qo * num_head_qo / 16))
+
+
+def get_mla_metadata_info_v1(
+    batch_size: int,
+    max_seqlen_qo: int,
+    num_head_qo: int,
+    q_dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    is_sparse: bool,
+    fast_mode: bool = True,
+    num_kv_splits: int = 32,
+    intra_batch_mode: bool = False,
+):
+    assert num_head_qo % 16 == 0
+    _state.calls["get_mla_metadata_info_v1"] += 1
+    cu_num = _state.cu_num
+    tiles = _tiles_per_batch(max_seqlen_qo, num_head_qo, q_dtype, kv_dtype)
+    batch_size = batch_size * max_seqlen_qo if is_sparse else batch_size
+    tile_cnt = batch_size * tiles
+    if fast_mode:
+        max_work = (batch_size + cu_num - 1) * tiles
+        max_split_tiles = min(batch_size + cu_num - 1, (cu_num - 1) * 2) * tiles
+    else:
+        max_work = tile_cnt * cu_num
+        max_split_tiles = tile_cnt * cu_num
+    if not intra_batch_mode:
+        return (
+            ((2), torch.uint64),
+            ((cu_num + 1), torch.int32),
+            ((max_work, 8), torch.int32),
+            ((tile_cnt + 1), torch.int32),
+            ((tile_cnt, 2), torch.int32),
+            (max_split_tiles, torch.int32),
+        )
+    return (
+        ((2), torch.uint64),
+        (cu_num + 1, torch.int32),
+        ((tile_cnt * num_kv_splits, 8), torch.int32),
+        ((tile_cnt + 1), torch.int32),
+        ((tile_cnt, 2), torch.int32),
+        (tile_cnt * num_kv_splits, torch.int32),
+    )
+
+
+_TYPES = {  # what compile_ops checks against the stub's annotations before calling C++
+    "num_heads_per_head_k": int, "num_heads_k": int, "is_causal": bool, "page_size": int,
+    "kv_granularity": int, "max_seqlen_qo": int, "uni_seqlen_qo": int, "fast_mode": bool,
+    "topk": int, "max_split_per_batch": int, "intra_batch_mode": bool,
+}
+
+
+def _intra_batch_splits(kv_len, batch, max_split_per_batch):
+    """Splits per sequence in metadata/v1_0_device.cuh (get_local_splits)."""
+    if _state.arch.startswith("gfx942"):
+        return 16
+    return min(kv_len // 196, -(-_state.cu_num // batch), max_split_per_batch)
+
+
+def get_mla_metadata_v1(
+    seqlens_qo_indptr: torch.Tensor,
+    seqlens_kv_indptr: torch.Tensor,
+    kv_last_page_lens: torch.Tensor,
+    num_heads_per_head_k: int,
+    num_heads_k: int,
+    is_causal: bool,
+    work_metadata_ptrs: torch.Tensor,
+    work_info_set: torch.Tensor,
+    work_indptr: torch.Tensor,
+    reduce_indptr: torch.Tensor,
+    reduce_final_map: torch.Tensor,
+    reduce_partial_map: torch.Tensor,
+    page_size: int = 1,
+    kv_granularity: int = 16,
+    max_seqlen_qo: int = -1,
+    uni_seqlen_qo: int = -1,
+    fast_mode: bool = True,
+    topk: int = -1,
+    max_split_per_batch: int = -1,
+    intra_batch_mode: bool = False,
+    dtype_q: torch.dtype | None = None,
+    dtype_kv: torch.dtype | None = None,
+) -> None:
+    args = dict(locals())
+    for name, kind in _TYPES.items():
+        if not isinstance(args[name], kind):
+            raise TypeError(f"get_mla_metadata_v1: {name} needs to be {kind} but got {type(args[name])}")
+    for name in ("dtype_q", "dtype_kv"):
+        if args[name] is not None and not isinstance(args[name], torch.dtype):
+            raise TypeError(f"get_mla_metadata_v1: {name} needs to be Optional[torch.dtype]")
+    need_pow2("kv_granularity", kv_granularity)
+    need_pow2("page_size", page_size)
+    for name in ("seqlens_qo_indptr", "seqlens_kv_indptr", "kv_last_page_lens"):
+        t = args[name]
+        need_tensor(name, t, dim=1)
+        need(t.dtype == torch.int32, f"get_mla_metadata_v1: {name}'s element type should be int!")
+        need(t.stride(0) == 1, f"get_mla_metadata_v1: {name} should be continuous!")
+    batch = seqlens_kv_indptr.shape[0] - 1
+    need(num_heads_k * num_heads_per_head_k == 16, "the fake covers 16 query heads only")
+    need(num_heads_k == 1, "nhead_kv must be 1")
+    cu_num = _state.cu_num
+    need_tensor("work_metadata_ptrs", work_metadata_ptrs, dtype=torch.uint64, shape=(2,))
+    need_tensor("work_indptr", work_indptr, dtype=torch.int32, shape=(cu_num + 1,))
+    need_tensor("work_info_set", work_info_set, dtype=torch.int32, dim=2)
+    need(work_info_set.shape[1] == 8, f"work_info_set rows hold 8 int32, got {tuple(work_info_set.shape)}")
+    need_tensor("reduce_indptr", reduce_indptr, dtype=torch.int32, shape=(batch + 1,))
+    need_tensor("reduce_final_map", reduce_final_map, dtype=torch.int32, shape=(batch, 2))
+    need_tensor("reduce_partial_map", reduce_partial_map, dtype=torch.int32, dim=1)
+
+    bounds = seqlens_kv_indptr.tolist()
+    lengths = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    if fast_mode:
+        work_rows = batch + cu_num - 1
+        partial_rows = min(batch + cu_num - 1, (cu_num - 1) * 2)
+    elif intra_batch_mode:
+        need(max_split_per_batch >= 1, "intra_batch_mode uses max_split_per_batch as the split "
+             f"count; {max_split_per_batch} splits cannot be built")
+        splits = [_intra_batch_splits(n, batch, max_split_per_batch) for n in lengths]
+        if min(splits) < 1:
+            raise FakeAiterError("integer division by zero in the v1_0 builder: a sequence "
+                                 f"shorter than 196 tokens gets zero splits (kv lengths {lengths[:4]})")
+        work_rows = partial_rows = sum(splits)
+    else:
+        work_rows = partial_rows = batch * cu_num
+    need(work_info_set.shape[0] >= work_rows,
+         f"work_info_set holds {work_info_set.shape[0]} rows but the builder writes {work_rows}: "
+         "size it with get_mla_metadata_info_v1 for the same mode and split count")
+    need(reduce_partial_map.shape[0] >= partial_rows,
+         f"reduce_partial_map holds {reduce_partial_map.shape[0]} entries but the builder writes {partial_rows}")
+
+    _state.calls["get_mla_metadata_v1"] += 1
+    work_indptr.zero_()
+    work_info_set.zero_()
+    reduce_indptr.copy_(torch.arange(batch + 1, dtype=torch.int32))
+    reduce_final_map.zero_()
+    reduce_partial_map.zero_()
+    # like the real builder: two pointers, to work_indptr and to work_info_set
+    work_metadata_ptrs.copy_(torch.tensor([work_indptr.data_ptr(), work_info_set.data_ptr()], dtype=torch.uint64))
+    _state.metadata[work_metadata_ptrs.data_ptr()] = {
+        "kv_indptr": bounds, "dtype_q": dtype_q, "dtype_kv": dtype_kv, "page_size": page_size,
+        "fast_mode": fast_mode, "intra_batch_mode": intra_batch_mode,
+        "max_split_per_batch": max_split_per_batch, "kv_granularity": kv_granularity,
+    }

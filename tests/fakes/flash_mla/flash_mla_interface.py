@@ -1,0 +1,134 @@
+"""Fake flash_mla.flash_mla_interface (sgl-flash-mla 1.0.0), dense legacy decoding only."""
+
+import dataclasses
+
+import torch
+
+from mla_tune.core import SM_SCALE
+from mla_tune.problem import reference
+
+calls = {"get_mla_decoding_metadata": 0, "flash_mla_with_kvcache": 0}
+# tile_scheduler_metadata.data_ptr() -> what the schedule was made for
+_schedules = {}
+
+
+def _need(condition, message):
+    if not condition:
+        raise RuntimeError(message)
+
+
+@dataclasses.dataclass
+class FlashMLASchedMeta:
+    have_initialized: bool = False
+    config: object | None = None
+    tile_scheduler_metadata: torch.Tensor | None = None
+    num_splits: torch.Tensor | None = None
+
+
+def get_mla_metadata(*args, **kwargs) -> tuple[FlashMLASchedMeta, None]:
+    return FlashMLASchedMeta(), None
+
+
+def get_mla_decoding_metadata(
+    seqlens_k: torch.Tensor,
+    num_q_tokens_per_head_k: int,
+    h_k: int,
+    h_q: int | None = None,
+    is_fp8_kvcache: bool = False,
+    topk: int | None = None,
+    use_legacy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _need(isinstance(seqlens_k, torch.Tensor) and seqlens_k.dim() == 1, "seqlens_k must be a 1-D tensor")
+    _need(seqlens_k.dtype == torch.int32, "seqlens_k must have dtype int32")
+    _need(h_k == 1, "num_heads_k must be 1 (MQA)")
+    dense_fp8 = is_fp8_kvcache and topk is None
+    if dense_fp8:
+        assert use_legacy, "dense fp8 decoding exists only on the legacy side"
+    calls["get_mla_decoding_metadata"] += 1
+    batch = seqlens_k.shape[0]
+    meta = torch.zeros((8, 8), dtype=torch.int32)
+    splits = torch.arange(batch + 1, dtype=torch.int32)
+    _schedules[meta.data_ptr()] = {"fp8": dense_fp8, "seqlens": seqlens_k.tolist(),
+                                   "num_q_tokens_per_head_k": num_q_tokens_per_head_k}
+    return meta, splits
+
+
+def flash_mla_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor | None,
+    cache_seqlens: torch.Tensor | None,
+    head_dim_v: int,
+    tile_scheduler_metadata: FlashMLASchedMeta,
+    num_splits: None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    is_fp8_kvcache: bool | None = None,
+    indices: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    extra_k_cache: torch.Tensor | None = None,
+    extra_indices_in_kvcache: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
+    enable_batch_invariant: bool = False,
+    use_legacy: bool = False,
+    kv_format: str | None = None,
+    descale_q: torch.Tensor | None = None,
+    descale_k: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    sched = tile_scheduler_metadata
+    assert isinstance(sched, FlashMLASchedMeta), "tile_scheduler_metadata must be of type FlashMLASchedMeta"
+    assert num_splits is None, "num_splits must be None"
+    _need(indices is None, "the fake covers dense decoding only")
+    if is_fp8_kvcache is None:
+        is_fp8_kvcache = False
+    assert use_legacy, "Dense MLA decoding was removed from the current kernels; pass use_legacy=True"
+    assert kv_format is None, "kv_format does not apply to dense decoding"
+    _need(q.dim() == 4 and k_cache.dim() == 4, "q must be (b, s_q, h_q, d) and k_cache (blocks, page, h_k, d)")
+    batch, s_q, h_q, d = q.shape
+    _need(q.stride(-1) == 1, "Expected q.stride(-1) == 1")
+    _need(k_cache.shape[1] == 64, "Currently page_block_size must be 64")
+    _need(k_cache.shape[2] == 1 and k_cache.shape[3] == d and d in (576, 512),
+          f"kcache must have shape (num_blocks, 64, 1, {d}), got {tuple(k_cache.shape)}")
+    _need(k_cache.stride(1) == d and k_cache.stride(3) == 1, "each page block in the KV cache must be contiguous")
+    _need(q.dtype == k_cache.dtype, "query and key must have the same dtype")
+    _need(head_dim_v == 512, "head_dim_v must be 512")
+    for name, t, dim in (("block_table", block_table, 2), ("cache_seqlens", cache_seqlens, 1)):
+        _need(isinstance(t, torch.Tensor) and t.dim() == dim, f"{name} must be a {dim}-D tensor")
+        _need(t.dtype == torch.int32, f"{name} must have dtype torch.int32")
+        _need(t.shape[0] == batch, f"{name} must have batch_size rows")
+    _need(block_table.stride(-1) == 1, "Expected block_table.stride(-1) == 1")
+    if is_fp8_kvcache:
+        _need(q.dtype == torch.float8_e4m3fn, "dense fp8 decoding reads fp8 (e4m3fn) q and KV")
+        _need(sched.tile_scheduler_metadata is not None,
+              "dense fp8 decoding needs metadata from get_mla_decoding_metadata(..., is_fp8_kvcache=True, use_legacy=True)")
+        _need(descale_q is not None and descale_k is not None, "Expected descale_q.has_value() && descale_k.has_value()")
+        for name, t in (("descale_q", descale_q), ("descale_k", descale_k)):
+            _need(t.dtype == torch.float32 and tuple(t.shape) == (1,), f"{name} must be fp32 of shape (1,)")
+    else:
+        _need(q.dtype == torch.bfloat16, "q must have dtype ScalarType::BFloat16")
+        assert descale_q is None and descale_k is None, "descale_q/descale_k apply to the dense fp8 path only"
+    if sched.tile_scheduler_metadata is None:  # the bf16 path schedules on its first call
+        sched.tile_scheduler_metadata, sched.num_splits = get_mla_decoding_metadata(
+            cache_seqlens, s_q * h_q, 1, h_q, False, None, True)
+    made = _schedules.get(sched.tile_scheduler_metadata.data_ptr())
+    _need(made is not None, "tile_scheduler_metadata was not made by get_mla_decoding_metadata")
+    _need(made["fp8"] == is_fp8_kvcache, "the schedule was made for the other (bf16 / fp8) kernel")
+    _need(made["seqlens"] == cache_seqlens.tolist(), "the schedule was made for other sequence lengths")
+    _need(made["num_q_tokens_per_head_k"] == s_q * h_q, "the schedule was made for another head count")
+    calls["flash_mla_with_kvcache"] += 1
+
+    scale = softmax_scale if softmax_scale is not None else d ** -0.5
+    q32 = q.float() * (descale_q.float() if is_fp8_kvcache else 1.0)
+    k32 = k_cache.float() * (descale_k.float() if is_fp8_kvcache else 1.0)
+    lengths = cache_seqlens.tolist()
+    tokens, indptr = [], [0]
+    for b in range(batch):
+        pages = block_table[b, : -(-lengths[b] // 64)].long()
+        tokens.append(k32[pages].reshape(-1, d)[: lengths[b]])
+        indptr.append(indptr[-1] + lengths[b])
+    data = (q32.reshape(batch * s_q, h_q, d) * (scale / SM_SCALE), {"bf16": torch.cat(tokens).unsqueeze(1)},
+            torch.arange(batch + 1, dtype=torch.int32), torch.tensor(indptr, dtype=torch.int32), None)
+    _need(s_q == 1, "the fake covers one query token per sequence")
+    out = reference(data, "bf16", "bf16").to(torch.bfloat16).view(batch, s_q, h_q, head_dim_v)
+    return out, torch.zeros((batch, h_q, s_q), dtype=torch.float32)

@@ -1,0 +1,238 @@
+"""The FlashInfer and FlashMLA backends: on the CPU through tests/fakes, and on the H200
+with the real libraries (`pytest -m gpu`, wheels from shared/device/wheels.sh)."""
+
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mla_tune import gpu, problem
+from mla_tune.backends import flash_mla, flashinfer_mla
+from mla_tune.core import Shape, Variant
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("vendor_fakes", ROOT / "tests" / "fakes" / "vendor_fakes.py")
+vendor_fakes = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(vendor_fakes)
+
+SHAPE = Shape(3, 128)  # two 64-token FlashMLA pages per sequence
+STRICT = problem.RULES["strict"]
+CALIBRATION_SEEDS = range(11, 19)  # as in configs/*.yaml
+H200, MI355X = gpu.fake_platform("H200"), gpu.fake_platform("MI355X")
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    return vendor_fakes.install(monkeypatch, "flashinfer", "flash_mla")
+
+
+@pytest.fixture
+def data():
+    return problem.generate_input(SHAPE.batch, SHAPE.kv_len, seed=5, device="cpu")
+
+
+def _names(fn):
+    return [(p.name, p.kind.name, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+def _static(variant, shape=SHAPE, device="cpu"):
+    """fp8_static variants get q_amax from a calibration input, as the sweep does."""
+    if variant.get("q") != "fp8_static":
+        return variant
+    amax = max(float(problem.generate_input(shape.batch, shape.kv_len, seed=s, device=device)[0].abs().amax())
+               for s in CALIBRATION_SEEDS)
+    return variant.with_params(q_amax=amax)
+
+
+def expected_output(data, variant):
+    """fp32 attention on the operands the variant reads: q as its q mode quantizes it."""
+    q_mode, kv = variant.get("q"), variant.get("kv")
+    if q_mode != "fp8_static":
+        return problem.reference(data, "bf16" if q_mode == "bf16" else "fp8", kv)
+    fp8 = torch.float8_e4m3fn
+    scale = variant.get("q_amax") / torch.finfo(fp8).max
+    fp8_max = torch.finfo(fp8).max
+    q = (data[0].float() / scale).clamp(-fp8_max, fp8_max).to(fp8).float() * scale
+    return problem.reference((q, *data[1:]), "bf16", kv)
+
+
+# ------------------------------------------------------------------- FlashInfer
+def test_unavailable_reasons_name_the_missing_library(monkeypatch):
+    for module in ("flashinfer", "flash_mla"):
+        monkeypatch.setitem(sys.modules, module, None)  # makes the import raise ImportError
+    assert flashinfer_mla.unavailable_reason().startswith("FlashInfer cannot be imported")
+    assert flash_mla.unavailable_reason().startswith("FlashMLA cannot be imported")
+
+
+def test_the_cpu_fakes_count_as_available(fakes):
+    assert flashinfer_mla.unavailable_reason() is None
+    assert flash_mla.unavailable_reason() is None
+
+
+def test_flashinfer_fake_has_the_0_6_18_signatures(fakes):
+    wrapper = fakes["flashinfer"].mla.BatchMLAPagedAttentionWrapper
+    empty = inspect.Parameter.empty
+    pk, kw = "POSITIONAL_OR_KEYWORD", "KEYWORD_ONLY"
+    assert [n for n, _, _ in _names(wrapper.plan)] == [
+        "self", "qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr", "num_heads", "head_dim_ckv",
+        "head_dim_kpe", "page_size", "causal", "sm_scale", "q_data_type", "kv_data_type", "use_profiler"]
+    assert _names(wrapper.run)[-4:] == [("o_scale", pk, None), ("ckv_scale", kw, None),
+                                        ("ckv_scale_arr", kw, None), ("kpe_scale", kw, None)]
+    assert _names(wrapper.__init__)[1:3] == [("float_workspace_buffer", pk, empty), ("use_cuda_graph", pk, False)]
+    assert fakes["flashinfer"].__version__ == "0.6.18.post1"
+
+
+def test_flashinfer_candidates_follow_the_platform():
+    space = {"backend": ["fa3", "fa2"], "kv": ["bf16", "fp8"]}
+    variants = flashinfer_mla.candidates(SHAPE, space, H200)
+    assert [str(v) for v in variants] == [
+        "flashinfer(kernel=fa3,kv=bf16,q=bf16)", "flashinfer(kernel=fa3,kv=fp8,q=bf16)",
+        "flashinfer(kernel=fa2,kv=bf16,q=bf16)", "flashinfer(kernel=fa2,kv=fp8,q=bf16)"]
+    assert flashinfer_mla.candidates(SHAPE, space, MI355X) == []
+    assert flashinfer_mla.candidates(SHAPE, space, gpu.fake_platform("A100")) == [
+        Variant.make("flashinfer", kernel="fa2", kv="bf16", q="bf16")]  # fa3 and fp8 KV need SM90
+    with pytest.raises(ValueError, match="backend must be a list of fa3, fa2"):
+        flashinfer_mla.candidates(SHAPE, {"backend": ["cutlass"]}, H200)
+
+
+@pytest.mark.parametrize("backend", ["fa3", "fa2"])
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_flashinfer_plans_once_runs_on_views_and_matches_the_reference(fakes, data, backend, kv):
+    calls = fakes["flashinfer"].mla.calls
+    runner = flashinfer_mla.build(Variant.make("flashinfer", kernel=backend, kv=kv, q="bf16"), SHAPE, "cpu")
+    assert calls["plan"] == 1
+    first = runner(*data[:4]).clone()
+    out = runner(*data[:4])
+    assert calls == {"init": 1, "plan": 1, "run": 2}
+    assert out.data_ptr() == fakes["flashinfer"].mla.last_run["out_ptr"]  # run() wrote into the runner's buffer
+    assert torch.equal(first, out)
+    result = problem.check(out, problem.reference(data, "bf16", kv), STRICT)
+    assert result.passed, result.reason
+    last = fakes["flashinfer"].mla.last_run
+    assert last["ckv_stride"] == (576, 576, 1)  # a view of the (total_kv, 1, 576) cache, no copy
+    if kv == "bf16":
+        assert last["ckv_ptr"] == data[1]["bf16"].data_ptr()
+        assert last["q_nope_stride"] == (16 * 576, 576, 1)
+    else:
+        assert last["ckv_ptr"] == data[1]["fp8"][0].data_ptr()
+
+
+def test_flashinfer_fake_rejects_what_flashinfer_rejects(fakes, data):
+    mla = fakes["flashinfer"].mla
+    wrapper = mla.BatchMLAPagedAttentionWrapper(torch.empty(8, dtype=torch.uint8), backend="fa3")
+    i32 = torch.int32
+    plan = dict(qo_indptr=torch.arange(4, dtype=i32), kv_indptr=torch.arange(4, dtype=i32) * 128,
+                kv_indices=torch.arange(384, dtype=i32), kv_len_arr=torch.full((3,), 128, dtype=i32),
+                num_heads=16, head_dim_ckv=512, head_dim_kpe=64, page_size=1, causal=False, sm_scale=0.04,
+                q_data_type=torch.bfloat16, kv_data_type=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="only supports q_data_type=torch.bfloat16"):
+        wrapper.plan(**{**plan, "q_data_type": torch.float8_e4m3fn})
+    with pytest.raises(ValueError, match="must be int32"):
+        wrapper.plan(**{**plan, "kv_indices": torch.arange(384)})
+    wrapper.plan(**plan)
+    q, kv8 = data[0], data[1]["fp8"][0]
+    views = (q[:, :, :512], q[:, :, 512:], kv8[:, :, :512], kv8[:, :, 512:])
+    with pytest.raises(ValueError, match="kpe_scale is required"):
+        wrapper.run(*views, ckv_scale=1.0)
+    with pytest.raises(TypeError):  # the scales are keyword-only
+        wrapper.run(*views, None, None, False, None, None, None, False, None, 1.0)
+    wrapper.run(*views, ckv_scale=1.0, kpe_scale=1.0)
+
+
+def test_flashinfer_runner_refuses_another_shape(fakes, data):
+    runner = flashinfer_mla.build(Variant.make("flashinfer", kernel="fa2", kv="bf16", q="bf16"), Shape(2, 128), "cpu")
+    with pytest.raises(ValueError, match="planned for 2x128"):
+        runner(*data[:4])
+
+
+# --------------------------------------------------------------------- FlashMLA
+def test_flash_mla_fake_has_the_1_0_0_signatures(fakes):
+    fm = fakes["flash_mla"]
+    names = [n for n, _, _ in _names(fm.flash_mla_with_kvcache)]
+    assert names[:6] == ["q", "k_cache", "block_table", "cache_seqlens", "head_dim_v", "tile_scheduler_metadata"]
+    assert names[-5:] == ["enable_batch_invariant", "use_legacy", "kv_format", "descale_q", "descale_k"]
+    assert [n for n, _, _ in _names(fm.get_mla_decoding_metadata)] == [
+        "seqlens_k", "num_q_tokens_per_head_k", "h_k", "h_q", "is_fp8_kvcache", "topk", "use_legacy"]
+    assert fm.__version__ == "1.0.0" and fm.has_legacy()
+
+
+def test_flash_mla_candidates_need_sm90_and_whole_pages():
+    space = {"kv": ["bf16", "fp8"], "q": ["bf16", "fp8_dynamic", "fp8_static"]}
+    assert [str(v) for v in flash_mla.candidates(Shape(4, 1024), space, H200)] == [
+        "flashmla(kv=bf16,q=bf16)", "flashmla(kv=fp8,q=fp8_dynamic)", "flashmla(kv=fp8,q=fp8_static)"]
+    assert flash_mla.candidates(Shape(4, 1000), space, H200) == []
+    assert flash_mla.candidates(Shape(4, 1024), space, MI355X) == []
+    assert flash_mla.candidates(Shape(4, 1024), space, gpu.fake_platform("A100")) == []
+
+
+def test_flash_mla_build_refuses_partial_pages_and_missing_q_amax(fakes):
+    with pytest.raises(ValueError, match="kv_len 96 is not a multiple of 64"):
+        flash_mla.build(Variant.make("flashmla", kv="bf16", q="bf16"), Shape(2, 96), "cpu")
+    with pytest.raises(ValueError, match="q_amax"):
+        flash_mla.build(Variant.make("flashmla", kv="fp8", q="fp8_static"), SHAPE, "cpu")
+    with pytest.raises(ValueError, match="bf16 q with bf16 KV, or fp8 q"):
+        flash_mla.build(Variant.make("flashmla", kv="fp8", q="bf16"), SHAPE, "cpu")
+
+
+@pytest.mark.parametrize("kv,q", [("bf16", "bf16"), ("fp8", "fp8_dynamic"), ("fp8", "fp8_static")])
+def test_flash_mla_schedules_once_and_matches_the_reference(fakes, data, kv, q):
+    calls = fakes["flash_mla"].calls
+    variant = _static(Variant.make("flashmla", kv=kv, q=q))
+    runner = flash_mla.build(variant, SHAPE, "cpu")
+    assert calls["get_mla_decoding_metadata"] == 1
+    for _ in range(2):
+        out = runner(*data[:4])
+    assert calls == {"get_mla_decoding_metadata": 1, "flash_mla_with_kvcache": 2}
+    assert out.shape == (SHAPE.batch, 16, 512) and out.dtype == torch.bfloat16
+    result = problem.check(out, expected_output(data, variant), STRICT)
+    assert result.passed, result.reason
+
+
+def test_flash_mla_fake_rejects_what_flash_mla_rejects(fakes, data):
+    fm = fakes["flash_mla"]
+    q, kv = data[0].view(3, 1, 16, 576), data[1]["bf16"]
+    seqlens = torch.full((3,), 128, dtype=torch.int32)
+    table = torch.arange(6, dtype=torch.int32).view(3, 2)
+    sched = fm.get_mla_metadata()[0]
+    with pytest.raises(RuntimeError, match="page_block_size must be 64"):
+        fm.flash_mla_with_kvcache(q, kv.view(12, 32, 1, 576), table, seqlens, 512, sched, use_legacy=True)
+    with pytest.raises(RuntimeError, match="block_table must have dtype torch.int32"):
+        fm.flash_mla_with_kvcache(q, kv.view(6, 64, 1, 576), table.long(), seqlens, 512, sched, use_legacy=True)
+    kv8, scale = data[1]["fp8"]
+    with pytest.raises(RuntimeError, match="same dtype"):  # no bf16 q x fp8 KV kernel
+        fm.flash_mla_with_kvcache(q, kv8.view(6, 64, 1, 576), table, seqlens, 512, sched, is_fp8_kvcache=True,
+                                  use_legacy=True, descale_q=scale, descale_k=scale)
+    with pytest.raises(AssertionError, match="use_legacy=True"):
+        fm.flash_mla_with_kvcache(q, kv.view(6, 64, 1, 576), table, seqlens, 512, sched)
+    out, _ = fm.flash_mla_with_kvcache(q, kv.view(6, 64, 1, 576), table, seqlens, 512, sched, use_legacy=True)
+    assert out.shape == (3, 1, 16, 512)
+
+
+# ------------------------------------------------------------- the real thing
+GPU_SHAPES = [Shape(b, n) for b in (4, 32) for n in (1024, 8192)]
+GPU_VARIANTS = [
+    Variant.make("flashinfer", kernel=k, kv=kv, q="bf16") for k in ("fa3", "fa2") for kv in ("bf16", "fp8")
+] + [Variant.make("flashmla", kv="bf16", q="bf16"), Variant.make("flashmla", kv="fp8", q="fp8_dynamic"),
+     Variant.make("flashmla", kv="fp8", q="fp8_static")]
+_BACKENDS = {"flashinfer": flashinfer_mla, "flashmla": flash_mla}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rule", ["leaderboard", "strict"])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+@pytest.mark.parametrize("variant", GPU_VARIANTS, ids=str)
+def test_real_library_passes_the_rule_on_the_h200(variant, shape, rule):
+    backend = _BACKENDS[variant.backend]
+    assert backend.unavailable_reason() is None, backend.unavailable_reason()
+    assert variant in backend.candidates(shape, {}, gpu.detect())  # offered here, by default
+    runner = backend.build(_static(variant, shape=shape, device="cuda"), shape, "cuda")
+    for seed in (1001, 2002):
+        data = problem.generate_input(shape.batch, shape.kv_len, seed=seed, device="cuda")
+        out = runner(*data[:4])
+        torch.cuda.synchronize()
+        result = problem.check(out, problem.reference(data), problem.get_rule(rule))  # the leaderboard's reference
+        assert result.passed, f"{variant} at {shape}, seed {seed}: {result.reason}"
+
