@@ -1,0 +1,225 @@
+"""Reads and validates a sweep config (configs/*.yaml).
+
+A config names the shapes to tune, the correctness rule, the seeds the gate checks on, the
+timing effort, and one search-space section per backend. Only `yaml.safe_load` reads it and
+nothing in it is executed. Every error names the file and the field, so a typo costs one
+run, not a sweep. The config hash is taken over the parsed content in canonical JSON, so
+comments, key order and formatting do not change it, while any value that changes what the
+sweep does does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mla_tune.backends import known_backends
+from mla_tune.core import Shape
+from mla_tune.problem import Rule, get_rule
+
+TOP_LEVEL_FIELDS = {
+    "name", "description", "rule", "check_seeds", "calibration_seeds", "timing", "budget_s",
+    "shapes", "backends", "candidate_timeout_s",
+}
+TIMING_FIELDS = {"reps", "prune_reps", "prune_factor"}
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be swept; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class TimingSpec:
+    reps: int  # full timing samples per candidate
+    prune_reps: int  # quick samples that decide whether a candidate is worth the full timing
+    prune_factor: float  # quick median > prune_factor x best median so far -> pruned
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    path: Path
+    rule: Rule
+    hash: str
+    shapes: list[Shape]
+    check_seeds: list[int]
+    calibration_seeds: list[int]
+    timing: TimingSpec
+    budget_s: float | None
+    backends: dict[str, dict]  # name -> search space (the `precompile` key removed)
+    precompile: dict[str, bool]  # name -> warm Triton's cache in a compile pool first
+    candidate_timeout_s: float | None
+    raw: dict
+
+
+def config_hash(raw: dict) -> str:
+    """sha256 of the content in canonical JSON (sorted keys): stable across key order,
+    comments and YAML formatting."""
+    text = json.dumps(raw, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a config file; raises ConfigError naming the file and the field."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file ({exc})") from exc
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
+    return config_from_dict(raw, path)
+
+
+def config_from_dict(raw: Any, path: str | Path = "<config>") -> Config:
+    """Validate an already-parsed config mapping (see load_config)."""
+    path = Path(path)
+
+    def fail(field: str, message: str) -> ConfigError:
+        return ConfigError(f"{path}: field '{field}': {message}")
+
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the config must be a YAML mapping, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - TOP_LEVEL_FIELDS)
+    if unknown:
+        raise fail(unknown[0], f"unknown field; known fields: {', '.join(sorted(TOP_LEVEL_FIELDS))}")
+    for required in ("name", "rule", "check_seeds", "calibration_seeds", "timing", "shapes", "backends"):
+        if required not in raw:
+            raise fail(required, "missing (required)")
+
+    name = raw["name"]
+    if not isinstance(name, str) or not name.strip():
+        raise fail("name", f"must be a non-empty string, got {name!r}")
+    try:
+        rule = get_rule(raw["rule"]) if isinstance(raw["rule"], str) else None
+    except ValueError as exc:
+        raise fail("rule", str(exc)) from exc
+    if rule is None:
+        raise fail("rule", f"must be a rule name (leaderboard, strict), got {raw['rule']!r}")
+
+    check_seeds = _seed_list(raw["check_seeds"], "check_seeds", fail)
+    if len(check_seeds) < 2:
+        raise fail("check_seeds", f"needs at least 2 seeds (the gate checks on fresh inputs), got {check_seeds}")
+    calibration_seeds = _seed_list(raw["calibration_seeds"], "calibration_seeds", fail)
+    if not calibration_seeds:
+        raise fail("calibration_seeds", "needs at least one seed")
+    shared = sorted(set(check_seeds) & set(calibration_seeds))
+    if shared:
+        raise fail(
+            "calibration_seeds",
+            f"seeds {shared} are also check_seeds; calibrate on other seeds so the gate sees fresh inputs",
+        )
+
+    timing = _timing(raw["timing"], fail)
+
+    budget_s = raw.get("budget_s")
+    if budget_s is not None and (not _is_number(budget_s) or budget_s <= 0):
+        raise fail("budget_s", f"must be a positive number of seconds, got {budget_s!r}")
+    timeout = raw.get("candidate_timeout_s")
+    if timeout is not None and (not _is_number(timeout) or timeout <= 0):
+        raise fail("candidate_timeout_s", f"must be a positive number of seconds, got {timeout!r}")
+
+    shapes = _shapes(raw["shapes"], fail)
+    backends, precompile = _backends(raw["backends"], fail)
+    return Config(
+        name=name,
+        path=path,
+        rule=rule,
+        hash=config_hash(raw),
+        shapes=shapes,
+        check_seeds=check_seeds,
+        calibration_seeds=calibration_seeds,
+        timing=timing,
+        budget_s=float(budget_s) if budget_s is not None else None,
+        backends=backends,
+        precompile=precompile,
+        candidate_timeout_s=float(timeout) if timeout is not None else None,
+        raw=raw,
+    )
+
+
+def _seed_list(value: Any, field: str, fail) -> list[int]:
+    if not isinstance(value, list) or not all(_is_int(s) for s in value):
+        raise fail(field, f"must be a list of integers, got {value!r}")
+    if len(set(value)) != len(value):
+        raise fail(field, f"seeds must be distinct, got {value}")
+    return list(value)
+
+
+def _timing(value: Any, fail) -> TimingSpec:
+    if not isinstance(value, dict):
+        raise fail("timing", f"must be a mapping with {', '.join(sorted(TIMING_FIELDS))}")
+    unknown = sorted(set(value) - TIMING_FIELDS)
+    if unknown:
+        raise fail(f"timing.{unknown[0]}", f"unknown field; known: {', '.join(sorted(TIMING_FIELDS))}")
+    for key in ("reps", "prune_reps"):
+        if key not in value:
+            raise fail(f"timing.{key}", "missing (required)")
+        if not _is_int(value[key]) or value[key] < 1:
+            raise fail(f"timing.{key}", f"must be an integer >= 1, got {value[key]!r}")
+    factor = value.get("prune_factor")
+    if factor is None:
+        raise fail("timing.prune_factor", "missing (required)")
+    if not _is_number(factor) or factor < 1:
+        raise fail("timing.prune_factor", f"must be a number >= 1, got {factor!r}")
+    return TimingSpec(value["reps"], value["prune_reps"], float(factor))
+
+
+def _shapes(value: Any, fail) -> list[Shape]:
+    if not isinstance(value, list) or not value:
+        raise fail("shapes", "must be a non-empty list of {batch, kv_len} mappings")
+    shapes: list[Shape] = []
+    for i, item in enumerate(value):
+        where = f"shapes[{i}]"
+        if not isinstance(item, dict) or set(item) != {"batch", "kv_len"}:
+            raise fail(where, f"must be a mapping with exactly batch and kv_len, got {item!r}")
+        try:
+            shape = Shape(item["batch"], item["kv_len"])
+        except ValueError as exc:
+            raise fail(where, str(exc)) from exc
+        if shape in shapes:
+            raise fail(where, f"duplicate shape {shape} (already shapes[{shapes.index(shape)}])")
+        shapes.append(shape)
+    return shapes
+
+
+def default_precompile(backend: str) -> bool:
+    """Triton backends compile per variant; the others ship compiled code."""
+    return backend.startswith("triton")
+
+
+def _backends(value: Any, fail) -> tuple[dict[str, dict], dict[str, bool]]:
+    if not isinstance(value, dict) or not value:
+        raise fail("backends", "must be a non-empty mapping of backend name -> search space")
+    known = known_backends()
+    spaces: dict[str, dict] = {}
+    precompile: dict[str, bool] = {}
+    for name, space in value.items():
+        where = f"backends.{name}"
+        if name not in known:
+            raise fail(where, f"unknown backend {name!r}; known backends: {', '.join(known)}")
+        space = {} if space is None else space
+        if not isinstance(space, dict):
+            raise fail(where, f"must be a mapping (the search space), got {space!r}")
+        space = dict(space)
+        flag = space.pop("precompile", default_precompile(name))
+        if not isinstance(flag, bool):
+            raise fail(f"{where}.precompile", f"must be true or false, got {flag!r}")
+        spaces[name] = space
+        precompile[name] = flag
+    return spaces, precompile

@@ -1,0 +1,573 @@
+"""The sweep: every (shape, candidate) through the correctness gate and the timer, into an
+append-only results file, then the dispatch table.
+
+The main process plans, schedules and records; it never runs a kernel and never starts
+CUDA (the platform comes from the first worker). Each device has one worker process
+(mla_tune.worker); a candidate that kills its worker is recorded as "crashed", one that
+runs past its limit is killed and recorded as "timeout", and a fresh worker takes the next
+candidate. Records are appended one fsynced line at a time, so a killed sweep resumes
+where it stopped; a lock file keeps two sweeps off one table.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+import mla_tune
+from mla_tune import gpu as gpu_mod
+from mla_tune import timing
+from mla_tune.backends import get_backend
+from mla_tune.config import Config, load_config
+from mla_tune.core import Shape, Variant
+from mla_tune.results import (
+    SCHEMA,
+    STATUSES,
+    ResultsError,
+    ResultsWriter,
+    SweepLock,
+    candidate_key,
+    lock_path_for,
+    move_aside,
+    read_results,
+    repair_tail,
+    results_path_for,
+)
+from mla_tune.worker import (
+    CPU_PROTOCOL,
+    GATE_MARGIN,
+    WorkerGone,
+    WorkerHandle,
+    WorkerTimeout,
+    compile_shape_for,
+    precompile,
+    probe_platform,
+)
+
+DEFAULT_CANDIDATE_TIMEOUT_S = 120.0
+BASELINE_BACKEND = "torch"  # always timed in full (never pruned): every table row cites it
+
+
+class SweepError(ValueError):
+    """The sweep cannot start or go on; the message says what was found and what to do."""
+
+
+@dataclass
+class SweepSummary:
+    counts: dict[str, int]
+    timed: int  # candidates that went through the timer in this run (ok + pruned)
+    elapsed_s: float
+    table_path: Path | None
+    results_path: Path
+    winners: dict[str, dict]  # "4x1024" -> {"variant": ..., "median_us": ...}
+    dry_run: bool = False
+    plan: dict[str, dict[str, list[str]]] = field(default_factory=dict)  # shape -> backend -> variants
+    unavailable: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------- plan
+def plan_candidates(config: Config, platform: gpu_mod.Platform, planning_only: bool = False):
+    """(plan {shape: [variants]}, unavailable {backend: reason}, listed_anyway {backend: reason}).
+
+    A backend that cannot run here is recorded once with its reason, not an error. For a
+    dry run for an absent GPU (`planning_only`) its candidates are still listed, so the
+    plan shows what the real sweep would try.
+    """
+    plan: dict[Shape, list[Variant]] = {shape: [] for shape in config.shapes}
+    unavailable: dict[str, str] = {}
+    listed_anyway: dict[str, str] = {}
+    for name, space in config.backends.items():
+        try:
+            backend = get_backend(name)
+            reason = backend.unavailable_reason()
+        except ImportError as exc:  # a backend module that does not import cannot run
+            unavailable[name] = f"its module does not import ({type(exc).__name__}: {exc})"
+            continue
+        if reason and not planning_only:
+            unavailable[name] = reason
+            continue
+        problems = []
+        for shape in config.shapes:
+            try:
+                offered = backend.candidates(shape, space, platform)
+            except Exception as exc:  # reported per backend; the other shapes still sweep
+                problems.append(f"candidates({shape}) raised {type(exc).__name__}: {exc}")
+                continue
+            for variant in offered:
+                if variant not in plan[shape]:
+                    plan[shape].append(variant)
+        if reason:
+            listed_anyway[name] = reason
+        if problems:
+            unavailable[name] = "; ".join(problems)
+    return plan, unavailable, listed_anyway
+
+
+def _plan_dict(plan: dict[Shape, list[Variant]]) -> dict[str, dict[str, list[str]]]:
+    out: dict[str, dict[str, list[str]]] = {}
+    for shape, variants in plan.items():
+        per = out.setdefault(str(shape), {})
+        for v in variants:
+            per.setdefault(v.backend, []).append(str(v))
+    return out
+
+
+def _dry_run(config: Config, gpu: str, out: Path, results_path: Path, console: Console,
+             devices: list[int]) -> SweepSummary:
+    found = probe_platform(devices[0]) if torch.cuda.is_available() else gpu_mod.detect()
+    absent = found.name != gpu
+    platform = gpu_mod.fake_platform(gpu) if absent else found
+    plan, unavailable, listed = plan_candidates(config, platform, planning_only=absent)
+    where = f"planned for {gpu}; this machine has {found.device_name}" if absent else found.device_name
+    console.print(f"[bold]dry run[/]: config {config.name} ({config.path}, hash {config.hash[:12]})")
+    console.print(escape(f"  GPU {gpu} ({where}); devices {devices}; rule {config.rule.name}"))
+    console.print(escape(f"  table -> {out}; results -> {results_path}"))
+    console.print(f"  {len(config.shapes)} shapes: {', '.join(str(s) for s in config.shapes)}")
+    total = 0
+    for shape, variants in plan.items():
+        counts: dict[str, int] = {}
+        for v in variants:
+            counts[v.backend] = counts.get(v.backend, 0) + 1
+        total += len(variants)
+        text = ", ".join(f"{b} {n}" + (" (not runnable here)" if b in listed else "") for b, n in counts.items())
+        console.print(escape(f"  {shape}: {len(variants)} candidates ({text or 'none'})"))
+    for name, reason in listed.items():
+        console.print(f"  [yellow]{name}[/]: unavailable on this machine ({escape(reason)}); "
+                      f"its candidates are listed for {gpu}, marked not runnable here")
+    for name, reason in unavailable.items():
+        console.print(f"  [red]{name}[/]: unavailable: {escape(reason)}")
+    compiled = {str(v) for vs in plan.values() for v in vs if config.precompile.get(v.backend)}
+    console.print(f"  {total} candidates in all; {len(compiled)} distinct variants to precompile")
+    return SweepSummary(
+        counts=dict.fromkeys(STATUSES, 0), timed=0, elapsed_s=0.0, table_path=None,
+        results_path=results_path, winners={}, dry_run=True, plan=_plan_dict(plan),
+        unavailable={**unavailable, **{k: f"{r} (candidates listed for planning)" for k, r in listed.items()}},
+    )
+
+
+# ---------------------------------------------------------------------------- sweep
+def run_sweep(config_path, gpu: str, out: Path | None = None, dry_run: bool = False,
+              force: bool = False, devices: list[int] | None = None, fresh: bool = False,
+              console: Console | None = None,
+              candidate_timeout_s: float | None = None) -> SweepSummary:
+    """Sweep the config's shapes on this machine's GPU(s) and write tables/<gpu>.yaml."""
+    console = console or Console()
+    config = load_config(config_path)
+    out = Path(out) if out is not None else Path("tables") / f"{gpu}.yaml"
+    results_path = results_path_for(out)
+    devices = list(devices) if devices else [0]
+    if len(set(devices)) != len(devices) or min(devices) < 0:
+        raise SweepError(f"devices must be distinct non-negative indices, got {devices}")
+    if dry_run:
+        return _dry_run(config, gpu, out, results_path, console, devices)
+    timeout = candidate_timeout_s or config.candidate_timeout_s or DEFAULT_CANDIDATE_TIMEOUT_S
+    lock = SweepLock(lock_path_for(out))
+    try:
+        lock.acquire()
+    except ResultsError as exc:
+        raise SweepError(str(exc)) from None
+    if lock.warning:
+        console.print(f"[yellow]warning[/]: {escape(lock.warning)}")
+    try:
+        return _sweep(config, gpu, out, results_path, force, devices, fresh, console, timeout)
+    finally:
+        lock.release()
+
+
+def _open_results(results_path: Path, config: Config, fresh: bool, console: Console):
+    if fresh and results_path.exists():
+        moved = move_aside(results_path)
+        console.print(escape(f"--fresh: moved the old results to {moved}"))
+    try:
+        header, records, warnings = read_results(results_path)
+    except ResultsError as exc:
+        raise SweepError(str(exc)) from None
+    for warning in warnings:
+        console.print(f"[yellow]warning[/]: {escape(warning)}")
+    if header is not None and header.get("config", {}).get("hash") != config.hash:
+        old = header.get("config", {})
+        raise SweepError(
+            f"{results_path} was made with another config ({old.get('path')}, hash "
+            f"{str(old.get('hash'))[:12]}); {config.path} has hash {config.hash[:12]}. Pass --fresh "
+            "to move the old results aside (kept, with a timestamp suffix) and start over"
+        )
+    if warnings:
+        repair_tail(results_path)
+    return header, records
+
+
+def _header(config: Config, gpu: str, platform: gpu_mod.Platform, bandwidth, unavailable,
+            devices: list[int]) -> dict:
+    return {
+        "kind": "header",
+        "schema": SCHEMA,
+        "mla_tune_version": mla_tune.__version__,
+        "gpu": platform.name,
+        "requested_gpu": gpu,
+        "forced": platform.name != gpu,
+        "platform": {
+            "device_name": platform.device_name, "arch": platform.arch, "driver": platform.driver,
+            "versions": platform.versions, "sm_count": platform.sm_count, "is_hip": platform.is_hip,
+        },
+        "protocol": timing.PROTOCOL if platform.has_gpu else CPU_PROTOCOL,
+        "copy_bandwidth_gbps": bandwidth,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "config": {"path": str(config.path), "hash": config.hash, "name": config.name,
+                   "content": config.raw},
+        "rule": config.rule.as_dict(),
+        "gate": {"margin": GATE_MARGIN, "check_seeds": config.check_seeds,
+                 "calibration_seeds": config.calibration_seeds},
+        "timing": {"reps": config.timing.reps, "prune_reps": config.timing.prune_reps,
+                   "prune_factor": config.timing.prune_factor, "budget_s": config.budget_s},
+        "unavailable": unavailable,
+        "devices": devices,
+    }
+
+
+def _check_platform(platforms: list[gpu_mod.Platform], gpu: str, force: bool, header) -> None:
+    for p in platforms:
+        if p.name != gpu and not force:
+            what = "no GPU (cpu)" if not p.has_gpu else f"an {p.device_name} ({p.name})"
+            raise SweepError(
+                f"this machine has {what}, not {gpu}; run on an {gpu} or pass --force "
+                f"(the table then records {p.name} as its GPU)"
+            )
+    if header is not None and header.get("gpu") != platforms[0].name:
+        raise SweepError(
+            f"the results file was measured on {header.get('gpu')}, this machine is "
+            f"{platforms[0].name}; results from two GPUs cannot be mixed: pass --fresh"
+        )
+
+
+def _sweep(config: Config, gpu: str, out: Path, results_path: Path, force: bool,
+           devices: list[int], fresh: bool, console: Console, timeout: float) -> SweepSummary:
+    started = time.monotonic()
+    header, old_records = _open_results(results_path, config, fresh, console)
+    log_dir = results_path.parent
+    workers = [WorkerHandle(d, log_dir / f"{out.stem}.worker{d}.log") for d in devices]
+    stop = threading.Event()
+    writer = None
+    try:
+        for w in workers:  # start them all, then wait: each takes seconds to import torch
+            w.launch()
+        for w in workers:
+            try:
+                w.wait_ready()
+            except (WorkerGone, WorkerTimeout) as exc:
+                tail = getattr(exc, "tail", "") or "(nothing)"
+                raise SweepError(
+                    f"the worker for device {w.device} did not start ({exc}); the end of its "
+                    f"log {w.log_path}:\n{tail}"
+                ) from None
+        platforms = [w.platform for w in workers]
+        _check_platform(platforms, gpu, force, header)
+        platform = platforms[0]
+        plan, unavailable, _ = plan_candidates(config, platform)
+        for name, reason in unavailable.items():
+            console.print(f"[yellow]{name}[/] unavailable: {escape(reason)}")
+        if header is None:
+            bandwidth = workers[0].bandwidth()
+            header = _header(config, gpu, platform, bandwidth, unavailable, devices)
+        writer = ResultsWriter(results_path)
+        if results_path.stat().st_size == 0:
+            writer.append(header)
+        done = {candidate_key(r["shape"], r["variant"]) for r in old_records}
+        pending = {
+            shape: [v for v in variants if (shape.batch, shape.kv_len, str(v)) not in done]
+            for shape, variants in plan.items()
+        }
+        n_pending = sum(len(v) for v in pending.values())
+        n_total = n_pending + len(done)
+        console.print(escape(
+            f"sweep {config.name} on {platform.device_name}: {n_total} candidates over "
+            f"{len(config.shapes)} shapes, {len(done)} already recorded, {n_pending} to run"
+        ))
+        if platform.has_gpu and n_pending:
+            _precompile(config, pending, devices[0], timeout, console)
+        budget = Budget(config, started, n_pending, console)
+        with _progress(console) as progress:
+            shared = _Shared(config, timeout, writer, budget, progress, stop, console)
+            shared.task = progress.add_task("candidates", total=n_total, completed=len(done))
+            runners = [
+                DeviceRunner(w, shapes, shared, old_records)
+                for w, shapes in zip(workers, assign_shapes(pending, len(workers)), strict=True)
+            ]
+            threads = [threading.Thread(target=r.run, daemon=True) for r in runners]
+            for t in threads:
+                t.start()
+            for t in threads:
+                while t.is_alive():
+                    t.join(0.2)
+        new_records = shared.records
+        errors = [r.error for r in runners if r.error is not None]
+        if errors:
+            raise errors[0]
+    finally:
+        stop.set()
+        if writer is not None:
+            writer.close()
+        for w in workers:
+            w.stop()
+    records = old_records + new_records
+    winners = _summarize(records, console)
+    table_path = _write_table(header, records, config, out, console)
+    counts = dict.fromkeys(STATUSES, 0)
+    for r in new_records:
+        counts[r["status"]] += 1
+    return SweepSummary(
+        counts=counts, timed=counts["ok"] + counts["pruned"], elapsed_s=time.monotonic() - started,
+        table_path=table_path, results_path=results_path, winners=winners,
+        unavailable=header.get("unavailable", {}), notes=budget.notes,
+    )
+
+
+def assign_shapes(pending: dict[Shape, list[Variant]], n_devices: int):
+    """Share shapes out between devices (a shape stays on one device), largest work first
+    to the least-loaded device; one device keeps the config's order."""
+    work = [(shape, vs) for shape, vs in pending.items() if vs]
+    if n_devices == 1:
+        return [work]
+    shares: list[list] = [[] for _ in range(n_devices)]
+    load = [0] * n_devices
+    for shape, vs in sorted(work, key=lambda item: -item[0].total_kv * len(item[1])):
+        i = load.index(min(load))
+        shares[i].append((shape, vs))
+        load[i] += shape.total_kv * len(vs)
+    return shares
+
+
+class Budget:
+    """Watches the projected sweep time; past the config's budget_s it lowers the timing
+    reps of the candidates still to run (never the correctness gate) and says so."""
+
+    MIN_REPS = 3
+
+    def __init__(self, config: Config, started: float, n_pending: int, console: Console):
+        self.reps = config.timing.reps
+        self.prune_reps = config.timing.prune_reps
+        self.budget_s = config.budget_s
+        self.started = started
+        self.phase_start = time.monotonic()
+        self.n_pending = n_pending
+        self.console = console
+        self.done = 0
+        self.reduced = False
+        self.notes: list[str] = []
+
+    def note_done(self) -> str | None:
+        """Count one finished candidate; returns a note when it just cut the reps."""
+        self.done += 1
+        if self.done != 5 and (self.done < 5 or self.done % 10):
+            return None
+        now = time.monotonic()
+        rate = self.done / max(now - self.phase_start, 1e-9)
+        remaining = (self.n_pending - self.done) / rate
+        projected = now - self.started + remaining
+        if self.done == 5:
+            budget = f" (budget {self.budget_s:.0f} s)" if self.budget_s else ""
+            self.console.print(f"estimated total: {projected:.0f} s{budget}")
+        if self.budget_s and projected > self.budget_s and remaining > 0:
+            left = max(0.0, self.budget_s - (now - self.started))
+            reps = max(self.MIN_REPS, int(self.reps * left / remaining))
+            if reps < self.reps:
+                note = (
+                    f"projected {projected:.0f} s exceeds the budget of {self.budget_s:.0f} s: "
+                    f"timing reps cut from {self.reps} to {reps} for the remaining candidates "
+                    "(the correctness gate still runs in full; records carry timing_reps)"
+                )
+                self.console.print(f"[yellow]budget[/]: {note}")
+                self.notes.append(note)
+                self.reps = reps
+                self.reduced = True
+                return note
+        return None
+
+
+@dataclass
+class _Shared:
+    """What the device threads share; `lock` guards the writer, records and budget."""
+
+    config: Config
+    timeout: float
+    writer: ResultsWriter
+    budget: Budget
+    progress: Progress
+    stop: threading.Event
+    console: Console
+    task: int = 0
+    records: list[dict] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class DeviceRunner:
+    """Runs one device's shapes through its worker, one candidate at a time."""
+
+    def __init__(self, worker: WorkerHandle, shapes, shared: _Shared, old_records: list[dict]):
+        self.worker = worker
+        self.shapes = shapes
+        self.shared = shared
+        self.old_records = old_records
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            for shape, variants in self.shapes:
+                self._shape(shape, variants)
+        except BaseException as exc:  # handed to the main thread, which re-raises it
+            self.error = exc
+
+    def _best(self, shape: Shape) -> float | None:
+        times = [
+            r["time"]["median_us"] for r in self.old_records
+            if r["status"] == "ok" and r["shape"] == {"batch": shape.batch, "kv_len": shape.kv_len}
+        ]
+        return min(times) if times else None
+
+    def _shape(self, shape: Shape, variants: list[Variant]) -> None:
+        sh, config = self.shared, self.shared.config
+        best = self._best(shape)
+        for variant in variants:
+            if sh.stop.is_set():
+                return
+            with sh.lock:
+                reps, prune_reps, reduced = sh.budget.reps, sh.budget.prune_reps, sh.budget.reduced
+            prune = best is not None and variant.backend != BASELINE_BACKEND
+            payload = {
+                "shape": {"batch": shape.batch, "kv_len": shape.kv_len}, "variant": str(variant),
+                "check_seeds": config.check_seeds, "calibration_seeds": config.calibration_seeds,
+                "rule": config.rule.as_dict(), "reps": reps, "prune_reps": prune_reps,
+                "wall_reps": min(reps, 20),
+                "prune_threshold_us": best * config.timing.prune_factor if prune else None,
+            }
+            t0 = time.monotonic()
+            fields = self._run_one(variant, payload)
+            if sh.stop.is_set():
+                return  # interrupted: the kill was ours, not the candidate's
+            record = {
+                "kind": "candidate", "shape": payload["shape"], **fields,
+                "elapsed_s": round(time.monotonic() - t0, 3), "device": self.worker.device,
+                "timing_reps": reps, "budget_reduced": reduced,
+            }
+            with sh.lock:
+                sh.writer.append(record)
+                sh.records.append(record)
+                note = sh.budget.note_done()
+                if note:  # the header is already written: the cut goes on record as a note
+                    sh.writer.append({"kind": "note", "budget": note, "timing_reps": sh.budget.reps})
+                sh.progress.advance(sh.task)
+            if record["status"] == "ok":
+                median = record["time"]["median_us"]
+                best = median if best is None else min(best, median)
+            elif record["status"] != "pruned":
+                sh.progress.console.print(
+                    escape(f"{record['status']}: {shape} {record['variant']}: {record['reason']}")
+                )
+
+    def _run_one(self, variant: Variant, payload: dict) -> dict:
+        base = {
+            "variant": str(variant), "backend": variant.backend, "params": variant.p,
+            "checks": [], "time": None, "wall": None, "calibration": None,
+        }
+        timeout = self.shared.timeout
+        try:
+            _kind, fields = self.worker.request(("candidate", payload), timeout)
+        except WorkerTimeout:
+            self.worker.reap()
+            return {**base, "status": "timeout",
+                    "reason": f"ran past the {timeout:.0f} s limit; its worker was killed"}
+        except WorkerGone as gone:
+            return {**base, "status": "crashed", "stderr_tail": gone.tail,
+                    "reason": f"its worker died ({signal_name(gone.exitcode)}) while running it; "
+                    f"the worker log {self.worker.log_path} holds its last output"}
+        if fields.pop("restart_worker", False):
+            self.worker.wait_exit()
+        return fields
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console,
+    )
+
+
+def _precompile(config: Config, pending, device: int, timeout: float, console: Console) -> None:
+    jobs = sorted({
+        (str(v), compile_shape_for(shape))
+        for shape, vs in pending.items() for v in vs if config.precompile.get(v.backend)
+    })
+    if not jobs:
+        return
+    processes = max(1, min(8, (os.cpu_count() or 2) - 1))
+    t0 = time.monotonic()
+    limit = timeout * max(1, math.ceil(len(jobs) / processes))
+    errors = precompile(jobs, device, True, processes, limit)
+    console.print(
+        f"precompiled {len(jobs)} (variant, shape class) pairs in {processes} processes, "
+        f"{time.monotonic() - t0:.0f} s; {len(errors)} did not compile or run there "
+        "(not fatal: the timed run records why)"
+    )
+
+
+def _summarize(records: list[dict], console: Console) -> dict[str, dict]:
+    from rich.table import Table
+
+    by_shape: dict[tuple[int, int], list[dict]] = {}
+    for r in records:
+        by_shape.setdefault((r["shape"]["batch"], r["shape"]["kv_len"]), []).append(r)
+    table = Table(title="sweep summary")
+    for col in ("shape", "winner", "median us", "runner-up", "torch us", *STATUSES):
+        table.add_column(col)
+    winners: dict[str, dict] = {}
+    for key in sorted(by_shape):
+        rows = by_shape[key]
+        ok = sorted((r for r in rows if r["status"] == "ok"), key=lambda r: (r["time"]["median_us"], r["variant"]))
+        base = [r for r in ok if r["backend"] == BASELINE_BACKEND]
+        name = str(Shape(*key))
+        if ok:
+            winners[name] = {"variant": ok[0]["variant"], "median_us": ok[0]["time"]["median_us"]}
+        counts = [str(sum(r["status"] == s for r in rows)) for s in STATUSES]
+        table.add_row(
+            name, ok[0]["variant"] if ok else "-", f"{ok[0]['time']['median_us']:.1f}" if ok else "-",
+            ok[1]["variant"] if len(ok) > 1 else "-",
+            f"{base[0]['time']['median_us']:.1f}" if base else "-", *counts,
+        )
+    console.print(table)
+    return winners
+
+
+def _write_table(header: dict, records: list[dict], config: Config, out: Path, console: Console):
+    from mla_tune import table as table_module  # written alongside; imported when needed
+
+    table = table_module.table_from_results(header, records, config)
+    table_module.write_table(out, table)
+    console.print(escape(f"table written: {out}"))
+    return out
+
+
+def signal_name(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"

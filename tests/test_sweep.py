@@ -1,0 +1,347 @@
+"""The sweep end to end on the CPU, with the torch baseline and fake backends (tests/fakes)
+that are correct, wrong, raise, crash their worker, hang, or need a GPU."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+from mla_tune import problem
+from mla_tune.backends import EXTRA_BACKENDS_ENV
+from mla_tune.config import load_config
+from mla_tune.core import Shape, Variant
+from mla_tune.results import (
+    ResultsError,
+    SweepLock,
+    candidate_key,
+    read_results,
+    repair_tail,
+)
+from mla_tune.sweep import SweepError, assign_shapes, run_sweep
+from mla_tune.worker import compile_shape_for, precompile
+from tests.fakes import EXTRA_BACKENDS, ensure_table_module
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "tests" / "data"
+TINY, RESUME, BUDGET, TORCH = (DATA / f"sweep_{n}.yaml" for n in ("tiny", "resume", "budget", "torch"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fake_backends():
+    """Register the fakes for this process and (through the environment) its workers."""
+    old = os.environ.get(EXTRA_BACKENDS_ENV)
+    os.environ[EXTRA_BACKENDS_ENV] = EXTRA_BACKENDS
+    ensure_table_module()
+    yield
+    if old is None:
+        os.environ.pop(EXTRA_BACKENDS_ENV, None)
+    else:
+        os.environ[EXTRA_BACKENDS_ENV] = old
+
+
+def capture() -> tuple[Console, io.StringIO]:
+    buf = io.StringIO()
+    return Console(file=buf, width=250), buf
+
+
+def by_key(records):
+    return {(r["shape"]["batch"], r["shape"]["kv_len"], r["variant"]): r for r in records}
+
+
+def count_candidates(path: Path) -> int:
+    if not path.exists():
+        return 0
+    return sum(1 for line in path.read_bytes().split(b"\n")[1:] if line.endswith(b"}"))
+
+
+# ------------------------------------------------------------------------- dry run
+def test_dry_run_plans_the_leaderboard_for_an_absent_h200_without_writing(tmp_path):
+    console, buf = capture()
+    summary = run_sweep(REPO / "configs" / "leaderboard.yaml", "H200", out=tmp_path / "H200.yaml",
+                        dry_run=True, console=console)
+    text = buf.getvalue()
+    assert summary.dry_run and summary.table_path is None
+    assert set(summary.plan) == {"4x1024", "4x8192", "32x1024", "32x8192", "64x1024",
+                                 "64x8192", "256x1024", "256x8192"}
+    for per_backend in summary.plan.values():
+        assert per_backend["torch"] == ["torch(kv=bf16,q=bf16)"]
+        # triton is planned (its candidates listed) or named unavailable with its reason
+        assert per_backend.get("triton") or "triton" in summary.unavailable
+    assert "8 shapes" in text and "H200" in text and "planned for H200" in text
+    assert "256x8192" in text
+    assert list(tmp_path.iterdir()) == []  # no lock, no results, no table
+
+
+def test_dry_run_lists_candidates_of_a_backend_that_only_lacks_the_gpu(tmp_path):
+    console, buf = capture()
+    summary = run_sweep(TINY, "H200", out=tmp_path / "t.yaml", dry_run=True, console=console)
+    assert summary.plan["2x17"]["fake_nogpu"] == [
+        "fake_nogpu(kv=bf16,num_splits=1,q=bf16)", "fake_nogpu(kv=bf16,num_splits=2,q=bf16)",
+    ]
+    assert "needs a GPU" in summary.unavailable["fake_nogpu"]
+    assert "not runnable here" in buf.getvalue()
+    assert summary.plan["1x33"].get("fake_crash") is None  # it offers nothing at batch 1
+
+
+# ------------------------------------------------------------ one sweep, every outcome
+@pytest.fixture(scope="module")
+def tiny_sweep(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny") / "cpu.yaml"
+    console, buf = capture()
+    summary = run_sweep(TINY, "cpu", out=out, console=console, candidate_timeout_s=4)
+    header, records, warnings = read_results(summary.results_path)
+    assert not warnings
+    return summary, header, records, buf.getvalue()
+
+
+def test_every_outcome_is_recorded_with_its_status_and_a_reason(tiny_sweep):
+    summary, _header, records, text = tiny_sweep
+    statuses = {(r["shape"]["batch"], r["variant"].split("(")[0], r["variant"]): r for r in records}
+    got = {(b, backend): r["status"] for (b, backend, _), r in statuses.items() if backend != "fake_ok"}
+    assert got == {
+        (2, "torch"): "ok", (1, "torch"): "ok",
+        (2, "fake_wrong"): "rejected", (1, "fake_wrong"): "rejected",
+        (2, "fake_raise"): "failed", (1, "fake_raise"): "failed",
+        (2, "fake_crash"): "crashed", (2, "fake_hang"): "timeout",
+        (1, "fake_poison"): "failed",
+    }
+    assert summary.counts == {"ok": 4, "rejected": 2, "failed": 3, "crashed": 1, "timeout": 1, "pruned": 4}
+    for r in records:
+        assert (r["reason"] == "") == (r["status"] == "ok"), r
+        assert r["device"] == 0 and r["elapsed_s"] >= 0
+    reasons = {r["variant"].split("(")[0] + ":" + r["status"]: r["reason"] for r in records}
+    assert "outside rtol=0.1" in reasons["fake_wrong:rejected"]
+    assert reasons["fake_raise:failed"].startswith("RuntimeError: fake_raise: this variant does not compile")
+    assert "exit code 139" in reasons["fake_crash:crashed"]
+    assert "4 s limit" in reasons["fake_hang:timeout"]
+    assert reasons["fake_poison:failed"].startswith("RuntimeError: CUDA error: an illegal memory access")
+    crash = next(r for r in records if r["status"] == "crashed")
+    assert "fake_crash: simulating a segfault" in crash["stderr_tail"]
+    assert "crashed: 2x17 fake_crash" in text and "timeout: 2x17 fake_hang" in text
+    # the poisoned worker left, and the candidates after it ran on a fresh one
+    log = (summary.results_path.parent / "cpu.worker0.log").read_text()
+    assert "exiting after a context-poisoning error" in log
+    after = [r for r in records if r["shape"]["batch"] == 1][-2:]
+    assert [r["backend"] for r in after] == ["fake_wrong", "fake_raise"]
+    assert [r["status"] for r in after] == ["rejected", "failed"]
+
+
+def test_ok_candidates_pass_every_seed_and_the_fastest_wins_each_shape(tiny_sweep):
+    summary, _header, records, text = tiny_sweep
+    for r in records:
+        if r["status"] == "ok":
+            assert [c["seed"] for c in r["checks"]] == [1001, 2002]
+            assert all(c["passed"] and c["mismatch"] <= 0.025 for c in r["checks"])
+            assert r["time"]["samples"] == 3 and r["wall"]["samples"] == 3
+    fast = "fake_ok(delay_us=20000,fast_for_batch={},kv=fp8,q=bf16)"
+    assert summary.winners["2x17"]["variant"] == fast.format(2)
+    assert summary.winners["1x33"]["variant"] == fast.format(1)
+    # the slow fake_ok variants were hopeless against the fast one: pruned, quick time kept
+    pruned = [r for r in records if r["status"] == "pruned"]
+    assert {r["backend"] for r in pruned} == {"fake_ok"} and all(r["time"]["median_us"] > 15000 for r in pruned)
+    assert "sweep summary" in text and fast.format(2) in text
+    assert summary.table_path.exists()
+
+
+def test_fp8_static_variant_is_built_with_a_calibrated_q_amax(tiny_sweep):
+    _summary, _header, records, _text = tiny_sweep
+    static = [r for r in records if r["params"].get("q") == "fp8_static"]
+    assert len(static) == 2
+    for r in static:
+        q_amax = r["params"]["q_amax"]
+        assert f"q_amax={q_amax}" in r["variant"]
+        assert r["calibration"]["seeds"] == [11, 12] and "x 1.1" in r["calibration"]["method"]
+        assert q_amax == pytest.approx(r["calibration"]["observed_amax"] * 1.1, rel=1e-3)
+        assert r["status"] in ("ok", "pruned")  # fake_ok raises when q_amax is missing
+
+
+def test_header_carries_provenance_and_names_the_cpu_timer(tiny_sweep):
+    summary, header, _records, _text = tiny_sweep
+    config = load_config(TINY)
+    assert header["kind"] == "header" and header["schema"] == 1
+    assert header["gpu"] == "cpu" and header["forced"] is False
+    assert header["config"]["hash"] == config.hash and header["config"]["path"] == str(TINY)
+    assert header["rule"] == config.rule.as_dict()
+    assert header["protocol"]["name"] == "cpu-wall-clock"
+    assert header["copy_bandwidth_gbps"] is None
+    assert header["unavailable"] == {"fake_nogpu": "fake_nogpu needs a GPU; this machine has none"}
+    assert header["platform"]["versions"]["torch"] == torch.__version__
+    assert header["date"].startswith("20") and header["mla_tune_version"]
+
+
+# ------------------------------------------------------------------- refusals, lock
+def test_a_sweep_for_another_gpu_is_refused_naming_what_was_found(tmp_path):
+    with pytest.raises(SweepError) as info:
+        run_sweep(TORCH, "MI355X", out=tmp_path / "MI355X.yaml", console=capture()[0])
+    assert "this machine has no GPU (cpu), not MI355X; run on an MI355X or pass --force" in str(info.value)
+    assert not (tmp_path / "MI355X.yaml.lock").exists()  # released on the way out
+    assert not (tmp_path / "MI355X.results.jsonl").exists()
+
+
+def test_a_second_sweep_on_the_same_table_is_refused_naming_the_pid(tmp_path):
+    lock = tmp_path / "cpu.yaml.lock"
+    lock.write_text(f"{os.getpid()}\n")  # a live process holds it
+    with pytest.raises(SweepError, match=f"another sweep \\(pid {os.getpid()}\\) holds"):
+        run_sweep(TORCH, "cpu", out=tmp_path / "cpu.yaml", console=capture()[0])
+    assert lock.read_text().strip() == str(os.getpid())  # the refused sweep left it alone
+
+
+def test_a_stale_lock_of_a_dead_process_is_taken_over_with_a_warning(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    path = tmp_path / "x.yaml.lock"
+    path.write_text(f"{dead.pid}\n")
+    lock = SweepLock(path).acquire()
+    assert "stale lock" in lock.warning and str(dead.pid) in lock.warning
+    assert path.read_text().strip() == str(os.getpid())
+    lock.release()
+    assert not path.exists()
+
+
+def test_config_hash_mismatch_is_refused_and_fresh_moves_the_old_file_aside(tmp_path):
+    results = tmp_path / "cpu.results.jsonl"
+    old = json.dumps({"kind": "header", "config": {"path": "old.yaml", "hash": "0" * 64}}) + "\n"
+    results.write_text(old)
+    with pytest.raises(SweepError, match="another config .*--fresh"):
+        run_sweep(TORCH, "cpu", out=tmp_path / "cpu.yaml", console=capture()[0])
+    assert results.read_text() == old
+    summary = run_sweep(TORCH, "cpu", out=tmp_path / "cpu.yaml", fresh=True, console=capture()[0])
+    aside = list(tmp_path.glob("cpu.results.jsonl.*.old"))
+    assert len(aside) == 1 and aside[0].read_text() == old
+    header, records, _ = read_results(results)
+    assert header["config"]["hash"] == load_config(TORCH).hash
+    assert [r["status"] for r in records] == ["ok"] and summary.counts["ok"] == 1
+    assert summary.winners["2x9"]["variant"] == "torch(kv=bf16,q=bf16)"
+
+
+# ------------------------------------------------------------------ results file
+def test_a_truncated_last_line_is_ignored_with_a_warning_and_cut_off(tmp_path):
+    path = tmp_path / "r.jsonl"
+    good = json.dumps({"kind": "header"}) + "\n" + json.dumps(
+        {"kind": "candidate", "shape": {"batch": 1, "kv_len": 2}, "variant": "torch(kv=bf16,q=bf16)"}
+    ) + "\n"
+    path.write_text(good + '{"kind": "candidate", "sha')
+    header, records, warnings = read_results(path)
+    assert header == {"kind": "header"} and len(records) == 1
+    assert len(warnings) == 1 and "truncated last line" in warnings[0]
+    assert repair_tail(path) and path.read_text() == good
+    assert not repair_tail(path)
+    path.write_text(good.replace("candidate", "cand", 1) + "{broken\n" + good)
+    with pytest.raises(ResultsError, match="line 2"):
+        read_results(path)
+
+
+def test_resume_key_drops_the_calibrated_q_amax():
+    offered = Variant.make("triton", q="fp8_static", kv="fp8", num_splits=4)
+    built = offered.with_params(q_amax=4.3)
+    shape = {"batch": 4, "kv_len": 1024}
+    assert candidate_key(shape, str(built)) == candidate_key(shape, str(offered)) == (4, 1024, str(offered))
+
+
+def test_calibration_draws_the_same_q_without_the_kv_cache():
+    q_small = problem.generate_input(3, 1, 11, device="cpu")[0]
+    q_full = problem.generate_input(3, 40, 11, device="cpu")[0]
+    assert torch.equal(q_small, q_full)
+
+
+def test_shapes_are_shared_out_whole_and_balanced_between_devices():
+    v = [Variant.make("torch", kv="bf16", q="bf16")]
+    pending = {Shape(256, 8192): v, Shape(4, 1024): v, Shape(64, 8192): v, Shape(32, 1024): v * 0}
+    one, two = assign_shapes(pending, 2)
+    assert [s for s, _ in one] == [Shape(256, 8192)]
+    assert [s for s, _ in two] == [Shape(64, 8192), Shape(4, 1024)]  # empty shapes dropped
+    assert assign_shapes(pending, 1) == [[(s, vs) for s, vs in pending.items() if vs]]
+
+
+def test_the_compile_pool_builds_each_variant_and_reports_what_failed():
+    ok = "fake_ok(delay_us=20000,fast_for_batch=2,kv=fp8,q=bf16)"
+    static = "fake_ok(delay_us=20000,fast_for_batch=0,kv=fp8,q=fp8_static)"  # gets a placeholder scale
+    bad = "fake_raise(kv=bf16,q=bf16)"
+    jobs = [(ok, Shape(2, 17)), (static, Shape(16, 64)), (bad, Shape(2, 17))]
+    errors = precompile(jobs, device_index=0, has_gpu=False, processes=2, timeout_s=120)
+    assert list(errors) == [f"{bad} at 2x17"]
+    assert "does not compile" in errors[f"{bad} at 2x17"]
+
+
+def test_compile_stand_ins_keep_each_dimension_in_its_triton_specialization_class():
+    assert compile_shape_for(Shape(256, 8192)) == Shape(16, 64)
+    assert compile_shape_for(Shape(4, 1024)) == Shape(2, 64)
+    assert compile_shape_for(Shape(1, 1000)) == Shape(1, 17)
+
+
+# --------------------------------------------------------------- multi device, budget
+def test_two_devices_share_the_shapes_and_a_small_budget_cuts_timing_reps(tmp_path):
+    console, buf = capture()
+    summary = run_sweep(BUDGET, "H200", out=tmp_path / "H200.yaml", devices=[0, 1], force=True,
+                        console=console)
+    header, records, _ = read_results(summary.results_path)
+    assert header["gpu"] == "cpu" and header["requested_gpu"] == "H200" and header["forced"] is True
+    assert header["devices"] == [0, 1]
+    assert {r["device"] for r in records} == {0, 1}
+    for shape in ({"batch": b, "kv_len": n} for b, n in ((1, 17), (2, 17), (3, 9), (4, 5))):
+        assert len({r["device"] for r in records if r["shape"] == shape}) == 1  # one device per shape
+    assert len(records) == 20 and len(by_key(records)) == 20
+    assert "timing reps cut from 8 to 3" in buf.getvalue() and summary.notes
+    notes = [json.loads(line) for line in summary.results_path.read_text().splitlines()
+             if '"kind": "note"' in line]
+    assert len(notes) == 1 and notes[0]["timing_reps"] == 3 and "budget" in notes[0]["budget"]
+    reduced = [r for r in records if r["budget_reduced"]]
+    assert reduced and all(r["timing_reps"] == 3 for r in reduced)
+    assert any(r["timing_reps"] == 8 and not r["budget_reduced"] for r in records)
+    assert all(r["time"]["samples"] == 3 for r in reduced if r["status"] == "ok")
+    assert all(len(r["checks"]) == 2 for r in reduced if r["status"] != "failed")  # gate in full
+    assert set(summary.winners) == {"1x17", "2x17", "3x9", "4x5"}
+
+
+# ----------------------------------------------------------------------------- resume
+def test_a_sweep_killed_midway_resumes_without_running_anything_twice(tmp_path):
+    out = tmp_path / "cpu.yaml"
+    results = tmp_path / "cpu.results.jsonl"
+    script = (
+        "import sys; from pathlib import Path; from tests.fakes import ensure_table_module; "
+        "ensure_table_module(); from mla_tune.sweep import run_sweep; "
+        "run_sweep(sys.argv[1], 'cpu', out=Path(sys.argv[2]))"
+    )
+    env = {**os.environ, EXTRA_BACKENDS_ENV: EXTRA_BACKENDS, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", script, str(RESUME), str(out)], cwd=REPO,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while count_candidates(results) < 3:
+        if proc.poll() is not None:
+            pytest.fail(f"the sweep ended before it was killed: {proc.stderr.read().decode()[-2000:]}")
+        assert time.monotonic() < deadline, "the sweep wrote too few records in 120 s"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    proc.stderr.close()
+    killed_at = results.read_bytes()
+    kept = killed_at[: killed_at.rfind(b"\n") + 1]
+    n_before = count_candidates(results)
+    assert 3 <= n_before < 8, "the kill did not land midway"
+    assert (tmp_path / "cpu.yaml.lock").exists()  # left by the killed sweep
+    with open(results, "ab") as f:  # as if it had died in the middle of a write
+        f.write(b'{"kind": "candidate", "shape": {"ba')
+
+    console, buf = capture()
+    summary = run_sweep(RESUME, "cpu", out=out, console=console)
+    text = buf.getvalue()
+    assert "stale lock" in text and "truncated last line" in text
+    assert f"{n_before} already recorded, {8 - n_before} to run" in text
+    header, records, warnings = read_results(results)
+    assert not warnings
+    assert results.read_bytes().startswith(kept)  # what was recorded stays as it was
+    keys = [candidate_key(r["shape"], r["variant"]) for r in records]
+    assert len(keys) == len(set(keys)) == 8
+    assert sum(summary.counts.values()) == 8 - n_before
+    assert set(summary.winners) == {"2x17", "1x33"}
+    assert not (tmp_path / "cpu.yaml.lock").exists()
