@@ -198,6 +198,19 @@ def _shapes(value: Any, fail) -> list[Shape]:
     return shapes
 
 
+def expand_space(space: dict) -> list[dict]:
+    """A backend's search space as a list of plain grids.
+
+    A space may hold `grids: [{...}, {...}]`: the candidates are then the union of the
+    sub-grids, each laid over the space's other keys. That keeps a sweep small where
+    parameters only pay together (fp8 KV with fp16 dots, bf16 KV with bf16 dots) instead
+    of crossing every list with every other.
+    """
+    base = {k: v for k, v in space.items() if k != "grids"}
+    grids = space.get("grids")
+    return [{**base, **grid} for grid in grids] if grids else [base]
+
+
 def default_precompile(backend: str) -> bool:
     """Triton backends compile per variant; the others ship compiled code."""
     return backend.startswith("triton")
@@ -220,6 +233,11 @@ def _backends(value: Any, fail) -> tuple[dict[str, dict], dict[str, bool]]:
         flag = space.pop("precompile", default_precompile(name))
         if not isinstance(flag, bool):
             raise fail(f"{where}.precompile", f"must be true or false, got {flag!r}")
+        grids = space.get("grids")
+        if grids is not None and (
+            not isinstance(grids, list) or not grids or not all(isinstance(g, dict) for g in grids)
+        ):
+            raise fail(f"{where}.grids", "must be a non-empty list of mappings (sub-grids)")
         spaces[name] = space
         precompile[name] = flag
     return spaces, precompile

@@ -36,7 +36,7 @@ import mla_tune
 from mla_tune import gpu as gpu_mod
 from mla_tune import timing
 from mla_tune.backends import get_backend
-from mla_tune.config import Config, load_config
+from mla_tune.config import Config, expand_space, load_config
 from mla_tune.core import Shape, Variant
 from mla_tune.results import (
     SCHEMA,
@@ -108,7 +108,9 @@ def plan_candidates(config: Config, platform: gpu_mod.Platform, planning_only: b
         problems = []
         for shape in config.shapes:
             try:
-                offered = backend.candidates(shape, space, platform)
+                offered = [
+                    v for grid in expand_space(space) for v in backend.candidates(shape, grid, platform)
+                ]
             except Exception as exc:  # reported per backend; the other shapes still sweep
                 problems.append(f"candidates({shape}) raised {type(exc).__name__}: {exc}")
                 continue

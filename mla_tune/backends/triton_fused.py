@@ -1,0 +1,175 @@
+"""Backend `triton_fused`: the one-launch decode of kernels/fused_decode.py.
+
+Variant parameters (all explicit, so CPU interpreter tests can pick fp16 dots):
+  kv         bf16 | fp8 | mxfp4   the KV format read
+  q          bf16 | fp8_dynamic   fp8_dynamic quantizes q in the kernel with a per-(sequence,
+                                  head) amax: no extra launch, no sync. fp8_static is not
+                                  offered: the dynamic scale costs nothing here.
+  qk_dot     fp16 | bf16 | fp8    operand dtype of S = q K^T (fp8 needs kv=fp8, q=fp8_dynamic)
+  pv_dot     fp16 | bf16 | fp8    operand dtype of O = P V (fp8 needs kv=fp8)
+  tok_m      true | false         tokens on the MMA's M dimension (wgmma-able) or heads
+  block_n, num_warps, num_stages  tile and Triton launch options
+  num_splits                      programs per sequence (the grid is num_splits x batch)
+  reduce     none | last | spin   none iff num_splits = 1; spin needs the grid to fit the GPU
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mla_tune.core import NUM_HEADS, QK_DIM, SM_SCALE, V_DIM, Shape, Variant, require
+from mla_tune.kernels.fused_decode import fused_decode
+
+NAME = "triton_fused"
+
+_FU_KV = ("bf16", "fp8", "mxfp4")
+_FU_Q = ("bf16", "fp8_dynamic")
+_FU_DOTS = ("fp16", "bf16", "fp8")
+_FU_REDUCE = ("none", "last", "spin")
+
+# The search space when a config gives none: what docs/perf.md's two H200 runs found
+# worth sweeping (every per-shape winner there lies inside it).
+FU_DEFAULT_SPACE = {
+    "kv": ["fp8", "bf16"],
+    "q": ["fp8_dynamic", "bf16"],
+    "qk_dot": ["fp8", "fp16", "bf16"],
+    "pv_dot": ["fp16", "bf16"],
+    "tok_m": [True],
+    "block_n": [32, 64, 128],
+    "num_warps": [4, 8],
+    "num_stages": [3],
+    "num_splits": [1, 2, 4, 8, 16, 32],
+    "reduce": ["spin", "last"],
+}
+
+
+def unavailable_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "no GPU here (the kernels run on the CPU only under TRITON_INTERPRET=1, for tests)"
+    if torch.version.hip:
+        return "triton_fused targets NVIDIA GPUs (fp8 e4m3fn, sm_90 tuning); not tried on ROCm"
+    return None
+
+
+def _fu_valid(p: dict, shape: Shape, sm_count: int) -> str | None:
+    """Why this parameter set cannot run at `shape` (None: it can)."""
+    if p["kv"] not in _FU_KV or p["q"] not in _FU_Q:
+        return f"kv must be one of {_FU_KV} and q one of {_FU_Q}"
+    if p["qk_dot"] not in _FU_DOTS or p["pv_dot"] not in _FU_DOTS:
+        return f"qk_dot and pv_dot must be one of {_FU_DOTS}"
+    if (p["qk_dot"] == "fp8") != (p["q"] == "fp8_dynamic"):
+        return "q=fp8_dynamic goes with qk_dot=fp8 and only with it"
+    if p["qk_dot"] == "fp8" and p["kv"] != "fp8":
+        return "qk_dot=fp8 reads an fp8 KV cache"
+    if p["pv_dot"] == "fp8" and p["kv"] != "fp8":
+        return "pv_dot=fp8 reads an fp8 KV cache"
+    if p["kv"] == "bf16" and "fp8" in (p["qk_dot"], p["pv_dot"]):
+        return "a bf16 cache is not requantized to fp8"
+    if p["reduce"] not in _FU_REDUCE:
+        return f"reduce must be one of {_FU_REDUCE}"
+    if (p["num_splits"] == 1) != (p["reduce"] == "none"):
+        return "reduce=none goes with num_splits=1 and only with it"
+    if p["block_n"] not in (16, 32, 64, 128):
+        return "block_n must be 16, 32, 64 or 128"
+    if p["num_splits"] > max(1, math.ceil(shape.kv_len / p["block_n"])):
+        return "more splits than tiles"
+    if p["reduce"] == "spin" and shape.batch * p["num_splits"] > sm_count:
+        return f"reduce=spin needs batch x num_splits <= {sm_count} SMs (all programs resident)"
+    return None
+
+
+def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
+    space = {**FU_DEFAULT_SPACE, **(space or {})}
+    unknown = set(space) - set(FU_DEFAULT_SPACE)
+    require(not unknown, f"triton_fused: unknown search-space keys {sorted(unknown)}")
+    sm_count = getattr(platform, "sm_count", 0) or 132
+    keys = list(FU_DEFAULT_SPACE)
+    out: list[Variant] = []
+
+    def walk(i: int, chosen: dict) -> None:
+        if i == len(keys):
+            for red in space["reduce"] if chosen["num_splits"] > 1 else ["none"]:
+                p = {**chosen, "reduce": red}
+                if _fu_valid(p, shape, sm_count) is None:
+                    out.append(Variant.make(NAME, **p))
+            return
+        if keys[i] == "reduce":
+            walk(i + 1, chosen)
+            return
+        for value in space[keys[i]]:
+            walk(i + 1, {**chosen, keys[i]: value})
+
+    walk(0, {})
+    return list(dict.fromkeys(out))
+
+
+class _FuBuffers:
+    """Partials and arrival counters for up to `batch` sequences, grown (once) on demand."""
+
+    def __init__(self, device, batch: int, num_splits: int):
+        self.device = device
+        self.num_splits = num_splits
+        self.batch = 0
+        self.grow(batch)
+
+    def grow(self, batch: int) -> None:
+        n = batch * self.num_splits * NUM_HEADS
+        dev = self.device
+        self.part_o = torch.empty(n * V_DIM if self.num_splits > 1 else 1, dtype=torch.float32, device=dev)
+        self.part_lse = torch.empty(max(n, 1), dtype=torch.float32, device=dev)
+        # Zero once: the kernel's last arriving program resets its counter itself.
+        self.count = torch.zeros(batch, dtype=torch.int32, device=dev)
+        self.flag = torch.zeros(batch, dtype=torch.int32, device=dev)
+        self.out = torch.empty((batch, NUM_HEADS, V_DIM), dtype=torch.bfloat16, device=dev)
+        self.batch = batch
+
+
+def build(variant: Variant, shape: Shape, device):
+    p = variant.p
+    missing = set(FU_DEFAULT_SPACE) - set(p)
+    require(not missing, f"triton_fused variant {variant} lacks {sorted(missing)}")
+    device = torch.device(device)
+    if device.type == "cuda":
+        sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        sm_count = 1 << 30  # interpreter: no residency limit applies (and spin is not tested there)
+    reason = _fu_valid(p, shape, sm_count)
+    require(reason is None, f"triton_fused cannot run {variant} at {shape}: {reason}")
+    kv_fmt = p["kv"]
+    num_splits = p["num_splits"]
+    bufs = _FuBuffers(device, shape.batch, num_splits)
+    dummy = torch.zeros(1, dtype=torch.float32, device=device)
+    options = dict(
+        num_splits=num_splits, kv_fmt=kv_fmt, q_fp8=p["q"] == "fp8_dynamic",
+        qk_dot=p["qk_dot"], pv_dot=p["pv_dot"], tok_m=bool(p["tok_m"]), block_n=p["block_n"],
+        reduce=p["reduce"], num_warps=p["num_warps"], num_stages=p["num_stages"],
+        sm_scale_log2=SM_SCALE * math.log2(math.e),
+    )
+
+    def run_triton_fused(q, kv_data, qo_indptr, kv_indptr):
+        batch = q.shape[0]
+        if batch > bufs.batch:
+            bufs.grow(batch)  # a larger ragged batch than planned: one allocation, once
+        if p["reduce"] == "spin":
+            require(batch * num_splits <= sm_count, f"reduce=spin: {batch} x {num_splits} programs exceed {sm_count} SMs")
+        entry = kv_data[kv_fmt]
+        if kv_fmt == "bf16":
+            kv, kv_scale, mx_scales = entry.view(-1, QK_DIM), dummy, dummy
+        elif kv_fmt == "fp8":
+            kv, kv_scale = entry
+            kv, mx_scales = kv.view(-1, QK_DIM), dummy
+        else:
+            packed, mx_scales = entry
+            kv, kv_scale = packed.view(torch.uint8).view(-1, QK_DIM // 2), dummy
+            mx_scales = mx_scales.view(torch.uint8)
+        out = bufs.out[:batch]
+        run_triton_fused.compiled = fused_decode(
+            q, kv, kv_scale, mx_scales, kv_indptr, out, bufs.part_o, bufs.part_lse,
+            bufs.count, bufs.flag, **options,
+        )
+        return out
+
+    run_triton_fused.compiled = None
+    return run_triton_fused

@@ -1,0 +1,119 @@
+"""The one-launch fused decode (backend triton_fused) against the fp32 reference.
+
+CPU: Triton's interpreter with fp16 dots (its bf16 dots are wrong), tiny shapes, the
+`none` and `last` reductions (`spin` waits for programs that the interpreter runs one after
+another, so it is tested on the GPU only). GPU: the 8 leaderboard shapes under `strict`
+(MXFP4 under `leaderboard`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mla_tune import problem
+from mla_tune.backends import triton_fused
+from mla_tune.core import Shape, Variant
+from mla_tune.gpu import fake_platform
+
+CPU_BASE = dict(q="bf16", qk_dot="fp16", pv_dot="fp16", tok_m=True, block_n=16, num_warps=4, num_stages=1)
+
+
+def _variant(**params) -> Variant:
+    return Variant.make("triton_fused", **{**CPU_BASE, **params})
+
+
+def _rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8", "mxfp4"])
+@pytest.mark.parametrize(
+    "lens,num_splits,reduce,tok_m",
+    [
+        ([1], 1, "none", True),  # a single token
+        ([17], 1, "none", False),  # not a multiple of block_n, heads on M
+        ([17, 40, 3], 3, "last", True),  # ragged, empty splits in the short sequences
+        ([100, 33], 4, "last", False),
+    ],
+)
+def test_fused_decode_matches_reference(device, kv, lens, num_splits, reduce, tok_m):
+    data = problem.generate_ragged_input(lens, seed=7, device=device)
+    variant = _variant(kv=kv, num_splits=num_splits, reduce=reduce, tok_m=tok_m)
+    run = triton_fused.build(variant, Shape(len(lens), max(lens)), device)
+    out = run(*data[:4])
+    ref = problem.reference(data, q_format="bf16", kv_format=kv)
+    assert out.shape == (len(lens), 16, 512) and out.dtype == torch.bfloat16
+    assert _rel_l2(out, ref) < 1e-2  # bf16 output rounding is ~3e-3
+
+
+def test_last_reducer_resets_its_counter_so_calls_repeat(device):
+    data = problem.generate_ragged_input([50, 20], seed=3, device=device)
+    run = triton_fused.build(_variant(kv="fp8", num_splits=3, reduce="last"), Shape(2, 50), device)
+    first = run(*data[:4]).clone()
+    second = run(*data[:4])
+    assert torch.equal(first, second)
+    ref = problem.reference(data, q_format="bf16", kv_format="fp8")
+    assert _rel_l2(second, ref) < 1e-2
+
+
+def test_larger_ragged_batch_than_planned_grows_buffers_once(device):
+    data = problem.generate_ragged_input([9, 30, 2], seed=4, device=device)
+    run = triton_fused.build(_variant(kv="bf16", num_splits=2, reduce="last"), Shape(1, 30), device)
+    out = run(*data[:4])
+    assert _rel_l2(out, problem.reference(data, q_format="bf16", kv_format="bf16")) < 1e-2
+
+
+def test_candidates_follow_the_validity_rules():
+    plat = fake_platform("H200")
+    space = {"kv": ["fp8", "bf16"], "q": ["bf16", "fp8_dynamic"], "qk_dot": ["fp16", "fp8"],
+             "pv_dot": ["fp16", "fp8"], "num_splits": [1, 2, 64], "reduce": ["last", "spin"]}
+    cands = triton_fused.candidates(Shape(4, 1024), space, plat)
+    assert cands
+    for v in cands:
+        p = v.p
+        assert (p["qk_dot"] == "fp8") == (p["q"] == "fp8_dynamic")
+        assert p["kv"] == "fp8" or "fp8" not in (p["qk_dot"], p["pv_dot"])
+        assert (p["num_splits"] == 1) == (p["reduce"] == "none")
+        assert Variant.parse(str(v)) == v
+    # 256 x 2 programs do not fit 132 SMs at once: no spin there
+    big = triton_fused.candidates(Shape(256, 1024), {"num_splits": [2]}, plat)
+    assert big and all(v.get("reduce") == "last" for v in big)
+    # more splits than 64-token tiles are refused
+    assert not triton_fused.candidates(Shape(4, 64), {"num_splits": [2], "block_n": [64]}, plat)
+
+
+def test_build_refuses_an_invalid_variant_with_the_reason():
+    bad = _variant(kv="bf16", q="fp8_dynamic", qk_dot="fp8", num_splits=1, reduce="none")
+    with pytest.raises(ValueError, match="fp8 KV cache"):
+        triton_fused.build(bad, Shape(2, 64), "cpu")
+    with pytest.raises(ValueError, match="unknown search-space keys"):
+        triton_fused.candidates(Shape(2, 64), {"splits": [2]}, fake_platform("H200"))
+
+
+LEADERBOARD_SHAPES = [(4, 1024), (4, 8192), (32, 1024), (32, 8192), (64, 1024), (64, 8192), (256, 1024), (256, 8192)]
+GPU_FAMILIES = {
+    "fp8_q8": dict(kv="fp8", q="fp8_dynamic", qk_dot="fp8", pv_dot="fp16", block_n=128, num_warps=8, num_stages=2),
+    "fp8_qbf16": dict(kv="fp8", q="bf16", qk_dot="fp16", pv_dot="fp16", block_n=32, num_warps=4, num_stages=2),
+    "bf16": dict(kv="bf16", q="bf16", qk_dot="bf16", pv_dot="bf16", block_n=64, num_warps=4, num_stages=2),
+    "mxfp4": dict(kv="mxfp4", q="bf16", qk_dot="bf16", pv_dot="bf16", block_n=32, num_warps=4, num_stages=2),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("family", list(GPU_FAMILIES))
+@pytest.mark.parametrize("batch,kv_len", LEADERBOARD_SHAPES)
+def test_leaderboard_shapes_pass_the_rule(family, batch, kv_len):
+    shape = Shape(batch, kv_len)
+    data = problem.generate_input(batch, kv_len, seed=1001, device="cuda")
+    ref = problem.reference(data)
+    rule = problem.RULES["leaderboard" if family == "mxfp4" else "strict"]
+    splits = max(1, min(32, 128 // batch, kv_len // GPU_FAMILIES[family]["block_n"]))
+    for reduce in (["spin", "last"] if splits > 1 else ["none"]):
+        variant = Variant.make("triton_fused", tok_m=True, num_splits=splits, reduce=reduce, **GPU_FAMILIES[family])
+        run = triton_fused.build(variant, shape, "cuda")
+        first = run(*data[:4]).clone()
+        result = problem.check(first, ref, rule)
+        assert result.passed, f"{variant}: {result.reason}"
+        assert torch.equal(first, run(*data[:4])), f"{variant}: a second call differs"
