@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import platform as _pyplatform
 import re
 import subprocess
@@ -19,6 +21,17 @@ KNOWN_GPUS = {
 }
 _NAME_RE = re.compile(r"\b(H\d{3}|B\d{3}|A\d{2,3}|L\d{2}S?|MI\d{3}[A-Z]*)\b")
 _ARCH_NAMES = {"gfx950": "MI355X", "gfx942": "MI300X"}
+
+# FOR TESTS ONLY. MLA_TUNE_FAKE_PLATFORM=NAME makes detect() report a simulated NAME
+# platform (see simulated_platform), so that a CPU-only test can run the sweep, the
+# runtime and the export for that GPU end to end, e.g. the AITER path through
+# tests/fakes/aiter as an MI355X. Sweep workers are spawned processes and inherit it.
+# A simulated platform can never pass for the real one: its device_name ends with
+# SIMULATED_SUFFIX (which the sweep prints and the table's provenance records), its
+# driver says "simulated", and has_gpu is False, so the sweep keeps the CPU timer and
+# says so in its header. Never set it outside tests.
+FAKE_PLATFORM_ENV = "MLA_TUNE_FAKE_PLATFORM"
+SIMULATED_SUFFIX = " (simulated)"
 
 
 def canonical_gpu_name(device_name: str, arch: str = "") -> str:
@@ -43,10 +56,12 @@ class Platform:
     sm_count: int
     driver: str = ""
     versions: dict = field(default_factory=dict, compare=False, hash=False)
+    simulated: bool = False  # set only by the FAKE_PLATFORM_ENV testing hook
 
     @property
     def has_gpu(self) -> bool:
-        return self.name != "cpu"
+        """Whether kernels run on a GPU here; False on the CPU and on a simulated platform."""
+        return self.name != "cpu" and not self.simulated
 
 
 def software_versions() -> dict:
@@ -81,7 +96,11 @@ def _driver_version() -> str:
 
 
 def detect(device: int | None = None) -> Platform:
-    """The platform of `device` (default: the current one), or a CPU platform."""
+    """The platform of `device` (default: the current one), or a CPU platform; with
+    MLA_TUNE_FAKE_PLATFORM set (tests only), the simulated platform it names."""
+    fake = os.environ.get(FAKE_PLATFORM_ENV, "").strip()
+    if fake:
+        return simulated_platform(fake)
     if not torch.cuda.is_available():
         return Platform("cpu", "cpu", "cpu", False, 0, "", software_versions())
     index = torch.cuda.current_device() if device is None else device
@@ -109,3 +128,11 @@ def fake_platform(name: str = "H200") -> Platform:
     }
     device_name, arch, is_hip, sms = table.get(name, (name, "unknown", False, 132))
     return Platform(name, device_name, arch, is_hip, sms, "", software_versions())
+
+
+def simulated_platform(name: str) -> Platform:
+    """FOR TESTS ONLY (what detect() returns under MLA_TUNE_FAKE_PLATFORM=NAME): NAME's
+    planning platform, marked so that nothing made with it passes for the real GPU."""
+    base = fake_platform(name)
+    return dataclasses.replace(base, device_name=base.device_name + SIMULATED_SUFFIX,
+                               driver="simulated", simulated=True)

@@ -1,0 +1,515 @@
+"""End to end on the CPU: `mla-tune sweep` -> table -> runtime -> `mla-tune export` -> the
+exported file imported the way the leaderboard imports it, and checked.
+
+Two sweeps, each run once per module as the real command in a subprocess:
+
+- own kernels (tests/data/e2e_cpu.yaml): torch, triton and triton_fused under Triton's
+  interpreter (fp16 dots, tiny shapes, few reps), on the CPU platform;
+- AITER through its CPU fake (tests/data/e2e_aiter.yaml): torch and aiter on a simulated
+  MI355X (MLA_TUNE_FAKE_PLATFORM=MI355X, the testing hook in mla_tune/gpu.py, with
+  tests/fakes on PYTHONPATH so that `import aiter` finds the fake of AITER v0.1.11).
+
+Outputs are always checked against the leaderboard's reference (problem.reference: fp8
+q, fp8 KV, fp32 math) under the leaderboard rule. Exported files run in one fresh
+subprocess per group, in a folder with a leaderboard-like task.py, whose import system
+refuses mla_tune (the package is installed editable, so leaving it off sys.path would not
+keep it out). The one exception is the fake aiter itself: it stands in for the vendor
+library and computes its answer with mla_tune.problem.reference, so imports made by the
+`aiter` package (and by the mla_tune modules it pulls in) are let through and listed.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from mla_tune import gpu, runtime
+from mla_tune.backends import triton_fused
+from mla_tune.cli import app
+from mla_tune.core import Shape, Variant
+from mla_tune.problem import check, generate_input, generate_ragged_input, get_rule, reference
+from mla_tune.table import load_table, write_table
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).parent / "data"
+CPU_CONFIG = "tests/data/e2e_cpu.yaml"  # relative to ROOT: the table records the path
+AITER_CONFIG = "tests/data/e2e_aiter.yaml"
+RULE = get_rule("leaderboard")
+WIDE = {"COLUMNS": "250", "NO_COLOR": "1", "TERM": "dumb"}  # rich wraps at 80 columns otherwise
+MISSING = (2, 24)  # a shape neither table has: the fallback serves it
+RAGGED = [5, 40, 17]
+
+_spec = importlib.util.spec_from_file_location("vendor_fakes", ROOT / "tests" / "fakes" / "vendor_fakes.py")
+vendor_fakes = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(vendor_fakes)
+
+
+# ----------------------------------------------------------------------------- helpers
+def _base_env() -> dict[str, str]:
+    """This process's environment without a fake platform or extra paths, interpreter on."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", gpu.FAKE_PLATFORM_ENV, "MLA_TUNE_EXTRA_BACKENDS")}
+    env.update(WIDE, TRITON_INTERPRET="1")
+    return env
+
+
+def _aiter_env(platform: str | None = "MI355X") -> dict[str, str]:
+    env = vendor_fakes.subprocess_env("aiter", base=_base_env())
+    if platform:
+        env[gpu.FAKE_PLATFORM_ENV] = platform
+    return env
+
+
+def _mla_tune(*args, env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess:
+    """The installed `mla-tune` command (the console script next to this python)."""
+    script = Path(sys.executable).with_name("mla-tune")
+    command = [str(script)] if script.exists() else [sys.executable, "-c", "from mla_tune.cli import app; app()"]
+    return subprocess.run(command + [str(a) for a in args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _export(table: Path, out: Path, only: str | None = None):
+    args = ["export", "--table", str(table), "-o", str(out)] + (["--only", only] if only else [])
+    return CliRunner().invoke(app, args, env=WIDE)
+
+
+def _sweep(tmp: Path, gpu_name: str, config: str, env: dict[str, str]) -> dict:
+    out = tmp / f"{gpu_name}.yaml"
+    done = _mla_tune("sweep", "--gpu", gpu_name, "--config", config, "--out", out, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = [json.loads(line) for line in out.with_name(f"{gpu_name}.results.jsonl").read_text().splitlines()]
+    return {
+        "done": done, "path": out, "table": yaml.safe_load(out.read_text()),
+        "header": results[0], "records": [r for r in results if r.get("kind") == "candidate"],
+    }
+
+
+def _records(sweep: dict, shape: tuple[int, int]) -> list[dict]:
+    return [r for r in sweep["records"] if (r["shape"]["batch"], r["shape"]["kv_len"]) == shape]
+
+
+def _rows(sweep: dict) -> dict[tuple[int, int], dict]:
+    return {(r["batch"], r["kv_len"]): r for r in sweep["table"]["rows"]}
+
+
+def _assert_matches(out: torch.Tensor, case) -> None:
+    result = check(out, reference(case), RULE)
+    assert result.passed, result.reason
+
+
+def _case(batch: int, kv_len: int, seed: int):
+    return generate_input(batch, kv_len, seed=seed, device="cpu")
+
+
+RUNNER = textwrap.dedent('''
+    import importlib, json, sys, warnings
+
+    class _NoMlaTune:
+        """mla_tune is refused to everyone but the fake aiter (tests/fakes/aiter) and the
+        mla_tune modules it pulls in; what was let through is listed."""
+        let_through = []
+
+        def find_spec(self, name, path=None, target=None):
+            if name != "mla_tune" and not name.startswith("mla_tune."):
+                return None
+            frame = sys._getframe(1)
+            while frame is not None and (frame.f_code.co_filename.startswith("<frozen")
+                                         or "importlib" in frame.f_code.co_filename):
+                frame = frame.f_back
+            importer = frame.f_globals.get("__name__", "?") if frame is not None else "?"
+            if importer.split(".")[0] in ("aiter", "mla_tune"):
+                self.let_through.append([name, importer])
+                return None
+            raise ImportError(f"the exported file must not import mla_tune ({name}, from {importer})")
+
+    sys.meta_path.insert(0, _NoMlaTune())
+    sys.path.insert(0, ".")
+    import torch
+    warnings.simplefilter("ignore")
+    report = {}
+    for name in sys.argv[1:]:
+        sub = importlib.import_module(name)
+        own = sorted(k for k, v in vars(sub).items()
+                     if str(getattr(v, "__module__", "") or "").startswith("mla_tune")
+                     or getattr(v, "__name__", "") == "mla_tune")
+        cases = torch.load(f"inputs_{name}.pt")
+        outs = [sub.custom_kernel(tuple(case)).clone() for case in cases]
+        torch.save(outs, f"outputs_{name}.pt")
+        fake = sys.modules.get("aiter")
+        report[name] = {
+            "misses": sorted([s.batch, s.kv_len] for s in sub._EXPORT_DISPATCHER.misses),
+            "mla_tune_names": own,
+            "aiter_calls": dict(fake._state.calls) if fake is not None else None,
+        }
+    report["mla_tune_modules"] = sorted(m for m in sys.modules if m.split(".")[0] == "mla_tune")
+    report["let_through"] = _NoMlaTune.let_through
+    print("REPORT " + json.dumps(report))
+''')
+
+
+def _run_exported(folder: Path, cases: dict[str, list], env: dict[str, str]) -> tuple[dict, dict]:
+    """Import each exported module (folder/NAME.py) in one fresh subprocess and run its
+    custom_kernel on its cases; returns ({name: outputs}, report)."""
+    (folder / "task.py").write_text("import typing\ninput_t = typing.Any\noutput_t = typing.Any\n")
+    (folder / "run_exported.py").write_text(RUNNER)
+    for name, module_cases in cases.items():
+        torch.save([list(case) for case in module_cases], folder / f"inputs_{name}.pt")
+    done = subprocess.run([sys.executable, "run_exported.py", *cases], cwd=folder, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    report = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("REPORT "))[7:])
+    for name in cases:
+        assert report[name]["mla_tune_names"] == [], f"{name} holds objects from mla_tune"
+    return {name: torch.load(folder / f"outputs_{name}.pt") for name in cases}, report
+
+
+def _exported_table(text: str) -> dict[tuple[int, int], str]:
+    """The dispatch table literal of an exported file."""
+    start = text.index("_EXPORT_TABLE_TEXT = {")
+    literal = text[text.index("{", start): text.index("\n}\n", start) + 2]
+    return ast.literal_eval(literal)
+
+
+# ==================================================================== own kernels (CPU)
+@pytest.fixture(scope="module")
+def cpu_sweep(tmp_path_factory):
+    return _sweep(tmp_path_factory.mktemp("cpu_sweep"), "cpu", CPU_CONFIG, _base_env())
+
+
+def test_cpu_sweep_writes_a_row_per_shape_with_a_winner_that_passed(cpu_sweep):
+    table, header = cpu_sweep["table"], cpu_sweep["header"]
+    assert "sweep e2e_cpu on cpu" in cpu_sweep["done"].stdout
+    assert table["gpu"] == "cpu" and header["gpu"] == "cpu" and not header["forced"]
+    prov = table["provenance"]
+    assert prov["device_name"] == "cpu" and prov["protocol"]["name"] == "cpu-wall-clock"
+    assert prov["config"]["path"] == CPU_CONFIG and prov["rule"]["name"] == "leaderboard"
+    rows = _rows(cpu_sweep)
+    assert sorted(rows) == [(1, 17), (2, 40)]
+    # triton: kv x num_splits; a split shorter than block_n 16 is not offered at kv_len 17
+    expected_triton = {(2, 40): 4, (1, 17): 2}
+    for shape, row in rows.items():
+        records = _records(cpu_sweep, shape)
+        by_variant = {r["variant"]: r for r in records}
+        # the winner passed the gate on both seeds and was timed
+        winner = by_variant[row["winner"]["variant"]]
+        assert winner["status"] == "ok" and [c["seed"] for c in winner["checks"]] == [1001, 2002]
+        assert all(c["passed"] for c in winner["checks"])
+        assert row["time_us"] == pytest.approx(winner["time"]["median_us"], rel=1e-3)
+        assert row["winner"]["backend"] == Variant.parse(row["winner"]["variant"]).backend
+        # every triton variant ran, passed and was timed; per-backend times and the baseline
+        triton_records = [r for r in records if r["backend"] == "triton"]
+        assert len(triton_records) == expected_triton[shape]
+        assert all(r["status"] == "ok" and all(c["passed"] for c in r["checks"]) for r in triton_records)
+        assert all(r["params"]["dot_dtype"] == "fp16" for r in triton_records)
+        assert isinstance(row["backends"]["torch"], float) and isinstance(row["backends"]["triton"], float)
+        assert row["backends"]["triton"] == pytest.approx(min(r["time"]["median_us"] for r in triton_records),
+                                                          rel=1e-3)
+        assert "triton_fused" in row["backends"]  # a time, or why there is none (see the test below)
+        assert row["baseline_us"] == row["backends"]["torch"]
+        assert row["runner_up"] is not None and row["runner_up"]["variant"] != row["winner"]["variant"]
+        counts = row["candidates"]
+        assert counts["tried"] == len(records) == sum(counts[s] for s in
+                                                      ("ok", "rejected", "failed", "crashed", "timeout", "pruned"))
+        assert counts["ok"] == len(records) and counts["ok"] >= 1 + expected_triton[shape]
+        assert set(row["alternates"]) >= {"torch", "triton"}
+
+
+# BLOCKED (not this file's code): mla_tune/backends/triton_fused.py unavailable_reason()
+# returns "no GPU here (the kernels run on the CPU only under TRITON_INTERPRET=1, for tests)"
+# even under TRITON_INTERPRET=1, where the triton backend is available. So a CPU sweep never
+# runs a triton_fused candidate: the e2e_cpu table says `triton_fused: 'unavailable: ...'`,
+# and no table row, runtime or export on the CPU ever goes through it. Strict: when that is
+# fixed this xpasses and fails; then drop the marker.
+@pytest.mark.xfail(triton_fused.unavailable_reason() is not None, strict=True,
+                   reason="triton_fused refuses to run under TRITON_INTERPRET=1 (backends/triton_fused.py)")
+def test_triton_fused_candidates_run_in_the_cpu_sweep(cpu_sweep):
+    for shape, row in _rows(cpu_sweep).items():
+        fused = [r for r in _records(cpu_sweep, shape) if r["backend"] == "triton_fused"]
+        assert fused and all(r["status"] == "ok" for r in fused), row["backends"]["triton_fused"]
+        assert isinstance(row["backends"]["triton_fused"], float) and "triton_fused" in row["alternates"]
+
+
+def test_cpu_runtime_serves_table_rows_a_missing_shape_and_a_ragged_batch(cpu_sweep):
+    rt = runtime.load(table=cpu_sweep["path"], gpu="cpu")
+    assert rt.platform.name == "cpu" and rt.fallback_backend == "triton"
+    rows = _rows(cpu_sweep)
+    for seed, (shape, row) in enumerate(sorted(rows.items())):
+        assert str(rt.dispatcher.variant_for(*shape)) == row["winner"]["variant"]
+        case = _case(*shape, seed=100 + seed)
+        _assert_matches(rt.decode(*case[:4]).clone(), case)
+        _assert_matches(rt.custom_kernel(case).clone(), case)  # the leaderboard entry, no sync
+    assert rt.dispatcher.misses == {}
+
+    case = _case(*MISSING, seed=7)
+    with pytest.warns(UserWarning, match=r"a shape the table lacks \(2x24\); running the fallback triton\("):
+        _assert_matches(rt.custom_kernel(case).clone(), case)
+    ragged = generate_ragged_input(RAGGED, seed=8, device="cpu")
+    with pytest.warns(UserWarning, match=r"a ragged batch \(3x40\); running the fallback triton\("):
+        _assert_matches(rt.decode(*ragged[:4]).clone(), ragged)
+    assert rt.dispatcher.misses == {Shape(*MISSING): 1, Shape(3, 40): 1}
+
+
+@pytest.fixture(scope="module")
+def cpu_exports(cpu_sweep, tmp_path_factory):
+    """The CPU table exported three ways, each file run in one subprocess on its cases."""
+    folder = tmp_path_factory.mktemp("cpu_exports")
+    table = cpu_sweep["path"]
+    texts = {}
+    for name, only in (("full", None), ("torch_only", "torch"), ("own_triton", "triton_fused,triton")):
+        result = _export(table, folder / f"{name}.py", only)
+        assert result.exit_code == 0, result.output
+        assert f"wrote {folder / name}.py: 2 shapes from {table}" in " ".join(result.output.split())
+        texts[name] = (folder / f"{name}.py").read_text()
+    shapes = [*sorted(_rows(cpu_sweep)), MISSING]
+    cases = {name: [_case(*s, seed=200 + i) for i, s in enumerate(shapes)] for name in texts}
+    outs, report = _run_exported(folder, cases, _base_env())
+    return {"texts": texts, "cases": cases, "outs": outs, "report": report, "shapes": shapes}
+
+
+def _check_header(text: str, gpu_name: str) -> None:
+    assert text.splitlines()[:2] == ["#!POPCORN leaderboard amd-mixed-mla", f"#!POPCORN gpu {gpu_name}"]
+    assert "import mla_tune" not in text and "from mla_tune" not in text
+    assert "from task import input_t, output_t" in text
+    compile(text, "exported", "exec")
+
+
+def test_cpu_full_export_imports_without_mla_tune_and_matches_the_reference(cpu_sweep, cpu_exports):
+    text = cpu_exports["texts"]["full"]
+    _check_header(text, "cpu")
+    assert f"config {CPU_CONFIG} hash {cpu_sweep['table']['provenance']['config']['hash']}" in text
+    assert "needs no vendor library (torch and triton only)" in text
+    assert "shapes the table lacks run the triton fallback" in text
+    assert _exported_table(text) == {s: r["winner"]["variant"] for s, r in _rows(cpu_sweep).items()}
+    for out, case in zip(cpu_exports["outs"]["full"], cpu_exports["cases"]["full"], strict=True):
+        _assert_matches(out, case)
+    report = cpu_exports["report"]
+    assert report["full"]["misses"] == [list(MISSING)]
+    assert report["mla_tune_modules"] == [] and report["let_through"] == []
+
+
+def test_cpu_torch_only_export_keeps_torch_rows_and_falls_back_to_torch(cpu_sweep, cpu_exports):
+    text = cpu_exports["texts"]["torch_only"]
+    _check_header(text, "cpu")
+    assert "@triton.jit" not in text and "needs no vendor library (torch only)" in text
+    assert "shapes the table lacks run the torch fallback" in text
+    # every row's torch pick (its winner when torch won, else its torch alternate)
+    assert _exported_table(text) == {s: r["alternates"]["torch"]["variant"] for s, r in _rows(cpu_sweep).items()}
+    for out, case in zip(cpu_exports["outs"]["torch_only"], cpu_exports["cases"]["torch_only"], strict=True):
+        _assert_matches(out, case)
+    assert cpu_exports["report"]["torch_only"]["misses"] == [list(MISSING)]
+
+
+def test_cpu_export_without_torch_takes_each_rows_best_allowed_alternate(cpu_sweep, cpu_exports):
+    """`--only triton_fused,triton`: a row whose winner is excluded (torch wins every row
+    on the CPU, where Triton runs interpreted) takes its best alternate among the allowed
+    backends; a row with none would be left out and run the triton fallback."""
+    text = cpu_exports["texts"]["own_triton"]
+    _check_header(text, "cpu")
+    expected = {s: str(v) for s, v in
+                load_table(cpu_sweep["path"]).variants(only_backends=["triton_fused", "triton"]).items()}
+    entries = _exported_table(text)
+    assert entries == {(s.batch, s.kv_len): v for s, v in expected.items()}
+    for shape, row in _rows(cpu_sweep).items():
+        allowed = {b: a for b, a in row["alternates"].items() if b in ("triton", "triton_fused")}
+        assert entries[shape] in {a["variant"] for a in allowed.values()}
+        assert Variant.parse(entries[shape]).backend in ("triton", "triton_fused")
+    assert "def _build_torch(" not in text and "def _build_triton(" in text
+    for out, case in zip(cpu_exports["outs"]["own_triton"], cpu_exports["cases"]["own_triton"], strict=True):
+        _assert_matches(out, case)
+    assert cpu_exports["report"]["own_triton"]["misses"] == [list(MISSING)]
+
+
+def test_cpu_export_of_only_triton_fused_is_refused_for_want_of_a_fallback(cpu_sweep, tmp_path):
+    # Rows could take triton_fused alternates, but shapes the table lacks need a fallback
+    # (triton or torch), so the exporter refuses rather than write a file that cannot serve them.
+    result = _export(cpu_sweep["path"], tmp_path / "fused.py", "triton_fused")
+    assert result.exit_code == 1
+    assert ("the fallback needs the triton or the torch backend, but --only allows only triton_fused; "
+            "add triton or torch to --only") in " ".join(result.output.split())
+    assert not (tmp_path / "fused.py").exists()
+
+
+# ========================================================= AITER through the fake (MI355X)
+def test_the_fake_platform_hook_names_a_simulated_platform(monkeypatch):
+    monkeypatch.setenv(gpu.FAKE_PLATFORM_ENV, "MI355X")
+    found = gpu.detect()
+    assert (found.name, found.arch, found.is_hip, found.sm_count) == ("MI355X", "gfx950", True, 256)
+    assert found.device_name == "AMD Instinct MI355X (simulated)" and found.driver == "simulated"
+    assert found.simulated and not found.has_gpu  # kernels still run on the CPU
+    monkeypatch.delenv(gpu.FAKE_PLATFORM_ENV)
+    assert not gpu.detect().simulated
+    if not torch.cuda.is_available():
+        assert gpu.detect().name == "cpu"
+
+
+@pytest.fixture(scope="module")
+def aiter_sweep(tmp_path_factory):
+    return _sweep(tmp_path_factory.mktemp("aiter_sweep"), "MI355X", AITER_CONFIG, _aiter_env())
+
+
+def _aiter_ok(sweep: dict, shape) -> list[dict]:
+    return [r for r in _records(sweep, shape) if r["backend"] == "aiter" and r["status"] == "ok"]
+
+
+def test_mi355x_sweep_runs_every_aiter_family_through_the_fake(aiter_sweep):
+    stdout = " ".join(aiter_sweep["done"].stdout.split())
+    assert "sweep e2e_aiter on AMD Instinct MI355X (simulated): 39 candidates over 2 shapes" in stdout
+    header = aiter_sweep["header"]
+    assert header["gpu"] == "MI355X" and not header["forced"] and header["unavailable"] == {}
+    assert header["platform"]["device_name"] == "AMD Instinct MI355X (simulated)"
+    assert header["protocol"]["name"] == "cpu-wall-clock"  # a simulated platform times on the CPU
+    for shape, n_aiter in (((2, 200), 22), ((1, 40), 15)):
+        records = _records(aiter_sweep, shape)
+        assert all(r["status"] == "ok" for r in records), [(r["variant"], r["reason"]) for r in records
+                                                          if r["status"] != "ok"]
+        aiter = [r for r in records if r["backend"] == "aiter"]
+        assert len(aiter) == n_aiter
+        assert {r["params"]["mode"] for r in aiter} == {"nonpersistent", "persistent"}
+        assert {r["params"]["q"] for r in aiter} == {"fp8_static", "fp8_dynamic", "bf16"}
+        assert {(r["params"]["q"] != "bf16", r["params"]["kv"], r["params"]["mode"]) for r in aiter} == {
+            (True, "fp8", "nonpersistent"), (True, "fp8", "persistent"), (False, "fp8", "persistent"),
+            (False, "bf16", "nonpersistent"), (False, "bf16", "persistent")}
+        static = [r for r in aiter if r["params"]["q"] == "fp8_static"]
+        assert static and all(r["params"]["q_amax"] == r["calibration"]["q_amax"] > 0 for r in static)
+        intra = [r for r in aiter if r["params"].get("intra_batch")]
+        assert bool(intra) == (shape[1] >= 196)  # AITER's intra-batch builder needs >= 196 tokens
+        assert {r["params"].get("fast_mode") for r in aiter if r["params"]["mode"] == "persistent"} == {True, False}
+
+
+def test_mi355x_table_rows_and_its_simulated_provenance(aiter_sweep):
+    table = aiter_sweep["table"]
+    assert table["gpu"] == "MI355X"
+    prov = table["provenance"]
+    assert prov["device_name"] == "AMD Instinct MI355X (simulated)" and prov["driver"] == "simulated"
+    assert prov["arch"] == "gfx950" and prov["protocol"]["name"] == "cpu-wall-clock"
+    rows = _rows(aiter_sweep)
+    assert sorted(rows) == [(1, 40), (2, 200)]
+    for shape, row in rows.items():
+        assert row["winner"] is not None
+        assert isinstance(row["backends"]["aiter"], float) and isinstance(row["backends"]["torch"], float)
+        assert row["backends"]["aiter"] == pytest.approx(min(r["time"]["median_us"] for r in _aiter_ok(aiter_sweep, shape)),
+                                                         rel=1e-3)
+        assert row["baseline_us"] == row["backends"]["torch"]
+        assert row["candidates"]["tried"] == row["candidates"]["ok"] == len(_records(aiter_sweep, shape))
+        assert Variant.parse(row["alternates"]["aiter"]["variant"]).backend == "aiter"
+    # The table can never pass for a real MI355X's: without the hook this machine is a CPU.
+    with pytest.raises(runtime.GpuMismatchError, match="tuned on MI355X but this process runs on cpu"):
+        runtime.load(table=aiter_sweep["path"], gpu="MI355X")
+
+
+def test_mi355x_sweep_without_the_fake_platform_is_refused_naming_the_cpu(tmp_path):
+    out = tmp_path / "MI355X.yaml"
+    done = _mla_tune("sweep", "--gpu", "MI355X", "--config", AITER_CONFIG, "--out", out,
+                     env=_aiter_env(platform=None))
+    assert done.returncode == 1, done.stdout[-2000:]
+    assert ("this machine has no GPU (cpu), not MI355X; run on an MI355X or pass --force"
+            in " ".join(done.stderr.split())), done.stderr
+    assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def aiter_pinned_table(aiter_sweep, tmp_path_factory):
+    """The MI355X table with each row's winner pinned to an aiter variant the sweep passed.
+
+    On the CPU, torch's bmm and the fake (fp32 reference math on the CPU) take about the
+    same time, so which one wins a row is down to timing noise; pinned, the runtime goes
+    through AITER every time (on a real MI355X AITER is the expected winner anyway).
+    Pinned: (2, 200) -> the fastest fp8_static variant (calibrated q_amax, AITER's static
+    quant op), (1, 40) -> the fastest non-persistent one. Everything else is the sweep's.
+    """
+    data = yaml.safe_load(aiter_sweep["path"].read_text())
+    picks = {(2, 200): lambda r: r["params"]["q"] == "fp8_static",
+             (1, 40): lambda r: r["params"]["mode"] == "nonpersistent"}
+    for row in data["rows"]:
+        shape = (row["batch"], row["kv_len"])
+        record = min((r for r in _aiter_ok(aiter_sweep, shape) if picks[shape](r)),
+                     key=lambda r: r["time"]["median_us"])
+        variant = Variant.parse(record["variant"])
+        row["winner"] = {"variant": str(variant), "backend": "aiter", "params": variant.p}
+        row["time_us"] = round(record["time"]["median_us"], 3)
+        row["calibration"] = record["calibration"]
+    path = write_table(tmp_path_factory.mktemp("pinned") / "MI355X.yaml", data)
+    load_table(path)  # still a valid table
+    return path
+
+
+def test_mi355x_runtime_decodes_through_the_fake_aiter(aiter_pinned_table, monkeypatch):
+    monkeypatch.setenv(gpu.FAKE_PLATFORM_ENV, "MI355X")
+    fake = vendor_fakes.install(monkeypatch, "aiter")["aiter"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # same software versions, every backend available
+        rt = runtime.load(table=aiter_pinned_table, gpu="MI355X")
+    assert rt.platform.simulated and rt.platform.name == "MI355X" and rt.fallback_backend == "triton"
+    calls = fake._state.calls
+    for seed, (shape, row) in enumerate(sorted(load_table(aiter_pinned_table).rows.items())):
+        variant = rt.dispatcher.variant_for(shape.batch, shape.kv_len)
+        assert variant.backend == "aiter" and str(variant) == row["winner"]["variant"]
+        case = _case(shape.batch, shape.kv_len, seed=300 + seed)
+        before = dict(calls)
+        _assert_matches(rt.custom_kernel(case).clone(), case)
+        _assert_matches(rt.decode(*case[:4]).clone(), case)
+        assert calls["mla_decode_fwd"] == before["mla_decode_fwd"] + 2
+        if variant.get("q") == "fp8_static":
+            assert calls["static_per_tensor_quant"] == before["static_per_tensor_quant"] + 2
+    assert rt.dispatcher.misses == {}
+    n_calls = calls["mla_decode_fwd"]
+    case = _case(*MISSING, seed=9)
+    with pytest.warns(UserWarning, match="a shape the table lacks"):
+        _assert_matches(rt.custom_kernel(case).clone(), case)
+    ragged = generate_ragged_input(RAGGED, seed=10, device="cpu")
+    with pytest.warns(UserWarning, match="a ragged batch"):
+        _assert_matches(rt.decode(*ragged[:4]).clone(), ragged)
+    assert calls["mla_decode_fwd"] == n_calls  # both went to the triton fallback
+
+
+def test_mi355x_exports_import_with_the_fake_aiter_and_without_mla_tune(aiter_sweep, aiter_pinned_table,
+                                                                         tmp_path):
+    exports = {"plain": (aiter_sweep["path"], None),        # the sweep's winners, as they came out
+               "aiter_only": (aiter_sweep["path"], "aiter,triton"),  # rows take aiter alternates
+               "pinned": (aiter_pinned_table, None)}        # aiter winners, fp8_static included
+    texts = {}
+    for name, (table, only) in exports.items():
+        result = _export(table, tmp_path / f"{name}.py", only)
+        assert result.exit_code == 0, result.output
+        texts[name] = (tmp_path / f"{name}.py").read_text()
+        _check_header(texts[name], "MI355X")
+    rows = _rows(aiter_sweep)
+    assert _exported_table(texts["plain"]) == {s: r["winner"]["variant"] for s, r in rows.items()}
+    aiter_won = any(r["winner"]["backend"] == "aiter" for r in rows.values())
+    assert ("This file needs the vendor libraries aiter installed." in texts["plain"]) == aiter_won
+    assert ("needs no vendor library (torch and triton only)" in texts["plain"]) != aiter_won
+    for name in ("aiter_only", "pinned"):
+        assert "This file needs the vendor libraries aiter installed." in texts[name]
+        assert "Backends used: triton, aiter; shapes the table lacks run the triton fallback." in texts[name]
+        assert "def _build_aiter(" in texts[name] and "\n    import aiter\n" in texts[name]
+    assert _exported_table(texts["aiter_only"]) == {s: r["alternates"]["aiter"]["variant"] for s, r in rows.items()}
+    pinned = {(s.batch, s.kv_len): r["winner"]["variant"] for s, r in load_table(aiter_pinned_table).rows.items()}
+    assert _exported_table(texts["pinned"]) == pinned
+
+    shapes = [*sorted(rows), MISSING]
+    cases = {name: [_case(*s, seed=400 + i) for i, s in enumerate(shapes)] for name in ("aiter_only", "pinned")}
+    outs, report = _run_exported(tmp_path, cases, _aiter_env(platform=None))
+    for name, module_cases in cases.items():
+        for out, case in zip(outs[name], module_cases, strict=True):
+            _assert_matches(out, case)
+        assert report[name]["misses"] == [list(MISSING)]
+    # each file's two table rows went through the fake (one process: the counts add up)
+    assert report["aiter_only"]["aiter_calls"]["mla_decode_fwd"] == 2
+    assert report["pinned"]["aiter_calls"]["mla_decode_fwd"] == 4
+    assert report["pinned"]["aiter_calls"]["static_per_tensor_quant"] >= 1
+    # mla_tune was imported only on behalf of the fake aiter
+    assert report["let_through"] and all(imp.split(".")[0] in ("aiter", "mla_tune")
+                                         for _name, imp in report["let_through"])
+    assert any(imp.startswith("aiter") for _name, imp in report["let_through"])
