@@ -54,8 +54,15 @@ def sweep(
     force: Annotated[bool, typer.Option(help="Sweep even when the GPU here is not the one named by --gpu.")] = False,
     devices: Annotated[str | None, typer.Option(help="Comma-separated GPU indices to spread the sweep over, e.g. 0,1.")] = None,
     fresh: Annotated[bool, typer.Option(help="Move earlier results aside and start over instead of resuming.")] = False,
+    candidate_timeout: Annotated[float | None, typer.Option(
+        help="Seconds one candidate may run before its worker is killed and it is recorded as a "
+             "timeout; default: the config's candidate_timeout_s, else 120.")] = None,
 ) -> None:
     """Sweep every candidate kernel per shape on this GPU and write its dispatch table."""
+    if candidate_timeout is not None and not candidate_timeout > 0:
+        raise typer.BadParameter(f"--candidate-timeout must be a positive number of seconds, got {candidate_timeout}")
+    # passed only when given, so run_sweep's own default (the config's limit) applies otherwise
+    timeout = {} if candidate_timeout is None else {"candidate_timeout_s": candidate_timeout}
     device_list = None
     if devices is not None:
         try:
@@ -65,7 +72,8 @@ def sweep(
     with _domain_errors():
         from mla_tune.sweep import run_sweep
 
-        run_sweep(config, gpu, out=out, dry_run=dry_run, force=force, devices=device_list, fresh=fresh)
+        run_sweep(config, gpu, out=out, dry_run=dry_run, force=force, devices=device_list, fresh=fresh,
+                  **timeout)
 
 
 @app.command()

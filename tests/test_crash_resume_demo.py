@@ -1,0 +1,133 @@
+"""scripts/crash_resume_demo.py on the CPU (fake_crash stands in for the GPU's out-of-bounds
+Triton candidate), the fake_oob backend's refusal to run without a GPU, and the sweep
+command's --candidate-timeout option."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import mla_tune.sweep
+from mla_tune.backends import EXTRA_BACKENDS_ENV
+from mla_tune.cli import app
+from mla_tune.core import Shape
+from tests.fakes import EXTRA_BACKENDS, fake_oob
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "crash_resume_demo.py"
+CPU_CONFIG = REPO / "tests" / "data" / "resume_demo_cpu.yaml"
+
+
+def load_demo():
+    spec = importlib.util.spec_from_file_location("crash_resume_demo", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ----------------------------------------------------------------- the demo, end to end
+def test_a_sweep_killed_halfway_resumes_to_the_uninterrupted_sweeps_results_and_winners(tmp_path):
+    out = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--gpu", "cpu", "--config", str(CPU_CONFIG), "--out", str(out),
+         "--extra-backends", EXTRA_BACKENDS, "--crash-backend", "fake_crash",
+         "--candidate-timeout", "20", "--deadline", "170"],
+        cwd=REPO, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["passed"] and report["exit_code"] == 0
+    assert [c for c in report["checks"] if not c["passed"]] == []
+    names = {c["check"] for c in report["checks"]}
+    for expected in ("B was killed halfway", "B2 took over the stale lock", "B2 dropped the torn last line",
+                     "every candidate of A is in B exactly once",
+                     "B's first lines are byte-identical to those written before the kill",
+                     "A: candidates after the crash still ran", "B: candidates after the crash still ran"):
+        assert expected in names
+    kill = report["steps"]["b_killed"]
+    assert 0 < kill["lines_at_kill"] < 13 and kill["lock_left"] and kill["stragglers"] == []
+    assert kill["torn_tail"] != "none"
+    for crash in report["crash_records"].values():
+        assert crash["status"] == "crashed" and "worker died (exit code 139)" in crash["reason"]
+    shapes = {s["shape"]: s for s in report["shapes"]}
+    assert set(shapes) == {"1x33", "2x17", "3x9"}
+    for name, s in shapes.items():
+        batch = int(name.split("x")[0])
+        assert s["compared"] and s["same"] and s["gap"] > 0.10
+        assert s["a_winner"] == f"fake_ok(delay_us=30000,fast_for_batch={batch},kv=fp8,q=bf16)"
+    # the table comes last, then the verdict
+    tail = proc.stdout.strip().splitlines()
+    assert tail[-1].startswith("PASS: ") and "0 failed" in tail[-1]
+    assert any(line.startswith("3x9 ") and "yes" in line for line in tail[-6:])
+    assert (out / "a" / "sweep.log").exists() and (out / "b" / "sweep_resumed.log").exists()
+
+
+def test_the_demo_refuses_an_out_directory_holding_an_earlier_run(tmp_path, capsys):
+    demo = load_demo()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "cpu.results.jsonl").write_text("{}\n")
+    with pytest.raises(SystemExit) as info:
+        demo.parse_args(["--gpu", "cpu", "--config", str(CPU_CONFIG), "--out", str(tmp_path)])
+    assert info.value.code == 2
+    assert "would resume, not start fresh" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--gpu", "cpu", "--config", str(CPU_CONFIG), "--out", str(tmp_path / "x"),
+                         "--kill-after", "1.5"])
+    assert "--kill-after must lie strictly between 0 and 1" in capsys.readouterr().err
+
+
+def test_the_demo_adds_its_backends_to_those_already_registered(monkeypatch):
+    demo = load_demo()
+    monkeypatch.setenv(EXTRA_BACKENDS_ENV, "fake_ok=tests.fakes.fake_ok")
+    env = demo.sweep_env("fake_oob=tests.fakes.fake_oob")
+    assert env[EXTRA_BACKENDS_ENV] == "fake_ok=tests.fakes.fake_ok,fake_oob=tests.fakes.fake_oob"
+    assert env["PYTHONPATH"].split(":")[0] == str(REPO)
+
+
+# ------------------------------------------------------------------------- fake_oob
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_fake_oob_says_in_a_sentence_why_it_cannot_run_on_the_cpu_and_refuses_to_build():
+    reason = fake_oob.unavailable_reason()
+    assert isinstance(reason, str) and reason.startswith("fake_oob needs a CUDA GPU")
+    assert "segfault or corrupt memory" in reason
+    variant = fake_oob.candidates(Shape(32, 8192), {}, None)[0]
+    assert str(variant) == "fake_oob(kv=bf16,q=bf16)"
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        fake_oob.build(variant, Shape(32, 8192), "cpu")
+
+
+def test_fake_oob_is_offered_only_at_the_batches_its_space_names():
+    assert fake_oob.candidates(Shape(4, 1024), {"batches": [32]}, None) == []
+    assert len(fake_oob.candidates(Shape(32, 8192), {"batches": [32]}, None)) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter check of the kernel body")
+def test_the_oob_kernel_stores_zeros_at_the_offset_it_is_given():
+    # in bounds, under the interpreter: the same kernel the runner sends 2**47 bytes away
+    out = torch.ones(2 * 16 * 512, dtype=torch.bfloat16)
+    fake_oob.oob_store(out, 96)
+    assert out[96:112].eq(0).all() and out[:96].eq(1).all() and out[112:].eq(1).all()
+
+
+# ------------------------------------------------------------------- --candidate-timeout
+def test_the_candidate_timeout_option_reaches_run_sweep(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(mla_tune.sweep, "run_sweep", lambda *a, **k: calls.append(k))
+    runner = CliRunner()
+    env = {"COLUMNS": "250", "NO_COLOR": "1", "TERM": "dumb"}
+    result = runner.invoke(app, ["sweep", "--gpu", "H200", "--config", str(CPU_CONFIG),
+                                 "--candidate-timeout", "7.5"], env=env)
+    assert result.exit_code == 0, result.output
+    assert calls[-1]["candidate_timeout_s"] == 7.5
+    result = runner.invoke(app, ["sweep", "--gpu", "H200", "--config", str(CPU_CONFIG)], env=env)
+    assert result.exit_code == 0 and "candidate_timeout_s" not in calls[-1]  # the config's limit
+    result = runner.invoke(app, ["sweep", "--gpu", "H200", "--candidate-timeout", "0"], env=env)
+    assert result.exit_code == 2 and "--candidate-timeout must be a positive number" in result.output
+    assert len(calls) == 2
