@@ -216,7 +216,7 @@ def check_indptr_values(qo_indptr, kv_indptr, total_kv: int) -> list[int]:
     kv = kv_indptr.tolist()
     require(qo == list(range(len(qo))), f"qo_indptr must be 0,1,2,... (one query each), got {qo[:8]}")
     require(kv[0] == 0, f"kv_indptr must start at 0, got {kv[0]}")
-    lengths = [b - a for a, b in zip(kv, kv[1:])]
+    lengths = [b - a for a, b in zip(kv, kv[1:], strict=False)]
     require(min(lengths) >= 1, f"every sequence needs kv_len >= 1; kv_indptr gives {min(lengths)}")
     require(
         kv[-1] == total_kv,

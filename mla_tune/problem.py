@@ -16,7 +16,6 @@ import torch
 from mla_tune.core import (
     KV_LORA_RANK,
     MXFP4_BLOCK,
-    MXFP4_SCALES,
     NUM_HEADS,
     NUM_KV_HEADS,
     QK_DIM,
@@ -186,7 +185,7 @@ def reference(data, q_format: str = "fp8", kv_format: str = "fp8") -> torch.Tens
         raise ValueError(f"unknown q format {q_format!r}; known: bf16, fp8")
     kv = dequantized_kv(kv_data, kv_format)
     bounds = kv_indptr.tolist()
-    lengths = {b - a for a, b in zip(bounds, bounds[1:])}
+    lengths = {b - a for a, b in zip(bounds, bounds[1:], strict=False)}
     batch = q.shape[0]
     if len(lengths) == 1:  # uniform: one batched matmul
         n = lengths.pop()

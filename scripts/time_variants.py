@@ -33,6 +33,7 @@ def main() -> None:
         batch, kv_len = (int(x) for x in text.split("x"))
         shape = Shape(batch, kv_len)
         data = generate_input(batch, kv_len, seed=batch * 7 + kv_len, device="cuda")
+        inputs = data[:4]
         ref = reference(data)
         q_amax = 1.1 * max(
             float(generate_input(batch, 1, seed=s, device="cuda")[0].abs().amax()) for s in range(8)
@@ -42,9 +43,9 @@ def main() -> None:
                 variant = variant.with_params(q_amax=round(q_amax, 3))
             try:
                 runner = get_backend(variant.backend).build(variant, shape, "cuda")
-                out = runner(*data[:4]).clone()
+                out = runner(*inputs).clone()
                 lb, strict = check(out, ref, RULES["leaderboard"]), check(out, ref, RULES["strict"])
-                t = time_call(lambda runner=runner: runner(*data[:4]), reps=args.reps)
+                t = time_call(lambda runner=runner, inputs=inputs: runner(*inputs), reps=args.reps)
                 print(
                     f"{str(shape):>10} {t.median_us:8.1f} {t.p10_us:7.1f} {t.p90_us:7.1f} "
                     f"{'ok' if lb.passed else 'FAIL':>4} {'ok' if strict.passed else 'FAIL':>6}  {variant}",
@@ -52,7 +53,7 @@ def main() -> None:
                 )
             except Exception as exc:  # a development tool: show every failure and go on
                 print(f"{str(shape):>10} {'error':>8}  {variant}: {type(exc).__name__}: {exc}", flush=True)
-        del data, ref
+        del data, inputs, ref
         torch.cuda.empty_cache()
 
 

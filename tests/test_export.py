@@ -147,7 +147,7 @@ def test_exported_dispatcher_refuses_ragged_batches_with_a_torch_fallback(tmp_pa
 
 
 def test_export_refuses_unknown_or_fallbackless_backend_lists(tmp_path):
-    with pytest.raises(ExportError, match="unknown backend.*warp; known backends: triton, torch"):
+    with pytest.raises(ExportError, match="unknown backend.*warp; known backends: .*torch"):
         export_submission(TABLE, tmp_path / "x.py", only_backends=["warp"])
     with pytest.raises(ExportError, match="the fallback needs the triton or the torch backend"):
         export_submission(TABLE, tmp_path / "x.py", only_backends=["aiter"])
