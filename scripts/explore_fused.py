@@ -8,6 +8,15 @@ to $OUT/explore.jsonl as they finish, so a killed run keeps what it measured; th
 table prints last.
 
     PYTHONPATH=. python3 scripts/explore_fused.py [--configs base,fp8qk,...] [--reps 20]
+
+`--levers` (issue 5): at the 8 shapes, the best configuration per shape (docs/perf.md, run
+3) against the same with load=tma, load=tma_host, grid=persistent, and the MXFP4 kernel
+(kv=mxfp4, bf16 dots, same split plan). Compiles in parallel workers first (most important
+first), then checks (strict for fp8, leaderboard for MXFP4) and times each, inside a hard
+global budget: whatever does not fit is skipped and listed. A watchdog prints the table
+and exits if the GPU stops answering. JSON under --out.
+
+    PYTHONPATH=. python3 scripts/explore_fused.py --levers --reps 15 --budget 80 --out $OUT/levers
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import math
 import multiprocessing as mp
 import os
 import sys
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, wait
 
@@ -116,6 +126,203 @@ def warm_all(names: list[str], out_dir: str, timeout_s: float) -> dict:
     return results
 
 
+# ------------------------------------------------------------------ --levers (issue 5)
+_FQ8 = dict(kv="fp8", q="fp8_dynamic", qk_dot="fp8", pv_dot="fp16", tok_m=True)
+_F16 = dict(kv="fp8", q="bf16", qk_dot="fp16", pv_dot="fp16", tok_m=True)
+# The best strict-passing configuration per shape of run 3 (docs/perf.md; bench_peers.py
+# FU_PICKS): family, block_n, num_warps, num_stages, num_splits, reduce.
+LEVER_PICKS = {
+    (4, 1024): (_F16, 32, 4, 3, 32, "spin"), (4, 8192): (_FQ8, 64, 4, 3, 32, "spin"),
+    (32, 1024): (_FQ8, 64, 4, 3, 4, "spin"), (32, 8192): (_FQ8, 128, 8, 3, 4, "spin"),
+    (64, 1024): (_FQ8, 128, 8, 3, 2, "spin"), (64, 8192): (_FQ8, 128, 8, 3, 2, "spin"),
+    (256, 1024): (_FQ8, 64, 4, 3, 1, "none"), (256, 8192): (_FQ8, 64, 4, 3, 1, "none"),
+}
+LEVERS = ("best", "persist", "mx", "tma", "tma_host", "mx64")  # compile priority order
+LEVERS_DEFAULT = "best,persist,mx,tma,tma_host"  # mx64 (MXFP4, block_n 64, 8 warps) on request
+_MX = dict(kv="mxfp4", q="bf16", qk_dot="bf16", pv_dot="bf16", tok_m=True)
+
+
+def lever_variant(label: str, batch: int, kv_len: int) -> Variant:
+    fam, bn, nw, st, ns, red = LEVER_PICKS[(batch, kv_len)]
+    p = dict(fam, block_n=bn, num_warps=nw, num_stages=st, num_splits=ns, reduce=red)
+    if label in ("tma", "tma_host"):
+        p["load"] = label
+    elif label == "persist":
+        p.update(grid="persistent", num_splits=1, reduce="last")
+    elif label == "mx":
+        p.update(_MX, block_n=32, num_warps=4, num_stages=2)
+    elif label == "mx64":
+        ns64 = max(1, min(ns, kv_len // 64))
+        p.update(_MX, block_n=64, num_warps=8, num_stages=2, num_splits=ns64, reduce=red if ns64 > 1 else "none")
+    return Variant.make("triton_fused", **p)
+
+
+def _lever_warm_shape(v: Variant, batch: int, kv_len: int) -> tuple[int, int]:
+    """A small input that compiles the same binary as (batch, kv_len): the persistent grid's
+    reduction tile follows programs / batch, so it keeps the batch and fills 132 programs."""
+    bn = v.get("block_n")
+    if v.get("grid") == "persistent":
+        return batch, min(kv_len, max(bn, -(-132 * bn // batch)))
+    return 1, max(256, v.get("num_splits") * bn)
+
+
+def _warm_lever(label: str, text: str, batch: int, kv_len: int) -> dict:
+    from mla_tune.backends import triton_fused
+
+    t0 = time.time()
+    row = {"label": label, "variant": text, "warm_shape": f"{batch}x{kv_len}"}
+    try:
+        v = Variant.parse(text)
+        data = problem.generate_input(batch, kv_len, seed=5, device="cuda")
+        run = triton_fused.build(v, Shape(batch, kv_len), "cuda")
+        run(*data[:4])
+        torch.cuda.synchronize()
+        k = run.compiled
+        ptx = k.asm.get("ptx", "") if k is not None else ""  # None: Triton's interpreter
+        row.update(ok=True, compile_s=round(time.time() - t0, 1), n_regs=getattr(k, "n_regs", None),
+                   n_spills=getattr(k, "n_spills", None), shared=getattr(getattr(k, "metadata", None), "shared", None),
+                   wgmma="wgmma" in ptx, tma="cp.async.bulk.tensor" in ptx)
+    except Exception as exc:  # a compile failure is a finding
+        row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+    return row
+
+
+def _lever_table(rows: list[dict], shapes: list, labels: list) -> str:
+    lines = ["shape      " + "".join(f"{lab:>13s}" for lab in labels)]
+    geo: dict = {}
+    for batch, kv_len in shapes:
+        cells = []
+        base = next((r.get("us") for r in rows if r["shape"] == f"{batch}x{kv_len}" and r["label"] == "best"
+                     and r.get("passed")), None)
+        for lab in labels:
+            r = next((r for r in rows if r["shape"] == f"{batch}x{kv_len}" and r["label"] == lab), None)
+            if r is None or "us" not in r:
+                cells.append("-" if r is None else ("FAIL" if "error" in r else r.get("skipped", "-"))[:12])
+            elif not r.get("passed"):
+                cells.append(f"rej {r['us']:.0f}")
+            else:
+                geo.setdefault(lab, []).append(r["us"])
+                rel = f" {r['us'] / base:.2f}x" if base and lab != "best" else ""
+                cells.append(f"{r['us']:.1f}{rel}")
+        lines.append(f"{batch}x{kv_len:<9d}" + "".join(f"{c:>13s}" for c in cells))
+    means = [f"{math.exp(sum(map(math.log, geo[lab])) / len(geo[lab])):.1f}" if len(geo.get(lab, [])) == len(shapes)
+             else "-" for lab in labels]
+    lines.append("geomean    " + "".join(f"{m:>13s}" for m in means))
+    lines.append("cells: us (passing), then x the best config's time; 'rej' = failed the rule; FAIL = error")
+    return "\n".join(lines)
+
+
+def levers_main(args) -> None:
+    from mla_tune.backends import triton_fused
+    from mla_tune.timing import time_call
+
+    t0 = time.time()
+    deadline = t0 + args.budget
+    out_dir = args.out or os.environ.get("OUT", "/tmp/explore_out")
+    os.makedirs(out_dir, exist_ok=True)
+    shapes = SHAPES if args.shapes == "all" else [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
+    labels = [lab for lab in args.levers.split(",") if lab in LEVERS]
+    state = {"rows": [], "compile": [], "done": False}
+    lock = threading.Lock()
+
+    def finish(note: str) -> None:
+        with lock:
+            if state["done"]:
+                return
+            state["done"] = True
+            report = {"budget_s": args.budget, "elapsed_s": round(time.time() - t0, 1), "note": note,
+                      "reps": args.reps, "compile": state["compile"], "rows": state["rows"]}
+            with open(os.path.join(out_dir, "levers.json"), "w") as fh:
+                json.dump(report, fh, indent=1)
+            print(f"\n{note} ({time.time() - t0:.0f}s); JSON: {os.path.join(out_dir, 'levers.json')}")
+            print(_lever_table(state["rows"], shapes, labels), flush=True)
+
+    def watchdog() -> None:  # the GPU may hang (spin waits): report what there is, then leave
+        time.sleep(max(1.0, deadline + args.grace - time.time()))
+        finish(f"WATCHDOG: still running {args.grace:.0f}s past the budget; exiting")
+        os._exit(3)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+
+    # 1. compile every distinct binary in parallel, most important lever first
+    jobs: dict = {}
+    for lab in labels:
+        for batch, kv_len in shapes:
+            v = lever_variant(lab, batch, kv_len)
+            key = (str(v), *_lever_warm_shape(v, batch, kv_len))
+            jobs.setdefault(key, lab)
+    pool = ProcessPoolExecutor(max_workers=min(args.workers, len(jobs)), mp_context=mp.get_context("spawn"))
+    futs = {pool.submit(_warm_lever, lab, *key): key for key, lab in jobs.items()}
+    warm_deadline = min(deadline - 10, t0 + args.warm_budget)
+    done, pending = wait(futs, timeout=max(1.0, warm_deadline - time.time()))
+    compiled = {}
+    for f in done:
+        compiled[futs[f]] = row = f.result()
+        state["compile"].append(row)
+    for f in pending:
+        key = futs[f]
+        compiled[key] = row = {"label": jobs[key], "variant": key[0], "ok": False, "error": "not compiled within the budget"}
+        state["compile"].append(row)
+    for proc in list(getattr(pool, "_processes", {}).values()):
+        proc.kill()
+    pool.shutdown(wait=False, cancel_futures=True)
+    print(f"compiled {sum(r['ok'] for r in compiled.values())}/{len(compiled)} in {time.time() - t0:.0f}s", flush=True)
+    for row in sorted(state["compile"], key=lambda r: (LEVERS.index(r["label"]), r["variant"])):
+        if row["ok"]:
+            print(f"  {row['label']:8s} regs {row['n_regs']} spills {row['n_spills']} smem {row['shared']} "
+                  f"wgmma {row['wgmma']} tma {row['tma']} {row['compile_s']}s  {row['variant']}", flush=True)
+        else:
+            print(f"  {row['label']:8s} FAILED {row['error'][:160]}  {row['variant']}", flush=True)
+
+    # 2. check and time, shape by shape, inside the budget
+    log = open(os.path.join(out_dir, "levers.jsonl"), "w")
+    for batch, kv_len in shapes:
+        shape = Shape(batch, kv_len)
+        if time.time() > deadline - 3:
+            for lab in labels:
+                state["rows"].append({"shape": str(shape), "label": lab, "skipped": "budget"})
+            continue
+        data = problem.generate_input(batch, kv_len, seed=1001, device="cuda")
+        ref = problem.reference(data)
+        for lab in labels:
+            v = lever_variant(lab, batch, kv_len)
+            row = {"shape": str(shape), "label": lab, "variant": str(v)}
+            key = (str(v), *_lever_warm_shape(v, batch, kv_len))
+            if not compiled.get(key, {}).get("ok"):
+                row["skipped"] = "no compile"
+            elif time.time() > deadline - 2:
+                row["skipped"] = "budget"
+            else:
+                try:
+                    run = triton_fused.build(v, shape, "cuda")
+                    out = run(*data[:4]).clone()
+                    kv = v.get("kv")
+                    rule = problem.RULES["leaderboard" if kv == "mxfp4" else "strict"]
+                    res = problem.check(out, ref, rule)
+                    row.update(rule=rule.name, passed=res.passed, mismatch=round(res.mismatch, 5),
+                               repeat_same=bool(torch.equal(out, run(*data[:4]))))
+                    if kv == "mxfp4":  # against its own format's exact math too
+                        own = problem.reference(data, q_format="bf16", kv_format="mxfp4")
+                        row["rel_l2_own"] = round(float((out.float() - own).norm() / own.norm()), 5)
+                    t = time_call(functools.partial(run, *data[:4]), reps=args.reps)
+                    nbytes = batch * kv_len * BYTES_PER_TOKEN[kv] + batch * 16 * (576 + 512) * 2
+                    row.update(us=round(t.median_us, 2), p10=round(t.p10_us, 2), p90=round(t.p90_us, 2),
+                               pct_copy=round(100 * nbytes / (t.median_us * 1e-6) / COPY_BW, 1))
+                    row["passed"] = row["passed"] and row["repeat_same"]
+                except Exception as exc:
+                    row.update(passed=False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            state["rows"].append(row)
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+            if "error" in row:
+                print(f"  {shape} {lab}: {row['error'][:200]}", flush=True)
+        data = ref = None
+        torch.cuda.empty_cache()
+        print(f"shape {shape} done at {time.time() - t0:.0f}s", flush=True)
+    skipped = [f"{r['shape']}/{r['label']}" for r in state["rows"] if r.get("skipped") == "budget"]
+    finish("done" if not skipped else f"budget ran out: skipped {', '.join(skipped)}")
+
+
 def main() -> None:
     from mla_tune.backends import triton_fused
     from mla_tune.timing import time_call
@@ -125,8 +332,18 @@ def main() -> None:
     ap.add_argument("--shapes", default="all")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warm-timeout", type=float, default=150)
+    ap.add_argument("--levers", nargs="?", const=LEVERS_DEFAULT, default=None,
+                    help=f"issue-5 lever comparison (optionally a subset of {','.join(LEVERS)})")
+    ap.add_argument("--budget", type=float, default=80, help="--levers: hard budget in seconds, compile included")
+    ap.add_argument("--warm-budget", type=float, default=40, help="--levers: seconds for the parallel compile")
+    ap.add_argument("--grace", type=float, default=10, help="--levers: watchdog exit this long past the budget")
+    ap.add_argument("--workers", type=int, default=14)
+    ap.add_argument("--out", default=None, help="output directory (default $OUT or /tmp/explore_out)")
     args = ap.parse_args()
-    out_dir = os.environ.get("OUT", "/tmp/explore_out")
+    if args.levers is not None:
+        levers_main(args)
+        return
+    out_dir = args.out or os.environ.get("OUT", "/tmp/explore_out")
     os.makedirs(out_dir, exist_ok=True)
     names = args.configs.split(",")
     shapes = SHAPES if args.shapes == "all" else [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]

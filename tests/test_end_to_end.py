@@ -36,7 +36,6 @@ import yaml
 from typer.testing import CliRunner
 
 from mla_tune import gpu, runtime
-from mla_tune.backends import triton_fused
 from mla_tune.cli import app
 from mla_tune.core import Shape, Variant
 from mla_tune.problem import check, generate_input, generate_ragged_input, get_rule, reference
@@ -226,14 +225,6 @@ def test_cpu_sweep_writes_a_row_per_shape_with_a_winner_that_passed(cpu_sweep):
         assert set(row["alternates"]) >= {"torch", "triton"}
 
 
-# BLOCKED (not this file's code): mla_tune/backends/triton_fused.py unavailable_reason()
-# returns "no GPU here (the kernels run on the CPU only under TRITON_INTERPRET=1, for tests)"
-# even under TRITON_INTERPRET=1, where the triton backend is available. So a CPU sweep never
-# runs a triton_fused candidate: the e2e_cpu table says `triton_fused: 'unavailable: ...'`,
-# and no table row, runtime or export on the CPU ever goes through it. Strict: when that is
-# fixed this xpasses and fails; then drop the marker.
-@pytest.mark.xfail(triton_fused.unavailable_reason() is not None, strict=True,
-                   reason="triton_fused refuses to run under TRITON_INTERPRET=1 (backends/triton_fused.py)")
 def test_triton_fused_candidates_run_in_the_cpu_sweep(cpu_sweep):
     for shape, row in _rows(cpu_sweep).items():
         fused = [r for r in _records(cpu_sweep, shape) if r["backend"] == "triton_fused"]

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from mla_tune import problem
 from mla_tune.backends import triton_fused
 from mla_tune.core import Shape, Variant
 from mla_tune.gpu import fake_platform
+from mla_tune.kernels.fused_decode import _fu_mx_dequant
 
 CPU_BASE = dict(q="bf16", qk_dot="fp16", pv_dot="fp16", tok_m=True, block_n=16, num_warps=4, num_stages=1)
 
@@ -64,6 +67,74 @@ def test_larger_ragged_batch_than_planned_grows_buffers_once(device):
     assert _rel_l2(out, problem.reference(data, q_format="bf16", kv_format="bf16")) < 1e-2
 
 
+# The issue-5 levers: TMA loads (device and host descriptors), the persistent grid, and the
+# MXFP4 dequantization, each against the fp32 reference of the format it reads. Under the
+# interpreter the persistent grid has 3 "SMs", so sequences are cut between programs.
+@pytest.mark.parametrize(
+    "kv,lens,params",
+    [
+        ("fp8", [1], dict(load="tma")),  # a single token: the rest of the tile is zero-filled
+        ("bf16", [17, 40, 3], dict(load="tma", num_splits=3, reduce="last")),  # next sequence's rows masked
+        ("fp8", [100, 33], dict(load="tma_host", num_splits=4, reduce="last", tok_m=False)),
+        ("fp8", [1], dict(grid="persistent")),
+        ("fp8", [17, 40, 3], dict(grid="persistent")),  # 2 pieces, direct writes, an idle program
+        ("bf16", [100, 33], dict(grid="persistent", waves=2)),  # a 4-piece sequence
+        ("fp8", [17, 40, 3], dict(grid="persistent", load="tma")),
+        ("mxfp4", [1], dict()),
+        ("mxfp4", [100, 33], dict(num_splits=4, reduce="last", tok_m=False)),
+        ("mxfp4", [17, 40, 3], dict(grid="persistent", load="tma")),
+        ("mxfp4", [17, 40, 3], dict(load="tma_host")),
+    ],
+)
+def test_levers_match_the_reference(device, kv, lens, params):
+    data = problem.generate_ragged_input(lens, seed=11, device=device)
+    p = dict(kv=kv, num_splits=1, reduce="last" if params.get("grid") == "persistent" else "none")
+    run = triton_fused.build(_variant(**{**p, **params}), Shape(len(lens), max(lens)), device)
+    out = run(*data[:4])
+    assert _rel_l2(out, problem.reference(data, q_format="bf16", kv_format=kv)) < 1e-2
+
+
+def test_persistent_grid_resets_its_counters_so_calls_repeat(device):
+    data = problem.generate_ragged_input([50, 20, 9], seed=5, device=device)
+    run = triton_fused.build(_variant(kv="fp8", num_splits=1, reduce="last", grid="persistent"), Shape(3, 50), device)
+    first = run(*data[:4]).clone()
+    other = problem.generate_ragged_input([9, 61], seed=6, device=device)  # another batch between
+    assert _rel_l2(run(*other[:4]), problem.reference(other, q_format="bf16", kv_format="fp8")) < 1e-2
+    assert torch.equal(first, run(*data[:4]))
+    assert _rel_l2(first, problem.reference(data, q_format="bf16", kv_format="fp8")) < 1e-2
+
+
+@triton.jit
+def _t_mx_kernel(PK, SC, OUT):
+    r = tl.arange(0, 16)
+    blk = tl.arange(0, 2)
+    byte = tl.arange(0, 16)
+    pk = tl.load(PK + r[:, None, None] * 32 + blk[None, :, None] * 16 + byte[None, None, :]).to(tl.int32) & 0xFF
+    sc = tl.load(SC + r[:, None] * 2 + blk[None, :]).to(tl.int32) & 0xFF
+    ev, od = _fu_mx_dequant(pk, sc, 1, 16, 32)  # bf16: every E2M1 x 2^k is exact in it
+    j = tl.arange(0, 32)
+    tl.store(OUT + r[:, None] * 64 + 2 * j[None, :], ev.to(tl.float32))
+    tl.store(OUT + r[:, None] * 64 + 2 * j[None, :] + 1, od.to(tl.float32))
+
+
+def test_mxfp4_bit_dequantization_is_exact_for_every_code_and_scale(device):
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    packed = torch.randint(0, 256, (16, 32), dtype=torch.uint8, generator=gen)
+    packed[0, :8] = torch.arange(0, 256, 32, dtype=torch.uint8) + torch.arange(8, dtype=torch.uint8)
+    scales = torch.arange(0, 32, dtype=torch.uint8).reshape(16, 2) * 8 + 2  # 2^-125 .. 2^123
+    scales[15, 1] = 254  # 6 x 2^127 overflows fp32 to inf, in the reference too
+    ref = problem.dequantize_mxfp4(packed, scales)
+    out = torch.empty(16, 64, dtype=torch.float32, device=device)
+    _t_mx_kernel[(1,)](packed.to(device), scales.to(device), out)
+    assert torch.equal(out.cpu(), ref)
+    # Scale bytes 0 and 1: values below 2^-126 are subnormal; the interpreter's bf16 cast
+    # flushes them, so only their size is checked (they cannot matter to attention).
+    scales.zero_()
+    scales[8:] = 1
+    _t_mx_kernel[(1,)](packed.to(device), scales.to(device), out)
+    assert float((out.cpu() - problem.dequantize_mxfp4(packed, scales)).abs().max()) < 2.0**-123
+
+
 def test_candidates_follow_the_validity_rules():
     plat = fake_platform("H200")
     space = {"kv": ["fp8", "bf16"], "q": ["bf16", "fp8_dynamic"], "qk_dot": ["fp16", "fp8"],
@@ -81,6 +152,23 @@ def test_candidates_follow_the_validity_rules():
     assert big and all(v.get("reduce") == "last" for v in big)
     # more splits than 64-token tiles are refused
     assert not triton_fused.candidates(Shape(4, 64), {"num_splits": [2], "block_n": [64]}, plat)
+
+
+def test_later_parameters_keep_old_variant_texts_and_expand_the_space():
+    plat = fake_platform("H200")
+    old = triton_fused.candidates(Shape(4, 1024), {"num_splits": [1, 2], "reduce": ["last"]}, plat)
+    assert old and all("load" not in v.p and "grid" not in v.p and "waves" not in v.p for v in old)
+    space = {"kv": ["fp8", "mxfp4"], "q": ["bf16"], "qk_dot": ["fp16", "bf16"], "pv_dot": ["fp16", "bf16"],
+             "block_n": [32], "num_warps": [4], "num_splits": [1, 2], "reduce": ["last"],
+             "load": ["ptr", "tma"], "grid": ["split", "persistent"], "waves": [1, 2]}
+    cands = triton_fused.candidates(Shape(4, 1024), space, plat)
+    pers = [v for v in cands if v.get("grid") == "persistent"]
+    assert pers and all(v.get("num_splits") == 1 and v.get("reduce") == "last" for v in pers)
+    assert {v.get("waves", 1) for v in pers} == {1, 2}
+    assert all(v.get("waves", 1) == 1 for v in cands if v.get("grid") != "persistent")
+    assert all(v.get("qk_dot") == v.get("pv_dot") for v in cands if v.get("kv") == "mxfp4")
+    assert any(v.get("load") == "tma" for v in cands) and len(set(cands)) == len(cands)
+    assert all(Variant.parse(str(v)) == v for v in cands)
 
 
 def test_build_refuses_an_invalid_variant_with_the_reason():
@@ -117,3 +205,32 @@ def test_leaderboard_shapes_pass_the_rule(family, batch, kv_len):
         result = problem.check(first, ref, rule)
         assert result.passed, f"{variant}: {result.reason}"
         assert torch.equal(first, run(*data[:4])), f"{variant}: a second call differs"
+
+
+# The levers at the 8 shapes: each on the best split plan's compile parameters (the
+# fp8-q family) or the MXFP4 family; strict for fp8, leaderboard for MXFP4.
+GPU_LEVERS = {
+    "tma": dict(load="tma"),
+    "tma_host": dict(load="tma_host"),
+    "persistent": dict(grid="persistent", num_splits=1, reduce="last"),
+    "persistent_tma": dict(grid="persistent", load="tma", num_splits=1, reduce="last"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("lever", list(GPU_LEVERS))
+@pytest.mark.parametrize("family", ["fp8_q8", "mxfp4"])
+@pytest.mark.parametrize("batch,kv_len", LEADERBOARD_SHAPES)
+def test_leaderboard_shapes_pass_the_rule_with_the_levers(lever, family, batch, kv_len):
+    shape = Shape(batch, kv_len)
+    data = problem.generate_input(batch, kv_len, seed=1001, device="cuda")
+    rule = problem.RULES["leaderboard" if family == "mxfp4" else "strict"]
+    splits = max(1, min(32, 128 // batch, kv_len // GPU_FAMILIES[family]["block_n"]))
+    plan = dict(num_splits=splits, reduce="last" if splits > 1 else "none")
+    variant = Variant.make("triton_fused", tok_m=True, **{**GPU_FAMILIES[family], **plan, **GPU_LEVERS[lever]})
+    run = triton_fused.build(variant, shape, "cuda")
+    first = run(*data[:4]).clone()
+    result = problem.check(first, problem.reference(data), rule)
+    assert result.passed, f"{variant}: {result.reason}"
+    assert torch.equal(first, run(*data[:4])), f"{variant}: a second call differs"

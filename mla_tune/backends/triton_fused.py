@@ -11,16 +11,26 @@ Variant parameters (all explicit, so CPU interpreter tests can pick fp16 dots):
   block_n, num_warps, num_stages  tile and Triton launch options
   num_splits                      programs per sequence (the grid is num_splits x batch)
   reduce     none | last | spin   none iff num_splits = 1; spin needs the grid to fit the GPU
+  load       ptr | tma | tma_host KV tiles through pointers, or TMA tensor descriptors made on
+                                  the device (tl.make_tensor_descriptor) or on the host
+  grid       split | persistent   persistent: min(SMs x waves, tiles) programs share the batch's
+                                  tokens evenly (num_splits = 1, reduce = last: the reduction of
+                                  sequences cut between programs)
+  waves      1 | 2                programs per SM of the persistent grid (1 for split)
+  load, grid and waves were added later: a variant that lacks them has their defaults (ptr,
+  split, 1), and candidates() leaves default values out of the variant, so its text (and
+  every table written before) stays as it was.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
 from mla_tune.core import NUM_HEADS, QK_DIM, SM_SCALE, V_DIM, Shape, Variant, require
-from mla_tune.kernels.fused_decode import fused_decode
+from mla_tune.kernels.fused_decode import fu_persistent_slots, fused_decode
 
 NAME = "triton_fused"
 
@@ -28,6 +38,13 @@ _FU_KV = ("bf16", "fp8", "mxfp4")
 _FU_Q = ("bf16", "fp8_dynamic")
 _FU_DOTS = ("fp16", "bf16", "fp8")
 _FU_REDUCE = ("none", "last", "spin")
+_FU_LOAD = ("ptr", "tma", "tma_host")
+_FU_GRID = ("split", "persistent")
+# The later parameters and the values that keep the first behaviour (left out of variants).
+FU_LATER_DEFAULTS = {"load": "ptr", "grid": "split", "waves": 1}
+# The interpreter has no SMs; the persistent grid pretends to have this many, so CPU tests
+# cut sequences between programs.
+_FU_INTERPRET_SMS = 3
 
 # The search space when a config gives none: what docs/perf.md's two H200 runs found
 # worth sweeping (every per-shape winner there lies inside it).
@@ -42,12 +59,17 @@ FU_DEFAULT_SPACE = {
     "num_stages": [3],
     "num_splits": [1, 2, 4, 8, 16, 32],
     "reduce": ["spin", "last"],
+    "load": ["ptr"],
+    "grid": ["split"],
+    "waves": [1],
 }
 
 
 def unavailable_reason() -> str | None:
     if not torch.cuda.is_available():
-        return "no GPU here (the kernels run on the CPU only under TRITON_INTERPRET=1, for tests)"
+        if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+            return None  # Triton's CPU interpreter (tests; fp16 dots only)
+        return "no GPU here; set TRITON_INTERPRET=1 to run the kernels on the CPU (tests only)."
     if torch.version.hip:
         return "triton_fused targets NVIDIA GPUs (fp8 e4m3fn, sm_90 tuning); not tried on ROCm"
     return None
@@ -69,7 +91,16 @@ def _fu_valid(p: dict, shape: Shape, sm_count: int) -> str | None:
         return "a bf16 cache is not requantized to fp8"
     if p["reduce"] not in _FU_REDUCE:
         return f"reduce must be one of {_FU_REDUCE}"
-    if (p["num_splits"] == 1) != (p["reduce"] == "none"):
+    if p["load"] not in _FU_LOAD or p["grid"] not in _FU_GRID or p["waves"] not in (1, 2):
+        return f"load must be one of {_FU_LOAD}, grid one of {_FU_GRID}, waves 1 or 2"
+    if p["kv"] == "mxfp4" and (p["qk_dot"] != p["pv_dot"] or p["qk_dot"] == "fp8"):
+        return "kv=mxfp4 dequantizes into one dot dtype: qk_dot = pv_dot, fp16 or bf16"
+    if p["grid"] == "persistent":
+        if p["num_splits"] != 1 or p["reduce"] != "last":
+            return "grid=persistent goes with num_splits=1 and reduce=last (its own reduction)"
+    elif p["waves"] != 1:
+        return "waves applies to grid=persistent only (use waves=1)"
+    elif (p["num_splits"] == 1) != (p["reduce"] == "none"):
         return "reduce=none goes with num_splits=1 and only with it"
     if p["block_n"] not in (16, 32, 64, 128):
         return "block_n must be 16, 32, 64 or 128"
@@ -90,10 +121,16 @@ def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
 
     def walk(i: int, chosen: dict) -> None:
         if i == len(keys):
-            for red in space["reduce"] if chosen["num_splits"] > 1 else ["none"]:
-                p = {**chosen, "reduce": red}
+            if chosen["grid"] == "persistent":  # one program count per SM: splits do not apply
+                plans = [{"num_splits": 1, "reduce": "last"}]
+            else:
+                reds = space["reduce"] if chosen["num_splits"] > 1 else ["none"]
+                plans = [{"reduce": red, "waves": 1} for red in reds]
+            for plan in plans:
+                p = {**chosen, **plan}
                 if _fu_valid(p, shape, sm_count) is None:
-                    out.append(Variant.make(NAME, **p))
+                    later = {k: v for k, v in p.items() if k in FU_LATER_DEFAULTS and v == FU_LATER_DEFAULTS[k]}
+                    out.append(Variant.make(NAME, **{k: v for k, v in p.items() if k not in later}))
             return
         if keys[i] == "reduce":
             walk(i + 1, chosen)
@@ -106,18 +143,27 @@ def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
 
 
 class _FuBuffers:
-    """Partials and arrival counters for up to `batch` sequences, grown (once) on demand."""
+    """Partials and arrival counters for up to `batch` sequences, grown (once) on demand.
 
-    def __init__(self, device, batch: int, num_splits: int):
+    Partial slots per sequence: num_splits (split grid, none for 1 split); the persistent
+    grid with P programs needs batch + P slots in all.
+    """
+
+    def __init__(self, device, batch: int, num_splits: int, programs: int = 0):
         self.device = device
         self.num_splits = num_splits
+        self.programs = programs
         self.batch = 0
         self.grow(batch)
 
     def grow(self, batch: int) -> None:
-        n = batch * self.num_splits * NUM_HEADS
+        if self.programs:
+            slots = fu_persistent_slots(batch, self.programs)
+        else:
+            slots = batch * self.num_splits if self.num_splits > 1 else 0
+        n = slots * NUM_HEADS
         dev = self.device
-        self.part_o = torch.empty(n * V_DIM if self.num_splits > 1 else 1, dtype=torch.float32, device=dev)
+        self.part_o = torch.empty(max(n * V_DIM, 1), dtype=torch.float32, device=dev)
         self.part_lse = torch.empty(max(n, 1), dtype=torch.float32, device=dev)
         # Zero once: the kernel's last arriving program resets its counter itself.
         self.count = torch.zeros(batch, dtype=torch.int32, device=dev)
@@ -126,8 +172,29 @@ class _FuBuffers:
         self.batch = batch
 
 
+def _fu_tma_ready(load: str, device) -> None:
+    """Refuse a TMA load this Triton cannot do; for device descriptors, set the allocator
+    their per-program scratch comes from (triton.set_allocator, Triton >= 3.4)."""
+    import triton
+    import triton.language as tl
+
+    if load == "tma":
+        require(hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator"),
+                f"load=tma needs tl.make_tensor_descriptor and triton.set_allocator (triton {triton.__version__})")
+
+        def _fu_alloc(size: int, alignment: int, stream):
+            return torch.empty(size, dtype=torch.int8, device=device)
+
+        triton.set_allocator(_fu_alloc)
+    elif load == "tma_host":
+        try:
+            from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+        except ImportError as exc:
+            raise ValueError(f"load=tma_host needs triton.tools.tensor_descriptor ({exc})") from exc
+
+
 def build(variant: Variant, shape: Shape, device):
-    p = variant.p
+    p = {**FU_LATER_DEFAULTS, **variant.p}
     missing = set(FU_DEFAULT_SPACE) - set(p)
     require(not missing, f"triton_fused variant {variant} lacks {sorted(missing)}")
     device = torch.device(device)
@@ -139,13 +206,20 @@ def build(variant: Variant, shape: Shape, device):
     require(reason is None, f"triton_fused cannot run {variant} at {shape}: {reason}")
     kv_fmt = p["kv"]
     num_splits = p["num_splits"]
-    bufs = _FuBuffers(device, shape.batch, num_splits)
+    load = p["load"]
+    if load != "ptr":
+        _fu_tma_ready(load, device)
+    # Persistent grid: at most this many programs (fewer when the batch has fewer tiles).
+    max_programs = 0
+    if p["grid"] == "persistent":
+        max_programs = (sm_count if device.type == "cuda" else _FU_INTERPRET_SMS) * p["waves"]
+    bufs = _FuBuffers(device, shape.batch, num_splits, max_programs)
     dummy = torch.zeros(1, dtype=torch.float32, device=device)
     options = dict(
         num_splits=num_splits, kv_fmt=kv_fmt, q_fp8=p["q"] == "fp8_dynamic",
         qk_dot=p["qk_dot"], pv_dot=p["pv_dot"], tok_m=bool(p["tok_m"]), block_n=p["block_n"],
         reduce=p["reduce"], num_warps=p["num_warps"], num_stages=p["num_stages"],
-        sm_scale_log2=SM_SCALE * math.log2(math.e),
+        sm_scale_log2=SM_SCALE * math.log2(math.e), load=load,
     )
 
     def run_triton_fused(q, kv_data, qo_indptr, kv_indptr):
@@ -164,10 +238,14 @@ def build(variant: Variant, shape: Shape, device):
             packed, mx_scales = entry
             kv, kv_scale = packed.view(torch.uint8).view(-1, QK_DIM // 2), dummy
             mx_scales = mx_scales.view(torch.uint8)
+        if load != "ptr":
+            require(kv.data_ptr() % 16 == 0, f"load={load}: the KV cache must start 16-byte aligned")
+        # Host shapes only (no sync): the grid never has more programs than tiles.
+        programs = min(max_programs, -(-kv.shape[0] // p["block_n"])) if max_programs else 0
         out = bufs.out[:batch]
         run_triton_fused.compiled = fused_decode(
             q, kv, kv_scale, mx_scales, kv_indptr, out, bufs.part_o, bufs.part_lse,
-            bufs.count, bufs.flag, **options,
+            bufs.count, bufs.flag, programs=max(programs, 1) if max_programs else 0, **options,
         )
         return out
 

@@ -11,13 +11,24 @@ the heads on the MMA's M dimension (M = 16: mma.sync only) and reads every KV ti
 - fp8 KV: per-tensor kv scale folded into the softmax scale and the output; q can be
   quantized in the kernel with a per-(sequence, head) amax (`Q_FP8`), which needs no second
   launch and no host sync, and then the QK dot runs fp8 x fp8.
-- MXFP4 KV (block-32 E2M1 + E8M0) is dequantized in registers (`KV_FMT=2`).
-- One launch: each program writes a partial (O / l, lse); then either the last program of
-  a sequence to arrive reduces all splits (`REDUCE=1`, an arrival counter it resets itself,
-  so there is no memset per call) or every program of the sequence waits at a per-sequence
-  barrier and reduces a slice of the 512 output dims (`REDUCE=2`; the runner allows it only
-  when the whole grid fits on the GPU at once, which a spin-wait needs). `REDUCE=0` is
-  num_splits = 1: the program writes the output itself.
+- MXFP4 KV (block-32 E2M1 + E8M0, `KV_FMT=2`) is dequantized with integer bit operations
+  straight into the dot dtype, split into even and odd dims (a byte's two nibbles), so
+  nothing is interleaved: q is read as its even and odd dims and the output written back
+  strided (see `_fu_mx_dequant`).
+- KV tiles are read through pointers (`LOAD=0`) or TMA tensor descriptors over the whole
+  cache, made on the device (`LOAD=1`, needs `triton.set_allocator`) or on the host
+  (`LOAD=2`, `triton.tools.tensor_descriptor.TensorDescriptor`).
+- One launch. Split grid (`_fu_decode_kernel`, num_splits x batch programs): each program
+  writes a partial (O / l, lse); then either the last program of a sequence to arrive
+  reduces all splits (`REDUCE=1`, an arrival counter it resets itself, so there is no memset
+  per call) or every program of the sequence waits at a per-sequence barrier and reduces a
+  slice of the 512 output dims (`REDUCE=2`; the runner allows it only when the whole grid
+  fits on the GPU at once, which a spin-wait needs). `REDUCE=0` is num_splits = 1: the
+  program writes the output itself.
+- Persistent grid (`_fu_persistent_kernel`, a fixed number of programs): the tokens of all
+  sequences are cut into equal contiguous ranges, one per program; a program walks its
+  range sequence by sequence, writes the output of a sequence it holds whole, and
+  otherwise a partial that the last of that sequence's programs to arrive reduces.
 
 Exportable module: private names start with `_fu_`.
 """
@@ -31,6 +42,7 @@ import triton.language as tl
 FU_DOT_CODES = {"fp16": 0, "bf16": 1, "fp8": 2}
 FU_KV_CODES = {"bf16": 0, "fp8": 1, "mxfp4": 2}
 FU_REDUCE_CODES = {"none": 0, "last": 1, "spin": 2}
+FU_LOAD_CODES = {"ptr": 0, "tma": 1, "tma_host": 2}
 
 
 @triton.jit
@@ -44,79 +56,43 @@ def _fu_cast(x, CODE: tl.constexpr):
 
 
 @triton.jit
-def _fu_e2m1(codes):
-    """E2M1 4-bit codes (int32, 0..15) to fp32 values: sign bit 3, exponent bits 2:1, mantissa bit 0."""
-    mag = codes & 7
-    e = mag >> 1
-    m = (mag & 1).to(tl.float32)
-    normal = tl.exp2((e - 1).to(tl.float32)) * (1.0 + 0.5 * m)
-    val = tl.where(e == 0, 0.5 * m, normal)
-    return tl.where((codes & 8) != 0, -val, val)
+def _fu_mx_dequant(pk, sc, DT: tl.constexpr, BN: tl.constexpr, W: tl.constexpr):
+    """MXFP4 tile to the dot dtype, split into even and odd dims (no interleave, no table).
 
-
-@triton.jit
-def _fu_mxfp4_tile(KV, SC, tok, SC_STRIDE, BN: tl.constexpr, COL0: tl.constexpr, NCOL: tl.constexpr):
-    """Dequantize columns [COL0, COL0 + NCOL) of the given tokens from MXFP4 to fp32."""
-    pk = tl.load(KV + tok[:, None] * 288 + (COL0 // 2 + tl.arange(0, NCOL // 2))[None, :])
-    pk = pk.to(tl.int32) & 0xFF
-    vals = tl.join(_fu_e2m1(pk & 0xF), _fu_e2m1(pk >> 4))  # even index in the low nibble
-    vals = tl.reshape(vals, (BN, NCOL // 32, 32))
-    exps = tl.load(SC + tok[:, None] * SC_STRIDE + (COL0 // 32 + tl.arange(0, NCOL // 32))[None, :])
-    scale = tl.exp2(exps.to(tl.float32) - 127.0)
-    return tl.reshape(vals * scale[:, :, None], (BN, NCOL))
-
-
-@triton.jit
-def _fu_reduce_slice(PART_O, PART_LSE, OUT, b, num_splits, d0, v_scale, W: tl.constexpr, NS_P2: tl.constexpr):
-    """out[b, :, d0:d0+W] = sum_j w_j * part_j / sum_j w_j, w_j = 2^(lse_j - max lse).
-
-    All splits are loaded in one [NS_P2, 16, W] tile: a loop over splits would wait one L2
-    round trip per split (measured: ~15 us of a 20 us call at 16 splits, docs/perf.md).
+    pk: [BN, NB, 16] packed bytes (int32, 0..255; even dim in the low nibble), sc: [BN, NB]
+    E8M0 bytes. Returns (even, odd), each [BN, NB * 16]: dims 2j and 2j + 1 of the NB blocks.
+    E2M1 code s|e1 e0|m goes to fp32 bits s<<31 | (e1 e0 m)<<22: the exponent field is e and
+    the top mantissa bit m, which reads as E2M1 x 2^-126 (e = 0, m = 1 is the subnormal
+    2^-127 = 0.5 x 2^-126). So value = bits x 2^126 x 2^(scale - 127), two exact multiplies;
+    the power of two is built from the scale's bits (byte 0: the subnormal 2^-127).
     """
-    heads = tl.arange(0, 16)
-    dims = d0 + tl.arange(0, W)
-    js = tl.arange(0, NS_P2)
-    live = js < num_splits
-    part_id = b * num_splits + js
-    lse = tl.load(PART_LSE + part_id[:, None] * 16 + heads[None, :], mask=live[:, None],
-                  other=float("-inf"), cache_modifier=".cg")
-    w = tl.exp2(lse - tl.max(lse, axis=0)[None, :])  # an empty split has lse -inf: weight 0
-    part = tl.load(
-        PART_O + (part_id[:, None, None] * 16 + heads[None, :, None]) * 512 + dims[None, None, :],
-        mask=live[:, None, None], other=0.0, cache_modifier=".cg",
-    )
-    acc = tl.sum(part * w[:, :, None], axis=0)
-    out = acc * (v_scale / tl.sum(w, axis=0))[:, None]
-    tl.store(OUT + (b * 16 + heads[:, None]) * 512 + dims[None, :], out.to(tl.bfloat16))
+    f = tl.where(sc > 0, sc << 23, 1 << 22).to(tl.float32, bitcast=True)[:, :, None]
+    lo = ((pk << 28) & -2147483648) | ((pk << 22) & 0x01C00000)
+    hi = ((pk << 24) & -2147483648) | ((pk << 18) & 0x01C00000)
+    ev = _fu_cast((lo.to(tl.float32, bitcast=True) * 8.507059173023462e37) * f, DT)
+    od = _fu_cast((hi.to(tl.float32, bitcast=True) * 8.507059173023462e37) * f, DT)
+    return tl.reshape(ev, (BN, W)), tl.reshape(od, (BN, W))
 
 
-# num_splits is not specialized: one compiled kernel serves every split count.
-@triton.jit(do_not_specialize=["num_splits"])
-def _fu_decode_kernel(
-    Q, KV, KV_SCALE, SC, SC_STRIDE, KV_INDPTR, OUT, PART_O, PART_LSE, COUNT, FLAG,
-    num_splits, sm_scale_log2,
-    KV_FMT: tl.constexpr, Q_FP8: tl.constexpr, QK_DOT: tl.constexpr, PV_DOT: tl.constexpr,
-    TOK_M: tl.constexpr, BLOCK_N: tl.constexpr, REDUCE: tl.constexpr, NS_P2: tl.constexpr,
+@triton.jit
+def _fu_attend(
+    Q, KV, desc_n, desc_r, b, lo, hi, kv_scale, sm_scale_log2,
+    Q_FP8: tl.constexpr, QK_DOT: tl.constexpr, PV_DOT: tl.constexpr, TOK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, LOAD: tl.constexpr,
 ):
-    pid_s = tl.program_id(0)
-    b = tl.program_id(1)
-    seq_lo = tl.load(KV_INDPTR + b)
-    seq_hi = tl.load(KV_INDPTR + b + 1)
-    # Splits are whole tiles, so only a split's last tile is partial.
-    chunk = tl.cdiv(tl.cdiv(seq_hi - seq_lo, num_splits), BLOCK_N) * BLOCK_N
-    lo = seq_lo + pid_s * chunk
-    hi = tl.minimum(lo + chunk, seq_hi)
+    """Online softmax of sequence b's 16 heads over tokens [lo, hi) of a bf16 / fp8 cache.
 
+    Returns (acc [16, 512] = sum p v, unnormalized; m [16]; l [16]) in the log2 domain.
+    LOAD 0 reads through pointers (rows past hi clamped to hi - 1); LOAD 1/2 through tensor
+    descriptors over the whole [total_kv, 576] cache (TMA): rows past hi belong to the next
+    sequence (or are zeros past total_kv) and are masked out of the softmax like the others.
+    """
     heads = tl.arange(0, 16)
     dn = tl.arange(0, 512)
     dr = tl.arange(0, 64)
     rows = tl.arange(0, BLOCK_N)
     qn = tl.load(Q + (b * 16 + heads[:, None]) * 576 + dn[None, :]).to(tl.float32)
     qr = tl.load(Q + (b * 16 + heads[:, None]) * 576 + 512 + dr[None, :]).to(tl.float32)
-    if KV_FMT == 1:
-        kv_scale = tl.load(KV_SCALE)
-    else:
-        kv_scale = 1.0
     if Q_FP8:
         # Per-(sequence, head) dynamic scale: computed here, so no extra launch or sync.
         amax = tl.maximum(tl.max(tl.abs(qn), axis=1), tl.max(tl.abs(qr), axis=1))
@@ -139,14 +115,14 @@ def _fu_decode_kernel(
         acc = tl.zeros([16, 512], tl.float32)
     for start in range(lo, hi, BLOCK_N):
         tok = start + rows
-        # Clamped rows stay in bounds without a load mask (which would cost vector width).
-        tok_c = tl.minimum(tok, hi - 1)
-        if KV_FMT == 2:
-            kn_raw = _fu_mxfp4_tile(KV, SC, tok_c, SC_STRIDE, BLOCK_N, 0, 512)
-            kr_raw = _fu_mxfp4_tile(KV, SC, tok_c, SC_STRIDE, BLOCK_N, 512, 64)
-        else:
+        if LOAD == 0:
+            # Clamped rows stay in bounds without a load mask (which would cost vector width).
+            tok_c = tl.minimum(tok, hi - 1)
             kn_raw = tl.load(KV + tok_c[:, None] * 576 + dn[None, :])
             kr_raw = tl.load(KV + tok_c[:, None] * 576 + 512 + dr[None, :])
+        else:
+            kn_raw = desc_n.load([start, 0])
+            kr_raw = desc_r.load([start, 512])
         kn = _fu_cast(kn_raw, QK_DOT)
         kr = _fu_cast(kr_raw, QK_DOT)
         if PV_DOT == QK_DOT:
@@ -177,22 +153,237 @@ def _fu_decode_kernel(
                 p = p * 256.0
             acc = acc * alpha[:, None] + tl.dot(_fu_cast(p, PV_DOT), v)
         m_i = m_new
-
     if TOK_M:
         acc = tl.trans(acc)  # [16, 512]
     if PV_DOT == 2:
         acc = acc / 256.0
-    v_scale = kv_scale
-    if REDUCE == 0:
-        out = acc * (v_scale / l_i)[:, None]
-        tl.store(OUT + (b * 16 + heads[:, None]) * 512 + dn[None, :], out.to(tl.bfloat16))
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _fu_mx_load(KV, SC, SC_STRIDE, desc, tok_c, start, B0: tl.constexpr, NB: tl.constexpr,
+                BLOCK_N: tl.constexpr, LOAD: tl.constexpr):
+    """Packed bytes [BLOCK_N, NB, 16] (int32) and E8M0 scales [BLOCK_N, NB] of blocks B0.."""
+    blk = tl.arange(0, NB)
+    if LOAD == 0:
+        byte = tl.arange(0, 16)
+        pk = tl.load(KV + tok_c[:, None, None] * 288 + (B0 + blk)[None, :, None] * 16 + byte[None, None, :])
+    else:
+        pk = desc.load([start, B0, 0])
+    sc = tl.load(SC + tok_c[:, None] * SC_STRIDE + (B0 + blk)[None, :])
+    return pk.to(tl.int32) & 0xFF, sc.to(tl.int32) & 0xFF
+
+
+@triton.jit
+def _fu_attend_mx(
+    Q, KV, SC, SC_STRIDE, desc_n, desc_r, b, lo, hi, sm_scale_log2,
+    DOT: tl.constexpr, TOK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOAD: tl.constexpr,
+):
+    """Like _fu_attend for an MXFP4 cache, with the dims split into even and odd halves.
+
+    A packed byte holds dims 2j (low nibble) and 2j + 1 (high nibble), so the kernel never
+    interleaves: q is loaded as its even and odd dims, the scores are the sum of the two
+    half dots, and the output comes back as (acc_even, acc_odd), [16, 256] each.
+    """
+    heads = tl.arange(0, 16)
+    dh = tl.arange(0, 256)
+    drh = tl.arange(0, 32)
+    rows = tl.arange(0, BLOCK_N)
+    qrow = Q + (b * 16 + heads[:, None]) * 576
+    qe = _fu_cast(tl.load(qrow + 2 * dh[None, :]), DOT)
+    qo = _fu_cast(tl.load(qrow + 2 * dh[None, :] + 1), DOT)
+    qre = _fu_cast(tl.load(qrow + 512 + 2 * drh[None, :]), DOT)
+    qro = _fu_cast(tl.load(qrow + 513 + 2 * drh[None, :]), DOT)
+    m_i = tl.full([16], float("-inf"), tl.float32)
+    l_i = tl.zeros([16], tl.float32)
+    if TOK_M:
+        acc_e = tl.zeros([256, 16], tl.float32)
+        acc_o = tl.zeros([256, 16], tl.float32)
+        qe = tl.trans(qe)
+        qo = tl.trans(qo)
+        qre = tl.trans(qre)
+        qro = tl.trans(qro)
+    else:
+        acc_e = tl.zeros([16, 256], tl.float32)
+        acc_o = tl.zeros([16, 256], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        tok = start + rows
+        tok_c = tl.minimum(tok, hi - 1)
+        pk, sc = _fu_mx_load(KV, SC, SC_STRIDE, desc_n, tok_c, start, 0, 16, BLOCK_N, LOAD)
+        ke, ko = _fu_mx_dequant(pk, sc, DOT, BLOCK_N, 256)
+        pk, sc = _fu_mx_load(KV, SC, SC_STRIDE, desc_r, tok_c, start, 16, 2, BLOCK_N, LOAD)
+        kre, kro = _fu_mx_dequant(pk, sc, DOT, BLOCK_N, 32)
+        valid = tok < hi
+        if TOK_M:
+            s = tl.dot(ke, qe) + tl.dot(ko, qo) + tl.dot(kre, qre) + tl.dot(kro, qro)  # [BN, 16]
+            s = s * sm_scale_log2
+            s = tl.where(valid[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            pc = _fu_cast(p, DOT)
+            acc_e = acc_e * alpha[None, :] + tl.dot(tl.trans(ke), pc)
+            acc_o = acc_o * alpha[None, :] + tl.dot(tl.trans(ko), pc)
+        else:
+            s = tl.dot(qe, tl.trans(ke)) + tl.dot(qo, tl.trans(ko)) + tl.dot(qre, tl.trans(kre)) + tl.dot(qro, tl.trans(kro))
+            s = s * sm_scale_log2
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            pc = _fu_cast(p, DOT)
+            acc_e = acc_e * alpha[:, None] + tl.dot(pc, ke)
+            acc_o = acc_o * alpha[:, None] + tl.dot(pc, ko)
+        m_i = m_new
+    if TOK_M:
+        acc_e = tl.trans(acc_e)
+        acc_o = tl.trans(acc_o)
+    return acc_e, acc_o, m_i, l_i
+
+
+@triton.jit
+def _fu_store(PTR, row, acc, W: tl.constexpr, STEP: tl.constexpr, OFF: tl.constexpr, TO_BF16: tl.constexpr):
+    """PTR[row, h, OFF + STEP * d] = acc[h, d] for a [16, W] tile (rows of 16 x 512)."""
+    heads = tl.arange(0, 16)
+    ptr = PTR + (row * 16 + heads[:, None]) * 512 + OFF + STEP * tl.arange(0, W)[None, :]
+    if TO_BF16:
+        tl.store(ptr, acc.to(tl.bfloat16))
+    else:
+        tl.store(ptr, acc)
+
+
+@triton.jit
+def _fu_reduce_slice(PART_O, PART_LSE, OUT, b, num_splits, d0, v_scale, W: tl.constexpr, NS_P2: tl.constexpr):
+    """out[b, :, d0:d0+W] = sum_j w_j * part_j / sum_j w_j, w_j = 2^(lse_j - max lse).
+
+    All splits are loaded in one [NS_P2, 16, W] tile: a loop over splits would wait one L2
+    round trip per split (measured: ~15 us of a 20 us call at 16 splits, docs/perf.md).
+    """
+    heads = tl.arange(0, 16)
+    dims = d0 + tl.arange(0, W)
+    js = tl.arange(0, NS_P2)
+    live = js < num_splits
+    part_id = b * num_splits + js
+    lse = tl.load(PART_LSE + part_id[:, None] * 16 + heads[None, :], mask=live[:, None],
+                  other=float("-inf"), cache_modifier=".cg")
+    w = tl.exp2(lse - tl.max(lse, axis=0)[None, :])  # an empty split has lse -inf: weight 0
+    part = tl.load(
+        PART_O + (part_id[:, None, None] * 16 + heads[None, :, None]) * 512 + dims[None, None, :],
+        mask=live[:, None, None], other=0.0, cache_modifier=".cg",
+    )
+    acc = tl.sum(part * w[:, :, None], axis=0)
+    out = acc * (v_scale / tl.sum(w, axis=0))[:, None]
+    tl.store(OUT + (b * 16 + heads[:, None]) * 512 + dims[None, :], out.to(tl.bfloat16))
+
+
+@triton.jit
+def _fu_reduce_range(PART_O, PART_LSE, OUT, b, slot0, n, v_scale, RCH: tl.constexpr, W: tl.constexpr):
+    """out[b] from the n partials in slots slot0 .. slot0 + n - 1 (persistent grid).
+
+    n is data-dependent (ragged pieces), so the partials are read RCH at a time as one
+    [RCH, 16, W] tile per 512/W dim slice (the host picks RCH near the typical n).
+    """
+    heads = tl.arange(0, 16)
+    mx = tl.full([16], float("-inf"), tl.float32)
+    for c in range(0, n, RCH):
+        js = c + tl.arange(0, RCH)
+        lse = tl.load(PART_LSE + (slot0 + js)[:, None] * 16 + heads[None, :], mask=(js < n)[:, None],
+                      other=float("-inf"), cache_modifier=".cg")
+        mx = tl.maximum(mx, tl.max(lse, axis=0))
+    for d0 in range(0, 512, W):
+        dims = d0 + tl.arange(0, W)
+        acc = tl.zeros([16, W], tl.float32)
+        den = tl.zeros([16], tl.float32)
+        for c in range(0, n, RCH):
+            js = c + tl.arange(0, RCH)
+            live = js < n
+            lse = tl.load(PART_LSE + (slot0 + js)[:, None] * 16 + heads[None, :], mask=live[:, None],
+                          other=float("-inf"), cache_modifier=".cg")
+            w = tl.exp2(lse - mx[None, :])
+            part = tl.load(
+                PART_O + ((slot0 + js)[:, None, None] * 16 + heads[None, :, None]) * 512 + dims[None, None, :],
+                mask=live[:, None, None], other=0.0, cache_modifier=".cg",
+            )
+            acc += tl.sum(part * w[:, :, None], axis=0)
+            den += tl.sum(w, axis=0)
+        out = acc * (v_scale / den)[:, None]
+        tl.store(OUT + (b * 16 + heads[:, None]) * 512 + dims[None, :], out.to(tl.bfloat16))
+
+
+@triton.jit
+def _fu_emit(
+    acc, acc_o, m_i, l_i, b, slot, OUT, PART_O, PART_LSE, v_scale,
+    DIRECT: tl.constexpr, EO: tl.constexpr,
+):
+    """Write a finished piece: the output itself (DIRECT) or its partial (O / l, lse) at slot.
+
+    EO: acc / acc_o hold the even / odd dims (MXFP4); otherwise acc is all 512 (acc_o unused).
+    """
+    if DIRECT:
+        inv = v_scale / l_i
+        if EO:
+            _fu_store(OUT, b, acc * inv[:, None], 256, 2, 0, True)
+            _fu_store(OUT, b, acc_o * inv[:, None], 256, 2, 1, True)
+        else:
+            _fu_store(OUT, b, acc * inv[:, None], 512, 1, 0, True)
     else:
         has = l_i > 0
         l_safe = tl.where(has, l_i, 1.0)
         lse = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
+        if EO:
+            _fu_store(PART_O, slot, acc / l_safe[:, None], 256, 2, 0, False)
+            _fu_store(PART_O, slot, acc_o / l_safe[:, None], 256, 2, 1, False)
+        else:
+            _fu_store(PART_O, slot, acc / l_safe[:, None], 512, 1, 0, False)
+        tl.store(PART_LSE + slot * 16 + tl.arange(0, 16), lse)
+
+
+# num_splits is not specialized: one compiled kernel serves every split count.
+@triton.jit(do_not_specialize=["num_splits", "total_kv"])
+def _fu_decode_kernel(
+    Q, KV, KV_SCALE, SC, SC_STRIDE, KV_INDPTR, OUT, PART_O, PART_LSE, COUNT, FLAG, KV_DN, KV_DR,
+    total_kv, num_splits, sm_scale_log2,
+    KV_FMT: tl.constexpr, Q_FP8: tl.constexpr, QK_DOT: tl.constexpr, PV_DOT: tl.constexpr,
+    TOK_M: tl.constexpr, BLOCK_N: tl.constexpr, REDUCE: tl.constexpr, NS_P2: tl.constexpr,
+    LOAD: tl.constexpr,
+):
+    pid_s = tl.program_id(0)
+    b = tl.program_id(1)
+    seq_lo = tl.load(KV_INDPTR + b)
+    seq_hi = tl.load(KV_INDPTR + b + 1)
+    # Splits are whole tiles, so only a split's last tile is partial.
+    chunk = tl.cdiv(tl.cdiv(seq_hi - seq_lo, num_splits), BLOCK_N) * BLOCK_N
+    lo = seq_lo + pid_s * chunk
+    hi = tl.minimum(lo + chunk, seq_hi)
+    if LOAD == 1:
+        if KV_FMT == 2:
+            desc_n = tl.make_tensor_descriptor(KV, [total_kv, 18, 16], [288, 16, 1], [BLOCK_N, 16, 16])
+            desc_r = tl.make_tensor_descriptor(KV, [total_kv, 18, 16], [288, 16, 1], [BLOCK_N, 2, 16])
+        else:
+            desc_n = tl.make_tensor_descriptor(KV, [total_kv, 576], [576, 1], [BLOCK_N, 512])
+            desc_r = tl.make_tensor_descriptor(KV, [total_kv, 576], [576, 1], [BLOCK_N, 64])
+    else:
+        desc_n = KV_DN
+        desc_r = KV_DR
+    if KV_FMT == 1:
+        kv_scale = tl.load(KV_SCALE)
+    else:
+        kv_scale = 1.0
+    if KV_FMT == 2:
+        acc, acc_o, m_i, l_i = _fu_attend_mx(Q, KV, SC, SC_STRIDE, desc_n, desc_r, b, lo, hi, sm_scale_log2,
+                                             QK_DOT, TOK_M, BLOCK_N, LOAD)
+    else:
+        acc, m_i, l_i = _fu_attend(Q, KV, desc_n, desc_r, b, lo, hi, kv_scale, sm_scale_log2,
+                                   Q_FP8, QK_DOT, PV_DOT, TOK_M, BLOCK_N, LOAD)
+        acc_o = acc
+    v_scale = kv_scale
+    if REDUCE == 0:
+        _fu_emit(acc, acc_o, m_i, l_i, b, b, OUT, PART_O, PART_LSE, v_scale, True, KV_FMT == 2)
+    else:
         part = pid_s + b * num_splits
-        tl.store(PART_O + (part * 16 + heads[:, None]) * 512 + dn[None, :], acc / l_safe[:, None])
-        tl.store(PART_LSE + part * 16 + heads, lse)
+        _fu_emit(acc, acc_o, m_i, l_i, b, part, OUT, PART_O, PART_LSE, v_scale, False, KV_FMT == 2)
         # Every thread's partial stores happen before the release below (CUTLASS's
         # semaphore pattern: barrier, then one gpu-scope release by the CTA).
         tl.debug_barrier()
@@ -219,26 +410,133 @@ def _fu_decode_kernel(
                 _fu_reduce_slice(PART_O, PART_LSE, OUT, b, num_splits, d0, v_scale, 512 // NS_P2, NS_P2)
 
 
+@triton.jit(do_not_specialize=["total_kv", "batch"])
+def _fu_persistent_kernel(
+    Q, KV, KV_SCALE, SC, SC_STRIDE, KV_INDPTR, OUT, PART_O, PART_LSE, COUNT, KV_DN, KV_DR,
+    total_kv, batch, sm_scale_log2,
+    KV_FMT: tl.constexpr, Q_FP8: tl.constexpr, QK_DOT: tl.constexpr, PV_DOT: tl.constexpr,
+    TOK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOAD: tl.constexpr, RCH: tl.constexpr, RW: tl.constexpr,
+):
+    """Program p takes tokens [base + p * chunk, base + (p + 1) * chunk) of the whole batch.
+
+    Sequence b's pieces come from programs first(b) .. last(b) (first = (lo_b - base) //
+    chunk), a run that only moves forward with b, so slot b + p is unique per (b, p): at
+    most batch + programs - 1 partial slots. A sequence a program holds whole is written
+    directly; a split one is reduced by its last arriving piece (counter reset by it).
+    """
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    base = tl.load(KV_INDPTR)
+    total = tl.load(KV_INDPTR + batch) - base
+    chunk = tl.cdiv(tl.cdiv(total, nprog), BLOCK_N) * BLOCK_N
+    t0 = base + pid * chunk
+    t1 = tl.minimum(t0 + chunk, base + total)
+    if LOAD == 1:
+        if KV_FMT == 2:
+            desc_n = tl.make_tensor_descriptor(KV, [total_kv, 18, 16], [288, 16, 1], [BLOCK_N, 16, 16])
+            desc_r = tl.make_tensor_descriptor(KV, [total_kv, 18, 16], [288, 16, 1], [BLOCK_N, 2, 16])
+        else:
+            desc_n = tl.make_tensor_descriptor(KV, [total_kv, 576], [576, 1], [BLOCK_N, 512])
+            desc_r = tl.make_tensor_descriptor(KV, [total_kv, 576], [576, 1], [BLOCK_N, 64])
+    else:
+        desc_n = KV_DN
+        desc_r = KV_DR
+    if KV_FMT == 1:
+        kv_scale = tl.load(KV_SCALE)
+    else:
+        kv_scale = 1.0
+    # The sequence holding token t0: how many sequences end at or before it.
+    b = pid * 0
+    for c in range(0, batch, 1024):
+        idx = c + tl.arange(0, 1024)
+        ends = tl.load(KV_INDPTR + 1 + idx, mask=idx < batch, other=2147483647)
+        b += tl.sum((ends <= t0).to(tl.int32), axis=0)
+    pos = t0
+    while (pos < t1) & (b < batch):
+        seq_lo = tl.load(KV_INDPTR + b)
+        seq_hi = tl.load(KV_INDPTR + b + 1)
+        lo = tl.maximum(pos, seq_lo)
+        hi = tl.minimum(t1, seq_hi)
+        if hi > lo:
+            if KV_FMT == 2:
+                acc, acc_o, m_i, l_i = _fu_attend_mx(Q, KV, SC, SC_STRIDE, desc_n, desc_r, b, lo, hi,
+                                                     sm_scale_log2, QK_DOT, TOK_M, BLOCK_N, LOAD)
+            else:
+                acc, m_i, l_i = _fu_attend(Q, KV, desc_n, desc_r, b, lo, hi, kv_scale, sm_scale_log2,
+                                           Q_FP8, QK_DOT, PV_DOT, TOK_M, BLOCK_N, LOAD)
+                acc_o = acc
+            first = (seq_lo - base) // chunk
+            n = (seq_hi - 1 - base) // chunk - first + 1
+            if n == 1:
+                _fu_emit(acc, acc_o, m_i, l_i, b, b, OUT, PART_O, PART_LSE, kv_scale, True, KV_FMT == 2)
+            else:
+                _fu_emit(acc, acc_o, m_i, l_i, b, b + pid, OUT, PART_O, PART_LSE, kv_scale, False, KV_FMT == 2)
+                tl.debug_barrier()
+                arrived = tl.atomic_add(COUNT + b, 1, sem="acq_rel")
+                if arrived == n - 1:
+                    tl.atomic_xchg(COUNT + b, 0)  # ready for the next call, no memset
+                    _fu_reduce_range(PART_O, PART_LSE, OUT, b, b + first, n, kv_scale, RCH, RW)
+        pos = tl.maximum(pos, hi)
+        b += 1
+
+
+def fu_persistent_slots(batch: int, programs: int) -> int:
+    """Partial slots the persistent grid may write (see _fu_persistent_kernel)."""
+    return batch + programs
+
+
+def fu_host_descriptors(kv, kv_fmt: str, block_n: int):
+    """Host-side TMA descriptors (nope part, rope part) over the whole cache (LOAD=2)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows = kv.shape[0]
+    if kv_fmt == "mxfp4":
+        shape, strides = [rows, 18, 16], [288, 16, 1]
+        return (TensorDescriptor(kv, shape, strides, [block_n, 16, 16]),
+                TensorDescriptor(kv, shape, strides, [block_n, 2, 16]))
+    shape, strides = [rows, 576], [576, 1]
+    return (TensorDescriptor(kv, shape, strides, [block_n, 512]),
+            TensorDescriptor(kv, shape, strides, [block_n, 64]))
+
+
 def fused_decode(
     q, kv, kv_scale, mx_scales, kv_indptr, out, part_o, part_lse, count, flag, *,
     num_splits: int, kv_fmt: str, q_fp8: bool, qk_dot: str, pv_dot: str, tok_m: bool,
     block_n: int, reduce: str, num_warps: int, num_stages: int, sm_scale_log2: float,
+    load: str = "ptr", programs: int = 0,
 ):
     """Launch the one-launch decode; buffers come from the caller (nothing allocated here).
 
     q (batch, 16, 576) bf16; kv: (total_kv, 576) bf16 / fp8 or (total_kv, 288) packed
-    MXFP4 bytes; kv_scale: (1,) fp32 (fp8) or any tensor; mx_scales (rows, >=18) E8M0 bytes
-    (mxfp4) or any tensor; part_o (>= batch*num_splits*16*512) fp32, part_lse
-    (>= batch*num_splits*16) fp32, count and flag (>= batch) int32, zero before first use.
+    MXFP4 bytes (uint8); kv_scale: (1,) fp32 (fp8) or any tensor; mx_scales (rows, >=18) E8M0
+    bytes (mxfp4) or any tensor; part_o (>= slots*16*512) fp32, part_lse (>= slots*16) fp32,
+    count and flag (>= batch) int32, zero before first use. slots = batch*num_splits for the
+    split grid; `programs` > 0 picks the persistent grid with that many programs (slots =
+    fu_persistent_slots(batch, programs); num_splits and reduce are then ignored).
+    load: ptr | tma (device descriptors: the caller has set triton's allocator) | tma_host.
     Returns the compiled kernel (for its PTX and register report).
     """
     batch = q.shape[0]
-    red = reduce if num_splits > 1 else "none"
     sc_stride = mx_scales.stride(0) if kv_fmt == "mxfp4" else 0
+    if load == "tma_host":
+        desc_n, desc_r = fu_host_descriptors(kv, kv_fmt, block_n)
+    else:
+        desc_n = desc_r = kv
+    consts = dict(
+        KV_FMT=FU_KV_CODES[kv_fmt], Q_FP8=q_fp8, QK_DOT=FU_DOT_CODES[qk_dot], PV_DOT=FU_DOT_CODES[pv_dot],
+        TOK_M=tok_m, BLOCK_N=block_n, LOAD=FU_LOAD_CODES[load], num_warps=num_warps, num_stages=num_stages,
+    )
+    if programs > 0:
+        # Reduction tile [RCH, 16, RW]: RCH near the usual pieces per sequence, 8K elements.
+        per_seq = -(-programs // max(batch, 1)) + 1
+        rch = min(32, max(2, triton.next_power_of_2(per_seq)))
+        return _fu_persistent_kernel[(programs,)](
+            q, kv, kv_scale, mx_scales, sc_stride, kv_indptr, out, part_o, part_lse, count, desc_n, desc_r,
+            kv.shape[0], batch, sm_scale_log2, RCH=rch, RW=8192 // (16 * rch), **consts,
+        )
+    red = reduce if num_splits > 1 else "none"
     return _fu_decode_kernel[(num_splits, batch)](
-        q, kv, kv_scale, mx_scales, sc_stride, kv_indptr, out, part_o, part_lse, count, flag,
-        num_splits, sm_scale_log2,
-        KV_FMT=FU_KV_CODES[kv_fmt], Q_FP8=q_fp8, QK_DOT=FU_DOT_CODES[qk_dot],
-        PV_DOT=FU_DOT_CODES[pv_dot], TOK_M=tok_m, BLOCK_N=block_n,
-        REDUCE=FU_REDUCE_CODES[red], NS_P2=max(2, triton.next_power_of_2(num_splits)), num_warps=num_warps, num_stages=num_stages,
+        q, kv, kv_scale, mx_scales, sc_stride, kv_indptr, out, part_o, part_lse, count, flag, desc_n, desc_r,
+        kv.shape[0], num_splits, sm_scale_log2,
+        REDUCE=FU_REDUCE_CODES[red], NS_P2=max(2, triton.next_power_of_2(num_splits)), **consts,
     )
