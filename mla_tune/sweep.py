@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -305,7 +306,7 @@ def _sweep(config: Config, gpu: str, out: Path, results_path: Path, force: bool,
         ))
         if platform.has_gpu and n_pending:
             _precompile(config, pending, devices[0], timeout, console)
-        budget = Budget(config, started, n_pending, console)
+        budget = Budget(config, started, n_pending, console, parallel=len(devices))
         with _progress(console) as progress:
             shared = _Shared(config, timeout, writer, budget, progress, stop, console)
             shared.task = progress.add_task("candidates", total=n_total, completed=len(done))
@@ -359,11 +360,19 @@ def assign_shapes(pending: dict[Shape, list[Variant]], n_devices: int):
 
 class Budget:
     """Watches the projected sweep time; past the config's budget_s it lowers the timing
-    reps of the candidates still to run (never the correctness gate) and says so."""
+    reps of the candidates still to run (never the correctness gate) and says so.
+
+    The projection is the median time per finished candidate times the candidates left
+    (over the devices working in parallel). A median, not a mean: one-off costs such as
+    a vendor library's first JIT compile (~15 s per FlashInfer variant) would otherwise
+    inflate the projection many times over. The first H200 sweep (2026-11-30), projecting
+    with the mean, cut reps from 30 to 3 while the whole sweep took 181 s of its 540 s.
+    """
 
     MIN_REPS = 3
 
-    def __init__(self, config: Config, started: float, n_pending: int, console: Console):
+    def __init__(self, config: Config, started: float, n_pending: int, console: Console,
+                 parallel: int = 1):
         self.reps = config.timing.reps
         self.prune_reps = config.timing.prune_reps
         self.budget_s = config.budget_s
@@ -371,18 +380,24 @@ class Budget:
         self.phase_start = time.monotonic()
         self.n_pending = n_pending
         self.console = console
+        self.parallel = max(1, parallel)
         self.done = 0
+        self.durations: list[float] = []
         self.reduced = False
         self.notes: list[str] = []
 
-    def note_done(self) -> str | None:
-        """Count one finished candidate; returns a note when it just cut the reps."""
+    def note_done(self, elapsed_s: float | None = None) -> str | None:
+        """Count one finished candidate (that took elapsed_s); returns a note when it just
+        cut the reps."""
         self.done += 1
+        now = time.monotonic()
+        self.durations.append(
+            elapsed_s if elapsed_s is not None else (now - self.phase_start) / self.done
+        )
         if self.done != 5 and (self.done < 5 or self.done % 10):
             return None
-        now = time.monotonic()
-        rate = self.done / max(now - self.phase_start, 1e-9)
-        remaining = (self.n_pending - self.done) / rate
+        per_candidate = statistics.median(self.durations)
+        remaining = (self.n_pending - self.done) * per_candidate / self.parallel
         projected = now - self.started + remaining
         if self.done == 5:
             budget = f" (budget {self.budget_s:.0f} s)" if self.budget_s else ""
@@ -472,7 +487,7 @@ class DeviceRunner:
             with sh.lock:
                 sh.writer.append(record)
                 sh.records.append(record)
-                note = sh.budget.note_done()
+                note = sh.budget.note_done(record["elapsed_s"])
                 if note:  # the header is already written: the cut goes on record as a note
                     sh.writer.append({"kind": "note", "budget": note, "timing_reps": sh.budget.reps})
                 sh.progress.advance(sh.task)
@@ -528,6 +543,8 @@ def _precompile(config: Config, pending, device: int, timeout: float, console: C
         f"{time.monotonic() - t0:.0f} s; {len(errors)} did not compile or run there "
         "(not fatal: the timed run records why)"
     )
+    for where, error in sorted(errors.items())[:3]:  # a sample, so the count is not a mystery
+        console.print(escape(f"  e.g. {where}: {error[:300]}"))
 
 
 def _summarize(records: list[dict], console: Console) -> dict[str, dict]:

@@ -38,6 +38,7 @@ def import_submission(path: Path):
     sys.path.insert(0, str(workdir))
     spec = importlib.util.spec_from_file_location("submission", target)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as `import submission` would (dataclasses need it)
     spec.loader.exec_module(module)
     return module
 

@@ -345,3 +345,27 @@ def test_a_sweep_killed_midway_resumes_without_running_anything_twice(tmp_path):
     assert sum(summary.counts.values()) == 8 - n_before
     assert set(summary.winners) == {"2x17", "1x33"}
     assert not (tmp_path / "cpu.yaml.lock").exists()
+
+
+def test_budget_projects_with_the_median_so_a_one_off_compile_does_not_cut_reps():
+    """One slow first candidate (a vendor JIT compile) must not make the projection cut reps:
+    the first H200 sweep, projecting with the mean, cut 30 reps to 3 and ended at 181 s of 540."""
+    import io
+    import time as _time
+
+    from rich.console import Console
+
+    from mla_tune.config import load_config
+    from mla_tune.sweep import Budget
+
+    config = load_config(REPO / "configs" / "leaderboard.yaml")
+    budget = Budget(config, _time.monotonic(), 400, Console(file=io.StringIO()))
+    budget.note_done(60.0)  # the JIT
+    for _ in range(39):
+        budget.note_done(0.2)
+    assert budget.reps == config.timing.reps and not budget.reduced
+    # ...while a sweep that really runs long is cut
+    slow = Budget(config, _time.monotonic(), 400, Console(file=io.StringIO()))
+    for _ in range(10):
+        slow.note_done(5.0)
+    assert slow.reduced and slow.reps < config.timing.reps
