@@ -136,6 +136,12 @@ class Variant:
         return f"{self.backend}({inner})"
 
 
+def vendor_is_cpu_fake(module) -> bool:
+    """True for the CPU fakes of vendor libraries under tests/fakes, which say so; the real
+    packages never set MLA_TUNE_CPU_FAKE, so a backend never mistakes a fake for a GPU."""
+    return bool(getattr(module, "MLA_TUNE_CPU_FAKE", False))
+
+
 def require(condition: bool, message: str) -> None:
     """Raise ValueError(message) unless condition holds (for checks before any launch)."""
     if not condition:

@@ -23,15 +23,14 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
-import os
 import re
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mla_tune.backends import UnknownBackend, get_backend, known_backends
 from mla_tune.core import Shape
+from mla_tune.fileio import atomic_write_text
 from mla_tune.table import load_table
 
 PROTOCOL_NAMES = ("NAME", "unavailable_reason", "candidates", "build", "default_variant")
@@ -497,17 +496,4 @@ def export_submission(table_path: str | Path, out_path: str | Path,
     With only_backends, each row takes its best allowed alternate, rows with none run the
     fallback, and the fallback's backend (triton, else torch) must be allowed.
     """
-    text = render_submission(table_path, only_backends)
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return out
+    return atomic_write_text(out_path, render_submission(table_path, only_backends))

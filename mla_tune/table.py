@@ -24,8 +24,6 @@ Schema 1, top level: `schema`, `gpu`, `provenance`, `rows`. A row:
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +33,7 @@ import yaml
 
 from mla_tune.backends import known_backends
 from mla_tune.core import KV_FORMATS, Q_MODES, QK_DIM, Shape, Variant
+from mla_tune.fileio import atomic_write_text
 
 SCHEMA_VERSION = 1
 STATUSES = ("ok", "rejected", "failed", "crashed", "timeout", "pruned")
@@ -230,20 +229,8 @@ def _header_comment(table: dict) -> str:
 
 def write_table(path: str | Path, table: dict) -> Path:
     """Write the table as YAML atomically (temp file in the same folder, fsync, rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     text = _header_comment(table) + yaml.safe_dump(table, sort_keys=False, width=100)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write_text(path, text)
 
 
 # ------------------------------------------------------------------------------ load

@@ -22,7 +22,16 @@ import re
 
 import torch
 
-from mla_tune.core import NUM_HEADS, NUM_KV_HEADS, QK_DIM, SM_SCALE, V_DIM, Shape, Variant
+from mla_tune.core import (
+    NUM_HEADS,
+    NUM_KV_HEADS,
+    QK_DIM,
+    SM_SCALE,
+    V_DIM,
+    Shape,
+    Variant,
+    vendor_is_cpu_fake,
+)
 
 NAME = "aiter"
 
@@ -109,11 +118,6 @@ def _ai_checked_version(aiter_module) -> tuple[int, int, int, int]:
     return release
 
 
-def _ai_is_cpu_fake(aiter_module) -> bool:
-    # tests/fakes/aiter runs on the CPU and says so; the real package never sets this.
-    return bool(getattr(aiter_module, "MLA_TUNE_CPU_FAKE", False))
-
-
 # --------------------------------------------------------------------- protocol
 def unavailable_reason() -> str | None:
     try:
@@ -121,7 +125,7 @@ def unavailable_reason() -> str | None:
         import aiter.mla  # noqa: F401  (a ROCm-less import can succeed with a truncated namespace)
     except (ImportError, RuntimeError, OSError) as exc:
         return f"AITER cannot be imported ({type(exc).__name__}: {exc}); install amd-aiter on a ROCm machine."
-    if not _ai_is_cpu_fake(aiter) and not (torch.version.hip and torch.cuda.is_available()):
+    if not vendor_is_cpu_fake(aiter) and not (torch.version.hip and torch.cuda.is_available()):
         return "AITER needs a ROCm GPU, and this process sees none."
     try:
         _ai_checked_version(aiter)

@@ -19,18 +19,22 @@ from __future__ import annotations
 
 import torch
 
-from mla_tune.core import NUM_HEADS, NUM_KV_HEADS, QK_DIM, SM_SCALE, V_DIM, Shape, Variant
+from mla_tune.core import (
+    NUM_HEADS,
+    NUM_KV_HEADS,
+    QK_DIM,
+    SM_SCALE,
+    V_DIM,
+    Shape,
+    Variant,
+    vendor_is_cpu_fake,
+)
 from mla_tune.kernels.q_quant import QQuantizer
 
 NAME = "flashmla"
 
 _FM_PAGE = 64  # FlashMLA's only page (block) size
 _FM_PAIRS = {"bf16": ("bf16",), "fp8": ("fp8_dynamic", "fp8_static")}  # KV -> q modes with a kernel
-
-
-def _fm_is_cpu_fake(module) -> bool:
-    # tests/fakes/flash_mla runs on the CPU and says so; the real package never sets this.
-    return bool(getattr(module, "MLA_TUNE_CPU_FAKE", False))
 
 
 def unavailable_reason() -> str | None:
@@ -43,7 +47,7 @@ def unavailable_reason() -> str | None:
     has_legacy = getattr(flash_mla, "has_legacy", None)
     if has_legacy is not None and not has_legacy():
         return "This flash_mla was built without its legacy kernels, which hold dense decoding."
-    if _fm_is_cpu_fake(flash_mla):
+    if vendor_is_cpu_fake(flash_mla):
         return None
     if torch.version.hip or not torch.cuda.is_available():
         return "FlashMLA needs an NVIDIA GPU, and this process sees none."

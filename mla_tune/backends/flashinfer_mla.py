@@ -28,6 +28,7 @@ from mla_tune.core import (
     V_DIM,
     Shape,
     Variant,
+    vendor_is_cpu_fake,
 )
 
 NAME = "flashinfer"
@@ -37,18 +38,13 @@ _FI_BACKENDS = ("fa3", "fa2")
 _FI_WORKSPACE_BYTES = 128 << 20
 
 
-def _fi_is_cpu_fake(module) -> bool:
-    # tests/fakes/flashinfer runs on the CPU and says so; the real package never sets this.
-    return bool(getattr(module, "MLA_TUNE_CPU_FAKE", False))
-
-
 def unavailable_reason() -> str | None:
     try:
         import flashinfer
         import flashinfer.mla  # noqa: F401
     except (ImportError, RuntimeError, OSError) as exc:
         return f"FlashInfer cannot be imported ({type(exc).__name__}: {exc}); install flashinfer-python (mla-tune[nvidia])."
-    if _fi_is_cpu_fake(flashinfer):
+    if vendor_is_cpu_fake(flashinfer):
         return None
     if torch.version.hip or not torch.cuda.is_available():
         return "FlashInfer needs an NVIDIA GPU, and this process sees none."
