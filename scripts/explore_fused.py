@@ -34,6 +34,9 @@ from concurrent.futures import ProcessPoolExecutor, wait
 
 import torch
 
+# bench_peers.py sits beside this script, whose folder is on sys.path when it runs.
+from bench_peers import FU_PICKS as LEVER_PICKS
+
 from mla_tune import problem
 from mla_tune.core import Shape, Variant
 
@@ -127,16 +130,8 @@ def warm_all(names: list[str], out_dir: str, timeout_s: float) -> dict:
 
 
 # ------------------------------------------------------------------ --levers (issue 5)
-_FQ8 = dict(kv="fp8", q="fp8_dynamic", qk_dot="fp8", pv_dot="fp16", tok_m=True)
-_F16 = dict(kv="fp8", q="bf16", qk_dot="fp16", pv_dot="fp16", tok_m=True)
-# The best strict-passing configuration per shape of run 3 (docs/perf.md; bench_peers.py
-# FU_PICKS): family, block_n, num_warps, num_stages, num_splits, reduce.
-LEVER_PICKS = {
-    (4, 1024): (_F16, 32, 4, 3, 32, "spin"), (4, 8192): (_FQ8, 64, 4, 3, 32, "spin"),
-    (32, 1024): (_FQ8, 64, 4, 3, 4, "spin"), (32, 8192): (_FQ8, 128, 8, 3, 4, "spin"),
-    (64, 1024): (_FQ8, 128, 8, 3, 2, "spin"), (64, 8192): (_FQ8, 128, 8, 3, 2, "spin"),
-    (256, 1024): (_FQ8, 64, 4, 3, 1, "none"), (256, 8192): (_FQ8, 64, 4, 3, 1, "none"),
-}
+# LEVER_PICKS: the best strict-passing configuration per shape of run 3 (docs/perf.md),
+# the one table kept in bench_peers.py.
 LEVERS = ("best", "persist", "mx", "tma", "tma_host", "mx64")  # compile priority order
 LEVERS_DEFAULT = "best,persist,mx,tma,tma_host"  # mx64 (MXFP4, block_n 64, 8 warps) on request
 _MX = dict(kv="mxfp4", q="bf16", qk_dot="bf16", pv_dot="bf16", tok_m=True)

@@ -13,6 +13,7 @@ import yaml
 from mla_tune import gpu, problem
 from mla_tune.backends import aiter_mla
 from mla_tune.core import SM_SCALE, Shape, Variant
+from tests.helpers import expected_output
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("vendor_fakes", ROOT / "tests" / "fakes" / "vendor_fakes.py")
@@ -39,18 +40,6 @@ def _q_amax(seed_data):
 
 def _params(sig):
     return [(p.name, p.kind.name, p.default) for p in sig.parameters.values()]
-
-
-def expected_output(data, variant):
-    """fp32 attention on the operands the variant reads: q as its q mode quantizes it."""
-    q_mode, kv = variant.get("q"), variant.get("kv")
-    if q_mode != "fp8_static":
-        return problem.reference(data, "bf16" if q_mode == "bf16" else "fp8", kv)
-    fp8 = torch.float8_e4m3fn
-    scale = variant.get("q_amax") / torch.finfo(fp8).max
-    fp8_max = torch.finfo(fp8).max
-    q = (data[0].float() / scale).clamp(-fp8_max, fp8_max).to(fp8).float() * scale
-    return problem.reference((q, *data[1:]), "bf16", kv)
 
 
 # Parameter lists read from ROCm/aiter tag v0.1.11 (aiter/mla.py, aiter/ops/attention.py).

@@ -12,6 +12,7 @@ import torch
 from mla_tune import gpu, problem
 from mla_tune.backends import flash_mla, flashinfer_mla
 from mla_tune.core import Shape, Variant
+from tests.helpers import expected_output
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("vendor_fakes", ROOT / "tests" / "fakes" / "vendor_fakes.py")
@@ -45,18 +46,6 @@ def _static(variant, shape=SHAPE, device="cpu"):
     amax = max(float(problem.generate_input(shape.batch, shape.kv_len, seed=s, device=device)[0].abs().amax())
                for s in CALIBRATION_SEEDS)
     return variant.with_params(q_amax=amax)
-
-
-def expected_output(data, variant):
-    """fp32 attention on the operands the variant reads: q as its q mode quantizes it."""
-    q_mode, kv = variant.get("q"), variant.get("kv")
-    if q_mode != "fp8_static":
-        return problem.reference(data, "bf16" if q_mode == "bf16" else "fp8", kv)
-    fp8 = torch.float8_e4m3fn
-    scale = variant.get("q_amax") / torch.finfo(fp8).max
-    fp8_max = torch.finfo(fp8).max
-    q = (data[0].float() / scale).clamp(-fp8_max, fp8_max).to(fp8).float() * scale
-    return problem.reference((q, *data[1:]), "bf16", kv)
 
 
 # ------------------------------------------------------------------- FlashInfer
