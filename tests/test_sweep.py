@@ -369,3 +369,15 @@ def test_budget_projects_with_the_median_so_a_one_off_compile_does_not_cut_reps(
     for _ in range(10):
         slow.note_done(5.0)
     assert slow.reduced and slow.reps < config.timing.reps
+
+
+def test_an_out_of_memory_candidate_costs_only_itself(tmp_path):
+    console, _buf = capture()
+    summary = run_sweep(REPO / "tests" / "data" / "sweep_oom.yaml", "cpu", out=tmp_path / "cpu.yaml",
+                        console=console, candidate_timeout_s=30)
+    _header, records, _warnings = read_results(summary.results_path)
+    by_backend = {r["backend"]: r for r in records}
+    assert by_backend["fake_oom"]["status"] == "failed"
+    assert by_backend["fake_oom"]["reason"].startswith("OutOfMemoryError: fake_oom: CUDA out of memory")
+    assert by_backend["torch"]["status"] == "ok"  # ran after it, in the same sweep
+    assert summary.winners["1x17"]["variant"].startswith("torch(")

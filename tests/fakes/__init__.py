@@ -10,7 +10,8 @@ from pathlib import Path
 
 import yaml
 
-FAKES = ("fake_ok", "fake_wrong", "fake_raise", "fake_crash", "fake_hang", "fake_nogpu", "fake_poison")
+FAKES = ("fake_ok", "fake_wrong", "fake_raise", "fake_crash", "fake_hang", "fake_nogpu", "fake_poison",
+         "fake_oom")
 EXTRA_BACKENDS = ",".join(f"{name}=tests.fakes.{name}" for name in FAKES)
 
 
