@@ -4,7 +4,8 @@ Per-tensor quantization as the leaderboard's reference does it, without a host s
 - static: scale = q_amax / fp8_max fixed at build time; one launch;
 - dynamic: scale = bf16(amax(|q|) / fp8_max) from this call's q; two launches (per-row
   amax partials, then every program reduces the partials and quantizes its row), which
-  reproduces `mla_tune.problem.quantize_fp8` bit for bit.
+  reproduces `mla_tune.problem.quantize_fp8` value for value (a tiny negative value that
+  rounds to zero gives +0 where torch gives -0; no dot can tell them apart).
 Torch ops would take 3 (static) to 7 (dynamic) launches of ~2-3 us each on the GPU.
 
 Exportable module: see docs/architecture.md (`_qq_` prefix for private names).
