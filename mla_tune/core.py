@@ -148,6 +148,74 @@ def require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+# ------------------------------------------------ variant parameter checks (backends' validate)
+# Pure checks of names and values, no device and no vendor library: each backend's
+# validate(variant) is built from these, and its build() calls validate() first. Every
+# message is one sentence naming the backend, the parameter, the bad value and what is allowed.
+def _shown_param(value: Any) -> str:
+    if value is None:
+        return "(missing)"
+    try:
+        return _param_text(value)
+    except TypeError:
+        return repr(value)
+
+
+def check_param_names(variant: Variant, known: tuple | list, required: tuple | list = ()) -> None:
+    """Refuse a parameter not in `known` and a missing one of `required`."""
+    unknown = sorted(set(variant.p) - set(known))
+    if unknown:
+        raise ValueError(f"{variant.backend}: unknown parameter {', '.join(unknown)}; "
+                         f"known: {', '.join(known)}")
+    missing = [name for name in required if name not in variant.p]
+    if missing:
+        raise ValueError(f"{variant.backend}: missing parameter {', '.join(missing)}; "
+                         f"{variant.backend} variants need {', '.join(required)}")
+
+
+def check_param_choice(variant: Variant, name: str, allowed: tuple | list) -> Any:
+    """The value of `name`, which must be one of `allowed` and of the same type (so
+    true is not 1 and 1 is not 1.0); returns it."""
+    value = variant.get(name)
+    if not any(type(value) is type(a) and value == a for a in allowed):
+        raise ValueError(f"{variant.backend}: {name}={_shown_param(value)} is not allowed; "
+                         f"allowed: {', '.join(_param_text(a) for a in allowed)}")
+    return value
+
+
+def check_param_int(variant: Variant, name: str, minimum: int = 1, maximum: int | None = None,
+                    power_of_two: bool = False, allowed_too: tuple = ()) -> int:
+    """The value of `name`, which must be an int (not a bool) in minimum..maximum (and a
+    power of two if asked), or one of `allowed_too`; returns it."""
+    value = variant.get(name)
+    ok = (isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+          and (maximum is None or value <= maximum)
+          and (not power_of_two or value & (value - 1) == 0))
+    if not ok and not (isinstance(value, int) and not isinstance(value, bool) and value in allowed_too):
+        kind = "a power of two" if power_of_two else "an int"
+        bound = f"from {minimum} to {maximum}" if maximum is not None else f">= {minimum}"
+        extra = "".join(f" or {a}" for a in allowed_too)
+        raise ValueError(f"{variant.backend}: {name}={_shown_param(value)} is not allowed; "
+                         f"{name} must be {kind} {bound}{extra}")
+    return value
+
+
+def check_q_amax(variant: Variant) -> None:
+    """An fp8_static variant carries a calibrated q_amax, a finite number > 0; the
+    parameter belongs to fp8_static variants only."""
+    value = variant.get("q_amax")
+    if variant.get("q") != "fp8_static":
+        if value is not None:
+            raise ValueError(f"{variant.backend}: q_amax={_shown_param(value)} is not allowed with "
+                             f"q={_shown_param(variant.get('q'))}; only q=fp8_static carries a q_amax")
+        return
+    if (not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0
+            or not math.isfinite(value)):
+        raise ValueError(f"{variant.backend}: q_amax={_shown_param(value)} is not allowed; "
+                         "q=fp8_static needs a calibrated q_amax, a finite number > 0 (the sweep "
+                         "calibrates it and adds it with variant.with_params(q_amax=...))")
+
+
 def check_decode_inputs(q, kv_data, qo_indptr, kv_indptr, kv_format: str) -> int:
     """Check shapes, dtypes, devices and layouts of one decode call; return batch size.
 

@@ -9,7 +9,7 @@ imports mla_tune. Everything is located with `ast`, never with text search:
 - imports: top-level `import`/`from` statements are cut out of each module (whole lines,
   exactly the statement's span) and written once at the top; `from mla_tune.X import a`
   names the dependency X, whose definitions are then already in the file;
-- protocol names: a backend's NAME, unavailable_reason, candidates, build and
+- protocol names: a backend's NAME, unavailable_reason, candidates, validate, build and
   default_variant become `_NAME_<backend>`, `_build_<backend>`, ... by replacing exactly the
   tokens that refer to the module-level name (local variables of the same name are left);
 - collisions: two modules defining one top-level name differently is refused, naming both.
@@ -33,7 +33,8 @@ from mla_tune.core import Shape
 from mla_tune.fileio import atomic_write_text
 from mla_tune.table import load_table
 
-PROTOCOL_NAMES = ("NAME", "unavailable_reason", "candidates", "build", "default_variant")
+PROTOCOL_NAMES = ("NAME", "unavailable_reason", "candidates", "validate", "build",
+                  "default_variant")
 _GENERATED_NAMES = {"input_t", "output_t", "custom_kernel", "_EXPORT_TABLE_TEXT", "_EXPORT_TABLE",
                     "_EXPORT_BUILDERS", "_EXPORT_DISPATCHER", "_EXPORT_FALLBACK_VARIANT",
                     "_export_fallback", "_export_sm_count"}

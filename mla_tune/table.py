@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from mla_tune.backends import known_backends
+from mla_tune.backends import get_backend, known_backends
 from mla_tune.core import KV_FORMATS, Q_MODES, QK_DIM, Shape, Variant
 from mla_tune.fileio import atomic_write_text
 
@@ -290,6 +290,18 @@ def _check_variant(where: str, field_name: str, value: Any, known: list[str]) ->
     if variant.get("kv") not in KV_FORMATS or variant.get("q") not in Q_MODES:
         raise TableError(f"{where}: {field_name}.variant {variant} must carry kv (one of "
                          f"{', '.join(KV_FORMATS)}) and q (one of {', '.join(Q_MODES)})")
+    # The backend's own parameter rules (names and values, no device, no vendor import).
+    # A backend module that cannot be imported here (its torch or triton missing), or a
+    # plugin backend without validate(), leaves its variants to be checked at build time.
+    try:
+        validate = getattr(get_backend(variant.backend), "validate", None)
+    except ImportError:
+        validate = None
+    if validate is not None:
+        try:
+            validate(variant)
+        except ValueError as exc:
+            raise TableError(f"{where}: {field_name}.variant: {exc}") from exc
     return variant
 
 

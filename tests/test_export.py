@@ -107,6 +107,12 @@ def test_full_export_runs_without_mla_tune_and_matches_the_reference(tmp_path):
     assert "config configs/test.yaml hash 0123abcd, rule leaderboard rtol=0.1" in text
     assert "def _build_triton(" in text and "def _build_torch(" in text
     assert "\ndef build(" not in text and "\nNAME =" not in text
+    # validate is a protocol name too: renamed per backend, and build calls the renamed one
+    assert "def _validate_triton(" in text and "def _validate_torch(" in text
+    assert "\ndef validate(" not in text and "    _validate_triton(variant)\n" in text
+    defined = [n.name for n in ast.parse(text).body
+               if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    assert len(defined) == len(set(defined)), sorted({n for n in defined if defined.count(n) > 1})
     assert "@triton.jit" in text and "import triton.language as tl" in text
     assert [p.name for p in tmp_path.iterdir()] == ["submission.py"]  # written atomically
     # (1, 8): torch row; (2, 40): triton fp8 row; (2, 24): not in the table -> fallback;

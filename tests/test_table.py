@@ -13,9 +13,10 @@ from mla_tune.problem import get_rule
 from mla_tune.table import TableError, load_table, pick_best, table_from_results, write_table
 
 DATA = Path(__file__).parent / "data"
-TRITON_A = "triton(block_n=32,kv=fp8,num_splits=4,q=bf16)"
-TRITON_B = "triton(block_n=64,kv=fp8,num_splits=2,q=bf16)"
-STATIC = "triton(block_n=32,kv=fp8,num_splits=1,q=fp8_static,q_amax=5.5)"
+TRITON_A = "triton(block_n=32,dot_dtype=bf16,kv=fp8,num_splits=4,num_stages=2,num_warps=4,q=bf16)"
+TRITON_B = "triton(block_n=64,dot_dtype=bf16,kv=fp8,num_splits=2,num_stages=2,num_warps=4,q=bf16)"
+STATIC = ("triton(block_n=32,dot_dtype=bf16,kv=fp8,num_splits=1,num_stages=2,num_warps=4,"
+          "q=fp8_static,q_amax=5.5)")
 TORCH = "torch(kv=bf16,q=bf16)"
 
 
@@ -214,3 +215,140 @@ def test_missing_unparsable_or_executable_tables_are_refused(tmp_path):
     bad.write_text("schema: !!python/object/apply:os.system ['echo hi']\n")
     with pytest.raises(TableError, match="is not valid YAML"):
         load_table(bad)
+
+
+# ------------------------------------------------- each backend's parameter rules at load
+def _set_variant(entry: dict, drop: tuple = (), **change) -> None:
+    """Rewrite the variant of a winner / runner_up / alternate entry (and its params)."""
+    variant = Variant.parse(entry["variant"])
+    params = {k: v for k, v in {**variant.p, **change}.items() if k not in drop}
+    variant = Variant.make(variant.backend, **params)
+    entry["variant"] = str(variant)
+    if "params" in entry:
+        entry["params"] = variant.p
+
+
+ROW2 = r"row 2 \(batch 2, kv_len 40\)"
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: _set_variant(d["rows"][1]["winner"], drop=("num_splits",), num_splitz=2),
+         rf"{ROW2}: winner\.variant: triton: unknown parameter num_splitz; known: kv, q, num_splits"),
+        (lambda d: _set_variant(d["rows"][1]["winner"], block_n=48),
+         rf"{ROW2}: winner\.variant: triton: block_n=48 is not allowed; block_n must be a power of two >= 16"),
+        (lambda d: _set_variant(d["rows"][1]["winner"], num_warps=3),
+         rf"{ROW2}: winner\.variant: triton: num_warps=3 is not allowed; num_warps must be a power of two"),
+        (lambda d: _set_variant(d["rows"][1]["winner"], num_warps=True),
+         rf"{ROW2}: winner\.variant: triton: num_warps=true is not allowed"),
+        (lambda d: _set_variant(d["rows"][1]["winner"], dot_dtype=16),
+         rf"{ROW2}: winner\.variant: triton: dot_dtype=16 is not allowed; allowed: fp16, bf16"),
+        (lambda d: _set_variant(d["rows"][1]["winner"], drop=("dot_dtype",)),
+         rf"{ROW2}: winner\.variant: triton: missing parameter dot_dtype; triton variants need "),
+        (lambda d: _set_variant(d["rows"][1]["winner"], q="fp8_static"),
+         rf"{ROW2}: winner\.variant: triton: q_amax=\(missing\) is not allowed; q=fp8_static needs"),
+        (lambda d: _set_variant(d["rows"][0]["runner_up"], block_n=48),
+         r"row 1 \(batch 1, kv_len 8\): runner_up\.variant: triton: block_n=48"),
+        (lambda d: _set_variant(d["rows"][1]["alternates"]["torch"], extra=1),
+         rf"{ROW2}: alternates\.torch\.variant: torch: unknown parameter extra; known: kv, q"),
+        (lambda d: _set_variant(d["rows"][0]["winner"], kv="fp8"),
+         r"row 1 \(batch 1, kv_len 8\): winner\.variant: torch: kv=fp8 is not allowed; allowed: bf16"),
+    ],
+)
+def test_a_variant_its_backend_refuses_fails_at_load_naming_file_row_and_field(tmp_path, edit, message):
+    path = _broken(tmp_path, edit)
+    with pytest.raises(TableError, match=message) as info:
+        load_table(path)
+    assert str(info.value).startswith(f"table {path}, ")
+
+
+BACKEND_CASES = {
+    # backend: (platform, search space): spaces wide enough to offer every kind of variant
+    "triton": ("H200", {"kv": ["fp8", "bf16"], "q": ["bf16", "fp8_dynamic", "fp8_static"],
+                        "num_splits": [1, 2, 8], "block_n": [16, 64], "num_warps": [4, 8],
+                        "num_stages": [1, 2], "dot_dtype": ["fp16", "bf16"]}),
+    "triton@MI355X": ("MI355X", {"num_splits": [1, 4], "block_n": [32], "num_warps": [4, 8],
+                                 "num_stages": [1, 2], "hip": {"waves_per_eu": [0, 1, 2],
+                                 "matrix_instr_nonkdim": [16, 32], "kpack": [1, 2]}}),
+    "triton_fused": ("H200", {"kv": ["fp8", "bf16", "mxfp4"], "load": ["ptr", "tma", "tma_host"],
+                              "grid": ["split", "persistent"], "waves": [1, 2],
+                              "tok_m": [True, False]}),
+    "torch": ("H200", {}),
+    "aiter": ("MI355X", {"kv_granularity": [16, 64]}),
+    "aiter@MI300X": ("MI300X", {}),
+    "flashinfer": ("H200", {}),
+    "flashmla": ("H200", {}),
+}
+
+
+@pytest.fixture
+def no_vendor_libraries(monkeypatch):
+    """validate() must not import a vendor library: importing one here fails."""
+    import sys
+
+    for name in ("aiter", "aiter.mla", "flashinfer", "flashinfer.mla", "flash_mla"):
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+@pytest.mark.parametrize("case", list(BACKEND_CASES))
+def test_validate_accepts_every_candidate_of_its_backend_and_refuses_an_unknown_parameter(
+        case, no_vendor_libraries):
+    from mla_tune.backends import BACKEND_MODULES, get_backend
+    from mla_tune.gpu import fake_platform
+
+    name = case.split("@")[0]
+    platform, space = BACKEND_CASES[case]
+    backend = get_backend(name)
+    variants = [v for shape in (Shape(4, 1024), Shape(2, 64))
+                for v in backend.candidates(shape, space, fake_platform(platform))]
+    assert variants, f"{case}: no candidates to check"
+    for variant in variants:
+        if variant.get("q") == "fp8_static":
+            with pytest.raises(ValueError, match=rf"^{name}: q_amax=\(missing\) is not allowed"):
+                backend.validate(variant)  # as candidates() offers it: the sweep adds q_amax
+            variant = variant.with_params(q_amax=5.5)
+        backend.validate(variant)
+        with pytest.raises(ValueError, match=rf"^{name}: unknown parameter bogus; known: "):
+            backend.validate(variant.with_params(bogus=1))
+    assert set(BACKEND_MODULES) == {c.split("@")[0] for c in BACKEND_CASES}  # one case per backend
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("triton_fused(block_n=48,kv=fp8,num_splits=1,num_stages=3,num_warps=4,pv_dot=fp16,q=bf16,"
+         "qk_dot=fp16,reduce=none,tok_m=true)", r"block_n=48 is not allowed; allowed: 16, 32, 64, 128"),
+        ("triton_fused(block_n=32,kv=fp8,num_splits=1,num_stages=3,num_warps=4,pv_dot=fp16,q=bf16,"
+         "qk_dot=fp16,reduce=none,tok_m=1)", r"tok_m=1 is not allowed; allowed: true, false"),
+        ("triton_fused(block_n=32,kv=bf16,num_splits=1,num_stages=3,num_warps=4,pv_dot=fp16,"
+         "q=fp8_dynamic,qk_dot=fp8,reduce=none,tok_m=true)", r"is not allowed: .*fp8 KV cache"),
+        ("triton_fused(block_n=32,kv=fp8,num_splits=1,num_stages=3,num_warps=4,pv_dot=fp16,q=bf16,"
+         "qk_dot=fp16,tok_m=true)", r"missing parameter reduce"),
+        ("triton_fused(block_n=32,grid=ring,kv=fp8,num_splits=1,num_stages=3,num_warps=4,pv_dot=fp16,"
+         "q=bf16,qk_dot=fp16,reduce=none,tok_m=true)", r"grid=ring is not allowed; allowed: split, persistent"),
+        ("aiter(kv=fp8,mode=nonpersistent,num_kv_splits=0,q=fp8_dynamic)",
+         r"num_kv_splits=0 is not allowed; num_kv_splits must be an int >= 1"),
+        ("aiter(kv=fp8,kv_granularity=16,mode=nonpersistent,num_kv_splits=2,q=fp8_dynamic)",
+         r"kv_granularity is not a parameter of mode=nonpersistent, which takes num_kv_splits"),
+        ("aiter(fast_mode=false,intra_batch=true,kv=fp8,kv_granularity=24,max_split_per_batch=8,"
+         "mode=persistent,q=fp8_dynamic)", r"kv_granularity=24 is not allowed; .*power of two"),
+        ("aiter(fast_mode=false,intra_batch=true,kv=fp8,kv_granularity=16,max_split_per_batch=-1,"
+         "mode=persistent,q=fp8_dynamic)", r"max_split_per_batch=-1 is not allowed with intra_batch=true"),
+        ("aiter(fast_mode=0,intra_batch=false,kv=fp8,kv_granularity=16,max_split_per_batch=-1,"
+         "mode=persistent,q=fp8_dynamic)", r"fast_mode=0 is not allowed; allowed: true, false"),
+        ("aiter(kv=fp8,mode=nonpersistent,num_kv_splits=2,q=bf16)", r"AITER has no nonpersistent kernel"),
+        ("flashinfer(kernel=fa4,kv=bf16,q=bf16)", r"kernel=fa4 is not allowed; allowed: fa3, fa2"),
+        ("flashinfer(kv=bf16,q=bf16)", r"missing parameter kernel"),
+        ("flashmla(kv=fp8,q=bf16)", r"q=bf16 is not allowed with kv=fp8"),
+        ("flashmla(kv=bf16,q=bf16,q_amax=3.0)", r"q_amax=3.0 is not allowed with q=bf16"),
+        ("triton(block_n=32,dot_dtype=bf16,kpack=3,kv=fp8,num_splits=1,num_stages=2,num_warps=4,q=bf16)",
+         r"kpack=3 is not allowed; allowed: 1, 2"),
+    ],
+)
+def test_validate_names_the_parameter_the_value_and_what_is_allowed(text, message, no_vendor_libraries):
+    from mla_tune.backends import get_backend
+
+    variant = Variant.parse(text)
+    with pytest.raises(ValueError, match=rf"^{variant.backend}: .*{message}"):
+        get_backend(variant.backend).validate(variant)

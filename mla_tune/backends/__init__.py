@@ -8,6 +8,14 @@ A backend module defines (see backends/torch_bmm.py for the smallest one):
     def candidates(shape: Shape, space: dict, platform) -> list[Variant]
         The variants it offers for `shape`, from its search-space section of a config
         (`space`) and the platform (mla_tune.gpu.Platform: name, arch, is_hip, sm_count).
+    def validate(variant: Variant) -> None
+        Raise ValueError, one sentence naming the parameter, the bad value and the allowed
+        values, for a missing, unknown or ill-typed/ill-valued parameter (or a combination
+        no shape can run). Pure checks of names and values: no device, no vendor import, no
+        shape (shape-dependent checks stay in build). load_table calls it on every variant
+        of a table, so a hand edit fails at load; build calls it first, so the rules live in
+        one place. Every variant candidates() offers passes it (fp8_static ones once the
+        sweep has added q_amax). Optional for plugin backends (then only build checks).
     def build(variant: Variant, shape: Shape, device) -> Runner
         A callable runner(q, kv_data, qo_indptr, kv_indptr) -> (batch, 16, 512) bf16 that
         owns its buffers (it allocates nothing per call; its output buffer is reused, so

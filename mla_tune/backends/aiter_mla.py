@@ -30,6 +30,10 @@ from mla_tune.core import (
     V_DIM,
     Shape,
     Variant,
+    check_param_choice,
+    check_param_int,
+    check_param_names,
+    check_q_amax,
     vendor_is_cpu_fake,
 )
 
@@ -48,6 +52,12 @@ _AI_MAX_VERSION = (0, 1, 20, 1)
 _AI_INFO_SPLIT_CAP_SINCE = (0, 1, 16, 0)
 
 _AI_MODES = ("nonpersistent", "persistent")
+# The parameters every variant may carry (q_amax: fp8_static only), and each mode's own.
+_AI_COMMON_PARAMS = ("kv", "q", "mode", "q_amax")
+_AI_MODE_PARAMS = {
+    "nonpersistent": ("num_kv_splits",),
+    "persistent": ("kv_granularity", "max_split_per_batch", "fast_mode", "intra_batch"),
+}
 # (q is fp8, KV format) -> modes with a kernel for that pair.
 _AI_PAIRS = {
     (True, "fp8"): ("nonpersistent", "persistent"),
@@ -199,37 +209,48 @@ def _ai_persistent_params(space: dict, shape: Shape, gfx942: bool) -> list[dict]
 
 
 # ------------------------------------------------------------------------- build
-def _ai_validate(variant: Variant, shape: Shape) -> None:
-    kv, q, mode = variant.get("kv"), variant.get("q"), variant.get("mode")
-    if mode not in _AI_MODES:
-        raise ValueError(f"{variant}: mode must be one of {', '.join(_AI_MODES)}")
-    if q not in ("bf16", "fp8_dynamic", "fp8_static") or kv not in ("bf16", "fp8"):
-        raise ValueError(f"{variant}: AITER reads q in bf16/fp8_dynamic/fp8_static and KV in bf16/fp8")
+def validate(variant: Variant) -> None:
+    """Refuse a missing, unknown or ill-valued parameter, or a (q, KV, mode) with no AITER
+    kernel (names and values only; _ai_validate adds what depends on the shape)."""
+    every = (*_AI_COMMON_PARAMS, *(n for names in _AI_MODE_PARAMS.values() for n in names))
+    check_param_names(variant, every, ("kv", "q", "mode"))
+    mode = check_param_choice(variant, "mode", _AI_MODES)
+    kv = check_param_choice(variant, "kv", ("bf16", "fp8"))
+    q = check_param_choice(variant, "q", ("bf16", "fp8_dynamic", "fp8_static"))
+    own = _AI_MODE_PARAMS[mode]
+    stray = [n for n in variant.p if n not in (*_AI_COMMON_PARAMS, *own)]
+    if stray:
+        raise ValueError(f"aiter: {', '.join(stray)} is not a parameter of mode={mode}, which "
+                         f"takes {', '.join(own)}")
+    check_param_names(variant, every, ("kv", "q", "mode", *own))
     q_fp8 = q != "bf16"
     if mode not in _AI_PAIRS.get((q_fp8, kv), ()):
         raise ValueError(
-            f"{variant}: AITER has no {mode} kernel for {'fp8' if q_fp8 else 'bf16'} q with "
-            f"{kv} KV; pairs with kernels: fp8/fp8 and bf16/bf16 (both modes), bf16/fp8 (persistent)"
+            f"aiter: mode={mode} is not allowed with q={q} and kv={kv}: AITER has no {mode} kernel "
+            f"for {'fp8' if q_fp8 else 'bf16'} q with {kv} KV; pairs with kernels: fp8/fp8 and "
+            "bf16/bf16 (both modes), bf16/fp8 (persistent)"
         )
-    if q == "fp8_static":
-        amax = variant.get("q_amax")
-        if not isinstance(amax, (int, float)) or isinstance(amax, bool) or not amax > 0:
-            raise ValueError(
-                f"{variant}: an fp8_static variant needs a positive q_amax; the sweep calibrates "
-                "it and adds it with variant.with_params(q_amax=...)"
-            )
+    check_q_amax(variant)
     if mode == "nonpersistent":
+        check_param_int(variant, "num_kv_splits")
+        return
+    check_param_int(variant, "kv_granularity", power_of_two=True)
+    cap = check_param_int(variant, "max_split_per_batch", allowed_too=(-1,))
+    check_param_choice(variant, "fast_mode", (True, False))
+    if check_param_choice(variant, "intra_batch", (True, False)) and cap < 1:
+        raise ValueError(f"aiter: max_split_per_batch={cap} is not allowed with intra_batch=true; "
+                         "intra_batch needs max_split_per_batch >= 1 (the splits per sequence it writes)")
+
+
+def _ai_validate(variant: Variant, shape: Shape) -> None:
+    validate(variant)
+    q_fp8 = variant.get("q") != "bf16"
+    if variant.get("mode") == "nonpersistent":
         n, cap = variant.get("num_kv_splits"), _ai_split_cap(shape.kv_len, q_fp8)
-        if not isinstance(n, int) or not 1 <= n <= cap:
+        if not 1 <= n <= cap:
             raise ValueError(f"{variant}: num_kv_splits must be an int in 1..{cap} at kv_len {shape.kv_len}")
         return
-    intra, cap = variant.get("intra_batch"), variant.get("max_split_per_batch")
-    granularity = variant.get("kv_granularity")
-    if not isinstance(granularity, int) or granularity < 1 or granularity & (granularity - 1):
-        raise ValueError(f"{variant}: kv_granularity must be a power of two")
-    if not isinstance(cap, int) or not (cap == -1 or cap >= 1):
-        raise ValueError(f"{variant}: max_split_per_batch must be -1 (no cap) or a positive int")
-    if intra and (cap < 1 or shape.kv_len < _AI_INTRA_MIN_KV):
+    if variant.get("intra_batch") and shape.kv_len < _AI_INTRA_MIN_KV:
         raise ValueError(
             f"{variant}: intra_batch needs max_split_per_batch >= 1 and kv_len >= "
             f"{_AI_INTRA_MIN_KV} (AITER's builder gives zero splits below that)"

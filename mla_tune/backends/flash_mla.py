@@ -27,6 +27,9 @@ from mla_tune.core import (
     V_DIM,
     Shape,
     Variant,
+    check_param_choice,
+    check_param_names,
+    check_q_amax,
     vendor_is_cpu_fake,
 )
 from mla_tune.kernels.q_quant import QQuantizer
@@ -69,25 +72,27 @@ def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
     return [Variant.make(NAME, kv=kv, q=q) for kv in kvs for q in qs if q in _FM_PAIRS[kv]]
 
 
-def _fm_validate(variant: Variant, shape: Shape) -> None:
-    kv, q = variant.get("kv"), variant.get("q")
-    if kv not in _FM_PAIRS or q not in _FM_PAIRS[kv]:
+def validate(variant: Variant) -> None:
+    """Refuse a missing, unknown or ill-valued parameter, or a (q, KV) pair FlashMLA has no
+    kernel for (names and values only; _fm_validate adds the 64-token page rule)."""
+    check_param_names(variant, ("kv", "q", "q_amax"), ("kv", "q"))
+    kv = check_param_choice(variant, "kv", tuple(_FM_PAIRS))
+    q = check_param_choice(variant, "q", ("bf16", "fp8_dynamic", "fp8_static"))
+    if q not in _FM_PAIRS[kv]:
         raise ValueError(
-            f"{variant}: FlashMLA's dense decode reads bf16 q with bf16 KV, or fp8 q "
-            "(fp8_dynamic / fp8_static) with fp8 KV"
+            f"flashmla: q={q} is not allowed with kv={kv}: FlashMLA's dense decode reads bf16 q "
+            "with bf16 KV, or fp8 q (fp8_dynamic / fp8_static) with fp8 KV"
         )
+    check_q_amax(variant)
+
+
+def _fm_validate(variant: Variant, shape: Shape) -> None:
+    validate(variant)
     if shape.kv_len % _FM_PAGE:
         raise ValueError(
             f"{variant}: FlashMLA reads 64-token pages, and kv_len {shape.kv_len} is not a "
             "multiple of 64; use another backend for this shape"
         )
-    if q == "fp8_static":
-        amax = variant.get("q_amax")
-        if not isinstance(amax, (int, float)) or isinstance(amax, bool) or not amax > 0:
-            raise ValueError(
-                f"{variant}: an fp8_static variant needs a positive q_amax; the sweep calibrates "
-                "it and adds it with variant.with_params(q_amax=...)"
-            )
 
 
 def build(variant: Variant, shape: Shape, device):

@@ -28,6 +28,8 @@ from mla_tune.core import (
     V_DIM,
     Shape,
     Variant,
+    check_param_choice,
+    check_param_names,
     vendor_is_cpu_fake,
 )
 
@@ -75,12 +77,18 @@ def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
     return out
 
 
+def validate(variant: Variant) -> None:
+    """kernel (FlashInfer's backend) fa3 or fa2; FlashInfer MLA reads bf16 q with bf16 or
+    fp8 KV. Which GPU runs fa3 and fp8 KV is candidates()' business."""
+    check_param_names(variant, ("kernel", "kv", "q"), ("kernel", "kv", "q"))
+    check_param_choice(variant, "kernel", _FI_BACKENDS)
+    check_param_choice(variant, "kv", ("bf16", "fp8"))
+    check_param_choice(variant, "q", ("bf16",))
+
+
 def build(variant: Variant, shape: Shape, device):
-    backend, kv_format, q_mode = variant.get("kernel"), variant.get("kv"), variant.get("q")
-    if backend not in _FI_BACKENDS:
-        raise ValueError(f"{variant}: kernel (FlashInfer's backend) must be one of {', '.join(_FI_BACKENDS)}")
-    if kv_format not in ("bf16", "fp8") or q_mode != "bf16":
-        raise ValueError(f"{variant}: FlashInfer MLA reads bf16 q with bf16 or fp8 KV")
+    validate(variant)
+    backend, kv_format = variant.get("kernel"), variant.get("kv")
     from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
     device = torch.device(device)

@@ -9,7 +9,16 @@ from __future__ import annotations
 
 import torch
 
-from mla_tune.core import NUM_HEADS, QK_DIM, SM_SCALE, V_DIM, Shape, Variant
+from mla_tune.core import (
+    NUM_HEADS,
+    QK_DIM,
+    SM_SCALE,
+    V_DIM,
+    Shape,
+    Variant,
+    check_param_choice,
+    check_param_names,
+)
 
 NAME = "torch"
 
@@ -22,9 +31,15 @@ def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
     return [Variant.make(NAME, kv="bf16", q="bf16")]
 
 
+def validate(variant: Variant) -> None:
+    """The torch backend reads bf16 q and bf16 KV only, and has no other parameter."""
+    check_param_names(variant, ("kv", "q"), ("kv", "q"))
+    check_param_choice(variant, "kv", ("bf16",))
+    check_param_choice(variant, "q", ("bf16",))
+
+
 def build(variant: Variant, shape: Shape, device):
-    if variant.get("kv") != "bf16" or variant.get("q") != "bf16":
-        raise ValueError(f"the torch backend reads bf16 q and bf16 KV only, not {variant}")
+    validate(variant)
 
     def run_torch_bmm(q, kv_data, qo_indptr, kv_indptr):
         kv = kv_data["bf16"]

@@ -29,7 +29,18 @@ import os
 
 import torch
 
-from mla_tune.core import NUM_HEADS, QK_DIM, SM_SCALE, V_DIM, Shape, Variant, require
+from mla_tune.core import (
+    NUM_HEADS,
+    QK_DIM,
+    SM_SCALE,
+    V_DIM,
+    Shape,
+    Variant,
+    check_param_choice,
+    check_param_int,
+    check_param_names,
+    require,
+)
 from mla_tune.kernels.fused_decode import fu_persistent_slots, fused_decode
 
 NAME = "triton_fused"
@@ -40,6 +51,7 @@ _FU_DOTS = ("fp16", "bf16", "fp8")
 _FU_REDUCE = ("none", "last", "spin")
 _FU_LOAD = ("ptr", "tma", "tma_host")
 _FU_GRID = ("split", "persistent")
+_FU_BLOCK_N = (16, 32, 64, 128)
 # The later parameters and the values that keep the first behaviour (left out of variants).
 FU_LATER_DEFAULTS = {"load": "ptr", "grid": "split", "waves": 1}
 # The interpreter has no SMs; the persistent grid pretends to have this many, so CPU tests
@@ -75,8 +87,9 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _fu_valid(p: dict, shape: Shape, sm_count: int) -> str | None:
-    """Why this parameter set cannot run at `shape` (None: it can)."""
+def _fu_combo_reason(p: dict) -> str | None:
+    """Why this parameter set (load, grid and waves filled in) cannot run at any shape
+    (None: it may run; _fu_valid adds what depends on the shape)."""
     if p["kv"] not in _FU_KV or p["q"] not in _FU_Q:
         return f"kv must be one of {_FU_KV} and q one of {_FU_Q}"
     if p["qk_dot"] not in _FU_DOTS or p["pv_dot"] not in _FU_DOTS:
@@ -102,13 +115,40 @@ def _fu_valid(p: dict, shape: Shape, sm_count: int) -> str | None:
         return "waves applies to grid=persistent only (use waves=1)"
     elif (p["num_splits"] == 1) != (p["reduce"] == "none"):
         return "reduce=none goes with num_splits=1 and only with it"
-    if p["block_n"] not in (16, 32, 64, 128):
+    if p["block_n"] not in _FU_BLOCK_N:
         return "block_n must be 16, 32, 64 or 128"
+    return None
+
+
+def _fu_valid(p: dict, shape: Shape, sm_count: int) -> str | None:
+    """Why this parameter set cannot run at `shape` (None: it can)."""
+    reason = _fu_combo_reason(p)
+    if reason is not None:
+        return reason
     if p["num_splits"] > max(1, math.ceil(shape.kv_len / p["block_n"])):
         return "more splits than tiles"
     if p["reduce"] == "spin" and shape.batch * p["num_splits"] > sm_count:
         return f"reduce=spin needs batch x num_splits <= {sm_count} SMs (all programs resident)"
     return None
+
+
+def validate(variant: Variant) -> None:
+    """Refuse a missing, unknown or ill-valued parameter, or a combination no shape can
+    run (names and values only; build() adds the checks that depend on the shape and GPU).
+    load, grid and waves may be absent: they then have their FU_LATER_DEFAULTS values."""
+    check_param_names(variant, tuple(FU_DEFAULT_SPACE),
+                      tuple(k for k in FU_DEFAULT_SPACE if k not in FU_LATER_DEFAULTS))
+    full = Variant.make(variant.backend, **{**FU_LATER_DEFAULTS, **variant.p})
+    for name, allowed in (("kv", _FU_KV), ("q", _FU_Q), ("qk_dot", _FU_DOTS), ("pv_dot", _FU_DOTS),
+                          ("tok_m", (True, False)), ("block_n", _FU_BLOCK_N), ("reduce", _FU_REDUCE),
+                          ("load", _FU_LOAD), ("grid", _FU_GRID), ("waves", (1, 2))):
+        check_param_choice(full, name, allowed)
+    check_param_int(full, "num_warps", maximum=32, power_of_two=True)
+    check_param_int(full, "num_stages")
+    check_param_int(full, "num_splits")
+    reason = _fu_combo_reason(full.p)
+    if reason is not None:
+        raise ValueError(f"{NAME}: {variant} is not allowed: {reason}")
 
 
 def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
@@ -194,9 +234,8 @@ def _fu_tma_ready(load: str, device) -> None:
 
 
 def build(variant: Variant, shape: Shape, device):
+    validate(variant)
     p = {**FU_LATER_DEFAULTS, **variant.p}
-    missing = set(FU_DEFAULT_SPACE) - set(p)
-    require(not missing, f"triton_fused variant {variant} lacks {sorted(missing)}")
     device = torch.device(device)
     if device.type == "cuda":
         sm_count = torch.cuda.get_device_properties(device).multi_processor_count

@@ -12,7 +12,17 @@ import os
 
 import torch
 
-from mla_tune.core import NUM_HEADS, V_DIM, Shape, Variant, fp8_dtype_for
+from mla_tune.core import (
+    NUM_HEADS,
+    V_DIM,
+    Shape,
+    Variant,
+    check_param_choice,
+    check_param_int,
+    check_param_names,
+    check_q_amax,
+    fp8_dtype_for,
+)
 from mla_tune.kernels.flash_decode import (
     FlashDecodeWorkspace,
     flash_decode,
@@ -115,37 +125,41 @@ def default_variant(shape: Shape, sm_count: int = 132) -> Variant:
     )
 
 
-def _tsk_param(variant: Variant, name: str, kind: type, allowed: tuple | None = None):
-    value = variant.get(name)
-    if value is None:
-        raise ValueError(f"{variant} lacks the parameter {name!r}; triton variants need {', '.join(_tsk_SPACE_KEYS)}")
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise ValueError(f"{variant}: {name} must be {kind.__name__}, got {value!r}")
-    if allowed is not None and value not in allowed:
-        raise ValueError(f"{variant}: {name}={value} not supported; known: {', '.join(allowed)}")
-    return value
+def validate(variant: Variant) -> None:
+    """Refuse a missing, unknown or ill-valued parameter (names and values only; which
+    num_splits suit a shape is candidates()' business, and any fits the kernel)."""
+    if variant.backend != NAME:
+        raise ValueError(f"triton: {variant} is a {variant.backend} variant, not a triton one")
+    check_param_names(variant, (*_tsk_SPACE_KEYS, "q_amax", *_tsk_HIP_KEYS), _tsk_SPACE_KEYS)
+    check_param_choice(variant, "kv", _tsk_KV_FORMATS)
+    check_param_choice(variant, "q", _tsk_Q_MODES)
+    check_param_choice(variant, "dot_dtype", _tsk_DOT_DTYPES)
+    check_param_int(variant, "num_splits")
+    check_param_int(variant, "block_n", minimum=16, power_of_two=True)  # the kernel's tl.arange
+    check_param_int(variant, "num_warps", maximum=32, power_of_two=True)
+    check_param_int(variant, "num_stages")
+    check_q_amax(variant)
+    # ROCm compiler options: 0 lets the compiler choose occupancy (waves_per_eu) and the
+    # MFMA tile (matrix_instr_nonkdim).
+    if "waves_per_eu" in variant.p:
+        check_param_int(variant, "waves_per_eu", minimum=0)
+    if "matrix_instr_nonkdim" in variant.p:
+        check_param_choice(variant, "matrix_instr_nonkdim", (0, 4, 16, 32))
+    if "kpack" in variant.p:
+        check_param_choice(variant, "kpack", (1, 2))
 
 
 def build(variant: Variant, shape: Shape, device):
     """A runner(q, kv_data, qo_indptr, kv_indptr) -> out that launches without a host sync."""
-    if variant.backend != NAME:
-        raise ValueError(f"the triton backend cannot build {variant}")
-    unknown = sorted(set(variant.p) - {*_tsk_SPACE_KEYS, *_tsk_HIP_KEYS, "q_amax"})
-    if unknown:
-        raise ValueError(f"{variant}: unknown parameter(s) {unknown}; known: {', '.join(_tsk_SPACE_KEYS)}, q_amax, {', '.join(_tsk_HIP_KEYS)}")
-    kv_format = _tsk_param(variant, "kv", str, _tsk_KV_FORMATS)
-    q_mode = _tsk_param(variant, "q", str, _tsk_Q_MODES)
-    dot_dtype = _tsk_param(variant, "dot_dtype", str, _tsk_DOT_DTYPES)
-    launch = {name: _tsk_param(variant, name, int) for name in _tsk_LAUNCH}
+    validate(variant)
+    kv_format, q_mode, dot_dtype = variant.get("kv"), variant.get("q"), variant.get("dot_dtype")
+    launch = {name: variant.get(name) for name in _tsk_LAUNCH}
     hip_options = {k: variant.get(k) for k in _tsk_HIP_KEYS if variant.get(k) is not None}
     device = torch.device(device)
     q_fp8_dtype = fp8_dtype_for(device) if q_mode != "bf16" else torch.float8_e4m3fn
     q_scale = None
     if q_mode == "fp8_static":
-        q_amax = variant.get("q_amax")
-        if not isinstance(q_amax, (int, float)) or isinstance(q_amax, bool) or not q_amax > 0:
-            raise ValueError(f"{variant}: q=fp8_static needs a calibrated q_amax > 0 (the sweep adds it)")
-        q_scale = float(q_amax) / torch.finfo(q_fp8_dtype).max
+        q_scale = float(variant.get("q_amax")) / torch.finfo(q_fp8_dtype).max
 
     state: dict = {}
 
