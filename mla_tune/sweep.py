@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,14 +23,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+from rich.progress import Progress
 
 import mla_tune
 from mla_tune import gpu as gpu_mod
@@ -52,6 +44,8 @@ from mla_tune.results import (
     repair_tail,
     results_path_for,
 )
+from mla_tune.sweep_report import print_plan, progress_bar, summarize
+from mla_tune.sweep_schedule import BASELINE_BACKEND, Budget, assign_shapes
 from mla_tune.worker import (
     CPU_PROTOCOL,
     GATE_MARGIN,
@@ -64,7 +58,6 @@ from mla_tune.worker import (
 )
 
 DEFAULT_CANDIDATE_TIMEOUT_S = 120.0
-BASELINE_BACKEND = "torch"  # always timed in full (never pruned): every table row cites it
 
 
 class SweepError(ValueError):
@@ -141,25 +134,7 @@ def _dry_run(config: Config, gpu: str, out: Path, results_path: Path, console: C
     platform = gpu_mod.fake_platform(gpu) if absent else found
     plan, unavailable, listed = plan_candidates(config, platform, planning_only=absent)
     where = f"planned for {gpu}; this machine has {found.device_name}" if absent else found.device_name
-    console.print(f"[bold]dry run[/]: config {config.name} ({config.path}, hash {config.hash[:12]})")
-    console.print(escape(f"  GPU {gpu} ({where}); devices {devices}; rule {config.rule.name}"))
-    console.print(escape(f"  table -> {out}; results -> {results_path}"))
-    console.print(f"  {len(config.shapes)} shapes: {', '.join(str(s) for s in config.shapes)}")
-    total = 0
-    for shape, variants in plan.items():
-        counts: dict[str, int] = {}
-        for v in variants:
-            counts[v.backend] = counts.get(v.backend, 0) + 1
-        total += len(variants)
-        text = ", ".join(f"{b} {n}" + (" (not runnable here)" if b in listed else "") for b, n in counts.items())
-        console.print(escape(f"  {shape}: {len(variants)} candidates ({text or 'none'})"))
-    for name, reason in listed.items():
-        console.print(f"  [yellow]{name}[/]: unavailable on this machine ({escape(reason)}); "
-                      f"its candidates are listed for {gpu}, marked not runnable here")
-    for name, reason in unavailable.items():
-        console.print(f"  [red]{name}[/]: unavailable: {escape(reason)}")
-    compiled = {str(v) for vs in plan.values() for v in vs if config.precompile.get(v.backend)}
-    console.print(f"  {total} candidates in all; {len(compiled)} distinct variants to precompile")
+    print_plan(config, gpu, where, out, results_path, devices, plan, unavailable, listed, console)
     return SweepSummary(
         counts=dict.fromkeys(STATUSES, 0), timed=0, elapsed_s=0.0, table_path=None,
         results_path=results_path, winners={}, dry_run=True, plan=_plan_dict(plan),
@@ -307,7 +282,7 @@ def _sweep(config: Config, gpu: str, out: Path, results_path: Path, force: bool,
         if platform.has_gpu and n_pending:
             _precompile(config, pending, devices[0], timeout, console)
         budget = Budget(config, started, n_pending, console, parallel=len(devices))
-        with _progress(console) as progress:
+        with progress_bar(console) as progress:
             shared = _Shared(config, timeout, writer, budget, progress, stop, console)
             shared.task = progress.add_task("candidates", total=n_total, completed=len(done))
             runners = [
@@ -331,7 +306,7 @@ def _sweep(config: Config, gpu: str, out: Path, results_path: Path, force: bool,
         for w in workers:
             w.stop()
     records = old_records + new_records
-    winners = _summarize(records, console)
+    winners = summarize(records, console)
     table_path = _write_table(header, records, config, out, console)
     counts = dict.fromkeys(STATUSES, 0)
     for r in new_records:
@@ -341,82 +316,6 @@ def _sweep(config: Config, gpu: str, out: Path, results_path: Path, force: bool,
         table_path=table_path, results_path=results_path, winners=winners,
         unavailable=header.get("unavailable", {}), notes=budget.notes,
     )
-
-
-def assign_shapes(pending: dict[Shape, list[Variant]], n_devices: int):
-    """Share shapes out between devices (a shape stays on one device), largest work first
-    to the least-loaded device; one device keeps the config's order."""
-    work = [(shape, vs) for shape, vs in pending.items() if vs]
-    if n_devices == 1:
-        return [work]
-    shares: list[list] = [[] for _ in range(n_devices)]
-    load = [0] * n_devices
-    for shape, vs in sorted(work, key=lambda item: -item[0].total_kv * len(item[1])):
-        i = load.index(min(load))
-        shares[i].append((shape, vs))
-        load[i] += shape.total_kv * len(vs)
-    return shares
-
-
-class Budget:
-    """Watches the projected sweep time; past the config's budget_s it lowers the timing
-    reps of the candidates still to run (never the correctness gate) and says so.
-
-    The projection is the median time per finished candidate times the candidates left
-    (over the devices working in parallel). A median, not a mean: one-off costs such as
-    a vendor library's first JIT compile (~15 s per FlashInfer variant) would otherwise
-    inflate the projection many times over. The first H200 sweep (2026-11-30), projecting
-    with the mean, cut reps from 30 to 3 while the whole sweep took 181 s of its 540 s.
-    """
-
-    MIN_REPS = 3
-
-    def __init__(self, config: Config, started: float, n_pending: int, console: Console,
-                 parallel: int = 1):
-        self.reps = config.timing.reps
-        self.prune_reps = config.timing.prune_reps
-        self.budget_s = config.budget_s
-        self.started = started
-        self.phase_start = time.monotonic()
-        self.n_pending = n_pending
-        self.console = console
-        self.parallel = max(1, parallel)
-        self.done = 0
-        self.durations: list[float] = []
-        self.reduced = False
-        self.notes: list[str] = []
-
-    def note_done(self, elapsed_s: float | None = None) -> str | None:
-        """Count one finished candidate (that took elapsed_s); returns a note when it just
-        cut the reps."""
-        self.done += 1
-        now = time.monotonic()
-        self.durations.append(
-            elapsed_s if elapsed_s is not None else (now - self.phase_start) / self.done
-        )
-        if self.done != 5 and (self.done < 5 or self.done % 10):
-            return None
-        per_candidate = statistics.median(self.durations)
-        remaining = (self.n_pending - self.done) * per_candidate / self.parallel
-        projected = now - self.started + remaining
-        if self.done == 5:
-            budget = f" (budget {self.budget_s:.0f} s)" if self.budget_s else ""
-            self.console.print(f"estimated total: {projected:.0f} s{budget}")
-        if self.budget_s and projected > self.budget_s and remaining > 0:
-            left = max(0.0, self.budget_s - (now - self.started))
-            reps = max(self.MIN_REPS, int(self.reps * left / remaining))
-            if reps < self.reps:
-                note = (
-                    f"projected {projected:.0f} s exceeds the budget of {self.budget_s:.0f} s: "
-                    f"timing reps cut from {self.reps} to {reps} for the remaining candidates "
-                    "(the correctness gate still runs in full; records carry timing_reps)"
-                )
-                self.console.print(f"[yellow]budget[/]: {note}")
-                self.notes.append(note)
-                self.reps = reps
-                self.reduced = True
-                return note
-        return None
 
 
 @dataclass
@@ -520,13 +419,6 @@ class DeviceRunner:
         return fields
 
 
-def _progress(console: Console) -> Progress:
-    return Progress(
-        TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console,
-    )
-
-
 def _precompile(config: Config, pending, device: int, timeout: float, console: Console) -> None:
     jobs = sorted({
         (str(v), compile_shape_for(shape))
@@ -545,33 +437,6 @@ def _precompile(config: Config, pending, device: int, timeout: float, console: C
     )
     for where, error in sorted(errors.items())[:3]:  # a sample, so the count is not a mystery
         console.print(escape(f"  e.g. {where}: {error[:300]}"))
-
-
-def _summarize(records: list[dict], console: Console) -> dict[str, dict]:
-    from rich.table import Table
-
-    by_shape: dict[tuple[int, int], list[dict]] = {}
-    for r in records:
-        by_shape.setdefault((r["shape"]["batch"], r["shape"]["kv_len"]), []).append(r)
-    table = Table(title="sweep summary")
-    for col in ("shape", "winner", "median us", "runner-up", "torch us", *STATUSES):
-        table.add_column(col)
-    winners: dict[str, dict] = {}
-    for key in sorted(by_shape):
-        rows = by_shape[key]
-        ok = sorted((r for r in rows if r["status"] == "ok"), key=lambda r: (r["time"]["median_us"], r["variant"]))
-        base = [r for r in ok if r["backend"] == BASELINE_BACKEND]
-        name = str(Shape(*key))
-        if ok:
-            winners[name] = {"variant": ok[0]["variant"], "median_us": ok[0]["time"]["median_us"]}
-        counts = [str(sum(r["status"] == s for r in rows)) for s in STATUSES]
-        table.add_row(
-            name, ok[0]["variant"] if ok else "-", f"{ok[0]['time']['median_us']:.1f}" if ok else "-",
-            ok[1]["variant"] if len(ok) > 1 else "-",
-            f"{base[0]['time']['median_us']:.1f}" if base else "-", *counts,
-        )
-    console.print(table)
-    return winners
 
 
 def _write_table(header: dict, records: list[dict], config: Config, out: Path, console: Console):
