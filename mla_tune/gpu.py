@@ -12,13 +12,6 @@ from dataclasses import dataclass, field
 import torch
 import triton
 
-# Names a table may be made for, with what torch reports for them.
-KNOWN_GPUS = {
-    "H200": "NVIDIA H200 (sm_90)",
-    "H100": "NVIDIA H100 (sm_90)",
-    "MI355X": "AMD Instinct MI355X (gfx950)",
-    "MI300X": "AMD Instinct MI300X (gfx942)",
-}
 _NAME_RE = re.compile(r"\b(H\d{3}|B\d{3}|A\d{2,3}|L\d{2}S?|MI\d{3}[A-Z]*)\b")
 _ARCH_NAMES = {"gfx950": "MI355X", "gfx942": "MI300X"}
 

@@ -72,16 +72,3 @@ def get_backend(name: str) -> ModuleType:
     if name not in modules:
         raise UnknownBackend(f"unknown backend {name!r}; known backends: {', '.join(modules)}")
     return importlib.import_module(modules[name])
-
-
-def backend_module_name(name: str) -> str:
-    """The dotted module path of backend `name` (without importing it)."""
-    modules = _modules()
-    if name not in modules:
-        raise UnknownBackend(f"unknown backend {name!r}; known backends: {', '.join(modules)}")
-    return modules[name]
-
-
-def availability() -> dict[str, str | None]:
-    """Each backend's unavailable_reason() (None: usable here)."""
-    return {name: get_backend(name).unavailable_reason() for name in _modules()}
