@@ -21,6 +21,8 @@ Paths (one kernel each; the tile is [BN=64 tokens x 128 dims], one TMA box, 4 wa
 Run here (Triton 3.6 venv, no GPU):  /work/wt/gluon-venv/bin/python scripts/gluon_probe.py
 On the H200 (Triton 3.6): PYTHONPATH=. python3 scripts/gluon_probe.py --run  (also launches
 each kernel and checks O^T against torch, so a wrong layout shows as a mismatch).
+--decode also compiles mla_tune/kernels/gluon_decode.py's kernel (needs PYTHONPATH=.) and
+prints its register report, shared memory and SASS counts per configuration.
 """
 
 from __future__ import annotations
@@ -191,8 +193,58 @@ def run_check(name: str, path: int, swizzle: int) -> str:
     return f"max|err| {err:.2e} {'ok' if err < 1e-2 * max(1.0, ref.abs().max().item()) else 'WRONG'}"
 
 
+def compile_decode(block_n: int, stages: int, v_path: str, split: bool):
+    """Compile mla_tune.kernels.gluon_decode's kernel for sm_90a without a GPU."""
+    import torch
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from mla_tune.kernels.gluon_decode import GD_V_PATHS, _gd_decode_kernel, gd_kv_descriptor
+
+    desc = gd_kv_descriptor(torch.empty(256, 576, dtype=torch.float8_e4m3fn), block_n)
+    sig = {"kv_desc": mangle_type(desc), "Q": "*bf16", "KV_SCALE": "*fp32", "KV_INDPTR": "*i32",
+           "OUT": "*bf16", "PART_O": "*fp32", "PART_LSE": "*fp32", "sm_scale_log2": "fp32",
+           "num_splits": "i32", "BN": "constexpr", "STAGES": "constexpr", "V_PATH": "constexpr",
+           "SPLIT": "constexpr"}
+    consts = {"BN": block_n, "STAGES": stages, "V_PATH": GD_V_PATHS[v_path], "SPLIT": split}
+    src = GluonASTSource(_gd_decode_kernel, sig, consts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def decode_report(configs: list[str], sass_dir: str) -> None:
+    """One line per decode configuration block_n/stages/v_path/split: registers, smem, SASS."""
+    print(f"{'decode config':<24} {'regs':<18} {'smem':>7}  LDSM  LDS.U8  LDS.128  STS  HGMMA  QGMMA  BAR")
+    for text in configs:
+        bn, stages, v_path, split = text.split("/")
+        try:
+            k = compile_decode(int(bn), int(stages), v_path, split == "split")
+        except Exception as exc:
+            msg = " | ".join(line for line in str(exc).splitlines() if line.strip())[:400]
+            print(f"{text:<24} compile failed: {msg}")
+            continue
+        counts, sass = sass_summary(k.asm["cubin"])
+        if sass_dir:
+            os.makedirs(sass_dir, exist_ok=True)
+            with open(os.path.join(sass_dir, f"decode_{text.replace('/', '_')}.sass"), "w") as f:
+                f.write(sass)
+
+        def total(prefix, c=counts):
+            return sum(v for key, v in c.items() if key.split(".")[0] == prefix)
+
+        print(f"{text:<24} {registers(k.asm['ptx']):<18} {k.metadata.shared:>7}  {total('LDSM'):>4}  "
+              f"{counts.get('LDS.U8', 0):>6}  {counts.get('LDS.128', 0):>7}  {total('STS'):>3}  "
+              f"{total('HGMMA'):>5}  {total('QGMMA'):>5}  {total('BAR'):>3}")
+
+
+DECODE_CONFIGS = ("64/3/ss16/one", "64/3/rs16/one", "64/3/rs8/one", "64/4/ss16/split", "64/2/ss16/split",
+                  "128/2/ss16/split", "64/3/rs16/split")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--decode", nargs="?", const=",".join(DECODE_CONFIGS), default="",
+                    help="also compile mla_tune's Gluon decode kernel: block_n/stages/v_path/one|split, "
+                         "comma-separated (default: a sample)")
     ap.add_argument("--paths", default=",".join(PATHS), help="comma-separated subset of " + ", ".join(PATHS))
     ap.add_argument("--run", action="store_true", help="also launch each kernel on the GPU and check it")
     ap.add_argument("--sass", default="", help="write each path's SASS into this folder")
@@ -226,6 +278,8 @@ def main() -> None:
         if args.run:
             line += "  " + run_check(name, path, swizzle)
         print(line)
+    if args.decode:
+        decode_report([c.strip() for c in args.decode.split(",") if c.strip()], args.sass)
 
 
 if __name__ == "__main__":
