@@ -22,7 +22,8 @@ Run here (Triton 3.6 venv, no GPU):  /work/wt/gluon-venv/bin/python scripts/gluo
 On the H200 (Triton 3.6): PYTHONPATH=. python3 scripts/gluon_probe.py --run  (also launches
 each kernel and checks O^T against torch, so a wrong layout shows as a mismatch).
 --decode also compiles mla_tune/kernels/gluon_decode.py's kernel (needs PYTHONPATH=.) and
-prints its register report, shared memory and SASS counts per configuration.
+prints its register report, shared memory and SASS counts per configuration; --time (H200)
+times it beside triton_fused at the 8 leaderboard shapes and checks each under `strict`.
 """
 
 from __future__ import annotations
@@ -240,11 +241,54 @@ DECODE_CONFIGS = ("64/3/ss16/one", "64/3/rs16/one", "64/3/rs8/one", "64/4/ss16/s
                   "128/2/ss16/split", "64/3/rs16/split")
 
 
+LEADERBOARD = ((4, 1024), (4, 8192), (32, 1024), (32, 8192), (64, 1024), (64, 8192), (256, 1024), (256, 8192))
+
+
+def time_report(reps: int) -> None:
+    """On the H200: gluon_fused (block_n 64, its split plan, each V path) beside triton_fused's
+    run-3 pick (scripts/bench_peers.py FU_PICKS) at the 8 leaderboard shapes, strict rule."""
+    import torch
+
+    from mla_tune import problem
+    from mla_tune.backends import gluon_fused, triton_fused
+    from mla_tune.core import Shape, Variant
+    from mla_tune.timing import time_call
+    from scripts.bench_peers import fused_pick
+
+    gluon = [("ss16", 3), ("rs16", 3), ("ss16", 4), ("rs8", 3)]
+    print(f"{'shape':>9} {'triton_fused':>12} " + " ".join(f"{f'{v}/{st}':>10}" for v, st in gluon)
+          + "   (median us; '!' = failed strict; gluon splits = min(32, 128 // batch, tiles))")
+    for batch, kv_len in LEADERBOARD:
+        shape = Shape(batch, kv_len)
+        data = problem.generate_input(batch, kv_len, seed=batch * 7 + kv_len, device="cuda")
+        ref = problem.reference(data)
+        splits = max(1, min(32, 128 // batch, kv_len // 64))
+        variants = [(triton_fused, fused_pick(shape))] + [
+            (gluon_fused, Variant.make("gluon_fused", kv="fp8", q="fp8_dynamic", block_n=64, num_stages=st,
+                                       num_splits=splits, v_path=v)) for v, st in gluon]
+        cells = []
+        for backend, variant in variants:
+            try:
+                run = backend.build(variant, shape, "cuda")
+                inputs = data[:4]
+                ok = problem.check(run(*inputs), ref, problem.RULES["strict"]).passed
+                us = time_call(lambda run=run, inputs=inputs: run(*inputs), reps=reps).median_us
+                cells.append(f"{us:.1f}{'' if ok else '!'}")
+            except Exception as exc:  # a failing variant is a row entry, not the end of the table
+                cells.append("err:" + type(exc).__name__)
+                print(f"  {variant}: {str(exc).splitlines()[0][:200]}")
+        torch.cuda.synchronize()
+        print(f"{batch}x{kv_len:<5} {cells[0]:>12} " + " ".join(f"{c:>10}" for c in cells[1:]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--decode", nargs="?", const=",".join(DECODE_CONFIGS), default="",
                     help="also compile mla_tune's Gluon decode kernel: block_n/stages/v_path/one|split, "
                          "comma-separated (default: a sample)")
+    ap.add_argument("--time", action="store_true", help="on the H200: time gluon_fused beside triton_fused "
+                                                        "at the 8 leaderboard shapes (needs PYTHONPATH=.)")
+    ap.add_argument("--reps", type=int, default=20, help="timing repetitions per variant (--time)")
     ap.add_argument("--paths", default=",".join(PATHS), help="comma-separated subset of " + ", ".join(PATHS))
     ap.add_argument("--run", action="store_true", help="also launch each kernel on the GPU and check it")
     ap.add_argument("--sass", default="", help="write each path's SASS into this folder")
@@ -280,6 +324,8 @@ def main() -> None:
         print(line)
     if args.decode:
         decode_report([c.strip() for c in args.decode.split(",") if c.strip()], args.sass)
+    if args.time:
+        time_report(args.reps)
 
 
 if __name__ == "__main__":

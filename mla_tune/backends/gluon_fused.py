@@ -1,0 +1,153 @@
+"""Backend `gluon_fused`: the Gluon decode of kernels/gluon_decode.py (issue 11), sm_90 only.
+
+Not yet in configs/leaderboard.yaml nor in backends.BACKEND_MODULES: it has compiled offline
+(Triton 3.6, sm_90a) but not run. To try it:
+MLA_TUNE_EXTRA_BACKENDS=gluon_fused=mla_tune.backends.gluon_fused.
+
+Variant parameters:
+  kv          fp8              the KV format read (fp8 e4m3 with a per-tensor scale)
+  q           fp8_dynamic      q quantized in the kernel, one scale per (sequence, head)
+  block_n     64 | 128         tokens per tile (the MMA's M: wgmma needs a multiple of 64)
+  num_stages  2..4             depth of the TMA ring; with the tile, bounded by shared memory
+  num_splits  >= 1             programs per sequence; > 1 adds a reduction launch
+  v_path      ss16 | rs16 | rs8  how V^T reaches the PV MMA (see kernels/gluon_decode.py)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mla_tune.core import (
+    QK_DIM,
+    SM_SCALE,
+    V_DIM,
+    Shape,
+    Variant,
+    check_param_choice,
+    check_param_int,
+    check_param_names,
+    require,
+)
+from mla_tune.kernels.gluon_decode import GD_UNAVAILABLE, GD_V_PATHS, gd_kv_descriptor, gluon_decode
+
+NAME = "gluon_fused"
+
+_GF_BLOCK_N = (64, 128)
+# Hopper's shared memory per block (227 KB); the kernel's use is _gf_smem_bytes.
+_GF_SMEM_LIMIT = 232448
+
+GF_DEFAULT_SPACE = {
+    "kv": ["fp8"],
+    "q": ["fp8_dynamic"],
+    "block_n": [64],
+    "num_stages": [3, 4],
+    "num_splits": [1, 2, 4, 8, 16, 32],
+    "v_path": ["ss16", "rs16"],
+}
+
+
+def unavailable_reason() -> str | None:
+    if GD_UNAVAILABLE is not None:
+        return GD_UNAVAILABLE
+    if not torch.cuda.is_available():
+        return "gluon_fused needs an NVIDIA sm_90 GPU (Gluon has no CPU interpreter)"
+    if torch.version.hip:
+        return "gluon_fused is written for NVIDIA Hopper (wgmma, TMA), not ROCm"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) != (9, 0):
+        return f"gluon_fused needs sm_90 (wgmma, TMA); this GPU is sm_{major}{minor}"
+    return None
+
+
+def _gf_smem_bytes(block_n: int, num_stages: int) -> int:
+    """Shared memory the kernel allocates: the fp8 ring, q, P^T, the fp16 V box, the
+    barriers, and 256 B the compiler adds (its figures for 64/3, 64/4 and 128/2 stages:
+    151832, 192800, 211216 B; tests/test_gluon_decode.py holds them)."""
+    return (num_stages * 5 * block_n * 128 + 5 * 16 * 128 + block_n * 16 * 2 + block_n * 128 * 2
+            + 8 * num_stages + 256)
+
+
+def validate(variant: Variant) -> None:
+    """Refuse a missing, unknown or ill-valued parameter, or a tile and ring deeper than
+    shared memory holds (names and values only)."""
+    check_param_names(variant, tuple(GF_DEFAULT_SPACE), tuple(GF_DEFAULT_SPACE))
+    check_param_choice(variant, "kv", ("fp8",))
+    check_param_choice(variant, "q", ("fp8_dynamic",))
+    block_n = check_param_choice(variant, "block_n", _GF_BLOCK_N)
+    stages = check_param_int(variant, "num_stages", minimum=2, maximum=4)
+    check_param_int(variant, "num_splits")
+    check_param_choice(variant, "v_path", tuple(GD_V_PATHS))
+    smem = _gf_smem_bytes(block_n, stages)
+    if smem > _GF_SMEM_LIMIT:
+        raise ValueError(f"{NAME}: {variant} needs {smem} B of shared memory (block_n {block_n} x "
+                         f"{stages} stages), over the {_GF_SMEM_LIMIT} B an sm_90 block has; use fewer stages")
+
+
+def _gf_reason(p: dict, shape: Shape) -> str | None:
+    """Why this parameter set cannot run at `shape` (None: it can)."""
+    if p["num_splits"] > max(1, math.ceil(shape.kv_len / p["block_n"])):
+        return "more splits than tiles"
+    return None
+
+
+def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
+    space = {**GF_DEFAULT_SPACE, **(space or {})}
+    unknown = set(space) - set(GF_DEFAULT_SPACE)
+    require(not unknown, f"gluon_fused: unknown search-space keys {sorted(unknown)}")
+    out: list[Variant] = []
+    keys = list(GF_DEFAULT_SPACE)
+
+    def walk(i: int, chosen: dict) -> None:
+        if i == len(keys):
+            if _gf_reason(chosen, shape) is None and _gf_smem_bytes(chosen["block_n"], chosen["num_stages"]) <= _GF_SMEM_LIMIT:
+                out.append(Variant.make(NAME, **chosen))
+            return
+        for value in space[keys[i]]:
+            walk(i + 1, {**chosen, keys[i]: value})
+
+    walk(0, {})
+    return list(dict.fromkeys(out))
+
+
+def build(variant: Variant, shape: Shape, device):
+    validate(variant)
+    p = variant.p
+    reason = _gf_reason(p, shape)
+    require(reason is None, f"gluon_fused cannot run {variant} at {shape}: {reason}")
+    require(unavailable_reason() is None, f"gluon_fused cannot run here: {unavailable_reason()}")
+    device = torch.device(device)
+    num_splits = p["num_splits"]
+    state = {"batch": 0, "desc_key": None, "desc": None}
+
+    def grow(batch: int) -> None:
+        slots = batch * num_splits if num_splits > 1 else 1
+        state["part_o"] = torch.empty(slots * 16 * V_DIM, dtype=torch.float32, device=device)
+        state["part_lse"] = torch.empty(slots * 16, dtype=torch.float32, device=device)
+        state["out"] = torch.empty((batch, 16, V_DIM), dtype=torch.bfloat16, device=device)
+        state["batch"] = batch
+
+    grow(shape.batch)
+    options = dict(num_splits=num_splits, block_n=p["block_n"], num_stages=p["num_stages"],
+                   v_path=p["v_path"], sm_scale_log2=SM_SCALE * math.log2(math.e))
+
+    def run_gluon_fused(q, kv_data, qo_indptr, kv_indptr):
+        batch = q.shape[0]
+        if batch > state["batch"]:
+            grow(batch)  # a larger ragged batch than planned: one allocation, once
+        kv, kv_scale = kv_data["fp8"]
+        kv = kv.view(-1, QK_DIM)
+        # The descriptor is a host object over the cache's address and rows: remade only when
+        # the cache changes.
+        key = (kv.data_ptr(), kv.shape[0])
+        if state["desc_key"] != key:
+            require(kv.data_ptr() % 16 == 0, "gluon_fused: the KV cache must start 16-byte aligned for TMA")
+            state["desc"], state["desc_key"] = gd_kv_descriptor(kv, p["block_n"]), key
+        out = state["out"][:batch]
+        run_gluon_fused.compiled = gluon_decode(q, state["desc"], kv_scale, kv_indptr, out, state["part_o"],
+                                                state["part_lse"], **options)
+        return out
+
+    run_gluon_fused.compiled = None
+    return run_gluon_fused
