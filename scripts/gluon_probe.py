@@ -255,7 +255,7 @@ def time_report(reps: int) -> None:
     from mla_tune.timing import time_call
     from scripts.bench_peers import fused_pick
 
-    gluon = [("ss16", 3), ("rs16", 3), ("ss16", 4), ("rs8", 3)]
+    gluon = [("ss16", 2), ("ss16", 3), ("rs16", 3), ("ss16", 4), ("rs8", 3)]
     print(f"{'shape':>9} {'triton_fused':>12} " + " ".join(f"{f'{v}/{st}':>10}" for v, st in gluon)
           + "   (median us; '!' = failed strict; gluon splits = min(32, 128 // batch, tiles))")
     for batch, kv_len in LEADERBOARD:

@@ -42,7 +42,7 @@ GF_DEFAULT_SPACE = {
     "kv": ["fp8"],
     "q": ["fp8_dynamic"],
     "block_n": [64],
-    "num_stages": [3, 4],
+    "num_stages": [2, 3, 4],
     "num_splits": [1, 2, 4, 8, 16, 32],
     "v_path": ["ss16", "rs16"],
 }
