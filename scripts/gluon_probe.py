@@ -237,8 +237,8 @@ def decode_report(configs: list[str], sass_dir: str) -> None:
               f"{total('HGMMA'):>5}  {total('QGMMA'):>5}  {total('BAR'):>3}")
 
 
-DECODE_CONFIGS = ("64/3/ss16/one", "64/3/rs16/one", "64/3/rs8/one", "64/4/ss16/split", "64/2/ss16/split",
-                  "128/2/ss16/split", "64/3/rs16/split")
+DECODE_CONFIGS = ("64/3/ss16/one", "64/3/rs16/one", "64/3/rs8/one", "64/3/ss16a/one", "64/4/ss16/split",
+                  "64/2/ss16/split", "64/2/ss16a/split", "128/2/ss16/split", "64/3/rs16/split")
 
 
 LEADERBOARD = ((4, 1024), (4, 8192), (32, 1024), (32, 8192), (64, 1024), (64, 8192), (256, 1024), (256, 8192))
@@ -255,7 +255,7 @@ def time_report(reps: int) -> None:
     from mla_tune.timing import time_call
     from scripts.bench_peers import fused_pick
 
-    gluon = [("ss16", 2), ("ss16", 3), ("rs16", 3), ("ss16", 4), ("rs8", 3)]
+    gluon = [("ss16", 2), ("ss16", 3), ("ss16a", 3), ("ss16a", 2), ("rs16", 3), ("rs8", 3)]
     print(f"{'shape':>9} {'triton_fused':>12} " + " ".join(f"{f'{v}/{st}':>10}" for v, st in gluon)
           + "   (median us; '!' = failed strict; gluon splits = min(32, 128 // batch, tiles))")
     for batch, kv_len in LEADERBOARD:

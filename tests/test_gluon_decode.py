@@ -28,13 +28,14 @@ def test_validate_accepts_the_base_and_names_each_bad_parameter():
     gluon_fused.validate(_variant(block_n=128, num_stages=2, v_path="rs8", num_splits=4))
     for params, match in [
         (dict(block_n=32), r"block_n=32 is not allowed; allowed: 64, 128"),
-        (dict(v_path="ss8t"), r"v_path=ss8t is not allowed; allowed: ss16, rs16, rs8"),
+        (dict(v_path="ss8t"), r"v_path=ss8t is not allowed; allowed: ss16, rs16, rs8, ss16a"),
         (dict(kv="bf16"), r"kv=bf16 is not allowed; allowed: fp8"),
         (dict(q="bf16"), r"q=bf16 is not allowed"),
         (dict(num_stages=1), r"num_stages=1 is not allowed"),
         (dict(num_splits=0), r"num_splits=0 is not allowed"),
         (dict(num_warps=4), r"unknown parameter num_warps"),
         (dict(block_n=128, num_stages=3), r"needs 293144 B of shared memory .* use fewer stages"),
+        (dict(num_stages=4, v_path="ss16a"), r"needs 241952 B of shared memory"),
     ]:
         with pytest.raises(ValueError, match=match):
             gluon_fused.validate(_variant(**params))
@@ -47,6 +48,8 @@ def test_shared_memory_estimate_matches_the_compilers_figures():
     assert gluon_fused._gf_smem_bytes(64, 3) == 151832
     assert gluon_fused._gf_smem_bytes(64, 4) == 192800
     assert gluon_fused._gf_smem_bytes(128, 2) == 211216
+    assert gluon_fused._gf_smem_bytes(64, 3, "ss16a") == 200984
+    assert gluon_fused._gf_smem_bytes(64, 2, "ss16a") == 160016
 
 
 def test_candidates_pass_validate_and_never_split_past_the_tiles():
@@ -57,7 +60,10 @@ def test_candidates_pass_validate_and_never_split_past_the_tiles():
             gluon_fused.validate(v)
         assert max(v.get("num_splits") for v in found) == max_splits
     wide = gluon_fused.candidates(Shape(4, 1024), {"block_n": [64, 128], "num_stages": [2, 3, 4]}, None)
-    assert {(v.get("block_n"), v.get("num_stages")) for v in wide} == {(64, 2), (64, 3), (64, 4), (128, 2)}
+    assert {(v.get("block_n"), v.get("num_stages"), v.get("v_path")) for v in wide} == {
+        (64, 2, "ss16"), (64, 3, "ss16"), (64, 4, "ss16"), (128, 2, "ss16"),
+        (64, 2, "rs16"), (64, 3, "rs16"), (64, 4, "rs16"), (128, 2, "rs16"),
+        (64, 2, "ss16a"), (64, 3, "ss16a")}  # shared memory rules out the others
     with pytest.raises(ValueError, match=r"unknown search-space keys \['tok_m'\]"):
         gluon_fused.candidates(Shape(4, 1024), {"tok_m": [True]}, None)
 
@@ -121,6 +127,7 @@ GPU_VARIANTS = [
     dict(block_n=64, num_stages=4, v_path="rs16"),
     dict(block_n=64, num_stages=2, v_path="rs8"),
     dict(block_n=128, num_stages=2, v_path="ss16"),
+    dict(block_n=64, num_stages=3, v_path="ss16a"),
 ]
 
 
@@ -144,7 +151,7 @@ def test_gluon_decode_matches_the_reference_under_strict(batch, kv_len, params):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("v_path", ["ss16", "rs16", "rs8"])
+@pytest.mark.parametrize("v_path", ["ss16", "rs16", "rs8", "ss16a"])
 def test_gluon_decode_ragged_batch_with_empty_splits(v_path):
     if _gpu_skip():
         pytest.skip(_gpu_skip())

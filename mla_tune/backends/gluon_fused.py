@@ -10,7 +10,8 @@ Variant parameters:
   block_n     64 | 128         tokens per tile (the MMA's M: wgmma needs a multiple of 64)
   num_stages  2..4             depth of the TMA ring; with the tile, bounded by shared memory
   num_splits  >= 1             programs per sequence; > 1 adds a reduction launch
-  v_path      ss16 | rs16 | rs8  how V^T reaches the PV MMA (see kernels/gluon_decode.py)
+  v_path      ss16 | rs16 | rs8 | ss16a  how V^T reaches the PV MMA (kernels/gluon_decode.py;
+                               ss16a: four fp16 box buffers, asynchronous PV MMAs)
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ GF_DEFAULT_SPACE = {
     "block_n": [64],
     "num_stages": [2, 3, 4],
     "num_splits": [1, 2, 4, 8, 16, 32],
-    "v_path": ["ss16", "rs16"],
+    "v_path": ["ss16", "rs16", "ss16a"],
 }
 
 
@@ -61,11 +62,12 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _gf_smem_bytes(block_n: int, num_stages: int) -> int:
-    """Shared memory the kernel allocates: the fp8 ring, q, P^T, the fp16 V box, the
-    barriers, and 256 B the compiler adds (its figures for 64/3, 64/4 and 128/2 stages:
-    151832, 192800, 211216 B; tests/test_gluon_decode.py holds them)."""
-    return (num_stages * 5 * block_n * 128 + 5 * 16 * 128 + block_n * 16 * 2 + block_n * 128 * 2
+def _gf_smem_bytes(block_n: int, num_stages: int, v_path: str = "ss16") -> int:
+    """Shared memory the kernel allocates: the fp8 ring, q, P^T, the fp16 V box(es; four for
+    ss16a), the barriers, and 256 B the compiler adds (its figures are in
+    tests/test_gluon_decode.py)."""
+    v16_boxes = 4 if v_path == "ss16a" else 1
+    return (num_stages * 5 * block_n * 128 + 5 * 16 * 128 + block_n * 16 * 2 + v16_boxes * block_n * 128 * 2
             + 8 * num_stages + 256)
 
 
@@ -78,11 +80,12 @@ def validate(variant: Variant) -> None:
     block_n = check_param_choice(variant, "block_n", _GF_BLOCK_N)
     stages = check_param_int(variant, "num_stages", minimum=2, maximum=4)
     check_param_int(variant, "num_splits")
-    check_param_choice(variant, "v_path", tuple(GD_V_PATHS))
-    smem = _gf_smem_bytes(block_n, stages)
+    v_path = check_param_choice(variant, "v_path", tuple(GD_V_PATHS))
+    smem = _gf_smem_bytes(block_n, stages, v_path)
     if smem > _GF_SMEM_LIMIT:
         raise ValueError(f"{NAME}: {variant} needs {smem} B of shared memory (block_n {block_n} x "
-                         f"{stages} stages), over the {_GF_SMEM_LIMIT} B an sm_90 block has; use fewer stages")
+                         f"{stages} stages, v_path {v_path}), over the {_GF_SMEM_LIMIT} B an sm_90 block "
+                         "has; use fewer stages")
 
 
 def _gf_reason(p: dict, shape: Shape) -> str | None:
@@ -101,7 +104,8 @@ def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
 
     def walk(i: int, chosen: dict) -> None:
         if i == len(keys):
-            if _gf_reason(chosen, shape) is None and _gf_smem_bytes(chosen["block_n"], chosen["num_stages"]) <= _GF_SMEM_LIMIT:
+            smem = _gf_smem_bytes(chosen["block_n"], chosen["num_stages"], chosen["v_path"])
+            if _gf_reason(chosen, shape) is None and smem <= _GF_SMEM_LIMIT:
                 out.append(Variant.make(NAME, **chosen))
             return
         for value in space[keys[i]]:
@@ -137,6 +141,7 @@ def build(variant: Variant, shape: Shape, device):
         if batch > state["batch"]:
             grow(batch)  # a larger ragged batch than planned: one allocation, once
         kv, kv_scale = kv_data["fp8"]
+        require(kv.dtype == torch.float8_e4m3fn, f"gluon_fused reads float8_e4m3fn KV, not {kv.dtype}")
         kv = kv.view(-1, QK_DIM)
         # The descriptor is a host object over the cache's address and rows: remade only when
         # the cache changes.

@@ -14,7 +14,8 @@ operand lives, so here:
   (scripts/gluon_probe.py): 0 `ss16` converts the box to fp16 in shared memory and the MMA
   reads both operands there; 1 `rs16` does the same and loads the A operand with
   ldmatrix.trans; 2 `rs8` loads the fp8 bytes straight into the A layout (the probe shows one
-  ld.shared.u8 per element, kept for comparison).
+  ld.shared.u8 per element, kept for comparison); 3 `ss16a` is ss16 with one fp16 buffer per
+  box and asynchronous MMAs, so converting box c + 1 overlaps the MMA of box c.
 - q is quantized per (sequence, head) in the kernel (as triton_fused's fp8_dynamic).
 - KV tiles come by TMA into a STAGES-deep ring, one mbarrier per stage.
 - Grid (num_splits, batch). With one split the program writes the output; otherwise it writes
@@ -53,7 +54,7 @@ except ImportError as _gd_exc:
     gluon = gl = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = None
     GD_UNAVAILABLE = f"this Triton ({triton.__version__}) has no usable Gluon ({_gd_exc}); install triton 3.6"
 
-GD_V_PATHS = {"ss16": 0, "rs16": 1, "rs8": 2}
+GD_V_PATHS = {"ss16": 0, "rs16": 1, "rs8": 2, "ss16a": 3}
 GD_BOX = 128  # columns per TMA box: 128 fp8 bytes, the widest NVMMA swizzle
 GD_BOXES = 5  # 576 dims in five boxes; the fifth's columns 576..639 are TMA's zero fill
 GD_V_BOXES = 4  # the 512 V dims
@@ -68,24 +69,34 @@ _gd_jit = gluon.jit if gluon is not None else _gd_no_jit
 
 
 @_gd_jit
-def _gd_pv_box(kv_box, v16_s, p_s, o, V_PATH: gl.constexpr, BN: gl.constexpr):
-    """o[128 x 16] += (fp8 tile box [BN x 128])^T @ P^T[BN x 16] in fp16, by V_PATH."""
+def _gd_pv_box(kv_box, v16_s, c, p_s, o, V_PATH: gl.constexpr, BN: gl.constexpr):
+    """o[128 x 16] += (fp8 tile box c [BN x 128])^T @ P^T[BN x 16] in fp16, by V_PATH.
+    V_PATH 3 returns an in-flight MMA: the caller waits for the four boxes at once."""
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
     rows_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
     if V_PATH == 2:
         a = kv_box.permute((1, 0)).load(a_l).to(gl.float16)
         o = warpgroup_mma(a, p_s, o)
+    elif V_PATH == 3:
+        # Box c has its own fp16 buffer, last read by the previous tile's MMAs, which every
+        # warp waited for before the loop's top barrier: no barrier before the store.
+        buf = v16_s.index(c)
+        buf.store(kv_box.load(rows_l).to(gl.float16))
+        fence_async_shared()
+        gl.thread_barrier()
+        o = warpgroup_mma(buf.permute((1, 0)), p_s, o, is_async=True)
     else:
+        buf = v16_s.index(0)
         v16 = kv_box.load(rows_l).to(gl.float16)
         gl.thread_barrier()  # every warp is done with the previous box's fp16 copy
-        v16_s.store(v16)
+        buf.store(v16)
         fence_async_shared()
         gl.thread_barrier()
         if V_PATH == 0:
-            o = warpgroup_mma(v16_s.permute((1, 0)), p_s, o)
+            o = warpgroup_mma(buf.permute((1, 0)), p_s, o)
         else:
-            o = warpgroup_mma(v16_s.permute((1, 0)).load(a_l), p_s, o)
+            o = warpgroup_mma(buf.permute((1, 0)).load(a_l), p_s, o)
     return o
 
 
@@ -153,7 +164,10 @@ def _gd_decode_kernel(
     p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
     p_s = gl.allocate_shared_memory(gl.float16, [BN, 16], p_sl)
     v16_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    v16_s = gl.allocate_shared_memory(gl.float16, [BN, 128], v16_sl)
+    if V_PATH == 3:
+        v16_s = gl.allocate_shared_memory(gl.float16, [4, BN, 128], v16_sl)
+    else:
+        v16_s = gl.allocate_shared_memory(gl.float16, [1, BN, 128], v16_sl)
 
     m_i = gl.full([16], float("-inf"), gl.float32, gl.SliceLayout(0, s_l))
     l_i = gl.zeros([16], gl.float32, gl.SliceLayout(0, s_l))
@@ -188,10 +202,12 @@ def _gd_decode_kernel(
         gl.thread_barrier()
 
         alpha_o = gl.convert_layout(alpha, gl.SliceLayout(0, o_l))[None, :]
-        o0 = _gd_pv_box(kv_s.index(base + 0), v16_s, p_s, o0 * alpha_o, V_PATH, BN)
-        o1 = _gd_pv_box(kv_s.index(base + 1), v16_s, p_s, o1 * alpha_o, V_PATH, BN)
-        o2 = _gd_pv_box(kv_s.index(base + 2), v16_s, p_s, o2 * alpha_o, V_PATH, BN)
-        o3 = _gd_pv_box(kv_s.index(base + 3), v16_s, p_s, o3 * alpha_o, V_PATH, BN)
+        o0 = _gd_pv_box(kv_s.index(base + 0), v16_s, 0, p_s, o0 * alpha_o, V_PATH, BN)
+        o1 = _gd_pv_box(kv_s.index(base + 1), v16_s, 1, p_s, o1 * alpha_o, V_PATH, BN)
+        o2 = _gd_pv_box(kv_s.index(base + 2), v16_s, 2, p_s, o2 * alpha_o, V_PATH, BN)
+        o3 = _gd_pv_box(kv_s.index(base + 3), v16_s, 3, p_s, o3 * alpha_o, V_PATH, BN)
+        if V_PATH == 3:  # the converts of boxes 1-3 overlapped the MMAs of the boxes before
+            o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=[o0, o1, o2, o3])
 
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
