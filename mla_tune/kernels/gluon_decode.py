@@ -133,6 +133,7 @@ def _gd_decode_kernel(
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(bars.index(s), count=1)
+    fence_async_shared()  # the initialized barriers are visible to TMA (the async proxy)
     # Start the ring before q is quantized, so the first tiles are in flight meanwhile.
     for s in gl.static_range(STAGES - 1):
         _gd_issue_tile(kv_desc, kv_s, bars, s, start + s * BN, s < n_tiles)
