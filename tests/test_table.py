@@ -150,8 +150,9 @@ def test_written_table_round_trips_and_is_written_atomically(tmp_path):
     loaded = load_table(path)
     assert loaded.gpu == "H200" and loaded.path == path
     assert list(loaded.rows) == [Shape(4, 1024), Shape(8, 64)]
-    assert loaded.lookup(Shape(4, 1024))["time_us"] == 20.0
-    assert loaded.lookup(Shape(5, 5)) is None
+    assert loaded.rows[Shape(4, 1024)].time_us == 20.0
+    assert loaded.rows[Shape(4, 1024)]["time_us"] == 20.0  # a row reads as the file's mapping too
+    assert Shape(5, 5) not in loaded.rows
     assert loaded.variants() == {Shape(4, 1024): Variant.parse(TRITON_A), Shape(8, 64): Variant.parse(TORCH)}
     assert loaded.variants(only_backends=["torch"]) == {Shape(4, 1024): Variant.parse(TORCH),
                                                         Shape(8, 64): Variant.parse(TORCH)}
@@ -161,15 +162,20 @@ def test_written_table_round_trips_and_is_written_atomically(tmp_path):
 def test_the_hand_written_test_table_loads():
     table = load_table(DATA / "table_cpu.yaml")
     assert table.gpu == "cpu" and len(table.rows) == 3
-    assert table.lookup(Shape(3, 16))["winner"] is None
+    assert table.rows[Shape(3, 16)]["winner"] is None
     assert set(table.variants()) == {Shape(1, 8), Shape(2, 40)}
+
+
+class _FullDumper(yaml.SafeDumper):
+    def ignore_aliases(self, data):  # tables never hold YAML aliases; the loader refuses them
+        return True
 
 
 def _broken(tmp_path, edit) -> Path:
     data = yaml.safe_load((DATA / "table_cpu.yaml").read_text())
     edit(data)
     path = tmp_path / "broken.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    path.write_text(yaml.dump(data, Dumper=_FullDumper, sort_keys=False))
     return path
 
 
@@ -187,7 +193,10 @@ def _broken(tmp_path, edit) -> Path:
          r"row 1 \(batch 1, kv_len 8\): winner\.variant: variant text"),
         (lambda d: d["rows"][0]["winner"].update(variant="torch(q=bf16)", params={"q": "bf16"}),
          r"row 1 \(batch 1, kv_len 8\): winner\.variant torch\(q=bf16\) must carry kv"),
-        (lambda d: d["rows"][0].pop("baseline_us"), r"row 1 \(batch 1, kv_len 8\): missing field\(s\) baseline_us"),
+        (lambda d: d["rows"][0].pop("winner"), r"row 1 \(batch 1, kv_len 8\): missing field\(s\) winner"),
+        (lambda d: d["rows"][0].update(time_uss=1.0), r"row 1 \(batch 1, kv_len 8\): unknown field\(s\) time_uss"),
+        (lambda d: d["rows"][0].update(spread=float("nan")), r"row 1 \(batch 1, kv_len 8\): spread must be a finite"),
+        (lambda d: d["rows"][0]["candidates"].update(ok=-1), r"candidates\.ok must be a count"),
         (lambda d: d["rows"][0].update(time_us="fast"), r"row 1 \(batch 1, kv_len 8\): time_us must be"),
         (lambda d: d["rows"][2].pop("reason"), r"row 3 \(batch 3, kv_len 16\): winner is null, so field `reason`"),
         (lambda d: d["rows"][0].update(batch=0), r"row 1 \(batch 0, kv_len 8\): Shape\.batch"),
