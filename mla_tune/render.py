@@ -128,7 +128,10 @@ LEGEND = ("spread: (p90-p10)/median; 2nd: runner-up; speedup: torch/winner; floo
 def table_lines(table, width: int) -> list[str]:
     """`mla-tune show`: the grid of rows, each winner's variant, the provenance, a legend."""
     rows = sorted(table.rows.items())
-    lines = [f"{clip(table.path)}: {clip(table.gpu, 40)}, {len(rows)} shapes, median times in us"]
+    about = f"{clip(table.gpu, 40)}, {len(rows)} shapes, median times in us"
+    lines = [f"{clip(table.path)}: {about}"]
+    if len(lines[0]) > width:  # a long path: on its own lines, broken after a '/'
+        lines = [*wrap("", f"{clip(table.path)}:", width, sep="/"), about]
     cells = []
     for shape, row in rows:
         speedup = (row.baseline_us / row.time_us

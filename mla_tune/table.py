@@ -417,7 +417,7 @@ def _check_kinds(where: str, row: dict) -> None:
     for f in fields(Row):
         kind = f.metadata.get("kind")
         value = row.get(f.name)
-        if kind is None or (value is None and kind.endswith("?")):
+        if kind is None or f.name not in row or (value is None and kind.endswith("?")):
             continue
         if kind.startswith("number") and not _is_number(value):
             raise TableError(f"{where}: {f.name} must be a finite number or null, got {value!r:.60}")

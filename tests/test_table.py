@@ -361,3 +361,68 @@ def test_validate_names_the_parameter_the_value_and_what_is_allowed(text, messag
     variant = Variant.parse(text)
     with pytest.raises(ValueError, match=rf"^{variant.backend}: .*{message}"):
         get_backend(variant.backend).validate(variant)
+
+
+# ------------------------------------------------------------- old tables, odd files, attacks
+def test_an_old_table_without_the_later_fields_loads_with_their_defaults(tmp_path):
+    def drop_later_fields(data):
+        for row in data["rows"]:
+            for name in ("wall_us", "floor_us", "floor_share", "calibration", "alternates",
+                         "spread", "baseline_us"):
+                row.pop(name, None)
+            row["candidates"]["rungs"] = [12, 4]  # a key a later sweep adds: kept, not checked
+
+    table = load_table(_broken(tmp_path, drop_later_fields))
+    row = table.rows[Shape(2, 40)]
+    assert row.alternates == {} and row.floor_share is None and row.calibration is None
+    assert row.candidates["rungs"] == [12, 4]
+    # no alternates: only a torch winner is allowed, the fallback serves the rest
+    assert table.variants(only_backends=["torch"]) == {Shape(1, 8): Variant.parse(TORCH)}
+
+
+def test_a_yaml_alias_bomb_fails_fast_in_one_line(tmp_path):
+    import time
+
+    lines = ['a0: &a0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    lines += [f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 10)]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(lines) + "\nschema: 1\n")
+    assert bomb.stat().st_size < 3000
+    started = time.monotonic()
+    with pytest.raises(TableError, match=r"bomb\.yaml is not valid YAML: line 2: a YAML alias "
+                                         r"\(\*a0\); mla-tune tables never use aliases") as info:
+        load_table(bomb)
+    assert time.monotonic() - started < 1.0 and "\n" not in str(info.value)
+
+
+def test_files_that_are_not_a_table_are_refused_in_one_line(tmp_path):
+    import os
+
+    huge = tmp_path / "huge.yaml"
+    with open(huge, "wb") as handle:  # sparse: 17 MB that take no disk
+        handle.truncate(17 * 1024 * 1024)
+    loop = tmp_path / "loop.yaml"
+    loop.symlink_to(loop)
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00schema")
+    for path, message in ((huge, r"is over 16 MB, far larger than any table"),
+                          (tmp_path, r"is a directory; pass the path of a \.yaml file"),
+                          (loop, r"cannot read table .*: Too many levels of symbolic links"),
+                          (fifo, r"is not a regular file"),
+                          (binary, r"is not UTF-8 text")):
+        with pytest.raises(TableError, match=message) as info:
+            load_table(path)
+        assert "\n" not in str(info.value)
+
+
+def test_write_table_writes_no_aliases_even_for_shared_values(tmp_path):
+    records = [_record(TRITON_A, median=20.0), _record(TORCH, median=40.0)]
+    table = table_from_results(_header(), records, _config())
+    shared = {"note": "the same object twice"}
+    table["rows"][0]["calibration"] = shared
+    table["rows"][1]["calibration"] = shared
+    path = write_table(tmp_path / "t.yaml", table)
+    assert "&id" not in path.read_text() and "*id" not in path.read_text()
+    assert load_table(path).rows[Shape(8, 64)].calibration == shared
