@@ -337,6 +337,17 @@ class _NoAliasLoader(yaml.SafeLoader):
         return super().compose_node(parent, index)
 
 
+def _safe_load_without_aliases(text: str) -> Any:
+    fast = getattr(yaml, "CSafeLoader", None)  # libyaml: about 70 times faster on big files
+    if fast is None:
+        return yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 (a SafeLoader subclass)
+    for event in yaml.parse(text, Loader=fast):  # events only: no alias is expanded here
+        if isinstance(event, yaml.AliasEvent):
+            raise yaml.YAMLError(f"line {event.start_mark.line + 1}: a YAML alias "
+                                 f"(*{event.anchor}); mla-tune tables never use aliases")
+    return yaml.load(text, Loader=fast)  # noqa: S506 (the safe loader, in C)
+
+
 def read_yaml_bounded(path: Path, what: str, error: type[MlaTuneError]) -> Any:
     """Parse a YAML file mla-tune reads (a table): a regular file of at most
     MAX_TABLE_BYTES, without aliases, with the safe loader; every failure is one `error`."""
@@ -364,7 +375,7 @@ def read_yaml_bounded(path: Path, what: str, error: type[MlaTuneError]) -> Any:
     except UnicodeDecodeError as exc:
         raise error(f"{what} {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
     try:
-        return yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 (a SafeLoader subclass)
+        return _safe_load_without_aliases(text)
     except yaml.YAMLError as exc:
         raise error(f"{what} {path} is not valid YAML: {' '.join(str(exc).split())}") from exc
 
