@@ -69,7 +69,16 @@ def _table_path(gpu: str | None, table: Path | None) -> Path:
         return table
     if not gpu:
         raise _usage_error("name the GPU with --gpu NAME or a table file with --table PATH")
-    return Path("tables") / f"{gpu}.yaml"
+    path = Path("tables") / f"{gpu}.yaml"
+    if not path.exists():
+        here = sorted(p.stem for p in Path("tables").glob("*.yaml"))
+        same = [name for name in here if name.lower() == gpu.lower()]
+        hint = (f"did you mean --gpu {same[0]}?" if same else
+                f"tables here: {', '.join(here)}" if here else "no tables here (run from the "
+                "repository root, or pass --table PATH)")
+        raise MlaTuneError(f"no table {path} for --gpu {gpu} ({hint}); make one with "
+                           f"`mla-tune sweep --gpu {gpu}`")
+    return path
 
 
 def _list(text: str | None, what: str) -> list[str] | None:
@@ -143,12 +152,12 @@ def export(
         help="Comma-separated backends the file may use, e.g. triton,torch.")] = None,
 ) -> None:
     """Write a table as one self-contained leaderboard submission file."""
-    path = _table_path(gpu, table)
     backends = _list(only, "--only")
     with _domain_errors():
         from mla_tune.export import ExportError, export_submission
         from mla_tune.table import load_table
 
+        path = _table_path(gpu, table)
         loaded = load_table(path)
         if gpu and loaded.gpu != gpu:
             raise ExportError(f"table {path} is for {loaded.gpu}, not {gpu}; pass the right --table or --gpu")
@@ -173,8 +182,8 @@ def show(
     from mla_tune.render import line_width, table_lines
     from mla_tune.table import load_table
 
-    path = _table_path(gpu, table)
     with _domain_errors():
+        path = _table_path(gpu, table)
         loaded = load_table(path, check_params=False)
     if as_json:
         _print_json({"path": str(path), **loaded.as_dict()})
@@ -223,9 +232,9 @@ def report(
     Per shape: the winner's time and share of copy bandwidth against the floor and each
     backend's best; and, from the results file, time against split count and block size.
     """
-    path = _table_path(gpu, table)
     with _domain_errors():
         from mla_tune.report import write_report
 
+        path = _table_path(gpu, table)
         written = write_report(path, out, results_path=results)
     typer.echo(f"wrote {written}")

@@ -304,3 +304,14 @@ def test_show_clips_a_huge_text_field_instead_of_printing_it(tmp_path):
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert len(lines) <= 40 and max(map(len, lines)) <= 80
+
+
+def test_a_missing_table_for_a_gpu_lists_the_tables_and_suggests_the_case(monkeypatch):
+    monkeypatch.chdir(REPO)
+    result = _invoke("show", "--gpu", "h200")
+    assert result.exit_code == 1
+    assert result.output.strip() == ("error: no table tables/h200.yaml for --gpu h200 (did you mean "
+                                     "--gpu H200?); make one with `mla-tune sweep --gpu h200`")
+    result = _invoke("export", "--gpu", "H100", "-o", "never.py")
+    assert result.exit_code == 1 and "(tables here: H200" in result.output
+    assert not (REPO / "never.py").exists()
