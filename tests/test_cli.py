@@ -315,3 +315,21 @@ def test_a_missing_table_for_a_gpu_lists_the_tables_and_suggests_the_case(monkey
     result = _invoke("export", "--gpu", "H100", "-o", "never.py")
     assert result.exit_code == 1 and "(tables here: H200" in result.output
     assert not (REPO / "never.py").exists()
+
+
+def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(monkeypatch, tmp_path):
+    import errno
+    import os
+
+    from mla_tune import fileio
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(fileio.os, "fsync", no_space)
+    result = _invoke("export", "--table", TABLE, "-o", tmp_path / "sub.py", "--only", "torch")
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        f"error: cannot write {tmp_path / 'sub.py'}: No space left on device; free some space or "
+        "write elsewhere"]
+    assert list(tmp_path.iterdir()) == []
