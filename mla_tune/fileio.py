@@ -1,13 +1,21 @@
-"""Writing files so that a reader never sees half of one."""
+"""Files: written so that a reader never sees half of one, and YAML read within bounds."""
 
 from __future__ import annotations
 
 import errno
 import os
+import stat
 import tempfile
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from mla_tune.errors import MlaTuneError
+
+# A real table is tens of KB (the H200's is 20 KB); anything near this is not one, and
+# reading it whole, or printing its strings, would hang `show`.
+MAX_YAML_BYTES = 16 * 1024 * 1024
 
 
 class WriteError(MlaTuneError, OSError):
@@ -94,3 +102,74 @@ def _write_error(path: Path, exc: OSError) -> WriteError:
     reason = exc.strerror or str(exc)
     fix = _FIXES.get(exc.errno, "check the path and try again")
     return WriteError(f"cannot write {path}: {reason}; {fix}")
+
+
+# ------------------------------------------------------------------------------ YAML
+class _NoAliasDumper(yaml.SafeDumper):
+    """Writes a value that appears twice in full both times, so what mla-tune writes has no
+    YAML aliases and read_yaml can refuse every alias."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def dump_yaml(data: Any) -> str:
+    """YAML text for data (safe types only, keys in their order, no aliases)."""
+    return yaml.dump(data, Dumper=_NoAliasDumper, sort_keys=False, width=100)
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """safe_load that refuses YAML aliases: mla-tune never writes them, and a few KB of
+    nested aliases (an "alias bomb") stand for billions of values, so anything that walks
+    what was loaded (a check, an error message, `show`) would hang."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.YAMLError(f"line {event.start_mark.line + 1}: a YAML alias "
+                                 f"(*{event.anchor}); mla-tune never writes aliases, so write the value out in full")
+        return super().compose_node(parent, index)
+
+
+def _safe_load_without_aliases(text: str) -> Any:
+    fast = getattr(yaml, "CSafeLoader", None)  # libyaml: about 70 times faster on big files
+    if fast is None:
+        return yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 (a SafeLoader subclass)
+    for event in yaml.parse(text, Loader=fast):  # events only: no alias is expanded here
+        if isinstance(event, yaml.AliasEvent):
+            raise yaml.YAMLError(f"line {event.start_mark.line + 1}: a YAML alias "
+                                 f"(*{event.anchor}); mla-tune never writes aliases, so write the value out in full")
+    return yaml.load(text, Loader=fast)  # noqa: S506 (the safe loader, in C)
+
+
+def read_yaml(path: Path, what: str, error: type[MlaTuneError]) -> Any:
+    """Parse a YAML file mla-tune reads (a table, say `what`): a regular file of at most
+    MAX_YAML_BYTES, without aliases, with the safe loader; every failure is one `error`
+    naming the file."""
+    try:
+        info = path.stat()
+    except FileNotFoundError as exc:
+        raise error(f"{what} {path} does not exist; run `mla-tune sweep --gpu NAME` to make "
+                    "one, or pass the path of an existing file") from exc
+    except OSError as exc:  # a symlink loop, a path through a file, no permission
+        raise error(f"cannot read {what} {path}: {exc.strerror or exc}; pass a readable file") from exc
+    if stat.S_ISDIR(info.st_mode):
+        raise error(f"{what} {path} is a directory; pass the path of a .yaml file")
+    if not stat.S_ISREG(info.st_mode):
+        raise error(f"{what} {path} is not a regular file; pass the path of a .yaml file")
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_YAML_BYTES + 1)
+    except OSError as exc:
+        raise error(f"cannot read {what} {path}: {exc.strerror or exc}; pass a readable file") from exc
+    if len(raw) > MAX_YAML_BYTES:
+        raise error(f"{what} {path} is over {MAX_YAML_BYTES // 2**20} MB, far larger than any "
+                    f"{what}; pass the right file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{what} {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    try:
+        return _safe_load_without_aliases(text)
+    except yaml.YAMLError as exc:
+        raise error(f"{what} {path} is not valid YAML: {' '.join(str(exc).split())}") from exc

@@ -394,7 +394,7 @@ def test_a_yaml_alias_bomb_fails_fast_in_one_line(tmp_path, monkeypatch, libyaml
     assert bomb.stat().st_size < 3000
     started = time.monotonic()
     with pytest.raises(TableError, match=r"bomb\.yaml is not valid YAML: line 2: a YAML alias "
-                                         r"\(\*a0\); mla-tune tables never use aliases") as info:
+                                         r"\(\*a0\); mla-tune never writes aliases") as info:
         load_table(bomb)
     assert time.monotonic() - started < 1.0 and "\n" not in str(info.value)
 
