@@ -118,6 +118,11 @@ def dump_yaml(data: Any) -> str:
     return yaml.dump(data, Dumper=_NoAliasDumper, sort_keys=False, width=100)
 
 
+def _alias_message(event) -> str:
+    return (f"line {event.start_mark.line + 1}: a YAML alias (*{event.anchor}); mla-tune never "
+            "writes aliases, so write the value out in full")
+
+
 class _NoAliasLoader(yaml.SafeLoader):
     """safe_load that refuses YAML aliases: mla-tune never writes them, and a few KB of
     nested aliases (an "alias bomb") stand for billions of values, so anything that walks
@@ -126,8 +131,7 @@ class _NoAliasLoader(yaml.SafeLoader):
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
-            raise yaml.YAMLError(f"line {event.start_mark.line + 1}: a YAML alias "
-                                 f"(*{event.anchor}); mla-tune never writes aliases, so write the value out in full")
+            raise yaml.YAMLError(_alias_message(event))
         return super().compose_node(parent, index)
 
 
@@ -137,8 +141,7 @@ def _safe_load_without_aliases(text: str) -> Any:
         return yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 (a SafeLoader subclass)
     for event in yaml.parse(text, Loader=fast):  # events only: no alias is expanded here
         if isinstance(event, yaml.AliasEvent):
-            raise yaml.YAMLError(f"line {event.start_mark.line + 1}: a YAML alias "
-                                 f"(*{event.anchor}); mla-tune never writes aliases, so write the value out in full")
+            raise yaml.YAMLError(_alias_message(event))
     return yaml.load(text, Loader=fast)  # noqa: S506 (the safe loader, in C)
 
 
