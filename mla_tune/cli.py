@@ -74,8 +74,8 @@ def _table_path(gpu: str | None, table: Path | None) -> Path:
         here = sorted(p.stem for p in Path("tables").glob("*.yaml"))
         same = [name for name in here if name.lower() == gpu.lower()]
         hint = (f"did you mean --gpu {same[0]}?" if same else
-                f"tables here: {', '.join(here)}" if here else "no tables here (run from the "
-                "repository root, or pass --table PATH)")
+                f"tables here: {', '.join(here)}" if here else "no tables in ./tables: run from "
+                "the repository root or pass --table PATH")
         raise MlaTuneError(f"no table {path} for --gpu {gpu} ({hint}); make one with "
                            f"`mla-tune sweep --gpu {gpu}`")
     return path
