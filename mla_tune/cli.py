@@ -1,38 +1,84 @@
-"""The `mla-tune` command line: sweep, export, show. Commands are thin: they parse options,
-call the module that does the work, and turn its domain errors (ValueError subclasses:
-TableError, ExportError, ConfigError, the sweep's refusals) into one red line and exit 1."""
+"""The `mla-tune` command line: sweep, export, show, diff, report.
+
+Commands are thin: they parse options, call the module that does the work, and turn
+mla-tune's own errors (MlaTuneError: TableError, ExportError, ConfigError, SweepError, ...)
+into one red line and exit 1. Any other exception is a bug in mla-tune and keeps its
+traceback. Reading commands (show, diff) import neither torch nor a backend.
+"""
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.markup import escape
-from rich.panel import Panel
-from rich.table import Table as RichTable
 
-app = typer.Typer(rich_markup_mode="rich", no_args_is_help=True)
+from mla_tune import __version__
+from mla_tune.errors import MlaTuneError
+
+app = typer.Typer(rich_markup_mode="rich", no_args_is_help=True,
+                  context_settings={"help_option_names": ["-h", "--help"]})
+
+# A GPU name becomes a file name (tables/NAME.yaml): letters, digits, '-' and '_' only.
+_GPU_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 
 
 @contextmanager
 def _domain_errors() -> Iterator[None]:
     try:
         yield
-    except ValueError as exc:
-        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(str(exc))}")
+    except MlaTuneError as exc:
+        typer.secho(f"error: {exc}", fg="red", err=True)
         raise typer.Exit(1) from None
+
+
+def _usage_error(message: str) -> typer.Exit:
+    """A bad option value: one red line and exit 2 (typer's own errors draw a box)."""
+    typer.secho(f"error: {message}", fg="red", err=True)
+    return typer.Exit(2)
+
+
+def _check_gpu(value: str | None) -> str | None:
+    if value is not None and not _GPU_NAME.fullmatch(value):
+        raise _usage_error(f"--gpu {value!r} is not a GPU name; use letters, digits, '-' and '_' "
+                           "only, like H200 or MI355X")
+    return value
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"mla-tune {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option(
+        "--version", callback=_version, is_eager=True,
+        help="Print mla-tune's version and exit.")] = False,
+) -> None:
+    """Offline autotuner for MLA decode attention: sweep a GPU, review its table, export it."""
 
 
 def _table_path(gpu: str | None, table: Path | None) -> Path:
     if table is not None:
         return table
     if not gpu:
-        raise typer.BadParameter("name the GPU with --gpu NAME or a table file with --table PATH")
-    return Path("tables") / f"{gpu}.yaml"
+        raise _usage_error("name the GPU with --gpu NAME or a table file with --table PATH")
+    path = Path("tables") / f"{gpu}.yaml"
+    if not path.exists():
+        here = sorted(p.stem for p in Path("tables").glob("*.yaml"))
+        same = [name for name in here if name.lower() == gpu.lower()]
+        hint = (f"did you mean --gpu {same[0]}?" if same else
+                f"tables here: {', '.join(here)}" if here else "no tables in ./tables: run from "
+                "the repository root or pass --table PATH")
+        raise MlaTuneError(f"no table {path} for --gpu {gpu} ({hint}); make one with "
+                           f"`mla-tune sweep --gpu {gpu}`")
+    return path
 
 
 def _list(text: str | None, what: str) -> list[str] | None:
@@ -40,27 +86,46 @@ def _list(text: str | None, what: str) -> list[str] | None:
         return None
     items = [item.strip() for item in text.split(",") if item.strip()]
     if not items:
-        raise typer.BadParameter(f"{what} must be a comma-separated list, got {text!r}")
+        raise _usage_error(f"{what} must be a comma-separated list, got {text!r}")
     return items
+
+
+def _print_json(data) -> None:
+    typer.echo(json.dumps(data, indent=2, sort_keys=False))
+
+
+_GpuOption = Annotated[str | None, typer.Option(
+    callback=_check_gpu, help="The GPU whose table to use: tables/GPU.yaml (e.g. H200).")]
+_TableOption = Annotated[Path | None, typer.Option(
+    help="A table file to use instead of tables/GPU.yaml.")]
+_JsonOption = Annotated[bool, typer.Option(
+    "--json", help="Print JSON for scripts instead of the text view.")]
 
 
 @app.command()
 def sweep(
-    gpu: Annotated[str, typer.Option(help="The GPU to tune, by canonical name (H200, MI355X).")],
-    config: Annotated[Path, typer.Option(help="The sweep config: shapes, rule, search space.")] = Path(
+    gpu: Annotated[str, typer.Option(
+        callback=_check_gpu, help="The GPU to tune, by its canonical name (H200, MI355X).")],
+    config: Annotated[Path, typer.Option(
+        help="The sweep config: its shapes, correctness rule and search space.")] = Path(
         "configs/leaderboard.yaml"),
-    out: Annotated[Path | None, typer.Option(help="Where to write the table; default tables/GPU.yaml.")] = None,
-    dry_run: Annotated[bool, typer.Option(help="Plan the sweep and print it without running anything.")] = False,
-    force: Annotated[bool, typer.Option(help="Sweep even when the GPU here is not the one named by --gpu.")] = False,
-    devices: Annotated[str | None, typer.Option(help="Comma-separated GPU indices to spread the sweep over, e.g. 0,1.")] = None,
-    fresh: Annotated[bool, typer.Option(help="Move earlier results aside and start over instead of resuming.")] = False,
+    out: Annotated[Path | None, typer.Option(
+        help="Where to write the table; the default is tables/GPU.yaml.")] = None,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Plan the sweep and print the plan without running anything.")] = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Sweep even when the GPU here is not the one --gpu names.")] = False,
+    devices: Annotated[str | None, typer.Option(
+        help="Comma-separated GPU indices to spread the sweep over, e.g. 0,1.")] = None,
+    fresh: Annotated[bool, typer.Option(
+        "--fresh", help="Move earlier results aside and start over instead of resuming.")] = False,
     candidate_timeout: Annotated[float | None, typer.Option(
         help="Seconds one candidate may run before its worker is killed and it is recorded as a "
-             "timeout; default: the config's candidate_timeout_s, else 120.")] = None,
+             "timeout; the default is the config's candidate_timeout_s, else 120.")] = None,
 ) -> None:
     """Sweep every candidate kernel per shape on this GPU and write its dispatch table."""
     if candidate_timeout is not None and not candidate_timeout > 0:
-        raise typer.BadParameter(f"--candidate-timeout must be a positive number of seconds, got {candidate_timeout}")
+        raise _usage_error(f"--candidate-timeout must be a positive number of seconds, got {candidate_timeout}")
     # passed only when given, so run_sweep's own default (the config's limit) applies otherwise
     timeout = {} if candidate_timeout is None else {"candidate_timeout_s": candidate_timeout}
     device_list = None
@@ -68,7 +133,7 @@ def sweep(
         try:
             device_list = [int(d) for d in _list(devices, "--devices")]
         except ValueError:
-            raise typer.BadParameter(f"--devices must be GPU indices like 0,1, got {devices!r}") from None
+            raise _usage_error(f"--devices must be GPU indices like 0,1, got {devices!r}") from None
     with _domain_errors():
         from mla_tune.sweep import run_sweep
 
@@ -78,81 +143,98 @@ def sweep(
 
 @app.command()
 def export(
-    output: Annotated[Path, typer.Option("--output", "-o", help="The submission file to write.")],
-    gpu: Annotated[str | None, typer.Option(help="The GPU whose table to export (tables/GPU.yaml).")] = None,
-    table: Annotated[Path | None, typer.Option(help="A table file to export instead of tables/GPU.yaml.")] = None,
-    only: Annotated[str | None, typer.Option(help="Comma-separated backends the file may use, e.g. triton,torch.")] = None,
+    output: Annotated[Path, typer.Option(
+        "--output", "-o", help="The submission file to write; an existing file is replaced only "
+                               "if it is an earlier submission.")],
+    gpu: _GpuOption = None,
+    table: _TableOption = None,
+    only: Annotated[str | None, typer.Option(
+        help="Comma-separated backends the file may use, e.g. triton,torch.")] = None,
 ) -> None:
     """Write a table as one self-contained leaderboard submission file."""
-    from mla_tune.export import export_submission
-    from mla_tune.table import load_table
-
-    path = _table_path(gpu, table)
     backends = _list(only, "--only")
     with _domain_errors():
+        from mla_tune.export import ExportError, export_submission
+        from mla_tune.table import load_table
+
+        path = _table_path(gpu, table)
         loaded = load_table(path)
         if gpu and loaded.gpu != gpu:
-            raise ValueError(f"table {path} is for {loaded.gpu}, not {gpu}; pass the right --table or --gpu")
+            raise ExportError(f"table {path} is for {loaded.gpu}, not {gpu}; pass the right --table or --gpu")
         written = export_submission(path, output, only_backends=backends)
-    Console(soft_wrap=True).print(f"wrote {escape(str(written))}: {len(loaded.rows)} shapes from {escape(str(path))}"
-                                  + (f", backends limited to {', '.join(backends)}" if backends else ""))
-
-
-def _us(value) -> str:
-    return "-" if value is None else f"{value:.1f}"
-
-
-def _share(value) -> str:
-    return "-" if value is None else f"{value:.1%}"
+    typer.echo(f"wrote {written}: {len(loaded.rows)} shapes from {path}"
+               + (f", backends limited to {', '.join(backends)}" if backends else ""))
 
 
 @app.command()
 def show(
-    gpu: Annotated[str | None, typer.Option(help="Show tables/GPU.yaml for this GPU.")] = None,
-    table: Annotated[Path | None, typer.Option(help="Show this table file instead.")] = None,
+    gpu: _GpuOption = None,
+    table: _TableOption = None,
+    as_json: _JsonOption = False,
 ) -> None:
-    """Show a dispatch table: each shape's winner and its evidence, then its provenance."""
+    """Show a dispatch table: each shape's winner and its evidence, then its provenance.
+
+    The text fits the terminal (80 columns in a pipe) and prints each winner's full variant
+    on lines that start with its shape, so `grep num_splits=16` finds it. Variants are
+    checked for form only (the backends' own parameter rules are checked when the runtime
+    or the export loads the table), so show never imports torch.
+    """
+    from mla_tune.render import line_width, table_lines
     from mla_tune.table import load_table
 
-    path = _table_path(gpu, table)
     with _domain_errors():
-        loaded = load_table(path)
-    view = RichTable(title=f"{escape(str(path))} ({loaded.gpu}), times in us")
-    for name in ("shape", "winner", "time", "spread", "runner-up", "baseline", "speedup",
-                 "floor share", "tried/rejected"):
-        view.add_column(name, overflow="fold")
-    notes = []
-    for shape, row in sorted(loaded.rows.items()):
-        counts = row["candidates"]
-        runner = row["runner_up"]
-        if row["winner"] is None:
-            winner = "[red]none (see below)[/]"
-            notes.append(f"[red]{shape}: no winner[/]: {escape(row['reason'])}; the fallback serves it")
-        else:
-            winner = escape(row["winner"]["variant"])
-        speedup = (f"{row['baseline_us'] / row['time_us']:.2f}x"
-                   if row["winner"] and row["baseline_us"] else "-")
-        view.add_row(
-            str(shape), winner, _us(row["time_us"]), _share(row["spread"]),
-            f"{_us(runner['time_us'])} {escape(runner['variant'])}" if runner else "-",
-            _us(row["baseline_us"]), speedup, _share(row["floor_share"]),
-            f"{counts.get('tried', 0)}/{counts.get('rejected', 0)}",
-        )
-    prov = loaded.provenance
-    rule, config = prov["rule"], prov["config"]
-    versions = ", ".join(f"{k} {v}" for k, v in prov["versions"].items() if v)
-    lines = [
-        f"device: {prov['device_name']} ({prov['arch']}), driver {prov['driver'] or '-'}",
-        f"versions: {versions}",
-        f"tuned: {prov['date']} with mla-tune {prov['mla_tune_version']}",
-        f"config: {config.get('path')} (hash {config.get('hash')})",
-        f"rule: {rule.get('name')} rtol={rule.get('rtol')} atol={rule.get('atol')} "
-        f"allowance={rule.get('allowance')}",
-        f"timing: {prov['protocol'].get('name', '-')}; copy bandwidth "
-        f"{prov['copy_bandwidth_gbps'] or '-'} GB/s",
-    ]
-    console = Console()
-    console.print(view)
-    for note in notes:
-        console.print(note)
-    console.print(Panel(escape("\n".join(lines)), title="provenance"))
+        path = _table_path(gpu, table)
+        loaded = load_table(path, check_params=False)
+    if as_json:
+        _print_json({"path": str(path), **loaded.as_dict()})
+        return
+    for line in table_lines(loaded, line_width()):
+        typer.echo(line)
+
+
+@app.command()
+def diff(
+    old: Annotated[Path, typer.Argument(help="The earlier table file.")],
+    new: Annotated[Path, typer.Argument(help="The later table file.")],
+    as_json: _JsonOption = False,
+) -> None:
+    """Compare two tables shape by shape: winner changes and time changes beyond the noise.
+
+    A time change is flagged when it is larger than the noise both tables record: the
+    bigger of the two rows' spreads (p90-p10 over the median).
+    """
+    from mla_tune.diff import diff_lines, diff_tables
+    from mla_tune.render import line_width
+    from mla_tune.table import load_table
+
+    with _domain_errors():
+        before, after = load_table(old, check_params=False), load_table(new, check_params=False)
+    changes = diff_tables(before, after)
+    if as_json:
+        _print_json({"old": str(old), "new": str(new), "shapes": changes})
+        return
+    for line in diff_lines(changes, old, new, line_width()):
+        typer.echo(line)
+
+
+@app.command()
+def report(
+    gpu: _GpuOption = None,
+    table: _TableOption = None,
+    out: Annotated[Path, typer.Option(
+        help="The folder to write report.md and its plots into.")] = Path("docs/report"),
+    results: Annotated[Path | None, typer.Option(
+        help="The sweep's results file; the default is the one next to the table "
+             "(tables/GPU.results.jsonl).")] = None,
+) -> None:
+    """Write a Markdown report of a table with plots (needs matplotlib: the `report` extra).
+
+    Per shape: the winner's time and share of copy bandwidth against the floor and each
+    backend's best; and, from the results file, time against split count and block size.
+    """
+    with _domain_errors():
+        from mla_tune.report import write_report
+
+        path = _table_path(gpu, table)
+        written = write_report(path, out, results_path=results)
+    typer.echo(f"wrote {written}")

@@ -20,6 +20,7 @@ import yaml
 
 from mla_tune.backends import known_backends
 from mla_tune.core import Shape
+from mla_tune.errors import MlaTuneError
 from mla_tune.problem import Rule, get_rule
 
 TOP_LEVEL_FIELDS = {
@@ -29,7 +30,7 @@ TOP_LEVEL_FIELDS = {
 TIMING_FIELDS = {"reps", "prune_reps", "prune_factor"}
 
 
-class ConfigError(ValueError):
+class ConfigError(MlaTuneError, ValueError):
     """A config file that cannot be swept; the message names the file and the field."""
 
 

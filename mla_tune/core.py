@@ -2,7 +2,8 @@
 
 This module is *exportable*: `mla-tune export` copies it verbatim into a single-file
 submission, so it imports only the standard library and torch, and every top-level name
-is unique across the exportable modules (see mla_tune/export.py).
+is unique across the exportable modules (see mla_tune/export.py). torch is imported inside
+the two functions that use it, so reading a table (Shape, Variant) never imports torch.
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ import math
 import re
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 # DeepSeek-R1 forward_absorb MLA, as the amd-mixed-mla leaderboard poses it.
 NUM_HEADS = 16
@@ -29,8 +28,11 @@ KV_FORMATS = ("bf16", "fp8", "mxfp4")
 Q_MODES = ("bf16", "fp8_dynamic", "fp8_static")
 
 
-def fp8_dtype_for(device: torch.device | str | None = None) -> torch.dtype:
-    """The fp8 format the leaderboard uses on this device: e4m3fnuz on gfx942, else e4m3fn."""
+def fp8_dtype_for(device=None):
+    """The fp8 torch dtype the leaderboard uses on `device` (a torch.device, a name, or None
+    for the current CUDA device): e4m3fnuz on gfx942, else e4m3fn."""
+    import torch
+
     if torch.version.hip and torch.cuda.is_available():
         dev = torch.device(device) if device is not None else torch.device("cuda")
         arch = getattr(torch.cuda.get_device_properties(dev), "gcnArchName", "")
@@ -223,6 +225,8 @@ def check_decode_inputs(q, kv_data, qo_indptr, kv_indptr, kv_format: str) -> int
     run on every call; it raises ValueError naming what was expected before any kernel
     starts. Index *contents* are checked by `check_indptr_values`, which syncs.
     """
+    import torch
+
     require(isinstance(q, torch.Tensor), f"q must be a torch.Tensor, got {type(q).__name__}")
     require(
         q.dim() == 3 and q.shape[1] == NUM_HEADS and q.shape[2] == QK_DIM,

@@ -158,8 +158,12 @@ def render_submission(table_path: str | Path, only_backends: list[str] | None = 
         "def custom_kernel(data: input_t) -> output_t:\n"
         "    # The leaderboard's batches are uniform, so kv_seq_len is trusted: no host sync.\n"
         "    q, kv_data, qo_indptr, kv_indptr, config = data\n"
+        '    kv_len = config.get("kv_seq_len") if isinstance(config, dict) else None\n'
+        "    if isinstance(kv_len, bool) or not isinstance(kv_len, int) or kv_len < 1:\n"
+        "        raise ValueError(\"custom_kernel: data's config must be a dict whose kv_seq_len is \"\n"
+        "                         f\"the batch's kv length (an int >= 1), got config={config!r:.200}\")\n"
         "    return _EXPORT_DISPATCHER(q, kv_data, qo_indptr, kv_indptr,\n"
-        '                              kv_len=int(config["kv_seq_len"]), check_indptr=False)\n'
+        "                              kv_len=kv_len, check_indptr=False)\n"
     )
     text = "".join(parts)
     try:
@@ -170,11 +174,38 @@ def render_submission(table_path: str | Path, only_backends: list[str] | None = 
     return text
 
 
+_HEADER = b"#!POPCORN"
+
+
+def _check_output_path(out_path: Path) -> None:
+    """Export overwrites only a file it wrote itself (one starting with #!POPCORN), so
+    `-o` naming the table, its results, a config or any other file loses nothing."""
+    if out_path.is_dir():
+        raise ExportError(f"-o {out_path} is a directory; name the submission file, "
+                          f"e.g. {out_path / 'submission.py'}")
+    if not out_path.exists():
+        return
+    try:
+        with open(out_path, "rb") as handle:
+            start = handle.read(len(_HEADER))
+    except OSError as exc:
+        raise ExportError(f"-o {out_path} exists and cannot be read ({exc.strerror}); "
+                          "choose another output path") from exc
+    if start != _HEADER:
+        raise ExportError(f"-o {out_path} exists and is not a submission mla-tune wrote (it does "
+                          "not start with #!POPCORN); export overwrites only its own files, so "
+                          "choose another output path")
+
+
 def export_submission(table_path: str | Path, out_path: str | Path,
                       only_backends: list[str] | None = None) -> Path:
     """Write the single-file submission for a table (atomically); returns its path.
 
     With only_backends, each row takes its best allowed alternate, rows with none run the
-    fallback, and the fallback's backend (triton, else torch) must be allowed.
+    fallback, and the fallback's backend (triton, else torch) must be allowed. An existing
+    `out_path` is replaced only if it is an earlier submission (see _check_output_path).
     """
-    return atomic_write_text(out_path, render_submission(table_path, only_backends))
+    out_path = Path(out_path)
+    _check_output_path(out_path)
+    text = render_submission(table_path, only_backends)
+    return atomic_write_text(out_path, text)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mla_tune.backends import get_backend, known_backends
+from mla_tune.errors import MlaTuneError
 
 PROTOCOL_NAMES = ("NAME", "unavailable_reason", "candidates", "validate", "build",
                   "default_variant")
@@ -30,7 +31,7 @@ _GENERATED_NAMES = {"input_t", "output_t", "custom_kernel", "_EXPORT_TABLE_TEXT"
 _THIRD_PARTY_OK = {"torch", "triton"}
 
 
-class ExportError(ValueError):
+class ExportError(MlaTuneError, ValueError):
     """The table cannot be exported as asked; the message says what and how to fix it."""
 
 

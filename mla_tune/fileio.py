@@ -1,25 +1,178 @@
-"""Writing files so that a reader never sees half of one."""
+"""Files: written so that a reader never sees half of one, and YAML read within bounds."""
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import tempfile
 from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mla_tune.errors import MlaTuneError
+
+# A real table is tens of KB (the H200's is 20 KB); anything near this is not one, and
+# reading it whole, or printing its strings, would hang `show`.
+MAX_YAML_BYTES = 16 * 1024 * 1024
+
+
+class WriteError(MlaTuneError, OSError):
+    """A file could not be written (a directory in the way, no permission, a full disk)."""
+
+
+_FIXES = {
+    errno.ENOSPC: "free some space or write elsewhere",
+    errno.EDQUOT: "free some space or write elsewhere",
+    errno.EACCES: "write somewhere you may write, or fix the folder's permissions",
+    errno.EPERM: "write somewhere you may write, or fix the folder's permissions",
+    errno.EROFS: "the file system is read-only; write elsewhere",
+    errno.EISDIR: "name a file, not a directory",
+    errno.ENOTDIR: "a part of the path is a file, not a directory; fix the path",
+}
+
+
+def _umask() -> int:
+    """The process's umask without changing it (os.umask sets it, racing other threads)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_dir(folder: Path) -> None:
+    # The rename is durable only once the directory entry is; not every OS can open a folder.
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """Write `text` to `path` through a temp file in the same folder, fsync, then rename:
-    a crash leaves the old file or the new one, never a torn one."""
+    a crash leaves the old file or the new one, never a torn one.
+
+    The new file gets the mode a plain `open(path, "w")` would give it (0666 less the
+    umask), or keeps the mode of the file it replaces. Any OS failure (a directory at
+    `path`, a read-only folder, a full disk) is a WriteError with one line naming the fix,
+    and leaves no temp file behind.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        if path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            mode = path.stat().st_mode & 0o7777
+        except FileNotFoundError:
+            mode = 0o666 & ~_umask()
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise _write_error(path, exc) from exc
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
+        os.chmod(tmp, mode)  # mkstemp made it 0600, and a rename keeps the mode
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise _write_error(path, exc) from exc
         raise
+    _fsync_dir(path.parent)
     return path
+
+
+def _write_error(path: Path, exc: OSError) -> WriteError:
+    reason = exc.strerror or str(exc)
+    fix = _FIXES.get(exc.errno, "check the path and try again")
+    return WriteError(f"cannot write {path}: {reason}; {fix}")
+
+
+# ------------------------------------------------------------------------------ YAML
+class _NoAliasDumper(yaml.SafeDumper):
+    """Writes a value that appears twice in full both times, so what mla-tune writes has no
+    YAML aliases and read_yaml can refuse every alias."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def dump_yaml(data: Any) -> str:
+    """YAML text for data (safe types only, keys in their order, no aliases)."""
+    return yaml.dump(data, Dumper=_NoAliasDumper, sort_keys=False, width=100)
+
+
+def _alias_message(event) -> str:
+    return (f"line {event.start_mark.line + 1}: a YAML alias (*{event.anchor}); mla-tune never "
+            "writes aliases, so write the value out in full")
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """safe_load that refuses YAML aliases: mla-tune never writes them, and a few KB of
+    nested aliases (an "alias bomb") stand for billions of values, so anything that walks
+    what was loaded (a check, an error message, `show`) would hang."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.YAMLError(_alias_message(event))
+        return super().compose_node(parent, index)
+
+
+def _safe_load_without_aliases(text: str) -> Any:
+    fast = getattr(yaml, "CSafeLoader", None)  # libyaml: about 70 times faster on big files
+    if fast is None:
+        return yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 (a SafeLoader subclass)
+    for event in yaml.parse(text, Loader=fast):  # events only: no alias is expanded here
+        if isinstance(event, yaml.AliasEvent):
+            raise yaml.YAMLError(_alias_message(event))
+    return yaml.load(text, Loader=fast)  # noqa: S506 (the safe loader, in C)
+
+
+def read_yaml(path: Path, what: str, error: type[MlaTuneError]) -> Any:
+    """Parse a YAML file mla-tune reads (a table, say `what`): a regular file of at most
+    MAX_YAML_BYTES, without aliases, with the safe loader; every failure is one `error`
+    naming the file."""
+    try:
+        info = path.stat()
+    except FileNotFoundError as exc:
+        raise error(f"{what} {path} does not exist; run `mla-tune sweep --gpu NAME` to make "
+                    "one, or pass the path of an existing file") from exc
+    except OSError as exc:  # a symlink loop, a path through a file, no permission
+        raise error(f"cannot read {what} {path}: {exc.strerror or exc}; pass a readable file") from exc
+    if stat.S_ISDIR(info.st_mode):
+        raise error(f"{what} {path} is a directory; pass the path of a .yaml file")
+    if not stat.S_ISREG(info.st_mode):
+        raise error(f"{what} {path} is not a regular file; pass the path of a .yaml file")
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_YAML_BYTES + 1)
+    except OSError as exc:
+        raise error(f"cannot read {what} {path}: {exc.strerror or exc}; pass a readable file") from exc
+    if len(raw) > MAX_YAML_BYTES:
+        raise error(f"{what} {path} is over {MAX_YAML_BYTES // 2**20} MB, far larger than any "
+                    f"{what}; pass the right file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{what} {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    try:
+        return _safe_load_without_aliases(text)
+    except yaml.YAMLError as exc:
+        raise error(f"{what} {path} is not valid YAML: {' '.join(str(exc).split())}") from exc

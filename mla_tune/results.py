@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from mla_tune.core import Variant
+from mla_tune.errors import MlaTuneError
 
 SCHEMA = 1
 STATUSES = ("ok", "rejected", "failed", "crashed", "timeout", "pruned")
 
 
-class ResultsError(ValueError):
+class ResultsError(MlaTuneError, ValueError):
     """A results file or lock that stops the sweep; the message says what to do."""
 
 

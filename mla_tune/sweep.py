@@ -31,6 +31,7 @@ from mla_tune import timing
 from mla_tune.backends import get_backend
 from mla_tune.config import Config, expand_space, load_config
 from mla_tune.core import Shape, Variant
+from mla_tune.errors import MlaTuneError
 from mla_tune.results import (
     SCHEMA,
     STATUSES,
@@ -60,7 +61,7 @@ from mla_tune.worker import (
 DEFAULT_CANDIDATE_TIMEOUT_S = 120.0
 
 
-class SweepError(ValueError):
+class SweepError(MlaTuneError, ValueError):
     """The sweep cannot start or go on; the message says what was found and what to do."""
 
 

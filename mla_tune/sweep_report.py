@@ -17,7 +17,6 @@ from rich.progress import (
 
 from mla_tune.config import Config
 from mla_tune.core import Shape, Variant
-from mla_tune.results import STATUSES
 from mla_tune.sweep_schedule import BASELINE_BACKEND
 
 
@@ -54,27 +53,12 @@ def progress_bar(console: Console) -> Progress:
 
 
 def summarize(records: list[dict], console: Console) -> dict[str, dict]:
-    from rich.table import Table
+    """Print the end-of-sweep summary (per shape: winner, time, runner-up, baseline, counts,
+    then each winner's full variant) as plain text that fits the width, with the same rules
+    as `mla-tune show` (mla_tune.render); return {shape text: {variant, median_us}}."""
+    from mla_tune.render import line_width, summary_lines
 
-    by_shape: dict[tuple[int, int], list[dict]] = {}
-    for r in records:
-        by_shape.setdefault((r["shape"]["batch"], r["shape"]["kv_len"]), []).append(r)
-    table = Table(title="sweep summary")
-    for col in ("shape", "winner", "median us", "runner-up", "torch us", *STATUSES):
-        table.add_column(col)
-    winners: dict[str, dict] = {}
-    for key in sorted(by_shape):
-        rows = by_shape[key]
-        ok = sorted((r for r in rows if r["status"] == "ok"), key=lambda r: (r["time"]["median_us"], r["variant"]))
-        base = [r for r in ok if r["backend"] == BASELINE_BACKEND]
-        name = str(Shape(*key))
-        if ok:
-            winners[name] = {"variant": ok[0]["variant"], "median_us": ok[0]["time"]["median_us"]}
-        counts = [str(sum(r["status"] == s for r in rows)) for s in STATUSES]
-        table.add_row(
-            name, ok[0]["variant"] if ok else "-", f"{ok[0]['time']['median_us']:.1f}" if ok else "-",
-            ok[1]["variant"] if len(ok) > 1 else "-",
-            f"{base[0]['time']['median_us']:.1f}" if base else "-", *counts,
-        )
-    console.print(table)
+    lines, winners = summary_lines(records, BASELINE_BACKEND, line_width())
+    for line in lines:
+        console.out(line, highlight=False)
     return winners

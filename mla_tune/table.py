@@ -4,39 +4,30 @@ A table (`tables/NAME.yaml`) is reviewed, versioned data: one row per benchmarke
 sorted by (batch, kv_len), naming the winning variant by its text form plus the evidence
 for it (its time and spread, the runner-up, every backend's best, the baseline, the share
 of the bandwidth floor, how many candidates were tried and why the rest lost). Loading
-never executes anything from the file (yaml.safe_load, then Variant.parse), and every error
-names the file, the row and the field, so a hand edit that breaks a row is caught at load.
+never executes anything from the file (fileio.read_yaml: a safe loader that refuses YAML
+aliases, on a file of at most 16 MB; then Variant.parse), and every error names the file, the
+row and the field, so a hand edit that breaks a row is caught at load.
 
-Schema 1, top level: `schema`, `gpu`, `provenance`, `rows`. A row:
-
-    batch, kv_len            the shape (a uniform batch)
-    winner                   {variant, backend, params} or null (then `reason` says why)
-    time_us, spread, wall_us the winner's median GPU time, (p90-p10)/median, wall time
-    runner_up                {variant, time_us} or null
-    backends                 {name: best time_us, or a string such as "all rejected"}
-    baseline_us              the torch backend's time (null when it has none)
-    floor_us, floor_share    see FLOOR_NOTE; floor_share = floor_us / time_us
-    candidates               {tried, ok, rejected, failed, crashed, timeout, pruned}
-    calibration              how an fp8_static winner's q_amax was calibrated, else null
-    alternates               {backend: {variant, time_us}}: each backend's pick, so an
-                             export restricted to some backends can take the best allowed
+Schema 1, top level: `schema`, `gpu`, `provenance`, `rows`. A row is a `Row` (below, the one
+definition of its fields). Reading a table imports neither torch nor a backend unless the
+backends' own parameter checks are asked for (`check_params`, the default).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from mla_tune.backends import get_backend, known_backends
 from mla_tune.core import KV_FORMATS, Q_MODES, QK_DIM, Shape, Variant
-from mla_tune.fileio import atomic_write_text
+from mla_tune.errors import MlaTuneError
+from mla_tune.fileio import atomic_write_text, dump_yaml, read_yaml
+from mla_tune.results import STATUSES
 
 SCHEMA_VERSION = 1
-STATUSES = ("ok", "rejected", "failed", "crashed", "timeout", "pruned")
 # Medians within 1% are a tie: our spread on an H200 is a few percent, so ordering such
 # candidates by time would pick by noise and make re-sweeps flip winners for nothing.
 TIE_TOLERANCE = 0.01
@@ -49,14 +40,72 @@ _PROVENANCE_FIELDS = {
     "config": dict, "rule": dict, "protocol": dict, "copy_bandwidth_gbps": (int, float, type(None)),
     "mla_tune_version": str,
 }
-_ROW_FIELDS = (
-    "batch", "kv_len", "winner", "time_us", "spread", "wall_us", "runner_up", "backends",
-    "baseline_us", "floor_us", "floor_share", "candidates", "calibration", "alternates",
-)
 
 
-class TableError(ValueError):
+class TableError(MlaTuneError, ValueError):
     """A table (or the results it is built from) is missing, malformed or inconsistent."""
+
+
+# ------------------------------------------------------------------------- the row type
+def _kind(kind: str, **more) -> dict:
+    return {"kind": kind, **more}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of a table, field for field as in the file.
+
+    Every field after `winner` has a default, so a table written before a field existed
+    still loads (the field takes its default); a field added later must get one too.
+    `kind` in each field's metadata drives the generic type check at load: "number?" is a
+    finite number or null, "text?" a string or null, "mapping" / "mapping?" a mapping (or
+    null); "variant?" a {variant, ...} mapping or null, checked like a variant.
+    """
+
+    batch: int
+    kv_len: int
+    # {variant, backend, params} of the fastest candidate that passed the gate, or null
+    winner: dict | None = field(metadata=_kind("variant?"))
+    reason: str | None = field(default=None, metadata=_kind("text?"))  # why winner is null
+    time_us: float | None = field(default=None, metadata=_kind("number?"))  # winner's median
+    spread: float | None = field(default=None, metadata=_kind("number?"))  # (p90-p10)/median
+    wall_us: float | None = field(default=None, metadata=_kind("number?"))  # host wall time
+    runner_up: dict | None = field(default=None, metadata=_kind("variant?"))  # {variant, time_us}
+    # {backend: its best time_us, or a reason such as "all rejected"}
+    backends: dict = field(default_factory=dict, metadata=_kind("mapping"))
+    baseline_us: float | None = field(default=None, metadata=_kind("number?"))  # torch's time
+    floor_us: float | None = field(default=None, metadata=_kind("number?"))  # see FLOOR_NOTE
+    floor_share: float | None = field(default=None, metadata=_kind("number?"))  # floor/time
+    # {tried, ok, rejected, failed, crashed, timeout, pruned} counts; other keys are kept
+    candidates: dict = field(default_factory=dict, metadata=_kind("mapping"))
+    calibration: dict | None = field(default=None, metadata=_kind("mapping?"))  # fp8_static q_amax
+    # {backend: {variant, time_us}}: each backend's pick, for an export limited to some backends
+    alternates: dict = field(default_factory=dict, metadata=_kind("mapping"))
+
+    @property
+    def shape(self) -> Shape:
+        return Shape(self.batch, self.kv_len)
+
+    @property
+    def winner_variant(self) -> Variant | None:
+        return None if self.winner is None else Variant.parse(self.winner["variant"])
+
+    def __getitem__(self, name: str) -> Any:
+        # Callers that read a row as the file's mapping (row["winner"]) keep working.
+        if name not in ROW_FIELDS:
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def as_dict(self) -> dict:
+        """The row as written to the file (`reason` only when there is no winner)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.winner is not None and self.reason is None:
+            del out["reason"]
+        return out
+
+
+ROW_FIELDS = tuple(f.name for f in fields(Row))
+_REQUIRED_FIELDS = ("batch", "kv_len", "winner")
 
 
 # ------------------------------------------------------------------------- picking
@@ -94,7 +143,7 @@ def _backend_summary(records: list[dict], unavailable: str | None) -> str:
 
 
 def _row(shape: Shape, records: list[dict], backends: list[str], unavailable: dict,
-         bandwidth_gbps: float | None) -> dict:
+         bandwidth_gbps: float | None) -> Row:
     ok = [(r, _timing(r, "time")) for r in records if r["status"] == "ok"]
     ok = [(r, t) for r, t in ok if t is not None]
     by_text = {r["variant"]: (r, t) for r, t in ok}
@@ -117,16 +166,14 @@ def _row(shape: Shape, records: list[dict], backends: list[str], unavailable: di
     # What is counted is said in FLOOR_NOTE (and in the file's header comment).
     floor_us = (shape.total_kv * QK_DIM / (bandwidth_gbps * 1e3)) if bandwidth_gbps else None
     baseline = summary.get("torch")
-    row: dict[str, Any] = {"batch": shape.batch, "kv_len": shape.kv_len}
+    common = dict(batch=shape.batch, kv_len=shape.kv_len, backends=summary,
+                  baseline_us=baseline if isinstance(baseline, float) else None,
+                  floor_us=None if floor_us is None else round(floor_us, 3), candidates=counts)
     winner = pick_best(parsed)
     if winner is None:
         reasons = "; ".join(f"{b}: {s}" for b, s in summary.items()) or "no candidates ran"
-        row.update(winner=None, reason=f"no candidate passed the gate and was timed ({reasons})")
-        row.update({k: None for k in ("time_us", "spread", "wall_us", "runner_up")})
-        row.update(backends=summary, baseline_us=baseline if isinstance(baseline, float) else None,
-                   floor_us=None if floor_us is None else round(floor_us, 3), floor_share=None,
-                   candidates=counts, calibration=None, alternates={})
-        return row
+        return Row(winner=None, reason=f"no candidate passed the gate and was timed ({reasons})",
+                   **common)
     time_us, variant = float(winner[0]), winner[1]
     record, timing = by_text[str(variant)]
     p10, p90 = timing.get("p10_us"), timing.get("p90_us")
@@ -137,21 +184,17 @@ def _row(shape: Shape, records: list[dict], backends: list[str], unavailable: di
     if variant.get("q") == "fp8_static":
         calibration = dict(record.get("calibration") or {})
         calibration.setdefault("q_amax", variant.get("q_amax"))
-    row.update(
+    return Row(
         winner={"variant": str(variant), "backend": variant.backend, "params": variant.p},
         time_us=round(time_us, 3),
         spread=round((p90 - p10) / time_us, 4) if _is_number(p10) and _is_number(p90) else None,
         wall_us=round(wall["median_us"], 3) if wall else None,
         runner_up={"variant": str(runner[1]), "time_us": round(float(runner[0]), 3)} if runner else None,
-        backends=summary,
-        baseline_us=baseline if isinstance(baseline, float) else None,
-        floor_us=None if floor_us is None else round(floor_us, 3),
         floor_share=None if floor_us is None else round(floor_us / time_us, 4),
-        candidates=counts,
         calibration=calibration,
         alternates=alternates,
+        **common,
     )
-    return row
 
 
 def table_from_results(header: dict, records: list[dict], config) -> dict:
@@ -198,7 +241,7 @@ def table_from_results(header: dict, records: list[dict], config) -> dict:
     named |= {r["backend"] for by_text in latest.values() for r in by_text.values()}
     backends = sorted(named, key=lambda b: (_backend_rank(b), b))
     bandwidth = header.get("copy_bandwidth_gbps")
-    rows = [_row(s, list(latest[s].values()), backends, unavailable, bandwidth)
+    rows = [_row(s, list(latest[s].values()), backends, unavailable, bandwidth).as_dict()
             for s in sorted(shapes, key=lambda s: (s.batch, s.kv_len))]
     platform = header.get("platform") or {}
     provenance = {
@@ -229,22 +272,18 @@ def _header_comment(table: dict) -> str:
 
 def write_table(path: str | Path, table: dict) -> Path:
     """Write the table as YAML atomically (temp file in the same folder, fsync, rename)."""
-    text = _header_comment(table) + yaml.safe_dump(table, sort_keys=False, width=100)
-    return atomic_write_text(path, text)
+    return atomic_write_text(path, _header_comment(table) + dump_yaml(table))
 
 
 # ------------------------------------------------------------------------------ load
 @dataclass(frozen=True)
 class Table:
-    """A loaded, validated table. `rows` maps each Shape to its row dict as in the file."""
+    """A loaded, validated table. `rows` maps each Shape to its Row."""
 
     gpu: str
     provenance: dict
-    rows: dict[Shape, dict] = field(default_factory=dict)
+    rows: dict[Shape, Row] = field(default_factory=dict)
     path: Path | None = None
-
-    def lookup(self, shape: Shape) -> dict | None:
-        return self.rows.get(shape)
 
     def variants(self, only_backends: Iterable[str] | None = None) -> dict[Shape, Variant]:
         """Each row's winner; with only_backends, each row's best allowed alternate instead
@@ -252,32 +291,38 @@ class Table:
         allowed = None if only_backends is None else set(only_backends)
         out: dict[Shape, Variant] = {}
         for shape, row in self.rows.items():
-            if row["winner"] is None:
+            winner = row.winner_variant
+            if winner is None:
                 continue
-            winner = Variant.parse(row["winner"]["variant"])
             if allowed is None or winner.backend in allowed:
                 out[shape] = winner
                 continue
             pick = pick_best((alt["time_us"], Variant.parse(alt["variant"]))
-                             for b, alt in row["alternates"].items() if b in allowed)
+                             for b, alt in row.alternates.items() if b in allowed)
             if pick:
                 out[shape] = pick[1]
         return out
+
+    def as_dict(self) -> dict:
+        """The table as in the file (schema, gpu, provenance, rows), e.g. for `--json`."""
+        return {"schema": SCHEMA_VERSION, "gpu": self.gpu, "provenance": self.provenance,
+                "rows": [row.as_dict() for _, row in sorted(self.rows.items())]}
 
 
 def _where(path: Path, index: int | None = None, row: Any = None) -> str:
     if index is None:
         return f"table {path}"
     if isinstance(row, dict) and "batch" in row and "kv_len" in row:
-        return f"table {path}, row {index} (batch {row['batch']}, kv_len {row['kv_len']})"
+        return f"table {path}, row {index} (batch {row['batch']!r:.20}, kv_len {row['kv_len']!r:.20})"
     return f"table {path}, row {index}"
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _check_variant(where: str, field_name: str, value: Any, known: list[str]) -> Variant:
+def _check_variant(where: str, field_name: str, value: Any, known: list[str],
+                   check_params: bool) -> Variant:
     if not isinstance(value, dict) or not isinstance(value.get("variant"), str):
         raise TableError(f"{where}: {field_name} must be a mapping with a `variant` text")
     try:
@@ -290,6 +335,8 @@ def _check_variant(where: str, field_name: str, value: Any, known: list[str]) ->
     if variant.get("kv") not in KV_FORMATS or variant.get("q") not in Q_MODES:
         raise TableError(f"{where}: {field_name}.variant {variant} must carry kv (one of "
                          f"{', '.join(KV_FORMATS)}) and q (one of {', '.join(Q_MODES)})")
+    if not check_params:
+        return variant
     # The backend's own parameter rules (names and values, no device, no vendor import).
     # A backend module that cannot be imported here (its torch or triton missing), or a
     # plugin backend without validate(), leaves its variants to be checked at build time.
@@ -305,77 +352,88 @@ def _check_variant(where: str, field_name: str, value: Any, known: list[str]) ->
     return variant
 
 
-def _check_row(path: Path, index: int, row: Any, known: list[str]) -> Shape:
+def _check_kinds(where: str, row: dict) -> None:
+    """The generic type check, from each Row field's `kind`."""
+    for f in fields(Row):
+        kind = f.metadata.get("kind")
+        value = row.get(f.name)
+        if kind is None or f.name not in row or (value is None and kind.endswith("?")):
+            continue
+        if kind.startswith("number") and not _is_number(value):
+            raise TableError(f"{where}: {f.name} must be a finite number or null, got {value!r:.60}")
+        if kind.startswith("text") and not isinstance(value, str):
+            raise TableError(f"{where}: {f.name} must be text or null, got {value!r:.60}")
+        if kind.startswith("mapping") and not isinstance(value, dict):
+            raise TableError(f"{where}: {f.name} must be a mapping, got {value!r:.60}")
+
+
+def _check_row(path: Path, index: int, row: Any, known: list[str], check_params: bool) -> Row:
     where = _where(path, index, row)
     if not isinstance(row, dict):
         raise TableError(f"{where}: a row must be a mapping, got {type(row).__name__}")
-    missing = [f for f in _ROW_FIELDS if f not in row]
+    missing = [f for f in _REQUIRED_FIELDS if f not in row]
     if missing:
         raise TableError(f"{where}: missing field(s) {', '.join(missing)}; regenerate the table")
+    unknown = [str(k) for k in row if k not in ROW_FIELDS]
+    if unknown:
+        raise TableError(f"{where}: unknown field(s) {', '.join(unknown)}; known: "
+                         f"{', '.join(ROW_FIELDS)} (a table from a newer mla-tune? upgrade)")
     try:
-        shape = Shape(row["batch"], row["kv_len"])
+        Shape(row["batch"], row["kv_len"])
     except ValueError as exc:
         raise TableError(f"{where}: {exc}") from exc
+    _check_kinds(where, row)
     winner = row["winner"]
     if winner is None:
         if not isinstance(row.get("reason"), str):
             raise TableError(f"{where}: winner is null, so field `reason` must say why")
     else:
-        variant = _check_variant(where, "winner", winner, known)
+        variant = _check_variant(where, "winner", winner, known, check_params)
         if winner.get("backend") != variant.backend:
             raise TableError(f"{where}: winner.backend {winner.get('backend')!r} disagrees with "
                              f"winner.variant {variant}")
         params = winner.get("params")
         if not isinstance(params, dict) or params != variant.p:
-            raise TableError(f"{where}: winner.params {params!r} disagrees with winner.variant "
+            raise TableError(f"{where}: winner.params {params!r:.200} disagrees with winner.variant "
                              f"{variant}; fix one so both say the same")
-        if not _is_number(row["time_us"]) or row["time_us"] <= 0:
-            raise TableError(f"{where}: time_us must be a positive number, got {row['time_us']!r}")
-    for name in ("spread", "wall_us", "baseline_us", "floor_us", "floor_share"):
-        if row[name] is not None and not _is_number(row[name]):
-            raise TableError(f"{where}: {name} must be a number or null, got {row[name]!r}")
-    if row["runner_up"] is not None:
-        _check_variant(where, "runner_up", row["runner_up"], known)
-    if not isinstance(row["backends"], dict):
-        raise TableError(f"{where}: backends must be a mapping of backend name to time or reason")
-    for name, value in row["backends"].items():
+        if not _is_number(row.get("time_us")) or row["time_us"] <= 0:
+            raise TableError(f"{where}: time_us must be a positive number, got {row.get('time_us')!r}")
+    if row.get("runner_up") is not None:
+        _check_variant(where, "runner_up", row["runner_up"], known, check_params)
+    for name, value in row.get("backends", {}).items():
         if name not in known:
             raise TableError(f"{where}: backends names unknown backend {name!r}; "
                              f"known backends: {', '.join(known)}")
         if not (_is_number(value) or isinstance(value, str)):
-            raise TableError(f"{where}: backends.{name} must be a time or a reason, got {value!r}")
-    counts = row["candidates"]
-    if not isinstance(counts, dict) or not all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in counts.values()):
-        raise TableError(f"{where}: candidates must map tried/ok/rejected/... to counts")
-    if not isinstance(row["alternates"], dict):
-        raise TableError(f"{where}: alternates must be a mapping of backend to {{variant, time_us}}")
-    for name, alt in row["alternates"].items():
-        variant = _check_variant(where, f"alternates.{name}", alt, known)
+            raise TableError(f"{where}: backends.{name} must be a time or a reason, got {value!r:.60}")
+    counts = row.get("candidates", {})
+    for name in ("tried", *STATUSES):  # other keys (added by later sweeps) are kept unchecked
+        value = counts.get(name, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise TableError(f"{where}: candidates.{name} must be a count, got {value!r:.60}")
+    for name, alt in row.get("alternates", {}).items():
+        variant = _check_variant(where, f"alternates.{name}", alt, known, check_params)
         if variant.backend != name:
             raise TableError(f"{where}: alternates.{name} holds a {variant.backend} variant")
         if not _is_number(alt.get("time_us")):
             raise TableError(f"{where}: alternates.{name}.time_us must be a number")
-    return shape
+    return Row(**row)
 
 
-def load_table(path: str | Path) -> Table:
-    """Read and validate a table file; every error names the file, row and field."""
+def load_table(path: str | Path, check_params: bool = True) -> Table:
+    """Read and validate a table file; every error names the file, row and field.
+
+    With check_params=False each variant is checked for syntax, backend name, kv and q only,
+    not against its backend's own rules: that needs the backend modules, which import torch
+    (`mla-tune show` reads tables this way; the runtime and the export check everything).
+    """
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError as exc:
-        raise TableError(f"table {path} does not exist; run `mla-tune sweep --gpu NAME` to make "
-                         "one, or pass the path of an existing table") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise TableError(f"table {path} is not valid YAML: {exc}") from exc
+    data = read_yaml(path, "table", TableError)
     where = _where(path)
     if not isinstance(data, dict):
         raise TableError(f"{where}: the top level must be a mapping with schema, gpu, provenance, rows")
     if data.get("schema") != SCHEMA_VERSION:
-        raise TableError(f"{where}: schema is {data.get('schema')!r}, this mla-tune reads schema "
+        raise TableError(f"{where}: schema is {data.get('schema')!r:.40}, this mla-tune reads schema "
                          f"{SCHEMA_VERSION}; regenerate it with `mla-tune sweep`")
     if not isinstance(data.get("gpu"), str) or not data["gpu"]:
         raise TableError(f"{where}: field `gpu` must name the GPU (e.g. H200)")
@@ -385,14 +443,14 @@ def load_table(path: str | Path) -> Table:
     for name, kind in _PROVENANCE_FIELDS.items():
         if name not in provenance or not isinstance(provenance[name], kind):
             raise TableError(f"{where}: provenance.{name} is missing or of the wrong type "
-                             f"(got {provenance.get(name)!r})")
+                             f"(got {provenance.get(name)!r:.60})")
     if not isinstance(data.get("rows"), list):
         raise TableError(f"{where}: field `rows` must be a list")
     known = known_backends()
-    rows: dict[Shape, dict] = {}
-    for index, row in enumerate(data["rows"], start=1):
-        shape = _check_row(path, index, row, known)
-        if shape in rows:
-            raise TableError(f"{_where(path, index, row)}: a second row for this shape; keep one")
-        rows[shape] = row
+    rows: dict[Shape, Row] = {}
+    for index, raw in enumerate(data["rows"], start=1):
+        row = _check_row(path, index, raw, known, check_params)
+        if row.shape in rows:
+            raise TableError(f"{_where(path, index, raw)}: a second row for this shape; keep one")
+        rows[row.shape] = row
     return Table(gpu=data["gpu"], provenance=provenance, rows=rows, path=path)

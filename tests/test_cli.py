@@ -1,51 +1,142 @@
-"""The `mla-tune` command line: help, show, export, sweep's option passing, clean errors."""
+"""The `mla-tune` command line: help, show, export, diff, sweep's option passing, clean errors."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 import mla_tune.sweep
+from mla_tune import __version__
 from mla_tune.cli import app
 
+REPO = Path(__file__).parents[1]
 DATA = Path(__file__).parent / "data"
 TABLE = DATA / "table_cpu.yaml"
-CONFIG = Path(__file__).parents[1] / "configs" / "leaderboard.yaml"
-WIDE = {"COLUMNS": "250", "NO_COLOR": "1", "TERM": "dumb"}
+H200 = REPO / "tables" / "H200.yaml"
+CONFIG = REPO / "configs" / "leaderboard.yaml"
+NARROW = {"COLUMNS": "80", "NO_COLOR": "1", "TERM": "dumb"}
 
 
-def _invoke(*args: str):
-    return CliRunner().invoke(app, [str(a) for a in args], env=WIDE)
+def _invoke(*args: str, env=None):
+    return CliRunner().invoke(app, [str(a) for a in args], env=env or NARROW)
 
 
 @pytest.mark.parametrize(
     ("command", "says"),
     [("sweep", "Sweep every candidate kernel per shape"),
      ("export", "Write a table as one self-contained leaderboard submission file"),
-     ("show", "Show a dispatch table")],
+     ("show", "Show a dispatch table"),
+     ("diff", "Compare two tables shape by shape"),
+     ("report", "Write a Markdown report of a table")],
 )
-def test_every_command_has_help(command, says):
-    result = _invoke(command, "--help")
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_every_command_has_help_with_h_too(command, says, flag):
+    result = _invoke(command, flag)
     assert result.exit_code == 0, result.output
-    assert says in result.output
+    assert says in " ".join(result.output.split())
 
 
-def test_no_arguments_prints_the_command_list():
+def test_no_arguments_prints_the_command_list_and_version_prints_the_version():
     result = _invoke()
-    assert "sweep" in result.output and "export" in result.output and "show" in result.output
+    for command in ("sweep", "export", "show", "diff", "report"):
+        assert command in result.output
+    result = _invoke("--version")
+    assert result.exit_code == 0 and result.output.strip() == f"mla-tune {__version__}"
 
 
-def test_show_prints_rows_and_provenance():
+def test_boolean_flags_have_no_negative_twins_and_every_option_a_sentence_of_help():
+    import typer.main
+
+    group = typer.main.get_command(app)
+    for name, command in group.commands.items():
+        for param in command.params:
+            if param.param_type_name != "option" or param.name == "help":
+                continue
+            assert not param.secondary_opts, f"{name} {param.opts} has {param.secondary_opts}"
+            text = param.help or ""
+            assert text[:1].isupper() and text.rstrip().endswith("."), f"{name} {param.opts}: {text!r}"
+    assert _invoke("sweep", "--no-dry-run", "--gpu", "H200").exit_code == 2
+
+
+def test_show_fits_80_columns_in_40_lines_with_every_winner_greppable():
+    result = _invoke("show", "--table", H200)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert len(lines) <= 40 and max(map(len, lines)) <= 80, result.output
+    assert "…" not in result.output and "\x1b[" not in result.output  # no rich ellipsis, no ANSI
+    from mla_tune.table import load_table
+
+    table = load_table(H200, check_params=False)
+    for shape, row in table.rows.items():
+        mine = [line for line in lines if line.split()[:2] == [str(shape), "winner"]]
+        # the variant's full text, rebuilt from its lines, each k=v whole on one line
+        text = "".join(line.split(maxsplit=2)[2].strip() for line in mine)
+        assert text == row.winner["variant"]
+    # grep for one parameter finds the line, and the line names the shape
+    hits = [line for line in lines if "num_splits=16" in line]
+    assert hits and hits[0].split()[:2] == ["4x1024", "winner"]
+    assert "2.00x" in result.output and "69/85/0" in result.output  # speedup, ok/pruned/bad
+
+
+def test_show_on_a_wide_terminal_puts_each_variant_on_one_line():
+    result = _invoke("show", "--table", H200, env={**NARROW, "COLUMNS": "200"})
+    from mla_tune.table import load_table
+
+    for row in load_table(H200, check_params=False).rows.values():
+        assert any(line.endswith(row.winner["variant"]) for line in result.output.splitlines())
+
+
+def test_show_prints_rows_notes_and_provenance():
     result = _invoke("show", "--table", TABLE)
     assert result.exit_code == 0, result.output
     out = result.output
-    assert "torch(kv=bf16,q=bf16)" in out and "1x8" in out and "2x40" in out
+    assert "  1x8   winner torch(kv=bf16,q=bf16)" in out and "2x40" in out
     assert "1.38x" in out  # baseline 11.0 / triton 8.0
-    assert "3x16: no winner" in out and "triton: all rejected" in out
-    assert "provenance" in out and "rule: leaderboard rtol=0.1 atol=0.1" in out
+    assert "3x16  winner none: no candidate passed the gate" in out and "triton: all" in out
+    assert "provenance:" in out and "rule: leaderboard rtol=0.1 atol=0.1" in out
     assert "config: configs/test.yaml (hash 0123abcd)" in out
+
+
+def test_show_json_is_the_table_for_scripts():
+    result = _invoke("show", "--table", TABLE, "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["gpu"] == "cpu" and data["path"] == str(TABLE)
+    assert [(r["batch"], r["kv_len"]) for r in data["rows"]] == [(1, 8), (2, 40), (3, 16)]
+    assert data["rows"][1]["winner"]["variant"].startswith("triton(block_n=16")
+
+
+def test_show_and_diff_never_import_torch():
+    code = textwrap.dedent(f"""
+        import sys
+        from typer.testing import CliRunner
+        from mla_tune import cli
+        for args in (["show", "--table", {str(H200)!r}], ["show", "--table", {str(TABLE)!r}, "--json"],
+                     ["diff", {str(TABLE)!r}, {str(H200)!r}]):
+            result = CliRunner().invoke(cli.app, args)
+            assert result.exit_code == 0, result.output
+        assert "torch" not in sys.modules, "show imported torch"
+        assert "triton" not in sys.modules, "show imported triton"
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=REPO)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("bad", ["", "../../x", "H200/..", "a b", "-x"])
+def test_a_gpu_name_that_is_not_a_name_is_refused_in_one_line(bad):
+    for command in (["show"], ["export", "-o", "x.py"], ["sweep", "--dry-run"], ["report"]):
+        result = _invoke(*command, f"--gpu={bad}")
+        assert result.exit_code == 2, result.output
+        assert result.output.strip().splitlines() == [
+            f"error: --gpu {bad!r} is not a GPU name; use letters, digits, '-' and '_' only, "
+            "like H200 or MI355X"]
 
 
 def test_export_writes_the_submission(tmp_path):
@@ -55,6 +146,41 @@ def test_export_writes_the_submission(tmp_path):
     assert "backends limited to torch" in result.output
     assert out.read_text().splitlines()[:2] == ["#!POPCORN leaderboard amd-mixed-mla",
                                                 "#!POPCORN gpu cpu"]
+    # a second export over its own earlier file is fine
+    assert _invoke("export", "--table", TABLE, "-o", out, "--only", "torch").exit_code == 0
+
+
+def test_export_never_overwrites_its_table_results_or_a_config(tmp_path):
+    table = tmp_path / "cpu.yaml"
+    table.write_text(TABLE.read_text())
+    results = tmp_path / "cpu.results.jsonl"
+    results.write_text('{"kind": "header"}\n')
+    config = tmp_path / "test.yaml"
+    config.write_text("name: x\n")
+    for target in (table, results, config):
+        before = target.read_text()
+        result = _invoke("export", "--table", table, "-o", target, "--only", "torch")
+        assert result.exit_code == 1, result.output
+        assert result.output.strip().splitlines() == [
+            f"error: -o {target} exists and is not a submission mla-tune wrote (it does not start "
+            "with #!POPCORN); export overwrites only its own files, so choose another output path"]
+        assert target.read_text() == before
+
+
+def test_export_and_show_problems_with_paths_are_one_line(tmp_path):
+    loop = tmp_path / "loop.yaml"
+    loop.symlink_to(loop)
+    cases = [
+        (("show", "--table", tmp_path), f"table {tmp_path} is a directory"),
+        (("show", "--table", loop), f"cannot read table {loop}: Too many levels of symbolic links"),
+        (("export", "--table", TABLE, "-o", tmp_path, "--only", "torch"),
+         f"-o {tmp_path} is a directory; name the submission file"),
+    ]
+    for args, says in cases:
+        result = _invoke(*args)
+        assert result.exit_code == 1, result.output
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
 
 
 def test_domain_errors_exit_1_with_a_message_naming_the_file(tmp_path):
@@ -70,9 +196,29 @@ def test_domain_errors_exit_1_with_a_message_naming_the_file(tmp_path):
     assert result.exit_code == 1 and "is for cpu, not H200" in result.output
 
 
+def test_an_internal_error_shows_its_traceback_not_a_one_line_error():
+    # A ValueError that is not an MlaTuneError is a bug: the CLI must not dress it up.
+    code = textwrap.dedent(f"""
+        import mla_tune.table
+        def broken(*args, **kwargs):
+            raise ValueError("an internal bug")
+        mla_tune.table.load_table = broken
+        from mla_tune.cli import app
+        app(["show", "--table", {str(TABLE)!r}])
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=REPO, env={**NARROW, "PATH": "/usr/bin:/bin",
+                                         "_TYPER_STANDARD_TRACEBACK": "1"})
+    assert done.returncode == 1
+    assert "Traceback (most recent call last)" in done.stderr
+    assert "ValueError: an internal bug" in done.stderr
+    assert "error: an internal bug" not in done.stderr
+
+
 def test_export_and_show_need_a_gpu_or_a_table():
     result = _invoke("show")
-    assert result.exit_code == 2 and "--gpu NAME or a table file with --table PATH" in result.output
+    assert result.exit_code == 2
+    assert "--gpu NAME or a table file with --table PATH" in result.output
 
 
 def test_sweep_passes_its_options_through(monkeypatch, tmp_path):
@@ -98,3 +244,92 @@ def test_sweep_with_a_missing_config_exits_1_naming_it(tmp_path):
     result = _invoke("sweep", "--gpu", "H200", "--config", tmp_path / "none.yaml", "--dry-run")
     assert result.exit_code == 1, result.output
     assert "none.yaml" in result.output and "Traceback" not in result.output
+
+
+def test_diff_flags_winner_changes_and_times_outside_the_noise(tmp_path):
+    import yaml
+
+    data = yaml.safe_load(TABLE.read_text())
+    data["rows"][0]["time_us"] = 12.0  # 1x8: +20%, outside its 2% spread: flagged
+    data["rows"][1]["time_us"] = 8.1  # 2x40: +1.25%, inside its 3% spread
+    data["rows"][1]["winner"] = {"variant": "torch(kv=bf16,q=bf16)", "backend": "torch",
+                                 "params": {"kv": "bf16", "q": "bf16"}}
+    new = tmp_path / "new.yaml"
+    new.write_text(yaml.safe_dump(data, sort_keys=False))
+    result = _invoke("diff", TABLE, new)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert max(map(len, lines)) <= 80
+    row = {line.split()[0]: line for line in lines if line[:1].isdigit()}
+    assert "+20.0%" in row["1x8"] and "SLOWER" in row["1x8"] and "same winner" in row["1x8"]
+    assert "+1.2%" in row["2x40"] and "within noise" in row["2x40"] and "winner changed" in row["2x40"]
+    assert any(line.split()[:3] == ["2x40", "new", "torch(kv=bf16,q=bf16)"] for line in lines)
+    data = json.loads(_invoke("diff", TABLE, new, "--json").output)
+    by_shape = {c["shape"]: c for c in data["shapes"]}
+    assert by_shape["1x8"]["flagged"] is True and by_shape["1x8"]["noise"] == 0.02
+    assert by_shape["2x40"]["flagged"] is False and by_shape["2x40"]["status"] == "winner changed"
+    assert by_shape["3x16"]["change"] is None
+
+
+def test_report_without_matplotlib_says_how_to_install_it(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # an import of it now fails
+    result = _invoke("report", "--table", TABLE, "--out", tmp_path / "r")
+    assert result.exit_code == 1
+    assert result.output.strip() == ('error: mla-tune report needs matplotlib for its plots; '
+                                     'install it with pip install -e ".[report]"')
+    assert not (tmp_path / "r").exists()
+
+
+def test_mla_tune_show_piped_fits_80_columns_without_a_terminal():
+    # `mla-tune show --gpu H200 | cat`: no terminal and no COLUMNS, so 80 columns
+    env = {"PATH": "/usr/bin:/bin", "NO_COLOR": "1"}
+    done = subprocess.run([sys.executable, "-m", "mla_tune", "show", "--gpu", "H200"],
+                          capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) <= 40 and max(map(len, lines)) <= 80
+    assert any(line.split()[:2] == ["4x1024", "winner"] and "num_splits=16" in line for line in lines)
+
+
+def test_show_clips_a_huge_text_field_instead_of_printing_it(tmp_path):
+    import time
+
+    text = TABLE.read_text()
+    reason = next(line for line in text.splitlines() if line.startswith("  reason: "))
+    big = tmp_path / "big.yaml"
+    big.write_text(text.replace(reason, "  reason: '" + "why " * 3_000_000 + "'"))  # 12 MB
+    started = time.monotonic()
+    result = _invoke("show", "--table", big)
+    assert time.monotonic() - started < 10
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert len(lines) <= 40 and max(map(len, lines)) <= 80
+
+
+def test_a_missing_table_for_a_gpu_lists_the_tables_and_suggests_the_case(monkeypatch):
+    monkeypatch.chdir(REPO)
+    result = _invoke("show", "--gpu", "h200")
+    assert result.exit_code == 1
+    assert result.output.strip() == ("error: no table tables/h200.yaml for --gpu h200 (did you mean "
+                                     "--gpu H200?); make one with `mla-tune sweep --gpu h200`")
+    result = _invoke("export", "--gpu", "H100", "-o", "never.py")
+    assert result.exit_code == 1 and "(tables here: H200" in result.output
+    assert not (REPO / "never.py").exists()
+
+
+def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(monkeypatch, tmp_path):
+    import errno
+    import os
+
+    from mla_tune import fileio
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(fileio.os, "fsync", no_space)
+    result = _invoke("export", "--table", TABLE, "-o", tmp_path / "sub.py", "--only", "torch")
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        f"error: cannot write {tmp_path / 'sub.py'}: No space left on device; free some space or "
+        "write elsewhere"]
+    assert list(tmp_path.iterdir()) == []

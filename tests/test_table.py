@@ -150,8 +150,9 @@ def test_written_table_round_trips_and_is_written_atomically(tmp_path):
     loaded = load_table(path)
     assert loaded.gpu == "H200" and loaded.path == path
     assert list(loaded.rows) == [Shape(4, 1024), Shape(8, 64)]
-    assert loaded.lookup(Shape(4, 1024))["time_us"] == 20.0
-    assert loaded.lookup(Shape(5, 5)) is None
+    assert loaded.rows[Shape(4, 1024)].time_us == 20.0
+    assert loaded.rows[Shape(4, 1024)]["time_us"] == 20.0  # a row reads as the file's mapping too
+    assert Shape(5, 5) not in loaded.rows
     assert loaded.variants() == {Shape(4, 1024): Variant.parse(TRITON_A), Shape(8, 64): Variant.parse(TORCH)}
     assert loaded.variants(only_backends=["torch"]) == {Shape(4, 1024): Variant.parse(TORCH),
                                                         Shape(8, 64): Variant.parse(TORCH)}
@@ -161,15 +162,20 @@ def test_written_table_round_trips_and_is_written_atomically(tmp_path):
 def test_the_hand_written_test_table_loads():
     table = load_table(DATA / "table_cpu.yaml")
     assert table.gpu == "cpu" and len(table.rows) == 3
-    assert table.lookup(Shape(3, 16))["winner"] is None
+    assert table.rows[Shape(3, 16)]["winner"] is None
     assert set(table.variants()) == {Shape(1, 8), Shape(2, 40)}
+
+
+class _FullDumper(yaml.SafeDumper):
+    def ignore_aliases(self, data):  # tables never hold YAML aliases; the loader refuses them
+        return True
 
 
 def _broken(tmp_path, edit) -> Path:
     data = yaml.safe_load((DATA / "table_cpu.yaml").read_text())
     edit(data)
     path = tmp_path / "broken.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    path.write_text(yaml.dump(data, Dumper=_FullDumper, sort_keys=False))
     return path
 
 
@@ -187,7 +193,10 @@ def _broken(tmp_path, edit) -> Path:
          r"row 1 \(batch 1, kv_len 8\): winner\.variant: variant text"),
         (lambda d: d["rows"][0]["winner"].update(variant="torch(q=bf16)", params={"q": "bf16"}),
          r"row 1 \(batch 1, kv_len 8\): winner\.variant torch\(q=bf16\) must carry kv"),
-        (lambda d: d["rows"][0].pop("baseline_us"), r"row 1 \(batch 1, kv_len 8\): missing field\(s\) baseline_us"),
+        (lambda d: d["rows"][0].pop("winner"), r"row 1 \(batch 1, kv_len 8\): missing field\(s\) winner"),
+        (lambda d: d["rows"][0].update(time_uss=1.0), r"row 1 \(batch 1, kv_len 8\): unknown field\(s\) time_uss"),
+        (lambda d: d["rows"][0].update(spread=float("nan")), r"row 1 \(batch 1, kv_len 8\): spread must be a finite"),
+        (lambda d: d["rows"][0]["candidates"].update(ok=-1), r"candidates\.ok must be a count"),
         (lambda d: d["rows"][0].update(time_us="fast"), r"row 1 \(batch 1, kv_len 8\): time_us must be"),
         (lambda d: d["rows"][2].pop("reason"), r"row 3 \(batch 3, kv_len 16\): winner is null, so field `reason`"),
         (lambda d: d["rows"][0].update(batch=0), r"row 1 \(batch 0, kv_len 8\): Shape\.batch"),
@@ -352,3 +361,72 @@ def test_validate_names_the_parameter_the_value_and_what_is_allowed(text, messag
     variant = Variant.parse(text)
     with pytest.raises(ValueError, match=rf"^{variant.backend}: .*{message}"):
         get_backend(variant.backend).validate(variant)
+
+
+# ------------------------------------------------------------- old tables, odd files, attacks
+def test_an_old_table_without_the_later_fields_loads_with_their_defaults(tmp_path):
+    def drop_later_fields(data):
+        for row in data["rows"]:
+            for name in ("wall_us", "floor_us", "floor_share", "calibration", "alternates",
+                         "spread", "baseline_us"):
+                row.pop(name, None)
+            row["candidates"]["rungs"] = [12, 4]  # a key a later sweep adds: kept, not checked
+
+    table = load_table(_broken(tmp_path, drop_later_fields))
+    row = table.rows[Shape(2, 40)]
+    assert row.alternates == {} and row.floor_share is None and row.calibration is None
+    assert row.candidates["rungs"] == [12, 4]
+    # no alternates: only a torch winner is allowed, the fallback serves the rest
+    assert table.variants(only_backends=["torch"]) == {Shape(1, 8): Variant.parse(TORCH)}
+
+
+@pytest.mark.parametrize("libyaml", [True, False], ids=["libyaml", "pure-python-yaml"])
+def test_a_yaml_alias_bomb_fails_fast_in_one_line(tmp_path, monkeypatch, libyaml):
+    import time
+
+    if not libyaml:  # the loader without libyaml's C parser refuses aliases too
+        monkeypatch.delattr(yaml, "CSafeLoader", raising=False)
+
+    lines = ['a0: &a0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    lines += [f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 10)]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(lines) + "\nschema: 1\n")
+    assert bomb.stat().st_size < 3000
+    started = time.monotonic()
+    with pytest.raises(TableError, match=r"bomb\.yaml is not valid YAML: line 2: a YAML alias "
+                                         r"\(\*a0\); mla-tune never writes aliases") as info:
+        load_table(bomb)
+    assert time.monotonic() - started < 1.0 and "\n" not in str(info.value)
+
+
+def test_files_that_are_not_a_table_are_refused_in_one_line(tmp_path):
+    import os
+
+    huge = tmp_path / "huge.yaml"
+    with open(huge, "wb") as handle:  # sparse: 17 MB that take no disk
+        handle.truncate(17 * 1024 * 1024)
+    loop = tmp_path / "loop.yaml"
+    loop.symlink_to(loop)
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00schema")
+    for path, message in ((huge, r"is over 16 MB, far larger than any table"),
+                          (tmp_path, r"is a directory; pass the path of a \.yaml file"),
+                          (loop, r"cannot read table .*: Too many levels of symbolic links"),
+                          (fifo, r"is not a regular file"),
+                          (binary, r"is not UTF-8 text")):
+        with pytest.raises(TableError, match=message) as info:
+            load_table(path)
+        assert "\n" not in str(info.value)
+
+
+def test_write_table_writes_no_aliases_even_for_shared_values(tmp_path):
+    records = [_record(TRITON_A, median=20.0), _record(TORCH, median=40.0)]
+    table = table_from_results(_header(), records, _config())
+    shared = {"note": "the same object twice"}
+    table["rows"][0]["calibration"] = shared
+    table["rows"][1]["calibration"] = shared
+    path = write_table(tmp_path / "t.yaml", table)
+    assert "&id" not in path.read_text() and "*id" not in path.read_text()
+    assert load_table(path).rows[Shape(8, 64)].calibration == shared
