@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from mla_tune import gpu, problem, runtime
 from mla_tune.backends import aiter_mla
+from mla_tune.config import expand_space, load_config
 from mla_tune.core import SM_SCALE, Shape, Variant
 from tests.helpers import expected_output
 
@@ -368,23 +368,54 @@ def test_a_runner_refuses_another_shape(aiter, data):
         runner(*data[:4])
 
 
-def test_candidates_come_only_on_a_hip_platform():
-    space = yaml.safe_load((ROOT / "configs" / "mi355x.yaml").read_text())["backends"]["aiter"]
+def _mi355x_candidates(shape, platform):
+    space = load_config(ROOT / "configs" / "mi355x.yaml").backends["aiter"]
+    return list(dict.fromkeys(v for grid in expand_space(space)
+                              for v in aiter_mla.candidates(shape, grid, platform)))
+
+
+def test_candidates_come_only_on_a_hip_platform(aiter):
     shape = Shape(4, 1024)
-    assert aiter_mla.candidates(shape, space, gpu.fake_platform("H200")) == []
-    variants = aiter_mla.candidates(shape, space, gpu.fake_platform("MI355X"))
+    assert _mi355x_candidates(shape, gpu.fake_platform("H200")) == []
+    variants = _mi355x_candidates(shape, gpu.fake_platform("MI355X"))
     assert len(variants) == len(set(variants)) > 20
     for v in variants:
         assert v.get("kv") in ("bf16", "fp8") and v.get("q") in ("bf16", "fp8_dynamic", "fp8_static")
         assert not (v.get("q") != "bf16" and v.get("kv") == "bf16")
-        assert v.get("mode") == "persistent" or (v.get("q") == "bf16") == (v.get("kv") == "bf16")
         if v.get("mode") == "nonpersistent":
+            assert (v.get("q") == "bf16") == (v.get("kv") == "bf16")
             assert v.get("num_kv_splits") <= (8 if v.get("q") != "bf16" else 16)
         aiter_mla._ai_validate(v.with_params(q_amax=4.0) if v.get("q") == "fp8_static" else v, shape)
     modes = {v.get("mode") for v in variants}
-    assert modes == {"nonpersistent", "persistent"}
-    mi300 = aiter_mla.candidates(shape, space, gpu.fake_platform("MI300X"))
+    # Gluon and OPUS only where the installed AITER has them (0.1.20.post1's fake does)
+    assert modes == ({"nonpersistent", "persistent", "gluon"} if _new(aiter) else {"nonpersistent", "persistent"})
+    opus = [v for v in variants if v.get("opus")]
+    assert bool(opus) == _new(aiter) and all(v.get("q") != "bf16" and v.get("kv") == "fp8" for v in opus)
+    mi300 = _mi355x_candidates(shape, gpu.fake_platform("MI300X"))
     assert all(v.get("max_split_per_batch") >= 16 for v in mi300 if v.get("intra_batch"))
+    assert not any(v.get("mode") == "gluon" or v.get("opus") for v in mi300)  # gfx950 only
+
+
+@pytest.mark.parametrize("shape", [Shape(4, 8192), Shape(32, 1024), Shape(64, 8192), Shape(256, 1024)],
+                         ids=str)
+def test_persistent_caps_are_offered_once_per_distinct_metadata(aiter, shape):
+    """Two candidates whose work lists would be identical are never both offered, and the
+    caps that change the work at this shape are all there."""
+    variants = [v for v in _mi355x_candidates(shape, gpu.fake_platform("MI355X")) if v.get("mode") == "persistent"]
+    cu = 256
+    keys = {}
+    for v in variants:
+        cap, batch = v.get("max_split_per_batch"), shape.batch
+        work = (("fast", "auto" if cap == -1 else min(cu, cap * batch)) if v.get("fast_mode")
+                else ("intra", min(shape.kv_len // 196, -(-cu // batch), cap)))
+        key = (v.get("kv"), v.get("q"), v.get("opus", False), v.get("kv_granularity"), work)
+        assert key not in keys, f"{v} duplicates {keys[key]}"
+        keys[key] = v
+    intra = {k[-1][1] for k in keys if k[-1][0] == "intra" and k[:3] == ("fp8", "fp8_static", False)}
+    fast = {k[-1][1] for k in keys if k[-1][0] == "fast" and k[:3] == ("fp8", "fp8_static", False)}
+    expected_intra = {min(shape.kv_len // 196, -(-cu // shape.batch), c) for c in (1, 2, 4, 16)}
+    expected_fast = {"auto"} | {min(cu, c * shape.batch) for c in (1, 2, 4, 16)}
+    assert intra == expected_intra and fast == expected_fast
 
 
 def test_unavailable_reason_is_one_sentence_when_aiter_is_absent(monkeypatch):
@@ -393,10 +424,90 @@ def test_unavailable_reason_is_one_sentence_when_aiter_is_absent(monkeypatch):
     assert reason.startswith("AITER cannot be imported") and reason.endswith(".")
 
 
-def test_a_worker_subprocess_sees_the_fake_through_subprocess_env():
+@pytest.mark.parametrize("release", RELEASES)
+def test_a_worker_subprocess_sees_the_fake_through_subprocess_env(release):
     env = vendor_fakes.subprocess_env("aiter", cu_num=304, arch="gfx942")
+    env["MLA_TUNE_FAKE_AITER_VERSION"] = release
     code = ("import aiter; from mla_tune.backends import aiter_mla; "
             "print(aiter.__version__, aiter._state.cu_num, aiter._state.arch, aiter_mla.unavailable_reason())")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["0.1.11", "304", "gfx942", "None"]
+    assert done.stdout.split() == [release, "304", "gfx942", "None"]
+
+
+# ------------------------------------------------------- what the fake enforces
+def test_fake_refuses_non_persistent_splits_past_what_stage_2_reads(aiter, data):
+    fp8_q, q_scale = problem.quantize_fp8(data[0])
+    kv8, kv_scale = data[1]["fp8"]
+    args = _direct_call_args(data, q=fp8_q, kv=kv8)
+    batch = SHAPE.batch
+
+    def splits(n):
+        return dict(num_kv_splits=n, num_kv_splits_indptr=torch.arange(batch + 1, dtype=torch.int32) * n)
+
+    with pytest.raises(RuntimeError, match=r"num_kv_splits=3 is past what stage 2 reads at kv_len 256 \(1..2\)"):
+        aiter.mla.mla_decode_fwd(*args, sm_scale=SM_SCALE, q_scale=q_scale, kv_scale=kv_scale, **splits(3))
+    aiter.mla.mla_decode_fwd(*args, sm_scale=SM_SCALE, q_scale=q_scale, kv_scale=kv_scale, **splits(2))
+    with pytest.raises(RuntimeError, match=r"\(1..4\)"):  # bf16 q: 64 tokens per split
+        aiter.mla.mla_decode_fwd(*_direct_call_args(data), sm_scale=SM_SCALE, **splits(5))
+
+
+def test_fake_refuses_strided_o_and_kv_buffers(aiter, data):
+    args = _direct_call_args(data)
+    batch, total = SHAPE.batch, SHAPE.total_kv
+    args[2] = torch.empty((batch, 512, 16), dtype=torch.bfloat16).transpose(1, 2)
+    with pytest.raises(RuntimeError, match="o must be dense"):
+        aiter.mla.mla_decode_fwd(*args, sm_scale=SM_SCALE)
+    args = _direct_call_args(data)
+    wide = torch.zeros((total, 1, 1, 1152), dtype=torch.bfloat16)
+    wide[..., :576] = data[1]["bf16"].view(total, 1, 1, 576)
+    args[1] = wide[..., :576]  # same values, rows 1152 apart
+    with pytest.raises(RuntimeError, match="kv_buffer's inner dims must be dense"):
+        aiter.mla.mla_decode_fwd(*args, sm_scale=SM_SCALE)
+
+
+def test_fake_fp8_follows_the_arch(monkeypatch):
+    monkeypatch.setenv("MLA_TUNE_FAKE_AITER_VERSION", "0.1.20.post1")
+    fake = vendor_fakes.install(monkeypatch, "aiter", arch="gfx942", cu_num=304)["aiter"]
+    assert fake.dtypes.fp8 is torch.float8_e4m3fnuz
+    x, scale = torch.ones(4, dtype=torch.bfloat16), torch.ones(1)
+    with pytest.raises(RuntimeError, match="not support output type: torch.float8_e4m3fn"):
+        fake.static_per_tensor_quant(torch.empty(4, dtype=torch.float8_e4m3fn), x, scale)
+    out = torch.empty(4, dtype=torch.float8_e4m3fnuz)
+    fake.static_per_tensor_quant(out, x, scale)
+    assert out.float().tolist() == [1.0] * 4
+    # the backend sizes its q scale from AITER's fp8: 240 for e4m3fnuz
+    variant = Variant.make("aiter", kv="bf16", q="bf16", mode="nonpersistent", num_kv_splits=1)
+    assert aiter_mla.build(variant, SHAPE, "cpu") is not None
+    assert torch.finfo(fake.dtypes.fp8).max == 240.0
+
+
+def test_new_release_falls_back_to_non_persistent_unless_the_split_count_is_passed(aiter):
+    """0.1.18+: a bf16 persistent call at batch >= 32 that leaves num_kv_splits to AITER runs
+    non-persistent; the backend passes get_mla_decode_fwd_max_splits and stays persistent."""
+    shape = Shape(32, 200)
+    case = problem.generate_input(shape.batch, shape.kv_len, seed=3, device="cpu")
+    variant = Variant.make("aiter", kv="bf16", q="bf16", mode="persistent", fast_mode=True, intra_batch=False,
+                           max_split_per_batch=-1, kv_granularity=16)
+    out = aiter_mla.build(variant, shape, "cpu")(*case[:4])
+    assert aiter._state.last_call["mode"] == "persistent"
+    assert aiter._state.last_call["num_kv_splits"] == (256 if _new(aiter) else None)
+    result = problem.check(out, expected_output(case, variant), STRICT)
+    assert result.passed, result.reason
+    if not _new(aiter):
+        return
+    bf16 = torch.bfloat16
+    qo = torch.arange(shape.batch + 1, dtype=torch.int32)
+    kvp, last = qo * shape.kv_len, torch.ones(shape.batch, dtype=torch.int32)
+    info = aiter.get_mla_metadata_info_v1(shape.batch, 1, 16, bf16, bf16, False, fast_mode=True)
+    work = [torch.empty(size, dtype=dtype) for size, dtype in info]
+    aiter.get_mla_metadata_v1(qo, kvp, last, 16, 1, True, work[0], work[2], work[1], work[3], work[4], work[5])
+    buffers = dict(work_meta_data=work[0], work_indptr=work[1], work_info_set=work[2], reduce_indptr=work[3],
+                   reduce_final_map=work[4], reduce_partial_map=work[5])
+    o = torch.empty((shape.batch, 16, 512), dtype=bf16)
+    call = [case[0], case[1]["bf16"].view(-1, 1, 1, 576), o, qo, kvp, torch.arange(shape.total_kv, dtype=torch.int32),
+            last, 1]
+    aiter.mla.mla_decode_fwd(*call, sm_scale=SM_SCALE, **buffers)
+    assert aiter._state.last_call["mode"] == "nonpersistent"
+    with pytest.raises(RuntimeError, match="num_kv_splits=8 is below the splits the metadata may hold"):
+        aiter.mla.mla_decode_fwd(*call, sm_scale=SM_SCALE, num_kv_splits=8, **buffers)
