@@ -511,3 +511,26 @@ def test_new_release_falls_back_to_non_persistent_unless_the_split_count_is_pass
     assert aiter._state.last_call["mode"] == "nonpersistent"
     with pytest.raises(RuntimeError, match="num_kv_splits=8 is below the splits the metadata may hold"):
         aiter.mla.mla_decode_fwd(*call, sm_scale=SM_SCALE, num_kv_splits=8, **buffers)
+
+
+def test_the_mi355x_config_follows_gfx950_facts_and_plans_a_modest_sweep(aiter):
+    """configs/mi355x.yaml: no kpack (Triton forces 1 on gfx950), 16x16 MFMA only,
+    waves_per_eu 0 or 1, and a plan of about a thousand candidates (its comment says how many)."""
+    from mla_tune.backends import get_backend
+
+    config = load_config(ROOT / "configs" / "mi355x.yaml")
+    platform = gpu.fake_platform("MI355X")
+    counts = {}
+    for name, space in config.backends.items():
+        backend = get_backend(name)
+        per_shape = [set(v for grid in expand_space(space) for v in backend.candidates(shape, grid, platform))
+                     for shape in config.shapes]
+        counts[name] = sum(len(s) for s in per_shape)
+        if name == "triton":
+            for variant in set().union(*per_shape):
+                assert "kpack" not in variant.p and variant.get("matrix_instr_nonkdim") == 16
+                assert variant.get("waves_per_eu") in (0, 1)
+    extra = 16 + 56 if _new(aiter) else 0  # Gluon and OPUS where the AITER has them
+    assert counts == {"torch": 8, "triton": 632, "aiter": 336 + extra}
+    comment = (ROOT / "configs" / "mi355x.yaml").read_text()
+    assert "632 Triton" in comment and "336 AITER" in comment and "(1048)" in comment
