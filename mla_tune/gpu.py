@@ -72,6 +72,11 @@ def software_versions() -> dict:
             versions[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             pass
+    # the aiter this process would import (a source tree's or a dev build's version, which
+    # its distribution may not carry) and, where found, its git commit, without importing it
+    from mla_tune.backends.aiter_mla import aiter_provenance
+
+    versions.update(aiter_provenance())
     return versions
 
 

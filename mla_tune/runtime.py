@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from mla_tune.backends import get_backend
+from mla_tune.backends.aiter_mla import aiter_drift_note
 from mla_tune.core import Shape, Variant, require
 from mla_tune.dispatch import Dispatcher
 from mla_tune.gpu import Platform, detect
@@ -24,7 +25,8 @@ from mla_tune.table import Table, TableError, load_table
 
 TABLES_DIR = Path(__file__).resolve().parent.parent / "tables"
 # Versions whose change can move kernel timings or behaviour; python's cannot.
-VERSION_FIELDS = ("torch", "triton", "cuda", "hip", "amd-aiter", "flashinfer-python", "sgl-flash-mla")
+VERSION_FIELDS = ("torch", "triton", "cuda", "hip", "amd-aiter", "amd-aiter-commit", "flashinfer-python",
+                  "sgl-flash-mla")
 DEFAULT_SM_COUNT = 132  # an H200's; only shapes the fallback's split count when none is known
 
 
@@ -71,9 +73,11 @@ def _warn_versions(table: Table, platform: Platform) -> None:
     for name in VERSION_FIELDS:
         if name in tuned and tuned[name] != here.get(name):
             now = here.get(name) or "not installed"
+            # AITER's kernel binaries changed at some releases only: say whether they differ
+            note = aiter_drift_note(tuned[name], here.get(name)) if name == "amd-aiter" else ""
             warnings.warn(
                 f"table {table.path}: provenance.versions.{name} is {tuned[name]} but this "
-                f"process has {now}; timings may have moved, re-run `mla-tune sweep --gpu "
+                f"process has {now}; {note}timings may have moved, re-run `mla-tune sweep --gpu "
                 f"{table.gpu}` to refresh the table", stacklevel=3)
 
 

@@ -1,17 +1,20 @@
-"""The AITER backend, on the CPU through tests/fakes/aiter (a fake of AITER v0.1.11)."""
+"""The AITER backend, on the CPU through tests/fakes/aiter, a fake of AITER v0.1.11 or
+v0.1.20.post1: every test taking the `aiter` fixture runs against both releases."""
 
 import importlib.util
 import inspect
 import subprocess
 import sys
+import types
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
-from mla_tune import gpu, problem
+from mla_tune import gpu, problem, runtime
 from mla_tune.backends import aiter_mla
+from mla_tune.config import expand_space, load_config
 from mla_tune.core import SM_SCALE, Shape, Variant
 from tests.helpers import expected_output
 
@@ -24,9 +27,17 @@ SHAPE = Shape(3, 256)  # small, yet long enough for the intra-batch builder (>= 
 STRICT = problem.RULES["strict"]
 
 
-@pytest.fixture
-def aiter(monkeypatch):
+RELEASES = ("0.1.11", "0.1.20.post1")
+
+
+@pytest.fixture(params=RELEASES)
+def aiter(monkeypatch, request):
+    monkeypatch.setenv("MLA_TUNE_FAKE_AITER_VERSION", request.param)
     return vendor_fakes.install(monkeypatch, "aiter")["aiter"]
+
+
+def _new(aiter) -> bool:
+    return aiter.__version__ == "0.1.20.post1"
 
 
 @pytest.fixture
@@ -50,10 +61,12 @@ _V0111_DECODE = [
     ("reduce_indptr", None), ("reduce_final_map", None), ("reduce_partial_map", None), ("q_scale", None),
     ("kv_scale", None), ("intra_batch_mode", False), ("return_logits", False), ("return_lse", False),
 ]
+_V01120_DECODE = _V0111_DECODE + [("g_kv_indptr", None), ("cp_world_size", 1), ("cp_rank", 0), ("causal", True)]
 _V0111_INFO = [
     "batch_size", "max_seqlen_qo", "num_head_qo", "q_dtype", "kv_dtype", "is_sparse",
     ("fast_mode", True), ("num_kv_splits", 32), ("intra_batch_mode", False),
 ]
+_V01120_INFO = _V0111_INFO + [("max_split_per_batch", -1)]
 _V0111_BUILDER = [
     "seqlens_qo_indptr", "seqlens_kv_indptr", "kv_last_page_lens", "num_heads_per_head_k", "num_heads_k",
     "is_causal", "work_metadata_ptrs", "work_info_set", "work_indptr", "reduce_indptr", "reduce_final_map",
@@ -61,6 +74,13 @@ _V0111_BUILDER = [
     ("uni_seqlen_qo", -1), ("fast_mode", True), ("topk", -1), ("max_split_per_batch", -1),
     ("intra_batch_mode", False), ("dtype_q", None), ("dtype_kv", None),
 ]
+# v0.1.20.post1 inserts these before the legacy dtype_q / dtype_kv aliases
+_V01120_BUILDER = _V0111_BUILDER[:-2] + [
+    ("is_cp_round_robin", False), ("mla_version", 0), ("dtype_q_nope", None), ("dtype_q_rope", None),
+    ("dtype_kv_nope", None), ("dtype_kv_rope", None), ("dtype_q", None), ("dtype_kv", None),
+]
+_SIGNATURES = {"0.1.11": (_V0111_DECODE, _V0111_INFO, _V0111_BUILDER),
+               "0.1.20.post1": (_V01120_DECODE, _V01120_INFO, _V01120_BUILDER)}
 
 
 def _expected(spec):
@@ -69,20 +89,34 @@ def _expected(spec):
             for s in spec]
 
 
-def test_fake_has_the_v0_1_11_signatures(aiter):
-    assert aiter.__version__ == vendor_fakes.VERSIONS["aiter"] == "0.1.11"
-    assert _params(inspect.signature(aiter.mla.mla_decode_fwd)) == _expected(_V0111_DECODE)
-    assert _params(inspect.signature(aiter.get_mla_metadata_info_v1)) == _expected(_V0111_INFO)
-    assert _params(inspect.signature(aiter.get_mla_metadata_v1)) == _expected(_V0111_BUILDER)
+def test_fake_has_the_signatures_of_its_release(aiter):
+    decode, info, builder = _SIGNATURES[aiter.__version__]
+    assert _params(inspect.signature(aiter.mla.mla_decode_fwd)) == _expected(decode)
+    assert _params(inspect.signature(aiter.get_mla_metadata_info_v1)) == _expected(info)
+    assert _params(inspect.signature(aiter.get_mla_metadata_v1)) == _expected(builder)
     # pybind ops declared without py::arg names take positional arguments only
     for op in (aiter.static_per_tensor_quant, aiter.dynamic_per_tensor_quant):
         assert {p.kind.name for p in inspect.signature(op).parameters.values()} == {"POSITIONAL_ONLY"}
     assert aiter.dtypes.fp8 is torch.float8_e4m3fn
+    assert hasattr(aiter, "get_mla_decode_fwd_max_splits") == _new(aiter)
+    assert hasattr(aiter, "mla_decode_fwd_opus_stage1") == _new(aiter)
+    if _new(aiter):
+        from aiter.ops.triton.gluon.mla_gluon import mla_gluon
+
+        assert list(inspect.signature(mla_gluon).parameters)[:7] == [
+            "q_nope", "q_pe", "kv_c", "o", "page_table", "seq_info", "sm_scale"]
+    else:
+        with pytest.raises(ModuleNotFoundError):
+            __import__("aiter.ops.triton.gluon.mla_gluon")
 
 
-def test_backend_reads_the_fakes_version_and_is_available(aiter):
-    assert aiter_mla._ai_version(aiter) == "0.1.11"
+def test_backend_reads_the_fakes_version_and_features(aiter):
+    assert aiter_mla._ai_version(aiter) == aiter.__version__
     assert aiter_mla.unavailable_reason() is None
+    features = aiter_mla._ai_features(aiter)
+    assert features["missing"] == []
+    for key in ("info_split_cap", "max_splits", "opus", "gluon", "gluon_fp8_any_batch"):
+        assert features[key] == _new(aiter), key
 
 
 FAMILIES = [
@@ -95,17 +129,32 @@ FAMILIES = [
      "max_split_per_batch": -1, "kv_granularity": 64},
     {"kv": "bf16", "q": "bf16", "mode": "persistent", "fast_mode": False, "intra_batch": False,
      "max_split_per_batch": -1, "kv_granularity": 16},
+    # 0.1.20+ only (the 0.1.11 fake refuses them at build, naming what to install)
+    {"kv": "fp8", "q": "fp8_dynamic", "mode": "persistent", "fast_mode": True, "intra_batch": False,
+     "max_split_per_batch": 2, "kv_granularity": 16, "opus": True},
+    {"kv": "fp8", "q": "bf16", "mode": "gluon"},
+    {"kv": "bf16", "q": "bf16", "mode": "gluon"},
 ]
+_NEW_ONLY = {"opus", "gluon"}
 
 
-@pytest.mark.parametrize("params", FAMILIES, ids=lambda p: f"{p['mode']}-{p['q']}-{p['kv']}")
-def test_each_variant_family_builds_and_matches_the_reference(aiter, data, params):
+@pytest.mark.parametrize("params", FAMILIES,
+                         ids=lambda p: f"{p['mode']}-{p['q']}-{p['kv']}{'-opus' if p.get('opus') else ''}")
+def test_each_variant_family_builds_and_matches_the_reference(aiter, data, params, monkeypatch):
     variant = Variant.make("aiter", **params)
     if params["q"] == "fp8_static":
         calibration = problem.generate_input(SHAPE.batch, SHAPE.kv_len, seed=11, device="cpu")
         variant = variant.with_params(q_amax=_q_amax(calibration))
+    new_only = "opus" if params.get("opus") else params["mode"] if params["mode"] in _NEW_ONLY else None
+    if new_only and not _new(aiter):
+        with pytest.raises(ValueError, match=rf"this AITER has no {'OPUS' if new_only == 'opus' else 'Gluon'}.*0\.1\.(20|18)\+"):
+            aiter_mla.build(variant, SHAPE, "cpu")
+        return
+    monkeypatch.setenv("AITER_MLA_USE_OPUS", "1")  # the runner pins it per call, whatever is set
     runner = aiter_mla.build(variant, SHAPE, "cpu")
     out = runner(*data[:4])
+    assert aiter._state.last_call.get("stage1", "asm" if params["mode"] != "gluon" else None) == (
+        "opus" if params.get("opus") else "asm" if params["mode"] != "gluon" else None)
     assert out.shape == (SHAPE.batch, 16, 512) and out.dtype == torch.bfloat16
     result = problem.check(out, expected_output(data, variant), STRICT)
     assert result.passed, result.reason
@@ -199,13 +248,104 @@ def test_fake_rejects_split_indptr_with_work_meta_data_and_undersized_buffers(ai
     aiter.mla.mla_decode_fwd(*args, sm_scale=SM_SCALE, **buffers)
 
 
-@pytest.mark.parametrize("version", ["0.1.7.post2.dev18", "0.1.10.post1", "0.1.21"])
-def test_an_unsupported_aiter_version_is_refused_with_the_supported_list(aiter, monkeypatch, version):
-    monkeypatch.setattr(sys.modules["aiter._version"], "__version__", version)
+@pytest.mark.parametrize("version", ["0.1.dev123", "0.1.21.dev4+g1234", "0.1.20+rocm7.0", None])
+def test_the_gate_takes_any_version_string_when_the_signatures_are_there(aiter, monkeypatch, version):
+    """Builds from AITER's main say 0.1.devN (no tag on main before 0.1.12.post1) or
+    0.1.21.devN; AMD's wheels say 0.1.20+rocm...; a copied tree may say nothing."""
+    if version is None:
+        monkeypatch.delattr(sys.modules["aiter._version"], "__version__")
+        monkeypatch.delattr(aiter, "__version__")
+        monkeypatch.setattr(aiter_mla, "_ai_version", lambda _module: None)  # and no distribution
+    else:
+        monkeypatch.setattr(sys.modules["aiter._version"], "__version__", version)
     variant = Variant.make("aiter", kv="bf16", q="bf16", mode="nonpersistent", num_kv_splits=1)
-    with pytest.raises(ValueError, match=rf"AITER {version} is not supported.*0\.1\.10\.post2.*0\.1\.20\.post1"):
+    verified = version == "0.1.20+rocm7.0"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert aiter_mla.unavailable_reason() is None
         aiter_mla.build(variant, SHAPE, "cpu")
-    assert f"AITER {version} is not supported" in aiter_mla.unavailable_reason()
+    texts = [str(w.message) for w in caught]
+    if verified:
+        assert texts == []
+    else:
+        shown = f"AITER {version}" if version else "AITER (no readable version)"
+        assert texts and all(t.startswith(f"{shown} is not among the releases whose MLA API was read "
+                                          "(0.1.10.post2 to 0.1.20.post1)") for t in texts)
+
+
+def _decode_v0_1_7(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q,
+                   sm_scale=None, logit_cap=0.0, num_kv_splits=None, num_kv_splits_indptr=None,
+                   work_meta_data=None, work_indptr=None, work_info_set=None, reduce_indptr=None,
+                   reduce_final_map=None, reduce_partial_map=None, q_scale=None, kv_scale=None):
+    raise AssertionError("never called: the gate refuses this AITER")
+
+
+def test_the_gate_refuses_a_missing_feature_naming_it_and_what_to_install(aiter, monkeypatch):
+    # PyPI's amd-aiter 0.1.7.post2.dev18: no page_size / nhead_kv / intra_batch_mode
+    monkeypatch.setattr(aiter.mla, "mla_decode_fwd", _decode_v0_1_7)
+    monkeypatch.setattr(sys.modules["aiter._version"], "__version__", "0.1.7.post2.dev18")
+    reason = aiter_mla.unavailable_reason()
+    assert reason == ("AITER 0.1.7.post2.dev18 lacks what mla-tune calls: mla_decode_fwd(page_size, nhead_kv, "
+                      "intra_batch_mode); install amd-aiter 0.1.10.post2 or later, a ROCm build from AMD's "
+                      "wheel index or from source (docs/amd.md).")
+    variant = Variant.make("aiter", kv="bf16", q="bf16", mode="nonpersistent", num_kv_splits=1)
+    with pytest.raises(ValueError, match=r"lacks what mla-tune calls: mla_decode_fwd\(page_size"):
+        aiter_mla.build(variant, SHAPE, "cpu")
+    monkeypatch.delattr(aiter, "get_mla_metadata_v1")
+    assert "get_mla_metadata_v1 (absent or unreadable)" in aiter_mla.unavailable_reason()
+
+
+def test_binary_eras_and_the_drift_note():
+    era = aiter_mla.aiter_binary_era
+    assert [era(v) for v in ("0.1.11", "0.1.12", "0.1.16.post3", "0.1.17", "0.1.19.post1", "0.1.19.post2",
+                             "0.1.20+rocm7.0", "0.1.21.dev4+g1234")] == [0, 1, 2, 3, 3, 4, 4, 4]
+    # a dev build next to a change, or no version at all, cannot be placed
+    assert era("0.1.12.dev5+gabc") is None and era("0.1.dev123") is None and era(None) is None
+    assert era("0.1.18.dev2") == 3  # between 0.1.17 and 0.1.18: no change there
+    note = aiter_mla.aiter_drift_note
+    assert note("0.1.17", "0.1.18") == ""
+    assert note("0.1.11", "0.1.20.post1") == "AITER's kernel binaries differ between these builds; "
+    assert note("0.1.dev123", "0.1.20").startswith("cannot tell whether AITER's kernel binaries differ")
+
+
+def test_a_table_from_another_aiter_build_warns_at_load():
+    table = types.SimpleNamespace(path="tables/MI355X.yaml", gpu="MI355X", provenance={"versions": {
+        "torch": "2.9", "amd-aiter": "0.1.11", "amd-aiter-commit": "c4a3ff2a04"}})
+    here = types.SimpleNamespace(versions={"torch": "2.9", "amd-aiter": "0.1.20.post1",
+                                           "amd-aiter-commit": "de07f3885e"})
+    with pytest.warns(UserWarning) as caught:
+        runtime._warn_versions(table, here)
+    texts = [str(w.message) for w in caught]
+    assert any("provenance.versions.amd-aiter is 0.1.11 but this process has 0.1.20.post1; AITER's kernel "
+               "binaries differ between these builds" in t for t in texts)
+    assert any("provenance.versions.amd-aiter-commit is c4a3ff2a04" in t for t in texts)
+
+
+def _package(root: Path, version_line: str) -> Path:
+    (root / "aiter").mkdir(parents=True)
+    (root / "aiter" / "__init__.py").write_text("")
+    (root / "aiter" / "_version.py").write_text(version_line)
+    return root
+
+
+def test_provenance_finds_the_version_and_commit_without_importing_aiter(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "aiter", None)
+    monkeypatch.delitem(sys.modules, "aiter")
+    scm = _package(tmp_path / "scm", "__version__ = '0.1.21.dev4+g1234abc.d20260901'\n")
+    monkeypatch.syspath_prepend(str(scm))
+    assert aiter_mla.aiter_provenance() == {"amd-aiter": "0.1.21.dev4+g1234abc.d20260901",
+                                            "amd-aiter-commit": "1234abc"}
+    assert "aiter" not in sys.modules  # found, not imported
+    # a source checkout: the commit from the .git next to the package (a branch, packed)
+    tree = _package(tmp_path / "tree", "__version__ = '0.1.dev123'\n")
+    (tree / ".git" / "refs").mkdir(parents=True)
+    (tree / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    sha = "e4048607a535ace3a2b51ded31b1c8c2d45c0879"
+    (tree / ".git" / "packed-refs").write_text(f"# pack-refs\n{sha} refs/heads/main\n")
+    monkeypatch.syspath_prepend(str(tree))
+    assert aiter_mla.aiter_provenance() == {"amd-aiter": "0.1.dev123", "amd-aiter-commit": sha}
+    versions = gpu.software_versions()
+    assert versions["amd-aiter"] == "0.1.dev123" and versions["amd-aiter-commit"] == sha
 
 
 def test_build_refuses_bad_variants_before_touching_aiter(aiter):
@@ -228,23 +368,54 @@ def test_a_runner_refuses_another_shape(aiter, data):
         runner(*data[:4])
 
 
-def test_candidates_come_only_on_a_hip_platform():
-    space = yaml.safe_load((ROOT / "configs" / "mi355x.yaml").read_text())["backends"]["aiter"]
+def _mi355x_candidates(shape, platform):
+    space = load_config(ROOT / "configs" / "mi355x.yaml").backends["aiter"]
+    return list(dict.fromkeys(v for grid in expand_space(space)
+                              for v in aiter_mla.candidates(shape, grid, platform)))
+
+
+def test_candidates_come_only_on_a_hip_platform(aiter):
     shape = Shape(4, 1024)
-    assert aiter_mla.candidates(shape, space, gpu.fake_platform("H200")) == []
-    variants = aiter_mla.candidates(shape, space, gpu.fake_platform("MI355X"))
+    assert _mi355x_candidates(shape, gpu.fake_platform("H200")) == []
+    variants = _mi355x_candidates(shape, gpu.fake_platform("MI355X"))
     assert len(variants) == len(set(variants)) > 20
     for v in variants:
         assert v.get("kv") in ("bf16", "fp8") and v.get("q") in ("bf16", "fp8_dynamic", "fp8_static")
         assert not (v.get("q") != "bf16" and v.get("kv") == "bf16")
-        assert v.get("mode") == "persistent" or (v.get("q") == "bf16") == (v.get("kv") == "bf16")
         if v.get("mode") == "nonpersistent":
+            assert (v.get("q") == "bf16") == (v.get("kv") == "bf16")
             assert v.get("num_kv_splits") <= (8 if v.get("q") != "bf16" else 16)
         aiter_mla._ai_validate(v.with_params(q_amax=4.0) if v.get("q") == "fp8_static" else v, shape)
     modes = {v.get("mode") for v in variants}
-    assert modes == {"nonpersistent", "persistent"}
-    mi300 = aiter_mla.candidates(shape, space, gpu.fake_platform("MI300X"))
+    # Gluon and OPUS only where the installed AITER has them (0.1.20.post1's fake does)
+    assert modes == ({"nonpersistent", "persistent", "gluon"} if _new(aiter) else {"nonpersistent", "persistent"})
+    opus = [v for v in variants if v.get("opus")]
+    assert bool(opus) == _new(aiter) and all(v.get("q") != "bf16" and v.get("kv") == "fp8" for v in opus)
+    mi300 = _mi355x_candidates(shape, gpu.fake_platform("MI300X"))
     assert all(v.get("max_split_per_batch") >= 16 for v in mi300 if v.get("intra_batch"))
+    assert not any(v.get("mode") == "gluon" or v.get("opus") for v in mi300)  # gfx950 only
+
+
+@pytest.mark.parametrize("shape", [Shape(4, 8192), Shape(32, 1024), Shape(64, 8192), Shape(256, 1024)],
+                         ids=str)
+def test_persistent_caps_are_offered_once_per_distinct_metadata(aiter, shape):
+    """Two candidates whose work lists would be identical are never both offered, and the
+    caps that change the work at this shape are all there."""
+    variants = [v for v in _mi355x_candidates(shape, gpu.fake_platform("MI355X")) if v.get("mode") == "persistent"]
+    cu = 256
+    keys = {}
+    for v in variants:
+        cap, batch = v.get("max_split_per_batch"), shape.batch
+        work = (("fast", "auto" if cap == -1 else min(cu, cap * batch)) if v.get("fast_mode")
+                else ("intra", min(shape.kv_len // 196, -(-cu // batch), cap)))
+        key = (v.get("kv"), v.get("q"), v.get("opus", False), v.get("kv_granularity"), work)
+        assert key not in keys, f"{v} duplicates {keys[key]}"
+        keys[key] = v
+    intra = {k[-1][1] for k in keys if k[-1][0] == "intra" and k[:3] == ("fp8", "fp8_static", False)}
+    fast = {k[-1][1] for k in keys if k[-1][0] == "fast" and k[:3] == ("fp8", "fp8_static", False)}
+    expected_intra = {min(shape.kv_len // 196, -(-cu // shape.batch), c) for c in (1, 2, 4, 16)}
+    expected_fast = {"auto"} | {min(cu, c * shape.batch) for c in (1, 2, 4, 16)}
+    assert intra == expected_intra and fast == expected_fast
 
 
 def test_unavailable_reason_is_one_sentence_when_aiter_is_absent(monkeypatch):
@@ -253,10 +424,113 @@ def test_unavailable_reason_is_one_sentence_when_aiter_is_absent(monkeypatch):
     assert reason.startswith("AITER cannot be imported") and reason.endswith(".")
 
 
-def test_a_worker_subprocess_sees_the_fake_through_subprocess_env():
+@pytest.mark.parametrize("release", RELEASES)
+def test_a_worker_subprocess_sees_the_fake_through_subprocess_env(release):
     env = vendor_fakes.subprocess_env("aiter", cu_num=304, arch="gfx942")
+    env["MLA_TUNE_FAKE_AITER_VERSION"] = release
     code = ("import aiter; from mla_tune.backends import aiter_mla; "
             "print(aiter.__version__, aiter._state.cu_num, aiter._state.arch, aiter_mla.unavailable_reason())")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["0.1.11", "304", "gfx942", "None"]
+    assert done.stdout.split() == [release, "304", "gfx942", "None"]
+
+
+# ------------------------------------------------------- what the fake enforces
+def test_fake_refuses_non_persistent_splits_past_what_stage_2_reads(aiter, data):
+    fp8_q, q_scale = problem.quantize_fp8(data[0])
+    kv8, kv_scale = data[1]["fp8"]
+    args = _direct_call_args(data, q=fp8_q, kv=kv8)
+    batch = SHAPE.batch
+
+    def splits(n):
+        return dict(num_kv_splits=n, num_kv_splits_indptr=torch.arange(batch + 1, dtype=torch.int32) * n)
+
+    with pytest.raises(RuntimeError, match=r"num_kv_splits=3 is past what stage 2 reads at kv_len 256 \(1..2\)"):
+        aiter.mla.mla_decode_fwd(*args, sm_scale=SM_SCALE, q_scale=q_scale, kv_scale=kv_scale, **splits(3))
+    aiter.mla.mla_decode_fwd(*args, sm_scale=SM_SCALE, q_scale=q_scale, kv_scale=kv_scale, **splits(2))
+    with pytest.raises(RuntimeError, match=r"\(1..4\)"):  # bf16 q: 64 tokens per split
+        aiter.mla.mla_decode_fwd(*_direct_call_args(data), sm_scale=SM_SCALE, **splits(5))
+
+
+def test_fake_refuses_strided_o_and_kv_buffers(aiter, data):
+    args = _direct_call_args(data)
+    batch, total = SHAPE.batch, SHAPE.total_kv
+    args[2] = torch.empty((batch, 512, 16), dtype=torch.bfloat16).transpose(1, 2)
+    with pytest.raises(RuntimeError, match="o must be dense"):
+        aiter.mla.mla_decode_fwd(*args, sm_scale=SM_SCALE)
+    args = _direct_call_args(data)
+    wide = torch.zeros((total, 1, 1, 1152), dtype=torch.bfloat16)
+    wide[..., :576] = data[1]["bf16"].view(total, 1, 1, 576)
+    args[1] = wide[..., :576]  # same values, rows 1152 apart
+    with pytest.raises(RuntimeError, match="kv_buffer's inner dims must be dense"):
+        aiter.mla.mla_decode_fwd(*args, sm_scale=SM_SCALE)
+
+
+def test_fake_fp8_follows_the_arch(monkeypatch):
+    monkeypatch.setenv("MLA_TUNE_FAKE_AITER_VERSION", "0.1.20.post1")
+    fake = vendor_fakes.install(monkeypatch, "aiter", arch="gfx942", cu_num=304)["aiter"]
+    assert fake.dtypes.fp8 is torch.float8_e4m3fnuz
+    x, scale = torch.ones(4, dtype=torch.bfloat16), torch.ones(1)
+    with pytest.raises(RuntimeError, match="not support output type: torch.float8_e4m3fn"):
+        fake.static_per_tensor_quant(torch.empty(4, dtype=torch.float8_e4m3fn), x, scale)
+    out = torch.empty(4, dtype=torch.float8_e4m3fnuz)
+    fake.static_per_tensor_quant(out, x, scale)
+    assert out.float().tolist() == [1.0] * 4
+    # the backend sizes its q scale from AITER's fp8: 240 for e4m3fnuz
+    variant = Variant.make("aiter", kv="bf16", q="bf16", mode="nonpersistent", num_kv_splits=1)
+    assert aiter_mla.build(variant, SHAPE, "cpu") is not None
+    assert torch.finfo(fake.dtypes.fp8).max == 240.0
+
+
+def test_new_release_falls_back_to_non_persistent_unless_the_split_count_is_passed(aiter):
+    """0.1.18+: a bf16 persistent call at batch >= 32 that leaves num_kv_splits to AITER runs
+    non-persistent; the backend passes get_mla_decode_fwd_max_splits and stays persistent."""
+    shape = Shape(32, 200)
+    case = problem.generate_input(shape.batch, shape.kv_len, seed=3, device="cpu")
+    variant = Variant.make("aiter", kv="bf16", q="bf16", mode="persistent", fast_mode=True, intra_batch=False,
+                           max_split_per_batch=-1, kv_granularity=16)
+    out = aiter_mla.build(variant, shape, "cpu")(*case[:4])
+    assert aiter._state.last_call["mode"] == "persistent"
+    assert aiter._state.last_call["num_kv_splits"] == (256 if _new(aiter) else None)
+    result = problem.check(out, expected_output(case, variant), STRICT)
+    assert result.passed, result.reason
+    if not _new(aiter):
+        return
+    bf16 = torch.bfloat16
+    qo = torch.arange(shape.batch + 1, dtype=torch.int32)
+    kvp, last = qo * shape.kv_len, torch.ones(shape.batch, dtype=torch.int32)
+    info = aiter.get_mla_metadata_info_v1(shape.batch, 1, 16, bf16, bf16, False, fast_mode=True)
+    work = [torch.empty(size, dtype=dtype) for size, dtype in info]
+    aiter.get_mla_metadata_v1(qo, kvp, last, 16, 1, True, work[0], work[2], work[1], work[3], work[4], work[5])
+    buffers = dict(work_meta_data=work[0], work_indptr=work[1], work_info_set=work[2], reduce_indptr=work[3],
+                   reduce_final_map=work[4], reduce_partial_map=work[5])
+    o = torch.empty((shape.batch, 16, 512), dtype=bf16)
+    call = [case[0], case[1]["bf16"].view(-1, 1, 1, 576), o, qo, kvp, torch.arange(shape.total_kv, dtype=torch.int32),
+            last, 1]
+    aiter.mla.mla_decode_fwd(*call, sm_scale=SM_SCALE, **buffers)
+    assert aiter._state.last_call["mode"] == "nonpersistent"
+    with pytest.raises(RuntimeError, match="num_kv_splits=8 is below the splits the metadata may hold"):
+        aiter.mla.mla_decode_fwd(*call, sm_scale=SM_SCALE, num_kv_splits=8, **buffers)
+
+
+def test_the_mi355x_config_follows_gfx950_facts_and_plans_a_modest_sweep(aiter):
+    """configs/mi355x.yaml: no kpack (Triton forces 1 on gfx950), 16x16 MFMA only,
+    waves_per_eu 0 or 1, and a plan of about a thousand candidates (its comment says how many)."""
+    from mla_tune.backends import get_backend
+
+    config = load_config(ROOT / "configs" / "mi355x.yaml")
+    platform = gpu.fake_platform("MI355X")
+    counts = {}
+    for name, space in config.backends.items():
+        backend = get_backend(name)
+        per_shape = [set(v for grid in expand_space(space) for v in backend.candidates(shape, grid, platform))
+                     for shape in config.shapes]
+        counts[name] = sum(len(s) for s in per_shape)
+        if name == "triton":
+            for variant in set().union(*per_shape):
+                assert "kpack" not in variant.p and variant.get("matrix_instr_nonkdim") == 16
+                assert variant.get("waves_per_eu") in (0, 1)
+    extra = 16 + 56 if _new(aiter) else 0  # Gluon and OPUS where the AITER has them
+    assert counts == {"torch": 8, "triton": 632, "aiter": 336 + extra}
+    comment = (ROOT / "configs" / "mi355x.yaml").read_text()
+    assert "632 Triton" in comment and "336 AITER" in comment and "(1048)" in comment

@@ -7,7 +7,9 @@ Two sweeps, each run once per module as the real command in a subprocess:
   interpreter (fp16 dots, tiny shapes, few reps), on the CPU platform;
 - AITER through its CPU fake (tests/data/e2e_aiter.yaml): torch and aiter on a simulated
   MI355X (MLA_TUNE_FAKE_PLATFORM=MI355X, the testing hook in mla_tune/gpu.py, with
-  tests/fakes on PYTHONPATH so that `import aiter` finds the fake of AITER v0.1.11).
+  tests/fakes on PYTHONPATH so that `import aiter` finds the fake of AITER v0.1.11), and
+  again through the fake of v0.1.20.post1 (tests/data/e2e_aiter_new.yaml: OPUS and Gluon);
+- and a simulated MI355X without any AITER: the sweep says what to install and tunes Triton.
 
 Outputs are always checked against the leaderboard's reference (problem.reference: fp8
 q, fp8 KV, fp32 math) under the leaderboard rule. Exported files run in one fresh
@@ -60,7 +62,8 @@ def _base_env() -> dict[str, str]:
     """This process's environment without a fake platform or extra paths, interpreter on."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", gpu.FAKE_PLATFORM_ENV, "MLA_TUNE_EXTRA_BACKENDS")}
-    env.update(WIDE, TRITON_INTERPRET="1")
+    # this tree's mla_tune, not the one an editable install elsewhere points at (a worktree)
+    env.update(WIDE, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     return env
 
 
@@ -504,3 +507,67 @@ def test_mi355x_exports_import_with_the_fake_aiter_and_without_mla_tune(aiter_sw
     assert report["let_through"] and all(imp.split(".")[0] in ("aiter", "mla_tune")
                                          for _name, imp in report["let_through"])
     assert any(imp.startswith("aiter") for _name, imp in report["let_through"])
+
+
+# ============================================ AITER v0.1.20.post1 and no AITER at all
+NEW_AITER_CONFIG = "tests/data/e2e_aiter_new.yaml"
+
+
+@pytest.fixture(scope="module")
+def aiter_new_sweep(tmp_path_factory):
+    env = dict(_aiter_env(), MLA_TUNE_FAKE_AITER_VERSION="0.1.20.post1")
+    return _sweep(tmp_path_factory.mktemp("aiter_new_sweep"), "MI355X", NEW_AITER_CONFIG, env)
+
+
+def test_mi355x_sweep_through_the_newer_fake_gives_a_table_and_an_export(aiter_new_sweep, tmp_path):
+    """The fake of 0.1.20.post1 offers what 0.1.11 lacks: the OPUS stage 1 and the Gluon
+    decode join the sweep, pass the gate, and the export runs them through the fake."""
+    header = aiter_new_sweep["header"]
+    assert header["unavailable"] == {}
+    assert header["platform"]["versions"]["amd-aiter"] == "0.1.20.post1"
+    records = _records(aiter_new_sweep, (2, 200))
+    assert all(r["status"] == "ok" for r in records), [(r["variant"], r["reason"]) for r in records]
+    aiter = {(r["params"]["mode"], r["params"]["q"], r["params"]["kv"], r["params"].get("opus", False))
+             for r in records if r["backend"] == "aiter"}
+    assert aiter == {("nonpersistent", "fp8_dynamic", "fp8", False), ("persistent", "fp8_static", "fp8", False),
+                     ("persistent", "fp8_static", "fp8", True), ("persistent", "bf16", "fp8", False),
+                     ("gluon", "bf16", "fp8", False), ("gluon", "bf16", "bf16", False)}
+    table = aiter_new_sweep["table"]
+    assert table["provenance"]["versions"]["amd-aiter"] == "0.1.20.post1"
+    row = _rows(aiter_new_sweep)[(2, 200)]
+    assert isinstance(row["backends"]["aiter"], float) and row["winner"] is not None
+
+    # pin the row to the Gluon fp8 variant and export it: the file runs it through the fake
+    data = yaml.safe_load(aiter_new_sweep["path"].read_text())
+    gluon = next(r for r in records if r["params"].get("mode") == "gluon" and r["params"]["kv"] == "fp8")
+    variant = Variant.parse(gluon["variant"])
+    data["rows"][0]["winner"] = {"variant": str(variant), "backend": "aiter", "params": variant.p}
+    data["rows"][0]["time_us"] = round(gluon["time"]["median_us"], 3)
+    data["rows"][0]["calibration"] = gluon["calibration"]
+    pinned = write_table(tmp_path / "MI355X.yaml", data)
+    result = _export(pinned, tmp_path / "gluon.py", "aiter,triton")
+    assert result.exit_code == 0, result.output
+    text = (tmp_path / "gluon.py").read_text()
+    _check_header(text, "MI355X")
+    assert _exported_table(text) == {(2, 200): str(variant)}
+    cases = {"gluon": [_case(2, 200, seed=500)]}
+    env = dict(_aiter_env(platform=None), MLA_TUNE_FAKE_AITER_VERSION="0.1.20.post1")
+    outs, report = _run_exported(tmp_path, cases, env)
+    _assert_matches(outs["gluon"][0], cases["gluon"][0])
+    assert report["gluon"]["aiter_calls"]["mla_gluon"] == 1
+
+
+def test_mi355x_sweep_without_aiter_says_what_to_install_and_tunes_triton(tmp_path):
+    env = dict(_base_env(), **{gpu.FAKE_PLATFORM_ENV: "MI355X"})  # no fakes on the path: no aiter
+    out = tmp_path / "MI355X.yaml"
+    done = _mla_tune("sweep", "--gpu", "MI355X", "--config", "tests/data/e2e_no_aiter.yaml", "--out", out,
+                     env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    said = " ".join((done.stdout + done.stderr).split())
+    assert "aiter" in said and "install amd-aiter 0.1.10.post2 or later, a ROCm build from AMD's wheel index" in said
+    table = yaml.safe_load(out.read_text())
+    row = table["rows"][0]
+    assert isinstance(row["backends"]["triton"], float) and "aiter" not in row["alternates"]
+    results = [json.loads(line) for line in out.with_name("MI355X.results.jsonl").read_text().splitlines()]
+    assert "install amd-aiter 0.1.10.post2 or later" in results[0]["unavailable"]["aiter"]
+    assert {r["backend"] for r in results if r.get("kind") == "candidate"} == {"torch", "triton"}

@@ -1,24 +1,33 @@
 """AITER's MLA decode (AMD ROCm, `aiter.mla.mla_decode_fwd`) as sweep candidates.
 
-Two modes. Non-persistent: AITER's split-KV assembly kernel plus a Triton reduction, with
+Three modes. Non-persistent: AITER's split-KV assembly kernel plus a Triton reduction, with
 `num_kv_splits` chosen by the variant. Persistent: a work list built once by
 `get_mla_metadata_v1` (here, in `build`, never per call) that spreads KV blocks over the
-CUs, tuned by `max_split_per_batch`, `kv_granularity`, `fast_mode` and `intra_batch`.
+CUs, tuned by `max_split_per_batch`, `kv_granularity`, `fast_mode` and `intra_batch`; on an
+AITER that has it (0.1.20+), `opus=true` runs the fp8 OPUS stage 1 instead of the assembly
+one. Gluon: AITER's Gluon MLA decode (`aiter.ops.triton.gluon.mla_gluon`, gfx950, 0.1.18+),
+bf16 q over fp8 or bf16 KV, which picks its own split count.
 
-AITER has kernels for these (q, KV) pairs only (hsa/<arch>/mla/mla_asm.csv, 16 heads,
-576/512, one query per sequence): fp8 x fp8 in both modes, bf16 x bf16 in both, bf16 q x
-fp8 KV in persistent mode only; nothing for fp8 q x bf16 KV or for MXFP4 KV. The KV cache
-is read as 1-token pages, the layout AITER validates (bf16 paths are wrong at page > 1,
-AITER issues #2996 / #3095).
+AITER has assembly kernels for these (q, KV) pairs only (hsa/<arch>/mla/mla_asm.csv, 16
+heads, 576/512, one query per sequence): fp8 x fp8 in both modes, bf16 x bf16 in both,
+bf16 q x fp8 KV in persistent mode only; nothing for fp8 q x bf16 KV or for MXFP4 KV. The
+KV cache is read as 1-token pages, the layout AITER validates (bf16 paths are wrong at
+page > 1, AITER issues #2996 / #3095).
 
 Signatures moved between AITER releases (see docs/amd.md), so every argument after
-`max_seqlen_q` is passed by keyword, and a release outside the verified range is refused.
+`max_seqlen_q` is passed by keyword, and the gate checks the signatures this file calls,
+not the version string: builds from AITER's main carry versions like `0.1.dev123+g...`.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+import json
+import os
 import re
+import warnings
+from pathlib import Path
 
 import torch
 
@@ -39,30 +48,57 @@ from mla_tune.core import (
 
 NAME = "aiter"
 
-# Releases whose Python signatures were read from ROCm/aiter tags. From v0.1.10.post2 on,
-# mla_decode_fwd takes page_size/nhead_kv and get_mla_metadata_v1 takes kv_last_page_lens;
-# every keyword used below keeps its name up to v0.1.20.post1.
-_AI_SUPPORTED = (
-    "0.1.10.post2", "0.1.10.post3", "0.1.11", "0.1.11.post1", "0.1.12", "0.1.13",
-    "0.1.14", "0.1.15", "0.1.16", "0.1.17", "0.1.18", "0.1.19", "0.1.20", "0.1.20.post1",
-)
-_AI_MIN_VERSION = (0, 1, 10, 2)
-_AI_MAX_VERSION = (0, 1, 20, 1)
-# get_mla_metadata_info_v1 gained max_split_per_batch in v0.1.16; passing it earlier is a TypeError.
-_AI_INFO_SPLIT_CAP_SINCE = (0, 1, 16, 0)
+# The releases whose Python signatures were read from ROCm/aiter tags. Outside them (or
+# with no readable version) AITER is still used when its signatures have what this file
+# calls, with a warning.
+_AI_VERIFIED = ((0, 1, 10, 2), (0, 1, 20, 1))
+_AI_VERIFIED_TEXT = "0.1.10.post2 to 0.1.20.post1"
+_AI_INSTALL = ("install amd-aiter 0.1.10.post2 or later, a ROCm build from AMD's wheel index or "
+               "from source (docs/amd.md)")
+# Kernel binaries (hsa/gfx9*/mla/*.co) changed at these releases: the fp8 persistent
+# kernel (LSE) at 0.1.12, the fp8 non-persistent kernel at 0.1.16, the fp8 rebuild and the
+# gfx950 bf16 persistent switch at 0.1.17, 64-bit KV offsets at 0.1.19.post2. Timings tuned
+# in one era say little about another.
+_AI_BINARY_CHANGES = ((0, 1, 12, 0), (0, 1, 16, 0), (0, 1, 17, 0), (0, 1, 19, 2))
 
-_AI_MODES = ("nonpersistent", "persistent")
-# The parameters every variant may carry (q_amax: fp8_static only), and each mode's own.
+# What this file calls, by name. mla_decode_fwd takes its first eight positionally.
+_AI_DECODE_POSITIONAL = ("q", "kv_buffer", "o", "qo_indptr", "kv_indptr", "kv_indices",
+                         "kv_last_page_lens", "max_seqlen_q")
+_AI_REQUIRED = {
+    "mla_decode_fwd": (
+        "page_size", "nhead_kv", "sm_scale", "logit_cap", "num_kv_splits", "num_kv_splits_indptr",
+        "work_meta_data", "work_indptr", "work_info_set", "reduce_indptr", "reduce_final_map",
+        "reduce_partial_map", "q_scale", "kv_scale", "intra_batch_mode"),
+    "get_mla_metadata_info_v1": (
+        "batch_size", "max_seqlen_qo", "num_head_qo", "q_dtype", "kv_dtype", "is_sparse",
+        "fast_mode", "num_kv_splits", "intra_batch_mode"),
+    "get_mla_metadata_v1": (
+        "seqlens_qo_indptr", "seqlens_kv_indptr", "kv_last_page_lens", "num_heads_per_head_k",
+        "num_heads_k", "is_causal", "work_metadata_ptrs", "work_info_set", "work_indptr",
+        "reduce_indptr", "reduce_final_map", "reduce_partial_map", "page_size", "kv_granularity",
+        "max_seqlen_qo", "uni_seqlen_qo", "fast_mode", "max_split_per_batch", "intra_batch_mode",
+        "dtype_q", "dtype_kv"),
+}
+_AI_GLUON_MODULE = "aiter.ops.triton.gluon.mla_gluon"
+_AI_GLUON_PARAMS = ("q_nope", "q_pe", "kv_c", "o", "page_table", "seq_info", "sm_scale",
+                    "kv_pe_offset", "use_2d_view", "kv_scale", "min_kv_seq_len")
+_AI_OPUS_ENV = "AITER_MLA_USE_OPUS"  # read by mla_decode_fwd on every call (0.1.20+)
+
+_AI_MODES = ("nonpersistent", "persistent", "gluon")
+# The parameters every variant may carry (q_amax: fp8_static only), and each mode's own
+# (opus is optional: absent means the assembly stage 1).
 _AI_COMMON_PARAMS = ("kv", "q", "mode", "q_amax")
 _AI_MODE_PARAMS = {
     "nonpersistent": ("num_kv_splits",),
     "persistent": ("kv_granularity", "max_split_per_batch", "fast_mode", "intra_batch"),
+    "gluon": (),
 }
+_AI_OPTIONAL_PARAMS = {"persistent": ("opus",)}
 # (q is fp8, KV format) -> modes with a kernel for that pair.
 _AI_PAIRS = {
     (True, "fp8"): ("nonpersistent", "persistent"),
-    (False, "fp8"): ("persistent",),
-    (False, "bf16"): ("nonpersistent", "persistent"),
+    (False, "fp8"): ("persistent", "gluon"),
+    (False, "bf16"): ("nonpersistent", "persistent", "gluon"),
 }
 # The non-persistent reduction reads at most ceil(kv_len / block) splits per sequence: 128
 # tokens per split for fp8 q and 64 for bf16 (get_meta_param / mgc in aiter/mla.py). More
@@ -78,54 +114,237 @@ _AI_AMAX_FLOOR = 1e-12  # an all-zero q would otherwise give a zero scale and Na
 _AI_DEFAULT_SPACE = {
     "kv": ["fp8", "bf16"],
     "q": ["fp8_static", "fp8_dynamic", "bf16"],
-    "mode": list(_AI_MODES),
+    "mode": ["nonpersistent", "persistent"],
     "num_kv_splits": [1, 2, 4, 8, 16],
-    "max_split_per_batch": [-1, 8, 16, 32],
+    "max_split_per_batch": [-1, 1, 2, 4, 8],
     "kv_granularity": [16],
     "fast_mode": [False, True],
-    "intra_batch": [True, False],
+    "intra_batch": [True],
+    "opus": [False],
 }
 
 
-# ------------------------------------------------------------------------ version
-def _ai_release(text: str) -> tuple[int, int, int, int]:
-    """'0.1.10.post2' -> (0, 1, 10, 2); dev and local suffixes are ignored."""
-    match = re.match(r"^v?(\d+)\.(\d+)\.(\d+)(?:\.post(\d+))?", text.strip())
+# ------------------------------------------------------------------- the gate
+def _ai_release(text: str) -> tuple[int, int, int, int] | None:
+    """'0.1.10.post2' -> (0, 1, 10, 2); a dev release of X sorts just before X
+    ('0.1.21.dev4+g12ab' -> (0, 1, 21, -1)); None when there is no X.Y.Z to read."""
+    match = re.match(r"^v?(\d+)\.(\d+)\.(\d+)(?:\.post(\d+))?(\.?dev\d*)?", str(text).strip())
     if not match:
-        raise ValueError(f"cannot read AITER version {text!r}")
-    major, minor, micro, post = match.groups()
-    return int(major), int(minor), int(micro), int(post or 0)
+        return None
+    major, minor, micro, post, dev = match.groups()
+    return int(major), int(minor), int(micro), -1 if dev and not post else int(post or 0)
 
 
-def _ai_version(aiter_module) -> str:
+def aiter_binary_era(version: str | None) -> int | None:
+    """How many of AITER's kernel-binary changes `version` has (0..4), or None when that
+    cannot be told: an unreadable version, or a dev build next to a change."""
+    release = _ai_release(version or "")
+    if release is None:
+        return None
+    if release[3] < 0:  # a dev build lies somewhere after the previous micro release
+        low = (*release[:2], release[2] - 1, 0)
+        if any(low < change <= release[:3] + (0,) for change in _AI_BINARY_CHANGES):
+            return None
+    return sum(change <= release for change in _AI_BINARY_CHANGES)
+
+
+def aiter_drift_note(tuned: str | None, here: str | None) -> str:
+    """A sentence for the runtime's version-drift warning: whether AITER's kernel binaries
+    differ between the AITER a table was tuned with and the one present."""
+    era_tuned, era_here = aiter_binary_era(tuned), aiter_binary_era(here)
+    if here is None:
+        return ""
+    if era_tuned is None or era_here is None:
+        return ("cannot tell whether AITER's kernel binaries differ (they changed at 0.1.12, "
+                "0.1.16, 0.1.17 and 0.1.19.post2); ")
+    if era_tuned != era_here:
+        return "AITER's kernel binaries differ between these builds; "
+    return ""
+
+
+def _ai_params(fn) -> dict | None:
+    """fn's parameters by name, or None when its signature cannot be read."""
+    try:
+        return dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+
+
+def _ai_accepts(params: dict | None, name: str) -> bool:
+    if params is None:
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _ai_source_has(fn, text: str) -> bool | None:
+    try:
+        return text in inspect.getsource(fn)
+    except (OSError, TypeError):
+        return None
+
+
+def _ai_features(aiter) -> dict:
+    """What the imported AITER offers, read from its signatures: `missing` lists what this
+    file needs and cannot find; the rest say which optional paths it has."""
+    missing = []
+    mla = importlib.import_module(aiter.__name__ + ".mla")
+    calls = {"mla_decode_fwd": getattr(mla, "mla_decode_fwd", None),
+             "get_mla_metadata_info_v1": getattr(aiter, "get_mla_metadata_info_v1", None),
+             "get_mla_metadata_v1": getattr(aiter, "get_mla_metadata_v1", None)}
+    found = {}
+    for name, fn in calls.items():
+        params = _ai_params(fn) if callable(fn) else None
+        found[name] = params
+        if params is None:
+            missing.append(f"{name} (absent or unreadable)")
+            continue
+        lacking = [n for n in _AI_REQUIRED[name] if not _ai_accepts(params, n)]
+        if lacking:
+            missing.append(f"{name}({', '.join(lacking)})")
+    decode = found["mla_decode_fwd"]
+    if decode is not None and tuple(decode)[:8] != _AI_DECODE_POSITIONAL:
+        missing.append(f"mla_decode_fwd positional order ({', '.join(_AI_DECODE_POSITIONAL)})")
+    if getattr(getattr(aiter, "dtypes", None), "fp8", None) is None:
+        missing.append("aiter.dtypes.fp8")
+
+    opus_op = callable(getattr(aiter, "mla_decode_fwd_opus_stage1", None))
+    opus_read = _ai_source_has(calls["mla_decode_fwd"], _AI_OPUS_ENV)
+    gluon = None
+    try:
+        gluon = getattr(importlib.import_module(_AI_GLUON_MODULE), "mla_gluon", None)
+    except Exception:  # noqa: BLE001  (absent before 0.1.18, or a Triton without Gluon)
+        gluon = None
+    gluon_params = _ai_params(gluon) if callable(gluon) else None
+    has_gluon = gluon_params is not None and all(n in gluon_params for n in _AI_GLUON_PARAMS)
+    # 0.1.18 to 0.1.19.post2 assert batch_size == 1 for fp8 KV (regime bh16bn128)
+    fp8_batch_one = _ai_source_has(gluon, "requires batch_size=1") if has_gluon else None
+    return {
+        "missing": missing,
+        # 0.1.16+: the info call sizes buffers for a split cap; passing it earlier is a TypeError
+        "info_split_cap": _ai_accepts(found["get_mla_metadata_info_v1"], "max_split_per_batch"),
+        "max_splits": callable(getattr(aiter, "get_mla_decode_fwd_max_splits", None)),
+        # 0.1.20+: mla_decode_fwd reads AITER_MLA_USE_OPUS per call (`causal` came with it)
+        "opus": opus_op and (opus_read if opus_read is not None else _ai_accepts(decode, "causal")),
+        "gluon": has_gluon,
+        "gluon_fp8_any_batch": has_gluon and fp8_batch_one is False,
+    }
+
+
+def _ai_version(aiter_module) -> str | None:
     """The version of the aiter actually imported: its own _version.py (setuptools_scm
     writes it into every build), else its __version__, else the amd-aiter distribution."""
     try:
-        return importlib.import_module("aiter._version").__version__
+        return str(importlib.import_module("aiter._version").__version__)
     except (ImportError, AttributeError):
         pass
     if getattr(aiter_module, "__version__", None):
-        return aiter_module.__version__
+        return str(aiter_module.__version__)
     from importlib import metadata
 
     try:
         return metadata.version("amd-aiter")
-    except metadata.PackageNotFoundError as exc:
-        raise ValueError(
-            "cannot tell which AITER release is imported (no aiter/_version.py, no "
-            "aiter.__version__, no amd-aiter distribution); reinstall amd-aiter"
-        ) from exc
+    except metadata.PackageNotFoundError:
+        return None
 
 
-def _ai_checked_version(aiter_module) -> tuple[int, int, int, int]:
-    text = _ai_version(aiter_module)
-    release = _ai_release(text)
-    if not _AI_MIN_VERSION <= release <= _AI_MAX_VERSION:
-        raise ValueError(
-            f"AITER {text} is not supported: its MLA signatures were not verified; "
-            f"install one of {', '.join(_AI_SUPPORTED)}"
-        )
-    return release
+def _ai_checked(aiter) -> dict:
+    """The features of the imported AITER; raises ValueError naming what is missing.
+    A version outside the verified releases, or none, only warns."""
+    version = _ai_version(aiter)
+    shown = f"AITER {version}" if version else "AITER (no readable version)"
+    features = _ai_features(aiter)
+    if features["missing"]:
+        raise ValueError(f"{shown} lacks what mla-tune calls: {'; '.join(features['missing'])}; "
+                         f"{_AI_INSTALL}")
+    release = _ai_release(version or "")
+    if release is None or not _AI_VERIFIED[0] <= release <= _AI_VERIFIED[1]:
+        warnings.warn(
+            f"{shown} is not among the releases whose MLA API was read ({_AI_VERIFIED_TEXT}); its "
+            "signatures have everything mla-tune calls, so it is used: the sweep's correctness "
+            "gate is the check", stacklevel=3)
+    return features
+
+
+# ------------------------------------------------------------------ provenance
+def _ai_git_head(git: Path) -> str | None:
+    """The commit a .git directory (or a worktree's .git file) has checked out."""
+    if git.is_file():
+        text = git.read_text(errors="replace").strip()
+        if not text.startswith("gitdir:"):
+            return None
+        git = (git.parent / text.split(":", 1)[1].strip()).resolve()
+    head = (git / "HEAD").read_text(errors="replace").strip() if (git / "HEAD").is_file() else ""
+    if re.fullmatch(r"[0-9a-f]{40}", head):
+        return head
+    if not head.startswith("ref:"):
+        return None
+    ref = head.split(":", 1)[1].strip()
+    common = git
+    if (git / "commondir").is_file():  # a linked worktree keeps its refs in the main .git
+        common = (git / (git / "commondir").read_text().strip()).resolve()
+    for base in (git, common):
+        if (base / ref).is_file():
+            return (base / ref).read_text().strip() or None
+        packed = base / "packed-refs"
+        if packed.is_file():
+            for line in packed.read_text(errors="replace").splitlines():
+                if line.endswith(" " + ref):
+                    return line.split()[0]
+    return None
+
+
+def aiter_provenance() -> dict:
+    """{"amd-aiter": version, "amd-aiter-commit": sha} for the aiter this process would
+    import, found without importing it (an import JIT-loads kernels): its _version.py,
+    else the distribution's version; the commit from a `+g<sha>` in the version, the
+    distribution's direct_url.json (pip install from git), or a .git next to the package."""
+    import importlib.util
+    from importlib import metadata
+
+    try:
+        spec = importlib.util.find_spec("aiter")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        return {}
+    package = Path(list(spec.submodule_search_locations)[0])
+    version = None
+    version_file = package / "_version.py"
+    if version_file.is_file():
+        text = version_file.read_text(errors="replace")
+        match = re.search(r"""^__version__\s*=\s*['"]([^'"]+)['"]""", text, re.M)
+        if match:
+            version = match.group(1)
+        else:  # a computed version (the test fake reads its environment)
+            import runpy
+
+            version = runpy.run_path(str(version_file)).get("__version__")
+    dist = None
+    try:
+        dist = metadata.distribution("amd-aiter")
+    except metadata.PackageNotFoundError:
+        pass
+    if version is None and dist is not None:
+        version = dist.version
+    out = {"amd-aiter": str(version) if version else "unknown"}
+    commit = None
+    match = re.search(r"[+.]g([0-9a-f]{7,40})\b", str(version or ""))
+    if match:
+        commit = match.group(1)
+    if commit is None and dist is not None:
+        try:
+            direct = json.loads(dist.read_text("direct_url.json") or "{}")
+            commit = (direct.get("vcs_info") or {}).get("commit_id")
+        except (ValueError, OSError):
+            pass
+    if commit is None and (package.parent / ".git").exists():
+        try:
+            commit = _ai_git_head(package.parent / ".git")
+        except OSError:
+            commit = None
+    if commit:
+        out["amd-aiter-commit"] = commit
+    return out
 
 
 # --------------------------------------------------------------------- protocol
@@ -134,11 +353,12 @@ def unavailable_reason() -> str | None:
         import aiter
         import aiter.mla  # noqa: F401  (a ROCm-less import can succeed with a truncated namespace)
     except (ImportError, RuntimeError, OSError) as exc:
-        return f"AITER cannot be imported ({type(exc).__name__}: {exc}); install amd-aiter on a ROCm machine."
+        return (f"AITER cannot be imported ({type(exc).__name__}: {exc}); {_AI_INSTALL} "
+                "on a ROCm machine.")
     if not vendor_is_cpu_fake(aiter) and not (torch.version.hip and torch.cuda.is_available()):
         return "AITER needs a ROCm GPU, and this process sees none."
     try:
-        _ai_checked_version(aiter)
+        _ai_checked(aiter)
     except ValueError as exc:
         return f"{exc}."
     return None
@@ -151,7 +371,7 @@ def _ai_space_list(space: dict, key: str, allowed=None) -> list:
     if allowed is not None:
         unknown = [v for v in values if v not in allowed]
         if unknown:
-            raise ValueError(f"aiter search space: {key} has {unknown}; known: {', '.join(allowed)}")
+            raise ValueError(f"aiter search space: {key} has {unknown}; known: {', '.join(map(str, allowed))}")
     return values
 
 
@@ -159,14 +379,29 @@ def _ai_split_cap(kv_len: int, q_fp8: bool) -> int:
     return -(-kv_len // _AI_SPLIT_BLOCK[q_fp8])
 
 
+def _ai_installed_features() -> dict:
+    """The optional paths of the AITER this process can import; none when it cannot (a
+    dry run on a machine without AITER plans only what every supported AITER has)."""
+    try:
+        import aiter
+
+        return _ai_features(aiter)
+    except Exception:  # noqa: BLE001  (no aiter, or one that fails to import)
+        return {"gluon": False, "gluon_fp8_any_batch": False, "opus": False}
+
+
 def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
-    """Variants from the `aiter:` config section; only on a ROCm (HIP) platform."""
+    """Variants from the `aiter:` config section; only on a ROCm (HIP) platform. The
+    persistent knobs are deduplicated by the metadata they give at this shape, and the
+    Gluon and OPUS kernels are offered only where the installed AITER has them."""
     if not platform.is_hip:
         return []
     kvs = _ai_space_list(space, "kv", ("bf16", "fp8"))
     qs = _ai_space_list(space, "q", ("bf16", "fp8_dynamic", "fp8_static"))
     modes = _ai_space_list(space, "mode", _AI_MODES)
-    gfx942 = platform.arch.startswith("gfx942")
+    opus_values = _ai_space_list(space, "opus", (False, True))
+    gfx950 = platform.arch.startswith("gfx950")
+    features = _ai_installed_features() if ("gluon" in modes or True in opus_values) else {}
     out: list[Variant] = []
     for kv in kvs:
         for q in qs:
@@ -180,27 +415,60 @@ def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
                     for n in _ai_space_list(space, "num_kv_splits"):
                         if 1 <= n <= cap:
                             out.append(Variant.make(NAME, num_kv_splits=n, **base))
-                    continue
-                for params in _ai_persistent_params(space, shape, gfx942):
-                    out.append(Variant.make(NAME, **base, **params))
-    return out
+                elif mode == "gluon":
+                    # gfx950 only; fp8 KV at batch > 1 needs 0.1.20+ (bh16bn128)
+                    fp8_ok = shape.batch == 1 or features.get("gluon_fp8_any_batch")
+                    if gfx950 and features.get("gluon") and (kv == "bf16" or fp8_ok):
+                        out.append(Variant.make(NAME, **base))
+                else:
+                    # OPUS: gfx950, fp8 q and fp8 KV, 1-token pages (aiter/mla.py)
+                    opus_ok = gfx950 and q_fp8 and kv == "fp8" and features.get("opus")
+                    for params in _ai_persistent_params(space, shape, platform):
+                        for opus in opus_values:
+                            if opus and not opus_ok:
+                                continue
+                            out.append(Variant.make(NAME, **base, **params, **({"opus": True} if opus else {})))
+    return list(dict.fromkeys(out))
 
 
-def _ai_persistent_params(space: dict, shape: Shape, gfx942: bool) -> list[dict]:
-    """Persistent knobs without duplicates: fast_mode ignores intra_batch, and the default
-    builder (neither) ignores max_split_per_batch, so those combinations appear once."""
-    combos = []
+def _ai_persistent_key(shape: Shape, cu_num: int, gfx942: bool, fast: bool, intra: bool,
+                       cap: int) -> tuple:
+    """What the metadata builder does with these knobs at this shape: knobs with equal
+    keys build the same work list, so only the first is offered."""
+    if fast:
+        # v1_2: a global split budget of min(CUs, cap * batch); -1 means all CUs up to
+        # 0.1.20 and a workload-aware budget after (#4899, #5212), so it stays apart
+        return ("fast", "auto") if cap == -1 else ("fast", min(cu_num, cap * shape.batch) if cu_num else cap)
+    if intra:
+        # v1_0: every sequence gets min(kv_len // 196, ceil(CUs / batch), cap) splits
+        if gfx942:
+            return ("intra", _AI_GFX942_INTRA_SPLITS)
+        if not cu_num:
+            return ("intra", cap)
+        return ("intra", min(shape.kv_len // _AI_INTRA_MIN_KV, -(-cu_num // shape.batch), cap))
+    return ("v1_1",)  # the cost-heap builder ignores the cap
+
+
+def _ai_persistent_params(space: dict, shape: Shape, platform) -> list[dict]:
+    """Persistent knobs without duplicates: fast_mode ignores intra_batch, the default
+    builder (neither) ignores max_split_per_batch, and caps past what the shape can use give
+    the same metadata as the largest useful one (see _ai_persistent_key)."""
+    gfx942 = platform.arch.startswith("gfx942")
+    cu_num = int(getattr(platform, "sm_count", 0) or 0)
+    combos, seen = [], set()
     for granularity in _ai_space_list(space, "kv_granularity"):
         for fast in _ai_space_list(space, "fast_mode"):
             intra_options = [False] if fast else _ai_space_list(space, "intra_batch")
             for intra in intra_options:
                 for cap in _ai_space_list(space, "max_split_per_batch"):
-                    if not fast and not intra and cap != -1:
-                        continue
                     if intra and (cap < 1 or shape.kv_len < _AI_INTRA_MIN_KV):
                         continue
                     if intra and gfx942 and cap < _AI_GFX942_INTRA_SPLITS:
                         continue
+                    key = (granularity, *_ai_persistent_key(shape, cu_num, gfx942, fast, intra, cap))
+                    if key in seen:
+                        continue
+                    seen.add(key)
                     combos.append({
                         "kv_granularity": granularity, "fast_mode": fast,
                         "intra_batch": intra, "max_split_per_batch": cap,
@@ -212,25 +480,28 @@ def _ai_persistent_params(space: dict, shape: Shape, gfx942: bool) -> list[dict]
 def validate(variant: Variant) -> None:
     """Refuse a missing, unknown or ill-valued parameter, or a (q, KV, mode) with no AITER
     kernel (names and values only; _ai_validate adds what depends on the shape)."""
-    every = (*_AI_COMMON_PARAMS, *(n for names in _AI_MODE_PARAMS.values() for n in names))
+    every = (*_AI_COMMON_PARAMS, *(n for names in _AI_MODE_PARAMS.values() for n in names), "opus")
     check_param_names(variant, every, ("kv", "q", "mode"))
     mode = check_param_choice(variant, "mode", _AI_MODES)
     kv = check_param_choice(variant, "kv", ("bf16", "fp8"))
     q = check_param_choice(variant, "q", ("bf16", "fp8_dynamic", "fp8_static"))
     own = _AI_MODE_PARAMS[mode]
-    stray = [n for n in variant.p if n not in (*_AI_COMMON_PARAMS, *own)]
+    optional = _AI_OPTIONAL_PARAMS.get(mode, ())
+    stray = [n for n in variant.p if n not in (*_AI_COMMON_PARAMS, *own, *optional)]
     if stray:
         raise ValueError(f"aiter: {', '.join(stray)} is not a parameter of mode={mode}, which "
-                         f"takes {', '.join(own)}")
+                         f"takes {', '.join((*own, *optional)) or 'none'}")
     check_param_names(variant, every, ("kv", "q", "mode", *own))
     q_fp8 = q != "bf16"
     if mode not in _AI_PAIRS.get((q_fp8, kv), ()):
         raise ValueError(
             f"aiter: mode={mode} is not allowed with q={q} and kv={kv}: AITER has no {mode} kernel "
             f"for {'fp8' if q_fp8 else 'bf16'} q with {kv} KV; pairs with kernels: fp8/fp8 and "
-            "bf16/bf16 (both modes), bf16/fp8 (persistent)"
+            "bf16/bf16 (both modes), bf16/fp8 (persistent); gluon takes bf16 q only"
         )
     check_q_amax(variant)
+    if mode == "gluon":
+        return
     if mode == "nonpersistent":
         check_param_int(variant, "num_kv_splits")
         return
@@ -240,6 +511,9 @@ def validate(variant: Variant) -> None:
     if check_param_choice(variant, "intra_batch", (True, False)) and cap < 1:
         raise ValueError(f"aiter: max_split_per_batch={cap} is not allowed with intra_batch=true; "
                          "intra_batch needs max_split_per_batch >= 1 (the splits per sequence it writes)")
+    if "opus" in variant.p and check_param_choice(variant, "opus", (True, False)) and not (q_fp8 and kv == "fp8"):
+        raise ValueError(f"aiter: opus=true is not allowed with q={q} and kv={kv}: AITER's OPUS "
+                         "kernel reads fp8 q and fp8 KV only")
 
 
 def _ai_validate(variant: Variant, shape: Shape) -> None:
@@ -257,7 +531,7 @@ def _ai_validate(variant: Variant, shape: Shape) -> None:
         )
 
 
-def _ai_persistent_buffers(aiter, variant: Variant, shape: Shape, release, indptrs, dtypes, device):
+def _ai_persistent_buffers(aiter, variant: Variant, shape: Shape, features, indptrs, dtypes, device):
     """Size the six work buffers with get_mla_metadata_info_v1 and fill them once."""
     qo_indptr, kv_indptr, kv_last = indptrs
     q_dtype, kv_dtype = dtypes
@@ -269,7 +543,7 @@ def _ai_persistent_buffers(aiter, variant: Variant, shape: Shape, release, indpt
         # intra-batch buffers hold num_kv_splits rows per sequence; the builder writes `cap`
         num_kv_splits=cap if intra else 32, intra_batch_mode=intra,
     )
-    if release >= _AI_INFO_SPLIT_CAP_SINCE:
+    if features["info_split_cap"]:
         info_kwargs["max_split_per_batch"] = cap
     info = aiter.get_mla_metadata_info_v1(**info_kwargs)
     work = [torch.empty(size, dtype=dtype, device=device) for size, dtype in info]
@@ -291,9 +565,8 @@ def _ai_persistent_buffers(aiter, variant: Variant, shape: Shape, release, indpt
     # From v0.1.16 the reduction sizes its LDS from num_kv_splits, and from v0.1.18 a None
     # there lets AITER silently fall back to non-persistent for bf16 at batch >= 32; passing
     # the value AITER itself would pick keeps the variant what it says it is.
-    max_splits = getattr(aiter, "get_mla_decode_fwd_max_splits", None)
-    if max_splits is not None:
-        fixed["num_kv_splits"] = max_splits(NUM_HEADS, 1, q_dtype, kv_dtype)
+    if features["max_splits"]:
+        fixed["num_kv_splits"] = aiter.get_mla_decode_fwd_max_splits(NUM_HEADS, 1, q_dtype, kv_dtype)
     return fixed
 
 
@@ -326,15 +599,61 @@ def _ai_q_quantizer(aiter, q_mode: str, q_amax, batch: int, fp8_dtype, device):
     return quantize
 
 
+def _ai_gluon_runner(variant: Variant, shape: Shape, device):
+    """AITER's Gluon MLA decode over 1-token pages. It takes the KV scale as a Python float,
+    so the fp8 scale is folded into q (scores) and into o (values) on the device instead of
+    read back to the host on every call."""
+    from aiter.ops.triton.gluon.mla_gluon import mla_gluon
+
+    batch, total_kv = shape.batch, shape.total_kv
+    kv_format = variant.get("kv")
+    kv_indices = torch.arange(total_kv, device=device, dtype=torch.int32)
+    out = torch.empty((batch, NUM_HEADS, V_DIM), dtype=torch.bfloat16, device=device)
+    q_scaled = torch.empty((batch, NUM_HEADS, QK_DIM), dtype=torch.bfloat16, device=device)
+
+    def run_aiter_gluon(q, kv_data, _qo_indptr, kv_indptr):
+        kv_entry = kv_data[kv_format]
+        kv, kv_scale = (kv_entry, None) if kv_format == "bf16" else kv_entry
+        if q.shape[0] != batch or kv.shape[0] != total_kv:
+            raise ValueError(
+                f"this AITER runner was built for {shape} (batch {batch}, {total_kv} KV tokens); "
+                f"got batch {q.shape[0]} with {kv.shape[0]} tokens: build one for that shape"
+            )
+        q_in = q if kv_scale is None else torch.mul(q, kv_scale, out=q_scaled)
+        mla_gluon(
+            q_in[..., :V_DIM], q_in[..., V_DIM:], kv.view(total_kv, QK_DIM), out, kv_indices,
+            kv_indptr, sm_scale=SM_SCALE, kv_pe_offset=V_DIM, use_2d_view=False, kv_scale=1.0,
+            min_kv_seq_len=shape.kv_len,
+        )
+        if kv_scale is not None:
+            out.mul_(kv_scale)
+        return out
+
+    return run_aiter_gluon
+
+
 def build(variant: Variant, shape: Shape, device):
     _ai_validate(variant, shape)
     import aiter
     from aiter.mla import mla_decode_fwd
 
-    release = _ai_checked_version(aiter)
+    features = _ai_checked(aiter)
     device = torch.device(device)
+    mode = variant.get("mode")
+    if mode == "gluon":
+        if not features["gluon"]:
+            raise ValueError(f"{variant}: this AITER has no Gluon MLA decode ({_AI_GLUON_MODULE}, "
+                             "0.1.18+); install a newer amd-aiter or drop mode gluon")
+        if variant.get("kv") == "fp8" and shape.batch > 1 and not features["gluon_fp8_any_batch"]:
+            raise ValueError(f"{variant}: this AITER's Gluon decode reads fp8 KV at batch 1 only "
+                             "(0.1.18 to 0.1.19.post2); install 0.1.20 or later")
+        return _ai_gluon_runner(variant, shape, device)
+    opus = bool(variant.get("opus"))
+    if opus and not features["opus"]:
+        raise ValueError(f"{variant}: this AITER has no OPUS MLA kernel (mla_decode_fwd_opus_stage1, "
+                         "0.1.20+); install a newer amd-aiter or drop opus")
     batch, total_kv = shape.batch, shape.total_kv
-    kv_format, q_mode, mode = variant.get("kv"), variant.get("q"), variant.get("mode")
+    kv_format, q_mode = variant.get("kv"), variant.get("q")
     fp8_dtype = aiter.dtypes.fp8
     q_dtype = torch.bfloat16 if q_mode == "bf16" else fp8_dtype
     kv_dtype = torch.bfloat16 if kv_format == "bf16" else fp8_dtype
@@ -356,10 +675,14 @@ def build(variant: Variant, shape: Shape, device):
         fixed = dict(num_kv_splits=n, num_kv_splits_indptr=i32(torch.arange(batch + 1) * n))
     else:
         fixed = _ai_persistent_buffers(
-            aiter, variant, shape, release, (qo_indptr, kv_indptr, kv_last),
+            aiter, variant, shape, features, (qo_indptr, kv_indptr, kv_last),
             (q_dtype, kv_dtype), device,
         )
     persistent = mode == "persistent"
+    # mla_decode_fwd reads AITER_MLA_USE_OPUS on every fp8 persistent call (0.1.20+): pin it
+    # to the variant's choice, whatever the process environment says
+    opus_env = "1" if opus else "0"
+    pin_opus = persistent and features["opus"] and q_mode != "bf16" and kv_format == "fp8"
 
     def run_aiter_mla(q, kv_data, call_qo_indptr, call_kv_indptr):
         kv_entry = kv_data[kv_format]
@@ -370,15 +693,25 @@ def build(variant: Variant, shape: Shape, device):
                 f"got batch {q.shape[0]} with {kv.shape[0]} tokens: build one for that shape"
             )
         q_in, q_scale = (q, None) if quantize is None else quantize(q)
-        mla_decode_fwd(
-            q_in, kv.view(total_kv, 1, NUM_KV_HEADS, QK_DIM), out,
-            # persistent work lists were built from these exact indptrs
-            qo_indptr if persistent else call_qo_indptr,
-            kv_indptr if persistent else call_kv_indptr,
-            kv_indices, kv_last, 1,
-            page_size=1, nhead_kv=NUM_KV_HEADS, sm_scale=SM_SCALE, logit_cap=0.0,
-            q_scale=q_scale, kv_scale=kv_scale, **fixed,
-        )
+        before = os.environ.get(_AI_OPUS_ENV) if pin_opus else None
+        if pin_opus:
+            os.environ[_AI_OPUS_ENV] = opus_env
+        try:
+            mla_decode_fwd(
+                q_in, kv.view(total_kv, 1, NUM_KV_HEADS, QK_DIM), out,
+                # persistent work lists were built from these exact indptrs
+                qo_indptr if persistent else call_qo_indptr,
+                kv_indptr if persistent else call_kv_indptr,
+                kv_indices, kv_last, 1,
+                page_size=1, nhead_kv=NUM_KV_HEADS, sm_scale=SM_SCALE, logit_cap=0.0,
+                q_scale=q_scale, kv_scale=kv_scale, **fixed,
+            )
+        finally:
+            if pin_opus:
+                if before is None:
+                    os.environ.pop(_AI_OPUS_ENV, None)
+                else:
+                    os.environ[_AI_OPUS_ENV] = before
         return out
 
     return run_aiter_mla

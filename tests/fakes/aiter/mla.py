@@ -1,9 +1,13 @@
-"""Fake aiter.mla at v0.1.11: mla_decode_fwd with the real signature and contract.
+"""Fake aiter.mla: mla_decode_fwd with the real signature and contract of the release the
+fake imitates (0.1.11 or 0.1.20.post1, see _state.py).
 
 It enforces what the real call path checks or silently depends on (aiter/mla.py,
 csrc/py_itfs_cu/asm_mla.cu, hsa/gfx950/mla/mla_asm.csv) and computes the answer on the CPU
-with mla_tune.problem's reference math, writing it into `o` as the real one does.
+with mla_tune.problem's reference math in fp32, writing it into `o` as the real one does.
+The fp32 numerics say nothing about the accuracy of AITER's fp8 kernels: no accuracy evidence.
 """
+
+import os
 
 import torch
 from aiter import _state, dtypes
@@ -16,6 +20,12 @@ _KERNELS = {
     (dtypes.bf16, dtypes.bf16): ("nonpersistent", "persistent"),
 }
 _PERSISTENT_BUFFERS = ("work_indptr", "work_info_set", "reduce_indptr", "reduce_final_map", "reduce_partial_map")
+# The non-persistent stage 2 reads at most ceil(kv_len / block) splits (get_meta_param and
+# mgc in aiter/mla.py): 128 tokens for fp8 q, 64 for bf16.
+_SPLIT_BLOCK = {True: 128, False: 64}
+# 0.1.18+: AITER_MLA_DECODE_PERSISTENT_MAX_BATCH, above which bf16 persistent calls without
+# num_kv_splits run non-persistent
+_PERSISTENT_MAX_BATCH = 32
 
 
 def _check_scale(name, scale):
@@ -23,7 +33,7 @@ def _check_scale(name, scale):
     need(tuple(scale.shape) == (1,), f"{name} must be a per-tensor fp32 [1] dequant scale, got {tuple(scale.shape)}")
 
 
-def mla_decode_fwd(
+def _mla_decode_fwd_v0_1_11(
     q,
     kv_buffer,
     o,
@@ -50,6 +60,58 @@ def mla_decode_fwd(
     return_logits=False,
     return_lse=False,
 ):
+    return _decode(dict(locals()), use_opus=False)
+
+
+def _mla_decode_fwd_v0_1_20_post1(
+    q,
+    kv_buffer,
+    o,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    kv_last_page_lens,
+    max_seqlen_q,
+    page_size=1,
+    nhead_kv=1,
+    sm_scale=None,  # 1.0 / (qk_head_dim**0.5)
+    logit_cap=0.0,
+    num_kv_splits=None,  # for experts only!!!
+    num_kv_splits_indptr=None,  # for experts only!!!
+    work_meta_data=None,
+    work_indptr=None,
+    work_info_set=None,
+    reduce_indptr=None,
+    reduce_final_map=None,
+    reduce_partial_map=None,
+    q_scale=None,
+    kv_scale=None,
+    intra_batch_mode=False,
+    return_logits=False,
+    return_lse=False,
+    g_kv_indptr=None,
+    cp_world_size=1,
+    cp_rank=0,
+    causal=True,
+):
+    need(g_kv_indptr is None and cp_world_size == 1 and cp_rank == 0, "the fake covers no context parallelism")
+    # read on every call, like the real one; it applies to fp8 persistent calls with page 1
+    use_opus = os.environ.get("AITER_MLA_USE_OPUS", "0") == "1"
+    args = dict(locals())
+    for name in ("g_kv_indptr", "cp_world_size", "cp_rank", "causal", "use_opus"):
+        args.pop(name)
+    return _decode(args, use_opus=use_opus)
+
+
+mla_decode_fwd = _mla_decode_fwd_v0_1_20_post1 if _state.new_api else _mla_decode_fwd_v0_1_11
+mla_decode_fwd.__name__ = mla_decode_fwd.__qualname__ = "mla_decode_fwd"
+
+
+def _decode(args, use_opus):
+    (q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q, page_size,
+     nhead_kv, sm_scale, logit_cap, num_kv_splits, num_kv_splits_indptr, work_meta_data, work_indptr,
+     work_info_set, reduce_indptr, reduce_final_map, reduce_partial_map, q_scale, kv_scale,
+     intra_batch_mode, _return_logits, _return_lse) = args.values()
     assert logit_cap <= 0, f"{logit_cap=} is not support yet"
     # v0.1.10.post2 put page_size and nhead_kv after max_seqlen_q: an old positional call
     # lands sm_scale here
@@ -65,6 +127,10 @@ def mla_decode_fwd(
          f"kv_buffer must be [num_pages, page_size={page_size}, nhead_kv=1, 576], got {tuple(kv_buffer.shape)}")
     need(kv_buffer.shape[3] == q.shape[2], "KV.size(3) must equal q's head size")
     need_tensor("o", o, dtype=dtypes.bf16, shape=(q.shape[0], 16, 512))
+    # the kernels address o and the KV pages from their base pointers and outer strides only
+    need(o.is_contiguous(), f"o must be dense (contiguous), got strides {o.stride()}")
+    need(kv_buffer.stride()[1:] == (nhead_kv * 576, 576, 1),
+         f"kv_buffer's inner dims must be dense (strides (*, {nhead_kv * 576}, 576, 1)), got {kv_buffer.stride()}")
     bs = qo_indptr.shape[0] - 1 if isinstance(qo_indptr, torch.Tensor) else -1
     for name, t, size in (("qo_indptr", qo_indptr, bs + 1), ("kv_indptr", kv_indptr, bs + 1),
                           ("kv_last_page_lens", kv_last_page_lens, bs), ("kv_indices", kv_indices, None)):
@@ -74,6 +140,12 @@ def mla_decode_fwd(
     need(sm_scale is None or isinstance(sm_scale, float), f"sm_scale must be a float, got {sm_scale!r}")
 
     persistent = work_meta_data is not None
+    if (persistent and _state.new_api and num_kv_splits is None and _state.arch.startswith("gfx950")
+            and q.dtype == kv_buffer.dtype == dtypes.bf16 and q.shape[1] == 16 and max_seqlen_q == 1
+            and bs >= _PERSISTENT_MAX_BATCH):
+        # 0.1.18+: above this batch a bf16 persistent call that leaves num_kv_splits to AITER
+        # silently runs non-persistent (ignoring the work list)
+        persistent = False
     # Python picks the mode from work_meta_data, C++ from num_kv_splits_indptr
     need(not (persistent and num_kv_splits_indptr is not None),
          "never pass num_kv_splits_indptr with work_meta_data: Python and C++ would disagree on the mode")
@@ -92,6 +164,12 @@ def mla_decode_fwd(
         need(kv_scale is None, "kv_scale given for a bf16 KV cache")
 
     if persistent:
+        if _state.new_api and num_kv_splits is not None:
+            # 0.1.16+: mla_reduce_v1 sizes its LDS from num_kv_splits; fewer than the
+            # builder can write per tile would overflow it
+            need_int("num_kv_splits", num_kv_splits)
+            need(num_kv_splits >= _state.cu_num, f"num_kv_splits={num_kv_splits} is below the splits the "
+                 f"metadata may hold ({_state.cu_num}): pass get_mla_decode_fwd_max_splits(...)")
         for name in _PERSISTENT_BUFFERS:
             need_tensor(name, locals()[name])
         built = _state.metadata.get(work_meta_data.data_ptr())
@@ -104,12 +182,22 @@ def mla_decode_fwd(
             need(built[key] in (None, actual), f"metadata was built for {key}={built[key]}, call has {actual}")
     elif num_kv_splits_indptr is not None:
         need_int("num_kv_splits", num_kv_splits)
+        bounds = kv_indptr.tolist()
+        longest = max((b - a for a, b in zip(bounds, bounds[1:], strict=False)), default=0) * page_size
+        cap = -(-longest // _SPLIT_BLOCK[q.dtype == dtypes.fp8])
+        need(1 <= num_kv_splits <= cap, f"num_kv_splits={num_kv_splits} is past what stage 2 reads at kv_len "
+             f"{longest} (1..{cap}): the extra splits are left unreduced")
         need_tensor("num_kv_splits_indptr", num_kv_splits_indptr, dtype=torch.int32, shape=(bs + 1,))
         expected = list(range(0, (bs + 1) * num_kv_splits, num_kv_splits))
         need(num_kv_splits_indptr.tolist() == expected, "num_kv_splits_indptr must be arange(0, (bs+1)*n, n)")
 
+    stage1 = "asm"
+    if (use_opus and persistent and _state.arch.startswith("gfx950") and q.dtype == kv_buffer.dtype == dtypes.fp8
+            and page_size == 1 and q_scale is not None and kv_scale is not None):
+        stage1 = "opus"
+        _state.calls["mla_decode_fwd_opus_stage1"] += 1
     _state.calls["mla_decode_fwd"] += 1
-    _state.last_call = {"mode": mode, "q_dtype": q.dtype, "kv_dtype": kv_buffer.dtype,
+    _state.last_call = {"mode": mode, "stage1": stage1, "q_dtype": q.dtype, "kv_dtype": kv_buffer.dtype,
                         "num_kv_splits": num_kv_splits, "intra_batch_mode": intra_batch_mode}
 
     q32 = q.float() * (q_scale.float() if q_scale is not None else 1.0)

@@ -1,6 +1,7 @@
-"""Fake aiter.ops.attention at v0.1.11: the persistent-mode metadata functions.
+"""Fake aiter.ops.attention: the persistent-mode metadata functions of the release the
+fake imitates (0.1.11 or 0.1.20.post1, see _state.py).
 
-Signatures, buffer-size formulas and builder checks follow ROCm/aiter v0.1.11
+Signatures, buffer-size formulas and builder checks follow ROCm/aiter at those tags
 (aiter/ops/attention.py, csrc/kernels/mla/metadata.cu, metadata/v1_0_device.cuh), with the
 CU count taken from the fake's configuration instead of the device.
 """
@@ -20,20 +21,11 @@ def _tiles_per_batch(max_seqlen_qo, num_head_qo, q_dtype, kv_dtype):
     return int(math.ceil(max_seqlen_qo * num_head_qo / 16))
 
 
-def get_mla_metadata_info_v1(
-    batch_size: int,
-    max_seqlen_qo: int,
-    num_head_qo: int,
-    q_dtype: torch.dtype,
-    kv_dtype: torch.dtype,
-    is_sparse: bool,
-    fast_mode: bool = True,
-    num_kv_splits: int = 32,
-    intra_batch_mode: bool = False,
-):
+def _info(batch_size, max_seqlen_qo, num_head_qo, q_dtype, kv_dtype, is_sparse, fast_mode, num_kv_splits,
+          intra_batch_mode, max_split_per_batch):
     assert num_head_qo % 16 == 0
     _state.calls["get_mla_metadata_info_v1"] += 1
-    cu_num = _state.cu_num
+    cu_num = _state.cu_num  # 0.1.20: get_mla_decode_fwd_max_splits, CUs x occupancy 1 here
     tiles = _tiles_per_batch(max_seqlen_qo, num_head_qo, q_dtype, kv_dtype)
     batch_size = batch_size * max_seqlen_qo if is_sparse else batch_size
     tile_cnt = batch_size * tiles
@@ -43,6 +35,8 @@ def get_mla_metadata_info_v1(
     else:
         max_work = tile_cnt * cu_num
         max_split_tiles = tile_cnt * cu_num
+    if max_split_per_batch > 0:  # 0.1.20: a global budget shared by every tile
+        max_split_tiles = max(max_split_tiles, tile_cnt + min(cu_num, max_split_per_batch * batch_size))
     if not intra_batch_mode:
         return (
             ((2), torch.uint64),
@@ -62,6 +56,47 @@ def get_mla_metadata_info_v1(
     )
 
 
+def _get_mla_metadata_info_v1_v0_1_11(
+    batch_size: int,
+    max_seqlen_qo: int,
+    num_head_qo: int,
+    q_dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    is_sparse: bool,
+    fast_mode: bool = True,
+    num_kv_splits: int = 32,
+    intra_batch_mode: bool = False,
+):
+    return _info(**locals(), max_split_per_batch=-1)
+
+
+def _get_mla_metadata_info_v1_v0_1_20_post1(
+    batch_size: int,
+    max_seqlen_qo: int,
+    num_head_qo: int,
+    q_dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    is_sparse: bool,
+    fast_mode: bool = True,
+    num_kv_splits: int = 32,
+    intra_batch_mode: bool = False,
+    max_split_per_batch: int = -1,
+):
+    return _info(**locals())
+
+
+def get_mla_decode_fwd_max_splits(num_head_qo: int, max_seqlen_qo: int, q_dtype: torch.dtype,
+                                  kv_dtype: torch.dtype) -> int:
+    """0.1.16+: CUs x occupancy (1 for 16 heads), the LDS bound mla_reduce_v1 needs."""
+    return _state.cu_num
+
+
+def mla_decode_fwd_opus_stage1(*args, **kwargs) -> None:
+    """0.1.20+: the OPUS fp8 stage 1; mla_decode_fwd calls it under AITER_MLA_USE_OPUS=1
+    (the fake computes every stage 1 in mla._decode and only records which one ran)."""
+    raise FakeAiterError("the fake runs OPUS through mla_decode_fwd only")
+
+
 _TYPES = {  # what compile_ops checks against the stub's annotations before calling C++
     "num_heads_per_head_k": int, "num_heads_k": int, "is_causal": bool, "page_size": int,
     "kv_granularity": int, "max_seqlen_qo": int, "uni_seqlen_qo": int, "fast_mode": bool,
@@ -76,7 +111,7 @@ def _intra_batch_splits(kv_len, batch, max_split_per_batch):
     return min(kv_len // 196, -(-_state.cu_num // batch), max_split_per_batch)
 
 
-def get_mla_metadata_v1(
+def _get_mla_metadata_v1_v0_1_11(
     seqlens_qo_indptr: torch.Tensor,
     seqlens_kv_indptr: torch.Tensor,
     kv_last_page_lens: torch.Tensor,
@@ -100,7 +135,70 @@ def get_mla_metadata_v1(
     dtype_q: torch.dtype | None = None,
     dtype_kv: torch.dtype | None = None,
 ) -> None:
+    _build(dict(locals()))
+
+
+def _get_mla_metadata_v1_v0_1_20_post1(
+    seqlens_qo_indptr: torch.Tensor,
+    seqlens_kv_indptr: torch.Tensor,
+    kv_last_page_lens: torch.Tensor,
+    num_heads_per_head_k: int,
+    num_heads_k: int,
+    is_causal: bool,
+    work_metadata_ptrs: torch.Tensor,
+    work_info_set: torch.Tensor,
+    work_indptr: torch.Tensor,
+    reduce_indptr: torch.Tensor,
+    reduce_final_map: torch.Tensor,
+    reduce_partial_map: torch.Tensor,
+    page_size: int = 1,
+    kv_granularity: int = 16,
+    max_seqlen_qo: int = -1,
+    uni_seqlen_qo: int = -1,
+    fast_mode: bool = True,
+    topk: int = -1,
+    max_split_per_batch: int = -1,
+    intra_batch_mode: bool = False,
+    is_cp_round_robin: bool = False,
+    mla_version: int = 0,  # MlaVersion.V32.value
+    dtype_q_nope: torch.dtype | None = None,
+    dtype_q_rope: torch.dtype | None = None,
+    dtype_kv_nope: torch.dtype | None = None,
+    dtype_kv_rope: torch.dtype | None = None,
+    dtype_q: torch.dtype | None = None,
+    dtype_kv: torch.dtype | None = None,
+) -> None:
+    need(not is_cp_round_robin and mla_version == 0, "the fake covers DeepSeek V3.2 MLA without CP only")
+    # dtype_q / dtype_kv are legacy aliases filling the nope and rope dtypes left unset
     args = dict(locals())
+    for name in ("is_cp_round_robin", "mla_version"):
+        args.pop(name)
+    for short in ("q", "kv"):
+        nope, rope = args.pop(f"dtype_{short}_nope"), args.pop(f"dtype_{short}_rope")
+        for name, value in ((f"dtype_{short}_nope", nope), (f"dtype_{short}_rope", rope)):
+            if value is not None and not isinstance(value, torch.dtype):
+                raise TypeError(f"get_mla_metadata_v1: {name} needs to be Optional[torch.dtype]")
+        if args[f"dtype_{short}"] is None:
+            args[f"dtype_{short}"] = nope if nope is not None else rope
+    _build(args)
+
+
+if _state.new_api:
+    get_mla_metadata_info_v1 = _get_mla_metadata_info_v1_v0_1_20_post1
+    get_mla_metadata_v1 = _get_mla_metadata_v1_v0_1_20_post1
+else:
+    get_mla_metadata_info_v1 = _get_mla_metadata_info_v1_v0_1_11
+    get_mla_metadata_v1 = _get_mla_metadata_v1_v0_1_11
+    del get_mla_decode_fwd_max_splits, mla_decode_fwd_opus_stage1  # not in 0.1.11
+for _fn, _name in ((get_mla_metadata_info_v1, "get_mla_metadata_info_v1"), (get_mla_metadata_v1, "get_mla_metadata_v1")):
+    _fn.__name__ = _fn.__qualname__ = _name
+
+
+def _build(args: dict) -> None:
+    (seqlens_qo_indptr, seqlens_kv_indptr, kv_last_page_lens, num_heads_per_head_k, num_heads_k, is_causal,
+     work_metadata_ptrs, work_info_set, work_indptr, reduce_indptr, reduce_final_map, reduce_partial_map,
+     page_size, kv_granularity, max_seqlen_qo, uni_seqlen_qo, fast_mode, topk, max_split_per_batch,
+     intra_batch_mode, dtype_q, dtype_kv) = args.values()
     for name, kind in _TYPES.items():
         if not isinstance(args[name], kind):
             raise TypeError(f"get_mla_metadata_v1: {name} needs to be {kind} but got {type(args[name])}")

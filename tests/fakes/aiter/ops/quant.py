@@ -1,13 +1,14 @@
 """Fake aiter.ops.quant: the per-tensor fp8 quantizers (pybind ops: positional arguments only)."""
 
 import torch
-from aiter import _state
+from aiter import _state, dtypes
 from aiter._checks import need, need_tensor
 
 
 def _check(out, input, scale):
     need_tensor("out", out)
-    need(out.dtype in (torch.float8_e4m3fn, torch.int8), f"not support output type: {out.dtype}")
+    # the C++ op accepts this arch's fp8 (dtypes.fp8) or int8 only
+    need(out.dtype in (dtypes.fp8, torch.int8), f"not support output type: {out.dtype}")
     need_tensor("input", input)
     need(input.dtype in (torch.bfloat16, torch.float16), f"input must be fp16/bf16, got {input.dtype}")
     need(tuple(out.shape) == tuple(input.shape), f"out {tuple(out.shape)} != input {tuple(input.shape)}")
