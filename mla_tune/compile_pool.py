@@ -296,7 +296,7 @@ class CompileHandle:
 
     def _finish(self, slot: _Slot, status: str, error: str) -> None:
         job = slot.job
-        self._results[job] = JobResult(job, status, error, round(time.monotonic() - slot.job_started, 3))
+        self._results[job] = JobResult(job, status, error, round(time.monotonic() - slot.job_started, 4))
         slot.job = None
 
     @staticmethod

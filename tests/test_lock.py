@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,8 @@ TORCH = ROOT / "tests" / "data" / "sweep_torch.yaml"
 # A sweep whose body only holds the lock a moment: both processes go through run_sweep's
 # real lock handling, started at the same instant.
 _RACER = textwrap.dedent("""
-    import sys, time
+    import os, sys, time
+    from pathlib import Path
     import mla_tune.sweep as sweep
     from mla_tune.sweep import SweepError, run_sweep
 
@@ -28,8 +28,9 @@ _RACER = textwrap.dedent("""
         time.sleep(1.5)
 
     sweep._sweep = hold
-    start_at, config, out = float(sys.argv[1]), sys.argv[2], sys.argv[3]
-    while time.time() < start_at:
+    ready, config, out = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    (ready / str(os.getpid())).touch()
+    while len(list(ready.iterdir())) < 2:  # both imported: go at the same moment
         pass
     try:
         run_sweep(config, "cpu", out=out)
@@ -39,15 +40,14 @@ _RACER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("leftover", ["none", "empty"])
-def test_two_sweeps_started_together_exactly_one_runs_the_other_names_lock_and_pid(tmp_path, leftover):
+def test_two_sweeps_started_together_exactly_one_runs_the_other_names_lock_and_pid(tmp_path):
     out = tmp_path / "cpu.yaml"
     lock = tmp_path / "cpu.yaml.lock"
-    if leftover == "empty":  # what a sweep killed between creating and writing it leaves
-        lock.write_text("")
-    start_at = time.time() + 3.0  # both have imported torch by then
+    lock.write_text("")  # what a sweep killed between creating and writing it leaves (issue 12)
+    ready = tmp_path / "ready"
+    ready.mkdir()
     procs = [
-        subprocess.Popen([sys.executable, "-c", _RACER, str(start_at), str(TORCH), str(out)],
+        subprocess.Popen([sys.executable, "-c", _RACER, str(ready), str(TORCH), str(out)],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(2)
     ]
@@ -90,13 +90,15 @@ def test_a_live_holder_is_never_taken_over_even_while_its_file_is_still_empty(tm
 
 def test_a_lock_of_a_killed_sweep_is_taken_over_with_a_warning_naming_its_pid(tmp_path):
     path = tmp_path / "t.yaml.lock"
+    # what SweepLock.acquire leaves: the flock held, the pid written (no torch import: fast)
     killed = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        from mla_tune.results import SweepLock
-        import time
-        SweepLock(__import__("pathlib").Path({str(path)!r})).acquire()
+        import fcntl, os, time
+        fd = os.open({str(path)!r}, os.O_RDWR | os.O_CREAT)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, f"{{os.getpid()}}\\n".encode())
         print("held", flush=True)
         time.sleep(30)
-    """)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    """)], stdout=subprocess.PIPE, text=True)
     assert killed.stdout.readline().strip() == "held"
     killed.kill()
     killed.wait()
