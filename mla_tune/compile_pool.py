@@ -252,6 +252,7 @@ class CompileHandle:
         self._stop = threading.Event()
         self._started = time.monotonic()
         self._ended: float | None = None
+        self._last_start_failure = ""
         # The manager thread starts every process, so they die with it (PR_SET_PDEATHSIG
         # fires when the starting thread exits): it outlives all of them.
         self._thread = threading.Thread(target=self._manage, name="mla-tune-compile", daemon=True)
@@ -329,7 +330,8 @@ class CompileHandle:
                     if gone == "never started":
                         start_failures += 1
                     if start_failures >= _START_FAILURES_ALLOWED:
-                        reason = f"{start_failures} compile processes in a row did not start"
+                        reason = (f"{start_failures} compile processes in a row did not start (the last: "
+                                  f"{self._last_start_failure}){self._log_hint()}")
                         self._notes.append(reason)
                         while self._pending:
                             job = self._pending.popleft()
@@ -360,12 +362,16 @@ class CompileHandle:
                 slot.proc.join(1)
                 self._finish(slot, "crashed", f"its compile process died ({_exit_text(slot.proc.exitcode)}) "
                              f"while warming it{self._log_hint()}")
-            return "started" if slot.ready else "never started"
+            if not slot.ready:
+                slot.proc.join(1)
+                self._last_start_failure = f"{_exit_text(slot.proc.exitcode)} before it was ready"
+                return "never started"
+            return "started"
         if slot.job is not None and now - slot.job_started > self._job_timeout_s:
             self._finish(slot, "timeout", f"ran past the {self._job_timeout_s:.0f} s limit; its process was killed")
             return "started"
         if not slot.ready and now - slot.spawned_at > self._start_timeout_s:
-            self._notes.append(f"a compile process did not start within {self._start_timeout_s:.0f} s")
+            self._last_start_failure = f"not ready within {self._start_timeout_s:.0f} s"
             return "never started"
         return None
 
