@@ -46,6 +46,9 @@ _KV_BYTES_PER_TOKEN = {"bf16": 2 * QK_DIM, "fp8": QK_DIM, "mxfp4": QK_DIM // 2}
 START_TIMEOUT_S = 180.0  # a compile process's start: import torch and triton, start CUDA
 _START_FAILURES_ALLOWED = 3  # consecutive processes that never started before giving up
 _INPUTS_KEPT = 4  # stand-in inputs a process keeps for its next jobs
+# A stand-in over this many KV tokens (a backend whose stand-in is the real shape: GBs of
+# inputs) is the only input a process keeps.
+_SMALL_INPUT_TOKENS = 1 << 16
 
 
 # --------------------------------------------------------------------------- plan
@@ -97,8 +100,9 @@ class CompileJob:
 
 
 def plan_jobs(pairs, sm_count: int | None = None, hip: bool | None = None) -> list[CompileJob]:
-    """One job per distinct (variant, stand-in) of the (variant, real shape) pairs, in a
-    stable order. hip: whether Triton compiles for ROCm (default: this torch's build)."""
+    """One job per distinct (variant, stand-in) of the (variant, real shape) pairs, ordered
+    by stand-in (neighbouring jobs share inputs), then variant. hip: whether Triton
+    compiles for ROCm (default: this torch's build)."""
     hip = bool(torch.version.hip) if hip is None else hip
     jobs: dict[tuple, list[Shape]] = {}
     for variant, shape in pairs:
@@ -108,7 +112,8 @@ def plan_jobs(pairs, sm_count: int | None = None, hip: bool | None = None) -> li
         jobs.setdefault(key, []).append(shape)
     return [
         CompileJob(text, standin, tuple(shapes), big)
-        for (text, standin, big), shapes in sorted(jobs.items(), key=lambda kv: (kv[0][0], str(kv[0][1])))
+        for (text, standin, big), shapes in sorted(
+            jobs.items(), key=lambda kv: (kv[0][1].total_kv, kv[0][1].batch, kv[0][2], kv[0][0]))
     ]
 
 
@@ -175,7 +180,7 @@ def _rehome_large(kv_data: dict, big: tuple[str, ...], device) -> dict:
 def _inputs_for(job: CompileJob, device, kept: dict) -> tuple:
     key = (job.shape, job.big_kv)
     if key not in kept:
-        while len(kept) >= _INPUTS_KEPT:
+        while len(kept) >= _INPUTS_KEPT or kept and job.shape.total_kv > _SMALL_INPUT_TOKENS:
             kept.pop(next(iter(kept)))
         data = problem.generate_input(job.shape.batch, job.shape.kv_len, 0, device=device)
         if job.big_kv and torch.version.hip:

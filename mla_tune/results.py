@@ -8,7 +8,6 @@ line (killed mid-write) is dropped with a warning and cut off before the next ap
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import time
@@ -162,6 +161,8 @@ class SweepLock:
         self._fd: int | None = None
 
     def acquire(self) -> SweepLock:
+        import fcntl  # POSIX only: imported here so that reading results works anywhere
+
         self.path.parent.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
