@@ -323,7 +323,10 @@ class CompileHandle:
                 for slot in slots:
                     if slot.ready and slot.job is None and self._pending:
                         slot.job, slot.job_started = self._pending.popleft(), time.monotonic()
-                        slot.conn.send(("job", slot.job))
+                        try:
+                            slot.conn.send(("job", slot.job))
+                        except OSError:  # it has just died: _poll records the job as crashed
+                            pass
                 wait_connections([s.conn for s in slots] + [s.proc.sentinel for s in slots], 0.1)
                 now = time.monotonic()
                 for slot in list(slots):
@@ -343,6 +346,9 @@ class CompileHandle:
                             self._results[job] = JobResult(job, "not_run", reason)
                     elif gone == "started":
                         start_failures = 0
+        except Exception as exc:  # the pool's own failure: every job left is reported not_run with it
+            self._notes.append(f"the compile pool stopped on {_error_text(exc)}")
+            raise
         finally:
             for slot in slots:
                 if slot.job is not None:
