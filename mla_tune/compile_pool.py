@@ -279,6 +279,11 @@ class CompileHandle:
             self._thread.join(0.2 if left is None else min(0.2, left))
         return self.report()
 
+    def finished(self) -> list[JobResult]:
+        """The jobs finished so far (each names its variant and the real shapes it warmed),
+        so the sweep can time those candidates while the rest compile."""
+        return list(self._results.values())
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()

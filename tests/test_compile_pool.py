@@ -226,9 +226,11 @@ def test_start_returns_at_once_and_a_deadline_stops_the_pool_keeping_finished_jo
     t0 = time.monotonic()
     handle = compile_pool.start(jobs, has_gpu=False, processes=1, job_timeout_s=120)
     assert time.monotonic() - t0 < 2.0 and not handle.done()
-    while not any(p.name.startswith("quick") for p in fake_env.iterdir()):
+    while not handle.finished():
         assert time.monotonic() - t0 < 60
         time.sleep(0.1)
+    assert [r.job for r in handle.finished()] == [jobs[0]]  # what the sweep may time already
+    assert any(p.name.startswith("quick") for p in fake_env.iterdir())
     report = handle.wait(time.monotonic() + 1.0)
     assert time.monotonic() - t0 < 70 and handle.done()
     assert [r.status for r in report.results] == ["ok", "not_run", "not_run", "not_run"]
