@@ -216,7 +216,7 @@ def test_a_hang_and_two_crashes_cost_only_themselves_and_every_other_job_is_kept
     ran = sorted(p.name.split("-")[0] for p in fake_env.iterdir())
     assert ran == [f"ok{i}" for i in range(5)]  # each ok job ran once, after the hang and crashes
     assert all(r.elapsed_s >= 0 for r in report.results)
-    assert report.elapsed_s <= wall and wall < 60
+    assert report.elapsed_s <= wall + 0.001 and wall < 60  # elapsed_s is rounded to ms
     assert set(report.errors()) == {str(status[k].job) for k in "hesr"}
     assert "Segmentation fault" in (tmp_path / "compile.log").read_text()  # faulthandler's trace
 
