@@ -171,6 +171,21 @@ def test_on_rocm_a_cache_over_2gib_is_kept_in_a_large_storage_so_its_pointer_spe
     assert keys.of(bf16, Shape(1, 1)) != keys.of(bf16, Shape(256, 8192))  # the check can fail
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter's sample")
+def test_stand_ins_run_through_the_kernels_under_the_interpreter_at_the_most_splits():
+    """A sample under Triton's interpreter: split-K with 32 splits of a 1-token stand-in
+    (empty splits), the one-launch kernel with as many tiles as splits (fp16 dots)."""
+    for text, shape in (
+        ("triton(block_n=32,dot_dtype=fp16,kv=fp8,num_splits=32,num_stages=1,num_warps=4,q=fp8_static)",
+         Shape(64, 8192)),
+        ("triton_fused(block_n=32,kv=bf16,num_splits=4,num_stages=3,num_warps=4,pv_dot=fp16,q=bf16,"
+         "qk_dot=fp16,reduce=last,tok_m=true)", Shape(32, 1024)),
+    ):
+        (job,) = plan_jobs([(text, shape)], 132, hip=False)
+        assert job.shape.total_kv <= 128
+        compile_pool.run_job(job, torch.device("cpu"), {})  # raises if the stand-in cannot run
+
+
 def test_jobs_are_one_per_variant_and_stand_in_and_remember_their_shapes():
     v = Variant.parse("triton(block_n=32,dot_dtype=fp16,kv=fp8,num_splits=4,num_stages=1,num_warps=4,q=bf16)")
     jobs = plan_jobs([(v, Shape(4, 1024)), (v, Shape(256, 8192)), (str(v), Shape(32, 1024))], 132, hip=False)
