@@ -12,22 +12,30 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from mla_tune.backends import known_backends
+from mla_tune import gpu
+from mla_tune.backends import get_backend, known_backends
 from mla_tune.core import Shape
 from mla_tune.errors import MlaTuneError
+from mla_tune.fileio import read_yaml
 from mla_tune.problem import Rule, get_rule
 
 TOP_LEVEL_FIELDS = {
     "name", "description", "rule", "check_seeds", "calibration_seeds", "timing", "budget_s",
     "shapes", "backends", "candidate_timeout_s",
+    "search",  # the search's rungs: validated where the search is defined
 }
 TIMING_FIELDS = {"reps", "prune_reps", "prune_factor"}
+# Keys every backend section may hold besides the backend's own SPACE_KEYS.
+SECTION_FIELDS = ("precompile", "grids")
+CONFIG_MAX_BYTES = 1 << 20  # configs are hand-written: a few KB
+# Where a backend's search space is tried at load time, so a bad value fails before a sweep.
+_PROBE_SHAPE = Shape(4, 1024)
+_PROBE_GPUS = ("H200", "MI355X")
 
 
 class ConfigError(MlaTuneError, ValueError):
@@ -70,20 +78,19 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """An int or a finite float (not a bool, not .nan or .inf)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_positive(value: Any) -> bool:
+    return _is_number(value) and value > 0
 
 
 def load_config(path: str | Path) -> Config:
     """Read and validate a config file; raises ConfigError naming the file and the field."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the config file ({exc})") from exc
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
+    raw = read_yaml(path, "config", ConfigError, max_bytes=CONFIG_MAX_BYTES,
+                    missing_hint="pass the path of a config file, e.g. configs/leaderboard.yaml")
     return config_from_dict(raw, path)
 
 
@@ -129,11 +136,11 @@ def config_from_dict(raw: Any, path: str | Path = "<config>") -> Config:
     timing = _timing(raw["timing"], fail)
 
     budget_s = raw.get("budget_s")
-    if budget_s is not None and (not _is_number(budget_s) or budget_s <= 0):
-        raise fail("budget_s", f"must be a positive number of seconds, got {budget_s!r}")
+    if budget_s is not None and not _is_positive(budget_s):
+        raise fail("budget_s", f"must be a positive, finite number of seconds, got {budget_s!r}")
     timeout = raw.get("candidate_timeout_s")
-    if timeout is not None and (not _is_number(timeout) or timeout <= 0):
-        raise fail("candidate_timeout_s", f"must be a positive number of seconds, got {timeout!r}")
+    if timeout is not None and not _is_positive(timeout):
+        raise fail("candidate_timeout_s", f"must be a positive, finite number of seconds, got {timeout!r}")
 
     shapes = _shapes(raw["shapes"], fail)
     backends, precompile = _backends(raw["backends"], fail)
@@ -177,7 +184,7 @@ def _timing(value: Any, fail) -> TimingSpec:
     if factor is None:
         raise fail("timing.prune_factor", "missing (required)")
     if not _is_number(factor) or factor < 1:
-        raise fail("timing.prune_factor", f"must be a number >= 1, got {factor!r}")
+        raise fail("timing.prune_factor", f"must be a finite number >= 1, got {factor!r}")
     return TimingSpec(value["reps"], value["prune_reps"], float(factor))
 
 
@@ -213,8 +220,8 @@ def expand_space(space: dict) -> list[dict]:
 
 
 def default_precompile(backend: str) -> bool:
-    """Triton backends compile per variant; the others ship compiled code."""
-    return backend.startswith("triton")
+    """The backend's own word (its PRECOMPILE): whether its kernels compile on first use."""
+    return bool(getattr(get_backend(backend), "PRECOMPILE", False))
 
 
 def _backends(value: Any, fail) -> tuple[dict[str, dict], dict[str, bool]]:
@@ -231,7 +238,7 @@ def _backends(value: Any, fail) -> tuple[dict[str, dict], dict[str, bool]]:
         if not isinstance(space, dict):
             raise fail(where, f"must be a mapping (the search space), got {space!r}")
         space = dict(space)
-        flag = space.pop("precompile", default_precompile(name))
+        flag = space.pop("precompile") if "precompile" in space else default_precompile(name)
         if not isinstance(flag, bool):
             raise fail(f"{where}.precompile", f"must be true or false, got {flag!r}")
         grids = space.get("grids")
@@ -239,6 +246,29 @@ def _backends(value: Any, fail) -> tuple[dict[str, dict], dict[str, bool]]:
             not isinstance(grids, list) or not grids or not all(isinstance(g, dict) for g in grids)
         ):
             raise fail(f"{where}.grids", "must be a non-empty list of mappings (sub-grids)")
+        _check_space(name, space, where, fail)
         spaces[name] = space
         precompile[name] = flag
     return spaces, precompile
+
+
+def _check_space(name: str, space: dict, where: str, fail) -> None:
+    """Refuse a key the backend does not take (its SPACE_KEYS), in the section or in a
+    sub-grid, then let the backend's candidates() judge the values on a probe shape for
+    each kind of GPU (it raises ValueError naming the key and the allowed values)."""
+    backend = get_backend(name)
+    keys = getattr(backend, "SPACE_KEYS", None)
+    if keys is not None:
+        places = [(where, space)] + [(f"{where}.grids[{i}]", g) for i, g in enumerate(space.get("grids") or [])]
+        for place, section in places:
+            allowed = (*keys, *SECTION_FIELDS) if section is space else tuple(keys)
+            for key in section:
+                if key not in allowed:
+                    raise fail(f"{place}.{key}", f"unknown key for backend {name}; allowed: "
+                               f"{', '.join(allowed) or 'none'}")
+    for grid in expand_space(space):
+        for gpu_name in _PROBE_GPUS:
+            try:
+                backend.candidates(_PROBE_SHAPE, grid, gpu.fake_platform(gpu_name))
+            except ValueError as exc:
+                raise fail(where, ' '.join(str(exc).split())) from None

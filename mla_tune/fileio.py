@@ -145,15 +145,17 @@ def _safe_load_without_aliases(text: str) -> Any:
     return yaml.load(text, Loader=fast)  # noqa: S506 (the safe loader, in C)
 
 
-def read_yaml(path: Path, what: str, error: type[MlaTuneError]) -> Any:
+def read_yaml(path: Path, what: str, error: type[MlaTuneError],
+              max_bytes: int = MAX_YAML_BYTES,
+              missing_hint: str = "run `mla-tune sweep --gpu NAME` to make one, or pass the "
+                                  "path of an existing file") -> Any:
     """Parse a YAML file mla-tune reads (a table, say `what`): a regular file of at most
-    MAX_YAML_BYTES, without aliases, with the safe loader; every failure is one `error`
+    max_bytes, without aliases, with the safe loader; every failure is one `error`
     naming the file."""
     try:
         info = path.stat()
     except FileNotFoundError as exc:
-        raise error(f"{what} {path} does not exist; run `mla-tune sweep --gpu NAME` to make "
-                    "one, or pass the path of an existing file") from exc
+        raise error(f"{what} {path} does not exist; {missing_hint}") from exc
     except OSError as exc:  # a symlink loop, a path through a file, no permission
         raise error(f"cannot read {what} {path}: {exc.strerror or exc}; pass a readable file") from exc
     if stat.S_ISDIR(info.st_mode):
@@ -162,11 +164,11 @@ def read_yaml(path: Path, what: str, error: type[MlaTuneError]) -> Any:
         raise error(f"{what} {path} is not a regular file; pass the path of a .yaml file")
     try:
         with open(path, "rb") as handle:
-            raw = handle.read(MAX_YAML_BYTES + 1)
+            raw = handle.read(max_bytes + 1)
     except OSError as exc:
         raise error(f"cannot read {what} {path}: {exc.strerror or exc}; pass a readable file") from exc
-    if len(raw) > MAX_YAML_BYTES:
-        raise error(f"{what} {path} is over {MAX_YAML_BYTES // 2**20} MB, far larger than any "
+    if len(raw) > max_bytes:
+        raise error(f"{what} {path} is over {max_bytes} bytes, far larger than any "
                     f"{what}; pass the right file")
     try:
         text = raw.decode("utf-8")

@@ -145,54 +145,89 @@ def _pid_alive(pid: int) -> bool:
 
 
 class SweepLock:
-    """An O_EXCL lock file holding the sweep's pid, so two sweeps never write one table.
+    """An OS-level lock (fcntl.flock) on the table's lock file, held for the sweep's life,
+    so two sweeps never write one table.
 
-    A lock whose pid is dead (a sweep killed with -9) is taken over with a warning.
+    The kernel arbitrates: of two sweeps starting together exactly one gets the flock, and
+    the lock dies with its process (kill -9 included), so it is never taken over while its
+    holder lives. The holder's pid is written into the file for the refusal message. A file
+    naming a dead pid (a sweep killed before it could remove its lock) is taken over with
+    a warning; a file naming a live pid whose process holds no flock (a lock from an older
+    mla-tune) is refused, since that pid may be a sweep.
     """
 
     def __init__(self, path: Path):
-        self.path = path
+        self.path = Path(path)
         self.warning: str | None = None
-        self._held = False
+        self._fd: int | None = None
 
     def acquire(self) -> SweepLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        for _attempt in range(2):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                pid = self._holder()
-                if pid is not None and _pid_alive(pid):
-                    raise ResultsError(
-                        f"another sweep (pid {pid}) holds {self.path}; wait for it to finish, "
-                        f"or if pid {pid} is not a sweep, delete {self.path}"
-                    ) from None
-                self.warning = (
-                    f"taking over a stale lock {self.path} left by pid {pid}, which is no "
-                    "longer running (a sweep that was killed)"
-                )
-                try:
-                    os.unlink(self.path)
-                except FileNotFoundError:
-                    pass
-                continue
-            with os.fdopen(fd, "w") as f:
-                f.write(f"{os.getpid()}\n")
-            self._held = True
-            return self
-        raise ResultsError(f"could not take the lock {self.path}: another sweep took it first")
+        import fcntl  # POSIX only: imported here so that reading results works anywhere
 
-    def _holder(self) -> int | None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                pid = self._holder(wait_s=1.0)  # the holder writes its pid right after flock
+                who = f"another sweep (pid {pid})" if pid else "another sweep (its pid not yet written)"
+                raise ResultsError(f"{who} holds the lock {self.path}; wait for it to finish") from None
+            if self._same_file(fd):
+                break
+            os.close(fd)  # a releasing sweep removed the file under us: lock the new one
+        pid = self._read_pid(fd)
+        if pid is not None and _pid_alive(pid):
+            os.close(fd)
+            raise ResultsError(
+                f"another sweep (pid {pid}) holds the lock {self.path}; wait for it to finish, "
+                f"or if pid {pid} is not a sweep, delete {self.path}"
+            )
+        if pid is not None:
+            self.warning = (
+                f"taking over a stale lock {self.path} left by pid {pid}, which is no "
+                "longer running (a sweep that was killed)"
+            )
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+        return self
+
+    def _same_file(self, fd: int) -> bool:
         try:
-            text = self.path.read_text().strip()
-        except OSError:
-            return None
+            return os.stat(self.path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            return False
+
+    @staticmethod
+    def _read_pid(fd: int) -> int | None:
+        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
         return int(text) if text.isdigit() else None
 
+    def _holder(self, wait_s: float = 0.0) -> int | None:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                text = self.path.read_text().strip()
+            except OSError:
+                text = ""
+            if text.isdigit() or time.monotonic() >= deadline:
+                return int(text) if text.isdigit() else None
+            time.sleep(0.02)
+
     def release(self) -> None:
-        if self._held and self._holder() == os.getpid():
+        """Remove the file while still holding the flock, then drop it: a sweep waiting on
+        the old file sees it gone (_same_file) and locks a fresh one."""
+        if self._fd is None:
+            return
+        try:
             os.unlink(self.path)
-        self._held = False
+        except FileNotFoundError:
+            pass
+        os.close(self._fd)
+        self._fd = None
 
     def __enter__(self) -> SweepLock:
         return self.acquire()

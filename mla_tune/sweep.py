@@ -29,6 +29,7 @@ import mla_tune
 from mla_tune import gpu as gpu_mod
 from mla_tune import timing
 from mla_tune.backends import get_backend
+from mla_tune.compile_pool import plan_jobs
 from mla_tune.config import Config, expand_space, load_config
 from mla_tune.core import Shape, Variant
 from mla_tune.errors import MlaTuneError
@@ -53,7 +54,6 @@ from mla_tune.worker import (
     WorkerGone,
     WorkerHandle,
     WorkerTimeout,
-    compile_shape_for,
     precompile,
     probe_platform,
 )
@@ -421,18 +421,18 @@ class DeviceRunner:
 
 
 def _precompile(config: Config, pending, device: int, timeout: float, console: Console) -> None:
-    jobs = sorted({
-        (str(v), compile_shape_for(shape))
-        for shape, vs in pending.items() for v in vs if config.precompile.get(v.backend)
-    })
+    # (variant, real shape) pairs: the pool picks each one's stand-in and dedupes them
+    jobs = plan_jobs(
+        (v, shape) for shape, vs in pending.items() for v in vs if config.precompile.get(v.backend)
+    )
     if not jobs:
         return
     processes = max(1, min(8, (os.cpu_count() or 2) - 1))
     t0 = time.monotonic()
     limit = timeout * max(1, math.ceil(len(jobs) / processes))
-    errors = precompile(jobs, device, True, processes, limit)
+    errors = precompile(jobs, device, True, processes, limit, job_timeout_s=timeout)
     console.print(
-        f"precompiled {len(jobs)} (variant, shape class) pairs in {processes} processes, "
+        f"precompiled {len(jobs)} (variant, stand-in shape) jobs in {processes} processes, "
         f"{time.monotonic() - t0:.0f} s; {len(errors)} did not compile or run there "
         "(not fatal: the timed run records why)"
     )

@@ -28,7 +28,9 @@ import torch
 
 from mla_tune import gpu, problem, timing
 from mla_tune.backends import get_backend
+from mla_tune.compile_pool import compile_shape_for, precompile  # noqa: F401 (moved; re-exported until callers move)
 from mla_tune.core import Shape, Variant
+from mla_tune.procs import die_with_parent
 
 GATE_MARGIN = 0.5  # the gate demands at most half the rule's allowance (PROBLEM.md)
 # fp8_static q scale: the max |q| seen over the calibration seeds, with 10% headroom for
@@ -220,6 +222,7 @@ def _redirect_output(log_path: str) -> None:
 
 
 def worker_main(device_index: int, conn, log_path: str) -> None:
+    die_with_parent()  # no orphan when the sweep is killed with -9
     _redirect_output(log_path)
     print(f"[mla-tune worker pid {os.getpid()} device {device_index}]", flush=True)
     has_gpu = torch.cuda.is_available()
@@ -246,68 +249,6 @@ def worker_main(device_index: int, conn, log_path: str) -> None:
                 os._exit(3)  # skip CUDA teardown on a broken context
         else:
             raise ValueError(f"worker got an unknown message {message[0]!r}")
-
-
-# ------------------------------------------------------------------ compile warm-up
-def compile_shape_for(shape: Shape) -> Shape:
-    """A tiny stand-in for `shape` that Triton specializes the same way.
-
-    Triton compiles one kernel per integer-argument class (== 1, divisible by 16, other),
-    so a stand-in in the same class per dimension loads the timed shape's kernel from the
-    cache; any other tiny size would warm a kernel the timing never uses.
-    """
-
-    def standin(n: int, multiple_of_16: int, other: int) -> int:
-        return 1 if n == 1 else multiple_of_16 if n % 16 == 0 else other
-
-    return Shape(standin(shape.batch, 16, 2), standin(shape.kv_len, 64, 17))
-
-
-def _compile_share(args) -> dict[str, str]:
-    device_index, has_gpu, jobs = args
-    if has_gpu:
-        torch.cuda.set_device(device_index)
-    device = device_for(device_index, has_gpu)
-    inputs: dict[Shape, tuple] = {}
-    errors = {}
-    for text, (batch, kv_len) in jobs:
-        shape = Shape(batch, kv_len)
-        if shape not in inputs:
-            inputs[shape] = problem.generate_input(batch, kv_len, 0, device=device)
-        variant = Variant.parse(text)
-        if variant.get("q") == "fp8_static":  # a placeholder scale: compiling, not checking
-            variant = variant.with_params(q_amax=6.0)
-        try:
-            get_backend(variant.backend).build(variant, shape, device)(*inputs[shape][:4])
-        except Exception as exc:  # not fatal: reported; the timed run records it properly
-            errors[f"{text} at {shape}"] = _error_text(exc)
-    if has_gpu:
-        torch.cuda.synchronize()
-    return errors
-
-
-def precompile(jobs: list[tuple[str, Shape]], device_index: int, has_gpu: bool, processes: int,
-               timeout_s: float) -> dict[str, str]:
-    """Build and run each (variant, tiny stand-in shape) once in a pool of spawned processes,
-    so Triton's on-disk cache holds the kernels before the timing workers need them.
-    Returns {"variant at shape": error} for those that failed (not fatal)."""
-    jobs = [(text, (shape.batch, shape.kv_len)) for text, shape in jobs]
-    if not jobs:
-        return {}
-    processes = max(1, min(processes, len(jobs)))
-    shares = [jobs[i::processes] for i in range(processes)]
-    errors: dict[str, str] = {}
-    pool = mp.get_context("spawn").Pool(processes)
-    try:
-        result = pool.map_async(_compile_share, [(device_index, has_gpu, s) for s in shares])
-        for share_errors in result.get(timeout_s):
-            errors.update(share_errors)
-    except mp.TimeoutError:
-        errors["*"] = f"the compile pool ran past {timeout_s:.0f} s and was stopped"
-    finally:
-        pool.terminate()
-        pool.join()
-    return errors
 
 
 def _probe(device_index: int) -> gpu.Platform:

@@ -411,7 +411,7 @@ def test_files_that_are_not_a_table_are_refused_in_one_line(tmp_path):
     os.mkfifo(fifo)
     binary = tmp_path / "binary.yaml"
     binary.write_bytes(b"\xff\xfe\x00schema")
-    for path, message in ((huge, r"is over 16 MB, far larger than any table"),
+    for path, message in ((huge, r"is over 16777216 bytes, far larger than any table"),
                           (tmp_path, r"is a directory; pass the path of a \.yaml file"),
                           (loop, r"cannot read table .*: Too many levels of symbolic links"),
                           (fifo, r"is not a regular file"),

@@ -21,6 +21,18 @@ A backend module defines (see backends/torch_bmm.py for the smallest one):
         owns its buffers (it allocates nothing per call; its output buffer is reused, so
         copy it before the next call if you keep it). Vendor imports happen here, lazily.
 
+Optional members (absent: the defaults in brackets):
+    SPACE_KEYS: tuple[str, ...]
+        The keys its config section may hold; config.py refuses any other. [not checked]
+    PRECOMPILE: bool
+        Its kernels compile on first use into an on-disk cache (Triton, vendor JITs), so the
+        sweep warms them in mla_tune/compile_pool.py before timing. [False]
+    def compile_shape(variant, shape, sm_count) -> Shape
+        A small stand-in for `shape` that compiles exactly the kernels `shape` uses.
+        [compile_pool.default_compile_shape]
+    def warmup(variant, shape, device, inputs) -> None
+        Warm its caches for `variant` at `shape`. [build, then call once on `inputs`]
+
 Every variant carries the parameters `kv` (the KV format it reads: bf16, fp8, mxfp4) and
 `q` (bf16, fp8_dynamic, fp8_static), so the runtime checks its inputs generically.
 Backend modules and the kernels they use are *exportable* (see mla_tune/export.py).

@@ -715,3 +715,19 @@ def build(variant: Variant, shape: Shape, device):
         return out
 
     return run_aiter_mla
+
+
+# Precompile (mla_tune/compile_pool.py): AITER JIT-builds its modules into an on-disk cache on
+# first use.
+PRECOMPILE = True
+
+
+def compile_shape(variant: Variant, shape: Shape, sm_count: int | None) -> Shape:
+    """The real shape: AITER's Triton reduction specializes on launch arguments this project
+    has not audited, and its split caps depend on kv_len, so no smaller stand-in is known
+    to compile the same kernels."""
+    return shape
+
+
+# The keys of its search-space section in a config (config.py refuses any other).
+SPACE_KEYS = tuple(_AI_DEFAULT_SPACE)

@@ -136,3 +136,11 @@ def build(variant: Variant, shape: Shape, device):
         return out.view(batch, NUM_HEADS, V_DIM)
 
     return run_flash_mla
+
+
+# Precompile (mla_tune/compile_pool.py): the first call JIT-builds (or loads) the vendor's
+# module and Triton kernels into on-disk caches; the default stand-in compiles the same ones.
+PRECOMPILE = True
+
+# The keys of its search-space section in a config (config.py refuses any other).
+SPACE_KEYS = ("kv", "q")

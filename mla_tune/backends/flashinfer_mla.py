@@ -133,3 +133,18 @@ def build(variant: Variant, shape: Shape, device):
         return out
 
     return run_flashinfer_mla
+
+
+# Precompile (mla_tune/compile_pool.py): plan() JIT-builds (or loads) FlashInfer's MLA module
+# into its on-disk cache.
+PRECOMPILE = True
+
+
+def compile_shape(variant: Variant, shape: Shape, sm_count: int | None) -> Shape:
+    """One small shape for all: the module FlashInfer builds is named by its kernel backend,
+    dtypes and head dims (flashinfer/jit/attention), never by batch or length, and the
+    runner launches no Triton kernel."""
+    return Shape(1, 64)
+
+# The keys of its search-space section in a config (config.py refuses any other).
+SPACE_KEYS = ("backend", "kv")

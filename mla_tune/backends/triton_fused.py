@@ -290,3 +290,37 @@ def build(variant: Variant, shape: Shape, device):
 
     run_triton_fused.compiled = None
     return run_triton_fused
+
+
+# Precompile (mla_tune/compile_pool.py): Triton compiles these kernels on first use.
+PRECOMPILE = True
+
+
+def compile_shape(variant: Variant, shape: Shape, sm_count: int | None) -> Shape:
+    """The smallest shape whose launch specializes as `shape`'s and accepts the variant.
+
+    Split grid: every constexpr comes from the variant (NS_P2 from num_splits), so one
+    sequence with a tile per split does (_fu_valid: no more splits than tiles; spin: a grid
+    of num_splits programs fits wherever batch x num_splits did). Persistent grid: the
+    reduction chunk RCH depends on programs per sequence (fused_decode), so the stand-in
+    has one sequence and the tile count giving the same RCH (needs sm_count)."""
+    p = {**FU_LATER_DEFAULTS, **variant.p}
+    if p["grid"] != "persistent":
+        return Shape(1, p["num_splits"] * p["block_n"])
+    if not sm_count:
+        return shape
+
+    def chunk(s: Shape) -> int:  # as fused_decode computes RCH, with build's program count
+        programs = max(1, min(sm_count * p["waves"], -(-s.total_kv // p["block_n"])))
+        per_seq = -(-programs // s.batch) + 1
+        return min(32, max(2, 1 << (per_seq - 1).bit_length()))  # triton.next_power_of_2
+
+    want = chunk(shape)
+    for tiles in range(1, sm_count * p["waves"] + 1):
+        if chunk(Shape(1, tiles * p["block_n"])) == want:
+            return Shape(1, tiles * p["block_n"])
+    return shape
+
+
+# The keys of its search-space section in a config (config.py refuses any other).
+SPACE_KEYS = tuple(FU_DEFAULT_SPACE)

@@ -184,3 +184,18 @@ def build(variant: Variant, shape: Shape, device):
         )
 
     return run_triton_splitk
+
+
+# Precompile (mla_tune/compile_pool.py): Triton compiles these kernels on first use.
+PRECOMPILE = True
+
+
+def compile_shape(variant: Variant, shape: Shape, sm_count: int | None) -> Shape:
+    """The stand-in that compiles the kernels `shape` uses: none of its launch arguments
+    specializes on the shape (batch is do_not_specialize, kv_len is read on the device,
+    every split count runs at any length), so one token of one sequence does."""
+    return Shape(1, 1)
+
+
+# The keys of its search-space section in a config (config.py refuses any other).
+SPACE_KEYS = (*_tsk_SPACE_KEYS, "hip")
