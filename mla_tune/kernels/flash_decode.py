@@ -18,6 +18,13 @@ quotient rounded to bf16, clamped, cast) so it reproduces the leaderboard's refe
 "fp8_static" uses a fixed scale (q_amax / fp8_max, calibrated offline) and clamps values
 beyond it. Quantized q is cast to the dot dtype, which holds every fp8 value exactly.
 
+Two launch paths share these helpers: `flash_decode`, the leaderboard's call (contiguous KV,
+16 heads, one new token, the split count given by the host), and `flash_decode_serving`,
+the serving call (contiguous or paged KV, any head count in tiles, q_len new tokens per
+sequence causal among themselves, split counts computed on the device, CUDA-graph safe;
+`mla_tune/serving.py` has its inputs and reference). The leaderboard path keeps its own
+kernel until scripts/bench_layouts.py shows the serving kernel as fast on the 8 shapes.
+
 Exportable module: see docs/architecture.md (imports, `_fd_` prefix, no import-time work).
 """
 
@@ -310,3 +317,349 @@ def flash_decode_num_splits(batch: int, kv_len: int, sm_count: int, block_n: int
     want = max(1, math.ceil(sm_count / max(batch, 1)))
     splits = min(triton.next_power_of_2(want), 32, max(1, kv_len // block_n))
     return max(1, splits)
+
+
+# ------------------------------------------------------------------------------------------
+# The serving call: paged or contiguous KV, any head count, q_len >= 1, splits chosen per
+# sequence on the device. A sequence's q_len new tokens and a tile of BLOCK_H heads share
+# one program, packed as q_len x BLOCK_H rows of the MMA (row = token * BLOCK_H + head), so
+# the new tokens read the sequence's KV once. The split count of a sequence is computed
+# from its length on the device by stage 1, the grid is sized for `max_splits`, programs
+# past their sequence's count exit and stage 2 reads the count stage 1 wrote: nothing is
+# read on the host, so the call can be captured in a CUDA graph and replayed with new
+# lengths and block tables.
+
+
+@triton.jit(do_not_specialize=["total_q", "tokens_per_split", "bt_stride"])
+def _fd_serving_stage1_kernel(
+    Q, QO_INDPTR, KV, KV_SCALE, KV_INDPTR, BLOCK_TABLE, SEQ_LENS, Q_AMAX,
+    total_q, tokens_per_split, bt_stride, q_static_scale, fp8_max, qk_scale,
+    Out, PartOut, PartLse, SplitCount,
+    H: tl.constexpr, BLOCK_H: tl.constexpr, Q_LEN_MAX: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    Q_MODE: tl.constexpr, FP8_MIN_EXP: tl.constexpr, KV_SCALED: tl.constexpr, KV_OFF64: tl.constexpr,
+    AMAX_CHUNK: tl.constexpr, D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, D_QK: tl.constexpr,
+):
+    # Head tiles of one (sequence, split) are neighbours in launch order: they read the
+    # same KV tiles at about the same time, so all but the first find them in L2.
+    pid_h = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    if PAGE_SIZE == 0:
+        seq_len = tl.load(KV_INDPTR + pid_b + 1) - tl.load(KV_INDPTR + pid_b)
+    else:
+        seq_len = tl.load(SEQ_LENS + pid_b)
+    # About seq_len / tokens_per_split splits, at most MAX_SPLITS, each whole tiles; only
+    # the non-empty ones count, and stage 2 reads the count this program writes.
+    want = tl.minimum(tl.maximum(tl.cdiv(seq_len, tokens_per_split), 1), MAX_SPLITS)
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, want), BLOCK_N), 1) * BLOCK_N
+    num_splits = tl.cdiv(seq_len, split_len)
+    if pid_s >= num_splits:
+        if (pid_s == 0) & (pid_h == 0):  # seq_len 0 (a padded graph slot): nothing to reduce
+            tl.store(SplitCount + pid_b, 0)
+        return
+    lo = pid_s * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+
+    ROWS: tl.constexpr = BLOCK_H * Q_LEN_MAX
+    offs_row = tl.arange(0, ROWS)
+    q_idx = offs_row // BLOCK_H  # which of the sequence's new tokens the row belongs to
+    q_start = tl.load(QO_INDPTR + pid_b)
+    q_len = tl.load(QO_INDPTR + pid_b + 1) - q_start
+    # Row r is head pid_h * BLOCK_H + r % BLOCK_H of new token q_start + q_idx: one int64
+    # base per program and small int32 offsets per row (as cheap as the 16-head kernel).
+    row_off = q_idx * H + offs_row % BLOCK_H
+    first_row = q_start.to(tl.int64) * H + pid_h * BLOCK_H
+    # q_len is at least 1, so with one row per head every row is a real new token.
+    row_ok = (q_idx < q_len) | (Q_LEN_MAX == 1)
+    # New token i of q_len sees the first seq_len - (q_len - 1 - i) tokens: the cache
+    # already holds the new tokens, each attends to itself and those before it.
+    limit = seq_len - q_len + 1 + q_idx
+    offs_d = tl.arange(0, D_NOPE)
+    offs_r = tl.arange(0, D_ROPE)
+    q_row = Q + first_row * D_QK + row_off[:, None] * D_QK
+    q_nope = tl.load(q_row + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q_rope = tl.load(q_row + D_NOPE + offs_r[None, :], mask=row_ok[:, None], other=0.0)
+
+    score_scale = qk_scale
+    if Q_MODE == 1:
+        q_nope = _fd_quantize_q(q_nope, q_static_scale, fp8_max, FP8_MIN_EXP, False)
+        q_rope = _fd_quantize_q(q_rope, q_static_scale, fp8_max, FP8_MIN_EXP, False)
+        score_scale = score_scale * q_static_scale
+    elif Q_MODE == 2:
+        amax_acc = tl.zeros([AMAX_CHUNK], dtype=tl.float32)
+        for i in range(0, total_q, AMAX_CHUNK):
+            offs_a = i + tl.arange(0, AMAX_CHUNK)
+            amax_acc = tl.maximum(amax_acc, tl.load(Q_AMAX + offs_a, mask=offs_a < total_q, other=0.0))
+        amax = tl.maximum(tl.max(amax_acc, axis=0), 1e-12)
+        q_scale = _fd_round_to_mantissa(amax / fp8_max, 7, -119)
+        q_nope = _fd_quantize_q(q_nope, q_scale, fp8_max, FP8_MIN_EXP, True)
+        q_rope = _fd_quantize_q(q_rope, q_scale, fp8_max, FP8_MIN_EXP, True)
+        score_scale = score_scale * q_scale
+    q_nope = q_nope.to(DOT_DTYPE)
+    q_rope = q_rope.to(DOT_DTYPE)
+    kv_scale = 1.0
+    if KV_SCALED:
+        kv_scale = tl.load(KV_SCALE)
+        score_scale = score_scale * kv_scale
+
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, D_NOPE], dtype=tl.float32)
+    if PAGE_SIZE == 0:
+        kv_seq = KV + tl.load(KV_INDPTR + pid_b).to(tl.int64) * D_QK
+    bt_row = BLOCK_TABLE + pid_b.to(tl.int64) * bt_stride
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        valid = offs_n < hi
+        if PAGE_SIZE == 0:
+            tok = kv_seq + offs_n[:, None] * D_QK
+        elif PAGE_SIZE >= BLOCK_N:
+            # Tiles are BLOCK_N-aligned, so one page holds the tile: one int64 base and
+            # int32 offsets, the contiguous layout's addressing.
+            page = tl.load(bt_row + n0 // PAGE_SIZE).to(tl.int64)
+            tile = KV + (page * PAGE_SIZE + n0 % PAGE_SIZE) * D_QK
+            tok = tile + tl.arange(0, BLOCK_N)[:, None] * D_QK
+        else:
+            # A gather per token; int64 offsets (more registers) only for a cache of
+            # 2**31 elements or more.
+            page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=valid, other=0)
+            if KV_OFF64:
+                page = page.to(tl.int64)
+            tok = KV + (page * PAGE_SIZE + offs_n % PAGE_SIZE)[:, None] * D_QK
+        kv_nope = tl.load(tok + offs_d[None, :], mask=valid[:, None], other=0.0).to(DOT_DTYPE)
+        kv_rope = tl.load(tok + D_NOPE + offs_r[None, :], mask=valid[:, None], other=0.0).to(DOT_DTYPE)
+        scores = tl.dot(q_nope, tl.trans(kv_nope))
+        scores = tl.dot(q_rope, tl.trans(kv_rope), acc=scores)
+        if Q_LEN_MAX == 1:
+            scores = tl.where(valid[None, :], scores * score_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: the tile has a token
+            m_ref = m_new
+        else:
+            seen = valid[None, :] & (offs_n[None, :] < limit[:, None])
+            scores = tl.where(seen, scores * score_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            # A row may see none of a tile's tokens (the causal mask): keep its exp2 finite.
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(scores - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), kv_nope)
+        m_i = m_new
+
+    # Every row sees token 0 and each split is non-empty, yet a row may see none of a
+    # late split's tokens (the causal mask): l_i == 0 there, written as zeros, lse -inf.
+    has_tokens = l_i > 0.0
+    out = acc * (kv_scale / tl.where(has_tokens, l_i, 1.0))[:, None]
+    if (pid_h == 0) & (pid_s == 0):  # for stage 2 (stored late: fewer registers in the loop)
+        tl.store(SplitCount + pid_b, num_splits)
+    if num_splits == 1:
+        o_ptr = Out + first_row * D_NOPE + row_off[:, None] * D_NOPE + offs_d[None, :]
+        tl.store(o_ptr, out.to(tl.bfloat16), mask=row_ok[:, None])
+    else:
+        # Partials are (new token, split, head) rows; the row's new token strides over
+        # MAX_SPLITS * H of them.
+        part_row = (q_start.to(tl.int64) * MAX_SPLITS + pid_s) * H + pid_h * BLOCK_H
+        part_off = q_idx * (MAX_SPLITS * H) + offs_row % BLOCK_H
+        tl.store(PartOut + part_row * D_NOPE + part_off[:, None] * D_NOPE + offs_d[None, :], out,
+                 mask=row_ok[:, None])
+        lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
+        tl.store(PartLse + part_row + part_off, lse, mask=row_ok)
+
+
+@triton.jit
+def _fd_serving_stage2_kernel(
+    QO_INDPTR, SplitCount, PartOut, PartLse, Out,
+    H: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr,
+):
+    pid_b = tl.program_id(0)
+    q_idx = tl.program_id(1)
+    pid_h = tl.program_id(2)
+    q_start = tl.load(QO_INDPTR + pid_b)
+    num_splits = tl.load(SplitCount + pid_b)
+    # Past the sequence's new tokens, one split (stage 1 wrote the output) or an empty
+    # sequence: nothing to do.
+    if (q_idx >= tl.load(QO_INDPTR + pid_b + 1) - q_start) | (num_splits <= 1):
+        return
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, D)
+    smask = offs_s < num_splits
+    q_tok = (q_start + q_idx).to(tl.int64)
+    row = (q_tok * MAX_SPLITS + offs_s) * H + pid_h
+    lse = tl.load(PartLse + row, mask=smask, other=float("-inf"))
+    # Split 0 holds token 0, which every new token sees: the max is finite.
+    weight = tl.exp2(lse - tl.max(lse, axis=0))
+    parts = tl.load(PartOut + row[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
+    out = tl.sum(parts * weight[:, None], axis=0) / tl.sum(weight, axis=0)
+    tl.store(Out + (q_tok * H + pid_h) * D + offs_d, out.to(tl.bfloat16))
+
+
+@dataclass
+class FlashDecodeServingWorkspace:
+    """Scratch for `flash_decode_serving`, sized from the caller's maxima (never from the
+    data): per-(new token, split, head) partial outputs and log2-sum-exps, q amax partials
+    and each sequence's split count (a batch has at most as many sequences as new tokens)."""
+
+    max_total_q: int
+    heads: int
+    max_splits: int
+    part_out: torch.Tensor
+    part_lse: torch.Tensor
+    q_amax: torch.Tensor
+    split_count: torch.Tensor
+
+    @classmethod
+    def allocate(cls, max_total_q: int, heads: int, max_splits: int, device) -> FlashDecodeServingWorkspace:
+        splits = max_splits if max_splits > 1 else 0  # one split writes the output directly
+        return cls(
+            max_total_q,
+            heads,
+            max_splits,
+            torch.empty((max_total_q, splits, heads, V_DIM), dtype=torch.float32, device=device),
+            torch.empty((max_total_q, max(splits, 1), heads), dtype=torch.float32, device=device),
+            torch.empty((max_total_q,), dtype=torch.float32, device=device),
+            torch.empty((max_total_q,), dtype=torch.int32, device=device),
+        )
+
+    def fits(self, total_q: int, heads: int, max_splits: int) -> bool:
+        return self.max_total_q >= total_q and self.heads == heads and self.max_splits == max_splits
+
+
+def _fd_check_serving_layout(q, qo_indptr, kv, kv_indptr, block_table, seq_lens) -> int:
+    """Shapes and dtypes of the serving call (never values: that would read the device);
+    returns the page size, 0 for contiguous KV."""
+    batch = qo_indptr.shape[0] - 1
+    if qo_indptr.dim() != 1 or batch < 1 or qo_indptr.dtype != torch.int32:
+        raise ValueError(f"qo_indptr must be int32 (batch + 1,), got {qo_indptr.dtype} {tuple(qo_indptr.shape)}")
+    if not kv.is_contiguous() or kv.shape[-1] != QK_DIM:
+        raise ValueError(f"kv must be contiguous with last dim {QK_DIM}, got {tuple(kv.shape)}")
+    if (block_table is None) == (kv_indptr is None) or (block_table is None) != (seq_lens is None):
+        raise ValueError("give kv_indptr (contiguous KV) or block_table and seq_lens (paged KV), not both")
+    if kv_indptr is not None:
+        if kv_indptr.shape != (batch + 1,) or kv_indptr.dtype != torch.int32:
+            raise ValueError(f"kv_indptr must be int32 ({batch + 1},), got {kv_indptr.dtype} {tuple(kv_indptr.shape)}")
+        return 0
+    if kv.dim() != 3:
+        raise ValueError(f"paged kv must be (num_pages, page_size, {QK_DIM}), got {tuple(kv.shape)}")
+    page_size = kv.shape[1]
+    if page_size > 128 or page_size & (page_size - 1):
+        raise ValueError(f"page_size must be a power of two up to 128, got {page_size}")
+    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.dtype != torch.int32:
+        raise ValueError(f"block_table must be int32 ({batch}, max_pages), got {block_table.dtype} {tuple(block_table.shape)}")
+    if block_table.stride(1) != 1:
+        raise ValueError("block_table rows must be contiguous (stride 1 along max_pages)")
+    if seq_lens.shape != (batch,) or seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens must be int32 ({batch},), got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    return page_size
+
+
+def flash_decode_serving(
+    q: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv: torch.Tensor,
+    kv_scale: torch.Tensor | None,
+    out: torch.Tensor,
+    *,
+    kv_indptr: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
+    max_q_len: int,
+    max_splits: int,
+    tokens_per_split: int,
+    block_n: int,
+    block_h: int,
+    num_warps: int,
+    num_stages: int,
+    dot_dtype: str,
+    q_mode: str = "bf16",
+    q_scale: float | None = None,
+    q_fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    workspace: FlashDecodeServingWorkspace | None = None,
+    hip_options: dict | None = None,
+    sm_scale: float = SM_SCALE,
+) -> torch.Tensor:
+    """MLA decode attention for the serving call; writes and returns `out`.
+
+    q: (total_q, heads, 576) bf16; qo_indptr: (batch + 1,) int32, sequence b's new tokens
+    are q[qo_indptr[b]:qo_indptr[b + 1]] (1 <= q_len <= max_q_len), causal among
+    themselves. KV (bf16, or 1-byte fp8 with a (1,) fp32 kv_scale), either contiguous:
+    kv (total_kv, 1, 576) with kv_indptr (batch + 1,) int32; or paged: kv (num_pages,
+    page_size, 576) with block_table (batch, max_pages) int32 and seq_lens (batch,) int32.
+    A sequence's KV includes its new tokens (seq_len >= q_len; a seq_len of 0, a padded
+    CUDA-graph slot, leaves its rows of out untouched). out: (total_q, heads, 512)
+    bf16. Sequence b runs in clamp(cdiv(seq_len, tokens_per_split), 1, max_splits) splits,
+    counted on the device. block_h: heads per program (divides heads; block_h *
+    next_pow2(max_q_len) >= 16 rows for the MMA). Other options as `flash_decode`.
+    q_mode "fp8_dynamic" takes its per-tensor amax over all of q, rows past
+    qo_indptr[-1] (a graph's padding) included: keep those rows zero or in range.
+    workspace: FlashDecodeServingWorkspace.allocate(max_total_q, heads, max_splits).
+    Nothing here reads a device tensor or allocates once a workspace is given.
+    """
+    page_size = _fd_check_serving_layout(q, qo_indptr, kv, kv_indptr, block_table, seq_lens)
+    batch = qo_indptr.shape[0] - 1
+    total_q, heads = q.shape[0], q.shape[1]
+    if q.dim() != 3 or q.shape[2] != QK_DIM or q.dtype != torch.bfloat16 or not q.is_contiguous():
+        raise ValueError(f"q must be contiguous bf16 (total_q, heads, {QK_DIM}), got {q.dtype} {tuple(q.shape)}")
+    if batch > total_q:
+        raise ValueError(f"{batch} sequences but {total_q} new tokens in q: each sequence brings at least one")
+    if not 1 <= max_q_len <= 16:
+        raise ValueError(f"max_q_len must be 1 to 16, got {max_q_len}")
+    q_len_max = triton.next_power_of_2(max_q_len)  # rows of the MMA come in powers of two
+    if block_h < 1 or block_h & (block_h - 1) or heads % block_h or block_h * q_len_max < 16:
+        raise ValueError(
+            f"block_h must be a power of two dividing heads ({heads}) with block_h * "
+            f"next_pow2(max_q_len) >= 16; got block_h {block_h}, max_q_len {max_q_len}"
+        )
+    kv_scaled = kv.dtype != torch.bfloat16
+    if kv_scaled and (kv.element_size() != 1 or kv_scale is None):
+        raise ValueError(f"kv must be bf16, or fp8 with a (1,) fp32 kv_scale; got {kv.dtype}, scale {kv_scale}")
+    if tuple(out.shape) != (total_q, heads, V_DIM) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous bf16 ({total_q}, {heads}, {V_DIM}) tensor, got {tuple(out.shape)}")
+    if max_splits < 1 or tokens_per_split < 1 or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(
+            f"need max_splits >= 1, tokens_per_split >= 1 and block_n a power of two >= 16; "
+            f"got {max_splits}, {tokens_per_split}, {block_n}"
+        )
+    if dot_dtype not in _fd_DOT_DTYPES or q_mode not in _fd_Q_MODES:
+        raise ValueError(f"dot_dtype must be one of {', '.join(_fd_DOT_DTYPES)} and q_mode one of "
+                         f"{', '.join(_fd_Q_MODES)}; got {dot_dtype!r}, {q_mode!r}")
+    if q_mode == "fp8_static" and not (q_scale is not None and q_scale > 0):
+        raise ValueError("q_mode fp8_static needs q_scale = q_amax / fp8_max > 0")
+    if workspace is None:
+        workspace = FlashDecodeServingWorkspace.allocate(total_q, heads, max_splits, q.device)
+    elif not workspace.fits(total_q, heads, max_splits):
+        raise ValueError(
+            f"workspace is for {workspace.max_total_q} new tokens x {workspace.heads} heads x "
+            f"{workspace.max_splits} splits, not {total_q} x {heads} x {max_splits}; allocate "
+            "one with FlashDecodeServingWorkspace.allocate"
+        )
+    extra = {k: v for k, v in (hip_options or {}).items() if v is not None}
+    unknown = set(extra) - set(_fd_HIP_OPTIONS)
+    if unknown:
+        raise ValueError(f"unknown hip_options {sorted(unknown)}; known: {', '.join(_fd_HIP_OPTIONS)}")
+
+    fp8_min_exp = _fd_fp8_min_exp(q_fp8_dtype)
+    if q_mode == "fp8_dynamic":
+        _fd_q_amax_kernel[(total_q,)](q, workspace.q_amax, ROW=heads * QK_DIM, BLOCK=1024, num_warps=4)
+    # Unused pointers get a harmless stand-in (never read under the other layout).
+    dummy = workspace.q_amax
+    seq_ptrs = (kv_indptr, dummy, dummy) if page_size == 0 else (dummy, block_table, seq_lens)
+    bt_stride = block_table.stride(0) if page_size else 0
+    _fd_serving_stage1_kernel[(heads // block_h, batch, max_splits)](
+        q, qo_indptr, kv, kv_scale if kv_scaled else dummy, *seq_ptrs, workspace.q_amax,
+        total_q, tokens_per_split, bt_stride,
+        float(q_scale or 1.0), float(torch.finfo(q_fp8_dtype).max), float(sm_scale * _fd_LOG2E),
+        out, workspace.part_out, workspace.part_lse, workspace.split_count,
+        H=heads, BLOCK_H=block_h, Q_LEN_MAX=q_len_max, MAX_SPLITS=max_splits, BLOCK_N=block_n,
+        PAGE_SIZE=page_size, DOT_DTYPE=_fd_DOT_DTYPES[dot_dtype], Q_MODE=_fd_Q_MODES[q_mode],
+        FP8_MIN_EXP=fp8_min_exp, KV_SCALED=kv_scaled, KV_OFF64=kv.numel() >= 2**31,
+        AMAX_CHUNK=_fd_AMAX_CHUNK, D_NOPE=KV_LORA_RANK, D_ROPE=QK_ROPE_DIM, D_QK=QK_DIM,
+        num_warps=num_warps, num_stages=num_stages, **extra,
+    )
+    if max_splits > 1:
+        _fd_serving_stage2_kernel[(batch, max_q_len, heads)](
+            qo_indptr, workspace.split_count, workspace.part_out, workspace.part_lse, out,
+            H=heads, MAX_SPLITS=max_splits, BLOCK_S=triton.next_power_of_2(max_splits),
+            D=V_DIM, num_warps=4,
+        )
+    return out
