@@ -317,34 +317,17 @@ def flash_decode_num_splits(batch: int, kv_len: int, sm_count: int, block_n: int
 # sequence on the device. A sequence's q_len new tokens and a tile of BLOCK_H heads share
 # one program, packed as q_len x BLOCK_H rows of the MMA (row = token * BLOCK_H + head), so
 # the new tokens read the sequence's KV once. The split count of a sequence is computed
-# from its length on the device (`_fd_seq_splits`), the grid is sized for `max_splits`
-# and programs past their sequence's count exit: nothing is read on the host, so the
-# call can be captured in a CUDA graph and replayed with new lengths and block tables.
-
-
-@triton.jit
-def _fd_seq_splits(seq_len, tokens_per_split, MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(split_len, num_splits) of a sequence: about seq_len / tokens_per_split splits, at
-    most MAX_SPLITS, each a whole number of tiles; num_splits counts only non-empty ones,
-    so stage 1 and stage 2 agree on it and no split is empty."""
-    want = tl.minimum(tl.maximum(tl.cdiv(seq_len, tokens_per_split), 1), MAX_SPLITS)
-    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, want), BLOCK_N), 1) * BLOCK_N
-    return split_len, tl.cdiv(seq_len, split_len)
-
-
-@triton.jit
-def _fd_seq_len(KV_INDPTR, SEQ_LENS, b, PAGE_SIZE: tl.constexpr):
-    if PAGE_SIZE == 0:
-        return tl.load(KV_INDPTR + b + 1) - tl.load(KV_INDPTR + b)
-    else:
-        return tl.load(SEQ_LENS + b)
+# from its length on the device by stage 1, the grid is sized for `max_splits`, programs
+# past their sequence's count exit and stage 2 reads the count stage 1 wrote: nothing is
+# read on the host, so the call can be captured in a CUDA graph and replayed with new
+# lengths and block tables.
 
 
 @triton.jit(do_not_specialize=["total_q", "tokens_per_split", "bt_stride"])
 def _fd_serving_stage1_kernel(
     Q, QO_INDPTR, KV, KV_SCALE, KV_INDPTR, BLOCK_TABLE, SEQ_LENS, Q_AMAX,
     total_q, tokens_per_split, bt_stride, q_static_scale, fp8_max, qk_scale,
-    Out, PartOut, PartLse,
+    Out, PartOut, PartLse, SplitCount,
     H: tl.constexpr, BLOCK_H: tl.constexpr, Q_LEN_MAX: tl.constexpr, MAX_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr,
     Q_MODE: tl.constexpr, FP8_MIN_EXP: tl.constexpr, KV_SCALED: tl.constexpr, KV_OFF64: tl.constexpr,
@@ -355,8 +338,15 @@ def _fd_serving_stage1_kernel(
     pid_h = tl.program_id(0)
     pid_b = tl.program_id(1)
     pid_s = tl.program_id(2)
-    seq_len = _fd_seq_len(KV_INDPTR, SEQ_LENS, pid_b, PAGE_SIZE)
-    split_len, num_splits = _fd_seq_splits(seq_len, tokens_per_split, MAX_SPLITS, BLOCK_N)
+    if PAGE_SIZE == 0:
+        seq_len = tl.load(KV_INDPTR + pid_b + 1) - tl.load(KV_INDPTR + pid_b)
+    else:
+        seq_len = tl.load(SEQ_LENS + pid_b)
+    # About seq_len / tokens_per_split splits, at most MAX_SPLITS, each whole tiles; only
+    # the non-empty ones count, and stage 2 reads the count this program writes.
+    want = tl.minimum(tl.maximum(tl.cdiv(seq_len, tokens_per_split), 1), MAX_SPLITS)
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, want), BLOCK_N), 1) * BLOCK_N
+    num_splits = tl.cdiv(seq_len, split_len)
     if pid_s >= num_splits:
         return
     lo = pid_s * split_len
@@ -452,6 +442,8 @@ def _fd_serving_stage1_kernel(
     # late split's tokens (the causal mask): l_i == 0 there, written as zeros, lse -inf.
     has_tokens = l_i > 0.0
     out = acc * (kv_scale / tl.where(has_tokens, l_i, 1.0))[:, None]
+    if (pid_h == 0) & (pid_s == 0):  # for stage 2 (stored late: fewer registers in the loop)
+        tl.store(SplitCount + pid_b, num_splits)
     if num_splits == 1:
         o_ptr = Out + first_row * D_NOPE + row_off[:, None] * D_NOPE + offs_d[None, :]
         tl.store(o_ptr, out.to(tl.bfloat16), mask=row_ok[:, None])
@@ -465,38 +457,37 @@ def _fd_serving_stage1_kernel(
         tl.store(PartLse + part_row + part_off, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["tokens_per_split"])
+@triton.jit
 def _fd_serving_stage2_kernel(
-    QO_INDPTR, KV_INDPTR, SEQ_LENS, PartOut, PartLse, Out, tokens_per_split,
-    H: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, D: tl.constexpr,
+    QO_INDPTR, SplitCount, PartOut, PartLse, Out,
+    H: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr,
 ):
     pid_b = tl.program_id(0)
     q_idx = tl.program_id(1)
     pid_h = tl.program_id(2)
     q_start = tl.load(QO_INDPTR + pid_b)
-    if q_idx >= tl.load(QO_INDPTR + pid_b + 1) - q_start:
-        return
-    seq_len = _fd_seq_len(KV_INDPTR, SEQ_LENS, pid_b, PAGE_SIZE)
-    _split_len, num_splits = _fd_seq_splits(seq_len, tokens_per_split, MAX_SPLITS, BLOCK_N)
-    if num_splits == 1:  # stage 1 wrote this sequence's output
+    num_splits = tl.load(SplitCount + pid_b)
+    # Past the sequence's new tokens, or one split (stage 1 wrote the output): nothing to do.
+    if (q_idx >= tl.load(QO_INDPTR + pid_b + 1) - q_start) | (num_splits == 1):
         return
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, D)
     smask = offs_s < num_splits
-    row = ((q_start + q_idx).to(tl.int64) * MAX_SPLITS + offs_s) * H + pid_h
+    q_tok = (q_start + q_idx).to(tl.int64)
+    row = (q_tok * MAX_SPLITS + offs_s) * H + pid_h
     lse = tl.load(PartLse + row, mask=smask, other=float("-inf"))
     # Split 0 holds token 0, which every new token sees: the max is finite.
     weight = tl.exp2(lse - tl.max(lse, axis=0))
     parts = tl.load(PartOut + row[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
     out = tl.sum(parts * weight[:, None], axis=0) / tl.sum(weight, axis=0)
-    tl.store(Out + ((q_start + q_idx).to(tl.int64) * H + pid_h) * D + offs_d, out.to(tl.bfloat16))
+    tl.store(Out + (q_tok * H + pid_h) * D + offs_d, out.to(tl.bfloat16))
 
 
 @dataclass
 class FlashDecodeServingWorkspace:
     """Scratch for `flash_decode_serving`, sized from the caller's maxima (never from the
-    data): per-(new token, split, head) partial outputs and log2-sum-exps, q amax partials."""
+    data): per-(new token, split, head) partial outputs and log2-sum-exps, q amax partials
+    and each sequence's split count (a batch has at most as many sequences as new tokens)."""
 
     max_total_q: int
     heads: int
@@ -504,6 +495,7 @@ class FlashDecodeServingWorkspace:
     part_out: torch.Tensor
     part_lse: torch.Tensor
     q_amax: torch.Tensor
+    split_count: torch.Tensor
 
     @classmethod
     def allocate(cls, max_total_q: int, heads: int, max_splits: int, device) -> FlashDecodeServingWorkspace:
@@ -515,6 +507,7 @@ class FlashDecodeServingWorkspace:
             torch.empty((max_total_q, splits, heads, V_DIM), dtype=torch.float32, device=device),
             torch.empty((max_total_q, max(splits, 1), heads), dtype=torch.float32, device=device),
             torch.empty((max_total_q,), dtype=torch.float32, device=device),
+            torch.empty((max_total_q,), dtype=torch.int32, device=device),
         )
 
     def fits(self, total_q: int, heads: int, max_splits: int) -> bool:
@@ -593,6 +586,8 @@ def flash_decode_serving(
     total_q, heads = q.shape[0], q.shape[1]
     if q.dim() != 3 or q.shape[2] != QK_DIM or q.dtype != torch.bfloat16 or not q.is_contiguous():
         raise ValueError(f"q must be contiguous bf16 (total_q, heads, {QK_DIM}), got {q.dtype} {tuple(q.shape)}")
+    if batch > total_q:
+        raise ValueError(f"{batch} sequences but {total_q} new tokens in q: each sequence brings at least one")
     if not 1 <= max_q_len <= 16:
         raise ValueError(f"max_q_len must be 1 to 16, got {max_q_len}")
     q_len_max = triton.next_power_of_2(max_q_len)  # rows of the MMA come in powers of two
@@ -640,7 +635,7 @@ def flash_decode_serving(
         q, qo_indptr, kv, kv_scale if kv_scaled else dummy, *seq_ptrs, workspace.q_amax,
         total_q, tokens_per_split, bt_stride,
         float(q_scale or 1.0), float(torch.finfo(q_fp8_dtype).max), float(sm_scale * _fd_LOG2E),
-        out, workspace.part_out, workspace.part_lse,
+        out, workspace.part_out, workspace.part_lse, workspace.split_count,
         H=heads, BLOCK_H=block_h, Q_LEN_MAX=q_len_max, MAX_SPLITS=max_splits, BLOCK_N=block_n,
         PAGE_SIZE=page_size, DOT_DTYPE=_fd_DOT_DTYPES[dot_dtype], Q_MODE=_fd_Q_MODES[q_mode],
         FP8_MIN_EXP=fp8_min_exp, KV_SCALED=kv_scaled, KV_OFF64=kv.numel() >= 2**31,
@@ -649,9 +644,8 @@ def flash_decode_serving(
     )
     if max_splits > 1:
         _fd_serving_stage2_kernel[(batch, max_q_len, heads)](
-            qo_indptr, seq_ptrs[0], seq_ptrs[2], workspace.part_out, workspace.part_lse, out,
-            tokens_per_split, H=heads, MAX_SPLITS=max_splits,
-            BLOCK_S=triton.next_power_of_2(max_splits), BLOCK_N=block_n, PAGE_SIZE=page_size,
+            qo_indptr, workspace.split_count, workspace.part_out, workspace.part_lse, out,
+            H=heads, MAX_SPLITS=max_splits, BLOCK_S=triton.next_power_of_2(max_splits),
             D=V_DIM, num_warps=4,
         )
     return out

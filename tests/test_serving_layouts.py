@@ -1,0 +1,320 @@
+"""The serving call: its reference (mla_tune/serving.py) and the split-K kernel that reads
+every layout (flash_decode_serving), against that fp32 reference.
+
+On the CPU the kernel runs under Triton's interpreter with fp16 dots over a sample of the
+matrix layout {contiguous, paged 1, 16, 64} x heads {16, 128} x q_len {1, 2, 4} x KV
+{bf16, fp8} that covers every pair of factors; the full matrix, the no-sync test and the
+CUDA-graph replay are GPU-marked. Every run poisons the output and the scratch with NaN
+first, and the paged caches hold NaN in every slot no sequence owns.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from mla_tune import problem, serving
+from mla_tune.core import fp8_dtype_for
+from mla_tune.kernels.flash_decode import (
+    FlashDecodeServingWorkspace,
+    flash_decode,
+    flash_decode_serving,
+)
+
+LAYOUTS = (0, 1, 16, 64)  # 0: contiguous; else the page size
+HEADS = (16, 128)
+Q_LENS = (1, 2, 4)
+KV_FORMATS = ("bf16", "fp8")
+
+
+def _dot_dtype(device: str) -> str:
+    return "bf16" if device == "cuda" else "fp16"
+
+
+def _q_lens(kv_lens: list[int], q_len: int) -> list[int]:
+    """Ragged q_len: the even sequences bring q_len new tokens, the odd ones about half
+    (never more than a sequence holds)."""
+    return [min(n, q_len if i % 2 == 0 else (q_len + 1) // 2) for i, n in enumerate(kv_lens)]
+
+
+def _launch(inp: serving.ServingInput, device: str, *, max_splits: int, tokens_per_split: int,
+            block_n: int, block_h: int, q_mode: str = "bf16", q_amax: float | None = None,
+            num_warps: int = 4, num_stages: int = 1, workspace=None, out=None):
+    heads = inp.q.shape[1]
+    if workspace is None:
+        workspace = FlashDecodeServingWorkspace.allocate(inp.q.shape[0], heads, max_splits, device)
+    for buf in (workspace.part_out, workspace.part_lse, workspace.q_amax):
+        buf.fill_(float("nan"))  # stage 2 must read only what stage 1 wrote
+    if out is None:
+        out = torch.empty((inp.q.shape[0], heads, 512), dtype=torch.bfloat16, device=device)
+    out.fill_(float("nan"))  # every element must be written
+    q_scale = None
+    if q_mode == "fp8_static":
+        q_scale = q_amax / torch.finfo(fp8_dtype_for(device)).max
+    return flash_decode_serving(
+        inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, out, **inp.layout,
+        max_q_len=max(inp.q_lens), max_splits=max_splits, tokens_per_split=tokens_per_split,
+        block_n=block_n, block_h=block_h, num_warps=num_warps, num_stages=num_stages,
+        dot_dtype=_dot_dtype(device), q_mode=q_mode, q_scale=q_scale, q_fp8_dtype=fp8_dtype_for(device),
+        workspace=workspace,
+    )
+
+
+def _expected(inp: serving.ServingInput, q_mode: str, q_amax: float | None = None) -> torch.Tensor:
+    q_format = {"bf16": "bf16", "fp8_dynamic": "fp8", "fp8_static": "fp8_static"}[q_mode]
+    return inp.reference(q_format, q_amax)
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:
+    assert bool(torch.isfinite(out).all()), f"{what}: an element is NaN or was never written"
+    err = float((out.float() - ref).norm() / ref.norm())
+    assert err < 1e-2, f"{what}: relative L2 error {err:.4f}"
+    result = problem.check(out, ref, problem.RULES["strict"])
+    assert result.passed, f"{what}: strict: {result.reason}"
+
+
+# ------------------------------------------------------------------------ reference
+@pytest.mark.parametrize("kv_lens", [[40, 40, 40], [1, 17, 40]])
+@pytest.mark.parametrize("kv", KV_FORMATS)
+@pytest.mark.parametrize("q_format", ["bf16", "fp8"])
+def test_reference_equals_the_leaderboard_reference_on_its_layout(kv_lens, kv, q_format):
+    data = problem.generate_ragged_input(kv_lens, seed=5, device="cpu")
+    ours = serving.from_leaderboard(data, kv).reference(q_format)
+    torch.testing.assert_close(ours, problem.reference(data, q_format, kv), rtol=1e-5, atol=1e-5)
+
+
+def test_reference_new_tokens_are_causal():
+    """New token i of q_len attends like a one-token query over the sequence cut after it."""
+    inp = serving.make_input([3], [20], heads=4, page_size=0, kv_format="bf16", seed=3)
+    out = inp.reference()
+    tokens = inp.kv.reshape(-1, 576)
+    for i in range(3):
+        visible = 20 - (2 - i)
+        alone = serving.reference(
+            inp.q[i : i + 1], torch.tensor([0, 1], dtype=torch.int32), tokens[:visible].reshape(-1, 1, 576),
+            kv_indptr=torch.tensor([0, visible], dtype=torch.int32))
+        torch.testing.assert_close(out[i : i + 1], alone, rtol=1e-6, atol=1e-6)
+    # and the cut matters: token 0 differs from token 0 seeing everything
+    full = serving.reference(inp.q[:1], torch.tensor([0, 1], dtype=torch.int32), inp.kv,
+                             kv_indptr=torch.tensor([0, 20], dtype=torch.int32))
+    assert (out[:1] - full).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("kv", KV_FORMATS)
+def test_paged_input_holds_the_same_tokens_shuffled(page_size, kv):
+    contiguous = serving.make_input([1, 2, 2], [5, 70, 17], 16, 0, kv, seed=11)
+    paged = serving.make_input([1, 2, 2], [5, 70, 17], 16, page_size, kv, seed=11)
+    assert torch.equal(paged.q, contiguous.q)
+    pages = paged.block_table[:, : -(-70 // page_size)]
+    if page_size > 1:  # page order is shuffled, not the identity
+        assert not torch.equal(pages[1].sort().values, pages[1])
+    assert bool(paged.kv.float().isnan().any())  # unused slots are poisoned
+    torch.testing.assert_close(paged.reference(), contiguous.reference(), rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------- the kernel
+# (layout, heads, q_len, kv, kv_lens, block_n, block_h, max_splits, tokens_per_split, q):
+# every pair of (layout, heads, q_len, kv) values appears (test below); lengths 1, 17,
+# 63, 64, 65 and 3000; one, several and max_splits splits per sequence (1 = no stage 2);
+# every q mode; tiles shorter, equal and longer than a page.
+CPU_CASES = [
+    (0, 16, 1, "bf16", [3000, 1, 17], 64, 16, 8, 512, "bf16"),
+    (0, 128, 2, "fp8", [65, 1], 32, 32, 4, 32, "fp8_dynamic"),
+    (0, 16, 4, "fp8", [63, 4, 64], 16, 4, 1, 1, "bf16"),
+    (1, 128, 1, "bf16", [17, 64], 16, 64, 2, 32, "bf16"),
+    (1, 16, 2, "fp8", [3000, 1, 65], 64, 8, 4, 256, "fp8_static"),
+    (1, 128, 4, "bf16", [18, 5], 16, 16, 3, 8, "bf16"),
+    (16, 16, 1, "fp8", [1, 63, 65, 17], 32, 16, 4, 16, "fp8_dynamic"),
+    (16, 128, 2, "bf16", [64, 2], 16, 32, 2, 48, "bf16"),
+    (16, 16, 4, "bf16", [65, 17, 4], 16, 8, 8, 16, "bf16"),
+    (64, 128, 1, "fp8", [65, 1], 32, 16, 4, 32, "bf16"),
+    (64, 16, 2, "bf16", [3000, 17, 64], 64, 16, 16, 256, "bf16"),
+    (64, 128, 4, "fp8", [17, 63], 16, 16, 2, 16, "fp8_dynamic"),
+]
+
+
+def test_cpu_sample_covers_every_pair_of_factors():
+    factors = [LAYOUTS, HEADS, Q_LENS, KV_FORMATS]
+    for i, j in itertools.combinations(range(4), 2):
+        seen = {(case[i], case[j]) for case in CPU_CASES}
+        assert seen == set(itertools.product(factors[i], factors[j])), (i, j)
+    lengths = {n for case in CPU_CASES for n in case[4]}
+    assert {1, 17, 63, 64, 65, 3000} <= lengths
+
+
+@pytest.mark.parametrize(
+    "layout,heads,q_len,kv,kv_lens,block_n,block_h,max_splits,tokens_per_split,q_mode", CPU_CASES
+)
+def test_kernel_matches_reference_on_a_covering_sample(
+    layout, heads, q_len, kv, kv_lens, block_n, block_h, max_splits, tokens_per_split, q_mode, device
+):
+    inp = serving.make_input(_q_lens(kv_lens, q_len), kv_lens, heads, layout, kv, seed=17, device=device)
+    assert max(inp.q_lens) == q_len
+    q_amax = None
+    if q_mode == "fp8_static":  # below the largest |q|: some values clamp, as in serving
+        q_amax = 0.8 * float(inp.q.abs().amax())
+    out = _launch(inp, device, max_splits=max_splits, tokens_per_split=tokens_per_split,
+                  block_n=block_n, block_h=block_h, q_mode=q_mode, q_amax=q_amax)
+    assert out.shape == (sum(inp.q_lens), heads, 512)
+    _assert_close(out, _expected(inp, q_mode, q_amax), f"layout {layout} heads {heads} q_len {q_len} {kv}")
+
+
+def test_kernel_reproduces_flash_decode_on_the_leaderboard_call(device):
+    """Same splits, same sums: with tokens_per_split 1 every sequence of 4 tokens or more
+    gets the old kernel's 4 splits; shorter ones get one (the old kernel's other splits
+    are empty and weigh 0)."""
+    data = problem.generate_ragged_input([100, 64, 17, 1], seed=8, device=device)
+    q, kv_data, qo_indptr, kv_indptr, _cfg = data
+    kv, kv_scale = kv_data["fp8"]
+    common = dict(block_n=16, num_warps=4, num_stages=1, dot_dtype=_dot_dtype(device))
+    old = torch.empty((4, 16, 512), dtype=torch.bfloat16, device=device)
+    flash_decode(q, kv, kv_scale, kv_indptr, old, num_splits=4, **common)
+    new = torch.full_like(old, float("nan"))
+    flash_decode_serving(q, qo_indptr, kv, kv_scale, new, kv_indptr=kv_indptr, max_q_len=1,
+                         max_splits=4, tokens_per_split=1, block_h=16, **common)
+    torch.testing.assert_close(new, old, rtol=0, atol=0)
+
+
+def test_one_workspace_serves_new_lengths_and_block_tables(device):
+    """What a CUDA graph replay does: the same buffers, refilled with other lengths,
+    q_lens and block tables, and no allocation or host read between the calls."""
+    first = serving.make_input([2, 1, 2], [40, 1, 100], 16, 16, "fp8", seed=21, device=device)
+    workspace = FlashDecodeServingWorkspace.allocate(6, 16, 4, device)
+    out = torch.empty((5, 16, 512), dtype=torch.bfloat16, device=device)
+    kwargs = dict(max_splits=4, tokens_per_split=16, block_n=16, block_h=8, workspace=workspace, out=out)
+    _launch(first, device, **kwargs)
+    _assert_close(out, first.reference(), "first call")
+    second = serving.make_input([1, 2, 2], [90, 3, 2], 16, 16, "fp8", seed=22, device=device)
+    # Into the first call's tensors, as a graph's static inputs are refilled.
+    first.q.copy_(second.q)
+    first.qo_indptr.copy_(second.qo_indptr)
+    first.seq_lens.copy_(second.seq_lens)
+    first.block_table.zero_()
+    first.block_table[:, : second.block_table.shape[1]].copy_(second.block_table)
+    first.kv.view(torch.uint8)[: second.kv.shape[0]].copy_(second.kv.view(torch.uint8))
+    first.kv_scale.copy_(second.kv_scale)
+    second_out = _launch(first, device, **kwargs)
+    assert second_out.data_ptr() == out.data_ptr()
+    _assert_close(out, second.reference(), "second call")
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(block_h=12), "block_h"),
+        (dict(block_h=4), "block_h"),  # 4 heads x 1 new token: fewer than 16 MMA rows
+        (dict(max_q_len=0), "max_q_len"),
+        (dict(block_n=24), "block_n"),
+        (dict(tokens_per_split=0), "tokens_per_split"),
+        (dict(kv_indptr="both"), "not both"),
+        (dict(q_mode="fp8_static"), "q_scale"),
+        (dict(dot_dtype="fp32"), "dot_dtype"),
+        (dict(workspace="small"), "workspace is for"),
+    ],
+)
+def test_bad_calls_are_refused_by_name(change, message):
+    inp = serving.make_input([1, 1], [5, 9], 16, 16, "bf16", seed=1)
+    kwargs = dict(inp.layout, max_q_len=1, max_splits=2, tokens_per_split=4, block_n=16, block_h=16,
+                  num_warps=4, num_stages=1, dot_dtype="fp16")
+    kwargs.update(change)
+    if change.get("kv_indptr") == "both":
+        kwargs["kv_indptr"] = torch.tensor([0, 5, 14], dtype=torch.int32)
+    if change.get("workspace") == "small":
+        kwargs["workspace"] = FlashDecodeServingWorkspace.allocate(1, 16, 2, "cpu")
+    out = torch.empty((2, 16, 512), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=message):
+        flash_decode_serving(inp.q, inp.qo_indptr, inp.kv, None, out, **kwargs)
+
+
+def test_paged_layout_checks_the_page_size_and_table():
+    inp = serving.make_input([1], [5], 16, 16, "bf16", seed=1)
+    out = torch.empty((1, 16, 512), dtype=torch.bfloat16)
+    kwargs = dict(max_q_len=1, max_splits=1, tokens_per_split=4, block_n=16, block_h=16,
+                  num_warps=4, num_stages=1, dot_dtype="fp16")
+    odd_pages = inp.kv.reshape(-1, 8, 2 * 576)[..., :576].contiguous()  # page size 8: fine
+    assert odd_pages.shape[1] == 8
+    with pytest.raises(ValueError, match="page_size"):
+        bad = torch.zeros((2, 24, 576), dtype=torch.bfloat16)
+        flash_decode_serving(inp.q, inp.qo_indptr, bad, None, out, block_table=inp.block_table,
+                             seq_lens=inp.seq_lens, **kwargs)
+    with pytest.raises(ValueError, match="block_table"):
+        flash_decode_serving(inp.q, inp.qo_indptr, inp.kv, None, out, block_table=inp.block_table.long(),
+                             seq_lens=inp.seq_lens, **kwargs)
+
+
+# ------------------------------------------------------------------------------ GPU
+GPU_KV_LENS = [3000, 1, 17, 63, 64, 65, 1000, 129]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("heads", [16, 32, 64, 128])
+@pytest.mark.parametrize("q_len", Q_LENS)
+@pytest.mark.parametrize("kv", KV_FORMATS)
+def test_full_matrix_on_gpu(layout, heads, q_len, kv, device):
+    inp = serving.make_input(_q_lens(GPU_KV_LENS, q_len), GPU_KV_LENS, heads, layout, kv,
+                             seed=31, device=device)
+    block_h = 16 if heads * q_len <= 32 else max(16 // q_len, 4) * 2
+    for q_mode in ("bf16", "fp8_dynamic"):
+        for max_splits, tokens_per_split, block_n in ((1, 1, 64), (8, 256, 64), (16, 64, 32)):
+            out = _launch(inp, device, max_splits=max_splits, tokens_per_split=tokens_per_split,
+                          block_n=block_n, block_h=min(block_h, heads), q_mode=q_mode, num_stages=2)
+            torch.cuda.synchronize()
+            _assert_close(out, _expected(inp, q_mode),
+                          f"layout {layout} heads {heads} q_len {q_len} {kv} {q_mode} splits {max_splits}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", [0, 64])
+def test_a_graph_replays_with_new_lengths_and_block_tables_without_syncing(layout, device):
+    """Captured once at the maxima, replayed with other lengths, q_lens and block tables;
+    the call itself never synchronizes (sync debug mode "error" would raise)."""
+    heads, max_q, kv_format = 128, 2, "fp8"
+    max_kv_lens = [3000, 700, 65, 1, 17, 64]
+    static = serving.make_input([2] * 5 + [1], max_kv_lens, heads, layout, kv_format, seed=41, device=device)
+    workspace = FlashDecodeServingWorkspace.allocate(static.q.shape[0], heads, 16, device)
+    out = torch.empty((static.q.shape[0], heads, 512), dtype=torch.bfloat16, device=device)
+    kwargs = dict(max_q_len=max_q, max_splits=16, tokens_per_split=128, block_n=64, block_h=16,
+                  num_warps=4, num_stages=2, dot_dtype="bf16", q_mode="fp8_dynamic",
+                  q_fp8_dtype=fp8_dtype_for(device), workspace=workspace)
+
+    def call():
+        flash_decode_serving(static.q, static.qo_indptr, static.kv, static.kv_scale, out,
+                             **static.layout, **kwargs)
+
+    call()  # compile outside the graph
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+    for seed, kv_lens in ((42, [5, 3000, 1, 64, 65, 2]), (43, [700, 17, 2, 1, 64, 3000])):
+        q_lens = [min(n, max_q) for n in kv_lens]
+        q_lens[-1] = 1  # the total stays within the captured q
+        new = serving.make_input(q_lens, kv_lens, heads, layout, kv_format, seed=seed, device=device)
+        static.q.zero_()
+        static.q[: new.q.shape[0]].copy_(new.q)
+        static.qo_indptr.copy_(new.qo_indptr)
+        if layout == 0:
+            static.kv_indptr.copy_(new.kv_indptr)
+        else:
+            static.seq_lens.copy_(new.seq_lens)
+            static.block_table.zero_()
+            static.block_table[:, : new.block_table.shape[1]].copy_(new.block_table)
+        assert new.kv.shape[0] <= static.kv.shape[0]
+        static.kv.view(torch.uint8)[: new.kv.shape[0]].copy_(new.kv.view(torch.uint8))
+        static.kv_scale.copy_(new.kv_scale)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        got = out[: new.q.shape[0]]
+        _assert_close(got, new.reference("fp8"), f"replay seed {seed}")
