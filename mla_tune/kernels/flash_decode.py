@@ -18,6 +18,13 @@ quotient rounded to bf16, clamped, cast) so it reproduces the leaderboard's refe
 "fp8_static" uses a fixed scale (q_amax / fp8_max, calibrated offline) and clamps values
 beyond it. Quantized q is cast to the dot dtype, which holds every fp8 value exactly.
 
+Two launch paths share these helpers: `flash_decode`, the leaderboard's call (contiguous KV,
+16 heads, one new token, the split count given by the host), and `flash_decode_serving`,
+the serving call (contiguous or paged KV, any head count in tiles, q_len new tokens per
+sequence causal among themselves, split counts computed on the device, CUDA-graph safe;
+`mla_tune/serving.py` has its inputs and reference). The leaderboard path keeps its own
+kernel until scripts/bench_layouts.py shows the serving kernel as fast on the 8 shapes.
+
 Exportable module: see docs/architecture.md (imports, `_fd_` prefix, no import-time work).
 """
 
