@@ -52,6 +52,12 @@ class ServingInput:
                          q_format=q_format, q_amax=q_amax)
 
 
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """x viewed as integers of its width: indexing fp8 tensors is not implemented
+    everywhere (CUDA index kernels), moving their bits is."""
+    return x.view({1: torch.uint8, 2: torch.int16}[x.element_size()])
+
+
 def _offsets(lengths: list[int]) -> list[int]:
     out = [0]
     for n in lengths:
@@ -115,7 +121,7 @@ def make_input(
     slots = table[seq_of, pos // page_size].long() * page_size + pos % page_size
     cache = torch.full((num_pages * page_size, QK_DIM), float("nan"), dtype=torch.bfloat16, device=device)
     cache = cache.to(tokens.dtype)
-    cache[slots] = tokens
+    _bits(cache)[slots] = _bits(tokens)
     cache = cache.view(num_pages, page_size, QK_DIM)
     seq_lens = torch.tensor(kv_lens, dtype=torch.int32, device=device)
     return ServingInput(q, qo_indptr, cache, kv_scale, None, table, seq_lens,
@@ -139,7 +145,7 @@ def _sequence_tokens(kv, kv_indptr, block_table, seq_lens, b: int) -> torch.Tens
         return kv.reshape(-1, QK_DIM)[lo:hi]
     seq_len, page_size = int(seq_lens[b]), kv.shape[1]
     pages = block_table[b, : -(-seq_len // page_size)].long()
-    return kv[pages].reshape(-1, QK_DIM)[:seq_len]
+    return _bits(kv)[pages].view(kv.dtype).reshape(-1, QK_DIM)[:seq_len]
 
 
 def _q_fp32(q: torch.Tensor, q_format: str, q_amax: float | None) -> torch.Tensor:
