@@ -355,6 +355,8 @@ def _fd_serving_stage1_kernel(
     split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, want), BLOCK_N), 1) * BLOCK_N
     num_splits = tl.cdiv(seq_len, split_len)
     if pid_s >= num_splits:
+        if (pid_s == 0) & (pid_h == 0):  # seq_len 0 (a padded graph slot): nothing to reduce
+            tl.store(SplitCount + pid_b, 0)
         return
     lo = pid_s * split_len
     hi = tl.minimum(lo + split_len, seq_len)
@@ -455,7 +457,8 @@ def _fd_serving_stage1_kernel(
         o_ptr = Out + first_row * D_NOPE + row_off[:, None] * D_NOPE + offs_d[None, :]
         tl.store(o_ptr, out.to(tl.bfloat16), mask=row_ok[:, None])
     else:
-        # Partials are (new token, split, head) rows: row_off counts heads of new tokens.
+        # Partials are (new token, split, head) rows; the row's new token strides over
+        # MAX_SPLITS * H of them.
         part_row = (q_start.to(tl.int64) * MAX_SPLITS + pid_s) * H + pid_h * BLOCK_H
         part_off = q_idx * (MAX_SPLITS * H) + offs_row % BLOCK_H
         tl.store(PartOut + part_row * D_NOPE + part_off[:, None] * D_NOPE + offs_d[None, :], out,
@@ -474,8 +477,9 @@ def _fd_serving_stage2_kernel(
     pid_h = tl.program_id(2)
     q_start = tl.load(QO_INDPTR + pid_b)
     num_splits = tl.load(SplitCount + pid_b)
-    # Past the sequence's new tokens, or one split (stage 1 wrote the output): nothing to do.
-    if (q_idx >= tl.load(QO_INDPTR + pid_b + 1) - q_start) | (num_splits == 1):
+    # Past the sequence's new tokens, one split (stage 1 wrote the output) or an empty
+    # sequence: nothing to do.
+    if (q_idx >= tl.load(QO_INDPTR + pid_b + 1) - q_start) | (num_splits <= 1):
         return
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, D)
@@ -581,7 +585,8 @@ def flash_decode_serving(
     themselves. KV (bf16, or 1-byte fp8 with a (1,) fp32 kv_scale), either contiguous:
     kv (total_kv, 1, 576) with kv_indptr (batch + 1,) int32; or paged: kv (num_pages,
     page_size, 576) with block_table (batch, max_pages) int32 and seq_lens (batch,) int32.
-    A sequence's KV includes its new tokens (seq_len >= q_len). out: (total_q, heads, 512)
+    A sequence's KV includes its new tokens (seq_len >= q_len; a seq_len of 0, a padded
+    CUDA-graph slot, leaves its rows of out untouched). out: (total_q, heads, 512)
     bf16. Sequence b runs in clamp(cdiv(seq_len, tokens_per_split), 1, max_splits) splits,
     counted on the device. block_h: heads per program (divides heads; block_h *
     next_pow2(max_q_len) >= 16 rows for the MMA). Other options as `flash_decode`.
