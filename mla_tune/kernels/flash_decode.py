@@ -590,6 +590,8 @@ def flash_decode_serving(
     bf16. Sequence b runs in clamp(cdiv(seq_len, tokens_per_split), 1, max_splits) splits,
     counted on the device. block_h: heads per program (divides heads; block_h *
     next_pow2(max_q_len) >= 16 rows for the MMA). Other options as `flash_decode`.
+    q_mode "fp8_dynamic" takes its per-tensor amax over all of q, rows past
+    qo_indptr[-1] (a graph's padding) included: keep those rows zero or in range.
     workspace: FlashDecodeServingWorkspace.allocate(max_total_q, heads, max_splits).
     Nothing here reads a device tensor or allocates once a workspace is given.
     """
