@@ -23,7 +23,9 @@ On the H200 (Triton 3.6): PYTHONPATH=. python3 scripts/gluon_probe.py --run  (al
 each kernel and checks O^T against torch, so a wrong layout shows as a mismatch).
 --decode also compiles mla_tune/kernels/gluon_decode.py's kernel (needs PYTHONPATH=.) and
 prints its register report, shared memory and SASS counts per configuration; --time (H200)
-times it beside triton_fused at the 8 leaderboard shapes and checks each under `strict`.
+times it beside triton_fused at the 8 leaderboard shapes and checks each under `strict`
+(--variants picks the v_path/num_stages, --budget stops starting shapes; --paths '' skips
+the probe's compiles).
 """
 
 from __future__ import annotations
@@ -244,9 +246,15 @@ DECODE_CONFIGS = ("64/3/ss16/one", "64/3/rs16/one", "64/3/rs8/one", "64/3/ss16a/
 LEADERBOARD = ((4, 1024), (4, 8192), (32, 1024), (32, 8192), (64, 1024), (64, 8192), (256, 1024), (256, 8192))
 
 
-def time_report(reps: int) -> None:
-    """On the H200: gluon_fused (block_n 64, its split plan, each V path) beside triton_fused's
-    run-3 pick (scripts/bench_peers.py FU_PICKS) at the 8 leaderboard shapes, strict rule."""
+GLUON_TIMED = ("ss16/3", "ss16/2", "ss16a/3", "ss16a/2", "rs16/3", "rs8/3")
+
+
+def time_report(reps: int, gluon_variants: list[str], budget_s: float) -> None:
+    """On the H200: gluon_fused (block_n 64, its split plan, the given v_path/stages) beside
+    triton_fused's run-3 pick (scripts/bench_peers.py FU_PICKS) at the 8 leaderboard shapes,
+    strict rule. No new shape starts once budget_s has passed; the table comes last."""
+    import time
+
     import torch
 
     from mla_tune import problem
@@ -255,13 +263,20 @@ def time_report(reps: int) -> None:
     from mla_tune.timing import time_call
     from scripts.bench_peers import fused_pick
 
-    gluon = [("ss16", 2), ("ss16", 3), ("ss16a", 3), ("ss16a", 2), ("rs16", 3), ("rs8", 3)]
-    print(f"{'shape':>9} {'triton_fused':>12} " + " ".join(f"{f'{v}/{st}':>10}" for v, st in gluon)
-          + "   (median us; '!' = failed strict; gluon splits = min(32, 128 // batch, tiles))")
+    t0 = time.monotonic()
+    gluon = [(v, int(st)) for v, st in (text.split("/") for text in gluon_variants)]
+    rows = []
     for batch, kv_len in LEADERBOARD:
+        if time.monotonic() - t0 > budget_s:
+            rows.append(f"{f'{batch}x{kv_len}':>9} not timed: the {budget_s:.0f} s budget was spent")
+            continue
         shape = Shape(batch, kv_len)
-        data = problem.generate_input(batch, kv_len, seed=batch * 7 + kv_len, device="cuda")
-        ref = problem.reference(data)
+        try:
+            data = problem.generate_input(batch, kv_len, seed=batch * 7 + kv_len, device="cuda")
+            ref = problem.reference(data)
+        except Exception as exc:  # the inputs of one shape failing still leaves the table
+            rows.append(f"{f'{batch}x{kv_len}':>9} inputs failed: {str(exc).splitlines()[0][:120]}")
+            continue
         splits = max(1, min(32, 128 // batch, kv_len // 64))
         variants = [(triton_fused, fused_pick(shape))] + [
             (gluon_fused, Variant.make("gluon_fused", kv="fp8", q="fp8_dynamic", block_n=64, num_stages=st,
@@ -274,11 +289,17 @@ def time_report(reps: int) -> None:
                 ok = problem.check(run(*inputs), ref, problem.RULES["strict"]).passed
                 us = time_call(lambda run=run, inputs=inputs: run(*inputs), reps=reps).median_us
                 cells.append(f"{us:.1f}{'' if ok else '!'}")
-            except Exception as exc:  # a failing variant is a row entry, not the end of the table
+            except Exception as exc:  # a failing variant is a table entry, not the end of the table
                 cells.append("err:" + type(exc).__name__)
                 print(f"  {variant}: {str(exc).splitlines()[0][:200]}")
         torch.cuda.synchronize()
-        print(f"{batch}x{kv_len:<5} {cells[0]:>12} " + " ".join(f"{c:>10}" for c in cells[1:]))
+        rows.append(f"{f'{batch}x{kv_len}':>9} {cells[0]:>12} " + " ".join(f"{c:>10}" for c in cells[1:]))
+        print(f"{rows[-1]}   (done at {time.monotonic() - t0:.0f} s)", flush=True)
+    print(f"gluon_fused vs triton_fused, median us over {reps} reps ('!' = failed strict vs problem.reference; "
+          "gluon splits = min(32, 128 // batch, tiles))")
+    print(f"{'shape':>9} {'triton_fused':>12} " + " ".join(f"{f'{v}/{st}':>10}" for v, st in gluon))
+    for row in rows:
+        print(row)
 
 
 def main() -> None:
@@ -289,15 +310,21 @@ def main() -> None:
     ap.add_argument("--time", action="store_true", help="on the H200: time gluon_fused beside triton_fused "
                                                         "at the 8 leaderboard shapes (needs PYTHONPATH=.)")
     ap.add_argument("--reps", type=int, default=20, help="timing repetitions per variant (--time)")
+    ap.add_argument("--variants", default=",".join(GLUON_TIMED),
+                    help="gluon_fused v_path/num_stages to time (--time), comma-separated")
+    ap.add_argument("--budget", type=float, default=600.0,
+                    help="seconds after which --time starts no new shape (the table still prints)")
     ap.add_argument("--paths", default=",".join(PATHS), help="comma-separated subset of " + ", ".join(PATHS))
     ap.add_argument("--run", action="store_true", help="also launch each kernel on the GPU and check it")
     ap.add_argument("--sass", default="", help="write each path's SASS into this folder")
     args = ap.parse_args()
+    paths = [n.strip() for n in args.paths.split(",") if n.strip()]  # --paths '': none (e.g. with --time)
     print(f"Gluon V-path probe: triton {triton.__version__}, sm_90a, fp8 tile [{BN} x {BD}], {NUM_WARPS} warps; "
           "counts are whole-kernel SASS instructions (the tile stores and the epilogue included)")
     cols = ("LDSM", "LDS", "STS", "STSM", "PRMT", "SHFL", "cvt", "MMA")
-    print(f"{'path':<12} {'regs':<18} " + " ".join(f"{c:>5}" for c in cols) + "  shared-load forms")
-    for name in [n.strip() for n in args.paths.split(",") if n.strip()]:
+    if paths:
+        print(f"{'path':<12} {'regs':<18} " + " ".join(f"{c:>5}" for c in cols) + "  shared-load forms")
+    for name in paths:
         path, swizzle = PATHS[name]
         try:
             k = compile_path(name, path, swizzle)
@@ -325,7 +352,7 @@ def main() -> None:
     if args.decode:
         decode_report([c.strip() for c in args.decode.split(",") if c.strip()], args.sass)
     if args.time:
-        time_report(args.reps)
+        time_report(args.reps, [v.strip() for v in args.variants.split(",") if v.strip()], args.budget)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,19 @@
 """The Gluon decode (issue 11): its backend's parameters and guard on the CPU, the kernel
 itself on the H200 (`pytest -m gpu`, Triton 3.6). Gluon has no CPU interpreter, so the
 kernel's correctness is only checked there; the split reduction launch is plain Triton and
-runs under the interpreter here."""
+runs under the interpreter here.
+
+What the GPU tests expect: `kernel_math`, the kernel's documented arithmetic in torch (q
+quantized to fp8 with one scale per (sequence, head), fp8 KV, fp32 scores, P rounded to fp16,
+fp32 sums, bf16 out), under `strict`; and, independently, that the output is no further from
+the exact answer (bf16 q and KV, fp32) than the leaderboard's own fp8 reference is. The
+leaderboard reference quantizes q with one scale for the whole tensor: at 17 tokens that
+difference alone puts 13-25% of the elements outside strict's 1% (the CPU test below shows
+it), so it cannot be the strict expectation of a per-head kernel.
+"""
 
 import importlib.util
+import math
 import sys
 from pathlib import Path
 
@@ -12,9 +22,8 @@ import torch
 
 from mla_tune import problem
 from mla_tune.backends import gluon_fused
-from mla_tune.core import Shape, Variant
+from mla_tune.core import QK_DIM, SM_SCALE, V_DIM, Shape, Variant
 from mla_tune.kernels import gluon_decode
-from tests.helpers import expected_output
 
 BASE = dict(kv="fp8", q="fp8_dynamic", block_n=64, num_stages=3, num_splits=1, v_path="ss16")
 
@@ -117,6 +126,70 @@ def test_the_split_reduction_combines_partials_by_their_lse(device):
     torch.testing.assert_close(out.float().cpu(), ref, rtol=1e-2, atol=1e-2)
 
 
+def kernel_math(data, q_scale_per: str = "head") -> torch.Tensor:
+    """_gd_decode_kernel's arithmetic in torch, (batch, 16, 512) fp32 holding bf16 values.
+    q_scale_per "tensor" swaps in the leaderboard reference's q scale (for the CPU test)."""
+    q, kv_data, _qo_indptr, kv_indptr, _config = data
+    kv8, kv_scale = kv_data["fp8"]
+    k_all = kv8.reshape(-1, QK_DIM).float()  # the fp8 codes; the scale is applied as the kernel does
+    qf = q.float()
+    amax = qf.abs().amax(-1, keepdim=True) if q_scale_per == "head" else qf.abs().amax().expand(*q.shape[:2], 1)
+    q_scale = amax.clamp(min=1e-12) / 448.0
+    q8 = (qf / q_scale).to(torch.float8_e4m3fn).float()
+    col_scale = q_scale * (kv_scale * (SM_SCALE * math.log2(math.e)))  # scores in log2 units
+    bounds = kv_indptr.tolist()
+    out = torch.empty((q.shape[0], 16, V_DIM), dtype=torch.float32, device=q.device)
+    for b in range(q.shape[0]):
+        k = k_all[bounds[b] : bounds[b + 1]]
+        s = (q8[b] @ k.T) * col_scale[b]
+        p = torch.exp2(s - s.amax(-1, keepdim=True))
+        o = p.half().float() @ k[:, :V_DIM]  # the PV MMA reads P in fp16; l sums it in fp32
+        out[b] = (o * (kv_scale / p.sum(-1, keepdim=True))).to(torch.bfloat16).float()
+    return out
+
+
+def _rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref).norm() / ref.norm())
+
+
+# The independent check: the kernel's distance from the exact answer may exceed the leaderboard
+# reference's by this factor. A q scale per head is no coarser than one per tensor: on the CPU
+# the ratio was 0.95-1.05 over 21 samples at 1 to 3000 tokens (docs/perf.md, issue 11).
+ACCURACY_FACTOR = 1.25
+
+
+def check_against_both(out, data, what: str) -> None:
+    """strict vs kernel_math, and relative L2 vs the exact answer within ACCURACY_FACTOR times
+    the leaderboard reference's; the message carries both numbers."""
+    result = problem.check(out, kernel_math(data), problem.RULES["strict"])
+    exact = problem.reference(data, "bf16", "bf16")
+    err, bound = _rel_l2(out, exact), ACCURACY_FACTOR * _rel_l2(problem.reference(data), exact)
+    assert result.passed, f"{what}: vs kernel_math {result.reason}; rel L2 vs exact {err:.2e} (bound {bound:.2e})"
+    assert err <= bound, f"{what}: rel L2 vs exact {err:.2e} > {bound:.2e} (strict vs kernel_math: ok)"
+
+
+def test_kernel_math_is_the_reference_math_but_for_the_q_scale_and_meets_the_bound():
+    for batch, kv_len in [(1, 1), (4, 17), (1, 300)]:
+        data = problem.generate_input(batch, kv_len, seed=batch * 31 + kv_len, device="cpu")
+        ref = problem.reference(data)
+        # With the reference's per-tensor q scale the emulation is the reference up to P in
+        # fp16 and bf16 output: strict passes, so its other steps (log2 units, scales) are right.
+        per_tensor = problem.check(kernel_math(data, "tensor"), ref, problem.RULES["strict"])
+        assert per_tensor.passed, f"{batch}x{kv_len}: {per_tensor.reason}"
+        ours = kernel_math(data)
+        check_against_both(ours, data, f"kernel_math at {batch}x{kv_len}")
+        if kv_len == 17:  # why the strict expectation is kernel_math, not the reference
+            assert problem.check(ours, ref, problem.RULES["strict"]).mismatch > 0.10
+    # The check can fail: a mask that drops each sequence's last token (an off-by-one at the
+    # partial tile) is caught.
+    q, kv_data, qo_indptr, kv_indptr, config = data = problem.generate_input(4, 17, seed=5, device="cpu")
+    kv8, kv_scale = kv_data["fp8"]
+    packed = kv8.reshape(4, 17, -1)[:, :16].reshape(64, 1, QK_DIM)
+    off_by_one = kernel_math((q, {"fp8": (packed, kv_scale)}, qo_indptr, torch.arange(5) * 16, config))
+    with pytest.raises(AssertionError, match="vs kernel_math"):
+        check_against_both(off_by_one, data, "the last token dropped")
+
+
 # ----------------------------------------------------------------------------- H200
 def _gpu_skip() -> str | None:
     return gluon_fused.unavailable_reason()
@@ -145,8 +218,7 @@ def test_gluon_decode_matches_the_reference_under_strict(batch, kv_len, params):
         variant = _variant(num_splits=splits, **params)
         run = gluon_fused.build(variant, shape, "cuda")
         first = run(*data[:4]).clone()
-        result = problem.check(first, expected_output(data, variant), problem.RULES["strict"])
-        assert result.passed, f"{variant} at {shape}: {result.reason}"
+        check_against_both(first, data, f"{variant} at {shape}")
         assert torch.equal(first, run(*data[:4])), f"{variant}: a second call differs"
 
 
@@ -158,5 +230,4 @@ def test_gluon_decode_ragged_batch_with_empty_splits(v_path):
     data = problem.generate_ragged_input([1, 17, 3000, 64, 130], seed=9, device="cuda")
     variant = _variant(num_splits=4, v_path=v_path)
     run = gluon_fused.build(variant, Shape(5, 3000), "cuda")
-    result = problem.check(run(*data[:4]), expected_output(data, variant), problem.RULES["strict"])
-    assert result.passed, f"{variant}: {result.reason}"
+    check_against_both(run(*data[:4]), data, str(variant))
