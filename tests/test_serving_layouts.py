@@ -305,7 +305,7 @@ def test_a_graph_replays_with_new_lengths_and_block_tables_without_syncing(layou
     """Captured once at the maxima, replayed with other lengths, q_lens and block tables;
     the call itself never synchronizes (sync debug mode "error" would raise)."""
     heads, max_q, kv_format = 128, 2, "fp8"
-    max_kv_lens = [3000, 700, 65, 1, 17, 64]
+    max_kv_lens = [3000, 700, 65, 2, 17, 64]  # each >= its q_len (2, and 1 for the last)
     static = serving.make_input([2] * 5 + [1], max_kv_lens, heads, layout, kv_format, seed=41, device=device)
     workspace = FlashDecodeServingWorkspace.allocate(static.q.shape[0], heads, 16, device)
     out = torch.empty((static.q.shape[0], heads, 512), dtype=torch.bfloat16, device=device)
