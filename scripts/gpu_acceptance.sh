@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The GPU machine's acceptance runs for the sweep (issues 8 and 12), one device command each.
+# Run from the repo root on the GPU machine, with the wheels of shared/device/wheels.sh in .whl/:
+#
+#   bash scripts/gpu_acceptance.sh full     # on a FRESH machine: full leaderboard sweep, its export checked
+#   bash scripts/gpu_acceptance.sh budget   # budget_s 120 sweep, its export checked, strict short lengths
+#
+# Everything it makes goes to $OUT (or ./gpu_out): the table, its results file, the logs.
+set -uo pipefail
+mode=${1:?usage: gpu_acceptance.sh full|budget}
+out=${OUT:-gpu_out}
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:. PATH=/tmp/site/bin:$PATH CUDA_HOME=/usr/local/cuda \
+  FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 PYTHONUNBUFFERED=1
+
+timed() {  # timed NAME CMD...: runs CMD, prints and records its wall seconds
+  local name=$1; shift
+  local t0; t0=$(date +%s%N)
+  "$@"
+  local rc=$?
+  local ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+  printf '%s: wall %d.%03d s (exit %d)\n' "$name" $((ms / 1000)) $((ms % 1000)) "$rc" | tee -a "$out/walls.txt"
+}
+
+case $mode in
+full)
+  python3 -m mla_tune sweep --gpu H200 --dry-run > "$out/dryrun.txt" 2>&1
+  grep -i -E "estimat|budget|rung" "$out/dryrun.txt" | head -12
+  timed sweep python3 -m mla_tune sweep --gpu H200 --fresh --out "$out/H200.yaml" > "$out/sweep.log" 2>&1
+  tail -30 "$out/sweep.log"
+  python3 -m mla_tune export --table "$out/H200.yaml" -o "$out/full.py"
+  python3 scripts/check_submission.py "$out/full.py" --reps 30 2>&1 | tail -20
+  COLUMNS=80 python3 -m mla_tune diff tables/H200.yaml "$out/H200.yaml"
+  ;;
+budget)
+  sed 's/^budget_s: .*/budget_s: 120              # issue 8: the budget must hold for real/; s/^name: .*/name: leaderboard-budget120/' \
+    configs/leaderboard.yaml > "$out/budget120.yaml"
+  timed sweep120 python3 -m mla_tune sweep --gpu H200 --config "$out/budget120.yaml" --fresh \
+    --out "$out/H200.b120.yaml" > "$out/sweep120.log" 2>&1
+  tail -25 "$out/sweep120.log"
+  python3 -m mla_tune export --table "$out/H200.b120.yaml" -o "$out/b120.py"
+  python3 scripts/check_submission.py "$out/b120.py" --reps 30 2>&1 | tail -16
+  COLUMNS=80 python3 -m mla_tune diff tables/H200.yaml "$out/H200.b120.yaml"
+  ;;
+*)
+  echo "unknown mode $mode (full | budget)"; exit 2 ;;
+esac
+cat "$out/walls.txt"
