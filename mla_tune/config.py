@@ -19,12 +19,13 @@ from typing import Any
 import yaml
 
 from mla_tune.backends import known_backends
+from mla_tune.calibration import CalibrationSpec, parse_calibration
 from mla_tune.core import Shape
 from mla_tune.problem import Rule, get_rule
 
 TOP_LEVEL_FIELDS = {
     "name", "description", "rule", "check_seeds", "calibration_seeds", "timing", "budget_s",
-    "shapes", "backends", "candidate_timeout_s",
+    "shapes", "backends", "candidate_timeout_s", "purpose", "calibration",
 }
 TIMING_FIELDS = {"reps", "prune_reps", "prune_factor"}
 
@@ -55,6 +56,8 @@ class Config:
     precompile: dict[str, bool]  # name -> warm Triton's cache in a compile pool first
     candidate_timeout_s: float | None
     raw: dict
+    # `purpose` and `calibration`: where fp8_static q scales come from (mla_tune.calibration)
+    calibration: CalibrationSpec = CalibrationSpec()
 
 
 def config_hash(raw: dict) -> str:
@@ -136,6 +139,7 @@ def config_from_dict(raw: Any, path: str | Path = "<config>") -> Config:
 
     shapes = _shapes(raw["shapes"], fail)
     backends, precompile = _backends(raw["backends"], fail)
+    calibration = parse_calibration(raw, path.parent, fail)
     return Config(
         name=name,
         path=path,
@@ -150,6 +154,7 @@ def config_from_dict(raw: Any, path: str | Path = "<config>") -> Config:
         precompile=precompile,
         candidate_timeout_s=float(timeout) if timeout is not None else None,
         raw=raw,
+        calibration=calibration,
     )
 
 
