@@ -19,6 +19,7 @@ from typing import Any
 
 from mla_tune import gpu
 from mla_tune.backends import get_backend, known_backends
+from mla_tune.calibration import CalibrationSpec, parse_calibration
 from mla_tune.core import Shape
 from mla_tune.errors import MlaTuneError
 from mla_tune.fileio import read_yaml
@@ -26,7 +27,7 @@ from mla_tune.problem import Rule, get_rule
 
 TOP_LEVEL_FIELDS = {
     "name", "description", "rule", "check_seeds", "calibration_seeds", "timing", "budget_s",
-    "shapes", "backends", "candidate_timeout_s",
+    "shapes", "backends", "candidate_timeout_s", "purpose", "calibration",
     "search",  # the search's rungs: validated where the search is defined
 }
 TIMING_FIELDS = {"reps", "prune_reps", "prune_factor"}
@@ -64,6 +65,8 @@ class Config:
     precompile: dict[str, bool]  # name -> warm Triton's cache in a compile pool first
     candidate_timeout_s: float | None
     raw: dict
+    # `purpose` and `calibration`: where fp8_static q scales come from (mla_tune.calibration)
+    calibration: CalibrationSpec = CalibrationSpec()
 
 
 def config_hash(raw: dict) -> str:
@@ -144,6 +147,7 @@ def config_from_dict(raw: Any, path: str | Path = "<config>") -> Config:
 
     shapes = _shapes(raw["shapes"], fail)
     backends, precompile = _backends(raw["backends"], fail)
+    calibration = parse_calibration(raw, path.parent, fail)
     return Config(
         name=name,
         path=path,
@@ -158,6 +162,7 @@ def config_from_dict(raw: Any, path: str | Path = "<config>") -> Config:
         precompile=precompile,
         candidate_timeout_s=float(timeout) if timeout is not None else None,
         raw=raw,
+        calibration=calibration,
     )
 
 

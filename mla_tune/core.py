@@ -8,6 +8,7 @@ the two functions that use it, so reading a table (Shape, Variant) never imports
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -26,6 +27,9 @@ MXFP4_SCALES = QK_DIM // MXFP4_BLOCK  # 18 E8M0 scales per token
 
 KV_FORMATS = ("bf16", "fp8", "mxfp4")
 Q_MODES = ("bf16", "fp8_dynamic", "fp8_static")
+# The fp8 formats a KV cache may come in: e4m3fn (NVIDIA, gfx950), e4m3fnuz (gfx942), by
+# name so that this module imports without torch (`mla-tune show` reads tables torch-free).
+CORE_FP8_DTYPE_NAMES = ("float8_e4m3fn", "float8_e4m3fnuz")
 
 
 def fp8_dtype_for(device=None):
@@ -39,6 +43,28 @@ def fp8_dtype_for(device=None):
         if arch.startswith("gfx942"):
             return torch.float8_e4m3fnuz
     return torch.float8_e4m3fn
+
+
+@functools.cache
+def _core_sm_count(index: int) -> int:
+    import torch
+
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def device_sm_count(device=None) -> int:
+    """The SM (CU) count of a CUDA or ROCm device (a torch.device, a name, an index, or None
+    for the current one), asked of the device once and cached; 0 where there is none (the
+    CPU, Triton's interpreter)."""
+    import torch
+
+    if isinstance(device, int):
+        device = torch.device("cuda", device)
+    dev = torch.device(device) if device is not None else None
+    if (dev is not None and dev.type != "cuda") or not torch.cuda.is_available():
+        return 0
+    index = dev.index if dev is not None and dev.index is not None else torch.cuda.current_device()
+    return _core_sm_count(index)
 
 
 @dataclass(frozen=True, order=True)
@@ -163,6 +189,16 @@ def _shown_param(value: Any) -> str:
         return repr(value)
 
 
+# Bounds of the launch parameters any GPU can run, for validate(): a table row beyond them
+# (num_splits=1000000000) fails at load instead of at its first call's allocation.
+PARAM_MAX_WARPS = 32  # 1024 threads per block (CUDA's and HIP's limit) / 32
+PARAM_MAX_STAGES = 8  # software-pipelining depth; each stage holds a tile in shared memory
+# Splits per sequence: a reduction reads every split's partial row at once, and no GPU
+# has more than a few hundred SMs to spread them over.
+PARAM_MAX_SPLITS = 256
+PARAM_MAX_BLOCK_N = 256  # tokens per tile: a 256 x 576 bf16 tile alone fills shared memory
+
+
 def check_param_names(variant: Variant, known: tuple | list, required: tuple | list = ()) -> None:
     """Refuse a parameter not in `known` and a missing one of `required`."""
     unknown = sorted(set(variant.p) - set(known))
@@ -250,8 +286,19 @@ def check_decode_inputs(q, kv_data, qo_indptr, kv_indptr, kv_format: str) -> int
             f'kv_data["{kv_format}"] must be a (tensor, scale) pair',
         )
         kv, scale = entry
+        require(isinstance(kv, torch.Tensor),
+                f'kv_data["{kv_format}"][0] must be a tensor, got {type(kv).__name__}')
         if kv_format == "fp8":
-            require(kv.element_size() == 1, f"fp8 KV must be a 1-byte dtype, got {kv.dtype}")
+            # Bytes in another dtype (vLLM keeps fp8 caches as uint8) would be read as
+            # numbers, not as fp8 codes: every output element wrong. So only a float8 dtype.
+            require(str(kv.dtype).removeprefix("torch.") in CORE_FP8_DTYPE_NAMES,
+                    f"fp8 KV must have an fp8 dtype (torch.float8_e4m3fn, or float8_e4m3fnuz on "
+                    f"MI300), got {kv.dtype}; pass fp8 bytes held as {kv.dtype} as "
+                    f"kv.view(torch.float8_e4m3fn)")
+            require(isinstance(scale, torch.Tensor),
+                    f"fp8 KV scale must be a (1,) float32 tensor on q's device, got "
+                    f"{type(scale).__name__}; make it once with torch.tensor([scale], "
+                    f"dtype=torch.float32, device=q.device)")
             require(
                 scale.numel() == 1 and scale.dtype == torch.float32,
                 f"fp8 KV scale must be one float32 value, got {scale.dtype} x {scale.numel()}",
@@ -259,6 +306,9 @@ def check_decode_inputs(q, kv_data, qo_indptr, kv_indptr, kv_format: str) -> int
             kv_dim = QK_DIM
         else:
             require(kv.element_size() == 1, f"mxfp4 KV must be packed bytes, got {kv.dtype}")
+            require(isinstance(scale, torch.Tensor),
+                    f"mxfp4 scales must be a (total_kv, >= {MXFP4_SCALES}) tensor of E8M0 bytes, "
+                    f"got {type(scale).__name__}")
             require(
                 scale.dim() == 2 and scale.shape[0] >= kv.shape[0] and scale.shape[1] >= MXFP4_SCALES,
                 f"mxfp4 scales must be (total_kv, >= {MXFP4_SCALES}), got {tuple(scale.shape)}",

@@ -25,6 +25,72 @@ from mla_tune.core import (
 DISPATCH_RAGGED_BACKENDS = frozenset({"triton"})
 
 
+# ------------------------------------------------------------------ the fallback policy
+# Written once: the runtime and the exported file (which carries this module) both use it.
+# The fallback serves shapes a table lacks and ragged batches; its variant must pass the
+# table's correctness rule, against the gate's reference (the leaderboard's: fp8 q from a
+# dynamic per-tensor scale x fp8 KV), at every kv_len, short ones included. Share of
+# elements off on random inputs, worst of 4 seeds at batch 4, each pair computed in fp32
+# by problem.reference (tests/test_fallback.py runs the kernels at kv_len 1, 2, 17, 63):
+#   strict       kv_len 1    2     17    63    128   512
+#   fp8 q/fp8 KV     0%   0%    0%    0%    0%    0%    (the reference's own math)
+#   bf16 q/fp8 KV    0%  13%   12%   3.8%  1.1%  0%
+#   bf16 q/bf16 KV  36%  42%   34%   19%   9.5%  0.5%
+# A softmax over a few tokens does not average away the scores' q-quantization difference,
+# nor bf16 values' distance from the reference's fp8 ones. Under `leaderboard` every pair
+# stays under 0.1% off. So under `strict` the triton fallback quantizes q exactly as the
+# reference does, and the torch baseline (bf16 only) refuses what it would get wrong.
+DISPATCH_FALLBACK_BACKENDS = ("triton", "torch")  # in order of preference
+# backend -> rule -> (kv, q, the shortest kv_len at which the pair passes the rule)
+DISPATCH_FALLBACKS = {
+    "triton": {"leaderboard": ("fp8", "bf16", 1), "strict": ("fp8", "fp8_dynamic", 1)},
+    "torch": {"leaderboard": ("bf16", "bf16", 1), "strict": ("bf16", "bf16", 512)},
+}
+# A rule the policy has no row for is served as the tightest it knows.
+DISPATCH_TIGHTEST_RULE = "strict"
+
+
+def dispatch_fallback_backend(allowed, usable: Callable[[str], bool]) -> str:
+    """The fallback's backend: the first of DISPATCH_FALLBACK_BACKENDS that `allowed` (None:
+    all) holds and `usable(name)` accepts; triton reads ragged batches, torch cannot."""
+    candidates = [b for b in DISPATCH_FALLBACK_BACKENDS if allowed is None or b in allowed]
+    if not candidates:
+        raise ValueError(f"the fallback needs the triton or the torch backend, but only "
+                         f"{', '.join(sorted(allowed))} are allowed; allow one of them")
+    for backend in candidates:
+        if usable(backend):
+            return backend
+    raise ValueError(f"none of the fallback backends ({', '.join(candidates)}) can be used "
+                     "here; install triton or allow torch")
+
+
+def dispatch_fallback(backend: str, rule: str | None,
+                      default_variant: Callable[..., Variant] | None = None) -> Callable[[Shape], Variant]:
+    """shape -> the fallback Variant for `backend` under the table's `rule` (a name).
+
+    triton needs its `default_variant(shape, kv=, q=)` (splits sized from this device's SM
+    count); torch's variant is fixed. A shape shorter than the pair passes at is refused
+    with a ValueError before anything launches, never answered wrongly.
+    """
+    by_rule = DISPATCH_FALLBACKS[backend]
+    known = rule in by_rule
+    kv, q, shortest = by_rule[rule if known else DISPATCH_TIGHTEST_RULE]
+    if backend == "triton" and default_variant is None:
+        raise ValueError("the triton fallback needs the triton backend's default_variant")
+    fixed = None if backend == "triton" else Variant.make(backend, kv=kv, q=q)
+    rule_text = rule if known else f"{rule or 'unnamed'} (served as {DISPATCH_TIGHTEST_RULE})"
+
+    def fallback(shape: Shape) -> Variant:
+        if shape.kv_len < shortest:
+            raise ValueError(
+                f"no fallback passes the {rule_text} rule at {shape}: the {backend} fallback "
+                f"(q {q}, KV {kv}) passes from kv_len {shortest} on; make the triton backend "
+                "available, or tune this shape into the table")
+        return fixed if fixed is not None else default_variant(shape, kv=kv, q=q)
+
+    return fallback
+
+
 def _dp_kv_rows(kv_data: dict, kv_format: str) -> int:
     entry = kv_data[kv_format]
     tensor = entry if kv_format == "bf16" else entry[0]

@@ -7,8 +7,10 @@ fallback use, dispatch.py) copied verbatim in dependency order with their
 imports mla_tune. mla_tune.export_ast reads, orders and prepares those modules (imports
 hoisted, backend protocol names renamed, collisions refused).
 
-Fallback (shapes the table lacks): triton's `default_variant` when triton is allowed, else
-the torch baseline (uniform batches only). So `--only torch` carries no Triton code at all.
+Fallback (shapes the table lacks): mla_tune.dispatch's policy for the table's rule, the
+same function the runtime uses (the file carries dispatch.py): triton's `default_variant`
+when triton is allowed, else the torch baseline (uniform batches only). So `--only torch`
+carries no Triton code at all.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import sys
 from pathlib import Path
 
 from mla_tune.backends import UnknownBackend, get_backend, known_backends
-from mla_tune.core import Shape
+from mla_tune.dispatch import DISPATCH_FALLBACK_BACKENDS, dispatch_fallback_backend
 from mla_tune.export_ast import (
     PROTOCOL_NAMES,
     ExportError,
@@ -47,40 +49,31 @@ def _backend_module(backend: str) -> str:
 
 
 def _fallback_backend(allowed: set[str] | None) -> str:
-    if allowed is None or "triton" in allowed:
+    """dispatch.py's choice of fallback backend, among those --only allows."""
+    def usable(backend: str) -> bool:
+        if backend != "triton":
+            return True
         module = _backend_module("triton")
         if not hasattr(importlib.import_module(module), "default_variant"):
             raise ExportError(f"the fallback needs {module}.default_variant, which is missing; "
                               "export with --only torch to use the torch fallback instead")
-        return "triton"
-    if "torch" in allowed:
-        return "torch"
-    raise ExportError(f"the fallback needs the triton or the torch backend, but --only allows "
-                      f"only {', '.join(sorted(allowed))}; add triton or torch to --only")
+        return True
+
+    if allowed is not None and not allowed & set(DISPATCH_FALLBACK_BACKENDS):
+        raise ExportError(f"the fallback needs the triton or the torch backend, but --only allows "
+                          f"only {', '.join(sorted(allowed))}; add triton or torch to --only")
+    return dispatch_fallback_backend(allowed, usable)
 
 
-def _fallback_code(backend: str) -> str:
-    if backend == "triton":
-        return '''
-def _export_sm_count():
-    # Queried on the first miss, not at import: the shape only tunes the split count.
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return 132
-
-
-def _export_fallback(shape):
-    return _default_variant_triton(shape, sm_count=_export_sm_count())
-'''
-    variant = get_backend("torch").candidates(Shape(1, 1), {}, None)[0]
-    return f'''
-# The torch baseline serves uniform batches only; a ragged batch is refused, not mis-served.
-_EXPORT_FALLBACK_VARIANT = Variant.parse({str(variant)!r})
-
-
-def _export_fallback(shape):
-    return _EXPORT_FALLBACK_VARIANT
-'''
+def _fallback_code(backend: str, rule: str | None) -> str:
+    """The exported file's fallback: dispatch.py's policy itself (the file carries
+    dispatch.py), for the table's rule; the SM count is asked of the device on first use."""
+    default = "_default_variant_triton" if backend == "triton" else "None"
+    rule = rule if isinstance(rule, str) else None  # the repr below is then a plain literal
+    return f"""
+# Shapes the table lacks run dispatch.py's fallback for the table's rule ({_one_line(rule)}).
+_export_fallback = dispatch_fallback({backend!r}, {rule!r}, {default})
+"""
 
 
 def _one_line(value) -> str:
@@ -153,7 +146,7 @@ def render_submission(table_path: str | Path, only_backends: list[str] | None = 
         f"_EXPORT_TABLE_TEXT = {{\n{entries}}}\n"
         "_EXPORT_TABLE = {shape: Variant.parse(text) for shape, text in _EXPORT_TABLE_TEXT.items()}\n"
         f"_EXPORT_BUILDERS = {{\n{builders}}}\n\n"
-        + _fallback_code(fallback) +
+        + _fallback_code(fallback, (prov.get("rule") or {}).get("name")) +
         "\n\n_EXPORT_DISPATCHER = Dispatcher(_EXPORT_TABLE, _EXPORT_BUILDERS, _export_fallback)\n\n\n"
         "def custom_kernel(data: input_t) -> output_t:\n"
         "    # The leaderboard's batches are uniform, so kv_seq_len is trusted: no host sync.\n"

@@ -19,7 +19,7 @@ import torch
 from mla_tune.backends import get_backend
 from mla_tune.backends.aiter_mla import aiter_drift_note
 from mla_tune.core import Shape, Variant, require
-from mla_tune.dispatch import Dispatcher
+from mla_tune.dispatch import Dispatcher, dispatch_fallback, dispatch_fallback_backend
 from mla_tune.gpu import Platform, detect
 from mla_tune.table import Table, TableError, load_table
 
@@ -27,11 +27,17 @@ TABLES_DIR = Path(__file__).resolve().parent.parent / "tables"
 # Versions whose change can move kernel timings or behaviour; python's cannot.
 VERSION_FIELDS = ("torch", "triton", "cuda", "hip", "amd-aiter", "amd-aiter-commit", "flashinfer-python",
                   "sgl-flash-mla")
-DEFAULT_SM_COUNT = 132  # an H200's; only shapes the fallback's split count when none is known
+# check_q_range: what a q=fp8_static call does about q beyond its calibrated q_amax
+# (docs/runtime.md): off | count on the device, no sync | warn | raise (both sync per call).
+Q_RANGE_MODES = ("off", "count", "warn", "raise")
 
 
 class GpuMismatchError(ValueError):
     """The table was tuned on another GPU than the one this process runs on."""
+
+
+class QRangeError(ValueError):
+    """A call's q holds elements beyond the q_amax its fp8_static variant was calibrated for."""
 
 
 def backend_unavailable(name: str) -> str | None:
@@ -43,28 +49,96 @@ def backend_unavailable(name: str) -> str | None:
     return module.unavailable_reason()
 
 
-def fallback_policy(sm_count: int = DEFAULT_SM_COUNT,
+def fallback_policy(rule: str | None = None,
                     allowed: Iterable[str] | None = None) -> tuple[str, Callable[[Shape], Variant]]:
-    """(backend, shape -> Variant) for shapes the table lacks and for ragged batches.
+    """(backend, shape -> Variant) for shapes the table lacks and for ragged batches, under
+    the table's correctness rule `rule`: mla_tune.dispatch's policy (the export uses it too).
 
-    The triton backend's `default_variant` when triton may be used and runs here (it is
-    correct for every kv_len >= 1 and reads kv_indptr per sequence); otherwise the torch
-    baseline's variant, which serves uniform batches only (the Dispatcher refuses a ragged
-    batch for it with a clear error rather than computing a wrong answer).
+    triton when allowed and it runs here (correct for every kv_len >= 1 under the rule, and
+    it reads kv_indptr per sequence); otherwise the torch baseline, which serves uniform
+    batches only (a ragged batch is refused with a clear error rather than answered wrong),
+    and under `strict` only kv_len >= 512 (shorter ones are refused, see the policy).
     """
-    allowed = None if allowed is None else set(allowed)
-    if allowed is None or "triton" in allowed:
-        reason = backend_unavailable("triton")
-        if reason is None:
-            module = get_backend("triton")
-            if hasattr(module, "default_variant"):
-                return "triton", functools.partial(module.default_variant,
-                                                   sm_count=sm_count or DEFAULT_SM_COUNT)
-    if allowed is not None and "torch" not in allowed:
-        raise ValueError(f"the fallback needs the triton or the torch backend, but only "
-                         f"{', '.join(sorted(allowed))} are allowed; allow one of them")
-    torch_variant = get_backend("torch").candidates(Shape(1, 1), {}, None)[0]
-    return "torch", lambda shape: torch_variant
+    def usable(name: str) -> bool:
+        return backend_unavailable(name) is None and (
+            name != "triton" or hasattr(get_backend(name), "default_variant"))
+
+    backend = dispatch_fallback_backend(None if allowed is None else set(allowed), usable)
+    default = get_backend(backend).default_variant if backend == "triton" else None
+    return backend, dispatch_fallback(backend, rule, default)
+
+
+class QRangeCheck:
+    """Catches q beyond the calibrated range of q=fp8_static variants (see docs/runtime.md).
+
+    Runners that count it themselves while quantizing (`runner.q_saturation`, a device
+    counter: flashmla's) cost nothing more. For the others (the triton backend quantizes q
+    inside its kernel), mode "count" launches q_quant.q_range_count before each call into
+    a device counter (no sync); "warn" and "raise" count each call's q first and read it
+    (one sync per call), then warn, or raise QRangeError before the kernel launches.
+    """
+
+    def __init__(self, mode: str, table: Table):
+        self.mode = mode  # one of Q_RANGE_MODES
+        self._sources = {s: (r.get("calibration") or {}).get("source") for s, r in table.rows.items()}
+        self._runners: list = []
+        self._counts: dict[str, torch.Tensor] = {}  # device -> (1,) int64
+
+    def _count(self, device) -> torch.Tensor:
+        key = str(device)
+        if key not in self._counts:
+            self._counts[key] = torch.zeros((1,), dtype=torch.int64, device=device)
+        return self._counts[key]
+
+    def wrap(self, build: Callable) -> Callable:
+        def build_checked(variant: Variant, shape: Shape, device):
+            runner = build(variant, shape, device)
+            if variant.get("q") != "fp8_static":
+                return runner
+            self._runners.append(runner)
+            counts_itself = getattr(runner, "q_saturation", None) is not None
+            if self.mode == "off" or (self.mode == "count" and counts_itself):
+                return runner
+            from mla_tune.kernels.q_quant import q_range_count
+
+            q_amax = float(variant.get("q_amax"))
+            source = self._sources.get(shape) or "its table row names no source"
+            scratch = torch.zeros((1,), dtype=torch.int64, device=device)
+
+            def run_checked(q, kv_data, qo_indptr, kv_indptr):
+                if self.mode == "count":
+                    q_range_count(q, q_amax, self._count(q.device))
+                    return runner(q, kv_data, qo_indptr, kv_indptr)
+                scratch.zero_()
+                beyond = int(q_range_count(q, q_amax, scratch).item())  # the sync asked for
+                if beyond:
+                    if not counts_itself:
+                        self._count(q.device).add_(scratch)
+                    message = (f"{beyond} of {q.numel()} q elements exceed q_amax={q_amax} that "
+                               f"{variant} was calibrated for ({source}); they would be clamped. "
+                               "Calibrate from real q (config calibration: {q_sample: FILE.pt}) "
+                               "and re-sweep, or use a q=fp8_dynamic variant")
+                    if self.mode == "raise":
+                        raise QRangeError(message)
+                    warnings.warn(message, stacklevel=4)
+                return runner(q, kv_data, qo_indptr, kv_indptr)
+
+            run_checked.q_saturation = getattr(runner, "q_saturation", None)
+            return run_checked
+
+        return build_checked
+
+    def total(self) -> int:
+        counters = list(self._counts.values())
+        counters += [r.q_saturation for r in self._runners if getattr(r, "q_saturation", None) is not None]
+        return sum(int(c.sum().item()) for c in counters)
+
+    def reset(self) -> None:
+        for counter in self._counts.values():
+            counter.zero_()
+        for runner in self._runners:
+            if getattr(runner, "q_saturation", None) is not None:
+                runner.q_saturation.zero_()
 
 
 def _warn_versions(table: Table, platform: Platform) -> None:
@@ -94,6 +168,18 @@ class Runtime:
     dispatcher: Dispatcher
     fallback_backend: str
     device: torch.device | None = None
+    q_range: QRangeCheck | None = None
+
+    def q_saturation(self) -> int:
+        """How many q elements of q=fp8_static calls exceeded their calibrated q_amax since
+        load (or the last reset_q_saturation): counted on the device during the calls,
+        read here (a sync: call it between steps, not inside a captured graph). 0 means
+        no call was clamped, as far as counted: see check_q_range in docs/runtime.md."""
+        return self.q_range.total() if self.q_range is not None else 0
+
+    def reset_q_saturation(self) -> None:
+        if self.q_range is not None:
+            self.q_range.reset()
 
     def decode(self, q, kv_data, qo_indptr, kv_indptr, kv_len: int | None = None,
                check_indptr: bool = True):
@@ -122,8 +208,15 @@ class Runtime:
 
 
 def load(gpu: str | None = None, table: str | Path | None = None, allow_other_gpu: bool = False,
-         device=None) -> Runtime:
-    """Load the table for `gpu` (default: this GPU) from tables/, or the table at `table`."""
+         device=None, check_q_range: bool | str = "count") -> Runtime:
+    """Load the table for `gpu` (default: this GPU) from tables/, or the table at `table`.
+
+    check_q_range (off | count | warn | raise; True = raise, False = off): what q=fp8_static
+    calls do about q beyond their calibrated q_amax; see QRangeCheck and docs/runtime.md.
+    """
+    mode = ("raise" if check_q_range else "off") if isinstance(check_q_range, bool) else check_q_range
+    require(mode in Q_RANGE_MODES, f"check_q_range must be one of {', '.join(Q_RANGE_MODES)} "
+            f"(or True for raise, False for off), got {check_q_range!r}")
     dev = torch.device(device) if device is not None else None
     platform = detect(dev.index if dev is not None and dev.type == "cuda" else None)
     path = Path(table) if table is not None else TABLES_DIR / f"{gpu or platform.name}.yaml"
@@ -151,11 +244,13 @@ def load(gpu: str | None = None, table: str | Path | None = None, allow_other_gp
             "that cannot run here ("
             + "; ".join(f"{n}: {r}" for n, r in reasons.items() if r) +
             "); those shapes run their best available alternate or the fallback", stacklevel=2)
-    fallback_backend, fallback = fallback_policy(platform.sm_count)
-    builders = {name: get_backend(name).build
+    rule = (loaded.provenance.get("rule") or {}).get("name")
+    fallback_backend, fallback = fallback_policy(rule)
+    q_range = QRangeCheck(mode, loaded)
+    builders = {name: q_range.wrap(get_backend(name).build)
                 for name in {v.backend for v in variants.values()} | {fallback_backend}}
     dispatcher = Dispatcher({(s.batch, s.kv_len): v for s, v in variants.items()}, builders, fallback)
-    return Runtime(loaded, platform, dispatcher, fallback_backend, dev)
+    return Runtime(loaded, platform, dispatcher, fallback_backend, dev, q_range)
 
 
 @functools.lru_cache(maxsize=1)

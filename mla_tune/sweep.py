@@ -371,6 +371,7 @@ class DeviceRunner:
             payload = {
                 "shape": {"batch": shape.batch, "kv_len": shape.kv_len}, "variant": str(variant),
                 "check_seeds": config.check_seeds, "calibration_seeds": config.calibration_seeds,
+                "calibration": config.calibration.as_dict(),
                 "rule": config.rule.as_dict(), "reps": reps, "prune_reps": prune_reps,
                 "wall_reps": min(reps, 20),
                 "prune_threshold_us": best * config.timing.prune_factor if prune else None,

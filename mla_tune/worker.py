@@ -26,16 +26,13 @@ from pathlib import Path
 
 import torch
 
-from mla_tune import gpu, problem, timing
+from mla_tune import calibration, gpu, problem, timing
 from mla_tune.backends import get_backend
 from mla_tune.compile_pool import compile_shape_for, precompile  # noqa: F401 (moved; re-exported until callers move)
 from mla_tune.core import Shape, Variant
 from mla_tune.procs import die_with_parent
 
 GATE_MARGIN = 0.5  # the gate demands at most half the rule's allowance (PROBLEM.md)
-# fp8_static q scale: the max |q| seen over the calibration seeds, with 10% headroom for
-# seeds the calibration did not see (randn q: the max grows only slowly with more draws).
-CALIBRATION_MARGIN = 1.1
 CPU_PROTOCOL = {
     "name": "cpu-wall-clock",
     "statistic": "median of time.perf_counter samples around each call",
@@ -104,21 +101,12 @@ class ShapeState:
             self.seeds.append((seed, data, problem.reference(data)))
         self._calibration: dict | None = None
 
-    def calibration(self) -> dict:
-        """fp8_static's q_amax for this shape, from seeds the gate never checks on."""
+    def calibration(self, spec: dict | None = None) -> dict:
+        """fp8_static's q_amax for this shape from the config's calibration source `spec`
+        (mla_tune.calibration; None: the generator, on seeds the gate never checks on)."""
         if self._calibration is None:
-            amax = 0.0
-            for seed in self.calibration_seeds:
-                # q is drawn first from the seed's generator, so kv_len 1 yields the same q
-                # as the real shape without generating its (possibly GB-sized) KV cache.
-                q = problem.generate_input(self.shape.batch, 1, seed, device=self.device)[0]
-                amax = max(amax, float(q.abs().amax()))
-            self._calibration = {
-                "q_amax": round(amax * CALIBRATION_MARGIN, 4),
-                "method": f"max |q| over calibration seeds x {CALIBRATION_MARGIN}",
-                "seeds": self.calibration_seeds,
-                "observed_amax": amax,
-            }
+            self._calibration = calibration.calibrate(spec, self.shape, self.calibration_seeds,
+                                                      self.device)
         return self._calibration
 
 
@@ -165,7 +153,7 @@ def run_candidate(payload: dict, state: ShapeState | None, device, has_gpu: bool
     rule = problem.Rule(**payload["rule"])
     try:
         if variant.get("q") == "fp8_static":
-            record["calibration"] = state.calibration()
+            record["calibration"] = state.calibration(payload.get("calibration"))
             variant = variant.with_params(q_amax=record["calibration"]["q_amax"])
             record.update(variant=str(variant), params=variant.p)
         runner = get_backend(variant.backend).build(variant, shape, device)

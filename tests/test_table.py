@@ -246,7 +246,7 @@ ROW2 = r"row 2 \(batch 2, kv_len 40\)"
         (lambda d: _set_variant(d["rows"][1]["winner"], drop=("num_splits",), num_splitz=2),
          rf"{ROW2}: winner\.variant: triton: unknown parameter num_splitz; known: kv, q, num_splits"),
         (lambda d: _set_variant(d["rows"][1]["winner"], block_n=48),
-         rf"{ROW2}: winner\.variant: triton: block_n=48 is not allowed; block_n must be a power of two >= 16"),
+         rf"{ROW2}: winner\.variant: triton: block_n=48 is not allowed; block_n must be a power of two from 16 to 256"),
         (lambda d: _set_variant(d["rows"][1]["winner"], num_warps=3),
          rf"{ROW2}: winner\.variant: triton: num_warps=3 is not allowed; num_warps must be a power of two"),
         (lambda d: _set_variant(d["rows"][1]["winner"], num_warps=True),

@@ -20,6 +20,9 @@ A backend module defines (see backends/torch_bmm.py for the smallest one):
         A callable runner(q, kv_data, qo_indptr, kv_indptr) -> (batch, 16, 512) bf16 that
         owns its buffers (it allocates nothing per call; its output buffer is reused, so
         copy it before the next call if you keep it). Vendor imports happen here, lazily.
+        A runner of a q=fp8_static variant that counts, on the device, the q elements
+        beyond its q_amax exposes that (1,) int64 counter as `runner.q_saturation`
+        (flashmla's does, for free); the runtime sums these (Runtime.q_saturation).
 
 Optional members (absent: the defaults in brackets):
     SPACE_KEYS: tuple[str, ...]

@@ -135,6 +135,9 @@ def build(variant: Variant, shape: Shape, device):
             )
         return out.view(batch, NUM_HEADS, V_DIM)
 
+    # fp8_static: the quantizer counts q elements beyond the calibrated q_amax on the device
+    # (the runtime's q_saturation() sums these counters; nothing here syncs)
+    run_flash_mla.q_saturation = quantize.saturated if variant.get("q") == "fp8_static" else None
     return run_flash_mla
 
 

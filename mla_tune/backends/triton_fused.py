@@ -31,6 +31,9 @@ import torch
 
 from mla_tune.core import (
     NUM_HEADS,
+    PARAM_MAX_SPLITS,
+    PARAM_MAX_STAGES,
+    PARAM_MAX_WARPS,
     QK_DIM,
     SM_SCALE,
     V_DIM,
@@ -39,6 +42,7 @@ from mla_tune.core import (
     check_param_choice,
     check_param_int,
     check_param_names,
+    device_sm_count,
     require,
 )
 from mla_tune.kernels.fused_decode import fu_persistent_slots, fused_decode
@@ -57,6 +61,8 @@ FU_LATER_DEFAULTS = {"load": "ptr", "grid": "split", "waves": 1}
 # The interpreter has no SMs; the persistent grid pretends to have this many, so CPU tests
 # cut sequences between programs.
 _FU_INTERPRET_SMS = 3
+# The interpreter runs programs one after another: any grid is "resident".
+_FU_NO_RESIDENCY_LIMIT = 1 << 30
 
 # The search space when a config gives none: what docs/perf.md's two H200 runs found
 # worth sweeping (every per-shape winner there lies inside it).
@@ -143,9 +149,9 @@ def validate(variant: Variant) -> None:
                           ("tok_m", (True, False)), ("block_n", _FU_BLOCK_N), ("reduce", _FU_REDUCE),
                           ("load", _FU_LOAD), ("grid", _FU_GRID), ("waves", (1, 2))):
         check_param_choice(full, name, allowed)
-    check_param_int(full, "num_warps", maximum=32, power_of_two=True)
-    check_param_int(full, "num_stages")
-    check_param_int(full, "num_splits")
+    check_param_int(full, "num_warps", maximum=PARAM_MAX_WARPS, power_of_two=True)
+    check_param_int(full, "num_stages", maximum=PARAM_MAX_STAGES)
+    check_param_int(full, "num_splits", maximum=PARAM_MAX_SPLITS)
     reason = _fu_combo_reason(full.p)
     if reason is not None:
         raise ValueError(f"{NAME}: {variant} is not allowed: {reason}")
@@ -155,7 +161,8 @@ def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
     space = {**FU_DEFAULT_SPACE, **(space or {})}
     unknown = set(space) - set(FU_DEFAULT_SPACE)
     require(not unknown, f"triton_fused: unknown search-space keys {sorted(unknown)}")
-    sm_count = getattr(platform, "sm_count", 0) or 132
+    # The planned GPU's SMs; a platform without any (the CPU) has no residency limit, as in build()
+    sm_count = getattr(platform, "sm_count", 0) or _FU_NO_RESIDENCY_LIMIT
     keys = list(FU_DEFAULT_SPACE)
     out: list[Variant] = []
 
@@ -238,9 +245,9 @@ def build(variant: Variant, shape: Shape, device):
     p = {**FU_LATER_DEFAULTS, **variant.p}
     device = torch.device(device)
     if device.type == "cuda":
-        sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+        sm_count = device_sm_count(device)
     else:
-        sm_count = 1 << 30  # interpreter: no residency limit applies (and spin is not tested there)
+        sm_count = _FU_NO_RESIDENCY_LIMIT  # interpreter: no SMs (and spin is not tested there)
     reason = _fu_valid(p, shape, sm_count)
     require(reason is None, f"triton_fused cannot run {variant} at {shape}: {reason}")
     kv_fmt = p["kv"]

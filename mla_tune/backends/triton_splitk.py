@@ -14,6 +14,10 @@ import torch
 
 from mla_tune.core import (
     NUM_HEADS,
+    PARAM_MAX_BLOCK_N,
+    PARAM_MAX_SPLITS,
+    PARAM_MAX_STAGES,
+    PARAM_MAX_WARPS,
     V_DIM,
     Shape,
     Variant,
@@ -21,6 +25,7 @@ from mla_tune.core import (
     check_param_int,
     check_param_names,
     check_q_amax,
+    device_sm_count,
     fp8_dtype_for,
 )
 from mla_tune.kernels.flash_decode import (
@@ -40,6 +45,9 @@ _tsk_HIP_KEYS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
 # A grid of more than this many waves of SMs gains nothing from splitting further and
 # pays for the larger stage-2 reduction.
 _tsk_MAX_WAVES = 4
+# The interpreter has no SMs; the default variant pretends this many, so CPU tests still
+# take the split path.
+_tsk_INTERPRETER_SMS = 4
 
 
 def _tsk_interpreted() -> bool:
@@ -108,14 +116,22 @@ def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
     return list(dict.fromkeys(out))
 
 
-def default_variant(shape: Shape, sm_count: int = 132) -> Variant:
-    """A config correct for every shape (ragged too): fp8 KV, bf16 q, enough splits to
-    fill about one wave of SMs; the runtime's fallback for shapes a table lacks."""
+def default_variant(shape: Shape, sm_count: int | None = None, kv: str = "fp8",
+                    q: str = "bf16") -> Variant:
+    """A config correct for every shape (ragged too) reading `kv` KV with `q` q (bf16 or
+    fp8_dynamic: a static scale needs a calibration), with enough splits to fill about one
+    wave of `sm_count` SMs (None: the current device's, asked once; the interpreter, which
+    has none, stands in a few). The fallback for shapes a table lacks (dispatch.py's policy
+    picks kv and q per correctness rule)."""
+    if q not in ("bf16", "fp8_dynamic"):
+        raise ValueError(f"triton: the default variant reads q as bf16 or fp8_dynamic, not {q!r}")
+    if sm_count is None:
+        sm_count = device_sm_count() or _tsk_INTERPRETER_SMS
     block_n = 32
     return Variant.make(
         NAME,
-        kv="fp8",
-        q="bf16",
+        kv=kv,
+        q=q,
         num_splits=flash_decode_num_splits(shape.batch, shape.kv_len, sm_count, block_n),
         block_n=block_n,
         num_warps=4,
@@ -134,15 +150,16 @@ def validate(variant: Variant) -> None:
     check_param_choice(variant, "kv", _tsk_KV_FORMATS)
     check_param_choice(variant, "q", _tsk_Q_MODES)
     check_param_choice(variant, "dot_dtype", _tsk_DOT_DTYPES)
-    check_param_int(variant, "num_splits")
-    check_param_int(variant, "block_n", minimum=16, power_of_two=True)  # the kernel's tl.arange
-    check_param_int(variant, "num_warps", maximum=32, power_of_two=True)
-    check_param_int(variant, "num_stages")
+    check_param_int(variant, "num_splits", maximum=PARAM_MAX_SPLITS)
+    # the kernel's tl.arange needs a power of two >= 16
+    check_param_int(variant, "block_n", minimum=16, maximum=PARAM_MAX_BLOCK_N, power_of_two=True)
+    check_param_int(variant, "num_warps", maximum=PARAM_MAX_WARPS, power_of_two=True)
+    check_param_int(variant, "num_stages", maximum=PARAM_MAX_STAGES)
     check_q_amax(variant)
-    # ROCm compiler options: 0 lets the compiler choose occupancy (waves_per_eu) and the
-    # MFMA tile (matrix_instr_nonkdim).
+    # ROCm compiler options: 0 lets the compiler choose occupancy (waves_per_eu, at most
+    # the 16 wave slots a CDNA SIMD has) and the MFMA tile (matrix_instr_nonkdim).
     if "waves_per_eu" in variant.p:
-        check_param_int(variant, "waves_per_eu", minimum=0)
+        check_param_int(variant, "waves_per_eu", minimum=0, maximum=16)
     if "matrix_instr_nonkdim" in variant.p:
         check_param_choice(variant, "matrix_instr_nonkdim", (0, 4, 16, 32))
     if "kpack" in variant.p:

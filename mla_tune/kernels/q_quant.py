@@ -1,12 +1,17 @@
 """q to fp8 in one or two launches, for backends whose kernels take fp8 q (FlashMLA's).
 
 Per-tensor quantization as the leaderboard's reference does it, without a host sync:
-- static: scale = q_amax / fp8_max fixed at build time; one launch;
+- static: scale = q_amax / fp8_max fixed at build time; one launch, which also adds the
+  number of elements beyond q_amax (clamped, so the answer is off) to a device counter,
+  `QQuantizer.saturated`: calibration can be wrong for real traffic, and this says so
+  without a sync (mla_tune.runtime's `q_saturation()` reads it later);
 - dynamic: scale = bf16(amax(|q|) / fp8_max) from this call's q; two launches (per-row
   amax partials, then every program reduces the partials and quantizes its row), which
   reproduces `mla_tune.problem.quantize_fp8` value for value (a tiny negative value that
   rounds to zero gives +0 where torch gives -0; no dot can tell them apart).
 Torch ops would take 3 (static) to 7 (dynamic) launches of ~2-3 us each on the GPU.
+`q_range_count` is the count alone, one tiny launch, for kernels that quantize q inside
+(the triton backend's): the runtime launches it before them only when asked to check.
 
 Exportable module: see docs/architecture.md (`_qq_` prefix for private names).
 """
@@ -31,11 +36,12 @@ _qq_AMAX_CHUNK = 128
 
 @triton.jit
 def _qq_quantize_kernel(
-    Q, Out, Scale, Partial, batch, static_scale, fp8_max,
+    Q, Out, Scale, Partial, Saturated, batch, static_scale, q_amax, fp8_max,
     DYNAMIC: tl.constexpr, FP8_MIN_EXP: tl.constexpr,
     ROW: tl.constexpr, BLOCK: tl.constexpr, AMAX_CHUNK: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
+    beyond = tl.zeros([BLOCK], dtype=tl.int32)
     if DYNAMIC:
         acc = tl.zeros([AMAX_CHUNK], dtype=tl.float32)
         for i in range(0, batch, AMAX_CHUNK):
@@ -54,13 +60,44 @@ def _qq_quantize_kernel(
         # Exact e4m3 values in fp32, so the cast below only changes the storage format.
         y = _fd_quantize_q(x, scale, fp8_max, FP8_MIN_EXP, DYNAMIC)
         tl.store(Out + b * ROW + offs, y.to(Out.dtype.element_ty), mask=mask)
+        if not DYNAMIC:
+            beyond += (tl.abs(x.to(tl.float32)) > q_amax).to(tl.int32)
+    if not DYNAMIC:
+        n = tl.sum(beyond, axis=0)
+        tl.atomic_add(Saturated, n.to(tl.int64), mask=n > 0)
+
+
+@triton.jit
+def _qq_range_kernel(Q, Count, q_amax, ROW: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    beyond = tl.zeros([BLOCK], dtype=tl.int32)
+    for i in range(0, ROW, BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        x = tl.load(Q + b * ROW + offs, mask=offs < ROW, other=0.0).to(tl.float32)
+        beyond += (tl.abs(x) > q_amax).to(tl.int32)
+    n = tl.sum(beyond, axis=0)
+    tl.atomic_add(Count, n.to(tl.int64), mask=n > 0)
+
+
+def q_range_count(q: torch.Tensor, q_amax: float, count: torch.Tensor) -> torch.Tensor:
+    """Add to `count` ((1,) int64 on q's device) the number of elements of q, (batch, 16,
+    576) bf16 contiguous, with |q| > q_amax; one launch, no sync. Returns `count`."""
+    if q.dim() != 3 or tuple(q.shape[1:]) != (NUM_HEADS, QK_DIM) or not q.is_contiguous():
+        raise ValueError(f"q_range_count needs contiguous (batch, {NUM_HEADS}, {QK_DIM}) q, got {tuple(q.shape)}")
+    if count.dtype != torch.int64 or count.numel() != 1 or count.device != q.device:
+        raise ValueError(f"q_range_count needs a (1,) int64 count on {q.device}, got {count.dtype} "
+                         f"x {count.numel()} on {count.device}")
+    _qq_range_kernel[(q.shape[0],)](q, count, float(q_amax), ROW=NUM_HEADS * QK_DIM, BLOCK=_qq_BLOCK,
+                                    num_warps=4)
+    return count
 
 
 class QQuantizer:
     """Quantizes (batch, 16, 576) bf16 q into buffers it owns: `q8` and `scale` (1,) fp32.
 
-    mode "fp8_static" needs q_amax (calibrated offline); values beyond it are clamped.
-    mode "fp8_dynamic" computes the scale from each call's q, on the device.
+    mode "fp8_static" needs q_amax (calibrated offline); values beyond it are clamped, and
+    counted into `saturated` ((1,) int64, on the device, summed over calls; zero it to
+    restart). mode "fp8_dynamic" computes the scale from each call's q, on the device.
     """
 
     def __init__(self, mode: str, batch: int, device, fp8_dtype: torch.dtype, q_amax: float | None = None):
@@ -71,11 +108,13 @@ class QQuantizer:
         self.dynamic = mode == "fp8_dynamic"
         self.batch = batch
         self.fp8_max = float(torch.finfo(fp8_dtype).max)
-        self.static_scale = float(q_amax) / self.fp8_max if q_amax else 1.0
+        self.q_amax = float(q_amax) if q_amax else 0.0
+        self.static_scale = self.q_amax / self.fp8_max if q_amax else 1.0
         self.fp8_min_exp = _fd_fp8_min_exp(fp8_dtype)
         self.q8 = torch.empty((batch, NUM_HEADS, QK_DIM), dtype=fp8_dtype, device=device)
         self.scale = torch.full((1,), self.static_scale, dtype=torch.float32, device=device)
         self.partial = torch.empty((batch,), dtype=torch.float32, device=device)
+        self.saturated = torch.zeros((1,), dtype=torch.int64, device=device)
 
     def __call__(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if q.shape[0] != self.batch or not q.is_contiguous() or q.dtype != torch.bfloat16:
@@ -87,7 +126,8 @@ class QQuantizer:
         if self.dynamic:
             _fd_q_amax_kernel[(self.batch,)](q, self.partial, ROW=row, BLOCK=_qq_BLOCK, num_warps=4)
         _qq_quantize_kernel[(self.batch,)](
-            q, self.q8, self.scale, self.partial, self.batch, self.static_scale, self.fp8_max,
+            q, self.q8, self.scale, self.partial, self.saturated, self.batch, self.static_scale,
+            self.q_amax, self.fp8_max,
             DYNAMIC=self.dynamic, FP8_MIN_EXP=self.fp8_min_exp,
             ROW=row, BLOCK=_qq_BLOCK, AMAX_CHUNK=_qq_AMAX_CHUNK, num_warps=4,
         )

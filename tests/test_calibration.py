@@ -1,0 +1,165 @@
+"""fp8_static q calibration: the config's sources, what the table row records, and the
+refusal of generator-only calibration for serving configs."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from mla_tune import calibration, problem, worker
+from mla_tune.calibration import CalibrationError, CalibrationSpec, calibrate, normal_tail_amax
+from mla_tune.config import ConfigError, config_from_dict, load_config
+from mla_tune.core import Shape
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPE = Shape(2, 16)
+
+
+def _raw(**changes) -> dict:
+    raw = yaml.safe_load((REPO / "tests" / "data" / "sweep_torch.yaml").read_text())
+    raw.update(changes)
+    return raw
+
+
+def _spaces_with_fp8_static() -> dict:
+    return {"torch": {}, "triton": {"kv": ["fp8"], "q": ["bf16", "fp8_static"]}}
+
+
+def test_the_leaderboard_config_states_its_generator_calibration():
+    config = load_config(REPO / "configs" / "leaderboard.yaml")
+    assert config.calibration.source == "generator" and config.calibration.stated
+    assert config.calibration.purpose == "leaderboard" and config.calibration.margin == 1.1
+
+
+def test_generator_calibration_is_the_max_over_calibration_seeds_and_says_so():
+    record = calibrate(None, SHAPE, [11, 12], "cpu")
+    amax = max(float(problem.generate_input(2, 1, s, device="cpu")[0].abs().amax()) for s in (11, 12))
+    assert record["q_amax"] == round(amax * 1.1, 4)
+    assert record["kind"] == "generator" and record["method"] == "max |q| x 1.1"
+    assert "leaderboard input generator" in record["source"] and "the config names no calibration" in record["source"]
+    stated = calibrate(CalibrationSpec(stated=True), SHAPE, [11, 12], "cpu")
+    assert "config names no calibration" not in stated["source"]
+
+
+def test_a_q_sample_file_calibrates_from_its_max_and_records_its_hash(tmp_path):
+    sample = torch.randn(5, 16, 576) * 8
+    sample[0, 0, 0] = 70.0  # the real q's outlier channel
+    torch.save(sample, tmp_path / "q.pt")
+    config = config_from_dict(_raw(calibration={"q_sample": "q.pt", "margin": 1.2},
+                                   backends=_spaces_with_fp8_static()), tmp_path / "c.yaml")
+    spec = config.calibration
+    assert spec.source == "q_sample" and spec.q_sample == str((tmp_path / "q.pt").resolve())
+    record = calibrate(spec.as_dict(), SHAPE, [11], "cpu")  # as it travels to the worker
+    assert record["q_amax"] == round(70.0 * 1.2, 4) and record["kind"] == "q_sample"
+    assert f"{sample.numel()} elements, sha256 " in record["source"]
+
+
+def test_a_stated_distribution_calibrates_from_its_tail():
+    spec = config_from_dict(_raw(calibration={"q_distribution": "normal", "q_std": 8.0})).calibration
+    record = calibrate(spec, SHAPE, [11], "cpu")
+    assert record["q_amax"] == round(normal_tail_amax(8.0, SHAPE.batch), 4)
+    assert record["kind"] == "q_distribution" and "q_std 8.0" in record["source"]
+    # 1e-4 expected elements beyond per call of 2 x 16 x 576: about 6 sigma, more for a bigger batch
+    assert 5.8 < normal_tail_amax(1.0, 2) < 6.2 < normal_tail_amax(1.0, 256) < 7.0
+    draws = torch.randn(64, 16, 576, generator=torch.Generator().manual_seed(0))
+    assert float(draws.abs().amax()) < normal_tail_amax(1.0, 64)
+
+
+def test_a_stated_q_amax_is_used_as_is():
+    spec = config_from_dict(_raw(calibration={"q_amax": 40})).calibration
+    assert calibrate(spec, SHAPE, [11], "cpu") == {
+        "q_amax": 40.0, "kind": "q_amax", "method": "stated", "source": "q_amax 40.0 stated in the config"}
+
+
+@pytest.mark.parametrize(("calib", "message"), [
+    ({"q_amax": 1, "q_std": 2}, "calibration.q_std': goes with q_distribution only"),
+    ({"q_amax": 1, "generator": "leaderboard"}, "needs exactly one source of generator, q_sample, "
+                                                "q_distribution, q_amax, got generator, q_amax"),
+    ({}, "needs exactly one source"),
+    ({"q_amx": 3}, "'calibration.q_amx': unknown field"),
+    ({"q_amax": float("nan")}, "calibration.q_amax': must be a finite number > 0"),
+    ({"q_amax": -1}, "calibration.q_amax': must be a finite number > 0"),
+    ({"q_distribution": "laplace", "q_std": 1}, "must be one of normal"),
+    ({"q_distribution": "normal"}, "q_std': must be a finite number > 0"),
+    ({"generator": "vllm"}, "calibration.generator': must be one of leaderboard"),
+    ({"generator": "leaderboard", "margin": 0.5}, "calibration.margin': must be a number from 1 to 10"),
+    ({"q_amax": 3, "margin": 1.2}, "applies to generator and q_sample only"),
+    ({"q_sample": "missing.pt"}, "cannot read the q sample"),
+    ("q.pt", "must be a mapping"),
+])
+def test_bad_calibrations_fail_at_config_load_naming_the_field(tmp_path, calib, message):
+    with pytest.raises(ConfigError, match=_escaped(message)):
+        config_from_dict(_raw(calibration=calib), tmp_path / "c.yaml")
+
+
+def _escaped(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (torch.randn(3, 512), "must hold q with last dim 576"),
+    ({"q": torch.randn(3, 576)}, "must hold one floating tensor of q, got dict"),
+    (torch.full((2, 576), float("inf")), "holds no finite nonzero values"),
+])
+def test_a_q_sample_that_is_not_q_fails_at_config_load(tmp_path, content, message):
+    torch.save(content, tmp_path / "q.pt")
+    with pytest.raises(ConfigError, match=_escaped(message)):
+        config_from_dict(_raw(calibration={"q_sample": "q.pt"}), tmp_path / "c.yaml")
+    (tmp_path / "junk.pt").write_text("import os")
+    with pytest.raises(ConfigError, match="is not a tensor saved with torch.save"):
+        config_from_dict(_raw(calibration={"q_sample": "junk.pt"}), tmp_path / "c.yaml")
+
+
+def test_a_serving_config_refuses_generator_calibration_of_fp8_static():
+    spaces = _spaces_with_fp8_static()
+    for calib in (None, {"generator": "leaderboard"}):
+        raw = _raw(purpose="serving", backends=copy.deepcopy(spaces))
+        if calib is not None:
+            raw["calibration"] = calib
+        with pytest.raises(ConfigError, match=r"'calibration': a serving config offers q=fp8_static \(triton\) "
+                                              r"but calibrates on the leaderboard's generator only"):
+            config_from_dict(raw)
+    # in a sub-grid too
+    grid = {"torch": {}, "triton": {"grids": [{"kv": ["fp8"], "q": ["fp8_static"]}]}}
+    with pytest.raises(ConfigError, match="a serving config offers q=fp8_static"):
+        config_from_dict(_raw(purpose="serving", backends=grid))
+    with pytest.raises(ConfigError, match="'purpose': must be one of leaderboard, serving"):
+        config_from_dict(_raw(purpose="prod"))
+    # with a real source it loads; without fp8_static it needs none
+    ok = config_from_dict(_raw(purpose="serving", backends=spaces, calibration={"q_amax": 30.0}))
+    assert ok.calibration.source == "q_amax" and ok.calibration.purpose == "serving"
+    assert config_from_dict(_raw(purpose="serving")).calibration.source is None
+
+
+def test_a_serving_spec_without_a_source_fails_the_candidate_not_the_sweep():
+    # A backend may offer fp8_static by default (flashmla, aiter) without the config naming
+    # it: the worker's calibration then refuses, and the candidate is recorded as failed.
+    spec = config_from_dict(_raw(purpose="serving")).calibration
+    with pytest.raises(CalibrationError, match="a serving config calibrates fp8_static from real q only"):
+        calibrate(spec.as_dict(), SHAPE, [11], "cpu")
+    with pytest.raises(CalibrationError, match="from real q only"):
+        calibrate(CalibrationSpec(purpose="serving"), SHAPE, [11], "cpu")
+
+
+def test_the_worker_runs_fp8_static_with_the_configs_calibration_and_records_it():
+    spec = config_from_dict(_raw(calibration={"q_amax": 40.0})).calibration
+    payload = {
+        "shape": {"batch": 1, "kv_len": 16},
+        "variant": "triton(block_n=16,dot_dtype=fp16,kv=bf16,num_splits=1,num_stages=1,num_warps=4,q=fp8_static)",
+        "check_seeds": [1, 2], "calibration_seeds": [11], "calibration": spec.as_dict(),
+        "rule": problem.RULES["leaderboard"].as_dict(), "reps": 1, "prune_reps": 1, "wall_reps": 1,
+        "prune_threshold_us": None,
+    }
+    record, _state = worker.run_candidate(payload, None, "cpu", has_gpu=False)
+    assert record["status"] == "ok", record["reason"]
+    assert record["variant"].endswith("q=fp8_static,q_amax=40.0)")
+    assert record["calibration"]["kind"] == "q_amax"
+    serving = calibration.CalibrationSpec(purpose="serving", source=None).as_dict()
+    record, _state = worker.run_candidate({**payload, "calibration": serving}, None, "cpu", has_gpu=False)
+    assert record["status"] == "failed" and "from real q only" in record["reason"]
