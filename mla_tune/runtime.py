@@ -80,7 +80,7 @@ class QRangeCheck:
 
     def __init__(self, mode: str, table: Table):
         self.mode = mode  # one of Q_RANGE_MODES
-        self._sources = {s: (r.get("calibration") or {}).get("source") for s, r in table.rows.items()}
+        self._sources = {s: (r.calibration or {}).get("source") for s, r in table.rows.items()}
         self._runners: list = []
         self._counts: dict[str, torch.Tensor] = {}  # device -> (1,) int64
 
