@@ -29,9 +29,9 @@ def _q_lens(kv_lens: list[int], q_len: int) -> list[int]:
     return [min(n, q_len if i % 2 == 0 else (q_len + 1) // 2) for i, n in enumerate(kv_lens)]
 
 
-def _dots(device: str, kv: str, q_fp8: bool) -> dict:
+def _dots(device: str, q_fp8: bool) -> dict:
     if q_fp8:
-        return dict(q_fp8=True, qk_dot="fp8", pv_dot="bf16" if device == "cuda" else "fp16")
+        return dict(q_fp8=True, qk_dot="fp8", pv_dot="fp16")  # as the H200 table's picks
     dot = "bf16" if device == "cuda" else "fp16"  # the interpreter's bf16 dot is wrong
     return dict(q_fp8=False, qk_dot=dot, pv_dot=dot)
 
@@ -51,7 +51,7 @@ def _launch(inp: serving.ServingInput, device: str, *, max_splits: int, tokens_p
         inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, out, **inp.layout,
         max_q_len=max(inp.q_lens), max_splits=max_splits, tokens_per_split=tokens_per_split,
         block_n=block_n, block_h=block_h, num_warps=num_warps, num_stages=num_stages,
-        workspace=workspace, **_dots(device, "fp8" if inp.kv_scale is not None else "bf16", q_fp8),
+        workspace=workspace, **_dots(device, q_fp8),
     )
     return out
 
@@ -125,6 +125,26 @@ def test_fused_serving_fp8_q_and_fp8_dot(layout, q_len, device):
     _assert_close(out, _row_quantized_reference(inp), "fp8 q", l2=1e-2 if on_gpu else 8e-2, strict=on_gpu)
 
 
+@pytest.mark.parametrize("page_size,heads,block_n,block_h", [(128, 64, 32, 16), (8, 32, 16, 8)])
+def test_fused_serving_other_page_sizes_heads_and_q_len_3(page_size, heads, block_n, block_h, device):
+    """Pages larger and smaller than a tile, 32 and 64 heads, q_len 3 (padded to 4 rows)."""
+    kv_lens = [200, 3, 130]
+    inp = serving.make_input([3, 3, 2], kv_lens, heads, page_size, "fp8", seed=9, device=device)
+    out = _launch(inp, device, max_splits=4, tokens_per_split=48, block_n=block_n, block_h=block_h)
+    _assert_close(out, inp.reference(), f"page {page_size} heads {heads} q_len 3")
+
+
+def test_a_sequence_of_length_0_is_left_untouched(device):
+    """A CUDA graph's padding slot (seq_len 0): no program of it writes anything."""
+    inp = serving.make_input([2, 1, 2], [70, 5, 33], 16, 16, "bf16", seed=12, device=device)
+    ref = inp.reference()
+    inp.seq_lens[1] = 0
+    out = _launch(inp, device, max_splits=4, tokens_per_split=16, block_n=16, block_h=8)
+    assert bool(out[2].isnan().all())  # sequence 1's one new token
+    keep = torch.tensor([0, 1, 3, 4], device=device)
+    _assert_close(out[keep], ref[keep], "the other sequences")
+
+
 def test_the_reduction_resets_its_counters_so_a_workspace_serves_new_calls(device):
     """What a CUDA graph replay does: the same buffers, refilled with other lengths,
     q_lens and block tables, and no allocation or host read between the calls."""
@@ -194,18 +214,19 @@ def _gpu_block_h(heads: int, q_len: int) -> int:
 @pytest.mark.parametrize("kv", KV_FORMATS)
 def test_fused_serving_full_matrix_on_gpu(layout, heads, q_len, kv, device):
     inp = serving.make_input(_q_lens(GPU_KV_LENS, q_len), GPU_KV_LENS, heads, layout, kv, seed=31, device=device)
-    for q_fp8 in ((False, True) if kv == "fp8" else (False,)):
+    # (q_fp8, max_splits, tokens_per_split, block_n, block_h): one split (the direct write),
+    # up to 16 with a doubled head tile, and fp8 q (fp8 KV only) at up to 8; each a compile.
+    plans = [(False, 1, 1, 64, _gpu_block_h(heads, q_len)),
+             (False, 16, 64, 32, min(heads, 2 * _gpu_block_h(heads, q_len)))]
+    if kv == "fp8":
+        plans.append((True, 8, 256, 64, _gpu_block_h(heads, q_len)))
+    for q_fp8, max_splits, tokens_per_split, block_n, block_h in plans:
         ref = _row_quantized_reference(inp) if q_fp8 else inp.reference()
-        for max_splits, tokens_per_split, block_n, block_h in (
-            (1, 1, 64, _gpu_block_h(heads, q_len)),
-            (8, 256, 64, _gpu_block_h(heads, q_len)),
-            (16, 64, 32, min(heads, 2 * _gpu_block_h(heads, q_len))),
-        ):
-            out = _launch(inp, device, max_splits=max_splits, tokens_per_split=tokens_per_split,
-                          block_n=block_n, block_h=block_h, q_fp8=q_fp8, num_stages=2)
-            torch.cuda.synchronize()
-            _assert_close(out, ref, f"layout {layout} heads {heads} q_len {q_len} {kv} q_fp8 {q_fp8} "
-                                    f"splits {max_splits} block_h {block_h}")
+        out = _launch(inp, device, max_splits=max_splits, tokens_per_split=tokens_per_split,
+                      block_n=block_n, block_h=block_h, q_fp8=q_fp8, num_stages=2)
+        torch.cuda.synchronize()
+        _assert_close(out, ref, f"layout {layout} heads {heads} q_len {q_len} {kv} q_fp8 {q_fp8} "
+                                f"splits {max_splits} block_h {block_h}")
 
 
 @pytest.mark.gpu

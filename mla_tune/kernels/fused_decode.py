@@ -29,6 +29,10 @@ the heads on the MMA's M dimension (M = 16: mma.sync only) and reads every KV ti
   sequences are cut into equal contiguous ranges, one per program; a program walks its
   range sequence by sequence, writes the output of a sequence it holds whole, and
   otherwise a partial that the last of that sequence's programs to arrive reduces.
+- The serving call (`fused_decode_serving`, `_fu_serving_kernel`, the call shape of
+  flash_decode_serving): contiguous or paged KV, head tiles, q_len up to 4 packed with the
+  heads on the MMA's N columns, splits per sequence counted on the device, last-arriving
+  reduction; a separate kernel, so the leaderboard kernel's code and speed stay as they were.
 
 Exportable module: private names start with `_fu_`.
 """
