@@ -631,7 +631,8 @@ def _fu_serving_kernel(
     h0 = pid_h * BLOCK_H
     q_start = tl.load(QO_INDPTR + b)
     q_len = tl.load(QO_INDPTR + b + 1) - q_start
-    row_ok = q_idx < q_len
+    # With one row per head every row is a real new token (q_len >= 1): no mask.
+    row_ok = (q_idx < q_len) | (Q_LEN_MAX == 1)
     # New token i of q_len sees the first seq_len - (q_len - 1 - i) tokens.
     limit = seq_len - q_len + 1 + q_idx
     row_off = (q_idx * H + r % BLOCK_H) * 576
@@ -687,11 +688,18 @@ def _fu_serving_kernel(
         else:
             v = _fu_cast(kn_raw, PV_DOT)
         s = tl.dot(kn, qnt) + tl.dot(kr, qrt)  # [BLOCK_N, ROWS]
-        seen = (tok[:, None] < hi) & (tok[:, None] < limit[None, :])
-        s = tl.where(seen, s * col_scale[None, :], float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        # A row may see none of a tile's tokens (the causal mask): keep its exp2 finite.
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if Q_LEN_MAX == 1:
+            # One new token sees the whole sequence, and every tile holds a token: the
+            # leaderboard kernel's mask and a finite max.
+            s = tl.where(tok[:, None] < hi, s * col_scale[None, :], float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            m_ref = m_new
+        else:
+            seen = (tok[:, None] < hi) & (tok[:, None] < limit[None, :])
+            s = tl.where(seen, s * col_scale[None, :], float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            # A row may see none of a tile's tokens (the causal mask): keep its exp2 finite.
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(s - m_ref[None, :])
         l_i = l_i * alpha + tl.sum(p, axis=0)
