@@ -29,14 +29,23 @@ the heads on the MMA's M dimension (M = 16: mma.sync only) and reads every KV ti
   sequences are cut into equal contiguous ranges, one per program; a program walks its
   range sequence by sequence, writes the output of a sequence it holds whole, and
   otherwise a partial that the last of that sequence's programs to arrive reduces.
+- The serving call (`fused_decode_serving`, `_fu_serving_kernel`, the call shape of
+  flash_decode_serving): contiguous or paged KV, head tiles, q_len up to 4 packed with the
+  heads on the MMA's N columns, splits per sequence counted on the device, last-arriving
+  reduction; a separate kernel, so the leaderboard kernel's code and speed stay as they were.
 
 Exportable module: private names start with `_fu_`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 import triton
 import triton.language as tl
+
+from mla_tune.core import QK_DIM, SM_SCALE, V_DIM
 
 # Dot operand dtype codes (constexpr ints: they travel through every Triton version).
 FU_DOT_CODES = {"fp16": 0, "bf16": 1, "fp8": 2}
@@ -539,4 +548,341 @@ def fused_decode(
         q, kv, kv_scale, mx_scales, sc_stride, kv_indptr, out, part_o, part_lse, count, flag, desc_n, desc_r,
         kv.shape[0], num_splits, sm_scale_log2,
         REDUCE=FU_REDUCE_CODES[red], NS_P2=max(2, triton.next_power_of_2(num_splits)), **consts,
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# The serving call (mla_tune/serving.py has its inputs and reference): contiguous or paged
+# KV, any head count, q_len >= 1 new tokens per sequence, splits counted on the device.
+# A separate kernel, so the leaderboard kernel above keeps its code and speed.
+#
+# MMA mapping: tokens stay on M (TOK_M, the family's choice: M = BLOCK_N lets Hopper's
+# wgmma run) and the N dimension carries ROWS = Q_LEN_MAX x BLOCK_H query rows, row =
+# new-token index x BLOCK_H + head. S^T = K_tile @ Q^T is [BLOCK_N, ROWS]; O^T += V^T @ P^T
+# is [512, ROWS]. A sequence's new tokens thus share one read of each KV tile, and the
+# causal mask among them is a per-column limit on the token index. Rows on N rather than M
+# keep M = BLOCK_N >= 64 whatever q_len and the head tile are (rows on M would need 64 rows,
+# i.e. block_h * q_len >= 64, for wgmma).
+#
+# Grid: (heads / BLOCK_H, max_splits, batch). Sequence b gets clamp(cdiv(seq_len,
+# tokens_per_split), 1, max_splits) splits of whole tiles, computed here from its length;
+# programs past that count exit. The splits reduce themselves: the last program of a
+# (sequence, head tile) to arrive (an arrival counter that it resets) combines the
+# partials. The spin barrier of the leaderboard kernel is not offered: programs that exit
+# early and a grid sized from the caller's maxima give no guarantee that a sequence's
+# programs are resident together, which a spin-wait needs.
+
+
+@triton.jit
+def _fu_sv_reduce(PART_O, PART_LSE, OUT, q_start, q_len, num_splits, h0, v_scale,
+                  H: tl.constexpr, BLOCK_H: tl.constexpr, MAX_SPLITS: tl.constexpr,
+                  NS_P2: tl.constexpr, W: tl.constexpr):
+    """out[q_start + i, h0:h0+BLOCK_H] = sum_j w_j part_j / sum_j w_j for i < q_len.
+
+    Partial rows are (new token, split, head); the splits of one slice load as one tile.
+    """
+    heads = tl.arange(0, BLOCK_H)
+    js = tl.arange(0, NS_P2)
+    live = js < num_splits
+    for i in range(0, q_len):
+        row = ((q_start + i).to(tl.int64) * MAX_SPLITS + js[:, None]) * H + h0 + heads[None, :]
+        lse = tl.load(PART_LSE + row, mask=live[:, None], other=float("-inf"), cache_modifier=".cg")
+        # Split 0 holds token 0, which every new token sees: the max is finite.
+        w = tl.exp2(lse - tl.max(lse, axis=0)[None, :])
+        inv = v_scale / tl.sum(w, axis=0)
+        o_row = ((q_start + i).to(tl.int64) * H + h0 + heads) * 512
+        for d0 in range(0, 512, W):
+            dims = d0 + tl.arange(0, W)
+            part = tl.load(PART_O + row[:, :, None] * 512 + dims[None, None, :], mask=live[:, None, None],
+                           other=0.0, cache_modifier=".cg")
+            acc = tl.sum(part * w[:, :, None], axis=0)
+            tl.store(OUT + o_row[:, None] + dims[None, :], (acc * inv[:, None]).to(tl.bfloat16))
+
+
+@triton.jit(do_not_specialize=["tokens_per_split", "bt_stride"])
+def _fu_serving_kernel(
+    Q, QO_INDPTR, KV, KV_SCALE, KV_INDPTR, BLOCK_TABLE, SEQ_LENS, OUT, PART_O, PART_LSE, COUNT,
+    tokens_per_split, bt_stride, sm_scale_log2,
+    H: tl.constexpr, BLOCK_H: tl.constexpr, Q_LEN_MAX: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, QK_DOT: tl.constexpr,
+    PV_DOT: tl.constexpr, BLOCK_N: tl.constexpr, NS_P2: tl.constexpr, RW: tl.constexpr,
+    KV_OFF64: tl.constexpr,
+):
+    pid_h = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    b = tl.program_id(2)
+    if PAGE_SIZE == 0:
+        seq_lo = tl.load(KV_INDPTR + b)
+        seq_len = tl.load(KV_INDPTR + b + 1) - seq_lo
+    else:
+        seq_len = tl.load(SEQ_LENS + b)
+    want = tl.minimum(tl.maximum(tl.cdiv(seq_len, tokens_per_split), 1), MAX_SPLITS)
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, want), BLOCK_N), 1) * BLOCK_N
+    num_splits = tl.cdiv(seq_len, split_len)
+    # seq_len 0 (a CUDA graph's padding slot): no splits, nothing written.
+    if pid_s >= num_splits:
+        return
+    lo = pid_s * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+
+    ROWS: tl.constexpr = BLOCK_H * Q_LEN_MAX
+    r = tl.arange(0, ROWS)
+    q_idx = r // BLOCK_H
+    h0 = pid_h * BLOCK_H
+    q_start = tl.load(QO_INDPTR + b)
+    q_len = tl.load(QO_INDPTR + b + 1) - q_start
+    # With one row per head every row is a real new token (q_len >= 1): no mask.
+    row_ok = (q_idx < q_len) | (Q_LEN_MAX == 1)
+    # New token i of q_len sees the first seq_len - (q_len - 1 - i) tokens.
+    limit = seq_len - q_len + 1 + q_idx
+    row_off = (q_idx * H + r % BLOCK_H) * 576
+    q_base = Q + (q_start.to(tl.int64) * H + h0) * 576
+    dn = tl.arange(0, 512)
+    dr = tl.arange(0, 64)
+    qn = tl.load(q_base + row_off[:, None] + dn[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    qr = tl.load(q_base + row_off[:, None] + 512 + dr[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    if KV_FP8:
+        kv_scale = tl.load(KV_SCALE)
+    else:
+        kv_scale = 1.0
+    if Q_FP8:
+        # Per-(new token, head) dynamic scale, as the leaderboard kernel's per-(sequence, head).
+        amax = tl.maximum(tl.max(tl.abs(qn), axis=1), tl.max(tl.abs(qr), axis=1))
+        q_scale = tl.maximum(amax, 1e-12) / 448.0
+        qn = qn / q_scale[:, None]
+        qr = qr / q_scale[:, None]
+        col_scale = q_scale * (kv_scale * sm_scale_log2)
+    else:
+        col_scale = tl.full([ROWS], 1.0, tl.float32) * (kv_scale * sm_scale_log2)
+    qnt = tl.trans(_fu_cast(qn, QK_DOT))
+    qrt = tl.trans(_fu_cast(qr, QK_DOT))
+
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([512, ROWS], tl.float32)
+    rows = tl.arange(0, BLOCK_N)
+    if PAGE_SIZE == 0:
+        kv_seq = KV + seq_lo.to(tl.int64) * 576
+    bt_row = BLOCK_TABLE + b.to(tl.int64) * bt_stride
+    for start in range(lo, hi, BLOCK_N):
+        tok = start + rows
+        # Rows past hi are clamped to hi - 1 (in bounds, no load mask) and masked below.
+        tok_c = tl.minimum(tok, hi - 1)
+        if PAGE_SIZE == 0:
+            ptr = kv_seq + tok_c[:, None] * 576
+        elif PAGE_SIZE >= BLOCK_N:
+            # Tiles are BLOCK_N-aligned, so one page holds the tile.
+            page = tl.load(bt_row + start // PAGE_SIZE).to(tl.int64)
+            ptr = KV + (page * PAGE_SIZE + start % PAGE_SIZE) * 576 + (tok_c - start)[:, None] * 576
+        else:
+            page = tl.load(bt_row + tok_c // PAGE_SIZE)
+            if KV_OFF64:
+                page = page.to(tl.int64)
+            ptr = KV + (page * PAGE_SIZE + tok_c % PAGE_SIZE)[:, None] * 576
+        kn_raw = tl.load(ptr + dn[None, :])
+        kr_raw = tl.load(ptr + 512 + dr[None, :])
+        kn = _fu_cast(kn_raw, QK_DOT)
+        kr = _fu_cast(kr_raw, QK_DOT)
+        if PV_DOT == QK_DOT:
+            v = kn
+        else:
+            v = _fu_cast(kn_raw, PV_DOT)
+        s = tl.dot(kn, qnt) + tl.dot(kr, qrt)  # [BLOCK_N, ROWS]
+        if Q_LEN_MAX == 1:
+            # One new token sees the whole sequence, and every tile holds a token: the
+            # leaderboard kernel's mask and a finite max.
+            s = tl.where(tok[:, None] < hi, s * col_scale[None, :], float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            m_ref = m_new
+        else:
+            seen = (tok[:, None] < hi) & (tok[:, None] < limit[None, :])
+            s = tl.where(seen, s * col_scale[None, :], float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            # A row may see none of a tile's tokens (the causal mask): keep its exp2 finite.
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[None, :])
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        if PV_DOT == 2:
+            p = p * 256.0  # into fp8's normal range; undone below
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(v), _fu_cast(p, PV_DOT))
+        m_i = m_new
+    out_t = tl.trans(acc)  # [ROWS, 512]
+    if PV_DOT == 2:
+        out_t = out_t / 256.0
+
+    # A row may see none of a late split's tokens: l_i = 0, written as zeros with lse -inf.
+    has = l_i > 0
+    l_safe = tl.where(has, l_i, 1.0)
+    if num_splits == 1:
+        o_ptr = OUT + (q_start.to(tl.int64) * H + h0) * 512 + (q_idx * H + r % BLOCK_H)[:, None] * 512
+        tl.store(o_ptr + dn[None, :], (out_t * (kv_scale / l_safe)[:, None]).to(tl.bfloat16),
+                 mask=row_ok[:, None])
+    else:
+        # Partial rows are (new token, split, head).
+        p_base = (q_start.to(tl.int64) * MAX_SPLITS + pid_s) * H + h0
+        p_off = q_idx * (MAX_SPLITS * H) + r % BLOCK_H
+        tl.store(PART_O + p_base * 512 + p_off[:, None] * 512 + dn[None, :], out_t / l_safe[:, None],
+                 mask=row_ok[:, None])
+        lse = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(PART_LSE + p_base + p_off, lse, mask=row_ok)
+        # All the program's partial stores before one gpu-scope release (as in the
+        # leaderboard kernel's REDUCE=1).
+        tl.debug_barrier()
+        counter = COUNT + b * (H // BLOCK_H) + pid_h
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+        if arrived == num_splits - 1:
+            tl.atomic_xchg(counter, 0)  # ready for the next call, no memset
+            _fu_sv_reduce(PART_O, PART_LSE, OUT, q_start, q_len, num_splits, h0, kv_scale,
+                          H, BLOCK_H, MAX_SPLITS, NS_P2, RW)
+
+
+@dataclass
+class FusedServingWorkspace:
+    """Scratch for `fused_decode_serving`, sized from the caller's maxima (never from the
+    data): per-(new token, split, head) partial outputs and log2-sum-exps, and one arrival
+    counter per (sequence, head tile) (a batch has at most as many sequences as new tokens).
+    The counters start at zero and every reduction resets its own."""
+
+    max_total_q: int
+    heads: int
+    max_splits: int
+    part_o: torch.Tensor
+    part_lse: torch.Tensor
+    count: torch.Tensor
+
+    @classmethod
+    def allocate(cls, max_total_q: int, heads: int, max_splits: int, device) -> FusedServingWorkspace:
+        splits = max_splits if max_splits > 1 else 0  # one split writes the output directly
+        return cls(
+            max_total_q,
+            heads,
+            max_splits,
+            torch.empty((max_total_q, splits, heads, V_DIM), dtype=torch.float32, device=device),
+            torch.empty((max_total_q, max(splits, 1), heads), dtype=torch.float32, device=device),
+            torch.zeros((max_total_q * heads,), dtype=torch.int32, device=device),
+        )
+
+    def fits(self, total_q: int, heads: int, max_splits: int) -> bool:
+        return self.max_total_q >= total_q and self.heads == heads and self.max_splits == max_splits
+
+
+def _fu_check_serving_layout(qo_indptr, kv, kv_indptr, block_table, seq_lens) -> int:
+    """Shapes and dtypes of the serving call's KV layout (never values: that would read the
+    device); returns the page size, 0 for contiguous KV."""
+    batch = qo_indptr.shape[0] - 1
+    if qo_indptr.dim() != 1 or batch < 1 or qo_indptr.dtype != torch.int32:
+        raise ValueError(f"qo_indptr must be int32 (batch + 1,), got {qo_indptr.dtype} {tuple(qo_indptr.shape)}")
+    if not kv.is_contiguous() or kv.shape[-1] != QK_DIM:
+        raise ValueError(f"kv must be contiguous with last dim {QK_DIM}, got {tuple(kv.shape)}")
+    if (block_table is None) == (kv_indptr is None) or (block_table is None) != (seq_lens is None):
+        raise ValueError("give kv_indptr (contiguous KV) or block_table and seq_lens (paged KV), not both")
+    if kv_indptr is not None:
+        if kv_indptr.shape != (batch + 1,) or kv_indptr.dtype != torch.int32:
+            raise ValueError(f"kv_indptr must be int32 ({batch + 1},), got {kv_indptr.dtype} {tuple(kv_indptr.shape)}")
+        return 0
+    if kv.dim() != 3:
+        raise ValueError(f"paged kv must be (num_pages, page_size, {QK_DIM}), got {tuple(kv.shape)}")
+    page_size = kv.shape[1]
+    if page_size > 128 or page_size & (page_size - 1):
+        raise ValueError(f"page_size must be a power of two up to 128, got {page_size}")
+    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.dtype != torch.int32:
+        raise ValueError(f"block_table must be int32 ({batch}, max_pages), got {block_table.dtype} {tuple(block_table.shape)}")
+    if block_table.stride(1) != 1:
+        raise ValueError("block_table rows must be contiguous (stride 1 along max_pages)")
+    if seq_lens.shape != (batch,) or seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens must be int32 ({batch},), got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    return page_size
+
+
+def fused_decode_serving(
+    q: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv: torch.Tensor,
+    kv_scale: torch.Tensor | None,
+    out: torch.Tensor,
+    *,
+    kv_indptr: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
+    max_q_len: int,
+    max_splits: int,
+    tokens_per_split: int,
+    block_n: int,
+    block_h: int,
+    num_warps: int,
+    num_stages: int,
+    q_fp8: bool = False,
+    qk_dot: str,
+    pv_dot: str,
+    workspace: FusedServingWorkspace | None = None,
+    sm_scale: float = SM_SCALE,
+):
+    """The one-launch decode for the serving call; writes `out` (the call shape of
+    flash_decode_serving, with this family's dot and q options).
+
+    q: (total_q, heads, 576) bf16; qo_indptr: (batch + 1,) int32, sequence b's new tokens
+    are q[qo_indptr[b]:qo_indptr[b + 1]] (1 <= q_len <= max_q_len <= 4), causal among
+    themselves. KV (bf16, or 1-byte fp8 with a (1,) fp32 kv_scale), contiguous: kv
+    (total_kv, 1, 576) with kv_indptr (batch + 1,) int32; or paged: kv (num_pages,
+    page_size, 576) with block_table (batch, max_pages) int32 and seq_lens (batch,) int32.
+    A sequence's KV includes its new tokens. out: (total_q, heads, 512) bf16. Sequence b
+    runs in clamp(cdiv(seq_len, tokens_per_split), 1, max_splits) splits, counted on the
+    device; the last split to finish reduces. block_h: heads per program (a power of two
+    dividing heads, block_h * next_pow2(max_q_len) >= 16 MMA columns). q_fp8: q quantized
+    in the kernel with a per-(new token, head) amax (goes with qk_dot fp8, which needs fp8
+    KV); qk_dot / pv_dot: fp16 | bf16 | fp8 (pv fp8 needs fp8 KV).
+    workspace: FusedServingWorkspace.allocate(max_total_q, heads, max_splits); with it,
+    nothing here reads a device tensor or allocates. Returns the compiled kernel.
+    """
+    page_size = _fu_check_serving_layout(qo_indptr, kv, kv_indptr, block_table, seq_lens)
+    batch = qo_indptr.shape[0] - 1
+    total_q, heads = q.shape[0], q.shape[1]
+    if q.dim() != 3 or q.shape[2] != QK_DIM or q.dtype != torch.bfloat16 or not q.is_contiguous():
+        raise ValueError(f"q must be contiguous bf16 (total_q, heads, {QK_DIM}), got {q.dtype} {tuple(q.shape)}")
+    if batch > total_q:
+        raise ValueError(f"{batch} sequences but {total_q} new tokens in q: each sequence brings at least one")
+    if not 1 <= max_q_len <= 4:
+        raise ValueError(f"max_q_len must be 1 to 4, got {max_q_len}")
+    q_len_max = triton.next_power_of_2(max_q_len)
+    if block_h < 1 or block_h & (block_h - 1) or heads % block_h or block_h * q_len_max < 16:
+        raise ValueError(
+            f"block_h must be a power of two dividing heads ({heads}) with block_h * "
+            f"next_pow2(max_q_len) >= 16; got block_h {block_h}, max_q_len {max_q_len}"
+        )
+    kv_fp8 = kv.dtype != torch.bfloat16
+    if kv_fp8 and (kv.element_size() != 1 or kv_scale is None):
+        raise ValueError(f"kv must be bf16, or fp8 with a (1,) fp32 kv_scale; got {kv.dtype}, scale {kv_scale}")
+    if tuple(out.shape) != (total_q, heads, V_DIM) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous bf16 ({total_q}, {heads}, {V_DIM}) tensor, got {tuple(out.shape)}")
+    if max_splits < 1 or tokens_per_split < 1 or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(
+            f"need max_splits >= 1, tokens_per_split >= 1 and block_n a power of two >= 16; "
+            f"got {max_splits}, {tokens_per_split}, {block_n}"
+        )
+    if qk_dot not in FU_DOT_CODES or pv_dot not in FU_DOT_CODES:
+        raise ValueError(f"qk_dot and pv_dot must be one of {', '.join(FU_DOT_CODES)}; got {qk_dot!r}, {pv_dot!r}")
+    if (qk_dot == "fp8") != q_fp8 or ("fp8" in (qk_dot, pv_dot) and not kv_fp8):
+        raise ValueError("qk_dot fp8 goes with q_fp8 (and only with it), and fp8 dots need an fp8 KV cache")
+    if workspace is None:
+        workspace = FusedServingWorkspace.allocate(total_q, heads, max_splits, q.device)
+    elif not workspace.fits(total_q, heads, max_splits):
+        raise ValueError(
+            f"workspace is for {workspace.max_total_q} new tokens x {workspace.heads} heads x "
+            f"{workspace.max_splits} splits, not {total_q} x {heads} x {max_splits}; allocate "
+            "one with FusedServingWorkspace.allocate"
+        )
+    ns_p2 = max(2, triton.next_power_of_2(max_splits))
+    # Reduction tiles of [splits, block_h, RW], about 8K elements.
+    rw = max(16, min(512, 8192 // (ns_p2 * block_h)))
+    dummy = workspace.count  # stands in for the other layout's pointers (never read)
+    seq_ptrs = (kv_indptr, dummy, dummy) if page_size == 0 else (dummy, block_table, seq_lens)
+    return _fu_serving_kernel[(heads // block_h, max_splits, batch)](
+        q, qo_indptr, kv, kv_scale if kv_fp8 else dummy, *seq_ptrs, out,
+        workspace.part_o, workspace.part_lse, workspace.count,
+        tokens_per_split, block_table.stride(0) if page_size else 0, float(sm_scale * 1.4426950408889634),
+        H=heads, BLOCK_H=block_h, Q_LEN_MAX=q_len_max, MAX_SPLITS=max_splits, PAGE_SIZE=page_size,
+        KV_FP8=kv_fp8, Q_FP8=q_fp8, QK_DOT=FU_DOT_CODES[qk_dot], PV_DOT=FU_DOT_CODES[pv_dot],
+        BLOCK_N=block_n, NS_P2=ns_p2, RW=rw, KV_OFF64=kv.numel() >= 2**31,
+        num_warps=num_warps, num_stages=num_stages,
     )
