@@ -20,6 +20,10 @@ A backend module defines (see backends/torch_bmm.py for the smallest one):
         A callable runner(q, kv_data, qo_indptr, kv_indptr) -> (batch, 16, 512) bf16 that
         owns its buffers (it allocates nothing per call; its output buffer is reused, so
         copy it before the next call if you keep it). Vendor imports happen here, lazily.
+    def dedupe_key(variant: Variant, shape: Shape, platform) -> Hashable    (optional)
+        Two candidates of one shape with equal keys run the same kernel (an option the
+        compiler ignores on this platform, a cap that gives the same metadata): the sweep
+        keeps the first offered and drops the rest. Default: the variant itself.
 
 Every variant carries the parameters `kv` (the KV format it reads: bf16, fp8, mxfp4) and
 `q` (bf16, fp8_dynamic, fp8_static), so the runtime checks its inputs generically.
@@ -64,6 +68,12 @@ def _modules() -> dict[str, str]:
 
 def known_backends() -> list[str]:
     return list(_modules())
+
+
+def dedupe_key(backend: ModuleType, variant, shape, platform):
+    """The backend's `dedupe_key` hook for this candidate, or the variant itself."""
+    hook = getattr(backend, "dedupe_key", None)
+    return variant if hook is None else (variant.backend, hook(variant, shape, platform))
 
 
 def get_backend(name: str) -> ModuleType:
