@@ -110,6 +110,7 @@ def plan_candidates(config: Config, platform: gpu_mod.Platform, planning_only: b
     unavailable: dict[str, str] = {}
     listed_anyway: dict[str, str] = {}
     duplicates = 0
+    seen: dict[Shape, set] = {shape: set() for shape in config.shapes}
     for name, space in config.backends.items():
         try:
             backend = get_backend(name)
@@ -127,10 +128,11 @@ def plan_candidates(config: Config, platform: gpu_mod.Platform, planning_only: b
                 keys = set()
                 for variant in offered:
                     key = dedupe_key(backend, variant, shape, platform)
-                    if key in keys or variant in plan[shape]:
+                    if key in keys or variant in seen[shape]:
                         duplicates += 1
                         continue
                     keys.add(key)
+                    seen[shape].add(variant)
                     plan[shape].append(variant)
             except Exception as exc:  # reported per backend; the other shapes still sweep
                 problems.append(f"candidates({shape}) raised {type(exc).__name__}: {exc}")

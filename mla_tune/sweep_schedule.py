@@ -324,6 +324,7 @@ def fit_plan(plan: dict[Shape, list[Variant]], rungs: tuple[int, ...], keep: flo
     heapq.heapify(heap)
     dropped: dict[Shape, list[Variant]] = {}
     kept = {shape: list(variants) for shape, variants in plan.items()}
+    gone: set = set()
     total = sum(len(vs) for vs in plan.values())
     while e.seconds > budget_s and heap:
         over = (e.seconds - budget_s) / max(1e-9, e.seconds - e.startup_s - RESERVE_S)
@@ -333,12 +334,20 @@ def fit_plan(plan: dict[Shape, list[Variant]], rungs: tuple[int, ...], keep: flo
                 break
             _n, _s, _f, key = heapq.heappop(heap)
             victim = families[key].pop()
-            kept[key[0]].remove(victim)
+            gone.add((key[0], victim))
             dropped.setdefault(key[0], []).append(victim)
             total -= 1
             if len(families[key]) > 1:
                 heapq.heappush(heap, (-len(families[key]), str(key[0]), str(key[1]), key))
+        kept = {shape: [v for v in variants if (shape, v) not in gone] for shape, variants in plan.items()}
         e = est(kept, smaller)
+    for scale in (1.0, 0.75, 0.5, 0.35):  # give the samples back where the cut freed the time
+        grown = shrink_rungs(rungs, scale)
+        if grown != smaller and est(kept, grown).seconds <= budget_s:
+            smaller, e = grown, est(kept, grown)
+            notes[0:1] = [] if grown == rungs else [
+                f"samples per rung cut from {list(rungs)} to {list(grown)} to fit the budget"]
+            break
     n = sum(len(v) for v in dropped.values())
     notes.append(f"{n} of {n + total} candidates dropped to fit the budget (a seeded subsample "
                  "of the largest families; the baseline and one of each backend's formats kept)")
