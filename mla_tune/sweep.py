@@ -152,21 +152,25 @@ def _plan_dict(plan: dict[Shape, list[Variant]]) -> dict[str, dict[str, list[str
     return out
 
 
-def compile_processes() -> int:
-    return max(1, min(8, (os.cpu_count() or 2) - 1))
+def compile_processes(planning_only: bool = False) -> int:
+    """The compile pool's size; planning for an absent GPU assumes a GPU host's 8."""
+    return 8 if planning_only else max(1, min(8, (os.cpu_count() or 2) - 1))
 
 
-def earlier_results(results_path: Path) -> list[Path]:
-    """This GPU's results files, newest first: the current one, then those moved aside."""
+def earlier_results(results_path: Path, gpu: str) -> list[Path]:
+    """This GPU's results files, newest first: the current one, those moved aside, then the
+    committed tables/GPU.results.jsonl (for a sweep written elsewhere with --out)."""
     aside = sorted(results_path.parent.glob(results_path.name + ".*.old"), reverse=True)
-    return [results_path, *aside]
+    committed = Path("tables") / f"{gpu}.results.jsonl"
+    return [results_path, *aside] + ([committed] if committed.resolve() != results_path.resolve() else [])
 
 
 def _fit(config: Config, planned: Planned, costs: CostModel, n_devices: int, has_gpu: bool,
-         startup_s: float) -> FittedPlan:
+         startup_s: float, planning_only: bool = False) -> FittedPlan:
     s = config.search
     return fit_plan(planned.plan, s.rungs, s.keep, s.min_keep, costs, config.budget_s, n_devices,
-                    config.precompile, compile_processes(), startup_s=startup_s, with_compile=has_gpu)
+                    config.precompile, compile_processes(planning_only), startup_s=startup_s,
+                    with_compile=has_gpu)
 
 
 def _dry_run(config: Config, gpu: str, out: Path, results_path: Path, console: Console,
@@ -177,10 +181,10 @@ def _dry_run(config: Config, gpu: str, out: Path, results_path: Path, console: C
     absent = found.name != gpu
     platform = gpu_mod.fake_platform(gpu) if absent else found
     planned = plan_candidates(config, platform, planning_only=absent)
-    costs = cost_model_for(results_path, earlier_results(results_path))
+    costs = cost_model_for(results_path, earlier_results(results_path, gpu))
     from mla_tune.sweep_schedule import STARTUP_S
 
-    fitted = _fit(config, planned, costs, len(devices), platform.has_gpu, STARTUP_S)
+    fitted = _fit(config, planned, costs, len(devices), platform.has_gpu, STARTUP_S, planning_only=absent)
     where = f"planned for {gpu}; this machine has {found.device_name}" if absent else found.device_name
     print_plan(config, gpu, where, out, results_path, devices, planned, fitted, costs, console)
     return SweepSummary(
@@ -358,8 +362,8 @@ def _sweep(config: Config, gpu: str, out: Path, results_path: Path, force: bool,
            devices: list[int], fresh: bool, console: Console, timeout: float) -> SweepSummary:
     started = time.monotonic()
     header, old_records = _open_results(results_path, config, fresh, console)
-    costs = cost_model_for(results_path, earlier_results(results_path)[1:] if header is None
-                           else earlier_results(results_path))
+    earlier = earlier_results(results_path, gpu)
+    costs = cost_model_for(results_path, earlier[1:] if header is None else earlier)
     workers: list[WorkerHandle] = []
     shared: Shared | None = None
     try:
@@ -391,7 +395,7 @@ def _sweep(config: Config, gpu: str, out: Path, results_path: Path, force: bool,
             f"{fitted.estimate.seconds:.0f} s ({costs.basis})"
             + (f", budget {config.budget_s:.0f} s" if config.budget_s else "")))
         if platform.has_gpu:
-            _precompile(config, fitted, old_records, devices[0], timeout, clock, console)
+            _precompile(config, fitted, old_records, devices[0], timeout, clock, writer, console)
         runners = [DeviceRunner(w, shapes, shared, old_records, fitted)
                    for w, shapes in zip(workers, assign_shapes(fitted.plan, len(workers)), strict=True)]
         _run_devices(runners, shared)
@@ -443,7 +447,7 @@ def _finish(header: dict, records: list[dict], config: Config, out: Path, result
 
 
 def _precompile(config: Config, fitted: FittedPlan, old_records: list[dict], device: int,
-                timeout: float, clock: BudgetClock, console: Console) -> None:
+                timeout: float, clock: BudgetClock, writer: ResultsWriter, console: Console) -> None:
     from mla_tune.worker import compile_shape_for
 
     started_shapes = {(r["shape"]["batch"], r["shape"]["kv_len"]) for r in old_records}
@@ -461,6 +465,8 @@ def _precompile(config: Config, fitted: FittedPlan, old_records: list[dict], dev
     if config.budget_s:
         limit = min(limit, max(30.0, 2 * fitted.estimate.compile_s), max(5.0, 0.5 * clock.left()))
     errors = precompile(jobs, device, True, processes, limit)
+    writer.append({"kind": "note", "precompile": {"jobs": len(jobs), "processes": processes,
+                                                  "seconds": round(time.monotonic() - t0, 1)}})
     console.print(
         f"precompiled {len(jobs)} (variant, shape class) pairs in {processes} processes, "
         f"{time.monotonic() - t0:.0f} s; {len(errors)} did not compile or run there "

@@ -24,7 +24,8 @@ from mla_tune.core import Shape, Variant
 BASELINE_BACKEND = "torch"  # always timed in full (never cut): every table row cites it
 WALL_SAMPLES_MAX = 20  # the last rung's wall-time figure takes min(samples, this)
 STARTUP_S = 12.0  # start a worker (import torch, start CUDA), measure copy bandwidth
-COMPILE_JOB_S = 2.0  # one precompile job (variant, shape class) in one process
+COMPILE_JOB_S = 1.0  # one precompile job (variant, shape class) in one process (a guess until
+# a results file's precompile note measures it)
 RESERVE_S = 3.0  # kept back for writing the table and stopping workers
 SAMPLE_FLOOR = (2, 3, 5)  # fewest samples at rung 0, a middle rung, the last rung
 
@@ -80,7 +81,7 @@ class BackendCost:
 # shape class JIT-compiles for 14-20 s; triton_fused compiled in the timed worker at
 # kv_len 8192 (1.3-2.2 s). Backends not listed take "*".
 DEFAULT_COSTS = {
-    "*": BackendCost(0.03, 0.01, 0.0005, 0.5),
+    "*": BackendCost(0.03, 0.01, 0.0005, 0.0),
     "torch": BackendCost(0.1, 0.02, 0.001, 0.0),
     "triton": BackendCost(0.01, 0.005, 0.0004, 0.0),
     "triton_fused": BackendCost(0.01, 0.005, 0.0004, 1.0),
@@ -143,9 +144,14 @@ def measured_costs(path: Path) -> tuple[dict[str, BackendCost], int] | None:
     per: dict[str, dict[str, list]] = {}
     seen: set = set()
     used = 0
+    compile_job_s = None
     for line in lines[1:]:
         try:
             r = json.loads(line)
+            if r.get("kind") == "note" and isinstance(r.get("precompile"), dict):
+                pc = r["precompile"]
+                compile_job_s = float(pc["seconds"]) * int(pc["processes"]) / max(1, int(pc["jobs"]))
+                continue
             backend, elapsed = r["backend"], float(r["elapsed_s"])
             shape = Shape(int(r["shape"]["batch"]), int(r["shape"]["kv_len"]))
         except (ValueError, KeyError, TypeError):
@@ -182,6 +188,8 @@ def measured_costs(path: Path) -> tuple[dict[str, BackendCost], int] | None:
         usual = statistics.median(e for _, e in d["first"])
         excess = [max(0.0, e - usual) for first, e in d["first"] if first]
         costs[backend] = BackendCost(rung0_s, step_s, sample_s, statistics.mean(excess) if excess else 0.0)
+    if compile_job_s is not None:
+        costs["compile_job_s"] = compile_job_s
     return costs, used
 
 
@@ -193,7 +201,8 @@ def cost_model_for(results_path: Path, earlier: list[Path]) -> CostModel:
             found = measured_costs(path)
             if found:
                 costs, n = found
-                return CostModel({**DEFAULT_COSTS, **costs}, f"measured from {path} ({n} records)")
+                job_s = costs.pop("compile_job_s", COMPILE_JOB_S)
+                return CostModel({**DEFAULT_COSTS, **costs}, f"measured from {path} ({n} records)", job_s)
     return CostModel(dict(DEFAULT_COSTS), "defaults (DEFAULT_COSTS in mla_tune/sweep_schedule.py; "
                      "no earlier results file for this GPU)")
 

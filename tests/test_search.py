@@ -127,8 +127,9 @@ def test_the_dry_run_prints_candidates_per_rung_and_an_estimate_with_its_basis(t
     assert n0 > n1 > n2 >= 3 and f"per rung {n0} -> {n1} -> {n2}" in text
     assert re.search(r"estimated \d+ s: start \d+ s, compile \d+ s, first calls \d+ s, candidates \d+ s; "
                      r"fits the budget of 540 s", text)
-    assert "estimate basis: defaults" in text
-    # with an earlier results file for this GPU the estimate is measured from it
+    # the committed results of this GPU give the basis when nothing sits beside --out
+    assert "estimate basis: measured from tables/H200.results.jsonl" in text
+    # an earlier results file beside the table comes first
     shutil.copy(REPO / "tables" / "H200.results.jsonl", tmp_path / "H200.results.jsonl")
     console, buf = capture()
     run_sweep(REPO / "configs" / "leaderboard.yaml", "H200", out=tmp_path / "H200.yaml", dry_run=True,
@@ -143,6 +144,7 @@ def test_the_mi355x_dry_run_plans_within_its_budget():
     budget = load_config(REPO / "configs" / "mi355x.yaml").budget_s
     assert summary.estimate_s <= budget
     assert f"fits the budget of {budget:.0f} s" in buf.getvalue()
+    assert "estimate basis: defaults" in buf.getvalue()  # no MI355X results anywhere yet
 
 
 # ------------------------------------------------------------- the budget, for real
