@@ -135,10 +135,13 @@ def sweep(
         except ValueError:
             raise _usage_error(f"--devices must be GPU indices like 0,1, got {devices!r}") from None
     with _domain_errors():
-        from mla_tune.sweep import run_sweep
+        from mla_tune.sweep import SweepInterrupted, run_sweep
 
-        run_sweep(config, gpu, out=out, dry_run=dry_run, force=force, devices=device_list, fresh=fresh,
-                  **timeout)
+        try:
+            run_sweep(config, gpu, out=out, dry_run=dry_run, force=force, devices=device_list,
+                      fresh=fresh, **timeout)
+        except SweepInterrupted:  # run_sweep printed how to resume; no "Aborted!" after it
+            raise typer.Exit(130) from None
 
 
 @app.command()

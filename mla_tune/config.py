@@ -27,8 +27,7 @@ from mla_tune.problem import Rule, get_rule
 
 TOP_LEVEL_FIELDS = {
     "name", "description", "rule", "check_seeds", "calibration_seeds", "timing", "budget_s",
-    "shapes", "backends", "candidate_timeout_s", "purpose", "calibration",
-    "search",  # the search's rungs: validated where the search is defined
+    "shapes", "backends", "candidate_timeout_s", "purpose", "calibration", "search",
 }
 TIMING_FIELDS = {"reps", "prune_reps", "prune_factor"}
 # Keys every backend section may hold besides the backend's own SPACE_KEYS.
@@ -51,6 +50,28 @@ class TimingSpec:
 
 
 @dataclass(frozen=True)
+class SearchSpec:
+    """Successive halving (docs/architecture.md, "Search"): every candidate that passes the
+    gate gets rungs[0] samples; each later rung keeps the best `keep` fraction (never fewer
+    than `min_keep` per shape, plus each backend's best and the baseline) for rungs[i]
+    samples; the last rung is the full timing and the wall-time figure."""
+
+    rungs: tuple[int, ...]
+    keep: float
+    min_keep: int
+
+
+SEARCH_FIELDS = {"rungs", "keep", "min_keep"}
+
+
+def default_rungs(timing: TimingSpec) -> tuple[int, ...]:
+    """Without `search.rungs`: prune_reps, about 40% of reps, then reps (5, 12, 30 for the
+    leaderboard's timing), so timing.reps stays the final sample count."""
+    middle = max(timing.prune_reps, round(timing.reps * 0.4))
+    return tuple(sorted({min(timing.prune_reps, timing.reps), min(middle, timing.reps), timing.reps}))
+
+
+@dataclass(frozen=True)
 class Config:
     name: str
     path: Path
@@ -67,6 +88,7 @@ class Config:
     raw: dict
     # `purpose` and `calibration`: where fp8_static q scales come from (mla_tune.calibration)
     calibration: CalibrationSpec = CalibrationSpec()
+    search: SearchSpec | None = None  # always set by config_from_dict
 
 
 def config_hash(raw: dict) -> str:
@@ -163,6 +185,7 @@ def config_from_dict(raw: Any, path: str | Path = "<config>") -> Config:
         candidate_timeout_s=float(timeout) if timeout is not None else None,
         raw=raw,
         calibration=calibration,
+        search=_search(raw.get("search"), timing, fail),
     )
 
 
@@ -191,6 +214,28 @@ def _timing(value: Any, fail) -> TimingSpec:
     if not _is_number(factor) or factor < 1:
         raise fail("timing.prune_factor", f"must be a finite number >= 1, got {factor!r}")
     return TimingSpec(value["reps"], value["prune_reps"], float(factor))
+
+
+def _search(value: Any, timing: TimingSpec, fail) -> SearchSpec:
+    if value is None:
+        return SearchSpec(default_rungs(timing), 0.25, 3)
+    if not isinstance(value, dict):
+        raise fail("search", f"must be a mapping with {', '.join(sorted(SEARCH_FIELDS))}, got {value!r}")
+    unknown = sorted(set(value) - SEARCH_FIELDS)
+    if unknown:
+        raise fail(f"search.{unknown[0]}", f"unknown field; known: {', '.join(sorted(SEARCH_FIELDS))}")
+    rungs = value.get("rungs", list(default_rungs(timing)))
+    if (not isinstance(rungs, list) or not rungs or not all(_is_int(r) and 1 <= r <= 10_000 for r in rungs)
+            or rungs != sorted(set(rungs))):
+        raise fail("search.rungs", f"must be a non-empty increasing list of sample counts "
+                   f"(1..10000), e.g. [5, 12, 30], got {rungs!r}")
+    keep = value.get("keep", 0.25)
+    if not _is_number(keep) or not 0 < keep <= 1:
+        raise fail("search.keep", f"must be a fraction in (0, 1], e.g. 0.25, got {keep!r}")
+    min_keep = value.get("min_keep", 3)
+    if not _is_int(min_keep) or min_keep < 1:
+        raise fail("search.min_keep", f"must be an integer >= 1, got {min_keep!r}")
+    return SearchSpec(tuple(rungs), float(keep), min_keep)
 
 
 def _shapes(value: Any, fail) -> list[Shape]:

@@ -23,7 +23,8 @@ from mla_tune.backends import get_backend, known_backends
 from mla_tune.errors import MlaTuneError
 
 PROTOCOL_NAMES = ("NAME", "unavailable_reason", "candidates", "validate", "build",
-                  "default_variant", "PRECOMPILE", "compile_shape", "warmup", "SPACE_KEYS")
+                  "default_variant", "PRECOMPILE", "compile_shape", "warmup", "SPACE_KEYS",
+                  "dedupe_key")
 # Names the exported file's own code (export.py's template) defines; a module may not.
 _GENERATED_NAMES = {"input_t", "output_t", "custom_kernel", "_EXPORT_TABLE_TEXT", "_EXPORT_TABLE",
                     "_EXPORT_BUILDERS", "_EXPORT_DISPATCHER", "_EXPORT_FALLBACK_VARIANT",

@@ -38,6 +38,11 @@ def canonical_gpu_name(device_name: str, arch: str = "") -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", device_name.strip()) or "unknown"
 
 
+def canonical_name_known(device_name: str) -> bool:
+    """Whether canonical_gpu_name recognizes this name (rather than passing it through)."""
+    return _NAME_RE.search(device_name.upper()) is not None
+
+
 @dataclass(frozen=True)
 class Platform:
     """The device a sweep or runtime sees. `name` is canonical ('H200'); CPU gives 'cpu'."""
@@ -134,3 +139,35 @@ def simulated_platform(name: str) -> Platform:
     base = fake_platform(name)
     return dataclasses.replace(base, device_name=base.device_name + SIMULATED_SUFFIX,
                                driver="simulated", simulated=True)
+
+
+def quick_device_name() -> str | None:
+    """This machine's first GPU's name without starting CUDA (nvidia-smi, amd-smi/rocm-smi,
+    /proc/driver/nvidia), "cpu" when it plainly has none (no /dev/nvidia0, no /dev/kfd),
+    None when it cannot tell. For refusing a sweep for another GPU before any worker
+    starts; the worker's full detect() stays the authority."""
+    fake = os.environ.get(FAKE_PLATFORM_ENV, "").strip()
+    if fake:
+        return simulated_platform(fake).device_name
+    commands = (["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                ["amd-smi", "static", "--asic", "--csv"], ["rocm-smi", "--showproductname", "--csv"])
+    for command in commands:
+        try:
+            out = subprocess.run(command, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if out.returncode == 0:
+            for line in out.stdout.splitlines():
+                if _NAME_RE.search(line.upper()) or any(a in line for a in _ARCH_NAMES):
+                    return line.strip()
+    try:
+        for info in sorted(os.listdir("/proc/driver/nvidia/gpus")):
+            with open(f"/proc/driver/nvidia/gpus/{info}/information") as f:
+                for line in f:
+                    if line.startswith("Model:"):
+                        return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    if not os.path.exists("/dev/nvidia0") and not os.path.exists("/dev/kfd"):
+        return "cpu"
+    return None

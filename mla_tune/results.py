@@ -45,8 +45,11 @@ def candidate_key(shape: dict, variant: str) -> tuple[int, int, str]:
     return (int(shape["batch"]), int(shape["kv_len"]), str(offered))
 
 
-def read_results(path: Path) -> tuple[dict | None, list[dict], list[str]]:
-    """(header, candidate records, warnings). A missing file gives (None, [], []).
+RECORD_KINDS = ("candidate", "step", "rung", "note")  # docs/architecture.md, "Results file"
+
+
+def read_results(path: Path, kinds: tuple[str, ...] = ("candidate",)) -> tuple[dict | None, list[dict], list[str]]:
+    """(header, the records of `kinds`, warnings). A missing file gives (None, [], []).
 
     A last line without its newline is a write cut short by a kill: it is ignored with a
     warning (repair_tail cuts it off). A bad line anywhere else means the file was edited
@@ -82,9 +85,9 @@ def read_results(path: Path) -> tuple[dict | None, list[dict], list[str]]:
                     f"{path}: the first line is not a header; start over with --fresh"
                 )
             header = obj
-        elif kind == "candidate":
+        elif kind in kinds:
             records.append(obj)
-        elif kind != "note":
+        elif kind not in RECORD_KINDS:
             raise ResultsError(f"{path}, line {number}: unknown record kind {kind!r}")
     return header, records, warnings
 

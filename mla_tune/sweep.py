@@ -1,34 +1,33 @@
-"""The sweep: every (shape, candidate) through the correctness gate and the timer, into an
-append-only results file, then the dispatch table.
+"""The sweep: every (shape, candidate) through the correctness gate, then successive halving
+over timing rungs (mla_tune/sweep_search.py) within a time budget (sweep_schedule.py), into
+an append-only results file, then the dispatch table.
 
 The main process plans, schedules and records; it never runs a kernel and never starts
-CUDA (the platform comes from the first worker). Each device has one worker process
-(mla_tune.worker); a candidate that kills its worker is recorded as "crashed", one that
-runs past its limit is killed and recorded as "timeout", and a fresh worker takes the next
-candidate. Records are appended one fsynced line at a time, so a killed sweep resumes
-where it stopped; a lock file keeps two sweeps off one table.
+CUDA (a cheap name query refuses another GPU before any worker starts; the platform comes
+from the first worker). Each device has one worker process (mla_tune.worker); a candidate
+that kills its worker is recorded as "crashed", one that runs past its limit is killed and
+recorded as "timeout", and a fresh worker takes the next step. Records are appended one
+fsynced line per finished step, so a killed sweep resumes where it stopped; a lock file
+keeps two sweeps off one table.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import Progress
 
 import mla_tune
 from mla_tune import gpu as gpu_mod
 from mla_tune import timing
-from mla_tune.backends import get_backend
+from mla_tune.backends import dedupe_key, get_backend
 from mla_tune.compile_pool import plan_jobs
 from mla_tune.config import Config, expand_space, load_config
 from mla_tune.core import Shape, Variant
@@ -39,17 +38,23 @@ from mla_tune.results import (
     ResultsError,
     ResultsWriter,
     SweepLock,
-    candidate_key,
     lock_path_for,
     move_aside,
     read_results,
     repair_tail,
     results_path_for,
 )
-from mla_tune.sweep_report import print_plan, progress_bar, summarize
-from mla_tune.sweep_schedule import BASELINE_BACKEND, Budget, assign_shapes
+from mla_tune.sweep_report import Progress, print_plan, summarize
+from mla_tune.sweep_runner import DeviceRunner, Shared
+from mla_tune.sweep_schedule import (
+    BudgetClock,
+    CostModel,
+    FittedPlan,
+    assign_shapes,
+    cost_model_for,
+    fit_plan,
+)
 from mla_tune.worker import (
-    CPU_PROTOCOL,
     GATE_MARGIN,
     WorkerGone,
     WorkerHandle,
@@ -65,6 +70,10 @@ class SweepError(MlaTuneError, ValueError):
     """The sweep cannot start or go on; the message says what was found and what to do."""
 
 
+class SweepInterrupted(KeyboardInterrupt):
+    """Ctrl-C: the workers are stopped, what was recorded is kept; str() says how to resume."""
+
+
 @dataclass
 class SweepSummary:
     counts: dict[str, int]
@@ -77,11 +86,23 @@ class SweepSummary:
     plan: dict[str, dict[str, list[str]]] = field(default_factory=dict)  # shape -> backend -> variants
     unavailable: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    estimate_s: float | None = None
+    rung_plan: dict[str, list[int]] = field(default_factory=dict)  # shape -> candidates per rung
+
+
+@dataclass
+class Planned:
+    """Where the candidates come from: the plan per shape and what planning found."""
+
+    plan: dict[Shape, list[Variant]]
+    unavailable: dict[str, str]
+    listed_anyway: dict[str, str]
+    duplicates: int  # candidates dropped because another had the same dedupe key
 
 
 # ---------------------------------------------------------------------------- plan
-def plan_candidates(config: Config, platform: gpu_mod.Platform, planning_only: bool = False):
-    """(plan {shape: [variants]}, unavailable {backend: reason}, listed_anyway {backend: reason}).
+def plan_candidates(config: Config, platform: gpu_mod.Platform, planning_only: bool = False) -> Planned:
+    """Every backend's candidates per shape, deduplicated by the backends' `dedupe_key`.
 
     A backend that cannot run here is recorded once with its reason, not an error. For a
     dry run for an absent GPU (`planning_only`) its candidates are still listed, so the
@@ -90,6 +111,8 @@ def plan_candidates(config: Config, platform: gpu_mod.Platform, planning_only: b
     plan: dict[Shape, list[Variant]] = {shape: [] for shape in config.shapes}
     unavailable: dict[str, str] = {}
     listed_anyway: dict[str, str] = {}
+    duplicates = 0
+    seen: dict[Shape, set] = {shape: set() for shape in config.shapes}
     for name, space in config.backends.items():
         try:
             backend = get_backend(name)
@@ -103,20 +126,23 @@ def plan_candidates(config: Config, platform: gpu_mod.Platform, planning_only: b
         problems = []
         for shape in config.shapes:
             try:
-                offered = [
-                    v for grid in expand_space(space) for v in backend.candidates(shape, grid, platform)
-                ]
+                offered = [v for grid in expand_space(space) for v in backend.candidates(shape, grid, platform)]
+                keys = set()
+                for variant in offered:
+                    key = dedupe_key(backend, variant, shape, platform)
+                    if key in keys or variant in seen[shape]:
+                        duplicates += 1
+                        continue
+                    keys.add(key)
+                    seen[shape].add(variant)
+                    plan[shape].append(variant)
             except Exception as exc:  # reported per backend; the other shapes still sweep
                 problems.append(f"candidates({shape}) raised {type(exc).__name__}: {exc}")
-                continue
-            for variant in offered:
-                if variant not in plan[shape]:
-                    plan[shape].append(variant)
         if reason:
             listed_anyway[name] = reason
         if problems:
             unavailable[name] = "; ".join(problems)
-    return plan, unavailable, listed_anyway
+    return Planned(plan, unavailable, listed_anyway, duplicates)
 
 
 def _plan_dict(plan: dict[Shape, list[Variant]]) -> dict[str, dict[str, list[str]]]:
@@ -128,18 +154,48 @@ def _plan_dict(plan: dict[Shape, list[Variant]]) -> dict[str, dict[str, list[str
     return out
 
 
+def compile_processes(planning_only: bool = False) -> int:
+    """The compile pool's size; planning for an absent GPU assumes a GPU host's 8."""
+    return 8 if planning_only else max(1, min(8, (os.cpu_count() or 2) - 1))
+
+
+def earlier_results(results_path: Path, gpu: str) -> list[Path]:
+    """This GPU's results files, newest first: the current one, those moved aside, then the
+    committed tables/GPU.results.jsonl (for a sweep written elsewhere with --out)."""
+    aside = sorted(results_path.parent.glob(results_path.name + ".*.old"), reverse=True)
+    committed = Path("tables") / f"{gpu}.results.jsonl"
+    return [results_path, *aside] + ([committed] if committed.resolve() != results_path.resolve() else [])
+
+
+def _fit(config: Config, planned: Planned, costs: CostModel, n_devices: int, has_gpu: bool,
+         startup_s: float, planning_only: bool = False) -> FittedPlan:
+    s = config.search
+    return fit_plan(planned.plan, s.rungs, s.keep, s.min_keep, costs, config.budget_s, n_devices,
+                    config.precompile, compile_processes(planning_only), startup_s=startup_s,
+                    with_compile=has_gpu)
+
+
 def _dry_run(config: Config, gpu: str, out: Path, results_path: Path, console: Console,
              devices: list[int]) -> SweepSummary:
-    found = probe_platform(devices[0]) if torch.cuda.is_available() else gpu_mod.detect()
+    quick = gpu_mod.quick_device_name()
+    found = gpu_mod.detect() if quick in (None, "cpu") or os.environ.get(gpu_mod.FAKE_PLATFORM_ENV) \
+        else probe_platform(devices[0])
     absent = found.name != gpu
     platform = gpu_mod.fake_platform(gpu) if absent else found
-    plan, unavailable, listed = plan_candidates(config, platform, planning_only=absent)
+    planned = plan_candidates(config, platform, planning_only=absent)
+    costs = cost_model_for(results_path, earlier_results(results_path, gpu))
+    from mla_tune.sweep_schedule import STARTUP_S
+
+    fitted = _fit(config, planned, costs, len(devices), platform.has_gpu, STARTUP_S, planning_only=absent)
     where = f"planned for {gpu}; this machine has {found.device_name}" if absent else found.device_name
-    print_plan(config, gpu, where, out, results_path, devices, plan, unavailable, listed, console)
+    print_plan(config, gpu, where, out, results_path, devices, planned, fitted, costs, console)
     return SweepSummary(
         counts=dict.fromkeys(STATUSES, 0), timed=0, elapsed_s=0.0, table_path=None,
-        results_path=results_path, winners={}, dry_run=True, plan=_plan_dict(plan),
-        unavailable={**unavailable, **{k: f"{r} (candidates listed for planning)" for k, r in listed.items()}},
+        results_path=results_path, winners={}, dry_run=True, plan=_plan_dict(fitted.plan),
+        unavailable={**planned.unavailable,
+                     **{k: f"{r} (candidates listed for planning)" for k, r in planned.listed_anyway.items()}},
+        notes=fitted.notes, estimate_s=fitted.estimate.seconds,
+        rung_plan={str(s): p.rung_counts for s, p in fitted.estimate.shapes.items()},
     )
 
 
@@ -151,13 +207,16 @@ def run_sweep(config_path, gpu: str, out: Path | None = None, dry_run: bool = Fa
     """Sweep the config's shapes on this machine's GPU(s) and write tables/<gpu>.yaml."""
     console = console or Console()
     config = load_config(config_path)
-    out = Path(out) if out is not None else Path("tables") / f"{gpu}.yaml"
+    default_out = Path("tables") / f"{gpu}.yaml"
+    out = Path(out) if out is not None else default_out
     results_path = results_path_for(out)
     devices = list(devices) if devices else [0]
     if len(set(devices)) != len(devices) or min(devices) < 0:
         raise SweepError(f"devices must be distinct non-negative indices, got {devices}")
     if dry_run:
         return _dry_run(config, gpu, out, results_path, console, devices)
+    if not force:
+        _refuse_other_gpu_early(gpu)
     timeout = candidate_timeout_s or config.candidate_timeout_s or DEFAULT_CANDIDATE_TIMEOUT_S
     lock = SweepLock(lock_path_for(out))
     try:
@@ -168,8 +227,34 @@ def run_sweep(config_path, gpu: str, out: Path | None = None, dry_run: bool = Fa
         console.print(f"[yellow]warning[/]: {escape(lock.warning)}")
     try:
         return _sweep(config, gpu, out, results_path, force, devices, fresh, console, timeout)
+    except KeyboardInterrupt:
+        resume = f"mla-tune sweep --gpu {gpu} --config {config.path}"
+        resume += "" if out == default_out else f" --out {out}"
+        resume += " --force" if force else ""
+        resume += "" if devices == [0] else f" --devices {','.join(map(str, devices))}"
+        message = (f"interrupted: the workers are stopped and every finished step is kept in "
+                   f"{results_path}; resume with: {resume}")
+        console.print(escape(message), soft_wrap=True)
+        raise SweepInterrupted(message) from None
     finally:
         lock.release()
+
+
+def _refuse_other_gpu_early(gpu: str) -> None:
+    """Refuse a sweep for another GPU from the device's name alone, before a worker starts."""
+    text = gpu_mod.quick_device_name()
+    if text is None:
+        return  # cannot tell cheaply: the worker's platform check decides
+    if text == "cpu":
+        if gpu != "cpu":
+            raise SweepError(f"this machine has no GPU (cpu), not {gpu}; run on an {gpu} or pass "
+                             "--force (the table then records cpu as its GPU)")
+        return
+    name = gpu_mod.canonical_gpu_name(text)
+    recognized = gpu_mod.canonical_name_known(text)
+    if recognized and name != gpu:
+        raise SweepError(f"this machine has an {text} ({name}), not {gpu}; run on an {gpu} or pass "
+                         f"--force (the table then records {name} as its GPU)")
 
 
 def _open_results(results_path: Path, config: Config, fresh: bool, console: Console):
@@ -177,7 +262,7 @@ def _open_results(results_path: Path, config: Config, fresh: bool, console: Cons
         moved = move_aside(results_path)
         console.print(escape(f"--fresh: moved the old results to {moved}"))
     try:
-        header, records, warnings = read_results(results_path)
+        header, records, warnings = read_results(results_path, kinds=("candidate", "step", "rung"))
     except ResultsError as exc:
         raise SweepError(str(exc)) from None
     for warning in warnings:
@@ -195,7 +280,7 @@ def _open_results(results_path: Path, config: Config, fresh: bool, console: Cons
 
 
 def _header(config: Config, gpu: str, platform: gpu_mod.Platform, bandwidth, unavailable,
-            devices: list[int]) -> dict:
+            devices: list[int], fitted: FittedPlan, costs: CostModel) -> dict:
     return {
         "kind": "header",
         "schema": SCHEMA,
@@ -207,7 +292,7 @@ def _header(config: Config, gpu: str, platform: gpu_mod.Platform, bandwidth, una
             "device_name": platform.device_name, "arch": platform.arch, "driver": platform.driver,
             "versions": platform.versions, "sm_count": platform.sm_count, "is_hip": platform.is_hip,
         },
-        "protocol": timing.PROTOCOL if platform.has_gpu else CPU_PROTOCOL,
+        "protocol": timing.protocol(platform.has_gpu),
         "copy_bandwidth_gbps": bandwidth,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "config": {"path": str(config.path), "hash": config.hash, "name": config.name,
@@ -215,8 +300,16 @@ def _header(config: Config, gpu: str, platform: gpu_mod.Platform, bandwidth, una
         "rule": config.rule.as_dict(),
         "gate": {"margin": GATE_MARGIN, "check_seeds": config.check_seeds,
                  "calibration_seeds": config.calibration_seeds},
-        "timing": {"reps": config.timing.reps, "prune_reps": config.timing.prune_reps,
+        "timing": {"reps": fitted.rungs[-1], "prune_reps": fitted.rungs[0],
                    "prune_factor": config.timing.prune_factor, "budget_s": config.budget_s},
+        "search": {
+            "rungs": list(fitted.rungs), "configured_rungs": list(config.search.rungs),
+            "keep": config.search.keep, "min_keep": config.search.min_keep,
+            "estimate_s": round(fitted.estimate.seconds, 1), "basis": costs.basis,
+            "fits": fitted.fits, "notes": fitted.notes,
+            "planned": {str(s): len(vs) for s, vs in fitted.plan.items()},
+            "dropped": {str(s): [str(v) for v in vs] for s, vs in fitted.dropped.items()},
+        },
         "unavailable": unavailable,
         "devices": devices,
     }
@@ -237,201 +330,147 @@ def _check_platform(platforms: list[gpu_mod.Platform], gpu: str, force: bool, he
         )
 
 
+def _start_workers(devices: list[int], out: Path, log_dir: Path) -> list[WorkerHandle]:
+    workers = [WorkerHandle(d, log_dir / f"{out.stem}.worker{d}.log") for d in devices]
+    for w in workers:  # start them all, then wait: each takes seconds to import torch
+        w.launch()
+    for w in workers:
+        try:
+            w.wait_ready()
+        except (WorkerGone, WorkerTimeout) as exc:
+            tail = getattr(exc, "tail", "") or "(nothing)"
+            raise SweepError(
+                f"the worker for device {w.device} did not start ({exc}); the end of its "
+                f"log {w.log_path}:\n{tail}"
+            ) from None
+    return workers
+
+
+def _resumed_plan(header: dict, planned: Planned, config: Config, costs: CostModel,
+                  n_devices: int, has_gpu: bool) -> FittedPlan:
+    """The plan a resumed sweep continues: the first run's rungs, less what it dropped."""
+    search = header.get("search")
+    if not search:  # an older results file: halving over what is left, no cut
+        return _fit(config, planned, costs, n_devices, has_gpu, 0.0)
+    dropped = {Shape(*map(int, s.split("x"))): set(texts) for s, texts in search.get("dropped", {}).items()}
+    plan = {s: [v for v in vs if str(v) not in dropped.get(s, ())] for s, vs in planned.plan.items()}
+    fitted = fit_plan(plan, tuple(search["rungs"]), config.search.keep, config.search.min_keep, costs,
+                      None, n_devices, config.precompile, compile_processes(), with_compile=has_gpu)
+    fitted.dropped = {s: [Variant.parse(t) for t in texts] for s, texts in dropped.items()}
+    return fitted
+
+
 def _sweep(config: Config, gpu: str, out: Path, results_path: Path, force: bool,
            devices: list[int], fresh: bool, console: Console, timeout: float) -> SweepSummary:
     started = time.monotonic()
     header, old_records = _open_results(results_path, config, fresh, console)
-    log_dir = results_path.parent
-    workers = [WorkerHandle(d, log_dir / f"{out.stem}.worker{d}.log") for d in devices]
-    stop = threading.Event()
-    writer = None
+    earlier = earlier_results(results_path, gpu)
+    costs = cost_model_for(results_path, earlier[1:] if header is None else earlier)
+    workers: list[WorkerHandle] = []
+    shared: Shared | None = None
     try:
-        for w in workers:  # start them all, then wait: each takes seconds to import torch
-            w.launch()
-        for w in workers:
-            try:
-                w.wait_ready()
-            except (WorkerGone, WorkerTimeout) as exc:
-                tail = getattr(exc, "tail", "") or "(nothing)"
-                raise SweepError(
-                    f"the worker for device {w.device} did not start ({exc}); the end of its "
-                    f"log {w.log_path}:\n{tail}"
-                ) from None
+        workers = _start_workers(devices, out, results_path.parent)
         platforms = [w.platform for w in workers]
         _check_platform(platforms, gpu, force, header)
         platform = platforms[0]
-        plan, unavailable, _ = plan_candidates(config, platform)
-        for name, reason in unavailable.items():
+        planned = plan_candidates(config, platform)
+        for name, reason in planned.unavailable.items():
             console.print(f"[yellow]{name}[/] unavailable: {escape(reason)}")
         if header is None:
             bandwidth = workers[0].bandwidth()
-            header = _header(config, gpu, platform, bandwidth, unavailable, devices)
+            fitted = _fit(config, planned, costs, len(devices), platform.has_gpu, time.monotonic() - started)
+            header = _header(config, gpu, platform, bandwidth, planned.unavailable, devices, fitted, costs)
+        else:
+            fitted = _resumed_plan(header, planned, config, costs, len(devices), platform.has_gpu)
+        for note in fitted.notes:
+            console.print(f"[yellow]budget[/]: {escape(note)}")
         writer = ResultsWriter(results_path)
         if results_path.stat().st_size == 0:
             writer.append(header)
-        done = {candidate_key(r["shape"], r["variant"]) for r in old_records}
-        pending = {
-            shape: [v for v in variants if (shape.batch, shape.kv_len, str(v)) not in done]
-            for shape, variants in plan.items()
-        }
-        n_pending = sum(len(v) for v in pending.values())
-        n_total = n_pending + len(done)
+        clock = BudgetClock(config.budget_s, started, costs)
+        shared = Shared(config, tuple(fitted.rungs), timeout, writer, clock, costs, console,
+                        Progress(console, fitted, old_records, len(devices)))
         console.print(escape(
-            f"sweep {config.name} on {platform.device_name}: {n_total} candidates over "
-            f"{len(config.shapes)} shapes, {len(done)} already recorded, {n_pending} to run"
-        ))
-        if platform.has_gpu and n_pending:
-            _precompile(config, pending, devices[0], timeout, console)
-        budget = Budget(config, started, n_pending, console, parallel=len(devices))
-        with progress_bar(console) as progress:
-            shared = _Shared(config, timeout, writer, budget, progress, stop, console)
-            shared.task = progress.add_task("candidates", total=n_total, completed=len(done))
-            runners = [
-                DeviceRunner(w, shapes, shared, old_records)
-                for w, shapes in zip(workers, assign_shapes(pending, len(workers)), strict=True)
-            ]
-            threads = [threading.Thread(target=r.run, daemon=True) for r in runners]
-            for t in threads:
-                t.start()
-            for t in threads:
-                while t.is_alive():
-                    t.join(0.2)
-        new_records = shared.records
-        errors = [r.error for r in runners if r.error is not None]
-        if errors:
-            raise errors[0]
+            f"sweep {config.name} on {platform.device_name}: {shared.progress.total} candidates over "
+            f"{len(config.shapes)} shapes, {shared.progress.resumed} already recorded; rungs "
+            f"{list(fitted.rungs)} samples; estimated "
+            f"{fitted.estimate.seconds:.0f} s ({costs.basis})"
+            + (f", budget {config.budget_s:.0f} s" if config.budget_s else "")))
+        if platform.has_gpu:
+            _precompile(config, fitted, old_records, devices[0], timeout, clock, writer, console,
+                        platform.sm_count)
+        runners = [DeviceRunner(w, shapes, shared, old_records, fitted)
+                   for w, shapes in zip(workers, assign_shapes(fitted.plan, len(workers)), strict=True)]
+        _run_devices(runners, shared)
     finally:
-        stop.set()
-        if writer is not None:
-            writer.close()
+        if shared is not None:
+            shared.stop.set()
+            with shared.lock:
+                shared.writer.close()
+            shared.progress.close()
         for w in workers:
-            w.stop()
-    records = old_records + new_records
-    winners = summarize(records, console)
-    table_path = _write_table(header, records, config, out, console)
+            w.reap() if shared is not None and shared.interrupted else w.stop()
+    return _finish(header, old_records + shared.records, config, out, results_path, started, shared, console)
+
+
+def _run_devices(runners: list[DeviceRunner], shared: Shared) -> None:
+    threads = [threading.Thread(target=r.run, daemon=True) for r in runners]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            while t.is_alive():
+                t.join(0.2)
+    except KeyboardInterrupt:
+        shared.interrupted = True
+        shared.stop.set()
+        for r in runners:
+            r.worker.reap()  # the step in flight is lost, not recorded: it runs again on resume
+        raise
+    errors = [r.error for r in runners if r.error is not None]
+    if errors:
+        raise errors[0]
+
+
+def _finish(header: dict, records: list[dict], config: Config, out: Path, results_path: Path,
+            started: float, shared: Shared, console: Console) -> SweepSummary:
+    finals = [r for r in records if r.get("kind", "candidate") == "candidate"]
+    winners = summarize(finals, console)
+    table_path = _write_table(header, finals, config, out, console)
     counts = dict.fromkeys(STATUSES, 0)
-    for r in new_records:
-        counts[r["status"]] += 1
+    for r in shared.records:
+        if r.get("kind") == "candidate":
+            counts[r["status"]] += 1
     return SweepSummary(
         counts=counts, timed=counts["ok"] + counts["pruned"], elapsed_s=time.monotonic() - started,
         table_path=table_path, results_path=results_path, winners=winners,
-        unavailable=header.get("unavailable", {}), notes=budget.notes,
+        unavailable=header.get("unavailable", {}), notes=list(header.get("search", {}).get("notes", [])),
+        estimate_s=header.get("search", {}).get("estimate_s"),
     )
 
 
-@dataclass
-class _Shared:
-    """What the device threads share; `lock` guards the writer, records and budget."""
-
-    config: Config
-    timeout: float
-    writer: ResultsWriter
-    budget: Budget
-    progress: Progress
-    stop: threading.Event
-    console: Console
-    task: int = 0
-    records: list[dict] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-class DeviceRunner:
-    """Runs one device's shapes through its worker, one candidate at a time."""
-
-    def __init__(self, worker: WorkerHandle, shapes, shared: _Shared, old_records: list[dict]):
-        self.worker = worker
-        self.shapes = shapes
-        self.shared = shared
-        self.old_records = old_records
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            for shape, variants in self.shapes:
-                self._shape(shape, variants)
-        except BaseException as exc:  # handed to the main thread, which re-raises it
-            self.error = exc
-
-    def _best(self, shape: Shape) -> float | None:
-        times = [
-            r["time"]["median_us"] for r in self.old_records
-            if r["status"] == "ok" and r["shape"] == {"batch": shape.batch, "kv_len": shape.kv_len}
-        ]
-        return min(times) if times else None
-
-    def _shape(self, shape: Shape, variants: list[Variant]) -> None:
-        sh, config = self.shared, self.shared.config
-        best = self._best(shape)
-        for variant in variants:
-            if sh.stop.is_set():
-                return
-            with sh.lock:
-                reps, prune_reps, reduced = sh.budget.reps, sh.budget.prune_reps, sh.budget.reduced
-            prune = best is not None and variant.backend != BASELINE_BACKEND
-            payload = {
-                "shape": {"batch": shape.batch, "kv_len": shape.kv_len}, "variant": str(variant),
-                "check_seeds": config.check_seeds, "calibration_seeds": config.calibration_seeds,
-                "calibration": config.calibration.as_dict(),
-                "rule": config.rule.as_dict(), "reps": reps, "prune_reps": prune_reps,
-                "wall_reps": min(reps, 20),
-                "prune_threshold_us": best * config.timing.prune_factor if prune else None,
-            }
-            t0 = time.monotonic()
-            fields = self._run_one(variant, payload)
-            if sh.stop.is_set():
-                return  # interrupted: the kill was ours, not the candidate's
-            record = {
-                "kind": "candidate", "shape": payload["shape"], **fields,
-                "elapsed_s": round(time.monotonic() - t0, 3), "device": self.worker.device,
-                "timing_reps": reps, "budget_reduced": reduced,
-            }
-            with sh.lock:
-                sh.writer.append(record)
-                sh.records.append(record)
-                note = sh.budget.note_done(record["elapsed_s"])
-                if note:  # the header is already written: the cut goes on record as a note
-                    sh.writer.append({"kind": "note", "budget": note, "timing_reps": sh.budget.reps})
-                sh.progress.advance(sh.task)
-            if record["status"] == "ok":
-                median = record["time"]["median_us"]
-                best = median if best is None else min(best, median)
-            elif record["status"] != "pruned":
-                sh.progress.console.print(
-                    escape(f"{record['status']}: {shape} {record['variant']}: {record['reason']}")
-                )
-
-    def _run_one(self, variant: Variant, payload: dict) -> dict:
-        base = {
-            "variant": str(variant), "backend": variant.backend, "params": variant.p,
-            "checks": [], "time": None, "wall": None, "calibration": None,
-        }
-        timeout = self.shared.timeout
-        try:
-            _kind, fields = self.worker.request(("candidate", payload), timeout)
-        except WorkerTimeout:
-            self.worker.reap()
-            return {**base, "status": "timeout",
-                    "reason": f"ran past the {timeout:.0f} s limit; its worker was killed"}
-        except WorkerGone as gone:
-            return {**base, "status": "crashed", "stderr_tail": gone.tail,
-                    "reason": f"its worker died ({signal_name(gone.exitcode)}) while running it; "
-                    f"the worker log {self.worker.log_path} holds its last output"}
-        if fields.pop("restart_worker", False):
-            self.worker.wait_exit()
-        return fields
-
-
-def _precompile(config: Config, pending, device: int, timeout: float, console: Console) -> None:
+def _precompile(config: Config, fitted: FittedPlan, old_records: list[dict], device: int,
+                timeout: float, clock: BudgetClock, writer: ResultsWriter, console: Console,
+                sm_count: int | None = None) -> None:
+    started_shapes = {(r["shape"]["batch"], r["shape"]["kv_len"]) for r in old_records}
     # (variant, real shape) pairs: the pool picks each one's stand-in and dedupes them
     jobs = plan_jobs(
-        (v, shape) for shape, vs in pending.items() for v in vs if config.precompile.get(v.backend)
+        ((v, shape) for shape, vs in fitted.plan.items()
+         if (shape.batch, shape.kv_len) not in started_shapes
+         for v in vs if config.precompile.get(v.backend)),
+        sm_count,
     )
     if not jobs:
         return
-    processes = max(1, min(8, (os.cpu_count() or 2) - 1))
+    processes = compile_processes()
     t0 = time.monotonic()
+    # its own limit, cut to a generous multiple of the planned compile time and to the budget
     limit = timeout * max(1, math.ceil(len(jobs) / processes))
+    if config.budget_s:
+        limit = min(limit, max(30.0, 2 * fitted.estimate.compile_s), max(5.0, 0.5 * clock.left()))
     errors = precompile(jobs, device, True, processes, limit, job_timeout_s=timeout)
+    writer.append({"kind": "note", "precompile": {"jobs": len(jobs), "processes": processes,
+                                                  "seconds": round(time.monotonic() - t0, 1)}})
     console.print(
         f"precompiled {len(jobs)} (variant, stand-in shape) jobs in {processes} processes, "
         f"{time.monotonic() - t0:.0f} s; {len(errors)} did not compile or run there "
@@ -448,12 +487,3 @@ def _write_table(header: dict, records: list[dict], config: Config, out: Path, c
     table_module.write_table(out, table)
     console.print(escape(f"table written: {out}"))
     return out
-
-
-def signal_name(code: int | None) -> str:
-    if code is not None and code < 0:
-        try:
-            return signal.Signals(-code).name
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit code {code}"

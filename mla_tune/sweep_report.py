@@ -1,55 +1,112 @@
-"""What the sweep prints: the dry run's plan, the progress bar, the summary table."""
+"""What the sweep prints: the dry run's plan, the progress, the summary table."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress as RichProgress
 
 from mla_tune.config import Config
-from mla_tune.core import Shape, Variant
+from mla_tune.core import Shape
 from mla_tune.sweep_schedule import BASELINE_BACKEND
 
 
 def print_plan(config: Config, gpu: str, where: str, out: Path, results_path: Path,
-               devices: list[int], plan: dict[Shape, list[Variant]], unavailable: dict[str, str],
-               listed: dict[str, str], console: Console) -> None:
-    """The dry run's report: what the sweep would run, per shape and backend."""
+               devices: list[int], planned, fitted, costs, console: Console) -> None:
+    """The dry run's report: candidates per shape and backend, per rung, and the estimate."""
     console.print(f"[bold]dry run[/]: config {config.name} ({config.path}, hash {config.hash[:12]})")
     console.print(escape(f"  GPU {gpu} ({where}); devices {devices}; rule {config.rule.name}"))
     console.print(escape(f"  table -> {out}; results -> {results_path}"))
     console.print(f"  {len(config.shapes)} shapes: {', '.join(str(s) for s in config.shapes)}")
+    rungs = list(fitted.rungs)
+    console.print(escape(f"  search: rungs {rungs} samples, keep {config.search.keep:g} per rung "
+                         f"(at least {config.search.min_keep}, plus each backend's best and the baseline)"))
     total = 0
-    for shape, variants in plan.items():
+    for shape, variants in planned.plan.items():
+        kept = fitted.plan.get(shape, [])
         counts: dict[str, int] = {}
-        for v in variants:
+        for v in kept:
             counts[v.backend] = counts.get(v.backend, 0) + 1
-        total += len(variants)
-        text = ", ".join(f"{b} {n}" + (" (not runnable here)" if b in listed else "") for b, n in counts.items())
-        console.print(escape(f"  {shape}: {len(variants)} candidates ({text or 'none'})"))
-    for name, reason in listed.items():
+        total += len(kept)
+        text = ", ".join(f"{b} {n}" + (" (not runnable here)" if b in planned.listed_anyway else "")
+                         for b, n in counts.items())
+        plan = fitted.estimate.shapes.get(shape)
+        per_rung = " -> ".join(str(n) for n in plan.rung_counts) if plan else "0"
+        cut = f", {len(variants) - len(kept)} dropped for the budget" if len(kept) != len(variants) else ""
+        console.print(escape(f"  {shape}: {len(kept)} candidates ({text or 'none'}){cut}; "
+                             f"per rung {per_rung}"))
+    for name, reason in planned.listed_anyway.items():
         console.print(f"  [yellow]{name}[/]: unavailable on this machine ({escape(reason)}); "
                       f"its candidates are listed for {gpu}, marked not runnable here")
-    for name, reason in unavailable.items():
+    for name, reason in planned.unavailable.items():
         console.print(f"  [red]{name}[/]: unavailable: {escape(reason)}")
-    compiled = {str(v) for vs in plan.values() for v in vs if config.precompile.get(v.backend)}
-    console.print(f"  {total} candidates in all; {len(compiled)} distinct variants to precompile")
+    compiled = {str(v) for vs in fitted.plan.values() for v in vs if config.precompile.get(v.backend)}
+    dupes = f"; {planned.duplicates} duplicates collapsed" if planned.duplicates else ""
+    console.print(f"  {total} candidates in all{dupes}; {len(compiled)} distinct variants to precompile")
+    for note in fitted.notes:
+        console.print(f"  [yellow]budget[/]: {escape(note)}")
+    e = fitted.estimate
+    budget = config.budget_s
+    verdict = ("no budget set" if budget is None else
+               f"fits the budget of {budget:.0f} s" if e.seconds <= budget else
+               f"does NOT fit the budget of {budget:.0f} s")
+    console.print(escape(
+        f"  estimated {e.seconds:.0f} s: start {e.startup_s:.0f} s, compile {e.compile_s:.0f} s, "
+        f"first calls {e.first_calls_s:.0f} s, candidates {e.candidates_s:.0f} s; {verdict}"))
+    console.print(escape(f"  estimate basis: {costs.basis}"))
 
 
-def progress_bar(console: Console) -> Progress:
-    return Progress(
-        TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console,
-    )
+class Progress:
+    """The sweep's progress: a bar on a terminal; without one, a plain line per shape and
+    rung (candidates done, best so far, elapsed, ETA), which a log file keeps readable."""
+
+    def __init__(self, console: Console, fitted, old_records: list[dict], n_devices: int):
+        self.console = console
+        self.started = time.monotonic()
+        self.total = sum(len(vs) for vs in fitted.plan.values())
+        planned = {(s.batch, s.kv_len) for s in fitted.plan}
+        self.done = sum(1 for r in old_records if r.get("kind", "candidate") == "candidate"
+                        and (r["shape"]["batch"], r["shape"]["kv_len"]) in planned)
+        self.resumed = self.done
+        self.estimate_s = fitted.estimate.seconds
+        self._bar = None
+        if console.is_terminal:
+            self._bar = RichProgress(TextColumn("candidates"), BarColumn(), MofNCompleteColumn(),
+                                     TimeElapsedColumn(), console=console)
+            self._task = self._bar.add_task("candidates", total=self.total, completed=self.done)
+            self._bar.start()
+
+    def advance(self) -> None:
+        self.done += 1
+        if self._bar is not None:
+            self._bar.advance(self._task)
+
+    def print(self, text: str) -> None:
+        self.console.print(text, soft_wrap=True)
+
+    def eta_s(self) -> float:
+        elapsed = time.monotonic() - self.started
+        new = self.done - self.resumed
+        left = self.total - self.done
+        if new <= 0:
+            return max(0.0, self.estimate_s - elapsed)
+        return elapsed / new * left
+
+    def shape_line(self, shape: Shape, search, rung: int, n_rungs: int) -> None:
+        best = search.best()
+        best_text = f"best {best[0]:.1f} us {best[1]}" if best else "no candidate passed yet"
+        self.print(escape(
+            f"{shape}: rung {rung + 1}/{n_rungs} done; {self.done}/{self.total} candidates done; "
+            f"{best_text}; elapsed {time.monotonic() - self.started:.0f} s, ETA {self.eta_s():.0f} s"))
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
 
 
 def summarize(records: list[dict], console: Console) -> dict[str, dict]:

@@ -11,6 +11,9 @@ row and the field, so a hand edit that breaks a row is caught at load.
 Schema 1, top level: `schema`, `gpu`, `provenance`, `rows`. A row is a `Row` (below, the one
 definition of its fields). Reading a table imports neither torch nor a backend unless the
 backends' own parameter checks are asked for (`check_params`, the default).
+A row's `candidates` counts {tried, ok, rejected, failed, crashed, timeout, pruned} and, from
+a search with rungs, rung0, rung1, ... (candidates timed at each rung) and dropped (cut by
+the budget before running).
 """
 
 from __future__ import annotations
@@ -142,6 +145,19 @@ def _backend_summary(records: list[dict], unavailable: str | None) -> str:
     return "none ok: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
 
 
+def _rung_counts(records: list[dict]) -> dict[str, int]:
+    """{rung0: n0, rung1: n1, ...}: candidates timed at each rung of the sweep's successive
+    halving (a record's `rung` is the last it reached; cut there, or failed after being
+    promoted to it). Empty for results from before the search had rungs."""
+    reached = [(int(r["rung"]), r["status"] in ("ok", "pruned")) for r in records
+               if isinstance(r.get("rung"), int) and not isinstance(r.get("rung"), bool)]
+    if not reached:
+        return {}
+    top = max(rung for rung, _ in reached)
+    return {f"rung{k}": sum(1 for rung, timed in reached if rung > k or (rung == k and timed))
+            for k in range(top + 1)}
+
+
 def _row(shape: Shape, records: list[dict], backends: list[str], unavailable: dict,
          bandwidth_gbps: float | None) -> Row:
     ok = [(r, _timing(r, "time")) for r in records if r["status"] == "ok"]
@@ -163,6 +179,7 @@ def _row(shape: Shape, records: list[dict], backends: list[str], unavailable: di
 
     counts = {"tried": len(records)}
     counts.update({s: sum(r["status"] == s for r in records) for s in STATUSES})
+    counts.update(_rung_counts(records))
     # What is counted is said in FLOOR_NOTE (and in the file's header comment).
     floor_us = (shape.total_kv * QK_DIM / (bandwidth_gbps * 1e3)) if bandwidth_gbps else None
     baseline = summary.get("torch")
@@ -243,6 +260,10 @@ def table_from_results(header: dict, records: list[dict], config) -> dict:
     bandwidth = header.get("copy_bandwidth_gbps")
     rows = [_row(s, list(latest[s].values()), backends, unavailable, bandwidth).as_dict()
             for s in sorted(shapes, key=lambda s: (s.batch, s.kv_len))]
+    dropped = ((header.get("search") or {}).get("dropped")) or {}
+    for row in rows:
+        if dropped:
+            row["candidates"]["dropped"] = len(dropped.get(f"{row['batch']}x{row['kv_len']}", []))
     platform = header.get("platform") or {}
     provenance = {
         "device_name": str(platform.get("device_name", "")),

@@ -56,6 +56,11 @@ PROTOCOL = {
     "queued_ahead": "torch.cuda._sleep covering the call's host time",
     "statistic": "median of CUDA-event samples",
 }
+CPU_PROTOCOL = {
+    "name": "cpu-wall-clock",
+    "statistic": "median of time.perf_counter samples around each call",
+    "note": "no GPU: a stand-in for tests, not the leaderboard protocol",
+}
 
 
 def _quantiles(samples: list[float]) -> Timing:
@@ -106,3 +111,25 @@ def time_call(fn: Callable[[], object], reps: int = 40, warmup: int = 3) -> Timi
     torch.cuda.synchronize()
     del flush
     return _quantiles([start.elapsed_time(end) * 1000.0 for start, end in events])
+
+
+def cpu_time(fn: Callable[[], object], reps: int, warmup: int = 1) -> Timing:
+    """Wall-clock microseconds per call on the CPU (the stand-in when there is no GPU)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    return _quantiles(samples)
+
+
+def timers(has_gpu: bool) -> tuple[Callable[..., Timing], Callable[..., Timing]]:
+    """(the ranking timer, the wall-time timer) for this machine: the leaderboard
+    emulation and the synchronized wall time on a GPU, the CPU stand-in for both without."""
+    return (time_call, wall_time) if has_gpu else (cpu_time, cpu_time)
+
+
+def protocol(has_gpu: bool) -> dict:
+    return dict(PROTOCOL if has_gpu else CPU_PROTOCOL)

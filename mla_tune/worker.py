@@ -1,27 +1,27 @@
 """The sweep's worker process: the only place kernels run.
 
 One worker per device, started with multiprocessing "spawn" (a forked CUDA context is
-unusable), talking to the sweep over a pipe. Messages in: ("candidate", payload),
-("bandwidth",), ("stop",). Messages out: ("ready", platform dict) once, then one
-("result", record) per candidate or ("bandwidth", GB/s). The worker's stdout and stderr
-go to a log file, so when it dies the sweep can quote its last lines.
+unusable), talking to the sweep over a pipe with the small frozen dataclasses below:
+in, `Step` (one candidate at one rung), `MeasureBandwidth` and `Stop`; out, `Ready` once,
+then one `StepResult` per step or a `Bandwidth`. The worker's stdout and stderr go to a
+log file, so when it dies the sweep can quote its last lines.
 
-A candidate is: build, run on every check seed against the fp32 reference (the gate,
-at most half the rule's allowance), a quick timing to prune the hopeless, then the full
-timing. Whatever the candidate raises becomes a "failed" record naming the exception; a
-CUDA error that poisons the context makes the worker exit after reporting, so the sweep
-starts a fresh one.
+A step is: build; at rung 0, run every check seed against the fp32 reference (the gate,
+at most half the rule's allowance); then the rung's timing samples, and at the last rung
+the wall-time figure too. Whatever the candidate raises becomes a "failed" result naming
+the exception; a CUDA error that poisons the context makes the worker exit after
+reporting, so the sweep starts a fresh one.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import faulthandler
 import gc
 import multiprocessing as mp
 import os
-import statistics
+import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,40 +33,77 @@ from mla_tune.core import Shape, Variant
 from mla_tune.procs import die_with_parent
 
 GATE_MARGIN = 0.5  # the gate demands at most half the rule's allowance (PROBLEM.md)
-CPU_PROTOCOL = {
-    "name": "cpu-wall-clock",
-    "statistic": "median of time.perf_counter samples around each call",
-    "note": "no GPU: a stand-in for tests, not the leaderboard protocol",
-}
 _POISON_MARKERS = ("CUDA error", "illegal memory access", "HIP error", "device-side assert")
+
+
+# ----------------------------------------------------------------------- messages
+@dataclass(frozen=True)
+class Step:
+    """Run `variant` on `shape`: the gate when `gate`, then `samples` timing samples, and
+    `wall_samples` wall-time samples when it is the candidate's last rung."""
+
+    shape: Shape
+    variant: str
+    rung: int
+    samples: int
+    wall_samples: int
+    gate: bool
+    rule: problem.Rule
+    check_seeds: tuple[int, ...]
+    calibration_seeds: tuple[int, ...]
+    calibration: dict | None = None  # the config's q calibration source (mla_tune.calibration)
+
+
+@dataclass(frozen=True)
+class MeasureBandwidth:
+    pass
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+@dataclass(frozen=True)
+class Ready:
+    platform: gpu.Platform
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    gbps: float | None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step found; also the sweep's own verdict when the worker could not answer
+    (crashed, timeout). `variant` is the variant as built (fp8_static gains its q_amax)."""
+
+    variant: str
+    status: str = "failed"
+    reason: str = ""
+    checks: tuple = ()
+    time: dict | None = None
+    wall: dict | None = None
+    calibration: dict | None = None
+    stderr_tail: str | None = None
+    restart_worker: bool = False
+
+    def fields(self) -> dict:
+        """The record fields (results-file format) this result contributes."""
+        v = Variant.parse(self.variant)
+        out = {
+            "variant": self.variant, "backend": v.backend, "params": v.p, "status": self.status,
+            "reason": self.reason, "checks": list(self.checks), "time": self.time,
+            "wall": self.wall, "calibration": self.calibration,
+        }
+        if self.stderr_tail is not None:
+            out["stderr_tail"] = self.stderr_tail
+        return out
 
 
 def device_for(index: int, has_gpu: bool) -> torch.device:
     return torch.device(f"cuda:{index}") if has_gpu else torch.device("cpu")
-
-
-# ------------------------------------------------------------------------- timers
-def _timing_of(samples: list[float]) -> timing.Timing:
-    ordered = sorted(samples)
-    n = len(ordered)
-    return timing.Timing(
-        median_us=statistics.median(ordered),
-        p10_us=ordered[int(0.1 * (n - 1))],
-        p90_us=ordered[int(round(0.9 * (n - 1)))],
-        samples=n,
-    )
-
-
-def cpu_time(fn, reps: int, warmup: int = 1) -> timing.Timing:
-    """Wall-clock microseconds per call on the CPU (the stand-in when there is no GPU)."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e6)
-    return _timing_of(samples)
 
 
 def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 10) -> float:
@@ -91,7 +128,7 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: in
 class ShapeState:
     """Inputs and references for one shape on one device, shared by all its candidates."""
 
-    def __init__(self, shape: Shape, check_seeds: list[int], calibration_seeds: list[int], device):
+    def __init__(self, shape: Shape, check_seeds, calibration_seeds, device):
         self.shape = shape
         self.device = device
         self.calibration_seeds = list(calibration_seeds)
@@ -131,73 +168,60 @@ def _poisons_context(exc: BaseException) -> bool:
     return type(exc).__name__ == "AcceleratorError" or any(m in text for m in _POISON_MARKERS)
 
 
-def run_candidate(payload: dict, state: ShapeState | None, device, has_gpu: bool):
-    """One candidate end to end; returns (record fields, the shape state to keep)."""
-    shape = Shape(payload["shape"]["batch"], payload["shape"]["kv_len"])
-    variant = Variant.parse(payload["variant"])
-    record = {
-        "variant": str(variant), "backend": variant.backend, "params": variant.p,
-        "status": "failed", "reason": "", "checks": [], "time": None, "wall": None,
-        "calibration": None,
-    }
-    if state is None or state.shape != shape:
+def _gate(runner, state: ShapeState, rule: problem.Rule) -> tuple[list[dict], list[str]]:
+    checks, failures = [], []
+    for seed, data, ref in state.seeds:
+        out = runner(*data[:4]).clone()  # the runner reuses its output buffer
+        result = problem.check(out, ref, rule, margin=GATE_MARGIN)
+        checks.append({
+            "seed": seed, "mismatch": result.mismatch,
+            "max_abs_err": result.max_abs_err if result.max_abs_err != float("inf") else None,
+            "passed": result.passed,
+        })
+        if not result.passed:
+            failures.append(f"seed {seed}: {result.reason}")
+    return checks, failures
+
+
+def run_step(step: Step, state: ShapeState | None, device, has_gpu: bool):
+    """One candidate at one rung; returns (StepResult, the shape state to keep)."""
+    variant = Variant.parse(step.variant)
+    if state is None or state.shape != step.shape:
         _release(state)
         state = None
         try:
-            state = ShapeState(shape, payload["check_seeds"], payload["calibration_seeds"], device)
+            state = ShapeState(step.shape, step.check_seeds, step.calibration_seeds, device)
         except Exception as exc:  # recorded: the candidate cannot be judged without inputs
-            record["reason"] = f"setting up inputs for {shape} failed: {_error_text(exc)}"
-            record["restart_worker"] = _poisons_context(exc)
             _release(None)
-            return record, None
-    rule = problem.Rule(**payload["rule"])
+            return StepResult(step.variant, reason=f"setting up inputs for {step.shape} failed: "
+                              f"{_error_text(exc)}", restart_worker=_poisons_context(exc)), None
+    calibration, checks = None, []
     try:
-        if variant.get("q") == "fp8_static":
-            record["calibration"] = state.calibration(payload.get("calibration"))
-            variant = variant.with_params(q_amax=record["calibration"]["q_amax"])
-            record.update(variant=str(variant), params=variant.p)
-        runner = get_backend(variant.backend).build(variant, shape, device)
-        failures = []
-        for seed, data, ref in state.seeds:
-            out = runner(*data[:4]).clone()  # the runner reuses its output buffer
-            result = problem.check(out, ref, rule, margin=GATE_MARGIN)
-            record["checks"].append({
-                "seed": seed, "mismatch": result.mismatch,
-                "max_abs_err": result.max_abs_err if result.max_abs_err != float("inf") else None,
-                "passed": result.passed,
-            })
-            if not result.passed:
-                failures.append(f"seed {seed}: {result.reason}")
-        if failures:
-            record.update(status="rejected", reason="; ".join(failures))
-            return record, state
+        if variant.get("q") == "fp8_static" and variant.get("q_amax") is None:
+            calibration = state.calibration(step.calibration)
+            variant = variant.with_params(q_amax=calibration["q_amax"])
+        runner = get_backend(variant.backend).build(variant, step.shape, device)
+        if step.gate:
+            checks, failures = _gate(runner, state, step.rule)
+            if failures:
+                return StepResult(str(variant), "rejected", "; ".join(failures), tuple(checks),
+                                  calibration=calibration), state
         q, kv_data, qo_indptr, kv_indptr, _ = state.seeds[0][1]
 
         def call():
             return runner(q, kv_data, qo_indptr, kv_indptr)
 
-        timer = timing.time_call if has_gpu else cpu_time
-        quick = timer(call, reps=payload["prune_reps"])
-        threshold = payload.get("prune_threshold_us")
-        if threshold is not None and quick.median_us > threshold:
-            record.update(
-                status="pruned", time=quick.as_dict(),
-                reason=f"quick median {quick.median_us:.1f} us > {threshold:.1f} us "
-                f"(prune_factor x best so far)",
-            )
-            return record, state
-        full = timer(call, reps=payload["reps"])
-        wall = timing.wall_time(call, reps=payload["wall_reps"]) if has_gpu else cpu_time(
-            call, reps=payload["wall_reps"]
-        )
-        record.update(status="ok", time=full.as_dict(), wall=wall.as_dict())
+        timer, wall_timer = timing.timers(has_gpu)
+        measured = timer(call, reps=step.samples)
+        wall = wall_timer(call, reps=step.wall_samples) if step.wall_samples else None
+        return StepResult(str(variant), "ok", "", tuple(checks), measured.as_dict(),
+                          wall.as_dict() if wall else None, calibration), state
     except Exception as exc:  # recorded as "failed" with the exception's type and message
-        record.update(status="failed", reason=_error_text(exc))
-        record["restart_worker"] = _poisons_context(exc)
         if type(exc).__name__ == "OutOfMemoryError":
             gc.collect()
             torch.cuda.empty_cache()
-    return record, state
+        return StepResult(str(variant), "failed", _error_text(exc), tuple(checks),
+                          calibration=calibration, restart_worker=_poisons_context(exc)), state
 
 
 # ---------------------------------------------------------------------- the process
@@ -212,31 +236,34 @@ def _redirect_output(log_path: str) -> None:
 def worker_main(device_index: int, conn, log_path: str) -> None:
     die_with_parent()  # no orphan when the sweep is killed with -9
     _redirect_output(log_path)
+    # Ctrl-C reaches the whole process group: the sweep, not its workers, decides what
+    # an interrupt means (it stops them and keeps what was recorded).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     print(f"[mla-tune worker pid {os.getpid()} device {device_index}]", flush=True)
     has_gpu = torch.cuda.is_available()
     if has_gpu:
         torch.cuda.set_device(device_index)
     platform = gpu.detect(device_index if has_gpu else None)
     device = device_for(device_index, has_gpu)
-    conn.send(("ready", dataclasses.asdict(platform)))
+    conn.send(Ready(platform))
     state = None
     while True:
         try:
             message = conn.recv()
         except EOFError:  # the sweep is gone (killed): nobody left to report to
             return
-        if message[0] == "stop":
+        if isinstance(message, Stop):
             return
-        if message[0] == "bandwidth":
-            conn.send(("bandwidth", measure_copy_bandwidth(device) if has_gpu else None))
-        elif message[0] == "candidate":
-            record, state = run_candidate(message[1], state, device, has_gpu)
-            conn.send(("result", record))
-            if record.get("restart_worker"):
-                print(f"exiting after a context-poisoning error: {record['reason']}", flush=True)
+        if isinstance(message, MeasureBandwidth):
+            conn.send(Bandwidth(measure_copy_bandwidth(device) if has_gpu else None))
+        elif isinstance(message, Step):
+            result, state = run_step(message, state, device, has_gpu)
+            conn.send(result)
+            if result.restart_worker:
+                print(f"exiting after a context-poisoning error: {result.reason}", flush=True)
                 os._exit(3)  # skip CUDA teardown on a broken context
         else:
-            raise ValueError(f"worker got an unknown message {message[0]!r}")
+            raise ValueError(f"worker got an unknown message {message!r}")
 
 
 def _probe(device_index: int) -> gpu.Platform:
@@ -270,6 +297,16 @@ class WorkerGone(RuntimeError):
         super().__init__(f"worker exited ({exitcode})")
         self.exitcode = exitcode
         self.tail = tail
+
+
+def signal_name(code: int | None) -> str:
+    """How a worker ended, in words: 'SIGSEGV', 'exit code 139'."""
+    if code is not None and code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
 
 
 class WorkerTimeout(RuntimeError):
@@ -311,12 +348,12 @@ class WorkerHandle:
         self._conn = parent
 
     def wait_ready(self) -> None:
-        kind, payload = self._receive(self.START_TIMEOUT_S)
-        if kind != "ready":
-            raise RuntimeError(f"worker {self.device} greeted with {kind!r}, not 'ready'")
-        self.platform = gpu.Platform(**payload)
+        message = self._receive(self.START_TIMEOUT_S)
+        if not isinstance(message, Ready):
+            raise RuntimeError(f"worker {self.device} greeted with {message!r}, not Ready")
+        self.platform = message.platform
 
-    def request(self, message: tuple, timeout_s: float) -> tuple:
+    def request(self, message, timeout_s: float):
         """Send one message and wait for the answer; raises WorkerGone or WorkerTimeout."""
         if not self.alive:
             self.reap()
@@ -324,11 +361,11 @@ class WorkerHandle:
         self._offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         try:
             self._conn.send(message)
-        except (BrokenPipeError, ConnectionResetError, OSError):
+        except OSError:
             pass  # it died between candidates: _receive reports how
         return self._receive(timeout_s)
 
-    def _receive(self, timeout_s: float) -> tuple:
+    def _receive(self, timeout_s: float):
         deadline = time.monotonic() + timeout_s
         proc, conn = self._proc, self._conn
         while True:
@@ -349,7 +386,7 @@ class WorkerHandle:
         raise WorkerGone(code, log_tail(self.log_path, self._offset))
 
     def bandwidth(self) -> float | None:
-        return self.request(("bandwidth",), 300.0)[1]
+        return self.request(MeasureBandwidth(), 300.0).gbps
 
     def wait_exit(self, timeout_s: float = 30.0) -> None:
         """Let a worker that announced its exit finish exiting, so the next candidate
@@ -372,8 +409,8 @@ class WorkerHandle:
     def stop(self) -> None:
         if self.alive:
             try:
-                self._conn.send(("stop",))
+                self._conn.send(Stop())
                 self._proc.join(10)
-            except (BrokenPipeError, OSError):
+            except OSError:
                 pass
         self.reap()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from rich.console import Console
 
 from mla_tune import problem
@@ -115,7 +116,13 @@ def test_every_outcome_is_recorded_with_its_status_and_a_reason(tiny_sweep):
         (2, "fake_crash"): "crashed", (2, "fake_hang"): "timeout",
         (1, "fake_poison"): "failed",
     }
-    assert summary.counts == {"ok": 4, "rejected": 2, "failed": 3, "crashed": 1, "timeout": 1, "pruned": 4}
+    # rungs [2, 3] (the timing's defaults): of 4 timed per shape the best 3 (min_keep) and
+    # the baseline go on; a cut fake_ok is "pruned" with its rung-0 time
+    fake_ok = [r for r in records if r["backend"] == "fake_ok"]
+    assert len(fake_ok) == 6 and {r["status"] for r in fake_ok} <= {"ok", "pruned"}
+    n_pruned = sum(r["status"] == "pruned" for r in fake_ok)
+    assert summary.counts == {"ok": 8 - n_pruned, "rejected": 2, "failed": 3, "crashed": 1, "timeout": 1,
+                              "pruned": n_pruned}
     for r in records:
         assert (r["reason"] == "") == (r["status"] == "ok"), r
         assert r["device"] == 0 and r["elapsed_s"] >= 0
@@ -131,9 +138,9 @@ def test_every_outcome_is_recorded_with_its_status_and_a_reason(tiny_sweep):
     # the poisoned worker left, and the candidates after it ran on a fresh one
     log = (summary.results_path.parent / "cpu.worker0.log").read_text()
     assert "exiting after a context-poisoning error" in log
-    after = [r for r in records if r["shape"]["batch"] == 1][-2:]
-    assert [r["backend"] for r in after] == ["fake_wrong", "fake_raise"]
-    assert [r["status"] for r in after] == ["rejected", "failed"]
+    at_rung0 = [r for r in records if r["shape"]["batch"] == 1 and r["rung"] == 0 and r["status"] != "pruned"]
+    assert [(r["backend"], r["status"]) for r in at_rung0] == [
+        ("fake_poison", "failed"), ("fake_wrong", "rejected"), ("fake_raise", "failed")]
 
 
 def test_ok_candidates_pass_every_seed_and_the_fastest_wins_each_shape(tiny_sweep):
@@ -146,9 +153,10 @@ def test_ok_candidates_pass_every_seed_and_the_fastest_wins_each_shape(tiny_swee
     fast = "fake_ok(delay_us=20000,fast_for_batch={},kv=fp8,q=bf16)"
     assert summary.winners["2x17"]["variant"] == fast.format(2)
     assert summary.winners["1x33"]["variant"] == fast.format(1)
-    # the slow fake_ok variants were hopeless against the fast one: pruned, quick time kept
+    # what a rung cut was slow against the fast one: pruned, its rung-0 time kept
     pruned = [r for r in records if r["status"] == "pruned"]
-    assert {r["backend"] for r in pruned} == {"fake_ok"} and all(r["time"]["median_us"] > 15000 for r in pruned)
+    assert {r["backend"] for r in pruned} <= {"fake_ok"} and all(r["time"]["median_us"] > 15000 for r in pruned)
+    assert all(r["rung"] == 0 and "not among the" in r["reason"] for r in pruned)
     assert "sweep summary" in text and fast.format(2) in text
     assert summary.table_path.exists()
 
@@ -280,7 +288,7 @@ def test_compile_stand_ins_keep_each_dimension_in_its_triton_specialization_clas
 
 
 # --------------------------------------------------------------- multi device, budget
-def test_two_devices_share_the_shapes_and_a_small_budget_cuts_timing_reps(tmp_path):
+def test_two_devices_share_the_shapes_and_an_impossible_budget_keeps_the_baseline(tmp_path):
     console, buf = capture()
     summary = run_sweep(BUDGET, "H200", out=tmp_path / "H200.yaml", devices=[0, 1], force=True,
                         console=console)
@@ -290,21 +298,36 @@ def test_two_devices_share_the_shapes_and_a_small_budget_cuts_timing_reps(tmp_pa
     assert {r["device"] for r in records} == {0, 1}
     for shape in ({"batch": b, "kv_len": n} for b, n in ((1, 17), (2, 17), (3, 9), (4, 5))):
         assert len({r["device"] for r in records if r["shape"] == shape}) == 1  # one device per shape
-    assert len(records) == 20 and len(by_key(records)) == 20
-    assert "timing reps cut from 8 to 3" in buf.getvalue() and summary.notes
-    notes = [json.loads(line) for line in summary.results_path.read_text().splitlines()
-             if '"kind": "note"' in line]
-    assert len(notes) == 1 and notes[0]["timing_reps"] == 3 and "budget" in notes[0]["budget"]
-    reduced = [r for r in records if r["budget_reduced"]]
-    assert reduced and all(r["timing_reps"] == 3 for r in reduced)
-    assert any(r["timing_reps"] == 8 and not r["budget_reduced"] for r in records)
-    assert all(r["time"]["samples"] == 3 for r in reduced if r["status"] == "ok")
-    assert all(len(r["checks"]) == 2 for r in reduced if r["status"] != "failed")  # gate in full
+    # budget_s 0.001: the samples go to the floor, then each family keeps one candidate, and
+    # the clock lets nothing but the baseline start; every shape still gets a winner
+    search = header["search"]
+    assert search["configured_rungs"] == [2, 3, 8] and search["rungs"] == [2, 3, 5]
+    assert not search["fits"] and any("dropped to fit the budget" in n for n in search["notes"])
+    assert all(len(v) == 3 for v in search["dropped"].values())  # 4 fake_ok, one family: 1 kept
+    assert "dropped to fit the budget" in buf.getvalue()
+    assert {r["backend"] for r in records} == {"torch"} and len(records) == 4
+    assert all(r["time"]["samples"] == 5 and r["budget_reduced"] for r in records)
+    assert all(len(r["checks"]) == 2 for r in records)  # the gate in full
     assert set(summary.winners) == {"1x17", "2x17", "3x9", "4x5"}
+    table = yaml.safe_load(summary.table_path.read_text())
+    assert all(row["candidates"]["dropped"] == 3 for row in table["rows"])
 
 
 # ----------------------------------------------------------------------------- resume
-def test_a_sweep_killed_midway_resumes_without_running_anything_twice(tmp_path):
+def _lines(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_bytes().split(b"\n")[1:]:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+@pytest.mark.parametrize("kill_when", ["mid rung 0", "mid rung 1"])
+def test_a_sweep_killed_mid_rung_resumes_without_running_any_step_twice(tmp_path, kill_when):
     out = tmp_path / "cpu.yaml"
     results = tmp_path / "cpu.results.jsonl"
     script = (
@@ -315,60 +338,59 @@ def test_a_sweep_killed_midway_resumes_without_running_anything_twice(tmp_path):
     env = {**os.environ, EXTRA_BACKENDS_ENV: EXTRA_BACKENDS, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-c", script, str(RESUME), str(out)], cwd=REPO,
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def ready(lines):
+        if kill_when == "mid rung 0":
+            return len(lines) >= 2
+        rung = [i for i, r in enumerate(lines) if r["kind"] == "rung"]
+        return bool(rung) and len(lines) > rung[0] + 2  # a cut recorded and a rung-1 step done
+
     deadline = time.monotonic() + 120
-    while count_candidates(results) < 3:
+    while not ready(_lines(results)):
         if proc.poll() is not None:
             pytest.fail(f"the sweep ended before it was killed: {proc.stderr.read().decode()[-2000:]}")
         assert time.monotonic() < deadline, "the sweep wrote too few records in 120 s"
-        time.sleep(0.02)
+        time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     proc.stderr.close()
     killed_at = results.read_bytes()
     kept = killed_at[: killed_at.rfind(b"\n") + 1]
-    n_before = count_candidates(results)
-    assert 3 <= n_before < 8, "the kill did not land midway"
+    before = _lines(results)
+    assert sum(r["kind"] == "candidate" and r["status"] == "ok" and r["rung"] == 1 for r in before) < 8
     assert (tmp_path / "cpu.yaml.lock").exists()  # left by the killed sweep
     with open(results, "ab") as f:  # as if it had died in the middle of a write
-        f.write(b'{"kind": "candidate", "shape": {"ba')
+        f.write(b'{"kind": "step", "shape": {"ba')
 
     console, buf = capture()
     summary = run_sweep(RESUME, "cpu", out=out, console=console)
     text = buf.getvalue()
     assert "stale lock" in text and "truncated last line" in text
-    assert f"{n_before} already recorded, {8 - n_before} to run" in text
-    header, records, warnings = read_results(results)
-    assert not warnings
+    n_final = sum(r["kind"] == "candidate" for r in before)
+    assert f"{n_final} already recorded" in text
     assert results.read_bytes().startswith(kept)  # what was recorded stays as it was
-    keys = [candidate_key(r["shape"], r["variant"]) for r in records]
-    assert len(keys) == len(set(keys)) == 8
-    assert sum(summary.counts.values()) == 8 - n_before
+    lines = _lines(results)
+    steps = [(r["kind"], r["rung"], *candidate_key(r["shape"], r["variant"])) for r in lines if r["kind"] == "step"]
+    assert len(steps) == len(set(steps))  # no step ran twice
+    decisions = [(r["shape"]["batch"], r["rung"]) for r in lines if r["kind"] == "rung"]
+    assert sorted(decisions) == [(1, 0), (2, 0)]
+    finals = [candidate_key(r["shape"], r["variant"]) for r in lines if r["kind"] == "candidate"]
+    assert len(finals) == len(set(finals)) == 8  # each candidate ends exactly once
+    assert sum(r["kind"] == "step" for r in lines) == 8  # each passed rung 0 once
     assert set(summary.winners) == {"2x17", "1x33"}
     assert not (tmp_path / "cpu.yaml.lock").exists()
 
 
-def test_budget_projects_with_the_median_so_a_one_off_compile_does_not_cut_reps():
-    """One slow first candidate (a vendor JIT compile) must not make the projection cut reps:
-    the first H200 sweep, projecting with the mean, cut 30 reps to 3 and ended at 181 s of 540."""
-    import io
-    import time as _time
+def test_a_first_call_jit_goes_to_first_s_and_leaves_the_usual_cost_alone():
+    from mla_tune.sweep_schedule import BackendCost, CostModel
 
-    from rich.console import Console
-
-    from mla_tune.config import load_config
-    from mla_tune.sweep import Budget
-
-    config = load_config(REPO / "configs" / "leaderboard.yaml")
-    budget = Budget(config, _time.monotonic(), 400, Console(file=io.StringIO()))
-    budget.note_done(60.0)  # the JIT
-    for _ in range(39):
-        budget.note_done(0.2)
-    assert budget.reps == config.timing.reps and not budget.reduced
-    # ...while a sweep that really runs long is cut
-    slow = Budget(config, _time.monotonic(), 400, Console(file=io.StringIO()))
-    for _ in range(10):
-        slow.note_done(5.0)
-    assert slow.reduced and slow.reps < config.timing.reps
+    model = CostModel({"*": BackendCost(0.01, 0.005, 0.0, 0.0)}, "test")
+    model.observe("flashinfer", 0, 5, 18.0, first_call=True)  # the JIT
+    for _ in range(5):
+        model.observe("flashinfer", 0, 5, 0.02, first_call=False)
+    model.observe("flashinfer", 0, 5, 16.0, first_call=True)
+    cost = model.cost("flashinfer")
+    assert cost.rung0_s == pytest.approx(0.02) and cost.first_s == pytest.approx(17.0, abs=0.1)
 
 
 def test_an_out_of_memory_candidate_costs_only_itself(tmp_path):

@@ -35,6 +35,10 @@ Optional members (absent: the defaults in brackets):
         [compile_pool.default_compile_shape]
     def warmup(variant, shape, device, inputs) -> None
         Warm its caches for `variant` at `shape`. [build, then call once on `inputs`]
+    def dedupe_key(variant, shape, platform) -> Hashable
+        Two candidates of one shape with equal keys run the same kernel (an option the
+        compiler ignores on this platform, a cap that gives the same metadata): the sweep
+        keeps the first offered and drops the rest. [the variant itself]
 
 Every variant carries the parameters `kv` (the KV format it reads: bf16, fp8, mxfp4) and
 `q` (bf16, fp8_dynamic, fp8_static), so the runtime checks its inputs generically.
@@ -79,6 +83,12 @@ def _modules() -> dict[str, str]:
 
 def known_backends() -> list[str]:
     return list(_modules())
+
+
+def dedupe_key(backend: ModuleType, variant, shape, platform):
+    """The backend's `dedupe_key` hook for this candidate, or the variant itself."""
+    hook = getattr(backend, "dedupe_key", None)
+    return variant if hook is None else (variant.backend, hook(variant, shape, platform))
 
 
 def get_backend(name: str) -> ModuleType:

@@ -1,0 +1,261 @@
+"""The budgeted search: successive halving, dedupe, the plan's fit to budget_s, the dry run's
+per-rung plan, a sweep that ends within its budget, progress lines, Ctrl-C and resume."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from mla_tune import gpu as gpu_mod
+from mla_tune.backends import EXTRA_BACKENDS_ENV
+from mla_tune.config import config_from_dict, load_config
+from mla_tune.core import Shape, Variant
+from mla_tune.results import candidate_key, read_results
+from mla_tune.sweep import SweepError, plan_candidates, run_sweep
+from mla_tune.sweep_schedule import DEFAULT_COSTS, CostModel, fit_plan
+from mla_tune.sweep_search import Timed, promote
+from tests.fakes import EXTRA_BACKENDS, ensure_table_module
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "tests" / "data"
+BACKENDS = EXTRA_BACKENDS + ",fake_dup=tests.fakes.fake_dup"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fake_backends():
+    old = os.environ.get(EXTRA_BACKENDS_ENV)
+    os.environ[EXTRA_BACKENDS_ENV] = BACKENDS
+    ensure_table_module()
+    yield
+    if old is None:
+        os.environ.pop(EXTRA_BACKENDS_ENV, None)
+    else:
+        os.environ[EXTRA_BACKENDS_ENV] = old
+
+
+def capture() -> tuple[Console, io.StringIO]:
+    buf = io.StringIO()
+    return Console(file=buf, width=250), buf
+
+
+# ---------------------------------------------------------------------- halving
+def test_promote_keeps_the_best_fraction_each_backends_best_and_the_baseline():
+    timed = [Timed(f"triton(n={i})", "triton", 10.0 + i) for i in range(12)]
+    timed += [Timed("flashinfer(k=a)", "flashinfer", 30.0), Timed("flashinfer(k=b)", "flashinfer", 31.0),
+              Timed("torch(kv=bf16)", "torch", 90.0)]
+    order, cut, n_must = promote(timed, keep=0.25, min_keep=3, baseline="torch")
+    assert order[:2] == ["torch(kv=bf16)", "triton(n=0)"] and n_must == 2
+    # ceil(0.25 * 15) = 4 best, plus flashinfer's best, plus the baseline
+    assert set(order) == {"torch(kv=bf16)", "flashinfer(k=a)"} | {f"triton(n={i})" for i in range(4)}
+    assert "flashinfer(k=b)" in cut and len(cut) + len(order) == 15
+    few = promote(timed[:2], keep=0.25, min_keep=3, baseline="torch")
+    assert len(few[0]) == 2 and few[1] == []  # never fewer than min_keep, never more than there are
+
+
+def test_dedupe_hook_collapses_candidates_the_backend_calls_the_same_kernel():
+    config = config_from_dict({
+        "name": "dup", "rule": "leaderboard", "check_seeds": [1, 2], "calibration_seeds": [3],
+        "timing": {"reps": 3, "prune_reps": 2, "prune_factor": 2}, "shapes": [{"batch": 2, "kv_len": 17}],
+        "backends": {"torch": {}, "fake_dup": {"num_splits": [1, 2, 4], "ignored": [0, 1, 2]}},
+    })
+    planned = plan_candidates(config, gpu_mod.fake_platform("H200"))
+    variants = planned.plan[Shape(2, 17)]
+    dup = [v for v in variants if v.backend == "fake_dup"]
+    assert [(v.get("num_splits"), v.get("ignored")) for v in dup] == [(1, 0), (2, 0), (4, 0)]
+    assert planned.duplicates == 6 and len(variants) == 4
+
+
+# ------------------------------------------------------------------ plan fitting
+def _plan(n_triton: int) -> dict[Shape, list[Variant]]:
+    plan = {}
+    for shape in (Shape(4, 1024), Shape(64, 8192)):
+        plan[shape] = [Variant.make("torch", kv="bf16", q="bf16")]
+        plan[shape] += [Variant.make("triton", kv="fp8", q="bf16", num_splits=i) for i in range(n_triton)]
+        plan[shape] += [Variant.make("triton", kv="bf16", q="bf16", num_splits=i) for i in range(3)]
+        plan[shape] += [Variant.make("flashinfer", kv="bf16", q="bf16", kernel="fa3")]
+    return plan
+
+
+def test_a_budget_too_small_cuts_samples_then_candidates_keeping_baseline_and_families():
+    costs = CostModel(dict(DEFAULT_COSTS), "defaults")
+    args = dict(keep=0.25, min_keep=3, costs=costs, n_devices=1, precompile={"triton": True},
+                processes=4)
+    roomy = fit_plan(_plan(200), (5, 12, 30), budget_s=10_000, **args)
+    assert roomy.rungs == (5, 12, 30) and not roomy.dropped and roomy.fits
+    tight = fit_plan(_plan(200), (5, 12, 30), budget_s=120, **args)
+    again = fit_plan(_plan(200), (5, 12, 30), budget_s=120, **args)
+    assert tight.fits and tight.estimate.seconds <= 120
+    assert tight.plan == again.plan  # deterministic: a seeded subsample
+    for shape, variants in tight.plan.items():
+        backends = [(v.backend, v.get("kv")) for v in variants]
+        assert ("torch", "bf16") in backends and ("flashinfer", "bf16") in backends
+        assert ("triton", "fp8") in backends and ("triton", "bf16") in backends  # every family kept
+        # the largest family (200 fp8 triton) pays for the cut; the small one keeps all three
+        assert sum(b == ("triton", "bf16") for b in backends) == 3
+        assert len(tight.dropped[shape]) == 205 - len(variants)
+    assert any("dropped to fit the budget" in n for n in tight.notes)
+
+
+def test_measured_costs_from_the_h200_results_file_give_a_basis_and_a_jit_cost():
+    from mla_tune.sweep_schedule import measured_costs
+
+    costs, n = measured_costs(REPO / "tables" / "H200.results.jsonl")
+    assert n > 500
+    assert costs["flashinfer"].first_s > 5  # FlashInfer's JIT, once per variant and class
+    assert 0 < costs["triton"].rung0_s < 0.1
+
+
+# ---------------------------------------------------------------------- dry run
+def test_the_dry_run_prints_candidates_per_rung_and_an_estimate_with_its_basis(tmp_path):
+    console, buf = capture()
+    summary = run_sweep(REPO / "configs" / "leaderboard.yaml", "H200", out=tmp_path / "H200.yaml",
+                        dry_run=True, console=console)
+    text = buf.getvalue()
+    assert "search: rungs [5, 12, 30] samples" in text
+    n0, n1, n2 = summary.rung_plan["256x8192"]
+    assert n0 > n1 > n2 >= 3 and f"per rung {n0} -> {n1} -> {n2}" in text
+    assert re.search(r"estimated \d+ s: start \d+ s, compile \d+ s, first calls \d+ s, candidates \d+ s; "
+                     r"fits the budget of 540 s", text)
+    # the committed results of this GPU give the basis when nothing sits beside --out
+    assert "estimate basis: measured from tables/H200.results.jsonl" in text
+    # an earlier results file beside the table comes first
+    shutil.copy(REPO / "tables" / "H200.results.jsonl", tmp_path / "H200.results.jsonl")
+    console, buf = capture()
+    run_sweep(REPO / "configs" / "leaderboard.yaml", "H200", out=tmp_path / "H200.yaml", dry_run=True,
+              console=console)
+    assert f"estimate basis: measured from {tmp_path / 'H200.results.jsonl'}" in buf.getvalue()
+
+
+def test_the_mi355x_dry_run_plans_within_its_budget():
+    console, buf = capture()
+    summary = run_sweep(REPO / "configs" / "mi355x.yaml", "MI355X", out=Path("/nonexistent/MI355X.yaml"),
+                        dry_run=True, console=console)
+    budget = load_config(REPO / "configs" / "mi355x.yaml").budget_s
+    assert summary.estimate_s <= budget
+    assert f"fits the budget of {budget:.0f} s" in buf.getvalue()
+    assert "estimate basis: defaults" in buf.getvalue()  # no MI355X results anywhere yet
+
+
+# ------------------------------------------------------------- the budget, for real
+@pytest.fixture(scope="module")
+def budget_sweep(tmp_path_factory):
+    out = tmp_path_factory.mktemp("budget") / "cpu.yaml"
+    console, buf = capture()
+    t0 = time.monotonic()
+    summary = run_sweep(DATA / "sweep_search_budget.yaml", "cpu", out=out, console=console)
+    return summary, time.monotonic() - t0, buf.getvalue()
+
+
+def test_a_sweep_over_its_budget_cuts_candidates_and_ends_within_budget_plus_10_percent(budget_sweep):
+    summary, wall_s, _text = budget_sweep
+    budget = load_config(DATA / "sweep_search_budget.yaml").budget_s
+    assert wall_s <= 1.1 * budget, f"the sweep took {wall_s:.1f} s against a budget of {budget} s"
+    lines = [json.loads(x) for x in summary.results_path.read_text().splitlines()[1:]]
+    finals = [r for r in lines if r["kind"] == "candidate"]
+    decisions = [r for r in lines if r["kind"] == "rung"]
+    not_run = sum(len(d["skipped"]) for d in decisions) + sum(d["cut_budget"] for d in decisions)
+    assert not_run > 0  # the clock, not the plan, cut: the defaults said it fits
+    assert len(finals) < 2 * 21
+    assert set(summary.winners) == {"1x17", "2x17"}  # every shape still has a winner
+    assert {r["backend"] for r in finals if r["status"] == "ok"} >= {"torch"}
+    table = __import__("yaml").safe_load(summary.table_path.read_text())
+    for row in table["rows"]:
+        assert row["candidates"]["rung0"] >= row["candidates"]["rung1"] >= 1
+
+
+def test_without_a_terminal_the_sweep_prints_a_plain_line_per_shape_and_rung(budget_sweep):
+    _summary, _wall, text = budget_sweep
+    pattern = re.compile(r"^(1x17|2x17): rung [12]/2 done; \d+/\d+ candidates done; best [\d.]+ us \S+; "
+                         r"elapsed \d+ s, ETA \d+ s$", re.M)
+    assert {m.group(1) for m in pattern.finditer(text)} == {"1x17", "2x17"}
+    assert "\x1b[" not in text  # no terminal codes
+
+
+def test_the_next_dry_run_plans_from_the_measured_costs_and_cuts_ahead(budget_sweep):
+    summary, _wall, _text = budget_sweep
+    console, buf = capture()
+    dry = run_sweep(DATA / "sweep_search_budget.yaml", "cpu", out=summary.table_path, dry_run=True,
+                    console=console)
+    text = buf.getvalue()
+    assert f"estimate basis: measured from {summary.results_path}" in text
+    assert any("dropped to fit the budget" in n or "cut from" in n for n in dry.notes)
+
+
+# --------------------------------------------------------------- refusal, Ctrl-C
+def test_another_gpu_is_refused_from_its_name_before_any_worker_starts(monkeypatch, tmp_path):
+    from mla_tune import worker
+
+    monkeypatch.setattr(gpu_mod, "quick_device_name", lambda: "NVIDIA H200")
+
+    def no_worker(self):
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr(worker.WorkerHandle, "launch", no_worker)
+    with pytest.raises(SweepError, match=r"this machine has an NVIDIA H200 \(H200\), not MI355X"):
+        run_sweep(DATA / "sweep_torch.yaml", "MI355X", out=tmp_path / "MI355X.yaml", console=capture()[0])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_stops_the_workers_prints_how_to_resume_and_the_resumed_sweep_completes(tmp_path):
+    out = tmp_path / "cpu.yaml"
+    results = tmp_path / "cpu.results.jsonl"
+    config = DATA / "sweep_resume.yaml"
+    script = (
+        "import sys; from pathlib import Path; from tests.fakes import ensure_table_module; "
+        "ensure_table_module(); from mla_tune.sweep import run_sweep, SweepInterrupted\n"
+        "try:\n    run_sweep(sys.argv[1], 'cpu', out=Path(sys.argv[2]))\n"
+        "except SweepInterrupted:\n    sys.exit(130)\n"
+    )
+    env = {**os.environ, EXTRA_BACKENDS_ENV: BACKENDS, "PYTHONPATH": str(REPO), "COLUMNS": "400"}
+    proc = subprocess.Popen([sys.executable, "-c", script, str(config), str(out)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while not results.exists() or len(results.read_bytes().splitlines()) < 3:  # mid rung 0
+        assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
+        assert time.monotonic() < deadline, "the sweep wrote too few records in 120 s"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    output = proc.communicate(timeout=60)[0].decode()
+    assert proc.returncode == 130, output
+    line = [x for x in output.splitlines() if x.startswith("interrupted:")]
+    assert len(line) == 1, output
+    assert f"kept in {results}" in line[0]
+    assert line[0].endswith(f"resume with: mla-tune sweep --gpu cpu --config {config} --out {out}")
+    assert "Traceback" not in output
+    assert not (tmp_path / "cpu.yaml.lock").exists()
+    log = (tmp_path / "cpu.worker0.log").read_text()
+    assert "KeyboardInterrupt" not in log  # the worker ignored it; the sweep stopped it
+    _header, before, warnings = read_results(results, kinds=("candidate", "step", "rung"))
+    assert not warnings and len(before) < 19
+
+    summary = run_sweep(config, "cpu", out=out, console=capture()[0])
+    _header, after, _ = read_results(results, kinds=("candidate", "step", "rung"))
+    steps = [(r["rung"], *candidate_key(r["shape"], r["variant"])) for r in after if r["kind"] == "step"]
+    assert len(steps) == len(set(steps)) == 8
+    finals = [candidate_key(r["shape"], r["variant"]) for r in after if r["kind"] == "candidate"]
+    assert len(finals) == len(set(finals)) == 8
+    assert set(summary.winners) == {"2x17", "1x33"}
+
+
+# ------------------------------------------------------------------ old results
+def test_an_old_results_file_without_rungs_still_builds_a_table():
+    from mla_tune.table import table_from_results
+
+    path = REPO / "tables" / "H200.results.jsonl"
+    header, records, _ = read_results(path)
+    config = load_config(REPO / "configs" / "leaderboard.yaml")
+    header = {**header, "config": {**header["config"], "hash": config.hash}}
+    table = table_from_results(header, records, config)
+    assert len(table["rows"]) == 8 and all(r["winner"] for r in table["rows"])
+    assert all("rung0" not in r["candidates"] and "dropped" not in r["candidates"] for r in table["rows"])
