@@ -4,6 +4,7 @@ refusal of generator-only calibration for serving configs."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -149,17 +150,19 @@ def test_a_serving_spec_without_a_source_fails_the_candidate_not_the_sweep():
 
 def test_the_worker_runs_fp8_static_with_the_configs_calibration_and_records_it():
     spec = config_from_dict(_raw(calibration={"q_amax": 40.0})).calibration
-    payload = {
-        "shape": {"batch": 1, "kv_len": 16},
-        "variant": "triton(block_n=16,dot_dtype=fp16,kv=bf16,num_splits=1,num_stages=1,num_warps=4,q=fp8_static)",
-        "check_seeds": [1, 2], "calibration_seeds": [11], "calibration": spec.as_dict(),
-        "rule": problem.RULES["leaderboard"].as_dict(), "reps": 1, "prune_reps": 1, "wall_reps": 1,
-        "prune_threshold_us": None,
-    }
-    record, _state = worker.run_candidate(payload, None, "cpu", has_gpu=False)
+    step = worker.Step(
+        Shape(1, 16),
+        "triton(block_n=16,dot_dtype=fp16,kv=bf16,num_splits=1,num_stages=1,num_warps=4,q=fp8_static)",
+        rung=0, samples=1, wall_samples=1, gate=True, rule=problem.RULES["leaderboard"],
+        check_seeds=(1, 2), calibration_seeds=(11,), calibration=spec.as_dict(),
+    )
+    result, _state = worker.run_step(step, None, "cpu", has_gpu=False)
+    record = result.fields()
     assert record["status"] == "ok", record["reason"]
     assert record["variant"].endswith("q=fp8_static,q_amax=40.0)")
     assert record["calibration"]["kind"] == "q_amax"
     serving = calibration.CalibrationSpec(purpose="serving", source=None).as_dict()
-    record, _state = worker.run_candidate({**payload, "calibration": serving}, None, "cpu", has_gpu=False)
+    result, _state = worker.run_step(dataclasses.replace(step, calibration=serving), None, "cpu",
+                                     has_gpu=False)
+    record = result.fields()
     assert record["status"] == "failed" and "from real q only" in record["reason"]
