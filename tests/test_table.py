@@ -288,6 +288,7 @@ BACKEND_CASES = {
     "aiter@MI300X": ("MI300X", {}),
     "flashinfer": ("H200", {}),
     "flashmla": ("H200", {}),
+    "gluon_fused": ("H200", {"v_path": ["ss16", "rs16", "rs8", "ss16a"], "block_n": [64, 128]}),
 }
 
 

@@ -55,6 +55,7 @@ from types import ModuleType
 BACKEND_MODULES = {
     "triton": "mla_tune.backends.triton_splitk",
     "triton_fused": "mla_tune.backends.triton_fused",
+    "gluon_fused": "mla_tune.backends.gluon_fused",
     "torch": "mla_tune.backends.torch_bmm",
     "aiter": "mla_tune.backends.aiter_mla",
     "flashinfer": "mla_tune.backends.flashinfer_mla",

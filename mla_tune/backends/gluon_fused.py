@@ -1,15 +1,16 @@
 """Backend `gluon_fused`: the Gluon decode of kernels/gluon_decode.py (issue 11), sm_90 only.
 
-Not yet in configs/leaderboard.yaml nor in backends.BACKEND_MODULES: it has compiled offline
-(Triton 3.6, sm_90a) but not run. To try it:
-MLA_TUNE_EXTRA_BACKENDS=gluon_fused=mla_tune.backends.gluon_fused.
+Registered in backends.BACKEND_MODULES and swept from configs/leaderboard.yaml; strict vs
+the reference on the H200 at the eight leaderboard shapes (docs/perf.md, "Issue 11").
 
 Variant parameters:
   kv          fp8              the KV format read (fp8 e4m3 with a per-tensor scale)
   q           fp8_dynamic      q quantized in the kernel, one scale per (sequence, head)
   block_n     64 | 128         tokens per tile (the MMA's M: wgmma needs a multiple of 64)
   num_stages  2..4             depth of the TMA ring; with the tile, bounded by shared memory
-  num_splits  >= 1             programs per sequence; > 1 adds a reduction launch
+  num_splits  1..256           programs per sequence; > 1 adds a reduction launch.
+                               candidates() keeps, per shape, those giving batch x num_splits
+                               programs in [sm_count / 8, 2 x sm_count] (see _gf_waves_reason)
   v_path      ss16 | rs16 | rs8 | ss16a  how V^T reaches the PV MMA (kernels/gluon_decode.py;
                                ss16a: four fp16 box buffers, asynchronous PV MMAs)
 """
@@ -21,6 +22,7 @@ import math
 import torch
 
 from mla_tune.core import (
+    PARAM_MAX_SPLITS,
     QK_DIM,
     SM_SCALE,
     V_DIM,
@@ -79,7 +81,7 @@ def validate(variant: Variant) -> None:
     check_param_choice(variant, "q", ("fp8_dynamic",))
     block_n = check_param_choice(variant, "block_n", _GF_BLOCK_N)
     stages = check_param_int(variant, "num_stages", minimum=2, maximum=4)
-    check_param_int(variant, "num_splits")
+    check_param_int(variant, "num_splits", maximum=PARAM_MAX_SPLITS)
     v_path = check_param_choice(variant, "v_path", tuple(GD_V_PATHS))
     smem = _gf_smem_bytes(block_n, stages, v_path)
     if smem > _GF_SMEM_LIMIT:
@@ -95,8 +97,30 @@ def _gf_reason(p: dict, shape: Shape) -> str | None:
     return None
 
 
+# The split counts candidates() offers: batch x num_splits programs from an eighth of the SMs
+# to two waves. On the H200 probe (docs/perf.md) the split count min(32, 128 // batch), about
+# one program per SM, beat triton_fused at 6 of 8 shapes; this window keeps a factor of ~8
+# below and 2 above it (4x8192: 8..32 splits; 32x: 1..8; 64x: 1..4; 256x: 1).
+_GF_MIN_FILL = 1 / 8
+_GF_MAX_WAVES = 2
+
+
+def _gf_waves_reason(num_splits: int, shape: Shape, sm_count: int) -> str | None:
+    """Why candidates() leaves this split count out at `shape` (None: it offers it). No
+    sm_count (a platform without SMs, the CPU): every split count with a tile is offered."""
+    if not sm_count or num_splits == 1 and shape.batch >= sm_count * _GF_MIN_FILL:
+        return None
+    programs = shape.batch * num_splits
+    if programs > _GF_MAX_WAVES * sm_count:
+        return f"{programs} programs, over {_GF_MAX_WAVES} waves of {sm_count} SMs"
+    if programs < _GF_MIN_FILL * sm_count:
+        return f"{programs} programs fill under {_GF_MIN_FILL:.0%} of {sm_count} SMs"
+    return None
+
+
 def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
     space = {**GF_DEFAULT_SPACE, **(space or {})}
+    sm_count = getattr(platform, "sm_count", 0) or 0
     unknown = set(space) - set(GF_DEFAULT_SPACE)
     require(not unknown, f"gluon_fused: unknown search-space keys {sorted(unknown)}")
     out: list[Variant] = []
@@ -105,7 +129,8 @@ def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
     def walk(i: int, chosen: dict) -> None:
         if i == len(keys):
             smem = _gf_smem_bytes(chosen["block_n"], chosen["num_stages"], chosen["v_path"])
-            if _gf_reason(chosen, shape) is None and smem <= _GF_SMEM_LIMIT:
+            if (_gf_reason(chosen, shape) is None and smem <= _GF_SMEM_LIMIT
+                    and _gf_waves_reason(chosen["num_splits"], shape, sm_count) is None):
                 out.append(Variant.make(NAME, **chosen))
             return
         for value in space[keys[i]]:
@@ -156,3 +181,18 @@ def build(variant: Variant, shape: Shape, device):
 
     run_gluon_fused.compiled = None
     return run_gluon_fused
+
+
+# Precompile (mla_tune/compile_pool.py): Triton compiles the Gluon kernel on first use.
+PRECOMPILE = True
+
+
+def compile_shape(variant: Variant, shape: Shape, sm_count: int | None) -> Shape:
+    """One sequence with a tile per split: every constexpr (BN, STAGES, V_PATH, SPLIT; the
+    reduction's NS) comes from the variant and num_splits is the same int argument, so this
+    compiles what `shape` runs (batch only sizes the grid, kv_len is read on the device)."""
+    return Shape(1, variant.p["num_splits"] * variant.p["block_n"])
+
+
+# The keys of its search-space section in a config (config.py refuses any other).
+SPACE_KEYS = tuple(GF_DEFAULT_SPACE)
