@@ -5,11 +5,13 @@
 #   bash scripts/gpu_acceptance.sh full     # on a FRESH machine: full leaderboard sweep, its export checked
 #   bash scripts/gpu_acceptance.sh budget   # budget_s 120 sweep, its export checked, strict short lengths
 #
-# Everything it makes goes to $OUT (or ./gpu_out): the table, its results file, the logs.
+# It works in /tmp/acceptance and copies what matters (the table, its results file, the logs,
+# at most 8 files: what the device tool brings back) to $OUT (or ./gpu_out).
 set -uo pipefail
 mode=${1:?usage: gpu_acceptance.sh full|budget}
-out=${OUT:-gpu_out}
-mkdir -p "$out"
+keep=${OUT:-gpu_out}
+out=/tmp/acceptance
+mkdir -p "$out" "$keep"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:. PATH=/tmp/site/bin:$PATH CUDA_HOME=/usr/local/cuda \
   FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 PYTHONUNBUFFERED=1
@@ -25,6 +27,8 @@ timed() {  # timed NAME CMD...: runs CMD, prints and records its wall seconds
 
 case $mode in
 full)
+  # issue 12: another GPU is refused from its name, before any worker starts
+  timed refuse-MI355X python3 -m mla_tune sweep --gpu MI355X --config configs/mi355x.yaml 2>&1 | tail -2
   python3 -m mla_tune sweep --gpu H200 --dry-run > "$out/dryrun.txt" 2>&1
   grep -i -E "estimat|budget|rung" "$out/dryrun.txt" | head -12
   timed sweep python3 -m mla_tune sweep --gpu H200 --fresh --out "$out/H200.yaml" > "$out/sweep.log" 2>&1
@@ -32,10 +36,15 @@ full)
   python3 -m mla_tune export --table "$out/H200.yaml" -o "$out/full.py"
   python3 scripts/check_submission.py "$out/full.py" --reps 30 2>&1 | tail -20
   COLUMNS=80 python3 -m mla_tune diff tables/H200.yaml "$out/H200.yaml"
+  COLUMNS=80 python3 -m mla_tune show --table "$out/H200.yaml" | awk 'length > 80' | wc -l
   ;;
 budget)
+  # the estimate comes from the last full sweep's measured costs (tables/H200.results.jsonl)
   sed 's/^budget_s: .*/budget_s: 120              # issue 8: the budget must hold for real/; s/^name: .*/name: leaderboard-budget120/' \
     configs/leaderboard.yaml > "$out/budget120.yaml"
+  python3 -m mla_tune sweep --gpu H200 --config "$out/budget120.yaml" --out "$out/H200.b120.yaml" \
+    --dry-run > "$out/dryrun120.txt" 2>&1
+  grep -i -E "estimat|budget" "$out/dryrun120.txt" | head -8
   timed sweep120 python3 -m mla_tune sweep --gpu H200 --config "$out/budget120.yaml" --fresh \
     --out "$out/H200.b120.yaml" > "$out/sweep120.log" 2>&1
   tail -25 "$out/sweep120.log"
@@ -47,3 +56,8 @@ budget)
   echo "unknown mode $mode (full | budget)"; exit 2 ;;
 esac
 cat "$out/walls.txt"
+for f in walls.txt dryrun.txt sweep.log H200.yaml H200.results.jsonl dryrun120.txt sweep120.log \
+         H200.b120.yaml H200.b120.results.jsonl; do
+  [ -f "$out/$f" ] && cp "$out/$f" "$keep/"
+done
+ls "$keep"
