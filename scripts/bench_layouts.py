@@ -181,7 +181,10 @@ def main() -> None:
     copy_bw = copy_bandwidth(table)
     lb = bench_leaderboard(leaderboard_picks(table), args.rounds)
     sv = bench_serving(copy_bw)
-    Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in lb + sv))
+    out = Path(args.out)
+    if out.is_dir():  # `--out $OUT` names the folder: the file goes inside it
+        out = out / "bench_layouts.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in lb + sv))
 
     print(f"\n{torch.cuda.get_device_name(0)}, copy bandwidth {copy_bw / 1e9:.0f} GB/s")
     print("leaderboard shapes: flash_decode (old) vs flash_decode_serving (new), us")
