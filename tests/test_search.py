@@ -110,7 +110,8 @@ def test_a_budget_too_small_cuts_samples_then_candidates_keeping_baseline_and_fa
 def test_measured_costs_from_the_h200_results_file_give_a_basis_and_a_jit_cost():
     from mla_tune.sweep_schedule import measured_costs
 
-    costs, n = measured_costs(REPO / "tables" / "H200.results.jsonl")
+    # the pre-search H200 sweep: FlashInfer JIT-compiled in the timed worker then
+    costs, n = measured_costs(REPO / "tests" / "data" / "H200.pre-search.results.jsonl")
     assert n > 500
     assert costs["flashinfer"].first_s > 5  # FlashInfer's JIT, once per variant and class
     assert 0 < costs["triton"].rung0_s < 0.1
@@ -252,7 +253,7 @@ def test_ctrl_c_stops_the_workers_prints_how_to_resume_and_the_resumed_sweep_com
 def test_an_old_results_file_without_rungs_still_builds_a_table():
     from mla_tune.table import table_from_results
 
-    path = REPO / "tables" / "H200.results.jsonl"
+    path = REPO / "tests" / "data" / "H200.pre-search.results.jsonl"
     header, records, _ = read_results(path)
     config = load_config(REPO / "configs" / "leaderboard.yaml")
     header = {**header, "config": {**header["config"], "hash": config.hash}}
