@@ -525,9 +525,9 @@ class FlashDecodeServingWorkspace:
         return self.max_total_q >= total_q and self.heads == heads and self.max_splits == max_splits
 
 
-def _fd_check_serving_layout(q, qo_indptr, kv, kv_indptr, block_table, seq_lens) -> int:
-    """Shapes and dtypes of the serving call (never values: that would read the device);
-    returns the page size, 0 for contiguous KV."""
+def check_serving_layout(qo_indptr, kv, kv_indptr, block_table, seq_lens) -> int:
+    """Shapes and dtypes of the serving call's KV layout, for every kernel family that takes
+    it (never values: that would read the device); returns the page size, 0 for contiguous KV."""
     batch = qo_indptr.shape[0] - 1
     if qo_indptr.dim() != 1 or batch < 1 or qo_indptr.dtype != torch.int32:
         raise ValueError(f"qo_indptr must be int32 (batch + 1,), got {qo_indptr.dtype} {tuple(qo_indptr.shape)}")
@@ -595,7 +595,7 @@ def flash_decode_serving(
     workspace: FlashDecodeServingWorkspace.allocate(max_total_q, heads, max_splits).
     Nothing here reads a device tensor or allocates once a workspace is given.
     """
-    page_size = _fd_check_serving_layout(q, qo_indptr, kv, kv_indptr, block_table, seq_lens)
+    page_size = check_serving_layout(qo_indptr, kv, kv_indptr, block_table, seq_lens)
     batch = qo_indptr.shape[0] - 1
     total_q, heads = q.shape[0], q.shape[1]
     if q.dim() != 3 or q.shape[2] != QK_DIM or q.dtype != torch.bfloat16 or not q.is_contiguous():
