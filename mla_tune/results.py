@@ -85,11 +85,33 @@ def read_results(path: Path, kinds: tuple[str, ...] = ("candidate",)) -> tuple[d
                     f"{path}: the first line is not a header; start over with --fresh"
                 )
             header = obj
-        elif kind in kinds:
-            records.append(obj)
         elif kind not in RECORD_KINDS:
             raise ResultsError(f"{path}, line {number}: unknown record kind {kind!r}")
+        else:
+            _check_record(obj, kind, path, number)
+            if kind in kinds:
+                records.append(obj)
     return header, records, warnings
+
+
+def _check_record(obj: dict, kind: str, path: Path, number: int) -> None:
+    """The fields resume and the table read by name: a record without them was edited or
+    damaged, and would otherwise surface later as a KeyError deep in the sweep."""
+    if kind not in ("candidate", "step", "rung"):
+        return
+    shape = obj.get("shape")
+    ok = isinstance(shape, dict) and all(
+        isinstance(shape.get(k), int) and not isinstance(shape.get(k), bool) and shape[k] >= 1
+        for k in ("batch", "kv_len"))
+    if kind != "rung":
+        ok = ok and isinstance(obj.get("variant"), str)
+    if not ok:
+        raise ResultsError(
+            f"{path}, line {number}: a {kind} record without a valid shape"
+            + ("" if kind == "rung" else " or variant")
+            + "; the file was edited or damaged. Fix or remove that line, or start over with "
+            "--fresh (moves the file aside)"
+        )
 
 
 def repair_tail(path: Path) -> bool:
