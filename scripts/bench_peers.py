@@ -209,7 +209,9 @@ def main() -> None:
     by_who: dict = {}
     for r in rows:
         if "us" in r:
-            by_who.setdefault(r["who"].split("(")[0] + ("(" + r["who"].split("(", 1)[1] if "peer:" in r["who"] else ""), []).append(r["us"])
+            # own families by name (their picks differ per shape); peers and the base by variant
+            who = r["who"].split("(")[0] if r["who"].startswith("own:") else r["who"]
+            by_who.setdefault(who, []).append(r["us"])
     print("\ngeomean over shapes where each contender ran all of them:")
     for who, vals in by_who.items():
         if len(vals) == len(shapes):
