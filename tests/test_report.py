@@ -59,12 +59,18 @@ def test_the_markdown_without_a_results_file_says_what_is_left_out():
 def test_a_results_record_without_a_shape_is_one_line_naming_it(tmp_path):
     results = tmp_path / "r.jsonl"
     good = {"kind": "candidate", "shape": {"batch": 1, "kv_len": 8}, "backend": "torch",
-            "status": "ok", "params": {}, "time": {"median_us": 3.0}}
+            "variant": "torch(kv=bf16,q=bf16)", "status": "ok", "params": {}, "time": {"median_us": 3.0}}
     bad = {k: v for k, v in good.items() if k != "shape"}
     results.write_text("\n".join(json.dumps(r) for r in ({"kind": "header"}, good, bad)) + "\n")
-    with pytest.raises(ReportError, match=r"candidate record 2: missing or malformed 'shape'") as info:
+    # the results reader refuses it, naming the line (results.read_results checks shapes)
+    with pytest.raises(ReportError, match=r"line 3: a candidate record without a valid shape") as info:
         read_candidates(results)
     assert "\n" not in str(info.value)
+    # a record the reader passes but the report cannot use (no backend) is named too
+    no_backend = {k: v for k, v in good.items() if k != "backend"}
+    results.write_text("\n".join(json.dumps(r) for r in ({"kind": "header"}, good, no_backend)) + "\n")
+    with pytest.raises(ReportError, match=r"candidate record 2: missing or malformed 'backend'"):
+        read_candidates(results)
 
 
 def test_write_report_draws_the_plots_and_links_them(tmp_path):
