@@ -3,7 +3,6 @@ per-rung plan, a sweep that ends within its budget, progress lines, Ctrl-C and r
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
@@ -15,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-from rich.console import Console
 
 from mla_tune import gpu as gpu_mod
 from mla_tune.backends import EXTRA_BACKENDS_ENV
@@ -25,7 +23,7 @@ from mla_tune.results import candidate_key, read_results
 from mla_tune.sweep import SweepError, plan_candidates, run_sweep
 from mla_tune.sweep_schedule import DEFAULT_COSTS, CostModel, fit_plan
 from mla_tune.sweep_search import Timed, promote
-from tests.fakes import EXTRA_BACKENDS, ensure_table_module
+from tests.fakes import EXTRA_BACKENDS, capture, registered
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data"
@@ -34,19 +32,9 @@ BACKENDS = EXTRA_BACKENDS + ",fake_dup=tests.fakes.fake_dup"
 
 @pytest.fixture(scope="module", autouse=True)
 def fake_backends():
-    old = os.environ.get(EXTRA_BACKENDS_ENV)
-    os.environ[EXTRA_BACKENDS_ENV] = BACKENDS
-    ensure_table_module()
-    yield
-    if old is None:
-        os.environ.pop(EXTRA_BACKENDS_ENV, None)
-    else:
-        os.environ[EXTRA_BACKENDS_ENV] = old
-
-
-def capture() -> tuple[Console, io.StringIO]:
-    buf = io.StringIO()
-    return Console(file=buf, width=250), buf
+    """Register the fakes for this process and (through the environment) its workers."""
+    with registered(BACKENDS):
+        yield
 
 
 # ---------------------------------------------------------------------- halving
@@ -213,8 +201,8 @@ def test_ctrl_c_stops_the_workers_prints_how_to_resume_and_the_resumed_sweep_com
     results = tmp_path / "cpu.results.jsonl"
     config = DATA / "sweep_resume.yaml"
     script = (
-        "import sys; from pathlib import Path; from tests.fakes import ensure_table_module; "
-        "ensure_table_module(); from mla_tune.sweep import run_sweep, SweepInterrupted\n"
+        "import sys; from pathlib import Path; "
+        "from mla_tune.sweep import run_sweep, SweepInterrupted\n"
         "try:\n    run_sweep(sys.argv[1], 'cpu', out=Path(sys.argv[2]))\n"
         "except SweepInterrupted:\n    sys.exit(130)\n"
     )

@@ -3,7 +3,6 @@ that are correct, wrong, raise, crash their worker, hang, or need a GPU."""
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import signal
@@ -15,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from rich.console import Console
 
 from mla_tune import problem
 from mla_tune.backends import EXTRA_BACKENDS_ENV
@@ -30,7 +28,7 @@ from mla_tune.results import (
 )
 from mla_tune.sweep import SweepError, assign_shapes, run_sweep
 from mla_tune.worker import compile_shape_for, precompile
-from tests.fakes import EXTRA_BACKENDS, ensure_table_module
+from tests.fakes import EXTRA_BACKENDS, capture, registered
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data"
@@ -40,19 +38,8 @@ TINY, RESUME, BUDGET, TORCH = (DATA / f"sweep_{n}.yaml" for n in ("tiny", "resum
 @pytest.fixture(scope="module", autouse=True)
 def fake_backends():
     """Register the fakes for this process and (through the environment) its workers."""
-    old = os.environ.get(EXTRA_BACKENDS_ENV)
-    os.environ[EXTRA_BACKENDS_ENV] = EXTRA_BACKENDS
-    ensure_table_module()
-    yield
-    if old is None:
-        os.environ.pop(EXTRA_BACKENDS_ENV, None)
-    else:
-        os.environ[EXTRA_BACKENDS_ENV] = old
-
-
-def capture() -> tuple[Console, io.StringIO]:
-    buf = io.StringIO()
-    return Console(file=buf, width=250), buf
+    with registered(EXTRA_BACKENDS):
+        yield
 
 
 def by_key(records):
@@ -331,8 +318,8 @@ def test_a_sweep_killed_mid_rung_resumes_without_running_any_step_twice(tmp_path
     out = tmp_path / "cpu.yaml"
     results = tmp_path / "cpu.results.jsonl"
     script = (
-        "import sys; from pathlib import Path; from tests.fakes import ensure_table_module; "
-        "ensure_table_module(); from mla_tune.sweep import run_sweep; "
+        "import sys; from pathlib import Path; "
+        "from mla_tune.sweep import run_sweep; "
         "run_sweep(sys.argv[1], 'cpu', out=Path(sys.argv[2]))"
     )
     env = {**os.environ, EXTRA_BACKENDS_ENV: EXTRA_BACKENDS, "PYTHONPATH": str(REPO)}
