@@ -305,8 +305,8 @@ def test_a_graph_replays_with_new_lengths_and_block_tables_without_syncing(layou
     """Captured once at the maxima, replayed with other lengths, q_lens and block tables;
     the call itself never synchronizes (sync debug mode "error" would raise)."""
     heads, max_q, kv_format = 128, 2, "fp8"
-    max_kv_lens = [3000, 700, 65, 2, 17, 64]  # each >= its q_len (2, and 1 for the last)
-    static = serving.make_input([2] * 5 + [1], max_kv_lens, heads, layout, kv_format, seed=41, device=device)
+    static = serving.make_input(serving.GRAPH_Q_LENS, serving.GRAPH_KV_LENS, heads, layout, kv_format,
+                                seed=41, device=device)
     workspace = FlashDecodeServingWorkspace.allocate(static.q.shape[0], heads, 16, device)
     out = torch.empty((static.q.shape[0], heads, 512), dtype=torch.bfloat16, device=device)
     kwargs = dict(max_q_len=max_q, max_splits=16, tokens_per_split=128, block_n=64, block_h=16,
@@ -317,36 +317,27 @@ def test_a_graph_replays_with_new_lengths_and_block_tables_without_syncing(layou
         flash_decode_serving(static.q, static.qo_indptr, static.kv, static.kv_scale, out,
                              **static.layout, **kwargs)
 
-    call()  # compile outside the graph
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        call()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            call()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-
-    for seed, kv_lens in ((42, [5, 3000, 1, 64, 65, 2]), (43, [700, 17, 2, 1, 64, 3000])):
-        q_lens = [min(n, max_q) for n in kv_lens]
-        q_lens[-1] = 1  # the total stays within the captured q
-        new = serving.make_input(q_lens, kv_lens, heads, layout, kv_format, seed=seed, device=device)
-        static.q.zero_()
-        static.q[: new.q.shape[0]].copy_(new.q)
-        static.qo_indptr.copy_(new.qo_indptr)
-        if layout == 0:
-            static.kv_indptr.copy_(new.kv_indptr)
-        else:
-            static.seq_lens.copy_(new.seq_lens)
-            static.block_table.zero_()
-            static.block_table[:, : new.block_table.shape[1]].copy_(new.block_table)
-        assert new.kv.shape[0] <= static.kv.shape[0]
-        static.kv.view(torch.uint8)[: new.kv.shape[0]].copy_(new.kv.view(torch.uint8))
-        static.kv_scale.copy_(new.kv_scale)
+    graph = serving.capture_without_sync(call)
+    for seed, new in serving.refill_for_replays(static, max_q, heads, kv_format, device):
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         got = out[: new.q.shape[0]]
         _assert_close(got, new.reference("fp8"), f"replay seed {seed}")
+
+
+@pytest.mark.parametrize("layout", [0, 64])
+def test_refilling_the_captured_buffers_reproduces_each_replay_input(layout):
+    """The graph tests' update step (serving.refill_for_replays), on the CPU: after each refill
+    the captured call's own buffers describe exactly the new call."""
+    heads, max_q = 16, 2
+    static = serving.make_input(serving.GRAPH_Q_LENS, serving.GRAPH_KV_LENS, heads, layout, "fp8",
+                                seed=41, device="cpu")
+    seen = []
+    for seed, new in serving.refill_for_replays(static, max_q, heads, "fp8", "cpu"):
+        rows = new.q.shape[0]
+        refilled = serving.reference(static.q, static.qo_indptr, static.kv, static.kv_scale,
+                                     **static.layout, q_format="fp8")[:rows]
+        assert torch.equal(refilled, new.reference("fp8")), f"replay seed {seed}"
+        seen.append(seed)
+    assert seen == [seed for seed, _ in serving.GRAPH_REPLAYS]
