@@ -135,7 +135,7 @@ def sweep(
         except ValueError:
             raise _usage_error(f"--devices must be GPU indices like 0,1, got {devices!r}") from None
     with _domain_errors():
-        from mla_tune.sweep import SweepInterrupted, run_sweep
+        from mla_tune.tune.sweep import SweepInterrupted, run_sweep
 
         try:
             run_sweep(config, gpu, out=out, dry_run=dry_run, force=force, devices=device_list,
@@ -158,7 +158,7 @@ def export(
     backends = _list(only, "--only")
     with _domain_errors():
         from mla_tune.export import ExportError, export_submission
-        from mla_tune.table import load_table
+        from mla_tune.tables.table import load_table
 
         path = _table_path(gpu, table)
         loaded = load_table(path)
@@ -182,8 +182,8 @@ def show(
     checked for form only (the backends' own parameter rules are checked when the runtime
     or the export loads the table), so show never imports torch.
     """
-    from mla_tune.render import line_width, table_lines
-    from mla_tune.table import load_table
+    from mla_tune.tables.render import line_width, table_lines
+    from mla_tune.tables.table import load_table
 
     with _domain_errors():
         path = _table_path(gpu, table)
@@ -206,9 +206,9 @@ def diff(
     A time change is flagged when it is larger than the noise both tables record: the
     bigger of the two rows' spreads (p90-p10 over the median).
     """
-    from mla_tune.diff import diff_lines, diff_tables
-    from mla_tune.render import line_width
-    from mla_tune.table import load_table
+    from mla_tune.tables.diff import diff_lines, diff_tables
+    from mla_tune.tables.render import line_width
+    from mla_tune.tables.table import load_table
 
     with _domain_errors():
         before, after = load_table(old, check_params=False), load_table(new, check_params=False)
@@ -236,7 +236,7 @@ def report(
     backend's best; and, from the results file, time against split count and block size.
     """
     with _domain_errors():
-        from mla_tune.report import write_report
+        from mla_tune.tables.report import write_report
 
         path = _table_path(gpu, table)
         written = write_report(path, out, results_path=results)

@@ -2,7 +2,7 @@
 
 This module is *exportable*: `mla-tune export` copies it verbatim into a single-file
 submission, so it imports only the standard library and torch, and every top-level name
-is unique across the exportable modules (see mla_tune/export.py). torch is imported inside
+is unique across the exportable modules (see mla_tune/export/__init__.py). torch is imported inside
 the two functions that use it, so reading a table (Shape, Variant) never imports torch.
 """
 
@@ -162,6 +162,113 @@ class Variant:
     def __str__(self) -> str:
         inner = ",".join(f"{k}={_param_text(v)}" for k, v in self.params)
         return f"{self.backend}({inner})"
+
+
+# ------------------------------------------------------------------ what a backend can do
+# One record per backend (its module's CAPABILITIES), read by the registry, the sweep, the
+# dispatcher, the runtime and the export instead of facts spread over files.
+CORE_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # every power of two up to 128
+CORE_HEADS = (16, 32, 64, 128)  # DeepSeek-V3's heads per GPU at tensor parallelism 8, 4, 2, 1
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    """The facts of a decode call that pick (and may rule out) a kernel: fixed for a whole
+    deployment or CUDA graph, never read from the data.
+
+    page_size 0 is the contiguous layout (kv_indptr); max_q_len bounds each sequence's new
+    tokens (1 without speculative decoding); mixed_q_len: sequences of one call may bring
+    different numbers of new tokens (their KV lengths always may differ); graph: the call is
+    captured in a CUDA graph (no host read of a device tensor, no allocation per call);
+    host_lengths: the caller hands the lengths over on the host each step (engines keep
+    them there), which backends that plan on the host need."""
+
+    kv_format: str
+    page_size: int = 0
+    heads: int = NUM_HEADS
+    max_q_len: int = 1
+    mixed_q_len: bool = False
+    graph: bool = False
+    host_lengths: bool = False
+
+    def __post_init__(self) -> None:
+        require(self.kv_format in KV_FORMATS, f"kv_format must be one of {', '.join(KV_FORMATS)}, "
+                f"got {self.kv_format!r}")
+        require(self.page_size == 0 or self.page_size in CORE_PAGE_SIZES,
+                f"page_size must be 0 (contiguous KV) or a power of two up to 128, got {self.page_size}")
+        require(isinstance(self.heads, int) and self.heads >= 1, f"heads must be >= 1, got {self.heads!r}")
+        require(isinstance(self.max_q_len, int) and 1 <= self.max_q_len <= 16,
+                f"max_q_len must be 1 to 16, got {self.max_q_len!r}")
+
+    @property
+    def layout(self) -> str:
+        return "contiguous" if self.page_size == 0 else f"paged {self.page_size}"
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What one backend can serve and needs, declared in its module as CAPABILITIES.
+
+    Leaderboard call (build): `ragged` says its runners read kv_indptr per sequence, so a
+    ragged batch may be sent to them. Serving call (build_serving, when `serving`; every
+    serving call reads each sequence's length from the device): the layouts (contiguous and/or the page
+    sizes), head counts, q_len range and KV formats it reads; `graph_safe`: a built runner
+    neither synchronizes nor allocates per call; `host_lengths`: it plans on the host from
+    the lengths each step (a graph can hold its run, not its plan). `platforms`: where it
+    runs, as tags a Platform has ("cuda", "hip", "cpu", an arch such as "sm_90" or "gfx950");
+    each inner tuple is one alternative whose tags must all hold. `vendor`: the
+    distribution whose version a table records; `precompile`: its kernels compile on first
+    use into an on-disk cache (the sweep warms them first); `baseline`: the reference
+    implementation every sweep times."""
+
+    kv_formats: tuple[str, ...]
+    q_modes: tuple[str, ...] = ("bf16",)
+    serving_kv_formats: tuple[str, ...] | None = None  # None: kv_formats
+    ragged: bool = False
+    serving: bool = False
+    contiguous: bool = True
+    page_sizes: tuple[int, ...] = ()
+    heads: tuple[int, ...] = (NUM_HEADS,)
+    max_q_len: int = 1
+    mixed_q_len: bool = False
+    graph_safe: bool = False
+    host_lengths: bool = False
+    platforms: tuple[tuple[str, ...], ...] = (("cuda",), ("hip",), ("cpu",))
+    vendor: str | None = None
+    precompile: bool = False
+    baseline: bool = False
+
+    def runs_on(self, tags) -> bool:
+        """Whether one of `platforms` has all its tags in `tags` (a Platform's tags)."""
+        return any(all(t in tags for t in option) for option in self.platforms)
+
+    def refusal(self, spec: CallSpec) -> str | None:
+        """None when this backend's serving call serves `spec`; else one sentence why not."""
+        if not self.serving:
+            return "it serves the leaderboard's call only (no build_serving)"
+        kv_formats = self.kv_formats if self.serving_kv_formats is None else self.serving_kv_formats
+        if spec.kv_format not in kv_formats:
+            return f"it reads {', '.join(kv_formats)} KV, not {spec.kv_format}"
+        if spec.page_size == 0 and not self.contiguous:
+            return f"it reads paged KV ({_core_pages(self.page_sizes)}), not the contiguous layout"
+        if spec.page_size and spec.page_size not in self.page_sizes:
+            return (f"it reads {_core_pages(self.page_sizes)}" + (" or contiguous KV" if self.contiguous else "")
+                    + f", not pages of {spec.page_size}")
+        if spec.heads not in self.heads:
+            return f"it serves {', '.join(map(str, self.heads))} heads, not {spec.heads}"
+        if spec.max_q_len > self.max_q_len:
+            return f"it serves q_len up to {self.max_q_len}, not {spec.max_q_len}"
+        if spec.mixed_q_len and not self.mixed_q_len:
+            return "it needs every sequence of a call to bring the same number of new tokens"
+        if spec.graph and not self.graph_safe:
+            return "its call synchronizes or allocates, so it cannot be captured in a CUDA graph"
+        if self.host_lengths and not spec.host_lengths:
+            return "it plans from the lengths on the host each step; pass them (host_lengths)"
+        return None
+
+
+def _core_pages(sizes: tuple[int, ...]) -> str:
+    return ("pages of " + ", ".join(map(str, sizes)) + " tokens") if sizes else "no paged layout"
 
 
 def vendor_is_cpu_fake(module) -> bool:

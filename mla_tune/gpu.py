@@ -57,6 +57,14 @@ class Platform:
     simulated: bool = False  # set only by the FAKE_PLATFORM_ENV testing hook
 
     @property
+    def tags(self) -> frozenset[str]:
+        """What a backend's Capabilities.platforms are matched against: "cpu", or "cuda" /
+        "hip" with the arch ("sm_90", "gfx950"); a simulated platform has its GPU's tags."""
+        if self.name == "cpu":
+            return frozenset({"cpu"})
+        return frozenset({"hip" if self.is_hip else "cuda", self.arch})
+
+    @property
     def has_gpu(self) -> bool:
         """Whether kernels run on a GPU here; False on the CPU and on a simulated platform."""
         return self.name != "cpu" and not self.simulated

@@ -1,5 +1,5 @@
 """The split-K kernel's two launch paths side by side on one GPU, under the leaderboard's
-timing protocol (mla_tune.timing.time_call):
+timing protocol (mla_tune.tune.timing.time_call):
 
 1. The 8 leaderboard shapes: `flash_decode` (the leaderboard kernel) against
    `flash_decode_serving` (the serving kernel, contiguous KV, 16 heads, q_len 1, the same
@@ -37,7 +37,7 @@ from mla_tune.kernels.flash_decode import (
     flash_decode,
     flash_decode_serving,
 )
-from mla_tune.timing import time_call, wall_time
+from mla_tune.tune.timing import time_call, wall_time
 
 SHAPES = [(4, 1024), (4, 8192), (32, 1024), (32, 8192), (64, 1024), (64, 8192), (256, 1024), (256, 8192)]
 # tables/H200.yaml's triton alternates (2026-11-30), used when the table is absent.

@@ -7,7 +7,7 @@ Leaderboard shapes (batch {4, 32, 64, 256} x kv_len {1024, 8192}): each row's tr
 pick from the table (winner or alternate), run by the old kernel and by the general one
 with the same tile, dots, warps and stages, tokens_per_split 1 and max_splits num_splits
 (the same splits), block_h 16; both checked under the strict rule against the fp32
-reference and timed under the leaderboard protocol (mla_tune.timing.time_call). The
+reference and timed under the leaderboard protocol (mla_tune.tune.timing.time_call). The
 general kernel has no spin barrier, TMA, persistent grid or MXFP4: picks that use them
 are timed for the old kernel only. Serving shapes (paged 64, 128 heads, q_len 2): the
 general fused kernel and the split-K flash_decode_serving, checked and timed. The table
@@ -27,7 +27,7 @@ from mla_tune.backends import triton_fused
 from mla_tune.core import Shape, Variant
 from mla_tune.kernels.flash_decode import FlashDecodeServingWorkspace, flash_decode_serving
 from mla_tune.kernels.fused_decode import FusedServingWorkspace, fused_decode_serving
-from mla_tune.timing import time_call
+from mla_tune.tune.timing import time_call
 
 LEADERBOARD_SHAPES = [(4, 1024), (4, 8192), (32, 1024), (32, 8192), (64, 1024), (64, 8192), (256, 1024), (256, 8192)]
 SERVING_SHAPES = [(32, 1024), (32, 8192), (128, 2048)]  # (batch, kv_len), paged 64, 128 heads, q_len 2

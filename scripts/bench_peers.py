@@ -30,7 +30,7 @@ from mla_tune import problem
 from mla_tune.backends import EXTRA_BACKENDS_ENV, get_backend, known_backends
 from mla_tune.core import Shape, Variant
 from mla_tune.gpu import detect
-from mla_tune.timing import time_call
+from mla_tune.tune.timing import time_call
 
 COPY_BW = 4.28e12  # bytes/s, the H200's measured copy bandwidth (PROBLEM.md)
 BYTES_PER_TOKEN = {"bf16": 1152, "fp8": 576, "mxfp4": 288 + 18}

@@ -3,7 +3,7 @@
     PYTHONPATH=. python scripts/check_strict_fallback.py [--table tables/H200.yaml] [--out DIR]
 
 The shapes 2x1, 2x2, 2x17 and 63 tokens (batch 2 and 8) are in no table, so the export's
-fallback serves them, chosen by mla_tune.dispatch's policy for the table's rule. This
+fallback serves them, chosen by mla_tune.tables.dispatch's policy for the table's rule. This
 writes a copy of the table whose provenance names the `strict` rule (its rows, tuned under
 the leaderboard rule, are untouched: only the fallback is under test), exports it and the
 original, and runs scripts/check_submission.py on both. The strict export must pass strict

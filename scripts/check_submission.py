@@ -7,7 +7,7 @@ Writes a task.py beside a copy of the file, imports it in this process with noth
 mla_tune's on the import path of the submission itself, then per shape: runs
 `custom_kernel` on fresh inputs, checks it against the fp32 reference under the
 `leaderboard` and `strict` rules, and times it under the leaderboard protocol
-(mla_tune.timing.time_call). Prints one table with the geomean over the benchmark shapes.
+(mla_tune.tune.timing.time_call). Prints one table with the geomean over the benchmark shapes.
 `--shapes` takes `bench`, `test` and explicit `BATCHxKV_LEN` shapes (those the table lacks
 run the submission's fallback); the exit status is 0 when every shape passes the
 `--require` rule. An export under `strict`, at short lengths:
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from mla_tune.problem import RULES, check, generate_input, reference
-from mla_tune.timing import time_call
+from mla_tune.tune.timing import time_call
 
 BENCH_SHAPES = [(b, kv) for b in (4, 32, 64, 256) for kv in (1024, 8192)]
 TEST_SHAPES = [(4, 1024), (32, 1024), (64, 8192), (256, 8192)]

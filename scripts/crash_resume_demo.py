@@ -43,7 +43,7 @@ if str(REPO) not in sys.path:  # run as a plain script from anywhere: import thi
 import yaml  # noqa: E402
 
 from mla_tune.backends import EXTRA_BACKENDS_ENV  # noqa: E402
-from mla_tune.results import (  # noqa: E402
+from mla_tune.tune.results import (  # noqa: E402
     ResultsError,
     candidate_key,
     lock_path_for,

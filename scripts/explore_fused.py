@@ -3,7 +3,7 @@
 One command for one device call: compiles every config in parallel worker processes (which
 fill Triton's cache and report registers, spills, shared memory and whether the PTX holds
 wgmma), then per leaderboard shape checks every (config, num_splits, reduce) against the
-leaderboard's reference under its rule and times it with mla_tune.timing.time_call. Rows go
+leaderboard's reference under its rule and times it with mla_tune.tune.timing.time_call. Rows go
 to $OUT/explore.jsonl as they finish, so a killed run keeps what it measured; the summary
 table prints last.
 
@@ -209,7 +209,7 @@ def _lever_table(rows: list[dict], shapes: list, labels: list) -> str:
 
 def levers_main(args) -> None:
     from mla_tune.backends import triton_fused
-    from mla_tune.timing import time_call
+    from mla_tune.tune.timing import time_call
 
     t0 = time.time()
     deadline = t0 + args.budget
@@ -320,7 +320,7 @@ def levers_main(args) -> None:
 
 def main() -> None:
     from mla_tune.backends import triton_fused
-    from mla_tune.timing import time_call
+    from mla_tune.tune.timing import time_call
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default=",".join(CONFIGS))

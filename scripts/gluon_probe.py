@@ -260,7 +260,7 @@ def time_report(reps: int, gluon_variants: list[str], budget_s: float) -> None:
     from mla_tune import problem
     from mla_tune.backends import gluon_fused, triton_fused
     from mla_tune.core import Shape, Variant
-    from mla_tune.timing import time_call
+    from mla_tune.tune.timing import time_call
     from scripts.bench_peers import fused_pick
 
     t0 = time.monotonic()

@@ -16,7 +16,7 @@ import torch
 from mla_tune.backends import get_backend
 from mla_tune.core import Shape, Variant
 from mla_tune.problem import RULES, check, generate_input, reference
-from mla_tune.timing import time_call
+from mla_tune.tune.timing import time_call
 
 DEFAULT_SHAPES = "4x1024,4x8192,32x1024,32x8192,64x1024,64x8192,256x1024,256x8192"
 

@@ -14,8 +14,8 @@ import torch
 
 from mla_tune import gpu, problem, runtime
 from mla_tune.backends import aiter_mla
-from mla_tune.config import expand_space, load_config
 from mla_tune.core import SM_SCALE, Shape, Variant
+from mla_tune.tune.config import expand_space, load_config
 from tests.helpers import expected_output
 
 ROOT = Path(__file__).resolve().parents[1]

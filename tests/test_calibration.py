@@ -11,10 +11,11 @@ import pytest
 import torch
 import yaml
 
-from mla_tune import calibration, problem, worker
-from mla_tune.calibration import CalibrationError, CalibrationSpec, calibrate, normal_tail_amax
-from mla_tune.config import ConfigError, config_from_dict, load_config
+from mla_tune import problem
 from mla_tune.core import Shape
+from mla_tune.tune import calibration, worker
+from mla_tune.tune.calibration import CalibrationError, CalibrationSpec, calibrate, normal_tail_amax
+from mla_tune.tune.config import ConfigError, config_from_dict, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = Shape(2, 16)

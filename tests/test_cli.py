@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import mla_tune.sweep
+import mla_tune.tune.sweep
 from mla_tune import __version__
 from mla_tune.cli import app
 
@@ -74,7 +74,7 @@ def test_show_fits_80_columns_in_40_lines_with_every_winner_greppable(path):
     lines = result.output.splitlines()
     assert len(lines) <= 40 and max(map(len, lines)) <= 80, result.output
     assert "…" not in result.output and "\x1b[" not in result.output  # no rich ellipsis, no ANSI
-    from mla_tune.table import load_table
+    from mla_tune.tables.table import load_table
 
     table = load_table(path, check_params=False)
     for shape, row in table.rows.items():
@@ -91,7 +91,7 @@ def test_show_fits_80_columns_in_40_lines_with_every_winner_greppable(path):
 
 def test_show_on_a_wide_terminal_puts_each_variant_on_one_line():
     result = _invoke("show", "--table", H200, env={**NARROW, "COLUMNS": "200"})
-    from mla_tune.table import load_table
+    from mla_tune.tables.table import load_table
 
     for row in load_table(H200, check_params=False).rows.values():
         assert any(line.endswith(row.winner["variant"]) for line in result.output.splitlines())
@@ -204,10 +204,10 @@ def test_domain_errors_exit_1_with_a_message_naming_the_file(tmp_path):
 def test_an_internal_error_shows_its_traceback_not_a_one_line_error():
     # A ValueError that is not an MlaTuneError is a bug: the CLI must not dress it up.
     code = textwrap.dedent(f"""
-        import mla_tune.table
+        import mla_tune.tables.table
         def broken(*args, **kwargs):
             raise ValueError("an internal bug")
-        mla_tune.table.load_table = broken
+        mla_tune.tables.table.load_table = broken
         from mla_tune.cli import app
         app(["show", "--table", {str(TABLE)!r}])
     """)
@@ -228,7 +228,7 @@ def test_export_and_show_need_a_gpu_or_a_table():
 
 def test_sweep_passes_its_options_through(monkeypatch, tmp_path):
     calls = []
-    monkeypatch.setattr(mla_tune.sweep, "run_sweep", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setattr(mla_tune.tune.sweep, "run_sweep", lambda *a, **k: calls.append((a, k)))
     result = _invoke("sweep", "--gpu", "H200", "--config", tmp_path / "c.yaml", "--out",
                      tmp_path / "t.yaml", "--devices", "0,1", "--fresh", "--force")
     assert result.exit_code == 0, result.output

@@ -1,4 +1,4 @@
-"""The precompile pool (mla_tune/compile_pool.py): right stand-ins, isolated jobs, a
+"""The precompile pool (mla_tune/tune/compile_pool.py): right stand-ins, isolated jobs, a
 non-blocking API, and no orphan processes."""
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ import torch
 from triton.backends.compiler import BaseBackend
 from triton.runtime.jit import JITFunction, KernelInterface, create_function_from_signature
 
-from mla_tune import compile_pool, gpu
+from mla_tune import gpu
 from mla_tune.backends import EXTRA_BACKENDS_ENV, get_backend
-from mla_tune.compile_pool import CompileJob, compile_shape_for, plan_jobs
-from mla_tune.config import expand_space, load_config
 from mla_tune.core import NUM_HEADS, QK_DIM, Shape, Variant
+from mla_tune.tune import compile_pool
+from mla_tune.tune.compile_pool import CompileJob, compile_shape_for, plan_jobs
+from mla_tune.tune.config import expand_space, load_config
 from tests.fakes.fake_warmup import MARKERS_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -257,10 +258,10 @@ def test_start_returns_at_once_and_a_deadline_stops_the_pool_keeping_finished_jo
 _PARENT = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from mla_tune import compile_pool
-    from mla_tune.compile_pool import CompileJob
+    from mla_tune.tune import compile_pool
+    from mla_tune.tune.compile_pool import CompileJob
     from mla_tune.core import Shape, Variant
-    from mla_tune.worker import WorkerHandle
+    from mla_tune.tune.worker import WorkerHandle
 
     worker = WorkerHandle(0, Path(sys.argv[1]))
     worker.launch()

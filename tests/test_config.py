@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mla_tune.config import ConfigError, load_config
 from mla_tune.core import Shape
+from mla_tune.tune.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 LEADERBOARD = REPO / "configs" / "leaderboard.yaml"

@@ -14,7 +14,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import mla_tune.sweep
+import mla_tune.tune.sweep
 from mla_tune.backends import EXTRA_BACKENDS_ENV
 from mla_tune.cli import app
 from mla_tune.core import Shape
@@ -119,7 +119,7 @@ def test_the_oob_kernel_stores_zeros_at_the_offset_it_is_given():
 # ------------------------------------------------------------------- --candidate-timeout
 def test_the_candidate_timeout_option_reaches_run_sweep(monkeypatch, tmp_path):
     calls = []
-    monkeypatch.setattr(mla_tune.sweep, "run_sweep", lambda *a, **k: calls.append(k))
+    monkeypatch.setattr(mla_tune.tune.sweep, "run_sweep", lambda *a, **k: calls.append(k))
     runner = CliRunner()
     env = {"COLUMNS": "250", "NO_COLOR": "1", "TERM": "dumb"}
     result = runner.invoke(app, ["sweep", "--gpu", "H200", "--config", str(CPU_CONFIG),

@@ -41,7 +41,7 @@ from mla_tune import gpu, runtime
 from mla_tune.cli import app
 from mla_tune.core import Shape, Variant
 from mla_tune.problem import check, generate_input, generate_ragged_input, get_rule, reference
-from mla_tune.table import load_table, write_table
+from mla_tune.tables.table import load_table, write_table
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).parent / "data"

@@ -1,5 +1,5 @@
 """The fallback honours the table's correctness rule at short lengths (kv_len 1, 2, 17, 63),
-in the runtime and in the exported file, from one policy (mla_tune.dispatch); the split
+in the runtime and in the exported file, from one policy (mla_tune.tables.dispatch); the split
 count comes from the device, not a literal."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import yaml
 from mla_tune import core, runtime
 from mla_tune.backends import triton_splitk
 from mla_tune.core import Shape, Variant
-from mla_tune.dispatch import DISPATCH_FALLBACKS, dispatch_fallback
 from mla_tune.export import export_submission
 from mla_tune.gpu import detect
 from mla_tune.problem import RULES, check, generate_input, reference
+from mla_tune.tables.dispatch import DISPATCH_FALLBACKS, dispatch_fallback
 from tests.test_export import _run_exported
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,7 +123,7 @@ def test_the_sm_count_is_asked_of_the_device_once(monkeypatch):
 
 
 def test_no_module_hard_codes_an_sm_count():
-    for name in ("runtime.py", "export.py", "dispatch.py", "backends/triton_splitk.py",
+    for name in ("runtime/__init__.py", "export/__init__.py", "tables/dispatch.py", "backends/triton_splitk.py",
                  "backends/triton_fused.py"):
         source = (ROOT / "mla_tune" / name).read_text()
         assert not re.search(r"\b132\b", source), f"mla_tune/{name} names 132 SMs"

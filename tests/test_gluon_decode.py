@@ -104,7 +104,7 @@ def test_the_module_imports_without_gluon_and_says_so(monkeypatch):
 
 def test_the_modules_pass_the_exporters_rules_beside_every_backend():
     from mla_tune.backends import BACKEND_MODULES
-    from mla_tune.export_ast import module_closure, prepare_modules
+    from mla_tune.export.modules import module_closure, prepare_modules
 
     roots = [(module, name) for name, module in BACKEND_MODULES.items()]
     modules = module_closure(roots + [("mla_tune.backends.gluon_fused", "gluon_fused")])

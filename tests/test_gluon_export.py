@@ -14,11 +14,11 @@ import torch
 import yaml
 
 from mla_tune.backends import get_backend, known_backends
-from mla_tune.config import load_config
 from mla_tune.core import Shape, Variant
 from mla_tune.export import export_submission
 from mla_tune.gpu import fake_platform
 from mla_tune.problem import generate_input
+from mla_tune.tune.config import load_config
 from tests.test_export import TABLE, _assert_clean, _run_exported
 
 GLUON = "gluon_fused(block_n=64,kv=fp8,num_splits=1,num_stages=2,q=fp8_dynamic,v_path=rs8)"

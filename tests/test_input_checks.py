@@ -12,10 +12,10 @@ import yaml
 from mla_tune import runtime
 from mla_tune.backends import get_backend
 from mla_tune.core import Variant
-from mla_tune.dispatch import Dispatcher
 from mla_tune.gpu import detect
 from mla_tune.problem import generate_input
-from mla_tune.table import TableError
+from mla_tune.tables.dispatch import Dispatcher
+from mla_tune.tables.table import TableError
 
 ROOT = Path(__file__).resolve().parents[1]
 FP8_TRITON = Variant.make("triton", block_n=16, dot_dtype="fp16", kv="fp8", num_splits=1, num_stages=1,

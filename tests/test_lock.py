@@ -1,4 +1,4 @@
-"""The sweep lock: an OS-level lock held for the sweep's life (mla_tune.results.SweepLock)."""
+"""The sweep lock: an OS-level lock held for the sweep's life (mla_tune.tune.results.SweepLock)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mla_tune.results import ResultsError, SweepLock
+from mla_tune.tune.results import ResultsError, SweepLock
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCH = ROOT / "tests" / "data" / "sweep_torch.yaml"
@@ -20,8 +20,8 @@ TORCH = ROOT / "tests" / "data" / "sweep_torch.yaml"
 _RACER = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    import mla_tune.sweep as sweep
-    from mla_tune.sweep import SweepError, run_sweep
+    import mla_tune.tune.sweep as sweep
+    from mla_tune.tune.sweep import SweepError, run_sweep
 
     def hold(*args, **kwargs):
         print("RAN", flush=True)

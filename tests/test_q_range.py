@@ -11,11 +11,12 @@ import pytest
 import torch
 import yaml
 
-from mla_tune import calibration, problem, runtime
+from mla_tune import problem, runtime
 from mla_tune.backends import flash_mla, triton_splitk
 from mla_tune.core import Shape, Variant
 from mla_tune.gpu import detect
 from mla_tune.kernels.q_quant import QQuantizer, q_range_count
+from mla_tune.tune import calibration
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("vendor_fakes", ROOT / "tests" / "fakes" / "vendor_fakes.py")

@@ -10,16 +10,16 @@ from pathlib import Path
 import pytest
 
 from mla_tune.core import Shape
-from mla_tune.render import summary_lines, variant_lines, wrap
-from mla_tune.report import (
+from mla_tune.tables.render import summary_lines, variant_lines, wrap
+from mla_tune.tables.report import (
     ReportError,
     param_curves,
     read_candidates,
     report_markdown,
     write_report,
 )
-from mla_tune.results import read_results
-from mla_tune.table import load_table
+from mla_tune.tables.table import load_table
+from mla_tune.tune.results import read_results
 
 REPO = Path(__file__).parents[1]
 H200 = REPO / "tables" / "H200.yaml"
@@ -134,7 +134,7 @@ def test_the_sweep_summary_fits_80_columns_with_full_winners():
 def test_summarize_prints_plain_lines_through_the_sweeps_console(monkeypatch):
     from rich.console import Console
 
-    from mla_tune.sweep_report import summarize
+    from mla_tune.tune.progress import summarize
 
     monkeypatch.setenv("COLUMNS", "80")
     _header, records, _ = read_results(H200_RESULTS)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mla_tune.results import ResultsError, read_results
+from mla_tune.tune.results import ResultsError, read_results
 
 
 @pytest.mark.parametrize("record", [

@@ -9,14 +9,14 @@ import pytest
 import torch
 import yaml
 
-import mla_tune.timing
+import mla_tune.tune.timing
 from mla_tune import runtime
 from mla_tune.backends import get_backend
 from mla_tune.core import Shape, Variant
-from mla_tune.dispatch import Dispatcher
 from mla_tune.gpu import detect
 from mla_tune.problem import check, generate_input, generate_ragged_input, get_rule, reference
-from mla_tune.table import TableError
+from mla_tune.tables.dispatch import Dispatcher
+from mla_tune.tables.table import TableError
 
 DATA = Path(__file__).parent / "data"
 RULE = get_rule("leaderboard")
@@ -101,8 +101,8 @@ def test_decode_never_times_anything(rt, monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("the runtime must never time anything")
 
-    monkeypatch.setattr(mla_tune.timing, "time_call", forbidden)
-    monkeypatch.setattr(mla_tune.timing, "wall_time", forbidden)
+    monkeypatch.setattr(mla_tune.tune.timing, "time_call", forbidden)
+    monkeypatch.setattr(mla_tune.tune.timing, "wall_time", forbidden)
     monkeypatch.setattr(torch.cuda, "Event", forbidden)
     for batch, kv_len in ((1, 8), (2, 40)):
         data = generate_input(batch, kv_len, seed=6, device="cpu")

@@ -17,12 +17,12 @@ import pytest
 
 from mla_tune import gpu as gpu_mod
 from mla_tune.backends import EXTRA_BACKENDS_ENV
-from mla_tune.config import config_from_dict, load_config
 from mla_tune.core import Shape, Variant
-from mla_tune.results import candidate_key, read_results
-from mla_tune.sweep import SweepError, plan_candidates, run_sweep
-from mla_tune.sweep_schedule import DEFAULT_COSTS, CostModel, fit_plan
-from mla_tune.sweep_search import Timed, promote
+from mla_tune.tune.config import config_from_dict, load_config
+from mla_tune.tune.results import candidate_key, read_results
+from mla_tune.tune.schedule import DEFAULT_COSTS, CostModel, fit_plan
+from mla_tune.tune.search import Timed, promote
+from mla_tune.tune.sweep import SweepError, plan_candidates, run_sweep
 from tests.fakes import EXTRA_BACKENDS, capture, registered
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,7 +96,7 @@ def test_a_budget_too_small_cuts_samples_then_candidates_keeping_baseline_and_fa
 
 
 def test_measured_costs_from_the_h200_results_file_give_a_basis_and_a_jit_cost():
-    from mla_tune.sweep_schedule import measured_costs
+    from mla_tune.tune.schedule import measured_costs
 
     # the pre-search H200 sweep: FlashInfer JIT-compiled in the timed worker then
     costs, n = measured_costs(REPO / "tests" / "data" / "H200.pre-search.results.jsonl")
@@ -183,7 +183,7 @@ def test_the_next_dry_run_plans_from_the_measured_costs_and_cuts_ahead(budget_sw
 
 # --------------------------------------------------------------- refusal, Ctrl-C
 def test_another_gpu_is_refused_from_its_name_before_any_worker_starts(monkeypatch, tmp_path):
-    from mla_tune import worker
+    from mla_tune.tune import worker
 
     monkeypatch.setattr(gpu_mod, "quick_device_name", lambda: "NVIDIA H200")
 
@@ -202,7 +202,7 @@ def test_ctrl_c_stops_the_workers_prints_how_to_resume_and_the_resumed_sweep_com
     config = DATA / "sweep_resume.yaml"
     script = (
         "import sys; from pathlib import Path; "
-        "from mla_tune.sweep import run_sweep, SweepInterrupted\n"
+        "from mla_tune.tune.sweep import run_sweep, SweepInterrupted\n"
         "try:\n    run_sweep(sys.argv[1], 'cpu', out=Path(sys.argv[2]))\n"
         "except SweepInterrupted:\n    sys.exit(130)\n"
     )
@@ -239,7 +239,7 @@ def test_ctrl_c_stops_the_workers_prints_how_to_resume_and_the_resumed_sweep_com
 
 # ------------------------------------------------------------------ old results
 def test_an_old_results_file_without_rungs_still_builds_a_table():
-    from mla_tune.table import table_from_results
+    from mla_tune.tables.table import table_from_results
 
     path = REPO / "tests" / "data" / "H200.pre-search.results.jsonl"
     header, records, _ = read_results(path)

@@ -17,17 +17,17 @@ import yaml
 
 from mla_tune import problem
 from mla_tune.backends import EXTRA_BACKENDS_ENV
-from mla_tune.config import load_config
 from mla_tune.core import Shape, Variant
-from mla_tune.results import (
+from mla_tune.tune.config import load_config
+from mla_tune.tune.results import (
     ResultsError,
     SweepLock,
     candidate_key,
     read_results,
     repair_tail,
 )
-from mla_tune.sweep import SweepError, assign_shapes, run_sweep
-from mla_tune.worker import compile_shape_for, precompile
+from mla_tune.tune.sweep import SweepError, assign_shapes, run_sweep
+from mla_tune.tune.worker import compile_shape_for, precompile
 from tests.fakes import EXTRA_BACKENDS, capture, registered
 
 REPO = Path(__file__).resolve().parents[1]
@@ -319,7 +319,7 @@ def test_a_sweep_killed_mid_rung_resumes_without_running_any_step_twice(tmp_path
     results = tmp_path / "cpu.results.jsonl"
     script = (
         "import sys; from pathlib import Path; "
-        "from mla_tune.sweep import run_sweep; "
+        "from mla_tune.tune.sweep import run_sweep; "
         "run_sweep(sys.argv[1], 'cpu', out=Path(sys.argv[2]))"
     )
     env = {**os.environ, EXTRA_BACKENDS_ENV: EXTRA_BACKENDS, "PYTHONPATH": str(REPO)}
@@ -369,7 +369,7 @@ def test_a_sweep_killed_mid_rung_resumes_without_running_any_step_twice(tmp_path
 
 
 def test_a_first_call_jit_goes_to_first_s_and_leaves_the_usual_cost_alone():
-    from mla_tune.sweep_schedule import BackendCost, CostModel
+    from mla_tune.tune.schedule import BackendCost, CostModel
 
     model = CostModel({"*": BackendCost(0.01, 0.005, 0.0, 0.0)}, "test")
     model.observe("flashinfer", 0, 5, 18.0, first_call=True)  # the JIT

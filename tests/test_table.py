@@ -10,7 +10,7 @@ import yaml
 
 from mla_tune.core import Shape, Variant
 from mla_tune.problem import get_rule
-from mla_tune.table import TableError, load_table, pick_best, table_from_results, write_table
+from mla_tune.tables.table import TableError, load_table, pick_best, table_from_results, write_table
 
 DATA = Path(__file__).parent / "data"
 TRITON_A = "triton(block_n=32,dot_dtype=bf16,kv=fp8,num_splits=4,num_stages=2,num_warps=4,q=bf16)"

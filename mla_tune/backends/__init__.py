@@ -29,7 +29,7 @@ Optional members (absent: the defaults in brackets):
         The keys its config section may hold; config.py refuses any other. [not checked]
     PRECOMPILE: bool
         Its kernels compile on first use into an on-disk cache (Triton, vendor JITs), so the
-        sweep warms them in mla_tune/compile_pool.py before timing. [False]
+        sweep warms them in mla_tune/tune/compile_pool.py before timing. [False]
     def compile_shape(variant, shape, sm_count) -> Shape
         A small stand-in for `shape` that compiles exactly the kernels `shape` uses.
         [compile_pool.default_compile_shape]
@@ -42,7 +42,7 @@ Optional members (absent: the defaults in brackets):
 
 Every variant carries the parameters `kv` (the KV format it reads: bf16, fp8, mxfp4) and
 `q` (bf16, fp8_dynamic, fp8_static), so the runtime checks its inputs generically.
-Backend modules and the kernels they use are *exportable* (see mla_tune/export.py).
+Backend modules and the kernels they use are *exportable* (see mla_tune/export/__init__.py).
 """
 
 from __future__ import annotations

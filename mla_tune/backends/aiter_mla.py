@@ -37,6 +37,7 @@ from mla_tune.core import (
     QK_DIM,
     SM_SCALE,
     V_DIM,
+    Capabilities,
     Shape,
     Variant,
     check_param_choice,
@@ -47,6 +48,22 @@ from mla_tune.core import (
 )
 
 NAME = "aiter"
+
+CAPABILITIES = Capabilities(
+    kv_formats=("bf16", "fp8"),
+    q_modes=("bf16", "fp8_dynamic", "fp8_static"),
+    ragged=False,
+    serving=True,
+    contiguous=True,  # read as 1-token pages (kv_page_indices)
+    page_sizes=(1,),
+    heads=(16, 128),
+    max_q_len=4,
+    mixed_q_len=False,
+    graph_safe=True,
+    platforms=(("hip", "gfx942"), ("hip", "gfx950")),
+    vendor="amd-aiter",
+    precompile=True,
+)
 
 # The releases whose Python signatures were read from ROCm/aiter tags. Outside them (or
 # with no readable version) AITER is still used when its signatures have what this file
@@ -717,7 +734,7 @@ def build(variant: Variant, shape: Shape, device):
     return run_aiter_mla
 
 
-# Precompile (mla_tune/compile_pool.py): AITER JIT-builds its modules into an on-disk cache on
+# Precompile (mla_tune/tune/compile_pool.py): AITER JIT-builds its modules into an on-disk cache on
 # first use.
 PRECOMPILE = True
 

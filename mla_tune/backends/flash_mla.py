@@ -20,11 +20,13 @@ from __future__ import annotations
 import torch
 
 from mla_tune.core import (
+    CORE_HEADS,
     NUM_HEADS,
     NUM_KV_HEADS,
     QK_DIM,
     SM_SCALE,
     V_DIM,
+    Capabilities,
     Shape,
     Variant,
     check_param_choice,
@@ -38,6 +40,21 @@ NAME = "flashmla"
 
 _FM_PAGE = 64  # FlashMLA's only page (block) size
 _FM_PAIRS = {"bf16": ("bf16",), "fp8": ("fp8_dynamic", "fp8_static")}  # KV -> q modes with a kernel
+
+CAPABILITIES = Capabilities(
+    kv_formats=("bf16", "fp8"),
+    q_modes=("bf16", "fp8_dynamic", "fp8_static"),
+    serving=True,
+    contiguous=False,  # 64-token pages only (a contiguous uniform batch is viewed as pages)
+    page_sizes=(_FM_PAGE,),
+    heads=CORE_HEADS,
+    max_q_len=4,
+    mixed_q_len=False,  # q is (batch, q_len, heads, 576): one q_len per call
+    graph_safe=True,  # its split schedule is computed on the device from seq_lens
+    platforms=(("cuda", "sm_90"),),
+    vendor="sgl-flash-mla",
+    precompile=True,
+)
 
 
 def unavailable_reason() -> str | None:
@@ -141,7 +158,7 @@ def build(variant: Variant, shape: Shape, device):
     return run_flash_mla
 
 
-# Precompile (mla_tune/compile_pool.py): the first call JIT-builds (or loads) the vendor's
+# Precompile (mla_tune/tune/compile_pool.py): the first call JIT-builds (or loads) the vendor's
 # module and Triton kernels into on-disk caches; the default stand-in compiles the same ones.
 PRECOMPILE = True
 

@@ -20,12 +20,15 @@ from __future__ import annotations
 import torch
 
 from mla_tune.core import (
+    CORE_HEADS,
+    CORE_PAGE_SIZES,
     KV_LORA_RANK,
     NUM_HEADS,
     QK_DIM,
     QK_ROPE_DIM,
     SM_SCALE,
     V_DIM,
+    Capabilities,
     Shape,
     Variant,
     check_param_choice,
@@ -34,6 +37,21 @@ from mla_tune.core import (
 )
 
 NAME = "flashinfer"
+
+CAPABILITIES = Capabilities(
+    kv_formats=("bf16", "fp8"),
+    serving=True,
+    contiguous=True,  # read as 1-token pages
+    page_sizes=CORE_PAGE_SIZES,
+    heads=CORE_HEADS,
+    max_q_len=4,
+    mixed_q_len=True,
+    graph_safe=True,  # its run; its plan() reads the lengths on the host
+    host_lengths=True,
+    platforms=(("cuda",),),
+    vendor="flashinfer-python",
+    precompile=True,
+)
 
 _FI_BACKENDS = ("fa3", "fa2")
 # flashinfer's recommended float workspace for split-k partial results
@@ -135,7 +153,7 @@ def build(variant: Variant, shape: Shape, device):
     return run_flashinfer_mla
 
 
-# Precompile (mla_tune/compile_pool.py): plan() JIT-builds (or loads) FlashInfer's MLA module
+# Precompile (mla_tune/tune/compile_pool.py): plan() JIT-builds (or loads) FlashInfer's MLA module
 # into its on-disk cache.
 PRECOMPILE = True
 

@@ -26,6 +26,7 @@ from mla_tune.core import (
     QK_DIM,
     SM_SCALE,
     V_DIM,
+    Capabilities,
     Shape,
     Variant,
     check_param_choice,
@@ -36,6 +37,13 @@ from mla_tune.core import (
 from mla_tune.kernels.gluon_decode import GD_UNAVAILABLE, GD_V_PATHS, gd_kv_descriptor, gluon_decode
 
 NAME = "gluon_fused"
+
+CAPABILITIES = Capabilities(
+    kv_formats=("fp8",),
+    q_modes=("fp8_dynamic",),
+    platforms=(("cuda", "sm_90"),),  # Gluon's wgmma and TMA, Triton 3.6
+    precompile=True,
+)
 
 _GF_BLOCK_N = (64, 128)
 # Hopper's shared memory per block (227 KB); the kernel's use is _gf_smem_bytes.
@@ -183,7 +191,7 @@ def build(variant: Variant, shape: Shape, device):
     return run_gluon_fused
 
 
-# Precompile (mla_tune/compile_pool.py): Triton compiles the Gluon kernel on first use.
+# Precompile (mla_tune/tune/compile_pool.py): Triton compiles the Gluon kernel on first use.
 PRECOMPILE = True
 
 

@@ -14,6 +14,7 @@ from mla_tune.core import (
     QK_DIM,
     SM_SCALE,
     V_DIM,
+    Capabilities,
     Shape,
     Variant,
     check_param_choice,
@@ -21,6 +22,12 @@ from mla_tune.core import (
 )
 
 NAME = "torch"
+
+CAPABILITIES = Capabilities(
+    kv_formats=("bf16",),
+    platforms=(("cuda",), ("hip",), ("cpu",)),
+    baseline=True,  # the reference implementation every sweep times
+)
 
 
 def unavailable_reason() -> str | None:

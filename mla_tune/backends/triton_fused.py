@@ -30,6 +30,8 @@ import os
 import torch
 
 from mla_tune.core import (
+    CORE_HEADS,
+    CORE_PAGE_SIZES,
     NUM_HEADS,
     PARAM_MAX_SPLITS,
     PARAM_MAX_STAGES,
@@ -37,6 +39,7 @@ from mla_tune.core import (
     QK_DIM,
     SM_SCALE,
     V_DIM,
+    Capabilities,
     Shape,
     Variant,
     check_param_choice,
@@ -48,6 +51,20 @@ from mla_tune.core import (
 from mla_tune.kernels.fused_decode import fu_persistent_slots, fused_decode
 
 NAME = "triton_fused"
+
+CAPABILITIES = Capabilities(
+    kv_formats=("bf16", "fp8", "mxfp4"),
+    serving_kv_formats=("bf16", "fp8"),  # fused_decode_serving has no MXFP4 path
+    q_modes=("bf16", "fp8_dynamic"),
+    serving=True,  # kernels/fused_decode.py's fused_decode_serving
+    contiguous=True,
+    page_sizes=CORE_PAGE_SIZES,
+    heads=CORE_HEADS,
+    max_q_len=4,
+    mixed_q_len=True,
+    graph_safe=True,
+    precompile=True,
+)
 
 _FU_KV = ("bf16", "fp8", "mxfp4")
 _FU_Q = ("bf16", "fp8_dynamic")
@@ -299,7 +316,7 @@ def build(variant: Variant, shape: Shape, device):
     return run_triton_fused
 
 
-# Precompile (mla_tune/compile_pool.py): Triton compiles these kernels on first use.
+# Precompile (mla_tune/tune/compile_pool.py): Triton compiles these kernels on first use.
 PRECOMPILE = True
 
 

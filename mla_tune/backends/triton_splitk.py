@@ -13,12 +13,15 @@ import os
 import torch
 
 from mla_tune.core import (
+    CORE_HEADS,
+    CORE_PAGE_SIZES,
     NUM_HEADS,
     PARAM_MAX_BLOCK_N,
     PARAM_MAX_SPLITS,
     PARAM_MAX_STAGES,
     PARAM_MAX_WARPS,
     V_DIM,
+    Capabilities,
     Shape,
     Variant,
     check_param_choice,
@@ -35,6 +38,20 @@ from mla_tune.kernels.flash_decode import (
 )
 
 NAME = "triton"
+
+CAPABILITIES = Capabilities(
+    kv_formats=("bf16", "fp8"),
+    q_modes=("bf16", "fp8_dynamic", "fp8_static"),
+    ragged=True,  # its leaderboard runner reads kv_indptr per sequence
+    serving=True,  # kernels/flash_decode.py's flash_decode_serving
+    contiguous=True,
+    page_sizes=CORE_PAGE_SIZES,
+    heads=CORE_HEADS,
+    max_q_len=4,
+    mixed_q_len=True,
+    graph_safe=True,  # split counts computed on the device, buffers sized from maxima
+    precompile=True,
+)
 
 _tsk_KV_FORMATS = ("bf16", "fp8")
 _tsk_Q_MODES = ("bf16", "fp8_dynamic", "fp8_static")
@@ -203,7 +220,7 @@ def build(variant: Variant, shape: Shape, device):
     return run_triton_splitk
 
 
-# Precompile (mla_tune/compile_pool.py): Triton compiles these kernels on first use.
+# Precompile (mla_tune/tune/compile_pool.py): Triton compiles these kernels on first use.
 PRECOMPILE = True
 
 

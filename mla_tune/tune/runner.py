@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from rich.console import Console
 from rich.markup import escape
 
-from mla_tune.config import Config
 from mla_tune.core import Shape, Variant
-from mla_tune.results import ResultsWriter
-from mla_tune.sweep_report import Progress
-from mla_tune.sweep_schedule import (
+from mla_tune.tune.config import Config
+from mla_tune.tune.progress import Progress
+from mla_tune.tune.results import ResultsWriter
+from mla_tune.tune.schedule import (
     BASELINE_BACKEND,
     BudgetClock,
     CostModel,
@@ -29,8 +29,15 @@ from mla_tune.sweep_schedule import (
     survivors_after,
     wall_samples,
 )
-from mla_tune.sweep_search import ShapeSearch, key_of, promote
-from mla_tune.worker import Step, StepResult, WorkerGone, WorkerHandle, WorkerTimeout, signal_name
+from mla_tune.tune.search import ShapeSearch, key_of, promote
+from mla_tune.tune.worker import (
+    Step,
+    StepResult,
+    WorkerGone,
+    WorkerHandle,
+    WorkerTimeout,
+    signal_name,
+)
 
 
 @dataclass

@@ -20,8 +20,8 @@ from pathlib import Path
 from mla_tune.core import Shape
 from mla_tune.errors import MlaTuneError
 from mla_tune.fileio import atomic_write_text
-from mla_tune.results import ResultsError, read_results, results_path_for
-from mla_tune.table import FLOOR_NOTE, Table, load_table
+from mla_tune.tables.table import FLOOR_NOTE, Table, load_table
+from mla_tune.tune.results import ResultsError, read_results, results_path_for
 
 SWEPT_PARAMS = ("num_splits", "block_n")
 INSTALL_HINT = 'pip install -e ".[report]"'

@@ -28,7 +28,7 @@ from mla_tune.backends import get_backend, known_backends
 from mla_tune.core import KV_FORMATS, Q_MODES, QK_DIM, Shape, Variant
 from mla_tune.errors import MlaTuneError
 from mla_tune.fileio import atomic_write_text, dump_yaml, read_yaml
-from mla_tune.results import STATUSES
+from mla_tune.tune.results import STATUSES
 
 SCHEMA_VERSION = 1
 # Medians within 1% are a tie: our spread on an H200 is a few percent, so ordering such

@@ -1,10 +1,10 @@
 """The sweep: every (shape, candidate) through the correctness gate, then successive halving
-over timing rungs (mla_tune/sweep_search.py) within a time budget (sweep_schedule.py), into
+over timing rungs (mla_tune/tune/search.py) within a time budget (sweep_schedule.py), into
 an append-only results file, then the dispatch table.
 
 The main process plans, schedules and records; it never runs a kernel and never starts
 CUDA (a cheap name query refuses another GPU before any worker starts; the platform comes
-from the first worker). Each device has one worker process (mla_tune.worker); a candidate
+from the first worker). Each device has one worker process (mla_tune.tune.worker); a candidate
 that kills its worker is recorded as "crashed", one that runs past its limit is killed and
 recorded as "timeout", and a fresh worker takes the next step. Records are appended one
 fsynced line per finished step, so a killed sweep resumes where it stopped; a lock file
@@ -26,13 +26,14 @@ from rich.markup import escape
 
 import mla_tune
 from mla_tune import gpu as gpu_mod
-from mla_tune import timing
 from mla_tune.backends import dedupe_key, get_backend
-from mla_tune.compile_pool import plan_jobs
-from mla_tune.config import Config, expand_space, load_config
 from mla_tune.core import Shape, Variant
 from mla_tune.errors import MlaTuneError
-from mla_tune.results import (
+from mla_tune.tune import timing
+from mla_tune.tune.compile_pool import plan_jobs
+from mla_tune.tune.config import Config, expand_space, load_config
+from mla_tune.tune.progress import Progress, print_plan, summarize
+from mla_tune.tune.results import (
     SCHEMA,
     STATUSES,
     ResultsError,
@@ -44,9 +45,8 @@ from mla_tune.results import (
     repair_tail,
     results_path_for,
 )
-from mla_tune.sweep_report import Progress, print_plan, summarize
-from mla_tune.sweep_runner import DeviceRunner, Shared
-from mla_tune.sweep_schedule import (
+from mla_tune.tune.runner import DeviceRunner, Shared
+from mla_tune.tune.schedule import (
     BudgetClock,
     CostModel,
     FittedPlan,
@@ -54,7 +54,7 @@ from mla_tune.sweep_schedule import (
     cost_model_for,
     fit_plan,
 )
-from mla_tune.worker import (
+from mla_tune.tune.worker import (
     GATE_MARGIN,
     WorkerGone,
     WorkerHandle,
@@ -184,7 +184,7 @@ def _dry_run(config: Config, gpu: str, out: Path, results_path: Path, console: C
     platform = gpu_mod.fake_platform(gpu) if absent else found
     planned = plan_candidates(config, platform, planning_only=absent)
     costs = cost_model_for(results_path, earlier_results(results_path, gpu))
-    from mla_tune.sweep_schedule import STARTUP_S
+    from mla_tune.tune.schedule import STARTUP_S
 
     fitted = _fit(config, planned, costs, len(devices), platform.has_gpu, STARTUP_S, planning_only=absent)
     where = f"planned for {gpu}; this machine has {found.device_name}" if absent else found.device_name
@@ -481,7 +481,7 @@ def _precompile(config: Config, fitted: FittedPlan, old_records: list[dict], dev
 
 
 def _write_table(header: dict, records: list[dict], config: Config, out: Path, console: Console):
-    from mla_tune import table as table_module  # written alongside; imported when needed
+    from mla_tune.tables import table as table_module  # written alongside; imported when needed
 
     table = table_module.table_from_results(header, records, config)
     table_module.write_table(out, table)

@@ -19,11 +19,11 @@ import torch
 from mla_tune.backends import get_backend
 from mla_tune.backends.aiter_mla import aiter_drift_note
 from mla_tune.core import Shape, Variant, require
-from mla_tune.dispatch import Dispatcher, dispatch_fallback, dispatch_fallback_backend
 from mla_tune.gpu import Platform, detect
-from mla_tune.table import Table, TableError, load_table
+from mla_tune.tables.dispatch import Dispatcher, dispatch_fallback, dispatch_fallback_backend
+from mla_tune.tables.table import Table, TableError, load_table
 
-TABLES_DIR = Path(__file__).resolve().parent.parent / "tables"
+TABLES_DIR = Path(__file__).resolve().parents[2] / "tables"
 # Versions whose change can move kernel timings or behaviour; python's cannot.
 VERSION_FIELDS = ("torch", "triton", "cuda", "hip", "amd-aiter", "amd-aiter-commit", "flashinfer-python",
                   "sgl-flash-mla")
@@ -52,7 +52,7 @@ def backend_unavailable(name: str) -> str | None:
 def fallback_policy(rule: str | None = None,
                     allowed: Iterable[str] | None = None) -> tuple[str, Callable[[Shape], Variant]]:
     """(backend, shape -> Variant) for shapes the table lacks and for ragged batches, under
-    the table's correctness rule `rule`: mla_tune.dispatch's policy (the export uses it too).
+    the table's correctness rule `rule`: mla_tune.tables.dispatch's policy (the export uses it too).
 
     triton when allowed and it runs here (correct for every kv_len >= 1 under the rule, and
     it reads kv_indptr per sequence); otherwise the torch baseline, which serves uniform

@@ -19,11 +19,11 @@ from typing import Any
 
 from mla_tune import gpu
 from mla_tune.backends import get_backend, known_backends
-from mla_tune.calibration import CalibrationSpec, parse_calibration
 from mla_tune.core import Shape
 from mla_tune.errors import MlaTuneError
 from mla_tune.fileio import read_yaml
 from mla_tune.problem import Rule, get_rule
+from mla_tune.tune.calibration import CalibrationSpec, parse_calibration
 
 TOP_LEVEL_FIELDS = {
     "name", "description", "rule", "check_seeds", "calibration_seeds", "timing", "budget_s",
@@ -86,7 +86,7 @@ class Config:
     precompile: dict[str, bool]  # name -> warm Triton's cache in a compile pool first
     candidate_timeout_s: float | None
     raw: dict
-    # `purpose` and `calibration`: where fp8_static q scales come from (mla_tune.calibration)
+    # `purpose` and `calibration`: where fp8_static q scales come from (mla_tune.tune.calibration)
     calibration: CalibrationSpec = CalibrationSpec()
     search: SearchSpec | None = None  # always set by config_from_dict
 

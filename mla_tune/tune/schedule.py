@@ -203,7 +203,7 @@ def cost_model_for(results_path: Path, earlier: list[Path]) -> CostModel:
                 costs, n = found
                 job_s = costs.pop("compile_job_s", COMPILE_JOB_S)
                 return CostModel({**DEFAULT_COSTS, **costs}, f"measured from {path} ({n} records)", job_s)
-    return CostModel(dict(DEFAULT_COSTS), "defaults (DEFAULT_COSTS in mla_tune/sweep_schedule.py; "
+    return CostModel(dict(DEFAULT_COSTS), "defaults (DEFAULT_COSTS in mla_tune/tune/schedule.py; "
                      "no earlier results file for this GPU)")
 
 

@@ -4,10 +4,10 @@ The file holds the POPCORN header, a docstring saying where it came from, the im
 then the exportable modules it needs (core.py, the kernels and backends its rows and its
 fallback use, dispatch.py) copied verbatim in dependency order with their
 `from mla_tune... import` lines cut, the table as a literal, and `custom_kernel`. It never
-imports mla_tune. mla_tune.export_ast reads, orders and prepares those modules (imports
+imports mla_tune. mla_tune.export.modules reads, orders and prepares those modules (imports
 hoisted, backend protocol names renamed, collisions refused).
 
-Fallback (shapes the table lacks): mla_tune.dispatch's policy for the table's rule, the
+Fallback (shapes the table lacks): mla_tune.tables.dispatch's policy for the table's rule, the
 same function the runtime uses (the file carries dispatch.py): triton's `default_variant`
 when triton is allowed, else the torch baseline (uniform batches only). So `--only torch`
 carries no Triton code at all.
@@ -21,8 +21,7 @@ import sys
 from pathlib import Path
 
 from mla_tune.backends import UnknownBackend, get_backend, known_backends
-from mla_tune.dispatch import DISPATCH_FALLBACK_BACKENDS, dispatch_fallback_backend
-from mla_tune.export_ast import (
+from mla_tune.export.modules import (
     PROTOCOL_NAMES,
     ExportError,
     module_closure,
@@ -31,7 +30,8 @@ from mla_tune.export_ast import (
     vendor_libraries,
 )
 from mla_tune.fileio import atomic_write_text
-from mla_tune.table import load_table
+from mla_tune.tables.dispatch import DISPATCH_FALLBACK_BACKENDS, dispatch_fallback_backend
+from mla_tune.tables.table import load_table
 
 # PROTOCOL_NAMES, ExportError and module_from_source are re-exported: callers import them from here
 __all__ = ["PROTOCOL_NAMES", "ExportError", "export_submission", "module_from_source",
@@ -114,7 +114,7 @@ def render_submission(table_path: str | Path, only_backends: list[str] | None = 
     variants = table.variants(only_backends=allowed)
     fallback = _fallback_backend(allowed)
     used = sorted({v.backend for v in variants.values()} | {fallback}, key=known.index)
-    roots = [(_backend_module(b), b) for b in used] + [("mla_tune.dispatch", None)]
+    roots = [(_backend_module(b), b) for b in used] + [("mla_tune.tables.dispatch", None)]
     modules = module_closure(roots)
     imports = prepare_modules(modules)
     vendors = vendor_libraries(modules)

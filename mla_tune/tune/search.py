@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 
 from mla_tune.core import Shape, Variant
-from mla_tune.results import candidate_key
+from mla_tune.tune.results import candidate_key
 
 
 def key_of(shape: Shape, text: str) -> tuple:

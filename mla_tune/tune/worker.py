@@ -26,11 +26,12 @@ from pathlib import Path
 
 import torch
 
-from mla_tune import calibration, gpu, problem, timing
+from mla_tune import gpu, problem
 from mla_tune.backends import get_backend
-from mla_tune.compile_pool import compile_shape_for, precompile  # noqa: F401 (moved; re-exported until callers move)
 from mla_tune.core import Shape, Variant
-from mla_tune.procs import die_with_parent
+from mla_tune.tune import calibration, timing
+from mla_tune.tune.compile_pool import compile_shape_for, precompile  # noqa: F401 (moved; re-exported until callers move)
+from mla_tune.tune.procs import die_with_parent
 
 GATE_MARGIN = 0.5  # the gate demands at most half the rule's allowance (PROBLEM.md)
 _POISON_MARKERS = ("CUDA error", "illegal memory access", "HIP error", "device-side assert")
@@ -51,7 +52,7 @@ class Step:
     rule: problem.Rule
     check_seeds: tuple[int, ...]
     calibration_seeds: tuple[int, ...]
-    calibration: dict | None = None  # the config's q calibration source (mla_tune.calibration)
+    calibration: dict | None = None  # the config's q calibration source (mla_tune.tune.calibration)
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,7 @@ class ShapeState:
 
     def calibration(self, spec: dict | None = None) -> dict:
         """fp8_static's q_amax for this shape from the config's calibration source `spec`
-        (mla_tune.calibration; None: the generator, on seeds the gate never checks on)."""
+        (mla_tune.tune.calibration; None: the generator, on seeds the gate never checks on)."""
         if self._calibration is None:
             self._calibration = calibration.calibrate(spec, self.shape, self.calibration_seeds,
                                                       self.device)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mla_tune.render import clip, grid, share, us, variant_lines, wrap
-from mla_tune.table import TIE_TOLERANCE, Row, Table
+from mla_tune.tables.render import clip, grid, share, us, variant_lines, wrap
+from mla_tune.tables.table import TIE_TOLERANCE, Row, Table
 
 
 def _noise(old: Row, new: Row) -> float:

@@ -33,7 +33,7 @@ import torch
 from mla_tune import problem
 from mla_tune.backends import get_backend
 from mla_tune.core import QK_DIM, Shape, Variant
-from mla_tune.procs import die_with_parent
+from mla_tune.tune.procs import die_with_parent
 
 # A placeholder q scale for fp8_static variants: the kernel takes the scale as a float
 # argument, which Triton never specializes, so any value compiles the same kernel.

@@ -24,7 +24,7 @@ from mla_tune.errors import MlaTuneError
 
 PROTOCOL_NAMES = ("NAME", "unavailable_reason", "candidates", "validate", "build",
                   "default_variant", "PRECOMPILE", "compile_shape", "warmup", "SPACE_KEYS",
-                  "dedupe_key")
+                  "dedupe_key", "CAPABILITIES", "build_serving", "default_serving_variant")
 # Names the exported file's own code (export.py's template) defines; a module may not.
 _GENERATED_NAMES = {"input_t", "output_t", "custom_kernel", "_EXPORT_TABLE_TEXT", "_EXPORT_TABLE",
                     "_EXPORT_BUILDERS", "_EXPORT_DISPATCHER", "_EXPORT_FALLBACK_VARIANT",
@@ -49,13 +49,13 @@ class _Module:
 
 def _display(path: Path) -> str:
     try:
-        return str(path.relative_to(Path(__file__).resolve().parent.parent))
+        return str(path.relative_to(Path(__file__).resolve().parents[2]))
     except ValueError:
         return str(path)
 
 
 def _is_exportable(name: str) -> bool:
-    if name in ("mla_tune.core", "mla_tune.dispatch"):
+    if name in ("mla_tune.core", "mla_tune.tables.dispatch"):
         return True
     parts = name.split(".")
     return len(parts) == 3 and parts[:2] in (["mla_tune", "kernels"], ["mla_tune", "backends"])

@@ -10,9 +10,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as RichProgress
 
-from mla_tune.config import Config
 from mla_tune.core import Shape
-from mla_tune.sweep_schedule import BASELINE_BACKEND
+from mla_tune.tune.config import Config
+from mla_tune.tune.schedule import BASELINE_BACKEND
 
 
 def print_plan(config: Config, gpu: str, where: str, out: Path, results_path: Path,
@@ -112,8 +112,8 @@ class Progress:
 def summarize(records: list[dict], console: Console) -> dict[str, dict]:
     """Print the end-of-sweep summary (per shape: winner, time, runner-up, baseline, counts,
     then each winner's full variant) as plain text that fits the width, with the same rules
-    as `mla-tune show` (mla_tune.render); return {shape text: {variant, median_us}}."""
-    from mla_tune.render import line_width, summary_lines
+    as `mla-tune show` (mla_tune.tables.render); return {shape text: {variant, median_us}}."""
+    from mla_tune.tables.render import line_width, summary_lines
 
     lines, winners = summary_lines(records, BASELINE_BACKEND, line_width())
     for line in lines:

@@ -1,0 +1,1 @@
+"""Tables and lookup: the table format, dispatch, diff, rendering and reports."""

@@ -1,0 +1,1 @@
+"""Tuning: configs, the sweep and its search, workers, the results file, timing."""
