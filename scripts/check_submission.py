@@ -13,6 +13,12 @@ run the submission's fallback); the exit status is 0 when every shape passes the
 `--require` rule. An export under `strict`, at short lengths:
 
     PYTHONPATH=. python scripts/check_submission.py sub.py --shapes 2x1,2x2,2x17,2x63 --require strict
+
+Side by side: `--against OLD.py` times a second file at the same inputs in the same process,
+alternating the two over `--rounds` rounds (the median of each file's round medians), and
+prints new/old per shape; `--table T.yaml` adds each shape's time recorded in a table and
+the ratio to it. `--max-ratio 1.03` then makes the exit status 1 for a shape slower than
+that against the other file.
 """
 
 from __future__ import annotations
@@ -78,10 +84,24 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=4242)
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--out", type=Path, default=None, help="write results.json here")
+    parser.add_argument("--against", type=Path, default=None,
+                        help="a second submission timed beside this one at the same inputs")
+    parser.add_argument("--rounds", type=int, default=3, help="alternations with --against")
+    parser.add_argument("--table", type=Path, default=None,
+                        help="a table whose recorded winner times are printed beside")
+    parser.add_argument("--max-ratio", type=float, default=None,
+                        help="with --against: fail a shape slower than this ratio (e.g. 1.03)")
     args = parser.parse_args()
 
     shapes = parse_shapes(args.shapes)
     module = import_submission(args.submission)
+    other = import_submission(args.against) if args.against else None
+    recorded = {}
+    if args.table:
+        from mla_tune.tables.table import load_table
+
+        recorded = {(s.batch, s.kv_len): r.time_us
+                    for s, r in load_table(args.table).rows.items() if r.time_us}
 
     rows = []
     for i, (kind, batch, kv_len) in enumerate(shapes):
@@ -91,12 +111,25 @@ def main() -> int:
         lb = check(out, ref, RULES["leaderboard"])
         strict = check(out, ref, RULES["strict"])
         timing = time_call(lambda data=data: module.custom_kernel(data), reps=args.reps)
-        rows.append({
+        row = {
             "kind": kind, "batch": batch, "kv_len": kv_len,
             "leaderboard_pass": lb.passed, "leaderboard_mismatch": lb.mismatch,
             "strict_pass": strict.passed, "strict_mismatch": strict.mismatch,
             **timing.as_dict(),
-        })
+        }
+        if other is not None:
+            other.custom_kernel(data)  # compile and warm outside the timing
+            mine, theirs = [timing.median_us], []
+            for _ in range(args.rounds):
+                theirs.append(time_call(lambda data=data: other.custom_kernel(data), reps=args.reps).median_us)
+                mine.append(time_call(lambda data=data: module.custom_kernel(data), reps=args.reps).median_us)
+            row["median_us"] = sorted(mine)[len(mine) // 2]
+            row["rounds_us"] = mine
+            row["against_us"] = sorted(theirs)[len(theirs) // 2]
+            row["against_rounds_us"] = theirs
+        if (batch, kv_len) in recorded:
+            row["table_us"] = recorded[(batch, kv_len)]
+        rows.append(row)
         del data, out, ref
         torch.cuda.empty_cache()
 
@@ -109,6 +142,8 @@ def main() -> int:
             f"{r['kind']:5} {r['batch']:>4}x{r['kv_len']:<5} {'ok' if r['leaderboard_pass'] else 'FAIL':>4} "
             f"{'ok' if r['strict_pass'] else 'FAIL':>6} {100 * r['strict_mismatch']:6.2f} "
             f"{r['median_us']:10.1f} {r['p10_us']:8.1f} {r['p90_us']:8.1f}"
+            + (f"  vs {r['against_us']:8.1f} = {r['median_us'] / r['against_us']:5.3f}" if "against_us" in r else "")
+            + (f"  table {r['table_us']:8.1f} = {r['median_us'] / r['table_us']:5.3f}" if "table_us" in r else "")
         )
     print(f"geomean over the benchmark shapes: {geomean:.1f} us")
     if args.out:
@@ -119,7 +154,11 @@ def main() -> int:
     failed = [f"{r['batch']}x{r['kv_len']}" for r in rows if not r[f"{args.require}_pass"]]
     if failed:
         print(f"FAIL under the {args.require} rule: {', '.join(failed)}")
-    return 1 if failed else 0
+    slower = [f"{r['batch']}x{r['kv_len']} ({r['median_us'] / r['against_us']:.3f})" for r in rows
+              if args.max_ratio and "against_us" in r and r["median_us"] > args.max_ratio * r["against_us"]]
+    if slower:
+        print(f"SLOWER than {args.against} by more than {args.max_ratio}x: {', '.join(slower)}")
+    return 1 if failed or slower else 0
 
 
 if __name__ == "__main__":
