@@ -1,0 +1,325 @@
+"""The serving table (`tables/NAME.serving.yaml`): tuned picks for an engine's decode calls.
+
+The leaderboard table (tables/table.py) knows 8 exact shapes. An engine's calls differ in
+every step, so the serving table is keyed the way engines capture and batch their calls:
+
+- a *family* is matched exactly: what changes the kernel or its correctness (KV format,
+  page size, heads, q_len);
+- the batch goes up to the smallest *batch bucket* at or above it (engines pad a batch to
+  their CUDA-graph capture sizes); above the largest bucket, the largest;
+- eager calls take the *kv bucket* nearest (in log scale) to the batch's mean length;
+- a CUDA graph cannot depend on kv_len (the lengths are data), so each batch bucket also has
+  one *graph pick*: the variant whose worst regret over the family's kv buckets is smallest
+  (a worst case, not a mean: a pick tuned for long contexts can lose badly at short ones).
+
+Split counts are not table entries: a variant carries its rule (max_splits,
+tokens_per_split), which the kernel applies to each sequence on the device.
+
+Schema `serving/1`, top level: `schema`, `gpu`, `provenance`, `batch_buckets`, `kv_buckets`,
+`families`. A family is `{key: {kv_format, page_size, heads, q_len}, cells: [...], graph:
+[...], left_out: [...]}`; a cell `{batch, kv_len, variant, time_us, runner_up?}`; a graph
+pick `{batch, variant, worst_regret, worst_kv_len}`; a left-out cell `{batch, kv_len,
+reason}`. Loading never executes anything from the file (fileio.read_yaml) and every error
+names the file, the family and the field. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mla_tune.backends import known_backends
+from mla_tune.core import CallSpec, Variant
+from mla_tune.fileio import atomic_write_text, dump_yaml, read_yaml
+from mla_tune.tables.table import TableError, _check_variant
+
+SERVING_SCHEMA = "serving/1"
+_KEY_FIELDS = ("kv_format", "page_size", "heads", "q_len")
+
+
+@dataclass(frozen=True, order=True)
+class FamilyKey:
+    """What a serving call must match exactly: these change the kernel or its correctness."""
+
+    kv_format: str
+    page_size: int  # 0: contiguous KV
+    heads: int
+    q_len: int  # the call's max_q_len
+
+    @classmethod
+    def of(cls, spec: CallSpec) -> FamilyKey:
+        return cls(spec.kv_format, spec.page_size, spec.heads, spec.max_q_len)
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in _KEY_FIELDS}
+
+    def __str__(self) -> str:
+        layout = "contiguous" if self.page_size == 0 else f"page {self.page_size}"
+        return f"{self.kv_format} KV, {layout}, {self.heads} heads, q_len {self.q_len}"
+
+
+@dataclass(frozen=True)
+class Cell:
+    batch: int
+    kv_len: int
+    variant: Variant
+    time_us: float
+    runner_up: dict | None = None  # {variant, time_us}
+
+
+@dataclass(frozen=True)
+class GraphPick:
+    batch: int
+    variant: Variant
+    worst_regret: float  # max over the kv buckets of time / best time there - 1
+    worst_kv_len: int  # where that worst case is
+
+
+@dataclass
+class Family:
+    key: FamilyKey
+    cells: dict[tuple[int, int], Cell] = field(default_factory=dict)
+    graph: dict[int, GraphPick] = field(default_factory=dict)
+    left_out: list[dict] = field(default_factory=list)  # {batch, kv_len, reason}
+
+
+# ------------------------------------------------------------------ bucket rules
+def batch_bucket(buckets: list[int], batch: int) -> int:
+    """The smallest bucket >= batch (engines pad up to a capture size); the largest above all."""
+    i = bisect.bisect_left(buckets, batch)
+    return buckets[min(i, len(buckets) - 1)]
+
+
+def kv_bucket(buckets: list[int], kv_len: float) -> int:
+    """The bucket nearest to kv_len in log scale (each bucket serves the lengths between the
+    geometric midpoints with its neighbours); the end buckets serve everything beyond."""
+    if kv_len <= buckets[0]:
+        return buckets[0]
+    i = bisect.bisect_left(buckets, kv_len)
+    if i == len(buckets):
+        return buckets[-1]
+    lo, hi = buckets[i - 1], buckets[i]
+    return lo if kv_len < math.sqrt(lo * hi) else hi
+
+
+def choose_graph_pick(times: Mapping[Variant, Mapping[int, float]],
+                      best: Mapping[int, float]) -> tuple[Variant, float, int] | None:
+    """(variant, worst regret, kv_len of the worst case) of the variant whose largest regret
+    over the kv buckets in `best` (kv_len -> the best time measured there) is smallest.
+    Only variants timed at every one of those kv buckets compete; ties go to the first
+    offered. None when no variant was timed everywhere."""
+    chosen = None
+    for variant, by_kv in times.items():
+        if any(kv not in by_kv for kv in best):
+            continue
+        regret, worst_kv = max((by_kv[kv] / best[kv] - 1.0, kv) for kv in best)
+        if chosen is None or regret < chosen[1]:
+            chosen = (variant, regret, worst_kv)
+    return chosen
+
+
+# ------------------------------------------------------------------ the table
+@dataclass
+class ServingTable:
+    gpu: str
+    provenance: dict
+    batch_buckets: list[int]
+    kv_buckets: list[int]
+    families: dict[FamilyKey, Family]
+    path: Path | None = None
+
+    def family(self, spec: CallSpec) -> Family | None:
+        return self.families.get(FamilyKey.of(spec))
+
+    def lookup(self, spec: CallSpec, batch: int, mean_kv_len: float | None = None,
+               graph: bool = False) -> Variant | None:
+        """The variant for a call: the graph pick of its batch bucket (graph=True, or no mean
+        length given), else the cell of its batch and kv buckets. None when the family is
+        not in the table or the cell was left out: the caller runs its fallback."""
+        family = self.family(spec)
+        if family is None:
+            return None
+        bucket = batch_bucket(self.batch_buckets, batch)
+        if graph or mean_kv_len is None:
+            pick = family.graph.get(bucket)
+            return pick.variant if pick is not None else None
+        cell = family.cells.get((bucket, kv_bucket(self.kv_buckets, mean_kv_len)))
+        return cell.variant if cell is not None else None
+
+    def as_dict(self) -> dict:
+        families = []
+        for key in sorted(self.families):
+            fam = self.families[key]
+            families.append({
+                "key": key.as_dict(),
+                "cells": [_cell_dict(c) for _, c in sorted(fam.cells.items())],
+                "graph": [{"batch": g.batch, "variant": str(g.variant),
+                           "worst_regret": round(g.worst_regret, 4), "worst_kv_len": g.worst_kv_len}
+                          for _, g in sorted(fam.graph.items())],
+                "left_out": sorted(fam.left_out, key=lambda c: (c["batch"], c["kv_len"])),
+            })
+        return {"schema": SERVING_SCHEMA, "gpu": self.gpu, "provenance": self.provenance,
+                "batch_buckets": list(self.batch_buckets), "kv_buckets": list(self.kv_buckets),
+                "families": families}
+
+
+def _cell_dict(cell: Cell) -> dict:
+    out = {"batch": cell.batch, "kv_len": cell.kv_len, "variant": str(cell.variant),
+           "time_us": round(cell.time_us, 3)}
+    if cell.runner_up:
+        out["runner_up"] = cell.runner_up
+    return out
+
+
+def write_serving_table(path: str | Path, table: ServingTable) -> Path:
+    header = (f"# mla-tune serving table for {table.gpu} (schema {SERVING_SCHEMA}); written by "
+              "mla-tune, reviewed by people: see mla_tune/tables/serving_table.py\n")
+    return atomic_write_text(path, header + dump_yaml(table.as_dict()))
+
+
+# ------------------------------------------------------------------ loading
+def _positive_ints(where: str, name: str, value: Any) -> list[int]:
+    ok = (isinstance(value, list) and value
+          and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)
+          and value == sorted(set(value)))
+    if not ok:
+        raise TableError(f"{where}: {name} must be a non-empty increasing list of positive "
+                         f"integers, got {value!r:.80}")
+    return list(value)
+
+
+def _number(where: str, name: str, value: Any, minimum: float = 0.0) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < minimum:
+        raise TableError(f"{where}: {name} must be a finite number >= {minimum}, got {value!r:.40}")
+    return float(value)
+
+
+def _key(where: str, raw: Any) -> FamilyKey:
+    if not isinstance(raw, dict) or set(raw) != set(_KEY_FIELDS):
+        raise TableError(f"{where}: key must be a mapping of exactly {', '.join(_KEY_FIELDS)}, "
+                         f"got {raw!r:.120}")
+    try:
+        spec = CallSpec(raw["kv_format"], raw["page_size"], raw["heads"], raw["q_len"])
+    except (ValueError, TypeError) as exc:
+        raise TableError(f"{where}: key: {exc}") from exc
+    return FamilyKey.of(spec)
+
+
+def _entries(where: str, raw: dict, name: str) -> list:
+    value = raw.get(name, [])
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise TableError(f"{where}: {name} must be a list of mappings")
+    return value
+
+
+def _family(path: Path, index: int, raw: Any, batch_buckets: list[int], kv_buckets: list[int],
+            known: list[str], check_params: bool) -> Family:
+    where = f"serving table {path}, family {index}"
+    if not isinstance(raw, dict):
+        raise TableError(f"{where} must be a mapping with key, cells, graph, left_out")
+    unknown = set(raw) - {"key", "cells", "graph", "left_out"}
+    if unknown:
+        raise TableError(f"{where}: unknown field(s) {', '.join(sorted(map(str, unknown)))}")
+    family = Family(_key(where, raw.get("key")))
+    where = f"serving table {path}, family {index} ({family.key})"
+
+    def bucketed(at: str, entry: dict, need_kv: bool) -> tuple[int, int | None]:
+        batch = entry.get("batch")
+        if batch not in batch_buckets:
+            raise TableError(f"{at}: batch {batch!r:.20} is not one of the batch_buckets {batch_buckets}")
+        if not need_kv:
+            return batch, None
+        kv_len = entry.get("kv_len")
+        if kv_len not in kv_buckets:
+            raise TableError(f"{at}: kv_len {kv_len!r:.20} is not one of the kv_buckets {kv_buckets}")
+        return batch, kv_len
+
+    for i, entry in enumerate(_entries(where, raw, "cells")):
+        at = f"{where}, cell {i}"
+        batch, kv_len = bucketed(at, entry, True)
+        if (batch, kv_len) in family.cells:
+            raise TableError(f"{at}: a second cell for batch {batch}, kv_len {kv_len}")
+        variant = _check_variant(at, "variant", {"variant": entry.get("variant")}, known, check_params)
+        _match_family(at, variant, family.key)
+        runner_up = entry.get("runner_up")
+        if runner_up is not None and not isinstance(runner_up, dict):
+            raise TableError(f"{at}: runner_up must be a mapping or absent")
+        family.cells[(batch, kv_len)] = Cell(batch, kv_len, variant,
+                                             _number(at, "time_us", entry.get("time_us")), runner_up)
+    for i, entry in enumerate(_entries(where, raw, "graph")):
+        at = f"{where}, graph pick {i}"
+        batch, _ = bucketed(at, entry, False)
+        if batch in family.graph:
+            raise TableError(f"{at}: a second graph pick for batch {batch}")
+        variant = _check_variant(at, "variant", {"variant": entry.get("variant")}, known, check_params)
+        _match_family(at, variant, family.key)
+        worst_kv = entry.get("worst_kv_len")
+        if worst_kv not in kv_buckets:
+            raise TableError(f"{at}: worst_kv_len {worst_kv!r:.20} is not one of the kv_buckets")
+        family.graph[batch] = GraphPick(batch, variant,
+                                        _number(at, "worst_regret", entry.get("worst_regret")), worst_kv)
+    for i, entry in enumerate(_entries(where, raw, "left_out")):
+        at = f"{where}, left_out {i}"
+        bucketed(at, entry, True)
+        if not isinstance(entry.get("reason"), str) or not entry["reason"].strip():
+            raise TableError(f"{at}: a left-out cell must say why (reason)")
+        family.left_out.append(dict(entry))
+    return family
+
+
+def _match_family(where: str, variant: Variant, key: FamilyKey) -> None:
+    if variant.get("kv") != key.kv_format:
+        raise TableError(f"{where}: {variant} reads kv={variant.get('kv')}, but the family's "
+                         f"KV format is {key.kv_format}")
+
+
+def load_serving_table(path: str | Path, check_params: bool = True) -> ServingTable:
+    """Read and check a serving table; every error is a TableError naming file, family, field."""
+    path = Path(path)
+    raw = read_yaml(path, "serving table", TableError,
+                    missing_hint="make one with `mla-tune sweep --config configs/serving.yaml`, "
+                                 "or pass the path of an existing file")
+    where = f"serving table {path}"
+    if not isinstance(raw, dict):
+        raise TableError(f"{where} must be a mapping (schema, gpu, provenance, batch_buckets, "
+                         "kv_buckets, families)")
+    if raw.get("schema") != SERVING_SCHEMA:
+        raise TableError(f"{where}: schema is {raw.get('schema')!r:.40}, this mla-tune reads "
+                         f"{SERVING_SCHEMA!r}; re-run the serving sweep with this version")
+    gpu = raw.get("gpu")
+    if not isinstance(gpu, str) or not gpu:
+        raise TableError(f"{where}: gpu must name the GPU the table was tuned on")
+    provenance = raw.get("provenance") or {}
+    if not isinstance(provenance, dict):
+        raise TableError(f"{where}: provenance must be a mapping")
+    batch_buckets = _positive_ints(where, "batch_buckets", raw.get("batch_buckets"))
+    kv_buckets = _positive_ints(where, "kv_buckets", raw.get("kv_buckets"))
+    if not isinstance(raw.get("families"), list):
+        raise TableError(f"{where}: families must be a list")
+    known = known_backends()
+    families: dict[FamilyKey, Family] = {}
+    for i, item in enumerate(raw["families"]):
+        family = _family(path, i, item, batch_buckets, kv_buckets, known, check_params)
+        if family.key in families:
+            raise TableError(f"{where}, family {i}: a second family for {family.key}")
+        families[family.key] = family
+    return ServingTable(gpu, provenance, batch_buckets, kv_buckets, families, path)
+
+
+def graph_picks(cells: Iterable[tuple[int, int, Variant, float]], batch: int,
+                kv_buckets: list[int]) -> tuple[Variant, float, int] | None:
+    """The graph pick for one batch bucket from timings (batch, kv_len, variant, time_us) of
+    candidates measured across that bucket's kv cells: choose_graph_pick over them."""
+    times: dict[Variant, dict[int, float]] = {}
+    best: dict[int, float] = {}
+    for b, kv_len, variant, time_us in cells:
+        if b != batch or kv_len not in kv_buckets:
+            continue
+        times.setdefault(variant, {})[kv_len] = time_us
+        best[kv_len] = min(best.get(kv_len, math.inf), time_us)
+    return choose_graph_pick(times, best)

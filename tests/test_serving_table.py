@@ -1,0 +1,136 @@
+"""The serving table (mla_tune/tables/serving_table.py): bucket rules, the graph pick by
+worst case, lookup, a write/load round trip, and load errors that name file, family, field."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from mla_tune.core import CallSpec, Variant
+from mla_tune.tables.serving_table import (
+    Cell,
+    Family,
+    FamilyKey,
+    GraphPick,
+    ServingTable,
+    batch_bucket,
+    choose_graph_pick,
+    graph_picks,
+    kv_bucket,
+    load_serving_table,
+    write_serving_table,
+)
+from mla_tune.tables.table import TableError
+
+BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+KVS = [512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
+
+
+def _v(splits: int, kv: str = "fp8") -> Variant:
+    return Variant.parse(f"triton(block_n=64,dot_dtype=bf16,kv={kv},num_splits={splits},"
+                         "num_stages=2,num_warps=4,q=bf16)")
+
+
+def test_batch_goes_up_to_the_smallest_bucket_at_or_above_it():
+    assert [batch_bucket(BATCHES, b) for b in (1, 3, 4, 5, 33, 256, 300)] == [1, 4, 4, 8, 64, 256, 256]
+
+
+def test_kv_len_takes_the_nearest_bucket_in_log_scale():
+    # the boundary between 4096 and 8192 is their geometric mean, 5792.6
+    assert kv_bucket(KVS, 5792) == 4096 and kv_bucket(KVS, 5793) == 8192
+    assert kv_bucket(KVS, 1) == 512 and kv_bucket(KVS, 10**6) == 65536
+    assert kv_bucket(KVS, 1024) == 1024 and kv_bucket(KVS, 1400) == 1024
+
+
+def test_the_graph_pick_minimises_the_worst_case_not_the_mean():
+    best = {512: 10.0, 8192: 100.0}
+    times = {
+        _v(4): {512: 10.0, 8192: 140.0},  # mean regret 20%, worst 40%
+        _v(16): {512: 12.5, 8192: 101.0},  # mean regret 13%, worst 25%
+        _v(64): {512: 19.0, 8192: 100.0},  # mean regret 45%, worst 90%
+        _v(32): {512: 10.0},  # not timed everywhere: does not compete
+    }
+    variant, regret, worst_kv = choose_graph_pick(times, best)
+    assert variant == _v(16) and regret == pytest.approx(0.25) and worst_kv == 512
+    assert choose_graph_pick({_v(32): {512: 10.0}}, best) is None
+
+
+def test_graph_picks_reads_timings_of_one_batch_bucket():
+    rows = [(32, 512, _v(4), 10.0), (32, 8192, _v(4), 140.0), (32, 512, _v(16), 12.5),
+            (32, 8192, _v(16), 101.0), (32, 8192, _v(64), 100.0), (64, 512, _v(64), 1.0)]
+    variant, regret, _ = graph_picks(rows, 32, KVS)
+    # best at 8192 is 100 (v64, which lacks 512 and so cannot be picked)
+    assert variant == _v(16) and regret == pytest.approx(0.25)
+
+
+def _table() -> ServingTable:
+    key = FamilyKey("fp8", 64, 128, 2)
+    fam = Family(key)
+    fam.cells[(32, 1024)] = Cell(32, 1024, _v(8), 40.0, {"variant": str(_v(16)), "time_us": 41.0})
+    fam.cells[(32, 8192)] = Cell(32, 8192, _v(16), 200.0)
+    fam.graph[32] = GraphPick(32, _v(16), 0.04, 1024)
+    fam.left_out.append({"batch": 256, "kv_len": 65536, "reason": "over the sweep budget"})
+    return ServingTable("H200", {"date": "2026-11-30"}, BATCHES, KVS, {key: fam})
+
+
+def test_lookup_is_exact_on_the_family_and_bucketed_on_batch_and_kv():
+    table = _table()
+    spec = CallSpec("fp8", page_size=64, heads=128, max_q_len=2)
+    assert table.lookup(spec, batch=20, mean_kv_len=900) == _v(8)  # bucket 32 x 1024
+    assert table.lookup(spec, batch=32, mean_kv_len=7000) == _v(16)  # 32 x 8192
+    assert table.lookup(spec, batch=20, mean_kv_len=900, graph=True) == _v(16)
+    assert table.lookup(spec, batch=20) == _v(16)  # no mean length: the graph pick
+    assert table.lookup(spec, batch=20, mean_kv_len=2048) is None  # a cell not tuned
+    assert table.lookup(CallSpec("fp8", page_size=64, heads=128, max_q_len=1), 20, 900) is None
+    assert table.lookup(CallSpec("bf16", page_size=64, heads=128, max_q_len=2), 20, 900) is None
+
+
+def test_a_written_table_loads_back_equal(tmp_path):
+    path = write_serving_table(tmp_path / "H200.serving.yaml", _table())
+    loaded = load_serving_table(path)
+    original = _table()
+    assert loaded.families.keys() == original.families.keys()
+    key = FamilyKey("fp8", 64, 128, 2)
+    assert loaded.families[key].cells == original.families[key].cells
+    assert loaded.families[key].graph == original.families[key].graph
+    assert loaded.families[key].left_out == original.families[key].left_out
+    assert loaded.as_dict() == original.as_dict()
+
+
+def _broken(tmp_path, edit) -> str:
+    data = _table().as_dict()
+    edit(data)
+    path = tmp_path / "bad.serving.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(TableError) as err:
+        load_serving_table(path)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda d: d.update(schema=1), "schema"),
+    (lambda d: d.update(batch_buckets=[4, 2]), "batch_buckets"),
+    (lambda d: d["families"][0]["key"].update(page_size=3), "page_size"),
+    (lambda d: d["families"][0]["key"].pop("q_len"), "key must be a mapping of exactly"),
+    (lambda d: d["families"][0]["cells"][0].update(batch=33), "batch 33 is not one of"),
+    (lambda d: d["families"][0]["cells"][0].update(kv_len=1000), "kv_len 1000 is not one of"),
+    (lambda d: d["families"][0]["cells"][0].update(time_us=-1), "time_us"),
+    (lambda d: d["families"][0]["cells"][0].update(variant="nosuch(kv=fp8,q=bf16)"), "unknown backend"),
+    (lambda d: d["families"][0]["cells"][0].update(variant=str(_v(8, kv="bf16"))), "family's KV format"),
+    (lambda d: d["families"][0]["graph"][0].update(worst_kv_len=7), "worst_kv_len"),
+    (lambda d: d["families"][0]["left_out"][0].update(reason=""), "must say why"),
+    (lambda d: d["families"].append(copy.deepcopy(d["families"][0])), "a second family"),
+])
+def test_a_broken_table_is_refused_naming_file_family_and_field(tmp_path, edit, words):
+    message = _broken(tmp_path, edit)
+    assert "bad.serving.yaml" in message and words in message
+
+
+def test_a_table_with_python_tags_is_refused_without_running_anything(tmp_path):
+    path = tmp_path / "evil.serving.yaml"
+    path.write_text("schema: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(TableError, match="not valid YAML"):
+        load_serving_table(path)
