@@ -133,3 +133,20 @@ def timers(has_gpu: bool) -> tuple[Callable[..., Timing], Callable[..., Timing]]
 
 def protocol(has_gpu: bool) -> dict:
     return dict(PROTOCOL if has_gpu else CPU_PROTOCOL)
+
+
+def host_time(fn: Callable[[], object], calls: int = 50, rounds: int = 7) -> Timing:
+    """Host time per call (microseconds): `calls` calls back to back with the GPU held busy
+    ahead by a queued sleep, so that no call waits for the GPU; the median over `rounds`.
+    What an engine's Python pays per call when it runs eagerly (no CUDA graph)."""
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(rounds):
+        torch.cuda._sleep(int(calls * 100 * _SLEEP_CYCLES_PER_US))
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) * 1e6 / calls)
+        torch.cuda.synchronize()
+    return _quantiles(samples)
