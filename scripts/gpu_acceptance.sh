@@ -4,6 +4,8 @@
 #
 #   bash scripts/gpu_acceptance.sh full     # on a FRESH machine: full leaderboard sweep, its export checked
 #   bash scripts/gpu_acceptance.sh budget   # budget_s 120 sweep, its export checked, strict short lengths
+#   bash scripts/gpu_acceptance.sh serving [OLD_EXPORT.py]  # issue 9: the serving GPU tests in
+#       parallel groups, the leaderboard export beside OLD_EXPORT.py (3% rule), serving host times
 #
 # It works in /tmp/acceptance and copies what matters (the table, its results file, the logs,
 # at most 8 files: what the device tool brings back) to $OUT (or ./gpu_out).
@@ -52,12 +54,36 @@ budget)
   python3 scripts/check_submission.py "$out/b120.py" --reps 30 2>&1 | tail -16
   COLUMNS=80 python3 -m mla_tune diff tables/H200.yaml "$out/H200.b120.yaml"
   ;;
+serving)
+  # GPU test groups run side by side (compiles dominate; 16 cores), each with its own log
+  groups=(
+    "tests/test_decode_call.py -k triton_fused"
+    "tests/test_decode_call.py -k 'not triton_fused'"
+    "tests/test_vendor_serving.py"
+    "tests/test_fused_serving.py -k 'not (full_matrix and bf16)'"
+  )
+  i=0
+  for g in "${groups[@]}"; do
+    i=$((i + 1))
+    ( eval timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider $g > "$out/gpu_tests_$i.log" 2>&1
+      echo "group $i ($g): exit $?" >> "$out/walls.txt" ) &
+  done
+  wait
+  for n in $(seq 1 $i); do tail -4 "$out/gpu_tests_$n.log"; done
+  python3 -m mla_tune export --table tables/H200.yaml -o "$out/new_export.py"
+  if [ -n "${2:-}" ]; then
+    timed lb-side-by-side python3 scripts/check_submission.py "$out/new_export.py" --against "$2" \
+      --table tables/H200.yaml --reps 50 --rounds 3 --max-ratio 1.03 --out "$out" 2>&1 | tail -16
+  fi
+  timed host python3 scripts/bench_serving_host.py --out "$out" 2>&1 | tail -14
+  ;;
 *)
-  echo "unknown mode $mode (full | budget)"; exit 2 ;;
+  echo "unknown mode $mode (full | budget | serving)"; exit 2 ;;
 esac
 cat "$out/walls.txt"
 for f in walls.txt dryrun.txt sweep.log H200.yaml H200.results.jsonl dryrun120.txt sweep120.log \
-         H200.b120.yaml H200.b120.results.jsonl; do
+         H200.b120.yaml H200.b120.results.jsonl gpu_tests_1.log gpu_tests_2.log gpu_tests_3.log \
+         gpu_tests_4.log check_submission.json serving_host.json; do
   [ -f "$out/$f" ] && cp "$out/$f" "$keep/"
 done
 ls "$keep"
