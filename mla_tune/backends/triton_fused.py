@@ -20,6 +20,17 @@ Variant parameters (all explicit, so CPU interpreter tests can pick fp16 dots):
   load, grid and waves were added later: a variant that lacks them has their defaults (ptr,
   split, 1), and candidates() leaves default values out of the variant, so its text (and
   every table written before) stays as it was.
+
+Serving variants (build_serving, kernels/fused_decode.py's fused_decode_serving; told apart
+by max_splits / tokens_per_split) carry their own set:
+  kv         bf16 | fp8           (no MXFP4 path)
+  q, qk_dot, pv_dot               as above (q=fp8_dynamic: per-(new token, head) amax)
+  block_n, num_warps, num_stages  as above
+  block_h                         heads per program: a power of two dividing the heads,
+                                  block_h x next_pow2(max_q_len) >= 16 MMA columns
+  max_splits, tokens_per_split    sequence b runs in clamp(cdiv(seq_len, tokens_per_split),
+                                  1, max_splits) splits, counted on the device; the last
+                                  split to finish reduces
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ from mla_tune.core import (
     QK_DIM,
     SM_SCALE,
     V_DIM,
+    CallSpec,
     Capabilities,
     Shape,
     Variant,
@@ -48,7 +60,12 @@ from mla_tune.core import (
     device_sm_count,
     require,
 )
-from mla_tune.kernels.fused_decode import fu_persistent_slots, fused_decode
+from mla_tune.kernels.fused_decode import (
+    FusedServingWorkspace,
+    fu_persistent_slots,
+    fused_decode,
+    fused_decode_serving,
+)
 
 NAME = "triton_fused"
 
@@ -73,6 +90,10 @@ _FU_REDUCE = ("none", "last", "spin")
 _FU_LOAD = ("ptr", "tma", "tma_host")
 _FU_GRID = ("split", "persistent")
 _FU_BLOCK_N = (16, 32, 64, 128)
+_FU_SERVING_KV = ("bf16", "fp8")
+_FU_SERVING_KEYS = ("kv", "q", "qk_dot", "pv_dot", "block_n", "block_h", "max_splits",
+                    "tokens_per_split", "num_warps", "num_stages")
+_FU_MAX_TOKENS_PER_SPLIT = 2**31 - 1  # reaches the kernel as an int32 argument
 # The later parameters and the values that keep the first behaviour (left out of variants).
 FU_LATER_DEFAULTS = {"load": "ptr", "grid": "split", "waves": 1}
 # The interpreter has no SMs; the persistent grid pretends to have this many, so CPU tests
@@ -155,10 +176,38 @@ def _fu_valid(p: dict, shape: Shape, sm_count: int) -> str | None:
     return None
 
 
+def _fu_is_serving(variant: Variant) -> bool:
+    """A serving variant (build_serving) carries max_splits / tokens_per_split."""
+    return "max_splits" in variant.p or "tokens_per_split" in variant.p
+
+
+def _fu_validate_serving(variant: Variant) -> None:
+    check_param_names(variant, _FU_SERVING_KEYS, _FU_SERVING_KEYS)
+    for name, allowed in (("kv", _FU_SERVING_KV), ("q", _FU_Q), ("qk_dot", _FU_DOTS),
+                          ("pv_dot", _FU_DOTS), ("block_n", _FU_BLOCK_N)):
+        check_param_choice(variant, name, allowed)
+    check_param_int(variant, "block_h", maximum=max(CORE_HEADS), power_of_two=True)
+    check_param_int(variant, "max_splits", maximum=PARAM_MAX_SPLITS)
+    check_param_int(variant, "tokens_per_split", maximum=_FU_MAX_TOKENS_PER_SPLIT)
+    check_param_int(variant, "num_warps", maximum=PARAM_MAX_WARPS, power_of_two=True)
+    check_param_int(variant, "num_stages", maximum=PARAM_MAX_STAGES)
+    p = variant.p
+    if (p["qk_dot"] == "fp8") != (p["q"] == "fp8_dynamic"):
+        raise ValueError(f"{NAME}: {variant} is not allowed: q=fp8_dynamic goes with qk_dot=fp8 and only with it")
+    if "fp8" in (p["qk_dot"], p["pv_dot"]) and p["kv"] != "fp8":
+        raise ValueError(f"{NAME}: {variant} is not allowed: fp8 dots read an fp8 KV cache (a bf16 "
+                         "cache is not requantized)")
+
+
 def validate(variant: Variant) -> None:
     """Refuse a missing, unknown or ill-valued parameter, or a combination no shape can
     run (names and values only; build() adds the checks that depend on the shape and GPU).
-    load, grid and waves may be absent: they then have their FU_LATER_DEFAULTS values."""
+    load, grid and waves may be absent: they then have their FU_LATER_DEFAULTS values.
+    Serving variants (max_splits, tokens_per_split) have their own set (module docstring);
+    which heads and q_len their block_h suits is build_serving's business."""
+    if _fu_is_serving(variant):
+        _fu_validate_serving(variant)
+        return
     check_param_names(variant, tuple(FU_DEFAULT_SPACE),
                       tuple(k for k in FU_DEFAULT_SPACE if k not in FU_LATER_DEFAULTS))
     full = Variant.make(variant.backend, **{**FU_LATER_DEFAULTS, **variant.p})
@@ -259,6 +308,9 @@ def _fu_tma_ready(load: str, device) -> None:
 
 def build(variant: Variant, shape: Shape, device):
     validate(variant)
+    if _fu_is_serving(variant):
+        raise ValueError(f"{NAME}: {variant} is a serving variant (max_splits, tokens_per_split); "
+                         "run it with build_serving, or give build a num_splits variant")
     p = {**FU_LATER_DEFAULTS, **variant.p}
     device = torch.device(device)
     if device.type == "cuda":
@@ -314,6 +366,104 @@ def build(variant: Variant, shape: Shape, device):
 
     run_triton_fused.compiled = None
     return run_triton_fused
+
+
+# ------------------------------------------------------------------------ the serving call
+# Serving defaults, untuned (issue 10 adds a serving table): block_n 64, 4 warps and 2
+# stages (as the GPU serving tests run; three stages of a bf16 cache's 64-token tiles
+# would take 221 KB of the H200's 227 KB of shared memory), 16 MMA columns per program, a
+# split every 256 tokens. Scratch per new token is max_splits x heads x
+# 2 KiB: max_splits (SMs / head tiles) makes that about sm_count x block_h x 2 KiB, and the
+# cap bounds it where few head tiles would ask for more.
+_FU_SERVING_TOKENS_PER_SPLIT = 256
+_FU_SERVING_MAX_SPLITS = 64
+_FU_MMA_COLUMNS = 16  # the smallest tl.dot N: block_h x next_pow2(max_q_len) columns
+# A platform without SMs (the interpreter) stands in this many, so CPU tests still split.
+_FU_SERVING_STANDIN_SMS = 4
+
+
+def _fu_next_pow2(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+def default_serving_variant(spec: CallSpec, platform) -> Variant:
+    """A correct, untuned serving variant for `spec` on `platform` (mla_tune.gpu.Platform):
+    the fewest heads per program that fill 16 MMA columns with next_pow2(max_q_len) new
+    tokens, max_splits that let one sequence fill the platform's SMs (`sm_count`), a split
+    every 256 tokens, bf16 q, and bf16 dots (fp16 where no GPU runs them: the
+    interpreter's bf16 dot is wrong)."""
+    reason = CAPABILITIES.refusal(spec)
+    if reason is not None:
+        raise ValueError(f"{NAME} cannot serve {spec}: {reason}")
+    block_h = max(1, _FU_MMA_COLUMNS // _fu_next_pow2(spec.max_q_len))
+    if spec.heads % block_h:
+        raise ValueError(f"{NAME}: {spec.heads} heads do not split into tiles of {block_h} heads "
+                         f"(the 16 MMA columns at max_q_len {spec.max_q_len}); use heads from "
+                         f"{', '.join(map(str, CORE_HEADS))}")
+    sm_count = platform.sm_count or _FU_SERVING_STANDIN_SMS
+    max_splits = max(1, min(-(-sm_count // (spec.heads // block_h)), _FU_SERVING_MAX_SPLITS))
+    dot = "bf16" if platform.has_gpu else "fp16"
+    return Variant.make(
+        NAME, kv=spec.kv_format, q="bf16", qk_dot=dot, pv_dot=dot, block_n=64, block_h=block_h,
+        max_splits=max_splits, tokens_per_split=_FU_SERVING_TOKENS_PER_SPLIT, num_warps=4,
+        num_stages=2,
+    )
+
+
+def build_serving(variant: Variant, spec: CallSpec, device):
+    """A runner(q, qo_indptr, kv, kv_scale, *, kv_indptr | block_table + seq_lens) -> out
+    for calls of `spec` (the serving-call contract, docs/runtime.md): it owns out
+    and its scratch, allocated on the first call and again only when a call brings more
+    new tokens than any before (at least doubling), never from the data; it reads no
+    device tensor on the host, so a CUDA graph can hold it. Returns out[:total_q]."""
+    validate(variant)
+    if not _fu_is_serving(variant):
+        raise ValueError(f"{NAME}: {variant} is a leaderboard variant (num_splits); the serving "
+                         "call takes max_splits and tokens_per_split (default_serving_variant makes one)")
+    reason = CAPABILITIES.refusal(spec)
+    if reason is not None:
+        raise ValueError(f"{NAME} cannot serve {spec}: {reason}; pick a backend that serves it")
+    p = variant.p
+    if p["kv"] != spec.kv_format:
+        raise ValueError(f"{NAME}: {variant} reads {p['kv']} KV but the call's cache is "
+                         f"{spec.kv_format}; make the variant with kv={spec.kv_format}")
+    columns = _fu_next_pow2(spec.max_q_len)
+    if spec.heads % p["block_h"] or p["block_h"] * columns < _FU_MMA_COLUMNS:
+        raise ValueError(f"{NAME}: block_h={p['block_h']} must divide {spec.heads} heads and give "
+                         f"block_h x {columns} (next_pow2(max_q_len)) >= {_FU_MMA_COLUMNS} MMA columns; "
+                         f"use block_h={max(1, _FU_MMA_COLUMNS // columns)}")
+    device = torch.device(device)
+    heads, max_splits = spec.heads, p["max_splits"]
+    kv_fp8 = spec.kv_format == "fp8"
+    launch = dict(
+        max_q_len=spec.max_q_len, max_splits=max_splits, tokens_per_split=p["tokens_per_split"],
+        block_n=p["block_n"], block_h=p["block_h"], num_warps=p["num_warps"],
+        num_stages=p["num_stages"], q_fp8=p["q"] == "fp8_dynamic", qk_dot=p["qk_dot"],
+        pv_dot=p["pv_dot"],
+    )
+    state = {"capacity": 0, "out": None, "workspace": None}
+
+    def run_triton_fused_serving(q, qo_indptr, kv, kv_scale, *, kv_indptr=None, block_table=None,
+                                 seq_lens=None, q_lens_host=None, kv_lens_host=None):
+        total_q = q.shape[0]
+        # Shapes and dtypes only: the kernel would take a cache of the other format or
+        # another head count as given and answer wrong.
+        if q.dim() != 3 or q.shape[1] != heads or (kv.dtype != torch.bfloat16) != kv_fp8:
+            raise ValueError(f"{NAME}: this runner serves {heads} heads over {spec.kv_format} KV; "
+                             f"got q {tuple(q.shape)} and kv {kv.dtype}")
+        if total_q > state["capacity"]:
+            capacity = max(total_q, 2 * state["capacity"])
+            state["out"] = torch.empty((capacity, heads, V_DIM), dtype=torch.bfloat16, device=device)
+            # zeroed arrival counters: every reduction resets its own afterwards
+            state["workspace"] = FusedServingWorkspace.allocate(capacity, heads, max_splits, device)
+            state["capacity"] = capacity
+        out = state["out"][:total_q]
+        fused_decode_serving(q, qo_indptr, kv, kv_scale, out, kv_indptr=kv_indptr,
+                             block_table=block_table, seq_lens=seq_lens,
+                             workspace=state["workspace"], **launch)
+        return out
+
+    return run_triton_fused_serving
 
 
 # Precompile (mla_tune/tune/compile_pool.py): Triton compiles these kernels on first use.

@@ -3,6 +3,12 @@
 Reads bf16 or fp8 KV with bf16, dynamically quantized or statically quantized fp8 q.
 Handles ragged batches (bounds are read on the device) and any batch size: a runner
 built for one batch reallocates its buffers when a call brings another. Exportable module.
+
+Two parameter sets: the leaderboard's (`build`: kv, q, num_splits, block_n, num_warps,
+num_stages, dot_dtype) and the serving call's (`build_serving`, flash_decode_serving: kv,
+q, block_n, block_h, max_splits, tokens_per_split, num_warps, num_stages, dot_dtype),
+told apart by max_splits / tokens_per_split. Both take q_amax (q=fp8_static) and the ROCm
+compiler options.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from mla_tune.core import (
     PARAM_MAX_STAGES,
     PARAM_MAX_WARPS,
     V_DIM,
+    CallSpec,
     Capabilities,
     Shape,
     Variant,
@@ -32,9 +39,11 @@ from mla_tune.core import (
     fp8_dtype_for,
 )
 from mla_tune.kernels.flash_decode import (
+    FlashDecodeServingWorkspace,
     FlashDecodeWorkspace,
     flash_decode,
     flash_decode_num_splits,
+    flash_decode_serving,
 )
 
 NAME = "triton"
@@ -59,6 +68,11 @@ _tsk_DOT_DTYPES = ("fp16", "bf16")
 _tsk_LAUNCH = ("num_splits", "block_n", "num_warps", "num_stages")
 _tsk_SPACE_KEYS = ("kv", "q", *_tsk_LAUNCH, "dot_dtype")
 _tsk_HIP_KEYS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
+# The serving call's parameters (build_serving); max_splits / tokens_per_split mark the set.
+_tsk_SERVING_KEYS = ("kv", "q", "block_n", "block_h", "max_splits", "tokens_per_split",
+                     "num_warps", "num_stages", "dot_dtype")
+# tokens_per_split reaches the kernel as an int32 argument.
+_tsk_MAX_TOKENS_PER_SPLIT = 2**31 - 1
 # A grid of more than this many waves of SMs gains nothing from splitting further and
 # pays for the larger stage-2 reduction.
 _tsk_MAX_WAVES = 4
@@ -158,16 +172,32 @@ def default_variant(shape: Shape, sm_count: int | None = None, kv: str = "fp8",
     )
 
 
+def _tsk_is_serving(variant: Variant) -> bool:
+    """A serving variant (build_serving) carries max_splits / tokens_per_split; a
+    leaderboard one (build) carries num_splits."""
+    return "max_splits" in variant.p or "tokens_per_split" in variant.p
+
+
 def validate(variant: Variant) -> None:
     """Refuse a missing, unknown or ill-valued parameter (names and values only; which
-    num_splits suit a shape is candidates()' business, and any fits the kernel)."""
+    num_splits suit a shape is candidates()' business, and any fits the kernel). Takes
+    leaderboard variants (num_splits) and serving variants (max_splits, tokens_per_split,
+    block_h); which heads and q_len a block_h suits is build_serving's business."""
     if variant.backend != NAME:
         raise ValueError(f"triton: {variant} is a {variant.backend} variant, not a triton one")
-    check_param_names(variant, (*_tsk_SPACE_KEYS, "q_amax", *_tsk_HIP_KEYS), _tsk_SPACE_KEYS)
+    serving = _tsk_is_serving(variant)
+    keys = _tsk_SERVING_KEYS if serving else _tsk_SPACE_KEYS
+    check_param_names(variant, (*keys, "q_amax", *_tsk_HIP_KEYS), keys)
     check_param_choice(variant, "kv", _tsk_KV_FORMATS)
     check_param_choice(variant, "q", _tsk_Q_MODES)
     check_param_choice(variant, "dot_dtype", _tsk_DOT_DTYPES)
-    check_param_int(variant, "num_splits", maximum=PARAM_MAX_SPLITS)
+    if serving:
+        check_param_int(variant, "max_splits", maximum=PARAM_MAX_SPLITS)
+        check_param_int(variant, "tokens_per_split", maximum=_tsk_MAX_TOKENS_PER_SPLIT)
+        # heads per program: a power of two dividing the head count (at most CORE_HEADS')
+        check_param_int(variant, "block_h", maximum=max(CORE_HEADS), power_of_two=True)
+    else:
+        check_param_int(variant, "num_splits", maximum=PARAM_MAX_SPLITS)
     # the kernel's tl.arange needs a power of two >= 16
     check_param_int(variant, "block_n", minimum=16, maximum=PARAM_MAX_BLOCK_N, power_of_two=True)
     check_param_int(variant, "num_warps", maximum=PARAM_MAX_WARPS, power_of_two=True)
@@ -186,6 +216,9 @@ def validate(variant: Variant) -> None:
 def build(variant: Variant, shape: Shape, device):
     """A runner(q, kv_data, qo_indptr, kv_indptr) -> out that launches without a host sync."""
     validate(variant)
+    if _tsk_is_serving(variant):
+        raise ValueError(f"triton: {variant} is a serving variant (max_splits, tokens_per_split); "
+                         "run it with build_serving, or give build a num_splits variant")
     kv_format, q_mode, dot_dtype = variant.get("kv"), variant.get("q"), variant.get("dot_dtype")
     launch = {name: variant.get(name) for name in _tsk_LAUNCH}
     hip_options = {k: variant.get(k) for k in _tsk_HIP_KEYS if variant.get(k) is not None}
@@ -218,6 +251,108 @@ def build(variant: Variant, shape: Shape, device):
         )
 
     return run_triton_splitk
+
+
+# ------------------------------------------------------------------------ the serving call
+# Serving defaults, untuned (issue 10 adds a serving table): tiles as the H200 table's
+# leaderboard winners (block_n 64, 4 warps, 2 stages), 16 MMA rows per program, and a
+# split every 256 tokens, so a long sequence spreads over the SMs and a short one runs
+# in one program per head tile without a reduction.
+_tsk_SERVING_TOKENS_PER_SPLIT = 256
+# Scratch per new token is max_splits x heads x 2 KiB of fp32 partials: the default's
+# max_splits (SMs / head tiles) makes that about sm_count x block_h x 2 KiB (4.3 MiB on an
+# H200); the cap bounds it where few head tiles would ask for more (16 heads: 2 MiB).
+_tsk_SERVING_MAX_SPLITS = 64
+_tsk_MMA_ROWS = 16  # the smallest tl.dot M: block_h x next_pow2(max_q_len) rows per program
+
+
+def _tsk_next_pow2(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+def default_serving_variant(spec: CallSpec, platform) -> Variant:
+    """A correct, untuned serving variant for `spec` on `platform` (mla_tune.gpu.Platform):
+    the fewest heads per program that fill 16 MMA rows with next_pow2(max_q_len) new
+    tokens, max_splits that let one sequence fill the platform's SMs (`sm_count`; a
+    platform without any, the interpreter's, stands in a few), a split every 256 tokens,
+    bf16 q, and bf16 dots (fp16 where no GPU runs them: the interpreter's bf16 dot is
+    wrong)."""
+    reason = CAPABILITIES.refusal(spec)
+    if reason is not None:
+        raise ValueError(f"triton cannot serve {spec}: {reason}")
+    rows = _tsk_next_pow2(spec.max_q_len)
+    block_h = max(1, _tsk_MMA_ROWS // rows)
+    if spec.heads % block_h:
+        raise ValueError(f"triton: {spec.heads} heads do not split into tiles of {block_h} heads "
+                         f"(the 16 MMA rows at max_q_len {spec.max_q_len}); use heads from "
+                         f"{', '.join(map(str, CORE_HEADS))}")
+    sm_count = platform.sm_count or _tsk_INTERPRETER_SMS
+    head_tiles = spec.heads // block_h
+    max_splits = max(1, min(-(-sm_count // head_tiles), _tsk_SERVING_MAX_SPLITS))
+    return Variant.make(
+        NAME, kv=spec.kv_format, q="bf16", block_n=64, block_h=block_h, max_splits=max_splits,
+        tokens_per_split=_tsk_SERVING_TOKENS_PER_SPLIT, num_warps=4, num_stages=2,
+        dot_dtype="bf16" if platform.has_gpu else "fp16",
+    )
+
+
+def build_serving(variant: Variant, spec: CallSpec, device):
+    """A runner(q, qo_indptr, kv, kv_scale, *, kv_indptr | block_table + seq_lens) -> out
+    for calls of `spec` (the serving-call contract, docs/runtime.md): it owns out
+    and its scratch, allocated on the first call and again only when a call brings more
+    new tokens than any before (at least doubling), never from the data; it reads no
+    device tensor on the host, so a CUDA graph can hold it. Returns out[:total_q]."""
+    validate(variant)
+    if not _tsk_is_serving(variant):
+        raise ValueError(f"triton: {variant} is a leaderboard variant (num_splits); the serving "
+                         "call takes max_splits and tokens_per_split (default_serving_variant makes one)")
+    reason = CAPABILITIES.refusal(spec)
+    if reason is not None:
+        raise ValueError(f"triton cannot serve {spec}: {reason}; pick a backend that serves it")
+    p = variant.p
+    if p["kv"] != spec.kv_format:
+        raise ValueError(f"triton: {variant} reads {p['kv']} KV but the call's cache is "
+                         f"{spec.kv_format}; make the variant with kv={spec.kv_format}")
+    rows = _tsk_next_pow2(spec.max_q_len)
+    if spec.heads % p["block_h"] or p["block_h"] * rows < _tsk_MMA_ROWS:
+        raise ValueError(f"triton: block_h={p['block_h']} must divide {spec.heads} heads and give "
+                         f"block_h x {rows} (next_pow2(max_q_len)) >= {_tsk_MMA_ROWS} MMA rows; use "
+                         f"block_h={max(1, _tsk_MMA_ROWS // rows)}")
+    device = torch.device(device)
+    q_mode, heads, max_splits = p["q"], spec.heads, p["max_splits"]
+    q_fp8_dtype = fp8_dtype_for(device) if q_mode != "bf16" else torch.float8_e4m3fn
+    q_scale = None
+    if q_mode == "fp8_static":
+        q_scale = float(p["q_amax"]) / torch.finfo(q_fp8_dtype).max
+    launch = dict(
+        max_q_len=spec.max_q_len, max_splits=max_splits, tokens_per_split=p["tokens_per_split"],
+        block_n=p["block_n"], block_h=p["block_h"], num_warps=p["num_warps"],
+        num_stages=p["num_stages"], dot_dtype=p["dot_dtype"], q_mode=q_mode, q_scale=q_scale,
+        q_fp8_dtype=q_fp8_dtype, hip_options={k: p[k] for k in _tsk_HIP_KEYS if k in p},
+    )
+    kv_scaled = spec.kv_format != "bf16"
+    state = {"capacity": 0, "out": None, "workspace": None}
+
+    def run_triton_serving(q, qo_indptr, kv, kv_scale, *, kv_indptr=None, block_table=None,
+                           seq_lens=None, q_lens_host=None, kv_lens_host=None):
+        total_q = q.shape[0]
+        # Shapes and dtypes only: the kernel would take a cache of the other format or
+        # another head count as given and answer wrong.
+        if q.dim() != 3 or q.shape[1] != heads or (kv.dtype != torch.bfloat16) != kv_scaled:
+            raise ValueError(f"triton: this runner serves {heads} heads over {spec.kv_format} KV; "
+                             f"got q {tuple(q.shape)} and kv {kv.dtype}")
+        if total_q > state["capacity"]:
+            capacity = max(total_q, 2 * state["capacity"])
+            state["out"] = torch.empty((capacity, heads, V_DIM), dtype=torch.bfloat16, device=device)
+            state["workspace"] = FlashDecodeServingWorkspace.allocate(capacity, heads, max_splits, device)
+            state["capacity"] = capacity
+        out = state["out"][:total_q]
+        flash_decode_serving(q, qo_indptr, kv, kv_scale, out, kv_indptr=kv_indptr,
+                             block_table=block_table, seq_lens=seq_lens,
+                             workspace=state["workspace"], **launch)
+        return out
+
+    return run_triton_serving
 
 
 # Precompile (mla_tune/tune/compile_pool.py): Triton compiles these kernels on first use.

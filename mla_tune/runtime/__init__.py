@@ -262,3 +262,8 @@ def default_runtime() -> Runtime:
 def custom_kernel(data):
     """The leaderboard's entry point, backed by tables/<this GPU>.yaml."""
     return default_runtime().custom_kernel(data)
+
+
+# The serving call (mla_tune/runtime/decode.py), last: it imports nothing from this module.
+from mla_tune.runtime.decode import Decoder as Decoder  # noqa: E402
+from mla_tune.runtime.decode import decode as decode  # noqa: E402

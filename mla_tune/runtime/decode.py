@@ -1,0 +1,296 @@
+"""The serving call: one decode call for every KV layout, over a backend that serves it.
+
+An engine describes its calls once, as a `CallSpec` (KV format, page size with 0 for the
+contiguous layout, heads, max_q_len, mixed_q_len, graph, host_lengths), builds a
+`Decoder` for it and calls it every step:
+
+    decoder = Decoder(CallSpec("fp8", page_size=64, heads=128, max_q_len=2, mixed_q_len=True))
+    out = decoder(q, qo_indptr, kv_cache, kv_scale, block_table=block_table, seq_lens=seq_lens)
+
+`decode(...)` does both from the tensors, with one Decoder per (spec, backend, device).
+The Decoder picks the first backend of PREFERENCE whose capability record serves the spec,
+that runs on this platform and is available, builds its runner once (the backend's
+`default_serving_variant`, untuned: no table is consulted yet, issue 10 adds a serving
+table), and checks every call against the spec from shapes and dtypes only, so a call
+never reads a device tensor on the host. See docs/runtime.md, "The serving call".
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from mla_tune.backends import get_backend
+from mla_tune.core import CORE_FP8_DTYPE_NAMES, QK_DIM, CallSpec, Capabilities, Variant
+from mla_tune.gpu import Platform, detect
+
+# Which backend serves a spec when none is named: mla-tune's own kernels first (split-K,
+# then the fused one-launch kernel: every layout, graph-safe, no host plan), then the
+# vendors' where they serve the spec and run here.
+PREFERENCE = ("triton", "triton_fused", "flashmla", "flashinfer", "aiter")
+
+
+def _capabilities(name: str) -> Capabilities | None:
+    """Backend `name`'s capability record (None if it declares none)."""
+    return getattr(get_backend(name), "CAPABILITIES", None)
+
+
+def _device(device) -> torch.device:
+    """`device` (None: the current GPU, else the CPU) with a CUDA index, so that it
+    compares equal to a tensor's device."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _platform(device: torch.device) -> Platform:
+    if device.type == "cuda":
+        return detect(device.index)
+    if torch.cuda.is_available():  # a CPU device beside a GPU
+        return Platform("cpu", "cpu", "cpu", False, 0)
+    return detect()  # the CPU (or, in tests, the simulated platform detect() reports)
+
+
+def spec_text(spec: CallSpec) -> str:
+    """`spec` in words, for messages: 'fp8 KV, paged 64, 128 heads, q_len up to 2 (mixed)'."""
+    text = f"{spec.kv_format} KV, {spec.layout}, {spec.heads} heads, q_len up to {spec.max_q_len}"
+    text += " (mixed)" if spec.mixed_q_len else ""
+    text += ", in a CUDA graph" if spec.graph else ""
+    return text + (", lengths on the host" if spec.host_lengths else "")
+
+
+def why_not(name: str, spec: CallSpec, platform: Platform) -> str | None:
+    """Why backend `name` cannot serve `spec` on `platform` (None: it can), in words."""
+    try:
+        module = get_backend(name)
+    except ModuleNotFoundError as exc:
+        return f"its module cannot be imported ({exc})"
+    caps = _capabilities(name)
+    if caps is None:
+        return "it declares no CAPABILITIES"
+    reason = caps.refusal(spec)
+    if reason is not None:
+        return reason
+    if not caps.runs_on(platform.tags):
+        return f"it does not run on {platform.name} ({', '.join(sorted(platform.tags))})"
+    if not (hasattr(module, "build_serving") and hasattr(module, "default_serving_variant")):
+        return "it has no build_serving / default_serving_variant"
+    return module.unavailable_reason()
+
+
+def _fp8(dtype: torch.dtype) -> bool:
+    return str(dtype).removeprefix("torch.") in CORE_FP8_DTYPE_NAMES
+
+
+def kv_format_of(kv) -> str:
+    """The spec's kv_format for a cache tensor: bf16, or fp8 for a 1-byte float8 dtype."""
+    if not isinstance(kv, torch.Tensor):
+        raise ValueError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+    if kv.dtype == torch.bfloat16:
+        return "bf16"
+    if _fp8(kv.dtype):
+        return "fp8"
+    raise ValueError(f"kv must be bfloat16 or an fp8 dtype (float8_e4m3fn, float8_e4m3fnuz on MI300), "
+                     f"got {kv.dtype}; a cache of fp8 bytes kept as {kv.dtype}: pass "
+                     "kv.view(torch.float8_e4m3fn)")
+
+
+def infer_spec(q, qo_indptr, kv, *, block_table=None, max_q_len: int | None = None,
+               mixed_q_len: bool | None = None, graph: bool = False,
+               host_lengths: bool = False) -> CallSpec:
+    """The CallSpec of a call, from its tensors' shapes and dtypes: heads from q, the page
+    size from a paged kv (block_table given; else contiguous), the KV format from kv's
+    dtype. max_q_len is 1 when q holds one new token per sequence and must be given
+    otherwise (the lengths are on the device); mixed_q_len defaults to max_q_len > 1."""
+    if not (isinstance(q, torch.Tensor) and q.dim() == 3):
+        raise ValueError(f"q must be a (total_q, heads, {QK_DIM}) tensor, got "
+                         f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+    if not (isinstance(qo_indptr, torch.Tensor) and qo_indptr.dim() == 1 and qo_indptr.shape[0] >= 2):
+        raise ValueError("qo_indptr must be a (batch + 1,) int32 tensor with batch >= 1")
+    kv_format = kv_format_of(kv)
+    if block_table is not None and kv.dim() != 3:
+        raise ValueError(f"paged kv must be (num_pages, page_size, {QK_DIM}), got {tuple(kv.shape)}")
+    page_size = kv.shape[1] if block_table is not None else 0
+    batch = qo_indptr.shape[0] - 1
+    if max_q_len is None:
+        if q.shape[0] != batch:
+            raise ValueError(f"q holds {q.shape[0]} new tokens for {batch} sequences: pass max_q_len, "
+                             "the most new tokens one sequence brings (lengths are not read from the device)")
+        max_q_len = 1
+    if mixed_q_len is None:
+        mixed_q_len = max_q_len > 1
+    return CallSpec(kv_format, page_size, q.shape[1], max_q_len, mixed_q_len, graph, host_lengths)
+
+
+def _tensor_text(x) -> str:
+    if not isinstance(x, torch.Tensor):
+        return type(x).__name__
+    return f"{str(x.dtype).removeprefix('torch.')} {tuple(x.shape)} on {x.device}"
+
+
+class Decoder:
+    """The serving call for one CallSpec: a backend's runner, built once, behind a check
+    of every call against the spec (shapes and dtypes, never values).
+
+    backend: a name to insist on (refused, with the backends that would serve the spec,
+    when its capabilities do not cover it or it cannot run here); None picks the first of
+    PREFERENCE that serves the spec. variant: a serving variant of that backend (None: its
+    default_serving_variant for this platform). The output is the runner's own buffer,
+    reused by the next call: copy it to keep it.
+    """
+
+    def __init__(self, spec: CallSpec, backend: str | None = None, variant: Variant | str | None = None,
+                 device=None):
+        if not isinstance(spec, CallSpec):
+            raise ValueError(f"spec must be a mla_tune.core.CallSpec, got {type(spec).__name__}")
+        if isinstance(variant, str):
+            variant = Variant.parse(variant)
+        if variant is not None:
+            if backend is not None and backend != variant.backend:
+                raise ValueError(f"variant {variant} belongs to backend {variant.backend}, not {backend}")
+            backend = variant.backend
+        self.spec = spec
+        self.device = _device(device)
+        self.platform = _platform(self.device)
+        if backend is None:
+            reasons = {}
+            for name in PREFERENCE:
+                reasons[name] = why_not(name, spec, self.platform)
+                if reasons[name] is None:
+                    backend = name
+                    break
+            else:
+                raise ValueError(f"no backend serves {spec_text(spec)} on {self.platform.name}: "
+                                 + "; ".join(f"{n}: {r}" for n, r in reasons.items()))
+        else:
+            reason = why_not(backend, spec, self.platform)
+            if reason is not None:
+                others = [n for n in PREFERENCE if n != backend and why_not(n, spec, self.platform) is None]
+                served = (f"backends that would: {', '.join(others)}" if others
+                          else "no backend here would (Decoder(spec) without a backend names each one's reason)")
+                raise ValueError(f"backend {backend} cannot serve {spec_text(spec)}: {reason}; {served}")
+        module = get_backend(backend)
+        self.backend = backend
+        self.variant = variant if variant is not None else module.default_serving_variant(spec, self.platform)
+        self._runner = module.build_serving(self.variant, spec, self.device)
+
+    def __repr__(self) -> str:
+        return f"Decoder({spec_text(self.spec)}: {self.variant} on {self.device})"
+
+    def check(self, q, qo_indptr, kv, kv_scale=None, *, kv_indptr=None, block_table=None,
+              seq_lens=None, q_lens_host=None, kv_lens_host=None) -> None:
+        """Refuse (ValueError naming what was expected) a call that does not match the
+        spec: shapes, dtypes, devices and the layout's arguments only, no device read.
+        Each message is built only when its check fails (this runs every step)."""
+        spec, dev = self.spec, self.device
+        if not (isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[1:] == (spec.heads, QK_DIM)
+                and q.dtype == torch.bfloat16 and q.is_contiguous()):
+            self._refuse(f"q must be a contiguous bfloat16 (total_q, {spec.heads}, {QK_DIM}) tensor, "
+                         f"got {_tensor_text(q)}")
+        if not (isinstance(qo_indptr, torch.Tensor) and qo_indptr.dim() == 1 and qo_indptr.shape[0] >= 2
+                and qo_indptr.dtype == torch.int32):
+            self._refuse(f"qo_indptr must be an int32 (batch + 1,) tensor, got {_tensor_text(qo_indptr)}")
+        batch, total_q = qo_indptr.shape[0] - 1, q.shape[0]
+        if spec.max_q_len == 1 and total_q != batch:
+            self._refuse(f"q holds {total_q} new tokens for {batch} sequences, but the spec says one "
+                         "each (max_q_len 1)")
+        if not batch <= total_q <= batch * spec.max_q_len:
+            self._refuse(f"q holds {total_q} new tokens for {batch} sequences: each brings 1 to "
+                         f"{spec.max_q_len} (the spec's max_q_len)")
+        if not (isinstance(kv, torch.Tensor) and kv.dim() == 3 and kv.shape[2] == QK_DIM
+                and kv.is_contiguous()):
+            self._refuse(f"kv must be a contiguous (total_kv, 1, {QK_DIM}) or (num_pages, page_size, "
+                         f"{QK_DIM}) tensor, got {_tensor_text(kv)}")
+        if spec.kv_format == "bf16":
+            if kv.dtype != torch.bfloat16:
+                self._refuse(f"kv must be bfloat16 (the spec's KV format), got {kv.dtype}")
+            if kv_scale is not None:
+                self._refuse("a bf16 KV cache takes no kv_scale; pass None")
+        else:
+            if not _fp8(kv.dtype):
+                self._refuse(f"kv must have an fp8 dtype (the spec's KV format), got {kv.dtype}")
+            if not (isinstance(kv_scale, torch.Tensor) and kv_scale.numel() == 1
+                    and kv_scale.dtype == torch.float32 and kv_scale.device == dev):
+                self._refuse(f"fp8 KV needs kv_scale, a (1,) float32 tensor on {dev} (made once, "
+                             f"not per call), got {_tensor_text(kv_scale)}")
+        if spec.page_size == 0:
+            if kv_indptr is None or block_table is not None or seq_lens is not None:
+                self._refuse("the spec's KV is contiguous: pass kv_indptr, not block_table / seq_lens")
+            if kv.shape[1] != 1:
+                self._refuse(f"contiguous kv must be (total_kv, 1, {QK_DIM}), got {tuple(kv.shape)}")
+            if not (isinstance(kv_indptr, torch.Tensor) and kv_indptr.shape == (batch + 1,)
+                    and kv_indptr.dtype == torch.int32 and kv_indptr.device == dev):
+                self._refuse(f"kv_indptr must be an int32 ({batch + 1},) tensor on {dev}, got "
+                             f"{_tensor_text(kv_indptr)}")
+        else:
+            if kv_indptr is not None or block_table is None or seq_lens is None:
+                self._refuse(f"the spec's KV is paged ({spec.page_size}-token pages): pass "
+                             "block_table and seq_lens, not kv_indptr")
+            if kv.shape[1] != spec.page_size:
+                self._refuse(f"kv must be (num_pages, {spec.page_size}, {QK_DIM}) (the spec's page "
+                             f"size), got {tuple(kv.shape)}")
+            if not (isinstance(block_table, torch.Tensor) and block_table.dim() == 2
+                    and block_table.shape[0] == batch and block_table.dtype == torch.int32
+                    and block_table.stride(1) == 1 and block_table.device == dev):
+                self._refuse(f"block_table must be an int32 ({batch}, max_pages) tensor on {dev} "
+                             f"with contiguous rows, got {_tensor_text(block_table)}")
+            if not (isinstance(seq_lens, torch.Tensor) and seq_lens.shape == (batch,)
+                    and seq_lens.dtype == torch.int32 and seq_lens.device == dev):
+                self._refuse(f"seq_lens must be an int32 ({batch},) tensor on {dev}, got "
+                             f"{_tensor_text(seq_lens)}")
+        if not (q.device == dev and qo_indptr.device == dev and kv.device == dev):
+            self._refuse(f"q, qo_indptr and kv must be on {dev}, got {q.device}, {qo_indptr.device}, "
+                         f"{kv.device}")
+        if spec.host_lengths and not (
+                isinstance(q_lens_host, Sequence) and isinstance(kv_lens_host, Sequence)
+                and len(q_lens_host) == batch and len(kv_lens_host) == batch):
+            self._refuse(f"{self.backend} plans from the lengths on the host: pass q_lens_host and "
+                         f"kv_lens_host, lists of {batch} ints")
+
+    def _refuse(self, message: str):
+        raise ValueError(f"{message} ({self!r})")
+
+    def __call__(self, q, qo_indptr, kv, kv_scale=None, *, kv_indptr=None, block_table=None,
+                 seq_lens=None, q_lens_host=None, kv_lens_host=None) -> torch.Tensor:
+        """(total_q, heads, 512) bf16: new token i of a sequence of q_len over the first
+        seq_len - (q_len - 1 - i) tokens of its KV (which holds the new tokens)."""
+        layout = dict(kv_indptr=kv_indptr, block_table=block_table, seq_lens=seq_lens,
+                      q_lens_host=q_lens_host, kv_lens_host=kv_lens_host)
+        self.check(q, qo_indptr, kv, kv_scale, **layout)
+        return self._runner(q, qo_indptr, kv, kv_scale, **layout)
+
+
+@functools.lru_cache(maxsize=64)
+def _decoder(spec: CallSpec, backend: str | None, device: torch.device) -> Decoder:
+    return Decoder(spec, backend=backend, device=device)
+
+
+def clear_decoders() -> None:
+    """Forget the Decoders `decode` built (their buffers go with them)."""
+    _decoder.cache_clear()
+
+
+def decode(q, qo_indptr, kv, kv_scale=None, *, kv_indptr=None, block_table=None, seq_lens=None,
+           max_q_len: int | None = None, mixed_q_len: bool | None = None, graph: bool = False,
+           q_lens_host=None, kv_lens_host=None, backend: str | None = None) -> torch.Tensor:
+    """MLA decode for the serving call, any layout: (total_q, heads, 512) bf16.
+
+    q (total_q, heads, 576) bf16 with qo_indptr (batch + 1,) int32; KV bf16, or fp8 with a
+    (1,) float32 kv_scale; contiguous kv (total_kv, 1, 576) with kv_indptr, or paged kv
+    (num_pages, page_size, 576) with block_table (batch, max_pages) and seq_lens (batch,),
+    all int32. The spec is read from the tensors (infer_spec: max_q_len must be given when
+    a sequence brings more than one new token) and its Decoder is built on first use and
+    kept per (spec, backend, q's device). q_lens_host / kv_lens_host: the lengths as
+    Python lists, for backends that plan on the host. The result is the Decoder's reused
+    buffer: copy it to keep it past the next call of the same spec."""
+    spec = infer_spec(q, qo_indptr, kv, block_table=block_table, max_q_len=max_q_len,
+                      mixed_q_len=mixed_q_len, graph=graph,
+                      host_lengths=q_lens_host is not None or kv_lens_host is not None)
+    decoder = _decoder(spec, backend, _device(q.device))
+    return decoder(q, qo_indptr, kv, kv_scale, kv_indptr=kv_indptr, block_table=block_table,
+                   seq_lens=seq_lens, q_lens_host=q_lens_host, kv_lens_host=kv_lens_host)

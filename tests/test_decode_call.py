@@ -1,0 +1,426 @@
+"""The one decode call (mla_tune/runtime/decode.py) over the own backends' serving runners
+(backends triton and triton_fused, build_serving), against mla_tune/serving.py's fp32
+reference.
+
+CPU: Triton's interpreter through `decode()` with the default serving variants (fp16 dots
+there) over a sample of layout {contiguous, paged 1, 16, 64} x heads {16, 128} x q_len
+{1, 2, 4} x KV {bf16, fp8} x backend {triton, triton_fused} that covers every pair of
+factors; refusals (a spec no backend serves, a named backend that refuses, a call that
+does not match its Decoder); the default variants validate; the output buffer is reused.
+GPU-marked: the full matrix through the one call for both backends, and a CUDA graph
+captured through a Decoder under sync debug mode "error", replayed with new lengths and
+block tables. The matrix cases poison the Decoder's output with NaN before the call
+whose result is checked; paged caches hold NaN in every slot no sequence owns.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from mla_tune import problem, serving
+from mla_tune.backends import UnknownBackend, get_backend
+from mla_tune.core import CORE_HEADS, CallSpec, Shape, Variant
+from mla_tune.gpu import Platform, fake_platform
+from mla_tune.runtime import Decoder, decode
+from mla_tune.runtime.decode import PREFERENCE, clear_decoders, infer_spec
+
+LAYOUTS = (0, 1, 16, 64)  # 0: contiguous; else the page size
+HEADS = (16, 128)
+Q_LENS = (1, 2, 4)
+KV_FORMATS = ("bf16", "fp8")
+OWN = ("triton", "triton_fused")
+CPU = Platform("cpu", "cpu", "cpu", False, 0)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_decoders():
+    """Each test builds its own Decoders (decode() keeps them per spec otherwise)."""
+    clear_decoders()
+    yield
+    clear_decoders()
+
+
+def _q_lens(kv_lens: list[int], q_len: int) -> list[int]:
+    """Ragged q_len: even sequences bring q_len new tokens, odd ones about half (never
+    more than a sequence holds)."""
+    return [min(n, q_len if i % 2 == 0 else (q_len + 1) // 2) for i, n in enumerate(kv_lens)]
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    assert bool(torch.isfinite(out).all()), f"{what}: an element is NaN or was never written"
+    err = float((out.float() - ref).norm() / ref.norm())
+    assert err < 1e-2, f"{what}: relative L2 error {err:.4f}"
+    result = problem.check(out, ref, problem.RULES["strict"])
+    assert result.passed, f"{what}: strict: {result.reason}"
+
+
+def _decode_twice(inp: serving.ServingInput, backend: str, **kwargs) -> torch.Tensor:
+    """decode() once, poison what it returned (the Decoder's own buffer) with NaN, and
+    decode again into it: every element of the answer is written by the second call."""
+    max_q_len = max(inp.q_lens)
+    args = (inp.q, inp.qo_indptr, inp.kv, inp.kv_scale)
+    out = decode(*args, **inp.layout, max_q_len=max_q_len, backend=backend, **kwargs)
+    out.fill_(float("nan"))
+    again = decode(*args, **inp.layout, max_q_len=max_q_len, backend=backend, **kwargs)
+    assert again.data_ptr() == out.data_ptr()
+    return again
+
+
+# (layout, heads, q_len, kv, backend, kv_lens): every pair of the five factors appears
+# (test below); lengths 1, 17, 63, 64, 65 and 700 (past tokens_per_split 256: the split
+# path, where the interpreter's stand-in SMs allow more than one split).
+CPU_CASES = [
+    (0, 16, 1, "bf16", "triton", [700, 1, 17]),
+    (0, 128, 2, "fp8", "triton_fused", [65, 1]),
+    (0, 16, 4, "fp8", "triton", [63, 4, 64]),
+    (1, 128, 1, "bf16", "triton_fused", [17, 64]),
+    (1, 16, 2, "fp8", "triton", [700, 1, 65]),
+    (1, 128, 4, "bf16", "triton_fused", [18, 5]),
+    (16, 16, 1, "fp8", "triton_fused", [1, 63, 700, 17]),
+    (16, 128, 2, "bf16", "triton", [64, 2]),
+    (16, 16, 4, "bf16", "triton_fused", [65, 17, 4]),
+    (64, 128, 1, "fp8", "triton", [65, 1]),
+    (64, 16, 2, "bf16", "triton_fused", [700, 17, 64]),
+    (64, 128, 4, "fp8", "triton", [17, 63]),
+]
+
+
+def test_cpu_sample_covers_every_pair_of_factors():
+    factors = [LAYOUTS, HEADS, Q_LENS, KV_FORMATS, OWN]
+    for i, j in itertools.combinations(range(len(factors)), 2):
+        seen = {(case[i], case[j]) for case in CPU_CASES}
+        assert seen == set(itertools.product(factors[i], factors[j])), (i, j)
+    assert {1, 17, 63, 64, 65} <= {n for case in CPU_CASES for n in case[5]}
+
+
+@pytest.mark.parametrize("layout,heads,q_len,kv,backend,kv_lens", CPU_CASES)
+def test_decode_matches_reference_on_a_covering_sample(layout, heads, q_len, kv, backend, kv_lens, device):
+    inp = serving.make_input(_q_lens(kv_lens, q_len), kv_lens, heads, layout, kv, seed=17, device=device)
+    assert max(inp.q_lens) == q_len
+    out = _decode_twice(inp, backend)
+    assert out.shape == (sum(inp.q_lens), heads, 512)
+    _assert_close(out, inp.reference(), f"{backend} layout {layout} heads {heads} q_len {q_len} {kv}")
+
+
+@pytest.mark.parametrize("backend", OWN)
+def test_a_decoder_runs_a_given_variant_with_splits_at_128_heads(backend, device):
+    """The default's max_splits is 1 at 128 heads on the interpreter's few stand-in SMs; a
+    variant given to the Decoder splits every 32 tokens, up to 4 splits."""
+    spec = CallSpec("fp8", 16, 128, max_q_len=2, mixed_q_len=True)
+    default = get_backend(backend).default_serving_variant(spec, CPU)
+    variant = default.with_params(max_splits=4, tokens_per_split=32)
+    decoder = Decoder(spec, variant=variant, device=device)
+    assert (decoder.backend, decoder.variant) == (backend, variant)
+    inp = serving.make_input([2, 1, 2], [200, 33, 2], 128, 16, "fp8", seed=3, device=device)
+    out = decoder(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
+    _assert_close(out, inp.reference(), f"{backend} with splits")
+
+
+def test_split_k_serving_variant_with_static_fp8_q(device):
+    """q=fp8_static with a calibrated q_amax below the largest |q| (some values clamp)."""
+    inp = serving.make_input([1, 1, 1], [300, 17, 1], 16, 64, "fp8", seed=4, device=device)
+    q_amax = 0.8 * float(inp.q.abs().amax())
+    spec = infer_spec(inp.q, inp.qo_indptr, inp.kv, block_table=inp.block_table)
+    variant = get_backend("triton").default_serving_variant(spec, CPU).with_params(
+        q="fp8_static", q_amax=q_amax)
+    out = Decoder(spec, variant=variant, device=device)(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale,
+                                                        **inp.layout)
+    _assert_close(out, inp.reference("fp8_static", q_amax), "fp8_static q")
+
+
+def test_decode_picks_the_own_split_k_kernel_first(device):
+    inp = serving.make_input([1, 1], [9, 40], 16, 0, "bf16", seed=2, device=device)
+    decode(inp.q, inp.qo_indptr, inp.kv, **inp.layout)
+    decoder = Decoder(CallSpec("bf16"), device=device)
+    assert PREFERENCE[:2] == OWN and decoder.backend == "triton"
+
+
+def test_the_output_buffer_is_allocated_once_and_reused(device):
+    """No allocation per call: the same buffer for the same and for fewer new tokens; a
+    larger call grows it once (at least doubling), and it stays."""
+    spec = CallSpec("bf16", 16, 16, max_q_len=2, mixed_q_len=True)
+    for backend in OWN:
+        decoder = Decoder(spec, backend=backend, device=device)
+        big = serving.make_input([2, 2, 1], [30, 5, 9], 16, 16, "bf16", seed=5, device=device)
+        small = serving.make_input([1, 2], [7, 12], 16, 16, "bf16", seed=6, device=device)
+        first = decoder(big.q, big.qo_indptr, big.kv, **big.layout)
+        ptr = first.data_ptr()
+        assert decoder(big.q, big.qo_indptr, big.kv, **big.layout).data_ptr() == ptr
+        out = decoder(small.q, small.qo_indptr, small.kv, **small.layout)
+        assert out.data_ptr() == ptr and out.shape[0] == 3
+        _assert_close(out, small.reference(), f"{backend} smaller call")
+        larger = serving.make_input([2] * 4, [20] * 4, 16, 16, "bf16", seed=7, device=device)
+        grown = decoder(larger.q, larger.qo_indptr, larger.kv, **larger.layout).data_ptr()
+        assert grown != ptr
+        assert decoder(larger.q, larger.qo_indptr, larger.kv, **larger.layout).data_ptr() == grown
+        assert decoder(big.q, big.qo_indptr, big.kv, **big.layout).data_ptr() == grown
+
+
+@pytest.mark.parametrize("backend", OWN)
+def test_a_padded_graph_slot_of_length_0_does_not_crash(backend, device):
+    """A CUDA graph padded past the live batch carries seq_len 0: its rows are
+    unspecified, every other sequence is right."""
+    inp = serving.make_input([1, 1, 1], [40, 5, 300], 16, 16, "fp8", seed=23, device=device)
+    ref = inp.reference()
+    inp.seq_lens[1] = 0
+    decoder = Decoder(CallSpec("fp8", 16, 16, graph=True), backend=backend, device=device)
+    out = decoder(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
+    _assert_close(out[0::2], ref[0::2], f"{backend} live sequences")
+
+
+def test_lengths_on_the_host_are_required_once_the_spec_says_so(device):
+    inp = serving.make_input([2, 1], [9, 40], 16, 0, "bf16", seed=9, device=device)
+    out = decode(inp.q, inp.qo_indptr, inp.kv, **inp.layout, max_q_len=2,
+                 q_lens_host=inp.q_lens, kv_lens_host=inp.kv_lens)
+    _assert_close(out, inp.reference(), "host lengths")
+    decoder = Decoder(CallSpec("bf16", 0, 16, 2, True, host_lengths=True), device=device)
+    with pytest.raises(ValueError, match="pass q_lens_host and kv_lens_host"):
+        decoder(inp.q, inp.qo_indptr, inp.kv, **inp.layout, q_lens_host=inp.q_lens)
+
+
+def test_decode_keeps_one_decoder_per_spec(device, monkeypatch):
+    built = []
+    original = get_backend("triton").build_serving
+    monkeypatch.setattr(get_backend("triton"), "build_serving",
+                        lambda *a: built.append(a[1]) or original(*a))
+    inp = serving.make_input([1, 1], [9, 40], 16, 0, "bf16", seed=2, device=device)
+    for _ in range(3):
+        decode(inp.q, inp.qo_indptr, inp.kv, **inp.layout)
+    paged = serving.make_input([1, 1], [9, 40], 16, 16, "bf16", seed=2, device=device)
+    decode(paged.q, paged.qo_indptr, paged.kv, **paged.layout)
+    assert [s.page_size for s in built] == [0, 16]
+
+
+# ---------------------------------------------------------------------------- the spec
+def test_infer_spec_reads_shapes_and_dtypes_only():
+    inp = serving.make_input([2, 1], [9, 40], 128, 64, "fp8", seed=2)
+    spec = infer_spec(inp.q, inp.qo_indptr, inp.kv, block_table=inp.block_table, max_q_len=2)
+    assert spec == CallSpec("fp8", 64, 128, 2, True)
+    one = serving.make_input([1, 1], [9, 40], 16, 0, "bf16", seed=2)
+    assert infer_spec(one.q, one.qo_indptr, one.kv) == CallSpec("bf16", 0, 16, 1, False)
+    with pytest.raises(ValueError, match="pass max_q_len"):
+        infer_spec(inp.q, inp.qo_indptr, inp.kv, block_table=inp.block_table)
+    with pytest.raises(ValueError, match=r"kv\.view\(torch\.float8_e4m3fn\)"):
+        infer_spec(inp.q, inp.qo_indptr, inp.kv.view(torch.uint8), block_table=inp.block_table, max_q_len=2)
+
+
+# ------------------------------------------------------------------------- refusals
+def test_a_spec_no_backend_serves_is_refused_naming_each_backends_reason():
+    with pytest.raises(ValueError, match="no backend serves") as info:
+        Decoder(CallSpec("bf16", 16, 16, max_q_len=8), device="cpu")
+    message = str(info.value)
+    for name in PREFERENCE:
+        assert f"{name}: " in message
+    assert "q_len up to 4, not 8" in message
+
+
+def test_a_named_backend_that_refuses_says_why_and_which_would_serve():
+    spec = CallSpec("bf16", 16, 16, max_q_len=2, mixed_q_len=True)
+    with pytest.raises(ValueError, match=r"backend flashmla cannot serve .*pages of 64 tokens.*"
+                                         r"backends that would: triton, triton_fused"):
+        Decoder(spec, backend="flashmla", device="cpu")
+    inp = serving.make_input([1], [9], 16, 16, "bf16", seed=1)
+    with pytest.raises(ValueError, match="backend flashmla cannot serve"):
+        decode(inp.q, inp.qo_indptr, inp.kv, **inp.layout, backend="flashmla")
+    with pytest.raises(ValueError, match=r"mxfp4.*no backend here would"):
+        Decoder(CallSpec("mxfp4"), backend="triton_fused", device="cpu")
+    with pytest.raises(UnknownBackend, match="known backends"):
+        Decoder(spec, backend="nope", device="cpu")
+    with pytest.raises(ValueError, match="belongs to backend triton, not triton_fused"):
+        Decoder(spec, backend="triton_fused", variant=Variant.make("triton", kv="bf16"), device="cpu")
+
+
+def _mismatch(name: str):
+    """A call of CallSpec('fp8', 16, 16, max_q_len=2) with one thing wrong."""
+    inp = serving.make_input([2, 1], [9, 40], 16, 16, "fp8", seed=8)
+    args = dict(q=inp.q, qo_indptr=inp.qo_indptr, kv=inp.kv, kv_scale=inp.kv_scale, **inp.layout)
+    other = serving.make_input([2, 1], [9, 40], 16, 0, "fp8", seed=8)
+    if name == "heads":
+        args["q"] = serving.make_input([2, 1], [9, 40], 32, 16, "fp8", seed=8).q
+    elif name == "page_size":
+        args["kv"] = serving.make_input([2, 1], [9, 40], 16, 64, "fp8", seed=8).kv
+    elif name == "contiguous":
+        args.update(kv=other.kv, kv_indptr=other.kv_indptr, block_table=None, seq_lens=None)
+    elif name == "both":
+        args["kv_indptr"] = other.kv_indptr
+    elif name == "bf16_kv":
+        args.update(kv=torch.zeros(inp.kv.shape, dtype=torch.bfloat16), kv_scale=None)
+    elif name == "no_scale":
+        args["kv_scale"] = None
+    elif name == "float_scale":
+        args["kv_scale"] = 0.5
+    elif name == "batch":
+        args["qo_indptr"] = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    elif name == "too_many_tokens":
+        args["q"] = torch.zeros((5, 16, 576), dtype=torch.bfloat16)
+    elif name == "block_table_dtype":
+        args["block_table"] = inp.block_table.long()
+    elif name == "seq_lens_rows":
+        args["seq_lens"] = inp.seq_lens[:1]
+    elif name == "q_dtype":
+        args["q"] = inp.q.float()
+    return args
+
+
+@pytest.mark.parametrize("name,message", [
+    ("heads", r"\(total_q, 16, 576\)"),
+    ("page_size", r"\(num_pages, 16, 576\)"),
+    ("contiguous", "pass block_table and seq_lens"),
+    ("both", "not kv_indptr"),
+    ("bf16_kv", "kv must have an fp8 dtype"),
+    ("no_scale", "fp8 KV needs kv_scale"),
+    ("float_scale", "fp8 KV needs kv_scale"),
+    ("batch", r"block_table must be an int32 \(3, max_pages\)"),
+    ("too_many_tokens", "each brings 1 to 2"),
+    ("block_table_dtype", "block_table must be an int32"),
+    ("seq_lens_rows", r"seq_lens must be an int32 \(2,\)"),
+    ("q_dtype", "contiguous bfloat16"),
+])
+def test_a_call_that_does_not_match_its_decoder_is_refused_before_launch(name, message):
+    decoder = Decoder(CallSpec("fp8", 16, 16, max_q_len=2, mixed_q_len=True), device="cpu")
+    args = _mismatch(name)
+    with pytest.raises(ValueError, match=message):
+        decoder(**args)
+
+
+def test_one_new_token_each_is_checked_against_the_spec():
+    decoder = Decoder(CallSpec("bf16"), device="cpu")
+    inp = serving.make_input([2, 1], [9, 40], 16, 0, "bf16", seed=8)
+    with pytest.raises(ValueError, match="max_q_len 1"):
+        decoder(inp.q, inp.qo_indptr, inp.kv, **inp.layout)
+    with pytest.raises(ValueError, match="takes no kv_scale"):
+        one = serving.make_input([1, 1], [9, 40], 16, 0, "bf16", seed=8)
+        decoder(one.q, one.qo_indptr, one.kv, torch.ones(1), **one.layout)
+
+
+# ---------------------------------------------------------------- variants and specs
+PLATFORMS = [CPU, fake_platform("H200"), Platform("gpu78", "gpu78", "sm_89", False, 78)]
+
+
+@pytest.mark.parametrize("backend", OWN)
+@pytest.mark.parametrize("platform", PLATFORMS, ids=lambda p: p.name)
+def test_default_serving_variants_validate_and_build_for_every_spec(backend, platform):
+    module = get_backend(backend)
+    for page_size, heads, max_q_len, kv in itertools.product((0, 1, 16, 64, 128), CORE_HEADS, (1, 2, 3, 4),
+                                                             KV_FORMATS):
+        spec = CallSpec(kv, page_size, heads, max_q_len, max_q_len > 1)
+        variant = module.default_serving_variant(spec, platform)
+        module.validate(variant)
+        assert Variant.parse(str(variant)) == variant
+        assert variant.get("kv") == kv and variant.get("q") == "bf16"
+        rows = 1 << (max_q_len - 1).bit_length()
+        assert heads % variant.get("block_h") == 0 and variant.get("block_h") * rows == 16
+        splits = variant.get("max_splits")
+        assert 1 <= splits <= 64
+        if platform.sm_count:  # from the platform's SMs: enough for one sequence to fill them
+            assert splits == min(64, -(-platform.sm_count // (heads // variant.get("block_h"))))
+        dots = [variant.get(k) for k in ("dot_dtype", "qk_dot", "pv_dot") if k in variant.p]
+        assert set(dots) == {"bf16" if platform.has_gpu else "fp16"}
+        module.build_serving(variant, spec, "cpu")  # builds; allocates on its first call
+
+
+@pytest.mark.parametrize("backend,params,message", [
+    ("triton", dict(block_h=3), "block_h=3"),
+    ("triton", dict(block_h=256), "block_h=256"),
+    ("triton", dict(max_splits=0), "max_splits=0"),
+    ("triton", dict(max_splits=257), "max_splits=257"),
+    ("triton", dict(tokens_per_split=0), "tokens_per_split=0"),
+    ("triton", dict(num_splits=4), "unknown parameter num_splits"),
+    ("triton", dict(q="fp8_static"), "q_amax"),
+    ("triton", dict(kv="mxfp4"), "kv=mxfp4"),
+    ("triton_fused", dict(block_h=3), "block_h=3"),
+    ("triton_fused", dict(max_splits=300), "max_splits=300"),
+    ("triton_fused", dict(tokens_per_split=-1), "tokens_per_split=-1"),
+    ("triton_fused", dict(kv="mxfp4"), "kv=mxfp4"),
+    ("triton_fused", dict(qk_dot="fp8"), "q=fp8_dynamic goes with qk_dot=fp8"),
+    ("triton_fused", dict(q="fp8_dynamic", qk_dot="fp8", pv_dot="fp8"), "fp8 dots read an fp8 KV cache"),
+    ("triton_fused", dict(reduce="last"), "unknown parameter reduce"),
+    ("triton_fused", dict(block_n=256), "block_n=256"),
+])
+def test_serving_variants_are_validated_by_name(backend, params, message):
+    module = get_backend(backend)
+    variant = module.default_serving_variant(CallSpec("bf16", 16, 16), CPU).with_params(**params)
+    with pytest.raises(ValueError, match=message):
+        module.validate(variant)
+
+
+@pytest.mark.parametrize("backend", OWN)
+def test_build_and_build_serving_take_only_their_own_parameter_set(backend):
+    module = get_backend(backend)
+    spec = CallSpec("fp8", 64, 128, max_q_len=2, mixed_q_len=True)
+    serving_variant = module.default_serving_variant(spec, CPU)
+    with pytest.raises(ValueError, match="serving variant"):
+        module.build(serving_variant, Shape(4, 64), "cpu")
+    leaderboard = module.candidates(Shape(4, 1024), {}, CPU)[0]
+    module.validate(leaderboard)
+    with pytest.raises(ValueError, match="leaderboard variant"):
+        module.build_serving(leaderboard, spec, "cpu")
+    with pytest.raises(ValueError, match="make the variant with kv=fp8"):
+        module.build_serving(serving_variant.with_params(kv="bf16"), spec, "cpu")
+    with pytest.raises(ValueError, match="use block_h=8"):
+        module.build_serving(serving_variant.with_params(block_h=4), spec, "cpu")
+    with pytest.raises(ValueError, match="must divide 32 heads"):
+        module.build_serving(serving_variant.with_params(block_h=64),
+                             CallSpec("fp8", 64, 32, max_q_len=2, mixed_q_len=True), "cpu")
+    with pytest.raises(ValueError, match="q_len up to 4, not 8"):
+        module.build_serving(serving_variant, CallSpec("fp8", 64, 128, max_q_len=8), "cpu")
+    with pytest.raises(ValueError, match="q_len up to 4, not 8"):
+        module.default_serving_variant(CallSpec("fp8", 64, 128, max_q_len=8), CPU)
+
+
+# ------------------------------------------------------------------------------ GPU
+GPU_KV_LENS = [3000, 1, 17, 63, 64, 65, 1000, 129]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("backend", OWN)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("q_len", Q_LENS)
+@pytest.mark.parametrize("kv", KV_FORMATS)
+def test_full_matrix_through_the_one_call_on_gpu(backend, layout, heads, q_len, kv, device):
+    inp = serving.make_input(_q_lens(GPU_KV_LENS, q_len), GPU_KV_LENS, heads, layout, kv, seed=31, device=device)
+    out = _decode_twice(inp, backend)
+    torch.cuda.synchronize()
+    _assert_close(out, inp.reference(), f"{backend} layout {layout} heads {heads} q_len {q_len} {kv}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("backend", OWN)
+@pytest.mark.parametrize("layout,heads,q_len,kv", [(8, 32, 3, "fp8"), (128, 64, 2, "bf16"), (0, 32, 1, "fp8")])
+def test_other_heads_pages_and_q_lens_through_the_one_call_on_gpu(backend, layout, heads, q_len, kv, device):
+    inp = serving.make_input(_q_lens(GPU_KV_LENS, q_len), GPU_KV_LENS, heads, layout, kv, seed=32, device=device)
+    out = _decode_twice(inp, backend)
+    torch.cuda.synchronize()
+    _assert_close(out, inp.reference(), f"{backend} layout {layout} heads {heads} q_len {q_len} {kv}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("backend", OWN)
+@pytest.mark.parametrize("layout", [0, 64])
+def test_a_decoder_in_a_cuda_graph_replays_new_lengths_and_block_tables(backend, layout, device):
+    """Captured once through the Decoder (its checks included) under sync debug mode
+    "error", replayed with other lengths, q_lens and block tables."""
+    heads, max_q, kv_format = 128, 2, "fp8"
+    spec = CallSpec(kv_format, layout, heads, max_q, mixed_q_len=True, graph=True)
+    decoder = Decoder(spec, backend=backend, device=device)
+    static = serving.make_input(serving.GRAPH_Q_LENS, serving.GRAPH_KV_LENS, heads, layout, kv_format,
+                                seed=41, device=device)
+    result = {}
+
+    def call():
+        result["out"] = decoder(static.q, static.qo_indptr, static.kv, static.kv_scale, **static.layout)
+
+    graph = serving.capture_without_sync(call)
+    out = result["out"]
+    for seed, new in serving.refill_for_replays(static, max_q, heads, kv_format, device):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_close(out[: new.q.shape[0]], new.reference(), f"{backend} replay seed {seed}")
