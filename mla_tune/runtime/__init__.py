@@ -264,6 +264,7 @@ def custom_kernel(data):
     return default_runtime().custom_kernel(data)
 
 
-# The serving call (mla_tune/runtime/decode.py), last: it imports nothing from this module.
+# The serving call (mla_tune/runtime/decode.py, mla_tune/runtime/plan.py), last: they import
+# nothing from this module. (`decode()` stays in its module: a function of that name here
+# would hide the submodule mla_tune.runtime.decode.)
 from mla_tune.runtime.decode import Decoder as Decoder  # noqa: E402
-from mla_tune.runtime.decode import decode as decode  # noqa: E402

@@ -182,19 +182,65 @@ class Decoder:
     def __repr__(self) -> str:
         return f"Decoder({spec_text(self.spec)}: {self.variant} on {self.device})"
 
+    @property
+    def runner(self):
+        """The backend's runner behind the checks: runner(q, qo_indptr, kv, kv_scale, *,
+        kv_indptr / block_table + seq_lens, q_lens_host, kv_lens_host). A caller that has
+        checked its call once (a DecodePlan's update) may run it directly."""
+        return self._runner
+
     def check(self, q, qo_indptr, kv, kv_scale=None, *, kv_indptr=None, block_table=None,
               seq_lens=None, q_lens_host=None, kv_lens_host=None) -> None:
         """Refuse (ValueError naming what was expected) a call that does not match the
         spec: shapes, dtypes, devices and the layout's arguments only, no device read.
         Each message is built only when its check fails (this runs every step)."""
+        self.check_step(qo_indptr, kv_indptr=kv_indptr, block_table=block_table,
+                        seq_lens=seq_lens, q_lens_host=q_lens_host, kv_lens_host=kv_lens_host)
+        self.check_layer(q, qo_indptr, kv, kv_scale, paged=kv_indptr is None)
+
+    def check_step(self, qo_indptr, *, kv_indptr=None, block_table=None, seq_lens=None,
+                   q_lens_host=None, kv_lens_host=None) -> None:
+        """The part of `check` that a step's layers share: qo_indptr and the KV layout's
+        arguments (a DecodePlan checks these once per step, in update)."""
+        spec, dev = self.spec, self.device
+        if not (isinstance(qo_indptr, torch.Tensor) and qo_indptr.dim() == 1 and qo_indptr.shape[0] >= 2
+                and qo_indptr.dtype == torch.int32 and qo_indptr.device == dev):
+            self._refuse(f"qo_indptr must be an int32 (batch + 1,) tensor on {dev}, got "
+                         f"{_tensor_text(qo_indptr)}")
+        batch = qo_indptr.shape[0] - 1
+        if spec.page_size == 0:
+            if kv_indptr is None or block_table is not None or seq_lens is not None:
+                self._refuse("the spec's KV is contiguous: pass kv_indptr, not block_table / seq_lens")
+            if not (isinstance(kv_indptr, torch.Tensor) and kv_indptr.shape == (batch + 1,)
+                    and kv_indptr.dtype == torch.int32 and kv_indptr.device == dev):
+                self._refuse(f"kv_indptr must be an int32 ({batch + 1},) tensor on {dev}, got "
+                             f"{_tensor_text(kv_indptr)}")
+        else:
+            if kv_indptr is not None or block_table is None or seq_lens is None:
+                self._refuse(f"the spec's KV is paged ({spec.page_size}-token pages): pass "
+                             "block_table and seq_lens, not kv_indptr")
+            if not (isinstance(block_table, torch.Tensor) and block_table.dim() == 2
+                    and block_table.shape[0] == batch and block_table.dtype == torch.int32
+                    and block_table.stride(1) == 1 and block_table.device == dev):
+                self._refuse(f"block_table must be an int32 ({batch}, max_pages) tensor on {dev} "
+                             f"with contiguous rows, got {_tensor_text(block_table)}")
+            if not (isinstance(seq_lens, torch.Tensor) and seq_lens.shape == (batch,)
+                    and seq_lens.dtype == torch.int32 and seq_lens.device == dev):
+                self._refuse(f"seq_lens must be an int32 ({batch},) tensor on {dev}, got "
+                             f"{_tensor_text(seq_lens)}")
+        if spec.host_lengths and not (
+                isinstance(q_lens_host, Sequence) and isinstance(kv_lens_host, Sequence)
+                and len(q_lens_host) == batch and len(kv_lens_host) == batch):
+            self._refuse(f"{self.backend} plans from the lengths on the host: pass q_lens_host and "
+                         f"kv_lens_host, lists of {batch} ints")
+
+    def check_layer(self, q, qo_indptr, kv, kv_scale=None, paged: bool | None = None) -> None:
+        """The part of `check` that differs per layer: q, the cache and its scale."""
         spec, dev = self.spec, self.device
         if not (isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[1:] == (spec.heads, QK_DIM)
                 and q.dtype == torch.bfloat16 and q.is_contiguous()):
             self._refuse(f"q must be a contiguous bfloat16 (total_q, {spec.heads}, {QK_DIM}) tensor, "
                          f"got {_tensor_text(q)}")
-        if not (isinstance(qo_indptr, torch.Tensor) and qo_indptr.dim() == 1 and qo_indptr.shape[0] >= 2
-                and qo_indptr.dtype == torch.int32):
-            self._refuse(f"qo_indptr must be an int32 (batch + 1,) tensor, got {_tensor_text(qo_indptr)}")
         batch, total_q = qo_indptr.shape[0] - 1, q.shape[0]
         if spec.max_q_len == 1 and total_q != batch:
             self._refuse(f"q holds {total_q} new tokens for {batch} sequences, but the spec says one "
@@ -218,39 +264,13 @@ class Decoder:
                     and kv_scale.dtype == torch.float32 and kv_scale.device == dev):
                 self._refuse(f"fp8 KV needs kv_scale, a (1,) float32 tensor on {dev} (made once, "
                              f"not per call), got {_tensor_text(kv_scale)}")
-        if spec.page_size == 0:
-            if kv_indptr is None or block_table is not None or seq_lens is not None:
-                self._refuse("the spec's KV is contiguous: pass kv_indptr, not block_table / seq_lens")
-            if kv.shape[1] != 1:
-                self._refuse(f"contiguous kv must be (total_kv, 1, {QK_DIM}), got {tuple(kv.shape)}")
-            if not (isinstance(kv_indptr, torch.Tensor) and kv_indptr.shape == (batch + 1,)
-                    and kv_indptr.dtype == torch.int32 and kv_indptr.device == dev):
-                self._refuse(f"kv_indptr must be an int32 ({batch + 1},) tensor on {dev}, got "
-                             f"{_tensor_text(kv_indptr)}")
-        else:
-            if kv_indptr is not None or block_table is None or seq_lens is None:
-                self._refuse(f"the spec's KV is paged ({spec.page_size}-token pages): pass "
-                             "block_table and seq_lens, not kv_indptr")
-            if kv.shape[1] != spec.page_size:
-                self._refuse(f"kv must be (num_pages, {spec.page_size}, {QK_DIM}) (the spec's page "
-                             f"size), got {tuple(kv.shape)}")
-            if not (isinstance(block_table, torch.Tensor) and block_table.dim() == 2
-                    and block_table.shape[0] == batch and block_table.dtype == torch.int32
-                    and block_table.stride(1) == 1 and block_table.device == dev):
-                self._refuse(f"block_table must be an int32 ({batch}, max_pages) tensor on {dev} "
-                             f"with contiguous rows, got {_tensor_text(block_table)}")
-            if not (isinstance(seq_lens, torch.Tensor) and seq_lens.shape == (batch,)
-                    and seq_lens.dtype == torch.int32 and seq_lens.device == dev):
-                self._refuse(f"seq_lens must be an int32 ({batch},) tensor on {dev}, got "
-                             f"{_tensor_text(seq_lens)}")
-        if not (q.device == dev and qo_indptr.device == dev and kv.device == dev):
-            self._refuse(f"q, qo_indptr and kv must be on {dev}, got {q.device}, {qo_indptr.device}, "
-                         f"{kv.device}")
-        if spec.host_lengths and not (
-                isinstance(q_lens_host, Sequence) and isinstance(kv_lens_host, Sequence)
-                and len(q_lens_host) == batch and len(kv_lens_host) == batch):
-            self._refuse(f"{self.backend} plans from the lengths on the host: pass q_lens_host and "
-                         f"kv_lens_host, lists of {batch} ints")
+        if spec.page_size == 0 and kv.shape[1] != 1:
+            self._refuse(f"contiguous kv must be (total_kv, 1, {QK_DIM}), got {tuple(kv.shape)}")
+        if spec.page_size and kv.shape[1] != spec.page_size:
+            self._refuse(f"kv must be (num_pages, {spec.page_size}, {QK_DIM}) (the spec's page "
+                         f"size), got {tuple(kv.shape)}")
+        if not (q.device == dev and kv.device == dev):
+            self._refuse(f"q and kv must be on {dev}, got {q.device}, {kv.device}")
 
     def _refuse(self, message: str):
         raise ValueError(f"{message} ({self!r})")

@@ -1,0 +1,170 @@
+"""A graph-safe serving call: planned once, updated once per step, run once per layer.
+
+An engine's decode step calls attention once per layer (61 in DeepSeek-V3) with the same
+lengths and block table, and captures the step in a CUDA graph per batch size. So:
+
+    plan = DecodePlan(CallSpec("fp8", page_size=64, heads=128, max_q_len=2, mixed_q_len=True,
+                               graph=True), max_batch=256, table="tables/H200.serving.yaml")
+    # each step, outside or inside the graph (no host read, no allocation):
+    plan.update(qo_indptr, block_table=block_table, seq_lens=seq_lens)
+    for layer in layers:
+        out = plan.run(q[layer], kv_cache[layer], kv_scale[layer])
+
+- The plan builds and warms (compiles, allocates) every runner it may pick for batches up
+  to `max_batch`, once: afterwards nothing allocates.
+- `update` picks the variant from the serving table (tables/serving_table.py) without
+  timing anything: in a graph (spec.graph) the graph pick of the batch's bucket, which
+  does not depend on the lengths; eagerly the cell of the batch bucket and of the mean
+  length (`mean_kv_len`, or the mean of `kv_lens_host`, which engines keep on the host),
+  else the graph pick. A family or cell the table lacks runs the preferred backend's
+  default variant (runtime/decode.py), counted in `misses`. `update` checks the call's
+  layout arguments against the spec once per step (shapes and dtypes only).
+- `run` does nothing but call the picked runner with the step's tensors: its host time is
+  the runner's. Split counts are the variant's rule, applied per sequence on the device.
+
+Each runner owns one output buffer, which every `run` through it returns: consume or copy
+it before the next layer's run (as an engine's attention output projection does).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+
+import torch
+
+from mla_tune.core import QK_DIM, CallSpec, Variant
+from mla_tune.runtime.decode import Decoder, spec_text
+from mla_tune.tables.serving_table import ServingTable, batch_bucket, load_serving_table
+
+
+def _table(table) -> ServingTable | None:
+    if table is None or isinstance(table, ServingTable):
+        return table
+    return load_serving_table(Path(table))
+
+
+class DecodePlan:
+    """The serving call for one CallSpec and batches up to max_batch (see the module)."""
+
+    def __init__(self, spec: CallSpec, max_batch: int, *, table=None, backend: str | None = None,
+                 device=None, warm: bool = True):
+        if not isinstance(spec, CallSpec):
+            raise ValueError(f"spec must be a mla_tune.core.CallSpec, got {type(spec).__name__}")
+        if not (isinstance(max_batch, int) and max_batch >= 1):
+            raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
+        self.spec = spec
+        self.max_batch = max_batch
+        self.table = _table(table)
+        self.misses: dict[str, int] = {}
+        # The default: the preferred backend's untuned variant, for what the table lacks.
+        self._default = Decoder(spec, backend=backend, device=device)
+        self.device = self._default.device
+        self._decoders: dict[Variant, Decoder] = {self._default.variant: self._default}
+        family = self.table.family(spec) if self.table is not None else None
+        if self.table is not None and family is None:
+            warnings.warn(f"serving table {self.table.path}: no family for {spec_text(spec)}; "
+                          f"every call runs the default {self._default.variant}", stacklevel=2)
+        self._family = family
+        for variant in self._candidates():
+            if variant not in self._decoders:
+                self._decoders[variant] = Decoder(spec, variant=variant, device=self.device)
+        self._decoder = self._default
+        self._runner = self._default.runner
+        self._qo = None
+        self._layout: dict = {}
+        if warm:
+            self.warm()
+
+    def _candidates(self) -> list[Variant]:
+        """Every variant update() may pick for a batch up to max_batch."""
+        if self._family is None:
+            return []
+        top = batch_bucket(self.table.batch_buckets, self.max_batch)
+        picks = [g.variant for b, g in sorted(self._family.graph.items()) if b <= top]
+        if not self.spec.graph:
+            picks += [c.variant for (b, _kv), c in sorted(self._family.cells.items()) if b <= top]
+        return list(dict.fromkeys(picks))
+
+    @property
+    def variants(self) -> list[Variant]:
+        return list(self._decoders)
+
+    # ------------------------------------------------------------------ warm
+    def warm(self) -> None:
+        """Run every runner once at the plan's largest call (max_batch sequences of
+        max_q_len new tokens over a tiny cache), so that each compiles its kernels and
+        allocates its buffers now, not in a step or inside a graph capture."""
+        spec, dev = self.spec, self.device
+        batch, q_len = self.max_batch, spec.max_q_len
+        q = torch.zeros((batch * q_len, spec.heads, QK_DIM), dtype=torch.bfloat16, device=dev)
+        qo_indptr = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device=dev)
+        kv_dtype = torch.bfloat16 if spec.kv_format == "bf16" else torch.float8_e4m3fn
+        kv_scale = None if spec.kv_format == "bf16" else torch.ones((1,), dtype=torch.float32, device=dev)
+        host = {"q_lens_host": [q_len] * batch, "kv_lens_host": [q_len] * batch}
+        if spec.page_size == 0:
+            kv = torch.zeros((batch * q_len, 1, QK_DIM), dtype=kv_dtype, device=dev)
+            layout = {"kv_indptr": qo_indptr.clone()}
+        else:
+            pages = math.ceil(q_len / spec.page_size)
+            kv = torch.zeros((pages, spec.page_size, QK_DIM), dtype=kv_dtype, device=dev)
+            layout = {"block_table": torch.arange(pages, dtype=torch.int32, device=dev).repeat(batch, 1),
+                      "seq_lens": torch.full((batch,), q_len, dtype=torch.int32, device=dev)}
+        for decoder in self._decoders.values():
+            decoder(q, qo_indptr, kv, kv_scale, **layout, **host)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    # ------------------------------------------------------------------ per step
+    def pick(self, batch: int, mean_kv_len: float | None = None) -> Variant:
+        """The variant a step of `batch` sequences runs (no timing): see the module."""
+        variant = None
+        if self.table is not None and self._family is not None:
+            mean = None if self.spec.graph else mean_kv_len
+            variant = self.table.lookup(self.spec, batch, mean, graph=self.spec.graph)
+            if variant is None:
+                key = f"batch {batch_bucket(self.table.batch_buckets, batch)}" + (
+                    "" if mean is None else f", kv_len ~{mean:.0f}")
+                self.misses[key] = self.misses.get(key, 0) + 1
+        return variant if variant is not None and variant in self._decoders else self._default.variant
+
+    def update(self, qo_indptr, *, kv_indptr=None, block_table=None, seq_lens=None,
+               q_lens_host=None, kv_lens_host=None, mean_kv_len: float | None = None) -> Variant:
+        """Once per step: pick the variant for this batch and keep the step's tensors (the
+        engine keeps them in place across the step, as a CUDA graph needs). Returns the
+        variant picked. Nothing here reads a device tensor on the host."""
+        if not (isinstance(qo_indptr, torch.Tensor) and qo_indptr.dim() == 1):
+            raise ValueError("qo_indptr must be a (batch + 1,) int32 tensor")
+        batch = qo_indptr.shape[0] - 1
+        if not 1 <= batch <= self.max_batch:
+            raise ValueError(f"a step of {batch} sequences, but the plan was made for up to "
+                             f"{self.max_batch}; make a plan with a larger max_batch")
+        if mean_kv_len is None and kv_lens_host is not None and len(kv_lens_host):
+            mean_kv_len = sum(kv_lens_host) / len(kv_lens_host)
+        variant = self.pick(batch, mean_kv_len)
+        decoder = self._decoders[variant]
+        layout = dict(kv_indptr=kv_indptr, block_table=block_table, seq_lens=seq_lens,
+                      q_lens_host=q_lens_host, kv_lens_host=kv_lens_host)
+        decoder.check_step(qo_indptr, **layout)  # the layers' q and caches are not checked
+        self._decoder, self._runner = decoder, decoder.runner
+        self._qo, self._layout = qo_indptr, layout
+        return variant
+
+    def run(self, q, kv, kv_scale=None) -> torch.Tensor:
+        """Per layer: (total_q, heads, 512) bf16, the picked runner's reused buffer. Only
+        the runner runs (update checked the step); `run_checked` checks q and kv too."""
+        if self._qo is None:
+            raise ValueError("call update(...) with the step's lengths before run")
+        return self._runner(q, self._qo, kv, kv_scale, **self._layout)
+
+    def run_checked(self, q, kv, kv_scale=None) -> torch.Tensor:
+        """`run`, after checking q, kv and kv_scale against the spec (shapes and dtypes)."""
+        if self._qo is None:
+            raise ValueError("call update(...) with the step's lengths before run")
+        self._decoder.check_layer(q, self._qo, kv, kv_scale)
+        return self.run(q, kv, kv_scale)
+
+    def __repr__(self) -> str:
+        return (f"DecodePlan({spec_text(self.spec)}, up to {self.max_batch} sequences, "
+                f"{len(self._decoders)} variant(s), default {self._default.variant})")

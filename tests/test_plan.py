@@ -1,0 +1,150 @@
+"""DecodePlan (mla_tune/runtime/plan.py): planned once, updated per step, run per layer.
+
+On the CPU the own kernels run under Triton's interpreter (fp16 dots). The plan's picks
+come from a small serving table built here; every result is compared with the fp32
+reference of mla_tune.serving. GPU-marked: a decode loop captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mla_tune import problem, serving
+from mla_tune.core import CallSpec, Variant
+from mla_tune.runtime.plan import DecodePlan
+from mla_tune.tables.serving_table import Cell, Family, FamilyKey, GraphPick, ServingTable
+
+SPEC = CallSpec("bf16", page_size=16, heads=16, max_q_len=2, mixed_q_len=True)
+BATCHES = [2, 4, 8]
+KVS = [32, 256]
+
+
+def _variant(backend: str, splits: int, tokens: int) -> Variant:
+    if backend == "triton":
+        return Variant.parse(f"triton(block_h=8,block_n=32,dot_dtype=fp16,kv=bf16,max_splits={splits},"
+                             f"num_stages=1,num_warps=4,q=bf16,tokens_per_split={tokens})")
+    return Variant.parse(f"triton_fused(block_h=8,block_n=32,kv=bf16,max_splits={splits},num_stages=1,"
+                         f"num_warps=4,pv_dot=fp16,q=bf16,qk_dot=fp16,tokens_per_split={tokens})")
+
+
+GRAPH_4 = _variant("triton", 2, 64)
+EAGER_4_256 = _variant("triton_fused", 4, 32)
+GRAPH_8 = _variant("triton_fused", 2, 128)
+
+
+def _table() -> ServingTable:
+    fam = Family(FamilyKey.of(SPEC))
+    fam.cells[(4, 256)] = Cell(4, 256, EAGER_4_256, 10.0)
+    fam.graph[4] = GraphPick(4, GRAPH_4, 0.05, 32)
+    fam.graph[8] = GraphPick(8, GRAPH_8, 0.02, 256)
+    return ServingTable("cpu", {}, BATCHES, KVS, {fam.key: fam})
+
+
+def _step(plan: DecodePlan, kv_lens: list[int], seed: int, **update):
+    q_lens = [min(2, n) for n in kv_lens]
+    inp = serving.make_input(q_lens, kv_lens, SPEC.heads, SPEC.page_size, "bf16", seed=seed)
+    picked = plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens, **update)
+    return inp, picked
+
+
+def _close(out, ref, what: str = ""):
+    assert not torch.isnan(out).any(), f"NaN in the output {what}"
+    result = problem.check(out, ref, problem.RULES["strict"])
+    assert result.passed, f"{what}: {result}"
+
+
+def test_a_plan_without_a_table_runs_the_default_variant_correctly():
+    plan = DecodePlan(SPEC, max_batch=4)
+    assert plan.variants == [plan.pick(3)]
+    inp, picked = _step(plan, [1, 17, 63, 65], seed=1)
+    assert picked.backend == "triton"  # the preferred backend's default
+    out = plan.run(inp.q, inp.kv, inp.kv_scale)
+    _close(out, inp.reference())
+
+
+def test_the_plan_builds_every_pick_up_front_and_picks_by_bucket_and_mean_length():
+    plan = DecodePlan(SPEC, max_batch=8, table=_table())
+    assert set(plan.variants) == {plan._default.variant, GRAPH_4, EAGER_4_256, GRAPH_8}
+    # eager: batch 3 -> bucket 4; mean length 200 -> kv bucket 256: the cell
+    inp, picked = _step(plan, [190, 200, 210], seed=2, mean_kv_len=200)
+    assert picked == EAGER_4_256
+    _close(plan.run(inp.q, inp.kv, inp.kv_scale), inp.reference())
+    # eager, mean 40 -> kv bucket 32: no cell there, so the default, counted as a miss
+    inp, picked = _step(plan, [30, 40, 50], seed=3, mean_kv_len=40)
+    assert picked == plan._default.variant and plan.misses == {"batch 4, kv_len ~40": 1}
+    _close(plan.run(inp.q, inp.kv, inp.kv_scale), inp.reference())
+    # no mean length known: the graph pick of the bucket
+    inp = serving.make_input([1] * 6, [5, 9, 300, 17, 2, 64], 16, 16, "bf16", seed=4)
+    assert plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens) == GRAPH_8
+    _close(plan.run(inp.q, inp.kv, inp.kv_scale), inp.reference())
+    # the mean from host lengths
+    inp, picked = _step(plan, [250, 260, 270], seed=5, kv_lens_host=[250, 260, 270])
+    assert picked == EAGER_4_256
+
+
+def test_a_graph_plan_ignores_lengths_and_takes_the_graph_pick():
+    spec = CallSpec("bf16", page_size=16, heads=16, max_q_len=2, mixed_q_len=True, graph=True)
+    table = _table()
+    fam = table.families.pop(FamilyKey.of(SPEC))
+    table.families[FamilyKey.of(spec)] = fam
+    plan = DecodePlan(spec, max_batch=4, table=table)
+    assert EAGER_4_256 not in plan.variants  # eager cells are not built for a graph plan
+    inp, picked = _step(plan, [190, 200, 210], seed=6, kv_lens_host=[190, 200, 210])
+    assert picked == GRAPH_4
+    _close(plan.run(inp.q, inp.kv, inp.kv_scale), inp.reference())
+
+
+def test_runs_reuse_the_buffers_warm_allocated():
+    plan = DecodePlan(SPEC, max_batch=8)
+    inp, _ = _step(plan, [3, 70], seed=7)
+    first = plan.run(inp.q, inp.kv, inp.kv_scale).data_ptr()
+    inp, _ = _step(plan, [3, 70, 5, 9, 11, 2, 2, 40], seed=8)  # the plan's largest batch
+    assert plan.run(inp.q, inp.kv, inp.kv_scale).data_ptr() == first
+
+
+def test_a_step_the_plan_was_not_made_for_is_refused():
+    plan = DecodePlan(SPEC, max_batch=2, warm=False)
+    inp = serving.make_input([1, 1, 1], [5, 6, 7], 16, 16, "bf16", seed=9)
+    with pytest.raises(ValueError, match="up to 2; make a plan with a larger max_batch"):
+        plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
+    inp = serving.make_input([1, 1], [5, 6], 16, 16, "bf16", seed=9)
+    with pytest.raises(ValueError, match="pass block_table and seq_lens"):
+        plan.update(inp.qo_indptr, kv_indptr=inp.qo_indptr)
+    plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
+    with pytest.raises(ValueError, match="q must be a contiguous bfloat16"):
+        plan.run_checked(inp.q[:, :8].contiguous(), inp.kv)
+
+
+def test_a_table_without_the_family_warns_and_runs_the_default():
+    other = CallSpec("bf16", page_size=64, heads=16, max_q_len=1)
+    with pytest.warns(UserWarning, match="no family for bf16 KV, paged 64"):
+        plan = DecodePlan(other, max_batch=2, table=_table(), warm=False)
+    assert plan.variants == [plan.pick(2)]
+
+
+@pytest.mark.gpu
+def test_a_decode_loop_captured_in_a_graph_replays_correctly_with_growing_lengths():
+    """An engine's step: update once, 4 layers, captured once per batch bucket and
+    replayed while every sequence grows by one token per step."""
+    spec = CallSpec("fp8", page_size=64, heads=128, max_q_len=1, graph=True)
+    plan = DecodePlan(spec, max_batch=8, device="cuda")
+    lens = [1, 17, 63, 64, 65, 700, 3000, 129]
+    static = serving.make_input([1] * 8, [n + 8 for n in lens], 128, 64, "fp8", seed=10, device="cuda")
+    layers = [torch.randn_like(static.q) for _ in range(4)]
+    outs = [torch.empty((8, 128, 512), dtype=torch.bfloat16, device="cuda") for _ in layers]
+
+    def step():
+        plan.update(static.qo_indptr, block_table=static.block_table, seq_lens=static.seq_lens)
+        for q, out in zip(layers, outs, strict=True):
+            out.copy_(plan.run(q, static.kv, static.kv_scale))
+
+    graph = serving.capture_without_sync(step)
+    for grow in range(0, 9, 4):
+        static.seq_lens.copy_(torch.tensor([n + grow for n in lens], dtype=torch.int32, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for q, out in zip(layers, outs, strict=True):
+            ref = serving.reference(q, static.qo_indptr, static.kv, static.kv_scale,
+                                    block_table=static.block_table, seq_lens=static.seq_lens)
+            _close(out, ref, f"step +{grow}")
