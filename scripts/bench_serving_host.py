@@ -5,7 +5,7 @@
 A ragged batch (kv_len 3980-4019, one new token each) in 64-token pages, as an engine's
 decode step calls it. Rows: `mla_tune.runtime.decode.Decoder` per backend that serves the
 call (its __call__, checks included, and its runner alone), FlashMLA's
-`flash_mla_with_kvcache` called directly with its schedule made once, FlashInfer's
+`flash_mla_with_kvcache` called directly, a DecodePlan's run (runtime/plan.py), with its schedule made once, FlashInfer's
 `BatchMLAPagedAttentionWrapper.run` after one `plan`. Host time: timing.host_time (calls
 back to back, GPU busy ahead); GPU time: timing.time_call (the leaderboard protocol).
 Each result is checked against mla_tune.serving's fp32 reference first (strict rule).
@@ -52,11 +52,17 @@ def _rows(args):
             calls[f"Decoder {backend}"] = (
                 lambda dec=dec, pos=pos, kw=kw: dec(*pos, **kw),
                 dec.variant)
-            runner = getattr(dec, "runner", None)
-            if runner is not None:
-                calls[f"runner {backend}"] = (
-                    lambda runner=runner, pos=pos, kw=kw: runner(*pos, **kw),
-                    dec.variant)
+            calls[f"runner {backend}"] = (lambda runner=dec.runner, pos=pos, kw=kw: runner(*pos, **kw),
+                                           dec.variant)
+            try:
+                from mla_tune.runtime.plan import DecodePlan
+
+                plan = DecodePlan(dec.spec, max_batch=args.batch, backend=backend, device="cuda")
+                plan.update(inp.qo_indptr, **kw)
+                calls[f"DecodePlan.run {backend}"] = (
+                    lambda plan=plan, inp=inp: plan.run(inp.q, inp.kv, inp.kv_scale), plan.pick(args.batch))
+            except Exception as exc:  # noqa: BLE001
+                yield {"kv": kv_format, "call": f"DecodePlan {backend}", "error": f"{type(exc).__name__}: {exc}"}
         try:
             calls.update(_direct_flashmla(inp, kv_format, args.heads))
         except Exception:  # noqa: BLE001

@@ -60,7 +60,7 @@ serving)
     "tests/test_decode_call.py -k triton_fused"
     "tests/test_decode_call.py -k 'not triton_fused'"
     "tests/test_vendor_serving.py"
-    "tests/test_fused_serving.py -k 'not (full_matrix and bf16)'"
+    "tests/test_fused_serving.py -k 'not (full_matrix and bf16)' tests/test_plan.py"
   )
   i=0
   for g in "${groups[@]}"; do
