@@ -196,31 +196,45 @@ def run_check(name: str, path: int, swizzle: int) -> str:
     return f"max|err| {err:.2e} {'ok' if err < 1e-2 * max(1.0, ref.abs().max().item()) else 'WRONG'}"
 
 
-def compile_decode(block_n: int, stages: int, v_path: str, split: bool):
-    """Compile mla_tune.kernels.gluon_decode's kernel for sm_90a without a GPU."""
+def compile_decode(block_n: int, stages: int, v_path: str, split: bool, reduce: str = "launch",
+                   v_halves: int = 1, num_splits: int = 4):
+    """Compile mla_tune.kernels.gluon_decode's kernel for sm_90a without a GPU (reduce and
+    v_halves as gluon_decode takes them; num_splits sizes the in-kernel reduction's tile)."""
     import torch
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    from mla_tune.kernels.gluon_decode import GD_V_PATHS, _gd_decode_kernel, gd_kv_descriptor
+    from mla_tune.kernels.gluon_decode import (
+        GD_REDUCE_CODES,
+        GD_V_PATHS,
+        _gd_decode_kernel,
+        gd_kv_descriptor,
+    )
 
     desc = gd_kv_descriptor(torch.empty(256, 576, dtype=torch.float8_e4m3fn), block_n)
     sig = {"kv_desc": mangle_type(desc), "Q": "*bf16", "KV_SCALE": "*fp32", "KV_INDPTR": "*i32",
            "OUT": "*bf16", "PART_O": "*fp32", "PART_LSE": "*fp32", "sm_scale_log2": "fp32",
-           "num_splits": "i32", "BN": "constexpr", "STAGES": "constexpr", "V_PATH": "constexpr",
-           "SPLIT": "constexpr"}
-    consts = {"BN": block_n, "STAGES": stages, "V_PATH": GD_V_PATHS[v_path], "SPLIT": split}
+           "num_splits": "i32", "COUNT": "*i32", "FLAG": "*i32", "BN": "constexpr", "STAGES": "constexpr",
+           "V_PATH": "constexpr", "SPLIT": "constexpr", "REDUCE": "constexpr", "V_HALVES": "constexpr",
+           "NS": "constexpr"}
+    red = GD_REDUCE_CODES[reduce] if split else 0
+    consts = {"BN": block_n, "STAGES": stages, "V_PATH": GD_V_PATHS[v_path], "SPLIT": split, "REDUCE": red,
+              "V_HALVES": v_halves, "NS": max(2, triton.next_power_of_2(num_splits)) if red else 2}
     src = GluonASTSource(_gd_decode_kernel, sig, consts)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
 def decode_report(configs: list[str], sass_dir: str) -> None:
-    """One line per decode configuration block_n/stages/v_path/split: registers, smem, SASS."""
+    """One line per decode configuration block_n/stages/v_path/one|split[/launch|last|spin]
+    [/h2][/sN] (reduction, two V halves, N splits for the reduction tile): registers, smem, SASS."""
     print(f"{'decode config':<24} {'regs':<18} {'smem':>7}  LDSM  LDS.U8  LDS.128  STS  HGMMA  QGMMA  BAR")
     for text in configs:
-        bn, stages, v_path, split = text.split("/")
+        bn, stages, v_path, split, *more = text.split("/")
+        reduce = next((m for m in more if m in ("launch", "last", "spin")), "launch")
+        halves = 2 if "h2" in more else 1
+        splits = next((int(m[1:]) for m in more if m.startswith("s") and m[1:].isdigit()), 4)
         try:
-            k = compile_decode(int(bn), int(stages), v_path, split == "split")
+            k = compile_decode(int(bn), int(stages), v_path, split == "split", reduce, halves, splits)
         except Exception as exc:
             msg = " | ".join(line for line in str(exc).splitlines() if line.strip())[:400]
             print(f"{text:<24} compile failed: {msg}")

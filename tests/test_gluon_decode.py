@@ -231,3 +231,148 @@ def test_gluon_decode_ragged_batch_with_empty_splits(v_path):
     variant = _variant(num_splits=4, v_path=v_path)
     run = gluon_fused.build(variant, Shape(5, 3000), "cuda")
     check_against_both(run(*data[:4]), data, str(variant))
+
+
+# ------------------------------------------------------ in-kernel reductions and V halves
+# gluon_decode's reduce ("last", "spin") and v_halves, called directly (the backend does not
+# take them yet). The CPU tests check the host-side rules; the GPU tests the kernel.
+def test_shared_memory_estimate_per_v_half_matches_the_compilers_figures():
+    # ptxas/Triton 3.6 offline compiles (scripts/gluon_probe.py --decode 64/2/ss16a/split/h2 ...)
+    assert gluon_decode.gd_smem_bytes(64, 2, "rs8") == 94480
+    assert gluon_decode.gd_smem_bytes(64, 3, "rs8", 2) == 135448
+    assert gluon_decode.gd_smem_bytes(64, 2, "ss16", 2) == 110864
+    assert gluon_decode.gd_smem_bytes(64, 2, "ss16a") == gluon_fused._gf_smem_bytes(64, 2, "ss16a") == 160016
+    assert gluon_decode.gd_smem_bytes(64, 2, "ss16a", 2) == 127248  # two fp16 box buffers, not four
+    assert gluon_decode.gd_smem_bytes(128, 2, "ss16") == gluon_fused._gf_smem_bytes(128, 2) == 211216
+    assert [gluon_decode.gd_ctas_per_sm(64, st, vp) for vp, st in [("rs8", 2), ("ss16", 2), ("rs8", 3), ("ss16a", 2)]] == [2, 2, 1, 1]
+
+
+def test_spin_is_refused_for_a_grid_the_gpu_cannot_hold_at_once():
+    check = gluon_decode.gd_check_launch
+    base = dict(block_n=64, num_stages=2, v_path="rs8", reduce="spin", sm_count=132)
+    check(128, 2, **base)  # 256 programs, 2 CTAs per SM x 132 SMs = 264
+    check(4, 32, v_halves=2, **base)  # 256 programs
+    for args, more in [((256, 2), {}), ((4, 64), dict(v_halves=2)), ((4, 64), dict(num_stages=3)),
+                       ((33, 4), dict(v_halves=2, num_stages=3))]:
+        with pytest.raises(ValueError, match=r"reduce='spin' needs the whole grid resident at once: .* use reduce='last'"):
+            check(*args, **{**base, **more})
+    check(256, 2, **{**base, "reduce": "last"})  # the last-arriving reduction needs no residency
+    check(256, 2, **{**base, "reduce": "launch"})
+    check(256, 1, **base)  # one split: nothing to reduce, nothing to wait for
+    with pytest.raises(ValueError, match="needs sm_count"):
+        check(4, 4, **{**base, "sm_count": None})
+    with pytest.raises(ValueError, match="at most 64 splits"):
+        check(1, 65, **{**base, "reduce": "last"})
+    with pytest.raises(ValueError, match="reduce must be one of launch, last, spin"):
+        check(1, 2, **{**base, "reduce": "atomic"})
+    with pytest.raises(ValueError, match="v_halves must be 1 or 2"):
+        check(1, 2, **{**base, "v_halves": 4})
+
+
+class _GdBufs:
+    """gluon_decode's buffers for up to `batch` sequences x `splits` splits; the counters and
+    flags zeroed once, as a caller does."""
+
+    def __init__(self, batch: int, splits: int):
+        self.part_o = torch.empty(batch * splits * 16 * V_DIM, dtype=torch.float32, device="cuda")
+        self.part_lse = torch.empty(batch * splits * 16, dtype=torch.float32, device="cuda")
+        self.count = torch.zeros(2 * batch, dtype=torch.int32, device="cuda")
+        self.flag = torch.zeros(2 * batch, dtype=torch.int32, device="cuda")
+        self.out = torch.empty((batch, 16, V_DIM), dtype=torch.bfloat16, device="cuda")
+
+
+def run_gluon(data, bufs: _GdBufs, *, num_splits: int, reduce: str, v_halves: int, block_n: int = 64,
+              num_stages: int = 2, v_path: str = "rs8") -> torch.Tensor:
+    """One gluon_decode call on the leaderboard inputs; the output is NaN-filled first, so
+    an element no program writes fails the check."""
+    q, kv_data, _qo, kv_indptr, _config = data
+    kv8, kv_scale = kv_data["fp8"]
+    kv = kv8.view(-1, QK_DIM)
+    out = bufs.out[: q.shape[0]]
+    out.fill_(float("nan"))
+    gluon_decode.gluon_decode(
+        q, gluon_decode.gd_kv_descriptor(kv, block_n), kv_scale, kv_indptr, out, bufs.part_o, bufs.part_lse,
+        num_splits=num_splits, block_n=block_n, num_stages=num_stages, v_path=v_path,
+        sm_scale_log2=SM_SCALE * math.log2(math.e), reduce=reduce, v_halves=v_halves, count=bufs.count,
+        flag=bufs.flag, sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
+    return out
+
+
+def _split_counts(batch: int, kv_len: int, v_halves: int, block_n: int = 64) -> list[int]:
+    """3 splits (a non-power of two), about one program per SM (at most 64), and 1 where the
+    V halves write the output directly."""
+    tiles = -(-kv_len // block_n)
+    counts = {min(tiles, 3), min(tiles, gluon_decode.GD_MAX_INKERNEL_SPLITS, max(1, 128 // batch))}
+    return sorted(counts | ({1} if v_halves == 2 else set()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v_halves", [1, 2])
+@pytest.mark.parametrize("reduce", ["last", "spin"])
+@pytest.mark.parametrize("kv_len", [1, 17, 1024, 3000])
+@pytest.mark.parametrize("batch", [1, 4, 32])
+def test_inkernel_reduce_and_v_halves_match_under_strict(batch, kv_len, reduce, v_halves):
+    if _gpu_skip():
+        pytest.skip(_gpu_skip())
+    data = problem.generate_input(batch, kv_len, seed=batch * 31 + kv_len, device="cuda")
+    for splits in _split_counts(batch, kv_len, v_halves):
+        bufs = _GdBufs(batch, splits)
+        what = f"rs8/2, {splits} splits, reduce {reduce}, v_halves {v_halves} at {batch}x{kv_len}"
+        first = run_gluon(data, bufs, num_splits=splits, reduce=reduce, v_halves=v_halves).clone()
+        check_against_both(first, data, what)
+        assert torch.equal(first, run_gluon(data, bufs, num_splits=splits, reduce=reduce, v_halves=v_halves)), \
+            f"{what}: a second call differs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v_halves", [1, 2])
+@pytest.mark.parametrize("reduce", ["last", "spin"])
+@pytest.mark.parametrize("path", ["ss16/2", "ss16a/2", "rs16/3"])
+def test_inkernel_reduce_and_v_halves_on_the_other_v_paths(path, reduce, v_halves):
+    if _gpu_skip():
+        pytest.skip(_gpu_skip())
+    v_path, stages = path.split("/")
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    for batch, kv_len, splits in [(4, 3000, 32), (1, 17, 1)]:
+        per_sm = gluon_decode.gd_ctas_per_sm(64, int(stages), v_path, v_halves)
+        if reduce == "spin" and batch * splits * v_halves > sm_count * per_sm:
+            continue  # not resident at once (ss16a/2 and rs16/3 hold one CTA per SM)
+        data = problem.generate_input(batch, kv_len, seed=batch * 31 + kv_len, device="cuda")
+        out = run_gluon(data, _GdBufs(batch, splits), num_splits=splits, reduce=reduce, v_halves=v_halves,
+                        num_stages=int(stages), v_path=v_path)
+        check_against_both(out, data, f"{path}, {splits} splits, reduce {reduce}, v_halves {v_halves} at {batch}x{kv_len}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v_halves", [1, 2])
+@pytest.mark.parametrize("reduce", ["last", "spin"])
+def test_inkernel_reduce_ragged_batch_with_empty_splits(reduce, v_halves):
+    if _gpu_skip():
+        pytest.skip(_gpu_skip())
+    data = problem.generate_ragged_input([1, 17, 3000, 64, 130], seed=9, device="cuda")
+    for splits in (3, 4):
+        out = run_gluon(data, _GdBufs(5, splits), num_splits=splits, reduce=reduce, v_halves=v_halves)
+        check_against_both(out, data, f"ragged, {splits} splits, reduce {reduce}, v_halves {v_halves}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v_halves", [1, 2])
+@pytest.mark.parametrize("reduce", ["last", "spin"])
+def test_inkernel_reduce_counters_reset_so_calls_repeat(reduce, v_halves):
+    if _gpu_skip():
+        pytest.skip(_gpu_skip())
+    bufs = _GdBufs(8, 16)
+    data = problem.generate_input(8, 1024, seed=21, device="cuda")
+    other = problem.generate_ragged_input([300, 1024, 5], seed=22, device="cuda")
+    calls = [run_gluon(data, bufs, num_splits=16, reduce=reduce, v_halves=v_halves).clone() for _ in range(3)]
+    assert torch.equal(calls[0], calls[1]) and torch.equal(calls[0], calls[2]), "3 calls in a row differ"
+    assert int(bufs.count.abs().sum()) == 0, "an arrival counter was left non-zero"
+    check_against_both(calls[0], data, f"reduce {reduce}, v_halves {v_halves}, third call")
+    # Another batch on the same counters in between, then the first again.
+    check_against_both(run_gluon(other, bufs, num_splits=16, reduce=reduce, v_halves=v_halves).clone(), other,
+                       f"reduce {reduce}, v_halves {v_halves}, a ragged batch between")
+    assert torch.equal(calls[0], run_gluon(data, bufs, num_splits=16, reduce=reduce, v_halves=v_halves))
+    assert int(bufs.count.abs().sum()) == 0, "an arrival counter was left non-zero"
+    if reduce == "spin":  # a flag flips once per call of its (sequence, half): 5 or 4 calls
+        expected = [1 if idx < 3 * v_halves else 0 for idx in range(8 * v_halves)]
+        assert bufs.flag[: 8 * v_halves].tolist() == expected

@@ -25,6 +25,12 @@ the heads on the MMA's M dimension (M = 16: mma.sync only) and reads every KV ti
   slice of the 512 output dims (`REDUCE=2`; the runner allows it only when the whole grid
   fits on the GPU at once, which a spin-wait needs). `REDUCE=0` is num_splits = 1: the
   program writes the output itself.
+- V split (`V_SPLIT=2`, the split grid with bf16 / fp8 KV): two programs per (split,
+  sequence), side by side in the first grid dimension. Each reads the whole tile and
+  computes S (the same code on the same data in both, so the softmax statistics and lse are
+  bit-identical), but converts and multiplies only its 256 of the 512 V dims, which halves
+  the V copy's registers; the second read of the tile is meant to hit in L2. Reductions run
+  per (sequence, V half). `V_SPLIT=1` is the kernel as it was (the same code path).
 - Persistent grid (`_fu_persistent_kernel`, a fixed number of programs): the tokens of all
   sequences are cut into equal contiguous ranges, one per program; a program walks its
   range sequence by sequence, writes the output of a sequence it holds whole, and
@@ -168,6 +174,116 @@ def _fu_attend(
     if PV_DOT == 2:
         acc = acc / 256.0
     return acc, m_i, l_i
+
+
+@triton.jit
+def _fu_attend_vh(
+    Q, KV, desc_n, desc_r, b, lo, hi, half, kv_scale, sm_scale_log2,
+    Q_FP8: tl.constexpr, QK_DOT: tl.constexpr, PV_DOT: tl.constexpr, TOK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, LOAD: tl.constexpr,
+):
+    """_fu_attend for V half `half` (0 or 1): the scores over all 576 dims (the nope part as
+    two 256-column halves, always summed in the same order, so both halves get the same
+    bits), the PV product over dims [256 * half, 256 * half + 256) only.
+
+    Returns (acc [16, 256] = sum p v over this half's dims, unnormalized; m [16]; l [16]).
+    LOAD 1/2 read the nope part through [BLOCK_N, 256] descriptors.
+    """
+    heads = tl.arange(0, 16)
+    dh = tl.arange(0, 256)
+    dr = tl.arange(0, 64)
+    rows = tl.arange(0, BLOCK_N)
+    q_row = Q + (b * 16 + heads[:, None]) * 576
+    qa = tl.load(q_row + dh[None, :]).to(tl.float32)
+    qb = tl.load(q_row + 256 + dh[None, :]).to(tl.float32)
+    qr = tl.load(q_row + 512 + dr[None, :]).to(tl.float32)
+    if Q_FP8:
+        amax = tl.maximum(tl.maximum(tl.max(tl.abs(qa), axis=1), tl.max(tl.abs(qb), axis=1)),
+                          tl.max(tl.abs(qr), axis=1))
+        q_scale = tl.maximum(amax, 1e-12) / 448.0
+        qa = qa / q_scale[:, None]
+        qb = qb / q_scale[:, None]
+        qr = qr / q_scale[:, None]
+        col_scale = q_scale * (kv_scale * sm_scale_log2)
+    else:
+        col_scale = tl.full([16], 1.0, tl.float32) * (kv_scale * sm_scale_log2)
+    qa = _fu_cast(qa, QK_DOT)
+    qb = _fu_cast(qb, QK_DOT)
+    qr = _fu_cast(qr, QK_DOT)
+
+    m_i = tl.full([16], float("-inf"), tl.float32)
+    l_i = tl.zeros([16], tl.float32)
+    if TOK_M:
+        acc = tl.zeros([256, 16], tl.float32)
+        qa = tl.trans(qa)
+        qb = tl.trans(qb)
+        qr = tl.trans(qr)
+    else:
+        acc = tl.zeros([16, 256], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        tok = start + rows
+        if LOAD == 0:
+            tok_c = tl.minimum(tok, hi - 1)
+            ka_raw = tl.load(KV + tok_c[:, None] * 576 + dh[None, :])
+            kb_raw = tl.load(KV + tok_c[:, None] * 576 + 256 + dh[None, :])
+            kr_raw = tl.load(KV + tok_c[:, None] * 576 + 512 + dr[None, :])
+        else:
+            ka_raw = desc_n.load([start, 0])
+            kb_raw = desc_n.load([start, 256])
+            kr_raw = desc_r.load([start, 512])
+        ka = _fu_cast(ka_raw, QK_DOT)
+        kb = _fu_cast(kb_raw, QK_DOT)
+        kr = _fu_cast(kr_raw, QK_DOT)
+        # Only this half's V dims are converted (a branch, not a select: one cast runs).
+        if half == 0:
+            v = _fu_cast(ka_raw, PV_DOT)
+        else:
+            v = _fu_cast(kb_raw, PV_DOT)
+        valid = tok < hi
+        if TOK_M:
+            s = tl.dot(ka, qa) + tl.dot(kb, qb) + tl.dot(kr, qr)  # [BLOCK_N, 16]
+            s = s * col_scale[None, :]
+            s = tl.where(valid[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            if PV_DOT == 2:
+                p = p * 256.0  # into fp8's normal range; undone after the loop
+            acc = acc * alpha[None, :] + tl.dot(tl.trans(v), _fu_cast(p, PV_DOT))
+        else:
+            s = tl.dot(qa, tl.trans(ka)) + tl.dot(qb, tl.trans(kb)) + tl.dot(qr, tl.trans(kr))
+            s = s * col_scale[:, None]
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if PV_DOT == 2:
+                p = p * 256.0
+            acc = acc * alpha[:, None] + tl.dot(_fu_cast(p, PV_DOT), v)
+        m_i = m_new
+    if TOK_M:
+        acc = tl.trans(acc)  # [16, 256]
+    if PV_DOT == 2:
+        acc = acc / 256.0
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _fu_emit_vh(acc, m_i, l_i, b, slot, half, OUT, PART_O, PART_LSE, v_scale, DIRECT: tl.constexpr):
+    """_fu_emit for V half `half`: dims [256 * half, 256 * half + 256) of the output (DIRECT)
+    or of the partial at slot; both halves write the same lse."""
+    heads = tl.arange(0, 16)
+    dims = half * 256 + tl.arange(0, 256)
+    if DIRECT:
+        out = acc * (v_scale / l_i)[:, None]
+        tl.store(OUT + (b * 16 + heads[:, None]) * 512 + dims[None, :], out.to(tl.bfloat16))
+    else:
+        has = l_i > 0
+        l_safe = tl.where(has, l_i, 1.0)
+        tl.store(PART_O + (slot * 16 + heads[:, None]) * 512 + dims[None, :], acc / l_safe[:, None])
+        tl.store(PART_LSE + slot * 16 + heads, tl.where(has, m_i + tl.log2(l_safe), float("-inf")))
 
 
 @triton.jit
@@ -357,23 +473,95 @@ def _fu_decode_kernel(
     total_kv, num_splits, sm_scale_log2,
     KV_FMT: tl.constexpr, Q_FP8: tl.constexpr, QK_DOT: tl.constexpr, PV_DOT: tl.constexpr,
     TOK_M: tl.constexpr, BLOCK_N: tl.constexpr, REDUCE: tl.constexpr, NS_P2: tl.constexpr,
+    LOAD: tl.constexpr, V_SPLIT: tl.constexpr = 1,
+):
+    if V_SPLIT == 2:
+        _fu_decode_vh(Q, KV, KV_SCALE, KV_INDPTR, OUT, PART_O, PART_LSE, COUNT, FLAG, KV_DN, KV_DR,
+                      total_kv, num_splits, sm_scale_log2, KV_FMT, Q_FP8, QK_DOT, PV_DOT, TOK_M, BLOCK_N,
+                      REDUCE, NS_P2, LOAD)
+    else:  # V_SPLIT 1: the kernel as it was
+        pid_s = tl.program_id(0)
+        b = tl.program_id(1)
+        seq_lo = tl.load(KV_INDPTR + b)
+        seq_hi = tl.load(KV_INDPTR + b + 1)
+        # Splits are whole tiles, so only a split's last tile is partial.
+        chunk = tl.cdiv(tl.cdiv(seq_hi - seq_lo, num_splits), BLOCK_N) * BLOCK_N
+        lo = seq_lo + pid_s * chunk
+        hi = tl.minimum(lo + chunk, seq_hi)
+        if LOAD == 1:
+            if KV_FMT == 2:
+                desc_n = tl.make_tensor_descriptor(KV, [total_kv, 18, 16], [288, 16, 1], [BLOCK_N, 16, 16])
+                desc_r = tl.make_tensor_descriptor(KV, [total_kv, 18, 16], [288, 16, 1], [BLOCK_N, 2, 16])
+            else:
+                desc_n = tl.make_tensor_descriptor(KV, [total_kv, 576], [576, 1], [BLOCK_N, 512])
+                desc_r = tl.make_tensor_descriptor(KV, [total_kv, 576], [576, 1], [BLOCK_N, 64])
+        else:
+            desc_n = KV_DN
+            desc_r = KV_DR
+        if KV_FMT == 1:
+            kv_scale = tl.load(KV_SCALE)
+        else:
+            kv_scale = 1.0
+        if KV_FMT == 2:
+            acc, acc_o, m_i, l_i = _fu_attend_mx(Q, KV, SC, SC_STRIDE, desc_n, desc_r, b, lo, hi, sm_scale_log2,
+                                                 QK_DOT, TOK_M, BLOCK_N, LOAD)
+        else:
+            acc, m_i, l_i = _fu_attend(Q, KV, desc_n, desc_r, b, lo, hi, kv_scale, sm_scale_log2,
+                                       Q_FP8, QK_DOT, PV_DOT, TOK_M, BLOCK_N, LOAD)
+            acc_o = acc
+        v_scale = kv_scale
+        if REDUCE == 0:
+            _fu_emit(acc, acc_o, m_i, l_i, b, b, OUT, PART_O, PART_LSE, v_scale, True, KV_FMT == 2)
+        else:
+            part = pid_s + b * num_splits
+            _fu_emit(acc, acc_o, m_i, l_i, b, part, OUT, PART_O, PART_LSE, v_scale, False, KV_FMT == 2)
+            # Every thread's partial stores happen before the release below (CUTLASS's
+            # semaphore pattern: barrier, then one gpu-scope release by the CTA).
+            tl.debug_barrier()
+            if REDUCE == 1:
+                arrived = tl.atomic_add(COUNT + b, 1, sem="acq_rel")
+                if arrived == num_splits - 1:
+                    tl.atomic_xchg(COUNT + b, 0)  # ready for the next call, no memset
+                    for d0 in range(0, 512, 512 // NS_P2):
+                        _fu_reduce_slice(PART_O, PART_LSE, OUT, b, num_splits, d0, v_scale, 512 // NS_P2, NS_P2)
+            else:
+                # Sense-reversing barrier: the flag flips once per call, the count resets.
+                sense = tl.atomic_add(FLAG + b, 0, sem="relaxed")
+                arrived = tl.atomic_add(COUNT + b, 1, sem="acq_rel")
+                if arrived == num_splits - 1:
+                    tl.atomic_xchg(COUNT + b, 0, sem="relaxed")
+                    tl.atomic_xchg(FLAG + b, 1 - sense, sem="release")
+                else:
+                    while tl.atomic_add(FLAG + b, 0, sem="acquire") == sense:
+                        pass
+                tl.debug_barrier()
+                # Each program reduces its own 512 / NS_P2 dims (all of them when num_splits is a
+                # power of two, which the split plans use).
+                for d0 in range(pid_s * (512 // NS_P2), 512, num_splits * (512 // NS_P2)):
+                    _fu_reduce_slice(PART_O, PART_LSE, OUT, b, num_splits, d0, v_scale, 512 // NS_P2, NS_P2)
+
+
+@triton.jit
+def _fu_decode_vh(
+    Q, KV, KV_SCALE, KV_INDPTR, OUT, PART_O, PART_LSE, COUNT, FLAG, KV_DN, KV_DR,
+    total_kv, num_splits, sm_scale_log2,
+    KV_FMT: tl.constexpr, Q_FP8: tl.constexpr, QK_DOT: tl.constexpr, PV_DOT: tl.constexpr,
+    TOK_M: tl.constexpr, BLOCK_N: tl.constexpr, REDUCE: tl.constexpr, NS_P2: tl.constexpr,
     LOAD: tl.constexpr,
 ):
-    pid_s = tl.program_id(0)
+    """_fu_decode_kernel's body for V_SPLIT 2 (bf16 / fp8 KV): program (2 * split + half, b).
+    Counters and flags are per (sequence, half): index 2 * b + half."""
+    pid_s = tl.program_id(0) // 2
+    half = tl.program_id(0) % 2
     b = tl.program_id(1)
     seq_lo = tl.load(KV_INDPTR + b)
     seq_hi = tl.load(KV_INDPTR + b + 1)
-    # Splits are whole tiles, so only a split's last tile is partial.
     chunk = tl.cdiv(tl.cdiv(seq_hi - seq_lo, num_splits), BLOCK_N) * BLOCK_N
     lo = seq_lo + pid_s * chunk
     hi = tl.minimum(lo + chunk, seq_hi)
     if LOAD == 1:
-        if KV_FMT == 2:
-            desc_n = tl.make_tensor_descriptor(KV, [total_kv, 18, 16], [288, 16, 1], [BLOCK_N, 16, 16])
-            desc_r = tl.make_tensor_descriptor(KV, [total_kv, 18, 16], [288, 16, 1], [BLOCK_N, 2, 16])
-        else:
-            desc_n = tl.make_tensor_descriptor(KV, [total_kv, 576], [576, 1], [BLOCK_N, 512])
-            desc_r = tl.make_tensor_descriptor(KV, [total_kv, 576], [576, 1], [BLOCK_N, 64])
+        desc_n = tl.make_tensor_descriptor(KV, [total_kv, 576], [576, 1], [BLOCK_N, 256])
+        desc_r = tl.make_tensor_descriptor(KV, [total_kv, 576], [576, 1], [BLOCK_N, 64])
     else:
         desc_n = KV_DN
         desc_r = KV_DR
@@ -381,43 +569,33 @@ def _fu_decode_kernel(
         kv_scale = tl.load(KV_SCALE)
     else:
         kv_scale = 1.0
-    if KV_FMT == 2:
-        acc, acc_o, m_i, l_i = _fu_attend_mx(Q, KV, SC, SC_STRIDE, desc_n, desc_r, b, lo, hi, sm_scale_log2,
-                                             QK_DOT, TOK_M, BLOCK_N, LOAD)
-    else:
-        acc, m_i, l_i = _fu_attend(Q, KV, desc_n, desc_r, b, lo, hi, kv_scale, sm_scale_log2,
-                                   Q_FP8, QK_DOT, PV_DOT, TOK_M, BLOCK_N, LOAD)
-        acc_o = acc
-    v_scale = kv_scale
+    acc, m_i, l_i = _fu_attend_vh(Q, KV, desc_n, desc_r, b, lo, hi, half, kv_scale, sm_scale_log2,
+                                  Q_FP8, QK_DOT, PV_DOT, TOK_M, BLOCK_N, LOAD)
     if REDUCE == 0:
-        _fu_emit(acc, acc_o, m_i, l_i, b, b, OUT, PART_O, PART_LSE, v_scale, True, KV_FMT == 2)
+        _fu_emit_vh(acc, m_i, l_i, b, b, half, OUT, PART_O, PART_LSE, kv_scale, True)
     else:
-        part = pid_s + b * num_splits
-        _fu_emit(acc, acc_o, m_i, l_i, b, part, OUT, PART_O, PART_LSE, v_scale, False, KV_FMT == 2)
-        # Every thread's partial stores happen before the release below (CUTLASS's
-        # semaphore pattern: barrier, then one gpu-scope release by the CTA).
-        tl.debug_barrier()
+        _fu_emit_vh(acc, m_i, l_i, b, pid_s + b * num_splits, half, OUT, PART_O, PART_LSE, kv_scale, False)
+        tl.debug_barrier()  # every thread's partial stores before the one gpu-scope release
+        idx = b * 2 + half
         if REDUCE == 1:
-            arrived = tl.atomic_add(COUNT + b, 1, sem="acq_rel")
+            arrived = tl.atomic_add(COUNT + idx, 1, sem="acq_rel")
             if arrived == num_splits - 1:
-                tl.atomic_xchg(COUNT + b, 0)  # ready for the next call, no memset
-                for d0 in range(0, 512, 512 // NS_P2):
-                    _fu_reduce_slice(PART_O, PART_LSE, OUT, b, num_splits, d0, v_scale, 512 // NS_P2, NS_P2)
+                tl.atomic_xchg(COUNT + idx, 0)  # ready for the next call, no memset
+                for d0 in range(half * 256, half * 256 + 256, 512 // NS_P2):
+                    _fu_reduce_slice(PART_O, PART_LSE, OUT, b, num_splits, d0, kv_scale, 512 // NS_P2, NS_P2)
         else:
-            # Sense-reversing barrier: the flag flips once per call, the count resets.
-            sense = tl.atomic_add(FLAG + b, 0, sem="relaxed")
-            arrived = tl.atomic_add(COUNT + b, 1, sem="acq_rel")
+            sense = tl.atomic_add(FLAG + idx, 0, sem="relaxed")
+            arrived = tl.atomic_add(COUNT + idx, 1, sem="acq_rel")
             if arrived == num_splits - 1:
-                tl.atomic_xchg(COUNT + b, 0, sem="relaxed")
-                tl.atomic_xchg(FLAG + b, 1 - sense, sem="release")
+                tl.atomic_xchg(COUNT + idx, 0, sem="relaxed")
+                tl.atomic_xchg(FLAG + idx, 1 - sense, sem="release")
             else:
-                while tl.atomic_add(FLAG + b, 0, sem="acquire") == sense:
+                while tl.atomic_add(FLAG + idx, 0, sem="acquire") == sense:
                     pass
             tl.debug_barrier()
-            # Each program reduces its own 512 / NS_P2 dims (all of them when num_splits is a
-            # power of two, which the split plans use).
-            for d0 in range(pid_s * (512 // NS_P2), 512, num_splits * (512 // NS_P2)):
-                _fu_reduce_slice(PART_O, PART_LSE, OUT, b, num_splits, d0, v_scale, 512 // NS_P2, NS_P2)
+            # Program pid_s reduces slices pid_s, pid_s + num_splits, ... of the half's NS_P2.
+            for d0 in range(half * 256 + pid_s * (256 // NS_P2), half * 256 + 256, num_splits * (256 // NS_P2)):
+                _fu_reduce_slice(PART_O, PART_LSE, OUT, b, num_splits, d0, kv_scale, 256 // NS_P2, NS_P2)
 
 
 @triton.jit(do_not_specialize=["total_kv", "batch"])
@@ -495,8 +673,9 @@ def fu_persistent_slots(batch: int, programs: int) -> int:
     return batch + programs
 
 
-def fu_host_descriptors(kv, kv_fmt: str, block_n: int):
-    """Host-side TMA descriptors (nope part, rope part) over the whole cache (LOAD=2)."""
+def fu_host_descriptors(kv, kv_fmt: str, block_n: int, nope_cols: int = 512):
+    """Host-side TMA descriptors (nope part, rope part) over the whole cache (LOAD=2); the
+    nope boxes are nope_cols wide (256 for v_split 2, which loads the two halves apart)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     rows = kv.shape[0]
@@ -505,7 +684,7 @@ def fu_host_descriptors(kv, kv_fmt: str, block_n: int):
         return (TensorDescriptor(kv, shape, strides, [block_n, 16, 16]),
                 TensorDescriptor(kv, shape, strides, [block_n, 2, 16]))
     shape, strides = [rows, 576], [576, 1]
-    return (TensorDescriptor(kv, shape, strides, [block_n, 512]),
+    return (TensorDescriptor(kv, shape, strides, [block_n, nope_cols]),
             TensorDescriptor(kv, shape, strides, [block_n, 64]))
 
 
@@ -513,7 +692,7 @@ def fused_decode(
     q, kv, kv_scale, mx_scales, kv_indptr, out, part_o, part_lse, count, flag, *,
     num_splits: int, kv_fmt: str, q_fp8: bool, qk_dot: str, pv_dot: str, tok_m: bool,
     block_n: int, reduce: str, num_warps: int, num_stages: int, sm_scale_log2: float,
-    load: str = "ptr", programs: int = 0,
+    load: str = "ptr", programs: int = 0, v_split: int = 1,
 ):
     """Launch the one-launch decode; buffers come from the caller (nothing allocated here).
 
@@ -524,12 +703,21 @@ def fused_decode(
     split grid; `programs` > 0 picks the persistent grid with that many programs (slots =
     fu_persistent_slots(batch, programs); num_splits and reduce are then ignored).
     load: ptr | tma (device descriptors: the caller has set triton's allocator) | tma_host.
+    v_split 2: two programs per (split, sequence), each converting and multiplying half the V
+    dims (the split grid, bf16 / fp8 KV, num_splits <= 128); count and flag then need
+    >= 2 * batch elements, and reduce "spin" a grid of batch * num_splits * 2 programs that
+    the GPU holds at once (the caller's check, as for v_split 1).
     Returns the compiled kernel (for its PTX and register report).
     """
     batch = q.shape[0]
+    if v_split not in (1, 2):
+        raise ValueError(f"v_split must be 1 or 2, got {v_split}")
+    if v_split == 2 and (kv_fmt == "mxfp4" or programs > 0 or num_splits > 128):
+        raise ValueError("v_split 2 runs the split grid (programs 0) with bf16 or fp8 KV and at most 128 "
+                         f"splits; got kv {kv_fmt}, programs {programs}, num_splits {num_splits}")
     sc_stride = mx_scales.stride(0) if kv_fmt == "mxfp4" else 0
     if load == "tma_host":
-        desc_n, desc_r = fu_host_descriptors(kv, kv_fmt, block_n)
+        desc_n, desc_r = fu_host_descriptors(kv, kv_fmt, block_n, 512 // v_split)
     else:
         desc_n = desc_r = kv
     consts = dict(
@@ -545,7 +733,9 @@ def fused_decode(
             kv.shape[0], batch, sm_scale_log2, RCH=rch, RW=8192 // (16 * rch), **consts,
         )
     red = reduce if num_splits > 1 else "none"
-    return _fu_decode_kernel[(num_splits, batch)](
+    if v_split == 2:
+        consts["V_SPLIT"] = 2  # left out for 1: the launch is exactly the one before v_split
+    return _fu_decode_kernel[(num_splits * v_split, batch)](
         q, kv, kv_scale, mx_scales, sc_stride, kv_indptr, out, part_o, part_lse, count, flag, desc_n, desc_r,
         kv.shape[0], num_splits, sm_scale_log2,
         REDUCE=FU_REDUCE_CODES[red], NS_P2=max(2, triton.next_power_of_2(num_splits)), **consts,

@@ -18,9 +18,19 @@ operand lives, so here:
   box and asynchronous MMAs, so converting box c + 1 overlaps the MMA of box c.
 - q is quantized per (sequence, head) in the kernel (as triton_fused's fp8_dynamic).
 - KV tiles come by TMA into a STAGES-deep ring, one mbarrier per stage.
-- Grid (num_splits, batch). With one split the program writes the output; otherwise it writes
-  a normalized partial (O / l, lse) and a second small launch (`_gd_reduce_kernel`, plain
-  Triton) combines the splits.
+- Grid (num_splits x V_HALVES, batch). With one split the program writes the output;
+  otherwise it writes a normalized partial (O / l, lse) and the splits are combined by the
+  constexpr REDUCE: 0 a second small launch (`_gd_reduce_kernel`, plain Triton); 1 the last
+  program of a sequence to arrive (an arrival counter it resets itself, so no memset per
+  call); 2 every program of the sequence waits at a sense-reversing spin barrier, then
+  reduces its own slice of the dims. REDUCE 2 needs the whole grid resident at once, so
+  `gluon_decode` refuses it when the grid exceeds sm_count x the CTAs per SM that the
+  kernel's shared memory allows (`gd_ctas_per_sm`).
+- V_HALVES 2 (small batches, few tiles per program): two programs per (split, sequence),
+  side by side in the first grid dimension. Each loads the whole tile and computes S (so the
+  softmax statistics, hence lse, are bit-identical in both), but runs the PV MMAs and writes
+  the output or partial for only its two of the four 128-column V boxes. The second read of
+  the tile is meant to hit in L2.
 
 The Gluon API used is Triton 3.6's (tma.async_copy_global_to_shared, mbarrier.expect(bar,
 bytes, pred)); Triton 3.9 renamed the TMA load, so GD_UNAVAILABLE says why it cannot run
@@ -31,6 +41,7 @@ Exportable module: private names start with `_gd_`.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -58,6 +69,15 @@ GD_V_PATHS = {"ss16": 0, "rs16": 1, "rs8": 2, "ss16a": 3}
 GD_BOX = 128  # columns per TMA box: 128 fp8 bytes, the widest NVMMA swizzle
 GD_BOXES = 5  # 576 dims in five boxes; the fifth's columns 576..639 are TMA's zero fill
 GD_V_BOXES = 4  # the 512 V dims
+GD_REDUCE_CODES = {"launch": 0, "last": 1, "spin": 2}
+GD_MAX_INKERNEL_SPLITS = 64  # in-kernel reductions: slices of at least 4 dims per split
+# sm_90: 228 KB of shared memory per SM, 1 KB of it reserved per resident CTA (CUDA
+# occupancy rules); a 4-warp CTA uses at most 255 x 128 registers, so registers always
+# allow 2 CTAs per SM and shared memory is what limits residency (every configuration
+# uses > 76 KB, so at most 2).
+GD_SMEM_PER_SM = 233472
+GD_SMEM_PER_CTA_RESERVED = 1024
+GD_CTAS_PER_SM_BY_REGS = 2
 
 
 def _gd_no_jit(fn):
@@ -66,6 +86,18 @@ def _gd_no_jit(fn):
 
 
 _gd_jit = gluon.jit if gluon is not None else _gd_no_jit
+_gd_constexpr_fn = gluon.constexpr_function if gluon is not None else _gd_no_jit
+
+
+@_gd_constexpr_fn
+def _gd_reduce_layout(ns, w):
+    """Blocked layout over a [ns splits, 16 heads, w dims] fp32 tile for 4 warps: up to 4
+    consecutive dims per thread, lanes along the dims first, then heads, then splits."""
+    vec = min(4, w)
+    tw = min(32, w // vec)
+    th = min(16, 32 // tw)
+    wh = min(4, 16 // th)
+    return gl.BlockedLayout([1, 1, vec], [32 // (tw * th), th, tw], [4 // wh, wh, 1], [2, 1, 0])
 
 
 @_gd_jit
@@ -115,10 +147,16 @@ def _gd_store_box(o, c, l_safe, scale, b, split, OUT, PART_O, num_splits, SPLIT:
 
 @_gd_jit
 def _gd_decode_kernel(
-    kv_desc, Q, KV_SCALE, KV_INDPTR, OUT, PART_O, PART_LSE, sm_scale_log2, num_splits,
+    kv_desc, Q, KV_SCALE, KV_INDPTR, OUT, PART_O, PART_LSE, sm_scale_log2, num_splits, COUNT, FLAG,
     BN: gl.constexpr, STAGES: gl.constexpr, V_PATH: gl.constexpr, SPLIT: gl.constexpr,
+    REDUCE: gl.constexpr, V_HALVES: gl.constexpr, NS: gl.constexpr,
 ):
-    split = gl.program_id(0)
+    if V_HALVES == 1:
+        split = gl.program_id(0)
+        half = 0
+    else:  # the two halves of a (split, sequence) are neighbours in launch order
+        split = gl.program_id(0) // V_HALVES
+        half = gl.program_id(0) % V_HALVES
     b = gl.program_id(1)
     lo = gl.load(KV_INDPTR + b)
     hi = gl.load(KV_INDPTR + b + 1)
@@ -166,7 +204,7 @@ def _gd_decode_kernel(
     p_s = gl.allocate_shared_memory(gl.float16, [BN, 16], p_sl)
     v16_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     if V_PATH == 3:
-        v16_s = gl.allocate_shared_memory(gl.float16, [4, BN, 128], v16_sl)
+        v16_s = gl.allocate_shared_memory(gl.float16, [4 // V_HALVES, BN, 128], v16_sl)
     else:
         v16_s = gl.allocate_shared_memory(gl.float16, [1, BN, 128], v16_sl)
 
@@ -203,12 +241,18 @@ def _gd_decode_kernel(
         gl.thread_barrier()
 
         alpha_o = gl.convert_layout(alpha, gl.SliceLayout(0, o_l))[None, :]
-        o0 = _gd_pv_box(kv_s.index(base + 0), v16_s, 0, p_s, o0 * alpha_o, V_PATH, BN)
-        o1 = _gd_pv_box(kv_s.index(base + 1), v16_s, 1, p_s, o1 * alpha_o, V_PATH, BN)
-        o2 = _gd_pv_box(kv_s.index(base + 2), v16_s, 2, p_s, o2 * alpha_o, V_PATH, BN)
-        o3 = _gd_pv_box(kv_s.index(base + 3), v16_s, 3, p_s, o3 * alpha_o, V_PATH, BN)
-        if V_PATH == 3:  # the converts of boxes 1-3 overlapped the MMAs of the boxes before
-            o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=[o0, o1, o2, o3])
+        if V_HALVES == 1:
+            o0 = _gd_pv_box(kv_s.index(base + 0), v16_s, 0, p_s, o0 * alpha_o, V_PATH, BN)
+            o1 = _gd_pv_box(kv_s.index(base + 1), v16_s, 1, p_s, o1 * alpha_o, V_PATH, BN)
+            o2 = _gd_pv_box(kv_s.index(base + 2), v16_s, 2, p_s, o2 * alpha_o, V_PATH, BN)
+            o3 = _gd_pv_box(kv_s.index(base + 3), v16_s, 3, p_s, o3 * alpha_o, V_PATH, BN)
+            if V_PATH == 3:  # the converts of boxes 1-3 overlapped the MMAs of the boxes before
+                o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=[o0, o1, o2, o3])
+        else:  # this half's two V boxes: 2 * half and 2 * half + 1
+            o0 = _gd_pv_box(kv_s.index(base + 2 * half), v16_s, 0, p_s, o0 * alpha_o, V_PATH, BN)
+            o1 = _gd_pv_box(kv_s.index(base + 2 * half + 1), v16_s, 1, p_s, o1 * alpha_o, V_PATH, BN)
+            if V_PATH == 3:
+                o0, o1 = warpgroup_mma_wait(num_outstanding=0, deps=[o0, o1])
 
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
@@ -216,14 +260,82 @@ def _gd_decode_kernel(
     # An empty split (more splits than its sequence has tiles) writes lse = -inf, O = 0.
     l_safe = gl.convert_layout(gl.where(l_i > 0, l_i, 1.0), gl.SliceLayout(0, o_l))
     scale = gl.full([16], 1.0, gl.float32, gl.SliceLayout(0, o_l)) * kv_scale
-    _gd_store_box(o0, 0, l_safe, scale, b, split, OUT, PART_O, num_splits, SPLIT)
-    _gd_store_box(o1, 1, l_safe, scale, b, split, OUT, PART_O, num_splits, SPLIT)
-    _gd_store_box(o2, 2, l_safe, scale, b, split, OUT, PART_O, num_splits, SPLIT)
-    _gd_store_box(o3, 3, l_safe, scale, b, split, OUT, PART_O, num_splits, SPLIT)
+    if V_HALVES == 1:
+        _gd_store_box(o0, 0, l_safe, scale, b, split, OUT, PART_O, num_splits, SPLIT)
+        _gd_store_box(o1, 1, l_safe, scale, b, split, OUT, PART_O, num_splits, SPLIT)
+        _gd_store_box(o2, 2, l_safe, scale, b, split, OUT, PART_O, num_splits, SPLIT)
+        _gd_store_box(o3, 3, l_safe, scale, b, split, OUT, PART_O, num_splits, SPLIT)
+    else:
+        _gd_store_box(o0, 2 * half, l_safe, scale, b, split, OUT, PART_O, num_splits, SPLIT)
+        _gd_store_box(o1, 2 * half + 1, l_safe, scale, b, split, OUT, PART_O, num_splits, SPLIT)
     if SPLIT:
+        # Both V halves store the same lse (the same S and softmax code on the same data):
+        # each half's reducer then reads it after its own half's arrivals.
         h = gl.arange(0, 16, layout=gl.SliceLayout(0, s_l))
         lse = gl.where(l_i > 0, m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         gl.store(PART_LSE + (b * num_splits + split) * 16 + h, lse)
+        if REDUCE != 0:
+            _gd_reduce_in_kernel(PART_O, PART_LSE, OUT, COUNT, FLAG, b, split, half, num_splits,
+                                 REDUCE, V_HALVES, NS)
+
+
+@_gd_jit
+def _gd_reduce_in_kernel(PART_O, PART_LSE, OUT, COUNT, FLAG, b, split, half, num_splits,
+                         REDUCE: gl.constexpr, V_HALVES: gl.constexpr, NS: gl.constexpr):
+    """Combine sequence b's partials of this V half (512 / V_HALVES dims) in the kernel.
+
+    One arrival counter (and, for REDUCE 2, one sense flag) per (sequence, V half), zero
+    before the first call; each call leaves its counter at zero again. Every thread's partial
+    stores come before one gpu-scope release by the CTA (barrier, then the atomic: CUTLASS's
+    semaphore pattern); partials are read back through L2 (.cg), never a stale L1 line.
+    REDUCE 1: the last program to arrive reduces all the half's dims. REDUCE 2: a
+    sense-reversing barrier (the flag flips once per call), then program `split` reduces
+    slices split, split + num_splits, ... of the half's NS slices."""
+    VD: gl.constexpr = 512 // V_HALVES
+    RW: gl.constexpr = VD // NS  # a [NS x 16 x RW] tile is 16 x VD fp32 elements
+    idx = b * V_HALVES + half
+    gl.thread_barrier()
+    if REDUCE == 1:
+        arrived = gl.atomic_add(COUNT + idx, 1, sem="acq_rel")
+        if arrived == num_splits - 1:
+            gl.atomic_xchg(COUNT + idx, 0, sem="relaxed")  # ready for the next call, no memset
+            for d0 in range(half * VD, half * VD + VD, RW):
+                _gd_reduce_slice(PART_O, PART_LSE, OUT, b, num_splits, d0, NS, RW)
+    else:
+        sense = gl.atomic_add(FLAG + idx, 0, sem="relaxed")
+        arrived = gl.atomic_add(COUNT + idx, 1, sem="acq_rel")
+        if arrived == num_splits - 1:
+            gl.atomic_xchg(COUNT + idx, 0, sem="relaxed")
+            gl.atomic_xchg(FLAG + idx, 1 - sense, sem="release")
+        else:
+            while gl.atomic_add(FLAG + idx, 0, sem="acquire") == sense:
+                pass
+        gl.thread_barrier()
+        for d0 in range(half * VD + split * RW, half * VD + VD, num_splits * RW):
+            _gd_reduce_slice(PART_O, PART_LSE, OUT, b, num_splits, d0, NS, RW)
+
+
+@_gd_jit
+def _gd_reduce_slice(PART_O, PART_LSE, OUT, b, num_splits, d0, NS: gl.constexpr, W: gl.constexpr):
+    """out[b, :, d0:d0+W] = sum_s 2^(lse_s - m) O_s / sum_s 2^(lse_s - m), every split in one
+    [NS x 16 x W] tile (a loop over splits would wait one L2 round trip per split)."""
+    r_l: gl.constexpr = _gd_reduce_layout(NS, W)
+    sh_l: gl.constexpr = gl.SliceLayout(2, r_l)  # [NS x 16]
+    hd_l: gl.constexpr = gl.SliceLayout(0, r_l)  # [16 x W]
+    s = gl.arange(0, NS, layout=gl.SliceLayout(1, sh_l))
+    h = gl.arange(0, 16, layout=gl.SliceLayout(0, sh_l))
+    live = s < num_splits
+    row = (b * num_splits + s[:, None]) * 16 + h[None, :]
+    lse = gl.load(PART_LSE + row, mask=live[:, None], other=float("-inf"), cache_modifier=".cg")
+    w = gl.exp2(lse - gl.max(lse, 0)[None, :])  # an empty split has lse -inf: weight 0
+    w = w / gl.sum(w, 0)[None, :]
+    d = d0 + gl.arange(0, W, layout=gl.SliceLayout(0, gl.SliceLayout(1, r_l)))
+    part = gl.load(PART_O + row[:, :, None] * 512 + d[None, None, :], mask=live[:, None, None], other=0.0,
+                   cache_modifier=".cg")
+    o = gl.sum(part * w[:, :, None], 0)
+    ho = gl.arange(0, 16, layout=gl.SliceLayout(1, hd_l))
+    do = d0 + gl.arange(0, W, layout=gl.SliceLayout(0, hd_l))
+    gl.store(OUT + (b * 16 + ho[:, None]) * 512 + do[None, :], o.to(gl.bfloat16))
 
 
 @_gd_jit
@@ -266,20 +378,84 @@ def gd_kv_descriptor(kv, block_n: int):
     return TensorDescriptor.from_tensor(kv, [block_n, GD_BOX], layout)
 
 
+def gd_smem_bytes(block_n: int, num_stages: int, v_path: str, v_halves: int = 1) -> int:
+    """Shared memory the decode kernel allocates: the fp8 ring, q, P^T, the fp16 V box(es;
+    ss16a: one per V box the program multiplies), the barriers, and 256 B the compiler adds
+    (backends/gluon_fused.py's _gf_smem_bytes is the same figure for v_halves 1, checked
+    against ptxas there)."""
+    # rs8 never touches its one fp16 box buffer, and the compiler drops it.
+    v16_boxes = GD_V_BOXES // v_halves if v_path == "ss16a" else 0 if v_path == "rs8" else 1
+    return (num_stages * GD_BOXES * block_n * GD_BOX + GD_BOXES * 16 * GD_BOX + block_n * 16 * 2
+            + v16_boxes * block_n * GD_BOX * 2 + 8 * num_stages + 256)
+
+
+def gd_ctas_per_sm(block_n: int, num_stages: int, v_path: str, v_halves: int = 1) -> int:
+    """Decode CTAs one SM holds at once (shared memory bound; see GD_SMEM_PER_SM)."""
+    smem = gd_smem_bytes(block_n, num_stages, v_path, v_halves) + GD_SMEM_PER_CTA_RESERVED
+    return min(GD_SMEM_PER_SM // smem, GD_CTAS_PER_SM_BY_REGS)
+
+
+def gd_check_launch(batch: int, num_splits: int, *, block_n: int, num_stages: int, v_path: str,
+                    reduce: str = "launch", v_halves: int = 1, sm_count: int | None = None) -> None:
+    """Refuse (ValueError, with the fix) a reduction or V split this kernel cannot run: an
+    unknown mode, in-kernel reduction past GD_MAX_INKERNEL_SPLITS splits, or a spin barrier
+    over a grid that the GPU cannot hold resident at once (the spinning programs would wait
+    for programs that never start)."""
+    if reduce not in GD_REDUCE_CODES:
+        raise ValueError(f"reduce must be one of {', '.join(GD_REDUCE_CODES)}; got {reduce!r}")
+    if v_halves not in (1, 2):
+        raise ValueError(f"v_halves must be 1 or 2, got {v_halves}")
+    if reduce == "launch" or num_splits == 1:
+        return
+    if num_splits > GD_MAX_INKERNEL_SPLITS:
+        raise ValueError(f"reduce={reduce!r} supports at most {GD_MAX_INKERNEL_SPLITS} splits, got "
+                         f"{num_splits}; use reduce='launch'")
+    if reduce == "spin":
+        if not sm_count:
+            raise ValueError("reduce='spin' needs sm_count (the GPU's SMs) to check that the grid is resident")
+        per_sm = gd_ctas_per_sm(block_n, num_stages, v_path, v_halves)
+        programs = batch * num_splits * v_halves
+        if programs > sm_count * per_sm:
+            raise ValueError(
+                f"reduce='spin' needs the whole grid resident at once: {batch} x {num_splits} splits x "
+                f"{v_halves} V halves = {programs} programs > {sm_count} SMs x {per_sm} CTAs per SM "
+                f"(block_n {block_n}, {num_stages} stages, v_path {v_path}); use reduce='last' or fewer splits")
+
+
 def gluon_decode(q, kv_desc, kv_scale, kv_indptr, out, part_o, part_lse, *, num_splits: int,
-                 block_n: int, num_stages: int, v_path: str, sm_scale_log2: float):
-    """Launch the decode (and the split reduction when num_splits > 1); buffers come from the
-    caller. q (batch, 16, 576) bf16; kv_desc from gd_kv_descriptor; kv_scale (1,) fp32;
-    part_o (>= batch*num_splits*16*512) fp32; part_lse (>= batch*num_splits*16) fp32.
-    Returns the compiled decode kernel (for its register report)."""
+                 block_n: int, num_stages: int, v_path: str, sm_scale_log2: float,
+                 reduce: str = "launch", v_halves: int = 1, count=None, flag=None,
+                 sm_count: int | None = None):
+    """Launch the decode (and, with reduce "launch", the split reduction when num_splits > 1);
+    buffers come from the caller. q (batch, 16, 576) bf16; kv_desc from gd_kv_descriptor;
+    kv_scale (1,) fp32; part_o (>= batch*num_splits*16*512) fp32; part_lse
+    (>= batch*num_splits*16) fp32.
+    reduce: "launch" (a second launch), "last" (the last split to arrive reduces; needs
+    count) or "spin" (a spin barrier, then every split reduces a slice; needs count, flag and
+    sm_count, and a grid the GPU holds at once: gd_check_launch). count and flag: int32,
+    >= batch * v_halves elements, zero before the first call (each call leaves them ready for
+    the next). v_halves 2: two programs per (split, sequence), each multiplying half the V
+    dims. Returns the compiled decode kernel (for its register report)."""
     if GD_UNAVAILABLE is not None:
         raise RuntimeError(GD_UNAVAILABLE)
     batch = q.shape[0]
     split = num_splits > 1
-    compiled = _gd_decode_kernel[(num_splits, batch)](
-        kv_desc, q, kv_scale, kv_indptr, out, part_o, part_lse, sm_scale_log2, num_splits,
-        BN=block_n, STAGES=num_stages, V_PATH=GD_V_PATHS[v_path], SPLIT=split, num_warps=4,
+    gd_check_launch(batch, num_splits, block_n=block_n, num_stages=num_stages, v_path=v_path,
+                    reduce=reduce, v_halves=v_halves, sm_count=sm_count)
+    red = GD_REDUCE_CODES[reduce] if split else 0
+    if red:
+        need = batch * v_halves
+        for name, buf in (("count", count), ("flag", flag if red == 2 else count)):
+            if buf is None or buf.dtype != torch.int32 or buf.numel() < need:
+                raise ValueError(f"reduce={reduce!r} needs {name}: a zeroed int32 tensor of >= {need} elements")
+    # The counters are never touched by the "launch" reduction: kv_indptr stands in for them.
+    count = count if red else kv_indptr
+    flag = flag if red == 2 else count
+    compiled = _gd_decode_kernel[(num_splits * v_halves, batch)](
+        kv_desc, q, kv_scale, kv_indptr, out, part_o, part_lse, sm_scale_log2, num_splits, count, flag,
+        BN=block_n, STAGES=num_stages, V_PATH=GD_V_PATHS[v_path], SPLIT=split, REDUCE=red,
+        V_HALVES=v_halves, NS=max(2, triton.next_power_of_2(num_splits)) if red else 2, num_warps=4,
     )
-    if split:
+    if split and not red:
         gd_reduce(part_o, part_lse, out, num_splits)
     return compiled
