@@ -61,6 +61,7 @@ serving)
     "tests/test_decode_call.py -k 'not triton_fused'"
     "tests/test_vendor_serving.py"
     "tests/test_fused_serving.py -k 'not (full_matrix and bf16)' tests/test_plan.py"
+    "tests/test_gluon_decode.py -k 'reduce_spin'"
   )
   i=0
   for g in "${groups[@]}"; do
@@ -83,7 +84,7 @@ esac
 cat "$out/walls.txt"
 for f in walls.txt dryrun.txt sweep.log H200.yaml H200.results.jsonl dryrun120.txt sweep120.log \
          H200.b120.yaml H200.b120.results.jsonl gpu_tests_1.log gpu_tests_2.log gpu_tests_3.log \
-         gpu_tests_4.log check_submission.json serving_host.json; do
+         gpu_tests_4.log gpu_tests_5.log check_submission.json serving_host.json; do
   [ -f "$out/$f" ] && cp "$out/$f" "$keep/"
 done
 ls "$keep"

@@ -233,6 +233,36 @@ def test_gluon_decode_ragged_batch_with_empty_splits(v_path):
     check_against_both(run(*data[:4]), data, str(variant))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, kv_len, splits", [(4, 1024, 16), (4, 8192, 32), (32, 1024, 4), (64, 8192, 4),
+                                                   (3, 17, 1), (5, 3000, 8)])
+def test_the_backend_with_reduce_spin_matches_the_reference_and_repeats(batch, kv_len, splits):
+    if _gpu_skip():
+        pytest.skip(_gpu_skip())
+    data = problem.generate_input(batch, kv_len, seed=batch + kv_len, device="cuda")
+    shape = Shape(batch, kv_len)
+    tiles = -(-kv_len // 64)
+    splits = min(splits, tiles)
+    if splits == 1:  # nothing to reduce: candidates() never offers it, build refuses it
+        with pytest.raises(ValueError, match="one split has nothing to reduce"):
+            gluon_fused.build(_variant(num_splits=1, v_path="rs8", reduce="spin"), shape, "cuda")
+        return
+    run = gluon_fused.build(_variant(num_splits=splits, v_path="rs8", reduce="spin"), shape, "cuda")
+    first = run(*data[:4]).clone()
+    check_against_both(first, data, f"spin {splits} splits at {shape}")
+    for _ in range(2):  # the barrier's count and flag are left ready for the next call
+        assert torch.equal(first, run(*data[:4]))
+
+
+def test_the_backend_reads_reduce_as_a_later_parameter():
+    old = _variant()
+    assert "reduce" not in old.p
+    gluon_fused.validate(old)
+    gluon_fused.validate(_variant(reduce="spin"))
+    with pytest.raises(ValueError, match="reduce"):
+        gluon_fused.validate(_variant(reduce="last"))  # not offered: slower wherever measured
+
+
 # ------------------------------------------------------ in-kernel reductions and V halves
 # gluon_decode's reduce ("last", "spin") and v_halves, called directly (the backend does not
 # take them yet). The CPU tests check the host-side rules; the GPU tests the kernel.

@@ -13,6 +13,11 @@ Variant parameters:
                                programs in [sm_count / 8, 2 x sm_count] (see _gf_waves_reason)
   v_path      ss16 | rs16 | rs8 | ss16a  how V^T reaches the PV MMA (kernels/gluon_decode.py;
                                ss16a: four fp16 box buffers, asynchronous PV MMAs)
+  reduce      launch | spin    how the splits combine: a second launch, or in the kernel
+                               after a spin barrier (offered only where the whole grid is
+                               resident at once, gd_check_launch). Added later: a variant
+                               without it is "launch", and candidates() leaves that value out
+                               of the variant, so older tables read as they were.
 """
 
 from __future__ import annotations
@@ -32,9 +37,16 @@ from mla_tune.core import (
     check_param_choice,
     check_param_int,
     check_param_names,
+    device_sm_count,
     require,
 )
-from mla_tune.kernels.gluon_decode import GD_UNAVAILABLE, GD_V_PATHS, gd_kv_descriptor, gluon_decode
+from mla_tune.kernels.gluon_decode import (
+    GD_UNAVAILABLE,
+    GD_V_PATHS,
+    gd_check_launch,
+    gd_kv_descriptor,
+    gluon_decode,
+)
 
 NAME = "gluon_fused"
 
@@ -56,7 +68,11 @@ GF_DEFAULT_SPACE = {
     "num_stages": [2, 3, 4],
     "num_splits": [1, 2, 4, 8, 16, 32],
     "v_path": ["ss16", "rs16", "ss16a"],
+    "reduce": ["launch"],  # configs opt in to "spin"
 }
+# Parameters added later and the value that keeps the first behaviour (left out of variants).
+GF_LATER_DEFAULTS = {"reduce": "launch"}
+_GF_REDUCE = ("launch", "spin")
 
 
 def unavailable_reason() -> str | None:
@@ -84,7 +100,10 @@ def _gf_smem_bytes(block_n: int, num_stages: int, v_path: str = "ss16") -> int:
 def validate(variant: Variant) -> None:
     """Refuse a missing, unknown or ill-valued parameter, or a tile and ring deeper than
     shared memory holds (names and values only)."""
-    check_param_names(variant, tuple(GF_DEFAULT_SPACE), tuple(GF_DEFAULT_SPACE))
+    check_param_names(variant, tuple(GF_DEFAULT_SPACE),
+                      tuple(k for k in GF_DEFAULT_SPACE if k not in GF_LATER_DEFAULTS))
+    if "reduce" in variant.p:
+        check_param_choice(variant, "reduce", _GF_REDUCE)
     check_param_choice(variant, "kv", ("fp8",))
     check_param_choice(variant, "q", ("fp8_dynamic",))
     block_n = check_param_choice(variant, "block_n", _GF_BLOCK_N)
@@ -98,10 +117,20 @@ def validate(variant: Variant) -> None:
                          "has; use fewer stages")
 
 
-def _gf_reason(p: dict, shape: Shape) -> str | None:
-    """Why this parameter set cannot run at `shape` (None: it can)."""
+def _gf_reason(p: dict, shape: Shape, sm_count: int = 0) -> str | None:
+    """Why this parameter set cannot run at `shape` (None: it can); sm_count 0 (no GPU)
+    leaves the residency of a spin barrier to build."""
     if p["num_splits"] > max(1, math.ceil(shape.kv_len / p["block_n"])):
         return "more splits than tiles"
+    reduce = p.get("reduce", "launch")
+    if reduce != "launch" and p["num_splits"] == 1:
+        return "one split has nothing to reduce"
+    if reduce != "launch" and sm_count:
+        try:
+            gd_check_launch(shape.batch, p["num_splits"], block_n=p["block_n"], num_stages=p["num_stages"],
+                            v_path=p["v_path"], reduce=reduce, sm_count=sm_count)
+        except ValueError as exc:
+            return str(exc)
     return None
 
 
@@ -137,9 +166,10 @@ def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
     def walk(i: int, chosen: dict) -> None:
         if i == len(keys):
             smem = _gf_smem_bytes(chosen["block_n"], chosen["num_stages"], chosen["v_path"])
-            if (_gf_reason(chosen, shape) is None and smem <= _GF_SMEM_LIMIT
+            if (_gf_reason(chosen, shape, sm_count) is None and smem <= _GF_SMEM_LIMIT
                     and _gf_waves_reason(chosen["num_splits"], shape, sm_count) is None):
-                out.append(Variant.make(NAME, **chosen))
+                shown = {k: v for k, v in chosen.items() if GF_LATER_DEFAULTS.get(k, object()) != v}
+                out.append(Variant.make(NAME, **shown))
             return
         for value in space[keys[i]]:
             walk(i + 1, {**chosen, keys[i]: value})
@@ -150,11 +180,12 @@ def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
 
 def build(variant: Variant, shape: Shape, device):
     validate(variant)
-    p = variant.p
-    reason = _gf_reason(p, shape)
-    require(reason is None, f"gluon_fused cannot run {variant} at {shape}: {reason}")
+    p = {**GF_LATER_DEFAULTS, **variant.p}
     require(unavailable_reason() is None, f"gluon_fused cannot run here: {unavailable_reason()}")
     device = torch.device(device)
+    sm_count = device_sm_count(device) if p["reduce"] != "launch" else 0
+    reason = _gf_reason(p, shape, sm_count)
+    require(reason is None, f"gluon_fused cannot run {variant} at {shape}: {reason}")
     num_splits = p["num_splits"]
     state = {"batch": 0, "desc_key": None, "desc": None}
 
@@ -163,15 +194,23 @@ def build(variant: Variant, shape: Shape, device):
         state["part_o"] = torch.empty(slots * 16 * V_DIM, dtype=torch.float32, device=device)
         state["part_lse"] = torch.empty(slots * 16, dtype=torch.float32, device=device)
         state["out"] = torch.empty((batch, 16, V_DIM), dtype=torch.bfloat16, device=device)
+        # in-kernel reduction's arrival counter and barrier flag: zero once, each call
+        # leaves them ready for the next
+        state["count"] = torch.zeros(2 * batch, dtype=torch.int32, device=device)
+        state["flag"] = torch.zeros(2 * batch, dtype=torch.int32, device=device)
         state["batch"] = batch
 
     grow(shape.batch)
     options = dict(num_splits=num_splits, block_n=p["block_n"], num_stages=p["num_stages"],
-                   v_path=p["v_path"], sm_scale_log2=SM_SCALE * math.log2(math.e))
+                   v_path=p["v_path"], sm_scale_log2=SM_SCALE * math.log2(math.e),
+                   reduce=p["reduce"], sm_count=sm_count or None)
 
     def run_gluon_fused(q, kv_data, qo_indptr, kv_indptr):
         batch = q.shape[0]
         if batch > state["batch"]:
+            if p["reduce"] == "spin":  # a larger grid may not be resident: refuse, never hang
+                gd_check_launch(batch, num_splits, block_n=p["block_n"], num_stages=p["num_stages"],
+                                v_path=p["v_path"], reduce="spin", sm_count=sm_count)
             grow(batch)  # a larger ragged batch than planned: one allocation, once
         kv, kv_scale = kv_data["fp8"]
         require(kv.dtype == torch.float8_e4m3fn, f"gluon_fused reads float8_e4m3fn KV, not {kv.dtype}")
@@ -184,7 +223,8 @@ def build(variant: Variant, shape: Shape, device):
             state["desc"], state["desc_key"] = gd_kv_descriptor(kv, p["block_n"]), key
         out = state["out"][:batch]
         run_gluon_fused.compiled = gluon_decode(q, state["desc"], kv_scale, kv_indptr, out, state["part_o"],
-                                                state["part_lse"], **options)
+                                                state["part_lse"], count=state["count"], flag=state["flag"],
+                                                **options)
         return out
 
     run_gluon_fused.compiled = None
