@@ -71,6 +71,10 @@ class Platform:
 
 
 def software_versions() -> dict:
+    """The versions a table's provenance records: python, torch, triton, CUDA or HIP, and
+    each backend's vendor distribution (its CAPABILITIES.vendor) that is installed."""
+    from mla_tune.backends import vendor_distributions
+
     versions = {
         "python": _pyplatform.python_version(),
         "torch": torch.__version__,
@@ -80,7 +84,7 @@ def software_versions() -> dict:
     }
     from importlib import metadata
 
-    for dist in ("amd-aiter", "flashinfer-python", "sgl-flash-mla"):
+    for dist in vendor_distributions():
         try:
             versions[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
@@ -129,15 +133,22 @@ def detect(device: int | None = None) -> Platform:
     )
 
 
+# The GPUs a sweep can be planned for without them: name -> (device name, arch, is_hip,
+# SMs or CUs). The one place the package states a GPU's SM count; everything else asks the
+# device (core.device_sm_count) or a Platform.
+KNOWN_GPUS = {
+    "H200": ("NVIDIA H200", "sm_90", False, 132),
+    "H100": ("NVIDIA H100", "sm_90", False, 132),
+    "MI355X": ("AMD Instinct MI355X", "gfx950", True, 256),
+    "MI300X": ("AMD Instinct MI300X", "gfx942", True, 304),
+}
+# An unknown name is planned as a CUDA GPU of unknown arch with an H200's SM count.
+_UNKNOWN_GPU_SMS = KNOWN_GPUS["H200"][3]
+
+
 def fake_platform(name: str = "H200") -> Platform:
     """A platform for planning without that GPU (--dry-run, tests)."""
-    table = {
-        "H200": ("NVIDIA H200", "sm_90", False, 132),
-        "H100": ("NVIDIA H100", "sm_90", False, 132),
-        "MI355X": ("AMD Instinct MI355X", "gfx950", True, 256),
-        "MI300X": ("AMD Instinct MI300X", "gfx942", True, 304),
-    }
-    device_name, arch, is_hip, sms = table.get(name, (name, "unknown", False, 132))
+    device_name, arch, is_hip, sms = KNOWN_GPUS.get(name, (name, "unknown", False, _UNKNOWN_GPU_SMS))
     return Platform(name, device_name, arch, is_hip, sms, "", software_versions())
 
 

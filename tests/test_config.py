@@ -140,15 +140,21 @@ def test_an_unknown_search_space_key_names_the_key_its_place_and_the_allowed_key
 @pytest.mark.parametrize(
     "backends, words",
     [
-        ({"triton": {"kv": ["fp9"]}}, "kv ['fp9'] not supported"),
+        # a KV format or q mode outside the backend's CAPABILITIES, checked before its own word
+        ({"triton": {"kv": ["fp9"]}}, "'backends.triton.kv': backend triton does not offer kv=fp9; its KV "
+                                      "formats (its CAPABILITIES): bf16, fp8"),
         ({"triton": {"hip": {"kpak": [1]}}}, "kpak"),  # nested: the backend's own check, on a ROCm probe
-        ({"flashinfer": {"kv": ["fp4"]}}, "kv must be a list of bf16, fp8"),
+        ({"flashinfer": {"kv": ["fp4"]}}, "'backends.flashinfer.kv': backend flashinfer does not offer kv=fp4"),
+        ({"triton_fused": {"grids": [{"kv": ["bf16"]}, {"q": ["fp8_static"]}]}},
+         "'backends.triton_fused.grids[1].q': backend triton_fused does not offer q=fp8_static; its q modes "
+         "(its CAPABILITIES): bf16, fp8_dynamic"),
+        ({"flashinfer": {"backend": ["fa4"]}}, "backend must be a list of fa3, fa2"),  # its own check
         ({"aiter": {"mode": ["eager"]}}, "mode has ['eager']"),
     ],
 )
 def test_a_search_space_value_the_backend_refuses_fails_at_load_naming_the_backend(tmp_path, backends, words):
     name = next(iter(backends))
-    with pytest.raises(ConfigError, match=f"'backends.{name}'") as info:
+    with pytest.raises(ConfigError, match=f"'backends.{name}[.']") as info:
         load_config(write(tmp_path, with_change(backends=backends)))
     assert words in str(info.value)
 
@@ -211,7 +217,7 @@ def test_unreadable_files_give_one_line_naming_the_file(tmp_path):
 def test_a_search_section_is_left_to_the_search_and_precompile_defaults_to_the_backends_word(tmp_path):
     config = load_config(write(tmp_path, with_change(search={"rungs": [1, 3]})))
     assert config.raw["search"] == {"rungs": [1, 3]}
-    assert config.precompile == {"torch": False, "triton": True}  # torch has no PRECOMPILE
+    assert config.precompile == {"torch": False, "triton": True}  # their CAPABILITIES.precompile
 
 
 def test_config_error_is_a_value_error_for_the_cli_until_a_common_base_lands():

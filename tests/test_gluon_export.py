@@ -28,7 +28,7 @@ def test_gluon_fused_is_registered_unavailable_here_and_its_space_is_small():
     assert "gluon_fused" in known_backends()
     backend = get_backend("gluon_fused")
     assert backend.unavailable_reason()  # no sm_90 GPU with triton 3.6 here
-    assert backend.PRECOMPILE and "v_path" in backend.SPACE_KEYS
+    assert backend.CAPABILITIES.precompile and "v_path" in backend.SPACE_KEYS
     config = load_config("configs/leaderboard.yaml")
     space = config.backends["gluon_fused"]
     per_shape = {s: backend.candidates(s, space, fake_platform("H200")) for s in config.shapes}

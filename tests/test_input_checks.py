@@ -35,7 +35,8 @@ class _Spy:
 
 def _dispatcher(variant: Variant) -> tuple[Dispatcher, _Spy]:
     spy = _Spy()
-    return Dispatcher({(1, 8): variant}, {variant.backend: spy}, lambda s: variant, warn_on_miss=False), spy
+    return Dispatcher({(1, 8): variant}, {variant.backend: spy}, lambda s: variant, warn_on_miss=False,
+                      ragged_backends=frozenset()), spy
 
 
 def _with(data, fmt, entry):

@@ -11,7 +11,7 @@ import yaml
 
 import mla_tune.tune.timing
 from mla_tune import runtime
-from mla_tune.backends import get_backend
+from mla_tune.backends import get_backend, ragged_backends
 from mla_tune.core import Shape, Variant
 from mla_tune.gpu import detect
 from mla_tune.problem import check, generate_input, generate_ragged_input, get_rule, reference
@@ -112,7 +112,8 @@ def test_decode_never_times_anything(rt, monkeypatch):
 
 def test_runners_are_built_lazily_once_per_shape():
     spy = _Spy()
-    dispatcher = Dispatcher({(1, 8): TORCH}, {"torch": spy}, lambda shape: TORCH, warn_on_miss=False)
+    dispatcher = Dispatcher({(1, 8): TORCH}, {"torch": spy}, lambda shape: TORCH, warn_on_miss=False,
+                            ragged_backends=frozenset())
     assert spy.built == []
     data = generate_input(1, 8, seed=1, device="cpu")
     for _ in range(3):
@@ -128,7 +129,8 @@ def test_a_torch_fallback_refuses_ragged_batches_before_launching():
     backend, fallback = runtime.fallback_policy("leaderboard", allowed=["torch"])
     assert backend == "torch" and fallback(Shape(3, 3)) == TORCH
     spy = _Spy()
-    dispatcher = Dispatcher({}, {"torch": spy}, fallback, warn_on_miss=False)
+    dispatcher = Dispatcher({}, {"torch": spy}, fallback, warn_on_miss=False,
+                            ragged_backends=ragged_backends(["torch"]))
     ragged = generate_ragged_input([3, 5], seed=1, device="cpu")
     with pytest.raises(ValueError, match="a ragged batch needs a fallback that reads kv_indptr"):
         dispatcher(*ragged[:4])
@@ -185,7 +187,8 @@ def _bad_inputs():
                          ids=[c[0] for c in _bad_inputs()])
 def test_bad_inputs_raise_before_any_kernel_is_built(name, edit, message, check_indptr):
     spy = _Spy()
-    dispatcher = Dispatcher({(1, 8): TORCH}, {"torch": spy}, lambda shape: TORCH, warn_on_miss=False)
+    dispatcher = Dispatcher({(1, 8): TORCH}, {"torch": spy}, lambda shape: TORCH, warn_on_miss=False,
+                            ragged_backends=frozenset())
     data = edit(generate_input(1, 8, seed=1, device="cpu"))
     with pytest.raises(ValueError, match=message):
         dispatcher(*data[:4], kv_len=8, check_indptr=check_indptr)

@@ -3,11 +3,22 @@
 A backend module defines (see backends/torch_bmm.py for the smallest one):
 
     NAME: str
+    CAPABILITIES: mla_tune.core.Capabilities
+        What it can serve and needs, in one record (its KV formats and q modes, whether its
+        leaderboard runner reads ragged batches, its serving layouts, page sizes, heads,
+        q_len range, graph safety, the platforms it runs on, its vendor distribution,
+        whether its kernels precompile, whether it is the baseline). The sweep, the
+        dispatcher, the runtime and the export read this record (through `capabilities`
+        and the helpers below) instead of facts spread over files. Required for the
+        built-in backends; a plugin backend without one gets `PLUGIN_CAPABILITIES` (any
+        KV format and q mode, no ragged batches, no serving call, nothing precompiled).
     def unavailable_reason() -> str | None
-        None when the backend can run here, else one sentence saying why not.
+        None when the backend can run here, else one sentence saying why not (a missing
+        library, a GPU it cannot use). CAPABILITIES.platforms is checked before it.
     def candidates(shape: Shape, space: dict, platform) -> list[Variant]
         The variants it offers for `shape`, from its search-space section of a config
         (`space`) and the platform (mla_tune.gpu.Platform: name, arch, is_hip, sm_count).
+        Their `kv` and `q` are among CAPABILITIES.kv_formats and q_modes.
     def validate(variant: Variant) -> None
         Raise ValueError, one sentence naming the parameter, the bad value and the allowed
         values, for a missing, unknown or ill-typed/ill-valued parameter (or a combination
@@ -24,15 +35,24 @@ A backend module defines (see backends/torch_bmm.py for the smallest one):
         beyond its q_amax exposes that (1,) int64 counter as `runner.q_saturation`
         (flashmla's does, for free); the runtime sums these (Runtime.q_saturation).
 
+The serving call, required when CAPABILITIES.serving is True (docs/architecture.md, "The
+serving call"):
+    def default_serving_variant(spec: CallSpec, platform) -> Variant
+        A good variant for `spec` on `platform` without any timing; its `kv` is
+        spec.kv_format.
+    def build_serving(variant: Variant, spec: CallSpec, device) -> runner
+        validate(variant) first; refuses (ValueError, one sentence with the fix) a spec
+        CAPABILITIES.refusal(spec) refuses and a variant whose kv is not spec.kv_format.
+        runner(q, qo_indptr, kv, kv_scale, *, kv_indptr=None, block_table=None,
+        seq_lens=None, q_lens_host=None, kv_lens_host=None) -> (total_q, heads, 512) bf16.
+
 Optional members (absent: the defaults in brackets):
     SPACE_KEYS: tuple[str, ...]
         The keys its config section may hold; config.py refuses any other. [not checked]
-    PRECOMPILE: bool
-        Its kernels compile on first use into an on-disk cache (Triton, vendor JITs), so the
-        sweep warms them in mla_tune/tune/compile_pool.py before timing. [False]
     def compile_shape(variant, shape, sm_count) -> Shape
-        A small stand-in for `shape` that compiles exactly the kernels `shape` uses.
-        [compile_pool.default_compile_shape]
+        A small stand-in for `shape` that compiles exactly the kernels `shape` uses, for
+        the precompile pool (mla_tune/tune/compile_pool.py) of a backend whose
+        CAPABILITIES.precompile is True. [compile_pool.default_compile_shape]
     def warmup(variant, shape, device, inputs) -> None
         Warm its caches for `variant` at `shape`. [build, then call once on `inputs`]
     def dedupe_key(variant, shape, platform) -> Hashable
@@ -51,6 +71,8 @@ import importlib
 import os
 from types import ModuleType
 
+from mla_tune.core import KV_FORMATS, Q_MODES, Capabilities
+
 # name -> module; the order is the order of preference when times tie.
 BACKEND_MODULES = {
     "triton": "mla_tune.backends.triton_splitk",
@@ -61,6 +83,11 @@ BACKEND_MODULES = {
     "flashinfer": "mla_tune.backends.flashinfer_mla",
     "flashmla": "mla_tune.backends.flash_mla",
 }
+
+# What a plugin (or test) backend without CAPABILITIES is taken to do: the formats it may
+# read are unknown, so any; nothing it has not declared (ragged batches, the serving call,
+# precompiling, being the baseline) is assumed.
+PLUGIN_CAPABILITIES = Capabilities(kv_formats=KV_FORMATS, q_modes=Q_MODES)
 
 
 # Extra backends for tests and plugins: "name=package.module,name2=package.module2". Read on
@@ -98,3 +125,70 @@ def get_backend(name: str) -> ModuleType:
     if name not in modules:
         raise UnknownBackend(f"unknown backend {name!r}; known backends: {', '.join(modules)}")
     return importlib.import_module(modules[name])
+
+
+def capabilities(name: str) -> Capabilities:
+    """Backend `name`'s CAPABILITIES (PLUGIN_CAPABILITIES for a plugin that declares none).
+
+    An unknown name raises UnknownBackend; a module that does not import raises its
+    ImportError; a built-in backend without the record, or a record that is not a
+    Capabilities, raises TypeError (a bug in that module)."""
+    module = get_backend(name)
+    caps = getattr(module, "CAPABILITIES", None)
+    if caps is None:
+        if name in BACKEND_MODULES:
+            raise TypeError(f"built-in backend {name!r} ({module.__name__}) declares no "
+                            "CAPABILITIES; every built-in backend must")
+        return PLUGIN_CAPABILITIES
+    if not isinstance(caps, Capabilities):
+        raise TypeError(f"{module.__name__}.CAPABILITIES is a {type(caps).__name__}, not a "
+                        "mla_tune.core.Capabilities")
+    return caps
+
+
+def declared_capabilities() -> dict[str, Capabilities]:
+    """name -> CAPABILITIES of every known backend whose module imports here, in the
+    registry's order. A module that does not import is left out: it cannot run here, and
+    the sweep and the runtime report it by name where they use it."""
+    out = {}
+    for name in known_backends():
+        try:
+            out[name] = capabilities(name)
+        except ImportError:
+            continue
+    return out
+
+
+def baseline_backend() -> str:
+    """The one backend whose CAPABILITIES.baseline is True: the reference every sweep times
+    in full and every table row cites (its time is a row's baseline_us)."""
+    found = [name for name, caps in declared_capabilities().items() if caps.baseline]
+    if len(found) != 1:
+        raise TypeError(f"exactly one backend must declare CAPABILITIES.baseline, found "
+                        f"{', '.join(found) or 'none'}")
+    return found[0]
+
+
+def ragged_backends(names=None) -> frozenset[str]:
+    """The backends among `names` (None: every known one that imports) whose leaderboard
+    runners read kv_indptr per sequence (CAPABILITIES.ragged), so that a ragged batch may
+    be sent to them; any other assumes a uniform batch."""
+    caps = declared_capabilities() if names is None else {n: capabilities(n) for n in names}
+    return frozenset(name for name, c in caps.items() if c.ragged)
+
+
+def vendor_distributions() -> tuple[str, ...]:
+    """The distributions (pip names) of the vendor libraries the backends wrap, from their
+    CAPABILITIES.vendor, in the registry's order: what a table's provenance records the
+    versions of, besides torch and triton."""
+    return tuple(dict.fromkeys(c.vendor for c in declared_capabilities().values() if c.vendor))
+
+
+def platform_refusal(name: str, platform) -> str | None:
+    """None when backend `name`'s CAPABILITIES.platforms include `platform` (a
+    mla_tune.gpu.Platform, matched by its tags), else one sentence saying where it runs."""
+    caps = capabilities(name)
+    if caps.runs_on(platform.tags):
+        return None
+    where = " or ".join("/".join(option) for option in caps.platforms) or "no platform"
+    return f"it runs on {where}, not on {platform.name} ({'/'.join(sorted(platform.tags))})"

@@ -20,7 +20,7 @@ import re
 import sys
 from pathlib import Path
 
-from mla_tune.backends import UnknownBackend, get_backend, known_backends
+from mla_tune.backends import UnknownBackend, get_backend, known_backends, ragged_backends
 from mla_tune.export.modules import (
     PROTOCOL_NAMES,
     ExportError,
@@ -135,6 +135,7 @@ def render_submission(table_path: str | Path, only_backends: list[str] | None = 
     prov = table.provenance
     entries = "".join(f"    ({s.batch}, {s.kv_len}): {str(v)!r},\n" for s, v in sorted(variants.items()))
     builders = "".join(f"    {b!r}: _build_{b},\n" for b in used)
+    ragged = sorted(ragged_backends(used))
     parts.append(
         f"\n\n# {'-' * 20} the dispatch table {'-' * 20}\n"
         f"# From {_one_line(table_path)}: gpu {table.gpu} ({_one_line(prov.get('device_name'))}, "
@@ -145,9 +146,12 @@ def render_submission(table_path: str | Path, only_backends: list[str] | None = 
         f"mla-tune {_one_line(prov.get('mla_tune_version'))}.\n"
         f"_EXPORT_TABLE_TEXT = {{\n{entries}}}\n"
         "_EXPORT_TABLE = {shape: Variant.parse(text) for shape, text in _EXPORT_TABLE_TEXT.items()}\n"
-        f"_EXPORT_BUILDERS = {{\n{builders}}}\n\n"
+        f"_EXPORT_BUILDERS = {{\n{builders}}}\n"
+        "# The backends above whose runners read kv_indptr per sequence (CAPABILITIES.ragged).\n"
+        f"_EXPORT_RAGGED_BACKENDS = frozenset({ragged!r})\n\n"
         + _fallback_code(fallback, (prov.get("rule") or {}).get("name")) +
-        "\n\n_EXPORT_DISPATCHER = Dispatcher(_EXPORT_TABLE, _EXPORT_BUILDERS, _export_fallback)\n\n\n"
+        "\n\n_EXPORT_DISPATCHER = Dispatcher(_EXPORT_TABLE, _EXPORT_BUILDERS, _export_fallback,\n"
+        "                                ragged_backends=_EXPORT_RAGGED_BACKENDS)\n\n\n"
         "def custom_kernel(data: input_t) -> output_t:\n"
         "    # The leaderboard's batches are uniform, so kv_seq_len is trusted: no host sync.\n"
         "    q, kv_data, qo_indptr, kv_indptr, config = data\n"

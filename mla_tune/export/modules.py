@@ -4,9 +4,10 @@
   the modules a submission needs and orders each after everything it imports;
 - imports: top-level `import`/`from` statements are cut out of each module (whole lines,
   exactly the statement's span) and written once at the top of the file;
-- protocol names: a backend's NAME, unavailable_reason, candidates, validate, build and
-  default_variant become `_NAME_<backend>`, `_build_<backend>`, ... by replacing exactly the
-  tokens that refer to the module-level name (local variables of the same name are left);
+- protocol names: a backend's PROTOCOL_NAMES (NAME, CAPABILITIES, build, validate, ...)
+  become `_NAME_<backend>`, `_CAPABILITIES_<backend>`, `_build_<backend>`, ... by replacing
+  exactly the tokens that refer to the module-level name (local variables of the same name
+  are left);
 - collisions: two modules defining one top-level name differently is refused, naming both.
 """
 
@@ -23,11 +24,11 @@ from mla_tune.backends import get_backend, known_backends
 from mla_tune.errors import MlaTuneError
 
 PROTOCOL_NAMES = ("NAME", "unavailable_reason", "candidates", "validate", "build",
-                  "default_variant", "PRECOMPILE", "compile_shape", "warmup", "SPACE_KEYS",
+                  "default_variant", "compile_shape", "warmup", "SPACE_KEYS",
                   "dedupe_key", "CAPABILITIES", "build_serving", "default_serving_variant")
 # Names the exported file's own code (export.py's template) defines; a module may not.
 _GENERATED_NAMES = {"input_t", "output_t", "custom_kernel", "_EXPORT_TABLE_TEXT", "_EXPORT_TABLE",
-                    "_EXPORT_BUILDERS", "_EXPORT_DISPATCHER", "_EXPORT_FALLBACK_VARIANT",
+                    "_EXPORT_BUILDERS", "_EXPORT_RAGGED_BACKENDS", "_EXPORT_DISPATCHER", "_EXPORT_FALLBACK_VARIANT",
                     "_export_fallback", "_export_sm_count"}
 _THIRD_PARTY_OK = {"torch", "triton"}
 

@@ -16,17 +16,24 @@ from pathlib import Path
 
 import torch
 
-from mla_tune.backends import get_backend
-from mla_tune.backends.aiter_mla import aiter_drift_note
+from mla_tune.backends import (
+    aiter_mla,
+    capabilities,
+    get_backend,
+    platform_refusal,
+    ragged_backends,
+    vendor_distributions,
+)
 from mla_tune.core import Shape, Variant, require
 from mla_tune.gpu import Platform, detect
 from mla_tune.tables.dispatch import Dispatcher, dispatch_fallback, dispatch_fallback_backend
 from mla_tune.tables.table import Table, TableError, load_table
 
 TABLES_DIR = Path(__file__).resolve().parents[2] / "tables"
-# Versions whose change can move kernel timings or behaviour; python's cannot.
-VERSION_FIELDS = ("torch", "triton", "cuda", "hip", "amd-aiter", "amd-aiter-commit", "flashinfer-python",
-                  "sgl-flash-mla")
+# Versions whose change can move kernel timings or behaviour (python's cannot): these, and
+# each backend's vendor distribution (CAPABILITIES.vendor) with its commit where the
+# provenance records one (AITER's: gpu.software_versions).
+BASE_VERSION_FIELDS = ("torch", "triton", "cuda", "hip")
 # check_q_range: what a q=fp8_static call does about q beyond its calibrated q_amax
 # (docs/runtime.md): off | count on the device, no sync | warn | raise (both sync per call).
 Q_RANGE_MODES = ("off", "count", "warn", "raise")
@@ -40,17 +47,25 @@ class QRangeError(ValueError):
     """A call's q holds elements beyond the q_amax its fp8_static variant was calibrated for."""
 
 
-def backend_unavailable(name: str) -> str | None:
-    """Why backend `name` cannot run here (None when it can); a missing module is a reason."""
+def version_fields() -> tuple[str, ...]:
+    """The provenance.versions keys whose change the runtime warns about."""
+    vendors = vendor_distributions()
+    return (*BASE_VERSION_FIELDS, *(f for v in vendors for f in (v, f"{v}-commit")))
+
+
+def backend_unavailable(name: str, platform: Platform | None = None) -> str | None:
+    """Why backend `name` cannot run here (None when it can): a module that does not
+    import, a `platform` its CAPABILITIES do not list, or its own unavailable_reason()."""
     try:
         module = get_backend(name)
+        refusal = platform_refusal(name, platform) if platform is not None else None
     except ModuleNotFoundError as exc:
         return f"its module cannot be imported ({exc})"
-    return module.unavailable_reason()
+    return refusal or module.unavailable_reason()
 
 
-def fallback_policy(rule: str | None = None,
-                    allowed: Iterable[str] | None = None) -> tuple[str, Callable[[Shape], Variant]]:
+def fallback_policy(rule: str | None = None, allowed: Iterable[str] | None = None,
+                    platform: Platform | None = None) -> tuple[str, Callable[[Shape], Variant]]:
     """(backend, shape -> Variant) for shapes the table lacks and for ragged batches, under
     the table's correctness rule `rule`: mla_tune.tables.dispatch's policy (the export uses it too).
 
@@ -60,7 +75,7 @@ def fallback_policy(rule: str | None = None,
     and under `strict` only kv_len >= 512 (shorter ones are refused, see the policy).
     """
     def usable(name: str) -> bool:
-        return backend_unavailable(name) is None and (
+        return backend_unavailable(name, platform) is None and (
             name != "triton" or hasattr(get_backend(name), "default_variant"))
 
     backend = dispatch_fallback_backend(None if allowed is None else set(allowed), usable)
@@ -144,11 +159,12 @@ class QRangeCheck:
 def _warn_versions(table: Table, platform: Platform) -> None:
     tuned = table.provenance.get("versions") or {}
     here = platform.versions or {}
-    for name in VERSION_FIELDS:
+    for name in version_fields():
         if name in tuned and tuned[name] != here.get(name):
             now = here.get(name) or "not installed"
             # AITER's kernel binaries changed at some releases only: say whether they differ
-            note = aiter_drift_note(tuned[name], here.get(name)) if name == "amd-aiter" else ""
+            note = (aiter_mla.aiter_drift_note(tuned[name], here.get(name))
+                    if name == capabilities(aiter_mla.NAME).vendor else "")
             warnings.warn(
                 f"table {table.path}: provenance.versions.{name} is {tuned[name]} but this "
                 f"process has {now}; {note}timings may have moved, re-run `mla-tune sweep --gpu "
@@ -233,7 +249,7 @@ def load(gpu: str | None = None, table: str | Path | None = None, allow_other_gp
 
     named = {Variant.parse(r["winner"]["variant"]).backend for r in loaded.rows.values() if r["winner"]}
     named |= {b for r in loaded.rows.values() for b in r["alternates"]}
-    reasons = {name: backend_unavailable(name) for name in sorted(named)}
+    reasons = {name: backend_unavailable(name, platform) for name in sorted(named)}
     available = [name for name, reason in reasons.items() if reason is None]
     variants = loaded.variants(only_backends=available)
     moved = [s for s, r in loaded.rows.items()
@@ -245,11 +261,12 @@ def load(gpu: str | None = None, table: str | Path | None = None, allow_other_gp
             + "; ".join(f"{n}: {r}" for n, r in reasons.items() if r) +
             "); those shapes run their best available alternate or the fallback", stacklevel=2)
     rule = (loaded.provenance.get("rule") or {}).get("name")
-    fallback_backend, fallback = fallback_policy(rule)
+    fallback_backend, fallback = fallback_policy(rule, platform=platform)
     q_range = QRangeCheck(mode, loaded)
     builders = {name: q_range.wrap(get_backend(name).build)
                 for name in {v.backend for v in variants.values()} | {fallback_backend}}
-    dispatcher = Dispatcher({(s.batch, s.kv_len): v for s, v in variants.items()}, builders, fallback)
+    dispatcher = Dispatcher({(s.batch, s.kv_len): v for s, v in variants.items()}, builders, fallback,
+                            ragged_backends=ragged_backends(builders))
     return Runtime(loaded, platform, dispatcher, fallback_backend, dev, q_range)
 
 

@@ -20,11 +20,6 @@ from mla_tune.core import (
     require,
 )
 
-# Backends whose runners read kv_indptr per sequence; any other backend assumes a uniform
-# batch (torch's bmm would silently mix sequences of a ragged batch whose total divides).
-DISPATCH_RAGGED_BACKENDS = frozenset({"triton"})
-
-
 # ------------------------------------------------------------------ the fallback policy
 # Written once: the runtime and the exported file (which carries this module) both use it.
 # The fallback serves shapes a table lacks and ragged batches; its variant must pass the
@@ -109,7 +104,10 @@ class Dispatcher:
     - Any other call (a shape the table lacks, or a ragged batch) runs `fallback(shape)`,
       with shape = (batch, longest kv_len). The fallback must be correct for every
       kv_len >= 1; on a ragged batch its backend must read kv_indptr per sequence (one of
-      `ragged_backends`), else the call fails with a ValueError instead of a wrong answer.
+      `ragged_backends`, which the caller takes from the backends' CAPABILITIES.ragged:
+      any other assumes a uniform batch, and torch's bmm would silently mix the sequences
+      of a ragged batch whose total divides), else the call fails with a ValueError
+      instead of a wrong answer.
       Each missed shape is counted in `misses` and, with warn_on_miss, warned about once.
     - Runners are built on first use and kept per (variant, shape, device) in this
       instance. A runner reuses its output buffer: copy the result to keep it past the next
@@ -126,7 +124,8 @@ class Dispatcher:
         builders: dict[str, Callable[..., Any]],
         fallback: Callable[[Shape], Variant],
         warn_on_miss: bool = True,
-        ragged_backends: frozenset[str] = DISPATCH_RAGGED_BACKENDS,
+        *,
+        ragged_backends: frozenset[str] | set[str],
     ) -> None:
         self._table: dict[Shape, Variant] = {}
         for (batch, kv_len), variant in table.items():
@@ -155,10 +154,11 @@ class Dispatcher:
             require(variant.get("kv") in KV_FORMATS, f"fallback {variant} names no KV format")
             self._fallback_variants[shape] = variant
         if ragged and variant.backend not in self._ragged_backends:
+            readers = ", ".join(sorted(self._ragged_backends)) or "no backend wired here does"
             raise ValueError(
                 f"a ragged batch needs a fallback that reads kv_indptr per sequence "
-                f"({', '.join(sorted(self._ragged_backends))}), but the fallback here is "
-                f"{variant}; pad the batch to one kv_len or make the triton backend available")
+                f"({readers}), but the fallback here is {variant}; pad the batch to one "
+                "kv_len or make a backend that reads ragged batches (triton) available")
         return variant
 
     def _miss(self, shape: Shape, variant: Variant, ragged: bool) -> None:

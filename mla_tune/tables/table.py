@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from mla_tune.backends import get_backend, known_backends
+from mla_tune.backends import baseline_backend, get_backend, known_backends
 from mla_tune.core import KV_FORMATS, Q_MODES, QK_DIM, Shape, Variant
 from mla_tune.errors import MlaTuneError
 from mla_tune.fileio import atomic_write_text, dump_yaml, read_yaml
@@ -76,7 +76,7 @@ class Row:
     runner_up: dict | None = field(default=None, metadata=_kind("variant?"))  # {variant, time_us}
     # {backend: its best time_us, or a reason such as "all rejected"}
     backends: dict = field(default_factory=dict, metadata=_kind("mapping"))
-    baseline_us: float | None = field(default=None, metadata=_kind("number?"))  # torch's time
+    baseline_us: float | None = field(default=None, metadata=_kind("number?"))  # the baseline backend's time
     floor_us: float | None = field(default=None, metadata=_kind("number?"))  # see FLOOR_NOTE
     floor_share: float | None = field(default=None, metadata=_kind("number?"))  # floor/time
     # {tried, ok, rejected, failed, crashed, timeout, pruned} counts; other keys are kept
@@ -159,7 +159,7 @@ def _rung_counts(records: list[dict]) -> dict[str, int]:
 
 
 def _row(shape: Shape, records: list[dict], backends: list[str], unavailable: dict,
-         bandwidth_gbps: float | None) -> Row:
+         bandwidth_gbps: float | None, baseline_name: str) -> Row:
     ok = [(r, _timing(r, "time")) for r in records if r["status"] == "ok"]
     ok = [(r, t) for r, t in ok if t is not None]
     by_text = {r["variant"]: (r, t) for r, t in ok}
@@ -182,7 +182,7 @@ def _row(shape: Shape, records: list[dict], backends: list[str], unavailable: di
     counts.update(_rung_counts(records))
     # What is counted is said in FLOOR_NOTE (and in the file's header comment).
     floor_us = (shape.total_kv * QK_DIM / (bandwidth_gbps * 1e3)) if bandwidth_gbps else None
-    baseline = summary.get("torch")
+    baseline = summary.get(baseline_name)
     common = dict(batch=shape.batch, kv_len=shape.kv_len, backends=summary,
                   baseline_us=baseline if isinstance(baseline, float) else None,
                   floor_us=None if floor_us is None else round(floor_us, 3), candidates=counts)
@@ -258,7 +258,8 @@ def table_from_results(header: dict, records: list[dict], config) -> dict:
     named |= {r["backend"] for by_text in latest.values() for r in by_text.values()}
     backends = sorted(named, key=lambda b: (_backend_rank(b), b))
     bandwidth = header.get("copy_bandwidth_gbps")
-    rows = [_row(s, list(latest[s].values()), backends, unavailable, bandwidth).as_dict()
+    baseline_name = baseline_backend()
+    rows = [_row(s, list(latest[s].values()), backends, unavailable, bandwidth, baseline_name).as_dict()
             for s in sorted(shapes, key=lambda s: (s.batch, s.kv_len))]
     dropped = ((header.get("search") or {}).get("dropped")) or {}
     for row in rows:

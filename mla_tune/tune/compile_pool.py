@@ -2,8 +2,9 @@
 need them, so that a timed worker loads each one from an on-disk cache.
 
 What a backend says (optional members of its module, see backends/__init__.py):
-- `PRECOMPILE = True`: its kernels are compiled on first use into an on-disk cache (Triton,
-  FlashInfer's and AITER's JITs), so warming them in a pool pays. Absent: not precompiled.
+- `CAPABILITIES.precompile`: its kernels are compiled on first use into an on-disk cache
+  (Triton, FlashInfer's and AITER's JITs), so warming them in a pool pays (the config's
+  per-backend `precompile` flag defaults to it).
 - `compile_shape(variant, shape, sm_count) -> Shape`: a small stand-in for `shape` that
   compiles exactly the kernels `shape` uses. Absent: `default_compile_shape`.
 - `warmup(variant, shape, device, inputs)`: what warms its caches. Absent: build the
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 
 from mla_tune import problem
-from mla_tune.backends import get_backend
+from mla_tune.backends import capabilities, get_backend
 from mla_tune.core import QK_DIM, Shape, Variant
 from mla_tune.tune.procs import die_with_parent
 
@@ -54,7 +55,7 @@ _SMALL_INPUT_TOKENS = 1 << 16
 # --------------------------------------------------------------------------- plan
 def backend_precompiles(name: str) -> bool:
     """Whether backend `name` says its kernels are worth warming in the pool."""
-    return bool(getattr(get_backend(name), "PRECOMPILE", False))
+    return capabilities(name).precompile
 
 
 def default_compile_shape(shape: Shape) -> Shape:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mla_tune import gpu
-from mla_tune.backends import get_backend, known_backends
+from mla_tune.backends import capabilities, get_backend, known_backends
 from mla_tune.core import Shape
 from mla_tune.errors import MlaTuneError
 from mla_tune.fileio import read_yaml
@@ -270,8 +270,9 @@ def expand_space(space: dict) -> list[dict]:
 
 
 def default_precompile(backend: str) -> bool:
-    """The backend's own word (its PRECOMPILE): whether its kernels compile on first use."""
-    return bool(getattr(get_backend(backend), "PRECOMPILE", False))
+    """The backend's own word (its CAPABILITIES.precompile): whether its kernels compile on
+    first use into an on-disk cache, so that the sweep warms them first."""
+    return capabilities(backend).precompile
 
 
 def _backends(value: Any, fail) -> tuple[dict[str, dict], dict[str, bool]]:
@@ -304,18 +305,27 @@ def _backends(value: Any, fail) -> tuple[dict[str, dict], dict[str, bool]]:
 
 def _check_space(name: str, space: dict, where: str, fail) -> None:
     """Refuse a key the backend does not take (its SPACE_KEYS), in the section or in a
-    sub-grid, then let the backend's candidates() judge the values on a probe shape for
-    each kind of GPU (it raises ValueError naming the key and the allowed values)."""
+    sub-grid, and a KV format or q mode its CAPABILITIES do not list; then let the
+    backend's candidates() judge the values on a probe shape for each kind of GPU (it
+    raises ValueError naming the key and the allowed values)."""
     backend = get_backend(name)
     keys = getattr(backend, "SPACE_KEYS", None)
+    places = [(where, space)] + [(f"{where}.grids[{i}]", g) for i, g in enumerate(space.get("grids") or [])]
     if keys is not None:
-        places = [(where, space)] + [(f"{where}.grids[{i}]", g) for i, g in enumerate(space.get("grids") or [])]
         for place, section in places:
             allowed = (*keys, *SECTION_FIELDS) if section is space else tuple(keys)
             for key in section:
                 if key not in allowed:
                     raise fail(f"{place}.{key}", f"unknown key for backend {name}; allowed: "
                                f"{', '.join(allowed) or 'none'}")
+    caps = capabilities(name)
+    for place, section in places:
+        for key, allowed, what in (("kv", caps.kv_formats, "KV formats"), ("q", caps.q_modes, "q modes")):
+            values = section.get(key, [])
+            bad = [v for v in (values if isinstance(values, list) else [values]) if v not in allowed]
+            if bad:
+                raise fail(f"{place}.{key}", f"backend {name} does not offer {key}="
+                           f"{', '.join(map(str, bad))}; its {what} (its CAPABILITIES): {', '.join(allowed)}")
     for grid in expand_space(space):
         for gpu_name in _PROBE_GPUS:
             try:

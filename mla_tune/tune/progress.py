@@ -10,9 +10,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as RichProgress
 
+from mla_tune.backends import baseline_backend
 from mla_tune.core import Shape
 from mla_tune.tune.config import Config
-from mla_tune.tune.schedule import BASELINE_BACKEND
 
 
 def print_plan(config: Config, gpu: str, where: str, out: Path, results_path: Path,
@@ -115,7 +115,7 @@ def summarize(records: list[dict], console: Console) -> dict[str, dict]:
     as `mla-tune show` (mla_tune.tables.render); return {shape text: {variant, median_us}}."""
     from mla_tune.tables.render import line_width, summary_lines
 
-    lines, winners = summary_lines(records, BASELINE_BACKEND, line_width())
+    lines, winners = summary_lines(records, baseline_backend(), line_width())
     for line in lines:
         console.out(line, highlight=False)
     return winners

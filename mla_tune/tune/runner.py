@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from rich.console import Console
 from rich.markup import escape
 
+from mla_tune.backends import baseline_backend
 from mla_tune.core import Shape, Variant
 from mla_tune.tune.config import Config
 from mla_tune.tune.progress import Progress
 from mla_tune.tune.results import ResultsWriter
 from mla_tune.tune.schedule import (
-    BASELINE_BACKEND,
     BudgetClock,
     CostModel,
     FittedPlan,
@@ -107,7 +107,7 @@ class DeviceRunner:
                 if sh.stop.is_set():
                     return
                 variant = Variant.parse(text)
-                if rung == 0 and variant.backend != BASELINE_BACKEND and not self._fits_rung0(
+                if rung == 0 and variant.backend != baseline_backend() and not self._fits_rung0(
                         search, variant, deadline):
                     skipped.append(text)
                     continue
@@ -151,7 +151,7 @@ class DeviceRunner:
     def _decide(self, search: ShapeSearch, rung: int, skipped: list[str], deadline: float) -> None:
         sh = self.shared
         timed = search.timed(rung)
-        order, cut, n_must = promote(timed, sh.config.search.keep, sh.config.search.min_keep, BASELINE_BACKEND)
+        order, cut, n_must = promote(timed, sh.config.search.keep, sh.config.search.min_keep, baseline_backend())
         per_call = {t.text: (t.median_us * 1e-6, t.backend) for t in timed}
         k = len(order)
         while k > n_must and time.monotonic() + self._finish_cost([per_call[t] for t in order[:k]], rung) > deadline:
@@ -233,7 +233,7 @@ class DeviceRunner:
 
     def _run(self, step: Step) -> StepResult:
         timeout = self.shared.timeout
-        if Variant.parse(step.variant).backend != BASELINE_BACKEND:  # the baseline always runs
+        if Variant.parse(step.variant).backend != baseline_backend():  # the baseline always runs
             timeout = self.shared.clock.timeout(timeout)
         try:
             result = self.worker.request(step, timeout)

@@ -19,9 +19,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mla_tune.backends import baseline_backend
 from mla_tune.core import Shape, Variant
 
-BASELINE_BACKEND = "torch"  # always timed in full (never cut): every table row cites it
 WALL_SAMPLES_MAX = 20  # the last rung's wall-time figure takes min(samples, this)
 STARTUP_S = 12.0  # start a worker (import torch, start CUDA), measure copy bandwidth
 COMPILE_JOB_S = 1.0  # one precompile job (variant, shape class) in one process (a guess until
@@ -323,9 +323,10 @@ def fit_plan(plan: dict[Shape, list[Variant]], rungs: tuple[int, ...], keep: flo
 
     # Families per shape, each in a seeded order; the tail of the largest is dropped first.
     families: dict[tuple, list[Variant]] = {}
+    baseline = baseline_backend()  # always timed in full (never cut): every table row cites it
     for shape, variants in plan.items():
         for v in variants:
-            if v.backend != BASELINE_BACKEND:
+            if v.backend != baseline:
                 families.setdefault((shape, _family(v)), []).append(v)
     for key, members in families.items():
         random.Random(f"{key[0]}/{key[1]}").shuffle(members)

@@ -26,7 +26,7 @@ from rich.markup import escape
 
 import mla_tune
 from mla_tune import gpu as gpu_mod
-from mla_tune.backends import dedupe_key, get_backend
+from mla_tune.backends import dedupe_key, get_backend, platform_refusal
 from mla_tune.core import Shape, Variant
 from mla_tune.errors import MlaTuneError
 from mla_tune.tune import timing
@@ -104,9 +104,11 @@ class Planned:
 def plan_candidates(config: Config, platform: gpu_mod.Platform, planning_only: bool = False) -> Planned:
     """Every backend's candidates per shape, deduplicated by the backends' `dedupe_key`.
 
-    A backend that cannot run here is recorded once with its reason, not an error. For a
-    dry run for an absent GPU (`planning_only`) its candidates are still listed, so the
-    plan shows what the real sweep would try.
+    A backend that cannot run here is recorded once with its reason, not an error: one
+    whose CAPABILITIES.platforms do not include `platform` (the GPU planned for, in a dry
+    run too), then one whose own unavailable_reason() says why not. For a dry run for an
+    absent GPU (`planning_only`) the latter's candidates are still listed, so the plan
+    shows what the real sweep would try.
     """
     plan: dict[Shape, list[Variant]] = {shape: [] for shape in config.shapes}
     unavailable: dict[str, str] = {}
@@ -116,9 +118,13 @@ def plan_candidates(config: Config, platform: gpu_mod.Platform, planning_only: b
     for name, space in config.backends.items():
         try:
             backend = get_backend(name)
-            reason = backend.unavailable_reason()
+            refusal = platform_refusal(name, platform)
+            reason = None if refusal else backend.unavailable_reason()
         except ImportError as exc:  # a backend module that does not import cannot run
             unavailable[name] = f"its module does not import ({type(exc).__name__}: {exc})"
+            continue
+        if refusal:  # not even planned: this GPU is not one it is written for
+            unavailable[name] = refusal
             continue
         if reason and not planning_only:
             unavailable[name] = reason

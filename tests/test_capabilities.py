@@ -1,0 +1,367 @@
+"""What each backend can do is declared once, in its CAPABILITIES, and read from there: the
+registry's helpers, the sweep's plan, the dispatcher's ragged check, the precompile default,
+the provenance's vendor versions, the runtime's version check and the export."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+import textwrap
+import types
+import warnings
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mla_tune import gpu, runtime
+from mla_tune.backends import (
+    BACKEND_MODULES,
+    EXTRA_BACKENDS_ENV,
+    PLUGIN_CAPABILITIES,
+    baseline_backend,
+    capabilities,
+    get_backend,
+    known_backends,
+    platform_refusal,
+    ragged_backends,
+    vendor_distributions,
+)
+from mla_tune.core import KV_FORMATS, Q_MODES, CallSpec, Capabilities, Shape, Variant
+from mla_tune.export import render_submission
+from mla_tune.problem import generate_input, generate_ragged_input
+from mla_tune.tables.dispatch import Dispatcher
+from mla_tune.tune import compile_pool
+from mla_tune.tune.config import (
+    ConfigError,
+    config_from_dict,
+    default_precompile,
+    expand_space,
+    load_config,
+)
+from mla_tune.tune.sweep import plan_candidates, run_sweep
+from tests.fakes import capture
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = gpu.Platform("cpu", "cpu", "cpu", False, 0)
+PLATFORMS = {name: gpu.fake_platform(name) for name in gpu.KNOWN_GPUS} | {"cpu": CPU}
+TABLE = ROOT / "tests" / "data" / "table_cpu.yaml"
+
+
+def _config(backends: dict, shapes=((2, 64),)):
+    return config_from_dict({
+        "name": "caps", "rule": "leaderboard", "check_seeds": [1, 2], "calibration_seeds": [3],
+        "timing": {"reps": 3, "prune_reps": 2, "prune_factor": 2},
+        "shapes": [{"batch": b, "kv_len": n} for b, n in shapes], "backends": backends,
+    })
+
+
+@pytest.fixture
+def plugin(tmp_path, monkeypatch):
+    """plugin(name, body): register a backend module with `body` (plus NAME and the
+    protocol's minimum) as backend `name`, for this test only."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registered = []
+
+    def make(name: str, body: str = "") -> types.ModuleType:
+        module = f"capsplug_{name}"
+        (tmp_path / f"{module}.py").write_text(textwrap.dedent(f"""
+            from mla_tune.core import Capabilities, Variant
+            NAME = {name!r}
+            def unavailable_reason():
+                return None
+            def candidates(shape, space, platform):
+                return [Variant.make(NAME, kv="bf16", q="bf16")]
+            def build(variant, shape, device):
+                raise AssertionError("not built in these tests")
+        """) + textwrap.dedent(body))
+        monkeypatch.delitem(sys.modules, module, raising=False)
+        registered.append(f"{name}={module}")
+        monkeypatch.setenv(EXTRA_BACKENDS_ENV, ",".join(registered))
+        return get_backend(name)
+
+    yield make
+    for item in registered:
+        sys.modules.pop(item.split("=")[1], None)
+
+
+# ------------------------------------------------------------------ the records themselves
+@pytest.mark.parametrize("name", list(BACKEND_MODULES))
+def test_every_builtin_backend_declares_a_record_its_candidates_and_validate_agree_with(name):
+    module = get_backend(name)
+    caps = capabilities(name)
+    assert isinstance(module.CAPABILITIES, Capabilities) and caps is module.CAPABILITIES
+    assert set(caps.kv_formats) <= set(KV_FORMATS) and set(caps.q_modes) <= set(Q_MODES)
+    assert caps.kv_formats and caps.q_modes and caps.platforms
+    offered = []
+    for config_path in ("configs/leaderboard.yaml", "configs/mi355x.yaml"):
+        config = load_config(ROOT / config_path)
+        if name not in config.backends:
+            continue
+        for platform in PLATFORMS.values():
+            if not caps.runs_on(platform.tags):
+                continue
+            offered += [v for shape in config.shapes[:2] for grid in expand_space(config.backends[name])
+                        for v in module.candidates(shape, grid, platform)]
+    for variant in set(offered):
+        assert variant.get("kv") in caps.kv_formats and variant.get("q") in caps.q_modes, (name, str(variant))
+        ready = variant.with_params(q_amax=6.0) if variant.get("q") == "fp8_static" else variant
+        module.validate(ready)
+        for kv in set(KV_FORMATS) - set(caps.kv_formats):  # a format it does not declare is refused
+            with pytest.raises(ValueError):
+                module.validate(ready.with_params(kv=kv))
+        for q in set(Q_MODES) - set(caps.q_modes):
+            with pytest.raises(ValueError):
+                module.validate(variant.with_params(q=q))
+    keys = getattr(module, "SPACE_KEYS", None)
+    for key, declared, every in (("kv", caps.kv_formats, KV_FORMATS), ("q", caps.q_modes, Q_MODES)):
+        for value in set(every) - set(declared):  # nor may a config ask for one
+            if keys is None or key in keys:
+                with pytest.raises(ConfigError, match=f"backend {name} does not offer {key}={value}; its "):
+                    _config({name: {key: [value]}})
+
+
+def test_the_registry_names_the_baseline_the_ragged_readers_and_the_vendors_from_the_records():
+    assert baseline_backend() == "torch" and capabilities("torch").baseline
+    assert [n for n in BACKEND_MODULES if capabilities(n).baseline] == ["torch"]
+    assert ragged_backends() == frozenset({"triton"})
+    assert ragged_backends(["torch", "triton_fused"]) == frozenset()
+    assert set(vendor_distributions()) == {capabilities(n).vendor for n in ("aiter", "flashinfer", "flashmla")}
+    assert None not in vendor_distributions()
+    for name in ("triton", "triton_fused", "gluon_fused", "torch"):
+        assert capabilities(name).vendor is None  # torch and triton are recorded anyway
+
+
+def test_a_plugin_without_a_record_gets_the_conservative_default(plugin):
+    plugin("plain", "PRECOMPILE = True\n")  # the old flag is no longer read
+    caps = capabilities("plain")
+    assert caps is PLUGIN_CAPABILITIES
+    assert caps.kv_formats == KV_FORMATS and caps.q_modes == Q_MODES
+    assert not (caps.ragged or caps.serving or caps.precompile or caps.baseline or caps.vendor)
+    assert all(caps.runs_on(p.tags) for p in PLATFORMS.values())
+    assert "plain" in known_backends() and "plain" not in ragged_backends()
+    assert default_precompile("plain") is False and not compile_pool.backend_precompiles("plain")
+    assert caps.refusal(CallSpec("bf16")) == "it serves the leaderboard's call only (no build_serving)"
+
+
+def test_a_plugins_record_is_read_like_a_builtin_one(plugin):
+    plugin("ragged_one", 'CAPABILITIES = Capabilities(kv_formats=("bf16",), ragged=True, precompile=True, '
+                         'vendor="acme-mla", platforms=(("hip", "gfx950"),))\n')
+    assert ragged_backends() == frozenset({"triton", "ragged_one"})
+    assert "acme-mla" in vendor_distributions() and baseline_backend() == "torch"
+    assert default_precompile("ragged_one") and compile_pool.backend_precompiles("ragged_one")
+    assert _config({"torch": {}, "ragged_one": {}}).precompile == {"torch": False, "ragged_one": True}
+    assert platform_refusal("ragged_one", PLATFORMS["MI355X"]) is None
+    assert platform_refusal("ragged_one", PLATFORMS["H200"]) == \
+        "it runs on hip/gfx950, not on H200 (cuda/sm_90)"
+
+
+def test_a_second_baseline_or_a_builtin_without_a_record_is_a_loud_error(plugin, monkeypatch):
+    plugin("other_base", 'CAPABILITIES = Capabilities(kv_formats=("bf16",), baseline=True)\n')
+    with pytest.raises(TypeError, match="exactly one backend must declare CAPABILITIES.baseline, "
+                                        "found torch, other_base"):
+        baseline_backend()
+    monkeypatch.delattr(get_backend("torch"), "CAPABILITIES")
+    with pytest.raises(TypeError, match="built-in backend 'torch' .* declares no CAPABILITIES"):
+        capabilities("torch")
+
+
+# ------------------------------------------------------------------ refusals
+def test_refusal_says_in_one_sentence_why_a_call_is_not_served():
+    caps = Capabilities(kv_formats=("bf16", "fp8", "mxfp4"), serving_kv_formats=("bf16", "fp8"), serving=True,
+                        contiguous=False, page_sizes=(64,), heads=(16, 128), max_q_len=2, graph_safe=False,
+                        host_lengths=True)
+    ok = CallSpec("fp8", page_size=64, heads=128, max_q_len=2, host_lengths=True)
+    assert caps.refusal(ok) is None
+    cases = {
+        CallSpec("mxfp4", 64, host_lengths=True): "it reads bf16, fp8 KV, not mxfp4",
+        CallSpec("bf16", 0, host_lengths=True): "it reads paged KV (pages of 64 tokens), not the contiguous layout",
+        CallSpec("bf16", 16, host_lengths=True): "it reads pages of 64 tokens, not pages of 16",
+        CallSpec("bf16", 64, heads=32, host_lengths=True): "it serves 16, 128 heads, not 32",
+        CallSpec("bf16", 64, max_q_len=4, host_lengths=True): "it serves q_len up to 2, not 4",
+        CallSpec("bf16", 64, mixed_q_len=True, host_lengths=True):
+            "it needs every sequence of a call to bring the same number of new tokens",
+        CallSpec("bf16", 64, graph=True, host_lengths=True):
+            "its call synchronizes or allocates, so it cannot be captured in a CUDA graph",
+        CallSpec("bf16", 64): "it plans from the lengths on the host each step; pass them (host_lengths)",
+    }
+    for spec, message in cases.items():
+        assert caps.refusal(spec) == message, spec
+
+
+def test_the_builtin_records_refuse_what_their_libraries_cannot_serve():
+    contiguous = CallSpec("bf16", 0, heads=16)
+    assert capabilities("torch").refusal(contiguous) == "it serves the leaderboard's call only (no build_serving)"
+    assert capabilities("gluon_fused").refusal(CallSpec("fp8")) is not None
+    assert "not the contiguous layout" in capabilities("flashmla").refusal(contiguous)  # 64-token pages only
+    assert capabilities("triton_fused").refusal(CallSpec("mxfp4", 16)) == "it reads bf16, fp8 KV, not mxfp4"
+    assert "host_lengths" in capabilities("flashinfer").refusal(CallSpec("bf16", 16))
+    # the own kernels serve the whole matrix the issue asks for, in a graph
+    for name in ("triton", "triton_fused"):
+        for page_size in (0, 1, 16, 64):
+            for heads in (16, 128):
+                spec = CallSpec("fp8", page_size, heads, max_q_len=4, mixed_q_len=True, graph=True)
+                assert capabilities(name).refusal(spec) is None, (name, spec)
+
+
+def _serving_modules():
+    return {n: get_backend(n) for n in BACKEND_MODULES if hasattr(get_backend(n), "build_serving")}
+
+
+def test_a_backend_with_the_serving_call_declares_it_and_its_default_variant_fits_the_spec():
+    serving = _serving_modules()
+    if not serving:
+        pytest.skip("no backend's serving call is merged into this tree yet")
+    declared = {n for n in BACKEND_MODULES if capabilities(n).serving}
+    assert set(serving) == declared
+    for name, module in serving.items():
+        caps = capabilities(name)
+        assert callable(getattr(module, "default_serving_variant", None)), name
+        platform = next(p for p in PLATFORMS.values() if caps.runs_on(p.tags))
+        specs = [CallSpec(kv, page, heads, host_lengths=caps.host_lengths)
+                 for kv in (caps.serving_kv_formats or caps.kv_formats)
+                 for page in ((0,) if caps.contiguous else ()) + caps.page_sizes[:2] for heads in caps.heads[:2]]
+        for spec in specs:
+            assert caps.refusal(spec) is None, (name, spec)
+            variant = module.default_serving_variant(spec, platform)
+            assert variant.backend == name and variant.get("kv") == spec.kv_format, (name, spec, str(variant))
+            module.validate(variant)
+            refused = CallSpec(spec.kv_format, spec.page_size, heads=7, host_lengths=spec.host_lengths)
+            with pytest.raises(ValueError, match=re.escape(caps.refusal(refused))):
+                module.build_serving(variant, refused, "cpu")
+
+
+# ------------------------------------------------------------------ who reads the records
+def test_the_dispatcher_refuses_a_ragged_batch_for_a_backend_whose_record_says_uniform_only():
+    built = []
+
+    def build(variant, shape, device):
+        built.append((variant, shape))
+        return lambda *args: "ran"
+
+    fused = Variant.make("triton_fused", kv="fp8", q="bf16", num_splits=1, block_n=32)
+    builders = {"triton_fused": build, "torch": build}
+    dispatcher = Dispatcher({}, builders, lambda shape: fused, warn_on_miss=False,
+                            ragged_backends=ragged_backends(builders))
+    ragged = generate_ragged_input([3, 5], seed=1, device="cpu")
+    with pytest.raises(ValueError, match=r"reads kv_indptr per sequence \(no backend wired here does\)"):
+        dispatcher(*ragged[:4])
+    assert built == []
+    split = Variant.make("triton", kv="fp8", q="bf16", num_splits=1, block_n=32)
+    builders = {"triton": build}
+    dispatcher = Dispatcher({}, builders, lambda shape: split, warn_on_miss=False,
+                            ragged_backends=ragged_backends(builders))
+    assert dispatcher(*ragged[:4]) == "ran" and built == [(split, Shape(2, 5))]
+    uniform = generate_input(2, 5, seed=1, device="cpu")
+    assert Dispatcher({}, {"triton_fused": build}, lambda shape: fused, warn_on_miss=False,
+                      ragged_backends=frozenset())(*uniform[:4]) == "ran"
+
+
+def test_precompile_defaults_follow_the_records():
+    for name in BACKEND_MODULES:
+        flag = capabilities(name).precompile
+        assert default_precompile(name) is flag and compile_pool.backend_precompiles(name) is flag
+    assert _config({"torch": {}, "triton": {}}).precompile == {"torch": False, "triton": True}
+    assert _config({"triton": {"precompile": False}}).precompile == {"triton": False}  # the config's word wins
+
+
+def test_software_versions_record_each_vendor_the_records_name(plugin, monkeypatch):
+    plugin("acme", 'CAPABILITIES = Capabilities(kv_formats=("bf16",), vendor="acme-mla")\n')
+    installed = {"acme-mla": "2.0", vendor_distributions()[0]: "1.5"}
+
+    def version(dist):
+        if dist not in installed:
+            raise metadata.PackageNotFoundError(dist)
+        return installed[dist]
+
+    monkeypatch.setattr(metadata, "version", version)
+    versions = gpu.software_versions()
+    assert {"python", "torch", "triton", "cuda", "hip"} <= set(versions)
+    assert versions["acme-mla"] == "2.0" and versions[vendor_distributions()[0]] == "1.5"
+    assert not set(vendor_distributions()) - set(installed) & set(versions)  # absent ones are left out
+    fields = runtime.version_fields()
+    assert fields[:4] == ("torch", "triton", "cuda", "hip")
+    assert {"acme-mla", "acme-mla-commit"} <= set(fields)
+    assert {v for v in vendor_distributions()} <= set(fields)
+    table = types.SimpleNamespace(path="t.yaml", gpu="H200", provenance={"versions": {"acme-mla": "1.0"}})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runtime._warn_versions(table, gpu.Platform("H200", "x", "sm_90", False, 1, versions=versions))
+    assert [str(w.message) for w in caught if "acme-mla is 1.0 but this process has 2.0" in str(w.message)]
+
+
+def test_the_runtime_names_a_backend_whose_record_excludes_this_platform():
+    assert runtime.backend_unavailable("gluon_fused", CPU) == "it runs on cuda/sm_90, not on cpu (cpu)"
+    assert runtime.backend_unavailable("torch", CPU) is None
+    assert runtime.backend_unavailable("aiter", PLATFORMS["H200"]).startswith(
+        "it runs on hip/gfx942 or hip/gfx950, not on H200")
+
+
+def test_the_sweep_skips_a_backend_whose_record_excludes_the_platform_with_its_reason():
+    config = _config({"torch": {}, "triton": {}, "gluon_fused": {}})
+    planned = plan_candidates(config, CPU)
+    assert planned.unavailable == {"gluon_fused": "it runs on cuda/sm_90, not on cpu (cpu)"}
+    assert {v.backend for v in planned.plan[Shape(2, 64)]} == {"torch", "triton"}
+    # planning for an absent GPU lists a backend that only lacks that GPU, not one never written for it
+    planned = plan_candidates(_config({"torch": {}, "flashmla": {}}), PLATFORMS["MI355X"], planning_only=True)
+    assert planned.unavailable["flashmla"].startswith("it runs on cuda/sm_90, not on MI355X")
+    assert "flashmla" not in planned.listed_anyway
+
+
+def test_a_dry_run_names_the_backends_its_gpu_cannot_run_in_its_summary(tmp_path):
+    raw = yaml.safe_load((ROOT / "configs" / "mi355x.yaml").read_text())
+    raw["shapes"] = raw["shapes"][:1]
+    config = tmp_path / "mi.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    console, buf = capture()
+    summary = run_sweep(config, "H200", out=tmp_path / "H200.yaml", dry_run=True, console=console)
+    assert summary.unavailable["aiter"].startswith("it runs on hip/gfx942 or hip/gfx950, not on H200")
+    assert all("aiter" not in per for per in summary.plan.values())
+    assert "aiter" in buf.getvalue() and "gfx950" in buf.getvalue()
+
+
+def test_the_export_renders_the_ragged_readers_from_the_records_of_the_backends_it_carries():
+    text = render_submission(TABLE)
+    assert "_EXPORT_RAGGED_BACKENDS = frozenset(['triton'])\n" in text
+    assert "ragged_backends=_EXPORT_RAGGED_BACKENDS)" in text
+    assert "_CAPABILITIES_triton = Capabilities(" in text and "\nCAPABILITIES =" not in text
+    torch_only = render_submission(TABLE, only_backends=["torch"])
+    assert "_EXPORT_RAGGED_BACKENDS = frozenset([])\n" in torch_only
+
+
+# ------------------------------------------------------------------ one place for each fact
+def _package_modules():
+    for path in sorted((ROOT / "mla_tune").rglob("*.py")):
+        name = path.relative_to(ROOT / "mla_tune").as_posix()
+        if name.startswith("backends/") and name != "backends/__init__.py":
+            continue  # the backends declare the facts
+        yield name, ast.parse(path.read_text())
+
+
+def test_no_module_but_the_backends_names_a_vendor_a_ragged_set_or_the_baseline():
+    vendors, baseline, backends = set(vendor_distributions()), baseline_backend(), set(known_backends())
+    found = []
+    for name, tree in _package_modules():
+        for node in ast.walk(tree):
+            where = f"mla_tune/{name} line {getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.Constant) and node.value in vendors:
+                found.append(f"{where} names the vendor distribution {node.value}")
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    names_backends = any(isinstance(c, ast.Constant) and c.value in backends
+                                         for c in ast.walk(node.value))
+                    if isinstance(target, ast.Name) and "RAGGED" in target.id.upper() and names_backends:
+                        found.append(f"{where} defines a set of ragged backends ({target.id})")
+                if isinstance(node.value, ast.Constant) and node.value.value == baseline:
+                    found.append(f"{where} assigns the baseline's name")
+            if isinstance(node, ast.Compare):
+                for side in [node.left, *node.comparators]:
+                    if isinstance(side, ast.Constant) and side.value == baseline:
+                        found.append(f"{where} compares with the baseline's name")
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                    and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value == baseline):
+                found.append(f"{where} looks the baseline up by name")
+    assert found == []
