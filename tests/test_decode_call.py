@@ -24,8 +24,7 @@ from mla_tune import problem, serving
 from mla_tune.backends import UnknownBackend, get_backend
 from mla_tune.core import CORE_HEADS, CallSpec, Shape, Variant
 from mla_tune.gpu import Platform, fake_platform
-from mla_tune.runtime.decode import Decoder, decode
-from mla_tune.runtime.decode import PREFERENCE, clear_decoders, infer_spec
+from mla_tune.runtime.decode import PREFERENCE, Decoder, clear_decoders, decode, infer_spec
 
 LAYOUTS = (0, 1, 16, 64)  # 0: contiguous; else the page size
 HEADS = (16, 128)

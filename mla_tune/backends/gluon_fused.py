@@ -231,9 +231,6 @@ def build(variant: Variant, shape: Shape, device):
     return run_gluon_fused
 
 
-# Precompile (mla_tune/tune/compile_pool.py): Triton compiles the Gluon kernel on first use.
-PRECOMPILE = True
-
 
 def compile_shape(variant: Variant, shape: Shape, sm_count: int | None) -> Shape:
     """One sequence with a tile per split: every constexpr (BN, STAGES, V_PATH, SPLIT; the

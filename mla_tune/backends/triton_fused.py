@@ -466,9 +466,6 @@ def build_serving(variant: Variant, spec: CallSpec, device):
     return run_triton_fused_serving
 
 
-# Precompile (mla_tune/tune/compile_pool.py): Triton compiles these kernels on first use.
-PRECOMPILE = True
-
 
 def compile_shape(variant: Variant, shape: Shape, sm_count: int | None) -> Shape:
     """The smallest shape whose launch specializes as `shape`'s and accepts the variant.

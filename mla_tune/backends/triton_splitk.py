@@ -355,9 +355,6 @@ def build_serving(variant: Variant, spec: CallSpec, device):
     return run_triton_serving
 
 
-# Precompile (mla_tune/tune/compile_pool.py): Triton compiles these kernels on first use.
-PRECOMPILE = True
-
 
 def compile_shape(variant: Variant, shape: Shape, sm_count: int | None) -> Shape:
     """The stand-in that compiles the kernels `shape` uses: none of its launch arguments

@@ -22,19 +22,14 @@ from collections.abc import Sequence
 
 import torch
 
-from mla_tune.backends import get_backend
-from mla_tune.core import CORE_FP8_DTYPE_NAMES, QK_DIM, CallSpec, Capabilities, Variant
+from mla_tune.backends import capabilities, get_backend, platform_refusal
+from mla_tune.core import CORE_FP8_DTYPE_NAMES, QK_DIM, CallSpec, Variant
 from mla_tune.gpu import Platform, detect
 
 # Which backend serves a spec when none is named: mla-tune's own kernels first (split-K,
 # then the fused one-launch kernel: every layout, graph-safe, no host plan), then the
 # vendors' where they serve the spec and run here.
 PREFERENCE = ("triton", "triton_fused", "flashmla", "flashinfer", "aiter")
-
-
-def _capabilities(name: str) -> Capabilities | None:
-    """Backend `name`'s capability record (None if it declares none)."""
-    return getattr(get_backend(name), "CAPABILITIES", None)
 
 
 def _device(device) -> torch.device:
@@ -70,14 +65,9 @@ def why_not(name: str, spec: CallSpec, platform: Platform) -> str | None:
         module = get_backend(name)
     except ModuleNotFoundError as exc:
         return f"its module cannot be imported ({exc})"
-    caps = _capabilities(name)
-    if caps is None:
-        return "it declares no CAPABILITIES"
-    reason = caps.refusal(spec)
+    reason = capabilities(name).refusal(spec) or platform_refusal(name, platform)
     if reason is not None:
         return reason
-    if not caps.runs_on(platform.tags):
-        return f"it does not run on {platform.name} ({', '.join(sorted(platform.tags))})"
     if not (hasattr(module, "build_serving") and hasattr(module, "default_serving_variant")):
         return "it has no build_serving / default_serving_variant"
     return module.unavailable_reason()

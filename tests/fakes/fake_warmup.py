@@ -9,10 +9,10 @@ import os
 import time
 from pathlib import Path
 
-from mla_tune.core import Shape, Variant
+from mla_tune.core import KV_FORMATS, Q_MODES, Capabilities, Shape, Variant
 
 NAME = "fake_warmup"
-PRECOMPILE = True
+CAPABILITIES = Capabilities(kv_formats=KV_FORMATS, q_modes=Q_MODES, precompile=True)
 MARKERS_ENV = "MLA_TUNE_TEST_MARKERS"
 
 
