@@ -288,6 +288,8 @@ def test_flash_mla_schedules_every_call_on_the_device(monkeypatch):
     assert fm.calls == {"get_mla_decoding_metadata": 2, "flash_mla_with_kvcache": 2}
 
 
+# the fakes answer with these (they stand in for the libraries, which may read what they like)
+_REFERENCES = ("mla_tune.serving", "mla_tune.problem")
 _READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "__iter__")
 
 
@@ -295,8 +297,9 @@ _READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cp
                                   ("flashinfer", 0, 128, 1, "bf16"), ("aiter", 1, 16, 2, "fp8"),
                                   ("aiter", 0, 128, 1, "bf16")], ids=_ids)
 def test_runners_read_no_tensor_on_the_host(case, monkeypatch):
-    """Every way of reading a tensor's values on the host raises when the caller is a backend
-    module (the fakes, standing in for the libraries, may read what they like)."""
+    """Every way of reading a tensor's values on the host raises when the caller is mla-tune's
+    code (the backend module, the kernels and quantizers it launches); the fakes, standing in
+    for the libraries, and the reference they answer with may read what they like."""
     name, *cell = case
     _install(monkeypatch, name)
     spec = _spec(name, *cell)
@@ -310,7 +313,8 @@ def test_runners_read_no_tensor_on_the_host(case, monkeypatch):
 
             def guarded(self, *args, _original=original, _method=method, **kwargs):
                 caller = sys._getframe(1).f_globals.get("__name__", "")
-                assert not caller.startswith("mla_tune.backends"), f"{caller} called Tensor.{_method}"
+                assert not caller.startswith("mla_tune.") or caller in _REFERENCES, \
+                    f"{caller} called Tensor.{_method}"
                 return _original(self, *args, **kwargs)
 
             patched.setattr(torch.Tensor, method, guarded)

@@ -216,6 +216,16 @@ def _fi_running_sum(lengths) -> list[int]:
     return out
 
 
+def _fi_plan_grid(wrapper) -> tuple[int, ...]:
+    """The launch grid of the wrapper's last plan: MLAPlanInfo's first two entries (a tvm-ffi
+    Array in 0.6.18.post1, indexable by int), or () where it cannot be read."""
+    info = getattr(wrapper, "_plan_info", None)
+    try:
+        return (int(info[0]), int(info[1]))
+    except (TypeError, IndexError, ValueError):
+        return ()
+
+
 def build_serving(variant: Variant, spec: CallSpec, device):
     """A runner(q, qo_indptr, kv, kv_scale, *, kv_indptr | block_table + seq_lens,
     q_lens_host, kv_lens_host) -> out[:total_q] for calls of `spec`. It plans on the host
@@ -297,7 +307,7 @@ def build_serving(variant: Variant, spec: CallSpec, device):
         state["key"] = key
         # MLAPlanInfo's first two entries are the launch grid (cluster size, clusters): a
         # graph captured with one grid replays it, so a replan must keep it
-        grid = tuple(getattr(wrapper, "_plan_info", ())[:2])
+        grid = _fi_plan_grid(wrapper)
         if spec.graph and state["grid"] is not None and grid != state["grid"]:
             state["key"] = None
             raise ValueError(f"flashinfer: this plan's launch grid {grid} differs from the first one "
