@@ -17,6 +17,27 @@ page > 1, AITER issues #2996 / #3095).
 Signatures moved between AITER releases (see docs/amd.md), so every argument after
 `max_seqlen_q` is passed by keyword, and the gate checks the signatures this file calls,
 not the version string: builds from AITER's main carry versions like `0.1.dev123+g...`.
+
+Serving call (`build_serving`), as read at ROCm/aiter v0.1.11 and v0.1.20.post1 (aiter/mla.py,
+csrc/py_itfs_cu/asm_mla.cu, hsa/gfx9{42,50}/mla/mla_asm.csv, op_tests/test_mla.py); no AMD
+GPU ran it here, only the CPU fake:
+- the non-persistent kernels only: their split layout comes from num_kv_splits_indptr and
+  the lengths on the device, while a persistent work list is built for one call's lengths
+  and its heads-128 fp8 kernel (`..._msk0_ps`) has no causal mask;
+- q is read as batch blocks of max_seqlen_q rows (`stride_Q = Q.stride(0) * max_seqlen_q`),
+  so every sequence brings the same q_len (total_q / batch); kernels exist for 16 heads at
+  q_len 1, 2, 4 (3 padded to 4) and for 128 heads at any q_len ("qSeqLen 0"), bf16 x bf16
+  and fp8 x fp8 (none for bf16 q x fp8 KV without a work list); AITER's op test covers
+  (16 heads: q_len 1, 2, 4) and (128 heads: q_len 1, 2) against a bottom-right causal
+  reference (tril(diagonal=s_k - s_q)), our alignment;
+- 1-token pages only (bf16 paths are wrong at larger pages, AITER #2996 / #3095):
+  contiguous KV passes the call's kv_indptr with kv_indices = arange(rows of the cache),
+  which holds for any kv_indptr as tokens lie in order; paged-1 KV packs the block table's
+  live entries into kv_indices on the device (cumsum of seq_lens, a scatter), no host read;
+- num_kv_splits is the variant's (default 1): stage 2 reduces min(n, cdiv(kv_pages, mgc))
+  splits per sequence (_fwd_kernel_stage2_asm), and whether stage 1 leaves the splits past
+  a short sequence's end empty is in its binaries, so one split is the choice that is
+  right for every length.
 """
 
 from __future__ import annotations
@@ -37,6 +58,7 @@ from mla_tune.core import (
     QK_DIM,
     SM_SCALE,
     V_DIM,
+    CallSpec,
     Capabilities,
     Shape,
     Variant,
@@ -53,13 +75,13 @@ CAPABILITIES = Capabilities(
     kv_formats=("bf16", "fp8"),
     q_modes=("bf16", "fp8_dynamic", "fp8_static"),
     ragged=False,
-    serving=True,
+    serving=True,  # non-persistent kernels, bf16 x bf16 or fp8 q x fp8 KV
     contiguous=True,  # read as 1-token pages (kv_page_indices)
-    page_sizes=(1,),
-    heads=(16, 128),
+    page_sizes=(1,),  # bf16 paths are wrong at larger pages (AITER #2996 / #3095)
+    heads=(16, 128),  # the non-persistent kernels of both dtype pairs (mla_asm.csv)
     max_q_len=4,
-    mixed_q_len=False,
-    graph_safe=True,
+    mixed_q_len=False,  # q rows are read as batch x max_seqlen_q
+    graph_safe=True,  # no host read with the split indptr given; its scratch is torch.empty
     platforms=(("hip", "gfx942"), ("hip", "gfx950")),
     vendor="amd-aiter",
     precompile=True,
@@ -748,3 +770,155 @@ def compile_shape(variant: Variant, shape: Shape, sm_count: int | None) -> Shape
 
 # The keys of its search-space section in a config (config.py refuses any other).
 SPACE_KEYS = tuple(_AI_DEFAULT_SPACE)
+
+
+# ------------------------------------------------------------------------ serving call
+_AI_SERVING_MODE = "nonpersistent"
+
+
+def default_serving_variant(spec: CallSpec, platform) -> Variant:
+    """Non-persistent, one split per sequence (right at every length, see the module
+    docstring); bf16 q over bf16 KV, q quantized per call on the device (fp8_dynamic) over
+    fp8 KV, the only q AITER's non-persistent fp8 kernels read."""
+    _ai_serving_check(spec)
+    q = "bf16" if spec.kv_format == "bf16" else "fp8_dynamic"
+    return Variant.make(NAME, kv=spec.kv_format, q=q, mode=_AI_SERVING_MODE, num_kv_splits=1)
+
+
+def _ai_serving_check(spec: CallSpec, variant: Variant | None = None) -> None:
+    reason = CAPABILITIES.refusal(spec)
+    if reason is not None:
+        raise ValueError(f"aiter cannot serve {spec}: {reason}; pick a backend that serves it")
+    if variant is None:
+        return
+    if variant.get("kv") != spec.kv_format:
+        raise ValueError(f"aiter: {variant} reads {variant.get('kv')} KV but the call's cache is "
+                         f"{spec.kv_format}; make the variant with kv={spec.kv_format}")
+    if variant.get("mode") != _AI_SERVING_MODE:
+        raise ValueError(f"aiter: {variant} is a mode={variant.get('mode')} variant; the serving call runs "
+                         "AITER's non-persistent kernels (a persistent work list is built for one call's "
+                         "lengths); use mode=nonpersistent")
+
+
+class _AiServingQuantizer:
+    """q (total_q, heads, 576) bf16 to fp8 per tensor into buffers it owns, grown (at least
+    doubling) when a call brings more rows than any before; AITER's ops when it has them,
+    else torch (scaling in fp32 before the one rounding). No host sync."""
+
+    def __init__(self, aiter, q_mode: str, q_amax, heads: int, fp8_dtype, device):
+        self.heads, self.fp8_dtype, self.device = heads, fp8_dtype, device
+        self.dynamic = q_mode == "fp8_dynamic"
+        self.fp8_max = float(torch.finfo(fp8_dtype).max)
+        self.scale = torch.empty((1,), dtype=torch.float32, device=device)
+        if not self.dynamic:
+            self.scale.fill_(float(q_amax) / self.fp8_max)
+        self.vendor = getattr(aiter, "dynamic_per_tensor_quant" if self.dynamic else "static_per_tensor_quant", None)
+        self.q8 = self.tmp = None
+
+    def __call__(self, q):
+        rows = q.shape[0]
+        if self.q8 is None or rows > self.q8.shape[0]:
+            capacity = max(rows, 2 * self.q8.shape[0]) if self.q8 is not None else rows
+            self.q8 = torch.empty((capacity, self.heads, QK_DIM), dtype=self.fp8_dtype, device=self.device)
+            if self.vendor is None:
+                self.tmp = torch.empty((capacity, self.heads, QK_DIM), dtype=torch.float32, device=self.device)
+        q8 = self.q8[:rows]
+        if self.vendor is not None:
+            self.vendor(q8, q, self.scale)  # pybind ops: positional arguments only
+            return q8, self.scale
+        if self.dynamic:
+            amax = q.abs().amax().reshape(1).to(torch.float32)  # stays on the device
+            torch.div(amax.clamp_(min=_AI_AMAX_FLOOR), self.fp8_max, out=self.scale)
+        tmp = torch.div(q, self.scale, out=self.tmp[:rows])
+        tmp.clamp_(-self.fp8_max, self.fp8_max)
+        q8.copy_(tmp)
+        return q8, self.scale
+
+
+def build_serving(variant: Variant, spec: CallSpec, device):
+    """A runner(q, qo_indptr, kv, kv_scale, *, kv_indptr | block_table + seq_lens) -> out
+    for calls of `spec` (contiguous or 1-token-page KV, one q_len per call) through AITER's
+    non-persistent mla_decode_fwd: its index arrays are built on the device into buffers the
+    runner owns (grown, at least doubling, with the batch, the block table and the new
+    tokens, never from the data), and nothing is read on the host."""
+    validate(variant)
+    _ai_serving_check(spec, variant)
+    import aiter
+    from aiter.mla import mla_decode_fwd
+
+    from mla_tune.kernels.flash_decode import check_serving_layout
+
+    _ai_checked(aiter)
+    device = torch.device(device)
+    heads, q_mode, splits = spec.heads, variant.get("q"), variant.get("num_kv_splits")
+    fp8_dtype = aiter.dtypes.fp8
+    kv_dtype = torch.bfloat16 if spec.kv_format == "bf16" else fp8_dtype
+    quantize = None
+    if q_mode != "bf16":
+        quantize = _AiServingQuantizer(aiter, q_mode, variant.get("q_amax"), heads, fp8_dtype, device)
+    buf: dict = {}
+
+    def grown(name, size, make):
+        """buf[name], made again by make(capacity) when it holds fewer than `size` entries."""
+        if name not in buf or buf[name].shape[0] < size:
+            old = buf[name].shape[0] if name in buf else 0
+            buf[name] = make(max(size, 2 * old))
+        return buf[name]
+
+    def i32(n, fill=None):
+        if fill is None:
+            return torch.empty((n,), dtype=torch.int32, device=device)
+        return torch.full((n,), fill, dtype=torch.int32, device=device)
+
+    def run_aiter_serving(q, qo_indptr, kv, kv_scale, *, kv_indptr=None, block_table=None,
+                          seq_lens=None, q_lens_host=None, kv_lens_host=None):
+        page_size = check_serving_layout(qo_indptr, kv, kv_indptr, block_table, seq_lens)
+        batch, total_q = qo_indptr.shape[0] - 1, q.shape[0]
+        if page_size not in (0, 1):
+            raise ValueError(f"aiter reads contiguous KV or pages of 1 token, not pages of {page_size}")
+        if q.dim() != 3 or q.shape[1] != heads or q.shape[2] != QK_DIM or q.dtype != torch.bfloat16:
+            raise ValueError(f"aiter: this runner serves bf16 q of {heads} heads, (total_q, {heads}, "
+                             f"{QK_DIM}); got {q.dtype} {tuple(q.shape)}")
+        if kv.dtype != kv_dtype:
+            raise ValueError(f"aiter: this runner reads {spec.kv_format} KV ({kv_dtype}), got {kv.dtype}")
+        q_len = total_q // batch
+        if q_len * batch != total_q or not 1 <= q_len <= spec.max_q_len:
+            raise ValueError(f"aiter needs every sequence to bring the same q_len (1..{spec.max_q_len}); "
+                             f"{total_q} new tokens over {batch} sequences is not that")
+        out = grown("out", total_q, lambda n: torch.empty((n, heads, V_DIM), dtype=torch.bfloat16,
+                                                          device=device))[:total_q]
+        split_indptr = grown("splits", batch + 1, lambda n: torch.arange(n, dtype=torch.int32,
+                                                                         device=device) * splits)
+        kv_last = grown("last", batch, lambda n: i32(n, 1))[:batch]  # every 1-token page is full
+        rows = kv.shape[0] * kv.shape[1]
+        kv_buffer = kv.view(rows, 1, NUM_KV_HEADS, QK_DIM)
+        if page_size == 0:
+            pages_indptr = kv_indptr
+            kv_indices = grown("arange", rows, lambda n: torch.arange(n, dtype=torch.int32, device=device))[:rows]
+        else:
+            # sequence b's pages block_table[b, :seq_len] packed at pages_indptr[b], on the
+            # device: live entries scatter to their place, the rest to one trash slot
+            width = block_table.shape[1]
+            cells = batch * width
+            pages_indptr = grown("indptr", batch + 1, lambda n: i32(n, 0))[: batch + 1]
+            torch.cumsum(seq_lens, 0, dtype=torch.int32, out=pages_indptr[1:])
+            cols = grown("cols", width, lambda n: torch.arange(n, dtype=torch.int32, device=device))[:width]
+            pos = grown("pos", cells, lambda n: torch.empty((n,), dtype=torch.int64, device=device))
+            pos = pos[:cells].view(batch, width)
+            dead = grown("dead", cells, lambda n: torch.empty((n,), dtype=torch.bool, device=device))
+            dead = dead[:cells].view(batch, width)
+            torch.add(pages_indptr[:batch].unsqueeze(1), cols.unsqueeze(0), out=pos)
+            torch.ge(cols.unsqueeze(0), seq_lens.unsqueeze(1), out=dead)
+            pos.masked_fill_(dead, cells)
+            kv_indices = grown("indices", cells + 1, i32)[: cells + 1]
+            kv_indices.scatter_(0, pos.view(-1), block_table.reshape(-1))
+        q_in, q_scale = (q, None) if quantize is None else quantize(q)
+        mla_decode_fwd(
+            q_in, kv_buffer, out, qo_indptr, pages_indptr, kv_indices, kv_last, q_len,
+            page_size=1, nhead_kv=NUM_KV_HEADS, sm_scale=SM_SCALE, logit_cap=0.0,
+            num_kv_splits=splits, num_kv_splits_indptr=split_indptr[: batch + 1],
+            q_scale=q_scale, kv_scale=kv_scale,
+        )
+        return out
+
+    return run_aiter_serving

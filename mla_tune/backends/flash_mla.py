@@ -13,9 +13,30 @@ block_table[b] = the pages of sequence b (an arange), which needs kv_len % 64 ==
 The split-KV schedule (`get_mla_decoding_metadata`) is computed once in `build` and reused;
 FlashMLA allocates its own output per call (its API takes no `out`), and the runner
 returns that tensor, reshaped, rather than paying a copy.
+
+Serving call (`build_serving`), as read in sgl-flash-mla 1.0.0's wheel (flash_mla_interface.py)
+and the sources it builds (sgl-project/FlashMLA branch `sgl`: csrc/api/dense_decode.h,
+csrc/sm90/decode/dense/splitkv_mla.cuh, csrc/extension/sm90/dense_fp8/*):
+- paged KV of 64-token pages only, read through block_table + seq_lens as given; no
+  contiguous layout (a contiguous cache is not cut into pages of a sequence's own);
+- q is (batch, s_q, h_q, 576): one q_len per call (total_q / batch), any h_q (rows are
+  s_q x h_q packed into 64-row tiles); `causal=True` masks new token i to the first
+  seq_len - (s_q - 1 - i) tokens in both kernels (get_mask_len in splitkv_mla.cuh,
+  col_limit_right in the fp8 flash_fwd_mla_kernel.h), our reference's alignment;
+- the schedule is computed on the device from seq_lens by get_mla_decoding_metadata (one
+  small launch per call, its own for dense fp8), so nothing is read on the host and a CUDA
+  graph can hold the call; FlashMLA still allocates its output and split scratch per call
+  (torch.empty: the caching allocator, or the graph's pool when captured), so the runner
+  returns FlashMLA's output tensor, not a buffer of its own;
+- fp8 KV needs fp8 q: q is quantized by kernels/q_quant.QQuantizer (per tensor, on the
+  device), as the leaderboard build does. The fp8 kernel also rounds the softmax
+  probabilities to fp8 before P.V (flash_fwd_mla_kernel.h), so it is less exact than the
+  bf16 path.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -26,6 +47,7 @@ from mla_tune.core import (
     QK_DIM,
     SM_SCALE,
     V_DIM,
+    CallSpec,
     Capabilities,
     Shape,
     Variant,
@@ -45,10 +67,10 @@ CAPABILITIES = Capabilities(
     kv_formats=("bf16", "fp8"),
     q_modes=("bf16", "fp8_dynamic", "fp8_static"),
     serving=True,
-    contiguous=False,  # 64-token pages only (a contiguous uniform batch is viewed as pages)
+    contiguous=False,  # 64-token pages only (the leaderboard's uniform batch is viewed as pages)
     page_sizes=(_FM_PAGE,),
-    heads=CORE_HEADS,
-    max_q_len=4,
+    heads=CORE_HEADS,  # any h_q: s_q x h_q rows share 64-row tiles
+    max_q_len=4,  # the range tested here; the kernels take longer s_q too
     mixed_q_len=False,  # q is (batch, q_len, heads, 576): one q_len per call
     graph_safe=True,  # its split schedule is computed on the device from seq_lens
     platforms=(("cuda", "sm_90"),),
@@ -164,3 +186,105 @@ PRECOMPILE = True
 
 # The keys of its search-space section in a config (config.py refuses any other).
 SPACE_KEYS = ("kv", "q")
+
+
+# ------------------------------------------------------------------------ serving call
+def default_serving_variant(spec: CallSpec, platform) -> Variant:
+    """bf16 q over bf16 KV; q quantized per call on the device (fp8_dynamic) over fp8 KV,
+    the only q FlashMLA's fp8 kernel reads. Nothing here depends on the platform."""
+    _fm_serving_check(spec)
+    return Variant.make(NAME, kv=spec.kv_format, q="bf16" if spec.kv_format == "bf16" else "fp8_dynamic")
+
+
+def _fm_serving_check(spec: CallSpec, variant: Variant | None = None) -> None:
+    reason = CAPABILITIES.refusal(spec)
+    if reason is not None:
+        raise ValueError(f"flashmla cannot serve {spec}: {reason}; pick a backend that serves it")
+    if variant is not None and variant.get("kv") != spec.kv_format:
+        raise ValueError(f"flashmla: {variant} reads {variant.get('kv')} KV but the call's cache is "
+                         f"{spec.kv_format}; make the variant with kv={spec.kv_format}")
+
+
+class _FmQuantizer:
+    """QQuantizer for (total_q, heads, 576) q: per-tensor quantization is blind to how q is
+    cut into rows, so q is read as (total_q * heads / 16) rows of (16, 576) (heads are
+    multiples of 16). One set of buffers, grown (at least doubling) when a call brings more
+    rows than any before; a call of fewer rows uses views of them."""
+
+    def __init__(self, mode: str, q_amax, device):
+        self.mode, self.q_amax, self.device = mode, q_amax, device
+        self.saturated = torch.zeros((1,), dtype=torch.int64, device=device)  # fp8_static's count
+        self.base: QQuantizer | None = None
+        self.views: dict[int, QQuantizer] = {}
+
+    def __call__(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = q.shape[0] * q.shape[1] // NUM_HEADS
+        quantize = self.views.get(rows)
+        if quantize is None:
+            if self.base is None or rows > self.base.batch:
+                capacity = max(rows, 2 * self.base.batch) if self.base is not None else rows
+                self.base = QQuantizer(self.mode, capacity, self.device, torch.float8_e4m3fn, self.q_amax)
+                self.base.saturated = self.saturated
+                self.views = {}
+            quantize = copy.copy(self.base)  # shares scale and counter; row buffers cut to `rows`
+            quantize.batch, quantize.q8, quantize.partial = rows, self.base.q8[:rows], self.base.partial[:rows]
+            self.views[rows] = quantize
+        q8, scale = quantize(q.view(rows, NUM_HEADS, QK_DIM))
+        return q8.view(q.shape), scale
+
+
+def build_serving(variant: Variant, spec: CallSpec, device):
+    """A runner(q, qo_indptr, kv, kv_scale, *, block_table, seq_lens) -> (total_q, heads,
+    512) bf16 for calls of `spec` (paged KV of 64-token pages, one q_len per call): it
+    computes FlashMLA's schedule on the device from seq_lens every call and reads no device
+    tensor on the host, so a CUDA graph can hold it. The output is FlashMLA's own tensor
+    (it takes no `out`), a new one per call outside a graph."""
+    validate(variant)
+    _fm_serving_check(spec, variant)
+    import flash_mla
+
+    from mla_tune.kernels.flash_decode import check_serving_layout
+
+    device = torch.device(device)
+    heads, fp8 = spec.heads, spec.kv_format == "fp8"
+    quantize = _FmQuantizer(variant.get("q"), variant.get("q_amax"), device) if fp8 else None
+
+    def run_flash_mla_serving(q, qo_indptr, kv, kv_scale, *, kv_indptr=None, block_table=None,
+                              seq_lens=None, q_lens_host=None, kv_lens_host=None):
+        page_size = check_serving_layout(qo_indptr, kv, kv_indptr, block_table, seq_lens)
+        batch, total_q = qo_indptr.shape[0] - 1, q.shape[0]
+        if page_size != _FM_PAGE:
+            raise ValueError(f"flashmla reads paged KV of {_FM_PAGE}-token pages (block_table + seq_lens); "
+                             f"got {'contiguous KV' if page_size == 0 else f'pages of {page_size}'}")
+        if q.dim() != 3 or q.shape[1] != heads or q.shape[2] != QK_DIM or q.dtype != torch.bfloat16:
+            raise ValueError(f"flashmla: this runner serves bf16 q of {heads} heads, (total_q, {heads}, "
+                             f"{QK_DIM}); got {q.dtype} {tuple(q.shape)}")
+        if (kv.dtype == torch.float8_e4m3fn) != fp8 or (not fp8 and kv.dtype != torch.bfloat16):
+            raise ValueError(f"flashmla: this runner reads {spec.kv_format} KV "
+                             f"({'float8_e4m3fn' if fp8 else 'bfloat16'}), got {kv.dtype}")
+        # One q_len per call, from the shapes: FlashMLA's q is (batch, q_len, heads, 576).
+        q_len = total_q // batch
+        if q_len * batch != total_q or not 1 <= q_len <= spec.max_q_len:
+            raise ValueError(f"flashmla needs every sequence to bring the same q_len (1..{spec.max_q_len}); "
+                             f"{total_q} new tokens over {batch} sequences is not that")
+        sched = flash_mla.get_mla_metadata()[0]
+        sched.tile_scheduler_metadata, sched.num_splits = flash_mla.get_mla_decoding_metadata(
+            seq_lens, q_len * heads // NUM_KV_HEADS, NUM_KV_HEADS, h_q=heads, is_fp8_kvcache=fp8,
+            use_legacy=True,
+        )
+        pages = kv.unsqueeze(2)  # (num_pages, 64, 1, 576)
+        common = dict(softmax_scale=SM_SCALE, causal=q_len > 1, is_fp8_kvcache=fp8, use_legacy=True)
+        if fp8:
+            q8, q_scale = quantize(q)
+            out, _lse = flash_mla.flash_mla_with_kvcache(
+                q8.view(batch, q_len, heads, QK_DIM), pages, block_table, seq_lens, V_DIM, sched,
+                descale_q=q_scale, descale_k=kv_scale, **common,
+            )
+        else:
+            out, _lse = flash_mla.flash_mla_with_kvcache(
+                q.view(batch, q_len, heads, QK_DIM), pages, block_table, seq_lens, V_DIM, sched, **common,
+            )
+        return out.view(total_q, heads, V_DIM)
+
+    run_flash_mla_serving.q_saturation = quantize.saturated if variant.get("q") == "fp8_static" else None
+    return run_flash_mla_serving

@@ -13,6 +13,28 @@ leaderboard's device-side scale on every call would sync. So the runner plans wi
 of 1.0 and folds the KV scale in on the device instead: q is multiplied by it (scores are
 q . (s k)) and so is the output (values are s v); two tiny elementwise kernels, no sync.
 FlashInfer's fp8-KV path needs bf16 q (no fp8 q x fp8 KV kernel) and an SM90 GPU.
+
+Serving call (`build_serving`), as read in flashinfer-python 0.6.18.post1's wheel
+(flashinfer/mla/_core.py; data/include/flashinfer/attention/{scheduler.cuh,mla_hopper.cuh}):
+- plan() reads qo_indptr, kv_indptr and kv_len_arr on the host (`.to("cpu")`, then the
+  MLAPlan work lists), so the runner plans from the caller's q_lens_host / kv_lens_host
+  (CAPABILITIES.host_lengths) and refuses a call without them; it replans only when they
+  (or the KV index array it planned with) change. plan() keeps `kv_indices` by reference
+  and reads, per request, only its start kv_indptr[b] and kv_len[b] (tokens), so:
+  contiguous KV is 1-token pages with kv_indices = arange(rows of the cache) and kv_indptr
+  = the running sum of kv_lens_host (the call's kv_indptr must be that: starting at 0,
+  sequences back to back); paged KV passes the block table itself (row-major) as
+  kv_indices with kv_indptr[b] = b * width, so nothing is gathered per call. The q rows
+  likewise follow the running sum of q_lens_host. Any page size, head count and q_len per
+  sequence (rows are q_len x heads packed per request);
+- `causal` masks kv_idx + q_len > kv_len + i (logits_mask_ in mla_hopper.cuh, mla.cuh):
+  new token i sees the first seq_len - (q_len - 1 - i) tokens, our reference's alignment;
+- run() writes into `out=` and reads the plan from the workspace, so a CUDA graph can hold
+  it when the plan runs outside the graph before each replay (`runner.plan(...)`, same
+  arguments as the call) and keeps the grid of the captured plan: MLAPlan picks 2-CTA
+  clusters when the mean of q_len x heads over the batch exceeds 64, and the runner refuses
+  a replan that changes the grid in a graph spec;
+- fp8 KV (fa2/fa3, SM90 only, bf16 q): the KV scale folded into q and out on the device.
 """
 
 from __future__ import annotations
@@ -28,6 +50,7 @@ from mla_tune.core import (
     QK_ROPE_DIM,
     SM_SCALE,
     V_DIM,
+    CallSpec,
     Capabilities,
     Shape,
     Variant,
@@ -42,13 +65,15 @@ CAPABILITIES = Capabilities(
     kv_formats=("bf16", "fp8"),
     serving=True,
     contiguous=True,  # read as 1-token pages
-    page_sizes=CORE_PAGE_SIZES,
+    page_sizes=CORE_PAGE_SIZES,  # any page size (a fastdiv in the kernel)
     heads=CORE_HEADS,
-    max_q_len=4,
+    max_q_len=4,  # the range tested here; the kernel packs any q_len x heads
     mixed_q_len=True,
-    graph_safe=True,  # its run; its plan() reads the lengths on the host
+    graph_safe=True,  # its run; its plan() reads the lengths on the host, outside the graph
     host_lengths=True,
-    platforms=(("cuda",),),
+    # fa3 and the fp8-KV path are SM90-only (plan() refuses fp8 KV elsewhere); fa2 bf16 would
+    # run on other NVIDIA GPUs, untested here, so only SM90 is declared
+    platforms=(("cuda", "sm_90"),),
     vendor="flashinfer-python",
     precompile=True,
 )
@@ -166,3 +191,147 @@ def compile_shape(variant: Variant, shape: Shape, sm_count: int | None) -> Shape
 
 # The keys of its search-space section in a config (config.py refuses any other).
 SPACE_KEYS = ("backend", "kv")
+
+
+# ------------------------------------------------------------------------ serving call
+def default_serving_variant(spec: CallSpec, platform) -> Variant:
+    """fa3 on SM90 (its Hopper kernels), else fa2; bf16 q (FlashInfer reads no fp8 q)."""
+    _fi_serving_check(spec)
+    return Variant.make(NAME, kernel="fa3" if platform.arch == "sm_90" else "fa2", kv=spec.kv_format, q="bf16")
+
+
+def _fi_serving_check(spec: CallSpec, variant: Variant | None = None) -> None:
+    reason = CAPABILITIES.refusal(spec)
+    if reason is not None:
+        raise ValueError(f"flashinfer cannot serve {spec}: {reason}; pick a backend that serves it")
+    if variant is not None and variant.get("kv") != spec.kv_format:
+        raise ValueError(f"flashinfer: {variant} reads {variant.get('kv')} KV but the call's cache is "
+                         f"{spec.kv_format}; make the variant with kv={spec.kv_format}")
+
+
+def _fi_running_sum(lengths) -> list[int]:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + int(n))
+    return out
+
+
+def _fi_plan_grid(wrapper) -> tuple[int, ...]:
+    """The launch grid of the wrapper's last plan: MLAPlanInfo's first two entries (a tvm-ffi
+    Array in 0.6.18.post1, indexable by int), or () where it cannot be read."""
+    info = getattr(wrapper, "_plan_info", None)
+    try:
+        return (int(info[0]), int(info[1]))
+    except (TypeError, IndexError, ValueError):
+        return ()
+
+
+def build_serving(variant: Variant, spec: CallSpec, device):
+    """A runner(q, qo_indptr, kv, kv_scale, *, kv_indptr | block_table + seq_lens,
+    q_lens_host, kv_lens_host) -> out[:total_q] for calls of `spec`. It plans on the host
+    from q_lens_host / kv_lens_host (lists of ints, refused when missing), again only when
+    they or the KV index array change; run() writes into a buffer the runner owns (grown,
+    at least doubling, when a call brings more new tokens than any before).
+    `runner.plan(...)` (the call's arguments) plans without running: before replaying a CUDA
+    graph that holds the call, with the new lengths."""
+    validate(variant)
+    _fi_serving_check(spec, variant)
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+    from mla_tune.kernels.flash_decode import check_serving_layout
+
+    device = torch.device(device)
+    heads, fp8 = spec.heads, spec.kv_format == "fp8"
+    kv_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    workspace = torch.empty(_FI_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    wrapper = BatchMLAPagedAttentionWrapper(workspace, backend=variant.get("kernel"))
+    scales = {"ckv_scale": 1.0, "kpe_scale": 1.0} if fp8 else {}
+    state = {"key": None, "grid": None, "capacity": 0, "out": None, "q_scaled": None, "arange": None}
+
+    def plan(q, qo_indptr, kv, kv_scale, *, kv_indptr=None, block_table=None, seq_lens=None,
+             q_lens_host=None, kv_lens_host=None):
+        """Check the call (shapes, dtypes, host lengths) and plan it unless the last plan
+        was for the same lengths and KV index array."""
+        page_size = check_serving_layout(qo_indptr, kv, kv_indptr, block_table, seq_lens)
+        batch, total_q = qo_indptr.shape[0] - 1, q.shape[0]
+        if q.dim() != 3 or q.shape[1] != heads or q.shape[2] != QK_DIM or q.dtype != torch.bfloat16:
+            raise ValueError(f"flashinfer: this runner serves bf16 q of {heads} heads, (total_q, {heads}, "
+                             f"{QK_DIM}); got {q.dtype} {tuple(q.shape)}")
+        if kv.dtype != kv_dtype:
+            raise ValueError(f"flashinfer: this runner reads {spec.kv_format} KV ({kv_dtype}), got {kv.dtype}")
+        if page_size != spec.page_size:
+            raise ValueError(f"flashinfer: this runner was built for {spec.layout} KV, got "
+                             f"{'contiguous KV' if page_size == 0 else f'pages of {page_size}'}")
+        if q_lens_host is None or kv_lens_host is None:
+            raise ValueError("flashinfer plans on the host: pass q_lens_host and kv_lens_host (each "
+                             "sequence's new tokens and cached tokens, Python lists of ints)")
+        q_lens, kv_lens = tuple(int(n) for n in q_lens_host), tuple(int(n) for n in kv_lens_host)
+        # q may hold more rows than this step's new tokens (a CUDA graph's padding)
+        if len(q_lens) != batch or len(kv_lens) != batch or sum(q_lens) > total_q:
+            raise ValueError(f"flashinfer: q_lens_host and kv_lens_host need one entry per sequence ({batch}) "
+                             f"and q_lens_host may sum to at most the rows of q ({total_q}); got "
+                             f"{len(q_lens)} q_lens summing to {sum(q_lens)} and {len(kv_lens)} kv_lens")
+        if min(q_lens) < 1 or max(q_lens) > spec.max_q_len or (not spec.mixed_q_len and len(set(q_lens)) > 1):
+            raise ValueError(f"flashinfer: this runner serves q_len 1..{spec.max_q_len}"
+                             f"{'' if spec.mixed_q_len else ', the same for every sequence'}; got {list(q_lens)}")
+        if page_size == 0:
+            if state["arange"] is None or state["arange"].shape[0] < kv.shape[0]:
+                state["arange"] = torch.arange(kv.shape[0], dtype=torch.int32, device=device)
+            kv_indices = state["arange"]
+            kv_starts = _fi_running_sum(kv_lens)  # 1-token pages: tokens back to back
+            if kv_starts[-1] > kv.shape[0]:
+                raise ValueError(f"flashinfer: kv_lens_host sum to {kv_starts[-1]} tokens but the cache "
+                                 f"holds {kv.shape[0]}")
+        else:
+            if not block_table.is_contiguous():
+                raise ValueError("flashinfer reads the block table as its page index array: pass a "
+                                 "contiguous block_table")
+            width = block_table.shape[1]
+            if any(-(-n // page_size) > width for n in kv_lens):
+                raise ValueError(f"flashinfer: a kv_len of {max(kv_lens)} needs more pages than the block "
+                                 f"table's {width} columns")
+            kv_indices = block_table.view(-1)
+            kv_starts = [b * width for b in range(batch + 1)]  # row b of the table
+        key = (q_lens, kv_lens, kv_indices.data_ptr(), tuple(kv_indices.shape))
+        if key == state["key"]:
+            return
+        wrapper.plan(
+            qo_indptr=torch.tensor(_fi_running_sum(q_lens), dtype=torch.int32),
+            kv_indptr=torch.tensor(kv_starts, dtype=torch.int32),
+            kv_indices=kv_indices,
+            kv_len_arr=torch.tensor(kv_lens, dtype=torch.int32),
+            num_heads=heads, head_dim_ckv=KV_LORA_RANK, head_dim_kpe=QK_ROPE_DIM,
+            page_size=max(page_size, 1), causal=spec.max_q_len > 1, sm_scale=SM_SCALE,
+            q_data_type=torch.bfloat16, kv_data_type=kv_dtype,
+        )
+        state["key"] = key
+        # MLAPlanInfo's first two entries are the launch grid (cluster size, clusters): a
+        # graph captured with one grid replays it, so a replan must keep it
+        grid = _fi_plan_grid(wrapper)
+        if spec.graph and state["grid"] is not None and grid != state["grid"]:
+            state["key"] = None
+            raise ValueError(f"flashinfer: this plan's launch grid {grid} differs from the first one "
+                             f"{state['grid']} (2-CTA clusters when the mean q_len x heads exceeds 64), "
+                             "so a captured graph cannot replay it; capture one graph per grid")
+        state["grid"] = state["grid"] or grid
+
+    def run_flashinfer_serving(q, qo_indptr, kv, kv_scale, **layout):
+        plan(q, qo_indptr, kv, kv_scale, **layout)
+        total_q = q.shape[0]
+        if total_q > state["capacity"]:
+            capacity = max(total_q, 2 * state["capacity"])
+            state["out"] = torch.empty((capacity, heads, V_DIM), dtype=torch.bfloat16, device=device)
+            if fp8:
+                state["q_scaled"] = torch.empty((capacity, heads, QK_DIM), dtype=torch.bfloat16, device=device)
+            state["capacity"] = capacity
+        out = state["out"][:total_q]
+        if fp8:
+            q = torch.mul(q, kv_scale, out=state["q_scaled"][:total_q])  # the KV scale in the scores
+        wrapper.run(q[:, :, :KV_LORA_RANK], q[:, :, KV_LORA_RANK:], kv[..., :KV_LORA_RANK],
+                    kv[..., KV_LORA_RANK:], out=out, **scales)
+        if fp8:
+            out.mul_(kv_scale)  # ... and in the values
+        return out
+
+    run_flashinfer_serving.plan = plan
+    return run_flashinfer_serving

@@ -2,8 +2,6 @@
 
 import torch
 
-from mla_tune.problem import reference
-
 
 class FakeAiterError(RuntimeError):
     """What the real AITER raises (RuntimeError from TORCH_CHECK / asserts) for a bad call."""
@@ -33,16 +31,14 @@ def need_pow2(name, value):
     need(value > 0 and value & (value - 1) == 0, f"{name} Must be power of 2! (got {value})")
 
 
-def attend(q32, kv_tokens32, token_indptr, sm_scale):
-    """fp32 attention via mla_tune.problem.reference: q (bs, H, 576), tokens (n, 576)."""
-    from mla_tune.core import SM_SCALE
+def attend(q32, kv_tokens32, token_indptr, sm_scale, qo_indptr=None):
+    """fp32 attention via mla_tune.serving.reference: q (total_q, H, 576), tokens (n, 576);
+    sequence b's new tokens are q[qo_indptr[b]:qo_indptr[b+1]] (default one each), causal
+    among themselves (bottom-right aligned, as AITER's op test's tril(diagonal=s_k - s_q))."""
+    from mla_tune.serving import reference
 
-    bs = q32.shape[0]
-    data = (
-        q32 * (sm_scale / SM_SCALE),  # reference applies SM_SCALE; this gives sm_scale overall
-        {"bf16": kv_tokens32.reshape(-1, 1, kv_tokens32.shape[-1])},
-        torch.arange(bs + 1, dtype=torch.int32),
-        torch.tensor(token_indptr, dtype=torch.int32),
-        None,
-    )
-    return reference(data, q_format="bf16", kv_format="bf16")
+    bs = len(token_indptr) - 1
+    if qo_indptr is None:
+        qo_indptr = torch.arange(bs + 1, dtype=torch.int32)
+    return reference(q32, qo_indptr, kv_tokens32.reshape(-1, 1, kv_tokens32.shape[-1]),
+                     kv_indptr=torch.tensor(token_indptr, dtype=torch.int32), sm_scale=sm_scale)

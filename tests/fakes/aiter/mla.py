@@ -3,7 +3,8 @@ fake imitates (0.1.11 or 0.1.20.post1, see _state.py).
 
 It enforces what the real call path checks or silently depends on (aiter/mla.py,
 csrc/py_itfs_cu/asm_mla.cu, hsa/gfx950/mla/mla_asm.csv) and computes the answer on the CPU
-with mla_tune.problem's reference math in fp32, writing it into `o` as the real one does.
+with mla_tune.serving's fp32 reference (causal among a sequence's new tokens), writing it into `o`
+as the real one does; every sequence brings max_seqlen_q new tokens.
 The fp32 numerics say nothing about the accuracy of AITER's fp8 kernels: no accuracy evidence.
 """
 
@@ -20,6 +21,15 @@ _KERNELS = {
     (dtypes.bf16, dtypes.bf16): ("nonpersistent", "persistent"),
 }
 _PERSISTENT_BUFFERS = ("work_indptr", "work_info_set", "reduce_indptr", "reduce_final_map", "reduce_partial_map")
+# Non-persistent kernels beyond 16 heads / one query (hsa/gfx9*/mla/mla_asm.csv and the
+# dispatch in csrc/py_itfs_cu/asm_mla.cu at v0.1.11; v0.1.20.post1 has the same for these
+# heads): (q dtype, kv dtype) -> {heads: the largest q_len (max_seqlen_q) with a kernel}.
+# 16 heads pad q_len 3 to 4 (bf16 also 5-8 to 8); 32, 64 and 128 heads have "qSeqLen 0"
+# kernels that take any q_len (16 here: what the fake checks up to).
+_NONPERSISTENT_QLEN = {
+    (dtypes.bf16, dtypes.bf16): {16: 8, 32: 16, 64: 16, 128: 16},
+    (dtypes.fp8, dtypes.fp8): {16: 4, 128: 16},
+}
 # The non-persistent stage 2 reads at most ceil(kv_len / block) splits (get_meta_param and
 # mgc in aiter/mla.py): 128 tokens for fp8 q, 64 for bf16.
 _SPLIT_BLOCK = {True: 128, False: 64}
@@ -118,15 +128,16 @@ def _decode(args, use_opus):
     need_pow2("page_size (pass sm_scale and what follows by keyword)", page_size)
     need(nhead_kv == 1, f"nhead_kv must be 1, got {nhead_kv!r}")
     need_int("max_seqlen_q", max_seqlen_q)
-    need(max_seqlen_q == 1, "the fake covers decode (max_seqlen_q == 1) only")
+    need(max_seqlen_q >= 1, f"max_seqlen_q must be >= 1, got {max_seqlen_q}")
     need_tensor("q", q, dim=3)
     need(q.is_contiguous(), "q must be contiguous")
-    need(q.shape[1] == 16 and q.shape[2] == 576, f"q must be [total_q, 16, 576], got {tuple(q.shape)}")
+    heads = q.shape[1]
+    need(q.shape[2] == 576, f"q must be [total_q, heads, 576], got {tuple(q.shape)}")
     need_tensor("kv_buffer", kv_buffer, dim=4)
     need(kv_buffer.shape[1] == page_size and kv_buffer.shape[2] == nhead_kv,
          f"kv_buffer must be [num_pages, page_size={page_size}, nhead_kv=1, 576], got {tuple(kv_buffer.shape)}")
     need(kv_buffer.shape[3] == q.shape[2], "KV.size(3) must equal q's head size")
-    need_tensor("o", o, dtype=dtypes.bf16, shape=(q.shape[0], 16, 512))
+    need_tensor("o", o, dtype=dtypes.bf16, shape=(q.shape[0], heads, 512))
     # the kernels address o and the KV pages from their base pointers and outer strides only
     need(o.is_contiguous(), f"o must be dense (contiguous), got strides {o.stride()}")
     need(kv_buffer.stride()[1:] == (nhead_kv * 576, 576, 1),
@@ -138,6 +149,11 @@ def _decode(args, use_opus):
         need(t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}")
         need(size is None or t.shape[0] == size, f"{name} must have {size} entries, got {t.shape[0]}")
     need(sm_scale is None or isinstance(sm_scale, float), f"sm_scale must be a float, got {sm_scale!r}")
+    # the kernels find sequence b's q rows at b * max_seqlen_q (asm_mla.cu: stride_Q =
+    # Q.stride(0) * max_seqlen_q), so every sequence brings max_seqlen_q new tokens
+    need(qo_indptr.tolist() == [b * max_seqlen_q for b in range(bs + 1)],
+         f"qo_indptr must be arange(bs + 1) * max_seqlen_q ({max_seqlen_q} new tokens per sequence), "
+         f"got {qo_indptr.tolist()[:8]}")
 
     persistent = work_meta_data is not None
     if (persistent and _state.new_api and num_kv_splits is None and _state.arch.startswith("gfx950")
@@ -151,7 +167,13 @@ def _decode(args, use_opus):
          "never pass num_kv_splits_indptr with work_meta_data: Python and C++ would disagree on the mode")
     mode = "persistent" if persistent else "nonpersistent"
     pair = (q.dtype, kv_buffer.dtype)
-    need(mode in _KERNELS.get(pair, ()), f"no {mode} MLA decode kernel for q {q.dtype} with KV {kv_buffer.dtype}")
+    if persistent or (heads, max_seqlen_q) == (16, 1):
+        need(heads == 16 and max_seqlen_q == 1, "the fake covers persistent decode at 16 heads, q_len 1")
+        need(mode in _KERNELS.get(pair, ()), f"no {mode} MLA decode kernel for q {q.dtype} with KV {kv_buffer.dtype}")
+    else:
+        longest = _NONPERSISTENT_QLEN.get(pair, {}).get(heads, 0)
+        need(max_seqlen_q <= longest, f"no nonpersistent MLA decode kernel for q {q.dtype} with KV "
+             f"{kv_buffer.dtype} at {heads} heads, max_seqlen_q {max_seqlen_q}")
     if q.dtype == dtypes.fp8:
         need(q_scale is not None and kv_scale is not None, "fp8 q needs both q_scale and kv_scale")
         _check_scale("q_scale", q_scale)
@@ -212,6 +234,6 @@ def _decode(args, use_opus):
         tokens.append(seq)
         token_indptr.append(token_indptr[-1] + seq.shape[0])
     scale = sm_scale if sm_scale is not None else 1.0 / (576 ** 0.5)
-    out = attend(q32, torch.cat(tokens), token_indptr, scale)
+    out = attend(q32, torch.cat(tokens), token_indptr, scale, qo_indptr)
     o.copy_(out.to(o.dtype))
     return out.unsqueeze(1), None

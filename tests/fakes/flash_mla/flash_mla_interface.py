@@ -1,11 +1,16 @@
-"""Fake flash_mla.flash_mla_interface (sgl-flash-mla 1.0.0), dense legacy decoding only."""
+"""Fake flash_mla.flash_mla_interface (sgl-flash-mla 1.0.0), dense legacy decoding only.
+
+q is (batch, s_q, h_q, d) with any s_q and h_q; with causal=True new token i sees the first
+seq_len - (s_q - 1 - i) tokens (get_mask_len in csrc/sm90/decode/dense/splitkv_mla.cuh,
+col_limit_right in the fp8 extension's flash_fwd_mla_kernel.h); causal is ignored at s_q 1,
+as the library does. The answer is mla_tune.serving's fp32 reference.
+"""
 
 import dataclasses
 
 import torch
 
-from mla_tune.core import SM_SCALE
-from mla_tune.problem import reference
+from mla_tune.serving import reference
 
 calls = {"get_mla_decoding_metadata": 0, "flash_mla_with_kvcache": 0}
 # tile_scheduler_metadata.data_ptr() -> what the schedule was made for
@@ -120,15 +125,16 @@ def flash_mla_with_kvcache(
 
     scale = softmax_scale if softmax_scale is not None else d ** -0.5
     q32 = q.float() * (descale_q.float() if is_fp8_kvcache else 1.0)
-    k32 = k_cache.float() * (descale_k.float() if is_fp8_kvcache else 1.0)
-    lengths = cache_seqlens.tolist()
-    tokens, indptr = [], [0]
-    for b in range(batch):
-        pages = block_table[b, : -(-lengths[b] // 64)].long()
-        tokens.append(k32[pages].reshape(-1, d)[: lengths[b]])
-        indptr.append(indptr[-1] + lengths[b])
-    data = (q32.reshape(batch * s_q, h_q, d) * (scale / SM_SCALE), {"bf16": torch.cat(tokens).unsqueeze(1)},
-            torch.arange(batch + 1, dtype=torch.int32), torch.tensor(indptr, dtype=torch.int32), None)
-    _need(s_q == 1, "the fake covers one query token per sequence")
-    out = reference(data, "bf16", "bf16").to(torch.bfloat16).view(batch, s_q, h_q, head_dim_v)
+    kv_scale = descale_k.float() if is_fp8_kvcache else None
+    pages = k_cache[:, :, 0, :]  # (blocks, 64, d): the layout mla_tune.serving reads
+    if causal or s_q == 1:
+        qo_indptr = torch.arange(batch + 1, dtype=torch.int32) * s_q
+        table, lengths = block_table, cache_seqlens
+    else:  # every new token sees the whole sequence: each row its own one-token query
+        qo_indptr = torch.arange(batch * s_q + 1, dtype=torch.int32)
+        table = block_table.repeat_interleave(s_q, dim=0)
+        lengths = cache_seqlens.repeat_interleave(s_q)
+    out = reference(q32.reshape(batch * s_q, h_q, d), qo_indptr, pages, kv_scale, block_table=table,
+                    seq_lens=lengths, sm_scale=scale)
+    out = out.to(torch.bfloat16).view(batch, s_q, h_q, head_dim_v)
     return out, torch.zeros((batch, h_q, s_q), dtype=torch.float32)

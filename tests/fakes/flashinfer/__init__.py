@@ -1,8 +1,9 @@
 """A CPU fake of flashinfer-python 0.6.18.post1's MLA wrapper, for mla-tune's tests.
 
 Only `flashinfer.mla.BatchMLAPagedAttentionWrapper` exists: same constructor, `plan` and
-`run` signatures as 0.6.18.post1 (flashinfer/mla/_core.py), the checks they make, and an
-answer computed on the CPU with mla_tune.problem's reference math.
+`run` signatures as 0.6.18.post1 (flashinfer/mla/_core.py), the checks they make, what plan()
+keeps (host indptrs, kv_indices by reference), and an answer computed on the CPU with
+mla_tune.serving's fp32 reference.
 """
 
 from flashinfer import mla  # noqa: F401

@@ -1,11 +1,22 @@
-"""Fake flashinfer.mla (0.6.18.post1): BatchMLAPagedAttentionWrapper on the CPU."""
+"""Fake flashinfer.mla (0.6.18.post1): BatchMLAPagedAttentionWrapper on the CPU.
+
+What plan() keeps, as the real one does (flashinfer/mla/_core.py, MLAPlan in
+data/include/flashinfer/attention/scheduler.cuh): the host copies of qo_indptr, kv_indptr and
+kv_len_arr, and kv_indices by reference (run() reads its contents then). Request b's new
+tokens are q rows qo_indptr[b]..qo_indptr[b+1]; its pages start at kv_indices[kv_indptr[b]]
+and number ceil(kv_len[b] / page_size) (kv_indptr[b + 1] is never read, so rows of a block
+table with a fixed stride work); with causal=True new token i sees the first
+kv_len - (q_len - 1 - i) tokens (logits_mask_ in mla_hopper.cuh). The answer is
+mla_tune.serving's fp32 reference.
+"""
 
 import math
 
 import torch
 
-from mla_tune.core import SM_SCALE
-from mla_tune.problem import reference
+from mla_tune.serving import reference
+
+_FAKE_SMS = 132  # the H200's; MLAPlan launches one cluster per SM or per two
 
 # class-wide call records, reset whenever the fake is installed afresh
 calls = {"init": 0, "plan": 0, "run": 0}
@@ -75,13 +86,24 @@ class BatchMLAPagedAttentionWrapper:
         _need(isinstance(page_size, int) and page_size >= 1, f"page_size must be a positive int, got {page_size!r}")
         _need(isinstance(sm_scale, float), f"sm_scale must be a float, got {sm_scale!r}")
         calls["plan"] += 1
-        # plan() copies the index arrays to the host (a device sync on a GPU)
+        # plan() copies the indptrs to the host (a device sync on a GPU); kv_indices it keeps
+        self._qo_indptr = qo_indptr.tolist()
         self._kv_indptr = kv_indptr.tolist()
-        self._kv_indices = kv_indices.tolist()
+        self._kv_indices_buf = kv_indices
         self._kv_len = kv_len_arr.tolist()
+        q_lens = [b - a for a, b in zip(self._qo_indptr, self._qo_indptr[1:], strict=False)]
+        _need(min(q_lens) >= 0, "qo_indptr must be non-decreasing")
+        for b, n in enumerate(self._kv_len):
+            _need(self._kv_indptr[b] + -(-n // page_size) <= kv_indices.shape[0],
+                  f"request {b}'s {-(-n // page_size)} pages run past kv_indices ({kv_indices.shape[0]})")
         self._num_heads, self._page_size, self._sm_scale = num_heads, page_size, sm_scale
+        self._causal = causal
         self._dims = (head_dim_ckv, head_dim_kpe)
         self._q_data_type, self._kv_data_type = q_data_type, kv_data_type
+        # MLAPlanInfo: num_blks_x (the cluster size: 2 when the mean q_len x heads > 64),
+        # num_blks_y (clusters), then workspace offsets
+        cluster = 2 if sum(q_lens) * num_heads // max(len(q_lens), 1) > 64 else 1
+        self._plan_info = [cluster, _FAKE_SMS // cluster]
         self._planned = True
 
     def run(
@@ -105,10 +127,13 @@ class BatchMLAPagedAttentionWrapper:
     ):
         _need(self._planned, "run() before plan()")
         _need(o_scale is None, "o_scale is only supported with the cutlass backend for now.")
-        batch, heads = len(self._kv_len), self._num_heads
+        heads, total_q = self._num_heads, self._qo_indptr[-1]
         d_ckv, d_kpe = self._dims
-        _check("q_nope", q_nope, (batch, heads, d_ckv), self._q_data_type)
-        _check("q_pe", q_pe, (batch, heads, d_kpe), self._q_data_type)
+        _need(q_nope.dim() == 3 and q_nope.shape[0] >= total_q and q_nope.shape[1] == heads,
+              f"q_nope must be [>= {total_q}, {heads}, {d_ckv}] as planned, got {tuple(q_nope.shape)}")
+        rows = q_nope.shape[0]
+        _check("q_nope", q_nope, (rows, heads, d_ckv), self._q_data_type)
+        _check("q_pe", q_pe, (rows, heads, d_kpe), self._q_data_type)
         _need(ckv_cache.dim() == 3 and kpe_cache.dim() == 3, "ckv/kpe caches must be [num_pages, page_size, dim]")
         pages = ckv_cache.shape[0]
         _check("ckv_cache", ckv_cache, (pages, self._page_size, d_ckv), self._kv_data_type)
@@ -131,16 +156,24 @@ class BatchMLAPagedAttentionWrapper:
                         ckv_ptr=ckv_cache.data_ptr(), out_ptr=out.data_ptr())
 
         keys = torch.cat((ckv_cache.float() * float(ckv_scale or 1.0), kpe_cache.float() * float(kpe_scale or 1.0)), dim=-1)
-        tokens, indptr = [], [0]
-        for b in range(batch):
-            ids = torch.tensor(self._kv_indices[self._kv_indptr[b]:self._kv_indptr[b + 1]], dtype=torch.long)
-            seq = keys[ids].reshape(-1, keys.shape[-1])[: self._kv_len[b]]
-            tokens.append(seq)
-            indptr.append(indptr[-1] + seq.shape[0])
-        q32 = torch.cat((q_nope.float(), q_pe.float()), dim=-1) * (self._sm_scale / SM_SCALE)
-        data = (q32, {"bf16": torch.cat(tokens).unsqueeze(1)}, torch.arange(batch + 1, dtype=torch.int32),
-                torch.tensor(indptr, dtype=torch.int32), None)
-        out.copy_(reference(data, "bf16", "bf16").to(out.dtype))
+        indices = self._kv_indices_buf.tolist()  # read at run time, as the kernel does
+        tokens = []
+        for b, n in enumerate(self._kv_len):
+            start = self._kv_indptr[b]
+            ids = torch.tensor(indices[start:start + -(-n // self._page_size)], dtype=torch.long)
+            tokens.append(keys[ids].reshape(-1, keys.shape[-1])[:n])
+        q32 = torch.cat((q_nope.float(), q_pe.float()), dim=-1)[:total_q]
+        qo_indptr = self._qo_indptr
+        if not self._causal:  # every new token sees its whole sequence: one query per row
+            q_lens = [y - x for x, y in zip(qo_indptr, qo_indptr[1:], strict=False)]
+            tokens = [t for t, n in zip(tokens, q_lens, strict=True) for _ in range(n)]
+            qo_indptr = list(range(total_q + 1))
+        kv_indptr = [0]
+        for t in tokens:
+            kv_indptr.append(kv_indptr[-1] + t.shape[0])
+        ref = reference(q32, torch.tensor(qo_indptr, dtype=torch.int32), torch.cat(tokens).unsqueeze(1),
+                        kv_indptr=torch.tensor(kv_indptr, dtype=torch.int32), sm_scale=self._sm_scale)
+        out[:total_q].copy_(ref.to(out.dtype))
         if return_lse:
             return out, torch.zeros(q_nope.shape[:2], dtype=torch.float32)
         return out

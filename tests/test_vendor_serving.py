@@ -1,0 +1,447 @@
+"""FlashMLA, FlashInfer and AITER behind the serving call (build_serving), against the fp32
+reference of mla_tune.serving.
+
+Which calls each backend takes is read from its CAPABILITIES (`refusal`), never restated
+here, so a test and its declaration cannot disagree: every declared cell of the matrix
+layout {contiguous, paged 1, 16, 64} x heads {16, 128} x q_len {1, 2, 4} x KV {bf16, fp8}
+runs, every other cell is refused by build_serving. On the CPU through the fakes of
+tests/fakes (which check the calls as the libraries do and answer with the reference); on
+the H200 (`pytest -m gpu`) the real FlashMLA and FlashInfer over the same cells, the no-sync
+capture and CUDA-graph replays. AITER has no GPU here: CPU only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mla_tune import gpu, problem, serving
+from mla_tune.backends import aiter_mla, flash_mla, flashinfer_mla
+from mla_tune.core import CallSpec, Variant
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("vendor_fakes", ROOT / "tests" / "fakes" / "vendor_fakes.py")
+vendor_fakes = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(vendor_fakes)
+
+BACKENDS = {"flashmla": flash_mla, "flashinfer": flashinfer_mla, "aiter": aiter_mla}
+PACKAGES = {"flashmla": "flash_mla", "flashinfer": "flashinfer", "aiter": "aiter"}
+LAYOUTS = (0, 1, 16, 64)  # 0: contiguous; else the page size
+HEADS = (16, 128)
+Q_LENS = (1, 2, 4)
+KV_FORMATS = ("bf16", "fp8")
+KV_LENS = [3000, 1, 17, 63, 64, 65]
+GPU_KV_LENS = [*KV_LENS, 1000, 129]
+CELLS = list(itertools.product(LAYOUTS, HEADS, Q_LENS, KV_FORMATS))
+H200 = gpu.fake_platform("H200")
+
+
+def _spec(name: str, layout: int, heads: int, q_len: int, kv: str, graph: bool = False) -> CallSpec:
+    """The call of a cell as an engine would declare it to this backend: ragged q_len where
+    the backend takes it, host lengths where it needs them."""
+    caps = BACKENDS[name].CAPABILITIES
+    return CallSpec(kv_format=kv, page_size=layout, heads=heads, max_q_len=q_len,
+                    mixed_q_len=caps.mixed_q_len and q_len > 1, graph=graph, host_lengths=caps.host_lengths)
+
+
+def _cells(name: str, served: bool) -> list[tuple]:
+    caps = BACKENDS[name].CAPABILITIES
+    return [(name, *cell) for cell in CELLS if (caps.refusal(_spec(name, *cell)) is None) == served]
+
+
+SERVED = [c for name in BACKENDS for c in _cells(name, True)]
+REFUSED = [c for name in BACKENDS for c in _cells(name, False)]
+
+
+def _ids(case) -> str:
+    name, layout, heads, q_len, kv = case
+    return f"{name}-{'contiguous' if layout == 0 else f'page{layout}'}-h{heads}-q{q_len}-{kv}"
+
+
+def _install(monkeypatch, name: str, **settings):
+    return vendor_fakes.install(monkeypatch, PACKAGES[name], **settings)[PACKAGES[name]]
+
+
+def _input(spec: CallSpec, kv_lens: list[int], seed: int, device) -> serving.ServingInput:
+    """Ragged KV lengths; ragged q_len (even sequences q_len, odd about half) where the spec
+    allows it, else q_len for all (KV lengths raised to hold it)."""
+    q_len = spec.max_q_len
+    if spec.mixed_q_len:
+        q_lens = [min(n, q_len if i % 2 == 0 else (q_len + 1) // 2) for i, n in enumerate(kv_lens)]
+    else:
+        kv_lens = [max(n, q_len) for n in kv_lens]
+        q_lens = [q_len] * len(kv_lens)
+    return serving.make_input(q_lens, kv_lens, spec.heads, spec.page_size, spec.kv_format, seed=seed, device=device)
+
+
+def _call(runner, inp: serving.ServingInput):
+    return runner(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout,
+                  q_lens_host=list(inp.q_lens), kv_lens_host=list(inp.kv_lens))
+
+
+def _expected(variant: Variant, inp: serving.ServingInput) -> torch.Tensor:
+    """The reference on q as the variant's q mode sees it. AITER's dynamic quantizer keeps
+    its scale amax / fp8_max in fp32 (FlashMLA's QQuantizer rounds it to bf16, as
+    problem.quantize_fp8): a static scale of this call's amax is the same."""
+    q_mode = variant.get("q")
+    if variant.backend == "aiter" and q_mode == "fp8_dynamic":
+        return inp.reference("fp8_static", float(inp.q.abs().amax()))
+    q_format = {"bf16": "bf16", "fp8_dynamic": "fp8", "fp8_static": "fp8_static"}[q_mode]
+    return inp.reference(q_format, variant.get("q_amax"))
+
+
+def _max_error(variant: Variant, device) -> float:
+    """Relative L2 error allowed: 1e-2 as for the own kernels, but 5e-2 for FlashMLA's fp8
+    kernel on the GPU, which rounds the softmax probabilities to fp8 before P.V
+    (csrc/extension/sm90/dense_fp8/flash_fwd_mla_kernel.h) where the reference keeps fp32."""
+    fp8_kernel = variant.backend == "flashmla" and variant.get("kv") == "fp8"
+    return 5e-2 if fp8_kernel and torch.device(device).type == "cuda" else 1e-2
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor, max_error: float, what: str) -> None:
+    rows = ref.shape[0]
+    out = out[:rows]
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
+    assert bool(torch.isfinite(out).all()), f"{what}: an element is NaN or was never written"
+    err = float((out.float() - ref).norm() / ref.norm())
+    assert err < max_error, f"{what}: relative L2 error {err:.4f} (allowed {max_error})"
+    result = problem.check(out, ref, problem.RULES["strict"])
+    assert result.passed, f"{what}: strict: {result.reason}"
+
+
+def _run_case(name, layout, heads, q_len, kv, device, platform, variant=None, seed=17):
+    """Build the backend's default serving variant for the cell, call it twice (the first
+    answer poisoned with NaN, so the second must write every element) and compare."""
+    backend = BACKENDS[name]
+    spec = _spec(name, layout, heads, q_len, kv)
+    variant = variant or backend.default_serving_variant(spec, platform)
+    runner = backend.build_serving(variant, spec, device)
+    inp = _input(spec, KV_LENS if device == "cpu" else GPU_KV_LENS, seed, device)
+    _call(runner, inp).fill_(float("nan"))
+    out = _call(runner, inp)
+    if device != "cpu":
+        torch.cuda.synchronize()
+    _assert_close(out, _expected(variant, inp), _max_error(variant, device), _ids((name, layout, heads, q_len, kv)))
+    return runner, inp
+
+
+# ------------------------------------------------------------------ what is declared
+def test_each_backend_declares_the_layouts_its_library_reads():
+    """The facts read from the libraries' sources (see each module's docstring)."""
+    fm, fi, ai = flash_mla.CAPABILITIES, flashinfer_mla.CAPABILITIES, aiter_mla.CAPABILITIES
+    assert (fm.contiguous, fm.page_sizes, fm.mixed_q_len, fm.graph_safe, fm.host_lengths) == (False, (64,), False, True, False)
+    assert (fi.contiguous, fi.mixed_q_len, fi.host_lengths) == (True, True, True)
+    assert {1, 16, 64} <= set(fi.page_sizes)
+    assert (ai.contiguous, ai.page_sizes, ai.heads, ai.mixed_q_len) == (True, (1,), (16, 128), False)
+    assert fi.runs_on(H200.tags) and fm.runs_on(H200.tags) and not ai.runs_on(H200.tags)
+    assert ai.runs_on(gpu.fake_platform("MI355X").tags)
+    for caps in (fm, fi, ai):
+        assert caps.serving and caps.max_q_len >= 4 and set(caps.kv_formats) >= {"bf16", "fp8"}
+
+
+@pytest.mark.parametrize("case", SERVED, ids=_ids)
+def test_default_serving_variants_validate_and_read_the_calls_kv(case):
+    name, *cell = case
+    backend = BACKENDS[name]
+    variant = backend.default_serving_variant(_spec(name, *cell), H200)
+    backend.validate(variant)
+    assert variant.backend == backend.NAME and variant.get("kv") == cell[3]
+
+
+@pytest.mark.parametrize("case", REFUSED, ids=_ids)
+def test_build_serving_refuses_what_the_capabilities_refuse(case, monkeypatch):
+    name, *cell = case
+    _install(monkeypatch, name)
+    backend, spec = BACKENDS[name], _spec(name, *cell)
+    variant = backend.default_serving_variant(_spec(name, 64 if name == "flashmla" else 0, 16, 1, cell[3]), H200)
+    with pytest.raises(ValueError, match=f"{name} cannot serve"):
+        backend.build_serving(variant, spec, "cpu")
+    with pytest.raises(ValueError, match=f"{name} cannot serve"):
+        backend.default_serving_variant(spec, H200)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_a_variant_for_the_other_kv_format_is_refused(name, monkeypatch):
+    _install(monkeypatch, name)
+    backend = BACKENDS[name]
+    layout = 64 if name == "flashmla" else 0
+    bf16_variant = backend.default_serving_variant(_spec(name, layout, 16, 1, "bf16"), H200)
+    with pytest.raises(ValueError, match="make the variant with kv=fp8"):
+        backend.build_serving(bf16_variant, _spec(name, layout, 16, 1, "fp8"), "cpu")
+
+
+def test_leaderboard_variants_stay_valid():
+    for variant in (Variant.make("flashmla", kv="fp8", q="fp8_static", q_amax=6.0),
+                    Variant.make("flashinfer", kernel="fa2", kv="fp8", q="bf16"),
+                    Variant.make("aiter", kv="fp8", q="fp8_dynamic", mode="persistent", kv_granularity=16,
+                                 max_split_per_batch=4, fast_mode=False, intra_batch=True)):
+        BACKENDS[variant.backend].validate(variant)
+
+
+# ------------------------------------------------------------ the call, on the CPU
+@pytest.mark.parametrize("case", SERVED, ids=_ids)
+def test_declared_cells_match_the_reference_through_the_fakes(case, monkeypatch):
+    name, *cell = case
+    _install(monkeypatch, name)
+    _run_case(name, *cell, device="cpu", platform=H200 if name != "aiter" else gpu.fake_platform("MI355X"))
+
+
+def test_the_newer_aiter_fake_serves_too(monkeypatch):
+    monkeypatch.setenv("MLA_TUNE_FAKE_AITER_VERSION", "0.1.20.post1")
+    _install(monkeypatch, "aiter")
+    for cell in ((0, 128, 2, "fp8"), (1, 16, 4, "bf16")):
+        _run_case("aiter", *cell, device="cpu", platform=gpu.fake_platform("MI355X"))
+
+
+def test_flash_mla_answers_a_static_q_scale_and_counts_saturation(monkeypatch):
+    _install(monkeypatch, "flashmla")
+    spec = _spec("flashmla", 64, 32, 2, "fp8")
+    inp = _input(spec, KV_LENS, 5, "cpu")
+    variant = Variant.make("flashmla", kv="fp8", q="fp8_static", q_amax=0.8 * float(inp.q.abs().amax()))
+    runner = flash_mla.build_serving(variant, spec, "cpu")
+    _assert_close(_call(runner, inp), _expected(variant, inp), 1e-2, "fp8_static")
+    assert int(runner.q_saturation) > 0
+
+
+@pytest.mark.parametrize("name", ["flashmla", "aiter"])
+def test_one_q_len_per_call_backends_refuse_a_ragged_one(name, monkeypatch):
+    _install(monkeypatch, name)
+    layout = 64 if name == "flashmla" else 0
+    spec = _spec(name, layout, 16, 2, "bf16")
+    runner = BACKENDS[name].build_serving(BACKENDS[name].default_serving_variant(spec, H200), spec, "cpu")
+    inp = serving.make_input([2, 1, 2], [40, 70, 9], 16, layout, "bf16", seed=3)  # 5 rows, 3 sequences
+    with pytest.raises(ValueError, match="same q_len"):
+        _call(runner, inp)
+
+
+def test_flashinfer_refuses_a_call_without_host_lengths(monkeypatch):
+    _install(monkeypatch, "flashinfer")
+    spec = _spec("flashinfer", 16, 16, 2, "bf16")
+    runner = flashinfer_mla.build_serving(flashinfer_mla.default_serving_variant(spec, H200), spec, "cpu")
+    inp = _input(spec, [40, 5, 70], 3, "cpu")
+    with pytest.raises(ValueError, match="pass q_lens_host and kv_lens_host"):
+        runner(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
+    with pytest.raises(ValueError, match="one entry per sequence"):
+        runner(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout, q_lens_host=inp.q_lens[:2],
+               kv_lens_host=inp.kv_lens)
+
+
+@pytest.mark.parametrize("layout", [0, 16])
+def test_flashinfer_replans_only_when_the_lengths_or_the_page_array_change(layout, monkeypatch):
+    fi = _install(monkeypatch, "flashinfer")
+    calls = fi.mla.calls
+    spec = _spec("flashinfer", layout, 16, 2, "fp8")
+    runner = flashinfer_mla.build_serving(flashinfer_mla.default_serving_variant(spec, H200), spec, "cpu")
+    inp = _input(spec, [40, 5, 70], 3, "cpu")
+    for _ in range(3):
+        _call(runner, inp)
+    assert (calls["plan"], calls["run"]) == (1, 3)
+    longer = _input(spec, [41, 6, 71], 3, "cpu")
+    _assert_close(_call(runner, longer), longer.reference(), 1e-2, "new lengths")
+    assert calls["plan"] == 2
+    if layout:  # another block table (a new tensor) is another page array
+        inp2 = _input(spec, [41, 6, 71], 4, "cpu")
+        _assert_close(_call(runner, inp2), inp2.reference(), 1e-2, "new table")
+        assert calls["plan"] == 3
+    runner.plan(longer.q, longer.qo_indptr, longer.kv, longer.kv_scale, **longer.layout,
+                q_lens_host=longer.q_lens, kv_lens_host=longer.kv_lens)
+    assert calls["run"] == 3 + 1 + bool(layout)  # plan() alone runs nothing
+
+
+def test_flashinfer_refuses_a_replan_that_changes_a_graphs_grid(monkeypatch):
+    """32 heads: q_len 1 packs 32 rows per request (1-CTA clusters), q_len 4 packs 128 (2)."""
+    _install(monkeypatch, "flashinfer")
+    spec = _spec("flashinfer", 0, 32, 4, "bf16", graph=True)
+    runner = flashinfer_mla.build_serving(flashinfer_mla.default_serving_variant(spec, H200), spec, "cpu")
+    short = serving.make_input([1, 1], [40, 9], 32, 0, "bf16", seed=1)
+    _call(runner, short)
+    with pytest.raises(ValueError, match="launch grid"):
+        _call(runner, serving.make_input([4, 4], [40, 9], 32, 0, "bf16", seed=1))
+
+
+@pytest.mark.parametrize("name,layout", [("flashinfer", 0), ("flashinfer", 16), ("aiter", 0), ("aiter", 1)])
+def test_the_output_buffer_is_reused_and_grows_only_for_more_rows(name, layout, monkeypatch):
+    _install(monkeypatch, name)
+    spec = _spec(name, layout, 16, 1, "fp8")
+    runner = BACKENDS[name].build_serving(BACKENDS[name].default_serving_variant(spec, H200), spec, "cpu")
+    big, small = (serving.make_input([1] * n, [30 + i for i in range(n)], 16, layout, "fp8", seed=n)
+                  for n in (5, 3))
+    first = _call(runner, big)
+    ptr = first.data_ptr()
+    assert _call(runner, small).data_ptr() == ptr and _call(runner, big).data_ptr() == ptr
+    larger = serving.make_input([1] * 9, [20] * 9, 16, layout, "fp8", seed=9)
+    assert _call(runner, larger).shape[0] == 9
+
+
+def test_flash_mla_schedules_every_call_on_the_device(monkeypatch):
+    fm = _install(monkeypatch, "flashmla")
+    spec = _spec("flashmla", 64, 16, 1, "bf16")
+    runner = flash_mla.build_serving(flash_mla.default_serving_variant(spec, H200), spec, "cpu")
+    for seed, lens in ((1, [40, 70]), (2, [130, 1])):
+        inp = _input(spec, lens, seed, "cpu")
+        _assert_close(_call(runner, inp), inp.reference(), 1e-2, f"lengths {lens}")
+    assert fm.calls == {"get_mla_decoding_metadata": 2, "flash_mla_with_kvcache": 2}
+
+
+# the fakes answer with these (they stand in for the libraries, which may read what they like)
+_REFERENCES = ("mla_tune.serving", "mla_tune.problem")
+_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "__iter__")
+
+
+@pytest.mark.parametrize("case", [("flashmla", 64, 128, 2, "fp8"), ("flashinfer", 16, 16, 4, "fp8"),
+                                  ("flashinfer", 0, 128, 1, "bf16"), ("aiter", 1, 16, 2, "fp8"),
+                                  ("aiter", 0, 128, 1, "bf16")], ids=_ids)
+def test_runners_read_no_tensor_on_the_host(case, monkeypatch):
+    """Every way of reading a tensor's values on the host raises when the caller is mla-tune's
+    code (the backend module, the kernels and quantizers it launches); the fakes, standing in
+    for the libraries, and the reference they answer with may read what they like."""
+    name, *cell = case
+    _install(monkeypatch, name)
+    spec = _spec(name, *cell)
+    platform = gpu.fake_platform("MI355X") if name == "aiter" else H200
+    variant = BACKENDS[name].default_serving_variant(spec, platform)
+    runner = BACKENDS[name].build_serving(variant, spec, "cpu")
+    inp = _input(spec, [70, 1, 17], 8, "cpu")
+    with monkeypatch.context() as patched:
+        for method in _READS:
+            original = getattr(torch.Tensor, method)
+
+            def guarded(self, *args, _original=original, _method=method, **kwargs):
+                caller = sys._getframe(1).f_globals.get("__name__", "")
+                assert not caller.startswith("mla_tune.") or caller in _REFERENCES, \
+                    f"{caller} called Tensor.{_method}"
+                return _original(self, *args, **kwargs)
+
+            patched.setattr(torch.Tensor, method, guarded)
+        out = _call(runner, inp)
+    _assert_close(out, _expected(variant, inp), 1e-2, _ids(case))
+
+
+@pytest.mark.parametrize("case", [("flashmla", 64, 16, 1, "fp8"), ("flashinfer", 16, 16, 1, "bf16"),
+                                  ("aiter", 1, 16, 1, "bf16")], ids=_ids)
+def test_a_padded_slot_with_seq_len_0_spoils_no_other_row(case, monkeypatch):
+    name, *cell = case
+    _install(monkeypatch, name)
+    spec = _spec(name, *cell)
+    runner = BACKENDS[name].build_serving(BACKENDS[name].default_serving_variant(spec, H200), spec, "cpu")
+    inp = _input(spec, [40, 5, 70], 23, "cpu")
+    variant = BACKENDS[name].default_serving_variant(spec, H200)
+    ref = _expected(variant, inp)
+    inp.seq_lens[1] = 0
+    inp.kv_lens[1] = 0
+    out = _call(runner, inp)
+    _assert_close(out[0::2], ref[0::2], 1e-2, "live sequences")
+
+
+# ------------------------------------------------------------------------------ GPU
+GPU_CASES = [c for c in SERVED if c[0] != "aiter"]  # AITER runs on AMD GPUs only
+
+
+def _real(name: str) -> None:
+    reason = BACKENDS[name].unavailable_reason()
+    assert reason is None, reason
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=_ids)
+def test_declared_cells_match_the_reference_on_the_h200(case):
+    name, *cell = case
+    _real(name)
+    _run_case(name, *cell, device="cuda", platform=gpu.detect(), seed=31)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cell", [(0, 128, 4, "fp8"), (64, 16, 2, "bf16")])
+def test_flashinfer_fa2_matches_the_reference_on_the_h200(cell):
+    _real("flashinfer")
+    variant = Variant.make("flashinfer", kernel="fa2", kv=cell[3], q="bf16")
+    _run_case("flashinfer", *cell, device="cuda", platform=gpu.detect(), variant=variant, seed=33)
+
+
+@pytest.mark.gpu
+def test_flash_mla_static_q_scale_on_the_h200():
+    _real("flashmla")
+    spec = _spec("flashmla", 64, 128, 2, "fp8")
+    inp = _input(spec, GPU_KV_LENS, 35, "cuda")
+    variant = Variant.make("flashmla", kv="fp8", q="fp8_static", q_amax=0.8 * float(inp.q.abs().amax()))
+    out = _call(flash_mla.build_serving(variant, spec, "cuda"), inp)
+    torch.cuda.synchronize()
+    _assert_close(out, _expected(variant, inp), _max_error(variant, "cuda"), "fp8_static")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", KV_FORMATS)
+def test_flash_mla_graph_replays_with_new_lengths_and_block_tables_without_syncing(kv):
+    """One q_len per call, so 1 here (refill_for_replays' last sequence brings one)."""
+    _real("flashmla")
+    heads, device = 128, "cuda"
+    spec = _spec("flashmla", 64, heads, 1, kv, graph=True)
+    variant = flash_mla.default_serving_variant(spec, gpu.detect())
+    runner = flash_mla.build_serving(variant, spec, device)
+    static = serving.make_input([1] * len(serving.GRAPH_KV_LENS), serving.GRAPH_KV_LENS, heads, 64, kv,
+                                seed=41, device=device)
+    held = {}
+
+    def call():
+        held["out"] = runner(static.q, static.qo_indptr, static.kv, static.kv_scale, **static.layout)
+
+    graph = serving.capture_without_sync(call)
+    for seed, new in serving.refill_for_replays(static, 1, heads, kv, device):
+        held["out"].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_close(held["out"], _expected(variant, new), _max_error(variant, device), f"replay seed {seed}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", [0, 64])
+def test_flashinfer_graph_replays_with_the_plan_outside(layout):
+    """The run in the graph; before each replay, runner.plan(...) with the new host lengths
+    (an engine's step), outside the graph. 128 heads keep 2-CTA clusters throughout."""
+    _real("flashinfer")
+    heads, max_q, kv, device = 128, 2, "fp8", "cuda"
+    spec = _spec("flashinfer", layout, heads, max_q, kv, graph=True)
+    variant = flashinfer_mla.default_serving_variant(spec, gpu.detect())
+    runner = flashinfer_mla.build_serving(variant, spec, device)
+    static = serving.make_input(serving.GRAPH_Q_LENS, serving.GRAPH_KV_LENS, heads, layout, kv, seed=41,
+                                device=device)
+    lengths = {"q_lens_host": serving.GRAPH_Q_LENS, "kv_lens_host": serving.GRAPH_KV_LENS}
+    held = {}
+
+    def call():
+        held["out"] = runner(static.q, static.qo_indptr, static.kv, static.kv_scale, **static.layout, **lengths)
+
+    graph = serving.capture_without_sync(call)
+    for seed, new in serving.refill_for_replays(static, max_q, heads, kv, device):
+        runner.plan(static.q, static.qo_indptr, static.kv, static.kv_scale, **static.layout,
+                    q_lens_host=new.q_lens, kv_lens_host=new.kv_lens)
+        held["out"].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_close(held["out"], _expected(variant, new), 1e-2, f"replay seed {seed}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [("flashinfer", 16, 128, 2, "bf16"), ("flashmla", 64, 16, 2, "bf16"),
+                                  ("flashmla", 64, 16, 2, "fp8")], ids=_ids)
+def test_a_padded_slot_with_seq_len_0_does_not_crash_on_the_h200(case):
+    """Last in the file (FlashMLA's fp8 extension, the oldest code, last of all): a crash
+    here would take the CUDA context with it."""
+    name, *cell = case
+    _real(name)
+    spec = _spec(name, *cell)
+    variant = BACKENDS[name].default_serving_variant(spec, gpu.detect())
+    runner = BACKENDS[name].build_serving(variant, spec, "cuda")
+    inp = _input(spec, [40, 5, 70], 23, "cuda")
+    ref = _expected(variant, inp)
+    inp.seq_lens[1] = 0
+    inp.kv_lens[1] = 0
+    out = _call(runner, inp)
+    torch.cuda.synchronize()
+    rows = [r for b in (0, 2) for r in range(sum(inp.q_lens[:b]), sum(inp.q_lens[: b + 1]))]
+    _assert_close(out[rows], ref[rows], _max_error(variant, "cuda"), "live sequences")
