@@ -756,9 +756,6 @@ def build(variant: Variant, shape: Shape, device):
     return run_aiter_mla
 
 
-# Precompile (mla_tune/tune/compile_pool.py): AITER JIT-builds its modules into an on-disk cache on
-# first use.
-PRECOMPILE = True
 
 
 def compile_shape(variant: Variant, shape: Shape, sm_count: int | None) -> Shape:

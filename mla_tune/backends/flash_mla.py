@@ -180,9 +180,6 @@ def build(variant: Variant, shape: Shape, device):
     return run_flash_mla
 
 
-# Precompile (mla_tune/tune/compile_pool.py): the first call JIT-builds (or loads) the vendor's
-# module and Triton kernels into on-disk caches; the default stand-in compiles the same ones.
-PRECOMPILE = True
 
 # The keys of its search-space section in a config (config.py refuses any other).
 SPACE_KEYS = ("kv", "q")

@@ -178,9 +178,6 @@ def build(variant: Variant, shape: Shape, device):
     return run_flashinfer_mla
 
 
-# Precompile (mla_tune/tune/compile_pool.py): plan() JIT-builds (or loads) FlashInfer's MLA module
-# into its on-disk cache.
-PRECOMPILE = True
 
 
 def compile_shape(variant: Variant, shape: Shape, sm_count: int | None) -> Shape:
