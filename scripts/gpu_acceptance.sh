@@ -59,18 +59,20 @@ serving)
   groups=(
     "tests/test_decode_call.py -k triton_fused"
     "tests/test_decode_call.py -k 'not triton_fused'"
-    "tests/test_vendor_serving.py"
+    "tests/test_vendor_serving.py -k flashinfer"
+    "tests/test_vendor_serving.py -k 'not flashinfer'"
     "tests/test_fused_serving.py -k 'not (full_matrix and bf16)' tests/test_plan.py"
     "tests/test_gluon_decode.py -k 'reduce_spin'"
   )
   i=0
   for g in "${groups[@]}"; do
     i=$((i + 1))
-    ( eval timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider $g > "$out/gpu_tests_$i.log" 2>&1
+    ( eval timeout ${GROUP_TIMEOUT:-330} python3 -m pytest -q -m gpu -p no:cacheprovider $g > "$out/gpu_tests_$i.log" 2>&1
       echo "group $i ($g): exit $?" >> "$out/walls.txt" ) &
   done
   wait
-  for n in $(seq 1 $i); do tail -4 "$out/gpu_tests_$n.log"; done
+  for n in $(seq 1 $i); do echo "== group $n: ${groups[$((n - 1))]}"; cat "$out/gpu_tests_$n.log"; done > "$out/gpu_tests.log"
+  for n in $(seq 1 $i); do echo "== group $n"; tail -3 "$out/gpu_tests_$n.log"; done
   python3 -m mla_tune export --table tables/H200.yaml -o "$out/new_export.py"
   if [ -n "${2:-}" ]; then
     timed lb-side-by-side python3 scripts/check_submission.py "$out/new_export.py" --against "$2" \
@@ -83,8 +85,7 @@ serving)
 esac
 cat "$out/walls.txt"
 for f in walls.txt dryrun.txt sweep.log H200.yaml H200.results.jsonl dryrun120.txt sweep120.log \
-         H200.b120.yaml H200.b120.results.jsonl gpu_tests_1.log gpu_tests_2.log gpu_tests_3.log \
-         gpu_tests_4.log gpu_tests_5.log check_submission.json serving_host.json; do
+         H200.b120.yaml H200.b120.results.jsonl gpu_tests.log check_submission.json serving_host.json; do
   [ -f "$out/$f" ] && cp "$out/$f" "$keep/"
 done
 ls "$keep"
