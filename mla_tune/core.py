@@ -441,6 +441,36 @@ def check_decode_inputs(q, kv_data, qo_indptr, kv_indptr, kv_format: str) -> int
     return batch
 
 
+def check_serving_layout(qo_indptr, kv, kv_indptr, block_table, seq_lens) -> int:
+    """Shapes and dtypes of the serving call's KV layout, for every kernel family that takes
+    it (never values: that would read the device); returns the page size, 0 for contiguous KV."""
+    import torch
+
+    batch = qo_indptr.shape[0] - 1
+    if qo_indptr.dim() != 1 or batch < 1 or qo_indptr.dtype != torch.int32:
+        raise ValueError(f"qo_indptr must be int32 (batch + 1,), got {qo_indptr.dtype} {tuple(qo_indptr.shape)}")
+    if not kv.is_contiguous() or kv.shape[-1] != QK_DIM:
+        raise ValueError(f"kv must be contiguous with last dim {QK_DIM}, got {tuple(kv.shape)}")
+    if (block_table is None) == (kv_indptr is None) or (block_table is None) != (seq_lens is None):
+        raise ValueError("give kv_indptr (contiguous KV) or block_table and seq_lens (paged KV), not both")
+    if kv_indptr is not None:
+        if kv_indptr.shape != (batch + 1,) or kv_indptr.dtype != torch.int32:
+            raise ValueError(f"kv_indptr must be int32 ({batch + 1},), got {kv_indptr.dtype} {tuple(kv_indptr.shape)}")
+        return 0
+    if kv.dim() != 3:
+        raise ValueError(f"paged kv must be (num_pages, page_size, {QK_DIM}), got {tuple(kv.shape)}")
+    page_size = kv.shape[1]
+    if page_size > 128 or page_size & (page_size - 1):
+        raise ValueError(f"page_size must be a power of two up to 128, got {page_size}")
+    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.dtype != torch.int32:
+        raise ValueError(f"block_table must be int32 ({batch}, max_pages), got {block_table.dtype} {tuple(block_table.shape)}")
+    if block_table.stride(1) != 1:
+        raise ValueError("block_table rows must be contiguous (stride 1 along max_pages)")
+    if seq_lens.shape != (batch,) or seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens must be int32 ({batch},), got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    return page_size
+
+
 def check_indptr_values(qo_indptr, kv_indptr, total_kv: int) -> list[int]:
     """Read kv_indptr on the host and check it; return the per-sequence kv lengths.
 

@@ -120,9 +120,10 @@ def main() -> int:
         if other is not None:
             other.custom_kernel(data)  # compile and warm outside the timing
             mine, theirs = [timing.median_us], []
-            for _ in range(args.rounds):
-                theirs.append(time_call(lambda data=data: other.custom_kernel(data), reps=args.reps).median_us)
-                mine.append(time_call(lambda data=data: module.custom_kernel(data), reps=args.reps).median_us)
+            for k in range(args.rounds):  # alternating which goes first, so order cannot favour one
+                pair = [(theirs, other), (mine, module)]
+                for into, sub in (pair if k % 2 == 0 else pair[::-1]):
+                    into.append(time_call(lambda data=data, sub=sub: sub.custom_kernel(data), reps=args.reps).median_us)
             row["median_us"] = sorted(mine)[len(mine) // 2]
             row["rounds_us"] = mine
             row["against_us"] = sorted(theirs)[len(theirs) // 2]

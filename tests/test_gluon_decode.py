@@ -247,7 +247,8 @@ def test_the_backend_with_reduce_spin_matches_the_reference_and_repeats(batch, k
         with pytest.raises(ValueError, match="one split has nothing to reduce"):
             gluon_fused.build(_variant(num_splits=1, v_path="rs8", reduce="spin"), shape, "cuda")
         return
-    run = gluon_fused.build(_variant(num_splits=splits, v_path="rs8", reduce="spin"), shape, "cuda")
+    # 2 stages: two CTAs per SM, so 64 x 4 splits = 256 programs are resident on 132 SMs
+    run = gluon_fused.build(_variant(num_splits=splits, num_stages=2, v_path="rs8", reduce="spin"), shape, "cuda")
     first = run(*data[:4]).clone()
     check_against_both(first, data, f"spin {splits} splits at {shape}")
     for _ in range(2):  # the barrier's count and flag are left ready for the next call

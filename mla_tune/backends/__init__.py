@@ -186,9 +186,12 @@ def vendor_distributions() -> tuple[str, ...]:
 
 def platform_refusal(name: str, platform) -> str | None:
     """None when backend `name`'s CAPABILITIES.platforms include `platform` (a
-    mla_tune.gpu.Platform, matched by its tags), else one sentence saying where it runs."""
+    mla_tune.gpu.Platform, matched by its tags) or the platform is the plain CPU, else one
+    sentence saying where it runs."""
     caps = capabilities(name)
-    if caps.runs_on(platform.tags):
+    if caps.runs_on(platform.tags) or platform.name == "cpu":
+        # the CPU (tests, the interpreter): a GPU backend's own unavailable_reason() says
+        # why it cannot run here, and a CPU fake of its vendor library may stand in
         return None
     where = " or ".join("/".join(option) for option in caps.platforms) or "no platform"
     return f"it runs on {where}, not on {platform.name} ({'/'.join(sorted(platform.tags))})"

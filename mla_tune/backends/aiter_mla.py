@@ -66,6 +66,7 @@ from mla_tune.core import (
     check_param_int,
     check_param_names,
     check_q_amax,
+    check_serving_layout,
     vendor_is_cpu_fake,
 )
 
@@ -843,7 +844,6 @@ def build_serving(variant: Variant, spec: CallSpec, device):
     import aiter
     from aiter.mla import mla_decode_fwd
 
-    from mla_tune.kernels.flash_decode import check_serving_layout
 
     _ai_checked(aiter)
     device = torch.device(device)

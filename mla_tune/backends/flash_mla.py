@@ -54,6 +54,7 @@ from mla_tune.core import (
     check_param_choice,
     check_param_names,
     check_q_amax,
+    check_serving_layout,
     vendor_is_cpu_fake,
 )
 from mla_tune.kernels.q_quant import QQuantizer
@@ -240,7 +241,6 @@ def build_serving(variant: Variant, spec: CallSpec, device):
     _fm_serving_check(spec, variant)
     import flash_mla
 
-    from mla_tune.kernels.flash_decode import check_serving_layout
 
     device = torch.device(device)
     heads, fp8 = spec.heads, spec.kv_format == "fp8"

@@ -56,6 +56,7 @@ from mla_tune.core import (
     Variant,
     check_param_choice,
     check_param_names,
+    check_serving_layout,
     vendor_is_cpu_fake,
 )
 
@@ -235,7 +236,6 @@ def build_serving(variant: Variant, spec: CallSpec, device):
     _fi_serving_check(spec, variant)
     from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
-    from mla_tune.kernels.flash_decode import check_serving_layout
 
     device = torch.device(device)
     heads, fp8 = spec.heads, spec.kv_format == "fp8"

@@ -51,8 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_tune.core import QK_DIM, SM_SCALE, V_DIM
-from mla_tune.kernels.flash_decode import check_serving_layout
+from mla_tune.core import QK_DIM, SM_SCALE, V_DIM, check_serving_layout
 
 # Dot operand dtype codes (constexpr ints: they travel through every Triton version).
 FU_DOT_CODES = {"fp16": 0, "bf16": 1, "fp8": 2}
