@@ -361,13 +361,59 @@ def check_q_amax(variant: Variant) -> None:
                          "calibrates it and adds it with variant.with_params(q_amax=...))")
 
 
+def _core_inputs_fine(q, kv_data, qo_indptr, kv_indptr, kv_format: str) -> bool:
+    """True when one decode call's inputs pass every check of check_decode_inputs: the
+    common case, tested without building a single message (that costs tens of us a call)."""
+    import torch
+
+    try:
+        batch = q.shape[0]
+        if not (type(q) is torch.Tensor and q.dim() == 3 and q.shape[1] == NUM_HEADS
+                and q.shape[2] == QK_DIM and q.dtype == torch.bfloat16 and batch >= 1
+                and q.is_contiguous() and type(kv_data) is dict):
+            return False
+        entry = kv_data.get(kv_format)
+        dev = q.device
+        if kv_format == "bf16":
+            kv = entry
+            if not (type(kv) is torch.Tensor and kv.dtype == torch.bfloat16):
+                return False
+        elif kv_format == "fp8":
+            if not (type(entry) in (tuple, list) and len(entry) == 2):
+                return False
+            kv, scale = entry
+            if not (type(kv) is torch.Tensor and type(scale) is torch.Tensor
+                    and kv.dtype in _core_fp8_dtypes() and scale.numel() == 1
+                    and scale.dtype == torch.float32 and scale.device == dev):
+                return False
+        else:
+            return False  # MXFP4 and anything else: the detailed path
+        if not (kv.dim() == 3 and kv.shape[1] == NUM_KV_HEADS and kv.shape[2] == QK_DIM
+                and kv.shape[0] >= 1 and kv.is_contiguous() and kv.device == dev):
+            return False
+        return all(type(ptr) is torch.Tensor and ptr.dtype == torch.int32 and ptr.dim() == 1
+                   and ptr.shape[0] == batch + 1 and ptr.device == dev for ptr in (qo_indptr, kv_indptr))
+    except (AttributeError, TypeError, IndexError, ValueError):
+        return False
+
+
+@functools.cache
+def _core_fp8_dtypes() -> tuple:
+    import torch
+
+    return tuple(getattr(torch, name) for name in CORE_FP8_DTYPE_NAMES if hasattr(torch, name))
+
+
 def check_decode_inputs(q, kv_data, qo_indptr, kv_indptr, kv_format: str) -> int:
     """Check shapes, dtypes, devices and layouts of one decode call; return batch size.
 
     Everything here reads tensor metadata only (no device sync), so it is cheap enough to
     run on every call; it raises ValueError naming what was expected before any kernel
-    starts. Index *contents* are checked by `check_indptr_values`, which syncs.
+    starts. Index *contents* are checked by `check_indptr_values`, which syncs. The common
+    case (every check passes) is one predicate; the messages are built only on a failure.
     """
+    if _core_inputs_fine(q, kv_data, qo_indptr, kv_indptr, kv_format):
+        return q.shape[0]
     import torch
 
     require(isinstance(q, torch.Tensor), f"q must be a torch.Tensor, got {type(q).__name__}")

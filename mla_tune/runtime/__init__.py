@@ -201,10 +201,9 @@ class Runtime:
                check_indptr: bool = True):
         """MLA decode: (batch, 16, 512) bf16. The result is the runner's reused buffer: copy
         it to keep it past the next call of the same shape."""
-        if self.device is not None:
-            require(isinstance(q, torch.Tensor) and _same_device(q.device, self.device),
-                    f"q must be on {self.device}, the device this runtime was loaded for, got "
-                    f"{getattr(q, 'device', type(q).__name__)}")
+        if self.device is not None and not (isinstance(q, torch.Tensor) and _same_device(q.device, self.device)):
+            raise ValueError(f"q must be on {self.device}, the device this runtime was loaded for, got "
+                             f"{getattr(q, 'device', type(q).__name__)}")
         return self.dispatcher(q, kv_data, qo_indptr, kv_indptr, kv_len=kv_len,
                                check_indptr=check_indptr)
 
@@ -216,9 +215,8 @@ class Runtime:
         q, kv_data, qo_indptr, kv_indptr, config = data
         require(isinstance(config, dict) and "kv_seq_len" in config,
                 'config must be a dict with "kv_seq_len"')
-        if "batch_size" in config and hasattr(q, "shape"):
-            require(config["batch_size"] == q.shape[0],
-                    f'config["batch_size"] is {config["batch_size"]} but q holds {q.shape[0]} queries')
+        if "batch_size" in config and hasattr(q, "shape") and config["batch_size"] != q.shape[0]:
+            raise ValueError(f'config["batch_size"] is {config["batch_size"]} but q holds {q.shape[0]} queries')
         return self.decode(q, kv_data, qo_indptr, kv_indptr, kv_len=config["kv_seq_len"],
                            check_indptr=False)
 

@@ -141,6 +141,8 @@ class Dispatcher:
         self._warn_on_miss = warn_on_miss
         self._ragged_backends = frozenset(ragged_backends)
         self.misses: dict[Shape, int] = {}
+        # (batch, kv_len, device) of a table row called before -> (KV format, runner)
+        self._fast: dict[tuple, tuple[str, Callable[..., Any]]] = {}
 
     def variant_for(self, batch: int, kv_len: int, ragged: bool = False) -> Variant:
         """The variant a call of this shape runs (a uniform batch unless `ragged`)."""
@@ -171,6 +173,19 @@ class Dispatcher:
 
     def __call__(self, q, kv_data, qo_indptr, kv_indptr, kv_len: int | None = None,
                  check_indptr: bool = True):
+        if not check_indptr and type(kv_len) is int:
+            # The leaderboard's call (a uniform batch of a tuned shape, seen before): the
+            # inputs are still checked, with no message built unless one fails.
+            try:
+                fast = self._fast.get((q.shape[0], kv_len, q.device))
+            except (AttributeError, IndexError, TypeError):
+                fast = None
+            if fast is not None:
+                fmt, runner = fast
+                check_decode_inputs(q, kv_data, qo_indptr, kv_indptr, fmt)
+                if _dp_kv_rows(kv_data, fmt) == q.shape[0] * kv_len:
+                    return runner(q, kv_data, qo_indptr, kv_indptr)
+                # a KV total that does not match: the full path below names it
         require(hasattr(q, "shape") and len(q.shape) == 3,
                 f"q must be a (batch, 16, 576) tensor, got {getattr(q, 'shape', type(q).__name__)}")
         batch = int(q.shape[0])
@@ -211,4 +226,6 @@ class Dispatcher:
                     f"builders: {', '.join(self._builders)}")
             runner = builder(variant, shape, q.device)
             self._runners[key] = runner
+        if not ragged and shape in self._table and type(kv_len) is int:
+            self._fast[(batch, kv_len, q.device)] = (fmt, runner)
         return runner(q, kv_data, qo_indptr, kv_indptr)
