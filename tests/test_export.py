@@ -251,3 +251,20 @@ def test_modules_that_cannot_be_exported_are_refused():
     vendor = _module("mla_tune.kernels.bad", "import aiter\n")
     with pytest.raises(ExportError, match="not aiter; import it inside the function"):
         prepare_modules([vendor])
+
+
+def test_export_is_byte_identical_with_and_without_a_serving_table_beside_it(tmp_path):
+    """Issue 10: the exporter never reads tables/NAME.serving.yaml, so a serving table next
+    to the leaderboard table changes nothing in the submission file."""
+    from mla_tune.export import render_submission
+    from mla_tune.tables.serving_table import Family, FamilyKey, ServingTable, write_serving_table
+
+    folder = tmp_path / "tables"
+    folder.mkdir()
+    table = folder / "cpu.yaml"
+    shutil.copy(TABLE, table)
+    before = render_submission(table)
+    key = FamilyKey("fp8", 64, 16, 1)
+    write_serving_table(folder / "cpu.serving.yaml",
+                        ServingTable("cpu", {}, [1, 2], [512, 1024], {key: Family(key)}))
+    assert render_submission(table) == before
