@@ -1,0 +1,157 @@
+"""A decode loop like an engine's: mla-tune's DecodePlan beside FlashMLA called directly.
+
+    PYTHONPATH=. python scripts/engine_loop.py [--layers 61] [--heads 128] [--kv bf16]
+        [--buckets 8,32] [--steps 16] [--table tables/H200.serving.yaml] [--out DIR]
+
+Per batch bucket: sequences of 500-4000 tokens in 64-token pages (each layer its own KV
+cache), one CUDA graph per bucket holding a whole step (the plan's update once, then every
+layer's run, its output copied out as an engine's next op would read it), replayed while
+every sequence grows by one token per step. The same loop with FlashMLA's own call (its
+schedule made once per step inside the graph) is timed beside it. Before timing, the first
+and last layers' outputs of the first and last step are checked against mla_tune.serving's
+fp32 reference (strict rule). Prints ms per step and us per layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from mla_tune import problem, serving
+from mla_tune.core import QK_DIM, SM_SCALE, V_DIM, CallSpec
+from mla_tune.runtime.plan import DecodePlan
+
+PAGE = 64
+
+
+def _loop(args, bucket: int, layers: int):
+    """Static tensors of one bucket's loop: caches, block table, lengths, q and outputs."""
+    gen = torch.Generator().manual_seed(bucket)
+    start = [int(x) for x in torch.randint(500, 4000, (bucket,), generator=gen)]
+    grow = args.steps + 1
+    base = serving.make_input([1] * bucket, [n + grow for n in start], args.heads, PAGE, args.kv,
+                              seed=bucket, device="cuda")
+    caches = [base.kv] + [torch.empty_like(base.kv) for _ in range(layers - 1)]
+    for cache in caches[1:]:  # every layer its own cache: fresh random tokens, same pages
+        cache.copy_(torch.randn(cache.shape, device="cuda").to(cache.dtype))
+    seq_lens = torch.tensor(start, dtype=torch.int32, device="cuda")
+    qs = [torch.randn((bucket, args.heads, QK_DIM), dtype=torch.bfloat16, device="cuda") for _ in range(layers)]
+    outs = [torch.empty((bucket, args.heads, V_DIM), dtype=torch.bfloat16, device="cuda") for _ in range(layers)]
+    return base, caches, seq_lens, qs, outs, start
+
+
+def _check(tag, base, caches, seq_lens, qs, outs, q_format):
+    for layer in (0, len(caches) - 1):
+        ref = serving.reference(qs[layer], base.qo_indptr, caches[layer], base.kv_scale,
+                                block_table=base.block_table, seq_lens=seq_lens, q_format=q_format)
+        result = problem.check(outs[layer], ref, problem.RULES["strict"])
+        if not result.passed:
+            raise SystemExit(f"{tag}, layer {layer}: wrong result ({result})")
+
+
+def _time_steps(graph, seq_lens, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        seq_lens.add_(1)  # every sequence grew by one token (outside the graph, as an engine)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def run_plan(args, bucket, table):
+    base, caches, seq_lens, qs, outs, start = _loop(args, bucket, args.layers)
+    spec = CallSpec(args.kv, page_size=PAGE, heads=args.heads, max_q_len=1, graph=True)
+    plan = DecodePlan(spec, max_batch=bucket, table=table, device="cuda")
+
+    def step():
+        plan.update(base.qo_indptr, block_table=base.block_table, seq_lens=seq_lens)
+        for q, cache, out in zip(qs, caches, outs, strict=True):
+            out.copy_(plan.run(q, cache, base.kv_scale))
+
+    graph = serving.capture_without_sync(step)  # runs step twice, then captures it
+    seq_lens.copy_(torch.tensor(start, dtype=torch.int32, device="cuda"))
+    graph.replay()
+    q_format = "fp8" if str(plan.pick(bucket).get("q")).startswith("fp8") else "bf16"
+    _check(f"mla-tune bucket {bucket} first step", base, caches, seq_lens, qs, outs, q_format)
+    times = _time_steps(graph, seq_lens, args.steps)
+    _check(f"mla-tune bucket {bucket} last step", base, caches, seq_lens, qs, outs, q_format)
+    return times, str(plan.pick(bucket))
+
+
+def run_flashmla(args, bucket):
+    import flash_mla
+
+    from mla_tune.kernels.q_quant import QQuantizer
+
+    base, caches, seq_lens, qs, outs, start = _loop(args, bucket, args.layers)
+    fp8 = args.kv == "fp8"
+    pages = [c.view(c.shape[0], PAGE, 1, QK_DIM) for c in caches]
+    sched = flash_mla.get_mla_metadata()[0]
+    quant = [QQuantizer("fp8_dynamic", bucket * args.heads // 16, "cuda", torch.float8_e4m3fn) for _ in qs] if fp8 else None
+
+    def step():
+        sched.tile_scheduler_metadata, sched.num_splits = flash_mla.get_mla_decoding_metadata(
+            seq_lens, args.heads, 1, h_q=args.heads, is_fp8_kvcache=fp8, use_legacy=True)
+        for i, (q, page, out) in enumerate(zip(qs, pages, outs, strict=True)):
+            extra = {}
+            q4 = q.view(bucket, 1, args.heads, QK_DIM)
+            if fp8:
+                q8, q_scale = quant[i](q.view(-1, 16, QK_DIM))
+                q4 = q8.view(bucket, 1, args.heads, QK_DIM)
+                extra = {"descale_q": q_scale, "descale_k": base.kv_scale}
+            o, _ = flash_mla.flash_mla_with_kvcache(q4, page, base.block_table, seq_lens, V_DIM, sched,
+                                                  softmax_scale=SM_SCALE, causal=False, is_fp8_kvcache=fp8,
+                                                  use_legacy=True, **extra)
+            out.copy_(o.view(bucket, args.heads, V_DIM))
+
+    graph = serving.capture_without_sync(step)
+    seq_lens.copy_(torch.tensor(start, dtype=torch.int32, device="cuda"))
+    graph.replay()
+    q_format = "fp8" if fp8 else "bf16"
+    _check(f"flashmla bucket {bucket} first step", base, caches, seq_lens, qs, outs, q_format)
+    times = _time_steps(graph, seq_lens, args.steps)
+    _check(f"flashmla bucket {bucket} last step", base, caches, seq_lens, qs, outs, q_format)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=61)
+    parser.add_argument("--heads", type=int, default=128)
+    parser.add_argument("--kv", choices=("bf16", "fp8"), default="bf16")
+    parser.add_argument("--buckets", default="8,32")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--table", type=Path, default=None, help="a serving table (default: none)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    rows = []
+    for bucket in [int(b) for b in args.buckets.split(",")]:
+        times, variant = run_plan(args, bucket, args.table)
+        row = {"bucket": bucket, "mla_tune_ms": sorted(times)[len(times) // 2], "variant": variant}
+        try:
+            fm = run_flashmla(args, bucket)
+            row["flashmla_ms"] = sorted(fm)[len(fm) // 2]
+        except Exception as exc:  # noqa: BLE001 - FlashMLA missing: the row says so
+            row["flashmla_error"] = f"{type(exc).__name__}: {exc}"
+        rows.append(row)
+        torch.cuda.empty_cache()
+    print(f"\n{torch.cuda.get_device_name()}: {args.layers} layers, {args.heads} heads, {args.kv} KV, "
+          f"{PAGE}-token pages, one CUDA graph per bucket, {args.steps} steps (median), all checked strict")
+    for r in rows:
+        fm = f"{r['flashmla_ms']:.3f} ms" if "flashmla_ms" in r else r["flashmla_error"][:60]
+        print(f"bucket {r['bucket']:4}: mla-tune {r['mla_tune_ms']:.3f} ms/step "
+              f"({1000 * r['mla_tune_ms'] / args.layers:.1f} us/layer)  FlashMLA {fm}  [{r['variant']}]")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "engine_loop.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
