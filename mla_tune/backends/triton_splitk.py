@@ -264,6 +264,8 @@ _tsk_SERVING_TOKENS_PER_SPLIT = 256
 # H200); the cap bounds it where few head tiles would ask for more (16 heads: 2 MiB).
 _tsk_SERVING_MAX_SPLITS = 64
 _tsk_MMA_ROWS = 16  # the smallest tl.dot M: block_h x next_pow2(max_q_len) rows per program
+_tsk_GPU_ROWS = 64  # rows per program of the GPU default (head tile x new tokens)
+_tsk_GPU_TOKENS_PER_SPLIT = 512
 
 
 def _tsk_next_pow2(n: int) -> int:
@@ -272,16 +274,25 @@ def _tsk_next_pow2(n: int) -> int:
 
 def default_serving_variant(spec: CallSpec, platform) -> Variant:
     """A correct, untuned serving variant for `spec` on `platform` (mla_tune.gpu.Platform):
-    the fewest heads per program that fill 16 MMA rows with next_pow2(max_q_len) new
-    tokens, max_splits that let one sequence fill the platform's SMs (`sm_count`; a
-    platform without any, the interpreter's, stands in a few), a split every 256 tokens,
-    bf16 q, and bf16 dots (fp16 where no GPU runs them: the interpreter's bf16 dot is
-    wrong)."""
+    on a GPU, heads per program for 64 MMA rows (head tile x next_pow2(max_q_len), at most
+    all the heads) with 8 warps and a split every 512 tokens; without one (the
+    interpreter), the fewest heads that fill 16 rows, 4 warps, a split every 256 tokens.
+    max_splits lets one sequence fill the platform's SMs (`sm_count`; a platform without
+    any stands in a few); bf16 q, and bf16 dots (fp16 where no GPU runs them: the
+    interpreter's bf16 dot is wrong)."""
     reason = CAPABILITIES.refusal(spec)
     if reason is not None:
         raise ValueError(f"triton cannot serve {spec}: {reason}")
     rows = _tsk_next_pow2(spec.max_q_len)
     block_h = max(1, _tsk_MMA_ROWS // rows)
+    warps, tokens = 4, _tsk_SERVING_TOKENS_PER_SPLIT
+    if platform.has_gpu:
+        # On the H200 (docs/perf.md, "head tiles"), 128 heads at ~4k tokens: 64 rows per
+        # program with 8 warps and a split per 512 tokens ran 1.7x faster than 16 rows (the
+        # KV is read once per head tile); the interpreter keeps the small tile (test time).
+        block_h = min(spec.heads, max(block_h, _tsk_GPU_ROWS // rows))
+        warps = 8 if block_h * rows >= _tsk_GPU_ROWS else 4
+        tokens = _tsk_GPU_TOKENS_PER_SPLIT
     if spec.heads % block_h:
         raise ValueError(f"triton: {spec.heads} heads do not split into tiles of {block_h} heads "
                          f"(the 16 MMA rows at max_q_len {spec.max_q_len}); use heads from "
@@ -291,7 +302,7 @@ def default_serving_variant(spec: CallSpec, platform) -> Variant:
     max_splits = max(1, min(-(-sm_count // head_tiles), _tsk_SERVING_MAX_SPLITS))
     return Variant.make(
         NAME, kv=spec.kv_format, q="bf16", block_n=64, block_h=block_h, max_splits=max_splits,
-        tokens_per_split=_tsk_SERVING_TOKENS_PER_SPLIT, num_warps=4, num_stages=2,
+        tokens_per_split=tokens, num_warps=warps, num_stages=2,
         dot_dtype="bf16" if platform.has_gpu else "fp16",
     )
 
