@@ -487,6 +487,30 @@ def check_decode_inputs(q, kv_data, qo_indptr, kv_indptr, kv_format: str) -> int
     return batch
 
 
+def check_serving_build(name: str, variant: Variant, spec: CallSpec, capabilities: Capabilities,
+                        serving: bool, min_rows: int, what: str = "MMA rows") -> int:
+    """The checks every own build_serving starts with, after validate(variant): a serving
+    (not leaderboard) variant, a spec the backend's record serves, the variant's KV format
+    equal to the spec's, and a head tile (block_h) that divides the heads and with
+    next_pow2(max_q_len) new tokens fills `min_rows` of the MMA. Returns that pow2."""
+    if not serving:
+        raise ValueError(f"{name}: {variant} is a leaderboard variant (num_splits); the serving "
+                         "call takes max_splits and tokens_per_split (default_serving_variant makes one)")
+    reason = capabilities.refusal(spec)
+    if reason is not None:
+        raise ValueError(f"{name} cannot serve {spec}: {reason}; pick a backend that serves it")
+    if variant.get("kv") != spec.kv_format:
+        raise ValueError(f"{name}: {variant} reads {variant.get('kv')} KV but the call's cache is "
+                         f"{spec.kv_format}; make the variant with kv={spec.kv_format}")
+    rows = 1 << (max(spec.max_q_len, 1) - 1).bit_length()
+    block_h = variant.get("block_h")
+    if spec.heads % block_h or block_h * rows < min_rows:
+        raise ValueError(f"{name}: block_h={block_h} must divide {spec.heads} heads and give "
+                         f"block_h x {rows} (next_pow2(max_q_len)) >= {min_rows} {what}; use "
+                         f"block_h={max(1, min_rows // rows)}")
+    return rows
+
+
 def check_serving_layout(qo_indptr, kv, kv_indptr, block_table, seq_lens) -> int:
     """Shapes and dtypes of the serving call's KV layout, for every kernel family that takes
     it (never values: that would read the device); returns the page size, 0 for contiguous KV."""

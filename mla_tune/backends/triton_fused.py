@@ -57,6 +57,7 @@ from mla_tune.core import (
     check_param_choice,
     check_param_int,
     check_param_names,
+    check_serving_build,
     device_sm_count,
     require,
 )
@@ -417,21 +418,9 @@ def build_serving(variant: Variant, spec: CallSpec, device):
     new tokens than any before (at least doubling), never from the data; it reads no
     device tensor on the host, so a CUDA graph can hold it. Returns out[:total_q]."""
     validate(variant)
-    if not _fu_is_serving(variant):
-        raise ValueError(f"{NAME}: {variant} is a leaderboard variant (num_splits); the serving "
-                         "call takes max_splits and tokens_per_split (default_serving_variant makes one)")
-    reason = CAPABILITIES.refusal(spec)
-    if reason is not None:
-        raise ValueError(f"{NAME} cannot serve {spec}: {reason}; pick a backend that serves it")
+    check_serving_build(NAME, variant, spec, CAPABILITIES, _fu_is_serving(variant), _FU_MMA_COLUMNS,
+                        "MMA columns")
     p = variant.p
-    if p["kv"] != spec.kv_format:
-        raise ValueError(f"{NAME}: {variant} reads {p['kv']} KV but the call's cache is "
-                         f"{spec.kv_format}; make the variant with kv={spec.kv_format}")
-    columns = _fu_next_pow2(spec.max_q_len)
-    if spec.heads % p["block_h"] or p["block_h"] * columns < _FU_MMA_COLUMNS:
-        raise ValueError(f"{NAME}: block_h={p['block_h']} must divide {spec.heads} heads and give "
-                         f"block_h x {columns} (next_pow2(max_q_len)) >= {_FU_MMA_COLUMNS} MMA columns; "
-                         f"use block_h={max(1, _FU_MMA_COLUMNS // columns)}")
     device = torch.device(device)
     heads, max_splits = spec.heads, p["max_splits"]
     kv_fp8 = spec.kv_format == "fp8"

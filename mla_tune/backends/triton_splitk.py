@@ -35,6 +35,7 @@ from mla_tune.core import (
     check_param_int,
     check_param_names,
     check_q_amax,
+    check_serving_build,
     device_sm_count,
     fp8_dtype_for,
 )
@@ -314,21 +315,8 @@ def build_serving(variant: Variant, spec: CallSpec, device):
     new tokens than any before (at least doubling), never from the data; it reads no
     device tensor on the host, so a CUDA graph can hold it. Returns out[:total_q]."""
     validate(variant)
-    if not _tsk_is_serving(variant):
-        raise ValueError(f"triton: {variant} is a leaderboard variant (num_splits); the serving "
-                         "call takes max_splits and tokens_per_split (default_serving_variant makes one)")
-    reason = CAPABILITIES.refusal(spec)
-    if reason is not None:
-        raise ValueError(f"triton cannot serve {spec}: {reason}; pick a backend that serves it")
+    check_serving_build(NAME, variant, spec, CAPABILITIES, _tsk_is_serving(variant), _tsk_MMA_ROWS)
     p = variant.p
-    if p["kv"] != spec.kv_format:
-        raise ValueError(f"triton: {variant} reads {p['kv']} KV but the call's cache is "
-                         f"{spec.kv_format}; make the variant with kv={spec.kv_format}")
-    rows = _tsk_next_pow2(spec.max_q_len)
-    if spec.heads % p["block_h"] or p["block_h"] * rows < _tsk_MMA_ROWS:
-        raise ValueError(f"triton: block_h={p['block_h']} must divide {spec.heads} heads and give "
-                         f"block_h x {rows} (next_pow2(max_q_len)) >= {_tsk_MMA_ROWS} MMA rows; use "
-                         f"block_h={max(1, _tsk_MMA_ROWS // rows)}")
     device = torch.device(device)
     q_mode, heads, max_splits = p["q"], spec.heads, p["max_splits"]
     q_fp8_dtype = fp8_dtype_for(device) if q_mode != "bf16" else torch.float8_e4m3fn
