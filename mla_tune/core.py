@@ -511,6 +511,40 @@ def check_serving_build(name: str, variant: Variant, spec: CallSpec, capabilitie
     return rows
 
 
+def own_serving_runner(name: str, spec: CallSpec, device, decode, workspace_type, max_splits: int,
+                       launch: dict):
+    """The runner of an own kernel family's serving call (build_serving's result): it owns
+    `out` and the family's workspace (`workspace_type.allocate(capacity, heads, max_splits,
+    device)`), allocated on the first call and again only when a call brings more new tokens
+    than any before (at least doubling), never from the data; it reads no device tensor on
+    the host, so a CUDA graph can hold it. `decode(q, qo_indptr, kv, kv_scale, out, *,
+    layout, workspace, **launch)` is the family's launch function. Returns out[:total_q]."""
+    import torch
+
+    heads, kv_scaled = spec.heads, spec.kv_format != "bf16"
+    state = {"capacity": 0, "out": None, "workspace": None}
+
+    def run_serving(q, qo_indptr, kv, kv_scale, *, kv_indptr=None, block_table=None,
+                    seq_lens=None, q_lens_host=None, kv_lens_host=None):
+        total_q = q.shape[0]
+        # Shapes and dtypes only: the kernel would take a cache of the other format or
+        # another head count as given and answer wrong.
+        if q.dim() != 3 or q.shape[1] != heads or (kv.dtype != torch.bfloat16) != kv_scaled:
+            raise ValueError(f"{name}: this runner serves {heads} heads over {spec.kv_format} KV; "
+                             f"got q {tuple(q.shape)} and kv {kv.dtype}")
+        if total_q > state["capacity"]:
+            capacity = max(total_q, 2 * state["capacity"])
+            state["out"] = torch.empty((capacity, heads, V_DIM), dtype=torch.bfloat16, device=device)
+            state["workspace"] = workspace_type.allocate(capacity, heads, max_splits, device)
+            state["capacity"] = capacity
+        out = state["out"][:total_q]
+        decode(q, qo_indptr, kv, kv_scale, out, kv_indptr=kv_indptr, block_table=block_table,
+               seq_lens=seq_lens, workspace=state["workspace"], **launch)
+        return out
+
+    return run_serving
+
+
 def check_serving_layout(qo_indptr, kv, kv_indptr, block_table, seq_lens) -> int:
     """Shapes and dtypes of the serving call's KV layout, for every kernel family that takes
     it (never values: that would read the device); returns the page size, 0 for contiguous KV."""

@@ -59,6 +59,7 @@ from mla_tune.core import (
     check_param_names,
     check_serving_build,
     device_sm_count,
+    own_serving_runner,
     require,
 )
 from mla_tune.kernels.fused_decode import (
@@ -422,37 +423,14 @@ def build_serving(variant: Variant, spec: CallSpec, device):
                         "MMA columns")
     p = variant.p
     device = torch.device(device)
-    heads, max_splits = spec.heads, p["max_splits"]
-    kv_fp8 = spec.kv_format == "fp8"
+    max_splits = p["max_splits"]
     launch = dict(
         max_q_len=spec.max_q_len, max_splits=max_splits, tokens_per_split=p["tokens_per_split"],
         block_n=p["block_n"], block_h=p["block_h"], num_warps=p["num_warps"],
         num_stages=p["num_stages"], q_fp8=p["q"] == "fp8_dynamic", qk_dot=p["qk_dot"],
         pv_dot=p["pv_dot"],
     )
-    state = {"capacity": 0, "out": None, "workspace": None}
-
-    def run_triton_fused_serving(q, qo_indptr, kv, kv_scale, *, kv_indptr=None, block_table=None,
-                                 seq_lens=None, q_lens_host=None, kv_lens_host=None):
-        total_q = q.shape[0]
-        # Shapes and dtypes only: the kernel would take a cache of the other format or
-        # another head count as given and answer wrong.
-        if q.dim() != 3 or q.shape[1] != heads or (kv.dtype != torch.bfloat16) != kv_fp8:
-            raise ValueError(f"{NAME}: this runner serves {heads} heads over {spec.kv_format} KV; "
-                             f"got q {tuple(q.shape)} and kv {kv.dtype}")
-        if total_q > state["capacity"]:
-            capacity = max(total_q, 2 * state["capacity"])
-            state["out"] = torch.empty((capacity, heads, V_DIM), dtype=torch.bfloat16, device=device)
-            # zeroed arrival counters: every reduction resets its own afterwards
-            state["workspace"] = FusedServingWorkspace.allocate(capacity, heads, max_splits, device)
-            state["capacity"] = capacity
-        out = state["out"][:total_q]
-        fused_decode_serving(q, qo_indptr, kv, kv_scale, out, kv_indptr=kv_indptr,
-                             block_table=block_table, seq_lens=seq_lens,
-                             workspace=state["workspace"], **launch)
-        return out
-
-    return run_triton_fused_serving
+    return own_serving_runner(NAME, spec, device, fused_decode_serving, FusedServingWorkspace, max_splits, launch)
 
 
 

@@ -38,6 +38,7 @@ from mla_tune.core import (
     check_serving_build,
     device_sm_count,
     fp8_dtype_for,
+    own_serving_runner,
 )
 from mla_tune.kernels.flash_decode import (
     FlashDecodeServingWorkspace,
@@ -318,7 +319,7 @@ def build_serving(variant: Variant, spec: CallSpec, device):
     check_serving_build(NAME, variant, spec, CAPABILITIES, _tsk_is_serving(variant), _tsk_MMA_ROWS)
     p = variant.p
     device = torch.device(device)
-    q_mode, heads, max_splits = p["q"], spec.heads, p["max_splits"]
+    q_mode, max_splits = p["q"], p["max_splits"]
     q_fp8_dtype = fp8_dtype_for(device) if q_mode != "bf16" else torch.float8_e4m3fn
     q_scale = None
     if q_mode == "fp8_static":
@@ -329,29 +330,8 @@ def build_serving(variant: Variant, spec: CallSpec, device):
         num_stages=p["num_stages"], dot_dtype=p["dot_dtype"], q_mode=q_mode, q_scale=q_scale,
         q_fp8_dtype=q_fp8_dtype, hip_options={k: p[k] for k in _tsk_HIP_KEYS if k in p},
     )
-    kv_scaled = spec.kv_format != "bf16"
-    state = {"capacity": 0, "out": None, "workspace": None}
-
-    def run_triton_serving(q, qo_indptr, kv, kv_scale, *, kv_indptr=None, block_table=None,
-                           seq_lens=None, q_lens_host=None, kv_lens_host=None):
-        total_q = q.shape[0]
-        # Shapes and dtypes only: the kernel would take a cache of the other format or
-        # another head count as given and answer wrong.
-        if q.dim() != 3 or q.shape[1] != heads or (kv.dtype != torch.bfloat16) != kv_scaled:
-            raise ValueError(f"triton: this runner serves {heads} heads over {spec.kv_format} KV; "
-                             f"got q {tuple(q.shape)} and kv {kv.dtype}")
-        if total_q > state["capacity"]:
-            capacity = max(total_q, 2 * state["capacity"])
-            state["out"] = torch.empty((capacity, heads, V_DIM), dtype=torch.bfloat16, device=device)
-            state["workspace"] = FlashDecodeServingWorkspace.allocate(capacity, heads, max_splits, device)
-            state["capacity"] = capacity
-        out = state["out"][:total_q]
-        flash_decode_serving(q, qo_indptr, kv, kv_scale, out, kv_indptr=kv_indptr,
-                             block_table=block_table, seq_lens=seq_lens,
-                             workspace=state["workspace"], **launch)
-        return out
-
-    return run_triton_serving
+    return own_serving_runner(NAME, spec, device, flash_decode_serving, FlashDecodeServingWorkspace,
+                              max_splits, launch)
 
 
 
