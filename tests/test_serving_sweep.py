@@ -6,6 +6,7 @@ are known; plus the config, the candidates, the plan and the dry run."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 
@@ -20,10 +21,11 @@ from mla_tune.tune import serving_sweep as sw
 from mla_tune.tune import timing
 from mla_tune.tune.serving_config import (
     ServingConfigError,
+    is_serving_config,
     load_serving_config,
     serving_config_from_dict,
 )
-from mla_tune.tune.serving_gate import GateJob, run_gates
+from mla_tune.tune.serving_gate import GateJob, reference_q_format, run_gates
 from mla_tune.tune.serving_plan import parse_shard, plan_sweep
 from mla_tune.tune.serving_results import read_records, results_path_for
 from mla_tune.tune.timing import Timing
@@ -33,7 +35,8 @@ TINY = {
     "families": {"kv_format": ["fp8"], "page_size": [16], "heads": [16], "q_len": [2]},
     "call": {"mixed_q_len": True},
     "batch_buckets": [1, 2], "kv_buckets": [32, 64],
-    "gate": {"ragged_kv_lens": [1, 17, 63, 64, 65, 100], "tail_kv_len": 77, "tail_batch": 2, "margin": 0.5},
+    "gate": {"ragged_kv_lens": [1, 17, 63, 64, 65, 100], "tail_kv_len": 77, "tail_batch": 2, "margin": 0.5,
+             "reference_q": "exact"},
     "search": {"rungs": [1, 2], "keep": 0.5, "min_keep": 1, "cross_top": 3},
     "backends": {"triton": {"tokens_per_split": [16, 64]}, "triton_fused": {}, "wrong_serving": {}},
 }
@@ -205,6 +208,9 @@ def test_config_errors_name_the_field_and_the_hash_ignores_order(tiny, monkeypat
         bad = {**copy.deepcopy(TINY), field: value}
         with pytest.raises(ServingConfigError, match=match):
             serving_config_from_dict(bad, "bad.yaml")
+    fm8 = Variant.make("flashmla", kv="fp8", q="fp8_dynamic")
+    assert reference_q_format(fm8, tiny.gate) == "bf16"  # exact: the fp8 q error counts
+    assert reference_q_format(fm8, dataclasses.replace(tiny.gate, reference_q="variant")) == "fp8"
     reordered = dict(reversed(list(copy.deepcopy(TINY).items())))
     assert serving_config_from_dict(reordered, "other.yaml").hash == tiny.hash
 
@@ -231,6 +237,9 @@ def test_the_command_line_dry_run_and_bad_options(capsys):
     assert "--shard must be i/n" in capsys.readouterr().err
     with pytest.raises(ValueError):
         parse_shard("0/2")
+    # `mla-tune sweep --config configs/serving.yaml` goes here (cli.py's hook)
+    assert is_serving_config("configs/serving.yaml") and not is_serving_config("configs/leaderboard.yaml")
+    assert sw.sweep_from_cli("configs/serving.yaml", "H200", dry_run=True) == 0
 
 
 def test_a_results_file_of_another_config_is_refused(tiny, tmp_path):
@@ -264,7 +273,7 @@ def test_a_small_serving_sweep_on_the_gpu(tmp_path):
     raw.update(families={"kv_format": ["fp8"], "page_size": [64], "heads": [128], "q_len": [2]},
                call={"mixed_q_len": False}, batch_buckets=[1, 32], kv_buckets=[512, 4096], gate_workers=2,
                gate={"ragged_kv_lens": [1, 17, 63, 64, 65, 3000], "tail_kv_len": 4133, "tail_batch": 3,
-                     "margin": 0.5},
+                     "margin": 0.5, "reference_q": "variant"},
                search={"rungs": [3, 10], "keep": 0.5, "min_keep": 2, "cross_top": 3},
                backends={"triton": {"tokens_per_split": [256, 4096], "max_splits": [1]},
                          "triton_fused": {"tokens_per_split": [1024]}, "flashmla": {}, "flashinfer": {}})

@@ -33,7 +33,8 @@ REQUIRED = ("name", "rule", "check_seeds", "families", "batch_buckets", "kv_buck
             "search", "backends")
 FAMILY_FIELDS = ("kv_format", "page_size", "heads", "q_len")
 CALL_FIELDS = {"mixed_q_len", "host_lengths", "graph"}
-GATE_FIELDS = {"ragged_kv_lens", "tail_kv_len", "tail_batch", "margin"}
+GATE_FIELDS = {"ragged_kv_lens", "tail_kv_len", "tail_batch", "margin", "reference_q"}
+REFERENCE_Q = ("exact", "variant")
 SEARCH_FIELDS = {"rungs", "keep", "min_keep", "cross_top"}
 LEFT_OUT_CONDITIONS = ("max_kv_bytes", "max_tokens")
 LEFT_OUT_MATCH = ("kv_format", "heads", "q_len", "page_size")
@@ -63,13 +64,16 @@ class GateSpec:
     """The correctness gate, once per (family, candidate): a ragged probe (these kv lengths,
     q_len cycling 1..max_q_len where the family mixes them) on check_seeds[0], and a
     uniform probe of tail_batch sequences of tail_kv_len tokens on check_seeds[1]; each
-    must keep its failing share under margin x the rule's allowance."""
+    must keep its failing share under margin x the rule's allowance, against the fp32
+    reference with bf16 q (reference_q exact) or q quantized as the candidate's q mode
+    (variant; serving_gate.reference_q_format)."""
 
     ragged_kv_lens: tuple[int, ...]
     tail_kv_len: int
     tail_batch: int
     margin: float
     seeds: tuple[int, int]
+    reference_q: str = "exact"
 
 
 @dataclass(frozen=True)
@@ -146,6 +150,17 @@ def load_serving_config(path: str | Path) -> ServingConfig:
     raw = read_yaml(path, "serving config", ServingConfigError, max_bytes=CONFIG_MAX_BYTES,
                     missing_hint="pass the path of a serving config, e.g. configs/serving.yaml")
     return serving_config_from_dict(raw, path)
+
+
+def is_serving_config(path: str | Path) -> bool:
+    """Whether `path` reads as a serving config (it has `families`), so that `mla-tune
+    sweep --config` can hand it to the serving sweep; a file that does not read is left to
+    the caller's own loader and its message."""
+    try:
+        raw = read_yaml(Path(path), "config", ServingConfigError, max_bytes=CONFIG_MAX_BYTES)
+    except ServingConfigError:
+        return False
+    return isinstance(raw, dict) and "families" in raw
 
 
 def _int(value: Any) -> bool:
@@ -291,7 +306,11 @@ def _gate(value: Any, seeds: tuple[int, int], fail) -> GateSpec:
     if not (_number(margin) and 0 < margin <= 1):
         raise fail("gate.margin", f"must be a fraction in (0, 1] of the rule's allowance (the "
                    f"leaderboard sweep's gate uses 0.5), got {margin!r}")
-    return GateSpec(tuple(lens), value["tail_kv_len"], value["tail_batch"], float(margin), seeds)
+    reference_q = value["reference_q"]
+    if reference_q not in REFERENCE_Q:
+        raise fail("gate.reference_q", f"must be exact (bf16 q: the exact answer) or variant (q quantized "
+                   f"as the candidate's q mode), got {reference_q!r}")
+    return GateSpec(tuple(lens), value["tail_kv_len"], value["tail_batch"], float(margin), seeds, reference_q)
 
 
 def _search(value: Any, fail) -> ServingSearch:

@@ -2,14 +2,17 @@
 
 A serving kernel does not change with the batch or the lengths (they are read on the
 device; the grid is sized from maxima), so one gate per (family, candidate) stands for
-every cell of the family. The probes, against mla_tune.serving.reference (fp32, bf16 q:
-the exact answer, so a q quantization counts as the kernel's error):
+every cell of the family. The probes, against mla_tune.serving.reference (fp32; with
+`reference_q: exact`, bf16 q: the exact answer, so a q quantization counts as the kernel's
+error):
 - ragged: the config's kv lengths (1, 17, 63, 64, 65 and a tail such as 3000: one token,
   tile and page edges, a long sequence beside short ones), q_len cycling down from the
   family's max where the family mixes q_lens (else every sequence at the max, kv lengths
   raised to it);
 - tail: a uniform batch at a length that ends inside a tile, a page and a split.
-Each must keep the failing share under margin x the rule's allowance (problem.check).
+(`reference_q: variant` instead quantizes the reference's q as the candidate's q mode does,
+the convention of scripts/engine_loop.py: the gate then judges the kernel, not the price of
+its q mode.) Each must keep the failing share under margin x the rule's allowance (problem.check).
 
 Gating compiles every kernel, so with `workers` > 0 it runs in that many spawned processes
 (Triton's disk cache then serves the timing process); a process that dies (a kernel that
@@ -74,13 +77,26 @@ def probe_lengths(spec: CallSpec, gate: GateSpec) -> list[tuple[str, list[int], 
 
 
 @functools.lru_cache(maxsize=2)
-def _probes(spec: CallSpec, gate: GateSpec, device: str) -> tuple[tuple[str, ServingInput, torch.Tensor], ...]:
-    """A family's probe inputs and their references, made once per process."""
-    out = []
-    for label, q_lens, kv_lens, seed in probe_lengths(spec, gate):
-        inp = make_input(q_lens, kv_lens, spec.heads, spec.page_size, spec.kv_format, seed=seed, device=device)
-        out.append((label, inp, inp.reference()))
-    return tuple(out)
+def _probe_inputs(spec: CallSpec, gate: GateSpec, device: str) -> tuple[tuple[str, ServingInput], ...]:
+    """A family's probe inputs, made once per process."""
+    return tuple((label, make_input(q_lens, kv_lens, spec.heads, spec.page_size, spec.kv_format,
+                                    seed=seed, device=device))
+                 for label, q_lens, kv_lens, seed in probe_lengths(spec, gate))
+
+
+def reference_q_format(variant: Variant, gate: GateSpec) -> str:
+    """The q the gate's reference reads: bf16, the exact answer (reference_q: exact), or
+    q quantized as the variant's q mode does (reference_q: variant; fp8 q modes as
+    problem.quantize_fp8's per-tensor scale, the convention of scripts/engine_loop.py and
+    the vendor tests): then the gate judges the kernel, not the price of its q mode."""
+    if gate.reference_q == "variant" and str(variant.get("q", "bf16")).startswith("fp8"):
+        return "fp8"
+    return "bf16"
+
+
+@functools.lru_cache(maxsize=4)
+def _references(spec: CallSpec, gate: GateSpec, device: str, q_format: str) -> tuple[torch.Tensor, ...]:
+    return tuple(inp.reference(q_format) for _, inp in _probe_inputs(spec, gate, device))
 
 
 def run_call(runner, inp: ServingInput) -> torch.Tensor:
@@ -112,7 +128,8 @@ def gate_one(job: GateJob) -> dict:
 
     try:
         runner = get_backend(variant.backend).build_serving(variant, job.spec, job.device)
-        for label, inp, ref in _probes(job.spec, job.gate, job.device):
+        refs = _references(job.spec, job.gate, job.device, reference_q_format(variant, job.gate))
+        for (label, inp), ref in zip(_probe_inputs(job.spec, job.gate, job.device), refs, strict=True):
             result = problem.check(run_call(runner, inp), ref, job.rule, margin=job.gate.margin)
             checks.append({"probe": label, "mismatch": round(result.mismatch, 6),
                            "max_abs_err": round(min(result.max_abs_err, 1e30), 6)})

@@ -46,18 +46,10 @@ from mla_tune.backends import get_backend
 from mla_tune.core import Variant
 from mla_tune.errors import MlaTuneError
 from mla_tune.serving import ServingInput, make_input
-from mla_tune.tables.serving_table import (
-    Cell,
-    Family,
-    FamilyKey,
-    GraphPick,
-    ServingTable,
-    choose_graph_pick,
-    load_serving_table,
-    write_serving_table,
-)
+from mla_tune.tables.serving_table import FamilyKey, choose_graph_pick
 from mla_tune.tune import timing
 from mla_tune.tune.results import SweepLock, move_aside
+from mla_tune.tune.serving_build import ServingSweepError, merge, write_table
 from mla_tune.tune.serving_config import ServingConfig, load_serving_config
 from mla_tune.tune.serving_gate import (
     RUN_ERRORS,
@@ -77,13 +69,9 @@ from mla_tune.tune.serving_plan import (
     parse_shard,
     plan_sweep,
 )
-from mla_tune.tune.serving_results import SCHEMA, Recorder, Records, read_records, results_path_for
+from mla_tune.tune.serving_results import SCHEMA, Recorder, Records, results_path_for
 
 Timer = Callable[..., timing.Timing]  # timer(call, reps) -> Timing
-
-
-class ServingSweepError(MlaTuneError, RuntimeError):
-    """The serving sweep cannot go on; the message says what to do."""
 
 
 class _BudgetSpent(Exception):
@@ -321,67 +309,6 @@ class Sweeper:
                  f"{runner}) {seconds:.1f} s, elapsed {time.monotonic() - self.started:.0f} s")
 
 
-# ------------------------------------------------------------------ the table
-def build_table(cfg: ServingConfig, plan: SweepPlan, records: Records, gpu_name: str,
-                provenance: dict, missing_reason: str) -> ServingTable:
-    """The serving table from the records: every family of the config, its cells and graph
-    picks as recorded, every other cell left out with its reason."""
-    families: dict[FamilyKey, Family] = {}
-    for key, fam_plan in plan.families.items():
-        fam = Family(key)
-        fam.left_out = [dict(c) for c in fam_plan.left_out]
-        ruled = {(c["batch"], c["kv_len"]) for c in fam_plan.left_out}
-        gated = any(g.get("ok") for (k, _), g in records.gates.items() if k == key)
-        for batch in cfg.batch_buckets:
-            for kv_len in cfg.kv_buckets:
-                if (batch, kv_len) in ruled:
-                    continue
-                rec = records.cells.get((key, batch, kv_len))
-                if rec is not None and rec.get("status") == "ok":
-                    fam.cells[(batch, kv_len)] = Cell(batch, kv_len, Variant.parse(rec["winner"]),
-                                                      float(rec["time_us"]), rec.get("runner_up"))
-                    continue
-                if rec is not None:
-                    reason = rec["reason"]
-                elif not fam_plan.candidates:
-                    reason = "no backend offers a candidate here: " + "; ".join(
-                        f"{b}: {why}" for b, why in fam_plan.skipped.items())
-                elif not gated and any(k == key for k, _ in records.gates):
-                    reason = "no candidate passed the gate"
-                else:
-                    reason = missing_reason
-                fam.left_out.append({"batch": batch, "kv_len": kv_len, "reason": reason})
-            g = records.graphs.get((key, batch))
-            if g is not None:
-                fam.graph[batch] = GraphPick(batch, Variant.parse(g["variant"]), float(g["worst_regret"]),
-                                             int(g["worst_kv_len"]))
-        families[key] = fam
-    return ServingTable(gpu_name, provenance, list(cfg.batch_buckets), list(cfg.kv_buckets), families)
-
-
-def _provenance(cfg: ServingConfig, headers: list[dict], plan: SweepPlan, extra: dict) -> dict:
-    first = headers[0]
-    return {
-        "date": _dt.date.today().isoformat(),
-        "config": {"path": str(cfg.path), "hash": cfg.hash, "name": cfg.name},
-        "gpu": first.get("platform", {}),
-        "versions": first.get("versions", {}),
-        "rule": cfg.rule.as_dict(),
-        "protocol": first.get("protocol", {}),
-        "call": {"mixed_q_len": cfg.call.mixed_q_len, "host_lengths": cfg.call.host_lengths,
-                 "graph": cfg.call.graph},
-        "gate": {"ragged_kv_lens": list(cfg.gate.ragged_kv_lens), "tail_kv_len": cfg.gate.tail_kv_len,
-                 "tail_batch": cfg.gate.tail_batch, "margin": cfg.gate.margin, "seeds": list(cfg.gate.seeds),
-                 "reference": "mla_tune.serving.reference (fp32, bf16 q)"},
-        "search": {"rungs": list(cfg.search.rungs), "keep": cfg.search.keep, "min_keep": cfg.search.min_keep,
-                   "cross_top": cfg.search.cross_top, "seeding": "neighbouring cells' winners"},
-        "candidates": {str(k): f.per_backend() for k, f in plan.families.items()},
-        "skipped_backends": {str(k): dict(f.skipped) for k, f in plan.families.items() if f.skipped},
-        "results": [{"file": h.get("file"), "shard": h.get("shard")} for h in headers],
-        **extra,
-    }
-
-
 def _header(cfg: ServingConfig, platform, shard: tuple[int, int], path: Path, gpu_name: str) -> dict:
     return {"kind": "header", "schema": SCHEMA, "file": str(path), "config_path": str(cfg.path),
             "config_hash": cfg.hash, "gpu": gpu_name, "shard": list(shard),
@@ -389,13 +316,6 @@ def _header(cfg: ServingConfig, platform, shard: tuple[int, int], path: Path, gp
                          "sm_count": platform.sm_count, "driver": platform.driver},
             "versions": {k: str(v) for k, v in platform.versions.items()}, "protocol": timing.protocol(platform.has_gpu),
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
-
-
-def write_table(cfg: ServingConfig, plan: SweepPlan, records: Records, headers: list[dict], out: Path,
-                gpu_name: str, missing_reason: str, extra: dict) -> ServingTable:
-    table = build_table(cfg, plan, records, gpu_name, _provenance(cfg, headers, plan, extra), missing_reason)
-    write_serving_table(out, table)
-    return load_serving_table(out)  # what was written loads: the same checks as the runtime's
 
 
 # ------------------------------------------------------------------ entry points
@@ -450,35 +370,6 @@ def run_serving_sweep(config: str | Path | ServingConfig, gpu_name: str, *, out:
     return summary
 
 
-def merge(config: str | Path | ServingConfig, gpu_name: str, results: list[Path], *,
-          out: str | Path | None = None, platform=None, log: Callable[[str], None] = print) -> Path:
-    """One table from several results files (the shards of one config and GPU)."""
-    cfg = config if isinstance(config, ServingConfig) else load_serving_config(config)
-    out = Path(out) if out is not None else Path("tables") / f"{gpu_name}.serving.yaml"
-    headers, records = [], Records()
-    for path in results:
-        header, recs, warnings = read_records(Path(path))
-        for warning in warnings:
-            log(f"warning: {warning}")
-        if header is None:
-            raise ServingSweepError(f"{path}: no such results file (or it is empty)")
-        if header.get("config_hash") != cfg.hash or header.get("gpu") != gpu_name:
-            raise ServingSweepError(f"{path} was swept with config hash {header.get('config_hash', '?')[:12]} on "
-                                    f"{header.get('gpu')}, not {cfg.hash[:12]} on {gpu_name}: merge only the "
-                                    "shards of one config and GPU")
-        headers.append(header)
-        for r in recs:
-            records.add(r)
-    platform = platform or gpu.fake_platform(gpu_name)
-    plan = plan_sweep(cfg, platform, check_available=False)
-    shards = sorted({tuple(h.get("shard", (1, 1))) for h in headers})
-    write_table(cfg, plan, records, headers, out, gpu_name,
-                f"not measured: no results file merged holds it (shards {', '.join(f'{i}/{n}' for i, n in shards)})",
-                {"merged": len(headers)})
-    log(f"wrote {out} from {len(headers)} results file(s)")
-    return out
-
-
 def dry_run(cfg: ServingConfig, gpu_name: str, shard: tuple[int, int] = (1, 1),
             gate_workers: int | None = None, log: Callable[[str], None] = print) -> dict:
     """Print the plan (families, candidates, cells, left-out cells, a GPU-time estimate)
@@ -504,8 +395,9 @@ def dry_run(cfg: ServingConfig, gpu_name: str, shard: tuple[int, int] = (1, 1),
         f"(gate and compile {est['gate_and_compile']:.0f} s, cache loads {est['cache_loads']:.0f} s, cells "
         f"{est['cells']:.0f} s, cross {est['cross']:.0f} s, inputs {est['inputs']:.0f} s; a rough cost model, "
         "mla_tune/tune/serving_plan.py)")
-    for reason in sorted({c["reason"].split(":")[0] for f in plan.families.values() for c in f.left_out}):
-        log(f"left-out rule: {reason}")
+    for rule in cfg.left_out:
+        match = ", ".join(f"{name} in {list(values)}" for name, values in rule.match) or "every family"
+        log(f"left out by rule ({match}): cells over {rule.condition} {rule.limit}: {rule.why}")
     return est
 
 
@@ -528,6 +420,17 @@ def _spread_over_devices(args, devices: list[int]) -> int:
         return 1
     merge(args.config, args.gpu, [results_path_for(args.out, (i, n)) for i in range(1, n + 1)], out=args.out)
     return 0
+
+
+def sweep_from_cli(config: Path, gpu_name: str, *, out: Path | None = None, dry_run: bool = False,
+                   force: bool = False, devices: list[int] | None = None, fresh: bool = False) -> int:
+    """`mla-tune sweep` with a serving config (cli.py's hook): the same options, this
+    module's command line; returns its exit code (3: stopped by the budget, resumable)."""
+    argv = ["--config", str(config), "--gpu", gpu_name]
+    argv += ["--out", str(out)] if out is not None else []
+    argv += ["--devices", ",".join(map(str, devices))] if devices else []
+    argv += [flag for flag, on in (("--dry-run", dry_run), ("--force", force), ("--fresh", fresh)) if on]
+    return main(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
