@@ -35,6 +35,7 @@ by max_splits / tokens_per_split) carry their own set:
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 
@@ -410,6 +411,103 @@ def default_serving_variant(spec: CallSpec, platform) -> Variant:
         max_splits=max_splits, tokens_per_split=_FU_SERVING_TOKENS_PER_SPLIT, num_warps=4,
         num_stages=2,
     )
+
+
+# The serving search space (configs/serving.yaml, one backend section or sub-grid), the keys
+# serving_candidates takes: as triton's (backends/triton_splitk.py), with qk_dot / pv_dot
+# for dot_dtype and mma_columns (block_h x next_pow2(max_q_len)) for mma_rows.
+_FU_SERVING_SPACE_KEYS = ("kv", "q", "qk_dot", "pv_dot", "block_n", "mma_columns", "num_warps",
+                      "num_stages", "tokens_per_split", "split_waves", "max_splits", "max_splits_cap")
+
+
+def _fu_serving_lists(space: dict, spec: CallSpec) -> dict:
+    unknown = sorted(set(space) - set(_FU_SERVING_SPACE_KEYS))
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown} in the {NAME} serving space; known: "
+                         f"{', '.join(_FU_SERVING_SPACE_KEYS)}")
+
+    def listed(key: str, default: list) -> list:
+        value = space.get(key, default)
+        return list(value) if isinstance(value, (list, tuple)) else [value]
+
+    lists = {
+        "kv": listed("kv", [spec.kv_format]), "q": listed("q", ["bf16"]),
+        "qk_dot": listed("qk_dot", ["bf16"]), "pv_dot": listed("pv_dot", ["bf16"]),
+        "block_n": listed("block_n", [64]), "mma_columns": listed("mma_columns", [_FU_MMA_COLUMNS]),
+        "num_warps": listed("num_warps", [4]), "num_stages": listed("num_stages", [2]),
+        "tokens_per_split": listed("tokens_per_split", [_FU_SERVING_TOKENS_PER_SPLIT]),
+        "split_waves": listed("split_waves", [1]), "max_splits": listed("max_splits", []),
+    }
+    for key, known in (("kv", _FU_SERVING_KV), ("q", _FU_Q), ("qk_dot", _FU_DOTS), ("pv_dot", _FU_DOTS),
+                       ("block_n", _FU_BLOCK_N)):
+        bad = [v for v in lists[key] if v not in known]
+        if bad:
+            raise ValueError(f"{NAME} serving space: {key} {bad} not offered; known: {', '.join(map(str, known))}")
+    for key in ("mma_columns", "split_waves", "max_splits", "tokens_per_split"):
+        bad = [v for v in lists[key] if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0
+               or (key != "split_waves" and not isinstance(v, int))]
+        if bad:
+            raise ValueError(f"{NAME} serving space: {key} must hold positive "
+                             f"{'numbers' if key == 'split_waves' else 'integers'}, got {bad}")
+    bad_columns = [c for c in lists["mma_columns"] if c < _FU_MMA_COLUMNS or c & (c - 1)]
+    if bad_columns:
+        raise ValueError(f"{NAME} serving space: mma_columns must be powers of two >= {_FU_MMA_COLUMNS}, "
+                         f"got {bad_columns}")
+    cap = space.get("max_splits_cap", _FU_SERVING_MAX_SPLITS)
+    if isinstance(cap, bool) or not isinstance(cap, int) or not 1 <= cap <= PARAM_MAX_SPLITS:
+        raise ValueError(f"{NAME} serving space: max_splits_cap must be an integer 1..{PARAM_MAX_SPLITS}, got {cap!r}")
+    lists["max_splits_cap"] = cap
+    return lists
+
+
+def serving_candidates(spec: CallSpec, space: dict, platform) -> list[Variant]:
+    """The serving variants to sweep for the family `spec` on `platform`, from one search
+    space (_FU_SERVING_SPACE_KEYS): the product of its lists where the family allows them,
+    combinations validate() refuses left out (q=fp8_dynamic goes with qk_dot=fp8, fp8 dots
+    read fp8 KV). A grid whose `kv` excludes spec.kv_format offers nothing; block_h =
+    mma_columns / next_pow2(max_q_len) where that divides the heads; max_splits: for each
+    split wave w, ceil(w x SMs / head tiles) capped at max_splits_cap, plus explicit
+    max_splits; with max_splits 1, one tokens_per_split (the largest). Where no GPU runs
+    them (platform.has_gpu False) bf16 dots become fp16 and fp8 dots are not offered (the
+    interpreter's bf16 dot and fp8 casts are wrong). Nothing for a spec CAPABILITIES refuses."""
+    if CAPABILITIES.refusal(spec) is not None:
+        return []
+    lists = _fu_serving_lists(dict(space or {}), spec)
+    if spec.kv_format not in lists["kv"]:
+        return []
+    columns = _fu_next_pow2(spec.max_q_len)
+    block_hs = sorted({c // columns for c in lists["mma_columns"]
+                       if c // columns >= 1 and spec.heads % (c // columns) == 0})
+    sm_count = platform.sm_count or _FU_SERVING_STANDIN_SMS
+
+    def dot(d: str) -> str | None:
+        if platform.has_gpu:
+            return d
+        return None if d == "fp8" else "fp16"
+
+    out: list[Variant] = []
+    for block_h in block_hs:
+        tiles = spec.heads // block_h
+        splits = {max(1, min(math.ceil(w * sm_count / tiles), lists["max_splits_cap"]))
+                  for w in lists["split_waves"]}
+        splits = sorted(splits | {min(m, PARAM_MAX_SPLITS) for m in lists["max_splits"]})
+        for q, qk, pv, block_n, warps, stages, max_splits in itertools.product(
+                lists["q"], lists["qk_dot"], lists["pv_dot"], lists["block_n"], lists["num_warps"],
+                lists["num_stages"], splits):
+            qk, pv = dot(qk), dot(pv)
+            if qk is None or pv is None or (qk == "fp8") != (q == "fp8_dynamic"):
+                continue
+            if "fp8" in (qk, pv) and spec.kv_format != "fp8":
+                continue
+            rules = [max(lists["tokens_per_split"])] if max_splits == 1 else lists["tokens_per_split"]
+            for tokens_per_split in rules:
+                variant = Variant.make(
+                    NAME, kv=spec.kv_format, q=q, qk_dot=qk, pv_dot=pv, block_n=block_n,
+                    block_h=block_h, max_splits=max_splits, tokens_per_split=tokens_per_split,
+                    num_warps=warps, num_stages=stages)
+                validate(variant)  # a bad num_warps or num_stages fails here, naming it
+                out.append(variant)
+    return list(dict.fromkeys(out))
 
 
 def build_serving(variant: Variant, spec: CallSpec, device):

@@ -14,6 +14,7 @@ compiler options.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 
 import torch
@@ -307,6 +308,105 @@ def default_serving_variant(spec: CallSpec, platform) -> Variant:
         tokens_per_split=tokens, num_warps=warps, num_stages=2,
         dot_dtype="bf16" if platform.has_gpu else "fp16",
     )
+
+
+# The serving search space (configs/serving.yaml, one backend section or sub-grid), the keys
+# serving_candidates takes. block_h and max_splits are derived per family: block_h from the
+# MMA rows wanted (block_h x next_pow2(max_q_len)), max_splits from waves of the platform's
+# SMs over the family's head tiles, capped (scratch is max_splits x heads x 2 KiB per token).
+_tsk_SERVING_SPACE_KEYS = ("kv", "q", "block_n", "mma_rows", "num_warps", "num_stages", "dot_dtype",
+                      "tokens_per_split", "split_waves", "max_splits", "max_splits_cap")
+
+
+def _tsk_serving_lists(space: dict, spec: CallSpec, platform) -> dict:
+    """The space's lists with defaults (the default serving variant's values), refusing an
+    unknown key or a value no serving variant takes."""
+    unknown = sorted(set(space) - set(_tsk_SERVING_SPACE_KEYS))
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown} in the triton serving space; known: "
+                         f"{', '.join(_tsk_SERVING_SPACE_KEYS)}")
+    lists = {
+        "kv": _tsk_list(space, "kv", [spec.kv_format]),
+        "q": _tsk_list(space, "q", ["bf16"]),
+        "block_n": _tsk_list(space, "block_n", [64]),
+        "mma_rows": _tsk_list(space, "mma_rows", [_tsk_MMA_ROWS]),
+        "num_warps": _tsk_list(space, "num_warps", [4]),
+        "num_stages": _tsk_list(space, "num_stages", [2]),
+        "dot_dtype": _tsk_list(space, "dot_dtype", ["bf16"]),
+        "tokens_per_split": _tsk_list(space, "tokens_per_split", [_tsk_SERVING_TOKENS_PER_SPLIT]),
+        "split_waves": _tsk_list(space, "split_waves", [1]),
+        "max_splits": _tsk_list(space, "max_splits", []),
+    }
+    for key, known in (("kv", _tsk_KV_FORMATS), ("q", ("bf16", "fp8_dynamic")),
+                       ("dot_dtype", _tsk_DOT_DTYPES)):
+        bad = [v for v in lists[key] if v not in known]
+        if bad:
+            raise ValueError(f"triton serving space: {key} {bad} not offered; known: {', '.join(known)}"
+                             + (" (fp8_static needs a calibration the serving sweep does not make)"
+                                if key == "q" else ""))
+    for key in ("mma_rows", "split_waves", "max_splits", "tokens_per_split"):
+        bad = [v for v in lists[key] if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0
+               or (key != "split_waves" and not isinstance(v, int))]
+        if bad:
+            raise ValueError(f"triton serving space: {key} must hold positive "
+                             f"{'numbers' if key == 'split_waves' else 'integers'}, got {bad}")
+    bad_rows = [r for r in lists["mma_rows"] if r < _tsk_MMA_ROWS or r & (r - 1)]
+    if bad_rows:
+        raise ValueError(f"triton serving space: mma_rows must be powers of two >= {_tsk_MMA_ROWS}, got {bad_rows}")
+    cap = space.get("max_splits_cap", _tsk_SERVING_MAX_SPLITS)
+    if isinstance(cap, bool) or not isinstance(cap, int) or not 1 <= cap <= PARAM_MAX_SPLITS:
+        raise ValueError(f"triton serving space: max_splits_cap must be an integer 1..{PARAM_MAX_SPLITS}, got {cap!r}")
+    lists["max_splits_cap"] = cap
+    if not platform.has_gpu:  # the interpreter's bf16 dot is wrong: fp16 stands in
+        lists["dot_dtype"] = list(dict.fromkeys("fp16" for _ in lists["dot_dtype"]))
+    return lists
+
+
+def _tsk_serving_split_counts(spec: CallSpec, block_h: int, split_waves, max_splits, cap: int,
+                         sm_count: int) -> list[int]:
+    """The max_splits values offered for a family: for each w in split_waves, enough splits
+    for one sequence to fill w waves of the SMs with the family's head tiles (ceil(w x SMs
+    / (heads / block_h))), capped; plus the explicit max_splits values; sorted."""
+    tiles = spec.heads // block_h
+    counts = {max(1, min(math.ceil(w * sm_count / tiles), cap)) for w in split_waves}
+    counts |= {min(m, PARAM_MAX_SPLITS) for m in max_splits}
+    return sorted(counts)
+
+
+def serving_candidates(spec: CallSpec, space: dict, platform) -> list[Variant]:
+    """The serving variants to sweep for the family `spec` on `platform`, from one search
+    space (_tsk_SERVING_SPACE_KEYS): the product of its lists where the family allows them. A
+    grid whose `kv` excludes spec.kv_format offers nothing (sub-grids are per format);
+    block_h = mma_rows / next_pow2(max_q_len) where that divides the heads; max_splits from
+    _tsk_serving_split_counts (platform.sm_count, or a stand-in of a few on the interpreter);
+    with max_splits 1 the split rule is moot, so one tokens_per_split (the largest) is
+    offered; dot dtypes become fp16 where no GPU runs them (platform.has_gpu False).
+    Nothing is offered for a spec CAPABILITIES refuses."""
+    if CAPABILITIES.refusal(spec) is not None:
+        return []
+    lists = _tsk_serving_lists(dict(space or {}), spec, platform)
+    if spec.kv_format not in lists["kv"]:
+        return []
+    rows = _tsk_next_pow2(spec.max_q_len)
+    block_hs = sorted({r // rows for r in lists["mma_rows"]
+                       if r // rows >= 1 and spec.heads % (r // rows) == 0})
+    sm_count = platform.sm_count or _tsk_INTERPRETER_SMS
+    out: list[Variant] = []
+    for block_h in block_hs:
+        splits = _tsk_serving_split_counts(spec, block_h, lists["split_waves"], lists["max_splits"],
+                                      lists["max_splits_cap"], sm_count)
+        for q, block_n, warps, stages, dot, max_splits in itertools.product(
+                lists["q"], lists["block_n"], lists["num_warps"], lists["num_stages"],
+                lists["dot_dtype"], splits):
+            rules = [max(lists["tokens_per_split"])] if max_splits == 1 else lists["tokens_per_split"]
+            for tokens_per_split in rules:
+                variant = Variant.make(
+                    NAME, kv=spec.kv_format, q=q, block_n=block_n, block_h=block_h,
+                    max_splits=max_splits, tokens_per_split=tokens_per_split, num_warps=warps,
+                    num_stages=stages, dot_dtype=dot)
+                validate(variant)  # a bad block_n or num_warps fails here, naming it
+                out.append(variant)
+    return list(dict.fromkeys(out))
 
 
 def build_serving(variant: Variant, spec: CallSpec, device):

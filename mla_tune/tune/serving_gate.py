@@ -1,0 +1,213 @@
+"""The serving sweep's correctness gate: each candidate once per family, on two probes.
+
+A serving kernel does not change with the batch or the lengths (they are read on the
+device; the grid is sized from maxima), so one gate per (family, candidate) stands for
+every cell of the family. The probes, against mla_tune.serving.reference (fp32; with
+`reference_q: exact`, bf16 q: the exact answer, so a q quantization counts as the kernel's
+error):
+- ragged: the config's kv lengths (1, 17, 63, 64, 65 and a tail such as 3000: one token,
+  tile and page edges, a long sequence beside short ones), q_len cycling down from the
+  family's max where the family mixes q_lens (else every sequence at the max, kv lengths
+  raised to it);
+- tail: a uniform batch at a length that ends inside a tile, a page and a split.
+(`reference_q: variant` instead quantizes the reference's q as the candidate's q mode does,
+the convention of scripts/engine_loop.py: the gate then judges the kernel, not the price of
+its q mode.) Each must keep the failing share under margin x the rule's allowance (problem.check).
+
+Gating compiles every kernel, so with `workers` > 0 it runs in that many spawned processes
+(Triton's disk cache then serves the timing process); a process that dies (a kernel that
+kills its CUDA context) costs only its own candidate: the rest run again one at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+
+import torch
+from triton.errors import TritonError
+
+from mla_tune import problem
+from mla_tune.backends import get_backend
+from mla_tune.core import CallSpec, Variant
+from mla_tune.problem import Rule
+from mla_tune.serving import ServingInput, make_input
+from mla_tune.tune.procs import die_with_parent
+from mla_tune.tune.serving_config import GateSpec
+
+# What building or running a candidate may raise that judges the candidate, not the sweep:
+# a refusal (ValueError), a CUDA or vendor error (RuntimeError, torch.OutOfMemoryError
+# included), a Triton compile or resource error, an assertion in a kernel launcher, a
+# vendor library that does not import.
+RUN_ERRORS = (ValueError, RuntimeError, TritonError, AssertionError, ImportError)
+
+
+@dataclass(frozen=True)
+class GateJob:
+    spec: CallSpec
+    variant: str
+    gate: GateSpec
+    rule: Rule
+    device: str
+
+
+def error_text(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}"
+
+
+def probe_lengths(spec: CallSpec, gate: GateSpec) -> list[tuple[str, list[int], list[int], int]]:
+    """(label, q_lens, kv_lens, seed) of the two probes for a family."""
+    top = spec.max_q_len
+    if spec.mixed_q_len:
+        ragged_kv = list(gate.ragged_kv_lens)
+        ragged_q = [min(top - i % top, n) for i, n in enumerate(ragged_kv)]
+    else:
+        ragged_kv = [max(n, top) for n in gate.ragged_kv_lens]
+        ragged_q = [top] * len(ragged_kv)
+    tail_kv = [max(gate.tail_kv_len, top)] * gate.tail_batch
+    return [("ragged", ragged_q, ragged_kv, gate.seeds[0]),
+            ("tail", [top] * gate.tail_batch, tail_kv, gate.seeds[1])]
+
+
+@functools.lru_cache(maxsize=2)
+def _probe_inputs(spec: CallSpec, gate: GateSpec, device: str) -> tuple[tuple[str, ServingInput], ...]:
+    """A family's probe inputs, made once per process."""
+    return tuple((label, make_input(q_lens, kv_lens, spec.heads, spec.page_size, spec.kv_format,
+                                    seed=seed, device=device))
+                 for label, q_lens, kv_lens, seed in probe_lengths(spec, gate))
+
+
+def reference_q_format(variant: Variant, gate: GateSpec) -> str:
+    """The q the gate's reference reads: bf16, the exact answer (reference_q: exact), or
+    q quantized as the variant's q mode does (reference_q: variant; fp8 q modes as
+    problem.quantize_fp8's per-tensor scale, the convention of scripts/engine_loop.py and
+    the vendor tests): then the gate judges the kernel, not the price of its q mode."""
+    if gate.reference_q == "variant" and str(variant.get("q", "bf16")).startswith("fp8"):
+        return "fp8"
+    return "bf16"
+
+
+@functools.lru_cache(maxsize=4)
+def _references(spec: CallSpec, gate: GateSpec, device: str, q_format: str) -> tuple[torch.Tensor, ...]:
+    return tuple(inp.reference(q_format) for _, inp in _probe_inputs(spec, gate, device))
+
+
+def run_call(runner, inp: ServingInput) -> torch.Tensor:
+    """One serving call of `runner` on `inp`, lengths on the host too (backends that plan
+    there need them; the others ignore them)."""
+    return runner(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout,
+                  q_lens_host=inp.q_lens, kv_lens_host=inp.kv_lens)
+
+
+# Errors after which the CUDA context is lost: nothing else runs in that process.
+POISON_MARKERS = ("CUDA error", "illegal memory access", "HIP error", "device-side assert",
+                  "unspecified launch failure")
+
+
+def poisons_context(exc: BaseException) -> bool:
+    return type(exc).__name__ == "AcceleratorError" or any(m in str(exc) for m in POISON_MARKERS)
+
+
+def gate_one(job: GateJob) -> dict:
+    """The gate record's fields for one (family, candidate): ok, reason, checks, seconds,
+    and poisoned (the CUDA context of this process is lost)."""
+    start = time.perf_counter()
+    variant = Variant.parse(job.variant)
+    checks = []
+
+    def outcome(ok: bool, reason: str, poisoned: bool = False) -> dict:
+        out = {"ok": ok, "reason": reason, "checks": checks, "seconds": round(time.perf_counter() - start, 3)}
+        return {**out, "poisoned": True} if poisoned else out
+
+    try:
+        runner = get_backend(variant.backend).build_serving(variant, job.spec, job.device)
+        refs = _references(job.spec, job.gate, job.device, reference_q_format(variant, job.gate))
+        for (label, inp), ref in zip(_probe_inputs(job.spec, job.gate, job.device), refs, strict=True):
+            result = problem.check(run_call(runner, inp), ref, job.rule, margin=job.gate.margin)
+            checks.append({"probe": label, "mismatch": round(result.mismatch, 6),
+                           "max_abs_err": round(min(result.max_abs_err, 1e30), 6)})
+            if not result.passed:
+                return outcome(False, f"{label} probe: {result.reason}")
+    except RUN_ERRORS as exc:
+        return outcome(False, error_text(exc), poisons_context(exc))
+    return outcome(True, "ok")
+
+
+_POISONED = []  # set in a gate process whose CUDA context a job lost: it exits at the next
+
+
+def _worker_start(parent_pid: int) -> None:
+    die_with_parent(parent_pid)
+
+
+def _worker_gate(job: GateJob) -> dict:
+    if _POISONED:
+        os._exit(3)  # the pool sees a dead process; the jobs it held run again in isolation
+    out = gate_one(job)
+    if out.get("poisoned"):
+        _POISONED.append(job.variant)
+    return out
+
+
+def _pool(workers: int) -> ProcessPoolExecutor:
+    return ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"),
+                               initializer=_worker_start, initargs=(os.getpid(),))
+
+
+class ContextLost(RuntimeError):
+    """The sweep's own CUDA context is lost (gating in-process): rerun to resume."""
+
+
+def run_gates(jobs: list[GateJob], workers: int,
+              stop: Callable[[], bool] = lambda: False) -> Iterator[tuple[GateJob, dict]]:
+    """(job, outcome) for each job, as they finish: in this process (workers 0; a job
+    that loses the CUDA context is reported, then ContextLost is raised), or in a pool of
+    `workers` spawned processes. When a pool process dies, the jobs it may have held run
+    again one at a time, each in its own process, so a death names its own job; then the
+    pool restarts for the rest. `stop()` true: no further job starts."""
+    if workers <= 0:
+        for job in jobs:
+            if stop():
+                return
+            out = gate_one(job)
+            yield job, out
+            if out.get("poisoned"):
+                raise ContextLost(f"the CUDA context was lost gating {job.variant} ({out['reason']}); "
+                                  "its gate is recorded as failed: run the sweep again to resume")
+        return
+    pending = list(jobs)
+    while pending and not stop():
+        suspects: list[GateJob] = []
+        with _pool(workers) as pool:
+            futures: dict = {}
+            while (pending and not stop()) or futures:
+                while pending and len(futures) < 2 * workers and not stop():
+                    job = pending.pop(0)
+                    futures[pool.submit(_worker_gate, job)] = job
+                done, _ = wait(futures, return_when=FIRST_COMPLETED)
+                for future in done:
+                    job = futures.pop(future)
+                    try:
+                        out = future.result()
+                    except BrokenProcessPool:
+                        suspects.append(job)
+                        continue
+                    yield job, out
+                if suspects:
+                    suspects += list(futures.values())
+                    break
+        for job in suspects:
+            with _pool(1) as single:
+                try:
+                    out = single.submit(gate_one, job).result()
+                except BrokenProcessPool:
+                    out = {"ok": False, "reason": "crashed: its gate process died (a segfault or a "
+                           "kernel that killed the process)", "checks": [], "seconds": 0.0}
+            yield job, out

@@ -1,0 +1,201 @@
+"""The serving sweep's plan: families and their candidates, cells, units, shards, and an
+estimate of its GPU time (what `--dry-run` prints).
+
+A *cell* is (family, batch bucket, kv bucket); a *unit* is one family's batch bucket: its
+kv cells, searched in increasing kv order, then its cross stage (the CUDA-graph pick of
+that bucket, which needs every kv cell of the bucket). Units are the sweep's order and its
+shards: `--shard i/n` takes units i, i+n, i+2n, ... (1-based) of the deterministic order
+(families as the config lists them, batch buckets increasing), so that a shard's graph
+picks need no other shard. Cells a config rule leaves out are never planned.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from mla_tune.backends import capabilities, get_backend, platform_refusal
+from mla_tune.core import CallSpec, Variant
+from mla_tune.runtime.decode import why_not
+from mla_tune.tables.serving_table import FamilyKey
+from mla_tune.tune.serving_config import KV_BYTES_PER_TOKEN, ServingConfig
+
+
+@dataclass
+class FamilyPlan:
+    key: FamilyKey
+    spec: CallSpec
+    candidates: list[Variant]  # in the order offered (backends as the config lists them)
+    skipped: dict[str, str] = field(default_factory=dict)  # backend -> why it offers nothing
+    left_out: list[dict] = field(default_factory=list)  # {batch, kv_len, reason} by config rule
+
+    def per_backend(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for v in self.candidates:
+            counts[v.backend] = counts.get(v.backend, 0) + 1
+        return counts
+
+
+@dataclass(frozen=True)
+class Unit:
+    index: int  # in the deterministic order of all units (0-based)
+    key: FamilyKey
+    batch: int
+    kv_lens: tuple[int, ...]  # the cells planned (those no rule leaves out), increasing
+
+
+@dataclass
+class SweepPlan:
+    families: dict[FamilyKey, FamilyPlan]
+    units: list[Unit]  # this shard's
+    all_units: int
+    shard: tuple[int, int]
+
+    @property
+    def cells(self) -> int:
+        return sum(len(u.kv_lens) for u in self.units)
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """'2/4' -> (2, 4): the second of four shards (1-based)."""
+    try:
+        i, n = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard must be i/n with 1 <= i <= n, like 1/2, got {text!r}") from None
+    if not 1 <= i <= n:
+        raise ValueError(f"--shard must be i/n with 1 <= i <= n, like 1/2, got {text!r}")
+    return i, n
+
+
+def backend_offer(name: str, spec: CallSpec, grids: list[dict], platform) -> list[Variant]:
+    """Backend `name`'s serving candidates for `spec`: its serving_candidates over each grid
+    of its space (in order, without repeats), or, for a backend without that function, its
+    default serving variant (the vendors' until they define their own)."""
+    module = get_backend(name)
+    offer = getattr(module, "serving_candidates", None)
+    if offer is None:
+        return [module.default_serving_variant(spec, platform)]
+    out: list[Variant] = []
+    for grid in grids:
+        out += offer(spec, dict(grid), platform)
+    return list(dict.fromkeys(out))
+
+
+def family_plan(cfg: ServingConfig, key: FamilyKey, platform, check_available: bool = True) -> FamilyPlan:
+    """A family's candidates on `platform`. A backend is skipped, with its reason, when its
+    capability record refuses the spec or the platform, or (check_available) when it cannot
+    run here (a missing library, no GPU); a dry run plans for a GPU it does not have and so
+    asks only the records."""
+    spec = cfg.spec(key)
+    plan = FamilyPlan(key, spec, [])
+    for name, grids in cfg.backends.items():
+        if check_available:
+            reason = why_not(name, spec, platform)
+        else:
+            reason = capabilities(name).refusal(spec) or platform_refusal(name, platform)
+        if reason is not None:
+            plan.skipped[name] = reason
+            continue
+        offered = backend_offer(name, spec, grids, platform)
+        if not offered:
+            plan.skipped[name] = "its serving space offers nothing for this family"
+        plan.candidates += [v for v in offered if v not in plan.candidates]
+    for batch in cfg.batch_buckets:
+        for kv_len in cfg.kv_buckets:
+            reason = cfg.left_out_reason(key, batch, kv_len)
+            if reason is not None:
+                plan.left_out.append({"batch": batch, "kv_len": kv_len, "reason": reason})
+    return plan
+
+
+def plan_sweep(cfg: ServingConfig, platform, shard: tuple[int, int] = (1, 1),
+               check_available: bool = True) -> SweepPlan:
+    families = {key: family_plan(cfg, key, platform, check_available) for key in cfg.families}
+    units: list[Unit] = []
+    for key, fam in families.items():
+        out = {(c["batch"], c["kv_len"]) for c in fam.left_out}
+        for batch in cfg.batch_buckets:
+            kv_lens = tuple(kv for kv in cfg.kv_buckets if (batch, kv) not in out)
+            if kv_lens:
+                units.append(Unit(len(units), key, batch, kv_lens))
+    i, n = shard
+    return SweepPlan(families, [u for u in units if u.index % n == i - 1], len(units), shard)
+
+
+# ------------------------------------------------------------------ the cost model
+# Rough H200 figures for the dry run's estimate (calibrate against a run's own seconds,
+# which the progress lines print): per timing sample, the L2 flush (a 512 MB write, ~0.17
+# ms) and the queued sleep that hides the host (>= 0.2 ms) besides the kernel; per
+# measurement, 3 warm-up and 3 synchronized wall-time calls and the host around them; the
+# kernel reads its KV at ~3 TB/s after ~10 us of launch and reduction; a Triton compile
+# of one kernel set ~4 s on one core (split across the gate workers), loading it from the
+# disk cache in the timing process ~0.3 s; building a cell's input ~1 GB/50 ms.
+SAMPLE_OVERHEAD_US = 400.0
+MEASURE_OVERHEAD_S = 0.004
+KERNEL_FIXED_US = 10.0
+KV_BYTES_PER_US = 3.0e6
+COMPILE_S = 4.0
+CACHE_LOAD_S = 0.3
+GATE_CALL_S = 0.05
+INPUT_BYTES_PER_S = 20e9
+_SEEDS_PER_CELL = 2  # neighbours' winners carried to the last rung besides the kept share
+
+
+def kernel_us(key: FamilyKey, batch: int, kv_len: int) -> float:
+    return KERNEL_FIXED_US + batch * kv_len * KV_BYTES_PER_TOKEN[key.kv_format] / KV_BYTES_PER_US
+
+
+def compile_key(variant: Variant) -> tuple:
+    """What a Triton compile depends on: the variant without tokens_per_split, which the
+    own kernels pass as a runtime argument (do_not_specialize)."""
+    return (variant.backend, tuple((k, v) for k, v in variant.params if k != "tokens_per_split"))
+
+
+def rung_sizes(cfg: ServingConfig, candidates: int) -> list[int]:
+    sizes = [candidates]
+    for _ in cfg.search.rungs[1:]:
+        n = sizes[-1]
+        sizes.append(min(n, max(cfg.search.min_keep, math.ceil(cfg.search.keep * n)) + _SEEDS_PER_CELL))
+    return sizes
+
+
+def measurement_s(key: FamilyKey, batch: int, kv_len: int, samples: int) -> float:
+    k = kernel_us(key, batch, kv_len)
+    return MEASURE_OVERHEAD_S + (samples * (SAMPLE_OVERHEAD_US + k) + 6 * k) / 1e6
+
+
+def estimate(cfg: ServingConfig, plan: SweepPlan, gate_workers: int | None = None) -> dict:
+    """Seconds of GPU-machine time by stage for this plan (the cost model above)."""
+    workers = max(1, cfg.gate_workers if gate_workers is None else gate_workers)
+    mine = {u.key for u in plan.units}
+    gate = compile_s = load_s = cells_s = cross_s = inputs_s = 0.0
+    for key in mine:
+        fam = plan.families[key]
+        compiles = len({compile_key(v) for v in fam.candidates})
+        compile_s += compiles * COMPILE_S / workers
+        gate += len(fam.candidates) * GATE_CALL_S / workers
+        load_s += compiles * CACHE_LOAD_S
+    last = cfg.search.rungs[-1]
+    for unit in plan.units:
+        fam = plan.families[unit.key]
+        sizes = rung_sizes(cfg, len(fam.candidates))
+        union = min(len(fam.candidates), 2 * cfg.search.cross_top)
+        for kv_len in unit.kv_lens:
+            cells_s += sum(n * measurement_s(unit.key, unit.batch, kv_len, s)
+                           for n, s in zip(sizes, cfg.search.rungs, strict=True))
+            # the union's members not already in this cell's last rung
+            cross_s += max(0, union - sizes[-1] + 1) * measurement_s(unit.key, unit.batch, kv_len, last)
+            inputs_s += 2 * (0.01 + unit.batch * kv_len * KV_BYTES_PER_TOKEN[unit.key.kv_format]
+                             / INPUT_BYTES_PER_S)
+    parts = {"gate_and_compile": gate + compile_s, "cache_loads": load_s, "cells": cells_s,
+             "cross": cross_s, "inputs": inputs_s}
+    parts["total"] = sum(parts.values())
+    return {k: round(v, 1) for k, v in parts.items()}
+
+
+def left_out_summary(fam: FamilyPlan) -> list[str]:
+    """One line per batch bucket with cells left out: 'batch 64: kv 32768, 65536'."""
+    by_batch: dict[int, list[int]] = {}
+    for c in fam.left_out:
+        by_batch.setdefault(c["batch"], []).append(c["kv_len"])
+    return [f"batch {b}: kv {', '.join(map(str, kvs))}" for b, kvs in sorted(by_batch.items())]

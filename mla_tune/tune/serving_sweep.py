@@ -1,0 +1,489 @@
+"""The serving sweep: tune the serving table (tables/GPU.serving.yaml) from a serving config.
+
+    python -m mla_tune.tune.serving_sweep --config configs/serving.yaml --gpu H200
+        [--out tables/H200.serving.yaml] [--shard i/n] [--devices 0,1] [--budget S]
+        [--gate-workers N] [--fresh] [--force] [--dry-run]
+    python -m mla_tune.tune.serving_sweep merge --config configs/serving.yaml --gpu H200
+        [--out tables/H200.serving.yaml] RESULTS.jsonl ...
+
+Stages (serving_plan.py plans them, serving_results.py records them):
+1. Gate: each family's candidates once, on a ragged and a tail probe (serving_gate.py).
+2. Cells, unit by unit (a family's batch bucket), kv buckets increasing: successive halving
+   over the gated candidates (search.rungs samples per rung, keep the best `keep` share,
+   at least min_keep), the neighbouring cells' winners (same family, adjacent batch or kv
+   bucket, already measured) first and carried to the last rung. The winner is the cell's
+   pick for eager calls (lookup by the kv bucket of the mean length).
+3. Cross, per unit: the union of each kv cell's best `cross_top` timed at every kv cell of
+   the bucket; the CUDA-graph pick (serving_table.choose_graph_pick) is the one whose worst
+   regret over those kv cells is smallest: a graph cannot depend on kv_len.
+Every measurement is appended to the results file as it is made, so a killed sweep resumes
+where it stopped; `budget_s` stops timing cleanly between measurements (the table is still
+written, the cells not reached left out with the reason). A shard (`--shard i/n`) takes
+every n-th unit and writes its own results file; `merge` builds one table from several;
+`--devices` runs one shard per GPU and merges.
+
+The timer is injectable (GPU: timing.time_call, the leaderboard protocol; CPU:
+timing.cpu_time), so the whole pipeline runs under Triton's interpreter in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mla_tune import gpu
+from mla_tune.backends import get_backend
+from mla_tune.core import Variant
+from mla_tune.errors import MlaTuneError
+from mla_tune.serving import ServingInput, make_input
+from mla_tune.tables.serving_table import FamilyKey, choose_graph_pick
+from mla_tune.tune import timing
+from mla_tune.tune.results import SweepLock, move_aside
+from mla_tune.tune.serving_build import ServingSweepError, merge, write_table
+from mla_tune.tune.serving_config import ServingConfig, load_serving_config
+from mla_tune.tune.serving_gate import (
+    RUN_ERRORS,
+    ContextLost,
+    GateJob,
+    error_text,
+    poisons_context,
+    probe_lengths,
+    run_call,
+    run_gates,
+)
+from mla_tune.tune.serving_plan import (
+    SweepPlan,
+    Unit,
+    estimate,
+    left_out_summary,
+    parse_shard,
+    plan_sweep,
+)
+from mla_tune.tune.serving_results import SCHEMA, Recorder, Records, results_path_for
+
+Timer = Callable[..., timing.Timing]  # timer(call, reps) -> Timing
+
+
+class _BudgetSpent(Exception):
+    pass
+
+
+@dataclass
+class TimedCall:
+    """What the timer times: one serving call of `variant` at a cell. Tests' timers read
+    variant, family, batch and kv_len to return made-up times."""
+
+    variant: Variant
+    family: FamilyKey
+    batch: int
+    kv_len: int
+    runner: Callable
+    inp: ServingInput
+
+    def __call__(self):
+        return run_call(self.runner, self.inp)
+
+
+def _family(key: FamilyKey) -> dict:
+    return key.as_dict()
+
+
+def cell_seed(batch: int, kv_len: int) -> int:
+    """The cell's input seed: fixed per cell, so every candidate and every resume times the
+    same data."""
+    return 1_000_003 * batch + kv_len
+
+
+class Sweeper:
+    """Runs one shard's plan against a Recorder (see the module docstring)."""
+
+    def __init__(self, cfg: ServingConfig, plan: SweepPlan, recorder: Recorder, *, timer: Timer,
+                 device, deadline: float, log: Callable[[str], None] = print, gate_workers: int | None = None):
+        self.cfg, self.plan, self.rec = cfg, plan, recorder
+        self.timer, self.device, self.deadline, self.log = timer, torch.device(device), deadline, log
+        self.gate_workers = cfg.gate_workers if gate_workers is None else gate_workers
+        self.passed: dict[FamilyKey, list[Variant]] = {}
+        self._inputs: dict[tuple, ServingInput] = {}
+        self.stopped = False
+        self.started = time.monotonic()
+        self.timed = 0  # measurements made by this process (not replayed)
+
+    # ------------------------------------------------------------------ gate
+    def gate(self) -> None:
+        keys = list(dict.fromkeys(u.key for u in self.plan.units))
+        jobs = []
+        for key in keys:
+            spec = self.plan.families[key].spec
+            for v in self.plan.families[key].candidates:
+                if (key, str(v)) not in self.rec.records.gates:
+                    jobs.append(GateJob(spec, str(v), self.cfg.gate, self.cfg.rule, str(self.device)))
+        if jobs:
+            self.log(f"gate: {len(jobs)} candidate(s) over {len(keys)} famil{'y' if len(keys) == 1 else 'ies'}"
+                     f" ({self.gate_workers or 'no'} worker process(es))")
+        done = 0
+        for job, out in run_gates(jobs, self.gate_workers, stop=self._over_budget):
+            key = FamilyKey.of(job.spec)
+            out = {k: v for k, v in out.items() if k != "poisoned"}
+            self.rec.append({"kind": "gate", "family": _family(key), "variant": job.variant, **out})
+            done += 1
+            if not out["ok"]:
+                self.log(f"  gate rejects {job.variant} for {key}: {out['reason']}")
+        for key in keys:
+            fam = self.plan.families[key]
+            self.passed[key] = [v for v in fam.candidates
+                                if self.rec.records.gates.get((key, str(v)), {}).get("ok")]
+            self.log(f"gate: {key}: {len(self.passed[key])} of {len(fam.candidates)} candidates pass")
+        if done < len(jobs):
+            self.stopped = True
+
+    def _over_budget(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    # ------------------------------------------------------------------ measurements
+    def _input(self, key: FamilyKey, batch: int, kv_len: int) -> ServingInput:
+        cell = (key, batch, kv_len)
+        if cell not in self._inputs:
+            self._inputs.clear()  # one cell's input at a time: the large ones take GBs
+            q_lens = [key.q_len] * batch
+            self._inputs[cell] = make_input(q_lens, [kv_len] * batch, key.heads, key.page_size,
+                                            key.kv_format, seed=cell_seed(batch, kv_len), device=self.device)
+        return self._inputs[cell]
+
+    def measure(self, key: FamilyKey, batch: int, kv_len: int, variant: Variant, samples: int) -> float:
+        """The median (us) of `samples` samples of `variant` at the cell: the recorded one,
+        else measured now and recorded. inf when it failed to run."""
+        step = self.rec.records.steps.get(Records.step_key(key, batch, kv_len, str(variant), samples))
+        if step is None:
+            if self._over_budget():
+                raise _BudgetSpent
+            step = self._time(key, batch, kv_len, variant, samples)
+        return step["time"]["median_us"] if step["status"] == "ok" else math.inf
+
+    def _time(self, key: FamilyKey, batch: int, kv_len: int, variant: Variant, samples: int) -> dict:
+        record = {"kind": "step", "family": _family(key), "batch": batch, "kv_len": kv_len,
+                  "variant": str(variant), "samples": samples}
+        spec = self.plan.families[key].spec
+        try:
+            runner = get_backend(variant.backend).build_serving(variant, spec, self.device)
+            call = TimedCall(variant, key, batch, kv_len, runner, self._input(key, batch, kv_len))
+            measured = self.timer(call, samples)
+            record.update(status="ok", time=measured.as_dict())
+        except RUN_ERRORS as exc:
+            record.update(status="failed", error=error_text(exc))
+            self.rec.append(record)
+            if poisons_context(exc):
+                raise ContextLost(f"the CUDA context was lost timing {variant} at batch {batch}, kv "
+                                  f"{kv_len} ({error_text(exc)}); it is recorded as failed: run the "
+                                  "sweep again to resume") from exc
+            if type(exc).__name__ == "OutOfMemoryError":
+                self._inputs.clear()
+                torch.cuda.empty_cache()
+            return record
+        self.timed += 1
+        return self.rec.append(record)
+
+    # ------------------------------------------------------------------ search
+    def neighbour_winners(self, key: FamilyKey, batch: int, kv_len: int) -> list[Variant]:
+        """Winners of the adjacent cells (batch and kv buckets, either side) already
+        recorded, among this family's gated candidates, in a fixed order."""
+        bb, kb = self.cfg.batch_buckets, self.cfg.kv_buckets
+        i, j = bb.index(batch), kb.index(kv_len)
+        near = [(bb[i - 1], kv_len) if i > 0 else None, (batch, kb[j - 1]) if j > 0 else None,
+                (bb[i + 1], kv_len) if i + 1 < len(bb) else None, (batch, kb[j + 1]) if j + 1 < len(kb) else None]
+        out = []
+        for cell in filter(None, near):
+            record = self.rec.records.cells.get((key, *cell))
+            if record and record.get("status") == "ok":
+                winner = Variant.parse(record["winner"])
+                if winner in self.passed[key] and winner not in out:
+                    out.append(winner)
+        return out
+
+    def search_cell(self, key: FamilyKey, batch: int, kv_len: int) -> dict:
+        recorded = self.rec.records.cells.get((key, batch, kv_len))
+        if recorded is not None:
+            return recorded
+        s = self.cfg.search
+        seeds = self.neighbour_winners(key, batch, kv_len)
+        order = seeds + [v for v in self.passed[key] if v not in seeds]
+        rank = {v: i for i, v in enumerate(order)}
+        entrants, sizes, times = order, [], {}
+        for r, samples in enumerate(s.rungs):
+            sizes.append(len(entrants))
+            times = {v: self.measure(key, batch, kv_len, v, samples) for v in entrants}
+            ranked = sorted((v for v in entrants if times[v] < math.inf), key=lambda v: (times[v], rank[v]))
+            if r == len(s.rungs) - 1 or not ranked:
+                break
+            n = max(s.min_keep, math.ceil(s.keep * len(ranked)))
+            kept = ranked[:n] + [v for v in seeds if v in ranked[n:]]
+            entrants = sorted(kept, key=lambda v: rank[v])
+        record = {"kind": "cell", "family": _family(key), "batch": batch, "kv_len": kv_len,
+                  "seeds": [str(v) for v in seeds], "entrants": sizes}
+        if not ranked:
+            errors = [self.rec.records.steps[Records.step_key(key, batch, kv_len, str(v), s.rungs[0])].get("error", "")
+                      for v in order[:1]] if order else []
+            reason = ("no candidate passed the gate" if not order
+                      else f"every candidate failed to run (first: {errors[0] if errors else '?'})")
+            return self.rec.append({**record, "status": "failed", "reason": reason}, durable=True)
+        winner = ranked[0]
+        record.update(status="ok", winner=str(winner), time_us=times[winner],
+                      top=[str(v) for v in ranked[:s.cross_top]])
+        if len(ranked) > 1:
+            record["runner_up"] = {"variant": str(ranked[1]), "time_us": times[ranked[1]]}
+        return self.rec.append(record, durable=True)
+
+    def cross(self, unit: Unit) -> dict | None:
+        """The unit's CUDA-graph pick (recorded), over its cells that have a winner."""
+        recorded = self.rec.records.graphs.get((unit.key, unit.batch))
+        if recorded is not None:
+            return recorded
+        cells = {kv: self.rec.records.cells.get((unit.key, unit.batch, kv)) for kv in unit.kv_lens}
+        ok = [kv for kv, c in cells.items() if c is not None and c.get("status") == "ok"]
+        if not ok:
+            return None
+        last = self.cfg.search.rungs[-1]
+        union = list(dict.fromkeys(Variant.parse(t) for kv in ok for t in cells[kv]["top"]))
+        times: dict[Variant, dict[int, float]] = {}
+        best: dict[int, float] = {}
+        for kv in ok:
+            for v in union:
+                t = self.measure(unit.key, unit.batch, kv, v, last)
+                if t < math.inf:
+                    times.setdefault(v, {})[kv] = t
+            best[kv] = min([cells[kv]["time_us"], *(t[kv] for t in times.values() if kv in t)])
+        chosen = choose_graph_pick(times, best)
+        if chosen is None:
+            return None
+        variant, regret, worst_kv = chosen
+        return self.rec.append({"kind": "graph", "family": _family(unit.key), "batch": unit.batch,
+                                "variant": str(variant), "worst_regret": round(regret, 6),
+                                "worst_kv_len": worst_kv, "union": [str(v) for v in union], "kv_lens": ok},
+                               durable=True)
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> None:
+        try:
+            self.gate()
+            total = self.plan.cells
+            done = 0
+            for unit in self.plan.units:
+                if self.stopped:
+                    break
+                for kv_len in unit.kv_lens:
+                    began = time.monotonic()
+                    cell = self.search_cell(unit.key, unit.batch, kv_len)
+                    done += 1
+                    self._progress(done, total, unit, kv_len, cell, time.monotonic() - began)
+                self._inputs.clear()
+                pick = self.cross(unit)
+                if pick is not None:
+                    self.log(f"  graph pick, {unit.key}, batch {unit.batch}: {pick['variant']} "
+                             f"(worst regret {pick['worst_regret']:.1%} at kv {pick['worst_kv_len']})")
+                self._inputs.clear()
+        except _BudgetSpent:
+            self.stopped = True
+            self.log(f"budget spent after {time.monotonic() - self.started:.0f} s: stopping; run the "
+                     "same command again to resume")
+        finally:
+            self._inputs.clear()
+
+    def _progress(self, done: int, total: int, unit: Unit, kv_len: int, cell: dict, seconds: float) -> None:
+        where = f"[{done}/{total}] {unit.key} | batch {unit.batch} kv {kv_len}:"
+        if cell.get("status") != "ok":
+            self.log(f"{where} left out: {cell.get('reason')}")
+            return
+        runner = ""
+        if cell.get("runner_up"):
+            runner = f", runner-up +{cell['runner_up']['time_us'] / cell['time_us'] - 1:.1%}"
+        self.log(f"{where} {cell['winner']} {cell['time_us']:.1f} us ({cell['entrants'][0]} candidates"
+                 f"{runner}) {seconds:.1f} s, elapsed {time.monotonic() - self.started:.0f} s")
+
+
+def _header(cfg: ServingConfig, platform, shard: tuple[int, int], path: Path, gpu_name: str) -> dict:
+    return {"kind": "header", "schema": SCHEMA, "file": str(path), "config_path": str(cfg.path),
+            "config_hash": cfg.hash, "gpu": gpu_name, "shard": list(shard),
+            "platform": {"name": platform.name, "device_name": platform.device_name, "arch": platform.arch,
+                         "sm_count": platform.sm_count, "driver": platform.driver},
+            "versions": {k: str(v) for k, v in platform.versions.items()}, "protocol": timing.protocol(platform.has_gpu),
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+
+
+# ------------------------------------------------------------------ entry points
+def run_serving_sweep(config: str | Path | ServingConfig, gpu_name: str, *, out: str | Path | None = None,
+                      shard: tuple[int, int] = (1, 1), budget_s: float | None = None, fresh: bool = False,
+                      platform=None, device=None, timer: Timer | None = None,
+                      gate_workers: int | None = None, log: Callable[[str], None] = print) -> dict:
+    """Sweep (or resume) one shard; write the table unless sharded. Returns a summary:
+    results path, table path (None for a shard), cells done, stopped, seconds."""
+    cfg = config if isinstance(config, ServingConfig) else load_serving_config(config)
+    platform = platform or gpu.detect()
+    device = device or ("cuda" if platform.has_gpu else "cpu")
+    timer = timer or (timing.time_call if platform.has_gpu else timing.cpu_time)
+    out = Path(out) if out is not None else Path("tables") / f"{gpu_name}.serving.yaml"
+    results = results_path_for(out, shard)
+    budget = budget_s if budget_s is not None else cfg.budget_s
+    started = time.monotonic()
+    plan = plan_sweep(cfg, platform, shard)
+    with SweepLock(results.with_name(results.name + ".lock")) as lock:
+        if lock.warning:
+            log(f"warning: {lock.warning}")
+        if fresh and results.exists():
+            log(f"moved {results} aside to {move_aside(results)}")
+        recorder = Recorder(results, _header(cfg, platform, shard, results, gpu_name), log=log)
+        try:
+            log(f"serving sweep {cfg.name} on {platform.device_name} ({gpu_name}), shard {shard[0]}/{shard[1]}: "
+                f"{len(plan.units)} of {plan.all_units} units, {plan.cells} cells"
+                + (f", resuming {results}" if recorder.resumed else f", results in {results}")
+                + (f", budget {budget:.0f} s" if budget else ""))
+            sweeper = Sweeper(cfg, plan, recorder, timer=timer, device=device,
+                              deadline=started + budget if budget else math.inf, log=log,
+                              gate_workers=gate_workers)
+            sweeper.run()
+        finally:
+            recorder.close()
+        seconds = time.monotonic() - started
+        mine = {(u.key, u.batch, kv) for u in plan.units for kv in u.kv_lens}
+        done = sum(1 for cell, r in recorder.records.cells.items() if cell in mine and r.get("status") == "ok")
+        summary = {"results": results, "table": None, "stopped": sweeper.stopped, "timed": sweeper.timed,
+                   "cells": done, "seconds": round(seconds, 1)}
+        if shard == (1, 1):
+            reason = ("not measured: the sweep stopped at its budget; run it again to resume"
+                      if sweeper.stopped else "not measured")
+            write_table(cfg, plan, recorder.records, [recorder.header], out, gpu_name, reason,
+                        {"sweep": {"budget_s": budget, "seconds": round(seconds, 1), "stopped": sweeper.stopped}})
+            summary["table"] = out
+            log(f"wrote {out}" + (" (partial: the budget stopped it)" if sweeper.stopped else ""))
+        else:
+            shards = " ".join(str(results_path_for(out, (i, shard[1]))) for i in range(1, shard[1] + 1))
+            log(f"shard {shard[0]}/{shard[1]} recorded in {results}; once every shard is done: python -m "
+                f"mla_tune.tune.serving_sweep merge --config {cfg.path} --gpu {gpu_name} --out {out} {shards}")
+    return summary
+
+
+def dry_run(cfg: ServingConfig, gpu_name: str, shard: tuple[int, int] = (1, 1),
+            gate_workers: int | None = None, log: Callable[[str], None] = print) -> dict:
+    """Print the plan (families, candidates, cells, left-out cells, a GPU-time estimate)
+    for `gpu_name` without running anything; returns the estimate."""
+    platform = gpu.fake_platform(gpu_name)
+    plan = plan_sweep(cfg, platform, shard, check_available=False)
+    log(f"serving sweep {cfg.name} ({cfg.path}, hash {cfg.hash[:12]}) planned for {gpu_name} "
+        f"({platform.sm_count} SMs), rule {cfg.rule.name}, shard {shard[0]}/{shard[1]}")
+    for key, fam in plan.families.items():
+        cells = sum(len(u.kv_lens) for u in plan.units if u.key == key)
+        per = ", ".join(f"{b} {n}" for b, n in fam.per_backend().items()) or "none"
+        log(f"  {key}: {len(fam.candidates)} candidates ({per}); {cells} cells here, "
+            f"{len(fam.left_out)} left out by rule")
+        for backend, why in fam.skipped.items():
+            log(f"      {backend} skipped: {why}")
+        for line in left_out_summary(fam):
+            log(f"      left out {line}")
+    first = plan.families[cfg.families[0]]
+    log("gate probes (" + str(first.key) + "): " + "; ".join(
+        f"{label}: q_lens {q}, kv_lens {kv}" for label, q, kv, _ in probe_lengths(first.spec, cfg.gate)))
+    est = estimate(cfg, plan, gate_workers)
+    log(f"{len(plan.units)} units, {plan.cells} cells; estimated GPU time {est['total'] / 60:.1f} min "
+        f"(gate and compile {est['gate_and_compile']:.0f} s, cache loads {est['cache_loads']:.0f} s, cells "
+        f"{est['cells']:.0f} s, cross {est['cross']:.0f} s, inputs {est['inputs']:.0f} s; a rough cost model, "
+        "mla_tune/tune/serving_plan.py)")
+    for rule in cfg.left_out:
+        match = ", ".join(f"{name} in {list(values)}" for name, values in rule.match) or "every family"
+        log(f"left out by rule ({match}): cells over {rule.condition} {rule.limit}: {rule.why}")
+    return est
+
+
+def _spread_over_devices(args, devices: list[int]) -> int:
+    """One shard per GPU (CUDA_VISIBLE_DEVICES), each its own process and results file;
+    then merge them into the table."""
+    n = len(devices)
+    procs = []
+    for i, dev in enumerate(devices, start=1):
+        argv = [sys.executable, "-m", "mla_tune.tune.serving_sweep", "--config", str(args.config),
+                "--gpu", args.gpu, "--out", str(args.out), "--shard", f"{i}/{n}"]
+        argv += ["--budget", str(args.budget)] if args.budget is not None else []
+        argv += ["--gate-workers", str(args.gate_workers)] if args.gate_workers is not None else []
+        argv += ["--fresh"] if args.fresh else []
+        argv += ["--force"] if args.force else []
+        procs.append(subprocess.Popen(argv, env={**os.environ, "CUDA_VISIBLE_DEVICES": str(dev)}))
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        print(f"error: shard exit codes {codes}; run the same command again to resume", file=sys.stderr)
+        return 1
+    merge(args.config, args.gpu, [results_path_for(args.out, (i, n)) for i in range(1, n + 1)], out=args.out)
+    return 0
+
+
+def sweep_from_cli(config: Path, gpu_name: str, *, out: Path | None = None, dry_run: bool = False,
+                   force: bool = False, devices: list[int] | None = None, fresh: bool = False) -> int:
+    """`mla-tune sweep` with a serving config (cli.py's hook): the same options, this
+    module's command line; returns its exit code (3: stopped by the budget, resumable)."""
+    argv = ["--config", str(config), "--gpu", gpu_name]
+    argv += ["--out", str(out)] if out is not None else []
+    argv += ["--devices", ",".join(map(str, devices))] if devices else []
+    argv += [flag for flag, on in (("--dry-run", dry_run), ("--force", force), ("--fresh", fresh)) if on]
+    return main(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["merge"]:
+        p = argparse.ArgumentParser(prog="python -m mla_tune.tune.serving_sweep merge",
+                                    description="Build one serving table from several results files.")
+        p.add_argument("--config", type=Path, required=True)
+        p.add_argument("--gpu", required=True)
+        p.add_argument("--out", type=Path)
+        p.add_argument("results", type=Path, nargs="+")
+        args = p.parse_args(argv[1:])
+        try:
+            merge(args.config, args.gpu, args.results, out=args.out)
+        except MlaTuneError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    p = argparse.ArgumentParser(prog="python -m mla_tune.tune.serving_sweep", description=__doc__.split("\n")[0])
+    p.add_argument("--config", type=Path, default=Path("configs/serving.yaml"), help="The serving config.")
+    p.add_argument("--gpu", required=True, help="The GPU to tune, by its canonical name (H200).")
+    p.add_argument("--out", type=Path, help="The table to write; default tables/GPU.serving.yaml.")
+    p.add_argument("--shard", default="1/1", help="Sweep only shard i of n (every n-th unit), e.g. 1/2.")
+    p.add_argument("--devices", help="Comma-separated GPU indices: one shard per GPU, then merge.")
+    p.add_argument("--budget", type=float, help="Seconds this run may take (default: the config's budget_s).")
+    p.add_argument("--gate-workers", type=int, help="Gate processes (default: the config's gate_workers).")
+    p.add_argument("--fresh", action="store_true", help="Move earlier results aside and start over.")
+    p.add_argument("--force", action="store_true", help="Sweep even where the GPU is not --gpu.")
+    p.add_argument("--dry-run", action="store_true", help="Print the plan and a GPU-time estimate only.")
+    args = p.parse_args(argv)
+    args.out = args.out or Path("tables") / f"{args.gpu}.serving.yaml"
+    try:
+        shard = parse_shard(args.shard)
+        if args.budget is not None and not args.budget > 0:
+            raise ValueError(f"--budget must be a positive number of seconds, got {args.budget}")
+        cfg = load_serving_config(args.config)
+        if args.dry_run:
+            dry_run(cfg, args.gpu, shard, args.gate_workers)
+            return 0
+        if args.devices:
+            devices = [int(d) for d in args.devices.split(",") if d.strip()]
+            return _spread_over_devices(args, devices)
+        platform = gpu.detect()
+        if platform.name != args.gpu and not args.force:
+            raise ServingSweepError(f"this machine's GPU is {platform.name} ({platform.device_name}), not "
+                                    f"{args.gpu}; run on a {args.gpu} or pass --force")
+        summary = run_serving_sweep(cfg, args.gpu, out=args.out, shard=shard, budget_s=args.budget,
+                                    fresh=args.fresh, platform=platform, gate_workers=args.gate_workers)
+    except (MlaTuneError, ValueError, ContextLost) as exc:
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 1
+    return 3 if summary["stopped"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
