@@ -123,7 +123,10 @@ def sweep(
         help="Seconds one candidate may run before its worker is killed and it is recorded as a "
              "timeout; the default is the config's candidate_timeout_s, else 120.")] = None,
 ) -> None:
-    """Sweep every candidate kernel per shape on this GPU and write its dispatch table."""
+    """Sweep every candidate kernel per shape on this GPU and write its dispatch table.
+
+    A serving config (configs/serving.yaml: families, batch and kv buckets) runs the serving
+    sweep instead and writes tables/GPU.serving.yaml (mla_tune/tune/serving_sweep.py)."""
     if candidate_timeout is not None and not candidate_timeout > 0:
         raise _usage_error(f"--candidate-timeout must be a positive number of seconds, got {candidate_timeout}")
     # passed only when given, so run_sweep's own default (the config's limit) applies otherwise
@@ -135,6 +138,16 @@ def sweep(
         except ValueError:
             raise _usage_error(f"--devices must be GPU indices like 0,1, got {devices!r}") from None
     with _domain_errors():
+        from mla_tune.tune.serving_config import is_serving_config
+
+        if is_serving_config(config):  # a serving grid (configs/serving.yaml): its own sweep
+            from mla_tune.tune.serving_sweep import sweep_from_cli
+
+            code = sweep_from_cli(config, gpu, out=out, dry_run=dry_run, force=force,
+                                  devices=device_list, fresh=fresh)
+            if code:
+                raise typer.Exit(code)
+            return
         from mla_tune.tune.sweep import SweepInterrupted, run_sweep
 
         try:

@@ -338,3 +338,10 @@ def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(monkeypatch, tmp
         f"error: cannot write {tmp_path / 'sub.py'}: No space left on device; free some space or "
         "write elsewhere"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sweep_with_a_serving_config_runs_the_serving_sweep():
+    """`mla-tune sweep --config configs/serving.yaml` plans the serving grid (its dry run)."""
+    result = _invoke("sweep", "--gpu", "H200", "--config", "configs/serving.yaml", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "714 cells" in result.output and "estimated GPU time" in result.output

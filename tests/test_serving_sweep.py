@@ -253,12 +253,11 @@ def test_a_results_file_of_another_config_is_refused(tiny, tmp_path):
 
 
 def test_own_backends_export_together_with_their_serving_candidates():
-    """Both own backends define serving_candidates: the export renames it per backend only
-    once export/modules.py lists it among PROTOCOL_NAMES (the lead's one-line hook)."""
+    """Both own backends define serving_candidates: the export renames it per backend
+    (export/modules.py lists it among PROTOCOL_NAMES)."""
     from mla_tune.export import modules
 
-    if "serving_candidates" not in modules.PROTOCOL_NAMES:
-        pytest.xfail("export/modules.py PROTOCOL_NAMES lacks 'serving_candidates' (hook not merged yet)")
+    assert "serving_candidates" in modules.PROTOCOL_NAMES
     closure = modules.module_closure([("mla_tune.backends.triton_splitk", "triton"),
                                       ("mla_tune.backends.triton_fused", "triton_fused")])
     modules.prepare_modules(closure)
