@@ -117,6 +117,29 @@ def test_a_tiny_sweep_picks_gated_winners_and_the_worst_case_graph_pick(tiny, tm
     assert _name(table.lookup(spec, batch=2, graph=True)) == "C"
 
 
+def test_a_probe_prunes_a_hopeless_candidate_at_the_first_rung(tiny, tmp_path):
+    """A candidate whose one-call probe is over PRUNE_FACTOR x the cell's best so far is
+    recorded as pruned and never timed; one within it is timed as before."""
+    def probe(call: sw.TimedCall) -> float:
+        call()
+        slow = 100.0 if _name(call.variant) == "C" else 1.0
+        return TIMES[call.kv_len][_name(call.variant)] * call.batch * slow
+
+    timer = FakeTimer()
+    summary = _sweep(tiny, tmp_path, timer, probe=probe)
+    _, records, _ = read_records(summary["results"])
+    pruned = [r for r in records if r["kind"] == "step" and r["status"] == "pruned"]
+    assert pruned and {_name(Variant.parse(r["variant"])) for r in pruned} == {"C"}
+    assert all(r["probe_us"] > sw.PRUNE_FACTOR * 1.0 for r in pruned)
+    assert not any(_name(Variant.parse(v)) == "C" for _, _, v, _ in timer.timed)
+    cells, graph = _picks(load_serving_table(summary["table"]))
+    assert {_name(Variant.parse(v)) for v in [*cells.values(), *graph.values()]} <= {"A", "B"}
+    # a resume replays the pruned steps instead of probing again
+    again = FakeTimer()
+    _sweep(tiny, tmp_path, again, probe=lambda call: pytest.fail("probed again on resume"))
+    assert again.timed == []
+
+
 def test_a_killed_sweep_resumes_without_retiming_and_ends_as_one_run(tiny, tmp_path):
     whole = _sweep(tiny, tmp_path / "whole", FakeTimer())
     with pytest.raises(KeyboardInterrupt):

@@ -10,7 +10,8 @@ cell, graph pick and at the end, not per line as tune/results.py's ResultsWriter
 (an fsync costs milliseconds): a machine crash loses at most the cell in flight. Kinds:
 
   gate   a candidate's gate for a family: ok, reason, the probes' mismatch and max error
-  step   one measurement: family, batch, kv_len, variant, samples, status (ok | failed),
+  step   one measurement: family, batch, kv_len, variant, samples, status (ok | failed |
+         pruned: a first-rung probe over PRUNE_FACTOR x the cell's best, with probe_us),
          time {median_us, p10_us, p90_us, samples} or error
   cell   a cell's outcome: winner, time_us, runner_up, top (its best by the last rung),
          seeds (the neighbours' winners it started from), entrants per rung; or

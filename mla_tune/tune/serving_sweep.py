@@ -72,6 +72,24 @@ from mla_tune.tune.serving_plan import (
 from mla_tune.tune.serving_results import SCHEMA, Recorder, Records, results_path_for
 
 Timer = Callable[..., timing.Timing]  # timer(call, reps) -> Timing
+Probe = Callable[["TimedCall"], float]  # probe(call) -> one call's GPU time, us
+# At a cell's first rung, a candidate whose one-call probe is over this many times the best
+# median measured so far in the cell is recorded as pruned instead of timed: on the H200 a
+# 128-head cell's slowest own candidates ran 35 ms against FlashMLA's 0.27 ms, and their
+# warm-up, wall-time and samples were most of the sweep's time (docs/perf.md).
+PRUNE_FACTOR = 4.0
+
+
+def event_probe(call) -> float:
+    """One warm call's GPU time (us) by CUDA events: no L2 flush (a warm cache flatters the
+    candidate, so a pruning decision errs towards keeping it) and no host time."""
+    call()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    call()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000.0
 
 
 class _BudgetSpent(Exception):
@@ -108,9 +126,11 @@ class Sweeper:
     """Runs one shard's plan against a Recorder (see the module docstring)."""
 
     def __init__(self, cfg: ServingConfig, plan: SweepPlan, recorder: Recorder, *, timer: Timer,
-                 device, deadline: float, log: Callable[[str], None] = print, gate_workers: int | None = None):
+                 device, deadline: float, log: Callable[[str], None] = print, gate_workers: int | None = None,
+                 probe: Probe | None = None):
         self.cfg, self.plan, self.rec = cfg, plan, recorder
         self.timer, self.device, self.deadline, self.log = timer, torch.device(device), deadline, log
+        self.probe = probe  # None: every first-rung candidate is timed in full
         self.gate_workers = cfg.gate_workers if gate_workers is None else gate_workers
         self.passed: dict[FamilyKey, list[Variant]] = {}
         self._inputs: dict[tuple, ServingInput] = {}
@@ -169,13 +189,33 @@ class Sweeper:
             step = self._time(key, batch, kv_len, variant, samples)
         return step["time"]["median_us"] if step["status"] == "ok" else math.inf
 
-    def _time(self, key: FamilyKey, batch: int, kv_len: int, variant: Variant, samples: int) -> dict:
+    def measure_or_prune(self, key: FamilyKey, batch: int, kv_len: int, variant: Variant, samples: int,
+                         best: float) -> float:
+        """measure(), unless a probe says the candidate is over PRUNE_FACTOR x `best` (the
+        best median of the cell so far): then it is recorded as pruned (inf)."""
+        step = self.rec.records.steps.get(Records.step_key(key, batch, kv_len, str(variant), samples))
+        if step is None and self.probe is not None and best < math.inf:
+            if self._over_budget():
+                raise _BudgetSpent
+            step = self._time(key, batch, kv_len, variant, samples, prune_over=PRUNE_FACTOR * best)
+            return step["time"]["median_us"] if step["status"] == "ok" else math.inf
+        return self.measure(key, batch, kv_len, variant, samples)
+
+    def _time(self, key: FamilyKey, batch: int, kv_len: int, variant: Variant, samples: int,
+              prune_over: float | None = None) -> dict:
         record = {"kind": "step", "family": _family(key), "batch": batch, "kv_len": kv_len,
                   "variant": str(variant), "samples": samples}
         spec = self.plan.families[key].spec
         try:
             runner = get_backend(variant.backend).build_serving(variant, spec, self.device)
             call = TimedCall(variant, key, batch, kv_len, runner, self._input(key, batch, kv_len))
+            if prune_over is not None:
+                probe_us = self.probe(call)
+                if probe_us > prune_over:
+                    record.update(status="pruned", probe_us=round(probe_us, 3),
+                                  reason=f"one call took {probe_us:.1f} us, over {PRUNE_FACTOR:g}x the "
+                                         f"cell's best so far")
+                    return self.rec.append(record)
             measured = self.timer(call, samples)
             record.update(status="ok", time=measured.as_dict())
         except RUN_ERRORS as exc:
@@ -220,7 +260,14 @@ class Sweeper:
         entrants, sizes, times = order, [], {}
         for r, samples in enumerate(s.rungs):
             sizes.append(len(entrants))
-            times = {v: self.measure(key, batch, kv_len, v, samples) for v in entrants}
+            if r == 0:  # the seeds first, in full; the rest may be pruned by a probe
+                times, best = {}, math.inf
+                for v in entrants:
+                    times[v] = (self.measure(key, batch, kv_len, v, samples) if v in seeds
+                                else self.measure_or_prune(key, batch, kv_len, v, samples, best))
+                    best = min(best, times[v])
+            else:
+                times = {v: self.measure(key, batch, kv_len, v, samples) for v in entrants}
             ranked = sorted((v for v in entrants if times[v] < math.inf), key=lambda v: (times[v], rank[v]))
             if r == len(s.rungs) - 1 or not ranked:
                 break
@@ -322,13 +369,16 @@ def _header(cfg: ServingConfig, platform, shard: tuple[int, int], path: Path, gp
 def run_serving_sweep(config: str | Path | ServingConfig, gpu_name: str, *, out: str | Path | None = None,
                       shard: tuple[int, int] = (1, 1), budget_s: float | None = None, fresh: bool = False,
                       platform=None, device=None, timer: Timer | None = None,
-                      gate_workers: int | None = None, log: Callable[[str], None] = print) -> dict:
+                      gate_workers: int | None = None, log: Callable[[str], None] = print,
+                      probe: Probe | None = None) -> dict:
     """Sweep (or resume) one shard; write the table unless sharded. Returns a summary:
     results path, table path (None for a shard), cells done, stopped, seconds."""
     cfg = config if isinstance(config, ServingConfig) else load_serving_config(config)
     platform = platform or gpu.detect()
     device = device or ("cuda" if platform.has_gpu else "cpu")
     timer = timer or (timing.time_call if platform.has_gpu else timing.cpu_time)
+    if probe is None and platform.has_gpu:
+        probe = event_probe
     out = Path(out) if out is not None else Path("tables") / f"{gpu_name}.serving.yaml"
     results = results_path_for(out, shard)
     budget = budget_s if budget_s is not None else cfg.budget_s
@@ -347,7 +397,7 @@ def run_serving_sweep(config: str | Path | ServingConfig, gpu_name: str, *, out:
                 + (f", budget {budget:.0f} s" if budget else ""))
             sweeper = Sweeper(cfg, plan, recorder, timer=timer, device=device,
                               deadline=started + budget if budget else math.inf, log=log,
-                              gate_workers=gate_workers)
+                              gate_workers=gate_workers, probe=probe)
             sweeper.run()
         finally:
             recorder.close()
