@@ -545,6 +545,56 @@ def own_serving_runner(name: str, spec: CallSpec, device, decode, workspace_type
     return run_serving
 
 
+def check_serving_launch(q, qo_indptr, kv, kv_scale, out, *, kv_indptr, block_table, seq_lens,
+                         max_q_len: int, q_len_limit: int, block_h: int, max_splits: int,
+                         tokens_per_split: int, block_n: int) -> int:
+    """The checks both own serving launchers (the split-K and the fused kernel families)
+    make before a launch: the layout (check_serving_layout), q, the new tokens, max_q_len up
+    to `q_len_limit`, the head tile, the KV format and its scale, out, and the split and tile
+    sizes. Shapes and dtypes only; returns the page size (0 for contiguous KV)."""
+    import torch
+
+    page_size = check_serving_layout(qo_indptr, kv, kv_indptr, block_table, seq_lens)
+    batch = qo_indptr.shape[0] - 1
+    total_q, heads = q.shape[0], q.shape[1]
+    if q.dim() != 3 or q.shape[2] != QK_DIM or q.dtype != torch.bfloat16 or not q.is_contiguous():
+        raise ValueError(f"q must be contiguous bf16 (total_q, heads, {QK_DIM}), got {q.dtype} {tuple(q.shape)}")
+    if batch > total_q:
+        raise ValueError(f"{batch} sequences but {total_q} new tokens in q: each sequence brings at least one")
+    if not 1 <= max_q_len <= q_len_limit:
+        raise ValueError(f"max_q_len must be 1 to {q_len_limit}, got {max_q_len}")
+    q_len_max = 1 << (max_q_len - 1).bit_length()  # rows of the MMA come in powers of two
+    if block_h < 1 or block_h & (block_h - 1) or heads % block_h or block_h * q_len_max < 16:
+        raise ValueError(
+            f"block_h must be a power of two dividing heads ({heads}) with block_h * "
+            f"next_pow2(max_q_len) >= 16; got block_h {block_h}, max_q_len {max_q_len}"
+        )
+    if kv.dtype != torch.bfloat16 and (kv.element_size() != 1 or kv_scale is None):
+        raise ValueError(f"kv must be bf16, or fp8 with a (1,) fp32 kv_scale; got {kv.dtype}, scale {kv_scale}")
+    if tuple(out.shape) != (total_q, heads, V_DIM) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous bf16 ({total_q}, {heads}, {V_DIM}) tensor, got {tuple(out.shape)}")
+    if max_splits < 1 or tokens_per_split < 1 or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(
+            f"need max_splits >= 1, tokens_per_split >= 1 and block_n a power of two >= 16; "
+            f"got {max_splits}, {tokens_per_split}, {block_n}"
+        )
+    return page_size
+
+
+def serving_workspace(workspace, workspace_type, total_q: int, heads: int, max_splits: int, device):
+    """`workspace` when it fits the call (a new one of `workspace_type` when None), else a
+    ValueError saying how to allocate one: the own serving launchers' scratch rule."""
+    if workspace is None:
+        return workspace_type.allocate(total_q, heads, max_splits, device)
+    if not workspace.fits(total_q, heads, max_splits):
+        raise ValueError(
+            f"workspace is for {workspace.max_total_q} new tokens x {workspace.heads} heads x "
+            f"{workspace.max_splits} splits, not {total_q} x {heads} x {max_splits}; allocate "
+            f"one with {workspace_type.__name__}.allocate"
+        )
+    return workspace
+
+
 def check_serving_layout(qo_indptr, kv, kv_indptr, block_table, seq_lens) -> int:
     """Shapes and dtypes of the serving call's KV layout, for every kernel family that takes
     it (never values: that would read the device); returns the page size, 0 for contiguous KV."""

@@ -44,7 +44,8 @@ from mla_tune.core import (
     QK_ROPE_DIM,
     SM_SCALE,
     V_DIM,
-    check_serving_layout,
+    check_serving_launch,
+    serving_workspace,
 )
 
 _fd_LOG2E = 1.4426950408889634
@@ -575,44 +576,20 @@ def flash_decode_serving(
     workspace: FlashDecodeServingWorkspace.allocate(max_total_q, heads, max_splits).
     Nothing here reads a device tensor or allocates once a workspace is given.
     """
-    page_size = check_serving_layout(qo_indptr, kv, kv_indptr, block_table, seq_lens)
+    page_size = check_serving_launch(
+        q, qo_indptr, kv, kv_scale, out, kv_indptr=kv_indptr, block_table=block_table,
+        seq_lens=seq_lens, max_q_len=max_q_len, q_len_limit=16, block_h=block_h,
+        max_splits=max_splits, tokens_per_split=tokens_per_split, block_n=block_n)
     batch = qo_indptr.shape[0] - 1
     total_q, heads = q.shape[0], q.shape[1]
-    if q.dim() != 3 or q.shape[2] != QK_DIM or q.dtype != torch.bfloat16 or not q.is_contiguous():
-        raise ValueError(f"q must be contiguous bf16 (total_q, heads, {QK_DIM}), got {q.dtype} {tuple(q.shape)}")
-    if batch > total_q:
-        raise ValueError(f"{batch} sequences but {total_q} new tokens in q: each sequence brings at least one")
-    if not 1 <= max_q_len <= 16:
-        raise ValueError(f"max_q_len must be 1 to 16, got {max_q_len}")
     q_len_max = triton.next_power_of_2(max_q_len)  # rows of the MMA come in powers of two
-    if block_h < 1 or block_h & (block_h - 1) or heads % block_h or block_h * q_len_max < 16:
-        raise ValueError(
-            f"block_h must be a power of two dividing heads ({heads}) with block_h * "
-            f"next_pow2(max_q_len) >= 16; got block_h {block_h}, max_q_len {max_q_len}"
-        )
     kv_scaled = kv.dtype != torch.bfloat16
-    if kv_scaled and (kv.element_size() != 1 or kv_scale is None):
-        raise ValueError(f"kv must be bf16, or fp8 with a (1,) fp32 kv_scale; got {kv.dtype}, scale {kv_scale}")
-    if tuple(out.shape) != (total_q, heads, V_DIM) or out.dtype != torch.bfloat16 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous bf16 ({total_q}, {heads}, {V_DIM}) tensor, got {tuple(out.shape)}")
-    if max_splits < 1 or tokens_per_split < 1 or block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(
-            f"need max_splits >= 1, tokens_per_split >= 1 and block_n a power of two >= 16; "
-            f"got {max_splits}, {tokens_per_split}, {block_n}"
-        )
     if dot_dtype not in _fd_DOT_DTYPES or q_mode not in _fd_Q_MODES:
         raise ValueError(f"dot_dtype must be one of {', '.join(_fd_DOT_DTYPES)} and q_mode one of "
                          f"{', '.join(_fd_Q_MODES)}; got {dot_dtype!r}, {q_mode!r}")
     if q_mode == "fp8_static" and not (q_scale is not None and q_scale > 0):
         raise ValueError("q_mode fp8_static needs q_scale = q_amax / fp8_max > 0")
-    if workspace is None:
-        workspace = FlashDecodeServingWorkspace.allocate(total_q, heads, max_splits, q.device)
-    elif not workspace.fits(total_q, heads, max_splits):
-        raise ValueError(
-            f"workspace is for {workspace.max_total_q} new tokens x {workspace.heads} heads x "
-            f"{workspace.max_splits} splits, not {total_q} x {heads} x {max_splits}; allocate "
-            "one with FlashDecodeServingWorkspace.allocate"
-        )
+    workspace = serving_workspace(workspace, FlashDecodeServingWorkspace, total_q, heads, max_splits, q.device)
     extra = {k: v for k, v in (hip_options or {}).items() if v is not None}
     unknown = set(extra) - set(_fd_HIP_OPTIONS)
     if unknown:

@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_tune.core import QK_DIM, SM_SCALE, V_DIM, check_serving_layout
+from mla_tune.core import SM_SCALE, V_DIM, check_serving_launch, serving_workspace
 
 # Dot operand dtype codes (constexpr ints: they travel through every Triton version).
 FU_DOT_CODES = {"fp16": 0, "bf16": 1, "fp8": 2}
@@ -997,43 +997,19 @@ def fused_decode_serving(
     workspace: FusedServingWorkspace.allocate(max_total_q, heads, max_splits); with it,
     nothing here reads a device tensor or allocates. Returns the compiled kernel.
     """
-    page_size = check_serving_layout(qo_indptr, kv, kv_indptr, block_table, seq_lens)
+    page_size = check_serving_launch(
+        q, qo_indptr, kv, kv_scale, out, kv_indptr=kv_indptr, block_table=block_table,
+        seq_lens=seq_lens, max_q_len=max_q_len, q_len_limit=4, block_h=block_h,
+        max_splits=max_splits, tokens_per_split=tokens_per_split, block_n=block_n)
     batch = qo_indptr.shape[0] - 1
     total_q, heads = q.shape[0], q.shape[1]
-    if q.dim() != 3 or q.shape[2] != QK_DIM or q.dtype != torch.bfloat16 or not q.is_contiguous():
-        raise ValueError(f"q must be contiguous bf16 (total_q, heads, {QK_DIM}), got {q.dtype} {tuple(q.shape)}")
-    if batch > total_q:
-        raise ValueError(f"{batch} sequences but {total_q} new tokens in q: each sequence brings at least one")
-    if not 1 <= max_q_len <= 4:
-        raise ValueError(f"max_q_len must be 1 to 4, got {max_q_len}")
     q_len_max = triton.next_power_of_2(max_q_len)
-    if block_h < 1 or block_h & (block_h - 1) or heads % block_h or block_h * q_len_max < 16:
-        raise ValueError(
-            f"block_h must be a power of two dividing heads ({heads}) with block_h * "
-            f"next_pow2(max_q_len) >= 16; got block_h {block_h}, max_q_len {max_q_len}"
-        )
     kv_fp8 = kv.dtype != torch.bfloat16
-    if kv_fp8 and (kv.element_size() != 1 or kv_scale is None):
-        raise ValueError(f"kv must be bf16, or fp8 with a (1,) fp32 kv_scale; got {kv.dtype}, scale {kv_scale}")
-    if tuple(out.shape) != (total_q, heads, V_DIM) or out.dtype != torch.bfloat16 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous bf16 ({total_q}, {heads}, {V_DIM}) tensor, got {tuple(out.shape)}")
-    if max_splits < 1 or tokens_per_split < 1 or block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(
-            f"need max_splits >= 1, tokens_per_split >= 1 and block_n a power of two >= 16; "
-            f"got {max_splits}, {tokens_per_split}, {block_n}"
-        )
     if qk_dot not in FU_DOT_CODES or pv_dot not in FU_DOT_CODES:
         raise ValueError(f"qk_dot and pv_dot must be one of {', '.join(FU_DOT_CODES)}; got {qk_dot!r}, {pv_dot!r}")
     if (qk_dot == "fp8") != q_fp8 or ("fp8" in (qk_dot, pv_dot) and not kv_fp8):
         raise ValueError("qk_dot fp8 goes with q_fp8 (and only with it), and fp8 dots need an fp8 KV cache")
-    if workspace is None:
-        workspace = FusedServingWorkspace.allocate(total_q, heads, max_splits, q.device)
-    elif not workspace.fits(total_q, heads, max_splits):
-        raise ValueError(
-            f"workspace is for {workspace.max_total_q} new tokens x {workspace.heads} heads x "
-            f"{workspace.max_splits} splits, not {total_q} x {heads} x {max_splits}; allocate "
-            "one with FusedServingWorkspace.allocate"
-        )
+    workspace = serving_workspace(workspace, FusedServingWorkspace, total_q, heads, max_splits, q.device)
     ns_p2 = max(2, triton.next_power_of_2(max_splits))
     # Reduction tiles of [splits, block_h, RW], about 8K elements.
     rw = max(16, min(512, 8192 // (ns_p2 * block_h)))
