@@ -58,3 +58,46 @@ def test_the_quick_predicate_agrees_with_the_checks_on_good_inputs():
     for kv in ("bf16", "fp8"):
         data = problem.generate_input(3, 17, 4, device="cpu")
         assert check_decode_inputs(*data[:4], kv) == 3
+
+
+def _runtime(calls: list):
+    from mla_tune.runtime import Runtime
+
+    return Runtime(table=None, platform=None, dispatcher=_dispatcher(calls), fallback_backend="triton")
+
+
+def test_the_entry_reuses_the_runner_for_the_same_inputs_and_checks_anything_new():
+    calls = []
+    rt = _runtime(calls)
+    data = problem.generate_input(4, 64, 5, device="cpu")  # (q, kv_data, qo, kv_indptr, config)
+    for _ in range(3):
+        rt.custom_kernel(data)
+    assert len(calls) == 3 and rt._last is not None and rt._last[8] is not None
+    # The same objects with another kv_seq_len: checked again, and refused with its message.
+    with pytest.raises(ValueError, match="holds 256 tokens, not batch x kv_len"):
+        rt.custom_kernel((*data[:4], {**data[4], "kv_seq_len": 65}))
+    assert rt._last is None  # a failed call leaves nothing to reuse
+    # A new q of the wrong dtype after a good call: checked, refused.
+    rt.custom_kernel(data)
+    with pytest.raises(ValueError, match="q must be bfloat16"):
+        rt.custom_kernel((data[0].float(), *data[1:]))
+    # The KV entry swapped inside the same dict: checked, refused.
+    rt.custom_kernel(data)
+    kv, scale = data[1]["fp8"]
+    data[1]["fp8"] = (kv.view(torch.uint8), scale)
+    with pytest.raises(ValueError, match="fp8 KV must have an fp8 dtype"):
+        rt.custom_kernel(data)
+    data[1]["fp8"] = (kv, scale)
+    # A config whose batch_size disagrees with q: refused.
+    rt.custom_kernel(data)
+    with pytest.raises(ValueError, match='config\\["batch_size"\\] is 5'):
+        rt.custom_kernel((*data[:4], {**data[4], "batch_size": 5}))
+
+
+def test_the_entry_takes_no_shortcut_for_a_shape_the_table_lacks():
+    calls = []
+    rt = _runtime(calls)
+    other = problem.generate_input(2, 64, 6, device="cpu")
+    for _ in range(3):
+        rt.custom_kernel(other)
+    assert rt._last is None and sum(rt.dispatcher.misses.values()) == 3
