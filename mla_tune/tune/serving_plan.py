@@ -123,17 +123,27 @@ def plan_sweep(cfg: ServingConfig, platform, shard: tuple[int, int] = (1, 1),
 
 
 # ------------------------------------------------------------------ the cost model
-# Rough H200 figures for the dry run's estimate (calibrate against a run's own seconds,
-# which the progress lines print): per timing sample, the L2 flush (a 512 MB write, ~0.17
-# ms) and the queued sleep that hides the host (>= 0.2 ms) besides the kernel; per
-# measurement, 3 warm-up and 3 synchronized wall-time calls and the host around them; the
-# kernel reads its KV at ~3 TB/s after ~10 us of launch and reduction; a Triton compile
-# of one kernel set ~4 s on one core (split across the gate workers), loading it from the
-# disk cache in the timing process ~0.3 s; building a cell's input ~1 GB/50 ms.
+# Rough H200 figures for the dry run's estimate, calibrated on the first GPU run (one
+# 128-head family, 57 cells, 4350 measurements in 169 s; docs/perf.md, "The serving sweep's
+# first GPU run"): a measurement costs ~4 ms besides its calls (the runner's build, 3 warm-up
+# and 3 synchronized wall-time calls, the host); a timing sample adds the L2 flush (a 512 MB
+# write, ~0.17 ms) and the queued sleep that hides the host (>= 0.2 ms) to the kernel. The
+# best kernel reads its KV at ~3 TB/s after ~10 us. The other candidates of a first rung ran
+# a median 8x the cell's best at long contexts (own 16-row tiles at 128 heads), which is what
+# the old model missed (it priced every candidate at the best's speed: 4x optimistic); now a
+# first-rung candidate over PRUNE_FACTOR x the best costs only its build and a 2-call probe,
+# and about a third of them (16 of 56 in that run) are timed, at ~2x the best on average.
+# A Triton compile of one kernel set ~4 s on one core (split across the gate workers),
+# loading it from the disk cache in the timing process ~0.3 s; a cell's input ~1 GB/50 ms.
 SAMPLE_OVERHEAD_US = 400.0
 MEASURE_OVERHEAD_S = 0.004
+PROBE_OVERHEAD_S = 0.002
 KERNEL_FIXED_US = 10.0
 KV_BYTES_PER_US = 3.0e6
+FIRST_RUNG_TIMED = 0.3  # the share of a first rung's candidates within PRUNE_FACTOR of the best
+FIRST_RUNG_TIMED_RATIO = 2.0  # their mean time over the best's
+PRUNED_RATIO = 8.0  # a pruned candidate's time over the best's (median of the first run)
+LATER_RUNG_RATIO = 1.3  # later rungs hold the near-best
 COMPILE_S = 4.0
 CACHE_LOAD_S = 0.3
 GATE_CALL_S = 0.05
@@ -142,6 +152,7 @@ _SEEDS_PER_CELL = 2  # neighbours' winners carried to the last rung besides the 
 
 
 def kernel_us(key: FamilyKey, batch: int, kv_len: int) -> float:
+    """The cell's best kernel time as the model sees it (KV bytes at the read rate)."""
     return KERNEL_FIXED_US + batch * kv_len * KV_BYTES_PER_TOKEN[key.kv_format] / KV_BYTES_PER_US
 
 
@@ -152,16 +163,32 @@ def compile_key(variant: Variant) -> tuple:
 
 
 def rung_sizes(cfg: ServingConfig, candidates: int) -> list[int]:
+    """Candidates timed per rung: all at the first (pruning aside), then the kept share."""
     sizes = [candidates]
-    for _ in cfg.search.rungs[1:]:
-        n = sizes[-1]
+    first_timed = max(cfg.search.min_keep, math.ceil(FIRST_RUNG_TIMED * candidates))
+    for i, _ in enumerate(cfg.search.rungs[1:]):
+        n = min(sizes[-1], first_timed) if i == 0 else sizes[-1]
         sizes.append(min(n, max(cfg.search.min_keep, math.ceil(cfg.search.keep * n)) + _SEEDS_PER_CELL))
     return sizes
 
 
-def measurement_s(key: FamilyKey, batch: int, kv_len: int, samples: int) -> float:
-    k = kernel_us(key, batch, kv_len)
+def measurement_s(key: FamilyKey, batch: int, kv_len: int, samples: int, ratio: float = 1.0) -> float:
+    """One measurement of `samples` samples of a candidate `ratio` x the cell's best."""
+    k = ratio * kernel_us(key, batch, kv_len)
     return MEASURE_OVERHEAD_S + (samples * (SAMPLE_OVERHEAD_US + k) + 6 * k) / 1e6
+
+
+def cell_s(cfg: ServingConfig, key: FamilyKey, batch: int, kv_len: int, candidates: int) -> float:
+    """A cell's search: a first rung (a share timed, the rest probed and pruned), then the
+    later rungs over the kept share."""
+    sizes, rungs = rung_sizes(cfg, candidates), cfg.search.rungs
+    timed = min(candidates, max(cfg.search.min_keep, math.ceil(FIRST_RUNG_TIMED * candidates)))
+    k = kernel_us(key, batch, kv_len)
+    seconds = timed * measurement_s(key, batch, kv_len, rungs[0], FIRST_RUNG_TIMED_RATIO)
+    seconds += (candidates - timed) * (PROBE_OVERHEAD_S + 2 * PRUNED_RATIO * k / 1e6)
+    seconds += sum(n * measurement_s(key, batch, kv_len, s, LATER_RUNG_RATIO)
+                   for n, s in zip(sizes[1:], rungs[1:], strict=True))
+    return seconds
 
 
 def estimate(cfg: ServingConfig, plan: SweepPlan, gate_workers: int | None = None) -> dict:
@@ -178,13 +205,13 @@ def estimate(cfg: ServingConfig, plan: SweepPlan, gate_workers: int | None = Non
     last = cfg.search.rungs[-1]
     for unit in plan.units:
         fam = plan.families[unit.key]
-        sizes = rung_sizes(cfg, len(fam.candidates))
+        last_size = rung_sizes(cfg, len(fam.candidates))[-1]
         union = min(len(fam.candidates), 2 * cfg.search.cross_top)
         for kv_len in unit.kv_lens:
-            cells_s += sum(n * measurement_s(unit.key, unit.batch, kv_len, s)
-                           for n, s in zip(sizes, cfg.search.rungs, strict=True))
+            cells_s += cell_s(cfg, unit.key, unit.batch, kv_len, len(fam.candidates))
             # the union's members not already in this cell's last rung
-            cross_s += max(0, union - sizes[-1] + 1) * measurement_s(unit.key, unit.batch, kv_len, last)
+            cross_s += max(0, union - last_size + 1) * measurement_s(unit.key, unit.batch, kv_len, last,
+                                                                     LATER_RUNG_RATIO)
             inputs_s += 2 * (0.01 + unit.batch * kv_len * KV_BYTES_PER_TOKEN[unit.key.kv_format]
                              / INPUT_BYTES_PER_S)
     parts = {"gate_and_compile": gate + compile_s, "cache_loads": load_s, "cells": cells_s,
