@@ -70,9 +70,13 @@ def test_the_plan_builds_every_pick_up_front_and_picks_by_bucket_and_mean_length
     inp, picked = _step(plan, [190, 200, 210], seed=2, mean_kv_len=200)
     assert picked == EAGER_4_256
     _close(plan.run(inp.q, inp.kv, inp.kv_scale), inp.reference())
-    # eager, mean 40 -> kv bucket 32: no cell there, so the default, counted as a miss
+    # eager, mean 40 -> kv bucket 32: no cell there, so the bucket's nearest cell (256)
     inp, picked = _step(plan, [30, 40, 50], seed=3, mean_kv_len=40)
-    assert picked == plan._default.variant and plan.misses == {"batch 4, kv_len ~40": 1}
+    assert picked == EAGER_4_256 and plan.misses == {}
+    _close(plan.run(inp.q, inp.kv, inp.kv_scale), inp.reference())
+    # batch 1 -> bucket 2: nothing there at all, so the default, counted as a miss
+    inp, picked = _step(plan, [40], seed=3, mean_kv_len=40)
+    assert picked == plan._default.variant and plan.misses == {"batch 2, kv_len ~40": 1}
     _close(plan.run(inp.q, inp.kv, inp.kv_scale), inp.reference())
     # no mean length known: the graph pick of the bucket
     inp = serving.make_input([1] * 6, [5, 9, 300, 17, 2, 64], 16, 16, "bf16", seed=4)

@@ -81,7 +81,12 @@ def test_lookup_is_exact_on_the_family_and_bucketed_on_batch_and_kv():
     assert table.lookup(spec, batch=32, mean_kv_len=7000) == _v(16)  # 32 x 8192
     assert table.lookup(spec, batch=20, mean_kv_len=900, graph=True) == _v(16)
     assert table.lookup(spec, batch=20) == _v(16)  # no mean length: the graph pick
-    assert table.lookup(spec, batch=20, mean_kv_len=2048) is None  # a cell not tuned
+    # a cell not in the table (left out): the bucket's nearest measured cell in log kv_len
+    assert table.lookup(spec, batch=20, mean_kv_len=2048) == _v(8)  # 1024 is nearer than 8192
+    assert table.lookup(spec, batch=20, mean_kv_len=5000) == _v(16)  # kv bucket 4096: 8192 nearer
+    assert table.lookup(spec, batch=200, mean_kv_len=900) is None  # bucket 256: nothing measured
+    table.families[FamilyKey("fp8", 64, 128, 2)].graph[256] = GraphPick(256, _v(4), 0.0, 1024)
+    assert table.lookup(spec, batch=200, mean_kv_len=900) == _v(4)  # ... but a graph pick
     assert table.lookup(CallSpec("fp8", page_size=64, heads=128, max_q_len=1), 20, 900) is None
     assert table.lookup(CallSpec("bf16", page_size=64, heads=128, max_q_len=2), 20, 900) is None
 

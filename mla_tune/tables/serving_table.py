@@ -138,17 +138,27 @@ class ServingTable:
     def lookup(self, spec: CallSpec, batch: int, mean_kv_len: float | None = None,
                graph: bool = False) -> Variant | None:
         """The variant for a call: the graph pick of its batch bucket (graph=True, or no mean
-        length given), else the cell of its batch and kv buckets. None when the family is
-        not in the table or the cell was left out: the caller runs its fallback."""
+        length given), else the cell of its batch and kv buckets. Where that cell is not in
+        the table (a config rule left it out: a batch of 26 at 51k tokens fits, its bucket's
+        32 x 65536 does not), the batch bucket's measured cell nearest in log kv_len, else its
+        graph pick. None when the family is not in the table or the bucket has nothing: the
+        caller runs its fallback."""
         family = self.family(spec)
         if family is None:
             return None
         bucket = batch_bucket(self.batch_buckets, batch)
+        pick = family.graph.get(bucket)
         if graph or mean_kv_len is None:
-            pick = family.graph.get(bucket)
             return pick.variant if pick is not None else None
-        cell = family.cells.get((bucket, kv_bucket(self.kv_buckets, mean_kv_len)))
-        return cell.variant if cell is not None else None
+        kv = kv_bucket(self.kv_buckets, mean_kv_len)
+        cell = family.cells.get((bucket, kv))
+        if cell is None:
+            near = [k for (b, k) in family.cells if b == bucket]
+            if near:
+                cell = family.cells[(bucket, min(near, key=lambda k: (abs(math.log(k / kv)), k)))]
+        if cell is not None:
+            return cell.variant
+        return pick.variant if pick is not None else None
 
     def as_dict(self) -> dict:
         families = []
