@@ -1,4 +1,4 @@
-"""The `mla-tune` command line: sweep, export, show, diff, report.
+"""The `mla-tune` command line: sweep, export, show, diff, report, verify.
 
 Commands are thin: they parse options, call the module that does the work, and turn
 mla-tune's own errors (MlaTuneError: TableError, ExportError, ConfigError, SweepError, ...)
@@ -254,3 +254,55 @@ def report(
         path = _table_path(gpu, table)
         written = write_report(path, out, results_path=results)
     typer.echo(f"wrote {written}")
+
+
+@app.command()
+def verify(
+    table: Annotated[Path, typer.Option(
+        help="The serving table to verify, e.g. tables/H200.serving.yaml.")],
+    config: Annotated[Path | None, typer.Option(
+        help="The serving config for the candidates and left-out rules; the default is the one "
+             "the table's provenance names.")] = None,
+    shapes: Annotated[int, typer.Option(
+        help="How many held-out uniform shapes (off the table's grid) to time.")] = 30,
+    ragged: Annotated[int, typer.Option(
+        help="How many ragged mixes (each sequence's length drawn on its own) to time.")] = 10,
+    seed: Annotated[int, typer.Option(
+        help="The seed the shapes and their inputs are drawn from.")] = 0,
+    samples: Annotated[int, typer.Option(
+        help="Samples per measurement in the final round (4 alternating passes).")] = 5,
+    families: Annotated[str | None, typer.Option(
+        help="Only the families matching these field=value terms, e.g. kv_format=fp8,heads=128.")] = None,
+    json_path: Annotated[Path | None, typer.Option(
+        "--json", help="Write the whole report (times, variants, seeds, device, versions) to this file.")] = None,
+    max_p95: Annotated[float | None, typer.Option(
+        help="Fail (exit 1) when the judged pick's p95 regret is over this fraction, e.g. 0.05.")] = None,
+    max_regret: Annotated[float | None, typer.Option(
+        help="Fail (exit 1) when the judged pick's largest regret is over this fraction, e.g. 0.15.")] = None,
+    judge: Annotated[str, typer.Option(
+        help="Which pick the thresholds judge: eager, graph or both.")] = "eager",
+    budget: Annotated[float | None, typer.Option(
+        help="Seconds the run may take; it stops between shapes (exit 3) and reports what it measured.")] = None,
+    workers: Annotated[int | None, typer.Option(
+        help="Processes that compile each kernel ahead of timing; the default is the config's "
+             "gate_workers on a GPU, 0 (none) without one.")] = None,
+) -> None:
+    """Re-time a serving table's picks on this GPU at held-out shapes and print their regret.
+
+    At each shape (log-uniform off the table's grid, and ragged mixes) the eager pick, the
+    CUDA-graph pick and the fallback are timed beside the best of the family's candidates
+    measured there; regret = t(pick) / t(best) - 1, summarized as geomean, p95 and max
+    (mla_tune/tune/verify.py)."""
+    if budget is not None and not budget > 0:
+        raise _usage_error(f"--budget must be a positive number of seconds, got {budget}")
+    for flag, value in (("--max-p95", max_p95), ("--max-regret", max_regret)):
+        if value is not None and not 0 <= value <= 1:
+            raise _usage_error(f"{flag} is a fraction (0.05 for 5%), got {value}")
+    with _domain_errors():
+        from mla_tune.tune.verify import run_verify
+
+        report = run_verify(table, config=config, shapes=shapes, ragged=ragged, seed=seed, samples=samples,
+                            families=families, budget_s=budget, workers=workers, max_p95=max_p95,
+                            max_regret=max_regret, judge=judge, json_path=json_path, log=typer.echo)
+    if report["exit_code"]:
+        raise typer.Exit(report["exit_code"])

@@ -1,0 +1,248 @@
+"""`mla-tune verify` (mla_tune/tune/verify.py) under Triton's interpreter: a tiny config (one
+family, 2 x 2 buckets, heads 16), a made-up table whose picks are known, and a made-up timer,
+so that the regrets are known; the shapes, the left-out rule, the thresholds and the CLI."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from mla_tune.backends import EXTRA_BACKENDS_ENV, get_backend
+from mla_tune.cli import app
+from mla_tune.core import CallSpec, Variant
+from mla_tune.gpu import detect
+from mla_tune.runtime.decode import Decoder
+from mla_tune.tables.serving_table import load_serving_table
+from mla_tune.tune import timing
+from mla_tune.tune import verify as vf
+from mla_tune.tune.serving_config import load_serving_config, serving_config_from_dict
+from mla_tune.tune.serving_plan import family_plan
+from mla_tune.tune.timing import Timing
+
+TINY = {
+    "name": "tiny-verify", "rule": "strict", "check_seeds": [1, 2],
+    "families": {"kv_format": ["fp8"], "page_size": [16], "heads": [16], "q_len": [2]},
+    "call": {"mixed_q_len": True},
+    "batch_buckets": [2, 4], "kv_buckets": [32, 64],
+    "gate": {"ragged_kv_lens": [1, 17, 63, 64, 65, 100], "tail_kv_len": 77, "tail_batch": 2, "margin": 0.5,
+             "reference_q": "exact"},
+    "search": {"rungs": [1, 2], "keep": 0.5, "min_keep": 1, "cross_top": 3},
+    "backends": {"triton": {"tokens_per_split": [16, 64]}, "triton_fused": {}, "wrong_serving": {}},
+}
+SPEC = CallSpec("fp8", 16, 16, 2, mixed_q_len=True)
+# Made-up times per sequence: the fused kernel C is the best correct candidate; the table's
+# eager pick A is 10% slower, its graph pick B 30%, the fallback F twice; W (wrong_serving)
+# is fastest but its output is wrong, so it can never be the best.
+PER_SEQUENCE_US = {"A": 11.0, "B": 13.0, "C": 10.0, "F": 20.0, "W": 5.0}
+
+
+@pytest.fixture
+def tiny(monkeypatch, tmp_path):
+    """(config, table path, {name: variant}) with the config written where the table's
+    provenance says."""
+    monkeypatch.setenv(EXTRA_BACKENDS_ENV, "wrong_serving=tests.serving_fakes")
+    config_path = tmp_path / "tiny.yaml"
+    config_path.write_text(yaml.safe_dump(TINY))
+    cfg = load_serving_config(config_path)
+    key = cfg.families[0]
+    cands = family_plan(cfg, key, detect()).candidates
+    triton = [v for v in cands if v.backend == "triton"]
+    names = {"A": next(v for v in triton if v.get("tokens_per_split") == 16),
+             "B": next(v for v in triton if v.get("tokens_per_split") == 64),
+             "C": next(v for v in cands if v.backend == "triton_fused"),
+             "W": next(v for v in cands if v.backend == "wrong_serving"),
+             "F": Decoder(cfg.spec(key), device="cpu").variant}
+    assert len(set(names.values())) == 5
+    table = {"schema": "serving/1", "gpu": detect().name,
+             "provenance": {"config": {"path": str(config_path), "hash": cfg.hash}},
+             "batch_buckets": [2, 4], "kv_buckets": [32, 64],
+             "families": [{"key": key.as_dict(),
+                           "cells": [{"batch": b, "kv_len": kv, "variant": str(names["A"]), "time_us": 1.0}
+                                     for b in (2, 4) for kv in (32, 64)],
+                           "graph": [{"batch": b, "variant": str(names["B"]), "worst_regret": 0.1,
+                                      "worst_kv_len": 32} for b in (2, 4)],
+                           "left_out": []}]}
+    table_path = tmp_path / "CPU.serving.yaml"
+    table_path.write_text(yaml.safe_dump(table, sort_keys=False))
+    return cfg, table_path, names
+
+
+class FakeTimer:
+    """The made-up time of the call's variant (nothing runs); remembers the order."""
+
+    def __init__(self, names):
+        self.name = {v: n for n, v in names.items()}
+        self.order: list[tuple[str, int]] = []
+
+    def __call__(self, call, reps: int) -> Timing:
+        name = self.name[call.variant]
+        self.order.append((name, reps))
+        t = PER_SEQUENCE_US[name] * call.batch
+        return Timing(t, t, t, reps)
+
+
+def _quiet(line: str) -> None:
+    pass
+
+
+def test_held_out_shapes_are_off_the_grid_deterministic_and_respect_left_out(tiny):
+    raw = copy.deepcopy(TINY)
+    raw["families"]["kv_format"] = ["fp8", "bf16"]
+    # 2 sequences of 64 tokens fit, 4 of 40 do not: what is left is drawn again
+    raw["left_out"] = [{"max_tokens": 150, "why": "a test's limit"}]
+    cfg = serving_config_from_dict(raw, "two.yaml")
+    _, table_path, _ = tiny
+    table = load_serving_table(table_path)
+    keys = list(cfg.families)
+    shapes, redrawn = vf.draw_shapes(table, cfg, keys, 12, 6, seed=7)
+    assert shapes == vf.draw_shapes(table, cfg, keys, 12, 6, seed=7)[0]
+    assert shapes != vf.draw_shapes(table, cfg, keys, 12, 6, seed=8)[0]
+    assert redrawn > 0
+    assert [s.key for s in shapes] == [keys[i % 2] for i in range(18)]  # round-robin
+    uniform = [s for s in shapes if s.kind == "uniform"]
+    mixes = [s for s in shapes if s.kind == "ragged"]
+    assert len(uniform) == 12 and len(mixes) == 6
+    for s in shapes:
+        assert sum(s.kv_lens) <= 150 and cfg.left_out_reason(s.key, 1, sum(s.kv_lens)) is None
+        assert all(32 <= n <= 64 for n in s.kv_lens) and all(1 <= q <= 2 for q in s.q_lens)
+    for s in uniform:  # off the grid: batch 1 or 3 (buckets 2, 4), kv 33..63
+        assert s.batch in (1, 3) and len(set(s.kv_lens)) == 1 and s.kv_lens[0] not in (32, 64)
+    assert all(s.batch >= 2 for s in mixes) and any(len(set(s.kv_lens)) > 1 for s in mixes)
+    assert vf.select_families(table, "kv_format=fp8,heads=16") == list(table.families)
+    with pytest.raises(vf.VerifyError, match="matches none"):
+        vf.select_families(table, "heads=128")
+
+
+def test_regret_is_the_picks_time_over_the_best_correct_candidate(tiny, tmp_path):
+    cfg, table_path, names = tiny
+    timer = FakeTimer(names)
+
+    def probe(call) -> float:  # W looks hopeless to the probe: pruned, never timed
+        return 1000.0 if call.variant == names["W"] else PER_SEQUENCE_US[timer.name[call.variant]]
+
+    out = tmp_path / "out" / "verify.json"
+    report = vf.run_verify(table_path, shapes=2, ragged=1, seed=3, samples=2, json_path=out, timer=timer,
+                           probe=probe, device="cpu", log=_quiet)
+    assert report["exit_code"] == 0 and not report["verdict"]["failed"]
+    assert len(report["shapes"]) == 3
+    for r in report["shapes"]:
+        assert r["best"] == str(names["C"]) and r["roles"]["eager"] == str(names["A"])
+        assert r["regret"]["eager"] == pytest.approx(0.10)
+        assert r["regret"]["graph"] == pytest.approx(0.30)
+        assert r["regret"]["fallback"] == pytest.approx(1.0)
+        assert r["pruned"] == [str(names["W"])]
+        assert all(c["passed"] for c in r["checks"].values()) and str(names["A"]) in r["checks"]
+    eager = report["summary"]["eager"]
+    assert eager["all"]["n"] == 3 and eager["uniform"]["n"] == 2 and eager["ragged"]["n"] == 1
+    assert eager["all"]["geomean"] == pytest.approx(0.10) and eager["all"]["max"] == pytest.approx(0.10)
+    assert report["summary"]["fallback"]["all"]["p95"] == pytest.approx(1.0)
+    # the final round: 4 passes over the same variants, not in the same order each time
+    final = [n for n, reps in timer.order if reps == 2]
+    size = len(final) // vf.FINAL_PASSES
+    passes = [final[i * size:(i + 1) * size] for i in range(vf.FINAL_PASSES)][:vf.FINAL_PASSES]
+    assert size >= 4 and len({tuple(p) for p in passes}) > 1 and all(sorted(p) == sorted(passes[0]) for p in passes)
+    saved = json.loads(out.read_text())
+    assert saved["schema"] == vf.VERIFY_SCHEMA and saved["options"]["seed"] == 3
+    assert saved["config"]["hash"] == cfg.hash and saved["versions"]["torch"]
+    assert saved["shapes"][0]["final_us"] and saved["shapes"][0]["input_seed"] == report["shapes"][0]["input_seed"]
+
+
+def test_a_wrong_fast_candidate_is_never_the_best_and_a_wrong_pick_fails(tiny, tmp_path):
+    cfg, table_path, names = tiny
+    text = table_path.read_text().replace(str(names["A"]), str(names["W"]))
+    table_path.write_text(text)  # the eager pick is now the wrong (fast) backend
+    report = vf.run_verify(table_path, shapes=1, ragged=0, samples=1, timer=FakeTimer(names),
+                           device="cpu", log=_quiet)
+    r = report["shapes"][0]
+    assert r["best"] == str(names["C"]) and r["checks"][str(names["W"])]["passed"] is False
+    assert r["regret"]["eager"] == pytest.approx(-0.5)  # faster than the best correct one, and wrong
+    assert report["verdict"]["failed"] and report["exit_code"] == 1
+    assert "outside the rule" in report["verdict"]["reasons"][0]
+
+
+def test_thresholds_set_the_exit_code(tiny):
+    _, table_path, names = tiny
+    kw = dict(shapes=1, ragged=0, samples=1, device="cpu", log=_quiet)
+    report = vf.run_verify(table_path, max_p95=0.05, timer=FakeTimer(names), **kw)
+    assert report["exit_code"] == 1 and "p95 regret 10.0% is over 5.0%" in report["verdict"]["reasons"][0]
+    records = report["shapes"]
+    summary = vf.summarize(records)
+    assert not vf._verdict(summary, records, 0.2, 0.2, "eager", False)["failed"]
+    assert vf._verdict(summary, records, None, 0.2, "graph", False)["failed"]  # graph pick: 30%
+    assert vf._verdict(summary, records, None, None, "both", False) == {
+        "failed": False, "reasons": [], "judged": [], "partial": False, "checks": 5, "checks_failed": 0}
+    stopped = vf.run_verify(table_path, budget_s=1e-9, timer=FakeTimer(names), **kw)  # spent at once
+    assert stopped["stopped"] and stopped["exit_code"] == 3 and stopped["shapes"] == []
+
+
+def test_regret_statistics():
+    s = vf.regret_stats([0.0] * 18 + [0.10, 0.20])
+    assert s["n"] == 20 and s["p95"] == pytest.approx(0.10) and s["max"] == pytest.approx(0.20)
+    assert s["geomean"] == pytest.approx((1.1 * 1.2) ** (1 / 20) - 1)
+    assert vf.regret_stats([0.1, math.inf])["max"] == math.inf
+    assert vf.regret_stats([])["n"] == 0
+
+
+def _invoke(*args):
+    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "100", "NO_COLOR": "1"})
+
+
+def test_cli_help_bad_table_and_a_run_writing_json(tiny, tmp_path, monkeypatch):
+    result = _invoke("verify", "--help")
+    assert result.exit_code == 0 and "Re-time a serving table's picks" in " ".join(result.output.split())
+    assert _invoke("verify", "--table", tmp_path / "x.yaml", "--max-p95", "5").exit_code == 2  # a fraction
+    result = _invoke("verify", "--table", tmp_path / "nope.serving.yaml")
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "nope.serving.yaml" in lines[0]
+    _, table_path, names = tiny
+    monkeypatch.setattr(timing, "cpu_time", FakeTimer(names))  # the CPU's default timer
+    out = tmp_path / "v.json"
+    result = _invoke("verify", "--table", table_path, "--shapes", 1, "--ragged", 1, "--samples", 1,
+                     "--max-p95", "0.2", "--max-regret", "0.2", "--json", out)
+    assert result.exit_code == 0, result.output
+    assert "PASS" in result.output and "eager pick" in result.output and "elapsed" in result.output
+    assert len(json.loads(out.read_text())["shapes"]) == 2
+    result = _invoke("verify", "--table", table_path, "--shapes", 1, "--ragged", 0, "--samples", 1,
+                     "--max-regret", "0.05")
+    assert result.exit_code == 1 and "FAIL" in result.output
+
+
+@pytest.mark.gpu
+def test_verify_on_the_gpu(tmp_path):
+    """Two shapes and a mix against a tiny made-up table (128 heads, paged 64, fp8): the
+    leaderboard timer, the probe, kernels compiled in 2 processes, vendors where installed."""
+    raw = copy.deepcopy(TINY)
+    raw.update(families={"kv_format": ["fp8"], "page_size": [64], "heads": [128], "q_len": [1]},
+               call={"mixed_q_len": False}, batch_buckets=[1, 32], kv_buckets=[512, 4096], gate_workers=2,
+               gate={"ragged_kv_lens": [1, 17, 63, 64, 65, 3000], "tail_kv_len": 4133, "tail_batch": 3,
+                     "margin": 0.5, "reference_q": "variant"},
+               backends={"triton": {"tokens_per_split": [256, 4096], "max_splits": [1]},
+                         "triton_fused": {"tokens_per_split": [1024]}, "flashmla": {}, "flashinfer": {}})
+    cfg = serving_config_from_dict(raw, tmp_path / "gpu_tiny.yaml")
+    (tmp_path / "gpu_tiny.yaml").write_text(yaml.safe_dump(raw))
+    key = cfg.families[0]
+    cands = family_plan(cfg, key, detect()).candidates
+    eager = cands[0]
+    graph = next((v for v in cands if v.backend == "flashmla"), cands[-1])
+    table = {"schema": "serving/1", "gpu": detect().name,
+             "provenance": {"config": {"path": str(tmp_path / "gpu_tiny.yaml"), "hash": cfg.hash}},
+             "batch_buckets": [1, 32], "kv_buckets": [512, 4096],
+             "families": [{"key": key.as_dict(),
+                           "cells": [{"batch": b, "kv_len": kv, "variant": str(eager), "time_us": 1.0}
+                                     for b in (1, 32) for kv in (512, 4096)],
+                           "graph": [{"batch": b, "variant": str(graph), "worst_regret": 0.0, "worst_kv_len": 512}
+                                     for b in (1, 32)], "left_out": []}]}
+    (tmp_path / "GPU.serving.yaml").write_text(yaml.safe_dump(table, sort_keys=False))
+    report = vf.run_verify(tmp_path / "GPU.serving.yaml", shapes=2, ragged=1, samples=3,
+                           json_path=tmp_path / "v.json", log=print)
+    assert len(report["shapes"]) == 3 and report["protocol"]["name"] == "leaderboard-emulation"
+    for r in report["shapes"]:
+        assert r["best"] is not None and all(0 <= r["regret"][role] < math.inf for role in vf.ROLES)
+        assert all(c["passed"] for v, c in r["checks"].items() if v in r["roles"].values())
+    assert get_backend("triton") and Variant.parse(report["shapes"][0]["best"])
