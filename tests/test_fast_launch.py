@@ -329,7 +329,7 @@ def test_replayed_launches_are_bit_identical_to_the_jit_launch_across_layers(bac
     for i, ((q, kv), out) in enumerate(zip(layers, outs, strict=True)):
         plain = runner(q, first.qo_indptr, kv, first.kv_scale, **first.layout)
         assert torch.equal(out, plain), f"layer {i}: the replay differs from the JIT launch"
-    q_format = "bf16" if q_mode is None else "fp8"
+    q_format = "fp8" if str(decoder.variant.get("q")).startswith("fp8") else "bf16"
     _close(outs[2], _ref(first, *layers[2], q_format), "layer 2")
     # a misaligned q (a view 2 bytes into a buffer) does not fit the recording: JIT path
     q = layers[1][0]
