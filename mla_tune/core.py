@@ -512,37 +512,111 @@ def check_serving_build(name: str, variant: Variant, spec: CallSpec, capabilitie
 
 
 def own_serving_runner(name: str, spec: CallSpec, device, decode, workspace_type, max_splits: int,
-                       launch: dict):
+                       launch: dict, replay_from=None) -> OwnServingRunner:
     """The runner of an own kernel family's serving call (build_serving's result): it owns
     `out` and the family's workspace (`workspace_type.allocate(capacity, heads, max_splits,
     device)`), allocated on the first call and again only when a call brings more new tokens
     than any before (at least doubling), never from the data; it reads no device tensor on
     the host, so a CUDA graph can hold it. `decode(q, qo_indptr, kv, kv_scale, out, *,
-    layout, workspace, **launch)` is the family's launch function. Returns out[:total_q]."""
-    import torch
+    layout, workspace, record, **launch)` is the family's launch function. A call returns
+    out[:total_q]; `runner.step(...)` is the per-step API (OwnServingRunner.step).
+    `replay_from(record, (q, kv, kv_scale))` (kernels/launch.LaunchReplay.build) turns the
+    launches one call recorded into a replay, or None (then every layer takes `decode`)."""
+    return OwnServingRunner(name, spec, device, decode, workspace_type, max_splits, launch, replay_from)
 
-    heads, kv_scaled = spec.heads, spec.kv_format != "bf16"
-    state = {"capacity": 0, "out": None, "workspace": None}
 
-    def run_serving(q, qo_indptr, kv, kv_scale, *, kv_indptr=None, block_table=None,
-                    seq_lens=None, q_lens_host=None, kv_lens_host=None):
-        total_q = q.shape[0]
+def tensor_sig(t):
+    """What a compiled Triton launch saw of tensor t (None for None): dtype, shape, strides,
+    whether its data_ptr is 16-byte aligned (Triton specializes pointers on it), device index."""
+    if t is None:
+        return None
+    return (t.dtype, t.shape, t.stride(), t.data_ptr() % 16 == 0, t.get_device())
+
+
+class OwnServingRunner:
+    """See own_serving_runner. `runner(q, qo_indptr, kv, kv_scale, *, layout...)` checks and
+    launches every call; `runner.step(qo_indptr, *, layout...)` returns the step's per-layer
+    call, which launches through Triton's JIT at its first layer (recording) and replays
+    those launches directly for later layers (kernels/launch.py)."""
+
+    def __init__(self, name: str, spec: CallSpec, device, decode, workspace_type, max_splits: int,
+                 launch: dict, replay_from=None):
+        import torch
+
+        self.name, self.spec, self.device = name, spec, device
+        self._decode, self._workspace_type, self._launch = decode, workspace_type, launch
+        self._max_splits, self._replay_from = max_splits, replay_from
+        self._bf16 = torch.bfloat16
+        self.capacity, self.out, self.workspace = 0, None, None
+        # The last step's tensors and its (replay, out), for the next step with the same ones.
+        self._kept = None
+
+    def __call__(self, q, qo_indptr, kv, kv_scale, *, kv_indptr=None, block_table=None,
+                 seq_lens=None, q_lens_host=None, kv_lens_host=None, record: list | None = None):
+        spec, total_q = self.spec, q.shape[0]
         # Shapes and dtypes only: the kernel would take a cache of the other format or
         # another head count as given and answer wrong.
-        if q.dim() != 3 or q.shape[1] != heads or (kv.dtype != torch.bfloat16) != kv_scaled:
-            raise ValueError(f"{name}: this runner serves {heads} heads over {spec.kv_format} KV; "
+        if q.dim() != 3 or q.shape[1] != spec.heads or (kv.dtype != self._bf16) != (spec.kv_format != "bf16"):
+            raise ValueError(f"{self.name}: this runner serves {spec.heads} heads over {spec.kv_format} KV; "
                              f"got q {tuple(q.shape)} and kv {kv.dtype}")
-        if total_q > state["capacity"]:
-            capacity = max(total_q, 2 * state["capacity"])
-            state["out"] = torch.empty((capacity, heads, V_DIM), dtype=torch.bfloat16, device=device)
-            state["workspace"] = workspace_type.allocate(capacity, heads, max_splits, device)
-            state["capacity"] = capacity
-        out = state["out"][:total_q]
-        decode(q, qo_indptr, kv, kv_scale, out, kv_indptr=kv_indptr, block_table=block_table,
-               seq_lens=seq_lens, workspace=state["workspace"], **launch)
+        if total_q > self.capacity:
+            import torch
+
+            capacity = max(total_q, 2 * self.capacity)
+            self.out = torch.empty((capacity, spec.heads, V_DIM), dtype=torch.bfloat16, device=self.device)
+            self.workspace = self._workspace_type.allocate(capacity, spec.heads, self._max_splits, self.device)
+            self.capacity = capacity
+            self._kept = None  # its launches wrote the old buffers
+        out = self.out[:total_q]
+        self._decode(q, qo_indptr, kv, kv_scale, out, kv_indptr=kv_indptr, block_table=block_table,
+                     seq_lens=seq_lens, workspace=self.workspace, record=record, **self._launch)
         return out
 
-    return run_serving
+    def step(self, qo_indptr, *, kv_indptr=None, block_table=None, seq_lens=None, q_lens_host=None,
+             kv_lens_host=None) -> OwnServingStep:
+        """The per-layer call of one step: `layer(q, kv, kv_scale) -> out`. Enqueues nothing
+        (the split counts are computed by the kernels); the layout is checked at the first
+        layer's launch, with everything else."""
+        return OwnServingStep(self, qo_indptr, dict(kv_indptr=kv_indptr, block_table=block_table,
+                                                     seq_lens=seq_lens))
+
+
+class OwnServingStep:
+    """`OwnServingRunner.step(...)`'s result. The first layer call launches through the
+    runner (every check, Triton's JIT) and records; a later call whose q, kv and kv_scale
+    look as the recorded ones did (dtype, shape, strides, 16-byte alignment, device: what
+    the compile and the recorded arguments depend on) replays the launches directly, and
+    any other call takes the runner again and records anew. The recording is kept on the
+    runner for the next step made of the same tensor objects with the same shapes (an
+    engine's static buffers), so such steps replay from their first layer."""
+
+    __slots__ = ("runner", "qo_indptr", "layout", "key", "fast")
+
+    def __init__(self, runner: OwnServingRunner, qo_indptr, layout: dict):
+        self.runner, self.qo_indptr, self.layout = runner, qo_indptr, layout
+        tensors = (qo_indptr, layout["kv_indptr"], layout["block_table"], layout["seq_lens"])
+        # The replay holds these tensors' addresses: the same objects, shapes and addresses.
+        self.key = (tensors, tuple(None if t is None else (tensor_sig(t), t.data_ptr()) for t in tensors))
+        kept = runner._kept
+        self.fast = None
+        if kept is not None and kept[0][1] == self.key[1] and all(
+                a is b for a, b in zip(kept[0][0], tensors, strict=True)):
+            self.fast = kept[1]
+
+    def __call__(self, q, kv, kv_scale=None):
+        fast = self.fast
+        if fast is not None and fast[0].try_launch((q, kv, kv_scale)):
+            return fast[1]
+        return self._record(q, kv, kv_scale)
+
+    def _record(self, q, kv, kv_scale):
+        runner = self.runner
+        record = [] if runner._replay_from is not None else None
+        out = runner(q, self.qo_indptr, kv, kv_scale, **self.layout, record=record)
+        replay = runner._replay_from(record, (q, kv, kv_scale)) if record else None
+        self.fast = None if replay is None else (replay, out)
+        runner._kept = None if replay is None else (self.key, self.fast)
+        return out
 
 
 def check_serving_launch(q, qo_indptr, kv, kv_scale, out, *, kv_indptr, block_table, seq_lens,

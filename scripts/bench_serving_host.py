@@ -1,14 +1,21 @@
 """Host time and GPU time per serving call, mla-tune's one call beside the vendors' own calls.
 
     PYTHONPATH=. python scripts/bench_serving_host.py [--batch 32] [--heads 128] [--out DIR]
+        [--no-leaderboard]
 
 A ragged batch (kv_len 3980-4019, one new token each) in 64-token pages, as an engine's
-decode step calls it. Rows: `mla_tune.runtime.decode.Decoder` per backend that serves the
-call (its __call__, checks included, and its runner alone), FlashMLA's
-`flash_mla_with_kvcache` called directly, a DecodePlan's run (runtime/plan.py), with its schedule made once, FlashInfer's
-`BatchMLAPagedAttentionWrapper.run` after one `plan`. Host time: timing.host_time (calls
-back to back, GPU busy ahead); GPU time: timing.time_call (the leaderboard protocol).
-Each result is checked against mla_tune.serving's fp32 reference first (strict rule).
+decode step calls it, bf16 and fp8 KV. Rows per backend that serves the call (triton,
+triton_fused, flashmla, flashinfer): `mla_tune.runtime.decode.Decoder` (its __call__,
+checks included), its runner alone, and a DecodePlan's run (runtime/plan.py: one update,
+then the step's per-layer fast path: replayed Triton launches for the own kernels,
+FlashMLA's op called directly, FlashInfer's run); beside them FlashMLA's
+`flash_mla_with_kvcache` called directly (its schedule made once) and FlashInfer's
+`BatchMLAPagedAttentionWrapper.run` after one `plan`. Then DecodePlan.run and the vendors'
+direct calls again at 16 heads (bf16), and the leaderboard entry beside its bare runner.
+Host time: timing.host_time (calls back to back, GPU busy ahead); GPU time:
+timing.time_call (the leaderboard protocol). Each result is checked against
+mla_tune.serving's fp32 reference first (strict rule). A vendor whose wheel is missing is
+a row with its reason. The last table: host us per DecodePlan.run beside the vendors'.
 """
 
 from __future__ import annotations
@@ -26,64 +33,66 @@ from mla_tune.problem import RULES, check
 from mla_tune.tune.timing import host_time, time_call
 
 PAGE = 64
+DEVICE = "cuda"
+BACKENDS = ("triton", "triton_fused", "flashmla", "flashinfer")
+FI_DIRECT, FM_DIRECT = "flashinfer run direct", "flash_mla direct"
 
 
-def _rows(args):
-    kv_lens = [3980 + (i * 7) % 40 for i in range(args.batch)]
-    for kv_format in ("bf16", "fp8"):
-        inp = serving.make_input([1] * args.batch, kv_lens, args.heads, PAGE, kv_format, seed=7, device="cuda")
-        spec = CallSpec(kv_format, page_size=PAGE, heads=args.heads, max_q_len=1)
-        layout = {"block_table": inp.block_table, "seq_lens": inp.seq_lens}
-        host_lens = {"q_lens_host": inp.q_lens, "kv_lens_host": inp.kv_lens}
-        ref = {q: inp.reference(q_format=q) for q in ("bf16", "fp8")}
-        calls = {}
-        pos = (inp.q, inp.qo_indptr, inp.kv, inp.kv_scale)
-        kw = {**layout, **host_lens}
-        from mla_tune.runtime.decode import Decoder
+def _q_format(variant) -> str:
+    return "fp8" if str(variant.get("q") if hasattr(variant, "get") else variant).startswith("fp8") else "bf16"
 
-        for backend in ("triton", "triton_fused", "flashmla", "flashinfer"):
-            try:
-                dec = Decoder(spec if backend != "flashinfer" else CallSpec(
-                    kv_format, page_size=PAGE, heads=args.heads, max_q_len=1, host_lengths=True),
-                    backend=backend, device="cuda")
-            except Exception as exc:  # noqa: BLE001 - a backend that cannot serve is a row
-                yield {"kv": kv_format, "call": f"Decoder {backend}", "error": f"{type(exc).__name__}: {exc}"}
-                continue
-            calls[f"Decoder {backend}"] = (
-                lambda dec=dec, pos=pos, kw=kw: dec(*pos, **kw),
-                dec.variant)
-            calls[f"runner {backend}"] = (lambda runner=dec.runner, pos=pos, kw=kw: runner(*pos, **kw),
-                                           dec.variant)
-            try:
-                from mla_tune.runtime.plan import DecodePlan
 
-                plan = DecodePlan(dec.spec, max_batch=args.batch, backend=backend, device="cuda")
-                plan.update(inp.qo_indptr, **kw)
-                calls[f"DecodePlan.run {backend}"] = (
-                    lambda plan=plan, inp=inp: plan.run(inp.q, inp.kv, inp.kv_scale), plan.pick(args.batch))
-            except Exception as exc:  # noqa: BLE001
-                yield {"kv": kv_format, "call": f"DecodePlan {backend}", "error": f"{type(exc).__name__}: {exc}"}
+def _calls(inp, kv_format: str, heads: int, batch: int, full: bool):
+    """{name: (fn, variant or q format)} and error rows, for one input."""
+    from mla_tune.runtime.decode import Decoder
+    from mla_tune.runtime.plan import DecodePlan
+
+    calls, errors = {}, []
+    layout = {"block_table": inp.block_table, "seq_lens": inp.seq_lens}
+    kw = {**layout, "q_lens_host": inp.q_lens, "kv_lens_host": inp.kv_lens}
+    pos = (inp.q, inp.qo_indptr, inp.kv, inp.kv_scale)
+    for backend in BACKENDS:
+        spec = CallSpec(kv_format, page_size=PAGE, heads=heads, max_q_len=1, host_lengths=backend == "flashinfer")
         try:
-            calls.update(_direct_flashmla(inp, kv_format, args.heads))
-        except Exception:  # noqa: BLE001
-            yield {"kv": kv_format, "call": "flash_mla direct", "error": traceback.format_exc(limit=2)}
-        if kv_format == "bf16":
-            try:
-                calls.update(_direct_flashinfer(inp, args.heads))
-            except Exception:  # noqa: BLE001
-                yield {"kv": kv_format, "call": "flashinfer direct", "error": traceback.format_exc(limit=2)}
+            dec = Decoder(spec, backend=backend, device=DEVICE)
+            plan = DecodePlan(spec, max_batch=batch, backend=backend, device=DEVICE)
+        except Exception as exc:  # noqa: BLE001 - a backend that cannot serve (or is not installed) is a row
+            errors.append({"call": f"DecodePlan.run {backend}", "error": f"{type(exc).__name__}: {exc}"})
+            continue
+        if full:
+            calls[f"Decoder {backend}"] = (lambda dec=dec: dec(*pos, **kw), dec.variant)
+            calls[f"runner {backend}"] = (lambda r=dec.runner: r(*pos, **kw), dec.variant)
+        plan.update(inp.qo_indptr, **kw)
+        calls[f"DecodePlan.run {backend}"] = (lambda plan=plan: plan.run(inp.q, inp.kv, inp.kv_scale),
+                                              plan.pick(batch))
+    for name, make in ((FM_DIRECT, _direct_flashmla), (FI_DIRECT, _direct_flashinfer)):
+        try:
+            calls[name] = make(inp, kv_format, heads)
+        except Exception as exc:  # noqa: BLE001 - a missing wheel or kernel is a row
+            errors.append({"call": name, "error": f"{type(exc).__name__}: {exc}"})
+    return calls, errors
+
+
+def _rows(batch: int, heads: int, kv_formats, full: bool):
+    kv_lens = [3980 + (i * 7) % 40 for i in range(batch)]
+    for kv_format in kv_formats:
+        inp = serving.make_input([1] * batch, kv_lens, heads, PAGE, kv_format, seed=7, device=DEVICE)
+        ref = {q: inp.reference(q_format=q) for q in ("bf16", "fp8")}
+        calls, errors = _calls(inp, kv_format, heads, batch, full)
+        base = {"heads": heads, "kv": kv_format}
+        for row in errors:
+            yield {**base, **row}
         for name, (fn, variant) in calls.items():
             try:
                 out = fn().clone()
-                q_format = "fp8" if "fp8" in str(variant.get("q") if hasattr(variant, "get") else variant) else "bf16"
-                got = check(out.float(), ref[q_format], RULES["strict"])
+                got = check(out.float(), ref[_q_format(variant)], RULES["strict"])
                 host = host_time(fn)
                 gpu = time_call(fn, reps=30)
-                yield {"kv": kv_format, "call": name, "variant": str(variant), "strict": got.passed,
+                yield {**base, "call": name, "variant": str(variant), "strict": got.passed,
                        "host_us": round(host.median_us, 2), "host_p90_us": round(host.p90_us, 2),
                        "gpu_us": round(gpu.median_us, 2), "gpu_spread": round(gpu.spread, 3)}
             except Exception:  # noqa: BLE001
-                yield {"kv": kv_format, "call": name, "error": traceback.format_exc(limit=3)}
+                yield {**base, "call": name, "error": traceback.format_exc(limit=3)}
 
 
 def _direct_flashmla(inp, kv_format: str, heads: int):
@@ -108,17 +117,19 @@ def _direct_flashmla(inp, kv_format: str, heads: int):
                 q8, pages, inp.block_table, inp.seq_lens, V_DIM, sched, softmax_scale=SM_SCALE,
                 causal=False, is_fp8_kvcache=True, use_legacy=True, descale_q=q_scale,
                 descale_k=inp.kv_scale)[0].view(batch, heads, V_DIM)
-        return {"flash_mla direct (q fp8 outside)": (call, "fp8 q")}
+        return call, "fp8 q (made outside)"
     q4 = inp.q.view(batch, 1, heads, QK_DIM)
 
     def call_bf16():
         return flash_mla.flash_mla_with_kvcache(
             q4, pages, inp.block_table, inp.seq_lens, V_DIM, sched, softmax_scale=SM_SCALE,
             causal=False, is_fp8_kvcache=False, use_legacy=True)[0].view(batch, heads, V_DIM)
-    return {"flash_mla direct": (call_bf16, "bf16 q")}
+    return call_bf16, "bf16 q"
 
 
-def _direct_flashinfer(inp, heads: int):
+def _direct_flashinfer(inp, kv_format: str, heads: int):
+    """fa3, planned once; fp8 KV with FlashInfer's own float scales (the scale read once,
+    here, outside the timing), bf16 q."""
     from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
     batch = inp.seq_lens.shape[0]
@@ -128,15 +139,16 @@ def _direct_flashinfer(inp, heads: int):
     kv_indices = torch.cat([inp.block_table[b, :p] for b, p in enumerate(pages)]).to(torch.int32)
     wrapper = BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=dev), backend="fa3")
     wrapper.plan(inp.qo_indptr, kv_indptr, kv_indices, inp.seq_lens, heads, 512, 64, PAGE, False,
-                 SM_SCALE, torch.bfloat16, torch.bfloat16)
+                 SM_SCALE, torch.bfloat16, inp.kv.dtype)
+    scales = {} if kv_format == "bf16" else {"ckv_scale": float(inp.kv_scale), "kpe_scale": float(inp.kv_scale)}
     out = torch.empty((batch, heads, V_DIM), dtype=torch.bfloat16, device=dev)
     ckv, kpe = inp.kv[..., :512], inp.kv[..., 512:]
     q_nope, q_pe = inp.q[..., :512], inp.q[..., 512:]
 
     def call():
-        wrapper.run(q_nope, q_pe, ckv, kpe, out=out)
+        wrapper.run(q_nope, q_pe, ckv, kpe, out=out, **scales)
         return out
-    return {"flashinfer run (fa3, planned once)": (call, "bf16 q")}
+    return call, "bf16 q"
 
 
 def _leaderboard_rows():
@@ -147,7 +159,7 @@ def _leaderboard_rows():
     rt = runtime.load(table="tables/H200.yaml", allow_other_gpu=True)
     for batch in (4, 32, 64, 256):
         for kv_len in (1024, 8192):
-            data = problem.generate_input(batch, kv_len, 11, device="cuda")
+            data = problem.generate_input(batch, kv_len, 11, device=DEVICE)
             rt.custom_kernel(data)
             runner = next(r for (v, s, _d), r in rt.dispatcher._runners.items()
                           if (s.batch, s.kv_len) == (batch, kv_len))
@@ -158,29 +170,47 @@ def _leaderboard_rows():
                    "runner_host_us": round(bare.median_us, 2)}
 
 
+def _summary(rows, batch: int) -> list[str]:
+    """Host us per DecodePlan.run per backend beside the vendors' direct calls, a line per
+    (heads, KV); '-' where the call did not run (its error row says why)."""
+    cols = {**{f"DecodePlan.run {b}": b for b in BACKENDS}, FI_DIRECT: "fi run*", FM_DIRECT: "fmla call*"}
+    lines = [f"host us per call, batch {batch}, kv_len ~4000, q_len 1, {PAGE}-token pages: "
+             "DecodePlan.run per backend | the vendors' own calls*",
+             f"{'heads':>5} {'kv':5} " + " ".join(f"{label:>12}" for label in cols.values())]
+    for heads, kv in dict.fromkeys((r["heads"], r["kv"]) for r in rows):
+        got = {r["call"]: r for r in rows if (r["heads"], r["kv"]) == (heads, kv) and "error" not in r}
+        cells = [f"{got[c]['host_us']:12.1f}" if c in got else f"{'-':>12}" for c in cols]
+        lines.append(f"{heads:>5} {kv:5} " + " ".join(cells))
+    lines.append("* FlashInfer's run after one plan; flash_mla_with_kvcache with its schedule made once "
+                 "(fp8: q quantized outside)")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--heads", type=int, default=128)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--no-leaderboard", action="store_true", help="Skip the leaderboard entry's rows.")
     args = parser.parse_args()
-    rows = []
-    for row in _rows(args):
-        rows.append(row)
-        if "error" in row:
-            print(f"{row['kv']:5} {row['call']:38} ERROR {row['error'].strip().splitlines()[-1][:120]}", flush=True)
-    print(f"\n{torch.cuda.get_device_name()}: batch {args.batch}, {args.heads} heads, q_len 1, "
-          f"kv_len 3980-4019, {PAGE}-token pages")
-    print(f"{'kv':5} {'call':38} {'strict':>6} {'host_us':>8} {'p90':>7} {'gpu_us':>8} {'spread':>6}")
+    rows = list(_rows(args.batch, args.heads, ("bf16", "fp8"), full=True))
+    if args.heads != 16:
+        rows += list(_rows(args.batch, 16, ("bf16",), full=False))
+    print(f"\n{torch.cuda.get_device_name()}: batch {args.batch}, q_len 1, kv_len 3980-4019, {PAGE}-token pages")
+    print(f"{'heads':>5} {'kv':5} {'call':32} {'strict':>6} {'host_us':>8} {'p90':>7} {'gpu_us':>8} {'spread':>6}  variant")
     for r in rows:
-        if "error" not in r:
-            print(f"{r['kv']:5} {r['call']:38} {'ok' if r['strict'] else 'FAIL':>6} {r['host_us']:8.1f} "
-                  f"{r['host_p90_us']:7.1f} {r['gpu_us']:8.1f} {r['gpu_spread']:6.3f}")
+        if "error" in r:
+            print(f"{r['heads']:>5} {r['kv']:5} {r['call']:32} ERROR {r['error'].strip().splitlines()[-1][:110]}")
+        else:
+            print(f"{r['heads']:>5} {r['kv']:5} {r['call']:32} {'ok' if r['strict'] else 'FAIL':>6} "
+                  f"{r['host_us']:8.1f} {r['host_p90_us']:7.1f} {r['gpu_us']:8.1f} {r['gpu_spread']:6.3f}  "
+                  f"{r['variant']}")
     board = []
-    try:
-        board = list(_leaderboard_rows())
-    except Exception:  # noqa: BLE001
-        print("leaderboard entry rows:", traceback.format_exc(limit=3))
+    if not args.no_leaderboard:
+        try:
+            board = list(_leaderboard_rows())
+        except Exception:  # noqa: BLE001
+            print("leaderboard entry rows:", traceback.format_exc(limit=3))
     if board:
         print("\nleaderboard entry (runtime.custom_kernel, tables/H200.yaml) vs its bare runner, host us/call")
         for r in board:
@@ -189,6 +219,8 @@ def main() -> None:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "serving_host.json").write_text(json.dumps({"serving": rows, "leaderboard": board}, indent=1))
+    print()
+    print("\n".join(_summary(rows, args.batch)))
 
 
 if __name__ == "__main__":

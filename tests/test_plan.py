@@ -110,6 +110,9 @@ def test_runs_reuse_the_buffers_warm_allocated():
 def test_a_step_the_plan_was_not_made_for_is_refused():
     plan = DecodePlan(SPEC, max_batch=2, warm=False)
     inp = serving.make_input([1, 1, 1], [5, 6, 7], 16, 16, "bf16", seed=9)
+    for run in (plan.run, plan.run_checked):
+        with pytest.raises(ValueError, match=r"call update\(...\) with the step's lengths before run"):
+            run(inp.q, inp.kv)
     with pytest.raises(ValueError, match="up to 2; make a plan with a larger max_batch"):
         plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
     inp = serving.make_input([1, 1], [5, 6], 16, 16, "bf16", seed=9)

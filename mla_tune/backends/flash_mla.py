@@ -55,8 +55,10 @@ from mla_tune.core import (
     check_param_names,
     check_q_amax,
     check_serving_layout,
+    tensor_sig,
     vendor_is_cpu_fake,
 )
+from mla_tune.kernels.launch import LaunchReplay
 from mla_tune.kernels.q_quant import QQuantizer
 
 NAME = "flashmla"
@@ -215,8 +217,8 @@ class _FmQuantizer:
         self.base: QQuantizer | None = None
         self.views: dict[int, QQuantizer] = {}
 
-    def __call__(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = q.shape[0] * q.shape[1] // NUM_HEADS
+    def for_rows(self, rows: int) -> QQuantizer:
+        """The quantizer of `rows` rows of (16, 576) (views of the shared buffers)."""
         quantize = self.views.get(rows)
         if quantize is None:
             if self.base is None or rows > self.base.batch:
@@ -227,8 +229,29 @@ class _FmQuantizer:
             quantize = copy.copy(self.base)  # shares scale and counter; row buffers cut to `rows`
             quantize.batch, quantize.q8, quantize.partial = rows, self.base.q8[:rows], self.base.partial[:rows]
             self.views[rows] = quantize
-        q8, scale = quantize(q.view(rows, NUM_HEADS, QK_DIM))
+        return quantize
+
+    def __call__(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = q.shape[0] * q.shape[1] // NUM_HEADS
+        q8, scale = self.for_rows(rows)(q.view(rows, NUM_HEADS, QK_DIM))
         return q8.view(q.shape), scale
+
+
+def _fm_direct_ops():
+    """FlashMLA's dense decode ops as OpOverloads (bf16, fp8), or None where this flash_mla
+    has no `get_ops` or they are missing (then flash_mla_with_kvcache is called). For dense
+    legacy decoding with a schedule from get_mla_decoding_metadata, sgl-flash-mla 1.0.0's
+    flash_mla_with_kvcache only asserts its arguments and calls `dense_decode_fwd` (bf16)
+    or `fwd_kvcache_mla_fp8` (fp8) of get_ops(use_legacy=True) with them, in this order
+    (flash_mla_interface.py); calling the op skips the wrapper's host time and changes
+    nothing else (the op checks shapes and dtypes itself)."""
+    try:
+        from flash_mla.flash_mla_interface import get_ops
+
+        legacy = get_ops(True)
+        return legacy.dense_decode_fwd.default, legacy.fwd_kvcache_mla_fp8.default
+    except (ImportError, AttributeError, RuntimeError):
+        return None
 
 
 def build_serving(variant: Variant, spec: CallSpec, device):
@@ -236,18 +259,25 @@ def build_serving(variant: Variant, spec: CallSpec, device):
     512) bf16 for calls of `spec` (paged KV of 64-token pages, one q_len per call): it
     computes FlashMLA's schedule on the device from seq_lens every call and reads no device
     tensor on the host, so a CUDA graph can hold it. The output is FlashMLA's own tensor
-    (it takes no `out`), a new one per call outside a graph."""
+    (it takes no `out`), a new one per call outside a graph.
+
+    `runner.step(qo_indptr, *, block_table, seq_lens, q_lens_host=None, ...)` returns the
+    step's per-layer call `layer(q, kv, kv_scale)`: the schedule is computed once per step
+    (at the step when its q_len is known, from q_lens_host or max_q_len 1, else at the first
+    layer), the first layer is checked in full, later layers whose q, kv and kv_scale look
+    as the first's did (core.tensor_sig) call FlashMLA's op directly, with fp8 q quantized
+    by replayed launches (kernels/launch.py)."""
     validate(variant)
     _fm_serving_check(spec, variant)
     import flash_mla
 
-
     device = torch.device(device)
     heads, fp8 = spec.heads, spec.kv_format == "fp8"
     quantize = _FmQuantizer(variant.get("q"), variant.get("q_amax"), device) if fp8 else None
+    ops = _fm_direct_ops()
 
-    def run_flash_mla_serving(q, qo_indptr, kv, kv_scale, *, kv_indptr=None, block_table=None,
-                              seq_lens=None, q_lens_host=None, kv_lens_host=None):
+    def check(q, qo_indptr, kv, kv_indptr, block_table, seq_lens) -> int:
+        """The call's q_len, after checking its shapes and dtypes."""
         page_size = check_serving_layout(qo_indptr, kv, kv_indptr, block_table, seq_lens)
         batch, total_q = qo_indptr.shape[0] - 1, q.shape[0]
         if page_size != _FM_PAGE:
@@ -264,24 +294,98 @@ def build_serving(variant: Variant, spec: CallSpec, device):
         if q_len * batch != total_q or not 1 <= q_len <= spec.max_q_len:
             raise ValueError(f"flashmla needs every sequence to bring the same q_len (1..{spec.max_q_len}); "
                              f"{total_q} new tokens over {batch} sequences is not that")
-        sched = flash_mla.get_mla_metadata()[0]
-        sched.tile_scheduler_metadata, sched.num_splits = flash_mla.get_mla_decoding_metadata(
+        return q_len
+
+    def schedule(seq_lens, q_len: int):
+        """FlashMLA's split schedule (tile metadata, split counts): one launch on the device."""
+        return flash_mla.get_mla_decoding_metadata(
             seq_lens, q_len * heads // NUM_KV_HEADS, NUM_KV_HEADS, h_q=heads, is_fp8_kvcache=fp8,
-            use_legacy=True,
-        )
+            use_legacy=True)
+
+    def attend(q4, pages, block_table, seq_lens, sched, q_len, q_scale=None, kv_scale=None):
+        """FlashMLA's decode of q4 (batch, q_len, heads, 576), bf16 or fp8, with `sched`."""
+        meta, splits = sched
+        if ops is not None:
+            if fp8:
+                return ops[1](q4, pages, V_DIM, seq_lens, block_table, SM_SCALE, q_len > 1, meta, splits,
+                              q_scale, kv_scale)[0]
+            return ops[0](q4, pages, V_DIM, seq_lens, block_table, SM_SCALE, q_len > 1, meta, splits)[0]
+        holder = flash_mla.get_mla_metadata()[0]
+        holder.tile_scheduler_metadata, holder.num_splits = meta, splits
+        extra = {"descale_q": q_scale, "descale_k": kv_scale} if fp8 else {}
+        return flash_mla.flash_mla_with_kvcache(
+            q4, pages, block_table, seq_lens, V_DIM, holder, softmax_scale=SM_SCALE, causal=q_len > 1,
+            is_fp8_kvcache=fp8, use_legacy=True, **extra)[0]
+
+    def run_flash_mla_serving(q, qo_indptr, kv, kv_scale, *, kv_indptr=None, block_table=None,
+                              seq_lens=None, q_lens_host=None, kv_lens_host=None):
+        q_len = check(q, qo_indptr, kv, kv_indptr, block_table, seq_lens)
+        batch, total_q = qo_indptr.shape[0] - 1, q.shape[0]
+        sched = schedule(seq_lens, q_len)
         pages = kv.unsqueeze(2)  # (num_pages, 64, 1, 576)
-        common = dict(softmax_scale=SM_SCALE, causal=q_len > 1, is_fp8_kvcache=fp8, use_legacy=True)
         if fp8:
             q8, q_scale = quantize(q)
-            out, _lse = flash_mla.flash_mla_with_kvcache(
-                q8.view(batch, q_len, heads, QK_DIM), pages, block_table, seq_lens, V_DIM, sched,
-                descale_q=q_scale, descale_k=kv_scale, **common,
-            )
+            out = attend(q8.view(batch, q_len, heads, QK_DIM), pages, block_table, seq_lens, sched, q_len,
+                         q_scale, kv_scale)
         else:
-            out, _lse = flash_mla.flash_mla_with_kvcache(
-                q.view(batch, q_len, heads, QK_DIM), pages, block_table, seq_lens, V_DIM, sched, **common,
-            )
+            out = attend(q.view(batch, q_len, heads, QK_DIM), pages, block_table, seq_lens, sched, q_len)
         return out.view(total_q, heads, V_DIM)
 
+    def step(qo_indptr, *, kv_indptr=None, block_table=None, seq_lens=None, q_lens_host=None,
+             kv_lens_host=None):
+        q_len = None
+        if q_lens_host is not None and len(q_lens_host) and len(set(q_lens_host)) == 1:
+            q_len = int(q_lens_host[0])
+        elif spec.max_q_len == 1:
+            q_len = 1
+        return _FmStep(check, schedule, attend, quantize, heads, qo_indptr, kv_indptr, block_table,
+                       seq_lens, q_len)
+
+    run_flash_mla_serving.step = step
     run_flash_mla_serving.q_saturation = quantize.saturated if variant.get("q") == "fp8_static" else None
     return run_flash_mla_serving
+
+
+class _FmStep:
+    """The per-layer call of one FlashMLA step (build_serving's runner.step)."""
+
+    def __init__(self, check, schedule, attend, quantize, heads, qo_indptr, kv_indptr, block_table,
+                 seq_lens, q_len):
+        self.check, self.schedule, self.attend, self.quantize = check, schedule, attend, quantize
+        self.heads, self.qo_indptr, self.kv_indptr = heads, qo_indptr, kv_indptr
+        self.block_table, self.seq_lens = block_table, seq_lens
+        self.batch = qo_indptr.shape[0] - 1
+        # Per step, on the device: in the graph that holds the step's layers.
+        self.sched = schedule(seq_lens, q_len) if q_len is not None and seq_lens is not None else None
+        self.q_len, self.sigs, self.rows, self.q_replay, self.q8_view = q_len, None, 0, None, None
+
+    def first(self, q, kv, kv_scale) -> None:
+        """A layer unlike the step's last checked one: check it in full, (re)schedule when
+        its q_len is not the scheduled one."""
+        q_len = self.check(q, self.qo_indptr, kv, self.kv_indptr, self.block_table, self.seq_lens)
+        if self.sched is None or q_len != self.q_len:
+            self.sched, self.q_len = self.schedule(self.seq_lens, q_len), q_len
+        self.sigs = (tensor_sig(q), tensor_sig(kv), tensor_sig(kv_scale))
+        self.rows = q.shape[0] * self.heads // NUM_HEADS
+        self.q_replay = None
+
+    def __call__(self, q, kv, kv_scale=None):
+        if (tensor_sig(q), tensor_sig(kv), tensor_sig(kv_scale)) != self.sigs:
+            self.first(q, kv, kv_scale)
+        q_len, batch = self.q_len, self.batch
+        pages = kv.unsqueeze(2)  # (num_pages, 64, 1, 576)
+        if self.quantize is None:
+            out = self.attend(q.view(batch, q_len, self.heads, QK_DIM), pages, self.block_table, self.seq_lens,
+                              self.sched, q_len)
+            return out.view(q.shape[0], self.heads, V_DIM)
+        rows = q.view(self.rows, NUM_HEADS, QK_DIM)
+        replay = self.q_replay
+        if replay is None or not replay.try_launch((rows,)):
+            record = []
+            quantize = self.quantize.for_rows(self.rows)
+            q8, q_scale = quantize(rows, record=record)
+            self.q_replay = LaunchReplay.build(record, (rows,))
+            self.q8_view = (q8.view(batch, q_len, self.heads, QK_DIM), q_scale)
+        q8, q_scale = self.q8_view
+        out = self.attend(q8, pages, self.block_table, self.seq_lens, self.sched, q_len, q_scale, kv_scale)
+        return out.view(q.shape[0], self.heads, V_DIM)

@@ -57,6 +57,7 @@ from mla_tune.core import (
     check_param_choice,
     check_param_names,
     check_serving_layout,
+    tensor_sig,
     vendor_is_cpu_fake,
 )
 
@@ -243,7 +244,8 @@ def build_serving(variant: Variant, spec: CallSpec, device):
     workspace = torch.empty(_FI_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
     wrapper = BatchMLAPagedAttentionWrapper(workspace, backend=variant.get("kernel"))
     scales = {"ckv_scale": 1.0, "kpe_scale": 1.0} if fp8 else {}
-    state = {"key": None, "grid": None, "capacity": 0, "out": None, "q_scaled": None, "arange": None}
+    state = {"key": None, "grid": None, "capacity": 0, "out": None, "q_scaled": None, "arange": None,
+             "plans": 0}
 
     def plan(q, qo_indptr, kv, kv_scale, *, kv_indptr=None, block_table=None, seq_lens=None,
              q_lens_host=None, kv_lens_host=None):
@@ -302,6 +304,7 @@ def build_serving(variant: Variant, spec: CallSpec, device):
             q_data_type=torch.bfloat16, kv_data_type=kv_dtype,
         )
         state["key"] = key
+        state["plans"] += 1  # a step that planned before runs on a plan no longer there
         # MLAPlanInfo's first two entries are the launch grid (cluster size, clusters): a
         # graph captured with one grid replays it, so a replan must keep it
         grid = _fi_plan_grid(wrapper)
@@ -312,23 +315,56 @@ def build_serving(variant: Variant, spec: CallSpec, device):
                              "so a captured graph cannot replay it; capture one graph per grid")
         state["grid"] = state["grid"] or grid
 
-    def run_flashinfer_serving(q, qo_indptr, kv, kv_scale, **layout):
-        plan(q, qo_indptr, kv, kv_scale, **layout)
-        total_q = q.shape[0]
+    def buffers(total_q: int):
+        """out (and fp8's scaled q) for total_q new tokens: views of buffers grown, at least
+        doubling, when a call brings more new tokens than any before."""
         if total_q > state["capacity"]:
             capacity = max(total_q, 2 * state["capacity"])
             state["out"] = torch.empty((capacity, heads, V_DIM), dtype=torch.bfloat16, device=device)
             if fp8:
                 state["q_scaled"] = torch.empty((capacity, heads, QK_DIM), dtype=torch.bfloat16, device=device)
             state["capacity"] = capacity
-        out = state["out"][:total_q]
+        return state["out"][:total_q], state["q_scaled"][:total_q] if fp8 else None
+
+    def attend(q, kv, kv_scale, out, q_scaled):
+        """wrapper.run over the last plan, into out."""
         if fp8:
-            q = torch.mul(q, kv_scale, out=state["q_scaled"][:total_q])  # the KV scale in the scores
-        wrapper.run(q[:, :, :KV_LORA_RANK], q[:, :, KV_LORA_RANK:], kv[..., :KV_LORA_RANK],
-                    kv[..., KV_LORA_RANK:], out=out, **scales)
+            q = torch.mul(q, kv_scale, out=q_scaled)  # the KV scale in the scores
+        q_nope, q_pe = q.split_with_sizes((KV_LORA_RANK, QK_ROPE_DIM), -1)
+        ckv, kpe = kv.split_with_sizes((KV_LORA_RANK, QK_ROPE_DIM), -1)
+        wrapper.run(q_nope, q_pe, ckv, kpe, out=out, **scales)
         if fp8:
             out.mul_(kv_scale)  # ... and in the values
         return out
 
+    def run_flashinfer_serving(q, qo_indptr, kv, kv_scale, **layout):
+        plan(q, qo_indptr, kv, kv_scale, **layout)
+        return attend(q, kv, kv_scale, *buffers(q.shape[0]))
+
+    def step(qo_indptr, **layout):
+        return _FiStep(plan, buffers, attend, state, qo_indptr, layout)
+
     run_flashinfer_serving.plan = plan
+    run_flashinfer_serving.step = step
     return run_flashinfer_serving
+
+
+class _FiStep:
+    """The per-layer call of one FlashInfer step (build_serving's runner.step): the first
+    layer is checked in full and plans when the lengths changed (on the host, from
+    q_lens_host / kv_lens_host); later layers whose q, kv and kv_scale look as the first's
+    did (core.tensor_sig: the plan's KV index array and buffers still fit), with no plan
+    made since by another call of the runner, only run."""
+
+    def __init__(self, plan, buffers, attend, state, qo_indptr, layout):
+        self.plan, self.buffers, self.attend, self.state = plan, buffers, attend, state
+        self.qo_indptr, self.layout = qo_indptr, layout
+        self.sigs, self.bufs, self.plans = None, None, -1
+
+    def __call__(self, q, kv, kv_scale=None):
+        sigs = (tensor_sig(q), tensor_sig(kv), tensor_sig(kv_scale))
+        if sigs != self.sigs or self.state["plans"] != self.plans:
+            self.sigs = None
+            self.plan(q, self.qo_indptr, kv, kv_scale, **self.layout)
+            self.sigs, self.bufs, self.plans = sigs, self.buffers(q.shape[0]), self.state["plans"]
+        return self.attend(q, kv, kv_scale, *self.bufs)

@@ -69,6 +69,7 @@ from mla_tune.kernels.fused_decode import (
     fused_decode,
     fused_decode_serving,
 )
+from mla_tune.kernels.launch import LaunchReplay
 
 NAME = "triton_fused"
 
@@ -528,7 +529,8 @@ def build_serving(variant: Variant, spec: CallSpec, device):
         num_stages=p["num_stages"], q_fp8=p["q"] == "fp8_dynamic", qk_dot=p["qk_dot"],
         pv_dot=p["pv_dot"],
     )
-    return own_serving_runner(NAME, spec, device, fused_decode_serving, FusedServingWorkspace, max_splits, launch)
+    return own_serving_runner(NAME, spec, device, fused_decode_serving, FusedServingWorkspace, max_splits, launch,
+                              LaunchReplay.build)
 
 
 

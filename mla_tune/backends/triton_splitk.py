@@ -48,6 +48,7 @@ from mla_tune.kernels.flash_decode import (
     flash_decode_num_splits,
     flash_decode_serving,
 )
+from mla_tune.kernels.launch import LaunchReplay
 
 NAME = "triton"
 
@@ -431,7 +432,7 @@ def build_serving(variant: Variant, spec: CallSpec, device):
         q_fp8_dtype=q_fp8_dtype, hip_options={k: p[k] for k in _tsk_HIP_KEYS if k in p},
     )
     return own_serving_runner(NAME, spec, device, flash_decode_serving, FlashDecodeServingWorkspace,
-                              max_splits, launch)
+                              max_splits, launch, LaunchReplay.build)
 
 
 

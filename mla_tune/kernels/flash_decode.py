@@ -47,6 +47,7 @@ from mla_tune.core import (
     check_serving_launch,
     serving_workspace,
 )
+from mla_tune.kernels.launch import jit_launch
 
 _fd_LOG2E = 1.4426950408889634
 _fd_Q_MODES = {"bf16": 0, "fp8_static": 1, "fp8_dynamic": 2}
@@ -558,6 +559,7 @@ def flash_decode_serving(
     workspace: FlashDecodeServingWorkspace | None = None,
     hip_options: dict | None = None,
     sm_scale: float = SM_SCALE,
+    record: list | None = None,
 ) -> torch.Tensor:
     """MLA decode attention for the serving call; writes and returns `out`.
 
@@ -575,6 +577,8 @@ def flash_decode_serving(
     qo_indptr[-1] (a graph's padding) included: keep those rows zero or in range.
     workspace: FlashDecodeServingWorkspace.allocate(max_total_q, heads, max_splits).
     Nothing here reads a device tensor or allocates once a workspace is given.
+    record: a list to which each launch appends what replays it (kernels/launch.py); the
+    launches are the same with and without it.
     """
     page_size = check_serving_launch(
         q, qo_indptr, kv, kv_scale, out, kv_indptr=kv_indptr, block_table=block_table,
@@ -597,12 +601,14 @@ def flash_decode_serving(
 
     fp8_min_exp = _fd_fp8_min_exp(q_fp8_dtype)
     if q_mode == "fp8_dynamic":
-        _fd_q_amax_kernel[(total_q,)](q, workspace.q_amax, ROW=heads * QK_DIM, BLOCK=1024, num_warps=4)
+        jit_launch(_fd_q_amax_kernel, (total_q,), record, q, workspace.q_amax, ROW=heads * QK_DIM,
+                   BLOCK=1024, num_warps=4)
     # Unused pointers get a harmless stand-in (never read under the other layout).
     dummy = workspace.q_amax
     seq_ptrs = (kv_indptr, dummy, dummy) if page_size == 0 else (dummy, block_table, seq_lens)
     bt_stride = block_table.stride(0) if page_size else 0
-    _fd_serving_stage1_kernel[(heads // block_h, batch, max_splits)](
+    jit_launch(
+        _fd_serving_stage1_kernel, (heads // block_h, batch, max_splits), record,
         q, qo_indptr, kv, kv_scale if kv_scaled else dummy, *seq_ptrs, workspace.q_amax,
         total_q, tokens_per_split, bt_stride,
         float(q_scale or 1.0), float(torch.finfo(q_fp8_dtype).max), float(sm_scale * _fd_LOG2E),
@@ -614,7 +620,8 @@ def flash_decode_serving(
         num_warps=num_warps, num_stages=num_stages, **extra,
     )
     if max_splits > 1:
-        _fd_serving_stage2_kernel[(batch, max_q_len, heads)](
+        jit_launch(
+            _fd_serving_stage2_kernel, (batch, max_q_len, heads), record,
             qo_indptr, workspace.split_count, workspace.part_out, workspace.part_lse, out,
             H=heads, MAX_SPLITS=max_splits, BLOCK_S=triton.next_power_of_2(max_splits),
             D=V_DIM, num_warps=4,

@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from mla_tune.core import SM_SCALE, V_DIM, check_serving_launch, serving_workspace
+from mla_tune.kernels.launch import jit_launch
 
 # Dot operand dtype codes (constexpr ints: they travel through every Triton version).
 FU_DOT_CODES = {"fp16": 0, "bf16": 1, "fp8": 2}
@@ -979,6 +980,7 @@ def fused_decode_serving(
     pv_dot: str,
     workspace: FusedServingWorkspace | None = None,
     sm_scale: float = SM_SCALE,
+    record: list | None = None,
 ):
     """The one-launch decode for the serving call; writes `out` (the call shape of
     flash_decode_serving, with this family's dot and q options).
@@ -996,6 +998,8 @@ def fused_decode_serving(
     KV); qk_dot / pv_dot: fp16 | bf16 | fp8 (pv fp8 needs fp8 KV).
     workspace: FusedServingWorkspace.allocate(max_total_q, heads, max_splits); with it,
     nothing here reads a device tensor or allocates. Returns the compiled kernel.
+    record: a list to which the launch appends what replays it (kernels/launch.py); the
+    launch is the same with and without it.
     """
     page_size = check_serving_launch(
         q, qo_indptr, kv, kv_scale, out, kv_indptr=kv_indptr, block_table=block_table,
@@ -1015,7 +1019,8 @@ def fused_decode_serving(
     rw = max(16, min(512, 8192 // (ns_p2 * block_h)))
     dummy = workspace.count  # stands in for the other layout's pointers (never read)
     seq_ptrs = (kv_indptr, dummy, dummy) if page_size == 0 else (dummy, block_table, seq_lens)
-    return _fu_serving_kernel[(heads // block_h, max_splits, batch)](
+    return jit_launch(
+        _fu_serving_kernel, (heads // block_h, max_splits, batch), record,
         q, qo_indptr, kv, kv_scale if kv_fp8 else dummy, *seq_ptrs, out,
         workspace.part_o, workspace.part_lse, workspace.count,
         tokens_per_split, block_table.stride(0) if page_size else 0, float(sm_scale * 1.4426950408889634),

@@ -29,6 +29,7 @@ from mla_tune.kernels.flash_decode import (
     _fd_quantize_q,
     _fd_round_to_mantissa,
 )
+from mla_tune.kernels.launch import jit_launch
 
 _qq_BLOCK = 1024
 _qq_AMAX_CHUNK = 128
@@ -116,7 +117,9 @@ class QQuantizer:
         self.partial = torch.empty((batch,), dtype=torch.float32, device=device)
         self.saturated = torch.zeros((1,), dtype=torch.int64, device=device)
 
-    def __call__(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, q: torch.Tensor, record: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q8, scale), buffers of this quantizer. record: a list to which each launch
+        appends what replays it (kernels/launch.py); the launches are the same without it."""
         if q.shape[0] != self.batch or not q.is_contiguous() or q.dtype != torch.bfloat16:
             raise ValueError(
                 f"QQuantizer was built for contiguous bf16 q of batch {self.batch}; "
@@ -124,8 +127,10 @@ class QQuantizer:
             )
         row = NUM_HEADS * QK_DIM
         if self.dynamic:
-            _fd_q_amax_kernel[(self.batch,)](q, self.partial, ROW=row, BLOCK=_qq_BLOCK, num_warps=4)
-        _qq_quantize_kernel[(self.batch,)](
+            jit_launch(_fd_q_amax_kernel, (self.batch,), record, q, self.partial, ROW=row, BLOCK=_qq_BLOCK,
+                       num_warps=4)
+        jit_launch(
+            _qq_quantize_kernel, (self.batch,), record,
             q, self.q8, self.scale, self.partial, self.saturated, self.batch, self.static_scale,
             self.q_amax, self.fp8_max,
             DYNAMIC=self.dynamic, FP8_MIN_EXP=self.fp8_min_exp,

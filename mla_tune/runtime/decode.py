@@ -275,6 +275,24 @@ class Decoder:
         return self._runner(q, qo_indptr, kv, kv_scale, **layout)
 
 
+def runner_step(runner, qo_indptr, *, kv_indptr=None, block_table=None, seq_lens=None,
+                q_lens_host=None, kv_lens_host=None):
+    """The per-layer call of one step, `layer(q, kv, kv_scale=None) -> out`: the runner's
+    own `step(...)` where it has one (the own runners, flashmla, flashinfer: the step's
+    shared work done once, later layers on a short path), else a call of the runner with
+    the step's arguments (any runner of the serving contract)."""
+    layout = dict(kv_indptr=kv_indptr, block_table=block_table, seq_lens=seq_lens,
+                  q_lens_host=q_lens_host, kv_lens_host=kv_lens_host)
+    step = getattr(runner, "step", None)
+    if step is not None:
+        return step(qo_indptr, **layout)
+
+    def layer(q, kv, kv_scale=None):
+        return runner(q, qo_indptr, kv, kv_scale, **layout)
+
+    return layer
+
+
 @functools.lru_cache(maxsize=64)
 def _decoder(spec: CallSpec, backend: str | None, device: torch.device) -> Decoder:
     return Decoder(spec, backend=backend, device=device)

@@ -5,7 +5,7 @@ lengths and block table, and captures the step in a CUDA graph per batch size. S
 
     plan = DecodePlan(CallSpec("fp8", page_size=64, heads=128, max_q_len=2, mixed_q_len=True,
                                graph=True), max_batch=256, table="tables/H200.serving.yaml")
-    # each step, outside or inside the graph (no host read, no allocation):
+    # each step, eagerly or captured in one graph with the step's runs (no host read):
     plan.update(qo_indptr, block_table=block_table, seq_lens=seq_lens)
     for layer in layers:
         out = plan.run(q[layer], kv_cache[layer], kv_scale[layer])
@@ -19,11 +19,23 @@ lengths and block table, and captures the step in a CUDA graph per batch size. S
   else the graph pick. A family or cell the table lacks runs the preferred backend's
   default variant (runtime/decode.py), counted in `misses`. `update` checks the call's
   layout arguments against the spec once per step (shapes and dtypes only).
-- `run` does nothing but call the picked runner with the step's tensors: its host time is
-  the runner's. Split counts are the variant's rule, applied per sequence on the device.
+- `update` also starts the picked runner's step (`runner.step(...)`, runtime/decode.py's
+  `runner_step`), which does the step's shared work once. For some backends that is
+  device work, enqueued by `update` or by the step's first `run`: FlashMLA's split
+  schedule, computed on the device from seq_lens. So capture `update` together with the
+  step's runs in one CUDA graph (as above): a graph holding only the runs would replay the
+  schedule made at capture. (FlashInfer plans on the host from the host lengths at a
+  step's first run, as its runner always did.)
+- `run` calls only the step's per-layer function. The own Triton runners launch the
+  first layer of a step through Triton's JIT with every check and record it; later
+  layers whose q, kv and kv_scale have the recorded dtype, shape, strides, 16-byte
+  alignment and device replay the launches directly (kernels/launch.py), anything else
+  takes the JIT path again. Split counts are the variant's rule, applied per sequence on
+  the device. `run_checked` checks q, kv and kv_scale against the spec first.
 
-Each runner owns one output buffer, which every `run` through it returns: consume or copy
-it before the next layer's run (as an engine's attention output projection does).
+Each own runner (and FlashInfer's) owns one output buffer, which every `run` through it
+returns: consume or copy it before the next layer's run (as an engine's attention output
+projection does). FlashMLA returns a tensor of its own per call.
 """
 
 from __future__ import annotations
@@ -35,8 +47,12 @@ from pathlib import Path
 import torch
 
 from mla_tune.core import QK_DIM, CallSpec, Variant
-from mla_tune.runtime.decode import Decoder, spec_text
+from mla_tune.runtime.decode import Decoder, runner_step, spec_text
 from mla_tune.tables.serving_table import ServingTable, batch_bucket, load_serving_table
+
+
+def _no_step(*_args):
+    raise ValueError("call update(...) with the step's lengths before run")
 
 
 def _table(table) -> ServingTable | None:
@@ -71,9 +87,8 @@ class DecodePlan:
             if variant not in self._decoders:
                 self._decoders[variant] = Decoder(spec, variant=variant, device=self.device)
         self._decoder = self._default
-        self._runner = self._default.runner
         self._qo = None
-        self._layout: dict = {}
+        self._layer = _no_step
         if warm:
             self.warm()
 
@@ -147,23 +162,23 @@ class DecodePlan:
         layout = dict(kv_indptr=kv_indptr, block_table=block_table, seq_lens=seq_lens,
                       q_lens_host=q_lens_host, kv_lens_host=kv_lens_host)
         decoder.check_step(qo_indptr, **layout)  # the layers' q and caches are not checked
-        self._decoder, self._runner = decoder, decoder.runner
-        self._qo, self._layout = qo_indptr, layout
+        self._layer = _no_step  # until the new step exists
+        self._layer = runner_step(decoder.runner, qo_indptr, **layout)
+        self._decoder, self._qo = decoder, qo_indptr
         return variant
 
     def run(self, q, kv, kv_scale=None) -> torch.Tensor:
-        """Per layer: (total_q, heads, 512) bf16, the picked runner's reused buffer. Only
-        the runner runs (update checked the step); `run_checked` checks q and kv too."""
-        if self._qo is None:
-            raise ValueError("call update(...) with the step's lengths before run")
-        return self._runner(q, self._qo, kv, kv_scale, **self._layout)
+        """Per layer: (total_q, heads, 512) bf16, the picked runner's output (for the own
+        runners their reused buffer). Only the step's layer call runs (update checked the
+        step); `run_checked` checks q and kv too."""
+        return self._layer(q, kv, kv_scale)
 
     def run_checked(self, q, kv, kv_scale=None) -> torch.Tensor:
         """`run`, after checking q, kv and kv_scale against the spec (shapes and dtypes)."""
         if self._qo is None:
-            raise ValueError("call update(...) with the step's lengths before run")
+            _no_step()
         self._decoder.check_layer(q, self._qo, kv, kv_scale)
-        return self.run(q, kv, kv_scale)
+        return self._layer(q, kv, kv_scale)
 
     def __repr__(self) -> str:
         return (f"DecodePlan({spec_text(self.spec)}, up to {self.max_batch} sequences, "

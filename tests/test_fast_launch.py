@@ -1,0 +1,403 @@
+"""The serving runners' step API and the replayed Triton launches (mla_tune/kernels/launch.py).
+
+On the CPU (Triton's interpreter): a step's layers through DecodePlan answer as the plain
+runner and the fp32 reference for both own backends; the interpreter takes the JIT path
+(nothing is recorded); the replay's guard, substitution and step-to-step keeping, on fake
+objects; FlashMLA's and FlashInfer's steps through the CPU fakes. GPU-marked: replays
+bit-identical to the JIT launch across layers, a misaligned q falling back, a CUDA graph
+of update + runs, and the host time of DecodePlan.run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+from triton.runtime.jit import JITFunction
+
+from mla_tune import problem, serving
+from mla_tune.core import CallSpec, OwnServingRunner, tensor_sig
+from mla_tune.kernels import launch
+from mla_tune.kernels.flash_decode import FlashDecodeServingWorkspace, flash_decode_serving
+from mla_tune.kernels.launch import LaunchReplay, RecordedLaunch
+from mla_tune.runtime.decode import Decoder, runner_step
+from mla_tune.runtime.plan import DecodePlan
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("vendor_fakes", ROOT / "tests" / "fakes" / "vendor_fakes.py")
+vendor_fakes = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(vendor_fakes)
+
+SPEC = CallSpec("bf16", page_size=16, heads=16, max_q_len=2, mixed_q_len=True)
+LENS = [1, 17, 40]
+
+
+def _close(out, ref, what=""):
+    result = problem.check(out, ref, problem.RULES["strict"])
+    assert result.passed, f"{what}: {result}"
+
+
+def _layers(spec: CallSpec, kv_lens, q_lens, n: int, device="cpu"):
+    """n layers of one step: the step's tensors from the first, a q and a KV cache per layer
+    (same shapes, new values)."""
+    first = serving.make_input(q_lens, kv_lens, spec.heads, spec.page_size, spec.kv_format, seed=3, device=device)
+    gen = torch.Generator(device=device).manual_seed(4)
+    layers = [(first.q, first.kv)]
+    for _ in range(n - 1):
+        q = torch.randn(first.q.shape, generator=gen, device=device).to(first.q.dtype)
+        kv = torch.randn(first.kv.shape, generator=gen, device=device).to(first.kv.dtype)
+        layers.append((q, kv))
+    return first, layers
+
+
+def _ref(first, q, kv, q_format="bf16"):
+    return serving.reference(q, first.qo_indptr, kv, first.kv_scale, **first.layout, q_format=q_format)
+
+
+# --------------------------------------------------------------------- own runners, CPU
+@pytest.mark.parametrize("backend", ["triton", "triton_fused"])
+def test_a_steps_layers_through_the_plan_answer_as_the_plain_runner_and_the_reference(backend):
+    plan = DecodePlan(SPEC, max_batch=4, backend=backend)
+    runner = plan._default.runner
+    first, layers = _layers(SPEC, LENS, [1, 2, 2], 3)
+    plan.update(first.qo_indptr, **first.layout)
+    for i, (q, kv) in enumerate(layers):
+        out = plan.run(q, kv, None).clone()
+        plain = runner(q, first.qo_indptr, kv, None, **first.layout).clone()
+        assert torch.equal(out, plain), f"{backend} layer {i}: the step differs from the plain runner"
+        _close(out, _ref(first, q, kv), f"{backend} layer {i}")
+
+
+def test_the_interpreter_takes_the_jit_path_and_records_nothing():
+    assert "TRITON_INTERPRET" in (launch.replay_unsupported() or "")
+    first, layers = _layers(SPEC, LENS, [1, 2, 2], 2)
+    record = []
+    out = torch.empty((first.q.shape[0], 16, 512), dtype=torch.bfloat16)
+    flash_decode_serving(first.q, first.qo_indptr, first.kv, None, out, **first.layout, max_q_len=2,
+                         max_splits=4, tokens_per_split=16, block_n=16, block_h=8, num_warps=4, num_stages=1,
+                         dot_dtype="fp16", workspace=FlashDecodeServingWorkspace.allocate(8, 16, 4, "cpu"),
+                         record=record)
+    assert record == [None, None]  # stage 1 and stage 2, neither replayable here
+    assert LaunchReplay.build(record, (first.q, first.kv, None)) is None
+    plan = DecodePlan(SPEC, max_batch=4, backend="triton_fused")
+    plan.update(first.qo_indptr, **first.layout)
+    for q, kv in layers:
+        plan.run(q, kv)
+        assert plan._layer.fast is None  # every layer took the runner
+
+
+def test_the_jit_launch_is_still_the_call_a_replay_makes():
+    """This Triton's JITFunction.run binds and launches as launch.py replays it (3.6 / 3.9)."""
+    source = "".join(inspect.getsource(JITFunction.run).split())
+    assert launch._ln_JIT_BIND in source and launch._ln_JIT_LAUNCH in source, triton.__version__
+
+
+# --------------------------------------------------------------------- the guard, on fakes
+class _FakeTensor:
+    """What tensor_sig and LaunchReplay.build read of a tensor."""
+
+    def __init__(self, ptr=4096, dtype=torch.bfloat16, shape=(4, 16, 576), stride=(9216, 576, 1), device=0):
+        self.ptr, self.dtype, self.shape, self._stride, self.device = ptr, dtype, torch.Size(shape), stride, device
+
+    def stride(self):
+        return self._stride
+
+    def data_ptr(self):
+        return self.ptr
+
+    def get_device(self):
+        return self.device
+
+    def untyped_storage(self):
+        return self  # its own storage, starting at ptr
+
+    def __repr__(self):
+        return f"T({self.ptr})"
+
+
+class _FakeCompiled:
+    function, packed_metadata = "FUNCTION", "PACKED"
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, *args):
+        self.calls.append(args)
+
+
+def _replay(values, tensors, grid=(2, 3)):
+    compiled = _FakeCompiled()
+    rec = RecordedLaunch(compiled, (*grid, 1, 1)[:3], list(values), lambda device: 77, 0)
+    return LaunchReplay.build([rec], tensors), compiled
+
+
+def test_the_guard_rejects_a_changed_dtype_alignment_shape_stride_or_device():
+    q, kv, scale = _FakeTensor(4096), _FakeTensor(8192, torch.float8_e4m3fn, (10, 16, 576)), _FakeTensor(64, torch.float32, (1,), (1,))
+    replay, _ = _replay([q, 5, kv, scale], (q, kv, scale))
+    assert replay.matches((_FakeTensor(1 << 20), _FakeTensor(1 << 21, torch.float8_e4m3fn, (10, 16, 576)),
+                           _FakeTensor(128, torch.float32, (1,), (1,))))
+    kv2 = _FakeTensor(1 << 21, torch.float8_e4m3fn, (10, 16, 576))
+    for bad_q in (_FakeTensor(4096, dtype=torch.float16),  # dtype
+                  _FakeTensor(4096 + 8),  # data_ptr no longer 16-byte aligned
+                  _FakeTensor(4096, shape=(5, 16, 576)),  # shape: total_q, the grid
+                  _FakeTensor(4096, stride=(9216, 1, 16)),  # strides
+                  _FakeTensor(4096, device=1)):  # device
+        assert not replay.matches((bad_q, kv2, scale)), bad_q.__dict__
+    assert not replay.matches((q, kv2, None))  # a scale where the recording had none, and back
+    assert not replay.matches((q, _FakeTensor(1 << 21, torch.bfloat16, (10, 16, 576)), scale))
+
+
+def test_the_guard_rejects_while_a_launch_hook_is_set():
+    q = _FakeTensor()
+    replay, _ = _replay([q], (q,))
+    assert replay.matches((q,))
+
+    def hook(_metadata):
+        return None
+
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert not replay.matches((q,))
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    assert replay.matches((q,))
+
+
+def test_a_replay_substitutes_by_identity_and_launches_as_the_jit_does():
+    q, kv, ws = _FakeTensor(4096), _FakeTensor(1 << 16), _FakeTensor(1 << 24)
+    replay, compiled = _replay([q, kv, ws, 7, q, "CONST"], (q, kv, None))
+    q2, kv2 = _FakeTensor(1 << 26), _FakeTensor(1 << 27)
+    assert replay.try_launch((q2, kv2, None))
+    # tensors reach the launcher as their addresses (Triton's C launchers take ints)
+    assert compiled.calls == [(2, 3, 1, 77, "FUNCTION", "PACKED", None, None, None,
+                               1 << 26, 1 << 27, 1 << 24, 7, 1 << 26, "CONST")]
+    assert not replay.try_launch((_FakeTensor(4096 + 4), kv2, None)) and len(compiled.calls) == 1
+
+
+def test_a_replay_is_refused_for_a_view_of_a_substituted_tensor_or_an_unrecordable_launch():
+    q = _FakeTensor(4096)
+    view = _FakeTensor(4096)  # another object over q's storage: it would not follow the layer
+    assert _replay([q, view], (q,))[0] is None
+    assert _replay([_FakeTensor(99)], (q,))[0] is None  # q reaches no launch
+    assert LaunchReplay.build([None], (q,)) is None
+    assert LaunchReplay.build([], (q,)) is None
+
+
+def test_tensor_sig_reads_what_the_compile_specialized_on():
+    t = torch.zeros(64, dtype=torch.bfloat16)
+    assert tensor_sig(t) == (torch.bfloat16, torch.Size([64]), (1,), True, -1)
+    assert tensor_sig(t[1:9])[3] is False  # 2 bytes in: not 16-byte aligned
+    assert tensor_sig(None) is None
+
+
+# --------------------------------------------------------------------- a step's recording, on fakes
+class _FakeReplay:
+    def __init__(self, tensors):
+        self.sigs = tuple(map(tensor_sig, tensors))
+        self.calls = 0
+
+    def try_launch(self, tensors):
+        if tuple(map(tensor_sig, tensors)) != self.sigs:
+            return False
+        self.calls += 1
+        return True
+
+
+class _FakeWorkspace:
+    @classmethod
+    def allocate(cls, capacity, heads, max_splits, device):
+        return cls()
+
+
+def _fake_runner():
+    launches = []
+
+    def decode(q, qo_indptr, kv, kv_scale, out, *, record, **_):
+        launches.append(q)
+        if record is not None:
+            record.append("launch")
+
+    replays = []
+
+    def replay_from(record, tensors):
+        assert record == ["launch"]
+        replays.append(_FakeReplay(tensors))
+        return replays[-1]
+
+    spec = CallSpec("bf16", page_size=16, heads=16, max_q_len=1)
+    return OwnServingRunner("fake", spec, "cpu", decode, _FakeWorkspace, 4, {}, replay_from), launches, replays
+
+
+def test_a_step_records_at_its_first_layer_replays_the_rest_and_keeps_it_for_the_same_tensors():
+    runner, launches, replays = _fake_runner()
+    qo, table, lens = torch.arange(3, dtype=torch.int32), torch.zeros((2, 4), dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    kv = torch.zeros((4, 16, 576), dtype=torch.bfloat16)
+    qs = [torch.randn((2, 16, 576)).to(torch.bfloat16) for _ in range(3)]
+    layer = runner.step(qo, block_table=table, seq_lens=lens)
+    for q in qs:
+        layer(q, kv)
+    assert len(launches) == 1 and len(replays) == 1 and replays[0].calls == 2
+    # the next step, made of the same tensor objects: replays from its first layer
+    layer = runner.step(qo, block_table=table, seq_lens=lens)
+    layer(qs[0], kv)
+    assert len(launches) == 1 and replays[0].calls == 3
+    # a q the recording does not fit (here: misaligned) takes the runner and records again
+    odd = torch.empty(2 * 16 * 576 + 1, dtype=torch.bfloat16)[1:].view(2, 16, 576)
+    layer(odd, kv)
+    assert len(launches) == 2 and len(replays) == 2
+    # a step over another block table object records anew
+    layer = runner.step(qo, block_table=table.clone(), seq_lens=lens)
+    layer(qs[0], kv)
+    assert len(launches) == 3
+
+
+def test_a_runner_without_a_step_gets_a_plain_per_layer_call():
+    calls = []
+
+    def runner(q, qo_indptr, kv, kv_scale, **layout):
+        calls.append((q, qo_indptr, kv, kv_scale, layout))
+        return q
+
+    layer = runner_step(runner, "QO", block_table="BT", seq_lens="SL")
+    assert layer("Q", "KV") == "Q"
+    assert calls == [("Q", "QO", "KV", None, dict(kv_indptr=None, block_table="BT", seq_lens="SL",
+                                                 q_lens_host=None, kv_lens_host=None))]
+
+
+# --------------------------------------------------------------------- vendor steps, CPU fakes
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
+@pytest.mark.parametrize("host_q_lens", [True, False])
+def test_a_flashmla_step_schedules_once_and_answers_as_its_plain_runner(monkeypatch, kv_format, host_q_lens):
+    fake = vendor_fakes.install(monkeypatch, "flash_mla")["flash_mla"]
+    spec = CallSpec(kv_format, page_size=64, heads=16, max_q_len=2)
+    decoder = Decoder(spec, backend="flashmla", device="cpu")
+    first, layers = _layers(spec, [2, 70, 130], [2, 2, 2], 3)
+    host = {"q_lens_host": [2, 2, 2]} if host_q_lens else {}
+    before = fake.calls["get_mla_decoding_metadata"]
+    layer = decoder.runner.step(first.qo_indptr, **first.layout, **host)
+    outs = [layer(q, kv, first.kv_scale).clone() for q, kv in layers]
+    assert fake.calls["get_mla_decoding_metadata"] == before + 1  # once for the step
+    for i, ((q, kv), out) in enumerate(zip(layers, outs, strict=True)):
+        plain = decoder.runner(q, first.qo_indptr, kv, first.kv_scale, **first.layout)
+        assert torch.equal(out, plain), f"layer {i}"
+        _close(out, _ref(first, q, kv, "fp8" if kv_format == "fp8" else "bf16"), f"layer {i}")
+
+
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
+def test_a_flashinfer_step_plans_once_and_answers_as_its_plain_runner(monkeypatch, kv_format):
+    vendor_fakes.install(monkeypatch, "flashinfer")
+    import flashinfer.mla as fake
+    spec = CallSpec(kv_format, page_size=16, heads=16, max_q_len=2, mixed_q_len=True, host_lengths=True)
+    plan = DecodePlan(spec, max_batch=4, backend="flashinfer", device="cpu")
+    first, layers = _layers(spec, LENS, [1, 2, 2], 3)
+    host = {"q_lens_host": [1, 2, 2], "kv_lens_host": LENS}
+    plans, runs = fake.calls["plan"], fake.calls["run"]
+    plan.update(first.qo_indptr, **first.layout, **host)
+    outs = [plan.run(q, kv, first.kv_scale).clone() for q, kv in layers]
+    assert fake.calls["plan"] == plans + 1 and fake.calls["run"] == runs + 3
+    runner = plan._default.runner
+    for i, ((q, kv), out) in enumerate(zip(layers, outs, strict=True)):
+        assert torch.equal(out, runner(q, first.qo_indptr, kv, first.kv_scale, **first.layout, **host)), f"layer {i}"
+        _close(out, _ref(first, q, kv), f"layer {i}")
+
+
+# --------------------------------------------------------------------- GPU
+GPU_LENS = [1, 17, 63, 64, 65, 700, 3000, 129]
+
+
+def _gpu_variant(backend: str, spec: CallSpec, q_mode: str | None):
+    variant = Decoder(spec, backend=backend, device="cuda").variant
+    return variant if q_mode is None else variant.with_params(q=q_mode)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend,kv_format,q_mode", [
+    ("triton", "bf16", None), ("triton", "fp8", None), ("triton", "fp8", "fp8_dynamic"),
+    ("triton_fused", "bf16", None), ("triton_fused", "fp8", None)])
+def test_replayed_launches_are_bit_identical_to_the_jit_launch_across_layers(backend, kv_format, q_mode):
+    spec = CallSpec(kv_format, page_size=64, heads=128, max_q_len=1)
+    decoder = Decoder(spec, variant=_gpu_variant(backend, spec, q_mode), device="cuda")
+    runner = decoder.runner
+    first, layers = _layers(spec, GPU_LENS, [1] * 8, 3, device="cuda")
+    step = runner.step(first.qo_indptr, **first.layout)
+    outs = [step(q, kv, first.kv_scale).clone() for q, kv in layers]
+    assert step.fast is not None, "the first layer was not recorded"
+    for i, ((q, kv), out) in enumerate(zip(layers, outs, strict=True)):
+        plain = runner(q, first.qo_indptr, kv, first.kv_scale, **first.layout)
+        assert torch.equal(out, plain), f"layer {i}: the replay differs from the JIT launch"
+    q_format = "fp8" if str(decoder.variant.get("q")).startswith("fp8") else "bf16"
+    _close(outs[2], _ref(first, *layers[2], q_format), "layer 2")
+    # a misaligned q (a view 2 bytes into a buffer) does not fit the recording: JIT path
+    q = layers[1][0]
+    odd = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")[1:].view(q.shape)
+    odd.copy_(q)
+    recorded = step.fast[0]
+    assert not recorded.matches((odd, layers[1][1], first.kv_scale))
+    out = step(odd, layers[1][1], first.kv_scale).clone()
+    assert step.fast[0] is not recorded, "the misaligned q did not take the JIT path"
+    assert torch.equal(out, runner(odd, first.qo_indptr, layers[1][1], first.kv_scale, **first.layout))
+    _close(out, _ref(first, odd, layers[1][1], q_format), "misaligned q")
+    # and an aligned layer after it is right again (recorded anew)
+    assert torch.equal(step(*layers[2], first.kv_scale), outs[2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "triton_fused", "flashmla"])
+def test_update_and_runs_captured_in_a_graph_replay_with_new_lengths(backend):
+    spec = CallSpec("fp8", page_size=64, heads=128, max_q_len=1, graph=True)
+    plan = DecodePlan(spec, max_batch=8, backend=backend, device="cuda")
+    static = serving.make_input([1] * 8, [n + 8 for n in GPU_LENS], 128, 64, "fp8", seed=10, device="cuda")
+    qs = [torch.randn_like(static.q) for _ in range(3)]
+    outs = [torch.empty((8, 128, 512), dtype=torch.bfloat16, device="cuda") for _ in qs]
+
+    def step():
+        plan.update(static.qo_indptr, block_table=static.block_table, seq_lens=static.seq_lens)
+        for q, out in zip(qs, outs, strict=True):
+            out.copy_(plan.run(q, static.kv, static.kv_scale))
+
+    graph = serving.capture_without_sync(step)  # sync debug mode "error" while capturing
+    q_format = "bf16" if plan.pick(8).get("q") == "bf16" else "fp8"
+    for grow in (0, 5):
+        static.seq_lens.copy_(torch.tensor([n + grow for n in GPU_LENS], dtype=torch.int32, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (q, out) in enumerate(zip(qs, outs, strict=True)):
+            _close(out, serving.reference(q, static.qo_indptr, static.kv, static.kv_scale, block_table=static.block_table,
+                                          seq_lens=static.seq_lens, q_format=q_format), f"+{grow} layer {i}")
+
+
+@pytest.mark.gpu
+def test_plan_run_host_time_is_printed():
+    from mla_tune.tune.timing import host_time
+
+    for backend in ("triton", "triton_fused", "flashmla"):
+        spec = CallSpec("bf16", page_size=64, heads=128, max_q_len=1)
+        plan = DecodePlan(spec, max_batch=32, backend=backend, device="cuda")
+        inp = serving.make_input([1] * 32, [3980 + i for i in range(32)], 128, 64, "bf16", seed=1, device="cuda")
+        plan.update(inp.qo_indptr, **inp.layout)
+        run = host_time(lambda plan=plan, inp=inp: plan.run(inp.q, inp.kv, inp.kv_scale))
+        print(f"\nDecodePlan.run {backend}: {run.median_us:.1f} us host per call (p90 {run.p90_us:.1f})")
+        if backend != "flashmla":
+            assert plan._layer.fast is not None, "the fast path was not taken"
+
+
+def _bind_me(A, b, C: triton.language.constexpr, D: triton.language.constexpr = 3):
+    pass
+
+
+def test_a_record_holds_every_parameter_in_signature_order_with_defaults(monkeypatch):
+    """What JITFunction.run's binder passes to the launcher: constexprs and defaults
+    included, compile options (num_warps) left out."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(launch, "replay_unsupported", lambda: None)
+    driver = SimpleNamespace(active=SimpleNamespace(get_current_stream=lambda device: 5, get_current_device=lambda: 0))
+    monkeypatch.setattr(triton.runtime, "driver", driver)
+    a, compiled = torch.zeros(4), _FakeCompiled()
+    rec = launch._ln_record(JITFunction(_bind_me), (2, 3), compiled, (a, 5), {"C": 7, "num_warps": 4})
+    assert rec.values == [a, 5, 7, 3] and rec.grid == (2, 3, 1) and rec.device == 0
+    assert launch._ln_record(JITFunction(_bind_me), lambda meta: (1,), compiled, (a, 5), {"C": 7}) is None
