@@ -4,9 +4,10 @@
         [--buckets 8,32] [--steps 16] [--table tables/H200.serving.yaml] [--out DIR]
 
 Per batch bucket: sequences of 500-4000 tokens in 64-token pages (each layer its own KV
-cache), one CUDA graph per bucket holding a whole step (the plan's update once, then every
-layer's run, its output copied out as an engine's next op would read it), replayed while
-every sequence grows by one token per step. The same loop with FlashMLA's own call (its
+cache), one CUDA graph per bucket holding every layer's run (its output copied out as an
+engine's next op would read it), replayed while every sequence grows by one token per step;
+before each replay the plan's update runs on the host with the engine's host lengths (the
+protocol of docs/serving.md; the step's time includes it). The same loop with FlashMLA's own call (its
 schedule made once per step inside the graph) is timed beside it. Before timing, the first
 and last layers' outputs of the first and last step are checked against mla_tune.serving's
 fp32 reference (strict rule). Prints ms per step and us per layer.
@@ -52,12 +53,16 @@ def _check(tag, base, caches, seq_lens, qs, outs, q_format):
             raise SystemExit(f"{tag}, layer {layer}: wrong result ({result})")
 
 
-def _time_steps(graph, seq_lens, steps: int) -> list[float]:
+def _time_steps(graph, seq_lens, steps: int, before_replay=None) -> list[float]:
+    """ms per step: the lengths grow by one token (written in place, outside the graph, as
+    an engine does), `before_replay(step)` runs the host's per-step work, then the replay."""
     times = []
-    for _ in range(steps):
+    for i in range(steps):
         seq_lens.add_(1)  # every sequence grew by one token (outside the graph, as an engine)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        if before_replay is not None:
+            before_replay(i + 1)
         graph.replay()
         end.record()
         end.synchronize()
@@ -66,21 +71,28 @@ def _time_steps(graph, seq_lens, steps: int) -> list[float]:
 
 
 def run_plan(args, bucket, table):
+    """The engine's protocol (docs/serving.md): update once per step on the host, with the
+    lengths the engine keeps there, then the graph of the layers' runs."""
     base, caches, seq_lens, qs, outs, start = _loop(args, bucket, args.layers)
-    spec = CallSpec(args.kv, page_size=PAGE, heads=args.heads, max_q_len=1, graph=True)
+    spec = CallSpec(args.kv, page_size=PAGE, heads=args.heads, max_q_len=1, graph=True, host_lengths=True)
     plan = DecodePlan(spec, max_batch=bucket, table=table, device="cuda")
 
-    def step():
-        plan.update(base.qo_indptr, block_table=base.block_table, seq_lens=seq_lens)
+    def update(grown: int):
+        plan.update(base.qo_indptr, block_table=base.block_table, seq_lens=seq_lens,
+                    q_lens_host=[1] * bucket, kv_lens_host=[n + grown for n in start])
+
+    def layers():
         for q, cache, out in zip(qs, caches, outs, strict=True):
             out.copy_(plan.run(q, cache, base.kv_scale))
 
-    graph = serving.capture_without_sync(step)  # runs step twice, then captures it
+    update(0)
+    graph = serving.capture_without_sync(layers)  # runs the layers twice, then captures them
     seq_lens.copy_(torch.tensor(start, dtype=torch.int32, device="cuda"))
+    update(0)
     graph.replay()
     q_format = "fp8" if str(plan.pick(bucket).get("q")).startswith("fp8") else "bf16"
     _check(f"mla-tune bucket {bucket} first step", base, caches, seq_lens, qs, outs, q_format)
-    times = _time_steps(graph, seq_lens, args.steps)
+    times = _time_steps(graph, seq_lens, args.steps, before_replay=update)
     _check(f"mla-tune bucket {bucket} last step", base, caches, seq_lens, qs, outs, q_format)
     return times, str(plan.pick(bucket))
 

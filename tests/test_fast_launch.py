@@ -305,6 +305,35 @@ def test_a_flashinfer_step_plans_once_and_answers_as_its_plain_runner(monkeypatc
         _close(out, _ref(first, q, kv), f"layer {i}")
 
 
+def test_an_update_does_the_steps_vendor_work_before_any_layer_into_fixed_buffers(monkeypatch):
+    """The engine's graph protocol (docs/serving.md): update on the host before each replay
+    of a graph that holds only the layers. FlashInfer must plan at update (a replay cannot
+    run host code) and FlashMLA's schedule must land where the captured layers read it."""
+    installed = vendor_fakes.install(monkeypatch, "flash_mla", "flashinfer")
+    import flashinfer.mla as fi
+    fm = installed["flash_mla"]
+    spec = CallSpec("bf16", page_size=64, heads=16, max_q_len=1, graph=True, host_lengths=True)
+    lens = [70, 129, 64]
+    first, layers = _layers(spec, lens, [1, 1, 1], 2)
+    host = {"q_lens_host": [1, 1, 1], "kv_lens_host": lens}
+    fi_plan = DecodePlan(spec, max_batch=4, backend="flashinfer", device="cpu")
+    plans = fi.calls["plan"]
+    fi_plan.update(first.qo_indptr, **first.layout, **{**host, "kv_lens_host": [n - 1 for n in lens]})
+    fi_plan.update(first.qo_indptr, **first.layout, **host)
+    assert fi.calls["plan"] == plans + 2  # each update planned, before any layer ran
+    fm_plan = DecodePlan(spec, max_batch=4, backend="flashmla", device="cpu")
+    where = []
+    first.seq_lens.sub_(1)  # a step at lens - 1, then the sequences grow to lens
+    for grow in (0, 1):
+        first.seq_lens.add_(grow)
+        fm_plan.update(first.qo_indptr, **first.layout, **{**host, "kv_lens_host": [n - 1 + grow for n in lens]})
+        where.append(tuple(t.data_ptr() for t in fm_plan._layer.sched))
+        out = fm_plan.run(*layers[0], first.kv_scale)
+        _close(out, _ref(first, *layers[0]), f"flashmla step {grow}")
+    assert where[0] == where[1], "FlashMLA's schedule moved between steps: a graph would read stale memory"
+    assert fm.calls["get_mla_decoding_metadata"] >= 2
+
+
 # --------------------------------------------------------------------- GPU
 GPU_LENS = [1, 17, 63, 64, 65, 700, 3000, 129]
 

@@ -296,11 +296,24 @@ def build_serving(variant: Variant, spec: CallSpec, device):
                              f"{total_q} new tokens over {batch} sequences is not that")
         return q_len
 
+    fixed: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
     def schedule(seq_lens, q_len: int):
-        """FlashMLA's split schedule (tile metadata, split counts): one launch on the device."""
-        return flash_mla.get_mla_decoding_metadata(
+        """FlashMLA's split schedule (tile metadata, split counts): one launch on the device,
+        copied into buffers this runner keeps per shape, so that the layers read it from the
+        same addresses every step: a graph of the layers replays right after an update made
+        outside it (as engines update before a replay); captured with the layers, the copy is
+        captured too."""
+        meta, splits = flash_mla.get_mla_decoding_metadata(
             seq_lens, q_len * heads // NUM_KV_HEADS, NUM_KV_HEADS, h_q=heads, is_fp8_kvcache=fp8,
             use_legacy=True)
+        key = (tuple(meta.shape), meta.dtype, tuple(splits.shape), splits.dtype)
+        if key not in fixed:
+            fixed[key] = (torch.empty_like(meta), torch.empty_like(splits))
+        meta_buf, splits_buf = fixed[key]
+        meta_buf.copy_(meta)
+        splits_buf.copy_(splits)
+        return meta_buf, splits_buf
 
     def attend(q4, pages, block_table, seq_lens, sched, q_len, q_scale=None, kv_scale=None):
         """FlashMLA's decode of q4 (batch, q_len, heads, 576), bf16 or fp8, with `sched`."""

@@ -261,12 +261,20 @@ def build_serving(variant: Variant, spec: CallSpec, device):
         if page_size != spec.page_size:
             raise ValueError(f"flashinfer: this runner was built for {spec.layout} KV, got "
                              f"{'contiguous KV' if page_size == 0 else f'pages of {page_size}'}")
+        plan_lengths(qo_indptr, page_size, block_table, q_lens_host, kv_lens_host, total_q, kv.shape[0])
+
+    def plan_lengths(qo_indptr, page_size, block_table, q_lens_host, kv_lens_host, total_q=None,
+                     kv_rows=None):
+        """The host part of plan(): the lengths' checks and wrapper.plan, unless the last plan
+        was for the same lengths and KV index array. Needs no q or kv for paged KV (a
+        step plans here, before its layers: outside the CUDA graph that holds them)."""
+        batch = qo_indptr.shape[0] - 1
         if q_lens_host is None or kv_lens_host is None:
             raise ValueError("flashinfer plans on the host: pass q_lens_host and kv_lens_host (each "
                              "sequence's new tokens and cached tokens, Python lists of ints)")
         q_lens, kv_lens = tuple(int(n) for n in q_lens_host), tuple(int(n) for n in kv_lens_host)
         # q may hold more rows than this step's new tokens (a CUDA graph's padding)
-        if len(q_lens) != batch or len(kv_lens) != batch or sum(q_lens) > total_q:
+        if len(q_lens) != batch or len(kv_lens) != batch or sum(q_lens) > (total_q or sum(q_lens)):
             raise ValueError(f"flashinfer: q_lens_host and kv_lens_host need one entry per sequence ({batch}) "
                              f"and q_lens_host may sum to at most the rows of q ({total_q}); got "
                              f"{len(q_lens)} q_lens summing to {sum(q_lens)} and {len(kv_lens)} kv_lens")
@@ -274,13 +282,13 @@ def build_serving(variant: Variant, spec: CallSpec, device):
             raise ValueError(f"flashinfer: this runner serves q_len 1..{spec.max_q_len}"
                              f"{'' if spec.mixed_q_len else ', the same for every sequence'}; got {list(q_lens)}")
         if page_size == 0:
-            if state["arange"] is None or state["arange"].shape[0] < kv.shape[0]:
-                state["arange"] = torch.arange(kv.shape[0], dtype=torch.int32, device=device)
+            if state["arange"] is None or state["arange"].shape[0] < kv_rows:
+                state["arange"] = torch.arange(kv_rows, dtype=torch.int32, device=device)
             kv_indices = state["arange"]
             kv_starts = _fi_running_sum(kv_lens)  # 1-token pages: tokens back to back
-            if kv_starts[-1] > kv.shape[0]:
+            if kv_starts[-1] > kv_rows:
                 raise ValueError(f"flashinfer: kv_lens_host sum to {kv_starts[-1]} tokens but the cache "
-                                 f"holds {kv.shape[0]}")
+                                 f"holds {kv_rows}")
         else:
             if not block_table.is_contiguous():
                 raise ValueError("flashinfer reads the block table as its page index array: pass a "
@@ -342,6 +350,13 @@ def build_serving(variant: Variant, spec: CallSpec, device):
         return attend(q, kv, kv_scale, *buffers(q.shape[0]))
 
     def step(qo_indptr, **layout):
+        block_table = layout.get("block_table")
+        if (spec.page_size and isinstance(block_table, torch.Tensor) and block_table.dim() == 2
+                and layout.get("q_lens_host") is not None and layout.get("kv_lens_host") is not None):
+            # Paged KV: plan now, on the host, so that an engine calling update before each
+            # replay of a graph of the layers has the step's plan in the workspace.
+            plan_lengths(qo_indptr, spec.page_size, block_table, layout["q_lens_host"],
+                         layout["kv_lens_host"])
         return _FiStep(plan, buffers, attend, state, qo_indptr, layout)
 
     run_flashinfer_serving.plan = plan

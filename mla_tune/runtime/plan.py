@@ -1,13 +1,15 @@
 """A graph-safe serving call: planned once, updated once per step, run once per layer.
 
 An engine's decode step calls attention once per layer (61 in DeepSeek-V3) with the same
-lengths and block table, and captures the step in a CUDA graph per batch size. So:
+lengths and block table, and replays a CUDA graph of the layers per batch size. So:
 
     plan = DecodePlan(CallSpec("fp8", page_size=64, heads=128, max_q_len=2, mixed_q_len=True,
-                               graph=True), max_batch=256, table="tables/H200.serving.yaml")
-    # each step, eagerly or captured in one graph with the step's runs (no host read):
-    plan.update(qo_indptr, block_table=block_table, seq_lens=seq_lens)
-    for layer in layers:
+                               graph=True, host_lengths=True), max_batch=256,
+                      table="tables/H200.serving.yaml")
+    # each step, on the host, before the layers (before replaying their graph):
+    plan.update(qo_indptr, block_table=block_table, seq_lens=seq_lens,
+                q_lens_host=q_lens, kv_lens_host=kv_lens)
+    for layer in layers:  # eagerly, or captured once per batch bucket and replayed
         out = plan.run(q[layer], kv_cache[layer], kv_scale[layer])
 
 - The plan builds and warms (compiles, allocates) every runner it may pick for batches up
@@ -20,12 +22,13 @@ lengths and block table, and captures the step in a CUDA graph per batch size. S
   default variant (runtime/decode.py), counted in `misses`. `update` checks the call's
   layout arguments against the spec once per step (shapes and dtypes only).
 - `update` also starts the picked runner's step (`runner.step(...)`, runtime/decode.py's
-  `runner_step`), which does the step's shared work once. For some backends that is
-  device work, enqueued by `update` or by the step's first `run`: FlashMLA's split
-  schedule, computed on the device from seq_lens. So capture `update` together with the
-  step's runs in one CUDA graph (as above): a graph holding only the runs would replay the
-  schedule made at capture. (FlashInfer plans on the host from the host lengths at a
-  step's first run, as its runner always did.)
+  `runner_step`), which does the step's shared work once, into buffers the runner keeps:
+  FlashInfer plans on the host from the host lengths (paged KV; contiguous KV at the
+  step's first run); FlashMLA computes its split schedule from seq_lens on the device and
+  copies it into fixed buffers. So an engine may call `update` outside a graph that holds
+  only the runs, before each replay (the protocol above, docs/serving.md), or capture
+  `update` with the runs when no pick plans on the host (a FlashInfer pick must be
+  updated outside the graph: a replay cannot run host code).
 - `run` calls only the step's per-layer function. The own Triton runners launch the
   first layer of a step through Triton's JIT with every check and record it; later
   layers whose q, kv and kv_scale have the recorded dtype, shape, strides, 16-byte

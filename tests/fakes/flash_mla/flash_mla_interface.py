@@ -13,7 +13,8 @@ import torch
 from mla_tune.serving import reference
 
 calls = {"get_mla_decoding_metadata": 0, "flash_mla_with_kvcache": 0}
-# tile_scheduler_metadata.data_ptr() -> what the schedule was made for
+# a schedule's id (written in its tile_scheduler_metadata[0, 0], so that a copy of the
+# metadata, as the real one would be, still names it) -> what the schedule was made for
 _schedules = {}
 
 
@@ -53,7 +54,8 @@ def get_mla_decoding_metadata(
     batch = seqlens_k.shape[0]
     meta = torch.zeros((8, 8), dtype=torch.int32)
     splits = torch.arange(batch + 1, dtype=torch.int32)
-    _schedules[meta.data_ptr()] = {"fp8": dense_fp8, "seqlens": seqlens_k.tolist(),
+    meta[0, 0] = len(_schedules) + 1
+    _schedules[int(meta[0, 0])] = {"fp8": dense_fp8, "seqlens": seqlens_k.tolist(),
                                    "num_q_tokens_per_head_k": num_q_tokens_per_head_k}
     return meta, splits
 
@@ -116,7 +118,7 @@ def flash_mla_with_kvcache(
     if sched.tile_scheduler_metadata is None:  # the bf16 path schedules on its first call
         sched.tile_scheduler_metadata, sched.num_splits = get_mla_decoding_metadata(
             cache_seqlens, s_q * h_q, 1, h_q, False, None, True)
-    made = _schedules.get(sched.tile_scheduler_metadata.data_ptr())
+    made = _schedules.get(int(sched.tile_scheduler_metadata[0, 0]))
     _need(made is not None, "tile_scheduler_metadata was not made by get_mla_decoding_metadata")
     _need(made["fp8"] == is_fp8_kvcache, "the schedule was made for the other (bf16 / fp8) kernel")
     _need(made["seqlens"] == cache_seqlens.tolist(), "the schedule was made for other sequence lengths")
