@@ -252,7 +252,7 @@ def build_serving(variant: Variant, spec: CallSpec, device):
         """Check the call (shapes, dtypes, host lengths) and plan it unless the last plan
         was for the same lengths and KV index array."""
         page_size = check_serving_layout(qo_indptr, kv, kv_indptr, block_table, seq_lens)
-        batch, total_q = qo_indptr.shape[0] - 1, q.shape[0]
+        total_q = q.shape[0]
         if q.dim() != 3 or q.shape[1] != heads or q.shape[2] != QK_DIM or q.dtype != torch.bfloat16:
             raise ValueError(f"flashinfer: this runner serves bf16 q of {heads} heads, (total_q, {heads}, "
                              f"{QK_DIM}); got {q.dtype} {tuple(q.shape)}")
