@@ -6,6 +6,9 @@
 #   bash scripts/gpu_acceptance.sh budget   # budget_s 120 sweep, its export checked, strict short lengths
 #   bash scripts/gpu_acceptance.sh serving [OLD_EXPORT.py]  # issue 9: the serving GPU tests in
 #       parallel groups, the leaderboard export beside OLD_EXPORT.py (3% rule), serving host times
+#   bash scripts/gpu_acceptance.sh table    # issue 10 on two GPUs: `mla-tune verify` of
+#       tables/H200.serving.yaml and the FlashInfer tests on GPU 1; on GPU 0 the fast-path and
+#       FlashMLA tests, the engine loop (bf16, fp8) beside FlashMLA, the 64 x 4000 example, host times
 #
 # It works in /tmp/acceptance and copies what matters (the table, its results file, the logs,
 # at most 8 files: what the device tool brings back) to $OUT (or ./gpu_out).
@@ -80,12 +83,36 @@ serving)
   fi
   timed host python3 scripts/bench_serving_host.py --out "$out" 2>&1 | tail -14
   ;;
+table)
+  ( CUDA_VISIBLE_DEVICES=1 timeout 400 python3 -m mla_tune verify --table tables/H200.serving.yaml \
+      --max-p95 0.05 --max-regret 0.15 --json "$out/verify.json" > "$out/verify.log" 2>&1
+    echo "verify: exit $?" >> "$out/walls.txt"
+    CUDA_VISIBLE_DEVICES=1 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/test_vendor_serving.py -k flashinfer > "$out/gpu_tests_fi.log" 2>&1
+    echo "flashinfer tests: exit $?" >> "$out/walls.txt" ) &
+  export CUDA_VISIBLE_DEVICES=0
+  timed tests-fast timeout 200 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_fast_launch.py \
+    tests/test_plan.py > "$out/gpu_tests_fast.log" 2>&1; tail -3 "$out/gpu_tests_fast.log"
+  timed tests-flashmla timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_vendor_serving.py \
+    -k "not flashinfer" > "$out/gpu_tests_fm.log" 2>&1; tail -2 "$out/gpu_tests_fm.log"
+  for kv in bf16 fp8; do
+    timed engine-$kv timeout 120 python3 scripts/engine_loop.py --kv $kv --buckets 8,32 \
+      --table tables/H200.serving.yaml --out "$out/engine_$kv" 2>&1 | tail -4
+    cp "$out/engine_$kv/engine_loop.json" "$out/engine_$kv.json" 2>/dev/null
+  done
+  timed example timeout 90 python3 scripts/serving_example.py --out "$out" 2>&1 | tail -14
+  wait  # GPU 1's verify and FlashInfer tests, before the host times (no CPU contention)
+  timed host timeout 150 python3 scripts/bench_serving_host.py --out "$out" 2>&1 | tail -24
+  cat "$out"/gpu_tests_fast.log "$out"/gpu_tests_fm.log "$out"/gpu_tests_fi.log > "$out/gpu_tests.log"
+  tail -3 "$out/gpu_tests_fi.log"; tail -40 "$out/verify.log"
+  ;;
 *)
-  echo "unknown mode $mode (full | budget | serving)"; exit 2 ;;
+  echo "unknown mode $mode (full | budget | serving | table)"; exit 2 ;;
 esac
 cat "$out/walls.txt"
 for f in walls.txt dryrun.txt sweep.log H200.yaml H200.results.jsonl dryrun120.txt sweep120.log \
-         H200.b120.yaml H200.b120.results.jsonl gpu_tests.log check_submission.json serving_host.json; do
+         H200.b120.yaml H200.b120.results.jsonl gpu_tests.log check_submission.json serving_host.json \
+         verify.log verify.json engine_bf16.json engine_fp8.json serving_example.json; do
   [ -f "$out/$f" ] && cp "$out/$f" "$keep/"
 done
 ls "$keep"

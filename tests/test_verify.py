@@ -165,6 +165,24 @@ def test_a_wrong_fast_candidate_is_never_the_best_and_a_wrong_pick_fails(tiny, t
     assert "outside the rule" in report["verdict"]["reasons"][0]
 
 
+def test_a_candidate_the_gate_rejects_does_not_compete_for_best(tiny, monkeypatch):
+    """The table's sweep never admitted it, so the lookup is not judged against it."""
+    _, table_path, names = tiny
+
+    def gates(jobs, workers, stop=None):
+        for job in jobs:  # C, the fastest correct candidate, fails the gate's margin
+            ok = job.variant != str(names["C"])
+            yield job, {"ok": ok, "reason": "ok" if ok else "ragged probe: 2.6% of elements outside"}
+
+    monkeypatch.setattr(vf, "run_gates", gates)
+    report = vf.run_verify(table_path, shapes=1, ragged=1, samples=1, workers=1, timer=FakeTimer(names),
+                           device="cpu", log=_quiet)
+    assert report["compile"]["gate_failed"] == {str(names["C"]): "ragged probe: 2.6% of elements outside"}
+    for r in report["shapes"]:
+        assert r["best"] == str(names["A"]) and r["regret"]["eager"] == pytest.approx(0.0)
+        assert str(names["C"]) not in r["final_us"]
+
+
 def test_thresholds_set_the_exit_code(tiny):
     _, table_path, names = tiny
     kw = dict(shapes=1, ragged=0, samples=1, device="cpu", log=_quiet)

@@ -123,24 +123,27 @@ def plan_sweep(cfg: ServingConfig, platform, shard: tuple[int, int] = (1, 1),
 
 
 # ------------------------------------------------------------------ the cost model
-# Rough H200 figures for the dry run's estimate, calibrated on the first GPU run (one
-# 128-head family, 57 cells, 4350 measurements in 169 s; docs/perf.md, "The serving sweep's
-# first GPU run"): a measurement costs ~4 ms besides its calls (the runner's build, 3 warm-up
-# and 3 synchronized wall-time calls, the host); a timing sample adds the L2 flush (a 512 MB
-# write, ~0.17 ms) and the queued sleep that hides the host (>= 0.2 ms) to the kernel. The
-# best kernel reads its KV at ~3 TB/s after ~10 us. The other candidates of a first rung ran
-# a median 8x the cell's best at long contexts (own 16-row tiles at 128 heads), which is what
-# the old model missed (it priced every candidate at the best's speed: 4x optimistic); now a
-# first-rung candidate over PRUNE_FACTOR x the best costs only its build and a 2-call probe,
-# and about a third of them (16 of 56 in that run) are timed, at ~2x the best on average.
-# A Triton compile of one kernel set ~4 s on one core (split across the gate workers),
-# loading it from the disk cache in the timing process ~0.3 s; a cell's input ~1 GB/50 ms.
+# Rough H200 figures for the dry run's estimate, calibrated on the two GPU runs (docs/perf.md,
+# "The serving sweep's first GPU run" and "The serving table: the full sweep"). The first (one
+# 128-head family, no pruning) showed what the old model missed: the other candidates of a
+# first rung ran a median 8x the cell's best at long contexts (own 16-row tiles at 128 heads),
+# where the model priced every candidate at the best's speed (4x optimistic). Now a
+# first-rung candidate over PRUNE_FACTOR x the best costs only its build and a 2-call probe;
+# the full sweep (714 cells, 25 candidates at most) timed 15,499 measurements and pruned
+# 5,929: about half of a first rung is timed, at ~2x the best on average, and a measurement
+# costs ~20 ms besides its kernel's calls (the runner's build, FlashInfer's plan, 3 warm-up
+# and 3 synchronized wall-time calls, the 512 MB flush buffer, the host). A timing sample
+# adds the L2 flush (~0.17 ms) and the queued sleep that hides the host (>= 0.2 ms) to the
+# kernel; the best kernel reads its KV at ~3 TB/s after ~10 us. A Triton compile of one
+# kernel set ~4 s on one core (split across the gate workers), loading it from the disk
+# cache in the timing process ~0.3 s; a cell's input ~1 GB/50 ms. (Each shard runs the
+# whole gate: --devices N adds (N - 1) x the gate's time to the GPU-minutes.)
 SAMPLE_OVERHEAD_US = 400.0
-MEASURE_OVERHEAD_S = 0.004
+MEASURE_OVERHEAD_S = 0.02
 PROBE_OVERHEAD_S = 0.002
 KERNEL_FIXED_US = 10.0
 KV_BYTES_PER_US = 3.0e6
-FIRST_RUNG_TIMED = 0.3  # the share of a first rung's candidates within PRUNE_FACTOR of the best
+FIRST_RUNG_TIMED = 0.5  # the share of a first rung's candidates within PRUNE_FACTOR of the best
 FIRST_RUNG_TIMED_RATIO = 2.0  # their mean time over the best's
 PRUNED_RATIO = 8.0  # a pruned candidate's time over the best's (median of the first run)
 LATER_RUNG_RATIO = 1.3  # later rungs hold the near-best

@@ -18,7 +18,10 @@ At each shape, on this GPU:
 - the *eager pick* (the table's cell of the batch bucket and the kv bucket of the mean
   length), the *graph pick* (its batch bucket's) and the *fallback* (runtime.decode's
   Decoder default for the spec: what runs without a table);
-- every candidate of the family's config space on this platform (serving_plan.family_plan),
+- every candidate of the family's config space on this platform (serving_plan.family_plan)
+  that passes the config's gate (the gate the table's sweep ran, run again here for every
+  candidate: one the gate rejects could not be the table's pick, so it does not compete
+  for best; e.g. FlashMLA's fp8 kernel at q_len 4, within the rule but not its margin),
   the picks first: a one-call probe (CUDA events) over 4x the best probe so far prunes it
   (serving_sweep.PRUNE_FACTOR), the rest get a short rung (SHORT_SAMPLES samples);
 - the final round: the short rung's best FINAL_TOP and the three roles, timed in
@@ -43,9 +46,8 @@ GPU cost (H200; the timer is timing.time_call, ~4 ms + (7 + samples) calls a mea
 per shape ~0.5-2 s: probes (2 calls each, the slow own candidates at 128 heads ~35 ms
 each), the short rung (~5 ms + 10 calls per surviving candidate), the final round
 (4 passes x <= 6 variants x ~(5 ms + 12 calls)), the input and the reference; before
-that, one compile (a gate of one representative) per distinct kernel of each family in
-`--workers` processes (~200 kernels over the 12 families of configs/serving.yaml: ~10 s
-with a warm Triton cache, about a minute cold). The run prints its elapsed time and each
+that, the gate of every candidate of each family in `--workers` processes, which compiles
+them (244 candidates over the 12 families of configs/serving.yaml: about a minute). The run prints its elapsed time and each
 shape's seconds; `--budget` stops between shapes.
 
 The timer, probe, device and platform are injectable (tests: a made-up timer, the CPU,
@@ -85,7 +87,7 @@ from mla_tune.tune.serving_gate import (
     run_call,
     run_gates,
 )
-from mla_tune.tune.serving_plan import compile_key, family_plan
+from mla_tune.tune.serving_plan import family_plan
 from mla_tune.tune.serving_sweep import PRUNE_FACTOR, TimedCall, event_probe
 
 VERIFY_SCHEMA = "serving-verify/1"
@@ -238,11 +240,15 @@ class Verifier:
     log: Callable[[str], None] = print
     candidates: dict[FamilyKey, list] = field(default_factory=dict)
     fallbacks: dict[FamilyKey, Variant | None] = field(default_factory=dict)
+    rejected: dict[FamilyKey, set] = field(default_factory=dict)  # by the gate (prepare)
 
     def prepare(self, keys: list[FamilyKey], workers: int, stop: Callable[[], bool]) -> dict:
         """Each family's candidates on this platform and its fallback; with workers > 0,
-        one gate per distinct kernel in that many processes, which compiles them (Triton's
-        disk cache then serves this process). Returns what the compiles found."""
+        every candidate through the config's gate (the one the table's sweep ran) in that
+        many processes, which compiles them too (Triton's disk cache then serves this
+        process). A candidate the gate rejects cannot be the table's pick, so it does not
+        compete for "best" either: verify judges the lookup over what the sweep admitted.
+        Returns what the gate found."""
         jobs, seen = [], set()
         for key in keys:
             spec = self.cfg.spec(key)
@@ -256,19 +262,23 @@ class Verifier:
             family = self.table.families[key]
             picks = [c.variant for c in family.cells.values()] + [g.variant for g in family.graph.values()]
             for v in [*plan.candidates, *filter(None, [self.fallbacks[key]]), *picks]:
-                if (key, compile_key(v)) not in seen:
-                    seen.add((key, compile_key(v)))
+                if (key, v) not in seen:
+                    seen.add((key, v))
                     jobs.append(GateJob(spec, str(v), self.cfg.gate, self.cfg.rule, str(self.device)))
         if workers <= 0 or not jobs:
             return {"kernels": 0}
         began = time.monotonic()
-        self.log(f"compile: {len(jobs)} kernels (one gated candidate each) over {len(keys)} families "
-                 f"in {workers} processes")
-        failed = {job.variant: out["reason"] for job, out in run_gates(jobs, workers, stop=stop) if not out["ok"]}
+        self.log(f"gate: {len(jobs)} candidates over {len(keys)} families in {workers} processes "
+                 "(the table's gate; compiles them too)")
+        failed = {}
+        for job, out in run_gates(jobs, workers, stop=stop):
+            if not out["ok"]:
+                failed[job.variant] = out["reason"]
+                self.rejected.setdefault(FamilyKey.of(job.spec), set()).add(Variant.parse(job.variant))
         seconds = time.monotonic() - began
-        self.log(f"compile: done in {seconds:.1f} s" + (f"; {len(failed)} representative(s) failed the gate "
-                                                        "(their kernels still compete, checked per shape)"
-                                                        if failed else ""))
+        self.log(f"gate: done in {seconds:.1f} s" + (f"; {len(failed)} rejected (they do not compete for best): "
+                                                     + "; ".join(f"{v}: {r}" for v, r in failed.items())
+                                                     if failed else ""))
         return {"kernels": len(jobs), "seconds": round(seconds, 1), "gate_failed": failed}
 
     def _call(self, variant: Variant, shape: HeldOutShape, inp: ServingInput) -> TimedCall:
@@ -289,7 +299,9 @@ class Verifier:
         # probe and short rung, one candidate at a time (its runner goes before the next:
         # a split-K runner's workspace at 128 heads and 1024 rows is GBs)
         best_probe = math.inf
-        order = list(dict.fromkeys([*filter(None, roles.values()), *self.candidates[key]]))
+        rejected = self.rejected.get(key, set())
+        order = list(dict.fromkeys([*filter(None, roles.values()),
+                                    *(v for v in self.candidates[key] if v not in rejected)]))
         for v in order:
             call = None  # the previous candidate's runner goes now
             try:
@@ -325,7 +337,8 @@ class Verifier:
                     self._failed(failed, v, shape, exc)
         times = {v: statistics.median(ts) for v, ts in passes.items() if ts and str(v) not in failed}
         checks = self._checks(inp, calls, times, roles)
-        correct = [v for v in sorted(times, key=times.get) if checks.get(str(v), {}).get("passed")]
+        correct = [v for v in sorted(times, key=times.get)
+                   if checks.get(str(v), {}).get("passed") and v not in rejected]
         best = correct[0] if correct else None
         del calls
         regret = {}
