@@ -344,4 +344,4 @@ def test_sweep_with_a_serving_config_runs_the_serving_sweep():
     """`mla-tune sweep --config configs/serving.yaml` plans the serving grid (its dry run)."""
     result = _invoke("sweep", "--gpu", "H200", "--config", "configs/serving.yaml", "--dry-run")
     assert result.exit_code == 0, result.output
-    assert "714 cells" in result.output and "estimated GPU time" in result.output
+    assert "1044 cells" in result.output and "estimated GPU time" in result.output
