@@ -24,7 +24,7 @@ Every candidate of a shape is first called once from a thread pool (Triton compi
 the GIL released), then checked and timed one by one. No shape starts after --budget
 seconds.
 
-    PYTHONPATH=. python3 scripts/bench_issue11.py [--mode ws|levers2] [--reps 30] [--budget 150]
+    PYTHONPATH=. python3 scripts/bench_issue11.py [--mode ws|levers2] [--reps 30] [--budget 120]
         [--threads 16] [--table tables/H200.yaml] [--shapes 4x1024,...] [--out DIR]
     PYTHONPATH=. /work/wt/gluon-venv/bin/python scripts/bench_issue11.py --compile [--configs ...]
 """
@@ -401,7 +401,7 @@ def main() -> None:
     ap.add_argument("--table", default="tables/H200.yaml")
     ap.add_argument("--shapes", default="all")
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--budget", type=float, default=150.0, help="no shape starts after this many seconds")
+    ap.add_argument("--budget", type=float, default=120.0, help="no shape starts after this many seconds")
     ap.add_argument("--threads", type=int, default=16, help="threads for the first (compiling) calls")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()

@@ -5,8 +5,9 @@ CPU: parameter validation, candidates and their dedupe, shared memory and reside
 dispatch of ws to the kernel launch (the kernel replaced by a recorder; Gluon has no CPU
 interpreter). GPU (`pytest -m gpu`, the H200's Triton 3.6): ws 1 and ws 2 against the
 kernel's arithmetic under strict and the exact answer's bound (tests/test_gluon_decode.py's
-check_against_both) at the 8 leaderboard shapes and at kv_len 1, 17, 3000, with the
-reductions, V halves, the other V paths and the backend.
+check_against_both, its expectations computed once per input here) at the 8 leaderboard
+shapes and at kv_len 1, 17, 3000, with the reductions, V halves, the other V paths and the
+backend.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from mla_tune.backends import gluon_fused
 from mla_tune.core import QK_DIM, SM_SCALE, V_DIM, Shape, Variant
 from mla_tune.gpu import fake_platform
 from mla_tune.kernels import gluon_decode
-from tests.test_gluon_decode import check_against_both
+from tests.test_gluon_decode import ACCURACY_FACTOR, _rel_l2, kernel_math
 
 BASE = dict(kv="fp8", q="fp8_dynamic", block_n=64, num_stages=3, num_splits=1, v_path="rs8")
 
@@ -206,6 +207,22 @@ def _sm_count() -> int:
     return _SM_COUNT[0]
 
 
+def expect(data) -> dict:
+    """tests/test_gluon_decode.py's two expectations for `data`, computed once: kernel_math
+    (strict) and the bound on the relative L2 distance from the exact answer."""
+    exact = problem.reference(data, "bf16", "bf16")
+    return dict(math=kernel_math(data), exact=exact,
+                bound=ACCURACY_FACTOR * _rel_l2(problem.reference(data), exact))
+
+
+def check(out, exp: dict, what: str) -> None:
+    """check_against_both with precomputed expectations (the same two assertions)."""
+    result = problem.check(out, exp["math"], problem.RULES["strict"])
+    err = _rel_l2(out, exp["exact"])
+    assert result.passed, f"{what}: vs kernel_math {result.reason}; rel L2 vs exact {err:.2e} (bound {exp['bound']:.2e})"
+    assert err <= exp["bound"], f"{what}: rel L2 vs exact {err:.2e} > {exp['bound']:.2e} (strict vs kernel_math: ok)"
+
+
 def run_ws(data, *, ws: int, num_splits: int, reduce: str = "launch", num_stages: int = 4, v_path: str = "rs8",
            v_halves: int = 1, block_n: int = 64) -> torch.Tensor:
     """One gluon_decode call with fresh buffers (counters zeroed); the output NaN-filled first,
@@ -251,14 +268,18 @@ def test_ws_matches_at_the_leaderboard_shapes(batch, kv_len):
     if _gpu_skip():
         pytest.skip(_gpu_skip())
     data = problem.generate_input(batch, kv_len, seed=batch * 7 + kv_len, device="cuda")
+    exp = expect(data)
+    ref = problem.reference(data)
     (v_path, stages, splits, reduce, halves), (splits2, reduce2) = LEADERBOARD_PLANS[(batch, kv_len)]
-    out = run_ws(data, ws=1, num_splits=splits, reduce=reduce, num_stages=stages, v_path=v_path, v_halves=halves)
-    check_against_both(out, data, f"ws 1 {v_path}/{stages} s{splits} {reduce} h{halves} at {batch}x{kv_len}")
-    out = run_ws(data, ws=2, num_splits=splits2, reduce=reduce2)
-    check_against_both(out, data, f"ws 2 rs8/4 s{splits2} {reduce2} at {batch}x{kv_len}")
-    # the leaderboard's own rule against its reference, as the bench checks it
-    result = problem.check(out, problem.reference(data), problem.RULES["strict"])
-    assert result.passed, f"ws 2 at {batch}x{kv_len} vs problem.reference: {result.reason}"
+    for what, out in [
+        (f"ws 1 {v_path}/{stages} s{splits} {reduce} h{halves} at {batch}x{kv_len}",
+         run_ws(data, ws=1, num_splits=splits, reduce=reduce, num_stages=stages, v_path=v_path, v_halves=halves)),
+        (f"ws 2 rs8/4 s{splits2} {reduce2} at {batch}x{kv_len}", run_ws(data, ws=2, num_splits=splits2, reduce=reduce2)),
+    ]:
+        check(out, exp, what)
+        # the leaderboard's own rule against its reference, as the bench checks it
+        result = problem.check(out, ref, problem.RULES["strict"])
+        assert result.passed, f"{what} vs problem.reference: {result.reason}"
 
 
 @pytest.mark.gpu
@@ -270,11 +291,12 @@ def test_ws_at_tiny_and_odd_lengths(batch, kv_len):
     if _gpu_skip():
         pytest.skip(_gpu_skip())
     data = problem.generate_input(batch, kv_len, seed=batch * 31 + kv_len, device="cuda")
+    exp = expect(data)
     for ws in (1, 2):
         for splits in (1, 3, 8):
             for stages in ((2, 4) if ws == 1 else (3, 4)):
                 out = run_ws(data, ws=ws, num_splits=splits, num_stages=stages)
-                check_against_both(out, data, f"ws {ws} rs8/{stages} s{splits} at {batch}x{kv_len}")
+                check(out, exp, f"ws {ws} rs8/{stages} s{splits} at {batch}x{kv_len}")
 
 
 @pytest.mark.gpu
@@ -284,12 +306,13 @@ def test_ws_with_the_in_kernel_reductions_and_v_halves(ws):
         pytest.skip(_gpu_skip())
     data = problem.generate_input(4, 3000, seed=43, device="cuda")
     ragged = problem.generate_ragged_input([1, 17, 3000, 64, 130], seed=9, device="cuda")
+    exp, exp_ragged = expect(data), expect(ragged)
     for reduce in ("last", "spin"):
         for halves in (1, 2):
             out = run_ws(data, ws=ws, num_splits=4, reduce=reduce, v_halves=halves)  # 12/12/12/11 tiles
-            check_against_both(out, data, f"ws {ws} s4 {reduce} h{halves} at 4x3000")
+            check(out, exp, f"ws {ws} s4 {reduce} h{halves} at 4x3000")
             out = run_ws(ragged, ws=ws, num_splits=4, reduce=reduce, v_halves=halves)
-            check_against_both(out, ragged, f"ws {ws} s4 {reduce} h{halves}, ragged with empty splits")
+            check(out, exp_ragged, f"ws {ws} s4 {reduce} h{halves}, ragged with empty splits")
 
 
 @pytest.mark.gpu
@@ -303,7 +326,7 @@ def test_ws_on_the_other_v_paths(path, ws):
     for batch, kv_len, splits in [(4, 3000, 4), (3, 130, 1)]:
         data = problem.generate_input(batch, kv_len, seed=batch + kv_len, device="cuda")
         out = run_ws(data, ws=ws, num_splits=splits, num_stages=int(stages), v_path=v_path, v_halves=halves)
-        check_against_both(out, data, f"ws {ws} {path} h{halves} s{splits} at {batch}x{kv_len}")
+        check(out, expect(data), f"ws {ws} {path} h{halves} s{splits} at {batch}x{kv_len}")
 
 
 @pytest.mark.gpu
@@ -317,6 +340,6 @@ def test_the_backend_with_ws_matches_and_repeats(params):
     data = problem.generate_input(32, 1024, seed=77, device="cuda")
     run = gluon_fused.build(_variant(**params), shape, "cuda")
     first = run(*data[:4]).clone()
-    check_against_both(first, data, f"backend {params}")
+    check(first, expect(data), f"backend {params}")
     for _ in range(2):
         assert torch.equal(first, run(*data[:4]))
