@@ -18,6 +18,13 @@ Variant parameters:
                                resident at once, gd_check_launch). Added later: a variant
                                without it is "launch", and candidates() leaves that value out
                                of the variant, so older tables read as they were.
+  ws          0 | 1 | 2        warp specialization (kernels/gluon_decode.py WS): 0 none; 1 a
+                               loader warp feeding the ring; 2 a loader warp and two consumer
+                               warpgroups taking alternate tiles (one CTA per SM). A later
+                               parameter like reduce: absent means 0 and 0 is left out of
+                               the variant. candidates() offers ws 2 only with >= 3 stages,
+                               >= 2 tiles per program and, on a known GPU, one wave of
+                               programs (_gf_ws_reason); ws 1 wherever the config asks.
 """
 
 from __future__ import annotations
@@ -43,8 +50,10 @@ from mla_tune.core import (
 from mla_tune.kernels.gluon_decode import (
     GD_UNAVAILABLE,
     GD_V_PATHS,
+    GD_WS_MODES,
     gd_check_launch,
     gd_kv_descriptor,
+    gd_ws_smem_extra,
     gluon_decode,
 )
 
@@ -69,10 +78,12 @@ GF_DEFAULT_SPACE = {
     "num_splits": [1, 2, 4, 8, 16, 32],
     "v_path": ["ss16", "rs16", "ss16a"],
     "reduce": ["launch"],  # configs opt in to "spin"
+    "ws": [0],  # configs opt in to warp specialization (1, 2)
 }
 # Parameters added later and the value that keeps the first behaviour (left out of variants).
-GF_LATER_DEFAULTS = {"reduce": "launch"}
+GF_LATER_DEFAULTS = {"reduce": "launch", "ws": 0}
 _GF_REDUCE = ("launch", "spin")
+_GF_WS = tuple(GD_WS_MODES)
 
 
 def unavailable_reason() -> str | None:
@@ -88,13 +99,13 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _gf_smem_bytes(block_n: int, num_stages: int, v_path: str = "ss16") -> int:
+def _gf_smem_bytes(block_n: int, num_stages: int, v_path: str = "ss16", ws: int = 0) -> int:
     """Shared memory the kernel allocates: the fp8 ring, q, P^T, the fp16 V box(es; four for
     ss16a), the barriers, and 256 B the compiler adds (its figures are in
-    tests/test_gluon_decode.py)."""
+    tests/test_gluon_decode.py); plus what warp specialization adds (gd_ws_smem_extra)."""
     v16_boxes = 4 if v_path == "ss16a" else 1
     return (num_stages * 5 * block_n * 128 + 5 * 16 * 128 + block_n * 16 * 2 + v16_boxes * block_n * 128 * 2
-            + 8 * num_stages + 256)
+            + 8 * num_stages + 256 + gd_ws_smem_extra(block_n, num_stages, v_path, 1, ws))
 
 
 def validate(variant: Variant) -> None:
@@ -104,17 +115,18 @@ def validate(variant: Variant) -> None:
                       tuple(k for k in GF_DEFAULT_SPACE if k not in GF_LATER_DEFAULTS))
     if "reduce" in variant.p:
         check_param_choice(variant, "reduce", _GF_REDUCE)
+    ws = check_param_choice(variant, "ws", _GF_WS) if "ws" in variant.p else 0
     check_param_choice(variant, "kv", ("fp8",))
     check_param_choice(variant, "q", ("fp8_dynamic",))
     block_n = check_param_choice(variant, "block_n", _GF_BLOCK_N)
     stages = check_param_int(variant, "num_stages", minimum=2, maximum=4)
     check_param_int(variant, "num_splits", maximum=PARAM_MAX_SPLITS)
     v_path = check_param_choice(variant, "v_path", tuple(GD_V_PATHS))
-    smem = _gf_smem_bytes(block_n, stages, v_path)
+    smem = _gf_smem_bytes(block_n, stages, v_path, ws)
     if smem > _GF_SMEM_LIMIT:
         raise ValueError(f"{NAME}: {variant} needs {smem} B of shared memory (block_n {block_n} x "
-                         f"{stages} stages, v_path {v_path}), over the {_GF_SMEM_LIMIT} B an sm_90 block "
-                         "has; use fewer stages")
+                         f"{stages} stages, v_path {v_path}{f', ws {ws}' if ws else ''}), over the "
+                         f"{_GF_SMEM_LIMIT} B an sm_90 block has; use fewer stages")
 
 
 def _gf_reason(p: dict, shape: Shape, sm_count: int = 0) -> str | None:
@@ -128,9 +140,26 @@ def _gf_reason(p: dict, shape: Shape, sm_count: int = 0) -> str | None:
     if reduce != "launch" and sm_count:
         try:
             gd_check_launch(shape.batch, p["num_splits"], block_n=p["block_n"], num_stages=p["num_stages"],
-                            v_path=p["v_path"], reduce=reduce, sm_count=sm_count)
+                            v_path=p["v_path"], reduce=reduce, sm_count=sm_count, ws=p.get("ws", 0))
         except ValueError as exc:
             return str(exc)
+    return None
+
+
+def _gf_ws_reason(p: dict, shape: Shape, sm_count: int) -> str | None:
+    """Why candidates() leaves this warp specialization out at `shape` (None: it offers it).
+    ws 2 (two consumer warpgroups, alternate tiles, one CTA per SM) pays only where each
+    consumer has a tile to overlap and a slot to prefetch into, and where the SMs it takes
+    from a second CTA were idle anyway (docs/perf.md, "Issue 11, third step")."""
+    if p.get("ws", 0) != 2:
+        return None
+    if p["num_stages"] < 3:
+        return "ws 2 with 2 stages leaves each consumer one ring slot: every load would be waited for"
+    tiles = math.ceil(shape.kv_len / p["block_n"])
+    if math.ceil(tiles / p["num_splits"]) < 2:
+        return "ws 2 with one tile per program leaves the second consumer idle"
+    if sm_count and shape.batch * p["num_splits"] > sm_count:
+        return f"ws 2 holds one CTA per SM: {shape.batch * p['num_splits']} programs are more than {sm_count} SMs"
     return None
 
 
@@ -165,9 +194,10 @@ def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
 
     def walk(i: int, chosen: dict) -> None:
         if i == len(keys):
-            smem = _gf_smem_bytes(chosen["block_n"], chosen["num_stages"], chosen["v_path"])
+            smem = _gf_smem_bytes(chosen["block_n"], chosen["num_stages"], chosen["v_path"], chosen["ws"])
             if (_gf_reason(chosen, shape, sm_count) is None and smem <= _GF_SMEM_LIMIT
-                    and _gf_waves_reason(chosen["num_splits"], shape, sm_count) is None):
+                    and _gf_waves_reason(chosen["num_splits"], shape, sm_count) is None
+                    and _gf_ws_reason(chosen, shape, sm_count) is None):
                 shown = {k: v for k, v in chosen.items() if GF_LATER_DEFAULTS.get(k, object()) != v}
                 out.append(Variant.make(NAME, **shown))
             return
@@ -203,14 +233,14 @@ def build(variant: Variant, shape: Shape, device):
     grow(shape.batch)
     options = dict(num_splits=num_splits, block_n=p["block_n"], num_stages=p["num_stages"],
                    v_path=p["v_path"], sm_scale_log2=SM_SCALE * math.log2(math.e),
-                   reduce=p["reduce"], sm_count=sm_count or None)
+                   reduce=p["reduce"], sm_count=sm_count or None, ws=p["ws"])
 
     def run_gluon_fused(q, kv_data, qo_indptr, kv_indptr):
         batch = q.shape[0]
         if batch > state["batch"]:
             if p["reduce"] == "spin":  # a larger grid may not be resident: refuse, never hang
                 gd_check_launch(batch, num_splits, block_n=p["block_n"], num_stages=p["num_stages"],
-                                v_path=p["v_path"], reduce="spin", sm_count=sm_count)
+                                v_path=p["v_path"], reduce="spin", sm_count=sm_count, ws=p["ws"])
             grow(batch)  # a larger ragged batch than planned: one allocation, once
         kv, kv_scale = kv_data["fp8"]
         require(kv.dtype == torch.float8_e4m3fn, f"gluon_fused reads float8_e4m3fn KV, not {kv.dtype}")
@@ -233,7 +263,7 @@ def build(variant: Variant, shape: Shape, device):
 
 
 def compile_shape(variant: Variant, shape: Shape, sm_count: int | None) -> Shape:
-    """One sequence with a tile per split: every constexpr (BN, STAGES, V_PATH, SPLIT; the
+    """One sequence with a tile per split: every constexpr (BN, STAGES, V_PATH, SPLIT, WS; the
     reduction's NS) comes from the variant and num_splits is the same int argument, so this
     compiles what `shape` runs (batch only sizes the grid, kv_len is read on the device)."""
     return Shape(1, variant.p["num_splits"] * variant.p["block_n"])
