@@ -44,7 +44,9 @@ A, B = "tokens_per_split=16", "tokens_per_split=64"  # the two triton candidates
 # Made-up times (us per sequence): A wins at kv 32, B at kv 64; the fused candidate C is
 # never best but its worst regret (12%) is the smallest (A 33%, B 20%), while its mean
 # regret (11%) is not (B 10%): the graph pick must be C. wrong_serving would win everywhere.
-TIMES = {32: {"A": 10.0, "B": 12.0, "C": 11.2, "W": 1.0}, 64: {"A": 20.0, "B": 15.0, "C": 16.5, "W": 1.0}}
+# D is triton's default serving variant, which every family's candidates include: slow here.
+TIMES = {32: {"A": 10.0, "B": 12.0, "C": 11.2, "D": 50.0, "W": 1.0},
+         64: {"A": 20.0, "B": 15.0, "C": 16.5, "D": 50.0, "W": 1.0}}
 
 
 def _name(variant: Variant) -> str:
@@ -52,7 +54,8 @@ def _name(variant: Variant) -> str:
         return "W"
     if variant.backend == "triton_fused":
         return "C"
-    return "A" if str(variant.get("tokens_per_split")) == A.split("=")[1] else "B"
+    tps = str(variant.get("tokens_per_split"))
+    return "A" if tps == A.split("=")[1] else "B" if tps == B.split("=")[1] else "D"
 
 
 class FakeTimer:
@@ -100,7 +103,7 @@ def test_a_tiny_sweep_picks_gated_winners_and_the_worst_case_graph_pick(tiny, tm
     table = load_serving_table(summary["table"])
     _, records, _ = read_records(summary["results"])
     gates = {r["variant"]: r["ok"] for r in records if r["kind"] == "gate"}
-    assert sorted(_name(Variant.parse(v)) for v, ok in gates.items() if ok) == ["A", "B", "C"]
+    assert sorted(_name(Variant.parse(v)) for v, ok in gates.items() if ok) == ["A", "B", "C", "D"]
     assert [ok for v, ok in gates.items() if v.startswith("wrong_serving")] == [False]
     assert not any(v.startswith("wrong_serving") for _, _, v, _ in timer.timed)  # gated out: never timed
     cells, graph = _picks(table)
@@ -129,7 +132,8 @@ def test_a_probe_prunes_a_hopeless_candidate_at_the_first_rung(tiny, tmp_path):
     summary = _sweep(tiny, tmp_path, timer, probe=probe)
     _, records, _ = read_records(summary["results"])
     pruned = [r for r in records if r["kind"] == "step" and r["status"] == "pruned"]
-    assert pruned and {_name(Variant.parse(r["variant"])) for r in pruned} == {"C"}
+    # C (slow by its probe) and D (triton's default, 50 us against 10-20) are over 4x
+    assert pruned and {_name(Variant.parse(r["variant"])) for r in pruned} == {"C", "D"}
     assert all(r["probe_us"] > sw.PRUNE_FACTOR * 1.0 for r in pruned)
     assert not any(_name(Variant.parse(v)) == "C" for _, _, v, _ in timer.timed)
     cells, graph = _picks(load_serving_table(summary["table"]))
