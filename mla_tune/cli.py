@@ -122,6 +122,9 @@ def sweep(
     candidate_timeout: Annotated[float | None, typer.Option(
         help="Seconds one candidate may run before its worker is killed and it is recorded as a "
              "timeout; the default is the config's candidate_timeout_s, else 120.")] = None,
+    budget: Annotated[float | None, typer.Option(
+        help="Seconds this sweep may take, instead of the config's budget_s (a stopped serving "
+             "sweep resumes with the same command).")] = None,
 ) -> None:
     """Sweep every candidate kernel per shape on this GPU and write its dispatch table.
 
@@ -131,6 +134,8 @@ def sweep(
         raise _usage_error(f"--candidate-timeout must be a positive number of seconds, got {candidate_timeout}")
     # passed only when given, so run_sweep's own default (the config's limit) applies otherwise
     timeout = {} if candidate_timeout is None else {"candidate_timeout_s": candidate_timeout}
+    if budget is not None and not budget > 0:
+        raise _usage_error(f"--budget must be a positive number of seconds, got {budget}")
     device_list = None
     if devices is not None:
         try:
@@ -144,7 +149,7 @@ def sweep(
             from mla_tune.tune.serving_sweep import sweep_from_cli
 
             code = sweep_from_cli(config, gpu, out=out, dry_run=dry_run, force=force,
-                                  devices=device_list, fresh=fresh)
+                                  devices=device_list, fresh=fresh, budget=budget)
             if code:
                 raise typer.Exit(code)
             return
@@ -152,7 +157,7 @@ def sweep(
 
         try:
             run_sweep(config, gpu, out=out, dry_run=dry_run, force=force, devices=device_list,
-                      fresh=fresh, **timeout)
+                      fresh=fresh, budget_s=budget, **timeout)
         except SweepInterrupted:  # run_sweep printed how to resume; no "Aborted!" after it
             raise typer.Exit(130) from None
 

@@ -345,3 +345,23 @@ def test_sweep_with_a_serving_config_runs_the_serving_sweep():
     result = _invoke("sweep", "--gpu", "H200", "--config", "configs/serving.yaml", "--dry-run")
     assert result.exit_code == 0, result.output
     assert "1044 cells" in result.output and "estimated GPU time" in result.output
+
+
+def test_sweep_takes_a_budget_for_either_kind_of_config(monkeypatch):
+    """--budget replaces the config's budget_s: the leaderboard sweep's plan fits it, the
+    serving sweep gets it on its command line; a bad value is one line and exit 2."""
+    seen = {}
+
+    def fake_serving(config, gpu, **kw):
+        seen.update(kw)
+        return 0
+
+    monkeypatch.setattr("mla_tune.tune.serving_sweep.sweep_from_cli", fake_serving)
+    result = _invoke("sweep", "--gpu", "H200", "--config", "configs/serving.yaml", "--budget", "300")
+    assert result.exit_code == 0, result.output
+    assert seen["budget"] == 300.0
+    result = _invoke("sweep", "--gpu", "H200", "--dry-run", "--budget", "60")
+    assert result.exit_code == 0, result.output
+    assert "fits the budget of 60 s" in result.output and "dropped for the budget" in result.output
+    result = _invoke("sweep", "--gpu", "H200", "--budget", "-5")
+    assert result.exit_code == 2 and "--budget must be a positive number of seconds" in result.output

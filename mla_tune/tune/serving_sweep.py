@@ -473,11 +473,13 @@ def _spread_over_devices(args, devices: list[int]) -> int:
 
 
 def sweep_from_cli(config: Path, gpu_name: str, *, out: Path | None = None, dry_run: bool = False,
-                   force: bool = False, devices: list[int] | None = None, fresh: bool = False) -> int:
+                   force: bool = False, devices: list[int] | None = None, fresh: bool = False,
+                   budget: float | None = None) -> int:
     """`mla-tune sweep` with a serving config (cli.py's hook): the same options, this
     module's command line; returns its exit code (3: stopped by the budget, resumable)."""
     argv = ["--config", str(config), "--gpu", gpu_name]
     argv += ["--out", str(out)] if out is not None else []
+    argv += ["--budget", str(budget)] if budget is not None else []
     argv += ["--devices", ",".join(map(str, devices))] if devices else []
     argv += [flag for flag, on in (("--dry-run", dry_run), ("--force", force), ("--fresh", fresh)) if on]
     return main(argv)

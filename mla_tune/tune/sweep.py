@@ -13,6 +13,7 @@ keeps two sweeps off one table.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import threading
@@ -209,10 +210,13 @@ def _dry_run(config: Config, gpu: str, out: Path, results_path: Path, console: C
 def run_sweep(config_path, gpu: str, out: Path | None = None, dry_run: bool = False,
               force: bool = False, devices: list[int] | None = None, fresh: bool = False,
               console: Console | None = None,
-              candidate_timeout_s: float | None = None) -> SweepSummary:
-    """Sweep the config's shapes on this machine's GPU(s) and write tables/<gpu>.yaml."""
+              candidate_timeout_s: float | None = None, budget_s: float | None = None) -> SweepSummary:
+    """Sweep the config's shapes on this machine's GPU(s) and write tables/<gpu>.yaml.
+    budget_s, when given, replaces the config's."""
     console = console or Console()
     config = load_config(config_path)
+    if budget_s is not None:
+        config = dataclasses.replace(config, budget_s=float(budget_s))
     default_out = Path("tables") / f"{gpu}.yaml"
     out = Path(out) if out is not None else default_out
     results_path = results_path_for(out)
