@@ -132,10 +132,12 @@ def sweep(
     sweep instead and writes tables/GPU.serving.yaml (mla_tune/tune/serving_sweep.py)."""
     if candidate_timeout is not None and not candidate_timeout > 0:
         raise _usage_error(f"--candidate-timeout must be a positive number of seconds, got {candidate_timeout}")
-    # passed only when given, so run_sweep's own default (the config's limit) applies otherwise
+    # passed only when given, so run_sweep's own defaults (the config's limits) apply otherwise
     timeout = {} if candidate_timeout is None else {"candidate_timeout_s": candidate_timeout}
     if budget is not None and not budget > 0:
         raise _usage_error(f"--budget must be a positive number of seconds, got {budget}")
+    if budget is not None:
+        timeout["budget_s"] = budget
     device_list = None
     if devices is not None:
         try:
@@ -157,7 +159,7 @@ def sweep(
 
         try:
             run_sweep(config, gpu, out=out, dry_run=dry_run, force=force, devices=device_list,
-                      fresh=fresh, budget_s=budget, **timeout)
+                      fresh=fresh, **timeout)
         except SweepInterrupted:  # run_sweep printed how to resume; no "Aborted!" after it
             raise typer.Exit(130) from None
 
