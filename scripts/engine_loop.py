@@ -53,21 +53,25 @@ def _check(tag, base, caches, seq_lens, qs, outs, q_format):
             raise SystemExit(f"{tag}, layer {layer}: wrong result ({result})")
 
 
-def _time_steps(graph, seq_lens, steps: int, before_replay=None) -> list[float]:
-    """ms per step: the lengths grow by one token (written in place, outside the graph, as
-    an engine does), `before_replay(step)` runs the host's per-step work, then the replay."""
-    times = []
+def _time_steps(graph, seq_lens, steps: int, before_replay=None) -> tuple[list[float], list[float]]:
+    """(ms per step, ms of the replay alone): the lengths grow by one token (written in
+    place, outside the graph, as an engine does), `before_replay(step)` runs the host's
+    per-step work (the plan's update: on the step's critical path here, while an engine
+    would overlap it with the previous step's other work), then the replay."""
+    steps_ms, replays_ms = [], []
     for i in range(steps):
         seq_lens.add_(1)  # every sequence grew by one token (outside the graph, as an engine)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
         start.record()
         if before_replay is not None:
             before_replay(i + 1)
+        mid.record()
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
+        steps_ms.append(start.elapsed_time(end))
+        replays_ms.append(mid.elapsed_time(end))
+    return steps_ms, replays_ms
 
 
 def run_plan(args, bucket, table):
@@ -92,9 +96,9 @@ def run_plan(args, bucket, table):
     graph.replay()
     q_format = "fp8" if str(plan.pick(bucket).get("q")).startswith("fp8") else "bf16"
     _check(f"mla-tune bucket {bucket} first step", base, caches, seq_lens, qs, outs, q_format)
-    times = _time_steps(graph, seq_lens, args.steps, before_replay=update)
+    times, replays = _time_steps(graph, seq_lens, args.steps, before_replay=update)
     _check(f"mla-tune bucket {bucket} last step", base, caches, seq_lens, qs, outs, q_format)
-    return times, str(plan.pick(bucket))
+    return times, replays, str(plan.pick(bucket))
 
 
 def run_flashmla(args, bucket):
@@ -128,7 +132,7 @@ def run_flashmla(args, bucket):
     graph.replay()
     q_format = "fp8" if fp8 else "bf16"
     _check(f"flashmla bucket {bucket} first step", base, caches, seq_lens, qs, outs, q_format)
-    times = _time_steps(graph, seq_lens, args.steps)
+    times, _ = _time_steps(graph, seq_lens, args.steps)
     _check(f"flashmla bucket {bucket} last step", base, caches, seq_lens, qs, outs, q_format)
     return times
 
@@ -145,8 +149,9 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for bucket in [int(b) for b in args.buckets.split(",")]:
-        times, variant = run_plan(args, bucket, args.table)
-        row = {"bucket": bucket, "mla_tune_ms": sorted(times)[len(times) // 2], "variant": variant}
+        times, replays, variant = run_plan(args, bucket, args.table)
+        row = {"bucket": bucket, "mla_tune_ms": sorted(times)[len(times) // 2],
+               "mla_tune_replay_ms": sorted(replays)[len(replays) // 2], "variant": variant}
         try:
             fm = run_flashmla(args, bucket)
             row["flashmla_ms"] = sorted(fm)[len(fm) // 2]
@@ -159,7 +164,8 @@ def main() -> None:
     for r in rows:
         fm = f"{r['flashmla_ms']:.3f} ms" if "flashmla_ms" in r else r["flashmla_error"][:60]
         print(f"bucket {r['bucket']:4}: mla-tune {r['mla_tune_ms']:.3f} ms/step "
-              f"({1000 * r['mla_tune_ms'] / args.layers:.1f} us/layer)  FlashMLA {fm}  [{r['variant']}]")
+              f"({1000 * r['mla_tune_ms'] / args.layers:.1f} us/layer; replay alone {r['mla_tune_replay_ms']:.3f} ms)"
+              f"  FlashMLA {fm}  [{r['variant']}]")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "engine_loop.json").write_text(json.dumps(rows, indent=1))
