@@ -487,6 +487,18 @@ def check_decode_inputs(q, kv_data, qo_indptr, kv_indptr, kv_format: str) -> int
     return batch
 
 
+def check_serving_spec(name: str, spec: CallSpec, capabilities: Capabilities,
+                       variant: Variant | None = None) -> None:
+    """Every backend's serving build and default: a spec its record serves and, given a
+    variant, one of the spec's KV format (a ValueError naming the fix otherwise)."""
+    reason = capabilities.refusal(spec)
+    if reason is not None:
+        raise ValueError(f"{name} cannot serve {spec}: {reason}; pick a backend that serves it")
+    if variant is not None and variant.get("kv") != spec.kv_format:
+        raise ValueError(f"{name}: {variant} reads {variant.get('kv')} KV but the call's cache is "
+                         f"{spec.kv_format}; make the variant with kv={spec.kv_format}")
+
+
 def check_serving_build(name: str, variant: Variant, spec: CallSpec, capabilities: Capabilities,
                         serving: bool, min_rows: int, what: str = "MMA rows") -> int:
     """The checks every own build_serving starts with, after validate(variant): a serving
@@ -496,12 +508,7 @@ def check_serving_build(name: str, variant: Variant, spec: CallSpec, capabilitie
     if not serving:
         raise ValueError(f"{name}: {variant} is a leaderboard variant (num_splits); the serving "
                          "call takes max_splits and tokens_per_split (default_serving_variant makes one)")
-    reason = capabilities.refusal(spec)
-    if reason is not None:
-        raise ValueError(f"{name} cannot serve {spec}: {reason}; pick a backend that serves it")
-    if variant.get("kv") != spec.kv_format:
-        raise ValueError(f"{name}: {variant} reads {variant.get('kv')} KV but the call's cache is "
-                         f"{spec.kv_format}; make the variant with kv={spec.kv_format}")
+    check_serving_spec(name, spec, capabilities, variant)
     rows = 1 << (max(spec.max_q_len, 1) - 1).bit_length()
     block_h = variant.get("block_h")
     if spec.heads % block_h or block_h * rows < min_rows:
@@ -525,12 +532,16 @@ def own_serving_runner(name: str, spec: CallSpec, device, decode, workspace_type
     return OwnServingRunner(name, spec, device, decode, workspace_type, max_splits, launch, replay_from)
 
 
+def tensor_sig_and_ptr(t) -> tuple:
+    """(tensor_sig(t), t.data_ptr()) of a tensor, reading its address once."""
+    ptr = t.data_ptr()
+    return (t.dtype, t.shape, t.stride(), ptr % 16 == 0, t.get_device()), ptr
+
+
 def tensor_sig(t):
     """What a compiled Triton launch saw of tensor t (None for None): dtype, shape, strides,
     whether its data_ptr is 16-byte aligned (Triton specializes pointers on it), device index."""
-    if t is None:
-        return None
-    return (t.dtype, t.shape, t.stride(), t.data_ptr() % 16 == 0, t.get_device())
+    return None if t is None else tensor_sig_and_ptr(t)[0]
 
 
 class OwnServingRunner:
@@ -596,7 +607,7 @@ class OwnServingStep:
         self.runner, self.qo_indptr, self.layout = runner, qo_indptr, layout
         tensors = (qo_indptr, layout["kv_indptr"], layout["block_table"], layout["seq_lens"])
         # The replay holds these tensors' addresses: the same objects, shapes and addresses.
-        self.key = (tensors, tuple(None if t is None else (tensor_sig(t), t.data_ptr()) for t in tensors))
+        self.key = (tensors, tuple(None if t is None else tensor_sig_and_ptr(t) for t in tensors))
         kept = runner._kept
         self.fast = None
         if kept is not None and kept[0][1] == self.key[1] and all(

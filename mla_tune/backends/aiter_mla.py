@@ -67,6 +67,7 @@ from mla_tune.core import (
     check_param_names,
     check_q_amax,
     check_serving_layout,
+    check_serving_spec,
     vendor_is_cpu_fake,
 )
 
@@ -784,14 +785,9 @@ def default_serving_variant(spec: CallSpec, platform) -> Variant:
 
 
 def _ai_serving_check(spec: CallSpec, variant: Variant | None = None) -> None:
-    reason = CAPABILITIES.refusal(spec)
-    if reason is not None:
-        raise ValueError(f"aiter cannot serve {spec}: {reason}; pick a backend that serves it")
+    check_serving_spec(NAME, spec, CAPABILITIES, variant)
     if variant is None:
         return
-    if variant.get("kv") != spec.kv_format:
-        raise ValueError(f"aiter: {variant} reads {variant.get('kv')} KV but the call's cache is "
-                         f"{spec.kv_format}; make the variant with kv={spec.kv_format}")
     if variant.get("mode") != _AI_SERVING_MODE:
         raise ValueError(f"aiter: {variant} is a mode={variant.get('mode')} variant; the serving call runs "
                          "AITER's non-persistent kernels (a persistent work list is built for one call's "

@@ -55,6 +55,7 @@ from mla_tune.core import (
     check_param_names,
     check_q_amax,
     check_serving_layout,
+    check_serving_spec,
     tensor_sig,
     vendor_is_cpu_fake,
 )
@@ -197,12 +198,7 @@ def default_serving_variant(spec: CallSpec, platform) -> Variant:
 
 
 def _fm_serving_check(spec: CallSpec, variant: Variant | None = None) -> None:
-    reason = CAPABILITIES.refusal(spec)
-    if reason is not None:
-        raise ValueError(f"flashmla cannot serve {spec}: {reason}; pick a backend that serves it")
-    if variant is not None and variant.get("kv") != spec.kv_format:
-        raise ValueError(f"flashmla: {variant} reads {variant.get('kv')} KV but the call's cache is "
-                         f"{spec.kv_format}; make the variant with kv={spec.kv_format}")
+    check_serving_spec(NAME, spec, CAPABILITIES, variant)
 
 
 class _FmQuantizer:

@@ -57,6 +57,7 @@ from mla_tune.core import (
     check_param_choice,
     check_param_names,
     check_serving_layout,
+    check_serving_spec,
     tensor_sig,
     vendor_is_cpu_fake,
 )
@@ -200,12 +201,7 @@ def default_serving_variant(spec: CallSpec, platform) -> Variant:
 
 
 def _fi_serving_check(spec: CallSpec, variant: Variant | None = None) -> None:
-    reason = CAPABILITIES.refusal(spec)
-    if reason is not None:
-        raise ValueError(f"flashinfer cannot serve {spec}: {reason}; pick a backend that serves it")
-    if variant is not None and variant.get("kv") != spec.kv_format:
-        raise ValueError(f"flashinfer: {variant} reads {variant.get('kv')} KV but the call's cache is "
-                         f"{spec.kv_format}; make the variant with kv={spec.kv_format}")
+    check_serving_spec(NAME, spec, CAPABILITIES, variant)
 
 
 def _fi_running_sum(lengths) -> list[int]:

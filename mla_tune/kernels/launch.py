@@ -44,7 +44,7 @@ import warnings
 import triton
 from triton.runtime.jit import JITFunction
 
-from mla_tune.core import tensor_sig
+from mla_tune.core import tensor_sig, tensor_sig_and_ptr
 
 # JITFunction.run's binding and final launch, whitespace removed (Triton 3.6.0 and 3.9.0).
 _ln_JIT_BIND = "bound_args,specialization,options=binder(*args,**kwargs)"
@@ -202,8 +202,8 @@ class LaunchReplay:
                     return False
                 ptrs.append(None)
                 continue
-            ptr = t.data_ptr()  # tensor_sig, with the address kept
-            if (t.dtype, t.shape, t.stride(), ptr % 16 == 0, t.get_device()) != sig:
+            now, ptr = tensor_sig_and_ptr(t)
+            if now != sig:
                 return False
             ptrs.append(ptr)
         if not hooks_idle():
