@@ -243,15 +243,15 @@ class Runtime:
 
     def _remember(self, data) -> None:
         """After a checked call: the runner the dispatcher used for it, for the identity path
-        of custom_kernel (only a tuned uniform shape has one: dispatcher.last_fast)."""
+        of custom_kernel (only a tuned shape has one: Dispatcher.tuned_runner)."""
         self._last = None
-        used = self.dispatcher.last_fast
-        if used is None or type(data) is not tuple or type(data[1]) is not dict:
-            return
         q, kv_data, qo_indptr, kv_indptr, config = data
-        fmt, runner = used
         kv_len = config["kv_seq_len"]
-        if type(kv_len) is int and fmt in kv_data:
+        if type(data) is not tuple or type(kv_data) is not dict or type(kv_len) is not int:
+            return
+        used = self.dispatcher.tuned_runner(q.shape[0], kv_len, q.device)
+        if used is not None and used[0] in kv_data:
+            fmt, runner = used
             self._last = (q, kv_data, qo_indptr, kv_indptr, kv_len, int(q.shape[0]), fmt,
                           kv_data[fmt], runner)
 

@@ -143,9 +143,11 @@ class Dispatcher:
         self.misses: dict[Shape, int] = {}
         # (batch, kv_len, device) of a table row called before -> (KV format, runner)
         self._fast: dict[tuple, tuple[str, Callable[..., Any]]] = {}
-        # (format, runner) of the last call when it was a tuned uniform shape, else None:
-        # Runtime.custom_kernel reuses it for identical inputs (its identity path).
-        self.last_fast: tuple[str, Callable[..., Any]] | None = None
+
+    def tuned_runner(self, batch: int, kv_len: int, device) -> tuple[str, Callable[..., Any]] | None:
+        """(KV format, runner) that a uniform call of a tuned shape on `device` ran, once one
+        has run (None otherwise): Runtime.custom_kernel's identity path reuses it."""
+        return self._fast.get((batch, kv_len, device))
 
     def variant_for(self, batch: int, kv_len: int, ragged: bool = False) -> Variant:
         """The variant a call of this shape runs (a uniform batch unless `ragged`)."""
@@ -187,10 +189,8 @@ class Dispatcher:
                 fmt, runner = fast
                 check_decode_inputs(q, kv_data, qo_indptr, kv_indptr, fmt)
                 if _dp_kv_rows(kv_data, fmt) == q.shape[0] * kv_len:
-                    self.last_fast = fast
                     return runner(q, kv_data, qo_indptr, kv_indptr)
                 # a KV total that does not match: the full path below names it
-        self.last_fast = None
         require(hasattr(q, "shape") and len(q.shape) == 3,
                 f"q must be a (batch, 16, 576) tensor, got {getattr(q, 'shape', type(q).__name__)}")
         batch = int(q.shape[0])
@@ -232,5 +232,5 @@ class Dispatcher:
             runner = builder(variant, shape, q.device)
             self._runners[key] = runner
         if not ragged and shape in self._table and type(kv_len) is int:
-            self._fast[(batch, kv_len, q.device)] = self.last_fast = (fmt, runner)
+            self._fast[(batch, kv_len, q.device)] = (fmt, runner)
         return runner(q, kv_data, qo_indptr, kv_indptr)
