@@ -77,8 +77,9 @@ def backend_offer(name: str, spec: CallSpec, grids: list[dict], platform) -> lis
     module = get_backend(name)
     offer = getattr(module, "serving_candidates", None)
     out: list[Variant] = []
-    for grid in grids if offer is not None else []:
-        out += offer(spec, dict(grid), platform)
+    if offer is not None:
+        for grid in grids:
+            out += offer(spec, dict(grid), platform)
     return list(dict.fromkeys([*out, module.default_serving_variant(spec, platform)]))
 
 
@@ -166,12 +167,17 @@ def compile_key(variant: Variant) -> tuple:
     return (variant.backend, tuple((k, v) for k, v in variant.params if k != "tokens_per_split"))
 
 
+def first_rung_timed(cfg: ServingConfig, candidates: int) -> int:
+    """How many of a first rung's candidates the model expects timed (the rest pruned)."""
+    return min(candidates, max(cfg.search.min_keep, math.ceil(FIRST_RUNG_TIMED * candidates)))
+
+
 def rung_sizes(cfg: ServingConfig, candidates: int) -> list[int]:
-    """Candidates timed per rung: all at the first (pruning aside), then the kept share."""
+    """Candidates per rung: all at the first (the timed share of them and the pruned
+    rest), then the kept share of those timed."""
     sizes = [candidates]
-    first_timed = max(cfg.search.min_keep, math.ceil(FIRST_RUNG_TIMED * candidates))
     for i, _ in enumerate(cfg.search.rungs[1:]):
-        n = min(sizes[-1], first_timed) if i == 0 else sizes[-1]
+        n = first_rung_timed(cfg, candidates) if i == 0 else sizes[-1]
         sizes.append(min(n, max(cfg.search.min_keep, math.ceil(cfg.search.keep * n)) + _SEEDS_PER_CELL))
     return sizes
 
@@ -186,7 +192,7 @@ def cell_s(cfg: ServingConfig, key: FamilyKey, batch: int, kv_len: int, candidat
     """A cell's search: a first rung (a share timed, the rest probed and pruned), then the
     later rungs over the kept share."""
     sizes, rungs = rung_sizes(cfg, candidates), cfg.search.rungs
-    timed = min(candidates, max(cfg.search.min_keep, math.ceil(FIRST_RUNG_TIMED * candidates)))
+    timed = first_rung_timed(cfg, candidates)
     k = kernel_us(key, batch, kv_len)
     seconds = timed * measurement_s(key, batch, kv_len, rungs[0], FIRST_RUNG_TIMED_RATIO)
     seconds += (candidates - timed) * (PROBE_OVERHEAD_S + 2 * PRUNED_RATIO * k / 1e6)
