@@ -84,9 +84,12 @@ def test_lookup_is_exact_on_the_family_and_bucketed_on_batch_and_kv():
     # a cell not in the table (left out): the bucket's nearest measured cell in log kv_len
     assert table.lookup(spec, batch=20, mean_kv_len=2048) == _v(8)  # 1024 is nearer than 8192
     assert table.lookup(spec, batch=20, mean_kv_len=5000) == _v(16)  # kv bucket 4096: 8192 nearer
-    assert table.lookup(spec, batch=200, mean_kv_len=900) is None  # bucket 256: nothing measured
+    # ... but first the largest smaller batch bucket's cell at the same kv bucket
+    assert table.lookup(spec, batch=200, mean_kv_len=900) == _v(8)  # 256 x 1024 left out: 32 x 1024
+    assert table.lookup(spec, batch=200, mean_kv_len=2048) is None  # bucket 256: nothing measured
     table.families[FamilyKey("fp8", 64, 128, 2)].graph[256] = GraphPick(256, _v(4), 0.0, 1024)
-    assert table.lookup(spec, batch=200, mean_kv_len=900) == _v(4)  # ... but a graph pick
+    assert table.lookup(spec, batch=200, mean_kv_len=2048) == _v(4)  # ... but a graph pick
+    assert table.lookup(spec, batch=200, mean_kv_len=900) == _v(8)  # a smaller bucket's cell first
     assert table.lookup(CallSpec("fp8", page_size=64, heads=128, max_q_len=1), 20, 900) is None
     assert table.lookup(CallSpec("bf16", page_size=64, heads=128, max_q_len=2), 20, 900) is None
 
@@ -139,3 +142,19 @@ def test_a_table_with_python_tags_is_refused_without_running_anything(tmp_path):
     path.write_text("schema: !!python/object/apply:os.system ['echo pwned']\n")
     with pytest.raises(TableError, match="not valid YAML"):
         load_serving_table(path)
+
+
+def test_eager_pick_does_not_follow_one_buckets_outlier():
+    """The cell's eager pick weighs the adjacent batch buckets (serving_build.eager_pick):
+    FlashInfer measured slow at exactly 48 (the H200 sweep of 2026-11-30: 63 us beside
+    triton's 58) but far ahead at 32 and 64 is the pick for the bucket of 48; a variant
+    that wins the cell by a wide margin keeps it."""
+    from mla_tune.tune.serving_build import eager_pick
+
+    buckets = [16, 32, 48, 64, 96]
+    times = {32: {"fi": 37.0, "tr": 55.0}, 48: {"fi": 63.0, "tr": 58.0}, 64: {"fi": 56.0, "tr": 70.0}}
+    assert eager_pick(times, 48, buckets) == "fi"
+    times[48] = {"fi": 90.0, "tr": 58.0}  # 55% behind at the cell itself: the cell decides
+    assert eager_pick(times, 48, buckets) == "tr"
+    assert eager_pick({48: {"a": 2.0, "b": 1.0}}, 48, buckets) == "b"  # no neighbours: the cell's best
+    assert eager_pick({32: {"a": 1.0}}, 48, buckets) is None  # nothing timed at the cell

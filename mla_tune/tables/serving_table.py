@@ -140,8 +140,10 @@ class ServingTable:
         """The variant for a call: the graph pick of its batch bucket (graph=True, or no mean
         length given), else the cell of its batch and kv buckets. Where that cell is not in
         the table (a config rule left it out: a batch of 26 at 51k tokens fits, its bucket's
-        32 x 65536 does not), the batch bucket's measured cell nearest in log kv_len, else its
-        graph pick. None when the family is not in the table or the bucket has nothing: the
+        32 x 65536 does not), the largest smaller batch bucket's cell at the same kv bucket
+        (the call's own batch lies between the two; verify measured the bucket's shorter
+        cell's pick 64% off there), else the batch bucket's measured cell nearest in log
+        kv_len, else its graph pick. None when the family is not in the table or the bucket has nothing: the
         caller runs its fallback."""
         family = self.family(spec)
         if family is None:
@@ -152,6 +154,9 @@ class ServingTable:
             return pick.variant if pick is not None else None
         kv = kv_bucket(self.kv_buckets, mean_kv_len)
         cell = family.cells.get((bucket, kv))
+        below = [b for (b, k) in family.cells if k == kv and b < bucket]
+        if cell is None and below:
+            cell = family.cells[(max(below), kv)]
         if cell is None:
             near = [k for (b, k) in family.cells if b == bucket]
             if near:

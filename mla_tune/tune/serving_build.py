@@ -12,6 +12,7 @@ family, the backends skipped and why, the results files.
 from __future__ import annotations
 
 import datetime as _dt
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,12 +37,54 @@ class ServingSweepError(MlaTuneError, RuntimeError):
     """The serving sweep cannot go on; the message says what to do."""
 
 
+# ------------------------------------------------------------------ the eager pick
+NEIGHBOUR_WEIGHT = 0.5  # an adjacent batch bucket's say in a cell's eager pick, beside the cell's 1
+
+
+def timed_cells(records: Records, min_samples: int) -> dict[tuple, dict[str, float]]:
+    """{(family, batch, kv_len): {variant: median us}} of every candidate timed with at least
+    `min_samples` samples (a cell's last rung and the graph stage's cross timings); where a
+    variant was timed twice, the median of more samples."""
+    best: dict[tuple, dict[str, tuple[int, float]]] = {}
+    for (key, batch, kv_len, variant, samples), step in records.steps.items():
+        if samples >= min_samples and step.get("status") == "ok":
+            cell = best.setdefault((key, batch, kv_len), {})
+            if variant not in cell or samples > cell[variant][0]:
+                cell[variant] = (samples, float(step["time"]["median_us"]))
+    return {k: {v: t for v, (_s, t) in cell.items()} for k, cell in best.items()}
+
+
+def eager_pick(times: dict[int, dict[str, float]], batch: int, batch_buckets: list[int]) -> str | None:
+    """A cell's eager pick from {batch bucket: {variant: us}} at its kv bucket: among the
+    variants timed at the cell, the one whose regret (log of time over the best there) is
+    smallest on average over the cell (weight 1) and the adjacent batch buckets that were
+    measured (NEIGHBOUR_WEIGHT each, where the variant was timed). A call of 41 sequences
+    runs the bucket of 48's pick: one backend's outlier at exactly 48 (FlashInfer's split
+    packing is not monotone in the batch; verify measured it 25% off at 41) must not
+    decide alone. Ties go to the faster at the cell."""
+    here = times.get(batch) or {}
+    if not here:
+        return None
+    i = batch_buckets.index(batch)
+    near = [times.get(batch_buckets[j]) or {} for j in (i - 1, i + 1) if 0 <= j < len(batch_buckets)]
+    scored = []
+    for variant, t in here.items():
+        num, den = math.log(t / min(here.values())), 1.0
+        for other in near:
+            if variant in other:
+                num += NEIGHBOUR_WEIGHT * math.log(other[variant] / min(other.values()))
+                den += NEIGHBOUR_WEIGHT
+        scored.append((num / den, t, variant))
+    return min(scored)[2]
+
+
 # ------------------------------------------------------------------ the table
 def build_table(cfg: ServingConfig, plan: SweepPlan, records: Records, gpu_name: str,
                 provenance: dict, missing_reason: str) -> ServingTable:
     """The serving table from the records: every family of the config, its cells and graph
     picks as recorded, every other cell left out with its reason."""
     families: dict[FamilyKey, Family] = {}
+    timed = timed_cells(records, cfg.search.rungs[-1])
     for key, fam_plan in plan.families.items():
         fam = Family(key)
         fam.left_out = [dict(c) for c in fam_plan.left_out]
@@ -53,8 +96,7 @@ def build_table(cfg: ServingConfig, plan: SweepPlan, records: Records, gpu_name:
                     continue
                 rec = records.cells.get((key, batch, kv_len))
                 if rec is not None and rec.get("status") == "ok":
-                    fam.cells[(batch, kv_len)] = Cell(batch, kv_len, Variant.parse(rec["winner"]),
-                                                      float(rec["time_us"]), rec.get("runner_up"))
+                    fam.cells[(batch, kv_len)] = _cell(cfg, timed, key, batch, kv_len, rec)
                     continue
                 if rec is not None:
                     reason = rec["reason"]
@@ -72,6 +114,18 @@ def build_table(cfg: ServingConfig, plan: SweepPlan, records: Records, gpu_name:
                                              int(g["worst_kv_len"]))
         families[key] = fam
     return ServingTable(gpu_name, provenance, list(cfg.batch_buckets), list(cfg.kv_buckets), families)
+
+
+def _cell(cfg: ServingConfig, timed: dict, key: FamilyKey, batch: int, kv_len: int, rec: dict) -> Cell:
+    """The cell's eager pick (eager_pick over the last rung's and the graph stage's timings
+    at this kv bucket and the adjacent batch buckets); the search's winner where nothing was
+    timed with the last rung's samples (a test's short search)."""
+    times = {b: timed.get((key, b, kv_len), {}) for b in cfg.batch_buckets}
+    pick = eager_pick(times, batch, list(cfg.batch_buckets))
+    if pick is None or pick == rec["winner"]:
+        return Cell(batch, kv_len, Variant.parse(rec["winner"]), float(rec["time_us"]), rec.get("runner_up"))
+    runner_up = {"variant": rec["winner"], "time_us": float(rec["time_us"])}
+    return Cell(batch, kv_len, Variant.parse(pick), times[batch][pick], runner_up)
 
 
 def _provenance(cfg: ServingConfig, headers: list[dict], plan: SweepPlan, extra: dict) -> dict:
