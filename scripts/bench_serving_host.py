@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 import traceback
 from pathlib import Path
 
@@ -32,7 +31,7 @@ import torch
 from mla_tune import serving
 from mla_tune.core import QK_DIM, SM_SCALE, V_DIM, CallSpec
 from mla_tune.problem import RULES, check
-from mla_tune.tune.timing import host_time, time_call
+from mla_tune.tune.timing import host_round, host_time, time_call
 
 PAGE = 64
 DEVICE = "cuda"
@@ -155,26 +154,15 @@ def _direct_flashinfer(inp, kv_format: str, heads: int):
 
 def _paired_dispatch_us(entry, bare, calls: int = 50, rounds: int = 41) -> dict:
     """Host us per call of `entry` and `bare` in alternating rounds (each round: `calls`
-    calls back to back with the GPU held busy ahead, as timing.host_time), and the median of
+    calls back to back, timing.host_round), and the median of
     the per-pair differences: the dispatch's cost with the machine's drift cancelled, which
     a difference of two separately taken medians (~60-90 us each) does not do."""
-    from mla_tune.tune.timing import _SLEEP_CYCLES_PER_US
-
-    def one_round(fn) -> float:
-        torch.cuda._sleep(int(calls * 100 * _SLEEP_CYCLES_PER_US))
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        us = (time.perf_counter() - t0) * 1e6 / calls
-        torch.cuda.synchronize()
-        return us
-
     entry(), bare()
     torch.cuda.synchronize()
     pairs = []
     for i in range(rounds):
         first, second = (entry, bare) if i % 2 == 0 else (bare, entry)
-        a, b = one_round(first), one_round(second)
+        a, b = host_round(first, calls), host_round(second, calls)
         pairs.append((a, b) if i % 2 == 0 else (b, a))
     diffs = sorted(a - b for a, b in pairs)
     med = statistics.median

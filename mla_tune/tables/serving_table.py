@@ -143,8 +143,8 @@ class ServingTable:
         32 x 65536 does not), the largest smaller batch bucket's cell at the same kv bucket
         (the call's own batch lies between the two; verify measured the bucket's shorter
         cell's pick 64% off there), else the batch bucket's measured cell nearest in log
-        kv_len, else its graph pick. None when the family is not in the table or the bucket has nothing: the
-        caller runs its fallback."""
+        kv_len, else its graph pick. None when the family is not in the table or the bucket
+        has nothing: the caller runs its fallback."""
         family = self.family(spec)
         if family is None:
             return None
@@ -154,12 +154,12 @@ class ServingTable:
             return pick.variant if pick is not None else None
         kv = kv_bucket(self.kv_buckets, mean_kv_len)
         cell = family.cells.get((bucket, kv))
-        below = [b for (b, k) in family.cells if k == kv and b < bucket]
-        if cell is None and below:
-            cell = family.cells[(max(below), kv)]
-        if cell is None:
+        if cell is None:  # left out: a smaller batch bucket at this kv, else the bucket's nearest kv
+            below = [b for (b, k) in family.cells if k == kv and b < bucket]
             near = [k for (b, k) in family.cells if b == bucket]
-            if near:
+            if below:
+                cell = family.cells[(max(below), kv)]
+            elif near:
                 cell = family.cells[(bucket, min(near, key=lambda k: (abs(math.log(k / kv)), k)))]
         if cell is not None:
             return cell.variant

@@ -83,15 +83,16 @@ PRUNE_FACTOR = 4.0
 def event_probe(call) -> float:
     """One warm call's GPU time (us) by CUDA events: no L2 flush (a warm cache flatters the
     candidate, so a pruning decision errs towards keeping it) and no host time: a sleep
-    queued ahead covers twice the warm call's host time (at most 5 ms), so the start event fires with the
-    call's kernels already queued. Without it a vendor's host-side schedule (FlashMLA's
-    metadata, FlashInfer's plan: 100-200 us) sat inside the probe, and the sweep of
-    2026-11-30 pruned FlashMLA and FlashInfer (over 4x the best) in cells they win."""
+    queued ahead covers twice the warm call's host time (at most 5 ms: a first call that
+    compiled), so the start event fires with the call's kernels already queued. Without it
+    a vendor's host-side schedule (FlashMLA's metadata, FlashInfer's plan: 100-200 us) sat
+    inside the probe, and the sweep of 2026-11-30 pruned FlashMLA and FlashInfer (over 4x
+    the best) in cells they win."""
     t0 = time.perf_counter()
     call()
     host_us = (time.perf_counter() - t0) * 1e6
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(int(min(max(100.0, 2.0 * host_us), 5000.0) * timing._SLEEP_CYCLES_PER_US))  # a first call that compiled: capped
+    timing.hold_gpu(min(max(100.0, 2.0 * host_us), 5000.0))
     start.record()
     call()
     end.record()

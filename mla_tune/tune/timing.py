@@ -96,7 +96,7 @@ def time_call(fn: Callable[[], object], reps: int = 40, warmup: int = 3) -> Timi
         fn()
     host = wall_time(fn, reps=3).median_us
     flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
-    sleep_cycles = int(max(200.0, 3.0 * host) * _SLEEP_CYCLES_PER_US)
+    ahead_us = max(200.0, 3.0 * host)
     events = [
         (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         for _ in range(reps)
@@ -104,7 +104,7 @@ def time_call(fn: Callable[[], object], reps: int = 40, warmup: int = 3) -> Timi
     torch.cuda.synchronize()
     for start, end in events:
         flush.fill_(1.0)
-        torch.cuda._sleep(sleep_cycles)
+        hold_gpu(ahead_us)
         start.record()
         fn()
         end.record()
@@ -135,18 +135,28 @@ def protocol(has_gpu: bool) -> dict:
     return dict(PROTOCOL if has_gpu else CPU_PROTOCOL)
 
 
+def hold_gpu(us: float) -> None:
+    """Queue a GPU sleep of about `us` microseconds on the current stream: work queued
+    behind it waits, so the host's launches of it are not on the GPU's clock."""
+    torch.cuda._sleep(int(us * _SLEEP_CYCLES_PER_US))
+
+
+def host_round(fn: Callable[[], object], calls: int) -> float:
+    """Host us per call of `calls` calls of fn back to back, the GPU held busy ahead (100 us
+    a call) so that no call waits for it; synchronizes after."""
+    hold_gpu(calls * 100)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    us = (time.perf_counter() - t0) * 1e6 / calls
+    torch.cuda.synchronize()
+    return us
+
+
 def host_time(fn: Callable[[], object], calls: int = 50, rounds: int = 7) -> Timing:
     """Host time per call (microseconds): `calls` calls back to back with the GPU held busy
     ahead by a queued sleep, so that no call waits for the GPU; the median over `rounds`.
     What an engine's Python pays per call when it runs eagerly (no CUDA graph)."""
     fn()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(rounds):
-        torch.cuda._sleep(int(calls * 100 * _SLEEP_CYCLES_PER_US))
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - t0) * 1e6 / calls)
-        torch.cuda.synchronize()
-    return _quantiles(samples)
+    return _quantiles([host_round(fn, calls) for _ in range(rounds)])
