@@ -522,7 +522,7 @@ def own_serving_runner(name: str, spec: CallSpec, device, decode, workspace_type
                        launch: dict, replay_from=None) -> OwnServingRunner:
     """The runner of an own kernel family's serving call (build_serving's result): it owns
     `out` and the family's workspace (`workspace_type.allocate(capacity, heads, max_splits,
-    device)`), allocated on the first call and again only when a call brings more new tokens
+    device, max_q_len=spec.max_q_len)`), allocated on the first call and again only when a call brings more new tokens
     than any before (at least doubling), never from the data; it reads no device tensor on
     the host, so a CUDA graph can hold it. `decode(q, qo_indptr, kv, kv_scale, out, *,
     layout, workspace, record, **launch)` is the family's launch function. A call returns
@@ -575,7 +575,8 @@ class OwnServingRunner:
 
             capacity = max(total_q, 2 * self.capacity)
             self.out = torch.empty((capacity, spec.heads, V_DIM), dtype=torch.bfloat16, device=self.device)
-            self.workspace = self._workspace_type.allocate(capacity, spec.heads, self._max_splits, self.device)
+            self.workspace = self._workspace_type.allocate(capacity, spec.heads, self._max_splits, self.device,
+                                                           max_q_len=spec.max_q_len)
             self.capacity = capacity
             self._kept = None  # its launches wrote the old buffers
         out = self.out[:total_q]
@@ -666,16 +667,18 @@ def check_serving_launch(q, qo_indptr, kv, kv_scale, out, *, kv_indptr, block_ta
     return page_size
 
 
-def serving_workspace(workspace, workspace_type, total_q: int, heads: int, max_splits: int, device):
+def serving_workspace(workspace, workspace_type, total_q: int, heads: int, max_splits: int, device,
+                      max_q_len: int = 1):
     """`workspace` when it fits the call (a new one of `workspace_type` when None), else a
     ValueError saying how to allocate one: the own serving launchers' scratch rule."""
     if workspace is None:
-        return workspace_type.allocate(total_q, heads, max_splits, device)
-    if not workspace.fits(total_q, heads, max_splits):
+        return workspace_type.allocate(total_q, heads, max_splits, device, max_q_len=max_q_len)
+    if not workspace.fits(total_q, heads, max_splits, max_q_len):
         raise ValueError(
             f"workspace is for {workspace.max_total_q} new tokens x {workspace.heads} heads x "
-            f"{workspace.max_splits} splits, not {total_q} x {heads} x {max_splits}; allocate "
-            f"one with {workspace_type.__name__}.allocate"
+            f"{workspace.max_splits} splits, not {total_q} x {heads} x {max_splits} at max_q_len "
+            f"{max_q_len}; allocate one with {workspace_type.__name__}.allocate(..., "
+            f"max_q_len={max_q_len})"
         )
     return workspace
 

@@ -79,7 +79,7 @@ def test_the_interpreter_takes_the_jit_path_and_records_nothing():
     out = torch.empty((first.q.shape[0], 16, 512), dtype=torch.bfloat16)
     flash_decode_serving(first.q, first.qo_indptr, first.kv, None, out, **first.layout, max_q_len=2,
                          max_splits=4, tokens_per_split=16, block_n=16, block_h=8, num_warps=4, num_stages=1,
-                         dot_dtype="fp16", workspace=FlashDecodeServingWorkspace.allocate(8, 16, 4, "cpu"),
+                         dot_dtype="fp16", workspace=FlashDecodeServingWorkspace.allocate(8, 16, 4, "cpu", max_q_len=2),
                          record=record)
     assert record == [None, None]  # stage 1 and stage 2, neither replayable here
     assert LaunchReplay.build(record, (first.q, first.kv, None)) is None
@@ -209,7 +209,7 @@ class _FakeReplay:
 
 class _FakeWorkspace:
     @classmethod
-    def allocate(cls, capacity, heads, max_splits, device):
+    def allocate(cls, capacity, heads, max_splits, device, max_q_len=1):
         return cls()
 
 

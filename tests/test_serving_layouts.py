@@ -44,7 +44,8 @@ def _launch(inp: serving.ServingInput, device: str, *, max_splits: int, tokens_p
             num_warps: int = 4, num_stages: int = 1, workspace=None, out=None):
     heads = inp.q.shape[1]
     if workspace is None:
-        workspace = FlashDecodeServingWorkspace.allocate(inp.q.shape[0], heads, max_splits, device)
+        workspace = FlashDecodeServingWorkspace.allocate(inp.q.shape[0], heads, max_splits, device,
+                                                         max_q_len=max(inp.q_lens))
     for buf in (workspace.part_out, workspace.part_lse, workspace.q_amax):
         buf.fill_(float("nan"))  # stage 2 must read only what stage 1 wrote
     if out is None:
@@ -163,26 +164,54 @@ def test_kernel_matches_reference_on_a_covering_sample(
 
 
 def test_kernel_reproduces_flash_decode_on_the_leaderboard_call(device):
-    """Same splits, same sums: with tokens_per_split 1 every sequence of 4 tokens or more
-    gets the old kernel's 4 splits; shorter ones get one (the old kernel's other splits
-    are empty and weigh 0)."""
-    data = problem.generate_ragged_input([100, 64, 17, 1], seed=8, device=device)
-    q, kv_data, qo_indptr, kv_indptr, _cfg = data
-    kv, kv_scale = kv_data["fp8"]
-    common = dict(block_n=16, num_warps=4, num_stages=1, dot_dtype=_dot_dtype(device))
-    old = torch.empty((4, 16, 512), dtype=torch.bfloat16, device=device)
-    flash_decode(q, kv, kv_scale, kv_indptr, old, num_splits=4, **common)
-    new = torch.full_like(old, float("nan"))
-    flash_decode_serving(q, qo_indptr, kv, kv_scale, new, kv_indptr=kv_indptr, max_q_len=1,
-                         max_splits=4, tokens_per_split=1, block_h=16, **common)
-    torch.testing.assert_close(new, old, rtol=0, atol=0)
+    """Same splits, same sums: in a batch of one sequence the split budget is the sequence's
+    (cdiv(kv_len, tokens_per_split) splits, at most max_splits), the old kernel's rule."""
+    for kv_len, splits in ((100, 4), (3000, 4), (17, 1)):
+        data = problem.generate_ragged_input([kv_len], seed=8, device=device)
+        q, kv_data, qo_indptr, kv_indptr, _cfg = data
+        kv, kv_scale = kv_data["fp8"]
+        common = dict(block_n=16, num_warps=4, num_stages=1, dot_dtype=_dot_dtype(device))
+        old = torch.empty((1, 16, 512), dtype=torch.bfloat16, device=device)
+        flash_decode(q, kv, kv_scale, kv_indptr, old, num_splits=splits, **common)
+        new = torch.full_like(old, float("nan"))
+        flash_decode_serving(q, qo_indptr, kv, kv_scale, new, kv_indptr=kv_indptr, max_q_len=1,
+                             max_splits=4, tokens_per_split=-(-kv_len // splits), block_h=16, **common)
+        torch.testing.assert_close(new, old, rtol=0, atol=0, msg=f"kv_len {kv_len}")
+
+
+def test_one_long_sequence_borrows_the_short_ones_split_budget(device):
+    """A ragged batch shares its budget (max_splits per sequence) by length: the long
+    sequence takes most of it (the H200's 56k-among-3k mix needed this), every sequence
+    gets at least one split, and the answer is right."""
+    inp = serving.make_input([1, 1, 1, 1], [2000, 40, 17, 1], 16, 0, "bf16", seed=12, device=device)
+    workspace = FlashDecodeServingWorkspace.allocate(4, 16, 32, device)
+    out = _launch(inp, device, max_splits=32, tokens_per_split=16, block_n=16, block_h=16,
+                  workspace=workspace)
+    _assert_close(out, inp.reference(), "ragged budget")
+    # Budget 4 x 32 = 128 over 2058 tokens: 2000 -> round(124.4) splits of 17 -> 32-token
+    # tiles, 63 of them; 40 -> 2 splits; 17 and 1 -> one each.
+    assert workspace.split_count[:4].tolist() == [63, 2, 1, 1]
+    assert workspace.split_off[:4].tolist() == [0, 63, 65, 66]
+
+
+def test_a_uniform_batch_splits_as_the_per_sequence_rule(device):
+    """Equal lengths: each sequence gets min(max_splits, cdiv(kv_len, tokens_per_split))
+    splits of whole tiles, the rule the serving table's uniform cells were measured with;
+    q_len 2 included. (90 tokens in 4 splits of 16-token tiles: 32 each, so 3.)"""
+    for q_len, kv_len, tokens, expect in ((1, 300, 64, 4), (2, 300, 100, 3), (1, 90, 16, 3)):
+        inp = serving.make_input([q_len] * 3, [kv_len] * 3, 16, 16, "fp8", seed=13, device=device)
+        workspace = FlashDecodeServingWorkspace.allocate(3 * q_len, 16, 4, device, max_q_len=q_len)
+        out = _launch(inp, device, max_splits=4, tokens_per_split=tokens, block_n=16,
+                      block_h=16 // q_len, workspace=workspace)
+        _assert_close(out, inp.reference(), f"uniform q_len {q_len}")
+        assert workspace.split_count[:3].tolist() == [expect] * 3, (q_len, kv_len)
 
 
 def test_one_workspace_serves_new_lengths_and_block_tables(device):
     """What a CUDA graph replay does: the same buffers, refilled with other lengths,
     q_lens and block tables, and no allocation or host read between the calls."""
     first = serving.make_input([2, 1, 2], [40, 1, 100], 16, 16, "fp8", seed=21, device=device)
-    workspace = FlashDecodeServingWorkspace.allocate(6, 16, 4, device)
+    workspace = FlashDecodeServingWorkspace.allocate(6, 16, 4, device, max_q_len=2)
     out = torch.empty((5, 16, 512), dtype=torch.bfloat16, device=device)
     kwargs = dict(max_splits=4, tokens_per_split=16, block_n=16, block_h=8, workspace=workspace, out=out)
     _launch(first, device, **kwargs)
@@ -307,7 +336,7 @@ def test_a_graph_replays_with_new_lengths_and_block_tables_without_syncing(layou
     heads, max_q, kv_format = 128, 2, "fp8"
     static = serving.make_input(serving.GRAPH_Q_LENS, serving.GRAPH_KV_LENS, heads, layout, kv_format,
                                 seed=41, device=device)
-    workspace = FlashDecodeServingWorkspace.allocate(static.q.shape[0], heads, 16, device)
+    workspace = FlashDecodeServingWorkspace.allocate(static.q.shape[0], heads, 16, device, max_q_len=max_q)
     out = torch.empty((static.q.shape[0], heads, 512), dtype=torch.bfloat16, device=device)
     kwargs = dict(max_q_len=max_q, max_splits=16, tokens_per_split=128, block_n=64, block_h=16,
                   num_warps=4, num_stages=2, dot_dtype="bf16", q_mode="fp8_dynamic",

@@ -55,6 +55,9 @@ _fd_DOT_DTYPES = {"fp16": tl.float16, "bf16": tl.bfloat16}
 _fd_HIP_OPTIONS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
 # Stage 1 reduces the per-sequence q amax partials in chunks of this many.
 _fd_AMAX_CHUNK = 128
+# Sequences per step of the serving schedule's loop, and splits per step of its reduction.
+_fd_SCHED_CHUNK = 128
+_fd_REDUCE_CHUNK = 16
 
 
 @triton.jit
@@ -333,41 +336,96 @@ def flash_decode_num_splits(batch: int, kv_len: int, sm_count: int, block_n: int
 # The serving call: paged or contiguous KV, any head count, q_len >= 1, splits chosen per
 # sequence on the device. A sequence's q_len new tokens and a tile of BLOCK_H heads share
 # one program, packed as q_len x BLOCK_H rows of the MMA (row = token * BLOCK_H + head), so
-# the new tokens read the sequence's KV once. The split count of a sequence is computed
-# from its length on the device by stage 1, the grid is sized for `max_splits`, programs
-# past their sequence's count exit and stage 2 reads the count stage 1 wrote: nothing is
-# read on the host, so the call can be captured in a CUDA graph and replayed with new
-# lengths and block tables.
+# the new tokens read the sequence's KV once. The batch's splits are a budget of
+# MAX_SPLITS per sequence (per new token / next_pow2(max_q_len), so scratch stays bounded
+# by the new tokens), shared by the sequences in proportion to their lengths, each at
+# least one split and at most one per tokens_per_split. A uniform batch splits as a
+# per-sequence cap would (MAX_SPLITS each); one long sequence among short ones borrows
+# their share and spreads over the SMs. Every stage-1 program computes that schedule from
+# the lengths on the device and finds its (sequence, split); the grid is sized for the
+# most splits the rule can make, programs past the batch's count exit, and stage 2 reads
+# the counts and offsets stage 1 wrote:
+# nothing is read on the host, so the call can be captured in a CUDA graph and replayed
+# with new lengths and block tables.
 
 
-@triton.jit(do_not_specialize=["total_q", "tokens_per_split", "bt_stride"])
+@triton.jit
+def _fd_seq_len(KV_INDPTR, SEQ_LENS, idx, mask, PAGE_SIZE: tl.constexpr):
+    """The KV lengths of sequences idx (0 where masked). The other layout's pointer is a
+    float stand-in: both branches are typed, so each ends in int32."""
+    if PAGE_SIZE == 0:
+        lens = (tl.load(KV_INDPTR + idx + 1, mask=mask, other=0)
+                - tl.load(KV_INDPTR + idx, mask=mask, other=0)).to(tl.int32)
+    else:
+        lens = tl.load(SEQ_LENS + idx, mask=mask, other=0).to(tl.int32)
+    return lens
+
+
+@triton.jit
+def _fd_split_len(seq_len, total, budget, tokens_per_split, BLOCK_N: tl.constexpr):
+    """The split length of sequences of seq_len tokens in a batch of `total` tokens with
+    `budget` splits: about seq_len * budget / total splits, at least 1 and at most
+    cdiv(seq_len, tokens_per_split), each whole tiles. Splits: cdiv(seq_len, split_len)."""
+    share = (seq_len.to(tl.float32) * budget.to(tl.float32)) / tl.maximum(total, 1).to(tl.float32)
+    want = tl.minimum(tl.floor(share + 0.5).to(tl.int32), tl.cdiv(seq_len, tokens_per_split))
+    want = tl.maximum(want, 1)
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, want), BLOCK_N), 1) * BLOCK_N
+
+
+@triton.jit(do_not_specialize=["batch", "total_q", "tokens_per_split", "bt_stride"])
 def _fd_serving_stage1_kernel(
     Q, QO_INDPTR, KV, KV_SCALE, KV_INDPTR, BLOCK_TABLE, SEQ_LENS, Q_AMAX,
-    total_q, tokens_per_split, bt_stride, q_static_scale, fp8_max, qk_scale,
-    Out, PartOut, PartLse, SplitCount,
+    batch, total_q, tokens_per_split, bt_stride, q_static_scale, fp8_max, qk_scale,
+    Out, PartOut, PartLse, SplitCount, SplitOff,
     H: tl.constexpr, BLOCK_H: tl.constexpr, Q_LEN_MAX: tl.constexpr, MAX_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr,
     Q_MODE: tl.constexpr, FP8_MIN_EXP: tl.constexpr, KV_SCALED: tl.constexpr, KV_OFF64: tl.constexpr,
-    AMAX_CHUNK: tl.constexpr, D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, D_QK: tl.constexpr,
+    AMAX_CHUNK: tl.constexpr, SCHED_CHUNK: tl.constexpr, D_NOPE: tl.constexpr,
+    D_ROPE: tl.constexpr, D_QK: tl.constexpr,
 ):
     # Head tiles of one (sequence, split) are neighbours in launch order: they read the
     # same KV tiles at about the same time, so all but the first find them in L2.
     pid_h = tl.program_id(0)
-    pid_b = tl.program_id(1)
-    pid_s = tl.program_id(2)
+    item = tl.program_id(1)  # the batch's item-th split, counted over the sequences in order
+    # The schedule, from the lengths (a few KiB, read from L2): the batch's total, then
+    # the sequence this item falls in (how many sequences end at or before it) and where
+    # that sequence's splits start. The item-th program also writes sequence item's count
+    # and offset for stage 2 (a sequence of 0 tokens, a padded graph slot: count 0).
+    total = 0
+    for c0 in range(0, batch, SCHED_CHUNK):
+        idx = c0 + tl.arange(0, SCHED_CHUNK)
+        total += tl.sum(_fd_seq_len(KV_INDPTR, SEQ_LENS, idx, idx < batch, PAGE_SIZE), axis=0)
+    # MAX_SPLITS per sequence when every sequence brings next_pow2(max_q_len) new tokens.
+    budget = tl.maximum((tl.load(QO_INDPTR + batch) * MAX_SPLITS) // Q_LEN_MAX, 1)
+    pid_b = 0
+    first = 0  # the first item of sequence pid_b
+    item_off = 0  # the first item of sequence `item` (when item < batch)
+    item_count = 0
+    done = 0  # items of the sequences before the chunk
+    for c0 in range(0, batch, SCHED_CHUNK):
+        idx = c0 + tl.arange(0, SCHED_CHUNK)
+        lens = _fd_seq_len(KV_INDPTR, SEQ_LENS, idx, idx < batch, PAGE_SIZE)
+        counts = tl.where(lens > 0, tl.cdiv(lens, _fd_split_len(lens, total, budget, tokens_per_split,
+                                                               BLOCK_N)), 0)
+        ends = done + tl.cumsum(counts, axis=0)
+        before = ends <= item
+        pid_b += tl.sum(before.to(tl.int32), axis=0)
+        first += tl.sum(tl.where(before, counts, 0), axis=0)
+        item_off += tl.sum(tl.where(idx < item, counts, 0), axis=0)
+        item_count += tl.sum(tl.where(idx == item, counts, 0), axis=0)
+        done += tl.sum(counts, axis=0)
+    if (pid_h == 0) & (item < batch):
+        tl.store(SplitCount + item, item_count)
+        tl.store(SplitOff + item, item_off)
+    if pid_b >= batch:  # past the batch's last split
+        return
+    pid_s = item - first
     if PAGE_SIZE == 0:
         seq_len = tl.load(KV_INDPTR + pid_b + 1) - tl.load(KV_INDPTR + pid_b)
     else:
         seq_len = tl.load(SEQ_LENS + pid_b)
-    # About seq_len / tokens_per_split splits, at most MAX_SPLITS, each whole tiles; only
-    # the non-empty ones count, and stage 2 reads the count this program writes.
-    want = tl.minimum(tl.maximum(tl.cdiv(seq_len, tokens_per_split), 1), MAX_SPLITS)
-    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, want), BLOCK_N), 1) * BLOCK_N
+    split_len = _fd_split_len(seq_len, total, budget, tokens_per_split, BLOCK_N)
     num_splits = tl.cdiv(seq_len, split_len)
-    if pid_s >= num_splits:
-        if (pid_s == 0) & (pid_h == 0):  # seq_len 0 (a padded graph slot): nothing to reduce
-            tl.store(SplitCount + pid_b, 0)
-        return
     lo = pid_s * split_len
     hi = tl.minimum(lo + split_len, seq_len)
 
@@ -461,16 +519,13 @@ def _fd_serving_stage1_kernel(
     # late split's tokens (the causal mask): l_i == 0 there, written as zeros, lse -inf.
     has_tokens = l_i > 0.0
     out = acc * (kv_scale / tl.where(has_tokens, l_i, 1.0))[:, None]
-    if (pid_h == 0) & (pid_s == 0):  # for stage 2 (stored late: fewer registers in the loop)
-        tl.store(SplitCount + pid_b, num_splits)
     if num_splits == 1:
         o_ptr = Out + first_row * D_NOPE + row_off[:, None] * D_NOPE + offs_d[None, :]
         tl.store(o_ptr, out.to(tl.bfloat16), mask=row_ok[:, None])
     else:
-        # Partials are (new token, split, head) rows; the row's new token strides over
-        # MAX_SPLITS * H of them.
-        part_row = (q_start.to(tl.int64) * MAX_SPLITS + pid_s) * H + pid_h * BLOCK_H
-        part_off = q_idx * (MAX_SPLITS * H) + offs_row % BLOCK_H
+        # Partials are (item, new token, head) rows: the item's Q_LEN_MAX x H of them.
+        part_row = (item.to(tl.int64) * Q_LEN_MAX) * H + pid_h * BLOCK_H
+        part_off = q_idx * H + offs_row % BLOCK_H
         tl.store(PartOut + part_row * D_NOPE + part_off[:, None] * D_NOPE + offs_d[None, :], out,
                  mask=row_ok[:, None])
         lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
@@ -479,8 +534,8 @@ def _fd_serving_stage1_kernel(
 
 @triton.jit
 def _fd_serving_stage2_kernel(
-    QO_INDPTR, SplitCount, PartOut, PartLse, Out,
-    H: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr,
+    QO_INDPTR, SplitCount, SplitOff, PartOut, PartLse, Out,
+    H: tl.constexpr, Q_LEN_MAX: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr,
 ):
     pid_b = tl.program_id(0)
     q_idx = tl.program_id(1)
@@ -491,48 +546,68 @@ def _fd_serving_stage2_kernel(
     # sequence: nothing to do.
     if (q_idx >= tl.load(QO_INDPTR + pid_b + 1) - q_start) | (num_splits <= 1):
         return
+    first = tl.load(SplitOff + pid_b)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, D)
-    smask = offs_s < num_splits
+    # An online softmax over chunks of BLOCK_S splits (a sequence may hold hundreds).
+    # Split 0 holds token 0, which every new token sees: the first chunk's max is finite.
+    m = float("-inf")
+    wsum = 0.0
+    acc = tl.zeros([D], dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        smask = s0 + offs_s < num_splits
+        row = ((first + s0 + offs_s).to(tl.int64) * Q_LEN_MAX + q_idx) * H + pid_h
+        lse = tl.load(PartLse + row, mask=smask, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        alpha = tl.exp2(m - m_new)
+        weight = tl.exp2(lse - m_new)
+        parts = tl.load(PartOut + row[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
+        acc = acc * alpha + tl.sum(parts * weight[:, None], axis=0)
+        wsum = wsum * alpha + tl.sum(weight, axis=0)
+        m = m_new
     q_tok = (q_start + q_idx).to(tl.int64)
-    row = (q_tok * MAX_SPLITS + offs_s) * H + pid_h
-    lse = tl.load(PartLse + row, mask=smask, other=float("-inf"))
-    # Split 0 holds token 0, which every new token sees: the max is finite.
-    weight = tl.exp2(lse - tl.max(lse, axis=0))
-    parts = tl.load(PartOut + row[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
-    out = tl.sum(parts * weight[:, None], axis=0) / tl.sum(weight, axis=0)
-    tl.store(Out + (q_tok * H + pid_h) * D + offs_d, out.to(tl.bfloat16))
+    tl.store(Out + (q_tok * H + pid_h) * D + offs_d, (acc / wsum).to(tl.bfloat16))
 
 
 @dataclass
 class FlashDecodeServingWorkspace:
     """Scratch for `flash_decode_serving`, sized from the caller's maxima (never from the
-    data): per-(new token, split, head) partial outputs and log2-sum-exps, q amax partials
-    and each sequence's split count (a batch has at most as many sequences as new tokens)."""
+    data): partial outputs and log2-sum-exps per (split item, new token, head) for the most
+    split items the rule makes (max_splits x new tokens / next_pow2(max_q_len), plus one per
+    sequence), next_pow2(max_q_len) tokens each: (max_splits + next_pow2(max_q_len)) x
+    max_total_q rows; q amax partials; each sequence's split count and first item."""
 
     max_total_q: int
     heads: int
     max_splits: int
+    q_len_max: int
     part_out: torch.Tensor
     part_lse: torch.Tensor
     q_amax: torch.Tensor
     split_count: torch.Tensor
+    split_off: torch.Tensor
 
     @classmethod
-    def allocate(cls, max_total_q: int, heads: int, max_splits: int, device) -> FlashDecodeServingWorkspace:
-        splits = max_splits if max_splits > 1 else 0  # one split writes the output directly
+    def allocate(cls, max_total_q: int, heads: int, max_splits: int, device,
+                 max_q_len: int = 1) -> FlashDecodeServingWorkspace:
+        q_len_max = triton.next_power_of_2(max(max_q_len, 1))
+        # One split writes the output directly: no partials.
+        slots = (max_splits + q_len_max) * max_total_q if max_splits > 1 else 0
         return cls(
             max_total_q,
             heads,
             max_splits,
-            torch.empty((max_total_q, splits, heads, V_DIM), dtype=torch.float32, device=device),
-            torch.empty((max_total_q, max(splits, 1), heads), dtype=torch.float32, device=device),
+            q_len_max,
+            torch.empty((slots, heads, V_DIM), dtype=torch.float32, device=device),
+            torch.empty((max(slots, 1), heads), dtype=torch.float32, device=device),
             torch.empty((max_total_q,), dtype=torch.float32, device=device),
+            torch.empty((max_total_q,), dtype=torch.int32, device=device),
             torch.empty((max_total_q,), dtype=torch.int32, device=device),
         )
 
-    def fits(self, total_q: int, heads: int, max_splits: int) -> bool:
-        return self.max_total_q >= total_q and self.heads == heads and self.max_splits == max_splits
+    def fits(self, total_q: int, heads: int, max_splits: int, max_q_len: int = 1) -> bool:
+        return (self.max_total_q >= total_q and self.heads == heads and self.max_splits == max_splits
+                and self.q_len_max >= max_q_len)
 
 
 def flash_decode_serving(
@@ -570,12 +645,16 @@ def flash_decode_serving(
     page_size, 576) with block_table (batch, max_pages) int32 and seq_lens (batch,) int32.
     A sequence's KV includes its new tokens (seq_len >= q_len; a seq_len of 0, a padded
     CUDA-graph slot, leaves its rows of out untouched). out: (total_q, heads, 512)
-    bf16. Sequence b runs in clamp(cdiv(seq_len, tokens_per_split), 1, max_splits) splits,
-    counted on the device. block_h: heads per program (divides heads; block_h *
+    bf16. The batch's splits are a budget of max_splits per sequence (max_splits x new
+    tokens / next_pow2(max_q_len)), shared in proportion to the lengths: sequence b runs in
+    about clamp(round(seq_len * budget / sum(seq_lens)), 1, cdiv(seq_len, tokens_per_split))
+    splits of whole tiles, counted on the device (a uniform batch: min(max_splits,
+    cdiv(seq_len, tokens_per_split)) each). block_h: heads per program (divides heads; block_h *
     next_pow2(max_q_len) >= 16 rows for the MMA). Other options as `flash_decode`.
     q_mode "fp8_dynamic" takes its per-tensor amax over all of q, rows past
     qo_indptr[-1] (a graph's padding) included: keep those rows zero or in range.
-    workspace: FlashDecodeServingWorkspace.allocate(max_total_q, heads, max_splits).
+    workspace: FlashDecodeServingWorkspace.allocate(max_total_q, heads, max_splits,
+    max_q_len=max_q_len).
     Nothing here reads a device tensor or allocates once a workspace is given.
     record: a list to which each launch appends what replays it (kernels/launch.py); the
     launches are the same with and without it.
@@ -593,7 +672,8 @@ def flash_decode_serving(
                          f"{', '.join(_fd_Q_MODES)}; got {dot_dtype!r}, {q_mode!r}")
     if q_mode == "fp8_static" and not (q_scale is not None and q_scale > 0):
         raise ValueError("q_mode fp8_static needs q_scale = q_amax / fp8_max > 0")
-    workspace = serving_workspace(workspace, FlashDecodeServingWorkspace, total_q, heads, max_splits, q.device)
+    workspace = serving_workspace(workspace, FlashDecodeServingWorkspace, total_q, heads, max_splits, q.device,
+                                  max_q_len=max_q_len)
     extra = {k: v for k, v in (hip_options or {}).items() if v is not None}
     unknown = set(extra) - set(_fd_HIP_OPTIONS)
     if unknown:
@@ -607,23 +687,26 @@ def flash_decode_serving(
     dummy = workspace.q_amax
     seq_ptrs = (kv_indptr, dummy, dummy) if page_size == 0 else (dummy, block_table, seq_lens)
     bt_stride = block_table.stride(0) if page_size else 0
+    # Items: at most the budget (max_splits x new tokens / q_len_max, rounded down) plus one
+    # per sequence (rounding); with max_splits 1, one per sequence.
+    items = batch if max_splits == 1 else (max_splits * total_q) // q_len_max + batch
     jit_launch(
-        _fd_serving_stage1_kernel, (heads // block_h, batch, max_splits), record,
+        _fd_serving_stage1_kernel, (heads // block_h, items), record,
         q, qo_indptr, kv, kv_scale if kv_scaled else dummy, *seq_ptrs, workspace.q_amax,
-        total_q, tokens_per_split, bt_stride,
+        batch, total_q, tokens_per_split, bt_stride,
         float(q_scale or 1.0), float(torch.finfo(q_fp8_dtype).max), float(sm_scale * _fd_LOG2E),
-        out, workspace.part_out, workspace.part_lse, workspace.split_count,
+        out, workspace.part_out, workspace.part_lse, workspace.split_count, workspace.split_off,
         H=heads, BLOCK_H=block_h, Q_LEN_MAX=q_len_max, MAX_SPLITS=max_splits, BLOCK_N=block_n,
         PAGE_SIZE=page_size, DOT_DTYPE=_fd_DOT_DTYPES[dot_dtype], Q_MODE=_fd_Q_MODES[q_mode],
         FP8_MIN_EXP=fp8_min_exp, KV_SCALED=kv_scaled, KV_OFF64=kv.numel() >= 2**31,
-        AMAX_CHUNK=_fd_AMAX_CHUNK, D_NOPE=KV_LORA_RANK, D_ROPE=QK_ROPE_DIM, D_QK=QK_DIM,
-        num_warps=num_warps, num_stages=num_stages, **extra,
+        AMAX_CHUNK=_fd_AMAX_CHUNK, SCHED_CHUNK=_fd_SCHED_CHUNK, D_NOPE=KV_LORA_RANK,
+        D_ROPE=QK_ROPE_DIM, D_QK=QK_DIM, num_warps=num_warps, num_stages=num_stages, **extra,
     )
     if max_splits > 1:
         jit_launch(
             _fd_serving_stage2_kernel, (batch, max_q_len, heads), record,
-            qo_indptr, workspace.split_count, workspace.part_out, workspace.part_lse, out,
-            H=heads, MAX_SPLITS=max_splits, BLOCK_S=triton.next_power_of_2(max_splits),
+            qo_indptr, workspace.split_count, workspace.split_off, workspace.part_out,
+            workspace.part_lse, out, H=heads, Q_LEN_MAX=q_len_max, BLOCK_S=_fd_REDUCE_CHUNK,
             D=V_DIM, num_warps=4,
         )
     return out

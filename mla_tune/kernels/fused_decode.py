@@ -943,7 +943,10 @@ class FusedServingWorkspace:
     count: torch.Tensor
 
     @classmethod
-    def allocate(cls, max_total_q: int, heads: int, max_splits: int, device) -> FusedServingWorkspace:
+    def allocate(cls, max_total_q: int, heads: int, max_splits: int, device,
+                 max_q_len: int = 1) -> FusedServingWorkspace:
+        # max_q_len: the split-K workspace's argument; partials here are per new token.
+        del max_q_len
         splits = max_splits if max_splits > 1 else 0  # one split writes the output directly
         return cls(
             max_total_q,
@@ -954,7 +957,7 @@ class FusedServingWorkspace:
             torch.zeros((max_total_q * heads,), dtype=torch.int32, device=device),
         )
 
-    def fits(self, total_q: int, heads: int, max_splits: int) -> bool:
+    def fits(self, total_q: int, heads: int, max_splits: int, max_q_len: int = 1) -> bool:
         return self.max_total_q >= total_q and self.heads == heads and self.max_splits == max_splits
 
 
