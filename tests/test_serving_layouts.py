@@ -241,6 +241,24 @@ def test_an_empty_padding_slot_writes_nothing_and_spoils_nothing(device):
     _assert_close(out[0::2], ref[0::2], "live sequences")
 
 
+def test_padded_new_token_rows_leave_the_schedule_alone(device):
+    """A graph sized for more new tokens than the step brings: q and out have padding rows
+    past qo_indptr[-1], so the grid holds far more split items than the budget (max_splits
+    per real new token); those programs exit and the live rows are right."""
+    inp = serving.make_input([1, 1, 1], [300, 20, 700], 16, 16, "bf16", seed=24, device=device)
+    ref = inp.reference()
+    q = torch.cat([inp.q, torch.zeros((9, 16, inp.q.shape[2]), dtype=inp.q.dtype, device=device)])
+    out = torch.full((12, 16, 512), float("nan"), dtype=torch.bfloat16, device=device)
+    workspace = FlashDecodeServingWorkspace.allocate(12, 16, 4, device)
+    flash_decode_serving(q, inp.qo_indptr, inp.kv, inp.kv_scale, out, **inp.layout, max_q_len=1,
+                         max_splits=4, tokens_per_split=16, block_n=16, block_h=16, num_warps=4,
+                         num_stages=1, dot_dtype=_dot_dtype(device), workspace=workspace)
+    _assert_close(out[:3], ref, "live rows")
+    assert bool(out[3:].isnan().all())  # padding rows untouched
+    # Budget 12 over 1020 tokens: 300 -> 4 splits (cap cdiv(300, 16) = 19), 20 -> 1, 700 -> 8.
+    assert workspace.split_count[:3].tolist() == [4, 1, 8]
+
+
 @pytest.mark.parametrize(
     "change,message",
     [

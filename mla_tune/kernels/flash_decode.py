@@ -391,12 +391,14 @@ def _fd_serving_stage1_kernel(
     # the sequence this item falls in (how many sequences end at or before it) and where
     # that sequence's splits start. The item-th program also writes sequence item's count
     # and offset for stage 2 (a sequence of 0 tokens, a padded graph slot: count 0).
+    # MAX_SPLITS per sequence when every sequence brings next_pow2(max_q_len) new tokens.
+    budget = tl.maximum((tl.load(QO_INDPTR + batch) * MAX_SPLITS) // Q_LEN_MAX, 1)
+    if item >= budget + batch:  # past any schedule (a graph's grid sized for padding)
+        return
     total = 0
     for c0 in range(0, batch, SCHED_CHUNK):
         idx = c0 + tl.arange(0, SCHED_CHUNK)
         total += tl.sum(_fd_seq_len(KV_INDPTR, SEQ_LENS, idx, idx < batch, PAGE_SIZE), axis=0)
-    # MAX_SPLITS per sequence when every sequence brings next_pow2(max_q_len) new tokens.
-    budget = tl.maximum((tl.load(QO_INDPTR + batch) * MAX_SPLITS) // Q_LEN_MAX, 1)
     pid_b = 0
     first = 0  # the first item of sequence pid_b
     item_off = 0  # the first item of sequence `item` (when item < batch)
