@@ -46,7 +46,8 @@ A, B = "tokens_per_split=16", "tokens_per_split=64"  # the two triton candidates
 # regret (11%) is not (B 10%): the graph pick must be C. wrong_serving would win everywhere.
 # D is triton's default serving variant, which every family's candidates include: slow here.
 TIMES = {32: {"A": 10.0, "B": 12.0, "C": 11.2, "D": 50.0, "W": 1.0},
-         64: {"A": 20.0, "B": 15.0, "C": 16.5, "D": 50.0, "W": 1.0}}
+         64: {"A": 20.0, "B": 15.0, "C": 16.5, "D": 50.0, "W": 1.0},
+         sw.RAGGED_PROBE_KV: {"A": 15.0, "B": 14.0, "C": 14.5, "D": 50.0, "W": 1.0}}  # the ragged mix
 
 
 def _name(variant: Variant) -> str:
@@ -118,6 +119,57 @@ def test_a_tiny_sweep_picks_gated_winners_and_the_worst_case_graph_pick(tiny, tm
     spec = CallSpec("fp8", 16, 16, 2, mixed_q_len=True)
     assert _name(table.lookup(spec, batch=2, mean_kv_len=60)) == "B"
     assert _name(table.lookup(spec, batch=2, graph=True)) == "C"
+
+
+class RaggedSlowTimer(FakeTimer):
+    """C as TIMES has it on uniform cells, but `factor` times slower on the ragged mix."""
+
+    def __init__(self, factor: float):
+        super().__init__()
+        self.factor = factor
+
+    def __call__(self, call: sw.TimedCall, reps: int) -> Timing:
+        out = super().__call__(call, reps)
+        if call.kv_len == sw.RAGGED_PROBE_KV and _name(call.variant) == "C":
+            t = out.median_us * self.factor
+            return Timing(t, t, t, reps)
+        return out
+
+
+def test_the_graph_pick_is_judged_on_the_buckets_ragged_mix_too(tiny, tmp_path):
+    """C has the smallest worst regret over the uniform cells (12%); slow on the ragged
+    mix (2x), it loses the graph pick to B (worst 20%, at kv 32), and the mix's lengths,
+    drawn in the bucket's kv range, are recorded. A pick whose worst case is the mix says
+    kv_len 0, and the table loads it."""
+    summary = _sweep(tiny, tmp_path, RaggedSlowTimer(2.0))
+    _, records, _ = read_records(summary["results"])
+    graphs = {r["batch"]: r for r in records if r["kind"] == "graph"}
+    assert {b: _name(Variant.parse(g["variant"])) for b, g in graphs.items()} == {1: "B", 2: "B"}
+    assert [len(graphs[b]["ragged_kv_lens"]) for b in (1, 2)] == [1, 2]
+    assert all(32 <= n <= 64 for b in (1, 2) for n in graphs[b]["ragged_kv_lens"])
+    ragged_steps = {_name(Variant.parse(v)) for b, kv, v, _ in _steps(summary["results"]) if kv == 0}
+    assert ragged_steps >= {"A", "B", "C"}
+    # C 15.6% over B on the mix, more than its 12% at kv 32 and less than B's 20% there:
+    # C is the pick and its worst case is the mix, recorded as kv_len 0
+    tmp2 = tmp_path / "second"
+    tmp2.mkdir()
+    timer = FakeTimer()
+    saved = dict(TIMES[sw.RAGGED_PROBE_KV])
+    try:
+        TIMES[sw.RAGGED_PROBE_KV].update(A=30.0, B=16.0, C=18.5)
+        table = load_serving_table(_sweep(tiny, tmp2, timer)["table"])
+    finally:
+        TIMES[sw.RAGGED_PROBE_KV].update(saved)
+    fam = next(iter(table.families.values()))
+    for b in (1, 2):
+        assert _name(fam.graph[b].variant) == "C" and fam.graph[b].worst_kv_len == 0
+        assert fam.graph[b].worst_regret == pytest.approx(18.5 / 16.0 - 1, abs=1e-4)  # 4 places in the table
+
+
+def test_ragged_probe_lengths_are_fixed_and_in_range():
+    lens = sw.ragged_probe_lengths(64, [512, 1024, 65536])
+    assert lens == sw.ragged_probe_lengths(64, [512, 1024, 65536]) and len(lens) == 64
+    assert min(lens) >= 512 and max(lens) <= 65536 and len(set(lens)) > 32
 
 
 def test_a_probe_prunes_a_hopeless_candidate_at_the_first_rung(tiny, tmp_path):

@@ -18,7 +18,8 @@ tokens_per_split), which the kernel applies to each sequence on the device.
 Schema `serving/1`, top level: `schema`, `gpu`, `provenance`, `batch_buckets`, `kv_buckets`,
 `families`. A family is `{key: {kv_format, page_size, heads, q_len}, cells: [...], graph:
 [...], left_out: [...]}`; a cell `{batch, kv_len, variant, time_us, runner_up?}`; a graph
-pick `{batch, variant, worst_regret, worst_kv_len}`; a left-out cell `{batch, kv_len,
+pick `{batch, variant, worst_regret, worst_kv_len}` (worst_kv_len 0: the sweep's ragged mix
+for the bucket); a left-out cell `{batch, kv_len,
 reason}`. Loading never executes anything from the file (fileio.read_yaml) and every error
 names the file, the family and the field. Nothing here imports torch.
 """
@@ -75,8 +76,8 @@ class Cell:
 class GraphPick:
     batch: int
     variant: Variant
-    worst_regret: float  # max over the kv buckets of time / best time there - 1
-    worst_kv_len: int  # where that worst case is
+    worst_regret: float  # max over the kv buckets (and the ragged mix) of time / best there - 1
+    worst_kv_len: int  # where that worst case is; 0: the bucket's ragged mix
 
 
 @dataclass
@@ -109,7 +110,8 @@ def kv_bucket(buckets: list[int], kv_len: float) -> int:
 def choose_graph_pick(times: Mapping[Variant, Mapping[int, float]],
                       best: Mapping[int, float]) -> tuple[Variant, float, int] | None:
     """(variant, worst regret, kv_len of the worst case) of the variant whose largest regret
-    over the kv buckets in `best` (kv_len -> the best time measured there) is smallest.
+    over the kv buckets in `best` (kv_len -> the best time measured there; the sweep adds
+    its ragged mix as kv_len 0) is smallest.
     Only variants timed at every one of those kv buckets compete; ties go to the first
     offered. None when no variant was timed everywhere."""
     chosen = None
@@ -274,8 +276,9 @@ def _family(path: Path, index: int, raw: Any, batch_buckets: list[int], kv_bucke
         variant = _check_variant(at, "variant", {"variant": entry.get("variant")}, known, check_params)
         _match_family(at, variant, family.key)
         worst_kv = entry.get("worst_kv_len")
-        if worst_kv not in kv_buckets:
-            raise TableError(f"{at}: worst_kv_len {worst_kv!r:.20} is not one of the kv_buckets")
+        if worst_kv not in kv_buckets and worst_kv != 0:  # 0: the bucket's ragged mix
+            raise TableError(f"{at}: worst_kv_len {worst_kv!r:.20} is neither one of the kv_buckets "
+                             "nor 0 (the ragged mix)")
         family.graph[batch] = GraphPick(batch, variant,
                                         _number(at, "worst_regret", entry.get("worst_regret")), worst_kv)
     for i, entry in enumerate(_entries(where, raw, "left_out")):

@@ -217,6 +217,10 @@ def estimate(cfg: ServingConfig, plan: SweepPlan, gate_workers: int | None = Non
         fam = plan.families[unit.key]
         last_size = rung_sizes(cfg, len(fam.candidates))[-1]
         union = min(len(fam.candidates), 2 * cfg.search.cross_top)
+        if unit.kv_lens:  # the ragged mix: the whole union, at about the mean kv bucket
+            mean_kv = sum(unit.kv_lens) // len(unit.kv_lens)
+            cross_s += union * measurement_s(unit.key, unit.batch, mean_kv, last, LATER_RUNG_RATIO)
+            inputs_s += 0.01 + unit.batch * mean_kv * KV_BYTES_PER_TOKEN[unit.key.kv_format] / INPUT_BYTES_PER_S
         for kv_len in unit.kv_lens:
             cells_s += cell_s(cfg, unit.key, unit.batch, kv_len, len(fam.candidates))
             # the union's members not already in this cell's last rung

@@ -14,8 +14,12 @@ Stages (serving_plan.py plans them, serving_results.py records them):
    bucket, already measured) first and carried to the last rung. The winner is the cell's
    pick for eager calls (lookup by the kv bucket of the mean length).
 3. Cross, per unit: the union of each kv cell's best `cross_top` timed at every kv cell of
-   the bucket; the CUDA-graph pick (serving_table.choose_graph_pick) is the one whose worst
-   regret over those kv cells is smallest: a graph cannot depend on kv_len.
+   the bucket and on the bucket's ragged mix (ragged_probe_lengths: lengths drawn
+   log-uniform over the bucket's kv range, recorded as kv_len 0); the CUDA-graph pick
+   (serving_table.choose_graph_pick) is the one whose worst regret over those is smallest:
+   a graph cannot depend on kv_len, and an engine's batch is rarely uniform (on the H200
+   a graph pick chosen on uniform cells alone ran 1.4x FlashMLA's step on 500-4000 token
+   lengths, docs/perf.md).
 Every measurement is appended to the results file as it is made, so a killed sweep resumes
 where it stopped; `budget_s` stops timing cleanly between measurements (the table is still
 written, the cells not reached left out with the reason). A shard (`--shard i/n`) takes
@@ -32,6 +36,7 @@ import argparse
 import datetime as _dt
 import math
 import os
+import random
 import subprocess
 import sys
 import time
@@ -124,6 +129,19 @@ def _family(key: FamilyKey) -> dict:
     return key.as_dict()
 
 
+# The kv_len under which the cross stage records a bucket's ragged mix (kv buckets are >= 1).
+RAGGED_PROBE_KV = 0
+
+
+def ragged_probe_lengths(batch: int, kv_lens) -> list[int]:
+    """The ragged mix a batch bucket's graph candidates are also timed on: `batch` lengths
+    drawn log-uniform from the smallest to the largest of the bucket's kv cells (so its
+    cache fits where the bucket's largest cell did), fixed per batch and kv range."""
+    lo, hi = min(kv_lens), max(kv_lens)
+    rng = random.Random(cell_seed(batch, RAGGED_PROBE_KV) + hi)
+    return [min(hi, int(math.exp(rng.uniform(math.log(lo), math.log(hi + 1))))) for _ in range(batch)]
+
+
 def cell_seed(batch: int, kv_len: int) -> int:
     """The cell's input seed: fixed per cell, so every candidate and every resume times the
     same data."""
@@ -142,6 +160,7 @@ class Sweeper:
         self.gate_workers = cfg.gate_workers if gate_workers is None else gate_workers
         self.passed: dict[FamilyKey, list[Variant]] = {}
         self._inputs: dict[tuple, ServingInput] = {}
+        self._ragged: dict[tuple, list[int]] = {}  # (family, batch) -> its ragged mix's lengths
         self.stopped = False
         self.started = time.monotonic()
         self.timed = 0  # measurements made by this process (not replayed)
@@ -183,7 +202,8 @@ class Sweeper:
         if cell not in self._inputs:
             self._inputs.clear()  # one cell's input at a time: the large ones take GBs
             q_lens = [key.q_len] * batch
-            self._inputs[cell] = make_input(q_lens, [kv_len] * batch, key.heads, key.page_size,
+            kv_lens = self._ragged[(key, batch)] if kv_len == RAGGED_PROBE_KV else [kv_len] * batch
+            self._inputs[cell] = make_input(q_lens, kv_lens, key.heads, key.page_size,
                                             key.kv_format, seed=cell_seed(batch, kv_len), device=self.device)
         return self._inputs[cell]
 
@@ -298,7 +318,8 @@ class Sweeper:
         return self.rec.append(record, durable=True)
 
     def cross(self, unit: Unit) -> dict | None:
-        """The unit's CUDA-graph pick (recorded), over its cells that have a winner."""
+        """The unit's CUDA-graph pick (recorded), over its cells that have a winner and the
+        bucket's ragged mix over their kv range."""
         recorded = self.rec.records.graphs.get((unit.key, unit.batch))
         if recorded is not None:
             return recorded
@@ -316,13 +337,22 @@ class Sweeper:
                 if t < math.inf:
                     times.setdefault(v, {})[kv] = t
             best[kv] = min([cells[kv]["time_us"], *(t[kv] for t in times.values() if kv in t)])
+        ragged = self._ragged[(unit.key, unit.batch)] = ragged_probe_lengths(unit.batch, ok)
+        for v in union:
+            t = self.measure(unit.key, unit.batch, RAGGED_PROBE_KV, v, last)
+            if t < math.inf:
+                times.setdefault(v, {})[RAGGED_PROBE_KV] = t
+        ragged_times = [t[RAGGED_PROBE_KV] for t in times.values() if RAGGED_PROBE_KV in t]
+        if ragged_times:
+            best[RAGGED_PROBE_KV] = min(ragged_times)
         chosen = choose_graph_pick(times, best)
         if chosen is None:
             return None
         variant, regret, worst_kv = chosen
         return self.rec.append({"kind": "graph", "family": _family(unit.key), "batch": unit.batch,
                                 "variant": str(variant), "worst_regret": round(regret, 6),
-                                "worst_kv_len": worst_kv, "union": [str(v) for v in union], "kv_lens": ok},
+                                "worst_kv_len": worst_kv, "union": [str(v) for v in union], "kv_lens": ok,
+                                "ragged_kv_lens": ragged},
                                durable=True)
 
     # ------------------------------------------------------------------ the run
@@ -342,8 +372,9 @@ class Sweeper:
                 self._inputs.clear()
                 pick = self.cross(unit)
                 if pick is not None:
+                    where = pick["worst_kv_len"] or "the ragged mix"
                     self.log(f"  graph pick, {unit.key}, batch {unit.batch}: {pick['variant']} "
-                             f"(worst regret {pick['worst_regret']:.1%} at kv {pick['worst_kv_len']})")
+                             f"(worst regret {pick['worst_regret']:.1%} at kv {where})")
                 self._inputs.clear()
         except _BudgetSpent:
             self.stopped = True
