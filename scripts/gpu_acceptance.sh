@@ -6,6 +6,9 @@
 #   bash scripts/gpu_acceptance.sh budget   # budget_s 120 sweep, its export checked, strict short lengths
 #   bash scripts/gpu_acceptance.sh serving [OLD_EXPORT.py]  # issue 9: the serving GPU tests in
 #       parallel groups, the leaderboard export beside OLD_EXPORT.py (3% rule), serving host times
+#   bash scripts/gpu_acceptance.sh splitk   # issue 10 on one GPU: the serving split-K tests
+#       (its shared split budget), the ragged mix that budget is for beside FlashMLA
+#       (scripts/time_mix.py), `mla-tune verify` at seeds 3 and 4 (session 5 measured both)
 #   bash scripts/gpu_acceptance.sh table    # issue 10 on two GPUs: `mla-tune verify` of
 #       tables/H200.serving.yaml and the FlashInfer tests on GPU 1; on GPU 0 the fast-path and
 #       FlashMLA tests, the engine loop (bf16, fp8) beside FlashMLA, the 64 x 4000 example, host times
@@ -13,7 +16,7 @@
 # It works in /tmp/acceptance and copies what matters (the table, its results file, the logs,
 # at most 8 files: what the device tool brings back) to $OUT (or ./gpu_out).
 set -uo pipefail
-mode=${1:?usage: gpu_acceptance.sh full|budget}
+mode=${1:?usage: gpu_acceptance.sh full|budget|serving|splitk|table}
 keep=${OUT:-gpu_out}
 out=/tmp/acceptance
 mkdir -p "$out" "$keep"
@@ -83,6 +86,29 @@ serving)
   fi
   timed host python3 scripts/bench_serving_host.py --out "$out" 2>&1 | tail -14
   ;;
+splitk)
+  groups=(
+    "tests/test_serving_layouts.py -k 'full_matrix and fp8'"
+    "tests/test_serving_layouts.py -k 'not (full_matrix and fp8)'"
+    "tests/test_fast_launch.py"
+  )
+  i=0
+  for g in "${groups[@]}"; do
+    i=$((i + 1))
+    ( eval timeout ${GROUP_TIMEOUT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider $g > "$out/gpu_tests_$i.log" 2>&1
+      echo "group $i ($g): exit $?" >> "$out/walls.txt" ) &
+  done
+  wait
+  for n in $(seq 1 $i); do echo "== group $n: ${groups[$((n - 1))]}"; cat "$out/gpu_tests_$n.log"; done > "$out/gpu_tests.log"
+  for n in $(seq 1 $i); do echo "== group $n"; tail -2 "$out/gpu_tests_$n.log"; done
+  timed mix timeout 90 python3 scripts/time_mix.py --table tables/H200.serving.yaml --kv fp8 --heads 16 \
+    --lens 4501,2796,56221 > "$out/mix.log" 2>&1; grep -v -i warn "$out/mix.log" | tail -8
+  for seed in ${SEEDS:-3 4}; do
+    timed verify-$seed timeout 170 python3 -m mla_tune verify --table tables/H200.serving.yaml --seed $seed \
+      --shapes 60 --ragged 20 --max-p95 0.05 --max-regret 0.15 --json "$out/verify$seed.json" \
+      > "$out/verify$seed.log" 2>&1; grep -E "PASS|FAIL" "$out/verify$seed.log" | tail -1
+  done
+  ;;
 table)
   ( CUDA_VISIBLE_DEVICES=1 timeout 400 python3 -m mla_tune verify --table tables/H200.serving.yaml \
       --max-p95 0.05 --max-regret 0.15 --json "$out/verify.json" > "$out/verify.log" 2>&1
@@ -107,12 +133,13 @@ table)
   tail -3 "$out/gpu_tests_fi.log"; tail -40 "$out/verify.log"
   ;;
 *)
-  echo "unknown mode $mode (full | budget | serving | table)"; exit 2 ;;
+  echo "unknown mode $mode (full | budget | serving | splitk | table)"; exit 2 ;;
 esac
 cat "$out/walls.txt"
 for f in walls.txt dryrun.txt sweep.log H200.yaml H200.results.jsonl dryrun120.txt sweep120.log \
          H200.b120.yaml H200.b120.results.jsonl gpu_tests.log check_submission.json serving_host.json \
-         verify.log verify.json engine_bf16.json engine_fp8.json serving_example.json; do
+         verify.log verify.json engine_bf16.json engine_fp8.json serving_example.json mix.log \
+         verify3.json verify4.json; do
   [ -f "$out/$f" ] && cp "$out/$f" "$keep/"
 done
 ls "$keep"
