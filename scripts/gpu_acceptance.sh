@@ -33,6 +33,18 @@ timed() {  # timed NAME CMD...: runs CMD, prints and records its wall seconds
   printf '%s: wall %d.%03d s (exit %d)\n' "$name" $((ms / 1000)) $((ms % 1000)) "$rc" | tee -a "$out/walls.txt"
 }
 
+run_groups() {  # run_groups TIMEOUT TAIL: the GPU test groups in "${groups[@]}" side by side
+  local i=0 g n
+  for g in "${groups[@]}"; do
+    i=$((i + 1))
+    ( eval timeout ${GROUP_TIMEOUT:-$1} python3 -m pytest -q -m gpu -p no:cacheprovider $g > "$out/gpu_tests_$i.log" 2>&1
+      echo "group $i ($g): exit $?" >> "$out/walls.txt" ) &
+  done
+  wait
+  for n in $(seq 1 $i); do echo "== group $n: ${groups[$((n - 1))]}"; cat "$out/gpu_tests_$n.log"; done > "$out/gpu_tests.log"
+  for n in $(seq 1 $i); do echo "== group $n"; tail -"$2" "$out/gpu_tests_$n.log"; done
+}
+
 case $mode in
 full)
   # issue 12: another GPU is refused from its name, before any worker starts
@@ -70,15 +82,7 @@ serving)
     "tests/test_fused_serving.py -k 'not (full_matrix and bf16)' tests/test_plan.py"
     "tests/test_gluon_decode.py -k 'reduce_spin'"
   )
-  i=0
-  for g in "${groups[@]}"; do
-    i=$((i + 1))
-    ( eval timeout ${GROUP_TIMEOUT:-330} python3 -m pytest -q -m gpu -p no:cacheprovider $g > "$out/gpu_tests_$i.log" 2>&1
-      echo "group $i ($g): exit $?" >> "$out/walls.txt" ) &
-  done
-  wait
-  for n in $(seq 1 $i); do echo "== group $n: ${groups[$((n - 1))]}"; cat "$out/gpu_tests_$n.log"; done > "$out/gpu_tests.log"
-  for n in $(seq 1 $i); do echo "== group $n"; tail -3 "$out/gpu_tests_$n.log"; done
+  run_groups 330 3
   python3 -m mla_tune export --table tables/H200.yaml -o "$out/new_export.py"
   if [ -n "${2:-}" ]; then
     timed lb-side-by-side python3 scripts/check_submission.py "$out/new_export.py" --against "$2" \
@@ -92,15 +96,7 @@ splitk)
     "tests/test_serving_layouts.py -k 'not (full_matrix and fp8)'"
     "tests/test_fast_launch.py"
   )
-  i=0
-  for g in "${groups[@]}"; do
-    i=$((i + 1))
-    ( eval timeout ${GROUP_TIMEOUT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider $g > "$out/gpu_tests_$i.log" 2>&1
-      echo "group $i ($g): exit $?" >> "$out/walls.txt" ) &
-  done
-  wait
-  for n in $(seq 1 $i); do echo "== group $n: ${groups[$((n - 1))]}"; cat "$out/gpu_tests_$n.log"; done > "$out/gpu_tests.log"
-  for n in $(seq 1 $i); do echo "== group $n"; tail -2 "$out/gpu_tests_$n.log"; done
+  run_groups 200 2
   timed mix timeout 90 python3 scripts/time_mix.py --table tables/H200.serving.yaml --kv fp8 --heads 16 \
     --lens 4501,2796,56221 > "$out/mix.log" 2>&1; grep -v -i warn "$out/mix.log" | tail -8
   for seed in ${SEEDS:-3 4}; do
