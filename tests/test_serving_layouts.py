@@ -198,7 +198,8 @@ def test_a_uniform_batch_splits_as_the_per_sequence_rule(device):
     """Equal lengths: each sequence gets min(max_splits, cdiv(kv_len, tokens_per_split))
     splits of whole tiles, the rule the serving table's uniform cells were measured with;
     q_len 2 included. (90 tokens in 4 splits of 16-token tiles: 32 each, so 3.)"""
-    for q_len, kv_len, tokens, expect in ((1, 300, 64, 4), (2, 300, 100, 3), (1, 90, 16, 3)):
+    # (1, 65, 64): 2 splits each, as many items as the kernel's bound (total // 64 + batch)
+    for q_len, kv_len, tokens, expect in ((1, 300, 64, 4), (2, 300, 100, 3), (1, 90, 16, 3), (1, 65, 64, 2)):
         inp = serving.make_input([q_len] * 3, [kv_len] * 3, 16, 16, "fp8", seed=13, device=device)
         workspace = FlashDecodeServingWorkspace.allocate(3 * q_len, 16, 4, device, max_q_len=q_len)
         out = _launch(inp, device, max_splits=4, tokens_per_split=tokens, block_n=16,

@@ -399,6 +399,11 @@ def _fd_serving_stage1_kernel(
     for c0 in range(0, batch, SCHED_CHUNK):
         idx = c0 + tl.arange(0, SCHED_CHUNK)
         total += tl.sum(_fd_seq_len(KV_INDPTR, SEQ_LENS, idx, idx < batch, PAGE_SIZE), axis=0)
+    # A sequence takes at most cdiv(seq_len, tokens_per_split) splits: past that bound on
+    # the batch's items, exit before the second pass (short sequences in a large batch use
+    # few of the grid's budget-sized items, and every program costs its loads).
+    if item >= tl.minimum(budget, total // tokens_per_split) + batch:
+        return
     pid_b = 0
     first = 0  # the first item of sequence pid_b
     item_off = 0  # the first item of sequence `item` (when item < batch)
