@@ -7,8 +7,9 @@
 #   bash scripts/gpu_acceptance.sh serving [OLD_EXPORT.py]  # issue 9: the serving GPU tests in
 #       parallel groups, the leaderboard export beside OLD_EXPORT.py (3% rule), serving host times
 #   bash scripts/gpu_acceptance.sh splitk   # issue 10 on one GPU: the serving split-K tests
-#       (its shared split budget), the ragged mix that budget is for beside FlashMLA
-#       (scripts/time_mix.py), `mla-tune verify` at seeds 3 and 4 (session 5 measured both)
+#       (its shared split budget), the ragged mix that budget is for beside FlashMLA and two
+#       large-batch cells beside their swept times (scripts/time_mix.py), `mla-tune verify`
+#       at seeds 3 and 4 (session 5 measured both)
 #   bash scripts/gpu_acceptance.sh table    # issue 10 on two GPUs: `mla-tune verify` of
 #       tables/H200.serving.yaml and the FlashInfer tests on GPU 1; on GPU 0 the fast-path and
 #       FlashMLA tests, the engine loop (bf16, fp8) beside FlashMLA, the 64 x 4000 example, host times
@@ -97,8 +98,15 @@ splitk)
     "tests/test_fast_launch.py"
   )
   run_groups 200 2
+  # the ragged mix the shared budget is for; then two grid points whose split-K picks
+  # (max_splits 64 and 17) leave most of the grid's items empty, beside their times as swept
   timed mix timeout 90 python3 scripts/time_mix.py --table tables/H200.serving.yaml --kv fp8 --heads 16 \
-    --lens 4501,2796,56221 > "$out/mix.log" 2>&1; grep -v -i warn "$out/mix.log" | tail -8
+    --lens 4501,2796,56221 > "$out/mix.log" 2>&1
+  for heads in 16 128; do
+    timed mix-256x512-$heads timeout 90 python3 scripts/time_mix.py --table tables/H200.serving.yaml --kv fp8 \
+      --heads $heads --q-len 4 --lens "512*256" >> "$out/mix.log" 2>&1
+  done
+  grep -v -i warn "$out/mix.log" | tail -24
   for seed in ${SEEDS:-3 4}; do
     timed verify-$seed timeout 170 python3 -m mla_tune verify --table tables/H200.serving.yaml --seed $seed \
       --shapes 60 --ragged 20 --max-p95 0.05 --max-regret 0.15 --json "$out/verify$seed.json" \

@@ -4,9 +4,10 @@
         --heads 16 --q-len 1 --lens 4501,2796,56221 [--variant "triton(...)" ...]
 
 For a look at one mix (a verify miss, an engine's batch); `mla-tune verify` is the tool
-that judges a table. Runs the table's eager pick (the cell of the batch bucket and the mean
-length) and graph pick, each vendor's default serving variant and any --variant, on one
-input; each is checked against the fp32 reference under the config's rule and timed with
+that judges a table. Prints the table's cell for the batch and mean length as swept (at
+a grid point with equal lengths, the same shape timed at sweep time), then runs the table's
+eager pick (the cell of the batch bucket and the mean length) and graph pick, each
+vendor's default serving variant and any --variant, on one input; each is checked against the fp32 reference under the config's rule and timed with
 timing.time_call (the leaderboard protocol: L2 flushed, CUDA events, median of --reps).
 Prints us, the ratio to the fastest that passes, and the check.
 """
@@ -21,12 +22,26 @@ from mla_tune import gpu, problem
 from mla_tune.backends import capabilities, get_backend, platform_refusal
 from mla_tune.core import Variant
 from mla_tune.serving import make_input
-from mla_tune.tables.serving_table import FamilyKey, load_serving_table
+from mla_tune.tables.serving_table import FamilyKey, batch_bucket, kv_bucket, load_serving_table
 from mla_tune.tune import timing
 from mla_tune.tune.serving_gate import reference_q_format, run_call
 from mla_tune.tune.verify import resolve_config
 
 VENDORS = ("flashmla", "flashinfer")
+
+
+def parse_lens(text: str) -> list[int]:
+    """"4501,2796,56221" or "1024*128" (128 sequences of 1024 tokens), mixed freely."""
+    out = []
+    for item in text.split(","):
+        length, _, count = item.partition("*")
+        try:
+            out += [int(length)] * (int(count) if count else 1)
+        except ValueError:
+            raise SystemExit(f"--lens: {item!r} is not LEN or LEN*N (positive integers)") from None
+    if not out or min(out) < 1:
+        raise SystemExit(f"--lens: every length must be >= 1, got {text!r}")
+    return out
 
 
 def main() -> None:
@@ -37,7 +52,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, required=True)
     parser.add_argument("--q-len", type=int, default=1)
     parser.add_argument("--page", type=int, default=64)
-    parser.add_argument("--lens", required=True, help="Comma-separated KV lengths, one per sequence.")
+    parser.add_argument("--lens", required=True,
+                        help="Comma-separated KV lengths, one per sequence; LEN*N for N sequences of LEN.")
     parser.add_argument("--variant", action="append", default=[], help="Another variant to time.")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=1)
@@ -47,7 +63,7 @@ def main() -> None:
     cfg = resolve_config(table, args.config)
     key = FamilyKey(args.kv, args.page, args.heads, args.q_len)
     spec = cfg.spec(key)
-    kv_lens = [int(x) for x in args.lens.split(",")]
+    kv_lens = parse_lens(args.lens)
     q_lens = [min(args.q_len, n) for n in kv_lens]
     mean = sum(kv_lens) / len(kv_lens)
     roles: dict[str, Variant] = {}
@@ -76,7 +92,13 @@ def main() -> None:
         del runner
         torch.cuda.empty_cache()
     best = min((us for _, _, us, res in rows if res.passed), default=float("nan"))
-    print(f"{key}: {len(kv_lens)} sequences, kv_lens {kv_lens} (mean {mean:.0f}), q_lens {q_lens}")
+    shown = kv_lens if len(kv_lens) <= 8 else f"{kv_lens[:8]}... ({len(kv_lens)})"
+    print(f"{key}: {len(kv_lens)} sequences, kv_lens {shown} (mean {mean:.0f}), q_lens {q_lens}")
+    family = table.family(spec)
+    cell = family.cells.get((batch_bucket(table.batch_buckets, len(kv_lens)), kv_bucket(table.kv_buckets, mean))) \
+        if family is not None else None
+    if cell is not None:  # at a grid point with equal lengths: the same shape, timed by the sweep
+        print(f"the table's cell {cell.batch} x {cell.kv_len}: {cell.variant}, {cell.time_us:.1f} us as swept")
     print(f"{'role':>8} {'us':>9} {'x best':>7} {'check':>6}  variant")
     for role, v, us, res in rows:
         print(f"{role:>8} {us:9.1f} {us / best:7.3f} {'ok' if res.passed else 'FAIL':>6}  {v}")
