@@ -523,8 +523,8 @@ def own_serving_runner(name: str, spec: CallSpec, device, decode, workspace_type
     """The runner of an own kernel family's serving call (build_serving's result): it owns
     `out` and the family's workspace (`workspace_type.allocate(capacity, heads, max_splits,
     device, max_q_len=spec.max_q_len)`), allocated on the first call and again only when a
-    call brings more new tokens than any before (at least doubling), never from the data; it reads no device tensor on
-    the host, so a CUDA graph can hold it. `decode(q, qo_indptr, kv, kv_scale, out, *,
+    call brings more new tokens than any before (at least doubling), never from the data; it
+    reads no device tensor on the host, so a CUDA graph can hold it. `decode(q, qo_indptr, kv, kv_scale, out, *,
     layout, workspace, record, **launch)` is the family's launch function. A call returns
     out[:total_q]; `runner.step(...)` is the per-step API (OwnServingRunner.step).
     `replay_from(record, (q, kv, kv_scale))` (kernels/launch.LaunchReplay.build) turns the

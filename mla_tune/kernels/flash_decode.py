@@ -344,9 +344,8 @@ def flash_decode_num_splits(batch: int, kv_len: int, sm_count: int, block_n: int
 # their share and spreads over the SMs. Every stage-1 program computes that schedule from
 # the lengths on the device and finds its (sequence, split); the grid is sized for the
 # most splits the rule can make, programs past the batch's count exit, and stage 2 reads
-# the counts and offsets stage 1 wrote:
-# nothing is read on the host, so the call can be captured in a CUDA graph and replayed
-# with new lengths and block tables.
+# the counts and offsets stage 1 wrote: nothing is read on the host, so the call can be
+# captured in a CUDA graph and replayed with new lengths and block tables.
 
 
 @triton.jit
@@ -427,10 +426,7 @@ def _fd_serving_stage1_kernel(
     if pid_b >= batch:  # past the batch's last split
         return
     pid_s = item - first
-    if PAGE_SIZE == 0:
-        seq_len = tl.load(KV_INDPTR + pid_b + 1) - tl.load(KV_INDPTR + pid_b)
-    else:
-        seq_len = tl.load(SEQ_LENS + pid_b)
+    seq_len = _fd_seq_len(KV_INDPTR, SEQ_LENS, pid_b, pid_b < batch, PAGE_SIZE)
     split_len = _fd_split_len(seq_len, total, budget, tokens_per_split, BLOCK_N)
     num_splits = tl.cdiv(seq_len, split_len)
     lo = pid_s * split_len

@@ -19,9 +19,9 @@ Schema `serving/1`, top level: `schema`, `gpu`, `provenance`, `batch_buckets`, `
 `families`. A family is `{key: {kv_format, page_size, heads, q_len}, cells: [...], graph:
 [...], left_out: [...]}`; a cell `{batch, kv_len, variant, time_us, runner_up?}`; a graph
 pick `{batch, variant, worst_regret, worst_kv_len}` (worst_kv_len 0: the sweep's ragged mix
-for the bucket); a left-out cell `{batch, kv_len,
-reason}`. Loading never executes anything from the file (fileio.read_yaml) and every error
-names the file, the family and the field. Nothing here imports torch.
+for the bucket); a left-out cell `{batch, kv_len, reason}`. Loading never executes anything
+from the file (fileio.read_yaml) and every error names the file, the family and the field.
+Nothing here imports torch.
 """
 
 from __future__ import annotations
