@@ -95,7 +95,7 @@ splitk)
   groups=(
     "tests/test_serving_layouts.py -k 'full_matrix and fp8'"
     "tests/test_serving_layouts.py -k 'not (full_matrix and fp8)'"
-    "tests/test_fast_launch.py"
+    "tests/test_fast_launch.py tests/test_plan.py"
   )
   run_groups 200 2
   # the ragged mix the shared budget is for; then two grid points whose split-K picks
@@ -109,8 +109,8 @@ splitk)
   grep -v -i warn "$out/mix.log" | tail -24
   for seed in ${SEEDS:-3 4}; do
     timed verify-$seed timeout 170 python3 -m mla_tune verify --table tables/H200.serving.yaml --seed $seed \
-      --shapes 60 --ragged 20 --max-p95 0.05 --max-regret 0.15 --json "$out/verify$seed.json" \
-      > "$out/verify$seed.log" 2>&1; grep -E "PASS|FAIL" "$out/verify$seed.log" | tail -1
+      --shapes 60 --ragged 20 --budget 130 --max-p95 0.05 --max-regret 0.15 --json "$out/verify$seed.json" \
+      > "$out/verify$seed.log" 2>&1; grep -v -i warn "$out/verify$seed.log" | tail -9
   done
   ;;
 table)
@@ -143,7 +143,7 @@ cat "$out/walls.txt"
 for f in walls.txt dryrun.txt sweep.log H200.yaml H200.results.jsonl dryrun120.txt sweep120.log \
          H200.b120.yaml H200.b120.results.jsonl gpu_tests.log check_submission.json serving_host.json \
          verify.log verify.json engine_bf16.json engine_fp8.json serving_example.json mix.log \
-         verify3.json verify4.json; do
+         verify3.json verify4.json verify3.log verify4.log; do
   [ -f "$out/$f" ] && cp "$out/$f" "$keep/"
 done
 ls "$keep"

@@ -17,6 +17,7 @@ import torch
 
 from mla_tune import problem, serving
 from mla_tune.core import fp8_dtype_for
+from mla_tune.kernels import flash_decode as flash_decode_module
 from mla_tune.kernels.flash_decode import (
     FlashDecodeServingWorkspace,
     flash_decode,
@@ -206,6 +207,64 @@ def test_a_uniform_batch_splits_as_the_per_sequence_rule(device):
                       block_h=16 // q_len, workspace=workspace)
         _assert_close(out, inp.reference(), f"uniform q_len {q_len}")
         assert workspace.split_count[:3].tolist() == [expect] * 3, (q_len, kv_len)
+
+
+def test_one_split_per_sequence_never_borrows(device):
+    """max_splits 1 has no scratch for partials: a ragged batch runs one split per
+    sequence however its budget would share out (the H200 ran past the empty scratch)."""
+    inp = serving.make_input([1, 1, 1], [3000, 1, 17], 16, 1, "bf16", seed=14, device=device)
+    workspace = FlashDecodeServingWorkspace.allocate(3, 16, 1, device)
+    assert workspace.part_out.numel() == 0
+    out = _launch(inp, device, max_splits=1, tokens_per_split=1, block_n=64, block_h=16,
+                  workspace=workspace)
+    _assert_close(out, inp.reference(), "one split")
+    assert workspace.split_count[:3].tolist() == [1, 1, 1]
+
+
+def test_a_grid_smaller_than_the_items_runs_them_in_turn(device, monkeypatch):
+    """Past _fd_GRID_CTAS programs each program runs several split items: the same
+    counts, offsets and answer as a program per item."""
+    inp = serving.make_input([2, 1, 2, 1], [700, 40, 300, 5], 32, 16, "fp8", seed=15, device=device)
+    ref = inp.reference()
+    grids, counts = [], []
+    launch = flash_decode_module.jit_launch
+
+    def spy(fn, grid, record, *args, **kwargs):
+        grids.append(grid)
+        return launch(fn, grid, record, *args, **kwargs)
+
+    monkeypatch.setattr(flash_decode_module, "jit_launch", spy)
+    for cap in (2048, 6):  # 2 head tiles: 3 programs per tile
+        monkeypatch.setattr(flash_decode_module, "_fd_GRID_CTAS", cap)
+        workspace = FlashDecodeServingWorkspace.allocate(6, 32, 4, device, max_q_len=2)
+        out = _launch(inp, device, max_splits=4, tokens_per_split=32, block_n=16, block_h=16,
+                      workspace=workspace)
+        _assert_close(out, ref, f"grid cap {cap}")
+        counts.append((workspace.split_count[:4].tolist(), workspace.split_off[:4].tolist()))
+    assert counts[0] == counts[1]
+    stage1 = [g for g in grids if len(g) == 2]
+    assert stage1 == [(2, 4 * 6 // 2 + 4), (2, 3)]  # the budget's items, then the cap's
+    assert sum(counts[1][0]) > 3  # more items than the small grid's programs
+
+
+@pytest.mark.parametrize("wide", [True, False])
+def test_the_reduction_runs_in_narrow_and_wide_grids(device, monkeypatch, wide):
+    """Stage 2 runs a program per (sequence, new token, head), over a quarter of the
+    columns each while the grid stays small: the same answer either way."""
+    if not wide:
+        monkeypatch.setattr(flash_decode_module, "_fd_WIDE_REDUCE", 0)
+    grids = []
+    launch = flash_decode_module.jit_launch
+
+    def spy(fn, grid, record, *args, **kwargs):
+        grids.append(grid)
+        return launch(fn, grid, record, *args, **kwargs)
+
+    monkeypatch.setattr(flash_decode_module, "jit_launch", spy)
+    inp = serving.make_input([2, 1, 2], [900, 17, 130], 16, 64, "bf16", seed=16, device=device)
+    out = _launch(inp, device, max_splits=32, tokens_per_split=16, block_n=16, block_h=8)
+    _assert_close(out, inp.reference(), f"wide {wide}")
+    assert grids[-1] == (3, 2, 16 * (4 if wide else 1))
 
 
 def test_one_workspace_serves_new_lengths_and_block_tables(device):

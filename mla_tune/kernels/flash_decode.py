@@ -55,9 +55,17 @@ _fd_DOT_DTYPES = {"fp16": tl.float16, "bf16": tl.bfloat16}
 _fd_HIP_OPTIONS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
 # Stage 1 reduces the per-sequence q amax partials in chunks of this many.
 _fd_AMAX_CHUNK = 128
-# Sequences per step of the serving schedule's loop, and splits per step of its reduction.
+# Sequences per step of the serving schedule's loop.
 _fd_SCHED_CHUNK = 128
-_fd_REDUCE_CHUNK = 16
+# The serving reduction's programs: (sequence, new token, head) with all 512 columns and
+# 16 splits per step; or, while the 4x wider grid stays under _fd_WIDE_REDUCE programs,
+# a quarter of the columns and 64 splits per step (a long sequence in a ragged batch
+# takes most of the batch's budget: hundreds of splits). A program with nothing to
+# reduce still costs its launch: a large batch keeps the narrow grid.
+_fd_WIDE_REDUCE = 16384
+# The serving stage 1's most programs (head tiles x split items): about 16 per SM of an
+# H200; a larger batch's items are shared among them.
+_fd_GRID_CTAS = 2048
 
 
 @triton.jit
@@ -361,13 +369,16 @@ def _fd_seq_len(KV_INDPTR, SEQ_LENS, idx, mask, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _fd_split_len(seq_len, total, budget, tokens_per_split, BLOCK_N: tl.constexpr):
+def _fd_split_len(seq_len, total, budget, tokens_per_split, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr):
     """The split length of sequences of seq_len tokens in a batch of `total` tokens with
     `budget` splits: about seq_len * budget / total splits, at least 1 and at most
-    cdiv(seq_len, tokens_per_split), each whole tiles. Splits: cdiv(seq_len, split_len)."""
+    cdiv(seq_len, tokens_per_split), each whole tiles; with MAX_SPLITS 1 one split (there
+    is no scratch for partials). Splits: cdiv(seq_len, split_len)."""
     share = (seq_len.to(tl.float32) * budget.to(tl.float32)) / tl.maximum(total, 1).to(tl.float32)
     want = tl.minimum(tl.floor(share + 0.5).to(tl.int32), tl.cdiv(seq_len, tokens_per_split))
     want = tl.maximum(want, 1)
+    if MAX_SPLITS == 1:
+        want = tl.minimum(want, 1)
     return tl.maximum(tl.cdiv(tl.cdiv(seq_len, want), BLOCK_N), 1) * BLOCK_N
 
 
@@ -385,49 +396,73 @@ def _fd_serving_stage1_kernel(
     # Head tiles of one (sequence, split) are neighbours in launch order: they read the
     # same KV tiles at about the same time, so all but the first find them in L2.
     pid_h = tl.program_id(0)
-    item = tl.program_id(1)  # the batch's item-th split, counted over the sequences in order
+    prog = tl.program_id(1)
+    progs = tl.num_programs(1)
     # The schedule, from the lengths (a few KiB, read from L2): the batch's total, then
-    # the sequence this item falls in (how many sequences end at or before it) and where
-    # that sequence's splits start. The item-th program also writes sequence item's count
-    # and offset for stage 2 (a sequence of 0 tokens, a padded graph slot: count 0).
+    # for each of the program's items (the batch's item-th split, counted over the
+    # sequences in order; items prog, prog + progs, ...) the sequence it falls in (how
+    # many sequences end at or before it) and where that sequence's splits start.
     # MAX_SPLITS per sequence when every sequence brings next_pow2(max_q_len) new tokens.
     budget = tl.maximum((tl.load(QO_INDPTR + batch) * MAX_SPLITS) // Q_LEN_MAX, 1)
-    if item >= budget + batch:  # past any schedule (a graph's grid sized for padding)
+    if prog >= budget + batch:  # past any schedule (a graph's grid sized for padding)
         return
     total = 0
     for c0 in range(0, batch, SCHED_CHUNK):
         idx = c0 + tl.arange(0, SCHED_CHUNK)
         total += tl.sum(_fd_seq_len(KV_INDPTR, SEQ_LENS, idx, idx < batch, PAGE_SIZE), axis=0)
-    # A sequence takes at most cdiv(seq_len, tokens_per_split) splits: past that bound on
-    # the batch's items, exit before the second pass (short sequences in a large batch use
-    # few of the grid's budget-sized items, and every program costs its loads).
-    if item >= tl.minimum(budget, total // tokens_per_split) + batch:
-        return
-    pid_b = 0
-    first = 0  # the first item of sequence pid_b
-    item_off = 0  # the first item of sequence `item` (when item < batch)
-    item_count = 0
-    done = 0  # items of the sequences before the chunk
-    for c0 in range(0, batch, SCHED_CHUNK):
-        idx = c0 + tl.arange(0, SCHED_CHUNK)
-        lens = _fd_seq_len(KV_INDPTR, SEQ_LENS, idx, idx < batch, PAGE_SIZE)
-        counts = tl.where(lens > 0, tl.cdiv(lens, _fd_split_len(lens, total, budget, tokens_per_split,
-                                                               BLOCK_N)), 0)
-        ends = done + tl.cumsum(counts, axis=0)
-        before = ends <= item
-        pid_b += tl.sum(before.to(tl.int32), axis=0)
-        first += tl.sum(tl.where(before, counts, 0), axis=0)
-        item_off += tl.sum(tl.where(idx < item, counts, 0), axis=0)
-        item_count += tl.sum(tl.where(idx == item, counts, 0), axis=0)
-        done += tl.sum(counts, axis=0)
-    if (pid_h == 0) & (item < batch):
-        tl.store(SplitCount + item, item_count)
-        tl.store(SplitOff + item, item_off)
-    if pid_b >= batch:  # past the batch's last split
-        return
-    pid_s = item - first
+    # A sequence takes at most cdiv(seq_len, tokens_per_split) splits: the batch's items
+    # are at most this many (the grid may hold fewer programs, each then runs several).
+    n_items = tl.minimum(budget, total // tokens_per_split) + batch
+    if (pid_h == 0) & (prog == 0):
+        # Each sequence's split count and first item, for stage 2 (a sequence of 0
+        # tokens, a padded graph slot: count 0).
+        done = 0
+        for c0 in range(0, batch, SCHED_CHUNK):
+            idx = c0 + tl.arange(0, SCHED_CHUNK)
+            lens = _fd_seq_len(KV_INDPTR, SEQ_LENS, idx, idx < batch, PAGE_SIZE)
+            counts = tl.where(lens > 0, tl.cdiv(lens, _fd_split_len(lens, total, budget, tokens_per_split,
+                                                                   BLOCK_N, MAX_SPLITS)), 0)
+            ends = done + tl.cumsum(counts, axis=0)
+            tl.store(SplitCount + idx, counts, mask=idx < batch)
+            tl.store(SplitOff + idx, ends - counts, mask=idx < batch)
+            done += tl.sum(counts, axis=0)
+    for item in range(prog, n_items, progs):
+        pid_b = 0
+        first = 0  # the first item of sequence pid_b
+        done = 0  # items of the sequences before the chunk
+        for c0 in range(0, batch, SCHED_CHUNK):
+            idx = c0 + tl.arange(0, SCHED_CHUNK)
+            lens = _fd_seq_len(KV_INDPTR, SEQ_LENS, idx, idx < batch, PAGE_SIZE)
+            counts = tl.where(lens > 0, tl.cdiv(lens, _fd_split_len(lens, total, budget, tokens_per_split,
+                                                                   BLOCK_N, MAX_SPLITS)), 0)
+            before = done + tl.cumsum(counts, axis=0) <= item
+            pid_b += tl.sum(before.to(tl.int32), axis=0)
+            first += tl.sum(tl.where(before, counts, 0), axis=0)
+            done += tl.sum(counts, axis=0)
+        if pid_b < batch:  # else past the batch's last split
+            _fd_serving_split(
+                Q, QO_INDPTR, KV, KV_SCALE, KV_INDPTR, BLOCK_TABLE, SEQ_LENS, Q_AMAX,
+                total_q, tokens_per_split, bt_stride, q_static_scale, fp8_max, qk_scale,
+                Out, PartOut, PartLse, pid_h, item, pid_b, item - first, total, budget, batch,
+                H, BLOCK_H, Q_LEN_MAX, MAX_SPLITS, BLOCK_N, PAGE_SIZE, DOT_DTYPE, Q_MODE,
+                FP8_MIN_EXP, KV_SCALED, KV_OFF64, AMAX_CHUNK, D_NOPE, D_ROPE, D_QK,
+            )
+
+
+@triton.jit
+def _fd_serving_split(
+    Q, QO_INDPTR, KV, KV_SCALE, KV_INDPTR, BLOCK_TABLE, SEQ_LENS, Q_AMAX,
+    total_q, tokens_per_split, bt_stride, q_static_scale, fp8_max, qk_scale,
+    Out, PartOut, PartLse, pid_h, item, pid_b, pid_s, total, budget, batch,
+    H: tl.constexpr, BLOCK_H: tl.constexpr, Q_LEN_MAX: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    Q_MODE: tl.constexpr, FP8_MIN_EXP: tl.constexpr, KV_SCALED: tl.constexpr, KV_OFF64: tl.constexpr,
+    AMAX_CHUNK: tl.constexpr, D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, D_QK: tl.constexpr,
+):
+    """Split pid_s of sequence pid_b, the batch's item-th, for head tile pid_h: its
+    output rows (one split) or its partials and log2-sum-exps (several)."""
     seq_len = _fd_seq_len(KV_INDPTR, SEQ_LENS, pid_b, pid_b < batch, PAGE_SIZE)
-    split_len = _fd_split_len(seq_len, total, budget, tokens_per_split, BLOCK_N)
+    split_len = _fd_split_len(seq_len, total, budget, tokens_per_split, BLOCK_N, MAX_SPLITS)
     num_splits = tl.cdiv(seq_len, split_len)
     lo = pid_s * split_len
     hi = tl.minimum(lo + split_len, seq_len)
@@ -527,7 +562,7 @@ def _fd_serving_stage1_kernel(
         tl.store(o_ptr, out.to(tl.bfloat16), mask=row_ok[:, None])
     else:
         # Partials are (item, new token, head) rows: the item's Q_LEN_MAX x H of them.
-        part_row = (item.to(tl.int64) * Q_LEN_MAX) * H + pid_h * BLOCK_H
+        part_row = (tl.cast(item, tl.int64) * Q_LEN_MAX) * H + pid_h * BLOCK_H
         part_off = q_idx * H + offs_row % BLOCK_H
         tl.store(PartOut + part_row * D_NOPE + part_off[:, None] * D_NOPE + offs_d[None, :], out,
                  mask=row_ok[:, None])
@@ -539,10 +574,14 @@ def _fd_serving_stage1_kernel(
 def _fd_serving_stage2_kernel(
     QO_INDPTR, SplitCount, SplitOff, PartOut, PartLse, Out,
     H: tl.constexpr, Q_LEN_MAX: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr,
+    D_SLICE: tl.constexpr,
 ):
+    # One program per (sequence, new token, head, slice of D): with slices, a long
+    # sequence's hundreds of splits are a short loop of wide chunks.
     pid_b = tl.program_id(0)
     q_idx = tl.program_id(1)
-    pid_h = tl.program_id(2)
+    pid_h = tl.program_id(2) // (D // D_SLICE)
+    d0 = (tl.program_id(2) % (D // D_SLICE)) * D_SLICE
     q_start = tl.load(QO_INDPTR + pid_b)
     num_splits = tl.load(SplitCount + pid_b)
     # Past the sequence's new tokens, one split (stage 1 wrote the output) or an empty
@@ -551,12 +590,12 @@ def _fd_serving_stage2_kernel(
         return
     first = tl.load(SplitOff + pid_b)
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, D)
-    # An online softmax over chunks of BLOCK_S splits (a sequence may hold hundreds).
+    offs_d = d0 + tl.arange(0, D_SLICE)
+    # An online softmax over chunks of BLOCK_S splits.
     # Split 0 holds token 0, which every new token sees: the first chunk's max is finite.
     m = float("-inf")
     wsum = 0.0
-    acc = tl.zeros([D], dtype=tl.float32)
+    acc = tl.zeros([D_SLICE], dtype=tl.float32)
     for s0 in range(0, num_splits, BLOCK_S):
         smask = s0 + offs_s < num_splits
         row = ((first + s0 + offs_s).to(tl.int64) * Q_LEN_MAX + q_idx) * H + pid_h
@@ -652,7 +691,9 @@ def flash_decode_serving(
     tokens / next_pow2(max_q_len)), shared in proportion to the lengths: sequence b runs in
     about clamp(round(seq_len * budget / sum(seq_lens)), 1, cdiv(seq_len, tokens_per_split))
     splits of whole tiles, counted on the device (a uniform batch: min(max_splits,
-    cdiv(seq_len, tokens_per_split)) each). block_h: heads per program (divides heads; block_h *
+    cdiv(seq_len, tokens_per_split)) each; max_splits 1: one split each, whatever the
+    lengths). At most _fd_GRID_CTAS programs; past that each runs several splits in turn.
+    block_h: heads per program (divides heads; block_h *
     next_pow2(max_q_len) >= 16 rows for the MMA). Other options as `flash_decode`.
     q_mode "fp8_dynamic" takes its per-tensor amax over all of q, rows past
     qo_indptr[-1] (a graph's padding) included: keep those rows zero or in range.
@@ -691,10 +732,14 @@ def flash_decode_serving(
     seq_ptrs = (kv_indptr, dummy, dummy) if page_size == 0 else (dummy, block_table, seq_lens)
     bt_stride = block_table.stride(0) if page_size else 0
     # Items: at most the budget (max_splits x new tokens / q_len_max, rounded down) plus one
-    # per sequence (rounding); with max_splits 1, one per sequence.
+    # per sequence (rounding); with max_splits 1, one per sequence. A program per item, up
+    # to _fd_GRID_CTAS programs: past that each program runs several items in turn (a
+    # graph's grid is sized for its largest batch, and an idle program still costs its
+    # schedule loads).
     items = batch if max_splits == 1 else (max_splits * total_q) // q_len_max + batch
+    tiles = heads // block_h
     jit_launch(
-        _fd_serving_stage1_kernel, (heads // block_h, items), record,
+        _fd_serving_stage1_kernel, (tiles, min(items, max(_fd_GRID_CTAS // tiles, 1))), record,
         q, qo_indptr, kv, kv_scale if kv_scaled else dummy, *seq_ptrs, workspace.q_amax,
         batch, total_q, tokens_per_split, bt_stride,
         float(q_scale or 1.0), float(torch.finfo(q_fp8_dtype).max), float(sm_scale * _fd_LOG2E),
@@ -706,10 +751,11 @@ def flash_decode_serving(
         D_ROPE=QK_ROPE_DIM, D_QK=QK_DIM, num_warps=num_warps, num_stages=num_stages, **extra,
     )
     if max_splits > 1:
+        slices = 4 if batch * max_q_len * heads * 4 <= _fd_WIDE_REDUCE else 1
         jit_launch(
-            _fd_serving_stage2_kernel, (batch, max_q_len, heads), record,
+            _fd_serving_stage2_kernel, (batch, max_q_len, heads * slices), record,
             qo_indptr, workspace.split_count, workspace.split_off, workspace.part_out,
-            workspace.part_lse, out, H=heads, Q_LEN_MAX=q_len_max, BLOCK_S=_fd_REDUCE_CHUNK,
-            D=V_DIM, num_warps=4,
+            workspace.part_lse, out, H=heads, Q_LEN_MAX=q_len_max, BLOCK_S=16 * slices,
+            D=V_DIM, D_SLICE=V_DIM // slices, num_warps=4,
         )
     return out
