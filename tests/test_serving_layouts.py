@@ -222,28 +222,29 @@ def test_one_split_per_sequence_never_borrows(device):
 
 
 def test_a_grid_smaller_than_the_items_runs_them_in_turn(device, monkeypatch):
-    """Past _fd_GRID_CTAS programs each program runs several split items: the same
-    counts, offsets and answer as a program per item."""
+    """Past _fd_ONE_ITEM_CTAS programs _fd_GRID_CTAS programs run several split items
+    each: the same counts, offsets and answer as a program per item."""
     inp = serving.make_input([2, 1, 2, 1], [700, 40, 300, 5], 32, 16, "fp8", seed=15, device=device)
     ref = inp.reference()
     grids, counts = [], []
     launch = flash_decode_module.jit_launch
 
     def spy(fn, grid, record, *args, **kwargs):
-        grids.append(grid)
+        grids.append((grid, kwargs.get("ITEM_LOOP")))
         return launch(fn, grid, record, *args, **kwargs)
 
     monkeypatch.setattr(flash_decode_module, "jit_launch", spy)
-    for cap in (2048, 6):  # 2 head tiles: 3 programs per tile
-        monkeypatch.setattr(flash_decode_module, "_fd_GRID_CTAS", cap)
+    monkeypatch.setattr(flash_decode_module, "_fd_GRID_CTAS", 6)  # 2 head tiles: 3 programs each
+    for one_item in (8192, 6):
+        monkeypatch.setattr(flash_decode_module, "_fd_ONE_ITEM_CTAS", one_item)
         workspace = FlashDecodeServingWorkspace.allocate(6, 32, 4, device, max_q_len=2)
         out = _launch(inp, device, max_splits=4, tokens_per_split=32, block_n=16, block_h=16,
                       workspace=workspace)
-        _assert_close(out, ref, f"grid cap {cap}")
+        _assert_close(out, ref, f"one program per item up to {one_item}")
         counts.append((workspace.split_count[:4].tolist(), workspace.split_off[:4].tolist()))
     assert counts[0] == counts[1]
-    stage1 = [g for g in grids if len(g) == 2]
-    assert stage1 == [(2, 4 * 6 // 2 + 4), (2, 3)]  # the budget's items, then the cap's
+    stage1 = [g for g in grids if len(g[0]) == 2]
+    assert stage1 == [((2, 4 * 6 // 2 + 4), False), ((2, 3), True)]  # the budget's items, then the cap's
     assert sum(counts[1][0]) > 3  # more items than the small grid's programs
 
 

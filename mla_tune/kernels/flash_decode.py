@@ -58,13 +58,19 @@ _fd_AMAX_CHUNK = 128
 # Sequences per step of the serving schedule's loop.
 _fd_SCHED_CHUNK = 128
 # The serving reduction's programs: (sequence, new token, head) with all 512 columns and
-# 16 splits per step; or, while the 4x wider grid stays under _fd_WIDE_REDUCE programs,
+# 16 splits per step; or, while the 4x wider grid stays within _fd_WIDE_REDUCE programs,
 # a quarter of the columns and 64 splits per step (a long sequence in a ragged batch
-# takes most of the batch's budget: hundreds of splits). A program with nothing to
-# reduce still costs its launch: a large batch keeps the narrow grid.
-_fd_WIDE_REDUCE = 16384
-# The serving stage 1's most programs (head tiles x split items): about 16 per SM of an
-# H200; a larger batch's items are shared among them.
+# takes most of the batch's budget: hundreds of splits). On the H200 the wide grid took
+# the 56k-among-3k mix from 98 to 81 us (192 programs), was even at 2048-2304 programs
+# and lost 27% at 16384 (128 heads x 32 sequences: 229 -> 294 us).
+_fd_WIDE_REDUCE = 2048
+# The serving stage 1's grid: a program per (head tile, split item) up to
+# _fd_ONE_ITEM_CTAS programs; past that _fd_GRID_CTAS programs (about 16 per SM of an
+# H200), each running its items in turn. Most of a large grid idles (it is sized for the
+# budget, the batch may use few items) and an idle program still reads the lengths: on
+# the H200 256 x 512 at 16 heads took 237 us with 16640 programs, 182 with 2048 that loop;
+# 32 x 4000 at 128 heads 214 us with 4160 programs, 229 with 2048 that loop.
+_fd_ONE_ITEM_CTAS = 8192
 _fd_GRID_CTAS = 2048
 
 
@@ -391,7 +397,7 @@ def _fd_serving_stage1_kernel(
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr,
     Q_MODE: tl.constexpr, FP8_MIN_EXP: tl.constexpr, KV_SCALED: tl.constexpr, KV_OFF64: tl.constexpr,
     AMAX_CHUNK: tl.constexpr, SCHED_CHUNK: tl.constexpr, D_NOPE: tl.constexpr,
-    D_ROPE: tl.constexpr, D_QK: tl.constexpr,
+    D_ROPE: tl.constexpr, D_QK: tl.constexpr, ITEM_LOOP: tl.constexpr,
 ):
     # Head tiles of one (sequence, split) are neighbours in launch order: they read the
     # same KV tiles at about the same time, so all but the first find them in L2.
@@ -426,27 +432,63 @@ def _fd_serving_stage1_kernel(
             tl.store(SplitCount + idx, counts, mask=idx < batch)
             tl.store(SplitOff + idx, ends - counts, mask=idx < batch)
             done += tl.sum(counts, axis=0)
-    for item in range(prog, n_items, progs):
-        pid_b = 0
-        first = 0  # the first item of sequence pid_b
-        done = 0  # items of the sequences before the chunk
-        for c0 in range(0, batch, SCHED_CHUNK):
-            idx = c0 + tl.arange(0, SCHED_CHUNK)
-            lens = _fd_seq_len(KV_INDPTR, SEQ_LENS, idx, idx < batch, PAGE_SIZE)
-            counts = tl.where(lens > 0, tl.cdiv(lens, _fd_split_len(lens, total, budget, tokens_per_split,
-                                                                   BLOCK_N, MAX_SPLITS)), 0)
-            before = done + tl.cumsum(counts, axis=0) <= item
-            pid_b += tl.sum(before.to(tl.int32), axis=0)
-            first += tl.sum(tl.where(before, counts, 0), axis=0)
-            done += tl.sum(counts, axis=0)
-        if pid_b < batch:  # else past the batch's last split
-            _fd_serving_split(
+    # ITEM_LOOP (the grid capped below the items): each program runs its items in turn. A
+    # loop around the attention costs registers (about 7% at 64 rows on the H200), so a
+    # grid of one program per item stays without it.
+    if ITEM_LOOP:
+        for item in range(prog, n_items, progs):
+            _fd_serving_item(
                 Q, QO_INDPTR, KV, KV_SCALE, KV_INDPTR, BLOCK_TABLE, SEQ_LENS, Q_AMAX,
-                total_q, tokens_per_split, bt_stride, q_static_scale, fp8_max, qk_scale,
-                Out, PartOut, PartLse, pid_h, item, pid_b, item - first, total, budget, batch,
+                batch, total_q, tokens_per_split, bt_stride, q_static_scale, fp8_max, qk_scale,
+                Out, PartOut, PartLse, pid_h, item, total, budget,
                 H, BLOCK_H, Q_LEN_MAX, MAX_SPLITS, BLOCK_N, PAGE_SIZE, DOT_DTYPE, Q_MODE,
-                FP8_MIN_EXP, KV_SCALED, KV_OFF64, AMAX_CHUNK, D_NOPE, D_ROPE, D_QK,
+                FP8_MIN_EXP, KV_SCALED, KV_OFF64, AMAX_CHUNK, SCHED_CHUNK, D_NOPE, D_ROPE, D_QK,
             )
+    else:
+        if prog < n_items:
+            _fd_serving_item(
+                Q, QO_INDPTR, KV, KV_SCALE, KV_INDPTR, BLOCK_TABLE, SEQ_LENS, Q_AMAX,
+                batch, total_q, tokens_per_split, bt_stride, q_static_scale, fp8_max, qk_scale,
+                Out, PartOut, PartLse, pid_h, prog, total, budget,
+                H, BLOCK_H, Q_LEN_MAX, MAX_SPLITS, BLOCK_N, PAGE_SIZE, DOT_DTYPE, Q_MODE,
+                FP8_MIN_EXP, KV_SCALED, KV_OFF64, AMAX_CHUNK, SCHED_CHUNK, D_NOPE, D_ROPE, D_QK,
+            )
+
+
+@triton.jit
+def _fd_serving_item(
+    Q, QO_INDPTR, KV, KV_SCALE, KV_INDPTR, BLOCK_TABLE, SEQ_LENS, Q_AMAX,
+    batch, total_q, tokens_per_split, bt_stride, q_static_scale, fp8_max, qk_scale,
+    Out, PartOut, PartLse, pid_h, item, total, budget,
+    H: tl.constexpr, BLOCK_H: tl.constexpr, Q_LEN_MAX: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    Q_MODE: tl.constexpr, FP8_MIN_EXP: tl.constexpr, KV_SCALED: tl.constexpr, KV_OFF64: tl.constexpr,
+    AMAX_CHUNK: tl.constexpr, SCHED_CHUNK: tl.constexpr, D_NOPE: tl.constexpr, D_ROPE: tl.constexpr,
+    D_QK: tl.constexpr,
+):
+    """The batch's item-th split: the sequence it falls in (how many sequences end at or
+    before it) and where that sequence's splits start, then its attention; nothing past
+    the batch's last split."""
+    pid_b = 0
+    first = 0  # the first item of sequence pid_b
+    done = 0  # items of the sequences before the chunk
+    for c0 in range(0, batch, SCHED_CHUNK):
+        idx = c0 + tl.arange(0, SCHED_CHUNK)
+        lens = _fd_seq_len(KV_INDPTR, SEQ_LENS, idx, idx < batch, PAGE_SIZE)
+        counts = tl.where(lens > 0, tl.cdiv(lens, _fd_split_len(lens, total, budget, tokens_per_split,
+                                                               BLOCK_N, MAX_SPLITS)), 0)
+        before = done + tl.cumsum(counts, axis=0) <= item
+        pid_b += tl.sum(before.to(tl.int32), axis=0)
+        first += tl.sum(tl.where(before, counts, 0), axis=0)
+        done += tl.sum(counts, axis=0)
+    if pid_b < batch:
+        _fd_serving_split(
+            Q, QO_INDPTR, KV, KV_SCALE, KV_INDPTR, BLOCK_TABLE, SEQ_LENS, Q_AMAX,
+            total_q, tokens_per_split, bt_stride, q_static_scale, fp8_max, qk_scale,
+            Out, PartOut, PartLse, pid_h, item, pid_b, item - first, total, budget, batch,
+            H, BLOCK_H, Q_LEN_MAX, MAX_SPLITS, BLOCK_N, PAGE_SIZE, DOT_DTYPE, Q_MODE,
+            FP8_MIN_EXP, KV_SCALED, KV_OFF64, AMAX_CHUNK, D_NOPE, D_ROPE, D_QK,
+        )
 
 
 @triton.jit
@@ -692,7 +734,7 @@ def flash_decode_serving(
     about clamp(round(seq_len * budget / sum(seq_lens)), 1, cdiv(seq_len, tokens_per_split))
     splits of whole tiles, counted on the device (a uniform batch: min(max_splits,
     cdiv(seq_len, tokens_per_split)) each; max_splits 1: one split each, whatever the
-    lengths). At most _fd_GRID_CTAS programs; past that each runs several splits in turn.
+    lengths). Past _fd_ONE_ITEM_CTAS programs, _fd_GRID_CTAS that run several splits each.
     block_h: heads per program (divides heads; block_h *
     next_pow2(max_q_len) >= 16 rows for the MMA). Other options as `flash_decode`.
     q_mode "fp8_dynamic" takes its per-tensor amax over all of q, rows past
@@ -732,14 +774,14 @@ def flash_decode_serving(
     seq_ptrs = (kv_indptr, dummy, dummy) if page_size == 0 else (dummy, block_table, seq_lens)
     bt_stride = block_table.stride(0) if page_size else 0
     # Items: at most the budget (max_splits x new tokens / q_len_max, rounded down) plus one
-    # per sequence (rounding); with max_splits 1, one per sequence. A program per item, up
-    # to _fd_GRID_CTAS programs: past that each program runs several items in turn (a
-    # graph's grid is sized for its largest batch, and an idle program still costs its
-    # schedule loads).
+    # per sequence (rounding); with max_splits 1, one per sequence. A program per item, or
+    # past _fd_ONE_ITEM_CTAS programs _fd_GRID_CTAS of them that loop over the items.
     items = batch if max_splits == 1 else (max_splits * total_q) // q_len_max + batch
     tiles = heads // block_h
+    item_loop = tiles * items > _fd_ONE_ITEM_CTAS
+    programs = min(items, max(_fd_GRID_CTAS // tiles, 1)) if item_loop else items
     jit_launch(
-        _fd_serving_stage1_kernel, (tiles, min(items, max(_fd_GRID_CTAS // tiles, 1))), record,
+        _fd_serving_stage1_kernel, (tiles, programs), record,
         q, qo_indptr, kv, kv_scale if kv_scaled else dummy, *seq_ptrs, workspace.q_amax,
         batch, total_q, tokens_per_split, bt_stride,
         float(q_scale or 1.0), float(torch.finfo(q_fp8_dtype).max), float(sm_scale * _fd_LOG2E),
@@ -748,7 +790,8 @@ def flash_decode_serving(
         PAGE_SIZE=page_size, DOT_DTYPE=_fd_DOT_DTYPES[dot_dtype], Q_MODE=_fd_Q_MODES[q_mode],
         FP8_MIN_EXP=fp8_min_exp, KV_SCALED=kv_scaled, KV_OFF64=kv.numel() >= 2**31,
         AMAX_CHUNK=_fd_AMAX_CHUNK, SCHED_CHUNK=_fd_SCHED_CHUNK, D_NOPE=KV_LORA_RANK,
-        D_ROPE=QK_ROPE_DIM, D_QK=QK_DIM, num_warps=num_warps, num_stages=num_stages, **extra,
+        D_ROPE=QK_ROPE_DIM, D_QK=QK_DIM, ITEM_LOOP=item_loop, num_warps=num_warps,
+        num_stages=num_stages, **extra,
     )
     if max_splits > 1:
         slices = 4 if batch * max_q_len * heads * 4 <= _fd_WIDE_REDUCE else 1
