@@ -9,7 +9,10 @@
 #   bash scripts/gpu_acceptance.sh splitk   # issue 10 on one GPU: the serving split-K tests
 #       (its shared split budget), the ragged mix that budget is for beside FlashMLA and two
 #       large-batch cells beside their swept times (scripts/time_mix.py), `mla-tune verify`
-#       at seeds 3 and 4 (session 5 measured both)
+#       at seeds 3 and 4 (session 5 measured both); with AB_OLD=COPY.py first an older copy of
+#       kernels/flash_decode.py beside this one (scripts/ab_serving_kernel.py)
+#   RESULTS=... CONFIG=... bash scripts/gpu_acceptance.sh resweep   # issue 10: one chunk of the
+#       serving sweep, resumed from the previous chunk's results (they come back in $OUT)
 #   bash scripts/gpu_acceptance.sh table    # issue 10 on two GPUs: `mla-tune verify` of
 #       tables/H200.serving.yaml and the FlashInfer tests on GPU 1; on GPU 0 the fast-path and
 #       FlashMLA tests, the engine loop (bf16, fp8) beside FlashMLA, the 64 x 4000 example, host times
@@ -17,7 +20,7 @@
 # It works in /tmp/acceptance and copies what matters (the table, its results file, the logs,
 # at most 8 files: what the device tool brings back) to $OUT (or ./gpu_out).
 set -uo pipefail
-mode=${1:?usage: gpu_acceptance.sh full|budget|serving|splitk|table}
+mode=${1:?usage: gpu_acceptance.sh full|budget|serving|splitk|resweep|table}
 keep=${OUT:-gpu_out}
 out=/tmp/acceptance
 mkdir -p "$out" "$keep"
@@ -98,6 +101,11 @@ splitk)
     "tests/test_fast_launch.py tests/test_plan.py"
   )
   run_groups 200 2
+  # AB_OLD= a copy of an older kernels/flash_decode.py: both timed side by side first
+  if [ -n "${AB_OLD:-}" ]; then
+    timed ab timeout 120 python3 scripts/ab_serving_kernel.py old="$AB_OLD" new=mla_tune/kernels/flash_decode.py \
+      --out "$out" 2>&1 | grep -v -i warn | tail -8
+  fi
   # the ragged mix the shared budget is for; then two grid points whose split-K picks
   # (max_splits 64 and 17) leave most of the grid's items empty, beside their times as swept
   timed mix timeout 90 python3 scripts/time_mix.py --table tables/H200.serving.yaml --kv fp8 --heads 16 \
@@ -112,6 +120,20 @@ splitk)
       --shapes 60 --ragged 20 --budget 130 --max-p95 0.05 --max-regret 0.15 --json "$out/verify$seed.json" \
       > "$out/verify$seed.log" 2>&1; grep -v -i warn "$out/verify$seed.log" | tail -9
   done
+  ;;
+resweep)
+  # issue 10: the serving sweep, one chunk per device command (the sweep stops cleanly at
+  # --budget and resumes from its results file). RESULTS= the previous chunk's
+  # H200.serving.results.jsonl.gz, carried from its $OUT; CONFIG= the sweep config
+  # (default configs/serving.yaml). Brings back the results and, once complete, the table.
+  mkdir -p /tmp/sw
+  if [ -n "${RESULTS:-}" ]; then gunzip -c "$RESULTS" > /tmp/sw/H200.serving.results.jsonl || exit 1; fi
+  timed sweep timeout ${SWEEP_TIMEOUT:-560} python3 -m mla_tune.tune.serving_sweep --config "${CONFIG:-configs/serving.yaml}" \
+    --gpu H200 --out /tmp/sw/H200.serving.yaml --budget ${SWEEP_BUDGET:-500} > "$out/sweep.log" 2>&1
+  gzip -c /tmp/sw/H200.serving.results.jsonl > "$keep/H200.serving.results.jsonl.gz"
+  cp /tmp/sw/H200.serving.yaml "$keep/" 2>/dev/null
+  cp "$out/sweep.log" "$keep/"
+  grep -v -i warn "$out/sweep.log" | tail -12
   ;;
 table)
   ( CUDA_VISIBLE_DEVICES=1 timeout 400 python3 -m mla_tune verify --table tables/H200.serving.yaml \
@@ -137,13 +159,13 @@ table)
   tail -3 "$out/gpu_tests_fi.log"; tail -40 "$out/verify.log"
   ;;
 *)
-  echo "unknown mode $mode (full | budget | serving | splitk | table)"; exit 2 ;;
+  echo "unknown mode $mode (full | budget | serving | splitk | resweep | table)"; exit 2 ;;
 esac
 cat "$out/walls.txt"
 for f in walls.txt dryrun.txt sweep.log H200.yaml H200.results.jsonl dryrun120.txt sweep120.log \
          H200.b120.yaml H200.b120.results.jsonl gpu_tests.log check_submission.json serving_host.json \
          verify.log verify.json engine_bf16.json engine_fp8.json serving_example.json mix.log \
-         verify3.json verify4.json verify3.log verify4.log; do
+         verify3.json verify4.json verify3.log verify4.log ab_serving_kernel.json; do
   [ -f "$out/$f" ] && cp "$out/$f" "$keep/"
 done
 ls "$keep"
