@@ -388,6 +388,16 @@ def _fd_split_len(seq_len, total, budget, tokens_per_split, BLOCK_N: tl.constexp
     return tl.maximum(tl.cdiv(tl.cdiv(seq_len, want), BLOCK_N), 1) * BLOCK_N
 
 
+@triton.jit
+def _fd_split_counts(KV_INDPTR, SEQ_LENS, idx, batch, total, budget, tokens_per_split,
+                     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """The split counts of sequences idx (0 past the batch and for a sequence of 0 tokens,
+    a padded graph slot): what stage 1's schedule and stage 2's reduction go by."""
+    lens = _fd_seq_len(KV_INDPTR, SEQ_LENS, idx, idx < batch, PAGE_SIZE)
+    return tl.where(lens > 0, tl.cdiv(lens, _fd_split_len(lens, total, budget, tokens_per_split, BLOCK_N,
+                                                          MAX_SPLITS)), 0)
+
+
 @triton.jit(do_not_specialize=["batch", "total_q", "tokens_per_split", "bt_stride"])
 def _fd_serving_stage1_kernel(
     Q, QO_INDPTR, KV, KV_SCALE, KV_INDPTR, BLOCK_TABLE, SEQ_LENS, Q_AMAX,
@@ -420,14 +430,12 @@ def _fd_serving_stage1_kernel(
     # are at most this many (the grid may hold fewer programs, each then runs several).
     n_items = tl.minimum(budget, total // tokens_per_split) + batch
     if (pid_h == 0) & (prog == 0):
-        # Each sequence's split count and first item, for stage 2 (a sequence of 0
-        # tokens, a padded graph slot: count 0).
+        # Each sequence's split count and first item, for stage 2.
         done = 0
         for c0 in range(0, batch, SCHED_CHUNK):
             idx = c0 + tl.arange(0, SCHED_CHUNK)
-            lens = _fd_seq_len(KV_INDPTR, SEQ_LENS, idx, idx < batch, PAGE_SIZE)
-            counts = tl.where(lens > 0, tl.cdiv(lens, _fd_split_len(lens, total, budget, tokens_per_split,
-                                                                   BLOCK_N, MAX_SPLITS)), 0)
+            counts = _fd_split_counts(KV_INDPTR, SEQ_LENS, idx, batch, total, budget, tokens_per_split,
+                                      PAGE_SIZE, BLOCK_N, MAX_SPLITS)
             ends = done + tl.cumsum(counts, axis=0)
             tl.store(SplitCount + idx, counts, mask=idx < batch)
             tl.store(SplitOff + idx, ends - counts, mask=idx < batch)
@@ -474,9 +482,8 @@ def _fd_serving_item(
     done = 0  # items of the sequences before the chunk
     for c0 in range(0, batch, SCHED_CHUNK):
         idx = c0 + tl.arange(0, SCHED_CHUNK)
-        lens = _fd_seq_len(KV_INDPTR, SEQ_LENS, idx, idx < batch, PAGE_SIZE)
-        counts = tl.where(lens > 0, tl.cdiv(lens, _fd_split_len(lens, total, budget, tokens_per_split,
-                                                               BLOCK_N, MAX_SPLITS)), 0)
+        counts = _fd_split_counts(KV_INDPTR, SEQ_LENS, idx, batch, total, budget, tokens_per_split,
+                                  PAGE_SIZE, BLOCK_N, MAX_SPLITS)
         before = done + tl.cumsum(counts, axis=0) <= item
         pid_b += tl.sum(before.to(tl.int32), axis=0)
         first += tl.sum(tl.where(before, counts, 0), axis=0)
