@@ -524,9 +524,10 @@ def own_serving_runner(name: str, spec: CallSpec, device, decode, workspace_type
     `out` and the family's workspace (`workspace_type.allocate(capacity, heads, max_splits,
     device, max_q_len=spec.max_q_len)`), allocated on the first call and again only when a
     call brings more new tokens than any before (at least doubling), never from the data; it
-    reads no device tensor on the host, so a CUDA graph can hold it. `decode(q, qo_indptr, kv, kv_scale, out, *,
-    layout, workspace, record, **launch)` is the family's launch function. A call returns
-    out[:total_q]; `runner.step(...)` is the per-step API (OwnServingRunner.step).
+    reads no device tensor on the host, so a CUDA graph can hold it. `decode(q, qo_indptr,
+    kv, kv_scale, out, *, layout, workspace, record, **launch)` is the family's launch
+    function. A call returns out[:total_q]; `runner.step(...)` is the per-step API
+    (OwnServingRunner.step).
     `replay_from(record, (q, kv, kv_scale))` (kernels/launch.LaunchReplay.build) turns the
     launches one call recorded into a replay, or None (then every layer takes `decode`)."""
     return OwnServingRunner(name, spec, device, decode, workspace_type, max_splits, launch, replay_from)

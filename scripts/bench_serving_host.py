@@ -154,9 +154,9 @@ def _direct_flashinfer(inp, kv_format: str, heads: int):
 
 def _paired_dispatch_us(entry, bare, calls: int = 50, rounds: int = 41) -> dict:
     """Host us per call of `entry` and `bare` in alternating rounds (each round: `calls`
-    calls back to back, timing.host_round), and the median of
-    the per-pair differences: the dispatch's cost with the machine's drift cancelled, which
-    a difference of two separately taken medians (~60-90 us each) does not do."""
+    calls back to back, timing.host_round), and the median of the per-pair differences: the
+    dispatch's cost with the machine's drift cancelled, which a difference of two separately
+    taken medians (~60-90 us each) does not do."""
     entry(), bare()
     torch.cuda.synchronize()
     pairs = []

@@ -7,9 +7,10 @@ For a look at one mix (a verify miss, an engine's batch); `mla-tune verify` is t
 that judges a table. Prints the table's cell for the batch and mean length as swept (at
 a grid point with equal lengths, the same shape timed at sweep time), then runs the table's
 eager pick (the cell of the batch bucket and the mean length) and graph pick, each
-vendor's default serving variant and any --variant, on one input; each is checked against the fp32 reference under the config's rule and timed with
-timing.time_call (the leaderboard protocol: L2 flushed, CUDA events, median of --reps).
-Prints us, the ratio to the fastest that passes, and the check.
+vendor's default serving variant and any --variant, on one input; each is checked against
+the fp32 reference under the config's rule and timed with timing.time_call (the
+leaderboard protocol: L2 flushed, CUDA events, median of --reps). Prints us, the ratio to
+the fastest that passes, and the check.
 """
 
 from __future__ import annotations
@@ -92,8 +93,10 @@ def main() -> None:
         del runner
         torch.cuda.empty_cache()
     best = min((us for _, _, us, res in rows if res.passed), default=float("nan"))
-    shown = kv_lens if len(kv_lens) <= 8 else f"{kv_lens[:8]}... ({len(kv_lens)})"
-    print(f"{key}: {len(kv_lens)} sequences, kv_lens {shown} (mean {mean:.0f}), q_lens {q_lens}")
+    def shown(lens: list[int]) -> str:  # 256 sequences print as their first 8
+        return str(lens) if len(lens) <= 8 else f"{lens[:8]}... ({len(lens)})"
+
+    print(f"{key}: {len(kv_lens)} sequences, kv_lens {shown(kv_lens)} (mean {mean:.0f}), q_lens {shown(q_lens)}")
     family = table.family(spec)
     cell = family.cells.get((batch_bucket(table.batch_buckets, len(kv_lens)), kv_bucket(table.kv_buckets, mean))) \
         if family is not None else None
