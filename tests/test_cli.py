@@ -344,7 +344,7 @@ def test_sweep_with_a_serving_config_runs_the_serving_sweep():
     """`mla-tune sweep --config configs/serving.yaml` plans the serving grid (its dry run)."""
     result = _invoke("sweep", "--gpu", "H200", "--config", "configs/serving.yaml", "--dry-run")
     assert result.exit_code == 0, result.output
-    assert "1044 cells" in result.output and "estimated GPU time" in result.output
+    assert "1404 cells" in result.output and "estimated GPU time" in result.output
 
 
 def test_sweep_takes_a_budget_for_either_kind_of_config(monkeypatch):
