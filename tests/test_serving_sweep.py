@@ -16,7 +16,7 @@ import yaml
 from mla_tune.backends import EXTRA_BACKENDS_ENV, triton_fused, triton_splitk
 from mla_tune.core import CORE_HEADS, CallSpec, Variant
 from mla_tune.gpu import detect, fake_platform
-from mla_tune.tables.serving_table import load_serving_table
+from mla_tune.tables.serving_table import kv_bucket, load_serving_table
 from mla_tune.tune import serving_sweep as sw
 from mla_tune.tune import timing
 from mla_tune.tune.serving_config import (
@@ -364,3 +364,56 @@ def test_a_small_serving_sweep_on_the_gpu(tmp_path):
     assert set(fam.cells) == {(b, kv) for b in (1, 32) for kv in (512, 4096)} and set(fam.graph) == {1, 32}
     assert table.provenance["protocol"]["name"] == "leaderboard-emulation"
     assert all(c.time_us > 0 for c in fam.cells.values())
+
+
+@pytest.mark.parametrize("kv_len", [32, 512, 4096, 65536])
+@pytest.mark.parametrize("batch", [1, 2, 7, 64, 256])
+def test_spread_cell_lengths_stay_in_their_bucket_and_off_its_split_steps(batch, kv_len):
+    """A spread cell's lengths are lengths its kv bucket serves (each within half an octave,
+    their mean looked up to this bucket), off the bucket's own length where every split
+    rule of a power of two steps; aligned is the bucket's length for every sequence."""
+    buckets = [32, 64, 512, 1024, 2048, 4096, 8192, 32768, 65536]
+    assert sw.cell_kv_lens(batch, kv_len) == [kv_len] * batch
+    lens = sw.cell_kv_lens(batch, kv_len, "spread")
+    assert len(lens) == batch and lens == sorted(lens) == sw.cell_kv_lens(batch, kv_len, "spread")
+    assert all(kv_len / math.sqrt(2) <= n < kv_len * math.sqrt(2) for n in lens)
+    assert kv_bucket(buckets, sum(lens) / batch) == kv_len
+    geo = math.exp(sum(math.log(n / kv_len) for n in lens) / batch)
+    assert abs(math.log2(geo)) <= 0.5 / batch + 0.01  # centred on the bucket, within a step
+    if batch == 1:
+        assert lens[0] != kv_len and lens[0] % 16 != 0  # not at a step of any split of 16..kv_len
+    if batch >= 7:
+        assert lens[0] < kv_len < lens[-1]
+    if kv_len >= 4096:
+        assert len(set(lens)) == batch
+    with pytest.raises(ValueError, match="aligned or spread"):
+        sw.cell_kv_lens(batch, kv_len, "ragged")
+
+
+def test_cell_lengths_are_a_search_option_that_changes_the_hash_and_the_timed_lengths(tiny, tmp_path, monkeypatch):
+    """search.cell_lengths: aligned when absent (the hash of a config without it is
+    unchanged), `spread` changes the hash (a resume never mixes the two) and the lengths
+    each cell's candidates are timed on; a bad value names the field and the choices."""
+    assert tiny.search.cell_lengths == "aligned"
+    raw = copy.deepcopy(TINY)
+    raw["search"]["cell_lengths"] = "spread"
+    spread = serving_config_from_dict(raw, "spread.yaml")
+    assert spread.search.cell_lengths == "spread" and spread.hash != tiny.hash
+    raw["search"]["cell_lengths"] = "uniform"
+    with pytest.raises(ServingConfigError, match=r"search\.cell_lengths.*aligned, spread.*'uniform'"):
+        serving_config_from_dict(raw, "bad.yaml")
+    seen = {}
+    real = sw.make_input
+
+    def spy(q_lens, kv_lens, *args, **kw):
+        seen.setdefault(len(q_lens), set()).add(tuple(kv_lens))
+        return real(q_lens, kv_lens, *args, **kw)
+
+    monkeypatch.setattr(sw, "make_input", spy)
+    table = load_serving_table(_sweep(spread, tmp_path, FakeTimer())["table"])
+    for batch in (1, 2):
+        cells = {tuple(sw.cell_kv_lens(batch, kv, "spread")) for kv in (32, 64)}
+        assert cells <= seen[batch] and not any(len(set(lens)) == 1 and lens[0] in (32, 64) and batch > 1
+                                                for lens in seen[batch])
+    assert {cell: _name(Variant.parse(v)) for cell, v in _picks(table)[0].items()} == {
+        (1, 32): "A", (1, 64): "B", (2, 32): "A", (2, 64): "B"}

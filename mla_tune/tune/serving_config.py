@@ -36,6 +36,8 @@ CALL_FIELDS = {"mixed_q_len", "host_lengths", "graph"}
 GATE_FIELDS = {"ragged_kv_lens", "tail_kv_len", "tail_batch", "margin", "reference_q"}
 REFERENCE_Q = ("exact", "variant")
 SEARCH_FIELDS = {"rungs", "keep", "min_keep", "cross_top"}
+SEARCH_OPTIONAL = {"cell_lengths"}
+CELL_LENGTHS = ("aligned", "spread")  # serving_sweep.cell_kv_lens
 LEFT_OUT_CONDITIONS = ("max_kv_bytes", "max_tokens")
 LEFT_OUT_MATCH = ("kv_format", "heads", "q_len", "page_size")
 CONFIG_MAX_BYTES = 1 << 20
@@ -82,12 +84,15 @@ class ServingSearch:
     rung keeps the best `keep` fraction (at least min_keep, plus the neighbours' winners,
     never cut before the last rung); per batch bucket, the union of each kv cell's best
     `cross_top` is timed at every kv cell of the bucket (rungs[-1] samples) for its
-    CUDA-graph pick."""
+    CUDA-graph pick. `cell_lengths` says which lengths a (batch, kv) cell is timed on
+    (serving_sweep.cell_kv_lens): `aligned`, every sequence at the bucket's length, or
+    `spread`, the batch's lengths spread over the lengths the bucket serves."""
 
     rungs: tuple[int, ...]
     keep: float
     min_keep: int
     cross_top: int
+    cell_lengths: str = "aligned"
 
 
 @dataclass(frozen=True)
@@ -314,8 +319,12 @@ def _gate(value: Any, seeds: tuple[int, int], fail) -> GateSpec:
 
 
 def _search(value: Any, fail) -> ServingSearch:
-    if not isinstance(value, dict) or set(value) != SEARCH_FIELDS:
-        raise fail("search", f"must be a mapping of exactly {', '.join(sorted(SEARCH_FIELDS))}")
+    if not isinstance(value, dict) or not SEARCH_FIELDS <= set(value) <= SEARCH_FIELDS | SEARCH_OPTIONAL:
+        raise fail("search", f"must be a mapping of {', '.join(sorted(SEARCH_FIELDS))} and optionally "
+                   f"{', '.join(sorted(SEARCH_OPTIONAL))}")
+    cell_lengths = value.get("cell_lengths", "aligned")
+    if cell_lengths not in CELL_LENGTHS:
+        raise fail("search.cell_lengths", f"must be one of {', '.join(CELL_LENGTHS)}, got {cell_lengths!r}")
     rungs = value["rungs"]
     if (not isinstance(rungs, list) or not rungs or not all(_int(r) and 1 <= r <= 10_000 for r in rungs)
             or rungs != sorted(set(rungs))):
@@ -326,7 +335,7 @@ def _search(value: Any, fail) -> ServingSearch:
     for name in ("min_keep", "cross_top"):
         if not (_int(value[name]) and value[name] >= 1):
             raise fail(f"search.{name}", f"must be an integer >= 1, got {value[name]!r}")
-    return ServingSearch(tuple(rungs), float(keep), value["min_keep"], value["cross_top"])
+    return ServingSearch(tuple(rungs), float(keep), value["min_keep"], value["cross_top"], cell_lengths)
 
 
 def _backends(value: Any, fail) -> dict[str, list[dict]]:

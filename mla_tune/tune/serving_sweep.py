@@ -12,7 +12,9 @@ Stages (serving_plan.py plans them, serving_results.py records them):
    over the gated candidates (search.rungs samples per rung, keep the best `keep` share,
    at least min_keep), the neighbouring cells' winners (same family, adjacent batch or kv
    bucket, already measured) first and carried to the last rung. The winner is the cell's
-   pick for eager calls (lookup by the kv bucket of the mean length).
+   pick for eager calls (lookup by the kv bucket of the mean length). A cell is timed on
+   its bucket's length, or with search.cell_lengths `spread` on lengths spread over those
+   the bucket serves (cell_kv_lens).
 3. Cross, per unit: the union of each kv cell's best `cross_top` timed at every kv cell of
    the bucket and on the bucket's ragged mix (ragged_probe_lengths: lengths drawn
    log-uniform over the bucket's kv range, recorded as kv_len 0); the CUDA-graph pick
@@ -142,6 +144,28 @@ def ragged_probe_lengths(batch: int, kv_lens) -> list[int]:
     return [min(hi, int(math.exp(rng.uniform(math.log(lo), math.log(hi + 1))))) for _ in range(batch)]
 
 
+# Where in its step a spread cell's first length sits (the golden ratio's fraction): the
+# lengths avoid the bucket's own length, a power of two where every split rule steps.
+SPREAD_PHASE = 0.618
+
+
+def cell_kv_lens(batch: int, kv_len: int, mode: str = "aligned") -> list[int]:
+    """The lengths a (batch, kv_len) cell is timed on (config search.cell_lengths).
+
+    `aligned`: every sequence at kv_len. `spread`: the lengths an eager call of the cell
+    may bring (a mean length that rounds to this kv bucket, log-nearest: kv_len x 2^u, u in
+    [-1/2, 1/2)), one per sequence at u = -1/2 + (i + SPREAD_PHASE) / batch, increasing.
+    Aligned, a bucket's length is exactly where split rules step: on the H200 the 64-row
+    split-K tile with a split per 512 tokens ran 8 x 512 (fp8, 128 heads, q_len 4) on one
+    split per sequence in 65.5 us and 7 x 609 on two in 56.2 us, so cells timed aligned
+    picked variants that lose at the lengths engines bring (docs/perf.md, session 8)."""
+    if mode == "aligned":
+        return [kv_len] * batch
+    if mode != "spread":
+        raise ValueError(f"cell lengths {mode!r}: expected aligned or spread")
+    return [max(1, round(kv_len * 2.0 ** (-0.5 + (i + SPREAD_PHASE) / batch))) for i in range(batch)]
+
+
 def cell_seed(batch: int, kv_len: int) -> int:
     """The cell's input seed: fixed per cell, so every candidate and every resume times the
     same data."""
@@ -202,7 +226,8 @@ class Sweeper:
         if cell not in self._inputs:
             self._inputs.clear()  # one cell's input at a time: the large ones take GBs
             q_lens = [key.q_len] * batch
-            kv_lens = self._ragged[(key, batch)] if kv_len == RAGGED_PROBE_KV else [kv_len] * batch
+            kv_lens = (self._ragged[(key, batch)] if kv_len == RAGGED_PROBE_KV
+                       else cell_kv_lens(batch, kv_len, self.cfg.search.cell_lengths))
             self._inputs[cell] = make_input(q_lens, kv_lens, key.heads, key.page_size,
                                             key.kv_format, seed=cell_seed(batch, kv_len), device=self.device)
         return self._inputs[cell]
@@ -466,7 +491,8 @@ def dry_run(cfg: ServingConfig, gpu_name: str, shard: tuple[int, int] = (1, 1),
     platform = gpu.fake_platform(gpu_name)
     plan = plan_sweep(cfg, platform, shard, check_available=False)
     log(f"serving sweep {cfg.name} ({cfg.path}, hash {cfg.hash[:12]}) planned for {gpu_name} "
-        f"({platform.sm_count} SMs), rule {cfg.rule.name}, shard {shard[0]}/{shard[1]}")
+        f"({platform.sm_count} SMs), rule {cfg.rule.name}, shard {shard[0]}/{shard[1]}, cells timed on "
+        f"{cfg.search.cell_lengths} lengths")
     for key, fam in plan.families.items():
         cells = sum(len(u.kv_lens) for u in plan.units if u.key == key)
         per = ", ".join(f"{b} {n}" for b, n in fam.per_backend().items()) or "none"
