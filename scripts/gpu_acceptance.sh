@@ -11,8 +11,9 @@
 #       large-batch cells beside their swept times (scripts/time_mix.py), `mla-tune verify`
 #       at seeds 3 and 4 (session 5 measured both); with AB_OLD=COPY.py first an older copy of
 #       kernels/flash_decode.py beside this one (scripts/ab_serving_kernel.py)
-#   RESULTS=... CONFIG=... bash scripts/gpu_acceptance.sh resweep   # issue 10: one chunk of the
-#       serving sweep, resumed from the previous chunk's results (they come back in $OUT)
+#   RESULTS=... CONFIG=... DEVICES=... bash scripts/gpu_acceptance.sh resweep   # issue 10: one
+#       chunk of the serving sweep, resumed from the previous chunk's results (they come back
+#       in $OUT as H200.serving.results.tgz; DEVICES=0,1 runs a shard per GPU)
 #   bash scripts/gpu_acceptance.sh table    # issue 10 on two GPUs: `mla-tune verify` of
 #       tables/H200.serving.yaml and the FlashInfer tests on GPU 1; on GPU 0 the fast-path and
 #       FlashMLA tests, the engine loop (bf16, fp8) beside FlashMLA, the 64 x 4000 example, host times
@@ -124,13 +125,20 @@ splitk)
 resweep)
   # issue 10: the serving sweep, one chunk per device command (the sweep stops cleanly at
   # --budget and resumes from its results file). RESULTS= the previous chunk's
-  # H200.serving.results.jsonl.gz, carried from its $OUT; CONFIG= the sweep config
+  # H200.serving.results.tgz (or a one-GPU .jsonl.gz), carried from its $OUT; CONFIG= the sweep config
   # (default configs/serving.yaml). Brings back the results and, once complete, the table.
+  # DEVICES=0,1: one shard per GPU (--devices), merged once every shard is done; the
+  # results come back as one tar of every results file (a one-GPU chunk's .jsonl.gz too).
   mkdir -p /tmp/sw
-  if [ -n "${RESULTS:-}" ]; then gunzip -c "$RESULTS" > /tmp/sw/H200.serving.results.jsonl || exit 1; fi
+  case "${RESULTS:-}" in
+    "") ;;
+    *.tgz) tar xzf "$RESULTS" -C /tmp/sw || exit 1 ;;
+    *) gunzip -c "$RESULTS" > /tmp/sw/H200.serving.results.jsonl || exit 1 ;;
+  esac
   timed sweep timeout ${SWEEP_TIMEOUT:-560} python3 -m mla_tune.tune.serving_sweep --config "${CONFIG:-configs/serving.yaml}" \
-    --gpu H200 --out /tmp/sw/H200.serving.yaml --budget ${SWEEP_BUDGET:-500} > "$out/sweep.log" 2>&1
-  gzip -c /tmp/sw/H200.serving.results.jsonl > "$keep/H200.serving.results.jsonl.gz"
+    --gpu H200 --out /tmp/sw/H200.serving.yaml --budget ${SWEEP_BUDGET:-500} ${DEVICES:+--devices $DEVICES} \
+    > "$out/sweep.log" 2>&1
+  tar czf "$keep/H200.serving.results.tgz" -C /tmp/sw $(cd /tmp/sw && ls *.results.jsonl)
   cp /tmp/sw/H200.serving.yaml "$keep/" 2>/dev/null
   cp "$out/sweep.log" "$keep/"
   grep -v -i warn "$out/sweep.log" | tail -12
