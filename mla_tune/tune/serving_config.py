@@ -322,7 +322,7 @@ def _search(value: Any, fail) -> ServingSearch:
     if not isinstance(value, dict) or not SEARCH_FIELDS <= set(value) <= SEARCH_FIELDS | SEARCH_OPTIONAL:
         raise fail("search", f"must be a mapping of {', '.join(sorted(SEARCH_FIELDS))} and optionally "
                    f"{', '.join(sorted(SEARCH_OPTIONAL))}")
-    cell_lengths = value.get("cell_lengths", "aligned")
+    cell_lengths = value.get("cell_lengths", ServingSearch.cell_lengths)
     if cell_lengths not in CELL_LENGTHS:
         raise fail("search.cell_lengths", f"must be one of {', '.join(CELL_LENGTHS)}, got {cell_lengths!r}")
     rungs = value["rungs"]
