@@ -42,7 +42,7 @@ def _q_lens(kv_lens: list[int], q_len: int) -> list[int]:
 
 def _launch(inp: serving.ServingInput, device: str, *, max_splits: int, tokens_per_split: int,
             block_n: int, block_h: int, q_mode: str = "bf16", q_amax: float | None = None,
-            num_warps: int = 4, num_stages: int = 1, workspace=None, out=None):
+            num_warps: int = 4, num_stages: int = 1, workspace=None, out=None, split_budget: int = 0):
     heads = inp.q.shape[1]
     if workspace is None:
         workspace = FlashDecodeServingWorkspace.allocate(inp.q.shape[0], heads, max_splits, device,
@@ -60,7 +60,7 @@ def _launch(inp: serving.ServingInput, device: str, *, max_splits: int, tokens_p
         max_q_len=max(inp.q_lens), max_splits=max_splits, tokens_per_split=tokens_per_split,
         block_n=block_n, block_h=block_h, num_warps=num_warps, num_stages=num_stages,
         dot_dtype=_dot_dtype(device), q_mode=q_mode, q_scale=q_scale, q_fp8_dtype=fp8_dtype_for(device),
-        workspace=workspace,
+        workspace=workspace, split_budget=split_budget,
     )
 
 
@@ -207,6 +207,42 @@ def test_a_uniform_batch_splits_as_the_per_sequence_rule(device):
                       block_h=16 // q_len, workspace=workspace)
         _assert_close(out, inp.reference(), f"uniform q_len {q_len}")
         assert workspace.split_count[:3].tolist() == [expect] * 3, (q_len, kv_len)
+
+
+@pytest.mark.parametrize("q_len, kv_len, budget, expect", [
+    (1, 609, 16, 5),   # 16 // 3 = 5 splits each at any length where tokens_per_split allows
+    (1, 512, 16, 5),   # ... the same count on the power of two, where the per-sequence rule steps
+    (1, 300, 16, 5),   # cdiv(300, 64) = 5 still allows it
+    (1, 90, 16, 2),    # cdiv(90, 64) = 2 caps it
+    (2, 609, 7, 2),    # q_len 2: the budget is the whole batch's, 7 // 3 = 2
+    (1, 609, 2, 1),    # a budget under the batch: one split each, never none
+])
+def test_a_batch_budget_splits_a_uniform_batch_by_its_size_not_its_length(device, q_len, kv_len, budget, expect):
+    """split_budget caps the whole batch's splits (a wave of the SMs): a uniform batch runs
+    floor(budget / batch) splits each, so the count does not step at multiples of
+    tokens_per_split (the per-sequence rule ran 8 x 512 on one split and 7 x 609 on two on
+    the H200, 65.5 vs 56.2 us), and the answer is right."""
+    inp = serving.make_input([q_len] * 3, [kv_len] * 3, 16, 16, "fp8", seed=15, device=device)
+    workspace = FlashDecodeServingWorkspace.allocate(3 * q_len, 16, 8, device, max_q_len=q_len)
+    out = _launch(inp, device, max_splits=8, tokens_per_split=64, block_n=16, block_h=16 // q_len,
+                  workspace=workspace, split_budget=budget)
+    _assert_close(out, inp.reference(), f"budget {budget}")
+    assert workspace.split_count[:3].tolist() == [expect] * 3
+
+
+def test_a_batch_budget_shares_a_ragged_batch_rounding_down(device):
+    """A ragged batch under a batch budget shares it by length, rounding down (never past
+    the budget), each sequence at least one split."""
+    inp = serving.make_input([1, 1, 1, 1], [2000, 40, 17, 1], 16, 0, "bf16", seed=16, device=device)
+    workspace = FlashDecodeServingWorkspace.allocate(4, 16, 32, device)
+    out = _launch(inp, device, max_splits=32, tokens_per_split=16, block_n=16, block_h=16,
+                  workspace=workspace, split_budget=20)
+    _assert_close(out, inp.reference(), "ragged batch budget")
+    # 20 over 2058 tokens: 2000 -> floor(19.4) = 19 splits of 106 -> 112-token tiles, 18 of
+    # them; 40 -> floor(0.39) -> 1; 17 and 1 -> one each.
+    assert workspace.split_count[:4].tolist() == [18, 1, 1, 1]
+    with pytest.raises(ValueError, match="split_budget must be an integer >= 0"):
+        _launch(inp, device, max_splits=32, tokens_per_split=16, block_n=16, block_h=16, split_budget=-1)
 
 
 def test_one_split_per_sequence_never_borrows(device):

@@ -26,7 +26,7 @@ from mla_tune.tune.serving_config import (
     serving_config_from_dict,
 )
 from mla_tune.tune.serving_gate import GateJob, reference_q_format, run_gates
-from mla_tune.tune.serving_plan import parse_shard, plan_sweep
+from mla_tune.tune.serving_plan import compile_key, parse_shard, plan_sweep
 from mla_tune.tune.serving_results import read_records, results_path_for
 from mla_tune.tune.timing import Timing
 
@@ -274,6 +274,30 @@ def test_serving_candidates_are_valid_for_every_family_and_use_fp16_dots_without
     splits = {v.get("max_splits") for v in triton_splitk.serving_candidates(
         CallSpec("fp8", 64, 128, 1), {"split_waves": [1, 2]}, h200)}
     assert splits == {math.ceil(132 / 8), math.ceil(2 * 132 / 8)}  # 8 head tiles of 16
+
+
+def test_batch_waves_offer_batch_budgets_instead_of_per_sequence_caps():
+    """batch_waves W: a variant per W whose batch shares ceil(W x SMs / head tiles) splits
+    (split_budget; max_splits as much, capped), with max_splits 1 beside them; no per-sequence
+    split_waves unless the space asks for them too. split_budget is a runtime argument: it
+    adds no compile."""
+    h200 = fake_platform("H200")
+    spec = CallSpec("fp8", 64, 128, 4)
+    offered = triton_splitk.serving_candidates(
+        spec, {"mma_rows": [64], "batch_waves": [1, 2], "max_splits": [1], "tokens_per_split": [128]}, h200)
+    rules = sorted((v.get("max_splits"), v.p.get("split_budget", 0)) for v in offered)
+    assert rules == [(1, 0), (17, 17), (33, 33)]  # 8 head tiles of 16 heads x 4 tokens
+    assert compile_key(offered[-1]) == compile_key(Variant.make("triton", **{**offered[-1].p, "split_budget": 5}))
+    both = triton_splitk.serving_candidates(spec, {"mma_rows": [64], "batch_waves": [1], "split_waves": [1]}, h200)
+    assert sorted((v.get("max_splits"), v.p.get("split_budget", 0)) for v in both) == [(17, 0), (17, 17)]
+    wide = triton_splitk.serving_candidates(CallSpec("fp8", 64, 16, 1), {"batch_waves": [4]}, h200)
+    assert [(v.get("max_splits"), v.p.get("split_budget", 0)) for v in wide] == [(64, 528)]  # capped at 64
+    for v in offered:
+        triton_splitk.build_serving(v, spec, "cpu")
+    with pytest.raises(ValueError, match="batch_waves must hold positive numbers"):
+        triton_splitk.serving_candidates(spec, {"batch_waves": [0]}, h200)
+    with pytest.raises(ValueError, match="split_budget"):
+        triton_splitk.validate(Variant.make("triton", **{**offered[-1].p, "split_budget": -1}))
 
 
 def test_config_errors_name_the_field_and_the_hash_ignores_order(tiny, monkeypatch):

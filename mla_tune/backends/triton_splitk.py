@@ -75,6 +75,9 @@ _tsk_HIP_KEYS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
 # The serving call's parameters (build_serving); max_splits / tokens_per_split mark the set.
 _tsk_SERVING_KEYS = ("kv", "q", "block_n", "block_h", "max_splits", "tokens_per_split",
                      "num_warps", "num_stages", "dot_dtype")
+# Optional in a serving variant: split_budget, the most splits the whole batch runs (0 or
+# absent: max_splits per sequence; flash_decode_serving).
+_tsk_SERVING_OPTIONAL = ("split_budget",)
 # tokens_per_split reaches the kernel as an int32 argument.
 _tsk_MAX_TOKENS_PER_SPLIT = 2**31 - 1
 # A grid of more than this many waves of SMs gains nothing from splitting further and
@@ -191,13 +194,16 @@ def validate(variant: Variant) -> None:
         raise ValueError(f"triton: {variant} is a {variant.backend} variant, not a triton one")
     serving = _tsk_is_serving(variant)
     keys = _tsk_SERVING_KEYS if serving else _tsk_SPACE_KEYS
-    check_param_names(variant, (*keys, "q_amax", *_tsk_HIP_KEYS), keys)
+    optional = _tsk_SERVING_OPTIONAL if serving else ()
+    check_param_names(variant, (*keys, *optional, "q_amax", *_tsk_HIP_KEYS), keys)
     check_param_choice(variant, "kv", _tsk_KV_FORMATS)
     check_param_choice(variant, "q", _tsk_Q_MODES)
     check_param_choice(variant, "dot_dtype", _tsk_DOT_DTYPES)
     if serving:
         check_param_int(variant, "max_splits", maximum=PARAM_MAX_SPLITS)
         check_param_int(variant, "tokens_per_split", maximum=_tsk_MAX_TOKENS_PER_SPLIT)
+        if "split_budget" in variant.p:
+            check_param_int(variant, "split_budget", minimum=0, maximum=_tsk_MAX_TOKENS_PER_SPLIT)
         # heads per program: a power of two dividing the head count (at most CORE_HEADS')
         check_param_int(variant, "block_h", maximum=max(CORE_HEADS), power_of_two=True)
     else:
@@ -315,8 +321,10 @@ def default_serving_variant(spec: CallSpec, platform) -> Variant:
 # serving_candidates takes. block_h and max_splits are derived per family: block_h from the
 # MMA rows wanted (block_h x next_pow2(max_q_len)), max_splits from waves of the platform's
 # SMs over the family's head tiles, capped (scratch is max_splits x heads x 2 KiB per token).
+# batch_waves: variants whose whole batch shares a split budget of that many waves of the
+# SMs over the head tiles (split_budget; flash_decode_serving).
 _tsk_SERVING_SPACE_KEYS = ("kv", "q", "block_n", "mma_rows", "num_warps", "num_stages", "dot_dtype",
-                      "tokens_per_split", "split_waves", "max_splits", "max_splits_cap")
+                      "tokens_per_split", "split_waves", "batch_waves", "max_splits", "max_splits_cap")
 
 
 def _tsk_serving_lists(space: dict, spec: CallSpec, platform) -> dict:
@@ -336,6 +344,7 @@ def _tsk_serving_lists(space: dict, spec: CallSpec, platform) -> dict:
         "dot_dtype": _tsk_list(space, "dot_dtype", ["bf16"]),
         "tokens_per_split": _tsk_list(space, "tokens_per_split", [_tsk_SERVING_TOKENS_PER_SPLIT]),
         "split_waves": _tsk_list(space, "split_waves", [1]),
+        "batch_waves": _tsk_list(space, "batch_waves", []),
         "max_splits": _tsk_list(space, "max_splits", []),
     }
     for key, known in (("kv", _tsk_KV_FORMATS), ("q", ("bf16", "fp8_dynamic")),
@@ -345,12 +354,13 @@ def _tsk_serving_lists(space: dict, spec: CallSpec, platform) -> dict:
             raise ValueError(f"triton serving space: {key} {bad} not offered; known: {', '.join(known)}"
                              + (" (fp8_static needs a calibration the serving sweep does not make)"
                                 if key == "q" else ""))
-    for key in ("mma_rows", "split_waves", "max_splits", "tokens_per_split"):
+    waves = ("split_waves", "batch_waves")
+    for key in ("mma_rows", *waves, "max_splits", "tokens_per_split"):
         bad = [v for v in lists[key] if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0
-               or (key != "split_waves" and not isinstance(v, int))]
+               or (key not in waves and not isinstance(v, int))]
         if bad:
             raise ValueError(f"triton serving space: {key} must hold positive "
-                             f"{'numbers' if key == 'split_waves' else 'integers'}, got {bad}")
+                             f"{'numbers' if key in waves else 'integers'}, got {bad}")
     bad_rows = [r for r in lists["mma_rows"] if r < _tsk_MMA_ROWS or r & (r - 1)]
     if bad_rows:
         raise ValueError(f"triton serving space: mma_rows must be powers of two >= {_tsk_MMA_ROWS}, got {bad_rows}")
@@ -381,7 +391,11 @@ def serving_candidates(spec: CallSpec, space: dict, platform) -> list[Variant]:
     block_h = mma_rows / next_pow2(max_q_len) where that divides the heads; max_splits from
     _tsk_serving_split_counts (platform.sm_count, or a stand-in of a few on the interpreter);
     with max_splits 1 the split rule is moot, so one tokens_per_split (the largest) is
-    offered; dot dtypes become fp16 where no GPU runs them (platform.has_gpu False).
+    offered; each of batch_waves W adds variants with a batch split budget of ceil(W x SMs /
+    head tiles) (split_budget, and max_splits as much, capped), one per tokens_per_split, and
+    a space with batch_waves but no split_waves offers no per-sequence caps beside them
+    (the default split_waves [1] is dropped; explicit max_splits stay); dot dtypes become
+    fp16 where no GPU runs them (platform.has_gpu False).
     Nothing is offered for a spec CAPABILITIES refuses."""
     if CAPABILITIES.refusal(spec) is not None:
         return []
@@ -394,17 +408,24 @@ def serving_candidates(spec: CallSpec, space: dict, platform) -> list[Variant]:
     sm_count = platform.sm_count or _tsk_INTERPRETER_SMS
     out: list[Variant] = []
     for block_h in block_hs:
-        splits = _tsk_serving_split_counts(spec, block_h, lists["split_waves"], lists["max_splits"],
-                                      lists["max_splits_cap"], sm_count)
-        for q, block_n, warps, stages, dot, max_splits in itertools.product(
+        # (max_splits, split_budget): per-sequence caps (budget 0), then the batch budgets
+        tiles = spec.heads // block_h
+        budgets = sorted({math.ceil(w * sm_count / tiles) for w in lists["batch_waves"]})
+        rules_of = [(m, 0) for m in _tsk_serving_split_counts(
+            spec, block_h, lists["split_waves"] if not budgets or "split_waves" in space else [],
+            lists["max_splits"], lists["max_splits_cap"], sm_count)]
+        rules_of += [(min(b, lists["max_splits_cap"]), b) for b in budgets]
+        for q, block_n, warps, stages, dot, (max_splits, budget) in itertools.product(
                 lists["q"], lists["block_n"], lists["num_warps"], lists["num_stages"],
-                lists["dot_dtype"], splits):
+                lists["dot_dtype"], rules_of):
+            if max_splits == 1 and budget:
+                continue  # one split per sequence at most: the budget is moot (max_splits 1 covers it)
             rules = [max(lists["tokens_per_split"])] if max_splits == 1 else lists["tokens_per_split"]
             for tokens_per_split in rules:
                 variant = Variant.make(
                     NAME, kv=spec.kv_format, q=q, block_n=block_n, block_h=block_h,
                     max_splits=max_splits, tokens_per_split=tokens_per_split, num_warps=warps,
-                    num_stages=stages, dot_dtype=dot)
+                    num_stages=stages, dot_dtype=dot, **({"split_budget": budget} if budget else {}))
                 validate(variant)  # a bad block_n or num_warps fails here, naming it
                 out.append(variant)
     return list(dict.fromkeys(out))
@@ -430,6 +451,7 @@ def build_serving(variant: Variant, spec: CallSpec, device):
         block_n=p["block_n"], block_h=p["block_h"], num_warps=p["num_warps"],
         num_stages=p["num_stages"], dot_dtype=p["dot_dtype"], q_mode=q_mode, q_scale=q_scale,
         q_fp8_dtype=q_fp8_dtype, hip_options={k: p[k] for k in _tsk_HIP_KEYS if k in p},
+        split_budget=p.get("split_budget", 0),
     )
     return own_serving_runner(NAME, spec, device, flash_decode_serving, FlashDecodeServingWorkspace,
                               max_splits, launch, LaunchReplay.build)

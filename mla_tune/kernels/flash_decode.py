@@ -355,11 +355,14 @@ def flash_decode_num_splits(batch: int, kv_len: int, sm_count: int, block_n: int
 # by the new tokens), shared by the sequences in proportion to their lengths, each at
 # least one split and at most one per tokens_per_split. A uniform batch splits as a
 # per-sequence cap would (MAX_SPLITS each); one long sequence among short ones borrows
-# their share and spreads over the SMs. Every stage-1 program computes that schedule from
-# the lengths on the device and finds its (sequence, split); the grid is sized for the
-# most splits the rule can make, programs past the batch's count exit, and stage 2 reads
-# the counts and offsets stage 1 wrote: nothing is read on the host, so the call can be
-# captured in a CUDA graph and replayed with new lengths and block tables.
+# their share and spreads over the SMs. A batch budget (split_budget > 0, a runtime
+# argument) caps the whole batch's splits instead, shared rounding down: a uniform batch
+# then splits by its size, not its length, so its time does not step inside a kv bucket.
+# Every stage-1 program computes that schedule from the lengths on the device and finds
+# its (sequence, split); the grid is sized for the most splits the rule can make, programs
+# past the batch's count exit, and stage 2 reads the counts and offsets stage 1 wrote:
+# nothing is read on the host, so the call can be captured in a CUDA graph and replayed
+# with new lengths and block tables.
 
 
 @triton.jit
@@ -375,13 +378,16 @@ def _fd_seq_len(KV_INDPTR, SEQ_LENS, idx, mask, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _fd_split_len(seq_len, total, budget, tokens_per_split, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr):
+def _fd_split_len(seq_len, total, budget, share_round, tokens_per_split, BLOCK_N: tl.constexpr,
+                  MAX_SPLITS: tl.constexpr):
     """The split length of sequences of seq_len tokens in a batch of `total` tokens with
-    `budget` splits: about seq_len * budget / total splits, at least 1 and at most
+    `budget` splits: floor(seq_len * budget / total + share_round) splits (share_round 0.5:
+    the nearest; 0 under a batch budget: never past it), at least 1 and at most
     cdiv(seq_len, tokens_per_split), each whole tiles; with MAX_SPLITS 1 one split (there
     is no scratch for partials). Splits: cdiv(seq_len, split_len)."""
     share = (seq_len.to(tl.float32) * budget.to(tl.float32)) / tl.maximum(total, 1).to(tl.float32)
-    want = tl.minimum(tl.floor(share + 0.5).to(tl.int32), tl.cdiv(seq_len, tokens_per_split))
+    # 1e-4: a uniform batch's share is budget / batch exactly, whatever float32 rounds
+    want = tl.minimum(tl.floor(share + share_round + 1e-4).to(tl.int32), tl.cdiv(seq_len, tokens_per_split))
     want = tl.maximum(want, 1)
     if MAX_SPLITS == 1:
         want = tl.minimum(want, 1)
@@ -389,19 +395,19 @@ def _fd_split_len(seq_len, total, budget, tokens_per_split, BLOCK_N: tl.constexp
 
 
 @triton.jit
-def _fd_split_counts(KV_INDPTR, SEQ_LENS, idx, batch, total, budget, tokens_per_split,
+def _fd_split_counts(KV_INDPTR, SEQ_LENS, idx, batch, total, budget, share_round, tokens_per_split,
                      PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr):
     """The split counts of sequences idx (0 past the batch and for a sequence of 0 tokens,
     a padded graph slot): what stage 1's schedule and stage 2's reduction go by."""
     lens = _fd_seq_len(KV_INDPTR, SEQ_LENS, idx, idx < batch, PAGE_SIZE)
-    return tl.where(lens > 0, tl.cdiv(lens, _fd_split_len(lens, total, budget, tokens_per_split, BLOCK_N,
+    return tl.where(lens > 0, tl.cdiv(lens, _fd_split_len(lens, total, budget, share_round, tokens_per_split, BLOCK_N,
                                                           MAX_SPLITS)), 0)
 
 
-@triton.jit(do_not_specialize=["batch", "total_q", "tokens_per_split", "bt_stride"])
+@triton.jit(do_not_specialize=["batch", "total_q", "tokens_per_split", "split_budget", "bt_stride"])
 def _fd_serving_stage1_kernel(
     Q, QO_INDPTR, KV, KV_SCALE, KV_INDPTR, BLOCK_TABLE, SEQ_LENS, Q_AMAX,
-    batch, total_q, tokens_per_split, bt_stride, q_static_scale, fp8_max, qk_scale,
+    batch, total_q, tokens_per_split, split_budget, bt_stride, q_static_scale, fp8_max, qk_scale,
     Out, PartOut, PartLse, SplitCount, SplitOff,
     H: tl.constexpr, BLOCK_H: tl.constexpr, Q_LEN_MAX: tl.constexpr, MAX_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr,
@@ -420,6 +426,13 @@ def _fd_serving_stage1_kernel(
     # many sequences end at or before it) and where that sequence's splits start.
     # MAX_SPLITS per sequence when every sequence brings next_pow2(max_q_len) new tokens.
     budget = tl.maximum((tl.load(QO_INDPTR + batch) * MAX_SPLITS) // Q_LEN_MAX, 1)
+    # A batch budget (split_budget > 0): at most that many splits for the whole batch (one
+    # wave of the SMs, say), at least one per sequence, shared by length rounding down, so
+    # a uniform batch runs floor(split_budget / batch) splits each whatever its length.
+    share_round = 0.5
+    if split_budget > 0:
+        budget = tl.minimum(budget, tl.maximum(split_budget, batch))
+        share_round = 0.0
     if prog >= budget + batch:  # past any schedule (a graph's grid sized for padding)
         return
     total = 0
@@ -434,8 +447,8 @@ def _fd_serving_stage1_kernel(
         done = 0
         for c0 in range(0, batch, SCHED_CHUNK):
             idx = c0 + tl.arange(0, SCHED_CHUNK)
-            counts = _fd_split_counts(KV_INDPTR, SEQ_LENS, idx, batch, total, budget, tokens_per_split,
-                                      PAGE_SIZE, BLOCK_N, MAX_SPLITS)
+            counts = _fd_split_counts(KV_INDPTR, SEQ_LENS, idx, batch, total, budget, share_round,
+                                      tokens_per_split, PAGE_SIZE, BLOCK_N, MAX_SPLITS)
             ends = done + tl.cumsum(counts, axis=0)
             tl.store(SplitCount + idx, counts, mask=idx < batch)
             tl.store(SplitOff + idx, ends - counts, mask=idx < batch)
@@ -448,7 +461,7 @@ def _fd_serving_stage1_kernel(
             _fd_serving_item(
                 Q, QO_INDPTR, KV, KV_SCALE, KV_INDPTR, BLOCK_TABLE, SEQ_LENS, Q_AMAX,
                 batch, total_q, tokens_per_split, bt_stride, q_static_scale, fp8_max, qk_scale,
-                Out, PartOut, PartLse, pid_h, item, total, budget,
+                Out, PartOut, PartLse, pid_h, item, total, budget, share_round,
                 H, BLOCK_H, Q_LEN_MAX, MAX_SPLITS, BLOCK_N, PAGE_SIZE, DOT_DTYPE, Q_MODE,
                 FP8_MIN_EXP, KV_SCALED, KV_OFF64, AMAX_CHUNK, SCHED_CHUNK, D_NOPE, D_ROPE, D_QK,
             )
@@ -457,7 +470,7 @@ def _fd_serving_stage1_kernel(
             _fd_serving_item(
                 Q, QO_INDPTR, KV, KV_SCALE, KV_INDPTR, BLOCK_TABLE, SEQ_LENS, Q_AMAX,
                 batch, total_q, tokens_per_split, bt_stride, q_static_scale, fp8_max, qk_scale,
-                Out, PartOut, PartLse, pid_h, prog, total, budget,
+                Out, PartOut, PartLse, pid_h, prog, total, budget, share_round,
                 H, BLOCK_H, Q_LEN_MAX, MAX_SPLITS, BLOCK_N, PAGE_SIZE, DOT_DTYPE, Q_MODE,
                 FP8_MIN_EXP, KV_SCALED, KV_OFF64, AMAX_CHUNK, SCHED_CHUNK, D_NOPE, D_ROPE, D_QK,
             )
@@ -467,7 +480,7 @@ def _fd_serving_stage1_kernel(
 def _fd_serving_item(
     Q, QO_INDPTR, KV, KV_SCALE, KV_INDPTR, BLOCK_TABLE, SEQ_LENS, Q_AMAX,
     batch, total_q, tokens_per_split, bt_stride, q_static_scale, fp8_max, qk_scale,
-    Out, PartOut, PartLse, pid_h, item, total, budget,
+    Out, PartOut, PartLse, pid_h, item, total, budget, share_round,
     H: tl.constexpr, BLOCK_H: tl.constexpr, Q_LEN_MAX: tl.constexpr, MAX_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr,
     Q_MODE: tl.constexpr, FP8_MIN_EXP: tl.constexpr, KV_SCALED: tl.constexpr, KV_OFF64: tl.constexpr,
@@ -482,8 +495,8 @@ def _fd_serving_item(
     done = 0  # items of the sequences before the chunk
     for c0 in range(0, batch, SCHED_CHUNK):
         idx = c0 + tl.arange(0, SCHED_CHUNK)
-        counts = _fd_split_counts(KV_INDPTR, SEQ_LENS, idx, batch, total, budget, tokens_per_split,
-                                  PAGE_SIZE, BLOCK_N, MAX_SPLITS)
+        counts = _fd_split_counts(KV_INDPTR, SEQ_LENS, idx, batch, total, budget, share_round,
+                                  tokens_per_split, PAGE_SIZE, BLOCK_N, MAX_SPLITS)
         before = done + tl.cumsum(counts, axis=0) <= item
         pid_b += tl.sum(before.to(tl.int32), axis=0)
         first += tl.sum(tl.where(before, counts, 0), axis=0)
@@ -492,7 +505,7 @@ def _fd_serving_item(
         _fd_serving_split(
             Q, QO_INDPTR, KV, KV_SCALE, KV_INDPTR, BLOCK_TABLE, SEQ_LENS, Q_AMAX,
             total_q, tokens_per_split, bt_stride, q_static_scale, fp8_max, qk_scale,
-            Out, PartOut, PartLse, pid_h, item, pid_b, item - first, total, budget, batch,
+            Out, PartOut, PartLse, pid_h, item, pid_b, item - first, total, budget, share_round, batch,
             H, BLOCK_H, Q_LEN_MAX, MAX_SPLITS, BLOCK_N, PAGE_SIZE, DOT_DTYPE, Q_MODE,
             FP8_MIN_EXP, KV_SCALED, KV_OFF64, AMAX_CHUNK, D_NOPE, D_ROPE, D_QK,
         )
@@ -502,7 +515,7 @@ def _fd_serving_item(
 def _fd_serving_split(
     Q, QO_INDPTR, KV, KV_SCALE, KV_INDPTR, BLOCK_TABLE, SEQ_LENS, Q_AMAX,
     total_q, tokens_per_split, bt_stride, q_static_scale, fp8_max, qk_scale,
-    Out, PartOut, PartLse, pid_h, item, pid_b, pid_s, total, budget, batch,
+    Out, PartOut, PartLse, pid_h, item, pid_b, pid_s, total, budget, share_round, batch,
     H: tl.constexpr, BLOCK_H: tl.constexpr, Q_LEN_MAX: tl.constexpr, MAX_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr,
     Q_MODE: tl.constexpr, FP8_MIN_EXP: tl.constexpr, KV_SCALED: tl.constexpr, KV_OFF64: tl.constexpr,
@@ -511,7 +524,7 @@ def _fd_serving_split(
     """Split pid_s of sequence pid_b, the batch's item-th, for head tile pid_h: its
     output rows (one split) or its partials and log2-sum-exps (several)."""
     seq_len = _fd_seq_len(KV_INDPTR, SEQ_LENS, pid_b, pid_b < batch, PAGE_SIZE)
-    split_len = _fd_split_len(seq_len, total, budget, tokens_per_split, BLOCK_N, MAX_SPLITS)
+    split_len = _fd_split_len(seq_len, total, budget, share_round, tokens_per_split, BLOCK_N, MAX_SPLITS)
     num_splits = tl.cdiv(seq_len, split_len)
     lo = pid_s * split_len
     hi = tl.minimum(lo + split_len, seq_len)
@@ -719,6 +732,7 @@ def flash_decode_serving(
     num_warps: int,
     num_stages: int,
     dot_dtype: str,
+    split_budget: int = 0,
     q_mode: str = "bf16",
     q_scale: float | None = None,
     q_fp8_dtype: torch.dtype = torch.float8_e4m3fn,
@@ -741,7 +755,11 @@ def flash_decode_serving(
     about clamp(round(seq_len * budget / sum(seq_lens)), 1, cdiv(seq_len, tokens_per_split))
     splits of whole tiles, counted on the device (a uniform batch: min(max_splits,
     cdiv(seq_len, tokens_per_split)) each; max_splits 1: one split each, whatever the
-    lengths). Past _fd_ONE_ITEM_CTAS programs, _fd_GRID_CTAS that run several splits each.
+    lengths). split_budget > 0 caps that budget for the whole batch at max(split_budget,
+    batch) splits (per head tile), shared rounding down: a uniform batch then runs
+    min(floor(split_budget / batch), max_splits, cdiv(seq_len, tokens_per_split)) splits
+    each, so the grid stays about one wave of the SMs at any length (a per-sequence rule
+    steps at every multiple of tokens_per_split: docs/perf.md, session 9). Past _fd_ONE_ITEM_CTAS programs, _fd_GRID_CTAS that run several splits each.
     block_h: heads per program (divides heads; block_h *
     next_pow2(max_q_len) >= 16 rows for the MMA). Other options as `flash_decode`.
     q_mode "fp8_dynamic" takes its per-tensor amax over all of q, rows past
@@ -765,6 +783,8 @@ def flash_decode_serving(
                          f"{', '.join(_fd_Q_MODES)}; got {dot_dtype!r}, {q_mode!r}")
     if q_mode == "fp8_static" and not (q_scale is not None and q_scale > 0):
         raise ValueError("q_mode fp8_static needs q_scale = q_amax / fp8_max > 0")
+    if isinstance(split_budget, bool) or not isinstance(split_budget, int) or not 0 <= split_budget < 2**31:
+        raise ValueError(f"split_budget must be an integer >= 0 (0: max_splits per sequence), got {split_budget!r}")
     workspace = serving_workspace(workspace, FlashDecodeServingWorkspace, total_q, heads, max_splits, q.device,
                                   max_q_len=max_q_len)
     extra = {k: v for k, v in (hip_options or {}).items() if v is not None}
@@ -784,13 +804,15 @@ def flash_decode_serving(
     # per sequence (rounding); with max_splits 1, one per sequence. A program per item, or
     # past _fd_ONE_ITEM_CTAS programs _fd_GRID_CTAS of them that loop over the items.
     items = batch if max_splits == 1 else (max_splits * total_q) // q_len_max + batch
+    if split_budget > 0 and max_splits > 1:
+        items = min(items, max(split_budget, batch) + batch)
     tiles = heads // block_h
     item_loop = tiles * items > _fd_ONE_ITEM_CTAS
     programs = min(items, max(_fd_GRID_CTAS // tiles, 1)) if item_loop else items
     jit_launch(
         _fd_serving_stage1_kernel, (tiles, programs), record,
         q, qo_indptr, kv, kv_scale if kv_scaled else dummy, *seq_ptrs, workspace.q_amax,
-        batch, total_q, tokens_per_split, bt_stride,
+        batch, total_q, tokens_per_split, split_budget, bt_stride,
         float(q_scale or 1.0), float(torch.finfo(q_fp8_dtype).max), float(sm_scale * _fd_LOG2E),
         out, workspace.part_out, workspace.part_lse, workspace.split_count, workspace.split_off,
         H=heads, BLOCK_H=block_h, Q_LEN_MAX=q_len_max, MAX_SPLITS=max_splits, BLOCK_N=block_n,

@@ -162,9 +162,12 @@ def kernel_us(key: FamilyKey, batch: int, kv_len: int) -> float:
 
 
 def compile_key(variant: Variant) -> tuple:
-    """What a Triton compile depends on: the variant without tokens_per_split, which the
-    own kernels pass as a runtime argument (do_not_specialize)."""
-    return (variant.backend, tuple((k, v) for k, v in variant.params if k != "tokens_per_split"))
+    """What a Triton compile depends on: the variant without tokens_per_split and
+    split_budget, which the own kernels pass as runtime arguments (do_not_specialize)."""
+    return (variant.backend, tuple((k, v) for k, v in variant.params if k not in RUNTIME_PARAMS))
+
+
+RUNTIME_PARAMS = ("tokens_per_split", "split_budget")
 
 
 def first_rung_timed(cfg: ServingConfig, candidates: int) -> int:

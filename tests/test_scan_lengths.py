@@ -1,0 +1,35 @@
+"""scripts/scan_lengths.py's pieces on the CPU: the lengths it times cover one kv bucket,
+and the batch-budget variants it adds are split-K ones with the budget of W waves."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+from mla_tune.core import Variant
+from mla_tune.tables.serving_table import kv_bucket
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "scan_lengths.py"
+_spec = importlib.util.spec_from_file_location("scan_lengths", SCRIPT)
+scan = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(scan)
+
+
+def test_the_scanned_lengths_all_look_up_their_bucket_and_span_it():
+    buckets = [512, 1024, 2048, 4096]
+    for bucket in buckets:
+        lens = scan.bucket_lengths(bucket, 8)
+        assert len(lens) == 8 and lens == sorted(lens)
+        assert {kv_bucket(buckets, n) for n in lens} == {bucket}
+        assert lens[0] < bucket * 0.75 and lens[-1] > bucket * 1.25  # both halves of the octave
+
+
+def test_budget_variants_are_made_from_split_k_ones_only():
+    split = Variant.make("triton", kv="fp8", q="bf16", block_n=64, block_h=16, max_splits=17,
+                         tokens_per_split=512, num_warps=8, num_stages=2, dot_dtype="bf16")
+    budget = scan.with_budget(split, 2, 128, sm_count=132, heads=128)
+    assert budget.p == {**split.p, "split_budget": math.ceil(2 * 132 / 8), "tokens_per_split": 128}
+    unsplit = Variant.make("triton", **{**split.p, "max_splits": 1})
+    assert scan.with_budget(unsplit, 1, 128, 132, 128) is None
+    assert scan.with_budget(Variant.make("flashmla", kv="fp8", q="fp8_dynamic"), 1, 128, 132, 128) is None
