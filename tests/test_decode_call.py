@@ -118,6 +118,23 @@ def test_a_decoder_runs_a_given_variant_with_splits_at_128_heads(backend, device
     _assert_close(out, inp.reference(), f"{backend} with splits")
 
 
+def test_a_split_k_variant_with_a_batch_budget_splits_by_batch_size(device):
+    """split_budget reaches the kernel through the backend: 3 sequences under a budget of 7
+    run 2 splits each (rounding down; 150 tokens -> 192 in 64-token tiles) where max_splits
+    alone gives 4 of 75 -> 128 tokens, so 3; the answer is right."""
+    spec = CallSpec("bf16", 16, 16, max_q_len=1)
+    variant = get_backend("triton").default_serving_variant(spec, CPU).with_params(
+        max_splits=4, tokens_per_split=32, split_budget=7)
+    runner = get_backend("triton").build_serving(variant, spec, device)
+    inp = serving.make_input([1, 1, 1], [300, 300, 300], 16, 16, "bf16", seed=5, device=device)
+    out = runner(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
+    _assert_close(out, inp.reference(), "split_budget")
+    assert runner.workspace.split_count[:3].tolist() == [2, 2, 2]
+    unbudgeted = get_backend("triton").build_serving(variant.with_params(split_budget=0), spec, device)
+    unbudgeted(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
+    assert unbudgeted.workspace.split_count[:3].tolist() == [3, 3, 3]
+
+
 def test_split_k_serving_variant_with_static_fp8_q(device):
     """q=fp8_static with a calibrated q_amax below the largest |q| (some values clamp)."""
     inp = serving.make_input([1, 1, 1], [300, 17, 1], 16, 64, "fp8", seed=4, device=device)
