@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python scripts/scan_lengths.py --kv fp8 --heads 16 --q-len 4 --batch 30 \
         --bucket 512 [--points 8] [--budget-waves 1,2] [--budget-tokens 128] [--json out.json]
+    ... --batch 25,28,32 --lengths 609       # across a batch bucket's batches instead
 
 A cell of the serving table is timed at one set of lengths, but an eager call looks it up
 for any mean length within half an octave of its bucket. This script times every candidate
@@ -9,10 +10,11 @@ the config offers the family (configs/serving.yaml; the same gate is not run: ea
 checked against the fp32 reference under the config's rule instead), plus, with
 --budget-waves, each split-K candidate again under a batch split budget of W waves of the
 SMs (flash_decode_serving's split_budget), on uniform batches at --points lengths spread
-log-evenly over the bucket (K x 2^u, u from -1/2 to 1/2). It prints, per candidate, the
-regret to the fastest at each length and the worst, so a split rule that steps inside the
-bucket shows up as a large worst regret. Timing: timing.time_call (L2 flushed, CUDA
-events, median of --reps).
+log-evenly over the bucket (K x 2^u, u from -1/2 to 1/2), or at --lengths, for each of
+--batch's batch sizes. It prints, per candidate, the regret to the fastest at each shape and
+the worst, so a split rule that steps inside a bucket shows up as a large worst regret.
+Timing: timing.time_call (L2 flushed, CUDA events, median of --reps); --device cpu (the
+interpreter, for tests) times wall clock and means nothing.
 """
 
 from __future__ import annotations
@@ -41,6 +43,17 @@ def bucket_lengths(bucket: int, points: int) -> list[int]:
     return sorted({max(1, math.ceil(bucket * 2.0 ** (-0.5 + i / points))) for i in range(points)})
 
 
+def parse_ints(text: str, what: str) -> list[int]:
+    """'25,28,32' -> [25, 28, 32]; positive integers only."""
+    try:
+        out = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"{what}: {text!r} is not a comma-separated list of integers") from None
+    if not out or min(out) < 1:
+        raise SystemExit(f"{what}: every value must be >= 1, got {text!r}")
+    return out
+
+
 def with_budget(variant: Variant, waves: float, tokens: int, sm_count: int, heads: int) -> Variant | None:
     """The split-K variant under a batch budget of `waves` waves of the SMs over its head
     tiles, with a split per at least `tokens` tokens; None for a variant that does not split."""
@@ -58,8 +71,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, required=True)
     parser.add_argument("--q-len", type=int, default=1)
     parser.add_argument("--page", type=int, default=64)
-    parser.add_argument("--batch", type=int, required=True)
-    parser.add_argument("--bucket", type=int, required=True, help="The kv bucket (its power of two).")
+    parser.add_argument("--batch", required=True, help="Batch size, or comma-separated sizes.")
+    parser.add_argument("--bucket", type=int, help="The kv bucket (its power of two) whose lengths to scan.")
+    parser.add_argument("--lengths", help="Comma-separated kv lengths instead of a bucket's.")
     parser.add_argument("--points", type=int, default=8)
     parser.add_argument("--budget-waves", default="", help="Comma-separated waves, e.g. 1,2.")
     parser.add_argument("--budget-tokens", default="128",
@@ -67,7 +81,11 @@ def main() -> None:
     parser.add_argument("--backends", help="Comma-separated backends to time (default: all the config's).")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", help="Write every time here.")
+    parser.add_argument("--device", default="cuda", help="cuda; cpu runs the kernels on Triton's interpreter "
+                        "(TRITON_INTERPRET=1), for tests: its times mean nothing.")
     args = parser.parse_args()
+    if (args.bucket is None) == (args.lengths is None):
+        raise SystemExit("give --bucket (its lengths are scanned) or --lengths, not both")
 
     cfg = load_serving_config(args.config)
     key = FamilyKey(args.kv, args.page, args.heads, args.q_len)
@@ -77,18 +95,22 @@ def main() -> None:
     variants = [v for v in plan.candidates if wanted is None or v.backend in wanted]
     for w in (float(x) for x in args.budget_waves.split(",") if x):
         for tokens in (int(x) for x in args.budget_tokens.split(",")):
-            variants += [v for v in (with_budget(c, w, tokens, platform.sm_count, args.heads)
+            variants += [v for v in (with_budget(c, w, tokens, platform.sm_count or 4, args.heads)
                                      for c in list(variants)) if v is not None and v not in variants]
-    lens = bucket_lengths(args.bucket, args.points)
-    times: dict[str, dict[int, float]] = {str(v): {} for v in variants}
+    batches = parse_ints(args.batch, "--batch")
+    lengths = parse_ints(args.lengths, "--lengths") if args.lengths else bucket_lengths(args.bucket, args.points)
+    shapes = [f"{b}x{n}" for b in batches for n in lengths]
+    times: dict[str, dict[str, float]] = {str(v): {} for v in variants}
     runners = {}
-    for length in lens:
-        inp = make_input([min(args.q_len, length)] * args.batch, [length] * args.batch, args.heads, args.page,
-                         args.kv, seed=length, device="cuda")
+    timer = timing.timers(args.device != "cpu")[0]
+    for shape in shapes:
+        batch, length = (int(x) for x in shape.split("x"))
+        inp = make_input([min(args.q_len, length)] * batch, [length] * batch, args.heads, args.page,
+                         args.kv, seed=length, device=args.device)
         refs = {}
         for v in variants:
             if v not in runners:
-                runners[v] = get_backend(v.backend).build_serving(v, plan.spec, "cuda")
+                runners[v] = get_backend(v.backend).build_serving(v, plan.spec, args.device)
             q_format = reference_q_format(v, cfg.gate)
             if q_format not in refs:
                 refs[q_format] = inp.reference(q_format)
@@ -98,26 +120,26 @@ def main() -> None:
                 print(f"  {v}: {type(exc).__name__}: {exc}")
                 continue
             if ok:
-                times[str(v)][length] = timing.time_call(lambda r=runners[v], x=inp: run_call(r, x),
-                                                         reps=args.reps).median_us
+                times[str(v)][shape] = timer(lambda r=runners[v], x=inp: run_call(r, x), reps=args.reps).median_us
             else:
-                print(f"  {v}: fails the check at {args.batch} x {length}")
+                print(f"  {v}: fails the check at {batch} x {length}")
         del inp, refs
-        torch.cuda.empty_cache()
-    best = {n: min((t[n] for t in times.values() if n in t), default=math.nan) for n in lens}
-    print(f"{key}, batch {args.batch}, bucket {args.bucket}: lengths {lens}")
-    print("best us: " + " ".join(f"{best[n]:.1f}" for n in lens))
+        if args.device != "cpu":
+            torch.cuda.empty_cache()
+    best = {n: min((t[n] for t in times.values() if n in t), default=math.nan) for n in shapes}
+    print(f"{key}: batches {batches}, lengths {lengths}")
+    print("best us: " + " ".join(f"{best[n]:.1f}" for n in shapes))
     rows = []
     for name, t in times.items():
-        if len(t) < len(lens):
+        if len(t) < len(shapes):
             continue
-        regrets = [t[n] / best[n] - 1 for n in lens]
+        regrets = [t[n] / best[n] - 1 for n in shapes]
         rows.append((max(regrets), name, regrets))
     for worst, name, regrets in sorted(rows)[:12]:
         print(f"worst {100 * worst:5.1f}%  " + " ".join(f"{100 * r:5.1f}" for r in regrets) + f"  {name}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"family": str(key), "batch": args.batch, "bucket": args.bucket, "lens": lens,
+            json.dump({"family": str(key), "batches": batches, "lengths": lengths, "shapes": shapes,
                        "times": times}, f, indent=1)
 
 

@@ -4,7 +4,11 @@ and the batch-budget variants it adds are split-K ones with the budget of W wave
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from mla_tune.core import Variant
@@ -33,3 +37,32 @@ def test_budget_variants_are_made_from_split_k_ones_only():
     unsplit = Variant.make("triton", **{**split.p, "max_splits": 1})
     assert scan.with_budget(unsplit, 1, 128, 132, 128) is None
     assert scan.with_budget(Variant.make("flashmla", kv="fp8", q="fp8_dynamic"), 1, 128, 132, 128) is None
+
+
+def test_lists_of_batches_and_lengths_are_parsed_or_refused_by_name():
+    assert scan.parse_ints("25,28,32", "--batch") == [25, 28, 32]
+    for bad in ("25,x", "0", ""):
+        try:
+            scan.parse_ints(bad, "--lengths")
+        except SystemExit as exc:
+            assert "--lengths" in str(exc)
+        else:
+            raise AssertionError(f"{bad!r} was accepted")
+
+
+def test_the_script_runs_end_to_end_on_the_interpreter(tmp_path):
+    """Two batches at one length, the config's split-K candidates and their budget copies:
+    every one checked and timed (wall clock, meaningless), the worst regrets printed and
+    the times written."""
+    out = tmp_path / "scan.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(SCRIPT.parents[1]))
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--kv", "fp8", "--heads", "16", "--batch", "1,2",
+                           "--lengths", "40", "--budget-waves", "1", "--backends", "triton", "--reps", "1",
+                           "--device", "cpu", "--json", str(out)],
+                          cwd=SCRIPT.parents[1], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["shapes"] == ["1x40", "2x40"]
+    budgeted = [v for v in data["times"] if "split_budget=" in v]
+    assert budgeted and all(set(t) == {"1x40", "2x40"} for t in data["times"].values())
+    assert "worst" in proc.stdout and "fails the check" not in proc.stdout
