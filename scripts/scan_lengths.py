@@ -26,7 +26,7 @@ import math
 import torch
 
 from mla_tune import gpu, problem
-from mla_tune.backends import get_backend
+from mla_tune.backends import get_backend, triton_splitk
 from mla_tune.core import Variant
 from mla_tune.serving import make_input
 from mla_tune.tables.serving_table import FamilyKey
@@ -60,7 +60,7 @@ def with_budget(variant: Variant, waves: float, tokens: int, sm_count: int, head
     p = variant.p
     if variant.backend != "triton" or p.get("max_splits", 1) <= 1:
         return None
-    budget = math.ceil(waves * sm_count / (heads // p["block_h"]))
+    budget = triton_splitk.batch_split_budget(waves, sm_count, heads // p["block_h"])
     return Variant.make("triton", **{**p, "split_budget": budget, "tokens_per_split": tokens})
 
 

@@ -384,6 +384,12 @@ def _tsk_serving_split_counts(spec: CallSpec, block_h: int, split_waves, max_spl
     return sorted(counts)
 
 
+def batch_split_budget(waves: float, sm_count: int, head_tiles: int) -> int:
+    """The split_budget of `waves` waves of `sm_count` SMs over `head_tiles` head tiles (each
+    split runs one program per head tile)."""
+    return math.ceil(waves * sm_count / head_tiles)
+
+
 def serving_candidates(spec: CallSpec, space: dict, platform) -> list[Variant]:
     """The serving variants to sweep for the family `spec` on `platform`, from one search
     space (_tsk_SERVING_SPACE_KEYS): the product of its lists where the family allows them. A
@@ -410,16 +416,16 @@ def serving_candidates(spec: CallSpec, space: dict, platform) -> list[Variant]:
     for block_h in block_hs:
         # (max_splits, split_budget): per-sequence caps (budget 0), then the batch budgets
         tiles = spec.heads // block_h
-        budgets = sorted({math.ceil(w * sm_count / tiles) for w in lists["batch_waves"]})
+        budgets = sorted({batch_split_budget(w, sm_count, tiles) for w in lists["batch_waves"]})
         rules_of = [(m, 0) for m in _tsk_serving_split_counts(
             spec, block_h, lists["split_waves"] if not budgets or "split_waves" in space else [],
             lists["max_splits"], lists["max_splits_cap"], sm_count)]
-        rules_of += [(min(b, lists["max_splits_cap"]), b) for b in budgets]
+        # a budget that allows one split per sequence is max_splits 1's (no scratch, no stage 2)
+        capped = [(min(b, lists["max_splits_cap"]), b) for b in budgets]
+        rules_of += [(m, b) for m, b in capped if m > 1]
         for q, block_n, warps, stages, dot, (max_splits, budget) in itertools.product(
                 lists["q"], lists["block_n"], lists["num_warps"], lists["num_stages"],
                 lists["dot_dtype"], rules_of):
-            if max_splits == 1 and budget:
-                continue  # one split per sequence at most: the budget is moot (max_splits 1 covers it)
             rules = [max(lists["tokens_per_split"])] if max_splits == 1 else lists["tokens_per_split"]
             for tokens_per_split in rules:
                 variant = Variant.make(

@@ -759,7 +759,8 @@ def flash_decode_serving(
     batch) splits (per head tile), shared rounding down: a uniform batch then runs
     min(floor(split_budget / batch), max_splits, cdiv(seq_len, tokens_per_split)) splits
     each, so the grid stays about one wave of the SMs at any length (a per-sequence rule
-    steps at every multiple of tokens_per_split: docs/perf.md, session 9). Past _fd_ONE_ITEM_CTAS programs, _fd_GRID_CTAS that run several splits each.
+    steps at every multiple of tokens_per_split: docs/perf.md, session 9). Past
+    _fd_ONE_ITEM_CTAS programs, _fd_GRID_CTAS that run several splits each.
     block_h: heads per program (divides heads; block_h *
     next_pow2(max_q_len) >= 16 rows for the MMA). Other options as `flash_decode`.
     q_mode "fp8_dynamic" takes its per-tensor amax over all of q, rows past

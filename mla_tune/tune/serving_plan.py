@@ -161,13 +161,13 @@ def kernel_us(key: FamilyKey, batch: int, kv_len: int) -> float:
     return KERNEL_FIXED_US + batch * kv_len * KV_BYTES_PER_TOKEN[key.kv_format] / KV_BYTES_PER_US
 
 
-def compile_key(variant: Variant) -> tuple:
-    """What a Triton compile depends on: the variant without tokens_per_split and
-    split_budget, which the own kernels pass as runtime arguments (do_not_specialize)."""
-    return (variant.backend, tuple((k, v) for k, v in variant.params if k not in RUNTIME_PARAMS))
-
-
+# Variant parameters the own kernels take as runtime arguments (do_not_specialize).
 RUNTIME_PARAMS = ("tokens_per_split", "split_budget")
+
+
+def compile_key(variant: Variant) -> tuple:
+    """What a Triton compile depends on: the variant without its RUNTIME_PARAMS."""
+    return (variant.backend, tuple((k, v) for k, v in variant.params if k not in RUNTIME_PARAMS))
 
 
 def first_rung_timed(cfg: ServingConfig, candidates: int) -> int:
