@@ -3,6 +3,7 @@
     PYTHONPATH=. python scripts/scan_lengths.py --kv fp8 --heads 16 --q-len 4 --batch 30 \
         --bucket 512 [--points 8] [--budget-waves 1,2] [--budget-tokens 128] [--json out.json]
     ... --batch 25,28,32 --lengths 609       # across a batch bucket's batches instead
+    ... --mix 771,912,63472                  # one ragged batch of these lengths
 
 A cell of the serving table is timed at one set of lengths, but an eager call looks it up
 for any mean length within half an octave of its bucket. This script times every candidate
@@ -71,9 +72,10 @@ def main() -> None:
     parser.add_argument("--heads", type=int, required=True)
     parser.add_argument("--q-len", type=int, default=1)
     parser.add_argument("--page", type=int, default=64)
-    parser.add_argument("--batch", required=True, help="Batch size, or comma-separated sizes.")
+    parser.add_argument("--batch", help="Batch size, or comma-separated sizes.")
     parser.add_argument("--bucket", type=int, help="The kv bucket (its power of two) whose lengths to scan.")
     parser.add_argument("--lengths", help="Comma-separated kv lengths instead of a bucket's.")
+    parser.add_argument("--mix", help="Comma-separated kv lengths of one ragged batch instead (--batch ignored).")
     parser.add_argument("--points", type=int, default=8)
     parser.add_argument("--budget-waves", default="", help="Comma-separated waves, e.g. 1,2.")
     parser.add_argument("--budget-tokens", default="128",
@@ -84,8 +86,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cuda; cpu runs the kernels on Triton's interpreter "
                         "(TRITON_INTERPRET=1), for tests: its times mean nothing.")
     args = parser.parse_args()
-    if (args.bucket is None) == (args.lengths is None):
-        raise SystemExit("give --bucket (its lengths are scanned) or --lengths, not both")
+    if args.mix is None and ((args.bucket is None) == (args.lengths is None) or args.batch is None):
+        raise SystemExit("give --batch with --bucket (its lengths are scanned) or --lengths (not both), "
+                         "or --mix alone")
+    if args.mix is not None and (args.bucket or args.lengths or args.batch):
+        raise SystemExit("--mix is one ragged batch: give it without --batch, --bucket or --lengths")
 
     cfg = load_serving_config(args.config)
     key = FamilyKey(args.kv, args.page, args.heads, args.q_len)
@@ -97,16 +102,23 @@ def main() -> None:
         for tokens in (int(x) for x in args.budget_tokens.split(",")):
             variants += [v for v in (with_budget(c, w, tokens, platform.sm_count or 4, args.heads)
                                      for c in list(variants)) if v is not None and v not in variants]
-    batches = parse_ints(args.batch, "--batch")
-    lengths = parse_ints(args.lengths, "--lengths") if args.lengths else bucket_lengths(args.bucket, args.points)
-    shapes = [f"{b}x{n}" for b in batches for n in lengths]
+    if args.mix:  # one ragged batch
+        mix = parse_ints(args.mix, "--mix")
+        batches, lengths = [len(mix)], []
+        shapes = [f"mix{len(mix)}~{sum(mix) // len(mix)}"]
+        shape_lens = {shapes[0]: mix}
+    else:
+        batches = parse_ints(args.batch, "--batch")
+        lengths = parse_ints(args.lengths, "--lengths") if args.lengths else bucket_lengths(args.bucket, args.points)
+        shapes = [f"{b}x{n}" for b in batches for n in lengths]
+        shape_lens = {f"{b}x{n}": [n] * b for b in batches for n in lengths}
     times: dict[str, dict[str, float]] = {str(v): {} for v in variants}
     runners = {}
     timer = timing.timers(args.device != "cpu")[0]
     for shape in shapes:
-        batch, length = (int(x) for x in shape.split("x"))
-        inp = make_input([min(args.q_len, length)] * batch, [length] * batch, args.heads, args.page,
-                         args.kv, seed=length, device=args.device)
+        lens = shape_lens[shape]
+        inp = make_input([min(args.q_len, n) for n in lens], lens, args.heads, args.page,
+                         args.kv, seed=sum(lens), device=args.device)
         refs = {}
         for v in variants:
             if v not in runners:
@@ -122,7 +134,7 @@ def main() -> None:
             if ok:
                 times[str(v)][shape] = timer(lambda r=runners[v], x=inp: run_call(r, x), reps=args.reps).median_us
             else:
-                print(f"  {v}: fails the check at {batch} x {length}")
+                print(f"  {v}: fails the check at {shape}")
         del inp, refs
         if args.device != "cpu":
             torch.cuda.empty_cache()

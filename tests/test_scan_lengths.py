@@ -66,3 +66,21 @@ def test_the_script_runs_end_to_end_on_the_interpreter(tmp_path):
     budgeted = [v for v in data["times"] if "split_budget=" in v]
     assert budgeted and all(set(t) == {"1x40", "2x40"} for t in data["times"].values())
     assert "worst" in proc.stdout and "fails the check" not in proc.stdout
+
+
+def test_a_ragged_mix_runs_as_one_shape_and_is_not_mixed_with_a_grid(tmp_path):
+    """--mix times one ragged batch (each sequence its own length, checked against the
+    reference); with --batch, --bucket or --lengths beside it the script refuses by name."""
+    out = tmp_path / "mix.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(SCRIPT.parents[1]))
+    base = [sys.executable, str(SCRIPT), "--kv", "bf16", "--heads", "16"]
+    proc = subprocess.run(base + ["--mix", "90,7,33", "--budget-waves", "1", "--backends", "triton",
+                                  "--reps", "1", "--device", "cpu", "--json", str(out)],
+                          cwd=SCRIPT.parents[1], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["shapes"] == ["mix3~43"] and data["batches"] == [3]
+    assert all(set(t) == {"mix3~43"} for t in data["times"].values()) and "fails the check" not in proc.stdout
+    bad = subprocess.run(base + ["--mix", "90,7", "--batch", "2"], cwd=SCRIPT.parents[1], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--mix" in bad.stderr

@@ -20,6 +20,7 @@ from mla_tune.core import fp8_dtype_for
 from mla_tune.kernels import flash_decode as flash_decode_module
 from mla_tune.kernels.flash_decode import (
     FlashDecodeServingWorkspace,
+    fill_splits,
     flash_decode,
     flash_decode_serving,
 )
@@ -42,7 +43,8 @@ def _q_lens(kv_lens: list[int], q_len: int) -> list[int]:
 
 def _launch(inp: serving.ServingInput, device: str, *, max_splits: int, tokens_per_split: int,
             block_n: int, block_h: int, q_mode: str = "bf16", q_amax: float | None = None,
-            num_warps: int = 4, num_stages: int = 1, workspace=None, out=None, split_budget: int = 0):
+            num_warps: int = 4, num_stages: int = 1, workspace=None, out=None, split_budget: int = 0,
+            sm_count: int = 0):
     heads = inp.q.shape[1]
     if workspace is None:
         workspace = FlashDecodeServingWorkspace.allocate(inp.q.shape[0], heads, max_splits, device,
@@ -60,7 +62,7 @@ def _launch(inp: serving.ServingInput, device: str, *, max_splits: int, tokens_p
         max_q_len=max(inp.q_lens), max_splits=max_splits, tokens_per_split=tokens_per_split,
         block_n=block_n, block_h=block_h, num_warps=num_warps, num_stages=num_stages,
         dot_dtype=_dot_dtype(device), q_mode=q_mode, q_scale=q_scale, q_fp8_dtype=fp8_dtype_for(device),
-        workspace=workspace, split_budget=split_budget,
+        workspace=workspace, split_budget=split_budget, sm_count=sm_count,
     )
 
 
@@ -230,16 +232,61 @@ def test_a_batch_budget_splits_a_uniform_batch_by_its_size_not_its_length(device
     assert workspace.split_count[:3].tolist() == [expect] * 3
 
 
-def test_a_batch_budget_shares_a_ragged_batch_rounding_down(device):
-    """A ragged batch under a batch budget shares it by length, rounding down (never past
-    the budget), each sequence at least one split."""
-    inp = serving.make_input([1, 1, 1, 1], [2000, 40, 17, 1], 16, 0, "bf16", seed=16, device=device)
+def test_fill_splits_raises_a_share_that_leaves_the_waves_idle():
+    """fill_splits: floor(budget / batch) where its programs fill >= 80% of their waves, else
+    the fewest more that do (the H200's 6 x 28440 at 128 heads: 2 splits, 96 programs on 132
+    SMs, ran 23% slower than 5 splits, 240 programs), capped at max_splits; no device: the
+    plain share."""
+    assert fill_splits(17, 8, 8, 17, 132) == 2      # 128 programs of 132: kept
+    assert fill_splits(17, 6, 8, 17, 132) == 5      # 96 of 132 (73%) -> 240 of 264 (91%)
+    assert fill_splits(17, 7, 8, 17, 132) == 2      # 112 of 132 (85%): kept
+    assert fill_splits(132, 30, 1, 64, 132) == 4    # 120 of 132: kept (the sawtooth fix stands)
+    assert fill_splits(17, 24, 8, 17, 132) == 2     # a budget under the batch: 1 each fills 73%
+    assert fill_splits(17, 6, 8, 17, 0) == 2        # no SM count (the CPU): the plain share
+    assert fill_splits(7, 3, 1, 4, 132) == 4        # nothing fills: the best fill within max_splits
+    assert fill_splits(40, 2, 1, 8, 132) == 8       # the share is past max_splits: capped
+    for batch in range(1, 70):                       # never fewer than the share, never past the cap
+        s = fill_splits(17, batch, 8, 17, 132)
+        assert max(1, min(17, 17 // batch)) <= s <= 17
+
+
+def test_a_batch_budget_fills_the_waves_of_the_sms_it_is_given(device):
+    """With an SM count the launch runs fill_splits' share: 3 sequences at 16 heads (one head
+    tile) under a budget of 4 on 8 SMs would run 1 split each (3 programs of 8); 5 each fill
+    15 of 16. The answer is right."""
+    inp = serving.make_input([1] * 3, [609] * 3, 16, 16, "fp8", seed=17, device=device)
+    workspace = FlashDecodeServingWorkspace.allocate(3, 16, 8, device)
+    out = _launch(inp, device, max_splits=8, tokens_per_split=64, block_n=16, block_h=16,
+                  workspace=workspace, split_budget=4, sm_count=8)
+    _assert_close(out, inp.reference(), "filled budget")
+    assert fill_splits(4, 3, 1, 8, 8) == 5
+    assert workspace.split_count[:3].tolist() == [5] * 3
+
+
+def test_a_batch_budget_shares_a_ragged_batch_rounding_up(device):
+    """A ragged batch under a batch budget shares it by length rounding up, each sequence at
+    least one split: no split is longer than the batch's mean (whole tiles), and the batch
+    runs at most budget + batch splits. Rounding down ran a 28-sequence mix on the H200 with
+    splits of up to 1.7x the mean, 48% behind the best candidate."""
+    lens = [350, 250, 100, 700]
+    inp = serving.make_input([1] * 4, lens, 16, 0, "bf16", seed=16, device=device)
     workspace = FlashDecodeServingWorkspace.allocate(4, 16, 32, device)
     out = _launch(inp, device, max_splits=32, tokens_per_split=16, block_n=16, block_h=16,
-                  workspace=workspace, split_budget=20)
+                  workspace=workspace, split_budget=8)
     _assert_close(out, inp.reference(), "ragged batch budget")
-    # 20 over 2058 tokens: 2000 -> floor(19.4) = 19 splits of 106 -> 112-token tiles, 18 of
-    # them; 40 -> floor(0.39) -> 1; 17 and 1 -> one each.
+    # 8 (2 per sequence) over 1400 tokens, a mean split of 175: shares 2, 1.43, 0.57, 4 ->
+    # 2, 2, 1, 4 splits of 176, 128, 112, 176 tokens (rounding down: 2, 1, 1, 4, one of 250).
+    counts = workspace.split_count[:4].tolist()
+    assert counts == [2, 2, 1, 4]
+    assert sum(counts) <= 8 + 4
+    assert max(-(-n // c) for n, c in zip(lens, counts, strict=True)) <= 176  # the mean, to whole tiles
+    # The long sequence among short ones still takes most of a budget.
+    inp = serving.make_input([1, 1, 1, 1], [2000, 40, 17, 1], 16, 0, "bf16", seed=18, device=device)
+    out = _launch(inp, device, max_splits=32, tokens_per_split=16, block_n=16, block_h=16,
+                  workspace=workspace, split_budget=20)
+    _assert_close(out, inp.reference(), "ragged batch budget, one long sequence")
+    # 20 over 2058 tokens: 2000 -> ceil(19.4) = 20 splits of 100 -> 112-token tiles, 18 of
+    # them; 40, 17 and 1 -> one each.
     assert workspace.split_count[:4].tolist() == [18, 1, 1, 1]
     with pytest.raises(ValueError, match="split_budget must be an integer >= 0"):
         _launch(inp, device, max_splits=32, tokens_per_split=16, block_n=16, block_h=16, split_budget=-1)

@@ -45,6 +45,7 @@ from mla_tune.core import (
     SM_SCALE,
     V_DIM,
     check_serving_launch,
+    device_sm_count,
     serving_workspace,
 )
 from mla_tune.kernels.launch import jit_launch
@@ -72,6 +73,34 @@ _fd_WIDE_REDUCE = 2048
 # 32 x 4000 at 128 heads 214 us with 4160 programs, 229 with 2048 that loop.
 _fd_ONE_ITEM_CTAS = 8192
 _fd_GRID_CTAS = 2048
+# A batch budget's splits per sequence, floor(split_budget / batch), keep a uniform batch
+# within the budget but can leave much of its last wave idle: on the H200, 6 x 28440 at 128
+# heads (fp8, q_len 4, 8 head tiles) under a one-wave budget of 17 ran 2 splits each (96
+# programs on 132 SMs) in 1370 us, where 5 each took 1110 (session 10, docs/perf.md). Past
+# that share, the fewest splits whose programs fill at least this fraction of their waves.
+_fd_WAVE_FILL = 0.8
+
+
+def fill_splits(split_budget: int, batch: int, head_tiles: int, max_splits: int, sm_count: int) -> int:
+    """Splits per sequence of a uniform batch under a batch budget: s = max(1, floor(split_budget
+    / batch)), or, where batch x head_tiles x s programs fill less than _fd_WAVE_FILL of their
+    waves of sm_count SMs, the smallest s' in (s, max_splits] that fills at least that much
+    (else the s' that fills most, the smallest of equals). sm_count 0 (no device): s."""
+    s = max(1, split_budget // batch)
+    if sm_count <= 0 or s >= max_splits:
+        return min(s, max(max_splits, 1))
+    per = batch * head_tiles
+
+    def fill(k: int) -> float:
+        return per * k / (sm_count * -(-per * k // sm_count))
+
+    best = s
+    for k in range(s, max_splits + 1):
+        if fill(k) >= _fd_WAVE_FILL:
+            return k
+        if fill(k) > fill(best) + 1e-12:
+            best = k
+    return best
 
 
 @triton.jit
@@ -356,8 +385,9 @@ def flash_decode_num_splits(batch: int, kv_len: int, sm_count: int, block_n: int
 # least one split and at most one per tokens_per_split. A uniform batch splits as a
 # per-sequence cap would (MAX_SPLITS each); one long sequence among short ones borrows
 # their share and spreads over the SMs. A batch budget (split_budget > 0, a runtime
-# argument) caps the whole batch's splits instead, shared rounding down: a uniform batch
-# then splits by its size, not its length, so its time does not step inside a kv bucket.
+# argument) sets the whole batch's splits instead, shared rounding up: a uniform batch
+# then splits by its size, not its length, so its time does not step inside a kv bucket
+# (the host raises that share where it would leave the SMs' waves under-filled: fill_splits).
 # Every stage-1 program computes that schedule from the lengths on the device and finds
 # its (sequence, split); the grid is sized for the most splits the rule can make, programs
 # past the batch's count exit, and stage 2 reads the counts and offsets stage 1 wrote:
@@ -382,7 +412,8 @@ def _fd_split_len(seq_len, total, budget, share_round, tokens_per_split, BLOCK_N
                   MAX_SPLITS: tl.constexpr):
     """The split length of sequences of seq_len tokens in a batch of `total` tokens with
     `budget` splits: floor(seq_len * budget / total + share_round) splits (share_round 0.5:
-    the nearest; 0 under a batch budget: never past it), at least 1 and at most
+    the nearest; 1 - 2e-4 under a batch budget: rounding up, so no split is longer than
+    total / budget; at most budget + batch in all), at least 1 and at most
     cdiv(seq_len, tokens_per_split), each whole tiles; with MAX_SPLITS 1 one split (there
     is no scratch for partials). Splits: cdiv(seq_len, split_len)."""
     share = (seq_len.to(tl.float32) * budget.to(tl.float32)) / tl.maximum(total, 1).to(tl.float32)
@@ -426,13 +457,16 @@ def _fd_serving_stage1_kernel(
     # many sequences end at or before it) and where that sequence's splits start.
     # MAX_SPLITS per sequence when every sequence brings next_pow2(max_q_len) new tokens.
     budget = tl.maximum((tl.load(QO_INDPTR + batch) * MAX_SPLITS) // Q_LEN_MAX, 1)
-    # A batch budget (split_budget > 0): at most that many splits for the whole batch (one
-    # wave of the SMs, say), at least one per sequence, shared by length rounding down, so
-    # a uniform batch runs floor(split_budget / batch) splits each whatever its length.
+    # A batch budget (split_budget > 0, batch x s from the host's fill_splits): that many
+    # splits for the whole batch (a wave or a few of the SMs), shared by length rounding up,
+    # so a uniform batch runs s splits each whatever its length and no sequence of a ragged
+    # batch runs splits longer than the batch's mean. Rounding down gave a 28-sequence mix of
+    # 771 to 63472 tokens (budget 112) splits of up to 8896 tokens against a mean of 5271,
+    # and it ran 48% behind the best candidate on the H200; rounding up: at most 5248.
     share_round = 0.5
     if split_budget > 0:
         budget = tl.minimum(budget, tl.maximum(split_budget, batch))
-        share_round = 0.0
+        share_round = 1.0 - 2e-4
     if prog >= budget + batch:  # past any schedule (a graph's grid sized for padding)
         return
     total = 0
@@ -733,6 +767,7 @@ def flash_decode_serving(
     num_stages: int,
     dot_dtype: str,
     split_budget: int = 0,
+    sm_count: int | None = None,
     q_mode: str = "bf16",
     q_scale: float | None = None,
     q_fp8_dtype: torch.dtype = torch.float8_e4m3fn,
@@ -756,10 +791,13 @@ def flash_decode_serving(
     splits of whole tiles, counted on the device (a uniform batch: min(max_splits,
     cdiv(seq_len, tokens_per_split)) each; max_splits 1: one split each, whatever the
     lengths). split_budget > 0 caps that budget for the whole batch at max(split_budget,
-    batch) splits (per head tile), shared rounding down: a uniform batch then runs
+    batch) splits (per head tile), shared rounding up: a uniform batch then runs
     min(floor(split_budget / batch), max_splits, cdiv(seq_len, tokens_per_split)) splits
     each, so the grid stays about one wave of the SMs at any length (a per-sequence rule
-    steps at every multiple of tokens_per_split: docs/perf.md, session 9). Past
+    steps at every multiple of tokens_per_split: docs/perf.md, session 9); where that share
+    leaves the waves under-filled the batch runs more splits instead: the budget launched
+    is batch x fill_splits(...) (on the host from the batch size, so a recorded launch or a
+    graph keeps it; sm_count None: the device's SMs, 0: the plain share). Past
     _fd_ONE_ITEM_CTAS programs, _fd_GRID_CTAS that run several splits each.
     block_h: heads per program (divides heads; block_h *
     next_pow2(max_q_len) >= 16 rows for the MMA). Other options as `flash_decode`.
@@ -786,6 +824,9 @@ def flash_decode_serving(
         raise ValueError("q_mode fp8_static needs q_scale = q_amax / fp8_max > 0")
     if isinstance(split_budget, bool) or not isinstance(split_budget, int) or not 0 <= split_budget < 2**31:
         raise ValueError(f"split_budget must be an integer >= 0 (0: max_splits per sequence), got {split_budget!r}")
+    if split_budget > 0 and max_splits > 1:  # the wave-filling share, as a budget of s per sequence
+        sms = device_sm_count(q.device) if sm_count is None else sm_count
+        split_budget = batch * fill_splits(split_budget, batch, heads // block_h, max_splits, sms)
     workspace = serving_workspace(workspace, FlashDecodeServingWorkspace, total_q, heads, max_splits, q.device,
                                   max_q_len=max_q_len)
     extra = {k: v for k, v in (hip_options or {}).items() if v is not None}
