@@ -26,7 +26,7 @@ from mla_tune.tune.serving_config import (
     serving_config_from_dict,
 )
 from mla_tune.tune.serving_gate import GateJob, reference_q_format, run_gates
-from mla_tune.tune.serving_plan import compile_key, parse_shard, plan_sweep
+from mla_tune.tune.serving_plan import compile_key, edge_batch, parse_shard, plan_sweep
 from mla_tune.tune.serving_results import read_records, results_path_for
 from mla_tune.tune.timing import Timing
 
@@ -440,3 +440,55 @@ def test_cell_lengths_are_a_search_option_that_changes_the_hash_and_the_timed_le
     assert not {(32, 32), (64, 64)} & seen[2]  # no cell of 2 was timed aligned
     assert {cell: _name(Variant.parse(v)) for cell, v in _picks(table)[0].items()} == {
         (1, 32): "A", (1, 64): "B", (2, 32): "A", (2, 64): "B"}
+
+
+def test_edge_batch_is_the_smallest_batch_a_bucket_serves():
+    buckets = [1, 2, 4, 8, 12, 96, 112]
+    assert [edge_batch(buckets, b) for b in buckets] == [None, None, 3, 5, 9, 13, 97]
+    assert edge_batch([4, 1, 2], 4) == 3  # any order
+
+
+class EdgeTimer(FakeTimer):
+    """TIMES, except that A is twice as slow at batch 2 (the edge of the bucket of 4 after 1)."""
+
+    def __call__(self, call: sw.TimedCall, reps: int) -> Timing:
+        out = super().__call__(call, reps)
+        if call.batch == 2 and _name(call.variant) == "A":
+            t = out.median_us * 2
+            return Timing(t, t, t, reps)
+        return out
+
+
+def test_the_edge_stage_times_finalists_at_the_buckets_smallest_batch(tiny, tmp_path):
+    """search.batch_edge: off by default (the hash of a config without it is unchanged); on,
+    the bucket of 4 (after 1) times each kv cell's finalists at batch 2 as well, and the cell
+    of 4 x 32 picks the fused C (12% behind A at 4, A twice as slow at 2; B was not a
+    finalist there) where without the edge it picks A; the bucket of 1 has no edge; a resumed sweep times nothing again; the dry run
+    counts the stage; a bad value names the field."""
+    assert tiny.search.batch_edge is False
+    raw = copy.deepcopy(TINY)
+    raw["batch_buckets"] = [1, 4]
+    plain = serving_config_from_dict(copy.deepcopy(raw), "plain.yaml")
+    raw["search"]["batch_edge"] = True
+    edged = serving_config_from_dict(copy.deepcopy(raw), "edge.yaml")
+    assert edged.search.batch_edge and edged.hash != plain.hash
+    without = load_serving_table(_sweep(plain, tmp_path / "plain", EdgeTimer())["table"])
+    timer = EdgeTimer()
+    summary = _sweep(edged, tmp_path / "edge", timer)
+    table = load_serving_table(summary["table"])
+    at_edge = {(b, kv, _name(Variant.parse(v))) for b, kv, v, _ in timer.timed if b == 2}
+    assert {(kv, n) for _, kv, n in at_edge} >= {(32, "A"), (32, "C"), (64, "B"), (64, "C")}
+    assert {b for b, _, _, _ in timer.timed} == {1, 2, 4}  # the bucket of 1 has no edge
+    assert {c: _name(Variant.parse(v)) for c, v in _picks(without)[0].items()}[(4, 32)] == "A"
+    picks = {c: _name(Variant.parse(v)) for c, v in _picks(table)[0].items()}
+    assert picks[(4, 32)] == "C" and picks[(1, 32)] == "A" and picks[(4, 64)] == "B"
+    assert _picks(table)[1] == _picks(without)[1]  # graph picks ignore the edge
+    assert table.provenance["search"]["batch_edge"] is True
+    again = EdgeTimer()
+    _sweep(edged, tmp_path / "edge", again)
+    assert again.timed == []
+    assert sw.dry_run(edged, "H200", log=lambda line: None)["edge"] > 0
+    assert sw.dry_run(plain, "H200", log=lambda line: None)["edge"] == 0
+    raw["search"]["batch_edge"] = "yes"
+    with pytest.raises(ServingConfigError, match=r"search\.batch_edge.*true or false.*'yes'"):
+        serving_config_from_dict(raw, "bad.yaml")

@@ -158,3 +158,21 @@ def test_eager_pick_does_not_follow_one_buckets_outlier():
     assert eager_pick(times, 48, buckets) == "tr"
     assert eager_pick({48: {"a": 2.0, "b": 1.0}}, 48, buckets) == "b"  # no neighbours: the cell's best
     assert eager_pick({32: {"a": 1.0}}, 48, buckets) is None  # nothing timed at the cell
+
+
+def test_eager_pick_weighs_the_buckets_smallest_batch():
+    """With the edge stage's times (search.batch_edge) a cell's eager pick weighs the
+    bucket's smallest batch as much as the cell: the H200's fp8 16-head cell at 96 x 1024
+    had FlashMLA 7.5% ahead of split-K, which ran 83 x 1003 about 18% faster (session 10);
+    only variants timed at the edge compete; an empty edge changes nothing."""
+    from mla_tune.tune.serving_build import eager_pick
+
+    buckets = [64, 80, 96, 112]
+    times = {80: {"fmla": 76.3, "tr": 73.6}, 96: {"fmla": 77.7, "tr": 83.5}, 112: {"fmla": 82.1, "tr": 93.1}}
+    assert eager_pick(times, 96, buckets) == "fmla"
+    assert eager_pick(times, 96, buckets, edge={"fmla": 76.6, "tr": 64.8}) == "tr"
+    assert eager_pick(times, 96, buckets, edge={}) == "fmla"
+    # a variant the edge did not time (not among the cell's finalists) cannot win
+    assert eager_pick({96: {"a": 1.0, "b": 1.5}}, 96, buckets, edge={"b": 2.0}) == "b"
+    # edge times of variants the cell did not time are ignored
+    assert eager_pick({96: {"a": 1.0, "b": 1.5}}, 96, buckets, edge={"c": 0.1}) == "a"

@@ -29,7 +29,7 @@ from mla_tune.tables.serving_table import (
     write_serving_table,
 )
 from mla_tune.tune.serving_config import ServingConfig, load_serving_config
-from mla_tune.tune.serving_plan import SweepPlan, plan_sweep
+from mla_tune.tune.serving_plan import SweepPlan, edge_batch, plan_sweep
 from mla_tune.tune.serving_results import Records, read_records
 
 
@@ -39,6 +39,7 @@ class ServingSweepError(MlaTuneError, RuntimeError):
 
 # ------------------------------------------------------------------ the eager pick
 NEIGHBOUR_WEIGHT = 0.5  # an adjacent batch bucket's say in a cell's eager pick, beside the cell's 1
+EDGE_WEIGHT = 1.0  # the bucket's smallest batch (search.batch_edge): inside the span, as the cell
 
 
 def timed_cells(records: Records, min_samples: int) -> dict[tuple, dict[str, float]]:
@@ -54,26 +55,35 @@ def timed_cells(records: Records, min_samples: int) -> dict[tuple, dict[str, flo
     return {k: {v: t for v, (_s, t) in cell.items()} for k, cell in best.items()}
 
 
-def eager_pick(times: dict[int, dict[str, float]], batch: int, batch_buckets: list[int]) -> str | None:
+def eager_pick(times: dict[int, dict[str, float]], batch: int, batch_buckets: list[int],
+               edge: dict[str, float] | None = None) -> str | None:
     """A cell's eager pick from {batch bucket: {variant: us}} at its kv bucket: among the
     variants timed at the cell, the one whose regret (log of time over the best there) is
-    smallest on average over the cell (weight 1) and the adjacent batch buckets that were
-    measured (NEIGHBOUR_WEIGHT each, where the variant was timed). A call of 41 sequences
-    runs the bucket of 48's pick: one backend's outlier at exactly 48 (FlashInfer's split
-    packing is not monotone in the batch; verify measured it 25% off at 41) must not
-    decide alone. Ties go to the faster at the cell."""
+    smallest on average over the cell (weight 1), the adjacent batch buckets that were
+    measured (NEIGHBOUR_WEIGHT each, where the variant was timed) and, given `edge` (the
+    finalists' times at the bucket's smallest batch, search.batch_edge), that edge
+    (EDGE_WEIGHT; then only variants timed there compete). A call of 41 sequences runs the
+    bucket of 48's pick: one backend's outlier at exactly 48 (FlashInfer's split packing is
+    not monotone in the batch; verify measured it 25% off at 41) must not decide alone, and
+    a backend whose time stays flat down to 41 (FlashMLA) must not win the bucket on its
+    top batch alone. Ties go to the faster at the cell."""
     here = times.get(batch) or {}
     if not here:
         return None
     i = batch_buckets.index(batch)
-    near = [times.get(batch_buckets[j]) or {} for j in (i - 1, i + 1) if 0 <= j < len(batch_buckets)]
+    near = [(times.get(batch_buckets[j]) or {}, NEIGHBOUR_WEIGHT) for j in (i - 1, i + 1) if 0 <= j < len(batch_buckets)]
+    edge = {v: t for v, t in (edge or {}).items() if v in here}
+    if edge:
+        near.append((edge, EDGE_WEIGHT))
     scored = []
     for variant, t in here.items():
+        if edge and variant not in edge:
+            continue
         num, den = math.log(t / min(here.values())), 1.0
-        for other in near:
+        for other, weight in near:
             if variant in other:
-                num += NEIGHBOUR_WEIGHT * math.log(other[variant] / min(other.values()))
-                den += NEIGHBOUR_WEIGHT
+                num += weight * math.log(other[variant] / min(other.values()))
+                den += weight
         scored.append((num / den, t, variant))
     return min(scored)[2]
 
@@ -118,10 +128,13 @@ def build_table(cfg: ServingConfig, plan: SweepPlan, records: Records, gpu_name:
 
 def _cell(cfg: ServingConfig, timed: dict, key: FamilyKey, batch: int, kv_len: int, rec: dict) -> Cell:
     """The cell's eager pick (eager_pick over the last rung's and the graph stage's timings
-    at this kv bucket and the adjacent batch buckets); the search's winner where nothing was
+    at this kv bucket and the adjacent batch buckets, and the edge stage's at the bucket's
+    smallest batch with search.batch_edge); the search's winner where nothing was
     timed with the last rung's samples (a test's short search)."""
     times = {b: timed.get((key, b, kv_len), {}) for b in cfg.batch_buckets}
-    pick = eager_pick(times, batch, list(cfg.batch_buckets))
+    edge = edge_batch(cfg.batch_buckets, batch) if cfg.search.batch_edge else None
+    pick = eager_pick(times, batch, list(cfg.batch_buckets),
+                      timed.get((key, edge, kv_len)) if edge is not None else None)
     if pick is None or pick == rec["winner"]:
         return Cell(batch, kv_len, Variant.parse(rec["winner"]), float(rec["time_us"]), rec.get("runner_up"))
     runner_up = {"variant": rec["winner"], "time_us": float(rec["time_us"])}
@@ -143,7 +156,8 @@ def _provenance(cfg: ServingConfig, headers: list[dict], plan: SweepPlan, extra:
                  "tail_batch": cfg.gate.tail_batch, "margin": cfg.gate.margin, "seeds": list(cfg.gate.seeds),
                  "reference": f"mla_tune.serving.reference (fp32), q: {cfg.gate.reference_q}"},
         "search": {"rungs": list(cfg.search.rungs), "keep": cfg.search.keep, "min_keep": cfg.search.min_keep,
-                   "cross_top": cfg.search.cross_top, "seeding": "neighbouring cells' winners"},
+                   "cross_top": cfg.search.cross_top, "seeding": "neighbouring cells' winners",
+                   "batch_edge": cfg.search.batch_edge},
         "candidates": {str(k): f.per_backend() for k, f in plan.families.items()},
         "skipped_backends": {str(k): dict(f.skipped) for k, f in plan.families.items() if f.skipped},
         "results": [{"file": h.get("file"), "shard": h.get("shard")} for h in headers],

@@ -36,7 +36,7 @@ CALL_FIELDS = {"mixed_q_len", "host_lengths", "graph"}
 GATE_FIELDS = {"ragged_kv_lens", "tail_kv_len", "tail_batch", "margin", "reference_q"}
 REFERENCE_Q = ("exact", "variant")
 SEARCH_FIELDS = {"rungs", "keep", "min_keep", "cross_top"}
-SEARCH_OPTIONAL = {"cell_lengths"}
+SEARCH_OPTIONAL = {"cell_lengths", "batch_edge"}
 CELL_LENGTHS = ("aligned", "spread")  # serving_sweep.cell_kv_lens
 LEFT_OUT_CONDITIONS = ("max_kv_bytes", "max_tokens")
 LEFT_OUT_MATCH = ("kv_format", "heads", "q_len", "page_size")
@@ -86,13 +86,17 @@ class ServingSearch:
     `cross_top` is timed at every kv cell of the bucket (rungs[-1] samples) for its
     CUDA-graph pick. `cell_lengths` says which lengths a (batch, kv) cell is timed on
     (serving_sweep.cell_kv_lens): `aligned`, every sequence at the bucket's length, or
-    `spread`, the batch's lengths spread over the lengths the bucket serves."""
+    `spread`, the batch's lengths spread over the lengths the bucket serves. `batch_edge`:
+    each kv cell's best `cross_top` are also timed at the smallest batch the bucket serves
+    (the bucket below plus one: serving_plan.edge_batch), and a cell's eager pick weighs that
+    edge beside the cell (serving_build.eager_pick)."""
 
     rungs: tuple[int, ...]
     keep: float
     min_keep: int
     cross_top: int
     cell_lengths: str = "aligned"
+    batch_edge: bool = False
 
 
 @dataclass(frozen=True)
@@ -335,7 +339,11 @@ def _search(value: Any, fail) -> ServingSearch:
     for name in ("min_keep", "cross_top"):
         if not (_int(value[name]) and value[name] >= 1):
             raise fail(f"search.{name}", f"must be an integer >= 1, got {value[name]!r}")
-    return ServingSearch(tuple(rungs), float(keep), value["min_keep"], value["cross_top"], cell_lengths)
+    batch_edge = value.get("batch_edge", ServingSearch.batch_edge)
+    if not isinstance(batch_edge, bool):
+        raise fail("search.batch_edge", f"must be true or false, got {batch_edge!r}")
+    return ServingSearch(tuple(rungs), float(keep), value["min_keep"], value["cross_top"], cell_lengths,
+                         batch_edge)
 
 
 def _backends(value: Any, fail) -> dict[str, list[dict]]:

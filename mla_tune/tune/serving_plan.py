@@ -3,7 +3,8 @@ estimate of its GPU time (what `--dry-run` prints).
 
 A *cell* is (family, batch bucket, kv bucket); a *unit* is one family's batch bucket: its
 kv cells, searched in increasing kv order, then its cross stage (the CUDA-graph pick of
-that bucket, which needs every kv cell of the bucket). Units are the sweep's order and its
+that bucket, which needs every kv cell of the bucket) and, with search.batch_edge, its edge
+stage (each kv cell's finalists at the bucket's smallest batch). Units are the sweep's order and its
 shards: `--shard i/n` takes units i, i+n, i+2n, ... (1-based) of the deterministic order
 (families as the config lists them, batch buckets increasing), so that a shard's graph
 picks need no other shard. Cells a config rule leaves out are never planned.
@@ -208,7 +209,7 @@ def estimate(cfg: ServingConfig, plan: SweepPlan, gate_workers: int | None = Non
     """Seconds of GPU-machine time by stage for this plan (the cost model above)."""
     workers = max(1, cfg.gate_workers if gate_workers is None else gate_workers)
     mine = {u.key for u in plan.units}
-    gate = compile_s = load_s = cells_s = cross_s = inputs_s = 0.0
+    gate = compile_s = load_s = cells_s = cross_s = edge_s = inputs_s = 0.0
     for key in mine:
         fam = plan.families[key]
         compiles = len({compile_key(v) for v in fam.candidates})
@@ -231,10 +232,28 @@ def estimate(cfg: ServingConfig, plan: SweepPlan, gate_workers: int | None = Non
                                                                      LATER_RUNG_RATIO)
             inputs_s += 2 * (0.01 + unit.batch * kv_len * KV_BYTES_PER_TOKEN[unit.key.kv_format]
                              / INPUT_BYTES_PER_S)
+            edge = edge_batch(cfg.batch_buckets, unit.batch) if cfg.search.batch_edge else None
+            if edge is not None:  # the cell's best cross_top at the bucket's smallest batch
+                edge_s += min(last_size, cfg.search.cross_top) * measurement_s(unit.key, edge, kv_len, last,
+                                                                               LATER_RUNG_RATIO)
+                inputs_s += 0.01 + edge * kv_len * KV_BYTES_PER_TOKEN[unit.key.kv_format] / INPUT_BYTES_PER_S
     parts = {"gate_and_compile": gate + compile_s, "cache_loads": load_s, "cells": cells_s,
-             "cross": cross_s, "inputs": inputs_s}
+             "cross": cross_s, "edge": edge_s, "inputs": inputs_s}
     parts["total"] = sum(parts.values())
     return {k: round(v, 1) for k, v in parts.items()}
+
+
+def edge_batch(batch_buckets, batch: int) -> int | None:
+    """The smallest batch that looks up bucket `batch` (the bucket below plus one), or None
+    where that is the bucket itself (the first bucket, or one right after its neighbour).
+    An eager call of any batch from there to `batch` runs the cell's pick, and backends scale
+    differently inside the span: on the H200 FlashMLA ran 83 x 1003 (fp8, 16 heads) in about
+    its time at 96 while split-K ran 21% faster than it there (docs/perf.md, session 10)."""
+    buckets = sorted(batch_buckets)
+    i = buckets.index(batch)
+    if i == 0 or buckets[i - 1] + 1 >= batch:
+        return None
+    return buckets[i - 1] + 1
 
 
 def left_out_summary(fam: FamilyPlan) -> list[str]:

@@ -22,6 +22,11 @@ Stages (serving_plan.py plans them, serving_results.py records them):
    a graph cannot depend on kv_len, and an engine's batch is rarely uniform (on the H200
    a graph pick chosen on uniform cells alone ran 1.4x FlashMLA's step on 500-4000 token
    lengths, docs/perf.md).
+4. Edge, per unit, with search.batch_edge: each kv cell's best `cross_top` timed at the
+   smallest batch the bucket serves (serving_plan.edge_batch: the bucket below plus one,
+   uniform at the cell's lengths, rungs[-1] samples); a cell's eager pick weighs that edge
+   beside the cell (serving_build.eager_pick), since eager calls of any batch in the
+   bucket's span run it. A CUDA graph runs at the bucket's batch: its pick ignores the edge.
 Every measurement is appended to the results file as it is made, so a killed sweep resumes
 where it stopped; `budget_s` stops timing cleanly between measurements (the table is still
 written, the cells not reached left out with the reason). A shard (`--shard i/n`) takes
@@ -71,6 +76,7 @@ from mla_tune.tune.serving_gate import (
 from mla_tune.tune.serving_plan import (
     SweepPlan,
     Unit,
+    edge_batch,
     estimate,
     left_out_summary,
     parse_shard,
@@ -380,6 +386,26 @@ class Sweeper:
                                 "ragged_kv_lens": ragged},
                                durable=True)
 
+    def edge(self, unit: Unit) -> int:
+        """With search.batch_edge, each of the unit's cells' best cross_top (the cell
+        record's `top`) at the bucket's smallest batch (serving_plan.edge_batch): recorded
+        steps at that batch and the cell's kv_len, resumed like any other. Returns how many
+        were measured or found."""
+        batch = edge_batch(self.cfg.batch_buckets, unit.batch) if self.cfg.search.batch_edge else None
+        if batch is None:
+            return 0
+        last = self.cfg.search.rungs[-1]
+        count = 0
+        for kv in unit.kv_lens:
+            cell = self.rec.records.cells.get((unit.key, unit.batch, kv))
+            if cell is None or cell.get("status") != "ok":
+                continue
+            for name in cell["top"][:self.cfg.search.cross_top]:
+                self.measure(unit.key, batch, kv, Variant.parse(name), last)
+                count += 1
+            self._inputs.clear()
+        return count
+
     # ------------------------------------------------------------------ the run
     def run(self) -> None:
         try:
@@ -401,6 +427,9 @@ class Sweeper:
                     self.log(f"  graph pick, {unit.key}, batch {unit.batch}: {pick['variant']} "
                              f"(worst regret {pick['worst_regret']:.1%} at kv {where})")
                 self._inputs.clear()
+                if self.edge(unit):
+                    self.log(f"  edge, {unit.key}, batch {unit.batch}: finalists timed at batch "
+                             f"{edge_batch(self.cfg.batch_buckets, unit.batch)}")
         except _BudgetSpent:
             self.stopped = True
             self.log(f"budget spent after {time.monotonic() - self.started:.0f} s: stopping; run the "
@@ -492,7 +521,8 @@ def dry_run(cfg: ServingConfig, gpu_name: str, shard: tuple[int, int] = (1, 1),
     plan = plan_sweep(cfg, platform, shard, check_available=False)
     log(f"serving sweep {cfg.name} ({cfg.path}, hash {cfg.hash[:12]}) planned for {gpu_name} "
         f"({platform.sm_count} SMs), rule {cfg.rule.name}, shard {shard[0]}/{shard[1]}, cells timed on "
-        f"{cfg.search.cell_lengths} lengths")
+        f"{cfg.search.cell_lengths} lengths"
+        + (", finalists also at each batch bucket's smallest batch" if cfg.search.batch_edge else ""))
     for key, fam in plan.families.items():
         cells = sum(len(u.kv_lens) for u in plan.units if u.key == key)
         per = ", ".join(f"{b} {n}" for b, n in fam.per_backend().items()) or "none"
@@ -508,7 +538,8 @@ def dry_run(cfg: ServingConfig, gpu_name: str, shard: tuple[int, int] = (1, 1),
     est = estimate(cfg, plan, gate_workers)
     log(f"{len(plan.units)} units, {plan.cells} cells; estimated GPU time {est['total'] / 60:.1f} min "
         f"(gate and compile {est['gate_and_compile']:.0f} s, cache loads {est['cache_loads']:.0f} s, cells "
-        f"{est['cells']:.0f} s, cross {est['cross']:.0f} s, inputs {est['inputs']:.0f} s; a rough cost model, "
+        f"{est['cells']:.0f} s, cross {est['cross']:.0f} s, edge {est['edge']:.0f} s, inputs {est['inputs']:.0f} s; "
+        "a rough cost model, "
         "mla_tune/tune/serving_plan.py)")
     for rule in cfg.left_out:
         match = ", ".join(f"{name} in {list(values)}" for name, values in rule.match) or "every family"
