@@ -76,7 +76,7 @@ _fd_GRID_CTAS = 2048
 # A batch budget's splits per sequence, floor(split_budget / batch), keep a uniform batch
 # within the budget but can leave much of its last wave idle: on the H200, 6 x 28440 at 128
 # heads (fp8, q_len 4, 8 head tiles) under a one-wave budget of 17 ran 2 splits each (96
-# programs on 132 SMs) in 1370 us, where 5 each took 1110 (session 10, docs/perf.md). Past
+# programs: a wave 73% full) in 1370 us, where 5 each took 1110 (session 10, docs/perf.md). Past
 # that share, the fewest splits whose programs fill at least this fraction of their waves.
 _fd_WAVE_FILL = 0.8
 
