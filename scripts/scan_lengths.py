@@ -75,7 +75,8 @@ def main() -> None:
     parser.add_argument("--batch", help="Batch size, or comma-separated sizes.")
     parser.add_argument("--bucket", type=int, help="The kv bucket (its power of two) whose lengths to scan.")
     parser.add_argument("--lengths", help="Comma-separated kv lengths instead of a bucket's.")
-    parser.add_argument("--mix", help="Comma-separated kv lengths of one ragged batch instead (--batch ignored).")
+    parser.add_argument("--mix", help="Comma-separated kv lengths of one ragged batch, instead of --batch with "
+                        "--bucket or --lengths.")
     parser.add_argument("--points", type=int, default=8)
     parser.add_argument("--budget-waves", default="", help="Comma-separated waves, e.g. 1,2.")
     parser.add_argument("--budget-tokens", default="128",

@@ -30,6 +30,7 @@ Exportable module: see docs/architecture.md (imports, `_fd_` prefix, no import-t
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -81,6 +82,7 @@ _fd_GRID_CTAS = 2048
 _fd_WAVE_FILL = 0.8
 
 
+@functools.lru_cache(maxsize=4096)  # called per launch with a few distinct batches
 def fill_splits(split_budget: int, batch: int, head_tiles: int, max_splits: int, sm_count: int) -> int:
     """Splits per sequence of a uniform batch under a batch budget: s = max(1, floor(split_budget
     / batch)), or, where batch x head_tiles x s programs fill less than _fd_WAVE_FILL of their
@@ -824,9 +826,10 @@ def flash_decode_serving(
         raise ValueError("q_mode fp8_static needs q_scale = q_amax / fp8_max > 0")
     if isinstance(split_budget, bool) or not isinstance(split_budget, int) or not 0 <= split_budget < 2**31:
         raise ValueError(f"split_budget must be an integer >= 0 (0: max_splits per sequence), got {split_budget!r}")
+    tiles = heads // block_h
     if split_budget > 0 and max_splits > 1:  # the wave-filling share, as a budget of s per sequence
         sms = device_sm_count(q.device) if sm_count is None else sm_count
-        split_budget = batch * fill_splits(split_budget, batch, heads // block_h, max_splits, sms)
+        split_budget = batch * fill_splits(split_budget, batch, tiles, max_splits, sms)
     workspace = serving_workspace(workspace, FlashDecodeServingWorkspace, total_q, heads, max_splits, q.device,
                                   max_q_len=max_q_len)
     extra = {k: v for k, v in (hip_options or {}).items() if v is not None}
@@ -848,7 +851,6 @@ def flash_decode_serving(
     items = batch if max_splits == 1 else (max_splits * total_q) // q_len_max + batch
     if split_budget > 0 and max_splits > 1:
         items = min(items, max(split_budget, batch) + batch)
-    tiles = heads // block_h
     item_loop = tiles * items > _fd_ONE_ITEM_CTAS
     programs = min(items, max(_fd_GRID_CTAS // tiles, 1)) if item_loop else items
     jit_launch(

@@ -221,6 +221,7 @@ def estimate(cfg: ServingConfig, plan: SweepPlan, gate_workers: int | None = Non
         fam = plan.families[unit.key]
         last_size = rung_sizes(cfg, len(fam.candidates))[-1]
         union = min(len(fam.candidates), 2 * cfg.search.cross_top)
+        edge = edge_batch(cfg.batch_buckets, unit.batch) if cfg.search.batch_edge else None
         if unit.kv_lens:  # the ragged mix: the whole union, at about the mean kv bucket
             mean_kv = sum(unit.kv_lens) // len(unit.kv_lens)
             cross_s += union * measurement_s(unit.key, unit.batch, mean_kv, last, LATER_RUNG_RATIO)
@@ -232,7 +233,6 @@ def estimate(cfg: ServingConfig, plan: SweepPlan, gate_workers: int | None = Non
                                                                      LATER_RUNG_RATIO)
             inputs_s += 2 * (0.01 + unit.batch * kv_len * KV_BYTES_PER_TOKEN[unit.key.kv_format]
                              / INPUT_BYTES_PER_S)
-            edge = edge_batch(cfg.batch_buckets, unit.batch) if cfg.search.batch_edge else None
             if edge is not None:  # the cell's best cross_top at the bucket's smallest batch
                 edge_s += min(last_size, cfg.search.cross_top) * measurement_s(unit.key, edge, kv_len, last,
                                                                                LATER_RUNG_RATIO)

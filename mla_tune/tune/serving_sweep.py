@@ -386,14 +386,14 @@ class Sweeper:
                                 "ragged_kv_lens": ragged},
                                durable=True)
 
-    def edge(self, unit: Unit) -> int:
+    def edge(self, unit: Unit) -> int | None:
         """With search.batch_edge, each of the unit's cells' best cross_top (the cell
         record's `top`) at the bucket's smallest batch (serving_plan.edge_batch): recorded
-        steps at that batch and the cell's kv_len, resumed like any other. Returns how many
-        were measured or found."""
+        steps at that batch and the cell's kv_len, resumed like any other. Returns that
+        batch, or None where nothing was measured or found."""
         batch = edge_batch(self.cfg.batch_buckets, unit.batch) if self.cfg.search.batch_edge else None
         if batch is None:
-            return 0
+            return None
         last = self.cfg.search.rungs[-1]
         count = 0
         for kv in unit.kv_lens:
@@ -404,7 +404,7 @@ class Sweeper:
                 self.measure(unit.key, batch, kv, Variant.parse(name), last)
                 count += 1
             self._inputs.clear()
-        return count
+        return batch if count else None
 
     # ------------------------------------------------------------------ the run
     def run(self) -> None:
@@ -427,9 +427,9 @@ class Sweeper:
                     self.log(f"  graph pick, {unit.key}, batch {unit.batch}: {pick['variant']} "
                              f"(worst regret {pick['worst_regret']:.1%} at kv {where})")
                 self._inputs.clear()
-                if self.edge(unit):
-                    self.log(f"  edge, {unit.key}, batch {unit.batch}: finalists timed at batch "
-                             f"{edge_batch(self.cfg.batch_buckets, unit.batch)}")
+                edge = self.edge(unit)
+                if edge is not None:
+                    self.log(f"  edge, {unit.key}, batch {unit.batch}: finalists timed at batch {edge}")
         except _BudgetSpent:
             self.stopped = True
             self.log(f"budget spent after {time.monotonic() - self.started:.0f} s: stopping; run the "
