@@ -43,7 +43,7 @@ def _table() -> ServingTable:
 
 def _step(plan: DecodePlan, kv_lens: list[int], seed: int, **update):
     q_lens = [min(2, n) for n in kv_lens]
-    inp = serving.make_input(q_lens, kv_lens, SPEC.heads, SPEC.page_size, "bf16", seed=seed)
+    inp = serving.make_input(q_lens, kv_lens, SPEC.heads, SPEC.page_size, "bf16", seed=seed, device=plan.device)
     picked = plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens, **update)
     return inp, picked
 
@@ -79,7 +79,7 @@ def test_the_plan_builds_every_pick_up_front_and_picks_by_bucket_and_mean_length
     assert picked == plan._default.variant and plan.misses == {"batch 2, kv_len ~40": 1}
     _close(plan.run(inp.q, inp.kv, inp.kv_scale), inp.reference())
     # no mean length known: the graph pick of the bucket
-    inp = serving.make_input([1] * 6, [5, 9, 300, 17, 2, 64], 16, 16, "bf16", seed=4)
+    inp = serving.make_input([1] * 6, [5, 9, 300, 17, 2, 64], 16, 16, "bf16", seed=4, device=plan.device)
     assert plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens) == GRAPH_8
     _close(plan.run(inp.q, inp.kv, inp.kv_scale), inp.reference())
     # the mean from host lengths
@@ -109,13 +109,13 @@ def test_runs_reuse_the_buffers_warm_allocated():
 
 def test_a_step_the_plan_was_not_made_for_is_refused():
     plan = DecodePlan(SPEC, max_batch=2, warm=False)
-    inp = serving.make_input([1, 1, 1], [5, 6, 7], 16, 16, "bf16", seed=9)
+    inp = serving.make_input([1, 1, 1], [5, 6, 7], 16, 16, "bf16", seed=9, device=plan.device)
     for run in (plan.run, plan.run_checked):
         with pytest.raises(ValueError, match=r"call update\(...\) with the step's lengths before run"):
             run(inp.q, inp.kv)
     with pytest.raises(ValueError, match="up to 2; make a plan with a larger max_batch"):
         plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
-    inp = serving.make_input([1, 1], [5, 6], 16, 16, "bf16", seed=9)
+    inp = serving.make_input([1, 1], [5, 6], 16, 16, "bf16", seed=9, device=plan.device)
     with pytest.raises(ValueError, match="pass block_table and seq_lens"):
         plan.update(inp.qo_indptr, kv_indptr=inp.qo_indptr)
     plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
