@@ -293,18 +293,33 @@ def verify(
     workers: Annotated[int | None, typer.Option(
         help="Processes that compile each kernel ahead of timing; the default is the config's "
              "gate_workers on a GPU, 0 (none) without one.")] = None,
+    rescore: Annotated[list[Path] | None, typer.Option(
+        help="No GPU: score the table's picks on recorded verify reports (--json files, plain "
+             "or .gz, or a folder of them; repeat the option) instead of timing; --max-p95, --max-regret, "
+             "--judge and --json apply, the shape and timing options do not. For comparing "
+             "tables offline; a table is accepted on a GPU run at fresh seeds.")] = None,
 ) -> None:
     """Re-time a serving table's picks on this GPU at held-out shapes and print their regret.
 
     At each shape (log-uniform off the table's grid, and ragged mixes) the eager pick, the
     CUDA-graph pick and the fallback are timed beside the best of the family's candidates
     measured there; regret = t(pick) / t(best) - 1, summarized as geomean, p95 and max
-    (mla_tune/tune/verify.py)."""
+    (mla_tune/tune/verify.py). With --rescore, no GPU: the picks are scored on the times
+    recorded in earlier runs' --json reports (mla_tune/tune/rescore.py)."""
     if budget is not None and not budget > 0:
         raise _usage_error(f"--budget must be a positive number of seconds, got {budget}")
     for flag, value in (("--max-p95", max_p95), ("--max-regret", max_regret)):
         if value is not None and not 0 <= value <= 1:
             raise _usage_error(f"{flag} is a fraction (0.05 for 5%), got {value}")
+    if rescore:
+        with _domain_errors():
+            from mla_tune.tune.rescore import rescore as run_rescore
+
+            out = run_rescore(table, list(rescore), max_p95=max_p95, max_regret=max_regret, judge=judge,
+                              json_path=json_path, log=typer.echo)
+        if out["exit_code"]:
+            raise typer.Exit(out["exit_code"])
+        return
     with _domain_errors():
         from mla_tune.tune.verify import run_verify
 

@@ -229,6 +229,14 @@ def test_cli_help_bad_table_and_a_run_writing_json(tiny, tmp_path, monkeypatch):
     result = _invoke("verify", "--table", table_path, "--shapes", 1, "--ragged", 0, "--samples", 1,
                      "--max-regret", "0.05")
     assert result.exit_code == 1 and "FAIL" in result.output
+    # --rescore: no timing, the picks' times read back from the report just written
+    cpu_time = timing.cpu_time
+    monkeypatch.setattr(timing, "cpu_time", lambda *a: pytest.fail("a rescore timed something"))
+    result = _invoke("verify", "--table", table_path, "--rescore", out, "--max-regret", "0.12")
+    assert result.exit_code == 0 and "PASS (on recorded times)" in result.output, result.output
+    result = _invoke("verify", "--table", table_path, "--rescore", out, "--max-regret", "0.05")
+    assert result.exit_code == 1 and "max regret 10.0% is over 5.0%" in result.output
+    monkeypatch.setattr(timing, "cpu_time", cpu_time)
 
 
 @pytest.mark.gpu

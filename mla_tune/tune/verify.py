@@ -546,6 +546,17 @@ def _progress(done: int, total: int, shape: HeldOutShape, r: dict, elapsed: floa
             f"{len(r['pruned'])} pruned) {r['seconds']:.1f} s, elapsed {elapsed:.0f} s")
 
 
+def summary_lines(summary: dict) -> list[str]:
+    """The regret table: geomean, p95, max and n per role and kind."""
+    lines = ["regret = t(role) / t(best measured) - 1      geomean     p95     max    n"]
+    for role in ROLES:
+        for kind in KINDS:
+            s = summary[role][kind]
+            label = f"{role + (' pick' if role != 'fallback' else ''):<14} {kind:<8}"
+            lines.append(f"{label:<43} {_pct(s['geomean']):>9} {_pct(s['p95']):>7} {_pct(s['max']):>7} {s['n']:>4}")
+    return lines
+
+
 def report_lines(report: dict) -> list[str]:
     """The per-shape table, the summary and the verdict, as printed."""
     def name(v, table=True):
@@ -562,13 +573,8 @@ def report_lines(report: dict) -> list[str]:
                      f"{_pct(r['regret']['graph']):>7} {_pct(r['regret']['fallback']):>8}  {name(r['best'])}")
     missed = sum(not r["from_table"]["eager"] for r in report["shapes"])
     lines += [f"(* the table has no pick there, its cell left out or missing: the fallback runs; "
-              f"{missed} of {len(report['shapes'])} eager picks)", "",
-              "regret = t(role) / t(best measured) - 1      geomean     p95     max    n"]
-    for role in ROLES:
-        for kind in KINDS:
-            s = report["summary"][role][kind]
-            label = f"{role + (' pick' if role != 'fallback' else ''):<14} {kind:<8}"
-            lines.append(f"{label:<43} {_pct(s['geomean']):>9} {_pct(s['p95']):>7} {_pct(s['max']):>7} {s['n']:>4}")
+              f"{missed} of {len(report['shapes'])} eager picks)", ""]
+    lines += summary_lines(report["summary"])
     v = report["verdict"]
     lines.append(f"correctness: {v['checks']} outputs checked against the reference, "
                  f"{v['checks_failed']} of the picks' outside the rule")

@@ -1,0 +1,206 @@
+"""`mla-tune verify --rescore`: a serving table's picks scored on recorded verify runs, no GPU.
+
+    mla-tune verify --table tables/H200.serving.yaml --rescore docs/data/verify
+        [--rescore more.json ...] [--max-p95 0.05] [--max-regret 0.15] [--judge eager]
+        [--json rescore.json]
+
+Each --rescore is a report or a folder of them (its *.json and *.json.gz, in name order).
+
+A verify report (`mla-tune verify --json`, plain or gzipped) holds, at each held-out shape,
+the time of every candidate that survived its probe: `short_us` (the short rung) and
+`final_us` (the final round, which decides `best`). Rescoring looks each shape up in the
+table given (another table, or the same after a change to the lookup) and reads its
+picks' times from the report:
+
+- a pick in the shape's final round: its final time, as verify measures it;
+- a pick only in the short rung: its short time (SHORT_SAMPLES samples, one pass; the
+  per-shape lines mark it `~`);
+- a pick the probe pruned (over PRUNE_FACTOR x the best probe), or not among the shape's
+  candidates: not measured there. Its regret is unknown, it is left out of the statistics
+  and it fails the run: only the GPU can say.
+
+Best stays the report's; the fallback's regret is the report's (the fallback does not
+depend on the table). A pick whose run failed or whose output was outside the rule in the
+recorded run fails the rescore as it failed the run (verify's verdict).
+
+What it is for: choosing between tables and lookup rules offline on measurements already
+paid for, over many more shapes than one GPU run times. It is not a verify: a table is
+accepted on `mla-tune verify` at fresh seeds on the GPU (a rule tuned on the recorded
+shapes will look better on them than it is; docs/perf.md, session 11, measured a rule that
+re-scored 9.6% max regret on the two seeds it was chosen on and 28.2% on four fresh ones).
+"""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from mla_tune.core import CallSpec, Variant
+from mla_tune.fileio import atomic_write_text
+from mla_tune.tables.serving_table import FamilyKey, ServingTable, load_serving_table
+from mla_tune.tune.verify import (
+    VERIFY_SCHEMA,
+    VerifyError,
+    _jsonable,
+    _pct,
+    _verdict,
+    family_short,
+    regret_stats,
+    summarize,
+    summary_lines,
+)
+
+RESCORE_SCHEMA = "serving-rescore/1"
+SHOW_OVER = 0.05  # per-shape lines: the eager regrets over this, and the picks not measured
+
+
+def read_report(path: str | Path) -> dict:
+    """A verify report (--json), plain or gzipped; a VerifyError names what is wrong."""
+    path = Path(path)
+    try:
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt", encoding="utf-8") as handle:
+            report = json.load(handle)
+    except FileNotFoundError:
+        raise VerifyError(f"{path}: no such verify report; write one with `mla-tune verify --json PATH`") from None
+    except (OSError, ValueError, EOFError) as exc:
+        raise VerifyError(f"{path}: not a verify report (JSON, or gzipped JSON): {exc}") from exc
+    if not isinstance(report, dict) or report.get("schema") != VERIFY_SCHEMA:
+        raise VerifyError(f"{path}: schema is {report.get('schema') if isinstance(report, dict) else None!r}, "
+                          f"rescore reads {VERIFY_SCHEMA!r} (mla-tune verify --json)")
+    if not isinstance(report.get("shapes"), list):
+        raise VerifyError(f"{path}: the report has no shapes list")
+    return report
+
+
+def report_paths(paths: list[str | Path]) -> list[Path]:
+    """The reports named: each a file, or a folder's *.json and *.json.gz in name order."""
+    out: list[Path] = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            found = sorted(p for p in path.iterdir() if p.name.endswith((".json", ".json.gz")))
+            if not found:
+                raise VerifyError(f"{path}: a folder with no verify reports (*.json, *.json.gz) in it")
+            out += found
+        else:
+            out.append(path)
+    return out
+
+
+def _time(record: dict, variant: str | None) -> tuple[float | None, str | None]:
+    """(us, where) of a variant at a recorded shape: 'final', 'short', or (None, None)."""
+    if variant is None:
+        return None, None
+    for where in ("final", "short"):
+        t = (record.get(f"{where}_us") or {}).get(variant)
+        if t is not None:
+            return float(t), where
+    return None, None
+
+
+def rescore_shape(table: ServingTable, record: dict) -> dict:
+    """The recorded shape with the table's picks as its eager and graph roles: roles,
+    from_table, regret (None where not measured), `measured` ('final', 'short' or None)."""
+    r = copy.deepcopy(record)
+    key = FamilyKey(**r["family"])
+    spec = CallSpec(key.kv_format, key.page_size, key.heads, key.q_len)
+    fallback = record["roles"]["fallback"]
+    r["recorded_roles"] = dict(record["roles"])
+    r["measured"] = {"fallback": "final"}
+    for role, looked in (("eager", table.lookup(spec, r["batch"], r["mean_kv_len"])),
+                         ("graph", table.lookup(spec, r["batch"], graph=True))):
+        variant = str(looked) if looked is not None else fallback  # no pick: the fallback runs
+        r["roles"][role] = variant
+        r["from_table"][role] = looked is not None
+        if variant == fallback:
+            r["regret"][role], r["measured"][role] = record["regret"]["fallback"], "final"
+            continue
+        t, where = _time(record, variant)
+        best = record.get("best_us")
+        r["regret"][role] = t / best - 1.0 if t is not None and best else None
+        r["measured"][role] = where
+    return r
+
+
+def rescore(table: str | Path | ServingTable, reports: list[str | Path], *, max_p95: float | None = None,
+            max_regret: float | None = None, judge: str = "eager", json_path: str | Path | None = None,
+            log: Callable[[str], None] = print) -> dict:
+    """Score the table's picks on recorded verify reports (see the module); returns the
+    report (what --json writes) with exit_code 0 (passed or not judged) or 1 (failed)."""
+    if judge not in ("eager", "graph", "both"):
+        raise VerifyError(f"--judge must be eager, graph or both, got {judge!r}")
+    if not reports:
+        raise VerifyError("--rescore needs at least one verify report (mla-tune verify --json PATH)")
+    table = table if isinstance(table, ServingTable) else load_serving_table(table)
+    records, per_report = [], []
+    for path in report_paths(reports):
+        report = read_report(path)
+        if report.get("device", {}).get("name") not in (None, table.gpu):
+            log(f"warning: {path} was measured on {report['device']['name']}; the table is for {table.gpu}")
+        mine = [rescore_shape(table, r) for r in report["shapes"]]
+        for r in mine:
+            r["report"] = str(path)
+        per_report.append({"path": str(path), "seed": (report.get("options") or {}).get("seed"),
+                           "eager": regret_stats([r["regret"]["eager"] for r in mine
+                                                  if r["regret"]["eager"] is not None])})
+        records += mine
+    roles = ("eager", "graph") if judge == "both" else (judge,)
+    unmeasured = [(r, role) for r in records for role in ("eager", "graph") if r["regret"][role] is None]
+    measured = [r for r in records if all(r["regret"][role] is not None for role in ("eager", "graph"))]
+    summary = summarize(measured)
+    verdict = _verdict(summary, measured, max_p95, max_regret, judge, False)
+    for r, role in unmeasured:
+        if role in roles:
+            verdict["reasons"].append(f"{Path(r['report']).name} shape {r['index']}: the {role} pick "
+                                      f"{r['roles'][role]} was not measured there (pruned, or not a candidate)")
+    verdict["failed"] = bool(verdict["reasons"])
+    out = {"schema": RESCORE_SCHEMA, "table": {"path": str(table.path), "gpu": table.gpu,
+                                               "config_hash": (table.provenance.get("config") or {}).get("hash")},
+           "reports": per_report, "shapes": records, "summary": summary, "verdict": verdict,
+           "unmeasured": len(unmeasured)}
+    out["exit_code"] = 1 if verdict["failed"] else 0
+    for line in rescore_lines(out):
+        log(line)
+    if json_path is not None:
+        atomic_write_text(json_path, json.dumps(_jsonable(out), indent=1) + "\n")
+        log(f"wrote {json_path}")
+    return out
+
+
+def rescore_lines(out: dict) -> list[str]:
+    """The shapes worth a look, the summary, each report's eager line and the verdict."""
+    def name(v: str | None) -> str:
+        return Variant.parse(v).backend if v else "none"
+
+    shapes = out["shapes"]
+    lines = [f"rescore {out['table']['path']} on {len(out['reports'])} verify report(s), {len(shapes)} shapes "
+             f"(recorded times: no GPU; a table is accepted on mla-tune verify at fresh seeds)", "",
+             f"eager regret over {SHOW_OVER:.0%}, or a pick not measured (~: a short-rung time):"]
+    for r in shapes:
+        reg = r["regret"]["eager"]
+        if reg is not None and reg <= SHOW_OVER:
+            continue
+        kv = (str(r["kv_lens"]) if r["kind"] == "uniform" else f"ragged {r['mean_kv_len']:.0f}")
+        what = "not measured" if reg is None else f"+{_pct(reg)}" + ("~" if r["measured"]["eager"] == "short" else "")
+        lines.append(f"  {Path(r['report']).name} #{r['index']:<3} {family_short(FamilyKey(**r['family'])):<17} "
+                     f"batch {r['batch']:>3} kv {kv:<14} eager {name(r['roles']['eager']):<12} {what:>13}; "
+                     f"best {name(r['best'])}")
+    lines += [""] + summary_lines(out["summary"])
+    for rep in out["reports"]:
+        s = rep["eager"]
+        lines.append(f"  {Path(rep['path']).name:<32} seed {rep['seed']!s:<4} eager p95 {_pct(s['p95']):>6} "
+                     f"max {_pct(s['max']):>6} (n {s['n']})")
+    if out["unmeasured"]:
+        lines.append(f"{out['unmeasured']} role(s) at {len(shapes)} shapes not measured in the reports "
+                     "(left out of the statistics)")
+    v = out["verdict"]
+    if v["failed"]:
+        lines.append("FAIL: " + "; ".join(v["reasons"]))
+    elif v["judged"]:
+        lines.append("PASS (on recorded times): " + ", ".join(v["judged"]))
+    else:
+        lines.append("not judged (no --max-p95 / --max-regret)")
+    return lines

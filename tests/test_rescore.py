@@ -1,0 +1,126 @@
+"""`mla-tune verify --rescore` (mla_tune/tune/rescore.py): a table's picks scored on the times a
+verify report recorded. Made-up reports over a made-up table, so every regret is known."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from mla_tune.core import CallSpec, Variant
+from mla_tune.tables.serving_table import Cell, Family, FamilyKey, GraphPick, ServingTable
+from mla_tune.tune import rescore as rs
+from mla_tune.tune.verify import VERIFY_SCHEMA, VerifyError
+
+SPEC = CallSpec("bf16", page_size=64, heads=16, max_q_len=1)
+OTHER = FamilyKey("fp8", 64, 128, 4)  # a family the table lacks
+
+
+def _v(splits: int) -> str:
+    return str(Variant.parse(f"triton(block_h=16,block_n=32,dot_dtype=bf16,kv=bf16,max_splits={splits},"
+                             "num_stages=2,num_warps=4,q=bf16,tokens_per_split=128)"))
+
+
+A, B, C, D, F = _v(2), _v(4), _v(8), _v(16), _v(64)  # F: the fallback
+
+
+def _table(eager: str) -> ServingTable:
+    fam = Family(FamilyKey.of(SPEC))
+    for kv in (512, 1024):
+        fam.cells[(4, kv)] = Cell(4, kv, Variant.parse(eager), 1.0)
+    fam.graph[4] = GraphPick(4, Variant.parse(B), 0.1, 512)
+    return ServingTable("H200", {}, [4], [512, 1024], {fam.key: fam})
+
+
+def _shape(index: int, key: FamilyKey, final: dict, short: dict, pruned: list, kind: str = "uniform") -> dict:
+    best = min(final, key=final.get)
+    fb = final.get(F)
+    return {"index": index, "kind": kind, "family": key.as_dict(), "batch": 3,
+            "kv_lens": 700 if kind == "uniform" else [600, 800], "mean_kv_len": 700.0,
+            "roles": {"eager": A, "graph": B, "fallback": F}, "from_table": {"eager": True, "graph": True},
+            "best": best, "best_us": final[best],
+            "regret": {"eager": 0.0, "graph": 0.0, "fallback": fb / final[best] - 1},
+            "final_us": final, "short_us": {**short, **final}, "pruned": pruned, "failed": {},
+            "checks": {v: {"passed": True, "reason": "ok"} for v in final}}
+
+
+def _report(path, shapes, seed=1, gz=False):
+    report = {"schema": VERIFY_SCHEMA, "device": {"name": "H200"}, "options": {"seed": seed}, "shapes": shapes}
+    text = json.dumps(report)
+    if gz:
+        with gzip.open(path, "wt") as handle:
+            handle.write(text)
+    else:
+        path.write_text(text)
+    return path
+
+
+@pytest.fixture
+def reports(tmp_path):
+    key = FamilyKey.of(SPEC)
+    one = _report(tmp_path / "v1.json", [
+        _shape(0, key, {A: 110.0, B: 130.0, C: 100.0, F: 200.0}, {}, []),
+        _shape(1, key, {B: 120.0, C: 100.0, F: 150.0}, {A: 104.0}, [D], kind="ragged"),
+    ], seed=1)
+    two = _report(tmp_path / "v2.json.gz", [
+        _shape(0, key, {A: 100.0, B: 125.0, F: 300.0}, {C: 90.0}, [D]),
+        _shape(1, OTHER, {F: 100.0, D: 80.0}, {}, []),  # no family in the table: the fallback
+    ], seed=2, gz=True)
+    return [one, two]
+
+
+def test_a_rescore_reads_each_picks_recorded_time(reports):
+    out = rs.rescore(_table(A), reports, log=lambda _: None)
+    regrets = [(r["regret"]["eager"], r["measured"]["eager"]) for r in out["shapes"]]
+    assert regrets == [(pytest.approx(0.10), "final"), (pytest.approx(0.04), "short"),
+                       (pytest.approx(0.0), "final"), (pytest.approx(0.25), "final")]
+    assert [r["regret"]["graph"] for r in out["shapes"]] == [pytest.approx(0.3), pytest.approx(0.2),
+                                                             pytest.approx(0.25), pytest.approx(0.25)]
+    assert out["shapes"][3]["roles"]["eager"] == F and not out["shapes"][3]["from_table"]["eager"]
+    assert out["summary"]["eager"]["all"]["max"] == pytest.approx(0.25)
+    assert [r["seed"] for r in out["reports"]] == [1, 2]
+    assert out["reports"][0]["eager"]["max"] == pytest.approx(0.10)
+    assert out["exit_code"] == 0 and not out["verdict"]["failed"]
+
+
+def test_a_pick_the_report_did_not_measure_fails_and_stays_out_of_the_statistics(reports, tmp_path):
+    lines: list[str] = []
+    out = rs.rescore(_table(D), reports, max_regret=0.5, json_path=tmp_path / "r.json", log=lines.append)
+    assert [r["regret"]["eager"] for r in out["shapes"]][:3] == [None, None, None]  # D: absent, pruned, pruned
+    assert out["unmeasured"] == 3 and out["summary"]["eager"]["all"]["n"] == 1
+    assert out["exit_code"] == 1
+    assert any("not measured there" in reason for reason in out["verdict"]["reasons"])
+    assert any(line.startswith("FAIL") for line in lines)
+    assert json.loads((tmp_path / "r.json").read_text())["schema"] == rs.RESCORE_SCHEMA
+
+
+def test_thresholds_judge_the_rescored_picks(reports):
+    assert rs.rescore(_table(C), reports, max_regret=0.3, log=lambda _: None)["exit_code"] == 0
+    out = rs.rescore(_table(A), reports, max_regret=0.2, log=lambda _: None)
+    assert out["exit_code"] == 1 and "max regret 25.0% is over 20.0%" in out["verdict"]["reasons"][0]
+    with pytest.raises(VerifyError, match="--judge must be"):
+        rs.rescore(_table(A), reports, judge="mean", log=lambda _: None)
+
+
+def test_bad_reports_are_named(tmp_path):
+    with pytest.raises(VerifyError, match="no such verify report"):
+        rs.read_report(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(VerifyError, match="not a verify report"):
+        rs.read_report(tmp_path / "bad.json")
+    (tmp_path / "other.json").write_text(json.dumps({"schema": "serving-results/1"}))
+    with pytest.raises(VerifyError, match="rescore reads 'serving-verify/1'"):
+        rs.read_report(tmp_path / "other.json")
+    with pytest.raises(VerifyError, match="at least one verify report"):
+        rs.rescore(_table(A), [], log=lambda _: None)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(VerifyError, match="a folder with no verify reports"):
+        rs.report_paths([tmp_path / "empty"])
+
+
+def test_a_folder_names_its_reports_in_order(reports, tmp_path):
+    (tmp_path / "notes.txt").write_text("not a report")
+    assert rs.report_paths([tmp_path]) == sorted(reports)
+    out = rs.rescore(_table(A), [tmp_path], log=lambda _: None)
+    assert len(out["shapes"]) == 4
