@@ -113,6 +113,14 @@ class _NoAliasDumper(yaml.SafeDumper):
         return True
 
 
+class FlowMap(dict):
+    """A mapping dump_yaml writes on one line ({a: 1, b: 2}); it reads back as a dict."""
+
+
+_NoAliasDumper.add_representer(
+    FlowMap, lambda dumper, data: dumper.represent_mapping("tag:yaml.org,2002:map", data, flow_style=True))
+
+
 def dump_yaml(data: Any) -> str:
     """YAML text for data (safe types only, keys in their order, no aliases)."""
     return yaml.dump(data, Dumper=_NoAliasDumper, sort_keys=False, width=100)

@@ -68,7 +68,7 @@ def main() -> None:
     q_lens = [min(args.q_len, n) for n in kv_lens]
     mean = sum(kv_lens) / len(kv_lens)
     roles: dict[str, Variant] = {}
-    for role, v in (("eager", table.lookup(spec, len(kv_lens), mean)),
+    for role, v in (("eager", table.lookup(spec, len(kv_lens), mean, kv_lens=kv_lens)),
                     ("graph", table.lookup(spec, len(kv_lens), graph=True))):
         if v is not None:
             roles[role] = v

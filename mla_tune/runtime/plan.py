@@ -16,9 +16,10 @@ lengths and block table, and replays a CUDA graph of the layers per batch size. 
   to `max_batch`, once: afterwards nothing allocates.
 - `update` picks the variant from the serving table (tables/serving_table.py) without
   timing anything: in a graph (spec.graph) the graph pick of the batch's bucket, which
-  does not depend on the lengths; eagerly the cell of the batch bucket and of the mean
-  length (`mean_kv_len`, or the mean of `kv_lens_host`, which engines keep on the host),
-  else the graph pick. A family or cell the table lacks runs the preferred backend's
+  does not depend on the lengths; eagerly the table's estimated fastest for the batch and
+  the mean length (`mean_kv_len`, or the mean of `kv_lens_host`, which engines keep on the
+  host; FlashInfer's estimate replays its schedule for `kv_lens_host`), else the graph
+  pick. A family or cell the table lacks runs the preferred backend's
   default variant (runtime/decode.py), counted in `misses`. `update` checks the call's
   layout arguments against the spec once per step (shapes and dtypes only).
 - `update` also starts the picked runner's step (`runner.step(...)`, runtime/decode.py's
@@ -103,6 +104,7 @@ class DecodePlan:
         picks = [g.variant for b, g in sorted(self._family.graph.items()) if b <= top]
         if not self.spec.graph:
             picks += [c.variant for (b, _kv), c in sorted(self._family.cells.items()) if b <= top]
+            picks += sorted({v for (b, _kv), times in self._family.points.items() if b <= top for v in times}, key=str)
         return list(dict.fromkeys(picks))
 
     @property
@@ -135,12 +137,14 @@ class DecodePlan:
             torch.cuda.synchronize(dev)
 
     # ------------------------------------------------------------------ per step
-    def pick(self, batch: int, mean_kv_len: float | None = None) -> Variant:
-        """The variant a step of `batch` sequences runs (no timing): see the module."""
+    def pick(self, batch: int, mean_kv_len: float | None = None, kv_lens=None) -> Variant:
+        """The variant a step of `batch` sequences runs (no timing): see the module.
+        kv_lens: the step's lengths on the host, where the engine has them (a table's
+        FlashInfer model replays FlashInfer's schedule for them)."""
         variant = None
         if self.table is not None and self._family is not None:
             mean = None if self.spec.graph else mean_kv_len
-            variant = self.table.lookup(self.spec, batch, mean, graph=self.spec.graph)
+            variant = self.table.lookup(self.spec, batch, mean, graph=self.spec.graph, kv_lens=kv_lens)
             if variant is None:
                 key = f"batch {batch_bucket(self.table.batch_buckets, batch)}" + (
                     "" if mean is None else f", kv_len ~{mean:.0f}")
@@ -160,7 +164,7 @@ class DecodePlan:
                              f"{self.max_batch}; make a plan with a larger max_batch")
         if mean_kv_len is None and kv_lens_host is not None and len(kv_lens_host):
             mean_kv_len = sum(kv_lens_host) / len(kv_lens_host)
-        variant = self.pick(batch, mean_kv_len)
+        variant = self.pick(batch, mean_kv_len, kv_lens_host)
         decoder = self._decoders[variant]
         layout = dict(kv_indptr=kv_indptr, block_table=block_table, seq_lens=seq_lens,
                       q_lens_host=q_lens_host, kv_lens_host=kv_lens_host)

@@ -8,6 +8,13 @@ every step, so the serving table is keyed the way engines capture and batch thei
 - the batch goes up to the smallest *batch bucket* at or above it (engines pad a batch to
   their CUDA-graph capture sizes); above the largest bucket, the largest;
 - eager calls take the *kv bucket* nearest (in log scale) to the batch's mean length;
+- where the table holds the eager picks' measured times (the family's *points*: every
+  timed batch bucket, each bucket's smallest batch with search.batch_edge, and kv bucket),
+  an eager call instead takes the variant estimated fastest at its own batch and lengths:
+  interpolated between the points (`interpolate`), and FlashInfer's from a model over its
+  schedule for the call's lengths (`VendorModel`, tables/vendor_cost.py), since its time
+  steps inside a bucket where its chunks overflow the SMs. The cell is what a table
+  without points uses;
 - a CUDA graph cannot depend on kv_len (the lengths are data), so each batch bucket also has
   one *graph pick*: the variant whose worst regret over the family's kv buckets is smallest
   (a worst case, not a mean: a pick tuned for long contexts can lose badly at short ones).
@@ -15,9 +22,13 @@ every step, so the serving table is keyed the way engines capture and batch thei
 Split counts are not table entries: a variant carries its rule (max_splits,
 tokens_per_split), which the kernel applies to each sequence on the device.
 
-Schema `serving/1`, top level: `schema`, `gpu`, `provenance`, `batch_buckets`, `kv_buckets`,
-`families`. A family is `{key: {kv_format, page_size, heads, q_len}, cells: [...], graph:
-[...], left_out: [...]}`; a cell `{batch, kv_len, variant, time_us, runner_up?}`; a graph
+Schema `serving/2` (`serving/1`, the same without points, still loads), top level:
+`schema`, `gpu`, `provenance`, `batch_buckets`, `kv_buckets`, `families`. A family is
+`{key: {kv_format, page_size, heads, q_len}, cells: [...], graph: [...], left_out: [...],
+variants: [...], points: [...], flashinfer_model?}`; `variants` lists the family's eager
+picks and a point `{batch, kv_len, us: {index in variants: median us}}` holds the ones the
+sweep timed there with its last rung's samples; `flashinfer_model` is `{variant, sm_count,
+features, coef, fit_error_p90}`; a cell `{batch, kv_len, variant, time_us, runner_up?}`; a graph
 pick `{batch, variant, worst_regret, worst_kv_len}` (worst_kv_len 0: the sweep's ragged mix
 for the bucket); a left-out cell `{batch, kv_len, reason}`. Loading never executes anything
 from the file (fileio.read_yaml) and every error names the file, the family and the field.
@@ -28,17 +39,24 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mla_tune.backends import known_backends
 from mla_tune.core import CallSpec, Variant
-from mla_tune.fileio import atomic_write_text, dump_yaml, read_yaml
+from mla_tune.fileio import FlowMap, atomic_write_text, dump_yaml, read_yaml
 from mla_tune.tables.table import TableError, _check_variant
+from mla_tune.tables.vendor_cost import (
+    FLASHINFER_FEATURES,
+    flashinfer_mla_features,
+    flashinfer_mla_works_per_cluster,
+    predict,
+)
 
-SERVING_SCHEMA = "serving/1"
+SERVING_SCHEMA = "serving/2"
+_READABLE_SCHEMAS = ("serving/1", SERVING_SCHEMA)  # serving/1: no points
 _KEY_FIELDS = ("kv_format", "page_size", "heads", "q_len")
 
 
@@ -86,6 +104,9 @@ class Family:
     cells: dict[tuple[int, int], Cell] = field(default_factory=dict)
     graph: dict[int, GraphPick] = field(default_factory=dict)
     left_out: list[dict] = field(default_factory=list)  # {batch, kv_len, reason}
+    # (batch, kv_len) -> {variant: median us}: the eager picks' times where the sweep timed them
+    points: dict[tuple[int, int], dict[Variant, float]] = field(default_factory=dict)
+    flashinfer: VendorModel | None = None  # FlashInfer's time over its replayed schedule
 
 
 # ------------------------------------------------------------------ bucket rules
@@ -124,6 +145,69 @@ def choose_graph_pick(times: Mapping[Variant, Mapping[int, float]],
     return chosen
 
 
+# ------------------------------------------------------------------ interpolation
+_KV_STEPS_PER_OCTAVE = 64  # the eager pick's memo: lengths within ~1% share one estimate
+MODEL_WINDOW = 1.5  # FlashInfer's model runs where its interpolated time is within 1.5x the best other's
+MODEL_WORKS = 2.0  # ... and where FlashInfer deals at most 2 chunks per cluster (see _estimates)
+
+
+def _bracket(grid: list[int], x: float) -> list[tuple[int, float]]:
+    """The grid points around x with their weights, linear in log x; one point (weight 1)
+    at or below the grid's first, or on a point."""
+    i = bisect.bisect_left(grid, x)
+    if i < len(grid) and grid[i] == x:
+        return [(grid[i], 1.0)]
+    if i == 0 or i == len(grid):
+        return [(grid[min(i, len(grid) - 1)], 1.0)]
+    lo, hi = grid[i - 1], grid[i]
+    w = math.log(x / lo) / math.log(hi / lo)
+    return [(lo, 1.0 - w), (hi, w)]
+
+
+def _at_batch(points: Mapping[tuple[int, int], Mapping[Variant, float]], batch: int,
+              kv_len: float) -> dict[Variant, float]:
+    """Each variant's time at a measured batch and length kv_len: log-log between the kv
+    buckets around it; past the last measured one, extended along the last two buckets'
+    slope (clamped to [0, 1]: time grows with the length, at most in proportion)."""
+    kvs = sorted(k for b, k in points if b == batch)
+    if kv_len > kvs[-1] and len(kvs) >= 2:
+        k0, k1 = kvs[-2], kvs[-1]
+        t0, t1 = points[(batch, k0)], points[(batch, k1)]
+        slope = {v: min(max(math.log(t1[v] / t0[v]) / math.log(k1 / k0), 0.0), 1.0) for v in t0.keys() & t1.keys()}
+        return {v: t1[v] * (kv_len / k1) ** s for v, s in slope.items()}
+    around = _bracket(kvs, kv_len)
+    common = set.intersection(*(set(points[(batch, k)]) for k, _ in around))
+    return {v: math.exp(sum(w * math.log(points[(batch, k)][v]) for k, w in around)) for v in common}
+
+
+def interpolate(points: Mapping[tuple[int, int], Mapping[Variant, float]], batch: int,
+                kv_len: float) -> dict[Variant, float]:
+    """Each variant's estimated time for `batch` sequences at mean length `kv_len` from its
+    times at the measured points (batch, kv_len) around it, log-log in both (`_at_batch`
+    for the length); only variants measured at every point used compete. Beyond the
+    measured batches, the nearest one's."""
+    batches = sorted({b for b, _ in points})
+    if not batches:
+        return {}
+    per_batch = [(w, _at_batch(points, b, kv_len)) for b, w in _bracket(batches, batch)]
+    common = set.intersection(*(set(t) for _, t in per_batch))
+    return {v: math.exp(sum(w * math.log(t[v]) for w, t in per_batch)) for v in common}
+
+
+@dataclass(frozen=True)
+class VendorModel:
+    """A vendor variant's time as a linear model over its replayed schedule
+    (tables/vendor_cost.py): FlashInfer's, fitted to its times over the family's grid."""
+
+    variant: Variant
+    coef: tuple[float, ...]
+    sm_count: int
+    fit_error_p90: float  # relative error at the grid cells it was fitted on
+
+    def time_us(self, key: FamilyKey, kv_lens: Sequence[int]) -> float:
+        return predict(self.coef, flashinfer_mla_features(kv_lens, key.heads, key.q_len, self.sm_count))
+
+
 # ------------------------------------------------------------------ the table
 @dataclass
 class ServingTable:
@@ -133,20 +217,28 @@ class ServingTable:
     kv_buckets: list[int]
     families: dict[FamilyKey, Family]
     path: Path | None = None
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def family(self, spec: CallSpec) -> Family | None:
         return self.families.get(FamilyKey.of(spec))
 
     def lookup(self, spec: CallSpec, batch: int, mean_kv_len: float | None = None,
-               graph: bool = False) -> Variant | None:
-        """The variant for a call: the graph pick of its batch bucket (graph=True, or no mean
-        length given), else the cell of its batch and kv buckets. Where that cell is not in
-        the table (a config rule left it out: a batch of 26 at 51k tokens fits, its bucket's
-        32 x 65536 does not), the largest smaller batch bucket's cell at the same kv bucket
-        (the call's own batch lies between the two; verify measured the bucket's shorter
-        cell's pick 64% off there), else the batch bucket's measured cell nearest in log
-        kv_len, else its graph pick. None when the family is not in the table or the bucket
-        has nothing: the caller runs its fallback."""
+               graph: bool = False, kv_lens: Sequence[int] | None = None) -> Variant | None:
+        """The variant for a call (no timing):
+        - graph=True, or no mean length given: the graph pick of the batch's bucket;
+        - else, where the family has points (schema serving/2): the variant estimated
+          fastest at the call's own batch and mean length. The estimates are `interpolate`
+          over the points, memoized per (batch, kv_len to ~1%). FlashInfer's estimate comes
+          instead from its model over its schedule for `kv_lens` (the call's lengths; without
+          them, `batch` sequences of the mean), where the family has one;
+        - else the cell of its batch and kv buckets. A cell a config rule left out (a batch of
+          26 at 51k tokens fits, its bucket's 32 x 65536 does not) gives way to the largest
+          smaller batch bucket's cell at the same kv bucket: the call's own batch lies
+          between the two, and verify measured the bucket's shorter cell's pick 64% off
+          there. Else the batch bucket's measured cell nearest in log kv_len, else its graph
+          pick.
+        None when the family is not in the table or the bucket has nothing: the caller runs
+        its fallback."""
         family = self.family(spec)
         if family is None:
             return None
@@ -154,6 +246,8 @@ class ServingTable:
         pick = family.graph.get(bucket)
         if graph or mean_kv_len is None:
             return pick.variant if pick is not None else None
+        if family.points:
+            return self._estimated(family, batch, mean_kv_len, kv_lens)
         kv = kv_bucket(self.kv_buckets, mean_kv_len)
         cell = family.cells.get((bucket, kv))
         if cell is None:  # left out: a smaller batch bucket at this kv, else the bucket's nearest kv
@@ -167,6 +261,44 @@ class ServingTable:
             return cell.variant
         return pick.variant if pick is not None else None
 
+    def estimates(self, spec: CallSpec, batch: int, mean_kv_len: float,
+                  kv_lens: Sequence[int] | None = None) -> dict[Variant, float]:
+        """Every point variant's estimated time (us) for the call, as `lookup` weighs them."""
+        family = self.family(spec)
+        if family is None or not family.points:
+            return {}
+        return self._estimates(family, batch, mean_kv_len, kv_lens)
+
+    def _estimates(self, family: Family, batch: int, mean_kv_len: float,
+                   kv_lens: Sequence[int] | None) -> dict[Variant, float]:
+        est = dict(self._interpolated(family, batch, mean_kv_len))
+        model = family.flashinfer
+        others = [t for v, t in est.items() if model is not None and v != model.variant]
+        # The model replays FlashInfer's schedule, a heap operation per chunk. It runs only
+        # where FlashInfer's interpolated time is near the best other's, and where it deals
+        # at most MODEL_WORKS chunks per cluster: FlashInfer's steps are where its chunks just
+        # overflow the clusters, and more chunks cost more host time and step less.
+        if model is not None and model.variant in est and others \
+                and est[model.variant] < MODEL_WINDOW * min(others) and min(others) < MODEL_WINDOW * est[model.variant]:
+            lens = list(kv_lens) if kv_lens is not None else [max(int(round(mean_kv_len)), 1)] * batch
+            if flashinfer_mla_works_per_cluster(lens, family.key.heads, family.key.q_len, model.sm_count) <= MODEL_WORKS:
+                est[model.variant] = model.time_us(family.key, lens)
+        return est
+
+    def _interpolated(self, family: Family, batch: int, mean_kv_len: float) -> dict[Variant, float]:
+        step = round(math.log2(max(mean_kv_len, 1.0)) * _KV_STEPS_PER_OCTAVE)
+        memo_key = (family.key, batch, step)
+        if memo_key not in self._memo:
+            if len(self._memo) >= 1 << 16:
+                self._memo.clear()
+            self._memo[memo_key] = interpolate(family.points, batch, 2.0 ** (step / _KV_STEPS_PER_OCTAVE))
+        return self._memo[memo_key]
+
+    def _estimated(self, family: Family, batch: int, mean_kv_len: float,
+                   kv_lens: Sequence[int] | None) -> Variant | None:
+        est = self._estimates(family, batch, mean_kv_len, kv_lens)
+        return min(est, key=lambda v: (est[v], str(v))) if est else None
+
     def as_dict(self) -> dict:
         families = []
         for key in sorted(self.families):
@@ -178,6 +310,8 @@ class ServingTable:
                            "worst_regret": round(g.worst_regret, 4), "worst_kv_len": g.worst_kv_len}
                           for _, g in sorted(fam.graph.items())],
                 "left_out": sorted(fam.left_out, key=lambda c: (c["batch"], c["kv_len"])),
+                **_points_dict(fam.points),
+                **_model_dict(fam.flashinfer),
             })
         return {"schema": SERVING_SCHEMA, "gpu": self.gpu, "provenance": self.provenance,
                 "batch_buckets": list(self.batch_buckets), "kv_buckets": list(self.kv_buckets),
@@ -190,6 +324,26 @@ def _cell_dict(cell: Cell) -> dict:
     if cell.runner_up:
         out["runner_up"] = cell.runner_up
     return out
+
+
+def _points_dict(points: Mapping[tuple[int, int], Mapping[Variant, float]]) -> dict:
+    if not points:
+        return {}
+    variants = sorted({v for times in points.values() for v in times}, key=str)
+    index = {v: i for i, v in enumerate(variants)}
+    return {"variants": [str(v) for v in variants],
+            "points": [FlowMap(batch=b, kv_len=k,
+                               us=FlowMap(sorted((index[v], round(t, 3)) for v, t in points[(b, k)].items())))
+                       for b, k in sorted(points)]}
+
+
+def _model_dict(model: VendorModel | None) -> dict:
+    if model is None:
+        return {}
+    return {"flashinfer_model": {"variant": str(model.variant), "sm_count": model.sm_count,
+                                 "features": list(FLASHINFER_FEATURES),
+                                 "coef": [float(f"{c:.6g}") for c in model.coef],
+                                 "fit_error_p90": round(model.fit_error_p90, 4)}}
 
 
 def write_serving_table(path: str | Path, table: ServingTable) -> Path:
@@ -239,7 +393,7 @@ def _family(path: Path, index: int, raw: Any, batch_buckets: list[int], kv_bucke
     where = f"serving table {path}, family {index}"
     if not isinstance(raw, dict):
         raise TableError(f"{where} must be a mapping with key, cells, graph, left_out")
-    unknown = set(raw) - {"key", "cells", "graph", "left_out"}
+    unknown = set(raw) - {"key", "cells", "graph", "left_out", "variants", "points", "flashinfer_model"}
     if unknown:
         raise TableError(f"{where}: unknown field(s) {', '.join(sorted(map(str, unknown)))}")
     family = Family(_key(where, raw.get("key")))
@@ -287,7 +441,69 @@ def _family(path: Path, index: int, raw: Any, batch_buckets: list[int], kv_bucke
         if not isinstance(entry.get("reason"), str) or not entry["reason"].strip():
             raise TableError(f"{at}: a left-out cell must say why (reason)")
         family.left_out.append(dict(entry))
+    family.points = _points(where, raw, kv_buckets, known, check_params, family.key)
+    family.flashinfer = _model(where, raw.get("flashinfer_model"), known, check_params, family.key)
     return family
+
+
+def _model(where: str, raw: Any, known: list[str], check_params: bool, key: FamilyKey) -> VendorModel | None:
+    if raw is None:
+        return None
+    at = f"{where}, flashinfer_model"
+    if not isinstance(raw, dict) or set(raw) != {"variant", "sm_count", "features", "coef", "fit_error_p90"}:
+        raise TableError(f"{at} must be a mapping of variant, sm_count, features, coef, fit_error_p90")
+    variant = _check_variant(at, "variant", raw, known, check_params)
+    _match_family(at, variant, key)
+    if variant.backend != "flashinfer":
+        raise TableError(f"{at}: the model is FlashInfer's schedule, but variant is {variant}")
+    if raw["features"] != list(FLASHINFER_FEATURES):
+        raise TableError(f"{at}: features {raw['features']!r:.120} are not this mla-tune's "
+                         f"{list(FLASHINFER_FEATURES)}; re-build the table (serving_sweep merge)")
+    coef = raw["coef"]
+    if not isinstance(coef, list) or len(coef) != len(FLASHINFER_FEATURES):
+        raise TableError(f"{at}: coef must be a list of {len(FLASHINFER_FEATURES)} numbers")
+    for i, c in enumerate(coef):
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c):
+            raise TableError(f"{at}: coef[{i}] must be a finite number, got {c!r:.40}")
+    sm = raw["sm_count"]
+    if isinstance(sm, bool) or not isinstance(sm, int) or sm < 1:
+        raise TableError(f"{at}: sm_count must be a positive integer, got {sm!r:.20}")
+    return VendorModel(variant, tuple(float(c) for c in coef), sm, _number(at, "fit_error_p90", raw["fit_error_p90"]))
+
+
+def _points(where: str, raw: dict, kv_buckets: list[int], known: list[str], check_params: bool,
+            key: FamilyKey) -> dict[tuple[int, int], dict[Variant, float]]:
+    names = raw.get("variants", [])
+    if not isinstance(names, list):
+        raise TableError(f"{where}: variants must be a list of variant strings")
+    variants = []
+    for i, name in enumerate(names):
+        at = f"{where}, variants[{i}]"
+        variant = _check_variant(at, "variant", {"variant": name}, known, check_params)
+        _match_family(at, variant, key)
+        variants.append(variant)
+    points: dict[tuple[int, int], dict[Variant, float]] = {}
+    for i, entry in enumerate(_entries(where, raw, "points")):
+        at = f"{where}, point {i}"
+        batch, kv_len, us = entry.get("batch"), entry.get("kv_len"), entry.get("us")
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise TableError(f"{at}: batch must be a positive integer, got {batch!r:.20}")
+        if kv_len not in kv_buckets:
+            raise TableError(f"{at}: kv_len {kv_len!r:.20} is not one of the kv_buckets {kv_buckets}")
+        if (batch, kv_len) in points:
+            raise TableError(f"{at}: a second point for batch {batch}, kv_len {kv_len}")
+        if not isinstance(us, dict) or not us:
+            raise TableError(f"{at}: us must map indexes into variants to times in us")
+        times = {}
+        for j, t in us.items():
+            if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < len(variants):
+                raise TableError(f"{at}: us has key {j!r:.20}, not an index into the family's "
+                                 f"{len(variants)} variants")
+            if _number(at, f"us[{j}]", t) == 0:
+                raise TableError(f"{at}: us[{j}] is 0; a measured time is positive")
+            times[variants[j]] = float(t)
+        points[(batch, kv_len)] = times
+    return points
 
 
 def _match_family(where: str, variant: Variant, key: FamilyKey) -> None:
@@ -306,7 +522,7 @@ def load_serving_table(path: str | Path, check_params: bool = True) -> ServingTa
     if not isinstance(raw, dict):
         raise TableError(f"{where} must be a mapping (schema, gpu, provenance, batch_buckets, "
                          "kv_buckets, families)")
-    if raw.get("schema") != SERVING_SCHEMA:
+    if raw.get("schema") not in _READABLE_SCHEMAS:
         raise TableError(f"{where}: schema is {raw.get('schema')!r:.40}, this mla-tune reads "
                          f"{SERVING_SCHEMA!r}; re-run the serving sweep with this version")
     gpu = raw.get("gpu")

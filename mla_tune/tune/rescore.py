@@ -110,7 +110,8 @@ def rescore_shape(table: ServingTable, record: dict) -> dict:
     fallback = record["roles"]["fallback"]
     r["recorded_roles"] = dict(record["roles"])
     r["measured"] = {"fallback": "final"}
-    for role, looked in (("eager", table.lookup(spec, r["batch"], r["mean_kv_len"])),
+    kv_lens = r["kv_lens"] if isinstance(r["kv_lens"], list) else [r["kv_lens"]] * r["batch"]
+    for role, looked in (("eager", table.lookup(spec, r["batch"], r["mean_kv_len"], kv_lens=kv_lens)),
                          ("graph", table.lookup(spec, r["batch"], graph=True))):
         variant = str(looked) if looked is not None else fallback  # no pick: the fallback runs
         r["roles"][role] = variant

@@ -25,9 +25,11 @@ from mla_tune.tables.serving_table import (
     FamilyKey,
     GraphPick,
     ServingTable,
+    VendorModel,
     load_serving_table,
     write_serving_table,
 )
+from mla_tune.tables.vendor_cost import fit_linear, flashinfer_mla_features, relative_errors
 from mla_tune.tune.serving_config import ServingConfig, load_serving_config
 from mla_tune.tune.serving_plan import SweepPlan, edge_batch, plan_sweep
 from mla_tune.tune.serving_results import Records, read_records
@@ -90,7 +92,7 @@ def eager_pick(times: dict[int, dict[str, float]], batch: int, batch_buckets: li
 
 # ------------------------------------------------------------------ the table
 def build_table(cfg: ServingConfig, plan: SweepPlan, records: Records, gpu_name: str,
-                provenance: dict, missing_reason: str) -> ServingTable:
+                provenance: dict, missing_reason: str, sm_count: int = 0) -> ServingTable:
     """The serving table from the records: every family of the config, its cells and graph
     picks as recorded, every other cell left out with its reason."""
     families: dict[FamilyKey, Family] = {}
@@ -122,6 +124,8 @@ def build_table(cfg: ServingConfig, plan: SweepPlan, records: Records, gpu_name:
             if g is not None:
                 fam.graph[batch] = GraphPick(batch, Variant.parse(g["variant"]), float(g["worst_regret"]),
                                              int(g["worst_kv_len"]))
+        fam.points = _points(cfg, timed, key, {c.variant for c in fam.cells.values()})
+        fam.flashinfer = _flashinfer_model(timed, key, fam.points, sm_count)
         families[key] = fam
     return ServingTable(gpu_name, provenance, list(cfg.batch_buckets), list(cfg.kv_buckets), families)
 
@@ -139,6 +143,49 @@ def _cell(cfg: ServingConfig, timed: dict, key: FamilyKey, batch: int, kv_len: i
         return Cell(batch, kv_len, Variant.parse(rec["winner"]), float(rec["time_us"]), rec.get("runner_up"))
     runner_up = {"variant": rec["winner"], "time_us": float(rec["time_us"])}
     return Cell(batch, kv_len, Variant.parse(pick), times[batch][pick], runner_up)
+
+
+def _points(cfg: ServingConfig, timed: dict, key: FamilyKey, picks: set[Variant]) -> dict:
+    """The eager picks' times at every timed batch bucket (and, with search.batch_edge, each
+    bucket's smallest batch) and kv bucket: what the runtime interpolates (serving_table.
+    interpolate). Only the family's cell picks: a plan builds those, and no other variant."""
+    batches = set(cfg.batch_buckets)
+    if cfg.search.batch_edge:
+        batches |= {e for b in cfg.batch_buckets if (e := edge_batch(cfg.batch_buckets, b)) is not None}
+    names = {str(v): v for v in picks}
+    points = {}
+    for (k, batch, kv_len), times in timed.items():
+        if k != key or batch not in batches or kv_len not in cfg.kv_buckets:
+            continue
+        here = {names[v]: t for v, t in times.items() if v in names}
+        if here:
+            points[(batch, kv_len)] = here
+    return points
+
+
+MODEL_MIN_CELLS = 24  # FlashInfer's model is fitted where it was timed at this many cells or more
+
+
+def _flashinfer_model(timed: dict, key: FamilyKey, points: dict, sm_count: int) -> VendorModel | None:
+    """FlashInfer's time over its replayed schedule (tables/vendor_cost.py), fitted to its
+    last-rung times at the family's aligned cells (every sequence at the cell's length),
+    where FlashInfer is among the family's eager picks. None without the GPU's SM count (a
+    results file without it), or with too few cells."""
+    variants = {v for times in points.values() for v in times if v.backend == "flashinfer"}
+    if sm_count <= 0 or len(variants) != 1:
+        return None
+    (variant,) = variants
+    name = str(variant)
+    rows, times = [], []
+    for (k, batch, kv_len), cell in sorted(timed.items(), key=lambda x: (x[0][1], x[0][2])):
+        if k == key and kv_len > 0 and name in cell:
+            rows.append(flashinfer_mla_features([kv_len] * batch, key.heads, key.q_len, sm_count))
+            times.append(cell[name])
+    if len(rows) < MODEL_MIN_CELLS:
+        return None
+    coef = fit_linear(rows, times)
+    errors = relative_errors(coef, rows, times)
+    return VendorModel(variant, tuple(coef), sm_count, errors[int(0.9 * (len(errors) - 1))])
 
 
 def _provenance(cfg: ServingConfig, headers: list[dict], plan: SweepPlan, extra: dict) -> dict:
@@ -167,7 +214,9 @@ def _provenance(cfg: ServingConfig, headers: list[dict], plan: SweepPlan, extra:
 
 def write_table(cfg: ServingConfig, plan: SweepPlan, records: Records, headers: list[dict], out: Path,
                 gpu_name: str, missing_reason: str, extra: dict) -> ServingTable:
-    table = build_table(cfg, plan, records, gpu_name, _provenance(cfg, headers, plan, extra), missing_reason)
+    sm_count = int((headers[0].get("platform") or {}).get("sm_count") or 0)
+    table = build_table(cfg, plan, records, gpu_name, _provenance(cfg, headers, plan, extra), missing_reason,
+                        sm_count)
     write_serving_table(out, table)
     return load_serving_table(out)  # what was written loads: the same checks as the runtime's
 

@@ -15,8 +15,9 @@ is whatever its draws make it. A shape whose cache the config leaves out (its le
 rules, on the shape's total tokens) is drawn again.
 
 At each shape, on this GPU:
-- the *eager pick* (the table's cell of the batch bucket and the kv bucket of the mean
-  length), the *graph pick* (its batch bucket's) and the *fallback* (runtime.decode's
+- the *eager pick* (ServingTable.lookup with the shape's batch, mean length and lengths:
+  the estimated fastest of a table with points, else the cell of the batch bucket and
+  the kv bucket of the mean length), the *graph pick* (its batch bucket's) and the *fallback* (runtime.decode's
   Decoder default for the spec: what runs without a table);
 - every candidate of the family's config space on this platform (serving_plan.family_plan)
   that passes the config's gate (the gate the table's sweep ran, run again here for every
@@ -290,7 +291,7 @@ class Verifier:
         inp = make_input(list(shape.q_lens), list(shape.kv_lens), key.heads, key.page_size, key.kv_format,
                          seed=shape.seed, device=self.device)
         fallback = self.fallbacks[key]
-        looked = {"eager": self.table.lookup(spec, shape.batch, shape.mean_kv_len),
+        looked = {"eager": self.table.lookup(spec, shape.batch, shape.mean_kv_len, kv_lens=shape.kv_lens),
                   "graph": self.table.lookup(spec, shape.batch, graph=True)}
         roles = {**{r: v or fallback for r, v in looked.items()}, "fallback": fallback}
         from_table = {r: looked[r] is not None for r in looked}

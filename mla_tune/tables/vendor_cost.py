@@ -1,0 +1,150 @@
+"""FlashInfer's MLA schedule replayed on the host, and a linear model of its time over it.
+
+FlashInfer's MLA `plan` (its C++ scheduler, `MLAPlan` in include/flashinfer/attention/
+scheduler.cuh; the same algorithm in the 0.6 releases the H200 runs) splits each
+sequence's KV into chunks of one length for the whole batch, kv_len_limit, about
+total / clusters rounded up to 256 tokens, and deals the chunks in sequence order to
+the least-loaded of the SMs' clusters. So its time steps where the chunks just overflow
+the clusters: 15 x 44654 tokens (bf16, 16 heads, q_len 4) deals 135 chunks of 5120 to 132
+SMs, and three SMs run two. On the H200 FlashInfer took 300.9 us there, against 166.2 at
+16 x 32768, whose 128 chunks fit; FlashMLA took 239.5 (docs/perf.md, session 11).
+
+`flashinfer_mla_features` replays that dealing and returns what the time depends on; a
+serving table fits `FLASHINFER_FEATURES` to FlashInfer's times over its grid
+(`fit_linear`, weighted by 1 / time) and the eager lookup predicts FlashInfer's time at
+the call's own lengths (`predict`). Fitted on session 11's grid, the model's relative
+error at 240 held-out uniform shapes had median 2.6% and 90th percentile 7.7%.
+Interpolating FlashInfer's grid times gave 4.2% and 23.6%. Pure Python; nothing here
+imports torch.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+FLASHINFER_FEATURES = ("one", "makespan", "max_works", "merge_ctas", "batch", "max_merge")
+_CTA_TILE_Q = 64
+_SLOTS = 1 << 12  # clusters per GPU, at most (the heap's key packs the cluster's index)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _chunk_limit(per_cluster: int) -> int:
+    """FlashInfer's kv_len_limit from ceil(total kv / clusters)."""
+    if per_cluster <= 8:
+        return 32
+    if per_cluster <= 16:
+        return 64
+    if per_cluster <= 32:
+        return 128
+    if per_cluster <= 64:
+        return 192
+    return _ceil_div(per_cluster, 256) * 256
+
+
+def _geometry(kv_lens: Sequence[int], heads: int, q_len: int, sm_count: int) -> tuple[int, int, int, int, int]:
+    """(cluster size, clusters, q tile rows, q tiles per sequence, kv_len_limit)."""
+    packed = q_len * heads
+    cluster = 2 if packed > _CTA_TILE_Q else 1
+    clusters = max(sm_count // cluster, 1)
+    tile = _CTA_TILE_Q * cluster
+    q_tiles = _ceil_div(packed, tile)
+    limit = _chunk_limit(max(_ceil_div(sum(int(n) for n in kv_lens) * q_tiles, clusters), 1))
+    return cluster, clusters, tile, q_tiles, limit
+
+
+def flashinfer_mla_works_per_cluster(kv_lens: Sequence[int], heads: int, q_len: int, sm_count: int) -> float:
+    """How many chunks FlashInfer deals per cluster, on average (O(batch), no dealing)."""
+    _, clusters, _, q_tiles, limit = _geometry(kv_lens, heads, q_len, sm_count)
+    return sum(max(_ceil_div(int(n), limit), 1) for n in kv_lens) * q_tiles / clusters
+
+
+def flashinfer_mla_features(kv_lens: Sequence[int], heads: int, q_len: int, sm_count: int) -> list[float]:
+    """[1, makespan, most works on one cluster, merge CTAs, batch, largest merge] of
+    FlashInfer's MLA schedule for these lengths (every sequence with q_len new tokens):
+    - makespan: the most-loaded cluster's cost, each chunk costing 2 x its q tile plus
+      its tokens (FlashInfer's own cost function);
+    - merge CTAs: the CTAs that merge split chunks; largest merge: the most partial rows
+      one merge CTA reads (partial chunks x rows per CTA)."""
+    packed = q_len * heads
+    cluster, clusters, tile, q_tiles, limit = _geometry(kv_lens, heads, q_len, sm_count)
+    # The clusters' loads as one heap of ints, load * _SLOTS + cluster: the least loaded,
+    # ties to the lower index, as FlashInfer's MinHeap.
+    heap = list(range(clusters))
+    works = [0] * clusters
+    merge_ctas = max_merge = 0
+    replace, full_cost = heapq.heapreplace, (2 * tile + limit) * _SLOTS
+    for n in kv_lens:
+        n = int(n)
+        full, rest = divmod(n, limit)
+        if n > limit:
+            for t in range(q_tiles):
+                rows = min(tile, packed - t * tile)
+                ctas = max(n * cluster // limit, 1)
+                merge_ctas += ctas
+                max_merge = max(max_merge, (full + (rest > 0)) * _ceil_div(rows, ctas))
+        last = (2 * tile + rest) * _SLOTS if rest or not full else 0
+        for _ in range(q_tiles):
+            for _ in range(full):
+                top = heap[0]
+                works[top % _SLOTS] += 1
+                replace(heap, top + full_cost)
+            if last:
+                top = heap[0]
+                works[top % _SLOTS] += 1
+                replace(heap, top + last)
+    makespan = max(heap) // _SLOTS
+    return [1.0, float(makespan), float(max(works)), float(merge_ctas), float(len(kv_lens)), float(max_merge)]
+
+
+def predict(coef: Sequence[float], features: Sequence[float]) -> float:
+    return sum(c * f for c, f in zip(coef, features, strict=False))
+
+
+def fit_linear(rows: Sequence[Sequence[float]], times: Sequence[float]) -> list[float]:
+    """Least squares of times on rows, each row weighted by 1 / its time (relative error),
+    columns scaled to unit size and a tiny ridge, so a column that never varies (no merges
+    at any cell) gets 0 instead of breaking the solve. Needs len(rows) >= 2 x columns."""
+    n, m = len(rows), len(rows[0]) if rows else 0
+    if n < 2 * m or m == 0:
+        raise ValueError(f"fit_linear needs at least {2 * max(m, 1)} rows, got {n}")
+    scale = [max(abs(r[j]) for r in rows) or 1.0 for j in range(m)]
+    a = [[r[j] / scale[j] / t for j in range(m)] for r, t in zip(rows, times, strict=False)]
+    b = [1.0] * n  # t / t
+    ata = [[sum(a[k][i] * a[k][j] for k in range(n)) for j in range(m)] for i in range(m)]
+    atb = [sum(a[k][i] * b[k] for k in range(n)) for i in range(m)]
+    ridge = 1e-9 * max(sum(ata[i][i] for i in range(m)), 1e-30)
+    for i in range(m):
+        ata[i][i] += ridge
+    x = _solve(ata, atb)
+    return [x[j] / scale[j] for j in range(m)]
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting (a small symmetric system)."""
+    m = len(b)
+    a = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(m):
+        pivot = max(range(col, m), key=lambda r: abs(a[r][col]))
+        a[col], a[pivot] = a[pivot], a[col]
+        if abs(a[col][col]) < 1e-300:
+            continue
+        for r in range(col + 1, m):
+            f = a[r][col] / a[col][col]
+            if f:
+                for c in range(col, m + 1):
+                    a[r][c] -= f * a[col][c]
+    x = [0.0] * m
+    for r in range(m - 1, -1, -1):
+        if abs(a[r][r]) < 1e-300:
+            continue
+        x[r] = (a[r][m] - sum(a[r][c] * x[c] for c in range(r + 1, m))) / a[r][r]
+    return x
+
+
+def relative_errors(coef: Sequence[float], rows: Sequence[Sequence[float]], times: Sequence[float]) -> list[float]:
+    return sorted(abs(predict(coef, r) / t - 1.0) for r, t in zip(rows, times, strict=False) if t > 0)
+

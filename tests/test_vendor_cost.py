@@ -1,0 +1,186 @@
+"""FlashInfer's MLA schedule replayed on the host (mla_tune/tables/vendor_cost.py), its linear
+fit, and the serving table's estimated eager pick that uses both (tables/serving_table.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mla_tune.core import CallSpec, Variant
+from mla_tune.fileio import dump_yaml
+from mla_tune.tables.serving_table import (
+    Cell,
+    Family,
+    FamilyKey,
+    ServingTable,
+    VendorModel,
+    interpolate,
+    load_serving_table,
+    write_serving_table,
+)
+from mla_tune.tables.table import TableError
+from mla_tune.tables.vendor_cost import (
+    FLASHINFER_FEATURES,
+    fit_linear,
+    flashinfer_mla_features,
+    flashinfer_mla_works_per_cluster,
+    predict,
+    relative_errors,
+)
+
+FI = Variant.parse("flashinfer(kernel=fa3,kv=bf16,q=bf16)")
+FM = Variant.parse("flashmla(kv=bf16,q=bf16)")
+TR = Variant.parse("triton(block_h=16,block_n=32,dot_dtype=bf16,kv=bf16,max_splits=64,num_stages=2,"
+                   "num_warps=4,q=bf16,tokens_per_split=128)")
+
+
+def test_the_replay_deals_chunks_as_flashinfer_does():
+    # 16 heads x q_len 4 = 64 rows: one CTA per cluster, 132 clusters, q tiles of 64 rows.
+    # 16 x 32768: the limit is 4096 (ceil(524288 / 132) = 3972, rounded up to 256) and the
+    # 128 chunks fit the clusters: one each, cost 2 x 64 + 4096.
+    one, makespan, works, merges, batch, merge = flashinfer_mla_features([32768] * 16, 16, 4, 132)
+    assert (one, makespan, works, batch) == (1.0, 4224.0, 1.0, 16.0)
+    assert merges == 16 * 8 and merge == 8 * 8  # 8 merge CTAs per sequence, 8 chunks x 8 rows each
+    # 15 x 44654: limit 5120, 9 chunks each (8 full, one of 3694): 135 chunks on 132 clusters.
+    # The last sequence's 7th and 8th full chunks and its partial go where the partials of
+    # the first sequences are: 3822 + 5248 is the makespan.
+    _, makespan, works, *_ = flashinfer_mla_features([44654] * 15, 16, 4, 132)
+    assert makespan == 3822 + 5248 and works == 2
+    assert flashinfer_mla_works_per_cluster([44654] * 15, 16, 4, 132) == pytest.approx(135 / 132)
+
+
+def test_short_sequences_split_into_small_chunks():
+    # ceil(3 x 100 / 66) = 5 tokens per cluster -> a limit of 32: each 100-token sequence is 4
+    # chunks (32, 32, 32, 4), 12 in all, one per cluster
+    feats = flashinfer_mla_features([100] * 3, 128, 1, 132)
+    assert feats[2] == 1.0 and feats[1] == 2 * 128 + 32 and feats[3] == 3 * max(100 * 2 // 32, 1)
+
+
+def test_a_linear_fit_recovers_its_coefficients_and_zeroes_a_constant_column():
+    truth = [5.0, 0.03, 2.0, 0.0, 0.1, 0.0]
+    rows = [[1.0, 1000.0 * i, float(i % 3), 0.0, float((7 * i) % 5), 0.0] for i in range(1, 30)]
+    times = [predict(truth, r) for r in rows]
+    coef = fit_linear(rows, times)
+    assert coef == pytest.approx(truth, rel=1e-4, abs=1e-4)
+    assert max(relative_errors(coef, rows, times)) < 1e-5
+    with pytest.raises(ValueError, match="needs at least"):
+        fit_linear(rows[:3], times[:3])
+
+
+def _family(model: VendorModel | None) -> Family:
+    fam = Family(FamilyKey("bf16", 64, 16, 4))
+    for (b, kv), times in {
+        (8, 16384): {FI: 60.0, FM: 80.0}, (8, 32768): {FI: 100.0, FM: 130.0},
+        (16, 16384): {FI: 96.0, FM: 127.0}, (16, 32768): {FI: 166.0, FM: 202.0},
+    }.items():
+        fam.points[(b, kv)] = times
+        fam.cells[(b, kv)] = Cell(b, kv, FI, times[FI])
+    fam.flashinfer = model
+    return fam
+
+
+def _table(model=None) -> ServingTable:
+    fam = _family(model)
+    return ServingTable("H200", {}, [8, 16], [16384, 32768], {fam.key: fam})
+
+
+def test_interpolate_is_log_log_in_batch_and_length_and_extends_past_the_last_length():
+    points = _family(None).points
+    est = interpolate(points, 8, 16384)
+    assert est == {FI: pytest.approx(60.0), FM: pytest.approx(80.0)}
+    mid = interpolate(points, 8, 16384 * 2 ** 0.5)
+    assert mid[FI] == pytest.approx((60.0 * 100.0) ** 0.5)
+    both = interpolate(points, 11, 32768)  # 11 is 0.46 of the way from 8 to 16 in log
+    w = 0.45943161863729726
+    assert both[FM] == pytest.approx(130.0 ** (1 - w) * 202.0 ** w)
+    past = interpolate(points, 16, 65536)  # slope log(166/96)/log 2 = 0.79: 166 x 2^0.79
+    assert past[FI] == pytest.approx(166.0 * 2 ** 0.7901, rel=1e-3)
+    assert interpolate(points, 64, 16384) == interpolate(points, 16, 16384)  # beyond: the nearest
+    points[(16, 16384)] = {FM: 127.0}  # FlashInfer not measured there: it drops out where needed
+    assert set(interpolate(points, 12, 16384)) == {FM}
+
+
+def test_the_eager_pick_is_the_fastest_estimate_and_flashinfers_comes_from_its_schedule():
+    spec = CallSpec("bf16", page_size=64, heads=16, max_q_len=4)
+    plain = _table()
+    # 15 x 44654: interpolated FlashInfer (166 x 1.36^0.79 ~ 212) beats FlashMLA (~260)
+    assert plain.lookup(spec, 15, 44654.0, kv_lens=[44654] * 15) == FI
+    # a model whose time is its makespan / 20: 9070 / 20 = 453 us at 15 x 44654 (135 chunks
+    # overflow the clusters), 4224 / 20 = 211 at 16 x 32768
+    coef = (0.0, 0.05, 0.0, 0.0, 0.0, 0.0)
+    table = _table(VendorModel(FI, coef, 132, 0.0))
+    est = table.estimates(spec, 15, 44654.0, kv_lens=[44654] * 15)
+    assert est[FI] == pytest.approx(9070 * 0.05) and est[FI] > est[FM]
+    assert table.lookup(spec, 15, 44654.0, kv_lens=[44654] * 15) == FM
+    # without the lengths, `batch` sequences of the mean
+    assert table.lookup(spec, 15, 44654.0) == FM
+    # near FlashMLA's the model runs; over 1.5x from it either way, the interpolated time stands
+    assert table.estimates(spec, 8, 16384.0)[FI] != pytest.approx(60.0)
+    table.families[FamilyKey("bf16", 64, 16, 4)].points[(8, 16384)] = {FI: 60.0, FM: 200.0}
+    table._memo.clear()
+    assert table.estimates(spec, 8, 16384.0)[FI] == pytest.approx(60.0)
+    # a graph pick still ignores the lengths; a family without points keeps its cells
+    assert table.lookup(spec, 15, graph=True) is None
+
+
+def test_points_and_the_model_survive_a_write_and_load(tmp_path):
+    table = _table(VendorModel(FI, (1.0, 0.05, 0.0, 0.0, 0.0, 0.0), 132, 0.031))
+    path = write_serving_table(tmp_path / "H200.serving.yaml", table)
+    text = path.read_text()
+    assert "schema: serving/2" in text and "flashinfer_model:" in text
+    assert "- {batch: 8, kv_len: 16384, us: {0: 60.0, 1: 80.0}}" in text  # one line a point
+    loaded = load_serving_table(path)
+    fam = loaded.families[FamilyKey("bf16", 64, 16, 4)]
+    assert fam.points == _family(None).points
+    assert fam.flashinfer == table.families[fam.key].flashinfer
+    assert loaded.as_dict() == table.as_dict()
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda f: f["flashinfer_model"].update(features=["one"]), "re-build the table"),
+    (lambda f: f["flashinfer_model"].update(coef=[1.0] * 5), "coef must be a list of 6"),
+    (lambda f: f["flashinfer_model"].update(coef=[1.0] * 5 + ["x"]), "coef[5] must be a finite number"),
+    (lambda f: f["flashinfer_model"].update(variant=str(FM)), "the model is FlashInfer's"),
+    (lambda f: f["flashinfer_model"].update(sm_count=0), "sm_count"),
+    (lambda f: f["points"][0].update(kv_len=1000), "kv_len 1000 is not one of"),
+    (lambda f: f["points"][0].update(us={7: 1.0}), "not an index into"),
+    (lambda f: f["points"][0].update(us={0: 0.0}), "is 0"),
+    (lambda f: f["points"].append(dict(f["points"][0])), "a second point"),
+    (lambda f: f.update(variants="x"), "variants must be a list"),
+])
+def test_a_broken_model_or_point_is_refused(tmp_path, edit, words):
+    data = _table(VendorModel(FI, (1.0, 0.05, 0.0, 0.0, 0.0, 0.0), 132, 0.031)).as_dict()
+    data["families"][0]["points"] = [dict(p) for p in data["families"][0]["points"]]
+    edit(data["families"][0])
+    path = tmp_path / "bad.serving.yaml"
+    path.write_text(dump_yaml(data))
+    with pytest.raises(TableError) as err:
+        load_serving_table(path)
+    assert "bad.serving.yaml" in str(err.value) and words in str(err.value), str(err.value)
+
+
+def test_the_feature_names_match_the_replay():
+    assert len(FLASHINFER_FEATURES) == len(flashinfer_mla_features([10], 16, 1, 132))
+
+
+def test_the_build_fits_flashinfers_model_to_its_aligned_cells():
+    from mla_tune.tune.serving_build import MODEL_MIN_CELLS, _flashinfer_model
+
+    key = FamilyKey("bf16", 64, 16, 4)
+    truth = (6.0, 0.03, 1.5, 0.02, 0.05, 0.01)
+    timed, points = {}, {}
+    for b in (1, 2, 4, 8, 12, 16):
+        for kv in (512, 1024, 2048, 4096, 8192):
+            t = predict(truth, flashinfer_mla_features([kv] * b, 16, 4, 132))
+            timed[(key, b, kv)] = {str(FI): t, str(FM): 2 * t}
+            points[(b, kv)] = {FI: t, FM: 2 * t}
+    timed[(key, 16, 0)] = {str(FI): 1e6}  # the graph stage's ragged mix: not a cell, not fitted
+    model = _flashinfer_model(timed, key, points, 132)
+    assert model.variant == FI and model.sm_count == 132 and model.fit_error_p90 < 1e-4
+    for lens in ([3000] * 7, [44654] * 15, [600, 9000, 30000]):  # off the grid: features the grid
+        feats = flashinfer_mla_features(lens, 16, 4, 132)  # only spans approximately
+        assert model.time_us(key, lens) == pytest.approx(predict(truth, feats), rel=0.02)
+    assert _flashinfer_model(timed, key, points, 0) is None  # no SM count in the results header
+    few = dict(list(timed.items())[:MODEL_MIN_CELLS - 1])
+    assert _flashinfer_model(few, key, points, 132) is None
+    no_fi = {p: {FM: t[FM]} for p, t in points.items()}
+    assert _flashinfer_model(timed, key, no_fi, 132) is None  # FlashInfer is no eager pick
