@@ -39,14 +39,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mla_tune.core import CallSpec, Variant
-from mla_tune.fileio import atomic_write_text
 from mla_tune.tables.serving_table import FamilyKey, ServingTable, load_serving_table
 from mla_tune.tune.verify import (
     VERIFY_SCHEMA,
     VerifyError,
-    _jsonable,
     _pct,
     _verdict,
+    emit,
     family_short,
     regret_stats,
     summarize,
@@ -163,12 +162,7 @@ def rescore(table: str | Path | ServingTable, reports: list[str | Path], *, max_
            "reports": per_report, "shapes": records, "summary": summary, "verdict": verdict,
            "unmeasured": len(unmeasured)}
     out["exit_code"] = 1 if verdict["failed"] else 0
-    for line in rescore_lines(out):
-        log(line)
-    if json_path is not None:
-        atomic_write_text(json_path, json.dumps(_jsonable(out), indent=1) + "\n")
-        log(f"wrote {json_path}")
-    return out
+    return emit(out, rescore_lines(out), json_path, log)
 
 
 def rescore_lines(out: dict) -> list[str]:

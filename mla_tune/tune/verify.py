@@ -492,7 +492,12 @@ def run_verify(table: str | Path | ServingTable, *, config: str | Path | Serving
         "verdict": verdict, "stopped": stopped, "seconds": round(time.monotonic() - started, 1),
     }
     report["exit_code"] = 1 if verdict["failed"] else 3 if stopped else 0
-    for line in report_lines(report):
+    return emit(report, report_lines(report), json_path, log)
+
+
+def emit(report: dict, lines: list[str], json_path: str | Path | None, log: Callable[[str], None]) -> dict:
+    """Log the report's lines and write it as JSON (atomically) where asked; returns it."""
+    for line in lines:
         log(line)
     if json_path is not None:
         atomic_write_text(json_path, json.dumps(_jsonable(report), indent=1) + "\n")
