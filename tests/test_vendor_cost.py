@@ -118,8 +118,14 @@ def test_the_eager_pick_is_the_fastest_estimate_and_flashinfers_comes_from_its_s
     table.families[FamilyKey("bf16", 64, 16, 4)].points[(8, 16384)] = {FI: 60.0, FM: 200.0}
     table._memo.clear()
     assert table.estimates(spec, 8, 16384.0)[FI] == pytest.approx(60.0)
-    # a graph pick still ignores the lengths; a family without points keeps its cells
+    # a graph pick still ignores the lengths
     assert table.lookup(spec, 15, graph=True) is None
+    # where no variant was measured at every point around the call, the cell decides
+    fam = table.families[FamilyKey("bf16", 64, 16, 4)]
+    fam.points[(16, 32768)] = {TR: 300.0}
+    fam.cells[(16, 32768)] = Cell(16, 32768, FM, 202.0)
+    table._memo.clear()
+    assert table.estimates(spec, 15, 44654.0) == {} and table.lookup(spec, 15, 44654.0) == FM
 
 
 def test_points_and_the_model_survive_a_write_and_load(tmp_path):

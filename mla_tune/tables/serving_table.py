@@ -231,7 +231,8 @@ class ServingTable:
           over the points, memoized per (batch, kv_len to ~1%). FlashInfer's estimate comes
           instead from its model over its schedule for `kv_lens` (the call's lengths; without
           them, `batch` sequences of the mean), where the family has one;
-        - else the cell of its batch and kv buckets. A cell a config rule left out (a batch of
+        - else (no points, or no variant measured at every point around the call) the cell of
+          its batch and kv buckets. A cell a config rule left out (a batch of
           26 at 51k tokens fits, its bucket's 32 x 65536 does not) gives way to the largest
           smaller batch bucket's cell at the same kv bucket: the call's own batch lies
           between the two, and verify measured the bucket's shorter cell's pick 64% off
@@ -246,8 +247,9 @@ class ServingTable:
         pick = family.graph.get(bucket)
         if graph or mean_kv_len is None:
             return pick.variant if pick is not None else None
-        if family.points:
-            return self._estimated(family, batch, mean_kv_len, kv_lens)
+        estimated = self._estimated(family, batch, mean_kv_len, kv_lens) if family.points else None
+        if estimated is not None:
+            return estimated
         kv = kv_bucket(self.kv_buckets, mean_kv_len)
         cell = family.cells.get((bucket, kv))
         if cell is None:  # left out: a smaller batch bucket at this kv, else the bucket's nearest kv
