@@ -87,6 +87,21 @@ def test_the_plan_builds_every_pick_up_front_and_picks_by_bucket_and_mean_length
     assert picked == EAGER_4_256
 
 
+def test_an_eager_plan_builds_the_point_variants_and_picks_the_fastest_estimate():
+    table = _table()
+    fam = table.families[FamilyKey.of(SPEC)]
+    # measured points (schema serving/2): the graph pick of 8 is estimated fastest near 256
+    fam.points = {(4, 32): {EAGER_4_256: 5.0, GRAPH_8: 9.0}, (4, 256): {EAGER_4_256: 20.0, GRAPH_8: 12.0},
+                  (8, 32): {EAGER_4_256: 6.0, GRAPH_8: 9.5}, (8, 256): {EAGER_4_256: 24.0, GRAPH_8: 13.0}}
+    plan = DecodePlan(SPEC, max_batch=4, table=table)
+    assert GRAPH_8 in plan.variants  # a point variant, though no cell or graph pick <= 4 has it
+    inp, picked = _step(plan, [240, 250, 260], seed=11, kv_lens_host=[240, 250, 260])
+    assert picked == GRAPH_8
+    _close(plan.run(inp.q, inp.kv, inp.kv_scale), inp.reference(), "the estimated pick")
+    inp, picked = _step(plan, [30, 40, 50], seed=12, kv_lens_host=[30, 40, 50])
+    assert picked == EAGER_4_256
+
+
 def test_a_graph_plan_ignores_lengths_and_takes_the_graph_pick():
     spec = CallSpec("bf16", page_size=16, heads=16, max_q_len=2, mixed_q_len=True, graph=True)
     table = _table()
