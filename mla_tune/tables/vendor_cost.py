@@ -5,9 +5,10 @@ scheduler.cuh; the same algorithm in the 0.6 releases the H200 runs) splits each
 sequence's KV into chunks of one length for the whole batch, kv_len_limit, about
 total / clusters rounded up to 256 tokens, and deals the chunks in sequence order to
 the least-loaded of the SMs' clusters. So its time steps where the chunks just overflow
-the clusters: 15 x 44654 tokens (bf16, 16 heads, q_len 4) deals 135 chunks of 5120 to 132
-SMs, and three SMs run two. On the H200 FlashInfer took 300.9 us there, against 166.2 at
-16 x 32768, whose 128 chunks fit; FlashMLA took 239.5 (docs/perf.md, session 11).
+the clusters: on the H200, 15 x 44654 tokens (bf16, 16 heads, q_len 4) deals 135 chunks
+of 5120 tokens, three more than it has SMs, so three SMs run two. FlashInfer took 300.9 us
+there, against 166.2 at 16 x 32768, whose 128 chunks fit; FlashMLA took 239.5
+(docs/perf.md, session 11).
 
 `flashinfer_mla_features` replays that dealing and returns what the time depends on; a
 serving table fits `FLASHINFER_FEATURES` to FlashInfer's times over its grid
