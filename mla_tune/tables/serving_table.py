@@ -247,9 +247,9 @@ class ServingTable:
         pick = family.graph.get(bucket)
         if graph or mean_kv_len is None:
             return pick.variant if pick is not None else None
-        estimated = self._estimated(family, batch, mean_kv_len, kv_lens) if family.points else None
-        if estimated is not None:
-            return estimated
+        est = self._estimates(family, batch, mean_kv_len, kv_lens) if family.points else {}
+        if est:
+            return min(est, key=lambda v: (est[v], str(v)))
         kv = kv_bucket(self.kv_buckets, mean_kv_len)
         cell = family.cells.get((bucket, kv))
         if cell is None:  # left out: a smaller batch bucket at this kv, else the bucket's nearest kv
@@ -275,14 +275,16 @@ class ServingTable:
                    kv_lens: Sequence[int] | None) -> dict[Variant, float]:
         est = dict(self._interpolated(family, batch, mean_kv_len))
         model = family.flashinfer
-        others = [t for v, t in est.items() if model is not None and v != model.variant]
+        if model is None or model.variant not in est or len(est) < 2:
+            return est
         # The model replays FlashInfer's schedule, a heap operation per chunk. It runs only
         # where FlashInfer's interpolated time is near the best other's, and where it deals
         # at most MODEL_WORKS chunks per cluster: FlashInfer's steps are where its chunks just
         # overflow the clusters, and more chunks cost more host time and step less.
-        if model is not None and model.variant in est and others \
-                and est[model.variant] < MODEL_WINDOW * min(others) and min(others) < MODEL_WINDOW * est[model.variant]:
-            lens = list(kv_lens) if kv_lens is not None else [max(int(round(mean_kv_len)), 1)] * batch
+        mine = est[model.variant]
+        other = min(t for v, t in est.items() if v != model.variant)
+        if max(mine, other) < MODEL_WINDOW * min(mine, other):
+            lens = kv_lens if kv_lens is not None else [max(int(round(mean_kv_len)), 1)] * batch
             if flashinfer_mla_works_per_cluster(lens, family.key.heads, family.key.q_len, model.sm_count) <= MODEL_WORKS:
                 est[model.variant] = model.time_us(family.key, lens)
         return est
@@ -295,11 +297,6 @@ class ServingTable:
                 self._memo.clear()
             self._memo[memo_key] = interpolate(family.points, batch, 2.0 ** (step / _KV_STEPS_PER_OCTAVE))
         return self._memo[memo_key]
-
-    def _estimated(self, family: Family, batch: int, mean_kv_len: float,
-                   kv_lens: Sequence[int] | None) -> Variant | None:
-        est = self._estimates(family, batch, mean_kv_len, kv_lens)
-        return min(est, key=lambda v: (est[v], str(v))) if est else None
 
     def as_dict(self) -> dict:
         families = []
@@ -526,7 +523,7 @@ def load_serving_table(path: str | Path, check_params: bool = True) -> ServingTa
                          "kv_buckets, families)")
     if raw.get("schema") not in _READABLE_SCHEMAS:
         raise TableError(f"{where}: schema is {raw.get('schema')!r:.40}, this mla-tune reads "
-                         f"{SERVING_SCHEMA!r}; re-run the serving sweep with this version")
+                         f"{' or '.join(map(repr, _READABLE_SCHEMAS))}; re-run the serving sweep with this version")
     gpu = raw.get("gpu")
     if not isinstance(gpu, str) or not gpu:
         raise TableError(f"{where}: gpu must name the GPU the table was tuned on")

@@ -82,9 +82,9 @@ def flashinfer_mla_features(kv_lens: Sequence[int], heads: int, q_len: int, sm_c
         n = int(n)
         full, rest = divmod(n, limit)
         if n > limit:
+            ctas = max(n * cluster // limit, 1)
             for t in range(q_tiles):
                 rows = min(tile, packed - t * tile)
-                ctas = max(n * cluster // limit, 1)
                 merge_ctas += ctas
                 max_merge = max(max_merge, (full + (rest > 0)) * _ceil_div(rows, ctas))
         last = (2 * tile + rest) * _SLOTS if rest or not full else 0
@@ -102,7 +102,7 @@ def flashinfer_mla_features(kv_lens: Sequence[int], heads: int, q_len: int, sm_c
 
 
 def predict(coef: Sequence[float], features: Sequence[float]) -> float:
-    return sum(c * f for c, f in zip(coef, features, strict=False))
+    return sum(c * f for c, f in zip(coef, features, strict=True))
 
 
 def fit_linear(rows: Sequence[Sequence[float]], times: Sequence[float]) -> list[float]:
@@ -113,10 +113,9 @@ def fit_linear(rows: Sequence[Sequence[float]], times: Sequence[float]) -> list[
     if n < 2 * m or m == 0:
         raise ValueError(f"fit_linear needs at least {2 * max(m, 1)} rows, got {n}")
     scale = [max(abs(r[j]) for r in rows) or 1.0 for j in range(m)]
-    a = [[r[j] / scale[j] / t for j in range(m)] for r, t in zip(rows, times, strict=False)]
-    b = [1.0] * n  # t / t
+    a = [[r[j] / scale[j] / t for j in range(m)] for r, t in zip(rows, times, strict=True)]
     ata = [[sum(a[k][i] * a[k][j] for k in range(n)) for j in range(m)] for i in range(m)]
-    atb = [sum(a[k][i] * b[k] for k in range(n)) for i in range(m)]
+    atb = [sum(a[k][i] for k in range(n)) for i in range(m)]  # the weighted targets t / t are all 1
     ridge = 1e-9 * max(sum(ata[i][i] for i in range(m)), 1e-30)
     for i in range(m):
         ata[i][i] += ridge
@@ -147,5 +146,5 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
 
 
 def relative_errors(coef: Sequence[float], rows: Sequence[Sequence[float]], times: Sequence[float]) -> list[float]:
-    return sorted(abs(predict(coef, r) / t - 1.0) for r, t in zip(rows, times, strict=False) if t > 0)
+    return sorted(abs(predict(coef, r) / t - 1.0) for r, t in zip(rows, times, strict=True) if t > 0)
 

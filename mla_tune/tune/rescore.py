@@ -89,10 +89,8 @@ def report_paths(paths: list[str | Path]) -> list[Path]:
     return out
 
 
-def _time(record: dict, variant: str | None) -> tuple[float | None, str | None]:
+def _time(record: dict, variant: str) -> tuple[float | None, str | None]:
     """(us, where) of a variant at a recorded shape: 'final', 'short', or (None, None)."""
-    if variant is None:
-        return None, None
     for where in ("final", "short"):
         t = (record.get(f"{where}_us") or {}).get(variant)
         if t is not None:
