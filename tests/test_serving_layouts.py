@@ -24,6 +24,7 @@ from mla_tune.kernels.flash_decode import (
     flash_decode,
     flash_decode_serving,
 )
+from mla_tune.kernels.split_rule import serving_split_items, serving_splits
 
 LAYOUTS = (0, 1, 16, 64)  # 0: contiguous; else the page size
 HEADS = (16, 128)
@@ -261,6 +262,33 @@ def test_a_batch_budget_fills_the_waves_of_the_sms_it_is_given(device):
     _assert_close(out, inp.reference(), "filled budget")
     assert fill_splits(4, 3, 1, 8, 8) == 5
     assert workspace.split_count[:3].tolist() == [5] * 3
+
+
+@pytest.mark.parametrize("lens,heads,q_len,max_splits,tps,block_n,block_h,budget,sms", [
+    ([350, 250, 100, 700], 16, 1, 32, 16, 16, 16, 8, 0),     # a ragged batch under a budget
+    ([1, 17, 3000, 45, 0], 16, 1, 8, 64, 32, 16, 0, 0),       # no budget; a padded slot of 0
+    ([609] * 3, 16, 1, 8, 64, 16, 16, 4, 8),                  # fill_splits raises the share
+    ([5, 300, 33, 260, 77, 140], 128, 4, 17, 16, 16, 16, 17, 132),  # 8 head tiles, q_len 4
+    ([100, 200], 16, 1, 1, 16, 16, 16, 0, 0),                 # max_splits 1: one split each
+])
+def test_the_host_replay_of_the_split_rule_is_what_the_kernel_runs(device, lens, heads, q_len, max_splits, tps,
+                                                                   block_n, block_h, budget, sms):
+    """kernels/split_rule.serving_splits (the eager lookup's cost model replays it on the
+    host) gives each sequence the split count stage 1 writes on the device."""
+    live = [n for n in lens if n]
+    inp = serving.make_input([min(q_len, n) for n in live], live, heads, 16, "bf16", seed=5, device=device)
+    workspace = FlashDecodeServingWorkspace.allocate(inp.q.shape[0], heads, max_splits, device,
+                                                     max_q_len=max(inp.q_lens))
+    _launch(inp, device, max_splits=max_splits, tokens_per_split=tps, block_n=block_n, block_h=block_h,
+            workspace=workspace, split_budget=budget, sm_count=sms)
+    kw = dict(max_splits=max_splits, tokens_per_split=tps, block_n=block_n, block_h=block_h,
+              split_budget=budget, sm_count=sms)
+    splits = serving_splits(live, q_len, heads, **kw)
+    assert workspace.split_count[:len(live)].tolist() == [-(-n // s) for n, s in zip(live, splits, strict=True)]
+    items, tiles = serving_split_items(live, q_len, heads, **kw)
+    assert sum(items) == sum(live) and tiles == heads // block_h
+    assert len(items) == sum(workspace.split_count[:len(live)].tolist())
+    assert all(s == 0 for n, s in zip(lens, serving_splits(lens, q_len, heads, **kw), strict=True) if n == 0)
 
 
 def test_a_batch_budget_shares_a_ragged_batch_rounding_up(device):

@@ -30,7 +30,6 @@ Exportable module: see docs/architecture.md (imports, `_fd_` prefix, no import-t
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -50,6 +49,7 @@ from mla_tune.core import (
     serving_workspace,
 )
 from mla_tune.kernels.launch import jit_launch
+from mla_tune.kernels.split_rule import fill_splits
 
 _fd_LOG2E = 1.4426950408889634
 _fd_Q_MODES = {"bf16": 0, "fp8_static": 1, "fp8_dynamic": 2}
@@ -74,37 +74,6 @@ _fd_WIDE_REDUCE = 2048
 # 32 x 4000 at 128 heads 214 us with 4160 programs, 229 with 2048 that loop.
 _fd_ONE_ITEM_CTAS = 8192
 _fd_GRID_CTAS = 2048
-# A batch budget's splits per sequence, floor(split_budget / batch), keep a uniform batch
-# within the budget but can leave much of its last wave idle: on the H200, 6 x 28440 at 128
-# heads (fp8, q_len 4, 8 head tiles) under a one-wave budget of 17 ran 2 splits each (96
-# programs: a wave 73% full) in 1370 us, where 5 each took 1110 (session 10, docs/perf.md). Past
-# that share, the fewest splits whose programs fill at least this fraction of their waves.
-_fd_WAVE_FILL = 0.8
-
-
-@functools.lru_cache(maxsize=4096)  # called per launch with a few distinct batches
-def fill_splits(split_budget: int, batch: int, head_tiles: int, max_splits: int, sm_count: int) -> int:
-    """Splits per sequence of a uniform batch under a batch budget: s = max(1, floor(split_budget
-    / batch)), or, where batch x head_tiles x s programs fill less than _fd_WAVE_FILL of their
-    waves of sm_count SMs, the smallest s' in (s, max_splits] that fills at least that much
-    (else the s' that fills most, the smallest of equals). sm_count 0 (no device): s."""
-    s = max(1, split_budget // batch)
-    if sm_count <= 0 or s >= max_splits:
-        return min(s, max(max_splits, 1))
-    per = batch * head_tiles
-
-    def fill(k: int) -> float:
-        return per * k / (sm_count * -(-per * k // sm_count))
-
-    best = s
-    for k in range(s, max_splits + 1):
-        if fill(k) >= _fd_WAVE_FILL:
-            return k
-        if fill(k) > fill(best) + 1e-12:
-            best = k
-    return best
-
-
 @triton.jit
 def _fd_q_amax_kernel(Q, Partial, ROW: tl.constexpr, BLOCK: tl.constexpr):
     """Partial[b] = max |q[b]|: per-sequence partials that every stage-1 program reduces,

@@ -11,9 +11,11 @@ every step, so the serving table is keyed the way engines capture and batch thei
 - where the table holds the eager picks' measured times (the family's *points*: every
   timed batch bucket, each bucket's smallest batch with search.batch_edge, and kv bucket),
   an eager call instead takes the variant estimated fastest at its own batch and lengths:
-  interpolated between the points (`interpolate`), and FlashInfer's from a model over its
-  schedule for the call's lengths (`VendorModel`, tables/vendor_cost.py), since its time
-  steps inside a bucket where its chunks overflow the SMs. The cell is what a table
+  interpolated between the points (`interpolate`); our split-K kernel's as a fitted
+  overhead plus its interpolated rate times the call's own schedule (`SplitKModel`,
+  tables/splitk_cost.py), and FlashInfer's from a model over its schedule for the call's
+  lengths (`VendorModel`, tables/vendor_cost.py), since both step inside a bucket where
+  their programs overflow the SMs, and in ragged batches. The cell is what a table
   without points uses;
 - a CUDA graph cannot depend on kv_len (the lengths are data), so each batch bucket also has
   one *graph pick*: the variant whose worst regret over the family's kv buckets is smallest
@@ -22,13 +24,14 @@ every step, so the serving table is keyed the way engines capture and batch thei
 Split counts are not table entries: a variant carries its rule (max_splits,
 tokens_per_split), which the kernel applies to each sequence on the device.
 
-Schema `serving/2` (`serving/1`, the same without points, still loads), top level:
-`schema`, `gpu`, `provenance`, `batch_buckets`, `kv_buckets`, `families`. A family is
-`{key: {kv_format, page_size, heads, q_len}, cells: [...], graph: [...], left_out: [...],
-variants: [...], points: [...], flashinfer_model?}`; `variants` lists the family's eager
-picks and a point `{batch, kv_len, us: {index in variants: median us}}` holds the ones the
-sweep timed there with its last rung's samples; `flashinfer_model` is `{variant, sm_count,
-features, coef, fit_error_p90}`; a cell `{batch, kv_len, variant, time_us, runner_up?}`; a graph
+Schema `serving/3` (`serving/2`, the same without split-K models, and `serving/1`, without
+points either, still load), top level: `schema`, `gpu`, `provenance`, `batch_buckets`,
+`kv_buckets`, `families`. A family is `{key: {kv_format, page_size, heads, q_len}, cells:
+[...], graph: [...], left_out: [...], variants: [...], points: [...], flashinfer_model?,
+splitk_models?}`; `variants` lists the family's eager picks and a point `{batch, kv_len,
+us: {index in variants: median us}}` holds the ones the sweep timed there with its last
+rung's samples; `flashinfer_model` is `{variant, sm_count, features, coef, fit_error_p90}`;
+a split-K model `{variant, occupancy, overhead_us, sm_count, fit_error}`; a cell `{batch, kv_len, variant, time_us, runner_up?}`; a graph
 pick `{batch, variant, worst_regret, worst_kv_len}` (worst_kv_len 0: the sweep's ragged mix
 for the bucket); a left-out cell `{batch, kv_len, reason}`. Loading never executes anything
 from the file (fileio.read_yaml) and every error names the file, the family and the field.
@@ -47,6 +50,7 @@ from typing import Any
 from mla_tune.backends import known_backends
 from mla_tune.core import CallSpec, Variant
 from mla_tune.fileio import FlowMap, atomic_write_text, dump_yaml, read_yaml
+from mla_tune.tables.splitk_cost import is_splitk, splitk_makespan
 from mla_tune.tables.table import TableError, _check_variant
 from mla_tune.tables.vendor_cost import (
     FLASHINFER_FEATURES,
@@ -55,8 +59,8 @@ from mla_tune.tables.vendor_cost import (
     predict,
 )
 
-SERVING_SCHEMA = "serving/2"
-_READABLE_SCHEMAS = ("serving/1", SERVING_SCHEMA)  # serving/1: no points
+SERVING_SCHEMA = "serving/3"
+_READABLE_SCHEMAS = ("serving/1", "serving/2", SERVING_SCHEMA)  # 1: no points; 2: no split-K models
 _KEY_FIELDS = ("kv_format", "page_size", "heads", "q_len")
 
 
@@ -107,6 +111,7 @@ class Family:
     # (batch, kv_len) -> {variant: median us}: the eager picks' times where the sweep timed them
     points: dict[tuple[int, int], dict[Variant, float]] = field(default_factory=dict)
     flashinfer: VendorModel | None = None  # FlashInfer's time over its replayed schedule
+    splitk: dict[Variant, SplitKModel] = field(default_factory=dict)  # our split-K variants' schedules
 
 
 # ------------------------------------------------------------------ bucket rules
@@ -208,6 +213,40 @@ class VendorModel:
         return predict(self.coef, flashinfer_mla_features(kv_lens, key.heads, key.q_len, self.sm_count))
 
 
+@dataclass(frozen=True)
+class SplitKModel:
+    """A split-K variant's time as overhead_us + rate x its makespan for the call's lengths
+    (tables/splitk_cost.py); the rate is interpolated between the points, each point's
+    (time - overhead_us) / makespan at its uniform lengths. occupancy (programs resident per
+    SM) and overhead_us are fitted when the table is built (serving_build), leaving each of
+    the variant's points out in turn; fit_error is the median relative error that left."""
+
+    variant: Variant
+    occupancy: int
+    overhead_us: float
+    sm_count: int
+    fit_error: float
+
+    def makespan(self, key: FamilyKey, kv_lens: Sequence[int]) -> float:
+        return splitk_makespan(kv_lens, key.heads, key.q_len, dict(self.variant.params), self.occupancy,
+                               self.sm_count)
+
+
+def splitk_rates(points: Mapping[tuple[int, int], Mapping[Variant, float]], models: Mapping[Variant, SplitKModel],
+                 key: FamilyKey) -> dict[tuple[int, int], dict[Variant, float]]:
+    """Each point's (time - overhead) / makespan of the variants with a model: what the
+    lookup interpolates for them."""
+    rates: dict[tuple[int, int], dict[Variant, float]] = {}
+    for (batch, kv_len), times in points.items():
+        for v, t in times.items():
+            m = models.get(v)
+            if m is not None and t > m.overhead_us:
+                span = m.makespan(key, [kv_len] * batch)
+                if span > 0:
+                    rates.setdefault((batch, kv_len), {})[v] = (t - m.overhead_us) / span
+    return rates
+
+
 # ------------------------------------------------------------------ the table
 @dataclass
 class ServingTable:
@@ -218,6 +257,7 @@ class ServingTable:
     families: dict[FamilyKey, Family]
     path: Path | None = None
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def family(self, spec: CallSpec) -> Family | None:
         return self.families.get(FamilyKey.of(spec))
@@ -226,11 +266,11 @@ class ServingTable:
                graph: bool = False, kv_lens: Sequence[int] | None = None) -> Variant | None:
         """The variant for a call (no timing):
         - graph=True, or no mean length given: the graph pick of the batch's bucket;
-        - else, where the family has points (schema serving/2): the variant estimated
-          fastest at the call's own batch and mean length. The estimates are `interpolate`
-          over the points, memoized per (batch, kv_len to ~1%). FlashInfer's estimate comes
-          instead from its model over its schedule for `kv_lens` (the call's lengths; without
-          them, `batch` sequences of the mean), where the family has one;
+        - else, where the family has points (schema serving/2 and 3): the variant estimated
+          fastest at the call's own batch and lengths (`_estimates`): `interpolate` over the
+          points, memoized per (batch, kv_len to ~1%); a split-K variant's from its
+          SplitKModel and FlashInfer's from its model, over their schedules for `kv_lens`
+          (the call's lengths; without them, `batch` sequences of the mean);
         - else (no points, or no variant measured at every point around the call) the cell of
           its batch and kv buckets. A cell a config rule left out (a batch of
           26 at 51k tokens fits, its bucket's 32 x 65536 does not) gives way to the largest
@@ -273,9 +313,27 @@ class ServingTable:
 
     def _estimates(self, family: Family, batch: int, mean_kv_len: float,
                    kv_lens: Sequence[int] | None) -> dict[Variant, float]:
-        est = dict(self._interpolated(family, batch, mean_kv_len))
+        est = dict(self._interpolated("times", family, batch, mean_kv_len))
+        lens = kv_lens if kv_lens is not None else [max(int(round(mean_kv_len)), 1)] * batch
+        if family.splitk and est:
+            # Our split-K variants within MODEL_WINDOW of the best: the interpolated rate times
+            # the call's own schedule (a heap operation per split: host time).
+            rates = self._interpolated("rates", family, batch, mean_kv_len)
+            near = MODEL_WINDOW * min(est.values())
+            for v, m in family.splitk.items():
+                if v in rates and est.get(v, math.inf) < near:
+                    est[v] = m.overhead_us + rates[v] * m.makespan(family.key, lens)
         model = family.flashinfer
-        if model is None or model.variant not in est or len(est) < 2:
+        if model is None:
+            return est
+        if model.variant not in est:
+            # A batch-edge point holds its cell's best 3 only, so FlashInfer missing there says
+            # little; the batch buckets' points, which time every finalist, stand in.
+            coarse = self._interpolated("buckets", family, batch, mean_kv_len).get(model.variant)
+            if coarse is None:
+                return est
+            est[model.variant] = coarse
+        if len(est) < 2:
             return est
         # The model replays FlashInfer's schedule, a heap operation per chunk. It runs only
         # where FlashInfer's interpolated time is near the best other's, and where it deals
@@ -284,19 +342,32 @@ class ServingTable:
         mine = est[model.variant]
         other = min(t for v, t in est.items() if v != model.variant)
         if max(mine, other) < MODEL_WINDOW * min(mine, other):
-            lens = kv_lens if kv_lens is not None else [max(int(round(mean_kv_len)), 1)] * batch
             if flashinfer_mla_works_per_cluster(lens, family.key.heads, family.key.q_len, model.sm_count) <= MODEL_WORKS:
                 est[model.variant] = model.time_us(family.key, lens)
         return est
 
-    def _interpolated(self, family: Family, batch: int, mean_kv_len: float) -> dict[Variant, float]:
+    def _interpolated(self, kind: str, family: Family, batch: int, mean_kv_len: float) -> dict[Variant, float]:
+        """`interpolate` over the family's points ("times"), its split-K rates ("rates") or
+        its batch buckets' points alone ("buckets"), memoized per (batch, kv_len to ~1%)."""
         step = round(math.log2(max(mean_kv_len, 1.0)) * _KV_STEPS_PER_OCTAVE)
-        memo_key = (family.key, batch, step)
+        memo_key = (kind, family.key, batch, step)
         if memo_key not in self._memo:
             if len(self._memo) >= 1 << 16:
                 self._memo.clear()
-            self._memo[memo_key] = interpolate(family.points, batch, 2.0 ** (step / _KV_STEPS_PER_OCTAVE))
+            self._memo[memo_key] = interpolate(self._grid(kind, family), batch, 2.0 ** (step / _KV_STEPS_PER_OCTAVE))
         return self._memo[memo_key]
+
+    def _grid(self, kind: str, family: Family) -> Mapping[tuple[int, int], Mapping[Variant, float]]:
+        if kind == "times":
+            return family.points
+        if (kind, family.key) not in self._derived:
+            if kind == "rates":
+                grid = splitk_rates(family.points, family.splitk, family.key)
+            else:
+                buckets = set(self.batch_buckets)
+                grid = {pt: times for pt, times in family.points.items() if pt[0] in buckets}
+            self._derived[(kind, family.key)] = grid
+        return self._derived[(kind, family.key)]
 
     def as_dict(self) -> dict:
         families = []
@@ -311,6 +382,7 @@ class ServingTable:
                 "left_out": sorted(fam.left_out, key=lambda c: (c["batch"], c["kv_len"])),
                 **_points_dict(fam.points),
                 **_model_dict(fam.flashinfer),
+                **_splitk_dict(fam.splitk),
             })
         return {"schema": SERVING_SCHEMA, "gpu": self.gpu, "provenance": self.provenance,
                 "batch_buckets": list(self.batch_buckets), "kv_buckets": list(self.kv_buckets),
@@ -343,6 +415,15 @@ def _model_dict(model: VendorModel | None) -> dict:
                                  "features": list(FLASHINFER_FEATURES),
                                  "coef": [float(f"{c:.6g}") for c in model.coef],
                                  "fit_error_p90": round(model.fit_error_p90, 4)}}
+
+
+def _splitk_dict(models: Mapping[Variant, SplitKModel]) -> dict:
+    if not models:
+        return {}
+    return {"splitk_models": [FlowMap(variant=str(m.variant), occupancy=m.occupancy,
+                                      overhead_us=round(m.overhead_us, 3), sm_count=m.sm_count,
+                                      fit_error=round(m.fit_error, 4))
+                              for m in sorted(models.values(), key=lambda m: str(m.variant))]}
 
 
 def write_serving_table(path: str | Path, table: ServingTable) -> Path:
@@ -392,7 +473,8 @@ def _family(path: Path, index: int, raw: Any, batch_buckets: list[int], kv_bucke
     where = f"serving table {path}, family {index}"
     if not isinstance(raw, dict):
         raise TableError(f"{where} must be a mapping with key, cells, graph, left_out")
-    unknown = set(raw) - {"key", "cells", "graph", "left_out", "variants", "points", "flashinfer_model"}
+    unknown = set(raw) - {"key", "cells", "graph", "left_out", "variants", "points", "flashinfer_model",
+                          "splitk_models"}
     if unknown:
         raise TableError(f"{where}: unknown field(s) {', '.join(sorted(map(str, unknown)))}")
     family = Family(_key(where, raw.get("key")))
@@ -442,7 +524,31 @@ def _family(path: Path, index: int, raw: Any, batch_buckets: list[int], kv_bucke
         family.left_out.append(dict(entry))
     family.points = _points(where, raw, kv_buckets, known, check_params, family.key)
     family.flashinfer = _model(where, raw.get("flashinfer_model"), known, check_params, family.key)
+    family.splitk = _splitk_models(where, raw, known, check_params, family.key)
     return family
+
+
+def _splitk_models(where: str, raw: dict, known: list[str], check_params: bool,
+                   key: FamilyKey) -> dict[Variant, SplitKModel]:
+    models: dict[Variant, SplitKModel] = {}
+    for i, entry in enumerate(_entries(where, raw, "splitk_models")):
+        at = f"{where}, splitk_models[{i}]"
+        fields = {"variant", "occupancy", "overhead_us", "sm_count", "fit_error"}
+        if set(entry) != fields:
+            raise TableError(f"{at} must be a mapping of {', '.join(sorted(fields))}")
+        variant = _check_variant(at, "variant", entry, known, check_params)
+        _match_family(at, variant, key)
+        if not is_splitk(variant):
+            raise TableError(f"{at}: the model is our split-K kernel's schedule, but variant is {variant}")
+        if variant in models:
+            raise TableError(f"{at}: a second model for {variant}")
+        for name in ("occupancy", "sm_count"):
+            n = entry[name]
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise TableError(f"{at}: {name} must be a positive integer, got {n!r:.20}")
+        models[variant] = SplitKModel(variant, entry["occupancy"], _number(at, "overhead_us", entry["overhead_us"]),
+                                      entry["sm_count"], _number(at, "fit_error", entry["fit_error"]))
+    return models
 
 
 def _model(where: str, raw: Any, known: list[str], check_params: bool, key: FamilyKey) -> VendorModel | None:

@@ -25,9 +25,18 @@ from mla_tune.tables.serving_table import (
     FamilyKey,
     GraphPick,
     ServingTable,
+    SplitKModel,
     VendorModel,
+    interpolate,
     load_serving_table,
     write_serving_table,
+)
+from mla_tune.tables.splitk_cost import (
+    OCCUPANCIES,
+    OVERHEAD_FRACTIONS,
+    is_splitk,
+    occupancy_cap,
+    splitk_makespan,
 )
 from mla_tune.tables.vendor_cost import fit_linear, flashinfer_mla_features, relative_errors
 from mla_tune.tune.serving_config import ServingConfig, load_serving_config
@@ -126,6 +135,7 @@ def build_table(cfg: ServingConfig, plan: SweepPlan, records: Records, gpu_name:
                                              int(g["worst_kv_len"]))
         fam.points = _points(cfg, timed, key, {c.variant for c in fam.cells.values()})
         fam.flashinfer = _flashinfer_model(timed, key, fam.points, sm_count)
+        fam.splitk = _splitk_models(key, fam.points, sm_count)
         families[key] = fam
     return ServingTable(gpu_name, provenance, list(cfg.batch_buckets), list(cfg.kv_buckets), families)
 
@@ -186,6 +196,43 @@ def _flashinfer_model(timed: dict, key: FamilyKey, points: dict, sm_count: int) 
     coef = fit_linear(rows, times)
     errors = relative_errors(coef, rows, times)
     return VendorModel(variant, tuple(coef), sm_count, errors[int(0.9 * (len(errors) - 1))])
+
+
+SPLITK_MIN_POINTS = 6  # a split-K variant's schedule model is fitted where it has this many points
+
+
+def _splitk_models(key: FamilyKey, points: dict, sm_count: int) -> dict[Variant, SplitKModel]:
+    """Each split-K variant's SplitKModel (tables/splitk_cost.py): the occupancy and the
+    overhead (a fraction of its fastest point's time) whose leave-one-out estimates of its
+    points are best, each point estimated from the others as the lookup would (the mean
+    absolute log error; the first of equals, so the smallest occupancy and overhead).
+    None without the GPU's SM count."""
+    if sm_count <= 0:
+        return {}
+    models = {}
+    for variant in sorted({v for times in points.values() for v in times if is_splitk(v)}, key=str):
+        mine = {pt: times[variant] for pt, times in points.items() if variant in times}
+        if len(mine) < SPLITK_MIN_POINTS:
+            continue
+        params, fastest, best = dict(variant.params), min(mine.values()), None
+        for occupancy in [o for o in OCCUPANCIES if o <= occupancy_cap(variant)]:
+            span = {(b, k): splitk_makespan([k] * b, key.heads, key.q_len, params, occupancy, sm_count)
+                    for b, k in mine}
+            for fraction in OVERHEAD_FRACTIONS:
+                overhead = fraction * fastest
+                rates = {pt: {variant: (t - overhead) / span[pt]} for pt, t in mine.items() if span[pt] > 0}
+                errors = []
+                for pt, t in mine.items():
+                    rate = interpolate({q: r for q, r in rates.items() if q != pt}, *pt).get(variant)
+                    if rate is not None:
+                        errors.append(abs(math.log((overhead + rate * span[pt]) / t)))
+                if errors and (best is None or sum(errors) / len(errors) < best[0] - 1e-12):
+                    best = (sum(errors) / len(errors), occupancy, overhead, sorted(errors))
+        if best is not None:
+            _, occupancy, overhead, errors = best
+            models[variant] = SplitKModel(variant, occupancy, overhead, sm_count,
+                                          math.exp(errors[len(errors) // 2]) - 1.0)
+    return models
 
 
 def _provenance(cfg: ServingConfig, headers: list[dict], plan: SweepPlan, extra: dict) -> dict:

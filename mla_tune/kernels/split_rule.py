@@ -1,0 +1,95 @@
+"""The serving split-K kernel's split rule, in plain Python: what the host launches with
+(`fill_splits`) and what every stage-1 program computes on the device from the lengths
+(`serving_splits`, a replay for cost models: tables/splitk_cost.py).
+
+The rule lives in kernels/flash_decode.py's `_fd_split_len` and `flash_decode_serving`;
+tests/test_serving_layouts.py checks this replay against the split counts the kernel writes.
+Pure Python (no torch, no triton): a serving table's lookup runs it on the host.
+
+Exportable module: see docs/architecture.md (imports, `_sr_` prefix, no import-time work).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+# A batch budget's splits per sequence, floor(split_budget / batch), keep a uniform batch
+# within the budget but can leave much of its last wave idle: on the H200, 6 x 28440 at 128
+# heads (fp8, q_len 4, 8 head tiles) under a one-wave budget of 17 ran 2 splits each (96
+# programs: a wave 73% full) in 1370 us, where 5 each took 1110 (session 10, docs/perf.md). Past
+# that share, the fewest splits whose programs fill at least this fraction of their waves.
+_sr_WAVE_FILL = 0.8
+
+
+def _sr_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.lru_cache(maxsize=4096)  # called per launch with a few distinct batches
+def fill_splits(split_budget: int, batch: int, head_tiles: int, max_splits: int, sm_count: int) -> int:
+    """Splits per sequence of a uniform batch under a batch budget: s = max(1, floor(split_budget
+    / batch)), or, where batch x head_tiles x s programs fill less than _sr_WAVE_FILL of their
+    waves of sm_count SMs, the smallest s' in (s, max_splits] that fills at least that much
+    (else the s' that fills most, the smallest of equals). sm_count 0 (no device): s."""
+    s = max(1, split_budget // batch)
+    if sm_count <= 0 or s >= max_splits:
+        return min(s, max(max_splits, 1))
+    per = batch * head_tiles
+
+    def fill(k: int) -> float:
+        return per * k / (sm_count * -(-per * k // sm_count))
+
+    best = s
+    for k in range(s, max_splits + 1):
+        if fill(k) >= _sr_WAVE_FILL:
+            return k
+        if fill(k) > fill(best) + 1e-12:
+            best = k
+    return best
+
+
+def serving_splits(kv_lens: Sequence[int], q_len: int, heads: int, *, max_splits: int,
+                   tokens_per_split: int, block_n: int, block_h: int, split_budget: int = 0,
+                   sm_count: int = 0) -> list[int]:
+    """Each sequence's split length in tokens (0 for a length of 0, a padded graph slot) as
+    flash_decode_serving deals a batch of these KV lengths, each with q_len new tokens: the
+    kernel's rule (`_fd_split_len`) in float64 where the device rounds in float32, so a share
+    within about 1e-6 of a whole number may round the other way. Sequence b runs
+    cdiv(kv_lens[b], split) splits, each once per head tile."""
+    batch = len(kv_lens)
+    tiles = max(heads // block_h, 1)
+    q_len_max = 1 << max(q_len - 1, 0).bit_length()  # next power of two
+    budget = max((batch * q_len * max_splits) // q_len_max, 1)
+    share_round = 0.5
+    if split_budget > 0 and max_splits > 1:
+        launched = batch * fill_splits(split_budget, batch, tiles, max_splits, sm_count)
+        budget = min(budget, max(launched, batch))
+        share_round = 1.0 - 2e-4
+    total = max(sum(int(n) for n in kv_lens), 1)
+    splits = []
+    for n in kv_lens:
+        n = int(n)
+        want = 1
+        if max_splits > 1:
+            want = max(min(math.floor(n * budget / total + share_round + 1e-4), _sr_cdiv(n, tokens_per_split)), 1)
+        splits.append(max(_sr_cdiv(_sr_cdiv(n, want), block_n), 1) * block_n if n > 0 else 0)
+    return splits
+
+
+def serving_split_items(kv_lens: Sequence[int], q_len: int, heads: int, *, max_splits: int,
+                        tokens_per_split: int, block_n: int, block_h: int, split_budget: int = 0,
+                        sm_count: int = 0) -> tuple[list[int], int]:
+    """(the tokens of each split item in launch order, head tiles): `serving_splits` dealt
+    out. Every item runs once per head tile (heads // block_h programs)."""
+    splits = serving_splits(kv_lens, q_len, heads, max_splits=max_splits, tokens_per_split=tokens_per_split,
+                            block_n=block_n, block_h=block_h, split_budget=split_budget, sm_count=sm_count)
+    items: list[int] = []
+    for n, split in zip(kv_lens, splits, strict=True):
+        if split:
+            full, rest = divmod(int(n), split)
+            items += [split] * full
+            if rest:
+                items.append(rest)
+    return items, max(heads // block_h, 1)

@@ -1,0 +1,80 @@
+"""Our split-K serving kernel's schedule at a call's own lengths, for the eager lookup.
+
+The kernel (kernels/flash_decode.py, `flash_decode_serving`) deals each sequence's KV into
+splits by a rule of the batch's lengths (kernels/split_rule.py replays it), and runs one
+program per split and head tile. Its time steps where the programs overflow a wave of the
+SMs and, in a ragged batch, where rounding each sequence's share up leaves a few long
+programs: between two grid points a uniform batch of 70 x 3572 tokens (bf16, 16 heads,
+budget 264) ran 5 splits each, 350 programs on 264 slots, and took 137.6 us where
+interpolating the points around it said 107 (H200, session 12, docs/perf.md).
+
+`splitk_makespan` deals the call's split items, in launch order, to the least-loaded of
+`slots` program slots (SMs x programs resident per SM, the occupancy), and returns the
+most-loaded slot's tokens. A serving table's `SplitKModel` takes a variant's time as
+overhead + rate x makespan: its fixed overhead and occupancy are fitted when the table is
+built (serving_build: leave-one-out over the variant's grid points; the occupancy capped by
+`occupancy_cap`), the rate is interpolated between the points like the times are, and the
+makespan is the call's own. A variant with max_splits 1 runs one program per sequence, so
+a ragged batch waits for its longest: the same model covers it.
+Pure Python; nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping, Sequence
+
+from mla_tune.kernels.split_rule import serving_split_items
+
+OCCUPANCIES = (1, 2, 3, 4)  # programs resident per SM that a fit may choose
+OVERHEAD_FRACTIONS = (0.0, 0.25, 0.5, 0.75)  # fixed overhead, as a fraction of the fastest point's time
+# Past this many waves of items the makespan is taken as the mean load plus half the
+# longest item (greedy dealing ends within one item of the mean): the exact dealing costs
+# a heap operation per item, and a long batch on a per-sequence cap makes thousands.
+EXACT_WAVES = 3
+
+
+def splitk_makespan(kv_lens: Sequence[int], heads: int, q_len: int, params: Mapping, occupancy: int,
+                    sm_count: int) -> float:
+    """Tokens on the most-loaded program slot when the call's split items (each run by
+    heads // block_h programs, one per head tile, side by side) are dealt in launch order to
+    the least-loaded of sm_count x occupancy slots. Items beyond the slots wait for the
+    first to finish, as the hardware's block scheduler runs them. Past EXACT_WAVES waves,
+    the mean load plus half the longest item."""
+    items, tiles = serving_split_items(
+        kv_lens, q_len, heads, max_splits=int(params["max_splits"]),
+        tokens_per_split=int(params["tokens_per_split"]), block_n=int(params["block_n"]),
+        block_h=int(params["block_h"]), split_budget=int(params.get("split_budget", 0)), sm_count=sm_count)
+    groups = max(sm_count * occupancy // tiles, 1)  # the head tiles of one item run side by side
+    if len(items) <= groups:
+        return float(max(items, default=0))
+    if len(items) > EXACT_WAVES * groups:  # many waves: the slots even out, within one item
+        return sum(items) / groups + max(items) / 2
+    loads = [0] * groups
+    replace = heapq.heapreplace
+    for w in items:
+        replace(loads, loads[0] + w)
+    return float(max(loads))
+
+
+def is_splitk(variant) -> bool:
+    """A variant of our serving split-K kernel (with max_splits 1, one split per sequence:
+    a ragged batch waits for its longest)."""
+    return variant.backend == "triton"
+
+
+# The shared memory an SM gives its resident programs, on Hopper (H100, H200: 228 KiB). A
+# fit may choose an occupancy only up to what the variant's KV tiles leave room for: the
+# grid cells alone cannot tell occupancies apart for a batch budget that fills one wave at
+# every cell, and a fit that chose 3 for 64-token tiles (147 KiB of KV stages) estimated a
+# ragged 2 x 21901 mix at 128 heads 38% fast and picked it (53.5% regret at seed 23).
+# A GPU with other shared memory needs its own value here (a follow-up: record it in the
+# sweep's results header, as the SM count is).
+SMEM_PER_SM = 228 * 1024
+
+
+def occupancy_cap(variant) -> int:
+    """The most programs of this split-K variant one SM can hold by its KV stages alone
+    (num_stages x block_n tokens x 576 columns x 2 bytes), at least 1."""
+    kv_stages = int(variant.get("num_stages") or 1) * int(variant.get("block_n")) * 576 * 2
+    return max(1, SMEM_PER_SM // kv_stages)
