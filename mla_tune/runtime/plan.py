@@ -87,6 +87,10 @@ class DecodePlan:
             warnings.warn(f"serving table {self.table.path}: no family for {spec_text(spec)}; "
                           f"every call runs the default {self._default.variant}", stacklevel=2)
         self._family = family
+        if family is not None and not spec.graph:
+            # The lookup's one-off work (each split-K variant's rates over the points, about
+            # 40 ms on the CPU machine) here, not in the engine's first step.
+            self.table.estimates(spec, 1, 1.0)
         for variant in self._candidates():
             if variant not in self._decoders:
                 self._decoders[variant] = Decoder(spec, variant=variant, device=self.device)
