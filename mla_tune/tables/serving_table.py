@@ -31,10 +31,11 @@ points either, still load), top level: `schema`, `gpu`, `provenance`, `batch_buc
 splitk_models?}`; `variants` lists the family's eager picks and a point `{batch, kv_len,
 us: {index in variants: median us}}` holds the ones the sweep timed there with its last
 rung's samples; `flashinfer_model` is `{variant, sm_count, features, coef, fit_error_p90}`;
-a split-K model `{variant, occupancy, overhead_us, sm_count, fit_error}`; a cell `{batch, kv_len, variant, time_us, runner_up?}`; a graph
-pick `{batch, variant, worst_regret, worst_kv_len}` (worst_kv_len 0: the sweep's ragged mix
-for the bucket); a left-out cell `{batch, kv_len, reason}`. Loading never executes anything
-from the file (fileio.read_yaml) and every error names the file, the family and the field.
+a split-K model `{variant, occupancy, overhead_us, sm_count, fit_error}`; a cell `{batch,
+kv_len, variant, time_us, runner_up?}`; a graph pick `{batch, variant, worst_regret,
+worst_kv_len}` (worst_kv_len 0: the sweep's ragged mix for the bucket); a left-out cell
+`{batch, kv_len, reason}`. Loading never executes anything from the file
+(fileio.read_yaml) and every error names the file, the family and the field.
 Nothing here imports torch.
 """
 
@@ -218,8 +219,9 @@ class SplitKModel:
     """A split-K variant's time as overhead_us + rate x its makespan for the call's lengths
     (tables/splitk_cost.py); the rate is interpolated between the points, each point's
     (time - overhead_us) / makespan at its uniform lengths. occupancy (programs resident per
-    SM) and overhead_us are fitted when the table is built (serving_build), leaving each of
-    the variant's points out in turn; fit_error is the median relative error that left."""
+    SM, at most what its KV stages leave room for: splitk_cost.occupancy_cap) and overhead_us
+    are fitted when the table is built (serving_build), leaving each of the variant's points
+    out in turn; fit_error is the median relative error that left."""
 
     variant: Variant
     occupancy: int
