@@ -13,7 +13,14 @@ import torch
 from mla_tune import problem, serving
 from mla_tune.core import CallSpec, Variant
 from mla_tune.runtime.plan import DecodePlan
-from mla_tune.tables.serving_table import Cell, Family, FamilyKey, GraphPick, ServingTable
+from mla_tune.tables.serving_table import (
+    Cell,
+    Family,
+    FamilyKey,
+    GraphPick,
+    ServingTable,
+    SplitKModel,
+)
 
 SPEC = CallSpec("bf16", page_size=16, heads=16, max_q_len=2, mixed_q_len=True)
 BATCHES = [2, 4, 8]
@@ -100,6 +107,19 @@ def test_an_eager_plan_builds_the_point_variants_and_picks_the_fastest_estimate(
     _close(plan.run(inp.q, inp.kv, inp.kv_scale), inp.reference(), "the estimated pick")
     inp, picked = _step(plan, [30, 40, 50], seed=12, kv_lens_host=[30, 40, 50])
     assert picked == EAGER_4_256
+
+
+def test_an_eager_plan_does_the_lookups_one_off_work_when_it_is_made():
+    """The split-K rates over the points (a makespan per point) are computed at plan creation,
+    not in the engine's first step."""
+    table = _table()
+    key = FamilyKey.of(SPEC)
+    fam = table.families[key]
+    fam.points = {(4, 32): {GRAPH_4: 5.0, GRAPH_8: 9.0}, (4, 256): {GRAPH_4: 20.0, GRAPH_8: 12.0}}
+    fam.splitk = {GRAPH_4: SplitKModel(GRAPH_4, occupancy=1, overhead_us=1.0, sm_count=132, fit_error=0.0)}
+    assert ("rates", key) not in table._derived
+    DecodePlan(SPEC, max_batch=4, table=table, warm=False)
+    assert set(table._derived[("rates", key)]) == {(4, 32), (4, 256)}
 
 
 def test_a_graph_plan_ignores_lengths_and_takes_the_graph_pick():
