@@ -55,6 +55,7 @@ class Platform:
     driver: str = ""
     versions: dict = field(default_factory=dict, compare=False, hash=False)
     simulated: bool = False  # set only by the FAKE_PLATFORM_ENV testing hook
+    smem_per_sm: int = 0  # shared memory per SM in bytes, as the device reports it (0: unknown)
 
     @property
     def tags(self) -> frozenset[str]:
@@ -130,6 +131,7 @@ def detect(device: int | None = None) -> Platform:
         sm_count=props.multi_processor_count,
         driver=_driver_version(),
         versions=software_versions(),
+        smem_per_sm=int(getattr(props, "shared_memory_per_multiprocessor", 0) or 0),  # torch >= 2.7
     )
 
 

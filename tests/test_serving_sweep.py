@@ -102,7 +102,8 @@ def test_a_tiny_sweep_picks_gated_winners_and_the_worst_case_graph_pick(tiny, tm
     timer = FakeTimer()
     summary = _sweep(tiny, tmp_path, timer)
     table = load_serving_table(summary["table"])
-    _, records, _ = read_records(summary["results"])
+    header, records, _ = read_records(summary["results"])
+    assert header["platform"]["smem_per_sm"] == 0 and header["platform"]["sm_count"] == 0  # the CPU's
     gates = {r["variant"]: r["ok"] for r in records if r["kind"] == "gate"}
     assert sorted(_name(Variant.parse(v)) for v, ok in gates.items() if ok) == ["A", "B", "C", "D"]
     assert [ok for v, ok in gates.items() if v.startswith("wrong_serving")] == [False]

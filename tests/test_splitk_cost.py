@@ -46,9 +46,14 @@ def test_the_makespan_counts_waves_and_waits_for_the_longest():
     assert _span([0, 0]) == 0
 
 
-def test_the_occupancy_cap_follows_the_kv_stages():
-    assert occupancy_cap(SPLIT) == 1  # 2 stages x 64 tokens x 576 x 2 bytes: 147 KiB
+def test_the_occupancy_cap_follows_the_kv_stages_and_the_devices_shared_memory():
+    assert occupancy_cap(SPLIT) == 1  # 2 stages x 64 tokens x 576 x 2 bytes: 147 KiB of 228
     assert occupancy_cap(ONE) == 3    # 74 KiB
+    assert occupancy_cap(ONE, 100 * 1024) == 1 and occupancy_cap(ONE, 300 * 1024) == 4
+    # the fit keeps to the cap: two programs an SM fit the data, one fits the memory
+    grid = _grid(occupancy=2, kvs=(1024,))
+    assert _splitk_models(KEY, grid, 132)[ONE].occupancy == 2
+    assert _splitk_models(KEY, grid, 132, smem_per_sm=100 * 1024)[ONE].occupancy == 1
     assert is_splitk(ONE) and is_splitk(SPLIT) and not is_splitk(FM)
 
 

@@ -63,18 +63,19 @@ def is_splitk(variant) -> bool:
     return variant.backend == "triton"
 
 
-# The shared memory an SM gives its resident programs, on Hopper (H100, H200: 228 KiB). A
-# fit may choose an occupancy only up to what the variant's KV tiles leave room for: the
-# grid cells alone cannot tell occupancies apart for a batch budget that fills one wave at
-# every cell, and a fit that chose 3 for 64-token tiles (147 KiB of KV stages) estimated a
-# ragged 2 x 21901 mix at 128 heads 38% fast and picked it (53.5% regret at seed 23).
-# A GPU with other shared memory needs its own value here (a follow-up: record it in the
-# sweep's results header, as the SM count is).
-SMEM_PER_SM = 228 * 1024
+# A fit may choose an occupancy only up to what the variant's KV tiles leave room for in an
+# SM's shared memory: the grid cells alone cannot tell occupancies apart for a batch budget
+# that fills one wave at every cell, and a fit that chose 3 for 64-token tiles (147 KiB of
+# KV stages) estimated a ragged 2 x 21901 mix at 128 heads 38% fast and picked it (53.5%
+# regret at seed 23, docs/perf.md session 12). The sweep records the device's shared memory
+# per SM in its results header (smem_per_sm); results without it (session 11's) get
+# Hopper's, 228 KiB (H100, H200).
+DEFAULT_SMEM_PER_SM = 228 * 1024
 
 
-def occupancy_cap(variant) -> int:
+def occupancy_cap(variant, smem_per_sm: int = 0) -> int:
     """The most programs of this split-K variant one SM can hold by its KV stages alone
-    (num_stages x block_n tokens x 576 columns x 2 bytes), at least 1."""
+    (num_stages x block_n tokens x 576 columns x 2 bytes) in smem_per_sm bytes
+    (0: DEFAULT_SMEM_PER_SM), at least 1."""
     kv_stages = int(variant.get("num_stages") or 1) * int(variant.get("block_n")) * 576 * 2
-    return max(1, SMEM_PER_SM // kv_stages)
+    return max(1, (smem_per_sm or DEFAULT_SMEM_PER_SM) // kv_stages)

@@ -101,7 +101,7 @@ def eager_pick(times: dict[int, dict[str, float]], batch: int, batch_buckets: li
 
 # ------------------------------------------------------------------ the table
 def build_table(cfg: ServingConfig, plan: SweepPlan, records: Records, gpu_name: str,
-                provenance: dict, missing_reason: str, sm_count: int = 0) -> ServingTable:
+                provenance: dict, missing_reason: str, sm_count: int = 0, smem_per_sm: int = 0) -> ServingTable:
     """The serving table from the records: every family of the config, its cells and graph
     picks as recorded, every other cell left out with its reason."""
     families: dict[FamilyKey, Family] = {}
@@ -135,7 +135,7 @@ def build_table(cfg: ServingConfig, plan: SweepPlan, records: Records, gpu_name:
                                              int(g["worst_kv_len"]))
         fam.points = _points(cfg, timed, key, {c.variant for c in fam.cells.values()})
         fam.flashinfer = _flashinfer_model(timed, key, fam.points, sm_count)
-        fam.splitk = _splitk_models(key, fam.points, sm_count)
+        fam.splitk = _splitk_models(key, fam.points, sm_count, smem_per_sm)
         families[key] = fam
     return ServingTable(gpu_name, provenance, list(cfg.batch_buckets), list(cfg.kv_buckets), families)
 
@@ -201,12 +201,13 @@ def _flashinfer_model(timed: dict, key: FamilyKey, points: dict, sm_count: int) 
 SPLITK_MIN_POINTS = 6  # a split-K variant's schedule model is fitted where it has this many points
 
 
-def _splitk_models(key: FamilyKey, points: dict, sm_count: int) -> dict[Variant, SplitKModel]:
+def _splitk_models(key: FamilyKey, points: dict, sm_count: int, smem_per_sm: int = 0) -> dict[Variant, SplitKModel]:
     """Each split-K variant's SplitKModel (tables/splitk_cost.py): the occupancy and the
     overhead (a fraction of its fastest point's time) whose leave-one-out estimates of its
     points are best, each point estimated from the others as the lookup would (the mean
-    absolute log error; the first of equals, so the smallest occupancy and overhead).
-    None without the GPU's SM count."""
+    absolute log error; the first of equals, so the smallest occupancy and overhead), the
+    occupancy at most splitk_cost.occupancy_cap(variant, smem_per_sm). None without the
+    GPU's SM count."""
     if sm_count <= 0:
         return {}
     models = {}
@@ -215,7 +216,7 @@ def _splitk_models(key: FamilyKey, points: dict, sm_count: int) -> dict[Variant,
         if len(mine) < SPLITK_MIN_POINTS:
             continue
         params, fastest, best = dict(variant.params), min(mine.values()), None
-        for occupancy in [o for o in OCCUPANCIES if o <= occupancy_cap(variant)]:
+        for occupancy in [o for o in OCCUPANCIES if o <= occupancy_cap(variant, smem_per_sm)]:
             span = {(b, k): splitk_makespan([k] * b, key.heads, key.q_len, params, occupancy, sm_count)
                     for b, k in mine}
             for fraction in OVERHEAD_FRACTIONS:
@@ -261,9 +262,9 @@ def _provenance(cfg: ServingConfig, headers: list[dict], plan: SweepPlan, extra:
 
 def write_table(cfg: ServingConfig, plan: SweepPlan, records: Records, headers: list[dict], out: Path,
                 gpu_name: str, missing_reason: str, extra: dict) -> ServingTable:
-    sm_count = int((headers[0].get("platform") or {}).get("sm_count") or 0)
+    platform = headers[0].get("platform") or {}
     table = build_table(cfg, plan, records, gpu_name, _provenance(cfg, headers, plan, extra), missing_reason,
-                        sm_count)
+                        int(platform.get("sm_count") or 0), int(platform.get("smem_per_sm") or 0))
     write_serving_table(out, table)
     return load_serving_table(out)  # what was written loads: the same checks as the runtime's
 

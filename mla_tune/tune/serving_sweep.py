@@ -453,7 +453,8 @@ def _header(cfg: ServingConfig, platform, shard: tuple[int, int], path: Path, gp
     return {"kind": "header", "schema": SCHEMA, "file": str(path), "config_path": str(cfg.path),
             "config_hash": cfg.hash, "gpu": gpu_name, "shard": list(shard),
             "platform": {"name": platform.name, "device_name": platform.device_name, "arch": platform.arch,
-                         "sm_count": platform.sm_count, "driver": platform.driver},
+                         "sm_count": platform.sm_count, "smem_per_sm": platform.smem_per_sm,
+                         "driver": platform.driver},
             "versions": {k: str(v) for k, v in platform.versions.items()}, "protocol": timing.protocol(platform.has_gpu),
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
 
