@@ -445,6 +445,12 @@ def _positive_ints(where: str, name: str, value: Any) -> list[int]:
     return list(value)
 
 
+def _positive_int(where: str, name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise TableError(f"{where}: {name} must be a positive integer, got {value!r:.20}")
+    return value
+
+
 def _number(where: str, name: str, value: Any, minimum: float = 0.0) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
             or value < minimum:
@@ -544,12 +550,10 @@ def _splitk_models(where: str, raw: dict, known: list[str], check_params: bool,
             raise TableError(f"{at}: the model is our split-K kernel's schedule, but variant is {variant}")
         if variant in models:
             raise TableError(f"{at}: a second model for {variant}")
-        for name in ("occupancy", "sm_count"):
-            n = entry[name]
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise TableError(f"{at}: {name} must be a positive integer, got {n!r:.20}")
-        models[variant] = SplitKModel(variant, entry["occupancy"], _number(at, "overhead_us", entry["overhead_us"]),
-                                      entry["sm_count"], _number(at, "fit_error", entry["fit_error"]))
+        models[variant] = SplitKModel(variant, _positive_int(at, "occupancy", entry["occupancy"]),
+                                      _number(at, "overhead_us", entry["overhead_us"]),
+                                      _positive_int(at, "sm_count", entry["sm_count"]),
+                                      _number(at, "fit_error", entry["fit_error"]))
     return models
 
 
@@ -572,10 +576,8 @@ def _model(where: str, raw: Any, known: list[str], check_params: bool, key: Fami
     for i, c in enumerate(coef):
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c):
             raise TableError(f"{at}: coef[{i}] must be a finite number, got {c!r:.40}")
-    sm = raw["sm_count"]
-    if isinstance(sm, bool) or not isinstance(sm, int) or sm < 1:
-        raise TableError(f"{at}: sm_count must be a positive integer, got {sm!r:.20}")
-    return VendorModel(variant, tuple(float(c) for c in coef), sm, _number(at, "fit_error_p90", raw["fit_error_p90"]))
+    return VendorModel(variant, tuple(float(c) for c in coef), _positive_int(at, "sm_count", raw["sm_count"]),
+                       _number(at, "fit_error_p90", raw["fit_error_p90"]))
 
 
 def _points(where: str, raw: dict, kv_buckets: list[int], known: list[str], check_params: bool,
@@ -592,9 +594,7 @@ def _points(where: str, raw: dict, kv_buckets: list[int], known: list[str], chec
     points: dict[tuple[int, int], dict[Variant, float]] = {}
     for i, entry in enumerate(_entries(where, raw, "points")):
         at = f"{where}, point {i}"
-        batch, kv_len, us = entry.get("batch"), entry.get("kv_len"), entry.get("us")
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            raise TableError(f"{at}: batch must be a positive integer, got {batch!r:.20}")
+        batch, kv_len, us = _positive_int(at, "batch", entry.get("batch")), entry.get("kv_len"), entry.get("us")
         if kv_len not in kv_buckets:
             raise TableError(f"{at}: kv_len {kv_len!r:.20} is not one of the kv_buckets {kv_buckets}")
         if (batch, kv_len) in points:
