@@ -29,15 +29,10 @@ from mla_tune.tables.serving_table import (
     VendorModel,
     interpolate,
     load_serving_table,
+    splitk_rates,
     write_serving_table,
 )
-from mla_tune.tables.splitk_cost import (
-    OCCUPANCIES,
-    OVERHEAD_FRACTIONS,
-    is_splitk,
-    occupancy_cap,
-    splitk_makespan,
-)
+from mla_tune.tables.splitk_cost import OCCUPANCIES, OVERHEAD_FRACTIONS, is_splitk, occupancy_cap
 from mla_tune.tables.vendor_cost import fit_linear, flashinfer_mla_features, relative_errors
 from mla_tune.tune.serving_config import ServingConfig, load_serving_config
 from mla_tune.tune.serving_plan import SweepPlan, edge_batch, plan_sweep
@@ -215,20 +210,18 @@ def _splitk_models(key: FamilyKey, points: dict, sm_count: int, smem_per_sm: int
         mine = {pt: times[variant] for pt, times in points.items() if variant in times}
         if len(mine) < SPLITK_MIN_POINTS:
             continue
-        params, fastest, best = dict(variant.params), min(mine.values()), None
+        fastest, best = min(mine.values()), None
         for occupancy in [o for o in OCCUPANCIES if o <= occupancy_cap(variant, smem_per_sm)]:
-            span = {(b, k): splitk_makespan([k] * b, key.heads, key.q_len, params, occupancy, sm_count)
-                    for b, k in mine}
             for fraction in OVERHEAD_FRACTIONS:
-                overhead = fraction * fastest
-                rates = {pt: {variant: (t - overhead) / span[pt]} for pt, t in mine.items() if span[pt] > 0}
+                model = SplitKModel(variant, occupancy, fraction * fastest, sm_count, 0.0)
+                rates = splitk_rates({pt: {variant: t} for pt, t in mine.items()}, {variant: model}, key)
                 errors = []
-                for pt, t in mine.items():
-                    rate = interpolate({q: r for q, r in rates.items() if q != pt}, *pt).get(variant)
+                for (b, k), t in mine.items():  # each point from the others, as the lookup estimates
+                    rate = interpolate({q: r for q, r in rates.items() if q != (b, k)}, b, k).get(variant)
                     if rate is not None:
-                        errors.append(abs(math.log((overhead + rate * span[pt]) / t)))
+                        errors.append(abs(math.log((model.overhead_us + rate * model.makespan(key, [k] * b)) / t)))
                 if errors and (best is None or sum(errors) / len(errors) < best[0] - 1e-12):
-                    best = (sum(errors) / len(errors), occupancy, overhead, sorted(errors))
+                    best = (sum(errors) / len(errors), occupancy, model.overhead_us, sorted(errors))
         if best is not None:
             _, occupancy, overhead, errors = best
             models[variant] = SplitKModel(variant, occupancy, overhead, sm_count,
