@@ -18,8 +18,8 @@ lengths and block table, and replays a CUDA graph of the layers per batch size. 
   timing anything: in a graph (spec.graph) the graph pick of the batch's bucket, which
   does not depend on the lengths; eagerly the table's estimated fastest for the batch and
   the mean length (`mean_kv_len`, or the mean of `kv_lens_host`, which engines keep on the
-  host; FlashInfer's estimate replays its schedule for `kv_lens_host`), else the graph
-  pick. A family or cell the table lacks runs the preferred backend's
+  host; the split-K and FlashInfer estimates replay their schedules for `kv_lens_host`),
+  else the graph pick. A family or cell the table lacks runs the preferred backend's
   default variant (runtime/decode.py), counted in `misses`. `update` checks the call's
   layout arguments against the spec once per step (shapes and dtypes only).
 - `update` also starts the picked runner's step (`runner.step(...)`, runtime/decode.py's
@@ -144,7 +144,7 @@ class DecodePlan:
     def pick(self, batch: int, mean_kv_len: float | None = None, kv_lens=None) -> Variant:
         """The variant a step of `batch` sequences runs (no timing): see the module.
         kv_lens: the step's lengths on the host, where the engine has them (a table's
-        FlashInfer model replays FlashInfer's schedule for them)."""
+        split-K and FlashInfer models replay those kernels' schedules for them)."""
         variant = None
         if self.table is not None and self._family is not None:
             mean = None if self.spec.graph else mean_kv_len
