@@ -29,8 +29,8 @@ FM = Variant.parse("flashmla(kv=bf16,q=bf16)")
 KEY = FamilyKey("bf16", 64, 16, 1)
 
 
-def _span(lens, occupancy=1, heads=16, variant=ONE, sm=132):
-    return splitk_makespan(lens, heads, 1, dict(variant.params), occupancy, sm)
+def _span(lens, occupancy=1, heads=16, variant=ONE, sm=132, item_tokens=0):
+    return splitk_makespan(lens, heads, 1, dict(variant.params), occupancy, sm, item_tokens)
 
 
 def test_the_makespan_counts_waves_and_waits_for_the_longest():
@@ -46,6 +46,23 @@ def test_the_makespan_counts_waves_and_waits_for_the_longest():
     assert _span([0, 0]) == 0
 
 
+def test_each_item_costs_its_fixed_tokens_so_more_splits_are_not_free():
+    assert _span([100] * 132, item_tokens=50) == 150
+    assert _span([100] * 133, item_tokens=50) == 300  # the second wave's item pays it again
+    n = 132 * (EXACT_WAVES + 1)
+    assert _span([100] * n, item_tokens=50) == pytest.approx(n * 150 / 132 + 75)
+    # 5 x 1688 tokens at 128 heads in 64-head tiles: a budget of 132 splits runs 14 items a
+    # sequence (13 of 128 tokens and one of 24), 70 on 66 slots, so 4 slots run a second,
+    # short item; a budget of 66 runs 9 items of 192 (45, one wave). By tokens alone the
+    # bigger budget looks faster (152 < 192); at a program's cost of 128 tokens it is slower,
+    # as the H200 measured it (46.5 us against 39.0, seed 24, docs/perf.md session 12).
+    def budget(b, cost):
+        return _span([1688] * 5, heads=128, variant=SPLIT.with_params(
+            block_h=64, tokens_per_split=128, split_budget=b), item_tokens=cost)
+    assert budget(132, 0) == 152 < budget(66, 0) == 192
+    assert budget(132, 128) == 152 + 2 * 128 > budget(66, 128) == 192 + 128
+
+
 def test_the_occupancy_cap_follows_the_kv_stages_and_the_devices_shared_memory():
     assert occupancy_cap(SPLIT) == 1  # 2 stages x 64 tokens x 576 x 2 bytes: 147 KiB of 228
     assert occupancy_cap(ONE) == 3    # 74 KiB
@@ -57,9 +74,9 @@ def test_the_occupancy_cap_follows_the_kv_stages_and_the_devices_shared_memory()
     assert is_splitk(ONE) and is_splitk(SPLIT) and not is_splitk(FM)
 
 
-def _grid(overhead=10.0, rate=30 / 512, occupancy=1, kvs=(512, 1024, 2048)):
+def _grid(overhead=10.0, rate=30 / 512, occupancy=1, kvs=(512, 1024, 2048), item_tokens=0):
     """A variant's times at uniform grid points from a known model."""
-    return {(b, k): {ONE: overhead + rate * _span([k] * b, occupancy)}
+    return {(b, k): {ONE: overhead + rate * _span([k] * b, occupancy, item_tokens=item_tokens)}
             for b in (64, 128, 132, 133, 200, 264, 265, 300) for k in kvs}
 
 
@@ -67,8 +84,12 @@ def test_the_fit_recovers_the_occupancy_and_the_overhead():
     # overhead 10 us = a quarter of the fastest point's 40 us, one of the fractions tried
     models = _splitk_models(KEY, _grid(), 132)
     m = models[ONE]
-    assert (m.occupancy, m.overhead_us, m.sm_count) == (1, pytest.approx(10.0), 132)
+    assert (m.occupancy, m.overhead_us, m.item_tokens, m.sm_count) == (1, pytest.approx(10.0), 0, 132)
     assert m.fit_error < 1e-9
+    # and a program's fixed cost in tokens, one of ITEM_TOKENS (the overhead again a quarter
+    # of the fastest point's time: 12.5 of 12.5 + 30 / 512 x (512 + 128))
+    m = _splitk_models(KEY, _grid(overhead=12.5, item_tokens=128), 132)[ONE]
+    assert (m.occupancy, m.overhead_us, m.item_tokens) == (1, pytest.approx(12.5), 128) and m.fit_error < 1e-9
     # two programs an SM: 264 sequences are one wave, 265 two. Leaving one point out, its
     # neighbours at the same batch predict it whatever the occupancy (the rate is the
     # batch's): only a grid of one length a batch tells occupancies apart. (A follow-up:
@@ -111,6 +132,8 @@ def test_the_models_survive_a_write_and_load_and_a_broken_one_is_refused(tmp_pat
     for edit, words in ((dict(occupancy=0), "occupancy must be a positive integer"),
                         (dict(variant=str(FM)), "our split-K kernel's schedule"),
                         (dict(overhead_us=-1.0), "overhead_us must be a finite number"),
+                        (dict(item_tokens=-1), "item_tokens must be an integer >= 0"),
+                        (dict(item_tokens=1.5), "item_tokens must be an integer >= 0"),
                         (dict(extra=1), "must be a mapping of")):
         data = table.as_dict()
         entry = dict(data["families"][0]["splitk_models"][0])
@@ -122,9 +145,16 @@ def test_the_models_survive_a_write_and_load_and_a_broken_one_is_refused(tmp_pat
             load_serving_table(bad)
 
 
-def test_an_older_schema_still_loads(tmp_path):
+def test_older_schemas_still_load(tmp_path):
     data = _table({}).as_dict()
     data["schema"] = "serving/2"
     path = tmp_path / "old.serving.yaml"
     path.write_text(dump_yaml(data))
     assert load_serving_table(path).families[KEY].splitk == {}
+    # serving/3: split-K models without a program's fixed cost, which is then 0
+    data = _table(_splitk_models(KEY, _grid(item_tokens=64), 132)).as_dict()
+    assert data["families"][0]["splitk_models"][0]["item_tokens"] == 64
+    del data["families"][0]["splitk_models"][0]["item_tokens"]
+    data["schema"] = "serving/3"
+    path.write_text(dump_yaml(data))
+    assert load_serving_table(path).families[KEY].splitk[ONE].item_tokens == 0

@@ -95,8 +95,19 @@ def test_interpolate_is_log_log_in_batch_and_length_and_extends_past_the_last_le
     past = interpolate(points, 16, 65536)  # slope log(166/96)/log 2 = 0.79: 166 x 2^0.79
     assert past[FI] == pytest.approx(166.0 * 2 ** 0.7901, rel=1e-3)
     assert interpolate(points, 64, 16384) == interpolate(points, 16, 16384)  # beyond: the nearest
-    points[(16, 16384)] = {FM: 127.0}  # FlashInfer not measured there: it drops out where needed
+    # FlashInfer not timed at 16 x 16384 (a batch-edge point holds its cell's best 3 only):
+    points[(16, 16384)] = {FM: 127.0}
+    # where that point weighs more than half (12 is 0.58 of the way to 16), it drops out ...
     assert set(interpolate(points, 12, 16384)) == {FM}
+    # ... and where it weighs less (10: 0.32), it is taken there as FlashMLA's time scaled by
+    # FlashInfer's ratio to FlashMLA at 8 x 16384: 127 x 60 / 80
+    w = 0.32192809488736235
+    est = interpolate(points, 10, 16384)
+    assert est[FI] == pytest.approx(60.0 ** (1 - w) * (127.0 * 60.0 / 80.0) ** w)
+    assert est[FM] == pytest.approx(80.0 ** (1 - w) * 127.0 ** w)
+    # with no variant timed at both points there is no ratio to go by: it drops out
+    points[(16, 16384)] = {TR: 127.0}
+    assert set(interpolate(points, 10, 16384)) == set()
 
 
 def test_the_eager_pick_is_the_fastest_estimate_and_flashinfers_comes_from_its_schedule():
@@ -132,7 +143,7 @@ def test_points_and_the_model_survive_a_write_and_load(tmp_path):
     table = _table(VendorModel(FI, (1.0, 0.05, 0.0, 0.0, 0.0, 0.0), 132, 0.031))
     path = write_serving_table(tmp_path / "H200.serving.yaml", table)
     text = path.read_text()
-    assert "schema: serving/3" in text and "flashinfer_model:" in text
+    assert "schema: serving/4" in text and "flashinfer_model:" in text
     assert "- {batch: 8, kv_len: 16384, us: {0: 60.0, 1: 80.0}}" in text  # one line a point
     loaded = load_serving_table(path)
     fam = loaded.families[FamilyKey("bf16", 64, 16, 4)]

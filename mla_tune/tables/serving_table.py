@@ -24,15 +24,16 @@ every step, so the serving table is keyed the way engines capture and batch thei
 Split counts are not table entries: a variant carries its rule (max_splits,
 tokens_per_split), which the kernel applies to each sequence on the device.
 
-Schema `serving/3` (`serving/2`, the same without split-K models, and `serving/1`, without
-points either, still load), top level: `schema`, `gpu`, `provenance`, `batch_buckets`,
-`kv_buckets`, `families`. A family is `{key: {kv_format, page_size, heads, q_len}, cells:
-[...], graph: [...], left_out: [...], variants: [...], points: [...], flashinfer_model?,
-splitk_models?}`; `variants` lists the family's eager picks and a point `{batch, kv_len,
-us: {index in variants: median us}}` holds the ones the sweep timed there with its last
-rung's samples; `flashinfer_model` is `{variant, sm_count, features, coef, fit_error_p90}`;
-a split-K model `{variant, occupancy, overhead_us, sm_count, fit_error}`; a cell `{batch,
-kv_len, variant, time_us, runner_up?}`; a graph pick `{batch, variant, worst_regret,
+Schema `serving/4` (`serving/3`, whose split-K models have no item_tokens (0), `serving/2`,
+without split-K models, and `serving/1`, without points either, still load), top level:
+`schema`, `gpu`, `provenance`, `batch_buckets`, `kv_buckets`, `families`. A family is
+`{key: {kv_format, page_size, heads, q_len}, cells: [...], graph: [...], left_out: [...],
+variants: [...], points: [...], flashinfer_model?, splitk_models?}`; `variants` lists the
+family's eager picks and a point `{batch, kv_len, us: {index in variants: median us}}`
+holds the ones the sweep timed there with its last rung's samples; `flashinfer_model` is
+`{variant, sm_count, features, coef, fit_error_p90}`; a split-K model `{variant,
+occupancy, overhead_us, item_tokens, sm_count, fit_error}`; a cell `{batch, kv_len,
+variant, time_us, runner_up?}`; a graph pick `{batch, variant, worst_regret,
 worst_kv_len}` (worst_kv_len 0: the sweep's ragged mix for the bucket); a left-out cell
 `{batch, kv_len, reason}`. Loading never executes anything from the file
 (fileio.read_yaml) and every error names the file, the family and the field.
@@ -60,8 +61,9 @@ from mla_tune.tables.vendor_cost import (
     predict,
 )
 
-SERVING_SCHEMA = "serving/3"
-_READABLE_SCHEMAS = ("serving/1", "serving/2", SERVING_SCHEMA)  # 1: no points; 2: no split-K models
+SERVING_SCHEMA = "serving/4"
+# 1: no points; 2: no split-K models; 3: split-K models without item_tokens
+_READABLE_SCHEMAS = ("serving/1", "serving/2", "serving/3", SERVING_SCHEMA)
 _KEY_FIELDS = ("kv_format", "page_size", "heads", "q_len")
 
 
@@ -181,23 +183,60 @@ def _at_batch(points: Mapping[tuple[int, int], Mapping[Variant, float]], batch: 
         t0, t1 = points[(batch, k0)], points[(batch, k1)]
         slope = {v: min(max(math.log(t1[v] / t0[v]) / math.log(k1 / k0), 0.0), 1.0) for v in t0.keys() & t1.keys()}
         return {v: t1[v] * (kv_len / k1) ** s for v, s in slope.items()}
-    around = _bracket(kvs, kv_len)
-    common = set.intersection(*(set(points[(batch, k)]) for k, _ in around))
-    return {v: math.exp(sum(w * math.log(points[(batch, k)][v]) for k, w in around)) for v in common}
+    return _blend([(w, points[(batch, k)]) for k, w in _bracket(kvs, kv_len)])
+
+
+# A variant competes where the points that timed it carry at least this much of the weight.
+# A batch-edge point holds its cell's best 3 only, so requiring every point dropped
+# FlashMLA at 156 x 990 tokens (fp8, 16 heads) for lack of it at 129 x 512, weight 0.05,
+# though it led at every 1024 point around: 24.8% regret (H200, seed 29, docs/perf.md
+# session 12). Imputing with no measured weight at all re-scored worse (a variant left out
+# of an edge point is usually slow there): 24 of 29 recorded runs, against 27 at 0.5.
+MIN_MEASURED_WEIGHT = 0.5
+
+
+def _blend(weighted: Sequence[tuple[float, Mapping[Variant, float]]]) -> dict[Variant, float]:
+    """The weighted mean in log time of each variant's times at the points around a call
+    ((weight, {variant: us}) each). A variant missing at a point takes its time there from
+    the points that timed it, scaled by how the variants timed at both compare (their mean
+    log ratio); it is left out where the points that timed it weigh less than
+    MIN_MEASURED_WEIGHT, or where no other variant was timed at both."""
+    if len(weighted) == 1:
+        return dict(weighted[0][1])
+    out = {}
+    for v in set().union(*(times for _, times in weighted)):
+        have = [(w, times) for w, times in weighted if v in times]
+        if len(have) < len(weighted) and sum(w for w, _ in have) < MIN_MEASURED_WEIGHT - 1e-12:
+            continue
+        total = 0.0
+        for w, times in weighted:
+            if v in times:
+                total += w * math.log(times[v])
+                continue
+            num = den = 0.0
+            for w2, other in have:  # v at this point, by the variants timed at both
+                common = (times.keys() & other.keys()) - {v}
+                if common:
+                    ratio = sum(math.log(times[c] / other[c]) for c in common) / len(common)
+                    num, den = num + w2 * (math.log(other[v]) + ratio), den + w2
+            if den == 0.0:
+                break
+            total += w * num / den
+        else:
+            out[v] = math.exp(total)
+    return out
 
 
 def interpolate(points: Mapping[tuple[int, int], Mapping[Variant, float]], batch: int,
                 kv_len: float) -> dict[Variant, float]:
     """Each variant's estimated time for `batch` sequences at mean length `kv_len` from its
     times at the measured points (batch, kv_len) around it, log-log in both (`_at_batch`
-    for the length); only variants measured at every point used compete. Beyond the
-    measured batches, the nearest one's."""
+    for the length; `_blend` for a variant some of those points lack). Beyond the measured
+    batches, the nearest one's."""
     batches = sorted({b for b, _ in points})
     if not batches:
         return {}
-    per_batch = [(w, _at_batch(points, b, kv_len)) for b, w in _bracket(batches, batch)]
-    common = set.intersection(*(set(t) for _, t in per_batch))
-    return {v: math.exp(sum(w * math.log(t[v]) for w, t in per_batch)) for v in common}
+    return _blend([(w, _at_batch(points, b, kv_len)) for b, w in _bracket(batches, batch)])
 
 
 @dataclass(frozen=True)
@@ -219,19 +258,21 @@ class SplitKModel:
     """A split-K variant's time as overhead_us + rate x its makespan for the call's lengths
     (tables/splitk_cost.py); the rate is interpolated between the points, each point's
     (time - overhead_us) / makespan at its uniform lengths. occupancy (programs resident per
-    SM, at most what its KV stages leave room for: splitk_cost.occupancy_cap) and overhead_us
-    are fitted when the table is built (serving_build), leaving each of the variant's points
-    out in turn; fit_error is the median relative error that left."""
+    SM, at most what its KV stages leave room for: splitk_cost.occupancy_cap), overhead_us
+    and item_tokens (a program's fixed cost, in tokens) are fitted when the table is built
+    (serving_build), leaving each of the variant's points out in turn; fit_error is the
+    median relative error that left."""
 
     variant: Variant
     occupancy: int
     overhead_us: float
     sm_count: int
     fit_error: float
+    item_tokens: int = 0
 
     def makespan(self, key: FamilyKey, kv_lens: Sequence[int]) -> float:
         return splitk_makespan(kv_lens, key.heads, key.q_len, dict(self.variant.params), self.occupancy,
-                               self.sm_count)
+                               self.sm_count, self.item_tokens)
 
 
 def splitk_rates(points: Mapping[tuple[int, int], Mapping[Variant, float]], models: Mapping[Variant, SplitKModel],
@@ -423,8 +464,8 @@ def _splitk_dict(models: Mapping[Variant, SplitKModel]) -> dict:
     if not models:
         return {}
     return {"splitk_models": [FlowMap(variant=str(m.variant), occupancy=m.occupancy,
-                                      overhead_us=round(m.overhead_us, 3), sm_count=m.sm_count,
-                                      fit_error=round(m.fit_error, 4))
+                                      overhead_us=round(m.overhead_us, 3), item_tokens=m.item_tokens,
+                                      sm_count=m.sm_count, fit_error=round(m.fit_error, 4))
                               for m in sorted(models.values(), key=lambda m: str(m.variant))]}
 
 
@@ -445,9 +486,10 @@ def _positive_ints(where: str, name: str, value: Any) -> list[int]:
     return list(value)
 
 
-def _positive_int(where: str, name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise TableError(f"{where}: {name} must be a positive integer, got {value!r:.20}")
+def _positive_int(where: str, name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise TableError(f"{where}: {name} must be {what}, got {value!r:.20}")
     return value
 
 
@@ -541,8 +583,8 @@ def _splitk_models(where: str, raw: dict, known: list[str], check_params: bool,
     models: dict[Variant, SplitKModel] = {}
     for i, entry in enumerate(_entries(where, raw, "splitk_models")):
         at = f"{where}, splitk_models[{i}]"
-        fields = {"variant", "occupancy", "overhead_us", "sm_count", "fit_error"}
-        if set(entry) != fields:
+        fields = {"variant", "occupancy", "overhead_us", "item_tokens", "sm_count", "fit_error"}
+        if set(entry) != fields and set(entry) != fields - {"item_tokens"}:  # serving/3: no item_tokens
             raise TableError(f"{at} must be a mapping of {', '.join(sorted(fields))}")
         variant = _check_variant(at, "variant", entry, known, check_params)
         _match_family(at, variant, key)
@@ -553,7 +595,8 @@ def _splitk_models(where: str, raw: dict, known: list[str], check_params: bool,
         models[variant] = SplitKModel(variant, _positive_int(at, "occupancy", entry["occupancy"]),
                                       _number(at, "overhead_us", entry["overhead_us"]),
                                       _positive_int(at, "sm_count", entry["sm_count"]),
-                                      _number(at, "fit_error", entry["fit_error"]))
+                                      _number(at, "fit_error", entry["fit_error"]),
+                                      _positive_int(at, "item_tokens", entry.get("item_tokens", 0), minimum=0))
     return models
 
 

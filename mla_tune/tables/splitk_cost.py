@@ -10,11 +10,16 @@ interpolating the points around it said 107 (H200, session 12, docs/perf.md).
 
 `splitk_makespan` deals the call's split items, in launch order, to the least-loaded of
 `slots` program slots (SMs x programs resident per SM, the occupancy), and returns the
-most-loaded slot's tokens. A serving table's `SplitKModel` takes a variant's time as
-overhead + rate x makespan: its fixed overhead and occupancy are fitted when the table is
-built (serving_build: leave-one-out over the variant's grid points; the occupancy capped by
-`occupancy_cap`), the rate is interpolated between the points like the times are, and the
-makespan is the call's own. A variant with max_splits 1 runs one program per sequence, so
+most-loaded slot's load: its tokens plus, per item, `item_tokens`, a program's fixed cost
+(loading q, writing its partial result for the combine) in tokens. Without it a bigger
+split budget always looked faster: 5 x 1688 tokens at 128 heads (fp8) on a budget of 132
+splits ran 70 items on 66 slots, 4 of them a second short item on a slot, and was
+estimated 38.5 us; it took 46.5, where a budget of 66 took 39.0 (regret 19.1%, H200, seed
+24, docs/perf.md session 12). A serving table's `SplitKModel` takes a variant's time as
+overhead + rate x makespan: its fixed overhead, occupancy and item cost are fitted when the
+table is built (serving_build: leave-one-out over the variant's grid points; the occupancy
+capped by `occupancy_cap`), the rate is interpolated between the points like the times
+are, and the makespan is the call's own. A variant with max_splits 1 runs one program per sequence, so
 a ragged batch waits for its longest: the same model covers it.
 Pure Python; nothing here imports torch.
 """
@@ -28,6 +33,7 @@ from mla_tune.kernels.split_rule import serving_split_items
 
 OCCUPANCIES = (1, 2, 3, 4)  # programs resident per SM that a fit may choose
 OVERHEAD_FRACTIONS = (0.0, 0.25, 0.5, 0.75)  # fixed overhead, as a fraction of the fastest point's time
+ITEM_TOKENS = (0, 32, 64, 128, 256)  # a program's fixed cost in tokens that a fit may choose
 # Past this many waves of items the makespan is taken as the mean load plus half the
 # longest item (greedy dealing ends within one item of the mean): the exact dealing costs
 # a heap operation per item, and a long batch on a per-sequence cap makes thousands.
@@ -35,26 +41,28 @@ EXACT_WAVES = 3
 
 
 def splitk_makespan(kv_lens: Sequence[int], heads: int, q_len: int, params: Mapping, occupancy: int,
-                    sm_count: int) -> float:
-    """Tokens on the most-loaded program slot when the call's split items (each run by
-    heads // block_h programs, one per head tile, side by side) are dealt in launch order to
-    the least-loaded of sm_count x occupancy slots. Items beyond the slots wait for the
-    first to finish, as the hardware's block scheduler runs them. Past EXACT_WAVES waves,
-    the mean load plus half the longest item."""
+                    sm_count: int, item_tokens: float = 0.0) -> float:
+    """The load (tokens, plus item_tokens per item) of the most-loaded program slot when
+    the call's split items (each run by heads // block_h programs, one per head tile, side
+    by side) are dealt in launch order to the least-loaded of sm_count x occupancy slots.
+    Items beyond the slots wait for the first to finish, as the hardware's block scheduler
+    runs them. Past EXACT_WAVES waves, the mean load plus half the longest item."""
     items, tiles = serving_split_items(
         kv_lens, q_len, heads, max_splits=int(params["max_splits"]),
         tokens_per_split=int(params["tokens_per_split"]), block_n=int(params["block_n"]),
         block_h=int(params["block_h"]), split_budget=int(params.get("split_budget", 0)), sm_count=sm_count)
     groups = max(sm_count * occupancy // tiles, 1)  # the head tiles of one item run side by side
+    if not items:
+        return 0.0
     if len(items) <= groups:
-        return float(max(items, default=0))
+        return max(items) + item_tokens
     if len(items) > EXACT_WAVES * groups:  # many waves: the slots even out, within one item
-        return sum(items) / groups + max(items) / 2
-    loads = [0] * groups
+        return (sum(items) + item_tokens * len(items)) / groups + (max(items) + item_tokens) / 2
+    loads = [0.0] * groups
     replace = heapq.heapreplace
     for w in items:
-        replace(loads, loads[0] + w)
-    return float(max(loads))
+        replace(loads, loads[0] + w + item_tokens)
+    return max(loads)
 
 
 def is_splitk(variant) -> bool:

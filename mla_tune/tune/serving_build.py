@@ -11,7 +11,9 @@ family, the backends skipped and why, the results files.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
+import itertools
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +34,13 @@ from mla_tune.tables.serving_table import (
     splitk_rates,
     write_serving_table,
 )
-from mla_tune.tables.splitk_cost import OCCUPANCIES, OVERHEAD_FRACTIONS, is_splitk, occupancy_cap
+from mla_tune.tables.splitk_cost import (
+    ITEM_TOKENS,
+    OCCUPANCIES,
+    OVERHEAD_FRACTIONS,
+    is_splitk,
+    occupancy_cap,
+)
 from mla_tune.tables.vendor_cost import fit_linear, flashinfer_mla_features, relative_errors
 from mla_tune.tune.serving_config import ServingConfig, load_serving_config
 from mla_tune.tune.serving_plan import SweepPlan, edge_batch, plan_sweep
@@ -197,12 +205,12 @@ SPLITK_MIN_POINTS = 6  # a split-K variant's schedule model is fitted where it h
 
 
 def _splitk_models(key: FamilyKey, points: dict, sm_count: int, smem_per_sm: int = 0) -> dict[Variant, SplitKModel]:
-    """Each split-K variant's SplitKModel (tables/splitk_cost.py): the occupancy and the
-    overhead (a fraction of its fastest point's time) whose leave-one-out estimates of its
-    points are best, each point estimated from the others as the lookup would (the mean
-    absolute log error; the first of equals, so the smallest occupancy and overhead), the
-    occupancy at most splitk_cost.occupancy_cap(variant, smem_per_sm). None without the
-    GPU's SM count."""
+    """Each split-K variant's SplitKModel (tables/splitk_cost.py): the item cost, occupancy
+    and overhead (a fraction of its fastest point's time) whose leave-one-out estimates of
+    its points are best, each point estimated from the others as the lookup would (the mean
+    absolute log error; the first of equals, so the smallest item cost, occupancy and
+    overhead), the occupancy at most splitk_cost.occupancy_cap(variant, smem_per_sm). None
+    without the GPU's SM count."""
     if sm_count <= 0:
         return {}
     models = {}
@@ -211,21 +219,20 @@ def _splitk_models(key: FamilyKey, points: dict, sm_count: int, smem_per_sm: int
         if len(mine) < SPLITK_MIN_POINTS:
             continue
         fastest, best = min(mine.values()), None
-        for occupancy in [o for o in OCCUPANCIES if o <= occupancy_cap(variant, smem_per_sm)]:
-            for fraction in OVERHEAD_FRACTIONS:
-                model = SplitKModel(variant, occupancy, fraction * fastest, sm_count, 0.0)
-                rates = splitk_rates({pt: {variant: t} for pt, t in mine.items()}, {variant: model}, key)
-                errors = []
-                for (b, k), t in mine.items():  # each point from the others, as the lookup estimates
-                    rate = interpolate({q: r for q, r in rates.items() if q != (b, k)}, b, k).get(variant)
-                    if rate is not None:
-                        errors.append(abs(math.log((model.overhead_us + rate * model.makespan(key, [k] * b)) / t)))
-                if errors and (best is None or sum(errors) / len(errors) < best[0] - 1e-12):
-                    best = (sum(errors) / len(errors), occupancy, model.overhead_us, sorted(errors))
+        occupancies = [o for o in OCCUPANCIES if o <= occupancy_cap(variant, smem_per_sm)]
+        for item_tokens, occupancy, fraction in itertools.product(ITEM_TOKENS, occupancies, OVERHEAD_FRACTIONS):
+            model = SplitKModel(variant, occupancy, fraction * fastest, sm_count, 0.0, item_tokens)
+            rates = splitk_rates({pt: {variant: t} for pt, t in mine.items()}, {variant: model}, key)
+            errors = []
+            for (b, k), t in mine.items():  # each point from the others, as the lookup estimates
+                rate = interpolate({q: r for q, r in rates.items() if q != (b, k)}, b, k).get(variant)
+                if rate is not None:
+                    errors.append(abs(math.log((model.overhead_us + rate * model.makespan(key, [k] * b)) / t)))
+            if errors and (best is None or sum(errors) / len(errors) < best[0] - 1e-12):
+                best = (sum(errors) / len(errors), model, sorted(errors))
         if best is not None:
-            _, occupancy, overhead, errors = best
-            models[variant] = SplitKModel(variant, occupancy, overhead, sm_count,
-                                          math.exp(errors[len(errors) // 2]) - 1.0)
+            _, model, errors = best
+            models[variant] = dataclasses.replace(model, fit_error=math.exp(errors[len(errors) // 2]) - 1.0)
     return models
 
 
