@@ -8,14 +8,14 @@ programs: between two grid points a uniform batch of 70 x 3572 tokens (bf16, 16 
 budget 264) ran 5 splits each, 350 programs on 264 slots, and took 137.6 us where
 interpolating the points around it said 107 (H200, session 12, docs/perf.md).
 
-`splitk_makespan` deals the call's split items, in launch order, to the least-loaded of
-`slots` program slots (SMs x programs resident per SM, the occupancy), and returns the
-most-loaded slot's load: its tokens plus, per item, `item_tokens`, a program's fixed cost
-(loading q, writing its partial result for the combine) in tokens. Without it a bigger
-split budget always looked faster: 5 x 1688 tokens at 128 heads (fp8) on a budget of 132
-splits ran 70 items on 66 slots, 4 of them a second short item on a slot, and was
-estimated 38.5 us; it took 46.5, where a budget of 66 took 39.0 (regret 19.1%, H200, seed
-24, docs/perf.md session 12). A serving table's `SplitKModel` takes a variant's time as
+`splitk_makespan` deals the call's programs (each split item once per head tile), in
+launch order, to the least-loaded of `slots` program slots (SMs x programs resident per
+SM, the occupancy), and returns the most-loaded slot's load: its tokens plus, per
+program, `item_tokens`, a program's fixed cost (loading q, writing its partial result for
+the combine) in tokens. Without it a bigger split budget always looked faster: 5 x 1688
+tokens at 128 heads (fp8) on a budget of 132 splits ran 140 programs on 132 slots, 8 of
+them a second, short program on a slot, and was estimated 38.5 us; it took 46.5, where a
+budget of 66 took 39.0 (regret 19.1%, H200, seed 24, docs/perf.md session 12). A serving table's `SplitKModel` takes a variant's time as
 overhead + rate x makespan: its fixed overhead, occupancy and item cost are fitted when the
 table is built (serving_build: leave-one-out over the variant's grid points; the occupancy
 capped by `occupancy_cap`), the rate is interpolated between the points like the times
@@ -42,26 +42,30 @@ EXACT_WAVES = 3
 
 def splitk_makespan(kv_lens: Sequence[int], heads: int, q_len: int, params: Mapping, occupancy: int,
                     sm_count: int, item_tokens: float = 0.0) -> float:
-    """The load (tokens, plus item_tokens per item) of the most-loaded program slot when
-    the call's split items (each run by heads // block_h programs, one per head tile, side
-    by side) are dealt in launch order to the least-loaded of sm_count x occupancy slots.
-    Items beyond the slots wait for the first to finish, as the hardware's block scheduler
-    runs them. Past EXACT_WAVES waves, the mean load plus half the longest item."""
+    """The load (tokens, plus item_tokens per item) of the most-loaded of sm_count x
+    occupancy program slots when the call's split items, each run by heads // block_h
+    programs (one per head tile, neighbours in launch order), are dealt program by program
+    to the least-loaded slot, as the hardware's block scheduler runs them: programs beyond
+    the slots wait for the first to finish. Past EXACT_WAVES waves, the mean load plus half
+    the longest item."""
     items, tiles = serving_split_items(
         kv_lens, q_len, heads, max_splits=int(params["max_splits"]),
         tokens_per_split=int(params["tokens_per_split"]), block_n=int(params["block_n"]),
         block_h=int(params["block_h"]), split_budget=int(params.get("split_budget", 0)), sm_count=sm_count)
-    groups = max(sm_count * occupancy // tiles, 1)  # the head tiles of one item run side by side
     if not items:
         return 0.0
-    if len(items) <= groups:
+    slots = max(sm_count * occupancy, 1)
+    programs = len(items) * tiles
+    if programs <= slots:
         return max(items) + item_tokens
-    if len(items) > EXACT_WAVES * groups:  # many waves: the slots even out, within one item
-        return (sum(items) + item_tokens * len(items)) / groups + (max(items) + item_tokens) / 2
-    loads = [0.0] * groups
+    if programs > EXACT_WAVES * slots:  # many waves: the slots even out, within one item
+        return (sum(items) + item_tokens * len(items)) * tiles / slots + (max(items) + item_tokens) / 2
+    loads = [0.0] * slots
     replace = heapq.heapreplace
     for w in items:
-        replace(loads, loads[0] + w + item_tokens)
+        w += item_tokens
+        for _ in range(tiles):
+            replace(loads, loads[0] + w)
     return max(loads)
 
 
