@@ -15,12 +15,14 @@ program, `item_tokens`, a program's fixed cost (loading q, writing its partial r
 the combine) in tokens. Without it a bigger split budget always looked faster: 5 x 1688
 tokens at 128 heads (fp8) on a budget of 132 splits ran 140 programs on 132 slots, 8 of
 them a second, short program on a slot, and was estimated 38.5 us; it took 46.5, where a
-budget of 66 took 39.0 (regret 19.1%, H200, seed 24, docs/perf.md session 12). A serving table's `SplitKModel` takes a variant's time as
-overhead + rate x makespan: its fixed overhead, occupancy and item cost are fitted when the
-table is built (serving_build: leave-one-out over the variant's grid points; the occupancy
-capped by `occupancy_cap`), the rate is interpolated between the points like the times
-are, and the makespan is the call's own. A variant with max_splits 1 runs one program per sequence, so
-a ragged batch waits for its longest: the same model covers it.
+budget of 66 took 39.0 (regret 19.1%, H200, seed 24, docs/perf.md session 12).
+
+A serving table's `SplitKModel` takes a variant's time as overhead + rate x makespan: its
+fixed overhead, occupancy and item cost are fitted when the table is built (serving_build:
+leave-one-out over the variant's grid points; the occupancy capped by `occupancy_cap`),
+the rate is interpolated between the points like the times are, and the makespan is the
+call's own. A variant with max_splits 1 runs one program per sequence, so a ragged batch
+waits for its longest: the same model covers it.
 Pure Python; nothing here imports torch.
 """
 
@@ -34,15 +36,15 @@ from mla_tune.kernels.split_rule import serving_split_items
 OCCUPANCIES = (1, 2, 3, 4)  # programs resident per SM that a fit may choose
 OVERHEAD_FRACTIONS = (0.0, 0.25, 0.5, 0.75)  # fixed overhead, as a fraction of the fastest point's time
 ITEM_TOKENS = (0, 32, 64, 128, 256)  # a program's fixed cost in tokens that a fit may choose
-# Past this many waves of items the makespan is taken as the mean load plus half the
+# Past this many waves of programs the makespan is taken as the mean load plus half the
 # longest item (greedy dealing ends within one item of the mean): the exact dealing costs
-# a heap operation per item, and a long batch on a per-sequence cap makes thousands.
+# a heap operation per program, and a long batch on a per-sequence cap makes thousands.
 EXACT_WAVES = 3
 
 
 def splitk_makespan(kv_lens: Sequence[int], heads: int, q_len: int, params: Mapping, occupancy: int,
                     sm_count: int, item_tokens: float = 0.0) -> float:
-    """The load (tokens, plus item_tokens per item) of the most-loaded of sm_count x
+    """The load (tokens, plus item_tokens per program) of the most-loaded of sm_count x
     occupancy program slots when the call's split items, each run by heads // block_h
     programs (one per head tile, neighbours in launch order), are dealt program by program
     to the least-loaded slot, as the hardware's block scheduler runs them: programs beyond
