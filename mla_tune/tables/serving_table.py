@@ -332,7 +332,8 @@ class ServingTable:
             return pick.variant if pick is not None else None
         est = self._estimates(family, batch, mean_kv_len, kv_lens) if family.points else {}
         if est:
-            return min(est, key=lambda v: (est[v], str(v)))
+            fastest = min(est.values())  # ties go to the first name: a pick that does not depend on order
+            return min((v for v, t in est.items() if t == fastest), key=str)
         kv = kv_bucket(self.kv_buckets, mean_kv_len)
         cell = family.cells.get((bucket, kv))
         if cell is None:  # left out: a smaller batch bucket at this kv, else the bucket's nearest kv
