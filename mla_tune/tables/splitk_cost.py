@@ -13,9 +13,9 @@ launch order, to the least-loaded of `slots` program slots (SMs x programs resid
 SM, the occupancy), and returns the most-loaded slot's load: its tokens plus, per
 program, `item_tokens`, a program's fixed cost (loading q, writing its partial result for
 the combine) in tokens. Without it a bigger split budget always looked faster: 5 x 1688
-tokens at 128 heads (fp8) on a budget of 132 splits ran 140 programs on 132 slots, 8 of
-them a second, short program on a slot, and was estimated 38.5 us; it took 46.5, where a
-budget of 66 took 39.0 (regret 19.1%, H200, seed 24, docs/perf.md session 12).
+tokens at 128 heads (fp8) on a budget of one split per H200 SM ran 140 programs, 8 more
+than the SMs, each of those a second, short program on an SM, and was estimated 38.5 us; it
+took 46.5, where half that budget took 39.0 (regret 19.1%, seed 24, docs/perf.md session 12).
 
 A serving table's `SplitKModel` takes a variant's time as overhead + rate x makespan: its
 fixed overhead, occupancy and item cost are fitted when the table is built (serving_build:
