@@ -90,7 +90,7 @@ class ServingSearch:
     each kv cell's best `cross_top` are also timed at the smallest batch the bucket serves
     (the bucket below plus one: serving_plan.edge_batch), and a cell's eager pick weighs that
     edge beside the cell (serving_build.eager_pick). `ragged_tail`: the bucket's union is
-    also timed on a long-tail mix (serving_plan.ragged_tail_lengths: lengths over the whole
+    also timed on a long-tail mix (serving_sweep.ragged_tail_lengths: lengths over the whole
     kv range, as engines and `mla-tune verify` see them), and the table keeps each variant's
     time there over the lookup's estimate (serving_build.ragged_factors), which the eager
     lookup applies to ragged calls."""
