@@ -651,24 +651,18 @@ def _ragged_factors(where: str, raw: dict, batch_buckets: list[int],
             raise TableError(f"{at}: batch {batch!r:.20} is not one of the batch_buckets {batch_buckets}")
         if batch in ragged:
             raise TableError(f"{at}: a second entry for batch {batch}")
-        ragged[batch] = _by_variant(at, "factors", entry["factors"], variants, "a factor")
+        factors = entry["factors"]
+        if not isinstance(factors, dict) or not factors:
+            raise TableError(f"{at}: factors must map indexes into variants to factors")
+        ragged[batch] = {}
+        for j, f in factors.items():
+            if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < len(variants):
+                raise TableError(f"{at}: factors has key {j!r:.20}, not an index into the family's "
+                                 f"{len(variants)} variants")
+            if _number(at, f"factors[{j}]", f) == 0:
+                raise TableError(f"{at}: factors[{j}] is 0; a factor is positive")
+            ragged[batch][variants[j]] = float(f)
     return ragged
-
-
-def _by_variant(at: str, name: str, raw: Any, variants: list[Variant], what: str) -> dict[Variant, float]:
-    """{index into variants: positive number} as {variant: number} (a point's `us`, a ragged
-    factor's `factors`)."""
-    if not isinstance(raw, dict) or not raw:
-        raise TableError(f"{at}: {name} must map indexes into variants to numbers")
-    out = {}
-    for j, x in raw.items():
-        if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < len(variants):
-            raise TableError(f"{at}: {name} has key {j!r:.20}, not an index into the family's "
-                             f"{len(variants)} variants")
-        if _number(at, f"{name}[{j}]", x) == 0:
-            raise TableError(f"{at}: {name}[{j}] is 0; {what} is positive")
-        out[variants[j]] = float(x)
-    return out
 
 
 def _model(where: str, raw: Any, known: list[str], check_params: bool, key: FamilyKey) -> VendorModel | None:
@@ -718,7 +712,17 @@ def _points(where: str, raw: dict, kv_buckets: list[int],
             raise TableError(f"{at}: kv_len {kv_len!r:.20} is not one of the kv_buckets {kv_buckets}")
         if (batch, kv_len) in points:
             raise TableError(f"{at}: a second point for batch {batch}, kv_len {kv_len}")
-        points[(batch, kv_len)] = _by_variant(at, "us", us, variants, "a measured time")
+        if not isinstance(us, dict) or not us:
+            raise TableError(f"{at}: us must map indexes into variants to times in us")
+        times = {}
+        for j, t in us.items():
+            if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < len(variants):
+                raise TableError(f"{at}: us has key {j!r:.20}, not an index into the family's "
+                                 f"{len(variants)} variants")
+            if _number(at, f"us[{j}]", t) == 0:
+                raise TableError(f"{at}: us[{j}] is 0; a measured time is positive")
+            times[variants[j]] = float(t)
+        points[(batch, kv_len)] = times
     return points
 
 
