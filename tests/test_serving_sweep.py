@@ -47,8 +47,7 @@ A, B = "tokens_per_split=16", "tokens_per_split=64"  # the two triton candidates
 # D is triton's default serving variant, which every family's candidates include: slow here.
 TIMES = {32: {"A": 10.0, "B": 12.0, "C": 11.2, "D": 50.0, "W": 1.0},
          64: {"A": 20.0, "B": 15.0, "C": 16.5, "D": 50.0, "W": 1.0},
-         sw.RAGGED_PROBE_KV: {"A": 15.0, "B": 14.0, "C": 14.5, "D": 50.0, "W": 1.0},  # the ragged mix
-         sw.RAGGED_TAIL_KV: {"A": 30.0, "B": 15.0, "C": 15.0, "D": 50.0, "W": 1.0}}  # the long-tail mix
+         sw.RAGGED_PROBE_KV: {"A": 15.0, "B": 14.0, "C": 14.5, "D": 50.0, "W": 1.0}}  # the ragged mix
 
 
 def _name(variant: Variant) -> str:
@@ -494,72 +493,3 @@ def test_the_edge_stage_times_finalists_at_the_buckets_smallest_batch(tiny, tmp_
     raw["search"]["batch_edge"] = "yes"
     with pytest.raises(ServingConfigError, match=r"search\.batch_edge.*true or false.*'yes'"):
         serving_config_from_dict(raw, "bad.yaml")
-
-
-def test_the_long_tail_mix_is_timed_and_its_factors_scale_long_tail_calls(tiny, tmp_path, monkeypatch):
-    """search.ragged_tail: off by default; on, each bucket's union is also timed on a
-    long-tail mix (kv_len -1, its lengths in the graph record), the graph picks stay as
-    they were, and the table keeps each variant's time there over the lookup's estimate.
-    A long-tail call takes those factors, clamped; a uniform call does not. A resumed sweep
-    times nothing again; the dry run counts the probe; a bad value names the field. (The
-    tiny grid's lengths, 32 to 64, cannot make a tail of 2x the mean: the test calls 1.2x one.)"""
-    from mla_tune.tables import serving_table
-    monkeypatch.setattr(serving_table, "RAGGED_TAIL", 1.2)
-    RAGGED_FACTOR_RANGE = serving_table.RAGGED_FACTOR_RANGE
-    assert tiny.search.ragged_tail is False
-    raw = copy.deepcopy(TINY)
-    raw["batch_buckets"] = [1, 4]
-    untailed = serving_config_from_dict(copy.deepcopy(raw), "plain.yaml")
-    raw["search"]["ragged_tail"] = True
-    tailed = serving_config_from_dict(copy.deepcopy(raw), "tail.yaml")
-    assert tailed.hash != untailed.hash
-    plain = load_serving_table(_sweep(untailed, tmp_path / "plain", FakeTimer())["table"])
-    timer = FakeTimer()
-    summary = _sweep(tailed, tmp_path / "tail", timer)
-    table = load_serving_table(summary["table"])
-    on_tail = {(b, _name(Variant.parse(v))) for b, kv, v, _ in timer.timed if kv == sw.RAGGED_TAIL_KV}
-    assert {b for b, _ in on_tail} == {1, 4} and {n for _, n in on_tail} >= {"A", "B", "C"}
-    _, records, _ = read_records(summary["results"])
-    graphs = {r["batch"]: r for r in records if r["kind"] == "graph"}
-    for b in (1, 4):
-        assert graphs[b]["tail_kv_lens"] == sw.ragged_tail_lengths(tailed, next(iter(table.families)), b)
-    assert _picks(table) == _picks(plain)  # cells and graph picks as without the probe
-    fam = next(iter(table.families.values()))
-    assert not next(iter(plain.families.values())).ragged and set(fam.ragged) == {4}  # 1 has no tail
-    spec = tailed.spec(fam.key)
-    lens = graphs[4]["tail_kv_lens"]
-    ragged, fam.ragged = fam.ragged, {}
-    bare = table.estimates(spec, 4, sum(lens) / 4, kv_lens=lens)  # the estimate the factors were made on
-    for v, f in ragged[4].items():
-        assert f == pytest.approx(TIMES[sw.RAGGED_TAIL_KV][_name(v)] * 4 / bare[v], rel=1e-3)
-    fam.ragged = ragged
-    call = [20, 20, 100]  # mean 46.7, longest 100: a tail (3 sequences take the bucket of 4)
-    before, after = (dict(plain.estimates(spec, 3, 140 / 3, kv_lens=call)),
-                     table.estimates(spec, 3, 140 / 3, kv_lens=call))
-    lo, hi = RAGGED_FACTOR_RANGE
-    for v, t in before.items():
-        assert after[v] == pytest.approx(t * min(max(ragged[4].get(v, 1.0), lo), hi))
-    assert any(after[v] != pytest.approx(t) for v, t in before.items())
-    assert table.estimates(spec, 3, 48.0, kv_lens=[48] * 3) == plain.estimates(spec, 3, 48.0, kv_lens=[48] * 3)
-    assert table.provenance["search"]["ragged_tail"] is True
-    again = FakeTimer()
-    _sweep(tailed, tmp_path / "tail", again)
-    assert again.timed == []
-    assert sw.dry_run(tailed, "H200", log=lambda line: None)["cross"] > sw.dry_run(tiny, "H200", log=lambda line: None)["cross"]
-    raw["search"]["ragged_tail"] = 1
-    with pytest.raises(ServingConfigError, match=r"search\.ragged_tail.*true or false"):
-        serving_config_from_dict(raw, "bad.yaml")
-
-
-def test_the_long_tail_mix_spans_the_kv_range_and_fits_the_cache_limit():
-    from mla_tune.tables.serving_table import RAGGED_TAIL
-    cfg = load_serving_config("configs/serving.yaml")
-    for key in ({"kv_format": "bf16", "heads": 16, "q_len": 1}, {"kv_format": "fp8", "heads": 128, "q_len": 4}):
-        fam = next(k for k in plan_sweep(cfg, fake_platform("H200")).families
-                   if all(getattr(k, f) == x for f, x in key.items()))
-        for batch in (8, 48, 256):
-            lens = sw.ragged_tail_lengths(cfg, fam, batch)
-            assert lens == sw.ragged_tail_lengths(cfg, fam, batch) and len(lens) == batch  # fixed per batch
-            assert cfg.left_out_reason(fam, 1, sum(lens)) is None  # the cache fits
-            assert min(lens) >= 1 and max(lens) <= cfg.kv_buckets[-1]
-            assert max(lens) >= RAGGED_TAIL * sum(lens) / batch  # a long-tail call to the lookup

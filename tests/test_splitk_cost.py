@@ -162,6 +162,3 @@ def test_older_schemas_still_load(tmp_path):
     data["schema"] = "serving/3"
     path.write_text(dump_yaml(data))
     assert load_serving_table(path).families[KEY].splitk[ONE].item_tokens == 0
-    data["schema"] = "serving/4"  # serving/4: no ragged factors
-    path.write_text(dump_yaml(data))
-    assert load_serving_table(path).families[KEY].ragged == {}

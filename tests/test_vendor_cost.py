@@ -143,7 +143,7 @@ def test_points_and_the_model_survive_a_write_and_load(tmp_path):
     table = _table(VendorModel(FI, (1.0, 0.05, 0.0, 0.0, 0.0, 0.0), 132, 0.031))
     path = write_serving_table(tmp_path / "H200.serving.yaml", table)
     text = path.read_text()
-    assert "schema: serving/5" in text and "flashinfer_model:" in text
+    assert "schema: serving/4" in text and "flashinfer_model:" in text
     assert "- {batch: 8, kv_len: 16384, us: {0: 60.0, 1: 80.0}}" in text  # one line a point
     loaded = load_serving_table(path)
     fam = loaded.families[FamilyKey("bf16", 64, 16, 4)]
@@ -201,36 +201,3 @@ def test_the_build_fits_flashinfers_model_to_its_aligned_cells():
     assert _flashinfer_model(few, key, points, 132) is None
     no_fi = {p: {FM: t[FM]} for p, t in points.items()}
     assert _flashinfer_model(timed, key, no_fi, 132) is None  # FlashInfer is no eager pick
-
-
-def test_ragged_factors_survive_a_write_and_load_and_scale_only_long_tail_calls(tmp_path):
-    table = _table()
-    key = FamilyKey("bf16", 64, 16, 4)
-    table.families[key].ragged = {16: {FI: 1.5, FM: 0.9}}  # FlashInfer 1.5x its estimate there
-    path = write_serving_table(tmp_path / "H200.serving.yaml", table)
-    text = path.read_text()
-    assert "schema: serving/5" in text and "- {batch: 16, factors: {0: 1.5, 1: 0.9}}" in text
-    loaded = load_serving_table(path)
-    assert loaded.families[key].ragged == {16: {FI: 1.5, FM: 0.9}} and loaded.as_dict() == table.as_dict()
-    spec = CallSpec("bf16", page_size=64, heads=16, max_q_len=4)
-    tail = [16384] * 11 + [65536]  # 12 sequences (the bucket of 16), the longest 3.4x the mean
-    plain = _table().estimates(spec, 12, sum(tail) / 12, kv_lens=tail)
-    est = loaded.estimates(spec, 12, sum(tail) / 12, kv_lens=tail)
-    assert est[FI] == pytest.approx(plain[FI] * 1.3)  # clamped to RAGGED_FACTOR_RANGE
-    assert est[FM] == pytest.approx(plain[FM] * 0.9)
-    even = [20000] * 12
-    assert loaded.estimates(spec, 12, 20000.0, kv_lens=even) == _table().estimates(spec, 12, 20000.0, kv_lens=even)
-    assert loaded.estimates(spec, 4, sum(tail[:4]) / 4, kv_lens=[16384] * 3 + [65536]) == \
-        _table().estimates(spec, 4, sum(tail[:4]) / 4, kv_lens=[16384] * 3 + [65536])  # bucket 8: none
-    for edit, words in ((dict(batch=5), "batch 5 is not one of the batch_buckets"),
-                        (dict(factors={7: 1.0}), "not an index into the family's 2 variants"),
-                        (dict(factors={0: 0}), "factors\\[0\\] is 0"),
-                        (dict(extra=1), "must be a mapping of batch, factors")):
-        data = table.as_dict()
-        entry = dict(data["families"][0]["ragged_factors"][0])
-        entry.update(edit)
-        data["families"][0]["ragged_factors"] = [entry]
-        bad = tmp_path / "bad.serving.yaml"
-        bad.write_text(dump_yaml(data))
-        with pytest.raises(TableError, match=words):
-            load_serving_table(bad)

@@ -24,21 +24,19 @@ every step, so the serving table is keyed the way engines capture and batch thei
 Split counts are not table entries: a variant carries its rule (max_splits,
 tokens_per_split), which the kernel applies to each sequence on the device.
 
-Schema `serving/5` (`serving/4`, without ragged factors, `serving/3`, whose split-K models
-have no item_tokens (0), `serving/2`, without split-K models, and `serving/1`, without
-points either, still load), top level: `schema`, `gpu`, `provenance`, `batch_buckets`,
-`kv_buckets`, `families`. A family is `{key: {kv_format, page_size, heads, q_len}, cells:
-[...], graph: [...], left_out: [...], variants: [...], points: [...], flashinfer_model?,
-splitk_models?, ragged_factors?}`; `variants` lists the family's eager picks and a point
-`{batch, kv_len, us: {index in variants: median us}}` holds the ones the sweep timed there
-with its last rung's samples; `flashinfer_model` is `{variant, sm_count, features, coef,
-fit_error_p90}`; a split-K model `{variant, occupancy, overhead_us, item_tokens, sm_count,
-fit_error}`; a ragged factor `{batch, factors: {index in variants: factor}}` (with
-search.ragged_tail: a variant's time on the bucket's long-tail mix over the lookup's
-estimate there); a cell `{batch, kv_len, variant, time_us, runner_up?}`; a graph pick
-`{batch, variant, worst_regret, worst_kv_len}` (worst_kv_len 0: the sweep's ragged mix for
-the bucket); a left-out cell `{batch, kv_len, reason}`. Loading never executes anything
-from the file (fileio.read_yaml) and every error names the file, the family and the field.
+Schema `serving/4` (`serving/3`, whose split-K models have no item_tokens (0), `serving/2`,
+without split-K models, and `serving/1`, without points either, still load), top level:
+`schema`, `gpu`, `provenance`, `batch_buckets`, `kv_buckets`, `families`. A family is
+`{key: {kv_format, page_size, heads, q_len}, cells: [...], graph: [...], left_out: [...],
+variants: [...], points: [...], flashinfer_model?, splitk_models?}`; `variants` lists the
+family's eager picks and a point `{batch, kv_len, us: {index in variants: median us}}`
+holds the ones the sweep timed there with its last rung's samples; `flashinfer_model` is
+`{variant, sm_count, features, coef, fit_error_p90}`; a split-K model `{variant,
+occupancy, overhead_us, item_tokens, sm_count, fit_error}`; a cell `{batch, kv_len,
+variant, time_us, runner_up?}`; a graph pick `{batch, variant, worst_regret,
+worst_kv_len}` (worst_kv_len 0: the sweep's ragged mix for the bucket); a left-out cell
+`{batch, kv_len, reason}`. Loading never executes anything from the file
+(fileio.read_yaml) and every error names the file, the family and the field.
 Nothing here imports torch.
 """
 
@@ -63,9 +61,9 @@ from mla_tune.tables.vendor_cost import (
     predict,
 )
 
-SERVING_SCHEMA = "serving/5"
-# 1: no points; 2: no split-K models; 3: split-K models without item_tokens; 4: no ragged factors
-_READABLE_SCHEMAS = ("serving/1", "serving/2", "serving/3", "serving/4", SERVING_SCHEMA)
+SERVING_SCHEMA = "serving/4"
+# 1: no points; 2: no split-K models; 3: split-K models without item_tokens
+_READABLE_SCHEMAS = ("serving/1", "serving/2", "serving/3", SERVING_SCHEMA)
 _KEY_FIELDS = ("kv_format", "page_size", "heads", "q_len")
 
 
@@ -117,8 +115,6 @@ class Family:
     points: dict[tuple[int, int], dict[Variant, float]] = field(default_factory=dict)
     flashinfer: VendorModel | None = None  # FlashInfer's time over its replayed schedule
     splitk: dict[Variant, SplitKModel] = field(default_factory=dict)  # our split-K variants' schedules
-    # batch bucket -> {variant: time on the sweep's long-tail mix / the lookup's estimate there}
-    ragged: dict[int, dict[Variant, float]] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------ bucket rules
@@ -160,18 +156,7 @@ def choose_graph_pick(times: Mapping[Variant, Mapping[int, float]],
 # ------------------------------------------------------------------ interpolation
 _KV_STEPS_PER_OCTAVE = 64  # the eager pick's memo: lengths within ~1% share one estimate
 MODEL_WINDOW = 1.5  # FlashInfer's model runs where its interpolated time is within 1.5x the best other's
-MODEL_WORKS = 2.0  # ... and where FlashInfer deals at most 2 chunks per cluster (see _model_estimates)
-# A call whose longest sequence is at least RAGGED_TAIL x its mean takes its bucket's ragged
-# factors (search.ragged_tail), each clamped to RAGGED_FACTOR_RANGE. Offline, factors of
-# this kind (the median over session 13's recorded long-tail mixes at seeds 3-42) took the
-# H200's fresh seeds 43-54 from 11 to 12 of 12 within issue 10's limits (max 16.2 -> 13.9%).
-RAGGED_TAIL = 2.0
-RAGGED_FACTOR_RANGE = (0.8, 1.3)
-
-
-def long_tail(kv_lens: Sequence[int]) -> bool:
-    """Whether a call's longest sequence is at least RAGGED_TAIL x its mean length."""
-    return bool(kv_lens) and max(kv_lens) * len(kv_lens) >= RAGGED_TAIL * sum(kv_lens)
+MODEL_WORKS = 2.0  # ... and where FlashInfer deals at most 2 chunks per cluster (see _estimates)
 
 
 def _bracket(grid: list[int], x: float) -> list[tuple[int, float]]:
@@ -372,16 +357,6 @@ class ServingTable:
 
     def _estimates(self, family: Family, batch: int, mean_kv_len: float,
                    kv_lens: Sequence[int] | None) -> dict[Variant, float]:
-        est = self._model_estimates(family, batch, mean_kv_len, kv_lens)
-        if family.ragged and est and kv_lens is not None and long_tail(kv_lens):
-            # A long-tail call: each variant as far off as the lookup was on its bucket's
-            # long-tail mix (search.ragged_tail), within RAGGED_FACTOR_RANGE.
-            factors, (lo, hi) = family.ragged.get(batch_bucket(self.batch_buckets, batch), {}), RAGGED_FACTOR_RANGE
-            est = {v: t * min(max(factors.get(v, 1.0), lo), hi) for v, t in est.items()}
-        return est
-
-    def _model_estimates(self, family: Family, batch: int, mean_kv_len: float,
-                         kv_lens: Sequence[int] | None) -> dict[Variant, float]:
         est = dict(self._interpolated("times", family, batch, mean_kv_len))
         lens = kv_lens if kv_lens is not None else [max(int(round(mean_kv_len)), 1)] * batch
         if family.splitk and est:
@@ -452,7 +427,6 @@ class ServingTable:
                 **_points_dict(fam.points),
                 **_model_dict(fam.flashinfer),
                 **_splitk_dict(fam.splitk),
-                **_ragged_dict(fam.ragged, fam.points),
             })
         return {"schema": SERVING_SCHEMA, "gpu": self.gpu, "provenance": self.provenance,
                 "batch_buckets": list(self.batch_buckets), "kv_buckets": list(self.kv_buckets),
@@ -494,16 +468,6 @@ def _splitk_dict(models: Mapping[Variant, SplitKModel]) -> dict:
                                       overhead_us=round(m.overhead_us, 3), item_tokens=m.item_tokens,
                                       sm_count=m.sm_count, fit_error=round(m.fit_error, 4))
                               for m in sorted(models.values(), key=lambda m: str(m.variant))]}
-
-
-def _ragged_dict(ragged: Mapping[int, Mapping[Variant, float]],
-                 points: Mapping[tuple[int, int], Mapping[Variant, float]]) -> dict:
-    if not ragged:
-        return {}
-    index = {v: i for i, v in enumerate(sorted({v for times in points.values() for v in times}, key=str))}
-    return {"ragged_factors": [FlowMap(batch=b, factors=FlowMap(sorted((index[v], round(f, 4))
-                                                                        for v, f in ragged[b].items())))
-                               for b in sorted(ragged)]}
 
 
 def write_serving_table(path: str | Path, table: ServingTable) -> Path:
@@ -561,7 +525,7 @@ def _family(path: Path, index: int, raw: Any, batch_buckets: list[int], kv_bucke
     if not isinstance(raw, dict):
         raise TableError(f"{where} must be a mapping with key, cells, graph, left_out")
     unknown = set(raw) - {"key", "cells", "graph", "left_out", "variants", "points", "flashinfer_model",
-                          "splitk_models", "ragged_factors"}
+                          "splitk_models"}
     if unknown:
         raise TableError(f"{where}: unknown field(s) {', '.join(sorted(map(str, unknown)))}")
     family = Family(_key(where, raw.get("key")))
@@ -609,11 +573,9 @@ def _family(path: Path, index: int, raw: Any, batch_buckets: list[int], kv_bucke
         if not isinstance(entry.get("reason"), str) or not entry["reason"].strip():
             raise TableError(f"{at}: a left-out cell must say why (reason)")
         family.left_out.append(dict(entry))
-    variants = _variants(where, raw, known, check_params, family.key)
-    family.points = _points(where, raw, kv_buckets, variants)
+    family.points = _points(where, raw, kv_buckets, known, check_params, family.key)
     family.flashinfer = _model(where, raw.get("flashinfer_model"), known, check_params, family.key)
     family.splitk = _splitk_models(where, raw, known, check_params, family.key)
-    family.ragged = _ragged_factors(where, raw, batch_buckets, variants)
     return family
 
 
@@ -639,32 +601,6 @@ def _splitk_models(where: str, raw: dict, known: list[str], check_params: bool,
     return models
 
 
-def _ragged_factors(where: str, raw: dict, batch_buckets: list[int],
-                    variants: list[Variant]) -> dict[int, dict[Variant, float]]:
-    ragged: dict[int, dict[Variant, float]] = {}
-    for i, entry in enumerate(_entries(where, raw, "ragged_factors")):
-        at = f"{where}, ragged_factors[{i}]"
-        if set(entry) != {"batch", "factors"}:
-            raise TableError(f"{at} must be a mapping of batch, factors")
-        batch = entry["batch"]
-        if batch not in batch_buckets:
-            raise TableError(f"{at}: batch {batch!r:.20} is not one of the batch_buckets {batch_buckets}")
-        if batch in ragged:
-            raise TableError(f"{at}: a second entry for batch {batch}")
-        factors = entry["factors"]
-        if not isinstance(factors, dict) or not factors:
-            raise TableError(f"{at}: factors must map indexes into variants to factors")
-        ragged[batch] = {}
-        for j, f in factors.items():
-            if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < len(variants):
-                raise TableError(f"{at}: factors has key {j!r:.20}, not an index into the family's "
-                                 f"{len(variants)} variants")
-            if _number(at, f"factors[{j}]", f) == 0:
-                raise TableError(f"{at}: factors[{j}] is 0; a factor is positive")
-            ragged[batch][variants[j]] = float(f)
-    return ragged
-
-
 def _model(where: str, raw: Any, known: list[str], check_params: bool, key: FamilyKey) -> VendorModel | None:
     if raw is None:
         return None
@@ -688,8 +624,8 @@ def _model(where: str, raw: Any, known: list[str], check_params: bool, key: Fami
                        _number(at, "fit_error_p90", raw["fit_error_p90"]))
 
 
-def _variants(where: str, raw: dict, known: list[str], check_params: bool, key: FamilyKey) -> list[Variant]:
-    """The family's `variants`, which points and ragged factors index."""
+def _points(where: str, raw: dict, kv_buckets: list[int], known: list[str], check_params: bool,
+            key: FamilyKey) -> dict[tuple[int, int], dict[Variant, float]]:
     names = raw.get("variants", [])
     if not isinstance(names, list):
         raise TableError(f"{where}: variants must be a list of variant strings")
@@ -699,11 +635,6 @@ def _variants(where: str, raw: dict, known: list[str], check_params: bool, key: 
         variant = _check_variant(at, "variant", {"variant": name}, known, check_params)
         _match_family(at, variant, key)
         variants.append(variant)
-    return variants
-
-
-def _points(where: str, raw: dict, kv_buckets: list[int],
-            variants: list[Variant]) -> dict[tuple[int, int], dict[Variant, float]]:
     points: dict[tuple[int, int], dict[Variant, float]] = {}
     for i, entry in enumerate(_entries(where, raw, "points")):
         at = f"{where}, point {i}"

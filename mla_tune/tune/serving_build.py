@@ -31,7 +31,6 @@ from mla_tune.tables.serving_table import (
     VendorModel,
     interpolate,
     load_serving_table,
-    long_tail,
     splitk_rates,
     write_serving_table,
 )
@@ -44,7 +43,7 @@ from mla_tune.tables.splitk_cost import (
 )
 from mla_tune.tables.vendor_cost import fit_linear, flashinfer_mla_features, relative_errors
 from mla_tune.tune.serving_config import ServingConfig, load_serving_config
-from mla_tune.tune.serving_plan import RAGGED_TAIL_KV, SweepPlan, edge_batch, plan_sweep
+from mla_tune.tune.serving_plan import SweepPlan, edge_batch, plan_sweep
 from mla_tune.tune.serving_results import Records, read_records
 
 
@@ -141,32 +140,7 @@ def build_table(cfg: ServingConfig, plan: SweepPlan, records: Records, gpu_name:
         fam.flashinfer = _flashinfer_model(timed, key, fam.points, sm_count)
         fam.splitk = _splitk_models(key, fam.points, sm_count, smem_per_sm)
         families[key] = fam
-    table = ServingTable(gpu_name, provenance, list(cfg.batch_buckets), list(cfg.kv_buckets), families)
-    if cfg.search.ragged_tail:
-        for key, fam in families.items():
-            fam.ragged = ragged_factors(table, cfg, records, timed, key)
-    return table
-
-
-def ragged_factors(table: ServingTable, cfg: ServingConfig, records: Records, timed: dict,
-                   key: FamilyKey) -> dict[int, dict[Variant, float]]:
-    """Per batch bucket, each estimated variant's last-rung time on the bucket's long-tail
-    mix (search.ragged_tail: the graph record's tail_kv_lens, timed as kv_len
-    RAGGED_TAIL_KV) over the table's own estimate for those lengths (made before any
-    factor exists). The eager lookup scales its estimates of a long-tail call by them. A
-    bucket whose mix has no long tail (serving_table.long_tail: 2 sequences never do) gets
-    none."""
-    spec, out = cfg.spec(key), {}
-    for batch in cfg.batch_buckets:
-        graph, times = records.graphs.get((key, batch)), timed.get((key, batch, RAGGED_TAIL_KV))
-        lens = (graph or {}).get("tail_kv_lens")
-        if not lens or not times or not long_tail(lens):
-            continue
-        est = table.estimates(spec, batch, sum(lens) / len(lens), kv_lens=lens)
-        factors = {v: times[str(v)] / t for v, t in est.items() if str(v) in times and t > 0}
-        if factors:
-            out[batch] = factors
-    return out
+    return ServingTable(gpu_name, provenance, list(cfg.batch_buckets), list(cfg.kv_buckets), families)
 
 
 def _cell(cfg: ServingConfig, timed: dict, key: FamilyKey, batch: int, kv_len: int, rec: dict) -> Cell:
@@ -278,7 +252,7 @@ def _provenance(cfg: ServingConfig, headers: list[dict], plan: SweepPlan, extra:
                  "reference": f"mla_tune.serving.reference (fp32), q: {cfg.gate.reference_q}"},
         "search": {"rungs": list(cfg.search.rungs), "keep": cfg.search.keep, "min_keep": cfg.search.min_keep,
                    "cross_top": cfg.search.cross_top, "seeding": "neighbouring cells' winners",
-                   "batch_edge": cfg.search.batch_edge, "ragged_tail": cfg.search.ragged_tail},
+                   "batch_edge": cfg.search.batch_edge},
         "candidates": {str(k): f.per_backend() for k, f in plan.families.items()},
         "skipped_backends": {str(k): dict(f.skipped) for k, f in plan.families.items() if f.skipped},
         "results": [{"file": h.get("file"), "shard": h.get("shard")} for h in headers],

@@ -36,7 +36,7 @@ CALL_FIELDS = {"mixed_q_len", "host_lengths", "graph"}
 GATE_FIELDS = {"ragged_kv_lens", "tail_kv_len", "tail_batch", "margin", "reference_q"}
 REFERENCE_Q = ("exact", "variant")
 SEARCH_FIELDS = {"rungs", "keep", "min_keep", "cross_top"}
-SEARCH_OPTIONAL = {"cell_lengths", "batch_edge", "ragged_tail"}
+SEARCH_OPTIONAL = {"cell_lengths", "batch_edge"}
 CELL_LENGTHS = ("aligned", "spread")  # serving_sweep.cell_kv_lens
 LEFT_OUT_CONDITIONS = ("max_kv_bytes", "max_tokens")
 LEFT_OUT_MATCH = ("kv_format", "heads", "q_len", "page_size")
@@ -89,11 +89,7 @@ class ServingSearch:
     `spread`, the batch's lengths spread over the lengths the bucket serves. `batch_edge`:
     each kv cell's best `cross_top` are also timed at the smallest batch the bucket serves
     (the bucket below plus one: serving_plan.edge_batch), and a cell's eager pick weighs that
-    edge beside the cell (serving_build.eager_pick). `ragged_tail`: the bucket's union is
-    also timed on a long-tail mix (serving_sweep.ragged_tail_lengths: lengths over the whole
-    kv range, as engines and `mla-tune verify` see them), and the table keeps each variant's
-    time there over the lookup's estimate (serving_build.ragged_factors), which the eager
-    lookup applies to ragged calls."""
+    edge beside the cell (serving_build.eager_pick)."""
 
     rungs: tuple[int, ...]
     keep: float
@@ -101,7 +97,6 @@ class ServingSearch:
     cross_top: int
     cell_lengths: str = "aligned"
     batch_edge: bool = False
-    ragged_tail: bool = False
 
 
 @dataclass(frozen=True)
@@ -344,12 +339,11 @@ def _search(value: Any, fail) -> ServingSearch:
     for name in ("min_keep", "cross_top"):
         if not (_int(value[name]) and value[name] >= 1):
             raise fail(f"search.{name}", f"must be an integer >= 1, got {value[name]!r}")
-    flags = {}
-    for name in ("batch_edge", "ragged_tail"):
-        flags[name] = value.get(name, getattr(ServingSearch, name))
-        if not isinstance(flags[name], bool):
-            raise fail(f"search.{name}", f"must be true or false, got {flags[name]!r}")
-    return ServingSearch(tuple(rungs), float(keep), value["min_keep"], value["cross_top"], cell_lengths, **flags)
+    batch_edge = value.get("batch_edge", ServingSearch.batch_edge)
+    if not isinstance(batch_edge, bool):
+        raise fail("search.batch_edge", f"must be true or false, got {batch_edge!r}")
+    return ServingSearch(tuple(rungs), float(keep), value["min_keep"], value["cross_top"], cell_lengths,
+                         batch_edge)
 
 
 def _backends(value: Any, fail) -> dict[str, list[dict]]:

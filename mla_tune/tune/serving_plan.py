@@ -13,7 +13,6 @@ picks need no other shard. Cells a config rule leaves out are never planned.
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import dataclass, field
 
 from mla_tune.backends import capabilities, get_backend, platform_refusal
@@ -227,10 +226,6 @@ def estimate(cfg: ServingConfig, plan: SweepPlan, gate_workers: int | None = Non
             mean_kv = sum(unit.kv_lens) // len(unit.kv_lens)
             cross_s += union * measurement_s(unit.key, unit.batch, mean_kv, last, LATER_RUNG_RATIO)
             inputs_s += 0.01 + unit.batch * mean_kv * KV_BYTES_PER_TOKEN[unit.key.kv_format] / INPUT_BYTES_PER_S
-        if unit.kv_lens and cfg.search.ragged_tail:  # the long-tail mix: the union again
-            tail = ragged_tail_lengths(cfg, unit.key, unit.batch)
-            cross_s += union * measurement_s(unit.key, unit.batch, sum(tail) // len(tail), last, LATER_RUNG_RATIO)
-            inputs_s += 0.01 + sum(tail) * KV_BYTES_PER_TOKEN[unit.key.kv_format] / INPUT_BYTES_PER_S
         for kv_len in unit.kv_lens:
             cells_s += cell_s(cfg, unit.key, unit.batch, kv_len, len(fam.candidates))
             # the union's members not already in this cell's last rung
@@ -246,29 +241,6 @@ def estimate(cfg: ServingConfig, plan: SweepPlan, gate_workers: int | None = Non
              "cross": cross_s, "edge": edge_s, "inputs": inputs_s}
     parts["total"] = sum(parts.values())
     return {k: round(v, 1) for k, v in parts.items()}
-
-
-# The kv_len under which the cross stage records a bucket's long-tail mix (search.ragged_tail;
-# kv buckets are >= 1 and 0 is the bucket's ragged mix).
-RAGGED_TAIL_KV = -1
-_TAIL_SHRINK = 0.9  # a long-tail mix over the config's cache limit shrinks by this until it fits
-
-
-def ragged_tail_lengths(cfg: ServingConfig, key: FamilyKey, batch: int) -> list[int]:
-    """The long-tail mix a batch bucket's union is timed on with search.ragged_tail: `batch`
-    lengths drawn log-uniform over the kv buckets' whole range (as `mla-tune verify` draws
-    its ragged mixes and an engine's batch holds a few long sequences among short ones),
-    scaled down together until the config's left_out rules keep the mix (its cache fits).
-    Fixed per batch. The bucket's own ragged mix (serving_sweep.ragged_probe_lengths) spans
-    only its kv cells: at bf16, 16 heads, the bucket of 48 reached 7.7k tokens, and nothing
-    the sweep timed looked like 45 sequences with one of 57k, where the per-sequence split
-    rule ran 16% behind FlashMLA (session 13, docs/perf.md)."""
-    lo, hi = max(cfg.kv_buckets[0], key.q_len), cfg.kv_buckets[-1]
-    rng = random.Random(7_919 * batch + 17)
-    lens = [min(hi, int(math.exp(rng.uniform(math.log(lo), math.log(hi + 1))))) for _ in range(batch)]
-    while cfg.left_out_reason(key, 1, sum(lens)) is not None and max(lens) > 1:
-        lens = [max(int(n * _TAIL_SHRINK), 1) for n in lens]
-    return lens
 
 
 def edge_batch(batch_buckets, batch: int) -> int | None:

@@ -22,10 +22,6 @@ Stages (serving_plan.py plans them, serving_results.py records them):
    a graph cannot depend on kv_len, and an engine's batch is rarely uniform (on the H200
    a graph pick chosen on uniform cells alone ran 1.4x FlashMLA's step on 500-4000 token
    lengths, docs/perf.md).
-   With search.ragged_tail the union is also timed on a long-tail mix (serving_plan.
-   ragged_tail_lengths: lengths over the whole kv range, recorded as kv_len -1); the graph
-   pick ignores it, the table keeps each variant's time there over the lookup's estimate
-   (serving_build.ragged_factors).
 4. Edge, per unit, with search.batch_edge: each kv cell's best `cross_top` timed at the
    smallest batch the bucket serves (serving_plan.edge_batch: the bucket below plus one,
    uniform at the cell's lengths, rungs[-1] samples); a cell's eager pick weighs that edge
@@ -78,7 +74,6 @@ from mla_tune.tune.serving_gate import (
     run_gates,
 )
 from mla_tune.tune.serving_plan import (
-    RAGGED_TAIL_KV,
     SweepPlan,
     Unit,
     edge_batch,
@@ -86,7 +81,6 @@ from mla_tune.tune.serving_plan import (
     left_out_summary,
     parse_shard,
     plan_sweep,
-    ragged_tail_lengths,
 )
 from mla_tune.tune.serving_results import SCHEMA, Recorder, Records, results_path_for
 
@@ -238,12 +232,8 @@ class Sweeper:
         if cell not in self._inputs:
             self._inputs.clear()  # one cell's input at a time: the large ones take GBs
             q_lens = [key.q_len] * batch
-            if kv_len == RAGGED_PROBE_KV:
-                kv_lens = self._ragged[(key, batch)]
-            elif kv_len == RAGGED_TAIL_KV:
-                kv_lens = ragged_tail_lengths(self.cfg, key, batch)
-            else:
-                kv_lens = cell_kv_lens(batch, kv_len, self.cfg.search.cell_lengths)
+            kv_lens = (self._ragged[(key, batch)] if kv_len == RAGGED_PROBE_KV
+                       else cell_kv_lens(batch, kv_len, self.cfg.search.cell_lengths))
             self._inputs[cell] = make_input(q_lens, kv_lens, key.heads, key.page_size,
                                             key.kv_format, seed=cell_seed(batch, kv_len), device=self.device)
         return self._inputs[cell]
@@ -389,16 +379,11 @@ class Sweeper:
         chosen = choose_graph_pick(times, best)
         if chosen is None:
             return None
-        tail = {}
-        if self.cfg.search.ragged_tail:  # for the eager lookup of ragged calls, not the graph pick
-            for v in union:
-                self.measure(unit.key, unit.batch, RAGGED_TAIL_KV, v, last)
-            tail = {"tail_kv_lens": ragged_tail_lengths(self.cfg, unit.key, unit.batch)}
         variant, regret, worst_kv = chosen
         return self.rec.append({"kind": "graph", "family": _family(unit.key), "batch": unit.batch,
                                 "variant": str(variant), "worst_regret": round(regret, 6),
                                 "worst_kv_len": worst_kv, "union": [str(v) for v in union], "kv_lens": ok,
-                                "ragged_kv_lens": ragged, **tail},
+                                "ragged_kv_lens": ragged},
                                durable=True)
 
     def edge(self, unit: Unit) -> int | None:
@@ -538,8 +523,7 @@ def dry_run(cfg: ServingConfig, gpu_name: str, shard: tuple[int, int] = (1, 1),
     log(f"serving sweep {cfg.name} ({cfg.path}, hash {cfg.hash[:12]}) planned for {gpu_name} "
         f"({platform.sm_count} SMs), rule {cfg.rule.name}, shard {shard[0]}/{shard[1]}, cells timed on "
         f"{cfg.search.cell_lengths} lengths"
-        + (", finalists also at each batch bucket's smallest batch" if cfg.search.batch_edge else "")
-        + (", each bucket's union also on a long-tail mix" if cfg.search.ragged_tail else ""))
+        + (", finalists also at each batch bucket's smallest batch" if cfg.search.batch_edge else ""))
     for key, fam in plan.families.items():
         cells = sum(len(u.kv_lens) for u in plan.units if u.key == key)
         per = ", ".join(f"{b} {n}" for b, n in fam.per_backend().items()) or "none"
