@@ -274,19 +274,22 @@ class SplitKModel:
         return splitk_makespan(kv_lens, key.heads, key.q_len, dict(self.variant.params), self.occupancy,
                                self.sm_count, self.item_tokens)
 
+    def rate(self, time_us: float, span: float) -> float | None:
+        """(time - overhead) / makespan at a point; None where the time is not over the
+        overhead or the makespan is 0."""
+        return (time_us - self.overhead_us) / span if time_us > self.overhead_us and span > 0 else None
+
 
 def splitk_rates(points: Mapping[tuple[int, int], Mapping[Variant, float]], models: Mapping[Variant, SplitKModel],
                  key: FamilyKey) -> dict[tuple[int, int], dict[Variant, float]]:
-    """Each point's (time - overhead) / makespan of the variants with a model: what the
-    lookup interpolates for them."""
+    """Each point's SplitKModel.rate of the variants with a model: what the lookup
+    interpolates for them."""
     rates: dict[tuple[int, int], dict[Variant, float]] = {}
     for (batch, kv_len), times in points.items():
         for v, t in times.items():
             m = models.get(v)
-            if m is not None and t > m.overhead_us:
-                span = m.makespan(key, [kv_len] * batch)
-                if span > 0:
-                    rates.setdefault((batch, kv_len), {})[v] = (t - m.overhead_us) / span
+            if m is not None and (r := m.rate(t, m.makespan(key, [kv_len] * batch))) is not None:
+                rates.setdefault((batch, kv_len), {})[v] = r
     return rates
 
 
@@ -309,12 +312,12 @@ class ServingTable:
                graph: bool = False, kv_lens: Sequence[int] | None = None) -> Variant | None:
         """The variant for a call (no timing):
         - graph=True, or no mean length given: the graph pick of the batch's bucket;
-        - else, where the family has points (schema serving/2 and 3): the variant estimated
+        - else, where the family has points (schema serving/2 and later): the variant estimated
           fastest at the call's own batch and lengths (`_estimates`): `interpolate` over the
           points, memoized per (batch, kv_len to ~1%); a split-K variant's from its
           SplitKModel and FlashInfer's from its model, over their schedules for `kv_lens`
           (the call's lengths; without them, `batch` sequences of the mean);
-        - else (no points, or no variant measured at every point around the call) the cell of
+        - else (no points, or no variant estimated around the call: `_blend`) the cell of
           its batch and kv buckets. A cell a config rule left out (a batch of
           26 at 51k tokens fits, its bucket's 32 x 65536 does not) gives way to the largest
           smaller batch bucket's cell at the same kv bucket: the call's own batch lies

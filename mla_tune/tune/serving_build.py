@@ -31,7 +31,6 @@ from mla_tune.tables.serving_table import (
     VendorModel,
     interpolate,
     load_serving_table,
-    splitk_rates,
     write_serving_table,
 )
 from mla_tune.tables.splitk_cost import (
@@ -220,16 +219,19 @@ def _splitk_models(key: FamilyKey, points: dict, sm_count: int, smem_per_sm: int
             continue
         fastest, best = min(mine.values()), None
         occupancies = [o for o in OCCUPANCIES if o <= occupancy_cap(variant, smem_per_sm)]
-        for item_tokens, occupancy, fraction in itertools.product(ITEM_TOKENS, occupancies, OVERHEAD_FRACTIONS):
-            model = SplitKModel(variant, occupancy, fraction * fastest, sm_count, 0.0, item_tokens)
-            rates = splitk_rates({pt: {variant: t} for pt, t in mine.items()}, {variant: model}, key)
-            errors = []
-            for (b, k), t in mine.items():  # each point from the others, as the lookup estimates
-                rate = interpolate({q: r for q, r in rates.items() if q != (b, k)}, b, k).get(variant)
-                if rate is not None:
-                    errors.append(abs(math.log((model.overhead_us + rate * model.makespan(key, [k] * b)) / t)))
-            if errors and (best is None or sum(errors) / len(errors) < best[0] - 1e-12):
-                best = (sum(errors) / len(errors), model, sorted(errors))
+        for item_tokens, occupancy in itertools.product(ITEM_TOKENS, occupancies):
+            shape = SplitKModel(variant, occupancy, 0.0, sm_count, 0.0, item_tokens)
+            spans = {(b, k): shape.makespan(key, [k] * b) for b, k in mine}  # the overhead leaves them
+            for fraction in OVERHEAD_FRACTIONS:
+                model = dataclasses.replace(shape, overhead_us=fraction * fastest)
+                rates = {pt: {variant: r} for pt, t in mine.items() if (r := model.rate(t, spans[pt])) is not None}
+                errors = []
+                for (b, k), t in mine.items():  # each point from the others, as the lookup estimates
+                    rate = interpolate({q: r for q, r in rates.items() if q != (b, k)}, b, k).get(variant)
+                    if rate is not None:
+                        errors.append(abs(math.log((model.overhead_us + rate * spans[(b, k)]) / t)))
+                if errors and (best is None or sum(errors) / len(errors) < best[0] - 1e-12):
+                    best = (sum(errors) / len(errors), model, sorted(errors))
         if best is not None:
             _, model, errors = best
             models[variant] = dataclasses.replace(model, fit_error=math.exp(errors[len(errors) // 2]) - 1.0)
