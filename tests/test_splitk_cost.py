@@ -9,6 +9,7 @@ import pytest
 
 from mla_tune.core import CallSpec, Variant
 from mla_tune.fileio import dump_yaml
+from mla_tune.kernels.split_rule import reduce_splits_per_step
 from mla_tune.tables.serving_table import (
     Family,
     FamilyKey,
@@ -16,7 +17,14 @@ from mla_tune.tables.serving_table import (
     load_serving_table,
     write_serving_table,
 )
-from mla_tune.tables.splitk_cost import EXACT_WAVES, is_splitk, occupancy_cap, splitk_makespan
+from mla_tune.tables.splitk_cost import (
+    EXACT_WAVES,
+    is_splitk,
+    occupancy_cap,
+    reduce_steps,
+    splitk_makespan,
+    splitk_schedule,
+)
 from mla_tune.tables.table import TableError
 from mla_tune.tune.serving_build import _splitk_models
 
@@ -162,3 +170,61 @@ def test_older_schemas_still_load(tmp_path):
     data["schema"] = "serving/3"
     path.write_text(dump_yaml(data))
     assert load_serving_table(path).families[KEY].splitk[ONE].item_tokens == 0
+
+
+def test_the_reduction_steps_follow_the_longest_sequences_splits():
+    params = dict(SPLIT.params)  # a split per 512 tokens, up to the batch's budget of 64 each
+    # 49 sequences, one of 56161 tokens: its 110 splits take 7 steps of 16 (the narrow grid:
+    # 49 x 16 heads x 4 > 2048 programs); the uniform batch of the same tokens runs 18 each, 2 steps
+    ragged = [56161] + [7600] * 48
+    assert reduce_steps(ragged, 16, 1, params, 132) == 7
+    assert reduce_steps([8722] * 49, 16, 1, params, 132) == 2
+    # 31 sequences stay in the wide grid (31 x 16 x 4 <= 2048): 64 splits a step
+    assert reduce_splits_per_step(31, 1, 16) == 64 and reduce_splits_per_step(33, 1, 16) == 16
+    assert reduce_steps([56161] + [7600] * 30, 16, 1, params, 132) == 2
+    # one split per sequence writes the output: no reduction; nor for a sequence of one split
+    assert reduce_steps(ragged, 16, 1, dict(ONE.params), 132) == 0
+    assert reduce_steps([100] * 49, 16, 1, params, 132) == 0
+    span, steps = splitk_schedule(ragged, 16, 1, params, 1, 132, 64)
+    assert (span, steps) == (splitk_makespan(ragged, 16, 1, params, 1, 132, 64), 7)
+
+
+def test_the_lookup_adds_the_measured_reduction_steps_beyond_a_uniform_batchs(tmp_path):
+    spec = CallSpec("bf16", 64, 16, 1)
+    split = SPLIT.with_params(tokens_per_split=16)  # many splits at the grid's short lengths
+    fam = Family(KEY)
+    for (b, k), t in _grid().items():
+        fam.points[(b, k)] = {**t, split: 1.02 * t[ONE]}
+    fam.splitk = _splitk_models(KEY, {pt: {split: t[split]} for pt, t in fam.points.items()}, 132)
+    table = ServingTable("H200", {}, [64, 128, 256, 512], [512, 1024, 2048], {KEY: fam})
+    uniform = [1024] * 100
+    ragged = [100] * 99 + [1024 * 100 - 9900]  # the same mean, one sequence with most splits
+    params = dict(split.params)
+    extra = reduce_steps(ragged, 16, 1, params, 132) - reduce_steps(uniform, 16, 1, params, 132)
+    assert extra > 1
+    before = table.estimates(spec, 100, 1024.0, kv_lens=ragged)[split]
+    assert table.splitk_estimates(spec, ragged) == {split: pytest.approx(before)}
+    fam.reduce_step_us = {16: 5.0, 64: 1.0}  # 100 x 16 heads: the narrow grid's 16 a step
+    table = ServingTable("H200", {}, [64, 128, 256, 512], [512, 1024, 2048], {KEY: fam})
+    assert table.estimates(spec, 100, 1024.0, kv_lens=ragged)[split] == pytest.approx(before + 5.0 * extra)
+    assert table.splitk_estimates(spec, ragged, reduce=False) == {split: pytest.approx(before)}
+    # a uniform batch, and a call without its lengths, add nothing
+    flat = table.estimates(spec, 100, 1024.0, kv_lens=uniform)[split]
+    assert flat == pytest.approx(table.estimates(spec, 100, 1024.0)[split])
+    assert table.splitk_estimates(spec, uniform) == table.splitk_estimates(spec, uniform, reduce=False)
+    # it is written, read back, and checked
+    return_path = write_serving_table(tmp_path / "H200.serving.yaml", table)
+    assert "reduce_step_us: {16: 5.0, 64: 1.0}" in return_path.read_text()
+    assert load_serving_table(return_path).families[KEY].reduce_step_us == {16: 5.0, 64: 1.0}
+    data = table.as_dict()
+    for bad, words in (({32: 1.0}, "must map splits per reduction step"), ({16: -1.0}, r"\[16\] must be a finite"),
+                       ([1.0], "must map splits per reduction step")):
+        data["families"][0]["reduce_step_us"] = bad
+        return_path.write_text(dump_yaml(data))
+        with pytest.raises(TableError, match=words):
+            load_serving_table(return_path)
+    # serving/4 (no reduce_step_us) still loads
+    del data["families"][0]["reduce_step_us"]
+    data["schema"] = "serving/4"
+    return_path.write_text(dump_yaml(data))
+    assert load_serving_table(return_path).families[KEY].reduce_step_us == {}

@@ -49,7 +49,7 @@ from mla_tune.core import (
     serving_workspace,
 )
 from mla_tune.kernels.launch import jit_launch
-from mla_tune.kernels.split_rule import fill_splits
+from mla_tune.kernels.split_rule import _sr_WIDE_REDUCE, fill_splits, reduce_splits_per_step
 
 _fd_LOG2E = 1.4426950408889634
 _fd_Q_MODES = {"bf16": 0, "fp8_static": 1, "fp8_dynamic": 2}
@@ -65,7 +65,7 @@ _fd_SCHED_CHUNK = 128
 # takes most of the batch's budget: hundreds of splits). On the H200 the wide grid took
 # the 56k-among-3k mix from 98 to 81 us (192 programs), was even at 2048-2304 programs
 # and lost 27% at 16384 (128 heads x 32 sequences: 229 -> 294 us).
-_fd_WIDE_REDUCE = 2048
+_fd_WIDE_REDUCE = _sr_WIDE_REDUCE  # split_rule.reduce_splits_per_step, which the cost model replays
 # The serving stage 1's grid: a program per (head tile, split item) up to
 # _fd_ONE_ITEM_CTAS programs; past that _fd_GRID_CTAS programs (about 16 per SM of an
 # H200), each running its items in turn. Most of a large grid idles (it is sized for the
@@ -836,7 +836,7 @@ def flash_decode_serving(
         num_stages=num_stages, **extra,
     )
     if max_splits > 1:
-        slices = 4 if batch * max_q_len * heads * 4 <= _fd_WIDE_REDUCE else 1
+        slices = reduce_splits_per_step(batch, max_q_len, heads, _fd_WIDE_REDUCE) // 16
         jit_launch(
             _fd_serving_stage2_kernel, (batch, max_q_len, heads * slices), record,
             qo_indptr, workspace.split_count, workspace.split_off, workspace.part_out,

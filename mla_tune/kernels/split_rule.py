@@ -21,6 +21,11 @@ from collections.abc import Sequence
 # programs: a wave 73% full) in 1370 us, where 5 each took 1110 (session 10, docs/perf.md). Past
 # that share, the fewest splits whose programs fill at least this fraction of their waves.
 _sr_WAVE_FILL = 0.8
+# The reduction (stage 2) runs a program per (sequence, new token, head) over all 512
+# columns and 16 splits per step; while the 4x wider grid stays within this many programs,
+# a quarter of the columns and 64 splits per step instead (kernels/flash_decode.py says
+# what it measured).
+_sr_WIDE_REDUCE = 2048
 
 
 def _sr_cdiv(a: int, b: int) -> int:
@@ -78,6 +83,14 @@ def serving_splits(kv_lens: Sequence[int], q_len: int, heads: int, *, max_splits
     return splits
 
 
+def reduce_splits_per_step(batch: int, max_q_len: int, heads: int, wide_programs: int = _sr_WIDE_REDUCE) -> int:
+    """Splits the reduction adds up per step of its loop: 64 in the wide grid (a quarter of
+    the columns per program, while batch x max_q_len x heads x 4 programs stay within
+    wide_programs), else 16. A sequence of s splits takes cdiv(s, this) steps, one after
+    another: a long sequence in a ragged batch is the reduction's critical path."""
+    return 64 if batch * max_q_len * heads * 4 <= wide_programs else 16
+
+
 def serving_split_items(kv_lens: Sequence[int], q_len: int, heads: int, *, max_splits: int,
                         tokens_per_split: int, block_n: int, block_h: int, split_budget: int = 0,
                         sm_count: int = 0) -> tuple[list[int], int]:
@@ -85,6 +98,12 @@ def serving_split_items(kv_lens: Sequence[int], q_len: int, heads: int, *, max_s
     out. Every item runs once per head tile (heads // block_h programs)."""
     splits = serving_splits(kv_lens, q_len, heads, max_splits=max_splits, tokens_per_split=tokens_per_split,
                             block_n=block_n, block_h=block_h, split_budget=split_budget, sm_count=sm_count)
+    return split_items(kv_lens, splits), max(heads // block_h, 1)
+
+
+def split_items(kv_lens: Sequence[int], splits: Sequence[int]) -> list[int]:
+    """The tokens of each split item in launch order: sequence b's kv_lens[b] tokens cut
+    into pieces of splits[b] (serving_splits; 0: no items)."""
     items: list[int] = []
     for n, split in zip(kv_lens, splits, strict=True):
         if split:
@@ -92,4 +111,4 @@ def serving_split_items(kv_lens: Sequence[int], q_len: int, heads: int, *, max_s
             items += [split] * full
             if rest:
                 items.append(rest)
-    return items, max(heads // block_h, 1)
+    return items

@@ -24,15 +24,18 @@ every step, so the serving table is keyed the way engines capture and batch thei
 Split counts are not table entries: a variant carries its rule (max_splits,
 tokens_per_split), which the kernel applies to each sequence on the device.
 
-Schema `serving/4` (`serving/3`, whose split-K models have no item_tokens (0), `serving/2`,
-without split-K models, and `serving/1`, without points either, still load), top level:
+Schema `serving/5` (`serving/4`, without reduce_step_us, `serving/3`, whose split-K models
+have no item_tokens (0), `serving/2`, without split-K models, and `serving/1`, without
+points either, still load), top level:
 `schema`, `gpu`, `provenance`, `batch_buckets`, `kv_buckets`, `families`. A family is
 `{key: {kv_format, page_size, heads, q_len}, cells: [...], graph: [...], left_out: [...],
-variants: [...], points: [...], flashinfer_model?, splitk_models?}`; `variants` lists the
+variants: [...], points: [...], flashinfer_model?, splitk_models?, reduce_step_us?}`; `variants` lists the
 family's eager picks and a point `{batch, kv_len, us: {index in variants: median us}}`
 holds the ones the sweep timed there with its last rung's samples; `flashinfer_model` is
 `{variant, sm_count, features, coef, fit_error_p90}`; a split-K model `{variant,
-occupancy, overhead_us, item_tokens, sm_count, fit_error}`; a cell `{batch, kv_len,
+occupancy, overhead_us, item_tokens, sm_count, fit_error}`; `reduce_step_us` maps the
+splits the split-K reduction adds per step (16, or 64 in its wide grid) to the measured
+cost of a step in us (tune/serving_calibrate.py); a cell `{batch, kv_len,
 variant, time_us, runner_up?}`; a graph pick `{batch, variant, worst_regret,
 worst_kv_len}` (worst_kv_len 0: the sweep's ragged mix for the bucket); a left-out cell
 `{batch, kv_len, reason}`. Loading never executes anything from the file
@@ -52,7 +55,8 @@ from typing import Any
 from mla_tune.backends import known_backends
 from mla_tune.core import CallSpec, Variant
 from mla_tune.fileio import FlowMap, atomic_write_text, dump_yaml, read_yaml
-from mla_tune.tables.splitk_cost import is_splitk, splitk_makespan
+from mla_tune.kernels.split_rule import reduce_splits_per_step
+from mla_tune.tables.splitk_cost import is_splitk, splitk_schedule
 from mla_tune.tables.table import TableError, _check_variant
 from mla_tune.tables.vendor_cost import (
     FLASHINFER_FEATURES,
@@ -61,9 +65,10 @@ from mla_tune.tables.vendor_cost import (
     predict,
 )
 
-SERVING_SCHEMA = "serving/4"
-# 1: no points; 2: no split-K models; 3: split-K models without item_tokens
-_READABLE_SCHEMAS = ("serving/1", "serving/2", "serving/3", SERVING_SCHEMA)
+SERVING_SCHEMA = "serving/5"
+# 1: no points; 2: no split-K models; 3: split-K models without item_tokens; 4: no
+# reduce_step_us
+_READABLE_SCHEMAS = ("serving/1", "serving/2", "serving/3", "serving/4", SERVING_SCHEMA)
 _KEY_FIELDS = ("kv_format", "page_size", "heads", "q_len")
 
 
@@ -115,6 +120,8 @@ class Family:
     points: dict[tuple[int, int], dict[Variant, float]] = field(default_factory=dict)
     flashinfer: VendorModel | None = None  # FlashInfer's time over its replayed schedule
     splitk: dict[Variant, SplitKModel] = field(default_factory=dict)  # our split-K variants' schedules
+    # splits the reduction adds per step (16 or 64) -> us per step, measured (serving_calibrate)
+    reduce_step_us: dict[int, float] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------ bucket rules
@@ -271,7 +278,11 @@ class SplitKModel:
     item_tokens: int = 0
 
     def makespan(self, key: FamilyKey, kv_lens: Sequence[int]) -> float:
-        return splitk_makespan(kv_lens, key.heads, key.q_len, dict(self.variant.params), self.occupancy,
+        return self.schedule(key, kv_lens)[0]
+
+    def schedule(self, key: FamilyKey, kv_lens: Sequence[int]) -> tuple[float, int]:
+        """(makespan, steps of the reduction's longest loop): splitk_cost.splitk_schedule."""
+        return splitk_schedule(kv_lens, key.heads, key.q_len, dict(self.variant.params), self.occupancy,
                                self.sm_count, self.item_tokens)
 
     def rate(self, time_us: float, span: float) -> float | None:
@@ -364,12 +375,15 @@ class ServingTable:
         lens = kv_lens if kv_lens is not None else [max(int(round(mean_kv_len)), 1)] * batch
         if family.splitk and est:
             # Our split-K variants within MODEL_WINDOW of the best: the interpolated rate times
-            # the call's own schedule (a heap operation per split: host time).
+            # the call's own schedule (a heap operation per split: host time), plus the
+            # measured cost of each step the reduction's longest loop takes beyond a uniform
+            # batch's (the rates are uniform batches'; a ragged batch's long sequence has
+            # most of the splits).
             rates = self._interpolated("rates", family, batch, mean_kv_len)
             near = MODEL_WINDOW * min(est.values())
             for v, m in family.splitk.items():
                 if v in rates and est.get(v, math.inf) < near:
-                    est[v] = m.overhead_us + rates[v] * m.makespan(family.key, lens)
+                    est[v] = self._splitk_time(family, m, rates[v], batch, mean_kv_len, lens, kv_lens is not None)
         model = family.flashinfer
         if model is None:
             return est
@@ -392,6 +406,39 @@ class ServingTable:
             if flashinfer_mla_works_per_cluster(lens, family.key.heads, family.key.q_len, model.sm_count) <= MODEL_WORKS:
                 est[model.variant] = model.time_us(family.key, lens)
         return est
+
+    def splitk_estimates(self, spec: CallSpec, kv_lens: Sequence[int], reduce: bool = True) -> dict[Variant, float]:
+        """Each split-K model's estimate (us) for a call of these lengths, whether or not it
+        is near the best: its overhead plus its interpolated rate times the call's makespan,
+        plus (with `reduce`) the reduction steps beyond a uniform batch's at the family's
+        reduce_step_us. What the lookup weighs for the variants it models."""
+        family = self.family(spec)
+        if family is None or not family.splitk or not kv_lens:
+            return {}
+        batch, mean = len(kv_lens), sum(kv_lens) / len(kv_lens)
+        rates = self._interpolated("rates", family, batch, mean)
+        return {v: self._splitk_time(family, m, rates[v], batch, mean, kv_lens, reduce)
+                for v, m in family.splitk.items() if v in rates}
+
+    def _splitk_time(self, family: Family, model: SplitKModel, rate: float, batch: int, mean_kv_len: float,
+                     lens: Sequence[int], reduce: bool) -> float:
+        span, steps = model.schedule(family.key, lens)
+        t = model.overhead_us + rate * span
+        step_us = family.reduce_step_us.get(reduce_splits_per_step(batch, family.key.q_len, family.key.heads), 0.0)
+        if reduce and step_us:
+            t += step_us * max(steps - self._uniform_steps(family, model, batch, mean_kv_len), 0)
+        return t
+
+    def _uniform_steps(self, family: Family, model: SplitKModel, batch: int, mean_kv_len: float) -> int:
+        """The reduction steps of `batch` sequences of the mean length (to ~1%), memoized."""
+        step = round(math.log2(max(mean_kv_len, 1.0)) * _KV_STEPS_PER_OCTAVE)
+        memo_key = ("steps", family.key, model.variant, batch, step)
+        if memo_key not in self._memo:
+            if len(self._memo) >= 1 << 16:
+                self._memo.clear()
+            length = max(int(round(2.0 ** (step / _KV_STEPS_PER_OCTAVE))), 1)
+            self._memo[memo_key] = model.schedule(family.key, [length] * batch)[1]
+        return self._memo[memo_key]
 
     def _interpolated(self, kind: str, family: Family, batch: int, mean_kv_len: float) -> dict[Variant, float]:
         """`interpolate` over the family's points ("times"), its split-K rates ("rates") or
@@ -430,6 +477,7 @@ class ServingTable:
                 **_points_dict(fam.points),
                 **_model_dict(fam.flashinfer),
                 **_splitk_dict(fam.splitk),
+                **({"reduce_step_us": FlowMap(sorted(fam.reduce_step_us.items()))} if fam.reduce_step_us else {}),
             })
         return {"schema": SERVING_SCHEMA, "gpu": self.gpu, "provenance": self.provenance,
                 "batch_buckets": list(self.batch_buckets), "kv_buckets": list(self.kv_buckets),
@@ -528,7 +576,7 @@ def _family(path: Path, index: int, raw: Any, batch_buckets: list[int], kv_bucke
     if not isinstance(raw, dict):
         raise TableError(f"{where} must be a mapping with key, cells, graph, left_out")
     unknown = set(raw) - {"key", "cells", "graph", "left_out", "variants", "points", "flashinfer_model",
-                          "splitk_models"}
+                          "splitk_models", "reduce_step_us"}
     if unknown:
         raise TableError(f"{where}: unknown field(s) {', '.join(sorted(map(str, unknown)))}")
     family = Family(_key(where, raw.get("key")))
@@ -579,7 +627,21 @@ def _family(path: Path, index: int, raw: Any, batch_buckets: list[int], kv_bucke
     family.points = _points(where, raw, kv_buckets, known, check_params, family.key)
     family.flashinfer = _model(where, raw.get("flashinfer_model"), known, check_params, family.key)
     family.splitk = _splitk_models(where, raw, known, check_params, family.key)
+    family.reduce_step_us = _reduce_steps(where, raw.get("reduce_step_us"))
     return family
+
+
+REDUCE_SPLITS_PER_STEP = (16, 64)  # split_rule.reduce_splits_per_step's two grids
+
+
+def _reduce_steps(where: str, raw: Any) -> dict[int, float]:
+    if raw is None:
+        return {}
+    at = f"{where}, reduce_step_us"
+    if not isinstance(raw, dict) or not set(raw) <= set(REDUCE_SPLITS_PER_STEP):
+        raise TableError(f"{at} must map splits per reduction step ({' or '.join(map(str, REDUCE_SPLITS_PER_STEP))}) "
+                         f"to us per step, got {raw!r:.80}")
+    return {k: _number(at, f"[{k}]", v) for k, v in sorted(raw.items())}
 
 
 def _splitk_models(where: str, raw: dict, known: list[str], check_params: bool,

@@ -23,6 +23,13 @@ leave-one-out over the variant's grid points; the occupancy capped by `occupancy
 the rate is interpolated between the points like the times are, and the makespan is the
 call's own. A variant with max_splits 1 runs one program per sequence, so a ragged batch
 waits for its longest: the same model covers it.
+
+The reduction that follows adds up each sequence's splits in a loop of `reduce_steps`
+steps, and a ragged batch's long sequence makes the longest loop: a cost the rate,
+interpolated between uniform points, does not see. Where a table holds a family's
+measured cost per reduction step (`reduce_step_us`, measured by
+tune/serving_calibrate.py), the lookup adds it for each step the call's longest loop
+takes beyond a uniform batch of its mean length.
 Pure Python; nothing here imports torch.
 """
 
@@ -31,7 +38,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping, Sequence
 
-from mla_tune.kernels.split_rule import serving_split_items
+from mla_tune.kernels.split_rule import reduce_splits_per_step, serving_splits, split_items
 
 OCCUPANCIES = (1, 2, 3, 4)  # programs resident per SM that a fit may choose
 OVERHEAD_FRACTIONS = (0.0, 0.25, 0.5, 0.75)  # fixed overhead, as a fraction of the fastest point's time
@@ -42,6 +49,19 @@ ITEM_TOKENS = (0, 32, 64, 128, 256)  # a program's fixed cost in tokens that a f
 EXACT_WAVES = 3
 
 
+def splitk_schedule(kv_lens: Sequence[int], heads: int, q_len: int, params: Mapping, occupancy: int,
+                    sm_count: int, item_tokens: float = 0.0) -> tuple[float, int]:
+    """(makespan, reduce steps) of the call: `splitk_makespan`, and the steps of the
+    reduction's longest loop, `reduce_steps`, from one replay of the split rule."""
+    splits = serving_splits(
+        kv_lens, q_len, heads, max_splits=int(params["max_splits"]),
+        tokens_per_split=int(params["tokens_per_split"]), block_n=int(params["block_n"]),
+        block_h=int(params["block_h"]), split_budget=int(params.get("split_budget", 0)), sm_count=sm_count)
+    items = split_items(kv_lens, splits)
+    return (_deal(items, max(heads // int(params["block_h"]), 1), occupancy, sm_count, item_tokens),
+            _steps(kv_lens, splits, q_len, heads) if int(params["max_splits"]) > 1 else 0)
+
+
 def splitk_makespan(kv_lens: Sequence[int], heads: int, q_len: int, params: Mapping, occupancy: int,
                     sm_count: int, item_tokens: float = 0.0) -> float:
     """The load (tokens, plus item_tokens per program) of the most-loaded of sm_count x
@@ -50,10 +70,27 @@ def splitk_makespan(kv_lens: Sequence[int], heads: int, q_len: int, params: Mapp
     to the least-loaded slot, as the hardware's block scheduler runs them: programs beyond
     the slots wait for the first to finish. Past EXACT_WAVES waves, the mean load plus half
     the longest item."""
-    items, tiles = serving_split_items(
-        kv_lens, q_len, heads, max_splits=int(params["max_splits"]),
-        tokens_per_split=int(params["tokens_per_split"]), block_n=int(params["block_n"]),
-        block_h=int(params["block_h"]), split_budget=int(params.get("split_budget", 0)), sm_count=sm_count)
+    return splitk_schedule(kv_lens, heads, q_len, params, occupancy, sm_count, item_tokens)[0]
+
+
+def reduce_steps(kv_lens: Sequence[int], heads: int, q_len: int, params: Mapping, sm_count: int) -> int:
+    """The steps of the reduction's longest loop: the most splits of one sequence over the
+    splits the reduction adds per step (split_rule.reduce_splits_per_step: 16, or 64 in
+    the wide grid of small batches). 0 for one split per sequence (max_splits 1: no
+    reduction). A ragged batch's long sequence takes most of its splits, and the
+    reduction waits for it: on the H200 49 sequences with one of 56161 tokens ran its 110
+    splits in 7 steps where the uniform batch of the same tokens ran 2, and the call took
+    206 us against 177 (bf16, 16 heads, tokens_per_split 512; docs/perf.md, session 14)."""
+    return splitk_schedule(kv_lens, heads, q_len, params, 1, sm_count)[1]
+
+
+def _steps(kv_lens: Sequence[int], splits: Sequence[int], q_len: int, heads: int) -> int:
+    most = max((-(-int(n) // s) for n, s in zip(kv_lens, splits, strict=True) if s), default=0)
+    per_step = reduce_splits_per_step(len(kv_lens), q_len, heads)
+    return -(-most // per_step) if most > 1 else 0
+
+
+def _deal(items: list[int], tiles: int, occupancy: int, sm_count: int, item_tokens: float) -> float:
     if not items:
         return 0.0
     slots = max(sm_count * occupancy, 1)

@@ -1,0 +1,104 @@
+"""The reduction's cost per step, measured for a serving table (mla_tune/tune/serving_calibrate.py):
+the probes' plan, the cost from their times, the table it writes, and one probe run for real
+(on the Triton interpreter here: the path, not the numbers)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from mla_tune.core import CallSpec, Variant
+from mla_tune.gpu import Platform
+from mla_tune.kernels.split_rule import reduce_splits_per_step
+from mla_tune.tables.serving_table import FamilyKey, load_serving_table
+from mla_tune.tune import serving_calibrate as cal
+from mla_tune.tune import timing
+from mla_tune.tune.serving_config import load_serving_config
+
+TABLE = "tables/H200.serving.yaml"
+H200 = Platform("H200", "NVIDIA H200 (simulated)", "sm_90", False, 132, simulated=True)
+
+
+def test_each_probe_pairs_a_long_tail_with_the_uniform_batch_of_its_tokens():
+    table = load_serving_table(TABLE)
+    probes = cal.plan_probes(table)
+    assert probes, "the committed table has split-K models"
+    for p in probes:
+        batch = len(p.tail)
+        assert len(p.uniform) == batch >= 2 and sum(p.uniform) == sum(p.tail)
+        assert max(p.uniform) - min(p.uniform) <= 1 and p.tail[0] == cal.TAIL_KV_LEN
+        assert reduce_splits_per_step(batch, p.key.q_len, p.key.heads) == p.per_step
+        # the narrow grid's smallest batch bucket, the wide grid's largest
+        same = [b for b in table.batch_buckets if b >= 2 and reduce_splits_per_step(b, p.key.q_len, p.key.heads)
+                == p.per_step]
+        assert batch == (min(same) if p.per_step == 16 else max(same))
+        model = table.families[p.key].splitk[p.variant]
+        assert (model.schedule(p.key, p.uniform)[1], model.schedule(p.key, p.tail)[1]) == p.steps
+        assert p.steps[1] > p.steps[0]
+    # a family without split-K models has none
+    assert all(table.families[p.key].splitk for p in probes)
+    assert not cal.plan_probes(table, [k for k, f in table.families.items() if not f.splitk])
+
+
+def test_the_cost_per_step_is_what_the_model_misses_on_the_tail_and_the_table_keeps_it(tmp_path):
+    path = shutil.copy(TABLE, tmp_path / "H200.serving.yaml")
+    table = load_serving_table(path)
+    key = FamilyKey("bf16", 64, 16, 1)
+    seen = []
+
+    def fake_measure(probe, cfg, device, timer, reps, rounds):
+        # the model's estimates, 3 us off on both batches, and 4.5 us per extra step on the tail
+        seen.append(probe)
+        spec = cfg.spec(probe.key)
+        est = {n: table.splitk_estimates(spec, list(lens), reduce=False)[probe.variant]
+               for n, lens in (("uniform", probe.uniform), ("tail", probe.tail))}
+        return {"uniform": est["uniform"] + 3.0, "tail": est["tail"] + 3.0 + 4.5 * (probe.steps[1] - probe.steps[0])}
+
+    out = cal.calibrate(path, families="kv_format=bf16,heads=16,q_len=1", platform=H200, device="cpu",
+                        measure_fn=fake_measure, log=lambda _: None)
+    assert [p["per_step"] for p in out["probes"]] == [16, 64] and len(seen) == 2
+    assert all(p["step_us"] == pytest.approx(4.5) for p in out["probes"])
+    loaded = load_serving_table(path)
+    assert loaded.families[key].reduce_step_us == {16: 4.5, 64: 4.5}
+    assert loaded.provenance["reduce_calibration"]["probes"][0]["steps"] == list(seen[0].steps)
+    assert all(not f.reduce_step_us for k, f in loaded.families.items() if k != key)  # only the family asked
+    # the lookup now charges a long-tail call for its reduction
+    spec = CallSpec("bf16", 64, 16, 1)
+    tail = list(seen[0].tail)
+    before = table.splitk_estimates(spec, tail, reduce=False)[seen[0].variant]
+    after = loaded.splitk_estimates(spec, tail)[seen[0].variant]
+    assert after == pytest.approx(before + 4.5 * (seen[0].steps[1] - seen[0].steps[0]), rel=1e-6)
+    # a model that is faster on the tail than it says gives 0, not a negative cost
+    cal.calibrate(path, families="kv_format=bf16,heads=16,q_len=1", platform=H200, device="cpu",
+                  measure_fn=lambda p, *a: {"uniform": 100.0, "tail": 1.0}, log=lambda _: None)
+    assert load_serving_table(path).families[key].reduce_step_us == {16: 0.0, 64: 0.0}
+
+
+def test_calibrate_refuses_another_gpu_and_bad_options_and_a_dry_run_writes_nothing(tmp_path):
+    path = shutil.copy(TABLE, tmp_path / "H200.serving.yaml")
+    before = path.read_bytes()
+    mi355x = Platform("MI355X", "AMD Instinct MI355X (simulated)", "gfx950", True, 256, simulated=True)
+    with pytest.raises(cal.CalibrateError, match="the table is for H200; this is MI355X"):
+        cal.calibrate(path, platform=mi355x, families="heads=16,q_len=1,kv_format=bf16", log=lambda _: None,
+                      measure_fn=lambda *a: pytest.fail("measured on the wrong GPU"))
+    with pytest.raises(cal.CalibrateError, match="--reps and --rounds must be >= 1"):
+        cal.calibrate(path, reps=0, log=lambda _: None)
+    lines = []
+    assert cal.calibrate(path, dry_run=True, log=lines.append)["path"] is None
+    assert path.read_bytes() == before and "probes" in lines[0] and len(lines) > 1
+    assert cal.main(["--table", str(tmp_path / "none.yaml"), "--dry-run"]) == 1
+
+
+def test_a_probe_runs_checked_on_the_real_kernel(device):
+    """The measurement itself, small: a split-K variant on a tail batch and its uniform twin,
+    both checked against the reference (the interpreter's times mean nothing)."""
+    cfg = load_serving_config("configs/serving.yaml")
+    key = FamilyKey("bf16", 64, 16, 1)
+    dot = "fp16" if device == "cpu" else "bf16"  # the interpreter's bf16 dot is wrong (README)
+    variant = Variant.parse(f"triton(block_h=16,block_n=16,dot_dtype={dot},kv=bf16,max_splits=64,num_stages=1,"
+                            "num_warps=4,q=bf16,tokens_per_split=16)")
+    tail = (200, 16, 16)
+    probe = cal.ReduceProbe(key, 64, variant, tail, (78, 77, 77), (1, 2))
+    times = cal.measure(probe, cfg, device, timing.cpu_time if device == "cpu" else timing.time_call, 1, 1)
+    assert set(times) == {"uniform", "tail"} and all(t > 0 for t in times.values())
