@@ -24,6 +24,7 @@ from mla_tune.tables.splitk_cost import (
     reduce_steps,
     splitk_makespan,
     splitk_schedule,
+    uniform_reduce_steps,
 )
 from mla_tune.tables.table import TableError
 from mla_tune.tune.serving_build import _splitk_models
@@ -228,3 +229,14 @@ def test_the_lookup_adds_the_measured_reduction_steps_beyond_a_uniform_batchs(tm
     data["schema"] = "serving/4"
     return_path.write_text(dump_yaml(data))
     assert load_serving_table(return_path).families[KEY].reduce_step_us == {}
+
+
+@pytest.mark.parametrize("variant", [SPLIT, SPLIT.with_params(tokens_per_split=128, block_n=32, split_budget=264),
+                                     SPLIT.with_params(tokens_per_split=16, max_splits=33, split_budget=33), ONE])
+def test_a_uniform_batchs_steps_need_no_pass_over_its_lengths(variant):
+    params = dict(variant.params)
+    for batch in (1, 2, 7, 31, 33, 49, 100, 256):
+        for kv_len in (1, 17, 512, 3000, 8722, 65536):
+            for heads, q_len in ((16, 1), (16, 4), (128, 2)):
+                assert uniform_reduce_steps(batch, kv_len, heads, q_len, params, 132) == \
+                    reduce_steps([kv_len] * batch, heads, q_len, params, 132), (batch, kv_len, heads, q_len)

@@ -57,13 +57,16 @@ def fill_splits(split_budget: int, batch: int, head_tiles: int, max_splits: int,
 
 def serving_splits(kv_lens: Sequence[int], q_len: int, heads: int, *, max_splits: int,
                    tokens_per_split: int, block_n: int, block_h: int, split_budget: int = 0,
-                   sm_count: int = 0) -> list[int]:
+                   sm_count: int = 0, batch: int | None = None, total: int | None = None) -> list[int]:
     """Each sequence's split length in tokens (0 for a length of 0, a padded graph slot) as
     flash_decode_serving deals a batch of these KV lengths, each with q_len new tokens: the
     kernel's rule (`_fd_split_len`) in float64 where the device rounds in float32, so a share
     within about 1e-6 of a whole number may round the other way. Sequence b runs
-    cdiv(kv_lens[b], split) splits, each once per head tile."""
-    batch = len(kv_lens)
+    cdiv(kv_lens[b], split) splits, each once per head tile. batch and total (default: the
+    lengths' count and sum) say the lengths are some of a batch of `batch` sequences
+    holding `total` tokens: serving_splits([n], ..., batch=b, total=b * n) is each
+    sequence's split in a uniform batch of b, without a pass over b lengths."""
+    batch = len(kv_lens) if batch is None else batch
     tiles = max(heads // block_h, 1)
     q_len_max = 1 << max(q_len - 1, 0).bit_length()  # next power of two
     budget = max((batch * q_len * max_splits) // q_len_max, 1)
@@ -72,7 +75,7 @@ def serving_splits(kv_lens: Sequence[int], q_len: int, heads: int, *, max_splits
         launched = batch * fill_splits(split_budget, batch, tiles, max_splits, sm_count)
         budget = min(budget, max(launched, batch))
         share_round = 1.0 - 2e-4
-    total = max(sum(int(n) for n in kv_lens), 1)
+    total = max(sum(int(n) for n in kv_lens) if total is None else total, 1)
     splits = []
     for n in kv_lens:
         n = int(n)

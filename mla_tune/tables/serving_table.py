@@ -56,7 +56,7 @@ from mla_tune.backends import known_backends
 from mla_tune.core import CallSpec, Variant
 from mla_tune.fileio import FlowMap, atomic_write_text, dump_yaml, read_yaml
 from mla_tune.kernels.split_rule import reduce_splits_per_step
-from mla_tune.tables.splitk_cost import is_splitk, splitk_schedule
+from mla_tune.tables.splitk_cost import is_splitk, splitk_schedule, uniform_reduce_steps
 from mla_tune.tables.table import TableError, _check_variant
 from mla_tune.tables.vendor_cost import (
     FLASHINFER_FEATURES,
@@ -437,7 +437,8 @@ class ServingTable:
             if len(self._memo) >= 1 << 16:
                 self._memo.clear()
             length = max(int(round(2.0 ** (step / _KV_STEPS_PER_OCTAVE))), 1)
-            self._memo[memo_key] = model.schedule(family.key, [length] * batch)[1]
+            self._memo[memo_key] = uniform_reduce_steps(batch, length, family.key.heads, family.key.q_len,
+                                                        dict(model.variant.params), model.sm_count)
         return self._memo[memo_key]
 
     def _interpolated(self, kind: str, family: Family, batch: int, mean_kv_len: float) -> dict[Variant, float]:

@@ -84,9 +84,21 @@ def reduce_steps(kv_lens: Sequence[int], heads: int, q_len: int, params: Mapping
     return splitk_schedule(kv_lens, heads, q_len, params, 1, sm_count)[1]
 
 
-def _steps(kv_lens: Sequence[int], splits: Sequence[int], q_len: int, heads: int) -> int:
+def uniform_reduce_steps(batch: int, kv_len: int, heads: int, q_len: int, params: Mapping, sm_count: int) -> int:
+    """`reduce_steps` of `batch` sequences of kv_len tokens each, without a pass over them."""
+    if int(params["max_splits"]) <= 1 or batch < 1:
+        return 0
+    split = serving_splits(
+        [kv_len], q_len, heads, max_splits=int(params["max_splits"]),
+        tokens_per_split=int(params["tokens_per_split"]), block_n=int(params["block_n"]),
+        block_h=int(params["block_h"]), split_budget=int(params.get("split_budget", 0)), sm_count=sm_count,
+        batch=batch, total=batch * kv_len)[0]
+    return _steps([kv_len], [split], q_len, heads, batch)
+
+
+def _steps(kv_lens: Sequence[int], splits: Sequence[int], q_len: int, heads: int, batch: int | None = None) -> int:
     most = max((-(-int(n) // s) for n, s in zip(kv_lens, splits, strict=True) if s), default=0)
-    per_step = reduce_splits_per_step(len(kv_lens), q_len, heads)
+    per_step = reduce_splits_per_step(len(kv_lens) if batch is None else batch, q_len, heads)
     return -(-most // per_step) if most > 1 else 0
 
 
