@@ -11,9 +11,11 @@ from mla_tune.core import CallSpec, Variant
 from mla_tune.fileio import dump_yaml
 from mla_tune.kernels.split_rule import reduce_splits_per_step
 from mla_tune.tables.serving_table import (
+    SPLITK_FLOOR,
     Family,
     FamilyKey,
     ServingTable,
+    SplitKModel,
     load_serving_table,
     write_serving_table,
 )
@@ -240,3 +242,20 @@ def test_a_uniform_batchs_steps_need_no_pass_over_its_lengths(variant):
             for heads, q_len in ((16, 1), (16, 4), (128, 2)):
                 assert uniform_reduce_steps(batch, kv_len, heads, q_len, params, 132) == \
                     reduce_steps([kv_len] * batch, heads, q_len, params, 132), (batch, kv_len, heads, q_len)
+
+
+def test_a_split_k_estimate_stays_near_its_interpolated_time():
+    """The model may say slower than the uniform neighbours, not much faster (SPLITK_FLOOR):
+    at 600 tokens a split per 512 makes 2 splits of 320 where the grid's 512 made one of
+    512, and a model whose time is its longest item would call it 38% faster."""
+    spec = CallSpec("bf16", 64, 16, 1)
+    fam = Family(KEY)
+    fam.points = {(b, k): {SPLIT: 0.1 * k, FM: 0.12 * k} for b in (64, 128) for k in (512, 1024)}  # in proportion
+    fam.splitk = {SPLIT: SplitKModel(SPLIT, 1, 0.0, 132, 0.0)}
+    table = ServingTable("H200", {}, [64, 128], [512, 1024], {KEY: fam})
+    interp = table._interpolated("times", fam, 64, 600.0)[SPLIT]
+    assert interp == pytest.approx(60.0, rel=0.01)  # the memo takes lengths to ~1%
+    assert table.splitk_estimates(spec, [600] * 64)[SPLIT] < 0.7 * interp
+    assert table.estimates(spec, 64, 600.0, kv_lens=[600] * 64)[SPLIT] == pytest.approx(SPLITK_FLOOR * interp)
+    # at a grid point the model is exact, over the floor
+    assert table.estimates(spec, 64, 1024.0, kv_lens=[1024] * 64)[SPLIT] == pytest.approx(102.4)

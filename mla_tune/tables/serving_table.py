@@ -13,7 +13,8 @@ every step, so the serving table is keyed the way engines capture and batch thei
   an eager call instead takes the variant estimated fastest at its own batch and lengths:
   interpolated between the points (`interpolate`); our split-K kernel's as a fitted
   overhead plus its interpolated rate times the call's own schedule (`SplitKModel`,
-  tables/splitk_cost.py), and FlashInfer's from a model over its schedule for the call's
+  tables/splitk_cost.py), plus the measured cost of the reduction steps a long sequence
+  adds (`reduce_step_us`), never far under the interpolation (SPLITK_FLOOR), and FlashInfer's from a model over its schedule for the call's
   lengths (`VendorModel`, tables/vendor_cost.py), since both step inside a bucket where
   their programs overflow the SMs, and in ragged batches. The cell is what a table
   without points uses;
@@ -163,7 +164,15 @@ def choose_graph_pick(times: Mapping[Variant, Mapping[int, float]],
 # ------------------------------------------------------------------ interpolation
 _KV_STEPS_PER_OCTAVE = 64  # the eager pick's memo: lengths within ~1% share one estimate
 MODEL_WINDOW = 1.5  # FlashInfer's model runs where its interpolated time is within 1.5x the best other's
-MODEL_WORKS = 2.0  # ... and where FlashInfer deals at most 2 chunks per cluster (see _estimates)
+MODEL_WORKS = 2.0
+# A split-K model's estimate stays at least this fraction of the variant's interpolated time:
+# the model may say a call is slower than its uniform neighbours (a step, a ragged batch),
+# but not much faster. At 65 x 562 tokens (fp8, 16 heads, q_len 4) a split per 512 tokens
+# makes 2 splits a sequence where the grid's 512 made 1: the model halved the longest item
+# and estimated 53 us; it took 73 (the interpolation said 75), 21% behind the best (seed 57,
+# docs/perf.md session 14). Re-scored on 53 recorded runs, 0.9 changed 28 of 4240 shapes'
+# picks, 20 for the better (the worst new regret 5.7%); 1.0 changed 79, 36 for the worse.
+SPLITK_FLOOR = 0.9  # ... and where FlashInfer deals at most 2 chunks per cluster (see _estimates)
 
 
 def _bracket(grid: list[int], x: float) -> list[tuple[int, float]]:
@@ -378,12 +387,13 @@ class ServingTable:
             # the call's own schedule (a heap operation per split: host time), plus the
             # measured cost of each step the reduction's longest loop takes beyond a uniform
             # batch's (the rates are uniform batches'; a ragged batch's long sequence has
-            # most of the splits).
+            # most of the splits); at least SPLITK_FLOOR x the interpolated time.
             rates = self._interpolated("rates", family, batch, mean_kv_len)
             near = MODEL_WINDOW * min(est.values())
             for v, m in family.splitk.items():
                 if v in rates and est.get(v, math.inf) < near:
-                    est[v] = self._splitk_time(family, m, rates[v], batch, mean_kv_len, lens, kv_lens is not None)
+                    est[v] = max(self._splitk_time(family, m, rates[v], batch, mean_kv_len, lens, kv_lens is not None),
+                                 SPLITK_FLOOR * est[v])
         model = family.flashinfer
         if model is None:
             return est

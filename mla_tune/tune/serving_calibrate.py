@@ -41,6 +41,7 @@ from pathlib import Path
 
 from mla_tune.core import Variant
 from mla_tune.errors import MlaTuneError
+from mla_tune.fileio import FlowMap
 from mla_tune.kernels.split_rule import reduce_splits_per_step
 from mla_tune.tables.serving_table import (
     REDUCE_SPLITS_PER_STEP,
@@ -139,10 +140,11 @@ def step_cost(table: ServingTable, cfg, probe: ReduceProbe, times: dict[str, flo
         raise CalibrateError(f"the table's model of {probe.variant} ({probe.key}) estimates no time at "
                              f"{len(probe.tail)} sequences; re-build the table (serving_sweep merge)")
     missed = (times["tail"] - est["tail"]) - (times["uniform"] - est["uniform"])
-    return {"family": str(probe.key), "per_step": probe.per_step, "batch": len(probe.tail),
-            "variant": str(probe.variant), "steps": list(probe.steps),
-            "us": {k: round(v, 2) for k, v in times.items()}, "estimate_us": {k: round(v, 2) for k, v in est.items()},
-            "step_us": round(max(missed / (probe.steps[1] - probe.steps[0]), 0.0), 3)}
+    return FlowMap(family=str(probe.key), per_step=probe.per_step, batch=len(probe.tail),
+                   variant=str(probe.variant), steps=list(probe.steps),
+                   us=FlowMap((k, round(v, 2)) for k, v in times.items()),
+                   estimate_us=FlowMap((k, round(v, 2)) for k, v in est.items()),
+                   step_us=round(max(missed / (probe.steps[1] - probe.steps[0]), 0.0), 3))
 
 
 def calibrate(table_path: str | Path, *, config: str | Path | None = None, out: str | Path | None = None,
