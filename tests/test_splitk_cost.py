@@ -259,3 +259,24 @@ def test_a_split_k_estimate_stays_near_its_interpolated_time():
     assert table.estimates(spec, 64, 600.0, kv_lens=[600] * 64)[SPLIT] == pytest.approx(SPLITK_FLOOR * interp)
     # at a grid point the model is exact, over the floor
     assert table.estimates(spec, 64, 1024.0, kv_lens=[1024] * 64)[SPLIT] == pytest.approx(102.4)
+
+
+def test_a_rate_the_points_cannot_blend_comes_from_the_interpolated_time():
+    """Two kv points around the call with no split-K variant in common (a batch-edge point
+    holds its cell's best 3): the times blend through FlashMLA, the rates cannot, and the
+    model takes the rate of the variant's interpolated time at a uniform batch of the mean,
+    so a ragged call still sees its long sequence."""
+    spec = CallSpec("bf16", 64, 16, 1)
+    other = SPLIT.with_params(split_budget=264, tokens_per_split=128, block_n=32)
+    fam = Family(KEY)
+    fam.points = {(64, 512): {ONE: 51.2, FM: 60.0}, (64, 1024): {other: 90.0, FM: 110.0}}
+    fam.splitk = {ONE: SplitKModel(ONE, 1, 0.0, 132, 0.0), other: SplitKModel(other, 1, 0.0, 132, 0.0)}
+    table = ServingTable("H200", {}, [64], [512, 1024], {KEY: fam})
+    assert table._interpolated("rates", fam, 64, 700.0) == {}  # nothing in common to blend by
+    times = table._interpolated("times", fam, 64, 700.0)
+    assert ONE in times  # (other, at the point of weight 0.45 alone, sits out: MIN_MEASURED_WEIGHT)
+    uniform = table.splitk_estimates(spec, [700] * 64)
+    assert uniform[ONE] == pytest.approx(times[ONE], rel=0.02)  # a uniform call: the interpolated time
+    ragged = [100] * 63 + [700 * 64 - 6300]  # the same tokens, one long sequence (one program each)
+    assert table.splitk_estimates(spec, ragged)[ONE] > 10 * uniform[ONE]
+    assert table.estimates(spec, 64, 700.0, kv_lens=ragged)[ONE] > 10 * uniform[ONE]

@@ -143,7 +143,7 @@ def test_points_and_the_model_survive_a_write_and_load(tmp_path):
     table = _table(VendorModel(FI, (1.0, 0.05, 0.0, 0.0, 0.0, 0.0), 132, 0.031))
     path = write_serving_table(tmp_path / "H200.serving.yaml", table)
     text = path.read_text()
-    assert "schema: serving/4" in text and "flashinfer_model:" in text
+    assert "schema: serving/5" in text and "flashinfer_model:" in text
     assert "- {batch: 8, kv_len: 16384, us: {0: 60.0, 1: 80.0}}" in text  # one line a point
     loaded = load_serving_table(path)
     fam = loaded.families[FamilyKey("bf16", 64, 16, 4)]

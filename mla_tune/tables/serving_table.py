@@ -164,7 +164,13 @@ def choose_graph_pick(times: Mapping[Variant, Mapping[int, float]],
 # ------------------------------------------------------------------ interpolation
 _KV_STEPS_PER_OCTAVE = 64  # the eager pick's memo: lengths within ~1% share one estimate
 MODEL_WINDOW = 1.5  # FlashInfer's model runs where its interpolated time is within 1.5x the best other's
-MODEL_WORKS = 2.0
+# ... and where FlashInfer deals at most 3 chunks per cluster (see _estimates). It was 2 until
+# session 14: bf16, 128 heads, q_len 4 steps from 80.5 us at 33 x 1024 to 114.7 at 40 x 1024
+# as FlashInfer's chunks pass 2 per cluster (at 34 sequences), where the model, unused, was
+# within 4% and the interpolation picked FlashInfer 13.5-15.3% behind FlashMLA (seeds 57, 64).
+# Re-scored on 61 recorded runs, 3 changed 12 shapes' picks, 8 for the better (the worst new
+# regret 2.3%); 4 and 8 passed the same runs with more host time.
+MODEL_WORKS = 3.0
 # A split-K model's estimate stays at least this fraction of the variant's interpolated time:
 # the model may say a call is slower than its uniform neighbours (a step, a ragged batch),
 # but not much faster. At 65 x 562 tokens (fp8, 16 heads, q_len 4) a split per 512 tokens
@@ -172,7 +178,7 @@ MODEL_WORKS = 2.0
 # and estimated 53 us; it took 73 (the interpolation said 75), 21% behind the best (seed 57,
 # docs/perf.md session 14). Re-scored on 53 recorded runs, 0.9 changed 28 of 4240 shapes'
 # picks, 20 for the better (the worst new regret 5.7%); 1.0 changed 79, 36 for the worse.
-SPLITK_FLOOR = 0.9  # ... and where FlashInfer deals at most 2 chunks per cluster (see _estimates)
+SPLITK_FLOOR = 0.9
 
 
 def _bracket(grid: list[int], x: float) -> list[tuple[int, float]]:
@@ -391,8 +397,8 @@ class ServingTable:
             rates = self._interpolated("rates", family, batch, mean_kv_len)
             near = MODEL_WINDOW * min(est.values())
             for v, m in family.splitk.items():
-                if v in rates and est.get(v, math.inf) < near:
-                    est[v] = max(self._splitk_time(family, m, rates[v], batch, mean_kv_len, lens, kv_lens is not None),
+                if est.get(v, math.inf) < near and (rate := self._rate(family, m, rates, est, batch, mean_kv_len)):
+                    est[v] = max(self._splitk_time(family, m, rate, batch, mean_kv_len, lens, kv_lens is not None),
                                  SPLITK_FLOOR * est[v])
         model = family.flashinfer
         if model is None:
@@ -427,8 +433,31 @@ class ServingTable:
             return {}
         batch, mean = len(kv_lens), sum(kv_lens) / len(kv_lens)
         rates = self._interpolated("rates", family, batch, mean)
-        return {v: self._splitk_time(family, m, rates[v], batch, mean, kv_lens, reduce)
-                for v, m in family.splitk.items() if v in rates}
+        times = self._interpolated("times", family, batch, mean)
+        return {v: self._splitk_time(family, m, rate, batch, mean, kv_lens, reduce)
+                for v, m in family.splitk.items() if (rate := self._rate(family, m, rates, times, batch, mean))}
+
+    def _rate(self, family: Family, model: SplitKModel, rates: Mapping[Variant, float],
+              times: Mapping[Variant, float], batch: int, mean_kv_len: float) -> float | None:
+        """The variant's rate interpolated between the points; where the rates cannot be
+        blended (the points around the call share no split-K variant, so a point lacking
+        this one cannot be imputed) but its time can (the vendors' times bridge them), the
+        rate of that interpolated time at a uniform batch of the mean. Without this the
+        model sat out 37 sequences of 540 to 53318 tokens (bf16, 16 heads: no split-K
+        variant at both 33 x 8192 and 33 x 16384), and the interpolated time, blind to the
+        long sequence, picked split-K 24.4% behind FlashInfer (seed 62, docs/perf.md session
+        14). None: no estimate."""
+        rate = rates.get(model.variant)
+        if rate is not None or model.variant not in times:
+            return rate
+        step = round(math.log2(max(mean_kv_len, 1.0)) * _KV_STEPS_PER_OCTAVE)
+        memo_key = ("span", family.key, model.variant, batch, step)
+        if memo_key not in self._memo:
+            if len(self._memo) >= 1 << 16:
+                self._memo.clear()
+            length = max(int(round(2.0 ** (step / _KV_STEPS_PER_OCTAVE))), 1)
+            self._memo[memo_key] = model.schedule(family.key, [length] * batch)[0]
+        return model.rate(times[model.variant], self._memo[memo_key])
 
     def _splitk_time(self, family: Family, model: SplitKModel, rate: float, batch: int, mean_kv_len: float,
                      lens: Sequence[int], reduce: bool) -> float:
