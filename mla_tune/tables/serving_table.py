@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -450,14 +450,9 @@ class ServingTable:
         rate = rates.get(model.variant)
         if rate is not None or model.variant not in times:
             return rate
-        step = round(math.log2(max(mean_kv_len, 1.0)) * _KV_STEPS_PER_OCTAVE)
-        memo_key = ("span", family.key, model.variant, batch, step)
-        if memo_key not in self._memo:
-            if len(self._memo) >= 1 << 16:
-                self._memo.clear()
-            length = max(int(round(2.0 ** (step / _KV_STEPS_PER_OCTAVE))), 1)
-            self._memo[memo_key] = model.schedule(family.key, [length] * batch)[0]
-        return model.rate(times[model.variant], self._memo[memo_key])
+        span = self._at_uniform("span", family, model, batch, mean_kv_len,
+                                lambda n: model.schedule(family.key, [n] * batch)[0])
+        return model.rate(times[model.variant], span)
 
     def _splitk_time(self, family: Family, model: SplitKModel, rate: float, batch: int, mean_kv_len: float,
                      lens: Sequence[int], reduce: bool) -> float:
@@ -470,14 +465,20 @@ class ServingTable:
 
     def _uniform_steps(self, family: Family, model: SplitKModel, batch: int, mean_kv_len: float) -> int:
         """The reduction steps of `batch` sequences of the mean length (to ~1%), memoized."""
+        return self._at_uniform("steps", family, model, batch, mean_kv_len,
+                                lambda n: uniform_reduce_steps(batch, n, family.key.heads, family.key.q_len,
+                                                               dict(model.variant.params), model.sm_count))
+
+    def _at_uniform(self, kind: str, family: Family, model: SplitKModel, batch: int, mean_kv_len: float,
+                    compute: Callable[[int], Any]) -> Any:
+        """compute(length) for a uniform batch of the mean length, the length taken to ~1%
+        and the result memoized per (kind, family, variant, batch, length)."""
         step = round(math.log2(max(mean_kv_len, 1.0)) * _KV_STEPS_PER_OCTAVE)
-        memo_key = ("steps", family.key, model.variant, batch, step)
+        memo_key = (kind, family.key, model.variant, batch, step)
         if memo_key not in self._memo:
             if len(self._memo) >= 1 << 16:
                 self._memo.clear()
-            length = max(int(round(2.0 ** (step / _KV_STEPS_PER_OCTAVE))), 1)
-            self._memo[memo_key] = uniform_reduce_steps(batch, length, family.key.heads, family.key.q_len,
-                                                        dict(model.variant.params), model.sm_count)
+            self._memo[memo_key] = compute(max(int(round(2.0 ** (step / _KV_STEPS_PER_OCTAVE))), 1))
         return self._memo[memo_key]
 
     def _interpolated(self, kind: str, family: Family, batch: int, mean_kv_len: float) -> dict[Variant, float]:

@@ -53,10 +53,7 @@ def splitk_schedule(kv_lens: Sequence[int], heads: int, q_len: int, params: Mapp
                     sm_count: int, item_tokens: float = 0.0) -> tuple[float, int]:
     """(makespan, reduce steps) of the call: `splitk_makespan`, and the steps of the
     reduction's longest loop, `reduce_steps`, from one replay of the split rule."""
-    splits = serving_splits(
-        kv_lens, q_len, heads, max_splits=int(params["max_splits"]),
-        tokens_per_split=int(params["tokens_per_split"]), block_n=int(params["block_n"]),
-        block_h=int(params["block_h"]), split_budget=int(params.get("split_budget", 0)), sm_count=sm_count)
+    splits = serving_splits(kv_lens, q_len, heads, **_rule(params, sm_count))
     items = split_items(kv_lens, splits)
     return (_deal(items, max(heads // int(params["block_h"]), 1), occupancy, sm_count, item_tokens),
             _steps(kv_lens, splits, q_len, heads) if int(params["max_splits"]) > 1 else 0)
@@ -88,12 +85,15 @@ def uniform_reduce_steps(batch: int, kv_len: int, heads: int, q_len: int, params
     """`reduce_steps` of `batch` sequences of kv_len tokens each, without a pass over them."""
     if int(params["max_splits"]) <= 1 or batch < 1:
         return 0
-    split = serving_splits(
-        [kv_len], q_len, heads, max_splits=int(params["max_splits"]),
-        tokens_per_split=int(params["tokens_per_split"]), block_n=int(params["block_n"]),
-        block_h=int(params["block_h"]), split_budget=int(params.get("split_budget", 0)), sm_count=sm_count,
-        batch=batch, total=batch * kv_len)[0]
+    split = serving_splits([kv_len], q_len, heads, **_rule(params, sm_count), batch=batch, total=batch * kv_len)[0]
     return _steps([kv_len], [split], q_len, heads, batch)
+
+
+def _rule(params: Mapping, sm_count: int) -> dict:
+    """A variant's split rule, as serving_splits takes it."""
+    return {"max_splits": int(params["max_splits"]), "tokens_per_split": int(params["tokens_per_split"]),
+            "block_n": int(params["block_n"]), "block_h": int(params["block_h"]),
+            "split_budget": int(params.get("split_budget", 0)), "sm_count": sm_count}
 
 
 def _steps(kv_lens: Sequence[int], splits: Sequence[int], q_len: int, heads: int, batch: int | None = None) -> int:
