@@ -49,7 +49,12 @@ from mla_tune.core import (
     serving_workspace,
 )
 from mla_tune.kernels.launch import jit_launch
-from mla_tune.kernels.split_rule import _sr_WIDE_REDUCE, fill_splits, reduce_splits_per_step
+from mla_tune.kernels.split_rule import (
+    REDUCE_SPLITS_PER_STEP,
+    _sr_WIDE_REDUCE,
+    fill_splits,
+    reduce_splits_per_step,
+)
 
 _fd_LOG2E = 1.4426950408889634
 _fd_Q_MODES = {"bf16": 0, "fp8_static": 1, "fp8_dynamic": 2}
@@ -836,11 +841,12 @@ def flash_decode_serving(
         num_stages=num_stages, **extra,
     )
     if max_splits > 1:
-        slices = reduce_splits_per_step(batch, max_q_len, heads, _fd_WIDE_REDUCE) // 16
+        per_step = reduce_splits_per_step(batch, max_q_len, heads, _fd_WIDE_REDUCE)
+        slices = per_step // REDUCE_SPLITS_PER_STEP[0]  # the wide grid: 4 programs per row, a quarter of D each
         jit_launch(
             _fd_serving_stage2_kernel, (batch, max_q_len, heads * slices), record,
             qo_indptr, workspace.split_count, workspace.split_off, workspace.part_out,
-            workspace.part_lse, out, H=heads, Q_LEN_MAX=q_len_max, BLOCK_S=16 * slices,
+            workspace.part_lse, out, H=heads, Q_LEN_MAX=q_len_max, BLOCK_S=per_step,
             D=V_DIM, D_SLICE=V_DIM // slices, num_warps=4,
         )
     return out

@@ -26,6 +26,7 @@ _sr_WAVE_FILL = 0.8
 # a quarter of the columns and 64 splits per step instead (kernels/flash_decode.py says
 # what it measured).
 _sr_WIDE_REDUCE = 2048
+REDUCE_SPLITS_PER_STEP = (16, 64)  # the reduction's splits per step: its narrow grid, its wide one
 
 
 def _sr_cdiv(a: int, b: int) -> int:
@@ -91,7 +92,8 @@ def reduce_splits_per_step(batch: int, max_q_len: int, heads: int, wide_programs
     the columns per program, while batch x max_q_len x heads x 4 programs stay within
     wide_programs), else 16. A sequence of s splits takes cdiv(s, this) steps, one after
     another: a long sequence in a ragged batch is the reduction's critical path."""
-    return 64 if batch * max_q_len * heads * 4 <= wide_programs else 16
+    narrow, wide = REDUCE_SPLITS_PER_STEP
+    return wide if batch * max_q_len * heads * 4 <= wide_programs else narrow
 
 
 def serving_split_items(kv_lens: Sequence[int], q_len: int, heads: int, *, max_splits: int,

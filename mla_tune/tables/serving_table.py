@@ -14,9 +14,10 @@ every step, so the serving table is keyed the way engines capture and batch thei
   interpolated between the points (`interpolate`); our split-K kernel's as a fitted
   overhead plus its interpolated rate times the call's own schedule (`SplitKModel`,
   tables/splitk_cost.py), plus the measured cost of the reduction steps a long sequence
-  adds (`reduce_step_us`), never far under the interpolation (SPLITK_FLOOR), and FlashInfer's from a model over its schedule for the call's
-  lengths (`VendorModel`, tables/vendor_cost.py), since both step inside a bucket where
-  their programs overflow the SMs, and in ragged batches. The cell is what a table
+  adds (`reduce_step_us`), never far under the interpolation (SPLITK_FLOOR), and
+  FlashInfer's from a model over its schedule for the call's lengths (`VendorModel`,
+  tables/vendor_cost.py), since both step inside a bucket where their programs overflow the
+  SMs, and in ragged batches. The cell is what a table
   without points uses;
 - a CUDA graph cannot depend on kv_len (the lengths are data), so each batch bucket also has
   one *graph pick*: the variant whose worst regret over the family's kv buckets is smallest
@@ -27,17 +28,16 @@ tokens_per_split), which the kernel applies to each sequence on the device.
 
 Schema `serving/5` (`serving/4`, without reduce_step_us, `serving/3`, whose split-K models
 have no item_tokens (0), `serving/2`, without split-K models, and `serving/1`, without
-points either, still load), top level:
-`schema`, `gpu`, `provenance`, `batch_buckets`, `kv_buckets`, `families`. A family is
-`{key: {kv_format, page_size, heads, q_len}, cells: [...], graph: [...], left_out: [...],
-variants: [...], points: [...], flashinfer_model?, splitk_models?, reduce_step_us?}`; `variants` lists the
-family's eager picks and a point `{batch, kv_len, us: {index in variants: median us}}`
-holds the ones the sweep timed there with its last rung's samples; `flashinfer_model` is
-`{variant, sm_count, features, coef, fit_error_p90}`; a split-K model `{variant,
-occupancy, overhead_us, item_tokens, sm_count, fit_error}`; `reduce_step_us` maps the
-splits the split-K reduction adds per step (16, or 64 in its wide grid) to the measured
-cost of a step in us (tune/serving_calibrate.py); a cell `{batch, kv_len,
-variant, time_us, runner_up?}`; a graph pick `{batch, variant, worst_regret,
+points either, still load), top level: `schema`, `gpu`, `provenance`, `batch_buckets`,
+`kv_buckets`, `families`. A family is `{key: {kv_format, page_size, heads, q_len}, cells:
+[...], graph: [...], left_out: [...], variants: [...], points: [...], flashinfer_model?,
+splitk_models?, reduce_step_us?}`; `variants` lists the family's eager picks and a point
+`{batch, kv_len, us: {index in variants: median us}}` holds the ones the sweep timed there
+with its last rung's samples; `flashinfer_model` is `{variant, sm_count, features, coef,
+fit_error_p90}`; a split-K model `{variant, occupancy, overhead_us, item_tokens, sm_count,
+fit_error}`; `reduce_step_us` maps the splits the split-K reduction adds per step (16, or
+64 in its wide grid) to the measured cost of a step in us (tune/serving_calibrate.py); a
+cell `{batch, kv_len, variant, time_us, runner_up?}`; a graph pick `{batch, variant, worst_regret,
 worst_kv_len}` (worst_kv_len 0: the sweep's ragged mix for the bucket); a left-out cell
 `{batch, kv_len, reason}`. Loading never executes anything from the file
 (fileio.read_yaml) and every error names the file, the family and the field.
@@ -56,7 +56,7 @@ from typing import Any
 from mla_tune.backends import known_backends
 from mla_tune.core import CallSpec, Variant
 from mla_tune.fileio import FlowMap, atomic_write_text, dump_yaml, read_yaml
-from mla_tune.kernels.split_rule import reduce_splits_per_step
+from mla_tune.kernels.split_rule import REDUCE_SPLITS_PER_STEP, reduce_splits_per_step
 from mla_tune.tables.splitk_cost import is_splitk, splitk_schedule, uniform_reduce_steps
 from mla_tune.tables.table import TableError, _check_variant
 from mla_tune.tables.vendor_cost import (
@@ -670,9 +670,6 @@ def _family(path: Path, index: int, raw: Any, batch_buckets: list[int], kv_bucke
     family.splitk = _splitk_models(where, raw, known, check_params, family.key)
     family.reduce_step_us = _reduce_steps(where, raw.get("reduce_step_us"))
     return family
-
-
-REDUCE_SPLITS_PER_STEP = (16, 64)  # split_rule.reduce_splits_per_step's two grids
 
 
 def _reduce_steps(where: str, raw: Any) -> dict[int, float]:

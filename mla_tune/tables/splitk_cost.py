@@ -56,7 +56,7 @@ def splitk_schedule(kv_lens: Sequence[int], heads: int, q_len: int, params: Mapp
     splits = serving_splits(kv_lens, q_len, heads, **_rule(params, sm_count))
     items = split_items(kv_lens, splits)
     return (_deal(items, max(heads // int(params["block_h"]), 1), occupancy, sm_count, item_tokens),
-            _steps(kv_lens, splits, q_len, heads) if int(params["max_splits"]) > 1 else 0)
+            _steps(kv_lens, splits, q_len, heads))
 
 
 def splitk_makespan(kv_lens: Sequence[int], heads: int, q_len: int, params: Mapping, occupancy: int,
@@ -78,12 +78,12 @@ def reduce_steps(kv_lens: Sequence[int], heads: int, q_len: int, params: Mapping
     reduction waits for it: on the H200 49 sequences with one of 56161 tokens ran its 110
     splits in 7 steps where the uniform batch of the same tokens ran 2, and the call took
     206 us against 177 (bf16, 16 heads, tokens_per_split 512; docs/perf.md, session 14)."""
-    return splitk_schedule(kv_lens, heads, q_len, params, 1, sm_count)[1]
+    return _steps(kv_lens, serving_splits(kv_lens, q_len, heads, **_rule(params, sm_count)), q_len, heads)
 
 
 def uniform_reduce_steps(batch: int, kv_len: int, heads: int, q_len: int, params: Mapping, sm_count: int) -> int:
     """`reduce_steps` of `batch` sequences of kv_len tokens each, without a pass over them."""
-    if int(params["max_splits"]) <= 1 or batch < 1:
+    if batch < 1:
         return 0
     split = serving_splits([kv_len], q_len, heads, **_rule(params, sm_count), batch=batch, total=batch * kv_len)[0]
     return _steps([kv_len], [split], q_len, heads, batch)
@@ -97,6 +97,8 @@ def _rule(params: Mapping, sm_count: int) -> dict:
 
 
 def _steps(kv_lens: Sequence[int], splits: Sequence[int], q_len: int, heads: int, batch: int | None = None) -> int:
+    """Steps of the longest reduction loop; 0 where every sequence runs one split (max_splits
+    1 always does: its one split writes the output)."""
     most = max((-(-int(n) // s) for n, s in zip(kv_lens, splits, strict=True) if s), default=0)
     per_step = reduce_splits_per_step(len(kv_lens) if batch is None else batch, q_len, heads)
     return -(-most // per_step) if most > 1 else 0

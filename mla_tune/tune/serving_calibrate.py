@@ -42,9 +42,8 @@ from pathlib import Path
 from mla_tune.core import Variant
 from mla_tune.errors import MlaTuneError
 from mla_tune.fileio import FlowMap
-from mla_tune.kernels.split_rule import reduce_splits_per_step
+from mla_tune.kernels.split_rule import REDUCE_SPLITS_PER_STEP, reduce_splits_per_step
 from mla_tune.tables.serving_table import (
-    REDUCE_SPLITS_PER_STEP,
     FamilyKey,
     ServingTable,
     load_serving_table,
@@ -186,9 +185,9 @@ def calibrate(table_path: str | Path, *, config: str | Path | None = None, out: 
         log(f"  [{i}/{len(probes)}] {probe.key}, {probe.per_step} a step: uniform {r['us']['uniform']:.1f} us "
             f"(est {r['estimate_us']['uniform']:.1f}), tail {r['us']['tail']:.1f} (est {r['estimate_us']['tail']:.1f}) "
             f"-> {r['step_us']:.2f} us a step")
-    for r in results:
-        family = next(f for k, f in table.families.items() if str(k) == r["family"])
-        family.reduce_step_us = {**family.reduce_step_us, r["per_step"]: r["step_us"]}
+    for probe, r in zip(probes, results, strict=True):
+        family = table.families[probe.key]
+        family.reduce_step_us = {**family.reduce_step_us, probe.per_step: r["step_us"]}
     table.provenance["reduce_calibration"] = {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "device": platform.device_name, "tail_kv_len": tail_kv_len, "short_kv_len": short_kv_len,
