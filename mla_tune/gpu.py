@@ -135,23 +135,54 @@ def detect(device: int | None = None) -> Platform:
     )
 
 
-# The GPUs a sweep can be planned for without them: name -> (device name, arch, is_hip,
-# SMs or CUs). The one place the package states a GPU's SM count; everything else asks the
-# device (core.device_sm_count) or a Platform.
+@dataclass(frozen=True)
+class GpuFacts:
+    """What a sweep, a dry run or a cross-compile needs to know of a GPU it does not have.
+
+    `arch` is Triton's target ("sm_90", "gfx950"); `sm_count` the SMs (CUDA) or CUs (HIP);
+    `warp_size` the threads of a warp or wavefront; `lds_bytes` the most shared memory (LDS)
+    one kernel may use, the limit Triton's driver checks at load; `config` the default search
+    space, a file name under configs/; `image_triton` the Triton version of the image that GPU
+    runs mla-tune in where it is known (the contest's MI355X runner, the lent H200), else "".
+    """
+
+    device_name: str
+    arch: str
+    is_hip: bool
+    sm_count: int
+    warp_size: int
+    lds_bytes: int
+    config: str
+    image_triton: str = ""
+
+
+# The GPUs a sweep can be planned for without them. The one place the package states a
+# GPU's SM count; everything else asks the device (core.device_sm_count) or a Platform.
 KNOWN_GPUS = {
-    "H200": ("NVIDIA H200", "sm_90", False, 132),
-    "H100": ("NVIDIA H100", "sm_90", False, 132),
-    "MI355X": ("AMD Instinct MI355X", "gfx950", True, 256),
-    "MI300X": ("AMD Instinct MI300X", "gfx942", True, 304),
+    "H200": GpuFacts("NVIDIA H200", "sm_90", False, 132, 32, 232448, "leaderboard.yaml", "3.6.0"),
+    "H100": GpuFacts("NVIDIA H100", "sm_90", False, 132, 32, 232448, "leaderboard.yaml"),
+    "MI355X": GpuFacts("AMD Instinct MI355X", "gfx950", True, 256, 64, 163840, "mi355x.yaml", "3.6.0"),
+    "MI300X": GpuFacts("AMD Instinct MI300X", "gfx942", True, 304, 64, 65536, "mi355x.yaml"),
 }
 # An unknown name is planned as a CUDA GPU of unknown arch with an H200's SM count.
-_UNKNOWN_GPU_SMS = KNOWN_GPUS["H200"][3]
+_UNKNOWN_GPU_SMS = KNOWN_GPUS["H200"].sm_count
+DEFAULT_CONFIG = "leaderboard.yaml"
+
+
+def default_config(name: str) -> str:
+    """The default search space of GPU `name`: its KNOWN_GPUS config, a path under configs/
+    ("configs/mi355x.yaml"); configs/leaderboard.yaml for a GPU mla-tune does not know."""
+    facts = KNOWN_GPUS.get(name)
+    return f"configs/{facts.config if facts else DEFAULT_CONFIG}"
 
 
 def fake_platform(name: str = "H200") -> Platform:
     """A platform for planning without that GPU (--dry-run, tests)."""
-    device_name, arch, is_hip, sms = KNOWN_GPUS.get(name, (name, "unknown", False, _UNKNOWN_GPU_SMS))
-    return Platform(name, device_name, arch, is_hip, sms, "", software_versions())
+    facts = KNOWN_GPUS.get(name)
+    if facts is None:
+        return Platform(name, name, "unknown", False, _UNKNOWN_GPU_SMS, "", software_versions())
+    return Platform(name, facts.device_name, facts.arch, facts.is_hip, facts.sm_count, "",
+                    software_versions())
 
 
 def simulated_platform(name: str) -> Platform:
