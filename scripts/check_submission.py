@@ -19,6 +19,15 @@ alternating the two over `--rounds` rounds, and prints new/old per shape as the 
 ratio (figures at the same position in a round; see paired_ratio); `--table T.yaml` adds each shape's time recorded in a table and
 the ratio to it. `--max-ratio 1.03` then makes the exit status 1 for a shape slower than
 that against the other file.
+
+Ranked mode, `--ranked`: the contest's `leaderboard` mode as its eval.py runs it. Per shape,
+one checked warm-up call, then up to `--ranked-reps` timed calls, each on FRESH inputs (the
+seed steps by 13 every call, as eval.py's recheck does), L2 flushed and the GPU held busy
+ahead of each call, every output checked under the `leaderboard` rule against the fp32
+reference of a copy of its inputs taken before the call. It stops early as eval.py does (the
+mean's relative error under 0.1%, or 30 s of kernel time). The figure is the mean, as the
+contest ranks; a shape passes only if every call passed. With `--against`, both files run
+the same seeds, alternating per call.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ from pathlib import Path
 import torch
 
 from mla_tune.problem import RULES, check, generate_input, reference
-from mla_tune.tune.timing import time_call
+from mla_tune.tune.timing import FLUSH_BYTES, hold_gpu, time_call, wall_time
 
 BENCH_SHAPES = [(b, kv) for b in (4, 32, 64, 256) for kv in (1024, 8192)]
 TEST_SHAPES = [(4, 1024), (32, 1024), (64, 8192), (256, 8192)]
@@ -78,6 +87,59 @@ def paired_ratio(mine: list[float], theirs: list[float]) -> float:
     return math.exp(sum(map(math.log, ratios)) / len(ratios))
 
 
+def ranked_run(subs: list, batch: int, kv_len: int, seed: int, reps: int) -> list[dict]:
+    """The contest's ranked protocol for each of `subs` at one shape, the submissions
+    alternating per call on the same fresh inputs: per submission, its call times (us), how
+    many of its checked calls passed, and the first failure's message."""
+    first = generate_input(batch, kv_len, seed, device="cuda")
+    ref = reference(first)
+    stats = []
+    for sub in subs:  # eval.py's obligatory first check, which also compiles and warms
+        result = check(sub.custom_kernel(first), ref, RULES["leaderboard"])
+        stats.append({"durations_us": [], "passed": int(result.passed), "checked": 1,
+                      "first_failure": None if result.passed else "warm-up call: " + result.reason})
+    ahead_us = max(200.0, 3.0 * max(wall_time(lambda s=s, d=first: s.custom_kernel(d), reps=3).median_us
+                                    for s in subs))
+    del first, ref
+    flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for i in range(reps):
+        seed += 13
+        data = generate_input(batch, kv_len, seed, device="cuda")
+        copy = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in data)
+        order = range(len(subs)) if i % 2 == 0 else reversed(range(len(subs)))
+        for k in order:
+            torch.cuda.synchronize()
+            flush.fill_(1.0)
+            hold_gpu(ahead_us)
+            start.record()
+            out = subs[k].custom_kernel(data)
+            end.record()
+            torch.cuda.synchronize()
+            result = check(out, reference(copy), RULES["leaderboard"])
+            st = stats[k]
+            st["durations_us"].append(start.elapsed_time(end) * 1000.0)
+            st["checked"] += 1
+            st["passed"] += int(result.passed)
+            if not result.passed and st["first_failure"] is None:
+                st["first_failure"] = f"call {i + 1} (seed {seed}): {result.reason}"
+            del out
+        durations = stats[0]["durations_us"]
+        if i > 1:
+            n = len(durations)
+            mean = sum(durations) / n
+            std = math.sqrt(sum((d - mean) ** 2 for d in durations) / (n - 1))
+            if std / math.sqrt(n) / mean < 0.001 or mean * n > 30e6:
+                break
+    del flush
+    for st in stats:
+        d = st["durations_us"]
+        st["mean_us"] = sum(d) / len(d)
+        st["median_us"] = sorted(d)[len(d) // 2]
+        st["pass"] = st["passed"] == st["checked"]
+    return stats
+
+
 def parse_shapes(text: str) -> list[tuple[str, int, int]]:
     """(kind, batch, kv_len) for `bench`, `test` and `BxN` items; exits with one line on a bad item."""
     shapes: list[tuple[str, int, int]] = []
@@ -113,7 +175,13 @@ def main() -> int:
                         help="a table whose recorded winner times are printed beside")
     parser.add_argument("--max-ratio", type=float, default=None,
                         help="with --against: fail a shape slower than this ratio (e.g. 1.03)")
+    parser.add_argument("--ranked", action="store_true",
+                        help="the contest's ranked mode: fresh inputs for every timed call, each checked")
+    parser.add_argument("--ranked-reps", type=int, default=100,
+                        help="with --ranked: at most this many timed calls per shape (eval.py: 100)")
     args = parser.parse_args()
+    if args.ranked:
+        return main_ranked(args)
 
     shapes = parse_shapes(args.shapes)
     module = import_submission(args.submission)
@@ -180,6 +248,46 @@ def main() -> int:
         print(f"FAIL under the {args.require} rule: {', '.join(failed)}")
     slower = [f"{r['batch']}x{r['kv_len']} ({r['paired_ratio']:.3f})" for r in rows
               if args.max_ratio and "paired_ratio" in r and r["paired_ratio"] > args.max_ratio]
+    if slower:
+        print(f"SLOWER than {args.against} by more than {args.max_ratio}x: {', '.join(slower)}")
+    return 1 if failed or slower else 0
+
+
+def main_ranked(args) -> int:
+    """--ranked: every shape under the contest's ranked protocol; exit 1 if any call failed
+    its check (or, with --max-ratio, a shape's mean is slower than --against's by more)."""
+    shapes = parse_shapes(args.shapes)
+    subs = [import_submission(args.submission)] + ([import_submission(args.against)] if args.against else [])
+    rows = []
+    for i, (kind, batch, kv_len) in enumerate(shapes):
+        stats = ranked_run(subs, batch, kv_len, args.seed + 1000 * i, args.ranked_reps)
+        row = {"kind": kind, "batch": batch, "kv_len": kv_len, **{k: v for k, v in stats[0].items()}}
+        if len(stats) > 1:
+            row["against"] = stats[1]
+            row["ratio"] = stats[0]["mean_us"] / stats[1]["mean_us"]
+        rows.append(row)
+        torch.cuda.empty_cache()
+    bench = [r["mean_us"] for r in rows if r["kind"] == "bench"]
+    geomean = math.exp(sum(math.log(t) for t in bench) / len(bench)) if bench else float("nan")
+    print(f"\nranked mode: {args.submission} on {torch.cuda.get_device_name()}")
+    print(f"{'kind':5} {'shape':>10} {'checked':>8} {'mean_us':>9} {'median':>8}")
+    for r in rows:
+        print(f"{r['kind']:5} {r['batch']:>4}x{r['kv_len']:<5} {r['passed']:>3}/{r['checked']:<4} "
+              f"{r['mean_us']:9.1f} {r['median_us']:8.1f}"
+              + (f"  vs {r['against']['mean_us']:8.1f} ({r['against']['passed']}/{r['against']['checked']}),"
+                 f" ratio {r['ratio']:5.3f}" if "against" in r else ""))
+        if r["first_failure"]:
+            print(f"      first failure: {r['first_failure']}")
+    print(f"geomean of means over the benchmark shapes: {geomean:.1f} us")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "check_submission_ranked.json").write_text(
+            json.dumps({"rows": rows, "geomean_us": geomean}, indent=1))
+    failed = [f"{r['batch']}x{r['kv_len']}" for r in rows if not r["pass"]]
+    if failed:
+        print(f"FAIL: a ranked call's check failed at {', '.join(failed)}")
+    slower = [f"{r['batch']}x{r['kv_len']} ({r['ratio']:.3f})" for r in rows
+              if args.max_ratio and "ratio" in r and r["ratio"] > args.max_ratio]
     if slower:
         print(f"SLOWER than {args.against} by more than {args.max_ratio}x: {', '.join(slower)}")
     return 1 if failed or slower else 0
