@@ -9,7 +9,6 @@ traceback. Reading commands (show, diff) import neither torch nor a backend.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,12 +18,13 @@ import typer
 
 from mla_tune import __version__
 from mla_tune.errors import MlaTuneError
+from mla_tune.locate import GPU_NAME, config_path
 
 app = typer.Typer(rich_markup_mode="rich", no_args_is_help=True,
                   context_settings={"help_option_names": ["-h", "--help"]})
 
 # A GPU name becomes a file name (tables/NAME.yaml): letters, digits, '-' and '_' only.
-_GPU_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+_GPU_NAME = GPU_NAME
 
 
 @contextmanager
@@ -69,14 +69,19 @@ def _table_path(gpu: str | None, table: Path | None) -> Path:
         return table
     if not gpu:
         raise _usage_error("name the GPU with --gpu NAME or a table file with --table PATH")
-    path = Path("tables") / f"{gpu}.yaml"
-    if not path.exists():
-        here = sorted(p.stem for p in Path("tables").glob("*.yaml"))
+    from mla_tune import locate  # $MLA_TUNE_TABLES, ./tables, the packaged tables
+
+    path = locate.find_table(gpu)
+    if path is None:
+        dirs = locate.table_dirs()
+        here = locate.available()
         same = [name for name in here if name.lower() == gpu.lower()]
+        where = (str(dirs[0][1] / f"{gpu}.yaml") if len(dirs) == 1 else
+                 f"{gpu}.yaml in {locate.searched_text(gpu)}")
         hint = (f"did you mean --gpu {same[0]}?" if same else
-                f"tables here: {', '.join(here)}" if here else "no tables in ./tables: run from "
-                "the repository root or pass --table PATH")
-        raise MlaTuneError(f"no table {path} for --gpu {gpu} ({hint}); make one with "
+                f"tables here: {', '.join(here)}" if here else "no tables there: set "
+                f"{locate.ENV_TABLES} to a folder of tables or pass --table PATH")
+        raise MlaTuneError(f"no table {where} for --gpu {gpu} ({hint}); make one with "
                            f"`mla-tune sweep --gpu {gpu}`")
     return path
 
@@ -95,7 +100,8 @@ def _print_json(data) -> None:
 
 
 _GpuOption = Annotated[str | None, typer.Option(
-    callback=_check_gpu, help="The GPU whose table to use: tables/GPU.yaml (e.g. H200).")]
+    callback=_check_gpu, help="The GPU whose table to use: GPU.yaml (e.g. H200) from "
+    "$MLA_TUNE_TABLES, ./tables or the packaged tables, first found.")]
 _TableOption = Annotated[Path | None, typer.Option(
     help="A table file to use instead of tables/GPU.yaml.")]
 _JsonOption = Annotated[bool, typer.Option(
@@ -144,6 +150,7 @@ def sweep(
             device_list = [int(d) for d in _list(devices, "--devices")]
         except ValueError:
             raise _usage_error(f"--devices must be GPU indices like 0,1, got {devices!r}") from None
+    config = config_path(config)  # configs/NAME.yaml, else the packaged copy (mla_tune/locate.py)
     with _domain_errors():
         from mla_tune.tune.serving_config import is_serving_config
 

@@ -26,10 +26,12 @@ from mla_tune.backends import (
 )
 from mla_tune.core import Shape, Variant, require
 from mla_tune.gpu import Platform, detect
+from mla_tune.locate import is_gpu_name, packaged_dir, table_path
 from mla_tune.tables.dispatch import Dispatcher, dispatch_fallback, dispatch_fallback_backend
 from mla_tune.tables.table import Table, TableError, load_table
 
-TABLES_DIR = Path(__file__).resolve().parents[2] / "tables"
+# The packaged tables, the last folder a GPU name is looked up in (mla_tune/locate.py).
+TABLES_DIR = packaged_dir("tables")
 # Versions whose change can move kernel timings or behaviour (python's cannot): these, and
 # each backend's vendor distribution (CAPABILITIES.vendor) with its commit where the
 # provenance records one (AITER's: gpu.software_versions).
@@ -258,7 +260,9 @@ class Runtime:
 
 def load(gpu: str | None = None, table: str | Path | None = None, allow_other_gpu: bool = False,
          device=None, check_q_range: bool | str = "count") -> Runtime:
-    """Load the table for `gpu` (default: this GPU) from tables/, or the table at `table`.
+    """Load the table for `gpu` (default: this GPU), or `table`: a path, or a GPU name looked
+    up in $MLA_TUNE_TABLES, ./tables, then the packaged tables (mla_tune/locate.py). A `gpu`
+    that is not a GPU name (a path such as "x.yaml") is taken as `table`.
 
     check_q_range (off | count | warn | raise; True = raise, False = off): what q=fp8_static
     calls do about q beyond their calibrated q_amax; see QRangeCheck and docs/runtime.md.
@@ -268,7 +272,9 @@ def load(gpu: str | None = None, table: str | Path | None = None, allow_other_gp
             f"(or True for raise, False for off), got {check_q_range!r}")
     dev = torch.device(device) if device is not None else None
     platform = detect(dev.index if dev is not None and dev.type == "cuda" else None)
-    path = Path(table) if table is not None else TABLES_DIR / f"{gpu or platform.name}.yaml"
+    if table is None and gpu is not None and not is_gpu_name(gpu):
+        gpu, table = None, gpu  # load("x.yaml"): a path, not a GPU named x.yaml
+    path = table_path(table if table is not None else gpu or platform.name, packaged=TABLES_DIR)
     loaded = load_table(path)
     if gpu is not None and loaded.gpu != gpu:
         raise TableError(f"table {path} was made for {loaded.gpu}, not {gpu}; pass the table "

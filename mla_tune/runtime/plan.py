@@ -46,11 +46,11 @@ from __future__ import annotations
 
 import math
 import warnings
-from pathlib import Path
 
 import torch
 
 from mla_tune.core import QK_DIM, CallSpec, Variant
+from mla_tune.locate import table_path
 from mla_tune.runtime.decode import Decoder, runner_step, spec_text
 from mla_tune.tables.serving_table import ServingTable, batch_bucket, load_serving_table
 
@@ -62,7 +62,7 @@ def _no_step(*_args):
 def _table(table) -> ServingTable | None:
     if table is None or isinstance(table, ServingTable):
         return table
-    return load_serving_table(Path(table))
+    return load_serving_table(table_path(table, serving=True))  # a path or a GPU name (locate.py)
 
 
 class DecodePlan:

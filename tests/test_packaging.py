@@ -1,0 +1,132 @@
+"""Tables that ship: one lookup order for the CLI and the runtime (mla_tune/locate.py), and a
+built wheel that finds the committed tables from outside the checkout (setup.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import site
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from mla_tune import locate, runtime
+from mla_tune.tables.table import TableError
+
+REPO = Path(__file__).resolve().parents[1]
+FAKES = Path(__file__).resolve().parent / "fakes"
+
+
+def _tables(folder: Path, *names: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        (folder / name).write_text("schema: 1\n")
+    return folder
+
+
+def test_a_gpu_name_is_looked_up_env_then_cwd_then_packaged(monkeypatch, tmp_path):
+    env, cwd, pkg = tmp_path / "env", tmp_path / "cwd", tmp_path / "pkg"
+    _tables(env, "A.yaml")
+    _tables(cwd / "tables", "A.yaml", "B.yaml")
+    _tables(pkg, "A.yaml", "B.yaml", "C.yaml", "C.serving.yaml")
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv(locate.ENV_TABLES, str(env))
+    assert locate.table_path("A", packaged=pkg) == env / "A.yaml"
+    assert locate.table_path("B", packaged=pkg).resolve() == (cwd / "tables" / "B.yaml").resolve()
+    assert locate.table_path("C", packaged=pkg) == pkg / "C.yaml"
+    assert locate.table_path("C", serving=True, packaged=pkg) == pkg / "C.serving.yaml"
+    assert locate.available(packaged=pkg) == ["A", "B", "C"]
+    monkeypatch.delenv(locate.ENV_TABLES)
+    assert locate.table_path("A", packaged=pkg).resolve() == (cwd / "tables" / "A.yaml").resolve()
+    with pytest.raises(TableError) as info:
+        locate.table_path("D", packaged=pkg)
+    message = str(info.value)
+    assert "D.yaml does not exist" in message and "./tables" in message and str(pkg) in message
+    assert "tables there: A, B, C" in message
+
+
+def test_a_path_is_a_path_and_a_name_is_a_name(tmp_path):
+    assert locate.table_path("x.yaml") == Path("x.yaml")
+    assert locate.table_path(tmp_path / "H200") == tmp_path / "H200"  # a Path is never a name
+    assert locate.table_path("some/H200") == Path("some/H200")
+    assert locate.is_gpu_name("MI355X") and not locate.is_gpu_name("H200.yaml")
+    # the same folder reached twice (./tables is the checkout's) is searched once
+    dirs = locate.table_dirs(packaged=Path("tables"))
+    assert [label for label, _ in dirs].count("./tables") == 1 and len(dirs) == 1
+
+
+def test_runtime_load_takes_a_path_as_its_first_argument(tmp_path):
+    missing = tmp_path / "x.yaml"
+    with pytest.raises(TableError, match=r"x\.yaml does not exist"):
+        runtime.load(str(missing))  # a path, not a GPU named ".../x.yaml"
+    with pytest.raises(TableError, match=r"NOPE\.yaml does not exist.*searched"):
+        runtime.load(table="NOPE")
+
+
+def test_a_config_path_falls_back_to_the_packaged_copy(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    packaged = locate.packaged_dir("configs")
+    assert packaged is not None and (packaged / "leaderboard.yaml").is_file()
+    assert locate.config_path("configs/leaderboard.yaml") == packaged / "leaderboard.yaml"
+    assert locate.config_path("elsewhere/leaderboard.yaml") == Path("elsewhere/leaderboard.yaml")
+    _tables(tmp_path / "configs", "leaderboard.yaml")
+    assert locate.config_path("configs/leaderboard.yaml") == Path("configs/leaderboard.yaml")
+
+
+def _site_dirs() -> list[str]:
+    dirs = [*site.getsitepackages(), sysconfig.get_paths()["purelib"]]
+    return list(dict.fromkeys(d for d in dirs if Path(d).is_dir()))
+
+
+def test_a_built_wheel_ships_the_tables_and_finds_them_outside_the_checkout(tmp_path):
+    """About 15-25 s on the 2-core CPU machine: build, a fresh venv, install, three calls."""
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(wheels), "."], cwd=REPO, check=True)
+    (wheel,) = wheels.glob("mla_tune-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages",
+                    str(venv)], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
+                    "--no-index", "-q", str(wheel)], check=True)
+    # Then (not before: pip must not see this process's mla_tune) this process's packages,
+    # torch among them, as plain path entries; their .pth files (an editable mla_tune's
+    # finder) are not run, so mla_tune can only come from the wheel.
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    Path(purelib, "_outer_site.pth").write_text("".join(f"{d}\n" for d in _site_dirs()))
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", locate.ENV_TABLES)}
+    # the vendor fakes stand in for flash_mla / flashinfer, which the table's picks name
+    env.update(TRITON_INTERPRET="1", PYTHONPATH=str(FAKES))
+    show = subprocess.run([str(venv / "bin" / "mla-tune"), "show", "--gpu", "H200", "--json"],
+                          cwd=outside, env=env, capture_output=True, text=True)
+    assert show.returncode == 0, show.stderr
+    shown = json.loads(show.stdout)
+    assert shown["path"] == f"{purelib}/mla_tune/data/tables/H200.yaml" and len(shown["rows"]) == 8
+    script = (
+        "import warnings; warnings.simplefilter('ignore')\n"
+        "import mla_tune\n"
+        "from mla_tune import runtime\n"
+        "from mla_tune.core import CallSpec\n"
+        "from mla_tune.runtime.plan import DecodePlan\n"
+        "print(mla_tune.__file__)\n"
+        "rt = runtime.load(table='H200', allow_other_gpu=True)\n"
+        "print(rt.table.path, len(rt.table.rows))\n"
+        "spec = CallSpec('fp8', page_size=64, heads=16, max_q_len=1, graph=True, host_lengths=True)\n"
+        "plan = DecodePlan(spec, max_batch=8, table='H200', warm=False)\n"
+        "print(plan.table.path, len(plan.variants))\n")
+    run = subprocess.run([str(python), "-c", script], cwd=outside, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    module, table, serving = run.stdout.splitlines()[-3:]
+    assert module == f"{purelib}/mla_tune/__init__.py"  # the installed copy, not the checkout
+    assert table == f"{purelib}/mla_tune/data/tables/H200.yaml 8"
+    path, variants = serving.split()
+    assert path == f"{purelib}/mla_tune/data/tables/H200.serving.yaml" and int(variants) >= 2
+    shutil.rmtree(venv)
