@@ -1,0 +1,74 @@
+"""Page-1 addressing (mla_tune/integrations/indices.py): SGLang's kv_indptr + kv_indices
+turned on the device into the block table, checked entry by entry and through the serving
+call against the block-table path and the fp32 reference (Triton's interpreter on the CPU)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from mla_tune import problem, serving
+from mla_tune.core import CallSpec
+from mla_tune.integrations.indices import PageOneTable, indices_to_block_table
+from mla_tune.runtime.plan import DecodePlan
+
+LENS = [1, 17, 63, 65, 130]  # odd lengths, one past a 128-column program
+
+
+def _as_indices(inp: serving.ServingInput, dtype=torch.int64):
+    """A page-1 input's block table as SGLang's kv_indptr + kv_indices."""
+    rows = [inp.block_table[b, :n] for b, n in enumerate(inp.kv_lens)]
+    indptr = torch.tensor([0, *itertools.accumulate(inp.kv_lens)], dtype=torch.int32, device=inp.q.device)
+    return indptr, torch.cat(rows).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_the_table_holds_each_sequences_slots_and_leaves_the_rest(dtype, device):
+    inp = serving.make_input([1] * len(LENS), LENS, 16, 1, "bf16", seed=3, device=device)
+    indptr, indices = _as_indices(inp, dtype)
+    table = torch.full((8, 160), -7, dtype=torch.int32, device=device)
+    lens = torch.full((8,), -7, dtype=torch.int32, device=device)
+    indices_to_block_table(indptr, indices, table, lens)
+    assert lens[: len(LENS)].tolist() == LENS and lens[len(LENS):].tolist() == [-7] * 3
+    for b, n in enumerate(LENS):
+        assert torch.equal(table[b, :n], inp.block_table[b, :n])
+        assert (table[b, n:] == -7).all()  # past the length: untouched
+    assert (table[len(LENS):] == -7).all()
+
+
+def test_bad_buffers_are_refused_with_what_was_expected(device):
+    indptr = torch.tensor([0, 2], dtype=torch.int32, device=device)
+    indices = torch.tensor([4, 5], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"block_table must be a \(>= 1, width\) int32"):
+        indices_to_block_table(indptr, indices, torch.zeros((1, 4), dtype=torch.int64), torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="kv_indices must be int32 or int64"):
+        indices_to_block_table(indptr, indices.float(), torch.zeros((1, 4), dtype=torch.int32),
+                               torch.zeros(1, dtype=torch.int32))
+    pages = PageOneTable(2, 4, device=device)
+    with pytest.raises(ValueError, match="a sequence of 5 tokens, but the page-1 table holds 4"):
+        pages.update(indptr, indices, kv_lens_host=[5])
+
+
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
+def test_a_page_one_cache_through_the_plan_matches_the_block_table_path(kv_format, device):
+    spec = CallSpec(kv_format, page_size=1, heads=16, max_q_len=2, mixed_q_len=True)
+    plan = DecodePlan(spec, max_batch=4, device=device)
+    pages = PageOneTable(4, 64, device=device)
+    q_lens = [1, 2, 2]
+    for step, seed in enumerate((11,)):
+        lens = [n + step for n in (1, 17, 40)]
+        inp = serving.make_input(q_lens, lens, 16, 1, kv_format, seed=seed, device=device)
+        indptr, indices = _as_indices(inp)
+        block_table, seq_lens = pages.update(indptr, indices, kv_lens_host=lens)
+        assert block_table.data_ptr() == pages.block_table.data_ptr()  # the same storage each step
+        plan.update(inp.qo_indptr, block_table=block_table, seq_lens=seq_lens)
+        out = plan.run(inp.q, inp.kv, inp.kv_scale).clone()
+        plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
+        direct = plan.run(inp.q, inp.kv, inp.kv_scale)
+        assert torch.equal(out, direct)
+        ref = inp.reference()
+        assert not torch.isnan(out).any()
+        result = problem.check(out, ref, problem.RULES["strict"])
+        assert result.passed, f"{kv_format} step {step}: {result}"
