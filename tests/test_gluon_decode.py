@@ -81,7 +81,7 @@ def test_unavailable_reason_says_why_the_kernel_cannot_run_here():
     reason = gluon_fused.unavailable_reason()
     if gluon_decode.GD_UNAVAILABLE is not None:
         assert reason == gluon_decode.GD_UNAVAILABLE and "triton 3.6" in reason
-    elif not torch.cuda.is_available():
+    elif not torch.cuda.is_available():  # the version is fine (3.6 or 3.9): the GPU is missing
         assert reason == "gluon_fused needs an NVIDIA sm_90 GPU (Gluon has no CPU interpreter)"
     if reason is not None:  # always here on the CPU; on the H200 the GPU tests build it
         with pytest.raises(ValueError, match=r"gluon_fused cannot run here: "):
@@ -100,6 +100,22 @@ def test_the_module_imports_without_gluon_and_says_so(monkeypatch):
     with pytest.raises(RuntimeError, match="no usable Gluon"):
         module.gluon_decode(None, None, None, None, None, None, None, num_splits=1, block_n=64,
                             num_stages=3, v_path="ss16", sm_scale_log2=1.0)
+
+
+def test_a_gluon_without_a_name_the_kernel_calls_says_which(monkeypatch):
+    if gluon_decode.gluon is None:
+        pytest.skip(f"no Gluon in this Triton: {gluon_decode.GD_UNAVAILABLE}")
+    from triton.experimental.gluon.language.nvidia.hopper import tma
+
+    for name in ("async_load", "async_copy_global_to_shared"):  # 3.9's name and 3.6's
+        monkeypatch.delattr(tma, name, raising=False)
+    path = Path(gluon_decode.__file__)
+    spec = importlib.util.spec_from_file_location("gluon_decode_without_a_tma_load", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert "lacks tma.async_load or tma.async_copy_global_to_shared, which the Gluon kernel calls" in (
+        module.GD_UNAVAILABLE)
+    assert module.GD_UNAVAILABLE.endswith("install triton 3.6 (run on the H200) or 3.9 (compiled for sm_90)")
 
 
 def test_the_modules_pass_the_exporters_rules_beside_every_backend():

@@ -42,9 +42,15 @@ operand lives, so here:
   epilogue run in the default warps outside the specialized region; the kernel issues the
   first STAGES tiles itself. ws 2 needs 168 registers x 12 warps: one CTA per SM.
 
-The Gluon API used is Triton 3.6's (tma.async_copy_global_to_shared, mbarrier.expect(bar,
-bytes, pred), gl.warp_specialize([(fn, args), ...], worker_warps, worker_regs)); Triton 3.9
-renamed the TMA load, so GD_UNAVAILABLE says why it cannot run elsewhere. Gluon has no CPU interpreter: the kernel runs only on an sm_90 GPU.
+The Gluon API is Triton 3.6's (mbarrier.expect(bar, bytes, pred), gl.warp_specialize([(fn,
+args), ...], worker_warps, worker_regs)), with three names that later Tritons renamed taken
+through aliases chosen by feature detection (the compatibility block below): the TMA load
+(3.6 tma.async_copy_global_to_shared, 3.9 tma.async_load), the CTA barrier (gl.thread_barrier,
+gl.barrier) and the shared-memory reinterpret (._reinterpret, .reinterpret). Each pair has
+the same arguments and emits the same IR, so on 3.6 the kernel compiles to the binary it did
+before the aliases (tests/test_gluon_compile.py compiles it for sm_90 under 3.6 and 3.9).
+GD_UNAVAILABLE says what is missing where a Triton has neither name. Gluon has no CPU
+interpreter: the kernel runs only on an sm_90 GPU.
 
 Exportable module: private names start with `_gd_`.
 """
@@ -67,12 +73,26 @@ try:
         warpgroup_mma_wait,
     )
 
+    # The compatibility block: each renamed builtin by whichever name this Triton has (3.6's
+    # first, except the TMA load: 3.9 keeps 3.6's name as a stub that raises), the same call
+    # in the kernel either way.
+    _gd_smem_desc = gl.shared_memory_descriptor
+    _gd_tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared", None)
+    _gd_cta_barrier = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier", None)
+    _gd_smem_reinterpret = getattr(_gd_smem_desc, "_reinterpret", None) or getattr(_gd_smem_desc, "reinterpret", None)
+    _gd_missing = [name for name, found in (("tma.async_load or tma.async_copy_global_to_shared", _gd_tma_load),
+                                            ("gl.thread_barrier or gl.barrier", _gd_cta_barrier),
+                                            ("shared_memory_descriptor._reinterpret or .reinterpret",
+                                             _gd_smem_reinterpret),
+                                            ("gl.warp_specialize", getattr(gl, "warp_specialize", None)))
+                   if found is None]
     GD_UNAVAILABLE = None
-    if not triton.__version__.startswith("3.6."):
-        GD_UNAVAILABLE = (f"the Gluon kernel is written for Triton 3.6's Gluon API; this is triton "
-                          f"{triton.__version__} (3.9 renamed the TMA load); install triton 3.6")
-except ImportError as _gd_exc:
+    if _gd_missing:
+        GD_UNAVAILABLE = (f"this Triton's Gluon ({triton.__version__}) lacks {', '.join(_gd_missing)}, which the "
+                          "Gluon kernel calls; install triton 3.6 (run on the H200) or 3.9 (compiled for sm_90)")
+except (ImportError, AttributeError) as _gd_exc:
     gluon = gl = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = None
+    _gd_tma_load = _gd_cta_barrier = _gd_smem_reinterpret = None
     GD_UNAVAILABLE = f"this Triton ({triton.__version__}) has no usable Gluon ({_gd_exc}); install triton 3.6"
 
 GD_V_PATHS = {"ss16": 0, "rs16": 1, "rs8": 2, "ss16a": 3}
@@ -146,15 +166,15 @@ def _gd_pv_box(kv_box, v16_s, c, p_s, o, V_PATH: gl.constexpr, BN: gl.constexpr)
         buf = v16_s.index(c)
         buf.store(kv_box.load(rows_l).to(gl.float16))
         fence_async_shared()
-        gl.thread_barrier()
+        _gd_cta_barrier()
         o = warpgroup_mma(buf.permute((1, 0)), p_s, o, is_async=True)
     else:
         buf = v16_s.index(0)
         v16 = kv_box.load(rows_l).to(gl.float16)
-        gl.thread_barrier()  # every warp is done with the previous box's fp16 copy
+        _gd_cta_barrier()  # every warp is done with the previous box's fp16 copy
         buf.store(v16)
         fence_async_shared()
-        gl.thread_barrier()
+        _gd_cta_barrier()
         if V_PATH == 0:
             o = warpgroup_mma(buf.permute((1, 0)), p_s, o)
         else:
@@ -195,10 +215,10 @@ def _gd_tile(kv_s, base, q_s, p_s, v16_s, col_scale, tok0, rows, end, half, m_i,
     p = gl.exp2(s_acc - m_new[None, :])
     l_i = l_i * alpha + gl.sum(p, 0)
     m_i = m_new
-    gl.thread_barrier()  # the previous tile's P^T has been read by every MMA
+    _gd_cta_barrier()  # the previous tile's P^T has been read by every MMA
     p_s.store(p.to(gl.float16))
     fence_async_shared()
-    gl.thread_barrier()
+    _gd_cta_barrier()
 
     alpha_o = gl.convert_layout(alpha, gl.SliceLayout(0, o_l))[None, :]
     if V_HALVES == 1:
@@ -287,7 +307,7 @@ def _gd_decode_kernel(
         qs_s = gl.allocate_shared_memory(gl.float32, [16], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         qs_s.store(q_scale)
     fence_async_shared()
-    gl.thread_barrier()
+    _gd_cta_barrier()
 
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 32])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
@@ -309,7 +329,7 @@ def _gd_decode_kernel(
             stage = i % STAGES
             mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
             # Refill the stage tile i - 1 used: every warp has finished with it.
-            gl.thread_barrier()
+            _gd_cta_barrier()
             nxt = i + STAGES - 1
             _gd_issue_tile(kv_desc, kv_s, bars, nxt % STAGES, start + nxt * BN, nxt < n_tiles)
             m_i, l_i, o0, o1, o2, o3 = _gd_tile(kv_s, stage * 5, q_s, p_s, v16_s, col_scale, start + i * BN, rows,
@@ -328,7 +348,7 @@ def _gd_decode_kernel(
         done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         mbarrier.init(done.index(0), count=1)
         fence_async_shared()
-        gl.thread_barrier()
+        _gd_cta_barrier()
         m_i, l_i, o0, o1, o2, o3 = gl.warp_specialize([
             (_gd_ws_consume_merge, (kv_s, q_s, qs_s, bars, empty, done, KV_SCALE, sm_scale_log2, start, end,
                                     n_tiles, half, BN, STAGES, V_PATH, V_HALVES)),
@@ -404,7 +424,7 @@ def _gd_ws_consume(kv_s, q_s, qs_s, bars, empty, KV_SCALE, sm_scale_log2, start,
         # Every warp's generic reads of the slot (the V path) come before the loader's TMA
         # rewrites it (async proxy): fence, warpgroup barrier, one arrival.
         fence_async_shared()
-        gl.thread_barrier()
+        _gd_cta_barrier()
         mbarrier.arrive(empty.index(stage))
     return m_i, l_i, o0, o1, o2, o3
 
@@ -418,8 +438,9 @@ def _gd_ws_hand_over_views(kv_s, n_tiles, BN: gl.constexpr, STAGES: gl.constexpr
     m and l after them (64-byte rows slot * 10 * BN + 512 and + 1)."""
     last = (n_tiles - 2) // 2 * 2 + 1
     slot = last % STAGES
-    o_view = kv_s._reinterpret(gl.float32, [STAGES * 5 * BN // 64, 128, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    ml_view = kv_s._reinterpret(gl.float32, [STAGES * 10 * BN, 16], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    o_view = _gd_smem_reinterpret(kv_s, gl.float32, [STAGES * 5 * BN // 64, 128, 16],
+                                  gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    ml_view = _gd_smem_reinterpret(kv_s, gl.float32, [STAGES * 10 * BN, 16], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     return o_view, ml_view, slot * (5 * BN // 64), slot * 10 * BN + 512
 
 
@@ -441,7 +462,7 @@ def _gd_ws_consume_hand_over(kv_s, q_s, qs_s, bars, empty, done, KV_SCALE, sm_sc
         if V_HALVES == 1:
             o_view.index(o_at + 2).store(o2)
             o_view.index(o_at + 3).store(o3)
-        gl.thread_barrier()  # every warp's stores, then one (release) arrival
+        _gd_cta_barrier()  # every warp's stores, then one (release) arrival
         mbarrier.arrive(done.index(0))
 
 
@@ -496,7 +517,7 @@ def _gd_reduce_in_kernel(PART_O, PART_LSE, OUT, COUNT, FLAG, b, split, half, num
     VD: gl.constexpr = 512 // V_HALVES
     RW: gl.constexpr = VD // NS  # a [NS x 16 x RW] tile is 16 x VD fp32 elements
     idx = b * V_HALVES + half
-    gl.thread_barrier()
+    _gd_cta_barrier()
     if REDUCE == 1:
         arrived = gl.atomic_add(COUNT + idx, 1, sem="acq_rel")
         if arrived == num_splits - 1:
@@ -512,7 +533,7 @@ def _gd_reduce_in_kernel(PART_O, PART_LSE, OUT, COUNT, FLAG, b, split, half, num
         else:
             while gl.atomic_add(FLAG + idx, 0, sem="acquire") == sense:
                 pass
-        gl.thread_barrier()
+        _gd_cta_barrier()
         for d0 in range(half * VD + split * RW, half * VD + VD, num_splits * RW):
             _gd_reduce_slice(PART_O, PART_LSE, OUT, b, num_splits, d0, NS, RW)
 
@@ -546,7 +567,7 @@ def _gd_issue_tile(kv_desc, kv_s, bars, stage, row, pred):
     bar = bars.index(stage)
     mbarrier.expect(bar, 5 * kv_desc.block_type.nbytes, pred)
     for c in gl.static_range(5):
-        tma.async_copy_global_to_shared(kv_desc, [row, c * 128], bar, kv_s.index(stage * 5 + c), pred)
+        _gd_tma_load(kv_desc, [row, c * 128], bar, kv_s.index(stage * 5 + c), pred)
 
 
 @triton.jit
