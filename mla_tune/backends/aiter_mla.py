@@ -52,6 +52,7 @@ from pathlib import Path
 
 import torch
 
+from mla_tune.backends.params import PARAM_RULES, check_variant_rules
 from mla_tune.core import (
     NUM_HEADS,
     NUM_KV_HEADS,
@@ -62,10 +63,6 @@ from mla_tune.core import (
     Capabilities,
     Shape,
     Variant,
-    check_param_choice,
-    check_param_int,
-    check_param_names,
-    check_q_amax,
     check_serving_layout,
     check_serving_spec,
     vendor_is_cpu_fake,
@@ -126,15 +123,9 @@ _AI_GLUON_PARAMS = ("q_nope", "q_pe", "kv_c", "o", "page_table", "seq_info", "sm
 _AI_OPUS_ENV = "AITER_MLA_USE_OPUS"  # read by mla_decode_fwd on every call (0.1.20+)
 
 _AI_MODES = ("nonpersistent", "persistent", "gluon")
-# The parameters every variant may carry (q_amax: fp8_static only), and each mode's own
-# (opus is optional: absent means the assembly stage 1).
-_AI_COMMON_PARAMS = ("kv", "q", "mode", "q_amax")
-_AI_MODE_PARAMS = {
-    "nonpersistent": ("num_kv_splits",),
-    "persistent": ("kv_granularity", "max_split_per_batch", "fast_mode", "intra_batch"),
-    "gluon": (),
-}
-_AI_OPTIONAL_PARAMS = {"persistent": ("opus",)}
+# The parameters every variant may carry (q_amax: fp8_static only) and each mode's own (opus
+# is optional: absent means the assembly stage 1) are PARAM_RULES["aiter"] in
+# backends/params.py, one ParamForm per mode: a new mode adds its form there.
 # (q is fp8, KV format) -> modes with a kernel for that pair.
 _AI_PAIRS = {
     (True, "fp8"): ("nonpersistent", "persistent"),
@@ -521,18 +512,9 @@ def _ai_persistent_params(space: dict, shape: Shape, platform) -> list[dict]:
 def validate(variant: Variant) -> None:
     """Refuse a missing, unknown or ill-valued parameter, or a (q, KV, mode) with no AITER
     kernel (names and values only; _ai_validate adds what depends on the shape)."""
-    every = (*_AI_COMMON_PARAMS, *(n for names in _AI_MODE_PARAMS.values() for n in names), "opus")
-    check_param_names(variant, every, ("kv", "q", "mode"))
-    mode = check_param_choice(variant, "mode", _AI_MODES)
-    kv = check_param_choice(variant, "kv", ("bf16", "fp8"))
-    q = check_param_choice(variant, "q", ("bf16", "fp8_dynamic", "fp8_static"))
-    own = _AI_MODE_PARAMS[mode]
-    optional = _AI_OPTIONAL_PARAMS.get(mode, ())
-    stray = [n for n in variant.p if n not in (*_AI_COMMON_PARAMS, *own, *optional)]
-    if stray:
-        raise ValueError(f"aiter: {', '.join(stray)} is not a parameter of mode={mode}, which "
-                         f"takes {', '.join((*own, *optional)) or 'none'}")
-    check_param_names(variant, every, ("kv", "q", "mode", *own))
+    # names, each mode's own parameters, choices, bounds and q_amax: backends/params.py
+    check_variant_rules(variant, PARAM_RULES[NAME])
+    mode, kv, q = variant.get("mode"), variant.get("kv"), variant.get("q")
     q_fp8 = q != "bf16"
     if mode not in _AI_PAIRS.get((q_fp8, kv), ()):
         raise ValueError(
@@ -540,19 +522,13 @@ def validate(variant: Variant) -> None:
             f"for {'fp8' if q_fp8 else 'bf16'} q with {kv} KV; pairs with kernels: fp8/fp8 and "
             "bf16/bf16 (both modes), bf16/fp8 (persistent); gluon takes bf16 q only"
         )
-    check_q_amax(variant)
-    if mode == "gluon":
+    if mode != "persistent":
         return
-    if mode == "nonpersistent":
-        check_param_int(variant, "num_kv_splits")
-        return
-    check_param_int(variant, "kv_granularity", power_of_two=True)
-    cap = check_param_int(variant, "max_split_per_batch", allowed_too=(-1,))
-    check_param_choice(variant, "fast_mode", (True, False))
-    if check_param_choice(variant, "intra_batch", (True, False)) and cap < 1:
+    cap = variant.get("max_split_per_batch")
+    if variant.get("intra_batch") and cap < 1:
         raise ValueError(f"aiter: max_split_per_batch={cap} is not allowed with intra_batch=true; "
                          "intra_batch needs max_split_per_batch >= 1 (the splits per sequence it writes)")
-    if "opus" in variant.p and check_param_choice(variant, "opus", (True, False)) and not (q_fp8 and kv == "fp8"):
+    if variant.get("opus") and not (q_fp8 and kv == "fp8"):
         raise ValueError(f"aiter: opus=true is not allowed with q={q} and kv={kv}: AITER's OPUS "
                          "kernel reads fp8 q and fp8 KV only")
 

@@ -40,6 +40,7 @@ import copy
 
 import torch
 
+from mla_tune.backends.params import PARAM_RULES, check_variant_rules
 from mla_tune.core import (
     CORE_HEADS,
     NUM_HEADS,
@@ -51,9 +52,6 @@ from mla_tune.core import (
     Capabilities,
     Shape,
     Variant,
-    check_param_choice,
-    check_param_names,
-    check_q_amax,
     check_serving_layout,
     check_serving_spec,
     tensor_sig,
@@ -118,15 +116,13 @@ def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
 def validate(variant: Variant) -> None:
     """Refuse a missing, unknown or ill-valued parameter, or a (q, KV) pair FlashMLA has no
     kernel for (names and values only; _fm_validate adds the 64-token page rule)."""
-    check_param_names(variant, ("kv", "q", "q_amax"), ("kv", "q"))
-    kv = check_param_choice(variant, "kv", tuple(_FM_PAIRS))
-    q = check_param_choice(variant, "q", ("bf16", "fp8_dynamic", "fp8_static"))
+    check_variant_rules(variant, PARAM_RULES[NAME])  # names, choices, q_amax: backends/params.py
+    kv, q = variant.get("kv"), variant.get("q")
     if q not in _FM_PAIRS[kv]:
         raise ValueError(
             f"flashmla: q={q} is not allowed with kv={kv}: FlashMLA's dense decode reads bf16 q "
             "with bf16 KV, or fp8 q (fp8_dynamic / fp8_static) with fp8 KV"
         )
-    check_q_amax(variant)
 
 
 def _fm_validate(variant: Variant, shape: Shape) -> None:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import torch
 
+from mla_tune.backends.params import PARAM_RULES, check_variant_rules
 from mla_tune.core import (
     CORE_HEADS,
     CORE_PAGE_SIZES,
@@ -54,8 +55,6 @@ from mla_tune.core import (
     Capabilities,
     Shape,
     Variant,
-    check_param_choice,
-    check_param_names,
     check_serving_layout,
     check_serving_spec,
     tensor_sig,
@@ -126,10 +125,7 @@ def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
 def validate(variant: Variant) -> None:
     """kernel (FlashInfer's backend) fa3 or fa2; FlashInfer MLA reads bf16 q with bf16 or
     fp8 KV. Which GPU runs fa3 and fp8 KV is candidates()' business."""
-    check_param_names(variant, ("kernel", "kv", "q"), ("kernel", "kv", "q"))
-    check_param_choice(variant, "kernel", _FI_BACKENDS)
-    check_param_choice(variant, "kv", ("bf16", "fp8"))
-    check_param_choice(variant, "q", ("bf16",))
+    check_variant_rules(variant, PARAM_RULES[NAME])  # backends/params.py
 
 
 def build(variant: Variant, shape: Shape, device):

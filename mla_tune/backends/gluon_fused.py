@@ -33,24 +33,19 @@ import math
 
 import torch
 
+from mla_tune.backends.params import PARAM_RULES, check_variant_rules
 from mla_tune.core import (
-    PARAM_MAX_SPLITS,
     QK_DIM,
     SM_SCALE,
     V_DIM,
     Capabilities,
     Shape,
     Variant,
-    check_param_choice,
-    check_param_int,
-    check_param_names,
     device_sm_count,
     require,
 )
 from mla_tune.kernels.gluon_decode import (
     GD_UNAVAILABLE,
-    GD_V_PATHS,
-    GD_WS_MODES,
     gd_check_launch,
     gd_kv_descriptor,
     gd_ws_smem_extra,
@@ -66,7 +61,6 @@ CAPABILITIES = Capabilities(
     precompile=True,
 )
 
-_GF_BLOCK_N = (64, 128)
 # Hopper's shared memory per block (227 KB); the kernel's use is _gf_smem_bytes.
 _GF_SMEM_LIMIT = 232448
 
@@ -82,8 +76,6 @@ GF_DEFAULT_SPACE = {
 }
 # Parameters added later and the value that keeps the first behaviour (left out of variants).
 GF_LATER_DEFAULTS = {"reduce": "launch", "ws": 0}
-_GF_REDUCE = ("launch", "spin")
-_GF_WS = tuple(GD_WS_MODES)
 
 
 def unavailable_reason() -> str | None:
@@ -111,17 +103,9 @@ def _gf_smem_bytes(block_n: int, num_stages: int, v_path: str = "ss16", ws: int 
 def validate(variant: Variant) -> None:
     """Refuse a missing, unknown or ill-valued parameter, or a tile and ring deeper than
     shared memory holds (names and values only)."""
-    check_param_names(variant, tuple(GF_DEFAULT_SPACE),
-                      tuple(k for k in GF_DEFAULT_SPACE if k not in GF_LATER_DEFAULTS))
-    if "reduce" in variant.p:
-        check_param_choice(variant, "reduce", _GF_REDUCE)
-    ws = check_param_choice(variant, "ws", _GF_WS) if "ws" in variant.p else 0
-    check_param_choice(variant, "kv", ("fp8",))
-    check_param_choice(variant, "q", ("fp8_dynamic",))
-    block_n = check_param_choice(variant, "block_n", _GF_BLOCK_N)
-    stages = check_param_int(variant, "num_stages", minimum=2, maximum=4)
-    check_param_int(variant, "num_splits", maximum=PARAM_MAX_SPLITS)
-    v_path = check_param_choice(variant, "v_path", tuple(GD_V_PATHS))
+    check_variant_rules(variant, PARAM_RULES[NAME])  # names, choices, bounds: backends/params.py
+    ws, block_n = variant.get("ws", 0), variant.get("block_n")
+    stages, v_path = variant.get("num_stages"), variant.get("v_path")
     smem = _gf_smem_bytes(block_n, stages, v_path, ws)
     if smem > _GF_SMEM_LIMIT:
         raise ValueError(f"{NAME}: {variant} needs {smem} B of shared memory (block_n {block_n} x "

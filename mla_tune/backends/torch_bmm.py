@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from mla_tune.backends.params import PARAM_RULES, check_variant_rules
 from mla_tune.core import (
     NUM_HEADS,
     QK_DIM,
@@ -17,8 +18,6 @@ from mla_tune.core import (
     Capabilities,
     Shape,
     Variant,
-    check_param_choice,
-    check_param_names,
 )
 
 NAME = "torch"
@@ -40,9 +39,7 @@ def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
 
 def validate(variant: Variant) -> None:
     """The torch backend reads bf16 q and bf16 KV only, and has no other parameter."""
-    check_param_names(variant, ("kv", "q"), ("kv", "q"))
-    check_param_choice(variant, "kv", ("bf16",))
-    check_param_choice(variant, "q", ("bf16",))
+    check_variant_rules(variant, PARAM_RULES[NAME])  # backends/params.py
 
 
 def build(variant: Variant, shape: Shape, device):

@@ -41,13 +41,12 @@ import os
 
 import torch
 
+from mla_tune.backends.params import PARAM_RULES, check_variant_rules
 from mla_tune.core import (
     CORE_HEADS,
     CORE_PAGE_SIZES,
     NUM_HEADS,
     PARAM_MAX_SPLITS,
-    PARAM_MAX_STAGES,
-    PARAM_MAX_WARPS,
     QK_DIM,
     SM_SCALE,
     V_DIM,
@@ -55,9 +54,6 @@ from mla_tune.core import (
     Capabilities,
     Shape,
     Variant,
-    check_param_choice,
-    check_param_int,
-    check_param_names,
     check_serving_build,
     device_sm_count,
     own_serving_runner,
@@ -95,9 +91,6 @@ _FU_LOAD = ("ptr", "tma", "tma_host")
 _FU_GRID = ("split", "persistent")
 _FU_BLOCK_N = (16, 32, 64, 128)
 _FU_SERVING_KV = ("bf16", "fp8")
-_FU_SERVING_KEYS = ("kv", "q", "qk_dot", "pv_dot", "block_n", "block_h", "max_splits",
-                    "tokens_per_split", "num_warps", "num_stages")
-_FU_MAX_TOKENS_PER_SPLIT = 2**31 - 1  # reaches the kernel as an int32 argument
 # The later parameters and the values that keep the first behaviour (left out of variants).
 FU_LATER_DEFAULTS = {"load": "ptr", "grid": "split", "waves": 1}
 # The interpreter has no SMs; the persistent grid pretends to have this many, so CPU tests
@@ -186,15 +179,7 @@ def _fu_is_serving(variant: Variant) -> bool:
 
 
 def _fu_validate_serving(variant: Variant) -> None:
-    check_param_names(variant, _FU_SERVING_KEYS, _FU_SERVING_KEYS)
-    for name, allowed in (("kv", _FU_SERVING_KV), ("q", _FU_Q), ("qk_dot", _FU_DOTS),
-                          ("pv_dot", _FU_DOTS), ("block_n", _FU_BLOCK_N)):
-        check_param_choice(variant, name, allowed)
-    check_param_int(variant, "block_h", maximum=max(CORE_HEADS), power_of_two=True)
-    check_param_int(variant, "max_splits", maximum=PARAM_MAX_SPLITS)
-    check_param_int(variant, "tokens_per_split", maximum=_FU_MAX_TOKENS_PER_SPLIT)
-    check_param_int(variant, "num_warps", maximum=PARAM_MAX_WARPS, power_of_two=True)
-    check_param_int(variant, "num_stages", maximum=PARAM_MAX_STAGES)
+    check_variant_rules(variant, PARAM_RULES[NAME])  # the serving form: backends/params.py
     p = variant.p
     if (p["qk_dot"] == "fp8") != (p["q"] == "fp8_dynamic"):
         raise ValueError(f"{NAME}: {variant} is not allowed: q=fp8_dynamic goes with qk_dot=fp8 and only with it")
@@ -212,16 +197,8 @@ def validate(variant: Variant) -> None:
     if _fu_is_serving(variant):
         _fu_validate_serving(variant)
         return
-    check_param_names(variant, tuple(FU_DEFAULT_SPACE),
-                      tuple(k for k in FU_DEFAULT_SPACE if k not in FU_LATER_DEFAULTS))
+    check_variant_rules(variant, PARAM_RULES[NAME])  # names, choices, bounds: backends/params.py
     full = Variant.make(variant.backend, **{**FU_LATER_DEFAULTS, **variant.p})
-    for name, allowed in (("kv", _FU_KV), ("q", _FU_Q), ("qk_dot", _FU_DOTS), ("pv_dot", _FU_DOTS),
-                          ("tok_m", (True, False)), ("block_n", _FU_BLOCK_N), ("reduce", _FU_REDUCE),
-                          ("load", _FU_LOAD), ("grid", _FU_GRID), ("waves", (1, 2))):
-        check_param_choice(full, name, allowed)
-    check_param_int(full, "num_warps", maximum=PARAM_MAX_WARPS, power_of_two=True)
-    check_param_int(full, "num_stages", maximum=PARAM_MAX_STAGES)
-    check_param_int(full, "num_splits", maximum=PARAM_MAX_SPLITS)
     reason = _fu_combo_reason(full.p)
     if reason is not None:
         raise ValueError(f"{NAME}: {variant} is not allowed: {reason}")

@@ -19,23 +19,17 @@ import os
 
 import torch
 
+from mla_tune.backends.params import PARAM_RULES, check_variant_rules
 from mla_tune.core import (
     CORE_HEADS,
     CORE_PAGE_SIZES,
     NUM_HEADS,
-    PARAM_MAX_BLOCK_N,
     PARAM_MAX_SPLITS,
-    PARAM_MAX_STAGES,
-    PARAM_MAX_WARPS,
     V_DIM,
     CallSpec,
     Capabilities,
     Shape,
     Variant,
-    check_param_choice,
-    check_param_int,
-    check_param_names,
-    check_q_amax,
     check_serving_build,
     device_sm_count,
     fp8_dtype_for,
@@ -72,14 +66,8 @@ _tsk_DOT_DTYPES = ("fp16", "bf16")
 _tsk_LAUNCH = ("num_splits", "block_n", "num_warps", "num_stages")
 _tsk_SPACE_KEYS = ("kv", "q", *_tsk_LAUNCH, "dot_dtype")
 _tsk_HIP_KEYS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
-# The serving call's parameters (build_serving); max_splits / tokens_per_split mark the set.
-_tsk_SERVING_KEYS = ("kv", "q", "block_n", "block_h", "max_splits", "tokens_per_split",
-                     "num_warps", "num_stages", "dot_dtype")
-# Optional in a serving variant: split_budget, the most splits the whole batch runs (0 or
-# absent: max_splits per sequence; flash_decode_serving).
-_tsk_SERVING_OPTIONAL = ("split_budget",)
-# tokens_per_split reaches the kernel as an int32 argument.
-_tsk_MAX_TOKENS_PER_SPLIT = 2**31 - 1
+# The serving call's parameters (max_splits / tokens_per_split mark the set, split_budget
+# optional: 0 or absent gives max_splits per sequence) are in backends/params.py.
 # A grid of more than this many waves of SMs gains nothing from splitting further and
 # pays for the larger stage-2 reduction.
 _tsk_MAX_WAVES = 4
@@ -192,35 +180,9 @@ def validate(variant: Variant) -> None:
     block_h); which heads and q_len a block_h suits is build_serving's business."""
     if variant.backend != NAME:
         raise ValueError(f"triton: {variant} is a {variant.backend} variant, not a triton one")
-    serving = _tsk_is_serving(variant)
-    keys = _tsk_SERVING_KEYS if serving else _tsk_SPACE_KEYS
-    optional = _tsk_SERVING_OPTIONAL if serving else ()
-    check_param_names(variant, (*keys, *optional, "q_amax", *_tsk_HIP_KEYS), keys)
-    check_param_choice(variant, "kv", _tsk_KV_FORMATS)
-    check_param_choice(variant, "q", _tsk_Q_MODES)
-    check_param_choice(variant, "dot_dtype", _tsk_DOT_DTYPES)
-    if serving:
-        check_param_int(variant, "max_splits", maximum=PARAM_MAX_SPLITS)
-        check_param_int(variant, "tokens_per_split", maximum=_tsk_MAX_TOKENS_PER_SPLIT)
-        if "split_budget" in variant.p:
-            check_param_int(variant, "split_budget", minimum=0, maximum=_tsk_MAX_TOKENS_PER_SPLIT)
-        # heads per program: a power of two dividing the head count (at most CORE_HEADS')
-        check_param_int(variant, "block_h", maximum=max(CORE_HEADS), power_of_two=True)
-    else:
-        check_param_int(variant, "num_splits", maximum=PARAM_MAX_SPLITS)
-    # the kernel's tl.arange needs a power of two >= 16
-    check_param_int(variant, "block_n", minimum=16, maximum=PARAM_MAX_BLOCK_N, power_of_two=True)
-    check_param_int(variant, "num_warps", maximum=PARAM_MAX_WARPS, power_of_two=True)
-    check_param_int(variant, "num_stages", maximum=PARAM_MAX_STAGES)
-    check_q_amax(variant)
-    # ROCm compiler options: 0 lets the compiler choose occupancy (waves_per_eu, at most
-    # the 16 wave slots a CDNA SIMD has) and the MFMA tile (matrix_instr_nonkdim).
-    if "waves_per_eu" in variant.p:
-        check_param_int(variant, "waves_per_eu", minimum=0, maximum=16)
-    if "matrix_instr_nonkdim" in variant.p:
-        check_param_choice(variant, "matrix_instr_nonkdim", (0, 4, 16, 32))
-    if "kpack" in variant.p:
-        check_param_choice(variant, "kpack", (1, 2))
+    # names, choices and bounds (the serving form when max_splits/tokens_per_split is
+    # there, the ROCm options waves_per_eu, matrix_instr_nonkdim, kpack): backends/params.py
+    check_variant_rules(variant, PARAM_RULES[NAME])
 
 
 def build(variant: Variant, shape: Shape, device):

@@ -9,8 +9,11 @@ aliases, on a file of at most 16 MB; then Variant.parse), and every error names 
 row and the field, so a hand edit that breaks a row is caught at load.
 
 Schema 1, top level: `schema`, `gpu`, `provenance`, `rows`. A row is a `Row` (below, the one
-definition of its fields). Reading a table imports neither torch nor a backend unless the
-backends' own parameter checks are asked for (`check_params`, the default).
+definition of its fields). Every variant is checked against its backend's parameter rules
+as data (backends/params.py: names, choices, bounds), which import no torch; the backends'
+whole validate() (which adds the rules over several parameters: the fused family's
+combinations, a Gluon tile's shared memory, AITER's kernel pairs) runs too unless
+`check_params=False` (show, diff), and only then are the backend modules imported.
 A row's `candidates` counts {tried, ok, rejected, failed, crashed, timeout, pruned} and, from
 a search with rungs, rung0, rung1, ... (candidates timed at each rung) and dropped (cut by
 the budget before running).
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from mla_tune.backends import baseline_backend, get_backend, known_backends
+from mla_tune.backends.params import check_variant_rules, param_rules
 from mla_tune.core import KV_FORMATS, Q_MODES, QK_DIM, Shape, Variant
 from mla_tune.errors import MlaTuneError
 from mla_tune.fileio import atomic_write_text, dump_yaml, read_yaml
@@ -357,9 +361,17 @@ def _check_variant(where: str, field_name: str, value: Any, known: list[str],
     if variant.get("kv") not in KV_FORMATS or variant.get("q") not in Q_MODES:
         raise TableError(f"{where}: {field_name}.variant {variant} must carry kv (one of "
                          f"{', '.join(KV_FORMATS)}) and q (one of {', '.join(Q_MODES)})")
+    # The backends' parameter rules as data (names, choices, bounds; backends/params.py,
+    # no torch): the same messages validate() gives, for show and diff too.
+    rules = param_rules(variant.backend)
+    if rules is not None:
+        try:
+            check_variant_rules(variant, rules)
+        except ValueError as exc:
+            raise TableError(f"{where}: {field_name}.variant: {exc}") from exc
     if not check_params:
         return variant
-    # The backend's own parameter rules (names and values, no device, no vendor import).
+    # The backend's whole validate() (adds the rules that compute over several parameters).
     # A backend module that cannot be imported here (its torch or triton missing), or a
     # plugin backend without validate(), leaves its variants to be checked at build time.
     try:
@@ -445,9 +457,11 @@ def _check_row(path: Path, index: int, row: Any, known: list[str], check_params:
 def load_table(path: str | Path, check_params: bool = True) -> Table:
     """Read and validate a table file; every error names the file, row and field.
 
-    With check_params=False each variant is checked for syntax, backend name, kv and q only,
-    not against its backend's own rules: that needs the backend modules, which import torch
-    (`mla-tune show` reads tables this way; the runtime and the export check everything).
+    Every variant is checked against its backend's parameter rules as data (names, choices,
+    bounds: backends/params.py), with the messages the backends' validate() gives. With
+    check_params=False the backends' validate() itself is not run: it needs the backend
+    modules, which import torch (`mla-tune show` and `diff` read tables this way, and miss
+    only the rules over several parameters; the runtime and the export check everything).
     """
     path = Path(path)
     data = read_yaml(path, "table", TableError)
