@@ -43,7 +43,7 @@ CASES = [
 ]
 
 
-def _capture(variant: Variant, shape: Shape) -> list[tuple]:
+def capture_launches(variant: Variant, shape: Shape) -> list[tuple]:
     """(kernel, grid, args, kwargs) of every launch one call of the built runner makes."""
     launches: list[tuple] = []
 
@@ -61,7 +61,7 @@ def _capture(variant: Variant, shape: Shape) -> list[tuple]:
     return launches
 
 
-def _compile_sm90(kernel, args: tuple, kwargs: dict):
+def compile_sm90(kernel, args: tuple, kwargs: dict):
     """triton.compile of one captured launch for sm_90, bound as JITFunction.run binds it."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource, make_backend
@@ -87,10 +87,10 @@ def compile_cases() -> list[dict]:
     results = []
     for text, shape in CASES:
         launches = []
-        for kernel, grid, args, kwargs in _capture(Variant.parse(text), shape):
+        for kernel, grid, args, kwargs in capture_launches(Variant.parse(text), shape):
             start = time.perf_counter()
             try:
-                compiled = _compile_sm90(kernel, args, kwargs)
+                compiled = compile_sm90(kernel, args, kwargs)
             except Exception as exc:  # the compiler's own message is the test's failure message
                 launches.append({"name": kernel.fn.__name__, "error": f"{type(exc).__name__}: {exc}"})
                 continue
