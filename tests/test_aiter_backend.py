@@ -1,5 +1,8 @@
-"""The AITER backend, on the CPU through tests/fakes/aiter, a fake of AITER v0.1.11 or
-v0.1.20.post1: every test taking the `aiter` fixture runs against both releases."""
+"""The AITER backend, on the CPU through tests/fakes/aiter, a fake of AITER v0.1.11, of
+f3be04a12 (the contest runner's build) or of v0.1.20.post1: every test taking the `aiter`
+fixture runs against all three. The fakes refuse any argument past the first few tensors
+passed by position, so every backend call these tests make proves the keyword rule
+(tests/test_aiter_direct.py has the rule's own tests and the direct mode's)."""
 
 import importlib.util
 import inspect
@@ -27,10 +30,11 @@ SHAPE = Shape(3, 256)  # small, yet long enough for the intra-batch builder (>= 
 STRICT = problem.RULES["strict"]
 
 
-RELEASES = ("0.1.11", "0.1.20.post1")
+F3BE04A12 = "0.1.10.post4.dev78+gf3be04a12a"  # setuptools_scm's version of the runner's commit
+RELEASES = ("0.1.11", "0.1.20.post1", F3BE04A12)
 
 
-@pytest.fixture(params=RELEASES)
+@pytest.fixture(params=RELEASES, ids=("v0.1.11", "v0.1.20.post1", "f3be04a12"))
 def aiter(monkeypatch, request):
     monkeypatch.setenv("MLA_TUNE_FAKE_AITER_VERSION", request.param)
     return vendor_fakes.install(monkeypatch, "aiter")["aiter"]
@@ -53,7 +57,8 @@ def _params(sig):
     return [(p.name, p.kind.name, p.default) for p in sig.parameters.values()]
 
 
-# Parameter lists read from ROCm/aiter tag v0.1.11 (aiter/mla.py, aiter/ops/attention.py).
+# Parameter lists read from ROCm/aiter tag v0.1.11 (aiter/mla.py, aiter/ops/attention.py);
+# commit f3be04a12a has the same files.
 _V0111_DECODE = [
     "q", "kv_buffer", "o", "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_lens", "max_seqlen_q",
     ("page_size", 1), ("nhead_kv", 1), ("sm_scale", None), ("logit_cap", 0.0), ("num_kv_splits", None),
@@ -79,8 +84,25 @@ _V01120_BUILDER = _V0111_BUILDER[:-2] + [
     ("is_cp_round_robin", False), ("mla_version", 0), ("dtype_q_nope", None), ("dtype_q_rope", None),
     ("dtype_kv_nope", None), ("dtype_kv_rope", None), ("dtype_q", None), ("dtype_kv", None),
 ]
-_SIGNATURES = {"0.1.11": (_V0111_DECODE, _V0111_INFO, _V0111_BUILDER),
-               "0.1.20.post1": (_V01120_DECODE, _V01120_INFO, _V01120_BUILDER)}
+# The two ops under mla_decode_fwd's persistent path (compile_ops stubs; their pybind
+# declarations in csrc/include/rocm_ops.hpp name the same arguments)
+_V0111_STAGE1 = [
+    "Q", "KV", "qo_indptr", "kv_indptr", "kv_page_indices", "kv_last_page_lens", "num_kv_splits_indptr",
+    "work_meta_data", "work_indptr", "work_info_set", "max_seqlen_q", "page_size", "nhead_kv", "softmax_scale",
+    "splitData", "splitLse", "output", ("q_scale", None), ("kv_scale", None),
+]
+# v0.1.20.post1: `lse` between output and q_scale (a positional q_scale lands in lse), then
+# context parallelism, gfx1250 scratch and `causal`
+_V01120_STAGE1 = _V0111_STAGE1[:17] + [
+    ("lse", None), ("q_scale", None), ("kv_scale", None), ("g_kv_indptr", None), ("cp_world_size", 1),
+    ("cp_rank", 0), ("valid_split_count", None), ("use_valid_split_count_reduce", 0), ("causal", True),
+]
+_V0111_REDUCE = ["partial_output", "partial_lse", "reduce_indptr", "reduce_final_map", "reduce_partial_map",
+                 "max_seqlen_q", "final_output", ("final_lse", None)]
+_V01120_REDUCE = _V0111_REDUCE[:6] + ["num_kv_splits"] + _V0111_REDUCE[6:]  # required, before final_output
+_OLD = (_V0111_DECODE, _V0111_INFO, _V0111_BUILDER, _V0111_STAGE1, _V0111_REDUCE)
+_SIGNATURES = {"0.1.11": _OLD, F3BE04A12: _OLD,
+               "0.1.20.post1": (_V01120_DECODE, _V01120_INFO, _V01120_BUILDER, _V01120_STAGE1, _V01120_REDUCE)}
 
 
 def _expected(spec):
@@ -90,10 +112,12 @@ def _expected(spec):
 
 
 def test_fake_has_the_signatures_of_its_release(aiter):
-    decode, info, builder = _SIGNATURES[aiter.__version__]
+    decode, info, builder, stage1, reduce = _SIGNATURES[aiter.__version__]
     assert _params(inspect.signature(aiter.mla.mla_decode_fwd)) == _expected(decode)
     assert _params(inspect.signature(aiter.get_mla_metadata_info_v1)) == _expected(info)
     assert _params(inspect.signature(aiter.get_mla_metadata_v1)) == _expected(builder)
+    assert _params(inspect.signature(aiter.mla_decode_stage1_asm_fwd)) == _expected(stage1)
+    assert _params(inspect.signature(aiter.mla_reduce_v1)) == _expected(reduce)
     # pybind ops declared without py::arg names take positional arguments only
     for op in (aiter.static_per_tensor_quant, aiter.dynamic_per_tensor_quant):
         assert {p.kind.name for p in inspect.signature(op).parameters.values()} == {"POSITIONAL_ONLY"}
@@ -115,8 +139,10 @@ def test_backend_reads_the_fakes_version_and_features(aiter):
     assert aiter_mla.unavailable_reason() is None
     features = aiter_mla._ai_features(aiter)
     assert features["missing"] == []
-    for key in ("info_split_cap", "max_splits", "opus", "gluon", "gluon_fp8_any_batch"):
+    for key in ("info_split_cap", "max_splits", "opus", "gluon", "gluon_fp8_any_batch", "persistent_gate",
+                "direct_lse", "direct_reduce_splits"):
         assert features[key] == _new(aiter), key
+    assert features["direct"] is True
 
 
 FAMILIES = [
@@ -128,6 +154,13 @@ FAMILIES = [
     {"kv": "fp8", "q": "bf16", "mode": "persistent", "fast_mode": True, "intra_batch": False,
      "max_split_per_batch": -1, "kv_granularity": 64},
     {"kv": "bf16", "q": "bf16", "mode": "persistent", "fast_mode": False, "intra_batch": False,
+     "max_split_per_batch": -1, "kv_granularity": 16},
+    # stage 1 and the reduction called directly, over the work lists of the three builders
+    {"kv": "fp8", "q": "fp8_static", "mode": "direct", "fast_mode": False, "intra_batch": True,
+     "max_split_per_batch": 8, "kv_granularity": 16},
+    {"kv": "fp8", "q": "bf16", "mode": "direct", "fast_mode": True, "intra_batch": False,
+     "max_split_per_batch": 2, "kv_granularity": 32},
+    {"kv": "bf16", "q": "bf16", "mode": "direct", "fast_mode": False, "intra_batch": False,
      "max_split_per_batch": -1, "kv_granularity": 16},
     # 0.1.20+ only (the 0.1.11 fake refuses them at build, naming what to install)
     {"kv": "fp8", "q": "fp8_dynamic", "mode": "persistent", "fast_mode": True, "intra_batch": False,
@@ -158,7 +191,10 @@ def test_each_variant_family_builds_and_matches_the_reference(aiter, data, param
     assert out.shape == (SHAPE.batch, 16, 512) and out.dtype == torch.bfloat16
     result = problem.check(out, expected_output(data, variant), STRICT)
     assert result.passed, result.reason
-    assert aiter._state.last_call["mode"] == params["mode"]
+    assert aiter._state.last_call["mode"] == ("persistent" if params["mode"] == "direct" else params["mode"])
+    if params["mode"] == "direct":
+        assert aiter._state.last_call["entry"] == "mla_decode_stage1_asm_fwd" and aiter._state.last_call["reduced"]
+        assert aiter._state.calls["mla_decode_fwd"] == 0
     again = runner(*data[:4])
     assert again.data_ptr() == out.data_ptr()  # the runner's own buffer, reused
 
@@ -195,57 +231,85 @@ def test_torch_quantizers_stand_in_for_missing_aiter_ones(aiter, monkeypatch, da
 
 
 def _direct_call_args(data, q=None, kv=None, index_dtype=torch.int32):
+    """mla_decode_fwd's leading tensors (positional) and the rest of a call (by keyword)."""
     q_in, kv_data, _qo, _kv, _cfg = data
     batch, total = q_in.shape[0], kv_data["bf16"].shape[0]
     kv_in = kv_data["bf16"] if kv is None else kv
     o = torch.empty((batch, 16, 512), dtype=torch.bfloat16)
-    return [q_in if q is None else q, kv_in.view(total, 1, 1, 576), o,
-            torch.arange(batch + 1, dtype=index_dtype), torch.arange(batch + 1, dtype=index_dtype) * SHAPE.kv_len,
-            torch.arange(total, dtype=index_dtype), torch.ones(batch, dtype=index_dtype), 1]
+    return [q_in if q is None else q, kv_in.view(total, 1, 1, 576), o], dict(
+        qo_indptr=torch.arange(batch + 1, dtype=index_dtype),
+        kv_indptr=torch.arange(batch + 1, dtype=index_dtype) * SHAPE.kv_len,
+        kv_indices=torch.arange(total, dtype=index_dtype), kv_last_page_lens=torch.ones(batch, dtype=index_dtype),
+        max_seqlen_q=1)
+
+
+def _work_buffers(aiter, batch, q_dtype, kv_dtype, **info_kwargs):
+    info = aiter.get_mla_metadata_info_v1(batch_size=batch, max_seqlen_qo=1, num_head_qo=16, q_dtype=q_dtype,
+                                          kv_dtype=kv_dtype, is_sparse=False, **info_kwargs)
+    return [torch.empty(size, dtype=dtype) for size, dtype in info]
+
+
+def _fill_work(aiter, qo, kvp, last, work, **kwargs):
+    """get_mla_metadata_v1 by keyword; the builder takes work_info_set before work_indptr."""
+    aiter.get_mla_metadata_v1(qo, kvp, kv_last_page_lens=last, num_heads_per_head_k=16, num_heads_k=1,
+                              is_causal=True, work_metadata_ptrs=work[0], work_info_set=work[2],
+                              work_indptr=work[1], reduce_indptr=work[3], reduce_final_map=work[4],
+                              reduce_partial_map=work[5], **kwargs)
+    return dict(work_meta_data=work[0], work_indptr=work[1], work_info_set=work[2], reduce_indptr=work[3],
+                reduce_final_map=work[4], reduce_partial_map=work[5])
+
+
+def _positional(args, kwargs):
+    """The call's arguments in mla_decode_fwd's order up to max_seqlen_q (an old caller's)."""
+    return [*args, *(kwargs[k] for k in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_lens",
+                                          "max_seqlen_q"))]
 
 
 def test_fake_rejects_a_dtype_pair_aiter_has_no_kernel_for(aiter, data):
     fp8_q, q_scale = problem.quantize_fp8(data[0])
+    args, kwargs = _direct_call_args(data, q=fp8_q)
     with pytest.raises(RuntimeError, match="no nonpersistent MLA decode kernel"):  # fp8 q x bf16 KV
-        aiter.mla.mla_decode_fwd(*_direct_call_args(data, q=fp8_q), q_scale=q_scale, kv_scale=q_scale)
+        aiter.mla.mla_decode_fwd(*args, **kwargs, q_scale=q_scale, kv_scale=q_scale)
     kv8, kv_scale = data[1]["fp8"]
+    args, kwargs = _direct_call_args(data, kv=kv8)
     with pytest.raises(RuntimeError, match="no nonpersistent MLA decode kernel"):  # bf16 q x fp8 KV
-        aiter.mla.mla_decode_fwd(*_direct_call_args(data, kv=kv8), kv_scale=kv_scale)
+        aiter.mla.mla_decode_fwd(*args, **kwargs, kv_scale=kv_scale)
 
 
 def test_fake_rejects_int64_indices_and_an_old_positional_call(aiter, data):
+    args, kwargs = _direct_call_args(data, index_dtype=torch.int64)
     with pytest.raises(RuntimeError, match="must be int32"):
-        aiter.mla.mla_decode_fwd(*_direct_call_args(data, index_dtype=torch.int64), sm_scale=SM_SCALE)
-    # before v0.1.10.post2 sm_scale followed max_seqlen_q; now that slot is page_size
+        aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE)
+    # before v0.1.10.post2 sm_scale followed max_seqlen_q; now that slot is page_size, and the
+    # fake refuses the positional call outright
+    args, kwargs = _direct_call_args(data)
+    with pytest.raises(TypeError, match="mla_decode_fwd: 9 positional arguments; the fake takes q, kv_buffer, o"):
+        aiter.mla.mla_decode_fwd(*_positional(args, kwargs), SM_SCALE)
+    # what AITER itself does with it: page_size = sm_scale, which its checks refuse
+    unwrapped = inspect.unwrap(aiter.mla.mla_decode_fwd)
     with pytest.raises(RuntimeError, match="page_size"):
-        aiter.mla.mla_decode_fwd(*_direct_call_args(data), SM_SCALE)
+        unwrapped(*_positional(args, kwargs), SM_SCALE)
     with pytest.raises(TypeError):  # the quant ops are pybind functions without argument names
         aiter.static_per_tensor_quant(out=torch.empty(2, dtype=torch.float8_e4m3fn),
                                       input=torch.ones(2, dtype=torch.bfloat16), scale=torch.ones(1))
-    aiter.mla.mla_decode_fwd(*_direct_call_args(data), sm_scale=SM_SCALE)  # the right call passes
+    aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE)  # the right call passes
 
 
 def test_fake_rejects_split_indptr_with_work_meta_data_and_undersized_buffers(aiter, data):
-    args = _direct_call_args(data)
-    qo, kvp, last = args[3], args[4], args[6]
+    args, kwargs = _direct_call_args(data)
+    qo, kvp, last = kwargs["qo_indptr"], kwargs["kv_indptr"], kwargs["kv_last_page_lens"]
     bf16 = torch.bfloat16
-    info = aiter.get_mla_metadata_info_v1(SHAPE.batch, 1, 16, bf16, bf16, False, fast_mode=False,
-                                          num_kv_splits=2, intra_batch_mode=True)
-    work = [torch.empty(size, dtype=dtype) for size, dtype in info]
+    work = _work_buffers(aiter, SHAPE.batch, bf16, bf16, fast_mode=False, num_kv_splits=2, intra_batch_mode=True)
     long_kvp = torch.arange(SHAPE.batch + 1, dtype=torch.int32) * 2048  # 2048 // 196 = 10 splits possible
     with pytest.raises(RuntimeError, match="builder writes"):  # sized for 2 splits, asked for 8
-        aiter.get_mla_metadata_v1(qo, long_kvp, last, 16, 1, True, work[0], work[2], work[1], work[3], work[4], work[5],
-                                  fast_mode=False, max_split_per_batch=8, intra_batch_mode=True)
-    aiter.get_mla_metadata_v1(qo, kvp, last, 16, 1, True, work[0], work[2], work[1], work[3], work[4], work[5],
-                              fast_mode=False, max_split_per_batch=1, intra_batch_mode=True)
-    buffers = dict(work_meta_data=work[0], work_indptr=work[1], work_info_set=work[2], reduce_indptr=work[3],
-                   reduce_final_map=work[4], reduce_partial_map=work[5])
+        _fill_work(aiter, qo, long_kvp, last, work, fast_mode=False, max_split_per_batch=8, intra_batch_mode=True)
+    buffers = _fill_work(aiter, qo, kvp, last, work, fast_mode=False, max_split_per_batch=1, intra_batch_mode=True)
     with pytest.raises(RuntimeError, match="never pass num_kv_splits_indptr"):
-        aiter.mla.mla_decode_fwd(*args, sm_scale=SM_SCALE, num_kv_splits_indptr=qo, **buffers)
+        aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE, num_kv_splits_indptr=qo, **buffers)
     swapped = dict(buffers, work_indptr=work[2], work_info_set=work[1])
     with pytest.raises(RuntimeError, match="swapped"):
-        aiter.mla.mla_decode_fwd(*args, sm_scale=SM_SCALE, **swapped)
-    aiter.mla.mla_decode_fwd(*args, sm_scale=SM_SCALE, **buffers)
+        aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE, **swapped)
+    aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE, **buffers)
 
 
 @pytest.mark.parametrize("version", ["0.1.dev123", "0.1.21.dev4+g1234", "0.1.20+rocm7.0", None])
@@ -334,7 +398,8 @@ def test_provenance_finds_the_version_and_commit_without_importing_aiter(tmp_pat
     scm = _package(tmp_path / "scm", "__version__ = '0.1.21.dev4+g1234abc.d20260901'\n")
     monkeypatch.syspath_prepend(str(scm))
     assert aiter_mla.aiter_provenance() == {"amd-aiter": "0.1.21.dev4+g1234abc.d20260901",
-                                            "amd-aiter-commit": "1234abc"}
+                                            "amd-aiter-commit": "1234abc",
+                                            "amd-aiter-persistent-gate": "bypassed (persistent calls pass num_kv_splits)"}
     assert "aiter" not in sys.modules  # found, not imported
     # a source checkout: the commit from the .git next to the package (a branch, packed)
     tree = _package(tmp_path / "tree", "__version__ = '0.1.dev123'\n")
@@ -343,7 +408,10 @@ def test_provenance_finds_the_version_and_commit_without_importing_aiter(tmp_pat
     sha = "e4048607a535ace3a2b51ded31b1c8c2d45c0879"
     (tree / ".git" / "packed-refs").write_text(f"# pack-refs\n{sha} refs/heads/main\n")
     monkeypatch.syspath_prepend(str(tree))
-    assert aiter_mla.aiter_provenance() == {"amd-aiter": "0.1.dev123", "amd-aiter-commit": sha}
+    assert aiter_mla.aiter_provenance() == {
+        "amd-aiter": "0.1.dev123", "amd-aiter-commit": sha,
+        "amd-aiter-persistent-gate": "unknown build (persistent calls pass num_kv_splits where AITER has "
+                                     "get_mla_decode_fwd_max_splits)"}
     versions = gpu.software_versions()
     assert versions["amd-aiter"] == "0.1.dev123" and versions["amd-aiter-commit"] == sha
 
@@ -439,31 +507,32 @@ def test_a_worker_subprocess_sees_the_fake_through_subprocess_env(release):
 def test_fake_refuses_non_persistent_splits_past_what_stage_2_reads(aiter, data):
     fp8_q, q_scale = problem.quantize_fp8(data[0])
     kv8, kv_scale = data[1]["fp8"]
-    args = _direct_call_args(data, q=fp8_q, kv=kv8)
+    args, kwargs = _direct_call_args(data, q=fp8_q, kv=kv8)
     batch = SHAPE.batch
 
     def splits(n):
         return dict(num_kv_splits=n, num_kv_splits_indptr=torch.arange(batch + 1, dtype=torch.int32) * n)
 
     with pytest.raises(RuntimeError, match=r"num_kv_splits=3 is past what stage 2 reads at kv_len 256 \(1..2\)"):
-        aiter.mla.mla_decode_fwd(*args, sm_scale=SM_SCALE, q_scale=q_scale, kv_scale=kv_scale, **splits(3))
-    aiter.mla.mla_decode_fwd(*args, sm_scale=SM_SCALE, q_scale=q_scale, kv_scale=kv_scale, **splits(2))
+        aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE, q_scale=q_scale, kv_scale=kv_scale, **splits(3))
+    aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE, q_scale=q_scale, kv_scale=kv_scale, **splits(2))
     with pytest.raises(RuntimeError, match=r"\(1..4\)"):  # bf16 q: 64 tokens per split
-        aiter.mla.mla_decode_fwd(*_direct_call_args(data), sm_scale=SM_SCALE, **splits(5))
+        args, kwargs = _direct_call_args(data)
+        aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE, **splits(5))
 
 
 def test_fake_refuses_strided_o_and_kv_buffers(aiter, data):
-    args = _direct_call_args(data)
+    args, kwargs = _direct_call_args(data)
     batch, total = SHAPE.batch, SHAPE.total_kv
     args[2] = torch.empty((batch, 512, 16), dtype=torch.bfloat16).transpose(1, 2)
     with pytest.raises(RuntimeError, match="o must be dense"):
-        aiter.mla.mla_decode_fwd(*args, sm_scale=SM_SCALE)
-    args = _direct_call_args(data)
+        aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE)
+    args, kwargs = _direct_call_args(data)
     wide = torch.zeros((total, 1, 1, 1152), dtype=torch.bfloat16)
     wide[..., :576] = data[1]["bf16"].view(total, 1, 1, 576)
     args[1] = wide[..., :576]  # same values, rows 1152 apart
     with pytest.raises(RuntimeError, match="kv_buffer's inner dims must be dense"):
-        aiter.mla.mla_decode_fwd(*args, sm_scale=SM_SCALE)
+        aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE)
 
 
 def test_fake_fp8_follows_the_arch(monkeypatch):
@@ -499,18 +568,16 @@ def test_new_release_falls_back_to_non_persistent_unless_the_split_count_is_pass
     bf16 = torch.bfloat16
     qo = torch.arange(shape.batch + 1, dtype=torch.int32)
     kvp, last = qo * shape.kv_len, torch.ones(shape.batch, dtype=torch.int32)
-    info = aiter.get_mla_metadata_info_v1(shape.batch, 1, 16, bf16, bf16, False, fast_mode=True)
-    work = [torch.empty(size, dtype=dtype) for size, dtype in info]
-    aiter.get_mla_metadata_v1(qo, kvp, last, 16, 1, True, work[0], work[2], work[1], work[3], work[4], work[5])
-    buffers = dict(work_meta_data=work[0], work_indptr=work[1], work_info_set=work[2], reduce_indptr=work[3],
-                   reduce_final_map=work[4], reduce_partial_map=work[5])
+    work = _work_buffers(aiter, shape.batch, bf16, bf16, fast_mode=True)
+    buffers = _fill_work(aiter, qo, kvp, last, work)
     o = torch.empty((shape.batch, 16, 512), dtype=bf16)
-    call = [case[0], case[1]["bf16"].view(-1, 1, 1, 576), o, qo, kvp, torch.arange(shape.total_kv, dtype=torch.int32),
-            last, 1]
-    aiter.mla.mla_decode_fwd(*call, sm_scale=SM_SCALE, **buffers)
+    call = [case[0], case[1]["bf16"].view(-1, 1, 1, 576), o]
+    rest = dict(qo_indptr=qo, kv_indptr=kvp, kv_indices=torch.arange(shape.total_kv, dtype=torch.int32),
+                kv_last_page_lens=last, max_seqlen_q=1, sm_scale=SM_SCALE)
+    aiter.mla.mla_decode_fwd(*call, **rest, **buffers)
     assert aiter._state.last_call["mode"] == "nonpersistent"
     with pytest.raises(RuntimeError, match="num_kv_splits=8 is below the splits the metadata may hold"):
-        aiter.mla.mla_decode_fwd(*call, sm_scale=SM_SCALE, num_kv_splits=8, **buffers)
+        aiter.mla.mla_decode_fwd(*call, **rest, num_kv_splits=8, **buffers)
 
 
 def test_the_mi355x_config_follows_gfx950_facts_and_plans_a_modest_sweep(aiter):

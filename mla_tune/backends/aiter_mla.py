@@ -1,12 +1,18 @@
 """AITER's MLA decode (AMD ROCm, `aiter.mla.mla_decode_fwd`) as sweep candidates.
 
-Three modes. Non-persistent: AITER's split-KV assembly kernel plus a Triton reduction, with
+Four modes. Non-persistent: AITER's split-KV assembly kernel plus a Triton reduction, with
 `num_kv_splits` chosen by the variant. Persistent: a work list built once by
 `get_mla_metadata_v1` (here, in `build`, never per call) that spreads KV blocks over the
 CUs, tuned by `max_split_per_batch`, `kv_granularity`, `fast_mode` and `intra_batch`; on an
 AITER that has it (0.1.20+), `opus=true` runs the fp8 OPUS stage 1 instead of the assembly
-one. Gluon: AITER's Gluon MLA decode (`aiter.ops.triton.gluon.mla_gluon`, gfx950, 0.1.18+),
-bf16 q over fp8 or bf16 KV, which picks its own split count.
+one. Direct: the persistent work list, with mla_decode_fwd's wrapper skipped: the runner calls
+`aiter.mla_decode_stage1_asm_fwd` and `aiter.mla_reduce_v1` itself, into partial buffers
+made once in `build` (the wrapper allocates them on every call), as the amd-mixed-mla
+contest's fastest entries did; offered where the installed AITER's signatures of the two
+ops are readable and have what it passes (`lse` before `q_scale` and `num_kv_splits` in
+the reduction are used where present). Gluon: AITER's Gluon MLA decode
+(`aiter.ops.triton.gluon.mla_gluon`, gfx950, 0.1.18+), bf16 q over fp8 or bf16 KV, which
+picks its own split count.
 
 AITER has assembly kernels for these (q, KV) pairs only (hsa/<arch>/mla/mla_asm.csv, 16
 heads, 576/512, one query per sequence): fp8 x fp8 in both modes, bf16 x bf16 in both,
@@ -14,9 +20,19 @@ bf16 q x fp8 KV in persistent mode only; nothing for fp8 q x bf16 KV or for MXFP
 KV cache is read as 1-token pages, the layout AITER validates (bf16 paths are wrong at
 page > 1, AITER issues #2996 / #3095).
 
-Signatures moved between AITER releases (see docs/amd.md), so every argument after
-`max_seqlen_q` is passed by keyword, and the gate checks the signatures this file calls,
-not the version string: builds from AITER's main carry versions like `0.1.dev123+g...`.
+Signatures moved between AITER releases (see docs/amd.md), so every argument past the first
+few tensors is passed by keyword (the quant ops excepted: pybind functions without argument
+names), and the gate checks the signatures this file calls, not the version string: builds
+from AITER's main carry versions like `0.1.dev123+g...`. AITER's compile_ops wrappers show
+(*args, **kwargs) to inspect.signature; their names are read from the torch op schema
+(`torch.ops.aiter.<name>`) that AITER registers from the same Python stub.
+
+The #4144 gate (0.1.18+: mla_decode_fwd runs a gfx950 bf16 x bf16 persistent call at batch
+>= AITER_MLA_DECODE_PERSISTENT_MAX_BATCH, default 32, non-persistent when num_kv_splits is
+None; AITER reads the variable once per process) never fires on this file's calls:
+persistent calls pass num_kv_splits wherever AITER has get_mla_decode_fwd_max_splits
+(0.1.16+), and `build` refuses the one case it cannot keep persistent. aiter_provenance
+records what the installed build does (`amd-aiter-persistent-gate`).
 
 Serving call (`build_serving`), as read at ROCm/aiter v0.1.11 and v0.1.20.post1 (aiter/mla.py,
 csrc/py_itfs_cu/asm_mla.cu, hsa/gfx9{42,50}/mla/mla_asm.csv, op_tests/test_mla.py); no AMD
@@ -45,6 +61,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import math
 import os
 import re
 import warnings
@@ -99,7 +116,8 @@ _AI_INSTALL = ("install amd-aiter 0.1.10.post2 or later, a ROCm build from AMD's
 # in one era say little about another.
 _AI_BINARY_CHANGES = ((0, 1, 12, 0), (0, 1, 16, 0), (0, 1, 17, 0), (0, 1, 19, 2))
 
-# What this file calls, by name. mla_decode_fwd takes its first eight positionally.
+# What this file calls, by name. mla_decode_fwd's first eight have kept their order since
+# 0.1.4; this file passes the first three positionally and the rest by keyword.
 _AI_DECODE_POSITIONAL = ("q", "kv_buffer", "o", "qo_indptr", "kv_indptr", "kv_indices",
                          "kv_last_page_lens", "max_seqlen_q")
 _AI_REQUIRED = {
@@ -117,21 +135,36 @@ _AI_REQUIRED = {
         "max_seqlen_qo", "uni_seqlen_qo", "fast_mode", "max_split_per_batch", "intra_batch_mode",
         "dtype_q", "dtype_kv"),
 }
+# The direct mode's two ops (aiter/ops/attention.py, pybind names in csrc/include/rocm_ops.hpp):
+# their leading tensors, passed positionally, and what is passed by keyword. 0.1.16+ adds
+# num_kv_splits to the reduction (required), a later build `lse` to stage 1 before q_scale.
+_AI_DIRECT_OPS = {
+    "mla_decode_stage1_asm_fwd": (("Q", "KV"), (
+        "qo_indptr", "kv_indptr", "kv_page_indices", "kv_last_page_lens", "num_kv_splits_indptr",
+        "work_meta_data", "work_indptr", "work_info_set", "max_seqlen_q", "page_size", "nhead_kv",
+        "softmax_scale", "splitData", "splitLse", "output", "q_scale", "kv_scale")),
+    "mla_reduce_v1": (("partial_output", "partial_lse"), (
+        "reduce_indptr", "reduce_final_map", "reduce_partial_map", "max_seqlen_q", "final_output")),
+}
+# mla_decode_fwd's #4144 gate (0.1.18+), found in its source
+_AI_GATE_MARKS = ("_use_persistent_mla_decode", "AITER_MLA_DECODE_PERSISTENT_MAX_BATCH")
+_AI_GATE_RELEASE = (0, 1, 18, 0)
 _AI_GLUON_MODULE = "aiter.ops.triton.gluon.mla_gluon"
 _AI_GLUON_PARAMS = ("q_nope", "q_pe", "kv_c", "o", "page_table", "seq_info", "sm_scale",
                     "kv_pe_offset", "use_2d_view", "kv_scale", "min_kv_seq_len")
 _AI_OPUS_ENV = "AITER_MLA_USE_OPUS"  # read by mla_decode_fwd on every call (0.1.20+)
 
-_AI_MODES = ("nonpersistent", "persistent", "gluon")
+_AI_MODES = ("nonpersistent", "persistent", "direct", "gluon")
 # The parameters every variant may carry (q_amax: fp8_static only) and each mode's own (opus
 # is optional: absent means the assembly stage 1) are PARAM_RULES["aiter"] in
 # backends/params.py, one ParamForm per mode: a new mode adds its form there.
 # (q is fp8, KV format) -> modes with a kernel for that pair.
 _AI_PAIRS = {
-    (True, "fp8"): ("nonpersistent", "persistent"),
-    (False, "fp8"): ("persistent", "gluon"),
-    (False, "bf16"): ("nonpersistent", "persistent", "gluon"),
+    (True, "fp8"): ("nonpersistent", "persistent", "direct"),
+    (False, "fp8"): ("persistent", "direct", "gluon"),
+    (False, "bf16"): ("nonpersistent", "persistent", "direct", "gluon"),
 }
+_AI_WORK_LIST_MODES = ("persistent", "direct")  # the modes built on get_mla_metadata_v1
 # The non-persistent reduction reads at most ceil(kv_len / block) splits per sequence: 128
 # tokens per split for fp8 q and 64 for bf16 (get_meta_param / mgc in aiter/mla.py). More
 # splits only add empty work, so candidates stop there and build refuses beyond it.
@@ -146,7 +179,7 @@ _AI_AMAX_FLOOR = 1e-12  # an all-zero q would otherwise give a zero scale and Na
 _AI_DEFAULT_SPACE = {
     "kv": ["fp8", "bf16"],
     "q": ["fp8_static", "fp8_dynamic", "bf16"],
-    "mode": ["nonpersistent", "persistent"],
+    "mode": ["nonpersistent", "persistent", "direct"],
     "num_kv_splits": [1, 2, 4, 8, 16],
     "max_split_per_batch": [-1, 1, 2, 4, 8],
     "kv_granularity": [16],
@@ -194,11 +227,30 @@ def aiter_drift_note(tuned: str | None, here: str | None) -> str:
     return ""
 
 
-def _ai_params(fn) -> dict | None:
-    """fn's parameters by name, or None when its signature cannot be read."""
+def _ai_params(fn, op_name: str | None = None) -> dict | None:
+    """fn's parameters by name, or None when its signature cannot be read. A wrapper that
+    shows only (*args, **kwargs), as AITER's compile_ops ops do, is read from the torch op
+    schema AITER registered for `op_name` (torch.ops.aiter.<op_name>) when there is one."""
     try:
-        return dict(inspect.signature(fn).parameters)
+        params = dict(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
+        params = None
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    if op_name is not None and (params is None or all(p.kind in variadic for p in params.values())):
+        schema_params = _ai_schema_params(op_name)
+        if schema_params is not None:
+            return schema_params
+    return params
+
+
+def _ai_schema_params(op_name: str) -> dict | None:
+    """The arguments of torch.ops.aiter.<op_name>'s schema as inspect parameters, or None."""
+    try:
+        packet = getattr(torch.ops.aiter, op_name)
+        arguments = packet.default._schema.arguments
+        kinds = {True: inspect.Parameter.KEYWORD_ONLY, False: inspect.Parameter.POSITIONAL_OR_KEYWORD}
+        return {a.name: inspect.Parameter(a.name, kinds[bool(a.kwarg_only)]) for a in arguments}
+    except (AttributeError, RuntimeError, TypeError, ValueError):
         return None
 
 
@@ -225,7 +277,7 @@ def _ai_features(aiter) -> dict:
              "get_mla_metadata_v1": getattr(aiter, "get_mla_metadata_v1", None)}
     found = {}
     for name, fn in calls.items():
-        params = _ai_params(fn) if callable(fn) else None
+        params = _ai_params(fn, name) if callable(fn) else None
         found[name] = params
         if params is None:
             missing.append(f"{name} (absent or unreadable)")
@@ -250,6 +302,8 @@ def _ai_features(aiter) -> dict:
     has_gluon = gluon_params is not None and all(n in gluon_params for n in _AI_GLUON_PARAMS)
     # 0.1.18 to 0.1.19.post2 assert batch_size == 1 for fp8 KV (regime bh16bn128)
     fp8_batch_one = _ai_source_has(gluon, "requires batch_size=1") if has_gluon else None
+    direct = _ai_direct_features(aiter)
+    gate_marks = [_ai_source_has(calls["mla_decode_fwd"], mark) for mark in _AI_GATE_MARKS]
     return {
         "missing": missing,
         # 0.1.16+: the info call sizes buffers for a split cap; passing it earlier is a TypeError
@@ -259,7 +313,31 @@ def _ai_features(aiter) -> dict:
         "opus": opus_op and (opus_read if opus_read is not None else _ai_accepts(decode, "causal")),
         "gluon": has_gluon,
         "gluon_fp8_any_batch": has_gluon and fp8_batch_one is False,
+        # #4144 (0.1.18+): None when mla_decode_fwd's source cannot be read
+        "persistent_gate": True if any(gate_marks) else None if None in gate_marks else False,
+        **direct,
     }
+
+
+def _ai_direct_features(aiter) -> dict:
+    """Whether the direct mode can run: both ops present, their signatures readable (from
+    the function or the torch op schema), leading with the tensors it passes by position and
+    taking every keyword it passes; a reduction that takes num_kv_splits (0.1.16+) also
+    needs get_mla_decode_fwd_max_splits for its value. Also which of the optional
+    arguments (stage 1's `lse`, the reduction's `num_kv_splits`) the signatures have."""
+    found = {}
+    for name, (leading, keywords) in _AI_DIRECT_OPS.items():
+        fn = getattr(aiter, name, None)
+        params = _ai_params(fn, name) if callable(fn) else None
+        if (params is None or tuple(params)[:len(leading)] != leading
+                or not all(_ai_accepts(params, n) for n in keywords)):
+            return {"direct": False, "direct_lse": False, "direct_reduce_splits": False}
+        found[name] = params
+    reduce_splits = "num_kv_splits" in found["mla_reduce_v1"]
+    max_splits = callable(getattr(aiter, "get_mla_decode_fwd_max_splits", None))
+    return {"direct": not reduce_splits or max_splits,
+            "direct_lse": "lse" in found["mla_decode_stage1_asm_fwd"],
+            "direct_reduce_splits": reduce_splits}
 
 
 def _ai_version(aiter_module) -> str | None:
@@ -376,7 +454,23 @@ def aiter_provenance() -> dict:
             commit = None
     if commit:
         out["amd-aiter-commit"] = commit
+    out["amd-aiter-persistent-gate"] = aiter_persistent_gate(version)
     return out
+
+
+def aiter_persistent_gate(version: str | None) -> str:
+    """What AITER's #4144 gate does to this file's persistent calls, by the build's version:
+    the gate came with 0.1.18 (mla_decode_fwd runs a gfx950 bf16 x bf16 persistent call at
+    batch >= AITER_MLA_DECODE_PERSISTENT_MAX_BATCH non-persistent when num_kv_splits is
+    None); every persistent call here passes num_kv_splits where AITER has
+    get_mla_decode_fwd_max_splits (0.1.16+), which skips the gate, and `build` refuses the
+    case it could not keep persistent, so a table's persistent variant ran persistent."""
+    release = _ai_release(version or "")
+    if release is None or (release[:3] == _AI_GATE_RELEASE[:3] and release[3] < 0):
+        return "unknown build (persistent calls pass num_kv_splits where AITER has get_mla_decode_fwd_max_splits)"
+    if release >= _AI_GATE_RELEASE:
+        return "bypassed (persistent calls pass num_kv_splits)"
+    return "absent (before 0.1.18)"
 
 
 # --------------------------------------------------------------------- protocol
@@ -419,13 +513,14 @@ def _ai_installed_features() -> dict:
 
         return _ai_features(aiter)
     except Exception:  # noqa: BLE001  (no aiter, or one that fails to import)
-        return {"gluon": False, "gluon_fp8_any_batch": False, "opus": False}
+        return {"gluon": False, "gluon_fp8_any_batch": False, "opus": False, "direct": False}
 
 
 def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
     """Variants from the `aiter:` config section; only on a ROCm (HIP) platform. The
-    persistent knobs are deduplicated by the metadata they give at this shape, and the
-    Gluon and OPUS kernels are offered only where the installed AITER has them."""
+    persistent (and direct) knobs are deduplicated by the metadata they give at this shape,
+    and the direct mode, the Gluon and the OPUS kernels are offered only where the
+    installed AITER has them."""
     if not platform.is_hip:
         return []
     kvs = _ai_space_list(space, "kv", ("bf16", "fp8"))
@@ -433,7 +528,8 @@ def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
     modes = _ai_space_list(space, "mode", _AI_MODES)
     opus_values = _ai_space_list(space, "opus", (False, True))
     gfx950 = platform.arch.startswith("gfx950")
-    features = _ai_installed_features() if ("gluon" in modes or True in opus_values) else {}
+    wanted = "gluon" in modes or "direct" in modes or True in opus_values
+    features = _ai_installed_features() if wanted else {}
     out: list[Variant] = []
     for kv in kvs:
         for q in qs:
@@ -452,6 +548,10 @@ def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
                     fp8_ok = shape.batch == 1 or features.get("gluon_fp8_any_batch")
                     if gfx950 and features.get("gluon") and (kv == "bf16" or fp8_ok):
                         out.append(Variant.make(NAME, **base))
+                elif mode == "direct":
+                    if features.get("direct"):
+                        out.extend(Variant.make(NAME, **base, **params)
+                                   for params in _ai_persistent_params(space, shape, platform))
                 else:
                     # OPUS: gfx950, fp8 q and fp8 KV, 1-token pages (aiter/mla.py)
                     opus_ok = gfx950 and q_fp8 and kv == "fp8" and features.get("opus")
@@ -513,16 +613,24 @@ def validate(variant: Variant) -> None:
     """Refuse a missing, unknown or ill-valued parameter, or a (q, KV, mode) with no AITER
     kernel (names and values only; _ai_validate adds what depends on the shape)."""
     # names, each mode's own parameters, choices, bounds and q_amax: backends/params.py
-    check_variant_rules(variant, PARAM_RULES[NAME])
+    if variant.p.get("mode") == "direct" and "direct" not in (form.name for form in PARAM_RULES[NAME].forms):
+        # the direct mode takes the persistent mode's work-list parameters, OPUS excepted
+        # (the OPUS stage 1 is another op than the one it calls)
+        if "opus" in variant.p:
+            raise ValueError("aiter: opus is not a parameter of mode=direct, which takes kv_granularity, "
+                             "max_split_per_batch, fast_mode, intra_batch (OPUS runs under mode=persistent)")
+        check_variant_rules(variant.with_params(mode="persistent"), PARAM_RULES[NAME])
+    else:
+        check_variant_rules(variant, PARAM_RULES[NAME])
     mode, kv, q = variant.get("mode"), variant.get("kv"), variant.get("q")
     q_fp8 = q != "bf16"
     if mode not in _AI_PAIRS.get((q_fp8, kv), ()):
         raise ValueError(
             f"aiter: mode={mode} is not allowed with q={q} and kv={kv}: AITER has no {mode} kernel "
             f"for {'fp8' if q_fp8 else 'bf16'} q with {kv} KV; pairs with kernels: fp8/fp8 and "
-            "bf16/bf16 (both modes), bf16/fp8 (persistent); gluon takes bf16 q only"
+            "bf16/bf16 (all three), bf16/fp8 (persistent, direct); gluon takes bf16 q only"
         )
-    if mode != "persistent":
+    if mode not in _AI_WORK_LIST_MODES:
         return
     cap = variant.get("max_split_per_batch")
     if variant.get("intra_batch") and cap < 1:
@@ -583,8 +691,15 @@ def _ai_persistent_buffers(aiter, variant: Variant, shape: Shape, features, indp
     # there lets AITER silently fall back to non-persistent for bf16 at batch >= 32; passing
     # the value AITER itself would pick keeps the variant what it says it is.
     if features["max_splits"]:
-        fixed["num_kv_splits"] = aiter.get_mla_decode_fwd_max_splits(NUM_HEADS, 1, q_dtype, kv_dtype)
+        fixed["num_kv_splits"] = _ai_max_splits(aiter, q_dtype, kv_dtype)
     return fixed
+
+
+def _ai_max_splits(aiter, q_dtype, kv_dtype) -> int:
+    """AITER's bound on the splits per tile its metadata may hold (0.1.16+): the LDS size
+    mla_reduce_v1 needs, and the num_kv_splits that keeps a persistent call persistent."""
+    return aiter.get_mla_decode_fwd_max_splits(num_head_qo=NUM_HEADS, max_seqlen_qo=1, q_dtype=q_dtype,
+                                               kv_dtype=kv_dtype)
 
 
 def _ai_q_quantizer(aiter, q_mode: str, q_amax, batch: int, fp8_dtype, device):
@@ -616,7 +731,7 @@ def _ai_q_quantizer(aiter, q_mode: str, q_amax, batch: int, fp8_dtype, device):
     return quantize
 
 
-def _ai_gluon_runner(variant: Variant, shape: Shape, device):
+def _ai_gluon_runner(variant: Variant, shape: Shape, device, sm_scale: float):
     """AITER's Gluon MLA decode over 1-token pages. It takes the KV scale as a Python float,
     so the fp8 scale is folded into q (scores) and into o (values) on the device instead of
     read back to the host on every call."""
@@ -629,17 +744,11 @@ def _ai_gluon_runner(variant: Variant, shape: Shape, device):
     q_scaled = torch.empty((batch, NUM_HEADS, QK_DIM), dtype=torch.bfloat16, device=device)
 
     def run_aiter_gluon(q, kv_data, _qo_indptr, kv_indptr):
-        kv_entry = kv_data[kv_format]
-        kv, kv_scale = (kv_entry, None) if kv_format == "bf16" else kv_entry
-        if q.shape[0] != batch or kv.shape[0] != total_kv:
-            raise ValueError(
-                f"this AITER runner was built for {shape} (batch {batch}, {total_kv} KV tokens); "
-                f"got batch {q.shape[0]} with {kv.shape[0]} tokens: build one for that shape"
-            )
+        kv, kv_scale = _ai_call_kv(kv_data, kv_format, q, shape)
         q_in = q if kv_scale is None else torch.mul(q, kv_scale, out=q_scaled)
         mla_gluon(
-            q_in[..., :V_DIM], q_in[..., V_DIM:], kv.view(total_kv, QK_DIM), out, kv_indices,
-            kv_indptr, sm_scale=SM_SCALE, kv_pe_offset=V_DIM, use_2d_view=False, kv_scale=1.0,
+            q_in[..., :V_DIM], q_in[..., V_DIM:], kv.view(total_kv, QK_DIM), out, page_table=kv_indices,
+            seq_info=kv_indptr, sm_scale=sm_scale, kv_pe_offset=V_DIM, use_2d_view=False, kv_scale=1.0,
             min_kv_seq_len=shape.kv_len,
         )
         if kv_scale is not None:
@@ -649,8 +758,72 @@ def _ai_gluon_runner(variant: Variant, shape: Shape, device):
     return run_aiter_gluon
 
 
-def build(variant: Variant, shape: Shape, device):
+def _ai_sm_scale(sm_scale) -> float:
+    """The softmax scale as the Python float AITER's ops demand (compile_ops refuses an int)."""
+    if (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale)
+            or sm_scale <= 0):
+        raise ValueError(f"aiter: sm_scale must be a positive finite float (the model's softmax scale), "
+                         f"got {sm_scale!r}")
+    return float(sm_scale)
+
+
+def _ai_call_kv(kv_data, kv_format: str, q, shape: Shape):
+    """(kv, kv_scale) of a leaderboard call's kv_data, after checking the call is the shape
+    the runner was built for."""
+    kv_entry = kv_data[kv_format]
+    kv, kv_scale = (kv_entry, None) if kv_format == "bf16" else kv_entry
+    if q.shape[0] != shape.batch or kv.shape[0] != shape.total_kv:
+        raise ValueError(
+            f"this AITER runner was built for {shape} (batch {shape.batch}, {shape.total_kv} KV tokens); "
+            f"got batch {q.shape[0]} with {kv.shape[0]} tokens: build one for that shape"
+        )
+    return kv, kv_scale
+
+
+def _ai_direct_runner(aiter, features, shape: Shape, kv_format: str, quantize, indices, out, work,
+                      sm_scale: float):
+    """The direct mode's runner: stage 1 over the work list, then the reduction, into
+    partial buffers allocated here once (mla_decode_fwd sizes them
+    reduce_partial_map.size(0) x max_seqlen_q rows and allocates them on every call).
+    Everything past the two leading tensors of each op goes by keyword; `lse` (None: no
+    LSE wanted) and the reduction's `num_kv_splits` only where the signature has them."""
+    qo_indptr, kv_indptr, kv_indices, kv_last = indices
+    rows = work["reduce_partial_map"].shape[0]  # x max_seqlen_q, which is 1
+    device = out.device
+    split_data = torch.empty((rows, 1, NUM_HEADS, V_DIM), dtype=torch.float32, device=device)
+    split_lse = torch.empty((rows, 1, NUM_HEADS, 1), dtype=torch.float32, device=device)
+    stage1_extra = {"lse": None} if features["direct_lse"] else {}
+    reduce_extra = {"num_kv_splits": work["num_kv_splits"]} if features["direct_reduce_splits"] else {}
+    stage1_op, reduce_op = aiter.mla_decode_stage1_asm_fwd, aiter.mla_reduce_v1
+    total_kv = shape.total_kv
+
+    def run_aiter_direct(q, kv_data, _qo_indptr, _kv_indptr):
+        kv, kv_scale = _ai_call_kv(kv_data, kv_format, q, shape)
+        q_in, q_scale = (q, None) if quantize is None else quantize(q)
+        # the work list was built from the runner's own indptrs, for this shape
+        stage1_op(
+            q_in, kv.view(total_kv, 1, NUM_KV_HEADS, QK_DIM),
+            qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_page_indices=kv_indices, kv_last_page_lens=kv_last,
+            num_kv_splits_indptr=None, work_meta_data=work["work_meta_data"], work_indptr=work["work_indptr"],
+            work_info_set=work["work_info_set"], max_seqlen_q=1, page_size=1, nhead_kv=NUM_KV_HEADS,
+            softmax_scale=sm_scale, splitData=split_data, splitLse=split_lse, output=out,
+            q_scale=q_scale, kv_scale=kv_scale, **stage1_extra,
+        )
+        reduce_op(
+            split_data, split_lse, reduce_indptr=work["reduce_indptr"], reduce_final_map=work["reduce_final_map"],
+            reduce_partial_map=work["reduce_partial_map"], max_seqlen_q=1, final_output=out, **reduce_extra,
+        )
+        return out
+
+    return run_aiter_direct
+
+
+def build(variant: Variant, shape: Shape, device, sm_scale: float = SM_SCALE):
+    """A runner(q, kv_data, qo_indptr, kv_indptr) -> out for `shape`, with every buffer,
+    index array and work list made here; `sm_scale` (the model's softmax scale) goes to
+    every AITER call."""
     _ai_validate(variant, shape)
+    sm_scale = _ai_sm_scale(sm_scale)
     import aiter
     from aiter.mla import mla_decode_fwd
 
@@ -664,7 +837,11 @@ def build(variant: Variant, shape: Shape, device):
         if variant.get("kv") == "fp8" and shape.batch > 1 and not features["gluon_fp8_any_batch"]:
             raise ValueError(f"{variant}: this AITER's Gluon decode reads fp8 KV at batch 1 only "
                              "(0.1.18 to 0.1.19.post2); install 0.1.20 or later")
-        return _ai_gluon_runner(variant, shape, device)
+        return _ai_gluon_runner(variant, shape, device, sm_scale)
+    if mode == "direct" and not features["direct"]:
+        raise ValueError(f"{variant}: this AITER's mla_decode_stage1_asm_fwd / mla_reduce_v1 lack what the "
+                         "direct mode passes, or their signatures cannot be read (neither from the function "
+                         "nor from torch.ops.aiter); drop mode direct or use mode persistent")
     opus = bool(variant.get("opus"))
     if opus and not features["opus"]:
         raise ValueError(f"{variant}: this AITER has no OPUS MLA kernel (mla_decode_fwd_opus_stage1, "
@@ -695,20 +872,22 @@ def build(variant: Variant, shape: Shape, device):
             aiter, variant, shape, features, (qo_indptr, kv_indptr, kv_last),
             (q_dtype, kv_dtype), device,
         )
+    if mode == "direct":
+        return _ai_direct_runner(aiter, features, shape, kv_format, quantize,
+                                 (qo_indptr, kv_indptr, kv_indices, kv_last), out, fixed, sm_scale)
     persistent = mode == "persistent"
+    if persistent and features["persistent_gate"] and "num_kv_splits" not in fixed and q_mode == kv_format == "bf16":
+        raise ValueError(f"{variant}: this AITER's mla_decode_fwd may run it non-persistent (#4144: gfx950 bf16 "
+                         "at batch >= AITER_MLA_DECODE_PERSISTENT_MAX_BATCH when num_kv_splits is None) and has no "
+                         "get_mla_decode_fwd_max_splits to pass a split count that keeps it persistent; use mode "
+                         "direct")
     # mla_decode_fwd reads AITER_MLA_USE_OPUS on every fp8 persistent call (0.1.20+): pin it
     # to the variant's choice, whatever the process environment says
     opus_env = "1" if opus else "0"
     pin_opus = persistent and features["opus"] and q_mode != "bf16" and kv_format == "fp8"
 
     def run_aiter_mla(q, kv_data, call_qo_indptr, call_kv_indptr):
-        kv_entry = kv_data[kv_format]
-        kv, kv_scale = (kv_entry, None) if kv_format == "bf16" else kv_entry
-        if q.shape[0] != batch or kv.shape[0] != total_kv:
-            raise ValueError(
-                f"this AITER runner was built for {shape} (batch {batch}, {total_kv} KV tokens); "
-                f"got batch {q.shape[0]} with {kv.shape[0]} tokens: build one for that shape"
-            )
+        kv, kv_scale = _ai_call_kv(kv_data, kv_format, q, shape)
         q_in, q_scale = (q, None) if quantize is None else quantize(q)
         before = os.environ.get(_AI_OPUS_ENV) if pin_opus else None
         if pin_opus:
@@ -717,10 +896,10 @@ def build(variant: Variant, shape: Shape, device):
             mla_decode_fwd(
                 q_in, kv.view(total_kv, 1, NUM_KV_HEADS, QK_DIM), out,
                 # persistent work lists were built from these exact indptrs
-                qo_indptr if persistent else call_qo_indptr,
-                kv_indptr if persistent else call_kv_indptr,
-                kv_indices, kv_last, 1,
-                page_size=1, nhead_kv=NUM_KV_HEADS, sm_scale=SM_SCALE, logit_cap=0.0,
+                qo_indptr=qo_indptr if persistent else call_qo_indptr,
+                kv_indptr=kv_indptr if persistent else call_kv_indptr,
+                kv_indices=kv_indices, kv_last_page_lens=kv_last, max_seqlen_q=1,
+                page_size=1, nhead_kv=NUM_KV_HEADS, sm_scale=sm_scale, logit_cap=0.0,
                 q_scale=q_scale, kv_scale=kv_scale, **fixed,
             )
         finally:
@@ -732,8 +911,6 @@ def build(variant: Variant, shape: Shape, device):
         return out
 
     return run_aiter_mla
-
-
 
 
 def compile_shape(variant: Variant, shape: Shape, sm_count: int | None) -> Shape:
@@ -810,16 +987,17 @@ def build_serving(variant: Variant, spec: CallSpec, device):
     for calls of `spec` (contiguous or 1-token-page KV, one q_len per call) through AITER's
     non-persistent mla_decode_fwd: its index arrays are built on the device into buffers the
     runner owns (grown, at least doubling, with the batch, the block table and the new
-    tokens, never from the data), and nothing is read on the host."""
+    tokens, never from the data), and nothing is read on the host; spec.sm_scale goes to
+    AITER as the softmax scale."""
     validate(variant)
     _ai_serving_check(spec, variant)
     import aiter
     from aiter.mla import mla_decode_fwd
 
-
     _ai_checked(aiter)
     device = torch.device(device)
     heads, q_mode, splits = spec.heads, variant.get("q"), variant.get("num_kv_splits")
+    sm_scale = _ai_sm_scale(getattr(spec, "sm_scale", SM_SCALE))  # the model's softmax scale
     fp8_dtype = aiter.dtypes.fp8
     kv_dtype = torch.bfloat16 if spec.kv_format == "bf16" else fp8_dtype
     quantize = None
@@ -883,8 +1061,9 @@ def build_serving(variant: Variant, spec: CallSpec, device):
             kv_indices.scatter_(0, pos.view(-1), block_table.reshape(-1))
         q_in, q_scale = (q, None) if quantize is None else quantize(q)
         mla_decode_fwd(
-            q_in, kv_buffer, out, qo_indptr, pages_indptr, kv_indices, kv_last, q_len,
-            page_size=1, nhead_kv=NUM_KV_HEADS, sm_scale=SM_SCALE, logit_cap=0.0,
+            q_in, kv_buffer, out, qo_indptr=qo_indptr, kv_indptr=pages_indptr, kv_indices=kv_indices,
+            kv_last_page_lens=kv_last, max_seqlen_q=q_len,
+            page_size=1, nhead_kv=NUM_KV_HEADS, sm_scale=sm_scale, logit_cap=0.0,
             num_kv_splits=splits, num_kv_splits_indptr=split_indptr[: batch + 1],
             q_scale=q_scale, kv_scale=kv_scale,
         )

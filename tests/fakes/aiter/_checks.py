@@ -1,4 +1,8 @@
-"""Checks the fake shares: what AITER's C++ TORCH_CHECKs and Python asserts enforce."""
+"""Checks the fake shares: what AITER's C++ TORCH_CHECKs and Python asserts enforce, the
+keyword rule mla-tune holds itself to, and the fp32 answer every entry point writes."""
+
+import functools
+import inspect
 
 import torch
 
@@ -31,6 +35,33 @@ def need_pow2(name, value):
     need(value > 0 and value & (value - 1) == 0, f"{name} Must be power of 2! (got {value})")
 
 
+def keywords_past(count: int):
+    """Refuse a call that passes more than the first `count` arguments positionally.
+
+    Stricter than AITER, which takes these positionally too: its signatures moved between
+    builds (page_size at 0.1.10.post2, `lse` before `q_scale` and `num_kv_splits` before
+    `final_output` later), so a positional caller silently feeds one argument into
+    another's slot. mla-tune passes everything past the first few tensors by keyword, and
+    every fake entry point holds it to that. The wrapped function keeps its signature."""
+
+    def wrap(fn):
+        leading = list(inspect.signature(fn).parameters)[:count]
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if len(args) > count:
+                shown = ", ".join(leading) if leading else "nothing"
+                raise TypeError(
+                    f"{fn.__name__}: {len(args)} positional arguments; the fake takes {shown} "
+                    "positionally and the rest by keyword only (AITER's signatures moved "
+                    "between builds, so a positional argument can land in another's slot)")
+            return fn(*args, **kwargs)
+
+        return call
+
+    return wrap
+
+
 def attend(q32, kv_tokens32, token_indptr, sm_scale, qo_indptr=None):
     """fp32 attention via mla_tune.serving.reference: q (total_q, H, 576), tokens (n, 576);
     sequence b's new tokens are q[qo_indptr[b]:qo_indptr[b+1]] (default one each), causal
@@ -42,3 +73,23 @@ def attend(q32, kv_tokens32, token_indptr, sm_scale, qo_indptr=None):
         qo_indptr = torch.arange(bs + 1, dtype=torch.int32)
     return reference(q32, qo_indptr, kv_tokens32.reshape(-1, 1, kv_tokens32.shape[-1]),
                      kv_indptr=torch.tensor(token_indptr, dtype=torch.int32), sm_scale=sm_scale)
+
+
+def paged_attend(q, q_scale, kv_buffer, kv_scale, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens,
+                 page_size, sm_scale):
+    """The fp32 answer of a paged MLA decode call: q and the pages dequantized by their
+    per-tensor scales, sequence b's tokens gathered from its pages (the last one holding
+    kv_last_page_lens[b] tokens). (total_q, H, 512) fp32."""
+    q32 = q.float() * (q_scale.float() if q_scale is not None else 1.0)
+    pages = kv_buffer.float() * (kv_scale.float() if kv_scale is not None else 1.0)
+    pages = pages.reshape(kv_buffer.shape[0], page_size, -1)
+    page_bounds, last = kv_indptr.tolist(), kv_last_page_lens.tolist()
+    tokens, token_indptr = [], [0]
+    for b in range(len(page_bounds) - 1):
+        ids = kv_indices[page_bounds[b]:page_bounds[b + 1]].long()
+        seq = pages[ids].reshape(-1, pages.shape[-1])
+        seq = seq[: (len(ids) - 1) * page_size + last[b]]
+        tokens.append(seq)
+        token_indptr.append(token_indptr[-1] + seq.shape[0])
+    scale = sm_scale if sm_scale is not None else 1.0 / (576 ** 0.5)
+    return attend(q32, torch.cat(tokens), token_indptr, scale, qo_indptr)

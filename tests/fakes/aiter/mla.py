@@ -1,5 +1,5 @@
-"""Fake aiter.mla: mla_decode_fwd with the real signature and contract of the release the
-fake imitates (0.1.11 or 0.1.20.post1, see _state.py).
+"""Fake aiter.mla: mla_decode_fwd with the real signature and contract of the build the
+fake imitates (0.1.11 and f3be04a12 share one, 0.1.20.post1 has its own; see _state.py).
 
 It enforces what the real call path checks or silently depends on (aiter/mla.py,
 csrc/py_itfs_cu/asm_mla.cu, hsa/gfx950/mla/mla_asm.csv) and computes the answer on the CPU
@@ -8,11 +8,12 @@ as the real one does; every sequence brings max_seqlen_q new tokens.
 The fp32 numerics say nothing about the accuracy of AITER's fp8 kernels: no accuracy evidence.
 """
 
+import functools
 import os
 
 import torch
 from aiter import _state, dtypes
-from aiter._checks import attend, need, need_int, need_pow2, need_tensor
+from aiter._checks import keywords_past, need, need_int, need_pow2, need_tensor, paged_attend
 
 # (q dtype, kv dtype) -> modes with an assembly kernel for 16 heads, 576/512, qlen 1
 _KERNELS = {
@@ -33,9 +34,27 @@ _NONPERSISTENT_QLEN = {
 # The non-persistent stage 2 reads at most ceil(kv_len / block) splits (get_meta_param and
 # mgc in aiter/mla.py): 128 tokens for fp8 q, 64 for bf16.
 _SPLIT_BLOCK = {True: 128, False: 64}
-# 0.1.18+: AITER_MLA_DECODE_PERSISTENT_MAX_BATCH, above which bf16 persistent calls without
-# num_kv_splits run non-persistent
-_PERSISTENT_MAX_BATCH = 32
+# 0.1.18+ (#4144): at or above AITER_MLA_DECODE_PERSISTENT_MAX_BATCH (default 32; <= 0
+# turns the gate off), a gfx950 bf16 x bf16, 16-head, q_len 1 persistent call that leaves
+# num_kv_splits to AITER runs non-persistent. Read once per process, as AITER reads it.
+_PERSISTENT_MAX_BATCH_DEFAULT = 32
+
+
+@functools.lru_cache(maxsize=1)
+def _persistent_mla_decode_max_batch():
+    try:
+        return int(os.getenv("AITER_MLA_DECODE_PERSISTENT_MAX_BATCH", _PERSISTENT_MAX_BATCH_DEFAULT))
+    except (TypeError, ValueError):
+        return _PERSISTENT_MAX_BATCH_DEFAULT
+
+
+def _use_persistent_mla_decode(bs, nhead, max_seqlen_q, q_dtype, kv_dtype):
+    """0.1.18+: whether a persistent request without num_kv_splits stays persistent."""
+    if not (_state.arch.startswith("gfx950") and q_dtype == kv_dtype == dtypes.bf16 and nhead == 16
+            and max_seqlen_q == 1):
+        return True
+    max_batch = _persistent_mla_decode_max_batch()
+    return max_batch <= 0 or bs < max_batch
 
 
 def _check_scale(name, scale):
@@ -107,17 +126,23 @@ def _mla_decode_fwd_v0_1_20_post1(
     need(g_kv_indptr is None and cp_world_size == 1 and cp_rank == 0, "the fake covers no context parallelism")
     # read on every call, like the real one; it applies to fp8 persistent calls with page 1
     use_opus = os.environ.get("AITER_MLA_USE_OPUS", "0") == "1"
+    keep_persistent = True
+    if work_meta_data is not None and num_kv_splits is None and isinstance(q, torch.Tensor):
+        keep_persistent = _use_persistent_mla_decode(qo_indptr.shape[0] - 1, q.shape[1], max_seqlen_q, q.dtype,
+                                                     kv_buffer.dtype)
     args = dict(locals())
-    for name in ("g_kv_indptr", "cp_world_size", "cp_rank", "causal", "use_opus"):
+    for name in ("g_kv_indptr", "cp_world_size", "cp_rank", "causal", "use_opus", "keep_persistent"):
         args.pop(name)
-    return _decode(args, use_opus=use_opus)
+    return _decode(args, use_opus=use_opus, keep_persistent=keep_persistent)
 
 
-mla_decode_fwd = _mla_decode_fwd_v0_1_20_post1 if _state.new_api else _mla_decode_fwd_v0_1_11
-mla_decode_fwd.__name__ = mla_decode_fwd.__qualname__ = "mla_decode_fwd"
+_mla_decode_fwd_v0_1_11.__name__ = _mla_decode_fwd_v0_1_20_post1.__name__ = "mla_decode_fwd"
+# q, kv_buffer and o positionally; the rest by keyword (mla-tune's rule, _checks.keywords_past)
+mla_decode_fwd = keywords_past(3)(_mla_decode_fwd_v0_1_20_post1 if _state.new_api else _mla_decode_fwd_v0_1_11)
+mla_decode_fwd.__qualname__ = "mla_decode_fwd"
 
 
-def _decode(args, use_opus):
+def _decode(args, use_opus, keep_persistent=True):
     (q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q, page_size,
      nhead_kv, sm_scale, logit_cap, num_kv_splits, num_kv_splits_indptr, work_meta_data, work_indptr,
      work_info_set, reduce_indptr, reduce_final_map, reduce_partial_map, q_scale, kv_scale,
@@ -155,13 +180,9 @@ def _decode(args, use_opus):
          f"qo_indptr must be arange(bs + 1) * max_seqlen_q ({max_seqlen_q} new tokens per sequence), "
          f"got {qo_indptr.tolist()[:8]}")
 
-    persistent = work_meta_data is not None
-    if (persistent and _state.new_api and num_kv_splits is None and _state.arch.startswith("gfx950")
-            and q.dtype == kv_buffer.dtype == dtypes.bf16 and q.shape[1] == 16 and max_seqlen_q == 1
-            and bs >= _PERSISTENT_MAX_BATCH):
-        # 0.1.18+: above this batch a bf16 persistent call that leaves num_kv_splits to AITER
-        # silently runs non-persistent (ignoring the work list)
-        persistent = False
+    # 0.1.18+: the #4144 gate may turn a persistent request into a non-persistent call
+    # (ignoring the work list) without a word
+    persistent = work_meta_data is not None and keep_persistent
     # Python picks the mode from work_meta_data, C++ from num_kv_splits_indptr
     need(not (persistent and num_kv_splits_indptr is not None),
          "never pass num_kv_splits_indptr with work_meta_data: Python and C++ would disagree on the mode")
@@ -222,18 +243,7 @@ def _decode(args, use_opus):
     _state.last_call = {"mode": mode, "stage1": stage1, "q_dtype": q.dtype, "kv_dtype": kv_buffer.dtype,
                         "num_kv_splits": num_kv_splits, "intra_batch_mode": intra_batch_mode}
 
-    q32 = q.float() * (q_scale.float() if q_scale is not None else 1.0)
-    pages = kv_buffer.float() * (kv_scale.float() if kv_scale is not None else 1.0)
-    pages = pages.reshape(kv_buffer.shape[0], page_size, -1)
-    page_bounds, last = kv_indptr.tolist(), kv_last_page_lens.tolist()
-    tokens, token_indptr = [], [0]
-    for b in range(bs):
-        ids = kv_indices[page_bounds[b]:page_bounds[b + 1]].long()
-        seq = pages[ids].reshape(-1, pages.shape[-1])
-        seq = seq[: (len(ids) - 1) * page_size + last[b]]
-        tokens.append(seq)
-        token_indptr.append(token_indptr[-1] + seq.shape[0])
-    scale = sm_scale if sm_scale is not None else 1.0 / (576 ** 0.5)
-    out = attend(q32, torch.cat(tokens), token_indptr, scale, qo_indptr)
+    out = paged_attend(q, q_scale, kv_buffer, kv_scale, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens,
+                       page_size, sm_scale)
     o.copy_(out.to(o.dtype))
     return out.unsqueeze(1), None

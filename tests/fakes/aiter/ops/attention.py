@@ -1,16 +1,23 @@
-"""Fake aiter.ops.attention: the persistent-mode metadata functions of the release the
-fake imitates (0.1.11 or 0.1.20.post1, see _state.py).
+"""Fake aiter.ops.attention: the persistent-mode metadata functions and the two ops under
+mla_decode_fwd's persistent path (mla_decode_stage1_asm_fwd, mla_reduce_v1) of the build
+the fake imitates (0.1.11 and f3be04a12 share their signatures, 0.1.20.post1 has its own;
+see _state.py).
 
-Signatures, buffer-size formulas and builder checks follow ROCm/aiter at those tags
-(aiter/ops/attention.py, csrc/kernels/mla/metadata.cu, metadata/v1_0_device.cuh), with the
-CU count taken from the fake's configuration instead of the device.
+Signatures, buffer-size formulas and builder checks follow ROCm/aiter at those commits
+(aiter/ops/attention.py, csrc/include/rocm_ops.hpp, csrc/kernels/mla/metadata.cu,
+metadata/v1_0_device.cuh, csrc/py_itfs_cu/asm_mla.cu, csrc/kernels/mla/reduce.cu), with the
+CU count taken from the fake's configuration instead of the device. The two ops are
+compile_ops stubs whose pybind declarations name every argument (py::arg), so the real
+ones take keywords; in the real package their exported wrapper shows (*args, **kwargs) to
+inspect.signature and the names live in the torch op schema (torch.ops.aiter.<name>),
+while the fake's functions carry the stub's signature directly.
 """
 
 import math
 
 import torch
-from aiter import _state
-from aiter._checks import FakeAiterError, need, need_pow2, need_tensor
+from aiter import _asm, _state
+from aiter._checks import FakeAiterError, keywords_past, need, need_pow2, need_tensor
 
 
 def _tiles_per_batch(max_seqlen_qo, num_head_qo, q_dtype, kv_dtype):
@@ -183,15 +190,115 @@ def _get_mla_metadata_v1_v0_1_20_post1(
     _build(args)
 
 
+def _mla_decode_stage1_asm_fwd_v0_1_11(
+    Q: torch.Tensor,
+    KV: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_page_indices: torch.Tensor,
+    kv_last_page_lens: torch.Tensor,
+    num_kv_splits_indptr: torch.Tensor | None,
+    work_meta_data: torch.Tensor | None,
+    work_indptr: torch.Tensor | None,
+    work_info_set: torch.Tensor | None,
+    max_seqlen_q: int,
+    page_size: int,
+    nhead_kv: int,
+    softmax_scale: float,
+    splitData: torch.Tensor,
+    splitLse: torch.Tensor,
+    output: torch.Tensor,
+    q_scale: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
+) -> None:
+    _asm.stage1(dict(locals(), lse=None))
+
+
+def _mla_decode_stage1_asm_fwd_v0_1_20_post1(
+    Q: torch.Tensor,
+    KV: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_page_indices: torch.Tensor,
+    kv_last_page_lens: torch.Tensor,
+    num_kv_splits_indptr: torch.Tensor | None,
+    work_meta_data: torch.Tensor | None,
+    work_indptr: torch.Tensor | None,
+    work_info_set: torch.Tensor | None,
+    max_seqlen_q: int,
+    page_size: int,
+    nhead_kv: int,
+    softmax_scale: float,
+    splitData: torch.Tensor,
+    splitLse: torch.Tensor,
+    output: torch.Tensor,
+    lse: torch.Tensor | None = None,
+    q_scale: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
+    g_kv_indptr: torch.Tensor | None = None,
+    cp_world_size: int = 1,
+    cp_rank: int = 0,
+    valid_split_count: torch.Tensor | None = None,
+    use_valid_split_count_reduce: int = 0,
+    causal: bool = True,
+) -> None:
+    need(g_kv_indptr is None and cp_world_size == 1 and cp_rank == 0, "the fake covers no context parallelism")
+    need(valid_split_count is None and use_valid_split_count_reduce == 0,
+         "valid_split_count is scratch for gfx1250's packed kernels; the fake covers gfx94x / gfx950")
+    args = dict(locals())
+    for name in ("g_kv_indptr", "cp_world_size", "cp_rank", "valid_split_count", "use_valid_split_count_reduce",
+                 "causal"):
+        args.pop(name)
+    _asm.stage1(args)
+
+
+def _mla_reduce_v1_v0_1_11(
+    partial_output: torch.Tensor,
+    partial_lse: torch.Tensor,
+    reduce_indptr: torch.Tensor,
+    reduce_final_map: torch.Tensor | None,
+    reduce_partial_map: torch.Tensor,
+    max_seqlen_q: int,
+    final_output: torch.Tensor,
+    final_lse: torch.Tensor | None = None,
+) -> None:
+    _asm.reduce(dict(locals(), num_kv_splits=None))
+
+
+def _mla_reduce_v1_v0_1_20_post1(
+    partial_output: torch.Tensor,
+    partial_lse: torch.Tensor,
+    reduce_indptr: torch.Tensor,
+    reduce_final_map: torch.Tensor | None,
+    reduce_partial_map: torch.Tensor,
+    max_seqlen_q: int,
+    num_kv_splits: int,
+    final_output: torch.Tensor,
+    final_lse: torch.Tensor | None = None,
+) -> None:
+    _asm.reduce(dict(locals()))
+
+
 if _state.new_api:
     get_mla_metadata_info_v1 = _get_mla_metadata_info_v1_v0_1_20_post1
     get_mla_metadata_v1 = _get_mla_metadata_v1_v0_1_20_post1
+    mla_decode_stage1_asm_fwd = _mla_decode_stage1_asm_fwd_v0_1_20_post1
+    mla_reduce_v1 = _mla_reduce_v1_v0_1_20_post1
 else:
     get_mla_metadata_info_v1 = _get_mla_metadata_info_v1_v0_1_11
     get_mla_metadata_v1 = _get_mla_metadata_v1_v0_1_11
-    del get_mla_decode_fwd_max_splits, mla_decode_fwd_opus_stage1  # not in 0.1.11
-for _fn, _name in ((get_mla_metadata_info_v1, "get_mla_metadata_info_v1"), (get_mla_metadata_v1, "get_mla_metadata_v1")):
-    _fn.__name__ = _fn.__qualname__ = _name
+    mla_decode_stage1_asm_fwd = _mla_decode_stage1_asm_fwd_v0_1_11
+    mla_reduce_v1 = _mla_reduce_v1_v0_1_11
+    del get_mla_decode_fwd_max_splits, mla_decode_fwd_opus_stage1  # not before 0.1.16 / 0.1.20
+# How many leading arguments the fake takes positionally (_checks.keywords_past): the
+# first tensors, whose order never moved; everything after them by keyword.
+_LEADING = {"get_mla_metadata_info_v1": 0, "get_mla_metadata_v1": 2, "mla_decode_stage1_asm_fwd": 2,
+            "mla_reduce_v1": 2, "get_mla_decode_fwd_max_splits": 0}
+for _name, _count in _LEADING.items():
+    if _name in globals():
+        globals()[_name].__name__ = _name
+        globals()[_name] = keywords_past(_count)(globals()[_name])
+        globals()[_name].__qualname__ = _name
 
 
 def _build(args: dict) -> None:
@@ -257,4 +364,7 @@ def _build(args: dict) -> None:
         "kv_indptr": bounds, "dtype_q": dtype_q, "dtype_kv": dtype_kv, "page_size": page_size,
         "fast_mode": fast_mode, "intra_batch_mode": intra_batch_mode,
         "max_split_per_batch": max_split_per_batch, "kv_granularity": kv_granularity,
+        # what mla_decode_stage1_asm_fwd and mla_reduce_v1 must be given with this work list
+        "partial_rows": partial_rows,
+        "reduce": (reduce_indptr.data_ptr(), reduce_final_map.data_ptr(), reduce_partial_map.data_ptr()),
     }

@@ -8,12 +8,13 @@ needed batch 1), so importing it under that release fails as the real import wou
 
 import torch
 from aiter import _state
-from aiter._checks import attend, need, need_tensor
+from aiter._checks import attend, keywords_past, need, need_tensor
 
 if not _state.new_api:
     raise ModuleNotFoundError(f"No module named 'aiter.ops.triton.gluon.mla_gluon' (AITER {_state.release})")
 
 
+@keywords_past(4)  # q_nope, q_pe, kv_c, o; the rest by keyword
 def mla_gluon(
     q_nope,
     q_pe,
