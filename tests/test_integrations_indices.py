@@ -72,3 +72,26 @@ def test_a_page_one_cache_through_the_plan_matches_the_block_table_path(kv_forma
         assert not torch.isnan(out).any()
         result = problem.check(out, ref, problem.RULES["strict"])
         assert result.passed, f"{kv_format} step {step}: {result}"
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_sglangs_request_map_becomes_the_block_table_of_its_page_size(page, device):
+    from mla_tune.integrations.indices import req_to_block_table
+
+    gen = torch.Generator().manual_seed(5)
+    context, lens = 300, [1, 4, 5, 131, 300]
+    pages = torch.randperm(len(lens) * context // page + 3, generator=gen)[: len(lens) * (context // page)]
+    rows = (pages.view(len(lens), context // page, 1) * page + torch.arange(page)).view(len(lens), context)
+    req_to_token = torch.zeros((7, context), dtype=torch.int32)
+    order = [6, 0, 3, 2, 5]  # the requests' rows in the pool
+    req_to_token[order] = rows.to(torch.int32)
+    table = torch.full((5, context // page), -7, dtype=torch.int32, device=device)
+    out_lens = torch.zeros(5, dtype=torch.int32, device=device)
+    req_to_block_table(req_to_token.to(device), torch.tensor(order, device=device), torch.tensor(lens, device=device),
+                       page, table, out_lens)
+    assert out_lens.tolist() == lens
+    table = table.cpu()
+    for b, n in enumerate(lens):
+        used = -(-n // page)
+        assert torch.equal(table[b, :used], pages.view(len(lens), -1)[b, :used].to(torch.int32))
+        assert (table[b, used:] == -7).all()

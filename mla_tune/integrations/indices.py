@@ -93,3 +93,48 @@ class PageOneTable:
                              f"{self.block_table.shape[1]}; make it with a larger max_len")
         indices_to_block_table(kv_indptr, kv_indices, self.block_table, self.seq_lens)
         return self.block_table[:batch], self.seq_lens[:batch]
+
+
+@triton.jit
+def _req_to_table_kernel(req_to_token, req_pool_indices, lens_in, table, lens_out, row_stride,
+                         table_stride, width, PAGE: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    row = tl.load(req_pool_indices + b).to(tl.int64)
+    length = tl.load(lens_in + b).to(tl.int32)
+    tl.store(lens_out + b, length)
+    pages = tl.minimum((length + PAGE - 1) // PAGE, width)
+    for start in range(0, pages, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        keep = cols < pages
+        slot = tl.load(req_to_token + row * row_stride + cols.to(tl.int64) * PAGE, mask=keep, other=0)
+        tl.store(table + b.to(tl.int64) * table_stride + cols, (slot // PAGE).to(tl.int32), mask=keep)
+
+
+def req_to_block_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                       seq_lens: torch.Tensor, page_size: int, block_table: torch.Tensor,
+                       seq_lens_out: torch.Tensor) -> None:
+    """SGLang's request-to-token map as a block table, on the device in one launch:
+    block_table[b, j] = req_to_token[req_pool_indices[b], j * page_size] // page_size for the
+    pages of seq_lens[b] tokens, and seq_lens_out[b] = seq_lens[b] as int32 (b < batch =
+    len(req_pool_indices)). With page_size 1 a row is the request's token slots (the
+    kv_indices SGLang's Triton backend builds from the same map). Only the pages each
+    sequence uses are written; checks shapes and dtypes only."""
+    batch = req_pool_indices.shape[0]
+    if req_to_token.dim() != 2 or req_to_token.stride(1) != 1:
+        raise ValueError(f"req_to_token must be a (requests, context) map with contiguous rows, "
+                         f"got {tuple(req_to_token.shape)}")
+    if not (isinstance(page_size, int) and page_size >= 1 and page_size & (page_size - 1) == 0):
+        raise ValueError(f"page_size must be a power of two, got {page_size!r}")
+    if block_table.dim() != 2 or block_table.shape[0] < batch or block_table.dtype != torch.int32 \
+            or block_table.stride(1) != 1:
+        raise ValueError(f"block_table must be a (>= {batch}, width) int32 buffer with contiguous rows, "
+                         f"got {tuple(block_table.shape)} {block_table.dtype}")
+    if seq_lens.shape[0] < batch or seq_lens_out.shape[0] < batch or seq_lens_out.dtype != torch.int32:
+        raise ValueError(f"seq_lens must hold >= {batch} lengths and seq_lens_out be an int32 buffer "
+                         f"of >= {batch}, got {tuple(seq_lens.shape)} and {tuple(seq_lens_out.shape)} "
+                         f"{seq_lens_out.dtype}")
+    if batch == 0:
+        return
+    _req_to_table_kernel[(batch,)](req_to_token, req_pool_indices, seq_lens, block_table, seq_lens_out,
+                                   req_to_token.stride(0), block_table.stride(0), block_table.shape[1],
+                                   PAGE=page_size, BLOCK=BLOCK)

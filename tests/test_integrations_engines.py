@@ -1,0 +1,265 @@
+"""The engine backends (mla_tune/integrations/vllm.py, sglang.py) against fakes of vLLM
+0.33.0 and SGLang 0.5.23 that enforce the real base classes' hook signatures.
+
+Each numerics test is an engine-like loop: 2 layers, 3 decode steps, DeepSeek-V3's softmax
+scale, the graph hooks emulated (a captured batch size takes the graph plan, another the
+eager one), the new tokens' KV written into the cache by the engine's own path each step,
+and every layer's output compared with the fp32 reference at that scale (and shown to
+differ from the reference at the leaderboard's scale). Triton's interpreter on the CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from mla_tune import problem, serving
+from mla_tune.core import QK_DIM, SM_SCALE, V_DIM
+
+FAKES = Path(__file__).resolve().parent / "fakes"
+_spec = importlib.util.spec_from_file_location("engine_fakes", FAKES / "engine_fakes.py")
+engine_fakes = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(engine_fakes)
+
+SCALE = (0.1 * math.log(40.0) + 1.0) ** 2 / math.sqrt(192.0)  # DeepSeek-V3's, about 0.1352
+HEADS, LAYERS = 16, 2
+
+
+@pytest.fixture(autouse=True)
+def _no_table(monkeypatch):
+    monkeypatch.setenv("MLA_TUNE_SERVING_TABLE", "none")  # the default variant, no table lookups
+
+
+class Cache:
+    """A paged latent cache per layer that sequences grow into (block size `page`), with
+    every slot no sequence holds yet NaN; fp8 caches as the engine keeps them."""
+
+    def __init__(self, lens, page, steps, fp8, seed, as_bytes):
+        gen = torch.Generator().manual_seed(seed)
+        self.page, self.fp8, self.as_bytes = page, fp8, as_bytes
+        pages = [-(-(n + steps) // page) for n in lens]
+        order = torch.randperm(sum(pages) + 2, generator=gen)
+        self.table = torch.zeros((len(lens), max(pages) + 1), dtype=torch.int32)
+        used = 0
+        for b, n in enumerate(pages):
+            self.table[b, :n] = order[used:used + n]
+            used += n
+        self.num_pages = sum(pages) + 2
+        self.lens = list(lens)
+        self.scales = [torch.tensor([0.02 + 0.01 * layer], dtype=torch.float32) for layer in range(LAYERS)]
+        dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+        self.kv = [torch.full((self.num_pages * page, QK_DIM), float("nan")).to(dtype) for _ in range(LAYERS)]
+        for layer in range(LAYERS):  # the tokens already cached
+            for b, n in enumerate(lens):
+                self.write(layer, b, range(n), torch.randn((n, QK_DIM), generator=gen))
+
+    def slot(self, b, pos):
+        return int(self.table[b, pos // self.page]) * self.page + pos % self.page
+
+    def write(self, layer, b, positions, latent):
+        slots = torch.tensor([self.slot(b, p) for p in positions])
+        value = latent.float() / self.scales[layer] if self.fp8 else latent
+        self.kv[layer][slots] = value.to(self.kv[layer].dtype)
+
+    def engine_view(self, layer):
+        kv = self.kv[layer].view(self.num_pages, self.page, QK_DIM)
+        return kv.view(torch.uint8) if self.as_bytes and self.fp8 else kv
+
+    def reference(self, layer, q, rows, sm_scale):
+        lens = torch.tensor([self.lens[b] for b in rows], dtype=torch.int32)
+        qo = torch.arange(len(rows) + 1, dtype=torch.int32)
+        return serving.reference(q, qo, self.kv[layer].view(self.num_pages, self.page, QK_DIM),
+                                 self.scales[layer] if self.fp8 else None, block_table=self.table[rows],
+                                 seq_lens=lens, sm_scale=sm_scale, return_lse=True)
+
+
+def _close(out, ref, what):
+    assert not torch.isnan(out).any(), f"{what}: NaN in the output"
+    result = problem.check(out, ref, problem.RULES["strict"])
+    assert result.passed, f"{what}: {result}"
+
+
+def _ignored_scale_would_fail(out, cache, layer, q, rows):
+    at_leaderboard = cache.reference(layer, q, rows, SM_SCALE)[0]
+    assert not problem.check(out, at_leaderboard, problem.RULES["strict"]).passed
+
+
+# ---------------------------------------------------------------------------------- vLLM
+def test_vllm_backend_registers_as_custom_and_the_fake_refuses_wrong_hooks(monkeypatch):
+    engine_fakes.install(monkeypatch, "vllm")
+    from vllm.model_executor.layers.attention.mla_attention import MLACommonImpl
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from mla_tune.integrations import vllm as backend
+
+    backend.register()
+    assert AttentionBackendEnum.CUSTOM.get_class() is backend.MlaTuneMLABackend
+    assert backend.MlaTuneMLABackend.get_builder_cls() is backend.MlaTuneMLAMetadataBuilder
+    assert backend.MlaTuneMLABackend.get_impl_cls() is backend.MlaTuneMLAImpl
+    with pytest.raises(TypeError, match=r"forward_mqa takes .*'kv_cache'"):
+        class Wrong(MLACommonImpl):  # noqa: F841
+            def forward_mqa(self, q, kv_cache, attn_metadata, layer):
+                pass
+
+
+def _vllm_step(cache, rows, seed, builder, impls, layers):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    gen = torch.Generator().manual_seed(seed)
+    for b in rows:
+        cache.lens[b] += 1  # this step's new token, written by the layer below
+    n = len(rows)
+    qsl = torch.arange(n + 1, dtype=torch.int32)
+    slots = torch.tensor([cache.slot(b, cache.lens[b] - 1) for b in rows], dtype=torch.int64)
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl.clone(), query_start_loc_cpu=qsl, seq_lens=torch.tensor([cache.lens[b] for b in rows], dtype=torch.int32),
+        num_reqs=n, num_actual_tokens=n, max_query_len=1, max_seq_len=max(cache.lens[b] for b in rows),
+        block_table_tensor=cache.table[rows].clone(), slot_mapping=slots)
+    metadata = builder.build(0, common)
+    for layer, (impl, layer_obj) in enumerate(zip(impls, layers, strict=True)):
+        q = torch.randn((n, HEADS, QK_DIM), generator=gen).to(torch.bfloat16)
+        latent = torch.randn((n, QK_DIM), generator=gen)
+        out, lse = impl.forward_decode_step(layer_obj, q, latent[:, :V_DIM], latent[:, V_DIM:],
+                                            cache.engine_view(layer), metadata)
+        ref, ref_lse = cache.reference(layer, q, rows, SCALE)
+        _close(out, ref, f"vLLM layer {layer}")
+        torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=0)
+        _ignored_scale_would_fail(out, cache, layer, q, rows)
+    return metadata
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto"])  # auto: bf16
+def test_vllm_decode_loop_at_deepseek_v3_scale_with_lse(monkeypatch, cache_dtype):
+    engine_fakes.install(monkeypatch, "vllm")
+    from vllm.config import (
+        CacheConfig,
+        CompilationConfig,
+        CUDAGraphMode,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.config import ModelConfig as VModel
+    from vllm.v1.attention.backend import AttentionLayer, AttentionType
+
+    from mla_tune.integrations import vllm as backend
+
+    page = 16
+    config = VllmConfig(model_config=VModel(num_attention_heads=HEADS),
+                        cache_config=CacheConfig(cache_dtype=cache_dtype, block_size=page),
+                        parallel_config=ParallelConfig(decode_context_parallel_size=2),
+                        scheduler_config=SchedulerConfig(max_num_seqs=4),
+                        compilation_config=CompilationConfig(cudagraph_mode=CUDAGraphMode(True),
+                                                             cudagraph_capture_sizes=[1, 2, 4]))
+    fp8 = cache_dtype == "fp8"
+    cache = Cache([5, 30, 47, 70], page, 3, fp8=fp8, seed=1, as_bytes=True)
+    impls, layers = [], []
+    for layer in range(LAYERS):
+        impl = backend.MlaTuneMLAImpl(num_heads=HEADS, head_size=QK_DIM, scale=SCALE, num_kv_heads=1,
+                                      alibi_slopes=None, sliding_window=None, kv_cache_dtype=cache_dtype,
+                                      logits_soft_cap=None, attn_type=AttentionType.DECODER,
+                                      kv_sharing_target_layer_name=None, kv_lora_rank=V_DIM,
+                                      qk_rope_head_dim=QK_DIM - V_DIM)
+        impl.dcp_world_size = 2  # decode context parallelism: the LSE is asked for
+        impls.append(impl)
+        layers.append(AttentionLayer(k_scale=cache.scales[layer]))
+        config.compilation_config.static_forward_context[f"layers.{layer}.attn"] = type("L", (), {"impl": impl})
+    spec = type("Spec", (), {"block_size": page})
+    builder = backend.MlaTuneMLAMetadataBuilder(spec, [f"layers.{i}.attn" for i in range(LAYERS)], config, torch.device("cpu"))
+    assert builder.plans.spec.sm_scale == SCALE
+    assert builder.plans.spec.cache_dtype == ("uint8" if fp8 else "")
+    assert builder.plans.spec.return_lse and builder.plans.graph is not None
+    for step, rows in enumerate(([0, 1, 2, 3], [0, 2, 3], [0, 1, 2, 3])):  # 4: captured, 3: eager
+        metadata = _vllm_step(cache, rows, 10 + step, builder, impls, layers)
+        assert metadata.decode.plans.active is (builder.plans.graph if len(rows) == 4 else builder.plans.eager)
+
+
+# -------------------------------------------------------------------------------- SGLang
+class Pool:
+    """What SGLang's MLA token pool gives a backend: per layer a (slots, 1, 576) buffer
+    (Cache's storage) and set_kv_buffer(layer, loc, cache_k, cache_v)."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def get_key_buffer(self, layer_id):
+        return self.cache.kv[layer_id].view(-1, 1, QK_DIM)
+
+    def set_kv_buffer(self, layer, loc, cache_k, cache_v):
+        self.cache.kv[layer.layer_id].view(-1, QK_DIM)[loc.long()] = cache_k.view(-1, QK_DIM).to(torch.bfloat16)
+
+
+def _sglang_runner(cache, max_reqs, context):
+    from types import SimpleNamespace
+
+    req_to_token = torch.zeros((max_reqs, context), dtype=torch.int32)
+    for b in range(len(cache.lens)):
+        held = min(context, cache.table.shape[1] * cache.page)  # the rest of the row stays 0
+        req_to_token[b, :held] = torch.tensor([cache.slot(b, p) for p in range(held)], dtype=torch.int32)
+    return SimpleNamespace(
+        model_config=SimpleNamespace(num_attention_heads=HEADS, scaling=SCALE), device="cpu", page_size=cache.page,
+        req_to_token_pool=SimpleNamespace(req_to_token=req_to_token, size=max_reqs),
+        token_to_kv_pool=Pool(cache), kv_cache_dtype=torch.bfloat16, use_mla_backend=True)
+
+
+def test_sglang_backend_registers_and_the_fake_refuses_the_removed_hooks(monkeypatch):
+    engine_fakes.install(monkeypatch, "sglang")
+    from sglang.srt.layers.attention import attention_registry
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+    from mla_tune.integrations import sglang as backend
+
+    backend.register()
+    assert attention_registry.ATTENTION_BACKENDS["mla_tune"] is backend.create_mla_tune_backend
+    with pytest.raises(TypeError, match="removed from the 0.5.23 base class"):
+        class Old(AttentionBackend):  # noqa: F841
+            def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens):
+                pass
+    with pytest.raises(TypeError, match=r"init_forward_metadata_out_graph takes"):
+        class Wrong(AttentionBackend):  # noqa: F841
+            def init_forward_metadata_out_graph(self, batch):
+                pass
+
+
+def test_sglang_page_one_decode_loop_at_deepseek_v3_scale_with_graph_hooks(monkeypatch):
+    engine_fakes.install(monkeypatch, "sglang")
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    from mla_tune.integrations import sglang as backend
+
+    cache = Cache([5, 30, 47], 1, 3, fp8=False, seed=2, as_bytes=False)  # page 1: SGLang's token slots
+    runner = _sglang_runner(cache, max_reqs=4, context=64)
+    attn = backend.create_mla_tune_backend(runner)
+    assert attn.plans.spec.sm_scale == SCALE and attn.plans.spec.page_size == 1
+    attn.init_cuda_graph_state(max_bs=2, max_num_tokens=2)
+    layers = [SimpleNamespace(layer_id=i, tp_q_head_num=HEADS, head_dim=QK_DIM, v_head_dim=V_DIM,
+                              scaling=SCALE, k_scale=None) for i in range(LAYERS)]
+    gen = torch.Generator().manual_seed(7)
+    for step, rows in enumerate(([0, 1, 2], [0, 2], [1, 2])):  # 3 sequences eager; 2: the graph path
+        for b in rows:
+            cache.lens[b] += 1
+        lens = torch.tensor([cache.lens[b] for b in rows])
+        batch = ForwardBatch(ForwardMode.DECODE, len(rows), torch.tensor(rows), lens,
+                             torch.tensor([cache.slot(b, cache.lens[b] - 1) for b in rows]),
+                             int(lens.sum()), seq_lens_cpu=lens.clone())
+        graph = len(rows) <= 2
+        if graph:  # the graph runner: out_graph (capture or replay), then the captured forward
+            attn.init_forward_metadata_out_graph(batch, in_capture=step == 1)
+            attn.init_forward_metadata_in_graph(batch)
+        else:
+            attn.init_forward_metadata(batch)
+        assert attn.plans.active is (attn.plans.graph if graph else attn.plans.eager)
+        for layer in layers:
+            q = torch.randn((len(rows), HEADS * QK_DIM), generator=gen).to(torch.bfloat16)
+            latent = torch.randn((len(rows), 1, QK_DIM), generator=gen).to(torch.bfloat16)
+            out = attn.forward(q, latent, latent[..., :V_DIM], layer, batch)
+            assert out.shape == (len(rows), HEADS * V_DIM)
+            q3 = q.view(-1, HEADS, QK_DIM)
+            ref, _ = cache.reference(layer.layer_id, q3, rows, SCALE)
+            _close(out.view(-1, HEADS, V_DIM), ref, f"SGLang step {step} layer {layer.layer_id}")
+            _ignored_scale_would_fail(out.view(-1, HEADS, V_DIM), cache, layer.layer_id, q3, rows)
