@@ -166,6 +166,9 @@ class MlaTuneMLAImpl(MLACommonImpl[MlaTuneMetadata]):
         if attn_type != AttentionType.DECODER:
             raise NotImplementedError("mla-tune's MLA backend serves decoder self-attention only")
         self._fp8 = _kv_format(kv_cache_dtype)[0] == "fp8"
+        # q arrives in bf16: vLLM quantizes decode q to fp8 before forward_mqa when an impl
+        # with an fp8 cache says it takes it; the plans quantize q themselves if their variant does
+        self.supports_quant_query_input = False
 
     def forward_mqa(self, q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                     kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: MlaTuneMetadata,

@@ -5,7 +5,8 @@ The fake's builder serves decode-only steps (what a decode backend's hooks see);
 impl's `forward_decode_step` stands in for MLACommonImpl.forward on such a step: it writes
 the new tokens' latent KV into the cache at slot_mapping (an fp8 cache as uint8 bytes at
 the layer's _k_scale, as vLLM's concat_and_cache_mla), calls `forward_mqa(q, cache,
-attn_metadata, layer)` with q as the (ql_nope, q_pe) tuple, and checks what comes back:
+attn_metadata, layer)` with q as the (ql_nope, q_pe) tuple (or, with an fp8 cache and
+`supports_quant_query_input`, q quantized to fp8 as MLAAttention does), and checks what comes back:
 out (tokens, heads, kv_lora_rank), lse (tokens, heads) float32 or None. It returns the
 latent out (the up-projection is vLLM's, not the backend's)."""
 
@@ -159,6 +160,7 @@ class MLACommonImpl(MLAAttentionImpl[M]):
         self.kv_cache_dtype, self.kv_lora_rank, self.qk_rope_head_dim = kv_cache_dtype, kv_lora_rank, qk_rope_head_dim
         self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
         self.dcp_world_size = 1  # vLLM reads it from the DCP group; a test may set it
+        self.supports_quant_query_input = True  # fp8 caches get fp8 q unless the impl says no
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata, layer):
         raise NotImplementedError
@@ -175,8 +177,11 @@ class MLACommonImpl(MLAAttentionImpl[M]):
             flat[slots] = quant.view(torch.uint8)
         else:
             flat[slots] = latent.to(kv_cache.dtype)
-        q_nope, q_pe = q[..., : self.kv_lora_rank], q[..., self.kv_lora_rank:]
-        result = self.forward_mqa((q_nope, q_pe), kv_cache, attn_metadata, layer)
+        if self.supports_quant_query_input and self.kv_cache_dtype.startswith("fp8"):
+            mqa_q = (q.float() / layer._q_scale.float()).to(torch.float8_e4m3fn)  # MLAAttention's q quant
+        else:
+            mqa_q = (q[..., : self.kv_lora_rank], q[..., self.kv_lora_rank:])
+        result = self.forward_mqa(mqa_q, kv_cache, attn_metadata, layer)
         assert isinstance(result, tuple) and len(result) == 2, "forward_mqa returns (out, lse | None)"
         out, lse = result
         tokens = attn_metadata.num_decode_tokens
