@@ -112,9 +112,10 @@ _JsonOption = Annotated[bool, typer.Option(
 def sweep(
     gpu: Annotated[str, typer.Option(
         callback=_check_gpu, help="The GPU to tune, by its canonical name (H200, MI355X).")],
-    config: Annotated[Path, typer.Option(
-        help="The sweep config: its shapes, correctness rule and search space.")] = Path(
-        "configs/leaderboard.yaml"),
+    config: Annotated[Path | None, typer.Option(
+        help="The sweep config: its shapes, correctness rule and search space; the default is "
+             "the GPU's own (configs/leaderboard.yaml for H200 and H100, configs/mi355x.yaml for "
+             "MI355X and MI300X).")] = None,
     out: Annotated[Path | None, typer.Option(
         help="Where to write the table; the default is tables/GPU.yaml.")] = None,
     dry_run: Annotated[bool, typer.Option(
@@ -131,6 +132,11 @@ def sweep(
     budget: Annotated[float | None, typer.Option(
         help="Seconds this sweep may take, instead of the config's budget_s (a stopped serving "
              "sweep resumes with the same command).")] = None,
+    compile_check: Annotated[bool | None, typer.Option(
+        "--compile-check/--no-compile-check",
+        help="Cross-compile the plan's own kernels for the GPU first and drop the candidates that "
+             "do not compile, exceed its shared memory or duplicate another's binary (as `mla-tune "
+             "compile` does). On by default for a sweep on a GPU, off for --dry-run.")] = None,
 ) -> None:
     """Sweep every candidate kernel per shape on this GPU and write its dispatch table.
 
@@ -144,12 +150,18 @@ def sweep(
         raise _usage_error(f"--budget must be a positive number of seconds, got {budget}")
     if budget is not None:
         timeout["budget_s"] = budget
+    if compile_check is not None:
+        timeout["compile_check"] = compile_check
     device_list = None
     if devices is not None:
         try:
             device_list = [int(d) for d in _list(devices, "--devices")]
         except ValueError:
             raise _usage_error(f"--devices must be GPU indices like 0,1, got {devices!r}") from None
+    if config is None:  # the GPU's own search space (gpu.KNOWN_GPUS)
+        from mla_tune.gpu import default_config
+
+        config = Path(default_config(gpu))
     config = config_path(config)  # configs/NAME.yaml, else the packaged copy (mla_tune/locate.py)
     with _domain_errors():
         from mla_tune.tune.serving_config import is_serving_config
@@ -171,6 +183,74 @@ def sweep(
             raise typer.Exit(130) from None
 
 
+@app.command("compile")
+def compile_(
+    gpu: Annotated[str, typer.Option(
+        callback=_check_gpu, help="The GPU to compile for, by its canonical name (H200, MI355X); "
+                                  "its architecture comes from mla_tune/gpu.py's KNOWN_GPUS.")],
+    config: Annotated[Path | None, typer.Option(
+        help="The sweep config whose plan to compile; the default is the GPU's own, as for "
+             "sweep.")] = None,
+    triton_python: Annotated[str | None, typer.Option(
+        "--triton", help="Compile under this Python instead (one with the target image's Triton "
+                         "and mla_tune installed, e.g. a venv's bin/python); its JSON is read back.")] = None,
+    jobs: Annotated[int | None, typer.Option(
+        help="Compiler processes; the default is this machine's CPU count.")] = None,
+    as_json: _JsonOption = False,
+    as_markdown: Annotated[bool, typer.Option(
+        "--markdown", help="Print a Markdown section (for docs/compile.md) instead of the text view.")] = False,
+    users: Annotated[bool, typer.Option(
+        "--users", help="List under each binary every candidate that launches it.")] = False,
+    cache: Annotated[bool, typer.Option(
+        "--cache/--no-cache", help="Reuse and keep results by binary key in $MLA_TUNE_CACHE/compile "
+                                   "(default ~/.cache/mla-tune/compile).")] = True,
+) -> None:
+    """Cross-compile every distinct kernel binary of the sweep's plan for a GPU, without it.
+
+    The launches are captured from the backends' real launch path at the real shapes (on the
+    meta device) and compiled with Triton for the GPU's architecture. Per binary it prints ok
+    or the compiler's first error line, registers, scratch (spills), shared memory, MMA count,
+    occupancy and how many candidates use it, then the candidates a sweep drops: those that do
+    not compile, exceed the GPU's shared memory, or duplicate another's binary. Exits 1 when a
+    binary does not compile or a candidate's launches could not be captured."""
+    if jobs is not None and jobs < 1:
+        raise _usage_error(f"--jobs must be a positive number of processes, got {jobs}")
+    if config is None:
+        from mla_tune.gpu import default_config
+
+        config = Path(default_config(gpu))
+    config = config_path(config)
+    with _domain_errors():
+        from mla_tune.xcompile.check import check_plan, facts_for, run_in
+
+        facts_for(gpu)  # an unknown GPU is refused before anything is captured
+        if triton_python:
+            report = run_in(triton_python, gpu, jobs, cache, config=config)
+        else:
+            from mla_tune.gpu import fake_platform
+            from mla_tune.tune.config import load_config
+            from mla_tune.tune.sweep import plan_candidates
+
+            planned = plan_candidates(load_config(config), fake_platform(gpu), planning_only=True)
+            report = check_plan(planned.plan, gpu, jobs, cache)
+            report["config"] = str(config)
+    from mla_tune.xcompile.report import markdown, text_lines
+
+    if as_json:
+        _print_json(report)
+    elif as_markdown:
+        command = f"mla-tune compile --gpu {gpu} --config {config}" + (
+            f" --triton {triton_python}" if triton_python else "")
+        typer.echo(markdown(report, command), nl=False)
+    else:
+        for line in text_lines(report, users):
+            typer.echo(line)
+    failed = sum(1 for b in report["binaries"] if not b.get("ok")) + len(report["capture_errors"])
+    if failed:
+        typer.secho(f"error: {failed} binaries or captures failed for {gpu} (listed above)", fg="red", err=True)
+        raise typer.Exit(1)
+
+
 @app.command()
 def export(
     output: Annotated[Path, typer.Option(
@@ -181,19 +261,34 @@ def export(
     only: Annotated[str | None, typer.Option(
         help="Comma-separated backends the file may use, e.g. triton,torch.")] = None,
 ) -> None:
-    """Write a table as one self-contained leaderboard submission file."""
+    """Write a table as one self-contained leaderboard submission file.
+
+    With --gpu and no table for that GPU, the GPU's prior (configs/priors/GPU.yaml: untuned
+    choices, never measured) is written instead where there is one, and the file says so.
+    """
     backends = _list(only, "--only")
     with _domain_errors():
         from mla_tune.export import ExportError, export_submission
+        from mla_tune.tables.prior import find_prior
         from mla_tune.tables.table import load_table
 
-        path = _table_path(gpu, table)
+        prior = find_prior(gpu) if gpu and table is None else None
+        try:
+            path = _table_path(gpu, table)
+        except MlaTuneError:
+            if prior is None:
+                raise
+            path = prior  # no table for this GPU: its prior, said to be one
         loaded = load_table(path)
         if gpu and loaded.gpu != gpu:
             raise ExportError(f"table {path} is for {loaded.gpu}, not {gpu}; pass the right --table or --gpu")
         written = export_submission(path, output, only_backends=backends)
     typer.echo(f"wrote {written}: {len(loaded.rows)} shapes from {path}"
                + (f", backends limited to {', '.join(backends)}" if backends else ""))
+    if loaded.is_prior:
+        typer.echo(f"{path} is a PRIOR, not a measurement: untuned choices, never timed on the "
+                   f"{loaded.gpu}; `mla-tune show --table {path}` lists them, `mla-tune sweep --gpu "
+                   f"{loaded.gpu}` on that GPU makes a measured table")
 
 
 @app.command()
@@ -206,8 +301,9 @@ def show(
 
     The text fits the terminal (80 columns in a pipe) and prints each winner's full variant
     on lines that start with its shape, so `grep num_splits=16` finds it. Variants are
-    checked for form only (the backends' own parameter rules are checked when the runtime
-    or the export loads the table), so show never imports torch.
+    checked against the backends' parameter rules as data (backends/params.py), with the
+    messages export gives; the rules over several parameters are left to the runtime and
+    the export, so show never imports torch.
     """
     from mla_tune.tables.render import line_width, table_lines
     from mla_tune.tables.table import load_table

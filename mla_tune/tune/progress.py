@@ -46,6 +46,8 @@ def print_plan(config: Config, gpu: str, where: str, out: Path, results_path: Pa
         console.print(f"  [red]{name}[/]: unavailable: {escape(reason)}")
     compiled = {str(v) for vs in fitted.plan.values() for v in vs if config.precompile.get(v.backend)}
     dupes = f"; {planned.duplicates} duplicates collapsed" if planned.duplicates else ""
+    compiled_out = sum(len(per) for per in getattr(planned, "compile_drops", {}).values())
+    dupes += f"; {compiled_out} dropped by the compile check" if compiled_out else ""
     console.print(f"  {total} candidates in all{dupes}; {len(compiled)} distinct variants to precompile")
     for note in fitted.notes:
         console.print(f"  [yellow]budget[/]: {escape(note)}")

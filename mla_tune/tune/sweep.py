@@ -89,6 +89,7 @@ class SweepSummary:
     notes: list[str] = field(default_factory=list)
     estimate_s: float | None = None
     rung_plan: dict[str, list[int]] = field(default_factory=dict)  # shape -> candidates per rung
+    compile_drops: dict[str, dict[str, str]] = field(default_factory=dict)  # shape -> variant -> reason
 
 
 @dataclass
@@ -99,6 +100,9 @@ class Planned:
     unavailable: dict[str, str]
     listed_anyway: dict[str, str]
     duplicates: int  # candidates dropped because another had the same dedupe key
+    # dropped by the compile check (mla_tune/xcompile): shape -> variant -> reason
+    compile_drops: dict[str, dict[str, str]] = field(default_factory=dict)
+    compile: dict | None = None  # the check's summary, for the results header
 
 
 # ---------------------------------------------------------------------------- plan
@@ -161,6 +165,29 @@ def _plan_dict(plan: dict[Shape, list[Variant]]) -> dict[str, dict[str, list[str
     return out
 
 
+def compile_check(planned: Planned, gpu: str, console: Console, jobs: int | None = None) -> None:
+    """Cross-compile the plan's own kernels for `gpu` (mla_tune/xcompile) and drop from
+    `planned` the candidates that do not compile, exceed its LDS or duplicate another's
+    binary, each with its reason; a check that cannot run is a warning, not a stop."""
+    from mla_tune.xcompile.check import apply_drops, check_plan
+    from mla_tune.xcompile.report import drop_lines, summary_lines
+
+    try:
+        report = check_plan(planned.plan, gpu, jobs)
+    except Exception as exc:  # the sweep goes on with the plan as it was
+        console.print(f"[yellow]compile check[/]: not run ({escape(f'{type(exc).__name__}: {exc}')}); "
+                      "the plan is not pruned")
+        return
+    planned.plan = apply_drops(planned.plan, report)
+    planned.compile_drops = report["drops"]
+    planned.compile = {k: report[k] for k in ("target", "triton", "image_triton", "wall_s", "compiled", "cached")}
+    planned.compile.update(binaries=len(report["binaries"]),
+                           errors=sum(1 for b in report["binaries"] if not b.get("ok")),
+                           capture_errors=len(report["capture_errors"]), dropped=report["drops"])
+    for line in summary_lines(report) + drop_lines(report):
+        console.out(line, highlight=False)
+
+
 def compile_processes(planning_only: bool = False) -> int:
     """The compile pool's size; planning for an absent GPU assumes a GPU host's 8."""
     return 8 if planning_only else max(1, min(8, (os.cpu_count() or 2) - 1))
@@ -183,13 +210,15 @@ def _fit(config: Config, planned: Planned, costs: CostModel, n_devices: int, has
 
 
 def _dry_run(config: Config, gpu: str, out: Path, results_path: Path, console: Console,
-             devices: list[int]) -> SweepSummary:
+             devices: list[int], check: bool = False) -> SweepSummary:
     quick = gpu_mod.quick_device_name()
     found = gpu_mod.detect() if quick in (None, "cpu") or os.environ.get(gpu_mod.FAKE_PLATFORM_ENV) \
         else probe_platform(devices[0])
     absent = found.name != gpu
     platform = gpu_mod.fake_platform(gpu) if absent else found
     planned = plan_candidates(config, platform, planning_only=absent)
+    if check:
+        compile_check(planned, gpu, console)
     costs = cost_model_for(results_path, earlier_results(results_path, gpu))
     from mla_tune.tune.schedule import STARTUP_S
 
@@ -203,6 +232,7 @@ def _dry_run(config: Config, gpu: str, out: Path, results_path: Path, console: C
                      **{k: f"{r} (candidates listed for planning)" for k, r in planned.listed_anyway.items()}},
         notes=fitted.notes, estimate_s=fitted.estimate.seconds,
         rung_plan={str(s): p.rung_counts for s, p in fitted.estimate.shapes.items()},
+        compile_drops=planned.compile_drops,
     )
 
 
@@ -210,9 +240,12 @@ def _dry_run(config: Config, gpu: str, out: Path, results_path: Path, console: C
 def run_sweep(config_path, gpu: str, out: Path | None = None, dry_run: bool = False,
               force: bool = False, devices: list[int] | None = None, fresh: bool = False,
               console: Console | None = None,
-              candidate_timeout_s: float | None = None, budget_s: float | None = None) -> SweepSummary:
+              candidate_timeout_s: float | None = None, budget_s: float | None = None,
+              compile_check: bool | None = None) -> SweepSummary:
     """Sweep the config's shapes on this machine's GPU(s) and write tables/<gpu>.yaml.
-    budget_s, when given, replaces the config's."""
+    budget_s, when given, replaces the config's. compile_check: cross-compile the plan first
+    and drop what fails (`compile_check`); None means on for a sweep on a GPU, off for a dry
+    run."""
     console = console or Console()
     config = load_config(config_path)
     if budget_s is not None:
@@ -224,7 +257,7 @@ def run_sweep(config_path, gpu: str, out: Path | None = None, dry_run: bool = Fa
     if len(set(devices)) != len(devices) or min(devices) < 0:
         raise SweepError(f"devices must be distinct non-negative indices, got {devices}")
     if dry_run:
-        return _dry_run(config, gpu, out, results_path, console, devices)
+        return _dry_run(config, gpu, out, results_path, console, devices, bool(compile_check))
     if not force:
         _refuse_other_gpu_early(gpu)
     timeout = candidate_timeout_s or config.candidate_timeout_s or DEFAULT_CANDIDATE_TIMEOUT_S
@@ -236,7 +269,8 @@ def run_sweep(config_path, gpu: str, out: Path | None = None, dry_run: bool = Fa
     if lock.warning:
         console.print(f"[yellow]warning[/]: {escape(lock.warning)}")
     try:
-        return _sweep(config, gpu, out, results_path, force, devices, fresh, console, timeout)
+        return _sweep(config, gpu, out, results_path, force, devices, fresh, console, timeout,
+                      compile_check is not False)
     except KeyboardInterrupt:
         resume = f"mla-tune sweep --gpu {gpu} --config {config.path}"
         resume += "" if out == default_out else f" --out {out}"
@@ -290,7 +324,7 @@ def _open_results(results_path: Path, config: Config, fresh: bool, console: Cons
 
 
 def _header(config: Config, gpu: str, platform: gpu_mod.Platform, bandwidth, unavailable,
-            devices: list[int], fitted: FittedPlan, costs: CostModel) -> dict:
+            devices: list[int], fitted: FittedPlan, costs: CostModel, compiled: dict | None = None) -> dict:
     return {
         "kind": "header",
         "schema": SCHEMA,
@@ -320,6 +354,7 @@ def _header(config: Config, gpu: str, platform: gpu_mod.Platform, bandwidth, una
             "planned": {str(s): len(vs) for s, vs in fitted.plan.items()},
             "dropped": {str(s): [str(v) for v in vs] for s, vs in fitted.dropped.items()},
         },
+        "compile": compiled,  # the compile check's summary and drops (None: not run)
         "unavailable": unavailable,
         "devices": devices,
     }
@@ -371,7 +406,8 @@ def _resumed_plan(header: dict, planned: Planned, config: Config, costs: CostMod
 
 
 def _sweep(config: Config, gpu: str, out: Path, results_path: Path, force: bool,
-           devices: list[int], fresh: bool, console: Console, timeout: float) -> SweepSummary:
+           devices: list[int], fresh: bool, console: Console, timeout: float,
+           check: bool = True) -> SweepSummary:
     started = time.monotonic()
     header, old_records = _open_results(results_path, config, fresh, console)
     earlier = earlier_results(results_path, gpu)
@@ -384,12 +420,15 @@ def _sweep(config: Config, gpu: str, out: Path, results_path: Path, force: bool,
         _check_platform(platforms, gpu, force, header)
         platform = platforms[0]
         planned = plan_candidates(config, platform)
+        if check and platform.has_gpu and platform.name in gpu_mod.KNOWN_GPUS:
+            compile_check(planned, platform.name, console)
         for name, reason in planned.unavailable.items():
             console.print(f"[yellow]{name}[/] unavailable: {escape(reason)}")
         if header is None:
             bandwidth = workers[0].bandwidth()
             fitted = _fit(config, planned, costs, len(devices), platform.has_gpu, time.monotonic() - started)
-            header = _header(config, gpu, platform, bandwidth, planned.unavailable, devices, fitted, costs)
+            header = _header(config, gpu, platform, bandwidth, planned.unavailable, devices, fitted, costs,
+                             planned.compile)
         else:
             fitted = _resumed_plan(header, planned, config, costs, len(devices), platform.has_gpu)
         for note in fitted.notes:
