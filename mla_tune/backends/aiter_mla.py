@@ -136,8 +136,8 @@ _AI_REQUIRED = {
         "dtype_q", "dtype_kv"),
 }
 # The direct mode's two ops (aiter/ops/attention.py, pybind names in csrc/include/rocm_ops.hpp):
-# their leading tensors, passed positionally, and what is passed by keyword. 0.1.16+ adds
-# num_kv_splits to the reduction (required), a later build `lse` to stage 1 before q_scale.
+# their leading tensors, passed positionally, and what is passed by keyword. 0.1.12 adds
+# `lse` to stage 1 before q_scale, 0.1.16 a required num_kv_splits to the reduction.
 _AI_DIRECT_OPS = {
     "mla_decode_stage1_asm_fwd": (("Q", "KV"), (
         "qo_indptr", "kv_indptr", "kv_page_indices", "kv_last_page_lens", "num_kv_splits_indptr",
@@ -613,15 +613,7 @@ def validate(variant: Variant) -> None:
     """Refuse a missing, unknown or ill-valued parameter, or a (q, KV, mode) with no AITER
     kernel (names and values only; _ai_validate adds what depends on the shape)."""
     # names, each mode's own parameters, choices, bounds and q_amax: backends/params.py
-    if variant.p.get("mode") == "direct" and "direct" not in (form.name for form in PARAM_RULES[NAME].forms):
-        # the direct mode takes the persistent mode's work-list parameters, OPUS excepted
-        # (the OPUS stage 1 is another op than the one it calls)
-        if "opus" in variant.p:
-            raise ValueError("aiter: opus is not a parameter of mode=direct, which takes kv_granularity, "
-                             "max_split_per_batch, fast_mode, intra_batch (OPUS runs under mode=persistent)")
-        check_variant_rules(variant.with_params(mode="persistent"), PARAM_RULES[NAME])
-    else:
-        check_variant_rules(variant, PARAM_RULES[NAME])
+    check_variant_rules(variant, PARAM_RULES[NAME])
     mode, kv, q = variant.get("mode"), variant.get("kv"), variant.get("q")
     q_fp8 = q != "bf16"
     if mode not in _AI_PAIRS.get((q_fp8, kv), ()):

@@ -25,7 +25,7 @@ if __version__ not in RELEASES:
 release = __version__
 # What 0.1.20.post1 has and 0.1.11 (and f3be04a12) lack: max_split_per_batch on the info
 # call, get_mla_decode_fwd_max_splits, the context-parallel and `causal` arguments, `lse`
-# (after `output`, before `q_scale`) in mla_decode_stage1_asm_fwd, the required
+# (after `output`, before `q_scale`: 0.1.12) in mla_decode_stage1_asm_fwd, the required
 # `num_kv_splits` of mla_reduce_v1 (0.1.16), the bf16 persistent -> non-persistent
 # fallback (#4144, 0.1.18), the OPUS stage 1 and the Gluon decode.
 new_api = release == "0.1.20.post1"
