@@ -37,9 +37,9 @@ class Cache:
     """A paged latent cache per layer that sequences grow into (block size `page`), with
     every slot no sequence holds yet NaN; fp8 caches as the engine keeps them."""
 
-    def __init__(self, lens, page, steps, fp8, seed, as_bytes):
+    def __init__(self, lens, page, steps, fp8, seed, as_bytes, device="cpu"):
         gen = torch.Generator().manual_seed(seed)
-        self.page, self.fp8, self.as_bytes = page, fp8, as_bytes
+        self.page, self.fp8, self.as_bytes, self.device = page, fp8, as_bytes, torch.device(device)
         pages = [-(-(n + steps) // page) for n in lens]
         order = torch.randperm(sum(pages) + 2, generator=gen)
         self.table = torch.zeros((len(lens), max(pages) + 1), dtype=torch.int32)
@@ -49,18 +49,30 @@ class Cache:
             used += n
         self.num_pages = sum(pages) + 2
         self.lens = list(lens)
-        self.scales = [torch.tensor([0.02 + 0.01 * layer], dtype=torch.float32) for layer in range(LAYERS)]
+        self.scales = [torch.tensor([0.02 + 0.01 * layer], dtype=torch.float32, device=device) for layer in range(LAYERS)]
         dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
-        self.kv = [torch.full((self.num_pages * page, QK_DIM), float("nan")).to(dtype) for _ in range(LAYERS)]
+        self.kv = [torch.full((self.num_pages * page, QK_DIM), float("nan"), device=device).to(dtype)
+                   for _ in range(LAYERS)]
         for layer in range(LAYERS):  # the tokens already cached
             for b, n in enumerate(lens):
                 self.write(layer, b, range(n), torch.randn((n, QK_DIM), generator=gen))
+
+    def grow(self, b, by, gen=None):
+        """Sequence b grows by `by` tokens: all but the last get data here (every layer);
+        the last is the step's new token, which the engine writes."""
+        for layer in range(LAYERS):
+            self.write(layer, b, range(self.lens[b], self.lens[b] + by - 1),
+                       torch.randn((by - 1, QK_DIM), generator=gen))
+        self.lens[b] += by
 
     def slot(self, b, pos):
         return int(self.table[b, pos // self.page]) * self.page + pos % self.page
 
     def write(self, layer, b, positions, latent):
-        slots = torch.tensor([self.slot(b, p) for p in positions])
+        if not len(positions):
+            return
+        slots = torch.tensor([self.slot(b, p) for p in positions], dtype=torch.int64, device=self.device)
+        latent = latent.to(self.device)
         value = latent.float() / self.scales[layer] if self.fp8 else latent
         self.kv[layer][slots] = value.to(self.kv[layer].dtype)
 
@@ -69,14 +81,15 @@ class Cache:
         return kv.view(torch.uint8) if self.as_bytes and self.fp8 else kv
 
     def reference(self, layer, q, rows, sm_scale):
-        lens = torch.tensor([self.lens[b] for b in rows], dtype=torch.int32)
-        qo = torch.arange(len(rows) + 1, dtype=torch.int32)
+        lens = torch.tensor([self.lens[b] for b in rows], dtype=torch.int32, device=self.device)
+        qo = torch.arange(len(rows) + 1, dtype=torch.int32, device=self.device)
         return serving.reference(q, qo, self.kv[layer].view(self.num_pages, self.page, QK_DIM),
-                                 self.scales[layer] if self.fp8 else None, block_table=self.table[rows],
+                                 self.scales[layer] if self.fp8 else None,
+                                 block_table=self.table[rows].to(self.device),
                                  seq_lens=lens, sm_scale=sm_scale, return_lse=True)
 
 
-def _close(out, ref, what):
+def close_to_reference(out, ref, what):
     assert not torch.isnan(out).any(), f"{what}: NaN in the output"
     result = problem.check(out, ref, problem.RULES["strict"])
     assert result.passed, f"{what}: {result}"
@@ -125,7 +138,7 @@ def _vllm_step(cache, rows, seed, builder, impls, layers):
         out, lse = impl.forward_decode_step(layer_obj, q, latent[:, :V_DIM], latent[:, V_DIM:],
                                             cache.engine_view(layer), metadata)
         ref, ref_lse = cache.reference(layer, q, rows, SCALE)
-        _close(out, ref, f"vLLM layer {layer}")
+        close_to_reference(out, ref, f"vLLM layer {layer}")
         torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=0)
         _ignored_scale_would_fail(out, cache, layer, q, rows)
     return metadata
@@ -189,20 +202,24 @@ class Pool:
         return self.cache.kv[layer_id].view(-1, 1, QK_DIM)
 
     def set_kv_buffer(self, layer, loc, cache_k, cache_v):
-        self.cache.kv[layer.layer_id].view(-1, QK_DIM)[loc.long()] = cache_k.view(-1, QK_DIM).to(torch.bfloat16)
+        value = cache_k.view(-1, QK_DIM).float()
+        if self.cache.fp8:
+            value = value / self.cache.scales[layer.layer_id]
+        self.cache.kv[layer.layer_id].view(-1, QK_DIM)[loc.long()] = value.to(self.cache.kv[layer.layer_id].dtype)
 
 
-def _sglang_runner(cache, max_reqs, context):
+def sglang_runner(cache, max_reqs, context):
     from types import SimpleNamespace
 
-    req_to_token = torch.zeros((max_reqs, context), dtype=torch.int32)
+    req_to_token = torch.zeros((max_reqs, context), dtype=torch.int32, device=cache.device)
     for b in range(len(cache.lens)):
         held = min(context, cache.table.shape[1] * cache.page)  # the rest of the row stays 0
         req_to_token[b, :held] = torch.tensor([cache.slot(b, p) for p in range(held)], dtype=torch.int32)
     return SimpleNamespace(
-        model_config=SimpleNamespace(num_attention_heads=HEADS, scaling=SCALE), device="cpu", page_size=cache.page,
-        req_to_token_pool=SimpleNamespace(req_to_token=req_to_token, size=max_reqs),
-        token_to_kv_pool=Pool(cache), kv_cache_dtype=torch.bfloat16, use_mla_backend=True)
+        model_config=SimpleNamespace(num_attention_heads=HEADS, scaling=SCALE), device=str(cache.device),
+        page_size=cache.page, req_to_token_pool=SimpleNamespace(req_to_token=req_to_token, size=max_reqs),
+        token_to_kv_pool=Pool(cache), kv_cache_dtype=torch.float8_e4m3fn if cache.fp8 else torch.bfloat16,
+        use_mla_backend=True)
 
 
 def test_sglang_backend_registers_and_the_fake_refuses_the_removed_hooks(monkeypatch):
@@ -233,7 +250,7 @@ def test_sglang_page_one_decode_loop_at_deepseek_v3_scale_with_graph_hooks(monke
     from mla_tune.integrations import sglang as backend
 
     cache = Cache([5, 30, 47], 1, 3, fp8=False, seed=2, as_bytes=False)  # page 1: SGLang's token slots
-    runner = _sglang_runner(cache, max_reqs=4, context=64)
+    runner = sglang_runner(cache, max_reqs=4, context=64)
     attn = backend.create_mla_tune_backend(runner)
     assert attn.plans.spec.sm_scale == SCALE and attn.plans.spec.page_size == 1
     attn.init_cuda_graph_state(max_bs=2, max_num_tokens=2)
@@ -261,5 +278,5 @@ def test_sglang_page_one_decode_loop_at_deepseek_v3_scale_with_graph_hooks(monke
             assert out.shape == (len(rows), HEADS * V_DIM)
             q3 = q.view(-1, HEADS, QK_DIM)
             ref, _ = cache.reference(layer.layer_id, q3, rows, SCALE)
-            _close(out.view(-1, HEADS, V_DIM), ref, f"SGLang step {step} layer {layer.layer_id}")
+            close_to_reference(out.view(-1, HEADS, V_DIM), ref, f"SGLang step {step} layer {layer.layer_id}")
             _ignored_scale_would_fail(out.view(-1, HEADS, V_DIM), cache, layer.layer_id, q3, rows)

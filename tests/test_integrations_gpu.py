@@ -1,0 +1,164 @@
+"""The engine backends on the GPU, in real CUDA graphs (marked gpu; not run on the CPU).
+
+    python -m pytest -m gpu tests/test_integrations_gpu.py
+
+Each test is the CPU loop of tests/test_integrations_engines.py on CUDA (the engines are
+still the fakes of tests/fakes: vLLM and SGLang are not installed on the device machine),
+with the layers captured once in a CUDA graph and replayed for 3 steps whose lengths grow:
+per step the engine's metadata hook runs outside the graph, then the replay, then every
+layer's output is checked against the fp32 reference at DeepSeek-V3's scale."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mla_tune.core import QK_DIM, V_DIM
+from tests.test_integrations_engines import (
+    HEADS,
+    LAYERS,
+    SCALE,
+    Cache,
+    close_to_reference,
+    engine_fakes,
+    sglang_runner,
+)
+
+pytestmark = pytest.mark.gpu
+
+
+def _capture(run):
+    """`run` once eagerly (compiles, allocates), then captured; the graph."""
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph
+
+
+@pytest.mark.parametrize("page,fp8", [(1, False), (1, True), (64, True)])
+def test_sglang_backend_replays_a_captured_decode_step_with_new_lengths(monkeypatch, page, fp8):
+    engine_fakes.install(monkeypatch, "sglang")
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    from mla_tune.integrations import sglang as backend
+
+    monkeypatch.setenv("MLA_TUNE_SERVING_TABLE", "none")
+    dev = torch.device("cuda")
+    lens = [5, 300, 1000, 64]
+    cache = Cache(lens, page, 120, fp8=fp8, seed=3, as_bytes=False, device=dev)
+    attn = backend.create_mla_tune_backend(sglang_runner(cache, max_reqs=8, context=1200))
+    rows, bs = [0, 1, 2, 3], 4
+    attn.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs)
+    layers = [SimpleNamespace(layer_id=i, tp_q_head_num=HEADS, head_dim=QK_DIM, v_head_dim=V_DIM, scaling=SCALE,
+                              k_scale=cache.scales[i] if fp8 else None) for i in range(LAYERS)]
+    # the graph's static inputs, refilled before each replay (as SGLang's graph runner does)
+    seq_lens = torch.tensor(lens, device=dev)
+    loc = torch.zeros(bs, dtype=torch.int64, device=dev)
+    qs = [torch.zeros((bs, HEADS * QK_DIM), dtype=torch.bfloat16, device=dev) for _ in layers]
+    latents = [torch.zeros((bs, 1, QK_DIM), dtype=torch.bfloat16, device=dev) for _ in layers]
+    outs = [torch.zeros((bs, HEADS * V_DIM), dtype=torch.bfloat16, device=dev) for _ in layers]
+    batch = ForwardBatch(ForwardMode.DECODE, bs, torch.tensor(rows, device=dev), seq_lens, loc, 0,
+                         seq_lens_cpu=torch.tensor(lens))
+
+    def layers_run():
+        for layer, q, latent, out in zip(layers, qs, latents, outs, strict=True):
+            out.copy_(attn.forward(q, latent, latent[..., :V_DIM], layer, batch))
+
+    attn.init_forward_metadata_out_graph(batch, in_capture=True)
+    graph = _capture(layers_run)
+    gen = torch.Generator(device=dev).manual_seed(4)
+    for step in range(3):
+        for b in rows:
+            cache.grow(b, 1 + 37 * step)  # the sequences grow between replays
+        now = [cache.lens[b] for b in rows]
+        seq_lens.copy_(torch.tensor(now))
+        loc.copy_(torch.tensor([cache.slot(b, cache.lens[b] - 1) for b in rows]))
+        batch.seq_lens_cpu = torch.tensor(now)
+        for q, latent in zip(qs, latents, strict=True):
+            q.copy_(torch.randn(q.shape, generator=gen, device=dev))
+            latent.copy_(torch.randn(latent.shape, generator=gen, device=dev))
+        attn.init_forward_metadata_out_graph(batch)
+        graph.replay()
+        torch.cuda.synchronize()
+        for layer, q, out in zip(layers, qs, outs, strict=True):
+            ref, _ = cache.reference(layer.layer_id, q.view(-1, HEADS, QK_DIM), rows, SCALE)
+            close_to_reference(out.view(-1, HEADS, V_DIM), ref, f"step {step} layer {layer.layer_id}")
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "auto"])
+def test_vllm_backend_replays_captured_layers_after_each_build(monkeypatch, cache_dtype):
+    engine_fakes.install(monkeypatch, "vllm")
+    from vllm.config import (
+        CacheConfig,
+        CompilationConfig,
+        CUDAGraphMode,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.config import ModelConfig as VModel
+    from vllm.v1.attention.backend import AttentionLayer, AttentionType, CommonAttentionMetadata
+
+    from mla_tune.integrations import vllm as backend
+
+    monkeypatch.setenv("MLA_TUNE_SERVING_TABLE", "none")
+    dev, page, bs = torch.device("cuda"), 64, 4
+    fp8 = cache_dtype == "fp8"
+    config = VllmConfig(model_config=VModel(num_attention_heads=HEADS),
+                        cache_config=CacheConfig(cache_dtype=cache_dtype, block_size=page),
+                        parallel_config=ParallelConfig(decode_context_parallel_size=1),
+                        scheduler_config=SchedulerConfig(max_num_seqs=8),
+                        compilation_config=CompilationConfig(cudagraph_mode=CUDAGraphMode(True),
+                                                             cudagraph_capture_sizes=[1, 2, 4]))
+    cache = Cache([5, 300, 1000, 64], page, 200, fp8=fp8, seed=5, as_bytes=True, device=dev)
+    impls, layer_objs = [], []
+    for i in range(LAYERS):
+        impl = backend.MlaTuneMLAImpl(num_heads=HEADS, head_size=QK_DIM, scale=SCALE, num_kv_heads=1,
+                                      alibi_slopes=None, sliding_window=None, kv_cache_dtype=cache_dtype,
+                                      logits_soft_cap=None, attn_type=AttentionType.DECODER,
+                                      kv_sharing_target_layer_name=None, kv_lora_rank=V_DIM,
+                                      qk_rope_head_dim=QK_DIM - V_DIM)
+        impls.append(impl)
+        layer_objs.append(AttentionLayer(k_scale=cache.scales[i]))
+        config.compilation_config.static_forward_context[f"l{i}"] = SimpleNamespace(impl=impl)
+    builder = backend.MlaTuneMLAMetadataBuilder(SimpleNamespace(block_size=page), ["l0", "l1"], config, dev)
+    rows = [0, 1, 2, 3]
+    qsl = torch.arange(bs + 1, dtype=torch.int32)
+    seq_lens = torch.tensor(cache.lens, dtype=torch.int32, device=dev)
+    slots = torch.zeros(bs, dtype=torch.int64, device=dev)
+    table = cache.table[rows].to(dev)
+    common = CommonAttentionMetadata(query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=seq_lens,
+                                     num_reqs=bs, num_actual_tokens=bs, max_query_len=1, max_seq_len=2000,
+                                     block_table_tensor=table, slot_mapping=slots)
+    qs = [torch.zeros((bs, HEADS, QK_DIM), dtype=torch.bfloat16, device=dev) for _ in impls]
+    latents = [torch.zeros((bs, QK_DIM), device=dev) for _ in impls]
+    outs = [torch.zeros((bs, HEADS, V_DIM), dtype=torch.bfloat16, device=dev) for _ in impls]
+    metadata = builder.build(0, common)
+    assert metadata.decode.plans.active is builder.plans.graph
+
+    def layers_run():
+        for i, impl in enumerate(impls):
+            out, _ = impl.forward_decode_step(layer_objs[i], qs[i], latents[i][:, :V_DIM], latents[i][:, V_DIM:],
+                                              cache.engine_view(i), metadata)
+            outs[i].copy_(out)
+
+    graph = _capture(layers_run)
+    gen = torch.Generator(device=dev).manual_seed(6)
+    for step in range(3):
+        for b in rows:
+            cache.grow(b, 1 + 50 * step)
+        seq_lens.copy_(torch.tensor([cache.lens[b] for b in rows]))
+        slots.copy_(torch.tensor([cache.slot(b, cache.lens[b] - 1) for b in rows]))
+        for q, latent in zip(qs, latents, strict=True):
+            q.copy_(torch.randn(q.shape, generator=gen, device=dev))
+            latent.copy_(torch.randn(latent.shape, generator=gen, device=dev))
+        builder.build(0, common)  # the step's metadata, outside the graph
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (q, out) in enumerate(zip(qs, outs, strict=True)):
+            ref, _ = cache.reference(i, q, rows, SCALE)
+            close_to_reference(out, ref, f"vLLM {cache_dtype} step {step} layer {i}")
