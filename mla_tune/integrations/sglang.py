@@ -10,8 +10,8 @@ another backend's):
 
 Written against SGLang 0.5.23's AttentionBackend (python/sglang/srt/layers/attention/
 base_attn_backend.py with the out_graph / in_graph metadata contract, read from the stored
-sgl-project/sglang source; its flashmla_backend.py and attention_registry.py at 43681aaa
-for the registry; engine_calls.md has the 0.5.23 base class as installed). The hooks:
+sgl-project/sglang source, with its flashmla_backend.py; attention_registry.py at
+43681aaa). The hooks:
 
 - `init_forward_metadata(forward_batch)`: an eager step. The block table is written on
   the device from `req_to_token` (the request-to-token map SGLang keeps: page 1 is its

@@ -9,8 +9,7 @@ Register it before the engine starts, then select the CUSTOM backend:
 (`register()` here does the first line.) Written against vLLM 0.33.0's v1 MLA API, whose
 common classes live in `vllm.model_executor.layers.attention.mla_attention` (read from
 vllm-project/vllm: mla_attention.py at 90b0a26e, v1/attention/backends/registry.py at
-0033bf03, v1/attention/backends/mla/flashmla.py at 01b1d340; the signatures of 0.33.0 as
-installed are in /work/shared/research/engine_calls.md). The trio, as vLLM's FlashMLA
+0033bf03, v1/attention/backends/mla/flashmla.py at 01b1d340). The trio, as vLLM's FlashMLA
 backend is built:
 
 - `MlaTuneMLABackend` (MLACommonBackend): names the builder and impl; bf16 or fp8 caches

@@ -1,8 +1,8 @@
 """A CPU fake of the parts of SGLang 0.5.23 that mla_tune.integrations.sglang subclasses.
 
 `AttentionBackend` keeps 0.5.23's hook names, argument names and order (the out_graph /
-in_graph metadata contract of python/sglang/srt/layers/attention/base_attn_backend.py;
-engine_calls.md lists them as installed) and refuses a subclass whose override differs;
+in_graph metadata contract of python/sglang/srt/layers/attention/base_attn_backend.py)
+and refuses a subclass whose override differs;
 the removed capture/replay pair is refused too. `attention_registry` is SGLang's
 (ATTENTION_BACKENDS, register_attention_backend). Load with tests/fakes/engine_fakes.py.
 """
