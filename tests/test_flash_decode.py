@@ -6,6 +6,8 @@ wrong); on a GPU the same tests use bf16 dots. Shapes stay tiny on the CPU.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -202,6 +204,93 @@ def test_candidates_name_an_unknown_key():
         triton_splitk.candidates(Shape(4, 1024), {"block_size": [32]}, fake_platform("H200"))
     with pytest.raises(ValueError, match="mxfp4"):
         triton_splitk.candidates(Shape(4, 1024), {"kv": ["mxfp4"]}, fake_platform("H200"))
+
+
+# ---------------------------------------------------- stage 1 for AMD's register file
+# (kv_lens, num_splits, block_n, kv, q, v_split, qk_split): every kv format x q mode with
+# the value columns split over two programs and/or the score dot in chunks; kv_len 1, 17
+# 301 and 3001 (odd, many tiles), more splits than blocks (100 tokens, 8 splits of 32), ragged.
+REGISTER_CASES = [
+    ([1], 1, 16, "bf16", "bf16", 2, 1),
+    ([17, 40], 3, 16, "fp8", "fp8_dynamic", 1, 8),
+    ([3001], 8, 64, "fp8", "bf16", 2, 4),
+    ([1, 17, 100], 4, 32, "bf16", "fp8_static", 2, 2),
+    ([17], 1, 16, "fp8", "fp8_static", 1, 4),
+    ([100], 8, 32, "bf16", "fp8_dynamic", 2, 8),
+    ([301, 17], 1, 32, "bf16", "bf16", 1, 2),
+]
+
+
+@pytest.mark.parametrize("kv_lens,num_splits,block_n,kv,q,v_split,qk_split", REGISTER_CASES)
+def test_register_file_options_match_the_reference(kv_lens, num_splits, block_n, kv, q, v_split,
+                                                   qk_split, device):
+    data = problem.generate_ragged_input(kv_lens, seed=11, device=device)
+    params = dict(kv=kv, q=q, num_splits=num_splits, block_n=block_n, num_warps=4, num_stages=1,
+                  dot_dtype=_dot_dtype(device), v_split=v_split, qk_split=qk_split)
+    q_amax = None
+    if q == "fp8_static":
+        q_amax = 0.8 * _calibrated_q_amax(len(kv_lens), device)
+        params["q_amax"] = q_amax
+    out = _run_variant(Variant.make("triton", **params), data, device)
+    _assert_close(out, _expected(data, kv, q, q_amax))
+
+
+def test_v_split_halves_write_every_column_and_one_lse(device, monkeypatch):
+    # Poison the partials: a column or an lse that no program writes shows up as NaN.
+    data = problem.generate_input(2, 70, seed=4, device=device)
+    q, kv_data, _qo, kv_indptr, _cfg = data
+    kv, kv_scale = kv_data["fp8"]
+    workspace = FlashDecodeWorkspace.allocate(2, 3, device)
+    workspace.part_out.fill_(float("nan"))
+    workspace.part_lse.fill_(float("nan"))
+    out = torch.full((2, 16, 512), float("nan"), dtype=torch.bfloat16, device=device)
+    flash_decode(q, kv, kv_scale, kv_indptr, out, num_splits=3, block_n=16, num_warps=4, num_stages=1,
+                 dot_dtype=_dot_dtype(device), workspace=workspace, v_split=2, qk_split=4)
+    assert not workspace.part_out.isnan().any() and not workspace.part_lse.isnan().any()
+    _assert_close(out, problem.reference(data, "bf16", "fp8"))
+
+
+def test_register_file_options_are_checked_by_name():
+    base = dict(kv="fp8", q="bf16", num_splits=1, block_n=32, num_warps=4, num_stages=1, dot_dtype="fp16")
+    for name, bad in (("v_split", 3), ("qk_split", 3), ("qk_split", 16)):
+        with pytest.raises(ValueError, match=name):
+            triton_splitk.validate(Variant.make("triton", **base, **{name: bad}))
+    triton_splitk.validate(Variant.make("triton", **base, v_split=2, qk_split=8))
+    data = problem.generate_input(1, 4, seed=1, device="cpu")
+    out = torch.empty((1, 16, 512), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="qk_split must be one of 1, 2, 4, 8"):
+        flash_decode(data[0], data[1]["bf16"], None, data[3], out, num_splits=1, block_n=16, num_warps=4,
+                     num_stages=1, dot_dtype="fp16", qk_split=3)
+
+
+def test_candidates_leave_default_register_options_out_of_the_name():
+    space = {**SPACE, "kv": ["fp8"], "q": ["bf16"], "num_splits": [1], "v_split": [1, 2], "qk_split": [1, 8]}
+    variants = triton_splitk.candidates(Shape(4, 1024), space, fake_platform("MI355X"))
+    assert len(variants) == 4
+    assert Variant.make("triton", **{k: v[0] for k, v in SPACE.items() if k not in ("kv", "q")},
+                        kv="fp8", q="bf16") in variants  # v_split 1, qk_split 1: today's name
+    assert {(v.get("v_split"), v.get("qk_split")) for v in variants} == {(None, None), (2, None), (None, 8),
+                                                                         (2, 8)}
+    with pytest.raises(ValueError, match="qk_split"):
+        triton_splitk.candidates(Shape(4, 1024), {**space, "qk_split": [3]}, fake_platform("MI355X"))
+
+
+def test_candidates_refuse_what_cannot_fit_the_platforms_lds():
+    # gfx942's 64 KiB: bf16 KV at block_n 64 with 2 stages keeps a 73728-byte tile in LDS
+    # (what its compiled binary holds, xcompile.md); block_n 32 (36864) fits.
+    space = {**SPACE, "kv": ["bf16"], "q": ["bf16"], "num_splits": [1], "block_n": [32, 64],
+             "num_stages": [2]}
+    mi300x = dataclasses.replace(fake_platform("MI300X"), smem_per_sm=64 * 1024)
+    assert {v.get("block_n") for v in triton_splitk.candidates(Shape(4, 1024), space, mi300x)} == {32}
+    big = Variant.make("triton", kv="bf16", q="bf16", num_splits=1, block_n=64, num_warps=4,
+                       num_stages=2, dot_dtype="bf16")
+    reason = triton_splitk.lds_refusal(big, mi300x)
+    assert "73728" in reason and "65536" in reason and "MI300X" in reason
+    mi355x = dataclasses.replace(fake_platform("MI355X"), smem_per_sm=160 * 1024)
+    assert triton_splitk.lds_refusal(big, mi355x) is None
+    assert len(triton_splitk.candidates(Shape(4, 1024), space, mi355x)) == 2
+    # a platform that states no limit refuses nothing
+    assert triton_splitk.lds_refusal(big, fake_platform("MI300X")) in (None, reason)
 
 
 # ------------------------------------------------------------------------------ GPU

@@ -188,6 +188,10 @@ _PR_TSK_TAIL = (("block_n", ParamInt(minimum=16, maximum=PARAM_MAX_BLOCK_N, powe
 _PR_TSK_SERVING = ("kv", "q", "block_n", "block_h", "max_splits", "tokens_per_split",
                    "num_warps", "num_stages", "dot_dtype")
 _PR_TSK_LEADERBOARD = ("kv", "q", "num_splits", "block_n", "num_warps", "num_stages", "dot_dtype")
+# Optional in a split-K leaderboard variant (absent: 1): stage-1 programs per split, each
+# multiplying its share of the value columns, and chunks of the score dot shared by the
+# warps (kernels/flash_decode.py, for AMD's register file).
+_PR_TSK_REGISTER_CHECKS = (("v_split", ParamChoice((1, 2))), ("qk_split", ParamChoice((1, 2, 4, 8))))
 
 _PR_FU_DOTS = ParamChoice(("fp16", "bf16", "fp8"))
 _PR_FU_BLOCK_N = ParamChoice((16, 32, 64, 128))
@@ -206,8 +210,9 @@ PARAM_RULES: dict[str, ParamRules] = {
                    ("split_budget", ParamInt(minimum=0, maximum=_PR_INT32_MAX)),
                    ("block_h", _PR_BLOCK_H), *_PR_TSK_TAIL),
                   when_any=("max_splits", "tokens_per_split")),
-        ParamForm("leaderboard", (*_PR_TSK_LEADERBOARD, "q_amax", *_PR_HIP_KEYS), _PR_TSK_LEADERBOARD,
-                  (*_PR_TSK_COMMON, ("num_splits", _PR_SPLITS), *_PR_TSK_TAIL)),
+        ParamForm("leaderboard", (*_PR_TSK_LEADERBOARD, "q_amax", *_PR_HIP_KEYS, "v_split", "qk_split"),
+                  _PR_TSK_LEADERBOARD,
+                  (*_PR_TSK_COMMON, ("num_splits", _PR_SPLITS), *_PR_TSK_TAIL, *_PR_TSK_REGISTER_CHECKS)),
     )),
     "triton_fused": ParamRules("triton_fused", (
         ParamForm("serving", _PR_FU_SERVING, _PR_FU_SERVING,

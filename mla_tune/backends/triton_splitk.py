@@ -64,7 +64,10 @@ _tsk_KV_FORMATS = ("bf16", "fp8")
 _tsk_Q_MODES = ("bf16", "fp8_dynamic", "fp8_static")
 _tsk_DOT_DTYPES = ("fp16", "bf16")
 _tsk_LAUNCH = ("num_splits", "block_n", "num_warps", "num_stages")
-_tsk_SPACE_KEYS = ("kv", "q", *_tsk_LAUNCH, "dot_dtype")
+# Stage 1's register-file options (flash_decode's v_split and qk_split): optional, absent = 1,
+# and a variant carries one only where it is not 1, so a variant's name says which kernel runs.
+_tsk_REGISTER_KEYS = ("v_split", "qk_split")
+_tsk_SPACE_KEYS = ("kv", "q", *_tsk_LAUNCH, "dot_dtype", *_tsk_REGISTER_KEYS)
 _tsk_HIP_KEYS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
 # The serving call's parameters (max_splits / tokens_per_split mark the set, split_budget
 # optional: 0 or absent gives max_splits per sequence) are in backends/params.py.
@@ -97,8 +100,10 @@ def _tsk_list(space: dict, key: str, default: list) -> list:
 
 def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
     """The product of the lists in `space`, pruned: no split shorter than a tile (unless
-    num_splits is 1) and no grid over 4 waves of SMs (unless it is the smallest offered).
-    fp8_static variants come without q_amax: the sweep calibrates and adds it."""
+    num_splits is 1), no grid over 4 waves of SMs (unless it is the smallest offered) and
+    none over the platform's shared memory (lds_refusal). v_split and qk_split of 1 are
+    left out of the variant (the kernel's default). fp8_static variants come without
+    q_amax: the sweep calibrates and adds it."""
     space = dict(space or {})
     unknown = sorted(set(space) - {*_tsk_SPACE_KEYS, "hip"})
     if unknown:
@@ -114,11 +119,15 @@ def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
         "num_warps": _tsk_list(space, "num_warps", [4]),
         "num_stages": _tsk_list(space, "num_stages", [1]),
         "dot_dtype": _tsk_list(space, "dot_dtype", [dot_default]),
+        "v_split": _tsk_list(space, "v_split", [1]),
+        "qk_split": _tsk_list(space, "qk_split", [1]),
     }
-    for key, known in (("kv", _tsk_KV_FORMATS), ("q", _tsk_Q_MODES), ("dot_dtype", _tsk_DOT_DTYPES)):
+    for key, known in (("kv", _tsk_KV_FORMATS), ("q", _tsk_Q_MODES), ("dot_dtype", _tsk_DOT_DTYPES),
+                       ("v_split", (1, 2)), ("qk_split", (1, 2, 4, 8))):
         bad = [v for v in lists[key] if v not in known]
         if bad:
-            raise ValueError(f"triton search space: {key} {bad} not supported; known: {', '.join(known)}")
+            raise ValueError(f"triton search space: {key} {bad} not supported; known: "
+                             f"{', '.join(map(str, known))}")
     hip = space.get("hip") or {}
     if not isinstance(hip, dict):
         raise ValueError(f"triton search space: hip must be a mapping of lists, got {hip!r}")
@@ -138,8 +147,43 @@ def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
             continue
         if max_grid > 0 and shape.batch * splits > max_grid and splits != smallest_splits:
             continue
-        out.append(Variant.make(NAME, **params))
+        for name in _tsk_REGISTER_KEYS:
+            if params[name] == 1:
+                del params[name]
+        variant = Variant.make(NAME, **params)
+        if lds_refusal(variant, platform) is None:
+            out.append(variant)
     return list(dict.fromkeys(out))
+
+
+def stage1_lds_floor(variant: Variant) -> int:
+    """A lower bound on the shared memory (LDS) stage 1 of leaderboard `variant` needs, in
+    bytes: the software pipeline keeps num_stages - 1 tiles of [block_n, 576] KV elements
+    in it (num_stages >= 2), and without one the value operand passes through it ([block_n,
+    512 / v_split] KV elements). It held at every binary compiled for gfx950, gfx942 and
+    sm_90 under Triton 3.6 and 3.9 (xcompile.md; the measured sizes are up to 2.4x more):
+    a variant over a limit by it cannot load there; one under it may still not (the
+    compile check, mla-tune compile, measures)."""
+    p = variant.p
+    elem = 1 if p["kv"] == "fp8" else 2
+    if p["num_stages"] >= 2:
+        return (p["num_stages"] - 1) * p["block_n"] * 576 * elem
+    return p["block_n"] * (V_DIM // (p.get("v_split") or 1)) * elem
+
+
+def lds_refusal(variant: Variant, platform) -> str | None:
+    """Why `variant` cannot run on `platform` for its shared memory (LDS), or None: its
+    stage-1 floor (stage1_lds_floor) over the platform's per-kernel limit. The limit is
+    `platform.lds_bytes` where the platform carries it, else the shared memory per SM the
+    device reported (`smem_per_sm`); with neither (0), nothing is refused."""
+    limit = getattr(platform, "lds_bytes", 0) or platform.smem_per_sm
+    if not limit or _tsk_is_serving(variant):
+        return None
+    need = stage1_lds_floor(variant)
+    if need <= limit:
+        return None
+    return (f"{variant} needs at least {need} bytes of shared memory (LDS) for its KV tiles, over "
+            f"{platform.name}'s {limit}; use a smaller block_n or fewer num_stages")
 
 
 def default_variant(shape: Shape, sm_count: int | None = None, kv: str = "fp8",
@@ -193,6 +237,7 @@ def build(variant: Variant, shape: Shape, device):
                          "run it with build_serving, or give build a num_splits variant")
     kv_format, q_mode, dot_dtype = variant.get("kv"), variant.get("q"), variant.get("dot_dtype")
     launch = {name: variant.get(name) for name in _tsk_LAUNCH}
+    launch.update({name: variant.get(name) or 1 for name in _tsk_REGISTER_KEYS})
     hip_options = {k: variant.get(k) for k in _tsk_HIP_KEYS if variant.get(k) is not None}
     device = torch.device(device)
     q_fp8_dtype = fp8_dtype_for(device) if q_mode != "bf16" else torch.float8_e4m3fn

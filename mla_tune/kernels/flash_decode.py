@@ -60,6 +60,8 @@ _fd_LOG2E = 1.4426950408889634
 _fd_Q_MODES = {"bf16": 0, "fp8_static": 1, "fp8_dynamic": 2}
 _fd_DOT_DTYPES = {"fp16": tl.float16, "bf16": tl.bfloat16}
 _fd_HIP_OPTIONS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
+# Stage 1's score-dot chunk counts (QK_SPLIT; a chunk of 512 / c dims is a dot's K >= 16).
+_fd_QK_SPLITS = (1, 2, 4, 8)
 # Stage 1 reduces the per-sequence q amax partials in chunks of this many.
 _fd_AMAX_CHUNK = 128
 # Sequences per step of the serving schedule's loop.
@@ -120,6 +122,16 @@ def _fd_quantize_q(x, scale, fp8_max, FP8_MIN_EXP: tl.constexpr, ROUND_BF16: tl.
 
 
 # batch is runtime, never specialized: one compile serves every batch size.
+# V_SPLIT and QK_SPLIT (both 1: the kernel as it was, the same code) trade work for
+# registers, for AMD's register file (the H200's plan never sets them):
+# - V_SPLIT 2: two programs per split, side by side in the grid's second dimension. Both
+#   read the whole tile and compute the scores (the same code on the same data, so the
+#   softmax statistics are bit-identical and one writes the lse); each multiplies and
+#   writes only its half of the 512 value columns: half the accumulator, the tile read
+#   twice (the second read meant to hit in L2).
+# - QK_SPLIT c > 1: the 512-dim score dot as a batched dot over c chunks of 512 / c dims
+#   (the warps share the chunks, so each holds 1 / c of q instead of all of it), summed
+#   over the chunks; the value columns are a second load of the tile (from L1 or L2).
 @triton.jit(do_not_specialize=["batch"])
 def _fd_stage1_kernel(
     Q, KV, KV_SCALE, KV_INDPTR, Q_AMAX, batch, q_static_scale, fp8_max, qk_scale,
@@ -128,9 +140,14 @@ def _fd_stage1_kernel(
     Q_MODE: tl.constexpr, FP8_MIN_EXP: tl.constexpr, KV_SCALED: tl.constexpr,
     AMAX_CHUNK: tl.constexpr,
     H: tl.constexpr, D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, D_QK: tl.constexpr,
+    V_SPLIT: tl.constexpr = 1, QK_SPLIT: tl.constexpr = 1,
 ):
     pid_b = tl.program_id(0)
-    pid_s = tl.program_id(1)
+    if V_SPLIT == 1:
+        pid_s = tl.program_id(1)
+    else:
+        pid_s = tl.program_id(1) // 2
+        half = tl.program_id(1) % 2
     seq_start = tl.load(KV_INDPTR + pid_b)
     kv_len = tl.load(KV_INDPTR + pid_b + 1) - seq_start
     split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -140,13 +157,33 @@ def _fd_stage1_kernel(
     offs_h = tl.arange(0, H)
     offs_d = tl.arange(0, D_NOPE)
     offs_r = tl.arange(0, D_ROPE)
+    if V_SPLIT == 1:
+        offs_o = offs_d  # the value (output) columns this program computes
+    else:
+        offs_v = tl.arange(0, D_NOPE // 2)
+        offs_o = half * (D_NOPE // 2) + offs_v
+    if QK_SPLIT > 1:
+        # [QK_SPLIT, 1, chunk] column offsets of the chunks (q's [chunk, head, dim] and the
+        # tile's [chunk, dim, token] operands)
+        offs_c = (tl.arange(0, QK_SPLIT)[:, None, None] * (D_NOPE // QK_SPLIT)
+                  + tl.arange(0, D_NOPE // QK_SPLIT)[None, None, :])
     q_row = Q + pid_b.to(tl.int64) * H * D_QK + offs_h[:, None] * D_QK
-    q_nope = tl.load(q_row + offs_d[None, :])
+    if QK_SPLIT > 1:
+        q_nope = tl.load(Q + pid_b.to(tl.int64) * H * D_QK + offs_h[None, :, None] * D_QK + offs_c)
+    elif V_SPLIT == 1:
+        q_nope = tl.load(q_row + offs_d[None, :])
+    else:
+        # The nope part as two halves of 256 dims (q_nope, q_nope_b), summed in one order.
+        q_nope = tl.load(q_row + offs_v[None, :])
+        q_nope_b = tl.load(q_row + D_NOPE // 2 + offs_v[None, :])
     q_rope = tl.load(q_row + D_NOPE + offs_r[None, :])
 
     score_scale = qk_scale  # sm_scale * log2(e), times whatever scales are folded in
     if Q_MODE == 1:
         q_nope = _fd_quantize_q(q_nope, q_static_scale, fp8_max, FP8_MIN_EXP, False)
+        if QK_SPLIT == 1:
+            if V_SPLIT == 2:  # the second half
+                q_nope_b = _fd_quantize_q(q_nope_b, q_static_scale, fp8_max, FP8_MIN_EXP, False)
         q_rope = _fd_quantize_q(q_rope, q_static_scale, fp8_max, FP8_MIN_EXP, False)
         score_scale = score_scale * q_static_scale
     elif Q_MODE == 2:
@@ -157,9 +194,15 @@ def _fd_stage1_kernel(
         amax = tl.maximum(tl.max(amax_acc, axis=0), 1e-12)
         q_scale = _fd_round_to_mantissa(amax / fp8_max, 7, -119)  # bf16, as problem.quantize_fp8
         q_nope = _fd_quantize_q(q_nope, q_scale, fp8_max, FP8_MIN_EXP, True)
+        if QK_SPLIT == 1:
+            if V_SPLIT == 2:  # the second half
+                q_nope_b = _fd_quantize_q(q_nope_b, q_scale, fp8_max, FP8_MIN_EXP, True)
         q_rope = _fd_quantize_q(q_rope, q_scale, fp8_max, FP8_MIN_EXP, True)
         score_scale = score_scale * q_scale
     q_nope = q_nope.to(DOT_DTYPE)
+    if QK_SPLIT == 1:
+        if V_SPLIT == 2:  # the second half
+            q_nope_b = q_nope_b.to(DOT_DTYPE)
     q_rope = q_rope.to(DOT_DTYPE)
     kv_scale = 1.0
     if KV_SCALED:
@@ -168,17 +211,38 @@ def _fd_stage1_kernel(
 
     m_i = tl.full([H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([H], dtype=tl.float32)
-    acc = tl.zeros([H, D_NOPE], dtype=tl.float32)
+    acc = tl.zeros([H, D_NOPE // V_SPLIT], dtype=tl.float32)
     kv_seq = KV + seq_start.to(tl.int64) * D_QK  # total_kv * 576 may pass 2**31
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         valid = offs_n < hi
         tok = kv_seq + offs_n[:, None] * D_QK
-        # One load of the latent: keys for the scores and values for the output.
-        kv_nope = tl.load(tok + offs_d[None, :], mask=valid[:, None], other=0.0).to(DOT_DTYPE)
+        if QK_SPLIT > 1:
+            kv_c = tl.load(kv_seq + offs_n[None, None, :] * D_QK + tl.permute(offs_c, (0, 2, 1)),
+                           mask=valid[None, None, :], other=0.0).to(DOT_DTYPE)
+            scores = tl.sum(tl.dot(q_nope, kv_c), axis=0)
+            kv_nope = tl.load(tok + offs_o[None, :], mask=valid[:, None], other=0.0).to(DOT_DTYPE)
+        elif V_SPLIT == 1:
+            # One load of the latent: keys for the scores and values for the output.
+            kv_nope = tl.load(tok + offs_d[None, :], mask=valid[:, None], other=0.0).to(DOT_DTYPE)
+        else:
+            kv_a = tl.load(tok + offs_v[None, :], mask=valid[:, None], other=0.0).to(DOT_DTYPE)
+            kv_b = tl.load(tok + D_NOPE // 2 + offs_v[None, :], mask=valid[:, None], other=0.0).to(DOT_DTYPE)
         kv_rope = tl.load(tok + D_NOPE + offs_r[None, :], mask=valid[:, None], other=0.0).to(DOT_DTYPE)
-        scores = tl.dot(q_nope, tl.trans(kv_nope))
-        scores = tl.dot(q_rope, tl.trans(kv_rope), acc=scores)
+        if QK_SPLIT > 1:
+            scores = tl.dot(q_rope, tl.trans(kv_rope), acc=scores)
+        elif V_SPLIT == 1:
+            scores = tl.dot(q_nope, tl.trans(kv_nope))
+            scores = tl.dot(q_rope, tl.trans(kv_rope), acc=scores)
+        else:
+            scores = tl.dot(q_nope, tl.trans(kv_a))
+            scores = tl.dot(q_nope_b, tl.trans(kv_b), acc=scores)
+            scores = tl.dot(q_rope, tl.trans(kv_rope), acc=scores)
+            # this program's value columns (a branch: one of the halves is used)
+            if half == 0:
+                kv_nope = kv_a
+            else:
+                kv_nope = kv_b
         scores = tl.where(valid[None, :], scores * score_scale, float("-inf"))
         # Every tile holds at least one valid token, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -192,13 +256,16 @@ def _fd_stage1_kernel(
     has_tokens = l_i > 0.0
     out = acc * (kv_scale / tl.where(has_tokens, l_i, 1.0))[:, None]
     if NUM_SPLITS == 1:
-        o_ptr = Out + pid_b.to(tl.int64) * H * D_NOPE + offs_h[:, None] * D_NOPE + offs_d[None, :]
+        o_ptr = Out + pid_b.to(tl.int64) * H * D_NOPE + offs_h[:, None] * D_NOPE + offs_o[None, :]
         tl.store(o_ptr, out.to(tl.bfloat16))
     else:
         row = (pid_b.to(tl.int64) * NUM_SPLITS + pid_s) * H + offs_h
-        tl.store(PartOut + row[:, None] * D_NOPE + offs_d[None, :], out)
+        tl.store(PartOut + row[:, None] * D_NOPE + offs_o[None, :], out)
         lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
-        tl.store(PartLse + row, lse)
+        if V_SPLIT == 1:
+            tl.store(PartLse + row, lse)
+        else:  # both halves hold the same lse: the first writes it
+            tl.store(PartLse + row, lse, mask=(offs_h * 0 + half) == 0)
 
 
 @triton.jit
@@ -274,6 +341,8 @@ def flash_decode(
     workspace: FlashDecodeWorkspace | None = None,
     hip_options: dict | None = None,
     sm_scale: float = SM_SCALE,
+    v_split: int = 1,
+    qk_split: int = 1,
 ) -> torch.Tensor:
     """MLA decode attention over a bf16 or fp8 latent KV cache; writes and returns `out`.
 
@@ -288,7 +357,10 @@ def flash_decode(
     quantized to (`mla_tune.core.fp8_dtype_for(device)`).
     workspace: from FlashDecodeWorkspace.allocate(batch, num_splits, device); without it
     one is allocated per call. hip_options: waves_per_eu, matrix_instr_nonkdim, kpack,
-    passed to the stage-1 launch (ROCm only). Nothing here syncs with the device.
+    passed to the stage-1 launch (ROCm only). v_split (1 | 2) and qk_split (1 | 2 | 4 | 8)
+    trade work for registers (stage 1's comment): two programs per split that each
+    multiply half of the value columns; the score dot in chunks shared by the warps.
+    Nothing here syncs with the device.
     """
     batch = q.shape[0]
     if q.dim() != 3 or tuple(q.shape[1:]) != (NUM_HEADS, QK_DIM) or q.dtype != torch.bfloat16:
@@ -304,6 +376,11 @@ def flash_decode(
         raise ValueError(f"kv_indptr must be int32 of shape ({batch + 1},), got {kv_indptr.dtype} {tuple(kv_indptr.shape)}")
     if num_splits < 1 or block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"need num_splits >= 1 and block_n a power of two >= 16; got {num_splits}, {block_n}")
+    if v_split not in (1, 2):
+        raise ValueError(f"v_split must be 1 or 2 (stage-1 programs per split), got {v_split!r}")
+    if qk_split not in _fd_QK_SPLITS:
+        raise ValueError(f"qk_split must be one of {', '.join(map(str, _fd_QK_SPLITS))} (chunks of the "
+                         f"score dot), got {qk_split!r}")
     if dot_dtype not in _fd_DOT_DTYPES:
         raise ValueError(f"dot_dtype must be one of {', '.join(_fd_DOT_DTYPES)}, got {dot_dtype!r}")
     if q_mode not in _fd_Q_MODES:
@@ -325,13 +402,13 @@ def flash_decode(
     fp8_min_exp = _fd_fp8_min_exp(q_fp8_dtype)
     if q_mode == "fp8_dynamic":
         _fd_q_amax_kernel[(batch,)](q, workspace.q_amax, ROW=NUM_HEADS * QK_DIM, BLOCK=1024, num_warps=4)
-    _fd_stage1_kernel[(batch, num_splits)](
+    _fd_stage1_kernel[(batch, num_splits * v_split)](
         q, kv, kv_scale if kv_scaled else workspace.q_amax, kv_indptr, workspace.q_amax, batch,
         float(q_scale or 1.0), float(torch.finfo(q_fp8_dtype).max), float(sm_scale * _fd_LOG2E),
         out, workspace.part_out, workspace.part_lse,
         NUM_SPLITS=num_splits, BLOCK_N=block_n, DOT_DTYPE=_fd_DOT_DTYPES[dot_dtype],
         Q_MODE=_fd_Q_MODES[q_mode], FP8_MIN_EXP=fp8_min_exp, KV_SCALED=kv_scaled, AMAX_CHUNK=_fd_AMAX_CHUNK,
-        H=NUM_HEADS, D_NOPE=KV_LORA_RANK, D_ROPE=QK_ROPE_DIM, D_QK=QK_DIM,
+        H=NUM_HEADS, D_NOPE=KV_LORA_RANK, D_ROPE=QK_ROPE_DIM, D_QK=QK_DIM, V_SPLIT=v_split, QK_SPLIT=qk_split,
         num_warps=num_warps, num_stages=num_stages, **extra,
     )
     if num_splits > 1:
