@@ -51,7 +51,7 @@ def test_bad_buffers_are_refused_with_what_was_expected(device):
         pages.update(indptr, indices, kv_lens_host=[5])
 
 
-@pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
+@pytest.mark.parametrize("kv_format", ["fp8"])  # bf16 at page 1 runs in the SGLang loop (test_integrations_engines)
 def test_a_page_one_cache_through_the_plan_matches_the_block_table_path(kv_format, device):
     spec = CallSpec(kv_format, page_size=1, heads=16, max_q_len=2, mixed_q_len=True)
     plan = DecodePlan(spec, max_batch=4, device=device)
