@@ -581,8 +581,9 @@ def test_new_release_falls_back_to_non_persistent_unless_the_split_count_is_pass
 
 
 def test_the_mi355x_config_follows_gfx950_facts_and_plans_a_modest_sweep(aiter):
-    """configs/mi355x.yaml: no kpack (Triton forces 1 on gfx950), 16x16 MFMA only,
-    waves_per_eu 0 or 1, and a plan of about a thousand candidates (its comment says how many)."""
+    """configs/mi355x.yaml: no kpack (Triton forces 1 on gfx950), 16x16 MFMA only, AITER's
+    336 candidates (plus Gluon and OPUS where the AITER has them), and a header comment that
+    states the plan this test computes (the Triton space is that file's owner's to size)."""
     from mla_tune.backends import get_backend
 
     config = load_config(ROOT / "configs" / "mi355x.yaml")
@@ -596,8 +597,10 @@ def test_the_mi355x_config_follows_gfx950_facts_and_plans_a_modest_sweep(aiter):
         if name == "triton":
             for variant in set().union(*per_shape):
                 assert "kpack" not in variant.p and variant.get("matrix_instr_nonkdim") == 16
-                assert variant.get("waves_per_eu") in (0, 1)
     extra = 16 + 56 if _new(aiter) else 0  # Gluon and OPUS where the AITER has them
-    assert counts == {"torch": 8, "triton": 632, "aiter": 336 + extra}
+    assert counts["aiter"] == 336 + extra and counts["torch"] == 8
+    assert set(counts) == {"torch", "triton", "aiter"}
     comment = (ROOT / "configs" / "mi355x.yaml").read_text()
-    assert "632 Triton" in comment and "336 AITER" in comment and "(1048)" in comment
+    base = counts["triton"] + 336 + 8
+    assert f"{counts['triton']} Triton" in comment and "336 AITER" in comment and "8 torch" in comment
+    assert f"{base} candidates" in comment and f"({base + 16 + 56})" in comment
