@@ -16,8 +16,8 @@ sgl-project/sglang source, with its flashmla_backend.py; attention_registry.py a
 - `init_forward_metadata(forward_batch)`: an eager step. The block table is written on
   the device from `req_to_token` (the request-to-token map SGLang keeps: page 1 is its
   own slots, a larger page size takes every page_size-th slot // page_size), then the
-  eager plan takes the step (the lengths on the host from `seq_lens_cpu` when SGLang
-  publishes them).
+  eager plan takes the step with the lengths on the host (`seq_lens_cpu`, which SGLang
+  publishes for backends with `needs_cpu_seq_lens`, the default).
 - `init_cuda_graph_state(max_bs, max_num_tokens)`: the graph plan for up to max_bs
   sequences and its fixed buffers (block table, lengths, qo_indptr).
 - `init_forward_metadata_out_graph(forward_batch, in_capture=False)`: before a capture
@@ -73,7 +73,10 @@ def register() -> None:
 
 
 class MlaTuneAttnBackend(AttentionBackend):
-    """See the module."""
+    """See the module. table: a serving table (a path, a GPU name or a ServingTable); None
+    takes `plans.serving_table()`."""
+
+    needs_cpu_seq_lens = True  # the plans take the lengths on the host
 
     def __init__(self, model_runner, *, table=None, backend: str | None = None):
         super().__init__()
@@ -87,8 +90,10 @@ class MlaTuneAttnBackend(AttentionBackend):
         fp8 = model_runner.kv_cache_dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
         if not fp8 and model_runner.kv_cache_dtype != torch.bfloat16:
             raise ValueError(f"mla-tune serves bf16 and fp8 (e4m3) MLA caches, not {model_runner.kv_cache_dtype}")
+        # SGLang publishes the lengths on the host (seq_lens_cpu: needs_cpu_seq_lens), so picks
+        # that plan on the host (FlashInfer's) are eligible: out_graph runs outside the graph
         self.spec = CallSpec("fp8" if fp8 else "bf16", page_size=self.page_size, heads=self.heads,
-                             sm_scale=self.scaling)
+                             host_lengths=True, sm_scale=self.scaling)
         max_bs = int(model_runner.req_to_token_pool.size)
         width = -(-self.req_to_token.shape[1] // self.page_size)
         table = serving_table(gpu_name(self.device)) if table is None else table
@@ -112,11 +117,12 @@ class MlaTuneAttnBackend(AttentionBackend):
         req_to_block_table(self.req_to_token, forward_batch.req_pool_indices[:bs], forward_batch.seq_lens[:bs],
                            self.page_size, buffers["block_table"], buffers["seq_lens"])
         lens_cpu = forward_batch.seq_lens_cpu
-        host = {"q_lens_host": [1] * bs}
-        if lens_cpu is not None:
-            host["kv_lens_host"] = lens_cpu[:bs].tolist()
+        if lens_cpu is None:
+            raise ValueError("SGLang passed no seq_lens_cpu; the mla_tune backend needs the lengths on the "
+                             "host (it keeps needs_cpu_seq_lens = True)")
         self.plans.update(graph, buffers["qo_indptr"][: bs + 1], block_table=buffers["block_table"][:bs],
-                          seq_lens=buffers["seq_lens"][:bs], **host)
+                          seq_lens=buffers["seq_lens"][:bs], q_lens_host=[1] * bs,
+                          kv_lens_host=lens_cpu[:bs].tolist())
         self.forward_metadata = buffers
 
     # ------------------------------------------------------------------ the engine's hooks
