@@ -19,10 +19,16 @@ from aiter._checks import need, need_int, need_pow2, need_tensor, paged_attend
 _PERSISTENT_PAIRS = ((dtypes.fp8, dtypes.fp8), (dtypes.bf16, dtypes.fp8), (dtypes.bf16, dtypes.bf16))
 
 
+def _need_type(ok, message):
+    # compile_ops checks the arguments against the pybind doc's annotations (TypeError); the
+    # real one checks only a process's first call, the fake every call
+    if not ok:
+        raise TypeError(message)
+
+
 def _need_optional_tensor(name, value):
-    # compile_ops checks each argument against the pybind doc's annotation before the call
-    need(value is None or isinstance(value, torch.Tensor),
-         f"mla_decode_stage1_asm_fwd: {name} needs to be Optional[torch.Tensor] but got {type(value)}")
+    _need_type(value is None or isinstance(value, torch.Tensor),
+               f"mla_decode_stage1_asm_fwd: {name} needs to be Optional[torch.Tensor] but got {type(value)}")
 
 
 def _check_scale(name, scale):
@@ -41,8 +47,8 @@ def stage1(args: dict) -> None:
     softmax_scale = args["softmax_scale"]
     for name in ("max_seqlen_q", "page_size", "nhead_kv"):
         need_int(name, args[name])
-    need(isinstance(softmax_scale, float),
-         f"mla_decode_stage1_asm_fwd: softmax_scale needs to be <class 'float'> but got {type(softmax_scale)}")
+    _need_type(isinstance(softmax_scale, float),
+               f"mla_decode_stage1_asm_fwd: softmax_scale needs to be <class 'float'> but got {type(softmax_scale)}")
     for name in ("num_kv_splits_indptr", "work_meta_data", "work_indptr", "work_info_set", "q_scale", "kv_scale",
                  "lse"):
         _need_optional_tensor(name, args[name])

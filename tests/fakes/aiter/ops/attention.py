@@ -3,10 +3,11 @@ mla_decode_fwd's persistent path (mla_decode_stage1_asm_fwd, mla_reduce_v1) of t
 the fake imitates (0.1.11 and f3be04a12 share their signatures, 0.1.20.post1 has its own;
 see _state.py).
 
-Signatures, buffer-size formulas and builder checks follow ROCm/aiter at those commits
-(aiter/ops/attention.py, csrc/include/rocm_ops.hpp, csrc/kernels/mla/metadata.cu,
-metadata/v1_0_device.cuh, csrc/py_itfs_cu/asm_mla.cu, csrc/kernels/mla/reduce.cu), with the
-CU count taken from the fake's configuration instead of the device. The two ops are
+Signatures, buffer-size formulas and builder checks follow ROCm/aiter as read at v0.1.11
+(c4a3ff2a04), f3be04a12a and v0.1.20.post1 (de07f3885e): aiter/ops/attention.py,
+csrc/include/rocm_ops.hpp, csrc/kernels/mla/metadata.cu, metadata/v1_0_device.cuh,
+csrc/py_itfs_cu/asm_mla.cu and csrc/kernels/mla/reduce.cu, with the CU count taken from
+the fake's configuration instead of the device. The two ops are
 compile_ops stubs whose pybind declarations name every argument (py::arg), so the real
 ones take keywords; in the real package their exported wrapper shows (*args, **kwargs) to
 inspect.signature and the names live in the torch op schema (torch.ops.aiter.<name>),
