@@ -169,6 +169,11 @@ class Variant:
 # dispatcher, the runtime and the export instead of facts spread over files.
 CORE_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # every power of two up to 128
 CORE_HEADS = (16, 32, 64, 128)  # DeepSeek-V3's heads per GPU at tensor parallelism 8, 4, 2, 1
+# CallSpec.cache_dtype: "" (the KV format's own dtype) or "uint8" (fp8 bytes, vLLM's cache).
+CORE_CACHE_DTYPES = ("", "uint8")
+# DeepSeek-V3 / R1's softmax scale: the un-absorbed head's 1/sqrt(128 + 64) times YaRN's
+# mscale**2, mscale = 0.1 * mscale_all_dim (1.0) * ln(factor 40) + 1 (about 0.1352).
+CORE_DEEPSEEK_V3_SCALE = (0.1 * math.log(40.0) + 1.0) ** 2 / math.sqrt(192.0)
 
 
 @dataclass(frozen=True)
@@ -190,10 +195,27 @@ class CallSpec:
     mixed_q_len: bool = False
     graph: bool = False
     host_lengths: bool = False
+    # The call's own facts, which pick no kernel (a serving table's keys leave them out):
+    # the model's softmax scale (DeepSeek-V3's is mscale**2 / sqrt(192), CORE_DEEPSEEK_V3_SCALE);
+    # return_lse: run returns (out, lse), lse the natural-log log-sum-exp of each (new
+    # token, head)'s scores, (total_q, heads) float32; cache_dtype "" is the format's own
+    # dtype, "uint8" an fp8 cache kept as bytes (as vLLM keeps it), viewed as fp8 by the call.
+    sm_scale: float = SM_SCALE
+    return_lse: bool = False
+    cache_dtype: str = ""
 
     def __post_init__(self) -> None:
         require(self.kv_format in KV_FORMATS, f"kv_format must be one of {', '.join(KV_FORMATS)}, "
                 f"got {self.kv_format!r}")
+        require(isinstance(self.sm_scale, (int, float)) and not isinstance(self.sm_scale, bool)
+                and math.isfinite(self.sm_scale) and self.sm_scale > 0,
+                f"sm_scale must be a positive finite float (the model's softmax scale), got {self.sm_scale!r}")
+        require(isinstance(self.return_lse, bool), f"return_lse must be a bool, got {self.return_lse!r}")
+        require(self.cache_dtype in CORE_CACHE_DTYPES,
+                f"cache_dtype must be one of {', '.join(map(repr, CORE_CACHE_DTYPES))}, got {self.cache_dtype!r}")
+        require(self.cache_dtype != "uint8" or self.kv_format == "fp8",
+                f"cache_dtype 'uint8' is an fp8 cache kept as bytes; kv_format is {self.kv_format!r}: "
+                "use kv_format='fp8'")
         require(self.page_size == 0 or self.page_size in CORE_PAGE_SIZES,
                 f"page_size must be 0 (contiguous KV) or a power of two up to 128, got {self.page_size}")
         require(isinstance(self.heads, int) and self.heads >= 1, f"heads must be >= 1, got {self.heads!r}")
@@ -214,7 +236,9 @@ class Capabilities:
     serving call reads each sequence's length from the device): the layouts (contiguous and/or the page
     sizes), head counts, q_len range and KV formats it reads; `graph_safe`: a built runner
     neither synchronizes nor allocates per call; `host_lengths`: it plans on the host from
-    the lengths each step (a graph can hold its run, not its plan). `platforms`: where it
+    the lengths each step (a graph can hold its run, not its plan); `lse`: its serving call
+    returns (out, lse) for a spec with return_lse (natural log, (total_q, heads) float32).
+    `platforms`: where it
     runs, as tags a Platform has ("cuda", "hip", "cpu", an arch such as "sm_90" or "gfx950");
     each inner tuple is one alternative whose tags must all hold. `vendor`: the
     distribution whose version a table records; `precompile`: its kernels compile on first
@@ -237,6 +261,7 @@ class Capabilities:
     vendor: str | None = None
     precompile: bool = False
     baseline: bool = False
+    lse: bool = False  # its serving call can return the LSE (spec.return_lse)
 
     def runs_on(self, tags) -> bool:
         """Whether one of `platforms` has all its tags in `tags` (a Platform's tags)."""
@@ -264,6 +289,8 @@ class Capabilities:
             return "its call synchronizes or allocates, so it cannot be captured in a CUDA graph"
         if self.host_lengths and not spec.host_lengths:
             return "it plans from the lengths on the host each step; pass them (host_lengths)"
+        if spec.return_lse and not self.lse:
+            return "it does not return the LSE (return_lse)"
         return None
 
 
@@ -522,11 +549,13 @@ def own_serving_runner(name: str, spec: CallSpec, device, decode, workspace_type
                        launch: dict, replay_from=None) -> OwnServingRunner:
     """The runner of an own kernel family's serving call (build_serving's result): it owns
     `out` and the family's workspace (`workspace_type.allocate(capacity, heads, max_splits,
-    device, max_q_len=spec.max_q_len)`), allocated on the first call and again only when a
+    device, max_q_len=spec.max_q_len)`), and with spec.return_lse a (capacity, heads) float32
+    LSE buffer, allocated on the first call and again only when a
     call brings more new tokens than any before (at least doubling), never from the data; it
     reads no device tensor on the host, so a CUDA graph can hold it. `decode(q, qo_indptr,
     kv, kv_scale, out, *, layout, workspace, record, **launch)` is the family's launch
-    function. A call returns out[:total_q]; `runner.step(...)` is the per-step API
+    function (with spec.return_lse also `lse=`). A call returns out[:total_q], or
+    (out[:total_q], lse[:total_q]) with spec.return_lse; `runner.step(...)` is the per-step API
     (OwnServingRunner.step).
     `replay_from(record, (q, kv, kv_scale))` (kernels/launch.LaunchReplay.build) turns the
     launches one call recorded into a replay, or None (then every layer takes `decode`)."""
@@ -559,7 +588,7 @@ class OwnServingRunner:
         self._decode, self._workspace_type, self._launch = decode, workspace_type, launch
         self._max_splits, self._replay_from = max_splits, replay_from
         self._bf16 = torch.bfloat16
-        self.capacity, self.out, self.workspace = 0, None, None
+        self.capacity, self.out, self.workspace, self.lse = 0, None, None, None
         # The last step's tensors and its (replay, out), for the next step with the same ones.
         self._kept = None
 
@@ -578,9 +607,16 @@ class OwnServingRunner:
             self.out = torch.empty((capacity, spec.heads, V_DIM), dtype=torch.bfloat16, device=self.device)
             self.workspace = self._workspace_type.allocate(capacity, spec.heads, self._max_splits, self.device,
                                                            max_q_len=spec.max_q_len)
+            if spec.return_lse:
+                self.lse = torch.empty((capacity, spec.heads), dtype=torch.float32, device=self.device)
             self.capacity = capacity
             self._kept = None  # its launches wrote the old buffers
         out = self.out[:total_q]
+        if spec.return_lse:
+            lse = self.lse[:total_q]
+            self._decode(q, qo_indptr, kv, kv_scale, out, kv_indptr=kv_indptr, block_table=block_table,
+                         seq_lens=seq_lens, workspace=self.workspace, record=record, lse=lse, **self._launch)
+            return out, lse
         self._decode(q, qo_indptr, kv, kv_scale, out, kv_indptr=kv_indptr, block_table=block_table,
                      seq_lens=seq_lens, workspace=self.workspace, record=record, **self._launch)
         return out
@@ -658,6 +694,9 @@ def check_serving_launch(q, qo_indptr, kv, kv_scale, out, *, kv_indptr, block_ta
         )
     if kv.dtype != torch.bfloat16 and (kv.element_size() != 1 or kv_scale is None):
         raise ValueError(f"kv must be bf16, or fp8 with a (1,) fp32 kv_scale; got {kv.dtype}, scale {kv_scale}")
+    if kv.dtype == torch.uint8:  # the kernels would read the bytes as integers
+        raise ValueError("kv is uint8: view a cache of fp8 bytes as fp8 first (kv.view(torch.float8_e4m3fn)), "
+                         "or declare it with CallSpec(..., cache_dtype='uint8') and call through DecodePlan / Decoder")
     if tuple(out.shape) != (total_q, heads, V_DIM) or out.dtype != torch.bfloat16 or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous bf16 ({total_q}, {heads}, {V_DIM}) tensor, got {tuple(out.shape)}")
     if max_splits < 1 or tokens_per_split < 1 or block_n < 16 or block_n & (block_n - 1):

@@ -169,11 +169,12 @@ def dequantized_kv(kv_data: dict, kv_format: str) -> torch.Tensor:
     raise ValueError(f"unknown KV format {kv_format!r}; known: bf16, fp8, mxfp4")
 
 
-def reference(data, q_format: str = "fp8", kv_format: str = "fp8") -> torch.Tensor:
+def reference(data, q_format: str = "fp8", kv_format: str = "fp8", sm_scale: float = SM_SCALE) -> torch.Tensor:
     """fp32 attention, per sequence as kv_indptr says. Returns (batch, 16, 512) fp32.
 
     The default (fp8 q from a dynamic per-tensor scale, fp8 KV) is the leaderboard's own
     reference math; ("bf16", "bf16") is the exact answer on the bf16 source of truth.
+    sm_scale: the softmax scale (the leaderboard's 1/sqrt(576) by default; a model's own).
     """
     q, kv_data, _qo_indptr, kv_indptr, _config = data
     if q_format == "fp8":
@@ -190,12 +191,12 @@ def reference(data, q_format: str = "fp8", kv_format: str = "fp8") -> torch.Tens
     if len(lengths) == 1:  # uniform: one batched matmul
         n = lengths.pop()
         k = kv[: batch * n].view(batch, n, QK_DIM)
-        scores = torch.bmm(qf, k.transpose(1, 2)) * SM_SCALE
+        scores = torch.bmm(qf, k.transpose(1, 2)) * sm_scale
         return torch.bmm(torch.softmax(scores, dim=-1), k[:, :, :V_DIM])
     out = torch.empty((batch, NUM_HEADS, V_DIM), dtype=torch.float32, device=q.device)
     for b in range(batch):
         k = kv[bounds[b] : bounds[b + 1]]
-        scores = (qf[b] @ k.T) * SM_SCALE
+        scores = (qf[b] @ k.T) * sm_scale
         out[b] = torch.softmax(scores, dim=-1) @ k[:, :V_DIM]
     return out
 

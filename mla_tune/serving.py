@@ -47,9 +47,10 @@ class ServingInput:
             return {"kv_indptr": self.kv_indptr}
         return {"block_table": self.block_table, "seq_lens": self.seq_lens}
 
-    def reference(self, q_format: str = "bf16", q_amax: float | None = None) -> torch.Tensor:
+    def reference(self, q_format: str = "bf16", q_amax: float | None = None,
+                  sm_scale: float = SM_SCALE, return_lse: bool = False):
         return reference(self.q, self.qo_indptr, self.kv, self.kv_scale, **self.layout,
-                         q_format=q_format, q_amax=q_amax)
+                         q_format=q_format, q_amax=q_amax, sm_scale=sm_scale, return_lse=return_lse)
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -175,14 +176,18 @@ def reference(
     q_format: str = "bf16",
     q_amax: float | None = None,
     sm_scale: float = SM_SCALE,
-) -> torch.Tensor:
+    return_lse: bool = False,
+):
     """fp32 MLA decode attention of the serving call, (total_q, heads, 512): each new token
-    over its sequence's tokens up to and including itself, KV dequantized with kv_scale."""
+    over its sequence's tokens up to and including itself, KV dequantized with kv_scale,
+    scores scaled by sm_scale (the model's softmax scale). return_lse: (out, lse), lse the
+    natural-log log-sum-exp of each (new token, head)'s scaled scores, (total_q, heads)."""
     if (kv_indptr is None) == (block_table is None and seq_lens is None):
         raise ValueError("give kv_indptr (contiguous KV) or block_table and seq_lens (paged KV)")
     qf = _q_fp32(q, q_format, q_amax)
     q_bounds = qo_indptr.tolist()
     out = torch.empty((q.shape[0], q.shape[1], V_DIM), dtype=torch.float32, device=q.device)
+    lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
     for b in range(len(q_bounds) - 1):
         q0, q1 = q_bounds[b], q_bounds[b + 1]
         k = _sequence_tokens(kv, kv_indptr, block_table, seq_lens, b).to(torch.float32)
@@ -195,7 +200,8 @@ def reference(
         seen = torch.arange(seq_len, device=q.device)[None, :] < limit[:, None]
         scores = scores.masked_fill(~seen[:, None, :], float("-inf"))
         out[q0:q1] = torch.softmax(scores, dim=-1) @ k[:, :V_DIM]
-    return out
+        lse[q0:q1] = torch.logsumexp(scores, dim=-1)
+    return (out, lse) if return_lse else out
 
 
 # ------------------------------------------------------------------ CUDA-graph replay

@@ -75,6 +75,7 @@ CAPABILITIES = Capabilities(
     max_q_len=4,  # the range tested here; the kernels take longer s_q too
     mixed_q_len=False,  # q is (batch, q_len, heads, 576): one q_len per call
     graph_safe=True,  # its split schedule is computed on the device from seq_lens
+    lse=True,  # softmax_lse, natural log, (batch, h_q, s_q): viewed as (total_q, heads)
     platforms=(("cuda", "sm_90"),),
     vendor="sgl-flash-mla",
     precompile=True,
@@ -134,8 +135,11 @@ def _fm_validate(variant: Variant, shape: Shape) -> None:
         )
 
 
-def build(variant: Variant, shape: Shape, device):
+def build(variant: Variant, shape: Shape, device, *, sm_scale: float = SM_SCALE):
+    """A runner(q, kv_data, qo_indptr, kv_indptr) -> out at softmax scale `sm_scale`
+    (FlashMLA's softmax_scale)."""
     _fm_validate(variant, shape)
+    sm_scale = float(sm_scale)
     import flash_mla
 
     device = torch.device(device)
@@ -164,13 +168,13 @@ def build(variant: Variant, shape: Shape, device):
             q8, q_scale = quantize(q)
             out, _lse = flash_mla.flash_mla_with_kvcache(
                 q8.view(batch, 1, NUM_HEADS, QK_DIM), pages, block_table, cache_seqlens, V_DIM, sched,
-                softmax_scale=SM_SCALE, causal=False, is_fp8_kvcache=True, use_legacy=True,
+                softmax_scale=sm_scale, causal=False, is_fp8_kvcache=True, use_legacy=True,
                 descale_q=q_scale, descale_k=kv_scale,
             )
         else:
             out, _lse = flash_mla.flash_mla_with_kvcache(
                 q.view(batch, 1, NUM_HEADS, QK_DIM), pages, block_table, cache_seqlens, V_DIM,
-                sched, softmax_scale=SM_SCALE, causal=False, is_fp8_kvcache=False, use_legacy=True,
+                sched, softmax_scale=sm_scale, causal=False, is_fp8_kvcache=False, use_legacy=True,
             )
         return out.view(batch, NUM_HEADS, V_DIM)
 
@@ -258,13 +262,16 @@ def build_serving(variant: Variant, spec: CallSpec, device):
     (at the step when its q_len is known, from q_lens_host or max_q_len 1, else at the first
     layer), the first layer is checked in full, later layers whose q, kv and kv_scale look
     as the first's did (core.tensor_sig) call FlashMLA's op directly, with fp8 q quantized
-    by replayed launches (kernels/launch.py)."""
+    by replayed launches (kernels/launch.py). The softmax scale is spec.sm_scale; with
+    spec.return_lse a call returns (out, lse): FlashMLA's softmax_lse (natural log, (batch,
+    h_q, s_q)) as (total_q, heads) float32."""
     validate(variant)
     _fm_serving_check(spec, variant)
     import flash_mla
 
     device = torch.device(device)
     heads, fp8 = spec.heads, spec.kv_format == "fp8"
+    scale, with_lse = float(spec.sm_scale), spec.return_lse
     quantize = _FmQuantizer(variant.get("q"), variant.get("q_amax"), device) if fp8 else None
     ops = _fm_direct_ops()
 
@@ -308,24 +315,33 @@ def build_serving(variant: Variant, spec: CallSpec, device):
         return meta_buf, splits_buf
 
     def attend(q4, pages, block_table, seq_lens, sched, q_len, q_scale=None, kv_scale=None):
-        """FlashMLA's decode of q4 (batch, q_len, heads, 576), bf16 or fp8, with `sched`."""
+        """FlashMLA's decode of q4 (batch, q_len, heads, 576), bf16 or fp8, with `sched`:
+        (total_q, heads, 512) out, or (out, lse (total_q, heads)) with spec.return_lse."""
         meta, splits = sched
         if ops is not None:
             if fp8:
-                return ops[1](q4, pages, V_DIM, seq_lens, block_table, SM_SCALE, q_len > 1, meta, splits,
-                              q_scale, kv_scale)[0]
-            return ops[0](q4, pages, V_DIM, seq_lens, block_table, SM_SCALE, q_len > 1, meta, splits)[0]
-        holder = flash_mla.get_mla_metadata()[0]
-        holder.tile_scheduler_metadata, holder.num_splits = meta, splits
-        extra = {"descale_q": q_scale, "descale_k": kv_scale} if fp8 else {}
-        return flash_mla.flash_mla_with_kvcache(
-            q4, pages, block_table, seq_lens, V_DIM, holder, softmax_scale=SM_SCALE, causal=q_len > 1,
-            is_fp8_kvcache=fp8, use_legacy=True, **extra)[0]
+                result = ops[1](q4, pages, V_DIM, seq_lens, block_table, scale, q_len > 1, meta, splits,
+                                q_scale, kv_scale)
+            else:
+                result = ops[0](q4, pages, V_DIM, seq_lens, block_table, scale, q_len > 1, meta, splits)
+        else:
+            holder = flash_mla.get_mla_metadata()[0]
+            holder.tile_scheduler_metadata, holder.num_splits = meta, splits
+            extra = {"descale_q": q_scale, "descale_k": kv_scale} if fp8 else {}
+            result = flash_mla.flash_mla_with_kvcache(
+                q4, pages, block_table, seq_lens, V_DIM, holder, softmax_scale=scale, causal=q_len > 1,
+                is_fp8_kvcache=fp8, use_legacy=True, **extra)
+        rows = q4.shape[0] * q_len
+        out = result[0].view(rows, heads, V_DIM)
+        if not with_lse:
+            return out
+        # softmax_lse is (batch, h_q, s_q): a view at s_q 1, one copy otherwise
+        return out, result[1].transpose(1, 2).reshape(rows, heads)
 
     def run_flash_mla_serving(q, qo_indptr, kv, kv_scale, *, kv_indptr=None, block_table=None,
                               seq_lens=None, q_lens_host=None, kv_lens_host=None):
         q_len = check(q, qo_indptr, kv, kv_indptr, block_table, seq_lens)
-        batch, total_q = qo_indptr.shape[0] - 1, q.shape[0]
+        batch = qo_indptr.shape[0] - 1
         sched = schedule(seq_lens, q_len)
         pages = kv.unsqueeze(2)  # (num_pages, 64, 1, 576)
         if fp8:
@@ -334,7 +350,7 @@ def build_serving(variant: Variant, spec: CallSpec, device):
                          q_scale, kv_scale)
         else:
             out = attend(q.view(batch, q_len, heads, QK_DIM), pages, block_table, seq_lens, sched, q_len)
-        return out.view(total_q, heads, V_DIM)
+        return out
 
     def step(qo_indptr, *, kv_indptr=None, block_table=None, seq_lens=None, q_lens_host=None,
              kv_lens_host=None):
@@ -380,9 +396,8 @@ class _FmStep:
         q_len, batch = self.q_len, self.batch
         pages = kv.unsqueeze(2)  # (num_pages, 64, 1, 576)
         if self.quantize is None:
-            out = self.attend(q.view(batch, q_len, self.heads, QK_DIM), pages, self.block_table, self.seq_lens,
-                              self.sched, q_len)
-            return out.view(q.shape[0], self.heads, V_DIM)
+            return self.attend(q.view(batch, q_len, self.heads, QK_DIM), pages, self.block_table, self.seq_lens,
+                               self.sched, q_len)
         rows = q.view(self.rows, NUM_HEADS, QK_DIM)
         replay = self.q_replay
         if replay is None or not replay.try_launch((rows,)):
@@ -392,5 +407,4 @@ class _FmStep:
             self.q_replay = LaunchReplay.build(record, (rows,))
             self.q8_view = (q8.view(batch, q_len, self.heads, QK_DIM), q_scale)
         q8, q_scale = self.q8_view
-        out = self.attend(q8, pages, self.block_table, self.seq_lens, self.sched, q_len, q_scale, kv_scale)
-        return out.view(q.shape[0], self.heads, V_DIM)
+        return self.attend(q8, pages, self.block_table, self.seq_lens, self.sched, q_len, q_scale, kv_scale)

@@ -73,6 +73,7 @@ CAPABILITIES = Capabilities(
     mixed_q_len=True,
     graph_safe=True,  # its run; its plan() reads the lengths on the host, outside the graph
     host_lengths=True,
+    lse=True,  # run(return_lse=True, return_lse_base_on_e=True): natural log, (total_q, heads)
     # fa3 and the fp8-KV path are SM90-only (plan() refuses fp8 KV elsewhere); fa2 bf16 would
     # run on other NVIDIA GPUs, untested here, so only SM90 is declared
     platforms=(("cuda", "sm_90"),),
@@ -128,7 +129,9 @@ def validate(variant: Variant) -> None:
     check_variant_rules(variant, PARAM_RULES[NAME])  # backends/params.py
 
 
-def build(variant: Variant, shape: Shape, device):
+def build(variant: Variant, shape: Shape, device, *, sm_scale: float = SM_SCALE):
+    """A runner(q, kv_data, qo_indptr, kv_indptr) -> out at softmax scale `sm_scale`
+    (FlashInfer's plan(sm_scale=...))."""
     validate(variant)
     backend, kv_format = variant.get("kernel"), variant.get("kv")
     from flashinfer.mla import BatchMLAPagedAttentionWrapper
@@ -148,7 +151,7 @@ def build(variant: Variant, shape: Shape, device):
         kv_indices=i32(torch.arange(total_kv)),
         kv_len_arr=i32(torch.full((batch,), shape.kv_len)),
         num_heads=NUM_HEADS, head_dim_ckv=KV_LORA_RANK, head_dim_kpe=QK_ROPE_DIM,
-        page_size=1, causal=False, sm_scale=SM_SCALE,
+        page_size=1, causal=False, sm_scale=float(sm_scale),
         q_data_type=torch.bfloat16, kv_data_type=kv_dtype,
     )
     out = torch.empty((batch, NUM_HEADS, V_DIM), dtype=torch.bfloat16, device=device)
@@ -224,7 +227,10 @@ def build_serving(variant: Variant, spec: CallSpec, device):
     they or the KV index array change; run() writes into a buffer the runner owns (grown,
     at least doubling, when a call brings more new tokens than any before).
     `runner.plan(...)` (the call's arguments) plans without running: before replaying a CUDA
-    graph that holds the call, with the new lengths."""
+    graph that holds the call, with the new lengths. The softmax scale is spec.sm_scale (the
+    plan's); with spec.return_lse a call returns (out, lse): FlashInfer's LSE asked in
+    natural log (return_lse_base_on_e; its default is base 2), (total_q, heads) float32, a
+    buffer the runner owns beside out."""
     validate(variant)
     _fi_serving_check(spec, variant)
     from flashinfer.mla import BatchMLAPagedAttentionWrapper
@@ -237,7 +243,8 @@ def build_serving(variant: Variant, spec: CallSpec, device):
     wrapper = BatchMLAPagedAttentionWrapper(workspace, backend=variant.get("kernel"))
     scales = {"ckv_scale": 1.0, "kpe_scale": 1.0} if fp8 else {}
     state = {"key": None, "grid": None, "capacity": 0, "out": None, "q_scaled": None, "arange": None,
-             "plans": 0}
+             "plans": 0, "lse": None}
+    with_lse = spec.return_lse
 
     def plan(q, qo_indptr, kv, kv_scale, *, kv_indptr=None, block_table=None, seq_lens=None,
              q_lens_host=None, kv_lens_host=None):
@@ -300,7 +307,7 @@ def build_serving(variant: Variant, spec: CallSpec, device):
             kv_indices=kv_indices,
             kv_len_arr=torch.tensor(kv_lens, dtype=torch.int32),
             num_heads=heads, head_dim_ckv=KV_LORA_RANK, head_dim_kpe=QK_ROPE_DIM,
-            page_size=max(page_size, 1), causal=spec.max_q_len > 1, sm_scale=SM_SCALE,
+            page_size=max(page_size, 1), causal=spec.max_q_len > 1, sm_scale=float(spec.sm_scale),
             q_data_type=torch.bfloat16, kv_data_type=kv_dtype,
         )
         state["key"] = key
@@ -316,26 +323,33 @@ def build_serving(variant: Variant, spec: CallSpec, device):
         state["grid"] = state["grid"] or grid
 
     def buffers(total_q: int):
-        """out (and fp8's scaled q) for total_q new tokens: views of buffers grown, at least
-        doubling, when a call brings more new tokens than any before."""
+        """out, fp8's scaled q and the LSE (or None) for total_q new tokens: views of buffers
+        grown, at least doubling, when a call brings more new tokens than any before."""
         if total_q > state["capacity"]:
             capacity = max(total_q, 2 * state["capacity"])
             state["out"] = torch.empty((capacity, heads, V_DIM), dtype=torch.bfloat16, device=device)
             if fp8:
                 state["q_scaled"] = torch.empty((capacity, heads, QK_DIM), dtype=torch.bfloat16, device=device)
+            if with_lse:
+                state["lse"] = torch.empty((capacity, heads), dtype=torch.float32, device=device)
             state["capacity"] = capacity
-        return state["out"][:total_q], state["q_scaled"][:total_q] if fp8 else None
+        return (state["out"][:total_q], state["q_scaled"][:total_q] if fp8 else None,
+                state["lse"][:total_q] if with_lse else None)
 
-    def attend(q, kv, kv_scale, out, q_scaled):
-        """wrapper.run over the last plan, into out."""
+    def attend(q, kv, kv_scale, out, q_scaled, lse):
+        """wrapper.run over the last plan, into out (and lse)."""
         if fp8:
             q = torch.mul(q, kv_scale, out=q_scaled)  # the KV scale in the scores
         q_nope, q_pe = q.split_with_sizes((KV_LORA_RANK, QK_ROPE_DIM), -1)
         ckv, kpe = kv.split_with_sizes((KV_LORA_RANK, QK_ROPE_DIM), -1)
-        wrapper.run(q_nope, q_pe, ckv, kpe, out=out, **scales)
+        if with_lse:
+            wrapper.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, return_lse=True,
+                        return_lse_base_on_e=True, **scales)
+        else:
+            wrapper.run(q_nope, q_pe, ckv, kpe, out=out, **scales)
         if fp8:
             out.mul_(kv_scale)  # ... and in the values
-        return out
+        return (out, lse) if with_lse else out
 
     def run_flashinfer_serving(q, qo_indptr, kv, kv_scale, **layout):
         plan(q, qo_indptr, kv, kv_scale, **layout)

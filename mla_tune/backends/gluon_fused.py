@@ -192,7 +192,9 @@ def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
     return list(dict.fromkeys(out))
 
 
-def build(variant: Variant, shape: Shape, device):
+def build(variant: Variant, shape: Shape, device, *, sm_scale: float = SM_SCALE):
+    """A runner(q, kv_data, qo_indptr, kv_indptr) -> out at softmax scale `sm_scale` (a
+    runtime float of the kernel)."""
     validate(variant)
     p = {**GF_LATER_DEFAULTS, **variant.p}
     require(unavailable_reason() is None, f"gluon_fused cannot run here: {unavailable_reason()}")
@@ -216,7 +218,7 @@ def build(variant: Variant, shape: Shape, device):
 
     grow(shape.batch)
     options = dict(num_splits=num_splits, block_n=p["block_n"], num_stages=p["num_stages"],
-                   v_path=p["v_path"], sm_scale_log2=SM_SCALE * math.log2(math.e),
+                   v_path=p["v_path"], sm_scale_log2=sm_scale * math.log2(math.e),
                    reduce=p["reduce"], sm_count=sm_count or None, ws=p["ws"])
 
     def run_gluon_fused(q, kv_data, qo_indptr, kv_indptr):

@@ -42,7 +42,8 @@ def validate(variant: Variant) -> None:
     check_variant_rules(variant, PARAM_RULES[NAME])  # backends/params.py
 
 
-def build(variant: Variant, shape: Shape, device):
+def build(variant: Variant, shape: Shape, device, *, sm_scale: float = SM_SCALE):
+    """A runner(q, kv_data, qo_indptr, kv_indptr) -> out at softmax scale `sm_scale`."""
     validate(variant)
 
     def run_torch_bmm(q, kv_data, qo_indptr, kv_indptr):
@@ -52,7 +53,7 @@ def build(variant: Variant, shape: Shape, device):
             raise ValueError("torch baseline: total_kv is not batch x kv_len (ragged batch)")
         kv = kv.view(batch, kv.shape[0] // batch, QK_DIM)
         scores = torch.bmm(q.view(batch, NUM_HEADS, QK_DIM), kv.transpose(1, 2))
-        probs = torch.softmax(scores.float() * SM_SCALE, dim=-1).to(torch.bfloat16)
+        probs = torch.softmax(scores.float() * sm_scale, dim=-1).to(torch.bfloat16)
         return torch.bmm(probs, kv[:, :, :V_DIM])
 
     return run_torch_bmm

@@ -81,6 +81,7 @@ CAPABILITIES = Capabilities(
     mixed_q_len=True,
     graph_safe=True,
     precompile=True,
+    lse=True,  # fused_decode_serving writes it from the splits' reduction (lse=)
 )
 
 _FU_KV = ("bf16", "fp8", "mxfp4")
@@ -287,7 +288,9 @@ def _fu_tma_ready(load: str, device) -> None:
             raise ValueError(f"load=tma_host needs triton.tools.tensor_descriptor ({exc})") from exc
 
 
-def build(variant: Variant, shape: Shape, device):
+def build(variant: Variant, shape: Shape, device, *, sm_scale: float = SM_SCALE):
+    """A runner(q, kv_data, qo_indptr, kv_indptr) -> out at softmax scale `sm_scale` (a
+    runtime argument of the kernel)."""
     validate(variant)
     if _fu_is_serving(variant):
         raise ValueError(f"{NAME}: {variant} is a serving variant (max_splits, tokens_per_split); "
@@ -315,7 +318,7 @@ def build(variant: Variant, shape: Shape, device):
         num_splits=num_splits, kv_fmt=kv_fmt, q_fp8=p["q"] == "fp8_dynamic",
         qk_dot=p["qk_dot"], pv_dot=p["pv_dot"], tok_m=bool(p["tok_m"]), block_n=p["block_n"],
         reduce=p["reduce"], num_warps=p["num_warps"], num_stages=p["num_stages"],
-        sm_scale_log2=SM_SCALE * math.log2(math.e), load=load,
+        sm_scale_log2=sm_scale * math.log2(math.e), load=load,
     )
 
     def run_triton_fused(q, kv_data, qo_indptr, kv_indptr):
@@ -493,7 +496,9 @@ def build_serving(variant: Variant, spec: CallSpec, device):
     for calls of `spec` (the serving-call contract, docs/runtime.md): it owns out
     and its scratch, allocated on the first call and again only when a call brings more
     new tokens than any before (at least doubling), never from the data; it reads no
-    device tensor on the host, so a CUDA graph can hold it. Returns out[:total_q]."""
+    device tensor on the host, so a CUDA graph can hold it. Returns out[:total_q], or
+    (out, lse) with spec.return_lse (natural log, (total_q, heads) float32, a buffer it owns
+    too). The softmax scale is spec.sm_scale (a runtime argument of the kernel)."""
     validate(variant)
     check_serving_build(NAME, variant, spec, CAPABILITIES, _fu_is_serving(variant), _FU_MMA_COLUMNS,
                         "MMA columns")
@@ -504,7 +509,7 @@ def build_serving(variant: Variant, spec: CallSpec, device):
         max_q_len=spec.max_q_len, max_splits=max_splits, tokens_per_split=p["tokens_per_split"],
         block_n=p["block_n"], block_h=p["block_h"], num_warps=p["num_warps"],
         num_stages=p["num_stages"], q_fp8=p["q"] == "fp8_dynamic", qk_dot=p["qk_dot"],
-        pv_dot=p["pv_dot"],
+        pv_dot=p["pv_dot"], sm_scale=spec.sm_scale,
     )
     return own_serving_runner(NAME, spec, device, fused_decode_serving, FusedServingWorkspace, max_splits, launch,
                               LaunchReplay.build)

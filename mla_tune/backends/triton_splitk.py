@@ -25,6 +25,7 @@ from mla_tune.core import (
     CORE_PAGE_SIZES,
     NUM_HEADS,
     PARAM_MAX_SPLITS,
+    SM_SCALE,
     V_DIM,
     CallSpec,
     Capabilities,
@@ -229,8 +230,9 @@ def validate(variant: Variant) -> None:
     check_variant_rules(variant, PARAM_RULES[NAME])
 
 
-def build(variant: Variant, shape: Shape, device):
-    """A runner(q, kv_data, qo_indptr, kv_indptr) -> out that launches without a host sync."""
+def build(variant: Variant, shape: Shape, device, *, sm_scale: float = SM_SCALE):
+    """A runner(q, kv_data, qo_indptr, kv_indptr) -> out that launches without a host sync,
+    at softmax scale `sm_scale` (a runtime argument of the kernels: no recompile per value)."""
     validate(variant)
     if _tsk_is_serving(variant):
         raise ValueError(f"triton: {variant} is a serving variant (max_splits, tokens_per_split); "
@@ -264,7 +266,7 @@ def build(variant: Variant, shape: Shape, device):
         return flash_decode(
             q, kv, kv_scale, kv_indptr, state["out"], **launch, dot_dtype=dot_dtype,
             q_mode=q_mode, q_scale=q_scale, q_fp8_dtype=q_fp8_dtype,
-            workspace=state["workspace"], hip_options=hip_options,
+            workspace=state["workspace"], hip_options=hip_options, sm_scale=sm_scale,
         )
 
     return run_triton_splitk
@@ -449,7 +451,8 @@ def build_serving(variant: Variant, spec: CallSpec, device):
     for calls of `spec` (the serving-call contract, docs/runtime.md): it owns out
     and its scratch, allocated on the first call and again only when a call brings more
     new tokens than any before (at least doubling), never from the data; it reads no
-    device tensor on the host, so a CUDA graph can hold it. Returns out[:total_q]."""
+    device tensor on the host, so a CUDA graph can hold it. Returns out[:total_q]. The
+    softmax scale is spec.sm_scale (a runtime argument of the kernels)."""
     validate(variant)
     check_serving_build(NAME, variant, spec, CAPABILITIES, _tsk_is_serving(variant), _tsk_MMA_ROWS)
     p = variant.p
@@ -464,7 +467,7 @@ def build_serving(variant: Variant, spec: CallSpec, device):
         block_n=p["block_n"], block_h=p["block_h"], num_warps=p["num_warps"],
         num_stages=p["num_stages"], dot_dtype=p["dot_dtype"], q_mode=q_mode, q_scale=q_scale,
         q_fp8_dtype=q_fp8_dtype, hip_options={k: p[k] for k in _tsk_HIP_KEYS if k in p},
-        split_budget=p.get("split_budget", 0),
+        split_budget=p.get("split_budget", 0), sm_scale=spec.sm_scale,
     )
     return own_serving_runner(NAME, spec, device, flash_decode_serving, FlashDecodeServingWorkspace,
                               max_splits, launch, LaunchReplay.build)

@@ -765,10 +765,11 @@ def fused_decode(
 
 
 @triton.jit
-def _fu_sv_reduce(PART_O, PART_LSE, OUT, q_start, q_len, num_splits, h0, v_scale,
+def _fu_sv_reduce(PART_O, PART_LSE, OUT, LSE, q_start, q_len, num_splits, h0, v_scale,
                   H: tl.constexpr, BLOCK_H: tl.constexpr, MAX_SPLITS: tl.constexpr,
-                  NS_P2: tl.constexpr, W: tl.constexpr):
-    """out[q_start + i, h0:h0+BLOCK_H] = sum_j w_j part_j / sum_j w_j for i < q_len.
+                  NS_P2: tl.constexpr, W: tl.constexpr, WITH_LSE: tl.constexpr):
+    """out[q_start + i, h0:h0+BLOCK_H] = sum_j w_j part_j / sum_j w_j for i < q_len; with
+    WITH_LSE, LSE[q_start + i, h0:h0+BLOCK_H] = the merged log-sum-exp in natural log.
 
     Partial rows are (new token, split, head); the splits of one slice load as one tile.
     """
@@ -779,8 +780,12 @@ def _fu_sv_reduce(PART_O, PART_LSE, OUT, q_start, q_len, num_splits, h0, v_scale
         row = ((q_start + i).to(tl.int64) * MAX_SPLITS + js[:, None]) * H + h0 + heads[None, :]
         lse = tl.load(PART_LSE + row, mask=live[:, None], other=float("-inf"), cache_modifier=".cg")
         # Split 0 holds token 0, which every new token sees: the max is finite.
-        w = tl.exp2(lse - tl.max(lse, axis=0)[None, :])
+        m = tl.max(lse, axis=0)
+        w = tl.exp2(lse - m[None, :])
         inv = v_scale / tl.sum(w, axis=0)
+        if WITH_LSE:  # log2 units -> natural log
+            tl.store(LSE + (q_start + i).to(tl.int64) * H + h0 + heads,
+                     (m + tl.log2(tl.sum(w, axis=0))) * 0.6931471805599453)
         o_row = ((q_start + i).to(tl.int64) * H + h0 + heads) * 512
         for d0 in range(0, 512, W):
             dims = d0 + tl.arange(0, W)
@@ -792,12 +797,12 @@ def _fu_sv_reduce(PART_O, PART_LSE, OUT, q_start, q_len, num_splits, h0, v_scale
 
 @triton.jit(do_not_specialize=["tokens_per_split", "bt_stride"])
 def _fu_serving_kernel(
-    Q, QO_INDPTR, KV, KV_SCALE, KV_INDPTR, BLOCK_TABLE, SEQ_LENS, OUT, PART_O, PART_LSE, COUNT,
+    Q, QO_INDPTR, KV, KV_SCALE, KV_INDPTR, BLOCK_TABLE, SEQ_LENS, OUT, PART_O, PART_LSE, COUNT, LSE,
     tokens_per_split, bt_stride, sm_scale_log2,
     H: tl.constexpr, BLOCK_H: tl.constexpr, Q_LEN_MAX: tl.constexpr, MAX_SPLITS: tl.constexpr,
     PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, QK_DOT: tl.constexpr,
     PV_DOT: tl.constexpr, BLOCK_N: tl.constexpr, NS_P2: tl.constexpr, RW: tl.constexpr,
-    KV_OFF64: tl.constexpr,
+    KV_OFF64: tl.constexpr, WITH_LSE: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -909,6 +914,9 @@ def _fu_serving_kernel(
         o_ptr = OUT + (q_start.to(tl.int64) * H + h0) * 512 + (q_idx * H + r % BLOCK_H)[:, None] * 512
         tl.store(o_ptr + dn[None, :], (out_t * (kv_scale / l_safe)[:, None]).to(tl.bfloat16),
                  mask=row_ok[:, None])
+        if WITH_LSE:  # every row sees token 0: l_i > 0; log2 units -> natural log
+            tl.store(LSE + q_start.to(tl.int64) * H + h0 + q_idx * H + r % BLOCK_H,
+                     (m_i + tl.log2(l_safe)) * 0.6931471805599453, mask=row_ok)
     else:
         # Partial rows are (new token, split, head).
         p_base = (q_start.to(tl.int64) * MAX_SPLITS + pid_s) * H + h0
@@ -924,8 +932,8 @@ def _fu_serving_kernel(
         arrived = tl.atomic_add(counter, 1, sem="acq_rel")
         if arrived == num_splits - 1:
             tl.atomic_xchg(counter, 0)  # ready for the next call, no memset
-            _fu_sv_reduce(PART_O, PART_LSE, OUT, q_start, q_len, num_splits, h0, kv_scale,
-                          H, BLOCK_H, MAX_SPLITS, NS_P2, RW)
+            _fu_sv_reduce(PART_O, PART_LSE, OUT, LSE, q_start, q_len, num_splits, h0, kv_scale,
+                          H, BLOCK_H, MAX_SPLITS, NS_P2, RW, WITH_LSE)
 
 
 @dataclass
@@ -983,6 +991,7 @@ def fused_decode_serving(
     pv_dot: str,
     workspace: FusedServingWorkspace | None = None,
     sm_scale: float = SM_SCALE,
+    lse: torch.Tensor | None = None,
     record: list | None = None,
 ):
     """The one-launch decode for the serving call; writes `out` (the call shape of
@@ -1001,6 +1010,10 @@ def fused_decode_serving(
     KV); qk_dot / pv_dot: fp16 | bf16 | fp8 (pv fp8 needs fp8 KV).
     workspace: FusedServingWorkspace.allocate(max_total_q, heads, max_splits); with it,
     nothing here reads a device tensor or allocates. Returns the compiled kernel.
+    sm_scale: the softmax scale, a runtime argument (one compile serves every value).
+    lse: a contiguous (total_q, heads) float32 tensor that receives each (new token, head)'s
+    log-sum-exp of its scaled scores, in natural log (the engines' convention); None: not
+    computed.
     record: a list to which the launch appends what replays it (kernels/launch.py); the
     launch is the same with and without it.
     """
@@ -1016,6 +1029,10 @@ def fused_decode_serving(
         raise ValueError(f"qk_dot and pv_dot must be one of {', '.join(FU_DOT_CODES)}; got {qk_dot!r}, {pv_dot!r}")
     if (qk_dot == "fp8") != q_fp8 or ("fp8" in (qk_dot, pv_dot) and not kv_fp8):
         raise ValueError("qk_dot fp8 goes with q_fp8 (and only with it), and fp8 dots need an fp8 KV cache")
+    if lse is not None and (tuple(lse.shape) != (total_q, heads) or lse.dtype != torch.float32
+                            or not lse.is_contiguous()):
+        raise ValueError(f"lse must be a contiguous float32 ({total_q}, {heads}) tensor, got "
+                         f"{lse.dtype} {tuple(lse.shape)}")
     workspace = serving_workspace(workspace, FusedServingWorkspace, total_q, heads, max_splits, q.device)
     ns_p2 = max(2, triton.next_power_of_2(max_splits))
     # Reduction tiles of [splits, block_h, RW], about 8K elements.
@@ -1025,10 +1042,10 @@ def fused_decode_serving(
     return jit_launch(
         _fu_serving_kernel, (heads // block_h, max_splits, batch), record,
         q, qo_indptr, kv, kv_scale if kv_fp8 else dummy, *seq_ptrs, out,
-        workspace.part_o, workspace.part_lse, workspace.count,
+        workspace.part_o, workspace.part_lse, workspace.count, lse if lse is not None else workspace.part_lse,
         tokens_per_split, block_table.stride(0) if page_size else 0, float(sm_scale * 1.4426950408889634),
         H=heads, BLOCK_H=block_h, Q_LEN_MAX=q_len_max, MAX_SPLITS=max_splits, PAGE_SIZE=page_size,
         KV_FP8=kv_fp8, Q_FP8=q_fp8, QK_DOT=FU_DOT_CODES[qk_dot], PV_DOT=FU_DOT_CODES[pv_dot],
-        BLOCK_N=block_n, NS_P2=ns_p2, RW=rw, KV_OFF64=kv.numel() >= 2**31,
+        BLOCK_N=block_n, NS_P2=ns_p2, RW=rw, KV_OFF64=kv.numel() >= 2**31, WITH_LSE=lse is not None,
         num_warps=num_warps, num_stages=num_stages,
     )

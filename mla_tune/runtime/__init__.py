@@ -24,7 +24,7 @@ from mla_tune.backends import (
     ragged_backends,
     vendor_distributions,
 )
-from mla_tune.core import Shape, Variant, require
+from mla_tune.core import SM_SCALE, Shape, Variant, require
 from mla_tune.gpu import Platform, detect
 from mla_tune.locate import is_gpu_name, packaged_dir, table_path
 from mla_tune.tables.dispatch import Dispatcher, dispatch_fallback, dispatch_fallback_backend
@@ -187,6 +187,10 @@ class Runtime:
     fallback_backend: str
     device: torch.device | None = None
     q_range: QRangeCheck | None = None
+    # sm_scale -> a Dispatcher whose runners use that softmax scale (load's), for calls at
+    # a scale other than core.SM_SCALE (custom_kernel: config["sm_scale"])
+    make_dispatcher: Callable[[float], Dispatcher] | None = None
+    _scaled: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     # custom_kernel's identity path: (q, kv_data, qo_indptr, kv_indptr, kv_seq_len, batch,
     # kv format, kv_data[format], runner) of the last checked call of a tuned shape.
     _last: tuple | None = field(default=None, init=False, repr=False, compare=False)
@@ -203,14 +207,27 @@ class Runtime:
             self.q_range.reset()
 
     def decode(self, q, kv_data, qo_indptr, kv_indptr, kv_len: int | None = None,
-               check_indptr: bool = True):
-        """MLA decode: (batch, 16, 512) bf16. The result is the runner's reused buffer: copy
-        it to keep it past the next call of the same shape."""
+               check_indptr: bool = True, sm_scale: float | None = None):
+        """MLA decode: (batch, 16, 512) bf16, scores scaled by sm_scale (None: core.SM_SCALE,
+        the leaderboard's). The result is the runner's reused buffer: copy it to keep it
+        past the next call of the same shape."""
         if self.device is not None and not (isinstance(q, torch.Tensor) and _same_device(q.device, self.device)):
             raise ValueError(f"q must be on {self.device}, the device this runtime was loaded for, got "
                              f"{getattr(q, 'device', type(q).__name__)}")
-        return self.dispatcher(q, kv_data, qo_indptr, kv_indptr, kv_len=kv_len,
-                               check_indptr=check_indptr)
+        dispatcher = self.dispatcher if sm_scale is None or sm_scale == SM_SCALE else self.scaled(sm_scale)
+        return dispatcher(q, kv_data, qo_indptr, kv_indptr, kv_len=kv_len, check_indptr=check_indptr)
+
+    def scaled(self, sm_scale: float) -> Dispatcher:
+        """The dispatcher of this table whose runners use softmax scale `sm_scale` (built
+        lazily, as the default one's are; the tuned picks do not depend on the scale)."""
+        dispatcher = self._scaled.get(sm_scale)
+        if dispatcher is None:
+            require(isinstance(sm_scale, (int, float)) and not isinstance(sm_scale, bool) and sm_scale > 0,
+                    f"sm_scale must be a positive float, got {sm_scale!r}")
+            require(self.make_dispatcher is not None, "this runtime was made without load(); it serves "
+                    "core.SM_SCALE only")
+            dispatcher = self._scaled[sm_scale] = self.make_dispatcher(float(sm_scale))
+        return dispatcher
 
     def custom_kernel(self, data):
         """The leaderboard's entry: data = (q, kv_data, qo_indptr, kv_indptr, config). Trusts
@@ -228,7 +245,7 @@ class Runtime:
             if (q is last[0] and kv_data is last[1] and qo_indptr is last[2] and kv_indptr is last[3]
                     and type(config) is dict and config.get("kv_seq_len") == last[4]
                     and config.get("batch_size", last[5]) == last[5]
-                    and kv_data.get(last[6]) is last[7]):
+                    and kv_data.get(last[6]) is last[7] and config.get("sm_scale", SM_SCALE) == last[9]):
                 return last[8](q, kv_data, qo_indptr, kv_indptr)
         self._last = None
         require(isinstance(data, (tuple, list)) and len(data) == 5,
@@ -239,7 +256,7 @@ class Runtime:
         if "batch_size" in config and hasattr(q, "shape") and config["batch_size"] != q.shape[0]:
             raise ValueError(f'config["batch_size"] is {config["batch_size"]} but q holds {q.shape[0]} queries')
         out = self.decode(q, kv_data, qo_indptr, kv_indptr, kv_len=config["kv_seq_len"],
-                          check_indptr=False)
+                          check_indptr=False, sm_scale=config.get("sm_scale"))
         self._remember(data)
         return out
 
@@ -251,11 +268,13 @@ class Runtime:
         kv_len = config["kv_seq_len"]
         if type(data) is not tuple or type(kv_data) is not dict or type(kv_len) is not int:
             return
-        used = self.dispatcher.tuned_runner(q.shape[0], kv_len, q.device)
+        sm_scale = config.get("sm_scale", SM_SCALE)
+        dispatcher = self.dispatcher if sm_scale == SM_SCALE else self.scaled(sm_scale)
+        used = dispatcher.tuned_runner(q.shape[0], kv_len, q.device)
         if used is not None and used[0] in kv_data:
             fmt, runner = used
             self._last = (q, kv_data, qo_indptr, kv_indptr, kv_len, int(q.shape[0]), fmt,
-                          kv_data[fmt], runner)
+                          kv_data[fmt], runner, sm_scale)
 
 
 def load(gpu: str | None = None, table: str | Path | None = None, allow_other_gpu: bool = False,
@@ -302,11 +321,18 @@ def load(gpu: str | None = None, table: str | Path | None = None, allow_other_gp
     rule = (loaded.provenance.get("rule") or {}).get("name")
     fallback_backend, fallback = fallback_policy(rule, platform=platform)
     q_range = QRangeCheck(mode, loaded)
-    builders = {name: q_range.wrap(get_backend(name).build)
-                for name in {v.backend for v in variants.values()} | {fallback_backend}}
-    dispatcher = Dispatcher({(s.batch, s.kv_len): v for s, v in variants.items()}, builders, fallback,
-                            ragged_backends=ragged_backends(builders))
-    return Runtime(loaded, platform, dispatcher, fallback_backend, dev, q_range)
+    names = {v.backend for v in variants.values()} | {fallback_backend}
+
+    def make_dispatcher(sm_scale: float = SM_SCALE) -> Dispatcher:
+        """The table's dispatcher over builders at softmax scale sm_scale (each backend's
+        build(variant, shape, device, sm_scale=...))."""
+        builders = {name: q_range.wrap(get_backend(name).build if sm_scale == SM_SCALE
+                                       else functools.partial(get_backend(name).build, sm_scale=sm_scale))
+                    for name in names}
+        return Dispatcher({(s.batch, s.kv_len): v for s, v in variants.items()}, builders, fallback,
+                          ragged_backends=ragged_backends(builders))
+
+    return Runtime(loaded, platform, make_dispatcher(), fallback_backend, dev, q_range, make_dispatcher)
 
 
 @functools.lru_cache(maxsize=1)

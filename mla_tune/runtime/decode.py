@@ -17,13 +17,14 @@ never reads a device tensor on the host. See docs/runtime.md, "The serving call"
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
 import torch
 
 from mla_tune.backends import capabilities, get_backend, platform_refusal
-from mla_tune.core import CORE_FP8_DTYPE_NAMES, QK_DIM, CallSpec, Variant
+from mla_tune.core import CORE_FP8_DTYPE_NAMES, QK_DIM, SM_SCALE, CallSpec, Variant, fp8_dtype_for
 from mla_tune.gpu import Platform, detect
 
 # Which backend serves a spec when none is named: mla-tune's own kernels first (split-K,
@@ -117,6 +118,64 @@ def infer_spec(q, qo_indptr, kv, *, block_table=None, max_q_len: int | None = No
     return CallSpec(kv_format, page_size, q.shape[1], max_q_len, mixed_q_len, graph, host_lengths)
 
 
+_DC_MAX_VIEWS = 1024  # cache tensors whose fp8 view CallInputs keeps (layers of a model)
+
+
+class CallInputs:
+    """How a call's cache and kv_scale reach a runner, for one spec on one device.
+
+    `cache(kv)`: the cache as the kernels read it: a cache of spec.cache_dtype "uint8" (fp8
+    bytes, as vLLM keeps it) viewed as fp8 (`fp8_dtype`: e4m3fn, e4m3fnuz on gfx942), the
+    view made once per cache tensor (an engine's layer caches: the first _DC_MAX_VIEWS
+    tensors seen are kept with their views, later ones are viewed per call); a
+    cache of the spec's own format as it is; anything else refused with a ValueError that
+    names the fix (a uint8 cache read as fp8 without being declared would be silent
+    garbage). `scale(value)`: a Python float kv_scale as a (1,) float32 device tensor, made
+    the first time that value is seen and kept per value (so a call in a CUDA graph reads
+    a tensor made before its capture, once each layer has run eagerly, as a warm-up does).
+    `fast_dtype`: the dtype a cache that needs nothing done has (None: every cache is
+    viewed), for DecodePlan.run's one-attribute guard."""
+
+    def __init__(self, spec: CallSpec, device: torch.device):
+        self.spec, self.device = spec, device
+        self.fp8_dtype = fp8_dtype_for(device) if spec.kv_format == "fp8" else None
+        if spec.cache_dtype == "uint8":
+            self.fast_dtype = None
+        else:
+            self.fast_dtype = torch.bfloat16 if spec.kv_format == "bf16" else self.fp8_dtype
+        self._scales: dict[float, torch.Tensor] = {}
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(cache) -> (cache, fp8 view)
+
+    def cache(self, kv) -> torch.Tensor:
+        kept = self._views.get(id(kv))
+        if kept is not None and kept[0] is kv:  # the tensor is held here, so its id is not reused
+            return kept[1]
+        dtype = getattr(kv, "dtype", None)
+        if self.spec.cache_dtype == "uint8":
+            if dtype == torch.uint8:
+                view = kv.view(self.fp8_dtype)
+                if len(self._views) < _DC_MAX_VIEWS:
+                    self._views[id(kv)] = (kv, view)
+                return view
+            raise ValueError(f"kv must be a uint8 tensor of fp8 bytes (the spec's cache_dtype 'uint8'), got "
+                             f"{_tensor_text(kv)}; a cache of fp8 dtype needs CallSpec(..., cache_dtype='')")
+        if dtype == self.fast_dtype or (self.spec.kv_format == "fp8" and _fp8(dtype)):
+            return kv
+        if dtype == torch.uint8 and self.spec.kv_format == "fp8":
+            raise ValueError("kv is uint8 but the spec's cache_dtype is '' (an fp8 dtype): declare a cache of "
+                             "fp8 bytes with CallSpec(..., cache_dtype='uint8'), or pass kv.view(torch.float8_e4m3fn)")
+        raise ValueError(f"kv must be {self.spec.kv_format} (the spec's KV format), got {_tensor_text(kv)}")
+
+    def scale(self, value: float) -> torch.Tensor:
+        tensor = self._scales.get(value)
+        if tensor is None:
+            if not (value > 0 and value != float("inf")):
+                raise ValueError(f"kv_scale must be positive and finite, got {value!r}")
+            tensor = torch.full((1,), value, dtype=torch.float32, device=self.device)
+            self._scales[value] = tensor
+        return tensor
+
+
 def _tensor_text(x) -> str:
     if not isinstance(x, torch.Tensor):
         return type(x).__name__
@@ -147,6 +206,7 @@ class Decoder:
         self.spec = spec
         self.device = _device(device)
         self.platform = _platform(self.device)
+        self.inputs = CallInputs(spec, self.device)
         if backend is None:
             reasons = {}
             for name in PREFERENCE:
@@ -248,12 +308,16 @@ class Decoder:
             if kv_scale is not None:
                 self._refuse("a bf16 KV cache takes no kv_scale; pass None")
         else:
-            if not _fp8(kv.dtype):
-                self._refuse(f"kv must have an fp8 dtype (the spec's KV format), got {kv.dtype}")
-            if not (isinstance(kv_scale, torch.Tensor) and kv_scale.numel() == 1
-                    and kv_scale.dtype == torch.float32 and kv_scale.device == dev):
-                self._refuse(f"fp8 KV needs kv_scale, a (1,) float32 tensor on {dev} (made once, "
-                             f"not per call), got {_tensor_text(kv_scale)}")
+            if spec.cache_dtype == "uint8" and kv.dtype != torch.uint8:
+                self._refuse(f"kv must be uint8 (fp8 bytes: the spec's cache_dtype 'uint8'), got {kv.dtype}")
+            if spec.cache_dtype != "uint8" and not _fp8(kv.dtype):
+                fix = (" (fp8 bytes kept as uint8: declare them with CallSpec(..., cache_dtype='uint8'))"
+                       if kv.dtype == torch.uint8 else "")
+                self._refuse(f"kv must have an fp8 dtype (the spec's KV format), got {kv.dtype}{fix}")
+            if not (type(kv_scale) is float or (isinstance(kv_scale, torch.Tensor) and kv_scale.numel() == 1
+                    and kv_scale.dtype == torch.float32 and kv_scale.device == dev)):
+                self._refuse(f"fp8 KV needs kv_scale, a Python float or a (1,) float32 tensor on {dev}, "
+                             f"got {_tensor_text(kv_scale)}")
         if spec.page_size == 0 and kv.shape[1] != 1:
             self._refuse(f"contiguous kv must be (total_kv, 1, {QK_DIM}), got {tuple(kv.shape)}")
         if spec.page_size and kv.shape[1] != spec.page_size:
@@ -266,12 +330,18 @@ class Decoder:
         raise ValueError(f"{message} ({self!r})")
 
     def __call__(self, q, qo_indptr, kv, kv_scale=None, *, kv_indptr=None, block_table=None,
-                 seq_lens=None, q_lens_host=None, kv_lens_host=None) -> torch.Tensor:
-        """(total_q, heads, 512) bf16: new token i of a sequence of q_len over the first
-        seq_len - (q_len - 1 - i) tokens of its KV (which holds the new tokens)."""
+                 seq_lens=None, q_lens_host=None, kv_lens_host=None):
+        """(total_q, heads, 512) bf16, or (out, lse) with spec.return_lse (lse (total_q,
+        heads) float32, natural log): new token i of a sequence of q_len over the first
+        seq_len - (q_len - 1 - i) tokens of its KV (which holds the new tokens), scores
+        scaled by spec.sm_scale. A uint8 cache is viewed as fp8 when the spec says so
+        (cache_dtype 'uint8'); a float kv_scale becomes a kept (1,) device tensor."""
         layout = dict(kv_indptr=kv_indptr, block_table=block_table, seq_lens=seq_lens,
                       q_lens_host=q_lens_host, kv_lens_host=kv_lens_host)
         self.check(q, qo_indptr, kv, kv_scale, **layout)
+        kv = self.inputs.cache(kv)
+        if type(kv_scale) is float:
+            kv_scale = self.inputs.scale(kv_scale)
         return self._runner(q, qo_indptr, kv, kv_scale, **layout)
 
 
@@ -305,7 +375,8 @@ def clear_decoders() -> None:
 
 def decode(q, qo_indptr, kv, kv_scale=None, *, kv_indptr=None, block_table=None, seq_lens=None,
            max_q_len: int | None = None, mixed_q_len: bool | None = None, graph: bool = False,
-           q_lens_host=None, kv_lens_host=None, backend: str | None = None) -> torch.Tensor:
+           q_lens_host=None, kv_lens_host=None, backend: str | None = None,
+           sm_scale: float = SM_SCALE, return_lse: bool = False):
     """MLA decode for the serving call, any layout: (total_q, heads, 512) bf16.
 
     q (total_q, heads, 576) bf16 with qo_indptr (batch + 1,) int32; KV bf16, or fp8 with a
@@ -315,10 +386,13 @@ def decode(q, qo_indptr, kv, kv_scale=None, *, kv_indptr=None, block_table=None,
     a sequence brings more than one new token) and its Decoder is built on first use and
     kept per (spec, backend, q's device). q_lens_host / kv_lens_host: the lengths as
     Python lists, for backends that plan on the host. The result is the Decoder's reused
-    buffer: copy it to keep it past the next call of the same spec."""
+    buffer: copy it to keep it past the next call of the same spec. sm_scale: the model's
+    softmax scale; return_lse: return (out, lse) (CallSpec's fields of those names)."""
     spec = infer_spec(q, qo_indptr, kv, block_table=block_table, max_q_len=max_q_len,
                       mixed_q_len=mixed_q_len, graph=graph,
                       host_lengths=q_lens_host is not None or kv_lens_host is not None)
+    if sm_scale != SM_SCALE or return_lse:
+        spec = dataclasses.replace(spec, sm_scale=sm_scale, return_lse=return_lse)
     decoder = _decoder(spec, backend, _device(q.device))
     return decoder(q, qo_indptr, kv, kv_scale, kv_indptr=kv_indptr, block_table=block_table,
                    seq_lens=seq_lens, q_lens_host=q_lens_host, kv_lens_host=kv_lens_host)

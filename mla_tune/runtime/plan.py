@@ -51,8 +51,8 @@ import torch
 
 from mla_tune.core import QK_DIM, CallSpec, Variant
 from mla_tune.locate import table_path
-from mla_tune.runtime.decode import Decoder, runner_step, spec_text
-from mla_tune.tables.serving_table import ServingTable, batch_bucket, load_serving_table
+from mla_tune.runtime.decode import Decoder, runner_step, spec_text, why_not
+from mla_tune.tables.serving_table import ServingTable, batch_bucket, kv_bucket, load_serving_table
 
 
 def _no_step(*_args):
@@ -91,9 +91,32 @@ class DecodePlan:
             # The lookup's one-off work (each split-K variant's rates over the points, about
             # 40 ms on the CPU machine) here, not in the engine's first step.
             self.table.estimates(spec, 1, 1.0)
+        # Picks whose backend cannot serve the spec here (a vendor library missing, another
+        # GPU, no LSE) are replaced per step by the cell's best runnable variant (pick()).
+        self._unrunnable: dict[Variant, str] = {}
+        reasons: dict[str, str | None] = {}
         for variant in self._candidates():
-            if variant not in self._decoders:
+            if variant in self._decoders:
+                continue
+            if variant.backend not in reasons:
+                reasons[variant.backend] = why_not(variant.backend, spec, self._default.platform)
+            if reasons[variant.backend] is not None:
+                self._unrunnable[variant] = reasons[variant.backend]
+                continue
+            self._decoders[variant] = Decoder(spec, variant=variant, device=self.device)
+        for variant in self._stand_ins():
+            if variant not in self._decoders and variant.backend not in reasons:
+                reasons[variant.backend] = why_not(variant.backend, spec, self._default.platform)
+            if variant not in self._decoders and reasons[variant.backend] is None:
                 self._decoders[variant] = Decoder(spec, variant=variant, device=self.device)
+        if self._unrunnable:
+            why = "; ".join(f"{n}: {r}" for n, r in sorted(reasons.items()) if r is not None)
+            warnings.warn(f"serving table {self.table.path}: {len(self._unrunnable)} pick(s) for "
+                          f"{spec_text(spec)} use backends that cannot serve it here ({why}); those steps "
+                          "run the cell's best runnable variant (the estimates' next, the runner-up, or "
+                          f"the default {self._default.variant}), counted in misses", stacklevel=2)
+        self._inputs = self._default.inputs
+        self._kv_dtype = self._inputs.fast_dtype
         self._decoder = self._default
         self._qo = None
         self._layer = _no_step
@@ -111,6 +134,17 @@ class DecodePlan:
             picks += sorted({v for (b, _kv), times in self._family.points.items() if b <= top for v in times}, key=str)
         return list(dict.fromkeys(picks))
 
+    def _stand_ins(self) -> list[Variant]:
+        """The runner-ups of the cells whose pick cannot run here (pick() runs them instead)."""
+        if self._family is None or self.spec.graph or not self._unrunnable:
+            return []
+        out = []
+        for cell in self._family.cells.values():
+            runner_up = (cell.runner_up or {}).get("variant") if cell.variant in self._unrunnable else None
+            if runner_up is not None:
+                out.append(Variant.parse(runner_up) if isinstance(runner_up, str) else runner_up)
+        return list(dict.fromkeys(out))
+
     @property
     def variants(self) -> list[Variant]:
         return list(self._decoders)
@@ -125,6 +159,8 @@ class DecodePlan:
         q = torch.zeros((batch * q_len, spec.heads, QK_DIM), dtype=torch.bfloat16, device=dev)
         qo_indptr = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device=dev)
         kv_dtype = torch.bfloat16 if spec.kv_format == "bf16" else torch.float8_e4m3fn
+        if spec.cache_dtype == "uint8":
+            kv_dtype = torch.uint8  # as the caller keeps it (the Decoder views it)
         kv_scale = None if spec.kv_format == "bf16" else torch.ones((1,), dtype=torch.float32, device=dev)
         host = {"q_lens_host": [q_len] * batch, "kv_lens_host": [q_len] * batch}
         if spec.page_size == 0:
@@ -153,7 +189,28 @@ class DecodePlan:
                 key = f"batch {batch_bucket(self.table.batch_buckets, batch)}" + (
                     "" if mean is None else f", kv_len ~{mean:.0f}")
                 self.misses[key] = self.misses.get(key, 0) + 1
+            elif variant in self._unrunnable:
+                key = f"{variant.backend} cannot run here"
+                self.misses[key] = self.misses.get(key, 0) + 1
+                variant = self._runnable(batch, mean, kv_lens)
         return variant if variant is not None and variant in self._decoders else self._default.variant
+
+    def _runnable(self, batch: int, mean: float | None, kv_lens) -> Variant | None:
+        """The best runnable variant where the table's pick cannot run: the fastest runnable
+        estimate (eager, with points), else the cell's runner-up, else None (the default)."""
+        table, spec = self.table, self.spec
+        if mean is not None:
+            est = table.estimates(spec, batch, mean, kv_lens)
+            ok = {v: t for v, t in est.items() if v in self._decoders}
+            if ok:
+                return min(ok, key=lambda v: (ok[v], str(v)))
+            cell = self._family.cells.get((batch_bucket(table.batch_buckets, batch), kv_bucket(table.kv_buckets, mean)))
+            runner_up = (cell.runner_up or {}).get("variant") if cell is not None else None
+            if runner_up is not None:
+                runner_up = Variant.parse(runner_up) if isinstance(runner_up, str) else runner_up
+                if runner_up in self._decoders:
+                    return runner_up
+        return None
 
     def update(self, qo_indptr, *, kv_indptr=None, block_table=None, seq_lens=None,
                q_lens_host=None, kv_lens_host=None, mean_kv_len: float | None = None) -> Variant:
@@ -178,10 +235,18 @@ class DecodePlan:
         self._decoder, self._qo = decoder, qo_indptr
         return variant
 
-    def run(self, q, kv, kv_scale=None) -> torch.Tensor:
+    def run(self, q, kv, kv_scale=None):
         """Per layer: (total_q, heads, 512) bf16, the picked runner's output (for the own
-        runners their reused buffer). Only the step's layer call runs (update checked the
-        step); `run_checked` checks q and kv too."""
+        runners their reused buffer), or (out, lse) with spec.return_lse (lse (total_q,
+        heads) float32, natural log). Only the step's layer call runs (update checked the
+        step) behind one guard: a cache whose dtype is not the spec's own is viewed as
+        fp8 where the spec declares uint8 bytes (cache_dtype 'uint8') and refused otherwise
+        (CallInputs.cache), and a float kv_scale becomes its kept (1,) device tensor.
+        `run_checked` checks q and kv too."""
+        if kv.dtype is not self._kv_dtype:
+            kv = self._inputs.cache(kv)
+        if kv_scale.__class__ is float:
+            kv_scale = self._inputs.scale(kv_scale)
         return self._layer(q, kv, kv_scale)
 
     def run_checked(self, q, kv, kv_scale=None) -> torch.Tensor:
@@ -189,7 +254,7 @@ class DecodePlan:
         if self._qo is None:
             _no_step()
         self._decoder.check_layer(q, self._qo, kv, kv_scale)
-        return self._layer(q, kv, kv_scale)
+        return self.run(q, kv, kv_scale)
 
     def __repr__(self) -> str:
         return (f"DecodePlan({spec_text(self.spec)}, up to {self.max_batch} sequences, "

@@ -3,7 +3,10 @@
 q is (batch, s_q, h_q, d) with any s_q and h_q; with causal=True new token i sees the first
 seq_len - (s_q - 1 - i) tokens (get_mask_len in csrc/sm90/decode/dense/splitkv_mla.cuh,
 col_limit_right in the fp8 extension's flash_fwd_mla_kernel.h); causal is ignored at s_q 1,
-as the library does. The answer is mla_tune.serving's fp32 reference.
+as the library does. The answer is mla_tune.serving's fp32 reference, at `softmax_scale`
+(a float, or None for d ** -0.5, as the library takes it), and softmax_lse is its natural-log
+log-sum-exp, (batch, h_q, s_q) float32, as the library returns it (its kernels compute
+scale_softmax * max + log(sum); vLLM's FlashMLA backend merges it as base e).
 """
 
 import dataclasses
@@ -13,6 +16,7 @@ import torch
 from mla_tune.serving import reference
 
 calls = {"get_mla_decoding_metadata": 0, "flash_mla_with_kvcache": 0}
+last_call = {}  # the last flash_mla_with_kvcache's softmax_scale
 # a schedule's id (written in its tile_scheduler_metadata[0, 0], so that a copy of the
 # metadata, as the real one would be, still names it) -> what the schedule was made for
 _schedules = {}
@@ -123,7 +127,10 @@ def flash_mla_with_kvcache(
     _need(made["fp8"] == is_fp8_kvcache, "the schedule was made for the other (bf16 / fp8) kernel")
     _need(made["seqlens"] == cache_seqlens.tolist(), "the schedule was made for other sequence lengths")
     _need(made["num_q_tokens_per_head_k"] == s_q * h_q, "the schedule was made for another head count")
+    _need(softmax_scale is None or (isinstance(softmax_scale, float) and softmax_scale > 0),
+          f"softmax_scale must be a positive float or None, got {softmax_scale!r}")
     calls["flash_mla_with_kvcache"] += 1
+    last_call.update(softmax_scale=softmax_scale)
 
     scale = softmax_scale if softmax_scale is not None else d ** -0.5
     q32 = q.float() * (descale_q.float() if is_fp8_kvcache else 1.0)
@@ -136,7 +143,7 @@ def flash_mla_with_kvcache(
         qo_indptr = torch.arange(batch * s_q + 1, dtype=torch.int32)
         table = block_table.repeat_interleave(s_q, dim=0)
         lengths = cache_seqlens.repeat_interleave(s_q)
-    out = reference(q32.reshape(batch * s_q, h_q, d), qo_indptr, pages, kv_scale, block_table=table,
-                    seq_lens=lengths, sm_scale=scale)
+    out, lse = reference(q32.reshape(batch * s_q, h_q, d), qo_indptr, pages, kv_scale, block_table=table,
+                         seq_lens=lengths, sm_scale=scale, return_lse=True)
     out = out.to(torch.bfloat16).view(batch, s_q, h_q, head_dim_v)
-    return out, torch.zeros((batch, h_q, s_q), dtype=torch.float32)
+    return out, lse.view(batch, s_q, h_q).transpose(1, 2).contiguous()

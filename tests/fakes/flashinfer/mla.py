@@ -7,7 +7,10 @@ tokens are q rows qo_indptr[b]..qo_indptr[b+1]; its pages start at kv_indices[kv
 and number ceil(kv_len[b] / page_size) (kv_indptr[b + 1] is never read, so rows of a block
 table with a fixed stride work); with causal=True new token i sees the first
 kv_len - (q_len - 1 - i) tokens (logits_mask_ in mla_hopper.cuh). The answer is
-mla_tune.serving's fp32 reference.
+mla_tune.serving's fp32 reference at plan()'s sm_scale (a float, as plan() declares it);
+run(return_lse=True) returns (out, lse) with lse (q rows, heads) float32 in base 2 unless
+return_lse_base_on_e (MLAParams.return_lse_base_on_e: the wrapper passes False by
+default), into `lse` when given (checked as out is).
 """
 
 import math
@@ -151,9 +154,15 @@ class BatchMLAPagedAttentionWrapper:
             out = torch.empty_like(q_nope)
         else:
             _check("out", out, q_nope.shape, q_nope.dtype)
+        if return_lse:
+            if lse is None:
+                lse = torch.empty(q_nope.shape[:2], dtype=torch.float32, device=q_nope.device)
+            else:
+                _check("lse", lse, q_nope.shape[:2], torch.float32)
         calls["run"] += 1
         last_run.update(q_nope_stride=q_nope.stride(), ckv_stride=ckv_cache.stride(),
-                        ckv_ptr=ckv_cache.data_ptr(), out_ptr=out.data_ptr())
+                        ckv_ptr=ckv_cache.data_ptr(), out_ptr=out.data_ptr(), sm_scale=self._sm_scale,
+                        return_lse=return_lse, return_lse_base_on_e=return_lse_base_on_e)
 
         keys = torch.cat((ckv_cache.float() * float(ckv_scale or 1.0), kpe_cache.float() * float(kpe_scale or 1.0)), dim=-1)
         indices = self._kv_indices_buf.tolist()  # read at run time, as the kernel does
@@ -171,9 +180,11 @@ class BatchMLAPagedAttentionWrapper:
         kv_indptr = [0]
         for t in tokens:
             kv_indptr.append(kv_indptr[-1] + t.shape[0])
-        ref = reference(q32, torch.tensor(qo_indptr, dtype=torch.int32), torch.cat(tokens).unsqueeze(1),
-                        kv_indptr=torch.tensor(kv_indptr, dtype=torch.int32), sm_scale=self._sm_scale)
+        ref, ref_lse = reference(q32, torch.tensor(qo_indptr, dtype=torch.int32), torch.cat(tokens).unsqueeze(1),
+                                 kv_indptr=torch.tensor(kv_indptr, dtype=torch.int32), sm_scale=self._sm_scale,
+                                 return_lse=True)
         out[:total_q].copy_(ref.to(out.dtype))
         if return_lse:
-            return out, torch.zeros(q_nope.shape[:2], dtype=torch.float32)
+            lse[:total_q].copy_(ref_lse if return_lse_base_on_e else ref_lse * math.log2(math.e))
+            return out, lse
         return out

@@ -1,0 +1,103 @@
+"""The engine's call on the H200 (issue 29): DeepSeek-V3's softmax scale, the LSE and a
+uint8 fp8 cache through the real FlashMLA and FlashInfer and the own kernels.
+
+    python -m pytest -m gpu tests/test_gpu_engine_call.py
+
+Each case builds a Decoder for one backend, calls it at DeepSeek-V3's scale on a ragged
+paged batch and compares the output with the fp32 reference at that scale (strict rule;
+relative L2 5e-2 for FlashMLA's fp8 kernel, which rounds P to fp8) and, where the backend
+declares it, the LSE with the reference's natural-log LSE. A uint8 view of the fp8 cache
+goes through a DecodePlan with cache_dtype "uint8". gluon_fused (leaderboard call only)
+is checked through build(..., sm_scale=).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mla_tune import problem, serving
+from mla_tune.backends import capabilities, get_backend
+from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, CallSpec, Shape
+from mla_tune.runtime.decode import Decoder
+from mla_tune.runtime.plan import DecodePlan
+
+pytestmark = pytest.mark.gpu
+DSV3 = CORE_DEEPSEEK_V3_SCALE
+KV_LENS = [1, 17, 64, 65, 300, 3000]
+
+
+def _decoder(name: str, spec: CallSpec) -> Decoder:
+    """The backend's Decoder for spec on this GPU, or a skip naming why it cannot serve it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    try:
+        return Decoder(spec, backend=name, device="cuda")
+    except ValueError as exc:
+        pytest.skip(str(exc))
+
+
+CASES = [(n, kv, lse) for n in ("triton", "triton_fused", "flashmla", "flashinfer") for kv in ("bf16", "fp8")
+         for lse in (False, True)]
+
+
+@pytest.mark.parametrize("name,kv,lse", CASES, ids=[f"{n}-{k}-{'lse' if x else 'out'}" for n, k, x in CASES])
+def test_deepseek_scale_and_lse_through_each_backend(name, kv, lse):
+    spec = CallSpec(kv, page_size=64, heads=128, max_q_len=1, sm_scale=DSV3, return_lse=lse,
+                    host_lengths=name == "flashinfer")
+    if lse and not capabilities(name).lse:
+        pytest.skip(f"{name} declares no LSE")
+    decoder = _decoder(name, spec)
+    inp = serving.make_input([1] * len(KV_LENS), KV_LENS, 128, 64, kv, seed=5, device="cuda")
+    result = decoder(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout,
+                     q_lens_host=inp.q_lens, kv_lens_host=inp.kv_lens)
+    out, got_lse = result if lse else (result, None)
+    torch.cuda.synchronize()
+    q_format = {"bf16": "bf16", "fp8_dynamic": "fp8", "fp8_static": "fp8_static"}[decoder.variant.get("q")]
+    ref, ref_lse = inp.reference(q_format, decoder.variant.get("q_amax"), sm_scale=DSV3, return_lse=True)
+    loose = name == "flashmla" and kv == "fp8"
+    err = float((out.float() - ref).norm() / ref.norm())
+    assert err < (5e-2 if loose else 1e-2), f"relative L2 error {err:.4f}"
+    if not loose:
+        assert problem.check(out.float(), ref, problem.RULES["strict"]).passed
+    assert problem.check(out.float(), inp.reference(q_format, decoder.variant.get("q_amax")),
+                         problem.RULES["strict"]).passed is False, "the answer ignores the scale"
+    if lse:
+        assert tuple(got_lse.shape) == (inp.q.shape[0], 128) and got_lse.dtype == torch.float32
+        assert float((got_lse - ref_lse).abs().max()) < 5e-2
+
+
+@pytest.mark.parametrize("backend", ["triton", "triton_fused", "flashmla"])
+def test_a_uint8_cache_through_a_plan(backend):
+    spec = CallSpec("fp8", page_size=64, heads=128, max_q_len=1, sm_scale=DSV3, cache_dtype="uint8")
+    _decoder(backend, spec)
+    plan = DecodePlan(spec, max_batch=8, backend=backend, device="cuda")
+    inp = serving.make_input([1] * len(KV_LENS), KV_LENS, 128, 64, "fp8", seed=6, device="cuda")
+    plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
+    for _ in range(2):  # the second call replays what the first recorded (own kernels)
+        out = plan.run(inp.q, inp.kv.view(torch.uint8), float(inp.kv_scale))
+    torch.cuda.synchronize()
+    q_format = "fp8" if plan._decoder.variant.get("q") == "fp8_dynamic" else "bf16"
+    ref = inp.reference(q_format, sm_scale=DSV3)
+    assert float((out.float() - ref).norm() / ref.norm()) < 5e-2
+    plain = DecodePlan(CallSpec("fp8", page_size=64, heads=128, sm_scale=DSV3), max_batch=8, backend=backend,
+                       device="cuda")
+    plain.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
+    with pytest.raises(ValueError, match="cache_dtype='uint8'"):
+        plain.run(inp.q, inp.kv.view(torch.uint8), inp.kv_scale)
+
+
+def test_gluon_fused_build_takes_the_scale():
+    gluon = get_backend("gluon_fused")
+    if not torch.cuda.is_available() or gluon.unavailable_reason() is not None:
+        pytest.skip(f"gluon_fused: {gluon.unavailable_reason() if torch.cuda.is_available() else 'no GPU'}")
+    shape = Shape(4, 1024)
+    from mla_tune.gpu import detect
+
+    variant = gluon.candidates(shape, {}, detect())[0]
+    data = problem.generate_input(shape.batch, shape.kv_len, seed=9, device="cuda")
+    out = gluon.build(variant, shape, "cuda", sm_scale=DSV3)(*data[:4])
+    torch.cuda.synchronize()
+    ref = problem.reference(data, "fp8", "fp8", sm_scale=DSV3)
+    assert problem.check(out, ref, problem.RULES["strict"]).passed
+    assert not problem.check(out, problem.reference(data, "fp8", "fp8"), problem.RULES["strict"]).passed

@@ -1,0 +1,96 @@
+"""The optional LSE of the serving call (issue 29): CallSpec(return_lse=True) makes every
+run return (out, lse), lse the natural-log log-sum-exp of each (new token, head)'s scaled
+scores, (total_q, heads) float32, as vLLM's MLA backends merge it (`lse_base_on_e`).
+
+Backends declare it in CAPABILITIES.lse: triton_fused (its reduction keeps the running
+max and sum), FlashMLA (softmax_lse: natural log, (batch, h_q, s_q)), FlashInfer (asked
+for natural log: its default is base 2). The split-K family declares False (its one-split
+sequences write the output from stage 1, which keeps no LSE), so a spec asking for the
+LSE never picks it. Checked here through the interpreter and the vendors' fakes against
+the fp32 reference's LSE, at DeepSeek-V3's scale.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mla_tune import gpu, serving
+from mla_tune.backends import capabilities, get_backend
+from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, CallSpec
+from mla_tune.runtime.decode import Decoder
+from mla_tune.runtime.plan import DecodePlan
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("vendor_fakes", ROOT / "tests" / "fakes" / "vendor_fakes.py")
+vendor_fakes = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(vendor_fakes)
+
+DSV3 = CORE_DEEPSEEK_V3_SCALE
+H200 = gpu.fake_platform("H200")
+VENDOR_MODULES = {"flashmla": "flash_mla", "flashinfer": "flashinfer"}
+
+
+def _assert_lse(lse: torch.Tensor, ref_lse: torch.Tensor, what: str) -> None:
+    assert lse.dtype == torch.float32 and tuple(lse.shape) == tuple(ref_lse.shape), \
+        f"{what}: lse {lse.dtype} {tuple(lse.shape)}, expected float32 {tuple(ref_lse.shape)}"
+    err = float((lse - ref_lse).abs().max())
+    # scores of bf16 operands: about 1e-2 absolute at these sizes; a base-2 LSE would be
+    # off by a factor 1.44 (several units), one at the leaderboard's scale by 3x
+    assert err < 5e-2, f"{what}: max |lse - reference| = {err:.4f}"
+
+
+def test_the_capability_record_says_who_returns_it():
+    assert {name: capabilities(name).lse for name in ("triton", "triton_fused", "flashmla", "flashinfer")} == {
+        "triton": False, "triton_fused": True, "flashmla": True, "flashinfer": True}
+    spec = CallSpec("bf16", page_size=16, return_lse=True)
+    assert capabilities("triton").refusal(spec) == "it does not return the LSE (return_lse)"
+    assert Decoder(spec).backend == "triton_fused"  # the preference order passes over triton
+
+
+CASES = [("triton_fused", "bf16", 2), ("triton_fused", "fp8", 1), ("flashmla", "bf16", 2), ("flashmla", "fp8", 1),
+         ("flashinfer", "bf16", 2), ("flashinfer", "fp8", 1)]
+
+
+@pytest.mark.parametrize("name,kv,q_len", CASES, ids=[f"{n}-{k}-q{q}" for n, k, q in CASES])
+def test_each_declared_backend_returns_the_references_lse(name, kv, q_len, monkeypatch):
+    platform = gpu.detect()
+    if name in VENDOR_MODULES:
+        vendor_fakes.install(monkeypatch, VENDOR_MODULES[name])
+        platform = H200
+    page = 64 if name == "flashmla" else 16
+    mixed = name != "flashmla" and q_len > 1
+    spec = CallSpec(kv, page_size=page, heads=16, max_q_len=q_len, mixed_q_len=mixed, sm_scale=DSV3,
+                    return_lse=True, host_lengths=name == "flashinfer")
+    backend = get_backend(name)
+    variant = backend.default_serving_variant(spec, platform)
+    if name == "triton_fused":  # several splits for the long sequences: the reduction's LSE too
+        variant = variant.with_params(max_splits=4, tokens_per_split=32)
+    q_lens = [q_len, 1 if mixed else q_len, q_len]
+    kv_lens = [70, 5 if mixed else 9, 130]
+    inp = serving.make_input(q_lens, kv_lens, 16, page, kv, seed=11)
+    runner = backend.build_serving(variant, spec, "cpu")
+    out, lse = runner(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout,
+                      q_lens_host=inp.q_lens, kv_lens_host=inp.kv_lens)
+    q_format = {"bf16": "bf16", "fp8_dynamic": "fp8"}[variant.get("q")]
+    ref, ref_lse = inp.reference(q_format, sm_scale=DSV3, return_lse=True)
+    _assert_lse(lse, ref_lse, f"{name} {kv} q_len {q_len}")
+    assert float((out.float() - ref).abs().max()) < 0.05
+    if name == "flashinfer":
+        assert sys.modules["flashinfer.mla"].last_run["return_lse_base_on_e"] is True
+
+
+def test_a_plan_with_return_lse_returns_out_and_lse_per_layer():
+    spec = CallSpec("bf16", page_size=16, heads=16, max_q_len=2, mixed_q_len=True, sm_scale=DSV3, return_lse=True)
+    plan = DecodePlan(spec, max_batch=4)
+    inp = serving.make_input([2, 1, 2], [40, 3, 90], 16, 16, "bf16", seed=12)
+    plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
+    ref, ref_lse = inp.reference(sm_scale=DSV3, return_lse=True)
+    for _layer in range(2):  # the second layer replays what the first recorded (on a GPU)
+        out, lse = plan.run(inp.q, inp.kv)
+        _assert_lse(lse, ref_lse, "plan.run")
+        assert float((out.float() - ref).abs().max()) < 0.05

@@ -1,0 +1,66 @@
+"""DecodePlan degrades as runtime.load does (issue 29, deliverable 6): a table pick whose
+backend cannot serve the spec here (no flash_mla on this machine, another GPU, no LSE)
+warns once when the plan is made and is replaced per step by the cell's best runnable
+variant (the estimates' next, the cell's runner-up, else the preferred backend's
+default), each replacement counted in the plan's misses."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from mla_tune import problem, serving
+from mla_tune.core import CallSpec, Variant
+from mla_tune.runtime.plan import DecodePlan
+from mla_tune.tables.serving_table import Cell, Family, FamilyKey, GraphPick, ServingTable
+
+SPEC = CallSpec("bf16", page_size=64, heads=16, max_q_len=1)
+FLASHMLA = Variant.make("flashmla", kv="bf16", q="bf16")
+RUNNER_UP = Variant.parse("triton(block_h=16,block_n=32,dot_dtype=fp16,kv=bf16,max_splits=2,num_stages=1,"
+                          "num_warps=4,q=bf16,tokens_per_split=64)")
+
+
+def _table() -> ServingTable:
+    fam = Family(FamilyKey.of(SPEC))
+    fam.cells[(4, 256)] = Cell(4, 256, FLASHMLA, 10.0, runner_up={"variant": str(RUNNER_UP), "time_us": 11.0})
+    fam.graph[4] = GraphPick(4, FLASHMLA, 0.05, 32)
+    return ServingTable("H200", {}, [2, 4], [32, 256], {fam.key: fam})
+
+
+def test_a_plan_whose_table_picks_flashmla_runs_here_and_says_so_once():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = DecodePlan(SPEC, max_batch=4, table=_table())
+    said = [w for w in caught if "cannot serve it here" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in caught]
+    assert "flashmla" in str(said[0].message)
+    assert FLASHMLA not in plan.variants and RUNNER_UP in plan.variants
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no further word per step
+        for step, kv_lens in enumerate(([200, 250, 300], [190, 260, 220, 240])):
+            inp = serving.make_input([1] * len(kv_lens), kv_lens, 16, 64, "bf16", seed=30 + step)
+            picked = plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens,
+                                 mean_kv_len=sum(kv_lens) / len(kv_lens))
+            assert picked == RUNNER_UP  # the cell's runner-up stands in
+            out = plan.run(inp.q, inp.kv)
+            result = problem.check(out.float(), inp.reference(), problem.RULES["strict"])
+            assert result.passed, result.reason
+    assert plan.misses == {"flashmla cannot run here": 2}
+
+
+def test_a_graph_plan_falls_back_to_the_default_where_no_runner_up_is_kept():
+    spec = CallSpec("bf16", page_size=64, heads=16, max_q_len=1, graph=True)
+    fam = Family(FamilyKey.of(spec))
+    fam.graph[4] = GraphPick(4, FLASHMLA, 0.05, 32)
+    table = ServingTable("H200", {}, [2, 4], [32, 256], {fam.key: fam})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = DecodePlan(spec, max_batch=4, table=table, warm=False)
+    assert sum("cannot serve it here" in str(w.message) for w in caught) == 1
+    inp = serving.make_input([1, 1, 1], [70, 129, 3], 16, 64, "bf16", seed=40)
+    assert plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens) == plan._default.variant
+    out = plan.run(inp.q, inp.kv)
+    assert problem.check(out.float(), inp.reference(), problem.RULES["strict"]).passed
+    assert plan.misses == {"flashmla cannot run here": 1}
+    assert torch.isfinite(out).all()

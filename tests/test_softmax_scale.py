@@ -1,0 +1,210 @@
+"""The model's softmax scale (issue 29): CallSpec.sm_scale and build(..., sm_scale=) reach
+every backend that runs on the CPU, through Triton's interpreter or the vendors' fakes
+(tests/fakes: they take the scale as the real libraries declare it and answer with the
+fp32 reference at that scale).
+
+Each call at DeepSeek-V3's scale (mscale**2 / sqrt(192), about 0.1352, 3.2 x the
+leaderboard's 1/sqrt(576)) must match the fp32 reference at that scale under the strict
+rule, and must fail it against the reference at the leaderboard's scale: a backend that
+ignored the scale would fail the first check. The own kernels take the scale as a runtime
+argument: two scales bind to one compiled kernel (the same JIT cache key).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mla_tune import gpu, problem, serving
+from mla_tune.backends import get_backend
+from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, SM_SCALE, CallSpec, Shape, Variant
+from mla_tune.runtime.decode import Decoder
+from mla_tune.tables.serving_table import FamilyKey
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("vendor_fakes", ROOT / "tests" / "fakes" / "vendor_fakes.py")
+vendor_fakes = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(vendor_fakes)
+
+DSV3 = CORE_DEEPSEEK_V3_SCALE
+H200 = gpu.fake_platform("H200")
+VENDOR_MODULES = {"flashmla": "flash_mla", "flashinfer": "flashinfer"}
+STRICT = problem.RULES["strict"]
+
+
+def _scaled_and_not(out: torch.Tensor, ref_scaled: torch.Tensor, ref_default: torch.Tensor, what: str) -> None:
+    out = out[: ref_scaled.shape[0]].float()
+    assert bool(torch.isfinite(out).all()), f"{what}: NaN or an unwritten element"
+    at_scale = problem.check(out, ref_scaled, STRICT)
+    assert at_scale.passed, f"{what}: against the reference at the model's scale: {at_scale.reason}"
+    ignored = problem.check(out, ref_default, STRICT)
+    assert not ignored.passed, f"{what}: also matches the leaderboard's scale, so the test could not see it ignored"
+
+
+def test_deepseek_v3_scale_is_the_models():
+    mscale = 0.1 * 1.0 * math.log(40) + 1  # YaRN: mscale_all_dim 1.0, factor 40
+    assert DSV3 == pytest.approx(mscale**2 / math.sqrt(128 + 64))
+    assert DSV3 == pytest.approx(0.1352, abs=5e-4)
+    assert DSV3 / SM_SCALE == pytest.approx(3.24, abs=0.01)
+
+
+def test_the_serving_tables_key_leaves_out_the_calls_own_facts():
+    plain = CallSpec("fp8", page_size=64, heads=128, max_q_len=2, mixed_q_len=True)
+    model = CallSpec("fp8", page_size=64, heads=128, max_q_len=2, mixed_q_len=True, sm_scale=DSV3,
+                     return_lse=True, cache_dtype="uint8")
+    assert FamilyKey.of(model) == FamilyKey.of(plain)
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.1, float("nan"), float("inf"), True, "0.13"])
+def test_callspec_refuses_a_scale_that_is_no_softmax_scale(bad):
+    with pytest.raises(ValueError, match="sm_scale must be a positive finite float"):
+        CallSpec("bf16", sm_scale=bad)
+
+
+SERVING_CASES = [(name, kv) for name in ("triton", "triton_fused", "flashmla", "flashinfer") for kv in ("bf16", "fp8")]
+
+
+@pytest.mark.parametrize("name,kv", SERVING_CASES, ids=[f"{n}-{k}" for n, k in SERVING_CASES])
+def test_the_serving_call_answers_at_the_models_scale(name, kv, monkeypatch):
+    platform = gpu.detect()
+    if name in VENDOR_MODULES:
+        vendor_fakes.install(monkeypatch, VENDOR_MODULES[name])
+        platform = H200
+    page = 64 if name == "flashmla" else 16
+    spec = CallSpec(kv, page_size=page, heads=16, max_q_len=1, sm_scale=DSV3, host_lengths=name == "flashinfer")
+    backend = get_backend(name)
+    variant = backend.default_serving_variant(spec, platform)
+    runner = backend.build_serving(variant, spec, "cpu")
+    inp = serving.make_input([1, 1, 1], [5, 70, 130], 16, page, kv, seed=5)
+    out = runner(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout,
+                 q_lens_host=inp.q_lens, kv_lens_host=inp.kv_lens)
+    q_format = {"bf16": "bf16", "fp8_dynamic": "fp8"}[variant.get("q")]
+    _scaled_and_not(out, inp.reference(q_format, sm_scale=DSV3), inp.reference(q_format), f"{name} {kv}")
+    if name == "flashmla":
+        assert sys.modules["flash_mla.flash_mla_interface"].last_call["softmax_scale"] == DSV3
+    if name == "flashinfer":
+        assert sys.modules["flashinfer.mla"].last_run["sm_scale"] == DSV3
+
+
+def test_the_decoder_and_decode_pass_the_spec_scale():
+    inp = serving.make_input([2, 1], [40, 9], 16, 0, "bf16", seed=6)
+    spec = CallSpec("bf16", heads=16, max_q_len=2, mixed_q_len=True, sm_scale=DSV3)
+    out = Decoder(spec)(inp.q, inp.qo_indptr, inp.kv, None, kv_indptr=inp.kv_indptr)
+    _scaled_and_not(out, inp.reference(sm_scale=DSV3), inp.reference(), "Decoder")
+    from mla_tune.runtime.decode import decode
+
+    out = decode(inp.q, inp.qo_indptr, inp.kv, kv_indptr=inp.kv_indptr, max_q_len=2, sm_scale=DSV3)
+    _scaled_and_not(out, inp.reference(sm_scale=DSV3), inp.reference(), "decode")
+
+
+def _leaderboard_variant(name: str, shape: Shape, kv: str) -> Variant:
+    if name == "triton":
+        return get_backend(name).default_variant(shape, sm_count=4, kv=kv, q="bf16")
+    if name == "torch":
+        return Variant.make("torch", kv="bf16", q="bf16")
+    if name == "flashmla":
+        return Variant.make("flashmla", kv=kv, q="bf16" if kv == "bf16" else "fp8_dynamic")
+    space = {"kv": [kv]} if name == "flashinfer" else {"kv": [kv], "num_splits": [2], "block_n": [32]}
+    return get_backend(name).candidates(shape, space, H200)[0]
+
+
+LEADERBOARD_CASES = [("torch", "bf16"), ("triton", "bf16"), ("triton", "fp8"), ("triton_fused", "bf16"),
+                     ("triton_fused", "fp8"), ("flashmla", "bf16"), ("flashinfer", "bf16"), ("flashinfer", "fp8")]
+
+
+@pytest.mark.parametrize("name,kv", LEADERBOARD_CASES, ids=[f"{n}-{k}" for n, k in LEADERBOARD_CASES])
+def test_build_takes_the_models_scale(name, kv, monkeypatch):
+    """build(variant, shape, device, sm_scale=...) of every backend that runs on the CPU
+    (gluon_fused needs an sm_90 GPU: tests/test_gpu_engine_call.py; aiter's build is
+    tested with its fakes in tests/test_aiter_backend.py)."""
+    if name in VENDOR_MODULES:
+        vendor_fakes.install(monkeypatch, VENDOR_MODULES[name])
+    shape = Shape(2, 128)
+    data = problem.generate_input(shape.batch, shape.kv_len, seed=7, device="cpu")
+    variant = _leaderboard_variant(name, shape, kv)
+    runner = get_backend(name).build(variant, shape, "cpu", sm_scale=DSV3)
+    out = runner(*data[:4])
+    q_format = "fp8" if variant.get("q") == "fp8_dynamic" else "bf16"
+    _scaled_and_not(out, problem.reference(data, q_format, kv, sm_scale=DSV3),
+                    problem.reference(data, q_format, kv), f"{name} build {kv}")
+
+
+def test_fp8_static_q_composes_with_the_models_scale():
+    """A static q scale is q_amax / fp8_max (tune/calibration.py: a property of q alone);
+    the softmax scale multiplies the scores after the dot, so the model's scale changes
+    neither the calibration nor the quantized q: the call matches the reference of the same
+    static q at the model's scale."""
+    spec = CallSpec("fp8", page_size=16, heads=16, max_q_len=1, sm_scale=DSV3)
+    inp = serving.make_input([1, 1], [33, 90], 16, 16, "fp8", seed=8)
+    q_amax = 1.1 * float(inp.q.abs().amax())
+    base = get_backend("triton").default_serving_variant(spec, gpu.detect())
+    variant = base.with_params(q="fp8_static", q_amax=q_amax)
+    runner = get_backend("triton").build_serving(variant, spec, "cpu")
+    out = runner(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
+    _scaled_and_not(out, inp.reference("fp8_static", q_amax, sm_scale=DSV3),
+                    inp.reference("fp8_static", q_amax), "triton fp8_static")
+
+
+# ------------------------------------------------------------ one compile for every scale
+def _bind_keys(launch, capture_module, args_list) -> list[str]:
+    """Each launch's JIT cache key (specialization + options), as Triton's JIT computes it
+    for an sm_90 target (no GPU needed: the binder only reads the arguments)."""
+    jit = pytest.importorskip("triton.runtime.jit")
+    compiler = pytest.importorskip("triton.compiler.compiler")
+    backends = pytest.importorskip("triton.backends.compiler")
+    if not hasattr(jit, "create_function_from_signature"):
+        pytest.skip("this Triton has no create_function_from_signature")
+    captured = []
+
+    def capture(fn, grid, record, *args, **kwargs):
+        captured.append((fn, args, kwargs))
+
+    original = capture_module.jit_launch
+    capture_module.jit_launch = capture
+    try:
+        for kwargs in args_list:
+            launch(**kwargs)
+    finally:
+        capture_module.jit_launch = original
+    target = compiler.make_backend(backends.GPUTarget("cuda", 90, 32))
+    keys = []
+    for fn, args, kwargs in captured:
+        jf = fn if isinstance(fn, jit.JITFunction) else jit.JITFunction(fn.fn)
+        binder = jit.create_function_from_signature(jf.signature, jf.params, target)
+        _bound, specialization, options = binder(*args, **{**kwargs, "debug": False})
+        keys.append(f"{jf.fn.__name__}:{specialization}{options}")
+    return keys
+
+
+@pytest.mark.parametrize("family", ["splitk", "fused"])
+def test_two_scales_bind_to_one_compiled_kernel(family):
+    from mla_tune.kernels import flash_decode, fused_decode
+
+    inp = serving.make_input([1, 1], [5, 9], 16, 16, "bf16", seed=1)
+    out = torch.empty((2, 16, 512), dtype=torch.bfloat16)
+    common = dict(max_q_len=1, max_splits=2, tokens_per_split=4, block_n=16, block_h=16, num_warps=4, num_stages=1)
+    if family == "splitk":
+        module = flash_decode
+
+        def launch(sm_scale, block_n=16):
+            flash_decode.flash_decode_serving(inp.q, inp.qo_indptr, inp.kv, None, out, **inp.layout,
+                                              **{**common, "block_n": block_n}, dot_dtype="fp16", sm_count=4,
+                                              sm_scale=sm_scale)
+    else:
+        module = fused_decode
+
+        def launch(sm_scale, block_n=16):
+            fused_decode.fused_decode_serving(inp.q, inp.qo_indptr, inp.kv, None, out, **inp.layout,
+                                              **{**common, "block_n": block_n}, qk_dot="fp16", pv_dot="fp16",
+                                              sm_scale=sm_scale)
+
+    keys = _bind_keys(launch, module, [{"sm_scale": SM_SCALE}, {"sm_scale": DSV3}, {"sm_scale": DSV3, "block_n": 32}])
+    per_call = len(keys) // 3
+    first, second, other = keys[:per_call], keys[per_call:2 * per_call], keys[2 * per_call:]
+    assert first == second, "a new softmax scale specialized the kernel (a recompile per value)"
+    assert first != other, "the key did not see a constexpr change, so it shows nothing"

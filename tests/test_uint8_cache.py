@@ -1,0 +1,98 @@
+"""Caches as engines keep them (issue 29): vLLM stores an fp8 cache as uint8 bytes and
+SGLang passes kv_scale as a Python float.
+
+- CallSpec(cache_dtype="uint8") declares the bytes once: every path views them as fp8.
+- Without it a uint8 cache is refused, with the fix, by every path: DecodePlan.run (one
+  attribute check per call), run_checked, the Decoder, decode(), and the own runners'
+  launch check (check_serving_launch) beneath them; the vendors' runners check the dtype.
+- kv_scale may be a float: it becomes a (1,) float32 device tensor kept per value.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mla_tune import problem, serving
+from mla_tune.backends import get_backend
+from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, CallSpec
+from mla_tune.runtime.decode import Decoder, decode
+from mla_tune.runtime.plan import DecodePlan
+
+DSV3 = CORE_DEEPSEEK_V3_SCALE
+SPEC = CallSpec("fp8", page_size=16, heads=16, max_q_len=1, sm_scale=DSV3)
+BYTES = CallSpec("fp8", page_size=16, heads=16, max_q_len=1, sm_scale=DSV3, cache_dtype="uint8")
+
+
+def _input(seed: int = 21) -> serving.ServingInput:
+    return serving.make_input([1, 1, 1], [3, 40, 77], 16, 16, "fp8", seed=seed)
+
+
+def _close(out, inp):
+    result = problem.check(out.float(), inp.reference(sm_scale=DSV3), problem.RULES["strict"])
+    assert result.passed, result.reason
+
+
+def test_callspec_takes_uint8_for_fp8_only():
+    with pytest.raises(ValueError, match="use kv_format='fp8'"):
+        CallSpec("bf16", cache_dtype="uint8")
+    with pytest.raises(ValueError, match="cache_dtype must be one of"):
+        CallSpec("fp8", cache_dtype="int8")
+
+
+@pytest.mark.parametrize("backend", ["triton", "triton_fused"])
+def test_a_declared_uint8_cache_is_read_as_fp8_by_run_and_run_checked(backend):
+    inp = _input()
+    plan = DecodePlan(BYTES, max_batch=4, backend=backend)
+    plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
+    raw = inp.kv.view(torch.uint8)
+    _close(plan.run(inp.q, raw, inp.kv_scale).clone(), inp)
+    _close(plan.run_checked(inp.q, raw, inp.kv_scale).clone(), inp)
+    with pytest.raises(ValueError, match="uint8 tensor of fp8 bytes"):
+        plan.run(inp.q, inp.kv, inp.kv_scale)  # the spec said bytes
+
+
+def test_an_undeclared_uint8_cache_is_refused_by_every_path():
+    inp = _input()
+    raw = inp.kv.view(torch.uint8)
+    plan = DecodePlan(SPEC, max_batch=4)
+    plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
+    with pytest.raises(ValueError, match="cache_dtype='uint8'"):
+        plan.run(inp.q, raw, inp.kv_scale)
+    with pytest.raises(ValueError, match="cache_dtype='uint8'"):
+        plan.run_checked(inp.q, raw, inp.kv_scale)
+    decoder = Decoder(SPEC)
+    with pytest.raises(ValueError, match="cache_dtype='uint8'"):
+        decoder(inp.q, inp.qo_indptr, raw, inp.kv_scale, **inp.layout)
+    with pytest.raises(ValueError, match="kv.view"):
+        decode(inp.q, inp.qo_indptr, raw, inp.kv_scale, **inp.layout)
+    with pytest.raises(ValueError, match="kv is uint8"):  # the runner beneath, called directly
+        decoder.runner(inp.q, inp.qo_indptr, raw, inp.kv_scale, **inp.layout)
+    runner = get_backend("triton_fused").build_serving(
+        get_backend("triton_fused").default_serving_variant(SPEC, decoder.platform), SPEC, "cpu")
+    with pytest.raises(ValueError, match="kv is uint8"):
+        runner(inp.q, inp.qo_indptr, raw, inp.kv_scale, **inp.layout)
+    # and the right cache still runs after the refusals
+    _close(plan.run(inp.q, inp.kv, inp.kv_scale).clone(), inp)
+
+
+def test_a_bf16_plan_refuses_an_fp8_cache():
+    inp = _input()
+    plan = DecodePlan(CallSpec("bf16", page_size=16, heads=16), max_batch=4)
+    plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
+    with pytest.raises(ValueError, match="kv must be bf16"):
+        plan.run(inp.q, inp.kv, inp.kv_scale)
+
+
+def test_kv_scale_may_be_a_python_float():
+    inp = _input()
+    scale = float(inp.kv_scale)
+    plan = DecodePlan(BYTES, max_batch=4)
+    plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
+    _close(plan.run(inp.q, inp.kv.view(torch.uint8), scale).clone(), inp)
+    kept = plan._inputs.scale(scale)
+    assert kept.dtype == torch.float32 and tuple(kept.shape) == (1,) and plan._inputs.scale(scale) is kept
+    decoder = Decoder(SPEC)
+    _close(decoder(inp.q, inp.qo_indptr, inp.kv, scale, **inp.layout).clone(), inp)
+    with pytest.raises(ValueError, match="positive and finite"):
+        plan.run(inp.q, inp.kv.view(torch.uint8), -1.0)
