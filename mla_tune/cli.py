@@ -224,15 +224,19 @@ def compile_(
         from mla_tune.xcompile.check import check_plan, facts_for, run_in
 
         facts_for(gpu)  # an unknown GPU is refused before anything is captured
+
+        def progress(text: str) -> None:
+            typer.echo(f"  {text}", err=True)
+
         if triton_python:
-            report = run_in(triton_python, gpu, jobs, cache, config=config)
+            report = run_in(triton_python, gpu, jobs, cache, config=config, log=progress)
         else:
             from mla_tune.gpu import fake_platform
             from mla_tune.tune.config import load_config
             from mla_tune.tune.sweep import plan_candidates
 
             planned = plan_candidates(load_config(config), fake_platform(gpu), planning_only=True)
-            report = check_plan(planned.plan, gpu, jobs, cache)
+            report = check_plan(planned.plan, gpu, jobs, cache, log=progress)
             report["config"] = str(config)
     from mla_tune.xcompile.report import markdown, text_lines
 

@@ -265,3 +265,36 @@ def test_a_sample_of_the_h200_plan_compiles_for_sm_90_triton_and_gluon():
     kernels = {b["kernel"] for b in report["binaries"]}
     assert {"_fd_stage1_kernel", "_gd_decode_kernel", "_qq_quantize_kernel"} <= kernels
     assert any(b["kernel"].startswith("_fu") for b in report["binaries"])
+
+
+# ------------------------------------------------------------------ on a GPU
+@pytest.mark.gpu
+def test_on_the_gpu_the_cross_compile_is_the_code_the_jit_launches():
+    """On an H200 or MI355X (`python -m pytest -m gpu tests/test_xcompile.py`): the binaries the
+    check compiles from a meta-device capture have the instructions of those Triton's JIT
+    compiles for a real launch of the same candidates, stage 1 and the reduction."""
+    import torch
+
+    from mla_tune.backends import get_backend
+    from mla_tune.problem import generate_input
+    from mla_tune.xcompile.resources import code_sha
+
+    name = gpu.detect().name
+    assert name in gpu.KNOWN_GPUS, f"{name} is not in gpu.KNOWN_GPUS"
+    shape, variants = Shape(4, 1024), [SPLITK, SPLITK.with_params(kv="bf16", dot_dtype="bf16")]
+    report = xcheck.check_plan({shape: variants}, name, jobs=2, use_cache=False, q_quant=False)
+    assert all(b["ok"] for b in report["binaries"])
+    ours = {b["sha"] for b in report["binaries"]}
+    facts = gpu.KNOWN_GPUS[name]
+    with recording(facts) as launches:
+        kernels = {ln.kernel for v in variants for ln in capture_candidate(v, shape, facts, launches).launches}
+    q, kv_data, qo_indptr, kv_indptr, _ = generate_input(shape.batch, shape.kv_len, seed=1)
+    for v in variants:
+        get_backend("triton").build(v, shape, "cuda")(q, kv_data, qo_indptr, kv_indptr)
+    torch.cuda.synchronize()
+    listing, comment = ("amdgcn", ";") if torch.version.hip else ("ptx", "//")
+    jit = set()
+    for kernel in kernels:  # the JIT's compiled kernels, kept per device by the JITFunction
+        for cache in kernel.device_caches.values():
+            jit |= {code_sha(k.asm[listing], comment) for k in cache[0].values()}
+    assert ours <= jit, (len(ours - jit), len(ours))

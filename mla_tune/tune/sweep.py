@@ -421,7 +421,7 @@ def _sweep(config: Config, gpu: str, out: Path, results_path: Path, force: bool,
         platform = platforms[0]
         planned = plan_candidates(config, platform)
         if check and platform.has_gpu and platform.name in gpu_mod.KNOWN_GPUS:
-            compile_check(planned, platform.name, console)
+            compile_check(planned, platform.name, console, jobs=min(16, os.cpu_count() or 1))
         for name, reason in planned.unavailable.items():
             console.print(f"[yellow]{name}[/] unavailable: {escape(reason)}")
         if header is None:

@@ -101,12 +101,15 @@ def recording(facts: GpuFacts):
     import mla_tune.kernels.gluon_decode as gluon_decode
 
     fp8 = fp8_dtype(facts)
+    patches = ((triton_splitk, "fp8_dtype_for", lambda device=None: fp8),
+               (gluon_fused, "unavailable_reason", lambda: None),
+               (gluon_fused, "device_sm_count", lambda device=None: facts.sm_count),
+               (gluon_decode, "GD_UNAVAILABLE", None))
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(KernelInterface, "__getitem__", getitem))
-        stack.enter_context(mock.patch.object(triton_splitk, "fp8_dtype_for", lambda device=None: fp8))
-        stack.enter_context(mock.patch.object(gluon_fused, "unavailable_reason", lambda: None))
-        stack.enter_context(mock.patch.object(gluon_fused, "device_sm_count", lambda device=None: facts.sm_count))
-        stack.enter_context(mock.patch.object(gluon_decode, "GD_UNAVAILABLE", None))
+        for module, name, value in patches:
+            if hasattr(module, name):  # a name the module no longer has needs no stand-in
+                stack.enter_context(mock.patch.object(module, name, value))
         stack.enter_context(warnings.catch_warnings())
         warnings.simplefilter("ignore")  # kernels/launch.py's "cannot record" note: nothing ran
         yield launches

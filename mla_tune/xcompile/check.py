@@ -93,10 +93,17 @@ def _compile_all(bounds: list, lds_limit: int, jobs: int, log) -> list[dict]:
     _PENDING[:] = bounds
     _LDS_LIMIT[0] = lds_limit
     records: list[dict | None] = [None] * len(bounds)
+    every = max(1, len(bounds) // 10)
+
+    def note(done: int, i: int) -> None:  # about ten progress lines, and every error
+        if done % every == 0 or done == len(bounds) or not records[i]["ok"]:
+            log(f"compiled {done}/{len(bounds)}: {bounds[i].name} "
+                + ("ok" if records[i]["ok"] else f"ERROR {records[i]['error']}"))
+
     if jobs <= 1 or len(bounds) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         for i in range(len(bounds)):
             records[i] = _compile_at(i)
-            log(f"compiled {i + 1}/{len(bounds)}: {bounds[i].name} {'ok' if records[i]['ok'] else 'ERROR'}")
+            note(i + 1, i)
         return records
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("fork")) as pool:
         futures = {pool.submit(_compile_at, i): i for i in range(len(bounds))}
@@ -107,7 +114,7 @@ def _compile_all(bounds: list, lds_limit: int, jobs: int, log) -> list[dict]:
             except BrokenProcessPool:
                 records[i] = {"key": bounds[i].key, "kernel": bounds[i].name, "ok": False, "crashed": True,
                               "error": "the compiler's process died (a crash in Triton or LLVM)"}
-            log(f"compiled {done}/{len(bounds)}: {bounds[i].name} {'ok' if records[i]['ok'] else 'ERROR'}")
+            note(done, i)
     _PENDING.clear()
     return records
 
@@ -128,8 +135,7 @@ def check_plan(plan: dict[Shape, list[Variant]], gpu: str, jobs: int | None = No
     started = time.monotonic()
     facts = facts_for(gpu)
     if interpreting():  # this process's kernels are the interpreter's: compile in a clean one
-        return run_in(sys.executable, gpu, jobs, use_cache, plan=plan, q_quant=q_quant,
-                      env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+        return run_in(sys.executable, gpu, jobs, use_cache, plan=plan, q_quant=q_quant, log=log)
     target = target_for(facts)
     jobs = max(1, jobs or os.cpu_count() or 1)
     bounds: dict[str, object] = {}
@@ -245,10 +251,13 @@ def apply_drops(plan: dict[Shape, list[Variant]], report: dict) -> dict[Shape, l
 
 def run_in(python: str, gpu: str, jobs: int | None, use_cache: bool, config: Path | None = None,
            plan: dict[Shape, list[Variant]] | None = None, q_quant: bool = True, env: dict | None = None,
-           timeout_s: float = 3600) -> dict:
+           timeout_s: float = 3600, log=None) -> dict:
     """The check of `config`'s plan (or of `plan`) for `gpu` under another interpreter (one
     with the target image's Triton and mla_tune installed, or this one without the CPU
     interpreter): `python -m mla_tune.xcompile`, its JSON read back."""
+    log = log or (lambda text: None)
+    env = dict(os.environ if env is None else env)
+    env.pop("TRITON_INTERPRET", None)  # the CPU interpreter's kernels cannot be compiled
     command = [python, "-m", "mla_tune.xcompile", "--gpu", gpu]
     command += ["--jobs", str(jobs)] if jobs else []
     command += [] if use_cache else ["--no-cache"]
@@ -260,19 +269,28 @@ def run_in(python: str, gpu: str, jobs: int | None, use_cache: bool, config: Pat
             command += ["--plan", str(plan_file)]
         else:
             command += ["--config", str(config)]
+        out_path = Path(tmp) / "report.json"
+        tail: list[str] = []
         try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
+            with open(out_path, "w") as out:
+                child = subprocess.Popen(command, stdout=out, stderr=subprocess.PIPE, text=True, env=env)
+                for line in child.stderr:  # its progress, passed on; the last lines kept for an error
+                    tail = (tail + [line.rstrip()])[-3:]
+                    if line.startswith(("captured ", "compiled ", "error: ")) or " cached, " in line:
+                        log(line.rstrip())
+                code = child.wait(timeout=timeout_s)
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise CompileCheckError(f"--triton {python}: could not run it ({exc})") from None
-    if done.returncode != 0:
-        tail = " | ".join(done.stderr.strip().splitlines()[-3:])
-        raise CompileCheckError(f"--triton {python}: `{' '.join(command)}` exited {done.returncode}: {tail}; "
-                                "that Python needs triton, torch and mla_tune (pip install -e .)")
+        if code != 0:
+            raise CompileCheckError(f"--triton {python}: `{' '.join(command)}` exited {code}: "
+                                    f"{' | '.join(tail)}; that Python needs triton, torch and mla_tune "
+                                    "(pip install -e .)")
+        text = out_path.read_text()
     try:
-        return json.loads(done.stdout)
+        return json.loads(text)
     except ValueError:
         raise CompileCheckError(f"--triton {python}: its output is not the compile check's JSON "
-                                f"(starts {done.stdout[:80]!r})") from None
+                                f"(starts {text[:80]!r})") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,7 +69,7 @@ def _plain(value):
 def _binding(kernel, args: tuple, kwargs: dict, target: GPUTarget):
     backend = make_backend(target)
     kw = dict(kwargs)
-    kw.update(debug=bool(getattr(kernel, "debug", False)), instrumentation_mode="")
+    kw.update(debug=bool(kw.get("debug", getattr(kernel, "debug", None))), instrumentation_mode="")
     if hasattr(triton.knobs.compilation, "fpsan_homomorphic_casts"):  # Triton 3.9, not 3.6
         kw["fpsan_homomorphic_casts"] = False
     if target.backend == "cuda":
