@@ -20,6 +20,13 @@ name one of the other sources when it offers fp8_static, and calibrate() refuses
 generator for it. The record calibrate() returns lands in the table row (`calibration`:
 q_amax, kind, method, source). At run time a call beyond q_amax is counted or refused: see
 mla_tune.runtime (check_q_range, q_saturation) and docs/runtime.md.
+
+Nothing here depends on the softmax scale: q_amax bounds q itself, and every kernel
+multiplies the scores by the model's sm_scale (CallSpec.sm_scale, build's sm_scale) after
+the dot, so a model's scale (DeepSeek-V3's 0.1352 beside the leaderboard's 1/sqrt(576))
+keeps the same calibration. The quantization's error in a score grows with the scale as
+every other score error does (tests/test_softmax_scale.py checks an fp8_static call at
+DeepSeek-V3's scale against the reference of the same static q at that scale).
 """
 
 from __future__ import annotations
