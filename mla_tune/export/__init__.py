@@ -95,6 +95,10 @@ def _docstring(table, table_path: Path, backends: list[str], fallback: str, vend
         f"Backends used: {', '.join(backends)}; shapes the table lacks run the {fallback} "
         f"fallback.\nThis file {vendor_text}.\n"
     )
+    if table.is_prior:  # say it first: nothing in this file was measured
+        text = (f"A PRIOR FOR {table.gpu}, NOT A MEASUREMENT: untuned choices, never timed on the "
+                f"{table.gpu} ({_one_line(prov.get('source'))}); tune them with `mla-tune sweep --gpu "
+                f"{table.gpu}` on that GPU and export again.\n\n" + text.replace(" tuned ", " written ", 1))
     return '"""' + text.replace("\\", "\\\\").replace('"""', "'''") + '"""\n'
 
 
@@ -136,6 +140,9 @@ def render_submission(table_path: str | Path, only_backends: list[str] | None = 
     entries = "".join(f"    ({s.batch}, {s.kv_len}): {str(v)!r},\n" for s, v in sorted(variants.items()))
     builders = "".join(f"    {b!r}: _build_{b},\n" for b in used)
     ragged = sorted(ragged_backends(used))
+    if table.is_prior:
+        parts.append(f"\n\n# A PRIOR, not a measurement: {_one_line(table_path)} was never timed on the {table.gpu}.\n"
+                     "_EXPORT_IS_PRIOR = True")
     parts.append(
         f"\n\n# {'-' * 20} the dispatch table {'-' * 20}\n"
         f"# From {_one_line(table_path)}: gpu {table.gpu} ({_one_line(prov.get('device_name'))}, "

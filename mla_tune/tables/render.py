@@ -125,8 +125,36 @@ LEGEND = ("spread: (p90-p10)/median; 2nd: runner-up; speedup: torch/winner; floo
 
 
 # ----------------------------------------------------------------------------- show
+def prior_lines(table, width: int) -> list[str]:
+    """`mla-tune show` of a prior: it says so, then each shape's choice and where it came from
+    (no grid: nothing in a prior was measured)."""
+    rows = sorted(table.rows.items())
+    prov = table.provenance
+    lines = wrap("", f"{clip(table.path)}: {clip(table.gpu, 40)}, {len(rows)} shapes, a PRIOR: choices "
+                     "made without measuring, no times", width)
+    lines += wrap("  ", f"from {clip(prov.get('source') or '-')}", width)
+    shape_width = max((len(str(s)) for s, _ in rows), default=5)
+    lines.append("choices:")
+    for shape, row in rows:
+        lead = f"  {str(shape).ljust(shape_width)}  "
+        lines += variant_lines(lead + "prior ", row.winner["variant"], width)
+        prior = row.prior or {}
+        lines += wrap(lead + "from  ", f"{clip(prior.get('source'), 60)}: {clip(prior.get('note') or '-')}", width)
+    rule = prov.get("rule") or {}
+    lines.append("provenance:")
+    lines += wrap("  written: ", f"{clip(prov.get('date'), 60)} for {clip(prov.get('arch'), 40)}", width)
+    lines += wrap("  rule: ", f"{clip(rule.get('name'), 40)} rtol={rule.get('rtol')} atol={rule.get('atol')} "
+                             f"allowance={rule.get('allowance')}", width)
+    lines += wrap("", f"Shapes not listed run the fallback. For measured choices run `mla-tune sweep "
+                      f"--gpu {clip(table.gpu, 40)}` on that GPU.", width)
+    return lines
+
+
 def table_lines(table, width: int) -> list[str]:
-    """`mla-tune show`: the grid of rows, each winner's variant, the provenance, a legend."""
+    """`mla-tune show`: the grid of rows, each winner's variant, the provenance, a legend
+    (a prior: prior_lines)."""
+    if getattr(table, "is_prior", False):
+        return prior_lines(table, width)
     rows = sorted(table.rows.items())
     about = f"{clip(table.gpu, 40)}, {len(rows)} shapes, median times in us"
     lines = [f"{clip(table.path)}: {about}"]

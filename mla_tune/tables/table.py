@@ -17,6 +17,10 @@ combinations, a Gluon tile's shared memory, AITER's kernel pairs) runs too unles
 A row's `candidates` counts {tried, ok, rejected, failed, crashed, timeout, pruned} and, from
 a search with rungs, rung0, rung1, ... (candidates timed at each rung) and dropped (cut by
 the budget before running).
+
+A prior (`provenance.kind: prior`, e.g. configs/priors/MI355X.yaml) is a table of choices made
+without measuring, for a GPU nobody has swept yet: every row has a winner, no `time_us`, and a
+`prior` mapping whose `source` says where the choice came from; show and the export say so.
 """
 
 from __future__ import annotations
@@ -51,6 +55,15 @@ _PROVENANCE_FIELDS = {
 
 class TableError(MlaTuneError, ValueError):
     """A table (or the results it is built from) is missing, malformed or inconsistent."""
+
+
+# A table whose provenance.kind is this holds choices that were never measured (a prior).
+PRIOR_KIND = "prior"
+
+
+def is_prior(provenance: Any) -> bool:
+    """Whether a table's provenance marks it as a prior (untuned, no times)."""
+    return isinstance(provenance, dict) and provenance.get("kind") == PRIOR_KIND
 
 
 # ------------------------------------------------------------------------- the row type
@@ -88,6 +101,8 @@ class Row:
     calibration: dict | None = field(default=None, metadata=_kind("mapping?"))  # fp8_static q_amax
     # {backend: {variant, time_us}}: each backend's pick, for an export limited to some backends
     alternates: dict = field(default_factory=dict, metadata=_kind("mapping"))
+    # a prior's rows only: {source, note} saying where the unmeasured winner came from
+    prior: dict | None = field(default=None, metadata=_kind("mapping?"))
 
     @property
     def shape(self) -> Shape:
@@ -104,10 +119,13 @@ class Row:
         return getattr(self, name)
 
     def as_dict(self) -> dict:
-        """The row as written to the file (`reason` only when there is no winner)."""
+        """The row as written to the file (`reason` only when there is no winner, `prior`
+        only in a prior's rows)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         if self.winner is not None and self.reason is None:
             del out["reason"]
+        if self.prior is None:
+            del out["prior"]
         return out
 
 
@@ -311,6 +329,11 @@ class Table:
     rows: dict[Shape, Row] = field(default_factory=dict)
     path: Path | None = None
 
+    @property
+    def is_prior(self) -> bool:
+        """True for a prior: choices never measured (see the module docstring)."""
+        return is_prior(self.provenance)
+
     def variants(self, only_backends: Iterable[str] | None = None) -> dict[Shape, Variant]:
         """Each row's winner; with only_backends, each row's best allowed alternate instead
         (rows with none are left out, so the caller's fallback serves them)."""
@@ -401,7 +424,8 @@ def _check_kinds(where: str, row: dict) -> None:
             raise TableError(f"{where}: {f.name} must be a mapping, got {value!r:.60}")
 
 
-def _check_row(path: Path, index: int, row: Any, known: list[str], check_params: bool) -> Row:
+def _check_row(path: Path, index: int, row: Any, known: list[str], check_params: bool,
+               prior: bool = False) -> Row:
     where = _where(path, index, row)
     if not isinstance(row, dict):
         raise TableError(f"{where}: a row must be a mapping, got {type(row).__name__}")
@@ -430,8 +454,13 @@ def _check_row(path: Path, index: int, row: Any, known: list[str], check_params:
         if not isinstance(params, dict) or params != variant.p:
             raise TableError(f"{where}: winner.params {params!r:.200} disagrees with winner.variant "
                              f"{variant}; fix one so both say the same")
-        if not _is_number(row.get("time_us")) or row["time_us"] <= 0:
+        if prior:
+            _check_prior_row(where, row)
+        elif not _is_number(row.get("time_us")) or row["time_us"] <= 0:
             raise TableError(f"{where}: time_us must be a positive number, got {row.get('time_us')!r}")
+    if not prior and row.get("prior") is not None:
+        raise TableError(f"{where}: field `prior` belongs in a prior's rows (provenance.kind: "
+                         f"{PRIOR_KIND}); a measured row has none, so remove it")
     if row.get("runner_up") is not None:
         _check_variant(where, "runner_up", row["runner_up"], known, check_params)
     for name, value in row.get("backends", {}).items():
@@ -452,6 +481,19 @@ def _check_row(path: Path, index: int, row: Any, known: list[str], check_params:
         if not _is_number(alt.get("time_us")):
             raise TableError(f"{where}: alternates.{name}.time_us must be a number")
     return Row(**row)
+
+
+def _check_prior_row(where: str, row: dict) -> None:
+    """A prior's row: a winner chosen without measuring, so no times, and its source."""
+    measured = [name for name in ("time_us", "spread", "wall_us", "baseline_us", "floor_share", "runner_up")
+                if row.get(name) is not None] + (["alternates"] if row.get("alternates") else [])
+    if measured:
+        raise TableError(f"{where}: a prior's row holds no measurements, but it has {', '.join(measured)}; "
+                         "remove them, or sweep the GPU for a measured table")
+    source = (row.get("prior") or {}).get("source")
+    if not isinstance(source, str) or not source:
+        raise TableError(f"{where}: a prior's row needs `prior: {{source: ...}}` saying where its "
+                         "winner came from")
 
 
 def load_table(path: str | Path, check_params: bool = True) -> Table:
@@ -484,8 +526,9 @@ def load_table(path: str | Path, check_params: bool = True) -> Table:
         raise TableError(f"{where}: field `rows` must be a list")
     known = known_backends()
     rows: dict[Shape, Row] = {}
+    prior = is_prior(provenance)
     for index, raw in enumerate(data["rows"], start=1):
-        row = _check_row(path, index, raw, known, check_params)
+        row = _check_row(path, index, raw, known, check_params, prior)
         if row.shape in rows:
             raise TableError(f"{_where(path, index, raw)}: a second row for this shape; keep one")
         rows[row.shape] = row
