@@ -73,11 +73,11 @@ def test_a_uint8_cache_through_a_plan(backend):
     _decoder(backend, spec)
     plan = DecodePlan(spec, max_batch=8, backend=backend, device="cuda")
     inp = serving.make_input([1] * len(KV_LENS), KV_LENS, 128, 64, "fp8", seed=6, device="cuda")
-    plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
+    picked = plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
     for _ in range(2):  # the second call replays what the first recorded (own kernels)
         out = plan.run(inp.q, inp.kv.view(torch.uint8), float(inp.kv_scale))
     torch.cuda.synchronize()
-    q_format = "fp8" if plan._decoder.variant.get("q") == "fp8_dynamic" else "bf16"
+    q_format = "fp8" if picked.get("q") == "fp8_dynamic" else "bf16"
     ref = inp.reference(q_format, sm_scale=DSV3)
     assert float((out.float() - ref).norm() / ref.norm()) < 5e-2
     plain = DecodePlan(CallSpec("fp8", page_size=64, heads=128, sm_scale=DSV3), max_batch=8, backend=backend,

@@ -59,7 +59,9 @@ def test_a_graph_plan_falls_back_to_the_default_where_no_runner_up_is_kept():
         plan = DecodePlan(spec, max_batch=4, table=table, warm=False)
     assert sum("cannot serve it here" in str(w.message) for w in caught) == 1
     inp = serving.make_input([1, 1, 1], [70, 129, 3], 16, 64, "bf16", seed=40)
-    assert plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens) == plan._default.variant
+    default = plan.variants[0]  # the plan's default: its first variant
+    assert default.backend == "triton"
+    assert plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens) == default
     out = plan.run(inp.q, inp.kv)
     assert problem.check(out.float(), inp.reference(), problem.RULES["strict"]).passed
     assert plan.misses == {"flashmla cannot run here": 1}

@@ -208,3 +208,33 @@ def test_two_scales_bind_to_one_compiled_kernel(family):
     first, second, other = keys[:per_call], keys[per_call:2 * per_call], keys[2 * per_call:]
     assert first == second, "a new softmax scale specialized the kernel (a recompile per value)"
     assert first != other, "the key did not see a constexpr change, so it shows nothing"
+
+
+def test_the_leaderboard_runtime_takes_the_scale_from_the_config(tmp_path):
+    """runtime.custom_kernel passes config["sm_scale"] to the builds (a dispatcher per
+    scale, built lazily; the tuned picks are the same), and its repeat-call path keeps
+    the scale in what it compares."""
+    import warnings
+
+    import yaml
+
+    from mla_tune import runtime
+
+    table = yaml.safe_load((ROOT / "tests" / "data" / "table_cpu.yaml").read_text())
+    table["provenance"]["versions"] = {k: str(v) for k, v in gpu.detect().versions.items()}
+    path = tmp_path / "table.yaml"
+    path.write_text(yaml.safe_dump(table, sort_keys=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rt = runtime.load(table=path, device="cpu")
+    q, kv_data, qo_indptr, kv_indptr, config = problem.generate_input(1, 8, seed=1, device="cpu")  # a torch row
+    model = (q, kv_data, qo_indptr, kv_indptr, {**config, "sm_scale": DSV3})
+    data = (q, kv_data, qo_indptr, kv_indptr, config)
+    ref_model, ref_board = (problem.reference(model, "bf16", "bf16", sm_scale=DSV3),
+                            problem.reference(model, "bf16", "bf16"))
+    for _ in range(2):  # the second call takes the repeat path
+        _scaled_and_not(rt.custom_kernel(model).clone(), ref_model, ref_board, "custom_kernel at the model's scale")
+    assert config["sm_scale"] == SM_SCALE  # the leaderboard's config: its own scale
+    out = rt.custom_kernel(data)  # same tensors, the leaderboard's config: not the model's runner
+    assert problem.check(out.float(), ref_board, STRICT).passed
+    assert rt.scaled(DSV3) is rt.scaled(DSV3)  # one dispatcher per scale

@@ -90,9 +90,9 @@ def test_kv_scale_may_be_a_python_float():
     plan = DecodePlan(BYTES, max_batch=4)
     plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
     _close(plan.run(inp.q, inp.kv.view(torch.uint8), scale).clone(), inp)
-    kept = plan._inputs.scale(scale)
-    assert kept.dtype == torch.float32 and tuple(kept.shape) == (1,) and plan._inputs.scale(scale) is kept
     decoder = Decoder(SPEC)
+    kept = decoder.inputs.scale(scale)
+    assert kept.dtype == torch.float32 and tuple(kept.shape) == (1,) and decoder.inputs.scale(scale) is kept
     _close(decoder(inp.q, inp.qo_indptr, inp.kv, scale, **inp.layout).clone(), inp)
     with pytest.raises(ValueError, match="positive and finite"):
         plan.run(inp.q, inp.kv.view(torch.uint8), -1.0)
