@@ -56,6 +56,9 @@ from mla_tune.kernels.launch import jit_launch
 
 # Dot operand dtype codes (constexpr ints: they travel through every Triton version).
 FU_DOT_CODES = {"fp16": 0, "bf16": 1, "fp8": 2}
+# The dot code of "fp8" over a float8_e4m3fnuz cache (gfx942's fp8): the fp8 a dot casts to
+# follows the KV's dtype, as the AMD backend cannot convert fnuz to OCP e4m3 (fu_dot_code).
+FU_DOT_FP8_FNUZ = 3
 FU_KV_CODES = {"bf16": 0, "fp8": 1, "mxfp4": 2}
 FU_REDUCE_CODES = {"none": 0, "last": 1, "spin": 2}
 FU_LOAD_CODES = {"ptr": 0, "tma": 1, "tma_host": 2}
@@ -67,8 +70,37 @@ def _fu_cast(x, CODE: tl.constexpr):
         return x.to(tl.float16)
     elif CODE == 1:
         return x.to(tl.bfloat16)
-    else:
+    elif CODE == 2:
         return x.to(tl.float8e4nv)
+    else:
+        return x.to(tl.float8e4b8)
+
+
+@triton.jit
+def _fu_fp8_max(CODE: tl.constexpr):
+    """The largest finite value of the fp8 the dot code CODE casts to (e4m3 448, fnuz 240)."""
+    if CODE == 3:
+        return 240.0
+    else:
+        return 448.0
+
+
+@triton.jit
+def _fu_p_scale(CODE: tl.constexpr):
+    """What an fp8 PV dot scales P (at most 1) by, into the fp8's normal range and below
+    its largest value: 256 for e4m3 (max 448), 128 for fnuz (max 240)."""
+    if CODE == 3:
+        return 128.0
+    else:
+        return 256.0
+
+
+def fu_dot_code(dot: str, kv: torch.Tensor) -> int:
+    """The kernels' constexpr for dot dtype `dot` ("fp16" | "bf16" | "fp8") over cache `kv`:
+    an fp8 dot casts to the cache's own fp8 (e4m3fn, or e4m3fnuz on gfx942)."""
+    if dot == "fp8" and kv.dtype == torch.float8_e4m3fnuz:
+        return FU_DOT_FP8_FNUZ
+    return FU_DOT_CODES[dot]
 
 
 @triton.jit
@@ -112,7 +144,7 @@ def _fu_attend(
     if Q_FP8:
         # Per-(sequence, head) dynamic scale: computed here, so no extra launch or sync.
         amax = tl.maximum(tl.max(tl.abs(qn), axis=1), tl.max(tl.abs(qr), axis=1))
-        q_scale = tl.maximum(amax, 1e-12) / 448.0
+        q_scale = tl.maximum(amax, 1e-12) / _fu_fp8_max(QK_DOT)
         qn = qn / q_scale[:, None]
         qr = qr / q_scale[:, None]
         col_scale = q_scale * (kv_scale * sm_scale_log2)
@@ -154,8 +186,8 @@ def _fu_attend(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[None, :])
             l_i = l_i * alpha + tl.sum(p, axis=0)
-            if PV_DOT == 2:
-                p = p * 256.0  # into fp8's normal range; undone after the loop
+            if PV_DOT >= 2:  # fp8 (either flavour)
+                p = p * _fu_p_scale(PV_DOT)  # into fp8's normal range; undone after the loop
             acc = acc * alpha[None, :] + tl.dot(tl.trans(v), _fu_cast(p, PV_DOT))
         else:
             s = tl.dot(qn, tl.trans(kn)) + tl.dot(qr, tl.trans(kr))  # [16, BLOCK_N]
@@ -165,14 +197,14 @@ def _fu_attend(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            if PV_DOT == 2:
-                p = p * 256.0
+            if PV_DOT >= 2:  # fp8 (either flavour)
+                p = p * _fu_p_scale(PV_DOT)
             acc = acc * alpha[:, None] + tl.dot(_fu_cast(p, PV_DOT), v)
         m_i = m_new
     if TOK_M:
         acc = tl.trans(acc)  # [16, 512]
-    if PV_DOT == 2:
-        acc = acc / 256.0
+    if PV_DOT >= 2:  # fp8 (either flavour)
+        acc = acc / _fu_p_scale(PV_DOT)
     return acc, m_i, l_i
 
 
@@ -200,7 +232,7 @@ def _fu_attend_vh(
     if Q_FP8:
         amax = tl.maximum(tl.maximum(tl.max(tl.abs(qa), axis=1), tl.max(tl.abs(qb), axis=1)),
                           tl.max(tl.abs(qr), axis=1))
-        q_scale = tl.maximum(amax, 1e-12) / 448.0
+        q_scale = tl.maximum(amax, 1e-12) / _fu_fp8_max(QK_DOT)
         qa = qa / q_scale[:, None]
         qb = qb / q_scale[:, None]
         qr = qr / q_scale[:, None]
@@ -248,8 +280,8 @@ def _fu_attend_vh(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[None, :])
             l_i = l_i * alpha + tl.sum(p, axis=0)
-            if PV_DOT == 2:
-                p = p * 256.0  # into fp8's normal range; undone after the loop
+            if PV_DOT >= 2:  # fp8 (either flavour)
+                p = p * _fu_p_scale(PV_DOT)  # into fp8's normal range; undone after the loop
             acc = acc * alpha[None, :] + tl.dot(tl.trans(v), _fu_cast(p, PV_DOT))
         else:
             s = tl.dot(qa, tl.trans(ka)) + tl.dot(qb, tl.trans(kb)) + tl.dot(qr, tl.trans(kr))
@@ -259,14 +291,14 @@ def _fu_attend_vh(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            if PV_DOT == 2:
-                p = p * 256.0
+            if PV_DOT >= 2:  # fp8 (either flavour)
+                p = p * _fu_p_scale(PV_DOT)
             acc = acc * alpha[:, None] + tl.dot(_fu_cast(p, PV_DOT), v)
         m_i = m_new
     if TOK_M:
         acc = tl.trans(acc)  # [16, 256]
-    if PV_DOT == 2:
-        acc = acc / 256.0
+    if PV_DOT >= 2:  # fp8 (either flavour)
+        acc = acc / _fu_p_scale(PV_DOT)
     return acc, m_i, l_i
 
 
@@ -721,7 +753,7 @@ def fused_decode(
     else:
         desc_n = desc_r = kv
     consts = dict(
-        KV_FMT=FU_KV_CODES[kv_fmt], Q_FP8=q_fp8, QK_DOT=FU_DOT_CODES[qk_dot], PV_DOT=FU_DOT_CODES[pv_dot],
+        KV_FMT=FU_KV_CODES[kv_fmt], Q_FP8=q_fp8, QK_DOT=fu_dot_code(qk_dot, kv), PV_DOT=fu_dot_code(pv_dot, kv),
         TOK_M=tok_m, BLOCK_N=block_n, LOAD=FU_LOAD_CODES[load], num_warps=num_warps, num_stages=num_stages,
     )
     if programs > 0:
@@ -844,7 +876,7 @@ def _fu_serving_kernel(
     if Q_FP8:
         # Per-(new token, head) dynamic scale, as the leaderboard kernel's per-(sequence, head).
         amax = tl.maximum(tl.max(tl.abs(qn), axis=1), tl.max(tl.abs(qr), axis=1))
-        q_scale = tl.maximum(amax, 1e-12) / 448.0
+        q_scale = tl.maximum(amax, 1e-12) / _fu_fp8_max(QK_DOT)
         qn = qn / q_scale[:, None]
         qr = qr / q_scale[:, None]
         col_scale = q_scale * (kv_scale * sm_scale_log2)
@@ -899,13 +931,13 @@ def _fu_serving_kernel(
         alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(s - m_ref[None, :])
         l_i = l_i * alpha + tl.sum(p, axis=0)
-        if PV_DOT == 2:
-            p = p * 256.0  # into fp8's normal range; undone below
+        if PV_DOT >= 2:  # fp8 (either flavour)
+            p = p * _fu_p_scale(PV_DOT)  # into fp8's normal range; undone below
         acc = acc * alpha[None, :] + tl.dot(tl.trans(v), _fu_cast(p, PV_DOT))
         m_i = m_new
     out_t = tl.trans(acc)  # [ROWS, 512]
-    if PV_DOT == 2:
-        out_t = out_t / 256.0
+    if PV_DOT >= 2:  # fp8 (either flavour)
+        out_t = out_t / _fu_p_scale(PV_DOT)
 
     # A row may see none of a late split's tokens: l_i = 0, written as zeros with lse -inf.
     has = l_i > 0
@@ -1045,7 +1077,7 @@ def fused_decode_serving(
         workspace.part_o, workspace.part_lse, workspace.count, lse if lse is not None else workspace.part_lse,
         tokens_per_split, block_table.stride(0) if page_size else 0, float(sm_scale * 1.4426950408889634),
         H=heads, BLOCK_H=block_h, Q_LEN_MAX=q_len_max, MAX_SPLITS=max_splits, PAGE_SIZE=page_size,
-        KV_FP8=kv_fp8, Q_FP8=q_fp8, QK_DOT=FU_DOT_CODES[qk_dot], PV_DOT=FU_DOT_CODES[pv_dot],
+        KV_FP8=kv_fp8, Q_FP8=q_fp8, QK_DOT=fu_dot_code(qk_dot, kv), PV_DOT=fu_dot_code(pv_dot, kv),
         BLOCK_N=block_n, NS_P2=ns_p2, RW=rw, KV_OFF64=kv.numel() >= 2**31, WITH_LSE=lse is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
