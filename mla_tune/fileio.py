@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -99,9 +101,99 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
 
 
 def _write_error(path: Path, exc: OSError) -> WriteError:
+    return write_error(path, exc)
+
+
+def write_error(path: str | Path, exc: OSError, note: str = "") -> WriteError:
+    """The one-line WriteError for an OS failure writing `path`: the file, what happened and
+    the fix, then `note` (what became of the work so far, how to go on)."""
     reason = exc.strerror or str(exc)
     fix = _FIXES.get(exc.errno, "check the path and try again")
-    return WriteError(f"cannot write {path}: {reason}; {fix}")
+    return WriteError(f"cannot write {path}: {reason}; {fix}" + (f"; {note}" if note else ""))
+
+
+@contextlib.contextmanager
+def writing(path: str | Path, note: str = "") -> Iterator[None]:
+    """Turn any OSError inside the block into write_error(path, exc, note)."""
+    try:
+        yield
+    except WriteError:
+        raise
+    except OSError as exc:
+        raise write_error(path, exc, note) from exc
+
+
+def atomic_write_with(path: str | Path, write: Callable[[Path], Any]) -> Path:
+    """Like atomic_write_text, for a writer that takes a file name (a plot's savefig):
+    `write(tmp)` fills a temp file in the same folder, which is then renamed to `path`, so a
+    full disk or a failed write leaves no partial file. OS failures are WriteErrors."""
+    path = Path(path)
+    try:
+        if path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix or ".tmp", dir=path.parent)
+        os.close(fd)
+    except OSError as exc:
+        raise write_error(path, exc) from exc
+    try:
+        write(Path(tmp))
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise write_error(path, exc) from exc
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+class LineLog:
+    """An append-only file of lines (a sweep's results), each line written whole or not at
+    all: one os.write loop per line, fsynced when `durable`; a write that fails (a full
+    disk) is cut back off the file, so no torn line is left for the next append to follow.
+    Every OS failure, opening included, is a WriteError naming the file, the fix and `note`
+    (for a results file: that what is recorded is kept and re-running resumes)."""
+
+    def __init__(self, path: str | Path, note: str = ""):
+        self.path, self.note = Path(path), note
+        with writing(self.path, note):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
+
+    def append(self, data: bytes, durable: bool = True) -> None:
+        if self._fd is None:
+            raise ValueError(f"{self.path} is closed")
+        start = None
+        try:
+            start = os.fstat(self._fd).st_size
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view):]
+            if durable:
+                os.fsync(self._fd)
+        except OSError as exc:
+            if start is not None:
+                try:
+                    os.ftruncate(self._fd, start)  # no torn line behind
+                except OSError:
+                    pass
+            raise write_error(self.path, exc, self.note) from exc
+
+    def sync(self) -> None:
+        if self._fd is not None:
+            with writing(self.path, self.note):
+                os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            try:
+                os.fsync(fd)
+            except OSError:
+                pass  # every line was fsynced or reported when it was appended
+            os.close(fd)
 
 
 # ------------------------------------------------------------------------------ YAML

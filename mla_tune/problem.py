@@ -250,18 +250,31 @@ class CheckResult:
 
 def check(out: torch.Tensor, ref: torch.Tensor, rule: Rule, margin: float = 1.0) -> CheckResult:
     """Compare out with ref under rule; `margin` < 1 demands a smaller failing share
-    (the sweep uses 0.5: at most half the allowance)."""
+    (the sweep uses 0.5: at most half the allowance).
+
+    NaN must agree: the fp32 reference is NaN exactly where the inputs hold a NaN (an fp8
+    byte 0x7F in the KV cache poisons its sequence), and an output must be NaN there too.
+    A finite output where the reference is NaN hides bad inputs, and fails whatever share
+    of the elements it is; a NaN where the reference is finite fails too; elements NaN in
+    both agree."""
     if tuple(out.shape) != tuple(ref.shape):
         return CheckResult(False, 1.0, float("inf"), False, f"shape {tuple(out.shape)} != {tuple(ref.shape)}")
     outf = out.to(torch.float32)
     reff = ref.to(torch.float32)
-    has_nan = bool(torch.isnan(outf).any())
+    out_nan, ref_nan = torch.isnan(outf), torch.isnan(reff)
+    has_nan = bool(out_nan.any())
     diff = (outf - reff).abs()
-    bad = ~(diff <= rule.atol + rule.rtol * reff.abs())  # NaN counts as bad
+    both_nan = out_nan & ref_nan
+    bad = ~(diff <= rule.atol + rule.rtol * reff.abs()) & ~both_nan  # a NaN in one of them is bad
     mismatch = float(bad.float().mean())
-    max_err = float(torch.nan_to_num(diff, nan=float("inf")).max()) if diff.numel() else 0.0
+    max_err = float(torch.nan_to_num(diff[~both_nan], nan=float("inf")).max()) if bool((~both_nan).any()) else 0.0
     limit = rule.allowance * margin
-    if has_nan:
+    hidden = int((ref_nan & ~out_nan).sum())
+    if hidden:
+        return CheckResult(False, mismatch, max_err, has_nan, (
+            f"the reference is NaN at {hidden} elements where the output is finite: a NaN in the "
+            "inputs (an fp8 KV byte 0x7F) vanished instead of reaching the output"))
+    if bool((out_nan & ~ref_nan).any()):
         return CheckResult(False, mismatch, max_err, True, "output holds NaN")
     if mismatch > limit:
         reason = (

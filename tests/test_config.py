@@ -149,7 +149,8 @@ def test_an_unknown_search_space_key_names_the_key_its_place_and_the_allowed_key
          "'backends.triton_fused.grids[1].q': backend triton_fused does not offer q=fp8_static; its q modes "
          "(its CAPABILITIES): bf16, fp8_dynamic"),
         ({"flashinfer": {"backend": ["fa4"]}}, "backend must be a list of fa3, fa2"),  # its own check
-        ({"aiter": {"mode": ["eager"]}}, "mode has ['eager']"),
+        # a value no variant may carry: the parameter rules (backends/params.py), naming the field
+        ({"aiter": {"mode": ["eager"]}}, "'backends.aiter.mode': aiter: mode=eager is not allowed"),
     ],
 )
 def test_a_search_space_value_the_backend_refuses_fails_at_load_naming_the_backend(tmp_path, backends, words):

@@ -34,23 +34,22 @@ def _bad_table(tmp_path: Path, edit: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("edit", ["num_splitz=4", "num_splits=two"])
-def test_show_refuses_what_export_refuses_with_the_same_line_and_without_torch(tmp_path, edit):
-    bad = _bad_table(tmp_path, edit)
+def test_show_refuses_what_export_refuses_with_the_same_line_and_without_torch(tmp_path):
+    bad = {edit: _bad_table(tmp_path, edit) for edit in ("num_splitz=4", "num_splits=two")}
     code = textwrap.dedent(f"""
         import json, sys
         from typer.testing import CliRunner
         from mla_tune import cli
         out = {{}}
-        for name, args in (("show", ["show", "--table", {str(bad)!r}]),
-                           ("show_json", ["show", "--table", {str(bad)!r}, "--json"]),
-                           ("diff", ["diff", {str(TABLE)!r}, {str(bad)!r}])):
-            result = CliRunner().invoke(cli.app, args)
-            out[name] = [result.exit_code, result.output]
+        for edit, bad in {({k: str(v) for k, v in bad.items()})!r}.items():
+            for name, args in (("show", ["show", "--table", bad]), ("show_json", ["show", "--table", bad, "--json"]),
+                               ("diff", ["diff", {str(TABLE)!r}, bad])):
+                result = CliRunner().invoke(cli.app, args)
+                out[edit + " " + name] = [result.exit_code, result.output]
         out["torch"] = "torch" in sys.modules
-        result = CliRunner().invoke(cli.app, ["export", "--table", {str(bad)!r}, "-o",
-                                              {str(tmp_path / "sub.py")!r}])
-        out["export"] = [result.exit_code, result.output]
+        for edit, bad in {({k: str(v) for k, v in bad.items()})!r}.items():
+            result = CliRunner().invoke(cli.app, ["export", "--table", bad, "-o", {str(tmp_path / "sub.py")!r}])
+            out[edit + " export"] = [result.exit_code, result.output]
         print(json.dumps(out))
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -58,15 +57,16 @@ def test_show_refuses_what_export_refuses_with_the_same_line_and_without_torch(t
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.splitlines()[-1])
     assert out["torch"] is False, "show or diff imported torch"
-    export_code, export_text = out["export"]
-    assert export_code == 1
-    lines = export_text.strip().splitlines()
-    assert len(lines) == 1 and "winner.variant: triton: " in lines[0], export_text
-    assert ("unknown parameter num_splitz" if "splitz" in edit else "num_splits=") in lines[0]
-    for name in ("show", "show_json", "diff"):
-        code_, text = out[name]
-        assert code_ == 1, (name, text)
-        assert text.strip().splitlines() == lines, name
+    for edit in bad:
+        export_code, export_text = out[f"{edit} export"]
+        assert export_code == 1
+        lines = export_text.strip().splitlines()
+        assert len(lines) == 1 and "winner.variant: triton: " in lines[0], export_text
+        assert ("unknown parameter num_splitz" if "splitz" in edit else "num_splits=two is not allowed") in lines[0]
+        for name in ("show", "show_json", "diff"):
+            code_, text = out[f"{edit} {name}"]
+            assert code_ == 1, (name, text)
+            assert text.strip().splitlines() == lines, name
     assert not (tmp_path / "sub.py").exists()
 
 
@@ -119,3 +119,360 @@ def test_space_values_are_checked_one_by_one():
             ("gluon_fused", "v_path", "rs4", "v_path=rs4 is not allowed")):
         with pytest.raises(ValueError, match=message):
             check_space_value(PARAM_RULES[backend], name, value)
+
+
+# ------------------------------------------------ space values refused at config load
+def _config(tmp_path: Path, extra: str) -> Path:
+    path = tmp_path / "space.yaml"
+    path.write_text((DATA / "sweep_torch.yaml").read_text() + extra)
+    return path
+
+
+@pytest.mark.parametrize("section, field, message", [
+    ("  triton: {num_splits: [1, 0], block_n: [16], kv: [bf16], dot_dtype: [fp16]}\n",
+     "backends.triton.num_splits", "num_splits=0 is not allowed"),
+    ("  triton: {num_splits: [1], block_n: [16], kv: [bf16], dot_dtype: [fp16], hip: {waves_per_eu: [17]}}\n",
+     "backends.triton.hip.waves_per_eu", "waves_per_eu=17 is not allowed"),
+    ("  triton: {grids: [{num_splits: [2]}, {num_splits: [300]}], kv: [bf16], dot_dtype: [fp16]}\n",
+     "backends.triton.grids[1].num_splits", "num_splits=300 is not allowed"),
+])
+def test_a_space_value_no_variant_can_carry_fails_at_config_load(tmp_path, section, field, message):
+    from mla_tune.tune.config import ConfigError, load_config
+
+    path = _config(tmp_path, section)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert f"field '{field}'" in str(caught.value) and message in str(caught.value)
+    from typer.testing import CliRunner
+
+    from mla_tune.cli import app
+
+    result = CliRunner().invoke(app, ["sweep", "--gpu", "cpu", "--config", str(path), "--dry-run"])
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
+    assert message in result.output
+
+
+def test_a_serving_space_value_no_variant_can_carry_fails_at_config_load(tmp_path):
+    import yaml
+
+    from mla_tune.tune.serving_config import ServingConfigError, load_serving_config
+
+    raw = yaml.safe_load((REPO / "configs" / "serving.yaml").read_text())
+    name = next(iter(raw["backends"]))
+    raw["backends"][name] = {"max_splits": [0]}
+    path = tmp_path / "serving.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ServingConfigError, match=rf"backends\.{name}\.max_splits.*max_splits=0 is not allowed"):
+        load_serving_config(path)
+
+
+# ------------------------------------------- read-only folders and full disks, per command
+class FailingFolder:
+    """Every write under `folder` fails as a read-only file system (EROFS) does, or, with
+    code ENOSPC, as a full disk does after `after` writes succeed: the failing write stores
+    half of its bytes first, as a real short write would. Root ignores permissions, so the
+    OS calls are patched rather than the folder chmodded."""
+
+    def __init__(self, monkeypatch, folder: Path, code: int, after: int = 0):
+        import builtins
+        import errno
+        import os
+
+        self.folder, self.code, self.left = Path(folder).resolve(), code, after
+        self.full = after == 0  # fsync fails once the disk is full
+        self.fds: set[int] = set()
+        real_open, real_write, real_fsync, real_mkdir = os.open, os.write, os.fsync, os.mkdir
+        real_builtin_open, real_replace = builtins.open, os.replace
+        rofs = code == errno.EROFS
+        writes = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+        def fail(path):
+            raise OSError(code, os.strerror(code), str(path))
+
+        def under(path) -> bool:
+            try:
+                return Path(os.fsdecode(path)).resolve().is_relative_to(self.folder)
+            except (TypeError, ValueError):
+                return False
+
+        def spent() -> bool:
+            if self.left <= 0:
+                self.full = True
+                return True
+            self.left -= 1
+            return False
+
+        def fake_open(path, flags, mode=0o777, *args, **kwargs):
+            if rofs and flags & writes and under(path):
+                fail(path)
+            fd = real_open(path, flags, mode, *args, **kwargs)
+            if under(path):
+                self.fds.add(fd)
+            return fd
+
+        def tracked(fd) -> bool:
+            try:
+                return fd in self.fds or under(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:
+                return False
+
+        def fake_write(fd, data):
+            if not rofs and tracked(fd) and spent():
+                real_write(fd, bytes(data)[: max(1, len(data) // 2)])
+                fail(f"fd {fd}")
+            return real_write(fd, data)
+
+        def fake_fsync(fd):
+            if not rofs and tracked(fd) and self.full:
+                fail(f"fd {fd}")
+            return real_fsync(fd)
+
+        def fake_mkdir(path, *args, **kwargs):
+            if rofs and under(path) and not Path(path).exists():
+                fail(path)
+            return real_mkdir(path, *args, **kwargs)
+
+        def fake_builtin_open(file, mode="r", *args, **kwargs):
+            if isinstance(file, (str, bytes, os.PathLike)) and under(file) and set(mode) & set("wax+"):
+                if rofs or spent():
+                    fail(file)
+            return real_builtin_open(file, mode, *args, **kwargs)
+
+        def fake_replace(src, dst, *args, **kwargs):
+            if rofs and under(dst):
+                fail(dst)
+            return real_replace(src, dst, *args, **kwargs)
+
+        for name, fake in (("open", fake_open), ("write", fake_write), ("fsync", fake_fsync),
+                           ("mkdir", fake_mkdir), ("replace", fake_replace)):
+            monkeypatch.setattr(os, name, fake)
+        monkeypatch.setattr(builtins, "open", fake_builtin_open)
+
+
+def _cli(*args):
+    from typer.testing import CliRunner
+
+    from mla_tune.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def _one_line(result, *needles, progress: bool = False):
+    """The command failed in one red line (after its progress lines, if `progress`)."""
+    lines = result.output.strip().splitlines()
+    assert result.exit_code != 0 and (progress or len(lines) == 1), result.output
+    assert [x for x in lines if x.startswith("error")] == lines[-1:], result.output
+    lines = lines[-1:]
+    assert lines[0].startswith("error: cannot write ") and "Traceback" not in result.output
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.rglob("*")) if folder.exists() else []
+
+
+def test_line_log_cuts_a_failed_write_off_and_names_the_file(tmp_path, monkeypatch):
+    import errno
+
+    from mla_tune.fileio import LineLog, WriteError
+
+    path = tmp_path / "r.jsonl"
+    log = LineLog(path, "re-run to resume")
+    log.append(b'{"a": 1}\n')
+    FailingFolder(monkeypatch, tmp_path, errno.ENOSPC)
+    with pytest.raises(WriteError) as caught:
+        log.append(b'{"b": 2, "long": "' + b"x" * 100 + b'"}\n')
+    monkeypatch.undo()
+    log.close()
+    assert path.read_bytes() == b'{"a": 1}\n'  # the torn half is cut off again
+    assert str(caught.value) == (f"cannot write {path}: No space left on device; free some space or "
+                                 "write elsewhere; re-run to resume")
+
+
+@pytest.mark.parametrize("code", [30, 28])
+def test_export_to_a_read_only_or_full_folder_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, code):
+    out = tmp_path / "out"
+    out.mkdir()
+    FailingFolder(monkeypatch, out, code)
+    result = _cli("export", "--table", TABLE, "-o", out / "sub.py", "--only", "torch")
+    _one_line(result, str(out / "sub.py"), "write elsewhere")
+    monkeypatch.undo()
+    assert _files(out) == []
+
+
+@pytest.mark.parametrize("code", [30, 28])
+def test_a_sweep_into_a_read_only_or_full_folder_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, code):
+    out = tmp_path / "ro"
+    out.mkdir()
+    FailingFolder(monkeypatch, out, code)
+    result = _cli("sweep", "--gpu", "cpu", "--config", DATA / "sweep_torch.yaml", "--out", out / "cpu.yaml")
+    _one_line(result, str(out / "cpu.yaml.lock"), "write the table elsewhere (--out)")
+    monkeypatch.undo()
+    assert _files(out) == []  # no table, no results, no lock naming this live process
+
+
+def test_a_serving_sweep_into_a_read_only_folder_is_one_line(tmp_path, monkeypatch):
+    import errno
+
+    out = tmp_path / "ro"
+    out.mkdir()
+    FailingFolder(monkeypatch, out, errno.EROFS)
+    result = _cli("sweep", "--gpu", "cpu", "--config", REPO / "configs" / "serving.yaml", "--force",
+                  "--out", out / "cpu.serving.yaml")
+    _one_line(result, str(out), "read-only")
+    monkeypatch.undo()
+    assert _files(out) == []
+
+
+def test_verify_json_into_a_read_only_folder_is_one_line(tmp_path, monkeypatch):
+    import errno
+
+    reports = sorted((REPO / "docs" / "data" / "verify").glob("*.json.gz"))[:1]
+    if not reports:
+        pytest.skip("no recorded verify reports")
+    out = tmp_path / "ro"
+    out.mkdir()
+    FailingFolder(monkeypatch, out, errno.EROFS)
+    result = _cli("verify", "--table", REPO / "tables" / "H200.serving.yaml", "--rescore", reports[0],
+                  "--json", out / "v.json")
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 1 and lines[-1].startswith(f"error: cannot write {out / 'v.json'}"), result.output
+    assert "Traceback" not in result.output
+    monkeypatch.undo()
+    assert _files(out) == []
+
+
+def test_a_report_plot_on_a_full_disk_leaves_no_partial_png(tmp_path, monkeypatch):
+    import errno
+
+    from mla_tune.fileio import WriteError
+    from mla_tune.tables.report import _save
+
+    class Figure:  # what _save needs of a matplotlib figure, without matplotlib
+        def tight_layout(self):
+            pass
+
+        def clf(self):
+            pass
+
+        def savefig(self, path, dpi, format):
+            with open(path, "wb") as f:
+                f.write(b"\x89PNG" + b"0" * 1000)
+
+    assert _save(Figure(), tmp_path, "ok.png") == "ok.png" and (tmp_path / "ok.png").stat().st_size == 1004
+    FailingFolder(monkeypatch, tmp_path, errno.ENOSPC)
+    with pytest.raises(WriteError, match=f"cannot write {tmp_path / 'full.png'}: No space left"):
+        _save(Figure(), tmp_path, "full.png")
+    monkeypatch.undo()
+    assert _files(tmp_path) == ["ok.png"]
+
+
+def test_a_disk_that_fills_mid_sweep_stops_in_one_line_and_keeps_whole_lines(tmp_path, monkeypatch):
+    import errno
+
+    out = tmp_path / "cpu.yaml"
+    FailingFolder(monkeypatch, tmp_path, errno.ENOSPC, after=3)  # the lock's pid, the header, one step
+    result = _cli("sweep", "--gpu", "cpu", "--config", DATA / "sweep_torch.yaml", "--out", out)
+    line = _one_line(result, f"{tmp_path / 'cpu.results.jsonl'}: No space left on device",
+                     "re-run the same command to resume", progress=True)
+    assert "every finished step is kept" in line
+    monkeypatch.undo()
+    results = (tmp_path / "cpu.results.jsonl").read_bytes()
+    assert results.endswith(b"\n") and all(json.loads(x) for x in results.splitlines())  # no torn line
+    assert not out.exists() and not (tmp_path / "cpu.yaml.lock").exists()
+    # what a re-run resumes from: the header and the finished step, nothing to repair
+    from mla_tune.tune.results import read_results
+
+    header, records, warnings = read_results(tmp_path / "cpu.results.jsonl", kinds=("candidate", "step", "rung"))
+    assert header is not None and records and warnings == []
+
+
+# ------------------------------------------------------------ Ctrl-C from a terminal
+def test_ctrl_c_to_the_process_group_while_the_workers_start_prints_no_traceback(tmp_path):
+    import os
+    import signal
+    import time
+
+    from mla_tune.backends import EXTRA_BACKENDS_ENV
+    from tests.fakes import EXTRA_BACKENDS
+
+    out = tmp_path / "cpu.yaml"
+    env = {**os.environ, EXTRA_BACKENDS_ENV: EXTRA_BACKENDS, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "mla_tune", "sweep", "--gpu", "cpu", "--config",
+                             str(DATA / "sweep_resume.yaml"), "--out", str(out)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lock = tmp_path / "cpu.yaml.lock"
+    deadline = time.monotonic() + 60
+    while not lock.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # the worker is importing torch now (it takes seconds)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (stdout, stderr)
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert "interrupted: the workers are stopped" in stdout and "resume with: mla-tune sweep" in stdout
+
+
+# ------------------------------------------------------- custom_kernel given a 4-tuple
+FOUR = "custom_kernel: data must be the 5-tuple (q, kv_data, qo_indptr, kv_indptr, config), got a tuple of 4"
+
+
+def test_the_runtime_and_the_export_name_the_five_tuple(tmp_path):
+    import importlib
+
+    import torch
+
+    from mla_tune import runtime
+    from mla_tune.export import export_submission
+    from mla_tune.problem import generate_input
+
+    data = generate_input(1, 8, seed=3, device="cpu")
+    rt = runtime.load(table=TABLE, device="cpu", allow_other_gpu=True)
+    with pytest.raises(ValueError) as caught:
+        rt.custom_kernel(tuple(data[:4]))
+    assert str(caught.value) == FOUR
+    with pytest.raises(ValueError, match=r"got a dict$"):
+        rt.custom_kernel({"q": data[0]})
+    export_submission(TABLE, tmp_path / "four_sub.py", only_backends=["torch"])
+    (tmp_path / "task.py").write_text("import typing\ninput_t = typing.Any\noutput_t = typing.Any\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        sub = importlib.import_module("four_sub")
+        with pytest.raises(ValueError) as caught:
+            sub.custom_kernel(tuple(data[:4]))
+        assert str(caught.value) == FOUR
+        assert torch.isfinite(sub.custom_kernel(tuple(data)).float()).all()  # the 5-tuple still runs
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("four_sub", None)
+        sys.modules.pop("task", None)
+
+
+# ------------------------------------------------------------ a NaN byte in fp8 KV
+def test_a_nan_in_the_fp8_cache_cannot_vanish_in_the_gate():
+    import torch
+
+    from mla_tune.problem import check, generate_input, get_rule, reference
+
+    rule = get_rule("leaderboard")
+    data = list(generate_input(4, 16, seed=5, device="cpu"))
+    kv, scale = data[1]["fp8"]
+    raw = kv.view(torch.uint8).clone()
+    raw.view(-1)[3 * 16 * 576 + 5] = 0x7F  # e4m3fn NaN, in sequence 3 (token 0 of 16)
+    data[1] = {**data[1], "fp8": (raw.view(kv.dtype), scale)}
+    ref = reference(tuple(data), "fp8", "fp8")
+    assert torch.isnan(ref[3]).all() and not torch.isnan(ref[:3]).any()  # the fp32 reference says NaN
+    finite = torch.nan_to_num(ref, nan=0.0)  # a kernel that hides the NaN
+    result = check(finite, ref, rule)
+    assert not result.passed and "the reference is NaN at 8192 elements where the output is finite" in result.reason
+    # 1 of 4 sequences is 25% of the elements; hidden in 1 of 256 sequences it still fails
+    big = torch.zeros(256, 16, 512)
+    big_ref = big.clone()
+    big_ref[7] = float("nan")
+    assert not check(big, big_ref, rule).passed
+    assert check(ref.clone(), ref, rule).passed  # NaN where the reference is NaN: they agree
+    wrong = ref.clone()
+    wrong[0, 0, 0] = float("nan")
+    assert not check(wrong, ref, rule).passed and check(wrong, ref, rule).reason == "output holds NaN"

@@ -159,8 +159,16 @@ def render_submission(table_path: str | Path, only_backends: list[str] | None = 
         + _fallback_code(fallback, (prov.get("rule") or {}).get("name")) +
         "\n\n_EXPORT_DISPATCHER = Dispatcher(_EXPORT_TABLE, _EXPORT_BUILDERS, _export_fallback,\n"
         "                                ragged_backends=_EXPORT_RAGGED_BACKENDS)\n\n\n"
+        "def _export_what(data) -> str:\n"
+        "    if isinstance(data, (tuple, list)):\n"
+        "        return f\"a {type(data).__name__} of {len(data)}\"\n"
+        "    return f\"a {type(data).__name__}\"\n"
+        "\n\n"
         "def custom_kernel(data: input_t) -> output_t:\n"
         "    # The leaderboard's batches are uniform, so kv_seq_len is trusted: no host sync.\n"
+        "    if not isinstance(data, (tuple, list)) or len(data) != 5:\n"
+        "        raise ValueError(\"custom_kernel: data must be the 5-tuple (q, kv_data, qo_indptr, \"\n"
+        "                         f\"kv_indptr, config), got {_export_what(data)}\")\n"
         "    q, kv_data, qo_indptr, kv_indptr, config = data\n"
         '    kv_len = config.get("kv_seq_len") if isinstance(config, dict) else None\n'
         "    if isinstance(kv_len, bool) or not isinstance(kv_len, int) or kv_len < 1:\n"

@@ -30,7 +30,7 @@ PROTOCOL_NAMES = ("NAME", "unavailable_reason", "candidates", "validate", "build
 # Names the exported file's own code (export.py's template) defines; a module may not.
 _GENERATED_NAMES = {"input_t", "output_t", "custom_kernel", "_EXPORT_TABLE_TEXT", "_EXPORT_TABLE",
                     "_EXPORT_BUILDERS", "_EXPORT_RAGGED_BACKENDS", "_EXPORT_DISPATCHER", "_EXPORT_FALLBACK_VARIANT",
-                    "_export_fallback", "_export_sm_count"}
+                    "_export_fallback", "_export_sm_count", "_export_what"}
 _THIRD_PARTY_OK = {"torch", "triton"}
 
 

@@ -248,8 +248,10 @@ class Runtime:
                     and kv_data.get(last[6]) is last[7] and config.get("sm_scale", SM_SCALE) == last[9]):
                 return last[8](q, kv_data, qo_indptr, kv_indptr)
         self._last = None
-        require(isinstance(data, (tuple, list)) and len(data) == 5,
-                "data must be (q, kv_data, qo_indptr, kv_indptr, config)")
+        if not (isinstance(data, (tuple, list)) and len(data) == 5):
+            got = f"a {type(data).__name__}" + (f" of {len(data)}" if isinstance(data, (tuple, list)) else "")
+            raise ValueError(f"custom_kernel: data must be the 5-tuple (q, kv_data, qo_indptr, kv_indptr, "
+                             f"config), got {got}")
         q, kv_data, qo_indptr, kv_indptr, config = data
         require(isinstance(config, dict) and "kv_seq_len" in config,
                 'config must be a dict with "kv_seq_len"')

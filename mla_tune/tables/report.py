@@ -19,7 +19,7 @@ from pathlib import Path
 
 from mla_tune.core import Shape
 from mla_tune.errors import MlaTuneError
-from mla_tune.fileio import atomic_write_text
+from mla_tune.fileio import atomic_write_text, atomic_write_with, writing
 from mla_tune.tables.table import FLOOR_NOTE, Table, load_table
 from mla_tune.tune.results import ResultsError, read_results, results_path_for
 
@@ -163,10 +163,8 @@ def _pyplot():
 
 def _save(fig, out_dir: Path, name: str) -> str:
     fig.tight_layout()
-    try:
-        fig.savefig(out_dir / name, dpi=90)
-    except OSError as exc:
-        raise ReportError(f"cannot write {out_dir / name}: {exc.strerror or exc}") from exc
+    try:  # through a temp file: a full disk leaves no partial PNG (a WriteError names the fix)
+        atomic_write_with(out_dir / name, lambda tmp: fig.savefig(tmp, dpi=90, format="png"))
     finally:
         fig.clf()
     return name
@@ -258,9 +256,7 @@ def write_report(table_path: str | Path, out_dir: str | Path,
     candidates = read_candidates(results_path) if results_path.is_file() else None
     if out_dir.exists() and not out_dir.is_dir():
         raise ReportError(f"--out {out_dir} is a file; name a folder for report.md and its plots")
-    try:
+    with writing(out_dir, "nothing was written; pass another --out"):
         out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ReportError(f"cannot create {out_dir}: {exc.strerror or exc}; pass another --out") from exc
     plots = write_plots(table, candidates, out_dir)
     return atomic_write_text(out_dir / "report.md", report_markdown(table, candidates, plots))

@@ -19,6 +19,7 @@ from typing import Any
 
 from mla_tune import gpu
 from mla_tune.backends import capabilities, get_backend, known_backends
+from mla_tune.backends.params import check_space_value, param_rules
 from mla_tune.core import Shape
 from mla_tune.errors import MlaTuneError
 from mla_tune.fileio import read_yaml
@@ -326,9 +327,31 @@ def _check_space(name: str, space: dict, where: str, fail) -> None:
             if bad:
                 raise fail(f"{place}.{key}", f"backend {name} does not offer {key}="
                            f"{', '.join(map(str, bad))}; its {what} (its CAPABILITIES): {', '.join(allowed)}")
+    check_space_rules(name, places, fail)
     for grid in expand_space(space):
         for gpu_name in _PROBE_GPUS:
             try:
                 backend.candidates(_PROBE_SHAPE, grid, gpu.fake_platform(gpu_name))
             except ValueError as exc:
                 raise fail(where, ' '.join(str(exc).split())) from None
+
+
+def check_space_rules(name: str, places: list[tuple[str, dict]], fail) -> None:
+    """Refuse a listed value that no variant may carry, by the backend's parameter rules
+    (backends/params.py, the ones a table is checked against): `num_splits: [0]` fails here,
+    naming the field, instead of planning candidates that no run can use. A section's `hip`
+    mapping (ROCm compiler options) is checked the same way; keys the rules do not name
+    are left to the backend's candidates()."""
+    rules = param_rules(name)
+    if rules is None:  # a plugin backend: its candidates() and validate() judge
+        return
+    for place, section in places:
+        nested = [(place, k, v) for k, v in section.items() if k not in (*SECTION_FIELDS, "hip")]
+        if isinstance(section.get("hip"), dict):
+            nested += [(f"{place}.hip", k, v) for k, v in section["hip"].items()]
+        for where, key, values in nested:
+            for value in values if isinstance(values, list) else [values]:
+                try:
+                    check_space_value(rules, key, value)
+                except ValueError as exc:
+                    raise fail(f"{where}.{key}", f"{exc}; no {name} variant can carry it") from None

@@ -7,15 +7,23 @@ since a parent that died before the prctl call would never deliver the signal.
 
 The kernel sends the signal when the *thread* that started the child exits, so a process
 that must outlive a helper thread is started from a thread that lives as long as it.
+
+Ctrl-C in a terminal sends SIGINT to the whole process group, children included. The sweep
+decides what an interrupt means (it stops its workers and keeps what was recorded), so a
+child started inside `sigint_ignored()` inherits SIGINT ignored from its first instruction:
+a Ctrl-C while it is still importing torch prints no traceback of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
+from collections.abc import Iterator
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
@@ -37,3 +45,19 @@ def die_with_parent(parent_pid: int | None = None) -> bool:
     if parent_pid is not None and os.getppid() != parent_pid:
         os._exit(1)  # orphaned before the prctl took hold: nobody is left to report to
     return armed
+
+
+@contextlib.contextmanager
+def sigint_ignored() -> Iterator[None]:
+    """Ignore SIGINT while the block starts child processes, which inherit the disposition
+    (a spawned Python keeps an ignored SIGINT ignored), then restore this process's handler.
+    Only the main thread may change a handler: elsewhere this does nothing, and the child
+    ignores SIGINT once its own code runs (worker_main's first lines)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)

@@ -3,7 +3,9 @@
 `tables/NAME.results.jsonl` holds one JSON object per line: a header, then one record per
 finished candidate (format in docs/architecture.md). Each append is a single write of one
 line, then flush and fsync, so a kill -9 loses at most the candidate in flight; a torn last
-line (killed mid-write) is dropped with a warning and cut off before the next append.
+line (killed mid-write) is dropped with a warning and cut off before the next append. A
+write that fails (a full disk, a read-only folder) is cut back off at once and stops the
+sweep with one line naming the file and saying that re-running resumes (RESUME_NOTE).
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from typing import Any
 
 from mla_tune.core import Variant
 from mla_tune.errors import MlaTuneError
+from mla_tune.fileio import LineLog, writing
 
 SCHEMA = 1
 STATUSES = ("ok", "rejected", "failed", "crashed", "timeout", "pruned")
+# What a failed write of a results file leaves: every line before it, whole.
+RESUME_NOTE = "every finished step is kept in the results file; fix that and re-run the same command to resume"
 
 
 class ResultsError(MlaTuneError, ValueError):
@@ -122,7 +127,7 @@ def repair_tail(path: Path) -> bool:
     if not data or data.endswith(b"\n"):
         return False
     keep = data.rfind(b"\n") + 1
-    with open(path, "r+b") as f:
+    with writing(path, RESUME_NOTE), open(path, "r+b") as f:
         f.truncate(keep)
         f.flush()
         os.fsync(f.fileno())
@@ -137,26 +142,25 @@ def move_aside(path: Path) -> Path:
     while target.exists():
         target = path.with_name(f"{path.name}.{stamp}-{n}.old")
         n += 1
-    os.replace(path, target)
+    with writing(target, "nothing was moved; fix that and run again, or drop --fresh to resume"):
+        os.replace(path, target)
     return target
 
 
 class ResultsWriter:
-    """Appends lines durably: one write per line, then flush and fsync."""
+    """Appends lines durably: one write per line, then fsync (fileio.LineLog: a failed
+    write leaves no torn line, and an OS failure is a WriteError naming the file and saying
+    that re-running resumes)."""
 
     def __init__(self, path: Path):
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "ab")
+        self._log = LineLog(path, RESUME_NOTE)
 
     def append(self, obj: dict[str, Any]) -> None:
-        line = (json.dumps(obj, sort_keys=True, allow_nan=False) + "\n").encode()
-        self._file.write(line)
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        self._log.append((json.dumps(obj, sort_keys=True, allow_nan=False) + "\n").encode())
 
     def close(self) -> None:
-        self._file.close()
+        self._log.close()
 
 
 def _pid_alive(pid: int) -> bool:
@@ -187,6 +191,12 @@ class SweepLock:
         self._fd: int | None = None
 
     def acquire(self) -> SweepLock:
+        """Take the lock; ResultsError when another sweep holds it, WriteError (one line
+        naming the file and the fix) when the folder cannot hold it (read-only, full)."""
+        with writing(self.path, "nothing was swept; write the table elsewhere (--out) or fix the folder"):
+            return self._acquire()
+
+    def _acquire(self) -> SweepLock:
         import fcntl  # POSIX only: imported here so that reading results works anywhere
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -214,9 +224,17 @@ class SweepLock:
                 f"taking over a stale lock {self.path} left by pid {pid}, which is no "
                 "longer running (a sweep that was killed)"
             )
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        os.fsync(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            os.fsync(fd)
+        except OSError:  # a full disk: leave no lock behind that names this live process
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+            os.close(fd)
+            raise
         self._fd = fd
         return self
 

@@ -25,7 +25,7 @@ from mla_tune.errors import MlaTuneError
 from mla_tune.fileio import read_yaml
 from mla_tune.problem import Rule, get_rule
 from mla_tune.tables.serving_table import FamilyKey
-from mla_tune.tune.config import config_hash, expand_space
+from mla_tune.tune.config import check_space_rules, config_hash, expand_space
 
 TOP_LEVEL = {"name", "description", "rule", "check_seeds", "families", "call", "batch_buckets",
              "kv_buckets", "left_out", "gate", "search", "budget_s", "gate_workers", "backends"}
@@ -364,6 +364,9 @@ def _backends(value: Any, fail) -> dict[str, list[dict]]:
         if grids is not None and (not isinstance(grids, list) or not grids
                                   or not all(isinstance(g, dict) for g in grids)):
             raise fail(f"{where}.grids", "must be a non-empty list of mappings (sub-grids)")
+        # values no variant may carry (max_splits: [0]) fail here, as in a sweep config
+        check_space_rules(name, [(where, space)] + [(f"{where}.grids[{i}]", g) for i, g in enumerate(grids or [])],
+                          fail)
         spaces[name] = expand_space(space)
     return spaces
 

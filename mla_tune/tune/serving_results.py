@@ -27,11 +27,11 @@ sweep decides exactly as an uninterrupted one would have.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
+from mla_tune.fileio import LineLog
 from mla_tune.tables.serving_table import FamilyKey
-from mla_tune.tune.results import ResultsError, repair_tail
+from mla_tune.tune.results import RESUME_NOTE, ResultsError, repair_tail
 
 SCHEMA = "serving-results/1"
 KINDS = ("gate", "step", "cell", "graph")
@@ -131,23 +131,17 @@ class Recorder:
         self.records = Records(records)
         self.header = old_header or header
         self.resumed = old_header is not None
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "ab")
+        self._log = LineLog(path, RESUME_NOTE)  # a failed write: one line, no torn record
         if old_header is None:
             self.append(header, durable=True)
 
     def append(self, record: dict, durable: bool = False) -> dict:
         """Write one record (one write of one line, flushed; fsynced when `durable`), then
         index it: only what is in the file counts."""
-        self._file.write((json.dumps(record, sort_keys=True, allow_nan=False) + "\n").encode())
-        self._file.flush()
-        if durable:
-            os.fsync(self._file.fileno())
+        self._log.append((json.dumps(record, sort_keys=True, allow_nan=False) + "\n").encode(), durable)
         if record.get("kind") != "header":
             self.records.add(record)
         return record
 
     def close(self) -> None:
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        self._log.close()

@@ -31,7 +31,7 @@ from mla_tune.backends import get_backend
 from mla_tune.core import Shape, Variant
 from mla_tune.tune import calibration, timing
 from mla_tune.tune.compile_pool import compile_shape_for, precompile  # noqa: F401 (moved; re-exported until callers move)
-from mla_tune.tune.procs import die_with_parent
+from mla_tune.tune.procs import die_with_parent, sigint_ignored
 
 GATE_MARGIN = 0.5  # the gate demands at most half the rule's allowance (PROBLEM.md)
 _POISON_MARKERS = ("CUDA error", "illegal memory access", "HIP error", "device-side assert")
@@ -344,7 +344,8 @@ class WorkerHandle:
             target=worker_main, args=(self.device, child, str(self.log_path)),
             name=f"mla-tune-worker{self.device}", daemon=True,
         )
-        self._proc.start()
+        with sigint_ignored():  # a Ctrl-C while it imports torch is the sweep's to handle
+            self._proc.start()
         child.close()
         self._conn = parent
 
