@@ -6,7 +6,7 @@
 - The schema refuses a prior row with a time and a measured row with a `prior`.
 - `mla-tune show` and `mla-tune export --gpu MI355X` (in a folder without an MI355X table)
   say it is a prior; the exported file runs, in a fresh process, the leaderboard's four test
-  shapes through the AITER fakes (the contest's build f3be04a12 and 0.1.20.post1) and a
+  shapes through the AITER fakes (the contest's build f3be04a12, 0.1.11, 0.1.20.post1) and a
   small shape the prior lacks through its Triton fallback under the interpreter, each output
   checked against the leaderboard's reference under its rule.
 
@@ -171,7 +171,7 @@ CHILD = textwrap.dedent('''
                          "is_prior": getattr(sub, "_EXPORT_IS_PRIOR", False)}
     print("REPORT " + json.dumps(report))
 ''')
-AITER_BUILDS = ("f3be04a12", "0.1.20.post1")  # the contest runner's build, the newest faked
+AITER_BUILDS = ("f3be04a12", "0.1.11", "0.1.20.post1")  # the contest runner's build first, then every other faked
 
 
 @pytest.fixture(scope="module")
