@@ -313,15 +313,14 @@ def test_a_sweep_into_a_read_only_or_full_folder_is_one_line_and_leaves_nothing(
     assert _files(out) == []  # no table, no results, no lock naming this live process
 
 
-def test_a_serving_sweep_into_a_read_only_folder_is_one_line(tmp_path, monkeypatch):
-    import errno
-
+@pytest.mark.parametrize("code, words", [(30, "read-only"), (28, "No space left on device")])
+def test_a_serving_sweep_into_a_read_only_or_full_folder_is_one_line(tmp_path, monkeypatch, code, words):
     out = tmp_path / "ro"
     out.mkdir()
-    FailingFolder(monkeypatch, out, errno.EROFS)
+    FailingFolder(monkeypatch, out, code)
     result = _cli("sweep", "--gpu", "cpu", "--config", REPO / "configs" / "serving.yaml", "--force",
                   "--out", out / "cpu.serving.yaml")
-    _one_line(result, str(out), "read-only")
+    _one_line(result, str(out), words)
     monkeypatch.undo()
     assert _files(out) == []
 
@@ -342,6 +341,19 @@ def test_verify_json_into_a_read_only_folder_is_one_line(tmp_path, monkeypatch):
     assert "Traceback" not in result.output
     monkeypatch.undo()
     assert _files(out) == []
+
+
+def test_verify_json_on_a_full_disk_is_a_write_error_and_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+
+    from mla_tune.fileio import WriteError
+    from mla_tune.tune.verify import emit  # what verify and verify --rescore write --json with
+
+    FailingFolder(monkeypatch, tmp_path, errno.ENOSPC)
+    with pytest.raises(WriteError, match=f"cannot write {tmp_path / 'v.json'}: No space left on device; free"):
+        emit({"exit_code": 0}, ["a line"], tmp_path / "v.json", lambda line: None)
+    monkeypatch.undo()
+    assert _files(tmp_path) == []
 
 
 def test_a_report_plot_on_a_full_disk_leaves_no_partial_png(tmp_path, monkeypatch):
