@@ -488,3 +488,21 @@ def test_a_nan_in_the_fp8_cache_cannot_vanish_in_the_gate():
     wrong = ref.clone()
     wrong[0, 0, 0] = float("nan")
     assert not check(wrong, ref, rule).passed and check(wrong, ref, rule).reason == "output holds NaN"
+
+
+def test_the_sweeps_table_on_a_full_disk_says_the_rerun_only_writes_it(tmp_path, monkeypatch):
+    import errno
+
+    import yaml
+
+    from mla_tune.fileio import WriteError
+    from mla_tune.tables.table import write_table
+
+    table = yaml.safe_load(TABLE.read_text())
+    FailingFolder(monkeypatch, tmp_path, errno.ENOSPC)
+    with pytest.raises(WriteError) as caught:
+        write_table(tmp_path / "cpu.yaml", table)
+    monkeypatch.undo()
+    assert str(caught.value).startswith(f"cannot write {tmp_path / 'cpu.yaml'}: No space left on device; free")
+    assert "re-running the same command writes the table without timing anything again" in str(caught.value)
+    assert _files(tmp_path) == []

@@ -35,7 +35,7 @@ from mla_tune.backends import baseline_backend, get_backend, known_backends
 from mla_tune.backends.params import check_variant_rules, param_rules
 from mla_tune.core import KV_FORMATS, Q_MODES, QK_DIM, Shape, Variant
 from mla_tune.errors import MlaTuneError
-from mla_tune.fileio import atomic_write_text, dump_yaml, read_yaml
+from mla_tune.fileio import WriteError, atomic_write_text, dump_yaml, read_yaml
 from mla_tune.tune.results import STATUSES
 
 SCHEMA_VERSION = 1
@@ -315,8 +315,13 @@ def _header_comment(table: dict) -> str:
 
 
 def write_table(path: str | Path, table: dict) -> Path:
-    """Write the table as YAML atomically (temp file in the same folder, fsync, rename)."""
-    return atomic_write_text(path, _header_comment(table) + dump_yaml(table))
+    """Write the table as YAML atomically (temp file in the same folder, fsync, rename). A
+    failure is a WriteError that also says the sweep's results keep every step."""
+    try:
+        return atomic_write_text(path, _header_comment(table) + dump_yaml(table))
+    except WriteError as exc:
+        raise WriteError(f"{exc}; the results file keeps every step, so re-running the same "
+                         "command writes the table without timing anything again") from exc
 
 
 # ------------------------------------------------------------------------------ load
