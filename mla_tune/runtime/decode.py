@@ -1,7 +1,8 @@
 """The serving call: one decode call for every KV layout, over a backend that serves it.
 
 An engine describes its calls once, as a `CallSpec` (KV format, page size with 0 for the
-contiguous layout, heads, max_q_len, mixed_q_len, graph, host_lengths), builds a
+contiguous layout, heads, max_q_len, mixed_q_len, graph, host_lengths, and the call's own
+sm_scale, return_lse and cache_dtype), builds a
 `Decoder` for it and calls it every step:
 
     decoder = Decoder(CallSpec("fp8", page_size=64, heads=128, max_q_len=2, mixed_q_len=True))

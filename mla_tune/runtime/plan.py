@@ -20,7 +20,9 @@ lengths and block table, and replays a CUDA graph of the layers per batch size. 
   the mean length (`mean_kv_len`, or the mean of `kv_lens_host`, which engines keep on the
   host; the split-K and FlashInfer estimates replay their schedules for `kv_lens_host`),
   else the graph pick. A family or cell the table lacks runs the preferred backend's
-  default variant (runtime/decode.py), counted in `misses`. `update` checks the call's
+  default variant (runtime/decode.py), counted in `misses`; so does a pick whose backend
+  cannot serve the spec here (warned once at the plan: the estimates' next runnable
+  variant, else the cell's runner-up, else the default). `update` checks the call's
   layout arguments against the spec once per step (shapes and dtypes only).
 - `update` also starts the picked runner's step (`runner.step(...)`, runtime/decode.py's
   `runner_step`), which does the step's shared work once, into buffers the runner keeps:
@@ -30,7 +32,10 @@ lengths and block table, and replays a CUDA graph of the layers per batch size. 
   only the runs, before each replay (the protocol above, docs/serving.md), or capture
   `update` with the runs when no pick plans on the host (a FlashInfer pick must be
   updated outside the graph: a replay cannot run host code).
-- `run` calls only the step's per-layer function. The own Triton runners launch the
+- `run` calls only the step's per-layer function, behind one check of the cache's dtype
+  (a uint8 cache declared by spec.cache_dtype is viewed as fp8, an undeclared one
+  refused; a float kv_scale becomes a kept (1,) tensor). With spec.return_lse it returns
+  (out, lse). The own Triton runners launch the
   first layer of a step through Triton's JIT with every check and record it; later
   layers whose q, kv and kv_scale have the recorded dtype, shape, strides, 16-byte
   alignment and device replay the launches directly (kernels/launch.py), anything else
