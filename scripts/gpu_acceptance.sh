@@ -14,6 +14,10 @@
 #   RESULTS=... CONFIG=... DEVICES=... bash scripts/gpu_acceptance.sh resweep   # issue 10: one
 #       chunk of the serving sweep, resumed from the previous chunk's results (they come back
 #       in $OUT as H200.serving.results.tgz; DEVICES=0,1 runs a shard per GPU)
+#   BASE=OLD_EXPORT.py bash scripts/gpu_acceptance.sh check   # issue 32 on one GPU: this
+#       tree's leaderboard export beside OLD_EXPORT.py (paired ratio, strict at the 12 shapes),
+#       the contest's ranked mode, then side by side the engine-call, integration, gluon and
+#       compile GPU tests and scripts/compile_vs_driver.py; GROUPS= replaces the test groups
 #   bash scripts/gpu_acceptance.sh table    # issue 10 on two GPUs: `mla-tune verify` of
 #       tables/H200.serving.yaml and the FlashInfer tests on GPU 1; on GPU 0 the fast-path and
 #       FlashMLA tests, the engine loop (bf16, fp8) beside FlashMLA, the 64 x 4000 example, host times
@@ -21,7 +25,7 @@
 # It works in /tmp/acceptance and copies what matters (the table, its results file, the logs,
 # at most 8 files: what the device tool brings back) to $OUT (or ./gpu_out).
 set -uo pipefail
-mode=${1:?usage: gpu_acceptance.sh full|budget|serving|splitk|resweep|table}
+mode=${1:?usage: gpu_acceptance.sh full|budget|serving|splitk|resweep|check|table}
 keep=${OUT:-gpu_out}
 out=/tmp/acceptance
 mkdir -p "$out" "$keep"
@@ -143,6 +147,28 @@ resweep)
   cp "$out/sweep.log" "$keep/"
   grep -v -i warn "$out/sweep.log" | tail -12
   ;;
+check)
+  python3 -m mla_tune export --gpu H200 -o "$out/new_export.py" 2>&1 | tail -1
+  if [ -n "${BASE:-}" ]; then
+    timed lb-side-by-side timeout 240 python3 scripts/check_submission.py "$out/new_export.py" --against "$BASE" \
+      --shapes bench,test --require strict --table tables/H200.yaml --reps 50 --rounds 3 --max-ratio 1.03 \
+      --out "$out" 2>&1 | grep -v -i warn | tail -18
+  fi
+  timed ranked timeout 200 python3 scripts/check_submission.py "$out/new_export.py" --ranked --shapes bench,test \
+    --out "$out" 2>&1 | grep -v -i warn | tail -18
+  if [ -n "${GROUPS:-}" ]; then IFS=';' read -r -a groups <<< "$GROUPS"; else
+  groups=(
+    "tests/test_gpu_engine_call.py tests/test_integrations_gpu.py"
+    "tests/test_gluon_decode.py tests/test_gluon_ws.py"
+    "tests/test_xcompile.py tests/test_nvidia_backends.py"
+  ); fi
+  ( timed compile-vs-driver timeout ${GROUP_TIMEOUT:-300} python3 scripts/compile_vs_driver.py --out "$out" \
+      > "$out/compile_vs_driver.log" 2>&1 ) &
+  run_groups 300 4
+  wait
+  grep -v -i warn "$out/compile_vs_driver.log" | tail -30
+  cp "$out"/check_submission*.json "$out/compile_vs_driver.json" "$keep/" 2>/dev/null
+  ;;
 table)
   ( CUDA_VISIBLE_DEVICES=1 timeout 400 python3 -m mla_tune verify --table tables/H200.serving.yaml \
       --max-p95 0.05 --max-regret 0.15 --json "$out/verify.json" > "$out/verify.log" 2>&1
@@ -167,10 +193,10 @@ table)
   tail -3 "$out/gpu_tests_fi.log"; tail -40 "$out/verify.log"
   ;;
 *)
-  echo "unknown mode $mode (full | budget | serving | splitk | resweep | table)"; exit 2 ;;
+  echo "unknown mode $mode (full | budget | serving | splitk | resweep | check | table)"; exit 2 ;;
 esac
 cat "$out/walls.txt"
-for f in walls.txt dryrun.txt sweep.log H200.yaml H200.results.jsonl dryrun120.txt sweep120.log \
+for f in walls.txt compile_vs_driver.log dryrun.txt sweep.log H200.yaml H200.results.jsonl dryrun120.txt sweep120.log \
          H200.b120.yaml H200.b120.results.jsonl gpu_tests.log check_submission.json serving_host.json \
          verify.log verify.json engine_bf16.json engine_fp8.json serving_example.json mix.log \
          verify3.json verify4.json verify3.log verify4.log ab_serving_kernel.json; do
