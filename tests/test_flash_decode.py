@@ -318,6 +318,22 @@ def test_leaderboard_shapes_on_gpu(kv, q, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("v_split,qk_split,block_n,num_warps", [(1, 8, 32, 8), (2, 8, 32, 8), (1, 4, 16, 8), (2, 1, 32, 4)])
+def test_register_file_options_at_leaderboard_shapes_on_gpu(kv, v_split, qk_split, block_n, num_warps, device):
+    # configs/mi355x.yaml's 4-wave kernels (and v_split alone), on whatever GPU runs the test
+    for shape in LEADERBOARD_SHAPES:
+        data = problem.generate_input(shape.batch, shape.kv_len, seed=1001, device=device)
+        for num_splits in (1, 4):
+            variant = Variant.make("triton", kv=kv, q="bf16", num_splits=num_splits, block_n=block_n,
+                                   num_warps=num_warps, num_stages=1, dot_dtype="bf16", v_split=v_split,
+                                   qk_split=qk_split)
+            out = _run_variant(variant, data, device)
+            torch.cuda.synchronize()
+            _assert_close(out, _expected(data, kv, "bf16"), rules=("strict", "leaderboard"))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kv_lens", [[1], [17], [3000, 3000], [1, 17, 3000, 640, 2]])
 @pytest.mark.parametrize("num_splits", [1, 5, 16])
 def test_odd_and_ragged_lengths_on_gpu(kv_lens, num_splits, device):
