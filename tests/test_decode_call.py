@@ -269,8 +269,8 @@ def _mismatch(name: str):
         args.update(kv=torch.zeros(inp.kv.shape, dtype=torch.bfloat16), kv_scale=None)
     elif name == "no_scale":
         args["kv_scale"] = None
-    elif name == "float_scale":
-        args["kv_scale"] = 0.5
+    elif name == "float64_scale":  # a Python float is a kv_scale (tests/test_uint8_cache.py); this is not
+        args["kv_scale"] = torch.tensor([0.5], dtype=torch.float64)
     elif name == "batch":
         args["qo_indptr"] = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
     elif name == "too_many_tokens":
@@ -291,7 +291,7 @@ def _mismatch(name: str):
     ("both", "not kv_indptr"),
     ("bf16_kv", "kv must have an fp8 dtype"),
     ("no_scale", "fp8 KV needs kv_scale"),
-    ("float_scale", "fp8 KV needs kv_scale"),
+    ("float64_scale", "fp8 KV needs kv_scale"),
     ("batch", r"block_table must be an int32 \(3, max_pages\)"),
     ("too_many_tokens", "each brings 1 to 2"),
     ("block_table_dtype", "block_table must be an int32"),
