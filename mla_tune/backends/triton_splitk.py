@@ -161,10 +161,11 @@ def stage1_lds_floor(variant: Variant) -> int:
     """A lower bound on the shared memory (LDS) stage 1 of leaderboard `variant` needs, in
     bytes: the software pipeline keeps num_stages - 1 tiles of [block_n, 576] KV elements
     in it (num_stages >= 2), and without one the value operand passes through it ([block_n,
-    512 / v_split] KV elements). It held at every binary compiled for gfx950, gfx942 and
-    sm_90 under Triton 3.6 and 3.9 (xcompile.md; the measured sizes are up to 2.4x more):
-    a variant over a limit by it cannot load there; one under it may still not (the
-    compile check, mla-tune compile, measures)."""
+    512 / v_split] KV elements). It held for every stage-1 binary measured (xcompile.md's
+    sizes for gfx950, gfx942 and sm_90, and configs/mi355x.yaml's 716 candidates compiled
+    for gfx950 under Triton 3.6 and 3.9), often with equality, the largest 2.4x over it: a
+    variant over a limit by it cannot load there; one under it may still not (the compile
+    check, mla-tune compile, measures)."""
     p = variant.p
     elem = 1 if p["kv"] == "fp8" else 2
     if p["num_stages"] >= 2:
