@@ -17,7 +17,7 @@
 #   BASE=OLD_EXPORT.py bash scripts/gpu_acceptance.sh check   # issue 32 on one GPU: this
 #       tree's leaderboard export beside OLD_EXPORT.py (paired ratio, strict at the 12 shapes),
 #       the contest's ranked mode, then side by side the engine-call, integration, gluon and
-#       compile GPU tests and scripts/compile_vs_driver.py; GROUPS= replaces the test groups
+#       compile GPU tests and scripts/compile_vs_driver.py; TEST_GROUPS= (;-separated) replaces the test groups
 #   bash scripts/gpu_acceptance.sh table    # issue 10 on two GPUs: `mla-tune verify` of
 #       tables/H200.serving.yaml and the FlashInfer tests on GPU 1; on GPU 0 the fast-path and
 #       FlashMLA tests, the engine loop (bf16, fp8) beside FlashMLA, the 64 x 4000 example, host times
@@ -156,7 +156,7 @@ check)
   fi
   timed ranked timeout 200 python3 scripts/check_submission.py "$out/new_export.py" --ranked --shapes bench,test \
     --out "$out" 2>&1 | grep -v -i warn | tail -18
-  if [ -n "${GROUPS:-}" ]; then IFS=';' read -r -a groups <<< "$GROUPS"; else
+  if [ -n "${TEST_GROUPS:-}" ]; then IFS=';' read -r -a groups <<< "$TEST_GROUPS"; else
   groups=(
     "tests/test_gpu_engine_call.py tests/test_integrations_gpu.py"
     "tests/test_gluon_decode.py tests/test_gluon_ws.py"
