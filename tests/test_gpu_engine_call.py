@@ -98,6 +98,14 @@ def test_gluon_fused_build_takes_the_scale():
     data = problem.generate_input(shape.batch, shape.kv_len, seed=9, device="cuda")
     out = gluon.build(variant, shape, "cuda", sm_scale=DSV3)(*data[:4])
     torch.cuda.synchronize()
-    ref = problem.reference(data, "fp8", "fp8", sm_scale=DSV3)
+    # gluon_fused quantizes q in the kernel with one scale per (sequence, head), amax / 448;
+    # problem.reference's fp8 q has one scale per tensor. At 3.2x the leaderboard's scale the
+    # two quantizations' score errors differ enough to fail strict (60% of elements on the
+    # H200, 2026-12-02), so the reference quantizes q as the kernel does.
+    q = data[0].float()
+    q_scale = q.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 448.0
+    q_rows = (q / q_scale).to(torch.float8_e4m3fn).float() * q_scale
+    rowwise = (q_rows, *data[1:])  # fp32 q: reference("bf16", ...) takes it as it is
+    ref = problem.reference(rowwise, "bf16", "fp8", sm_scale=DSV3)
     assert problem.check(out, ref, problem.RULES["strict"]).passed
-    assert not problem.check(out, problem.reference(data, "fp8", "fp8"), problem.RULES["strict"]).passed
+    assert not problem.check(out, problem.reference(rowwise, "bf16", "fp8"), problem.RULES["strict"]).passed
