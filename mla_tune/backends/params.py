@@ -190,7 +190,8 @@ _PR_TSK_SERVING = ("kv", "q", "block_n", "block_h", "max_splits", "tokens_per_sp
 _PR_TSK_LEADERBOARD = ("kv", "q", "num_splits", "block_n", "num_warps", "num_stages", "dot_dtype")
 # Optional in a split-K leaderboard variant (absent: 1): stage-1 programs per split, each
 # multiplying its share of the value columns, and chunks of the score dot shared by the
-# warps (kernels/flash_decode.py, for AMD's register file).
+# warps (the split-K kernel's, for AMD's register file; a torch-only export carries this
+# module, so it names no kernel file).
 _PR_TSK_REGISTER_CHECKS = (("v_split", ParamChoice((1, 2))), ("qk_split", ParamChoice((1, 2, 4, 8))))
 
 _PR_FU_DOTS = ParamChoice(("fp16", "bf16", "fp8"))
