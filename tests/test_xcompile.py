@@ -20,7 +20,7 @@ from mla_tune.tune.sweep import plan_candidates, run_sweep
 from mla_tune.xcompile import check as xcheck
 from mla_tune.xcompile.capture import capture_candidate, recording
 from mla_tune.xcompile.resources import amd_resources, code_sha, cuda_resources
-from mla_tune.xcompile.targets import first_error_line, specialization, target_for
+from mla_tune.xcompile.targets import bind, first_error_line, specialization, target_for
 
 ROOT = Path(__file__).resolve().parent.parent
 MI355X_CONFIG = ROOT / "configs" / "mi355x.yaml"
@@ -79,6 +79,9 @@ def test_gluon_is_captured_for_sm_90_on_a_machine_without_it():
     first = item.launches[0]
     types = [t for t, _ in specialization(first.kernel, first.args, first.kwargs, target_for(facts))]
     assert any("tensordesc" in str(t) for t in types), types  # the TMA descriptor's own type
+    # compiled from Gluon's own source class, as its JIT does (plain ASTSource fails under 3.6)
+    bound = bind(first.kernel, first.grid, first.args, first.kwargs, target_for(facts))
+    assert type(bound.src).__name__ == "GluonASTSource"
 
 
 # ------------------------------------------------------------------ resources

@@ -88,14 +88,17 @@ def _compile_at(index: int) -> dict:
     return compile_bound(_PENDING[index], _LDS_LIMIT[0])
 
 
-def _compile_all(bounds: list, lds_limit: int, jobs: int, log) -> list[dict]:
-    """compile_bound of each, in `jobs` forked processes (serially with jobs 1)."""
+def _compile_all(bounds: list, lds_limit: int, jobs: int, log, keep=None) -> list[dict]:
+    """compile_bound of each, in `jobs` forked processes (serially with jobs 1); `keep` is
+    called with each record as it comes (the cache), so a stopped check keeps its work."""
+    keep = keep or (lambda record: None)
     _PENDING[:] = bounds
     _LDS_LIMIT[0] = lds_limit
     records: list[dict | None] = [None] * len(bounds)
     every = max(1, len(bounds) // 10)
 
     def note(done: int, i: int) -> None:  # about ten progress lines, and every error
+        keep(records[i])
         if done % every == 0 or done == len(bounds) or not records[i]["ok"]:
             log(f"compiled {done}/{len(bounds)}: {bounds[i].name} "
                 + ("ok" if records[i]["ok"] else f"ERROR {records[i]['error']}"))
@@ -185,13 +188,15 @@ def check_plan(plan: dict[Shape, list[Variant]], gpu: str, jobs: int | None = No
                 records[key] = cached
     todo = [b for key, b in bounds.items() if key not in records]
     log(f"{len(records)} cached, {len(todo)} to compile in {min(jobs, max(1, len(todo)))} processes")
-    for record in _compile_all(todo, facts.lds_bytes, jobs, log):
-        records[record["key"]] = record
+    def keep(record: dict) -> None:
         if use_cache and not record.get("crashed"):
             try:
                 atomic_write_text(folder / f"{record['key']}.json", json.dumps(record))
             except MlaTuneError as exc:  # an unwritable cache costs the next run time, no more
                 log(f"compile cache not written: {exc}")
+
+    for record in _compile_all(todo, facts.lds_bytes, jobs, log, keep):
+        records[record["key"]] = record
     binaries = []
     for key in bounds:
         record = dict(records[key])

@@ -5,8 +5,9 @@
 specializes every argument (16-byte alignment, and on AMD the buffer-op pointer range of a
 tensor whose storage is at most 2 GiB), `_pack_args` makes the signature, constexprs,
 attributes and options, and `triton.compile(ASTSource(...), target=..., options=...)`
-compiles them. HIP-only launch options (waves_per_eu, matrix_instr_nonkdim, kpack) are
-dropped for CUDA, where candidates() never adds them. Read in Triton 3.6.0 and 3.9.0;
+compiles them (GluonASTSource for a Gluon kernel, as its JIT does). HIP-only launch
+options (waves_per_eu, matrix_instr_nonkdim, kpack) are dropped for CUDA, where
+candidates() never adds them. Read in Triton 3.6.0 and 3.9.0;
 3.6's knobs have no `fpsan_homomorphic_casts`, which is passed only where it exists.
 
 A binary's key is the SHA-256 of the Triton version, the target, the source's hash (the
@@ -91,8 +92,12 @@ def bind(kernel, grid, args: tuple, kwargs: dict, target: GPUTarget) -> Bound:
     """Bind one captured launch `kernel[grid](*args, **kwargs)` for `target`."""
     backend, kw, bound, specialization, options = _binding(kernel, args, kwargs, target)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kw, bound, specialization, options)
-    src = ASTSource(kernel, signature, constexprs, attrs)
-    text = "|".join((triton.__version__, repr(target), src.hash(), options.hash(), str(RESOURCES_VERSION)))
+    source = ASTSource
+    if getattr(kernel, "is_gluon", lambda: False)():  # as GluonJITFunction.create_binder does
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    src = source(kernel, signature, constexprs, attrs)
+    parts = [triton.__version__, repr(target), src.hash(), options.hash(), str(RESOURCES_VERSION)]
+    text = "|".join(parts + ([source.__name__] if source is not ASTSource else []))
     key = hashlib.sha256(text.encode()).hexdigest()
     if callable(grid):
         grid = grid(bound)
