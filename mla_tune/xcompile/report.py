@@ -105,7 +105,7 @@ def markdown(report: dict, command: str) -> str:
     head = ("VGPR+AGPR", "scratch B", "LDS B", "MMA", "waves/SIMD") if hip else \
         ("registers", "spill stores B", "smem B", "MMA", "CTAs/warps per SM")
     out += ["", f"| status | kernel | {' | '.join(head)} | candidates | first user |",
-            "|" + "---|" * (len(head) + 5)]
+            "|" + "---|" * (len(head) + 4)]
     for b in report["binaries"]:
         status = ("ok" if not b.get("over_lds") else "over LDS") if b.get("ok") else "ERROR"
         first = f"{b['users'][0][0]} `{b['users'][0][1]}`" if b["users"] else ""
