@@ -67,6 +67,24 @@ def test_deepseek_scale_and_lse_through_each_backend(name, kv, lse):
         assert float((got_lse - ref_lse).abs().max()) < 5e-2
 
 
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_split_k_lse_with_two_new_tokens(kv):
+    """Split-K's LSE at q_len 1 and 2 (causal among the new tokens), a split every 64
+    tokens: kv_len 1 and 17 in one split (stage 1 writes the LSE), the others in several
+    (stage 2's merge)."""
+    spec = CallSpec(kv, page_size=64, heads=128, max_q_len=2, mixed_q_len=True, sm_scale=DSV3, return_lse=True)
+    default = _decoder("triton", spec)
+    decoder = Decoder(spec, variant=default.variant.with_params(tokens_per_split=64), device="cuda")
+    inp = serving.make_input([1, 2, 2, 1, 2, 2], KV_LENS, 128, 64, kv, seed=7, device="cuda")
+    out, lse = decoder(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
+    torch.cuda.synchronize()
+    q_format = {"bf16": "bf16", "fp8_dynamic": "fp8", "fp8_static": "fp8_static"}[decoder.variant.get("q")]
+    ref, ref_lse = inp.reference(q_format, decoder.variant.get("q_amax"), sm_scale=DSV3, return_lse=True)
+    assert problem.check(out.float(), ref, problem.RULES["strict"]).passed
+    assert tuple(lse.shape) == (inp.q.shape[0], 128) and lse.dtype == torch.float32
+    assert float((lse - ref_lse).abs().max()) < 5e-2
+
+
 @pytest.mark.parametrize("backend", ["triton", "triton_fused", "flashmla"])
 def test_a_uint8_cache_through_a_plan(backend):
     spec = CallSpec("fp8", page_size=64, heads=128, max_q_len=1, sm_scale=DSV3, cache_dtype="uint8")

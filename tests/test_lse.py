@@ -3,11 +3,10 @@ run return (out, lse), lse the natural-log log-sum-exp of each (new token, head)
 scores, (total_q, heads) float32, as vLLM's MLA backends merge it (`lse_base_on_e`).
 
 Backends declare it in CAPABILITIES.lse: triton_fused (its reduction keeps the running
-max and sum), FlashMLA (softmax_lse: natural log, (batch, h_q, s_q)), FlashInfer (asked
-for natural log: its default is base 2). The split-K family declares False (its one-split
-sequences write the output from stage 1, which keeps no LSE), so a spec asking for the
-LSE never picks it. Checked here through the interpreter and the vendors' fakes against
-the fp32 reference's LSE, at DeepSeek-V3's scale.
+max and sum), the split-K family (stage 1 writes it for a one-split sequence, stage 2 from
+the splits' merge), FlashMLA (softmax_lse: natural log, (batch, h_q, s_q)), FlashInfer
+(asked for natural log: its default is base 2). Checked here through the interpreter and
+the vendors' fakes against the fp32 reference's LSE, at DeepSeek-V3's scale.
 """
 
 from __future__ import annotations
@@ -46,10 +45,36 @@ def _assert_lse(lse: torch.Tensor, ref_lse: torch.Tensor, what: str) -> None:
 
 def test_the_capability_record_says_who_returns_it():
     assert {name: capabilities(name).lse for name in ("triton", "triton_fused", "flashmla", "flashinfer")} == {
-        "triton": False, "triton_fused": True, "flashmla": True, "flashinfer": True}
+        "triton": True, "triton_fused": True, "flashmla": True, "flashinfer": True}
     spec = CallSpec("bf16", page_size=16, return_lse=True)
-    assert capabilities("triton").refusal(spec) == "it does not return the LSE (return_lse)"
-    assert Decoder(spec).backend == "triton_fused"  # the preference order passes over triton
+    assert capabilities("triton").refusal(spec) is None
+    assert Decoder(spec).backend == "triton"  # the first of the preference order
+
+
+# Split-K (backend triton): kv_len 1 and 17 run in one split (stage 1 writes out and LSE),
+# the few hundred in several (stage 2 merges them); max_splits 1 runs every sequence in one.
+SPLITK = [("bf16", 1, 4), ("fp8", 1, 4), ("bf16", 2, 4), ("fp8", 2, 4), ("bf16", 2, 1)]
+
+
+@pytest.mark.parametrize("kv,q_len,max_splits", SPLITK, ids=[f"{k}-q{q}-s{s}" for k, q, s in SPLITK])
+def test_split_k_returns_the_references_lse(kv, q_len, max_splits):
+    spec = CallSpec(kv, page_size=16, heads=16, max_q_len=q_len, mixed_q_len=q_len > 1, sm_scale=DSV3,
+                    return_lse=True)
+    backend = get_backend("triton")
+    variant = backend.default_serving_variant(spec, gpu.detect()).with_params(max_splits=max_splits,
+                                                                             tokens_per_split=64)
+    q_lens = [1, q_len, q_len]
+    kv_lens = [1, 17, 300]
+    inp = serving.make_input(q_lens, kv_lens, 16, 16, kv, seed=13)
+    runner = backend.build_serving(variant, spec, "cpu")
+    out, lse = runner(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
+    counts = runner.workspace.split_count[:3].tolist()
+    assert counts[:2] == [1, 1] and (counts[2] > 1) == (max_splits > 1), counts  # both branches ran
+    ref, ref_lse = inp.reference(sm_scale=DSV3, return_lse=True)
+    _assert_lse(lse, ref_lse, f"triton {kv} q_len {q_len} max_splits {max_splits}")
+    assert float((out.float() - ref).abs().max()) < 0.05
+    # at the leaderboard's scale the LSE is another: the scale reaches it
+    assert float((lse - inp.reference(return_lse=True)[1]).abs().max()) > 0.5
 
 
 CASES = [("triton_fused", "bf16", 2), ("triton_fused", "fp8", 1), ("flashmla", "bf16", 2), ("flashmla", "fp8", 1),

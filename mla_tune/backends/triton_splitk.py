@@ -59,6 +59,7 @@ CAPABILITIES = Capabilities(
     mixed_q_len=True,
     graph_safe=True,  # split counts computed on the device, buffers sized from maxima
     precompile=True,
+    lse=True,  # flash_decode_serving writes it (lse=): stage 1 for one split, else stage 2
 )
 
 _tsk_KV_FORMATS = ("bf16", "fp8")
@@ -452,8 +453,9 @@ def build_serving(variant: Variant, spec: CallSpec, device):
     for calls of `spec` (the serving-call contract, docs/runtime.md): it owns out
     and its scratch, allocated on the first call and again only when a call brings more
     new tokens than any before (at least doubling), never from the data; it reads no
-    device tensor on the host, so a CUDA graph can hold it. Returns out[:total_q]. The
-    softmax scale is spec.sm_scale (a runtime argument of the kernels)."""
+    device tensor on the host, so a CUDA graph can hold it. Returns out[:total_q], or
+    (out, lse) with spec.return_lse (natural log, (total_q, heads) float32, a buffer it owns
+    too). The softmax scale is spec.sm_scale (a runtime argument of the kernels)."""
     validate(variant)
     check_serving_build(NAME, variant, spec, CAPABILITIES, _tsk_is_serving(variant), _tsk_MMA_ROWS)
     p = variant.p

@@ -492,13 +492,16 @@ def _fd_split_counts(KV_INDPTR, SEQ_LENS, idx, batch, total, budget, share_round
 def _fd_serving_stage1_kernel(
     Q, QO_INDPTR, KV, KV_SCALE, KV_INDPTR, BLOCK_TABLE, SEQ_LENS, Q_AMAX,
     batch, total_q, tokens_per_split, split_budget, bt_stride, q_static_scale, fp8_max, qk_scale,
-    Out, PartOut, PartLse, SplitCount, SplitOff,
+    Out, PartOut, PartLse, SplitCount, SplitOff, Lse,
     H: tl.constexpr, BLOCK_H: tl.constexpr, Q_LEN_MAX: tl.constexpr, MAX_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr,
     Q_MODE: tl.constexpr, FP8_MIN_EXP: tl.constexpr, KV_SCALED: tl.constexpr, KV_OFF64: tl.constexpr,
     AMAX_CHUNK: tl.constexpr, SCHED_CHUNK: tl.constexpr, D_NOPE: tl.constexpr,
-    D_ROPE: tl.constexpr, D_QK: tl.constexpr, ITEM_LOOP: tl.constexpr,
+    D_ROPE: tl.constexpr, D_QK: tl.constexpr, ITEM_LOOP: tl.constexpr, WITH_LSE: tl.constexpr = False,
 ):
+    # WITH_LSE: Lse (total_q, H) float32 receives each (new token, head)'s log-sum-exp in
+    # natural log, from here for a one-split sequence, else from stage 2. Without it Lse is
+    # None (a constexpr): the kernel's signature and code are those without the option.
     # Head tiles of one (sequence, split) are neighbours in launch order: they read the
     # same KV tiles at about the same time, so all but the first find them in L2.
     pid_h = tl.program_id(0)
@@ -548,18 +551,18 @@ def _fd_serving_stage1_kernel(
             _fd_serving_item(
                 Q, QO_INDPTR, KV, KV_SCALE, KV_INDPTR, BLOCK_TABLE, SEQ_LENS, Q_AMAX,
                 batch, total_q, tokens_per_split, bt_stride, q_static_scale, fp8_max, qk_scale,
-                Out, PartOut, PartLse, pid_h, item, total, budget, share_round,
+                Out, PartOut, PartLse, Lse, pid_h, item, total, budget, share_round,
                 H, BLOCK_H, Q_LEN_MAX, MAX_SPLITS, BLOCK_N, PAGE_SIZE, DOT_DTYPE, Q_MODE,
-                FP8_MIN_EXP, KV_SCALED, KV_OFF64, AMAX_CHUNK, SCHED_CHUNK, D_NOPE, D_ROPE, D_QK,
+                FP8_MIN_EXP, KV_SCALED, KV_OFF64, AMAX_CHUNK, SCHED_CHUNK, D_NOPE, D_ROPE, D_QK, WITH_LSE,
             )
     else:
         if prog < n_items:
             _fd_serving_item(
                 Q, QO_INDPTR, KV, KV_SCALE, KV_INDPTR, BLOCK_TABLE, SEQ_LENS, Q_AMAX,
                 batch, total_q, tokens_per_split, bt_stride, q_static_scale, fp8_max, qk_scale,
-                Out, PartOut, PartLse, pid_h, prog, total, budget, share_round,
+                Out, PartOut, PartLse, Lse, pid_h, prog, total, budget, share_round,
                 H, BLOCK_H, Q_LEN_MAX, MAX_SPLITS, BLOCK_N, PAGE_SIZE, DOT_DTYPE, Q_MODE,
-                FP8_MIN_EXP, KV_SCALED, KV_OFF64, AMAX_CHUNK, SCHED_CHUNK, D_NOPE, D_ROPE, D_QK,
+                FP8_MIN_EXP, KV_SCALED, KV_OFF64, AMAX_CHUNK, SCHED_CHUNK, D_NOPE, D_ROPE, D_QK, WITH_LSE,
             )
 
 
@@ -567,12 +570,12 @@ def _fd_serving_stage1_kernel(
 def _fd_serving_item(
     Q, QO_INDPTR, KV, KV_SCALE, KV_INDPTR, BLOCK_TABLE, SEQ_LENS, Q_AMAX,
     batch, total_q, tokens_per_split, bt_stride, q_static_scale, fp8_max, qk_scale,
-    Out, PartOut, PartLse, pid_h, item, total, budget, share_round,
+    Out, PartOut, PartLse, Lse, pid_h, item, total, budget, share_round,
     H: tl.constexpr, BLOCK_H: tl.constexpr, Q_LEN_MAX: tl.constexpr, MAX_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr,
     Q_MODE: tl.constexpr, FP8_MIN_EXP: tl.constexpr, KV_SCALED: tl.constexpr, KV_OFF64: tl.constexpr,
     AMAX_CHUNK: tl.constexpr, SCHED_CHUNK: tl.constexpr, D_NOPE: tl.constexpr, D_ROPE: tl.constexpr,
-    D_QK: tl.constexpr,
+    D_QK: tl.constexpr, WITH_LSE: tl.constexpr,
 ):
     """The batch's item-th split: the sequence it falls in (how many sequences end at or
     before it) and where that sequence's splits start, then its attention; nothing past
@@ -592,9 +595,9 @@ def _fd_serving_item(
         _fd_serving_split(
             Q, QO_INDPTR, KV, KV_SCALE, KV_INDPTR, BLOCK_TABLE, SEQ_LENS, Q_AMAX,
             total_q, tokens_per_split, bt_stride, q_static_scale, fp8_max, qk_scale,
-            Out, PartOut, PartLse, pid_h, item, pid_b, item - first, total, budget, share_round, batch,
+            Out, PartOut, PartLse, Lse, pid_h, item, pid_b, item - first, total, budget, share_round, batch,
             H, BLOCK_H, Q_LEN_MAX, MAX_SPLITS, BLOCK_N, PAGE_SIZE, DOT_DTYPE, Q_MODE,
-            FP8_MIN_EXP, KV_SCALED, KV_OFF64, AMAX_CHUNK, D_NOPE, D_ROPE, D_QK,
+            FP8_MIN_EXP, KV_SCALED, KV_OFF64, AMAX_CHUNK, D_NOPE, D_ROPE, D_QK, WITH_LSE,
         )
 
 
@@ -602,14 +605,16 @@ def _fd_serving_item(
 def _fd_serving_split(
     Q, QO_INDPTR, KV, KV_SCALE, KV_INDPTR, BLOCK_TABLE, SEQ_LENS, Q_AMAX,
     total_q, tokens_per_split, bt_stride, q_static_scale, fp8_max, qk_scale,
-    Out, PartOut, PartLse, pid_h, item, pid_b, pid_s, total, budget, share_round, batch,
+    Out, PartOut, PartLse, Lse, pid_h, item, pid_b, pid_s, total, budget, share_round, batch,
     H: tl.constexpr, BLOCK_H: tl.constexpr, Q_LEN_MAX: tl.constexpr, MAX_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr,
     Q_MODE: tl.constexpr, FP8_MIN_EXP: tl.constexpr, KV_SCALED: tl.constexpr, KV_OFF64: tl.constexpr,
     AMAX_CHUNK: tl.constexpr, D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, D_QK: tl.constexpr,
+    WITH_LSE: tl.constexpr,
 ):
     """Split pid_s of sequence pid_b, the batch's item-th, for head tile pid_h: its
-    output rows (one split) or its partials and log2-sum-exps (several)."""
+    output rows (one split; WITH_LSE, their natural-log LSE too) or its partials and
+    log2-sum-exps (several)."""
     seq_len = _fd_seq_len(KV_INDPTR, SEQ_LENS, pid_b, pid_b < batch, PAGE_SIZE)
     split_len = _fd_split_len(seq_len, total, budget, share_round, tokens_per_split, BLOCK_N, MAX_SPLITS)
     num_splits = tl.cdiv(seq_len, split_len)
@@ -709,6 +714,9 @@ def _fd_serving_split(
     if num_splits == 1:
         o_ptr = Out + first_row * D_NOPE + row_off[:, None] * D_NOPE + offs_d[None, :]
         tl.store(o_ptr, out.to(tl.bfloat16), mask=row_ok[:, None])
+        if WITH_LSE:  # one split holds token 0, which every row sees: l_i > 0; log2 -> natural log
+            tl.store(Lse + first_row + row_off, (m_i + tl.log2(tl.where(has_tokens, l_i, 1.0))) * 0.6931471805599453,
+                     mask=row_ok)
     else:
         # Partials are (item, new token, head) rows: the item's Q_LEN_MAX x H of them.
         part_row = (tl.cast(item, tl.int64) * Q_LEN_MAX) * H + pid_h * BLOCK_H
@@ -721,10 +729,12 @@ def _fd_serving_split(
 
 @triton.jit
 def _fd_serving_stage2_kernel(
-    QO_INDPTR, SplitCount, SplitOff, PartOut, PartLse, Out,
+    QO_INDPTR, SplitCount, SplitOff, PartOut, PartLse, Out, Lse,
     H: tl.constexpr, Q_LEN_MAX: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr,
-    D_SLICE: tl.constexpr,
+    D_SLICE: tl.constexpr, WITH_LSE: tl.constexpr = False,
 ):
+    # WITH_LSE: the slice at d0 0 also writes the merged log-sum-exp, natural log, to Lse
+    # (None without it, a constexpr: the code without the option).
     # One program per (sequence, new token, head, slice of D): with slices, a long
     # sequence's hundreds of splits are a short loop of wide chunks.
     pid_b = tl.program_id(0)
@@ -758,6 +768,9 @@ def _fd_serving_stage2_kernel(
         m = m_new
     q_tok = (q_start + q_idx).to(tl.int64)
     tl.store(Out + (q_tok * H + pid_h) * D + offs_d, (acc / wsum).to(tl.bfloat16))
+    if WITH_LSE:
+        if d0 == 0:  # the splits' LSEs are log2 units of the scores: m + log2(sum), times ln 2
+            tl.store(Lse + q_tok * H + pid_h, (m + tl.log2(wsum)) * 0.6931471805599453)
 
 
 @dataclass
@@ -828,6 +841,7 @@ def flash_decode_serving(
     hip_options: dict | None = None,
     sm_scale: float = SM_SCALE,
     record: list | None = None,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MLA decode attention for the serving call; writes and returns `out`.
 
@@ -861,6 +875,10 @@ def flash_decode_serving(
     Nothing here reads a device tensor or allocates once a workspace is given.
     record: a list to which each launch appends what replays it (kernels/launch.py); the
     launches are the same with and without it.
+    lse: a contiguous (total_q, heads) float32 tensor that receives each (new token, head)'s
+    log-sum-exp of its scaled scores, in natural log (the engines' convention), written by
+    stage 1 for a one-split sequence and by stage 2 otherwise (the kernels' WITH_LSE); None:
+    not computed, and the kernels are the ones compiled without it.
     """
     page_size = check_serving_launch(
         q, qo_indptr, kv, kv_scale, out, kv_indptr=kv_indptr, block_table=block_table,
@@ -875,6 +893,10 @@ def flash_decode_serving(
                          f"{', '.join(_fd_Q_MODES)}; got {dot_dtype!r}, {q_mode!r}")
     if q_mode == "fp8_static" and not (q_scale is not None and q_scale > 0):
         raise ValueError("q_mode fp8_static needs q_scale = q_amax / fp8_max > 0")
+    if lse is not None and (tuple(lse.shape) != (total_q, heads) or lse.dtype != torch.float32
+                            or not lse.is_contiguous()):
+        raise ValueError(f"lse must be a contiguous float32 ({total_q}, {heads}) tensor, got "
+                         f"{lse.dtype} {tuple(lse.shape)}")
     if isinstance(split_budget, bool) or not isinstance(split_budget, int) or not 0 <= split_budget < 2**31:
         raise ValueError(f"split_budget must be an integer >= 0 (0: max_splits per sequence), got {split_budget!r}")
     tiles = heads // block_h
@@ -909,13 +931,13 @@ def flash_decode_serving(
         q, qo_indptr, kv, kv_scale if kv_scaled else dummy, *seq_ptrs, workspace.q_amax,
         batch, total_q, tokens_per_split, split_budget, bt_stride,
         float(q_scale or 1.0), float(torch.finfo(q_fp8_dtype).max), float(sm_scale * _fd_LOG2E),
-        out, workspace.part_out, workspace.part_lse, workspace.split_count, workspace.split_off,
+        out, workspace.part_out, workspace.part_lse, workspace.split_count, workspace.split_off, lse,
         H=heads, BLOCK_H=block_h, Q_LEN_MAX=q_len_max, MAX_SPLITS=max_splits, BLOCK_N=block_n,
         PAGE_SIZE=page_size, DOT_DTYPE=_fd_DOT_DTYPES[dot_dtype], Q_MODE=_fd_Q_MODES[q_mode],
         FP8_MIN_EXP=fp8_min_exp, KV_SCALED=kv_scaled, KV_OFF64=kv.numel() >= 2**31,
         AMAX_CHUNK=_fd_AMAX_CHUNK, SCHED_CHUNK=_fd_SCHED_CHUNK, D_NOPE=KV_LORA_RANK,
-        D_ROPE=QK_ROPE_DIM, D_QK=QK_DIM, ITEM_LOOP=item_loop, num_warps=num_warps,
-        num_stages=num_stages, **extra,
+        D_ROPE=QK_ROPE_DIM, D_QK=QK_DIM, ITEM_LOOP=item_loop, WITH_LSE=lse is not None,
+        num_warps=num_warps, num_stages=num_stages, **extra,
     )
     if max_splits > 1:
         per_step = reduce_splits_per_step(batch, max_q_len, heads, _fd_WIDE_REDUCE)
@@ -923,7 +945,7 @@ def flash_decode_serving(
         jit_launch(
             _fd_serving_stage2_kernel, (batch, max_q_len, heads * slices), record,
             qo_indptr, workspace.split_count, workspace.split_off, workspace.part_out,
-            workspace.part_lse, out, H=heads, Q_LEN_MAX=q_len_max, BLOCK_S=per_step,
-            D=V_DIM, D_SLICE=V_DIM // slices, num_warps=4,
+            workspace.part_lse, out, lse, H=heads, Q_LEN_MAX=q_len_max, BLOCK_S=per_step,
+            D=V_DIM, D_SLICE=V_DIM // slices, WITH_LSE=lse is not None, num_warps=4,
         )
     return out
