@@ -124,6 +124,30 @@ def test_full_export_runs_without_mla_tune_and_matches_the_reference(tmp_path):
     assert "misses [(2, 24), (3, 16)]" in stdout
 
 
+def test_exported_custom_kernel_honours_config_sm_scale(tmp_path):
+    """config["sm_scale"] other than the leaderboard's runs a dispatcher at that scale (built
+    on first use); the leaderboard's scale keeps the default dispatcher (its misses below)."""
+    from mla_tune.core import CORE_DEEPSEEK_V3_SCALE as DSV3
+
+    path = export_submission(TABLE, tmp_path / "submission.py")
+    text = _assert_clean(path)
+    assert "dispatcher = _EXPORT_DISPATCHER if sm_scale == SM_SCALE else _export_scaled(sm_scale)" in text
+    # (1, 8): torch row; (2, 40): triton row; (2, 24): the triton fallback; then (2, 40) at
+    # the leaderboard's scale
+    cases = []
+    for i, (b, n) in enumerate([(1, 8), (2, 40), (2, 24)]):
+        case = generate_input(b, n, seed=20 + i, device="cpu")
+        cases.append((*case[:4], {**case[4], "sm_scale": DSV3}))
+    cases.append(generate_input(2, 40, seed=23, device="cpu"))
+    outs, stdout = _run_exported(tmp_path, "submission", cases)
+    for out, case, kv_format in zip(outs, cases, ["bf16", "fp8", "fp8", "fp8"], strict=True):
+        scale = case[4]["sm_scale"]
+        assert check(out, reference(case, q_format="bf16", kv_format=kv_format, sm_scale=scale), RULE).passed
+        if scale == DSV3:  # the leaderboard's scale would be wrong here: the scale was used
+            assert not check(out, reference(case, q_format="bf16", kv_format=kv_format), RULE).passed
+    assert "misses []" in stdout  # the fallback shape ran on the scaled dispatcher, not the default
+
+
 def test_torch_only_export_carries_no_triton_code_and_uses_torch_alternates(tmp_path):
     path = export_submission(TABLE, tmp_path / "torch_only.py", only_backends=["torch"])
     text = _assert_clean(path)
