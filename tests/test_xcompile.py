@@ -251,7 +251,9 @@ def test_every_distinct_binary_of_the_mi355x_plan_compiles_for_gfx950():
     print(f"MI355X: {len(report['binaries'])} binaries in {time.monotonic() - t0:.0f} s")
 
 
-H200_SAMPLE_EVERY = 7  # one candidate in 7 per backend and shape, plus every gluon_fused one at 2 shapes
+# One triton / triton_fused candidate in 25 per shape and every second gluon_fused one at 2
+# shapes: 72 candidates and q_quant, 43 distinct binaries (of about 200 in the whole plan).
+H200_SAMPLE_EVERY = 25
 
 
 def test_a_sample_of_the_h200_plan_compiles_for_sm_90_triton_and_gluon():
@@ -260,7 +262,7 @@ def test_a_sample_of_the_h200_plan_compiles_for_sm_90_triton_and_gluon():
     for shape, variants in planned.plan.items():
         own = [v for v in variants if v.backend in ("triton", "triton_fused")]
         gluon = [v for v in variants if v.backend == "gluon_fused"]
-        plan[shape] = own[::H200_SAMPLE_EVERY] + (gluon if shape in (Shape(4, 1024), Shape(256, 8192)) else [])
+        plan[shape] = own[::H200_SAMPLE_EVERY] + (gluon[::2] if shape in (Shape(4, 1024), Shape(256, 8192)) else [])
     assert any(v.backend == "gluon_fused" for vs in plan.values() for v in vs)
     report = xcheck.check_plan(plan, "H200", jobs=2, q_quant=True)
     failed = [(b["kernel"], b["error"]) for b in report["binaries"] if not b["ok"]]
