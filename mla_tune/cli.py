@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
+from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
@@ -108,6 +109,14 @@ _JsonOption = Annotated[bool, typer.Option(
     "--json", help="Print JSON for scripts instead of the text view.")]
 
 
+class CompileCheck(str, Enum):
+    """sweep --compile-check: the cross-compile check before a sweep, on, off or auto."""
+
+    auto = "auto"
+    on = "on"
+    off = "off"
+
+
 @app.command()
 def sweep(
     gpu: Annotated[str, typer.Option(
@@ -132,11 +141,11 @@ def sweep(
     budget: Annotated[float | None, typer.Option(
         help="Seconds this sweep may take, instead of the config's budget_s (a stopped serving "
              "sweep resumes with the same command).")] = None,
-    compile_check: Annotated[bool | None, typer.Option(
-        "--compile-check/--no-compile-check",
+    compile_check: Annotated[CompileCheck, typer.Option(
+        "--compile-check", case_sensitive=False,
         help="Cross-compile the plan's own kernels for the GPU first and drop the candidates that "
              "do not compile, exceed its shared memory or duplicate another's binary (as `mla-tune "
-             "compile` does). On by default for a sweep on a GPU, off for --dry-run.")] = None,
+             "compile` does): on, off, or auto (on for a sweep on a GPU, off for --dry-run).")] = CompileCheck.auto,
 ) -> None:
     """Sweep every candidate kernel per shape on this GPU and write its dispatch table.
 
@@ -150,8 +159,8 @@ def sweep(
         raise _usage_error(f"--budget must be a positive number of seconds, got {budget}")
     if budget is not None:
         timeout["budget_s"] = budget
-    if compile_check is not None:
-        timeout["compile_check"] = compile_check
+    if compile_check is not CompileCheck.auto:
+        timeout["compile_check"] = compile_check is CompileCheck.on
     device_list = None
     if devices is not None:
         try:
@@ -201,9 +210,9 @@ def compile_(
         "--markdown", help="Print a Markdown section (for docs/compile.md) instead of the text view.")] = False,
     users: Annotated[bool, typer.Option(
         "--users", help="List under each binary every candidate that launches it.")] = False,
-    cache: Annotated[bool, typer.Option(
-        "--cache/--no-cache", help="Reuse and keep results by binary key in $MLA_TUNE_CACHE/compile "
-                                   "(default ~/.cache/mla-tune/compile).")] = True,
+    no_cache: Annotated[bool, typer.Option(
+        "--no-cache", help="Compile everything again instead of reusing and keeping results by "
+                           "binary key in $MLA_TUNE_CACHE/compile (default ~/.cache/mla-tune/compile).")] = False,
 ) -> None:
     """Cross-compile every distinct kernel binary of the sweep's plan for a GPU, without it.
 
@@ -229,14 +238,14 @@ def compile_(
             typer.echo(f"  {text}", err=True)
 
         if triton_python:
-            report = run_in(triton_python, gpu, jobs, cache, config=config, log=progress)
+            report = run_in(triton_python, gpu, jobs, not no_cache, config=config, log=progress)
         else:
             from mla_tune.gpu import fake_platform
             from mla_tune.tune.config import load_config
             from mla_tune.tune.sweep import plan_candidates
 
             planned = plan_candidates(load_config(config), fake_platform(gpu), planning_only=True)
-            report = check_plan(planned.plan, gpu, jobs, cache, log=progress)
+            report = check_plan(planned.plan, gpu, jobs, not no_cache, log=progress)
             report["config"] = str(config)
     from mla_tune.xcompile.report import markdown, text_lines
 

@@ -226,7 +226,7 @@ def _dry_run(config: Config, gpu: str, out: Path, results_path: Path, console: C
     where = f"planned for {gpu}; this machine has {found.device_name}" if absent else found.device_name
     print_plan(config, gpu, where, out, results_path, devices, planned, fitted, costs, console)
     if not check and gpu in gpu_mod.KNOWN_GPUS:
-        console.print(escape(f"  compile check: not run; --compile-check (or `mla-tune compile --gpu {gpu}`) "
+        console.print(escape(f"  compile check: not run; --compile-check on (or `mla-tune compile --gpu {gpu}`) "
                              "cross-compiles the plan and drops what fails"))
     return SweepSummary(
         counts=dict.fromkeys(STATUSES, 0), timed=0, elapsed_s=0.0, table_path=None,
