@@ -56,6 +56,7 @@ class Platform:
     versions: dict = field(default_factory=dict, compare=False, hash=False)
     simulated: bool = False  # set only by the FAKE_PLATFORM_ENV testing hook
     smem_per_sm: int = 0  # shared memory per SM in bytes, as the device reports it (0: unknown)
+    lds_bytes: int = 0  # one kernel's shared memory / LDS limit, from KNOWN_GPUS (0: unknown)
 
     @property
     def tags(self) -> frozenset[str]:
@@ -132,7 +133,13 @@ def detect(device: int | None = None) -> Platform:
         driver=_driver_version(),
         versions=software_versions(),
         smem_per_sm=int(getattr(props, "shared_memory_per_multiprocessor", 0) or 0),  # torch >= 2.7
+        lds_bytes=_known_lds(canonical_gpu_name(props.name, arch)),
     )
+
+
+def _known_lds(name: str) -> int:
+    facts = KNOWN_GPUS.get(name)
+    return facts.lds_bytes if facts is not None else 0
 
 
 @dataclass(frozen=True)
@@ -182,7 +189,7 @@ def fake_platform(name: str = "H200") -> Platform:
     if facts is None:
         return Platform(name, name, "unknown", False, _UNKNOWN_GPU_SMS, "", software_versions())
     return Platform(name, facts.device_name, facts.arch, facts.is_hip, facts.sm_count, "",
-                    software_versions())
+                    software_versions(), lds_bytes=facts.lds_bytes)
 
 
 def simulated_platform(name: str) -> Platform:

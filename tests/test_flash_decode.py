@@ -289,8 +289,13 @@ def test_candidates_refuse_what_cannot_fit_the_platforms_lds():
     mi355x = dataclasses.replace(fake_platform("MI355X"), smem_per_sm=160 * 1024)
     assert triton_splitk.lds_refusal(big, mi355x) is None
     assert len(triton_splitk.candidates(Shape(4, 1024), space, mi355x)) == 2
+    # planning without the GPU: the limit comes from gpu.KNOWN_GPUS, so a dry run refuses too
+    assert triton_splitk.lds_refusal(big, fake_platform("MI300X")) == reason
+    assert {v.get("block_n") for v in triton_splitk.candidates(Shape(4, 1024), space,
+                                                               fake_platform("MI300X"))} == {32}
     # a platform that states no limit refuses nothing
-    assert triton_splitk.lds_refusal(big, fake_platform("MI300X")) in (None, reason)
+    unknown = dataclasses.replace(fake_platform("MI300X"), lds_bytes=0)
+    assert triton_splitk.lds_refusal(big, unknown) is None
 
 
 # ------------------------------------------------------------------------------ GPU

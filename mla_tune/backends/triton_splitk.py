@@ -179,7 +179,7 @@ def lds_refusal(variant: Variant, platform) -> str | None:
     stage-1 floor (stage1_lds_floor) over the platform's per-kernel limit. The limit is
     `platform.lds_bytes` where the platform carries it, else the shared memory per SM the
     device reported (`smem_per_sm`); with neither (0), nothing is refused."""
-    limit = getattr(platform, "lds_bytes", 0) or platform.smem_per_sm
+    limit = platform.lds_bytes or platform.smem_per_sm
     if not limit or _tsk_is_serving(variant):
         return None
     need = stage1_lds_floor(variant)
