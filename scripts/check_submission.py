@@ -27,7 +27,9 @@ ahead of each call, every output checked under the `leaderboard` rule against th
 reference of a copy of its inputs taken before the call. It stops early as eval.py does (the
 mean's relative error under 0.1%, or 30 s of kernel time). The figure is the mean, as the
 contest ranks; a shape passes only if every call passed. With `--against`, both files run
-the same seeds, alternating per call.
+the same seeds, alternating per call; the ratio `--max-ratio` judges is the median of the
+per-call ratios (a mean moves with a few slow calls: at 4x1024 on the H200 the means' ratio
+read 1.040 where the per-call median read 0.998, docs/perf.md), the means' ratio printed beside.
 """
 
 from __future__ import annotations
@@ -264,7 +266,10 @@ def main_ranked(args) -> int:
         row = {"kind": kind, "batch": batch, "kv_len": kv_len, **{k: v for k, v in stats[0].items()}}
         if len(stats) > 1:
             row["against"] = stats[1]
-            row["ratio"] = stats[0]["mean_us"] / stats[1]["mean_us"]
+            row["mean_ratio"] = stats[0]["mean_us"] / stats[1]["mean_us"]
+            calls = sorted(a / b for a, b in zip(stats[0]["durations_us"], stats[1]["durations_us"],
+                                                 strict=True))
+            row["ratio"] = calls[len(calls) // 2]  # the median of per-call ratios (same inputs)
         rows.append(row)
         torch.cuda.empty_cache()
     bench = [r["mean_us"] for r in rows if r["kind"] == "bench"]
@@ -275,7 +280,7 @@ def main_ranked(args) -> int:
         print(f"{r['kind']:5} {r['batch']:>4}x{r['kv_len']:<5} {r['passed']:>3}/{r['checked']:<4} "
               f"{r['mean_us']:9.1f} {r['median_us']:8.1f}"
               + (f"  vs {r['against']['mean_us']:8.1f} ({r['against']['passed']}/{r['against']['checked']}),"
-                 f" ratio {r['ratio']:5.3f}" if "against" in r else ""))
+                 f" paired {r['ratio']:5.3f} (means {r['mean_ratio']:5.3f})" if "against" in r else ""))
         if r["first_failure"]:
             print(f"      first failure: {r['first_failure']}")
     print(f"geomean of means over the benchmark shapes: {geomean:.1f} us")
