@@ -1,6 +1,6 @@
 """Build hook: the committed tables and configs ship inside the wheel.
 
-`tables/*.yaml` and `configs/*.yaml` are copied into the built package as
+`tables/*.yaml`, `configs/*.yaml` and `configs/priors/*.yaml` are copied into the built package as
 `mla_tune/data/tables/` and `mla_tune/data/configs/` (package data), so git keeps one copy
 and a `pip install .` outside the checkout finds them (mla_tune/locate.py). An editable
 install copies nothing: locate.py reads the checkout's folders. Everything else about the
@@ -13,7 +13,9 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
-SHIPPED = ("tables", "configs")  # each folder's *.yaml (not the sweeps' results files)
+# each folder's *.yaml (not the sweeps' results files); configs/priors/ holds the untuned
+# priors that `mla-tune export --gpu NAME` writes before any sweep (mla_tune/tables/prior.py)
+SHIPPED = ("tables", "configs", "configs/priors")
 
 
 class BuildPyWithData(build_py):

@@ -110,6 +110,11 @@ def test_a_built_wheel_ships_the_tables_and_finds_them_outside_the_checkout(tmp_
     assert show.returncode == 0, show.stderr
     shown = json.loads(show.stdout)
     assert shown["path"] == f"{purelib}/mla_tune/data/tables/H200.yaml" and len(shown["rows"]) == 8
+    # no MI355X table anywhere: export writes the packaged prior (configs/priors/ ships too)
+    prior = subprocess.run([str(venv / "bin" / "mla-tune"), "export", "--gpu", "MI355X", "-o", "sub.py"],
+                           cwd=outside, env=env, capture_output=True, text=True)
+    assert prior.returncode == 0, prior.stderr
+    assert "PRIOR" in (outside / "sub.py").read_text()
     script = (
         "import warnings; warnings.simplefilter('ignore')\n"
         "import mla_tune\n"
