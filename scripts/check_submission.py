@@ -245,11 +245,17 @@ def main() -> int:
         (args.out / "check_submission.json").write_text(
             json.dumps({"rows": rows, "geomean_us": geomean}, indent=1)
         )
-    failed = [f"{r['batch']}x{r['kv_len']}" for r in rows if not r[f"{args.require}_pass"]]
+    return verdict(args, rows, f"{args.require}_pass", f"FAIL under the {args.require} rule", "paired_ratio")
+
+
+def verdict(args, rows: list[dict], pass_key: str, fail_text: str, ratio_key: str) -> int:
+    """Print the shapes that failed (`pass_key` false) and those slower than --max-ratio by
+    `ratio_key`; the exit status: 1 if any."""
+    failed = [f"{r['batch']}x{r['kv_len']}" for r in rows if not r[pass_key]]
     if failed:
-        print(f"FAIL under the {args.require} rule: {', '.join(failed)}")
-    slower = [f"{r['batch']}x{r['kv_len']} ({r['paired_ratio']:.3f})" for r in rows
-              if args.max_ratio and "paired_ratio" in r and r["paired_ratio"] > args.max_ratio]
+        print(f"{fail_text}: {', '.join(failed)}")
+    slower = [f"{r['batch']}x{r['kv_len']} ({r[ratio_key]:.3f})" for r in rows
+              if args.max_ratio and ratio_key in r and r[ratio_key] > args.max_ratio]
     if slower:
         print(f"SLOWER than {args.against} by more than {args.max_ratio}x: {', '.join(slower)}")
     return 1 if failed or slower else 0
@@ -288,14 +294,7 @@ def main_ranked(args) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "check_submission_ranked.json").write_text(
             json.dumps({"rows": rows, "geomean_us": geomean}, indent=1))
-    failed = [f"{r['batch']}x{r['kv_len']}" for r in rows if not r["pass"]]
-    if failed:
-        print(f"FAIL: a ranked call's check failed at {', '.join(failed)}")
-    slower = [f"{r['batch']}x{r['kv_len']} ({r['ratio']:.3f})" for r in rows
-              if args.max_ratio and "ratio" in r and r["ratio"] > args.max_ratio]
-    if slower:
-        print(f"SLOWER than {args.against} by more than {args.max_ratio}x: {', '.join(slower)}")
-    return 1 if failed or slower else 0
+    return verdict(args, rows, "pass", "FAIL: a ranked call's check failed at", "ratio")
 
 
 if __name__ == "__main__":
