@@ -83,7 +83,7 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
             mode = 0o666 & ~_umask()
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as exc:
-        raise _write_error(path, exc) from exc
+        raise write_error(path, exc) from exc
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
@@ -94,14 +94,10 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
         if isinstance(exc, OSError):
-            raise _write_error(path, exc) from exc
+            raise write_error(path, exc) from exc
         raise
     _fsync_dir(path.parent)
     return path
-
-
-def _write_error(path: Path, exc: OSError) -> WriteError:
-    return write_error(path, exc)
 
 
 def write_error(path: str | Path, exc: OSError, note: str = "") -> WriteError:
