@@ -150,7 +150,7 @@ def sweep(
     """Sweep every candidate kernel per shape on this GPU and write its dispatch table.
 
     A serving config (configs/serving.yaml: families, batch and kv buckets) runs the serving
-    sweep instead and writes tables/GPU.serving.yaml (mla_tune/tune/serving_sweep.py)."""
+    sweep instead and writes tables/GPU.serving.yaml (mla_tune/serving/sweep.py)."""
     if candidate_timeout is not None and not candidate_timeout > 0:
         raise _usage_error(f"--candidate-timeout must be a positive number of seconds, got {candidate_timeout}")
     # passed only when given, so run_sweep's own defaults (the config's limits) apply otherwise
@@ -173,10 +173,10 @@ def sweep(
         config = Path(default_config(gpu))
     config = config_path(config)  # configs/NAME.yaml, else the packaged copy (mla_tune/locate.py)
     with _domain_errors():
-        from mla_tune.tune.serving_config import is_serving_config
+        from mla_tune.serving.config import is_serving_config
 
         if is_serving_config(config):  # a serving grid (configs/serving.yaml): its own sweep
-            from mla_tune.tune.serving_sweep import sweep_from_cli
+            from mla_tune.serving.sweep import sweep_from_cli
 
             code = sweep_from_cli(config, gpu, out=out, dry_run=dry_run, force=force,
                                   devices=device_list, fresh=fresh, budget=budget)
@@ -372,7 +372,7 @@ def report(
     backend's best; and, from the results file, time against split count and block size.
     """
     with _domain_errors():
-        from mla_tune.tables.report import write_report
+        from mla_tune.report import write_report
 
         path = _table_path(gpu, table)
         written = write_report(path, out, results_path=results)
@@ -420,8 +420,8 @@ def verify(
     At each shape (log-uniform off the table's grid, and ragged mixes) the eager pick, the
     CUDA-graph pick and the fallback are timed beside the best of the family's candidates
     measured there; regret = t(pick) / t(best) - 1, summarized as geomean, p95 and max
-    (mla_tune/tune/verify.py). With --rescore, no GPU: the picks are scored on the times
-    recorded in earlier runs' --json reports (mla_tune/tune/rescore.py)."""
+    (mla_tune/serving/verify.py). With --rescore, no GPU: the picks are scored on the times
+    recorded in earlier runs' --json reports (mla_tune/serving/rescore.py)."""
     if budget is not None and not budget > 0:
         raise _usage_error(f"--budget must be a positive number of seconds, got {budget}")
     for flag, value in (("--max-p95", max_p95), ("--max-regret", max_regret)):
@@ -429,7 +429,7 @@ def verify(
             raise _usage_error(f"{flag} is a fraction (0.05 for 5%), got {value}")
     if rescore:
         with _domain_errors():
-            from mla_tune.tune.rescore import rescore as run_rescore
+            from mla_tune.serving.rescore import rescore as run_rescore
 
             out = run_rescore(table, list(rescore), max_p95=max_p95, max_regret=max_regret, judge=judge,
                               json_path=json_path, log=typer.echo)
@@ -437,7 +437,7 @@ def verify(
             raise typer.Exit(out["exit_code"])
         return
     with _domain_errors():
-        from mla_tune.tune.verify import run_verify
+        from mla_tune.serving.verify import run_verify
 
         report = run_verify(table, config=config, shapes=shapes, ragged=ragged, seed=seed, samples=samples,
                             families=families, budget_s=budget, workers=workers, max_p95=max_p95,

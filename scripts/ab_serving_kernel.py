@@ -6,7 +6,7 @@
 
 Each NAME=PATH is a copy of kernels/flash_decode.py, imported as its own module (the device
 machine gets the working tree without git history: write old versions into files first).
-Per case, each version's answer is checked against mla_tune.serving's fp32 reference
+Per case, each version's answer is checked against mla_tune.serving.inputs' fp32 reference
 (relative L2 error under 1e-2), then timed: CUDA events around 30 back-to-back calls
 (stage 1 and stage 2, warm L2), 5 rounds, the median and the spread. A kernel A/B, not
 the leaderboard protocol: ratios between versions, in one process, are what it is for.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from mla_tune import serving
+from mla_tune.serving import inputs as serving
 
 # name, heads, q_len, KV format, kv_lens, launch options
 CASES = [

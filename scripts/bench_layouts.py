@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from mla_tune import problem, serving
+from mla_tune import problem
 from mla_tune.core import Variant, fp8_dtype_for
 from mla_tune.kernels.flash_decode import (
     FlashDecodeServingWorkspace,
@@ -37,6 +37,7 @@ from mla_tune.kernels.flash_decode import (
     flash_decode,
     flash_decode_serving,
 )
+from mla_tune.serving import inputs as serving
 from mla_tune.tune.timing import time_call, wall_time
 
 SHAPES = [(4, 1024), (4, 8192), (32, 1024), (32, 8192), (64, 1024), (64, 8192), (256, 1024), (256, 8192)]

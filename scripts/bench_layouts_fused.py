@@ -22,11 +22,12 @@ import argparse
 import torch
 import yaml
 
-from mla_tune import problem, serving
+from mla_tune import problem
 from mla_tune.backends import triton_fused
 from mla_tune.core import Shape, Variant
 from mla_tune.kernels.flash_decode import FlashDecodeServingWorkspace, flash_decode_serving
 from mla_tune.kernels.fused_decode import FusedServingWorkspace, fused_decode_serving
+from mla_tune.serving import inputs as serving
 from mla_tune.tune.timing import time_call
 
 LEADERBOARD_SHAPES = [(4, 1024), (4, 8192), (32, 1024), (32, 8192), (64, 1024), (64, 8192), (256, 1024), (256, 8192)]

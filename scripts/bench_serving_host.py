@@ -5,8 +5,8 @@
 
 A ragged batch (kv_len 3980-4019, one new token each) in 64-token pages, as an engine's
 decode step calls it, bf16 and fp8 KV. Rows per backend that serves the call (triton,
-triton_fused, flashmla, flashinfer): `mla_tune.runtime.decode.Decoder` (its __call__,
-checks included), its runner alone, and a DecodePlan's run (runtime/plan.py: one update,
+triton_fused, flashmla, flashinfer): `mla_tune.serving.call.Decoder` (its __call__,
+checks included), its runner alone, and a DecodePlan's run (serving/decode_plan.py: one update,
 then the step's per-layer fast path: replayed Triton launches for the own kernels,
 FlashMLA's op called directly, FlashInfer's run); beside them FlashMLA's
 `flash_mla_with_kvcache` called directly (its schedule made once) and FlashInfer's
@@ -14,7 +14,7 @@ FlashMLA's op called directly, FlashInfer's run); beside them FlashMLA's
 direct calls again at 16 heads (bf16), and the leaderboard entry beside its bare runner.
 Host time: timing.host_time (calls back to back, GPU busy ahead); GPU time:
 timing.time_call (the leaderboard protocol). Each result is checked against
-mla_tune.serving's fp32 reference first (strict rule). A vendor whose wheel is missing is
+mla_tune.serving.inputs' fp32 reference first (strict rule). A vendor whose wheel is missing is
 a row with its reason. The last table: host us per DecodePlan.run beside the vendors'.
 """
 
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from mla_tune import serving
 from mla_tune.core import QK_DIM, SM_SCALE, V_DIM, CallSpec
 from mla_tune.problem import RULES, check
+from mla_tune.serving import inputs as serving
 from mla_tune.tune.timing import host_round, host_time, time_call
 
 PAGE = 64
@@ -45,8 +45,8 @@ def _q_format(variant) -> str:
 
 def _calls(inp, kv_format: str, heads: int, batch: int, full: bool):
     """{name: (fn, variant or q format)} and error rows, for one input."""
-    from mla_tune.runtime.decode import Decoder
-    from mla_tune.runtime.plan import DecodePlan
+    from mla_tune.serving.call import Decoder
+    from mla_tune.serving.decode_plan import DecodePlan
 
     calls, errors = {}, []
     layout = {"block_table": inp.block_table, "seq_lens": inp.seq_lens}

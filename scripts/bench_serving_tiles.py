@@ -5,7 +5,7 @@
 One serving cell per KV format (a ragged batch of kv_len 3980-4019, one new token each,
 64-token pages, `--heads` heads): the own backends' serving variants over head tiles
 (block_h), tiles (block_n), warps and split rules, compiled in a thread pool first, each
-checked strict against mla_tune.serving's reference, then timed with time_call; FlashMLA's
+checked strict against mla_tune.serving.inputs' reference, then timed with time_call; FlashMLA's
 default serving variant beside them. Prints the best per backend and the grid, writes JSON.
 """
 
@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
-from mla_tune import problem, serving
+from mla_tune import problem
 from mla_tune.core import CallSpec, Variant
-from mla_tune.runtime.decode import Decoder
+from mla_tune.serving import inputs as serving
+from mla_tune.serving.call import Decoder
 from mla_tune.tune.timing import time_call
 
 PAGE = 64

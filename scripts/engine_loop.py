@@ -9,7 +9,7 @@ engine's next op would read it), replayed while every sequence grows by one toke
 before each replay the plan's update runs on the host with the engine's host lengths (the
 protocol of docs/serving.md; the step's time includes it). The same loop with FlashMLA's own call (its
 schedule made once per step inside the graph) is timed beside it. Before timing, the first
-and last layers' outputs of the first and last step are checked against mla_tune.serving's
+and last layers' outputs of the first and last step are checked against mla_tune.serving.inputs'
 fp32 reference (strict rule). Prints ms per step and us per layer.
 """
 
@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
-from mla_tune import problem, serving
+from mla_tune import problem
 from mla_tune.core import QK_DIM, SM_SCALE, V_DIM, CallSpec
-from mla_tune.runtime.plan import DecodePlan
+from mla_tune.serving import inputs as serving
+from mla_tune.serving.decode_plan import DecodePlan
 
 PAGE = 64
 

@@ -139,7 +139,7 @@ resweep)
     *.tgz) tar xzf "$RESULTS" -C /tmp/sw || exit 1 ;;
     *) gunzip -c "$RESULTS" > /tmp/sw/H200.serving.results.jsonl || exit 1 ;;
   esac
-  timed sweep timeout ${SWEEP_TIMEOUT:-560} python3 -m mla_tune.tune.serving_sweep --config "${CONFIG:-configs/serving.yaml}" \
+  timed sweep timeout ${SWEEP_TIMEOUT:-560} python3 -m mla_tune.serving.sweep --config "${CONFIG:-configs/serving.yaml}" \
     --gpu H200 --out /tmp/sw/H200.serving.yaml --budget ${SWEEP_BUDGET:-500} ${DEVICES:+--devices $DEVICES} \
     > "$out/sweep.log" 2>&1
   tar czf "$keep/H200.serving.results.tgz" -C /tmp/sw $(cd /tmp/sw && ls *.results.jsonl)

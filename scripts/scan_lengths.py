@@ -29,12 +29,12 @@ import torch
 from mla_tune import gpu, problem
 from mla_tune.backends import get_backend, triton_splitk
 from mla_tune.core import Variant
-from mla_tune.serving import make_input
-from mla_tune.tables.serving_table import FamilyKey
+from mla_tune.serving.cells import family_plan
+from mla_tune.serving.config import load_serving_config
+from mla_tune.serving.gate import reference_q_format, run_call
+from mla_tune.serving.inputs import make_input
+from mla_tune.serving.table import FamilyKey
 from mla_tune.tune import timing
-from mla_tune.tune.serving_config import load_serving_config
-from mla_tune.tune.serving_gate import reference_q_format, run_call
-from mla_tune.tune.serving_plan import family_plan
 
 
 def bucket_lengths(bucket: int, points: int) -> list[int]:

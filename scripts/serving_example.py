@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
-from mla_tune import problem, serving
+from mla_tune import problem
 from mla_tune.core import CallSpec
-from mla_tune.runtime.plan import DecodePlan
+from mla_tune.serving import inputs as serving
+from mla_tune.serving.decode_plan import DecodePlan
 from mla_tune.tune.timing import host_time, time_call
 
 PAGE = 64

@@ -22,11 +22,11 @@ import torch
 from mla_tune import gpu, problem
 from mla_tune.backends import capabilities, get_backend, platform_refusal
 from mla_tune.core import Variant
-from mla_tune.serving import make_input
-from mla_tune.tables.serving_table import FamilyKey, batch_bucket, kv_bucket, load_serving_table
+from mla_tune.serving.gate import reference_q_format, run_call
+from mla_tune.serving.inputs import make_input
+from mla_tune.serving.table import FamilyKey, batch_bucket, kv_bucket, load_serving_table
+from mla_tune.serving.verify import resolve_config
 from mla_tune.tune import timing
-from mla_tune.tune.serving_gate import reference_q_format, run_call
-from mla_tune.tune.verify import resolve_config
 
 VENDORS = ("flashmla", "flashinfer")
 

@@ -23,7 +23,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # a CPU machine: the plan's kern
 import torch  # noqa: E402
 
 from mla_tune.core import CallSpec  # noqa: E402
-from mla_tune.runtime.plan import DecodePlan  # noqa: E402
+from mla_tune.serving.decode_plan import DecodePlan  # noqa: E402
 
 
 def _per_call_us(call, calls: int) -> float:

@@ -30,9 +30,9 @@ from time_mix import parse_lens  # noqa: E402  (scripts/ is not a package)
 
 from mla_tune.core import Variant  # noqa: E402
 from mla_tune.kernels import flash_decode as fd  # noqa: E402
-from mla_tune.serving import make_input  # noqa: E402
+from mla_tune.serving.inputs import make_input  # noqa: E402
+from mla_tune.serving.rescore import read_report  # noqa: E402
 from mla_tune.tune import timing  # noqa: E402
-from mla_tune.tune.rescore import read_report  # noqa: E402
 
 PARAMS = ("block_h", "block_n", "dot_dtype", "max_splits", "num_stages", "num_warps", "tokens_per_split",
           "split_budget")

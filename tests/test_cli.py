@@ -356,7 +356,7 @@ def test_sweep_takes_a_budget_for_either_kind_of_config(monkeypatch):
         seen.update(kw)
         return 0
 
-    monkeypatch.setattr("mla_tune.tune.serving_sweep.sweep_from_cli", fake_serving)
+    monkeypatch.setattr("mla_tune.serving.sweep.sweep_from_cli", fake_serving)
     result = _invoke("sweep", "--gpu", "H200", "--config", "configs/serving.yaml", "--budget", "300")
     assert result.exit_code == 0, result.output
     assert seen["budget"] == 300.0

@@ -1,5 +1,5 @@
-"""The one decode call (mla_tune/runtime/decode.py) over the own backends' serving runners
-(backends triton and triton_fused, build_serving), against mla_tune/serving.py's fp32
+"""The one decode call (mla_tune/serving/call.py) over the own backends' serving runners
+(backends triton and triton_fused, build_serving), against mla_tune/serving/inputs.py's fp32
 reference.
 
 CPU: Triton's interpreter through `decode()` with the default serving variants (fp16 dots
@@ -20,12 +20,13 @@ import itertools
 import pytest
 import torch
 
-from mla_tune import problem, serving
+from mla_tune import problem
 from mla_tune.backends import UnknownBackend, get_backend
 from mla_tune.core import CORE_HEADS, CallSpec, Shape, Variant, device_sm_count
 from mla_tune.gpu import Platform, fake_platform
 from mla_tune.kernels.flash_decode import fill_splits
-from mla_tune.runtime.decode import PREFERENCE, Decoder, clear_decoders, decode, infer_spec
+from mla_tune.serving import inputs as serving
+from mla_tune.serving.call import PREFERENCE, Decoder, clear_decoders, decode, infer_spec
 
 LAYOUTS = (0, 1, 16, 64)  # 0: contiguous; else the page size
 HEADS = (16, 128)

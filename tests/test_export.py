@@ -281,7 +281,7 @@ def test_export_is_byte_identical_with_and_without_a_serving_table_beside_it(tmp
     """Issue 10: the exporter never reads tables/NAME.serving.yaml, so a serving table next
     to the leaderboard table changes nothing in the submission file."""
     from mla_tune.export import render_submission
-    from mla_tune.tables.serving_table import Family, FamilyKey, ServingTable, write_serving_table
+    from mla_tune.serving.table import Family, FamilyKey, ServingTable, write_serving_table
 
     folder = tmp_path / "tables"
     folder.mkdir()

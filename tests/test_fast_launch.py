@@ -19,13 +19,14 @@ import torch
 import triton
 from triton.runtime.jit import JITFunction
 
-from mla_tune import problem, serving
+from mla_tune import problem
 from mla_tune.core import CallSpec, OwnServingRunner, tensor_sig
 from mla_tune.kernels import launch
 from mla_tune.kernels.flash_decode import FlashDecodeServingWorkspace, flash_decode_serving
 from mla_tune.kernels.launch import LaunchReplay, RecordedLaunch
-from mla_tune.runtime.decode import Decoder, runner_step
-from mla_tune.runtime.plan import DecodePlan
+from mla_tune.serving import inputs as serving
+from mla_tune.serving.call import Decoder, runner_step
+from mla_tune.serving.decode_plan import DecodePlan
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("vendor_fakes", ROOT / "tests" / "fakes" / "vendor_fakes.py")

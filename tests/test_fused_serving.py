@@ -1,5 +1,5 @@
 """The fused one-launch family on the serving call (fused_decode_serving) against
-mla_tune/serving.py's fp32 reference, with the call shape of flash_decode_serving.
+mla_tune/serving/inputs.py's fp32 reference, with the call shape of flash_decode_serving.
 
 CPU: Triton's interpreter with fp16 dots over a sample of layout {contiguous, paged 1, 16,
 64} x heads {16, 128} x q_len {1, 2, 4} x KV {bf16, fp8} that covers every pair of
@@ -15,8 +15,9 @@ import itertools
 import pytest
 import torch
 
-from mla_tune import problem, serving
+from mla_tune import problem
 from mla_tune.kernels.fused_decode import FusedServingWorkspace, fused_decode_serving
+from mla_tune.serving import inputs as serving
 
 LAYOUTS = (0, 1, 16, 64)  # 0: contiguous; else the page size
 HEADS = (16, 128)
@@ -58,7 +59,7 @@ def _launch(inp: serving.ServingInput, device: str, *, max_splits: int, tokens_p
 
 def _row_quantized_reference(inp: serving.ServingInput) -> torch.Tensor:
     """The reference with q quantized as the kernel does under q_fp8: e4m3 per (new token,
-    head) row, scale amax / 448 (serving.py's fp8 q is per tensor; written here, serving.py
+    head) row, scale amax / 448 (serving/inputs.py's fp8 q is per tensor; written here, serving.py
     being another helper's file)."""
     q = inp.q.float()
     scale = q.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 448.0

@@ -16,11 +16,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_tune import problem, serving
+from mla_tune import problem
 from mla_tune.backends import capabilities, get_backend
 from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, CallSpec, Shape
-from mla_tune.runtime.decode import Decoder
-from mla_tune.runtime.plan import DecodePlan
+from mla_tune.serving import inputs as serving
+from mla_tune.serving.call import Decoder
+from mla_tune.serving.decode_plan import DecodePlan
 
 pytestmark = pytest.mark.gpu
 DSV3 = CORE_DEEPSEEK_V3_SCALE

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mla_tune import problem, serving
+from mla_tune import problem
 from mla_tune.core import QK_DIM, SM_SCALE, V_DIM
+from mla_tune.serving import inputs as serving
 
 FAKES = Path(__file__).resolve().parent / "fakes"
 _spec = importlib.util.spec_from_file_location("engine_fakes", FAKES / "engine_fakes.py")

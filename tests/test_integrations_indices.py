@@ -9,10 +9,11 @@ import itertools
 import pytest
 import torch
 
-from mla_tune import problem, serving
+from mla_tune import problem
 from mla_tune.core import CallSpec
 from mla_tune.integrations.indices import PageOneTable, indices_to_block_table
-from mla_tune.runtime.plan import DecodePlan
+from mla_tune.serving import inputs as serving
+from mla_tune.serving.decode_plan import DecodePlan
 
 LENS = [1, 17, 63, 65, 130]  # odd lengths, one past a 128-column program
 

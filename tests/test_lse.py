@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from mla_tune import gpu, serving
+from mla_tune import gpu
 from mla_tune.backends import capabilities, get_backend
 from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, CallSpec
-from mla_tune.runtime.decode import Decoder
-from mla_tune.runtime.plan import DecodePlan
+from mla_tune.serving import inputs as serving
+from mla_tune.serving.call import Decoder
+from mla_tune.serving.decode_plan import DecodePlan
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("vendor_fakes", ROOT / "tests" / "fakes" / "vendor_fakes.py")

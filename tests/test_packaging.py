@@ -120,7 +120,7 @@ def test_a_built_wheel_ships_the_tables_and_finds_them_outside_the_checkout(tmp_
         "import mla_tune\n"
         "from mla_tune import runtime\n"
         "from mla_tune.core import CallSpec\n"
-        "from mla_tune.runtime.plan import DecodePlan\n"
+        "from mla_tune.serving.decode_plan import DecodePlan\n"
         "print(mla_tune.__file__)\n"
         "rt = runtime.load(table='H200', allow_other_gpu=True)\n"
         "print(rt.table.path, len(rt.table.rows))\n"

@@ -1,4 +1,4 @@
-"""DecodePlan (mla_tune/runtime/plan.py): planned once, updated per step, run per layer.
+"""DecodePlan (mla_tune/serving/decode_plan.py): planned once, updated per step, run per layer.
 
 On the CPU the own kernels run under Triton's interpreter (fp16 dots). The plan's picks
 come from a small serving table built here; every result is compared with the fp32
@@ -10,10 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_tune import problem, serving
+from mla_tune import problem
 from mla_tune.core import CallSpec, Variant
-from mla_tune.runtime.plan import DecodePlan
-from mla_tune.tables.serving_table import (
+from mla_tune.serving import inputs as serving
+from mla_tune.serving.decode_plan import DecodePlan
+from mla_tune.serving.table import (
     Cell,
     Family,
     FamilyKey,

@@ -10,10 +10,11 @@ import warnings
 
 import torch
 
-from mla_tune import problem, serving
+from mla_tune import problem
 from mla_tune.core import CallSpec, Variant
-from mla_tune.runtime.plan import DecodePlan
-from mla_tune.tables.serving_table import Cell, Family, FamilyKey, GraphPick, ServingTable
+from mla_tune.serving import inputs as serving
+from mla_tune.serving.decode_plan import DecodePlan
+from mla_tune.serving.table import Cell, Family, FamilyKey, GraphPick, ServingTable
 
 SPEC = CallSpec("bf16", page_size=64, heads=16, max_q_len=1)
 FLASHMLA = Variant.make("flashmla", kv="bf16", q="bf16")

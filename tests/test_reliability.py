@@ -155,7 +155,7 @@ def test_a_space_value_no_variant_can_carry_fails_at_config_load(tmp_path, secti
 def test_a_serving_space_value_no_variant_can_carry_fails_at_config_load(tmp_path):
     import yaml
 
-    from mla_tune.tune.serving_config import ServingConfigError, load_serving_config
+    from mla_tune.serving.config import ServingConfigError, load_serving_config
 
     raw = yaml.safe_load((REPO / "configs" / "serving.yaml").read_text())
     name = next(iter(raw["backends"]))
@@ -347,7 +347,7 @@ def test_verify_json_on_a_full_disk_is_a_write_error_and_leaves_nothing(tmp_path
     import errno
 
     from mla_tune.fileio import WriteError
-    from mla_tune.tune.verify import emit  # what verify and verify --rescore write --json with
+    from mla_tune.serving.verify import emit  # what verify and verify --rescore write --json with
 
     FailingFolder(monkeypatch, tmp_path, errno.ENOSPC)
     with pytest.raises(WriteError, match=f"cannot write {tmp_path / 'v.json'}: No space left on device; free"):
@@ -360,7 +360,7 @@ def test_a_report_plot_on_a_full_disk_leaves_no_partial_png(tmp_path, monkeypatc
     import errno
 
     from mla_tune.fileio import WriteError
-    from mla_tune.tables.report import _save
+    from mla_tune.report import _save
 
     class Figure:  # what _save needs of a matplotlib figure, without matplotlib
         def tight_layout(self):

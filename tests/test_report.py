@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 
 from mla_tune.core import Shape
-from mla_tune.tables.render import summary_lines, variant_lines, wrap
-from mla_tune.tables.report import (
+from mla_tune.report import (
     ReportError,
     param_curves,
     read_candidates,
     report_markdown,
     write_report,
 )
+from mla_tune.tables.render import summary_lines, variant_lines, wrap
 from mla_tune.tables.table import load_table
 from mla_tune.tune.results import read_results
 

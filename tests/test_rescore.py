@@ -1,4 +1,4 @@
-"""`mla-tune verify --rescore` (mla_tune/tune/rescore.py): a table's picks scored on the times a
+"""`mla-tune verify --rescore` (mla_tune/serving/rescore.py): a table's picks scored on the times a
 verify report recorded. Made-up reports over a made-up table, so every regret is known."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import json
 import pytest
 
 from mla_tune.core import CallSpec, Variant
-from mla_tune.tables.serving_table import Cell, Family, FamilyKey, GraphPick, ServingTable
-from mla_tune.tune import rescore as rs
-from mla_tune.tune.verify import VERIFY_SCHEMA, VerifyError
+from mla_tune.serving import rescore as rs
+from mla_tune.serving.table import Cell, Family, FamilyKey, GraphPick, ServingTable
+from mla_tune.serving.verify import VERIFY_SCHEMA, VerifyError
 
 SPEC = CallSpec("bf16", page_size=64, heads=16, max_q_len=1)
 OTHER = FamilyKey("fp8", 64, 128, 4)  # a family the table lacks

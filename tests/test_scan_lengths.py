@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from mla_tune.core import Variant
-from mla_tune.tables.serving_table import kv_bucket
+from mla_tune.serving.table import kv_bucket
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "scan_lengths.py"
 _spec = importlib.util.spec_from_file_location("scan_lengths", SCRIPT)

@@ -1,4 +1,4 @@
-"""The reduction's cost per step, measured for a serving table (mla_tune/tune/serving_calibrate.py):
+"""The reduction's cost per step, measured for a serving table (mla_tune/serving/calibrate.py):
 the probes' plan, the cost from their times, the table it writes, and one probe run for real
 (on the Triton interpreter here: the path, not the numbers)."""
 
@@ -11,10 +11,10 @@ import pytest
 from mla_tune.core import CallSpec, Variant
 from mla_tune.gpu import Platform
 from mla_tune.kernels.split_rule import reduce_splits_per_step
-from mla_tune.tables.serving_table import FamilyKey, load_serving_table
-from mla_tune.tune import serving_calibrate as cal
+from mla_tune.serving import calibrate as cal
+from mla_tune.serving.config import load_serving_config
+from mla_tune.serving.table import FamilyKey, load_serving_table
 from mla_tune.tune import timing
-from mla_tune.tune.serving_config import load_serving_config
 
 TABLE = "tables/H200.serving.yaml"
 H200 = Platform("H200", "NVIDIA H200 (simulated)", "sm_90", False, 132, simulated=True)

@@ -1,4 +1,4 @@
-"""The serving call: its reference (mla_tune/serving.py) and the split-K kernel that reads
+"""The serving call: its reference (mla_tune/serving/inputs.py) and the split-K kernel that reads
 every layout (flash_decode_serving), against that fp32 reference.
 
 On the CPU the kernel runs under Triton's interpreter with fp16 dots over a sample of the
@@ -15,7 +15,7 @@ import itertools
 import pytest
 import torch
 
-from mla_tune import problem, serving
+from mla_tune import problem
 from mla_tune.core import fp8_dtype_for
 from mla_tune.kernels import flash_decode as flash_decode_module
 from mla_tune.kernels.flash_decode import (
@@ -25,6 +25,7 @@ from mla_tune.kernels.flash_decode import (
     flash_decode_serving,
 )
 from mla_tune.kernels.split_rule import serving_split_items, serving_splits
+from mla_tune.serving import inputs as serving
 
 LAYOUTS = (0, 1, 16, 64)  # 0: contiguous; else the page size
 HEADS = (16, 128)

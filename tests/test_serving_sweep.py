@@ -1,4 +1,4 @@
-"""The serving sweep (mla_tune/tune/serving_sweep.py) end to end under Triton's interpreter:
+"""The serving sweep (mla_tune/serving/sweep.py) end to end under Triton's interpreter:
 a tiny config (one family, 2 batch x 2 kv buckets, three real candidates and a deliberately
 wrong one) swept with a made-up timer, so that the winners, the graph pick and the resume
 are known; plus the config, the candidates, the plan and the dry run."""
@@ -16,18 +16,18 @@ import yaml
 from mla_tune.backends import EXTRA_BACKENDS_ENV, triton_fused, triton_splitk
 from mla_tune.core import CORE_HEADS, CallSpec, Variant
 from mla_tune.gpu import detect, fake_platform
-from mla_tune.tables.serving_table import kv_bucket, load_serving_table
-from mla_tune.tune import serving_sweep as sw
-from mla_tune.tune import timing
-from mla_tune.tune.serving_config import (
+from mla_tune.serving import sweep as sw
+from mla_tune.serving.cells import compile_key, edge_batch, parse_shard, plan_sweep
+from mla_tune.serving.config import (
     ServingConfigError,
     is_serving_config,
     load_serving_config,
     serving_config_from_dict,
 )
-from mla_tune.tune.serving_gate import GateJob, reference_q_format, run_gates
-from mla_tune.tune.serving_plan import compile_key, edge_batch, parse_shard, plan_sweep
-from mla_tune.tune.serving_results import read_records, results_path_for
+from mla_tune.serving.gate import GateJob, reference_q_format, run_gates
+from mla_tune.serving.results import read_records, results_path_for
+from mla_tune.serving.table import kv_bucket, load_serving_table
+from mla_tune.tune import timing
 from mla_tune.tune.timing import Timing
 
 TINY = {

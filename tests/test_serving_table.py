@@ -1,4 +1,4 @@
-"""The serving table (mla_tune/tables/serving_table.py): bucket rules, the graph pick by
+"""The serving table (mla_tune/serving/table.py): bucket rules, the graph pick by
 worst case, lookup, a write/load round trip, and load errors that name file, family, field."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import copy
 import pytest
 
 from mla_tune.core import CallSpec, Variant
-from mla_tune.tables.serving_table import (
+from mla_tune.serving.table import (
     Cell,
     Family,
     FamilyKey,
@@ -149,7 +149,7 @@ def test_eager_pick_does_not_follow_one_buckets_outlier():
     FlashInfer measured slow at exactly 48 (the H200 sweep of 2026-11-30: 63 us beside
     triton's 58) but far ahead at 32 and 64 is the pick for the bucket of 48; a variant
     that wins the cell by a wide margin keeps it."""
-    from mla_tune.tune.serving_build import eager_pick
+    from mla_tune.serving.build import eager_pick
 
     buckets = [16, 32, 48, 64, 96]
     times = {32: {"fi": 37.0, "tr": 55.0}, 48: {"fi": 63.0, "tr": 58.0}, 64: {"fi": 56.0, "tr": 70.0}}
@@ -165,7 +165,7 @@ def test_eager_pick_weighs_the_buckets_smallest_batch():
     bucket's smallest batch as much as the cell: the H200's fp8 16-head cell at 96 x 1024
     had FlashMLA 7.5% ahead of split-K, which ran 83 x 1003 about 18% faster (session 10);
     only variants timed at the edge compete; an empty edge changes nothing."""
-    from mla_tune.tune.serving_build import eager_pick
+    from mla_tune.serving.build import eager_pick
 
     buckets = [64, 80, 96, 112]
     times = {80: {"fmla": 76.3, "tr": 73.6}, 96: {"fmla": 77.7, "tr": 83.5}, 112: {"fmla": 82.1, "tr": 93.1}}

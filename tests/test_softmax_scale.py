@@ -20,11 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from mla_tune import gpu, problem, serving
+from mla_tune import gpu, problem
 from mla_tune.backends import get_backend
 from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, SM_SCALE, CallSpec, Shape, Variant
-from mla_tune.runtime.decode import Decoder
-from mla_tune.tables.serving_table import FamilyKey
+from mla_tune.serving import inputs as serving
+from mla_tune.serving.call import Decoder
+from mla_tune.serving.table import FamilyKey
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("vendor_fakes", ROOT / "tests" / "fakes" / "vendor_fakes.py")
@@ -96,7 +97,7 @@ def test_the_decoder_and_decode_pass_the_spec_scale():
     spec = CallSpec("bf16", heads=16, max_q_len=2, mixed_q_len=True, sm_scale=DSV3)
     out = Decoder(spec)(inp.q, inp.qo_indptr, inp.kv, None, kv_indptr=inp.kv_indptr)
     _scaled_and_not(out, inp.reference(sm_scale=DSV3), inp.reference(), "Decoder")
-    from mla_tune.runtime.decode import decode
+    from mla_tune.serving.call import decode
 
     out = decode(inp.q, inp.qo_indptr, inp.kv, kv_indptr=inp.kv_indptr, max_q_len=2, sm_scale=DSV3)
     _scaled_and_not(out, inp.reference(sm_scale=DSV3), inp.reference(), "decode")

@@ -1,6 +1,6 @@
-"""Our split-K kernel's schedule at a call's own lengths (mla_tune/tables/splitk_cost.py), its
+"""Our split-K kernel's schedule at a call's own lengths (mla_tune/serving/splitk_cost.py), its
 fit when a serving table is built (serving_build._splitk_models) and the eager lookup that
-uses it (tables/serving_table.py). The replay of the split rule itself is checked against
+uses it (serving/table.py). The replay of the split rule itself is checked against
 the kernel in tests/test_serving_layouts.py."""
 
 from __future__ import annotations
@@ -10,16 +10,8 @@ import pytest
 from mla_tune.core import CallSpec, Variant
 from mla_tune.fileio import dump_yaml
 from mla_tune.kernels.split_rule import reduce_splits_per_step
-from mla_tune.tables.serving_table import (
-    SPLITK_FLOOR,
-    Family,
-    FamilyKey,
-    ServingTable,
-    SplitKModel,
-    load_serving_table,
-    write_serving_table,
-)
-from mla_tune.tables.splitk_cost import (
+from mla_tune.serving.build import _splitk_models
+from mla_tune.serving.splitk_cost import (
     EXACT_WAVES,
     is_splitk,
     occupancy_cap,
@@ -28,8 +20,16 @@ from mla_tune.tables.splitk_cost import (
     splitk_schedule,
     uniform_reduce_steps,
 )
+from mla_tune.serving.table import (
+    SPLITK_FLOOR,
+    Family,
+    FamilyKey,
+    ServingTable,
+    SplitKModel,
+    load_serving_table,
+    write_serving_table,
+)
 from mla_tune.tables.table import TableError
-from mla_tune.tune.serving_build import _splitk_models
 
 # max_splits 1: one program per sequence, so a batch's items are its lengths
 ONE = Variant.parse("triton(block_h=16,block_n=32,dot_dtype=bf16,kv=bf16,max_splits=1,num_stages=2,"

@@ -13,11 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_tune import problem, serving
+from mla_tune import problem
 from mla_tune.backends import get_backend
 from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, CallSpec
-from mla_tune.runtime.decode import Decoder, decode
-from mla_tune.runtime.plan import DecodePlan
+from mla_tune.serving import inputs as serving
+from mla_tune.serving.call import Decoder, decode
+from mla_tune.serving.decode_plan import DecodePlan
 
 DSV3 = CORE_DEEPSEEK_V3_SCALE
 SPEC = CallSpec("fp8", page_size=16, heads=16, max_q_len=1, sm_scale=DSV3)

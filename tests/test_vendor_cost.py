@@ -1,5 +1,5 @@
-"""FlashInfer's MLA schedule replayed on the host (mla_tune/tables/vendor_cost.py), its linear
-fit, and the serving table's estimated eager pick that uses both (tables/serving_table.py)."""
+"""FlashInfer's MLA schedule replayed on the host (mla_tune/serving/vendor_cost.py), its linear
+fit, and the serving table's estimated eager pick that uses both (serving/table.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from mla_tune.core import CallSpec, Variant
 from mla_tune.fileio import dump_yaml
-from mla_tune.tables.serving_table import (
+from mla_tune.serving.table import (
     Cell,
     Family,
     FamilyKey,
@@ -17,8 +17,7 @@ from mla_tune.tables.serving_table import (
     load_serving_table,
     write_serving_table,
 )
-from mla_tune.tables.table import TableError
-from mla_tune.tables.vendor_cost import (
+from mla_tune.serving.vendor_cost import (
     FLASHINFER_FEATURES,
     fit_linear,
     flashinfer_mla_features,
@@ -26,6 +25,7 @@ from mla_tune.tables.vendor_cost import (
     predict,
     relative_errors,
 )
+from mla_tune.tables.table import TableError
 
 FI = Variant.parse("flashinfer(kernel=fa3,kv=bf16,q=bf16)")
 FM = Variant.parse("flashmla(kv=bf16,q=bf16)")
@@ -180,7 +180,7 @@ def test_the_feature_names_match_the_replay():
 
 
 def test_the_build_fits_flashinfers_model_to_its_aligned_cells():
-    from mla_tune.tune.serving_build import MODEL_MIN_CELLS, _flashinfer_model
+    from mla_tune.serving.build import MODEL_MIN_CELLS, _flashinfer_model
 
     key = FamilyKey("bf16", 64, 16, 4)
     truth = (6.0, 0.03, 1.5, 0.02, 0.05, 0.01)

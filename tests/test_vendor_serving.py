@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from mla_tune import gpu, problem, serving
+from mla_tune import gpu, problem
 from mla_tune.backends import aiter_mla, flash_mla, flashinfer_mla
 from mla_tune.core import CallSpec, Variant
+from mla_tune.serving import inputs as serving
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("vendor_fakes", ROOT / "tests" / "fakes" / "vendor_fakes.py")
@@ -289,7 +290,7 @@ def test_flash_mla_schedules_every_call_on_the_device(monkeypatch):
 
 
 # the fakes answer with these (they stand in for the libraries, which may read what they like)
-_REFERENCES = ("mla_tune.serving", "mla_tune.problem")
+_REFERENCES = ("mla_tune.serving.inputs", "mla_tune.problem")
 _READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "__iter__")
 
 

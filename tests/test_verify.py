@@ -1,4 +1,4 @@
-"""`mla-tune verify` (mla_tune/tune/verify.py) under Triton's interpreter: a tiny config (one
+"""`mla-tune verify` (mla_tune/serving/verify.py) under Triton's interpreter: a tiny config (one
 family, 2 x 2 buckets, heads 16), a made-up table whose picks are known, and a made-up timer,
 so that the regrets are known; the shapes, the left-out rule, the thresholds and the CLI."""
 
@@ -16,12 +16,12 @@ from mla_tune.backends import EXTRA_BACKENDS_ENV, get_backend
 from mla_tune.cli import app
 from mla_tune.core import CallSpec, Variant
 from mla_tune.gpu import detect
-from mla_tune.runtime.decode import Decoder
-from mla_tune.tables.serving_table import load_serving_table
+from mla_tune.serving import verify as vf
+from mla_tune.serving.call import Decoder
+from mla_tune.serving.cells import family_plan
+from mla_tune.serving.config import load_serving_config, serving_config_from_dict
+from mla_tune.serving.table import load_serving_table
 from mla_tune.tune import timing
-from mla_tune.tune import verify as vf
-from mla_tune.tune.serving_config import load_serving_config, serving_config_from_dict
-from mla_tune.tune.serving_plan import family_plan
 from mla_tune.tune.timing import Timing
 
 TINY = {

@@ -49,7 +49,7 @@ serving call"):
 Optional members (absent: the defaults in brackets):
     def serving_candidates(spec: CallSpec, space: dict, platform) -> list[Variant]
         The serving variants it offers for a family of the serving sweep, from its section
-        of a serving config (mla_tune/tune/serving_sweep.py). [its default_serving_variant]
+        of a serving config (mla_tune/serving/sweep.py). [its default_serving_variant]
     SPACE_KEYS: tuple[str, ...]
         The keys its config section may hold; config.py refuses any other. [not checked]
     def compile_shape(variant, shape, sm_count) -> Shape

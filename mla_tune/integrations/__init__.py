@@ -1,4 +1,4 @@
-"""Adapters from serving engines to mla-tune's serving call (runtime/plan.py's DecodePlan).
+"""Adapters from serving engines to mla-tune's serving call (serving/decode_plan.py's DecodePlan).
 
 - `indices.py`: the engines' cache addressing turned into the block table the kernels
   read, on the device and graph-safe: SGLang's page-1 kv_indptr + kv_indices

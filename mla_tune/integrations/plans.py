@@ -20,7 +20,7 @@ import warnings
 
 from mla_tune.core import CallSpec
 from mla_tune.locate import find_table, is_gpu_name, table_path
-from mla_tune.runtime.plan import DecodePlan
+from mla_tune.serving.decode_plan import DecodePlan
 
 ENV_SERVING_TABLE = "MLA_TUNE_SERVING_TABLE"  # a path, a GPU name, or "none"
 

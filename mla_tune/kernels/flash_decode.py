@@ -22,7 +22,7 @@ Two launch paths share these helpers: `flash_decode`, the leaderboard's call (co
 16 heads, one new token, the split count given by the host), and `flash_decode_serving`,
 the serving call (contiguous or paged KV, any head count in tiles, q_len new tokens per
 sequence causal among themselves, split counts computed on the device, CUDA-graph safe;
-`mla_tune/serving.py` has its inputs and reference). The leaderboard path keeps its own
+`mla_tune/serving/inputs.py` has its inputs and reference). The leaderboard path keeps its own
 kernel until scripts/bench_layouts.py shows the serving kernel as fast on the 8 shapes.
 
 Exportable module: see docs/architecture.md (imports, `_fd_` prefix, no import-time work).

@@ -775,7 +775,7 @@ def fused_decode(
 
 
 # ------------------------------------------------------------------------------------------
-# The serving call (mla_tune/serving.py has its inputs and reference): contiguous or paged
+# The serving call (mla_tune/serving/inputs.py has its inputs and reference): contiguous or paged
 # KV, any head count, q_len >= 1 new tokens per sequence, splits counted on the device.
 # A separate kernel, so the leaderboard kernel above keeps its code and speed.
 #

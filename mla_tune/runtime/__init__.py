@@ -346,9 +346,3 @@ def default_runtime() -> Runtime:
 def custom_kernel(data):
     """The leaderboard's entry point, backed by tables/<this GPU>.yaml."""
     return default_runtime().custom_kernel(data)
-
-
-# The serving call (mla_tune/runtime/decode.py, mla_tune/runtime/plan.py), last: they import
-# nothing from this module. (`decode()` stays in its module: a function of that name here
-# would hide the submodule mla_tune.runtime.decode.)
-from mla_tune.runtime.decode import Decoder as Decoder  # noqa: E402

@@ -1,1 +1,1 @@
-"""Tables and lookup: the table format, dispatch, diff, rendering and reports."""
+"""The leaderboard's tables and lookup: the table format, dispatch, diff and rendering."""

@@ -36,9 +36,10 @@ from mla_tune.backends.params import check_variant_rules, param_rules
 from mla_tune.core import KV_FORMATS, Q_MODES, QK_DIM, Shape, Variant
 from mla_tune.errors import MlaTuneError
 from mla_tune.fileio import WriteError, atomic_write_text, dump_yaml, read_yaml
-from mla_tune.tune.results import STATUSES
 
 SCHEMA_VERSION = 1
+# A results record's status (tune/results.py writes them; a row counts each).
+STATUSES = ("ok", "rejected", "failed", "crashed", "timeout", "pruned")
 # Medians within 1% are a tie: our spread on an H200 is a few percent, so ordering such
 # candidates by time would pick by noise and make re-sweeps flip winners for nothing.
 TIE_TOLERANCE = 0.01

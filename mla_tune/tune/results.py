@@ -21,7 +21,6 @@ from mla_tune.errors import MlaTuneError
 from mla_tune.fileio import LineLog, writing
 
 SCHEMA = 1
-STATUSES = ("ok", "rejected", "failed", "crashed", "timeout", "pruned")
 # What a failed write of a results file leaves: every line before it, whole.
 RESUME_NOTE = "every finished step is kept in the results file; fix that and re-run the same command to resume"
 

@@ -30,13 +30,13 @@ from mla_tune import gpu as gpu_mod
 from mla_tune.backends import dedupe_key, get_backend, platform_refusal
 from mla_tune.core import Shape, Variant
 from mla_tune.errors import MlaTuneError
+from mla_tune.tables.table import STATUSES
 from mla_tune.tune import timing
 from mla_tune.tune.compile_pool import plan_jobs
 from mla_tune.tune.config import Config, expand_space, load_config
 from mla_tune.tune.progress import Progress, print_plan, summarize
 from mla_tune.tune.results import (
     SCHEMA,
-    STATUSES,
     ResultsError,
     ResultsWriter,
     SweepLock,

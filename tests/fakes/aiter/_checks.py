@@ -66,7 +66,7 @@ def attend(q32, kv_tokens32, token_indptr, sm_scale, qo_indptr=None):
     """fp32 attention via mla_tune.serving.reference: q (total_q, H, 576), tokens (n, 576);
     sequence b's new tokens are q[qo_indptr[b]:qo_indptr[b+1]] (default one each), causal
     among themselves (bottom-right aligned, as AITER's op test's tril(diagonal=s_k - s_q))."""
-    from mla_tune.serving import reference
+    from mla_tune.serving.inputs import reference
 
     bs = len(token_indptr) - 1
     if qo_indptr is None:

@@ -3,7 +3,7 @@ fake imitates (0.1.11 and f3be04a12 share one, 0.1.20.post1 has its own; see _st
 
 It enforces what the real call path checks or silently depends on (aiter/mla.py,
 csrc/py_itfs_cu/asm_mla.cu, hsa/gfx950/mla/mla_asm.csv) and computes the answer on the CPU
-with mla_tune.serving's fp32 reference (causal among a sequence's new tokens), writing it into `o`
+with mla_tune.serving.inputs' fp32 reference (causal among a sequence's new tokens), writing it into `o`
 as the real one does; every sequence brings max_seqlen_q new tokens.
 The fp32 numerics say nothing about the accuracy of AITER's fp8 kernels: no accuracy evidence.
 """

@@ -3,7 +3,7 @@
 q is (batch, s_q, h_q, d) with any s_q and h_q; with causal=True new token i sees the first
 seq_len - (s_q - 1 - i) tokens (get_mask_len in csrc/sm90/decode/dense/splitkv_mla.cuh,
 col_limit_right in the fp8 extension's flash_fwd_mla_kernel.h); causal is ignored at s_q 1,
-as the library does. The answer is mla_tune.serving's fp32 reference, at `softmax_scale`
+as the library does. The answer is mla_tune.serving.inputs' fp32 reference, at `softmax_scale`
 (a float, or None for d ** -0.5, as the library takes it), and softmax_lse is its natural-log
 log-sum-exp, (batch, h_q, s_q) float32, as the library returns it (its kernels compute
 scale_softmax * max + log(sum); vLLM's FlashMLA backend merges it as base e).
@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from mla_tune.serving import reference
+from mla_tune.serving.inputs import reference
 
 calls = {"get_mla_decoding_metadata": 0, "flash_mla_with_kvcache": 0}
 last_call = {}  # the last flash_mla_with_kvcache's softmax_scale
@@ -135,7 +135,7 @@ def flash_mla_with_kvcache(
     scale = softmax_scale if softmax_scale is not None else d ** -0.5
     q32 = q.float() * (descale_q.float() if is_fp8_kvcache else 1.0)
     kv_scale = descale_k.float() if is_fp8_kvcache else None
-    pages = k_cache[:, :, 0, :]  # (blocks, 64, d): the layout mla_tune.serving reads
+    pages = k_cache[:, :, 0, :]  # (blocks, 64, d): the layout mla_tune.serving.inputs reads
     if causal or s_q == 1:
         qo_indptr = torch.arange(batch + 1, dtype=torch.int32) * s_q
         table, lengths = block_table, cache_seqlens

@@ -3,7 +3,7 @@
 Only `flashinfer.mla.BatchMLAPagedAttentionWrapper` exists: same constructor, `plan` and
 `run` signatures as 0.6.18.post1 (flashinfer/mla/_core.py), the checks they make, what plan()
 keeps (host indptrs, kv_indices by reference), and an answer computed on the CPU with
-mla_tune.serving's fp32 reference.
+mla_tune.serving.inputs' fp32 reference.
 """
 
 from flashinfer import mla  # noqa: F401

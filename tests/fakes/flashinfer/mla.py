@@ -7,7 +7,7 @@ tokens are q rows qo_indptr[b]..qo_indptr[b+1]; its pages start at kv_indices[kv
 and number ceil(kv_len[b] / page_size) (kv_indptr[b + 1] is never read, so rows of a block
 table with a fixed stride work); with causal=True new token i sees the first
 kv_len - (q_len - 1 - i) tokens (logits_mask_ in mla_hopper.cuh). The answer is
-mla_tune.serving's fp32 reference at plan()'s sm_scale (a float, as plan() declares it);
+mla_tune.serving.inputs' fp32 reference at plan()'s sm_scale (a float, as plan() declares it);
 run(return_lse=True) returns (out, lse) with lse (q rows, heads) float32 in base 2 unless
 return_lse_base_on_e (MLAParams.return_lse_base_on_e: the wrapper passes False by
 default), into `lse` when given (checked as out is).
@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from mla_tune.serving import reference
+from mla_tune.serving.inputs import reference
 
 _FAKE_SMS = 132  # the H200's; MLAPlan launches one cluster per SM or per two
 

@@ -39,8 +39,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mla_tune.core import CallSpec, Variant
-from mla_tune.tables.serving_table import FamilyKey, ServingTable, load_serving_table
-from mla_tune.tune.verify import (
+from mla_tune.serving.table import FamilyKey, ServingTable, load_serving_table
+from mla_tune.serving.verify import (
     VERIFY_SCHEMA,
     VerifyError,
     _pct,

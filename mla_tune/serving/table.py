@@ -13,10 +13,10 @@ every step, so the serving table is keyed the way engines capture and batch thei
   an eager call instead takes the variant estimated fastest at its own batch and lengths:
   interpolated between the points (`interpolate`); our split-K kernel's as a fitted
   overhead plus its interpolated rate times the call's own schedule (`SplitKModel`,
-  tables/splitk_cost.py), plus the measured cost of the reduction steps a long sequence
+  serving/splitk_cost.py), plus the measured cost of the reduction steps a long sequence
   adds (`reduce_step_us`), never far under the interpolation (SPLITK_FLOOR), and
   FlashInfer's from a model over its schedule for the call's lengths (`VendorModel`,
-  tables/vendor_cost.py), since both step inside a bucket where their programs overflow the
+  serving/vendor_cost.py), since both step inside a bucket where their programs overflow the
   SMs, and in ragged batches. The cell is what a table
   without points uses;
 - a CUDA graph cannot depend on kv_len (the lengths are data), so each batch bucket also has
@@ -57,14 +57,14 @@ from mla_tune.backends import known_backends
 from mla_tune.core import CallSpec, Variant
 from mla_tune.fileio import FlowMap, atomic_write_text, dump_yaml, read_yaml
 from mla_tune.kernels.split_rule import REDUCE_SPLITS_PER_STEP, reduce_splits_per_step
-from mla_tune.tables.splitk_cost import is_splitk, splitk_schedule, uniform_reduce_steps
-from mla_tune.tables.table import TableError, _check_variant
-from mla_tune.tables.vendor_cost import (
+from mla_tune.serving.splitk_cost import is_splitk, splitk_schedule, uniform_reduce_steps
+from mla_tune.serving.vendor_cost import (
     FLASHINFER_FEATURES,
     flashinfer_mla_features,
     flashinfer_mla_works_per_cluster,
     predict,
 )
+from mla_tune.tables.table import TableError, _check_variant
 
 SERVING_SCHEMA = "serving/5"
 # 1: no points; 2: no split-K models; 3: split-K models without item_tokens; 4: no
@@ -264,7 +264,7 @@ def interpolate(points: Mapping[tuple[int, int], Mapping[Variant, float]], batch
 @dataclass(frozen=True)
 class VendorModel:
     """A vendor variant's time as a linear model over its replayed schedule
-    (tables/vendor_cost.py): FlashInfer's, fitted to its times over the family's grid."""
+    (serving/vendor_cost.py): FlashInfer's, fitted to its times over the family's grid."""
 
     variant: Variant
     coef: tuple[float, ...]
@@ -278,7 +278,7 @@ class VendorModel:
 @dataclass(frozen=True)
 class SplitKModel:
     """A split-K variant's time as overhead_us + rate x its makespan for the call's lengths
-    (tables/splitk_cost.py); the rate is interpolated between the points, each point's
+    (serving/splitk_cost.py); the rate is interpolated between the points, each point's
     (time - overhead_us) / makespan at its uniform lengths. occupancy (programs resident per
     SM, at most what its KV stages leave room for: splitk_cost.occupancy_cap), overhead_us
     and item_tokens (a program's fixed cost, in tokens) are fitted when the table is built
@@ -564,7 +564,7 @@ def _splitk_dict(models: Mapping[Variant, SplitKModel]) -> dict:
 
 def write_serving_table(path: str | Path, table: ServingTable) -> Path:
     header = (f"# mla-tune serving table for {table.gpu} (schema {SERVING_SCHEMA}); written by "
-              "mla-tune, reviewed by people: see mla_tune/tables/serving_table.py\n")
+              "mla-tune, reviewed by people: see mla_tune/serving/table.py\n")
     return atomic_write_text(path, header + dump_yaml(table.as_dict()))
 
 

@@ -1,7 +1,7 @@
 """Measure what a serving table's split-K model cannot see from uniform grid points: the cost
 of each step of the reduction's longest loop (the table's `reduce_step_us`).
 
-    python -m mla_tune.tune.serving_calibrate --table tables/H200.serving.yaml
+    python -m mla_tune.serving.calibrate --table tables/H200.serving.yaml
         [--out PATH] [--families kv_format=bf16,heads=16] [--reps 20] [--rounds 3] [--dry-run]
 
 Our split-K kernel's reduction adds up each sequence's splits, 16 a step (64 in the wide
@@ -25,7 +25,7 @@ model misses on the tail beyond what it misses on the uniform batch, over the st
 (at least 0; est without the reduction's term). It is written into the table's family as
 `reduce_step_us` {splits per step: us}, with the probes in its provenance
 (`reduce_calibration`); the lookup adds it per step a call's longest loop takes beyond a
-uniform batch's (tables/serving_table.py). The table is rewritten atomically; nothing else
+uniform batch's (serving/table.py). The table is rewritten atomically; nothing else
 in it changes. `mla-tune verify` at fresh seeds is what accepts the result.
 """
 
@@ -43,7 +43,7 @@ from mla_tune.core import Variant
 from mla_tune.errors import MlaTuneError
 from mla_tune.fileio import FlowMap
 from mla_tune.kernels.split_rule import REDUCE_SPLITS_PER_STEP, reduce_splits_per_step
-from mla_tune.tables.serving_table import (
+from mla_tune.serving.table import (
     FamilyKey,
     ServingTable,
     load_serving_table,
@@ -107,8 +107,8 @@ def measure(probe: ReduceProbe, cfg, device, timer: Callable, reps: int, rounds:
     timed in `rounds` alternating passes of `reps` samples; the median of the passes."""
     from mla_tune import problem
     from mla_tune.backends import get_backend
-    from mla_tune.serving import make_input
-    from mla_tune.tune.serving_gate import reference_q_format, run_call
+    from mla_tune.serving.gate import reference_q_format, run_call
+    from mla_tune.serving.inputs import make_input
 
     key = probe.key
     spec = cfg.spec(key)
@@ -153,7 +153,7 @@ def calibrate(table_path: str | Path, *, config: str | Path | None = None, out: 
               log: Callable[[str], None] = print) -> dict:
     """Run the probes (see the module) and write the table with each family's
     reduce_step_us to `out` (default: the table itself). Returns {"probes": [...], "path"}."""
-    from mla_tune.tune.verify import resolve_config, select_families
+    from mla_tune.serving.verify import resolve_config, select_families
 
     if reps < 1 or rounds < 1:
         raise CalibrateError(f"--reps and --rounds must be >= 1, got {reps} and {rounds}")
@@ -198,7 +198,7 @@ def calibrate(table_path: str | Path, *, config: str | Path | None = None, out: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mla_tune.tune.serving_calibrate",
+    p = argparse.ArgumentParser(prog="python -m mla_tune.serving.calibrate",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--table", type=Path, required=True, help="The serving table, e.g. tables/H200.serving.yaml.")
     p.add_argument("--config", type=Path, help="The serving config (default: the one the table names).")

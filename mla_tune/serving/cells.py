@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 from mla_tune.backends import capabilities, get_backend, platform_refusal
 from mla_tune.core import CallSpec, Variant
-from mla_tune.runtime.decode import why_not
-from mla_tune.tables.serving_table import FamilyKey
-from mla_tune.tune.serving_config import KV_BYTES_PER_TOKEN, ServingConfig
+from mla_tune.serving.call import why_not
+from mla_tune.serving.config import KV_BYTES_PER_TOKEN, ServingConfig
+from mla_tune.serving.table import FamilyKey
 
 
 @dataclass

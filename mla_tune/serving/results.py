@@ -30,7 +30,7 @@ import json
 from pathlib import Path
 
 from mla_tune.fileio import LineLog
-from mla_tune.tables.serving_table import FamilyKey
+from mla_tune.serving.table import FamilyKey
 from mla_tune.tune.results import RESUME_NOTE, ResultsError, repair_tail
 
 SCHEMA = "serving-results/1"

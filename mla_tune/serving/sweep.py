@@ -1,9 +1,9 @@
 """The serving sweep: tune the serving table (tables/GPU.serving.yaml) from a serving config.
 
-    python -m mla_tune.tune.serving_sweep --config configs/serving.yaml --gpu H200
+    python -m mla_tune.serving.sweep --config configs/serving.yaml --gpu H200
         [--out tables/H200.serving.yaml] [--shard i/n] [--devices 0,1] [--budget S]
         [--gate-workers N] [--fresh] [--force] [--dry-run]
-    python -m mla_tune.tune.serving_sweep merge --config configs/serving.yaml --gpu H200
+    python -m mla_tune.serving.sweep merge --config configs/serving.yaml --gpu H200
         [--out tables/H200.serving.yaml] RESULTS.jsonl ...
 
 Stages (serving_plan.py plans them, serving_results.py records them):
@@ -57,13 +57,18 @@ from mla_tune import gpu
 from mla_tune.backends import get_backend
 from mla_tune.core import Variant
 from mla_tune.errors import MlaTuneError
-from mla_tune.serving import ServingInput, make_input
-from mla_tune.tables.serving_table import FamilyKey, choose_graph_pick
-from mla_tune.tune import timing
-from mla_tune.tune.results import SweepLock, move_aside
-from mla_tune.tune.serving_build import ServingSweepError, merge, write_table
-from mla_tune.tune.serving_config import ServingConfig, load_serving_config
-from mla_tune.tune.serving_gate import (
+from mla_tune.serving.build import ServingSweepError, merge, write_table
+from mla_tune.serving.cells import (
+    SweepPlan,
+    Unit,
+    edge_batch,
+    estimate,
+    left_out_summary,
+    parse_shard,
+    plan_sweep,
+)
+from mla_tune.serving.config import ServingConfig, load_serving_config
+from mla_tune.serving.gate import (
     RUN_ERRORS,
     ContextLost,
     GateJob,
@@ -73,16 +78,11 @@ from mla_tune.tune.serving_gate import (
     run_call,
     run_gates,
 )
-from mla_tune.tune.serving_plan import (
-    SweepPlan,
-    Unit,
-    edge_batch,
-    estimate,
-    left_out_summary,
-    parse_shard,
-    plan_sweep,
-)
-from mla_tune.tune.serving_results import SCHEMA, Recorder, Records, results_path_for
+from mla_tune.serving.inputs import ServingInput, make_input
+from mla_tune.serving.results import SCHEMA, Recorder, Records, results_path_for
+from mla_tune.serving.table import FamilyKey, choose_graph_pick
+from mla_tune.tune import timing
+from mla_tune.tune.results import SweepLock, move_aside
 
 Timer = Callable[..., timing.Timing]  # timer(call, reps) -> Timing
 Probe = Callable[["TimedCall"], float]  # probe(call) -> one call's GPU time, us
@@ -510,7 +510,7 @@ def run_serving_sweep(config: str | Path | ServingConfig, gpu_name: str, *, out:
         else:
             shards = " ".join(str(results_path_for(out, (i, shard[1]))) for i in range(1, shard[1] + 1))
             log(f"shard {shard[0]}/{shard[1]} recorded in {results}; once every shard is done: python -m "
-                f"mla_tune.tune.serving_sweep merge --config {cfg.path} --gpu {gpu_name} --out {out} {shards}")
+                f"mla_tune.serving.sweep merge --config {cfg.path} --gpu {gpu_name} --out {out} {shards}")
     return summary
 
 
@@ -541,7 +541,7 @@ def dry_run(cfg: ServingConfig, gpu_name: str, shard: tuple[int, int] = (1, 1),
         f"(gate and compile {est['gate_and_compile']:.0f} s, cache loads {est['cache_loads']:.0f} s, cells "
         f"{est['cells']:.0f} s, cross {est['cross']:.0f} s, edge {est['edge']:.0f} s, inputs {est['inputs']:.0f} s; "
         "a rough cost model, "
-        "mla_tune/tune/serving_plan.py)")
+        "mla_tune/serving/plan.py)")
     for rule in cfg.left_out:
         match = ", ".join(f"{name} in {list(values)}" for name, values in rule.match) or "every family"
         log(f"left out by rule ({match}): cells over {rule.condition} {rule.limit}: {rule.why}")
@@ -554,7 +554,7 @@ def _spread_over_devices(args, devices: list[int]) -> int:
     n = len(devices)
     procs = []
     for i, dev in enumerate(devices, start=1):
-        argv = [sys.executable, "-m", "mla_tune.tune.serving_sweep", "--config", str(args.config),
+        argv = [sys.executable, "-m", "mla_tune.serving.sweep", "--config", str(args.config),
                 "--gpu", args.gpu, "--out", str(args.out), "--shard", f"{i}/{n}"]
         argv += ["--budget", str(args.budget)] if args.budget is not None else []
         argv += ["--gate-workers", str(args.gate_workers)] if args.gate_workers is not None else []
@@ -585,7 +585,7 @@ def sweep_from_cli(config: Path, gpu_name: str, *, out: Path | None = None, dry_
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["merge"]:
-        p = argparse.ArgumentParser(prog="python -m mla_tune.tune.serving_sweep merge",
+        p = argparse.ArgumentParser(prog="python -m mla_tune.serving.sweep merge",
                                     description="Build one serving table from several results files.")
         p.add_argument("--config", type=Path, required=True)
         p.add_argument("--gpu", required=True)
@@ -598,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         return 0
-    p = argparse.ArgumentParser(prog="python -m mla_tune.tune.serving_sweep", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m mla_tune.serving.sweep", description=__doc__.split("\n")[0])
     p.add_argument("--config", type=Path, default=Path("configs/serving.yaml"), help="The serving config.")
     p.add_argument("--gpu", required=True, help="The GPU to tune, by its canonical name (H200).")
     p.add_argument("--out", type=Path, help="The table to write; default tables/GPU.serving.yaml.")

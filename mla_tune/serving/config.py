@@ -24,7 +24,7 @@ from mla_tune.core import CallSpec, Variant
 from mla_tune.errors import MlaTuneError
 from mla_tune.fileio import read_yaml
 from mla_tune.problem import Rule, get_rule
-from mla_tune.tables.serving_table import FamilyKey
+from mla_tune.serving.table import FamilyKey
 from mla_tune.tune.config import check_space_rules, config_hash, expand_space
 
 TOP_LEVEL = {"name", "description", "rule", "check_seeds", "families", "call", "batch_buckets",

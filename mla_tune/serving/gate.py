@@ -37,9 +37,9 @@ from mla_tune import problem
 from mla_tune.backends import get_backend
 from mla_tune.core import CallSpec, Variant
 from mla_tune.problem import Rule
-from mla_tune.serving import ServingInput, make_input
+from mla_tune.serving.config import GateSpec
+from mla_tune.serving.inputs import ServingInput, make_input
 from mla_tune.tune.procs import die_with_parent
-from mla_tune.tune.serving_config import GateSpec
 
 # What building or running a candidate may raise that judges the candidate, not the sweep:
 # a refusal (ValueError), a CUDA or vendor error (RuntimeError, torch.OutOfMemoryError

@@ -21,7 +21,17 @@ from pathlib import Path
 from mla_tune import gpu
 from mla_tune.core import Variant
 from mla_tune.errors import MlaTuneError
-from mla_tune.tables.serving_table import (
+from mla_tune.serving.cells import SweepPlan, edge_batch, plan_sweep
+from mla_tune.serving.config import ServingConfig, load_serving_config
+from mla_tune.serving.results import Records, read_records
+from mla_tune.serving.splitk_cost import (
+    ITEM_TOKENS,
+    OCCUPANCIES,
+    OVERHEAD_FRACTIONS,
+    is_splitk,
+    occupancy_cap,
+)
+from mla_tune.serving.table import (
     Cell,
     Family,
     FamilyKey,
@@ -33,17 +43,7 @@ from mla_tune.tables.serving_table import (
     load_serving_table,
     write_serving_table,
 )
-from mla_tune.tables.splitk_cost import (
-    ITEM_TOKENS,
-    OCCUPANCIES,
-    OVERHEAD_FRACTIONS,
-    is_splitk,
-    occupancy_cap,
-)
-from mla_tune.tables.vendor_cost import fit_linear, flashinfer_mla_features, relative_errors
-from mla_tune.tune.serving_config import ServingConfig, load_serving_config
-from mla_tune.tune.serving_plan import SweepPlan, edge_batch, plan_sweep
-from mla_tune.tune.serving_results import Records, read_records
+from mla_tune.serving.vendor_cost import fit_linear, flashinfer_mla_features, relative_errors
 
 
 class ServingSweepError(MlaTuneError, RuntimeError):
@@ -179,7 +179,7 @@ MODEL_MIN_CELLS = 24  # FlashInfer's model is fitted where it was timed at this 
 
 
 def _flashinfer_model(timed: dict, key: FamilyKey, points: dict, sm_count: int) -> VendorModel | None:
-    """FlashInfer's time over its replayed schedule (tables/vendor_cost.py), fitted to its
+    """FlashInfer's time over its replayed schedule (serving/vendor_cost.py), fitted to its
     last-rung times at the family's aligned cells (every sequence at the cell's length),
     where FlashInfer is among the family's eager picks. None without the GPU's SM count (a
     results file without it), or with too few cells."""
@@ -204,7 +204,7 @@ SPLITK_MIN_POINTS = 6  # a split-K variant's schedule model is fitted where it h
 
 
 def _splitk_models(key: FamilyKey, points: dict, sm_count: int, smem_per_sm: int = 0) -> dict[Variant, SplitKModel]:
-    """Each split-K variant's SplitKModel (tables/splitk_cost.py): the item cost, occupancy
+    """Each split-K variant's SplitKModel (serving/splitk_cost.py): the item cost, occupancy
     and overhead (a fraction of its fastest point's time) whose leave-one-out estimates of
     its points are best, each point estimated from the others as the lookup would (the mean
     absolute log error; the first of equals, so the smallest item cost, occupancy and

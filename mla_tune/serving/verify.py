@@ -74,12 +74,10 @@ from mla_tune.backends import get_backend
 from mla_tune.core import Variant
 from mla_tune.errors import MlaTuneError
 from mla_tune.fileio import atomic_write_text
-from mla_tune.runtime.decode import Decoder
-from mla_tune.serving import ServingInput, make_input
-from mla_tune.tables.serving_table import FamilyKey, ServingTable, load_serving_table
-from mla_tune.tune import timing
-from mla_tune.tune.serving_config import ServingConfig, load_serving_config
-from mla_tune.tune.serving_gate import (
+from mla_tune.serving.call import Decoder
+from mla_tune.serving.cells import family_plan
+from mla_tune.serving.config import ServingConfig, load_serving_config
+from mla_tune.serving.gate import (
     RUN_ERRORS,
     GateJob,
     error_text,
@@ -88,8 +86,10 @@ from mla_tune.tune.serving_gate import (
     run_call,
     run_gates,
 )
-from mla_tune.tune.serving_plan import family_plan
-from mla_tune.tune.serving_sweep import PRUNE_FACTOR, TimedCall, event_probe
+from mla_tune.serving.inputs import ServingInput, make_input
+from mla_tune.serving.sweep import PRUNE_FACTOR, TimedCall, event_probe
+from mla_tune.serving.table import FamilyKey, ServingTable, load_serving_table
+from mla_tune.tune import timing
 
 VERIFY_SCHEMA = "serving-verify/1"
 SHORT_SAMPLES = 3  # the short rung: enough to rank, not to judge

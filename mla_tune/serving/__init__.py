@@ -1,0 +1,22 @@
+"""The serving side: the call an engine makes, its tuning and its table.
+
+    inputs.py        serving-call inputs (make_input), the fp32 reference, CUDA-graph helpers
+    call.py          the one serving call: Decoder and decode()
+    decode_plan.py   DecodePlan: planned once, update() per step, run() per layer; graph-safe
+    table.py         the serving table (tables/GPU.serving.yaml): schema, buckets, lookup
+    vendor_cost.py   FlashInfer's MLA schedule replayed on the host, and its linear fit
+    splitk_cost.py   the own split-K kernel's programs dealt to the SMs, its reduction steps
+    config.py        the serving sweep's config (configs/serving.yaml)
+    cells.py         its families, cells, units, shards and cost model
+    gate.py          the correctness gate per (family, candidate), in worker processes
+    results.py       the serving sweep's resumable results file
+    sweep.py         the serving sweep (mla-tune sweep hands it a serving config)
+    build.py         results -> tables/GPU.serving.yaml, and merge of shards
+    calibrate.py     the split-K reduction's cost per step on the table's GPU
+    verify.py        mla-tune verify: the table's picks re-timed at held-out shapes
+    rescore.py       mla-tune verify --rescore: picks scored on recorded verify reports
+
+The leaderboard's side (tune/, tables/, runtime/, export/) imports nothing from here; the
+old paths mla_tune.runtime.decode and mla_tune.runtime.plan re-export the call and the plan.
+This module imports nothing, so `mla_tune.serving.table` loads without torch.
+"""

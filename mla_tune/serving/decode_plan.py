@@ -1,0 +1,266 @@
+"""A graph-safe serving call: planned once, updated once per step, run once per layer.
+
+An engine's decode step calls attention once per layer (61 in DeepSeek-V3) with the same
+lengths and block table, and replays a CUDA graph of the layers per batch size. So:
+
+    plan = DecodePlan(CallSpec("fp8", page_size=64, heads=128, max_q_len=2, mixed_q_len=True,
+                               graph=True, host_lengths=True), max_batch=256,
+                      table="tables/H200.serving.yaml")
+    # each step, on the host, before the layers (before replaying their graph):
+    plan.update(qo_indptr, block_table=block_table, seq_lens=seq_lens,
+                q_lens_host=q_lens, kv_lens_host=kv_lens)
+    for layer in layers:  # eagerly, or captured once per batch bucket and replayed
+        out = plan.run(q[layer], kv_cache[layer], kv_scale[layer])
+
+- The plan builds and warms (compiles, allocates) every runner it may pick for batches up
+  to `max_batch`, once: afterwards nothing allocates.
+- `update` picks the variant from the serving table (serving/table.py) without
+  timing anything: in a graph (spec.graph) the graph pick of the batch's bucket, which
+  does not depend on the lengths; eagerly the table's estimated fastest for the batch and
+  the mean length (`mean_kv_len`, or the mean of `kv_lens_host`, which engines keep on the
+  host; the split-K and FlashInfer estimates replay their schedules for `kv_lens_host`),
+  else the graph pick. A family or cell the table lacks runs the preferred backend's
+  default variant (serving/call.py), counted in `misses`; so does a pick whose backend
+  cannot serve the spec here (warned once at the plan: the estimates' next runnable
+  variant, else the cell's runner-up, else the default). `update` checks the call's
+  layout arguments against the spec once per step (shapes and dtypes only).
+- `update` also starts the picked runner's step (`runner.step(...)`, serving/call.py's
+  `runner_step`), which does the step's shared work once, into buffers the runner keeps:
+  FlashInfer plans on the host from the host lengths (paged KV; contiguous KV at the
+  step's first run); FlashMLA computes its split schedule from seq_lens on the device and
+  copies it into fixed buffers. So an engine may call `update` outside a graph that holds
+  only the runs, before each replay (the protocol above, docs/serving.md), or capture
+  `update` with the runs when no pick plans on the host (a FlashInfer pick must be
+  updated outside the graph: a replay cannot run host code).
+- `run` calls only the step's per-layer function, behind one check of the cache's dtype
+  (a uint8 cache declared by spec.cache_dtype is viewed as fp8, an undeclared one
+  refused; a float kv_scale becomes a kept (1,) tensor). With spec.return_lse it returns
+  (out, lse). The own Triton runners launch the
+  first layer of a step through Triton's JIT with every check and record it; later
+  layers whose q, kv and kv_scale have the recorded dtype, shape, strides, 16-byte
+  alignment and device replay the launches directly (kernels/launch.py), anything else
+  takes the JIT path again. Split counts are the variant's rule, applied per sequence on
+  the device. `run_checked` checks q, kv and kv_scale against the spec first.
+
+Each own runner (and FlashInfer's) owns one output buffer, which every `run` through it
+returns: consume or copy it before the next layer's run (as an engine's attention output
+projection does). FlashMLA returns a tensor of its own per call.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+from mla_tune.core import QK_DIM, CallSpec, Variant
+from mla_tune.locate import table_path
+from mla_tune.serving.call import Decoder, runner_step, spec_text, why_not
+from mla_tune.serving.table import ServingTable, batch_bucket, kv_bucket, load_serving_table
+
+
+def _no_step(*_args):
+    raise ValueError("call update(...) with the step's lengths before run")
+
+
+def _table(table) -> ServingTable | None:
+    if table is None or isinstance(table, ServingTable):
+        return table
+    return load_serving_table(table_path(table, serving=True))  # a path or a GPU name (locate.py)
+
+
+class DecodePlan:
+    """The serving call for one CallSpec and batches up to max_batch (see the module)."""
+
+    def __init__(self, spec: CallSpec, max_batch: int, *, table=None, backend: str | None = None,
+                 device=None, warm: bool = True):
+        if not isinstance(spec, CallSpec):
+            raise ValueError(f"spec must be a mla_tune.core.CallSpec, got {type(spec).__name__}")
+        if not (isinstance(max_batch, int) and max_batch >= 1):
+            raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
+        self.spec = spec
+        self.max_batch = max_batch
+        self.table = _table(table)
+        self.misses: dict[str, int] = {}
+        # The default: the preferred backend's untuned variant, for what the table lacks.
+        self._default = Decoder(spec, backend=backend, device=device)
+        self.device = self._default.device
+        self._decoders: dict[Variant, Decoder] = {self._default.variant: self._default}
+        family = self.table.family(spec) if self.table is not None else None
+        if self.table is not None and family is None:
+            warnings.warn(f"serving table {self.table.path}: no family for {spec_text(spec)}; "
+                          f"every call runs the default {self._default.variant}", stacklevel=2)
+        self._family = family
+        if family is not None and not spec.graph:
+            # The lookup's one-off work (each split-K variant's rates over the points, about
+            # 40 ms on the CPU machine) here, not in the engine's first step.
+            self.table.estimates(spec, 1, 1.0)
+        # Picks whose backend cannot serve the spec here (a vendor library missing, another
+        # GPU, no LSE) are replaced per step by the cell's best runnable variant (pick()).
+        self._unrunnable: dict[Variant, str] = {}
+        reasons: dict[str, str | None] = {}
+        for variant in self._candidates():
+            if variant in self._decoders:
+                continue
+            if variant.backend not in reasons:
+                reasons[variant.backend] = why_not(variant.backend, spec, self._default.platform)
+            if reasons[variant.backend] is not None:
+                self._unrunnable[variant] = reasons[variant.backend]
+                continue
+            self._decoders[variant] = Decoder(spec, variant=variant, device=self.device)
+        for variant in self._stand_ins():
+            if variant not in self._decoders and variant.backend not in reasons:
+                reasons[variant.backend] = why_not(variant.backend, spec, self._default.platform)
+            if variant not in self._decoders and reasons[variant.backend] is None:
+                self._decoders[variant] = Decoder(spec, variant=variant, device=self.device)
+        if self._unrunnable:
+            why = "; ".join(f"{n}: {r}" for n, r in sorted(reasons.items()) if r is not None)
+            warnings.warn(f"serving table {self.table.path}: {len(self._unrunnable)} pick(s) for "
+                          f"{spec_text(spec)} use backends that cannot serve it here ({why}); those steps "
+                          "run the cell's best runnable variant (the estimates' next, the runner-up, or "
+                          f"the default {self._default.variant}), counted in misses", stacklevel=2)
+        self._inputs = self._default.inputs
+        self._kv_dtype = self._inputs.fast_dtype
+        self._decoder = self._default
+        self._qo = None
+        self._layer = _no_step
+        if warm:
+            self.warm()
+
+    def _candidates(self) -> list[Variant]:
+        """Every variant update() may pick for a batch up to max_batch."""
+        if self._family is None:
+            return []
+        top = batch_bucket(self.table.batch_buckets, self.max_batch)
+        picks = [g.variant for b, g in sorted(self._family.graph.items()) if b <= top]
+        if not self.spec.graph:
+            picks += [c.variant for (b, _kv), c in sorted(self._family.cells.items()) if b <= top]
+            picks += sorted({v for (b, _kv), times in self._family.points.items() if b <= top for v in times}, key=str)
+        return list(dict.fromkeys(picks))
+
+    def _stand_ins(self) -> list[Variant]:
+        """The runner-ups of the cells whose pick cannot run here (pick() runs them instead)."""
+        if self._family is None or self.spec.graph or not self._unrunnable:
+            return []
+        out = []
+        for cell in self._family.cells.values():
+            runner_up = (cell.runner_up or {}).get("variant") if cell.variant in self._unrunnable else None
+            if runner_up is not None:
+                out.append(Variant.parse(runner_up) if isinstance(runner_up, str) else runner_up)
+        return list(dict.fromkeys(out))
+
+    @property
+    def variants(self) -> list[Variant]:
+        return list(self._decoders)
+
+    # ------------------------------------------------------------------ warm
+    def warm(self) -> None:
+        """Run every runner once at the plan's largest call (max_batch sequences of
+        max_q_len new tokens over a tiny cache), so that each compiles its kernels and
+        allocates its buffers now, not in a step or inside a graph capture."""
+        spec, dev = self.spec, self.device
+        batch, q_len = self.max_batch, spec.max_q_len
+        q = torch.zeros((batch * q_len, spec.heads, QK_DIM), dtype=torch.bfloat16, device=dev)
+        qo_indptr = torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device=dev)
+        kv_dtype = torch.bfloat16 if spec.kv_format == "bf16" else torch.float8_e4m3fn
+        if spec.cache_dtype == "uint8":
+            kv_dtype = torch.uint8  # as the caller keeps it (the Decoder views it)
+        kv_scale = None if spec.kv_format == "bf16" else torch.ones((1,), dtype=torch.float32, device=dev)
+        host = {"q_lens_host": [q_len] * batch, "kv_lens_host": [q_len] * batch}
+        if spec.page_size == 0:
+            kv = torch.zeros((batch * q_len, 1, QK_DIM), dtype=kv_dtype, device=dev)
+            layout = {"kv_indptr": qo_indptr.clone()}
+        else:
+            pages = math.ceil(q_len / spec.page_size)
+            kv = torch.zeros((pages, spec.page_size, QK_DIM), dtype=kv_dtype, device=dev)
+            layout = {"block_table": torch.arange(pages, dtype=torch.int32, device=dev).repeat(batch, 1),
+                      "seq_lens": torch.full((batch,), q_len, dtype=torch.int32, device=dev)}
+        for decoder in self._decoders.values():
+            decoder(q, qo_indptr, kv, kv_scale, **layout, **host)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    # ------------------------------------------------------------------ per step
+    def pick(self, batch: int, mean_kv_len: float | None = None, kv_lens=None) -> Variant:
+        """The variant a step of `batch` sequences runs (no timing): see the module.
+        kv_lens: the step's lengths on the host, where the engine has them (a table's
+        split-K and FlashInfer models replay those kernels' schedules for them)."""
+        variant = None
+        if self.table is not None and self._family is not None:
+            mean = None if self.spec.graph else mean_kv_len
+            variant = self.table.lookup(self.spec, batch, mean, graph=self.spec.graph, kv_lens=kv_lens)
+            if variant is None:
+                key = f"batch {batch_bucket(self.table.batch_buckets, batch)}" + (
+                    "" if mean is None else f", kv_len ~{mean:.0f}")
+                self.misses[key] = self.misses.get(key, 0) + 1
+            elif variant in self._unrunnable:
+                key = f"{variant.backend} cannot run here"
+                self.misses[key] = self.misses.get(key, 0) + 1
+                variant = self._runnable(batch, mean, kv_lens)
+        return variant if variant is not None and variant in self._decoders else self._default.variant
+
+    def _runnable(self, batch: int, mean: float | None, kv_lens) -> Variant | None:
+        """The best runnable variant where the table's pick cannot run: the fastest runnable
+        estimate (eager, with points), else the cell's runner-up, else None (the default)."""
+        table, spec = self.table, self.spec
+        if mean is not None:
+            est = table.estimates(spec, batch, mean, kv_lens)
+            ok = {v: t for v, t in est.items() if v in self._decoders}
+            if ok:
+                return min(ok, key=lambda v: (ok[v], str(v)))
+            cell = self._family.cells.get((batch_bucket(table.batch_buckets, batch), kv_bucket(table.kv_buckets, mean)))
+            runner_up = (cell.runner_up or {}).get("variant") if cell is not None else None
+            if runner_up is not None:
+                runner_up = Variant.parse(runner_up) if isinstance(runner_up, str) else runner_up
+                if runner_up in self._decoders:
+                    return runner_up
+        return None
+
+    def update(self, qo_indptr, *, kv_indptr=None, block_table=None, seq_lens=None,
+               q_lens_host=None, kv_lens_host=None, mean_kv_len: float | None = None) -> Variant:
+        """Once per step: pick the variant for this batch and keep the step's tensors (the
+        engine keeps them in place across the step, as a CUDA graph needs). Returns the
+        variant picked. Nothing here reads a device tensor on the host."""
+        if not (isinstance(qo_indptr, torch.Tensor) and qo_indptr.dim() == 1):
+            raise ValueError("qo_indptr must be a (batch + 1,) int32 tensor")
+        batch = qo_indptr.shape[0] - 1
+        if not 1 <= batch <= self.max_batch:
+            raise ValueError(f"a step of {batch} sequences, but the plan was made for up to "
+                             f"{self.max_batch}; make a plan with a larger max_batch")
+        if mean_kv_len is None and kv_lens_host is not None and len(kv_lens_host):
+            mean_kv_len = sum(kv_lens_host) / len(kv_lens_host)
+        variant = self.pick(batch, mean_kv_len, kv_lens_host)
+        decoder = self._decoders[variant]
+        layout = dict(kv_indptr=kv_indptr, block_table=block_table, seq_lens=seq_lens,
+                      q_lens_host=q_lens_host, kv_lens_host=kv_lens_host)
+        decoder.check_step(qo_indptr, **layout)  # the layers' q and caches are not checked
+        self._layer = _no_step  # until the new step exists
+        self._layer = runner_step(decoder.runner, qo_indptr, **layout)
+        self._decoder, self._qo = decoder, qo_indptr
+        return variant
+
+    def run(self, q, kv, kv_scale=None):
+        """Per layer: (total_q, heads, 512) bf16, the picked runner's output (for the own
+        runners their reused buffer), or (out, lse) with spec.return_lse (lse (total_q,
+        heads) float32, natural log). Only the step's layer call runs (update checked the
+        step) behind one guard: a cache whose dtype is not the spec's own is viewed as
+        fp8 where the spec declares uint8 bytes (cache_dtype 'uint8') and refused otherwise
+        (CallInputs.cache), and a float kv_scale becomes its kept (1,) device tensor.
+        `run_checked` checks q and kv too."""
+        if kv.dtype is not self._kv_dtype:
+            kv = self._inputs.cache(kv)
+        if kv_scale.__class__ is float:
+            kv_scale = self._inputs.scale(kv_scale)
+        return self._layer(q, kv, kv_scale)
+
+    def run_checked(self, q, kv, kv_scale=None) -> torch.Tensor:
+        """`run`, after checking q, kv and kv_scale against the spec (shapes and dtypes)."""
+        if self._qo is None:
+            _no_step()
+        self._decoder.check_layer(q, self._qo, kv, kv_scale)
+        return self.run(q, kv, kv_scale)
+
+    def __repr__(self) -> str:
+        return (f"DecodePlan({spec_text(self.spec)}, up to {self.max_batch} sequences, "
+                f"{len(self._decoders)} variant(s), default {self._default.variant})")
