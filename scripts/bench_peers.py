@@ -12,7 +12,7 @@ every row to $OUT/bench_peers.jsonl (or --out). A contender that cannot run says
         [--results tables/H200.results.jsonl] [--shapes 4x1024,...] [--reps 30]
 
 Own families' configurations: the best `ok` row per (backend, shape) in --results when
-that file exists, else the built-in picks below (from scripts/explore_fused.py runs).
+that file exists, else the built-in picks below (from scripts/explore_fused.py at 9401329).
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ SHAPES = [(4, 1024), (4, 8192), (32, 1024), (32, 8192), (64, 1024), (64, 8192), 
 PEERS = ("flashinfer", "flashmla")
 _FQ8 = dict(kv="fp8", q="fp8_dynamic", qk_dot="fp8", pv_dot="fp16", tok_m=True)
 _F16 = dict(kv="fp8", q="bf16", qk_dot="fp16", pv_dot="fp16", tok_m=True)
-# triton_fused's best strict-passing configuration per shape in explore_fused.py's second
-# run (2026-11-30, H200; docs/perf.md): family, block_n, num_warps, num_stages, splits, reduce
+# triton_fused's best strict-passing configuration per shape in the second run of
+# scripts/explore_fused.py at 9401329 (2026-11-30, H200; docs/perf.md): family, block_n,
+# num_warps, num_stages, splits, reduce
 FU_PICKS = {
     (4, 1024): (_F16, 32, 4, 3, 32, "spin"), (4, 8192): (_FQ8, 64, 4, 3, 32, "spin"),
     (32, 1024): (_FQ8, 64, 4, 3, 4, "spin"), (32, 8192): (_FQ8, 128, 8, 3, 4, "spin"),

@@ -9,8 +9,7 @@
 #   bash scripts/gpu_acceptance.sh splitk   # issue 10 on one GPU: the serving split-K tests
 #       (its shared split budget), the ragged mix that budget is for beside FlashMLA and two
 #       large-batch cells beside their swept times (scripts/time_mix.py), `mla-tune verify`
-#       at seeds 3 and 4 (session 5 measured both); with AB_OLD=COPY.py first an older copy of
-#       kernels/flash_decode.py beside this one (scripts/ab_serving_kernel.py)
+#       at seeds 3 and 4
 #   RESULTS=... CONFIG=... DEVICES=... bash scripts/gpu_acceptance.sh resweep   # issue 10: one
 #       chunk of the serving sweep, resumed from the previous chunk's results (they come back
 #       in $OUT as H200.serving.results.tgz; DEVICES=0,1 runs a shard per GPU)
@@ -106,11 +105,6 @@ splitk)
     "tests/test_fast_launch.py tests/test_plan.py"
   )
   run_groups 200 2
-  # AB_OLD= a copy of an older kernels/flash_decode.py: both timed side by side first
-  if [ -n "${AB_OLD:-}" ]; then
-    timed ab timeout 120 python3 scripts/ab_serving_kernel.py old="$AB_OLD" new=mla_tune/kernels/flash_decode.py \
-      --out "$out" 2>&1 | grep -v -i warn | tail -8
-  fi
   # the ragged mix the shared budget is for; then two grid points whose split-K picks
   # (max_splits 64 and 17) leave most of the grid's items empty, beside their times as swept
   timed mix timeout 90 python3 scripts/time_mix.py --table tables/H200.serving.yaml --kv fp8 --heads 16 \
@@ -199,7 +193,7 @@ cat "$out/walls.txt"
 for f in walls.txt compile_vs_driver.log dryrun.txt sweep.log H200.yaml H200.results.jsonl dryrun120.txt sweep120.log \
          H200.b120.yaml H200.b120.results.jsonl gpu_tests.log check_submission.json serving_host.json \
          verify.log verify.json engine_bf16.json engine_fp8.json serving_example.json mix.log \
-         verify3.json verify4.json verify3.log verify4.log ab_serving_kernel.json; do
+         verify3.json verify4.json verify3.log verify4.log; do
   [ -f "$out/$f" ] && cp "$out/$f" "$keep/"
 done
 ls "$keep"

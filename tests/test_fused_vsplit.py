@@ -6,7 +6,8 @@ CPU: Triton's interpreter with fp16 dots, against problem.reference under `stric
 relative L2 bound, v_split 1 and 2, the `none` and `last` reductions (`spin` waits for
 programs the interpreter runs one after another: GPU only). GPU: three leaderboard shapes
 (16, 4 and 1 split) under `strict` with `last` and `spin`, v_split 1 and 2 (the rest of the
-shapes: scripts/bench_issue11.py checks every candidate under `strict` before timing it).
+shapes: scripts/bench_issue11.py at 9401329 checked every candidate under `strict` before
+timing it).
 """
 
 from __future__ import annotations

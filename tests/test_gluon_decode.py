@@ -53,7 +53,7 @@ def test_validate_accepts_the_base_and_names_each_bad_parameter():
 
 
 def test_shared_memory_estimate_matches_the_compilers_figures():
-    # ptxas/Triton 3.6 offline compiles (scripts/gluon_probe.py --decode, docs/perf.md)
+    # ptxas/Triton 3.6 offline compiles (scripts/gluon_probe.py --decode at 9401329, docs/perf.md)
     assert gluon_fused._gf_smem_bytes(64, 3) == 151832
     assert gluon_fused._gf_smem_bytes(64, 4) == 192800
     assert gluon_fused._gf_smem_bytes(128, 2) == 211216
@@ -284,7 +284,7 @@ def test_the_backend_reads_reduce_as_a_later_parameter():
 # gluon_decode's reduce ("last", "spin") and v_halves, called directly (the backend does not
 # take them yet). The CPU tests check the host-side rules; the GPU tests the kernel.
 def test_shared_memory_estimate_per_v_half_matches_the_compilers_figures():
-    # ptxas/Triton 3.6 offline compiles (scripts/gluon_probe.py --decode 64/2/ss16a/split/h2 ...)
+    # ptxas/Triton 3.6 offline compiles (scripts/gluon_probe.py at 9401329, --decode 64/2/ss16a/split/h2 ...)
     assert gluon_decode.gd_smem_bytes(64, 2, "rs8") == 94480
     assert gluon_decode.gd_smem_bytes(64, 3, "rs8", 2) == 135448
     assert gluon_decode.gd_smem_bytes(64, 2, "ss16", 2) == 110864
