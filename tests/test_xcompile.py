@@ -251,9 +251,10 @@ def test_every_distinct_binary_of_the_mi355x_plan_compiles_for_gfx950():
     print(f"MI355X: {len(report['binaries'])} binaries in {time.monotonic() - t0:.0f} s")
 
 
-# One triton / triton_fused candidate in 25 per shape and every second gluon_fused one at 2
-# shapes: 72 candidates and q_quant, 43 distinct binaries (of about 200 in the whole plan).
-H200_SAMPLE_EVERY = 25
+# One triton / triton_fused candidate in 80 per shape and every fourth gluon_fused one at one
+# shape, with q_quant: each kernel family of the plan, not its whole space (the MI355X plan
+# above is compiled whole; `mla-tune compile --gpu H200` compiles the whole H200 plan).
+H200_SAMPLE_EVERY = 80
 
 
 def test_a_sample_of_the_h200_plan_compiles_for_sm_90_triton_and_gluon():
@@ -262,7 +263,7 @@ def test_a_sample_of_the_h200_plan_compiles_for_sm_90_triton_and_gluon():
     for shape, variants in planned.plan.items():
         own = [v for v in variants if v.backend in ("triton", "triton_fused")]
         gluon = [v for v in variants if v.backend == "gluon_fused"]
-        plan[shape] = own[::H200_SAMPLE_EVERY] + (gluon[::2] if shape in (Shape(4, 1024), Shape(256, 8192)) else [])
+        plan[shape] = own[::H200_SAMPLE_EVERY] + (gluon[::4] if shape == Shape(256, 8192) else [])
     assert any(v.backend == "gluon_fused" for vs in plan.values() for v in vs)
     report = xcheck.check_plan(plan, "H200", jobs=2, q_quant=True)
     failed = [(b["kernel"], b["error"]) for b in report["binaries"] if not b["ok"]]

@@ -1,0 +1,64 @@
+"""The package's layout (docs/architecture.md): imports run one way between its folders.
+
+The leaderboard's side (tune/, tables/, runtime/, export/) imports nothing from the serving
+side (serving/), except runtime/decode.py and runtime/plan.py, the old import paths kept as
+re-exports; tables/ imports nothing from tune/; serving/__init__.py imports nothing, so
+serving/table.py loads without torch. Read with `ast`, lazy imports inside functions included.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "mla_tune"
+REEXPORTS = {"runtime/decode.py", "runtime/plan.py"}
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return found
+
+
+def _folder(name: str) -> list[Path]:
+    return sorted((PACKAGE / name).rglob("*.py"))
+
+
+def test_the_leaderboard_side_imports_nothing_from_the_serving_side():
+    bad = []
+    for folder in ("tune", "tables", "runtime", "export"):
+        for path in _folder(folder):
+            rel = str(path.relative_to(PACKAGE))
+            if rel in REEXPORTS:
+                continue
+            bad += [f"{rel}: {m}" for m in _imports(path) if m.startswith("mla_tune.serving")]
+    assert not bad, bad
+
+
+def test_tables_import_nothing_from_tune():
+    bad = [f"{p.relative_to(PACKAGE)}: {m}" for p in _folder("tables") for m in _imports(p)
+           if m.startswith("mla_tune.tune")]
+    assert not bad, bad
+
+
+def test_the_old_serving_paths_are_only_re_exports():
+    for rel in sorted(REEXPORTS):
+        tree = ast.parse((PACKAGE / rel).read_text(encoding="utf-8"))
+        body = [n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+        assert body and all(isinstance(n, ast.ImportFrom) and n.module.startswith("mla_tune.serving.")
+                            for n in body), rel
+
+
+def test_the_serving_table_loads_without_torch():
+    code = ("import sys, mla_tune.serving.table as t; "
+            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr or "importing mla_tune.serving.table imported torch"
