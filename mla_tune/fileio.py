@@ -72,32 +72,13 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     `path`, a read-only folder, a full disk) is a WriteError with one line naming the fix,
     and leaves no temp file behind.
     """
-    path = Path(path)
-    try:
-        if path.is_dir():
-            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            mode = path.stat().st_mode & 0o7777
-        except FileNotFoundError:
-            mode = 0o666 & ~_umask()
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as exc:
-        raise write_error(path, exc) from exc
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+    def write(tmp: Path) -> None:
+        with open(tmp, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
-        os.chmod(tmp, mode)  # mkstemp made it 0600, and a rename keeps the mode
-        os.replace(tmp, path)
-    except BaseException as exc:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(exc, OSError):
-            raise write_error(path, exc) from exc
-        raise
-    _fsync_dir(path.parent)
-    return path
+
+    return atomic_write_with(path, write)
 
 
 def write_error(path: str | Path, exc: OSError, note: str = "") -> WriteError:
@@ -120,21 +101,27 @@ def writing(path: str | Path, note: str = "") -> Iterator[None]:
 
 
 def atomic_write_with(path: str | Path, write: Callable[[Path], Any]) -> Path:
-    """Like atomic_write_text, for a writer that takes a file name (a plot's savefig):
-    `write(tmp)` fills a temp file in the same folder, which is then renamed to `path`, so a
-    full disk or a failed write leaves no partial file. OS failures are WriteErrors."""
+    """atomic_write_text for a writer that takes a file name (a plot's savefig): `write(tmp)`
+    fills a temp file in the same folder (named with `path`'s suffix, which savefig reads),
+    which is then renamed to `path`, so a crash, a full disk or a failed write leaves the old
+    file or the new one, never a partial one nor a temp file. The mode is atomic_write_text's;
+    OS failures are WriteErrors."""
     path = Path(path)
     try:
         if path.is_dir():
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
         path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            mode = path.stat().st_mode & 0o7777
+        except FileNotFoundError:
+            mode = 0o666 & ~_umask()
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix or ".tmp", dir=path.parent)
         os.close(fd)
     except OSError as exc:
         raise write_error(path, exc) from exc
     try:
         write(Path(tmp))
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, mode)  # mkstemp made it 0600, and a rename keeps the mode
         os.replace(tmp, path)
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
