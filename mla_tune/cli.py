@@ -308,6 +308,9 @@ def export(
 def show(
     gpu: _GpuOption = None,
     table: _TableOption = None,
+    serving: Annotated[bool, typer.Option(
+        "--serving", help="With --gpu: show the GPU's serving table (GPU.serving.yaml) instead "
+                          "of its leaderboard table.")] = False,
     as_json: _JsonOption = False,
 ) -> None:
     """Show a dispatch table: each shape's winner and its evidence, then its provenance.
@@ -317,17 +320,55 @@ def show(
     checked against the backends' parameter rules as data (backends/params.py), with the
     messages export gives; the rules over several parameters are left to the runtime and
     the export, so show never imports torch.
+
+    A serving table (--serving, or --table tables/GPU.serving.yaml) shows its families, its
+    batch and kv buckets, and per family a grid of its picks, a letter per variant: the
+    eager pick of each (batch bucket, kv bucket) and the graph pick of each batch bucket,
+    then each letter's variant in full on lines that start with the family's tag
+    (mla_tune/serving/render.py).
     """
-    from mla_tune.tables.render import line_width, table_lines
-    from mla_tune.tables.table import load_table
+    from mla_tune.serving.render import table_kind
+    from mla_tune.tables.render import line_width
 
     with _domain_errors():
-        path = _table_path(gpu, table)
+        if serving and table is None:
+            from mla_tune import locate
+
+            if not gpu:
+                raise _usage_error("--serving needs the GPU: pass --gpu NAME (or the file with --table PATH)")
+            path = locate.table_path(gpu, serving=True)
+        else:
+            path = _table_path(gpu, table)
+        if table_kind(path) == "serving":
+            _show_serving(path, as_json)
+            return
+        from mla_tune.tables.table import load_table
+
         loaded = load_table(path, check_params=False)
     if as_json:
         _print_json({"path": str(path), **loaded.as_dict()})
         return
+    from mla_tune.tables.render import table_lines, wrap
+
     for line in table_lines(loaded, line_width()):
+        typer.echo(line)
+    beside = path.with_name(path.name[: -len(".yaml")] + ".serving.yaml") if path.name.endswith(".yaml") else None
+    if beside is not None and beside.is_file():
+        how = f"--gpu {gpu} --serving" if gpu and table is None else f"--table {beside}"
+        for line in wrap("", f"A serving table sits beside it: `mla-tune show {how}` shows it.", line_width()):
+            typer.echo(line)
+
+
+def _show_serving(path: Path, as_json: bool) -> None:
+    from mla_tune.serving.render import show_lines, show_view
+    from mla_tune.serving.table import load_serving_table
+    from mla_tune.tables.render import line_width
+
+    loaded = load_serving_table(path, check_params=False)
+    if as_json:
+        _print_json(show_view(loaded, path))
+        return
+    for line in show_lines(loaded, path, line_width()):
         typer.echo(line)
 
 
@@ -340,13 +381,38 @@ def diff(
     """Compare two tables shape by shape: winner changes and time changes beyond the noise.
 
     A time change is flagged when it is larger than the noise both tables record: the
-    bigger of the two rows' spreads (p90-p10 over the median).
+    bigger of the two rows' spreads (p90-p10 over the median), at least the tie tolerance.
+
+    Two serving tables compare per family, cell by cell (batch bucket x kv bucket) and graph
+    pick by graph pick: pick changed, time changed beyond the noise (a serving table records
+    no spread, so the tie tolerance). The text lists the changed cells; --json has every one.
+    A leaderboard table and a serving table do not compare.
     """
-    from mla_tune.tables.diff import diff_lines, diff_tables
+    from mla_tune.serving.render import table_kind
     from mla_tune.tables.render import line_width
-    from mla_tune.tables.table import load_table
 
     with _domain_errors():
+        kinds = {table_kind(old), table_kind(new)} - {None}  # None: unreadable, its loader says why
+        if len(kinds) == 2:
+            which = {p: table_kind(p) for p in (old, new)}
+            raise MlaTuneError(f"cannot diff {old} (a {which[old]} table) against {new} (a {which[new]} "
+                               "table); diff two leaderboard tables (GPU.yaml) or two serving tables "
+                               "(GPU.serving.yaml)")
+        if kinds == {"serving"}:
+            from mla_tune.serving.render import diff_serving, serving_diff_lines
+            from mla_tune.serving.table import load_serving_table
+
+            serving_diff = diff_serving(load_serving_table(old, check_params=False),
+                                        load_serving_table(new, check_params=False))
+            if as_json:
+                _print_json({"old": str(old), "new": str(new), **serving_diff})
+                return
+            for line in serving_diff_lines(serving_diff, old, new, line_width()):
+                typer.echo(line)
+            return
+        from mla_tune.tables.diff import diff_lines, diff_tables
+        from mla_tune.tables.table import load_table
+
         before, after = load_table(old, check_params=False), load_table(new, check_params=False)
     changes = diff_tables(before, after)
     if as_json:

@@ -3,7 +3,9 @@
 Per shape: whether the winner changed, the winner's time before and after, and whether the
 time change is outside the noise. The noise is what both tables record: the larger of the
 two rows' spreads ((p90 - p10) / median), and never less than the table's tie tolerance
-(1%), so a change inside it is what a re-run of the same sweep could give.
+(1%), so a change inside it is what a re-run of the same sweep could give. `noise`,
+`time_change` and `flag_text` are that rule, which the serving tables' diff
+(mla_tune/serving/render.py) follows too.
 """
 
 from __future__ import annotations
@@ -14,9 +16,27 @@ from mla_tune.tables.render import clip, grid, share, us, variant_lines, wrap
 from mla_tune.tables.table import TIE_TOLERANCE, Row, Table
 
 
-def _noise(old: Row, new: Row) -> float:
-    spreads = [s for s in (old.spread, new.spread) if s is not None]
-    return max([TIE_TOLERANCE, *spreads])
+def noise(*spreads: float | None) -> float:
+    """The noise of a time change: the largest of the spreads recorded (None: not recorded),
+    never less than the tie tolerance."""
+    return max([TIE_TOLERANCE, *(s for s in spreads if s is not None)])
+
+
+def time_change(old_us: float | None, new_us: float | None,
+                noise_share: float) -> tuple[float | None, bool]:
+    """(new / old - 1, whether that is outside the noise); (None, False) without both times."""
+    if not old_us or not new_us:
+        return None, False
+    change = new_us / old_us - 1.0
+    return change, abs(change) > noise_share
+
+
+def flag_text(change: float | None, flagged: bool) -> str:
+    """The diff's flag column: SLOWER or FASTER outside the noise, else within noise
+    (blank without a change)."""
+    if not flagged:
+        return "" if change is None else "within noise"
+    return "SLOWER" if change > 0 else "FASTER"
 
 
 def _change(old: Row | None, new: Row | None) -> dict:
@@ -33,9 +53,9 @@ def _change(old: Row | None, new: Row | None) -> dict:
         return entry
     entry["status"] = "same winner" if old_text == new_text else "winner changed"
     if old.time_us and new.time_us:
-        change = new.time_us / old.time_us - 1.0
-        noise = _noise(old, new)
-        entry.update(change=round(change, 4), noise=round(noise, 4), flagged=abs(change) > noise)
+        share = noise(old.spread, new.spread)
+        change, flagged = time_change(old.time_us, new.time_us, share)
+        entry.update(change=round(change, 4), noise=round(share, 4), flagged=flagged)
     return entry
 
 
@@ -43,12 +63,6 @@ def diff_tables(old: Table, new: Table) -> list[dict]:
     """One entry per shape in either table, sorted by shape (see the module docstring)."""
     shapes = sorted(set(old.rows) | set(new.rows))
     return [{"shape": str(s), **_change(old.rows.get(s), new.rows.get(s))} for s in shapes]
-
-
-def _flag(entry: dict) -> str:
-    if not entry["flagged"]:
-        return "" if entry["change"] is None else "within noise"
-    return "SLOWER" if entry["change"] > 0 else "FASTER"
 
 
 def diff_lines(changes: list[dict], old_path: Path, new_path: Path, width: int) -> list[str]:
@@ -61,7 +75,7 @@ def diff_lines(changes: list[dict], old_path: Path, new_path: Path, width: int) 
                   width)
     cells = [[c["shape"], us(c["old_us"]), us(c["new_us"]),
               "-" if c["change"] is None else f"{c['change']:+.1%}",
-              "-" if c["noise"] is None else share(c["noise"]), _flag(c), c["status"]]
+              "-" if c["noise"] is None else share(c["noise"]), flag_text(c["change"], c["flagged"]), c["status"]]
              for c in changes]
     lines += grid(["shape", "old", "new", "change", "noise", "flag", "winner"], cells)
     shape_width = max((len(c["shape"]) for c in changes), default=5)

@@ -1,0 +1,228 @@
+"""`mla-tune show` and `mla-tune diff` on serving tables (mla_tune/serving/render.py):
+families, buckets and every pick in 80 columns and as JSON; the diff's pick and time
+changes; a leaderboard table against a serving table refused in one line; no torch."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from mla_tune.cli import app
+from mla_tune.core import Variant
+from mla_tune.serving.table import (
+    Cell,
+    Family,
+    FamilyKey,
+    GraphPick,
+    ServingTable,
+    write_serving_table,
+)
+
+REPO = Path(__file__).parents[1]
+LEADERBOARD = Path(__file__).parent / "data" / "table_cpu.yaml"
+COMMITTED = REPO / "tables" / "H200.serving.yaml"
+NARROW = {"COLUMNS": "80", "NO_COLOR": "1", "TERM": "dumb"}
+BATCHES = [1, 32, 256]
+KVS = [1024, 8192, 65536]
+FP8, BF16 = FamilyKey("fp8", 64, 128, 2), FamilyKey("bf16", 0, 16, 1)
+
+
+def _v(splits: int, kv: str = "fp8") -> Variant:
+    return Variant.parse(f"triton(block_h=16,block_n=64,dot_dtype=bf16,kv={kv},max_splits={splits},"
+                         "num_stages=2,num_warps=4,q=bf16,tokens_per_split=128)")
+
+
+def _table(edit=None) -> ServingTable:
+    fp8 = Family(FP8)
+    for batch in BATCHES:
+        for kv in KVS:
+            variant = _v(8) if kv < 65536 else _v(64)
+            fp8.cells[(batch, kv)] = Cell(batch, kv, variant, 10.0 * batch + kv / 100)
+        fp8.graph[batch] = GraphPick(batch, _v(8), 0.125, 65536)
+    del fp8.cells[(256, 65536)]
+    fp8.left_out.append({"batch": 256, "kv_len": 65536, "reason": "over max_kv_bytes"})
+    del fp8.cells[(256, 8192)]  # neither a pick nor a reason: '.'
+    flashinfer = Variant.parse("flashinfer(kernel=fa3,kv=bf16,q=bf16)")
+    bf16 = Family(BF16)
+    bf16.cells[(1, 1024)] = Cell(1, 1024, flashinfer, 15.0)
+    bf16.graph[1] = GraphPick(1, flashinfer, 0.0, 0)
+    table = ServingTable("H200", {"date": "2026-12-01", "config": {"path": "configs/serving.yaml",
+                                                                   "hash": "6c0e034f4930b8a9c3de"},
+                                  "versions": {"flashinfer-python": "0.6.18", "triton": "3.6.0"},
+                                  "candidates": {str(FP8): {"triton": 10, "flashinfer": 1}}},
+                         BATCHES, KVS, {FP8: fp8, BF16: bf16})
+    if edit:
+        edit(table)
+    return table
+
+
+def _write(tmp_path: Path, name: str = "H200.serving.yaml", edit=None) -> Path:
+    return write_serving_table(tmp_path / name, _table(edit))
+
+
+def _invoke(*args, env=None):
+    return CliRunner().invoke(app, [str(a) for a in args], env=env or NARROW)
+
+
+def _legend(lines: list[str], tag: str) -> dict[str, str]:
+    """label -> the variant rebuilt from its lines (`  TAG LABEL  text`, continued)."""
+    out: dict[str, str] = {}
+    for line in lines:
+        words = line.split(maxsplit=2)
+        if len(words) == 3 and words[0] == tag:
+            out[words[1]] = out.get(words[1], "") + words[2].strip()
+    return out
+
+
+def test_show_prints_buckets_families_and_every_pick_in_80_columns(tmp_path):
+    result = _invoke("show", "--table", _write(tmp_path))
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert max(map(len, lines)) <= 80 and "\x1b[" not in result.output
+    assert "batch buckets: 1 32 256" in lines and "kv buckets: 1024 8192 65536" in lines
+    assert any(line.startswith(str(FP8)) and "(fp8/p64/h128/q2)" in line for line in lines)
+    assert any(line.startswith(str(BF16)) and "(bf16/contig/h16/q1)" in line for line in lines)
+    legend = _legend(lines, "fp8/p64/h128/q2")
+    assert legend == {"A": str(_v(8)), "B": str(_v(64))}  # the most used first, each in full
+    first = lines.index(next(line for line in lines if "(fp8/p64/h128/q2)" in line))
+    start = next(i for i in range(first, len(lines)) if lines[i].split()[:1] == ["batch"])
+    assert lines[start].split() == ["batch", "1024", "8192", "65536", "graph", "worst"]
+    rows = {line.split()[0]: line.split()[1:] for line in lines[start + 1:start + 4]}
+    assert rows == {"1": ["A", "A", "B", "A", "12.5%"], "32": ["A", "A", "B", "A", "12.5%"],
+                    "256": ["A", ".", "-", "A", "12.5%"]}
+    assert "  candidates: triton 10, flashinfer 1" in lines
+    assert any("-: 1 cell(s) left out by the config, e.g. 256x65536: over max_kv_bytes" in line
+               for line in lines)
+    assert "  .: 1 cell(s) with no pick and no reason: the fallback serves them" in lines
+    assert "  config: configs/serving.yaml (hash 6c0e034f4930)" in lines
+    assert "  versions: flashinfer-python 0.6.18, triton 3.6.0" in lines
+    # grep for one parameter finds lines that say whose variant it is
+    assert all(line.split()[0] == "fp8/p64/h128/q2" for line in lines if "max_splits=64" in line)
+
+
+def test_show_json_holds_every_cell_graph_pick_and_left_out_cell(tmp_path):
+    path = _write(tmp_path)
+    data = json.loads(_invoke("show", "--table", path, "--json").output)
+    assert data["kind"] == "serving" and data["path"] == str(path) and data["gpu"] == "H200"
+    assert data["batch_buckets"] == BATCHES and data["kv_buckets"] == KVS
+    fams = {f["name"]: f for f in data["families"]}
+    fp8 = fams[str(FP8)]
+    assert fp8["key"] == {"kv_format": "fp8", "page_size": 64, "heads": 128, "q_len": 2}
+    assert len(fp8["cells"]) == 7 and fp8["cells"][0] == {"batch": 1, "kv_len": 1024, "variant": str(_v(8)),
+                                                          "time_us": 20.24}
+    assert fp8["graph"][2] == {"batch": 256, "variant": str(_v(8)), "worst_regret": 0.125, "worst_kv_len": 65536}
+    assert fp8["left_out"] == [{"batch": 256, "kv_len": 65536, "reason": "over max_kv_bytes"}]
+    assert fams[str(BF16)]["candidates"] == {}
+
+
+def test_show_gpu_keeps_the_leaderboard_table_and_names_the_serving_one_beside_it(tmp_path):
+    shutil.copy(LEADERBOARD, tmp_path / "cpu.yaml")
+    _write(tmp_path, "cpu.serving.yaml")
+    env = {**NARROW, "MLA_TUNE_TABLES": str(tmp_path)}
+    result = _invoke("show", "--gpu", "cpu", env=env)
+    assert result.exit_code == 0, result.output
+    assert "winner torch(kv=bf16,q=bf16)" in result.output  # the leaderboard table
+    note = [line for line in result.output.splitlines() if "serving table" in line]
+    assert note == ["A serving table sits beside it: `mla-tune show --gpu cpu --serving` shows it."]
+    result = _invoke("show", "--gpu", "cpu", "--serving", env=env)
+    assert result.exit_code == 0 and "serving table for H200, 2 families" in result.output
+    result = _invoke("show", "--gpu", "none", "--serving", env=env)
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
+    assert "none.serving.yaml does not exist" in result.output
+
+
+def _changed(table: ServingTable) -> None:
+    fp8 = table.families[FP8]
+    fp8.cells[(1, 1024)] = Cell(1, 1024, _v(16), fp8.cells[(1, 1024)].time_us * 1.2)  # pick and time
+    fp8.cells[(32, 1024)] = Cell(32, 1024, _v(8), fp8.cells[(32, 1024)].time_us * 1.005)  # inside noise
+    fp8.cells[(32, 8192)] = Cell(32, 8192, _v(8), fp8.cells[(32, 8192)].time_us * 0.9)  # faster
+    del fp8.cells[(1, 65536)]
+    fp8.left_out.append({"batch": 1, "kv_len": 65536, "reason": "over the budget"})
+    fp8.graph[32] = GraphPick(32, _v(64), 0.05, 1024)
+
+
+def test_diff_of_serving_tables_flags_pick_and_time_changes_per_family(tmp_path):
+    old, new = _write(tmp_path, "old.serving.yaml"), _write(tmp_path, "new.serving.yaml", _changed)
+    result = _invoke("diff", old, new)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert max(map(len, lines)) <= 80
+    text = " ".join(result.output.split())
+    assert "8 cells: 2 with another pick (or in one table only), 2 with a time change outside" in text
+    assert "6 graph picks: 1 changed" not in text and "4 graph picks: 1 changed" in text
+    assert any(line.startswith(f"{FP8} (fp8/p64/h128/q2): 3 of 7 cells and 1 of 3") for line in lines)
+    rows = {line.split()[0]: line for line in lines if line.startswith("  ") and "x" in line.split()[0]}
+    assert rows["1x1024"].split()[1:] == ["A", "C", "20.2", "24.3", "+20.0%", "SLOWER", "pick", "changed"]
+    assert rows["32x8192"].split()[1:] == ["A", "A", "401.9", "361.7", "-10.0%", "FASTER", "same", "pick"]
+    assert rows["1x65536"].split()[1:4] == ["B", "-", "665.4"] and "left out in new" in rows["1x65536"]
+    assert "32x1024" not in rows  # same pick, inside the noise
+    legend = _legend(lines, "fp8/p64/h128/q2")
+    assert legend == {"A": str(_v(8)), "B": str(_v(64)), "C": str(_v(16))}  # the most used first
+    graph = [line.split() for line in lines if line.startswith("  32 ")]
+    assert graph == [["32", "A", "B", "12.5%", "5.0%", "pick", "changed"]]
+    data = json.loads(_invoke("diff", old, new, "--json").output)
+    assert data["kind"] == "serving" and data["noise"] == 0.01
+    cells = {(c["batch"], c["kv_len"]): c for f in data["families"] if f["family"] == str(FP8) for c in f["cells"]}
+    assert cells[(1, 1024)]["flagged"] and cells[(1, 1024)]["status"] == "pick changed"
+    assert cells[(32, 1024)] | {"old_us": 0, "new_us": 0} == {
+        "batch": 32, "kv_len": 1024, "old_pick": str(_v(8)), "new_pick": str(_v(8)), "old_us": 0, "new_us": 0,
+        "change": 0.005, "noise": 0.01, "flagged": False, "status": "same pick"}
+    assert cells[(1, 65536)]["status"] == "left out in new" and cells[(1, 65536)]["change"] is None
+
+
+def test_diff_of_a_table_with_itself_changes_nothing(tmp_path):
+    path = _write(tmp_path)
+    result = _invoke("diff", path, path)
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "8 cells: 0 with another pick" in text and "0 with a time change" in text
+    assert "graph picks: 0 changed" in text and "cells and" not in text  # no family listed
+
+
+def test_diff_of_a_leaderboard_and_a_serving_table_is_one_line(tmp_path):
+    serving = _write(tmp_path)
+    for pair in ((LEADERBOARD, serving), (serving, LEADERBOARD)):
+        result = _invoke("diff", *pair)
+        assert result.exit_code == 1
+        assert result.output.count("\n") == 1 and result.output.startswith("error: cannot diff")
+        assert "a leaderboard table" in result.output and "a serving table" in result.output
+    result = _invoke("diff", serving, tmp_path / "gone.serving.yaml")  # unreadable: its loader says why
+    assert result.exit_code == 1 and "gone.serving.yaml does not exist" in result.output
+
+
+def test_show_and_diff_of_serving_tables_never_import_torch(tmp_path):
+    old, new = _write(tmp_path, "old.serving.yaml"), _write(tmp_path, "new.serving.yaml", _changed)
+    code = textwrap.dedent(f"""
+        import sys
+        from typer.testing import CliRunner
+        from mla_tune import cli
+        for args in (["show", "--table", {str(old)!r}], ["show", "--table", {str(old)!r}, "--json"],
+                     ["diff", {str(old)!r}, {str(new)!r}], ["diff", {str(old)!r}, {str(new)!r}, "--json"]):
+            result = CliRunner().invoke(cli.app, args)
+            assert result.exit_code == 0, result.output
+        assert "torch" not in sys.modules, "imported torch"
+        assert "triton" not in sys.modules, "imported triton"
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_committed_serving_table_shows_in_80_columns_through_a_pipe():
+    # the issue's acceptance: `COLUMNS=80 mla-tune show --table tables/H200.serving.yaml | cat`
+    env = {"PATH": "/usr/bin:/bin", "NO_COLOR": "1", "COLUMNS": "80"}
+    done = subprocess.run([sys.executable, "-m", "mla_tune", "show", "--table", str(COMMITTED)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert max(map(len, lines)) <= 80
+    heads = [line for line in lines if " KV, " in line and "): " in line]  # a family's first line
+    assert len(heads) == 12
+    grids = [line for line in lines if line.split()[:2] == ["batch", "512"]]
+    assert len(grids) == 12 and all(g.split()[-2:] == ["graph", "worst"] for g in grids)
+    assert "provenance:" in lines and any(line.startswith("  config: configs/serving.yaml") for line in lines)
