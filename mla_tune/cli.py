@@ -146,11 +146,18 @@ def sweep(
         help="Cross-compile the plan's own kernels for the GPU first and drop the candidates that "
              "do not compile, exceed its shared memory or duplicate another's binary (as `mla-tune "
              "compile` does): on, off, or auto (on for a sweep on a GPU, off for --dry-run).")] = CompileCheck.auto,
+    shard: Annotated[str | None, typer.Option(
+        help="A serving config: sweep only shard i of n (every n-th unit from the i-th), e.g. 1/2, "
+             "into its own results file.")] = None,
+    merge: Annotated[str | None, typer.Option(
+        help="A serving config: build the table from these comma-separated results files (the "
+             "shards' ones) instead of sweeping.")] = None,
 ) -> None:
     """Sweep every candidate kernel per shape on this GPU and write its dispatch table.
 
     A serving config (configs/serving.yaml: families, batch and kv buckets) runs the serving
-    sweep instead and writes tables/GPU.serving.yaml (mla_tune/serving/sweep.py)."""
+    sweep instead and writes tables/GPU.serving.yaml (mla_tune/serving/sweep.py); with it,
+    --shard i/n sweeps one shard and --merge builds the table from the shards' results."""
     if candidate_timeout is not None and not candidate_timeout > 0:
         raise _usage_error(f"--candidate-timeout must be a positive number of seconds, got {candidate_timeout}")
     # passed only when given, so run_sweep's own defaults (the config's limits) apply otherwise
@@ -179,10 +186,14 @@ def sweep(
             from mla_tune.serving.sweep import sweep_from_cli
 
             code = sweep_from_cli(config, gpu, out=out, dry_run=dry_run, force=force,
-                                  devices=device_list, fresh=fresh, budget=budget)
+                                  devices=device_list, fresh=fresh, budget=budget, shard=shard,
+                                  merge_results=[Path(m) for m in _list(merge, "--merge")] if merge else None,
+                                  candidate_timeout=candidate_timeout)
             if code:
                 raise typer.Exit(code)
             return
+        if shard is not None or merge is not None:
+            raise _usage_error("--shard and --merge are for a serving config (configs/serving.yaml)")
         from mla_tune.tune.sweep import SweepInterrupted, run_sweep
 
         try:
@@ -311,6 +322,9 @@ def show(
     serving: Annotated[bool, typer.Option(
         "--serving", help="With --gpu: show the GPU's serving table (GPU.serving.yaml) instead "
                           "of its leaderboard table.")] = False,
+    times: Annotated[bool, typer.Option(
+        "--times", help="A serving table: under each family's grid of picks, the grid of their "
+                        "measured times in us.")] = False,
     as_json: _JsonOption = False,
 ) -> None:
     """Show a dispatch table: each shape's winner and its evidence, then its provenance.
@@ -340,7 +354,7 @@ def show(
         else:
             path = _table_path(gpu, table)
         if table_kind(path) == "serving":
-            _show_serving(path, as_json)
+            _show_serving(path, as_json, times)
             return
         from mla_tune.tables.table import load_table
 
@@ -359,7 +373,7 @@ def show(
             typer.echo(line)
 
 
-def _show_serving(path: Path, as_json: bool) -> None:
+def _show_serving(path: Path, as_json: bool, times: bool) -> None:
     from mla_tune.serving.render import show_lines, show_view
     from mla_tune.serving.table import load_serving_table
     from mla_tune.tables.render import line_width
@@ -368,7 +382,7 @@ def _show_serving(path: Path, as_json: bool) -> None:
     if as_json:
         _print_json(show_view(loaded, path))
         return
-    for line in show_lines(loaded, path, line_width()):
+    for line in show_lines(loaded, path, line_width(), times):
         typer.echo(line)
 
 

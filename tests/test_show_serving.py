@@ -226,3 +226,43 @@ def test_the_committed_serving_table_shows_in_80_columns_through_a_pipe():
     grids = [line for line in lines if line.split()[:2] == ["batch", "512"]]
     assert len(grids) == 12 and all(g.split()[-2:] == ["graph", "worst"] for g in grids)
     assert "provenance:" in lines and any(line.startswith("  config: configs/serving.yaml") for line in lines)
+
+
+def test_show_times_adds_each_familys_grid_of_times(tmp_path):
+    lines = _invoke("show", "--table", _write(tmp_path), "--times").output.splitlines()
+    start = lines.index("  the eager picks' times (us), fp8/p64/h128/q2:")
+    assert lines[start + 1].split() == ["batch", "1024", "8192", "65536"]
+    assert lines[start + 2].split() == ["1", "20.2", "91.9", "665.4"]  # 10 x batch + kv / 100
+    assert lines[start + 4].split() == ["256", "2570", ".", "-"]
+
+
+def test_a_grid_too_wide_for_80_columns_splits_its_kv_columns(tmp_path):
+    kvs = [2 ** i for i in range(6, 20)]  # 14 kv buckets: 64 .. 524288
+
+    def many(table: ServingTable) -> None:
+        table.kv_buckets = kvs
+        fam = table.families[FP8]
+        fam.cells = {(b, k): Cell(b, k, _v(8), 1234.5) for b in BATCHES for k in kvs}
+        fam.left_out = []
+
+    result = _invoke("show", "--table", _write(tmp_path, edit=many), "--times")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert max(map(len, lines)) <= 80
+    headers = [line.split() for line in lines if line.split()[:1] == ["batch"] and "buckets:" not in line]
+    shown = [int(k) for h in headers for k in h[1:] if k.isdigit()]
+    assert sorted(shown) == sorted(kvs * 4)  # every kv bucket in both families' picks and times grids
+    assert sum(h[-2:] == ["graph", "worst"] for h in headers) == 2  # once per family, after its last kvs
+
+
+def test_table_kind_reads_the_schema_line_without_parsing_the_table(tmp_path):
+    from mla_tune.serving.render import table_kind
+
+    cases = {"a.yaml": "# c\nschema: serving/6\ngpu: H200\n", "b.yaml": "schema: 'serving/5'\n",
+             "c.yaml": "schema: 1\nrows: []\n", "d.yaml": "{schema: serving/6}\n", "e.yaml": "gpu: x\n"}
+    for name, text in cases.items():
+        (tmp_path / name).write_text(text)
+    assert [table_kind(tmp_path / n) for n in sorted(cases)] == [
+        "serving", "serving", "leaderboard", "leaderboard", "leaderboard"]
+    assert table_kind(tmp_path / "missing.yaml") is None and table_kind(tmp_path) is None
+    assert table_kind(LEADERBOARD) == "leaderboard"

@@ -150,8 +150,19 @@ def _left_out_lines(family: dict, width: int) -> list[str]:
     return wrap("  ", text, width)
 
 
+def _times_lines(family: dict, batch_buckets: Sequence[int], kv_buckets: Sequence[int],
+                 width: int) -> list[str]:
+    """The eager picks' measured times (us) in the picks grid's layout."""
+    times = {(c["batch"], c["kv_len"]): c["time_us"] for c in family["cells"]}
+    left = {(c.get("batch"), c.get("kv_len")) for c in family["left_out"]}
+    rows = [[str(b), *(us(times[(b, k)]) if (b, k) in times else LEFT_OUT if (b, k) in left else NO_PICK
+                       for k in kv_buckets)] for b in batch_buckets]
+    return [f"  the eager picks' times (us), {family['tag']}:",
+            *_fitting_grids(["batch", *map(str, kv_buckets)], rows, 1, 0, width, left=0)]
+
+
 def _family_lines(family: dict, batch_buckets: Sequence[int], kv_buckets: Sequence[int],
-                  width: int) -> list[str]:
+                  width: int, times: bool = False) -> list[str]:
     picks = {(c["batch"], c["kv_len"]): c["variant"] for c in family["cells"]}
     graph = {g["batch"]: g for g in family["graph"]}
     left = {(c.get("batch"), c.get("kv_len")) for c in family["left_out"]}
@@ -176,6 +187,8 @@ def _family_lines(family: dict, batch_buckets: Sequence[int], kv_buckets: Sequen
         row += [labels[pick["variant"]], share(pick["worst_regret"])] if pick else [NO_PICK, "-"]
         rows.append(row)
     lines += _fitting_grids(["batch", *map(str, kv_buckets), "graph", "worst"], rows, 1, 2, width, left=0)
+    if times:
+        lines += _times_lines(family, batch_buckets, kv_buckets, width)
     lines += _left_out_lines(family, width)
     if missing:
         lines.append(f"  {NO_PICK}: {missing} cell(s) with no pick and no reason: the fallback serves them")
@@ -195,7 +208,8 @@ def _provenance_lines(prov: Mapping, width: int) -> list[str]:
     lines = ["provenance:"]
     for key, text, sep in (
         ("device", f"{clip(gpu.get('device_name') or '-', 80)} ({clip(gpu.get('arch') or '-', 40)}, "
-                   f"{clip(gpu.get('sm_count') or '-', 10)} SMs), driver {clip(gpu.get('driver') or '-', 60)}", " "),
+                   f"{clip(gpu.get('sm_count') or '-', 10)} SMs), driver {clip(gpu.get('driver') or '-', 60)}"
+                   if gpu else "-", " "),
         ("versions", versions or "-", ", "),
         ("tuned", tuned, " "),
         ("config", f"{clip(config.get('path') or '-', 200)} {clip(config.get('name') or '', 80)} "
@@ -212,12 +226,14 @@ def _provenance_lines(prov: Mapping, width: int) -> list[str]:
 LEGEND = ("Each grid: a row per batch bucket, a column per kv bucket; a letter is the family's "
           "eager pick there, its variant under the grid; graph: the batch bucket's CUDA-graph pick, "
           "worst: its largest regret over the kv buckets; -: left out, .: no pick. "
-          "--json prints every cell with its time and runner-up.")
+          "--times adds each family's grid of times; --json prints every cell with its time "
+          "and runner-up.")
 
 
-def show_lines(table: ServingTable, path: str | Path, width: int) -> list[str]:
+def show_lines(table: ServingTable, path: str | Path, width: int, times: bool = False) -> list[str]:
     """`mla-tune show` of a serving table: what it holds, a line per family, each family's
-    grid of picks with its variants, the provenance, a legend."""
+    grid of picks (with `times`, and of their times) with its variants, the provenance, a
+    legend."""
     view = show_view(table, path)
     about = f"serving table for {clip(view['gpu'], 40)}, {len(view['families'])} families"
     lines = [f"{clip(path)}: {about}"]
@@ -231,7 +247,7 @@ def show_lines(table: ServingTable, path: str | Path, width: int) -> list[str]:
     lines += grid(["family", "eager", "left out", "graph", "variants", "points"], summary)
     for family in view["families"]:
         lines.append("")
-        lines += _family_lines(family, view["batch_buckets"], view["kv_buckets"], width)
+        lines += _family_lines(family, view["batch_buckets"], view["kv_buckets"], width, times)
     lines.append("")
     lines += _provenance_lines(_mapping(view["provenance"]), width)
     lines += wrap("", LEGEND, width)
