@@ -327,19 +327,22 @@ def show(
                         "measured times in us.")] = False,
     as_json: _JsonOption = False,
 ) -> None:
-    """Show a dispatch table: each shape's winner and its evidence, then its provenance.
+    """Show a dispatch table: each shape's winner and its evidence, then its
+    provenance.
 
-    The text fits the terminal (80 columns in a pipe) and prints each winner's full variant
-    on lines that start with its shape, so `grep num_splits=16` finds it. Variants are
-    checked against the backends' parameter rules as data (backends/params.py), with the
-    messages export gives; the rules over several parameters are left to the runtime and
-    the export, so show never imports torch.
+    The text fits the terminal (80 columns in a pipe) and prints each winner's
+    full variant on lines that start with its shape, so `grep num_splits=16`
+    finds it. Variants are checked against the backends' parameter rules as data
+    (backends/params.py), with the messages export gives; the rules over several
+    parameters are left to the runtime and the export, so show never imports
+    torch.
 
-    A serving table (--serving, or --table tables/GPU.serving.yaml) shows its families, its
-    batch and kv buckets, and per family a grid of its picks, a letter per variant: the
-    eager pick of each (batch bucket, kv bucket) and the graph pick of each batch bucket,
-    then each letter's variant in full on lines that start with the family's tag
-    (mla_tune/serving/render.py).
+    A serving table (--serving, or --table tables/GPU.serving.yaml) shows its
+    families, its batch and kv buckets, and per family a grid of its picks, a
+    letter per variant: the eager pick of each (batch bucket, kv bucket) and the
+    graph pick of each batch bucket, then each letter's variant in full on lines
+    that start with the family's tag (mla_tune/serving/render.py). Where a
+    leaderboard table has a serving table beside it, the last line says so.
     """
     from mla_tune.serving.render import table_kind
     from mla_tune.tables.render import line_width
@@ -392,15 +395,18 @@ def diff(
     new: Annotated[Path, typer.Argument(help="The later table file.")],
     as_json: _JsonOption = False,
 ) -> None:
-    """Compare two tables shape by shape: winner changes and time changes beyond the noise.
+    """Compare two tables shape by shape: winner changes and time changes beyond
+    the noise.
 
-    A time change is flagged when it is larger than the noise both tables record: the
-    bigger of the two rows' spreads (p90-p10 over the median), at least the tie tolerance.
+    A time change is flagged when it is larger than the noise both tables
+    record: the bigger of the two rows' spreads (p90-p10 over the median), at
+    least the tie tolerance.
 
-    Two serving tables compare per family, cell by cell (batch bucket x kv bucket) and graph
-    pick by graph pick: pick changed, time changed beyond the noise (a serving table records
-    no spread, so the tie tolerance). The text lists the changed cells; --json has every one.
-    A leaderboard table and a serving table do not compare.
+    Two serving tables compare per family, cell by cell (batch bucket x kv
+    bucket) and graph pick by graph pick: pick changed, time changed beyond the
+    noise (a serving table records no spread, so the tie tolerance). The text
+    lists the changed cells; --json has every one. A leaderboard table and a
+    serving table do not compare.
     """
     from mla_tune.serving.render import table_kind
     from mla_tune.tables.render import line_width
