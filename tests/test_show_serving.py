@@ -266,3 +266,11 @@ def test_table_kind_reads_the_schema_line_without_parsing_the_table(tmp_path):
         "serving", "serving", "leaderboard", "leaderboard", "leaderboard"]
     assert table_kind(tmp_path / "missing.yaml") is None and table_kind(tmp_path) is None
     assert table_kind(LEADERBOARD) == "leaderboard"
+
+
+def test_show_json_turns_an_unquoted_yaml_date_into_text(tmp_path):
+    path = _write(tmp_path)
+    path.write_text(path.read_text().replace("date: '2026-12-01'", "date: 2026-12-01"))
+    result = _invoke("show", "--table", path, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["provenance"]["date"] == "2026-12-01"

@@ -26,6 +26,7 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
+import json
 import re
 import string
 from collections import Counter
@@ -116,9 +117,12 @@ def show_view(table: ServingTable, path: str | Path) -> dict:
     """What `mla-tune show` prints for a serving table, as data (`--json`): provenance,
     buckets, and per family its key, candidate counts, eager picks (cells), graph picks,
     left-out cells and how many points it timed."""
-    return {"path": str(path), "kind": "serving", "gpu": table.gpu, "provenance": table.provenance,
+    view = {"path": str(path), "kind": "serving", "gpu": table.gpu, "provenance": table.provenance,
             "batch_buckets": list(table.batch_buckets), "kv_buckets": list(table.kv_buckets),
             "families": [_family_view(table.families[k], table.provenance) for k in sorted(table.families)]}
+    # free fields (provenance, reasons, runner-ups) hold what YAML read: an unquoted date
+    # becomes its text, so the view is plain JSON
+    return json.loads(json.dumps(view, default=str))
 
 
 # ------------------------------------------------------------------ show: the text
