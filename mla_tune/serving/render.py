@@ -10,7 +10,8 @@ per batch bucket, far more than fit as full variants in a grid, so:
   in the family, the most used first): a row per batch bucket, a column per kv bucket,
   then the bucket's graph pick and its worst regret over the kv buckets. `-` marks a cell
   the config left out (its reason follows the grid), `.` a cell with neither a pick nor a
-  reason. Kv columns that do not fit the width go to a second grid.
+  reason. Kv columns that do not fit the width go to a second grid. With `times`
+  (`show --times`) a grid of the eager picks' times follows in the same layout.
 - under the grid, each label's variant in full, on lines that start with the family's tag
   and the label (`  fp8/p64/h16/q1 A  triton(block_n=32,...`), so
   `mla-tune show --table tables/H200.serving.yaml | grep tokens_per_split=128` finds the
