@@ -8,7 +8,7 @@
 #       parallel groups, the leaderboard export beside OLD_EXPORT.py (3% rule), serving host times
 #   bash scripts/gpu_acceptance.sh splitk   # issue 10 on one GPU: the serving split-K tests
 #       (its shared split budget), the ragged mix that budget is for beside FlashMLA and two
-#       large-batch cells beside their swept times (scripts/time_mix.py), `mla-tune verify`
+#       large-batch cells beside their swept times (`mla-tune time mix`), `mla-tune verify`
 #       at seeds 3 and 4
 #   RESULTS=... CONFIG=... DEVICES=... bash scripts/gpu_acceptance.sh resweep   # issue 10: one
 #       chunk of the serving sweep, resumed from the previous chunk's results (they come back
@@ -107,10 +107,10 @@ splitk)
   run_groups 200 2
   # the ragged mix the shared budget is for; then two grid points whose split-K picks
   # (max_splits 64 and 17) leave most of the grid's items empty, beside their times as swept
-  timed mix timeout 90 python3 scripts/time_mix.py --table tables/H200.serving.yaml --kv fp8 --heads 16 \
+  timed mix timeout 90 python3 -m mla_tune time mix --table tables/H200.serving.yaml --kv fp8 --heads 16 \
     --lens 4501,2796,56221 > "$out/mix.log" 2>&1
   for heads in 16 128; do
-    timed mix-256x512-$heads timeout 90 python3 scripts/time_mix.py --table tables/H200.serving.yaml --kv fp8 \
+    timed mix-256x512-$heads timeout 90 python3 -m mla_tune time mix --table tables/H200.serving.yaml --kv fp8 \
       --heads $heads --q-len 4 --lens "512*256" >> "$out/mix.log" 2>&1
   done
   grep -v -i warn "$out/mix.log" | tail -24

@@ -1,0 +1,248 @@
+"""`mla-tune time mix` and `mla-tune time scan`: serving candidates checked and timed at
+chosen lengths, for a look at one batch or one bucket; `mla-tune verify` judges a table.
+
+mix: a serving table's picks at one batch of given lengths, beside the vendors. Prints
+the table's cell for the batch and mean length as swept (at a grid point with equal
+lengths, the same shape timed at sweep time), then runs the table's eager pick (the lookup
+for the batch and its lengths) and graph pick, each vendor's default serving variant that
+can run here, and any extra variants, on one input: each checked against the fp32
+reference under the config's rule and timed; prints us, the ratio to the fastest that
+passes, and the check.
+
+scan: every candidate the serving config offers a family (the gate is not run: each call is
+checked against the fp32 reference under the config's rule instead), plus, with
+budget_waves, each split-K candidate again under a batch split budget of W waves of the SMs
+(flash_decode_serving's split_budget), on uniform batches at `points` lengths spread
+log-evenly over a kv bucket (K x 2^u, u from -1/2 to 1/2: the lengths an eager call looks
+the bucket up for), or at given lengths, for each batch size; or on one ragged mix. Prints,
+per candidate, the regret to the fastest at each shape and the worst, so a split rule that
+steps inside a bucket shows up as a large worst regret.
+
+Timing: timing.time_call on a GPU (the leaderboard protocol: L2 flushed, CUDA events,
+median of `reps`); on the CPU (Triton's interpreter, for tests) wall clock, meaningless.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+from mla_tune.core import Variant
+from mla_tune.errors import MlaTuneError
+from mla_tune.serving.table import FamilyKey
+
+VENDORS = ("flashmla", "flashinfer")
+
+
+def parse_ints(text: str, what: str) -> list[int]:
+    """'25,28,32' -> [25, 28, 32]; positive integers only, else refused naming `what`."""
+    try:
+        out = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise MlaTuneError(f"{what}: {text!r} is not a comma-separated list of integers") from None
+    if not out or min(out) < 1:
+        raise MlaTuneError(f"{what}: every value must be >= 1, got {text!r}")
+    return out
+
+
+def parse_lens(text: str, what: str = "--lens") -> list[int]:
+    """'4501,2796,56221' or '1024*128' (128 sequences of 1024 tokens), mixed freely."""
+    out = []
+    for item in text.split(","):
+        length, _, count = item.partition("*")
+        try:
+            out += [int(length)] * (int(count) if count else 1)
+        except ValueError:
+            raise MlaTuneError(f"{what}: {item!r} is not LEN or LEN*N (positive integers)") from None
+    if not out or min(out) < 1:
+        raise MlaTuneError(f"{what}: every length must be >= 1, got {text!r}")
+    return out
+
+
+def bucket_lengths(bucket: int, points: int) -> list[int]:
+    """`points` lengths log-evenly over the lengths that look up `bucket` (x 2^-1/2 to 2^1/2),
+    rounded up: the first sits on the bucket's lower edge (its geometric midpoint with the
+    bucket below), inside it."""
+    return sorted({max(1, math.ceil(bucket * 2.0 ** (-0.5 + i / points))) for i in range(points)})
+
+
+def with_budget(variant: Variant, waves: float, tokens: int, sm_count: int, heads: int) -> Variant | None:
+    """The split-K variant under a batch budget of `waves` waves of the SMs over its head
+    tiles, with a split per at least `tokens` tokens; None for a variant that does not split."""
+    from mla_tune.backends import triton_splitk
+
+    p = variant.p
+    if variant.backend != "triton" or p.get("max_splits", 1) <= 1:
+        return None
+    budget = triton_splitk.batch_split_budget(waves, sm_count, heads // p["block_h"])
+    return Variant.make("triton", **{**p, "split_budget": budget, "tokens_per_split": tokens})
+
+
+def _shown(lens: list[int]) -> str:
+    """The lengths, or their first 8 and the count."""
+    return str(lens) if len(lens) <= 8 else f"{lens[:8]}... ({len(lens)})"
+
+
+def time_mix(table_path: str | Path, key: FamilyKey, kv_lens: list[int], *, config: str | Path | None = None,
+             variants: list[Variant] = (), reps: int = 30, seed: int = 1, device: str = "cuda",
+             log: Callable[[str], None] = print) -> list[dict]:
+    """`mla-tune time mix` (see the module): returns a row per role (eager, graph, each
+    vendor, extra1...): role, variant, us (None when it did not run), ratio to the fastest
+    that passed, passed, error."""
+    import torch
+
+    from mla_tune import gpu, problem
+    from mla_tune.backends import capabilities, get_backend, platform_refusal
+    from mla_tune.serving.gate import reference_q_format, run_call
+    from mla_tune.serving.inputs import make_input
+    from mla_tune.serving.table import batch_bucket, kv_bucket, load_serving_table
+    from mla_tune.serving.verify import resolve_config
+    from mla_tune.tune.time_variants import first_line, timer_for
+
+    table = load_serving_table(table_path)
+    cfg = resolve_config(table, config)
+    spec = cfg.spec(key)
+    q_lens = [min(key.q_len, n) for n in kv_lens]
+    mean = sum(kv_lens) / len(kv_lens)
+    roles: dict[str, Variant] = {}
+    for role, v in (("eager", table.lookup(spec, len(kv_lens), mean, kv_lens=kv_lens)),
+                    ("graph", table.lookup(spec, len(kv_lens), graph=True))):
+        if v is not None:
+            roles[role] = v
+    platform = gpu.detect()
+    for name in VENDORS:
+        if capabilities(name).refusal(spec) is None and platform_refusal(name, platform) is None:
+            roles[name] = get_backend(name).default_serving_variant(spec, platform)
+    for i, v in enumerate(variants):
+        roles[f"extra{i + 1}"] = v
+
+    timer = timer_for(device)
+    inp = make_input(q_lens, kv_lens, key.heads, key.page_size, key.kv_format, seed=seed, device=device)
+    refs: dict[str, torch.Tensor] = {}
+    rows = []
+    for role, v in roles.items():
+        row = dict(role=role, variant=str(v), us=None, ratio=None, passed=False, error=None)
+        try:
+            runner = get_backend(v.backend).build_serving(v, spec, device)
+            q_format = reference_q_format(v, cfg.gate)
+            if q_format not in refs:
+                refs[q_format] = inp.reference(q_format)
+            row["passed"] = problem.check(run_call(runner, inp), refs[q_format], cfg.rule).passed
+            row["us"] = timer(lambda r=runner: run_call(r, inp), reps=reps).median_us
+            del runner
+        except Exception as exc:  # noqa: BLE001 - one role that cannot run is a row, not the end
+            row["error"] = first_line(exc)
+        rows.append(row)
+        if device != "cpu":
+            torch.cuda.empty_cache()
+    best = min((r["us"] for r in rows if r["passed"]), default=math.nan)
+    log(f"{key}: {len(kv_lens)} sequences, kv_lens {_shown(kv_lens)} (mean {mean:.0f}), q_lens {_shown(q_lens)}")
+    family = table.family(spec)
+    where = (batch_bucket(table.batch_buckets, len(kv_lens)), kv_bucket(table.kv_buckets, mean))
+    cell = family.cells.get(where) if family is not None else None
+    if cell is not None:  # at a grid point with equal lengths: the same shape, timed by the sweep
+        log(f"the table's cell {cell.batch} x {cell.kv_len}: {cell.variant}, {cell.time_us:.1f} us as swept")
+    log(f"{'role':>8} {'us':>9} {'x best':>7} {'check':>6}  variant")
+    for r in rows:
+        if r["us"] is None:
+            log(f"{r['role']:>8} {'error':>9} {'':>7} {'':>6}  {r['variant']}: {r['error']}")
+            continue
+        r["ratio"] = r["us"] / best
+        log(f"{r['role']:>8} {r['us']:9.1f} {r['ratio']:7.3f} {'ok' if r['passed'] else 'FAIL':>6}  {r['variant']}")
+    return rows
+
+
+def check_scan_args(batches: list[int] | None, bucket: int | None, lengths: list[int] | None,
+                    mix: list[int] | None, points: int = 8) -> None:
+    """`batches` with `bucket` or `lengths` (not both), or `mix` alone; else refused by name."""
+    if mix is None and ((bucket is None) == (lengths is None) or batches is None):
+        raise MlaTuneError("give --batch with --bucket (its lengths are scanned) or --lengths (not both), "
+                           "or --mix alone")
+    if mix is not None and (bucket is not None or lengths is not None or batches is not None):
+        raise MlaTuneError("--mix is one ragged batch: give it without --batch, --bucket or --lengths")
+    if points < 1:
+        raise MlaTuneError(f"--points must be at least 1, got {points}")
+
+
+def scan_lengths(config: str | Path, key: FamilyKey, *, batches: list[int] | None = None,
+                 bucket: int | None = None, lengths: list[int] | None = None, mix: list[int] | None = None,
+                 points: int = 8, budget_waves: list[float] = (), budget_tokens: list[int] = (128,),
+                 backends: list[str] | None = None, reps: int = 20, device: str = "cuda",
+                 json_path: str | Path | None = None, log: Callable[[str], None] = print) -> dict:
+    """`mla-tune time scan` (see the module). Give `batches` with `bucket` (its lengths are
+    scanned) or `lengths`, or `mix` alone (one ragged batch). Returns (and writes to
+    json_path) {family, batches, lengths, shapes, times: {variant: {shape: us}}}."""
+    import torch
+
+    from mla_tune import gpu, problem
+    from mla_tune.backends import get_backend
+    from mla_tune.serving.cells import family_plan
+    from mla_tune.serving.config import load_serving_config
+    from mla_tune.serving.gate import reference_q_format, run_call
+    from mla_tune.serving.inputs import make_input
+    from mla_tune.tune.time_variants import first_line, timer_for
+
+    check_scan_args(batches, bucket, lengths, mix, points)
+    cfg = load_serving_config(config)
+    platform = gpu.detect()
+    plan = family_plan(cfg, key, platform)
+    variants = [v for v in plan.candidates if backends is None or v.backend in backends]
+    if not variants:
+        raise MlaTuneError(f"the config {config} offers {key} no candidate"
+                           + (f" of {','.join(backends)}" if backends else ""))
+    for w in budget_waves:
+        for tokens in budget_tokens:
+            made = (with_budget(c, w, tokens, platform.sm_count or 4, key.heads) for c in list(variants))
+            variants += [v for v in made if v is not None and v not in variants]
+    if mix is not None:  # one ragged batch
+        batches, lengths = [len(mix)], []
+        shapes = [f"mix{len(mix)}~{sum(mix) // len(mix)}"]
+        shape_lens = {shapes[0]: mix}
+    else:
+        lengths = lengths if lengths is not None else bucket_lengths(bucket, points)
+        shapes = [f"{b}x{n}" for b in batches for n in lengths]
+        shape_lens = {f"{b}x{n}": [n] * b for b in batches for n in lengths}
+    times: dict[str, dict[str, float]] = {str(v): {} for v in variants}
+    runners = {}
+    timer = timer_for(device)
+    for shape in shapes:
+        lens = shape_lens[shape]
+        inp = make_input([min(key.q_len, n) for n in lens], lens, key.heads, key.page_size,
+                         key.kv_format, seed=sum(lens), device=device)
+        refs = {}
+        for v in variants:
+            try:
+                if v not in runners:
+                    runners[v] = get_backend(v.backend).build_serving(v, plan.spec, device)
+                q_format = reference_q_format(v, cfg.gate)
+                if q_format not in refs:
+                    refs[q_format] = inp.reference(q_format)
+                ok = problem.check(run_call(runners[v], inp), refs[q_format], cfg.rule).passed
+            except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is reported, not fatal
+                log(f"  {v}: {first_line(exc)}")
+                continue
+            if ok:
+                times[str(v)][shape] = timer(lambda r=runners[v], x=inp: run_call(r, x), reps=reps).median_us
+            else:
+                log(f"  {v}: fails the check at {shape}")
+        del inp, refs
+        if device != "cpu":
+            torch.cuda.empty_cache()
+    best = {n: min((t[n] for t in times.values() if n in t), default=math.nan) for n in shapes}
+    log(f"{key}: batches {batches}, lengths {lengths}")
+    log("best us: " + " ".join(f"{best[n]:.1f}" for n in shapes))
+    rows = []
+    for name, t in times.items():
+        if len(t) == len(shapes):
+            regrets = [t[n] / best[n] - 1 for n in shapes]
+            rows.append((max(regrets), name, regrets))
+    for worst, name, regrets in sorted(rows)[:12]:
+        log(f"worst {100 * worst:5.1f}%  " + " ".join(f"{100 * r:5.1f}" for r in regrets) + f"  {name}")
+    out = {"family": str(key), "batches": batches, "lengths": lengths, "shapes": shapes, "times": times}
+    if json_path is not None:
+        from mla_tune.fileio import atomic_write_text
+
+        atomic_write_text(json_path, json.dumps(out, indent=1) + "\n")
+    return out

@@ -1,0 +1,229 @@
+"""`mla-tune time` (mla_tune/time_cli.py) on the CPU: its pieces (the lengths a scan covers,
+the batch-budget variants it adds, the option parsers), its help, its refusals, and each
+subcommand end to end on Triton's interpreter (times are wall clock there, meaningless)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import typer
+import typer.main
+from typer.testing import CliRunner
+
+from mla_tune.core import Variant
+from mla_tune.errors import MlaTuneError
+from mla_tune.serving.table import (
+    Cell,
+    Family,
+    FamilyKey,
+    GraphPick,
+    ServingTable,
+    kv_bucket,
+    write_serving_table,
+)
+from mla_tune.serving.time_picks import VENDORS, bucket_lengths, parse_ints, parse_lens, with_budget
+from mla_tune.time_cli import register
+from mla_tune.tune import time_variants
+from mla_tune.tune.time_variants import parse_shapes
+from mla_tune.tune.timing import Timing
+
+CONFIG = Path(__file__).parent / "data" / "serving_time_cpu.yaml"
+ENV = {"COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"}
+# The config's two triton candidates for a family at 16 heads, q_len 1 (every family also
+# offers triton's default serving variant: the second).
+SPLIT16, DEFAULT = (
+    f"triton(block_h=16,block_n={bn},dot_dtype=fp16,kv={{kv}},max_splits=4,num_stages=2,num_warps=4,q=bf16,"
+    f"tokens_per_split={tps})" for bn, tps in ((16, 16), (64, 256)))
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer()
+
+    @app.command()
+    def other() -> None:  # a second command, so that `time` is mounted as a group, as in cli.py
+        """Another command."""
+
+    register(app)
+    return app
+
+
+def _invoke(*args):
+    return CliRunner().invoke(_app(), ["time", *[str(a) for a in args]], env=ENV)
+
+
+# ------------------------------------------------------------------------- pieces
+def test_the_scanned_lengths_all_look_up_their_bucket_and_span_it():
+    buckets = [512, 1024, 2048, 4096]
+    for bucket in buckets:
+        lens = bucket_lengths(bucket, 8)
+        assert len(lens) == 8 and lens == sorted(lens)
+        assert {kv_bucket(buckets, n) for n in lens} == {bucket}
+        assert lens[0] < bucket * 0.75 and lens[-1] > bucket * 1.25  # both halves of the octave
+
+
+def test_budget_variants_are_made_from_split_k_ones_only():
+    split = Variant.make("triton", kv="fp8", q="bf16", block_n=64, block_h=16, max_splits=17,
+                         tokens_per_split=512, num_warps=8, num_stages=2, dot_dtype="bf16")
+    budget = with_budget(split, 2, 128, sm_count=132, heads=128)
+    assert budget.p == {**split.p, "split_budget": math.ceil(2 * 132 / 8), "tokens_per_split": 128}
+    unsplit = Variant.make("triton", **{**split.p, "max_splits": 1})
+    assert with_budget(unsplit, 1, 128, 132, 128) is None
+    assert with_budget(Variant.make("flashmla", kv="fp8", q="fp8_dynamic"), 1, 128, 132, 128) is None
+
+
+def test_lists_lengths_and_shapes_are_parsed_or_refused_by_name():
+    assert parse_ints("25,28,32", "--batch") == [25, 28, 32]
+    assert parse_lens("7,1024*3") == [7, 1024, 1024, 1024]
+    assert [str(s) for s in parse_shapes("4x1024,32x8192")] == ["4x1024", "32x8192"]
+    for parse, bad, name in [(lambda t: parse_ints(t, "--lengths"), "25,x", "--lengths"),
+                             (lambda t: parse_ints(t, "--lengths"), "0", "--lengths"),
+                             (lambda t: parse_ints(t, "--lengths"), "", "--lengths"),
+                             (parse_lens, "5*x", "--lens"), (parse_lens, "0", "--lens"),
+                             (parse_shapes, "4x0", "--shapes"), (parse_shapes, "4by1024", "--shapes")]:
+        with pytest.raises(MlaTuneError, match=name):
+            parse(bad)
+
+
+# -------------------------------------------------------------------- help, refusals
+def test_each_subcommand_explains_itself_and_every_option_has_a_sentence_of_help():
+    result = _invoke("--help")
+    assert result.exit_code == 0 and all(name in result.output for name in ("variants", "mix", "scan"))
+    group = typer.main.get_command(_app()).commands["time"]
+    for name, command in group.commands.items():
+        assert _invoke(name, "-h").exit_code == 0
+        assert (command.help or "").strip(), name
+        for param in command.params:
+            if param.name == "help":
+                continue
+            assert not getattr(param, "secondary_opts", None), f"{name} {param.opts}"
+            text = getattr(param, "help", None) or ""
+            assert text[:1].isupper() and text.rstrip().endswith("."), f"{name} {param.opts}: {text!r}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_without_a_gpu_each_subcommand_says_so_in_one_line():
+    for args in (["variants", "torch(kv=bf16,q=bf16)", "--shapes", "1x8"],
+                 ["mix", "--table", "t.yaml", "--kv", "fp8", "--heads", "16", "--lens", "8"],
+                 ["scan", "--kv", "fp8", "--heads", "16", "--mix", "8,9"]):
+        result = _invoke(*args)
+        assert result.exit_code == 1, result.output
+        assert "needs a CUDA GPU" in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_bad_options_are_refused_by_name_in_one_line(monkeypatch):
+    scan = ["scan", "--kv", "bf16", "--heads", "16", "--config", CONFIG, "--device", "cpu"]
+    for extra, says in [(["--mix", "90,7", "--batch", "2"], "--mix is one ragged batch"),
+                        (["--batch", "2"], "give --batch with --bucket"),
+                        (["--mix", "9", "--budget-waves", "1,x"], "--budget-waves"),
+                        (["--mix", "9", "--backends", "flashmla"], "offers bf16 KV, page 64, 16 heads, q_len 1 no")]:
+        result = _invoke(*scan, *extra)
+        assert result.exit_code == 1 and says in result.output, result.output
+    result = _invoke("variants", "triton(", "--device", "cpu")
+    assert result.exit_code == 1 and "is not a variant" in result.output
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    result = _invoke("variants", "torch(kv=bf16,q=bf16)", "--shapes", "1x8", "--device", "cpu")
+    assert result.exit_code == 1 and "TRITON_INTERPRET=1" in result.output
+
+
+# ------------------------------------------------------------------ end to end (CPU)
+@pytest.fixture
+def interpreter(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("the CPU runs: Triton's interpreter")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def stand_in_timer(monkeypatch):
+    """The serving commands' timer, replaced: each measurement returns 10, 20, 30, ... us
+    without calling (every call is still run once for its check): the interpreter's kernel
+    calls are the cost of these tests."""
+    timed = []
+
+    def timer_for(device):
+        def timer(fn, reps):
+            timed.append(fn)
+            us = 10.0 * len(timed)
+            return Timing(us, us, us, reps)
+        return timer
+
+    monkeypatch.setattr(time_variants, "timer_for", timer_for)
+    return timed
+
+
+def test_variants_are_checked_and_timed_and_a_failing_one_is_a_row(interpreter):
+    good = "torch(kv=bf16,q=bf16)"
+    result = _invoke("variants", good, "nobackend(kv=bf16)", "--shapes", "1x8,2x5", "--reps", "1",
+                     "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    lines = result.output.strip().splitlines()
+    ok = [line for line in lines if line.endswith(good)]
+    assert [line.split()[0] for line in ok] == ["1x8", "2x5"]
+    assert all(line.split()[4] == "ok" and line.split()[5] in ("ok", "FAIL") for line in ok)  # lb, strict
+    errors = [line for line in lines if "nobackend" in line]
+    assert len(errors) == 2 and all(" error " in line and "unknown backend" in line for line in errors)
+
+
+def _worst_lines(data: dict) -> list[str]:
+    """The regret lines the scan must print for its times."""
+    best = {n: min(t[n] for t in data["times"].values()) for n in data["shapes"]}
+    rows = sorted((max(t[n] / best[n] - 1 for n in data["shapes"]), v, [t[n] / best[n] - 1 for n in data["shapes"]])
+                  for v, t in data["times"].items())
+    return [f"worst {100 * w:5.1f}%  " + " ".join(f"{100 * r:5.1f}" for r in rs) + f"  {v}" for w, v, rs in rows]
+
+
+def test_a_scan_times_every_candidate_and_its_budget_copies_at_each_shape(interpreter, stand_in_timer, tmp_path):
+    """One batch at two lengths: the config's two split-K candidates and their budget
+    copies, every one checked and timed at each shape, the worst regrets printed from the
+    times and the times written."""
+    out = tmp_path / "scan.json"
+    result = _invoke("scan", "--kv", "fp8", "--heads", "16", "--page", "16", "--config", CONFIG,
+                     "--batch", "1", "--lengths", "20,40", "--budget-waves", "1", "--reps", "1",
+                     "--device", "cpu", "--json", out)
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["shapes"] == ["1x20", "1x40"] and data["family"] == str(FamilyKey("fp8", 16, 16, 1))
+    assert {SPLIT16.format(kv="fp8"), DEFAULT.format(kv="fp8")} < set(data["times"])
+    budgeted = [v for v in data["times"] if "split_budget=" in v]
+    assert len(budgeted) == 2 and len(data["times"]) == 4 and len(stand_in_timer) == 8
+    assert all(set(t) == {"1x20", "1x40"} for t in data["times"].values())
+    assert "fails the check" not in result.output
+    assert [line for line in result.output.splitlines() if line.startswith("worst")] == _worst_lines(data)
+
+
+def test_a_ragged_mix_scans_as_one_shape(interpreter, stand_in_timer, tmp_path):
+    out = tmp_path / "mix.json"
+    result = _invoke("scan", "--kv", "bf16", "--heads", "16", "--page", "16", "--config", CONFIG,
+                     "--mix", "9,30", "--reps", "1", "--device", "cpu", "--json", out)
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["shapes"] == ["mix2~19"] and data["batches"] == [2] and len(data["times"]) == 2
+    assert all(set(t) == {"mix2~19"} for t in data["times"].values()) and "fails the check" not in result.output
+
+
+def test_a_mix_runs_the_tables_eager_and_graph_picks_and_the_extra_variants(interpreter, stand_in_timer, tmp_path):
+    key = FamilyKey("fp8", 16, 16, 1)
+    extra = SPLIT16.format(kv="fp8").replace("max_splits=4", "max_splits=1")
+    split16, default = Variant.parse(SPLIT16.format(kv="fp8")), Variant.parse(DEFAULT.format(kv="fp8"))
+    family = Family(key, cells={(2, 32): Cell(2, 32, split16, 5.0), (2, 64): Cell(2, 64, split16, 7.0)},
+                    graph={2: GraphPick(2, default, 0.1, 64)})
+    table = write_serving_table(tmp_path / "CPU.serving.yaml", ServingTable(
+        "CPU", {"config": {"path": str(CONFIG)}}, [1, 2, 4], [32, 64], {key: family}))
+    result = _invoke("mix", "--table", table, "--kv", "fp8", "--heads", "16", "--page", "16",
+                     "--lens", "30,34", "--variant", extra, "--variant", "nobackend(kv=fp8)",
+                     "--reps", "1", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    lines = result.output.strip().splitlines()
+    assert lines[0].startswith(f"{key}: 2 sequences, kv_lens [30, 34] (mean 32)")
+    assert lines[1] == f"the table's cell 2 x 32: {split16}, 5.0 us as swept"
+    rows = {line.split()[0]: line.split() for line in lines[3:]}
+    assert {"eager", "graph", "extra1", "extra2"} <= set(rows) <= {"eager", "graph", "extra1", "extra2", *VENDORS}
+    assert rows["eager"][-1] == str(split16) and rows["graph"][-1] == str(default) and rows["extra1"][-1] == extra
+    # timed in order at 10, 20, 30 us (the stand-in): ratios to the fastest, each checked
+    assert [rows[r][1:4] for r in ("eager", "graph", "extra1")] == [
+        ["10.0", "1.000", "ok"], ["20.0", "2.000", "ok"], ["30.0", "3.000", "ok"]]
+    assert rows["extra2"][1] == "error" and "nobackend" in " ".join(rows["extra2"])
