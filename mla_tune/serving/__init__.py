@@ -15,6 +15,7 @@
     calibrate.py     the split-K reduction's cost per step on the table's GPU
     verify.py        mla-tune verify: the table's picks re-timed at held-out shapes
     rescore.py       mla-tune verify --rescore: picks scored on recorded verify reports
+    render.py        mla-tune show / diff of serving tables, in 80 columns or JSON
 
 The leaderboard's side (tune/, tables/, runtime/, export/) imports nothing from here; the
 old paths mla_tune.runtime.decode and mla_tune.runtime.plan re-export the call and the plan.
