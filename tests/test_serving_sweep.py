@@ -12,10 +12,14 @@ import math
 
 import pytest
 import yaml
+from typer.testing import CliRunner
 
 from mla_tune.backends import EXTRA_BACKENDS_ENV, triton_fused, triton_splitk
+from mla_tune.cli import app
 from mla_tune.core import CORE_HEADS, CallSpec, Variant
 from mla_tune.gpu import detect, fake_platform
+from mla_tune.serving import gate as gate_module
+from mla_tune.serving import measure as measure_module
 from mla_tune.serving import sweep as sw
 from mla_tune.serving.cells import compile_key, edge_batch, parse_shard, plan_sweep
 from mla_tune.serving.config import (
@@ -29,6 +33,7 @@ from mla_tune.serving.results import read_records, results_path_for
 from mla_tune.serving.table import kv_bucket, load_serving_table
 from mla_tune.tune import timing
 from mla_tune.tune.timing import Timing
+from tests.serving_timers import TIMES, name
 
 TINY = {
     "name": "tiny", "rule": "strict", "check_seeds": [1, 2],
@@ -40,49 +45,53 @@ TINY = {
     "search": {"rungs": [1, 2], "keep": 0.5, "min_keep": 1, "cross_top": 3},
     "backends": {"triton": {"tokens_per_split": [16, 64]}, "triton_fused": {}, "wrong_serving": {}},
 }
-A, B = "tokens_per_split=16", "tokens_per_split=64"  # the two triton candidates
-# Made-up times (us per sequence): A wins at kv 32, B at kv 64; the fused candidate C is
-# never best but its worst regret (12%) is the smallest (A 33%, B 20%), while its mean
-# regret (11%) is not (B 10%): the graph pick must be C. wrong_serving would win everywhere.
-# D is triton's default serving variant, which every family's candidates include: slow here.
-TIMES = {32: {"A": 10.0, "B": 12.0, "C": 11.2, "D": 50.0, "W": 1.0},
-         64: {"A": 20.0, "B": 15.0, "C": 16.5, "D": 50.0, "W": 1.0},
-         sw.RAGGED_PROBE_KV: {"A": 15.0, "B": 14.0, "C": 14.5, "D": 50.0, "W": 1.0}}  # the ragged mix
-
-
-def _name(variant: Variant) -> str:
-    if variant.backend == "wrong_serving":
-        return "W"
-    if variant.backend == "triton_fused":
-        return "C"
-    tps = str(variant.get("tokens_per_split"))
-    return "A" if tps == A.split("=")[1] else "B" if tps == B.split("=")[1] else "D"
+_name = name
 
 
 class FakeTimer:
-    """Runs the call once (the runner really runs), returns the made-up time; counts what
-    it timed; raises KeyboardInterrupt (a kill) after `stop_after` calls when given."""
+    """Returns the made-up time (the runner really runs when `run`: once per measurement
+    under the interpreter, so only the first test pays for it); counts what it timed;
+    raises KeyboardInterrupt (a kill) after `stop_after` calls when given."""
 
-    def __init__(self, stop_after: int | None = None):
+    def __init__(self, stop_after: int | None = None, run: bool = False):
         self.timed: list[tuple] = []
         self.stop_after = stop_after
+        self.run = run
 
     def __call__(self, call: sw.TimedCall, reps: int) -> Timing:
         if self.stop_after is not None and len(self.timed) >= self.stop_after:
             raise KeyboardInterrupt
-        call()
+        if self.run:
+            call()
         self.timed.append((call.batch, call.kv_len, str(call.variant), reps))
         t = TIMES[call.kv_len][_name(call.variant)] * call.batch
         return Timing(t, t, t, reps)
 
 
+_GATES: dict = {}  # GateJob -> its outcome: each candidate is gated once in this module
+
+
+def _gate_once(job):
+    if job not in _GATES:
+        _GATES[job] = _real_gate_one(job)
+    return copy.deepcopy(_GATES[job])
+
+
+_real_gate_one = gate_module.gate_one
+
+
 @pytest.fixture
 def tiny(monkeypatch):
+    """The tiny config; the gate of a (family, candidate) in this process runs once for the
+    module (the first sweep's), as a resumed sweep would replay it."""
     monkeypatch.setenv(EXTRA_BACKENDS_ENV, "wrong_serving=tests.serving_fakes")
+    monkeypatch.setattr(gate_module, "gate_one", _gate_once)
     return serving_config_from_dict(copy.deepcopy(TINY), "tiny.yaml")
 
 
 def _sweep(cfg, tmp_path, timer, **kw):
+    """A sweep of `cfg` into tmp_path: timed in this process with a timer object, in a
+    worker process with a timer's name."""
     return sw.run_serving_sweep(cfg, "CPU", out=tmp_path / "CPU.serving.yaml", platform=detect(),
                                 timer=timer, log=lambda line: None, **kw)
 
@@ -99,7 +108,7 @@ def _picks(table) -> dict:
 
 
 def test_a_tiny_sweep_picks_gated_winners_and_the_worst_case_graph_pick(tiny, tmp_path):
-    timer = FakeTimer()
+    timer = FakeTimer(run=True)
     summary = _sweep(tiny, tmp_path, timer)
     table = load_serving_table(summary["table"])
     header, records, _ = read_records(summary["results"])
@@ -213,6 +222,22 @@ def test_a_killed_sweep_resumes_without_retiming_and_ends_as_one_run(tiny, tmp_p
     assert _picks(load_serving_table(summary["table"])) == _picks(load_serving_table(whole["table"]))
 
 
+def test_a_sweep_timed_in_a_worker_process_writes_the_table_of_one_timed_here(tiny, tmp_path):
+    """The timer by name: every measurement runs in a killable worker process (the GPU
+    sweep's default). The same made-up times give the same steps and the same table as the
+    sweep timed in this process; a candidate that kills its worker (D at batch 1, kv 32)
+    is recorded as crashed, costs only that step, and a fresh worker times the rest."""
+    here = _sweep(tiny, tmp_path / "here", FakeTimer())
+    there = _sweep(tiny, tmp_path / "worker", "tests.serving_timers:crashing_time")
+    _, records, _ = read_records(there["results"])
+    crashed = [r for r in records if r["kind"] == "step" and r["status"] == "crashed"]
+    assert [(r["batch"], r["kv_len"], _name(Variant.parse(r["variant"]))) for r in crashed] == [(1, 32, "D")]
+    assert "exit code 11" in crashed[0]["error"] and "worker-0.log" in crashed[0]["error"]
+    assert _steps(there["results"]) == _steps(here["results"])
+    assert load_serving_table(there["table"]).as_dict()["families"] == load_serving_table(here["table"]).as_dict()["families"]
+    assert (tmp_path / "worker" / "CPU.serving.worker-0.log").exists()
+
+
 def test_shards_merge_into_the_table_of_one_run(tiny, tmp_path):
     whole = _sweep(tiny, tmp_path / "whole", FakeTimer())
     paths = []
@@ -221,12 +246,18 @@ def test_shards_merge_into_the_table_of_one_run(tiny, tmp_path):
         assert summary["table"] is None and summary["cells"] == 2
         paths.append(summary["results"])
     assert paths[0] != paths[1]
-    out = sw.merge(tiny, "CPU", paths, out=tmp_path / "merged.serving.yaml", log=lambda line: None)
+    config = tmp_path / "tiny.yaml"  # the command line reads the config from its file
+    config.write_text(yaml.safe_dump(TINY))
+    out = tmp_path / "merged.serving.yaml"
+    result = CliRunner().invoke(app, ["sweep", "--gpu", "CPU", "--config", str(config), "--out", str(out),
+                                      "--merge", ",".join(map(str, paths))])
+    assert result.exit_code == 0, result.output
     merged, one = load_serving_table(out), load_serving_table(whole["table"])
     assert _picks(merged) == _picks(one)
     assert merged.as_dict()["families"] == one.as_dict()["families"]
     with pytest.raises(sw.ServingSweepError, match="merge only the shards of one config"):
         sw.merge(tiny, "H200", paths, out=tmp_path / "x.yaml", log=lambda line: None)
+    assert sw.sweep_from_cli(config, "H200", out=tmp_path / "x.yaml", merge_results=paths) == 1
 
 
 def test_the_budget_stops_cleanly_and_the_table_says_what_was_left_out(tiny, tmp_path, monkeypatch):
@@ -337,15 +368,17 @@ def test_the_committed_config_plans_tier_1_within_20_gpu_minutes(capsys):
 
 
 def test_the_command_line_dry_run_and_bad_options(capsys):
-    assert sw.main(["--config", "configs/serving.yaml", "--gpu", "H200", "--dry-run"]) == 0
+    """`mla-tune sweep --config configs/serving.yaml` goes here (cli.py's hook, sweep_from_cli);
+    a bad option is one line and exit 1."""
+    assert sw.sweep_from_cli("configs/serving.yaml", "H200", dry_run=True) == 0
     assert "estimated GPU time" in capsys.readouterr().out
-    assert sw.main(["--config", "configs/serving.yaml", "--gpu", "H200", "--shard", "3/2", "--dry-run"]) == 1
+    assert sw.sweep_from_cli("configs/serving.yaml", "H200", shard="3/2", dry_run=True) == 1
     assert "--shard must be i/n" in capsys.readouterr().err
+    assert sw.sweep_from_cli("configs/serving.yaml", "H200", shard="1/2", devices=[0, 1]) == 1
+    assert "not both" in capsys.readouterr().err
     with pytest.raises(ValueError):
         parse_shard("0/2")
-    # `mla-tune sweep --config configs/serving.yaml` goes here (cli.py's hook)
     assert is_serving_config("configs/serving.yaml") and not is_serving_config("configs/leaderboard.yaml")
-    assert sw.sweep_from_cli("configs/serving.yaml", "H200", dry_run=True) == 0
 
 
 def test_a_results_file_of_another_config_is_refused(tiny, tmp_path):
@@ -428,13 +461,13 @@ def test_cell_lengths_are_a_search_option_that_changes_the_hash_and_the_timed_le
     with pytest.raises(ServingConfigError, match=r"search\.cell_lengths.*aligned, spread.*'uniform'"):
         serving_config_from_dict(raw, "bad.yaml")
     seen = {}
-    real = sw.make_input
+    real = measure_module.make_input
 
     def spy(q_lens, kv_lens, *args, **kw):
         seen.setdefault(len(q_lens), set()).add(tuple(kv_lens))
         return real(q_lens, kv_lens, *args, **kw)
 
-    monkeypatch.setattr(sw, "make_input", spy)
+    monkeypatch.setattr(measure_module, "make_input", spy)
     table = load_serving_table(_sweep(spread, tmp_path, FakeTimer())["table"])
     for batch in (1, 2):
         assert {tuple(sw.cell_kv_lens(batch, kv, "spread")) for kv in (32, 64)} <= seen[batch]

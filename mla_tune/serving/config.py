@@ -37,7 +37,7 @@ GATE_FIELDS = {"ragged_kv_lens", "tail_kv_len", "tail_batch", "margin", "referen
 REFERENCE_Q = ("exact", "variant")
 SEARCH_FIELDS = {"rungs", "keep", "min_keep", "cross_top"}
 SEARCH_OPTIONAL = {"cell_lengths", "batch_edge"}
-CELL_LENGTHS = ("aligned", "spread")  # serving_sweep.cell_kv_lens
+CELL_LENGTHS = ("aligned", "spread")  # sweep.cell_kv_lens
 LEFT_OUT_CONDITIONS = ("max_kv_bytes", "max_tokens")
 LEFT_OUT_MATCH = ("kv_format", "heads", "q_len", "page_size")
 CONFIG_MAX_BYTES = 1 << 20
@@ -68,7 +68,7 @@ class GateSpec:
     uniform probe of tail_batch sequences of tail_kv_len tokens on check_seeds[1]; each
     must keep its failing share under margin x the rule's allowance, against the fp32
     reference with bf16 q (reference_q exact) or q quantized as the candidate's q mode
-    (variant; serving_gate.reference_q_format)."""
+    (variant; gate.reference_q_format)."""
 
     ragged_kv_lens: tuple[int, ...]
     tail_kv_len: int
@@ -85,11 +85,11 @@ class ServingSearch:
     never cut before the last rung); per batch bucket, the union of each kv cell's best
     `cross_top` is timed at every kv cell of the bucket (rungs[-1] samples) for its
     CUDA-graph pick. `cell_lengths` says which lengths a (batch, kv) cell is timed on
-    (serving_sweep.cell_kv_lens): `aligned`, every sequence at the bucket's length, or
+    (sweep.cell_kv_lens): `aligned`, every sequence at the bucket's length, or
     `spread`, the batch's lengths spread over the lengths the bucket serves. `batch_edge`:
     each kv cell's best `cross_top` are also timed at the smallest batch the bucket serves
-    (the bucket below plus one: serving_plan.edge_batch), and a cell's eager pick weighs that
-    edge beside the cell (serving_build.eager_pick)."""
+    (the bucket below plus one: cells.edge_batch), and a cell's eager pick weighs that
+    edge beside the cell (build.eager_pick)."""
 
     rungs: tuple[int, ...]
     keep: float

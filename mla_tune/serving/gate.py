@@ -14,21 +14,22 @@ error):
 the convention of scripts/engine_loop.py: the gate then judges the kernel, not the price of
 its q mode.) Each must keep the failing share under margin x the rule's allowance (problem.check).
 
-Gating compiles every kernel, so with `workers` > 0 it runs in that many spawned processes
-(Triton's disk cache then serves the timing process); a process that dies (a kernel that
-kills its CUDA context) costs only its own candidate: the rest run again one at a time.
+Gating compiles every kernel, so with `workers` > 0 it runs in that many of the sweep's
+killable worker processes (tune/pool.py's TaskPool over tune/worker.py; Triton's disk
+cache then serves the timing): each worker gates one candidate at a time, so a crash, a
+hang past the limit or a lost CUDA context costs only its own candidate, recorded with
+the reason, and a fresh worker takes the next.
 """
 
 from __future__ import annotations
 
 import functools
-import multiprocessing as mp
 import os
+import tempfile
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from triton.errors import TritonError
@@ -39,7 +40,8 @@ from mla_tune.core import CallSpec, Variant
 from mla_tune.problem import Rule
 from mla_tune.serving.config import GateSpec
 from mla_tune.serving.inputs import ServingInput, make_input
-from mla_tune.tune.procs import die_with_parent
+from mla_tune.tune.pool import Outcome, TaskPool
+from mla_tune.tune.worker import Task
 
 # What building or running a candidate may raise that judges the candidate, not the sweep:
 # a refusal (ValueError), a CUDA or vendor error (RuntimeError, torch.OutOfMemoryError
@@ -140,38 +142,32 @@ def gate_one(job: GateJob) -> dict:
     return outcome(True, "ok")
 
 
-_POISONED = []  # set in a gate process whose CUDA context a job lost: it exits at the next
-
-
-def _worker_start(parent_pid: int) -> None:
-    die_with_parent(parent_pid)
-
-
-def _worker_gate(job: GateJob) -> dict:
-    if _POISONED:
-        os._exit(3)  # the pool sees a dead process; the jobs it held run again in isolation
+def gate_task(context, job: GateJob) -> dict:
+    """gate_one in a worker process (a tune/worker.py Task): a lost CUDA context ends the
+    worker after it answers."""
     out = gate_one(job)
-    if out.get("poisoned"):
-        _POISONED.append(job.variant)
+    if out.pop("poisoned", False):
+        context.restart = True
     return out
-
-
-def _pool(workers: int) -> ProcessPoolExecutor:
-    return ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"),
-                               initializer=_worker_start, initargs=(os.getpid(),))
 
 
 class ContextLost(RuntimeError):
     """The sweep's own CUDA context is lost (gating in-process): rerun to resume."""
 
 
-def run_gates(jobs: list[GateJob], workers: int,
-              stop: Callable[[], bool] = lambda: False) -> Iterator[tuple[GateJob, dict]]:
+# A gate builds and compiles one candidate and runs two small probes: minutes at most,
+# unless it hangs (a kernel waiting on itself); then its worker is killed at this limit.
+GATE_TIMEOUT_S = 600.0
+
+
+def run_gates(jobs: list[GateJob], workers: int, stop: Callable[[], bool] = lambda: False,
+              log_stem: Path | None = None,
+              timeout_s: float | Callable[[], float] = GATE_TIMEOUT_S) -> Iterator[tuple[GateJob, dict]]:
     """(job, outcome) for each job, as they finish: in this process (workers 0; a job
-    that loses the CUDA context is reported, then ContextLost is raised), or in a pool of
-    `workers` spawned processes. When a pool process dies, the jobs it may have held run
-    again one at a time, each in its own process, so a death names its own job; then the
-    pool restarts for the rest. `stop()` true: no further job starts."""
+    that loses the CUDA context is reported, then ContextLost is raised), or in a TaskPool
+    of `workers` worker processes (logs at `log_stem`.worker-I.log, by default in the
+    temporary folder). A job whose worker dies is recorded as crashed, one past
+    `timeout_s` as a timeout; the others go on. `stop()` true: no further job starts."""
     if workers <= 0:
         for job in jobs:
             if stop():
@@ -182,32 +178,25 @@ def run_gates(jobs: list[GateJob], workers: int,
                 raise ContextLost(f"the CUDA context was lost gating {job.variant} ({out['reason']}); "
                                   "its gate is recorded as failed: run the sweep again to resume")
         return
-    pending = list(jobs)
-    while pending and not stop():
-        suspects: list[GateJob] = []
-        with _pool(workers) as pool:
-            futures: dict = {}
-            while (pending and not stop()) or futures:
-                while pending and len(futures) < 2 * workers and not stop():
-                    job = pending.pop(0)
-                    futures[pool.submit(_worker_gate, job)] = job
-                done, _ = wait(futures, return_when=FIRST_COMPLETED)
-                for future in done:
-                    job = futures.pop(future)
-                    try:
-                        out = future.result()
-                    except BrokenProcessPool:
-                        suspects.append(job)
-                        continue
-                    yield job, out
-                if suspects:
-                    suspects += list(futures.values())
-                    break
-        for job in suspects:
-            with _pool(1) as single:
-                try:
-                    out = single.submit(gate_one, job).result()
-                except BrokenProcessPool:
-                    out = {"ok": False, "reason": "crashed: its gate process died (a segfault or a "
-                           "kernel that killed the process)", "checks": [], "seconds": 0.0}
-            yield job, out
+    if log_stem is None:
+        log_stem = Path(tempfile.gettempdir()) / f"mla-tune-gate-{os.getpid()}"
+    tasks = [Task("mla_tune.serving.gate:gate_task", (job,)) for job in jobs]
+    with TaskPool(min(workers, max(1, len(jobs))), log_stem, device_index(jobs[0].device) if jobs else 0) as pool:
+        for index, outcome in pool.run(tasks, timeout_s, stop):
+            yield jobs[index], (outcome.value if outcome.status == "ok" else _lost(outcome))
+
+
+def _lost(outcome: Outcome) -> dict:
+    """The gate record of a job that did not answer (its worker crashed or hung) or whose
+    gate function raised."""
+    what = {"crashed": "crashed: ", "timeout": "timeout: "}.get(outcome.status, "")
+    out = {"ok": False, "reason": f"{what}{outcome.error}", "checks": [], "seconds": 0.0}
+    if outcome.tail:
+        out["stderr_tail"] = outcome.tail
+    return out
+
+
+def device_index(device: str) -> int:
+    """The GPU index of a device text ("cuda:1" -> 1; "cuda", "cpu" -> 0)."""
+    _, _, index = str(device).partition(":")
+    return int(index) if index.isdigit() else 0

@@ -9,8 +9,10 @@ torn last line is dropped with a warning and cut off before the next append
 cell, graph pick and at the end, not per line as tune/results.py's ResultsWriter does
 (an fsync costs milliseconds): a machine crash loses at most the cell in flight. Kinds:
 
-  gate   a candidate's gate for a family: ok, reason, the probes' mismatch and max error
+  gate   a candidate's gate for a family: ok, reason (crashed: / timeout: when its worker
+         process died or was killed), the probes' mismatch and max error
   step   one measurement: family, batch, kv_len, variant, samples, status (ok | failed |
+         crashed: it killed its worker process | timeout: its worker was killed at the limit |
          pruned: a first-rung probe over PRUNE_FACTOR x the cell's best, with probe_us),
          time {median_us, p10_us, p90_us, samples} or error
   cell   a cell's outcome: winner, time_us, runner_up, top (its best by the last rung),

@@ -1,31 +1,33 @@
 """The serving sweep: tune the serving table (tables/GPU.serving.yaml) from a serving config.
 
-    python -m mla_tune.serving.sweep --config configs/serving.yaml --gpu H200
-        [--out tables/H200.serving.yaml] [--shard i/n] [--devices 0,1] [--budget S]
-        [--gate-workers N] [--fresh] [--force] [--dry-run]
-    python -m mla_tune.serving.sweep merge --config configs/serving.yaml --gpu H200
-        [--out tables/H200.serving.yaml] RESULTS.jsonl ...
+    mla-tune sweep --config configs/serving.yaml --gpu H200 [--out tables/H200.serving.yaml]
+        [--shard i/n] [--devices 0,1] [--budget S] [--candidate-timeout S] [--fresh] [--force]
+        [--dry-run]
+    mla-tune sweep --config configs/serving.yaml --gpu H200 [--out tables/H200.serving.yaml]
+        --merge RESULTS.jsonl,RESULTS.jsonl,...
 
-Stages (serving_plan.py plans them, serving_results.py records them):
-1. Gate: each family's candidates once, on a ragged and a tail probe (serving_gate.py).
+Stages (cells.py plans them, results.py records them):
+1. Gate: each family's candidates once, on a ragged and a tail probe (gate.py), in
+   config gate_workers worker processes.
 2. Cells, unit by unit (a family's batch bucket), kv buckets increasing: successive halving
-   over the gated candidates (search.rungs samples per rung, keep the best `keep` share,
-   at least min_keep), the neighbouring cells' winners (same family, adjacent batch or kv
-   bucket, already measured) first and carried to the last rung. The winner is the cell's
+   over the gated candidates (tune/search.py's promote, the leaderboard's: search.rungs
+   samples per rung, keep the best `keep` share, at least min_keep), the neighbouring
+   cells' winners (same family, adjacent batch or kv bucket, already measured) first and
+   carried to the last rung. The winner is the cell's
    pick for eager calls (lookup by the kv bucket of the mean length). A cell is timed on
    its bucket's length, or with search.cell_lengths `spread` on lengths spread over those
    the bucket serves (cell_kv_lens).
 3. Cross, per unit: the union of each kv cell's best `cross_top` timed at every kv cell of
    the bucket and on the bucket's ragged mix (ragged_probe_lengths: lengths drawn
    log-uniform over the bucket's kv range, recorded as kv_len 0); the CUDA-graph pick
-   (serving_table.choose_graph_pick) is the one whose worst regret over those is smallest:
+   (table.choose_graph_pick) is the one whose worst regret over those is smallest:
    a graph cannot depend on kv_len, and an engine's batch is rarely uniform (on the H200
    a graph pick chosen on uniform cells alone ran 1.4x FlashMLA's step on 500-4000 token
    lengths, docs/perf.md).
 4. Edge, per unit, with search.batch_edge: each kv cell's best `cross_top` timed at the
-   smallest batch the bucket serves (serving_plan.edge_batch: the bucket below plus one,
+   smallest batch the bucket serves (cells.edge_batch: the bucket below plus one,
    uniform at the cell's lengths, rungs[-1] samples); a cell's eager pick weighs that edge
-   beside the cell (serving_build.eager_pick), since eager calls of any batch in the
+   beside the cell (build.eager_pick), since eager calls of any batch in the
    bucket's span run it. A CUDA graph runs at the bucket's batch: its pick ignores the edge.
 Every measurement is appended to the results file as it is made, so a killed sweep resumes
 where it stopped; `budget_s` stops timing cleanly between measurements (the table is still
@@ -33,28 +35,28 @@ written, the cells not reached left out with the reason). A shard (`--shard i/n`
 every n-th unit and writes its own results file; `merge` builds one table from several;
 `--devices` runs one shard per GPU and merges.
 
-The timer is injectable (GPU: timing.time_call, the leaderboard protocol; CPU:
-timing.cpu_time), so the whole pipeline runs under Triton's interpreter in tests.
+Each measurement (measure.py) runs in a killable worker process of tune/worker.py (a
+TaskPool of one, tune/pool.py), so a candidate that crashes, hangs past
+--candidate-timeout or loses the CUDA context costs only its own step, recorded as
+crashed, timeout or failed. The timer is injectable: by name for the worker (GPU:
+timing.time_call, the leaderboard protocol; CPU: timing.cpu_time), or as a callable,
+which times in this process (the tests' made-up timers, under Triton's interpreter).
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import datetime as _dt
 import math
+import multiprocessing as mp
 import os
 import random
-import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from mla_tune import gpu
-from mla_tune.backends import get_backend
 from mla_tune.core import Variant
 from mla_tune.errors import MlaTuneError
 from mla_tune.serving.build import ServingSweepError, merge, write_table
@@ -69,72 +71,54 @@ from mla_tune.serving.cells import (
 )
 from mla_tune.serving.config import ServingConfig, load_serving_config
 from mla_tune.serving.gate import (
-    RUN_ERRORS,
+    GATE_TIMEOUT_S,
     ContextLost,
     GateJob,
-    error_text,
-    poisons_context,
+    device_index,
     probe_lengths,
-    run_call,
     run_gates,
 )
-from mla_tune.serving.inputs import ServingInput, make_input
+from mla_tune.serving.measure import (
+    CPU_TIMER,
+    GPU_PROBE,
+    GPU_TIMER,
+    MEASURE_TASK,
+    PRUNE_FACTOR,
+    MeasureJob,
+    TimedCall,
+    event_probe,
+    measure,
+)
 from mla_tune.serving.results import SCHEMA, Recorder, Records, results_path_for
 from mla_tune.serving.table import FamilyKey, choose_graph_pick
+from mla_tune.tune import search as halving
 from mla_tune.tune import timing
+from mla_tune.tune.pool import TaskPool
 from mla_tune.tune.results import SweepLock, move_aside
+from mla_tune.tune.schedule import BudgetClock
+from mla_tune.tune.worker import Task, resolve
+
+__all__ = ["PRUNE_FACTOR", "RAGGED_PROBE_KV", "Sweeper", "TimedCall", "cell_kv_lens", "dry_run", "event_probe",
+           "merge", "ragged_probe_lengths", "run_serving_sweep", "sweep_from_cli"]
 
 Timer = Callable[..., timing.Timing]  # timer(call, reps) -> Timing
-Probe = Callable[["TimedCall"], float]  # probe(call) -> one call's GPU time, us
-# At a cell's first rung, a candidate whose one-call probe is over this many times the best
-# median measured so far in the cell is recorded as pruned instead of timed: on the H200 a
-# 128-head cell's slowest own candidates ran 35 ms against FlashMLA's 0.27 ms, and their
-# warm-up, wall-time and samples were most of the sweep's time (docs/perf.md).
-PRUNE_FACTOR = 4.0
-
-
-def event_probe(call) -> float:
-    """One warm call's GPU time (us) by CUDA events: no L2 flush (a warm cache flatters the
-    candidate, so a pruning decision errs towards keeping it) and no host time: a sleep
-    queued ahead covers twice the warm call's host time (at most 5 ms: a first call that
-    compiled), so the start event fires with the call's kernels already queued. Without it
-    a vendor's host-side schedule (FlashMLA's metadata, FlashInfer's plan: 100-200 us) sat
-    inside the probe, and the sweep of 2026-11-30 pruned FlashMLA and FlashInfer (over 4x
-    the best) in cells they win."""
-    t0 = time.perf_counter()
-    call()
-    host_us = (time.perf_counter() - t0) * 1e6
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    timing.hold_gpu(min(max(100.0, 2.0 * host_us), 5000.0))
-    start.record()
-    call()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000.0
+Probe = Callable[[TimedCall], float]  # probe(call) -> one call's GPU time, us
+# A measurement is a build, at most one compile, warm-up and samples: a step still running
+# after this long hangs, and its worker is killed (the leaderboard sweep's limit).
+MEASURE_TIMEOUT_S = 120.0
 
 
 class _BudgetSpent(Exception):
     pass
 
 
-@dataclass
-class TimedCall:
-    """What the timer times: one serving call of `variant` at a cell. Tests' timers read
-    variant, family, batch and kv_len to return made-up times."""
-
-    variant: Variant
-    family: FamilyKey
-    batch: int
-    kv_len: int
-    runner: Callable
-    inp: ServingInput
-
-    def __call__(self):
-        return run_call(self.runner, self.inp)
-
-
 def _family(key: FamilyKey) -> dict:
     return key.as_dict()
+
+
+def _callable(fn):
+    """A timer or probe given by name, or as itself."""
+    return resolve(fn) if isinstance(fn, str) and fn else (fn or None)
 
 
 # The kv_len under which the cross stage records a bucket's ragged mix (kv buckets are >= 1).
@@ -179,17 +163,26 @@ def cell_seed(batch: int, kv_len: int) -> int:
 
 
 class Sweeper:
-    """Runs one shard's plan against a Recorder (see the module docstring)."""
+    """Runs one shard's plan against a Recorder (see the module docstring).
 
-    def __init__(self, cfg: ServingConfig, plan: SweepPlan, recorder: Recorder, *, timer: Timer,
-                 device, deadline: float, log: Callable[[str], None] = print, gate_workers: int | None = None,
-                 probe: Probe | None = None):
+    With a `pool` (tune/pool.py), every measurement runs in its worker process and
+    `timer` and `probe` are names ("module:function"); without, in this process, and they
+    are callables (the tests' made-up timers)."""
+
+    def __init__(self, cfg: ServingConfig, plan: SweepPlan, recorder: Recorder, *, timer: Timer | str,
+                 device, clock: BudgetClock, log: Callable[[str], None] = print, gate_workers: int | None = None,
+                 probe: Probe | str | None = None, pool: TaskPool | None = None,
+                 timeout_s: float = MEASURE_TIMEOUT_S, log_stem: Path | None = None):
+        if pool is not None and not (isinstance(timer, str) and (probe is None or isinstance(probe, str))):
+            raise ValueError("a sweep that times in worker processes takes its timer and probe by name "
+                             "('package.module:function'), not as objects")
         self.cfg, self.plan, self.rec = cfg, plan, recorder
-        self.timer, self.device, self.deadline, self.log = timer, torch.device(device), deadline, log
+        self.timer, self.device, self.clock, self.log = timer, str(device), clock, log
         self.probe = probe  # None: every first-rung candidate is timed in full
+        self.pool, self.timeout_s, self.log_stem = pool, timeout_s, log_stem
         self.gate_workers = cfg.gate_workers if gate_workers is None else gate_workers
         self.passed: dict[FamilyKey, list[Variant]] = {}
-        self._inputs: dict[tuple, ServingInput] = {}
+        self._cache: dict = {}  # in this process: the cell's input (measure.cell_input)
         self._ragged: dict[tuple, list[int]] = {}  # (family, batch) -> its ragged mix's lengths
         self.stopped = False
         self.started = time.monotonic()
@@ -203,12 +196,14 @@ class Sweeper:
             spec = self.plan.families[key].spec
             for v in self.plan.families[key].candidates:
                 if (key, str(v)) not in self.rec.records.gates:
-                    jobs.append(GateJob(spec, str(v), self.cfg.gate, self.cfg.rule, str(self.device)))
+                    jobs.append(GateJob(spec, str(v), self.cfg.gate, self.cfg.rule, self.device))
         if jobs:
             self.log(f"gate: {len(jobs)} candidate(s) over {len(keys)} famil{'y' if len(keys) == 1 else 'ies'}"
                      f" ({self.gate_workers or 'no'} worker process(es))")
         done = 0
-        for job, out in run_gates(jobs, self.gate_workers, stop=self._over_budget):
+        stem = None if self.log_stem is None else self.log_stem.with_name(self.log_stem.name + ".gate")
+        for job, out in run_gates(jobs, self.gate_workers, stop=self._over_budget, log_stem=stem,
+                                  timeout_s=lambda: self.clock.timeout(GATE_TIMEOUT_S)):
             key = FamilyKey.of(job.spec)
             out = {k: v for k, v in out.items() if k != "poisoned"}
             self.rec.append({"kind": "gate", "family": _family(key), "variant": job.variant, **out})
@@ -224,19 +219,17 @@ class Sweeper:
             self.stopped = True
 
     def _over_budget(self) -> bool:
-        return time.monotonic() > self.deadline
+        return self.clock.left() <= 0
 
     # ------------------------------------------------------------------ measurements
-    def _input(self, key: FamilyKey, batch: int, kv_len: int) -> ServingInput:
-        cell = (key, batch, kv_len)
-        if cell not in self._inputs:
-            self._inputs.clear()  # one cell's input at a time: the large ones take GBs
-            q_lens = [key.q_len] * batch
-            kv_lens = (self._ragged[(key, batch)] if kv_len == RAGGED_PROBE_KV
-                       else cell_kv_lens(batch, kv_len, self.cfg.search.cell_lengths))
-            self._inputs[cell] = make_input(q_lens, kv_lens, key.heads, key.page_size,
-                                            key.kv_format, seed=cell_seed(batch, kv_len), device=self.device)
-        return self._inputs[cell]
+    def _kv_lens(self, key: FamilyKey, batch: int, kv_len: int) -> list[int]:
+        if kv_len == RAGGED_PROBE_KV:
+            return self._ragged[(key, batch)]
+        return cell_kv_lens(batch, kv_len, self.cfg.search.cell_lengths)
+
+    def _drop_input(self) -> None:
+        """Free the cell's input here (a worker replaces its own at the next cell)."""
+        self._cache.clear()
 
     def measure(self, key: FamilyKey, batch: int, kv_len: int, variant: Variant, samples: int) -> float:
         """The median (us) of `samples` samples of `variant` at the cell: the recorded one,
@@ -264,32 +257,26 @@ class Sweeper:
               prune_over: float | None = None) -> dict:
         record = {"kind": "step", "family": _family(key), "batch": batch, "kv_len": kv_len,
                   "variant": str(variant), "samples": samples}
-        spec = self.plan.families[key].spec
-        try:
-            runner = get_backend(variant.backend).build_serving(variant, spec, self.device)
-            call = TimedCall(variant, key, batch, kv_len, runner, self._input(key, batch, kv_len))
-            if prune_over is not None:
-                probe_us = self.probe(call)
-                if probe_us > prune_over:
-                    record.update(status="pruned", probe_us=round(probe_us, 3),
-                                  reason=f"one call took {probe_us:.1f} us, over {PRUNE_FACTOR:g}x the "
-                                         f"cell's best so far")
-                    return self.rec.append(record)
-            measured = self.timer(call, samples)
-            record.update(status="ok", time=measured.as_dict())
-        except RUN_ERRORS as exc:
-            record.update(status="failed", error=error_text(exc))
-            self.rec.append(record)
-            if poisons_context(exc):
-                raise ContextLost(f"the CUDA context was lost timing {variant} at batch {batch}, kv "
-                                  f"{kv_len} ({error_text(exc)}); it is recorded as failed: run the "
-                                  "sweep again to resume") from exc
-            if type(exc).__name__ == "OutOfMemoryError":
-                self._inputs.clear()
-                torch.cuda.empty_cache()
-            return record
-        self.timed += 1
-        return self.rec.append(record)
+        job = MeasureJob(self.plan.families[key].spec, key, batch, kv_len, tuple(self._kv_lens(key, batch, kv_len)),
+                         cell_seed(batch, kv_len), str(variant), samples, self.device, prune_over,
+                         self.timer if isinstance(self.timer, str) else "",
+                         self.probe if isinstance(self.probe, str) else "")
+        if self.pool is None:
+            out = measure(job, self._cache, _callable(self.timer), _callable(self.probe))
+        else:
+            outcome = self.pool.call(Task(MEASURE_TASK, (job,)), self.clock.timeout(self.timeout_s))
+            out = outcome.value if outcome.status == "ok" else {"status": outcome.status, "error": outcome.error}
+            if outcome.status != "ok":
+                self.log(f"  {outcome.status}: {variant} at batch {batch}, kv {kv_len}: {outcome.error}")
+        poisoned = out.pop("poisoned", False)
+        record.update(out)
+        self.rec.append(record)
+        if poisoned:
+            raise ContextLost(f"the CUDA context was lost timing {variant} at batch {batch}, kv {kv_len} "
+                              f"({record['error']}); it is recorded as failed: run the sweep again to resume")
+        if record["status"] == "ok":
+            self.timed += 1
+        return record
 
     # ------------------------------------------------------------------ search
     def neighbour_winners(self, key: FamilyKey, batch: int, kv_len: int) -> list[Variant]:
@@ -316,6 +303,7 @@ class Sweeper:
         seeds = self.neighbour_winners(key, batch, kv_len)
         order = seeds + [v for v in self.passed[key] if v not in seeds]
         rank = {v: i for i, v in enumerate(order)}
+        by_text = {str(v): v for v in order}
         entrants, sizes, times = order, [], {}
         for r, samples in enumerate(s.rungs):
             sizes.append(len(entrants))
@@ -327,12 +315,13 @@ class Sweeper:
                     best = min(best, times[v])
             else:
                 times = {v: self.measure(key, batch, kv_len, v, samples) for v in entrants}
-            ranked = sorted((v for v in entrants if times[v] < math.inf), key=lambda v: (times[v], rank[v]))
+            timed = [halving.Timed(str(v), v.backend, times[v], rank[v]) for v in entrants if times[v] < math.inf]
+            ranked = [by_text[t.text] for t in halving.ranked(timed)]
             if r == len(s.rungs) - 1 or not ranked:
                 break
-            n = max(s.min_keep, math.ceil(s.keep * len(ranked)))
-            kept = ranked[:n] + [v for v in seeds if v in ranked[n:]]
-            entrants = sorted(kept, key=lambda v: rank[v])
+            kept, _, _ = halving.promote(timed, s.keep, s.min_keep, baseline=None,
+                                         carried=[str(v) for v in seeds], each_backend=False)
+            entrants = sorted((by_text[t] for t in kept), key=lambda v: rank[v])
         record = {"kind": "cell", "family": _family(key), "batch": batch, "kv_len": kv_len,
                   "seeds": [str(v) for v in seeds], "entrants": sizes}
         if not ranked:
@@ -388,7 +377,7 @@ class Sweeper:
 
     def edge(self, unit: Unit) -> int | None:
         """With search.batch_edge, each of the unit's cells' best cross_top (the cell
-        record's `top`) at the bucket's smallest batch (serving_plan.edge_batch): recorded
+        record's `top`) at the bucket's smallest batch (cells.edge_batch): recorded
         steps at that batch and the cell's kv_len, resumed like any other. Returns that
         batch, or None where nothing was measured or found."""
         batch = edge_batch(self.cfg.batch_buckets, unit.batch) if self.cfg.search.batch_edge else None
@@ -403,7 +392,7 @@ class Sweeper:
             for name in cell["top"][:self.cfg.search.cross_top]:
                 self.measure(unit.key, batch, kv, Variant.parse(name), last)
                 count += 1
-            self._inputs.clear()
+            self._drop_input()
         return batch if count else None
 
     # ------------------------------------------------------------------ the run
@@ -420,13 +409,13 @@ class Sweeper:
                     cell = self.search_cell(unit.key, unit.batch, kv_len)
                     done += 1
                     self._progress(done, total, unit, kv_len, cell, time.monotonic() - began)
-                self._inputs.clear()
+                self._drop_input()
                 pick = self.cross(unit)
                 if pick is not None:
                     where = pick["worst_kv_len"] or "the ragged mix"
                     self.log(f"  graph pick, {unit.key}, batch {unit.batch}: {pick['variant']} "
                              f"(worst regret {pick['worst_regret']:.1%} at kv {where})")
-                self._inputs.clear()
+                self._drop_input()
                 edge = self.edge(unit)
                 if edge is not None:
                     self.log(f"  edge, {unit.key}, batch {unit.batch}: finalists timed at batch {edge}")
@@ -435,7 +424,7 @@ class Sweeper:
             self.log(f"budget spent after {time.monotonic() - self.started:.0f} s: stopping; run the "
                      "same command again to resume")
         finally:
-            self._inputs.clear()
+            self._drop_input()
 
     def _progress(self, done: int, total: int, unit: Unit, kv_len: int, cell: dict, seconds: float) -> None:
         where = f"[{done}/{total}] {unit.key} | batch {unit.batch} kv {kv_len}:"
@@ -462,19 +451,27 @@ def _header(cfg: ServingConfig, platform, shard: tuple[int, int], path: Path, gp
 # ------------------------------------------------------------------ entry points
 def run_serving_sweep(config: str | Path | ServingConfig, gpu_name: str, *, out: str | Path | None = None,
                       shard: tuple[int, int] = (1, 1), budget_s: float | None = None, fresh: bool = False,
-                      platform=None, device=None, timer: Timer | None = None,
+                      platform=None, device=None, timer: Timer | str | None = None,
                       gate_workers: int | None = None, log: Callable[[str], None] = print,
-                      probe: Probe | None = None) -> dict:
+                      probe: Probe | str | None = None, isolate: bool | None = None,
+                      candidate_timeout_s: float | None = None) -> dict:
     """Sweep (or resume) one shard; write the table unless sharded. Returns a summary:
-    results path, table path (None for a shard), cells done, stopped, seconds."""
+    results path, table path (None for a shard), cells done, stopped, seconds.
+
+    timer, probe: by name ("module:function"; default: the leaderboard protocol and the
+    event probe on a GPU, the CPU stand-in without one) or as callables. isolate (default:
+    whether the timer is a name): time every candidate in a killable worker process, each
+    limited to candidate_timeout_s (default MEASURE_TIMEOUT_S, cut to the budget left)."""
     cfg = config if isinstance(config, ServingConfig) else load_serving_config(config)
     platform = platform or gpu.detect()
     device = device or ("cuda" if platform.has_gpu else "cpu")
-    timer = timer or (timing.time_call if platform.has_gpu else timing.cpu_time)
+    timer = timer or (GPU_TIMER if platform.has_gpu else CPU_TIMER)
     if probe is None and platform.has_gpu:
-        probe = event_probe
+        probe = GPU_PROBE
+    isolate = isinstance(timer, str) if isolate is None else isolate
     out = Path(out) if out is not None else Path("tables") / f"{gpu_name}.serving.yaml"
     results = results_path_for(out, shard)
+    log_stem = results.with_name(results.name.removesuffix(".results.jsonl"))
     budget = budget_s if budget_s is not None else cfg.budget_s
     started = time.monotonic()
     plan = plan_sweep(cfg, platform, shard)
@@ -488,11 +485,14 @@ def run_serving_sweep(config: str | Path | ServingConfig, gpu_name: str, *, out:
             log(f"serving sweep {cfg.name} on {platform.device_name} ({gpu_name}), shard {shard[0]}/{shard[1]}: "
                 f"{len(plan.units)} of {plan.all_units} units, {plan.cells} cells"
                 + (f", resuming {results}" if recorder.resumed else f", results in {results}")
-                + (f", budget {budget:.0f} s" if budget else ""))
-            sweeper = Sweeper(cfg, plan, recorder, timer=timer, device=device,
-                              deadline=started + budget if budget else math.inf, log=log,
-                              gate_workers=gate_workers, probe=probe)
-            sweeper.run()
+                + (f", budget {budget:.0f} s" if budget else "")
+                + (f"; candidates timed in a worker process (log {log_stem}.worker-0.log)" if isolate else ""))
+            with (TaskPool(1, log_stem, device_index(device)) if isolate else contextlib.nullcontext()) as pool:
+                sweeper = Sweeper(cfg, plan, recorder, timer=timer, device=device,
+                                  clock=BudgetClock(budget, started), log=log, gate_workers=gate_workers,
+                                  probe=probe, pool=pool, timeout_s=candidate_timeout_s or MEASURE_TIMEOUT_S,
+                                  log_stem=log_stem)
+                sweeper.run()
         finally:
             recorder.close()
         seconds = time.monotonic() - started
@@ -508,9 +508,9 @@ def run_serving_sweep(config: str | Path | ServingConfig, gpu_name: str, *, out:
             summary["table"] = out
             log(f"wrote {out}" + (" (partial: the budget stopped it)" if sweeper.stopped else ""))
         else:
-            shards = " ".join(str(results_path_for(out, (i, shard[1]))) for i in range(1, shard[1] + 1))
-            log(f"shard {shard[0]}/{shard[1]} recorded in {results}; once every shard is done: python -m "
-                f"mla_tune.serving.sweep merge --config {cfg.path} --gpu {gpu_name} --out {out} {shards}")
+            shards = ",".join(str(results_path_for(out, (i, shard[1]))) for i in range(1, shard[1] + 1))
+            log(f"shard {shard[0]}/{shard[1]} recorded in {results}; once every shard is done: mla-tune sweep "
+                f"--config {cfg.path} --gpu {gpu_name} --out {out} --merge {shards}")
     return summary
 
 
@@ -541,98 +541,106 @@ def dry_run(cfg: ServingConfig, gpu_name: str, shard: tuple[int, int] = (1, 1),
         f"(gate and compile {est['gate_and_compile']:.0f} s, cache loads {est['cache_loads']:.0f} s, cells "
         f"{est['cells']:.0f} s, cross {est['cross']:.0f} s, edge {est['edge']:.0f} s, inputs {est['inputs']:.0f} s; "
         "a rough cost model, "
-        "mla_tune/serving/plan.py)")
+        "mla_tune/serving/cells.py)")
     for rule in cfg.left_out:
         match = ", ".join(f"{name} in {list(values)}" for name, values in rule.match) or "every family"
         log(f"left out by rule ({match}): cells over {rule.condition} {rule.limit}: {rule.why}")
     return est
 
 
-def _spread_over_devices(args, devices: list[int]) -> int:
-    """One shard per GPU (CUDA_VISIBLE_DEVICES), each its own process and results file;
-    then merge them into the table."""
+_print_plan = dry_run  # sweep_from_cli's dry_run flag shadows the function
+
+
+def _shard_process(config: str, gpu_name: str, out: str, shard: tuple[int, int], budget: float | None,
+                   fresh: bool, candidate_timeout_s: float | None) -> None:
+    """One device's shard, in its own spawned process (CUDA_VISIBLE_DEVICES set by the
+    parent): exit 0 done, 3 stopped by the budget, 1 an mla-tune error (printed)."""
+    try:
+        summary = run_serving_sweep(config, gpu_name, out=out, shard=shard, budget_s=budget, fresh=fresh,
+                                    candidate_timeout_s=candidate_timeout_s)
+    except (MlaTuneError, ValueError, ContextLost) as exc:
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        sys.exit(1)
+    sys.exit(3 if summary["stopped"] else 0)
+
+
+def _spread_over_devices(config: Path, gpu_name: str, out: Path, devices: list[int], budget: float | None,
+                         fresh: bool, candidate_timeout_s: float | None) -> int:
+    """One shard per GPU, each its own spawned process that sees only its GPU
+    (CUDA_VISIBLE_DEVICES) and writes its own results file; then merge them into the
+    table. Returns the exit code (3: a shard stopped at its budget; resumable)."""
     n = len(devices)
+    ctx = mp.get_context("spawn")
     procs = []
-    for i, dev in enumerate(devices, start=1):
-        argv = [sys.executable, "-m", "mla_tune.serving.sweep", "--config", str(args.config),
-                "--gpu", args.gpu, "--out", str(args.out), "--shard", f"{i}/{n}"]
-        argv += ["--budget", str(args.budget)] if args.budget is not None else []
-        argv += ["--gate-workers", str(args.gate_workers)] if args.gate_workers is not None else []
-        argv += ["--fresh"] if args.fresh else []
-        argv += ["--force"] if args.force else []
-        procs.append(subprocess.Popen(argv, env={**os.environ, "CUDA_VISIBLE_DEVICES": str(dev)}))
-    codes = [p.wait() for p in procs]
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        for i, dev in enumerate(devices, start=1):
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(dev)  # what the spawned process starts with
+            proc = ctx.Process(target=_shard_process, name=f"mla-tune-shard-{i}-of-{n}",
+                               args=(str(config), gpu_name, str(out), (i, n), budget, fresh, candidate_timeout_s))
+            proc.start()
+            procs.append(proc)
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+    try:
+        for proc in procs:
+            proc.join()
+    except KeyboardInterrupt:
+        for proc in procs:
+            proc.kill()
+        raise
+    codes = [proc.exitcode for proc in procs]
     if any(codes):
         print(f"error: shard exit codes {codes}; run the same command again to resume", file=sys.stderr)
-        return 1
-    merge(args.config, args.gpu, [results_path_for(args.out, (i, n)) for i in range(1, n + 1)], out=args.out)
+        return 3 if set(codes) <= {0, 3} else 1
+    merge(config, gpu_name, [results_path_for(out, (i, n)) for i in range(1, n + 1)], out=out)
     return 0
 
 
 def sweep_from_cli(config: Path, gpu_name: str, *, out: Path | None = None, dry_run: bool = False,
                    force: bool = False, devices: list[int] | None = None, fresh: bool = False,
-                   budget: float | None = None) -> int:
-    """`mla-tune sweep` with a serving config (cli.py's hook): the same options, this
-    module's command line; returns its exit code (3: stopped by the budget, resumable)."""
-    argv = ["--config", str(config), "--gpu", gpu_name]
-    argv += ["--out", str(out)] if out is not None else []
-    argv += ["--budget", str(budget)] if budget is not None else []
-    argv += ["--devices", ",".join(map(str, devices))] if devices else []
-    argv += [flag for flag, on in (("--dry-run", dry_run), ("--force", force), ("--fresh", fresh)) if on]
-    return main(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["merge"]:
-        p = argparse.ArgumentParser(prog="python -m mla_tune.serving.sweep merge",
-                                    description="Build one serving table from several results files.")
-        p.add_argument("--config", type=Path, required=True)
-        p.add_argument("--gpu", required=True)
-        p.add_argument("--out", type=Path)
-        p.add_argument("results", type=Path, nargs="+")
-        args = p.parse_args(argv[1:])
-        try:
-            merge(args.config, args.gpu, args.results, out=args.out)
-        except MlaTuneError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-        return 0
-    p = argparse.ArgumentParser(prog="python -m mla_tune.serving.sweep", description=__doc__.split("\n")[0])
-    p.add_argument("--config", type=Path, default=Path("configs/serving.yaml"), help="The serving config.")
-    p.add_argument("--gpu", required=True, help="The GPU to tune, by its canonical name (H200).")
-    p.add_argument("--out", type=Path, help="The table to write; default tables/GPU.serving.yaml.")
-    p.add_argument("--shard", default="1/1", help="Sweep only shard i of n (every n-th unit), e.g. 1/2.")
-    p.add_argument("--devices", help="Comma-separated GPU indices: one shard per GPU, then merge.")
-    p.add_argument("--budget", type=float, help="Seconds this run may take (default: the config's budget_s).")
-    p.add_argument("--gate-workers", type=int, help="Gate processes (default: the config's gate_workers).")
-    p.add_argument("--fresh", action="store_true", help="Move earlier results aside and start over.")
-    p.add_argument("--force", action="store_true", help="Sweep even where the GPU is not --gpu.")
-    p.add_argument("--dry-run", action="store_true", help="Print the plan and a GPU-time estimate only.")
-    args = p.parse_args(argv)
-    args.out = args.out or Path("tables") / f"{args.gpu}.serving.yaml"
+                   budget: float | None = None, shard: str | None = None, merge_results: list[Path] | None = None,
+                   candidate_timeout: float | None = None) -> int:
+    """`mla-tune sweep` with a serving config (cli.py's hook); returns its exit code (3:
+    stopped by the budget, resumable). An mla-tune error or a bad value is one line on
+    stderr and 1. shard "i/n": sweep every n-th unit from the i-th into its own results
+    file; merge_results: build the table from those files (the shards), sweeping nothing."""
+    out = Path(out) if out is not None else Path("tables") / f"{gpu_name}.serving.yaml"
     try:
-        shard = parse_shard(args.shard)
-        if args.budget is not None and not args.budget > 0:
-            raise ValueError(f"--budget must be a positive number of seconds, got {args.budget}")
-        cfg = load_serving_config(args.config)
-        if args.dry_run:
-            dry_run(cfg, args.gpu, shard, args.gate_workers)
+        parts = parse_shard(shard or "1/1")
+        if budget is not None and not budget > 0:
+            raise ValueError(f"--budget must be a positive number of seconds, got {budget}")
+        cfg = load_serving_config(config)
+        if merge_results:
+            if dry_run or devices or shard:
+                raise ValueError("--merge builds the table from shards' results files: it takes no "
+                                 "--dry-run, --devices or --shard")
+            merge(cfg, gpu_name, merge_results, out=out)
             return 0
-        if args.devices:
-            devices = [int(d) for d in args.devices.split(",") if d.strip()]
-            return _spread_over_devices(args, devices)
+        if dry_run:
+            _print_plan(cfg, gpu_name, parts)
+            return 0
+        if devices:
+            if shard:
+                raise ValueError("--devices runs one shard per GPU itself: pass --devices or --shard, not both")
+            if not force:
+                _refuse_other_gpu(gpu.detect(), gpu_name)
+            return _spread_over_devices(Path(config), gpu_name, out, devices, budget, fresh, candidate_timeout)
         platform = gpu.detect()
-        if platform.name != args.gpu and not args.force:
-            raise ServingSweepError(f"this machine's GPU is {platform.name} ({platform.device_name}), not "
-                                    f"{args.gpu}; run on a {args.gpu} or pass --force")
-        summary = run_serving_sweep(cfg, args.gpu, out=args.out, shard=shard, budget_s=args.budget,
-                                    fresh=args.fresh, platform=platform, gate_workers=args.gate_workers)
+        if not force:
+            _refuse_other_gpu(platform, gpu_name)
+        summary = run_serving_sweep(cfg, gpu_name, out=out, shard=parts, budget_s=budget, fresh=fresh,
+                                    platform=platform, candidate_timeout_s=candidate_timeout)
     except (MlaTuneError, ValueError, ContextLost) as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     return 3 if summary["stopped"] else 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _refuse_other_gpu(platform, gpu_name: str) -> None:
+    if platform.name != gpu_name:
+        raise ServingSweepError(f"this machine's GPU is {platform.name} ({platform.device_name}), not "
+                                f"{gpu_name}; run on a {gpu_name} or pass --force")

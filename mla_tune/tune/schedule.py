@@ -373,7 +373,7 @@ class BudgetClock:
     """The running sweep's deadline (started + budget_s, less a reserve for writing the
     table) and each shape's share of what is left."""
 
-    def __init__(self, budget_s: float | None, started: float, costs: CostModel):
+    def __init__(self, budget_s: float | None, started: float, costs: CostModel | None = None):
         self.budget_s = budget_s
         self.started = started
         self.costs = costs

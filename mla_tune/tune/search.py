@@ -1,9 +1,13 @@
-"""Successive halving for one shape, and its state re-derived from the results file.
+"""Successive halving, the one implementation both sweeps use, and a leaderboard shape's
+state re-derived from the results file.
 
 Rung 0: every candidate passes the gate and gets rungs[0] samples. After each rung but the
-last, `promote` keeps the best fraction (never fewer than min_keep), each backend's best
-(tables keep it as `alternates`, for restricted exports) and the baseline; the rest are
-recorded as cut. The last rung is the full timing and the wall-time figure.
+last, `promote` keeps the best fraction (never fewer than min_keep), the carried candidates
+(the serving sweep's neighbour winners: never cut before the last rung), and for the
+leaderboard each backend's best (tables keep it as `alternates`, for restricted exports)
+and the baseline; the rest are recorded as cut. The last rung is the full timing (and, on
+the leaderboard, the wall-time figure). `ranked` is the order both sweeps rank a rung by:
+time, then the candidate's place in the plan (`Timed.rank`), then its text.
 
 Results-file kinds this module reads and the sweep writes (docs/architecture.md):
   step       a candidate timed at a rung before its last (status ok), with `rung`, `samples`
@@ -30,27 +34,44 @@ class Timed:
     text: str  # the variant as built (fp8_static with its q_amax)
     backend: str
     median_us: float
+    rank: int = 0  # its place in the plan: breaks ties of time before the text does
 
 
-def promote(timed: list[Timed], keep: float, min_keep: int, baseline: str) -> tuple[list[str], list[str], int]:
+def ranked(timed: list[Timed]) -> list[Timed]:
+    """Best first: by time, then place in the plan, then text."""
+    return sorted(timed, key=lambda t: (t.median_us, t.rank, t.text))
+
+
+def survivors(n: int, keep: float, min_keep: int) -> int:
+    """How many of n timed candidates a rung keeps by time: the best `keep` fraction,
+    never fewer than min_keep, never more than n."""
+    return min(n, max(min_keep, math.ceil(keep * n)))
+
+
+def promote(timed: list[Timed], keep: float, min_keep: int, baseline: str | None,
+            carried: tuple[str, ...] | list[str] = (), each_backend: bool = True) -> tuple[list[str], list[str], int]:
     """(the texts to promote in priority order, the texts cut, how many of the first the
-    budget may not cut). First the baseline and the overall best (never cut), then each
-    backend's best, then the best fraction (never fewer than min_keep)."""
-    ranked = sorted(timed, key=lambda t: (t.median_us, t.text))
-    if not ranked:
+    budget may not cut). First the baseline, the overall best and the `carried` texts that
+    were timed (never cut), then each backend's best (with `each_backend`), then the best
+    fraction (never fewer than min_keep)."""
+    order_ = ranked(timed)
+    if not order_:
         return [], [], 0
-    n = min(len(ranked), max(min_keep, math.ceil(keep * len(ranked))))
-    must = [t.text for t in ranked if t.backend == baseline]
-    if ranked[0].text not in must:
-        must.append(ranked[0].text)
+    n = survivors(len(order_), keep, min_keep)
+    must = [t.text for t in order_ if baseline is not None and t.backend == baseline]
+    if order_[0].text not in must:
+        must.append(order_[0].text)
+    texts = {t.text for t in order_}
+    must += [text for text in dict.fromkeys(carried) if text in texts and text not in must]
     order = list(must)
     best_per_backend: dict[str, str] = {}
-    for t in ranked:
-        best_per_backend.setdefault(t.backend, t.text)
-    for text in list(best_per_backend.values()) + [t.text for t in ranked[:n]]:
+    if each_backend:
+        for t in order_:
+            best_per_backend.setdefault(t.backend, t.text)
+    for text in list(best_per_backend.values()) + [t.text for t in order_[:n]]:
         if text not in order:
             order.append(text)
-    return order, [t.text for t in ranked if t.text not in order], len(must)
+    return order, [t.text for t in order_ if t.text not in order], len(must)
 
 
 @dataclass

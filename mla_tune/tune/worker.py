@@ -2,9 +2,11 @@
 
 One worker per device, started with multiprocessing "spawn" (a forked CUDA context is
 unusable), talking to the sweep over a pipe with the small frozen dataclasses below:
-in, `Step` (one candidate at one rung), `MeasureBandwidth` and `Stop`; out, `Ready` once,
-then one `StepResult` per step or a `Bandwidth`. The worker's stdout and stderr go to a
-log file, so when it dies the sweep can quote its last lines.
+in, `Step` (one candidate at one rung), `Task` (a named function, the serving sweep's
+gate and timing), `MeasureBandwidth` and `Stop`; out, `Ready` once, then one `StepResult`
+per step, a `TaskResult` per task or a `Bandwidth`. The worker's stdout and stderr go to a
+log file, so when it dies the sweep can quote its last lines. `tune/pool.py` runs Tasks
+over several such workers.
 
 A step is: build; at rung 0, run every check seed against the fp32 reference (the gate,
 at most half the rule's allowance); then the rung's timing samples, and at the last rung
@@ -17,12 +19,14 @@ from __future__ import annotations
 
 import faulthandler
 import gc
+import importlib
 import multiprocessing as mp
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -53,6 +57,56 @@ class Step:
     check_seeds: tuple[int, ...]
     calibration_seeds: tuple[int, ...]
     calibration: dict | None = None  # the config's q calibration source (mla_tune.tune.calibration)
+
+
+@dataclass(frozen=True)
+class Task:
+    """Run `function` ("package.module:name", importable in a fresh process) as
+    function(context, *args) in the worker; the answer is a TaskResult. The function
+    returns something picklable; it sets `context.restart` when its process must not run
+    anything else (a CUDA error that lost the context), and may keep state for the next
+    task of the same kind in `context.cache`."""
+
+    function: str
+    args: tuple = ()
+
+
+@dataclass
+class TaskContext:
+    """What a task function gets besides its arguments."""
+
+    device: Any  # torch.device
+    has_gpu: bool
+    platform: gpu.Platform
+    cache: dict = field(default_factory=dict)
+    restart: bool = False
+
+
+@dataclass(frozen=True)
+class TaskResult:
+    """A task's return value, or `error` (its exception, in words) when it raised;
+    `restart_worker`: the worker exits after sending this."""
+
+    value: Any = None
+    error: str | None = None
+    restart_worker: bool = False
+
+
+def resolve(function: str):
+    """The function a Task names ("package.module:name")."""
+    module, _, name = function.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def run_task(task: Task, context: TaskContext) -> TaskResult:
+    """One task in this process: its value, or the exception in words (the worker and
+    its other tasks go on, unless the error lost the CUDA context)."""
+    context.restart = False
+    try:
+        value = resolve(task.function)(context, *task.args)
+    except Exception as exc:  # the task's failure, reported; the worker goes on
+        return TaskResult(error=_error_text(exc), restart_worker=_poisons_context(exc))
+    return TaskResult(value, restart_worker=context.restart)
 
 
 @dataclass(frozen=True)
@@ -248,6 +302,7 @@ def worker_main(device_index: int, conn, log_path: str) -> None:
     device = device_for(device_index, has_gpu)
     conn.send(Ready(platform))
     state = None
+    context = TaskContext(device, has_gpu, platform)
     while True:
         try:
             message = conn.recv()
@@ -263,6 +318,13 @@ def worker_main(device_index: int, conn, log_path: str) -> None:
             if result.restart_worker:
                 print(f"exiting after a context-poisoning error: {result.reason}", flush=True)
                 os._exit(3)  # skip CUDA teardown on a broken context
+        elif isinstance(message, Task):
+            result = run_task(message, context)
+            conn.send(result)
+            if result.restart_worker:
+                print(f"exiting after a context-poisoning error in {message.function}: "
+                      f"{result.error or 'the task said so'}", flush=True)
+                os._exit(3)
         else:
             raise ValueError(f"worker got an unknown message {message!r}")
 

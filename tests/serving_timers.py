@@ -1,0 +1,51 @@
+"""Made-up times for the serving sweep's tests (tests/test_serving_sweep.py), and timers by
+name that a worker process imports (the sweep times in worker processes when its timer is
+a name): the same times, so that a sweep timed in a worker writes the table of one timed in
+the sweep's own process."""
+
+from __future__ import annotations
+
+import os
+
+from mla_tune.core import Variant
+from mla_tune.serving.sweep import RAGGED_PROBE_KV
+from mla_tune.tune.timing import Timing
+
+A, B = "tokens_per_split=16", "tokens_per_split=64"  # the two triton candidates
+# Made-up times (us per sequence): A wins at kv 32, B at kv 64; the fused candidate C is
+# never best but its worst regret (12%) is the smallest (A 33%, B 20%), while its mean
+# regret (11%) is not (B 10%): the graph pick must be C. wrong_serving would win everywhere.
+# D is triton's default serving variant, which every family's candidates include: slow here.
+TIMES = {32: {"A": 10.0, "B": 12.0, "C": 11.2, "D": 50.0, "W": 1.0},
+         64: {"A": 20.0, "B": 15.0, "C": 16.5, "D": 50.0, "W": 1.0},
+         RAGGED_PROBE_KV: {"A": 15.0, "B": 14.0, "C": 14.5, "D": 50.0, "W": 1.0}}  # the ragged mix
+
+
+def name(variant: Variant) -> str:
+    if variant.backend == "wrong_serving":
+        return "W"
+    if variant.backend == "triton_fused":
+        return "C"
+    tps = str(variant.get("tokens_per_split"))
+    return "A" if tps == A.split("=")[1] else "B" if tps == B.split("=")[1] else "D"
+
+
+def made_up(call) -> Timing:
+    t = TIMES[call.kv_len][name(call.variant)] * call.batch
+    return Timing(t, t, t, 1)
+
+
+def made_up_time(call, reps: int) -> Timing:
+    """TIMES, in a worker; A's runner really runs at batch 1 (the worker builds and feeds it)."""
+    if call.batch == 1 and name(call.variant) == "A":
+        call()
+    t = made_up(call).median_us
+    return Timing(t, t, t, reps)
+
+
+def crashing_time(call, reps: int) -> Timing:
+    """made_up_time, except that D (never kept: 50 us against 10-20) kills its worker at
+    batch 1, kv 32, as a kernel that segfaults would."""
+    if call.batch == 1 and call.kv_len == 32 and name(call.variant) == "D":
+        os._exit(11)
+    return made_up_time(call, reps)
