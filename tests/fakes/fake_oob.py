@@ -1,6 +1,6 @@
 """A fake whose Triton kernel stores far out of bounds: on a GPU the store faults ("an
 illegal memory access was encountered"), which poisons the worker's CUDA context, so the
-sweep must record the candidate and go on with a fresh worker (scripts/crash_resume_demo.py).
+sweep must record the candidate and go on with a fresh worker (tests/test_crash_resume.py).
 
 The store lands FAR_BYTES past the output buffer. Every CUDA address of this process lies
 in the user half of the 47-bit address space, so pointer + 2**47 bytes lies in

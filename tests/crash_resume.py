@@ -1,32 +1,30 @@
-"""Crash safety, end to end (issue 4's GPU acceptance): a sweep with an injected crashing
-candidate, killed with kill -9 halfway and started again, completes with every other result
-intact and the same winners as an uninterrupted sweep, where those are clearly apart.
-
-    PYTHONPATH=. python3 scripts/crash_resume_demo.py --gpu H200 \\
-        --config configs/resume_demo.yaml --out $OUT/resume_demo
+"""Crash safety, end to end: a sweep with an injected crashing candidate, killed with
+kill -9 halfway and started again, completes with every other result intact and the same
+winners as an uninterrupted sweep, where those are clearly apart. The harness of
+tests/test_crash_resume.py: on the CPU with tests/data/resume_demo_cpu.yaml (fake_crash
+kills its worker), on the GPU with tests/data/resume_demo_gpu.yaml (fake_oob: a Triton
+store far out of bounds).
 
   A   the sweep, uninterrupted, into OUT/a/GPU.yaml
   B1  the same sweep into OUT/b/GPU.yaml, in its own process group; once about half as many
-      candidates as A recorded are written (--kill-after), SIGKILL goes to the whole group:
-      the sweep, its worker and anything else it started. Unless --no-tear, a torn line is
+      candidates as A recorded are written (kill_after), SIGKILL goes to the whole group:
+      the sweep, its worker and anything else it started. Unless tear=False, a torn line is
       then appended to the results, as if the kill had landed mid-write.
   B2  the same command again, which must resume: take over the stale lock, drop the torn
       line, run only what is missing.
 
 Checks: every (shape, variant) of A is in B exactly once; the lines written before the kill
-are byte-identical in B; the injected candidate (--crash-backend, default fake_oob: a Triton
-store far out of bounds) is recorded as crashed or failed, naming the illegal access or the
-worker's death, in A and in B, and ok candidates follow it; where A's winner beats its
-runner-up by more than 10%, B has the same winner. Sweep output goes to OUT/a/*.log and
-OUT/b/*.log, the findings to OUT/report.json or --report (written even when a step fails,
-with the tail of every log in it). Exit code 0
-when every check passed, 1 when one failed, 2 when a step could not run (a sweep
-that failed, ended before it could be killed, or ran past --deadline).
+are byte-identical in B; the injected candidate (crash_backend) is recorded as crashed or
+failed, naming the illegal access or the worker's death, in A and in B, and ok candidates
+follow it; where A's winner beats its runner-up by more than 10%, B has the same winner.
+Sweep output goes to OUT/a/*.log and OUT/b/*.log, the findings to OUT/report.json (written
+even when a step fails, with the tail of every log in it). `run` returns 0 when every check
+passed, 1 when one failed, 2 when a step could not run (a sweep that failed, ended before it
+could be killed, or ran past the deadline).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -34,16 +32,14 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a plain script from anywhere: import this checkout
-    sys.path.insert(0, str(REPO))
+import yaml
 
-import yaml  # noqa: E402
-
-from mla_tune.backends import EXTRA_BACKENDS_ENV  # noqa: E402
-from mla_tune.tune.results import (  # noqa: E402
+from mla_tune.backends import EXTRA_BACKENDS_ENV
+from mla_tune.fileio import atomic_write_text
+from mla_tune.tune.results import (
     ResultsError,
     candidate_key,
     lock_path_for,
@@ -51,6 +47,7 @@ from mla_tune.tune.results import (  # noqa: E402
     results_path_for,
 )
 
+REPO = Path(__file__).resolve().parents[1]
 CLEAR_GAP = 0.10  # a winner this much faster than its runner-up must win the resumed sweep too
 CRASH_REASON = re.compile(r"illegal|worker died|launch failure", re.IGNORECASE)
 TORN_LINE = b'{"kind": "candidate", "shape": {"ba'  # what a kill in the middle of a write leaves
@@ -271,41 +268,43 @@ def print_table(shapes: list[dict]) -> None:
 
 
 # ----------------------------------------------------------------------------- main
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--gpu", required=True, help="The GPU name the sweep tunes for (H200; cpu for tests).")
-    p.add_argument("--config", type=Path, required=True, help="The sweep config (configs/resume_demo.yaml).")
-    p.add_argument("--out", type=Path, required=True, help="A new or empty directory for the runs and report.json.")
-    p.add_argument("--extra-backends", default="fake_oob=tests.fakes.fake_oob",
-                   help=f"Extra backends for {EXTRA_BACKENDS_ENV}, name=module,...")
-    p.add_argument("--crash-backend", default="fake_oob", help="The backend whose candidate is the injected crash.")
-    p.add_argument("--kill-after", type=float, default=0.5,
-                   help="Kill B once this fraction of A's candidate count is recorded (0 < f < 1).")
-    p.add_argument("--candidate-timeout", type=float, default=None,
-                   help="Passed to the sweep's --candidate-timeout (seconds).")
-    p.add_argument("--deadline", type=float, default=540.0,
-                   help="Seconds for the whole demo; a sweep still running then is killed and reported.")
-    p.add_argument("--report", type=Path, default=None,
-                   help="Where to write the JSON report (default OUT/report.json); it embeds the logs' tails.")
-    p.add_argument("--no-tear", action="store_true",
-                   help="Do not append a torn line after the kill (only a real mid-write kill tears one).")
-    args = p.parse_args(argv)
-    if not 0 < args.kill_after < 1:
-        p.error(f"--kill-after must lie strictly between 0 and 1, got {args.kill_after}")
-    if not args.config.is_file():
-        p.error(f"--config {args.config} is not a file")
-    args.config = args.config.resolve()
-    args.out = args.out.resolve()
-    args.report = (args.report or args.out / "report.json").resolve()
-    for sub in ("a", "b"):
-        if (args.out / sub).exists() and any((args.out / sub).iterdir()):
-            p.error(f"{args.out / sub} already holds files (a sweep there would resume, not start "
-                    "fresh); pass a new --out directory or remove that one")
-    return args
+@dataclass
+class Demo:
+    """What to run: the GPU name the sweep tunes for (cpu for the CPU test), its config, a
+    new or empty folder for the runs and report.json, the extra backends to register
+    (name=module,...), the backend whose candidate is the injected crash, when to kill B
+    (this fraction of A's candidate count recorded, 0 < f < 1), the sweep's
+    --candidate-timeout, seconds for the whole demo, and whether to append a torn line
+    after the kill (only a real mid-write kill tears one otherwise)."""
+
+    gpu: str
+    config: Path
+    out: Path
+    extra_backends: str = "fake_oob=tests.fakes.fake_oob"
+    crash_backend: str = "fake_oob"
+    kill_after: float = 0.5
+    candidate_timeout: float | None = None
+    deadline: float = 540.0
+    tear: bool = True
+
+    def __post_init__(self):
+        if not 0 < self.kill_after < 1:
+            raise ValueError(f"kill_after must lie strictly between 0 and 1, got {self.kill_after}")
+        if not Path(self.config).is_file():
+            raise ValueError(f"config {self.config} is not a file")
+        self.config = Path(self.config).resolve()
+        self.out = Path(self.out).resolve()
+        for sub in ("a", "b"):
+            if (self.out / sub).exists() and any((self.out / sub).iterdir()):
+                raise ValueError(f"{self.out / sub} already holds files (a sweep there would resume, not "
+                                 "start fresh); pass a new out folder or remove that one")
+
+    @property
+    def report(self) -> Path:
+        return self.out / "report.json"
 
 
-def run(args) -> int:
+def run(args: Demo) -> int:
     started = time.monotonic()
     deadline = Deadline(args.deadline)
     env = sweep_env(args.extra_backends)
@@ -339,7 +338,7 @@ def run(args) -> int:
                     lock_left=lock_path_for(b_table).exists())
         if kill["torn_tail_bytes"]:
             kill["torn_tail"] = "real (the kill landed mid-write)"
-        elif not args.no_tear:
+        elif args.tear:
             with open(b_results, "ab") as f:
                 f.write(TORN_LINE)
             kill["torn_tail"] = f"simulated: {len(TORN_LINE)} bytes appended after the kill"
@@ -405,18 +404,10 @@ def run(args) -> int:
         report["exit_code"] = code
         report["log_tails"] = {str(log.relative_to(args.out)): log_tail(log, 40)
                                for log in sorted(args.out.glob("*/*.log"))}
-        args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        args.out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(args.report, json.dumps(report, indent=2, default=str) + "\n")
     verdict = "PASS" if code == 0 else "FAIL"
     failed = "; ".join(c["check"] for c in checks.failed)
     say(f"\n{verdict}: {len(checks.items)} checks, {len(checks.failed)} failed{': ' + failed if failed else ''}"
         f" ({report['elapsed_s']} s); report {args.report}")
     return code
-
-
-def main(argv=None) -> int:
-    return run(parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,13 +1,12 @@
-"""scripts/crash_resume_demo.py on the CPU (fake_crash stands in for the GPU's out-of-bounds
-Triton candidate), the fake_oob backend's refusal to run without a GPU, and the sweep
-command's --candidate-timeout option."""
+"""Crash safety end to end (tests/crash_resume.py): a sweep with an injected crashing
+candidate, killed with kill -9 halfway and resumed, ends with A's results and winners. On the
+CPU fake_crash kills its worker; on the GPU (marked gpu) fake_oob stores far out of bounds.
+Also the fake_oob backend's refusal to run without a GPU, and the sweep command's
+--candidate-timeout option."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,42 +17,37 @@ import mla_tune.tune.sweep
 from mla_tune.backends import EXTRA_BACKENDS_ENV
 from mla_tune.cli import app
 from mla_tune.core import Shape
+from tests import crash_resume
 from tests.fakes import EXTRA_BACKENDS, fake_oob
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "crash_resume_demo.py"
-CPU_CONFIG = REPO / "tests" / "data" / "resume_demo_cpu.yaml"
+DATA = REPO / "tests" / "data"
+CPU_CONFIG = DATA / "resume_demo_cpu.yaml"
+GPU_CONFIG = DATA / "resume_demo_gpu.yaml"
+EXPECTED_CHECKS = ("B was killed halfway", "B2 took over the stale lock", "B2 dropped the torn last line",
+                   "every candidate of A is in B exactly once",
+                   "B's first lines are byte-identical to those written before the kill",
+                   "A: candidates after the crash still ran", "B: candidates after the crash still ran")
 
 
-def load_demo():
-    spec = importlib.util.spec_from_file_location("crash_resume_demo", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _passed(demo: crash_resume.Demo, code: int) -> dict:
+    """The report, once every check passed (else the failed checks and the logs' tails)."""
+    report = json.loads(demo.report.read_text())
+    failed = [c for c in report["checks"] if not c["passed"]]
+    assert code == 0 and report["passed"] and not failed, json.dumps(
+        {"failed": failed, "logs": report["log_tails"]}, indent=1)[-6000:]
+    assert {c["check"] for c in report["checks"]} >= set(EXPECTED_CHECKS)
+    kill = report["steps"]["b_killed"]
+    assert kill["lock_left"] and kill["stragglers"] == [] and kill["torn_tail"] != "none"
+    return report
 
 
 # ----------------------------------------------------------------- the demo, end to end
-def test_a_sweep_killed_halfway_resumes_to_the_uninterrupted_sweeps_results_and_winners(tmp_path):
-    out = tmp_path / "demo"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--gpu", "cpu", "--config", str(CPU_CONFIG), "--out", str(out),
-         "--extra-backends", EXTRA_BACKENDS, "--crash-backend", "fake_crash",
-         "--candidate-timeout", "20", "--deadline", "170"],
-        cwd=REPO, capture_output=True, text=True, timeout=180,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    report = json.loads((out / "report.json").read_text())
-    assert report["passed"] and report["exit_code"] == 0
-    assert [c for c in report["checks"] if not c["passed"]] == []
-    names = {c["check"] for c in report["checks"]}
-    for expected in ("B was killed halfway", "B2 took over the stale lock", "B2 dropped the torn last line",
-                     "every candidate of A is in B exactly once",
-                     "B's first lines are byte-identical to those written before the kill",
-                     "A: candidates after the crash still ran", "B: candidates after the crash still ran"):
-        assert expected in names
-    kill = report["steps"]["b_killed"]
-    assert 0 < kill["lines_at_kill"] < 13 and kill["lock_left"] and kill["stragglers"] == []
-    assert kill["torn_tail"] != "none"
+def test_a_sweep_killed_halfway_resumes_to_the_uninterrupted_sweeps_results_and_winners(tmp_path, capsys):
+    demo = crash_resume.Demo(gpu="cpu", config=CPU_CONFIG, out=tmp_path / "demo", extra_backends=EXTRA_BACKENDS,
+                             crash_backend="fake_crash", candidate_timeout=20, deadline=400)
+    report = _passed(demo, crash_resume.run(demo))
+    assert 0 < report["steps"]["b_killed"]["lines_at_kill"] < 13
     for crash in report["crash_records"].values():
         assert crash["status"] == "crashed" and "worker died (exit code 139)" in crash["reason"]
     shapes = {s["shape"]: s for s in report["shapes"]}
@@ -63,30 +57,40 @@ def test_a_sweep_killed_halfway_resumes_to_the_uninterrupted_sweeps_results_and_
         assert s["compared"] and s["same"] and s["gap"] > 0.10
         assert s["a_winner"] == f"fake_ok(delay_us=30000,fast_for_batch={batch},kv=fp8,q=bf16)"
     # the table comes last, then the verdict
-    tail = proc.stdout.strip().splitlines()
+    tail = capsys.readouterr().out.strip().splitlines()
     assert tail[-1].startswith("PASS: ") and "0 failed" in tail[-1]
     assert any(line.startswith("3x9 ") and "yes" in line for line in tail[-6:])
-    assert (out / "a" / "sweep.log").exists() and (out / "b" / "sweep_resumed.log").exists()
+    assert (demo.out / "a" / "sweep.log").exists() and (demo.out / "b" / "sweep_resumed.log").exists()
 
 
-def test_the_demo_refuses_an_out_directory_holding_an_earlier_run(tmp_path, capsys):
-    demo = load_demo()
+@pytest.mark.gpu
+def test_on_the_gpu_an_out_of_bounds_candidate_and_a_kill_halfway_leave_the_results_and_winners(tmp_path):
+    """25 candidates on 3 shapes, one of them fake_oob (a Triton store 2**47 bytes past its
+    buffer): recorded as failed with the illegal access in A and in B, the candidates after
+    it all run, and B's winners equal A's where they are clearly apart."""
+    from mla_tune import gpu
+
+    demo = crash_resume.Demo(gpu=gpu.detect().name, config=GPU_CONFIG, out=tmp_path / "demo", deadline=400)
+    report = _passed(demo, crash_resume.run(demo))
+    for crash in report["crash_records"].values():
+        assert crash["status"] in ("crashed", "failed") and crash_resume.CRASH_REASON.search(crash["reason"])
+    assert any(s["compared"] for s in report["shapes"]) and all(s["same"] for s in report["shapes"] if s["compared"])
+
+
+def test_the_demo_refuses_an_out_folder_holding_an_earlier_run_and_a_kill_point_outside_0_1(tmp_path):
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "cpu.results.jsonl").write_text("{}\n")
-    with pytest.raises(SystemExit) as info:
-        demo.parse_args(["--gpu", "cpu", "--config", str(CPU_CONFIG), "--out", str(tmp_path)])
-    assert info.value.code == 2
-    assert "would resume, not start fresh" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        demo.parse_args(["--gpu", "cpu", "--config", str(CPU_CONFIG), "--out", str(tmp_path / "x"),
-                         "--kill-after", "1.5"])
-    assert "--kill-after must lie strictly between 0 and 1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="would resume, not start fresh"):
+        crash_resume.Demo(gpu="cpu", config=CPU_CONFIG, out=tmp_path)
+    with pytest.raises(ValueError, match="kill_after must lie strictly between 0 and 1"):
+        crash_resume.Demo(gpu="cpu", config=CPU_CONFIG, out=tmp_path / "x", kill_after=1.5)
+    with pytest.raises(ValueError, match="is not a file"):
+        crash_resume.Demo(gpu="cpu", config=tmp_path / "none.yaml", out=tmp_path / "x")
 
 
 def test_the_demo_adds_its_backends_to_those_already_registered(monkeypatch):
-    demo = load_demo()
     monkeypatch.setenv(EXTRA_BACKENDS_ENV, "fake_ok=tests.fakes.fake_ok")
-    env = demo.sweep_env("fake_oob=tests.fakes.fake_oob")
+    env = crash_resume.sweep_env("fake_oob=tests.fakes.fake_oob")
     assert env[EXTRA_BACKENDS_ENV] == "fake_ok=tests.fakes.fake_ok,fake_oob=tests.fakes.fake_oob"
     assert env["PYTHONPATH"].split(":")[0] == str(REPO)
 
