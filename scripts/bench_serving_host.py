@@ -173,8 +173,8 @@ def _paired_dispatch_us(entry, bare, calls: int = 50, rounds: int = 41) -> dict:
 
 def _leaderboard_rows():
     """The leaderboard entry (runtime.custom_kernel over tables/H200.yaml) beside its bare
-    runner: host time per call at each of the 8 shapes, paired rounds (issue 10: dispatch
-    within 5 us)."""
+    runner: host time per call at each of the 8 shapes, paired rounds (the dispatch's limit:
+    5 us)."""
     from mla_tune import problem, runtime
 
     rt = runtime.load(table="tables/H200.yaml", allow_other_gpu=True)

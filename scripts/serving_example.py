@@ -1,4 +1,4 @@
-"""Issue 10's example, with the serving table: 64 sequences of 4000-4019 tokens.
+"""One engine step through the serving table: 64 sequences of 4000-4019 tokens, 64-token pages.
 
     PYTHONPATH=. python scripts/serving_example.py [--table tables/H200.serving.yaml]
         [--heads 16] [--kv fp8,bf16] [--out DIR]
