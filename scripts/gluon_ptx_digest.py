@@ -14,9 +14,12 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+from pathlib import Path
 
-from mla_tune.core import Shape, Variant
-from tests.test_gluon_compile import capture_launches, compile_sm90
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ is no package of the install
+
+from mla_tune.core import Shape, Variant  # noqa: E402
+from tests.test_gluon_compile import capture_launches, compile_sm90  # noqa: E402
 
 DEFAULT_VARIANTS = [
     "gluon_fused(block_n=64,kv=fp8,num_splits=4,num_stages=2,q=fp8_dynamic,v_path=rs8)",
