@@ -16,6 +16,7 @@
     verify.py        mla-tune verify: the table's picks re-timed at held-out shapes
     rescore.py       mla-tune verify --rescore: picks scored on recorded verify reports
     render.py        mla-tune show / diff of serving tables, in 80 columns or JSON
+    time_picks.py    mla-tune time mix / scan: picks or candidates checked and timed at given lengths
 
 The leaderboard's side (tune/, tables/, runtime/, export/) imports nothing from here; the
 old paths mla_tune.runtime.decode and mla_tune.runtime.plan re-export the call and the plan.
