@@ -1,0 +1,122 @@
+"""Host time of `DecodePlan.update` over ragged mixes with fresh lengths, from the first call.
+
+    PYTHONPATH=. python scripts/bench_update.py [--table tables/H200.serving.yaml]
+        [--mixes 1000] [--seed 0] [--picks picks.json] [--json out.json]
+
+One eager plan (serving/decode_plan.py; host lengths, 64-token pages, max_batch 256) per
+family of the table (16 or 128 heads, q_len 1-4, fp8 or bf16 KV), made before the clock
+starts with warm=False: on a machine without the GPU no kernel runs (the own runners are
+built under TRITON_INTERPRET=1) (the vendor
+libraries' picks cannot run here, so a step that picks one takes the plan's runnable
+stand-in, as a plan without them does). Then `mixes` steps, each of a family drawn at
+random, a batch drawn uniformly from 1-256 and every sequence's length drawn log-uniformly
+from 64-65536 tokens (fresh lengths every step), each sequence with the family's q_len new
+tokens. The step's tensors are made before its clock starts; what is timed
+(time.perf_counter_ns) is one `plan.update(...)` call with the host lengths, starting at
+each plan's first call. Prints the median, p90, p99 and max in us over all steps and over
+each plan's first step. `--picks` writes each step's pick (the table's own lookup, before
+the plan's stand-in) so two versions of the lookup can be compared on the same mixes.
+Python's garbage collector stays on, as in an engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the own runners are built on the CPU (none runs)
+
+import torch  # noqa: E402
+
+from mla_tune.core import CallSpec  # noqa: E402
+from mla_tune.serving.decode_plan import DecodePlan  # noqa: E402
+from mla_tune.serving.table import load_serving_table  # noqa: E402
+
+MAX_BATCH = 256
+MIN_KV, MAX_KV = 64, 65536
+
+
+def _mixes(families, count: int, seed: int):
+    rng = random.Random(seed)
+    lo, hi = math.log(MIN_KV), math.log(MAX_KV)
+    for _ in range(count):
+        key = rng.choice(families)
+        batch = rng.randint(1, MAX_BATCH)
+        yield key, [max(int(math.exp(rng.uniform(lo, hi))), key.q_len) for _ in range(batch)]
+
+
+def _tensors(key, kv_lens: list[int]) -> dict:
+    batch = len(kv_lens)
+    pages = [-(-n // key.page_size) for n in kv_lens]
+    width = max(pages)
+    return {"qo_indptr": torch.arange(0, batch * key.q_len + 1, key.q_len, dtype=torch.int32),
+            "block_table": torch.zeros((batch, width), dtype=torch.int32),
+            "seq_lens": torch.tensor(kv_lens, dtype=torch.int32),
+            "q_lens_host": [key.q_len] * batch, "kv_lens_host": kv_lens}
+
+
+def _stats(values: list[float]) -> dict:
+    ordered = sorted(values)
+    n = len(ordered)
+    return {"n": n, "median_us": round(statistics.median(ordered), 1),
+            "p90_us": round(ordered[math.ceil(0.9 * n) - 1], 1),
+            "p99_us": round(ordered[math.ceil(0.99 * n) - 1], 1), "max_us": round(ordered[-1], 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--table", default="tables/H200.serving.yaml")
+    ap.add_argument("--mixes", type=int, default=1000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--picks", type=Path, help="write each step's table pick here (JSON)")
+    ap.add_argument("--json", type=Path, help="write the statistics here (JSON)")
+    args = ap.parse_args()
+    table = load_serving_table(args.table)
+    keys = sorted(k for k in table.families if k.page_size > 0)
+    plans = {}
+    made = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the vendors' picks cannot run here: said once per plan
+        for key in keys:
+            spec = CallSpec(key.kv_format, page_size=key.page_size, heads=key.heads, max_q_len=key.q_len,
+                            host_lengths=True)
+            plans[key] = DecodePlan(spec, MAX_BATCH, table=table, device="cpu", warm=False)
+    made = time.perf_counter() - made
+    times, first, picks, seen = [], [], [], set()
+    for key, kv_lens in _mixes(keys, args.mixes, args.seed):
+        step = _tensors(key, kv_lens)
+        plan = plans[key]
+        qo = step.pop("qo_indptr")
+        t0 = time.perf_counter_ns()
+        plan.update(qo, **step)
+        us = (time.perf_counter_ns() - t0) / 1e3
+        times.append(us)
+        if key not in seen:
+            seen.add(key)
+            first.append(us)
+        if args.picks:
+            looked = table.lookup(plan.spec, len(kv_lens), sum(kv_lens) / len(kv_lens), kv_lens=kv_lens)
+            picks.append({"family": key.as_dict(), "batch": len(kv_lens), "pick": str(looked)})
+    out = {"table": args.table, "mixes": args.mixes, "seed": args.seed, "plans": len(plans),
+           "plans_made_s": round(made, 2), "update": _stats(times), "first_update": _stats(first)}
+    print(f"{len(plans)} plans made in {made:.2f} s; DecodePlan.update over {args.mixes} fresh mixes "
+          "(us, from each plan's first call):")
+    for name in ("update", "first_update"):
+        s = out[name]
+        print(f"  {name:<13} n {s['n']:>5}  median {s['median_us']:>8}  p90 {s['p90_us']:>8}  "
+              f"p99 {s['p99_us']:>8}  max {s['max_us']:>8}")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+    if args.picks:
+        args.picks.write_text(json.dumps(picks) + "\n")
+
+
+if __name__ == "__main__":
+    main()
