@@ -2,8 +2,12 @@
 
 Registered in backends.BACKEND_MODULES and swept from configs/leaderboard.yaml; strict vs
 the reference on the H200 at the eight leaderboard shapes (docs/perf.md, "Issue 11").
+Its serving call (build_serving, default_serving_variant, serving_candidates; the section
+"the serving call" below) runs kernels/gluon_serving.py: paged (64, 128) or contiguous KV,
+bf16 or fp8, 16 to 128 heads, q_len 1 to 4; a serving variant carries max_splits and
+tokens_per_split (GF_SERVING_RULES), a leaderboard one num_splits.
 
-Variant parameters:
+Leaderboard variant parameters:
   kv          fp8              the KV format read (fp8 e4m3 with a per-tensor scale)
   q           fp8_dynamic      q quantized in the kernel, one scale per (sequence, head)
   block_n     64 | 128         tokens per tile (the MMA's M: wgmma needs a multiple of 64)
@@ -33,14 +37,24 @@ import math
 
 import torch
 
-from mla_tune.backends.params import PARAM_RULES, check_variant_rules
+from mla_tune.backends.params import (
+    PARAM_RULES,
+    ParamChoice,
+    ParamForm,
+    ParamInt,
+    ParamRules,
+    check_variant_rules,
+)
 from mla_tune.core import (
+    CORE_HEADS,
     QK_DIM,
     SM_SCALE,
     V_DIM,
+    CallSpec,
     Capabilities,
     Shape,
     Variant,
+    check_serving_spec,
     device_sm_count,
     require,
 )
@@ -51,12 +65,32 @@ from mla_tune.kernels.gluon_decode import (
     gd_ws_smem_extra,
     gluon_decode,
 )
+from mla_tune.kernels.gluon_serving import (
+    GS_MAX_Q_LEN,
+    GS_MAX_SPLITS,
+    GS_PAGE_SIZES,
+    GS_ROWS,
+    GS_UNAVAILABLE,
+    GluonServingWorkspace,
+    gluon_serving,
+    gs_check_variant,
+)
 
 NAME = "gluon_fused"
 
 CAPABILITIES = Capabilities(
     kv_formats=("fp8",),
     q_modes=("fp8_dynamic",),
+    # The serving call: kernels/gluon_serving.py (a tile of 64 tokens in one page)
+    serving_kv_formats=("bf16", "fp8"),
+    serving=True,
+    contiguous=True,
+    page_sizes=GS_PAGE_SIZES,
+    heads=CORE_HEADS,
+    max_q_len=GS_MAX_Q_LEN,
+    mixed_q_len=True,
+    graph_safe=True,  # splits computed on the device, scratch sized from the maxima
+    lse=True,
     platforms=(("cuda", "sm_90"),),  # Gluon's wgmma and TMA, Triton 3.6
     precompile=True,
 )
@@ -102,7 +136,11 @@ def _gf_smem_bytes(block_n: int, num_stages: int, v_path: str = "ss16", ws: int 
 
 def validate(variant: Variant) -> None:
     """Refuse a missing, unknown or ill-valued parameter, or a tile and ring deeper than
-    shared memory holds (names and values only)."""
+    shared memory holds (names and values only). A serving variant (max_splits,
+    tokens_per_split: build_serving's) is checked by GF_SERVING_RULES."""
+    if _gf_is_serving(variant):
+        _gf_validate_serving(variant)
+        return
     check_variant_rules(variant, PARAM_RULES[NAME])  # names, choices, bounds: backends/params.py
     ws, block_n = variant.get("ws", 0), variant.get("block_n")
     stages, v_path = variant.get("num_stages"), variant.get("v_path")
@@ -257,3 +295,184 @@ def compile_shape(variant: Variant, shape: Shape, sm_count: int | None) -> Shape
 
 # The keys of its search-space section in a config (config.py refuses any other).
 SPACE_KEYS = tuple(GF_DEFAULT_SPACE)
+
+
+# ------------------------------------------------------------------ the serving call
+# kernels/gluon_serving.py: paged (64, 128) or contiguous KV, bf16 or fp8, 16 to 128 heads,
+# q_len 1 to 4. Its variant: kv, q (fp8_dynamic with fp8 KV: q quantized in the kernel per
+# (new token, head); bf16 with bf16 KV), block_h (heads per program; block_h x
+# next_pow2(max_q_len) MMA rows, GS_ROWS), max_splits and tokens_per_split (the split rule,
+# gluon_serving.gs_num_splits), num_stages (TMA ring depth), v_halves (1, or 2 programs
+# per tile each multiplying half the V dims).
+_GF_SERVING_KEYS = ("kv", "q", "block_h", "max_splits", "tokens_per_split", "num_stages", "v_halves")
+GF_SERVING_RULES = ParamRules(NAME, (
+    ParamForm("serving", _GF_SERVING_KEYS, _GF_SERVING_KEYS,
+              (("kv", ParamChoice(("bf16", "fp8"))), ("q", ParamChoice(("bf16", "fp8_dynamic"))),
+               ("block_h", ParamInt(maximum=128, power_of_two=True)),
+               ("max_splits", ParamInt(maximum=GS_MAX_SPLITS)),
+               ("tokens_per_split", ParamInt(minimum=64, maximum=2**31 - 1)),
+               ("num_stages", ParamInt(minimum=2, maximum=4)), ("v_halves", ParamChoice((1, 2))))),
+))
+_GF_SERVING_Q = {"bf16": "bf16", "fp8": "fp8_dynamic"}  # the q mode each KV format's kernel reads
+_GF_SERVING_TOKENS_PER_SPLIT = 512
+_GF_SERVING_MAX_SPLITS = 16  # the default's cap: scratch is max_splits x heads x 2 KiB per new token
+_GF_NO_SMS = 8  # a platform without SMs (the CPU) plans as if it had this many
+# The serving search space (a backend section of configs/serving.yaml): MMA rows
+# (block_h x next_pow2(max_q_len)), V halves, ring depth, split lengths, and the split caps
+# as waves of the platform's SMs over the head tiles (split_waves) or as given (max_splits).
+_GF_SERVING_SPACE_KEYS = ("rows", "v_halves", "num_stages", "tokens_per_split", "split_waves", "max_splits")
+
+
+def _gf_is_serving(variant: Variant) -> bool:
+    return "max_splits" in variant.p or "tokens_per_split" in variant.p
+
+
+def _gf_validate_serving(variant: Variant) -> None:
+    check_variant_rules(variant, GF_SERVING_RULES)
+    p = variant.p
+    require(p["q"] == _GF_SERVING_Q[p["kv"]],
+            f"{NAME}: {variant} reads {p['kv']} KV, whose serving kernel takes q={_GF_SERVING_Q[p['kv']]}")
+    # the fewest rows it can run with (max_q_len 1); the spec's rows are checked in build_serving
+    gs_check_variant(max(p["block_h"], GS_ROWS[0]), p["v_halves"], p["num_stages"], p["kv"] == "fp8",
+                     p["max_splits"])
+
+
+def _gf_pow2(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+def _gf_serving_variant(spec: CallSpec, rows: int, v_halves: int, num_stages: int, max_splits: int,
+                        tokens_per_split: int) -> Variant | None:
+    """The serving variant of these choices for `spec`, or None where the kernel cannot run it
+    (a head tile that does not divide the heads, registers, shared memory)."""
+    block_h = rows // _gf_pow2(spec.max_q_len)
+    if block_h < 1 or spec.heads % block_h:
+        return None
+    try:
+        gs_check_variant(rows, v_halves, num_stages, spec.kv_format == "fp8", max_splits)
+    except ValueError:
+        return None
+    return Variant.make(NAME, kv=spec.kv_format, q=_GF_SERVING_Q[spec.kv_format], block_h=block_h,
+                        max_splits=max_splits, tokens_per_split=tokens_per_split, num_stages=num_stages,
+                        v_halves=v_halves)
+
+
+def _gf_split_cap(spec: CallSpec, rows: int, waves: float, sm_count: int, cap: int) -> int:
+    """Splits that let one sequence fill `waves` waves of the SMs with its head tiles."""
+    tiles = spec.heads * _gf_pow2(spec.max_q_len) // rows
+    return max(1, min(math.ceil(waves * sm_count / max(tiles, 1)), cap))
+
+
+def default_serving_variant(spec: CallSpec, platform) -> Variant:
+    """A correct, untuned serving variant for `spec` on `platform`: 32 MMA rows where the
+    heads allow (16 at 16 heads and q_len 1), every V dim in one program, two stages, a
+    split per 512 tokens and max_splits that let one sequence fill the SMs (capped at 16)."""
+    check_serving_spec(NAME, spec, CAPABILITIES)
+    sm_count = getattr(platform, "sm_count", 0) or _GF_NO_SMS
+    for rows in sorted(GS_ROWS, reverse=True):
+        if rows > spec.heads * _gf_pow2(spec.max_q_len):
+            continue
+        max_splits = _gf_split_cap(spec, rows, 1, sm_count, _GF_SERVING_MAX_SPLITS)
+        variant = _gf_serving_variant(spec, rows, 1, 2, max_splits, _GF_SERVING_TOKENS_PER_SPLIT)
+        if variant is not None:
+            return variant
+    raise ValueError(f"{NAME}: no head tile of {', '.join(map(str, GS_ROWS))} rows serves {spec.heads} heads at "
+                     f"max_q_len {spec.max_q_len}; use heads from {', '.join(map(str, CORE_HEADS))}")
+
+
+def _gf_space_list(space: dict, key: str, default: list) -> list:
+    value = space.get(key, default)
+    values = value if isinstance(value, list) else [value]
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0
+           or (key != "split_waves" and not isinstance(v, int))]
+    if bad:
+        raise ValueError(f"{NAME} serving space: {key} must hold positive "
+                         f"{'numbers' if key == 'split_waves' else 'integers'}, got {bad}")
+    return values
+
+
+def serving_candidates(spec: CallSpec, space: dict, platform) -> list[Variant]:
+    """The serving variants to sweep for the family `spec`: the product of the space's lists
+    (_GF_SERVING_SPACE_KEYS; defaults: the default serving variant's choices) where the
+    kernel runs them; max_splits from split_waves (waves of the SMs over the head tiles,
+    capped at GS_MAX_SPLITS) and the explicit max_splits. Nothing for a spec the record
+    refuses."""
+    if CAPABILITIES.refusal(spec) is not None:
+        return []
+    space = dict(space or {})
+    unknown = sorted(set(space) - set(_GF_SERVING_SPACE_KEYS))
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown} in the {NAME} serving space; known: "
+                         f"{', '.join(_GF_SERVING_SPACE_KEYS)}")
+    sm_count = getattr(platform, "sm_count", 0) or _GF_NO_SMS
+    lists = {key: _gf_space_list(space, key, default) for key, default in (
+        ("rows", [16, 32]), ("v_halves", [1, 2]), ("num_stages", [2]),
+        ("tokens_per_split", [_GF_SERVING_TOKENS_PER_SPLIT]), ("split_waves", [1]), ("max_splits", []))}
+    out: list[Variant] = []
+    for rows in lists["rows"]:
+        caps = {_gf_split_cap(spec, rows, w, sm_count, GS_MAX_SPLITS) for w in lists["split_waves"]}
+        caps |= {min(m, GS_MAX_SPLITS) for m in lists["max_splits"]}
+        for v_halves in lists["v_halves"]:
+            for stages in lists["num_stages"]:
+                for max_splits in sorted(caps):
+                    # one split: the split length is moot, one variant (the largest)
+                    lengths = [max(lists["tokens_per_split"])] if max_splits == 1 else lists["tokens_per_split"]
+                    for tokens in lengths:
+                        variant = _gf_serving_variant(spec, rows, v_halves, stages, max_splits, tokens)
+                        if variant is not None:
+                            out.append(variant)
+    return list(dict.fromkeys(out))
+
+
+class _GfServingRunner:
+    """build_serving's runner: owns out, the workspace (partials, TMA descriptors) and, with
+    spec.return_lse, the LSE buffer, allocated on the first call and again only when a call
+    brings more new tokens than any before (at least doubling), never from the data; it
+    reads no device tensor on the host, so a CUDA graph can hold it."""
+
+    def __init__(self, spec: CallSpec, device, launch: dict):
+        self.spec, self.device, self.launch = spec, device, launch
+        self.capacity, self.out, self.workspace, self.lse = 0, None, None, None
+
+    def __call__(self, q, qo_indptr, kv, kv_scale, *, kv_indptr=None, block_table=None, seq_lens=None,
+                 q_lens_host=None, kv_lens_host=None):
+        spec, total_q = self.spec, q.shape[0]
+        if q.dim() != 3 or q.shape[1] != spec.heads or (kv.dtype != torch.bfloat16) != (spec.kv_format != "bf16"):
+            raise ValueError(f"{NAME}: this runner serves {spec.heads} heads over {spec.kv_format} KV; "
+                             f"got q {tuple(q.shape)} and kv {kv.dtype}")
+        if total_q > self.capacity:
+            capacity = max(total_q, 2 * self.capacity)
+            self.out = torch.empty((capacity, spec.heads, V_DIM), dtype=torch.bfloat16, device=self.device)
+            self.workspace = GluonServingWorkspace.allocate(capacity, spec.heads, self.launch["max_splits"],
+                                                            self.device)
+            if spec.return_lse:
+                self.lse = torch.empty((capacity, spec.heads), dtype=torch.float32, device=self.device)
+            self.capacity = capacity
+        out = self.out[:total_q]
+        lse = self.lse[:total_q] if spec.return_lse else None
+        gluon_serving(q, qo_indptr, kv, kv_scale, out, kv_indptr=kv_indptr, block_table=block_table,
+                      seq_lens=seq_lens, workspace=self.workspace, lse=lse, **self.launch)
+        return (out, lse) if spec.return_lse else out
+
+
+def build_serving(variant: Variant, spec: CallSpec, device):
+    """A runner(q, qo_indptr, kv, kv_scale, *, kv_indptr | block_table + seq_lens) -> out
+    (or (out, lse) with spec.return_lse) for calls of `spec` (the serving-call contract,
+    docs/runtime.md), at the softmax scale spec.sm_scale; see _GfServingRunner."""
+    validate(variant)
+    if not _gf_is_serving(variant):
+        raise ValueError(f"{NAME}: {variant} is a leaderboard variant (num_splits); the serving call takes "
+                         "max_splits and tokens_per_split (default_serving_variant makes one)")
+    check_serving_spec(NAME, spec, CAPABILITIES, variant)
+    p = variant.p
+    rows = p["block_h"] * _gf_pow2(spec.max_q_len)
+    if spec.heads % p["block_h"] or rows not in GS_ROWS:
+        raise ValueError(f"{NAME}: block_h={p['block_h']} must divide {spec.heads} heads and give block_h x "
+                         f"{_gf_pow2(spec.max_q_len)} (next_pow2(max_q_len)) rows in {GS_ROWS}")
+    gs_check_variant(rows, p["v_halves"], p["num_stages"], p["kv"] == "fp8", p["max_splits"])
+    reason = GS_UNAVAILABLE or unavailable_reason()
+    require(reason is None, f"{NAME} cannot run here: {reason}")
+    launch = dict(max_q_len=spec.max_q_len, block_h=p["block_h"], max_splits=p["max_splits"],
+                  tokens_per_split=p["tokens_per_split"], num_stages=p["num_stages"], v_halves=p["v_halves"],
+                  sm_scale=spec.sm_scale)
+    return _GfServingRunner(spec, torch.device(device), launch)

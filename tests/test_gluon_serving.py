@@ -1,0 +1,156 @@
+"""The Gluon serving kernel's CPU-checkable parts: the split rule, its split reduction (plain
+Triton, run under the interpreter against partials computed in torch), and gluon_fused's
+serving capability (record, variants, refusals). The kernel itself needs an sm_90 GPU:
+tests/test_gluon_serving_compile.py compiles it here, tests/test_gluon_serving_gpu.py runs it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mla_tune.backends import capabilities, gluon_fused
+from mla_tune.core import CORE_HEADS, QK_DIM, V_DIM, CallSpec, Variant
+from mla_tune.gpu import fake_platform
+from mla_tune.kernels import gluon_serving
+from mla_tune.kernels.gluon_serving import GS_BN, GluonServingWorkspace, gs_num_splits, gs_reduce
+
+H200 = fake_platform("H200")
+
+
+@pytest.mark.parametrize("max_splits, tokens_per_split", [(1, 512), (4, 64), (16, 512), (64, 64)])
+def test_the_split_rule_makes_nonempty_splits_of_whole_tiles_within_the_cap(max_splits, tokens_per_split):
+    for seq_len in [0, 1, 2, 63, 64, 65, 129, 511, 512, 513, 3000, 4133, 65536]:
+        splits = gs_num_splits(seq_len, max_splits, tokens_per_split)
+        if seq_len == 0:
+            assert splits == 0
+            continue
+        tiles = math.ceil(seq_len / GS_BN)
+        per = math.ceil(tiles / splits)
+        assert 1 <= splits <= min(max_splits, tiles) and (splits - 1) * per < tiles <= splits * per, seq_len
+        if max_splits >= tiles and tokens_per_split == GS_BN:
+            assert splits == tiles  # a split per tile when the cap allows it
+    assert gs_num_splits(3000, 16, 512) == 6 and gs_num_splits(300, 4, 64) == 3
+
+
+def _partials(q, kv, q_lens, kv_lens, heads, max_splits, tokens_per_split, cap):
+    """What the serving kernel leaves for the reduction, in torch: per (split, new token, head)
+    the normalized partial output and its log2-sum-exp (O 0 and -inf where a split holds
+    none of the tokens a new token sees), and the exact answer with its natural-log LSE."""
+    part_o = torch.full((max_splits * cap * heads, V_DIM), float("nan"))
+    part_lse = torch.full((max_splits * cap * heads,), float("nan"))
+    exact = torch.empty((sum(q_lens), heads, V_DIM))
+    exact_lse = torch.empty((sum(q_lens), heads))
+    tok0 = kv0 = 0
+    for q_len, seq_len in zip(q_lens, kv_lens, strict=True):
+        k = kv[kv0:kv0 + seq_len]
+        splits = gs_num_splits(seq_len, max_splits, tokens_per_split)
+        per = math.ceil(math.ceil(seq_len / GS_BN) / splits) * GS_BN
+        for i in range(q_len):
+            tok = tok0 + i
+            scores = q[tok] @ k.T * math.log2(math.e)  # (heads, seq_len), log2 units
+            scores[:, seq_len - q_len + 1 + i:] = float("-inf")  # causal among the new tokens
+            weights = torch.softmax(scores * math.log(2), dim=-1)
+            exact[tok] = weights @ k[:, :V_DIM]
+            exact_lse[tok] = torch.logsumexp(scores * math.log(2), dim=-1)
+            for s in range(splits):
+                part = scores[:, s * per:(s + 1) * per]
+                rows = (s * cap + tok) * heads + torch.arange(heads)
+                m = part.max(dim=-1).values
+                if bool(torch.isinf(m).all()):  # the causal mask leaves this split nothing
+                    part_o[rows], part_lse[rows] = 0.0, float("-inf")
+                    continue
+                p = torch.exp2(part - m[:, None])
+                l_sum = p.sum(-1)
+                part_o[rows] = (p @ k[s * per:(s + 1) * per, :V_DIM]) / l_sum[:, None]
+                part_lse[rows] = m + torch.log2(l_sum)
+        tok0 += q_len
+        kv0 += seq_len
+    return part_o, part_lse, exact, exact_lse
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_the_reduction_combines_the_splits_into_the_exact_answer(device, paged):
+    heads, max_splits, tokens_per_split = 2, 4, 64  # two heads: the interpreter runs a program per row
+    q_lens, kv_lens = [1, 2, 2, 1, 2], [1, 17, 300, 130, 65]  # 1, 1, 3, 3 and 2 splits
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn((sum(q_lens), heads, QK_DIM), generator=gen) / 16
+    kv = torch.randn((sum(kv_lens), QK_DIM), generator=gen)
+    workspace = GluonServingWorkspace.allocate(sum(q_lens), heads, max_splits, device)
+    part_o, part_lse, exact, exact_lse = _partials(q, kv, q_lens, kv_lens, heads, max_splits, tokens_per_split,
+                                                   workspace.max_total_q)
+    workspace.part_o.copy_(part_o)
+    workspace.part_lse.copy_(part_lse)
+    qo_indptr = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    lengths = torch.tensor(kv_lens, dtype=torch.int32, device=device)
+    layout = ({"seq_lens": lengths} if paged else
+              {"kv_indptr": torch.tensor([0, *lengths.cumsum(0).tolist()], dtype=torch.int32, device=device)})
+    sentinel = 7.0
+    out = torch.full((sum(q_lens), heads, V_DIM), sentinel, dtype=torch.bfloat16, device=device)
+    lse = torch.full((sum(q_lens), heads), sentinel, device=device)
+    gs_reduce(qo_indptr, workspace, out, lse, max_q_len=2, tokens_per_split=tokens_per_split, **layout)
+    split = [gs_num_splits(n, max_splits, tokens_per_split) > 1 for n in kv_lens]
+    rows = torch.tensor([s for s, n in zip(split, q_lens, strict=True) for _ in range(n)])
+    assert 0 < int(rows.sum()) < len(rows)
+    torch.testing.assert_close(out[rows].float().cpu(), exact[rows], rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(lse[rows].cpu(), exact_lse[rows], rtol=1e-4, atol=1e-4)
+    # a sequence of one split: the serving kernel wrote its rows; the reduction leaves them
+    assert bool((out[~rows] == sentinel).all()) and bool((lse[~rows] == sentinel).all())
+
+
+def test_the_record_serves_the_engines_layouts_and_refuses_the_rest():
+    caps = capabilities("gluon_fused")
+    for kv in ("fp8", "bf16"):
+        for page in (0, 64, 128):
+            for heads in CORE_HEADS:
+                spec = CallSpec(kv, page, heads, max_q_len=4, mixed_q_len=True, graph=True, return_lse=True)
+                assert caps.refusal(spec) is None, spec
+    assert "not pages of 16" in caps.refusal(CallSpec("fp8", 16))
+    assert "q_len up to 4" in caps.refusal(CallSpec("fp8", 64, max_q_len=8))
+    assert "not mxfp4" in caps.refusal(CallSpec("mxfp4", 64))
+
+
+def test_default_and_offered_variants_fit_every_family_and_name_their_q_mode():
+    for kv in ("fp8", "bf16"):
+        for heads in CORE_HEADS:
+            for q_len in (1, 2, 3, 4):
+                spec = CallSpec(kv, 64, heads, max_q_len=q_len, mixed_q_len=True)
+                offered = gluon_fused.serving_candidates(spec, {"num_stages": [2, 3]}, H200)
+                default = gluon_fused.default_serving_variant(spec, H200)
+                assert default.get("q") == {"fp8": "fp8_dynamic", "bf16": "bf16"}[kv]
+                for variant in [default, *offered]:
+                    gluon_fused.validate(variant)
+                    rows = variant.get("block_h") * (1 << (q_len - 1).bit_length())
+                    assert rows in gluon_serving.GS_ROWS and heads % variant.get("block_h") == 0
+                    assert variant.get("kv") == kv and variant.get("max_splits") <= gluon_serving.GS_MAX_SPLITS
+                assert offered, spec
+    # bf16 at 32 rows spills with every V dim in one program: never offered so
+    bf16 = gluon_fused.serving_candidates(CallSpec("bf16", 64, 128), {}, H200)
+    assert not [v for v in bf16 if v.get("block_h") == 32 and v.get("v_halves") == 1]
+    assert [v for v in bf16 if v.get("block_h") == 32 and v.get("v_halves") == 2]
+
+
+def test_serving_variants_are_refused_by_name():
+    spec = CallSpec("bf16", 64, 128)
+    good = gluon_fused.default_serving_variant(spec, H200)
+    for bad, match in (
+        (good.with_params(q="fp8_dynamic"), "takes q=bf16"),
+        (good.with_params(v_halves=3), "v_halves"),
+        (good.with_params(max_splits=65), "max_splits"),
+        (good.with_params(num_stages=3), "shared memory"),  # 3 stages of bf16 tiles: over 227 KB
+    ):
+        with pytest.raises(ValueError, match=match):
+            gluon_fused.validate(bad)
+    with pytest.raises(ValueError, match="spills registers"):
+        gluon_fused.build_serving(good.with_params(block_h=32, v_halves=1), spec, "cpu")
+    with pytest.raises(ValueError, match="reads bf16 KV but the call's cache is fp8"):
+        gluon_fused.build_serving(good, CallSpec("fp8", 64, 128), "cpu")
+    with pytest.raises(ValueError, match="leaderboard variant"):
+        gluon_fused.build_serving(Variant.parse(
+            "gluon_fused(block_n=64,kv=fp8,num_splits=4,num_stages=2,q=fp8_dynamic,v_path=rs8)"), spec, "cpu")
+    with pytest.raises(ValueError, match="unknown key"):
+        gluon_fused.serving_candidates(spec, {"block_n": [64]}, H200)
+    if not torch.cuda.is_available():  # Gluon has no interpreter: a CPU build says so
+        with pytest.raises(ValueError, match="needs an NVIDIA sm_90 GPU"):
+            gluon_fused.build_serving(good, spec, "cpu")

@@ -1,0 +1,125 @@
+"""The Gluon serving kernel (kernels/gluon_serving.py) compiles for sm_90 on a machine
+without a GPU, without spilling, within an H200 block's shared memory.
+
+Each case's launches are captured from the backend's real path: gluon_fused.build_serving
+of the variant, then one call of its runner with meta tensors (no memory) while
+`KernelInterface.__getitem__` records the launches; each is bound and compiled for
+GPUTarget("cuda", 90, 32) by mla_tune/xcompile/targets.py (ptxas ships in Triton's wheel)
+in a child process (the suite's conftest sets TRITON_INTERPRET, whose jit functions cannot
+be compiled). CI runs it with Triton 3.9; under the contest's Triton 3.6:
+`/work/venv36/bin/python -m pytest -q tests/test_gluon_serving_compile.py`. Compiling is not
+running: tests/test_gluon_serving_gpu.py checks the answers on an H200.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import triton
+
+from mla_tune.backends import gluon_fused
+from mla_tune.core import QK_DIM, V_DIM, CallSpec, Variant
+from mla_tune.kernels import gluon_serving
+
+pytestmark = pytest.mark.skipif(gluon_serving.gluon is None,
+                                reason=f"no Gluon in this Triton: {gluon_serving.GS_UNAVAILABLE}")
+
+META = torch.device("meta")
+H200_BLOCK_SMEM = 232448  # 227 KB: what one sm_90 block may allocate
+
+# (spec, variant): fp8 and bf16 KV, pages of 64 and 128 and the contiguous layout, 16 to 128
+# heads, q_len 1 to 4, 16 and 32 MMA rows, one and two V halves, 2 and 3 stages, with and
+# without the split reduction and the LSE.
+CASES = [
+    (CallSpec("fp8", 64, 128, max_q_len=2, mixed_q_len=True, graph=True, return_lse=True),
+     "gluon_fused(block_h=16,kv=fp8,max_splits=8,num_stages=2,q=fp8_dynamic,tokens_per_split=512,v_halves=1)"),
+    (CallSpec("bf16", 128, 64, max_q_len=4, mixed_q_len=True, return_lse=True),
+     "gluon_fused(block_h=8,kv=bf16,max_splits=4,num_stages=2,q=bf16,tokens_per_split=256,v_halves=2)"),
+    (CallSpec("fp8", 0, 16),
+     "gluon_fused(block_h=16,kv=fp8,max_splits=1,num_stages=3,q=fp8_dynamic,tokens_per_split=512,v_halves=2)"),
+]
+IDS = ["fp8-page64-h128-q2-lse", "bf16-page128-h64-q4-lse-halves", "fp8-contiguous-h16-q1-halves"]
+
+
+def capture(spec: CallSpec, variant: Variant, batch: int = 3) -> list[tuple]:
+    """(kernel, grid, args, kwargs) of each launch one call of the built runner makes."""
+    launches: list[tuple] = []
+
+    def record(kernel, grid):
+        return lambda *args, **kwargs: launches.append((kernel, grid, args, kwargs))
+
+    total_q = batch * spec.max_q_len
+    dtype = torch.bfloat16 if spec.kv_format == "bf16" else torch.float8_e4m3fn
+    q = torch.empty((total_q, spec.heads, QK_DIM), dtype=torch.bfloat16, device=META)
+    qo_indptr = torch.empty(batch + 1, dtype=torch.int32, device=META)
+    scale = torch.empty(1, dtype=torch.float32, device=META) if spec.kv_format == "fp8" else None
+    if spec.page_size:
+        kv = torch.empty((40, spec.page_size, QK_DIM), dtype=dtype, device=META)
+        layout = dict(block_table=torch.empty((batch, 12), dtype=torch.int32, device=META),
+                      seq_lens=torch.empty(batch, dtype=torch.int32, device=META))
+    else:
+        kv = torch.empty((5000, 1, QK_DIM), dtype=dtype, device=META)
+        layout = dict(kv_indptr=torch.empty(batch + 1, dtype=torch.int32, device=META))
+    with mock.patch.object(triton.runtime.jit.KernelInterface, "__getitem__", record), \
+            mock.patch.object(gluon_fused, "unavailable_reason", lambda: None):  # no sm_90 GPU here
+        runner = gluon_fused.build_serving(variant, spec, META)
+        result = runner(q, qo_indptr, kv, scale, **layout)
+    out = result[0] if spec.return_lse else result
+    assert tuple(out.shape) == (total_q, spec.heads, V_DIM)
+    return launches
+
+
+def compile_cases() -> list[dict]:
+    """Each case's launches compiled for sm_90: name, grid, error and resources."""
+    from triton.backends.compiler import GPUTarget
+
+    from mla_tune.xcompile.targets import bind, compile_bound
+
+    target = GPUTarget("cuda", 90, 32)
+    results = []
+    for spec, text in CASES:
+        records = []
+        for kernel, grid, args, kwargs in capture(spec, Variant.parse(text)):
+            record = compile_bound(bind(kernel, grid, args, kwargs, target), H200_BLOCK_SMEM)
+            records.append({"grid": list(grid), **{k: record.get(k) for k in (
+                "kernel", "error", "registers", "scratch", "spill_loads", "lds", "mma_ops")}})
+        results.append(records)
+    return results
+
+
+@pytest.fixture(scope="module")
+def compiled() -> list[list[dict]]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "import json, tests.test_gluon_serving_compile as t; print(json.dumps(t.compile_cases()))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
+def test_the_serving_launches_compile_for_sm90_without_spills(compiled, index):
+    spec, text = CASES[index]
+    p = Variant.parse(text).p
+    records = compiled[index]
+    assert [r["error"] for r in records] == [None] * len(records)
+    # one split writes the output: no reduction launch
+    names = ["_gs_serving_kernel"] + (["_gs_reduce_kernel"] if p["max_splits"] > 1 else [])
+    assert [r["kernel"] for r in records] == names
+    decode = records[0]
+    assert decode["grid"] == [spec.heads // p["block_h"] * p["v_halves"], p["max_splits"], 3]
+    assert decode["scratch"] == 0 and decode["spill_loads"] == 0, decode  # no register spills
+    rows = p["block_h"] * triton.next_power_of_2(spec.max_q_len)
+    # the compiler's shared memory is the module's figure (3.6: up to its slack more), within an H200 block's
+    estimate = gluon_serving.gs_smem_bytes(rows, p["num_stages"], spec.kv_format == "fp8")
+    assert estimate <= decode["lds"] <= estimate + gluon_serving.GS_SMEM_SLACK <= H200_BLOCK_SMEM
+    assert any(op.startswith("wgmma.mma_async") for op in decode["mma_ops"]), decode["mma_ops"]
+    for reduce in records[1:]:
+        assert reduce["grid"] == [3, spec.max_q_len, spec.heads] and reduce["scratch"] == 0

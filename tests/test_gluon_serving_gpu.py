@@ -1,0 +1,142 @@
+"""The Gluon serving kernel (kernels/gluon_serving.py, through gluon_fused.build_serving)
+against the fp32 reference on an H200: fp8 and bf16 KV, 16 / 64 / 128 heads, q_len 1 / 2 / 4
+(causal among the new tokens, q_lens mixed where a sequence is shorter), pages of 64 (and
+the contiguous layout at 16 heads, q_len 2), lengths 1, 17, 3000 and ragged mixes with page
+and tile edges, at DeepSeek-V3's softmax scale, under the strict rule. Unused cache slots
+are NaN (serving.inputs.make_input), so a kernel that reads one fails.
+
+For fp8 KV the reference's q is quantized as the kernel quantizes it (one scale per (new
+token, head), amax / 448): at DeepSeek-V3's scale a per-tensor q scale differs from it by
+more than the strict rule allows (tests/test_gpu_engine_call.py, gluon_fused's build).
+
+Each family (KV format, heads, q_len, layout) runs in its own spawned process (a pool of up
+to 8, so the kernels compile in parallel, and a crash or a poisoned CUDA context costs only
+its family); every case of a family runs inside try/except and reports its first error
+line. Run on the H200: `python -m pytest -q -m gpu tests/test_gluon_serving_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import os
+
+import pytest
+import torch
+
+from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, CallSpec, Variant
+
+pytestmark = pytest.mark.gpu
+
+FAMILIES = [(kv, heads, q_len, 64) for kv in ("fp8", "bf16") for heads in (16, 64, 128) for q_len in (1, 2, 4)]
+FAMILIES += [(kv, 16, 2, 0) for kv in ("fp8", "bf16")]
+LENGTHS = {
+    "one": [1],
+    "seventeen": [17, 17],
+    "long": [3000],
+    "ragged": [1, 17, 3000, 64, 65, 129, 2, 4133],
+    "batch8": [3000, 1, 1024, 4096, 17, 2500, 64, 3999],
+}
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def _variants(spec: CallSpec, platform) -> list[Variant]:
+    """The default serving variant, one without splits, and one with two V halves."""
+    from mla_tune.backends import gluon_fused
+
+    default = gluon_fused.default_serving_variant(spec, platform)
+    out = [default, default.with_params(max_splits=1)]
+    halves = default.with_params(v_halves=2, max_splits=4, tokens_per_split=256)
+    try:
+        gluon_fused.validate(halves)
+        out.append(halves)
+    except ValueError:
+        pass
+    return out
+
+
+def _q_as_the_kernel_reads_it(q: torch.Tensor, kv_format: str) -> torch.Tensor:
+    if kv_format == "bf16":
+        return q
+    qf = q.float()
+    scale = qf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 448.0
+    return (qf / scale).to(torch.float8_e4m3fn).float() * scale
+
+
+def run_family(family: tuple) -> list[dict]:
+    """Every (variant, lengths) case of one family, each a dict with its verdict."""
+    from mla_tune import problem
+    from mla_tune.backends import gluon_fused
+    from mla_tune.gpu import detect
+    from mla_tune.serving.inputs import make_input, reference
+
+    kv_format, heads, q_len, page = family
+    spec = CallSpec(kv_format, page, heads, max_q_len=q_len, mixed_q_len=True, graph=True,
+                    sm_scale=CORE_DEEPSEEK_V3_SCALE, return_lse=q_len == 2)
+    results = []
+    try:
+        variants = _variants(spec, detect())
+    except Exception as exc:
+        return [{"family": family, "case": "variants", "ok": False, "error": _first_line(exc)}]
+    for variant in variants:
+        for seed, (name, kv_lens) in enumerate(LENGTHS.items()):
+            case = {"family": family, "case": name, "variant": str(variant), "ok": False, "error": None}
+            try:
+                q_lens = [min(q_len, n) for n in kv_lens]
+                inp = make_input(q_lens, kv_lens, heads, page, kv_format, seed=100 + seed, device="cuda")
+                runner = gluon_fused.build_serving(variant, spec, "cuda")
+                result = runner(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
+                out, lse = result if spec.return_lse else (result, None)
+                torch.cuda.synchronize()
+                ref, ref_lse = reference(_q_as_the_kernel_reads_it(inp.q, kv_format), inp.qo_indptr, inp.kv,
+                                         inp.kv_scale, **inp.layout, sm_scale=spec.sm_scale, return_lse=True)
+                verdict = problem.check(out.float(), ref, problem.RULES["strict"])
+                case.update(ok=verdict.passed, mismatch=verdict.mismatch, max_abs_err=verdict.max_abs_err,
+                            reason=verdict.reason)
+                if lse is not None:
+                    lse_err = float((lse - ref_lse).abs().max())
+                    case["lse_err"] = lse_err
+                    case["ok"] = case["ok"] and lse_err < 2e-2
+            except Exception as exc:  # one bug must not hide the other cases
+                case["error"] = _first_line(exc)
+            results.append(case)
+    return results
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict[tuple, list[dict]]:
+    if not torch.cuda.is_available():
+        pytest.skip("needs an sm_90 GPU")
+    from mla_tune.backends import gluon_fused
+
+    if gluon_fused.unavailable_reason() is not None:
+        pytest.skip(gluon_fused.unavailable_reason())
+    found: dict[tuple, list[dict]] = {}
+    context = multiprocessing.get_context("spawn")
+    workers = min(8, os.cpu_count() or 1, len(FAMILIES))
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, max_tasks_per_child=1) as pool:
+        futures = {pool.submit(run_family, family): family for family in FAMILIES}
+        for future in concurrent.futures.as_completed(futures):
+            family = futures[future]
+            try:
+                found[family] = future.result()
+            except Exception as exc:  # the worker died (a crash, not a Python error)
+                found[family] = [{"family": family, "case": "worker", "ok": False, "error": _first_line(exc)}]
+    for family in FAMILIES:
+        for case in found[family]:
+            print(family, case.get("variant", ""), case["case"], "ok" if case["ok"] else "FAIL",
+                  case.get("error") or f"mismatch {case.get('mismatch', 0):.4f} max_abs_err "
+                  f"{case.get('max_abs_err', 0):.4f} lse_err {case.get('lse_err', '-')}")
+    return found
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=[f"{kv}-h{h}-q{q}-p{p}" for kv, h, q, p in FAMILIES])
+def test_the_gluon_serving_kernel_matches_the_fp32_reference(outcomes, family):
+    cases = outcomes[family]
+    failed = [c for c in cases if not c["ok"]]
+    assert cases and not failed, "\n".join(
+        f"{c.get('variant', '')} {c['case']}: {c.get('error') or c.get('reason')}" for c in failed)
