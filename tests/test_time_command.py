@@ -220,8 +220,11 @@ def test_a_mix_runs_the_tables_eager_and_graph_picks_and_the_extra_variants(inte
     lines = result.output.strip().splitlines()
     assert lines[0].startswith(f"{key}: 2 sequences, kv_lens [30, 34] (mean 32)")
     assert lines[1] == f"the table's cell 2 x 32: {split16}, 5.0 us as swept"
-    rows = {line.split()[0]: line.split() for line in lines[3:]}
-    assert {"eager", "graph", "extra1", "extra2"} <= set(rows) <= {"eager", "graph", "extra1", "extra2", *VENDORS}
+    skipped = [line for line in lines if " not timed, it cannot serve this here: " in line]
+    assert sorted(line.split(":")[0] for line in skipped) == sorted(VENDORS)  # no GPU here
+    header = lines.index(next(line for line in lines if line.split()[:2] == ["role", "us"]))
+    rows = {line.split()[0]: line.split() for line in lines[header + 1:]}
+    assert set(rows) == {"eager", "graph", "extra1", "extra2"}
     assert rows["eager"][-1] == str(split16) and rows["graph"][-1] == str(default) and rows["extra1"][-1] == extra
     # timed in order at 10, 20, 30 us (the stand-in): ratios to the fastest, each checked
     assert [rows[r][1:4] for r in ("eager", "graph", "extra1")] == [

@@ -94,7 +94,8 @@ def time_mix(table_path: str | Path, key: FamilyKey, kv_lens: list[int], *, conf
     import torch
 
     from mla_tune import gpu, problem
-    from mla_tune.backends import capabilities, get_backend, platform_refusal
+    from mla_tune.backends import get_backend
+    from mla_tune.serving.call import why_not
     from mla_tune.serving.gate import reference_q_format, run_call
     from mla_tune.serving.inputs import make_input
     from mla_tune.serving.table import batch_bucket, kv_bucket, load_serving_table
@@ -112,8 +113,10 @@ def time_mix(table_path: str | Path, key: FamilyKey, kv_lens: list[int], *, conf
         if v is not None:
             roles[role] = v
     platform = gpu.detect()
+    skipped = {}
     for name in VENDORS:
-        if capabilities(name).refusal(spec) is None and platform_refusal(name, platform) is None:
+        skipped[name] = why_not(name, spec, platform)
+        if skipped[name] is None:
             roles[name] = get_backend(name).default_serving_variant(spec, platform)
     for i, v in enumerate(variants):
         roles[f"extra{i + 1}"] = v
@@ -144,6 +147,9 @@ def time_mix(table_path: str | Path, key: FamilyKey, kv_lens: list[int], *, conf
     cell = family.cells.get(where) if family is not None else None
     if cell is not None:  # at a grid point with equal lengths: the same shape, timed by the sweep
         log(f"the table's cell {cell.batch} x {cell.kv_len}: {cell.variant}, {cell.time_us:.1f} us as swept")
+    for name, reason in skipped.items():
+        if reason is not None:
+            log(f"{name}: not timed, it cannot serve this here: {reason}")
     log(f"{'role':>8} {'us':>9} {'x best':>7} {'check':>6}  variant")
     for r in rows:
         if r["us"] is None:
