@@ -34,7 +34,7 @@
 # at most 8 files: what the device tool brings back) to $OUT (or ./gpu_out).
 set -uo pipefail
 modes="leaderboard-sweep|leaderboard-budget|leaderboard-export|sweep-safety|serving-tests|serving-splitk|serving-sweep-chunk|serving-table"
-mode=${1:?usage: gpu_acceptance.sh leaderboard-sweep|leaderboard-budget|leaderboard-export|sweep-safety|serving-tests|serving-splitk|serving-sweep-chunk|serving-table}
+mode=${1:?usage: gpu_acceptance.sh $modes}
 keep=${OUT:-gpu_out}
 out=/tmp/acceptance
 mkdir -p "$out" "$keep"
