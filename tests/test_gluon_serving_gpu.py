@@ -9,10 +9,13 @@ For fp8 KV the reference's q is quantized as the kernel quantizes it (one scale 
 token, head), amax / 448): at DeepSeek-V3's scale a per-tensor q scale differs from it by
 more than the strict rule allows (tests/test_gpu_engine_call.py, gluon_fused's build).
 
-Each family (KV format, heads, q_len, layout) runs in its own spawned process (a pool of up
-to 8, so the kernels compile in parallel, and a crash or a poisoned CUDA context costs only
-its family); every case of a family runs inside try/except and reports its first error
-line. Run on the H200: `python -m pytest -q -m gpu tests/test_gluon_serving_gpu.py`.
+Also: the Decoder's call captured in a CUDA graph (serving.capture_without_sync refuses a
+call that synchronizes) and replayed with new lengths, q_lens and block tables.
+
+Each family (KV format, heads, q_len, layout) and each graph case runs in its own spawned
+process (a pool of up to 8, so the kernels compile in parallel, and a crash or a poisoned
+CUDA context costs only its own); every case runs inside try/except and reports its first
+error line. Run on the H200: `python -m pytest -q -m gpu tests/test_gluon_serving_gpu.py`.
 """
 
 from __future__ import annotations
@@ -107,6 +110,52 @@ def run_family(family: tuple) -> list[dict]:
     return results
 
 
+# A CUDA graph of the Decoder's call, captured once (serving.capture_without_sync: a call that
+# synchronizes raises) and replayed with other lengths, q_lens and block tables.
+GRAPH_CASES = [("graph", "fp8", 64), ("graph", "bf16", 64), ("graph", "fp8", 0)]
+
+
+def run_graph(case: tuple) -> list[dict]:
+    """Each replay of one captured Decoder call (gluon_fused's default serving variant, 128
+    heads, q_len up to 2), its output poisoned with NaN before the replay."""
+    from mla_tune import problem
+    from mla_tune.serving import inputs as serving
+    from mla_tune.serving.call import Decoder
+
+    _, kv_format, page = case
+    results = []
+    try:
+        spec = CallSpec(kv_format, page, 128, max_q_len=2, mixed_q_len=True, graph=True,
+                        sm_scale=CORE_DEEPSEEK_V3_SCALE)
+        decoder = Decoder(spec, backend="gluon_fused", device="cuda")
+        static = serving.make_input(serving.GRAPH_Q_LENS, serving.GRAPH_KV_LENS, 128, page, kv_format, seed=41,
+                                    device="cuda")
+        held = {}
+
+        def call():
+            held["out"] = decoder(static.q, static.qo_indptr, static.kv, static.kv_scale, **static.layout)
+
+        graph = serving.capture_without_sync(call)
+        out = held["out"]
+        for seed, new in serving.refill_for_replays(static, 2, 128, kv_format, "cuda"):
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            ref = serving.reference(_q_as_the_kernel_reads_it(new.q, kv_format), new.qo_indptr, new.kv,
+                                    new.kv_scale, **new.layout, sm_scale=spec.sm_scale)
+            verdict = problem.check(out[:new.q.shape[0]].float(), ref, problem.RULES["strict"])
+            results.append({"family": case, "case": f"replay {seed}", "variant": str(decoder.variant),
+                            "ok": verdict.passed, "mismatch": verdict.mismatch,
+                            "max_abs_err": verdict.max_abs_err, "reason": verdict.reason, "error": None})
+    except Exception as exc:
+        results.append({"family": case, "case": "graph", "ok": False, "error": _first_line(exc)})
+    return results
+
+
+def run_task(task: tuple) -> list[dict]:
+    return run_graph(task) if task[0] == "graph" else run_family(task)
+
+
 @pytest.fixture(scope="module")
 def outcomes() -> dict[tuple, list[dict]]:
     if not torch.cuda.is_available():
@@ -117,17 +166,17 @@ def outcomes() -> dict[tuple, list[dict]]:
         pytest.skip(gluon_fused.unavailable_reason())
     found: dict[tuple, list[dict]] = {}
     context = multiprocessing.get_context("spawn")
-    workers = min(8, os.cpu_count() or 1, len(FAMILIES))
+    workers = min(8, os.cpu_count() or 1)
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, max_tasks_per_child=1) as pool:
-        futures = {pool.submit(run_family, family): family for family in FAMILIES}
+        futures = {pool.submit(run_task, task): task for task in FAMILIES + GRAPH_CASES}
         for future in concurrent.futures.as_completed(futures):
             family = futures[future]
             try:
                 found[family] = future.result()
             except Exception as exc:  # the worker died (a crash, not a Python error)
                 found[family] = [{"family": family, "case": "worker", "ok": False, "error": _first_line(exc)}]
-    for family in FAMILIES:
-        for case in found[family]:
+    for task in FAMILIES + GRAPH_CASES:
+        for case in found[task]:
             print(family, case.get("variant", ""), case["case"], "ok" if case["ok"] else "FAIL",
                   case.get("error") or f"mismatch {case.get('mismatch', 0):.4f} max_abs_err "
                   f"{case.get('max_abs_err', 0):.4f} lse_err {case.get('lse_err', '-')}")
@@ -140,3 +189,11 @@ def test_the_gluon_serving_kernel_matches_the_fp32_reference(outcomes, family):
     failed = [c for c in cases if not c["ok"]]
     assert cases and not failed, "\n".join(
         f"{c.get('variant', '')} {c['case']}: {c.get('error') or c.get('reason')}" for c in failed)
+
+
+@pytest.mark.parametrize("case", GRAPH_CASES, ids=[f"{kv}-p{p}" for _, kv, p in GRAPH_CASES])
+def test_a_captured_gluon_serving_call_replays_new_lengths_and_block_tables(outcomes, case):
+    replays = outcomes[case]
+    failed = [c for c in replays if not c["ok"]]
+    assert len(replays) == 2 and not failed, "\n".join(f"{c['case']}: {c.get('error') or c.get('reason')}"
+                                                          for c in failed)
