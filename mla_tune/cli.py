@@ -1,4 +1,4 @@
-"""The `mla-tune` command line: sweep, export, show, diff, report, verify.
+"""The `mla-tune` command line: sweep, export, show, diff, report, verify, compile, time.
 
 Commands are thin: they parse options, call the module that does the work, and turn
 mla-tune's own errors (MlaTuneError: TableError, ExportError, ConfigError, SweepError, ...)
@@ -530,3 +530,9 @@ def verify(
                             max_regret=max_regret, judge=judge, json_path=json_path, log=typer.echo)
     if report["exit_code"]:
         raise typer.Exit(report["exit_code"])
+
+
+# `mla-tune time` (mla_tune/time_cli.py), last: it imports neither torch nor a backend.
+from mla_tune.time_cli import register as register_time  # noqa: E402
+
+register_time(app)
