@@ -199,7 +199,7 @@ def test_another_gpu_is_refused_from_its_name_before_any_worker_starts(monkeypat
 def test_ctrl_c_stops_the_workers_prints_how_to_resume_and_the_resumed_sweep_completes(tmp_path):
     out = tmp_path / "cpu.yaml"
     results = tmp_path / "cpu.results.jsonl"
-    config = DATA / "sweep_resume.yaml"
+    config = DATA / "sweep_interrupt.yaml"
     script = (
         "import sys; from pathlib import Path; "
         "from mla_tune.tune.sweep import run_sweep, SweepInterrupted\n"

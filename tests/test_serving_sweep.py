@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import json
 import math
+import re
 
 import pytest
 import yaml
@@ -49,19 +50,21 @@ _name = name
 
 
 class FakeTimer:
-    """Returns the made-up time (the runner really runs when `run`: once per measurement
-    under the interpreter, so only the first test pays for it); counts what it timed;
-    raises KeyboardInterrupt (a kill) after `stop_after` calls when given."""
+    """Returns the made-up time; with `run`, the runner really runs too, once per variant
+    and cell (under the interpreter each run costs a second: only the first test pays);
+    counts what it timed; raises KeyboardInterrupt (a kill) after `stop_after` calls."""
 
     def __init__(self, stop_after: int | None = None, run: bool = False):
         self.timed: list[tuple] = []
         self.stop_after = stop_after
         self.run = run
+        self.ran: set[tuple] = set()
 
     def __call__(self, call: sw.TimedCall, reps: int) -> Timing:
         if self.stop_after is not None and len(self.timed) >= self.stop_after:
             raise KeyboardInterrupt
-        if self.run:
+        if self.run and (str(call.variant), call.batch, call.kv_len) not in self.ran:
+            self.ran.add((str(call.variant), call.batch, call.kv_len))
             call()
         self.timed.append((call.batch, call.kv_len, str(call.variant), reps))
         t = TIMES[call.kv_len][_name(call.variant)] * call.batch
@@ -92,8 +95,8 @@ def tiny(monkeypatch):
 def _sweep(cfg, tmp_path, timer, **kw):
     """A sweep of `cfg` into tmp_path: timed in this process with a timer object, in a
     worker process with a timer's name."""
-    return sw.run_serving_sweep(cfg, "CPU", out=tmp_path / "CPU.serving.yaml", platform=detect(),
-                                timer=timer, log=lambda line: None, **kw)
+    kw.setdefault("log", lambda line: None)
+    return sw.run_serving_sweep(cfg, "CPU", out=tmp_path / "CPU.serving.yaml", platform=detect(), timer=timer, **kw)
 
 
 def _steps(path) -> set[tuple]:
@@ -186,7 +189,6 @@ def test_a_probe_prunes_a_hopeless_candidate_at_the_first_rung(tiny, tmp_path):
     """A candidate whose one-call probe is over PRUNE_FACTOR x the cell's best so far is
     recorded as pruned and never timed; one within it is timed as before."""
     def probe(call: sw.TimedCall) -> float:
-        call()
         slow = 100.0 if _name(call.variant) == "C" else 1.0
         return TIMES[call.kv_len][_name(call.variant)] * call.batch * slow
 
@@ -215,9 +217,12 @@ def test_a_killed_sweep_resumes_without_retiming_and_ends_as_one_run(tiny, tmp_p
     assert len(before) == 4
     with open(results, "ab") as f:  # a kill in the middle of a line
         f.write(b'{"kind": "step", "fam')
-    again = FakeTimer()
-    summary = _sweep(tiny, tmp_path, again)
+    again, lines = FakeTimer(), []
+    summary = _sweep(tiny, tmp_path, again, log=lines.append)
     assert not before & set(again.timed) and again.timed  # nothing recorded is timed again
+    cells = [line for line in lines if line.startswith("[")]  # a line per cell, with an ETA
+    assert [line.split("]")[0] for line in cells] == ["[1/4", "[2/4", "[3/4", "[4/4"]
+    assert all(re.search(r"elapsed \d+ s, ETA \d+ s$", line) for line in cells), cells
     assert _steps(results) == _steps(whole["results"])
     assert _picks(load_serving_table(summary["table"])) == _picks(load_serving_table(whole["table"]))
 

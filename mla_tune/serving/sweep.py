@@ -94,6 +94,7 @@ from mla_tune.serving.table import FamilyKey, choose_graph_pick
 from mla_tune.tune import search as halving
 from mla_tune.tune import timing
 from mla_tune.tune.pool import TaskPool
+from mla_tune.tune.progress import eta_s
 from mla_tune.tune.results import SweepLock, move_aside
 from mla_tune.tune.schedule import BudgetClock
 from mla_tune.tune.worker import Task, resolve
@@ -400,15 +401,17 @@ class Sweeper:
         try:
             self.gate()
             total = self.plan.cells
-            done = 0
+            done = searched = 0
             for unit in self.plan.units:
                 if self.stopped:
                     break
                 for kv_len in unit.kv_lens:
                     began = time.monotonic()
+                    replayed = (unit.key, unit.batch, kv_len) in self.rec.records.cells
                     cell = self.search_cell(unit.key, unit.batch, kv_len)
                     done += 1
-                    self._progress(done, total, unit, kv_len, cell, time.monotonic() - began)
+                    searched += not replayed
+                    self._progress(done, total, searched, unit, kv_len, cell, time.monotonic() - began)
                 self._drop_input()
                 pick = self.cross(unit)
                 if pick is not None:
@@ -426,7 +429,10 @@ class Sweeper:
         finally:
             self._drop_input()
 
-    def _progress(self, done: int, total: int, unit: Unit, kv_len: int, cell: dict, seconds: float) -> None:
+    def _progress(self, done: int, total: int, searched: int, unit: Unit, kv_len: int, cell: dict,
+                  seconds: float) -> None:
+        """One line per cell: its winner, its time and the runner-up's, elapsed and ETA
+        (tune/progress.eta_s: this run's pace over the cells it searched, gate included)."""
         where = f"[{done}/{total}] {unit.key} | batch {unit.batch} kv {kv_len}:"
         if cell.get("status") != "ok":
             self.log(f"{where} left out: {cell.get('reason')}")
@@ -434,8 +440,11 @@ class Sweeper:
         runner = ""
         if cell.get("runner_up"):
             runner = f", runner-up +{cell['runner_up']['time_us'] / cell['time_us'] - 1:.1%}"
+        elapsed = time.monotonic() - self.started
+        eta = eta_s(elapsed, searched, total - done)
         self.log(f"{where} {cell['winner']} {cell['time_us']:.1f} us ({cell['entrants'][0]} candidates"
-                 f"{runner}) {seconds:.1f} s, elapsed {time.monotonic() - self.started:.0f} s")
+                 f"{runner}) {seconds:.1f} s, elapsed {elapsed:.0f} s"
+                 + (f", ETA {eta:.0f} s" if eta is not None else ""))
 
 
 def _header(cfg: ServingConfig, platform, shard: tuple[int, int], path: Path, gpu_name: str) -> dict:

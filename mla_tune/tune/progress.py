@@ -62,6 +62,15 @@ def print_plan(config: Config, gpu: str, where: str, out: Path, results_path: Pa
     console.print(escape(f"  estimate basis: {costs.basis}"))
 
 
+def eta_s(elapsed_s: float, done_here: int, left: int, estimate_s: float | None = None) -> float | None:
+    """Seconds left at this run's pace (its elapsed time per item it did, times the items
+    left); before it did any, the estimate less the time elapsed (None without one). Both
+    sweeps' progress lines use it: the leaderboard's per candidate, the serving one's per cell."""
+    if done_here <= 0:
+        return None if estimate_s is None else max(0.0, estimate_s - elapsed_s)
+    return elapsed_s / done_here * max(0, left)
+
+
 class Progress:
     """The sweep's progress: a bar on a terminal; without one, a plain line per shape and
     rung (candidates done, best so far, elapsed, ETA), which a log file keeps readable."""
@@ -91,12 +100,8 @@ class Progress:
         self.console.print(text, soft_wrap=True)
 
     def eta_s(self) -> float:
-        elapsed = time.monotonic() - self.started
-        new = self.done - self.resumed
-        left = self.total - self.done
-        if new <= 0:
-            return max(0.0, self.estimate_s - elapsed)
-        return elapsed / new * left
+        return eta_s(time.monotonic() - self.started, self.done - self.resumed, self.total - self.done,
+                     self.estimate_s)
 
     def shape_line(self, shape: Shape, search, rung: int, n_rungs: int) -> None:
         best = search.best()
