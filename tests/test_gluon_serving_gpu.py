@@ -48,18 +48,17 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _variants(spec: CallSpec, platform) -> list[Variant]:
-    """The default serving variant, one without splits, and one with two V halves."""
+    """The default serving variant, and beside it (one more binary per family, to keep the
+    compiles few) one without splits at q_len 1, one with two V halves (4 splits of 256
+    tokens) at q_len 2 and 4."""
     from mla_tune.backends import gluon_fused
 
     default = gluon_fused.default_serving_variant(spec, platform)
-    out = [default, default.with_params(max_splits=1)]
+    if spec.max_q_len == 1:
+        return [default, default.with_params(max_splits=1)]
     halves = default.with_params(v_halves=2, max_splits=4, tokens_per_split=256)
-    try:
-        gluon_fused.validate(halves)
-        out.append(halves)
-    except ValueError:
-        pass
-    return out
+    gluon_fused.validate(halves)
+    return [default, halves]
 
 
 def _q_as_the_kernel_reads_it(q: torch.Tensor, kv_format: str) -> torch.Tensor:
