@@ -4,6 +4,7 @@ worst case, lookup, a write/load round trip, and load errors that name file, fam
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 
@@ -14,9 +15,9 @@ from mla_tune.serving.table import (
     FamilyKey,
     GraphPick,
     ServingTable,
+    VendorModel,
     batch_bucket,
     choose_graph_pick,
-    graph_picks,
     kv_bucket,
     load_serving_table,
     write_serving_table,
@@ -54,14 +55,6 @@ def test_the_graph_pick_minimises_the_worst_case_not_the_mean():
     variant, regret, worst_kv = choose_graph_pick(times, best)
     assert variant == _v(16) and regret == pytest.approx(0.25) and worst_kv == 512
     assert choose_graph_pick({_v(32): {512: 10.0}}, best) is None
-
-
-def test_graph_picks_reads_timings_of_one_batch_bucket():
-    rows = [(32, 512, _v(4), 10.0), (32, 8192, _v(4), 140.0), (32, 512, _v(16), 12.5),
-            (32, 8192, _v(16), 101.0), (32, 8192, _v(64), 100.0), (64, 512, _v(64), 1.0)]
-    variant, regret, _ = graph_picks(rows, 32, KVS)
-    # best at 8192 is 100 (v64, which lacks 512 and so cannot be picked)
-    assert variant == _v(16) and regret == pytest.approx(0.25)
 
 
 def _table() -> ServingTable:
@@ -176,3 +169,33 @@ def test_eager_pick_weighs_the_buckets_smallest_batch():
     assert eager_pick({96: {"a": 1.0, "b": 1.5}}, 96, buckets, edge={"b": 2.0}) == "b"
     # edge times of variants the cell did not time are ignored
     assert eager_pick({96: {"a": 1.0, "b": 1.5}}, 96, buckets, edge={"c": 0.1}) == "a"
+
+
+def _vendor_table(version: str) -> tuple[ServingTable, CallSpec]:
+    spec = CallSpec("bf16", page_size=64, heads=16, max_q_len=1)
+    fi = Variant.parse("flashinfer(kernel=fa3,kv=bf16,q=bf16)")
+    fam = Family(FamilyKey.of(spec))
+    fam.points = {(b, k): {fi: 10.0 * b * k / 1024, _v(4, "bf16"): 12.0 * b * k / 1024}
+                  for b in (4, 8) for k in (1024, 2048)}
+    fam.flashinfer = VendorModel(fi, (1.0, 0.01, 0.0, 0.0, 0.0, 0.0), 132, 0.05)
+    return ServingTable("H200", {"versions": {"flashinfer-python": version}}, [4, 8], [1024, 2048],
+                        {fam.key: fam}), spec
+
+
+def test_the_lookup_warns_once_where_the_installed_vendor_is_not_the_tables(monkeypatch):
+    from importlib import metadata
+
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda d: "0.7.0" if d == "flashinfer-python" else real(d))
+    table, spec = _vendor_table("0.6.18.post1")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in (5, 6, 7):
+            table.lookup(spec, batch, 1500.0)
+    said = [str(w.message) for w in caught if "flashinfer-python" in str(w.message)]
+    assert len(said) == 1 and "0.6.18.post1" in said[0] and "0.7.0" in said[0], said
+    same, spec = _vendor_table("0.7.0")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        same.lookup(spec, 5, 1500.0)
+    assert not [w for w in caught if "flashinfer-python" in str(w.message)]

@@ -16,7 +16,6 @@ from mla_tune.serving.splitk_cost import (
     is_splitk,
     occupancy_cap,
     reduce_steps,
-    splitk_makespan,
     splitk_schedule,
     uniform_reduce_steps,
 )
@@ -41,7 +40,7 @@ KEY = FamilyKey("bf16", 64, 16, 1)
 
 
 def _span(lens, occupancy=1, heads=16, variant=ONE, sm=132, item_tokens=0):
-    return splitk_makespan(lens, heads, 1, dict(variant.params), occupancy, sm, item_tokens)
+    return splitk_schedule(lens, heads, 1, dict(variant.params), occupancy, sm, item_tokens)[0]
 
 
 def test_the_makespan_counts_waves_and_waits_for_the_longest():
@@ -189,7 +188,7 @@ def test_the_reduction_steps_follow_the_longest_sequences_splits():
     assert reduce_steps(ragged, 16, 1, dict(ONE.params), 132) == 0
     assert reduce_steps([100] * 49, 16, 1, params, 132) == 0
     span, steps = splitk_schedule(ragged, 16, 1, params, 1, 132, 64)
-    assert (span, steps) == (splitk_makespan(ragged, 16, 1, params, 1, 132, 64), 7)
+    assert (span, steps) == (_span(ragged, item_tokens=64, variant=SPLIT), 7)
 
 
 def test_the_lookup_adds_the_measured_reduction_steps_beyond_a_uniform_batchs(tmp_path):

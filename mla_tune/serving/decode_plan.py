@@ -57,7 +57,13 @@ import torch
 from mla_tune.core import QK_DIM, CallSpec, Variant
 from mla_tune.locate import table_path
 from mla_tune.serving.call import Decoder, runner_step, spec_text, why_not
-from mla_tune.serving.table import ServingTable, batch_bucket, kv_bucket, load_serving_table
+from mla_tune.serving.table import (
+    ServingTable,
+    batch_bucket,
+    fastest,
+    kv_bucket,
+    load_serving_table,
+)
 
 
 def _no_step(*_args):
@@ -189,7 +195,10 @@ class DecodePlan:
         variant = None
         if self.table is not None and self._family is not None:
             mean = None if self.spec.graph else mean_kv_len
-            variant = self.table.lookup(self.spec, batch, mean, graph=self.spec.graph, kv_lens=kv_lens)
+            est = self.table.estimates(self.spec, batch, mean, kv_lens) if mean is not None else {}
+            variant = fastest(est)  # the table's lookup, its estimates made once for this step
+            if variant is None:
+                variant = self.table.lookup(self.spec, batch, mean, graph=self.spec.graph, kv_lens=kv_lens)
             if variant is None:
                 key = f"batch {batch_bucket(self.table.batch_buckets, batch)}" + (
                     "" if mean is None else f", kv_len ~{mean:.0f}")
@@ -197,18 +206,18 @@ class DecodePlan:
             elif variant in self._unrunnable:
                 key = f"{variant.backend} cannot run here"
                 self.misses[key] = self.misses.get(key, 0) + 1
-                variant = self._runnable(batch, mean, kv_lens)
+                variant = self._runnable(batch, mean, est)
         return variant if variant is not None and variant in self._decoders else self._default.variant
 
-    def _runnable(self, batch: int, mean: float | None, kv_lens) -> Variant | None:
+    def _runnable(self, batch: int, mean: float | None, est: dict) -> Variant | None:
         """The best runnable variant where the table's pick cannot run: the fastest runnable
-        estimate (eager, with points), else the cell's runner-up, else None (the default)."""
-        table, spec = self.table, self.spec
+        of the step's estimates `est` (eager, with points), else the cell's runner-up, else
+        None (the default)."""
+        table = self.table
         if mean is not None:
-            est = table.estimates(spec, batch, mean, kv_lens)
-            ok = {v: t for v, t in est.items() if v in self._decoders}
-            if ok:
-                return min(ok, key=lambda v: (ok[v], str(v)))
+            ok = fastest(est, self._decoders.__contains__)
+            if ok is not None:
+                return ok
             cell = self._family.cells.get((batch_bucket(table.batch_buckets, batch), kv_bucket(table.kv_buckets, mean)))
             runner_up = (cell.runner_up or {}).get("variant") if cell is not None else None
             if runner_up is not None:

@@ -8,7 +8,7 @@ programs: between two grid points a uniform batch of 70 x 3572 tokens (bf16, 16 
 budget 264) ran 5 splits each, 350 programs on 264 slots, and took 137.6 us where
 interpolating the points around it said 107 (H200, session 12, docs/perf.md).
 
-`splitk_makespan` deals the call's programs (each split item once per head tile), in
+`splitk_schedule` deals the call's programs (each split item once per head tile), in
 launch order, to the least-loaded of `slots` program slots (SMs x programs resident per
 SM, the occupancy), and returns the most-loaded slot's load: its tokens plus, per
 program, `item_tokens`, a program's fixed cost (loading q, writing its partial result for
@@ -51,23 +51,17 @@ EXACT_WAVES = 3
 
 def splitk_schedule(kv_lens: Sequence[int], heads: int, q_len: int, params: Mapping, occupancy: int,
                     sm_count: int, item_tokens: float = 0.0) -> tuple[float, int]:
-    """(makespan, reduce steps) of the call: `splitk_makespan`, and the steps of the
-    reduction's longest loop, `reduce_steps`, from one replay of the split rule."""
+    """(makespan, reduce steps) of the call, from one replay of the split rule: the load
+    (tokens, plus item_tokens per program) of the most-loaded of sm_count x occupancy
+    program slots when the call's split items, each run by heads // block_h programs (one
+    per head tile, neighbours in launch order), are dealt program by program to the
+    least-loaded slot, as the hardware's block scheduler runs them (programs beyond the
+    slots wait for the first to finish; past EXACT_WAVES waves, the mean load plus half the
+    longest item), and the steps of the reduction's longest loop (`reduce_steps`)."""
     splits = serving_splits(kv_lens, q_len, heads, **_rule(params, sm_count))
     items = split_items(kv_lens, splits)
     return (_deal(items, max(heads // int(params["block_h"]), 1), occupancy, sm_count, item_tokens),
             _steps(kv_lens, splits, q_len, heads))
-
-
-def splitk_makespan(kv_lens: Sequence[int], heads: int, q_len: int, params: Mapping, occupancy: int,
-                    sm_count: int, item_tokens: float = 0.0) -> float:
-    """The load (tokens, plus item_tokens per program) of the most-loaded of sm_count x
-    occupancy program slots when the call's split items, each run by heads // block_h
-    programs (one per head tile, neighbours in launch order), are dealt program by program
-    to the least-loaded slot, as the hardware's block scheduler runs them: programs beyond
-    the slots wait for the first to finish. Past EXACT_WAVES waves, the mean load plus half
-    the longest item."""
-    return splitk_schedule(kv_lens, heads, q_len, params, occupancy, sm_count, item_tokens)[0]
 
 
 def reduce_steps(kv_lens: Sequence[int], heads: int, q_len: int, params: Mapping, sm_count: int) -> int:

@@ -48,7 +48,8 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -319,6 +320,16 @@ def splitk_rates(points: Mapping[tuple[int, int], Mapping[Variant, float]], mode
     return rates
 
 
+def fastest(estimates: Mapping[Variant, float], allowed: Callable[[Variant], bool] | None = None) -> Variant | None:
+    """The variant estimated fastest among those `allowed` accepts (all by default); ties go
+    to the first name, so the pick does not depend on order. None where none is left."""
+    best = None
+    for v, t in estimates.items():
+        if (allowed is None or allowed(v)) and (best is None or (t, str(v)) < (best[0], str(best[1]))):
+            best = (t, v)
+    return best[1] if best is not None else None
+
+
 # ------------------------------------------------------------------ the table
 @dataclass
 class ServingTable:
@@ -359,10 +370,9 @@ class ServingTable:
         pick = family.graph.get(bucket)
         if graph or mean_kv_len is None:
             return pick.variant if pick is not None else None
-        est = self._estimates(family, batch, mean_kv_len, kv_lens) if family.points else {}
-        if est:
-            fastest = min(est.values())  # ties go to the first name: a pick that does not depend on order
-            return min((v for v, t in est.items() if t == fastest), key=str)
+        chosen = fastest(self._estimates(family, batch, mean_kv_len, kv_lens)) if family.points else None
+        if chosen is not None:
+            return chosen
         kv = kv_bucket(self.kv_buckets, mean_kv_len)
         cell = family.cells.get((bucket, kv))
         if cell is None:  # left out: a smaller batch bucket at this kv, else the bucket's nearest kv
@@ -386,6 +396,9 @@ class ServingTable:
 
     def _estimates(self, family: Family, batch: int, mean_kv_len: float,
                    kv_lens: Sequence[int] | None) -> dict[Variant, float]:
+        if ("versions", family.key) not in self._derived:
+            self._derived[("versions", family.key)] = True
+            self._warn_versions(family)
         est = dict(self._interpolated("times", family, batch, mean_kv_len))
         lens = kv_lens if kv_lens is not None else [max(int(round(mean_kv_len)), 1)] * batch
         if family.splitk and est:
@@ -422,6 +435,33 @@ class ServingTable:
             if flashinfer_mla_works_per_cluster(lens, family.key.heads, family.key.q_len, model.sm_count) <= MODEL_WORKS:
                 est[model.variant] = model.time_us(family.key, lens)
         return est
+
+    def _warn_versions(self, family: Family) -> None:
+        """Warn once per vendor distribution whose scheduler a family's model replays (its
+        backend's CAPABILITIES.vendor) where the installed version is not the one the
+        table's provenance records, as the leaderboard runtime warns (runtime/__init__.py).
+        A distribution not installed here is not warned about: its picks cannot run here,
+        and the plan says so."""
+        from importlib import metadata
+
+        from mla_tune.backends import capabilities
+
+        tuned = self.provenance.get("versions") or {}
+        models = [m.variant for m in ([family.flashinfer] if family.flashinfer else [])] + list(family.splitk)
+        for variant in models:
+            dist = capabilities(variant.backend).vendor
+            if not dist or dist not in tuned or ("versions", dist) in self._derived:
+                continue
+            try:
+                here = metadata.version(dist)
+            except metadata.PackageNotFoundError:
+                continue
+            self._derived[("versions", dist)] = True
+            if here != tuned[dist]:
+                warnings.warn(f"serving table {self.path}: provenance.versions.{dist} is {tuned[dist]} but this "
+                              f"process has {here}; the lookup replays its scheduler as the table's version "
+                              "ran it, so its estimates may have moved: re-run the serving sweep "
+                              "(mla-tune sweep --config configs/serving.yaml) to refresh the table", stacklevel=4)
 
     def splitk_estimates(self, spec: CallSpec, kv_lens: Sequence[int], reduce: bool = True) -> dict[Variant, float]:
         """Each split-K model's estimate (us) for a call of these lengths, whether or not it
@@ -797,17 +837,3 @@ def load_serving_table(path: str | Path, check_params: bool = True) -> ServingTa
             raise TableError(f"{where}, family {i}: a second family for {family.key}")
         families[family.key] = family
     return ServingTable(gpu, provenance, batch_buckets, kv_buckets, families, path)
-
-
-def graph_picks(cells: Iterable[tuple[int, int, Variant, float]], batch: int,
-                kv_buckets: list[int]) -> tuple[Variant, float, int] | None:
-    """The graph pick for one batch bucket from timings (batch, kv_len, variant, time_us) of
-    candidates measured across that bucket's kv cells: choose_graph_pick over them."""
-    times: dict[Variant, dict[int, float]] = {}
-    best: dict[int, float] = {}
-    for b, kv_len, variant, time_us in cells:
-        if b != batch or kv_len not in kv_buckets:
-            continue
-        times.setdefault(variant, {})[kv_len] = time_us
-        best[kv_len] = min(best.get(kv_len, math.inf), time_us)
-    return choose_graph_pick(times, best)
