@@ -76,7 +76,8 @@ from types import ModuleType
 
 from mla_tune.core import KV_FORMATS, Q_MODES, Capabilities
 
-# name -> module; the order is the order of preference when times tie.
+# name -> module; the order is the order of preference when times tie, and among the
+# serving backends the Decoder's order when no backend is named (serving_backends()).
 BACKEND_MODULES = {
     "triton": "mla_tune.backends.triton_splitk",
     "triton_fused": "mla_tune.backends.triton_fused",
@@ -160,6 +161,14 @@ def declared_capabilities() -> dict[str, Capabilities]:
         except ImportError:
             continue
     return out
+
+
+def serving_backends() -> list[str]:
+    """The backends with a serving call (CAPABILITIES.serving) that import here, in the
+    registry's order (BACKEND_MODULES, then the MLA_TUNE_EXTRA_BACKENDS plugins): the
+    serving Decoder's order of preference when no backend is named, so a new backend's
+    line in the registry is its place there too."""
+    return [name for name, caps in declared_capabilities().items() if caps.serving]
 
 
 def baseline_backend() -> str:

@@ -76,13 +76,21 @@ def fallback_policy(rule: str | None = None, allowed: Iterable[str] | None = Non
     batches only (a ragged batch is refused with a clear error rather than answered wrong),
     and under `strict` only kv_len >= 512 (shorter ones are refused, see the policy).
     """
+    policies: dict[str, Callable[[Shape], Variant]] = {}
+
     def usable(name: str) -> bool:
-        return backend_unavailable(name, platform) is None and (
-            name != "triton" or hasattr(get_backend(name), "default_variant"))
+        # it runs here, and the policy can make its variants: one sized per shape comes from
+        # the backend's `default_variant`, which dispatch_fallback refuses to go without
+        if backend_unavailable(name, platform) is not None:
+            return False
+        try:
+            policies[name] = dispatch_fallback(name, rule, getattr(get_backend(name), "default_variant", None))
+        except ValueError:
+            return False
+        return True
 
     backend = dispatch_fallback_backend(None if allowed is None else set(allowed), usable)
-    default = get_backend(backend).default_variant if backend == "triton" else None
-    return backend, dispatch_fallback(backend, rule, default)
+    return backend, policies[backend]
 
 
 class QRangeCheck:

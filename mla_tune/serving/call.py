@@ -9,11 +9,12 @@ sm_scale, return_lse and cache_dtype), builds a
     out = decoder(q, qo_indptr, kv_cache, kv_scale, block_table=block_table, seq_lens=seq_lens)
 
 `decode(...)` does both from the tensors, with one Decoder per (spec, backend, device).
-The Decoder picks the first backend of PREFERENCE whose capability record serves the spec,
-that runs on this platform and is available, builds its runner once (the backend's
-`default_serving_variant`, untuned: no table is consulted yet, issue 10 adds a serving
-table), and checks every call against the spec from shapes and dtypes only, so a call
-never reads a device tensor on the host. See docs/runtime.md, "The serving call".
+The Decoder picks the first backend in the registry's order (backends.serving_backends():
+BACKEND_MODULES, then plugins) whose capability record serves the spec, that runs on this
+platform and is available, builds its runner once (the backend's
+`default_serving_variant`, untuned: a Decoder consults no table; serving/decode_plan.py's
+DecodePlan picks from the serving table), and checks every call against the spec from
+shapes and dtypes only, so a call never reads a device tensor on the host. See docs/runtime.md, "The serving call".
 """
 
 from __future__ import annotations
@@ -24,14 +25,19 @@ from collections.abc import Sequence
 
 import torch
 
-from mla_tune.backends import capabilities, get_backend, platform_refusal
+from mla_tune.backends import capabilities, get_backend, platform_refusal, serving_backends
 from mla_tune.core import CORE_FP8_DTYPE_NAMES, QK_DIM, SM_SCALE, CallSpec, Variant, fp8_dtype_for
 from mla_tune.gpu import Platform, detect
 
-# Which backend serves a spec when none is named: mla-tune's own kernels first (split-K,
-# then the fused one-launch kernel: every layout, graph-safe, no host plan), then the
-# vendors' where they serve the spec and run here.
-PREFERENCE = ("triton", "triton_fused", "flashmla", "flashinfer", "aiter")
+
+def __getattr__(name: str):
+    # PREFERENCE, the old name of the order a Decoder tries backends in, for old imports:
+    # the registry's serving backends now (mla-tune's own kernels come first there: split-K,
+    # then the fused one-launch kernels, every layout, graph-safe, no host plan; then the
+    # vendors'), read per access so that plugins registered later count.
+    if name == "PREFERENCE":
+        return tuple(serving_backends())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _device(device) -> torch.device:
@@ -189,8 +195,9 @@ class Decoder:
 
     backend: a name to insist on (refused, with the backends that would serve the spec,
     when its capabilities do not cover it or it cannot run here); None picks the first of
-    PREFERENCE that serves the spec. variant: a serving variant of that backend (None: its
-    default_serving_variant for this platform). The output is the runner's own buffer,
+    the registry's serving backends (backends.serving_backends()) that serves the spec.
+    variant: a serving variant of that backend (None: its default_serving_variant for
+    this platform). The output is the runner's own buffer,
     reused by the next call: copy it to keep it.
     """
 
@@ -210,7 +217,7 @@ class Decoder:
         self.inputs = CallInputs(spec, self.device)
         if backend is None:
             reasons = {}
-            for name in PREFERENCE:
+            for name in serving_backends():
                 reasons[name] = why_not(name, spec, self.platform)
                 if reasons[name] is None:
                     backend = name
@@ -221,7 +228,8 @@ class Decoder:
         else:
             reason = why_not(backend, spec, self.platform)
             if reason is not None:
-                others = [n for n in PREFERENCE if n != backend and why_not(n, spec, self.platform) is None]
+                others = [n for n in serving_backends()
+                          if n != backend and why_not(n, spec, self.platform) is None]
                 served = (f"backends that would: {', '.join(others)}" if others
                           else "no backend here would (Decoder(spec) without a backend names each one's reason)")
                 raise ValueError(f"backend {backend} cannot serve {spec_text(spec)}: {reason}; {served}")

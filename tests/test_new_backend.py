@@ -1,0 +1,236 @@
+"""A new serving backend is its own file plus one registry line (issue 28's acceptance).
+
+The backend (PROBE_SOURCE, written into tmp_path as its own module) answers the serving
+call with the fp32 reference of mla_tune.serving.inputs, rounded to bf16, and serves 8
+and 16 heads, one page size and up to two new tokens: 8 heads is a call no built-in
+backend serves. "The registry line" is one entry naming its module: the plugin entry
+`MLA_TUNE_EXTRA_BACKENDS=probe_serving=<module>` (the `plugin` registration), or one
+monkeypatched BACKEND_MODULES entry (the `builtin` one, as a built-in backend's line
+would be). Nothing else is edited: no preference list, no cost table, no name check; the
+serving configs that sweep it are the tests' own. Each test shows one place that takes it:
+the Decoder (picked by the registry's order, and as the fp32 reference answers), the
+serving sweep's family plan and its dry run from the command line, the serving table's
+loader and DecodePlan.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from mla_tune import backends, gpu, problem
+from mla_tune.backends import EXTRA_BACKENDS_ENV, serving_backends
+from mla_tune.cli import app
+from mla_tune.core import CallSpec, Variant
+from mla_tune.serving import inputs as serving
+from mla_tune.serving.call import Decoder
+from mla_tune.serving.cells import family_plan
+from mla_tune.serving.config import load_serving_config
+from mla_tune.serving.decode_plan import DecodePlan
+from mla_tune.serving.table import (
+    Cell,
+    Family,
+    FamilyKey,
+    ServingTable,
+    load_serving_table,
+    write_serving_table,
+)
+from mla_tune.tune.schedule import DEFAULT_COSTS, CostModel
+
+NAME = "probe_serving"
+PROBE_SOURCE = '''
+"""A serving backend for tests: the fp32 reference of the serving call, rounded to bf16."""
+
+from __future__ import annotations
+
+import torch
+
+from mla_tune.core import V_DIM, CallSpec, Capabilities, Variant
+from mla_tune.serving.inputs import reference
+
+NAME = "probe_serving"
+CAPABILITIES = Capabilities(
+    kv_formats=("bf16",), q_modes=("bf16",), serving=True, serving_kv_formats=("bf16", "fp8"),
+    contiguous=True, page_sizes=(16,), heads=(8, 16), max_q_len=2, mixed_q_len=True,
+    platforms=(("cuda",), ("cpu",)),
+)
+TILES = (1, 2)  # a parameter that changes nothing but the variant
+SPACE_KEYS = ("tile",)
+RUNS: dict = {}  # str(variant) -> calls, for the tests
+
+
+def unavailable_reason():
+    return None
+
+
+def validate(variant: Variant) -> None:
+    params = dict(variant.params)
+    if set(params) != {"kv", "q", "tile"}:
+        raise ValueError(f"{NAME} variants take kv, q and tile, got {', '.join(sorted(params))}")
+    if params["q"] != "bf16" or params["kv"] not in ("bf16", "fp8"):
+        raise ValueError(f"{NAME}: q must be bf16 and kv bf16 or fp8, got q={params['q']}, kv={params['kv']}")
+    if params["tile"] not in TILES:
+        raise ValueError(f"{NAME}: tile must be one of {TILES}, got {params['tile']!r}")
+
+
+def candidates(shape, space, platform) -> list[Variant]:
+    return []  # the serving call only
+
+
+def build(variant, shape, device):
+    raise ValueError(f"{NAME} serves the serving call only")
+
+
+def default_serving_variant(spec: CallSpec, platform) -> Variant:
+    return Variant.make(NAME, kv=spec.kv_format, q="bf16", tile=1)
+
+
+def serving_candidates(spec: CallSpec, space: dict, platform) -> list[Variant]:
+    unknown = sorted(set(space) - set(SPACE_KEYS))
+    if unknown:
+        raise ValueError(f"{NAME}'s serving space takes {', '.join(SPACE_KEYS)}, not {unknown[0]}")
+    return [Variant.make(NAME, kv=spec.kv_format, q="bf16", tile=t) for t in space.get("tile", [1])]
+
+
+def build_serving(variant: Variant, spec: CallSpec, device):
+    validate(variant)
+    reason = CAPABILITIES.refusal(spec)
+    if reason is not None:
+        raise ValueError(f"{NAME} cannot serve this spec: {reason}")
+    if variant.get("kv") != spec.kv_format:
+        raise ValueError(f"{variant} reads {variant.get('kv')} KV, the spec {spec.kv_format}")
+    buffer = [torch.empty((0, spec.heads, V_DIM), dtype=torch.bfloat16, device=device)]
+
+    def run(q, qo_indptr, kv, kv_scale, *, kv_indptr=None, block_table=None, seq_lens=None,
+            q_lens_host=None, kv_lens_host=None):
+        RUNS[str(variant)] = RUNS.get(str(variant), 0) + 1
+        if q.shape[0] > buffer[0].shape[0]:
+            buffer[0] = torch.empty((q.shape[0], spec.heads, V_DIM), dtype=torch.bfloat16, device=device)
+        out = buffer[0][: q.shape[0]]
+        out.copy_(reference(q, qo_indptr, kv, kv_scale, kv_indptr=kv_indptr, block_table=block_table,
+                            seq_lens=seq_lens, sm_scale=spec.sm_scale))
+        return out
+
+    return run
+'''
+
+SPEC8 = CallSpec("bf16", page_size=16, heads=8, max_q_len=2, mixed_q_len=True)  # only the probe serves it
+CONFIG = {
+    "name": "probe", "rule": "strict", "check_seeds": [1, 2],
+    "families": {"kv_format": ["bf16"], "page_size": [16], "heads": [8, 16], "q_len": [2]},
+    "call": {"mixed_q_len": True, "graph": False, "host_lengths": False},
+    "batch_buckets": [2, 4], "kv_buckets": [32, 256],
+    "gate": {"ragged_kv_lens": [1, 17, 63], "tail_kv_len": 77, "tail_batch": 2, "margin": 0.5,
+             "reference_q": "exact"},
+    "search": {"rungs": [1, 2], "keep": 0.5, "min_keep": 1, "cross_top": 2},
+}
+
+
+@pytest.fixture(params=["plugin", "builtin"])
+def probe(request, tmp_path, monkeypatch):
+    """The probe backend's module in tmp_path and its one registry line; the module."""
+    module = f"h9probe_{request.param}"
+    (tmp_path / f"{module}.py").write_text(textwrap.dedent(PROBE_SOURCE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    if request.param == "plugin":
+        monkeypatch.setenv(EXTRA_BACKENDS_ENV, f"{NAME}={module}")
+    else:
+        monkeypatch.setitem(backends.BACKEND_MODULES, NAME, module)
+    yield backends.get_backend(NAME)
+    sys.modules.pop(module, None)
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    result = problem.check(out, ref, problem.RULES["strict"])
+    assert result.passed, f"{what}: {result}"
+    assert float((out.float() - ref).abs().max()) <= 1e-2 * float(ref.abs().max()) + 1e-6, what
+
+
+def _config(tmp_path, listed: dict) -> str:
+    path = tmp_path / "probe.yaml"
+    path.write_text(yaml.safe_dump({**CONFIG, "backends": listed}, sort_keys=False))
+    return str(path)
+
+
+def test_the_decoder_takes_it_by_the_registrys_order_and_it_answers_as_the_reference(probe):
+    assert serving_backends()[-1] == NAME  # its registry line is its place in the order
+    assert serving_backends()[:2] == ["triton", "triton_fused"]  # the own kernels first
+    decoder = Decoder(SPEC8, device="cpu")  # no backend named: the first that serves 8 heads
+    assert decoder.backend == NAME and decoder.variant == Variant.make(NAME, kv="bf16", q="bf16", tile=1)
+    inp = serving.make_input([1, 2, 2], [1, 17, 40], 8, 16, "bf16", seed=3)
+    _close(decoder(inp.q, inp.qo_indptr, inp.kv, **inp.layout), inp.reference(), "8 heads")
+    # named, at a spec the own kernels serve too, and at fp8 KV
+    inp = serving.make_input([2, 1], [33, 5], 16, 16, "fp8", seed=4)
+    spec = CallSpec("fp8", page_size=16, heads=16, max_q_len=2, mixed_q_len=True)
+    out = Decoder(spec, backend=NAME, device="cpu")(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
+    _close(out, inp.reference(), "fp8 KV, 16 heads")
+    with pytest.raises(ValueError, match=rf"backend {NAME} cannot serve .*32 heads"):
+        Decoder(CallSpec("bf16", 16, 32), backend=NAME, device="cpu")
+
+
+@pytest.mark.parametrize("probe", ["builtin"], indirect=True)  # plugins follow the built-in lines
+def test_first_in_the_registry_is_first_in_the_decoders_order(probe, monkeypatch):
+    """Where its line sits is its preference: moved to the front, it serves what the own
+    kernels would have."""
+    monkeypatch.setattr(backends, "BACKEND_MODULES",
+                        {NAME: backends.BACKEND_MODULES[NAME], **backends.BACKEND_MODULES})
+    assert serving_backends()[0] == NAME
+    assert Decoder(CallSpec("bf16", 16, 16), device="cpu").backend == NAME
+
+
+def test_the_serving_sweep_plans_it_where_a_config_lists_it(probe, tmp_path):
+    platform = gpu.detect()
+    listed = load_serving_config(_config(tmp_path, {"triton": {}, NAME: {"tile": [1, 2]}}))
+    tiles = [Variant.make(NAME, kv="bf16", q="bf16", tile=t) for t in (1, 2)]
+    for key in listed.families:
+        plan = family_plan(listed, key, platform)
+        assert [v for v in plan.candidates if v.backend == NAME] == tiles, key
+    eight = family_plan(listed, FamilyKey("bf16", 16, 8, 2), platform)
+    assert [v.backend for v in eight.candidates] == [NAME, NAME] and "8" in eight.skipped["triton"]
+    # an empty section: its serving_candidates over an empty space (its default tile)
+    bare = load_serving_config(_config(tmp_path, {NAME: None}))
+    assert family_plan(bare, FamilyKey("bf16", 16, 8, 2), platform).candidates == tiles[:1]
+    # a config that does not list it does not sweep it
+    unlisted = load_serving_config(_config(tmp_path, {"triton": {}}))
+    sixteen = family_plan(unlisted, FamilyKey("bf16", 16, 16, 2), platform)
+    assert sixteen.candidates and all(v.backend == "triton" for v in sixteen.candidates)
+
+
+def test_the_command_lines_dry_run_plans_it(probe, tmp_path):
+    config = _config(tmp_path, {"triton": {}, NAME: {"tile": [1, 2]}})
+    result = CliRunner().invoke(app, ["sweep", "--gpu", "H200", "--config", config, "--dry-run"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert any("8 heads" in line and f"2 candidates ({NAME} 2)" in line for line in lines), result.output
+    assert any("16 heads" in line and f"{NAME} 2)" in line and "triton" in line for line in lines), result.output
+    # the sweeps' cost prior has no line for it either: it takes the default
+    assert CostModel(dict(DEFAULT_COSTS), "defaults").cost(NAME) == DEFAULT_COSTS["*"]
+
+
+def test_a_serving_table_that_picks_it_loads_and_a_decode_plan_runs_it(probe, tmp_path):
+    tile2 = Variant.make(NAME, kv="bf16", q="bf16", tile=2)
+    family = Family(FamilyKey.of(SPEC8))
+    family.cells[(4, 256)] = Cell(4, 256, tile2, 10.0)
+    path = write_serving_table(tmp_path / "CPU.serving.yaml",
+                               ServingTable("CPU", {}, [2, 4], [32, 256], {family.key: family}))
+    table = load_serving_table(path)  # every variant checked by its backend's validate
+    assert table.lookup(SPEC8, 3, 200.0) == tile2
+    plan = DecodePlan(SPEC8, max_batch=4, table=table, device="cpu")
+    assert set(plan.variants) == {tile2, Variant.make(NAME, kv="bf16", q="bf16", tile=1)}
+    runs = dict(probe.RUNS)
+    inp = serving.make_input([2, 1, 2], [190, 200, 210], 8, 16, "bf16", seed=5)
+    assert plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens,
+                       mean_kv_len=200) == tile2
+    _close(plan.run(inp.q, inp.kv), inp.reference(), "the table's pick")
+    assert probe.RUNS[str(tile2)] == runs.get(str(tile2), 0) + 1
+    # a cell the table lacks: the preferred backend's default, which for 8 heads is the probe's
+    inp = serving.make_input([1, 1], [9, 20], 8, 16, "bf16", seed=6)
+    picked = plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens, mean_kv_len=15)
+    assert picked == plan.pick(2, 15.0) and picked.backend == NAME
+    _close(plan.run(inp.q, inp.kv), inp.reference(), "the default")
