@@ -15,8 +15,10 @@ loader and DecodePlan.
 
 from __future__ import annotations
 
+import ast
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +34,7 @@ from mla_tune.serving.call import Decoder
 from mla_tune.serving.cells import family_plan
 from mla_tune.serving.config import load_serving_config
 from mla_tune.serving.decode_plan import DecodePlan
+from mla_tune.serving.sweep import run_serving_sweep
 from mla_tune.serving.table import (
     Cell,
     Family,
@@ -41,6 +44,7 @@ from mla_tune.serving.table import (
     write_serving_table,
 )
 from mla_tune.tune.schedule import DEFAULT_COSTS, CostModel
+from mla_tune.tune.timing import Timing
 
 NAME = "probe_serving"
 PROBE_SOURCE = '''
@@ -213,6 +217,30 @@ def test_the_command_lines_dry_run_plans_it(probe, tmp_path):
     assert CostModel(dict(DEFAULT_COSTS), "defaults").cost(NAME) == DEFAULT_COSTS["*"]
 
 
+@pytest.mark.parametrize("probe", ["plugin"], indirect=True)  # gate workers inherit the environment
+def test_a_serving_sweep_gates_and_times_it_into_a_table_a_decode_plan_runs(probe, tmp_path):
+    """The sweep itself, with made-up times (tile 2 twice as fast): its gate passes the
+    probe's variants against the fp32 reference, every cell picks tile 2, and the table it
+    writes drives a DecodePlan."""
+    def timer(call, reps: int) -> Timing:
+        t = call.batch * (5.0 if call.variant.get("tile") == 2 else 10.0)
+        return Timing(t, t, t, reps)
+
+    config = dict(CONFIG, families={**CONFIG["families"], "heads": [8]})
+    path = tmp_path / "probe.yaml"
+    path.write_text(yaml.safe_dump({**config, "backends": {NAME: {"tile": [1, 2]}}}, sort_keys=False))
+    out = tmp_path / "CPU.serving.yaml"
+    run_serving_sweep(str(path), "CPU", out=out, platform=gpu.detect(), timer=timer, log=lambda line: None)
+    tile2 = Variant.make(NAME, kv="bf16", q="bf16", tile=2)
+    family = load_serving_table(out).families[FamilyKey.of(SPEC8)]
+    assert {cell: c.variant for cell, c in family.cells.items()} == {
+        (b, kv): tile2 for b in CONFIG["batch_buckets"] for kv in CONFIG["kv_buckets"]}
+    plan = DecodePlan(SPEC8, max_batch=4, table=out, device="cpu")
+    inp = serving.make_input([2, 2, 1], [30, 35, 40], 8, 16, "bf16", seed=7)
+    assert plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens, mean_kv_len=35) == tile2
+    _close(plan.run(inp.q, inp.kv), inp.reference(), "the swept pick")
+
+
 def test_a_serving_table_that_picks_it_loads_and_a_decode_plan_runs_it(probe, tmp_path):
     tile2 = Variant.make(NAME, kv="bf16", q="bf16", tile=2)
     family = Family(FamilyKey.of(SPEC8))
@@ -234,3 +262,56 @@ def test_a_serving_table_that_picks_it_loads_and_a_decode_plan_runs_it(probe, tm
     picked = plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens, mean_kv_len=15)
     assert picked == plan.pick(2, 15.0) and picked.backend == NAME
     _close(plan.run(inp.q, inp.kv), inp.reference(), "the default")
+
+
+# Modules outside backends/ that still name built-in backends in a comparison or a literal
+# of names, with why, and how many such places each may hold (fewer is fine: a count only
+# guards against a new one). The library names torch and triton count too.
+NAMED_OUTSIDE_BACKENDS = {
+    "mla_tune/gpu.py": (1, "the torch and triton libraries' versions"),
+    "mla_tune/export/modules.py": (1, "torch and triton, the third-party imports an export may keep"),
+    "mla_tune/runtime/__init__.py": (1, "torch and triton, library versions the runtime compares"),
+    "mla_tune/tables/dispatch.py": (4, "the leaderboard's fallback policy: which backend stands in, by rule"),
+    "mla_tune/export/__init__.py": (3, "the export's fallback: triton's default_variant"),
+    "mla_tune/tune/schedule.py": (1, "DEFAULT_COSTS: cost priors; a backend without a line takes '*'"),
+    "mla_tune/xcompile/capture.py": (1, "CAPTURED_BACKENDS: the own kernels mla-tune compile captures"),
+    "mla_tune/serving/time_picks.py": (2, "mla-tune time's split-K budget and vendor rows"),
+    "mla_tune/serving/build.py": (1, "the eager fit's FlashInfer check (the estimator removes it)"),
+    "mla_tune/serving/table.py": (1, "the lookup's FlashInfer check (the estimator removes it)"),
+    "mla_tune/serving/splitk_cost.py": (1, "is_splitk (the estimator moves it into the backend)"),
+}
+
+
+def _backend_names(node, names: set[str]) -> list[str]:
+    if isinstance(node, ast.Constant) and node.value in names:
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [e.value for e in node.elts if isinstance(e, ast.Constant) and e.value in names]
+    return []
+
+
+def test_no_new_module_outside_the_backends_names_a_backend():
+    """A comparison with a built-in backend's name (`variant.backend == "flashinfer"`), or a
+    literal list of two or more of them (a preference order, a table keyed by name), is a
+    place a new backend would have to join: none beyond NAMED_OUTSIDE_BACKENDS."""
+    names = set(backends.BACKEND_MODULES)
+    root = Path(backends.__file__).parents[1]
+    found: dict[str, list[int]] = {}
+    for path in sorted(root.rglob("*.py")):
+        if path.parent.name == "backends":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Compare):
+                hit = any(_backend_names(side, names) for side in (node.left, *node.comparators))
+            elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                hit = len(_backend_names(node, names)) >= 2
+            elif isinstance(node, ast.Dict):
+                hit = sum(bool(_backend_names(k, names)) for k in node.keys if k is not None) >= 2
+            else:
+                hit = False
+            if hit:
+                found.setdefault(path.relative_to(root.parent).as_posix(), []).append(node.lineno)
+    over = {f: lines for f, lines in found.items()
+            if len(lines) > NAMED_OUTSIDE_BACKENDS.get(f, (0, ""))[0]}
+    assert not over, ("backend names outside mla_tune/backends (a capability or an optional "
+                      f"backend member instead): {over}")
