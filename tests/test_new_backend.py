@@ -298,9 +298,10 @@ def test_no_new_module_outside_the_backends_names_a_backend():
     root = Path(backends.__file__).parents[1]
     found: dict[str, list[int]] = {}
     for path in sorted(root.rglob("*.py")):
-        if path.parent.name == "backends":
+        text = path.read_text(encoding="utf-8")
+        if path.parent.name == "backends" or not any(f'"{n}"' in text or f"'{n}'" in text for n in names):
             continue
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.Compare):
                 hit = any(_backend_names(side, names) for side in (node.left, *node.comparators))
             elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
