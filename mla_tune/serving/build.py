@@ -77,7 +77,7 @@ def eager_pick(times: dict[int, dict[str, float]], batch: int, batch_buckets: li
     finalists' times at the bucket's smallest batch, search.batch_edge), that edge
     (EDGE_WEIGHT; then only variants timed there compete). A call of 41 sequences runs the
     bucket of 48's pick: one backend's outlier at exactly 48 (FlashInfer's split packing is
-    not monotone in the batch; verify measured it 25% off at 41) must not decide alone, and
+    not monotone in the batch, so 48's time can be far from 41's) must not decide alone, and
     a backend whose time stays flat down to 41 (FlashMLA) must not win the bucket on its
     top batch alone. Ties go to the faster at the cell."""
     here = times.get(batch) or {}

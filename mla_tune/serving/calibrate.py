@@ -7,10 +7,10 @@ of each step of the reduction's longest loop (the table's `reduce_step_us`).
 Our split-K kernel's reduction adds up each sequence's splits, 16 a step (64 in the wide
 grid of small batches; kernels/split_rule.reduce_splits_per_step), so a ragged batch's long
 sequence, which takes most of the splits, is the reduction's critical path. The rates a
-table interpolates come from uniform batches, whose sequences run few splits each: on the
-H200 49 sequences with one of 56161 tokens took 206 us where the uniform batch of the same
-tokens took 177, and the lookup, 29% short, picked it over FlashInfer (docs/perf.md,
-session 14).
+table interpolates come from uniform batches, whose sequences run few splits each, so
+without this cost the lookup estimates a ragged batch with one long sequence short.
+Rescoring docs/data/verify without the table's reduce_step_us, the even seeds' runs within
+p95 5% / max 15% drop from 33 of 33 to 30 (the odd seeds' stay 32 of 34).
 
 For each family with split-K models and each of the two grids that a batch bucket of two
 or more sequences reaches, one probe: a batch of one TAIL_KV_LEN sequence and the rest of

@@ -26,8 +26,9 @@ recorded run fails the rescore as it failed the run (verify's verdict).
 What it is for: choosing between tables and lookup rules offline on measurements already
 paid for, over many more shapes than one GPU run times. It is not a verify: a table is
 accepted on `mla-tune verify` at fresh seeds on the GPU (a rule tuned on the recorded
-shapes will look better on them than it is; docs/perf.md, session 11, measured a rule that
-re-scored 9.6% max regret on the two seeds it was chosen on and 28.2% on four fresh ones).
+shapes looks better on them than it is: choose a rule on one half of the recorded runs and
+judge it on the other, as tests/test_rescore_committed_table.py judges the committed table
+on the odd seeds).
 """
 
 from __future__ import annotations

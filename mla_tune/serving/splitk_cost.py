@@ -4,18 +4,15 @@ The kernel (kernels/flash_decode.py, `flash_decode_serving`) deals each sequence
 splits by a rule of the batch's lengths (kernels/split_rule.py replays it), and runs one
 program per split and head tile. Its time steps where the programs overflow a wave of the
 SMs and, in a ragged batch, where rounding each sequence's share up leaves a few long
-programs: between two grid points a uniform batch of 70 x 3572 tokens (bf16, 16 heads,
-budget 264) ran 5 splits each, 350 programs on 264 slots, and took 137.6 us where
-interpolating the points around it said 107 (H200, session 12, docs/perf.md).
+programs: steps that the interpolation between grid points cannot see (a uniform batch
+between two points whose programs pass a wave of the slots takes a wave longer).
 
 `splitk_schedule` deals the call's programs (each split item once per head tile), in
 launch order, to the least-loaded of `slots` program slots (SMs x programs resident per
 SM, the occupancy), and returns the most-loaded slot's load: its tokens plus, per
 program, `item_tokens`, a program's fixed cost (loading q, writing its partial result for
-the combine) in tokens. Without it a bigger split budget always looked faster: 5 x 1688
-tokens at 128 heads (fp8) on a budget of one split per H200 SM ran 140 programs, 8 more
-than the SMs, each of those a second, short program on an SM, and was estimated 38.5 us; it
-took 46.5, where half that budget took 39.0 (regret 19.1%, seed 24, docs/perf.md session 12).
+the combine) in tokens. Without it a bigger split budget always looks faster, though a
+few programs past a wave each cost a second program's fixed cost on their SM.
 
 A serving table's `SplitKModel` takes a variant's time as overhead + rate x makespan: its
 fixed overhead, occupancy and item cost are fitted when the table is built (serving_build:
@@ -69,9 +66,7 @@ def reduce_steps(kv_lens: Sequence[int], heads: int, q_len: int, params: Mapping
     splits the reduction adds per step (split_rule.reduce_splits_per_step: 16, or 64 in
     the wide grid of small batches). 0 for one split per sequence (max_splits 1: no
     reduction). A ragged batch's long sequence takes most of its splits, and the
-    reduction waits for it: on the H200 49 sequences with one of 56161 tokens ran its 110
-    splits in 7 steps where the uniform batch of the same tokens ran 2, and the call took
-    206 us against 177 (bf16, 16 heads, tokens_per_split 512; docs/perf.md, session 14)."""
+    reduction waits for it: it takes more steps than a uniform batch of the same tokens."""
     return _steps(kv_lens, serving_splits(kv_lens, q_len, heads, **_rule(params, sm_count)), q_len, heads)
 
 
@@ -124,11 +119,9 @@ def is_splitk(variant) -> bool:
 
 # A fit may choose an occupancy only up to what the variant's KV tiles leave room for in an
 # SM's shared memory: the grid cells alone cannot tell occupancies apart for a batch budget
-# that fills one wave at every cell, and a fit that chose 3 for 64-token tiles (147 KiB of
-# KV stages) estimated a ragged 2 x 21901 mix at 128 heads 38% fast and picked it (53.5%
-# regret at seed 23, docs/perf.md session 12). The sweep records the device's shared memory
-# per SM in its results header (smem_per_sm); results without it (session 11's) get
-# Hopper's, 228 KiB (H100, H200).
+# that fills one wave at every cell, and an occupancy the SM cannot hold makes a ragged
+# batch look fast. The sweep records the device's shared memory per SM in its results
+# header (smem_per_sm); results without it get Hopper's, 228 KiB (H100, H200).
 DEFAULT_SMEM_PER_SM = 228 * 1024
 
 

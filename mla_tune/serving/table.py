@@ -164,21 +164,21 @@ def choose_graph_pick(times: Mapping[Variant, Mapping[int, float]],
 
 # ------------------------------------------------------------------ interpolation
 _KV_STEPS_PER_OCTAVE = 64  # the eager pick's memo: lengths within ~1% share one estimate
-MODEL_WINDOW = 1.5  # FlashInfer's model runs where its interpolated time is within 1.5x the best other's
-# ... and where FlashInfer deals at most 3 chunks per cluster (see _estimates). It was 2 until
-# session 14: bf16, 128 heads, q_len 4 steps from 80.5 us at 33 x 1024 to 114.7 at 40 x 1024
-# as FlashInfer's chunks pass 2 per cluster (at 34 sequences), where the model, unused, was
-# within 4% and the interpolation picked FlashInfer 13.5-15.3% behind FlashMLA (seeds 57, 64).
-# Re-scored on 61 recorded runs, 3 changed 12 shapes' picks, 8 for the better (the worst new
-# regret 2.3%); 4 and 8 passed the same runs with more host time.
+# The schedule models run only where they can change the pick, to save host time (each
+# replays a schedule, a heap operation per chunk or program): FlashInfer's where its
+# interpolated time is within MODEL_WINDOW x the best other's and it deals at most
+# MODEL_WORKS chunks per cluster (its time steps where its chunks just overflow the
+# clusters; more chunks cost more host time and step less), a split-K variant's where its
+# interpolated time is within MODEL_WINDOW x the best. Rescoring docs/data/verify with
+# either limit removed changes no run's verdict (the pooled p95 moves by under 0.1 point).
+MODEL_WINDOW = 1.5
 MODEL_WORKS = 3.0
-# A split-K model's estimate stays at least this fraction of the variant's interpolated time:
-# the model may say a call is slower than its uniform neighbours (a step, a ragged batch),
-# but not much faster. At 65 x 562 tokens (fp8, 16 heads, q_len 4) a split per 512 tokens
-# makes 2 splits a sequence where the grid's 512 made 1: the model halved the longest item
-# and estimated 53 us; it took 73 (the interpolation said 75), 21% behind the best (seed 57,
-# docs/perf.md session 14). Re-scored on 53 recorded runs, 0.9 changed 28 of 4240 shapes'
-# picks, 20 for the better (the worst new regret 5.7%); 1.0 changed 79, 36 for the worse.
+# A split-K model's estimate stays at least this fraction of the variant's interpolated
+# time: the model may say a call is slower than its uniform neighbours (a wave that
+# overflows, a ragged batch's long sequence), but not much faster, since a replay that
+# shortens the longest item (a split rule that cuts a sequence finer than the grid's points
+# did) does not shorten the call in proportion. Rescoring docs/data/verify without it, the
+# odd seeds' pooled p95 goes from 0.86% to 0.93% (no run's verdict changes).
 SPLITK_FLOOR = 0.9
 
 
@@ -210,11 +210,11 @@ def _at_batch(points: Mapping[tuple[int, int], Mapping[Variant, float]], batch: 
 
 
 # A variant competes where the points that timed it carry at least this much of the weight.
-# A batch-edge point holds its cell's best 3 only, so requiring every point dropped
-# FlashMLA at 156 x 990 tokens (fp8, 16 heads) for lack of it at 129 x 512, weight 0.05,
-# though it led at every 1024 point around: 24.8% regret (H200, seed 29, docs/perf.md
-# session 12). Imputing with no measured weight at all re-scored worse (a variant left out
-# of an edge point is usually slow there): 24 of 29 recorded runs, against 27 at 0.5.
+# A batch-edge point holds its cell's best 3 only, so a variant missing there is imputed
+# from the points around it rather than dropped where those weigh enough; with no weight
+# required at all, a variant left out of an edge point (usually slow there) is imputed from
+# far away: rescoring docs/data/verify with 0, the runs within p95 5% / max 15% drop from 33
+# of 33 to 28 (even seeds) and from 32 of 34 to 29 (odd seeds).
 MIN_MEASURED_WEIGHT = 0.5
 
 
@@ -358,9 +358,9 @@ class ServingTable:
           its batch and kv buckets. A cell a config rule left out (a batch of
           26 at 51k tokens fits, its bucket's 32 x 65536 does not) gives way to the largest
           smaller batch bucket's cell at the same kv bucket: the call's own batch lies
-          between the two, and verify measured the bucket's shorter cell's pick 64% off
-          there. Else the batch bucket's measured cell nearest in log kv_len, else its graph
-          pick.
+          between the two, while the bucket's own cells at other lengths were tuned for
+          another balance of work. Else the batch bucket's measured cell nearest in log
+          kv_len, else its graph pick.
         None when the family is not in the table or the bucket has nothing: the caller runs
         its fallback."""
         family = self.family(spec)
@@ -482,11 +482,9 @@ class ServingTable:
         """The variant's rate interpolated between the points; where the rates cannot be
         blended (the points around the call share no split-K variant, so a point lacking
         this one cannot be imputed) but its time can (the vendors' times bridge them), the
-        rate of that interpolated time at a uniform batch of the mean. Without this the
-        model sat out 37 sequences of 540 to 53318 tokens (bf16, 16 heads: no split-K
-        variant at both 33 x 8192 and 33 x 16384), and the interpolated time, blind to the
-        long sequence, picked split-K 24.4% behind FlashInfer (seed 62, docs/perf.md session
-        14). None: no estimate."""
+        rate of that interpolated time at a uniform batch of the mean, so that the model
+        still sees the call's own schedule (a long sequence the interpolated time is blind
+        to). None: no estimate."""
         rate = rates.get(model.variant)
         if rate is not None or model.variant not in times:
             return rate

@@ -5,18 +5,13 @@ scheduler.cuh; the same algorithm in the 0.6 releases the H200 runs) splits each
 sequence's KV into chunks of one length for the whole batch, kv_len_limit, about
 total / clusters rounded up to 256 tokens, and deals the chunks in sequence order to
 the least-loaded of the SMs' clusters. So its time steps where the chunks just overflow
-the clusters: on the H200, 15 x 44654 tokens (bf16, 16 heads, q_len 4) deals 135 chunks
-of 5120 tokens, three more than it has SMs, so three SMs run two. FlashInfer took 300.9 us
-there, against 166.2 at 16 x 32768, whose 128 chunks fit; FlashMLA took 239.5
-(docs/perf.md, session 11).
+the clusters: a few SMs run a second chunk, and the call takes about a chunk longer.
 
 `flashinfer_mla_features` replays that dealing and returns what the time depends on; a
 serving table fits `FLASHINFER_FEATURES` to FlashInfer's times over its grid
 (`fit_linear`, weighted by 1 / time) and the eager lookup predicts FlashInfer's time at
-the call's own lengths (`predict`). Fitted on session 11's grid, the model's relative
-error at 240 held-out uniform shapes had median 2.6% and 90th percentile 7.7%.
-Interpolating FlashInfer's grid times gave 4.2% and 23.6%. Pure Python; nothing here
-imports torch.
+the call's own lengths (`predict`): between grid points FlashInfer's time steps where
+interpolating its grid times cannot see it. Pure Python; nothing here imports torch.
 """
 
 from __future__ import annotations
