@@ -30,10 +30,12 @@ Stages (cells.py plans them, results.py records them):
    beside the cell (build.eager_pick), since eager calls of any batch in the
    bucket's span run it. A CUDA graph runs at the bucket's batch: its pick ignores the edge.
 Every measurement is appended to the results file as it is made, so a killed sweep resumes
-where it stopped; `budget_s` stops timing cleanly between measurements (the table is still
-written, the cells not reached left out with the reason). A shard (`--shard i/n`) takes
-every n-th unit and writes its own results file; `merge` builds one table from several;
-`--devices` runs one shard per GPU and merges.
+where it stopped; `budget_s` (the leaderboard's clock, tune/schedule.py's BudgetClock)
+stops timing cleanly between measurements (the table is still written, the cells not
+reached left out with the reason), and a measurement in a worker still running at 108% of
+it is killed. A shard (`--shard i/n`) takes every n-th unit and writes its own results
+file; `--merge` builds one table from several; `--devices` runs one shard per GPU, each
+in its own process, and merges.
 
 Each measurement (measure.py) runs in a killable worker process of tune/worker.py (a
 TaskPool of one, tune/pool.py), so a candidate that crashes, hangs past

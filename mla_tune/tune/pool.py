@@ -2,8 +2,8 @@
 
 A `TaskPool` holds `size` workers of `tune/worker.py` (spawned, SIGINT ignored, dying with
 the sweep, output in a log file), each owned by one thread of this process that starts,
-asks, kills and restarts it, so a worker always lives as long as the thread that started
-it (procs.die_with_parent). A task is a `worker.Task` (a function by name, its arguments);
+asks and restarts it, so a worker never outlives the thread that started it unnoticed
+(procs.die_with_parent); leaving the pool on an exception (Ctrl-C) kills them at once. A task is a `worker.Task` (a function by name, its arguments);
 each worker runs one at a time, so a crash or a hang names its own task and costs only it:
 
     ok        the function returned: `value`
