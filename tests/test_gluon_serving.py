@@ -34,7 +34,17 @@ def test_the_split_rule_makes_nonempty_splits_of_whole_tiles_within_the_cap(max_
     assert gs_num_splits(3000, 16, 512) == 6 and gs_num_splits(300, 4, 64) == 3
 
 
-def _partials(q, kv, q_lens, kv_lens, heads, max_splits, tokens_per_split, cap):
+def test_a_batch_budget_shares_its_splits_by_length():
+    lengths = [4096, 1024, 1024, 2048]  # 8192 tokens
+    # 16 splits: 8, 2, 2 and 4, whatever tokens_per_split allows beyond that
+    assert [gs_num_splits(n, 32, 64, 16, sum(lengths)) for n in lengths] == [8, 2, 2, 4]
+    # the per-sequence caps still hold: tokens_per_split, max_splits, at least one split
+    assert [gs_num_splits(n, 32, 1024, 16, sum(lengths)) for n in lengths] == [4, 1, 1, 2]
+    assert [gs_num_splits(n, 3, 64, 16, sum(lengths)) for n in lengths] == [3, 2, 2, 3]
+    assert gs_num_splits(10, 32, 64, 16, 100000) == 1
+
+
+def _partials(q, kv, q_lens, kv_lens, heads, max_splits, tokens_per_split, cap, budget):
     """What the serving kernel leaves for the reduction, in torch: per (split, new token, head)
     the normalized partial output and its log2-sum-exp (O 0 and -inf where a split holds
     none of the tokens a new token sees), and the exact answer with its natural-log LSE."""
@@ -45,7 +55,7 @@ def _partials(q, kv, q_lens, kv_lens, heads, max_splits, tokens_per_split, cap):
     tok0 = kv0 = 0
     for q_len, seq_len in zip(q_lens, kv_lens, strict=True):
         k = kv[kv0:kv0 + seq_len]
-        splits = gs_num_splits(seq_len, max_splits, tokens_per_split)
+        splits = gs_num_splits(seq_len, max_splits, tokens_per_split, budget, sum(kv_lens))
         per = math.ceil(math.ceil(seq_len / GS_BN) / splits) * GS_BN
         for i in range(q_len):
             tok = tok0 + i
@@ -70,8 +80,8 @@ def _partials(q, kv, q_lens, kv_lens, heads, max_splits, tokens_per_split, cap):
     return part_o, part_lse, exact, exact_lse
 
 
-@pytest.mark.parametrize("paged", [False, True])
-def test_the_reduction_combines_the_splits_into_the_exact_answer(device, paged):
+@pytest.mark.parametrize("paged, budget", [(False, 0), (True, 0), (True, 5), (False, 9)])
+def test_the_reduction_combines_the_splits_into_the_exact_answer(device, paged, budget):
     heads, max_splits, tokens_per_split = 2, 4, 64  # two heads: the interpreter runs a program per row
     q_lens, kv_lens = [1, 2, 2, 1, 2], [1, 17, 300, 130, 65]  # 1, 1, 3, 3 and 2 splits
     gen = torch.Generator().manual_seed(5)
@@ -79,7 +89,7 @@ def test_the_reduction_combines_the_splits_into_the_exact_answer(device, paged):
     kv = torch.randn((sum(kv_lens), QK_DIM), generator=gen)
     workspace = GluonServingWorkspace.allocate(sum(q_lens), heads, max_splits, device)
     part_o, part_lse, exact, exact_lse = _partials(q, kv, q_lens, kv_lens, heads, max_splits, tokens_per_split,
-                                                   workspace.max_total_q)
+                                                   workspace.max_total_q, budget)
     workspace.part_o.copy_(part_o)
     workspace.part_lse.copy_(part_lse)
     qo_indptr = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
@@ -89,8 +99,9 @@ def test_the_reduction_combines_the_splits_into_the_exact_answer(device, paged):
     sentinel = 7.0
     out = torch.full((sum(q_lens), heads, V_DIM), sentinel, dtype=torch.bfloat16, device=device)
     lse = torch.full((sum(q_lens), heads), sentinel, device=device)
-    gs_reduce(qo_indptr, workspace, out, lse, max_q_len=2, tokens_per_split=tokens_per_split, **layout)
-    split = [gs_num_splits(n, max_splits, tokens_per_split) > 1 for n in kv_lens]
+    gs_reduce(qo_indptr, workspace, out, lse, max_q_len=2, tokens_per_split=tokens_per_split, split_budget=budget,
+              **layout)
+    split = [gs_num_splits(n, max_splits, tokens_per_split, budget, sum(kv_lens)) > 1 for n in kv_lens]
     rows = torch.tensor([s for s, n in zip(split, q_lens, strict=True) for _ in range(n)])
     assert 0 < int(rows.sum()) < len(rows)
     torch.testing.assert_close(out[rows].float().cpu(), exact[rows], rtol=1e-2, atol=1e-2)
@@ -129,6 +140,11 @@ def test_default_and_offered_variants_fit_every_family_and_name_their_q_mode():
     bf16 = gluon_fused.serving_candidates(CallSpec("bf16", 64, 128), {}, H200)
     assert not [v for v in bf16 if v.get("block_h") == 32 and v.get("v_halves") == 1]
     assert [v for v in bf16 if v.get("block_h") == 32 and v.get("v_halves") == 2]
+    # batch budgets: ceil(W x 132 SMs / programs per split) splits for the batch
+    budgets = gluon_fused.serving_candidates(CallSpec("fp8", 64, 128), {"rows": [32], "v_halves": [1],
+                                                                        "batch_waves": [1, 2]}, H200)
+    assert sorted(v.get("split_budget", 0) for v in budgets) == [0, 33, 66]
+    assert all(gluon_fused.validate(v) is None for v in budgets)
 
 
 def test_serving_variants_are_refused_by_name():

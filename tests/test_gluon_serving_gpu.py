@@ -49,14 +49,15 @@ def _first_line(exc: BaseException) -> str:
 
 def _variants(spec: CallSpec, platform) -> list[Variant]:
     """The default serving variant, and beside it (one more binary per family, to keep the
-    compiles few) one without splits at q_len 1, one with two V halves (4 splits of 256
-    tokens) at q_len 2 and 4."""
+    compiles few) one without splits at q_len 1, one with two V halves (at most 4 splits of
+    256 tokens, and a batch budget of 24 splits: a runtime int, the same binary) at q_len 2
+    and 4."""
     from mla_tune.backends import gluon_fused
 
     default = gluon_fused.default_serving_variant(spec, platform)
     if spec.max_q_len == 1:
         return [default, default.with_params(max_splits=1)]
-    halves = default.with_params(v_halves=2, max_splits=4, tokens_per_split=256)
+    halves = default.with_params(v_halves=2, max_splits=4, tokens_per_split=256, split_budget=24)
     gluon_fused.validate(halves)
     return [default, halves]
 

@@ -303,24 +303,30 @@ SPACE_KEYS = tuple(GF_DEFAULT_SPACE)
 # (new token, head); bf16 with bf16 KV), block_h (heads per program; block_h x
 # next_pow2(max_q_len) MMA rows, GS_ROWS), max_splits and tokens_per_split (the split rule,
 # gluon_serving.gs_num_splits), num_stages (TMA ring depth), v_halves (1, or 2 programs
-# per tile each multiplying half the V dims).
+# per tile each multiplying half the V dims); optional split_budget (absent or 0: none; B:
+# the batch's B splits shared by length, capped by max_splits and tokens_per_split).
 _GF_SERVING_KEYS = ("kv", "q", "block_h", "max_splits", "tokens_per_split", "num_stages", "v_halves")
 GF_SERVING_RULES = ParamRules(NAME, (
-    ParamForm("serving", _GF_SERVING_KEYS, _GF_SERVING_KEYS,
+    ParamForm("serving", (*_GF_SERVING_KEYS, "split_budget"), _GF_SERVING_KEYS,
               (("kv", ParamChoice(("bf16", "fp8"))), ("q", ParamChoice(("bf16", "fp8_dynamic"))),
                ("block_h", ParamInt(maximum=128, power_of_two=True)),
                ("max_splits", ParamInt(maximum=GS_MAX_SPLITS)),
                ("tokens_per_split", ParamInt(minimum=64, maximum=2**31 - 1)),
-               ("num_stages", ParamInt(minimum=2, maximum=4)), ("v_halves", ParamChoice((1, 2))))),
+               ("num_stages", ParamInt(minimum=2, maximum=4)), ("v_halves", ParamChoice((1, 2))),
+               ("split_budget", ParamInt(minimum=0, maximum=2**31 - 1)))),
 ))
 _GF_SERVING_Q = {"bf16": "bf16", "fp8": "fp8_dynamic"}  # the q mode each KV format's kernel reads
 _GF_SERVING_TOKENS_PER_SPLIT = 512
 _GF_SERVING_MAX_SPLITS = 16  # the default's cap: scratch is max_splits x heads x 2 KiB per new token
+_GF_BUDGET_MAX_SPLITS = 32  # a batch budget's cap on one sequence's splits
 _GF_NO_SMS = 8  # a platform without SMs (the CPU) plans as if it had this many
 # The serving search space (a backend section of configs/serving.yaml): MMA rows
 # (block_h x next_pow2(max_q_len)), V halves, ring depth, split lengths, and the split caps
-# as waves of the platform's SMs over the head tiles (split_waves) or as given (max_splits).
-_GF_SERVING_SPACE_KEYS = ("rows", "v_halves", "num_stages", "tokens_per_split", "split_waves", "max_splits")
+# as waves of the platform's SMs over the head tiles (split_waves) or as given (max_splits);
+# batch_waves W adds variants whose batch shares ceil(W x SMs / programs per split) splits
+# (split_budget, max_splits as much up to _GF_BUDGET_MAX_SPLITS).
+_GF_SERVING_SPACE_KEYS = ("rows", "v_halves", "num_stages", "tokens_per_split", "split_waves", "max_splits",
+                          "batch_waves")
 
 
 def _gf_is_serving(variant: Variant) -> bool:
@@ -342,7 +348,7 @@ def _gf_pow2(n: int) -> int:
 
 
 def _gf_serving_variant(spec: CallSpec, rows: int, v_halves: int, num_stages: int, max_splits: int,
-                        tokens_per_split: int) -> Variant | None:
+                        tokens_per_split: int, split_budget: int = 0) -> Variant | None:
     """The serving variant of these choices for `spec`, or None where the kernel cannot run it
     (a head tile that does not divide the heads, registers, shared memory)."""
     block_h = rows // _gf_pow2(spec.max_q_len)
@@ -354,7 +360,7 @@ def _gf_serving_variant(spec: CallSpec, rows: int, v_halves: int, num_stages: in
         return None
     return Variant.make(NAME, kv=spec.kv_format, q=_GF_SERVING_Q[spec.kv_format], block_h=block_h,
                         max_splits=max_splits, tokens_per_split=tokens_per_split, num_stages=num_stages,
-                        v_halves=v_halves)
+                        v_halves=v_halves, **({"split_budget": split_budget} if split_budget else {}))
 
 
 def _gf_split_cap(spec: CallSpec, rows: int, waves: float, sm_count: int, cap: int) -> int:
@@ -383,20 +389,22 @@ def default_serving_variant(spec: CallSpec, platform) -> Variant:
 def _gf_space_list(space: dict, key: str, default: list) -> list:
     value = space.get(key, default)
     values = value if isinstance(value, list) else [value]
+    waves = key in ("split_waves", "batch_waves")
     bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0
-           or (key != "split_waves" and not isinstance(v, int))]
+           or (not waves and not isinstance(v, int))]
     if bad:
         raise ValueError(f"{NAME} serving space: {key} must hold positive "
-                         f"{'numbers' if key == 'split_waves' else 'integers'}, got {bad}")
+                         f"{'numbers' if waves else 'integers'}, got {bad}")
     return values
 
 
 def serving_candidates(spec: CallSpec, space: dict, platform) -> list[Variant]:
     """The serving variants to sweep for the family `spec`: the product of the space's lists
-    (_GF_SERVING_SPACE_KEYS; defaults: the default serving variant's choices) where the
-    kernel runs them; max_splits from split_waves (waves of the SMs over the head tiles,
-    capped at GS_MAX_SPLITS) and the explicit max_splits. Nothing for a spec the record
-    refuses."""
+    (_GF_SERVING_SPACE_KEYS; defaults: 16 and 32 rows, one and two V halves, 2 stages, a
+    split per 512 tokens, one wave) where the kernel runs them; max_splits from split_waves
+    (waves of the SMs over the head tiles, capped at GS_MAX_SPLITS) and the explicit
+    max_splits; each batch_waves adds variants with that batch budget (split_budget).
+    Nothing for a spec the record refuses."""
     if CAPABILITIES.refusal(spec) is not None:
         return []
     space = dict(space or {})
@@ -407,7 +415,8 @@ def serving_candidates(spec: CallSpec, space: dict, platform) -> list[Variant]:
     sm_count = getattr(platform, "sm_count", 0) or _GF_NO_SMS
     lists = {key: _gf_space_list(space, key, default) for key, default in (
         ("rows", [16, 32]), ("v_halves", [1, 2]), ("num_stages", [2]),
-        ("tokens_per_split", [_GF_SERVING_TOKENS_PER_SPLIT]), ("split_waves", [1]), ("max_splits", []))}
+        ("tokens_per_split", [_GF_SERVING_TOKENS_PER_SPLIT]), ("split_waves", [1]), ("max_splits", []),
+        ("batch_waves", []))}
     out: list[Variant] = []
     for rows in lists["rows"]:
         caps = {_gf_split_cap(spec, rows, w, sm_count, GS_MAX_SPLITS) for w in lists["split_waves"]}
@@ -419,6 +428,16 @@ def serving_candidates(spec: CallSpec, space: dict, platform) -> list[Variant]:
                     lengths = [max(lists["tokens_per_split"])] if max_splits == 1 else lists["tokens_per_split"]
                     for tokens in lengths:
                         variant = _gf_serving_variant(spec, rows, v_halves, stages, max_splits, tokens)
+                        if variant is not None:
+                            out.append(variant)
+                for waves in lists["batch_waves"]:
+                    programs = spec.heads * _gf_pow2(spec.max_q_len) // rows * v_halves  # per split
+                    budget = math.ceil(waves * sm_count / programs)
+                    max_splits = min(budget, _GF_BUDGET_MAX_SPLITS)
+                    if max_splits == 1:  # one split per sequence: the budget is moot
+                        continue
+                    for tokens in lists["tokens_per_split"]:
+                        variant = _gf_serving_variant(spec, rows, v_halves, stages, max_splits, tokens, budget)
                         if variant is not None:
                             out.append(variant)
     return list(dict.fromkeys(out))
@@ -474,5 +493,5 @@ def build_serving(variant: Variant, spec: CallSpec, device):
     require(reason is None, f"{NAME} cannot run here: {reason}")
     launch = dict(max_q_len=spec.max_q_len, block_h=p["block_h"], max_splits=p["max_splits"],
                   tokens_per_split=p["tokens_per_split"], num_stages=p["num_stages"], v_halves=p["v_halves"],
-                  sm_scale=spec.sm_scale)
+                  split_budget=p.get("split_budget", 0), sm_scale=spec.sm_scale)
     return _GfServingRunner(spec, torch.device(device), launch)

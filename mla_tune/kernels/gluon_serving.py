@@ -24,8 +24,10 @@ leaderboard kernel's scheme (kernels/gluon_decode.py), with these differences:
   there zeroed in shared memory before the PV MMAs (0 x NaN would be NaN).
 - Splits per sequence computed on the device from its length (gs_num_splits, the same
   integer rule in both launches): want = clamp(cdiv(seq_len, tokens_per_split), 1,
-  MAX_SPLITS), tiles per split cdiv(tiles, want), splits cdiv(tiles, that): no split is
-  empty. The grid is (head tiles x V_HALVES, MAX_SPLITS, batch), from the host's batch and
+  MAX_SPLITS), or with a batch budget of B splits (split_budget > 0) the sequence's share of
+  them, clamp(round(seq_len x B / the batch's tokens), 1, that), so that the batch's grid
+  stays about as large at any length; tiles per split cdiv(tiles, want), splits
+  cdiv(tiles, that): no split is empty. The grid is (head tiles x V_HALVES, MAX_SPLITS, batch), from the host's batch and
   the variant only; programs past their sequence's splits, and sequences of length 0 (a
   padded CUDA-graph slot), exit. One split writes the output (and the LSE); several write
   normalized fp32 partials and log2-sum-exps into the workspace, at row (split x capacity +
@@ -93,7 +95,7 @@ _gs_jit = gluon.jit if gluon is not None else _gs_no_jit
 _gs_constexpr_fn = gluon.constexpr_function if gluon is not None else _gs_no_jit
 # The runtime ints that change with the call (block-table width, the workspace's capacity) and
 # the variant's split length: not specialized, so no value of theirs compiles a new binary.
-_GS_NO_SPECIALIZE = ["bt_stride", "tokens_per_split", "cap"]
+_GS_NO_SPECIALIZE = ["bt_stride", "tokens_per_split", "cap", "split_budget"]
 _gs_jit_serving = gluon.jit(do_not_specialize=_GS_NO_SPECIALIZE) if gluon is not None else _gs_no_jit
 
 
@@ -111,14 +113,20 @@ def gs_smem_bytes(rows: int, num_stages: int, fp8: bool) -> int:
             + GS_BN * rows * 2 + 8 * num_stages + 256)
 
 
-def gs_num_splits(seq_len: int, max_splits: int, tokens_per_split: int) -> int:
+def gs_num_splits(seq_len: int, max_splits: int, tokens_per_split: int, split_budget: int = 0,
+                  total: int = 0) -> int:
     """The split count of a sequence of seq_len tokens (the kernels' rule, for tests and
     plans): want = clamp(cdiv(seq_len, tokens_per_split), 1, max_splits) splits of whole
-    tiles, cdiv(tiles, want) tiles each; 0 for an empty sequence."""
+    tiles, cdiv(tiles, want) tiles each; 0 for an empty sequence. split_budget > 0: want is
+    the sequence's share of that many splits over the batch's `total` tokens, rounded to the
+    nearest ((seq_len x budget + total // 2) // total), clamped the same way."""
     if seq_len <= 0:
         return 0
     tiles = -(-seq_len // GS_BN)
-    want = min(max(-(-seq_len // tokens_per_split), 1), max_splits)
+    want = -(-seq_len // tokens_per_split)
+    if split_budget > 0:
+        want = min(want, (seq_len * split_budget + total // 2) // max(total, 1))
+    want = min(max(want, 1), max_splits)
     per = -(-tiles // want)
     return -(-tiles // per)
 
@@ -167,6 +175,22 @@ def _gs_tile_row(BT_ROW, kv_lo, t, ok, BN: gl.constexpr, PAGE: gl.constexpr):
         page = gl.load(BT_ROW + tok0 // PAGE, mask=ok, other=0)
         row = page * PAGE + tok0 % PAGE
     return row
+
+
+@_gs_jit
+def _gs_budget_share(KV_INDPTR, SEQ_LENS, seq_len, want, split_budget, batch, PAGE: gl.constexpr):
+    """min(want, the sequence's share of split_budget splits over the batch's tokens, rounded
+    to the nearest), in int64 as gs_num_splits computes it."""
+    if PAGE == 0:
+        total = (gl.load(KV_INDPTR + batch) - gl.load(KV_INDPTR)).to(gl.int64)
+    else:
+        c_l: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        total = gl.to_tensor(0).to(gl.int64)
+        for c0 in range(0, batch, 512):
+            idx = c0 + gl.arange(0, 512, layout=c_l)
+            total += gl.sum(gl.load(SEQ_LENS + idx, mask=idx < batch, other=0).to(gl.int64), 0)
+    share = (seq_len.to(gl.int64) * split_budget + total // 2) // gl.maximum(total, 1)
+    return gl.minimum(want.to(gl.int64), share).to(gl.int32)
 
 
 @_gs_jit
@@ -233,7 +257,7 @@ def _gs_store_box(o, j, vbox0, l_safe, scale, ht, split, tok_q, valid, OUT, PART
 @_gs_jit_serving
 def _gs_serving_kernel(
     kv_desc, Q, QO_INDPTR, KV_SCALE, KV_INDPTR, BLOCK_TABLE, SEQ_LENS, OUT, PART_O, PART_LSE, LSE,
-    bt_stride, tokens_per_split, cap, sm_scale_log2,
+    bt_stride, tokens_per_split, cap, split_budget, sm_scale_log2,
     H: gl.constexpr, BLOCK_H: gl.constexpr, Q_LEN_MAX: gl.constexpr, STAGES: gl.constexpr,
     PAGE: gl.constexpr, FP8: gl.constexpr, V_HALVES: gl.constexpr, MAX_SPLITS: gl.constexpr,
     WITH_LSE: gl.constexpr,
@@ -254,7 +278,10 @@ def _gs_serving_kernel(
         seq_len = gl.load(SEQ_LENS + b)
     # The split rule (gs_num_splits); a padded slot (seq_len 0) has no split.
     tiles = gl.cdiv(seq_len, BN)
-    want = gl.minimum(gl.maximum(gl.cdiv(seq_len, tokens_per_split), 1), MAX_SPLITS)
+    want = gl.cdiv(seq_len, tokens_per_split)
+    if split_budget > 0:
+        want = _gs_budget_share(KV_INDPTR, SEQ_LENS, seq_len, want, split_budget, gl.num_programs(2), PAGE)
+    want = gl.minimum(gl.maximum(want, 1), MAX_SPLITS)
     per = gl.cdiv(tiles, gl.maximum(want, 1))
     num_splits = gl.where(seq_len > 0, gl.cdiv(tiles, gl.maximum(per, 1)), 0)
     if split < num_splits:
@@ -421,6 +448,7 @@ def _gs_serving_kernel(
 
 @triton.jit(do_not_specialize=_GS_NO_SPECIALIZE[1:])
 def _gs_reduce_kernel(QO_INDPTR, KV_INDPTR, SEQ_LENS, PART_O, PART_LSE, OUT, LSE, tokens_per_split, cap,
+                      split_budget,
                       H: tl.constexpr, MAX_SPLITS: tl.constexpr, PAGE: tl.constexpr, BLOCK_S: tl.constexpr,
                       D: tl.constexpr, WITH_LSE: tl.constexpr):
     """out[token, head] = sum_s 2^(lse_s - m) O_s / sum_s 2^(lse_s - m) over the splits the
@@ -437,7 +465,18 @@ def _gs_reduce_kernel(QO_INDPTR, KV_INDPTR, SEQ_LENS, PART_O, PART_LSE, OUT, LSE
     else:
         seq_len = tl.load(SEQ_LENS + b)
     tiles = tl.cdiv(seq_len, 64)
-    want = tl.minimum(tl.maximum(tl.cdiv(seq_len, tokens_per_split), 1), MAX_SPLITS)
+    want = tl.cdiv(seq_len, tokens_per_split)
+    if split_budget > 0:  # the serving kernel's _gs_budget_share
+        if PAGE == 0:
+            total = (tl.load(KV_INDPTR + tl.num_programs(0)) - tl.load(KV_INDPTR)).to(tl.int64)
+        else:
+            total = tl.zeros([], dtype=tl.int64)
+            for c0 in range(0, tl.num_programs(0), 512):
+                idx = c0 + tl.arange(0, 512)
+                total += tl.sum(tl.load(SEQ_LENS + idx, mask=idx < tl.num_programs(0), other=0).to(tl.int64), 0)
+        share = (seq_len.to(tl.int64) * split_budget + total // 2) // tl.maximum(total, 1)
+        want = tl.minimum(want.to(tl.int64), share).to(tl.int32)
+    want = tl.minimum(tl.maximum(want, 1), MAX_SPLITS)
     per = tl.cdiv(tiles, tl.maximum(want, 1))
     num_splits = tl.where(seq_len > 0, tl.cdiv(tiles, tl.maximum(per, 1)), 0)
     if num_splits <= 1:
@@ -519,7 +558,7 @@ def gs_kv_descriptor(kv2d: torch.Tensor):
 
 def gluon_serving(q, qo_indptr, kv, kv_scale, out, *, kv_indptr=None, block_table=None, seq_lens=None,
                   max_q_len: int, block_h: int, max_splits: int, tokens_per_split: int, num_stages: int,
-                  v_halves: int = 1, sm_scale: float = SM_SCALE,
+                  v_halves: int = 1, split_budget: int = 0, sm_scale: float = SM_SCALE,
                   workspace: GluonServingWorkspace | None = None, record: list | None = None,
                   lse: torch.Tensor | None = None) -> torch.Tensor:
     """MLA decode attention for the serving call on sm_90; writes and returns `out`.
@@ -530,7 +569,8 @@ def gluon_serving(q, qo_indptr, kv, kv_scale, out, *, kv_indptr=None, block_tabl
     tokens a page (block_table, seq_lens), bf16 or fp8 e4m3 with a (1,) fp32 kv_scale;
     out (total_q, heads, 512) bf16; lse None or (total_q, heads) float32, natural log.
     block_h x next_pow2(max_q_len) must be 16 or 32 (gs_check_variant). Splits per
-    sequence: gs_num_splits(seq_len, max_splits, tokens_per_split), on the device.
+    sequence: gs_num_splits(seq_len, max_splits, tokens_per_split, split_budget, the batch's
+    tokens), on the device (split_budget 0: no batch budget).
     workspace: GluonServingWorkspace.allocate(max_total_q, heads, max_splits). record must
     be None (the launches are not replayed directly). Nothing here reads a device tensor or
     allocates once a workspace is given and its cache's descriptor made."""
@@ -558,6 +598,8 @@ def gluon_serving(q, qo_indptr, kv, kv_scale, out, *, kv_indptr=None, block_tabl
         raise ValueError(f"out must be a contiguous bf16 ({total_q}, {heads}, {V_DIM}) tensor, got {tuple(out.shape)}")
     if tokens_per_split < 1:
         raise ValueError(f"tokens_per_split must be >= 1, got {tokens_per_split}")
+    if isinstance(split_budget, bool) or not isinstance(split_budget, int) or not 0 <= split_budget < 2**31:
+        raise ValueError(f"split_budget must be an integer >= 0 (0: no batch budget), got {split_budget!r}")
     if record is not None:
         raise ValueError("the Gluon serving launches are not recorded for replay: pass record=None")
     rows = block_h * triton.next_power_of_2(max_q_len)
@@ -586,21 +628,21 @@ def gluon_serving(q, qo_indptr, kv, kv_scale, out, *, kv_indptr=None, block_tabl
     _gs_serving_kernel[(heads // block_h * v_halves, max_splits, batch)](
         desc, q, qo_indptr, kv_scale if fp8 else workspace.part_lse, *kv_ptrs, out, workspace.part_o,
         workspace.part_lse, lse_arg, block_table.stride(0) if page_size else 0, tokens_per_split,
-        workspace.max_total_q, sm_scale * math.log2(math.e),
+        workspace.max_total_q, split_budget, sm_scale * math.log2(math.e),
         BLOCK_H=block_h, Q_LEN_MAX=q_len_max, STAGES=num_stages, FP8=fp8, V_HALVES=v_halves,
         num_warps=4, **common,
     )
     if max_splits > 1:
         gs_reduce(qo_indptr, workspace, out, lse, kv_indptr=kv_indptr, seq_lens=seq_lens, max_q_len=max_q_len,
-                  tokens_per_split=tokens_per_split)
+                  tokens_per_split=tokens_per_split, split_budget=split_budget)
     return out
 
 
 def gs_reduce(qo_indptr, workspace: GluonServingWorkspace, out, lse=None, *, kv_indptr=None, seq_lens=None,
-              max_q_len: int, tokens_per_split: int) -> None:
+              max_q_len: int, tokens_per_split: int, split_budget: int = 0) -> None:
     """Combine the partials the serving kernel left in `workspace` into out (and lse): for
     each sequence of more than one split (gs_num_splits of its length from kv_indptr or
-    seq_lens, with the workspace's max_splits), each of its new tokens and heads. Plain
+    seq_lens, with the workspace's max_splits and split_budget), each new token and head. Plain
     Triton (runs under the interpreter); reads nothing on the host."""
     batch, heads = qo_indptr.shape[0] - 1, workspace.heads
     paged = kv_indptr is None
@@ -608,6 +650,6 @@ def gs_reduce(qo_indptr, workspace: GluonServingWorkspace, out, lse=None, *, kv_
     _gs_reduce_kernel[(batch, max_q_len, heads)](
         qo_indptr, stand_in if paged else kv_indptr, seq_lens if paged else stand_in, workspace.part_o,
         workspace.part_lse, out, lse if lse is not None else workspace.part_lse, tokens_per_split,
-        workspace.max_total_q, H=heads, MAX_SPLITS=workspace.max_splits, PAGE=int(paged), BLOCK_S=GS_REDUCE_SPLITS,
+        workspace.max_total_q, split_budget, H=heads, MAX_SPLITS=workspace.max_splits, PAGE=int(paged), BLOCK_S=GS_REDUCE_SPLITS,
         D=V_DIM, WITH_LSE=lse is not None, num_warps=4,
     )
