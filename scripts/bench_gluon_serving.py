@@ -5,8 +5,9 @@
 
 At each (KV format, batch): one call of 64-token pages, q_len 1, sequence lengths drawn from
 1000 to 4000 (seeded by the batch), at DeepSeek-V3's softmax scale. Each backend's serving
-runner (build_serving of its default serving variant; `--variant` adds gluon_fused serving
-variants) is checked once against the fp32 reference under the strict rule (fp8 KV: q
+runner (build_serving of its default serving variant; for gluon_fused also that variant with
+a batch budget of one wave of the SMs, its serving_candidates' batch_waves 1; `--variant`
+adds gluon_fused serving variants) is checked once against the fp32 reference under the strict rule (fp8 KV: q
 quantized in the reference as each kernel's q mode reads it, per (token, head) for
 gluon_fused, per tensor for the others), then timed by mla_tune.tune.timing.time_call (the
 leaderboard's protocol: a cache flush before each call, median of --reps). FlashMLA runs
@@ -90,6 +91,13 @@ def main(argv=None) -> int:
                     variants.append(get_backend(name).default_serving_variant(spec, platform))
                 except Exception as exc:
                     print(f"{kv:5} {batch:>5} {name:12} {'-':>8} {'-':>8}  default variant: {_first_line(exc)}")
+            try:  # gluon_fused's default tile with a one-wave batch budget (split_budget)
+                default = get_backend("gluon_fused").default_serving_variant(spec, platform)
+                space = {"rows": [default.get("block_h")], "v_halves": [default.get("v_halves")],
+                         "split_waves": [], "batch_waves": [1]}
+                variants += get_backend("gluon_fused").serving_candidates(spec, space, platform)
+            except Exception as exc:
+                print(f"{kv:5} {batch:>5} {'gluon_fused':12} {'-':>8} {'-':>8}  budget variant: {_first_line(exc)}")
             variants += [Variant.parse(text) for text in args.variant]
             flashmla_us = None
             for variant in variants:
