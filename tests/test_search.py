@@ -21,7 +21,7 @@ from mla_tune.core import Shape, Variant
 from mla_tune.tune.config import config_from_dict, load_config
 from mla_tune.tune.results import candidate_key, read_results
 from mla_tune.tune.schedule import DEFAULT_COSTS, CostModel, fit_plan
-from mla_tune.tune.search import Timed, promote
+from mla_tune.tune.search import Timed, promote, ranked
 from mla_tune.tune.sweep import SweepError, plan_candidates, run_sweep
 from tests.fakes import EXTRA_BACKENDS, capture, registered
 
@@ -49,6 +49,23 @@ def test_promote_keeps_the_best_fraction_each_backends_best_and_the_baseline():
     assert "flashinfer(k=b)" in cut and len(cut) + len(order) == 15
     few = promote(timed[:2], keep=0.25, min_keep=3, baseline="torch")
     assert len(few[0]) == 2 and few[1] == []  # never fewer than min_keep, never more than there are
+
+
+def test_the_serving_sweeps_halving_is_promote_with_carried_seeds_and_no_per_backend_keep():
+    """The serving sweep's rung (serving/sweep.py): no baseline, no per-backend best, the
+    neighbours' winners carried (never cut, even when slow), ties broken by the place in
+    the plan (Timed.rank) before the text; a carried text that was not timed is not kept."""
+    timed = [Timed("b(x=1)", "b", 10.0, rank=3), Timed("a(x=9)", "a", 10.0, rank=1),
+             Timed("a(x=2)", "a", 11.0, rank=0), Timed("c(x=1)", "c", 30.0, rank=2),
+             Timed("a(x=3)", "a", 12.0, rank=4), Timed("b(x=2)", "b", 13.0, rank=5)]
+    assert [t.text for t in ranked(timed)][:2] == ["a(x=9)", "b(x=1)"]  # a tie: rank, not text
+    order, cut, n_must = promote(timed, keep=0.34, min_keep=1, baseline=None,
+                                 carried=["c(x=1)", "z(x=0)"], each_backend=False)
+    # ceil(0.34 * 6) = 3 best, plus the carried c (the slowest); z was never timed
+    assert order == ["a(x=9)", "c(x=1)", "b(x=1)", "a(x=2)"] and n_must == 2
+    assert cut == ["a(x=3)", "b(x=2)"]
+    with_backends, _, _ = promote(timed, keep=0.34, min_keep=1, baseline=None)
+    assert "c(x=1)" in with_backends  # the leaderboard's rule keeps c as its backend's best
 
 
 def test_dedupe_hook_collapses_candidates_the_backend_calls_the_same_kernel():
