@@ -1,0 +1,87 @@
+"""Which of the eager lookup's rules the recorded verify runs need: a rescore ablation.
+
+    PYTHONPATH=. python scripts/rescore_ablation.py [--table tables/H200.serving.yaml]
+        [--reports docs/data/verify] [ABLATION ...]
+
+Each ablation takes one rule of the lookup (mla_tune/serving/table.py, splitk_cost.py) out,
+or sets it to an extreme, and rescores the table's eager picks (serving/rescore.py) on the
+recorded runs split in two halves by seed: even seeds (the half a rule may be chosen on) and
+odd seeds (the half it is judged on). A line per ablation: per half, the runs whose eager
+p95 regret is within 5% and max within 15%, and the pooled p95 and max. No GPU.
+
+Ablations (default: all): today, no_reduce_step_us, no_flashinfer_model, no_splitk_models,
+MODEL_WINDOW=inf, MODEL_WORKS=inf, SPLITK_FLOOR=0, MIN_MEASURED_WEIGHT=0,
+MIN_MEASURED_WEIGHT=1, EXACT_WAVES=1000.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from pathlib import Path
+
+from mla_tune.serving import splitk_cost, table
+from mla_tune.serving.rescore import rescore
+
+RUN_P95, RUN_MAX = 0.05, 0.15
+FAMILY_EDITS = {
+    "no_reduce_step_us": lambda f: setattr(f, "reduce_step_us", {}),
+    "no_flashinfer_model": lambda f: setattr(f, "flashinfer", None),
+    "no_splitk_models": lambda f: setattr(f, "splitk", {}),
+}
+CONSTANTS = {  # ablation -> (module, name, value)
+    "MODEL_WINDOW=inf": (table, "MODEL_WINDOW", math.inf),
+    "MODEL_WORKS=inf": (table, "MODEL_WORKS", math.inf),
+    "SPLITK_FLOOR=0": (table, "SPLITK_FLOOR", 0.0),
+    "MIN_MEASURED_WEIGHT=0": (table, "MIN_MEASURED_WEIGHT", 0.0),
+    "MIN_MEASURED_WEIGHT=1": (table, "MIN_MEASURED_WEIGHT", 1.0),
+    "EXACT_WAVES=1000": (splitk_cost, "EXACT_WAVES", 1000),
+}
+ABLATIONS = ("today", *FAMILY_EDITS, *CONSTANTS)
+
+
+def halves(folder: Path) -> dict[str, list[Path]]:
+    reports = sorted(folder.glob("*.json.gz"))
+    seed = {p: int(re.search(r"seed(\d+)", p.name).group(1)) for p in reports}
+    return {"even": [p for p in reports if seed[p] % 2 == 0], "odd": [p for p in reports if seed[p] % 2]}
+
+
+def score(table_path: Path, reports: list[Path], ablation: str) -> str:
+    loaded = table.load_serving_table(table_path)  # fresh: no estimates memoized under another rule
+    for family in loaded.families.values():
+        if ablation in FAMILY_EDITS:
+            FAMILY_EDITS[ablation](family)
+    module, name, value = CONSTANTS.get(ablation, (None, None, None))
+    kept = getattr(module, name) if module is not None else None
+    if module is not None:
+        setattr(module, name, value)
+    try:
+        out = rescore(loaded, reports, log=lambda _line: None)
+    finally:
+        if module is not None:
+            setattr(module, name, kept)
+    runs = sum(r["eager"]["p95"] <= RUN_P95 and r["eager"]["max"] <= RUN_MAX for r in out["reports"])
+    pooled = out["summary"]["eager"]["all"]
+    return f"{runs}/{len(out['reports'])} p95 {pooled['p95']:.2%} max {pooled['max']:.1%}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("ablations", nargs="*", metavar="ABLATION", help=", ".join(ABLATIONS))
+    ap.add_argument("--table", type=Path, default=Path("tables/H200.serving.yaml"))
+    ap.add_argument("--reports", type=Path, default=Path("docs/data/verify"))
+    args = ap.parse_args()
+    unknown = [a for a in args.ablations if a not in ABLATIONS]
+    if unknown:
+        ap.error(f"unknown ablation(s) {', '.join(unknown)}; choose from {', '.join(ABLATIONS)}")
+    split = halves(args.reports)
+    print(f"{'ablation':<24} {'even seeds (' + str(len(split['even'])) + ' runs)':<32} "
+          f"odd seeds ({len(split['odd'])} runs)")
+    for ablation in args.ablations or ABLATIONS:
+        print(f"{ablation:<24} {score(args.table, split['even'], ablation):<32} "
+              f"{score(args.table, split['odd'], ablation)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
