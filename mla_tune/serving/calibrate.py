@@ -9,8 +9,9 @@ grid of small batches; kernels/split_rule.reduce_splits_per_step), so a ragged b
 sequence, which takes most of the splits, is the reduction's critical path. The rates a
 table interpolates come from uniform batches, whose sequences run few splits each, so
 without this cost the lookup estimates a ragged batch with one long sequence short.
-Rescoring docs/data/verify without the table's reduce_step_us, the even seeds' runs within
-p95 5% / max 15% drop from 33 of 33 to 30 (the odd seeds' stay 32 of 34).
+Rescoring docs/data/verify without the table's reduce_step_us (scripts/rescore_ablation.py),
+the even seeds' runs within p95 5% / max 15% drop from 33 of 33 to 30 (the odd seeds' stay
+32 of 34).
 
 For each family with split-K models and each of the two grids that a batch bucket of two
 or more sequences reaches, one probe: a batch of one TAIL_KV_LEN sequence and the rest of

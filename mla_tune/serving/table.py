@@ -170,15 +170,17 @@ _KV_STEPS_PER_OCTAVE = 64  # the eager pick's memo: lengths within ~1% share one
 # MODEL_WORKS chunks per cluster (its time steps where its chunks just overflow the
 # clusters; more chunks cost more host time and step less), a split-K variant's where its
 # interpolated time is within MODEL_WINDOW x the best. Rescoring docs/data/verify with
-# either limit removed changes no run's verdict (the pooled p95 moves by under 0.1 point).
+# either limit removed (scripts/rescore_ablation.py) changes no run's verdict (the pooled
+# p95 moves by under 0.1 point).
 MODEL_WINDOW = 1.5
 MODEL_WORKS = 3.0
 # A split-K model's estimate stays at least this fraction of the variant's interpolated
 # time: the model may say a call is slower than its uniform neighbours (a wave that
 # overflows, a ragged batch's long sequence), but not much faster, since a replay that
 # shortens the longest item (a split rule that cuts a sequence finer than the grid's points
-# did) does not shorten the call in proportion. Rescoring docs/data/verify without it, the
-# odd seeds' pooled p95 goes from 0.86% to 0.93% (no run's verdict changes).
+# did) does not shorten the call in proportion. Rescoring docs/data/verify without it
+# (scripts/rescore_ablation.py), the odd seeds' pooled p95 goes from 0.86% to 0.93% (no
+# run's verdict changes).
 SPLITK_FLOOR = 0.9
 
 
@@ -213,8 +215,8 @@ def _at_batch(points: Mapping[tuple[int, int], Mapping[Variant, float]], batch: 
 # A batch-edge point holds its cell's best 3 only, so a variant missing there is imputed
 # from the points around it rather than dropped where those weigh enough; with no weight
 # required at all, a variant left out of an edge point (usually slow there) is imputed from
-# far away: rescoring docs/data/verify with 0, the runs within p95 5% / max 15% drop from 33
-# of 33 to 28 (even seeds) and from 32 of 34 to 29 (odd seeds).
+# far away: rescoring docs/data/verify with 0 (scripts/rescore_ablation.py), the runs within
+# p95 5% / max 15% drop from 33 of 33 to 28 (even seeds) and from 32 of 34 to 29 (odd seeds).
 MIN_MEASURED_WEIGHT = 0.5
 
 
