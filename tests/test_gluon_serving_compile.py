@@ -34,19 +34,18 @@ pytestmark = pytest.mark.skipif(gluon_serving.gluon is None,
 META = torch.device("meta")
 H200_BLOCK_SMEM = 232448  # 227 KB: what one sm_90 block may allocate
 
-# (spec, variant): fp8 and bf16 KV, pages of 64 and 128 and the contiguous layout, 16 to 128
-# heads, q_len 1 to 4, 16 and 32 MMA rows, one and two V halves, 2 and 3 stages, with and
-# without the split reduction, the LSE and a batch budget (a runtime int: the same binary).
+# (spec, variant): fp8 and bf16 KV, pages of 64 and 128, 64 and 128 heads, q_len 2 and 4,
+# one and two V halves, the split reduction, the LSE and a batch budget (a runtime int: the
+# same binary). Two binaries keep CI's suite short; tests/test_gluon_serving_gpu.py runs the
+# whole matrix (contiguous KV and 3 stages included) on the H200.
 CASES = [
     (CallSpec("fp8", 64, 128, max_q_len=2, mixed_q_len=True, graph=True, return_lse=True),
      "gluon_fused(block_h=16,kv=fp8,max_splits=8,num_stages=2,q=fp8_dynamic,split_budget=40,tokens_per_split=512,"
      "v_halves=1)"),
     (CallSpec("bf16", 128, 64, max_q_len=4, mixed_q_len=True, return_lse=True),
      "gluon_fused(block_h=8,kv=bf16,max_splits=4,num_stages=2,q=bf16,tokens_per_split=256,v_halves=2)"),
-    (CallSpec("fp8", 0, 16),
-     "gluon_fused(block_h=16,kv=fp8,max_splits=1,num_stages=3,q=fp8_dynamic,tokens_per_split=512,v_halves=2)"),
 ]
-IDS = ["fp8-page64-h128-q2-lse", "bf16-page128-h64-q4-lse-halves", "fp8-contiguous-h16-q1-halves"]
+IDS = ["fp8-page64-h128-q2-lse", "bf16-page128-h64-q4-lse-halves"]
 
 
 def capture(spec: CallSpec, variant: Variant, batch: int = 3) -> list[tuple]:
