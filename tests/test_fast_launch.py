@@ -20,10 +20,11 @@ import triton
 from triton.runtime.jit import JITFunction
 
 from mla_tune import problem
-from mla_tune.core import CallSpec, OwnServingRunner, tensor_sig
+from mla_tune.core import CallSpec, tensor_sig
 from mla_tune.kernels import launch
 from mla_tune.kernels.flash_decode import FlashDecodeServingWorkspace, flash_decode_serving
 from mla_tune.kernels.launch import LaunchReplay, RecordedLaunch
+from mla_tune.kernels.serving_runner import OwnServingRunner
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.call import Decoder, runner_step
 from mla_tune.serving.decode_plan import DecodePlan

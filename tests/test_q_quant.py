@@ -1,7 +1,7 @@
 """The one-launch q quantizer against torch's quantization, value for value.
 
 Values, not bits: a tiny negative q that rounds to zero comes out +0 here and -0 from
-torch (the rounding trick in flash_decode._fd_round_to_mantissa drops the sign of a zero),
+torch (the rounding trick in flash_decode.round_to_mantissa drops the sign of a zero),
 which no dot can tell apart. Seeded, so a failure reproduces."""
 
 import pytest

@@ -24,7 +24,7 @@ from mla_tune.kernels.flash_decode import (
     flash_decode,
     flash_decode_serving,
 )
-from mla_tune.kernels.split_rule import serving_split_items, serving_splits
+from mla_tune.kernels.split_rule import serving_splits, split_items
 from mla_tune.serving import inputs as serving
 
 LAYOUTS = (0, 1, 16, 64)  # 0: contiguous; else the page size
@@ -286,8 +286,8 @@ def test_the_host_replay_of_the_split_rule_is_what_the_kernel_runs(device, lens,
               split_budget=budget, sm_count=sms)
     splits = serving_splits(live, q_len, heads, **kw)
     assert workspace.split_count[:len(live)].tolist() == [-(-n // s) for n, s in zip(live, splits, strict=True)]
-    items, tiles = serving_split_items(live, q_len, heads, **kw)
-    assert sum(items) == sum(live) and tiles == heads // block_h
+    items = split_items(live, splits)
+    assert sum(items) == sum(live)
     assert len(items) == sum(workspace.split_count[:len(live)].tolist())
     assert all(s == 0 for n, s in zip(lens, serving_splits(lens, q_len, heads, **kw), strict=True) if n == 0)
 

@@ -54,9 +54,7 @@ from mla_tune.core import (
     Capabilities,
     Shape,
     Variant,
-    check_serving_build,
     device_sm_count,
-    own_serving_runner,
     require,
 )
 from mla_tune.kernels.fused_decode import (
@@ -66,6 +64,11 @@ from mla_tune.kernels.fused_decode import (
     fused_decode_serving,
 )
 from mla_tune.kernels.launch import LaunchReplay
+from mla_tune.kernels.serving_runner import (
+    OwnServingRunner,
+    check_serving_build,
+    serving_launch_args,
+)
 
 NAME = "triton_fused"
 
@@ -492,27 +495,18 @@ def serving_candidates(spec: CallSpec, space: dict, platform) -> list[Variant]:
 
 
 def build_serving(variant: Variant, spec: CallSpec, device):
-    """A runner(q, qo_indptr, kv, kv_scale, *, kv_indptr | block_table + seq_lens) -> out
-    for calls of `spec` (the serving-call contract, docs/runtime.md): it owns out
-    and its scratch, allocated on the first call and again only when a call brings more
-    new tokens than any before (at least doubling), never from the data; it reads no
-    device tensor on the host, so a CUDA graph can hold it. Returns out[:total_q], or
-    (out, lse) with spec.return_lse (natural log, (total_q, heads) float32, a buffer it owns
-    too). The softmax scale is spec.sm_scale (a runtime argument of the kernel)."""
+    """The serving call's runner for calls of `spec` (docs/runtime.md's contract): an
+    OwnServingRunner (kernels/serving_runner.py) over fused_decode_serving, returning out,
+    or (out, lse) with spec.return_lse. The softmax scale is spec.sm_scale (a runtime
+    argument of the kernel)."""
     validate(variant)
     check_serving_build(NAME, variant, spec, CAPABILITIES, _fu_is_serving(variant), _FU_MMA_COLUMNS,
                         "MMA columns")
     p = variant.p
-    device = torch.device(device)
-    max_splits = p["max_splits"]
-    launch = dict(
-        max_q_len=spec.max_q_len, max_splits=max_splits, tokens_per_split=p["tokens_per_split"],
-        block_n=p["block_n"], block_h=p["block_h"], num_warps=p["num_warps"],
-        num_stages=p["num_stages"], q_fp8=p["q"] == "fp8_dynamic", qk_dot=p["qk_dot"],
-        pv_dot=p["pv_dot"], sm_scale=spec.sm_scale,
-    )
-    return own_serving_runner(NAME, spec, device, fused_decode_serving, FusedServingWorkspace, max_splits, launch,
-                              LaunchReplay.build)
+    launch = dict(serving_launch_args(variant, spec), q_fp8=p["q"] == "fp8_dynamic", qk_dot=p["qk_dot"],
+                  pv_dot=p["pv_dot"])
+    return OwnServingRunner(NAME, spec, torch.device(device), fused_decode_serving, FusedServingWorkspace,
+                            p["max_splits"], launch, LaunchReplay.build)
 
 
 

@@ -31,10 +31,8 @@ from mla_tune.core import (
     Capabilities,
     Shape,
     Variant,
-    check_serving_build,
     device_sm_count,
     fp8_dtype_for,
-    own_serving_runner,
 )
 from mla_tune.kernels.flash_decode import (
     FlashDecodeServingWorkspace,
@@ -44,6 +42,11 @@ from mla_tune.kernels.flash_decode import (
     flash_decode_serving,
 )
 from mla_tune.kernels.launch import LaunchReplay
+from mla_tune.kernels.serving_runner import (
+    OwnServingRunner,
+    check_serving_build,
+    serving_launch_args,
+)
 
 NAME = "triton"
 
@@ -449,31 +452,26 @@ def serving_candidates(spec: CallSpec, space: dict, platform) -> list[Variant]:
 
 
 def build_serving(variant: Variant, spec: CallSpec, device):
-    """A runner(q, qo_indptr, kv, kv_scale, *, kv_indptr | block_table + seq_lens) -> out
-    for calls of `spec` (the serving-call contract, docs/runtime.md): it owns out
-    and its scratch, allocated on the first call and again only when a call brings more
-    new tokens than any before (at least doubling), never from the data; it reads no
-    device tensor on the host, so a CUDA graph can hold it. Returns out[:total_q], or
-    (out, lse) with spec.return_lse (natural log, (total_q, heads) float32, a buffer it owns
-    too). The softmax scale is spec.sm_scale (a runtime argument of the kernels)."""
+    """The serving call's runner for calls of `spec` (docs/runtime.md's contract): an
+    OwnServingRunner (kernels/serving_runner.py) over flash_decode_serving, returning out,
+    or (out, lse) with spec.return_lse. The softmax scale is spec.sm_scale (a runtime
+    argument of the kernels)."""
     validate(variant)
     check_serving_build(NAME, variant, spec, CAPABILITIES, _tsk_is_serving(variant), _tsk_MMA_ROWS)
     p = variant.p
     device = torch.device(device)
-    q_mode, max_splits = p["q"], p["max_splits"]
+    q_mode = p["q"]
     q_fp8_dtype = fp8_dtype_for(device) if q_mode != "bf16" else torch.float8_e4m3fn
     q_scale = None
     if q_mode == "fp8_static":
         q_scale = float(p["q_amax"]) / torch.finfo(q_fp8_dtype).max
     launch = dict(
-        max_q_len=spec.max_q_len, max_splits=max_splits, tokens_per_split=p["tokens_per_split"],
-        block_n=p["block_n"], block_h=p["block_h"], num_warps=p["num_warps"],
-        num_stages=p["num_stages"], dot_dtype=p["dot_dtype"], q_mode=q_mode, q_scale=q_scale,
+        serving_launch_args(variant, spec), dot_dtype=p["dot_dtype"], q_mode=q_mode, q_scale=q_scale,
         q_fp8_dtype=q_fp8_dtype, hip_options={k: p[k] for k in _tsk_HIP_KEYS if k in p},
-        split_budget=p.get("split_budget", 0), sm_scale=spec.sm_scale,
+        split_budget=p.get("split_budget", 0),
     )
-    return own_serving_runner(NAME, spec, device, flash_decode_serving, FlashDecodeServingWorkspace,
-                              max_splits, launch, LaunchReplay.build)
+    return OwnServingRunner(NAME, spec, device, flash_decode_serving, FlashDecodeServingWorkspace,
+                            p["max_splits"], launch, LaunchReplay.build)
 
 
 

@@ -44,14 +44,12 @@ from mla_tune.core import (
     QK_ROPE_DIM,
     SM_SCALE,
     V_DIM,
-    check_serving_launch,
     device_sm_count,
-    serving_workspace,
 )
 from mla_tune.kernels.launch import jit_launch
+from mla_tune.kernels.serving_runner import check_serving_launch, serving_workspace
 from mla_tune.kernels.split_rule import (
     REDUCE_SPLITS_PER_STEP,
-    _sr_WIDE_REDUCE,
     fill_splits,
     reduce_splits_per_step,
 )
@@ -67,12 +65,12 @@ _fd_AMAX_CHUNK = 128
 # Sequences per step of the serving schedule's loop.
 _fd_SCHED_CHUNK = 128
 # The serving reduction's programs: (sequence, new token, head) with all 512 columns and
-# 16 splits per step; or, while the 4x wider grid stays within _fd_WIDE_REDUCE programs,
+# 16 splits per step; or, while the 4x wider grid stays within 2048 programs,
 # a quarter of the columns and 64 splits per step (a long sequence in a ragged batch
 # takes most of the batch's budget: hundreds of splits). On the H200 the wide grid took
 # the 56k-among-3k mix from 98 to 81 us (192 programs), was even at 2048-2304 programs
-# and lost 27% at 16384 (128 heads x 32 sequences: 229 -> 294 us).
-_fd_WIDE_REDUCE = _sr_WIDE_REDUCE  # split_rule.reduce_splits_per_step, which the cost model replays
+# and lost 27% at 16384 (128 heads x 32 sequences: 229 -> 294 us). The rule is
+# split_rule.reduce_splits_per_step, which the cost model replays.
 # The serving stage 1's grid: a program per (head tile, split item) up to
 # _fd_ONE_ITEM_CTAS programs; past that _fd_GRID_CTAS programs (about 16 per SM of an
 # H200), each running its items in turn. Most of a large grid idles (it is sized for the
@@ -95,7 +93,7 @@ def _fd_q_amax_kernel(Q, Partial, ROW: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _fd_round_to_mantissa(y, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+def round_to_mantissa(y, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
     """Round fp32 y to MANT_BITS mantissa bits, nearest-even (subnormals below 2**MIN_EXP
     share its ulp; MIN_EXP - MANT_BITS must stay above -127): the value a cast to a narrower float gives, computed in fp32 because
     Triton's interpreter casts fp32 to fp8 wrongly when the mantissa carries into the
@@ -110,15 +108,15 @@ def _fd_round_to_mantissa(y, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
 
 
 @triton.jit
-def _fd_quantize_q(x, scale, fp8_max, FP8_MIN_EXP: tl.constexpr, ROUND_BF16: tl.constexpr):
+def quantize_q_e4m3(x, scale, fp8_max, FP8_MIN_EXP: tl.constexpr, ROUND_BF16: tl.constexpr):
     """q / scale clamped and rounded to e4m3 (returned in fp32: every e4m3 value is exact
     in fp16 and bf16, so the dot sees exactly the fp8 operand)."""
     y = x.to(tl.float32) / scale
     if ROUND_BF16:  # torch divides bf16 by a bf16 scale: the quotient is rounded to bf16
         # MIN_EXP -119 keeps the bit tricks in range; anything that small becomes 0 in fp8.
-        y = _fd_round_to_mantissa(y, 7, -119)
+        y = round_to_mantissa(y, 7, -119)
     y = tl.minimum(tl.maximum(y, -fp8_max), fp8_max)
-    return _fd_round_to_mantissa(y, 3, FP8_MIN_EXP)
+    return round_to_mantissa(y, 3, FP8_MIN_EXP)
 
 
 # batch is runtime, never specialized: one compile serves every batch size.
@@ -180,11 +178,11 @@ def _fd_stage1_kernel(
 
     score_scale = qk_scale  # sm_scale * log2(e), times whatever scales are folded in
     if Q_MODE == 1:
-        q_nope = _fd_quantize_q(q_nope, q_static_scale, fp8_max, FP8_MIN_EXP, False)
+        q_nope = quantize_q_e4m3(q_nope, q_static_scale, fp8_max, FP8_MIN_EXP, False)
         if QK_SPLIT == 1:
             if V_SPLIT == 2:  # the second half
-                q_nope_b = _fd_quantize_q(q_nope_b, q_static_scale, fp8_max, FP8_MIN_EXP, False)
-        q_rope = _fd_quantize_q(q_rope, q_static_scale, fp8_max, FP8_MIN_EXP, False)
+                q_nope_b = quantize_q_e4m3(q_nope_b, q_static_scale, fp8_max, FP8_MIN_EXP, False)
+        q_rope = quantize_q_e4m3(q_rope, q_static_scale, fp8_max, FP8_MIN_EXP, False)
         score_scale = score_scale * q_static_scale
     elif Q_MODE == 2:
         amax_acc = tl.zeros([AMAX_CHUNK], dtype=tl.float32)
@@ -192,12 +190,12 @@ def _fd_stage1_kernel(
             offs_a = i + tl.arange(0, AMAX_CHUNK)
             amax_acc = tl.maximum(amax_acc, tl.load(Q_AMAX + offs_a, mask=offs_a < batch, other=0.0))
         amax = tl.maximum(tl.max(amax_acc, axis=0), 1e-12)
-        q_scale = _fd_round_to_mantissa(amax / fp8_max, 7, -119)  # bf16, as problem.quantize_fp8
-        q_nope = _fd_quantize_q(q_nope, q_scale, fp8_max, FP8_MIN_EXP, True)
+        q_scale = round_to_mantissa(amax / fp8_max, 7, -119)  # bf16, as problem.quantize_fp8
+        q_nope = quantize_q_e4m3(q_nope, q_scale, fp8_max, FP8_MIN_EXP, True)
         if QK_SPLIT == 1:
             if V_SPLIT == 2:  # the second half
-                q_nope_b = _fd_quantize_q(q_nope_b, q_scale, fp8_max, FP8_MIN_EXP, True)
-        q_rope = _fd_quantize_q(q_rope, q_scale, fp8_max, FP8_MIN_EXP, True)
+                q_nope_b = quantize_q_e4m3(q_nope_b, q_scale, fp8_max, FP8_MIN_EXP, True)
+        q_rope = quantize_q_e4m3(q_rope, q_scale, fp8_max, FP8_MIN_EXP, True)
         score_scale = score_scale * q_scale
     q_nope = q_nope.to(DOT_DTYPE)
     if QK_SPLIT == 1:
@@ -314,13 +312,21 @@ class FlashDecodeWorkspace:
         return self.batch >= batch and self.num_splits == num_splits
 
 
-def _fd_fp8_min_exp(dtype: torch.dtype) -> int:
+def fp8_min_exponent(dtype: torch.dtype) -> int:
     """Exponent of the smallest normal of the e4m3 flavour q is quantized to."""
     if dtype == torch.float8_e4m3fn:
         return -6
     if dtype == torch.float8_e4m3fnuz:  # bias 8 instead of 7
         return -7
     raise ValueError(f"q fp8 dtype must be float8_e4m3fn or float8_e4m3fnuz, got {dtype}")
+
+
+def q_amax_partials(q: torch.Tensor, partial: torch.Tensor, record: list | None = None):
+    """partial[r] = max |q[r]| for each row r of q (a contiguous (rows, heads, 576) bf16
+    tensor), one launch (the first of an fp8_dynamic q scale; the quantizing kernel reduces
+    the partials). record: as flash_decode_serving's."""
+    return jit_launch(_fd_q_amax_kernel, (q.shape[0],), record, q, partial, ROW=q.shape[1] * q.shape[2],
+                      BLOCK=1024, num_warps=4)
 
 
 def flash_decode(
@@ -399,7 +405,7 @@ def flash_decode(
     if unknown:
         raise ValueError(f"unknown hip_options {sorted(unknown)}; known: {', '.join(_fd_HIP_OPTIONS)}")
 
-    fp8_min_exp = _fd_fp8_min_exp(q_fp8_dtype)
+    fp8_min_exp = fp8_min_exponent(q_fp8_dtype)
     if q_mode == "fp8_dynamic":
         _fd_q_amax_kernel[(batch,)](q, workspace.q_amax, ROW=NUM_HEADS * QK_DIM, BLOCK=1024, num_warps=4)
     _fd_stage1_kernel[(batch, num_splits * v_split)](
@@ -643,8 +649,8 @@ def _fd_serving_split(
 
     score_scale = qk_scale
     if Q_MODE == 1:
-        q_nope = _fd_quantize_q(q_nope, q_static_scale, fp8_max, FP8_MIN_EXP, False)
-        q_rope = _fd_quantize_q(q_rope, q_static_scale, fp8_max, FP8_MIN_EXP, False)
+        q_nope = quantize_q_e4m3(q_nope, q_static_scale, fp8_max, FP8_MIN_EXP, False)
+        q_rope = quantize_q_e4m3(q_rope, q_static_scale, fp8_max, FP8_MIN_EXP, False)
         score_scale = score_scale * q_static_scale
     elif Q_MODE == 2:
         amax_acc = tl.zeros([AMAX_CHUNK], dtype=tl.float32)
@@ -652,9 +658,9 @@ def _fd_serving_split(
             offs_a = i + tl.arange(0, AMAX_CHUNK)
             amax_acc = tl.maximum(amax_acc, tl.load(Q_AMAX + offs_a, mask=offs_a < total_q, other=0.0))
         amax = tl.maximum(tl.max(amax_acc, axis=0), 1e-12)
-        q_scale = _fd_round_to_mantissa(amax / fp8_max, 7, -119)
-        q_nope = _fd_quantize_q(q_nope, q_scale, fp8_max, FP8_MIN_EXP, True)
-        q_rope = _fd_quantize_q(q_rope, q_scale, fp8_max, FP8_MIN_EXP, True)
+        q_scale = round_to_mantissa(amax / fp8_max, 7, -119)
+        q_nope = quantize_q_e4m3(q_nope, q_scale, fp8_max, FP8_MIN_EXP, True)
+        q_rope = quantize_q_e4m3(q_rope, q_scale, fp8_max, FP8_MIN_EXP, True)
         score_scale = score_scale * q_scale
     q_nope = q_nope.to(DOT_DTYPE)
     q_rope = q_rope.to(DOT_DTYPE)
@@ -883,7 +889,7 @@ def flash_decode_serving(
     page_size = check_serving_launch(
         q, qo_indptr, kv, kv_scale, out, kv_indptr=kv_indptr, block_table=block_table,
         seq_lens=seq_lens, max_q_len=max_q_len, q_len_limit=16, block_h=block_h,
-        max_splits=max_splits, tokens_per_split=tokens_per_split, block_n=block_n)
+        max_splits=max_splits, tokens_per_split=tokens_per_split, block_n=block_n, lse=lse)
     batch = qo_indptr.shape[0] - 1
     total_q, heads = q.shape[0], q.shape[1]
     q_len_max = triton.next_power_of_2(max_q_len)  # rows of the MMA come in powers of two
@@ -893,10 +899,6 @@ def flash_decode_serving(
                          f"{', '.join(_fd_Q_MODES)}; got {dot_dtype!r}, {q_mode!r}")
     if q_mode == "fp8_static" and not (q_scale is not None and q_scale > 0):
         raise ValueError("q_mode fp8_static needs q_scale = q_amax / fp8_max > 0")
-    if lse is not None and (tuple(lse.shape) != (total_q, heads) or lse.dtype != torch.float32
-                            or not lse.is_contiguous()):
-        raise ValueError(f"lse must be a contiguous float32 ({total_q}, {heads}) tensor, got "
-                         f"{lse.dtype} {tuple(lse.shape)}")
     if isinstance(split_budget, bool) or not isinstance(split_budget, int) or not 0 <= split_budget < 2**31:
         raise ValueError(f"split_budget must be an integer >= 0 (0: max_splits per sequence), got {split_budget!r}")
     tiles = heads // block_h
@@ -910,10 +912,9 @@ def flash_decode_serving(
     if unknown:
         raise ValueError(f"unknown hip_options {sorted(unknown)}; known: {', '.join(_fd_HIP_OPTIONS)}")
 
-    fp8_min_exp = _fd_fp8_min_exp(q_fp8_dtype)
+    fp8_min_exp = fp8_min_exponent(q_fp8_dtype)
     if q_mode == "fp8_dynamic":
-        jit_launch(_fd_q_amax_kernel, (total_q,), record, q, workspace.q_amax, ROW=heads * QK_DIM,
-                   BLOCK=1024, num_warps=4)
+        q_amax_partials(q, workspace.q_amax, record)
     # Unused pointers get a harmless stand-in (never read under the other layout).
     dummy = workspace.q_amax
     seq_ptrs = (kv_indptr, dummy, dummy) if page_size == 0 else (dummy, block_table, seq_lens)
@@ -940,7 +941,7 @@ def flash_decode_serving(
         num_warps=num_warps, num_stages=num_stages, **extra,
     )
     if max_splits > 1:
-        per_step = reduce_splits_per_step(batch, max_q_len, heads, _fd_WIDE_REDUCE)
+        per_step = reduce_splits_per_step(batch, max_q_len, heads)
         slices = per_step // REDUCE_SPLITS_PER_STEP[0]  # the wide grid: 4 programs per row, a quarter of D each
         jit_launch(
             _fd_serving_stage2_kernel, (batch, max_q_len, heads * slices), record,

@@ -51,8 +51,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_tune.core import SM_SCALE, V_DIM, check_serving_launch, serving_workspace
+from mla_tune.core import SM_SCALE, V_DIM
 from mla_tune.kernels.launch import jit_launch
+from mla_tune.kernels.serving_runner import check_serving_launch, serving_workspace
 
 # Dot operand dtype codes (constexpr ints: they travel through every Triton version).
 FU_DOT_CODES = {"fp16": 0, "bf16": 1, "fp8": 2}
@@ -1052,7 +1053,7 @@ def fused_decode_serving(
     page_size = check_serving_launch(
         q, qo_indptr, kv, kv_scale, out, kv_indptr=kv_indptr, block_table=block_table,
         seq_lens=seq_lens, max_q_len=max_q_len, q_len_limit=4, block_h=block_h,
-        max_splits=max_splits, tokens_per_split=tokens_per_split, block_n=block_n)
+        max_splits=max_splits, tokens_per_split=tokens_per_split, block_n=block_n, lse=lse)
     batch = qo_indptr.shape[0] - 1
     total_q, heads = q.shape[0], q.shape[1]
     q_len_max = triton.next_power_of_2(max_q_len)
@@ -1061,10 +1062,6 @@ def fused_decode_serving(
         raise ValueError(f"qk_dot and pv_dot must be one of {', '.join(FU_DOT_CODES)}; got {qk_dot!r}, {pv_dot!r}")
     if (qk_dot == "fp8") != q_fp8 or ("fp8" in (qk_dot, pv_dot) and not kv_fp8):
         raise ValueError("qk_dot fp8 goes with q_fp8 (and only with it), and fp8 dots need an fp8 KV cache")
-    if lse is not None and (tuple(lse.shape) != (total_q, heads) or lse.dtype != torch.float32
-                            or not lse.is_contiguous()):
-        raise ValueError(f"lse must be a contiguous float32 ({total_q}, {heads}) tensor, got "
-                         f"{lse.dtype} {tuple(lse.shape)}")
     workspace = serving_workspace(workspace, FusedServingWorkspace, total_q, heads, max_splits, q.device)
     ns_p2 = max(2, triton.next_power_of_2(max_splits))
     # Reduction tiles of [splits, block_h, RW], about 8K elements.

@@ -149,7 +149,7 @@ class LaunchReplay:
     pointer, whose check that the memory is the GPU's `try_launch` makes once (the device
     index of each substituted tensor). The recorded tensors are kept, so their addresses
     stay theirs; a caller that keeps a replay across steps must see that its fixed tensors
-    are the same objects at the same addresses (core.OwnServingStep does).
+    are the same objects at the same addresses (kernels/serving_runner.OwnServingStep does).
     """
 
     __slots__ = ("sigs", "launches", "get_stream", "device", "kept")

@@ -24,10 +24,10 @@ import triton.language as tl
 
 from mla_tune.core import NUM_HEADS, QK_DIM
 from mla_tune.kernels.flash_decode import (
-    _fd_fp8_min_exp,
-    _fd_q_amax_kernel,
-    _fd_quantize_q,
-    _fd_round_to_mantissa,
+    fp8_min_exponent,
+    q_amax_partials,
+    quantize_q_e4m3,
+    round_to_mantissa,
 )
 from mla_tune.kernels.launch import jit_launch
 
@@ -49,7 +49,7 @@ def _qq_quantize_kernel(
             offs_a = i + tl.arange(0, AMAX_CHUNK)
             acc = tl.maximum(acc, tl.load(Partial + offs_a, mask=offs_a < batch, other=0.0))
         amax = tl.maximum(tl.max(acc, axis=0), 1e-12)
-        scale = _fd_round_to_mantissa(amax / fp8_max, 7, -119)  # bf16, as problem.quantize_fp8
+        scale = round_to_mantissa(amax / fp8_max, 7, -119)  # bf16, as problem.quantize_fp8
     else:
         scale = static_scale
     if b == 0:
@@ -59,7 +59,7 @@ def _qq_quantize_kernel(
         mask = offs < ROW
         x = tl.load(Q + b * ROW + offs, mask=mask, other=0.0)
         # Exact e4m3 values in fp32, so the cast below only changes the storage format.
-        y = _fd_quantize_q(x, scale, fp8_max, FP8_MIN_EXP, DYNAMIC)
+        y = quantize_q_e4m3(x, scale, fp8_max, FP8_MIN_EXP, DYNAMIC)
         tl.store(Out + b * ROW + offs, y.to(Out.dtype.element_ty), mask=mask)
         if not DYNAMIC:
             beyond += (tl.abs(x.to(tl.float32)) > q_amax).to(tl.int32)
@@ -111,7 +111,7 @@ class QQuantizer:
         self.fp8_max = float(torch.finfo(fp8_dtype).max)
         self.q_amax = float(q_amax) if q_amax else 0.0
         self.static_scale = self.q_amax / self.fp8_max if q_amax else 1.0
-        self.fp8_min_exp = _fd_fp8_min_exp(fp8_dtype)
+        self.fp8_min_exp = fp8_min_exponent(fp8_dtype)
         self.q8 = torch.empty((batch, NUM_HEADS, QK_DIM), dtype=fp8_dtype, device=device)
         self.scale = torch.full((1,), self.static_scale, dtype=torch.float32, device=device)
         self.partial = torch.empty((batch,), dtype=torch.float32, device=device)
@@ -127,8 +127,7 @@ class QQuantizer:
             )
         row = NUM_HEADS * QK_DIM
         if self.dynamic:
-            jit_launch(_fd_q_amax_kernel, (self.batch,), record, q, self.partial, ROW=row, BLOCK=_qq_BLOCK,
-                       num_warps=4)
+            q_amax_partials(q, self.partial, record)
         jit_launch(
             _qq_quantize_kernel, (self.batch,), record,
             q, self.q8, self.scale, self.partial, self.saturated, self.batch, self.static_scale,

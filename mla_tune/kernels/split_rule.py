@@ -96,16 +96,6 @@ def reduce_splits_per_step(batch: int, max_q_len: int, heads: int, wide_programs
     return wide if batch * max_q_len * heads * 4 <= wide_programs else narrow
 
 
-def serving_split_items(kv_lens: Sequence[int], q_len: int, heads: int, *, max_splits: int,
-                        tokens_per_split: int, block_n: int, block_h: int, split_budget: int = 0,
-                        sm_count: int = 0) -> tuple[list[int], int]:
-    """(the tokens of each split item in launch order, head tiles): `serving_splits` dealt
-    out. Every item runs once per head tile (heads // block_h programs)."""
-    splits = serving_splits(kv_lens, q_len, heads, max_splits=max_splits, tokens_per_split=tokens_per_split,
-                            block_n=block_n, block_h=block_h, split_budget=split_budget, sm_count=sm_count)
-    return split_items(kv_lens, splits), max(heads // block_h, 1)
-
-
 def split_items(kv_lens: Sequence[int], splits: Sequence[int]) -> list[int]:
     """The tokens of each split item in launch order: sequence b's kv_lens[b] tokens cut
     into pieces of splits[b] (serving_splits; 0: no items)."""

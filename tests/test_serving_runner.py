@@ -1,0 +1,80 @@
+"""kernels/serving_runner.py: the own kernel families' serving runner and the checks their
+launchers share, beside the kernels (core.py keeps the facts and imports no mla_tune module).
+
+CPU only and fast: every call here is refused, or built, before any kernel launches.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from mla_tune import core, gpu
+from mla_tune.backends import get_backend
+from mla_tune.core import CallSpec
+from mla_tune.kernels.flash_decode import flash_decode_serving
+from mla_tune.kernels.fused_decode import fused_decode_serving
+from mla_tune.kernels.serving_runner import (
+    OwnServingRunner,
+    check_serving_build,
+    serving_launch_args,
+)
+from mla_tune.serving import inputs as serving
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _mla_tune_imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return {node.module for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mla_tune")}
+
+
+def test_core_holds_facts_and_the_runner_sits_beside_the_kernels():
+    assert _mla_tune_imports(ROOT / "mla_tune" / "core.py") == set()
+    assert _mla_tune_imports(ROOT / "mla_tune" / "kernels" / "serving_runner.py") == {"mla_tune.core"}
+    for name in ("OwnServingRunner", "OwnServingStep", "own_serving_runner", "check_serving_launch",
+                 "check_serving_build", "serving_workspace"):
+        assert not hasattr(core, name), name
+
+
+@pytest.mark.parametrize("backend", ["triton", "triton_fused"])
+def test_both_own_backends_build_an_own_serving_runner_with_the_shared_launch_args(backend):
+    spec = CallSpec("bf16", page_size=16, heads=16, max_q_len=2, sm_scale=0.125)
+    module = get_backend(backend)
+    variant = module.default_serving_variant(spec, gpu.fake_platform("H200"))
+    runner = module.build_serving(variant, spec, "cpu")
+    assert isinstance(runner, OwnServingRunner) and runner.name == backend and runner.spec == spec
+    shared = serving_launch_args(variant, spec)
+    assert shared["sm_scale"] == 0.125 and shared["max_q_len"] == 2
+    assert shared["max_splits"] == variant.get("max_splits") and shared["block_h"] == variant.get("block_h")
+
+
+def test_a_build_refuses_a_leaderboard_variant_and_a_head_tile_that_does_not_divide_the_heads():
+    spec = CallSpec("bf16", heads=16)
+    caps = get_backend("triton").CAPABILITIES
+    variant = get_backend("triton").default_serving_variant(spec, gpu.fake_platform("H200"))
+    with pytest.raises(ValueError, match="leaderboard variant"):
+        check_serving_build("triton", variant, spec, caps, False, 16)
+    with pytest.raises(ValueError, match=r"block_h=12 must divide 16 heads.*use block_h=16"):
+        check_serving_build("triton", variant.with_params(block_h=12), spec, caps, True, 16)
+    assert check_serving_build("triton", variant, CallSpec("bf16", heads=16, max_q_len=3), caps, True, 16) == 4
+
+
+@pytest.mark.parametrize("launcher", ["split-K", "fused"])
+@pytest.mark.parametrize("lse", [torch.empty((3, 16)), torch.empty((2, 16), dtype=torch.bfloat16),
+                                 torch.empty((16, 2)).t()])
+def test_both_launchers_refuse_an_lse_of_the_wrong_shape_dtype_or_layout(launcher, lse):
+    inp = serving.make_input([1, 1], [5, 9], 16, 16, "bf16", seed=1)
+    out = torch.empty((2, 16, 512), dtype=torch.bfloat16)
+    kwargs = dict(inp.layout, max_q_len=1, max_splits=2, tokens_per_split=4, block_n=16, block_h=16,
+                  num_warps=4, num_stages=1, lse=lse)
+    if launcher == "split-K":
+        call, kwargs = flash_decode_serving, dict(kwargs, dot_dtype="fp16")
+    else:
+        call, kwargs = fused_decode_serving, dict(kwargs, qk_dot="fp16", pv_dot="fp16")
+    with pytest.raises(ValueError, match=r"lse must be a contiguous float32 \(2, 16\) tensor"):
+        call(inp.q, inp.qo_indptr, inp.kv, None, out, **kwargs)
