@@ -159,19 +159,21 @@ def test_the_models_survive_a_write_and_load_and_a_broken_one_is_refused(tmp_pat
             load_serving_table(bad)
 
 
-def test_older_schemas_still_load(tmp_path):
+def test_an_older_schema_is_refused_with_the_command_that_rebuilds_it(tmp_path):
     data = _table({}).as_dict()
-    data["schema"] = "serving/2"
     path = tmp_path / "old.serving.yaml"
-    path.write_text(dump_yaml(data))
-    assert load_serving_table(path).families[KEY].splitk == {}
-    # serving/3: split-K models without a program's fixed cost, which is then 0
+    for old in ("serving/2", "serving/4"):
+        data["schema"] = old
+        path.write_text(dump_yaml(data))
+        with pytest.raises(TableError, match=rf"schema is '{old}', this mla-tune reads 'serving/5'; rebuild it.*mla-tune sweep"):
+            load_serving_table(path)
+    # a split-K model must carry its program's fixed cost (item_tokens)
     data = _table(_splitk_models(KEY, _grid(item_tokens=64), 132)).as_dict()
     assert data["families"][0]["splitk_models"][0]["item_tokens"] == 64
     del data["families"][0]["splitk_models"][0]["item_tokens"]
-    data["schema"] = "serving/3"
     path.write_text(dump_yaml(data))
-    assert load_serving_table(path).families[KEY].splitk[ONE].item_tokens == 0
+    with pytest.raises(TableError, match="must be a mapping of fit_error, item_tokens"):
+        load_serving_table(path)
 
 
 def test_the_reduction_steps_follow_the_longest_sequences_splits():
@@ -225,9 +227,8 @@ def test_the_lookup_adds_the_measured_reduction_steps_beyond_a_uniform_batchs(tm
         return_path.write_text(dump_yaml(data))
         with pytest.raises(TableError, match=words):
             load_serving_table(return_path)
-    # serving/4 (no reduce_step_us) still loads
+    # a family without reduce_step_us (no split-K variant needs one) loads with none
     del data["families"][0]["reduce_step_us"]
-    data["schema"] = "serving/4"
     return_path.write_text(dump_yaml(data))
     assert load_serving_table(return_path).families[KEY].reduce_step_us == {}
 

@@ -26,9 +26,8 @@ every step, so the serving table is keyed the way engines capture and batch thei
 Split counts are not table entries: a variant carries its rule (max_splits,
 tokens_per_split), which the kernel applies to each sequence on the device.
 
-Schema `serving/5` (`serving/4`, without reduce_step_us, `serving/3`, whose split-K models
-have no item_tokens (0), `serving/2`, without split-K models, and `serving/1`, without
-points either, still load), top level: `schema`, `gpu`, `provenance`, `batch_buckets`,
+Schema `serving/5` (the only one read: a table of an older schema is refused with the
+command that rebuilds it), top level: `schema`, `gpu`, `provenance`, `batch_buckets`,
 `kv_buckets`, `families`. A family is `{key: {kv_format, page_size, heads, q_len}, cells:
 [...], graph: [...], left_out: [...], variants: [...], points: [...], flashinfer_model?,
 splitk_models?, reduce_step_us?}`; `variants` lists the family's eager picks and a point
@@ -65,12 +64,9 @@ from mla_tune.serving.vendor_cost import (
     flashinfer_mla_works_per_cluster,
     predict,
 )
-from mla_tune.tables.table import TableError, _check_variant
+from mla_tune.tables.table import TableError, check_variant_field
 
 SERVING_SCHEMA = "serving/5"
-# 1: no points; 2: no split-K models; 3: split-K models without item_tokens; 4: no
-# reduce_step_us
-_READABLE_SCHEMAS = ("serving/1", "serving/2", "serving/3", "serving/4", SERVING_SCHEMA)
 _KEY_FIELDS = ("kv_format", "page_size", "heads", "q_len")
 
 
@@ -351,7 +347,7 @@ class ServingTable:
                graph: bool = False, kv_lens: Sequence[int] | None = None) -> Variant | None:
         """The variant for a call (no timing):
         - graph=True, or no mean length given: the graph pick of the batch's bucket;
-        - else, where the family has points (schema serving/2 and later): the variant estimated
+        - else, where the family has points: the variant estimated
           fastest at the call's own batch and lengths (`_estimates`): `interpolate` over the
           points, memoized per (batch, kv_len to ~1%); a split-K variant's from its
           SplitKModel and FlashInfer's from its model, over their schedules for `kv_lens`
@@ -679,7 +675,7 @@ def _family(path: Path, index: int, raw: Any, batch_buckets: list[int], kv_bucke
         batch, kv_len = bucketed(at, entry, True)
         if (batch, kv_len) in family.cells:
             raise TableError(f"{at}: a second cell for batch {batch}, kv_len {kv_len}")
-        variant = _check_variant(at, "variant", {"variant": entry.get("variant")}, known, check_params)
+        variant = check_variant_field(at, "variant", {"variant": entry.get("variant")}, known, check_params)
         _match_family(at, variant, family.key)
         runner_up = entry.get("runner_up")
         if runner_up is not None and not isinstance(runner_up, dict):
@@ -691,7 +687,7 @@ def _family(path: Path, index: int, raw: Any, batch_buckets: list[int], kv_bucke
         batch, _ = bucketed(at, entry, False)
         if batch in family.graph:
             raise TableError(f"{at}: a second graph pick for batch {batch}")
-        variant = _check_variant(at, "variant", {"variant": entry.get("variant")}, known, check_params)
+        variant = check_variant_field(at, "variant", {"variant": entry.get("variant")}, known, check_params)
         _match_family(at, variant, family.key)
         worst_kv = entry.get("worst_kv_len")
         if worst_kv not in kv_buckets and worst_kv != 0:  # 0: the bucket's ragged mix
@@ -728,9 +724,9 @@ def _splitk_models(where: str, raw: dict, known: list[str], check_params: bool,
     for i, entry in enumerate(_entries(where, raw, "splitk_models")):
         at = f"{where}, splitk_models[{i}]"
         fields = {"variant", "occupancy", "overhead_us", "item_tokens", "sm_count", "fit_error"}
-        if set(entry) != fields and set(entry) != fields - {"item_tokens"}:  # serving/3: no item_tokens
+        if set(entry) != fields:
             raise TableError(f"{at} must be a mapping of {', '.join(sorted(fields))}")
-        variant = _check_variant(at, "variant", entry, known, check_params)
+        variant = check_variant_field(at, "variant", entry, known, check_params)
         _match_family(at, variant, key)
         if not is_splitk(variant):
             raise TableError(f"{at}: the model is our split-K kernel's schedule, but variant is {variant}")
@@ -740,7 +736,7 @@ def _splitk_models(where: str, raw: dict, known: list[str], check_params: bool,
                                       _number(at, "overhead_us", entry["overhead_us"]),
                                       _positive_int(at, "sm_count", entry["sm_count"]),
                                       _number(at, "fit_error", entry["fit_error"]),
-                                      _positive_int(at, "item_tokens", entry.get("item_tokens", 0), minimum=0))
+                                      _positive_int(at, "item_tokens", entry["item_tokens"], minimum=0))
     return models
 
 
@@ -750,7 +746,7 @@ def _model(where: str, raw: Any, known: list[str], check_params: bool, key: Fami
     at = f"{where}, flashinfer_model"
     if not isinstance(raw, dict) or set(raw) != {"variant", "sm_count", "features", "coef", "fit_error_p90"}:
         raise TableError(f"{at} must be a mapping of variant, sm_count, features, coef, fit_error_p90")
-    variant = _check_variant(at, "variant", raw, known, check_params)
+    variant = check_variant_field(at, "variant", raw, known, check_params)
     _match_family(at, variant, key)
     if variant.backend != "flashinfer":
         raise TableError(f"{at}: the model is FlashInfer's schedule, but variant is {variant}")
@@ -775,7 +771,7 @@ def _points(where: str, raw: dict, kv_buckets: list[int], known: list[str], chec
     variants = []
     for i, name in enumerate(names):
         at = f"{where}, variants[{i}]"
-        variant = _check_variant(at, "variant", {"variant": name}, known, check_params)
+        variant = check_variant_field(at, "variant", {"variant": name}, known, check_params)
         _match_family(at, variant, key)
         variants.append(variant)
     points: dict[tuple[int, int], dict[Variant, float]] = {}
@@ -816,9 +812,10 @@ def load_serving_table(path: str | Path, check_params: bool = True) -> ServingTa
     if not isinstance(raw, dict):
         raise TableError(f"{where} must be a mapping (schema, gpu, provenance, batch_buckets, "
                          "kv_buckets, families)")
-    if raw.get("schema") not in _READABLE_SCHEMAS:
-        raise TableError(f"{where}: schema is {raw.get('schema')!r:.40}, this mla-tune reads "
-                         f"{' or '.join(map(repr, _READABLE_SCHEMAS))}; re-run the serving sweep with this version")
+    if raw.get("schema") != SERVING_SCHEMA:
+        raise TableError(f"{where}: schema is {raw.get('schema')!r:.40}, this mla-tune reads {SERVING_SCHEMA!r}; "
+                         "rebuild it with this version (mla-tune sweep --config configs/serving.yaml "
+                         "--gpu NAME resumes from its results file)")
     gpu = raw.get("gpu")
     if not isinstance(gpu, str) or not gpu:
         raise TableError(f"{where}: gpu must name the GPU the table was tuned on")

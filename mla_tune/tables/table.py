@@ -376,8 +376,11 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _check_variant(where: str, field_name: str, value: Any, known: list[str],
-                   check_params: bool) -> Variant:
+def check_variant_field(where: str, field_name: str, value: Any, known: list[str],
+                        check_params: bool) -> Variant:
+    """The Variant of a table entry's `{variant: text}` field, checked: it parses, names a
+    known backend, carries kv and q, and (check_params) passes its backend's rules; any
+    failure is a TableError naming `where` and `field_name`. The serving table uses it too."""
     if not isinstance(value, dict) or not isinstance(value.get("variant"), str):
         raise TableError(f"{where}: {field_name} must be a mapping with a `variant` text")
     try:
@@ -452,7 +455,7 @@ def _check_row(path: Path, index: int, row: Any, known: list[str], check_params:
         if not isinstance(row.get("reason"), str):
             raise TableError(f"{where}: winner is null, so field `reason` must say why")
     else:
-        variant = _check_variant(where, "winner", winner, known, check_params)
+        variant = check_variant_field(where, "winner", winner, known, check_params)
         if winner.get("backend") != variant.backend:
             raise TableError(f"{where}: winner.backend {winner.get('backend')!r} disagrees with "
                              f"winner.variant {variant}")
@@ -468,7 +471,7 @@ def _check_row(path: Path, index: int, row: Any, known: list[str], check_params:
         raise TableError(f"{where}: field `prior` belongs in a prior's rows (provenance.kind: "
                          f"{PRIOR_KIND}); a measured row has none, so remove it")
     if row.get("runner_up") is not None:
-        _check_variant(where, "runner_up", row["runner_up"], known, check_params)
+        check_variant_field(where, "runner_up", row["runner_up"], known, check_params)
     for name, value in row.get("backends", {}).items():
         if name not in known:
             raise TableError(f"{where}: backends names unknown backend {name!r}; "
@@ -481,7 +484,7 @@ def _check_row(path: Path, index: int, row: Any, known: list[str], check_params:
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise TableError(f"{where}: candidates.{name} must be a count, got {value!r:.60}")
     for name, alt in row.get("alternates", {}).items():
-        variant = _check_variant(where, f"alternates.{name}", alt, known, check_params)
+        variant = check_variant_field(where, f"alternates.{name}", alt, known, check_params)
         if variant.backend != name:
             raise TableError(f"{where}: alternates.{name} holds a {variant.backend} variant")
         if not _is_number(alt.get("time_us")):
