@@ -1,8 +1,13 @@
-"""Reference math shared by the backend tests."""
+"""Reference math shared by the backend tests, and the vendor libraries' CPU fakes.
+
+`vendor_fakes` is tests/fakes/vendor_fakes.py: `vendor_fakes.install(monkeypatch,
+"flashinfer")` puts the fake in sys.modules for one test.
+"""
 
 import torch
 
 from mla_tune import problem
+from tests.fakes import vendor_fakes  # noqa: F401  (re-exported for the tests)
 
 
 def expected_output(data, variant):
@@ -15,3 +20,31 @@ def expected_output(data, variant):
     scale = variant.get("q_amax") / fp8_max
     q = (data[0].float() / scale).clamp(-fp8_max, fp8_max).to(fp8).float() * scale
     return problem.reference((q, *data[1:]), "bf16", kv)
+
+
+# The serving kernels that quantize q=fp8_dynamic per (new token, head) row; split-K and the
+# vendors quantize it per tensor, as the reference's fp8 q does.
+ROW_QUANTIZED_Q = ("triton_fused", "gluon_fused")
+
+
+def row_quantized_q(q: torch.Tensor) -> torch.Tensor:
+    """q as the fused kernels quantize it under q=fp8_dynamic: e4m3 per (new token, head)
+    row, scale amax / 448, returned in fp32."""
+    q = q.float()
+    scale = q.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 448.0
+    return (q / scale).to(torch.float8_e4m3fn).float() * scale
+
+
+def serving_expected(variant, q, qo_indptr, kv, kv_scale, *, sm_scale: float | None = None, **layout):
+    """The serving call's fp32 reference (mla_tune.serving.inputs.reference) on q as the
+    serving variant's q mode sees it; layout: kv_indptr, or block_table and seq_lens."""
+    from mla_tune.core import SM_SCALE
+    from mla_tune.serving import inputs
+
+    sm_scale = SM_SCALE if sm_scale is None else sm_scale
+    q_mode = variant.get("q")
+    if variant.backend in ROW_QUANTIZED_Q and q_mode == "fp8_dynamic":
+        return inputs.reference(row_quantized_q(q), qo_indptr, kv, kv_scale, **layout, sm_scale=sm_scale)
+    q_format = {"bf16": "bf16", "fp8_dynamic": "fp8", "fp8_static": "fp8_static"}[q_mode]
+    return inputs.reference(q, qo_indptr, kv, kv_scale, **layout, q_format=q_format, q_amax=variant.get("q_amax"),
+                            sm_scale=sm_scale)

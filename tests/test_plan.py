@@ -2,7 +2,8 @@
 
 On the CPU the own kernels run under Triton's interpreter (fp16 dots). The plan's picks
 come from a small serving table built here; every result is compared with the fp32
-reference of mla_tune.serving. GPU-marked: a decode loop captured in a CUDA graph.
+reference of mla_tune.serving. A decode loop through a plan captured in a CUDA graph (GPU):
+tests/test_graph_replay.py.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def test_the_plan_builds_every_pick_up_front_and_picks_by_bucket_and_mean_length
 def test_an_eager_plan_builds_the_point_variants_and_picks_the_fastest_estimate():
     table = _table()
     fam = table.families[FamilyKey.of(SPEC)]
-    # measured points (schema serving/2): the graph pick of 8 is estimated fastest near 256
+    # measured points: the graph pick of 8 is estimated fastest near 256
     fam.points = {(4, 32): {EAGER_4_256: 5.0, GRAPH_8: 9.0}, (4, 256): {EAGER_4_256: 20.0, GRAPH_8: 12.0},
                   (8, 32): {EAGER_4_256: 6.0, GRAPH_8: 9.5}, (8, 256): {EAGER_4_256: 24.0, GRAPH_8: 13.0}}
     plan = DecodePlan(SPEC, max_batch=4, table=table)
@@ -164,30 +165,3 @@ def test_a_table_without_the_family_warns_and_runs_the_default():
     with pytest.warns(UserWarning, match="no family for bf16 KV, paged 64"):
         plan = DecodePlan(other, max_batch=2, table=_table(), warm=False)
     assert plan.variants == [plan.pick(2)]
-
-
-@pytest.mark.gpu
-def test_a_decode_loop_captured_in_a_graph_replays_correctly_with_growing_lengths():
-    """An engine's step: update once, 4 layers, captured once per batch bucket and
-    replayed while every sequence grows by one token per step."""
-    spec = CallSpec("fp8", page_size=64, heads=128, max_q_len=1, graph=True)
-    plan = DecodePlan(spec, max_batch=8, device="cuda")
-    lens = [1, 17, 63, 64, 65, 700, 3000, 129]
-    static = serving.make_input([1] * 8, [n + 8 for n in lens], 128, 64, "fp8", seed=10, device="cuda")
-    layers = [torch.randn_like(static.q) for _ in range(4)]
-    outs = [torch.empty((8, 128, 512), dtype=torch.bfloat16, device="cuda") for _ in layers]
-
-    def step():
-        plan.update(static.qo_indptr, block_table=static.block_table, seq_lens=static.seq_lens)
-        for q, out in zip(layers, outs, strict=True):
-            out.copy_(plan.run(q, static.kv, static.kv_scale))
-
-    graph = serving.capture_without_sync(step)
-    for grow in range(0, 9, 4):
-        static.seq_lens.copy_(torch.tensor([n + grow for n in lens], dtype=torch.int32, device="cuda"))
-        graph.replay()
-        torch.cuda.synchronize()
-        for q, out in zip(layers, outs, strict=True):
-            ref = serving.reference(q, static.qo_indptr, static.kv, static.kv_scale,
-                                    block_table=static.block_table, seq_lens=static.seq_lens)
-            _close(out, ref, f"step +{grow}")

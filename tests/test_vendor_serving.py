@@ -4,18 +4,17 @@ reference of mla_tune.serving.
 Which calls each backend takes is read from its CAPABILITIES (`refusal`), never restated
 here, so a test and its declaration cannot disagree: every declared cell of the matrix
 layout {contiguous, paged 1, 16, 64} x heads {16, 128} x q_len {1, 2, 4} x KV {bf16, fp8}
-runs, every other cell is refused by build_serving. On the CPU through the fakes of
-tests/fakes (which check the calls as the libraries do and answer with the reference); on
-the H200 (`pytest -m gpu`) the real FlashMLA and FlashInfer over the same cells, the no-sync
-capture and CUDA-graph replays. AITER has no GPU here: CPU only.
+runs, every other cell is refused by build_serving, through the fakes of tests/fakes
+(which check the calls as the libraries do and answer with the reference). On the H200
+(`pytest -m gpu`) a padded slot of length 0 with the real FlashMLA and FlashInfer; their
+cells on the GPU are in tests/test_serving_correctness.py's matrix, their CUDA-graph replays
+in tests/test_graph_replay.py. AITER has no GPU here: CPU only.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,11 +23,7 @@ from mla_tune import gpu, problem
 from mla_tune.backends import aiter_mla, flash_mla, flashinfer_mla
 from mla_tune.core import CallSpec, Variant
 from mla_tune.serving import inputs as serving
-
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("vendor_fakes", ROOT / "tests" / "fakes" / "vendor_fakes.py")
-vendor_fakes = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(vendor_fakes)
+from tests.helpers import vendor_fakes
 
 BACKENDS = {"flashmla": flash_mla, "flashinfer": flashinfer_mla, "aiter": aiter_mla}
 PACKAGES = {"flashmla": "flash_mla", "flashinfer": "flashinfer", "aiter": "aiter"}
@@ -37,7 +32,6 @@ HEADS = (16, 128)
 Q_LENS = (1, 2, 4)
 KV_FORMATS = ("bf16", "fp8")
 KV_LENS = [3000, 1, 17, 63, 64, 65]
-GPU_KV_LENS = [*KV_LENS, 1000, 129]
 CELLS = list(itertools.product(LAYOUTS, HEADS, Q_LENS, KV_FORMATS))
 H200 = gpu.fake_platform("H200")
 
@@ -115,20 +109,17 @@ def _assert_close(out: torch.Tensor, ref: torch.Tensor, max_error: float, what: 
     assert result.passed, f"{what}: strict: {result.reason}"
 
 
-def _run_case(name, layout, heads, q_len, kv, device, platform, variant=None, seed=17):
-    """Build the backend's default serving variant for the cell, call it twice (the first
-    answer poisoned with NaN, so the second must write every element) and compare."""
+def _run_case(name, layout, heads, q_len, kv, platform, seed=17):
+    """Build the backend's default serving variant for the cell on the CPU, call it twice
+    (the first answer poisoned with NaN, so the second must write every element) and compare."""
     backend = BACKENDS[name]
     spec = _spec(name, layout, heads, q_len, kv)
-    variant = variant or backend.default_serving_variant(spec, platform)
-    runner = backend.build_serving(variant, spec, device)
-    inp = _input(spec, KV_LENS if device == "cpu" else GPU_KV_LENS, seed, device)
+    variant = backend.default_serving_variant(spec, platform)
+    runner = backend.build_serving(variant, spec, "cpu")
+    inp = _input(spec, KV_LENS, seed, "cpu")
     _call(runner, inp).fill_(float("nan"))
     out = _call(runner, inp)
-    if device != "cpu":
-        torch.cuda.synchronize()
-    _assert_close(out, _expected(variant, inp), _max_error(variant, device), _ids((name, layout, heads, q_len, kv)))
-    return runner, inp
+    _assert_close(out, _expected(variant, inp), _max_error(variant, "cpu"), _ids((name, layout, heads, q_len, kv)))
 
 
 # ------------------------------------------------------------------ what is declared
@@ -189,14 +180,14 @@ def test_leaderboard_variants_stay_valid():
 def test_declared_cells_match_the_reference_through_the_fakes(case, monkeypatch):
     name, *cell = case
     _install(monkeypatch, name)
-    _run_case(name, *cell, device="cpu", platform=H200 if name != "aiter" else gpu.fake_platform("MI355X"))
+    _run_case(name, *cell, platform=H200 if name != "aiter" else gpu.fake_platform("MI355X"))
 
 
 def test_the_newer_aiter_fake_serves_too(monkeypatch):
     monkeypatch.setenv("MLA_TUNE_FAKE_AITER_VERSION", "0.1.20.post1")
     _install(monkeypatch, "aiter")
     for cell in ((0, 128, 2, "fp8"), (1, 16, 4, "bf16")):
-        _run_case("aiter", *cell, device="cpu", platform=gpu.fake_platform("MI355X"))
+        _run_case("aiter", *cell, platform=gpu.fake_platform("MI355X"))
 
 
 def test_flash_mla_answers_a_static_q_scale_and_counts_saturation(monkeypatch):
@@ -340,91 +331,9 @@ def test_a_padded_slot_with_seq_len_0_spoils_no_other_row(case, monkeypatch):
 
 
 # ------------------------------------------------------------------------------ GPU
-GPU_CASES = [c for c in SERVED if c[0] != "aiter"]  # AITER runs on AMD GPUs only
-
-
 def _real(name: str) -> None:
     reason = BACKENDS[name].unavailable_reason()
     assert reason is None, reason
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", GPU_CASES, ids=_ids)
-def test_declared_cells_match_the_reference_on_the_h200(case):
-    name, *cell = case
-    _real(name)
-    _run_case(name, *cell, device="cuda", platform=gpu.detect(), seed=31)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("cell", [(0, 128, 4, "fp8"), (64, 16, 2, "bf16")])
-def test_flashinfer_fa2_matches_the_reference_on_the_h200(cell):
-    _real("flashinfer")
-    variant = Variant.make("flashinfer", kernel="fa2", kv=cell[3], q="bf16")
-    _run_case("flashinfer", *cell, device="cuda", platform=gpu.detect(), variant=variant, seed=33)
-
-
-@pytest.mark.gpu
-def test_flash_mla_static_q_scale_on_the_h200():
-    _real("flashmla")
-    spec = _spec("flashmla", 64, 128, 2, "fp8")
-    inp = _input(spec, GPU_KV_LENS, 35, "cuda")
-    variant = Variant.make("flashmla", kv="fp8", q="fp8_static", q_amax=0.8 * float(inp.q.abs().amax()))
-    out = _call(flash_mla.build_serving(variant, spec, "cuda"), inp)
-    torch.cuda.synchronize()
-    _assert_close(out, _expected(variant, inp), _max_error(variant, "cuda"), "fp8_static")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kv", KV_FORMATS)
-def test_flash_mla_graph_replays_with_new_lengths_and_block_tables_without_syncing(kv):
-    """One q_len per call, so 1 here (refill_for_replays' last sequence brings one)."""
-    _real("flashmla")
-    heads, device = 128, "cuda"
-    spec = _spec("flashmla", 64, heads, 1, kv, graph=True)
-    variant = flash_mla.default_serving_variant(spec, gpu.detect())
-    runner = flash_mla.build_serving(variant, spec, device)
-    static = serving.make_input([1] * len(serving.GRAPH_KV_LENS), serving.GRAPH_KV_LENS, heads, 64, kv,
-                                seed=41, device=device)
-    held = {}
-
-    def call():
-        held["out"] = runner(static.q, static.qo_indptr, static.kv, static.kv_scale, **static.layout)
-
-    graph = serving.capture_without_sync(call)
-    for seed, new in serving.refill_for_replays(static, 1, heads, kv, device):
-        held["out"].fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        _assert_close(held["out"], _expected(variant, new), _max_error(variant, device), f"replay seed {seed}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("layout", [0, 64])
-def test_flashinfer_graph_replays_with_the_plan_outside(layout):
-    """The run in the graph; before each replay, runner.plan(...) with the new host lengths
-    (an engine's step), outside the graph. 128 heads keep 2-CTA clusters throughout."""
-    _real("flashinfer")
-    heads, max_q, kv, device = 128, 2, "fp8", "cuda"
-    spec = _spec("flashinfer", layout, heads, max_q, kv, graph=True)
-    variant = flashinfer_mla.default_serving_variant(spec, gpu.detect())
-    runner = flashinfer_mla.build_serving(variant, spec, device)
-    static = serving.make_input(serving.GRAPH_Q_LENS, serving.GRAPH_KV_LENS, heads, layout, kv, seed=41,
-                                device=device)
-    lengths = {"q_lens_host": serving.GRAPH_Q_LENS, "kv_lens_host": serving.GRAPH_KV_LENS}
-    held = {}
-
-    def call():
-        held["out"] = runner(static.q, static.qo_indptr, static.kv, static.kv_scale, **static.layout, **lengths)
-
-    graph = serving.capture_without_sync(call)
-    for seed, new in serving.refill_for_replays(static, max_q, heads, kv, device):
-        runner.plan(static.q, static.qo_indptr, static.kv, static.kv_scale, **static.layout,
-                    q_lens_host=new.q_lens, kv_lens_host=new.kv_lens)
-        held["out"].fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        _assert_close(held["out"], _expected(variant, new), 1e-2, f"replay seed {seed}")
 
 
 @pytest.mark.gpu

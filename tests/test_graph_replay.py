@@ -1,0 +1,179 @@
+"""A CUDA graph of the serving call replays new lengths: one test per path, GPU only.
+
+Each graph is captured once at the maxima by serving.capture_without_sync, which compiles
+outside the graph and captures under sync debug mode "error" (a call that synchronizes
+with the host raises there instead of being captured), then replayed with other lengths,
+q_lens and block tables (serving.refill_for_replays: 1-, 2- and 3000-token sequences moved
+between batch slots), each replay's output poisoned with NaN first and compared with the
+fp32 reference of the new call.
+
+- the serving call (Decoder): split-K and the fused kernel, each with its default variant
+  and with the launch settings the kernel tests chose; FlashMLA (one q_len per call, so 1)
+  on bf16 and fp8 KV; FlashInfer with its plan made on the host before each replay (an
+  engine's step), outside the graph;
+- any other serving backend that declares itself graph-safe and runs on the H200 (the
+  Gluon kernel where it serves), with its default variant;
+- DecodePlan: an engine's decode step (update, then three layers) captured whole and
+  replayed while the sequences grow, for split-K, fused and FlashMLA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mla_tune import gpu, problem
+from mla_tune.backends import get_backend
+from mla_tune.core import CallSpec, Variant
+from mla_tune.serving import inputs as serving
+from mla_tune.serving.call import PREFERENCE, Decoder
+from mla_tune.serving.decode_plan import DecodePlan
+from tests.helpers import serving_expected
+
+
+def _gpu(test):
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")(test))
+
+
+HEADS = 128
+
+# The own kernels' settings of the kernel-level graph tests: 16 splits of 128 tokens, split-K
+# with q quantized to fp8 in the graph (its amax pass included), fused with bf16 q.
+SPLITK_SETTING = dict(q="fp8_dynamic", max_splits=16, tokens_per_split=128, block_n=64, block_h=16,
+                      num_warps=4, num_stages=2, dot_dtype="bf16")
+FUSED_SETTING = dict(q="bf16", qk_dot="bf16", pv_dot="bf16", max_splits=16, tokens_per_split=128, block_n=64,
+                     block_h=8, num_warps=4, num_stages=2)
+SETTINGS = {"triton": SPLITK_SETTING, "triton_fused": FUSED_SETTING}
+
+# (backend, layout, kv, setting): None is the backend's default serving variant.
+CALL_CASES = [
+    ("triton", 0, "fp8", "kernel"), ("triton", 64, "fp8", None),
+    ("triton_fused", 0, "fp8", "kernel"), ("triton_fused", 64, "fp8", None),
+    ("flashmla", 64, "bf16", None), ("flashmla", 64, "fp8", None),
+    ("flashinfer", 0, "fp8", None), ("flashinfer", 64, "fp8", None),
+]
+
+
+def _graph_backends() -> list[str]:
+    """The serving backends that declare themselves graph-safe and run on an H200."""
+    tags = gpu.fake_platform("H200").tags
+    return [name for name in PREFERENCE
+            if (caps := get_backend(name).CAPABILITIES).serving and caps.graph_safe and caps.runs_on(tags)]
+
+
+# Any other (the Gluon kernel where it serves): its default variant on paged 64 (or contiguous).
+CALL_CASES += [(name, 64 if 64 in get_backend(name).CAPABILITIES.page_sizes else 0, "fp8", None)
+               for name in _graph_backends() if name not in {c[0] for c in CALL_CASES}]
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, max_error: float, what: str) -> None:
+    assert bool(torch.isfinite(out).all()), f"{what}: an element is NaN or was never written"
+    err = float((out.float() - ref).norm() / ref.norm())
+    assert err < max_error, f"{what}: relative L2 error {err:.4f} (allowed {max_error})"
+    result = problem.check(out, ref, problem.RULES["strict"])
+    assert result.passed, f"{what}: strict: {result.reason}"
+
+
+def _max_error(variant: Variant) -> float:
+    """5e-2 for FlashMLA's fp8 kernel (it rounds the softmax probabilities to fp8 before
+    P.V), else 1e-2 as for every other path."""
+    return 5e-2 if variant.backend == "flashmla" and variant.get("kv") == "fp8" else 1e-2
+
+
+def _ids(case) -> str:
+    name, layout, kv, setting = case
+    return f"{name}-{'contiguous' if layout == 0 else f'page{layout}'}-{kv}-{setting or 'default'}"
+
+
+@_gpu
+@pytest.mark.parametrize("case", CALL_CASES, ids=_ids)
+def test_a_captured_serving_call_replays_new_lengths_and_block_tables(case):
+    name, layout, kv, setting = case
+    backend = get_backend(name)
+    reason = backend.unavailable_reason() if hasattr(backend, "unavailable_reason") else None
+    assert reason is None, reason
+    max_q = 2 if backend.CAPABILITIES.mixed_q_len else 1
+    spec = CallSpec(kv, page_size=layout, heads=HEADS, max_q_len=max_q, mixed_q_len=max_q > 1, graph=True,
+                    host_lengths=backend.CAPABILITIES.host_lengths)
+    variant = None
+    if setting:
+        variant = Variant.make(name, kv=kv, **SETTINGS[name])
+    decoder = Decoder(spec, backend=name, variant=variant, device="cuda")
+    q_lens = serving.GRAPH_Q_LENS if max_q > 1 else [1] * len(serving.GRAPH_KV_LENS)
+    static = serving.make_input(q_lens, serving.GRAPH_KV_LENS, HEADS, layout, kv, seed=41, device="cuda")
+    lengths = {"q_lens_host": q_lens, "kv_lens_host": serving.GRAPH_KV_LENS} if spec.host_lengths else {}
+    held = {}
+
+    def call():
+        held["out"] = decoder(static.q, static.qo_indptr, static.kv, static.kv_scale, **static.layout, **lengths)
+
+    graph = serving.capture_without_sync(call)
+    out = held["out"]
+    for seed, new in serving.refill_for_replays(static, max_q, HEADS, kv, "cuda"):
+        if name == "flashinfer":  # its plan runs on the host: before each replay, outside the graph
+            decoder.runner.plan(static.q, static.qo_indptr, static.kv, static.kv_scale, **static.layout,
+                                q_lens_host=new.q_lens, kv_lens_host=new.kv_lens)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        rows = new.q.shape[0]
+        ref = serving_expected(decoder.variant, new.q, new.qo_indptr, new.kv, new.kv_scale, **new.layout)
+        _close(out[:rows], ref, _max_error(decoder.variant), f"{_ids(case)} replay seed {seed}")
+        if name == "triton_fused":  # the reduction's counters are back at zero for the next replay
+            assert int(decoder.runner.workspace.count.abs().sum()) == 0
+
+
+GROWING_LENS = [1, 17, 63, 64, 65, 700, 3000, 129]
+
+
+@_gpu
+@pytest.mark.parametrize("backend", ["triton", "triton_fused", "flashmla"])
+def test_a_decode_step_through_a_plan_captured_once_replays_growing_lengths(backend):
+    """An engine's step: update once, then three layers, captured once for the batch bucket
+    and replayed while every sequence grows by 4 tokens per replay."""
+    spec = CallSpec("fp8", page_size=64, heads=HEADS, max_q_len=1, graph=True)
+    plan = DecodePlan(spec, max_batch=8, backend=backend, device="cuda")
+    batch = len(GROWING_LENS)
+    static = serving.make_input([1] * batch, [n + 8 for n in GROWING_LENS], HEADS, 64, "fp8", seed=10, device="cuda")
+    layers = [torch.randn_like(static.q) for _ in range(3)]
+    outs = [torch.empty((batch, HEADS, 512), dtype=torch.bfloat16, device="cuda") for _ in layers]
+
+    def step():
+        plan.update(static.qo_indptr, block_table=static.block_table, seq_lens=static.seq_lens)
+        for q, out in zip(layers, outs, strict=True):
+            out.copy_(plan.run(q, static.kv, static.kv_scale))
+
+    graph = serving.capture_without_sync(step)
+    variant = plan.pick(batch)
+    assert variant.backend == backend
+    for grow in (0, 4, 8):
+        static.seq_lens.copy_(torch.tensor([n + grow for n in GROWING_LENS], dtype=torch.int32, device="cuda"))
+        for out in outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (q, out) in enumerate(zip(layers, outs, strict=True)):
+            ref = serving_expected(variant, q, static.qo_indptr, static.kv, static.kv_scale, **static.layout)
+            _close(out, ref, _max_error(variant), f"{backend} +{grow} layer {i}")
+
+
+def test_every_backend_that_serves_a_graph_on_the_h200_has_a_replay_case():
+    assert {"triton", "triton_fused", "flashmla", "flashinfer"} <= set(_graph_backends())
+    assert {c[0] for c in CALL_CASES} == set(_graph_backends())
+
+
+@pytest.mark.parametrize("layout", [0, 64])
+def test_refilling_the_captured_buffers_reproduces_each_replay_input(layout):
+    """The graph tests' update step (serving.refill_for_replays), on the CPU: after each refill
+    the captured call's own buffers describe exactly the new call."""
+    heads, max_q = 16, 2
+    static = serving.make_input(serving.GRAPH_Q_LENS, serving.GRAPH_KV_LENS, heads, layout, "fp8",
+                                seed=41, device="cpu")
+    seen = []
+    for seed, new in serving.refill_for_replays(static, max_q, heads, "fp8", "cpu"):
+        rows = new.q.shape[0]
+        refilled = serving.reference(static.q, static.qo_indptr, static.kv, static.kv_scale,
+                                     **static.layout, q_format="fp8")[:rows]
+        assert torch.equal(refilled, new.reference("fp8")), f"replay seed {seed}"
+        seen.append(seed)
+    assert seen == [seed for seed, _ in serving.GRAPH_REPLAYS]

@@ -1,0 +1,350 @@
+"""The serving call's answers against the fp32 reference (mla_tune/serving/inputs.py): one
+matrix for every backend that serves it, each case through the one call (Decoder).
+
+GPU (`pytest -m gpu`): backend x layout {contiguous, paged 1, 16, 64} x heads x q_len {1, 2,
+4} x KV {bf16, fp8} over the lengths 3000, 1, 17, 63, 64, 65, 1000 and 129, at DeepSeek-V3's
+softmax scale (the caller's, CallSpec.sm_scale; the fixed 1/sqrt(576) of the leaderboard
+would hide a kernel that ignored it):
+
+- split-K (triton) at 16 and 128 heads, the fused one-launch kernel (triton_fused) at 16,
+  32, 64 and 128, and every other serving backend that runs on the H200 (FlashMLA,
+  FlashInfer, the Gluon kernel where it serves) at 16 and 128, each on every cell its
+  capability record declares (read from CAPABILITIES, never restated here); six cells
+  beyond the grid for the own kernels (pages of 2, 8 and 128 tokens, q_len 3, 32 and 64
+  heads);
+- per cell, each backend's default serving variant, and for the own kernels the launch
+  settings the kernel tests chose (split-K: one setting per cell rotated over one split
+  without stage 2, a few, many short ones, head tiles of 16 and of 64 rows, q bf16 and
+  fp8_dynamic; fused: one split written directly, 16 splits with a doubled head tile, and
+  fp8 q with an fp8 QK dot on fp8 KV); FlashInfer's fa2 kernel and FlashMLA's static fp8 q
+  on one cell or two each.
+
+Every case calls twice: the first answer (the runner's own buffer) and the own kernels'
+partials are poisoned with NaN, so the second call must write every element and reduce
+only what it wrote; paged caches hold NaN in every slot no sequence owns.
+
+CPU: the own kernels under Triton's interpreter (fp16 dots) through the same call, over a
+sample of the matrix that covers every pair of (layout, heads, q_len, KV) values for each
+backend (test_cpu_sample_covers_every_pair_of_factors), with lengths 1, 17, 63, 64, 65 and
+a long one.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from mla_tune import gpu, problem
+from mla_tune.backends import get_backend
+from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, CallSpec, Variant
+from mla_tune.serving import inputs as serving
+from mla_tune.serving.call import PREFERENCE, Decoder
+from tests.helpers import serving_expected, vendor_fakes
+
+LAYOUTS = (0, 1, 16, 64)  # 0: contiguous; else the page size
+HEADS = (16, 128)
+Q_LENS = (1, 2, 4)
+KV_FORMATS = ("bf16", "fp8")
+OWN = ("triton", "triton_fused")
+SCALE = CORE_DEEPSEEK_V3_SCALE
+GPU_KV_LENS = [3000, 1, 17, 63, 64, 65, 1000, 129]
+GPU_SEED = 31
+# Beyond the grid: pages of 2, 8 and 128 tokens, q_len 3 (padded to 4 rows), 32 and 64 heads.
+ODD_CELLS = [(8, 32, 3, "fp8"), (128, 64, 2, "bf16"), (128, 32, 1, "fp8"), (2, 64, 4, "fp8"),
+             (16, 64, 1, "bf16"), (0, 32, 1, "fp8")]
+
+
+def _caps(name: str):
+    return get_backend(name).CAPABILITIES
+
+
+def _spec(name: str, layout: int, heads: int, q_len: int, kv: str) -> CallSpec:
+    """The call of a cell as an engine would declare it to this backend: ragged q_len where
+    the backend takes it, host lengths where it needs them, the model's softmax scale."""
+    caps = _caps(name)
+    return CallSpec(kv_format=kv, page_size=layout, heads=heads, max_q_len=q_len,
+                    mixed_q_len=caps.mixed_q_len and q_len > 1, host_lengths=caps.host_lengths,
+                    sm_scale=SCALE)
+
+
+def _input(spec: CallSpec, kv_lens: list[int], seed: int, device) -> serving.ServingInput:
+    """Ragged q_len (even sequences bring max_q_len new tokens, odd ones about half, never
+    more than a sequence holds) where the spec allows it, else max_q_len for all (KV lengths
+    raised to hold it)."""
+    q_len = spec.max_q_len
+    if spec.mixed_q_len:
+        q_lens = [min(n, q_len if i % 2 == 0 else (q_len + 1) // 2) for i, n in enumerate(kv_lens)]
+    else:
+        kv_lens = [max(n, q_len) for n in kv_lens]
+        q_lens = [q_len] * len(kv_lens)
+    return serving.make_input(q_lens, kv_lens, spec.heads, spec.page_size, spec.kv_format, seed=seed,
+                              device=device)
+
+
+def _call(decoder: Decoder, inp: serving.ServingInput) -> torch.Tensor:
+    return decoder(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout,
+                   q_lens_host=list(inp.q_lens), kv_lens_host=list(inp.kv_lens))
+
+
+# The own kernels' partials: stage 2 (or the fused reduction) must read only what this call wrote.
+_PARTIALS = {"triton": ("part_out", "part_lse", "q_amax"), "triton_fused": ("part_o", "part_lse")}
+
+
+def _poison(decoder: Decoder, out: torch.Tensor) -> None:
+    out.fill_(float("nan"))
+    for name in _PARTIALS.get(decoder.backend, ()):
+        getattr(decoder.runner.workspace, name).fill_(float("nan"))
+
+
+def _answer_into_poisoned_buffers(decoder: Decoder, inp: serving.ServingInput, warm=None) -> torch.Tensor:
+    """Call once (`warm`, an input with the same new tokens, or `inp` itself), poison what
+    the call returned and the partials, and call `inp` into them: every element of the
+    answer is written by the call whose result is checked."""
+    first = _call(decoder, warm or inp)
+    _poison(decoder, first)
+    again = _call(decoder, inp)
+    assert again.data_ptr() == first.data_ptr(), "the runner allocated a new output for the same new tokens"
+    return again
+
+
+def _expected(variant: Variant, inp: serving.ServingInput) -> torch.Tensor:
+    """The reference at the model's scale on q as the variant's q mode sees it."""
+    return serving_expected(variant, inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout, sm_scale=SCALE)
+
+
+def _max_error(variant: Variant, device) -> float:
+    """Relative L2 error allowed: 1e-2, but 5e-2 for FlashMLA's fp8 kernel on the GPU, which
+    rounds the softmax probabilities to fp8 before P.V
+    (csrc/extension/sm90/dense_fp8/flash_fwd_mla_kernel.h) where the reference keeps fp32."""
+    fp8_kernel = variant.backend == "flashmla" and variant.get("kv") == "fp8"
+    return 5e-2 if fp8_kernel and torch.device(device).type == "cuda" else 1e-2
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor, max_error: float, what: str) -> None:
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
+    assert bool(torch.isfinite(out).all()), f"{what}: an element is NaN or was never written"
+    err = float((out.float() - ref).norm() / ref.norm())
+    assert err < max_error, f"{what}: relative L2 error {err:.4f} (allowed {max_error})"
+    result = problem.check(out, ref, problem.RULES["strict"])
+    assert result.passed, f"{what}: strict: {result.reason}"
+
+
+def _ids(case) -> str:
+    name, layout, heads, q_len, kv = case[:5]
+    return f"{name}-{'contiguous' if layout == 0 else f'page{layout}'}-h{heads}-q{q_len}-{kv}"
+
+
+# ------------------------------------------------------------------------------ GPU
+def _splitk_variant(layout: int, heads: int, q_len: int, kv: str, device: str = "cuda", **change) -> Variant:
+    """The split-K setting of a GPU cell, rotated over the matrix so that every split
+    setting (one split: no stage 2; 8 of 256 tokens; 16 of 64 in 32-token tiles), both head
+    tiles (16 heads; 64 rows) and both dynamic q modes run, without a compile per
+    combination."""
+    rows = 1 << (q_len - 1).bit_length()
+    spin = (layout + heads // 16 + q_len) % 3
+    max_splits, tokens_per_split, block_n = [(1, 1, 64), (8, 256, 64), (16, 64, 32)][spin]
+    block_h = 16 if spin != 1 else min(heads, 64 // rows)
+    q_mode = "fp8_dynamic" if (kv == "fp8") == (q_len != 2) else "bf16"
+    params = dict(kv=kv, q=q_mode, block_n=block_n, block_h=block_h, max_splits=max_splits,
+                  tokens_per_split=tokens_per_split, num_warps=8 if block_h * rows >= 64 else 4,
+                  num_stages=2, dot_dtype="bf16" if device == "cuda" else "fp16")
+    return Variant.make("triton", **{**params, **change})
+
+
+def _fused_variants(heads: int, q_len: int, kv: str) -> list[Variant]:
+    """The fused settings of a GPU cell: one split (the direct write), up to 16 splits with
+    a doubled head tile, and on fp8 KV fp8 q with an fp8 QK dot at up to 8 (as the H200
+    table's picks); 16 MMA columns (heads x next_pow2(q_len)) per program otherwise."""
+    block_h = min(heads, 16 // (1 << (q_len - 1).bit_length()))
+    common = dict(kv=kv, num_warps=4, num_stages=2)
+    bf16 = dict(q="bf16", qk_dot="bf16", pv_dot="bf16")
+    plans = [Variant.make("triton_fused", **common, **bf16, max_splits=1, tokens_per_split=1, block_n=64,
+                          block_h=block_h),
+             Variant.make("triton_fused", **common, **bf16, max_splits=16, tokens_per_split=64, block_n=32,
+                          block_h=min(heads, 2 * block_h))]
+    if kv == "fp8":
+        plans.append(Variant.make("triton_fused", **common, q="fp8_dynamic", qk_dot="fp8", pv_dot="fp16",
+                                  max_splits=8, tokens_per_split=256, block_n=64, block_h=block_h))
+    return plans
+
+
+def _gpu_variants(name: str, cell: tuple, spec: CallSpec, q_amax: float, platform) -> list[Variant]:
+    """The backend's default serving variant for the cell, then the cell's other settings
+    (q_amax: FlashMLA's static q scale, below the input's largest |q|)."""
+    variants = [get_backend(name).default_serving_variant(spec, platform)]
+    if name == "triton":
+        variants.append(_splitk_variant(*cell))
+    elif name == "triton_fused":
+        variants += _fused_variants(*cell[1:])
+    elif name == "flashinfer" and cell in ((0, 128, 4, "fp8"), (64, 16, 2, "bf16")):
+        variants.append(Variant.make("flashinfer", kernel="fa2", kv=cell[3], q="bf16"))
+    elif name == "flashmla" and cell == (64, 128, 2, "fp8"):  # some values clamp, as in serving
+        variants.append(Variant.make("flashmla", kv="fp8", q="fp8_static", q_amax=q_amax))
+    return list(dict.fromkeys(variants))
+
+
+def _declared(name: str, cells) -> list[tuple]:
+    return [(name, *cell) for cell in cells if _caps(name).refusal(_spec(name, *cell)) is None]
+
+
+def _serving_backends() -> list[str]:
+    """Every serving backend that runs on an H200, in the order a Decoder tries them."""
+    tags = gpu.fake_platform("H200").tags
+    return [name for name in PREFERENCE if _caps(name).serving and _caps(name).runs_on(tags)]
+
+
+GRID = list(itertools.product(LAYOUTS, HEADS, Q_LENS, KV_FORMATS))
+FUSED_GRID = list(itertools.product(LAYOUTS, (16, 32, 64, 128), Q_LENS, KV_FORMATS))
+OTHERS = [name for name in _serving_backends() if name not in OWN]  # FlashMLA, FlashInfer, ...
+GPU_CASES = (_declared("triton", GRID + ODD_CELLS)
+             + _declared("triton_fused", FUSED_GRID + [c for c in ODD_CELLS if c not in FUSED_GRID])
+             + [case for name in OTHERS for case in _declared(name, GRID)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("case", GPU_CASES, ids=_ids)
+def test_every_declared_cell_matches_the_reference_on_the_gpu(case):
+    name, *cell = case
+    backend = get_backend(name)
+    reason = backend.unavailable_reason() if hasattr(backend, "unavailable_reason") else None
+    assert reason is None, reason
+    spec = _spec(name, *cell)
+    inp = _input(spec, GPU_KV_LENS, GPU_SEED, "cuda")
+    for variant in _gpu_variants(name, tuple(cell), spec, 0.8 * float(inp.q.abs().amax()), gpu.detect()):
+        decoder = Decoder(spec, variant=variant, device="cuda")
+        out = _answer_into_poisoned_buffers(decoder, inp)
+        torch.cuda.synchronize()
+        _assert_close(out, _expected(variant, inp), _max_error(variant, "cuda"), f"{_ids(case)} {variant}")
+
+
+def test_the_gpu_matrix_covers_every_backend_layout_heads_q_len_and_kv():
+    """The parameter sets the matrix replaced, all in it: every cell of the grid for split-K
+    (16, 128 heads) and fused (16-128 heads), FlashMLA's paged-64 cells and FlashInfer's
+    every layout, each other serving backend's declared cells; the cells beyond the grid;
+    every split-K setting and q mode; each fused setting on every fused cell."""
+    cases = {name: {tuple(c[1:]) for c in GPU_CASES if c[0] == name} for name in _serving_backends()}
+    assert {"flashmla", "flashinfer"} <= set(OTHERS)
+    assert cases["triton"] == set(GRID) | set(ODD_CELLS)
+    assert cases["triton_fused"] == set(FUSED_GRID) | set(ODD_CELLS)
+    assert {c[0] for c in cases["flashmla"]} == {64} and len(cases["flashmla"]) == 12
+    assert {c[0] for c in cases["flashinfer"]} == set(LAYOUTS) and len(cases["flashinfer"]) == 48
+    for name in OTHERS:
+        assert cases[name] and cases[name] == {c for c in GRID if _caps(name).refusal(_spec(name, *c)) is None}
+    settings = {(v.get("max_splits"), v.get("block_h") * (1 << (c[2] - 1).bit_length()) >= 64, v.get("q"))
+                for c in cases["triton"] for v in [_splitk_variant(*c)]}
+    assert {s[0] for s in settings} == {1, 8, 16} and {s[1] for s in settings} == {True, False}
+    assert {s[2] for s in settings} == {"bf16", "fp8_dynamic"}
+    assert all(len(_fused_variants(*c[1:])) == (3 if c[3] == "fp8" else 2) for c in cases["triton_fused"])
+
+
+def test_every_variant_of_the_gpu_matrix_validates_and_builds(monkeypatch):
+    """On the CPU, so that a bad setting fails here and not in the GPU's time: each case's
+    variants (for the H200) validate, and the own ones build for the cell's spec."""
+    vendor_fakes.install(monkeypatch, "flash_mla", "flashinfer")
+    h200 = gpu.fake_platform("H200")
+    built = 0
+    for name, *cell in GPU_CASES:
+        spec = _spec(name, *cell)
+        for variant in _gpu_variants(name, tuple(cell), spec, 6.0, h200):
+            get_backend(name).validate(variant)
+            assert variant.get("kv") == spec.kv_format
+            if name in OWN:
+                get_backend(name).build_serving(variant, spec, "cpu")  # allocates on its first call
+                built += 1
+    assert built == 54 * 2 + 100 * 3 + 51  # default + rotated; default + 2 bf16 settings (+ fp8 q on fp8 KV)
+
+
+# ------------------------------------------------------------------------------ CPU
+# (backend, layout, heads, q_len, kv, kv_lens, setting). For each own backend, every pair of
+# (layout, heads, q_len, kv) values appears (32 heads standing in for 128: the interpreter
+# runs a program per head in the reduction); lengths 1, 17, 63, 64, 65 and 300; one split
+# (no reduction), several, and max_splits capping a long sequence; every q mode; tiles
+# shorter, equal and longer than a page; head tiles of 4 to 32. Setting: (block_n, block_h,
+# max_splits, tokens_per_split[, q mode]) with fp16 dots, or None: the backend's default
+# serving variant on the CPU (a split every 256 tokens, so 300 splits).
+_ROWS = [(0, 16, 1, "bf16"), (0, 32, 2, "fp8"), (0, 16, 4, "fp8"), (1, 32, 1, "bf16"), (1, 16, 2, "fp8"),
+         (1, 32, 4, "bf16"), (16, 16, 1, "fp8"), (16, 32, 2, "bf16"), (16, 16, 4, "bf16"), (64, 32, 1, "fp8"),
+         (64, 16, 2, "bf16"), (64, 32, 4, "fp8")]
+_SPLITK_SETTINGS = [
+    ([300, 1, 17], (64, 16, 8, 32, "bf16")),
+    ([65, 1], (32, 32, 4, 32, "fp8_dynamic")),
+    ([63, 4, 64], (16, 4, 1, 1, "bf16")),
+    ([17, 64], (16, 32, 2, 32, "bf16")),
+    ([300, 1, 65], (64, 8, 4, 64, "fp8_static")),
+    ([18, 5], (16, 16, 3, 8, "bf16")),
+    ([1, 63, 65, 17], (32, 16, 4, 16, "fp8_dynamic")),
+    ([64, 2], (16, 32, 2, 48, "bf16")),
+    ([65, 17, 4], (16, 8, 8, 16, "bf16")),
+    ([65, 1], (32, 16, 4, 32, "bf16")),
+    ([300, 17, 64], (64, 16, 16, 32, "bf16")),
+    ([17, 63], (16, 16, 2, 16, "fp8_dynamic")),
+]
+_FUSED_SETTINGS = [
+    ([300, 1, 17], (64, 16, 8, 32)),
+    ([65, 1], (32, 32, 4, 32)),
+    ([63, 4, 64], (16, 4, 1, 1)),
+    ([17, 64], (16, 32, 2, 32)),
+    ([300, 1, 65], (64, 8, 4, 64)),
+    ([18, 5], (16, 16, 3, 8)),
+    ([1, 63, 65, 17], (32, 16, 4, 16)),
+    ([64, 2], (16, 32, 2, 48)),
+    ([65, 17, 4], (16, 8, 8, 16)),
+    ([65, 1], (32, 16, 4, 32)),
+    ([300, 17, 64], (64, 16, 16, 32)),
+    ([17, 63], (16, 16, 2, 16)),
+]
+CPU_CASES = ([("triton", *row, lens, s) for row, (lens, s) in zip(_ROWS, _SPLITK_SETTINGS, strict=True)]
+             + [("triton_fused", *row, lens, s) for row, (lens, s) in zip(_ROWS, _FUSED_SETTINGS, strict=True)]
+             + [("triton", 16, 16, 2, "fp8", [300, 17], None), ("triton", 0, 16, 1, "bf16", [300, 1], None),
+                ("triton_fused", 64, 16, 1, "fp8", [300, 17], None), ("triton_fused", 1, 16, 2, "bf16", [300, 2], None)])
+
+
+def _cpu_variant(name: str, kv: str, setting: tuple, q_amax: float) -> Variant:
+    if name == "triton":
+        block_n, block_h, max_splits, tokens_per_split, q_mode = setting
+        return Variant.make("triton", kv=kv, q=q_mode, block_n=block_n, block_h=block_h, max_splits=max_splits,
+                            tokens_per_split=tokens_per_split, num_warps=4, num_stages=1, dot_dtype="fp16",
+                            **({"q_amax": q_amax} if q_mode == "fp8_static" else {}))
+    block_n, block_h, max_splits, tokens_per_split = setting
+    return Variant.make("triton_fused", kv=kv, q="bf16", qk_dot="fp16", pv_dot="fp16", block_n=block_n,
+                        block_h=block_h, max_splits=max_splits, tokens_per_split=tokens_per_split, num_warps=4,
+                        num_stages=1)
+
+
+def test_cpu_sample_covers_every_pair_of_factors():
+    factors = [LAYOUTS, (16, 32), Q_LENS, KV_FORMATS]
+    for name in OWN:
+        cases = [c[1:] for c in CPU_CASES if c[0] == name and c[6] is not None]
+        for i, j in itertools.combinations(range(4), 2):
+            seen = {(case[i], case[j]) for case in cases}
+            assert seen == set(itertools.product(factors[i], factors[j])), (name, i, j)
+        assert {1, 17, 63, 64, 65, 300} <= {n for case in cases for n in case[4]}, name
+        splits = {min(s[2], max(-(-n // s[3]) for n in lens)) for *_, lens, s in cases}
+        assert 1 in splits and any(1 < k for k in splits), name  # one split and several
+        assert any(-(-max(lens) // s[3]) > s[2] for *_, lens, s in cases), name  # max_splits caps
+        assert {s[1] for *_, s in cases} >= {4, 8, 16, 32}, name
+        pages = {(s[0] > c[0]) - (s[0] < c[0]) for c in cases if c[0] > 1 for s in [c[5]]}
+        assert pages == {-1, 0, 1}, name  # tiles shorter, equal and longer than a page
+    assert {c[6][4] for c in CPU_CASES if c[0] == "triton" and c[6] is not None} \
+        == {"bf16", "fp8_dynamic", "fp8_static"}
+    assert {c[0] for c in CPU_CASES if c[6] is None} == set(OWN)
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"{_ids(c)}-{'default' if c[6] is None else 'set'}")
+def test_the_serving_call_matches_the_reference_on_a_covering_sample(case):
+    name, layout, heads, q_len, kv, kv_lens, setting = case
+    spec = _spec(name, layout, heads, q_len, kv)
+    inp = _input(spec, kv_lens, 17, "cpu")
+    assert max(inp.q_lens) == q_len
+    if setting is None:
+        variant = get_backend(name).default_serving_variant(spec, gpu.detect())
+    else:  # fp8_static: a q_amax below the largest |q|, so some values clamp, as in serving
+        variant = _cpu_variant(name, kv, setting, 0.8 * float(inp.q.abs().amax()))
+    decoder = Decoder(spec, variant=variant, device="cpu")
+    # the first call over the new tokens alone (each sequence holds just them): it sizes the buffers
+    warm = serving.make_input(inp.q_lens, inp.q_lens, heads, layout, kv, seed=1)
+    out = _answer_into_poisoned_buffers(decoder, inp, warm)
+    _assert_close(out, _expected(variant, inp), 1e-2, f"{_ids(case)} {variant}")
