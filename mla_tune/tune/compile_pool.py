@@ -377,11 +377,11 @@ class CompileHandle:
         if not slot.proc.is_alive():
             if slot.job is not None:
                 slot.proc.join(1)
-                self._finish(slot, "crashed", f"its compile process died ({_exit_text(slot.proc.exitcode)}) "
+                self._finish(slot, "crashed", f"its compile process died ({signal_name(slot.proc.exitcode)}) "
                              f"while warming it{self._log_hint()}")
             if not slot.ready:
                 slot.proc.join(1)
-                self._last_start_failure = f"{_exit_text(slot.proc.exitcode)} before it was ready"
+                self._last_start_failure = f"{signal_name(slot.proc.exitcode)} before it was ready"
                 return "never started"
             return "started"
         if slot.job is not None and now - slot.job_started > self._job_timeout_s:
@@ -396,7 +396,9 @@ class CompileHandle:
         return f"; its output is in {self._log_path}" if self._log_path else ""
 
 
-def _exit_text(code: int | None) -> str:
+def signal_name(code: int | None) -> str:
+    """How a process ended, in words: 'SIGSEGV', 'exit code 139' (the compile pool's and
+    the sweep's workers, tune/worker.py re-exports it)."""
     if code is not None and code < 0:
         import signal
 

@@ -34,7 +34,11 @@ from mla_tune import gpu, problem
 from mla_tune.backends import get_backend
 from mla_tune.core import Shape, Variant
 from mla_tune.tune import calibration, timing
-from mla_tune.tune.compile_pool import compile_shape_for, precompile  # noqa: F401 (moved; re-exported until callers move)
+from mla_tune.tune.compile_pool import (  # noqa: F401 (moved; re-exported until callers move)
+    compile_shape_for,
+    precompile,
+    signal_name,
+)
 from mla_tune.tune.procs import die_with_parent, sigint_ignored
 
 GATE_MARGIN = 0.5  # the gate demands at most half the rule's allowance (PROBLEM.md)
@@ -360,16 +364,6 @@ class WorkerGone(RuntimeError):
         super().__init__(f"worker exited ({exitcode})")
         self.exitcode = exitcode
         self.tail = tail
-
-
-def signal_name(code: int | None) -> str:
-    """How a worker ended, in words: 'SIGSEGV', 'exit code 139'."""
-    if code is not None and code < 0:
-        try:
-            return signal.Signals(-code).name
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit code {code}"
 
 
 class WorkerTimeout(RuntimeError):
