@@ -190,9 +190,9 @@ def test_thresholds_set_the_exit_code(tiny):
     assert report["exit_code"] == 1 and "p95 regret 10.0% is over 5.0%" in report["verdict"]["reasons"][0]
     records = report["shapes"]
     summary = vf.summarize(records)
-    assert not vf._verdict(summary, records, 0.2, 0.2, "eager", False)["failed"]
-    assert vf._verdict(summary, records, None, 0.2, "graph", False)["failed"]  # graph pick: 30%
-    assert vf._verdict(summary, records, None, None, "both", False) == {
+    assert not vf.verdict_of(summary, records, 0.2, 0.2, "eager", False)["failed"]
+    assert vf.verdict_of(summary, records, None, 0.2, "graph", False)["failed"]  # graph pick: 30%
+    assert vf.verdict_of(summary, records, None, None, "both", False) == {
         "failed": False, "reasons": [], "judged": [], "partial": False, "checks": 5, "checks_failed": 0}
     stopped = vf.run_verify(table_path, budget_s=1e-9, timer=FakeTimer(names), **kw)  # spent at once
     assert stopped["stopped"] and stopped["exit_code"] == 3 and stopped["shapes"] == []

@@ -44,13 +44,13 @@ from mla_tune.serving.table import FamilyKey, ServingTable, load_serving_table
 from mla_tune.serving.verify import (
     VERIFY_SCHEMA,
     VerifyError,
-    _pct,
-    _verdict,
     emit,
     family_short,
+    pct_text,
     regret_stats,
     summarize,
     summary_lines,
+    verdict_of,
 )
 
 RESCORE_SCHEMA = "serving-rescore/1"
@@ -150,7 +150,7 @@ def rescore(table: str | Path | ServingTable, reports: list[str | Path], *, max_
     unmeasured = [(r, role) for r in records for role in ("eager", "graph") if r["regret"][role] is None]
     measured = [r for r in records if all(r["regret"][role] is not None for role in ("eager", "graph"))]
     summary = summarize(measured)
-    verdict = _verdict(summary, measured, max_p95, max_regret, judge, False)
+    verdict = verdict_of(summary, measured, max_p95, max_regret, judge, False)
     for r, role in unmeasured:
         if role in roles:
             verdict["reasons"].append(f"{Path(r['report']).name} shape {r['index']}: the {role} pick "
@@ -178,15 +178,15 @@ def rescore_lines(out: dict) -> list[str]:
         if reg is not None and reg <= SHOW_OVER:
             continue
         kv = (str(r["kv_lens"]) if r["kind"] == "uniform" else f"ragged {r['mean_kv_len']:.0f}")
-        what = "not measured" if reg is None else f"+{_pct(reg)}" + ("~" if r["measured"]["eager"] == "short" else "")
+        what = "not measured" if reg is None else f"+{pct_text(reg)}" + ("~" if r["measured"]["eager"] == "short" else "")
         lines.append(f"  {Path(r['report']).name} #{r['index']:<3} {family_short(FamilyKey(**r['family'])):<17} "
                      f"batch {r['batch']:>3} kv {kv:<14} eager {name(r['roles']['eager']):<12} {what:>13}; "
                      f"best {name(r['best'])}")
     lines += [""] + summary_lines(out["summary"])
     for rep in out["reports"]:
         s = rep["eager"]
-        lines.append(f"  {Path(rep['path']).name:<32} seed {rep['seed']!s:<4} eager p95 {_pct(s['p95']):>6} "
-                     f"max {_pct(s['max']):>6} (n {s['n']})")
+        lines.append(f"  {Path(rep['path']).name:<32} seed {rep['seed']!s:<4} eager p95 {pct_text(s['p95']):>6} "
+                     f"max {pct_text(s['max']):>6} (n {s['n']})")
     if out["unmeasured"]:
         lines.append(f"{out['unmeasured']} role(s) at {len(shapes)} shapes not measured in the reports "
                      "(left out of the statistics)")

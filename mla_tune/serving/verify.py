@@ -222,7 +222,8 @@ def summarize(records: list[dict]) -> dict:
     return out
 
 
-def _pct(x: float | None) -> str:
+def pct_text(x: float | None) -> str:
+    """A regret as a percentage for the reports ("-": not measured; "failed": its run failed)."""
     if x is None:
         return "-"
     return "failed" if not math.isfinite(x) else f"{x:.1%}"
@@ -473,7 +474,7 @@ def run_verify(table: str | Path | ServingTable, *, config: str | Path | Serving
         records.append(record)
         log(_progress(len(records), len(held_out), shape, record, time.monotonic() - started))
     summary = summarize(records)
-    verdict = _verdict(summary, records, max_p95, max_regret, judge, stopped)
+    verdict = verdict_of(summary, records, max_p95, max_regret, judge, stopped)
     report = {
         "schema": VERIFY_SCHEMA,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -516,7 +517,9 @@ def _jsonable(x):
     return x
 
 
-def _verdict(summary: dict, records: list[dict], max_p95, max_regret, judge: str, stopped: bool) -> dict:
+def verdict_of(summary: dict, records: list[dict], max_p95, max_regret, judge: str, stopped: bool) -> dict:
+    """The run's verdict (failed or not, and why) from its summary and records, against the
+    limits on the judged picks; verify and rescore judge by it."""
     bad_checks = [(r["index"], v, c["reason"]) for r in records for v, c in r["checks"].items()
                   if not c["passed"] and v in r["roles"].values()]
     reasons = [f"shape {i}: {v} is outside the rule ({why})" for i, v, why in bad_checks]
@@ -534,9 +537,9 @@ def _verdict(summary: dict, records: list[dict], max_p95, max_regret, judge: str
         for name, limit in (("p95", max_p95), ("max", max_regret)):
             if limit is None or stats["n"] == 0:
                 continue
-            judged.append(f"{role} {name} {_pct(stats[name])} <= {limit:.1%}")
+            judged.append(f"{role} {name} {pct_text(stats[name])} <= {limit:.1%}")
             if not stats[name] <= limit:
-                reasons.append(f"{role} pick's {name} regret {_pct(stats[name])} is over {limit:.1%}")
+                reasons.append(f"{role} pick's {name} regret {pct_text(stats[name])} is over {limit:.1%}")
     return {"failed": bool(reasons), "reasons": reasons, "judged": judged, "partial": stopped,
             "checks": sum(len(r["checks"]) for r in records), "checks_failed": len(bad_checks)}
 
@@ -546,8 +549,8 @@ def _progress(done: int, total: int, shape: HeldOutShape, r: dict, elapsed: floa
         return Variant.parse(v).backend if v else "none"
 
     return (f"[{done}/{total}] {family_short(shape.key)} batch {shape.batch} kv {shape.kv_text()}: eager "
-            f"{name(r['roles']['eager'])} +{_pct(r['regret']['eager'])}, graph +{_pct(r['regret']['graph'])}, "
-            f"fallback +{_pct(r['regret']['fallback'])}; best {name(r['best'])} "
+            f"{name(r['roles']['eager'])} +{pct_text(r['regret']['eager'])}, graph +{pct_text(r['regret']['graph'])}, "
+            f"fallback +{pct_text(r['regret']['fallback'])}; best {name(r['best'])} "
             f"{r['best_us'] if r['best_us'] is not None else '-'} us ({r['candidates']} candidates, "
             f"{len(r['pruned'])} pruned) {r['seconds']:.1f} s, elapsed {elapsed:.0f} s")
 
@@ -559,7 +562,7 @@ def summary_lines(summary: dict) -> list[str]:
         for kind in KINDS:
             s = summary[role][kind]
             label = f"{role + (' pick' if role != 'fallback' else ''):<14} {kind:<8}"
-            lines.append(f"{label:<43} {_pct(s['geomean']):>9} {_pct(s['p95']):>7} {_pct(s['max']):>7} {s['n']:>4}")
+            lines.append(f"{label:<43} {pct_text(s['geomean']):>9} {pct_text(s['p95']):>7} {pct_text(s['max']):>7} {s['n']:>4}")
     return lines
 
 
@@ -575,8 +578,8 @@ def report_lines(report: dict) -> list[str]:
         kv = (str(r["kv_lens"]) if r["kind"] == "uniform" else
               f"ragged {r['mean_kv_len']:.0f} ({min(r['kv_lens'])}..{max(r['kv_lens'])})")
         lines.append(f"{r['index']:>3} {family_short(key):<17} {r['batch']:>5} {kv:<24} "
-                     f"{name(r['roles']['eager'], r['from_table']['eager']):<14} {_pct(r['regret']['eager']):>7} "
-                     f"{_pct(r['regret']['graph']):>7} {_pct(r['regret']['fallback']):>8}  {name(r['best'])}")
+                     f"{name(r['roles']['eager'], r['from_table']['eager']):<14} {pct_text(r['regret']['eager']):>7} "
+                     f"{pct_text(r['regret']['graph']):>7} {pct_text(r['regret']['fallback']):>8}  {name(r['best'])}")
     missed = sum(not r["from_table"]["eager"] for r in report["shapes"])
     lines += [f"(* the table has no pick there, its cell left out or missing: the fallback runs; "
               f"{missed} of {len(report['shapes'])} eager picks)", ""]
