@@ -35,7 +35,14 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping, Sequence
 
-from mla_tune.kernels.split_rule import reduce_splits_per_step, serving_splits, split_items
+import numpy as np
+
+from mla_tune.kernels.split_rule import (
+    fill_splits,
+    reduce_splits_per_step,
+    serving_splits,
+    split_items,
+)
 
 OCCUPANCIES = (1, 2, 3, 4)  # programs resident per SM that a fit may choose
 OVERHEAD_FRACTIONS = (0.0, 0.25, 0.5, 0.75)  # fixed overhead, as a fraction of the fastest point's time
@@ -54,11 +61,76 @@ def splitk_schedule(kv_lens: Sequence[int], heads: int, q_len: int, params: Mapp
     per head tile, neighbours in launch order), are dealt program by program to the
     least-loaded slot, as the hardware's block scheduler runs them (programs beyond the
     slots wait for the first to finish; past EXACT_WAVES waves, the mean load plus half the
-    longest item), and the steps of the reduction's longest loop (`reduce_steps`)."""
+    longest item), and the steps of the reduction's longest loop (`reduce_steps`).
+    kv_lens may be a numpy int64 array (`lengths`), which a caller replaying several
+    variants for one call makes once: the replay is then vectorized (`_schedule_array`),
+    with the same result as the per-sequence replay of split_rule.serving_splits."""
+    if isinstance(kv_lens, np.ndarray):
+        return _schedule_array(kv_lens, heads, q_len, params, occupancy, sm_count, item_tokens)
     splits = serving_splits(kv_lens, q_len, heads, **_rule(params, sm_count))
     items = split_items(kv_lens, splits)
     return (_deal(items, max(heads // int(params["block_h"]), 1), occupancy, sm_count, item_tokens),
             _steps(kv_lens, splits, q_len, heads))
+
+
+def lengths(kv_lens: Sequence[int]) -> np.ndarray:
+    """The call's lengths as the int64 array `splitk_schedule` replays without a Python loop."""
+    return np.asarray(kv_lens, dtype=np.int64)
+
+
+def _schedule_array(lens: np.ndarray, heads: int, q_len: int, params: Mapping, occupancy: int,
+                    sm_count: int, item_tokens: float) -> tuple[float, int]:
+    """splitk_schedule over an int64 array: split_rule.serving_splits' rule in numpy (the
+    same float64 share, n * budget / total, exact below 2**53), its items as a repeat, the
+    first wave of programs placed without the heap (each takes an empty slot), the rest
+    dealt as `_deal` does. tests/test_splitk_fast.py checks it against the loop."""
+    rule = _rule(params, sm_count)
+    max_splits, block_n, batch = rule["max_splits"], rule["block_n"], int(lens.shape[0])
+    tiles = max(heads // rule["block_h"], 1)
+    q_len_max = 1 << max(q_len - 1, 0).bit_length()
+    budget = max((batch * q_len * max_splits) // q_len_max, 1)
+    share_round = 0.5
+    if rule["split_budget"] > 0 and max_splits > 1:
+        launched = batch * fill_splits(rule["split_budget"], batch, tiles, max_splits, sm_count)
+        budget = min(budget, max(launched, batch))
+        share_round = 1.0 - 2e-4
+    total = max(int(lens.sum()), 1)
+    if max_splits > 1:
+        want = np.floor(lens * budget / total + share_round + 1e-4).astype(np.int64)
+        want = np.maximum(np.minimum(want, -(-lens // rule["tokens_per_split"])), 1)
+        per = -(-lens // want)  # cdiv(n, want)
+        split = np.maximum(-(-per // block_n), 1) * block_n
+    else:
+        split = np.maximum(-(-lens // block_n), 1) * block_n
+    live = lens > 0
+    if not live.all():
+        lens, split = lens[live], split[live]
+    if lens.shape[0] == 0:
+        return 0.0, 0
+    full, rest = np.divmod(lens, split)
+    counts = full + (rest > 0)
+    most = int(counts.max())
+    per_step = reduce_splits_per_step(batch, q_len, heads)
+    steps = -(-most // per_step) if most > 1 else 0
+    n_items = int(counts.sum())
+    longest = int(np.where(full > 0, split, rest).max())
+    slots = max(sm_count * occupancy, 1)
+    programs = n_items * tiles
+    if programs <= slots:
+        return longest + item_tokens, steps
+    if programs > EXACT_WAVES * slots:
+        return (int(lens.sum()) + item_tokens * n_items) * tiles / slots + (longest + item_tokens) / 2, steps
+    items = np.repeat(split, counts)
+    ends = np.cumsum(counts) - 1
+    cut = rest > 0
+    items[ends[cut]] = rest[cut]
+    work = np.repeat(items + item_tokens, tiles).tolist() if tiles > 1 else (items + item_tokens).tolist()
+    loads = work[:slots]  # the first wave: one program per empty slot
+    heapq.heapify(loads)
+    replace = heapq.heapreplace
+    for w in work[slots:]:
+        replace(loads, loads[0] + w)
+    return float(max(loads)), steps
 
 
 def reduce_steps(kv_lens: Sequence[int], heads: int, q_len: int, params: Mapping, sm_count: int) -> int:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
+import numpy as np
+
 FLASHINFER_FEATURES = ("one", "makespan", "max_works", "merge_ctas", "batch", "max_merge")
 _CTA_TILE_Q = 64
 _SLOTS = 1 << 12  # clusters per GPU, at most (the heap's key packs the cluster's index)
@@ -53,7 +55,12 @@ def _geometry(kv_lens: Sequence[int], heads: int, q_len: int, sm_count: int) -> 
 
 
 def flashinfer_mla_works_per_cluster(kv_lens: Sequence[int], heads: int, q_len: int, sm_count: int) -> float:
-    """How many chunks FlashInfer deals per cluster, on average (O(batch), no dealing)."""
+    """How many chunks FlashInfer deals per cluster, on average (O(batch), no dealing);
+    kv_lens may be a numpy int64 array."""
+    if isinstance(kv_lens, np.ndarray):  # the same integers, without a Python loop
+        total = int(kv_lens.sum())
+        _, clusters, _, q_tiles, limit = _geometry((total,), heads, q_len, sm_count)
+        return int(np.maximum(-(-kv_lens // limit), 1).sum()) * q_tiles / clusters
     _, clusters, _, q_tiles, limit = _geometry(kv_lens, heads, q_len, sm_count)
     return sum(max(_ceil_div(int(n), limit), 1) for n in kv_lens) * q_tiles / clusters
 
@@ -65,33 +72,46 @@ def flashinfer_mla_features(kv_lens: Sequence[int], heads: int, q_len: int, sm_c
       its tokens (FlashInfer's own cost function);
     - merge CTAs: the CTAs that merge split chunks; largest merge: the most partial rows
       one merge CTA reads (partial chunks x rows per CTA)."""
+    lens = np.asarray(kv_lens, dtype=np.int64)
     packed = q_len * heads
-    cluster, clusters, tile, q_tiles, limit = _geometry(kv_lens, heads, q_len, sm_count)
-    # The clusters' loads as one heap of ints, load * _SLOTS + cluster: the least loaded,
-    # ties to the lower index, as FlashInfer's MinHeap.
-    heap = list(range(clusters))
-    works = [0] * clusters
+    cluster, clusters, tile, q_tiles, limit = _geometry((int(lens.sum()),), heads, q_len, sm_count)
+    full, rest = np.divmod(lens, limit)
     merge_ctas = max_merge = 0
-    replace, full_cost = heapq.heapreplace, (2 * tile + limit) * _SLOTS
-    for n in kv_lens:
-        n = int(n)
-        full, rest = divmod(n, limit)
-        if n > limit:
-            ctas = max(n * cluster // limit, 1)
-            for t in range(q_tiles):
-                rows = min(tile, packed - t * tile)
-                merge_ctas += ctas
-                max_merge = max(max_merge, (full + (rest > 0)) * _ceil_div(rows, ctas))
-        last = (2 * tile + rest) * _SLOTS if rest or not full else 0
-        for _ in range(q_tiles):
-            for _ in range(full):
-                top = heap[0]
-                works[top % _SLOTS] += 1
-                replace(heap, top + full_cost)
-            if last:
-                top = heap[0]
-                works[top % _SLOTS] += 1
-                replace(heap, top + last)
+    split = lens > limit
+    if split.any():  # the merge CTAs of each split sequence, once per q tile
+        ctas = np.maximum(lens[split] * cluster // limit, 1)
+        chunks = full[split] + (rest[split] > 0)
+        merge_ctas = q_tiles * int(ctas.sum())
+        for t in range(q_tiles):
+            rows = min(tile, packed - t * tile)
+            max_merge = max(max_merge, int((chunks * -(-rows // ctas)).max()))
+    # Each sequence's chunks in launch order, once per q tile: `full` of kv_len_limit
+    # tokens, then the rest (an empty sequence deals one chunk of no tokens); each costs
+    # 2 x its q tile plus its tokens, in units of _SLOTS (the heap's key packs the
+    # cluster's index below them).
+    has_last = (rest > 0) | (full == 0)
+    counts = full + has_last
+    cost = np.repeat(np.full(lens.shape[0], (2 * tile + limit) * _SLOTS, dtype=np.int64), counts)
+    ends = np.cumsum(counts) - 1
+    cost[ends[has_last]] = (2 * tile + rest[has_last]) * _SLOTS
+    if q_tiles > 1:
+        starts = ends + 1 - counts
+        seq = np.repeat(np.arange(lens.shape[0]), counts * q_tiles)
+        at = np.arange(seq.shape[0]) - np.repeat(np.cumsum(counts * q_tiles) - counts * q_tiles, counts * q_tiles)
+        cost = cost[starts[seq] + at % counts[seq]]
+    cost = cost.tolist()
+    # The clusters' loads as one heap of ints, load * _SLOTS + cluster: the least loaded,
+    # ties to the lower index, as FlashInfer's MinHeap. The first `clusters` chunks take
+    # clusters 0, 1, ... in turn (each finds an empty one, the lowest index first).
+    first = min(clusters, len(cost))
+    heap = [c + i for i, c in enumerate(cost[:first])] + list(range(first, clusters))
+    works = [1] * first + [0] * (clusters - first)
+    heapq.heapify(heap)
+    replace = heapq.heapreplace
+    for c in cost[first:]:
+        top = heap[0]
+        works[top % _SLOTS] += 1
+        replace(heap, top + c)
     makespan = max(heap) // _SLOTS
     return [1.0, float(makespan), float(max(works)), float(merge_ctas), float(len(kv_lens)), float(max_merge)]
 
