@@ -37,3 +37,29 @@ def test_array_replay_matches_the_loop():
 def test_all_zero_lengths():
     params = {"max_splits": 8, "tokens_per_split": 512, "block_n": 32, "block_h": 64}
     assert splitk_schedule(lengths([0, 0]), 128, 1, params, 2, 132) == splitk_schedule([0, 0], 128, 1, params, 2, 132)
+
+
+def test_greedy_makespan_is_the_heaps():
+    import heapq
+
+    import numpy as np
+
+    from mla_tune.serving.splitk_cost import greedy_makespan
+
+    rng = random.Random(3)
+    for _ in range(300):
+        slots = rng.randint(1, 300)
+        n = rng.randint(1, 4 * slots)
+        kind = rng.random()
+        if kind < 0.3:  # a few long items among short rests
+            work = [rng.choice([512, 512, 512, rng.randint(1, 64)]) for _ in range(n)]
+        elif kind < 0.6:
+            work = [rng.randint(1, 10 ** 5) for _ in range(n)]
+        else:
+            work = [64 + 32 * rng.randint(0, 3) for _ in range(n)]
+        if rng.random() < 0.3:
+            work = [w + 0.5 for w in work]
+        loads = [0.0] * slots
+        for w in work:
+            heapq.heapreplace(loads, loads[0] + w)
+        assert greedy_makespan(np.asarray(work), slots) == max(loads), (slots, work)

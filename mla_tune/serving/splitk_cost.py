@@ -124,13 +124,42 @@ def _schedule_array(lens: np.ndarray, heads: int, q_len: int, params: Mapping, o
     ends = np.cumsum(counts) - 1
     cut = rest > 0
     items[ends[cut]] = rest[cut]
-    work = np.repeat(items + item_tokens, tiles).tolist() if tiles > 1 else (items + item_tokens).tolist()
-    loads = work[:slots]  # the first wave: one program per empty slot
-    heapq.heapify(loads)
-    replace = heapq.heapreplace
-    for w in work[slots:]:
-        replace(loads, loads[0] + w)
-    return float(max(loads)), steps
+    work = np.repeat(items + item_tokens, tiles) if tiles > 1 else items + item_tokens
+    return float(greedy_makespan(work, slots)), steps
+
+
+def greedy_makespan(work: np.ndarray, slots: int):
+    """The most-loaded slot's load when `work` (positive, in launch order) is dealt one by
+    one to the least-loaded of `slots` slots: what `_deal`'s heap gives, a block of
+    programs at a time. The first `slots` take an empty slot each; then a block of up to
+    `slots` programs takes the smallest loads in order, which is the dealing's own choice
+    while no program of the block ends before the load the next one takes (checked: a
+    prefix minimum); past the first program that would, the block is cut there and the
+    next block starts from the loads so far. A block cut short (few programs) is followed
+    by a few programs dealt through the heap, so a batch of many short programs does not
+    take a block per program."""
+    n = int(work.shape[0])
+    if n <= slots:
+        return work.max()
+    loads = np.sort(work[:slots])
+    i = slots
+    while i < n:
+        m = min(slots, n - i)
+        taken = loads[:m]
+        ends = taken + work[i:i + m]
+        ok = taken[1:] <= np.minimum.accumulate(ends)[:-1]
+        k = m if ok.all() else int(np.argmin(ok)) + 1  # the programs dealt as the block says
+        loads = np.sort(np.concatenate((loads[k:], ends[:k])))
+        i += k
+        if k < 16 and i < n:  # a block cut short: the next programs through the heap
+            heap = loads.tolist()
+            heapq.heapify(heap)
+            replace = heapq.heapreplace
+            for w in work[i:i + 64].tolist():
+                replace(heap, heap[0] + w)
+            i += min(64, n - i)
+            loads = np.sort(np.asarray(heap, dtype=loads.dtype))
+    return loads[-1]
 
 
 def reduce_steps(kv_lens: Sequence[int], heads: int, q_len: int, params: Mapping, sm_count: int) -> int:

@@ -224,6 +224,10 @@ def _blend(weighted: Sequence[tuple[float, Mapping[Variant, float]]]) -> dict[Va
     MIN_MEASURED_WEIGHT, or where no other variant was timed at both."""
     if len(weighted) == 1:
         return dict(weighted[0][1])
+    if len(weighted) == 2 and weighted[0][1].keys() == weighted[1][1].keys():  # none missing: the same sums
+        (w0, t0), (w1, t1) = weighted
+        log = math.log
+        return {v: math.exp(w0 * log(t) + w1 * log(t1[v])) for v, t in t0.items()}
     out = {}
     for v in set().union(*(times for _, times in weighted)):
         have = [(w, times) for w, times in weighted if v in times]
