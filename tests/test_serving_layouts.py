@@ -1,22 +1,20 @@
-"""The serving call: its reference (mla_tune/serving/inputs.py) and the split-K kernel that reads
-every layout (flash_decode_serving), against that fp32 reference.
+"""The serving call's reference (mla_tune/serving/inputs.py), and the split-K kernel that
+reads every layout (flash_decode_serving): its split rule, budgets, grids, workspace and
+refusals, against that fp32 reference, under Triton's interpreter with fp16 dots.
 
-On the CPU the kernel runs under Triton's interpreter with fp16 dots over a sample of the
-matrix layout {contiguous, paged 1, 16, 64} x heads {16, 128} x q_len {1, 2, 4} x KV
-{bf16, fp8} that covers every pair of factors; the full matrix, the no-sync test and the
-CUDA-graph replay are GPU-marked. Every run poisons the output and the scratch with NaN
-first, and the paged caches hold NaN in every slot no sequence owns.
+The kernel's answers over the matrix layout x heads x q_len x KV are in
+tests/test_serving_correctness.py (a covering sample on the CPU, the full matrix on the
+GPU), its CUDA-graph replay in tests/test_graph_replay.py. Every run here poisons the
+output and the scratch with NaN first, and the paged caches hold NaN in every slot no
+sequence owns.
 """
 
 from __future__ import annotations
-
-import itertools
 
 import pytest
 import torch
 
 from mla_tune import problem
-from mla_tune.core import fp8_dtype_for
 from mla_tune.kernels import flash_decode as flash_decode_module
 from mla_tune.kernels.flash_decode import (
     FlashDecodeServingWorkspace,
@@ -24,12 +22,9 @@ from mla_tune.kernels.flash_decode import (
     flash_decode,
     flash_decode_serving,
 )
-from mla_tune.kernels.split_rule import serving_splits, split_items
+from mla_tune.kernels.split_rule import REDUCE_SPLITS_PER_STEP, serving_splits, split_items
 from mla_tune.serving import inputs as serving
 
-LAYOUTS = (0, 1, 16, 64)  # 0: contiguous; else the page size
-HEADS = (16, 128)
-Q_LENS = (1, 2, 4)
 KV_FORMATS = ("bf16", "fp8")
 
 
@@ -37,16 +32,10 @@ def _dot_dtype(device: str) -> str:
     return "bf16" if device == "cuda" else "fp16"
 
 
-def _q_lens(kv_lens: list[int], q_len: int) -> list[int]:
-    """Ragged q_len: the even sequences bring q_len new tokens, the odd ones about half
-    (never more than a sequence holds)."""
-    return [min(n, q_len if i % 2 == 0 else (q_len + 1) // 2) for i, n in enumerate(kv_lens)]
-
-
 def _launch(inp: serving.ServingInput, device: str, *, max_splits: int, tokens_per_split: int,
-            block_n: int, block_h: int, q_mode: str = "bf16", q_amax: float | None = None,
-            num_warps: int = 4, num_stages: int = 1, workspace=None, out=None, split_budget: int = 0,
-            sm_count: int = 0):
+            block_n: int, block_h: int, num_warps: int = 4, num_stages: int = 1, workspace=None, out=None,
+            split_budget: int = 0, sm_count: int = 0):
+    """One bf16-q launch into poisoned buffers (q modes: tests/test_serving_correctness.py)."""
     heads = inp.q.shape[1]
     if workspace is None:
         workspace = FlashDecodeServingWorkspace.allocate(inp.q.shape[0], heads, max_splits, device,
@@ -56,21 +45,12 @@ def _launch(inp: serving.ServingInput, device: str, *, max_splits: int, tokens_p
     if out is None:
         out = torch.empty((inp.q.shape[0], heads, 512), dtype=torch.bfloat16, device=device)
     out.fill_(float("nan"))  # every element must be written
-    q_scale = None
-    if q_mode == "fp8_static":
-        q_scale = q_amax / torch.finfo(fp8_dtype_for(device)).max
     return flash_decode_serving(
         inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, out, **inp.layout,
         max_q_len=max(inp.q_lens), max_splits=max_splits, tokens_per_split=tokens_per_split,
         block_n=block_n, block_h=block_h, num_warps=num_warps, num_stages=num_stages,
-        dot_dtype=_dot_dtype(device), q_mode=q_mode, q_scale=q_scale, q_fp8_dtype=fp8_dtype_for(device),
-        workspace=workspace, split_budget=split_budget, sm_count=sm_count,
+        dot_dtype=_dot_dtype(device), workspace=workspace, split_budget=split_budget, sm_count=sm_count,
     )
-
-
-def _expected(inp: serving.ServingInput, q_mode: str, q_amax: float | None = None) -> torch.Tensor:
-    q_format = {"bf16": "bf16", "fp8_dynamic": "fp8", "fp8_static": "fp8_static"}[q_mode]
-    return inp.reference(q_format, q_amax)
 
 
 def _assert_close(out: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:
@@ -122,52 +102,6 @@ def test_paged_input_holds_the_same_tokens_shuffled(page_size, kv):
 
 
 # --------------------------------------------------------------------- the kernel
-# (layout, heads, q_len, kv, kv_lens, block_n, block_h, max_splits, tokens_per_split, q):
-# every pair of (layout, heads, q_len, kv) values appears (test below); lengths 1, 17,
-# 63, 64, 65 and 3000; one, several and max_splits splits per sequence (1 = no stage 2);
-# every q mode; tiles shorter, equal and longer than a page.
-CPU_CASES = [
-    (0, 16, 1, "bf16", [3000, 1, 17], 64, 16, 8, 512, "bf16"),
-    (0, 128, 2, "fp8", [65, 1], 32, 32, 4, 32, "fp8_dynamic"),
-    (0, 16, 4, "fp8", [63, 4, 64], 16, 4, 1, 1, "bf16"),
-    (1, 128, 1, "bf16", [17, 64], 16, 64, 2, 32, "bf16"),
-    (1, 16, 2, "fp8", [3000, 1, 65], 64, 8, 4, 256, "fp8_static"),
-    (1, 128, 4, "bf16", [18, 5], 16, 16, 3, 8, "bf16"),
-    (16, 16, 1, "fp8", [1, 63, 65, 17], 32, 16, 4, 16, "fp8_dynamic"),
-    (16, 128, 2, "bf16", [64, 2], 16, 32, 2, 48, "bf16"),
-    (16, 16, 4, "bf16", [65, 17, 4], 16, 8, 8, 16, "bf16"),
-    (64, 128, 1, "fp8", [65, 1], 32, 16, 4, 32, "bf16"),
-    (64, 16, 2, "bf16", [3000, 17, 64], 64, 16, 16, 256, "bf16"),
-    (64, 128, 4, "fp8", [17, 63], 16, 16, 2, 16, "fp8_dynamic"),
-]
-
-
-def test_cpu_sample_covers_every_pair_of_factors():
-    factors = [LAYOUTS, HEADS, Q_LENS, KV_FORMATS]
-    for i, j in itertools.combinations(range(4), 2):
-        seen = {(case[i], case[j]) for case in CPU_CASES}
-        assert seen == set(itertools.product(factors[i], factors[j])), (i, j)
-    lengths = {n for case in CPU_CASES for n in case[4]}
-    assert {1, 17, 63, 64, 65, 3000} <= lengths
-
-
-@pytest.mark.parametrize(
-    "layout,heads,q_len,kv,kv_lens,block_n,block_h,max_splits,tokens_per_split,q_mode", CPU_CASES
-)
-def test_kernel_matches_reference_on_a_covering_sample(
-    layout, heads, q_len, kv, kv_lens, block_n, block_h, max_splits, tokens_per_split, q_mode, device
-):
-    inp = serving.make_input(_q_lens(kv_lens, q_len), kv_lens, heads, layout, kv, seed=17, device=device)
-    assert max(inp.q_lens) == q_len
-    q_amax = None
-    if q_mode == "fp8_static":  # below the largest |q|: some values clamp, as in serving
-        q_amax = 0.8 * float(inp.q.abs().amax())
-    out = _launch(inp, device, max_splits=max_splits, tokens_per_split=tokens_per_split,
-                  block_n=block_n, block_h=block_h, q_mode=q_mode, q_amax=q_amax)
-    assert out.shape == (sum(inp.q_lens), heads, 512)
-    _assert_close(out, _expected(inp, q_mode, q_amax), f"layout {layout} heads {heads} q_len {q_len} {kv}")
-
-
 def test_kernel_reproduces_flash_decode_on_the_leaderboard_call(device):
     """Same splits, same sums: in a batch of one sequence the split budget is the sequence's
     (cdiv(kv_len, tokens_per_split) splits, at most max_splits), the old kernel's rule."""
@@ -267,9 +201,9 @@ def test_a_batch_budget_fills_the_waves_of_the_sms_it_is_given(device):
 
 @pytest.mark.parametrize("lens,heads,q_len,max_splits,tps,block_n,block_h,budget,sms", [
     ([350, 250, 100, 700], 16, 1, 32, 16, 16, 16, 8, 0),     # a ragged batch under a budget
-    ([1, 17, 3000, 45, 0], 16, 1, 8, 64, 32, 16, 0, 0),       # no budget; a padded slot of 0
+    ([1, 17, 600, 45, 0], 16, 1, 8, 64, 32, 16, 0, 0),        # no budget; a padded slot of 0
     ([609] * 3, 16, 1, 8, 64, 16, 16, 4, 8),                  # fill_splits raises the share
-    ([5, 300, 33, 260, 77, 140], 128, 4, 17, 16, 16, 16, 17, 132),  # 8 head tiles, q_len 4
+    ([5, 60, 33, 52, 17, 28], 32, 4, 17, 16, 16, 4, 17, 132),  # 8 head tiles, q_len 4
     ([100, 200], 16, 1, 1, 16, 16, 16, 0, 0),                 # max_splits 1: one split each
 ])
 def test_the_host_replay_of_the_split_rule_is_what_the_kernel_runs(device, lens, heads, q_len, max_splits, tps,
@@ -324,7 +258,7 @@ def test_a_batch_budget_shares_a_ragged_batch_rounding_up(device):
 def test_one_split_per_sequence_never_borrows(device):
     """max_splits 1 has no scratch for partials: a ragged batch runs one split per
     sequence however its budget would share out (the H200 ran past the empty scratch)."""
-    inp = serving.make_input([1, 1, 1], [3000, 1, 17], 16, 1, "bf16", seed=14, device=device)
+    inp = serving.make_input([1, 1, 1], [700, 1, 17], 16, 1, "bf16", seed=14, device=device)
     workspace = FlashDecodeServingWorkspace.allocate(3, 16, 1, device)
     assert workspace.part_out.numel() == 0
     out = _launch(inp, device, max_splits=1, tokens_per_split=1, block_n=64, block_h=16,
@@ -336,7 +270,7 @@ def test_one_split_per_sequence_never_borrows(device):
 def test_a_grid_smaller_than_the_items_runs_them_in_turn(device, monkeypatch):
     """Past _fd_ONE_ITEM_CTAS programs _fd_GRID_CTAS programs run several split items
     each: the same counts, offsets and answer as a program per item."""
-    inp = serving.make_input([2, 1, 2, 1], [700, 40, 300, 5], 32, 16, "fp8", seed=15, device=device)
+    inp = serving.make_input([2, 1, 2, 1], [200, 40, 100, 5], 16, 16, "fp8", seed=15, device=device)
     ref = inp.reference()
     grids, counts = [], []
     launch = flash_decode_module.jit_launch
@@ -349,8 +283,8 @@ def test_a_grid_smaller_than_the_items_runs_them_in_turn(device, monkeypatch):
     monkeypatch.setattr(flash_decode_module, "_fd_GRID_CTAS", 6)  # 2 head tiles: 3 programs each
     for one_item in (8192, 6):
         monkeypatch.setattr(flash_decode_module, "_fd_ONE_ITEM_CTAS", one_item)
-        workspace = FlashDecodeServingWorkspace.allocate(6, 32, 4, device, max_q_len=2)
-        out = _launch(inp, device, max_splits=4, tokens_per_split=32, block_n=16, block_h=16,
+        workspace = FlashDecodeServingWorkspace.allocate(6, 16, 4, device, max_q_len=2)
+        out = _launch(inp, device, max_splits=4, tokens_per_split=32, block_n=16, block_h=8,
                       workspace=workspace)
         _assert_close(out, ref, f"one program per item up to {one_item}")
         counts.append((workspace.split_count[:4].tolist(), workspace.split_off[:4].tolist()))
@@ -364,8 +298,8 @@ def test_a_grid_smaller_than_the_items_runs_them_in_turn(device, monkeypatch):
 def test_the_reduction_runs_in_narrow_and_wide_grids(device, monkeypatch, wide):
     """Stage 2 runs a program per (sequence, new token, head), over a quarter of the
     columns each while the grid stays small: the same answer either way."""
-    if not wide:
-        monkeypatch.setattr(flash_decode_module, "_fd_WIDE_REDUCE", 0)
+    if not wide:  # the narrow grid's splits per step, whatever the grid's size
+        monkeypatch.setattr(flash_decode_module, "reduce_splits_per_step", lambda *args: REDUCE_SPLITS_PER_STEP[0])
     grids = []
     launch = flash_decode_module.jit_launch
 
@@ -374,7 +308,7 @@ def test_the_reduction_runs_in_narrow_and_wide_grids(device, monkeypatch, wide):
         return launch(fn, grid, record, *args, **kwargs)
 
     monkeypatch.setattr(flash_decode_module, "jit_launch", spy)
-    inp = serving.make_input([2, 1, 2], [900, 17, 130], 16, 64, "bf16", seed=16, device=device)
+    inp = serving.make_input([2, 1, 2], [200, 17, 130], 16, 64, "bf16", seed=16, device=device)
     out = _launch(inp, device, max_splits=32, tokens_per_split=16, block_n=16, block_h=8)
     _assert_close(out, inp.reference(), f"wide {wide}")
     assert grids[-1] == (3, 2, 16 * (4 if wide else 1))
@@ -474,90 +408,3 @@ def test_paged_layout_checks_the_page_size_and_table():
     with pytest.raises(ValueError, match="block_table"):
         flash_decode_serving(inp.q, inp.qo_indptr, inp.kv, None, out, block_table=inp.block_table.long(),
                              seq_lens=inp.seq_lens, **kwargs)
-
-
-# ------------------------------------------------------------------------------ GPU
-GPU_KV_LENS = [3000, 1, 17, 63, 64, 65, 1000, 129]
-# (max_splits, tokens_per_split, block_n): one split (no stage 2), a few, many short ones.
-GPU_SPLITS = [(1, 1, 64), (8, 256, 64), (16, 64, 32)]
-
-
-def _gpu_case(layout: int, heads: int, q_len: int, kv: str, device: str) -> None:
-    """One launch configuration per cell, rotated over the matrix so that every split
-    setting, head tile and q mode runs, without a compile per combination (each costs
-    seconds of the GPU budget)."""
-    inp = serving.make_input(_q_lens(GPU_KV_LENS, q_len), GPU_KV_LENS, heads, layout, kv,
-                             seed=31, device=device)
-    rows = 4 if q_len > 2 else q_len  # q_len 3 pads to 4 rows per head as well
-    spin = (layout + heads // 16 + q_len) % 3
-    max_splits, tokens_per_split, block_n = GPU_SPLITS[spin]
-    block_h = 16 if spin != 1 else min(heads, 64 // rows)
-    q_mode = "fp8_dynamic" if (kv == "fp8") == (q_len != 2) else "bf16"
-    out = _launch(inp, device, max_splits=max_splits, tokens_per_split=tokens_per_split,
-                  block_n=block_n, block_h=block_h, q_mode=q_mode,
-                  num_warps=8 if block_h * rows >= 64 else 4, num_stages=2)
-    torch.cuda.synchronize()
-    _assert_close(out, _expected(inp, q_mode),
-                  f"layout {layout} heads {heads} q_len {q_len} {kv} {q_mode} block_h {block_h} "
-                  f"splits {max_splits}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("heads", HEADS)
-@pytest.mark.parametrize("q_len", Q_LENS)
-@pytest.mark.parametrize("kv", KV_FORMATS)
-def test_full_matrix_on_gpu(layout, heads, q_len, kv, device):
-    _gpu_case(layout, heads, q_len, kv, device)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("layout,heads,q_len,kv", [
-    (8, 32, 3, "fp8"), (128, 64, 2, "bf16"), (128, 32, 1, "fp8"), (2, 64, 4, "fp8"), (16, 64, 1, "bf16"),
-])
-def test_other_heads_pages_and_q_lens_on_gpu(layout, heads, q_len, kv, device):
-    _gpu_case(layout, heads, q_len, kv, device)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("layout", [0, 64])
-def test_a_graph_replays_with_new_lengths_and_block_tables_without_syncing(layout, device):
-    """Captured once at the maxima, replayed with other lengths, q_lens and block tables;
-    the call itself never synchronizes (sync debug mode "error" would raise)."""
-    heads, max_q, kv_format = 128, 2, "fp8"
-    static = serving.make_input(serving.GRAPH_Q_LENS, serving.GRAPH_KV_LENS, heads, layout, kv_format,
-                                seed=41, device=device)
-    workspace = FlashDecodeServingWorkspace.allocate(static.q.shape[0], heads, 16, device, max_q_len=max_q)
-    out = torch.empty((static.q.shape[0], heads, 512), dtype=torch.bfloat16, device=device)
-    kwargs = dict(max_q_len=max_q, max_splits=16, tokens_per_split=128, block_n=64, block_h=16,
-                  num_warps=4, num_stages=2, dot_dtype="bf16", q_mode="fp8_dynamic",
-                  q_fp8_dtype=fp8_dtype_for(device), workspace=workspace)
-
-    def call():
-        flash_decode_serving(static.q, static.qo_indptr, static.kv, static.kv_scale, out,
-                             **static.layout, **kwargs)
-
-    graph = serving.capture_without_sync(call)
-    for seed, new in serving.refill_for_replays(static, max_q, heads, kv_format, device):
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        got = out[: new.q.shape[0]]
-        _assert_close(got, new.reference("fp8"), f"replay seed {seed}")
-
-
-@pytest.mark.parametrize("layout", [0, 64])
-def test_refilling_the_captured_buffers_reproduces_each_replay_input(layout):
-    """The graph tests' update step (serving.refill_for_replays), on the CPU: after each refill
-    the captured call's own buffers describe exactly the new call."""
-    heads, max_q = 16, 2
-    static = serving.make_input(serving.GRAPH_Q_LENS, serving.GRAPH_KV_LENS, heads, layout, "fp8",
-                                seed=41, device="cpu")
-    seen = []
-    for seed, new in serving.refill_for_replays(static, max_q, heads, "fp8", "cpu"):
-        rows = new.q.shape[0]
-        refilled = serving.reference(static.q, static.qo_indptr, static.kv, static.kv_scale,
-                                     **static.layout, q_format="fp8")[:rows]
-        assert torch.equal(refilled, new.reference("fp8")), f"replay seed {seed}"
-        seen.append(seed)
-    assert seen == [seed for seed, _ in serving.GRAPH_REPLAYS]
