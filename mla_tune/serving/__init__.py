@@ -10,6 +10,7 @@
     cells.py         its families, cells, units, shards and cost model
     gate.py          the correctness gate per (family, candidate), in worker processes
     results.py       the serving sweep's resumable results file
+    measure.py       one measurement (build, cell input, probe, time) in a worker or in-process
     sweep.py         the serving sweep (mla-tune sweep hands it a serving config)
     build.py         results -> tables/GPU.serving.yaml, and merge of shards
     calibrate.py     the split-K reduction's cost per step on the table's GPU
