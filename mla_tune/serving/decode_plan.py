@@ -99,9 +99,9 @@ class DecodePlan:
                           f"every call runs the default {self._default.variant}", stacklevel=2)
         self._family = family
         if family is not None and not spec.graph:
-            # The lookup's one-off work (each split-K variant's rates over the points) here,
-            # not in the engine's first step.
-            self.table.estimates(spec, 1, 1.0)
+            # The lookup's one-off work (its interpolation grids, each split-K variant's rates
+            # over the points, the replays' first call) here, not in the engine's first step.
+            self.table.prepare(spec)
         # Picks whose backend cannot serve the spec here (a vendor library missing, another
         # GPU, no LSE) are replaced per step by the cell's best runnable variant (pick()).
         self._unrunnable: dict[Variant, str] = {}

@@ -431,6 +431,18 @@ class ServingTable:
             return cell.variant
         return pick.variant if pick is not None else None
 
+    def prepare(self, spec: CallSpec) -> None:
+        """The eager lookup's one-off work for the spec's family, so that none is left for a
+        step: each interpolation grid (the split-K rates need a makespan per point) and one
+        estimate through every replay (the vectorized paths' first call)."""
+        family = self.family(spec)
+        if family is None or not family.points:
+            return
+        for kind in ("times", "rates", "buckets"):
+            self._grid(kind, family)
+        for batch in (1, self.batch_buckets[-1]):
+            self._estimates(family, batch, 4096.0, [4096] * batch)
+
     def estimates(self, spec: CallSpec, batch: int, mean_kv_len: float,
                   kv_lens: Sequence[int] | None = None) -> dict[Variant, float]:
         """Every point variant's estimated time (us) for the call, as `lookup` weighs them."""
@@ -453,10 +465,14 @@ class ServingTable:
             # measured cost of each step the reduction's longest loop takes beyond a uniform
             # batch's (the rates are uniform batches'; a ragged batch's long sequence has
             # most of the splits); at least SPLITK_FLOOR x the interpolated time.
-            rates = self._interpolated("rates", family, batch, mean_kv_len)
+            rates = None  # interpolated where a variant is near the best, once
             near = MODEL_WINDOW * min(est.values())
             for v, m in family.splitk.items():
-                if est.get(v, math.inf) < near and (rate := self._rate(family, m, rates, est, batch, mean_kv_len)):
+                if est.get(v, math.inf) >= near:
+                    continue
+                if rates is None:
+                    rates = self._interpolated("rates", family, batch, mean_kv_len)
+                if rate := self._rate(family, m, rates, est, batch, mean_kv_len):
                     est[v] = max(self._splitk_time(family, m, rate, batch, mean_kv_len, replay, kv_lens is not None),
                                  SPLITK_FLOOR * est[v])
         model = family.flashinfer
