@@ -458,7 +458,7 @@ class ServingTable:
             self._warn_versions(family)
         est = dict(self._interpolated("times", family, batch, mean_kv_len))
         lens = kv_lens if kv_lens is not None else [max(int(round(mean_kv_len)), 1)] * batch
-        replay = lengths(lens) if family.splitk or family.flashinfer else lens  # once for every replay
+        replay = None  # the lengths as the replays take them (an int64 array), made once where one runs
         if family.splitk and est:
             # Our split-K variants within MODEL_WINDOW of the best: the interpolated rate times
             # the call's own schedule (a heap operation per split: host time), plus the
@@ -473,6 +473,8 @@ class ServingTable:
                 if rates is None:
                     rates = self._interpolated("rates", family, batch, mean_kv_len)
                 if rate := self._rate(family, m, rates, est, batch, mean_kv_len):
+                    if replay is None:
+                        replay = lengths(lens)
                     est[v] = max(self._splitk_time(family, m, rate, batch, mean_kv_len, replay, kv_lens is not None),
                                  SPLITK_FLOOR * est[v])
         model = family.flashinfer
@@ -494,8 +496,10 @@ class ServingTable:
         mine = est[model.variant]
         other = min(t for v, t in est.items() if v != model.variant)
         if max(mine, other) < MODEL_WINDOW * min(mine, other):
+            if replay is None:
+                replay = lengths(lens)
             if flashinfer_mla_works_per_cluster(replay, family.key.heads, family.key.q_len, model.sm_count) <= MODEL_WORKS:
-                est[model.variant] = model.time_us(family.key, lens)
+                est[model.variant] = model.time_us(family.key, replay)
         return est
 
     def _warn_versions(self, family: Family) -> None:
