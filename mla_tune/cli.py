@@ -87,6 +87,23 @@ def _table_path(gpu: str | None, table: Path | None) -> Path:
     return path
 
 
+def _prior_for_show(gpu: str | None, table: Path | None) -> Path | None:
+    """For `show --gpu NAME` with no table for NAME but a prior (configs/priors/NAME.yaml, what
+    `mla-tune export --gpu NAME` writes before any sweep): the prior's path, said on stderr."""
+    if table is not None or not gpu:
+        return None
+    from mla_tune import locate
+    from mla_tune.tables.prior import find_prior
+
+    if locate.find_table(gpu) is not None:
+        return None
+    prior = find_prior(gpu)
+    if prior is not None:
+        typer.echo(f"no table for {gpu} yet (make one with `mla-tune sweep --gpu {gpu}`); showing its "
+                   f"prior {prior}: choices made without measuring", err=True)
+    return prior
+
+
 def _list(text: str | None, what: str) -> list[str] | None:
     if text is None:
         return None
@@ -355,7 +372,7 @@ def show(
                 raise _usage_error("--serving needs the GPU: pass --gpu NAME (or the file with --table PATH)")
             path = locate.table_path(gpu, serving=True)
         else:
-            path = _table_path(gpu, table)
+            path = _prior_for_show(gpu, table) or _table_path(gpu, table)
         if table_kind(path) == "serving":
             _show_serving(path, as_json, times)
             return

@@ -237,3 +237,20 @@ def test_the_exported_prior_runs_the_test_shapes_through_aiter_and_the_rest_thro
             assert run["last"]["mode"] == "nonpersistent"
             assert run["last"]["num_kv_splits"] == str(rows[shape].winner_variant.get("num_kv_splits"))
         assert got["misses"] == ([list(EXTRA)] if n == 0 else [])
+
+
+def test_show_of_a_gpu_with_no_table_shows_its_prior_and_says_so(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no ./tables: the packaged ones have no MI355X table
+    monkeypatch.delenv(locate.ENV_TABLES, raising=False)
+    assert locate.find_table("MI355X") is None and find_prior("MI355X") is not None
+    shown = CliRunner().invoke(app, ["show", "--gpu", "MI355X"], env={"COLUMNS": "80"})
+    assert shown.exit_code == 0, shown.output
+    assert "no table for MI355X yet" in shown.output and "showing its prior" in shown.output
+    assert "a PRIOR: choices made" in shown.output and "aiter(" in shown.output
+    as_json = CliRunner().invoke(app, ["show", "--gpu", "MI355X", "--json"])
+    assert as_json.exit_code == 0
+    body = as_json.stdout if hasattr(as_json, "stdout") else as_json.output
+    assert json.loads(body[body.index("{"):])["provenance"]["kind"] == "prior"
+    # a GPU with neither a table nor a prior is still the one-line error
+    missing = CliRunner().invoke(app, ["show", "--gpu", "B200"])
+    assert missing.exit_code == 1 and "no table" in missing.output
