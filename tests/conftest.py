@@ -19,3 +19,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.fixture
 def device() -> str:
     return DEVICE
+
+
+@pytest.fixture(autouse=True)
+def _release_gpu_memory(request):
+    """After each GPU test, hand its cached blocks back to the driver, so that several pytest
+    workers on one GPU (`pytest -m gpu -n 8`) do not run out of memory on each other's cache."""
+    yield
+    if DEVICE == "cuda" and request.node.get_closest_marker("gpu") is not None:
+        torch.cuda.empty_cache()
