@@ -98,6 +98,11 @@ def _poison(decoder: Decoder, out: torch.Tensor) -> None:
         getattr(decoder.runner.workspace, name).fill_(float("nan"))
 
 
+# Backends whose library returns a new output tensor on each eager call (a CUDA graph keeps
+# it fixed): FlashMLA's flash_mla_with_kvcache. Their answers are checked, not their buffers.
+LIBRARY_OUTPUTS = ("flashmla",)
+
+
 def _answer_into_poisoned_buffers(decoder: Decoder, inp: serving.ServingInput, warm=None) -> torch.Tensor:
     """Call once (`warm`, an input with the same new tokens, or `inp` itself), poison what
     the call returned and the partials, and call `inp` into them: every element of the
@@ -105,7 +110,8 @@ def _answer_into_poisoned_buffers(decoder: Decoder, inp: serving.ServingInput, w
     first = _call(decoder, warm or inp)
     _poison(decoder, first)
     again = _call(decoder, inp)
-    assert again.data_ptr() == first.data_ptr(), "the runner allocated a new output for the same new tokens"
+    if decoder.variant.backend not in LIBRARY_OUTPUTS:
+        assert again.data_ptr() == first.data_ptr(), "the runner allocated a new output for the same new tokens"
     return again
 
 
