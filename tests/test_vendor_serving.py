@@ -50,6 +50,11 @@ def _cells(name: str, served: bool) -> list[tuple]:
 
 
 SERVED = [c for name in BACKENDS for c in _cells(name, True)]
+# On the CPU, FlashMLA's fp8 cells at 128 heads and q_len 2 or 4 are left out: their q
+# quantizer runs under Triton's interpreter for about 100 s between them, and what they
+# check (the call's wiring through the fake) is checked at 128 heads by q_len 1 and bf16,
+# and at q_len 2 and 4 by 16 heads. tests/test_serving_correctness.py runs them on the GPU.
+CPU_SERVED = [c for c in SERVED if not (c[0] == "flashmla" and c[2] == 128 and c[3] > 1 and c[4] == "fp8")]
 REFUSED = [c for name in BACKENDS for c in _cells(name, False)]
 
 
@@ -176,7 +181,7 @@ def test_leaderboard_variants_stay_valid():
 
 
 # ------------------------------------------------------------ the call, on the CPU
-@pytest.mark.parametrize("case", SERVED, ids=_ids)
+@pytest.mark.parametrize("case", CPU_SERVED, ids=_ids)
 def test_declared_cells_match_the_reference_through_the_fakes(case, monkeypatch):
     name, *cell = case
     _install(monkeypatch, name)
