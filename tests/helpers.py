@@ -1,4 +1,5 @@
-"""Reference math shared by the backend tests, and the vendor libraries' CPU fakes.
+"""Reference math and serving inputs shared by the backend tests, and the vendor libraries'
+CPU fakes.
 
 `vendor_fakes` is tests/fakes/vendor_fakes.py: `vendor_fakes.install(monkeypatch,
 "flashinfer")` puts the fake in sys.modules for one test.
@@ -7,6 +8,8 @@
 import torch
 
 from mla_tune import problem
+from mla_tune.core import CallSpec
+from mla_tune.serving import inputs as serving
 from tests.fakes import vendor_fakes  # noqa: F401  (re-exported for the tests)
 
 
@@ -48,3 +51,17 @@ def serving_expected(variant, q, qo_indptr, kv, kv_scale, *, sm_scale: float | N
     q_format = {"bf16": "bf16", "fp8_dynamic": "fp8", "fp8_static": "fp8_static"}[q_mode]
     return inputs.reference(q, qo_indptr, kv, kv_scale, **layout, q_format=q_format, q_amax=variant.get("q_amax"),
                             sm_scale=sm_scale)
+
+
+def serving_input(spec: CallSpec, kv_lens: list[int], seed: int, device) -> serving.ServingInput:
+    """The serving call's input for `spec` at these KV lengths: ragged q_len (even sequences
+    bring max_q_len new tokens, odd ones about half, never more than a sequence holds) where
+    the spec allows it, else max_q_len for all (KV lengths raised to hold it)."""
+    q_len = spec.max_q_len
+    if spec.mixed_q_len:
+        q_lens = [min(n, q_len if i % 2 == 0 else (q_len + 1) // 2) for i, n in enumerate(kv_lens)]
+    else:
+        kv_lens = [max(n, q_len) for n in kv_lens]
+        q_lens = [q_len] * len(kv_lens)
+    return serving.make_input(q_lens, kv_lens, spec.heads, spec.page_size, spec.kv_format, seed=seed,
+                              device=device)

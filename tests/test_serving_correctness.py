@@ -41,7 +41,7 @@ from mla_tune.backends import get_backend
 from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, CallSpec, Variant
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.call import PREFERENCE, Decoder
-from tests.helpers import serving_expected, vendor_fakes
+from tests.helpers import serving_expected, serving_input, vendor_fakes
 
 LAYOUTS = (0, 1, 16, 64)  # 0: contiguous; else the page size
 HEADS = (16, 128)
@@ -67,20 +67,6 @@ def _spec(name: str, layout: int, heads: int, q_len: int, kv: str) -> CallSpec:
     return CallSpec(kv_format=kv, page_size=layout, heads=heads, max_q_len=q_len,
                     mixed_q_len=caps.mixed_q_len and q_len > 1, host_lengths=caps.host_lengths,
                     sm_scale=SCALE)
-
-
-def _input(spec: CallSpec, kv_lens: list[int], seed: int, device) -> serving.ServingInput:
-    """Ragged q_len (even sequences bring max_q_len new tokens, odd ones about half, never
-    more than a sequence holds) where the spec allows it, else max_q_len for all (KV lengths
-    raised to hold it)."""
-    q_len = spec.max_q_len
-    if spec.mixed_q_len:
-        q_lens = [min(n, q_len if i % 2 == 0 else (q_len + 1) // 2) for i, n in enumerate(kv_lens)]
-    else:
-        kv_lens = [max(n, q_len) for n in kv_lens]
-        q_lens = [q_len] * len(kv_lens)
-    return serving.make_input(q_lens, kv_lens, spec.heads, spec.page_size, spec.kv_format, seed=seed,
-                              device=device)
 
 
 def _call(decoder: Decoder, inp: serving.ServingInput) -> torch.Tensor:
@@ -218,7 +204,7 @@ def test_every_declared_cell_matches_the_reference_on_the_gpu(case):
     reason = backend.unavailable_reason() if hasattr(backend, "unavailable_reason") else None
     assert reason is None, reason
     spec = _spec(name, *cell)
-    inp = _input(spec, GPU_KV_LENS, GPU_SEED, "cuda")
+    inp = serving_input(spec, GPU_KV_LENS, GPU_SEED, "cuda")
     for variant in _gpu_variants(name, tuple(cell), spec, 0.8 * float(inp.q.abs().amax()), gpu.detect()):
         decoder = Decoder(spec, variant=variant, device="cuda")
         out = _answer_into_poisoned_buffers(decoder, inp)
@@ -343,7 +329,7 @@ def test_cpu_sample_covers_every_pair_of_factors():
 def test_the_serving_call_matches_the_reference_on_a_covering_sample(case):
     name, layout, heads, q_len, kv, kv_lens, setting = case
     spec = _spec(name, layout, heads, q_len, kv)
-    inp = _input(spec, kv_lens, 17, "cpu")
+    inp = serving_input(spec, kv_lens, 17, "cpu")
     assert max(inp.q_lens) == q_len
     if setting is None:
         variant = get_backend(name).default_serving_variant(spec, gpu.detect())

@@ -23,7 +23,7 @@ from mla_tune import gpu, problem
 from mla_tune.backends import aiter_mla, flash_mla, flashinfer_mla
 from mla_tune.core import CallSpec, Variant
 from mla_tune.serving import inputs as serving
-from tests.helpers import vendor_fakes
+from tests.helpers import serving_input, vendor_fakes
 
 BACKENDS = {"flashmla": flash_mla, "flashinfer": flashinfer_mla, "aiter": aiter_mla}
 PACKAGES = {"flashmla": "flash_mla", "flashinfer": "flashinfer", "aiter": "aiter"}
@@ -65,18 +65,6 @@ def _ids(case) -> str:
 
 def _install(monkeypatch, name: str, **settings):
     return vendor_fakes.install(monkeypatch, PACKAGES[name], **settings)[PACKAGES[name]]
-
-
-def _input(spec: CallSpec, kv_lens: list[int], seed: int, device) -> serving.ServingInput:
-    """Ragged KV lengths; ragged q_len (even sequences q_len, odd about half) where the spec
-    allows it, else q_len for all (KV lengths raised to hold it)."""
-    q_len = spec.max_q_len
-    if spec.mixed_q_len:
-        q_lens = [min(n, q_len if i % 2 == 0 else (q_len + 1) // 2) for i, n in enumerate(kv_lens)]
-    else:
-        kv_lens = [max(n, q_len) for n in kv_lens]
-        q_lens = [q_len] * len(kv_lens)
-    return serving.make_input(q_lens, kv_lens, spec.heads, spec.page_size, spec.kv_format, seed=seed, device=device)
 
 
 def _call(runner, inp: serving.ServingInput):
@@ -121,7 +109,7 @@ def _run_case(name, layout, heads, q_len, kv, platform, seed=17):
     spec = _spec(name, layout, heads, q_len, kv)
     variant = backend.default_serving_variant(spec, platform)
     runner = backend.build_serving(variant, spec, "cpu")
-    inp = _input(spec, KV_LENS, seed, "cpu")
+    inp = serving_input(spec, KV_LENS, seed, "cpu")
     _call(runner, inp).fill_(float("nan"))
     out = _call(runner, inp)
     _assert_close(out, _expected(variant, inp), _max_error(variant, "cpu"), _ids((name, layout, heads, q_len, kv)))
@@ -198,7 +186,7 @@ def test_the_newer_aiter_fake_serves_too(monkeypatch):
 def test_flash_mla_answers_a_static_q_scale_and_counts_saturation(monkeypatch):
     _install(monkeypatch, "flashmla")
     spec = _spec("flashmla", 64, 32, 2, "fp8")
-    inp = _input(spec, KV_LENS, 5, "cpu")
+    inp = serving_input(spec, KV_LENS, 5, "cpu")
     variant = Variant.make("flashmla", kv="fp8", q="fp8_static", q_amax=0.8 * float(inp.q.abs().amax()))
     runner = flash_mla.build_serving(variant, spec, "cpu")
     _assert_close(_call(runner, inp), _expected(variant, inp), 1e-2, "fp8_static")
@@ -220,7 +208,7 @@ def test_flashinfer_refuses_a_call_without_host_lengths(monkeypatch):
     _install(monkeypatch, "flashinfer")
     spec = _spec("flashinfer", 16, 16, 2, "bf16")
     runner = flashinfer_mla.build_serving(flashinfer_mla.default_serving_variant(spec, H200), spec, "cpu")
-    inp = _input(spec, [40, 5, 70], 3, "cpu")
+    inp = serving_input(spec, [40, 5, 70], 3, "cpu")
     with pytest.raises(ValueError, match="pass q_lens_host and kv_lens_host"):
         runner(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
     with pytest.raises(ValueError, match="one entry per sequence"):
@@ -234,15 +222,15 @@ def test_flashinfer_replans_only_when_the_lengths_or_the_page_array_change(layou
     calls = fi.mla.calls
     spec = _spec("flashinfer", layout, 16, 2, "fp8")
     runner = flashinfer_mla.build_serving(flashinfer_mla.default_serving_variant(spec, H200), spec, "cpu")
-    inp = _input(spec, [40, 5, 70], 3, "cpu")
+    inp = serving_input(spec, [40, 5, 70], 3, "cpu")
     for _ in range(3):
         _call(runner, inp)
     assert (calls["plan"], calls["run"]) == (1, 3)
-    longer = _input(spec, [41, 6, 71], 3, "cpu")
+    longer = serving_input(spec, [41, 6, 71], 3, "cpu")
     _assert_close(_call(runner, longer), longer.reference(), 1e-2, "new lengths")
     assert calls["plan"] == 2
     if layout:  # another block table (a new tensor) is another page array
-        inp2 = _input(spec, [41, 6, 71], 4, "cpu")
+        inp2 = serving_input(spec, [41, 6, 71], 4, "cpu")
         _assert_close(_call(runner, inp2), inp2.reference(), 1e-2, "new table")
         assert calls["plan"] == 3
     runner.plan(longer.q, longer.qo_indptr, longer.kv, longer.kv_scale, **longer.layout,
@@ -280,7 +268,7 @@ def test_flash_mla_schedules_every_call_on_the_device(monkeypatch):
     spec = _spec("flashmla", 64, 16, 1, "bf16")
     runner = flash_mla.build_serving(flash_mla.default_serving_variant(spec, H200), spec, "cpu")
     for seed, lens in ((1, [40, 70]), (2, [130, 1])):
-        inp = _input(spec, lens, seed, "cpu")
+        inp = serving_input(spec, lens, seed, "cpu")
         _assert_close(_call(runner, inp), inp.reference(), 1e-2, f"lengths {lens}")
     assert fm.calls == {"get_mla_decoding_metadata": 2, "flash_mla_with_kvcache": 2}
 
@@ -303,7 +291,7 @@ def test_runners_read_no_tensor_on_the_host(case, monkeypatch):
     platform = gpu.fake_platform("MI355X") if name == "aiter" else H200
     variant = BACKENDS[name].default_serving_variant(spec, platform)
     runner = BACKENDS[name].build_serving(variant, spec, "cpu")
-    inp = _input(spec, [70, 1, 17], 8, "cpu")
+    inp = serving_input(spec, [70, 1, 17], 8, "cpu")
     with monkeypatch.context() as patched:
         for method in _READS:
             original = getattr(torch.Tensor, method)
@@ -326,7 +314,7 @@ def test_a_padded_slot_with_seq_len_0_spoils_no_other_row(case, monkeypatch):
     _install(monkeypatch, name)
     spec = _spec(name, *cell)
     runner = BACKENDS[name].build_serving(BACKENDS[name].default_serving_variant(spec, H200), spec, "cpu")
-    inp = _input(spec, [40, 5, 70], 23, "cpu")
+    inp = serving_input(spec, [40, 5, 70], 23, "cpu")
     variant = BACKENDS[name].default_serving_variant(spec, H200)
     ref = _expected(variant, inp)
     inp.seq_lens[1] = 0
@@ -352,7 +340,7 @@ def test_a_padded_slot_with_seq_len_0_does_not_crash_on_the_h200(case):
     spec = _spec(name, *cell)
     variant = BACKENDS[name].default_serving_variant(spec, gpu.detect())
     runner = BACKENDS[name].build_serving(variant, spec, "cuda")
-    inp = _input(spec, [40, 5, 70], 23, "cuda")
+    inp = serving_input(spec, [40, 5, 70], 23, "cuda")
     ref = _expected(variant, inp)
     inp.seq_lens[1] = 0
     inp.kv_lens[1] = 0
