@@ -62,6 +62,10 @@ Optional members (absent: the defaults in brackets):
         Two candidates of one shape with equal keys run the same kernel (an option the
         compiler ignores on this platform, a cap that gives the same metadata): the sweep
         keeps the first offered and drops the rest. [the variant itself]
+    def vendor_drift_note(tuned: str | None, here: str | None) -> str
+        For a backend with CAPABILITIES.vendor: a clause for the runtime's warning that
+        the vendor distribution's version differs from the table's (`tuned`, the version
+        present `here`, None when not installed), ending "; ", or "" (drift_note). [""]
 
 Every variant carries the parameters `kv` (the KV format it reads: bf16, fp8, mxfp4) and
 `q` (bf16, fp8_dynamic, fp8_static), so the runtime checks its inputs generically.
@@ -194,6 +198,18 @@ def vendor_distributions() -> tuple[str, ...]:
     CAPABILITIES.vendor, in the registry's order: what a table's provenance records the
     versions of, besides torch and triton."""
     return tuple(dict.fromkeys(c.vendor for c in declared_capabilities().values() if c.vendor))
+
+
+def drift_note(distribution: str, tuned: str | None, here: str | None) -> str:
+    """What the first backend (registry order) whose CAPABILITIES.vendor is `distribution`
+    and that has the optional `vendor_drift_note` hook says about that distribution's
+    version moving from `tuned` (the table's) to `here` (None: not installed); "" when
+    no such backend has the hook."""
+    for name, caps in declared_capabilities().items():
+        hook = getattr(get_backend(name), "vendor_drift_note", None) if caps.vendor == distribution else None
+        if hook is not None:
+            return hook(tuned, here)
+    return ""
 
 
 def platform_refusal(name: str, platform) -> str | None:

@@ -227,6 +227,11 @@ def aiter_drift_note(tuned: str | None, here: str | None) -> str:
     return ""
 
 
+# The optional hook backends.drift_note reads for this backend's CAPABILITIES.vendor: the
+# runtime's version-drift warning for amd-aiter says whether the kernel binaries differ.
+vendor_drift_note = aiter_drift_note
+
+
 def _ai_params(fn, op_name: str | None = None) -> dict | None:
     """fn's parameters by name, or None when its signature cannot be read. A wrapper that
     shows only (*args, **kwargs), as AITER's compile_ops ops do, is read from the torch op

@@ -17,8 +17,7 @@ from pathlib import Path
 import torch
 
 from mla_tune.backends import (
-    aiter_mla,
-    capabilities,
+    drift_note,
     get_backend,
     platform_refusal,
     ragged_backends,
@@ -172,9 +171,9 @@ def _warn_versions(table: Table, platform: Platform) -> None:
     for name in version_fields():
         if name in tuned and tuned[name] != here.get(name):
             now = here.get(name) or "not installed"
-            # AITER's kernel binaries changed at some releases only: say whether they differ
-            note = (aiter_mla.aiter_drift_note(tuned[name], here.get(name))
-                    if name == capabilities(aiter_mla.NAME).vendor else "")
+            # what the backend wrapping this distribution says about the change (AITER's:
+            # whether its kernel binaries differ); "" for torch, triton and the others
+            note = drift_note(name, tuned[name], here.get(name))
             warnings.warn(
                 f"table {table.path}: provenance.versions.{name} is {tuned[name]} but this "
                 f"process has {now}; {note}timings may have moved, re-run `mla-tune sweep --gpu "

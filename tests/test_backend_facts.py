@@ -1,0 +1,109 @@
+"""Rules that once tested a backend's name now read a fact the backend declares (issue 28).
+
+Each test adds made-up backends through MLA_TUNE_EXTRA_BACKENDS, modules written into
+tmp_path whose names no rule knows, and shows that the rule follows the declared fact (a
+CAPABILITIES field, an optional module hook) and that today's backends keep their
+behaviour.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mla_tune import backends, runtime
+from mla_tune.backends import EXTRA_BACKENDS_ENV, aiter_mla, drift_note
+from mla_tune.gpu import detect
+
+DATA = Path(__file__).parent / "data"
+
+MODULE_HEAD = '''
+from __future__ import annotations
+
+from mla_tune.core import Capabilities
+
+NAME = "{name}"
+CAPABILITIES = Capabilities({caps})
+
+
+def unavailable_reason():
+    return None
+
+
+def candidates(shape, space, platform):
+    return []
+
+
+def build(variant, shape, device):
+    raise ValueError("a test backend builds nothing")
+'''
+
+
+@pytest.fixture
+def add_backends(tmp_path, monkeypatch):
+    """add_backends({name: (capabilities arguments, extra module source)}): each one a module
+    in tmp_path registered by MLA_TUNE_EXTRA_BACKENDS (names made up: no rule knows them)."""
+    added = []
+
+    def add(specs: dict[str, tuple[str, str]]) -> None:
+        entries = []
+        for name, (caps, extra) in specs.items():
+            module = f"hb_facts_{name}"
+            source = textwrap.dedent(MODULE_HEAD).format(name=name, caps=caps) + textwrap.dedent(extra)
+            (tmp_path / f"{module}.py").write_text(source)
+            sys.modules.pop(module, None)
+            added.append(module)
+            entries.append(f"{name}={module}")
+        monkeypatch.syspath_prepend(str(tmp_path))
+        monkeypatch.setenv(EXTRA_BACKENDS_ENV, ",".join(entries))
+
+    yield add
+    for module in added:
+        sys.modules.pop(module, None)
+
+
+# ------------------------------------------------ the runtime's version-drift note
+DRIFT_HOOK = '''
+def vendor_drift_note(tuned, here):
+    return f"{NAME} says {tuned} -> {here} moved its kernels; "
+'''
+
+
+def _table(tmp_path, versions: dict) -> Path:
+    data = yaml.safe_load((DATA / "table_cpu.yaml").read_text())
+    data["provenance"]["versions"] = {**{k: str(v) for k, v in detect().versions.items()}, **versions}
+    path = tmp_path / "table.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_the_drift_note_comes_from_the_hook_of_the_backend_wrapping_that_distribution(add_backends, tmp_path):
+    add_backends({
+        "drifty": ('kv_formats=("bf16",), vendor="drifty-lib"', DRIFT_HOOK),
+        "hook_no_vendor": ('kv_formats=("bf16",)', DRIFT_HOOK),  # the hook alone says nothing
+        "vendor_no_hook": ('kv_formats=("bf16",), vendor="quiet-lib"', ""),
+    })
+    assert drift_note("drifty-lib", "1.0", "2.0") == "drifty says 1.0 -> 2.0 moved its kernels; "
+    assert drift_note("quiet-lib", "1.0", "2.0") == ""
+    assert drift_note("hook_no_vendor", "1.0", "2.0") == ""
+    with pytest.warns(UserWarning) as record:
+        runtime.load(table=_table(tmp_path, {"drifty-lib": "1.0", "quiet-lib": "3.0"}), device="cpu")
+    messages = [str(w.message) for w in record]
+    assert any("provenance.versions.drifty-lib is 1.0 but this process has not installed; "
+               "drifty says 1.0 -> None moved its kernels; timings may have moved" in m for m in messages)
+    assert any("provenance.versions.quiet-lib is 3.0 but this process has not installed; timings may "
+               "have moved" in m for m in messages)
+
+
+def test_aiter_keeps_its_binary_note_and_the_other_versions_get_none():
+    aiter = backends.capabilities("aiter").vendor
+    assert drift_note(aiter, "0.1.11", "0.1.20") == aiter_mla.aiter_drift_note("0.1.11", "0.1.20") != ""
+    assert drift_note(aiter, "0.1.13", "0.1.14") == ""  # one binary era
+    for name in ("torch", "triton", backends.capabilities("flashinfer").vendor,
+                 backends.capabilities("flashmla").vendor):
+        assert drift_note(name, "1.0", "2.0") == ""
+    assert drift_note(aiter, "0.1.11", None) == ""  # not installed here: nothing to compare
