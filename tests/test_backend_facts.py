@@ -17,7 +17,10 @@ import yaml
 
 from mla_tune import backends, runtime
 from mla_tune.backends import EXTRA_BACKENDS_ENV, aiter_mla, drift_note
+from mla_tune.core import Shape, Variant
 from mla_tune.gpu import detect
+from mla_tune.xcompile import check as xcheck
+from mla_tune.xcompile.capture import captured
 
 DATA = Path(__file__).parent / "data"
 
@@ -107,3 +110,27 @@ def test_aiter_keeps_its_binary_note_and_the_other_versions_get_none():
                  backends.capabilities("flashmla").vendor):
         assert drift_note(name, "1.0", "2.0") == ""
     assert drift_note(aiter, "0.1.11", None) == ""  # not installed here: nothing to compare
+
+
+# ------------------------------------------------ which candidates mla-tune compile captures
+CAPTURE_BUILD = '''
+def build(variant, shape, device):
+    raise ValueError(f"{NAME} was built by the capture")
+'''
+
+
+def test_the_compile_check_captures_own_precompiled_kernels_not_vendor_or_plain_ones(add_backends, monkeypatch):
+    add_backends({
+        "own_jit": ('kv_formats=("bf16",), precompile=True', CAPTURE_BUILD),
+        "wrapped": ('kv_formats=("bf16",), precompile=True, vendor="some-lib"', CAPTURE_BUILD),
+        "eager": ('kv_formats=("bf16",)', CAPTURE_BUILD),
+    })
+    assert [n for n in backends.BACKEND_MODULES if captured(n)] == ["triton", "triton_fused", "gluon_fused"]
+    assert [n for n in ("own_jit", "wrapped", "eager") if captured(n)] == ["own_jit"]
+    monkeypatch.setattr(xcheck, "interpreting", lambda: False)  # nothing reaches a compile here
+    shape = Shape(2, 64)
+    plan = {shape: [Variant.make(n, kv="bf16", q="bf16") for n in ("own_jit", "wrapped", "eager")]}
+    report = xcheck.check_plan(plan, "H200", jobs=1, use_cache=False, q_quant=False)
+    assert report["not_compiled"] == {"wrapped": 1, "eager": 1}
+    assert report["capture_errors"] == [{"shape": str(shape), "label": "own_jit(kv=bf16,q=bf16)",
+                                         "error": "capture failed: ValueError: own_jit was built by the capture"}]

@@ -24,12 +24,10 @@ from unittest import mock
 import torch
 from triton.runtime.jit import JITFunction, KernelInterface
 
-from mla_tune.backends import get_backend
+from mla_tune.backends import capabilities, get_backend
 from mla_tune.core import NUM_HEADS, QK_DIM, Shape, Variant
 from mla_tune.gpu import GpuFacts
 
-# The backends whose candidates launch mla-tune's own Triton or Gluon kernels.
-CAPTURED_BACKENDS = ("triton", "triton_fused", "gluon_fused")
 STATIC_Q_AMAX = 6.0
 META = torch.device("meta")
 
@@ -52,6 +50,15 @@ class Item:
     label: str
     launches: list
     error: str | None = None
+
+
+def captured(backend: str) -> bool:
+    """Whether the compile check captures and compiles `backend`'s candidates: its kernels
+    compile on first use (CAPABILITIES.precompile) and are its own, not a vendor library's
+    (no CAPABILITIES.vendor: the vendor builds and ships those). Today triton, triton_fused
+    and gluon_fused; torch precompiles nothing, aiter, flashinfer and flashmla wrap vendors."""
+    caps = capabilities(backend)
+    return caps.precompile and not caps.vendor
 
 
 def fp8_dtype(facts: GpuFacts) -> torch.dtype:

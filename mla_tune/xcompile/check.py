@@ -35,12 +35,7 @@ from mla_tune import gpu as gpu_mod
 from mla_tune.core import Shape, Variant
 from mla_tune.errors import MlaTuneError
 from mla_tune.fileio import atomic_write_text
-from mla_tune.xcompile.capture import (
-    CAPTURED_BACKENDS,
-    capture_candidate,
-    capture_q_quant,
-    recording,
-)
+from mla_tune.xcompile.capture import capture_candidate, capture_q_quant, captured, recording
 from mla_tune.xcompile.targets import bind, compile_bound, target_for
 
 CACHE_ENV = "MLA_TUNE_CACHE"
@@ -149,7 +144,7 @@ def check_plan(plan: dict[Shape, list[Variant]], gpu: str, jobs: int | None = No
         items = []
         for shape, variants in plan.items():
             for v in variants:
-                if v.backend in CAPTURED_BACKENDS:
+                if captured(v.backend):
                     items.append(capture_candidate(v, shape, facts, launches))
                 else:
                     not_compiled[v.backend] = not_compiled.get(v.backend, 0) + 1
