@@ -16,9 +16,10 @@ import pytest
 import yaml
 
 from mla_tune import backends, runtime
-from mla_tune.backends import EXTRA_BACKENDS_ENV, aiter_mla, drift_note
+from mla_tune.backends import EXTRA_BACKENDS_ENV, aiter_mla, drift_note, triton_splitk
 from mla_tune.core import Shape, Variant
-from mla_tune.gpu import detect
+from mla_tune.gpu import detect, fake_platform
+from mla_tune.serving.time_picks import vendor_backends, with_budget
 from mla_tune.xcompile import check as xcheck
 from mla_tune.xcompile.capture import captured
 
@@ -134,3 +135,49 @@ def test_the_compile_check_captures_own_precompiled_kernels_not_vendor_or_plain_
     assert report["not_compiled"] == {"wrapped": 1, "eager": 1}
     assert report["capture_errors"] == [{"shape": str(shape), "label": "own_jit(kv=bf16,q=bf16)",
                                          "error": "capture failed: ValueError: own_jit was built by the capture"}]
+
+
+# ------------------------------------------------ mla-tune time: vendor rows and budget variants
+SERVING_PAIR = '''
+def default_serving_variant(spec, platform):
+    raise ValueError("not called here")
+
+
+def build_serving(variant, spec, device):
+    raise ValueError("not called here")
+'''
+BUDGET_HOOK = '''
+def batch_split_budget(waves, sm_count, head_tiles):
+    return int(waves * sm_count) * 1000 + head_tiles
+'''
+
+
+def test_the_vendor_rows_of_a_mix_are_the_serving_backends_that_wrap_a_vendor_for_this_gpu(add_backends):
+    h200, mi355x = fake_platform("H200"), fake_platform("MI355X")
+    assert vendor_backends(h200) == ["flashinfer", "flashmla"] and vendor_backends(mi355x) == ["aiter"]
+    sm90 = 'platforms=(("cuda", "sm_90"),)'
+    add_backends({
+        "new_vendor": (f'kv_formats=("bf16",), serving=True, vendor="new-lib", {sm90}', SERVING_PAIR),
+        "amd_vendor": ('kv_formats=("bf16",), serving=True, vendor="amd-lib", platforms=(("hip",),)',
+                       SERVING_PAIR),
+        "no_serving": (f'kv_formats=("bf16",), vendor="lb-lib", {sm90}', ""),
+        "own_kernel": (f'kv_formats=("bf16",), serving=True, {sm90}', SERVING_PAIR),
+    })
+    assert vendor_backends(h200) == ["flashinfer", "flashmla", "new_vendor"]
+    assert vendor_backends(mi355x) == ["aiter", "amd_vendor"]
+
+
+def test_budget_variants_come_from_a_backends_batch_split_budget_hook(add_backends):
+    add_backends({"budgeted": ('kv_formats=("bf16",)', BUDGET_HOOK), "unbudgeted": ('kv_formats=("bf16",)', "")})
+    split = dict(kv="bf16", q="bf16", block_h=16, max_splits=8, tokens_per_split=512)
+    made = with_budget(Variant.make("budgeted", **split), 2, 128, sm_count=100, heads=64)
+    assert made == Variant.make("budgeted", **{**split, "tokens_per_split": 128, "split_budget": 200 * 1000 + 4})
+    assert with_budget(Variant.make("unbudgeted", **split), 2, 128, 100, 64) is None
+    assert with_budget(Variant.make("budgeted", **{**split, "max_splits": 1}), 2, 128, 100, 64) is None
+    # today's: triton's budget (its own rule), none for gluon_fused though its serving form
+    # takes split_budget (it has no hook: its budgets are its serving_candidates' own)
+    triton = Variant.make("triton", **split, block_n=64, num_warps=8, num_stages=2, dot_dtype="bf16")
+    assert with_budget(triton, 2, 128, 100, 64).get("split_budget") == triton_splitk.batch_split_budget(2, 100, 4)
+    gluon = Variant.make("gluon_fused", kv="fp8", q="fp8_dynamic", block_h=16, max_splits=8,
+                         tokens_per_split=512, num_stages=2, v_halves=1)
+    assert with_budget(gluon, 2, 128, 100, 64) is None

@@ -25,7 +25,7 @@ from mla_tune.serving.table import (
     kv_bucket,
     write_serving_table,
 )
-from mla_tune.serving.time_picks import VENDORS, bucket_lengths, parse_ints, parse_lens, with_budget
+from mla_tune.serving.time_picks import bucket_lengths, parse_ints, parse_lens, with_budget
 from mla_tune.time_cli import register
 from mla_tune.tune import time_variants
 from mla_tune.tune.time_variants import parse_shapes
@@ -221,7 +221,8 @@ def test_a_mix_runs_the_tables_eager_and_graph_picks_and_the_extra_variants(inte
     assert lines[0].startswith(f"{key}: 2 sequences, kv_lens [30, 34] (mean 32)")
     assert lines[1] == f"the table's cell 2 x 32: {split16}, 5.0 us as swept"
     skipped = [line for line in lines if " not timed, it cannot serve this here: " in line]
-    assert sorted(line.split(":")[0] for line in skipped) == sorted(VENDORS)  # no GPU here
+    # no GPU here: each vendor backend with a serving call is named, with why it did not run
+    assert [line.split(":")[0] for line in skipped] == ["aiter", "flashinfer", "flashmla"]
     header = lines.index(next(line for line in lines if line.split()[:2] == ["role", "us"]))
     rows = {line.split()[0]: line.split() for line in lines[header + 1:]}
     assert set(rows) == {"eager", "graph", "extra1", "extra2"}

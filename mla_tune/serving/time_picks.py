@@ -33,8 +33,6 @@ from mla_tune.core import Variant
 from mla_tune.errors import MlaTuneError
 from mla_tune.serving.table import FamilyKey
 
-VENDORS = ("flashmla", "flashinfer")
-
 
 def parse_ints(text: str, what: str) -> list[int]:
     """'25,28,32' -> [25, 28, 32]; positive integers only, else refused naming `what`."""
@@ -68,16 +66,30 @@ def bucket_lengths(bucket: int, points: int) -> list[int]:
     return sorted({max(1, math.ceil(bucket * 2.0 ** (-0.5 + i / points))) for i in range(points)})
 
 
+def vendor_backends(platform) -> list[str]:
+    """The backends `mla-tune time mix` times beside a table's picks: those with a serving
+    call that wrap a vendor library (CAPABILITIES.serving and vendor) and are written for
+    `platform` (backends.platform_refusal: on the plain CPU, every one), in the registry's
+    order. On an H200: flashinfer, flashmla; on an MI355X: aiter."""
+    from mla_tune.backends import declared_capabilities, platform_refusal
+
+    return [name for name, caps in declared_capabilities().items()
+            if caps.serving and caps.vendor and platform_refusal(name, platform) is None]
+
+
 def with_budget(variant: Variant, waves: float, tokens: int, sm_count: int, heads: int) -> Variant | None:
-    """The split-K variant under a batch budget of `waves` waves of the SMs over its head
-    tiles, with a split per at least `tokens` tokens; None for a variant that does not split."""
-    from mla_tune.backends import triton_splitk
+    """The split-K serving variant under a batch budget of `waves` waves of the SMs over its
+    head tiles, with a split per at least `tokens` tokens: for a backend whose module has
+    the optional `batch_split_budget(waves, sm_count, head_tiles)` hook (triton's), and a
+    variant that splits (max_splits > 1); else None."""
+    from mla_tune.backends import get_backend
 
     p = variant.p
-    if variant.backend != "triton" or p.get("max_splits", 1) <= 1:
+    budget_of = getattr(get_backend(variant.backend), "batch_split_budget", None)
+    if budget_of is None or p.get("max_splits", 1) <= 1:
         return None
-    budget = triton_splitk.batch_split_budget(waves, sm_count, heads // p["block_h"])
-    return Variant.make("triton", **{**p, "split_budget": budget, "tokens_per_split": tokens})
+    budget = budget_of(waves, sm_count, heads // p["block_h"])
+    return Variant.make(variant.backend, **{**p, "split_budget": budget, "tokens_per_split": tokens})
 
 
 def _shown(lens: list[int]) -> str:
@@ -114,7 +126,7 @@ def time_mix(table_path: str | Path, key: FamilyKey, kv_lens: list[int], *, conf
             roles[role] = v
     platform = gpu.detect()
     skipped = {}
-    for name in VENDORS:
+    for name in vendor_backends(platform):
         skipped[name] = why_not(name, spec, platform)
         if skipped[name] is None:
             roles[name] = get_backend(name).default_serving_variant(spec, platform)
