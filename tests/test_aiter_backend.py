@@ -4,7 +4,6 @@ fixture runs against all three. The fakes refuse any argument past the first few
 passed by position, so every backend call these tests make proves the keyword rule
 (tests/test_aiter_direct.py has the rule's own tests and the direct mode's)."""
 
-import importlib.util
 import inspect
 import subprocess
 import sys
@@ -19,12 +18,9 @@ from mla_tune import gpu, problem, runtime
 from mla_tune.backends import aiter_mla
 from mla_tune.core import SM_SCALE, Shape, Variant
 from mla_tune.tune.config import expand_space, load_config
-from tests.helpers import expected_output
+from tests.helpers import expected_output, vendor_fakes
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("vendor_fakes", ROOT / "tests" / "fakes" / "vendor_fakes.py")
-vendor_fakes = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(vendor_fakes)
 
 SHAPE = Shape(3, 256)  # small, yet long enough for the intra-batch builder (>= 196 tokens)
 STRICT = problem.RULES["strict"]

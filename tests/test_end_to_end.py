@@ -23,7 +23,6 @@ library and computes its answer with mla_tune.problem.reference, so imports made
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import os
 import subprocess
@@ -42,6 +41,7 @@ from mla_tune.cli import app
 from mla_tune.core import Shape, Variant
 from mla_tune.problem import check, generate_input, generate_ragged_input, get_rule, reference
 from mla_tune.tables.table import load_table, write_table
+from tests.helpers import vendor_fakes
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).parent / "data"
@@ -52,9 +52,6 @@ WIDE = {"COLUMNS": "250", "NO_COLOR": "1", "TERM": "dumb"}  # rich wraps at 80 c
 MISSING = (2, 24)  # a shape neither table has: the fallback serves it
 RAGGED = [5, 40, 17]
 
-_spec = importlib.util.spec_from_file_location("vendor_fakes", ROOT / "tests" / "fakes" / "vendor_fakes.py")
-vendor_fakes = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(vendor_fakes)
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -11,9 +11,7 @@ the vendors' fakes against the fp32 reference's LSE, at DeepSeek-V3's scale.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,11 +22,7 @@ from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, CallSpec
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.call import Decoder
 from mla_tune.serving.decode_plan import DecodePlan
-
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("vendor_fakes", ROOT / "tests" / "fakes" / "vendor_fakes.py")
-vendor_fakes = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(vendor_fakes)
+from tests.helpers import vendor_fakes
 
 DSV3 = CORE_DEEPSEEK_V3_SCALE
 H200 = gpu.fake_platform("H200")

@@ -1,10 +1,8 @@
 """The FlashInfer and FlashMLA backends: on the CPU through tests/fakes, and on the H200
 with the real libraries (`pytest -m gpu`, wheels from shared/device/wheels.sh)."""
 
-import importlib.util
 import inspect
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,12 +10,7 @@ import torch
 from mla_tune import gpu, problem
 from mla_tune.backends import flash_mla, flashinfer_mla
 from mla_tune.core import Shape, Variant
-from tests.helpers import expected_output
-
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("vendor_fakes", ROOT / "tests" / "fakes" / "vendor_fakes.py")
-vendor_fakes = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(vendor_fakes)
+from tests.helpers import expected_output, vendor_fakes
 
 SHAPE = Shape(3, 128)  # two 64-token FlashMLA pages per sequence
 STRICT = problem.RULES["strict"]

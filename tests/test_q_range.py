@@ -3,7 +3,6 @@ q_range_count, and the runtime's check_q_range modes and q_saturation()."""
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
 from pathlib import Path
 
@@ -17,11 +16,9 @@ from mla_tune.core import Shape, Variant
 from mla_tune.gpu import detect
 from mla_tune.kernels.q_quant import QQuantizer, q_range_count
 from mla_tune.tune import calibration
+from tests.helpers import vendor_fakes
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("vendor_fakes", ROOT / "tests" / "fakes" / "vendor_fakes.py")
-vendor_fakes = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(vendor_fakes)
 
 FP8 = torch.float8_e4m3fn
 TRITON_SHAPE, FLASHMLA_SHAPE = Shape(2, 40), Shape(2, 64)

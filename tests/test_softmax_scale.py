@@ -12,7 +12,6 @@ argument: two scales bind to one compiled kernel (the same JIT cache key).
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
 from pathlib import Path
@@ -26,11 +25,9 @@ from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, SM_SCALE, CallSpec, Shape, Var
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.call import Decoder
 from mla_tune.serving.table import FamilyKey
+from tests.helpers import vendor_fakes
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("vendor_fakes", ROOT / "tests" / "fakes" / "vendor_fakes.py")
-vendor_fakes = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(vendor_fakes)
 
 DSV3 = CORE_DEEPSEEK_V3_SCALE
 H200 = gpu.fake_platform("H200")
