@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from mla_tune import problem
 from mla_tune.backends import triton_fused
 from mla_tune.core import Shape, Variant
 from mla_tune.gpu import fake_platform
-from mla_tune.kernels.fused_decode import _fu_mx_dequant
 
 CPU_BASE = dict(q="bf16", qk_dot="fp16", pv_dot="fp16", tok_m=True, block_n=16, num_warps=4, num_stages=1)
 
@@ -104,35 +101,63 @@ def test_persistent_grid_resets_its_counters_so_calls_repeat(device):
     assert _rel_l2(first, problem.reference(data, q_format="bf16", kv_format="fp8")) < 1e-2
 
 
-@triton.jit
-def _t_mx_kernel(PK, SC, OUT):
-    r = tl.arange(0, 16)
-    blk = tl.arange(0, 2)
-    byte = tl.arange(0, 16)
-    pk = tl.load(PK + r[:, None, None] * 32 + blk[None, :, None] * 16 + byte[None, None, :]).to(tl.int32) & 0xFF
-    sc = tl.load(SC + r[:, None] * 2 + blk[None, :]).to(tl.int32) & 0xFF
-    ev, od = _fu_mx_dequant(pk, sc, 1, 16, 32)  # bf16: every E2M1 x 2^k is exact in it
-    j = tl.arange(0, 32)
-    tl.store(OUT + r[:, None] * 64 + 2 * j[None, :], ev.to(tl.float32))
-    tl.store(OUT + r[:, None] * 64 + 2 * j[None, :] + 1, od.to(tl.float32))
+# MXFP4 bit dequantization (the kernel's integer bit operations) through the kernel itself:
+# one token per sequence and q = 0 make every score 0, so p = 1, l = 1 and the output is the
+# token's V row as the kernel dequantized it into the dot dtype, then rounded to bf16. Block
+# j's byte i holds code i in its low nibble and (i + j) % 16 in its high one: every block
+# has all 16 E2M1 codes in both nibbles, and the 16 blocks of a row all 256 byte values.
+def _mx_rows_through_decode(scale_bytes: list[int], params: dict, device):
+    """(out [rows, 16, 512] fp32, ref [rows, 512] fp32, byte [rows, 512]): the decode's output
+    for single-token rows whose 16 V blocks take `scale_bytes` in order (further blocks, and
+    the rope blocks, scale byte 127), the fp32 reference dequantization, and each output
+    dim's scale byte."""
+    rows = -(-len(scale_bytes) // 16)
+    flat = torch.full((rows * 16,), 127, dtype=torch.uint8)
+    flat[: len(scale_bytes)] = torch.tensor(scale_bytes, dtype=torch.uint8)
+    scales = torch.full((rows, 18), 127, dtype=torch.uint8)
+    scales[:, :16] = flat.reshape(rows, 16)
+    i, j = torch.arange(16), torch.arange(18)
+    packed = (i[None, :] | (((i[None, :] + j[:, None]) % 16) << 4)).to(torch.uint8).reshape(1, 288)
+    packed = packed.repeat(rows, 1).contiguous()
+    q = torch.zeros(rows, 16, 576, dtype=torch.bfloat16, device=device)
+    indptr = torch.arange(rows + 1, dtype=torch.int32, device=device)
+    variant = Variant.make("triton_fused", **{**params, "kv": "mxfp4", "q": "bf16", "num_splits": 1, "reduce": "none"})
+    run = triton_fused.build(variant, Shape(rows, 1), device)
+    out = run(q, {"mxfp4": (packed.to(device), scales.to(device))}, indptr, indptr)
+    ref = problem.dequantize_mxfp4(packed, scales)[:, :512]
+    byte = scales[:, :16].repeat_interleave(32, dim=1).int()
+    return out.float().cpu(), ref, byte
 
 
-def test_mxfp4_bit_dequantization_is_exact_for_every_code_and_scale(device):
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    packed = torch.randint(0, 256, (16, 32), dtype=torch.uint8, generator=gen)
-    packed[0, :8] = torch.arange(0, 256, 32, dtype=torch.uint8) + torch.arange(8, dtype=torch.uint8)
-    scales = torch.arange(0, 32, dtype=torch.uint8).reshape(16, 2) * 8 + 2  # 2^-125 .. 2^123
-    scales[15, 1] = 254  # 6 x 2^127 overflows fp32 to inf, in the reference too
-    ref = problem.dequantize_mxfp4(packed, scales)
-    out = torch.empty(16, 64, dtype=torch.float32, device=device)
-    _t_mx_kernel[(1,)](packed.to(device), scales.to(device), out)
-    assert torch.equal(out.cpu(), ref)
-    # Scale bytes 0 and 1: values below 2^-126 are subnormal; the interpreter's bf16 cast
-    # flushes them, so only their size is checked (they cannot matter to attention).
-    scales.zero_()
-    scales[8:] = 1
-    _t_mx_kernel[(1,)](packed.to(device), scales.to(device), out)
-    assert float((out.cpu() - problem.dequantize_mxfp4(packed, scales)).abs().max()) < 2.0**-123
+def test_mxfp4_bit_dequantization_is_exact_for_every_code_at_the_fp16_dots_scales(device):
+    # fp16 dots (the interpreter's bf16 dots are wrong): c x 2^(b - 127) for every code c is
+    # an fp16 value exactly for scale bytes 104..140; bytes above make inf K and NaN scores,
+    # bytes below round to fp16's subnormal grid of 2^-24, so only their error (at most
+    # 2^-25) is checked.
+    # test_mxfp4_bit_dequantization_is_exact_for_every_code_and_scale_on_the_gpu covers
+    # bytes 0..252 with bf16 dots.
+    out, ref, byte = _mx_rows_through_decode(list(range(141)), CPU_BASE, device)
+    exact = (byte >= 104)[:, None, :].expand_as(out)
+    full_ref = ref[:, None, :].expand_as(out)
+    assert set(byte[byte >= 104].tolist()) == set(range(104, 141))  # (and byte 127's padding)
+    assert torch.equal(out[exact], full_ref[exact])
+    assert float((out - full_ref).abs().max()) <= 2.0**-25
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("tok_m", [True, False])
+def test_mxfp4_bit_dequantization_is_exact_for_every_code_and_scale_on_the_gpu(tok_m):
+    # bf16 dots: every c x 2^(b - 127) is a normal bf16 value for bytes 2..252 (253 and up
+    # overflow fp32 for c = 6: inf K, NaN scores). Bytes 0 and 1 involve fp32 subnormals
+    # (byte 0's scale 2^-127 itself, byte 1's 0.5 x 2^-126), which the GPU may flush; all
+    # their values are below 2^-123, so only the error's size is checked there.
+    params = {**GPU_FAMILIES["mxfp4"], "tok_m": tok_m}
+    out, ref, byte = _mx_rows_through_decode(list(range(253)), params, "cuda")
+    exact = (byte >= 2)[:, None, :].expand_as(out)
+    full_ref = ref[:, None, :].expand_as(out)
+    assert torch.equal(out[exact], full_ref[exact])
+    assert float((out - full_ref).abs().max()) < 2.0**-123
 
 
 def test_candidates_follow_the_validity_rules():
