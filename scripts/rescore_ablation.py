@@ -3,7 +3,8 @@
     PYTHONPATH=. python scripts/rescore_ablation.py [--table tables/H200.serving.yaml]
         [--reports docs/data/verify] [ABLATION ...]
 
-Each ablation takes one rule of the lookup (mla_tune/serving/table.py, splitk_cost.py) out,
+Each ablation takes one rule of the lookup (mla_tune/serving/estimate.py and the schedule
+models, mla_tune/backends/*_schedule.py) out,
 or sets it to an extreme, and rescores the table's eager picks (serving/rescore.py) on the
 recorded runs split in two halves by seed: even seeds (the half a rule may be chosen on) and
 odd seeds (the half it is judged on). A line per ablation: per half, the runs whose eager
@@ -21,22 +22,23 @@ import math
 import re
 from pathlib import Path
 
-from mla_tune.serving import splitk_cost, table
+from mla_tune.backends import flashinfer_mla_schedule, triton_splitk_schedule
+from mla_tune.serving import estimate, table
 from mla_tune.serving.rescore import rescore
 
 RUN_P95, RUN_MAX = 0.05, 0.15
 FAMILY_EDITS = {
-    "no_reduce_step_us": lambda f: setattr(f, "reduce_step_us", {}),
-    "no_flashinfer_model": lambda f: setattr(f, "flashinfer", None),
-    "no_splitk_models": lambda f: setattr(f, "splitk", {}),
+    "no_reduce_step_us": lambda f: setattr(f, "calibration", {}),
+    "no_flashinfer_model": lambda f: setattr(f, "models", {v: m for v, m in f.models.items() if v.backend != "flashinfer"}),
+    "no_splitk_models": lambda f: setattr(f, "models", {v: m for v, m in f.models.items() if v.backend != "triton"}),
 }
 CONSTANTS = {  # ablation -> (module, name, value)
-    "MODEL_WINDOW=inf": (table, "MODEL_WINDOW", math.inf),
-    "MODEL_WORKS=inf": (table, "MODEL_WORKS", math.inf),
-    "SPLITK_FLOOR=0": (table, "SPLITK_FLOOR", 0.0),
-    "MIN_MEASURED_WEIGHT=0": (table, "MIN_MEASURED_WEIGHT", 0.0),
-    "MIN_MEASURED_WEIGHT=1": (table, "MIN_MEASURED_WEIGHT", 1.0),
-    "EXACT_WAVES=1000": (splitk_cost, "EXACT_WAVES", 1000),
+    "MODEL_WINDOW=inf": (estimate, "MODEL_WINDOW", math.inf),
+    "MODEL_WORKS=inf": (flashinfer_mla_schedule, "MODEL_WORKS", math.inf),
+    "SPLITK_FLOOR=0": (triton_splitk_schedule, "SPLITK_FLOOR", 0.0),
+    "MIN_MEASURED_WEIGHT=0": (estimate, "MIN_MEASURED_WEIGHT", 0.0),
+    "MIN_MEASURED_WEIGHT=1": (estimate, "MIN_MEASURED_WEIGHT", 1.0),
+    "EXACT_WAVES=1000": (triton_splitk_schedule, "EXACT_WAVES", 1000),
 }
 ABLATIONS = ("today", *FAMILY_EDITS, *CONSTANTS)
 

@@ -274,9 +274,6 @@ NAMED_OUTSIDE_BACKENDS = {
     "mla_tune/tables/dispatch.py": (4, "the leaderboard's fallback policy: which backend stands in, by rule"),
     "mla_tune/export/__init__.py": (3, "the export's fallback: triton's default_variant"),
     "mla_tune/tune/schedule.py": (1, "DEFAULT_COSTS: cost priors; a backend without a line takes '*'"),
-    "mla_tune/serving/build.py": (1, "the eager fit's FlashInfer check (the estimator removes it)"),
-    "mla_tune/serving/table.py": (1, "the lookup's FlashInfer check (the estimator removes it)"),
-    "mla_tune/serving/splitk_cost.py": (1, "is_splitk (the estimator moves it into the backend)"),
 }
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from mla_tune import problem
+from mla_tune.backends.triton_splitk_schedule import SplitKModel
 from mla_tune.core import CallSpec, Variant
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.decode_plan import DecodePlan
@@ -21,7 +22,6 @@ from mla_tune.serving.table import (
     FamilyKey,
     GraphPick,
     ServingTable,
-    SplitKModel,
 )
 
 SPEC = CallSpec("bf16", page_size=16, heads=16, max_q_len=2, mixed_q_len=True)
@@ -111,17 +111,20 @@ def test_an_eager_plan_builds_the_point_variants_and_picks_the_fastest_estimate(
     assert picked == EAGER_4_256
 
 
-def test_an_eager_plan_does_the_lookups_one_off_work_when_it_is_made():
+def test_an_eager_plan_does_the_lookups_one_off_work_when_it_is_made(monkeypatch):
     """The split-K rates over the points (a makespan per point) are computed at plan creation,
     not in the engine's first step."""
     table = _table()
     key = FamilyKey.of(SPEC)
     fam = table.families[key]
     fam.points = {(4, 32): {GRAPH_4: 5.0, GRAPH_8: 9.0}, (4, 256): {GRAPH_4: 20.0, GRAPH_8: 12.0}}
-    fam.splitk = {GRAPH_4: SplitKModel(GRAPH_4, occupancy=1, overhead_us=1.0, sm_count=132, fit_error=0.0)}
-    assert ("rates", key) not in table._derived
+    fam.models = {GRAPH_4: SplitKModel(GRAPH_4, occupancy=1, overhead_us=1.0, sm_count=132, fit_error=0.0)}
+    made = []
+    real = SplitKModel.point_rate
+    monkeypatch.setattr(SplitKModel, "point_rate", lambda self, *a: made.append(a[1:3]) or real(self, *a))
     DecodePlan(SPEC, max_batch=4, table=table, warm=False)
-    assert set(table._derived[("rates", key)]) == {(4, 32), (4, 256)}
+    assert sorted(made) == [(4, 32), (4, 256)]  # each point's rate once, at the plan
+    assert set(table.estimator.derived("rates", fam)) == {(4, 32), (4, 256)} and len(made) == 2
 
 
 def test_a_graph_plan_ignores_lengths_and_takes_the_graph_pick():

@@ -33,26 +33,28 @@ def test_each_probe_pairs_a_long_tail_with_the_uniform_batch_of_its_tokens():
         same = [b for b in table.batch_buckets if b >= 2 and reduce_splits_per_step(b, p.key.q_len, p.key.heads)
                 == p.per_step]
         assert batch == (min(same) if p.per_step == 16 else max(same))
-        model = table.families[p.key].splitk[p.variant]
-        assert (model.schedule(p.key, p.uniform)[1], model.schedule(p.key, p.tail)[1]) == p.steps
+        model = table.families[p.key].models[p.variant]
+        assert (model.reduction_steps(p.key, p.uniform), model.reduction_steps(p.key, p.tail)) == p.steps
         assert p.steps[1] > p.steps[0]
     # a family without split-K models has none
-    assert all(table.families[p.key].splitk for p in probes)
-    assert not cal.plan_probes(table, [k for k, f in table.families.items() if not f.splitk])
+    def splitk(f):
+        return [v for v in f.models if v.backend == "triton"]
+    assert all(splitk(table.families[p.key]) for p in probes)
+    assert not cal.plan_probes(table, [k for k, f in table.families.items() if not splitk(f)])
 
 
 def test_the_cost_per_step_is_what_the_model_misses_on_the_tail_and_the_table_keeps_it(tmp_path):
     path = shutil.copy(TABLE, tmp_path / "H200.serving.yaml")
     table = load_serving_table(path)
     key = FamilyKey("bf16", 64, 16, 1)
-    others = {k: dict(f.reduce_step_us) for k, f in table.families.items() if k != key}
+    others = {k: dict(f.calibration) for k, f in table.families.items() if k != key}
     seen = []
 
     def fake_measure(probe, cfg, device, timer, reps, rounds):
         # the model's estimates, 3 us off on both batches, and 4.5 us per extra step on the tail
         seen.append(probe)
         spec = cfg.spec(probe.key)
-        est = {n: table.splitk_estimates(spec, list(lens), reduce=False)[probe.variant]
+        est = {n: table.model_estimates(spec, list(lens), calibrated=False)[probe.variant]
                for n, lens in (("uniform", probe.uniform), ("tail", probe.tail))}
         return {"uniform": est["uniform"] + 3.0, "tail": est["tail"] + 3.0 + 4.5 * (probe.steps[1] - probe.steps[0])}
 
@@ -61,19 +63,19 @@ def test_the_cost_per_step_is_what_the_model_misses_on_the_tail_and_the_table_ke
     assert [p["per_step"] for p in out["probes"]] == [16, 64] and len(seen) == 2
     assert all(p["step_us"] == pytest.approx(4.5) for p in out["probes"])
     loaded = load_serving_table(path)
-    assert loaded.families[key].reduce_step_us == {16: 4.5, 64: 4.5}
+    assert loaded.families[key].calibration == {"triton": {"reduce_step_us": {16: 4.5, 64: 4.5}}}
     assert loaded.provenance["reduce_calibration"]["probes"][0]["steps"] == list(seen[0].steps)
-    assert {k: f.reduce_step_us for k, f in loaded.families.items() if k != key} == others  # only the family asked
+    assert {k: f.calibration for k, f in loaded.families.items() if k != key} == others  # only the family asked
     # the lookup now charges a long-tail call for its reduction
     spec = CallSpec("bf16", 64, 16, 1)
     tail = list(seen[0].tail)
-    before = table.splitk_estimates(spec, tail, reduce=False)[seen[0].variant]
-    after = loaded.splitk_estimates(spec, tail)[seen[0].variant]
+    before = table.model_estimates(spec, tail, calibrated=False)[seen[0].variant]
+    after = loaded.model_estimates(spec, tail)[seen[0].variant]
     assert after == pytest.approx(before + 4.5 * (seen[0].steps[1] - seen[0].steps[0]), rel=1e-6)
     # a model that is faster on the tail than it says gives 0, not a negative cost
     cal.calibrate(path, families="kv_format=bf16,heads=16,q_len=1", platform=H200, device="cpu",
                   measure_fn=lambda p, *a: {"uniform": 100.0, "tail": 1.0}, log=lambda _: None)
-    assert load_serving_table(path).families[key].reduce_step_us == {16: 0.0, 64: 0.0}
+    assert load_serving_table(path).families[key].calibration == {"triton": {"reduce_step_us": {16: 0.0, 64: 0.0}}}
 
 
 def test_calibrate_refuses_another_gpu_and_bad_options_and_a_dry_run_writes_nothing(tmp_path):

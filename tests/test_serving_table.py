@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 
+from mla_tune.backends.flashinfer_mla_schedule import VendorModel
 from mla_tune.core import CallSpec, Variant
 from mla_tune.serving.table import (
     Cell,
@@ -15,7 +16,6 @@ from mla_tune.serving.table import (
     FamilyKey,
     GraphPick,
     ServingTable,
-    VendorModel,
     batch_bucket,
     choose_graph_pick,
     kv_bucket,
@@ -177,7 +177,7 @@ def _vendor_table(version: str) -> tuple[ServingTable, CallSpec]:
     fam = Family(FamilyKey.of(spec))
     fam.points = {(b, k): {fi: 10.0 * b * k / 1024, _v(4, "bf16"): 12.0 * b * k / 1024}
                   for b in (4, 8) for k in (1024, 2048)}
-    fam.flashinfer = VendorModel(fi, (1.0, 0.01, 0.0, 0.0, 0.0, 0.0), 132, 0.05)
+    fam.models = {fi: VendorModel(fi, (1.0, 0.01, 0.0, 0.0, 0.0, 0.0), 132, 0.05)}
     return ServingTable("H200", {"versions": {"flashinfer-python": version}}, [4, 8], [1024, 2048],
                         {fam.key: fam}), spec
 

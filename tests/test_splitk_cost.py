@@ -1,30 +1,30 @@
-"""Our split-K kernel's schedule at a call's own lengths (mla_tune/serving/splitk_cost.py), its
-fit when a serving table is built (serving_build._splitk_models) and the eager lookup that
-uses it (serving/table.py). The replay of the split rule itself is checked against
+"""Our split-K kernel's schedule model (mla_tune/backends/triton_splitk_schedule.py): its
+schedule at a call's own lengths, its fit when a serving table is built (`fit`) and the
+eager lookup that uses it (serving/estimate.py). The replay of the split rule itself is checked against
 the kernel in tests/test_serving_layouts.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from mla_tune.core import CallSpec, Variant
-from mla_tune.fileio import dump_yaml
-from mla_tune.kernels.split_rule import reduce_splits_per_step
-from mla_tune.serving.build import _splitk_models
-from mla_tune.serving.splitk_cost import (
+from mla_tune.backends import schedule_module, triton_splitk_schedule
+from mla_tune.backends.triton_splitk_schedule import (
     EXACT_WAVES,
-    is_splitk,
+    SPLITK_FLOOR,
+    SplitKModel,
     occupancy_cap,
     reduce_steps,
     splitk_schedule,
     uniform_reduce_steps,
 )
+from mla_tune.core import CallSpec, Variant
+from mla_tune.fileio import dump_yaml
+from mla_tune.kernels.split_rule import reduce_splits_per_step
+from mla_tune.serving.estimate import interpolate
 from mla_tune.serving.table import (
-    SPLITK_FLOOR,
     Family,
     FamilyKey,
     ServingTable,
-    SplitKModel,
     load_serving_table,
     write_serving_table,
 )
@@ -37,6 +37,18 @@ SPLIT = Variant.parse("triton(block_h=16,block_n=64,dot_dtype=bf16,kv=bf16,max_s
                       "num_warps=4,q=bf16,tokens_per_split=512)")
 FM = Variant.parse("flashmla(kv=bf16,q=bf16)")
 KEY = FamilyKey("bf16", 64, 16, 1)
+
+
+def _splitk_models(key, points, sm_count, smem_per_sm=0) -> dict:
+    """The schedule module's fit for the family's split-K point variants, by variant."""
+    variants = sorted({v for times in points.values() for v in times if v.backend == "triton"}, key=str)
+    platform = {"sm_count": sm_count, "smem_per_sm": smem_per_sm}
+    return {m.variant: m for m in triton_splitk_schedule.fit(key, variants, points, {}, platform, interpolate)}
+
+
+def _splitk(table, spec, kv_lens, calibrated=True) -> dict:
+    """The split-K models' own estimates (no window, no floor)."""
+    return {v: t for v, t in table.model_estimates(spec, kv_lens, calibrated).items() if v.backend == "triton"}
 
 
 def _span(lens, occupancy=1, heads=16, variant=ONE, sm=132, item_tokens=0):
@@ -85,7 +97,7 @@ def test_the_occupancy_cap_follows_the_kv_stages_and_the_devices_shared_memory()
     grid = _grid(occupancy=2, kvs=(1024,))
     assert _splitk_models(KEY, grid, 132)[ONE].occupancy == 2
     assert _splitk_models(KEY, grid, 132, smem_per_sm=100 * 1024)[ONE].occupancy == 1
-    assert is_splitk(ONE) and is_splitk(SPLIT) and not is_splitk(FM)
+    assert schedule_module("triton") is triton_splitk_schedule and schedule_module("flashmla") is None
 
 
 def _grid(overhead=10.0, rate=30 / 512, occupancy=1, kvs=(512, 1024, 2048), item_tokens=0):
@@ -119,7 +131,7 @@ def _table(models: dict) -> ServingTable:
     fam = Family(KEY)
     for (b, k), t in _grid().items():
         fam.points[(b, k)] = {**t, FM: 1.15 * t[ONE]}  # FlashMLA 15% behind on every uniform batch
-    fam.splitk = models
+    fam.models = models
     return ServingTable("H200", {}, [64, 128, 256, 512], [512, 1024, 2048], {KEY: fam})
 
 
@@ -140,19 +152,20 @@ def test_the_models_survive_a_write_and_load_and_a_broken_one_is_refused(tmp_pat
     table = _table(_splitk_models(KEY, _grid(), 132))
     path = write_serving_table(tmp_path / "H200.serving.yaml", table)
     text = path.read_text()
-    assert "splitk_models:" in text and "occupancy: 1" in text
+    assert "models:" in text and "backend: triton" in text and "occupancy: 1" in text
     loaded = load_serving_table(path)
-    assert loaded.as_dict() == table.as_dict() and loaded.families[KEY].splitk[ONE].occupancy == 1
+    assert loaded.as_dict() == table.as_dict() and loaded.families[KEY].models[ONE].occupancy == 1
     for edit, words in ((dict(occupancy=0), "occupancy must be a positive integer"),
-                        (dict(variant=str(FM)), "our split-K kernel's schedule"),
+                        (dict(variant=str(FM)), "a triton model, but variant is flashmla"),
+                        (dict(backend="flashmla"), "backend 'flashmla' has no schedule model"),
                         (dict(overhead_us=-1.0), "overhead_us must be a finite number"),
                         (dict(item_tokens=-1), "item_tokens must be an integer >= 0"),
                         (dict(item_tokens=1.5), "item_tokens must be an integer >= 0"),
-                        (dict(extra=1), "must be a mapping of")):
+                        (dict(extra=1), "is a mapping of backend, fit_error")):
         data = table.as_dict()
-        entry = dict(data["families"][0]["splitk_models"][0])
+        entry = dict(data["families"][0]["models"][0])
         entry.update(edit)
-        data["families"][0]["splitk_models"] = [entry]
+        data["families"][0]["models"] = [entry]
         bad = tmp_path / "bad.serving.yaml"
         bad.write_text(dump_yaml(data))
         with pytest.raises(TableError, match=words):
@@ -162,17 +175,17 @@ def test_the_models_survive_a_write_and_load_and_a_broken_one_is_refused(tmp_pat
 def test_an_older_schema_is_refused_with_the_command_that_rebuilds_it(tmp_path):
     data = _table({}).as_dict()
     path = tmp_path / "old.serving.yaml"
-    for old in ("serving/2", "serving/4"):
+    for old in ("serving/2", "serving/5"):
         data["schema"] = old
         path.write_text(dump_yaml(data))
-        with pytest.raises(TableError, match=rf"schema is '{old}', this mla-tune reads 'serving/5'; rebuild it.*mla-tune sweep"):
+        with pytest.raises(TableError, match=rf"schema is '{old}', this mla-tune reads 'serving/6'; rebuild it.*mla-tune sweep"):
             load_serving_table(path)
     # a split-K model must carry its program's fixed cost (item_tokens)
     data = _table(_splitk_models(KEY, _grid(item_tokens=64), 132)).as_dict()
-    assert data["families"][0]["splitk_models"][0]["item_tokens"] == 64
-    del data["families"][0]["splitk_models"][0]["item_tokens"]
+    assert data["families"][0]["models"][0]["item_tokens"] == 64
+    del data["families"][0]["models"][0]["item_tokens"]
     path.write_text(dump_yaml(data))
-    with pytest.raises(TableError, match="must be a mapping of fit_error, item_tokens"):
+    with pytest.raises(TableError, match="is a mapping of backend, fit_error, item_tokens"):
         load_serving_table(path)
 
 
@@ -199,7 +212,7 @@ def test_the_lookup_adds_the_measured_reduction_steps_beyond_a_uniform_batchs(tm
     fam = Family(KEY)
     for (b, k), t in _grid().items():
         fam.points[(b, k)] = {**t, split: 1.02 * t[ONE]}
-    fam.splitk = _splitk_models(KEY, {pt: {split: t[split]} for pt, t in fam.points.items()}, 132)
+    fam.models = _splitk_models(KEY, {pt: {split: t[split]} for pt, t in fam.points.items()}, 132)
     table = ServingTable("H200", {}, [64, 128, 256, 512], [512, 1024, 2048], {KEY: fam})
     uniform = [1024] * 100
     ragged = [100] * 99 + [1024 * 100 - 9900]  # the same mean, one sequence with most splits
@@ -207,30 +220,35 @@ def test_the_lookup_adds_the_measured_reduction_steps_beyond_a_uniform_batchs(tm
     extra = reduce_steps(ragged, 16, 1, params, 132) - reduce_steps(uniform, 16, 1, params, 132)
     assert extra > 1
     before = table.estimates(spec, 100, 1024.0, kv_lens=ragged)[split]
-    assert table.splitk_estimates(spec, ragged) == {split: pytest.approx(before)}
-    fam.reduce_step_us = {16: 5.0, 64: 1.0}  # 100 x 16 heads: the narrow grid's 16 a step
+    assert _splitk(table, spec, ragged) == {split: pytest.approx(before)}
+    fam.calibration = {"triton": {"reduce_step_us": {16: 5.0, 64: 1.0}}}  # 100 x 16 heads: the narrow grid's 16 a step
     table = ServingTable("H200", {}, [64, 128, 256, 512], [512, 1024, 2048], {KEY: fam})
     assert table.estimates(spec, 100, 1024.0, kv_lens=ragged)[split] == pytest.approx(before + 5.0 * extra)
-    assert table.splitk_estimates(spec, ragged, reduce=False) == {split: pytest.approx(before)}
+    assert _splitk(table, spec, ragged, calibrated=False) == {split: pytest.approx(before)}
     # a uniform batch, and a call without its lengths, add nothing
     flat = table.estimates(spec, 100, 1024.0, kv_lens=uniform)[split]
     assert flat == pytest.approx(table.estimates(spec, 100, 1024.0)[split])
-    assert table.splitk_estimates(spec, uniform) == table.splitk_estimates(spec, uniform, reduce=False)
+    assert _splitk(table, spec, uniform) == _splitk(table, spec, uniform, calibrated=False)
     # it is written, read back, and checked
     return_path = write_serving_table(tmp_path / "H200.serving.yaml", table)
     assert "reduce_step_us: {16: 5.0, 64: 1.0}" in return_path.read_text()
-    assert load_serving_table(return_path).families[KEY].reduce_step_us == {16: 5.0, 64: 1.0}
+    assert load_serving_table(return_path).families[KEY].calibration == {"triton": {"reduce_step_us": {16: 5.0, 64: 1.0}}}
     data = table.as_dict()
     for bad, words in (({32: 1.0}, "must map splits per reduction step"), ({16: -1.0}, r"\[16\] must be a finite"),
                        ([1.0], "must map splits per reduction step")):
-        data["families"][0]["reduce_step_us"] = bad
+        data["families"][0]["calibration"] = {"triton": {"reduce_step_us": bad}}
         return_path.write_text(dump_yaml(data))
         with pytest.raises(TableError, match=words):
             load_serving_table(return_path)
-    # a family without reduce_step_us (no split-K variant needs one) loads with none
-    del data["families"][0]["reduce_step_us"]
+    for bad, words in (({"flashmla": {}}, "'flashmla' has no calibration"), ([1], "must map backends")):
+        data["families"][0]["calibration"] = bad
+        return_path.write_text(dump_yaml(data))
+        with pytest.raises(TableError, match=words):
+            load_serving_table(return_path)
+    # a family without a calibration (no split-K variant needs one) loads with none
+    del data["families"][0]["calibration"]
     return_path.write_text(dump_yaml(data))
-    assert load_serving_table(return_path).families[KEY].reduce_step_us == {}
+    assert load_serving_table(return_path).families[KEY].calibration == {}
 
 
 @pytest.mark.parametrize("variant", [SPLIT, SPLIT.with_params(tokens_per_split=128, block_n=32, split_budget=264),
@@ -251,11 +269,11 @@ def test_a_split_k_estimate_stays_near_its_interpolated_time():
     spec = CallSpec("bf16", 64, 16, 1)
     fam = Family(KEY)
     fam.points = {(b, k): {SPLIT: 0.1 * k, FM: 0.12 * k} for b in (64, 128) for k in (512, 1024)}  # in proportion
-    fam.splitk = {SPLIT: SplitKModel(SPLIT, 1, 0.0, 132, 0.0)}
+    fam.models = {SPLIT: SplitKModel(SPLIT, 1, 0.0, 132, 0.0)}
     table = ServingTable("H200", {}, [64, 128], [512, 1024], {KEY: fam})
-    interp = table._interpolated("times", fam, 64, 600.0)[SPLIT]
+    interp = table.estimator.interpolated("times", fam, 64, 600.0)[SPLIT]
     assert interp == pytest.approx(60.0, rel=0.01)  # the memo takes lengths to ~1%
-    assert table.splitk_estimates(spec, [600] * 64)[SPLIT] < 0.7 * interp
+    assert _splitk(table, spec, [600] * 64)[SPLIT] < 0.7 * interp
     assert table.estimates(spec, 64, 600.0, kv_lens=[600] * 64)[SPLIT] == pytest.approx(SPLITK_FLOOR * interp)
     # at a grid point the model is exact, over the floor
     assert table.estimates(spec, 64, 1024.0, kv_lens=[1024] * 64)[SPLIT] == pytest.approx(102.4)
@@ -270,13 +288,13 @@ def test_a_rate_the_points_cannot_blend_comes_from_the_interpolated_time():
     other = SPLIT.with_params(split_budget=264, tokens_per_split=128, block_n=32)
     fam = Family(KEY)
     fam.points = {(64, 512): {ONE: 51.2, FM: 60.0}, (64, 1024): {other: 90.0, FM: 110.0}}
-    fam.splitk = {ONE: SplitKModel(ONE, 1, 0.0, 132, 0.0), other: SplitKModel(other, 1, 0.0, 132, 0.0)}
+    fam.models = {ONE: SplitKModel(ONE, 1, 0.0, 132, 0.0), other: SplitKModel(other, 1, 0.0, 132, 0.0)}
     table = ServingTable("H200", {}, [64], [512, 1024], {KEY: fam})
-    assert table._interpolated("rates", fam, 64, 700.0) == {}  # nothing in common to blend by
-    times = table._interpolated("times", fam, 64, 700.0)
+    assert table.estimator.interpolated("rates", fam, 64, 700.0) == {}  # nothing in common to blend by
+    times = table.estimator.interpolated("times", fam, 64, 700.0)
     assert ONE in times  # (other, at the point of weight 0.45 alone, sits out: MIN_MEASURED_WEIGHT)
-    uniform = table.splitk_estimates(spec, [700] * 64)
+    uniform = _splitk(table, spec, [700] * 64)
     assert uniform[ONE] == pytest.approx(times[ONE], rel=0.02)  # a uniform call: the interpolated time
     ragged = [100] * 63 + [700 * 64 - 6300]  # the same tokens, one long sequence (one program each)
-    assert table.splitk_estimates(spec, ragged)[ONE] > 10 * uniform[ONE]
+    assert _splitk(table, spec, ragged)[ONE] > 10 * uniform[ONE]
     assert table.estimates(spec, 64, 700.0, kv_lens=ragged)[ONE] > 10 * uniform[ONE]

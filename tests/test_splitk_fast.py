@@ -1,10 +1,10 @@
-"""The split-K replay over a numpy array (splitk_cost._schedule_array, what the eager lookup
+"""The split-K replay over a numpy array (triton_splitk_schedule._schedule_array, what the eager lookup
 runs) gives what the per-sequence replay of kernels/split_rule.py gives, on random ragged
 batches across every branch (one wave, the exact dealing, many waves; zero lengths)."""
 
 import random
 
-from mla_tune.serving.splitk_cost import lengths, splitk_schedule
+from mla_tune.backends.triton_splitk_schedule import lengths, splitk_schedule
 
 
 def _params(rng):
@@ -44,7 +44,7 @@ def test_greedy_makespan_is_the_heaps():
 
     import numpy as np
 
-    from mla_tune.serving.splitk_cost import greedy_makespan
+    from mla_tune.backends.triton_splitk_schedule import greedy_makespan
 
     rng = random.Random(3)
     for _ in range(300):

@@ -1,29 +1,31 @@
-"""FlashInfer's MLA schedule replayed on the host (mla_tune/serving/vendor_cost.py), its linear
-fit, and the serving table's estimated eager pick that uses both (serving/table.py)."""
+"""FlashInfer's schedule model (mla_tune/backends/flashinfer_mla_schedule.py): its MLA schedule
+replayed on the host, its linear fit, and the serving table's estimated eager pick that uses
+both (serving/estimate.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from mla_tune.core import CallSpec, Variant
-from mla_tune.fileio import dump_yaml
-from mla_tune.serving.table import (
-    Cell,
-    Family,
-    FamilyKey,
-    ServingTable,
-    VendorModel,
-    interpolate,
-    load_serving_table,
-    write_serving_table,
-)
-from mla_tune.serving.vendor_cost import (
+from mla_tune.backends.flashinfer_mla_schedule import (
+    FIT_MIN_CELLS,
     FLASHINFER_FEATURES,
+    VendorModel,
     fit_linear,
     flashinfer_mla_features,
     flashinfer_mla_works_per_cluster,
     predict,
     relative_errors,
+)
+from mla_tune.core import CallSpec, Variant
+from mla_tune.fileio import dump_yaml
+from mla_tune.serving.estimate import fit_models, interpolate
+from mla_tune.serving.table import (
+    Cell,
+    Family,
+    FamilyKey,
+    ServingTable,
+    load_serving_table,
+    write_serving_table,
 )
 from mla_tune.tables.table import TableError
 
@@ -74,7 +76,7 @@ def _family(model: VendorModel | None) -> Family:
     }.items():
         fam.points[(b, kv)] = times
         fam.cells[(b, kv)] = Cell(b, kv, FI, times[FI])
-    fam.flashinfer = model
+    fam.models = {model.variant: model} if model is not None else {}
     return fam
 
 
@@ -127,7 +129,7 @@ def test_the_eager_pick_is_the_fastest_estimate_and_flashinfers_comes_from_its_s
     # near FlashMLA's the model runs; over 1.5x from it either way, the interpolated time stands
     assert table.estimates(spec, 8, 16384.0)[FI] != pytest.approx(60.0)
     table.families[FamilyKey("bf16", 64, 16, 4)].points[(8, 16384)] = {FI: 60.0, FM: 200.0}
-    table._memo.clear()
+    table.estimator.clear()
     assert table.estimates(spec, 8, 16384.0)[FI] == pytest.approx(60.0)
     # a graph pick still ignores the lengths
     assert table.lookup(spec, 15, graph=True) is None
@@ -135,7 +137,7 @@ def test_the_eager_pick_is_the_fastest_estimate_and_flashinfers_comes_from_its_s
     fam = table.families[FamilyKey("bf16", 64, 16, 4)]
     fam.points[(16, 32768)] = {TR: 300.0}
     fam.cells[(16, 32768)] = Cell(16, 32768, FM, 202.0)
-    table._memo.clear()
+    table.estimator.clear()
     assert table.estimates(spec, 15, 44654.0) == {} and table.lookup(spec, 15, 44654.0) == FM
 
 
@@ -143,21 +145,21 @@ def test_points_and_the_model_survive_a_write_and_load(tmp_path):
     table = _table(VendorModel(FI, (1.0, 0.05, 0.0, 0.0, 0.0, 0.0), 132, 0.031))
     path = write_serving_table(tmp_path / "H200.serving.yaml", table)
     text = path.read_text()
-    assert "schema: serving/5" in text and "flashinfer_model:" in text
+    assert "schema: serving/6" in text and "models:\n  - backend: flashinfer" in text
     assert "- {batch: 8, kv_len: 16384, us: {0: 60.0, 1: 80.0}}" in text  # one line a point
     loaded = load_serving_table(path)
     fam = loaded.families[FamilyKey("bf16", 64, 16, 4)]
     assert fam.points == _family(None).points
-    assert fam.flashinfer == table.families[fam.key].flashinfer
+    assert fam.models == table.families[fam.key].models
     assert loaded.as_dict() == table.as_dict()
 
 
 @pytest.mark.parametrize("edit, words", [
-    (lambda f: f["flashinfer_model"].update(features=["one"]), "re-build the table"),
-    (lambda f: f["flashinfer_model"].update(coef=[1.0] * 5), "coef must be a list of 6"),
-    (lambda f: f["flashinfer_model"].update(coef=[1.0] * 5 + ["x"]), "coef[5] must be a finite number"),
-    (lambda f: f["flashinfer_model"].update(variant=str(FM)), "the model is FlashInfer's"),
-    (lambda f: f["flashinfer_model"].update(sm_count=0), "sm_count"),
+    (lambda f: f["models"][0].update(features=["one"]), "re-build the table"),
+    (lambda f: f["models"][0].update(coef=[1.0] * 5), "coef must be a list of 6"),
+    (lambda f: f["models"][0].update(coef=[1.0] * 5 + ["x"]), "coef[5] must be a finite number"),
+    (lambda f: f["models"][0].update(variant=str(FM)), "a flashinfer model, but variant is flashmla"),
+    (lambda f: f["models"][0].update(sm_count=0), "sm_count"),
     (lambda f: f["points"][0].update(kv_len=1000), "kv_len 1000 is not one of"),
     (lambda f: f["points"][0].update(us={7: 1.0}), "not an index into"),
     (lambda f: f["points"][0].update(us={0: 0.0}), "is 0"),
@@ -180,7 +182,9 @@ def test_the_feature_names_match_the_replay():
 
 
 def test_the_build_fits_flashinfers_model_to_its_aligned_cells():
-    from mla_tune.serving.build import MODEL_MIN_CELLS, _flashinfer_model
+    def _flashinfer_model(timed, key, points, sm_count):  # as serving/build.py fits a family's models
+        cells = {(b, kv): t for (k, b, kv), t in timed.items() if k == key and kv > 0}
+        return fit_models(key, points, cells, {"sm_count": sm_count, "smem_per_sm": 0}).get(FI)
 
     key = FamilyKey("bf16", 64, 16, 4)
     truth = (6.0, 0.03, 1.5, 0.02, 0.05, 0.01)
@@ -197,7 +201,7 @@ def test_the_build_fits_flashinfers_model_to_its_aligned_cells():
         feats = flashinfer_mla_features(lens, 16, 4, 132)  # only spans approximately
         assert model.time_us(key, lens) == pytest.approx(predict(truth, feats), rel=0.02)
     assert _flashinfer_model(timed, key, points, 0) is None  # no SM count in the results header
-    few = dict(list(timed.items())[:MODEL_MIN_CELLS - 1])
+    few = dict(list(timed.items())[:FIT_MIN_CELLS - 1])
     assert _flashinfer_model(few, key, points, 132) is None
     no_fi = {p: {FM: t[FM]} for p, t in points.items()}
     assert _flashinfer_model(timed, key, no_fi, 132) is None  # FlashInfer is no eager pick

@@ -1,4 +1,4 @@
-"""FlashInfer's replayed schedule (vendor_cost.flashinfer_mla_features, vectorized) gives
+"""FlashInfer's replayed schedule (flashinfer_mla_schedule.flashinfer_mla_features, vectorized) gives
 what a chunk-by-chunk replay of FlashInfer's MLAPlan dealing gives (the loop below, the
 module's previous implementation), on random ragged batches: long sequences that merge,
 empty ones, one q tile and several; and works_per_cluster is the same on a list and an array."""
@@ -8,7 +8,10 @@ import random
 
 import numpy as np
 
-from mla_tune.serving.vendor_cost import flashinfer_mla_features, flashinfer_mla_works_per_cluster
+from mla_tune.backends.flashinfer_mla_schedule import (
+    flashinfer_mla_features,
+    flashinfer_mla_works_per_cluster,
+)
 
 SLOTS = 1 << 12
 

@@ -58,7 +58,7 @@ def tiny(monkeypatch, tmp_path):
              "W": next(v for v in cands if v.backend == "wrong_serving"),
              "F": Decoder(cfg.spec(key), device="cpu").variant}
     assert len(set(names.values())) == 5
-    table = {"schema": "serving/5", "gpu": detect().name,
+    table = {"schema": "serving/6", "gpu": detect().name,
              "provenance": {"config": {"path": str(config_path), "hash": cfg.hash}},
              "batch_buckets": [2, 4], "kv_buckets": [32, 64],
              "families": [{"key": key.as_dict(),
@@ -256,7 +256,7 @@ def test_verify_on_the_gpu(tmp_path):
     cands = family_plan(cfg, key, detect()).candidates
     eager = cands[0]
     graph = next((v for v in cands if v.backend == "flashmla"), cands[-1])
-    table = {"schema": "serving/5", "gpu": detect().name,
+    table = {"schema": "serving/6", "gpu": detect().name,
              "provenance": {"config": {"path": str(tmp_path / "gpu_tiny.yaml"), "hash": cfg.hash}},
              "batch_buckets": [1, 32], "kv_buckets": [512, 4096],
              "families": [{"key": key.as_dict(),

@@ -71,6 +71,23 @@ Optional members (absent: the defaults in brackets):
         budget of splits, split_budget: the budget of `waves` waves of `sm_count` SMs over
         `head_tiles` head tiles (`mla-tune time scan --budget-waves`). [no budget variants]
 
+A schedule model, optional, for the serving lookup (mla_tune/serving/estimate.py): a module
+beside the backend's own, named `<its module>_schedule` (backends/triton_splitk_schedule.py,
+backends/flashinfer_mla_schedule.py), torch-free (the serving table loads it), defining
+    def fit(key, variants, points, cells, platform, interpolate) -> list[model]
+        The models of one serving family (key: heads, q_len) for its point variants of
+        this backend, from their points ({(batch, kv_len): {Variant: us}}), every timed
+        cell ({(batch, kv_len): {variant name: us}}), platform ({sm_count, smem_per_sm})
+        and the lookup's interpolate(points, batch, kv_len).
+    def load(entry, variant, key, check) -> model
+        A model from its table entry (its as_dict()); `check` is the table's field
+        checker (check.fail(msg), check.number(name, v), check.positive_int(name, v)).
+    def load_calibration(raw, check) -> dict   [optional: the family's calibration of the
+        backend, e.g. its reduction's measured cost per step]
+and a model: `variant`, `estimate(call, raw=False) -> float | None` (the variant's time for
+an estimate.Call, or None to keep the interpolation), `as_dict()`, and optionally
+`point_rate(key, batch, kv_len, us)` (what the lookup interpolates instead of the time).
+
 Every variant carries the parameters `kv` (the KV format it reads: bf16, fp8, mxfp4) and
 `q` (bf16, fp8_dynamic, fp8_static), so the runtime checks its inputs generically.
 Backend modules and the kernels they use are *exportable* (see mla_tune/export/__init__.py).
@@ -79,6 +96,7 @@ Backend modules and the kernels they use are *exportable* (see mla_tune/export/_
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 from types import ModuleType
 
@@ -123,6 +141,23 @@ def _modules() -> dict[str, str]:
 
 def known_backends() -> list[str]:
     return list(_modules())
+
+
+SCHEDULE_SUFFIX = "_schedule"
+
+
+def schedule_module(name: str) -> ModuleType | None:
+    """Backend `name`'s schedule model (the module beside its own, named with
+    SCHEDULE_SUFFIX: see this module's docstring), imported; None where it has none or the
+    name is unknown."""
+    module = _modules().get(name)
+    if module is None:
+        return None
+    try:
+        found = importlib.util.find_spec(module + SCHEDULE_SUFFIX)
+    except ModuleNotFoundError:  # its package is not there
+        return None
+    return importlib.import_module(module + SCHEDULE_SUFFIX) if found is not None else None
 
 
 def dedupe_key(backend: ModuleType, variant, shape, platform):

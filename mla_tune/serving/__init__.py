@@ -4,8 +4,8 @@
     call.py          the one serving call: Decoder and decode()
     decode_plan.py   DecodePlan: planned once, update() per step, run() per layer; graph-safe
     table.py         the serving table (tables/GPU.serving.yaml): schema, buckets, lookup
-    vendor_cost.py   FlashInfer's MLA schedule replayed on the host, and its linear fit
-    splitk_cost.py   the own split-K kernel's programs dealt to the SMs, its reduction steps
+    estimate.py      the eager estimate: interpolation, and the backends' schedule models
+                     (backends/*_schedule.py) applied and fitted without naming a backend
     config.py        the serving sweep's config (configs/serving.yaml)
     cells.py         its families, cells, units, shards and cost model
     gate.py          the correctness gate per (family, candidate), in worker processes

@@ -11,9 +11,7 @@ family, the backends skipped and why, the results files.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as _dt
-import itertools
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -23,27 +21,17 @@ from mla_tune.core import Variant
 from mla_tune.errors import MlaTuneError
 from mla_tune.serving.cells import SweepPlan, edge_batch, plan_sweep
 from mla_tune.serving.config import ServingConfig, load_serving_config
+from mla_tune.serving.estimate import fit_models
 from mla_tune.serving.results import Records, read_records
-from mla_tune.serving.splitk_cost import (
-    ITEM_TOKENS,
-    OCCUPANCIES,
-    OVERHEAD_FRACTIONS,
-    is_splitk,
-    occupancy_cap,
-)
 from mla_tune.serving.table import (
     Cell,
     Family,
     FamilyKey,
     GraphPick,
     ServingTable,
-    SplitKModel,
-    VendorModel,
-    interpolate,
     load_serving_table,
     write_serving_table,
 )
-from mla_tune.serving.vendor_cost import fit_linear, flashinfer_mla_features, relative_errors
 
 
 class ServingSweepError(MlaTuneError, RuntimeError):
@@ -136,8 +124,8 @@ def build_table(cfg: ServingConfig, plan: SweepPlan, records: Records, gpu_name:
                 fam.graph[batch] = GraphPick(batch, Variant.parse(g["variant"]), float(g["worst_regret"]),
                                              int(g["worst_kv_len"]))
         fam.points = _points(cfg, timed, key, {c.variant for c in fam.cells.values()})
-        fam.flashinfer = _flashinfer_model(timed, key, fam.points, sm_count)
-        fam.splitk = _splitk_models(key, fam.points, sm_count, smem_per_sm)
+        cells = {(b, k): times for (kk, b, k), times in timed.items() if kk == key and k > 0}
+        fam.models = fit_models(key, fam.points, cells, {"sm_count": sm_count, "smem_per_sm": smem_per_sm})
         families[key] = fam
     return ServingTable(gpu_name, provenance, list(cfg.batch_buckets), list(cfg.kv_buckets), families)
 
@@ -173,69 +161,6 @@ def _points(cfg: ServingConfig, timed: dict, key: FamilyKey, picks: set[Variant]
         if here:
             points[(batch, kv_len)] = here
     return points
-
-
-MODEL_MIN_CELLS = 24  # FlashInfer's model is fitted where it was timed at this many cells or more
-
-
-def _flashinfer_model(timed: dict, key: FamilyKey, points: dict, sm_count: int) -> VendorModel | None:
-    """FlashInfer's time over its replayed schedule (serving/vendor_cost.py), fitted to its
-    last-rung times at the family's aligned cells (every sequence at the cell's length),
-    where FlashInfer is among the family's eager picks. None without the GPU's SM count (a
-    results file without it), or with too few cells."""
-    variants = {v for times in points.values() for v in times if v.backend == "flashinfer"}
-    if sm_count <= 0 or len(variants) != 1:
-        return None
-    (variant,) = variants
-    name = str(variant)
-    rows, times = [], []
-    for (k, batch, kv_len), cell in sorted(timed.items(), key=lambda x: (x[0][1], x[0][2])):
-        if k == key and kv_len > 0 and name in cell:
-            rows.append(flashinfer_mla_features([kv_len] * batch, key.heads, key.q_len, sm_count))
-            times.append(cell[name])
-    if len(rows) < MODEL_MIN_CELLS:
-        return None
-    coef = fit_linear(rows, times)
-    errors = relative_errors(coef, rows, times)
-    return VendorModel(variant, tuple(coef), sm_count, errors[int(0.9 * (len(errors) - 1))])
-
-
-SPLITK_MIN_POINTS = 6  # a split-K variant's schedule model is fitted where it has this many points
-
-
-def _splitk_models(key: FamilyKey, points: dict, sm_count: int, smem_per_sm: int = 0) -> dict[Variant, SplitKModel]:
-    """Each split-K variant's SplitKModel (serving/splitk_cost.py): the item cost, occupancy
-    and overhead (a fraction of its fastest point's time) whose leave-one-out estimates of
-    its points are best, each point estimated from the others as the lookup would (the mean
-    absolute log error; the first of equals, so the smallest item cost, occupancy and
-    overhead), the occupancy at most splitk_cost.occupancy_cap(variant, smem_per_sm). None
-    without the GPU's SM count."""
-    if sm_count <= 0:
-        return {}
-    models = {}
-    for variant in sorted({v for times in points.values() for v in times if is_splitk(v)}, key=str):
-        mine = {pt: times[variant] for pt, times in points.items() if variant in times}
-        if len(mine) < SPLITK_MIN_POINTS:
-            continue
-        fastest, best = min(mine.values()), None
-        occupancies = [o for o in OCCUPANCIES if o <= occupancy_cap(variant, smem_per_sm)]
-        for item_tokens, occupancy in itertools.product(ITEM_TOKENS, occupancies):
-            shape = SplitKModel(variant, occupancy, 0.0, sm_count, 0.0, item_tokens)
-            spans = {(b, k): shape.makespan(key, [k] * b) for b, k in mine}  # the overhead leaves them
-            for fraction in OVERHEAD_FRACTIONS:
-                model = dataclasses.replace(shape, overhead_us=fraction * fastest)
-                rates = {pt: {variant: r} for pt, t in mine.items() if (r := model.rate(t, spans[pt])) is not None}
-                errors = []
-                for (b, k), t in mine.items():  # each point from the others, as the lookup estimates
-                    rate = interpolate({q: r for q, r in rates.items() if q != (b, k)}, b, k).get(variant)
-                    if rate is not None:
-                        errors.append(abs(math.log((model.overhead_us + rate * spans[(b, k)]) / t)))
-                if errors and (best is None or sum(errors) / len(errors) < best[0] - 1e-12):
-                    best = (sum(errors) / len(errors), model, sorted(errors))
-        if best is not None:
-            _, model, errors = best
-            models[variant] = dataclasses.replace(model, fit_error=math.exp(errors[len(errors) // 2]) - 1.0)
-    return models
 
 
 def _provenance(cfg: ServingConfig, headers: list[dict], plan: SweepPlan, extra: dict) -> dict:

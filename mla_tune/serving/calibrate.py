@@ -1,5 +1,5 @@
 """Measure what a serving table's split-K model cannot see from uniform grid points: the cost
-of each step of the reduction's longest loop (the table's `reduce_step_us`).
+of each step of the reduction's longest loop (a family's calibration `reduce_step_us`).
 
     python -m mla_tune.serving.calibrate --table tables/H200.serving.yaml
         [--out PATH] [--families kv_format=bf16,heads=16] [--reps 20] [--rounds 3] [--dry-run]
@@ -13,7 +13,8 @@ Rescoring docs/data/verify without the table's reduce_step_us (scripts/rescore_a
 the even seeds' runs within p95 5% / max 15% drop from 33 of 33 to 30 (the odd seeds' stay
 32 of 34).
 
-For each family with split-K models and each of the two grids that a batch bucket of two
+For each family with split-K models (schedule models with `reduction_steps`:
+backends/triton_splitk_schedule.py) and each of the two grids that a batch bucket of two
 or more sequences reaches, one probe: a batch of one TAIL_KV_LEN sequence and the rest of
 SHORT_KV_LEN, and a uniform batch of the same tokens (so the same mean and interpolation),
 each run by the model whose reduction takes the most steps more on the tail, checked
@@ -24,9 +25,9 @@ model misses on the tail beyond what it misses on the uniform batch, over the st
     ((t_tail - est_tail) - (t_uniform - est_uniform)) / (steps_tail - steps_uniform)
 
 (at least 0; est without the reduction's term). It is written into the table's family as
-`reduce_step_us` {splits per step: us}, with the probes in its provenance
-(`reduce_calibration`); the lookup adds it per step a call's longest loop takes beyond a
-uniform batch's (serving/table.py). The table is rewritten atomically; nothing else
+its calibration of the model's backend, `calibration: {triton: {reduce_step_us: {splits per
+step: us}}}`, with the probes in its provenance (`reduce_calibration`); the model adds it
+per step a call's longest loop takes beyond a uniform batch's. The table is rewritten atomically; nothing else
 in it changes. `mla-tune verify` at fresh seeds is what accepts the result.
 """
 
@@ -85,16 +86,17 @@ def plan_probes(table: ServingTable, keys: list[FamilyKey] | None = None, tail_k
         for per_step in REDUCE_SPLITS_PER_STEP:
             batches = [b for b in table.batch_buckets
                        if b >= 2 and reduce_splits_per_step(b, key.q_len, key.heads) == per_step]
-            if not family.splitk or not batches:
+            models = {v: m for v, m in family.models.items() if hasattr(m, "reduction_steps")}
+            if not models or not batches:
                 continue
             batch = min(batches) if per_step == 16 else max(batches)
             tail = (tail_kv_len,) + (short_kv_len,) * (batch - 1)
             each, extra = divmod(sum(tail), batch)
             uniform = (each + 1,) * extra + (each,) * (batch - extra)
             best = None
-            for v in sorted(family.splitk, key=str):
-                model = family.splitk[v]
-                steps = (model.schedule(key, uniform)[1], model.schedule(key, tail)[1])
+            for v in sorted(models, key=str):
+                model = models[v]
+                steps = (model.reduction_steps(key, uniform), model.reduction_steps(key, tail))
                 if steps[1] > steps[0] and (best is None or steps[1] - steps[0] > best[1][1] - best[1][0]):
                     best = (v, steps)
             if best is not None:
@@ -134,7 +136,7 @@ def measure(probe: ReduceProbe, cfg, device, timer: Callable, reps: int, rounds:
 def step_cost(table: ServingTable, cfg, probe: ReduceProbe, times: dict[str, float]) -> dict:
     """The probe's cost per reduction step (see the module) and what it was computed from."""
     spec = cfg.spec(probe.key)
-    est = {name: table.splitk_estimates(spec, list(lens), reduce=False).get(probe.variant)
+    est = {name: table.model_estimates(spec, list(lens), calibrated=False).get(probe.variant)
            for name, lens in (("uniform", probe.uniform), ("tail", probe.tail))}
     if None in est.values():
         raise CalibrateError(f"the table's model of {probe.variant} ({probe.key}) estimates no time at "
@@ -188,7 +190,9 @@ def calibrate(table_path: str | Path, *, config: str | Path | None = None, out: 
             f"-> {r['step_us']:.2f} us a step")
     for probe, r in zip(probes, results, strict=True):
         family = table.families[probe.key]
-        family.reduce_step_us = {**family.reduce_step_us, probe.per_step: r["step_us"]}
+        mine = family.calibration.get(probe.variant.backend, {})
+        steps = {**mine.get("reduce_step_us", {}), probe.per_step: r["step_us"]}
+        family.calibration = {**family.calibration, probe.variant.backend: {**mine, "reduce_step_us": steps}}
     table.provenance["reduce_calibration"] = {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "device": platform.device_name, "tail_kv_len": tail_kv_len, "short_kv_len": short_kv_len,

@@ -18,7 +18,7 @@ lengths and block table, and replays a CUDA graph of the layers per batch size. 
   timing anything: in a graph (spec.graph) the graph pick of the batch's bucket, which
   does not depend on the lengths; eagerly the table's estimated fastest for the batch and
   the mean length (`mean_kv_len`, or the mean of `kv_lens_host`, which engines keep on the
-  host; the split-K and FlashInfer estimates replay their schedules for `kv_lens_host`),
+  host; the schedule models replay their backends' schedules for `kv_lens_host`),
   else the graph pick. A family or cell the table lacks runs the preferred backend's
   default variant (serving/call.py), counted in `misses`; so does a pick whose backend
   cannot serve the spec here (warned once at the plan: the estimates' next runnable
@@ -57,13 +57,8 @@ import torch
 from mla_tune.core import QK_DIM, CallSpec, Variant
 from mla_tune.locate import table_path
 from mla_tune.serving.call import Decoder, runner_step, spec_text, why_not
-from mla_tune.serving.table import (
-    ServingTable,
-    batch_bucket,
-    fastest,
-    kv_bucket,
-    load_serving_table,
-)
+from mla_tune.serving.estimate import fastest
+from mla_tune.serving.table import ServingTable, batch_bucket, kv_bucket, load_serving_table
 
 
 def _no_step(*_args):
@@ -191,7 +186,7 @@ class DecodePlan:
     def pick(self, batch: int, mean_kv_len: float | None = None, kv_lens=None) -> Variant:
         """The variant a step of `batch` sequences runs (no timing): see the module.
         kv_lens: the step's lengths on the host, where the engine has them (a table's
-        split-K and FlashInfer models replay those kernels' schedules for them)."""
+        schedule models replay their backends' schedules for them)."""
         variant = None
         if self.table is not None and self._family is not None:
             mean = None if self.spec.graph else mean_kv_len

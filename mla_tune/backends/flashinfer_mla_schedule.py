@@ -1,4 +1,5 @@
-"""FlashInfer's MLA schedule replayed on the host, and a linear model of its time over it.
+"""FlashInfer's MLA schedule model: its schedule replayed on the host, and a linear model of
+its time over it (the serving lookup's estimate for a FlashInfer variant).
 
 FlashInfer's MLA `plan` (its C++ scheduler, `MLAPlan` in include/flashinfer/attention/
 scheduler.cuh; the same algorithm in the 0.6 releases the H200 runs) splits each
@@ -7,17 +8,19 @@ total / clusters rounded up to 256 tokens, and deals the chunks in sequence orde
 the least-loaded of the SMs' clusters. So its time steps where the chunks just overflow
 the clusters: a few SMs run a second chunk, and the call takes about a chunk longer.
 
-`flashinfer_mla_features` replays that dealing and returns what the time depends on; a
-serving table fits `FLASHINFER_FEATURES` to FlashInfer's times over its grid
-(`fit_linear`, weighted by 1 / time) and the eager lookup predicts FlashInfer's time at
-the call's own lengths (`predict`): between grid points FlashInfer's time steps where
-interpolating its grid times cannot see it. Pure Python; nothing here imports torch.
+`flashinfer_mla_features` replays that dealing and returns what the time depends on; `fit`
+fits `FLASHINFER_FEATURES` to FlashInfer's times over the family's grid (`fit_linear`,
+weighted by 1 / time), and `VendorModel.estimate` predicts FlashInfer's time at the call's
+own lengths: between grid points FlashInfer's time steps where interpolating its grid
+times cannot see it. The schedule-model protocol is the backends' (backends/__init__.py).
+Pure Python and numpy; nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -163,3 +166,95 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
 def relative_errors(coef: Sequence[float], rows: Sequence[Sequence[float]], times: Sequence[float]) -> list[float]:
     return sorted(abs(predict(coef, r) / t - 1.0) for r, t in zip(rows, times, strict=True) if t > 0)
 
+
+
+# ------------------------------------------------------------------ the model
+# The model replays FlashInfer's schedule, a heap operation per chunk. It runs only where
+# FlashInfer deals at most MODEL_WORKS chunks per cluster: its steps are where its chunks
+# just overflow the clusters, and more chunks cost more host time and step less. Rescoring
+# docs/data/verify without the limit (scripts/rescore_ablation.py) changes no run's verdict.
+MODEL_WORKS = 3.0
+FIT_MIN_CELLS = 24  # the model is fitted where FlashInfer was timed at this many cells or more
+
+
+@dataclass(frozen=True)
+class VendorModel:
+    """FlashInfer's time as a linear model over its replayed schedule, fitted to its times
+    over the family's grid."""
+
+    variant: object  # mla_tune.core.Variant
+    coef: tuple[float, ...]
+    sm_count: int
+    fit_error_p90: float  # relative error at the grid cells it was fitted on
+
+    def time_us(self, key, kv_lens: Sequence[int]) -> float:
+        return predict(self.coef, flashinfer_mla_features(kv_lens, key.heads, key.q_len, self.sm_count))
+
+    def estimate(self, call, raw: bool = False) -> float | None:
+        """FlashInfer's time for `call` (serving/estimate.py's Call). Where the call's
+        estimates lack it (a batch-edge point holds its cell's best 3 only, so FlashInfer
+        missing there says little), the batch buckets' interpolation stands in. The model
+        replaces that where FlashInfer's time and the best other's are within call.window
+        of each other and it deals at most MODEL_WORKS chunks per cluster (host time: a
+        replay per call). None where nothing estimates it. raw: the model's time,
+        everywhere."""
+        key = call.key
+        if raw:
+            return self.time_us(key, call.lengths())
+        est = call.est
+        mine = est.get(self.variant)
+        if mine is None:
+            mine = call.interpolated("buckets").get(self.variant)
+            if mine is None:
+                return None
+        others = [t for v, t in est.items() if v != self.variant]
+        if others:
+            other = min(others)
+            if max(mine, other) < call.window * min(mine, other):
+                lens = call.lengths()
+                if flashinfer_mla_works_per_cluster(lens, key.heads, key.q_len, self.sm_count) <= MODEL_WORKS:
+                    return self.time_us(key, lens)
+        return mine
+
+    def as_dict(self) -> dict:
+        return {"variant": str(self.variant), "sm_count": self.sm_count, "features": list(FLASHINFER_FEATURES),
+                "coef": [float(f"{c:.6g}") for c in self.coef], "fit_error_p90": round(self.fit_error_p90, 4)}
+
+
+def fit(key, variants: Sequence, points: Mapping, cells: Mapping, platform: Mapping,
+        interpolate: Callable) -> list[VendorModel]:
+    """FlashInfer's model, fitted to its last-rung times at the family's aligned cells
+    (`cells`: {(batch, kv_len): {variant name: us}}, every sequence at the cell's length),
+    where exactly one FlashInfer variant is among the family's eager picks (`variants`).
+    None without the GPU's SM count (platform's sm_count 0), or with fewer than
+    FIT_MIN_CELLS cells. `points` and `interpolate` are not used."""
+    sm_count = int(platform.get("sm_count") or 0)
+    if sm_count <= 0 or len(variants) != 1:
+        return []
+    (variant,) = variants
+    name = str(variant)
+    rows, times = [], []
+    for (batch, kv_len), cell in sorted(cells.items()):
+        if kv_len > 0 and name in cell:
+            rows.append(flashinfer_mla_features([kv_len] * batch, key.heads, key.q_len, sm_count))
+            times.append(cell[name])
+    if len(rows) < FIT_MIN_CELLS:
+        return []
+    coef = fit_linear(rows, times)
+    errors = relative_errors(coef, rows, times)
+    return [VendorModel(variant, tuple(coef), sm_count, errors[int(0.9 * (len(errors) - 1))])]
+
+
+def load(entry: Mapping, variant, key, check) -> VendorModel:
+    """A model from its table entry (as_dict's fields; `check`: the table's field checks)."""
+    if set(entry) != {"variant", "sm_count", "features", "coef", "fit_error_p90"}:
+        check.fail("FlashInfer's model is a mapping of backend, variant, sm_count, features, coef, fit_error_p90")
+    if entry["features"] != list(FLASHINFER_FEATURES):
+        check.fail(f"features {entry['features']!r:.120} are not this mla-tune's {list(FLASHINFER_FEATURES)}; "
+                   "re-build the table (mla-tune sweep --merge)")
+    coef = entry["coef"]
+    if not isinstance(coef, list) or len(coef) != len(FLASHINFER_FEATURES):
+        check.fail(f"coef must be a list of {len(FLASHINFER_FEATURES)} numbers")
+    return VendorModel(variant, tuple(check.number(f"coef[{i}]", c, minimum=None) for i, c in enumerate(coef)),
+                       check.positive_int("sm_count", entry["sm_count"]),
+                       check.number("fit_error_p90", entry["fit_error_p90"]))

@@ -1,4 +1,5 @@
-"""Our split-K serving kernel's schedule at a call's own lengths, for the eager lookup.
+"""The own split-K serving kernel's schedule model: its programs dealt to the SMs at a call's
+own lengths, and the variant's time over that schedule (the serving lookup's estimate).
 
 The kernel (kernels/flash_decode.py, `flash_decode_serving`) deals each sequence's KV into
 splits by a rule of the batch's lengths (kernels/split_rule.py replays it), and runs one
@@ -14,30 +15,40 @@ program, `item_tokens`, a program's fixed cost (loading q, writing its partial r
 the combine) in tokens. Without it a bigger split budget always looks faster, though a
 few programs past a wave each cost a second program's fixed cost on their SM.
 
-A serving table's `SplitKModel` takes a variant's time as overhead + rate x makespan: its
-fixed overhead, occupancy and item cost are fitted when the table is built (serving_build:
-leave-one-out over the variant's grid points; the occupancy capped by `occupancy_cap`),
-the rate is interpolated between the points like the times are, and the makespan is the
-call's own. A variant with max_splits 1 runs one program per sequence, so a ragged batch
-waits for its longest: the same model covers it.
+`SplitKModel` takes a variant's time as overhead + rate x makespan: its fixed overhead,
+occupancy and item cost are fitted when the table is built (`fit`: leave-one-out over the
+variant's grid points; the occupancy capped by `occupancy_cap`), the rate is interpolated
+between the points like the times are (`point_rate`), and the makespan is the call's own.
+A variant with max_splits 1 runs one program per sequence, so a ragged batch waits for its
+longest: the same model covers it.
 
 The reduction that follows adds up each sequence's splits in a loop of `reduce_steps`
 steps, and a ragged batch's long sequence makes the longest loop: a cost the rate,
 interpolated between uniform points, does not see. Where a table holds a family's
-measured cost per reduction step (`reduce_step_us`, measured by
-tune/serving_calibrate.py), the lookup adds it for each step the call's longest loop
-takes beyond a uniform batch of its mean length.
-Pure Python; nothing here imports torch.
+measured cost per reduction step (the calibration `reduce_step_us`, measured by
+serving/calibrate.py), the estimate adds it for each step the call's longest loop takes
+beyond a uniform batch of its mean length.
+
+The schedule-model protocol (`fit`, `load`, `load_calibration`, the model's `estimate`,
+`point_rate` and `as_dict`) is the backends' (backends/__init__.py); the serving lookup
+(serving/estimate.py) calls it without knowing which backend it models.
+Pure Python and numpy; nothing here imports torch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
-from collections.abc import Mapping, Sequence
+import itertools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from mla_tune.kernels.split_rule import (
+    REDUCE_SPLITS_PER_STEP,
     fill_splits,
     reduce_splits_per_step,
     serving_splits,
@@ -212,12 +223,6 @@ def _deal(items: list[int], tiles: int, occupancy: int, sm_count: int, item_toke
     return max(loads)
 
 
-def is_splitk(variant) -> bool:
-    """A variant of our serving split-K kernel (with max_splits 1, one split per sequence:
-    a ragged batch waits for its longest)."""
-    return variant.backend == "triton"
-
-
 # A fit may choose an occupancy only up to what the variant's KV tiles leave room for in an
 # SM's shared memory: the grid cells alone cannot tell occupancies apart for a batch budget
 # that fills one wave at every cell, and an occupancy the SM cannot hold makes a ragged
@@ -232,3 +237,157 @@ def occupancy_cap(variant, smem_per_sm: int = 0) -> int:
     (0: DEFAULT_SMEM_PER_SM), at least 1."""
     kv_stages = int(variant.get("num_stages") or 1) * int(variant.get("block_n")) * 576 * 2
     return max(1, (smem_per_sm or DEFAULT_SMEM_PER_SM) // kv_stages)
+
+
+# ------------------------------------------------------------------ the model
+# A split-K model's estimate stays at least this fraction of the variant's interpolated
+# time: the model may say a call is slower than its uniform neighbours (a wave that
+# overflows, a ragged batch's long sequence), but not much faster, since a replay that
+# shortens the longest item (a split rule that cuts a sequence finer than the grid's points
+# did) does not shorten the call in proportion. Rescoring docs/data/verify without it
+# (scripts/rescore_ablation.py), the odd seeds' pooled p95 goes from 0.86% to 0.93% (no
+# run's verdict changes).
+SPLITK_FLOOR = 0.9
+FIT_MIN_POINTS = 6  # a variant's model is fitted where it has this many points
+
+
+@dataclass(frozen=True)
+class SplitKModel:
+    """A split-K variant's time as overhead_us + rate x its makespan for the call's lengths;
+    the rate is interpolated between the points, each point's (time - overhead_us) /
+    makespan at its uniform lengths (`point_rate`). occupancy (programs resident per SM, at
+    most what its KV stages leave room for: occupancy_cap), overhead_us and item_tokens (a
+    program's fixed cost, in tokens) are fitted when the table is built (`fit`), leaving
+    each of the variant's points out in turn; fit_error is the median relative error that
+    left."""
+
+    variant: object  # mla_tune.core.Variant
+    occupancy: int
+    overhead_us: float
+    sm_count: int
+    fit_error: float
+    item_tokens: int = 0
+    params: dict = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "params", dict(self.variant.params))
+
+    def makespan(self, key, kv_lens: Sequence[int]) -> float:
+        return self.schedule(key, kv_lens)[0]
+
+    def schedule(self, key, kv_lens: Sequence[int]) -> tuple[float, int]:
+        """(makespan, steps of the reduction's longest loop): splitk_schedule."""
+        return splitk_schedule(kv_lens, key.heads, key.q_len, self.params, self.occupancy, self.sm_count,
+                               self.item_tokens)
+
+    def reduction_steps(self, key, kv_lens: Sequence[int]) -> int:
+        """The steps of the reduction's longest loop for these lengths (what calibrate.py
+        probes): the second half of `schedule`."""
+        return self.schedule(key, kv_lens)[1]
+
+    def rate(self, time_us: float, span: float) -> float | None:
+        """(time - overhead) / makespan at a point; None where the time is not over the
+        overhead or the makespan is 0."""
+        return (time_us - self.overhead_us) / span if time_us > self.overhead_us and span > 0 else None
+
+    def point_rate(self, key, batch: int, kv_len: int, time_us: float) -> float | None:
+        """What the lookup interpolates for this variant instead of its time: the rate at a
+        point of `batch` sequences of kv_len tokens that took time_us."""
+        return self.rate(time_us, self.makespan(key, [kv_len] * batch))
+
+    def estimate(self, call, raw: bool = False) -> float | None:
+        """The variant's time for `call` (serving/estimate.py's Call): overhead plus the
+        interpolated rate times the call's own makespan, plus the calibrated cost of each
+        reduction step its longest loop takes beyond a uniform batch's (with
+        call.calibrated), at least SPLITK_FLOOR x its interpolated time. It runs only where
+        the interpolated time is within call.window of the best (host time: a replay per
+        call); None elsewhere, or where no rate can be interpolated. raw: no window and no
+        floor (the model's own estimate, for calibration)."""
+        mine = call.interp.get(self.variant)
+        if not raw and (mine is None or mine >= call.window * call.interp_min()):
+            return None
+        rate = call.interpolated("rates").get(self.variant)
+        if rate is None and mine is not None:
+            # The rates cannot be blended here (the points around the call share no split-K
+            # variant) but the time can: the rate of that time at a uniform batch of the mean,
+            # so that the model still sees the call's own schedule.
+            span = call.uniform("span", self, lambda n: self.schedule(call.key, [n] * call.batch)[0])
+            rate = self.rate(mine, span)
+        if not rate:
+            return None
+        span, steps = self.schedule(call.key, call.lengths())
+        t = self.overhead_us + rate * span
+        step_us = call.calibration(self.variant.backend).get("reduce_step_us", {}).get(
+            reduce_splits_per_step(call.batch, call.key.q_len, call.key.heads), 0.0)
+        if call.calibrated and step_us:
+            uniform = call.uniform("steps", self, lambda n: uniform_reduce_steps(
+                call.batch, n, call.key.heads, call.key.q_len, self.params, self.sm_count))
+            t += step_us * max(steps - uniform, 0)
+        return t if raw else max(t, SPLITK_FLOOR * mine)
+
+    def as_dict(self) -> dict:
+        return {"variant": str(self.variant), "occupancy": self.occupancy, "overhead_us": round(self.overhead_us, 3),
+                "item_tokens": self.item_tokens, "sm_count": self.sm_count, "fit_error": round(self.fit_error, 4)}
+
+
+def fit(key, variants: Sequence, points: Mapping, cells: Mapping, platform: Mapping,
+        interpolate: Callable) -> list[SplitKModel]:
+    """Each variant's SplitKModel: the item cost, occupancy and overhead (a fraction of its
+    fastest point's time) whose leave-one-out estimates of its points are best, each point
+    estimated from the others as the lookup would (`interpolate`, the lookup's; the mean
+    absolute log error; the first of equals, so the smallest item cost, occupancy and
+    overhead), the occupancy at most occupancy_cap(variant, platform's smem_per_sm). None
+    without the GPU's SM count (platform's sm_count 0). Variants with fewer than
+    FIT_MIN_POINTS points get none; `cells` is not used."""
+    sm_count, smem_per_sm = int(platform.get("sm_count") or 0), int(platform.get("smem_per_sm") or 0)
+    if sm_count <= 0:
+        return []
+    models = []
+    for variant in variants:
+        mine = {pt: times[variant] for pt, times in points.items() if variant in times}
+        if len(mine) < FIT_MIN_POINTS:
+            continue
+        fastest, best = min(mine.values()), None
+        occupancies = [o for o in OCCUPANCIES if o <= occupancy_cap(variant, smem_per_sm)]
+        for item_tokens, occupancy in itertools.product(ITEM_TOKENS, occupancies):
+            shape = SplitKModel(variant, occupancy, 0.0, sm_count, 0.0, item_tokens)
+            spans = {(b, k): shape.makespan(key, [k] * b) for b, k in mine}  # the overhead leaves them
+            for fraction in OVERHEAD_FRACTIONS:
+                model = dataclasses.replace(shape, overhead_us=fraction * fastest)
+                rates = {pt: {variant: r} for pt, t in mine.items() if (r := model.rate(t, spans[pt])) is not None}
+                errors = []
+                for (b, k), t in mine.items():  # each point from the others, as the lookup estimates
+                    rate = interpolate({q: r for q, r in rates.items() if q != (b, k)}, b, k).get(variant)
+                    if rate is not None:
+                        errors.append(abs(math.log((model.overhead_us + rate * spans[(b, k)]) / t)))
+                if errors and (best is None or sum(errors) / len(errors) < best[0] - 1e-12):
+                    best = (sum(errors) / len(errors), model, sorted(errors))
+        if best is not None:
+            _, model, errors = best
+            models.append(dataclasses.replace(model, fit_error=math.exp(errors[len(errors) // 2]) - 1.0))
+    return models
+
+
+def load(entry: Mapping, variant, key, check) -> SplitKModel:
+    """A model from its table entry (as_dict's fields; `check`: the table's field checks,
+    which raise its error naming the file, family and entry)."""
+    fields = {"variant", "occupancy", "overhead_us", "item_tokens", "sm_count", "fit_error"}
+    if set(entry) != fields:
+        check.fail(f"a split-K model is a mapping of backend, {', '.join(sorted(fields))}")
+    return SplitKModel(variant, check.positive_int("occupancy", entry["occupancy"]),
+                       check.number("overhead_us", entry["overhead_us"]),
+                       check.positive_int("sm_count", entry["sm_count"]),
+                       check.number("fit_error", entry["fit_error"]),
+                       check.positive_int("item_tokens", entry["item_tokens"], minimum=0))
+
+
+def load_calibration(raw: Any, check) -> dict:
+    """The family's calibration of this backend: {reduce_step_us: {splits per step (16 or
+    64): us per step}} (serving/calibrate.py measures it)."""
+    if not isinstance(raw, dict) or set(raw) != {"reduce_step_us"}:
+        check.fail("the split-K calibration is {reduce_step_us: {splits per step: us}}")
+    steps = raw["reduce_step_us"]
+    if not isinstance(steps, dict) or not set(steps) <= set(REDUCE_SPLITS_PER_STEP):
+        check.fail(f"reduce_step_us must map splits per reduction step "
+                   f"({' or '.join(map(str, REDUCE_SPLITS_PER_STEP))}) to us per step, got {steps!r:.80}")
+    return {"reduce_step_us": {k: check.number(f"reduce_step_us[{k}]", v) for k, v in sorted(steps.items())}}

@@ -1,0 +1,389 @@
+"""The serving table's eager estimate: each variant's time at a call's own batch and lengths.
+
+- Each variant's time is interpolated between the family's *points* (its eager picks'
+  measured times at every timed batch and kv bucket), log-log in both (`interpolate`).
+- A variant whose backend owns a *schedule model* (a `<backend module>_schedule` module
+  beside the backend: backends.schedule_module) is then estimated by that model, which
+  replays the backend's own schedule for the call's lengths (`model.estimate(call)`, with
+  the `Call` below): the steps a backend's time takes where its programs or chunks
+  overflow the SMs, and in ragged batches, which the interpolation between uniform points
+  cannot see. A model may also give the lookup a quantity to interpolate instead of the
+  time (`point_rate`: the "rates" grid). Models run in the registry's order of their
+  backends (backends.BACKEND_MODULES), then by variant name; each sees the estimates
+  so far.
+- `fit_models` fits every backend's models for a family when the table is built.
+
+Nothing here names a backend. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from mla_tune.backends import capabilities, known_backends, schedule_module
+from mla_tune.core import Variant
+
+_KV_STEPS_PER_OCTAVE = 64  # the eager pick's memo: lengths within ~1% share one estimate
+# The schedule models run only where they can change the pick, to save host time (each
+# replays a schedule, a heap operation per chunk or program): where their variant's
+# interpolated time is within MODEL_WINDOW x the best (each model's `estimate` says
+# against what; FlashInfer's also limits the chunks it deals). Rescoring docs/data/verify
+# without the window (scripts/rescore_ablation.py) changes no run's verdict (the pooled
+# p95 moves by under 0.1 point).
+MODEL_WINDOW = 1.5
+
+
+def _bracket(grid: list[int], x: float) -> list[tuple[int, float]]:
+    """The grid points around x with their weights, linear in log x; one point (weight 1)
+    at or below the grid's first, or on a point."""
+    i = bisect.bisect_left(grid, x)
+    if i < len(grid) and grid[i] == x:
+        return [(grid[i], 1.0)]
+    if i == 0 or i == len(grid):
+        return [(grid[min(i, len(grid) - 1)], 1.0)]
+    lo, hi = grid[i - 1], grid[i]
+    w = math.log(x / lo) / math.log(hi / lo)
+    return [(lo, 1.0 - w), (hi, w)]
+
+
+def _at_batch(points: Mapping[tuple[int, int], Mapping[Variant, float]], batch: int,
+              kv_len: float) -> dict[Variant, float]:
+    """Each variant's time at a measured batch and length kv_len: log-log between the kv
+    buckets around it; past the last measured one, extended along the last two buckets'
+    slope (clamped to [0, 1]: time grows with the length, at most in proportion)."""
+    kvs = sorted(k for b, k in points if b == batch)
+    if kv_len > kvs[-1] and len(kvs) >= 2:
+        k0, k1 = kvs[-2], kvs[-1]
+        t0, t1 = points[(batch, k0)], points[(batch, k1)]
+        slope = {v: min(max(math.log(t1[v] / t0[v]) / math.log(k1 / k0), 0.0), 1.0) for v in t0.keys() & t1.keys()}
+        return {v: t1[v] * (kv_len / k1) ** s for v, s in slope.items()}
+    return _blend([(w, points[(batch, k)]) for k, w in _bracket(kvs, kv_len)])
+
+
+# A variant competes where the points that timed it carry at least this much of the weight.
+# A batch-edge point holds its cell's best 3 only, so a variant missing there is imputed
+# from the points around it rather than dropped where those weigh enough; with no weight
+# required at all, a variant left out of an edge point (usually slow there) is imputed from
+# far away: rescoring docs/data/verify with 0 (scripts/rescore_ablation.py), the runs within
+# p95 5% / max 15% drop from 33 of 33 to 28 (even seeds) and from 32 of 34 to 29 (odd seeds).
+MIN_MEASURED_WEIGHT = 0.5
+
+
+def _blend(weighted: Sequence[tuple[float, Mapping[Variant, float]]]) -> dict[Variant, float]:
+    """The weighted mean in log time of each variant's times at the points around a call
+    ((weight, {variant: us}) each). A variant missing at a point takes its time there from
+    the points that timed it, scaled by how the variants timed at both compare (their mean
+    log ratio); it is left out where the points that timed it weigh less than
+    MIN_MEASURED_WEIGHT, or where no other variant was timed at both."""
+    if len(weighted) == 1:
+        return dict(weighted[0][1])
+    if len(weighted) == 2 and weighted[0][1].keys() == weighted[1][1].keys():  # none missing: the same sums
+        (w0, t0), (w1, t1) = weighted
+        log = math.log
+        return {v: math.exp(w0 * log(t) + w1 * log(t1[v])) for v, t in t0.items()}
+    out = {}
+    for v in set().union(*(times for _, times in weighted)):
+        have = [(w, times) for w, times in weighted if v in times]
+        if len(have) < len(weighted) and sum(w for w, _ in have) < MIN_MEASURED_WEIGHT - 1e-12:
+            continue
+        total = 0.0
+        for w, times in weighted:
+            if v in times:
+                total += w * math.log(times[v])
+                continue
+            num = den = 0.0
+            for w2, other in have:  # v at this point, by the variants timed at both
+                common = (times.keys() & other.keys()) - {v}
+                if common:
+                    ratio = sum(math.log(times[c] / other[c]) for c in common) / len(common)
+                    num, den = num + w2 * (math.log(other[v]) + ratio), den + w2
+            if den == 0.0:
+                break
+            total += w * num / den
+        else:
+            out[v] = math.exp(total)
+    return out
+
+
+def interpolate(points: Mapping[tuple[int, int], Mapping[Variant, float]], batch: int,
+                kv_len: float) -> dict[Variant, float]:
+    """Each variant's estimated time for `batch` sequences at mean length `kv_len` from its
+    times at the measured points (batch, kv_len) around it, log-log in both (`_at_batch`
+    for the length; `_blend` for a variant some of those points lack). Beyond the measured
+    batches, the nearest one's."""
+    batches = sorted({b for b, _ in points})
+    if not batches:
+        return {}
+    return _blend([(w, _at_batch(points, b, kv_len)) for b, w in _bracket(batches, batch)])
+
+
+class _Grid:
+    """A family's points (times or rates) with what `interpolate` sorts on every call
+    sorted once, and `_at_batch` memoized per (measured batch, length) in `memo`: the
+    eager lookup's `interpolate`, in fewer steps (the same arithmetic)."""
+
+    __slots__ = ("points", "batches", "kvs", "past", "memo")
+
+    def __init__(self, points: Mapping[tuple[int, int], Mapping[Variant, float]], memo: dict):
+        self.points = points
+        self.batches = sorted({b for b, _ in points})
+        self.kvs = {b: sorted(k for bb, k in points if bb == b) for b in self.batches}
+        # per batch of two or more lengths: the last length, its times and each variant's
+        # slope past it, as _at_batch computes them
+        self.past: dict[int, tuple[int, Mapping[Variant, float], dict[Variant, float]]] = {}
+        for b, kvs in self.kvs.items():
+            if len(kvs) >= 2:
+                k0, k1 = kvs[-2], kvs[-1]
+                t0, t1 = points[(b, k0)], points[(b, k1)]
+                self.past[b] = (k1, t1, {v: min(max(math.log(t1[v] / t0[v]) / math.log(k1 / k0), 0.0), 1.0)
+                                         for v in t0.keys() & t1.keys()})
+        self.memo = memo  # the table's: cleared with it
+
+    def at_batch(self, batch: int, kv_len: float) -> dict[Variant, float]:
+        key = (self, batch, kv_len)
+        out = self.memo.get(key)
+        if out is None:
+            kvs = self.kvs[batch]
+            if kv_len > kvs[-1] and len(kvs) >= 2:
+                k1, t1, slope = self.past[batch]
+                out = {v: t1[v] * (kv_len / k1) ** s for v, s in slope.items()}
+            else:
+                out = _blend([(w, self.points[(batch, k)]) for k, w in _bracket(kvs, kv_len)])
+            self.memo[key] = out
+        return out
+
+    def interpolate(self, batch: int, kv_len: float) -> dict[Variant, float]:
+        if not self.batches:
+            return {}
+        return _blend([(w, self.at_batch(b, kv_len)) for b, w in _bracket(self.batches, batch)])
+
+
+
+
+def fastest(estimates: Mapping[Variant, float], allowed: Callable[[Variant], bool] | None = None) -> Variant | None:
+    """The variant estimated fastest among those `allowed` accepts (all by default); ties go
+    to the first name, so the pick does not depend on order. None where none is left."""
+    best = None
+    for v, t in estimates.items():
+        if allowed is not None and not allowed(v):
+            continue
+        if best is None or t < best[0] or (t == best[0] and str(v) < str(best[1])):
+            best = (t, v)
+    return best[1] if best is not None else None
+
+
+
+
+def model_order(models: Mapping[Variant, Any]) -> dict[Variant, Any]:
+    """The models in the order the estimate applies them: their backends' registry order,
+    then by variant name."""
+    rank = {name: i for i, name in enumerate(known_backends())}
+    return dict(sorted(models.items(), key=lambda item: (rank.get(item[0].backend, len(rank)), str(item[0]))))
+
+
+def fit_models(key, points: Mapping[tuple[int, int], Mapping[Variant, float]],
+               cells: Mapping[tuple[int, int], Mapping[str, float]], platform: Mapping) -> dict[Variant, Any]:
+    """Every schedule model of a family: for each backend with a schedule module among
+    the family's point variants, its `fit(key, variants, points, cells, platform,
+    interpolate)` (variants: that backend's point variants, by name; cells: every timed
+    cell's {variant name: us} at uniform lengths; platform: {sm_count, smem_per_sm})."""
+    by_backend: dict[str, set[Variant]] = {}
+    for times in points.values():
+        for v in times:
+            by_backend.setdefault(v.backend, set()).add(v)
+    models = {}
+    for backend, variants in by_backend.items():
+        module = schedule_module(backend)
+        if module is not None:
+            for m in module.fit(key, sorted(variants, key=str), points, cells, platform, interpolate):
+                models[m.variant] = m
+    return model_order(models)
+
+
+class Call:
+    """One eager call as the schedule models see it (their `estimate(call)`):
+    key (the family: heads, q_len), batch, mean (kv_len), `interp` (every variant's
+    interpolated time) and `interp_min()`, `est` (the estimates so far, the interpolation
+    updated by the models before), window (MODEL_WINDOW), calibrated (apply the family's
+    calibration: the lookup does where it has the call's lengths), `lengths()` (the
+    call's lengths as an int64 array, made once: kv_lens, else batch sequences of the
+    mean), `interpolated(kind)` (the "rates" grid or the batch buckets' points alone,
+    "buckets"), `uniform(kind, model, compute)` (compute(length) for a uniform batch of the
+    mean, memoized) and `calibration(backend)`."""
+
+    __slots__ = ("estimator", "family", "key", "batch", "mean", "kv_lens", "interp", "est", "window",
+                 "calibrated", "_lengths", "_min", "_kinds")
+
+    def __init__(self, estimator: Estimator, family, batch: int, mean: float, kv_lens, interp: dict,
+                 calibrated: bool):
+        self.estimator, self.family, self.key = estimator, family, family.key
+        self.batch, self.mean, self.kv_lens = batch, mean, kv_lens
+        self.interp, self.est = interp, dict(interp)
+        self.window, self.calibrated = MODEL_WINDOW, calibrated
+        self._lengths = self._min = None
+        self._kinds: dict[str, dict] = {}
+
+    def interp_min(self) -> float:
+        if self._min is None:
+            self._min = min(self.interp.values())
+        return self._min
+
+    def lengths(self) -> np.ndarray:
+        if self._lengths is None:
+            lens = self.kv_lens if self.kv_lens is not None else [max(int(round(self.mean)), 1)] * self.batch
+            self._lengths = np.asarray(lens, dtype=np.int64)
+        return self._lengths
+
+    def interpolated(self, kind: str) -> dict[Variant, float]:
+        out = self._kinds.get(kind)
+        if out is None:
+            out = self._kinds[kind] = self.estimator.interpolated(kind, self.family, self.batch, self.mean)
+        return out
+
+    def uniform(self, kind: str, model, compute: Callable[[int], Any]) -> Any:
+        return self.estimator.at_uniform(kind, self.family, model, self.batch, self.mean, compute)
+
+    def calibration(self, backend: str) -> dict:
+        return self.family.calibration.get(backend, {})
+
+
+class Estimator:
+    """A table's eager estimates, with what they memoize: the interpolation grids per
+    family, their results per (batch, kv_len to ~1%), the uniform-batch quantities the
+    models ask for. `table`: the ServingTable (its batch buckets, provenance and path)."""
+
+    def __init__(self, table):
+        self.table = table
+        self._memo: dict = {}
+        self._derived: dict = {}
+
+    def clear(self) -> None:
+        """Forget every memoized result (after a family's points or models change)."""
+        self._memo.clear()
+        self._derived.clear()
+
+    def prepare(self, family) -> None:
+        """The one-off work for a family, so that none is left for a call: each
+        interpolation grid (the rates need a model replay per point) and one estimate
+        through every model (the vectorized replays' first call)."""
+        if not family.points:
+            return
+        for kind in ("times", "rates", "buckets"):
+            self.grid(kind, family)
+        for batch in (1, self.table.batch_buckets[-1]):
+            self.estimates(family, batch, 4096.0, [4096] * batch)
+
+    def estimates(self, family, batch: int, mean_kv_len: float, kv_lens: Sequence[int] | None) -> dict[Variant, float]:
+        """Every point variant's estimated time (us): interpolated, then each model's
+        estimate where it gives one (see the module)."""
+        if ("versions", family.key) not in self._derived:
+            self._derived[("versions", family.key)] = True
+            self._warn_versions(family)
+        interp = self.interpolated("times", family, batch, mean_kv_len)
+        if not family.models:
+            return dict(interp)
+        call = Call(self, family, batch, mean_kv_len, kv_lens, interp, kv_lens is not None)
+        est = call.est
+        for v, model in family.models.items():
+            t = model.estimate(call)
+            if t is not None:
+                est[v] = t
+        return est
+
+    def model_estimates(self, family, kv_lens: Sequence[int], calibrated: bool = True) -> dict[Variant, float]:
+        """Each model's own estimate (`estimate(call, raw=True)`: no window, no floor) for a
+        call of these lengths, with or without the family's calibration: what
+        serving/calibrate.py compares its probes with."""
+        if not family.models or not kv_lens:
+            return {}
+        batch, mean = len(kv_lens), sum(kv_lens) / len(kv_lens)
+        call = Call(self, family, batch, mean, kv_lens, self.interpolated("times", family, batch, mean), calibrated)
+        return {v: t for v, m in family.models.items() if (t := m.estimate(call, raw=True)) is not None}
+
+    def _warn_versions(self, family) -> None:
+        """Warn once per vendor distribution whose scheduler a family's model replays (its
+        backend's CAPABILITIES.vendor) where the installed version is not the one the
+        table's provenance records, as the leaderboard runtime warns (runtime/__init__.py).
+        A distribution not installed here is not warned about: its picks cannot run here,
+        and the plan says so."""
+        from importlib import metadata
+
+        tuned = self.table.provenance.get("versions") or {}
+        for variant in family.models:
+            dist = capabilities(variant.backend).vendor
+            if not dist or dist not in tuned or ("versions", dist) in self._derived:
+                continue
+            try:
+                here = metadata.version(dist)
+            except metadata.PackageNotFoundError:
+                continue
+            self._derived[("versions", dist)] = True
+            if here != tuned[dist]:
+                warnings.warn(f"serving table {self.table.path}: provenance.versions.{dist} is {tuned[dist]} but "
+                              f"this process has {here}; the lookup replays its scheduler as the table's version "
+                              "ran it, so its estimates may have moved: re-run the serving sweep "
+                              "(mla-tune sweep --config configs/serving.yaml) to refresh the table", stacklevel=5)
+
+    def at_uniform(self, kind: str, family, model, batch: int, mean_kv_len: float,
+                   compute: Callable[[int], Any]) -> Any:
+        """compute(length) for a uniform batch of the mean length, the length taken to ~1%
+        and the result memoized per (kind, family, variant, batch, length)."""
+        step = round(math.log2(max(mean_kv_len, 1.0)) * _KV_STEPS_PER_OCTAVE)
+        memo_key = (kind, family.key, model.variant, batch, step)
+        if memo_key not in self._memo:
+            if len(self._memo) >= 1 << 16:
+                self._memo.clear()
+            self._memo[memo_key] = compute(max(int(round(2.0 ** (step / _KV_STEPS_PER_OCTAVE))), 1))
+        return self._memo[memo_key]
+
+    def interpolated(self, kind: str, family, batch: int, mean_kv_len: float) -> dict[Variant, float]:
+        """`interpolate` over the family's points ("times"), its models' point rates
+        ("rates") or its batch buckets' points alone ("buckets"), memoized per (batch,
+        kv_len to ~1%). The result is shared: do not change it."""
+        step = round(math.log2(max(mean_kv_len, 1.0)) * _KV_STEPS_PER_OCTAVE)
+        memo_key = (kind, family.key, batch, step)
+        if memo_key not in self._memo:
+            if len(self._memo) >= 1 << 16:
+                self._memo.clear()
+            self._memo[memo_key] = self.grid(kind, family).interpolate(batch, 2.0 ** (step / _KV_STEPS_PER_OCTAVE))
+        return self._memo[memo_key]
+
+    def derived(self, kind: str, family) -> dict[tuple[int, int], dict[Variant, float]]:
+        """The points a derived grid interpolates: "rates" (each model's point_rate at each
+        point of its variant) or "buckets" (the points at the batch buckets)."""
+        if (kind, family.key) not in self._derived:
+            if kind == "rates":
+                derived = point_rates(family.points, family.models, family.key)
+            else:
+                buckets = set(self.table.batch_buckets)
+                derived = {pt: times for pt, times in family.points.items() if pt[0] in buckets}
+            self._derived[(kind, family.key)] = derived
+        return self._derived[(kind, family.key)]
+
+    def grid(self, kind: str, family) -> _Grid:
+        """The points `interpolated` reads, as a _Grid made once per (kind, family)."""
+        grid = self._memo.get(("grid", kind, family.key))
+        if grid is None:  # made again after the memo is cleared (its at_batch results live there)
+            points = family.points if kind == "times" else self.derived(kind, family)
+            grid = self._memo[("grid", kind, family.key)] = _Grid(points, self._memo)
+        return grid
+
+
+def point_rates(points: Mapping[tuple[int, int], Mapping[Variant, float]], models: Mapping[Variant, Any],
+                key) -> dict[tuple[int, int], dict[Variant, float]]:
+    """Each point's rate (`model.point_rate`) of the variants whose model has one: what the
+    lookup interpolates for them instead of their times."""
+    rates: dict[tuple[int, int], dict[Variant, float]] = {}
+    for (batch, kv_len), times in points.items():
+        for v, t in times.items():
+            m = models.get(v)
+            rate = getattr(m, "point_rate", None)
+            if rate is not None and (r := rate(key, batch, kv_len, t)) is not None:
+                rates.setdefault((batch, kv_len), {})[v] = r
+    return rates
