@@ -33,7 +33,7 @@ from pathlib import Path
 
 from mla_tune.fileio import LineLog
 from mla_tune.serving.table import FamilyKey
-from mla_tune.tune.results import RESUME_NOTE, ResultsError, repair_tail
+from mla_tune.tune.results import RESUME_NOTE, ResultsError, read_json_lines, repair_tail
 
 SCHEMA = "serving-results/1"
 KINDS = ("gate", "step", "cell", "graph")
@@ -57,21 +57,10 @@ def read_records(path: Path) -> tuple[dict | None, list[dict], list[str]]:
     """(header, records, warnings); a missing file gives (None, [], []). A torn last line
     is ignored with a warning; a bad line elsewhere means the file was damaged or edited,
     which resume cannot trust: that raises, saying what to do."""
-    if not path.exists():
-        return None, [], []
-    lines = path.read_bytes().split(b"\n")
-    tail = lines.pop()
-    warnings = [f"{path}: ignoring a truncated last line ({len(tail)} bytes, a write cut short "
-                "by a kill); that record will be redone"] if tail else []
+    lines, warnings = read_json_lines(path, redone="that record will be redone",
+                                      fix="Fix or remove that line, or start over with --fresh")
     header, records = None, []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ResultsError(f"{path}, line {number}: not valid JSON ({exc}); the file was damaged "
-                               "or edited. Fix or remove that line, or start over with --fresh") from exc
+    for number, obj in lines:
         kind = obj.get("kind") if isinstance(obj, dict) else None
         if number == 1:
             if kind != "header" or obj.get("schema") != SCHEMA:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,37 @@ def candidate_key(shape: dict, variant: str) -> tuple[int, int, str]:
     return (int(shape["batch"]), int(shape["kv_len"]), str(offered))
 
 
+def read_json_lines(path: Path, redone: str, fix: str) -> tuple[Iterator[tuple[int, Any]], list[str]]:
+    """(the file's JSON values with their line numbers, warnings); blank lines are skipped
+    and a missing file has no lines. The readers of both results files use it.
+
+    A last line without its newline is a write cut short by a kill: it is left out with a
+    warning that ends in `redone` (what becomes of the record it held); repair_tail cuts it
+    off. A line that is not JSON raises ResultsError naming it, its message ending in `fix`
+    (what to do). Lines are parsed as the iterator reaches them, so an error the caller
+    raises over an earlier line comes first.
+    """
+    if not path.exists():
+        return iter(()), []
+    lines = path.read_bytes().split(b"\n")
+    tail = lines.pop()  # b"" when the file ends with a newline
+    warnings = [f"{path}: ignoring a truncated last line ({len(tail)} bytes, a write cut short "
+                f"by a kill); {redone}"] if tail else []
+
+    def parsed() -> Iterator[tuple[int, Any]]:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ResultsError(f"{path}, line {number}: not valid JSON ({exc}); the file was damaged "
+                                   f"or edited. {fix}") from exc
+            yield number, obj
+
+    return parsed(), warnings
+
+
 RECORD_KINDS = ("candidate", "step", "rung", "note")  # docs/architecture.md, "Results file"
 
 
@@ -59,29 +91,12 @@ def read_results(path: Path, kinds: tuple[str, ...] = ("candidate",)) -> tuple[d
     warning (repair_tail cuts it off). A bad line anywhere else means the file was edited
     or damaged, which resume cannot trust: that raises.
     """
-    if not path.exists():
-        return None, [], []
-    data = path.read_bytes()
-    warnings: list[str] = []
-    lines = data.split(b"\n")
-    tail = lines.pop()  # b"" when the file ends with a newline
-    if tail:
-        warnings.append(
-            f"{path}: ignoring a truncated last line ({len(tail)} bytes, a write cut short "
-            "by a kill); that candidate will run again"
-        )
+    lines, warnings = read_json_lines(
+        path, redone="that candidate will run again",
+        fix="Fix or remove that line, or start over with --fresh (moves the file aside)")
     header = None
     records: list[dict] = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ResultsError(
-                f"{path}, line {number}: not valid JSON ({exc}); the file was damaged or edited. "
-                "Fix or remove that line, or start over with --fresh (moves the file aside)"
-            ) from exc
+    for number, obj in lines:
         kind = obj.get("kind") if isinstance(obj, dict) else None
         if number == 1:
             if kind != "header":
