@@ -70,6 +70,11 @@ Optional members (absent: the defaults in brackets):
         Its serving variants (with max_splits, block_h, tokens_per_split) take a batch
         budget of splits, split_budget: the budget of `waves` waves of `sm_count` SMs over
         `head_tiles` head tiles (`mla-tune time scan --budget-waves`). [no budget variants]
+    def serving_q_reference(variant: Variant) -> str
+        How its serving kernel quantizes an fp8 q, as the q format the serving gate's
+        reference reads under `reference_q: variant` (serving/gate.py reference_q_format):
+        "fp8" per tensor, "fp8_row" per (new token, head) row (serving.inputs
+        quantize_fp8_rows), or "bf16". Asked only for variants with an fp8 q mode. ["fp8"]
 
 A schedule model, optional, for the serving lookup (mla_tune/serving/estimate.py): a module
 beside the backend's own, named `<its module>_schedule` (backends/triton_splitk_schedule.py,

@@ -343,6 +343,14 @@ def _gf_validate_serving(variant: Variant) -> None:
                      p["max_splits"])
 
 
+def serving_q_reference(variant: Variant) -> str:
+    """The q format (serving.inputs.reference's q_format) the serving gate's reference reads
+    for `variant` under `reference_q: variant`: fp8_row for fp8 q (kernels/gluon_serving.py,
+    like gluon_decode.py, quantizes q per (new token, head) row, amax / 448, e4m3fn:
+    serving.inputs.quantize_fp8_rows), bf16 for bf16 q."""
+    return "fp8_row" if str(variant.get("q", "bf16")).startswith("fp8") else "bf16"
+
+
 def _gf_pow2(n: int) -> int:
     return 1 << (max(n, 1) - 1).bit_length()
 

@@ -11,8 +11,9 @@ error):
   raised to it);
 - tail: a uniform batch at a length that ends inside a tile, a page and a split.
 (`reference_q: variant` instead quantizes the reference's q as the candidate's q mode does,
-the convention of scripts/engine_loop.py: the gate then judges the kernel, not the price of
-its q mode.) Each must keep the failing share under margin x the rule's allowance (problem.check).
+the convention of scripts/engine_loop.py: per tensor, or as its backend's
+serving_q_reference hook says (reference_q_format); the gate then judges the kernel, not the
+price of its q mode.) Each must keep the failing share under margin x the rule's allowance (problem.check).
 
 Gating compiles every kernel, so with `workers` > 0 it runs in that many of the sweep's
 killable worker processes (tune/pool.py's TaskPool over tune/worker.py; Triton's disk
@@ -86,19 +87,35 @@ def _probe_inputs(spec: CallSpec, gate: GateSpec, device: str) -> tuple[tuple[st
                  for label, q_lens, kv_lens, seed in probe_lengths(spec, gate))
 
 
+# What a backend's serving_q_reference hook may answer: the q formats of serving.reference
+# that need no calibration (fp8_static's q_amax is the variant's, not the gate's).
+HOOK_Q_FORMATS = ("bf16", "fp8", "fp8_row")
+
+
 def reference_q_format(variant: Variant, gate: GateSpec) -> str:
-    """The q the gate's reference reads: bf16, the exact answer (reference_q: exact), or
-    q quantized as the variant's q mode does (reference_q: variant; fp8 q modes as
-    problem.quantize_fp8's per-tensor scale, the convention of scripts/engine_loop.py and
-    the vendor tests): then the gate judges the kernel, not the price of its q mode."""
-    if gate.reference_q == "variant" and str(variant.get("q", "bf16")).startswith("fp8"):
+    """The q the gate's reference reads: bf16, the exact answer (reference_q: exact, and any
+    variant with bf16 q), or q quantized as the variant's q mode does (reference_q: variant):
+    then the gate judges the kernel, not the price of its q mode. An fp8 q mode is read as
+    its backend's optional `serving_q_reference(variant)` hook says (gluon_fused's answers
+    fp8_row: its kernel quantizes q per (new token, head) row), else per tensor ("fp8",
+    problem.quantize_fp8's scale, the convention of scripts/engine_loop.py and the vendor
+    tests)."""
+    if gate.reference_q != "variant" or not str(variant.get("q", "bf16")).startswith("fp8"):
+        return "bf16"
+    hook = getattr(get_backend(variant.backend), "serving_q_reference", None)
+    if hook is None:
         return "fp8"
-    return "bf16"
+    q_format = hook(variant)
+    if q_format not in HOOK_Q_FORMATS:
+        raise ValueError(f"backend {variant.backend!r}: serving_q_reference({variant}) returned {q_format!r}; "
+                         f"it must return one of {', '.join(HOOK_Q_FORMATS)} (serving.inputs.Q_FORMATS)")
+    return q_format
 
 
 @functools.lru_cache(maxsize=4)
 def _references(spec: CallSpec, gate: GateSpec, device: str, q_format: str) -> tuple[torch.Tensor, ...]:
-    return tuple(inp.reference(q_format) for _, inp in _probe_inputs(spec, gate, device))
+    """The probes' fp32 references, q read as q_format, at the family's softmax scale."""
+    return tuple(inp.reference(q_format, sm_scale=spec.sm_scale) for _, inp in _probe_inputs(spec, gate, device))
 
 
 def run_call(runner, inp: ServingInput) -> torch.Tensor:

@@ -149,19 +149,49 @@ def _sequence_tokens(kv, kv_indptr, block_table, seq_lens, b: int) -> torch.Tens
     return _bits(kv)[pages].view(kv.dtype).reshape(-1, QK_DIM)[:seq_len]
 
 
-def _q_fp32(q: torch.Tensor, q_format: str, q_amax: float | None) -> torch.Tensor:
-    """q as the kernel's q mode sees it: bf16 as is, fp8 per tensor (dynamic: this call's
-    amax, as problem.quantize_fp8; static: a fixed q_amax, values beyond it clamped)."""
+# The q formats `reference` reads q in (q_format): bf16 as given; fp8 per tensor (this call's
+# amax, problem.quantize_fp8); fp8 per (new token, head) row (quantize_fp8_rows); fp8 with a
+# fixed q_amax (fp8_static).
+Q_FORMATS = ("bf16", "fp8", "fp8_row", "fp8_static")
+# The per-row quantization of the Gluon kernels (kernels/gluon_serving.py and gluon_decode.py,
+# their q prologue): amax starts at this floor, scale = amax / 448, e4m3fn.
+ROW_AMAX_FLOOR = 1e-12
+ROW_FP8_DTYPE = torch.float8_e4m3fn
+
+
+def quantize_fp8_rows(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (..., 576) in float8_e4m3fn with one fp32 scale per row of its last dimension (a
+    serving q's (new token, head)), as the Gluon kernels quantize q in the kernel: amax =
+    max(1e-12, max |row| in fp32), scale = amax / 448 in fp32, q8 = e4m3fn(q / scale)
+    rounded to nearest even and saturated at +-448. An all-zero row is zeros with scale
+    1e-12 / 448. Returns (q8, scale (..., 1) float32); q8 x scale is the q whose scores
+    the kernel computes (its MMA takes q8, and the scores are multiplied by the scale). The
+    kernel's fp32 divisions are Triton's default `/` (div.full.f32
+    on NVIDIA, within 2 ulp, not correctly rounded), these are IEEE: an element within an ulp
+    of an fp8 rounding tie may land one fp8 step apart on the GPU."""
+    fp8_max = torch.finfo(ROW_FP8_DTYPE).max
+    qf = q.to(torch.float32)
+    scale = qf.abs().amax(dim=-1, keepdim=True).clamp_min(ROW_AMAX_FLOOR) / fp8_max
+    return (qf / scale).clamp(-fp8_max, fp8_max).to(ROW_FP8_DTYPE), scale
+
+
+def reference_q(q: torch.Tensor, q_format: str = "bf16", q_amax: float | None = None) -> torch.Tensor:
+    """q in fp32 as `reference` reads it, as a kernel of that q mode multiplies it with K:
+    bf16 as is, fp8 per tensor (dynamic: this call's amax, as problem.quantize_fp8; static:
+    a fixed q_amax, values beyond it clamped), or fp8 per (new token, head) row (fp8_row:
+    quantize_fp8_rows, the Gluon kernels' q)."""
     if q_format == "bf16":
         return q.to(torch.float32)
     if q_format == "fp8":
         return dequantize_fp8(*quantize_fp8(q))
+    if q_format == "fp8_row":
+        return dequantize_fp8(*quantize_fp8_rows(q))
     if q_format == "fp8_static" and q_amax:
         dtype = fp8_dtype_for(q.device)
         fp8_max = torch.finfo(dtype).max
         scale = q_amax / fp8_max
         return (q.float() / scale).clamp(-fp8_max, fp8_max).to(dtype).float() * scale
-    raise ValueError(f"q_format must be bf16, fp8 or fp8_static (with q_amax), got {q_format!r}")
+    raise ValueError(f"q_format must be bf16, fp8, fp8_row or fp8_static (with q_amax), got {q_format!r}")
 
 
 def reference(
@@ -179,12 +209,12 @@ def reference(
     return_lse: bool = False,
 ):
     """fp32 MLA decode attention of the serving call, (total_q, heads, 512): each new token
-    over its sequence's tokens up to and including itself, KV dequantized with kv_scale,
-    scores scaled by sm_scale (the model's softmax scale). return_lse: (out, lse), lse the
+    over its sequence's tokens up to and including itself, q read as reference_q(q,
+    q_format, q_amax), KV dequantized with kv_scale, scores scaled by sm_scale (the model's softmax scale). return_lse: (out, lse), lse the
     natural-log log-sum-exp of each (new token, head)'s scaled scores, (total_q, heads)."""
     if (kv_indptr is None) == (block_table is None and seq_lens is None):
         raise ValueError("give kv_indptr (contiguous KV) or block_table and seq_lens (paged KV)")
-    qf = _q_fp32(q, q_format, q_amax)
+    qf = reference_q(q, q_format, q_amax)
     q_bounds = qo_indptr.tolist()
     out = torch.empty((q.shape[0], q.shape[1], V_DIM), dtype=torch.float32, device=q.device)
     lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)

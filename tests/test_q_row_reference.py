@@ -1,0 +1,197 @@
+"""The serving gate's reference for a kernel that quantizes q per (new token, head) row
+(issue 31): serving.inputs' fp8_row q format (quantize_fp8_rows), and the gate's choice of
+it through the backends' optional serving_q_reference hook (gluon_fused's answers fp8_row).
+
+The Gluon kernels quantize q inside the kernel (kernels/gluon_serving.py, its q prologue:
+amax from 1e-12 up, amax / 448, e4m3fn); there is no host-side torch function to compare
+with, so the plain-torch quantization below, written row by row, is the comparison. The GPU
+test at the end runs the kernel itself, through the gate, at DeepSeek-V3's softmax scale:
+`python -m pytest -q -m gpu tests/test_q_row_reference.py` on an H200.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from mla_tune import problem
+from mla_tune.backends import EXTRA_BACKENDS_ENV, flash_mla, gluon_fused, triton_splitk
+from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, QK_DIM, CallSpec, Variant
+from mla_tune.gpu import fake_platform
+from mla_tune.serving.config import GateSpec
+from mla_tune.serving.gate import GateJob, gate_one, reference_q_format
+from mla_tune.serving.inputs import make_input, quantize_fp8_rows, reference, reference_q
+
+STRICT = problem.RULES["strict"]
+H200 = fake_platform("H200")
+VARIANT_GATE = GateSpec((1, 17, 64, 65, 300), 77, 2, 0.5, (11, 12), reference_q="variant")
+EXACT_GATE = GateSpec((1, 17, 64, 65, 300), 77, 2, 0.5, (11, 12), reference_q="exact")
+
+
+def _plain_rows(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row by row in plain torch, as the kernel reads it: amax = max(1e-12, max |row|) in
+    fp32, scale = amax / 448, e4m3fn of row / scale saturated at 448."""
+    flat = q.reshape(-1, q.shape[-1]).to(torch.float32)
+    q8 = torch.empty(flat.shape, dtype=torch.float8_e4m3fn)
+    scales = torch.empty((flat.shape[0], 1), dtype=torch.float32)
+    floor, fp8_max = torch.tensor(1e-12, dtype=torch.float32), torch.tensor(448.0, dtype=torch.float32)
+    for i, row in enumerate(flat):
+        scale = torch.maximum(row.abs().max(), floor) / fp8_max
+        q8[i] = torch.clamp(row / scale, -448.0, 448.0).to(torch.float8_e4m3fn)
+        scales[i] = scale
+    return q8.reshape(q.shape), scales.reshape(*q.shape[:-1], 1)
+
+
+@pytest.mark.parametrize("tokens,heads", [(1, 16), (1, 128), (3, 128), (7, 16)])
+def test_row_quantization_is_the_plain_per_row_one_bit_for_bit(tokens, heads):
+    gen = torch.Generator().manual_seed(tokens * 1000 + heads)
+    q = torch.randn((tokens, heads, QK_DIM), generator=gen).to(torch.bfloat16)
+    q[0, heads // 2] = 0  # an all-zero row
+    q[-1, 1] *= 3000.0  # a large row beside normal ones
+    q[-1, 0] *= 1e-16  # a row below the amax floor
+    q8, scale = quantize_fp8_rows(q)
+    want8, want_scale = _plain_rows(q)
+    assert q8.dtype == torch.float8_e4m3fn and tuple(scale.shape) == (tokens, heads, 1)
+    assert torch.equal(q8.view(torch.uint8), want8.view(torch.uint8))
+    assert torch.equal(scale, want_scale)
+    qf = reference_q(q, "fp8_row")
+    assert torch.equal(qf, want8.float() * want_scale)
+    assert torch.equal(qf[0, heads // 2], torch.zeros(QK_DIM))
+    assert float(scale[0, heads // 2]) == float(torch.tensor(1e-12) / 448.0)
+    # every row is its own: the large row moves no other row's q (per tensor, it does)
+    assert torch.equal(reference_q(q[:, 2:], "fp8_row"), qf[:, 2:])
+    assert not torch.equal(reference_q(q[:, 2:], "fp8"), reference_q(q, "fp8")[:, 2:])
+
+
+def test_the_reference_reads_the_row_quantized_q():
+    inp = make_input([1, 2, 1], [1, 70, 130], 16, 64, "fp8", seed=4)
+    want8, want_scale = _plain_rows(inp.q)
+    plain = reference(want8.float() * want_scale, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout,
+                      sm_scale=CORE_DEEPSEEK_V3_SCALE)
+    assert torch.equal(inp.reference("fp8_row", sm_scale=CORE_DEEPSEEK_V3_SCALE), plain)
+    with pytest.raises(ValueError, match="fp8_row"):
+        inp.reference("fp8_rows")
+
+
+def test_per_row_and_per_tensor_references_differ_by_more_than_the_strict_rule():
+    """One large row: per tensor, every other row's q is read coarser. A kernel that reads
+    q per row (stood in for by the per-row reference in bf16) passes against the per-row
+    reference and fails against the per-tensor one, and the per-row q is nearer bf16 q."""
+    inp = make_input([1, 2, 1, 2], [1, 17, 65, 300], 16, 64, "fp8", seed=9)
+    inp.q[1, 5] *= 64.0
+    exact, by_row, by_tensor = (inp.reference(f, sm_scale=CORE_DEEPSEEK_V3_SCALE) for f in ("bf16", "fp8_row", "fp8"))
+    kernel = by_row.to(torch.bfloat16)
+    assert problem.check(kernel, by_row, STRICT, margin=0.5).passed
+    against_tensor = problem.check(kernel, by_tensor, STRICT)
+    assert not against_tensor.passed and against_tensor.mismatch > 2 * STRICT.allowance
+    assert float((by_row - exact).abs().mean()) < float((by_tensor - exact).abs().mean())
+
+
+def _gluon(kv: str) -> Variant:
+    return gluon_fused.default_serving_variant(CallSpec(kv, 64, 16, 2, mixed_q_len=True), H200)
+
+
+def test_the_gate_reads_q_as_each_backend_quantizes_it():
+    g8, g16 = _gluon("fp8"), _gluon("bf16")
+    assert g8.get("q") == "fp8_dynamic" and g16.get("q") == "bf16"
+    assert reference_q_format(g8, VARIANT_GATE) == "fp8_row"
+    assert reference_q_format(g16, VARIANT_GATE) == "bf16"
+    assert reference_q_format(g8, EXACT_GATE) == "bf16"  # exact: the q quantization counts
+    t8 = [v for v in triton_splitk.serving_candidates(CallSpec("fp8", 64, 16, 1), {"q": ["fp8_dynamic"]}, H200)
+          if v.get("q") == "fp8_dynamic"]
+    assert t8 and {reference_q_format(v, VARIANT_GATE) for v in t8} == {"fp8"}
+    t16 = triton_splitk.default_serving_variant(CallSpec("fp8", 64, 16, 1), H200)
+    assert t16.get("q") == "bf16" and reference_q_format(t16, VARIANT_GATE) == "bf16"
+    for q in ("fp8_dynamic", "fp8_static"):
+        assert reference_q_format(Variant.make(flash_mla.NAME, kv="fp8", q=q), VARIANT_GATE) == "fp8"
+    assert reference_q_format(Variant.make(flash_mla.NAME, kv="bf16", q="bf16"), VARIANT_GATE) == "bf16"
+
+
+HOOK_NAME = "qref_probe"
+HOOK_SOURCE = '''
+"""A serving backend for tests: the per-row-q reference in bf16; its hook answers `ref`."""
+
+import torch
+
+from mla_tune.serving.inputs import reference
+
+NAME = "qref_probe"
+
+
+def serving_q_reference(variant):
+    return variant.get("ref")
+
+
+def build_serving(variant, spec, device):
+    def run(q, qo_indptr, kv, kv_scale, *, kv_indptr=None, block_table=None, seq_lens=None,
+            q_lens_host=None, kv_lens_host=None):
+        return reference(q, qo_indptr, kv, kv_scale, kv_indptr=kv_indptr, block_table=block_table,
+                         seq_lens=seq_lens, q_format="fp8_row", sm_scale=spec.sm_scale).to(torch.bfloat16)
+
+    return run
+'''
+
+
+@pytest.fixture
+def hook_backend(tmp_path, monkeypatch):
+    module = "qref_probe_backend"
+    (tmp_path / f"{module}.py").write_text(textwrap.dedent(HOOK_SOURCE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    monkeypatch.setenv(EXTRA_BACKENDS_ENV, f"{HOOK_NAME}={module}")
+    yield
+    sys.modules.pop(module, None)
+
+
+def test_a_backends_hook_picks_its_reference_and_the_gate_judges_by_it(hook_backend):
+    def probe(ref: str, q: str = "fp8_dynamic") -> Variant:
+        return Variant.make(HOOK_NAME, kv="fp8", q=q, ref=ref)
+
+    for ref in ("fp8_row", "fp8", "bf16"):
+        assert reference_q_format(probe(ref), VARIANT_GATE) == ref
+    assert reference_q_format(probe("fp8_row", q="bf16"), VARIANT_GATE) == "bf16"  # bf16 q: no hook
+    with pytest.raises(ValueError, match=r"qref_probe.*serving_q_reference.*'fp8_static'.*bf16, fp8, fp8_row"):
+        reference_q_format(probe("fp8_static"), VARIANT_GATE)
+    # The gate itself, at DeepSeek-V3's scale: the per-row kernel passes against the per-row
+    # reference its hook names, and fails against the per-tensor one.
+    spec = CallSpec("fp8", 64, 16, 2, mixed_q_len=True, sm_scale=CORE_DEEPSEEK_V3_SCALE)
+    passed = gate_one(GateJob(spec, str(probe("fp8_row")), VARIANT_GATE, STRICT, "cpu"))
+    assert passed["ok"], passed
+    failed = gate_one(GateJob(spec, str(probe("fp8")), VARIANT_GATE, STRICT, "cpu"))
+    assert not failed["ok"] and failed["reason"].startswith("ragged probe"), failed
+
+
+# ------------------------------------------------------------------ on the H200
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,q_len", [(16, 1), (128, 2), (128, 4)])
+def test_the_gluon_kernel_passes_the_gate_against_the_per_row_reference(heads, q_len):
+    """The Gluon serving kernel (gluon_fused's default serving variant, fp8 KV, so fp8 q) at
+    DeepSeek-V3's softmax scale, paged 64: through the gate (configs/serving.yaml's probe
+    lengths, margin and rule, reference_q: variant, so fp8_row), and on a ragged call
+    within the strict rule against the per-row reference. The per-tensor reference's
+    mismatch is printed beside it (-s)."""
+    from mla_tune.kernels.gluon_serving import GS_UNAVAILABLE
+    from mla_tune.serving.config import load_serving_config
+
+    reason = GS_UNAVAILABLE or gluon_fused.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    cfg = load_serving_config("configs/serving.yaml")
+    assert cfg.gate.reference_q == "variant"
+    spec = CallSpec("fp8", 64, heads, q_len, mixed_q_len=True, graph=True, sm_scale=CORE_DEEPSEEK_V3_SCALE)
+    variant = gluon_fused.default_serving_variant(spec, H200)
+    assert reference_q_format(variant, cfg.gate) == "fp8_row"
+    gated = gate_one(GateJob(spec, str(variant), cfg.gate, cfg.rule, "cuda"))
+    assert gated["ok"], gated
+    kv_lens = [1, 17, 3000, 64, 65, 129, 2, 4133]
+    inp = make_input([min(q_len, n) for n in kv_lens], kv_lens, heads, 64, "fp8", seed=77, device="cuda")
+    out = gluon_fused.build_serving(variant, spec, "cuda")(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
+    torch.cuda.synchronize()
+    by_row = problem.check(out, inp.reference("fp8_row", sm_scale=spec.sm_scale), STRICT, margin=cfg.gate.margin)
+    by_tensor = problem.check(out, inp.reference("fp8", sm_scale=spec.sm_scale), STRICT)
+    print(f"heads {heads} q_len {q_len}: per-row mismatch {by_row.mismatch:.4f} (max abs {by_row.max_abs_err:.4f}), "
+          f"per-tensor mismatch {by_tensor.mismatch:.4f}; gate {gated['checks']}")
+    assert by_row.passed, by_row
