@@ -26,7 +26,7 @@ from mla_tune.errors import MlaTuneError
 PROTOCOL_NAMES = ("NAME", "unavailable_reason", "candidates", "validate", "build",
                   "default_variant", "compile_shape", "warmup", "SPACE_KEYS",
                   "dedupe_key", "CAPABILITIES", "build_serving", "default_serving_variant",
-                  "serving_candidates", "serving_q_reference")
+                  "serving_candidates", "serving_q_reference", "vendor_drift_note")
 # Names the exported file's own code (export.py's template) defines; a module may not.
 _GENERATED_NAMES = {"input_t", "output_t", "custom_kernel", "_EXPORT_TABLE_TEXT", "_EXPORT_TABLE",
                     "_EXPORT_BUILDERS", "_EXPORT_RAGGED_BACKENDS", "_EXPORT_DISPATCHER", "_EXPORT_FALLBACK_VARIANT",
