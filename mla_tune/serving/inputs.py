@@ -129,16 +129,6 @@ def make_input(
                         list(q_lens), list(kv_lens), page_size)
 
 
-def from_leaderboard(data, kv_format: str) -> ServingInput:
-    """The leaderboard's input tuple (problem.generate_input) as a serving call."""
-    q, kv_data, qo_indptr, kv_indptr, _config = data
-    kv, kv_scale = (kv_data["bf16"], None) if kv_format == "bf16" else kv_data["fp8"]
-    bounds = kv_indptr.tolist()
-    kv_lens = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
-    return ServingInput(q, qo_indptr, kv, kv_scale, kv_indptr, None, None,
-                        [1] * q.shape[0], kv_lens, 0)
-
-
 def _sequence_tokens(kv, kv_indptr, block_table, seq_lens, b: int) -> torch.Tensor:
     """Sequence b's cached tokens in order, (seq_len, 576), in the cache's dtype."""
     if kv_indptr is not None:
