@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python scripts/bench_update.py [--table tables/H200.serving.yaml]
         [--mixes 1000] [--seed 0] [--picks picks.json] [--json out.json] [--tensors-first]
+        [--no-lookup]
 
 One eager plan (serving/decode_plan.py; host lengths, 64-token pages, max_batch 256) per
 family of the table (16 or 128 heads, q_len 1-4, fp8 or bf16 KV), made before the clock
@@ -19,6 +20,8 @@ the plan's stand-in) so two versions of the lookup can be compared on the same m
 Python's garbage collector stays on, as in an engine. `--tensors-first` makes every step's
 tensors before the first timed call instead (the same mixes): what making a step's tensors
 just before its call (as an engine does, and the default) costs the call in cache misses.
+`--no-lookup` makes the plans without the table (each runs its default variant): what an
+update costs besides the table's lookup (its layout checks and the runner's step).
 """
 
 from __future__ import annotations
@@ -81,6 +84,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the statistics here (JSON)")
     ap.add_argument("--tensors-first", action="store_true",
                     help="make every step's tensors before the first timed call")
+    ap.add_argument("--no-lookup", action="store_true",
+                    help="plans without the table: the update's cost besides the lookup")
     args = ap.parse_args()
     table = load_serving_table(args.table)
     keys = sorted(k for k in table.families if k.page_size > 0)
@@ -91,7 +96,8 @@ def main() -> None:
         for key in keys:
             spec = CallSpec(key.kv_format, page_size=key.page_size, heads=key.heads, max_q_len=key.q_len,
                             host_lengths=True)
-            plans[key] = DecodePlan(spec, MAX_BATCH, table=table, device="cpu", warm=False)
+            plans[key] = DecodePlan(spec, MAX_BATCH, table=None if args.no_lookup else table, device="cpu",
+                                    warm=False)
     made = time.perf_counter() - made
     times, first, picks, seen = [], [], [], set()
     mixes = list(_mixes(keys, args.mixes, args.seed))
@@ -111,6 +117,7 @@ def main() -> None:
             looked = table.lookup(plan.spec, len(kv_lens), sum(kv_lens) / len(kv_lens), kv_lens=kv_lens)
             picks.append({"family": key.as_dict(), "batch": len(kv_lens), "pick": str(looked)})
     out = {"table": args.table, "mixes": args.mixes, "seed": args.seed, "tensors_first": args.tensors_first,
+           "no_lookup": args.no_lookup,
            "plans": len(plans),
            "plans_made_s": round(made, 2), "update": _stats(times), "first_update": _stats(first)}
     print(f"{len(plans)} plans made in {made:.2f} s; DecodePlan.update over {args.mixes} fresh mixes "
