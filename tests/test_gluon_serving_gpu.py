@@ -63,11 +63,10 @@ def _variants(spec: CallSpec, platform) -> list[Variant]:
 
 
 def _q_as_the_kernel_reads_it(q: torch.Tensor, kv_format: str) -> torch.Tensor:
-    if kv_format == "bf16":
-        return q
-    qf = q.float()
-    scale = qf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 448.0
-    return (qf / scale).to(torch.float8_e4m3fn).float() * scale
+    """bf16 q as is; for fp8 KV the kernel's q8 x scale per (new token, head) row."""
+    from mla_tune.serving.inputs import reference_q
+
+    return q if kv_format == "bf16" else reference_q(q, "fp8_row")
 
 
 def run_family(family: tuple) -> list[dict]:
