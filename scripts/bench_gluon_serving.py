@@ -27,7 +27,8 @@ from mla_tune import problem
 from mla_tune.backends import get_backend
 from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, CallSpec, Variant
 from mla_tune.gpu import detect
-from mla_tune.serving.inputs import make_input, reference
+from mla_tune.serving.gate import reference_q_format
+from mla_tune.serving.inputs import make_input, reference, reference_q
 from mla_tune.tune.timing import time_call
 
 PAGE = 64
@@ -38,17 +39,15 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:200]
 
 
+class _VariantQGate:  # the gate's option, alone: the reference reads q as the variant does
+    reference_q = "variant"
+
+
 def _reference_q(q: torch.Tensor, variant: Variant) -> torch.Tensor:
-    """q as the variant's kernel reads it: bf16; per (token, head) fp8 (gluon_fused); per tensor fp8."""
-    mode = str(variant.get("q", "bf16"))
-    if mode == "bf16":
-        return q
-    qf = q.float()
-    if variant.backend == "gluon_fused":
-        scale = qf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 448.0
-    else:
-        scale = qf.abs().amax().clamp_min(1e-12) / 448.0
-    return (qf / scale).to(torch.float8_e4m3fn).float() * scale
+    """q as the serving gate's reference reads it for `variant` (gate.reference_q_format
+    under `reference_q: variant`: bf16; fp8 per row where the backend says so, gluon_fused;
+    else fp8 per tensor)."""
+    return reference_q(q, reference_q_format(variant, _VariantQGate))
 
 
 def _case(variant: Variant, spec: CallSpec, inp, reps: int) -> tuple[float | None, str]:
