@@ -18,11 +18,14 @@ Pure Python and numpy; nothing here imports torch.
 
 from __future__ import annotations
 
+import ctypes
 import heapq
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from mla_tune import native
 
 FLASHINFER_FEATURES = ("one", "makespan", "max_works", "merge_ctas", "batch", "max_merge")
 _CTA_TILE_Q = 64
@@ -61,6 +64,10 @@ def flashinfer_mla_works_per_cluster(kv_lens: Sequence[int], heads: int, q_len: 
     """How many chunks FlashInfer deals per cluster, on average (O(batch), no dealing);
     kv_lens may be a numpy int64 array."""
     if isinstance(kv_lens, np.ndarray):  # the same integers, without a Python loop
+        lib = _native()
+        if lib is not None:
+            lens = np.ascontiguousarray(kv_lens, dtype=np.int64)
+            return lib.fi_works(native.address(lens), lens.shape[0], heads, q_len, sm_count)
         total = int(kv_lens.sum())
         _, clusters, _, q_tiles, limit = _geometry((total,), heads, q_len, sm_count)
         return int(np.maximum(-(-kv_lens // limit), 1).sum()) * q_tiles / clusters
@@ -74,8 +81,15 @@ def flashinfer_mla_features(kv_lens: Sequence[int], heads: int, q_len: int, sm_c
     - makespan: the most-loaded cluster's cost, each chunk costing 2 x its q tile plus
       its tokens (FlashInfer's own cost function);
     - merge CTAs: the CTAs that merge split chunks; largest merge: the most partial rows
-      one merge CTA reads (partial chunks x rows per CTA)."""
-    lens = np.asarray(kv_lens, dtype=np.int64)
+      one merge CTA reads (partial chunks x rows per CTA).
+    In C where a C compiler is found (`_NATIVE_SOURCE`: the same integers, dealt as
+    tests/test_vendor_fast.py's chunk-by-chunk replay deals them)."""
+    lens = np.ascontiguousarray(kv_lens, dtype=np.int64)
+    lib = _native()
+    if lib is not None:
+        out = (ctypes.c_int64 * 4)()
+        if lib.fi_features(native.address(lens), lens.shape[0], heads, q_len, sm_count, out) == 0:
+            return [1.0, float(out[0]), float(out[1]), float(out[2]), float(len(kv_lens)), float(out[3])]
     packed = q_len * heads
     cluster, clusters, tile, q_tiles, limit = _geometry((int(lens.sum()),), heads, q_len, sm_count)
     full, rest = np.divmod(lens, limit)
@@ -117,6 +131,122 @@ def flashinfer_mla_features(kv_lens: Sequence[int], heads: int, q_len: int, sm_c
         replace(heap, top + c)
     makespan = max(heap) // _SLOTS
     return [1.0, float(makespan), float(max(works)), float(merge_ctas), float(len(kv_lens)), float(max_merge)]
+
+
+# flashinfer_mla_features' schedule in C (mla_tune/native.py): FlashInfer's dealing, chunk by
+# chunk, to the least-loaded cluster (its key packs the index below the load, as above).
+_NATIVE_SOURCE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#define SLOTS 4096
+
+static void sift_down(int64_t *h, int64_t n) {
+    int64_t x = h[0], i = 0;
+    for (;;) {
+        int64_t c = 2 * i + 1;
+        if (c >= n) break;
+        if (c + 1 < n && h[c + 1] < h[c]) c++;
+        if (h[c] >= x) break;
+        h[i] = h[c];
+        i = c;
+    }
+    h[i] = x;
+}
+
+/* _geometry and _chunk_limit: the cluster size, clusters, q tile rows, q tiles, kv_len_limit */
+static void geometry(const int64_t *lens, int64_t n, int64_t heads, int64_t q_len, int64_t sm_count,
+                     int64_t *g) {
+    int64_t packed = q_len * heads, total = 0;
+    int64_t cluster = packed > 64 ? 2 : 1, clusters = sm_count / cluster;
+    if (clusters < 1) clusters = 1;
+    int64_t tile = 64 * cluster, q_tiles = (packed + tile - 1) / tile;
+    for (int64_t s = 0; s < n; s++) total += lens[s];
+    int64_t per = (total * q_tiles + clusters - 1) / clusters, limit;
+    if (per < 1) per = 1;
+    if (per <= 8) limit = 32;
+    else if (per <= 16) limit = 64;
+    else if (per <= 32) limit = 128;
+    else if (per <= 64) limit = 192;
+    else limit = (per + 255) / 256 * 256;
+    g[0] = cluster; g[1] = clusters; g[2] = tile; g[3] = q_tiles; g[4] = limit; g[5] = packed;
+}
+
+double fi_works(const int64_t *lens, int64_t n, int64_t heads, int64_t q_len, int64_t sm_count) {
+    int64_t g[6], chunks = 0;
+    geometry(lens, n, heads, q_len, sm_count, g);
+    for (int64_t s = 0; s < n; s++) {
+        int64_t c = (lens[s] + g[4] - 1) / g[4];
+        chunks += c < 1 ? 1 : c;
+    }
+    return (double)(chunks * g[3]) / (double)g[1];
+}
+
+int fi_features(const int64_t *lens, int64_t n, int64_t heads, int64_t q_len, int64_t sm_count, int64_t *out) {
+    int64_t g[6];
+    geometry(lens, n, heads, q_len, sm_count, g);
+    int64_t cluster = g[0], clusters = g[1], tile = g[2], q_tiles = g[3], limit = g[4], packed = g[5];
+    int64_t *heap = malloc((size_t)clusters * sizeof(int64_t));
+    int64_t *works = calloc((size_t)clusters, sizeof(int64_t));
+    if (heap == NULL || works == NULL) { free(heap); free(works); return -1; }
+    for (int64_t i = 0; i < clusters; i++) heap[i] = i;  /* empty clusters, by index: a heap */
+    int64_t merge_ctas = 0, max_merge = 0;
+    int64_t full_cost = (2 * tile + limit) * SLOTS;
+    for (int64_t s = 0; s < n; s++) {
+        int64_t len = lens[s], full = len / limit, rest = len % limit;
+        if (len > limit) {
+            int64_t ctas = len * cluster / limit, chunks = full + (rest > 0);
+            if (ctas < 1) ctas = 1;
+            for (int64_t t = 0; t < q_tiles; t++) {
+                int64_t rows = packed - t * tile;
+                if (rows > tile) rows = tile;
+                int64_t m = chunks * ((rows + ctas - 1) / ctas);
+                merge_ctas += ctas;
+                if (m > max_merge) max_merge = m;
+            }
+        }
+        int64_t last = (rest > 0 || full == 0) ? (2 * tile + rest) * SLOTS : 0;
+        for (int64_t t = 0; t < q_tiles; t++) {
+            for (int64_t j = 0; j < full; j++) {
+                works[heap[0] % SLOTS]++;
+                heap[0] += full_cost;
+                sift_down(heap, clusters);
+            }
+            if (last) {
+                works[heap[0] % SLOTS]++;
+                heap[0] += last;
+                sift_down(heap, clusters);
+            }
+        }
+    }
+    int64_t top = 0, most = 0;
+    for (int64_t i = 0; i < clusters; i++) {
+        if (heap[i] > top) top = heap[i];
+        if (works[i] > most) most = works[i];
+    }
+    out[0] = top / SLOTS;
+    out[1] = most;
+    out[2] = merge_ctas;
+    out[3] = max_merge;
+    free(heap);
+    free(works);
+    return 0;
+}
+"""
+_LIB: list = []
+
+
+def _native():
+    """The C replay (mla_tune/native.py), loaded once; None: the numpy path."""
+    if not _LIB:
+        lib = native.load("flashinfer_schedule", _NATIVE_SOURCE)
+        if lib is not None:
+            i64, ptr = ctypes.c_int64, ctypes.c_void_p
+            lib.fi_works.argtypes = [ptr, i64, i64, i64, i64]
+            lib.fi_works.restype = ctypes.c_double
+            lib.fi_features.argtypes = [ptr, i64, i64, i64, i64, ctypes.POINTER(i64)]
+            lib.fi_features.restype = ctypes.c_int
+        _LIB.append(lib)
+    return _LIB[0]
 
 
 def predict(coef: Sequence[float], features: Sequence[float]) -> float:

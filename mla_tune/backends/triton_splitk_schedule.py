@@ -37,6 +37,7 @@ Pure Python and numpy; nothing here imports torch.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import heapq
 import itertools
@@ -47,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from mla_tune import native
 from mla_tune.kernels.split_rule import (
     REDUCE_SPLITS_PER_STEP,
     fill_splits,
@@ -94,7 +96,9 @@ def _schedule_array(lens: np.ndarray, heads: int, q_len: int, params: Mapping, o
     """splitk_schedule over an int64 array: split_rule.serving_splits' rule in numpy (the
     same float64 share, n * budget / total, exact below 2**53), its items as a repeat, the
     first wave of programs placed without the heap (each takes an empty slot), the rest
-    dealt as `_deal` does. tests/test_splitk_fast.py checks it against the loop."""
+    dealt as `_deal` does; or all of it in C (`_NATIVE_SOURCE`, mla_tune/native.py: the same
+    arithmetic) where a C compiler is found. tests/test_splitk_fast.py checks it against the
+    loop, tests/test_native_replays.py the C against the numpy."""
     rule = _rule(params, sm_count)
     max_splits, block_n, batch = rule["max_splits"], rule["block_n"], int(lens.shape[0])
     tiles = max(heads // rule["block_h"], 1)
@@ -105,6 +109,15 @@ def _schedule_array(lens: np.ndarray, heads: int, q_len: int, params: Mapping, o
         launched = batch * fill_splits(rule["split_budget"], batch, tiles, max_splits, sm_count)
         budget = min(budget, max(launched, batch))
         share_round = 1.0 - 2e-4
+    lib = _native()
+    if lib is not None:
+        lens = np.ascontiguousarray(lens, dtype=np.int64)  # what the C reads
+        span, steps = ctypes.c_double(), ctypes.c_int64()
+        lib.sk_schedule(native.address(lens), lens.shape[0], max_splits, block_n, budget, share_round,
+                        rule["tokens_per_split"], tiles, max(sm_count * occupancy, 1), float(item_tokens),
+                        reduce_splits_per_step(batch, q_len, heads), EXACT_WAVES, ctypes.byref(span),
+                        ctypes.byref(steps))
+        return span.value, steps.value
     total = max(int(lens.sum()), 1)
     if max_splits > 1:
         want = np.floor(lens * budget / total + share_round + 1e-4).astype(np.int64)
@@ -137,6 +150,104 @@ def _schedule_array(lens: np.ndarray, heads: int, q_len: int, params: Mapping, o
     items[ends[cut]] = rest[cut]
     work = np.repeat(items + item_tokens, tiles) if tiles > 1 else items + item_tokens
     return float(greedy_makespan(work, slots)), steps
+
+
+# _schedule_array in C, the same arithmetic step by step (IEEE doubles, no contraction:
+# mla_tune/native.py), with the dealing as `_deal`'s heap.
+_NATIVE_SOURCE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <math.h>
+
+static void sift_down(double *h, int64_t n) {
+    double x = h[0];
+    int64_t i = 0;
+    for (;;) {
+        int64_t c = 2 * i + 1;
+        if (c >= n) break;
+        if (c + 1 < n && h[c + 1] < h[c]) c++;
+        if (h[c] >= x) break;
+        h[i] = h[c];
+        i = c;
+    }
+    h[i] = x;
+}
+
+static int64_t split_of(int64_t len, int64_t total, int64_t max_splits, int64_t block_n, int64_t budget,
+                        double share_round, int64_t tokens_per_split) {
+    int64_t per = len;
+    if (max_splits > 1) {
+        double share = (double)(len * budget) / (double)total;
+        int64_t want = (int64_t)floor(share + share_round + 1e-4);
+        int64_t cap = (len + tokens_per_split - 1) / tokens_per_split;
+        if (want > cap) want = cap;
+        if (want < 1) want = 1;
+        per = (len + want - 1) / want;
+    }
+    int64_t blocks = (per + block_n - 1) / block_n;
+    return (blocks < 1 ? 1 : blocks) * block_n;
+}
+
+int sk_schedule(const int64_t *lens, int64_t n, int64_t max_splits, int64_t block_n, int64_t budget,
+                double share_round, int64_t tokens_per_split, int64_t tiles, int64_t slots, double item_tokens,
+                int64_t per_step, int64_t exact_waves, double *span, int64_t *steps) {
+    int64_t most = 0, n_items = 0, longest = 0, tokens = 0, live = 0, total = 0;
+    for (int64_t s = 0; s < n; s++) total += lens[s];
+    if (total < 1) total = 1;
+    for (int64_t s = 0; s < n; s++) {
+        int64_t len = lens[s];
+        if (len <= 0) continue;
+        int64_t split = split_of(len, total, max_splits, block_n, budget, share_round, tokens_per_split);
+        int64_t full = len / split, rest = len % split, counts = full + (rest > 0);
+        int64_t item = full > 0 ? split : rest;
+        if (counts > most) most = counts;
+        if (item > longest) longest = item;
+        n_items += counts;
+        tokens += len;
+        live++;
+    }
+    if (live == 0) { *span = 0.0; *steps = 0; return 0; }
+    *steps = most > 1 ? (most + per_step - 1) / per_step : 0;
+    int64_t programs = n_items * tiles;
+    if (programs <= slots) { *span = (double)longest + item_tokens; return 0; }
+    if (programs > exact_waves * slots) {
+        *span = ((double)tokens + item_tokens * (double)n_items) * (double)tiles / (double)slots
+                + ((double)longest + item_tokens) / 2.0;
+        return 0;
+    }
+    double *heap = calloc((size_t)slots, sizeof(double));
+    if (heap == NULL) return -1;
+    for (int64_t s = 0; s < n; s++) {
+        int64_t len = lens[s];
+        if (len <= 0) continue;
+        int64_t split = split_of(len, total, max_splits, block_n, budget, share_round, tokens_per_split);
+        int64_t full = len / split, rest = len % split;
+        for (int64_t j = 0; j < full + (rest > 0); j++) {
+            double w = (double)(j < full ? split : rest) + item_tokens;
+            for (int64_t t = 0; t < tiles; t++) { heap[0] += w; sift_down(heap, slots); }
+        }
+    }
+    double top = 0.0;
+    for (int64_t i = 0; i < slots; i++) if (heap[i] > top) top = heap[i];
+    free(heap);
+    *span = top;
+    return 0;
+}
+"""
+_LIB: list = []
+
+
+def _native():
+    """The C replay (mla_tune/native.py), loaded once; None: the numpy path."""
+    if not _LIB:
+        lib = native.load("splitk_schedule", _NATIVE_SOURCE)
+        if lib is not None:
+            i64, dbl, ptr = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
+            lib.sk_schedule.argtypes = [ptr, i64, i64, i64, i64, dbl, i64, i64, i64, dbl, i64, i64,
+                                        ctypes.POINTER(dbl), ctypes.POINTER(i64)]
+            lib.sk_schedule.restype = ctypes.c_int
+        _LIB.append(lib)
+    return _LIB[0]
 
 
 def greedy_makespan(work: np.ndarray, slots: int):

@@ -1,0 +1,103 @@
+"""The schedule replays in C (mla_tune/native.py; backends/triton_splitk_schedule.py and
+backends/flashinfer_mla_schedule.py) give exactly what their numpy paths give, on random
+ragged batches across every branch; and a machine without a C compiler, or with a broken
+one, runs the numpy path."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+
+import numpy as np
+import pytest
+
+from mla_tune import native
+from mla_tune.backends import flashinfer_mla_schedule as fi
+from mla_tune.backends import triton_splitk_schedule as sk
+
+
+@pytest.fixture()
+def numpy_path(monkeypatch):
+    """fn(*args) with the numpy path of both replays (their C libraries unset)."""
+    def run(fn, *args):
+        with monkeypatch.context() as m:
+            m.setattr(sk, "_LIB", [None])
+            m.setattr(fi, "_LIB", [None])
+            return fn(*args)
+    return run
+
+
+def _lens(rng, batch):
+    lens = [int(2 ** rng.uniform(0, 16.5)) for _ in range(batch)]
+    if rng.random() < 0.15:
+        lens[rng.randrange(batch)] = 0
+    return np.asarray(lens, dtype=np.int64)
+
+
+def test_the_c_replays_are_built_here():
+    assert native.compiler() is not None, "CI's machines have gcc; without one the numpy path runs"
+    assert sk._native() is not None and fi._native() is not None
+
+
+def test_the_split_k_replay_in_c_is_the_numpy_replay(numpy_path, monkeypatch):
+    rng = random.Random(3)
+    dealt = []  # the numpy path's exact dealings (the other steps are one wave or many waves)
+    real = sk.greedy_makespan
+    monkeypatch.setattr(sk, "greedy_makespan", lambda work, slots: dealt.append(1) or real(work, slots))
+    runs = 0
+    for _ in range(500):
+        batch = rng.randint(1, 256)
+        lens = _lens(rng, batch)
+        heads, q_len = rng.choice([16, 64, 128]), rng.randint(1, 4)
+        params = {"max_splits": rng.choice([1, 2, 8, 33, 64]), "tokens_per_split": rng.choice([16, 128, 512]),
+                  "block_n": rng.choice([16, 32, 64]), "block_h": rng.choice([16, 32, 64]),
+                  "split_budget": rng.choice([0, 0, 33, 132, 264])}
+        occupancy, sm, item = rng.randint(1, 4), rng.choice([78, 132]), rng.choice([0, 32, 128, 0.0])
+        got = sk.splitk_schedule(lens, heads, q_len, params, occupancy, sm, item)
+        want = numpy_path(sk.splitk_schedule, lens, heads, q_len, params, occupancy, sm, item)
+        assert got == want and type(got[1]) is int, (lens.tolist(), heads, q_len, params, occupancy, sm, item)
+        runs += 1
+    assert 50 < len(dealt) < runs - 50  # both the exact dealing and the others, often
+    assert sk.splitk_schedule(np.zeros(3, dtype=np.int64), 128, 1, params, 1, 132) == (0.0, 0)
+    # a strided or int32 array is read as the numbers it holds
+    lens = np.arange(1, 400, dtype=np.int32)[::2] * 37
+    want = numpy_path(sk.splitk_schedule, lens.astype(np.int64), 16, 1, params, 2, 132, 64)
+    assert sk.splitk_schedule(lens, 16, 1, params, 2, 132, 64) == want
+
+
+def test_the_flashinfer_replay_in_c_is_the_numpy_replay(numpy_path):
+    rng = random.Random(5)
+    for _ in range(400):
+        batch = rng.randint(1, 256)
+        lens = _lens(rng, batch)
+        heads, q_len, sm = rng.choice([16, 64, 128]), rng.randint(1, 4), rng.choice([78, 132])
+        got = fi.flashinfer_mla_features(lens, heads, q_len, sm)
+        want = numpy_path(fi.flashinfer_mla_features, lens, heads, q_len, sm)
+        assert got == want, (lens.tolist(), heads, q_len, sm)
+        works = fi.flashinfer_mla_works_per_cluster(lens, heads, q_len, sm)
+        assert works == numpy_path(fi.flashinfer_mla_works_per_cluster, lens, heads, q_len, sm)
+    assert fi.flashinfer_mla_features([], 16, 1, 132) == numpy_path(fi.flashinfer_mla_features, [], 16, 1, 132)
+
+
+def test_without_a_compiler_or_with_a_broken_one_the_python_path_runs(monkeypatch, tmp_path):
+    source = "int one(void) { return 1; }\n"
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.load("probe", source).one() == 1
+    (built,) = (tmp_path / "native").glob("probe-*.so")
+    calls = []
+    real = subprocess.run
+    monkeypatch.setattr(native.subprocess, "run", lambda *a, **k: calls.append(a) or real(*a, **k))
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.load("probe", source).one() == 1 and calls == []  # the cached library, not built again
+    assert list((tmp_path / "native").glob("probe-*.so")) == [built]
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setenv(native.DISABLE_ENV, "1")
+    assert native.load("probe", source) is None
+    monkeypatch.delenv(native.DISABLE_ENV)
+    monkeypatch.setattr(native, "_loaded", {})
+    with pytest.warns(UserWarning, match="cannot build broken"):
+        assert native.load("broken", "this is not C\n") is None
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "compiler", lambda: None)
+    assert native.load("other", source + "\n") is None
