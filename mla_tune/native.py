@@ -1,7 +1,9 @@
 """Small C helpers for host-time-critical loops, compiled on first use with the system's C
 compiler and loaded with ctypes (as Triton builds its launchers).
 
-`load(name, source)` compiles `source` once per machine into
+`Library(name, source, signatures)` is one such helper: calling it returns the library
+(its functions typed by `signatures`), loaded once per process, or None. `load(name,
+source)` compiles `source` once per machine into
 $MLA_TUNE_CACHE/native/NAME-HASH.so (default ~/.cache/mla-tune/native; the hash is the
 source's and the compiler's), written atomically, and returns the ctypes library, or
 None where it cannot: no C compiler (`$CC`, else cc or gcc on PATH), a compile error (one
@@ -27,6 +29,45 @@ DISABLE_ENV = "MLA_TUNE_NO_NATIVE"
 FLAGS = ("-O2", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-std=c99")
 
 _loaded: dict[str, ctypes.CDLL | None] = {}
+
+# `SIFT_DOWN(T)` defines `sift_down(T *heap, int64_t n)`: the root of a binary min-heap of n
+# T moved down to its place (after the root's value grew: Python's heapq.heapreplace).
+HEAP_C = r"""
+#include <stdint.h>
+#define SIFT_DOWN(T) \
+static void sift_down(T *h, int64_t n) { \
+    T x = h[0]; \
+    int64_t i = 0; \
+    for (;;) { \
+        int64_t c = 2 * i + 1; \
+        if (c >= n) break; \
+        if (c + 1 < n && h[c + 1] < h[c]) c++; \
+        if (h[c] >= x) break; \
+        h[i] = h[c]; \
+        i = c; \
+    } \
+    h[i] = x; \
+}
+"""
+
+
+class Library:
+    """A C helper: `source` compiled on first use (`load`), its functions' (restype,
+    argtypes) set from `signatures`; calling it returns the library, or None (the numpy
+    path), the same object every time."""
+
+    def __init__(self, name: str, source: str, signatures: dict[str, tuple]):
+        self.name, self.source, self.signatures = name, source, signatures
+        self._lib: list = []
+
+    def __call__(self) -> ctypes.CDLL | None:
+        if not self._lib:
+            lib = load(self.name, self.source)
+            if lib is not None:
+                for fn, (restype, argtypes) in self.signatures.items():
+                    getattr(lib, fn).restype, getattr(lib, fn).argtypes = restype, list(argtypes)
+            self._lib.append(lib)
+        return self._lib[0]
 
 
 def cache_dir() -> Path:

@@ -21,8 +21,8 @@ def numpy_path(monkeypatch):
     """fn(*args) with the numpy path of both replays (their C libraries unset)."""
     def run(fn, *args):
         with monkeypatch.context() as m:
-            m.setattr(sk, "_LIB", [None])
-            m.setattr(fi, "_LIB", [None])
+            m.setattr(sk, "_native", lambda: None)
+            m.setattr(fi, "_native", lambda: None)
             return fn(*args)
     return run
 

@@ -135,23 +135,11 @@ def flashinfer_mla_features(kv_lens: Sequence[int], heads: int, q_len: int, sm_c
 
 # flashinfer_mla_features' schedule in C (mla_tune/native.py): FlashInfer's dealing, chunk by
 # chunk, to the least-loaded cluster (its key packs the index below the load, as above).
-_NATIVE_SOURCE = r"""
-#include <stdint.h>
+_NATIVE_SOURCE = native.HEAP_C + r"""
 #include <stdlib.h>
 #define SLOTS 4096
 
-static void sift_down(int64_t *h, int64_t n) {
-    int64_t x = h[0], i = 0;
-    for (;;) {
-        int64_t c = 2 * i + 1;
-        if (c >= n) break;
-        if (c + 1 < n && h[c + 1] < h[c]) c++;
-        if (h[c] >= x) break;
-        h[i] = h[c];
-        i = c;
-    }
-    h[i] = x;
-}
+SIFT_DOWN(int64_t)
 
 /* _geometry and _chunk_limit: the cluster size, clusters, q tile rows, q tiles, kv_len_limit */
 static void geometry(const int64_t *lens, int64_t n, int64_t heads, int64_t q_len, int64_t sm_count,
@@ -232,21 +220,10 @@ int fi_features(const int64_t *lens, int64_t n, int64_t heads, int64_t q_len, in
     return 0;
 }
 """
-_LIB: list = []
-
-
-def _native():
-    """The C replay (mla_tune/native.py), loaded once; None: the numpy path."""
-    if not _LIB:
-        lib = native.load("flashinfer_schedule", _NATIVE_SOURCE)
-        if lib is not None:
-            i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            lib.fi_works.argtypes = [ptr, i64, i64, i64, i64]
-            lib.fi_works.restype = ctypes.c_double
-            lib.fi_features.argtypes = [ptr, i64, i64, i64, i64, ctypes.POINTER(i64)]
-            lib.fi_features.restype = ctypes.c_int
-        _LIB.append(lib)
-    return _LIB[0]
+_I64 = ctypes.c_int64
+_native = native.Library("flashinfer_schedule", _NATIVE_SOURCE, {
+    "fi_works": (ctypes.c_double, (ctypes.c_void_p, _I64, _I64, _I64, _I64)),
+    "fi_features": (ctypes.c_int, (ctypes.c_void_p, _I64, _I64, _I64, _I64, ctypes.POINTER(_I64)))})
 
 
 def predict(coef: Sequence[float], features: Sequence[float]) -> float:

@@ -154,24 +154,11 @@ def _schedule_array(lens: np.ndarray, heads: int, q_len: int, params: Mapping, o
 
 # _schedule_array in C, the same arithmetic step by step (IEEE doubles, no contraction:
 # mla_tune/native.py), with the dealing as `_deal`'s heap.
-_NATIVE_SOURCE = r"""
-#include <stdint.h>
+_NATIVE_SOURCE = native.HEAP_C + r"""
 #include <stdlib.h>
 #include <math.h>
 
-static void sift_down(double *h, int64_t n) {
-    double x = h[0];
-    int64_t i = 0;
-    for (;;) {
-        int64_t c = 2 * i + 1;
-        if (c >= n) break;
-        if (c + 1 < n && h[c + 1] < h[c]) c++;
-        if (h[c] >= x) break;
-        h[i] = h[c];
-        i = c;
-    }
-    h[i] = x;
-}
+SIFT_DOWN(double)
 
 static int64_t split_of(int64_t len, int64_t total, int64_t max_splits, int64_t block_n, int64_t budget,
                         double share_round, int64_t tokens_per_split) {
@@ -234,20 +221,10 @@ int sk_schedule(const int64_t *lens, int64_t n, int64_t max_splits, int64_t bloc
     return 0;
 }
 """
-_LIB: list = []
-
-
-def _native():
-    """The C replay (mla_tune/native.py), loaded once; None: the numpy path."""
-    if not _LIB:
-        lib = native.load("splitk_schedule", _NATIVE_SOURCE)
-        if lib is not None:
-            i64, dbl, ptr = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
-            lib.sk_schedule.argtypes = [ptr, i64, i64, i64, i64, dbl, i64, i64, i64, dbl, i64, i64,
-                                        ctypes.POINTER(dbl), ctypes.POINTER(i64)]
-            lib.sk_schedule.restype = ctypes.c_int
-        _LIB.append(lib)
-    return _LIB[0]
+_I64, _F64 = ctypes.c_int64, ctypes.c_double
+_native = native.Library("splitk_schedule", _NATIVE_SOURCE, {"sk_schedule": (ctypes.c_int, (
+    ctypes.c_void_p, _I64, _I64, _I64, _I64, _F64, _I64, _I64, _I64, _F64, _I64, _I64,
+    ctypes.POINTER(_F64), ctypes.POINTER(_I64)))})
 
 
 def greedy_makespan(work: np.ndarray, slots: int):
