@@ -34,9 +34,10 @@ def _lens(rng, batch):
     return np.asarray(lens, dtype=np.int64)
 
 
-def test_the_c_replays_are_built_here():
-    assert native.compiler() is not None, "CI's machines have gcc; without one the numpy path runs"
-    assert sk._native() is not None and fi._native() is not None
+def test_the_c_replays_are_built_wherever_a_c_compiler_is():
+    """CI's and the H200's machines have one (gcc); a machine without runs the numpy path."""
+    have = native.compiler() is not None
+    assert (sk._native() is not None, fi._native() is not None) == (have, have)
 
 
 def test_the_split_k_replay_in_c_is_the_numpy_replay(numpy_path, monkeypatch):
