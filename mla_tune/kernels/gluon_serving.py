@@ -60,6 +60,7 @@ from mla_tune.kernels.gluon_decode import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from mla_tune.kernels.serving_runner import check_serving_q, check_serving_result
 
 # Gluon comes through kernels/gluon_decode.py's guarded import (None there where this Triton
 # has none; GD_UNAVAILABLE says why), so an export carries one copy of it.
@@ -581,21 +582,14 @@ def gluon_serving(q, qo_indptr, kv, kv_scale, out, *, kv_indptr=None, block_tabl
         raise ValueError(f"the Gluon serving kernel reads pages of {', '.join(map(str, GS_PAGE_SIZES))} tokens "
                          f"(a tile in one page) or contiguous KV, not pages of {page_size}")
     batch = qo_indptr.shape[0] - 1
-    total_q, heads = q.shape[0], q.shape[1]
-    if q.dim() != 3 or q.shape[2] != QK_DIM or q.dtype != torch.bfloat16 or not q.is_contiguous():
-        raise ValueError(f"q must be contiguous bf16 (total_q, heads, {QK_DIM}), got {q.dtype} {tuple(q.shape)}")
-    if batch > total_q:
-        raise ValueError(f"{batch} sequences but {total_q} new tokens in q: each sequence brings at least one")
-    if not 1 <= max_q_len <= GS_MAX_Q_LEN:
-        raise ValueError(f"max_q_len must be 1 to {GS_MAX_Q_LEN}, got {max_q_len}")
+    total_q, heads = check_serving_q(q, qo_indptr, max_q_len, GS_MAX_Q_LEN)
     if block_h < 1 or heads % block_h:
         raise ValueError(f"block_h must divide the heads ({heads}), got {block_h}")
     fp8 = kv.dtype != torch.bfloat16
     if fp8 and (kv.dtype != torch.float8_e4m3fn or kv_scale is None):
         raise ValueError(f"the Gluon serving kernel reads bfloat16 KV, or float8_e4m3fn KV with a (1,) fp32 "
                          f"kv_scale; got {kv.dtype}, scale {kv_scale}")
-    if tuple(out.shape) != (total_q, heads, V_DIM) or out.dtype != torch.bfloat16 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous bf16 ({total_q}, {heads}, {V_DIM}) tensor, got {tuple(out.shape)}")
+    check_serving_result(out, lse, total_q, heads)
     if tokens_per_split < 1:
         raise ValueError(f"tokens_per_split must be >= 1, got {tokens_per_split}")
     if isinstance(split_budget, bool) or not isinstance(split_budget, int) or not 0 <= split_budget < 2**31:
@@ -604,10 +598,6 @@ def gluon_serving(q, qo_indptr, kv, kv_scale, out, *, kv_indptr=None, block_tabl
         raise ValueError("the Gluon serving launches are not recorded for replay: pass record=None")
     rows = block_h * triton.next_power_of_2(max_q_len)
     gs_check_variant(rows, v_halves, num_stages, fp8, max_splits)
-    if lse is not None and (tuple(lse.shape) != (total_q, heads) or lse.dtype != torch.float32
-                            or not lse.is_contiguous()):
-        raise ValueError(f"lse must be a contiguous float32 ({total_q}, {heads}) tensor, got "
-                         f"{lse.dtype} {tuple(lse.shape)}")
     if workspace is None:
         workspace = GluonServingWorkspace.allocate(total_q, heads, max_splits, q.device)
     elif not workspace.fits(total_q, heads, max_splits):

@@ -7,7 +7,8 @@ triton_fused backends returns, and the checks their serving launchers share.
   and the LSE buffer, launches through the family's launcher, records a step's launches at
   its first layer and replays them for the others (kernels/launch.py);
 - `check_serving_launch`, `serving_workspace`: the shape, dtype and scratch checks
-  flash_decode_serving and fused_decode_serving make before a launch.
+  flash_decode_serving and fused_decode_serving make before a launch; `check_serving_q`
+  and `check_serving_result`, the parts the Gluon serving launcher shares with them.
 
 Exportable module: torch is imported inside the functions that use it, Triton not at all;
 the facts come from core.py.
@@ -175,14 +176,7 @@ def check_serving_launch(q, qo_indptr, kv, kv_scale, out, *, kv_indptr, block_ta
     import torch
 
     page_size = check_serving_layout(qo_indptr, kv, kv_indptr, block_table, seq_lens)
-    batch = qo_indptr.shape[0] - 1
-    total_q, heads = q.shape[0], q.shape[1]
-    if q.dim() != 3 or q.shape[2] != QK_DIM or q.dtype != torch.bfloat16 or not q.is_contiguous():
-        raise ValueError(f"q must be contiguous bf16 (total_q, heads, {QK_DIM}), got {q.dtype} {tuple(q.shape)}")
-    if batch > total_q:
-        raise ValueError(f"{batch} sequences but {total_q} new tokens in q: each sequence brings at least one")
-    if not 1 <= max_q_len <= q_len_limit:
-        raise ValueError(f"max_q_len must be 1 to {q_len_limit}, got {max_q_len}")
+    total_q, heads = check_serving_q(q, qo_indptr, max_q_len, q_len_limit)
     q_len_max = 1 << (max_q_len - 1).bit_length()  # rows of the MMA come in powers of two
     if block_h < 1 or block_h & (block_h - 1) or heads % block_h or block_h * q_len_max < 16:
         raise ValueError(
@@ -194,18 +188,42 @@ def check_serving_launch(q, qo_indptr, kv, kv_scale, out, *, kv_indptr, block_ta
     if kv.dtype == torch.uint8:  # the kernels would read the bytes as integers
         raise ValueError("kv is uint8: view a cache of fp8 bytes as fp8 first (kv.view(torch.float8_e4m3fn)), "
                          "or declare it with CallSpec(..., cache_dtype='uint8') and call through DecodePlan / Decoder")
-    if tuple(out.shape) != (total_q, heads, V_DIM) or out.dtype != torch.bfloat16 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous bf16 ({total_q}, {heads}, {V_DIM}) tensor, got {tuple(out.shape)}")
     if max_splits < 1 or tokens_per_split < 1 or block_n < 16 or block_n & (block_n - 1):
         raise ValueError(
             f"need max_splits >= 1, tokens_per_split >= 1 and block_n a power of two >= 16; "
             f"got {max_splits}, {tokens_per_split}, {block_n}"
         )
+    check_serving_result(out, lse, total_q, heads)
+    return page_size
+
+
+def check_serving_q(q, qo_indptr, max_q_len: int, q_len_limit: int) -> tuple[int, int]:
+    """q contiguous bf16 (total_q, heads, 576), at least one new token a sequence, and
+    1 <= max_q_len <= q_len_limit; returns (total_q, heads)."""
+    import torch
+
+    batch = qo_indptr.shape[0] - 1
+    total_q, heads = q.shape[0], q.shape[1]
+    if q.dim() != 3 or q.shape[2] != QK_DIM or q.dtype != torch.bfloat16 or not q.is_contiguous():
+        raise ValueError(f"q must be contiguous bf16 (total_q, heads, {QK_DIM}), got {q.dtype} {tuple(q.shape)}")
+    if batch > total_q:
+        raise ValueError(f"{batch} sequences but {total_q} new tokens in q: each sequence brings at least one")
+    if not 1 <= max_q_len <= q_len_limit:
+        raise ValueError(f"max_q_len must be 1 to {q_len_limit}, got {max_q_len}")
+    return total_q, heads
+
+
+def check_serving_result(out, lse, total_q: int, heads: int) -> None:
+    """out contiguous bf16 (total_q, heads, 512), and lse None or contiguous float32
+    (total_q, heads)."""
+    import torch
+
+    if tuple(out.shape) != (total_q, heads, V_DIM) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous bf16 ({total_q}, {heads}, {V_DIM}) tensor, got {tuple(out.shape)}")
     if lse is not None and (tuple(lse.shape) != (total_q, heads) or lse.dtype != torch.float32
                             or not lse.is_contiguous()):
         raise ValueError(f"lse must be a contiguous float32 ({total_q}, {heads}) tensor, got "
                          f"{lse.dtype} {tuple(lse.shape)}")
-    return page_size
 
 
 def serving_workspace(workspace, workspace_type, total_q: int, heads: int, max_splits: int, device,
