@@ -65,3 +65,14 @@ def serving_input(spec: CallSpec, kv_lens: list[int], seed: int, device) -> serv
         q_lens = [q_len] * len(kv_lens)
     return serving.make_input(q_lens, kv_lens, spec.heads, spec.page_size, spec.kv_format, seed=seed,
                               device=device)
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, max_error: float, what: str) -> None:
+    """out has ref's shape, every element written, a relative L2 error under max_error, and
+    passes the `strict` rule against the fp32 reference."""
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
+    assert bool(torch.isfinite(out).all()), f"{what}: an element is NaN or was never written"
+    err = float((out.float() - ref).norm() / ref.norm())
+    assert err < max_error, f"{what}: relative L2 error {err:.4f} (allowed {max_error})"
+    result = problem.check(out, ref, problem.RULES["strict"])
+    assert result.passed, f"{what}: strict: {result.reason}"

@@ -36,11 +36,12 @@ import itertools
 import pytest
 import torch
 
-from mla_tune import gpu, problem
+from mla_tune import gpu
 from mla_tune.backends import get_backend
 from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, CallSpec, Variant
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.call import PREFERENCE, Decoder
+from tests.helpers import assert_close as _assert_close
 from tests.helpers import serving_expected, serving_input, vendor_fakes
 
 LAYOUTS = (0, 1, 16, 64)  # 0: contiguous; else the page size
@@ -112,15 +113,6 @@ def _max_error(variant: Variant, device) -> float:
     (csrc/extension/sm90/dense_fp8/flash_fwd_mla_kernel.h) where the reference keeps fp32."""
     fp8_kernel = variant.backend == "flashmla" and variant.get("kv") == "fp8"
     return 5e-2 if fp8_kernel and torch.device(device).type == "cuda" else 1e-2
-
-
-def _assert_close(out: torch.Tensor, ref: torch.Tensor, max_error: float, what: str) -> None:
-    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
-    assert bool(torch.isfinite(out).all()), f"{what}: an element is NaN or was never written"
-    err = float((out.float() - ref).norm() / ref.norm())
-    assert err < max_error, f"{what}: relative L2 error {err:.4f} (allowed {max_error})"
-    result = problem.check(out, ref, problem.RULES["strict"])
-    assert result.passed, f"{what}: strict: {result.reason}"
 
 
 def _ids(case) -> str:
