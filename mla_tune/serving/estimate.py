@@ -271,7 +271,8 @@ class Estimator:
     def prepare(self, family) -> None:
         """The one-off work for a family, so that none is left for a call: each
         interpolation grid (the rates need a model replay per point) and one estimate
-        through every model (the vectorized replays' first call)."""
+        through every model (the replays' first call, which builds or loads their C
+        library: mla_tune/native.py)."""
         if not family.points:
             return
         for kind in ("times", "rates", "buckets"):

@@ -387,7 +387,7 @@ def _family(path: Path, index: int, raw: Any, batch_buckets: list[int], kv_bucke
         family.left_out.append(dict(entry))
     family.points = _points(where, raw, kv_buckets, known, check_params, family.key)
     family.models = _models(where, raw, known, check_params, family.key)
-    family.calibration = _calibration(where, raw.get("calibration"), known)
+    family.calibration = _calibration(where, raw.get("calibration"))
     return family
 
 
@@ -432,7 +432,7 @@ def _models(where: str, raw: dict, known: list[str], check_params: bool, key: Fa
     return model_order(models)
 
 
-def _calibration(where: str, raw: Any, known: list[str]) -> dict[str, dict]:
+def _calibration(where: str, raw: Any) -> dict[str, dict]:
     if raw is None:
         return {}
     at = f"{where}, calibration"
@@ -440,8 +440,7 @@ def _calibration(where: str, raw: Any, known: list[str]) -> dict[str, dict]:
         raise TableError(f"{at} must map backends to their calibration")
     out = {}
     for backend, fields in raw.items():
-        module = schedule_module(backend) if backend in known else None
-        read = getattr(module, "load_calibration", None)
+        read = getattr(schedule_module(backend) if isinstance(backend, str) else None, "load_calibration", None)
         if read is None:
             raise TableError(f"{at}: backend {backend!r:.40} has no calibration in this mla-tune; "
                              "re-build the table (mla-tune sweep --merge)")
