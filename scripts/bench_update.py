@@ -40,6 +40,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # the own runners are built on t
 
 import torch  # noqa: E402
 
+from mla_tune import native  # noqa: E402
 from mla_tune.core import CallSpec  # noqa: E402
 from mla_tune.serving.decode_plan import DecodePlan  # noqa: E402
 from mla_tune.serving.table import load_serving_table  # noqa: E402
@@ -65,6 +66,11 @@ def _tensors(key, kv_lens: list[int]) -> dict:
             "block_table": torch.zeros((batch, width), dtype=torch.int32),
             "seq_lens": torch.tensor(kv_lens, dtype=torch.int32),
             "q_lens_host": [key.q_len] * batch, "kv_lens_host": kv_lens}
+
+
+def _replays() -> str:
+    """Which schedule replays the lookup runs: C (mla_tune/native.py) or numpy."""
+    return "numpy" if os.environ.get(native.DISABLE_ENV) or native.compiler() is None else "C"
 
 
 def _stats(values: list[float]) -> dict:
@@ -117,10 +123,10 @@ def main() -> None:
             looked = table.lookup(plan.spec, len(kv_lens), sum(kv_lens) / len(kv_lens), kv_lens=kv_lens)
             picks.append({"family": key.as_dict(), "batch": len(kv_lens), "pick": str(looked)})
     out = {"table": args.table, "mixes": args.mixes, "seed": args.seed, "tensors_first": args.tensors_first,
-           "no_lookup": args.no_lookup,
+           "no_lookup": args.no_lookup, "replays": _replays(),
            "plans": len(plans),
            "plans_made_s": round(made, 2), "update": _stats(times), "first_update": _stats(first)}
-    print(f"{len(plans)} plans made in {made:.2f} s; DecodePlan.update over {args.mixes} fresh mixes "
+    print(f"{len(plans)} plans made in {made:.2f} s ({out['replays']} replays); DecodePlan.update over {args.mixes} fresh mixes "
           "(us, from each plan's first call):")
     for name in ("update", "first_update"):
         s = out[name]

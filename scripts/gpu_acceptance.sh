@@ -23,6 +23,11 @@
 #   RESULTS=... CONFIG=... DEVICES=... bash scripts/gpu_acceptance.sh serving-sweep-chunk   # one
 #       chunk of the serving sweep, resumed from the previous chunk's results (they come back
 #       in $OUT as H200.serving.results.tgz; DEVICES=0,1 runs a shard per GPU)
+#   bash scripts/gpu_acceptance.sh gpu-suite           # the whole GPU suite (pytest -m gpu, 8 xdist
+#       workers; pytest-xdist and execnet wheels in .whl/), then DecodePlan.update's host time
+#       (scripts/bench_update.py, C and numpy replays) and the engine loop (fp8, bf16) beside FlashMLA
+#   SEEDS="91 92" bash scripts/gpu_acceptance.sh serving-verify   # `mla-tune verify` of
+#       tables/H200.serving.yaml at each seed (30 shapes, 10 ragged mixes), then run's host times
 #   bash scripts/gpu_acceptance.sh serving-table        # on two GPUs: `mla-tune verify` of
 #       tables/H200.serving.yaml and the FlashInfer tests on GPU 1; on GPU 0 the fast-path and
 #       FlashMLA tests, the engine loop (bf16, fp8) beside FlashMLA, the 64 x 4000 example, host times
@@ -33,7 +38,7 @@
 # It works in /tmp/acceptance and copies what matters (the table, its results file, the logs,
 # at most 8 files: what the device tool brings back) to $OUT (or ./gpu_out).
 set -uo pipefail
-modes="leaderboard-sweep|leaderboard-budget|leaderboard-export|sweep-safety|serving-tests|serving-splitk|serving-sweep-chunk|serving-table"
+modes="gpu-suite|serving-verify|leaderboard-sweep|leaderboard-budget|leaderboard-export|sweep-safety|serving-tests|serving-splitk|serving-sweep-chunk|serving-table"
 mode=${1:?usage: gpu_acceptance.sh $modes}
 keep=${OUT:-gpu_out}
 out=/tmp/acceptance
@@ -196,6 +201,28 @@ leaderboard-export)
   grep -v -i warn "$out/compile_vs_driver.log" | tail -30
   cp "$out"/check_submission*.json "$out/compile_vs_driver.json" "$keep/" 2>/dev/null
   ;;
+gpu-suite)
+  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  timed gpu-suite timeout ${SUITE_TIMEOUT:-330} python3 -m pytest -q -m gpu -n 8 --dist load -p no:cacheprovider \
+    > "$out/gpu_tests.log" 2>&1; tail -25 "$out/gpu_tests.log" | grep -v -i warn
+  timed update-c timeout 70 python3 scripts/bench_update.py --json "$out/update_c.json" 2>&1 | tail -6
+  MLA_TUNE_NO_NATIVE=1 timed update-numpy timeout 70 python3 scripts/bench_update.py \
+    --json "$out/update_numpy.json" 2>&1 | tail -6
+  for kv in fp8 bf16; do
+    timed engine-$kv timeout 75 python3 scripts/engine_loop.py --kv $kv --buckets 8,32 \
+      --table tables/H200.serving.yaml --out "$out/engine_$kv" 2>&1 | tail -4
+    cp "$out/engine_$kv/engine_loop.json" "$out/engine_$kv.json" 2>/dev/null
+  done
+  ;;
+serving-verify)
+  for seed in ${SEEDS:?SEEDS=\"S1 S2\" names the fresh seeds}; do
+    timed verify-$seed timeout ${VERIFY_TIMEOUT:-240} python3 -m mla_tune verify --table tables/H200.serving.yaml \
+      --seed $seed --budget ${VERIFY_BUDGET:-190} --workers 12 --max-p95 0.05 --max-regret 0.15 \
+      --json "$out/verify$seed.json" > "$out/verify$seed.log" 2>&1; grep -v -i warn "$out/verify$seed.log" | tail -9
+    gzip -c "$out/verify$seed.json" > "$keep/verify$seed.json.gz" 2>/dev/null
+  done
+  timed host timeout 110 python3 scripts/bench_serving_host.py --out "$out" 2>&1 | tail -24
+  ;;
 serving-table)
   ( CUDA_VISIBLE_DEVICES=1 timeout 400 python3 -m mla_tune verify --table tables/H200.serving.yaml \
       --max-p95 0.05 --max-regret 0.15 --json "$out/verify.json" > "$out/verify.log" 2>&1
@@ -226,7 +253,7 @@ cat "$out/walls.txt"
 for f in walls.txt compile_vs_driver.log dryrun.txt sweep.log H200.yaml H200.results.jsonl dryrun120.txt sweep120.log \
          H200.b120.yaml H200.b120.results.jsonl gpu_tests.log check_submission.json serving_host.json \
          verify.log verify.json engine_bf16.json engine_fp8.json serving_example.json mix.log \
-         verify3.json verify4.json verify3.log verify4.log; do
+         verify3.json verify4.json verify3.log verify4.log update_c.json update_numpy.json; do
   [ -f "$out/$f" ] && cp "$out/$f" "$keep/"
 done
 ls "$keep"
