@@ -150,6 +150,18 @@ class Variant:
             params[name.strip()] = _param_value(value.strip())
         return cls.make(match.group(1), **params)
 
+    def __hash__(self) -> int:
+        # Computed once per object (the serving lookup keys its dicts by variants); the
+        # cache is per process, so pickling leaves it out (a str's hash is per process).
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            h = self.__dict__["_hash"] = hash((self.backend, self.params))
+            return h
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"backend": self.backend, "params": self.params}
+
     @property
     def p(self) -> dict[str, Any]:
         return dict(self.params)

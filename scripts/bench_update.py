@@ -2,14 +2,17 @@
 
     PYTHONPATH=. python scripts/bench_update.py [--table tables/H200.serving.yaml]
         [--mixes 1000] [--seed 0] [--picks picks.json] [--json out.json] [--tensors-first]
-        [--no-lookup]
+        [--no-lookup] [--device cpu|cuda]
 
 One eager plan (serving/decode_plan.py; host lengths, 64-token pages, max_batch 256) per
 family of the table (16 or 128 heads, q_len 1-4, fp8 or bf16 KV), made before the clock
-starts with warm=False: on a machine without the GPU no kernel runs (the own runners are
-built under TRITON_INTERPRET=1) (the vendor
-libraries' picks cannot run here, so a step that picks one takes the plan's runnable
-stand-in, as a plan without them does). Then `mixes` steps, each of a family drawn at
+starts with warm=False. On a machine without a GPU (`--device cpu`, the default there) no
+kernel runs: the own runners are built under TRITON_INTERPRET=1, and the vendor
+libraries' picks cannot run, so a step that picks one takes the plan's runnable stand-in,
+as a plan without them does. On a GPU (`--device cuda`, the default there) the step's
+tensors live on the device and the picked runner's step runs as an engine's does (the
+vendors' host planning and device metadata included); the device is synchronized after
+each timed call, outside its time. Then `mixes` steps, each of a family drawn at
 random, a batch drawn uniformly from 1-256 and every sequence's length drawn log-uniformly
 from 64-65536 tokens (fresh lengths every step), each sequence with the family's q_len new
 tokens. The step's tensors are made before its clock starts; what is timed
@@ -36,9 +39,10 @@ import time
 import warnings
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # the own runners are built on the CPU (none runs)
+import torch
 
-import torch  # noqa: E402
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the own runners are built on the CPU (none runs)
 
 from mla_tune import native  # noqa: E402
 from mla_tune.core import CallSpec  # noqa: E402
@@ -58,13 +62,13 @@ def _mixes(families, count: int, seed: int):
         yield key, [max(int(math.exp(rng.uniform(lo, hi))), key.q_len) for _ in range(batch)]
 
 
-def _tensors(key, kv_lens: list[int]) -> dict:
+def _tensors(key, kv_lens: list[int], device: str) -> dict:
     batch = len(kv_lens)
     pages = [-(-n // key.page_size) for n in kv_lens]
     width = max(pages)
-    return {"qo_indptr": torch.arange(0, batch * key.q_len + 1, key.q_len, dtype=torch.int32),
-            "block_table": torch.zeros((batch, width), dtype=torch.int32),
-            "seq_lens": torch.tensor(kv_lens, dtype=torch.int32),
+    return {"qo_indptr": torch.arange(0, batch * key.q_len + 1, key.q_len, dtype=torch.int32, device=device),
+            "block_table": torch.zeros((batch, width), dtype=torch.int32, device=device),
+            "seq_lens": torch.tensor(kv_lens, dtype=torch.int32, device=device),
             "q_lens_host": [key.q_len] * batch, "kv_lens_host": kv_lens}
 
 
@@ -90,6 +94,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the statistics here (JSON)")
     ap.add_argument("--tensors-first", action="store_true",
                     help="make every step's tensors before the first timed call")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="where the step's tensors live and the plans' runners run (default: cuda where "
+                         "there is a GPU, as an engine calls; the vendors' steps then run for real)")
     ap.add_argument("--no-lookup", action="store_true",
                     help="plans without the table: the update's cost besides the lookup")
     args = ap.parse_args()
@@ -102,19 +109,21 @@ def main() -> None:
         for key in keys:
             spec = CallSpec(key.kv_format, page_size=key.page_size, heads=key.heads, max_q_len=key.q_len,
                             host_lengths=True)
-            plans[key] = DecodePlan(spec, MAX_BATCH, table=None if args.no_lookup else table, device="cpu",
+            plans[key] = DecodePlan(spec, MAX_BATCH, table=None if args.no_lookup else table, device=args.device,
                                     warm=False)
     made = time.perf_counter() - made
     times, first, picks, seen = [], [], [], set()
     mixes = list(_mixes(keys, args.mixes, args.seed))
-    made_first = [_tensors(key, kv_lens) for key, kv_lens in mixes] if args.tensors_first else None
+    made_first = [_tensors(key, kv_lens, args.device) for key, kv_lens in mixes] if args.tensors_first else None
     for i, (key, kv_lens) in enumerate(mixes):
-        step = made_first[i] if made_first is not None else _tensors(key, kv_lens)
+        step = made_first[i] if made_first is not None else _tensors(key, kv_lens, args.device)
         plan = plans[key]
         qo = step.pop("qo_indptr")
         t0 = time.perf_counter_ns()
         plan.update(qo, **step)
         us = (time.perf_counter_ns() - t0) / 1e3
+        if args.device != "cpu":
+            torch.cuda.synchronize()  # the step's device work ends before the next step's tensors
         times.append(us)
         if key not in seen:
             seen.add(key)
@@ -123,7 +132,7 @@ def main() -> None:
             looked = table.lookup(plan.spec, len(kv_lens), sum(kv_lens) / len(kv_lens), kv_lens=kv_lens)
             picks.append({"family": key.as_dict(), "batch": len(kv_lens), "pick": str(looked)})
     out = {"table": args.table, "mixes": args.mixes, "seed": args.seed, "tensors_first": args.tensors_first,
-           "no_lookup": args.no_lookup, "replays": _replays(),
+           "no_lookup": args.no_lookup, "replays": _replays(), "device": args.device,
            "plans": len(plans),
            "plans_made_s": round(made, 2), "update": _stats(times), "first_update": _stats(first)}
     print(f"{len(plans)} plans made in {made:.2f} s ({out['replays']} replays); DecodePlan.update over {args.mixes} fresh mixes "

@@ -102,3 +102,35 @@ def test_without_a_compiler_or_with_a_broken_one_the_python_path_runs(monkeypatc
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setattr(native, "compiler", lambda: None)
     assert native.load("other", source + "\n") is None
+
+
+def test_the_interpolation_in_c_is_the_python_interpolation():
+    """The committed table's grids (times, rates, the batch buckets' points) interpolated in
+    C agree with the Python steps (_bracket, _at_batch, _blend) to rounding, with the same
+    variants left out, at random batches and lengths, on grid points and past both ends."""
+    from mla_tune.serving import estimate
+    from mla_tune.serving.table import load_serving_table
+
+    if estimate._native() is None:
+        pytest.skip("no C compiler here: the Python interpolation is the only one (checked elsewhere)")
+    table = load_serving_table("tables/H200.serving.yaml")
+    rng = random.Random(11)
+    compared = left_out = 0
+    for family in table.families.values():
+        kvs = sorted({k for _, k in family.points})
+        for kind in ("times", "rates", "buckets"):
+            grid = table.estimator.grid(kind, family)
+            if not grid.batches:
+                continue
+            assert grid.dense is not None
+            for _ in range(400):
+                batch = rng.choice([rng.randint(1, 400), rng.choice(grid.batches)])
+                kv = rng.choice([2 ** rng.uniform(4, 18), float(rng.choice(kvs))])
+                got = grid.interpolate(batch, kv)
+                want = estimate._blend([(w, grid.at_batch(b, kv)) for b, w in estimate._bracket(grid.batches, batch)])
+                assert got.keys() == want.keys(), (kind, family.key, batch, kv)
+                for v, t in got.items():
+                    assert t == pytest.approx(want[v], rel=1e-12), (kind, family.key, batch, kv, v)
+                compared += len(got)
+                left_out += len({v for p in family.points.values() for v in p} - got.keys())
+    assert compared > 10000 and left_out > 0  # the imputing and leaving-out branches ran

@@ -19,6 +19,7 @@ Nothing here names a backend. Nothing here imports torch.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -26,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from mla_tune import native
 from mla_tune.backends import capabilities, known_backends, schedule_module
 from mla_tune.core import Variant
 
@@ -126,9 +128,13 @@ def interpolate(points: Mapping[tuple[int, int], Mapping[Variant, float]], batch
 class _Grid:
     """A family's points (times or rates) with what `interpolate` sorts on every call
     sorted once, and `_at_batch` memoized per (measured batch, length) in `memo`: the
-    eager lookup's `interpolate`, in fewer steps (the same arithmetic)."""
+    eager lookup's `interpolate`, in fewer steps (the same arithmetic). Where a C compiler
+    is found (mla_tune/native.py) the points are also laid out densely (`_dense`) and
+    `interpolate` runs in C (`_NATIVE_SOURCE`): the same steps, with a missing variant's
+    ratio over the variants in common summed in the variants' order (Python sums it in a
+    set's order), so the two agree to rounding (tests/test_native_replays.py)."""
 
-    __slots__ = ("points", "batches", "kvs", "past", "memo")
+    __slots__ = ("points", "batches", "kvs", "past", "memo", "dense")
 
     def __init__(self, points: Mapping[tuple[int, int], Mapping[Variant, float]], memo: dict):
         self.points = points
@@ -144,6 +150,8 @@ class _Grid:
                 self.past[b] = (k1, t1, {v: min(max(math.log(t1[v] / t0[v]) / math.log(k1 / k0), 0.0), 1.0)
                                          for v in t0.keys() & t1.keys()})
         self.memo = memo  # the table's: cleared with it
+        lib = _native() if self.batches else None
+        self.dense = _Dense(self, lib) if lib is not None else None
 
     def at_batch(self, batch: int, kv_len: float) -> dict[Variant, float]:
         key = (self, batch, kv_len)
@@ -161,9 +169,148 @@ class _Grid:
     def interpolate(self, batch: int, kv_len: float) -> dict[Variant, float]:
         if not self.batches:
             return {}
+        if self.dense is not None:
+            return self.dense(batch, kv_len)
         return _blend([(w, self.at_batch(b, kv_len)) for b, w in _bracket(self.batches, batch)])
 
 
+# `_Grid.interpolate` in C over a dense layout of the points (`_Dense`): `interpolate`'s
+# steps (_bracket, _at_batch, _blend) one for one, in IEEE doubles without contraction
+# (mla_tune/native.py), NAN for a variant a point lacks or the call leaves out.
+_NATIVE_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+
+typedef struct {
+    const double *t;        /* [nb][mk][nv] times, NAN where the point lacks the variant */
+    const double *slope;    /* [nb][nv] slope past the last length, NAN where none */
+    const int64_t *kvs;     /* [nb][mk] lengths, sorted; nk[b] of them used */
+    const int64_t *nk;      /* [nb] */
+    const int64_t *batches; /* [nb] sorted */
+    int64_t nb, mk, nv;
+    double min_w;
+} grid_t;
+
+/* _bracket: the grid points around x (their indices) and weights; returns their count */
+static int bracket(const int64_t *g, int64_t n, double x, int64_t *at, double *w) {
+    int64_t i = 0;
+    while (i < n && (double)g[i] < x) i++;  /* bisect_left */
+    if (i < n && (double)g[i] == x) { at[0] = i; w[0] = 1.0; return 1; }
+    if (i == 0 || i == n) { at[0] = i < n ? i : n - 1; w[0] = 1.0; return 1; }
+    double lo = (double)g[i - 1], hi = (double)g[i];
+    double f = log(x / lo) / log(hi / lo);
+    at[0] = i - 1; w[0] = 1.0 - f; at[1] = i; w[1] = f;
+    return 2;
+}
+
+/* _blend of m rows (m <= 2) with weights w into out */
+static void blend(const double *const *rows, const double *w, int m, int64_t nv, double min_w, double *out) {
+    for (int64_t v = 0; v < nv; v++) {
+        if (m == 1) { out[v] = rows[0][v]; continue; }
+        int have = 0;
+        double have_w = 0.0;
+        for (int j = 0; j < m; j++) if (!isnan(rows[j][v])) { have++; have_w += w[j]; }
+        if (have == 0 || (have < m && have_w < min_w - 1e-12)) { out[v] = NAN; continue; }
+        double total = 0.0;
+        int ok = 1;
+        for (int j = 0; j < m && ok; j++) {
+            if (!isnan(rows[j][v])) { total += w[j] * log(rows[j][v]); continue; }
+            double num = 0.0, den = 0.0;
+            for (int h = 0; h < m; h++) {
+                if (isnan(rows[h][v])) continue;
+                double r = 0.0;
+                int64_t common = 0;
+                for (int64_t c = 0; c < nv; c++) {
+                    if (c == v || isnan(rows[j][c]) || isnan(rows[h][c])) continue;
+                    r += log(rows[j][c] / rows[h][c]);
+                    common++;
+                }
+                if (common) {
+                    num = num + w[h] * (log(rows[h][v]) + r / (double)common);
+                    den = den + w[h];
+                }
+            }
+            if (den == 0.0) ok = 0;
+            else total += w[j] * num / den;
+        }
+        out[v] = ok ? exp(total) : NAN;
+    }
+}
+
+/* _at_batch at the measured batch b */
+static void at_batch(const grid_t *g, int64_t b, double kv, double *out) {
+    int64_t nk = g->nk[b];
+    const int64_t *kvs = g->kvs + b * g->mk;
+    const double *t = g->t + b * g->mk * g->nv;
+    if (nk >= 2 && kv > (double)kvs[nk - 1]) {
+        const double *t1 = t + (nk - 1) * g->nv, *s = g->slope + b * g->nv;
+        double ratio = kv / (double)kvs[nk - 1];
+        for (int64_t v = 0; v < g->nv; v++) out[v] = isnan(s[v]) ? NAN : t1[v] * pow(ratio, s[v]);
+        return;
+    }
+    int64_t at[2];
+    double w[2];
+    int m = bracket(kvs, nk, kv, at, w);
+    const double *rows[2] = {t + at[0] * g->nv, t + at[m - 1] * g->nv};
+    blend(rows, w, m, g->nv, g->min_w, out);
+}
+
+/* interpolate: out[nv] (scratch: 2 x nv doubles) */
+void grid_interpolate(const grid_t *g, double batch, double kv, double *scratch, double *out) {
+    int64_t at[2];
+    double w[2];
+    int m = bracket(g->batches, g->nb, batch, at, w);
+    for (int j = 0; j < m; j++) at_batch(g, at[j], kv, scratch + j * g->nv);
+    const double *rows[2] = {scratch, scratch + (m - 1) * g->nv};
+    blend(rows, w, m, g->nv, g->min_w, out);
+}
+"""
+
+
+class _GridC(ctypes.Structure):
+    _fields_ = [("t", ctypes.c_void_p), ("slope", ctypes.c_void_p), ("kvs", ctypes.c_void_p),
+                ("nk", ctypes.c_void_p), ("batches", ctypes.c_void_p), ("nb", ctypes.c_int64),
+                ("mk", ctypes.c_int64), ("nv", ctypes.c_int64), ("min_w", ctypes.c_double)]
+
+
+_native = native.Library("serving_interpolate", _NATIVE_SOURCE, {"grid_interpolate": (None, (
+    ctypes.POINTER(_GridC), ctypes.c_double, ctypes.c_double, ctypes.c_void_p, ctypes.c_void_p))})
+
+
+class _Dense:
+    """A _Grid's points as the C `grid_interpolate` reads them (the arrays kept alive here),
+    and calling it: `interpolate`'s {variant: us} for (batch, kv_len)."""
+
+    __slots__ = ("variants", "arrays", "struct", "scratch", "out", "fn", "args")
+
+    def __init__(self, grid: _Grid, lib):
+        variants = sorted({v for times in grid.points.values() for v in times}, key=str)
+        index = {v: i for i, v in enumerate(variants)}
+        nb, nv = len(grid.batches), len(variants)
+        mk = max(len(k) for k in grid.kvs.values())
+        t = np.full((nb, mk, nv), np.nan)
+        kvs = np.zeros((nb, mk), dtype=np.int64)
+        slope = np.full((nb, nv), np.nan)
+        for i, b in enumerate(grid.batches):
+            for j, k in enumerate(grid.kvs[b]):
+                kvs[i, j] = k
+                for v, us in grid.points[(b, k)].items():
+                    t[i, j, index[v]] = us
+            for v, s in (grid.past[b][2] if b in grid.past else {}).items():
+                slope[i, index[v]] = s
+        nk = np.asarray([len(grid.kvs[b]) for b in grid.batches], dtype=np.int64)
+        batches = np.asarray(grid.batches, dtype=np.int64)
+        self.variants, self.arrays = variants, (t, slope, kvs, nk, batches)
+        self.struct = _GridC(t.ctypes.data, slope.ctypes.data, kvs.ctypes.data, nk.ctypes.data,
+                             batches.ctypes.data, nb, mk, nv, MIN_MEASURED_WEIGHT)
+        self.scratch, self.out = np.empty(2 * nv), np.empty(nv)
+        self.fn = lib.grid_interpolate
+        self.args = (ctypes.byref(self.struct), self.scratch.ctypes.data, self.out.ctypes.data)
+
+    def __call__(self, batch: int, kv_len: float) -> dict[Variant, float]:
+        ref, scratch, out = self.args
+        self.fn(ref, float(batch), float(kv_len), scratch, out)
+        return {v: t for v, t in zip(self.variants, self.out.tolist(), strict=True) if t == t}
 
 
 def fastest(estimates: Mapping[Variant, float], allowed: Callable[[Variant], bool] | None = None) -> Variant | None:
