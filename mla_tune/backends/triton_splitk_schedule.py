@@ -102,13 +102,7 @@ def _schedule_array(lens: np.ndarray, heads: int, q_len: int, params: Mapping, o
     rule = _rule(params, sm_count)
     max_splits, block_n, batch = rule["max_splits"], rule["block_n"], int(lens.shape[0])
     tiles = max(heads // rule["block_h"], 1)
-    q_len_max = 1 << max(q_len - 1, 0).bit_length()
-    budget = max((batch * q_len * max_splits) // q_len_max, 1)
-    share_round = 0.5
-    if rule["split_budget"] > 0 and max_splits > 1:
-        launched = batch * fill_splits(rule["split_budget"], batch, tiles, max_splits, sm_count)
-        budget = min(budget, max(launched, batch))
-        share_round = 1.0 - 2e-4
+    budget, share_round = _budget(rule, batch, q_len, tiles)
     lib = _native()
     if lib is not None:
         lens = np.ascontiguousarray(lens, dtype=np.int64)  # what the C reads
@@ -220,11 +214,45 @@ int sk_schedule(const int64_t *lens, int64_t n, int64_t max_splits, int64_t bloc
     *span = top;
     return 0;
 }
+
+/* SplitKModel's replay for one call in one C call: out[0] the makespan and out[1] the
+   reduction's steps (sk_schedule), out[2] the steps of a uniform batch of `batch`
+   sequences of uniform_len tokens (uniform_reduce_steps). The model's constants are
+   k[0..5]: max_splits, block_n, tokens_per_split, tiles, slots, exact_waves; item_tokens
+   is `item`. */
+int sk_replay(const int64_t *k, double item, const int64_t *lens, int64_t n, int64_t batch, int64_t budget,
+              double share_round, int64_t per_step, int64_t uniform_len, double *out) {
+    double span;
+    int64_t steps;
+    int rc = sk_schedule(lens, n, k[0], k[1], budget, share_round, k[2], k[3], k[4], item, per_step, k[5],
+                         &span, &steps);
+    out[0] = span;
+    out[1] = (double)steps;
+    int64_t total = batch * uniform_len;
+    if (total < 1) total = 1;
+    int64_t split = uniform_len > 0 ? split_of(uniform_len, total, k[0], k[1], budget, share_round, k[2]) : 0;
+    int64_t most = split ? (uniform_len + split - 1) / split : 0;
+    out[2] = batch >= 1 && most > 1 ? (double)((most + per_step - 1) / per_step) : 0.0;
+    return rc;
+}
 """
 _I64, _F64 = ctypes.c_int64, ctypes.c_double
-_native = native.Library("splitk_schedule", _NATIVE_SOURCE, {"sk_schedule": (ctypes.c_int, (
-    ctypes.c_void_p, _I64, _I64, _I64, _I64, _F64, _I64, _I64, _I64, _F64, _I64, _I64,
-    ctypes.POINTER(_F64), ctypes.POINTER(_I64)))})
+_native = native.Library("splitk_schedule", _NATIVE_SOURCE, {
+    "sk_schedule": (ctypes.c_int, (ctypes.c_void_p, _I64, _I64, _I64, _I64, _F64, _I64, _I64, _I64, _F64, _I64,
+                                   _I64, ctypes.POINTER(_F64), ctypes.POINTER(_I64))),
+    "sk_replay": (ctypes.c_int, (ctypes.c_void_p, _F64, ctypes.c_void_p, _I64, _I64, _I64, _F64, _I64, _I64,
+                                 ctypes.c_void_p))})
+
+
+def _budget(rule: Mapping, batch: int, q_len: int, tiles: int) -> tuple[int, float]:
+    """The split rule's (budget, share_round) for a batch (split_rule.serving_splits')."""
+    max_splits = rule["max_splits"]
+    q_len_max = 1 << max(q_len - 1, 0).bit_length()
+    budget = max((batch * q_len * max_splits) // q_len_max, 1)
+    if rule["split_budget"] > 0 and max_splits > 1:
+        launched = batch * fill_splits(rule["split_budget"], batch, tiles, max_splits, rule["sm_count"])
+        return min(budget, max(launched, batch)), 1.0 - 2e-4
+    return budget, 0.5
 
 
 def greedy_makespan(work: np.ndarray, slots: int):
@@ -359,6 +387,36 @@ class SplitKModel:
 
     def __post_init__(self):
         object.__setattr__(self, "params", dict(self.variant.params))
+        object.__setattr__(self, "_replay_consts", None)
+
+    def replay(self, call) -> tuple[float, int, int]:
+        """(makespan, reduction steps) for the call's lengths (`schedule`) and the
+        reduction steps of a uniform batch of its mean (`uniform_reduce_steps` at the
+        estimator's uniform length, call.uniform_length()): in one C call where a C
+        compiler is found, with the model's constants laid out once."""
+        key, lens = call.key, call.lengths()
+        uniform_len = call.uniform_length()
+        lib = _native()
+        if lib is None:
+            span, steps = self.schedule(key, lens)
+            return span, steps, uniform_reduce_steps(call.batch, uniform_len, key.heads, key.q_len, self.params,
+                                                     self.sm_count)
+        consts = self._replay_consts
+        if consts is None or consts[0] != (key.heads, key.q_len):
+            rule = _rule(self.params, self.sm_count)
+            tiles = max(key.heads // rule["block_h"], 1)
+            k = np.asarray([rule["max_splits"], rule["block_n"], rule["tokens_per_split"], tiles,
+                            max(self.sm_count * self.occupancy, 1), EXACT_WAVES], dtype=np.int64)
+            out = np.zeros(3)
+            consts = ((key.heads, key.q_len), rule, tiles, k, k.ctypes.data, out, out.ctypes.data, lib.sk_replay)
+            object.__setattr__(self, "_replay_consts", consts)
+        _, rule, tiles, _, k_ptr, out, out_ptr, fn = consts
+        batch = int(lens.shape[0])
+        budget, share_round = _budget(rule, batch, key.q_len, tiles)
+        fn(k_ptr, float(self.item_tokens), native.address(lens), batch, call.batch, budget, share_round,
+           reduce_splits_per_step(batch, key.q_len, key.heads), uniform_len, out_ptr)
+        span, steps, uniform = out.tolist()
+        return span, int(steps), int(uniform)
 
     def makespan(self, key, kv_lens: Sequence[int]) -> float:
         return self.schedule(key, kv_lens)[0]
@@ -403,13 +461,11 @@ class SplitKModel:
             rate = self.rate(mine, span)
         if not rate:
             return None
-        span, steps = self.schedule(call.key, call.lengths())
+        span, steps, uniform = self.replay(call)
         t = self.overhead_us + rate * span
         step_us = call.calibration(self.variant.backend).get("reduce_step_us", {}).get(
             reduce_splits_per_step(call.batch, call.key.q_len, call.key.heads), 0.0)
         if call.calibrated and step_us:
-            uniform = call.uniform("steps", self, lambda n: uniform_reduce_steps(
-                call.batch, n, call.key.heads, call.key.q_len, self.params, self.sm_count))
             t += step_us * max(steps - uniform, 0)
         return t if raw else max(t, SPLITK_FLOOR * mine)
 

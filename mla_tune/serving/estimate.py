@@ -125,6 +125,13 @@ def interpolate(points: Mapping[tuple[int, int], Mapping[Variant, float]], batch
     return _blend([(w, _at_batch(points, b, kv_len)) for b, w in _bracket(batches, batch)])
 
 
+def uniform_length(mean_kv_len: float) -> int:
+    """A mean length taken to ~1% (_KV_STEPS_PER_OCTAVE): what `Estimator.at_uniform`
+    computes at."""
+    step = round(math.log2(max(mean_kv_len, 1.0)) * _KV_STEPS_PER_OCTAVE)
+    return max(int(round(2.0 ** (step / _KV_STEPS_PER_OCTAVE))), 1)
+
+
 class _Grid:
     """A family's points (times or rates) with what `interpolate` sorts on every call
     sorted once, and `_at_batch` memoized per (measured batch, length) in `memo`: the
@@ -396,6 +403,10 @@ class Call:
     def uniform(self, kind: str, model, compute: Callable[[int], Any]) -> Any:
         return self.estimator.at_uniform(kind, self.family, model, self.batch, self.mean, compute)
 
+    def uniform_length(self) -> int:
+        """The length `uniform` hands its compute: the mean, taken to ~1%."""
+        return uniform_length(self.mean)
+
     def calibration(self, backend: str) -> dict:
         return self.family.calibration.get(backend, {})
 
@@ -409,11 +420,13 @@ class Estimator:
         self.table = table
         self._memo: dict = {}
         self._derived: dict = {}
+        self._grids: dict = {}
 
     def clear(self) -> None:
         """Forget every memoized result (after a family's points or models change)."""
         self._memo.clear()
         self._derived.clear()
+        self._grids.clear()
 
     def prepare(self, family) -> None:
         """The one-off work for a family, so that none is left for a call: each
@@ -515,11 +528,13 @@ class Estimator:
         return self._derived[(kind, family.key)]
 
     def grid(self, kind: str, family) -> _Grid:
-        """The points `interpolated` reads, as a _Grid made once per (kind, family)."""
-        grid = self._memo.get(("grid", kind, family.key))
-        if grid is None:  # made again after the memo is cleared (its at_batch results live there)
+        """The points `interpolated` reads, as a _Grid made once per (kind, family) (by
+        `prepare`), kept when the memo of results is emptied for its size: making one
+        again costs milliseconds (the rates replay every point), a stall in a step."""
+        grid = self._grids.get((kind, family.key))
+        if grid is None:
             points = family.points if kind == "times" else self.derived(kind, family)
-            grid = self._memo[("grid", kind, family.key)] = _Grid(points, self._memo)
+            grid = self._grids[(kind, family.key)] = _Grid(points, self._memo)
         return grid
 
 
