@@ -134,3 +134,29 @@ def test_the_interpolation_in_c_is_the_python_interpolation():
                 compared += len(got)
                 left_out += len({v for p in family.points.values() for v in p} - got.keys())
     assert compared > 10000 and left_out > 0  # the imputing and leaving-out branches ran
+
+
+def test_a_split_k_models_one_call_replay_in_c_is_its_numpy_replay(numpy_path):
+    """SplitKModel.replay (the makespan, the reduction's steps and a uniform batch's steps
+    in one C call) against its numpy path (splitk_schedule and uniform_reduce_steps)."""
+    from types import SimpleNamespace
+
+    from mla_tune.core import Variant
+
+    rng = random.Random(5)
+    for _ in range(400):
+        batch = rng.randint(1, 256)
+        lens = _lens(rng, batch)
+        heads, q_len = rng.choice([16, 64, 128]), rng.randint(1, 4)
+        variant = Variant.make("triton", max_splits=rng.choice([1, 2, 8, 33, 64]),
+                               tokens_per_split=rng.choice([16, 128, 512]), block_n=rng.choice([16, 32, 64]),
+                               block_h=rng.choice([16, 32, 64]), split_budget=rng.choice([0, 0, 33, 132, 264]))
+        model = sk.SplitKModel(variant, rng.randint(1, 4), 3.0, rng.choice([78, 132]), 0.0,
+                               rng.choice([0, 32, 128]))
+        uniform = max(int(lens.sum()) // batch, 1) if rng.random() < 0.9 else rng.randint(1, 70000)
+        call = SimpleNamespace(key=SimpleNamespace(heads=heads, q_len=q_len), batch=batch,
+                               lengths=lambda lens=lens: lens, uniform_length=lambda u=uniform: u)
+        got = model.replay(call)
+        want = numpy_path(model.replay, call)
+        assert got == want and all(type(x) is t for x, t in zip(got[1:], (int, int), strict=True)), (
+            lens.tolist(), heads, q_len, variant, uniform)
