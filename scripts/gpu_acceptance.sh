@@ -26,8 +26,10 @@
 #   bash scripts/gpu_acceptance.sh gpu-suite           # the whole GPU suite (pytest -m gpu, 8 xdist
 #       workers; pytest-xdist and execnet wheels in .whl/), then DecodePlan.update's host time
 #       (scripts/bench_update.py, C and numpy replays) and the engine loop (fp8, bf16) beside FlashMLA
-#   SEEDS="91 92" bash scripts/gpu_acceptance.sh serving-verify   # `mla-tune verify` of
-#       tables/H200.serving.yaml at each seed (30 shapes, 10 ragged mixes), then run's host times
+#   SEEDS="91 92" bash scripts/gpu_acceptance.sh serving-verify   # DecodePlan.update's host time
+#       on the device's tensors (bench_update.py), run's host times beside the vendors'
+#       (bench_serving_host.py), then `mla-tune verify` of tables/H200.serving.yaml at each seed
+#       (30 shapes, 10 ragged mixes)
 #   bash scripts/gpu_acceptance.sh serving-table        # on two GPUs: `mla-tune verify` of
 #       tables/H200.serving.yaml and the FlashInfer tests on GPU 1; on GPU 0 the fast-path and
 #       FlashMLA tests, the engine loop (bf16, fp8) beside FlashMLA, the 64 x 4000 example, host times
@@ -215,13 +217,15 @@ gpu-suite)
   done
   ;;
 serving-verify)
+  # host time first (nothing else running): update on the device's tensors, then run beside the vendors
+  timed update timeout 90 python3 scripts/bench_update.py --device cuda --json "$out/update_c.json" 2>&1 | tail -4
+  timed host timeout 110 python3 scripts/bench_serving_host.py --out "$out" 2>&1 | tail -24
   for seed in ${SEEDS:?SEEDS=\"S1 S2\" names the fresh seeds}; do
     timed verify-$seed timeout ${VERIFY_TIMEOUT:-240} python3 -m mla_tune verify --table tables/H200.serving.yaml \
       --seed $seed --budget ${VERIFY_BUDGET:-190} --workers 12 --max-p95 0.05 --max-regret 0.15 \
       --json "$out/verify$seed.json" > "$out/verify$seed.log" 2>&1; grep -v -i warn "$out/verify$seed.log" | tail -9
     gzip -c "$out/verify$seed.json" > "$keep/verify$seed.json.gz" 2>/dev/null
   done
-  timed host timeout 110 python3 scripts/bench_serving_host.py --out "$out" 2>&1 | tail -24
   ;;
 serving-table)
   ( CUDA_VISIBLE_DEVICES=1 timeout 400 python3 -m mla_tune verify --table tables/H200.serving.yaml \
