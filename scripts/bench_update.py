@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python scripts/bench_update.py [--table tables/H200.serving.yaml]
         [--mixes 1000] [--seed 0] [--picks picks.json] [--json out.json] [--tensors-first]
-        [--no-lookup] [--device cpu|cuda]
+        [--no-lookup] [--device cpu|cuda] [--warm]
 
 One eager plan (serving/decode_plan.py; host lengths, 64-token pages, max_batch 256) per
 family of the table (16 or 128 heads, q_len 1-4, fp8 or bf16 KV), made before the clock
@@ -12,7 +12,8 @@ libraries' picks cannot run, so a step that picks one takes the plan's runnable 
 as a plan without them does. On a GPU (`--device cuda`, the default there) the step's
 tensors live on the device and the picked runner's step runs as an engine's does (the
 vendors' host planning and device metadata included); the device is synchronized after
-each timed call, outside its time. Then `mixes` steps, each of a family drawn at
+each timed call, outside its time. `--warm` makes the plans with warm=True, as an engine
+does (every runner compiled and run once: the vendors' JIT modules loaded too). Then `mixes` steps, each of a family drawn at
 random, a batch drawn uniformly from 1-256 and every sequence's length drawn log-uniformly
 from 64-65536 tokens (fresh lengths every step), each sequence with the family's q_len new
 tokens. The step's tensors are made before its clock starts; what is timed
@@ -97,6 +98,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="where the step's tensors live and the plans' runners run (default: cuda where "
                          "there is a GPU, as an engine calls; the vendors' steps then run for real)")
+    ap.add_argument("--warm", action="store_true",
+                    help="make the plans with warm=True (each runner compiled and run once, as an engine "
+                         "makes them; needs the GPU) rather than warm=False")
     ap.add_argument("--no-lookup", action="store_true",
                     help="plans without the table: the update's cost besides the lookup")
     args = ap.parse_args()
@@ -110,7 +114,7 @@ def main() -> None:
             spec = CallSpec(key.kv_format, page_size=key.page_size, heads=key.heads, max_q_len=key.q_len,
                             host_lengths=True)
             plans[key] = DecodePlan(spec, MAX_BATCH, table=None if args.no_lookup else table, device=args.device,
-                                    warm=False)
+                                    warm=args.warm)
     made = time.perf_counter() - made
     times, first, picks, seen = [], [], [], set()
     mixes = list(_mixes(keys, args.mixes, args.seed))
@@ -132,7 +136,7 @@ def main() -> None:
             looked = table.lookup(plan.spec, len(kv_lens), sum(kv_lens) / len(kv_lens), kv_lens=kv_lens)
             picks.append({"family": key.as_dict(), "batch": len(kv_lens), "pick": str(looked)})
     out = {"table": args.table, "mixes": args.mixes, "seed": args.seed, "tensors_first": args.tensors_first,
-           "no_lookup": args.no_lookup, "replays": _replays(), "device": args.device,
+           "no_lookup": args.no_lookup, "replays": _replays(), "device": args.device, "warm": args.warm,
            "plans": len(plans),
            "plans_made_s": round(made, 2), "update": _stats(times), "first_update": _stats(first)}
     print(f"{len(plans)} plans made in {made:.2f} s ({out['replays']} replays); DecodePlan.update over {args.mixes} fresh mixes "
