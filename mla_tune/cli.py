@@ -517,6 +517,12 @@ def verify(
              "or .gz, or a folder of them; repeat the option) instead of timing; --max-p95, --max-regret, "
              "--judge and --json apply, the shape and timing options do not. For comparing "
              "tables offline; a table is accepted on a GPU run at fresh seeds.")] = None,
+    repick_graph: Annotated[Path | None, typer.Option(
+        help="With --rescore: re-choose each batch bucket's CUDA-graph pick on those reports (the "
+             "variant with the smallest geomean regret over the bucket's recorded shapes, where it "
+             "beats the current pick by 3% on 6 shapes or more; mla_tune/serving/repick.py) and write "
+             "the table to this path instead of scoring. Choose on one half of the reports and judge "
+             "the written table on the other (--judge graph).")] = None,
 ) -> None:
     """Re-time a serving table's picks on this GPU at held-out shapes and print their regret.
 
@@ -530,6 +536,22 @@ def verify(
     for flag, value in (("--max-p95", max_p95), ("--max-regret", max_regret)):
         if value is not None and not 0 <= value <= 1:
             raise _usage_error(f"{flag} is a fraction (0.05 for 5%), got {value}")
+    if repick_graph is not None and not rescore:
+        raise _usage_error("--repick-graph chooses on recorded reports: give them with --rescore")
+    if repick_graph is not None:
+        with _domain_errors():
+            from mla_tune.serving.repick import repick_graph as run_repick
+            from mla_tune.serving.table import load_serving_table, write_serving_table
+
+            chosen = load_serving_table(table)
+            typer.echo(f"graph picks of {table}, re-chosen on the recorded shapes of {len(rescore)} --rescore "
+                       "path(s):")
+            changes = run_repick(chosen, list(rescore), log=typer.echo)
+            written = write_serving_table(repick_graph, chosen)
+            load_serving_table(written)  # what was written loads
+        typer.echo(f"wrote {written}: {len(changes)} graph pick(s) replaced. Judge it on other reports: "
+                   f"mla-tune verify --table {written} --rescore OTHER_REPORTS --judge graph")
+        return
     if rescore:
         with _domain_errors():
             from mla_tune.serving.rescore import rescore as run_rescore

@@ -17,7 +17,10 @@ every step, so the serving table is keyed the way engines capture and batch thei
   a table without points uses;
 - a CUDA graph cannot depend on kv_len (the lengths are data), so each batch bucket also has
   one *graph pick*: the variant whose worst regret over the family's kv buckets is smallest
-  (a worst case, not a mean: a pick tuned for long contexts can lose badly at short ones).
+  (a worst case, not a mean: a pick tuned for long contexts can lose badly at short ones),
+  or, where recorded verify runs show another variant clearly better over that bucket's
+  uniform and ragged shapes, that one (serving/repick.py: `mla-tune verify --rescore
+  REPORTS --repick-graph OUT`).
 
 Split counts are not table entries: a variant carries its rule (max_splits,
 tokens_per_split), which the kernel applies to each sequence on the device.
@@ -32,9 +35,10 @@ last rung's samples; a model is `{backend, variant, ...}`, the rest of its field
 backend's schedule module's (backends.schedule_module: `load` reads them); `calibration`
 maps a backend to what its schedule module's `load_calibration` reads (the split-K
 reduction's measured cost per step, serving/calibrate.py); a cell `{batch, kv_len,
-variant, time_us, runner_up?}`; a graph pick `{batch, variant, worst_regret, worst_kv_len}`
-(worst_kv_len 0: the sweep's ragged mix for the bucket); a left-out cell `{batch, kv_len,
-reason}`. Loading never executes anything from the file
+variant, time_us, runner_up?}`; a graph pick `{batch, variant, worst_regret, worst_kv_len,
+chosen_on?}` (worst_kv_len 0: the sweep's ragged mix for the bucket, or a ragged shape;
+chosen_on: the pick was chosen on recorded verify runs, serving/repick.py); a left-out cell
+`{batch, kv_len, reason}`. Loading never executes anything from the file
 (fileio.read_yaml) and every error names the file, the family and the field.
 Nothing here imports torch.
 """
@@ -55,6 +59,9 @@ from mla_tune.serving.estimate import Estimator, fastest, model_order
 from mla_tune.tables.table import TableError, check_variant_field
 
 SERVING_SCHEMA = "serving/6"
+# A graph pick chosen on recorded verify runs says so (serving/repick.py): how many reports
+# and shapes, its geomean regret there, and the sweep's pick with its geomean regret there.
+CHOSEN_ON_FIELDS = ("reports", "shapes", "geomean_regret", "sweep_pick", "sweep_geomean_regret")
 _KEY_FIELDS = ("kv_format", "page_size", "heads", "q_len")
 
 
@@ -94,6 +101,9 @@ class GraphPick:
     variant: Variant
     worst_regret: float  # max over the kv buckets (and the ragged mix) of time / best there - 1
     worst_kv_len: int  # where that worst case is; 0: the bucket's ragged mix
+    # Where the pick was chosen on recorded verify runs (serving/repick.py) instead of the
+    # sweep's cells: {reports, shapes, geomean_regret, sweep_pick, sweep_geomean_regret}
+    chosen_on: dict | None = None
 
 
 @dataclass
@@ -235,16 +245,27 @@ class ServingTable:
                 "key": key.as_dict(),
                 "cells": [_cell_dict(c) for _, c in sorted(fam.cells.items())],
                 "graph": [{"batch": g.batch, "variant": str(g.variant),
-                           "worst_regret": round(g.worst_regret, 4), "worst_kv_len": g.worst_kv_len}
+                           "worst_regret": round(g.worst_regret, 4), "worst_kv_len": g.worst_kv_len,
+                           **({"chosen_on": FlowMap(g.chosen_on)} if g.chosen_on else {})}
                           for _, g in sorted(fam.graph.items())],
                 "left_out": sorted(fam.left_out, key=lambda c: (c["batch"], c["kv_len"])),
                 **_points_dict(fam.points),
                 **_models_dict(fam.models),
                 **_calibration_dict(fam.calibration),
             })
-        return {"schema": SERVING_SCHEMA, "gpu": self.gpu, "provenance": self.provenance,
+        return {"schema": SERVING_SCHEMA, "gpu": self.gpu, "provenance": _provenance_dict(self.provenance),
                 "batch_buckets": list(self.batch_buckets), "kv_buckets": list(self.kv_buckets),
                 "families": families}
+
+
+def _provenance_dict(provenance: Any, key: str = "") -> Any:
+    """The provenance as written: a `probes` list (serving/calibrate.py's) one probe a line,
+    as calibrate writes it, so that a table read and written again keeps its layout."""
+    if isinstance(provenance, dict):
+        return {k: _provenance_dict(v, k) for k, v in provenance.items()}
+    if key == "probes" and isinstance(provenance, list) and all(isinstance(v, dict) for v in provenance):
+        return [FlowMap((k, FlowMap(v) if isinstance(v, dict) else v) for k, v in item.items()) for item in provenance]
+    return provenance
 
 
 def _cell_dict(cell: Cell) -> dict:
@@ -377,8 +398,13 @@ def _family(path: Path, index: int, raw: Any, batch_buckets: list[int], kv_bucke
         if worst_kv not in kv_buckets and worst_kv != 0:  # 0: the bucket's ragged mix
             raise TableError(f"{at}: worst_kv_len {worst_kv!r:.20} is neither one of the kv_buckets "
                              "nor 0 (the ragged mix)")
+        chosen_on = entry.get("chosen_on")
+        if chosen_on is not None and not (isinstance(chosen_on, dict) and set(chosen_on) == set(CHOSEN_ON_FIELDS)):
+            raise TableError(f"{at}: chosen_on must be a mapping of {', '.join(CHOSEN_ON_FIELDS)} "
+                             "(serving/repick.py writes it), or absent")
         family.graph[batch] = GraphPick(batch, variant,
-                                        _number(at, "worst_regret", entry.get("worst_regret")), worst_kv)
+                                        _number(at, "worst_regret", entry.get("worst_regret")), worst_kv,
+                                        dict(chosen_on) if chosen_on is not None else None)
     for i, entry in enumerate(_entries(where, raw, "left_out")):
         at = f"{where}, left_out {i}"
         bucketed(at, entry, True)

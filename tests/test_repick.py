@@ -1,0 +1,139 @@
+"""Graph picks re-chosen on recorded verify runs (mla_tune/serving/repick.py, `mla-tune verify
+--rescore ... --repick-graph OUT`): made-up reports over a made-up table, so every geomean is
+known; and the committed table's re-chosen picks judged on the held-out half."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mla_tune.cli import app
+from mla_tune.core import Variant
+from mla_tune.serving import repick
+from mla_tune.serving.rescore import rescore
+from mla_tune.serving.table import (
+    Cell,
+    Family,
+    FamilyKey,
+    GraphPick,
+    ServingTable,
+    load_serving_table,
+    write_serving_table,
+)
+from mla_tune.serving.verify import VERIFY_SCHEMA
+
+KEY = FamilyKey("bf16", 64, 16, 1)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _v(splits: int) -> str:
+    return str(Variant.parse(f"triton(block_h=16,block_n=32,dot_dtype=bf16,kv=bf16,max_splits={splits},"
+                             "num_stages=2,num_warps=4,q=bf16,tokens_per_split=128)"))
+
+
+SWEPT, BETTER, PARTIAL = _v(2), _v(4), _v(8)
+
+
+def _table() -> ServingTable:
+    fam = Family(KEY)
+    for batch in (4, 8):
+        fam.cells[(batch, 512)] = Cell(batch, 512, Variant.parse(SWEPT), 1.0)
+        fam.graph[batch] = GraphPick(batch, Variant.parse(SWEPT), 0.1, 512)
+    return ServingTable("H200", {"date": "2026-12-02"}, [4, 8], [512, 4096], {KEY: fam})
+
+
+def _shape(batch: int, times: dict, kind: str = "uniform", mean: float = 3000.0) -> dict:
+    best = min(times, key=times.get)
+    return {"kind": kind, "family": KEY.as_dict(), "batch": batch, "mean_kv_len": mean,
+            "kv_lens": int(mean) if kind == "uniform" else [int(mean) - 10, int(mean) + 10],
+            "best": best, "best_us": times[best], "final_us": times, "short_us": {}}
+
+
+def _report(path: Path, shapes: list) -> Path:
+    path.write_text(json.dumps({"schema": VERIFY_SCHEMA, "shapes": shapes}))
+    return path
+
+
+def test_a_bucket_takes_the_variant_clearly_faster_over_its_recorded_shapes(tmp_path):
+    # bucket 4: BETTER 10% faster than the swept pick at 6 shapes (one ragged, its worst);
+    # bucket 8: only 2% faster (under MARGIN): kept
+    shapes = [_shape(3, {SWEPT: 110.0, BETTER: 100.0}) for _ in range(5)]
+    shapes.append(_shape(4, {SWEPT: 100.0, BETTER: 90.0, PARTIAL: 80.0}, kind="ragged", mean=900.0))
+    shapes += [_shape(7, {SWEPT: 102.0, BETTER: 100.0}) for _ in range(6)]
+    table = _table()
+    lines = []
+    changes = repick.repick_graph(table, [_report(tmp_path / "r.json", shapes)], log=lines.append)
+    assert [(c["batch"], c["was"], c["now"], c["shapes"]) for c in changes] == [(4, SWEPT, BETTER, 6)]
+    pick = table.families[KEY].graph[4]
+    assert pick.variant == Variant.parse(BETTER)  # PARTIAL, timed at one shape of six, does not compete
+    assert pick.worst_regret == pytest.approx(90.0 / 80.0 - 1.0)  # its worst: the ragged shape
+    assert pick.worst_kv_len == 0
+    assert pick.chosen_on == {"reports": 1, "shapes": 6, "geomean_regret": round(1.125 ** (1 / 6) - 1, 4),
+                              "sweep_pick": SWEPT,
+                              "sweep_geomean_regret": round((1.1 ** 5 * 1.25) ** (1 / 6) - 1, 4)}
+    assert table.families[KEY].graph[8].variant == Variant.parse(SWEPT) and table.families[KEY].graph[8].chosen_on is None
+    assert table.provenance["graph_repick"] == {"reports": ["r.json"], "margin": repick.MARGIN,
+                                                "min_shapes": repick.MIN_SHAPES, "replaced": 1}
+    assert len(lines) == 1 and "batch 4" in lines[0]
+
+
+def test_too_few_shapes_leave_a_bucket_as_swept(tmp_path):
+    shapes = [_shape(3, {SWEPT: 150.0, BETTER: 100.0}) for _ in range(repick.MIN_SHAPES - 1)]
+    table = _table()
+    assert repick.repick_graph(table, [_report(tmp_path / "r.json", shapes)], log=lambda _: None) == []
+    assert table.families[KEY].graph[4].variant == Variant.parse(SWEPT)
+
+
+def test_a_pick_not_timed_at_every_shape_gives_way(tmp_path):
+    # the swept pick was pruned at one shape: the best variant timed everywhere replaces it
+    shapes = [_shape(3, {SWEPT: 100.0, BETTER: 101.0}) for _ in range(6)] + [_shape(3, {BETTER: 100.0})]
+    table = _table()
+    (change,) = repick.repick_graph(table, [_report(tmp_path / "r.json", shapes)], log=lambda _: None)
+    assert change["now"] == BETTER and change["was_geomean_regret"] is None
+
+
+def test_the_written_table_reads_back_with_its_chosen_picks(tmp_path):
+    shapes = [_shape(3, {SWEPT: 120.0, BETTER: 100.0}) for _ in range(6)]
+    table = _table()
+    repick.repick_graph(table, [_report(tmp_path / "r.json", shapes)], log=lambda _: None)
+    back = load_serving_table(write_serving_table(tmp_path / "t.serving.yaml", table))
+    assert back.families[KEY].graph == table.families[KEY].graph
+    assert back.provenance["graph_repick"]["replaced"] == 1
+
+
+def test_the_command_writes_the_table_and_leaves_the_input_alone(tmp_path):
+    source = write_serving_table(tmp_path / "in.serving.yaml", _table())
+    before = source.read_bytes()
+    report = _report(tmp_path / "r.json", [_shape(3, {SWEPT: 120.0, BETTER: 100.0}) for _ in range(6)])
+    out = tmp_path / "out.serving.yaml"
+    result = CliRunner().invoke(app, ["verify", "--table", str(source), "--rescore", str(report),
+                                      "--repick-graph", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "1 graph pick(s) replaced" in result.output and "--judge graph" in result.output
+    assert source.read_bytes() == before
+    assert load_serving_table(out).families[KEY].graph[4].variant == Variant.parse(BETTER)
+    refused = CliRunner().invoke(app, ["verify", "--table", str(source), "--repick-graph", str(out)])
+    assert refused.exit_code != 0 and "--rescore" in refused.output
+
+
+# The committed table's graph picks were re-chosen on the even seeds (its provenance's
+# graph_repick); on the odd seeds, held out, they beat the sweep's picks it replaced.
+GRAPH_GEOMEAN, GRAPH_P95 = 0.032, 0.26  # held-out pooled graph regret of the committed table
+
+
+def test_the_committed_tables_graph_picks_were_chosen_on_the_even_seeds_only():
+    names = load_serving_table(ROOT / "tables" / "H200.serving.yaml").provenance["graph_repick"]["reports"]
+    assert names and all(int(re.search(r"seed(\d+)", n).group(1)) % 2 == 0 for n in names)
+
+
+def test_the_committed_tables_graph_picks_hold_on_the_held_out_half():
+    held = sorted(p for p in (ROOT / "docs" / "data" / "verify").glob("*.json.gz")
+                  if int(re.search(r"seed(\d+)", p.name).group(1)) % 2)
+    scored = rescore(ROOT / "tables" / "H200.serving.yaml", held, judge="graph", log=lambda _line: None)
+    pooled = scored["summary"]["graph"]["all"]
+    assert pooled["n"] >= 2500 and scored["unmeasured"] == 0
+    assert pooled["geomean"] <= GRAPH_GEOMEAN and pooled["p95"] <= GRAPH_P95, pooled
