@@ -136,18 +136,26 @@ class OwnServingStep:
     runner for the next step made of the same tensor objects with the same shapes (an
     engine's static buffers), so such steps replay from their first layer."""
 
-    __slots__ = ("runner", "qo_indptr", "layout", "key", "fast")
+    __slots__ = ("runner", "qo_indptr", "layout", "tensors", "_sigs", "fast")
 
     def __init__(self, runner: OwnServingRunner, qo_indptr, layout: dict):
         self.runner, self.qo_indptr, self.layout = runner, qo_indptr, layout
-        tensors = (qo_indptr, layout["kv_indptr"], layout["block_table"], layout["seq_lens"])
-        # The replay holds these tensors' addresses: the same objects, shapes and addresses.
-        self.key = (tensors, tuple(None if t is None else tensor_sig_and_ptr(t) for t in tensors))
+        self.tensors = (qo_indptr, layout["kv_indptr"], layout["block_table"], layout["seq_lens"])
+        self._sigs = None
         kept = runner.kept
         self.fast = None
-        if kept is not None and kept[0][1] == self.key[1] and all(
-                a is b for a, b in zip(kept[0][0], tensors, strict=True)):
+        # The replay holds these tensors' addresses: the same objects (checked first: a step
+        # of new tensor objects reads no signature here), shapes and addresses.
+        if kept is not None and all(a is b for a, b in zip(kept[0][0], self.tensors, strict=True)) \
+                and kept[0][1] == self.key[1]:
             self.fast = kept[1]
+
+    @property
+    def key(self) -> tuple:
+        """(the step's tensors, their signatures and addresses), read once."""
+        if self._sigs is None:
+            self._sigs = tuple(None if t is None else tensor_sig_and_ptr(t) for t in self.tensors)
+        return self.tensors, self._sigs
 
     def __call__(self, q, kv, kv_scale=None):
         fast = self.fast
