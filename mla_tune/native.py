@@ -51,6 +51,26 @@ static void sift_down(T *h, int64_t n) { \
 """
 
 
+# One eager call as a schedule model's C estimate sees it (serving/estimate.py's compiled
+# estimate; the Python `Call` there is the same call): its lengths, and per variant of the
+# family (indices in the family's variant order) the interpolated times, rates and batch
+# buckets' times (NAN where a variant has none) and the estimates so far. A model's C
+# estimate is an `est_model_fn`: params (its own, laid out by its module), its variant's
+# index, the call; NAN for no estimate.
+ESTIMATE_H = r"""
+#include <stdint.h>
+#include <math.h>
+typedef struct {
+    const int64_t *lens;
+    int64_t n, batch, uniform_len, calibrated, nv;
+    double mean, window, interp_min;
+    const double *interp, *rates, *buckets;
+    double *est;
+} est_call_t;
+typedef double (*est_model_fn)(const double *params, int64_t variant, const est_call_t *call);
+"""
+
+
 class Library:
     """A C helper: `source` compiled on first use (`load`), its functions' (restype,
     argtypes) set from `signatures`; calling it returns the library, or None (the numpy

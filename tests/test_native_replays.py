@@ -160,3 +160,46 @@ def test_a_split_k_models_one_call_replay_in_c_is_its_numpy_replay(numpy_path):
         want = numpy_path(model.replay, call)
         assert got == want and all(type(x) is t for x, t in zip(got[1:], (int, int), strict=True)), (
             lens.tolist(), heads, q_len, variant, uniform)
+
+
+def test_a_familys_compiled_estimate_picks_and_estimates_as_the_python_estimate_does():
+    """Estimator.pick's one C call (`_Compiled`: the grids and every model's C estimate)
+    against Estimator.estimates and fastest, on the committed table's 12 families: ragged,
+    uniform and length-less calls; the same pick and the same estimates, float for float."""
+    from mla_tune.serving.estimate import fastest
+    from mla_tune.serving.table import load_serving_table
+
+    if native.compiler() is None:
+        pytest.skip("no C compiler here: the Python estimate is the only one (checked elsewhere)")
+    table = load_serving_table("tables/H200.serving.yaml")
+    families = list(table.families.values())
+    for family in families:
+        table.estimator.prepare(family)
+        assert table.estimator.compiled(family) is not None
+    rng = random.Random(2)
+    picks = set()
+    for _ in range(3000):
+        family = rng.choice(families)
+        batch = rng.randint(1, 300)
+        mode = rng.random()
+        lens = ([int(2 ** rng.uniform(5, 16.5)) for _ in range(batch)] if mode < 0.5
+                else [int(2 ** rng.uniform(5, 16.5))] * batch if mode < 0.8 else None)
+        mean = sum(lens) / batch if lens else 2 ** rng.uniform(5, 16.5)
+        variant, estimates = table.estimator.pick(family, batch, mean, lens)
+        want = table.estimator.estimates(family, batch, mean, lens)
+        assert variant == fastest(want) and estimates() == want, (family.key, batch, mean, lens)
+        picks.add(variant.backend)
+    assert picks == {"flashinfer", "flashmla", "triton"}  # every kind of model decided some
+
+
+def test_without_a_c_compiler_the_pick_is_the_python_estimates(monkeypatch):
+    from mla_tune.serving import estimate
+    from mla_tune.serving.table import load_serving_table
+
+    monkeypatch.setattr(estimate, "_native", lambda: None)
+    table = load_serving_table("tables/H200.serving.yaml")
+    family = next(iter(table.families.values()))
+    table.estimator.prepare(family)
+    assert table.estimator.compiled(family) is None
+    variant, estimates = table.estimator.pick(family, 8, 3000.0, [3000] * 8)
+    assert variant == estimate.fastest(estimates()) and estimates()

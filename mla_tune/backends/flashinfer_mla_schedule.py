@@ -135,7 +135,7 @@ def flashinfer_mla_features(kv_lens: Sequence[int], heads: int, q_len: int, sm_c
 
 # flashinfer_mla_features' schedule in C (mla_tune/native.py): FlashInfer's dealing, chunk by
 # chunk, to the least-loaded cluster (its key packs the index below the load, as above).
-_NATIVE_SOURCE = native.HEAP_C + r"""
+_NATIVE_SOURCE = native.HEAP_C + native.ESTIMATE_H + r"""
 #include <stdlib.h>
 #define SLOTS 4096
 
@@ -219,6 +219,31 @@ int fi_features(const int64_t *lens, int64_t n, int64_t heads, int64_t q_len, in
     free(works);
     return 0;
 }
+
+/* VendorModel.estimate (not raw) as an est_model_fn; p: sm_count, heads, q_len, MODEL_WORKS,
+   then the coefficients of FLASHINFER_FEATURES (one, makespan, max_works, merge_ctas, batch,
+   max_merge) */
+double fi_model_estimate(const double *p, int64_t v, const est_call_t *c) {
+    double mine = c->est[v];
+    if (isnan(mine)) {
+        mine = c->buckets[v];
+        if (isnan(mine)) return NAN;
+    }
+    double other = NAN;
+    for (int64_t i = 0; i < c->nv; i++)
+        if (i != v && !isnan(c->est[i]) && (isnan(other) || c->est[i] < other)) other = c->est[i];
+    if (isnan(other)) return mine;
+    double hi = mine > other ? mine : other, lo = mine < other ? mine : other;
+    if (!(hi < c->window * lo)) return mine;
+    int64_t sm = (int64_t)p[0], heads = (int64_t)p[1], q_len = (int64_t)p[2];
+    if (!(fi_works(c->lens, c->n, heads, q_len, sm) <= p[3])) return mine;
+    int64_t f[4];
+    if (fi_features(c->lens, c->n, heads, q_len, sm, f) != 0) return NAN;
+    double feats[6] = {1.0, (double)f[0], (double)f[1], (double)f[2], (double)c->n, (double)f[3]};
+    double t = 0.0;
+    for (int i = 0; i < 6; i++) t = t + p[4 + i] * feats[i];
+    return t;
+}
 """
 _I64 = ctypes.c_int64
 _native = native.Library("flashinfer_schedule", _NATIVE_SOURCE, {
@@ -296,6 +321,16 @@ class VendorModel:
 
     def time_us(self, key, kv_lens: Sequence[int]) -> float:
         return predict(self.coef, flashinfer_mla_features(kv_lens, key.heads, key.q_len, self.sm_count))
+
+    def native_estimate(self, key, calibration) -> tuple[int, np.ndarray] | None:
+        """(the address of `estimate`'s C function, its params) for the family's compiled
+        estimate (serving/estimate.py), or None without a C compiler. calibration: unused
+        (FlashInfer's model has none)."""
+        lib = _native()
+        if lib is None:
+            return None
+        params = np.asarray([self.sm_count, key.heads, key.q_len, MODEL_WORKS, *self.coef], dtype=np.float64)
+        return ctypes.cast(lib.fi_model_estimate, ctypes.c_void_p).value, params
 
     def estimate(self, call, raw: bool = False) -> float | None:
         """FlashInfer's time for `call` (serving/estimate.py's Call). Where the call's

@@ -51,6 +51,8 @@ import numpy as np
 from mla_tune import native
 from mla_tune.kernels.split_rule import (
     REDUCE_SPLITS_PER_STEP,
+    SPLIT_WAVE_FILL,
+    WIDE_REDUCE_PROGRAMS,
     fill_splits,
     reduce_splits_per_step,
     serving_splits,
@@ -148,7 +150,7 @@ def _schedule_array(lens: np.ndarray, heads: int, q_len: int, params: Mapping, o
 
 # _schedule_array in C, the same arithmetic step by step (IEEE doubles, no contraction:
 # mla_tune/native.py), with the dealing as `_deal`'s heap.
-_NATIVE_SOURCE = native.HEAP_C + r"""
+_NATIVE_SOURCE = native.HEAP_C + native.ESTIMATE_H + r"""
 #include <stdlib.h>
 #include <math.h>
 
@@ -234,6 +236,93 @@ int sk_replay(const int64_t *k, double item, const int64_t *lens, int64_t n, int
     int64_t most = split ? (uniform_len + split - 1) / split : 0;
     out[2] = batch >= 1 && most > 1 ? (double)((most + per_step - 1) / per_step) : 0.0;
     return rc;
+}
+
+/* split_rule.fill_splits, the same arithmetic */
+static int64_t fill_splits(int64_t split_budget, int64_t batch, int64_t tiles, int64_t max_splits, int64_t sm,
+                           double wave_fill) {
+    int64_t s = split_budget / batch;
+    if (s < 1) s = 1;
+    if (sm <= 0 || s >= max_splits) {
+        int64_t m = max_splits > 1 ? max_splits : 1;
+        return s < m ? s : m;
+    }
+    int64_t per = batch * tiles, best = s;
+    double best_fill = (double)(per * s) / (double)(sm * ((per * s + sm - 1) / sm));
+    for (int64_t k = s; k <= max_splits; k++) {
+        double f = (double)(per * k) / (double)(sm * ((per * k + sm - 1) / sm));
+        if (f >= wave_fill) return k;
+        if (f > best_fill + 1e-12) { best = k; best_fill = f; }
+    }
+    return best;
+}
+
+/* SplitKModel.estimate (not raw) as an est_model_fn; p: SplitKModel.native_estimate's layout */
+double sk_model_estimate(const double *p, int64_t v, const est_call_t *c) {
+    double mine = c->interp[v];
+    if (isnan(mine) || mine >= c->window * c->interp_min) return NAN;
+    int64_t occupancy = (int64_t)p[0], sm = (int64_t)p[2], max_splits = (int64_t)p[4], block_n = (int64_t)p[5];
+    int64_t tps = (int64_t)p[6], block_h = (int64_t)p[7], split_budget = (int64_t)p[8];
+    int64_t heads = (int64_t)p[9], q_len = (int64_t)p[10], exact_waves = (int64_t)p[14];
+    double overhead = p[1], item = p[3];
+    int64_t tiles = heads / block_h;
+    if (tiles < 1) tiles = 1;
+    int64_t slots = sm * occupancy;
+    if (slots < 1) slots = 1;
+    int64_t q_len_max = 1;
+    while (q_len_max < q_len) q_len_max <<= 1;
+    int64_t n = c->n;
+    int64_t budget = (n * q_len * max_splits) / q_len_max;
+    if (budget < 1) budget = 1;
+    double share = 0.5;
+    if (split_budget > 0 && max_splits > 1) {
+        int64_t launched = n * fill_splits(split_budget, n, tiles, max_splits, sm, p[15]);
+        if (launched < n) launched = n;
+        if (launched < budget) budget = launched;
+        share = 1.0 - 2e-4;
+    }
+    int64_t per_step = n * q_len * heads * 4 <= (int64_t)p[16] ? 64 : 16;
+    double rate = c->rates[v];
+    if (isnan(rate)) {  /* the rate of the interpolated time at a uniform batch of the mean */
+        int64_t b = c->batch, ub = (b * q_len * max_splits) / q_len_max;
+        if (ub < 1) ub = 1;
+        double ushare = 0.5;
+        if (split_budget > 0 && max_splits > 1) {
+            int64_t launched = b * fill_splits(split_budget, b, tiles, max_splits, sm, p[15]);
+            if (launched < b) launched = b;
+            if (launched < ub) ub = launched;
+            ushare = 1.0 - 2e-4;
+        }
+        int64_t *u = malloc((size_t)(b > 0 ? b : 1) * sizeof(int64_t));
+        if (u == NULL) return NAN;
+        for (int64_t i = 0; i < b; i++) u[i] = c->uniform_len;
+        double uspan;
+        int64_t usteps;
+        int64_t uper = b * q_len * heads * 4 <= (int64_t)p[16] ? 64 : 16;
+        sk_schedule(u, b, max_splits, block_n, ub, ushare, tps, tiles, slots, item, uper, exact_waves, &uspan,
+                    &usteps);
+        free(u);
+        rate = mine > overhead && uspan > 0 ? (mine - overhead) / uspan : NAN;
+    }
+    if (isnan(rate) || rate == 0.0) return NAN;
+    double span;
+    int64_t steps;
+    if (sk_schedule(c->lens, n, max_splits, block_n, budget, share, tps, tiles, slots, item, per_step, exact_waves,
+                    &span, &steps) != 0) return NAN;
+    double t = overhead + rate * span;
+    int64_t call_per_step = c->batch * q_len * heads * 4 <= (int64_t)p[16] ? 64 : 16;
+    double step_us = call_per_step == 16 ? p[11] : p[12];
+    if (c->calibrated && step_us != 0.0) {
+        int64_t total = c->batch * c->uniform_len;
+        if (total < 1) total = 1;
+        int64_t split = c->uniform_len > 0 ? split_of(c->uniform_len, total, max_splits, block_n, budget, share, tps) : 0;
+        int64_t most = split ? (c->uniform_len + split - 1) / split : 0;
+        int64_t uniform = c->batch >= 1 && most > 1 ? (most + per_step - 1) / per_step : 0;
+        int64_t extra = steps - uniform;
+        t += step_us * (double)(extra > 0 ? extra : 0);
+    }
+    double floor_t = p[13] * mine;
+    return t >= floor_t ? t : floor_t;
 }
 """
 _I64, _F64 = ctypes.c_int64, ctypes.c_double
@@ -388,6 +477,23 @@ class SplitKModel:
     def __post_init__(self):
         object.__setattr__(self, "params", dict(self.variant.params))
         object.__setattr__(self, "_replay_consts", None)
+
+    def native_estimate(self, key, calibration: Mapping) -> tuple[int, np.ndarray] | None:
+        """(the address of `estimate`'s C function, its params) for the family's compiled
+        estimate (serving/estimate.py), or None without a C compiler. calibration: the
+        family's calibration of this backend (`load_calibration`'s)."""
+        lib = _native()
+        if lib is None:
+            return None
+        rule = _rule(self.params, self.sm_count)
+        steps = (calibration or {}).get("reduce_step_us", {})
+        narrow, wide = REDUCE_SPLITS_PER_STEP
+        params = np.asarray([self.occupancy, self.overhead_us, self.sm_count, float(self.item_tokens),
+                             rule["max_splits"], rule["block_n"], rule["tokens_per_split"], rule["block_h"],
+                             rule["split_budget"], key.heads, key.q_len, float(steps.get(narrow, 0.0)),
+                             float(steps.get(wide, 0.0)), SPLITK_FLOOR, EXACT_WAVES, SPLIT_WAVE_FILL, WIDE_REDUCE_PROGRAMS],
+                            dtype=np.float64)
+        return ctypes.cast(lib.sk_model_estimate, ctypes.c_void_p).value, params
 
     def replay(self, call) -> tuple[float, int, int]:
         """(makespan, reduction steps) for the call's lengths (`schedule`) and the

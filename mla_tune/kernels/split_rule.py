@@ -27,6 +27,8 @@ _sr_WAVE_FILL = 0.8
 # what it measured).
 _sr_WIDE_REDUCE = 2048
 REDUCE_SPLITS_PER_STEP = (16, 64)  # the reduction's splits per step: its narrow grid, its wide one
+SPLIT_WAVE_FILL = _sr_WAVE_FILL  # the rule's constants, for a replay of it in another language
+WIDE_REDUCE_PROGRAMS = _sr_WIDE_REDUCE
 
 
 def _sr_cdiv(a: int, b: int) -> int:

@@ -190,8 +190,10 @@ class DecodePlan:
         variant = None
         if self.table is not None and self._family is not None:
             mean = None if self.spec.graph else mean_kv_len
-            est = self.table.estimates(self.spec, batch, mean, kv_lens) if mean is not None else {}
-            variant = fastest(est)  # the table's lookup, its estimates made once for this step
+            # the table's lookup, its estimates made once for this step (in one C call where
+            # the family's estimate is compiled; `estimates()` gives them where needed)
+            variant, estimates = (self.table.estimator.pick(self._family, batch, mean, kv_lens)
+                                  if mean is not None and self._family.points else (None, dict))
             if variant is None:
                 variant = self.table.lookup(self.spec, batch, mean, graph=self.spec.graph, kv_lens=kv_lens)
             if variant is None:
@@ -201,7 +203,7 @@ class DecodePlan:
             elif variant in self._unrunnable:
                 key = f"{variant.backend} cannot run here"
                 self.misses[key] = self.misses.get(key, 0) + 1
-                variant = self._runnable(batch, mean, est)
+                variant = self._runnable(batch, mean, estimates())
         return variant if variant is not None and variant in self._decoders else self._default.variant
 
     def _runnable(self, batch: int, mean: float | None, est: dict) -> Variant | None:

@@ -184,9 +184,7 @@ class _Grid:
 # `_Grid.interpolate` in C over a dense layout of the points (`_Dense`): `interpolate`'s
 # steps (_bracket, _at_batch, _blend) one for one, in IEEE doubles without contraction
 # (mla_tune/native.py), NAN for a variant a point lacks or the call leaves out.
-_NATIVE_SOURCE = r"""
-#include <math.h>
-#include <stdint.h>
+_NATIVE_SOURCE = native.ESTIMATE_H + r"""
 
 typedef struct {
     const double *t;        /* [nb][mk][nv] times, NAN where the point lacks the variant */
@@ -271,6 +269,48 @@ void grid_interpolate(const grid_t *g, double batch, double kv, double *scratch,
     const double *rows[2] = {scratch, scratch + (m - 1) * g->nv};
     blend(rows, w, m, g->nv, g->min_w, out);
 }
+
+/* Estimator.estimates and `fastest` for one call, compiled (`_Compiled`): the three grids
+   (NULL: none) over the family's variants, then each model's C estimate in order; out:
+   interp, rates, buckets and est, nv each, scratch 2 x nv. Returns the fastest variant's
+   index (ties to the first: the variants are in name order), -1 where none is estimated. */
+typedef struct {
+    const grid_t *times, *rates, *buckets;
+    int64_t nm, nv;
+    const int64_t *model_variant;
+    const int64_t *model_fn;      /* est_model_fn addresses */
+    const int64_t *model_params;  /* const double * addresses */
+    double window;
+} family_t;
+
+int64_t family_estimate(const family_t *f, const int64_t *lens, int64_t n, int64_t batch, double kv,
+                        int64_t uniform_len, int64_t calibrated, double *scratch, double *interp, double *rates,
+                        double *buckets, double *est) {
+    int64_t nv = f->nv;
+    grid_interpolate(f->times, (double)batch, kv, scratch, interp);
+    double lo = NAN;
+    for (int64_t v = 0; v < nv; v++) {
+        est[v] = interp[v];
+        if (!isnan(interp[v]) && (isnan(lo) || interp[v] < lo)) lo = interp[v];
+    }
+    if (isnan(lo)) return -1;
+    if (f->nm > 0) {
+        for (int64_t v = 0; v < nv; v++) rates[v] = buckets[v] = NAN;
+        if (f->rates) grid_interpolate(f->rates, (double)batch, kv, scratch, rates);
+        if (f->buckets) grid_interpolate(f->buckets, (double)batch, kv, scratch, buckets);
+        est_call_t call = {lens, n, batch, uniform_len, calibrated, nv, kv, f->window, lo, interp, rates, buckets,
+                           est};
+        for (int64_t m = 0; m < f->nm; m++) {
+            est_model_fn fn = (est_model_fn)(intptr_t)f->model_fn[m];
+            double t = fn((const double *)(intptr_t)f->model_params[m], f->model_variant[m], &call);
+            if (!isnan(t)) est[f->model_variant[m]] = t;
+        }
+    }
+    int64_t best = -1;
+    for (int64_t v = 0; v < nv; v++)
+        if (!isnan(est[v]) && (best < 0 || est[v] < est[best])) best = v;
+    return best;
+}
 """
 
 
@@ -280,8 +320,19 @@ class _GridC(ctypes.Structure):
                 ("mk", ctypes.c_int64), ("nv", ctypes.c_int64), ("min_w", ctypes.c_double)]
 
 
-_native = native.Library("serving_interpolate", _NATIVE_SOURCE, {"grid_interpolate": (None, (
-    ctypes.POINTER(_GridC), ctypes.c_double, ctypes.c_double, ctypes.c_void_p, ctypes.c_void_p))})
+class _FamilyC(ctypes.Structure):
+    _fields_ = [("times", ctypes.c_void_p), ("rates", ctypes.c_void_p), ("buckets", ctypes.c_void_p),
+                ("nm", ctypes.c_int64), ("nv", ctypes.c_int64), ("model_variant", ctypes.c_void_p),
+                ("model_fn", ctypes.c_void_p), ("model_params", ctypes.c_void_p), ("window", ctypes.c_double)]
+
+
+_I64 = ctypes.c_int64
+_native = native.Library("serving_interpolate", _NATIVE_SOURCE, {
+    "grid_interpolate": (None, (ctypes.POINTER(_GridC), ctypes.c_double, ctypes.c_double, ctypes.c_void_p,
+                                ctypes.c_void_p)),
+    "family_estimate": (_I64, (ctypes.c_void_p, ctypes.c_void_p, _I64, _I64, ctypes.c_double, _I64, _I64,
+                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                               ctypes.c_void_p))})
 
 
 class _Dense:
@@ -290,8 +341,9 @@ class _Dense:
 
     __slots__ = ("variants", "arrays", "struct", "scratch", "out", "fn", "args")
 
-    def __init__(self, grid: _Grid, lib):
-        variants = sorted({v for times in grid.points.values() for v in times}, key=str)
+    def __init__(self, grid: _Grid, lib, variants: list[Variant] | None = None):
+        if variants is None:
+            variants = sorted({v for times in grid.points.values() for v in times}, key=str)
         index = {v: i for i, v in enumerate(variants)}
         nb, nv = len(grid.batches), len(variants)
         mk = max(len(k) for k in grid.kvs.values())
@@ -318,6 +370,51 @@ class _Dense:
         ref, scratch, out = self.args
         self.fn(ref, float(batch), float(kv_len), scratch, out)
         return {v: t for v, t in zip(self.variants, self.out.tolist(), strict=True) if t == t}
+
+
+class _Compiled:
+    """A family's whole eager estimate in one C call (`family_estimate`): its three grids laid
+    out over the family's variants (name order), and each model's C estimate (a model's
+    `native_estimate(key, calibration)`: its C function and params). Made by
+    Estimator.prepare where every model of the family has one and a C compiler is found;
+    `Estimator.pick` then runs it instead of `estimates` and `fastest` (the same picks:
+    tests/test_native_replays.py)."""
+
+    __slots__ = ("variants", "keep", "struct", "out", "ptrs", "fn")
+
+    def __init__(self, estimator: Estimator, family, lib, natives: list):
+        variants = sorted({v for times in family.points.values() for v in times}, key=str)
+        index = {v: i for i, v in enumerate(variants)}
+        grids = []
+        for kind in ("times", "rates", "buckets"):
+            grid = estimator.grid(kind, family)
+            grids.append(_Dense(grid, lib, variants) if grid.batches else None)
+        models = list(family.models)
+        order = np.asarray([index[v] for v in models], dtype=np.int64)
+        fns = np.asarray([fn for fn, _ in natives], dtype=np.int64)
+        params = [p for _, p in natives]
+        param_ptrs = np.asarray([p.ctypes.data for p in params], dtype=np.int64)
+        self.variants = variants
+        self.keep = (grids, order, fns, params, param_ptrs)
+        self.struct = _FamilyC(*(ctypes.addressof(g.struct) if g is not None else None for g in grids),
+                               len(models), len(variants), order.ctypes.data, fns.ctypes.data,
+                               param_ptrs.ctypes.data, MODEL_WINDOW)
+        self.out = np.empty(6 * len(variants))
+        nv = len(variants)
+        base = self.out.ctypes.data
+        self.ptrs = (ctypes.addressof(self.struct), base, base + 16 * nv, base + 24 * nv, base + 32 * nv,
+                     base + 40 * nv)
+        self.fn = lib.family_estimate
+
+    def __call__(self, batch: int, kv: float, lens: np.ndarray, uniform_len: int,
+                 calibrated: bool) -> tuple[Variant | None, Callable[[], dict[Variant, float]]]:
+        family, scratch, interp, rates, buckets, est = self.ptrs
+        best = self.fn(family, native.address(lens), lens.shape[0], batch, kv, uniform_len, int(calibrated),
+                       scratch, interp, rates, buckets, est)
+        nv, variants = len(self.variants), self.variants
+        values = self.out[5 * nv:].tolist()
+        return (variants[best] if best >= 0 else None,
+                lambda: {v: t for v, t in zip(variants, values, strict=True) if t == t})
 
 
 def fastest(estimates: Mapping[Variant, float], allowed: Callable[[Variant], bool] | None = None) -> Variant | None:
@@ -439,6 +536,43 @@ class Estimator:
             self.grid(kind, family)
         for batch in (1, self.table.batch_buckets[-1]):
             self.estimates(family, batch, 4096.0, [4096] * batch)
+        self.compiled(family)
+
+    def compiled(self, family) -> _Compiled | None:
+        """The family's compiled estimate (`_Compiled`), made once; None where a model has no
+        C estimate or no C compiler is found (`pick` then runs the Python estimate)."""
+        key = ("compiled", family.key)
+        if key not in self._derived:
+            lib = _native()
+            natives = []
+            for variant, model in family.models.items():
+                make = getattr(model, "native_estimate", None)
+                made = make(family.key, family.calibration.get(variant.backend, {})) if make else None
+                if made is None:
+                    break
+                natives.append(made)
+            ok = lib is not None and len(natives) == len(family.models) and bool(family.points)
+            self._derived[key] = _Compiled(self, family, lib, natives) if ok else None
+        return self._derived[key]
+
+    def pick(self, family, batch: int, mean_kv_len: float,
+             kv_lens: Sequence[int] | None) -> tuple[Variant | None, Callable[[], dict[Variant, float]]]:
+        """(`fastest(estimates(...))`, a function returning the estimates): in one C call where
+        the family is compiled (`compiled`), else through `estimates`."""
+        compiled = self._derived.get(("compiled", family.key), False)
+        if compiled is False:
+            compiled = self.compiled(family)
+        if compiled is None:
+            est = self.estimates(family, batch, mean_kv_len, kv_lens)
+            return fastest(est), lambda: est
+        if ("versions", family.key) not in self._derived:
+            self._derived[("versions", family.key)] = True
+            self._warn_versions(family)
+        lens = (np.asarray(kv_lens, dtype=np.int64) if kv_lens is not None
+                else np.full(batch, max(int(round(mean_kv_len)), 1), dtype=np.int64))
+        step = round(math.log2(max(mean_kv_len, 1.0)) * _KV_STEPS_PER_OCTAVE)
+        kv = 2.0 ** (step / _KV_STEPS_PER_OCTAVE)
+        return compiled(batch, kv, lens, max(int(round(kv)), 1), kv_lens is not None)
 
     def estimates(self, family, batch: int, mean_kv_len: float, kv_lens: Sequence[int] | None) -> dict[Variant, float]:
         """Every point variant's estimated time (us): interpolated, then each model's
