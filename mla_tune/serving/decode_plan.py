@@ -100,6 +100,7 @@ class DecodePlan:
         # Picks whose backend cannot serve the spec here (a vendor library missing, another
         # GPU, no LSE) are replaced per step by the cell's best runnable variant (pick()).
         self._unrunnable: dict[Variant, str] = {}
+        self._runner_ups: dict = {}  # (batch bucket, kv bucket) -> its cell's runner-up (_runnable)
         reasons: dict[str, str | None] = {}
         for variant in self._candidates():
             if variant in self._decoders:
@@ -215,12 +216,14 @@ class DecodePlan:
             ok = fastest(est, self._decoders.__contains__)
             if ok is not None:
                 return ok
-            cell = self._family.cells.get((batch_bucket(table.batch_buckets, batch), kv_bucket(table.kv_buckets, mean)))
-            runner_up = (cell.runner_up or {}).get("variant") if cell is not None else None
-            if runner_up is not None:
-                runner_up = Variant.parse(runner_up) if isinstance(runner_up, str) else runner_up
-                if runner_up in self._decoders:
-                    return runner_up
+            at = (batch_bucket(table.batch_buckets, batch), kv_bucket(table.kv_buckets, mean))
+            if at not in self._runner_ups:  # each cell's runner-up, parsed once
+                cell = self._family.cells.get(at)
+                runner_up = (cell.runner_up or {}).get("variant") if cell is not None else None
+                self._runner_ups[at] = Variant.parse(runner_up) if isinstance(runner_up, str) else runner_up
+            runner_up = self._runner_ups[at]
+            if runner_up is not None and runner_up in self._decoders:
+                return runner_up
         return None
 
     def update(self, qo_indptr, *, kv_indptr=None, block_table=None, seq_lens=None,
