@@ -91,7 +91,11 @@ backends/flashinfer_mla_schedule.py), torch-free (the serving table loads it), d
         backend, e.g. its reduction's measured cost per step]
 and a model: `variant`, `estimate(call, raw=False) -> float | None` (the variant's time for
 an estimate.Call, or None to keep the interpolation), `as_dict()`, and optionally
-`point_rate(key, batch, kv_len, us)` (what the lookup interpolates instead of the time).
+`point_rate(key, batch, kv_len, us)` (what the lookup interpolates instead of the time) and
+`native_estimate(key, calibration) -> (address, params) | None` (the same estimate as a C
+function of mla_tune/native.py's `est_model_fn` type, and the float64 params array it
+reads: where every model of a family has one, the lookup runs the family's estimate in one
+C call).
 
 Every variant carries the parameters `kv` (the KV format it reads: bf16, fp8, mxfp4) and
 `q` (bf16, fp8_dynamic, fp8_static), so the runtime checks its inputs generically.

@@ -13,7 +13,8 @@ fits `FLASHINFER_FEATURES` to FlashInfer's times over the family's grid (`fit_li
 weighted by 1 / time), and `VendorModel.estimate` predicts FlashInfer's time at the call's
 own lengths: between grid points FlashInfer's time steps where interpolating its grid
 times cannot see it. The schedule-model protocol is the backends' (backends/__init__.py).
-Pure Python and numpy; nothing here imports torch.
+Python and numpy, with the replays and the model's estimate also in C (mla_tune/native.py;
+the same numbers); nothing here imports torch.
 """
 
 from __future__ import annotations

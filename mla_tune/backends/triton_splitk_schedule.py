@@ -32,7 +32,8 @@ beyond a uniform batch of its mean length.
 The schedule-model protocol (`fit`, `load`, `load_calibration`, the model's `estimate`,
 `point_rate` and `as_dict`) is the backends' (backends/__init__.py); the serving lookup
 (serving/estimate.py) calls it without knowing which backend it models.
-Pure Python and numpy; nothing here imports torch.
+Python and numpy, with the replays and the model's estimate also in C (mla_tune/native.py;
+the same numbers); nothing here imports torch.
 """
 
 from __future__ import annotations

@@ -12,6 +12,11 @@
   backends (backends.BACKEND_MODULES), then by variant name; each sees the estimates
   so far.
 - `fit_models` fits every backend's models for a family when the table is built.
+- Where a C compiler is found, the interpolation runs in C (`_Dense`), and where every
+  model of a family also gives a C estimate (`native_estimate`), the family's whole
+  estimate and its fastest variant are one C call (`_Compiled`, `Estimator.pick`: the
+  eager lookup of DecodePlan); the Python steps stay for a machine without a compiler and
+  give the same picks (tests/test_native_replays.py).
 
 Nothing here names a backend. Nothing here imports torch.
 """
