@@ -258,6 +258,23 @@ static int64_t fill_splits(int64_t split_budget, int64_t batch, int64_t tiles, i
     return best;
 }
 
+/* _budget: the split budget (and *share, the share's rounding) of a batch of n sequences */
+static int64_t budget_of(int64_t n, int64_t q_len, int64_t max_splits, int64_t split_budget, int64_t tiles,
+                         int64_t sm, double wave_fill, double *share) {
+    int64_t q_len_max = 1;
+    while (q_len_max < q_len) q_len_max <<= 1;
+    int64_t budget = (n * q_len * max_splits) / q_len_max;
+    if (budget < 1) budget = 1;
+    *share = 0.5;
+    if (split_budget > 0 && max_splits > 1) {
+        int64_t launched = n * fill_splits(split_budget, n, tiles, max_splits, sm, wave_fill);
+        if (launched < n) launched = n;
+        if (launched < budget) budget = launched;
+        *share = 1.0 - 2e-4;
+    }
+    return budget;
+}
+
 /* SplitKModel.estimate (not raw) as an est_model_fn; p: SplitKModel.native_estimate's layout */
 double sk_model_estimate(const double *p, int64_t v, const est_call_t *c) {
     double mine = c->interp[v];
@@ -270,30 +287,15 @@ double sk_model_estimate(const double *p, int64_t v, const est_call_t *c) {
     if (tiles < 1) tiles = 1;
     int64_t slots = sm * occupancy;
     if (slots < 1) slots = 1;
-    int64_t q_len_max = 1;
-    while (q_len_max < q_len) q_len_max <<= 1;
     int64_t n = c->n;
-    int64_t budget = (n * q_len * max_splits) / q_len_max;
-    if (budget < 1) budget = 1;
-    double share = 0.5;
-    if (split_budget > 0 && max_splits > 1) {
-        int64_t launched = n * fill_splits(split_budget, n, tiles, max_splits, sm, p[15]);
-        if (launched < n) launched = n;
-        if (launched < budget) budget = launched;
-        share = 1.0 - 2e-4;
-    }
+    double share;
+    int64_t budget = budget_of(n, q_len, max_splits, split_budget, tiles, sm, p[15], &share);
     int64_t per_step = n * q_len * heads * 4 <= (int64_t)p[16] ? 64 : 16;
     double rate = c->rates[v];
     if (isnan(rate)) {  /* the rate of the interpolated time at a uniform batch of the mean */
-        int64_t b = c->batch, ub = (b * q_len * max_splits) / q_len_max;
-        if (ub < 1) ub = 1;
-        double ushare = 0.5;
-        if (split_budget > 0 && max_splits > 1) {
-            int64_t launched = b * fill_splits(split_budget, b, tiles, max_splits, sm, p[15]);
-            if (launched < b) launched = b;
-            if (launched < ub) ub = launched;
-            ushare = 1.0 - 2e-4;
-        }
+        int64_t b = c->batch;
+        double ushare;
+        int64_t ub = budget_of(b, q_len, max_splits, split_budget, tiles, sm, p[15], &ushare);
         int64_t *u = malloc((size_t)(b > 0 ? b : 1) * sizeof(int64_t));
         if (u == NULL) return NAN;
         for (int64_t i = 0; i < b; i++) u[i] = c->uniform_len;
