@@ -74,20 +74,81 @@ typedef double (*est_model_fn)(const double *params, int64_t variant, const est_
 class Library:
     """A C helper: `source` compiled on first use (`load`), its functions' (restype,
     argtypes) set from `signatures`; calling it returns the library, or None (the numpy
-    path), the same object every time."""
+    path), the same object every time. python_api: the functions call Python's C API
+    (declared by hand from its stable ABI, no Python.h needed) and are called holding the
+    GIL (ctypes.PyDLL)."""
 
-    def __init__(self, name: str, source: str, signatures: dict[str, tuple]):
-        self.name, self.source, self.signatures = name, source, signatures
+    def __init__(self, name: str, source: str, signatures: dict[str, tuple], python_api: bool = False):
+        self.name, self.source, self.signatures, self.python_api = name, source, signatures, python_api
         self._lib: list = []
 
     def __call__(self) -> ctypes.CDLL | None:
         if not self._lib:
-            lib = load(self.name, self.source)
+            lib = load(self.name, self.source, self.python_api)
             if lib is not None:
                 for fn, (restype, argtypes) in self.signatures.items():
                     getattr(lib, fn).restype, getattr(lib, fn).argtypes = restype, list(argtypes)
             self._lib.append(lib)
         return self._lib[0]
+
+
+# `ints_of_list`: a Python list of ints copied into an int64 buffer in one pass, without
+# making each one a numpy scalar (np.asarray of a list costs ~40 ns an item).
+_LIST_C = r"""
+#include <stdint.h>
+#include <stddef.h>
+typedef struct _object PyObject;
+extern ptrdiff_t PyList_Size(PyObject *);
+extern PyObject *PyList_GetItem(PyObject *, ptrdiff_t);
+extern long long PyLong_AsLongLong(PyObject *);
+extern PyObject *PyErr_Occurred(void);
+extern void PyErr_Clear(void);
+
+/* the list's ints into out: their count, or -1 where it holds more than cap or an item is
+   not an int that fits in 64 bits (the error cleared) */
+int64_t ints_of_list(PyObject *list, int64_t *out, int64_t cap) {
+    ptrdiff_t n = PyList_Size(list);
+    if (n < 0) { PyErr_Clear(); return -1; }
+    if (n > cap) return -1;
+    for (ptrdiff_t i = 0; i < n; i++) {
+        long long v = PyLong_AsLongLong(PyList_GetItem(list, i));
+        if (v == -1 && PyErr_Occurred()) { PyErr_Clear(); return -1; }
+        out[i] = (int64_t)v;
+    }
+    return (int64_t)n;
+}
+"""
+_list_reader = Library("list_reader", _LIST_C, {"ints_of_list": (ctypes.c_int64, (
+    ctypes.py_object, ctypes.c_void_p, ctypes.c_int64))}, python_api=True)
+
+
+class IntBuffer:
+    """A growing int64 buffer that a list of ints is copied into (`fill`): a C pass over the
+    list where a C compiler is found, else numpy's."""
+
+    __slots__ = ("array", "address", "capacity", "fn")
+
+    def __init__(self, capacity: int = 256):
+        self._grow(max(capacity, 1))
+        lib = _list_reader()
+        self.fn = lib.ints_of_list if lib is not None else None
+
+    def _grow(self, capacity: int) -> None:
+        import numpy as np
+
+        self.array = np.empty(capacity, dtype=np.int64)
+        self.address, self.capacity = self.array.ctypes.data, capacity
+
+    def fill(self, values) -> int:
+        """Copy `values` (a list or sequence of ints) in; returns their count. array[:count]
+        (at `address`) holds them."""
+        n = len(values)
+        if n > self.capacity:
+            self._grow(2 * n)
+        if self.fn is not None and type(values) is list and self.fn(values, self.address, self.capacity) == n:
+            return n
+        self.array[:n] = values
+        return n
 
 
 def cache_dir() -> Path:
@@ -110,12 +171,13 @@ def address(array) -> int:
         return array.ctypes.data
 
 
-def load(name: str, source: str) -> ctypes.CDLL | None:
-    """The compiled `source` (see the module), or None: the caller's Python path runs."""
+def load(name: str, source: str, python_api: bool = False) -> ctypes.CDLL | None:
+    """The compiled `source` (see the module), or None: the caller's Python path runs.
+    python_api: loaded as a ctypes.PyDLL (see Library)."""
     if os.environ.get(DISABLE_ENV):
         return None
     cc = compiler()
-    key = f"{name}\0{cc}\0{' '.join(FLAGS)}\0{source}"
+    key = f"{name}\0{cc}\0{' '.join(FLAGS)}\0{python_api}\0{source}"
     if key in _loaded:
         return _loaded[key]
     lib = None
@@ -125,7 +187,7 @@ def load(name: str, source: str) -> ctypes.CDLL | None:
         try:
             if not path.exists():
                 _build(cc, source, path)
-            lib = ctypes.CDLL(str(path))
+            lib = (ctypes.PyDLL if python_api else ctypes.CDLL)(str(path))
         except (OSError, subprocess.SubprocessError) as exc:
             warnings.warn(f"mla_tune.native: cannot build {name} with {cc} ({' '.join(str(exc).split())[:200]}); "
                           "the Python path runs instead (same results, more host time)", stacklevel=3)

@@ -16,6 +16,13 @@ from mla_tune.backends import flashinfer_mla_schedule as fi
 from mla_tune.backends import triton_splitk_schedule as sk
 
 
+@pytest.fixture(autouse=True)
+def _c_path_allowed(monkeypatch):
+    """These tests compare the C path with the numpy one: $MLA_TUNE_NO_NATIVE (which turns the
+    C path off) does not apply to them."""
+    monkeypatch.delenv(native.DISABLE_ENV, raising=False)
+
+
 @pytest.fixture()
 def numpy_path(monkeypatch):
     """fn(*args) with the numpy path of both replays (their C libraries unset)."""
@@ -203,3 +210,19 @@ def test_without_a_c_compiler_the_pick_is_the_python_estimates(monkeypatch):
     assert table.estimator.compiled(family) is None
     variant, estimates = table.estimator.pick(family, 8, 3000.0, [3000] * 8)
     assert variant == estimate.fastest(estimates()) and estimates()
+
+
+def test_a_list_of_ints_is_copied_into_the_int_buffer_exactly():
+    """native.IntBuffer.fill (a C pass over a Python list where a C compiler is found, else
+    numpy's copy): the same ints for lists of every size (the buffer grows), a tuple (numpy's
+    path), numpy ints; an int past 64 bits is refused as numpy refuses it."""
+    buffer = native.IntBuffer(4)
+    assert (buffer.fn is not None) == (native.compiler() is not None)
+    rng = random.Random(9)
+    for n in (0, 1, 4, 5, 300, 1000):
+        values = [rng.randint(-2 ** 62, 2 ** 62) for _ in range(n)]
+        assert buffer.fill(values) == n and buffer.array[:n].tolist() == values
+    assert buffer.fill((7, 8, 9)) == 3 and buffer.array[:3].tolist() == [7, 8, 9]
+    assert buffer.fill([np.int32(5), 6]) == 2 and buffer.array[:2].tolist() == [5, 6]
+    with pytest.raises(OverflowError):
+        buffer.fill([1, 2 ** 70])

@@ -385,7 +385,7 @@ class _Compiled:
     `Estimator.pick` then runs it instead of `estimates` and `fastest` (the same picks:
     tests/test_native_replays.py)."""
 
-    __slots__ = ("variants", "keep", "struct", "out", "ptrs", "fn")
+    __slots__ = ("variants", "keep", "struct", "out", "ptrs", "fn", "lens")
 
     def __init__(self, estimator: Estimator, family, lib, natives: list):
         variants = sorted({v for times in family.points.values() for v in times}, key=str)
@@ -410,11 +410,15 @@ class _Compiled:
         self.ptrs = (ctypes.addressof(self.struct), base, base + 16 * nv, base + 24 * nv, base + 32 * nv,
                      base + 40 * nv)
         self.fn = lib.family_estimate
+        self.lens = native.IntBuffer()  # the call's lengths, copied in once per call
 
-    def __call__(self, batch: int, kv: float, lens: np.ndarray, uniform_len: int,
-                 calibrated: bool) -> tuple[Variant | None, Callable[[], dict[Variant, float]]]:
+    def __call__(self, batch: int, kv: float, kv_lens: Sequence[int] | None, mean_kv_len: float,
+                 uniform_len: int) -> tuple[Variant | None, Callable[[], dict[Variant, float]]]:
+        """The pick and its estimates for a call of these lengths (kv_lens; None: `batch`
+        sequences of the mean, uncalibrated, as `Call.lengths` says) at the grids' length kv."""
         family, scratch, interp, rates, buckets, est = self.ptrs
-        best = self.fn(family, native.address(lens), lens.shape[0], batch, kv, uniform_len, int(calibrated),
+        n = self.lens.fill(kv_lens if kv_lens is not None else [max(int(round(mean_kv_len)), 1)] * batch)
+        best = self.fn(family, self.lens.address, n, batch, kv, uniform_len, int(kv_lens is not None),
                        scratch, interp, rates, buckets, est)
         nv, variants = len(self.variants), self.variants
         values = self.out[5 * nv:].tolist()
@@ -573,11 +577,9 @@ class Estimator:
         if ("versions", family.key) not in self._derived:
             self._derived[("versions", family.key)] = True
             self._warn_versions(family)
-        lens = (np.asarray(kv_lens, dtype=np.int64) if kv_lens is not None
-                else np.full(batch, max(int(round(mean_kv_len)), 1), dtype=np.int64))
         step = round(math.log2(max(mean_kv_len, 1.0)) * _KV_STEPS_PER_OCTAVE)
         kv = 2.0 ** (step / _KV_STEPS_PER_OCTAVE)
-        return compiled(batch, kv, lens, max(int(round(kv)), 1), kv_lens is not None)
+        return compiled(batch, kv, kv_lens, mean_kv_len, max(int(round(kv)), 1))
 
     def estimates(self, family, batch: int, mean_kv_len: float, kv_lens: Sequence[int] | None) -> dict[Variant, float]:
         """Every point variant's estimated time (us): interpolated, then each model's
