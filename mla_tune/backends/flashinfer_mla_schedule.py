@@ -253,7 +253,12 @@ _native = native.Library("flashinfer_schedule", _NATIVE_SOURCE, {
 
 
 def predict(coef: Sequence[float], features: Sequence[float]) -> float:
-    return sum(c * f for c, f in zip(coef, features, strict=True))
+    """coef . features, added left to right as the C estimate adds them (Python 3.12's sum()
+    of floats compensates its rounding, which would differ from it in the last place)."""
+    t = 0.0
+    for c, f in zip(coef, features, strict=True):
+        t = t + c * f
+    return t
 
 
 def fit_linear(rows: Sequence[Sequence[float]], times: Sequence[float]) -> list[float]:
