@@ -223,6 +223,22 @@ int sk_schedule(const int64_t *lens, int64_t n, int64_t max_splits, int64_t bloc
    sequences of uniform_len tokens (uniform_reduce_steps). The model's constants are
    k[0..5]: max_splits, block_n, tokens_per_split, tiles, slots, exact_waves; item_tokens
    is `item`. */
+/* uniform_reduce_steps: the reduction's steps for `batch` sequences of uniform_len tokens */
+static int64_t uniform_steps(int64_t batch, int64_t uniform_len, int64_t max_splits, int64_t block_n,
+                             int64_t budget, double share_round, int64_t tokens_per_split, int64_t per_step) {
+    int64_t total = batch * uniform_len;
+    if (total < 1) total = 1;
+    int64_t split = uniform_len > 0
+        ? split_of(uniform_len, total, max_splits, block_n, budget, share_round, tokens_per_split) : 0;
+    int64_t most = split ? (uniform_len + split - 1) / split : 0;
+    return batch >= 1 && most > 1 ? (most + per_step - 1) / per_step : 0;
+}
+
+/* split_rule.reduce_splits_per_step */
+static int64_t per_step_of(int64_t batch, int64_t q_len, int64_t heads, int64_t wide_programs) {
+    return batch * q_len * heads * 4 <= wide_programs ? 64 : 16;
+}
+
 int sk_replay(const int64_t *k, double item, const int64_t *lens, int64_t n, int64_t batch, int64_t budget,
               double share_round, int64_t per_step, int64_t uniform_len, double *out) {
     double span;
@@ -231,11 +247,7 @@ int sk_replay(const int64_t *k, double item, const int64_t *lens, int64_t n, int
                          &span, &steps);
     out[0] = span;
     out[1] = (double)steps;
-    int64_t total = batch * uniform_len;
-    if (total < 1) total = 1;
-    int64_t split = uniform_len > 0 ? split_of(uniform_len, total, k[0], k[1], budget, share_round, k[2]) : 0;
-    int64_t most = split ? (uniform_len + split - 1) / split : 0;
-    out[2] = batch >= 1 && most > 1 ? (double)((most + per_step - 1) / per_step) : 0.0;
+    out[2] = (double)uniform_steps(batch, uniform_len, k[0], k[1], budget, share_round, k[2], per_step);
     return rc;
 }
 
@@ -290,7 +302,7 @@ double sk_model_estimate(const double *p, int64_t v, const est_call_t *c) {
     int64_t n = c->n;
     double share;
     int64_t budget = budget_of(n, q_len, max_splits, split_budget, tiles, sm, p[15], &share);
-    int64_t per_step = n * q_len * heads * 4 <= (int64_t)p[16] ? 64 : 16;
+    int64_t wide = (int64_t)p[16], per_step = per_step_of(n, q_len, heads, wide);
     double rate = c->rates[v];
     if (isnan(rate)) {  /* the rate of the interpolated time at a uniform batch of the mean */
         int64_t b = c->batch;
@@ -301,9 +313,8 @@ double sk_model_estimate(const double *p, int64_t v, const est_call_t *c) {
         for (int64_t i = 0; i < b; i++) u[i] = c->uniform_len;
         double uspan;
         int64_t usteps;
-        int64_t uper = b * q_len * heads * 4 <= (int64_t)p[16] ? 64 : 16;
-        sk_schedule(u, b, max_splits, block_n, ub, ushare, tps, tiles, slots, item, uper, exact_waves, &uspan,
-                    &usteps);
+        sk_schedule(u, b, max_splits, block_n, ub, ushare, tps, tiles, slots, item, per_step_of(b, q_len, heads, wide),
+                    exact_waves, &uspan, &usteps);
         free(u);
         rate = mine > overhead && uspan > 0 ? (mine - overhead) / uspan : NAN;
     }
@@ -313,15 +324,10 @@ double sk_model_estimate(const double *p, int64_t v, const est_call_t *c) {
     if (sk_schedule(c->lens, n, max_splits, block_n, budget, share, tps, tiles, slots, item, per_step, exact_waves,
                     &span, &steps) != 0) return NAN;
     double t = overhead + rate * span;
-    int64_t call_per_step = c->batch * q_len * heads * 4 <= (int64_t)p[16] ? 64 : 16;
-    double step_us = call_per_step == 16 ? p[11] : p[12];
+    double step_us = per_step_of(c->batch, q_len, heads, wide) == 16 ? p[11] : p[12];
     if (c->calibrated && step_us != 0.0) {
-        int64_t total = c->batch * c->uniform_len;
-        if (total < 1) total = 1;
-        int64_t split = c->uniform_len > 0 ? split_of(c->uniform_len, total, max_splits, block_n, budget, share, tps) : 0;
-        int64_t most = split ? (c->uniform_len + split - 1) / split : 0;
-        int64_t uniform = c->batch >= 1 && most > 1 ? (most + per_step - 1) / per_step : 0;
-        int64_t extra = steps - uniform;
+        int64_t extra = steps - uniform_steps(c->batch, c->uniform_len, max_splits, block_n, budget, share, tps,
+                                              per_step);
         t += step_us * (double)(extra > 0 ? extra : 0);
     }
     double floor_t = p[13] * mine;

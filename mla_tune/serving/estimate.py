@@ -130,11 +130,21 @@ def interpolate(points: Mapping[tuple[int, int], Mapping[Variant, float]], batch
     return _blend([(w, _at_batch(points, b, kv_len)) for b, w in _bracket(batches, batch)])
 
 
-def uniform_length(mean_kv_len: float) -> int:
-    """A mean length taken to ~1% (_KV_STEPS_PER_OCTAVE): what `Estimator.at_uniform`
-    computes at."""
+def _kv_step(mean_kv_len: float) -> tuple[int, float]:
+    """(step, length): a mean length taken to ~1% (_KV_STEPS_PER_OCTAVE), the step the
+    memos key on and the length the estimate is made at."""
     step = round(math.log2(max(mean_kv_len, 1.0)) * _KV_STEPS_PER_OCTAVE)
-    return max(int(round(2.0 ** (step / _KV_STEPS_PER_OCTAVE))), 1)
+    return step, 2.0 ** (step / _KV_STEPS_PER_OCTAVE)
+
+
+def uniform_length(mean_kv_len: float) -> int:
+    """The whole length `Estimator.at_uniform` computes at for a mean length."""
+    return max(int(round(_kv_step(mean_kv_len)[1])), 1)
+
+
+def _present(variants: Sequence[Variant], values: Sequence[float]) -> dict[Variant, float]:
+    """{variant: value} of the C results, leaving out the NANs (a variant with none)."""
+    return {v: t for v, t in zip(variants, values, strict=True) if t == t}
 
 
 class _Grid:
@@ -374,7 +384,7 @@ class _Dense:
     def __call__(self, batch: int, kv_len: float) -> dict[Variant, float]:
         ref, scratch, out = self.args
         self.fn(ref, float(batch), float(kv_len), scratch, out)
-        return {v: t for v, t in zip(self.variants, self.out.tolist(), strict=True) if t == t}
+        return _present(self.variants, self.out.tolist())
 
 
 class _Compiled:
@@ -422,8 +432,7 @@ class _Compiled:
                        scratch, interp, rates, buckets, est)
         nv, variants = len(self.variants), self.variants
         values = self.out[5 * nv:].tolist()
-        return (variants[best] if best >= 0 else None,
-                lambda: {v: t for v, t in zip(variants, values, strict=True) if t == t})
+        return variants[best] if best >= 0 else None, lambda: _present(variants, values)
 
 
 def fastest(estimates: Mapping[Variant, float], allowed: Callable[[Variant], bool] | None = None) -> Variant | None:
@@ -574,19 +583,14 @@ class Estimator:
         if compiled is None:
             est = self.estimates(family, batch, mean_kv_len, kv_lens)
             return fastest(est), lambda: est
-        if ("versions", family.key) not in self._derived:
-            self._derived[("versions", family.key)] = True
-            self._warn_versions(family)
-        step = round(math.log2(max(mean_kv_len, 1.0)) * _KV_STEPS_PER_OCTAVE)
-        kv = 2.0 ** (step / _KV_STEPS_PER_OCTAVE)
+        self._warn_versions_once(family)
+        kv = _kv_step(mean_kv_len)[1]
         return compiled(batch, kv, kv_lens, mean_kv_len, max(int(round(kv)), 1))
 
     def estimates(self, family, batch: int, mean_kv_len: float, kv_lens: Sequence[int] | None) -> dict[Variant, float]:
         """Every point variant's estimated time (us): interpolated, then each model's
         estimate where it gives one (see the module)."""
-        if ("versions", family.key) not in self._derived:
-            self._derived[("versions", family.key)] = True
-            self._warn_versions(family)
+        self._warn_versions_once(family)
         interp = self.interpolated("times", family, batch, mean_kv_len)
         if not family.models:
             return dict(interp)
@@ -607,6 +611,12 @@ class Estimator:
         batch, mean = len(kv_lens), sum(kv_lens) / len(kv_lens)
         call = Call(self, family, batch, mean, kv_lens, self.interpolated("times", family, batch, mean), calibrated)
         return {v: t for v, m in family.models.items() if (t := m.estimate(call, raw=True)) is not None}
+
+    def _warn_versions_once(self, family) -> None:
+        """`_warn_versions` at a family's first estimate."""
+        if ("versions", family.key) not in self._derived:
+            self._derived[("versions", family.key)] = True
+            self._warn_versions(family)
 
     def _warn_versions(self, family) -> None:
         """Warn once per vendor distribution whose scheduler a family's model replays (its
@@ -636,24 +646,24 @@ class Estimator:
                    compute: Callable[[int], Any]) -> Any:
         """compute(length) for a uniform batch of the mean length, the length taken to ~1%
         and the result memoized per (kind, family, variant, batch, length)."""
-        step = round(math.log2(max(mean_kv_len, 1.0)) * _KV_STEPS_PER_OCTAVE)
+        step, kv = _kv_step(mean_kv_len)
         memo_key = (kind, family.key, model.variant, batch, step)
         if memo_key not in self._memo:
             if len(self._memo) >= 1 << 16:
                 self._memo.clear()
-            self._memo[memo_key] = compute(max(int(round(2.0 ** (step / _KV_STEPS_PER_OCTAVE))), 1))
+            self._memo[memo_key] = compute(max(int(round(kv)), 1))
         return self._memo[memo_key]
 
     def interpolated(self, kind: str, family, batch: int, mean_kv_len: float) -> dict[Variant, float]:
         """`interpolate` over the family's points ("times"), its models' point rates
         ("rates") or its batch buckets' points alone ("buckets"), memoized per (batch,
         kv_len to ~1%). The result is shared: do not change it."""
-        step = round(math.log2(max(mean_kv_len, 1.0)) * _KV_STEPS_PER_OCTAVE)
+        step, kv = _kv_step(mean_kv_len)
         memo_key = (kind, family.key, batch, step)
         if memo_key not in self._memo:
             if len(self._memo) >= 1 << 16:
                 self._memo.clear()
-            self._memo[memo_key] = self.grid(kind, family).interpolate(batch, 2.0 ** (step / _KV_STEPS_PER_OCTAVE))
+            self._memo[memo_key] = self.grid(kind, family).interpolate(batch, kv)
         return self._memo[memo_key]
 
     def derived(self, kind: str, family) -> dict[tuple[int, int], dict[Variant, float]]:

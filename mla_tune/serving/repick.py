@@ -72,7 +72,7 @@ def repick_graph(table: ServingTable, reports: Sequence[str | Path], *, margin: 
                 bucket = batch_bucket(table.batch_buckets, record["batch"])
                 shapes.setdefault((key, bucket), []).append((record, factors))
     changes = []
-    for (key, bucket), rows in sorted(shapes.items(), key=lambda item: (item[0][0], item[0][1])):
+    for (key, bucket), rows in sorted(shapes.items()):
         current = table.families[key].graph.get(bucket)
         if current is None or len(rows) < min_shapes:
             continue

@@ -229,16 +229,6 @@ class ServingTable:
             return {}
         return self.estimator.estimates(family, batch, mean_kv_len, kv_lens)
 
-    def estimated_pick(self, spec: CallSpec, batch: int, mean_kv_len: float, kv_lens: Sequence[int] | None = None
-                       ) -> tuple[Variant | None, Any]:
-        """(the variant estimated fastest, a function returning `estimates`): what `lookup`
-        weighs first, in one C call where the family's estimate is compiled
-        (Estimator.pick). (None, ...) where the family has no points or no estimate."""
-        family = self.family(spec)
-        if family is None or not family.points:
-            return None, dict
-        return self.estimator.pick(family, batch, mean_kv_len, kv_lens)
-
     def model_estimates(self, spec: CallSpec, kv_lens: Sequence[int], calibrated: bool = True) -> dict[Variant, float]:
         """Each schedule model's own estimate (us) for a call of these lengths, whether or
         not it is near the best (Estimator.model_estimates)."""
