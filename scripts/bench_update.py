@@ -13,8 +13,9 @@ as a plan without them does. On a GPU (`--device cuda`, the default there) the s
 tensors live on the device and the picked runner's step runs as an engine's does (the
 vendors' host planning and device metadata included); the device is synchronized after
 each timed call, outside its time. `--warm` makes the plans with warm=True, as an engine
-does (every runner compiled and run once: the vendors' JIT modules loaded too). Then `mixes` steps, each of a family drawn at
-random, a batch drawn uniformly from 1-256 and every sequence's length drawn log-uniformly
+does (every runner compiled and run once: the vendors' JIT modules loaded too; without it
+a GPU plan's first update can spend seconds loading them). Then `mixes` steps, each of a
+family drawn at random, a batch drawn uniformly from 1-256 and every sequence's length drawn log-uniformly
 from 64-65536 tokens (fresh lengths every step), each sequence with the family's q_len new
 tokens. The step's tensors are made before its clock starts; what is timed
 (time.perf_counter_ns) is one `plan.update(...)` call with the host lengths, starting at

@@ -207,8 +207,9 @@ gpu-suite)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   timed gpu-suite timeout ${SUITE_TIMEOUT:-330} python3 -m pytest -q -m gpu -n 8 --dist load -p no:cacheprovider \
     > "$out/gpu_tests.log" 2>&1; tail -25 "$out/gpu_tests.log" | grep -v -i warn
-  timed update-c timeout 70 python3 scripts/bench_update.py --json "$out/update_c.json" 2>&1 | tail -6
-  MLA_TUNE_NO_NATIVE=1 timed update-numpy timeout 70 python3 scripts/bench_update.py \
+  timed update-c timeout 150 python3 scripts/bench_update.py --device cuda --warm --json "$out/update_c.json" \
+    2>&1 | tail -6
+  MLA_TUNE_NO_NATIVE=1 timed update-numpy timeout 150 python3 scripts/bench_update.py --device cuda --warm \
     --json "$out/update_numpy.json" 2>&1 | tail -6
   for kv in fp8 bf16; do
     timed engine-$kv timeout 75 python3 scripts/engine_loop.py --kv $kv --buckets 8,32 \
@@ -218,7 +219,8 @@ gpu-suite)
   ;;
 serving-verify)
   # host time first (nothing else running): update on the device's tensors, then run beside the vendors
-  timed update timeout 90 python3 scripts/bench_update.py --device cuda --json "$out/update_c.json" 2>&1 | tail -4
+  timed update timeout 150 python3 scripts/bench_update.py --device cuda --warm --json "$out/update_c.json" \
+    2>&1 | tail -4
   timed host timeout 110 python3 scripts/bench_serving_host.py --out "$out" 2>&1 | tail -24
   for seed in ${SEEDS:?SEEDS=\"S1 S2\" names the fresh seeds}; do
     timed verify-$seed timeout ${VERIFY_TIMEOUT:-240} python3 -m mla_tune verify --table tables/H200.serving.yaml \
