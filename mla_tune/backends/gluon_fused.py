@@ -5,7 +5,7 @@ the reference on the H200 at the eight leaderboard shapes (docs/perf.md, "Issue 
 Its serving call (build_serving, default_serving_variant, serving_candidates; the section
 "the serving call" below) runs kernels/gluon_serving.py: paged (64, 128) or contiguous KV,
 bf16 or fp8, 16 to 128 heads, q_len 1 to 4; a serving variant carries max_splits and
-tokens_per_split (GF_SERVING_RULES), a leaderboard one num_splits.
+tokens_per_split (PARAM_RULES' serving form), a leaderboard one num_splits.
 
 Leaderboard variant parameters:
   kv          fp8              the KV format read (fp8 e4m3 with a per-tensor scale)
@@ -39,10 +39,6 @@ import torch
 
 from mla_tune.backends.params import (
     PARAM_RULES,
-    ParamChoice,
-    ParamForm,
-    ParamInt,
-    ParamRules,
     check_variant_rules,
 )
 from mla_tune.core import (
@@ -137,11 +133,12 @@ def _gf_smem_bytes(block_n: int, num_stages: int, v_path: str = "ss16", ws: int 
 def validate(variant: Variant) -> None:
     """Refuse a missing, unknown or ill-valued parameter, or a tile and ring deeper than
     shared memory holds (names and values only). A serving variant (max_splits,
-    tokens_per_split: build_serving's) is checked by GF_SERVING_RULES."""
+    tokens_per_split: build_serving's) is checked by the serving form of backends/params.py,
+    then by the kernel's own limits."""
+    check_variant_rules(variant, PARAM_RULES[NAME])  # names, choices, bounds: backends/params.py
     if _gf_is_serving(variant):
         _gf_validate_serving(variant)
         return
-    check_variant_rules(variant, PARAM_RULES[NAME])  # names, choices, bounds: backends/params.py
     ws, block_n = variant.get("ws", 0), variant.get("block_n")
     stages, v_path = variant.get("num_stages"), variant.get("v_path")
     smem = _gf_smem_bytes(block_n, stages, v_path, ws)
@@ -305,16 +302,6 @@ SPACE_KEYS = tuple(GF_DEFAULT_SPACE)
 # gluon_serving.gs_num_splits), num_stages (TMA ring depth), v_halves (1, or 2 programs
 # per tile each multiplying half the V dims); optional split_budget (absent or 0: none; B:
 # the batch's B splits shared by length, capped by max_splits and tokens_per_split).
-_GF_SERVING_KEYS = ("kv", "q", "block_h", "max_splits", "tokens_per_split", "num_stages", "v_halves")
-GF_SERVING_RULES = ParamRules(NAME, (
-    ParamForm("serving", (*_GF_SERVING_KEYS, "split_budget"), _GF_SERVING_KEYS,
-              (("kv", ParamChoice(("bf16", "fp8"))), ("q", ParamChoice(("bf16", "fp8_dynamic"))),
-               ("block_h", ParamInt(maximum=128, power_of_two=True)),
-               ("max_splits", ParamInt(maximum=GS_MAX_SPLITS)),
-               ("tokens_per_split", ParamInt(minimum=64, maximum=2**31 - 1)),
-               ("num_stages", ParamInt(minimum=2, maximum=4)), ("v_halves", ParamChoice((1, 2))),
-               ("split_budget", ParamInt(minimum=0, maximum=2**31 - 1)))),
-))
 _GF_SERVING_Q = {"bf16": "bf16", "fp8": "fp8_dynamic"}  # the q mode each KV format's kernel reads
 _GF_SERVING_TOKENS_PER_SPLIT = 512
 _GF_SERVING_MAX_SPLITS = 16  # the default's cap: scratch is max_splits x heads x 2 KiB per new token
@@ -334,7 +321,6 @@ def _gf_is_serving(variant: Variant) -> bool:
 
 
 def _gf_validate_serving(variant: Variant) -> None:
-    check_variant_rules(variant, GF_SERVING_RULES)
     p = variant.p
     require(p["q"] == _GF_SERVING_Q[p["kv"]],
             f"{NAME}: {variant} reads {p['kv']} KV, whose serving kernel takes q={_GF_SERVING_Q[p['kv']]}")

@@ -203,6 +203,10 @@ _PR_FU_LATER = (("load", "ptr"), ("grid", "split"), ("waves", 1))  # triton_fuse
 _PR_FU_SERVING = ("kv", "q", "qk_dot", "pv_dot", "block_n", "block_h", "max_splits",
                   "tokens_per_split", "num_warps", "num_stages")
 
+# gluon_fused's serving variant (its "the serving call" says what each names)
+_PR_GF_SERVING = ("kv", "q", "block_h", "max_splits", "tokens_per_split", "num_stages", "v_halves")
+PR_GS_MAX_SPLITS = 64  # kernels/gluon_serving.GS_MAX_SPLITS (this module imports no kernel; a test holds them equal)
+
 PARAM_RULES: dict[str, ParamRules] = {
     "triton": ParamRules("triton", (
         ParamForm("serving", (*_PR_TSK_SERVING, "split_budget", "q_amax", *_PR_HIP_KEYS), _PR_TSK_SERVING,
@@ -232,6 +236,15 @@ PARAM_RULES: dict[str, ParamRules] = {
                   defaults=_PR_FU_LATER),
     )),
     "gluon_fused": ParamRules("gluon_fused", (
+        # the serving call (kernels/gluon_serving.py; gluon_fused's "the serving call")
+        ParamForm("serving", (*_PR_GF_SERVING, "split_budget"), _PR_GF_SERVING,
+                  (("kv", ParamChoice(("bf16", "fp8"))), ("q", ParamChoice(("bf16", "fp8_dynamic"))),
+                   ("block_h", ParamInt(maximum=128, power_of_two=True)),
+                   ("max_splits", ParamInt(maximum=PR_GS_MAX_SPLITS)),
+                   ("tokens_per_split", ParamInt(minimum=64, maximum=_PR_INT32_MAX)),
+                   ("num_stages", ParamInt(minimum=2, maximum=4)), ("v_halves", ParamChoice((1, 2))),
+                   ("split_budget", ParamInt(minimum=0, maximum=_PR_INT32_MAX))),
+                  when_any=("max_splits", "tokens_per_split")),
         ParamForm("leaderboard", ("kv", "q", "block_n", "num_stages", "num_splits", "v_path", "reduce", "ws"),
                   ("kv", "q", "block_n", "num_stages", "num_splits", "v_path"),
                   (("reduce", ParamChoice(("launch", "spin"))), ("ws", ParamChoice((0, 1, 2))),
