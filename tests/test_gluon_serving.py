@@ -170,3 +170,23 @@ def test_serving_variants_are_refused_by_name():
     if not torch.cuda.is_available():  # Gluon has no interpreter: a CPU build says so
         with pytest.raises(ValueError, match="needs an NVIDIA sm_90 GPU"):
             gluon_fused.build_serving(good, spec, "cpu")
+
+
+def test_a_table_entry_naming_a_serving_variant_passes_the_tables_rules():
+    # The table's check reads backends/params.py (no torch, no kernel): it must know the
+    # serving form, or a serving table with a Gluon pick fails to load (the re-sweep of
+    # 2026-12-02 failed so at writing its table). The form's split cap is the kernel's.
+    from mla_tune.backends.params import PARAM_RULES, PR_GS_MAX_SPLITS, check_variant_rules
+    from mla_tune.tables.table import TableError, check_variant_field
+
+    assert PR_GS_MAX_SPLITS == gluon_serving.GS_MAX_SPLITS
+    spec = CallSpec("fp8", 64, 128, max_q_len=2)
+    for variant in [gluon_fused.default_serving_variant(spec, H200),
+                    *gluon_fused.serving_candidates(spec, {"batch_waves": [1]}, H200)]:
+        check_variant_rules(variant, PARAM_RULES["gluon_fused"])
+        for check_params in (False, True):
+            assert check_variant_field("cell", "variant", {"variant": str(variant)}, ["gluon_fused"],
+                                       check_params) == variant
+    bad = gluon_fused.default_serving_variant(spec, H200).with_params(max_splits=PR_GS_MAX_SPLITS + 1)
+    with pytest.raises(TableError, match="max_splits"):
+        check_variant_field("cell", "variant", {"variant": str(bad)}, ["gluon_fused"], False)

@@ -22,3 +22,22 @@ def test_a_results_record_without_its_key_fields_is_one_line_naming_it(tmp_path,
     with pytest.raises(ResultsError, match=r"line 2: a \w+ record without a valid shape") as info:
         read_results(path, kinds=("candidate", "step", "rung"))
     assert "\n" not in str(info.value) and "--fresh" in str(info.value)
+
+
+def test_a_gzipped_results_file_reads_as_the_plain_one(tmp_path):
+    # results committed for the record are gzipped (docs/data/sweep); --merge reads them so
+    import gzip as _gzip
+
+    from mla_tune.tune.results import read_json_lines as _read
+
+    plain = tmp_path / "r.jsonl"
+    plain.write_text('{"kind": "header"}\n\n{"kind": "candidate", "n": 1}\n{"kind": "cand')
+    packed = tmp_path / "r.jsonl.gz"
+    packed.write_bytes(_gzip.compress(plain.read_bytes()))
+    (a, wa), (b, wb) = (_read(p, redone="redo", fix="fix") for p in (plain, packed))
+    assert list(a) == list(b) == [(1, {"kind": "header"}), (3, {"kind": "candidate", "n": 1})]
+    assert len(wa) == len(wb) == 1
+    broken = tmp_path / "cut.jsonl.gz"
+    broken.write_bytes(packed.read_bytes()[:-6])
+    with pytest.raises(ResultsError, match="not a whole gzip file"):
+        _read(broken, redone="redo", fix="fix")

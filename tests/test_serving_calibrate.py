@@ -105,3 +105,26 @@ def test_a_probe_runs_checked_on_the_real_kernel(device):
     probe = cal.ReduceProbe(key, 64, variant, tail, (78, 77, 77), (1, 2))
     times = cal.measure(probe, cfg, device, timing.cpu_time if device == "cpu" else timing.time_call, 1, 1)
     assert set(times) == {"uniform", "tail"} and all(t > 0 for t in times.values())
+
+
+def test_a_probe_skips_a_model_that_cannot_estimate_its_batch(monkeypatch):
+    # A model knows only the batches its variant was timed at: a sweep where another backend
+    # pruned it early leaves it blind at some probe batches. The plan must not pick it there
+    # (calibrate then failed with "estimates no time" on the re-sweep of 2026-12-02).
+    table = load_serving_table(TABLE)
+    first = cal.plan_probes(table)
+    blind = {(p.key, len(p.tail)): p.variant for p in first}
+    real = table.estimator.model_estimates
+
+    def estimates(family, kv_lens, calibrated=True):
+        out = dict(real(family, kv_lens, calibrated))
+        out.pop(blind.get((family.key, len(kv_lens))), None)
+        return out
+
+    monkeypatch.setattr(table.estimator, "model_estimates", estimates)
+    again = cal.plan_probes(table)
+    assert again, "other split-K models still make probes"
+    for p in again:
+        assert p.variant != blind[(p.key, len(p.tail))]
+        spec_free = [real(table.families[p.key], list(lens), False).get(p.variant) for lens in (p.uniform, p.tail)]
+        assert None not in spec_free

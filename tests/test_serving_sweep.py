@@ -363,7 +363,7 @@ def test_the_committed_config_plans_tier_1_within_20_gpu_minutes(capsys):
     assert est["total"] <= 20 * 60 and "left out batch 256: kv 8192" in out
     plan = plan_sweep(cfg, fake_platform("H200"), check_available=False)
     # every family gets every backend, and a choice of split rules and head tiles
-    assert all(len(f.candidates) >= 8 and set(f.per_backend()) == {"triton", "triton_fused", "flashmla", "flashinfer"}
+    assert all(len(f.candidates) >= 8 and set(f.per_backend()) == {"triton", "triton_fused", "flashmla", "flashinfer", "gluon_fused"}
                for f in plan.families.values())
     # bf16 caches over 768 MiB per layer are left out; fp8 ones fit twice the tokens
     fp8 = next(f for k, f in plan.families.items() if k.kv_format == "fp8")

@@ -79,7 +79,8 @@ def plan_probes(table: ServingTable, keys: list[FamilyKey] | None = None, tail_k
     """A probe per family with split-K models and per reduction grid: the smallest batch
     bucket of the narrow grid (16 splits a step), the largest of the wide one (64), at
     least two sequences; the model whose reduction takes the most steps more on the tail
-    (the first by name of equals). None where no model's does."""
+    (the first by name of equals) among the models that estimate both batches (a model
+    knows only the batches its variant was timed at). None where no model's does."""
     probes = []
     for key in keys if keys is not None else sorted(table.families):
         family = table.families[key]
@@ -94,8 +95,12 @@ def plan_probes(table: ServingTable, keys: list[FamilyKey] | None = None, tail_k
             each, extra = divmod(sum(tail), batch)
             uniform = (each + 1,) * extra + (each,) * (batch - extra)
             best = None
+            estimates = [table.estimator.model_estimates(family, list(lens), calibrated=False)
+                         for lens in (uniform, tail)]
             for v in sorted(models, key=str):
                 model = models[v]
+                if any(e.get(v) is None for e in estimates):
+                    continue
                 steps = (model.reduction_steps(key, uniform), model.reduction_steps(key, tail))
                 if steps[1] > steps[0] and (best is None or steps[1] - steps[0] > best[1][1] - best[1][0]):
                     best = (v, steps)

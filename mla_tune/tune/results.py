@@ -10,6 +10,7 @@ sweep with one line naming the file and saying that re-running resumes (RESUME_N
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import time
@@ -52,7 +53,9 @@ def candidate_key(shape: dict, variant: str) -> tuple[int, int, str]:
 
 def read_json_lines(path: Path, redone: str, fix: str) -> tuple[Iterator[tuple[int, Any]], list[str]]:
     """(the file's JSON values with their line numbers, warnings); blank lines are skipped
-    and a missing file has no lines. The readers of both results files use it.
+    and a missing file has no lines. A name ending in .gz is read through gzip (a results
+    file committed for the record is merged from there; a sweep appends only to plain
+    files). The readers of both results files use it.
 
     A last line without its newline is a write cut short by a kill: it is left out with a
     warning that ends in `redone` (what becomes of the record it held); repair_tail cuts it
@@ -62,7 +65,13 @@ def read_json_lines(path: Path, redone: str, fix: str) -> tuple[Iterator[tuple[i
     """
     if not path.exists():
         return iter(()), []
-    lines = path.read_bytes().split(b"\n")
+    data = path.read_bytes()
+    if path.suffix == ".gz":
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError) as exc:
+            raise ResultsError(f"{path}: not a whole gzip file ({exc}); {fix}") from exc
+    lines = data.split(b"\n")
     tail = lines.pop()  # b"" when the file ends with a newline
     warnings = [f"{path}: ignoring a truncated last line ({len(tail)} bytes, a write cut short "
                 f"by a kill); {redone}"] if tail else []
