@@ -30,6 +30,9 @@
 #       on the device's tensors (bench_update.py), run's host times beside the vendors'
 #       (bench_serving_host.py), then `mla-tune verify` of tables/H200.serving.yaml at each seed
 #       (30 shapes, 10 ragged mixes)
+#   SEEDS="97 98" bash scripts/gpu_acceptance.sh serving-adopt   # a re-swept table (TABLE_GZ=,
+#       default docs/data/sweep/h200-2026-12-02-gluon/H200.serving.yaml.gz) calibrated here,
+#       `mla-tune verify` of it at each seed, then the engine loop (fp8, bf16) beside FlashMLA
 #   bash scripts/gpu_acceptance.sh serving-table        # on two GPUs: `mla-tune verify` of
 #       tables/H200.serving.yaml and the FlashInfer tests on GPU 1; on GPU 0 the fast-path and
 #       FlashMLA tests, the engine loop (bf16, fp8) beside FlashMLA, the 64 x 4000 example, host times
@@ -40,7 +43,7 @@
 # It works in /tmp/acceptance and copies what matters (the table, its results file, the logs,
 # at most 8 files: what the device tool brings back) to $OUT (or ./gpu_out).
 set -uo pipefail
-modes="gpu-suite|serving-verify|leaderboard-sweep|leaderboard-budget|leaderboard-export|sweep-safety|serving-tests|serving-splitk|serving-sweep-chunk|serving-table"
+modes="gpu-suite|serving-verify|serving-adopt|leaderboard-sweep|leaderboard-budget|leaderboard-export|sweep-safety|serving-tests|serving-splitk|serving-sweep-chunk|serving-table"
 mode=${1:?usage: gpu_acceptance.sh $modes}
 keep=${OUT:-gpu_out}
 out=/tmp/acceptance
@@ -251,6 +254,29 @@ serving-table)
   timed host timeout 150 python3 scripts/bench_serving_host.py --out "$out" 2>&1 | tail -24
   cat "$out"/gpu_tests_fast.log "$out"/gpu_tests_fm.log "$out"/gpu_tests_fi.log > "$out/gpu_tests.log"
   tail -3 "$out/gpu_tests_fi.log"; tail -40 "$out/verify.log"
+  ;;
+serving-adopt)
+  # a re-swept serving table (TABLE_GZ=, default the gluon_fused re-sweep of docs/data/sweep)
+  # readied for adoption: the split-K reduction's calibration on this GPU, `mla-tune verify` at
+  # each of SEEDS, then the engine loop (fp8, bf16) beside FlashMLA; brings back the
+  # calibrated table, the calibration's log and the verify reports
+  t=/tmp/adopt/H200.serving.yaml
+  mkdir -p /tmp/adopt
+  gunzip -c "${TABLE_GZ:-docs/data/sweep/h200-2026-12-02-gluon/H200.serving.yaml.gz}" > "$t" || exit 1
+  timed calibrate timeout 150 python3 -m mla_tune.serving.calibrate --table "$t" > "$out/calibrate.log" 2>&1
+  grep -v -i warn "$out/calibrate.log" | tail -16
+  cp "$t" "$keep/"; cp "$out/calibrate.log" "$keep/"
+  for seed in ${SEEDS:?SEEDS=\"S1 S2\" names the fresh seeds}; do
+    timed verify-$seed timeout ${VERIFY_TIMEOUT:-240} python3 -m mla_tune verify --table "$t" \
+      --seed $seed --budget ${VERIFY_BUDGET:-190} --workers 12 --max-p95 0.05 --max-regret 0.15 \
+      --json "$out/verify$seed.json" > "$out/verify$seed.log" 2>&1; grep -v -i warn "$out/verify$seed.log" | tail -9
+    gzip -c "$out/verify$seed.json" > "$keep/verify$seed.json.gz" 2>/dev/null
+  done
+  for kv in fp8 bf16; do
+    timed engine-$kv timeout 120 python3 scripts/engine_loop.py --kv $kv --buckets 8,32 \
+      --table "$t" --out "$out/engine_$kv" 2>&1 | tail -4
+    cp "$out/engine_$kv/engine_loop.json" "$out/engine_$kv.json" 2>/dev/null
+  done
   ;;
 *)
   echo "unknown mode $mode (${modes//|/ | })"; exit 2 ;;
