@@ -61,6 +61,25 @@ timed() {  # timed NAME CMD...: runs CMD, prints and records its wall seconds
   printf '%s: wall %d.%03d s (exit %d)\n' "$name" $((ms / 1000)) $((ms % 1000)) "$rc" | tee -a "$out/walls.txt"
 }
 
+verify_seeds() {  # verify_seeds TABLE: `mla-tune verify` of TABLE at each of $SEEDS, reports gzipped to $keep
+  local seed
+  for seed in ${SEEDS:?SEEDS=\"S1 S2\" names the fresh seeds}; do
+    timed verify-$seed timeout ${VERIFY_TIMEOUT:-240} python3 -m mla_tune verify --table "$1" \
+      --seed $seed --budget ${VERIFY_BUDGET:-190} --workers 12 --max-p95 0.05 --max-regret 0.15 \
+      --json "$out/verify$seed.json" > "$out/verify$seed.log" 2>&1; grep -v -i warn "$out/verify$seed.log" | tail -9
+    gzip -c "$out/verify$seed.json" > "$keep/verify$seed.json.gz" 2>/dev/null
+  done
+}
+
+engine_loops() {  # engine_loops TABLE TIMEOUT: the engine loop at fp8 and bf16, buckets 8 and 32, beside FlashMLA
+  local kv
+  for kv in fp8 bf16; do
+    timed engine-$kv timeout "$2" python3 scripts/engine_loop.py --kv $kv --buckets 8,32 \
+      --table "$1" --out "$out/engine_$kv" 2>&1 | tail -4
+    cp "$out/engine_$kv/engine_loop.json" "$out/engine_$kv.json" 2>/dev/null
+  done
+}
+
 present() {  # present GROUP: the group without its test files missing here; nothing when none is here
   local g=$1 f kept=0
   for f in $(grep -o 'tests/[A-Za-z0-9_/]*\.py' <<< "$g"); do
@@ -214,23 +233,14 @@ gpu-suite)
     2>&1 | tail -6
   MLA_TUNE_NO_NATIVE=1 timed update-numpy timeout 150 python3 scripts/bench_update.py --device cuda --warm \
     --json "$out/update_numpy.json" 2>&1 | tail -6
-  for kv in fp8 bf16; do
-    timed engine-$kv timeout 75 python3 scripts/engine_loop.py --kv $kv --buckets 8,32 \
-      --table tables/H200.serving.yaml --out "$out/engine_$kv" 2>&1 | tail -4
-    cp "$out/engine_$kv/engine_loop.json" "$out/engine_$kv.json" 2>/dev/null
-  done
+  engine_loops tables/H200.serving.yaml 75
   ;;
 serving-verify)
   # host time first (nothing else running): update on the device's tensors, then run beside the vendors
   timed update timeout 150 python3 scripts/bench_update.py --device cuda --warm --json "$out/update_c.json" \
     2>&1 | tail -4
   timed host timeout 110 python3 scripts/bench_serving_host.py --out "$out" 2>&1 | tail -24
-  for seed in ${SEEDS:?SEEDS=\"S1 S2\" names the fresh seeds}; do
-    timed verify-$seed timeout ${VERIFY_TIMEOUT:-240} python3 -m mla_tune verify --table tables/H200.serving.yaml \
-      --seed $seed --budget ${VERIFY_BUDGET:-190} --workers 12 --max-p95 0.05 --max-regret 0.15 \
-      --json "$out/verify$seed.json" > "$out/verify$seed.log" 2>&1; grep -v -i warn "$out/verify$seed.log" | tail -9
-    gzip -c "$out/verify$seed.json" > "$keep/verify$seed.json.gz" 2>/dev/null
-  done
+  verify_seeds tables/H200.serving.yaml
   ;;
 serving-table)
   ( CUDA_VISIBLE_DEVICES=1 timeout 400 python3 -m mla_tune verify --table tables/H200.serving.yaml \
@@ -244,11 +254,7 @@ serving-table)
     tests/test_plan.py > "$out/gpu_tests_fast.log" 2>&1; tail -3 "$out/gpu_tests_fast.log"
   timed tests-flashmla timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_vendor_serving.py \
     -k "not flashinfer" > "$out/gpu_tests_fm.log" 2>&1; tail -2 "$out/gpu_tests_fm.log"
-  for kv in bf16 fp8; do
-    timed engine-$kv timeout 120 python3 scripts/engine_loop.py --kv $kv --buckets 8,32 \
-      --table tables/H200.serving.yaml --out "$out/engine_$kv" 2>&1 | tail -4
-    cp "$out/engine_$kv/engine_loop.json" "$out/engine_$kv.json" 2>/dev/null
-  done
+  engine_loops tables/H200.serving.yaml 120
   timed example timeout 90 python3 scripts/serving_example.py --out "$out" 2>&1 | tail -14
   wait  # GPU 1's verify and FlashInfer tests, before the host times (no CPU contention)
   timed host timeout 150 python3 scripts/bench_serving_host.py --out "$out" 2>&1 | tail -24
@@ -266,17 +272,8 @@ serving-adopt)
   timed calibrate timeout 150 python3 -m mla_tune.serving.calibrate --table "$t" > "$out/calibrate.log" 2>&1
   grep -v -i warn "$out/calibrate.log" | tail -16
   cp "$t" "$keep/"; cp "$out/calibrate.log" "$keep/"
-  for seed in ${SEEDS:?SEEDS=\"S1 S2\" names the fresh seeds}; do
-    timed verify-$seed timeout ${VERIFY_TIMEOUT:-240} python3 -m mla_tune verify --table "$t" \
-      --seed $seed --budget ${VERIFY_BUDGET:-190} --workers 12 --max-p95 0.05 --max-regret 0.15 \
-      --json "$out/verify$seed.json" > "$out/verify$seed.log" 2>&1; grep -v -i warn "$out/verify$seed.log" | tail -9
-    gzip -c "$out/verify$seed.json" > "$keep/verify$seed.json.gz" 2>/dev/null
-  done
-  for kv in fp8 bf16; do
-    timed engine-$kv timeout 120 python3 scripts/engine_loop.py --kv $kv --buckets 8,32 \
-      --table "$t" --out "$out/engine_$kv" 2>&1 | tail -4
-    cp "$out/engine_$kv/engine_loop.json" "$out/engine_$kv.json" 2>/dev/null
-  done
+  verify_seeds "$t"
+  engine_loops "$t" 120
   ;;
 *)
   echo "unknown mode $mode (${modes//|/ | })"; exit 2 ;;
