@@ -185,6 +185,11 @@ def test_a_familys_compiled_estimate_picks_and_estimates_as_the_python_estimate_
         assert table.estimator.compiled(family) is not None
     rng = random.Random(2)
     picks = set()
+    allowed = {}  # per family: every other variant, and none
+    for family in families:
+        names = sorted({v for times in family.points.values() for v in times}, key=str)[::2]
+        allowed[family.key] = [table.estimator.allowed(family, set(names).__contains__),
+                               table.estimator.allowed(family, lambda v: False)]
     for _ in range(3000):
         family = rng.choice(families)
         batch = rng.randint(1, 300)
@@ -192,9 +197,14 @@ def test_a_familys_compiled_estimate_picks_and_estimates_as_the_python_estimate_
         lens = ([int(2 ** rng.uniform(5, 16.5)) for _ in range(batch)] if mode < 0.5
                 else [int(2 ** rng.uniform(5, 16.5))] * batch if mode < 0.8 else None)
         mean = sum(lens) / batch if lens else 2 ** rng.uniform(5, 16.5)
-        variant, estimates = table.estimator.pick(family, batch, mean, lens)
+        some, none = allowed[family.key]
+        variant, estimates, ok = table.estimator.pick(family, batch, mean, lens, some)
         want = table.estimator.estimates(family, batch, mean, lens)
         assert variant == fastest(want) and estimates() == want, (family.key, batch, mean, lens)
+        # the fastest allowed variant, from the same C call
+        assert ok == fastest(want, some.accepts), (family.key, batch, mean, lens)
+        assert table.estimator.pick(family, batch, mean, lens, none)[2] is None
+        assert table.estimator.pick(family, batch, mean, lens)[2] is None
         picks.add(variant.backend)
     assert picks == {"flashinfer", "flashmla", "triton"}  # every kind of model decided some
 
@@ -208,8 +218,10 @@ def test_without_a_c_compiler_the_pick_is_the_python_estimates(monkeypatch):
     family = next(iter(table.families.values()))
     table.estimator.prepare(family)
     assert table.estimator.compiled(family) is None
-    variant, estimates = table.estimator.pick(family, 8, 3000.0, [3000] * 8)
+    allowed = table.estimator.allowed(family, lambda v: v.backend == "triton")
+    variant, estimates, ok = table.estimator.pick(family, 8, 3000.0, [3000] * 8, allowed)
     assert variant == estimate.fastest(estimates()) and estimates()
+    assert ok == estimate.fastest(estimates(), allowed.accepts) and allowed.mask is None
 
 
 def test_a_list_of_ints_is_copied_into_the_int_buffer_exactly():

@@ -122,6 +122,10 @@ class DecodePlan:
                           f"{spec_text(spec)} use backends that cannot serve it here ({why}); those steps "
                           "run the cell's best runnable variant (the estimates' next, the runner-up, or "
                           f"the default {self._default.variant}), counted in misses", stacklevel=2)
+        # the runnable variants as the family's compiled estimate reads them: a step whose
+        # pick cannot run here takes the fastest of them from the same C call
+        self._allowed = (self.table.estimator.allowed(family, self._decoders.__contains__)
+                         if self._unrunnable and family.points and not spec.graph else None)
         self._inputs = self._default.inputs
         self._kv_dtype = self._inputs.fast_dtype
         self._decoder = self._default
@@ -193,8 +197,9 @@ class DecodePlan:
             mean = None if self.spec.graph else mean_kv_len
             # the table's lookup, its estimates made once for this step (in one C call where
             # the family's estimate is compiled; `estimates()` gives them where needed)
-            variant, estimates = (self.table.estimator.pick(self._family, batch, mean, kv_lens)
-                                  if mean is not None and self._family.points else (None, dict))
+            variant, estimates, runnable = (
+                self.table.estimator.pick(self._family, batch, mean, kv_lens, self._allowed)
+                if mean is not None and self._family.points else (None, dict, None))
             if variant is None:
                 variant = self.table.lookup(self.spec, batch, mean, graph=self.spec.graph, kv_lens=kv_lens)
             if variant is None:
@@ -204,7 +209,7 @@ class DecodePlan:
             elif variant in self._unrunnable:
                 key = f"{variant.backend} cannot run here"
                 self.misses[key] = self.misses.get(key, 0) + 1
-                variant = self._runnable(batch, mean, estimates())
+                variant = runnable if runnable is not None else self._runnable(batch, mean, estimates())
         return variant if variant is not None and variant in self._decoders else self._default.variant
 
     def _runnable(self, batch: int, mean: float | None, est: dict) -> Variant | None:

@@ -28,6 +28,7 @@ import ctypes
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -288,7 +289,9 @@ void grid_interpolate(const grid_t *g, double batch, double kv, double *scratch,
 /* Estimator.estimates and `fastest` for one call, compiled (`_Compiled`): the three grids
    (NULL: none) over the family's variants, then each model's C estimate in order; out:
    interp, rates, buckets and est, nv each, scratch 2 x nv. Returns the fastest variant's
-   index (ties to the first: the variants are in name order), -1 where none is estimated. */
+   index (ties to the first: the variants are in name order), -1 where none is estimated;
+   *best_allowed: the fastest among those whose `allowed` byte is set (-1: none, or allowed
+   NULL). */
 typedef struct {
     const grid_t *times, *rates, *buckets;
     int64_t nm, nv;
@@ -300,8 +303,9 @@ typedef struct {
 
 int64_t family_estimate(const family_t *f, const int64_t *lens, int64_t n, int64_t batch, double kv,
                         int64_t uniform_len, int64_t calibrated, double *scratch, double *interp, double *rates,
-                        double *buckets, double *est) {
+                        double *buckets, double *est, const uint8_t *allowed, int64_t *best_allowed) {
     int64_t nv = f->nv;
+    *best_allowed = -1;
     grid_interpolate(f->times, (double)batch, kv, scratch, interp);
     double lo = NAN;
     for (int64_t v = 0; v < nv; v++) {
@@ -321,9 +325,13 @@ int64_t family_estimate(const family_t *f, const int64_t *lens, int64_t n, int64
             if (!isnan(t)) est[f->model_variant[m]] = t;
         }
     }
-    int64_t best = -1;
-    for (int64_t v = 0; v < nv; v++)
-        if (!isnan(est[v]) && (best < 0 || est[v] < est[best])) best = v;
+    int64_t best = -1, ok = -1;
+    for (int64_t v = 0; v < nv; v++) {
+        if (isnan(est[v])) continue;
+        if (best < 0 || est[v] < est[best]) best = v;
+        if (allowed && allowed[v] && (ok < 0 || est[v] < est[ok])) ok = v;
+    }
+    *best_allowed = ok;
     return best;
 }
 """
@@ -347,7 +355,7 @@ _native = native.Library("serving_interpolate", _NATIVE_SOURCE, {
                                 ctypes.c_void_p)),
     "family_estimate": (_I64, (ctypes.c_void_p, ctypes.c_void_p, _I64, _I64, ctypes.c_double, _I64, _I64,
                                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                               ctypes.c_void_p))})
+                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p))})
 
 
 class _Dense:
@@ -395,7 +403,7 @@ class _Compiled:
     `Estimator.pick` then runs it instead of `estimates` and `fastest` (the same picks:
     tests/test_native_replays.py)."""
 
-    __slots__ = ("variants", "keep", "struct", "out", "ptrs", "fn", "lens")
+    __slots__ = ("variants", "keep", "struct", "out", "ptrs", "fn", "lens", "best_allowed")
 
     def __init__(self, estimator: Estimator, family, lib, natives: list):
         variants = sorted({v for times in family.points.values() for v in times}, key=str)
@@ -421,18 +429,37 @@ class _Compiled:
                      base + 40 * nv)
         self.fn = lib.family_estimate
         self.lens = native.IntBuffer()  # the call's lengths, copied in once per call
+        self.best_allowed = ctypes.c_int64(-1)
+
+    def mask(self, allowed: Callable[[Variant], bool]) -> np.ndarray:
+        """`allowed` as the C call reads it: a byte per variant."""
+        return np.asarray([bool(allowed(v)) for v in self.variants], dtype=np.uint8)
 
     def __call__(self, batch: int, kv: float, kv_lens: Sequence[int] | None, mean_kv_len: float,
-                 uniform_len: int) -> tuple[Variant | None, Callable[[], dict[Variant, float]]]:
-        """The pick and its estimates for a call of these lengths (kv_lens; None: `batch`
-        sequences of the mean, uncalibrated, as `Call.lengths` says) at the grids' length kv."""
+                 uniform_len: int, mask: np.ndarray | None = None
+                 ) -> tuple[Variant | None, Callable[[], dict[Variant, float]], Variant | None]:
+        """The pick, its estimates and the fastest variant `mask` allows (None without one)
+        for a call of these lengths (kv_lens; None: `batch` sequences of the mean,
+        uncalibrated, as `Call.lengths` says) at the grids' length kv."""
         family, scratch, interp, rates, buckets, est = self.ptrs
         n = self.lens.fill(kv_lens if kv_lens is not None else [max(int(round(mean_kv_len)), 1)] * batch)
         best = self.fn(family, self.lens.address, n, batch, kv, uniform_len, int(kv_lens is not None),
-                       scratch, interp, rates, buckets, est)
+                       scratch, interp, rates, buckets, est, None if mask is None else mask.ctypes.data,
+                       ctypes.byref(self.best_allowed))
         nv, variants = len(self.variants), self.variants
         values = self.out[5 * nv:].tolist()
-        return variants[best] if best >= 0 else None, lambda: _present(variants, values)
+        ok = self.best_allowed.value
+        return (variants[best] if best >= 0 else None, lambda: _present(variants, values),
+                variants[ok] if ok >= 0 else None)
+
+
+@dataclass(frozen=True)
+class Allowed:
+    """A set of variants for `Estimator.pick` (made by `Estimator.allowed`): the predicate,
+    and its bytes over the compiled family's variants (None where not compiled)."""
+
+    accepts: Callable[[Variant], bool]
+    mask: np.ndarray | None = field(default=None, compare=False)
 
 
 def fastest(estimates: Mapping[Variant, float], allowed: Callable[[Variant], bool] | None = None) -> Variant | None:
@@ -573,19 +600,31 @@ class Estimator:
             self._derived[key] = _Compiled(self, family, lib, natives) if ok else None
         return self._derived[key]
 
-    def pick(self, family, batch: int, mean_kv_len: float,
-             kv_lens: Sequence[int] | None) -> tuple[Variant | None, Callable[[], dict[Variant, float]]]:
-        """(`fastest(estimates(...))`, a function returning the estimates): in one C call where
-        the family is compiled (`compiled`), else through `estimates`."""
+    def pick(self, family, batch: int, mean_kv_len: float, kv_lens: Sequence[int] | None,
+             allowed: Allowed | None = None
+             ) -> tuple[Variant | None, Callable[[], dict[Variant, float]], Variant | None]:
+        """(`fastest(estimates(...))`, a function returning the estimates, `fastest(estimates,
+        allowed)` where `allowed` is given, else None): in one C call where the family is
+        compiled (`compiled`), else through `estimates`. `allowed` is `self.allowed(family,
+        ...)`'s, made once."""
         compiled = self._derived.get(("compiled", family.key), False)
         if compiled is False:
             compiled = self.compiled(family)
         if compiled is None:
             est = self.estimates(family, batch, mean_kv_len, kv_lens)
-            return fastest(est), lambda: est
+            return fastest(est), lambda: est, None if allowed is None else fastest(est, allowed.accepts)
         self._warn_versions_once(family)
         kv = _kv_step(mean_kv_len)[1]
-        return compiled(batch, kv, kv_lens, mean_kv_len, max(int(round(kv)), 1))
+        mask = None if allowed is None else allowed.mask
+        if mask is not None and len(mask) != len(compiled.variants):
+            raise ValueError("this allowed set was made for another family; make it with allowed(family, ...)")
+        return compiled(batch, kv, kv_lens, mean_kv_len, max(int(round(kv)), 1), mask)
+
+    def allowed(self, family, accepts: Callable[[Variant], bool]) -> Allowed:
+        """The variants `accepts` takes, for `pick`'s fastest allowed one: as the compiled
+        estimate reads them (a byte per variant) where the family is compiled."""
+        compiled = self.compiled(family)
+        return Allowed(accepts, compiled.mask(accepts) if compiled is not None else None)
 
     def estimates(self, family, batch: int, mean_kv_len: float, kv_lens: Sequence[int] | None) -> dict[Variant, float]:
         """Every point variant's estimated time (us): interpolated, then each model's
