@@ -57,7 +57,6 @@ import torch
 from mla_tune.core import QK_DIM, CallSpec, Variant
 from mla_tune.locate import table_path
 from mla_tune.serving.call import Decoder, runner_step, spec_text, why_not
-from mla_tune.serving.estimate import fastest
 from mla_tune.serving.table import ServingTable, batch_bucket, kv_bucket, load_serving_table
 
 
@@ -196,10 +195,10 @@ class DecodePlan:
         if self.table is not None and self._family is not None:
             mean = None if self.spec.graph else mean_kv_len
             # the table's lookup, its estimates made once for this step (in one C call where
-            # the family's estimate is compiled; `estimates()` gives them where needed)
-            variant, estimates, runnable = (
+            # the family's estimate is compiled), with the fastest runnable of them
+            variant, _estimates, runnable = (
                 self.table.estimator.pick(self._family, batch, mean, kv_lens, self._allowed)
-                if mean is not None and self._family.points else (None, dict, None))
+                if mean is not None and self._family.points else (None, None, None))
             if variant is None:
                 variant = self.table.lookup(self.spec, batch, mean, graph=self.spec.graph, kv_lens=kv_lens)
             if variant is None:
@@ -209,18 +208,14 @@ class DecodePlan:
             elif variant in self._unrunnable:
                 key = f"{variant.backend} cannot run here"
                 self.misses[key] = self.misses.get(key, 0) + 1
-                variant = runnable if runnable is not None else self._runnable(batch, mean, estimates())
+                variant = runnable if runnable is not None else self._runner_up(batch, mean)
         return variant if variant is not None and variant in self._decoders else self._default.variant
 
-    def _runnable(self, batch: int, mean: float | None, est: dict) -> Variant | None:
-        """The best runnable variant where the table's pick cannot run: the fastest runnable
-        of the step's estimates `est` (eager, with points), else the cell's runner-up, else
-        None (the default)."""
+    def _runner_up(self, batch: int, mean: float | None) -> Variant | None:
+        """Where the table's pick cannot run and no runnable variant is estimated (pick's
+        `runnable`): the cell's runner-up where it runs here, else None (the default)."""
         table = self.table
         if mean is not None:
-            ok = fastest(est, self._decoders.__contains__)
-            if ok is not None:
-                return ok
             at = (batch_bucket(table.batch_buckets, batch), kv_bucket(table.kv_buckets, mean))
             if at not in self._runner_ups:  # each cell's runner-up, parsed once
                 cell = self._family.cells.get(at)
