@@ -1,9 +1,11 @@
-"""Files: written so that a reader never sees half of one, and YAML read within bounds."""
+"""Files: written so that a reader never sees half of one, YAML read within bounds, and
+records read plain or gzipped."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import gzip
 import os
 import stat
 import tempfile
@@ -194,6 +196,14 @@ class FlowMap(dict):
 
 _NoAliasDumper.add_representer(
     FlowMap, lambda dumper, data: dumper.represent_mapping("tag:yaml.org,2002:map", data, flow_style=True))
+
+
+def read_maybe_gzipped(path: str | Path) -> bytes:
+    """The file's bytes, through gzip where its name ends in .gz (records committed for the
+    record are gzipped); OSError or EOFError where it is missing or not a whole gzip file."""
+    path = Path(path)
+    data = path.read_bytes()
+    return gzip.decompress(data) if path.suffix == ".gz" else data
 
 
 def dump_yaml(data: Any) -> str:

@@ -34,12 +34,12 @@ on the odd seeds).
 from __future__ import annotations
 
 import copy
-import gzip
 import json
 from collections.abc import Callable
 from pathlib import Path
 
 from mla_tune.core import CallSpec, Variant
+from mla_tune.fileio import read_maybe_gzipped
 from mla_tune.serving.table import FamilyKey, ServingTable, load_serving_table
 from mla_tune.serving.verify import (
     VERIFY_SCHEMA,
@@ -61,9 +61,7 @@ def read_report(path: str | Path) -> dict:
     """A verify report (--json), plain or gzipped; a VerifyError names what is wrong."""
     path = Path(path)
     try:
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt", encoding="utf-8") as handle:
-            report = json.load(handle)
+        report = json.loads(read_maybe_gzipped(path))
     except FileNotFoundError:
         raise VerifyError(f"{path}: no such verify report; write one with `mla-tune verify --json PATH`") from None
     except (OSError, ValueError, EOFError) as exc:

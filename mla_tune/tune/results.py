@@ -10,7 +10,6 @@ sweep with one line naming the file and saying that re-running resumes (RESUME_N
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import time
@@ -20,7 +19,7 @@ from typing import Any
 
 from mla_tune.core import Variant
 from mla_tune.errors import MlaTuneError
-from mla_tune.fileio import LineLog, writing
+from mla_tune.fileio import LineLog, read_maybe_gzipped, writing
 
 SCHEMA = 1
 # What a failed write of a results file leaves: every line before it, whole.
@@ -65,12 +64,10 @@ def read_json_lines(path: Path, redone: str, fix: str) -> tuple[Iterator[tuple[i
     """
     if not path.exists():
         return iter(()), []
-    data = path.read_bytes()
-    if path.suffix == ".gz":
-        try:
-            data = gzip.decompress(data)
-        except (OSError, EOFError) as exc:
-            raise ResultsError(f"{path}: not a whole gzip file ({exc}); {fix}") from exc
+    try:
+        data = read_maybe_gzipped(path)
+    except (OSError, EOFError) as exc:
+        raise ResultsError(f"{path}: not a whole gzip file ({exc}); {fix}") from exc
     lines = data.split(b"\n")
     tail = lines.pop()  # b"" when the file ends with a newline
     warnings = [f"{path}: ignoring a truncated last line ({len(tail)} bytes, a write cut short "
