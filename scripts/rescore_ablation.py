@@ -22,7 +22,7 @@ import math
 import re
 from pathlib import Path
 
-from mla_tune.backends import flashinfer_mla_schedule, triton_splitk_schedule
+from mla_tune.backends import flashinfer_mla_schedule, makespan, triton_splitk_schedule
 from mla_tune.serving import estimate, table
 from mla_tune.serving.rescore import rescore
 
@@ -35,7 +35,7 @@ FAMILY_EDITS = {
 CONSTANTS = {  # ablation -> (module, name, value)
     "MODEL_WINDOW=inf": (estimate, "MODEL_WINDOW", math.inf),
     "MODEL_WORKS=inf": (flashinfer_mla_schedule, "MODEL_WORKS", math.inf),
-    "SPLITK_FLOOR=0": (triton_splitk_schedule, "SPLITK_FLOOR", 0.0),
+    "SPLITK_FLOOR=0": (makespan, "SPLITK_FLOOR", 0.0),
     "MIN_MEASURED_WEIGHT=0": (estimate, "MIN_MEASURED_WEIGHT", 0.0),
     "MIN_MEASURED_WEIGHT=1": (estimate, "MIN_MEASURED_WEIGHT", 1.0),
     "EXACT_WAVES=1000": (triton_splitk_schedule, "EXACT_WAVES", 1000),

@@ -8,9 +8,8 @@ from __future__ import annotations
 import pytest
 
 from mla_tune.backends import schedule_module, triton_splitk_schedule
+from mla_tune.backends.makespan import EXACT_WAVES, SPLITK_FLOOR
 from mla_tune.backends.triton_splitk_schedule import (
-    EXACT_WAVES,
-    SPLITK_FLOOR,
     SplitKModel,
     occupancy_cap,
     reduce_steps,

@@ -44,7 +44,7 @@ def test_greedy_makespan_is_the_heaps():
 
     import numpy as np
 
-    from mla_tune.backends.triton_splitk_schedule import greedy_makespan
+    from mla_tune.backends.makespan import greedy_makespan
 
     rng = random.Random(3)
     for _ in range(300):

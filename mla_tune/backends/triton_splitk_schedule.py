@@ -39,10 +39,7 @@ the same numbers); nothing here imports torch.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import heapq
-import itertools
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +47,15 @@ from typing import Any
 import numpy as np
 
 from mla_tune import native
+from mla_tune.backends import makespan
+from mla_tune.backends.makespan import (
+    DEFAULT_SMEM_PER_SM,
+    EXACT_WAVES,
+    MakespanModel,
+    fit_models,
+    greedy_makespan,
+    load_model,
+)
 from mla_tune.kernels.split_rule import (
     REDUCE_SPLITS_PER_STEP,
     SPLIT_WAVE_FILL,
@@ -59,14 +65,6 @@ from mla_tune.kernels.split_rule import (
     serving_splits,
     split_items,
 )
-
-OCCUPANCIES = (1, 2, 3, 4)  # programs resident per SM that a fit may choose
-OVERHEAD_FRACTIONS = (0.0, 0.25, 0.5, 0.75)  # fixed overhead, as a fraction of the fastest point's time
-ITEM_TOKENS = (0, 32, 64, 128, 256)  # a program's fixed cost in tokens that a fit may choose
-# Past this many waves of programs the makespan is taken as the mean load plus half the
-# longest item (greedy dealing ends within one item of the mean): the exact dealing costs
-# a heap operation per program, and a long batch on a per-sequence cap makes thousands.
-EXACT_WAVES = 3
 
 
 def splitk_schedule(kv_lens: Sequence[int], heads: int, q_len: int, params: Mapping, occupancy: int,
@@ -353,40 +351,6 @@ def _budget(rule: Mapping, batch: int, q_len: int, tiles: int) -> tuple[int, flo
     return budget, 0.5
 
 
-def greedy_makespan(work: np.ndarray, slots: int):
-    """The most-loaded slot's load when `work` (positive, in launch order) is dealt one by
-    one to the least-loaded of `slots` slots: what `_deal`'s heap gives, a block of
-    programs at a time. The first `slots` take an empty slot each; then a block of up to
-    `slots` programs takes the smallest loads in order, which is the dealing's own choice
-    while no program of the block ends before the load the next one takes (checked: a
-    prefix minimum); past the first program that would, the block is cut there and the
-    next block starts from the loads so far. A block cut short (few programs) is followed
-    by a few programs dealt through the heap, so a batch of many short programs does not
-    take a block per program."""
-    n = int(work.shape[0])
-    if n <= slots:
-        return work.max()
-    loads = np.sort(work[:slots])
-    i = slots
-    while i < n:
-        m = min(slots, n - i)
-        taken = loads[:m]
-        ends = taken + work[i:i + m]
-        ok = taken[1:] <= np.minimum.accumulate(ends)[:-1]
-        k = m if ok.all() else int(np.argmin(ok)) + 1  # the programs dealt as the block says
-        loads = np.sort(np.concatenate((loads[k:], ends[:k])))
-        i += k
-        if k < 16 and i < n:  # a block cut short: the next programs through the heap
-            heap = loads.tolist()
-            heapq.heapify(heap)
-            replace = heapq.heapreplace
-            for w in work[i:i + 64].tolist():
-                replace(heap, heap[0] + w)
-            i += min(64, n - i)
-            loads = np.sort(np.asarray(heap, dtype=loads.dtype))
-    return loads[-1]
-
-
 def reduce_steps(kv_lens: Sequence[int], heads: int, q_len: int, params: Mapping, sm_count: int) -> int:
     """The steps of the reduction's longest loop: the most splits of one sequence over the
     splits the reduction adds per step (split_rule.reduce_splits_per_step: 16, or 64 in
@@ -441,10 +405,7 @@ def _deal(items: list[int], tiles: int, occupancy: int, sm_count: int, item_toke
 # SM's shared memory: the grid cells alone cannot tell occupancies apart for a batch budget
 # that fills one wave at every cell, and an occupancy the SM cannot hold makes a ragged
 # batch look fast. The sweep records the device's shared memory per SM in its results
-# header (smem_per_sm); results without it get Hopper's, 228 KiB (H100, H200).
-DEFAULT_SMEM_PER_SM = 228 * 1024
-
-
+# header (smem_per_sm); results without it get makespan.DEFAULT_SMEM_PER_SM.
 def occupancy_cap(variant, smem_per_sm: int = 0) -> int:
     """The most programs of this split-K variant one SM can hold by its KV stages alone
     (num_stages x block_n tokens x 576 columns x 2 bytes) in smem_per_sm bytes
@@ -454,38 +415,13 @@ def occupancy_cap(variant, smem_per_sm: int = 0) -> int:
 
 
 # ------------------------------------------------------------------ the model
-# A split-K model's estimate stays at least this fraction of the variant's interpolated
-# time: the model may say a call is slower than its uniform neighbours (a wave that
-# overflows, a ragged batch's long sequence), but not much faster, since a replay that
-# shortens the longest item (a split rule that cuts a sequence finer than the grid's points
-# did) does not shorten the call in proportion. Rescoring docs/data/verify without it
-# (scripts/rescore_ablation.py), the odd seeds' pooled p95 goes from 0.86% to 0.93% (no
-# run's verdict changes).
-SPLITK_FLOOR = 0.9
-FIT_MIN_POINTS = 6  # a variant's model is fitted where it has this many points
-
-
 @dataclass(frozen=True)
-class SplitKModel:
-    """A split-K variant's time as overhead_us + rate x its makespan for the call's lengths;
-    the rate is interpolated between the points, each point's (time - overhead_us) /
-    makespan at its uniform lengths (`point_rate`). occupancy (programs resident per SM, at
-    most what its KV stages leave room for: occupancy_cap), overhead_us and item_tokens (a
-    program's fixed cost, in tokens) are fitted when the table is built (`fit`), leaving
-    each of the variant's points out in turn; fit_error is the median relative error that
-    left."""
-
-    variant: object  # mla_tune.core.Variant
-    occupancy: int
-    overhead_us: float
-    sm_count: int
-    fit_error: float
-    item_tokens: int = 0
-    params: dict = dataclasses.field(init=False, repr=False, compare=False)
-
-    def __post_init__(self):
-        object.__setattr__(self, "params", dict(self.variant.params))
-        object.__setattr__(self, "_replay_consts", None)
+class SplitKModel(MakespanModel):
+    """A split-K variant's makespan model (makespan.MakespanModel): its makespan is
+    `splitk_schedule`'s, its occupancy at most what its KV stages leave room for
+    (occupancy_cap), and where the table holds the family's measured cost per reduction
+    step (the calibration) the estimate adds it for each step the call's longest loop
+    takes beyond a uniform batch of its mean (`step_cost`)."""
 
     def native_estimate(self, key, calibration: Mapping) -> tuple[int, np.ndarray] | None:
         """(the address of `estimate`'s C function, its params) for the family's compiled
@@ -500,7 +436,7 @@ class SplitKModel:
         params = np.asarray([self.occupancy, self.overhead_us, self.sm_count, float(self.item_tokens),
                              rule["max_splits"], rule["block_n"], rule["tokens_per_split"], rule["block_h"],
                              rule["split_budget"], key.heads, key.q_len, float(steps.get(narrow, 0.0)),
-                             float(steps.get(wide, 0.0)), SPLITK_FLOOR, EXACT_WAVES, SPLIT_WAVE_FILL, WIDE_REDUCE_PROGRAMS],
+                             float(steps.get(wide, 0.0)), makespan.SPLITK_FLOOR, EXACT_WAVES, SPLIT_WAVE_FILL, WIDE_REDUCE_PROGRAMS],
                             dtype=np.float64)
         return ctypes.cast(lib.sk_model_estimate, ctypes.c_void_p).value, params
 
@@ -533,9 +469,6 @@ class SplitKModel:
         span, steps, uniform = out.tolist()
         return span, int(steps), int(uniform)
 
-    def makespan(self, key, kv_lens: Sequence[int]) -> float:
-        return self.schedule(key, kv_lens)[0]
-
     def schedule(self, key, kv_lens: Sequence[int]) -> tuple[float, int]:
         """(makespan, steps of the reduction's longest loop): splitk_schedule."""
         return splitk_schedule(kv_lens, key.heads, key.q_len, self.params, self.occupancy, self.sm_count,
@@ -546,98 +479,25 @@ class SplitKModel:
         probes): the second half of `schedule`."""
         return self.schedule(key, kv_lens)[1]
 
-    def rate(self, time_us: float, span: float) -> float | None:
-        """(time - overhead) / makespan at a point; None where the time is not over the
-        overhead or the makespan is 0."""
-        return (time_us - self.overhead_us) / span if time_us > self.overhead_us and span > 0 else None
-
-    def point_rate(self, key, batch: int, kv_len: int, time_us: float) -> float | None:
-        """What the lookup interpolates for this variant instead of its time: the rate at a
-        point of `batch` sequences of kv_len tokens that took time_us."""
-        return self.rate(time_us, self.makespan(key, [kv_len] * batch))
-
-    def estimate(self, call, raw: bool = False) -> float | None:
-        """The variant's time for `call` (serving/estimate.py's Call): overhead plus the
-        interpolated rate times the call's own makespan, plus the calibrated cost of each
-        reduction step its longest loop takes beyond a uniform batch's (with
-        call.calibrated), at least SPLITK_FLOOR x its interpolated time. It runs only where
-        the interpolated time is within call.window of the best (host time: a replay per
-        call); None elsewhere, or where no rate can be interpolated. raw: no window and no
-        floor (the model's own estimate, for calibration)."""
-        mine = call.interp.get(self.variant)
-        if not raw and (mine is None or mine >= call.window * call.interp_min()):
-            return None
-        rate = call.interpolated("rates").get(self.variant)
-        if rate is None and mine is not None:
-            # The rates cannot be blended here (the points around the call share no split-K
-            # variant) but the time can: the rate of that time at a uniform batch of the mean,
-            # so that the model still sees the call's own schedule.
-            span = call.uniform("span", self, lambda n: self.schedule(call.key, [n] * call.batch)[0])
-            rate = self.rate(mine, span)
-        if not rate:
-            return None
-        span, steps, uniform = self.replay(call)
-        t = self.overhead_us + rate * span
+    def step_cost(self, call, steps: int, uniform: int) -> float:
+        """The calibrated cost of each reduction step the call's longest loop takes beyond a
+        uniform batch's (with call.calibrated; 0 without a calibration)."""
         step_us = call.calibration(self.variant.backend).get("reduce_step_us", {}).get(
             reduce_splits_per_step(call.batch, call.key.q_len, call.key.heads), 0.0)
-        if call.calibrated and step_us:
-            t += step_us * max(steps - uniform, 0)
-        return t if raw else max(t, SPLITK_FLOOR * mine)
-
-    def as_dict(self) -> dict:
-        return {"variant": str(self.variant), "occupancy": self.occupancy, "overhead_us": round(self.overhead_us, 3),
-                "item_tokens": self.item_tokens, "sm_count": self.sm_count, "fit_error": round(self.fit_error, 4)}
+        return step_us * max(steps - uniform, 0) if call.calibrated and step_us else 0.0
 
 
 def fit(key, variants: Sequence, points: Mapping, cells: Mapping, platform: Mapping,
         interpolate: Callable) -> list[SplitKModel]:
-    """Each variant's SplitKModel: the item cost, occupancy and overhead (a fraction of its
-    fastest point's time) whose leave-one-out estimates of its points are best, each point
-    estimated from the others as the lookup would (`interpolate`, the lookup's; the mean
-    absolute log error; the first of equals, so the smallest item cost, occupancy and
-    overhead), the occupancy at most occupancy_cap(variant, platform's smem_per_sm). None
-    without the GPU's SM count (platform's sm_count 0). Variants with fewer than
-    FIT_MIN_POINTS points get none; `cells` is not used."""
-    sm_count, smem_per_sm = int(platform.get("sm_count") or 0), int(platform.get("smem_per_sm") or 0)
-    if sm_count <= 0:
-        return []
-    models = []
-    for variant in variants:
-        mine = {pt: times[variant] for pt, times in points.items() if variant in times}
-        if len(mine) < FIT_MIN_POINTS:
-            continue
-        fastest, best = min(mine.values()), None
-        occupancies = [o for o in OCCUPANCIES if o <= occupancy_cap(variant, smem_per_sm)]
-        for item_tokens, occupancy in itertools.product(ITEM_TOKENS, occupancies):
-            shape = SplitKModel(variant, occupancy, 0.0, sm_count, 0.0, item_tokens)
-            spans = {(b, k): shape.makespan(key, [k] * b) for b, k in mine}  # the overhead leaves them
-            for fraction in OVERHEAD_FRACTIONS:
-                model = dataclasses.replace(shape, overhead_us=fraction * fastest)
-                rates = {pt: {variant: r} for pt, t in mine.items() if (r := model.rate(t, spans[pt])) is not None}
-                errors = []
-                for (b, k), t in mine.items():  # each point from the others, as the lookup estimates
-                    rate = interpolate({q: r for q, r in rates.items() if q != (b, k)}, b, k).get(variant)
-                    if rate is not None:
-                        errors.append(abs(math.log((model.overhead_us + rate * spans[(b, k)]) / t)))
-                if errors and (best is None or sum(errors) / len(errors) < best[0] - 1e-12):
-                    best = (sum(errors) / len(errors), model, sorted(errors))
-        if best is not None:
-            _, model, errors = best
-            models.append(dataclasses.replace(model, fit_error=math.exp(errors[len(errors) // 2]) - 1.0))
-    return models
+    """Each variant's SplitKModel (makespan.fit_models: leave-one-out over its points), the
+    occupancy at most occupancy_cap(variant, platform's smem_per_sm); `cells` is not used."""
+    return fit_models(SplitKModel, occupancy_cap, key, variants, points, platform, interpolate)
 
 
 def load(entry: Mapping, variant, key, check) -> SplitKModel:
     """A model from its table entry (as_dict's fields; `check`: the table's field checks,
     which raise its error naming the file, family and entry)."""
-    fields = {"variant", "occupancy", "overhead_us", "item_tokens", "sm_count", "fit_error"}
-    if set(entry) != fields:
-        check.fail(f"a split-K model is a mapping of backend, {', '.join(sorted(fields))}")
-    return SplitKModel(variant, check.positive_int("occupancy", entry["occupancy"]),
-                       check.number("overhead_us", entry["overhead_us"]),
-                       check.positive_int("sm_count", entry["sm_count"]),
-                       check.number("fit_error", entry["fit_error"]),
-                       check.positive_int("item_tokens", entry["item_tokens"], minimum=0))
+    return load_model(SplitKModel, "split-K", entry, variant, check)
 
 
 def load_calibration(raw: Any, check) -> dict:
