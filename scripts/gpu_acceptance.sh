@@ -30,8 +30,9 @@
 #       on the device's tensors (bench_update.py), run's host times beside the vendors'
 #       (bench_serving_host.py), then `mla-tune verify` of tables/H200.serving.yaml at each seed
 #       (30 shapes, 10 ragged mixes)
-#   SEEDS="97 98" bash scripts/gpu_acceptance.sh serving-adopt   # a re-swept table (TABLE_GZ=,
-#       default docs/data/sweep/h200-2026-12-02-gluon/H200.serving.yaml.gz) calibrated here,
+#   SEEDS="101 102" bash scripts/gpu_acceptance.sh serving-adopt   # a serving table built by this
+#       tree from a sweep's results (RESULTS=, default docs/data/sweep/h200-2026-12-02-gluon/
+#       H200.serving.results.jsonl.gz; or TABLE_GZ= a built table) calibrated here,
 #       `mla-tune verify` of it at each seed, then the engine loop (fp8, bf16) beside FlashMLA
 #   bash scripts/gpu_acceptance.sh serving-table        # on two GPUs: `mla-tune verify` of
 #       tables/H200.serving.yaml and the FlashInfer tests on GPU 1; on GPU 0 the fast-path and
@@ -262,13 +263,16 @@ serving-table)
   tail -3 "$out/gpu_tests_fi.log"; tail -40 "$out/verify.log"
   ;;
 serving-adopt)
-  # a re-swept serving table (TABLE_GZ=, default the gluon_fused re-sweep of docs/data/sweep)
-  # readied for adoption: the split-K reduction's calibration on this GPU, `mla-tune verify` at
-  # each of SEEDS, then the engine loop (fp8, bf16) beside FlashMLA; brings back the
-  # calibrated table, the calibration's log and the verify reports
+  # a serving table readied for adoption: built by this tree from RESULTS (`mla-tune sweep
+  # --merge`; TABLE_GZ= takes a built table instead), the split-K reduction's calibration on
+  # this GPU, `mla-tune verify` at each of SEEDS, then the engine loop (fp8, bf16) beside
+  # FlashMLA; brings back the calibrated table, the calibration's log and the verify reports
   t=/tmp/adopt/H200.serving.yaml
   mkdir -p /tmp/adopt
-  gunzip -c "${TABLE_GZ:-docs/data/sweep/h200-2026-12-02-gluon/H200.serving.yaml.gz}" > "$t" || exit 1
+  if [ -n "${TABLE_GZ:-}" ]; then gunzip -c "$TABLE_GZ" > "$t" || exit 1
+  else python3 -m mla_tune sweep --gpu H200 --config configs/serving.yaml --out "$t" \
+         --merge "${RESULTS:-docs/data/sweep/h200-2026-12-02-gluon/H200.serving.results.jsonl.gz}" || exit 1
+  fi
   timed calibrate timeout 150 python3 -m mla_tune.serving.calibrate --table "$t" > "$out/calibrate.log" 2>&1
   grep -v -i warn "$out/calibrate.log" | tail -16
   cp "$t" "$keep/"; cp "$out/calibrate.log" "$keep/"

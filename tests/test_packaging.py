@@ -124,7 +124,7 @@ def test_a_built_wheel_ships_the_tables_and_finds_them_outside_the_checkout(tmp_
         "print(mla_tune.__file__)\n"
         "rt = runtime.load(table='H200', allow_other_gpu=True)\n"
         "print(rt.table.path, len(rt.table.rows))\n"
-        "spec = CallSpec('fp8', page_size=64, heads=16, max_q_len=1, graph=True, host_lengths=True)\n"
+        "spec = CallSpec('bf16', page_size=64, heads=16, max_q_len=1, graph=True, host_lengths=True)\n"
         "plan = DecodePlan(spec, max_batch=8, table='H200', warm=False)\n"
         "print(plan.table.path, len(plan.variants))\n")
     run = subprocess.run([str(python), "-c", script], cwd=outside, env=env, capture_output=True, text=True)

@@ -96,6 +96,20 @@ def test_a_pick_not_timed_at_every_shape_gives_way(tmp_path):
     assert change["now"] == BETTER and change["was_geomean_regret"] is None
 
 
+def test_a_run_that_never_timed_the_pick_cannot_judge_it(tmp_path):
+    # an older run whose config did not offer the swept pick (it timed SWEPT nowhere) has
+    # BETTER faster at 6 shapes: it cannot replace a pick it never ran; a run that timed
+    # SWEPT somewhere (another bucket) can
+    older = _report(tmp_path / "older.json", [_shape(3, {BETTER: 100.0, PARTIAL: 110.0}) for _ in range(6)])
+    table = _table()
+    assert repick.repick_graph(table, [older], log=lambda _: None) == []
+    assert table.families[KEY].graph[4].variant == Variant.parse(SWEPT)
+    newer = _report(tmp_path / "newer.json", [_shape(3, {BETTER: 100.0}) for _ in range(6)]
+                    + [_shape(7, {SWEPT: 100.0, BETTER: 100.0})])
+    (change,) = repick.repick_graph(table, [older, newer], log=lambda _: None)
+    assert (change["batch"], change["now"], change["shapes"]) == (4, BETTER, 6)
+
+
 def test_the_written_table_reads_back_with_its_chosen_picks(tmp_path):
     shapes = [_shape(3, {SWEPT: 120.0, BETTER: 100.0}) for _ in range(6)]
     table = _table()
@@ -120,9 +134,10 @@ def test_the_command_writes_the_table_and_leaves_the_input_alone(tmp_path):
     assert refused.exit_code != 0 and "--rescore" in refused.output
 
 
-# The committed table's graph picks were re-chosen on the even seeds (its provenance's
-# graph_repick); on the odd seeds, held out, they beat the sweep's picks it replaced.
-GRAPH_GEOMEAN, GRAPH_P95 = 0.032, 0.26  # held-out pooled graph regret of the committed table
+# The committed table's graph picks were re-chosen on the even seeds of docs/data/verify and
+# its gluon-2026-12-03 runs (its provenance's graph_repick); held out, the odd seeds of the
+# runs that time every candidate of its config (gluon-2026-12-03) score them within these.
+GRAPH_GEOMEAN, GRAPH_P95 = 0.046, 0.25  # held-out pooled graph regret of the committed table
 
 
 def test_the_committed_tables_graph_picks_were_chosen_on_the_even_seeds_only():
@@ -131,9 +146,9 @@ def test_the_committed_tables_graph_picks_were_chosen_on_the_even_seeds_only():
 
 
 def test_the_committed_tables_graph_picks_hold_on_the_held_out_half():
-    held = sorted(p for p in (ROOT / "docs" / "data" / "verify").glob("*.json.gz")
+    held = sorted(p for p in (ROOT / "docs" / "data" / "verify" / "gluon-2026-12-03").glob("*.json.gz")
                   if int(re.search(r"seed(\d+)", p.name).group(1)) % 2)
     scored = rescore(ROOT / "tables" / "H200.serving.yaml", held, judge="graph", log=lambda _line: None)
     pooled = scored["summary"]["graph"]["all"]
-    assert pooled["n"] >= 2500 and scored["unmeasured"] == 0
+    assert pooled["n"] >= 160 and scored["unmeasured"] == 0
     assert pooled["geomean"] <= GRAPH_GEOMEAN and pooled["p95"] <= GRAPH_P95, pooled

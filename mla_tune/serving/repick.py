@@ -15,6 +15,10 @@ whose geomean regret over the reports' shapes in that bucket is smallest, where:
 - its geomean regret there is under (1 - MARGIN) x the current pick's, or the current pick
   was not timed at all of them.
 
+A run that timed the current pick nowhere (at no shape of any family: its config did not
+offer it, as the runs before a backend joined the sweep) cannot judge it, so its shapes are
+left out of that bucket's choice.
+
 A replaced pick records `chosen_on` (table.CHOSEN_ON_FIELDS): the reports and shapes it
 was chosen on, its geomean regret there, and the sweep's pick with its own. Its
 worst_regret is its largest regret over those shapes and worst_kv_len the kv bucket of
@@ -63,18 +67,20 @@ def repick_graph(table: ServingTable, reports: Sequence[str | Path], *, margin: 
     paths = report_paths(list(reports))
     shapes: dict[tuple[FamilyKey, int], list[tuple[dict, dict[str, float]]]] = {}
     for path in paths:
-        for record in read_report(path)["shapes"]:
+        records = [(r, _times(r)) for r in read_report(path)["shapes"]]
+        offered = frozenset(v for _, factors in records for v in factors)  # what the run timed anywhere
+        for record, factors in records:
             key = FamilyKey(**record["family"])
-            if key not in table.families:
-                continue
-            factors = _times(record)
-            if factors:
+            if key in table.families and factors:
                 bucket = batch_bucket(table.batch_buckets, record["batch"])
-                shapes.setdefault((key, bucket), []).append((record, factors))
+                shapes.setdefault((key, bucket), []).append((record, factors, offered))
     changes = []
-    for (key, bucket), rows in sorted(shapes.items()):
+    for (key, bucket), offered_rows in sorted(shapes.items()):
         current = table.families[key].graph.get(bucket)
-        if current is None or len(rows) < min_shapes:
+        if current is None:
+            continue
+        rows = [(r, f) for r, f, offered in offered_rows if str(current.variant) in offered]
+        if len(rows) < min_shapes:
             continue
         everywhere = set.intersection(*(set(f) for _, f in rows))
         if not everywhere:
