@@ -60,7 +60,7 @@ from mla_tune.kernels.split_rule import (
     REDUCE_SPLITS_PER_STEP,
     SPLIT_WAVE_FILL,
     WIDE_REDUCE_PROGRAMS,
-    fill_splits,
+    batch_share,
     reduce_splits_per_step,
     serving_splits,
     split_items,
@@ -103,7 +103,7 @@ def _schedule_array(lens: np.ndarray, heads: int, q_len: int, params: Mapping, o
     rule = _rule(params, sm_count)
     max_splits, block_n, batch = rule["max_splits"], rule["block_n"], int(lens.shape[0])
     tiles = max(heads // rule["block_h"], 1)
-    budget, share_round = _budget(rule, batch, q_len, tiles)
+    budget, share_round = batch_share(batch, q_len, max_splits, rule["split_budget"], tiles, rule["sm_count"])
     lib = _native()
     if lib is not None:
         lens = np.ascontiguousarray(lens, dtype=np.int64)  # what the C reads
@@ -268,7 +268,7 @@ static int64_t fill_splits(int64_t split_budget, int64_t batch, int64_t tiles, i
     return best;
 }
 
-/* _budget: the split budget (and *share, the share's rounding) of a batch of n sequences */
+/* split_rule.batch_share: the split budget (and *share, the share's rounding) of a batch of n sequences */
 static int64_t budget_of(int64_t n, int64_t q_len, int64_t max_splits, int64_t split_budget, int64_t tiles,
                          int64_t sm, double wave_fill, double *share) {
     int64_t q_len_max = 1;
@@ -338,17 +338,6 @@ _native = native.Library("splitk_schedule", _NATIVE_SOURCE, {
                                    _I64, ctypes.POINTER(_F64), ctypes.POINTER(_I64))),
     "sk_replay": (ctypes.c_int, (ctypes.c_void_p, _F64, ctypes.c_void_p, _I64, _I64, _I64, _F64, _I64, _I64,
                                  ctypes.c_void_p))})
-
-
-def _budget(rule: Mapping, batch: int, q_len: int, tiles: int) -> tuple[int, float]:
-    """The split rule's (budget, share_round) for a batch (split_rule.serving_splits')."""
-    max_splits = rule["max_splits"]
-    q_len_max = 1 << max(q_len - 1, 0).bit_length()
-    budget = max((batch * q_len * max_splits) // q_len_max, 1)
-    if rule["split_budget"] > 0 and max_splits > 1:
-        launched = batch * fill_splits(rule["split_budget"], batch, tiles, max_splits, rule["sm_count"])
-        return min(budget, max(launched, batch)), 1.0 - 2e-4
-    return budget, 0.5
 
 
 def reduce_steps(kv_lens: Sequence[int], heads: int, q_len: int, params: Mapping, sm_count: int) -> int:
@@ -463,7 +452,8 @@ class SplitKModel(MakespanModel):
             object.__setattr__(self, "_replay_consts", consts)
         _, rule, tiles, _, k_ptr, out, out_ptr, fn = consts
         batch = int(lens.shape[0])
-        budget, share_round = _budget(rule, batch, key.q_len, tiles)
+        budget, share_round = batch_share(batch, key.q_len, rule["max_splits"], rule["split_budget"], tiles,
+                                          rule["sm_count"])
         fn(k_ptr, float(self.item_tokens), native.address(lens), batch, call.batch, budget, share_round,
            reduce_splits_per_step(batch, key.q_len, key.heads), uniform_len, out_ptr)
         span, steps, uniform = out.tolist()

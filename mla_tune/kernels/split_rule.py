@@ -58,6 +58,21 @@ def fill_splits(split_budget: int, batch: int, head_tiles: int, max_splits: int,
     return best
 
 
+def batch_share(batch: int, q_len: int, max_splits: int, split_budget: int, head_tiles: int,
+                sm_count: int) -> tuple[int, float]:
+    """(budget, share_round) of a batch: the splits its sequences share in proportion to their
+    lengths, max_splits per sequence scaled by q_len over its next power of two, or with a
+    batch budget (split_budget > 0) at most the splits `fill_splits` launches per sequence;
+    and the rounding of each sequence's share (0.5, or just under 1 with a batch budget: a
+    ragged batch's shares round up)."""
+    q_len_max = 1 << max(q_len - 1, 0).bit_length()  # next power of two
+    budget = max((batch * q_len * max_splits) // q_len_max, 1)
+    if split_budget > 0 and max_splits > 1:
+        launched = batch * fill_splits(split_budget, batch, head_tiles, max_splits, sm_count)
+        return min(budget, max(launched, batch)), 1.0 - 2e-4
+    return budget, 0.5
+
+
 def serving_splits(kv_lens: Sequence[int], q_len: int, heads: int, *, max_splits: int,
                    tokens_per_split: int, block_n: int, block_h: int, split_budget: int = 0,
                    sm_count: int = 0, batch: int | None = None, total: int | None = None) -> list[int]:
@@ -70,14 +85,7 @@ def serving_splits(kv_lens: Sequence[int], q_len: int, heads: int, *, max_splits
     holding `total` tokens: serving_splits([n], ..., batch=b, total=b * n) is each
     sequence's split in a uniform batch of b, without a pass over b lengths."""
     batch = len(kv_lens) if batch is None else batch
-    tiles = max(heads // block_h, 1)
-    q_len_max = 1 << max(q_len - 1, 0).bit_length()  # next power of two
-    budget = max((batch * q_len * max_splits) // q_len_max, 1)
-    share_round = 0.5
-    if split_budget > 0 and max_splits > 1:
-        launched = batch * fill_splits(split_budget, batch, tiles, max_splits, sm_count)
-        budget = min(budget, max(launched, batch))
-        share_round = 1.0 - 2e-4
+    budget, share_round = batch_share(batch, q_len, max_splits, split_budget, max(heads // block_h, 1), sm_count)
     total = max(sum(int(n) for n in kv_lens) if total is None else total, 1)
     splits = []
     for n in kv_lens:
