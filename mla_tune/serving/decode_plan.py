@@ -99,7 +99,6 @@ class DecodePlan:
         # Picks whose backend cannot serve the spec here (a vendor library missing, another
         # GPU, no LSE) are replaced per step by the cell's best runnable variant (pick()).
         self._unrunnable: dict[Variant, str] = {}
-        self._runner_ups: dict = {}  # (batch bucket, kv bucket) -> its cell's runner-up (_runnable)
         reasons: dict[str, str | None] = {}
         for variant in self._candidates():
             if variant in self._decoders:
@@ -121,6 +120,15 @@ class DecodePlan:
                           f"{spec_text(spec)} use backends that cannot serve it here ({why}); those steps "
                           "run the cell's best runnable variant (the estimates' next, the runner-up, or "
                           f"the default {self._default.variant}), counted in misses", stacklevel=2)
+        # each cell's runner-up that runs here, by (batch bucket, kv bucket): _runner_up's,
+        # made here so that no step parses one
+        self._runner_ups: dict[tuple[int, int], Variant] = {}
+        if self._unrunnable and family is not None and not spec.graph:
+            for at, cell in family.cells.items():
+                runner_up = (cell.runner_up or {}).get("variant")
+                runner_up = Variant.parse(runner_up) if isinstance(runner_up, str) else runner_up
+                if runner_up is not None and runner_up in self._decoders:
+                    self._runner_ups[at] = runner_up
         # the runnable variants as the family's compiled estimate reads them: a step whose
         # pick cannot run here takes the fastest of them from the same C call
         self._allowed = (self.table.estimator.allowed(family, self._decoders.__contains__)
@@ -214,17 +222,10 @@ class DecodePlan:
     def _runner_up(self, batch: int, mean: float | None) -> Variant | None:
         """Where the table's pick cannot run and no runnable variant is estimated (pick's
         `runnable`): the cell's runner-up where it runs here, else None (the default)."""
+        if mean is None or not self._runner_ups:
+            return None
         table = self.table
-        if mean is not None:
-            at = (batch_bucket(table.batch_buckets, batch), kv_bucket(table.kv_buckets, mean))
-            if at not in self._runner_ups:  # each cell's runner-up, parsed once
-                cell = self._family.cells.get(at)
-                runner_up = (cell.runner_up or {}).get("variant") if cell is not None else None
-                self._runner_ups[at] = Variant.parse(runner_up) if isinstance(runner_up, str) else runner_up
-            runner_up = self._runner_ups[at]
-            if runner_up is not None and runner_up in self._decoders:
-                return runner_up
-        return None
+        return self._runner_ups.get((batch_bucket(table.batch_buckets, batch), kv_bucket(table.kv_buckets, mean)))
 
     def update(self, qo_indptr, *, kv_indptr=None, block_table=None, seq_lens=None,
                q_lens_host=None, kv_lens_host=None, mean_kv_len: float | None = None) -> Variant:
