@@ -265,3 +265,43 @@ def test_an_old_results_file_without_rungs_still_builds_a_table():
     table = table_from_results(header, records, config)
     assert len(table["rows"]) == 8 and all(r["winner"] for r in table["rows"])
     assert all("rung0" not in r["candidates"] and "dropped" not in r["candidates"] for r in table["rows"])
+
+
+def test_a_worker_reaped_from_two_threads_at_once_is_closed_once(tmp_path):
+    """Ctrl-C reaps the worker from the main thread while the device's runner thread may be
+    reaping it after seeing it die: the pipe is closed once (a second close raised EBADF and
+    turned the interrupt into exit 1)."""
+    import threading
+
+    from mla_tune.tune.worker import WorkerHandle
+
+    closes = []
+    gate = threading.Barrier(2)
+
+    class Conn:
+        def close(self):  # as slow as a real close can be, so that the other thread gets there
+            time.sleep(0.002)
+            closes.append(threading.get_ident())
+
+    class Proc:
+        def is_alive(self):
+            return False
+
+        def join(self, _timeout):
+            pass
+
+    for _ in range(20):
+        handle = WorkerHandle(0, tmp_path / "w.log")
+        handle._proc, handle._conn = Proc(), Conn()
+        closes.clear()
+
+        def reap(handle=handle):
+            gate.wait()
+            handle.reap()
+
+        threads = [threading.Thread(target=reap) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(closes) == 1 and handle._conn is None and handle._proc is None

@@ -23,6 +23,7 @@ import importlib
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -382,6 +383,9 @@ class WorkerHandle:
         self._proc = None
         self._conn = None
         self._offset = 0
+        # reap runs in the device's runner thread (a crash, a timeout) and in the main thread
+        # (Ctrl-C) at once: one of them kills and closes, the other finds nothing left
+        self._reap_lock = threading.Lock()
 
     @property
     def alive(self) -> bool:
@@ -454,15 +458,16 @@ class WorkerHandle:
         self.reap()
 
     def reap(self) -> None:
-        """Kill (if still running) and forget the process."""
-        proc, self._proc = self._proc, None
+        """Kill (if still running) and forget the process; safe from two threads at once."""
+        with self._reap_lock:
+            proc, self._proc = self._proc, None
+            conn, self._conn = self._conn, None
         if proc is not None:
             if proc.is_alive():
                 proc.kill()
             proc.join(10)
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        if conn is not None:
+            conn.close()
 
     def stop(self) -> None:
         if self.alive:
