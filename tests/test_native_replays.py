@@ -14,6 +14,7 @@ import pytest
 from mla_tune import native
 from mla_tune.backends import flashinfer_mla_schedule as fi
 from mla_tune.backends import gluon_fused_schedule as gl
+from mla_tune.backends import makespan
 from mla_tune.backends import triton_splitk_schedule as sk
 
 
@@ -52,8 +53,8 @@ def test_the_c_replays_are_built_wherever_a_c_compiler_is():
 def test_the_split_k_replay_in_c_is_the_numpy_replay(numpy_path, monkeypatch):
     rng = random.Random(3)
     dealt = []  # the numpy path's exact dealings (the other steps are one wave or many waves)
-    real = sk.greedy_makespan
-    monkeypatch.setattr(sk, "greedy_makespan", lambda work, slots: dealt.append(1) or real(work, slots))
+    real = makespan.greedy_makespan  # the dealing split-K's replay shares (makespan.deal)
+    monkeypatch.setattr(makespan, "greedy_makespan", lambda work, slots: dealt.append(1) or real(work, slots))
     runs = 0
     for _ in range(500):
         batch = rng.randint(1, 256)

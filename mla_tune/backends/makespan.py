@@ -112,7 +112,6 @@ class MakespanModel:
 
     def __post_init__(self):
         object.__setattr__(self, "params", dict(self.variant.params))
-        object.__setattr__(self, "_replay_consts", None)
 
     def schedule(self, key, kv_lens: Sequence[int]) -> tuple[float, int]:
         raise NotImplementedError

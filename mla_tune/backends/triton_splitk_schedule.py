@@ -52,8 +52,8 @@ from mla_tune.backends.makespan import (
     DEFAULT_SMEM_PER_SM,
     EXACT_WAVES,
     MakespanModel,
+    deal,
     fit_models,
-    greedy_makespan,
     load_model,
 )
 from mla_tune.kernels.split_rule import (
@@ -95,9 +95,8 @@ def lengths(kv_lens: Sequence[int]) -> np.ndarray:
 def _schedule_array(lens: np.ndarray, heads: int, q_len: int, params: Mapping, occupancy: int,
                     sm_count: int, item_tokens: float) -> tuple[float, int]:
     """splitk_schedule over an int64 array: split_rule.serving_splits' rule in numpy (the
-    same float64 share, n * budget / total, exact below 2**53), its items as a repeat, the
-    first wave of programs placed without the heap (each takes an empty slot), the rest
-    dealt as `_deal` does; or all of it in C (`_NATIVE_SOURCE`, mla_tune/native.py: the same
+    same float64 share, n * budget / total, exact below 2**53), its items as a repeat, dealt
+    by makespan.deal (what `_deal` does over a list); or all of it in C (`_NATIVE_SOURCE`, mla_tune/native.py: the same
     arithmetic) where a C compiler is found. tests/test_splitk_fast.py checks it against the
     loop, tests/test_native_replays.py the C against the numpy."""
     rule = _rule(params, sm_count)
@@ -131,20 +130,11 @@ def _schedule_array(lens: np.ndarray, heads: int, q_len: int, params: Mapping, o
     most = int(counts.max())
     per_step = reduce_splits_per_step(batch, q_len, heads)
     steps = -(-most // per_step) if most > 1 else 0
-    n_items = int(counts.sum())
-    longest = int(np.where(full > 0, split, rest).max())
-    slots = max(sm_count * occupancy, 1)
-    programs = n_items * tiles
-    if programs <= slots:
-        return longest + item_tokens, steps
-    if programs > EXACT_WAVES * slots:
-        return (int(lens.sum()) + item_tokens * n_items) * tiles / slots + (longest + item_tokens) / 2, steps
     items = np.repeat(split, counts)
     ends = np.cumsum(counts) - 1
     cut = rest > 0
     items[ends[cut]] = rest[cut]
-    work = np.repeat(items + item_tokens, tiles) if tiles > 1 else items + item_tokens
-    return float(greedy_makespan(work, slots)), steps
+    return deal(items, tiles, max(sm_count * occupancy, 1), float(item_tokens)), steps
 
 
 # _schedule_array in C, the same arithmetic step by step (IEEE doubles, no contraction:
@@ -411,6 +401,10 @@ class SplitKModel(MakespanModel):
     (occupancy_cap), and where the table holds the family's measured cost per reduction
     step (the calibration) the estimate adds it for each step the call's longest loop
     takes beyond a uniform batch of its mean (`step_cost`)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        object.__setattr__(self, "_replay_consts", None)  # replay's constants, laid out at its first call
 
     def native_estimate(self, key, calibration: Mapping) -> tuple[int, np.ndarray] | None:
         """(the address of `estimate`'s C function, its params) for the family's compiled
