@@ -51,6 +51,27 @@ static void sift_down(T *h, int64_t n) { \
 """
 
 
+# `deal_short`: makespan.deal's two cases without a dealing, for the makespan replays in C
+# (backends/*_schedule.py): n_items split items (tokens in all, the longest `longest`), each
+# run by `programs` programs of `item` tokens' fixed cost, over `slots` slots. Returns 1 with
+# *span set where they fit one wave (the longest program) or pass exact_waves waves (the mean
+# load plus half the longest program), 0 where the caller deals them through its heap.
+DEAL_C = r"""
+#include <stdint.h>
+static int deal_short(int64_t n_items, int64_t programs, int64_t slots, int64_t exact_waves, int64_t tokens,
+                      int64_t longest, double item, double *span) {
+    int64_t count = n_items * programs;
+    if (count <= slots) { *span = (double)longest + item; return 1; }
+    if (count > exact_waves * slots) {
+        *span = ((double)tokens + item * (double)n_items) * (double)programs / (double)slots
+                + ((double)longest + item) / 2.0;
+        return 1;
+    }
+    return 0;
+}
+"""
+
+
 # One eager call as a schedule model's C estimate sees it (serving/estimate.py's compiled
 # estimate; the Python `Call` there is the same call): its lengths, and per variant of the
 # family (indices in the family's variant order) the interpolated times, rates and batch

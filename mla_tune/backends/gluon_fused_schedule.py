@@ -97,7 +97,7 @@ def occupancy_cap(variant, q_len: int, smem_per_sm: int = 0) -> int:
 
 # gluon_schedule and GluonModel.estimate in C, the same arithmetic (IEEE doubles, no
 # contraction: mla_tune/native.py), with the dealing as a heap.
-_NATIVE_SOURCE = native.HEAP_C + native.ESTIMATE_H + r"""
+_NATIVE_SOURCE = native.HEAP_C + native.DEAL_C + native.ESTIMATE_H + r"""
 #include <stdlib.h>
 #include <math.h>
 
@@ -134,13 +134,7 @@ int gl_schedule(const int64_t *lens, int64_t n, int64_t max_splits, int64_t tps,
         live++;
     }
     if (live == 0) { *span = 0.0; return 0; }
-    int64_t count = n_items * programs;
-    if (count <= slots) { *span = (double)longest + item; return 0; }
-    if (count > exact_waves * slots) {
-        *span = ((double)tokens + item * (double)n_items) * (double)programs / (double)slots
-                + ((double)longest + item) / 2.0;
-        return 0;
-    }
+    if (deal_short(n_items, programs, slots, exact_waves, tokens, longest, item, span)) return 0;
     double *heap = calloc((size_t)slots, sizeof(double));
     if (heap == NULL) return -1;
     for (int64_t s = 0; s < n; s++) {

@@ -139,7 +139,7 @@ def _schedule_array(lens: np.ndarray, heads: int, q_len: int, params: Mapping, o
 
 # _schedule_array in C, the same arithmetic step by step (IEEE doubles, no contraction:
 # mla_tune/native.py), with the dealing as `_deal`'s heap.
-_NATIVE_SOURCE = native.HEAP_C + native.ESTIMATE_H + r"""
+_NATIVE_SOURCE = native.HEAP_C + native.DEAL_C + native.ESTIMATE_H + r"""
 #include <stdlib.h>
 #include <math.h>
 
@@ -180,13 +180,7 @@ int sk_schedule(const int64_t *lens, int64_t n, int64_t max_splits, int64_t bloc
     }
     if (live == 0) { *span = 0.0; *steps = 0; return 0; }
     *steps = most > 1 ? (most + per_step - 1) / per_step : 0;
-    int64_t programs = n_items * tiles;
-    if (programs <= slots) { *span = (double)longest + item_tokens; return 0; }
-    if (programs > exact_waves * slots) {
-        *span = ((double)tokens + item_tokens * (double)n_items) * (double)tiles / (double)slots
-                + ((double)longest + item_tokens) / 2.0;
-        return 0;
-    }
+    if (deal_short(n_items, tiles, slots, exact_waves, tokens, longest, item_tokens, span)) return 0;
     double *heap = calloc((size_t)slots, sizeof(double));
     if (heap == NULL) return -1;
     for (int64_t s = 0; s < n; s++) {
