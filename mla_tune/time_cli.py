@@ -103,6 +103,9 @@ def variants_command(
                                                      "256x1024,256x8192",
     reps: Annotated[int, typer.Option(min=1, help="Timed calls per measurement (the median is shown).")] = 30,
     device: _DeviceOption = Device.cuda,
+    floor: Annotated[bool, typer.Option(
+        "--floor", help="First, per shape, time one launch that writes one element: the protocol's own "
+                        "fixed cost, part of every figure.")] = False,
 ) -> None:
     """Check and time leaderboard variants at chosen shapes, side by side.
 
@@ -113,7 +116,7 @@ def variants_command(
         from mla_tune.tune.time_variants import parse_shapes, parse_variants, time_variants
 
         chosen, where = parse_variants(variants), parse_shapes(shapes)
-        time_variants(chosen, where, reps=reps, device=check_device(device), log=typer.echo)
+        time_variants(chosen, where, reps=reps, device=check_device(device), log=typer.echo, floor=floor)
 
 
 @time_app.command("mix")

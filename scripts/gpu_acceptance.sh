@@ -4,6 +4,11 @@
 #
 #   bash scripts/gpu_acceptance.sh leaderboard-sweep    # on a FRESH machine: the full leaderboard
 #       sweep (another GPU's name refused first), its export checked, diff and show in 80 columns
+#   bash scripts/gpu_acceptance.sh leaderboard-levers   # on a FRESH machine: the one-launch levers'
+#       GPU tests, then each of tables/H200.yaml's winners beside itself with reduce=spin,
+#       q_load=first and bf16 partials (`mla-tune time variants --floor`, each list timed forward
+#       and back), the levers' decomposition at 4x1, 4x64 and 4x1024, then a fresh sweep that
+#       searches them (its table and results come back), exported and checked
 #   bash scripts/gpu_acceptance.sh leaderboard-budget   # a budget_s 120 sweep holds its budget,
 #       its export checked, diff against the committed table
 #   BASE=OLD_EXPORT.py bash scripts/gpu_acceptance.sh leaderboard-export   # on one GPU: this
@@ -44,7 +49,7 @@
 # It works in /tmp/acceptance and copies what matters (the table, its results file, the logs,
 # at most 8 files: what the device tool brings back) to $OUT (or ./gpu_out).
 set -uo pipefail
-modes="gpu-suite|serving-verify|serving-adopt|leaderboard-sweep|leaderboard-budget|leaderboard-export|sweep-safety|serving-tests|serving-splitk|serving-sweep-chunk|serving-table"
+modes="gpu-suite|leaderboard-levers|serving-verify|serving-adopt|leaderboard-sweep|leaderboard-budget|leaderboard-export|sweep-safety|serving-tests|serving-splitk|serving-sweep-chunk|serving-table"
 mode=${1:?usage: gpu_acceptance.sh $modes}
 keep=${OUT:-gpu_out}
 out=/tmp/acceptance
@@ -119,6 +124,47 @@ leaderboard-sweep)
   python3 scripts/check_submission.py "$out/full.py" --reps 30 2>&1 | tail -20
   COLUMNS=80 python3 -m mla_tune diff tables/H200.yaml "$out/H200.yaml"
   COLUMNS=80 python3 -m mla_tune show --table "$out/H200.yaml" | awk 'length > 80' | wc -l
+  ;;
+leaderboard-levers)
+  timed lever-tests timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gluon_decode.py \
+    -k "q_loaded_first or bf16_partials or reduce_spin" > "$out/gpu_tests.log" 2>&1; tail -3 "$out/gpu_tests.log"
+  # per shape: the winner W, W+spin, W+spin+q first, W+spin+q first+bf16 partials (where
+  # spin runs; else W and W+q first), then the same list backwards: both positions (6.1)
+  python3 - > "$out/levers.txt" <<'PY'
+import yaml
+from mla_tune.core import Shape, Variant
+from mla_tune.kernels.gluon_decode import gd_check_launch
+for row in yaml.safe_load(open("tables/H200.yaml"))["rows"]:
+    shape, w = Shape(row["batch"], row["kv_len"]), Variant.parse(row["winner"]["variant"])
+    steps = [dict(reduce="spin"), dict(q_load="first"), dict(part="bf16")]
+    try:
+        gd_check_launch(shape.batch, w.p["num_splits"], block_n=w.p["block_n"], num_stages=w.p["num_stages"],
+                        v_path=w.p["v_path"], reduce="spin", sm_count=132)
+        assert w.p["num_splits"] > 1
+    except (AssertionError, ValueError):  # spin cannot run: q first only
+        steps = [dict(q_load="first")]
+    chain = [w]
+    for step in steps:
+        chain.append(chain[-1].with_params(**step))
+    print(f"{shape.batch}x{shape.kv_len}", *map(str, chain + chain[::-1]))
+PY
+  base="gluon_fused(block_n=64,kv=fp8,num_splits=1,num_stages=2,q=fp8_dynamic,v_path=rs8)"
+  sixteen="gluon_fused(block_n=64,kv=fp8,num_splits=16,num_stages=2,q=fp8_dynamic,v_path=ss16)"
+  echo "4x1,4x64 $base ${base/v_path/q_load=first,v_path} ${base/v_path/q_load=first,v_path} $base" >> "$out/levers.txt"
+  echo "4x1024 $sixteen ${sixteen/v_path/reduce=spin,v_path} ${sixteen/q=/part=bf16,q=} ${sixteen/q=/part=bf16,q_load=first,q=}" \
+    >> "$out/levers.txt"
+  while read -r shapes variants; do
+    timed "levers-$shapes" timeout 120 python3 -m mla_tune time variants $variants --shapes "$shapes" --floor \
+      --reps 50 >> "$out/levers.log" 2>&1
+  done < "$out/levers.txt"
+  grep -v -i warn "$out/levers.log"
+  timed sweep python3 -m mla_tune sweep --gpu H200 --fresh --out "$out/H200.yaml" > "$out/sweep.log" 2>&1
+  tail -22 "$out/sweep.log"
+  python3 -m mla_tune export --table "$out/H200.yaml" -o "$out/full.py"
+  timed check python3 scripts/check_submission.py "$out/full.py" --reps 30 2>&1 | tail -16
+  COLUMNS=80 python3 -m mla_tune diff tables/H200.yaml "$out/H200.yaml"
+  mkdir -p .gpu && cp "$out/H200.yaml" "$out/H200.results.jsonl" .gpu/  # ignored: the next command here finds them
+  cp "$out/levers.log" "$out/levers.txt" "$keep/"
   ;;
 leaderboard-budget)
   # the estimate comes from the last full sweep's measured costs (tables/H200.results.jsonl)

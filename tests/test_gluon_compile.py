@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -40,6 +41,12 @@ CASES = [
     # warp specialization with two consumers: every renamed builtin (TMA load, CTA barrier,
     # shared-memory reinterpret) and gl.warp_specialize
     ("gluon_fused(block_n=64,kv=fp8,num_splits=2,num_stages=3,q=fp8_dynamic,v_path=ss16,ws=2)", Shape(4, 1024)),
+    # the small shapes' levers: the winner's kernel with q loaded once, first; bf16 partials
+    # combined by the spin barrier in the one launch
+    ("gluon_fused(block_n=64,kv=fp8,num_splits=4,num_stages=2,q=fp8_dynamic,q_load=first,v_path=rs8)",
+     Shape(64, 8192)),
+    ("gluon_fused(block_n=64,kv=fp8,num_splits=16,num_stages=2,part=bf16,q=fp8_dynamic,q_load=first,reduce=spin,"
+     "v_path=ss16)", Shape(4, 1024)),
 ]
 
 
@@ -119,14 +126,16 @@ def test_this_triton_has_every_name_the_kernel_calls():
         assert triton.__version__ not in reason
 
 
-@pytest.mark.parametrize("text, shape", CASES, ids=["table-winner", "ws2"])
+@pytest.mark.parametrize("text, shape", CASES, ids=["table-winner", "ws2", "q-first", "one-launch-bf16-parts"])
 def test_the_backends_launch_compiles_for_sm90(compiled, text, shape):
     variant = Variant.parse(text)
     launches = compiled[text]
-    assert [launch.get("error") for launch in launches] == [None, None]
-    # num_splits > 1: the decode, then the reduce launch
-    assert [launch["name"] for launch in launches] == ["_gd_decode_kernel", "_gd_reduce_kernel"]
-    decode, reduce = launches
+    assert [launch.get("error") for launch in launches] == [None] * len(launches)
+    # num_splits > 1: the decode, then the reduce launch, unless the splits combine in the kernel
+    one_launch = variant.p.get("reduce") == "spin"
+    expected = ["_gd_decode_kernel"] if one_launch else ["_gd_decode_kernel", "_gd_reduce_kernel"]
+    assert [launch["name"] for launch in launches] == expected
+    decode, reduce = launches[0], launches[-1]
     assert decode["grid"] == [variant.p["num_splits"], shape.batch]
     p = {**gluon_fused.GF_LATER_DEFAULTS, **variant.p}
     # the shared memory the compiler allocated is the kernel module's figure (the spin check's)
@@ -137,3 +146,29 @@ def test_the_backends_launch_compiles_for_sm90(compiled, text, shape):
     if p["ws"]:
         assert "setmaxnreg" in ptx  # the partitions' register budgets
     assert decode["cubin_bytes"] > 0 and reduce["cubin_bytes"] > 0  # ptxas assembled both
+
+
+def _first(ptx: str, opcode: str) -> int:
+    """The line number of the first instruction starting with `opcode` (predicated or not)."""
+    return next(i for i, line in enumerate(ptx.splitlines())
+                if line.strip().lstrip("@%!p0123456789 ").startswith(opcode))
+
+
+def test_q_loaded_first_is_issued_before_the_kv_indptr_loads_and_the_ring(compiled):
+    """q_load=first: q's box loads (16-byte ld.global.v4) come first, so their round trip runs
+    while KV_INDPTR's does; with twice (the winner) they wait behind the ring's first TMA
+    copies, which wait for KV_INDPTR."""
+    twice, first = (compiled[text][0]["ptx"] for text, _ in CASES[0:3:2])
+    for ptx in (twice, first):
+        assert _first(ptx, "ld.global.b32") < _first(ptx, "cp.async.bulk.tensor")  # the indptr before the ring
+    assert _first(twice, "cp.async.bulk.tensor") < _first(twice, "ld.global.v4")
+    assert _first(first, "ld.global.v4") < _first(first, "ld.global.b32")
+
+
+def test_bf16_partials_are_stored_as_16_bit_values(compiled):
+    """part=bf16: each of the 64 partial O values a thread holds is rounded to bf16 and
+    stored as 16 bits, where the fp32 winner stores 64 32-bit values."""
+    fp32, bf16 = compiled[CASES[0][0]][0]["ptx"], compiled[CASES[3][0]][0]["ptx"]
+    count = lambda ptx, op: len(re.findall(rf"\b{re.escape(op)}\b", ptx))  # noqa: E731
+    assert (count(fp32, "st.global.b32"), count(fp32, "st.global.b16")) == (64, 0)
+    assert (count(bf16, "st.global.b16"), count(bf16, "cvt.rn.bf16.f32")) == (64, 64)

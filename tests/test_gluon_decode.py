@@ -206,6 +206,50 @@ def test_kernel_math_is_the_reference_math_but_for_the_q_scale_and_meets_the_bou
         check_against_both(off_by_one, data, "the last token dropped")
 
 
+def test_the_backend_passes_q_load_and_the_partials_type_to_the_kernel(monkeypatch):
+    seen = []
+    monkeypatch.setattr(gluon_fused, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(gluon_fused, "gd_kv_descriptor", lambda kv, block_n: ("desc", block_n))
+    monkeypatch.setattr(gluon_fused, "gluon_decode", lambda *args, **kwargs: seen.append((args, kwargs)))
+    data = problem.generate_input(2, 256, seed=3, device="cpu")
+    for params, q_load, part in [(dict(), "twice", torch.float32), (dict(q_load="first"), "first", torch.float32),
+                                 (dict(num_splits=2, part="bf16"), "twice", torch.bfloat16)]:
+        gluon_fused.build(_variant(**params), Shape(2, 256), "cpu")(*data[:4])
+        args, kwargs = seen[-1]
+        assert kwargs["q_load"] == q_load and args[5].dtype == part  # part_o, the sixth argument
+
+
+def test_q_load_and_part_are_later_parameters_offered_where_they_mean_something(monkeypatch):
+    old = _variant(num_splits=4)
+    for later in ("q_load", "part"):
+        assert later not in old.p
+    gluon_fused.validate(_variant(num_splits=4, q_load="first", part="bf16"))
+    for params, match in [(dict(q_load="thrice"), "q_load=thrice is not allowed; allowed: twice, first"),
+                          (dict(part="fp16"), "part=fp16 is not allowed; allowed: fp32, bf16")]:
+        with pytest.raises(ValueError, match=match):
+            gluon_fused.validate(_variant(**params))
+    space = {"num_stages": [2], "v_path": ["rs8"], "q_load": ["twice", "first"], "part": ["fp32", "bf16"]}
+    found = gluon_fused.candidates(Shape(4, 1024), space, None)
+    by = {(v.get("num_splits"), v.get("q_load", "twice"), v.get("part", "fp32")) for v in found}
+    assert (1, "first", "fp32") in by and (16, "first", "bf16") in by
+    assert not any(ns == 1 and part == "bf16" for ns, _q, part in by)  # one split writes no partials
+    assert all("q_load=twice" not in str(v) and "part=fp32" not in str(v) for v in found)  # defaults left out
+    monkeypatch.setattr(gluon_fused, "unavailable_reason", lambda: None)
+    with pytest.raises(ValueError, match="one split writes no partials"):
+        gluon_fused.build(_variant(part="bf16"), Shape(1, 64), "cpu")
+
+
+def test_gluon_decode_refuses_an_unknown_q_load_or_partials_type(monkeypatch):
+    monkeypatch.setattr(gluon_decode, "GD_UNAVAILABLE", None)
+    q, indptr = torch.zeros(1, 16, QK_DIM), torch.arange(2, dtype=torch.int32)
+    common = dict(block_n=64, num_stages=2, v_path="rs8", sm_scale_log2=1.0)
+    with pytest.raises(ValueError, match="q_load must be one of twice, first; got 'once'"):
+        gluon_decode.gluon_decode(q, None, None, indptr, None, None, None, num_splits=1, q_load="once", **common)
+    with pytest.raises(ValueError, match="part_o must be float32 or bfloat16"):
+        gluon_decode.gluon_decode(q, None, None, indptr, None, torch.empty(4, dtype=torch.float16), None,
+                                  num_splits=2, **common)
+
+
 # ----------------------------------------------------------------------------- H200
 def _gpu_skip() -> str | None:
     return gluon_fused.unavailable_reason()
@@ -269,6 +313,39 @@ def test_the_backend_with_reduce_spin_matches_the_reference_and_repeats(batch, k
     check_against_both(first, data, f"spin {splits} splits at {shape}")
     for _ in range(2):  # the barrier's count and flag are left ready for the next call
         assert torch.equal(first, run(*data[:4]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, kv_len, splits, reduce, v_path", [
+    (4, 1024, 16, "spin", "ss16"), (4, 8192, 32, "spin", "rs8"), (32, 1024, 4, "launch", "rs8"),
+    (64, 8192, 4, "spin", "rs8"), (1, 1, 1, "launch", "rs8"), (3, 17, 1, "launch", "ss16"), (5, 3000, 8, "launch", "ss16")])
+def test_q_loaded_first_is_bit_identical_and_bf16_partials_pass_strict(batch, kv_len, splits, reduce, v_path):
+    if _gpu_skip():
+        pytest.skip(_gpu_skip())
+    data = problem.generate_input(batch, kv_len, seed=batch * 5 + kv_len, device="cuda")
+    shape = Shape(batch, kv_len)
+    common = dict(num_splits=splits, num_stages=2, v_path=v_path, **({"reduce": reduce} if splits > 1 else {}))
+    twice = gluon_fused.build(_variant(**common), shape, "cuda")(*data[:4]).clone()
+    first = gluon_fused.build(_variant(q_load="first", **common), shape, "cuda")
+    out = first(*data[:4]).clone()
+    assert torch.equal(out, twice), f"q_load=first differs from twice at {shape}, {splits} splits"
+    assert torch.equal(out, first(*data[:4])), "a second call differs"
+    check_against_both(out, data, f"q_load=first at {shape}")
+    if splits > 1:
+        run = gluon_fused.build(_variant(q_load="first", part="bf16", **common), shape, "cuda")
+        bf16 = run(*data[:4]).clone()
+        check_against_both(bf16, data, f"bf16 partials, {splits} splits, {reduce} at {shape}")
+        assert torch.equal(bf16, run(*data[:4])), "bf16 partials: a second call differs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduce", ["launch", "spin"])
+def test_bf16_partials_on_a_ragged_batch_with_empty_splits(reduce):
+    if _gpu_skip():
+        pytest.skip(_gpu_skip())
+    data = problem.generate_ragged_input([1, 17, 3000, 64, 130], seed=9, device="cuda")
+    variant = _variant(num_splits=4, num_stages=2, v_path="rs8", part="bf16", q_load="first", reduce=reduce)
+    check_against_both(gluon_fused.build(variant, Shape(5, 3000), "cuda")(*data[:4]), data, str(variant))
 
 
 def test_the_backend_reads_reduce_as_a_later_parameter():

@@ -155,6 +155,9 @@ def test_gluon_decode_passes_ws_and_its_register_budget_to_the_launch(monkeypatc
     with pytest.raises(ValueError, match="ws must be one of"):
         gluon_decode.gluon_decode(q, None, None, indptr, None, None, None, ws=4, **common)
     assert len(rec.calls) == 3  # refused before any launch
+    assert "Q_LOAD" not in k0  # q_load "twice" (the default) launches as before it existed too
+    gluon_decode.gluon_decode(q, None, None, indptr, None, None, None, q_load="first", **common)
+    assert rec.calls[-1][1]["Q_LOAD"] == 1
 
 
 def test_the_backend_dispatches_ws_to_the_kernel(monkeypatch):

@@ -168,6 +168,20 @@ def test_variants_are_checked_and_timed_and_a_failing_one_is_a_row(interpreter):
     assert len(errors) == 2 and all(" error " in line and "unknown backend" in line for line in errors)
 
 
+def test_the_floor_row_times_one_tiny_launch_before_each_shapes_variants(interpreter, stand_in_timer):
+    good = "torch(kv=bf16,q=bf16)"
+    result = _invoke("variants", good, "--shapes", "1x8,2x5", "--reps", "1", "--device", "cpu", "--floor")
+    assert result.exit_code == 0, result.output
+    rows = [line.split() for line in result.output.strip().splitlines()[1:]]
+    assert [(r[0], r[-1]) for r in rows] == [("1x8", "element"), ("1x8", good), ("2x5", "element"), ("2x5", good)]
+    assert [r[1] for r in rows] == ["10.0", "20.0", "30.0", "40.0"]  # timed in that order
+    floor = stand_in_timer[0]
+    assert floor.__name__ == "zero_" and floor.__self__.numel() == 1  # one element, one launch
+    assert time_variants.FLOOR_ROW in result.output
+    no_floor = _invoke("variants", good, "--shapes", "1x8", "--reps", "1", "--device", "cpu")
+    assert time_variants.FLOOR_ROW not in no_floor.output
+
+
 def _worst_lines(data: dict) -> list[str]:
     """The regret lines the scan must print for its times."""
     best = {n: min(t[n] for t in data["times"].values()) for n in data["shapes"]}

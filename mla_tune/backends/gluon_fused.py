@@ -12,7 +12,7 @@ Leaderboard variant parameters:
   q           fp8_dynamic      q quantized in the kernel, one scale per (sequence, head)
   block_n     64 | 128         tokens per tile (the MMA's M: wgmma needs a multiple of 64)
   num_stages  2..4             depth of the TMA ring; with the tile, bounded by shared memory
-  num_splits  1..256           programs per sequence; > 1 adds a reduction launch.
+  num_splits  1..256           programs per sequence; > 1 adds the reduction (reduce).
                                candidates() keeps, per shape, those giving batch x num_splits
                                programs in [sm_count / 8, 2 x sm_count] (see _gf_waves_reason)
   v_path      ss16 | rs16 | rs8 | ss16a  how V^T reaches the PV MMA (kernels/gluon_decode.py;
@@ -29,6 +29,13 @@ Leaderboard variant parameters:
                                the variant. candidates() offers ws 2 only with >= 3 stages,
                                >= 2 tiles per program and, on a known GPU, one wave of
                                programs (_gf_ws_reason); ws 1 wherever the config asks.
+  q_load      twice | first    the q prologue (kernels/gluon_decode.py GD_Q_LOADS): q read
+                               twice after the ring starts, or its five boxes loaded once
+                               before anything waits. The same q either way. A later
+                               parameter: absent means twice, left out of the variant.
+  part        fp32 | bf16      the partials' type where num_splits > 1 (bf16: half the bytes
+                               written and read back). A later parameter: absent means fp32;
+                               candidates() offers bf16 only with more than one split.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ from mla_tune.core import (
     require,
 )
 from mla_tune.kernels.gluon_decode import (
+    GD_PART_DTYPES,
     GD_UNAVAILABLE,
     gd_check_launch,
     gd_kv_descriptor,
@@ -103,9 +111,11 @@ GF_DEFAULT_SPACE = {
     "v_path": ["ss16", "rs16", "ss16a"],
     "reduce": ["launch"],  # configs opt in to "spin"
     "ws": [0],  # configs opt in to warp specialization (1, 2)
+    "q_load": ["twice"],  # configs opt in to "first"
+    "part": ["fp32"],  # configs opt in to "bf16"
 }
 # Parameters added later and the value that keeps the first behaviour (left out of variants).
-GF_LATER_DEFAULTS = {"reduce": "launch", "ws": 0}
+GF_LATER_DEFAULTS = {"reduce": "launch", "ws": 0, "q_load": "twice", "part": "fp32"}
 
 
 def unavailable_reason() -> str | None:
@@ -156,6 +166,8 @@ def _gf_reason(p: dict, shape: Shape, sm_count: int = 0) -> str | None:
     reduce = p.get("reduce", "launch")
     if reduce != "launch" and p["num_splits"] == 1:
         return "one split has nothing to reduce"
+    if p.get("part", "fp32") != "fp32" and p["num_splits"] == 1:
+        return "one split writes no partials"
     if reduce != "launch" and sm_count:
         try:
             gd_check_launch(shape.batch, p["num_splits"], block_n=p["block_n"], num_stages=p["num_stages"],
@@ -242,7 +254,7 @@ def build(variant: Variant, shape: Shape, device, *, sm_scale: float = SM_SCALE)
 
     def grow(batch: int) -> None:
         slots = batch * num_splits if num_splits > 1 else 1
-        state["part_o"] = torch.empty(slots * 16 * V_DIM, dtype=torch.float32, device=device)
+        state["part_o"] = torch.empty(slots * 16 * V_DIM, dtype=GD_PART_DTYPES[p["part"]], device=device)
         state["part_lse"] = torch.empty(slots * 16, dtype=torch.float32, device=device)
         state["out"] = torch.empty((batch, 16, V_DIM), dtype=torch.bfloat16, device=device)
         # in-kernel reduction's arrival counter and barrier flag: zero once, each call
@@ -254,7 +266,7 @@ def build(variant: Variant, shape: Shape, device, *, sm_scale: float = SM_SCALE)
     grow(shape.batch)
     options = dict(num_splits=num_splits, block_n=p["block_n"], num_stages=p["num_stages"],
                    v_path=p["v_path"], sm_scale_log2=sm_scale * math.log2(math.e),
-                   reduce=p["reduce"], sm_count=sm_count or None, ws=p["ws"])
+                   reduce=p["reduce"], sm_count=sm_count or None, ws=p["ws"], q_load=p["q_load"])
 
     def run_gluon_fused(q, kv_data, qo_indptr, kv_indptr):
         batch = q.shape[0]
@@ -284,9 +296,10 @@ def build(variant: Variant, shape: Shape, device, *, sm_scale: float = SM_SCALE)
 
 
 def compile_shape(variant: Variant, shape: Shape, sm_count: int | None) -> Shape:
-    """One sequence with a tile per split: every constexpr (BN, STAGES, V_PATH, SPLIT, WS; the
-    reduction's NS) comes from the variant and num_splits is the same int argument, so this
-    compiles what `shape` runs (batch only sizes the grid, kv_len is read on the device)."""
+    """One sequence with a tile per split: every constexpr (BN, STAGES, V_PATH, SPLIT, WS,
+    Q_LOAD; the reduction's NS) and the partials' type come from the variant, and num_splits
+    is the same int argument, so this compiles what `shape` runs (batch only sizes the grid,
+    kv_len is read on the device)."""
     return Shape(1, variant.p["num_splits"] * variant.p["block_n"])
 
 

@@ -100,6 +100,12 @@ GD_BOX = 128  # columns per TMA box: 128 fp8 bytes, the widest NVMMA swizzle
 GD_BOXES = 5  # 576 dims in five boxes; the fifth's columns 576..639 are TMA's zero fill
 GD_V_BOXES = 4  # the 512 V dims
 GD_REDUCE_CODES = {"launch": 0, "last": 1, "spin": 2}
+# The q prologue (constexpr Q_LOAD): "twice" reads q after the ring is started, once for the
+# per-head amax and again to quantize; "first" loads its five boxes into registers before
+# anything waits (the KV_INDPTR loads, the ring) and quantizes those, one global read.
+GD_Q_LOADS = {"twice": 0, "first": 1}
+# The partials' element type (the part_o buffer's): fp32, or bf16 for half the bytes.
+GD_PART_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GD_MAX_INKERNEL_SPLITS = 64  # in-kernel reductions: slices of at least 4 dims per split
 # sm_90: 228 KB of shared memory per SM, 1 KB of it reserved per resident CTA (CUDA
 # occupancy rules); a 4-warp CTA uses at most 255 x 128 registers, so registers always
@@ -150,6 +156,15 @@ def _gd_ws_mode(ws):
     return ws
 
 
+@_gd_constexpr_fn
+def _gd_q_load_mode(q_load):
+    """The kernel's q prologue (GD_Q_LOADS): Q_LOAD, or 0 where it is None (a signature that
+    predates it, as for WS)."""
+    q_load = 0 if q_load is None else q_load
+    assert q_load in (0, 1), f"Q_LOAD must be 0 or 1 (GD_Q_LOADS), got {q_load}"
+    return q_load
+
+
 @_gd_jit
 def _gd_pv_box(kv_box, v16_s, c, p_s, o, V_PATH: gl.constexpr, BN: gl.constexpr):
     """o[128 x 16] += (fp8 tile box c [BN x 128])^T @ P^T[BN x 16] in fp16, by V_PATH.
@@ -184,15 +199,27 @@ def _gd_pv_box(kv_box, v16_s, c, p_s, o, V_PATH: gl.constexpr, BN: gl.constexpr)
 
 @_gd_jit
 def _gd_store_box(o, c, l_safe, scale, b, split, OUT, PART_O, num_splits, SPLIT: gl.constexpr):
-    """Write dims [128c, 128c + 128) of the output (bf16) or of this split's partial (fp32)."""
+    """Write dims [128c, 128c + 128) of the output (bf16) or of this split's partial (fp32 or
+    bf16, as PART_O is)."""
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
     d = c * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, o_l))
     h = gl.arange(0, 16, layout=gl.SliceLayout(0, o_l))
     val = o * (scale / l_safe)[None, :]
-    if SPLIT:
-        gl.store(PART_O + ((b * num_splits + split) * 16 + h[None, :]) * 512 + d[:, None], val)
+    if SPLIT:  # fp32 or bf16 partials: the buffer's type
+        gl.store(PART_O + ((b * num_splits + split) * 16 + h[None, :]) * 512 + d[:, None],
+                 val.to(PART_O.dtype.element_ty))
     else:
         gl.store(OUT + (b * 16 + h[None, :]) * 512 + d[:, None], val.to(gl.bfloat16))
+
+
+@_gd_jit
+def _gd_q_box(Q, b, c: gl.constexpr):
+    """q[b, :, 128c : 128c + 128] as [16 x 128] bf16 (box 4's columns past 576 read as 0)."""
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    qh = gl.arange(0, 16, layout=gl.SliceLayout(1, q_l))
+    qd = gl.arange(0, 128, layout=gl.SliceLayout(0, q_l))
+    mask = (c * 128 + qd[None, :] < 576) & (qh[:, None] < 16)
+    return gl.load(Q + (b * 16 + qh[:, None]) * 576 + c * 128 + qd[None, :], mask=mask, other=0.0)
 
 
 @_gd_jit
@@ -253,10 +280,12 @@ def _gd_decode_kernel(
     kv_desc, Q, KV_SCALE, KV_INDPTR, OUT, PART_O, PART_LSE, sm_scale_log2, num_splits, COUNT, FLAG,
     BN: gl.constexpr, STAGES: gl.constexpr, V_PATH: gl.constexpr, SPLIT: gl.constexpr,
     REDUCE: gl.constexpr, V_HALVES: gl.constexpr, NS: gl.constexpr, WS: gl.constexpr = 0,
+    Q_LOAD: gl.constexpr = 0,
 ):
     # An offline compile whose signature predates WS (scripts/gluon_probe.py --decode) binds it
     # to None, not to its default: that is the kernel without warp specialization.
     WSM: gl.constexpr = _gd_ws_mode(WS)
+    QLM: gl.constexpr = _gd_q_load_mode(Q_LOAD)
     if V_HALVES == 1:
         split = gl.program_id(0)
         half = 0
@@ -264,6 +293,12 @@ def _gd_decode_kernel(
         split = gl.program_id(0) // V_HALVES
         half = gl.program_id(0) % V_HALVES
     b = gl.program_id(1)
+    if QLM == 1:  # q's five boxes first: their HBM round trip overlaps KV_INDPTR's and the ring's
+        x0 = _gd_q_box(Q, b, 0)
+        x1 = _gd_q_box(Q, b, 1)
+        x2 = _gd_q_box(Q, b, 2)
+        x3 = _gd_q_box(Q, b, 3)
+        x4 = _gd_q_box(Q, b, 4)
     lo = gl.load(KV_INDPTR + b)
     hi = gl.load(KV_INDPTR + b + 1)
     tiles = gl.cdiv(hi - lo, BN)
@@ -287,22 +322,31 @@ def _gd_decode_kernel(
     for s in gl.static_range(STAGES - 1 if WSM == 0 else STAGES):
         _gd_issue_tile(kv_desc, kv_s, bars, s, start + s * BN, s < n_tiles)
 
-    # q: [16 x 640] fp8 in shared memory (five [16 x 128] boxes), scale per head.
+    # q: [16 x 640] fp8 in shared memory (five [16 x 128] boxes), scale per head. Q_LOAD 0 reads
+    # q twice here (the amax, then the quantization); 1 quantizes the boxes loaded above. The
+    # same arithmetic either way, so the two give bit-identical q.
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    qh = gl.arange(0, 16, layout=gl.SliceLayout(1, q_l))
-    qd = gl.arange(0, 128, layout=gl.SliceLayout(0, q_l))
-    amax = gl.full([16], 1e-12, gl.float32, gl.SliceLayout(1, q_l))
-    for c in gl.static_range(5):
-        mask = (c * 128 + qd[None, :] < 576) & (qh[:, None] < 16)
-        x = gl.load(Q + (b * 16 + qh[:, None]) * 576 + c * 128 + qd[None, :], mask=mask, other=0.0)
-        amax = gl.maximum(amax, gl.max(gl.abs(x.to(gl.float32)), 1))
-    q_scale = amax / 448.0
     q_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     q_s = gl.allocate_shared_memory(gl.float8e4nv, [5, 16, 128], q_sl)
-    for c in gl.static_range(5):
-        mask = (c * 128 + qd[None, :] < 576) & (qh[:, None] < 16)
-        x = gl.load(Q + (b * 16 + qh[:, None]) * 576 + c * 128 + qd[None, :], mask=mask, other=0.0)
-        q_s.index(c).store((x.to(gl.float32) / q_scale[:, None]).to(gl.float8e4nv))
+    amax = gl.full([16], 1e-12, gl.float32, gl.SliceLayout(1, q_l))
+    if QLM == 1:
+        amax = gl.maximum(amax, gl.max(gl.abs(x0.to(gl.float32)), 1))
+        amax = gl.maximum(amax, gl.max(gl.abs(x1.to(gl.float32)), 1))
+        amax = gl.maximum(amax, gl.max(gl.abs(x2.to(gl.float32)), 1))
+        amax = gl.maximum(amax, gl.max(gl.abs(x3.to(gl.float32)), 1))
+        amax = gl.maximum(amax, gl.max(gl.abs(x4.to(gl.float32)), 1))
+        q_scale = amax / 448.0
+        q_s.index(0).store((x0.to(gl.float32) / q_scale[:, None]).to(gl.float8e4nv))
+        q_s.index(1).store((x1.to(gl.float32) / q_scale[:, None]).to(gl.float8e4nv))
+        q_s.index(2).store((x2.to(gl.float32) / q_scale[:, None]).to(gl.float8e4nv))
+        q_s.index(3).store((x3.to(gl.float32) / q_scale[:, None]).to(gl.float8e4nv))
+        q_s.index(4).store((x4.to(gl.float32) / q_scale[:, None]).to(gl.float8e4nv))
+    else:
+        for c in gl.static_range(5):
+            amax = gl.maximum(amax, gl.max(gl.abs(_gd_q_box(Q, b, c).to(gl.float32)), 1))
+        q_scale = amax / 448.0
+        for c in gl.static_range(5):
+            q_s.index(c).store((_gd_q_box(Q, b, c).to(gl.float32) / q_scale[:, None]).to(gl.float8e4nv))
     if WSM != 0:  # the consumers read the q scale here (a worker partition takes no tensors)
         qs_s = gl.allocate_shared_memory(gl.float32, [16], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         qs_s.store(q_scale)
@@ -670,10 +714,11 @@ def gd_check_launch(batch: int, num_splits: int, *, block_n: int, num_stages: in
 def gluon_decode(q, kv_desc, kv_scale, kv_indptr, out, part_o, part_lse, *, num_splits: int,
                  block_n: int, num_stages: int, v_path: str, sm_scale_log2: float,
                  reduce: str = "launch", v_halves: int = 1, count=None, flag=None,
-                 sm_count: int | None = None, ws: int = 0):
+                 sm_count: int | None = None, ws: int = 0, q_load: str = "twice"):
     """Launch the decode (and, with reduce "launch", the split reduction when num_splits > 1);
     buffers come from the caller. q (batch, 16, 576) bf16; kv_desc from gd_kv_descriptor;
-    kv_scale (1,) fp32; part_o (>= batch*num_splits*16*512) fp32; part_lse
+    kv_scale (1,) fp32; part_o (>= batch*num_splits*16*512) fp32 or bf16 (GD_PART_DTYPES:
+    the partials are stored and read in its type); part_lse
     (>= batch*num_splits*16) fp32.
     reduce: "launch" (a second launch), "last" (the last split to arrive reduces; needs
     count) or "spin" (a spin barrier, then every split reduces a slice; needs count, flag and
@@ -681,14 +726,18 @@ def gluon_decode(q, kv_desc, kv_scale, kv_indptr, out, part_o, part_lse, *, num_
     >= batch * v_halves elements, zero before the first call (each call leaves them ready for
     the next). v_halves 2: two programs per (split, sequence), each multiplying half the V
     dims. ws: warp specialization (GD_WS_MODES; 1 a loader warp, 2 also a second consumer
-    warpgroup), launched with GD_WS_MAXNREG[ws] registers per thread. Returns the compiled
-    decode kernel (for its register report)."""
+    warpgroup), launched with GD_WS_MAXNREG[ws] registers per thread. q_load: the q prologue
+    (GD_Q_LOADS). Returns the compiled decode kernel (for its register report)."""
     if GD_UNAVAILABLE is not None:
         raise RuntimeError(GD_UNAVAILABLE)
     batch = q.shape[0]
     split = num_splits > 1
     gd_check_launch(batch, num_splits, block_n=block_n, num_stages=num_stages, v_path=v_path,
                     reduce=reduce, v_halves=v_halves, sm_count=sm_count, ws=ws)
+    if q_load not in GD_Q_LOADS:
+        raise ValueError(f"q_load must be one of {', '.join(GD_Q_LOADS)}; got {q_load!r}")
+    if split and part_o.dtype not in GD_PART_DTYPES.values():
+        raise ValueError(f"part_o must be float32 or bfloat16 (GD_PART_DTYPES), not {part_o.dtype}")
     red = GD_REDUCE_CODES[reduce] if split else 0
     if red:
         need = batch * v_halves
@@ -698,8 +747,10 @@ def gluon_decode(q, kv_desc, kv_scale, kv_indptr, out, part_o, part_lse, *, num_
     # The counters are never touched by the "launch" reduction: kv_indptr stands in for them.
     count = count if red else kv_indptr
     flag = flag if red == 2 else count
-    # ws 0 launches exactly as before the WS constexpr existed (its default).
+    # ws 0 and q_load "twice" launch exactly as before their constexprs existed (the defaults).
     ws_options = dict(WS=ws, maxnreg=GD_WS_MAXNREG[ws]) if ws else {}
+    if GD_Q_LOADS[q_load]:
+        ws_options["Q_LOAD"] = GD_Q_LOADS[q_load]
     compiled = _gd_decode_kernel[(num_splits * v_halves, batch)](
         kv_desc, q, kv_scale, kv_indptr, out, part_o, part_lse, sm_scale_log2, num_splits, count, flag,
         BN=block_n, STAGES=num_stages, V_PATH=GD_V_PATHS[v_path], SPLIT=split, REDUCE=red,

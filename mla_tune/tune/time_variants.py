@@ -5,7 +5,9 @@ input (seed batch * 7 + kv_len), every variant is built by its backend, checked 
 fp32 reference under the `leaderboard` and `strict` rules, and timed under the leaderboard
 protocol (timing.time_call: L2 flushed, CUDA events, median of `reps`). An fp8_static
 variant gets its q_amax from 8 seeds' q (1.1 x their largest |q|), as calibration does. A
-variant that fails to build or run is a row with its error; the others go on. On the CPU
+variant that fails to build or run is a row with its error; the others go on. With
+`floor`, each shape first gets a row FLOOR_ROW: one launch that writes one element, timed the
+same way, the protocol's own fixed cost that every figure at that shape includes. On the CPU
 (Triton's interpreter, for tests) the times are wall clock and mean nothing.
 """
 
@@ -17,6 +19,7 @@ from mla_tune.core import Shape, Variant
 from mla_tune.errors import MlaTuneError
 
 DEFAULT_SHAPES = "4x1024,4x8192,32x1024,32x8192,64x1024,64x8192,256x1024,256x8192"
+FLOOR_ROW = "floor: one launch writing one element"
 
 
 def parse_shapes(text: str, what: str = "--shapes") -> list[Shape]:
@@ -62,10 +65,11 @@ def parse_variants(texts: list[str]) -> list[Variant]:
 
 
 def time_variants(variants: list[Variant], shapes: list[Shape], *, reps: int = 30, device: str = "cuda",
-                  log: Callable[[str], None] = print) -> list[dict]:
+                  log: Callable[[str], None] = print, floor: bool = False) -> list[dict]:
     """Check and time each variant at each shape (see the module); prints a row per pair as
     it goes and returns them: shape, variant, us/p10/p90 (None when it failed), leaderboard
-    and strict (the checks' verdicts), error (None, or the exception's first line)."""
+    and strict (the checks' verdicts), error (None, or the exception's first line). floor:
+    a FLOOR_ROW row first at each shape (its checks are None: it computes nothing)."""
     import torch
 
     from mla_tune.backends import get_backend
@@ -77,6 +81,12 @@ def time_variants(variants: list[Variant], shapes: list[Shape], *, reps: int = 3
     for shape in shapes:
         data = generate_input(shape.batch, shape.kv_len, seed=shape.batch * 7 + shape.kv_len, device=device)
         inputs, ref = data[:4], reference(data)
+        if floor:
+            one = torch.empty(1, device=device)
+            t = timer(one.zero_, reps=reps)
+            rows.append(dict(shape=str(shape), variant=FLOOR_ROW, us=t.median_us, p10=t.p10_us, p90=t.p90_us,
+                             leaderboard=None, strict=None, error=None))
+            log(f"{str(shape):>10} {t.median_us:8.1f} {t.p10_us:7.1f} {t.p90_us:7.1f} {'-':>4} {'-':>6}  {FLOOR_ROW}")
         q_amax = 1.1 * max(float(generate_input(shape.batch, 1, seed=s, device=device)[0].abs().amax())
                            for s in range(8))
         for variant in variants:
