@@ -5,10 +5,10 @@
 #   bash scripts/gpu_acceptance.sh leaderboard-sweep    # on a FRESH machine: the full leaderboard
 #       sweep (another GPU's name refused first), its export checked, diff and show in 80 columns
 #   bash scripts/gpu_acceptance.sh leaderboard-levers   # on a FRESH machine: the one-launch levers'
-#       GPU tests, then each of tables/H200.yaml's winners beside itself with reduce=spin,
-#       q_load=first and bf16 partials (`mla-tune time variants --floor`, each list timed forward
-#       and back), the levers' decomposition at 4x1, 4x64 and 4x1024, then a fresh sweep that
-#       searches them (its table and results come back), exported and checked
+#       GPU tests, a fresh sweep that searches them (its table and results come back, and stay in
+#       .gpu/ for the next command), exported and checked; then each of tables/H200.yaml's winners
+#       beside itself with reduce=spin, q_load=first and bf16 partials (`mla-tune time variants
+#       --floor`, each list timed forward and back) and the levers at 4x1, 4x64 and 4x1024
 #   bash scripts/gpu_acceptance.sh leaderboard-budget   # a budget_s 120 sweep holds its budget,
 #       its export checked, diff against the committed table
 #   BASE=OLD_EXPORT.py bash scripts/gpu_acceptance.sh leaderboard-export   # on one GPU: this
@@ -128,6 +128,13 @@ leaderboard-sweep)
 leaderboard-levers)
   timed lever-tests timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gluon_decode.py \
     -k "q_loaded_first or bf16_partials or reduce_spin" > "$out/gpu_tests.log" 2>&1; tail -3 "$out/gpu_tests.log"
+  timed sweep python3 -m mla_tune sweep --gpu H200 --fresh --out "$out/H200.yaml" > "$out/sweep.log" 2>&1
+  tail -22 "$out/sweep.log"
+  python3 -m mla_tune export --table "$out/H200.yaml" -o "$out/full.py"
+  timed check python3 scripts/check_submission.py "$out/full.py" --reps 30 2>&1 | tail -16
+  COLUMNS=80 python3 -m mla_tune diff tables/H200.yaml "$out/H200.yaml"
+  mkdir -p .gpu && cp "$out/H200.yaml" "$out/H200.results.jsonl" .gpu/  # ignored: the next command here finds them
+  cp "$out/H200.yaml" "$out/H200.results.jsonl" "$out/sweep.log" "$out/gpu_tests.log" "$keep/"
   # per shape: the winner W, W+spin, W+spin+q first, W+spin+q first+bf16 partials (where
   # spin runs; else W and W+q first), then the same list backwards: both positions (6.1)
   python3 - > "$out/levers.txt" <<'PY'
@@ -153,17 +160,12 @@ PY
   echo "4x1,4x64 $base ${base/v_path/q_load=first,v_path} ${base/v_path/q_load=first,v_path} $base" >> "$out/levers.txt"
   echo "4x1024 $sixteen ${sixteen/v_path/reduce=spin,v_path} ${sixteen/q=/part=bf16,q=} ${sixteen/q=/part=bf16,q_load=first,q=}" \
     >> "$out/levers.txt"
-  while read -r shapes variants; do
+  while read -r shapes variants; do  # what LEVERS_S (default 570) seconds of the command leave
+    [ "$SECONDS" -lt "${LEVERS_S:-570}" ] || { echo "levers at $shapes: left out, out of time" | tee -a "$out/walls.txt"; continue; }
     timed "levers-$shapes" timeout 120 python3 -m mla_tune time variants $variants --shapes "$shapes" --floor \
-      --reps 50 >> "$out/levers.log" 2>&1
+      --reps 40 >> "$out/levers.log" 2>&1
   done < "$out/levers.txt"
   grep -v -i warn "$out/levers.log"
-  timed sweep python3 -m mla_tune sweep --gpu H200 --fresh --out "$out/H200.yaml" > "$out/sweep.log" 2>&1
-  tail -22 "$out/sweep.log"
-  python3 -m mla_tune export --table "$out/H200.yaml" -o "$out/full.py"
-  timed check python3 scripts/check_submission.py "$out/full.py" --reps 30 2>&1 | tail -16
-  COLUMNS=80 python3 -m mla_tune diff tables/H200.yaml "$out/H200.yaml"
-  mkdir -p .gpu && cp "$out/H200.yaml" "$out/H200.results.jsonl" .gpu/  # ignored: the next command here finds them
   cp "$out/levers.log" "$out/levers.txt" "$keep/"
   ;;
 leaderboard-budget)
