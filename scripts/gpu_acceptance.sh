@@ -255,8 +255,8 @@ serving-sweep-chunk)
 leaderboard-export)
   python3 -m mla_tune export --gpu H200 -o "$out/new_export.py" 2>&1 | tail -1
   if [ -n "${BASE:-}" ]; then
-    timed lb-side-by-side timeout 240 python3 scripts/check_submission.py "$out/new_export.py" --against "$BASE" \
-      --shapes bench,test --require strict --table tables/H200.yaml --reps 50 --rounds 3 --max-ratio 1.03 \
+    timed lb-side-by-side timeout ${PAIRED_TIMEOUT:-240} python3 scripts/check_submission.py "$out/new_export.py" --against "$BASE" \
+      --shapes bench,test --require strict --table tables/H200.yaml --reps 50 --rounds ${ROUNDS:-3} --max-ratio 1.03 \
       --out "$out" 2>&1 | grep -v -i warn | tail -18
   fi
   timed ranked timeout 200 python3 scripts/check_submission.py "$out/new_export.py" --ranked --shapes bench,test \
