@@ -101,9 +101,9 @@ def test_show_prints_rows_notes_and_provenance():
     result = _invoke("show", "--table", TABLE)
     assert result.exit_code == 0, result.output
     out = result.output
-    assert "  1x8   winner torch(kv=bf16,q=bf16)" in out and "2x40" in out
+    assert "  1x8  winner torch(kv=bf16,q=bf16)" in out and "2x40" in out
     assert "1.38x" in out  # baseline 11.0 / triton 8.0
-    assert "3x16  winner none: no candidate passed the gate" in out and "triton: all" in out
+    assert "3x16 winner none: no candidate passed the gate" in out and "triton: all" in out
     assert "provenance:" in out and "rule: leaderboard rtol=0.1 atol=0.1" in out
     assert "config: configs/test.yaml (hash 0123abcd)" in out
 

@@ -172,7 +172,7 @@ def table_lines(table, width: int) -> list[str]:
     shape_width = max((len(str(s)) for s, _ in rows), default=5)
     lines.append("winners:")
     for shape, row in rows:
-        lead = f"  {str(shape).ljust(shape_width)}  winner "
+        lead = f"  {str(shape).ljust(shape_width)} winner "
         if row.winner is None:
             lines += wrap(lead, f"none: {clip(row.reason)}; the fallback serves it", width)
         else:
