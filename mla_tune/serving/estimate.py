@@ -287,11 +287,11 @@ void grid_interpolate(const grid_t *g, double batch, double kv, double *scratch,
 }
 
 /* Estimator.estimates and `fastest` for one call, compiled (`_Compiled`): the three grids
-   (NULL: none) over the family's variants, then each model's C estimate in order; out:
-   interp, rates, buckets and est, nv each, scratch 2 x nv. Returns the fastest variant's
-   index (ties to the first: the variants are in name order), -1 where none is estimated;
-   *best_allowed: the fastest among those whose `allowed` byte is set (-1: none, or allowed
-   NULL). */
+   (NULL: none) over the family's variants, then each model's C estimate in order; out (the
+   family's own buffers, so that a call passes only what changes): interp, rates, buckets
+   and est, nv each, scratch 2 x nv. Returns the fastest variant's index (ties to the first:
+   the variants are in name order), -1 where none is estimated; f->best_allowed: the fastest
+   among those whose `allowed` byte is set (-1: none, or allowed NULL). */
 typedef struct {
     const grid_t *times, *rates, *buckets;
     int64_t nm, nv;
@@ -299,13 +299,16 @@ typedef struct {
     const int64_t *model_fn;      /* est_model_fn addresses */
     const int64_t *model_params;  /* const double * addresses */
     double window;
+    double *scratch, *interp, *rates_out, *buckets_out, *est;
+    int64_t best_allowed;
 } family_t;
 
-int64_t family_estimate(const family_t *f, const int64_t *lens, int64_t n, int64_t batch, double kv,
-                        int64_t uniform_len, int64_t calibrated, double *scratch, double *interp, double *rates,
-                        double *buckets, double *est, const uint8_t *allowed, int64_t *best_allowed) {
+int64_t family_estimate(family_t *f, const int64_t *lens, int64_t n, int64_t batch, double kv,
+                        int64_t uniform_len, int64_t calibrated, const uint8_t *allowed) {
     int64_t nv = f->nv;
-    *best_allowed = -1;
+    double *scratch = f->scratch, *interp = f->interp, *rates = f->rates_out, *buckets = f->buckets_out;
+    double *est = f->est;
+    f->best_allowed = -1;
     grid_interpolate(f->times, (double)batch, kv, scratch, interp);
     double lo = NAN;
     for (int64_t v = 0; v < nv; v++) {
@@ -331,7 +334,7 @@ int64_t family_estimate(const family_t *f, const int64_t *lens, int64_t n, int64
         if (best < 0 || est[v] < est[best]) best = v;
         if (allowed && allowed[v] && (ok < 0 || est[v] < est[ok])) ok = v;
     }
-    *best_allowed = ok;
+    f->best_allowed = ok;
     return best;
 }
 """
@@ -346,7 +349,9 @@ class _GridC(ctypes.Structure):
 class _FamilyC(ctypes.Structure):
     _fields_ = [("times", ctypes.c_void_p), ("rates", ctypes.c_void_p), ("buckets", ctypes.c_void_p),
                 ("nm", ctypes.c_int64), ("nv", ctypes.c_int64), ("model_variant", ctypes.c_void_p),
-                ("model_fn", ctypes.c_void_p), ("model_params", ctypes.c_void_p), ("window", ctypes.c_double)]
+                ("model_fn", ctypes.c_void_p), ("model_params", ctypes.c_void_p), ("window", ctypes.c_double),
+                ("scratch", ctypes.c_void_p), ("interp", ctypes.c_void_p), ("rates_out", ctypes.c_void_p),
+                ("buckets_out", ctypes.c_void_p), ("est", ctypes.c_void_p), ("best_allowed", ctypes.c_int64)]
 
 
 _I64 = ctypes.c_int64
@@ -354,8 +359,7 @@ _native = native.Library("serving_interpolate", _NATIVE_SOURCE, {
     "grid_interpolate": (None, (ctypes.POINTER(_GridC), ctypes.c_double, ctypes.c_double, ctypes.c_void_p,
                                 ctypes.c_void_p)),
     "family_estimate": (_I64, (ctypes.c_void_p, ctypes.c_void_p, _I64, _I64, ctypes.c_double, _I64, _I64,
-                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p))})
+                               ctypes.c_void_p))})
 
 
 class _Dense:
@@ -403,7 +407,7 @@ class _Compiled:
     `Estimator.pick` then runs it instead of `estimates` and `fastest` (the same picks:
     tests/test_native_replays.py)."""
 
-    __slots__ = ("variants", "keep", "struct", "out", "ptrs", "fn", "lens", "best_allowed")
+    __slots__ = ("variants", "keep", "struct", "out", "address", "fn", "lens", "masks")
 
     def __init__(self, estimator: Estimator, family, lib, natives: list):
         variants = sorted({v for times in family.points.values() for v in times}, key=str)
@@ -419,17 +423,19 @@ class _Compiled:
         param_ptrs = np.asarray([p.ctypes.data for p in params], dtype=np.int64)
         self.variants = variants
         self.keep = (grids, order, fns, params, param_ptrs)
-        self.struct = _FamilyC(*(ctypes.addressof(g.struct) if g is not None else None for g in grids),
-                               len(models), len(variants), order.ctypes.data, fns.ctypes.data,
-                               param_ptrs.ctypes.data, MODEL_WINDOW)
-        self.out = np.empty(6 * len(variants))
         nv = len(variants)
+        # scratch (2 x nv), then interp, rates, buckets and est (nv each): the struct points
+        # at them, so a call passes only its lengths, batch, length and mask
+        self.out = np.empty(6 * nv)
         base = self.out.ctypes.data
-        self.ptrs = (ctypes.addressof(self.struct), base, base + 16 * nv, base + 24 * nv, base + 32 * nv,
-                     base + 40 * nv)
+        self.struct = _FamilyC(*(ctypes.addressof(g.struct) if g is not None else None for g in grids),
+                               len(models), nv, order.ctypes.data, fns.ctypes.data,
+                               param_ptrs.ctypes.data, MODEL_WINDOW, base, base + 16 * nv, base + 24 * nv,
+                               base + 32 * nv, base + 40 * nv, -1)
+        self.address = ctypes.addressof(self.struct)
         self.fn = lib.family_estimate
         self.lens = native.IntBuffer()  # the call's lengths, copied in once per call
-        self.best_allowed = ctypes.c_int64(-1)
+        self.masks: dict[int, tuple[np.ndarray, int]] = {}  # id(mask) -> (mask, its address)
 
     def mask(self, allowed: Callable[[Variant], bool]) -> np.ndarray:
         """`allowed` as the C call reads it: a byte per variant."""
@@ -441,14 +447,17 @@ class _Compiled:
         """The pick, its estimates and the fastest variant `mask` allows (None without one)
         for a call of these lengths (kv_lens; None: `batch` sequences of the mean,
         uncalibrated, as `Call.lengths` says) at the grids' length kv."""
-        family, scratch, interp, rates, buckets, est = self.ptrs
         n = self.lens.fill(kv_lens if kv_lens is not None else [max(int(round(mean_kv_len)), 1)] * batch)
-        best = self.fn(family, self.lens.address, n, batch, kv, uniform_len, int(kv_lens is not None),
-                       scratch, interp, rates, buckets, est, None if mask is None else mask.ctypes.data,
-                       ctypes.byref(self.best_allowed))
+        at = None
+        if mask is not None:
+            kept = self.masks.get(id(mask))
+            if kept is None or kept[0] is not mask:  # the mask object itself is kept, so its id stays its own
+                kept = self.masks[id(mask)] = (mask, mask.ctypes.data)
+            at = kept[1]
+        best = self.fn(self.address, self.lens.address, n, batch, kv, uniform_len, int(kv_lens is not None), at)
         nv, variants = len(self.variants), self.variants
         values = self.out[5 * nv:].tolist()
-        ok = self.best_allowed.value
+        ok = self.struct.best_allowed
         return (variants[best] if best >= 0 else None, lambda: _present(variants, values),
                 variants[ok] if ok >= 0 else None)
 
@@ -563,12 +572,14 @@ class Estimator:
         self._memo: dict = {}
         self._derived: dict = {}
         self._grids: dict = {}
+        self._picks: dict = {}  # id(family) -> (family, its compiled estimate or None), for pick
 
     def clear(self) -> None:
         """Forget every memoized result (after a family's points or models change)."""
         self._memo.clear()
         self._derived.clear()
         self._grids.clear()
+        self._picks.clear()
 
     def prepare(self, family) -> None:
         """The one-off work for a family, so that none is left for a call: each
@@ -607,13 +618,14 @@ class Estimator:
         allowed)` where `allowed` is given, else None): in one C call where the family is
         compiled (`compiled`), else through `estimates`. `allowed` is `self.allowed(family,
         ...)`'s, made once."""
-        compiled = self._derived.get(("compiled", family.key), False)
-        if compiled is False:
-            compiled = self.compiled(family)
+        kept = self._picks.get(id(family))  # (family, its compiled estimate): one lookup a call
+        if kept is None or kept[0] is not family:
+            self._warn_versions_once(family)
+            kept = self._picks[id(family)] = (family, self.compiled(family))
+        compiled = kept[1]
         if compiled is None:
             est = self.estimates(family, batch, mean_kv_len, kv_lens)
             return fastest(est), lambda: est, None if allowed is None else fastest(est, allowed.accepts)
-        self._warn_versions_once(family)
         kv = _kv_step(mean_kv_len)[1]
         mask = None if allowed is None else allowed.mask
         if mask is not None and len(mask) != len(compiled.variants):
