@@ -407,7 +407,7 @@ class _Compiled:
     `Estimator.pick` then runs it instead of `estimates` and `fastest` (the same picks:
     tests/test_native_replays.py)."""
 
-    __slots__ = ("variants", "keep", "struct", "out", "address", "fn", "lens", "masks")
+    __slots__ = ("variants", "keep", "struct", "out", "address", "fn", "lens")
 
     def __init__(self, estimator: Estimator, family, lib, natives: list):
         variants = sorted({v for times in family.points.values() for v in times}, key=str)
@@ -435,26 +435,20 @@ class _Compiled:
         self.address = ctypes.addressof(self.struct)
         self.fn = lib.family_estimate
         self.lens = native.IntBuffer()  # the call's lengths, copied in once per call
-        self.masks: dict[int, tuple[np.ndarray, int]] = {}  # id(mask) -> (mask, its address)
 
     def mask(self, allowed: Callable[[Variant], bool]) -> np.ndarray:
         """`allowed` as the C call reads it: a byte per variant."""
         return np.asarray([bool(allowed(v)) for v in self.variants], dtype=np.uint8)
 
     def __call__(self, batch: int, kv: float, kv_lens: Sequence[int] | None, mean_kv_len: float,
-                 uniform_len: int, mask: np.ndarray | None = None
+                 uniform_len: int, mask_address: int | None = None
                  ) -> tuple[Variant | None, Callable[[], dict[Variant, float]], Variant | None]:
-        """The pick, its estimates and the fastest variant `mask` allows (None without one)
-        for a call of these lengths (kv_lens; None: `batch` sequences of the mean,
-        uncalibrated, as `Call.lengths` says) at the grids' length kv."""
+        """The pick, its estimates and the fastest variant the mask at `mask_address` allows
+        (an `Allowed`'s; None without one) for a call of these lengths (kv_lens; None: `batch`
+        sequences of the mean, uncalibrated, as `Call.lengths` says) at the grids' length kv."""
         n = self.lens.fill(kv_lens if kv_lens is not None else [max(int(round(mean_kv_len)), 1)] * batch)
-        at = None
-        if mask is not None:
-            kept = self.masks.get(id(mask))
-            if kept is None or kept[0] is not mask:  # the mask object itself is kept, so its id stays its own
-                kept = self.masks[id(mask)] = (mask, mask.ctypes.data)
-            at = kept[1]
-        best = self.fn(self.address, self.lens.address, n, batch, kv, uniform_len, int(kv_lens is not None), at)
+        best = self.fn(self.address, self.lens.address, n, batch, kv, uniform_len, int(kv_lens is not None),
+                       mask_address)
         nv, variants = len(self.variants), self.variants
         values = self.out[5 * nv:].tolist()
         ok = self.struct.best_allowed
@@ -469,6 +463,10 @@ class Allowed:
 
     accepts: Callable[[Variant], bool]
     mask: np.ndarray | None = field(default=None, compare=False)
+    address: int | None = field(default=None, init=False, compare=False)  # the mask's, for the C call
+
+    def __post_init__(self):
+        object.__setattr__(self, "address", None if self.mask is None else self.mask.ctypes.data)
 
 
 def fastest(estimates: Mapping[Variant, float], allowed: Callable[[Variant], bool] | None = None) -> Variant | None:
@@ -630,7 +628,8 @@ class Estimator:
         mask = None if allowed is None else allowed.mask
         if mask is not None and len(mask) != len(compiled.variants):
             raise ValueError("this allowed set was made for another family; make it with allowed(family, ...)")
-        return compiled(batch, kv, kv_lens, mean_kv_len, max(int(round(kv)), 1), mask)
+        return compiled(batch, kv, kv_lens, mean_kv_len, max(int(round(kv)), 1),
+                        None if allowed is None else allowed.address)
 
     def allowed(self, family, accepts: Callable[[Variant], bool]) -> Allowed:
         """The variants `accepts` takes, for `pick`'s fastest allowed one: as the compiled
