@@ -151,7 +151,7 @@ def test_the_backends_launch_compiles_for_sm90(compiled, text, shape):
 def _first(ptx: str, opcode: str) -> int:
     """The line number of the first instruction starting with `opcode` (predicated or not)."""
     return next(i for i, line in enumerate(ptx.splitlines())
-                if line.strip().lstrip("@%!p0123456789 ").startswith(opcode))
+                if re.match(r"(@!?%p\d+\s+)?" + re.escape(opcode), line.strip()))
 
 
 def test_q_loaded_first_is_issued_before_the_kv_indptr_loads_and_the_ring(compiled):
