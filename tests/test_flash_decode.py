@@ -17,6 +17,7 @@ from mla_tune.core import SM_SCALE, Shape, Variant, fp8_dtype_for
 from mla_tune.gpu import fake_platform
 from mla_tune.kernels import flash_decode as fd
 from mla_tune.kernels.flash_decode import FlashDecodeWorkspace, flash_decode
+from tests.helpers import rel_l2
 
 
 def _dot_dtype(device: str) -> str:
@@ -44,12 +45,8 @@ def _expected(data, kv: str, q: str, q_amax: float | None = None) -> torch.Tenso
     return problem.reference((qf, *data[1:]), "bf16", kv)
 
 
-def _rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.float() - ref).norm() / ref.norm())
-
-
 def _assert_close(out, ref, rules=("strict",)) -> None:
-    err = _rel_l2(out, ref)
+    err = rel_l2(out, ref)
     assert err < 1e-2, f"relative L2 error {err:.4f}"
     for rule in rules:
         result = problem.check(out, ref, problem.RULES[rule])
@@ -104,7 +101,7 @@ def test_wrong_sm_scale_fails_the_check(device):
     flash_decode(q, kv, kv_scale, kv_indptr, out, num_splits=2, block_n=16, num_warps=4,
                  num_stages=1, dot_dtype=_dot_dtype(device), sm_scale=2 * SM_SCALE)
     ref = problem.reference(data, "bf16", "fp8")
-    assert _rel_l2(out, ref) > 0.1
+    assert rel_l2(out, ref) > 0.1
     assert not problem.check(out, ref, problem.RULES["strict"]).passed
 
 

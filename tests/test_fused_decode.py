@@ -15,16 +15,13 @@ from mla_tune import problem
 from mla_tune.backends import triton_fused
 from mla_tune.core import Shape, Variant
 from mla_tune.gpu import fake_platform
+from tests.helpers import rel_l2
 
 CPU_BASE = dict(q="bf16", qk_dot="fp16", pv_dot="fp16", tok_m=True, block_n=16, num_warps=4, num_stages=1)
 
 
 def _variant(**params) -> Variant:
     return Variant.make("triton_fused", **{**CPU_BASE, **params})
-
-
-def _rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.float() - ref).norm() / ref.norm())
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8", "mxfp4"])
@@ -44,7 +41,7 @@ def test_fused_decode_matches_reference(device, kv, lens, num_splits, reduce, to
     out = run(*data[:4])
     ref = problem.reference(data, q_format="bf16", kv_format=kv)
     assert out.shape == (len(lens), 16, 512) and out.dtype == torch.bfloat16
-    assert _rel_l2(out, ref) < 1e-2  # bf16 output rounding is ~3e-3
+    assert rel_l2(out, ref) < 1e-2  # bf16 output rounding is ~3e-3
 
 
 def test_last_reducer_resets_its_counter_so_calls_repeat(device):
@@ -54,14 +51,14 @@ def test_last_reducer_resets_its_counter_so_calls_repeat(device):
     second = run(*data[:4])
     assert torch.equal(first, second)
     ref = problem.reference(data, q_format="bf16", kv_format="fp8")
-    assert _rel_l2(second, ref) < 1e-2
+    assert rel_l2(second, ref) < 1e-2
 
 
 def test_larger_ragged_batch_than_planned_grows_buffers_once(device):
     data = problem.generate_ragged_input([9, 30, 2], seed=4, device=device)
     run = triton_fused.build(_variant(kv="bf16", num_splits=2, reduce="last"), Shape(1, 30), device)
     out = run(*data[:4])
-    assert _rel_l2(out, problem.reference(data, q_format="bf16", kv_format="bf16")) < 1e-2
+    assert rel_l2(out, problem.reference(data, q_format="bf16", kv_format="bf16")) < 1e-2
 
 
 # The issue-5 levers: TMA loads (device and host descriptors), the persistent grid, and the
@@ -88,7 +85,7 @@ def test_levers_match_the_reference(device, kv, lens, params):
     p = dict(kv=kv, num_splits=1, reduce="last" if params.get("grid") == "persistent" else "none")
     run = triton_fused.build(_variant(**{**p, **params}), Shape(len(lens), max(lens)), device)
     out = run(*data[:4])
-    assert _rel_l2(out, problem.reference(data, q_format="bf16", kv_format=kv)) < 1e-2
+    assert rel_l2(out, problem.reference(data, q_format="bf16", kv_format=kv)) < 1e-2
 
 
 def test_persistent_grid_resets_its_counters_so_calls_repeat(device):
@@ -96,9 +93,9 @@ def test_persistent_grid_resets_its_counters_so_calls_repeat(device):
     run = triton_fused.build(_variant(kv="fp8", num_splits=1, reduce="last", grid="persistent"), Shape(3, 50), device)
     first = run(*data[:4]).clone()
     other = problem.generate_ragged_input([9, 61], seed=6, device=device)  # another batch between
-    assert _rel_l2(run(*other[:4]), problem.reference(other, q_format="bf16", kv_format="fp8")) < 1e-2
+    assert rel_l2(run(*other[:4]), problem.reference(other, q_format="bf16", kv_format="fp8")) < 1e-2
     assert torch.equal(first, run(*data[:4]))
-    assert _rel_l2(first, problem.reference(data, q_format="bf16", kv_format="fp8")) < 1e-2
+    assert rel_l2(first, problem.reference(data, q_format="bf16", kv_format="fp8")) < 1e-2
 
 
 # MXFP4 bit dequantization (the kernel's integer bit operations) through the kernel itself:

@@ -20,6 +20,7 @@ import torch
 from mla_tune import problem
 from mla_tune.core import QK_DIM, SM_SCALE, V_DIM, device_sm_count
 from mla_tune.kernels.fused_decode import fused_decode
+from tests.helpers import rel_l2
 
 CPU = dict(q_fp8=False, qk_dot="fp16", pv_dot="fp16", num_warps=4, num_stages=1, block_n=16)
 
@@ -58,15 +59,11 @@ def run_fused(data, bufs: _Bufs, *, kv: str, num_splits: int, reduce: str, v_spl
     return bufs.out[: q.shape[0]]
 
 
-def _rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.float() - ref).norm() / ref.norm())
-
-
 def _check(out, data, kv: str, what: str, q_format: str = "bf16") -> None:
     ref = problem.reference(data, q_format=q_format, kv_format=kv)
     result = problem.check(out, ref, problem.RULES["strict"])
     assert result.passed, f"{what}: {result.reason}"
-    assert _rel_l2(out, ref) < 1e-2, f"{what}: rel L2 {_rel_l2(out, ref):.2e}"
+    assert rel_l2(out, ref) < 1e-2, f"{what}: rel L2 {rel_l2(out, ref):.2e}"
 
 
 # (lens, num_splits, reduce, tok_m, load): a single token, a partial tile, ragged batches

@@ -24,6 +24,7 @@ from mla_tune import problem
 from mla_tune.backends import gluon_fused
 from mla_tune.core import QK_DIM, SM_SCALE, V_DIM, Shape, Variant
 from mla_tune.kernels import gluon_decode
+from tests.helpers import rel_l2
 
 BASE = dict(kv="fp8", q="fp8_dynamic", block_n=64, num_stages=3, num_splits=1, v_path="ss16")
 
@@ -164,10 +165,6 @@ def kernel_math(data, q_scale_per: str = "head") -> torch.Tensor:
     return out
 
 
-def _rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.float() - ref).norm() / ref.norm())
-
-
 # The independent check: the kernel's distance from the exact answer may exceed the leaderboard
 # reference's by this factor. A q scale per head is no coarser than one per tensor: on the CPU
 # the ratio was 0.95-1.05 over 21 samples at 1 to 3000 tokens (docs/perf.md, issue 11).
@@ -179,7 +176,7 @@ def check_against_both(out, data, what: str) -> None:
     the leaderboard reference's; the message carries both numbers."""
     result = problem.check(out, kernel_math(data), problem.RULES["strict"])
     exact = problem.reference(data, "bf16", "bf16")
-    err, bound = _rel_l2(out, exact), ACCURACY_FACTOR * _rel_l2(problem.reference(data), exact)
+    err, bound = rel_l2(out, exact), ACCURACY_FACTOR * rel_l2(problem.reference(data), exact)
     assert result.passed, f"{what}: vs kernel_math {result.reason}; rel L2 vs exact {err:.2e} (bound {bound:.2e})"
     assert err <= bound, f"{what}: rel L2 vs exact {err:.2e} > {bound:.2e} (strict vs kernel_math: ok)"
 

@@ -22,7 +22,8 @@ from mla_tune.backends import gluon_fused
 from mla_tune.core import QK_DIM, SM_SCALE, V_DIM, Shape, Variant
 from mla_tune.gpu import fake_platform
 from mla_tune.kernels import gluon_decode
-from tests.test_gluon_decode import ACCURACY_FACTOR, _rel_l2, kernel_math
+from tests.helpers import rel_l2
+from tests.test_gluon_decode import ACCURACY_FACTOR, kernel_math
 
 BASE = dict(kv="fp8", q="fp8_dynamic", block_n=64, num_stages=3, num_splits=1, v_path="rs8")
 
@@ -192,13 +193,13 @@ def expect(data) -> dict:
     (strict) and the bound on the relative L2 distance from the exact answer."""
     exact = problem.reference(data, "bf16", "bf16")
     return dict(math=kernel_math(data), exact=exact,
-                bound=ACCURACY_FACTOR * _rel_l2(problem.reference(data), exact))
+                bound=ACCURACY_FACTOR * rel_l2(problem.reference(data), exact))
 
 
 def check(out, exp: dict, what: str) -> None:
     """check_against_both with precomputed expectations (the same two assertions)."""
     result = problem.check(out, exp["math"], problem.RULES["strict"])
-    err = _rel_l2(out, exp["exact"])
+    err = rel_l2(out, exp["exact"])
     assert result.passed, f"{what}: vs kernel_math {result.reason}; rel L2 vs exact {err:.2e} (bound {exp['bound']:.2e})"
     assert err <= exp["bound"], f"{what}: rel L2 vs exact {err:.2e} > {exp['bound']:.2e} (strict vs kernel_math: ok)"
 

@@ -22,13 +22,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_tune import gpu, problem
+from mla_tune import gpu
 from mla_tune.backends import get_backend
 from mla_tune.core import CallSpec, Variant
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.call import PREFERENCE, Decoder
 from mla_tune.serving.decode_plan import DecodePlan
-from tests.helpers import serving_expected
+from tests.helpers import assert_close, max_error, serving_expected
 
 
 def _gpu(test):
@@ -64,20 +64,6 @@ def _graph_backends() -> list[str]:
 # Any other (the Gluon kernel where it serves): its default variant on paged 64 (or contiguous).
 CALL_CASES += [(name, 64 if 64 in get_backend(name).CAPABILITIES.page_sizes else 0, "fp8", None)
                for name in _graph_backends() if name not in {c[0] for c in CALL_CASES}]
-
-
-def _close(out: torch.Tensor, ref: torch.Tensor, max_error: float, what: str) -> None:
-    assert bool(torch.isfinite(out).all()), f"{what}: an element is NaN or was never written"
-    err = float((out.float() - ref).norm() / ref.norm())
-    assert err < max_error, f"{what}: relative L2 error {err:.4f} (allowed {max_error})"
-    result = problem.check(out, ref, problem.RULES["strict"])
-    assert result.passed, f"{what}: strict: {result.reason}"
-
-
-def _max_error(variant: Variant) -> float:
-    """5e-2 for FlashMLA's fp8 kernel (it rounds the softmax probabilities to fp8 before
-    P.V), else 1e-2 as for every other path."""
-    return 5e-2 if variant.backend == "flashmla" and variant.get("kv") == "fp8" else 1e-2
 
 
 def _ids(case) -> str:
@@ -118,7 +104,7 @@ def test_a_captured_serving_call_replays_new_lengths_and_block_tables(case):
         torch.cuda.synchronize()
         rows = new.q.shape[0]
         ref = serving_expected(decoder.variant, new.q, new.qo_indptr, new.kv, new.kv_scale, **new.layout)
-        _close(out[:rows], ref, _max_error(decoder.variant), f"{_ids(case)} replay seed {seed}")
+        assert_close(out[:rows], ref, max_error(decoder.variant, "cuda"), f"{_ids(case)} replay seed {seed}")
         if name == "triton_fused":  # the reduction's counters are back at zero for the next replay
             assert int(decoder.runner.workspace.count.abs().sum()) == 0
 
@@ -154,7 +140,7 @@ def test_a_decode_step_through_a_plan_captured_once_replays_growing_lengths(back
         torch.cuda.synchronize()
         for i, (q, out) in enumerate(zip(layers, outs, strict=True)):
             ref = serving_expected(variant, q, static.qo_indptr, static.kv, static.kv_scale, **static.layout)
-            _close(out, ref, _max_error(variant), f"{backend} +{grow} layer {i}")
+            assert_close(out, ref, max_error(variant, "cuda"), f"{backend} +{grow} layer {i}")
 
 
 def test_every_backend_that_serves_a_graph_on_the_h200_has_a_replay_case():

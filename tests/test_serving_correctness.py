@@ -42,7 +42,15 @@ from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, CallSpec, Variant
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.call import PREFERENCE, Decoder
 from tests.helpers import assert_close as _assert_close
-from tests.helpers import serving_expected, serving_input, vendor_fakes
+from tests.helpers import (
+    call_with_host_lengths,
+    cell_id,
+    cell_spec,
+    max_error,
+    serving_expected,
+    serving_input,
+    vendor_fakes,
+)
 
 LAYOUTS = (0, 1, 16, 64)  # 0: contiguous; else the page size
 HEADS = (16, 128)
@@ -62,17 +70,8 @@ def _caps(name: str):
 
 
 def _spec(name: str, layout: int, heads: int, q_len: int, kv: str) -> CallSpec:
-    """The call of a cell as an engine would declare it to this backend: ragged q_len where
-    the backend takes it, host lengths where it needs them, the model's softmax scale."""
-    caps = _caps(name)
-    return CallSpec(kv_format=kv, page_size=layout, heads=heads, max_q_len=q_len,
-                    mixed_q_len=caps.mixed_q_len and q_len > 1, host_lengths=caps.host_lengths,
-                    sm_scale=SCALE)
-
-
-def _call(decoder: Decoder, inp: serving.ServingInput) -> torch.Tensor:
-    return decoder(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout,
-                   q_lens_host=list(inp.q_lens), kv_lens_host=list(inp.kv_lens))
+    """The cell's call at the model's softmax scale."""
+    return cell_spec(name, layout, heads, q_len, kv, sm_scale=SCALE)
 
 
 # The own kernels' partials: stage 2 (or the fused reduction) must read only what this call wrote.
@@ -94,9 +93,9 @@ def _answer_into_poisoned_buffers(decoder: Decoder, inp: serving.ServingInput, w
     """Call once (`warm`, an input with the same new tokens, or `inp` itself), poison what
     the call returned and the partials, and call `inp` into them: every element of the
     answer is written by the call whose result is checked."""
-    first = _call(decoder, warm or inp)
+    first = call_with_host_lengths(decoder, warm or inp)
     _poison(decoder, first)
-    again = _call(decoder, inp)
+    again = call_with_host_lengths(decoder, inp)
     if decoder.variant.backend not in LIBRARY_OUTPUTS:
         assert again.data_ptr() == first.data_ptr(), "the runner allocated a new output for the same new tokens"
     return again
@@ -105,19 +104,6 @@ def _answer_into_poisoned_buffers(decoder: Decoder, inp: serving.ServingInput, w
 def _expected(variant: Variant, inp: serving.ServingInput) -> torch.Tensor:
     """The reference at the model's scale on q as the variant's q mode sees it."""
     return serving_expected(variant, inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout, sm_scale=SCALE)
-
-
-def _max_error(variant: Variant, device) -> float:
-    """Relative L2 error allowed: 1e-2, but 5e-2 for FlashMLA's fp8 kernel on the GPU, which
-    rounds the softmax probabilities to fp8 before P.V
-    (csrc/extension/sm90/dense_fp8/flash_fwd_mla_kernel.h) where the reference keeps fp32."""
-    fp8_kernel = variant.backend == "flashmla" and variant.get("kv") == "fp8"
-    return 5e-2 if fp8_kernel and torch.device(device).type == "cuda" else 1e-2
-
-
-def _ids(case) -> str:
-    name, layout, heads, q_len, kv = case[:5]
-    return f"{name}-{'contiguous' if layout == 0 else f'page{layout}'}-h{heads}-q{q_len}-{kv}"
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -189,7 +175,7 @@ GPU_CASES = (_declared("triton", GRID + ODD_CELLS)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("case", GPU_CASES, ids=_ids)
+@pytest.mark.parametrize("case", GPU_CASES, ids=cell_id)
 def test_every_declared_cell_matches_the_reference_on_the_gpu(case):
     name, *cell = case
     backend = get_backend(name)
@@ -201,7 +187,7 @@ def test_every_declared_cell_matches_the_reference_on_the_gpu(case):
         decoder = Decoder(spec, variant=variant, device="cuda")
         out = _answer_into_poisoned_buffers(decoder, inp)
         torch.cuda.synchronize()
-        _assert_close(out, _expected(variant, inp), _max_error(variant, "cuda"), f"{_ids(case)} {variant}")
+        _assert_close(out, _expected(variant, inp), max_error(variant, "cuda"), f"{cell_id(case)} {variant}")
 
 
 def test_the_gpu_matrix_covers_every_backend_layout_heads_q_len_and_kv():
@@ -317,7 +303,7 @@ def test_cpu_sample_covers_every_pair_of_factors():
     assert {c[0] for c in CPU_CASES if c[6] is None} == set(OWN)
 
 
-@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"{_ids(c)}-{'default' if c[6] is None else 'set'}")
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"{cell_id(c)}-{'default' if c[6] is None else 'set'}")
 def test_the_serving_call_matches_the_reference_on_a_covering_sample(case):
     name, layout, heads, q_len, kv, kv_lens, setting = case
     spec = _spec(name, layout, heads, q_len, kv)
@@ -331,4 +317,4 @@ def test_the_serving_call_matches_the_reference_on_a_covering_sample(case):
     # the first call over the new tokens alone (each sequence holds just them): it sizes the buffers
     warm = serving.make_input(inp.q_lens, inp.q_lens, heads, layout, kv, seed=1)
     out = _answer_into_poisoned_buffers(decoder, inp, warm)
-    _assert_close(out, _expected(variant, inp), 1e-2, f"{_ids(case)} {variant}")
+    _assert_close(out, _expected(variant, inp), 1e-2, f"{cell_id(case)} {variant}")

@@ -23,7 +23,15 @@ from mla_tune import gpu
 from mla_tune.backends import aiter_mla, flash_mla, flashinfer_mla
 from mla_tune.core import CallSpec, Variant
 from mla_tune.serving import inputs as serving
-from tests.helpers import assert_close, serving_input, vendor_fakes
+from tests.helpers import (
+    assert_close,
+    call_with_host_lengths,
+    cell_id,
+    cell_spec,
+    max_error,
+    serving_input,
+    vendor_fakes,
+)
 
 BACKENDS = {"flashmla": flash_mla, "flashinfer": flashinfer_mla, "aiter": aiter_mla}
 PACKAGES = {"flashmla": "flash_mla", "flashinfer": "flashinfer", "aiter": "aiter"}
@@ -37,11 +45,7 @@ H200 = gpu.fake_platform("H200")
 
 
 def _spec(name: str, layout: int, heads: int, q_len: int, kv: str, graph: bool = False) -> CallSpec:
-    """The call of a cell as an engine would declare it to this backend: ragged q_len where
-    the backend takes it, host lengths where it needs them."""
-    caps = BACKENDS[name].CAPABILITIES
-    return CallSpec(kv_format=kv, page_size=layout, heads=heads, max_q_len=q_len,
-                    mixed_q_len=caps.mixed_q_len and q_len > 1, graph=graph, host_lengths=caps.host_lengths)
+    return cell_spec(name, layout, heads, q_len, kv, graph=graph)
 
 
 def _cells(name: str, served: bool) -> list[tuple]:
@@ -58,18 +62,8 @@ CPU_SERVED = [c for c in SERVED if not (c[0] == "flashmla" and c[2] == 128 and c
 REFUSED = [c for name in BACKENDS for c in _cells(name, False)]
 
 
-def _ids(case) -> str:
-    name, layout, heads, q_len, kv = case
-    return f"{name}-{'contiguous' if layout == 0 else f'page{layout}'}-h{heads}-q{q_len}-{kv}"
-
-
 def _install(monkeypatch, name: str, **settings):
     return vendor_fakes.install(monkeypatch, PACKAGES[name], **settings)[PACKAGES[name]]
-
-
-def _call(runner, inp: serving.ServingInput):
-    return runner(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout,
-                  q_lens_host=list(inp.q_lens), kv_lens_host=list(inp.kv_lens))
 
 
 def _expected(variant: Variant, inp: serving.ServingInput) -> torch.Tensor:
@@ -81,14 +75,6 @@ def _expected(variant: Variant, inp: serving.ServingInput) -> torch.Tensor:
         return inp.reference("fp8_static", float(inp.q.abs().amax()))
     q_format = {"bf16": "bf16", "fp8_dynamic": "fp8", "fp8_static": "fp8_static"}[q_mode]
     return inp.reference(q_format, variant.get("q_amax"))
-
-
-def _max_error(variant: Variant, device) -> float:
-    """Relative L2 error allowed: 1e-2 as for the own kernels, but 5e-2 for FlashMLA's fp8
-    kernel on the GPU, which rounds the softmax probabilities to fp8 before P.V
-    (csrc/extension/sm90/dense_fp8/flash_fwd_mla_kernel.h) where the reference keeps fp32."""
-    fp8_kernel = variant.backend == "flashmla" and variant.get("kv") == "fp8"
-    return 5e-2 if fp8_kernel and torch.device(device).type == "cuda" else 1e-2
 
 
 def _assert_close(out: torch.Tensor, ref: torch.Tensor, max_error: float, what: str) -> None:
@@ -104,9 +90,9 @@ def _run_case(name, layout, heads, q_len, kv, platform, seed=17):
     variant = backend.default_serving_variant(spec, platform)
     runner = backend.build_serving(variant, spec, "cpu")
     inp = serving_input(spec, KV_LENS, seed, "cpu")
-    _call(runner, inp).fill_(float("nan"))
-    out = _call(runner, inp)
-    _assert_close(out, _expected(variant, inp), _max_error(variant, "cpu"), _ids((name, layout, heads, q_len, kv)))
+    call_with_host_lengths(runner, inp).fill_(float("nan"))
+    out = call_with_host_lengths(runner, inp)
+    _assert_close(out, _expected(variant, inp), max_error(variant, "cpu"), cell_id((name, layout, heads, q_len, kv)))
 
 
 # ------------------------------------------------------------------ what is declared
@@ -123,7 +109,7 @@ def test_each_backend_declares_the_layouts_its_library_reads():
         assert caps.serving and caps.max_q_len >= 4 and set(caps.kv_formats) >= {"bf16", "fp8"}
 
 
-@pytest.mark.parametrize("case", SERVED, ids=_ids)
+@pytest.mark.parametrize("case", SERVED, ids=cell_id)
 def test_default_serving_variants_validate_and_read_the_calls_kv(case):
     name, *cell = case
     backend = BACKENDS[name]
@@ -132,7 +118,7 @@ def test_default_serving_variants_validate_and_read_the_calls_kv(case):
     assert variant.backend == backend.NAME and variant.get("kv") == cell[3]
 
 
-@pytest.mark.parametrize("case", REFUSED, ids=_ids)
+@pytest.mark.parametrize("case", REFUSED, ids=cell_id)
 def test_build_serving_refuses_what_the_capabilities_refuse(case, monkeypatch):
     name, *cell = case
     _install(monkeypatch, name)
@@ -163,7 +149,7 @@ def test_leaderboard_variants_stay_valid():
 
 
 # ------------------------------------------------------------ the call, on the CPU
-@pytest.mark.parametrize("case", CPU_SERVED, ids=_ids)
+@pytest.mark.parametrize("case", CPU_SERVED, ids=cell_id)
 def test_declared_cells_match_the_reference_through_the_fakes(case, monkeypatch):
     name, *cell = case
     _install(monkeypatch, name)
@@ -183,7 +169,7 @@ def test_flash_mla_answers_a_static_q_scale_and_counts_saturation(monkeypatch):
     inp = serving_input(spec, KV_LENS, 5, "cpu")
     variant = Variant.make("flashmla", kv="fp8", q="fp8_static", q_amax=0.8 * float(inp.q.abs().amax()))
     runner = flash_mla.build_serving(variant, spec, "cpu")
-    _assert_close(_call(runner, inp), _expected(variant, inp), 1e-2, "fp8_static")
+    _assert_close(call_with_host_lengths(runner, inp), _expected(variant, inp), 1e-2, "fp8_static")
     assert int(runner.q_saturation) > 0
 
 
@@ -195,7 +181,7 @@ def test_one_q_len_per_call_backends_refuse_a_ragged_one(name, monkeypatch):
     runner = BACKENDS[name].build_serving(BACKENDS[name].default_serving_variant(spec, H200), spec, "cpu")
     inp = serving.make_input([2, 1, 2], [40, 70, 9], 16, layout, "bf16", seed=3)  # 5 rows, 3 sequences
     with pytest.raises(ValueError, match="same q_len"):
-        _call(runner, inp)
+        call_with_host_lengths(runner, inp)
 
 
 def test_flashinfer_refuses_a_call_without_host_lengths(monkeypatch):
@@ -218,14 +204,14 @@ def test_flashinfer_replans_only_when_the_lengths_or_the_page_array_change(layou
     runner = flashinfer_mla.build_serving(flashinfer_mla.default_serving_variant(spec, H200), spec, "cpu")
     inp = serving_input(spec, [40, 5, 70], 3, "cpu")
     for _ in range(3):
-        _call(runner, inp)
+        call_with_host_lengths(runner, inp)
     assert (calls["plan"], calls["run"]) == (1, 3)
     longer = serving_input(spec, [41, 6, 71], 3, "cpu")
-    _assert_close(_call(runner, longer), longer.reference(), 1e-2, "new lengths")
+    _assert_close(call_with_host_lengths(runner, longer), longer.reference(), 1e-2, "new lengths")
     assert calls["plan"] == 2
     if layout:  # another block table (a new tensor) is another page array
         inp2 = serving_input(spec, [41, 6, 71], 4, "cpu")
-        _assert_close(_call(runner, inp2), inp2.reference(), 1e-2, "new table")
+        _assert_close(call_with_host_lengths(runner, inp2), inp2.reference(), 1e-2, "new table")
         assert calls["plan"] == 3
     runner.plan(longer.q, longer.qo_indptr, longer.kv, longer.kv_scale, **longer.layout,
                 q_lens_host=longer.q_lens, kv_lens_host=longer.kv_lens)
@@ -238,9 +224,9 @@ def test_flashinfer_refuses_a_replan_that_changes_a_graphs_grid(monkeypatch):
     spec = _spec("flashinfer", 0, 32, 4, "bf16", graph=True)
     runner = flashinfer_mla.build_serving(flashinfer_mla.default_serving_variant(spec, H200), spec, "cpu")
     short = serving.make_input([1, 1], [40, 9], 32, 0, "bf16", seed=1)
-    _call(runner, short)
+    call_with_host_lengths(runner, short)
     with pytest.raises(ValueError, match="launch grid"):
-        _call(runner, serving.make_input([4, 4], [40, 9], 32, 0, "bf16", seed=1))
+        call_with_host_lengths(runner, serving.make_input([4, 4], [40, 9], 32, 0, "bf16", seed=1))
 
 
 @pytest.mark.parametrize("name,layout", [("flashinfer", 0), ("flashinfer", 16), ("aiter", 0), ("aiter", 1)])
@@ -250,11 +236,11 @@ def test_the_output_buffer_is_reused_and_grows_only_for_more_rows(name, layout, 
     runner = BACKENDS[name].build_serving(BACKENDS[name].default_serving_variant(spec, H200), spec, "cpu")
     big, small = (serving.make_input([1] * n, [30 + i for i in range(n)], 16, layout, "fp8", seed=n)
                   for n in (5, 3))
-    first = _call(runner, big)
+    first = call_with_host_lengths(runner, big)
     ptr = first.data_ptr()
-    assert _call(runner, small).data_ptr() == ptr and _call(runner, big).data_ptr() == ptr
+    assert call_with_host_lengths(runner, small).data_ptr() == ptr and call_with_host_lengths(runner, big).data_ptr() == ptr
     larger = serving.make_input([1] * 9, [20] * 9, 16, layout, "fp8", seed=9)
-    assert _call(runner, larger).shape[0] == 9
+    assert call_with_host_lengths(runner, larger).shape[0] == 9
 
 
 def test_flash_mla_schedules_every_call_on_the_device(monkeypatch):
@@ -263,7 +249,7 @@ def test_flash_mla_schedules_every_call_on_the_device(monkeypatch):
     runner = flash_mla.build_serving(flash_mla.default_serving_variant(spec, H200), spec, "cpu")
     for seed, lens in ((1, [40, 70]), (2, [130, 1])):
         inp = serving_input(spec, lens, seed, "cpu")
-        _assert_close(_call(runner, inp), inp.reference(), 1e-2, f"lengths {lens}")
+        _assert_close(call_with_host_lengths(runner, inp), inp.reference(), 1e-2, f"lengths {lens}")
     assert fm.calls == {"get_mla_decoding_metadata": 2, "flash_mla_with_kvcache": 2}
 
 
@@ -274,7 +260,7 @@ _READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cp
 
 @pytest.mark.parametrize("case", [("flashmla", 64, 128, 2, "fp8"), ("flashinfer", 16, 16, 4, "fp8"),
                                   ("flashinfer", 0, 128, 1, "bf16"), ("aiter", 1, 16, 2, "fp8"),
-                                  ("aiter", 0, 128, 1, "bf16")], ids=_ids)
+                                  ("aiter", 0, 128, 1, "bf16")], ids=cell_id)
 def test_runners_read_no_tensor_on_the_host(case, monkeypatch):
     """Every way of reading a tensor's values on the host raises when the caller is mla-tune's
     code (the backend module, the kernels and quantizers it launches); the fakes, standing in
@@ -297,12 +283,12 @@ def test_runners_read_no_tensor_on_the_host(case, monkeypatch):
                 return _original(self, *args, **kwargs)
 
             patched.setattr(torch.Tensor, method, guarded)
-        out = _call(runner, inp)
-    _assert_close(out, _expected(variant, inp), 1e-2, _ids(case))
+        out = call_with_host_lengths(runner, inp)
+    _assert_close(out, _expected(variant, inp), 1e-2, cell_id(case))
 
 
 @pytest.mark.parametrize("case", [("flashmla", 64, 16, 1, "fp8"), ("flashinfer", 16, 16, 1, "bf16"),
-                                  ("aiter", 1, 16, 1, "bf16")], ids=_ids)
+                                  ("aiter", 1, 16, 1, "bf16")], ids=cell_id)
 def test_a_padded_slot_with_seq_len_0_spoils_no_other_row(case, monkeypatch):
     name, *cell = case
     _install(monkeypatch, name)
@@ -313,7 +299,7 @@ def test_a_padded_slot_with_seq_len_0_spoils_no_other_row(case, monkeypatch):
     ref = _expected(variant, inp)
     inp.seq_lens[1] = 0
     inp.kv_lens[1] = 0
-    out = _call(runner, inp)
+    out = call_with_host_lengths(runner, inp)
     _assert_close(out[0::2], ref[0::2], 1e-2, "live sequences")
 
 
@@ -325,7 +311,7 @@ def _real(name: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [("flashinfer", 16, 128, 2, "bf16"), ("flashmla", 64, 16, 2, "bf16"),
-                                  ("flashmla", 64, 16, 2, "fp8")], ids=_ids)
+                                  ("flashmla", 64, 16, 2, "fp8")], ids=cell_id)
 def test_a_padded_slot_with_seq_len_0_does_not_crash_on_the_h200(case):
     """Last in the file (FlashMLA's fp8 extension, the oldest code, last of all): a crash
     here would take the CUDA context with it."""
@@ -338,7 +324,7 @@ def test_a_padded_slot_with_seq_len_0_does_not_crash_on_the_h200(case):
     ref = _expected(variant, inp)
     inp.seq_lens[1] = 0
     inp.kv_lens[1] = 0
-    out = _call(runner, inp)
+    out = call_with_host_lengths(runner, inp)
     torch.cuda.synchronize()
     rows = [r for b in (0, 2) for r in range(sum(inp.q_lens[:b]), sum(inp.q_lens[: b + 1]))]
-    _assert_close(out[rows], ref[rows], _max_error(variant, "cuda"), "live sequences")
+    _assert_close(out[rows], ref[rows], max_error(variant, "cuda"), "live sequences")
