@@ -5,12 +5,46 @@ CPU fakes.
 "flashinfer")` puts the fake in sys.modules for one test.
 """
 
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import torch
 
 from mla_tune import problem
 from mla_tune.core import CallSpec
 from mla_tune.serving import inputs as serving
 from tests.fakes import vendor_fakes  # noqa: F401  (re-exported for the tests)
+
+REPO = Path(__file__).resolve().parents[1]
+NARROW = {"COLUMNS": "80", "NO_COLOR": "1", "TERM": "dumb"}
+
+
+def invoke(*args, env=None):
+    """`mla-tune ARGS` through typer's test runner, in 80 columns unless env is given."""
+    from typer.testing import CliRunner
+
+    from mla_tune.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args], env=env or NARROW)
+
+
+def assert_commands_import_no_torch(*commands) -> None:
+    """Each command (`mla-tune` arguments) exits 0 in one fresh process that never imports
+    torch or triton."""
+    code = textwrap.dedent(f"""
+        import sys
+        from typer.testing import CliRunner
+        from mla_tune import cli
+        for args in {[[str(a) for a in c] for c in commands]!r}:
+            result = CliRunner().invoke(cli.app, args)
+            assert result.exit_code == 0, result.output
+        assert "torch" not in sys.modules, "imported torch"
+        assert "triton" not in sys.modules, "imported triton"
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 0, done.stderr
 
 
 def expected_output(data, variant):

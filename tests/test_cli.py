@@ -9,11 +9,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 import mla_tune.tune.sweep
 from mla_tune import __version__
 from mla_tune.cli import app
+from tests.helpers import NARROW, assert_commands_import_no_torch, invoke
 
 REPO = Path(__file__).parents[1]
 DATA = Path(__file__).parent / "data"
@@ -23,11 +23,8 @@ H200 = REPO / "tables" / "H200.yaml"
 # whatever a later sweep commits to tables/.
 H200_FIXED = DATA / "H200.pre-search.yaml"
 CONFIG = REPO / "configs" / "leaderboard.yaml"
-NARROW = {"COLUMNS": "80", "NO_COLOR": "1", "TERM": "dumb"}
 
 
-def _invoke(*args: str, env=None):
-    return CliRunner().invoke(app, [str(a) for a in args], env=env or NARROW)
 
 
 @pytest.mark.parametrize(
@@ -40,16 +37,16 @@ def _invoke(*args: str, env=None):
 )
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_every_command_has_help_with_h_too(command, says, flag):
-    result = _invoke(command, flag)
+    result = invoke(command, flag)
     assert result.exit_code == 0, result.output
     assert says in " ".join(result.output.split())
 
 
 def test_no_arguments_prints_the_command_list_and_version_prints_the_version():
-    result = _invoke()
+    result = invoke()
     for command in ("sweep", "export", "show", "diff", "report"):
         assert command in result.output
-    result = _invoke("--version")
+    result = invoke("--version")
     assert result.exit_code == 0 and result.output.strip() == f"mla-tune {__version__}"
 
 
@@ -64,12 +61,12 @@ def test_boolean_flags_have_no_negative_twins_and_every_option_a_sentence_of_hel
             assert not param.secondary_opts, f"{name} {param.opts} has {param.secondary_opts}"
             text = param.help or ""
             assert text[:1].isupper() and text.rstrip().endswith("."), f"{name} {param.opts}: {text!r}"
-    assert _invoke("sweep", "--no-dry-run", "--gpu", "H200").exit_code == 2
+    assert invoke("sweep", "--no-dry-run", "--gpu", "H200").exit_code == 2
 
 
 @pytest.mark.parametrize("path", [H200, H200_FIXED], ids=["committed", "pre-search"])
 def test_show_fits_80_columns_in_40_lines_with_every_winner_greppable(path):
-    result = _invoke("show", "--table", path)
+    result = invoke("show", "--table", path)
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert len(lines) <= 40 and max(map(len, lines)) <= 80, result.output
@@ -90,7 +87,7 @@ def test_show_fits_80_columns_in_40_lines_with_every_winner_greppable(path):
 
 
 def test_show_on_a_wide_terminal_puts_each_variant_on_one_line():
-    result = _invoke("show", "--table", H200, env={**NARROW, "COLUMNS": "200"})
+    result = invoke("show", "--table", H200, env={**NARROW, "COLUMNS": "200"})
     from mla_tune.tables.table import load_table
 
     for row in load_table(H200, check_params=False).rows.values():
@@ -98,7 +95,7 @@ def test_show_on_a_wide_terminal_puts_each_variant_on_one_line():
 
 
 def test_show_prints_rows_notes_and_provenance():
-    result = _invoke("show", "--table", TABLE)
+    result = invoke("show", "--table", TABLE)
     assert result.exit_code == 0, result.output
     out = result.output
     assert "  1x8  winner torch(kv=bf16,q=bf16)" in out and "2x40" in out
@@ -109,7 +106,7 @@ def test_show_prints_rows_notes_and_provenance():
 
 
 def test_show_json_is_the_table_for_scripts():
-    result = _invoke("show", "--table", TABLE, "--json")
+    result = invoke("show", "--table", TABLE, "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["gpu"] == "cpu" and data["path"] == str(TABLE)
@@ -118,26 +115,14 @@ def test_show_json_is_the_table_for_scripts():
 
 
 def test_show_and_diff_never_import_torch():
-    code = textwrap.dedent(f"""
-        import sys
-        from typer.testing import CliRunner
-        from mla_tune import cli
-        for args in (["show", "--table", {str(H200)!r}], ["show", "--table", {str(TABLE)!r}, "--json"],
-                     ["diff", {str(TABLE)!r}, {str(H200)!r}]):
-            result = CliRunner().invoke(cli.app, args)
-            assert result.exit_code == 0, result.output
-        assert "torch" not in sys.modules, "show imported torch"
-        assert "triton" not in sys.modules, "show imported triton"
-    """)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          cwd=REPO)
-    assert done.returncode == 0, done.stderr
+    assert_commands_import_no_torch(["show", "--table", H200], ["show", "--table", TABLE, "--json"],
+                                    ["diff", TABLE, H200])
 
 
 @pytest.mark.parametrize("bad", ["", "../../x", "H200/..", "a b", "-x"])
 def test_a_gpu_name_that_is_not_a_name_is_refused_in_one_line(bad):
     for command in (["show"], ["export", "-o", "x.py"], ["sweep", "--dry-run"], ["report"]):
-        result = _invoke(*command, f"--gpu={bad}")
+        result = invoke(*command, f"--gpu={bad}")
         assert result.exit_code == 2, result.output
         assert result.output.strip().splitlines() == [
             f"error: --gpu {bad!r} is not a GPU name; use letters, digits, '-' and '_' only, "
@@ -146,13 +131,13 @@ def test_a_gpu_name_that_is_not_a_name_is_refused_in_one_line(bad):
 
 def test_export_writes_the_submission(tmp_path):
     out = tmp_path / "submission.py"
-    result = _invoke("export", "--table", TABLE, "-o", out, "--only", "torch")
+    result = invoke("export", "--table", TABLE, "-o", out, "--only", "torch")
     assert result.exit_code == 0, result.output
     assert "backends limited to torch" in result.output
     assert out.read_text().splitlines()[:2] == ["#!POPCORN leaderboard amd-mixed-mla",
                                                 "#!POPCORN gpu cpu"]
     # a second export over its own earlier file is fine
-    assert _invoke("export", "--table", TABLE, "-o", out, "--only", "torch").exit_code == 0
+    assert invoke("export", "--table", TABLE, "-o", out, "--only", "torch").exit_code == 0
 
 
 def test_export_never_overwrites_its_table_results_or_a_config(tmp_path):
@@ -164,7 +149,7 @@ def test_export_never_overwrites_its_table_results_or_a_config(tmp_path):
     config.write_text("name: x\n")
     for target in (table, results, config):
         before = target.read_text()
-        result = _invoke("export", "--table", table, "-o", target, "--only", "torch")
+        result = invoke("export", "--table", table, "-o", target, "--only", "torch")
         assert result.exit_code == 1, result.output
         assert result.output.strip().splitlines() == [
             f"error: -o {target} exists and is not a submission mla-tune wrote (it does not start "
@@ -182,7 +167,7 @@ def test_export_and_show_problems_with_paths_are_one_line(tmp_path):
          f"-o {tmp_path} is a directory; name the submission file"),
     ]
     for args, says in cases:
-        result = _invoke(*args)
+        result = invoke(*args)
         assert result.exit_code == 1, result.output
         lines = result.output.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
@@ -191,13 +176,13 @@ def test_export_and_show_problems_with_paths_are_one_line(tmp_path):
 def test_domain_errors_exit_1_with_a_message_naming_the_file(tmp_path):
     broken = tmp_path / "broken.yaml"
     broken.write_text(TABLE.read_text().replace("schema: 1", "schema: 7"))
-    result = _invoke("show", "--table", broken)
+    result = invoke("show", "--table", broken)
     assert result.exit_code == 1
     assert "error:" in result.output and str(broken) in result.output
     assert "schema is 7" in result.output and "Traceback" not in result.output
-    result = _invoke("export", "--table", TABLE, "-o", tmp_path / "x.py", "--only", "aiter")
+    result = invoke("export", "--table", TABLE, "-o", tmp_path / "x.py", "--only", "aiter")
     assert result.exit_code == 1 and "add triton or torch to --only" in result.output
-    result = _invoke("export", "--gpu", "H200", "--table", TABLE, "-o", tmp_path / "x.py")
+    result = invoke("export", "--gpu", "H200", "--table", TABLE, "-o", tmp_path / "x.py")
     assert result.exit_code == 1 and "is for cpu, not H200" in result.output
 
 
@@ -221,7 +206,7 @@ def test_an_internal_error_shows_its_traceback_not_a_one_line_error():
 
 
 def test_export_and_show_need_a_gpu_or_a_table():
-    result = _invoke("show")
+    result = invoke("show")
     assert result.exit_code == 2
     assert "--gpu NAME or a table file with --table PATH" in result.output
 
@@ -229,24 +214,24 @@ def test_export_and_show_need_a_gpu_or_a_table():
 def test_sweep_passes_its_options_through(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(mla_tune.tune.sweep, "run_sweep", lambda *a, **k: calls.append((a, k)))
-    result = _invoke("sweep", "--gpu", "H200", "--config", tmp_path / "c.yaml", "--out",
+    result = invoke("sweep", "--gpu", "H200", "--config", tmp_path / "c.yaml", "--out",
                      tmp_path / "t.yaml", "--devices", "0,1", "--fresh", "--force")
     assert result.exit_code == 0, result.output
     assert calls == [((tmp_path / "c.yaml", "H200"),
                       {"out": tmp_path / "t.yaml", "dry_run": False, "force": True,
                        "devices": [0, 1], "fresh": True})]
-    result = _invoke("sweep", "--gpu", "H200", "--devices", "zero")
+    result = invoke("sweep", "--gpu", "H200", "--devices", "zero")
     assert result.exit_code == 2 and "--devices must be GPU indices" in result.output
 
 
 def test_sweep_dry_run_plans_the_leaderboard_config():
-    result = _invoke("sweep", "--dry-run", "--gpu", "H200", "--config", CONFIG)
+    result = invoke("sweep", "--dry-run", "--gpu", "H200", "--config", CONFIG)
     assert result.exit_code == 0, result.output
     assert "dry run" in result.output and "4x1024" in result.output
 
 
 def test_sweep_with_a_missing_config_exits_1_naming_it(tmp_path):
-    result = _invoke("sweep", "--gpu", "H200", "--config", tmp_path / "none.yaml", "--dry-run")
+    result = invoke("sweep", "--gpu", "H200", "--config", tmp_path / "none.yaml", "--dry-run")
     assert result.exit_code == 1, result.output
     assert "none.yaml" in result.output and "Traceback" not in result.output
 
@@ -261,7 +246,7 @@ def test_diff_flags_winner_changes_and_times_outside_the_noise(tmp_path):
                                  "params": {"kv": "bf16", "q": "bf16"}}
     new = tmp_path / "new.yaml"
     new.write_text(yaml.safe_dump(data, sort_keys=False))
-    result = _invoke("diff", TABLE, new)
+    result = invoke("diff", TABLE, new)
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert max(map(len, lines)) <= 80
@@ -269,7 +254,7 @@ def test_diff_flags_winner_changes_and_times_outside_the_noise(tmp_path):
     assert "+20.0%" in row["1x8"] and "SLOWER" in row["1x8"] and "same winner" in row["1x8"]
     assert "+1.2%" in row["2x40"] and "within noise" in row["2x40"] and "winner changed" in row["2x40"]
     assert any(line.split()[:3] == ["2x40", "new", "torch(kv=bf16,q=bf16)"] for line in lines)
-    data = json.loads(_invoke("diff", TABLE, new, "--json").output)
+    data = json.loads(invoke("diff", TABLE, new, "--json").output)
     by_shape = {c["shape"]: c for c in data["shapes"]}
     assert by_shape["1x8"]["flagged"] is True and by_shape["1x8"]["noise"] == 0.02
     assert by_shape["2x40"]["flagged"] is False and by_shape["2x40"]["status"] == "winner changed"
@@ -278,7 +263,7 @@ def test_diff_flags_winner_changes_and_times_outside_the_noise(tmp_path):
 
 def test_report_without_matplotlib_says_how_to_install_it(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # an import of it now fails
-    result = _invoke("report", "--table", TABLE, "--out", tmp_path / "r")
+    result = invoke("report", "--table", TABLE, "--out", tmp_path / "r")
     assert result.exit_code == 1
     assert result.output.strip() == ('error: mla-tune report needs matplotlib for its plots; '
                                      'install it with pip install -e ".[report]"')
@@ -304,7 +289,7 @@ def test_show_clips_a_huge_text_field_instead_of_printing_it(tmp_path):
     big = tmp_path / "big.yaml"
     big.write_text(text.replace(reason, "  reason: '" + "why " * 3_000_000 + "'"))  # 12 MB
     started = time.monotonic()
-    result = _invoke("show", "--table", big)
+    result = invoke("show", "--table", big)
     assert time.monotonic() - started < 10
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
@@ -313,11 +298,11 @@ def test_show_clips_a_huge_text_field_instead_of_printing_it(tmp_path):
 
 def test_a_missing_table_for_a_gpu_lists_the_tables_and_suggests_the_case(monkeypatch):
     monkeypatch.chdir(REPO)
-    result = _invoke("show", "--gpu", "h200")
+    result = invoke("show", "--gpu", "h200")
     assert result.exit_code == 1
     assert result.output.strip() == ("error: no table tables/h200.yaml for --gpu h200 (did you mean "
                                      "--gpu H200?); make one with `mla-tune sweep --gpu h200`")
-    result = _invoke("export", "--gpu", "H100", "-o", "never.py")
+    result = invoke("export", "--gpu", "H100", "-o", "never.py")
     assert result.exit_code == 1 and "(tables here: H200" in result.output
     assert not (REPO / "never.py").exists()
 
@@ -332,7 +317,7 @@ def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(monkeypatch, tmp
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(fileio.os, "fsync", no_space)
-    result = _invoke("export", "--table", TABLE, "-o", tmp_path / "sub.py", "--only", "torch")
+    result = invoke("export", "--table", TABLE, "-o", tmp_path / "sub.py", "--only", "torch")
     assert result.exit_code == 1
     assert result.output.strip().splitlines() == [
         f"error: cannot write {tmp_path / 'sub.py'}: No space left on device; free some space or "
@@ -342,7 +327,7 @@ def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(monkeypatch, tmp
 
 def test_sweep_with_a_serving_config_runs_the_serving_sweep():
     """`mla-tune sweep --config configs/serving.yaml` plans the serving grid (its dry run)."""
-    result = _invoke("sweep", "--gpu", "H200", "--config", "configs/serving.yaml", "--dry-run")
+    result = invoke("sweep", "--gpu", "H200", "--config", "configs/serving.yaml", "--dry-run")
     assert result.exit_code == 0, result.output
     assert "1404 cells" in result.output and "estimated GPU time" in result.output
 
@@ -357,11 +342,11 @@ def test_sweep_takes_a_budget_for_either_kind_of_config(monkeypatch):
         return 0
 
     monkeypatch.setattr("mla_tune.serving.sweep.sweep_from_cli", fake_serving)
-    result = _invoke("sweep", "--gpu", "H200", "--config", "configs/serving.yaml", "--budget", "300")
+    result = invoke("sweep", "--gpu", "H200", "--config", "configs/serving.yaml", "--budget", "300")
     assert result.exit_code == 0, result.output
     assert seen["budget"] == 300.0
-    result = _invoke("sweep", "--gpu", "H200", "--dry-run", "--budget", "60")
+    result = invoke("sweep", "--gpu", "H200", "--dry-run", "--budget", "60")
     assert result.exit_code == 0, result.output
     assert "fits the budget of 60 s" in result.output and "dropped for the budget" in result.output
-    result = _invoke("sweep", "--gpu", "H200", "--budget", "-5")
+    result = invoke("sweep", "--gpu", "H200", "--budget", "-5")
     assert result.exit_code == 2 and "--budget must be a positive number of seconds" in result.output

@@ -8,12 +8,8 @@ import json
 import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
-from typer.testing import CliRunner
-
-from mla_tune.cli import app
 from mla_tune.core import Variant
 from mla_tune.serving.table import (
     Cell,
@@ -23,11 +19,11 @@ from mla_tune.serving.table import (
     ServingTable,
     write_serving_table,
 )
+from tests.helpers import NARROW, assert_commands_import_no_torch, invoke
 
 REPO = Path(__file__).parents[1]
 LEADERBOARD = Path(__file__).parent / "data" / "table_cpu.yaml"
 COMMITTED = REPO / "tables" / "H200.serving.yaml"
-NARROW = {"COLUMNS": "80", "NO_COLOR": "1", "TERM": "dumb"}
 BATCHES = [1, 32, 256]
 KVS = [1024, 8192, 65536]
 FP8, BF16 = FamilyKey("fp8", 64, 128, 2), FamilyKey("bf16", 0, 16, 1)
@@ -66,10 +62,6 @@ def _write(tmp_path: Path, name: str = "H200.serving.yaml", edit=None) -> Path:
     return write_serving_table(tmp_path / name, _table(edit))
 
 
-def _invoke(*args, env=None):
-    return CliRunner().invoke(app, [str(a) for a in args], env=env or NARROW)
-
-
 def _legend(lines: list[str], tag: str) -> dict[str, str]:
     """label -> the variant rebuilt from its lines (`  TAG LABEL  text`, continued)."""
     out: dict[str, str] = {}
@@ -81,7 +73,7 @@ def _legend(lines: list[str], tag: str) -> dict[str, str]:
 
 
 def test_show_prints_buckets_families_and_every_pick_in_80_columns(tmp_path):
-    result = _invoke("show", "--table", _write(tmp_path))
+    result = invoke("show", "--table", _write(tmp_path))
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert max(map(len, lines)) <= 80 and "\x1b[" not in result.output
@@ -108,7 +100,7 @@ def test_show_prints_buckets_families_and_every_pick_in_80_columns(tmp_path):
 
 def test_show_json_holds_every_cell_graph_pick_and_left_out_cell(tmp_path):
     path = _write(tmp_path)
-    data = json.loads(_invoke("show", "--table", path, "--json").output)
+    data = json.loads(invoke("show", "--table", path, "--json").output)
     assert data["kind"] == "serving" and data["path"] == str(path) and data["gpu"] == "H200"
     assert data["batch_buckets"] == BATCHES and data["kv_buckets"] == KVS
     fams = {f["name"]: f for f in data["families"]}
@@ -125,14 +117,14 @@ def test_show_gpu_keeps_the_leaderboard_table_and_names_the_serving_one_beside_i
     shutil.copy(LEADERBOARD, tmp_path / "cpu.yaml")
     _write(tmp_path, "cpu.serving.yaml")
     env = {**NARROW, "MLA_TUNE_TABLES": str(tmp_path)}
-    result = _invoke("show", "--gpu", "cpu", env=env)
+    result = invoke("show", "--gpu", "cpu", env=env)
     assert result.exit_code == 0, result.output
     assert "winner torch(kv=bf16,q=bf16)" in result.output  # the leaderboard table
     note = [line for line in result.output.splitlines() if "serving table" in line]
     assert note == ["A serving table sits beside it: `mla-tune show --gpu cpu --serving` shows it."]
-    result = _invoke("show", "--gpu", "cpu", "--serving", env=env)
+    result = invoke("show", "--gpu", "cpu", "--serving", env=env)
     assert result.exit_code == 0 and "serving table for H200, 2 families" in result.output
-    result = _invoke("show", "--gpu", "none", "--serving", env=env)
+    result = invoke("show", "--gpu", "none", "--serving", env=env)
     assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
     assert "none.serving.yaml does not exist" in result.output
 
@@ -149,7 +141,7 @@ def _changed(table: ServingTable) -> None:
 
 def test_diff_of_serving_tables_flags_pick_and_time_changes_per_family(tmp_path):
     old, new = _write(tmp_path, "old.serving.yaml"), _write(tmp_path, "new.serving.yaml", _changed)
-    result = _invoke("diff", old, new)
+    result = invoke("diff", old, new)
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert max(map(len, lines)) <= 80
@@ -166,7 +158,7 @@ def test_diff_of_serving_tables_flags_pick_and_time_changes_per_family(tmp_path)
     assert legend == {"A": str(_v(8)), "B": str(_v(64)), "C": str(_v(16))}  # the most used first
     graph = [line.split() for line in lines if line.startswith("  32 ")]
     assert graph == [["32", "A", "B", "12.5%", "5.0%", "pick", "changed"]]
-    data = json.loads(_invoke("diff", old, new, "--json").output)
+    data = json.loads(invoke("diff", old, new, "--json").output)
     assert data["kind"] == "serving" and data["noise"] == 0.01
     cells = {(c["batch"], c["kv_len"]): c for f in data["families"] if f["family"] == str(FP8) for c in f["cells"]}
     assert cells[(1, 1024)]["flagged"] and cells[(1, 1024)]["status"] == "pick changed"
@@ -178,7 +170,7 @@ def test_diff_of_serving_tables_flags_pick_and_time_changes_per_family(tmp_path)
 
 def test_diff_of_a_table_with_itself_changes_nothing(tmp_path):
     path = _write(tmp_path)
-    result = _invoke("diff", path, path)
+    result = invoke("diff", path, path)
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
     assert "8 cells: 0 with another pick" in text and "0 with a time change" in text
@@ -188,29 +180,18 @@ def test_diff_of_a_table_with_itself_changes_nothing(tmp_path):
 def test_diff_of_a_leaderboard_and_a_serving_table_is_one_line(tmp_path):
     serving = _write(tmp_path)
     for pair in ((LEADERBOARD, serving), (serving, LEADERBOARD)):
-        result = _invoke("diff", *pair)
+        result = invoke("diff", *pair)
         assert result.exit_code == 1
         assert result.output.count("\n") == 1 and result.output.startswith("error: cannot diff")
         assert "a leaderboard table" in result.output and "a serving table" in result.output
-    result = _invoke("diff", serving, tmp_path / "gone.serving.yaml")  # unreadable: its loader says why
+    result = invoke("diff", serving, tmp_path / "gone.serving.yaml")  # unreadable: its loader says why
     assert result.exit_code == 1 and "gone.serving.yaml does not exist" in result.output
 
 
 def test_show_and_diff_of_serving_tables_never_import_torch(tmp_path):
     old, new = _write(tmp_path, "old.serving.yaml"), _write(tmp_path, "new.serving.yaml", _changed)
-    code = textwrap.dedent(f"""
-        import sys
-        from typer.testing import CliRunner
-        from mla_tune import cli
-        for args in (["show", "--table", {str(old)!r}], ["show", "--table", {str(old)!r}, "--json"],
-                     ["diff", {str(old)!r}, {str(new)!r}], ["diff", {str(old)!r}, {str(new)!r}, "--json"]):
-            result = CliRunner().invoke(cli.app, args)
-            assert result.exit_code == 0, result.output
-        assert "torch" not in sys.modules, "imported torch"
-        assert "triton" not in sys.modules, "imported triton"
-    """)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert done.returncode == 0, done.stderr
+    assert_commands_import_no_torch(["show", "--table", old], ["show", "--table", old, "--json"],
+                                    ["diff", old, new], ["diff", old, new, "--json"])
 
 
 def test_the_committed_serving_table_shows_in_80_columns_through_a_pipe():
@@ -230,7 +211,7 @@ def test_the_committed_serving_table_shows_in_80_columns_through_a_pipe():
 
 
 def test_show_times_adds_each_familys_grid_of_times(tmp_path):
-    lines = _invoke("show", "--table", _write(tmp_path), "--times").output.splitlines()
+    lines = invoke("show", "--table", _write(tmp_path), "--times").output.splitlines()
     start = lines.index("  the eager picks' times (us), fp8/p64/h128/q2:")
     assert lines[start + 1].split() == ["batch", "1024", "8192", "65536"]
     assert lines[start + 2].split() == ["1", "20.2", "91.9", "665.4"]  # 10 x batch + kv / 100
@@ -246,7 +227,7 @@ def test_a_grid_too_wide_for_80_columns_splits_its_kv_columns(tmp_path):
         fam.cells = {(b, k): Cell(b, k, _v(8), 1234.5) for b in BATCHES for k in kvs}
         fam.left_out = []
 
-    result = _invoke("show", "--table", _write(tmp_path, edit=many), "--times")
+    result = invoke("show", "--table", _write(tmp_path, edit=many), "--times")
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert max(map(len, lines)) <= 80
@@ -272,6 +253,6 @@ def test_table_kind_reads_the_schema_line_without_parsing_the_table(tmp_path):
 def test_show_json_turns_an_unquoted_yaml_date_into_text(tmp_path):
     path = _write(tmp_path)
     path.write_text(path.read_text().replace("date: '2026-12-01'", "date: 2026-12-01"))
-    result = _invoke("show", "--table", path, "--json")
+    result = invoke("show", "--table", path, "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["provenance"]["date"] == "2026-12-01"
