@@ -1,10 +1,6 @@
-"""Rules that once tested a backend's name now read a fact the backend declares (issue 28).
-
-Each test adds made-up backends through MLA_TUNE_EXTRA_BACKENDS, modules written into
-tmp_path whose names no rule knows, and shows that the rule follows the declared fact (a
-CAPABILITIES field, an optional module hook) and that today's backends keep their
-behaviour.
-"""
+"""Rules read a fact the backend declares (a CAPABILITIES field, an optional module hook), not
+its name: made-up backends (MLA_TUNE_EXTRA_BACKENDS, modules in tmp_path) follow the fact, and
+today's backends keep their behaviour."""
 
 from __future__ import annotations
 

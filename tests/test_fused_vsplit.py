@@ -1,13 +1,7 @@
-"""The plain-Triton hedge of issue 11: fused_decode's V split (`v_split=2`, two programs per
-(split, sequence), each converting and multiplying half the V dims), called directly (the
-backend does not take the parameter yet).
-
-CPU: Triton's interpreter with fp16 dots, against problem.reference under `strict` and a
-relative L2 bound, v_split 1 and 2, the `none` and `last` reductions (`spin` waits for
-programs the interpreter runs one after another: GPU only). GPU: three leaderboard shapes
-(16, 4 and 1 split) under `strict` with `last` and `spin`, v_split 1 and 2 (the rest of the
-shapes: scripts/bench_issue11.py at 9401329 checked every candidate under `strict` before
-timing it).
+"""fused_decode's V split (`v_split=2`: two programs per (split, sequence), each with half the
+V dims), called directly. CPU: the interpreter (fp16 dots) under `strict` and a relative L2
+bound, v_split 1 and 2, the `none` and `last` reductions. GPU: three leaderboard shapes (16, 4
+and 1 split) under `strict` with `last` and `spin`, v_split 1 and 2.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Warp specialization of the Gluon decode (issue 11, third step): the constexpr WS of
-kernels/gluon_decode.py and the backend's later parameter `ws`.
+"""Warp specialization of the Gluon decode: the constexpr WS of kernels/gluon_decode.py and
+the backend's later parameter `ws`.
 
 CPU: parameter validation, candidates and their dedupe, shared memory and residency, and the
 dispatch of ws to the kernel launch (the kernel replaced by a recorder; Gluon has no CPU
@@ -229,8 +229,7 @@ def run_ws(data, *, ws: int, num_splits: int, reduce: str = "launch", num_stages
     return first
 
 
-# The second step's best ws 0 configurations (scripts/bench_issue11.py WS_BEST at 9401329) with ws 1, and a
-# ws 2 plan per shape: (v_path, stages, splits, reduce, v_halves) and (splits, reduce) for rs8/4.
+# The best ws 0 configurations with ws 1, and a ws 2 plan per shape: (v_path, stages, splits, reduce, v_halves) and (splits, reduce) for rs8/4.
 LEADERBOARD_PLANS = {
     (4, 1024): (("ss16", 2, 16, "spin", 2), (8, "spin")),
     (4, 8192): (("rs8", 2, 32, "spin", 1), (32, "spin")),

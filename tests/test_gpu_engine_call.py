@@ -1,4 +1,4 @@
-"""The engine's call on the H200 (issue 29): DeepSeek-V3's softmax scale, the LSE and a
+"""The engine's call on the H200: DeepSeek-V3's softmax scale, the LSE and a
 uint8 fp8 cache through the real FlashMLA and FlashInfer and the own kernels.
 
     python -m pytest -m gpu tests/test_gpu_engine_call.py
