@@ -21,6 +21,24 @@ REPO = Path(__file__).resolve().parents[1]
 NARROW = {"COLUMNS": "80", "NO_COLOR": "1", "TERM": "dumb"}
 
 
+def cpu_table(tmp_path: Path, name: str = "table.yaml", edit=None, versions: dict | None = None, **top) -> Path:
+    """tests/data/table_cpu.yaml written to tmp_path/name with this process's versions (so it
+    loads without a drift warning) updated by `versions`, top-level fields replaced by `top`,
+    then edit(data) where given."""
+    import yaml
+
+    from mla_tune.gpu import detect
+
+    data = yaml.safe_load((REPO / "tests" / "data" / "table_cpu.yaml").read_text())
+    data["provenance"]["versions"] = {**{k: str(v) for k, v in detect().versions.items()}, **(versions or {})}
+    data.update(top)
+    if edit:
+        edit(data)
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
 def invoke(*args, env=None):
     """`mla-tune ARGS` through typer's test runner, in 80 columns unless env is given."""
     from typer.testing import CliRunner

@@ -6,20 +6,17 @@ from __future__ import annotations
 
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
-import yaml
 
 from mla_tune import backends, runtime
 from mla_tune.backends import EXTRA_BACKENDS_ENV, aiter_mla, drift_note, triton_splitk
 from mla_tune.core import Shape, Variant
-from mla_tune.gpu import detect, fake_platform
+from mla_tune.gpu import fake_platform
 from mla_tune.serving.time_picks import vendor_backends, with_budget
 from mla_tune.xcompile import check as xcheck
 from mla_tune.xcompile.capture import captured
-
-DATA = Path(__file__).parent / "data"
+from tests.helpers import cpu_table
 
 MODULE_HEAD = '''
 from __future__ import annotations
@@ -73,14 +70,6 @@ def vendor_drift_note(tuned, here):
 '''
 
 
-def _table(tmp_path, versions: dict) -> Path:
-    data = yaml.safe_load((DATA / "table_cpu.yaml").read_text())
-    data["provenance"]["versions"] = {**{k: str(v) for k, v in detect().versions.items()}, **versions}
-    path = tmp_path / "table.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
-
-
 def test_the_drift_note_comes_from_the_hook_of_the_backend_wrapping_that_distribution(add_backends, tmp_path):
     add_backends({
         "drifty": ('kv_formats=("bf16",), vendor="drifty-lib"', DRIFT_HOOK),
@@ -91,7 +80,7 @@ def test_the_drift_note_comes_from_the_hook_of_the_backend_wrapping_that_distrib
     assert drift_note("quiet-lib", "1.0", "2.0") == ""
     assert drift_note("hook_no_vendor", "1.0", "2.0") == ""
     with pytest.warns(UserWarning) as record:
-        runtime.load(table=_table(tmp_path, {"drifty-lib": "1.0", "quiet-lib": "3.0"}), device="cpu")
+        runtime.load(table=cpu_table(tmp_path, versions={"drifty-lib": "1.0", "quiet-lib": "3.0"}), device="cpu")
     messages = [str(w.message) for w in record]
     assert any("provenance.versions.drifty-lib is 1.0 but this process has not installed; "
                "drifty says 1.0 -> None moved its kernels; timings may have moved" in m for m in messages)

@@ -10,15 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from mla_tune import core, runtime
 from mla_tune.backends import triton_splitk
 from mla_tune.core import Shape, Variant
 from mla_tune.export import export_submission
-from mla_tune.gpu import detect
 from mla_tune.problem import RULES, check, generate_input, reference
 from mla_tune.tables.dispatch import DISPATCH_FALLBACKS, dispatch_fallback
+from tests.helpers import cpu_table
 from tests.test_export import _run_exported
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,12 +26,7 @@ SHORT = (1, 2, 17, 63)
 
 
 def _strict_table(tmp_path) -> Path:
-    data = yaml.safe_load((ROOT / "tests" / "data" / "table_cpu.yaml").read_text())
-    data["provenance"]["versions"] = {k: str(v) for k, v in detect().versions.items()}
-    data["provenance"]["rule"] = STRICT.as_dict()
-    path = tmp_path / "strict.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
+    return cpu_table(tmp_path, "strict.yaml", edit=lambda data: data["provenance"].update(rule=STRICT.as_dict()))
 
 
 def test_the_policy_per_rule_and_backend():

@@ -7,17 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from mla_tune import runtime
 from mla_tune.backends import get_backend
 from mla_tune.core import Variant
-from mla_tune.gpu import detect
 from mla_tune.problem import generate_input
 from mla_tune.tables.dispatch import Dispatcher
 from mla_tune.tables.table import TableError
+from tests.helpers import cpu_table
 
-ROOT = Path(__file__).resolve().parents[1]
 FP8_TRITON = Variant.make("triton", block_n=16, dot_dtype="fp16", kv="fp8", num_splits=1, num_stages=1,
                           num_warps=4, q="bf16")
 MXFP4_FUSED = Variant.make("triton_fused", kv="mxfp4", q="bf16", qk_dot="fp16", pv_dot="fp16", tok_m=True,
@@ -79,14 +77,12 @@ def test_a_python_float_scale_is_refused_in_one_line():
 
 
 def _table_with(tmp_path, variant: Variant) -> Path:
-    data = yaml.safe_load((ROOT / "tests" / "data" / "table_cpu.yaml").read_text())
-    data["provenance"]["versions"] = {k: str(v) for k, v in detect().versions.items()}
-    data["rows"][1]["winner"] = {"variant": str(variant), "backend": variant.backend, "params": variant.p}
-    data["rows"][1]["alternates"] = {variant.backend: {"variant": str(variant), "time_us": 8.0}}
-    data["rows"][1]["backends"] = {variant.backend: 8.0}
-    path = tmp_path / "table.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
+    def edit(data):
+        data["rows"][1]["winner"] = {"variant": str(variant), "backend": variant.backend, "params": variant.p}
+        data["rows"][1]["alternates"] = {variant.backend: {"variant": str(variant), "time_us": 8.0}}
+        data["rows"][1]["backends"] = {variant.backend: 8.0}
+
+    return cpu_table(tmp_path, edit=edit)
 
 
 FUSED = Variant.make("triton_fused", kv="fp8", q="bf16", qk_dot="fp16", pv_dot="fp16", tok_m=True, block_n=32,

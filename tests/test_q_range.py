@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from mla_tune import problem, runtime
 from mla_tune.backends import flash_mla, triton_splitk
@@ -16,9 +15,7 @@ from mla_tune.core import Shape, Variant
 from mla_tune.gpu import detect
 from mla_tune.kernels.q_quant import QQuantizer, q_range_count
 from mla_tune.tune import calibration
-from tests.helpers import vendor_fakes
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import cpu_table, vendor_fakes
 
 FP8 = torch.float8_e4m3fn
 TRITON_SHAPE, FLASHMLA_SHAPE = Shape(2, 40), Shape(2, 64)
@@ -83,18 +80,17 @@ def _row(shape: Shape, variant: Variant, q_amax: float) -> dict:
 
 def _static_table(tmp_path) -> Path:
     """The CPU test table with fp8_static winners: triton at 2x40, flashmla at 2x64."""
-    data = yaml.safe_load((ROOT / "tests" / "data" / "table_cpu.yaml").read_text())
-    data["provenance"]["versions"] = {k: str(v) for k, v in detect().versions.items()}
     amax = _q_amax(TRITON_SHAPE)
     triton = Variant.make("triton", block_n=16, dot_dtype="fp16", kv="fp8", num_splits=2, num_stages=1,
                           num_warps=4, q="fp8_static", q_amax=amax)
     flashmla = Variant.make("flashmla", kv="fp8", q="fp8_static", q_amax=amax)
-    rows = [r for r in data["rows"] if (r["batch"], r["kv_len"]) != (2, 40)]
-    rows += [_row(TRITON_SHAPE, triton, amax), _row(FLASHMLA_SHAPE, flashmla, amax)]
-    data["rows"] = sorted(rows, key=lambda r: (r["batch"], r["kv_len"]))
-    path = tmp_path / "static.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
+
+    def edit(data):
+        rows = [r for r in data["rows"] if (r["batch"], r["kv_len"]) != (2, 40)]
+        rows += [_row(TRITON_SHAPE, triton, amax), _row(FLASHMLA_SHAPE, flashmla, amax)]
+        data["rows"] = sorted(rows, key=lambda r: (r["batch"], r["kv_len"]))
+
+    return cpu_table(tmp_path, "static.yaml", edit=edit)
 
 
 @pytest.fixture
@@ -197,12 +193,8 @@ def test_real_flashmla_fp8_static_counts_saturation_and_check_mode_raises(tmp_pa
     result = problem.check(out, problem.reference((big, kv_data, qo, kv_indptr, config)), problem.RULES["leaderboard"])
     assert not result.passed  # the wrong answer the counter exists for
     # the same through the runtime, with a table row for this shape
-    data = yaml.safe_load((ROOT / "tests" / "data" / "table_cpu.yaml").read_text())
-    plat = detect()
-    data["gpu"], data["provenance"]["versions"] = plat.name, {k: str(v) for k, v in plat.versions.items()}
-    data["rows"] = [_row(shape, Variant.make("flashmla", kv="fp8", q="fp8_static", q_amax=amax), amax)]
-    path = tmp_path / "gpu_static.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    path = cpu_table(tmp_path, "gpu_static.yaml", gpu=detect().name,
+                     rows=[_row(shape, Variant.make("flashmla", kv="fp8", q="fp8_static", q_amax=amax), amax)])
     rt = runtime.load(table=path)
     rt.custom_kernel((big, kv_data, qo, kv_indptr, config))
     assert rt.q_saturation() == _beyond(big, amax)

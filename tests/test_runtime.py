@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 import mla_tune.tune.timing
 from mla_tune import runtime
@@ -17,31 +15,17 @@ from mla_tune.gpu import detect
 from mla_tune.problem import check, generate_input, generate_ragged_input, get_rule, reference
 from mla_tune.tables.dispatch import Dispatcher
 from mla_tune.tables.table import TableError
+from tests.helpers import cpu_table
 
-DATA = Path(__file__).parent / "data"
 RULE = get_rule("leaderboard")
 TORCH = Variant.make("torch", kv="bf16", q="bf16")
-
-
-def _table(tmp_path, **changes) -> Path:
-    """The test table with this process's versions (so loading it warns only when told)."""
-    data = yaml.safe_load((DATA / "table_cpu.yaml").read_text())
-    data["provenance"]["versions"] = {k: str(v) for k, v in detect().versions.items()}
-    for key, value in changes.items():
-        if key == "versions":
-            data["provenance"]["versions"].update(value)
-        else:
-            data[key] = value
-    path = tmp_path / "table.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
 
 
 @pytest.fixture
 def rt(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a matching table loads silently
-        return runtime.load(table=_table(tmp_path), device="cpu")
+        return runtime.load(table=cpu_table(tmp_path), device="cpu")
 
 
 def _assert_correct(out, data, kv_format):
@@ -213,7 +197,7 @@ def test_indptr_that_disagrees_with_the_tensors_is_refused(rt):
 
 
 def test_a_table_for_another_gpu_is_refused_unless_allowed(tmp_path):
-    path = _table(tmp_path, gpu="H200")
+    path = cpu_table(tmp_path, gpu="H200")
     with pytest.raises(runtime.GpuMismatchError,
                        match=r"tuned on H200 but this process runs on cpu; .*--gpu cpu.*allow_other_gpu=True"):
         runtime.load(table=path)
@@ -224,7 +208,7 @@ def test_a_table_for_another_gpu_is_refused_unless_allowed(tmp_path):
 
 
 def test_version_drift_warns_naming_the_field_and_both_versions(tmp_path):
-    path = _table(tmp_path, versions={"triton": "3.6.0", "sgl-flash-mla": "1.0.0"})
+    path = cpu_table(tmp_path, versions={"triton": "3.6.0", "sgl-flash-mla": "1.0.0"})
     with pytest.warns(UserWarning) as record:
         runtime.load(table=path)
     messages = [str(w.message) for w in record]
@@ -241,7 +225,7 @@ def test_a_missing_table_names_the_file_and_how_to_make_it(monkeypatch, tmp_path
 
 
 def test_module_level_custom_kernel_loads_this_gpus_table_once(monkeypatch, tmp_path):
-    (tmp_path / "cpu.yaml").write_text(_table(tmp_path).read_text())
+    (tmp_path / "cpu.yaml").write_text(cpu_table(tmp_path).read_text())
     monkeypatch.setattr(runtime, "TABLES_DIR", tmp_path)
     runtime.default_runtime.cache_clear()
     try:

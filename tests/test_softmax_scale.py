@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,9 +24,7 @@ from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, SM_SCALE, CallSpec, Shape, Var
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.call import Decoder
 from mla_tune.serving.table import FamilyKey
-from tests.helpers import vendor_fakes
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import cpu_table, vendor_fakes
 
 DSV3 = CORE_DEEPSEEK_V3_SCALE
 H200 = gpu.fake_platform("H200")
@@ -218,14 +215,9 @@ def test_the_leaderboard_runtime_takes_the_scale_from_the_config(tmp_path):
     the scale in what it compares."""
     import warnings
 
-    import yaml
-
     from mla_tune import runtime
 
-    table = yaml.safe_load((ROOT / "tests" / "data" / "table_cpu.yaml").read_text())
-    table["provenance"]["versions"] = {k: str(v) for k, v in gpu.detect().versions.items()}
-    path = tmp_path / "table.yaml"
-    path.write_text(yaml.safe_dump(table, sort_keys=False))
+    path = cpu_table(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         rt = runtime.load(table=path, device="cpu")
