@@ -39,6 +39,7 @@
 #       tree from a sweep's results (RESULTS=, default docs/data/sweep/h200-2026-12-02-gluon/
 #       H200.serving.results.jsonl.gz; or TABLE_GZ= a built table) calibrated here,
 #       `mla-tune verify` of it at each seed, then the engine loop (fp8, bf16) beside FlashMLA
+#       (ENGINE_LOOPS=0: not the engine loop)
 #   bash scripts/gpu_acceptance.sh serving-table        # on two GPUs: `mla-tune verify` of
 #       tables/H200.serving.yaml and the FlashInfer tests on GPU 1; on GPU 0 the fast-path and
 #       FlashMLA tests, the engine loop (bf16, fp8) beside FlashMLA, the 64 x 4000 example, host times
@@ -325,7 +326,7 @@ serving-adopt)
   grep -v -i warn "$out/calibrate.log" | tail -16
   cp "$t" "$keep/"; cp "$out/calibrate.log" "$keep/"
   verify_seeds "$t"
-  engine_loops "$t" 120
+  [ "${ENGINE_LOOPS:-1}" = 0 ] || engine_loops "$t" 120
   ;;
 *)
   echo "unknown mode $mode (${modes//|/ | })"; exit 2 ;;

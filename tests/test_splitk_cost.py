@@ -5,6 +5,8 @@ the kernel in tests/test_serving_layouts.py."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from mla_tune.backends import schedule_module, triton_splitk_schedule
@@ -36,6 +38,7 @@ SPLIT = Variant.parse("triton(block_h=16,block_n=64,dot_dtype=bf16,kv=bf16,max_s
                       "num_warps=4,q=bf16,tokens_per_split=512)")
 FM = Variant.parse("flashmla(kv=bf16,q=bf16)")
 KEY = FamilyKey("bf16", 64, 16, 1)
+TABLE = Path(__file__).resolve().parents[1] / "tables" / "H200.serving.yaml"
 
 
 def _splitk_models(key, points, sm_count, smem_per_sm=0) -> dict:
@@ -88,14 +91,15 @@ def test_each_item_costs_its_fixed_tokens_so_more_splits_are_not_free():
     assert budget(132, 128) == 152 + 2 * 128 > budget(66, 128) == 192 + 128
 
 
-def test_the_occupancy_cap_follows_the_kv_stages_and_the_devices_shared_memory():
-    assert occupancy_cap(SPLIT) == 1  # 2 stages x 64 tokens x 576 x 2 bytes: 147 KiB of 228
-    assert occupancy_cap(ONE) == 3    # 74 KiB
-    assert occupancy_cap(ONE, 100 * 1024) == 1 and occupancy_cap(ONE, 300 * 1024) == 4
+def test_the_occupancy_cap_follows_the_warps_registers_and_the_devices_shared_memory():
+    assert occupancy_cap(SPLIT) == 2 and occupancy_cap(ONE) == 2  # 4 warps at 186+ registers: 2 CTAs
+    assert occupancy_cap(SPLIT.with_params(num_warps=8)) == 1
+    assert occupancy_cap(ONE, 60 * 1024) == 1  # one KV tile of 32 tokens (36 KiB) and a reserved KiB
+    assert occupancy_cap(SPLIT, 100 * 1024) == 1 and occupancy_cap(ONE, 300 * 1024) == 2
     # the fit keeps to the cap: two programs an SM fit the data, one fits the memory
     grid = _grid(occupancy=2, kvs=(1024,))
     assert _splitk_models(KEY, grid, 132)[ONE].occupancy == 2
-    assert _splitk_models(KEY, grid, 132, smem_per_sm=100 * 1024)[ONE].occupancy == 1
+    assert _splitk_models(KEY, grid, 132, smem_per_sm=60 * 1024)[ONE].occupancy == 1
     assert schedule_module("triton") is triton_splitk_schedule and schedule_module("flashmla") is None
 
 
@@ -297,3 +301,101 @@ def test_a_rate_the_points_cannot_blend_comes_from_the_interpolated_time():
     ragged = [100] * 63 + [700 * 64 - 6300]  # the same tokens, one long sequence (one program each)
     assert _splitk(table, spec, ragged)[ONE] > 10 * uniform[ONE]
     assert table.estimates(spec, 64, 700.0, kv_lens=ragged)[ONE] > 10 * uniform[ONE]
+
+
+# Variants of the committed serving table's split-K models, one of each (block_n, num_warps)
+COMPILE_CASES = [
+    (FamilyKey("bf16", 64, 16, 1), "triton(block_h=16,block_n=32,dot_dtype=bf16,kv=bf16,max_splits=64,num_stages=2,"
+                                   "num_warps=4,q=bf16,split_budget=264,tokens_per_split=128)"),
+    (FamilyKey("bf16", 64, 16, 1), "triton(block_h=16,block_n=64,dot_dtype=bf16,kv=bf16,max_splits=64,num_stages=2,"
+                                   "num_warps=4,q=bf16,tokens_per_split=512)"),
+    (FamilyKey("fp8", 64, 16, 4), "triton(block_h=16,block_n=64,dot_dtype=bf16,kv=fp8,max_splits=64,num_stages=2,"
+                                  "num_warps=8,q=bf16,split_budget=132,tokens_per_split=128)"),
+]
+
+
+def compiled_ctas() -> list[dict]:
+    """Each COMPILE_CASES variant's serving stage-1 launch, captured from build_serving's real
+    path and compiled for sm_90 (xcompile): its registers, shared memory and CTAs per SM.
+    Needs a process without TRITON_INTERPRET (the test below runs it in one)."""
+    from unittest import mock
+
+    from mla_tune.backends import triton_splitk
+    from mla_tune.xcompile import capture, check, targets
+    from tests.helpers import call_with_host_lengths, cell_spec, serving_input
+
+    facts = check.facts_for("H200")
+    out = []
+    with mock.patch.object(triton_splitk, "device_sm_count", lambda device=None: facts.sm_count):
+        for key, text in COMPILE_CASES:
+            spec = cell_spec("triton", key.page_size, key.heads, key.q_len, key.kv_format)
+            with capture.recording(facts) as launches:
+                call_with_host_lengths(triton_splitk.build_serving(Variant.parse(text), spec, "cpu"),
+                                       serving_input(spec, [1024, 700, 64, 3000], 5, "cpu"))
+            stage1 = [x for x in launches if x.kernel.fn.__name__ == "_fd_serving_stage1_kernel"]
+            record = targets.compile_bound(targets.bind(stage1[0].kernel, stage1[0].grid, stage1[0].args,
+                                                        stage1[0].kwargs, targets.target_for(facts)),
+                                           facts.lds_bytes)
+            out.append({k: record.get(k) for k in ("error", "registers", "lds", "ctas_per_sm")})
+    return out
+
+
+def test_the_occupancy_cap_is_what_the_kernel_compiled_for_sm90_gets():
+    """On the CPU, with the installed Triton (CI: 3.9, 178-255 registers a thread here; the
+    H200's 3.6 gives the same CTAs, at 186-255 registers over every split-K variant of the
+    committed table)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "import json, tests.test_splitk_cost as t; print(json.dumps(t.compiled_ctas()))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = json.loads(done.stdout.strip().splitlines()[-1])
+    for (_key, text), record in zip(COMPILE_CASES, records, strict=True):
+        assert record["error"] is None, record
+        assert record["ctas_per_sm"] == occupancy_cap(Variant.parse(text), 233472), (text, record)
+
+
+# ------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+def test_the_occupancy_cap_is_what_the_compiled_kernel_gets_on_the_gpu(monkeypatch, capsys):
+    """Every split-K variant the committed serving table models: its stage-1 kernel, compiled
+    and launched on this GPU, holds as many CTAs per SM (registers, shared memory, warps:
+    xcompile.resources.cuda_ctas_per_sm) as `occupancy_cap` lets the fit choose. A cap above
+    it let a fit choose an occupancy the SM cannot hold (a uniform batch past one wave then
+    estimated at half its time)."""
+    import torch
+
+    from mla_tune.kernels import flash_decode
+    from mla_tune.serving.call import Decoder
+    from mla_tune.xcompile.resources import cuda_ctas_per_sm
+    from tests.helpers import call_with_host_lengths, cell_spec, serving_input
+
+    launched = []
+    kernel = flash_decode._fd_serving_stage1_kernel
+    run = kernel.run
+    monkeypatch.setattr(kernel, "run", lambda *a, **kw: launched.append(run(*a, **kw)) or launched[-1], raising=False)
+    smem = torch.cuda.get_device_properties(0).shared_memory_per_multiprocessor
+    rows, wrong = [], []
+    for key, family in load_serving_table(TABLE).families.items():
+        spec = cell_spec("triton", key.page_size, key.heads, key.q_len, key.kv_format)
+        inp = serving_input(spec, [1024, 700, 64, 3000], 5, "cuda")
+        for variant in (v for v in family.models if v.backend == "triton"):
+            launched.clear()
+            call_with_host_lengths(Decoder(spec, variant=variant, device="cuda"), inp)
+            torch.cuda.synchronize()
+            assert launched, f"{variant}: no stage-1 launch seen"
+            compiled = launched[-1]
+            ctas = cuda_ctas_per_sm(compiled.n_regs, compiled.metadata.shared, compiled.metadata.num_warps, "sm_90")
+            cap = occupancy_cap(variant, smem)
+            rows.append(f"{ctas} {cap} regs {compiled.n_regs} smem {compiled.metadata.shared} {key} {variant}")
+            if ctas != cap:
+                wrong.append(rows[-1])
+    with capsys.disabled():
+        print("\ncompiled CTAs/SM, occupancy_cap, registers, shared memory, family, variant:\n" + "\n".join(rows))
+    assert rows
+    assert not wrong, wrong

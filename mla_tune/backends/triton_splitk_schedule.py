@@ -374,17 +374,30 @@ def _deal(items: list[int], tiles: int, occupancy: int, sm_count: int, item_toke
     return max(loads)
 
 
-# A fit may choose an occupancy only up to what the variant's KV tiles leave room for in an
-# SM's shared memory: the grid cells alone cannot tell occupancies apart for a batch budget
-# that fills one wave at every cell, and an occupancy the SM cannot hold makes a ragged
-# batch look fast. The sweep records the device's shared memory per SM in its results
-# header (smem_per_sm); results without it get makespan.DEFAULT_SMEM_PER_SM.
+# A fit may choose an occupancy only up to what an SM can hold of the variant's stage-1
+# kernel: the grid cells alone cannot tell occupancies apart where every cell's programs
+# fit in one wave (a batch budget), and an occupancy the SM cannot hold makes a batch past
+# that wave look twice as fast as it runs (67 x 6194 tokens, bf16, 16 heads: estimated 144
+# us at occupancy 3, measured 216, docs/perf.md 2.3). The kernel is register-bound: compiled
+# for sm_90 by Triton 3.6, every split-K variant of the committed serving table takes 186 to
+# 255 registers a thread, 10 or 8 warps an SM, so two CTAs of 4 warps and one of 8
+# (tests/test_splitk_cost.py compiles them, on the CPU for sm_90 and on the H200). Shared
+# memory bounds it too, by one KV tile of block_n tokens x 576 columns x 2 bytes (Triton
+# keeps less than its num_stages tiles resident: 55 KiB at block_n 32, 92 KiB at 64).
+SPLITK_REGISTERS = 186  # registers a thread, the fewest of the compiled stage-1 kernels
+_REGS_PER_SM, _REG_ALLOC = 65536, 256  # registers an SM holds; allocated per warp in these
+_SMEM_RESERVED_PER_CTA = 1024
+
+
 def occupancy_cap(variant, smem_per_sm: int = 0) -> int:
-    """The most programs of this split-K variant one SM can hold by its KV stages alone
-    (num_stages x block_n tokens x 576 columns x 2 bytes) in smem_per_sm bytes
-    (0: DEFAULT_SMEM_PER_SM), at least 1."""
-    kv_stages = int(variant.get("num_stages") or 1) * int(variant.get("block_n")) * 576 * 2
-    return max(1, (smem_per_sm or DEFAULT_SMEM_PER_SM) // kv_stages)
+    """The most stage-1 programs of this split-K variant one SM holds: what SPLITK_REGISTERS
+    registers a thread leave for its num_warps warps, and what one KV tile (block_n x 576
+    x 2 bytes, plus the CTA's reserved KiB) leaves of smem_per_sm bytes (0:
+    DEFAULT_SMEM_PER_SM); at least 1."""
+    warp_regs = -(-SPLITK_REGISTERS * 32 // _REG_ALLOC) * _REG_ALLOC
+    by_regs = (_REGS_PER_SM // warp_regs) // int(variant.get("num_warps") or 4)
+    by_smem = (smem_per_sm or DEFAULT_SMEM_PER_SM) // (int(variant.get("block_n")) * 576 * 2 + _SMEM_RESERVED_PER_CTA)
+    return max(1, min(by_regs, by_smem))
 
 
 # ------------------------------------------------------------------ the model

@@ -91,11 +91,10 @@ def amd_resources(amdgcn: str, shared: int, num_warps: int, arch: str) -> dict:
     }
 
 
-def cuda_resources(ptxas_log: str, ptx: str, shared: int, num_warps: int, arch: str) -> dict:
-    """Registers, spills, shared memory, MMA count and CTAs / warps per SM of a CUDA kernel."""
-    regs = _first_int(_PTXAS_REGS, ptxas_log) or 0
-    spill = _PTXAS_SPILL.search(ptxas_log)
-    stack, stores, loads = (int(g) for g in spill.groups()) if spill else (0, 0, 0)
+def cuda_ctas_per_sm(regs: int, shared: int, num_warps: int, arch: str) -> int:
+    """CTAs of a CUDA kernel one SM holds: the fewest of what its registers per thread
+    (allocated 256 a warp), its shared memory (plus 1 KiB reserved a CTA), 64 warps and 32
+    CTAs allow."""
     warp_regs = -(-regs * 32 // 256) * 256
     ctas = min(CUDA_MAX_CTAS_PER_SM, CUDA_MAX_WARPS_PER_SM // num_warps)
     if warp_regs:
@@ -103,6 +102,15 @@ def cuda_resources(ptxas_log: str, ptx: str, shared: int, num_warps: int, arch: 
     smem = SMEM_PER_SM.get(arch, 0)
     if shared and smem:
         ctas = min(ctas, smem // (shared + CUDA_SMEM_RESERVED_PER_CTA))
+    return ctas
+
+
+def cuda_resources(ptxas_log: str, ptx: str, shared: int, num_warps: int, arch: str) -> dict:
+    """Registers, spills, shared memory, MMA count and CTAs / warps per SM of a CUDA kernel."""
+    regs = _first_int(_PTXAS_REGS, ptxas_log) or 0
+    spill = _PTXAS_SPILL.search(ptxas_log)
+    stack, stores, loads = (int(g) for g in spill.groups()) if spill else (0, 0, 0)
+    ctas = cuda_ctas_per_sm(regs, shared, num_warps, arch)
     mma = _counts(_PTX_MMA, ptx)
     return {
         "registers": regs, "scratch": stores, "spill_loads": loads, "stack": stack, "lds": shared,
