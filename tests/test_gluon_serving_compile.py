@@ -24,7 +24,7 @@ import pytest
 import torch
 import triton
 
-from mla_tune.backends import gluon_fused
+from mla_tune.backends import gluon_fused, gluon_fused_schedule
 from mla_tune.core import QK_DIM, V_DIM, CallSpec, Variant
 from mla_tune.kernels import gluon_serving
 
@@ -89,7 +89,7 @@ def compile_cases() -> list[dict]:
         for kernel, grid, args, kwargs in capture(spec, Variant.parse(text)):
             record = compile_bound(bind(kernel, grid, args, kwargs, target), H200_BLOCK_SMEM)
             records.append({"grid": list(grid), **{k: record.get(k) for k in (
-                "kernel", "error", "registers", "scratch", "spill_loads", "lds", "mma_ops")}})
+                "kernel", "error", "registers", "scratch", "spill_loads", "lds", "mma_ops", "ctas_per_sm")}})
         results.append(records)
     return results
 
@@ -121,5 +121,7 @@ def test_the_serving_launches_compile_for_sm90_without_spills(compiled, index):
     estimate = gluon_serving.gs_smem_bytes(rows, p["num_stages"], spec.kv_format == "fp8")
     assert estimate <= decode["lds"] <= estimate + gluon_serving.GS_SMEM_SLACK <= H200_BLOCK_SMEM
     assert any(op.startswith("wgmma.mma_async") for op in decode["mma_ops"]), decode["mma_ops"]
+    # the schedule model's occupancy cap is what an SM holds of the compiled kernel (registers too)
+    assert decode["ctas_per_sm"] == gluon_fused_schedule.occupancy_cap(Variant.parse(text), spec.max_q_len, 233472)
     for reduce in records[1:]:
         assert reduce["grid"] == [3, spec.max_q_len, spec.heads] and reduce["scratch"] == 0
