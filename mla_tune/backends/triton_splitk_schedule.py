@@ -404,7 +404,7 @@ def occupancy_cap(variant, smem_per_sm: int = 0) -> int:
 @dataclass(frozen=True)
 class SplitKModel(MakespanModel):
     """A split-K variant's makespan model (makespan.MakespanModel): its makespan is
-    `splitk_schedule`'s, its occupancy at most what its KV stages leave room for
+    `splitk_schedule`'s, its occupancy at most what an SM holds of its kernel
     (occupancy_cap), and where the table holds the family's measured cost per reduction
     step (the calibration) the estimate adds it for each step the call's longest loop
     takes beyond a uniform batch of its mean (`step_cost`)."""
