@@ -402,6 +402,20 @@ def test_a_disk_that_fills_mid_sweep_stops_in_one_line_and_keeps_whole_lines(tmp
 
 
 # ------------------------------------------------------------ Ctrl-C from a terminal
+def test_a_ctrl_c_while_a_worker_starts_is_held_and_raised_not_dropped():
+    import os
+    import signal
+
+    from mla_tune.tune.procs import sigint_ignored
+
+    with pytest.raises(KeyboardInterrupt):
+        with sigint_ignored():  # where the sweep starts a worker, which must inherit SIGINT ignored
+            os.kill(os.getpid(), signal.SIGINT)
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+
+
 def test_ctrl_c_to_the_process_group_while_the_workers_start_prints_no_traceback(tmp_path):
     import os
     import signal

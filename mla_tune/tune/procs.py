@@ -11,7 +11,8 @@ that must outlive a helper thread is started from a thread that lives as long as
 Ctrl-C in a terminal sends SIGINT to the whole process group, children included. The sweep
 decides what an interrupt means (it stops its workers and keeps what was recorded), so a
 child started inside `sigint_ignored()` inherits SIGINT ignored from its first instruction:
-a Ctrl-C while it is still importing torch prints no traceback of its own.
+a Ctrl-C while it is still importing torch prints no traceback of its own. The sweep's own
+Ctrl-C in that moment is held, not dropped, and raised when the child has started.
 """
 
 from __future__ import annotations
@@ -49,15 +50,30 @@ def die_with_parent(parent_pid: int | None = None) -> bool:
 
 @contextlib.contextmanager
 def sigint_ignored() -> Iterator[None]:
-    """Ignore SIGINT while the block starts child processes, which inherit the disposition
-    (a spawned Python keeps an ignored SIGINT ignored), then restore this process's handler.
-    Only the main thread may change a handler: elsewhere this does nothing, and the child
-    ignores SIGINT once its own code runs (worker_main's first lines)."""
+    """Start child processes in the block with SIGINT ignored (a spawned Python keeps an
+    ignored SIGINT ignored) and blocked (the mask is inherited too: `unblock_sigint` in the
+    child's first lines), without losing this process's own Ctrl-C: SIGINT is blocked here
+    for the block, so one that arrives meanwhile stays pending (Linux never discards a
+    blocked signal, even an ignored one) and reaches the restored handler as the block
+    ends. Only the main thread may change a handler: elsewhere this does nothing, and the
+    child ignores SIGINT once its own code runs (worker_main's first lines)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    can_block = hasattr(signal, "pthread_sigmask")
+    if can_block:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     old = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, old)
+        if can_block:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a pending Ctrl-C is raised here
+
+
+def unblock_sigint() -> None:
+    """In a child started inside `sigint_ignored()`, once it ignores SIGINT itself: take
+    SIGINT off the mask it inherited (a pending one is discarded, being ignored)."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
