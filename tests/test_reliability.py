@@ -402,18 +402,22 @@ def test_a_disk_that_fills_mid_sweep_stops_in_one_line_and_keeps_whole_lines(tmp
 
 
 # ------------------------------------------------------------ Ctrl-C from a terminal
-def test_a_ctrl_c_while_a_worker_starts_is_held_and_raised_not_dropped():
+def test_a_ctrl_c_while_a_worker_starts_is_held_and_raised_not_dropped(tmp_path, capfd):
     import os
     import signal
+    import time
 
-    from mla_tune.tune.procs import sigint_ignored
+    from mla_tune.tune.procs import sigint_held
 
+    log = tmp_path / "worker.log"
     with pytest.raises(KeyboardInterrupt):
-        with sigint_ignored():  # where the sweep starts a worker, which must inherit SIGINT ignored
+        with sigint_held(log):  # where the sweep starts a worker
+            subprocess.run([sys.executable, "-c", "import sys; sys.stderr.write('child traceback')"], check=True)
             os.kill(os.getpid(), signal.SIGINT)
-            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            time.sleep(0.05)  # noted, not raised in here
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    assert log.read_text() == "child traceback"  # the child's stderr, not this process's
+    assert "child traceback" not in capfd.readouterr().err
 
 
 def test_ctrl_c_to_the_process_group_while_the_workers_start_prints_no_traceback(tmp_path):

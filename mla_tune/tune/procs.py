@@ -9,10 +9,10 @@ The kernel sends the signal when the *thread* that started the child exits, so a
 that must outlive a helper thread is started from a thread that lives as long as it.
 
 Ctrl-C in a terminal sends SIGINT to the whole process group, children included. The sweep
-decides what an interrupt means (it stops its workers and keeps what was recorded), so a
-child started inside `sigint_ignored()` inherits SIGINT ignored from its first instruction:
-a Ctrl-C while it is still importing torch prints no traceback of its own. The sweep's own
-Ctrl-C in that moment is held, not dropped, and raised when the child has started.
+decides what an interrupt means (it stops its workers and keeps what was recorded): a
+worker ignores SIGINT once its own code runs, a Ctrl-C while it is still importing torch
+writes its traceback to the worker's log (`sigint_held`), and the sweep's own Ctrl-C in that
+moment is held, not dropped, and raised when the child has started.
 """
 
 from __future__ import annotations
@@ -49,31 +49,39 @@ def die_with_parent(parent_pid: int | None = None) -> bool:
 
 
 @contextlib.contextmanager
-def sigint_ignored() -> Iterator[None]:
-    """Start child processes in the block with SIGINT ignored (a spawned Python keeps an
-    ignored SIGINT ignored) and blocked (the mask is inherited too: `unblock_sigint` in the
-    child's first lines), without losing this process's own Ctrl-C: SIGINT is blocked here
-    for the block, so one that arrives meanwhile stays pending (Linux never discards a
-    blocked signal, even an ignored one) and reaches the restored handler as the block
-    ends. Only the main thread may change a handler: elsewhere this does nothing, and the
-    child ignores SIGINT once its own code runs (worker_main's first lines)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    can_block = hasattr(signal, "pthread_sigmask")
-    if can_block:
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+def sigint_held(stderr_to: str | os.PathLike | None = None) -> Iterator[None]:
+    """Start child processes in the block without losing this process's Ctrl-C and without
+    a child's traceback on the terminal.
+
+    - A SIGINT that arrives in the block is only noted, and this process's handler gets it
+      when the block ends (the default one raises KeyboardInterrupt there). Ignoring
+      SIGINT for the block, so that a child inherits it ignored, would drop it: the
+      disposition is the whole process's.
+    - With `stderr_to` (the child's log), file descriptor 2 points there for the block, so a
+      child that a terminal's Ctrl-C (sent to the whole group) stops while it still
+      imports torch writes its traceback to its log, not to the terminal. The child's own
+      code then ignores SIGINT (worker_main's first lines): the sweep decides.
+
+    Only the main thread may change a handler: elsewhere SIGINT is left as it is."""
+    main = threading.current_thread() is threading.main_thread()
+    noted: list[int] = []
+    old = signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum)) if main else None
+    saved = None
+    if stderr_to is not None:
+        sys.stderr.flush()
+        fd = os.open(stderr_to, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        saved = os.dup(2)
+        os.dup2(fd, 2)
+        os.close(fd)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, old)
-        if can_block:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a pending Ctrl-C is raised here
-
-
-def unblock_sigint() -> None:
-    """In a child started inside `sigint_ignored()`, once it ignores SIGINT itself: take
-    SIGINT off the mask it inherited (a pending one is discarded, being ignored)."""
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        if saved is not None:
+            os.dup2(saved, 2)
+            os.close(saved)
+        if main:
+            signal.signal(signal.SIGINT, old)
+            if noted and callable(old):
+                old(signal.SIGINT, None)  # the default handler raises KeyboardInterrupt
+            elif noted and old == signal.SIG_DFL:
+                raise KeyboardInterrupt

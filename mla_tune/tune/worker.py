@@ -40,7 +40,7 @@ from mla_tune.tune.compile_pool import (  # noqa: F401 (moved; re-exported until
     precompile,
     signal_name,
 )
-from mla_tune.tune.procs import die_with_parent, sigint_ignored, unblock_sigint
+from mla_tune.tune.procs import die_with_parent, sigint_held
 
 GATE_MARGIN = 0.5  # the gate demands at most half the rule's allowance (PROBLEM.md)
 _POISON_MARKERS = ("CUDA error", "illegal memory access", "HIP error", "device-side assert")
@@ -299,7 +299,6 @@ def worker_main(device_index: int, conn, log_path: str) -> None:
     # Ctrl-C reaches the whole process group: the sweep, not its workers, decides what
     # an interrupt means (it stops them and keeps what was recorded).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    unblock_sigint()
     print(f"[mla-tune worker pid {os.getpid()} device {device_index}]", flush=True)
     has_gpu = torch.cuda.is_available()
     if has_gpu:
@@ -405,7 +404,7 @@ class WorkerHandle:
             target=worker_main, args=(self.device, child, str(self.log_path)),
             name=f"mla-tune-worker{self.device}", daemon=True,
         )
-        with sigint_ignored():  # a Ctrl-C while it imports torch is the sweep's to handle
+        with sigint_held(self.log_path):  # a Ctrl-C while it starts is the sweep's to handle
             self._proc.start()
             child.close()
             self._conn = parent
