@@ -164,3 +164,13 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, max_error: float = 1e-2, 
     assert err < max_error, f"{what}: relative L2 error {err:.4f} (allowed {max_error})"
     result = problem.check(out, ref, problem.RULES["strict"])
     assert result.passed, f"{what}: strict: {result.reason}"
+
+
+def sigint_as_in_a_terminal() -> None:
+    """A Popen preexec_fn: the child's SIGINT as a shell gives it (default action, not
+    blocked), whatever the test process's own state is (pytest-xdist's workers run threads
+    and other tests' children), so a test's Ctrl-C reaches the child's own handler."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})

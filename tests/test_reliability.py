@@ -403,8 +403,8 @@ def test_a_disk_that_fills_mid_sweep_stops_in_one_line_and_keeps_whole_lines(tmp
 
 # ------------------------------------------------------------ Ctrl-C from a terminal
 def test_a_ctrl_c_while_a_worker_starts_is_held_and_raised_not_dropped(tmp_path, capfd):
-    import os
     import signal
+    import threading
     import time
 
     from mla_tune.tune.procs import sigint_held
@@ -413,7 +413,7 @@ def test_a_ctrl_c_while_a_worker_starts_is_held_and_raised_not_dropped(tmp_path,
     with pytest.raises(KeyboardInterrupt):
         with sigint_held(log):  # where the sweep starts a worker
             subprocess.run([sys.executable, "-c", "import sys; sys.stderr.write('child traceback')"], check=True)
-            os.kill(os.getpid(), signal.SIGINT)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # as a Ctrl-C reaches it
             time.sleep(0.05)  # noted, not raised in here
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert log.read_text() == "child traceback"  # the child's stderr, not this process's
@@ -427,12 +427,14 @@ def test_ctrl_c_to_the_process_group_while_the_workers_start_prints_no_traceback
 
     from mla_tune.backends import EXTRA_BACKENDS_ENV
     from tests.fakes import EXTRA_BACKENDS
+    from tests.helpers import sigint_as_in_a_terminal
 
     out = tmp_path / "cpu.yaml"
     env = {**os.environ, EXTRA_BACKENDS_ENV: EXTRA_BACKENDS, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "mla_tune", "sweep", "--gpu", "cpu", "--config",
                              str(DATA / "sweep_resume.yaml"), "--out", str(out)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=sigint_as_in_a_terminal)
     lock = tmp_path / "cpu.yaml.lock"
     deadline = time.monotonic() + 60
     while not lock.exists() and proc.poll() is None and time.monotonic() < deadline:

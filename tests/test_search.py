@@ -24,6 +24,7 @@ from mla_tune.tune.schedule import DEFAULT_COSTS, CostModel, fit_plan
 from mla_tune.tune.search import Timed, promote, ranked
 from mla_tune.tune.sweep import SweepError, plan_candidates, run_sweep
 from tests.fakes import EXTRA_BACKENDS, capture, registered
+from tests.helpers import sigint_as_in_a_terminal
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data"
@@ -225,7 +226,7 @@ def test_ctrl_c_stops_the_workers_prints_how_to_resume_and_the_resumed_sweep_com
     )
     env = {**os.environ, EXTRA_BACKENDS_ENV: BACKENDS, "PYTHONPATH": str(REPO), "COLUMNS": "400"}
     proc = subprocess.Popen([sys.executable, "-c", script, str(config), str(out)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=sigint_as_in_a_terminal)
     deadline = time.monotonic() + 120
     while not results.exists() or len(results.read_bytes().splitlines()) < 3:  # mid rung 0
         assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
