@@ -410,12 +410,16 @@ def test_a_ctrl_c_while_a_worker_starts_is_held_and_raised_not_dropped(tmp_path,
     from mla_tune.tune.procs import sigint_held
 
     log = tmp_path / "worker.log"
-    with pytest.raises(KeyboardInterrupt):
-        with sigint_held(log):  # where the sweep starts a worker
-            subprocess.run([sys.executable, "-c", "import sys; sys.stderr.write('child traceback')"], check=True)
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # as a Ctrl-C reaches it
-            time.sleep(0.05)  # noted, not raised in here
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)  # the sweep's, whatever pytest's is
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with sigint_held(log):  # where the sweep starts a worker
+                subprocess.run([sys.executable, "-c", "import sys; sys.stderr.write('child traceback')"], check=True)
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # as a Ctrl-C reaches it
+                time.sleep(0.05)  # noted, not raised in here
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     assert log.read_text() == "child traceback"  # the child's stderr, not this process's
     assert "child traceback" not in capfd.readouterr().err
 
