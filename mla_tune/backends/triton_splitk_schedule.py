@@ -65,6 +65,7 @@ from mla_tune.kernels.split_rule import (
     serving_splits,
     split_items,
 )
+from mla_tune.xcompile.resources import CUDA_SMEM_RESERVED_PER_CTA, cuda_ctas_per_sm
 
 
 def splitk_schedule(kv_lens: Sequence[int], heads: int, q_len: int, params: Mapping, occupancy: int,
@@ -384,20 +385,18 @@ def _deal(items: list[int], tiles: int, occupancy: int, sm_count: int, item_toke
 # (tests/test_splitk_cost.py compiles them, on the CPU for sm_90 and on the H200). Shared
 # memory bounds it too, by one KV tile of block_n tokens x 576 columns x 2 bytes (Triton
 # keeps less than its num_stages tiles resident: 55 KiB at block_n 32, 92 KiB at 64).
-SPLITK_REGISTERS = 186  # registers a thread, the fewest of the compiled stage-1 kernels
-_REGS_PER_SM, _REG_ALLOC = 65536, 256  # registers an SM holds; allocated per warp in these
-_SMEM_RESERVED_PER_CTA = 1024
+# (Triton 3.9 compiles one of them to 178, the same CTAs.)
+SPLITK_REGISTERS = 186  # registers a thread, the fewest of the stage-1 kernels Triton 3.6 compiles
 
 
 def occupancy_cap(variant, smem_per_sm: int = 0) -> int:
     """The most stage-1 programs of this split-K variant one SM holds: what SPLITK_REGISTERS
-    registers a thread leave for its num_warps warps, and what one KV tile (block_n x 576
-    x 2 bytes, plus the CTA's reserved KiB) leaves of smem_per_sm bytes (0:
-    DEFAULT_SMEM_PER_SM); at least 1."""
-    warp_regs = -(-SPLITK_REGISTERS * 32 // _REG_ALLOC) * _REG_ALLOC
-    by_regs = (_REGS_PER_SM // warp_regs) // int(variant.get("num_warps") or 4)
-    by_smem = (smem_per_sm or DEFAULT_SMEM_PER_SM) // (int(variant.get("block_n")) * 576 * 2 + _SMEM_RESERVED_PER_CTA)
-    return max(1, min(by_regs, by_smem))
+    registers a thread leave for its num_warps warps (xcompile.resources.cuda_ctas_per_sm's
+    rule), and what one KV tile (block_n x 576 x 2 bytes, plus the CTA's reserved KiB)
+    leaves of smem_per_sm bytes (0: DEFAULT_SMEM_PER_SM); at least 1."""
+    by_regs = cuda_ctas_per_sm(SPLITK_REGISTERS, 0, int(variant.get("num_warps") or 4), "sm_90")
+    tile = int(variant.get("block_n")) * 576 * 2 + CUDA_SMEM_RESERVED_PER_CTA
+    return max(1, min(by_regs, (smem_per_sm or DEFAULT_SMEM_PER_SM) // tile))
 
 
 # ------------------------------------------------------------------ the model

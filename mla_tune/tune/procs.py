@@ -80,7 +80,7 @@ def sigint_held(stderr_to: str | os.PathLike | None = None) -> Iterator[None]:
             os.dup2(saved, 2)
             os.close(saved)
         if main:
-            signal.signal(signal.SIGINT, old)
+            signal.signal(signal.SIGINT, old if old is not None else signal.SIG_DFL)  # None: not set from Python
             if noted and callable(old):
                 old(signal.SIGINT, None)  # the default handler raises KeyboardInterrupt
             elif noted and old == signal.SIG_DFL:
