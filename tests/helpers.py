@@ -65,6 +65,20 @@ def assert_commands_import_no_torch(*commands) -> None:
     assert done.returncode == 0, done.stderr
 
 
+def run_outside_the_interpreter(module: str, function: str, timeout: float):
+    """`module.function()`'s JSON result, run in a fresh Python without TRITON_INTERPRET
+    (compiling for a GPU target needs Triton's real compiler; the tests run interpreted)."""
+    import json
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = f"import json, {module} as t; print(json.dumps(t.{function}()))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout,
+                          cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def expected_output(data, variant):
     """fp32 attention on the operands the variant reads: q as its q mode quantizes it."""
     q_mode, kv = variant.get("q"), variant.get("kv")

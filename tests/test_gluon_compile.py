@@ -12,13 +12,9 @@ only 3.6 has run the kernel on an H200 (docs/perf.md).
 from __future__ import annotations
 
 import inspect
-import json
-import os
 import re
-import subprocess
 import sys
 import time
-from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -28,6 +24,7 @@ import triton
 from mla_tune.backends import gluon_fused
 from mla_tune.core import QK_DIM, Shape, Variant
 from mla_tune.kernels import gluon_decode
+from tests.helpers import run_outside_the_interpreter
 
 pytestmark = pytest.mark.skipif(gluon_decode.gluon is None,
                                 reason=f"no Gluon in this Triton: {gluon_decode.GD_UNAVAILABLE}")
@@ -110,12 +107,8 @@ def compile_cases() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def compiled() -> dict[str, list[dict]]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "import json, tests.test_gluon_compile as t; print(json.dumps(t.compile_cases()))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
-                          cwd=Path(__file__).resolve().parent.parent)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return {r["variant"]: r["launches"] for r in json.loads(done.stdout.strip().splitlines()[-1])}
+    return {r["variant"]: r["launches"]
+            for r in run_outside_the_interpreter("tests.test_gluon_compile", "compile_cases", timeout=600)}
 
 
 def test_this_triton_has_every_name_the_kernel_calls():

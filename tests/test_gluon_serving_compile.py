@@ -13,11 +13,6 @@ running: tests/test_gluon_serving_gpu.py checks the answers on an H200.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -27,6 +22,8 @@ import triton
 from mla_tune.backends import gluon_fused, gluon_fused_schedule
 from mla_tune.core import QK_DIM, V_DIM, CallSpec, Variant
 from mla_tune.kernels import gluon_serving
+from mla_tune.xcompile.resources import SMEM_PER_SM
+from tests.helpers import run_outside_the_interpreter
 
 pytestmark = pytest.mark.skipif(gluon_serving.gluon is None,
                                 reason=f"no Gluon in this Triton: {gluon_serving.GS_UNAVAILABLE}")
@@ -96,12 +93,7 @@ def compile_cases() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def compiled() -> list[list[dict]]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "import json, tests.test_gluon_serving_compile as t; print(json.dumps(t.compile_cases()))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900,
-                          cwd=Path(__file__).resolve().parent.parent)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_outside_the_interpreter("tests.test_gluon_serving_compile", "compile_cases", timeout=900)
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
@@ -122,6 +114,6 @@ def test_the_serving_launches_compile_for_sm90_without_spills(compiled, index):
     assert estimate <= decode["lds"] <= estimate + gluon_serving.GS_SMEM_SLACK <= H200_BLOCK_SMEM
     assert any(op.startswith("wgmma.mma_async") for op in decode["mma_ops"]), decode["mma_ops"]
     # the schedule model's occupancy cap is what an SM holds of the compiled kernel (registers too)
-    assert decode["ctas_per_sm"] == gluon_fused_schedule.occupancy_cap(Variant.parse(text), spec.max_q_len, 233472)
+    assert decode["ctas_per_sm"] == gluon_fused_schedule.occupancy_cap(Variant.parse(text), spec.max_q_len, SMEM_PER_SM["sm_90"])
     for reduce in records[1:]:
         assert reduce["grid"] == [3, spec.max_q_len, spec.heads] and reduce["scratch"] == 0
