@@ -35,6 +35,8 @@
 #       on the device's tensors (bench_update.py), run's host times beside the vendors'
 #       (bench_serving_host.py), then `mla-tune verify` of tables/H200.serving.yaml at each seed
 #       (30 shapes, 10 ragged mixes)
+#   SEEDS="107 108" bash scripts/gpu_acceptance.sh serving-recheck   # `mla-tune verify` of
+#       tables/H200.serving.yaml at each seed only (VERIFY_BUDGET=, VERIFY_TIMEOUT=), reports back
 #   SEEDS="101 102" bash scripts/gpu_acceptance.sh serving-adopt   # a serving table built by this
 #       tree from a sweep's results (RESULTS=, default docs/data/sweep/h200-2026-12-02-gluon/
 #       H200.serving.results.jsonl.gz; or TABLE_GZ= a built table) calibrated here,
@@ -50,7 +52,7 @@
 # It works in /tmp/acceptance and copies what matters (the table, its results file, the logs,
 # at most 8 files: what the device tool brings back) to $OUT (or ./gpu_out).
 set -uo pipefail
-modes="gpu-suite|leaderboard-levers|serving-verify|serving-adopt|leaderboard-sweep|leaderboard-budget|leaderboard-export|sweep-safety|serving-tests|serving-splitk|serving-sweep-chunk|serving-table"
+modes="gpu-suite|leaderboard-levers|serving-verify|serving-recheck|serving-adopt|leaderboard-sweep|leaderboard-budget|leaderboard-export|sweep-safety|serving-tests|serving-splitk|serving-sweep-chunk|serving-table"
 mode=${1:?usage: gpu_acceptance.sh $modes}
 keep=${OUT:-gpu_out}
 out=/tmp/acceptance
@@ -290,6 +292,9 @@ serving-verify)
   timed update timeout 150 python3 scripts/bench_update.py --device cuda --warm --json "$out/update_c.json" \
     2>&1 | tail -4
   timed host timeout 110 python3 scripts/bench_serving_host.py --out "$out" 2>&1 | tail -24
+  verify_seeds tables/H200.serving.yaml
+  ;;
+serving-recheck)
   verify_seeds tables/H200.serving.yaml
   ;;
 serving-table)
