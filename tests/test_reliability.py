@@ -402,7 +402,8 @@ def test_a_disk_that_fills_mid_sweep_stops_in_one_line_and_keeps_whole_lines(tmp
 
 
 # ------------------------------------------------------------ Ctrl-C from a terminal
-def test_a_ctrl_c_while_a_worker_starts_is_held_and_raised_not_dropped(tmp_path, capfd):
+@pytest.mark.parametrize("handler", ["python", "SIG_DFL", "not from Python"])
+def test_a_ctrl_c_while_a_worker_starts_is_held_and_raised_not_dropped(tmp_path, capfd, monkeypatch, handler):
     import signal
     import threading
     import time
@@ -410,15 +411,26 @@ def test_a_ctrl_c_while_a_worker_starts_is_held_and_raised_not_dropped(tmp_path,
     from mla_tune.tune.procs import sigint_held
 
     log = tmp_path / "worker.log"
-    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)  # the sweep's, whatever pytest's is
+    before = signal.default_int_handler if handler == "python" else signal.SIG_DFL
+    inherited = signal.signal(signal.SIGINT, before)  # the sweep's, whatever pytest's is
+    if handler == "not from Python":  # an embedding host's C handler: signal.signal returns None for it
+        real, calls = signal.signal, []
+
+        def first_returns_none(signum, new_handler):
+            calls.append(new_handler)
+            previous = real(signum, new_handler)
+            return None if len(calls) == 1 else previous
+
+        monkeypatch.setattr(signal, "signal", first_returns_none)
     try:
         with pytest.raises(KeyboardInterrupt):
             with sigint_held(log):  # where the sweep starts a worker
                 subprocess.run([sys.executable, "-c", "import sys; sys.stderr.write('child traceback')"], check=True)
                 signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # as a Ctrl-C reaches it
                 time.sleep(0.05)  # noted, not raised in here
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGINT) is before
     finally:
+        monkeypatch.undo()
         signal.signal(signal.SIGINT, inherited)
     assert log.read_text() == "child traceback"  # the child's stderr, not this process's
     assert "child traceback" not in capfd.readouterr().err

@@ -80,8 +80,9 @@ def sigint_held(stderr_to: str | os.PathLike | None = None) -> Iterator[None]:
             os.dup2(saved, 2)
             os.close(saved)
         if main:
-            signal.signal(signal.SIGINT, old if old is not None else signal.SIG_DFL)  # None: not set from Python
+            # None: a handler not set from Python, which cannot be put back; SIG_DFL stands in
+            signal.signal(signal.SIGINT, old if old is not None else signal.SIG_DFL)
             if noted and callable(old):
                 old(signal.SIGINT, None)  # the default handler raises KeyboardInterrupt
-            elif noted and old == signal.SIG_DFL:
+            elif noted and (old is None or old == signal.SIG_DFL):
                 raise KeyboardInterrupt
