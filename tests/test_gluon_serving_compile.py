@@ -3,7 +3,7 @@ without a GPU, without spilling, within an H200 block's shared memory.
 
 Each case's launches are captured from the backend's real path: gluon_fused.build_serving
 of the variant, then one call of its runner with meta tensors (no memory) while
-`KernelInterface.__getitem__` records the launches; each is bound and compiled for
+xcompile.capture.recording records the launches; each is bound and compiled for
 GPUTarget("cuda", 90, 32) by mla_tune/xcompile/targets.py (ptxas ships in Triton's wheel)
 in a child process (the suite's conftest sets TRITON_INTERPRET, whose jit functions cannot
 be compiled). CI runs it with Triton 3.9; under the contest's Triton 3.6:
@@ -12,8 +12,6 @@ running: tests/test_gluon_serving_gpu.py checks the answers on an H200.
 """
 
 from __future__ import annotations
-
-from unittest import mock
 
 import pytest
 import torch
@@ -45,47 +43,31 @@ CASES = [
 IDS = ["fp8-page64-h128-q2-lse", "bf16-page128-h64-q4-lse-halves"]
 
 
-def capture(spec: CallSpec, variant: Variant, batch: int = 3) -> list[tuple]:
-    """(kernel, grid, args, kwargs) of each launch one call of the built runner makes."""
-    launches: list[tuple] = []
+def compile_cases() -> list[dict]:
+    """Each case's launches, one call of the built runner at batch 3 with meta tensors
+    (xcompile.capture.recording), compiled for sm_90: name, grid, error and resources."""
+    from mla_tune.xcompile import capture, check, targets
 
-    def record(kernel, grid):
-        return lambda *args, **kwargs: launches.append((kernel, grid, args, kwargs))
-
-    total_q = batch * spec.max_q_len
-    dtype = torch.bfloat16 if spec.kv_format == "bf16" else torch.float8_e4m3fn
-    q = torch.empty((total_q, spec.heads, QK_DIM), dtype=torch.bfloat16, device=META)
-    qo_indptr = torch.empty(batch + 1, dtype=torch.int32, device=META)
-    scale = torch.empty(1, dtype=torch.float32, device=META) if spec.kv_format == "fp8" else None
-    if spec.page_size:
+    facts, batch = check.facts_for("H200"), 3
+    results = []
+    for spec, text in CASES:
+        total_q = batch * spec.max_q_len
+        dtype = torch.bfloat16 if spec.kv_format == "bf16" else torch.float8_e4m3fn
+        q = torch.empty((total_q, spec.heads, QK_DIM), dtype=torch.bfloat16, device=META)
+        qo_indptr = torch.empty(batch + 1, dtype=torch.int32, device=META)
+        scale = torch.empty(1, dtype=torch.float32, device=META) if spec.kv_format == "fp8" else None
         kv = torch.empty((40, spec.page_size, QK_DIM), dtype=dtype, device=META)
         layout = dict(block_table=torch.empty((batch, 12), dtype=torch.int32, device=META),
                       seq_lens=torch.empty(batch, dtype=torch.int32, device=META))
-    else:
-        kv = torch.empty((5000, 1, QK_DIM), dtype=dtype, device=META)
-        layout = dict(kv_indptr=torch.empty(batch + 1, dtype=torch.int32, device=META))
-    with mock.patch.object(triton.runtime.jit.KernelInterface, "__getitem__", record), \
-            mock.patch.object(gluon_fused, "unavailable_reason", lambda: None):  # no sm_90 GPU here
-        runner = gluon_fused.build_serving(variant, spec, META)
-        result = runner(q, qo_indptr, kv, scale, **layout)
-    out = result[0] if spec.return_lse else result
-    assert tuple(out.shape) == (total_q, spec.heads, V_DIM)
-    return launches
-
-
-def compile_cases() -> list[dict]:
-    """Each case's launches compiled for sm_90: name, grid, error and resources."""
-    from triton.backends.compiler import GPUTarget
-
-    from mla_tune.xcompile.targets import bind, compile_bound
-
-    target = GPUTarget("cuda", 90, 32)
-    results = []
-    for spec, text in CASES:
+        with capture.recording(facts) as launches:
+            result = gluon_fused.build_serving(Variant.parse(text), spec, META)(q, qo_indptr, kv, scale, **layout)
+        out = result[0] if spec.return_lse else result
+        assert tuple(out.shape) == (total_q, spec.heads, V_DIM)
         records = []
-        for kernel, grid, args, kwargs in capture(spec, Variant.parse(text)):
-            record = compile_bound(bind(kernel, grid, args, kwargs, target), H200_BLOCK_SMEM)
-            records.append({"grid": list(grid), **{k: record.get(k) for k in (
+        for x in launches:
+            record = targets.compile_bound(targets.bind(x.kernel, x.grid, x.args, x.kwargs, targets.target_for(facts)),
+                                           facts.lds_bytes)
+            records.append({"grid": list(x.grid), **{k: record.get(k) for k in (
                 "kernel", "error", "registers", "scratch", "spill_loads", "lds", "mma_ops", "ctas_per_sm")}})
         results.append(records)
     return results
