@@ -355,12 +355,12 @@ def test_config_errors_name_the_field_and_the_hash_ignores_order(tiny, monkeypat
     assert serving_config_from_dict(reordered, "other.yaml").hash == tiny.hash
 
 
-def test_the_committed_config_plans_tier_1_within_20_gpu_minutes(capsys):
+def test_the_committed_config_plans_tier_1_within_21_gpu_minutes(capsys):
     cfg = load_serving_config("configs/serving.yaml")
     assert len(cfg.families) == 12 and cfg.budget_s <= 600
     est = sw.dry_run(cfg, "H200")
     out = capsys.readouterr().out
-    assert est["total"] <= 20 * 60 and "left out batch 256: kv 8192" in out
+    assert est["total"] <= 21 * 60 and "left out batch 256: kv 8192" in out  # 1242 s, the edge 219 of them
     plan = plan_sweep(cfg, fake_platform("H200"), check_available=False)
     # every family gets every backend, and a choice of split rules and head tiles
     assert all(len(f.candidates) >= 8 and set(f.per_backend()) == {"triton", "triton_fused", "flashmla", "flashinfer", "gluon_fused"}
@@ -487,6 +487,13 @@ def test_edge_batch_is_the_smallest_batch_a_bucket_serves():
     assert edge_batch([4, 1, 2], 4) == 3  # any order
 
 
+def _graph_union(out, batch: int) -> list[str]:
+    """The cross stage's union recorded for the bucket of `batch` in a sweep's results."""
+    (path,) = out.glob("*.results.jsonl")
+    _, records, _ = read_records(path)
+    return next(r["union"] for r in records if r["kind"] == "graph" and r["batch"] == batch)
+
+
 class EdgeTimer(FakeTimer):
     """TIMES, except that A is twice as slow at batch 2 (the edge of the bucket of 4 after 1)."""
 
@@ -500,9 +507,9 @@ class EdgeTimer(FakeTimer):
 
 def test_the_edge_stage_times_finalists_at_the_buckets_smallest_batch(tiny, tmp_path):
     """search.batch_edge: off by default (the hash of a config without it is unchanged); on,
-    the bucket of 4 (after 1) times each kv cell's finalists at batch 2 as well, and the cell
-    of 4 x 32 picks the fused C (12% behind A at 4, A twice as slow at 2; B was not a
-    finalist there) where without the edge it picks A; the bucket of 1 has no edge; a resumed sweep times nothing again; the dry run
+    the bucket of 4 (after 1) times its finalists (the cross stage's union) at every kv cell
+    at batch 2 as well, and the cell of 4 x 32 picks the fused C (12% behind A at 4, A twice
+    as slow at 2) where without the edge it picks A; the bucket of 1 has no edge; a resumed sweep times nothing again; the dry run
     counts the stage; a bad value names the field."""
     assert tiny.search.batch_edge is False
     raw = copy.deepcopy(TINY)
@@ -515,8 +522,10 @@ def test_the_edge_stage_times_finalists_at_the_buckets_smallest_batch(tiny, tmp_
     timer = EdgeTimer()
     summary = _sweep(edged, tmp_path / "edge", timer)
     table = load_serving_table(summary["table"])
-    at_edge = {(b, kv, _name(Variant.parse(v))) for b, kv, v, _ in timer.timed if b == 2}
-    assert {(kv, n) for _, kv, n in at_edge} >= {(32, "A"), (32, "C"), (64, "B"), (64, "C")}
+    at_edge = {(kv, _name(Variant.parse(v))) for b, kv, v, _ in timer.timed if b == 2}
+    union = {_name(Variant.parse(v)) for v in _graph_union(tmp_path / "edge", 4)}
+    assert {"A", "B", "C"} <= union
+    assert at_edge == {(kv, n) for kv in (32, 64) for n in union}  # the bucket's finalists at every kv
     assert {b for b, _, _, _ in timer.timed} == {1, 2, 4}  # the bucket of 1 has no edge
     assert {c: _name(Variant.parse(v)) for c, v in _picks(without)[0].items()}[(4, 32)] == "A"
     picks = {c: _name(Variant.parse(v)) for c, v in _picks(table)[0].items()}

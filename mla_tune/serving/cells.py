@@ -233,9 +233,8 @@ def estimate(cfg: ServingConfig, plan: SweepPlan, gate_workers: int | None = Non
                                                                      LATER_RUNG_RATIO)
             inputs_s += 2 * (0.01 + unit.batch * kv_len * KV_BYTES_PER_TOKEN[unit.key.kv_format]
                              / INPUT_BYTES_PER_S)
-            if edge is not None:  # the cell's best cross_top at the bucket's smallest batch
-                edge_s += min(last_size, cfg.search.cross_top) * measurement_s(unit.key, edge, kv_len, last,
-                                                                               LATER_RUNG_RATIO)
+            if edge is not None:  # the union at the bucket's smallest batch
+                edge_s += union * measurement_s(unit.key, edge, kv_len, last, LATER_RUNG_RATIO)
                 inputs_s += 0.01 + edge * kv_len * KV_BYTES_PER_TOKEN[unit.key.kv_format] / INPUT_BYTES_PER_S
     parts = {"gate_and_compile": gate + compile_s, "cache_loads": load_s, "cells": cells_s,
              "cross": cross_s, "edge": edge_s, "inputs": inputs_s}

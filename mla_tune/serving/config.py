@@ -87,9 +87,9 @@ class ServingSearch:
     CUDA-graph pick. `cell_lengths` says which lengths a (batch, kv) cell is timed on
     (sweep.cell_kv_lens): `aligned`, every sequence at the bucket's length, or
     `spread`, the batch's lengths spread over the lengths the bucket serves. `batch_edge`:
-    each kv cell's best `cross_top` are also timed at the smallest batch the bucket serves
-    (the bucket below plus one: cells.edge_batch), and a cell's eager pick weighs that
-    edge beside the cell (build.eager_pick)."""
+    the union of the bucket's kv cells' best `cross_top` is also timed at every kv cell at
+    the smallest batch the bucket serves (the bucket below plus one: cells.edge_batch), and
+    a cell's eager pick weighs that edge beside the cell (build.eager_pick)."""
 
     rungs: tuple[int, ...]
     keep: float

@@ -24,11 +24,13 @@ Stages (cells.py plans them, results.py records them):
    a graph cannot depend on kv_len, and an engine's batch is rarely uniform (on the H200
    a graph pick chosen on uniform cells alone ran 1.4x FlashMLA's step on 500-4000 token
    lengths, docs/perf.md).
-4. Edge, per unit, with search.batch_edge: each kv cell's best `cross_top` timed at the
-   smallest batch the bucket serves (cells.edge_batch: the bucket below plus one,
-   uniform at the cell's lengths, rungs[-1] samples); a cell's eager pick weighs that edge
-   beside the cell (build.eager_pick), since eager calls of any batch in the
-   bucket's span run it. A CUDA graph runs at the bucket's batch: its pick ignores the edge.
+4. Edge, per unit, with search.batch_edge: the cross stage's union timed at every kv cell
+   at the smallest batch the bucket serves (cells.edge_batch: the bucket below plus one,
+   uniform at the cell's lengths, rungs[-1] samples), so that the edge's points hold what
+   the bucket's do; a cell's eager pick weighs that edge beside the cell
+   (build.eager_pick), since eager calls of any batch in the bucket's span run it, and the
+   eager lookup interpolates between them. A CUDA graph runs at the bucket's batch: its
+   pick ignores the edge.
 Every measurement is appended to the results file as it is made, so a killed sweep resumes
 where it stopped; `budget_s` (the leaderboard's clock, tune/schedule.py's BudgetClock)
 stops timing cleanly between measurements (the table is still written, the cells not
@@ -346,12 +348,10 @@ class Sweeper:
         recorded = self.rec.records.graphs.get((unit.key, unit.batch))
         if recorded is not None:
             return recorded
-        cells = {kv: self.rec.records.cells.get((unit.key, unit.batch, kv)) for kv in unit.kv_lens}
-        ok = [kv for kv, c in cells.items() if c is not None and c.get("status") == "ok"]
+        cells, ok, union = self._finalists(unit)
         if not ok:
             return None
         last = self.cfg.search.rungs[-1]
-        union = list(dict.fromkeys(Variant.parse(t) for kv in ok for t in cells[kv]["top"]))
         times: dict[Variant, dict[int, float]] = {}
         best: dict[int, float] = {}
         for kv in ok:
@@ -378,25 +378,28 @@ class Sweeper:
                                 "ragged_kv_lens": ragged},
                                durable=True)
 
+    def _finalists(self, unit: Unit) -> tuple[dict, list[int], list[Variant]]:
+        """(the unit's cell records by kv_len, the kv_lens of those with a winner, the union
+        of their records' `top`, each kv cell's best cross_top, in order)."""
+        cells = {kv: self.rec.records.cells.get((unit.key, unit.batch, kv)) for kv in unit.kv_lens}
+        ok = [kv for kv, c in cells.items() if c is not None and c.get("status") == "ok"]
+        return cells, ok, list(dict.fromkeys(Variant.parse(t) for kv in ok for t in cells[kv]["top"]))
+
     def edge(self, unit: Unit) -> int | None:
-        """With search.batch_edge, each of the unit's cells' best cross_top (the cell
-        record's `top`) at the bucket's smallest batch (cells.edge_batch): recorded
+        """With search.batch_edge, the unit's finalists (the cross stage's union) at every
+        kv cell with a winner, at the bucket's smallest batch (cells.edge_batch): recorded
         steps at that batch and the cell's kv_len, resumed like any other. Returns that
         batch, or None where nothing was measured or found."""
         batch = edge_batch(self.cfg.batch_buckets, unit.batch) if self.cfg.search.batch_edge else None
         if batch is None:
             return None
+        _cells, ok, union = self._finalists(unit)
         last = self.cfg.search.rungs[-1]
-        count = 0
-        for kv in unit.kv_lens:
-            cell = self.rec.records.cells.get((unit.key, unit.batch, kv))
-            if cell is None or cell.get("status") != "ok":
-                continue
-            for name in cell["top"][:self.cfg.search.cross_top]:
-                self.measure(unit.key, batch, kv, Variant.parse(name), last)
-                count += 1
+        for kv in ok:
+            for variant in union:
+                self.measure(unit.key, batch, kv, variant, last)
             self._drop_input()
-        return batch if count else None
+        return batch if ok and union else None
 
     # ------------------------------------------------------------------ the run
     def run(self) -> None:
