@@ -75,10 +75,10 @@ def _at_batch(points: Mapping[tuple[int, int], Mapping[Variant, float]], batch: 
 
 
 # A variant competes where the points that timed it carry at least this much of the weight.
-# A batch-edge point holds its cell's best 3 only, so a variant missing there is imputed
-# from the points around it rather than dropped where those weigh enough; with no weight
-# required at all, a variant left out of an edge point (usually slow there) is imputed from
-# far away: rescoring docs/data/verify with 0 (scripts/rescore_ablation.py), the runs within
+# A point holds the variants the sweep timed there (a batch-edge point: its bucket's
+# finalists), so a variant missing at one is imputed from the points around it rather than
+# dropped where those weigh enough; with no weight required at all, a variant left out of
+# a point (usually slow there) is imputed from far away: rescoring docs/data/verify with 0 (scripts/rescore_ablation.py), the runs within
 # p95 5% / max 15% drop from 33 of 33 to 28 (even seeds) and from 32 of 34 to 29 (odd seeds).
 MIN_MEASURED_WEIGHT = 0.5
 
