@@ -195,13 +195,12 @@ sweep-safety)
 serving-tests)
   # GPU test groups run side by side (compiles dominate; 16 cores), each with its own log
   groups=(
-    "tests/test_serving_correctness.py"
-    "tests/test_graph_replay.py"
-    "tests/test_decode_call.py -k triton_fused"
-    "tests/test_decode_call.py -k 'not triton_fused'"
-    "tests/test_vendor_serving.py -k flashinfer"
-    "tests/test_vendor_serving.py -k 'not flashinfer'"
-    "tests/test_fused_serving.py -k 'not (full_matrix and bf16)' tests/test_plan.py"
+    "tests/test_serving_correctness.py -k triton_fused"
+    "tests/test_serving_correctness.py -k 'triton and not triton_fused'"
+    "tests/test_serving_correctness.py -k 'flashinfer or flashmla'"
+    "tests/test_serving_correctness.py -k gluon_fused"
+    "tests/test_gluon_serving_gpu.py tests/test_graph_replay.py tests/test_vendor_serving.py"
+    "tests/test_gpu_engine_call.py"
     "tests/test_gluon_decode.py -k 'reduce_spin'"
   )
   run_groups 330 3
@@ -214,9 +213,8 @@ serving-tests)
   ;;
 serving-splitk)
   groups=(
-    "tests/test_serving_layouts.py -k 'full_matrix and fp8'"
-    "tests/test_serving_layouts.py -k 'not (full_matrix and fp8)'"
-    "tests/test_fast_launch.py tests/test_plan.py"
+    "tests/test_serving_correctness.py -k 'triton and not triton_fused'"
+    "tests/test_graph_replay.py tests/test_fast_launch.py"
   )
   run_groups 200 2
   # the ragged mix the shared budget is for; then two grid points whose split-K picks
