@@ -1,26 +1,13 @@
-"""Crash safety, end to end: a sweep with an injected crashing candidate, killed with
-kill -9 halfway and started again, completes with every other result intact and the same
-winners as an uninterrupted sweep, where those are clearly apart. The harness of
-tests/test_crash_resume.py: on the CPU with tests/data/resume_demo_cpu.yaml (fake_crash
-kills its worker), on the GPU with tests/data/resume_demo_gpu.yaml (fake_oob: a Triton
-store far out of bounds).
+"""The harness of tests/test_crash_resume.py: a sweep with an injected crashing candidate,
+killed with kill -9 halfway and started again, keeps every other result and A's clear winners.
 
   A   the sweep, uninterrupted, into OUT/a/GPU.yaml
-  B1  the same sweep into OUT/b/GPU.yaml, in its own process group; once about half as many
-      candidates as A recorded are written (kill_after), SIGKILL goes to the whole group:
-      the sweep, its worker and anything else it started. Unless tear=False, a torn line is
-      then appended to the results, as if the kill had landed mid-write.
-  B2  the same command again, which must resume: take over the stale lock, drop the torn
-      line, run only what is missing.
+  B1  the same sweep into OUT/b/GPU.yaml in its own process group, SIGKILLed (whole group) once
+      kill_after of A's candidates are written; then a torn line is appended unless tear=False.
+  B2  the same command again, which must resume: take over the stale lock, drop the torn line.
 
-Checks: every (shape, variant) of A is in B exactly once; the lines written before the kill
-are byte-identical in B; the injected candidate (crash_backend) is recorded as crashed or
-failed, naming the illegal access or the worker's death, in A and in B, and ok candidates
-follow it; where A's winner beats its runner-up by more than 10%, B has the same winner.
-Sweep output goes to OUT/a/*.log and OUT/b/*.log, the findings to OUT/report.json (written
-even when a step fails, with the tail of every log in it). `run` returns 0 when every check
-passed, 1 when one failed, 2 when a step could not run (a sweep that failed, ended before it
-could be killed, or ran past the deadline).
+Findings go to OUT/report.json (always written, with every log's tail). `run` returns 0 when
+every check passed, 1 when one failed, 2 when a step could not run.
 """
 
 from __future__ import annotations
@@ -64,8 +51,7 @@ def say(text: str) -> None:
 
 # --------------------------------------------------------------------- subprocesses
 def sweep_env(extra_backends: str) -> dict[str, str]:
-    """This environment plus the extra backends (ours win a name clash) and this checkout
-    first on PYTHONPATH, so the sweep and its spawned workers import the same code."""
+    """This environment plus the extra backends (ours win a clash), this checkout first on PYTHONPATH."""
     env = dict(os.environ)
     entries = {}
     for item in filter(None, (env.get(EXTRA_BACKENDS_ENV, "") + "," + extra_backends).split(",")):
@@ -158,8 +144,7 @@ def run_to_end(cmd: list[str], env: dict, log: Path, limit_s: float, what: str) 
 
 def run_and_kill(cmd: list[str], env: dict, log: Path, results: Path, target: int,
                  limit_s: float) -> dict:
-    """Start a sweep in its own process group and SIGKILL the group once `target` candidate
-    lines are written; returns what was found at the kill."""
+    """Start a sweep in its own process group; SIGKILL the group at `target` candidate lines."""
     t0 = time.monotonic()
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -204,8 +189,7 @@ def _shape_name(key) -> str:
 
 
 def check_crash(checks: Checks, label: str, records: list[dict], backend: str) -> dict | None:
-    """The injected candidate is recorded as crashed/failed with a telling reason, and ok
-    candidates were recorded after it. Returns its (first) record."""
+    """The injected candidate is crashed/failed with a telling reason and ok ones follow it."""
     index = next((i for i, r in enumerate(records) if r["backend"] == backend), None)
     if index is None:
         checks.add(f"{label}: the injected {backend} candidate is recorded", False,
@@ -270,12 +254,9 @@ def print_table(shapes: list[dict]) -> None:
 # ----------------------------------------------------------------------------- main
 @dataclass
 class Demo:
-    """What to run: the GPU name the sweep tunes for (cpu for the CPU test), its config, a
-    new or empty folder for the runs and report.json, the extra backends to register
-    (name=module,...), the backend whose candidate is the injected crash, when to kill B
-    (this fraction of A's candidate count recorded, 0 < f < 1), the sweep's
-    --candidate-timeout, seconds for the whole demo, and whether to append a torn line
-    after the kill (only a real mid-write kill tears one otherwise)."""
+    """What to run: the sweep's GPU name (cpu here), config, an empty out folder, the extra
+    backends (name=module,...), the injected crash's backend, when to kill B (a fraction of A's
+    candidate count), --candidate-timeout, the whole demo's seconds, and whether to tear a line."""
 
     gpu: str
     config: Path

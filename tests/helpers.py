@@ -1,10 +1,16 @@
-"""Reference math and serving inputs shared by the backend tests, and the vendor libraries'
-CPU fakes.
+"""What several test files share: reference math and serving inputs for the backend tests,
+the CLI in 80 columns, the exported file run in a fresh process that refuses mla_tune, and the
+vendor libraries' CPU fakes.
 
 `vendor_fakes` is tests/fakes/vendor_fakes.py: `vendor_fakes.install(monkeypatch,
 "flashinfer")` puts the fake in sys.modules for one test.
 """
 
+import ast
+import builtins
+import json
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -12,13 +18,15 @@ from pathlib import Path
 
 import torch
 
-from mla_tune import problem
+from mla_tune import gpu, problem
 from mla_tune.core import CallSpec
 from mla_tune.serving import inputs as serving
 from tests.fakes import vendor_fakes  # noqa: F401  (re-exported for the tests)
 
 REPO = Path(__file__).resolve().parents[1]
+CPU_TABLE = REPO / "tests" / "data" / "table_cpu.yaml"
 NARROW = {"COLUMNS": "80", "NO_COLOR": "1", "TERM": "dumb"}
+WIDE = {"COLUMNS": "250", "NO_COLOR": "1", "TERM": "dumb"}  # rich wraps at 80 columns otherwise
 
 
 def cpu_table(tmp_path: Path, name: str = "table.yaml", edit=None, versions: dict | None = None, **top) -> Path:
@@ -29,7 +37,7 @@ def cpu_table(tmp_path: Path, name: str = "table.yaml", edit=None, versions: dic
 
     from mla_tune.gpu import detect
 
-    data = yaml.safe_load((REPO / "tests" / "data" / "table_cpu.yaml").read_text())
+    data = yaml.safe_load(CPU_TABLE.read_text())
     data["provenance"]["versions"] = {**{k: str(v) for k, v in detect().versions.items()}, **(versions or {})}
     data.update(top)
     if edit:
@@ -68,9 +76,6 @@ def assert_commands_import_no_torch(*commands) -> None:
 def run_outside_the_interpreter(module: str, function: str, timeout: float):
     """`module.function()`'s JSON result, run in a fresh Python without TRITON_INTERPRET
     (compiling for a GPU target needs Triton's real compiler; the tests run interpreted)."""
-    import json
-    import os
-
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = f"import json, {module} as t; print(json.dumps(t.{function}()))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout,
@@ -188,3 +193,120 @@ def sigint_as_in_a_terminal() -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def exported_env() -> dict[str, str]:
+    """This process's environment without a fake platform or extra backends, interpreter on,
+    80+ columns (WIDE), this tree's mla_tune first on PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", gpu.FAKE_PLATFORM_ENV, "MLA_TUNE_EXTRA_BACKENDS")}
+    # this tree's mla_tune, not the one an editable install elsewhere points at (a worktree)
+    env.update(WIDE, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    return env
+
+
+EXPORT_RUNNER = textwrap.dedent('''
+    import importlib, json, sys, warnings
+
+    class _NoMlaTune:
+        """mla_tune is refused to everyone but the fake aiter (tests/fakes/aiter) and the
+        mla_tune modules it pulls in; what was let through is listed."""
+        let_through = []
+
+        def find_spec(self, name, path=None, target=None):
+            if name != "mla_tune" and not name.startswith("mla_tune."):
+                return None
+            frame = sys._getframe(1)
+            while frame is not None and (frame.f_code.co_filename.startswith("<frozen")
+                                         or "importlib" in frame.f_code.co_filename):
+                frame = frame.f_back
+            importer = frame.f_globals.get("__name__", "?") if frame is not None else "?"
+            if importer.split(".")[0] in ("aiter", "mla_tune"):
+                self.let_through.append([name, importer])
+                return None
+            raise ImportError(f"the exported file must not import mla_tune ({name}, from {importer})")
+
+    sys.meta_path.insert(0, _NoMlaTune())
+    sys.path.insert(0, ".")
+    import torch
+    warnings.simplefilter("ignore")
+    report = {}
+    for name in sys.argv[1:]:
+        sub = importlib.import_module(name)
+        own = sorted(k for k, v in vars(sub).items()
+                     if str(getattr(v, "__module__", "") or "").startswith("mla_tune")
+                     or getattr(v, "__name__", "") == "mla_tune")
+        cases = torch.load(f"inputs_{name}.pt")
+        outs = [sub.custom_kernel(tuple(case)).clone() for case in cases]
+        torch.save(outs, f"outputs_{name}.pt")
+        fake = sys.modules.get("aiter")
+        report[name] = {
+            "misses": sorted([s.batch, s.kv_len] for s in sub._EXPORT_DISPATCHER.misses),
+            "mla_tune_names": own,
+            "aiter_calls": dict(fake._state.calls) if fake is not None else None,
+        }
+    report["mla_tune_modules"] = sorted(m for m in sys.modules if m.split(".")[0] == "mla_tune")
+    report["let_through"] = _NoMlaTune.let_through
+    print("REPORT " + json.dumps(report))
+''')
+
+
+def run_exported(folder: Path, cases: dict[str, list], env: dict[str, str]) -> tuple[dict, dict]:
+    """Import each exported module (folder/NAME.py) in one fresh subprocess and run its
+    custom_kernel on its cases; returns ({name: outputs}, report)."""
+    (folder / "task.py").write_text("import typing\ninput_t = typing.Any\noutput_t = typing.Any\n")
+    (folder / "run_exported.py").write_text(EXPORT_RUNNER)
+    for name, module_cases in cases.items():
+        torch.save([list(case) for case in module_cases], folder / f"inputs_{name}.pt")
+    done = subprocess.run([sys.executable, "run_exported.py", *cases], cwd=folder, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    report = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("REPORT "))[7:])
+    for name in cases:
+        assert report[name]["mla_tune_names"] == [], f"{name} holds objects from mla_tune"
+    return {name: torch.load(folder / f"outputs_{name}.pt") for name in cases}, report
+
+
+def exported_outputs(tmp_path: Path, module: str, cases: list) -> tuple[list, list]:
+    """(outputs, misses) of the exported module's custom_kernel on cases, in a fresh process
+    that refuses mla_tune."""
+    outs, report = run_exported(tmp_path, {module: cases}, exported_env())
+    assert report["mla_tune_modules"] == [] and report["let_through"] == []
+    return outs[module], report[module]["misses"]
+
+
+def undefined_names(text: str) -> set[str]:
+    """A pyflakes-like check: every name read somewhere is bound somewhere or a builtin."""
+    tree = ast.parse(text)
+    bound = set(dir(builtins))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            bound.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} - bound
+
+
+def assert_clean_export(path: Path) -> str:
+    """The exported file's text, once it compiles, binds every name it reads, passes ruff's F
+    rules, carries the leaderboard header and imports no mla_tune."""
+    text = path.read_text()
+    compile(text, str(path), "exec")
+    assert undefined_names(text) == set()
+    ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
+    if Path(ruff).exists():
+        lint = subprocess.run([ruff, "check", "--no-cache", "--isolated", "--select", "F", str(path)],
+                              capture_output=True, text=True)
+        assert lint.returncode == 0, lint.stdout
+    lines = text.splitlines()
+    assert lines[:2] == ["#!POPCORN leaderboard amd-mixed-mla", "#!POPCORN gpu cpu"]
+    assert "import mla_tune" not in text and "from mla_tune" not in text
+    assert "from task import input_t, output_t" in text
+    assert text.count("from __future__ import annotations") == 1
+    return text

@@ -1,6 +1,5 @@
-"""Rules read a fact the backend declares (a CAPABILITIES field, an optional module hook), not
-its name: made-up backends (MLA_TUNE_EXTRA_BACKENDS, modules in tmp_path) follow the fact, and
-today's backends keep their behaviour."""
+"""Rules read a fact the backend declares (a CAPABILITIES field, a module hook), not its name:
+made-up backends (MLA_TUNE_EXTRA_BACKENDS) follow the fact, today's keep their behaviour."""
 
 from __future__ import annotations
 
@@ -86,9 +85,7 @@ def test_the_drift_note_comes_from_the_hook_of_the_backend_wrapping_that_distrib
                "drifty says 1.0 -> None moved its kernels; timings may have moved" in m for m in messages)
     assert any("provenance.versions.quiet-lib is 3.0 but this process has not installed; timings may "
                "have moved" in m for m in messages)
-
-
-def test_aiter_keeps_its_binary_note_and_the_other_versions_get_none():
+    # aiter keeps its binary note and the other versions get none
     aiter = backends.capabilities("aiter").vendor
     assert drift_note(aiter, "0.1.11", "0.1.20") == aiter_mla.aiter_drift_note("0.1.11", "0.1.20") != ""
     assert drift_note(aiter, "0.1.13", "0.1.14") == ""  # one binary era

@@ -1,10 +1,10 @@
-"""fp8_static q calibration: the config's sources, what the table row records, and the
-refusal of generator-only calibration for serving configs."""
+"""fp8_static q calibration: the config's sources, what a row records, serving's refusals."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -94,14 +94,8 @@ def test_a_stated_q_amax_is_used_as_is():
     ("q.pt", "must be a mapping"),
 ])
 def test_bad_calibrations_fail_at_config_load_naming_the_field(tmp_path, calib, message):
-    with pytest.raises(ConfigError, match=_escaped(message)):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         config_from_dict(_raw(calibration=calib), tmp_path / "c.yaml")
-
-
-def _escaped(text: str) -> str:
-    import re
-
-    return re.escape(text)
 
 
 @pytest.mark.parametrize(("content", "message"), [
@@ -111,7 +105,7 @@ def _escaped(text: str) -> str:
 ])
 def test_a_q_sample_that_is_not_q_fails_at_config_load(tmp_path, content, message):
     torch.save(content, tmp_path / "q.pt")
-    with pytest.raises(ConfigError, match=_escaped(message)):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         config_from_dict(_raw(calibration={"q_sample": "q.pt"}), tmp_path / "c.yaml")
     (tmp_path / "junk.pt").write_text("import os")
     with pytest.raises(ConfigError, match="is not a tensor saved with torch.save"):
@@ -140,8 +134,7 @@ def test_a_serving_config_refuses_generator_calibration_of_fp8_static():
 
 
 def test_a_serving_spec_without_a_source_fails_the_candidate_not_the_sweep():
-    # A backend may offer fp8_static by default (flashmla, aiter) without the config naming
-    # it: the worker's calibration then refuses, and the candidate is recorded as failed.
+    # flashmla and aiter offer fp8_static unasked: the worker's calibration refuses it
     spec = config_from_dict(_raw(purpose="serving")).calibration
     with pytest.raises(CalibrationError, match="a serving config calibrates fp8_static from real q only"):
         calibrate(spec.as_dict(), SHAPE, [11], "cpu")

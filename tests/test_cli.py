@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
+import typer.main
+import yaml
 
 import mla_tune.tune.sweep
-from mla_tune import __version__
+from mla_tune import __version__, fileio
 from mla_tune.cli import app
+from mla_tune.tables.table import load_table
 from tests.helpers import NARROW, assert_commands_import_no_torch, invoke
 
 REPO = Path(__file__).parents[1]
@@ -23,8 +29,6 @@ H200 = REPO / "tables" / "H200.yaml"
 # whatever a later sweep commits to tables/.
 H200_FIXED = DATA / "H200.pre-search.yaml"
 CONFIG = REPO / "configs" / "leaderboard.yaml"
-
-
 
 
 @pytest.mark.parametrize(
@@ -51,8 +55,6 @@ def test_no_arguments_prints_the_command_list_and_version_prints_the_version():
 
 
 def test_boolean_flags_have_no_negative_twins_and_every_option_a_sentence_of_help():
-    import typer.main
-
     group = typer.main.get_command(app)
     for name, command in group.commands.items():
         for param in command.params:
@@ -71,8 +73,6 @@ def test_show_fits_80_columns_in_40_lines_with_every_winner_greppable(path):
     lines = result.output.splitlines()
     assert len(lines) <= 40 and max(map(len, lines)) <= 80, result.output
     assert "…" not in result.output and "\x1b[" not in result.output  # no rich ellipsis, no ANSI
-    from mla_tune.tables.table import load_table
-
     table = load_table(path, check_params=False)
     for shape, row in table.rows.items():
         mine = [line for line in lines if line.split()[:2] == [str(shape), "winner"]]
@@ -88,8 +88,6 @@ def test_show_fits_80_columns_in_40_lines_with_every_winner_greppable(path):
 
 def test_show_on_a_wide_terminal_puts_each_variant_on_one_line():
     result = invoke("show", "--table", H200, env={**NARROW, "COLUMNS": "200"})
-    from mla_tune.tables.table import load_table
-
     for row in load_table(H200, check_params=False).rows.values():
         assert any(line.endswith(row.winner["variant"]) for line in result.output.splitlines())
 
@@ -237,8 +235,6 @@ def test_sweep_with_a_missing_config_exits_1_naming_it(tmp_path):
 
 
 def test_diff_flags_winner_changes_and_times_outside_the_noise(tmp_path):
-    import yaml
-
     data = yaml.safe_load(TABLE.read_text())
     data["rows"][0]["time_us"] = 12.0  # 1x8: +20%, outside its 2% spread: flagged
     data["rows"][1]["time_us"] = 8.1  # 2x40: +1.25%, inside its 3% spread
@@ -282,8 +278,6 @@ def test_mla_tune_show_piped_fits_80_columns_without_a_terminal():
 
 
 def test_show_clips_a_huge_text_field_instead_of_printing_it(tmp_path):
-    import time
-
     text = TABLE.read_text()
     reason = next(line for line in text.splitlines() if line.startswith("  reason: "))
     big = tmp_path / "big.yaml"
@@ -308,11 +302,6 @@ def test_a_missing_table_for_a_gpu_lists_the_tables_and_suggests_the_case(monkey
 
 
 def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(monkeypatch, tmp_path):
-    import errno
-    import os
-
-    from mla_tune import fileio
-
     def no_space(fd):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
@@ -326,15 +315,13 @@ def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(monkeypatch, tmp
 
 
 def test_sweep_with_a_serving_config_runs_the_serving_sweep():
-    """`mla-tune sweep --config configs/serving.yaml` plans the serving grid (its dry run)."""
     result = invoke("sweep", "--gpu", "H200", "--config", "configs/serving.yaml", "--dry-run")
     assert result.exit_code == 0, result.output
     assert "1404 cells" in result.output and "estimated GPU time" in result.output
 
 
 def test_sweep_takes_a_budget_for_either_kind_of_config(monkeypatch):
-    """--budget replaces the config's budget_s: the leaderboard sweep's plan fits it, the
-    serving sweep gets it on its command line; a bad value is one line and exit 2."""
+    """--budget replaces budget_s in either kind of config; a bad value is one line and exit 2."""
     seen = {}
 
     def fake_serving(config, gpu, **kw):

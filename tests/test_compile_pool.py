@@ -1,5 +1,4 @@
-"""The precompile pool (mla_tune/tune/compile_pool.py): right stand-ins, isolated jobs, a
-non-blocking API, and no orphan processes."""
+"""The precompile pool: right stand-ins, isolated jobs, a non-blocking API, no orphans."""
 
 from __future__ import annotations
 
@@ -31,9 +30,8 @@ LEADERBOARD = ROOT / "configs" / "leaderboard.yaml"
 
 
 # ------------------------------------------------------------------- launch keys
-# Triton's compiled-kernel key is (specialization of every argument, options): computed here
-# with Triton's own binder from the arguments each launch really passes, never compiled.
-# Tensors live on the meta device, so the real 256 x 8192 shapes cost no memory.
+# Triton's kernel key (every argument's specialization, options), from its own binder, never
+# compiled; meta-device tensors make the real 256 x 8192 shapes cost no memory.
 def _meta_inputs(shape: Shape, big: tuple[str, ...] = ()):
     meta, total = torch.device("meta"), shape.total_kv
     kv_data = {
@@ -51,8 +49,7 @@ def _meta_inputs(shape: Shape, big: tuple[str, ...] = ()):
 
 
 class _HipSpecialization(BaseBackend):
-    """ROCm Triton's pointer rule (amd backend's get_tensor_specialization, buffer ops on):
-    'S' when the tensor's storage fits in 2 GiB."""
+    """ROCm Triton's pointer rule (buffer ops on): 'S' when the storage fits in 2 GiB."""
 
     supports_native_tensor_specialization = False
 
@@ -105,8 +102,7 @@ def _candidates(config_path: Path, platform, backends) -> list[tuple[Variant, Sh
 
 @pytest.fixture
 def stub_flash_mla(monkeypatch):
-    """flash_mla's own kernel is not Triton: a stub that returns an output lets the runner
-    reach its Triton q quantizer (kernels/q_quant.py), whose launch keys are compared."""
+    """A flash_mla stub, so the runner reaches its Triton q quantizer (kernels/q_quant.py)."""
     stub = types.ModuleType("flash_mla")
     stub.get_mla_metadata = lambda *a, **k: (types.SimpleNamespace(), None)
     stub.get_mla_decoding_metadata = lambda *a, **k: (None, None)
@@ -133,8 +129,7 @@ def test_every_leaderboard_candidate_compiles_at_its_stand_in_exactly_the_kernel
 
 
 def test_the_old_class_preserving_stand_in_did_compile_other_kernels_or_refuse_splits(monkeypatch):
-    """Why per-variant stand-ins: the shape-class stand-in of 4 x 8192 (2 x 64) cannot run
-    triton_fused at 8 splits of 64 tokens, so those kernels compiled in the timed worker."""
+    """The shape-class stand-in of 4 x 8192 (2 x 64) cannot run 8 splits of 64 tokens."""
     variant = Variant.parse("triton_fused(block_n=64,kv=fp8,num_splits=8,num_stages=3,num_warps=4,"
                             "pv_dot=fp16,q=fp8_dynamic,qk_dot=fp8,reduce=last,tok_m=true)")
     with pytest.raises(ValueError, match="more splits than tiles"):
@@ -174,8 +169,7 @@ def test_on_rocm_a_cache_over_2gib_is_kept_in_a_large_storage_so_its_pointer_spe
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter's sample")
 def test_stand_ins_run_through_the_kernels_under_the_interpreter_at_the_most_splits():
-    """A sample under Triton's interpreter: split-K with 32 splits of a 1-token stand-in
-    (empty splits), the one-launch kernel with as many tiles as splits (fp16 dots)."""
+    """Split-K with 32 splits of a 1-token stand-in; the one-launch kernel, tiles == splits."""
     for text, shape in (
         ("triton(block_n=32,dot_dtype=fp16,kv=fp8,num_splits=32,num_stages=1,num_warps=4,q=fp8_static)",
          Shape(64, 8192)),
@@ -338,10 +332,8 @@ _TIMED_FIRST_CALLS = textwrap.dedent("""
 
 @pytest.mark.gpu
 def test_after_the_pool_a_fresh_process_compiles_nothing_at_the_real_shapes(tmp_path, monkeypatch):
-    """What issue 8 measured: kernels compiled inside the timed worker. After the pool warms
-    the stand-ins, a fresh process (as a timed worker) builds and calls every sampled
-    leaderboard candidate at its real shape: Triton's cache gains no entry, and no first
-    call (FlashInfer's JIT included) takes seconds."""
+    """After the pool, a fresh process calling sampled candidates at their real shapes adds
+    no Triton cache entry, and no first call (FlashInfer's JIT included) takes seconds."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
     platform = gpu.detect(0)
     names = [n for n in ("triton", "triton_fused", "flashinfer", "flashmla")

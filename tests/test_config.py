@@ -12,12 +12,8 @@ REPO = Path(__file__).resolve().parents[1]
 LEADERBOARD = REPO / "configs" / "leaderboard.yaml"
 
 VALID = {
-    "name": "t",
-    "rule": "strict",
-    "check_seeds": [1, 2],
-    "calibration_seeds": [3],
-    "timing": {"reps": 5, "prune_reps": 2, "prune_factor": 2.0},
-    "budget_s": 60,
+    "name": "t", "rule": "strict", "check_seeds": [1, 2], "calibration_seeds": [3],
+    "timing": {"reps": 5, "prune_reps": 2, "prune_factor": 2.0}, "budget_s": 60,
     "shapes": [{"batch": 2, "kv_len": 9}, {"batch": 4, "kv_len": 9}],
     "backends": {"torch": {}, "triton": {"num_splits": [1, 2]}},
 }
@@ -101,9 +97,7 @@ def test_each_config_error_names_the_file_and_the_field(tmp_path, changes, field
     with pytest.raises(ConfigError) as info:
         load_config(path)
     message = str(info.value)
-    assert str(path) in message
-    assert f"'{field}'" in message
-    assert words in message
+    assert str(path) in message and f"'{field}'" in message and words in message
 
 
 def test_a_file_that_is_not_a_mapping_or_not_yaml_names_the_file(tmp_path):
@@ -170,17 +164,14 @@ def test_seconds_must_be_positive_finite_numbers(tmp_path, field, value):
         load_config(write(tmp_path, with_change(**{field: value})))
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), 0, -2, "2", False], ids=repr)
-def test_prune_factor_must_be_finite_and_at_least_one(tmp_path, value):
-    timing = {"reps": 3, "prune_reps": 1, "prune_factor": value}
-    with pytest.raises(ConfigError, match="'timing.prune_factor'"):
-        load_config(write(tmp_path, with_change(timing=timing)))
-
-
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), 2.5, "3", True, 0], ids=repr)
-def test_reps_must_be_positive_integers(tmp_path, value):
-    timing = {"reps": value, "prune_reps": 1, "prune_factor": 2}
-    with pytest.raises(ConfigError, match="'timing.reps': must be an integer >= 1"):
+@pytest.mark.parametrize("key, value, match", [
+    *(("prune_factor", v, "'timing.prune_factor'") for v in (float("nan"), float("inf"), 0, -2, "2", False)),
+    *(("reps", v, "'timing.reps': must be an integer >= 1")
+      for v in (float("nan"), float("inf"), 2.5, "3", True, 0)),
+], ids=repr)
+def test_prune_factor_must_be_finite_at_least_one_and_reps_positive_integers(tmp_path, key, value, match):
+    timing = {"reps": 3, "prune_reps": 1, "prune_factor": 2, key: value}
+    with pytest.raises(ConfigError, match=match):
         load_config(write(tmp_path, with_change(timing=timing)))
 
 

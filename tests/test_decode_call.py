@@ -1,16 +1,5 @@
-"""The one decode call (mla_tune/serving/call.py) over the own backends' serving runners
-(backends triton and triton_fused, build_serving), against mla_tune/serving/inputs.py's fp32
-reference.
-
-CPU (Triton's interpreter, fp16 dots): the backend decode() picks and the Decoders it
-keeps, a given variant and a batch budget reaching the kernel, host lengths, a padded
-slot, the output buffer reused; refusals (a spec no backend serves, a named backend that
-refuses, a call that does not match its Decoder); the default variants validate and build.
-
-The call's answers over the matrix layout x heads x q_len x KV x backend are in
-tests/test_serving_correctness.py (a covering sample on the CPU, the full matrix on the
-GPU), a Decoder captured in a CUDA graph in tests/test_graph_replay.py.
-"""
+"""The one decode call (mla_tune/serving/call.py) over the own backends' serving runners, against
+the fp32 reference; the full matrix is in tests/test_serving_correctness.py."""
 
 from __future__ import annotations
 
@@ -42,9 +31,8 @@ def _fresh_decoders():
 
 @pytest.mark.parametrize("backend", OWN)
 def test_a_decoder_runs_a_given_variant_with_splits_at_128_heads(backend, device):
-    """The default's max_splits is 1 at 128 heads on the interpreter's few stand-in SMs; a
-    variant given to the Decoder (here with 32-head tiles) splits every 32 tokens, up to 4
-    splits."""
+    """The default's max_splits is 1 at 128 heads on the interpreter's stand-in SMs; a given
+    variant (32-head tiles) splits every 32 tokens, up to 4 splits."""
     spec = CallSpec("fp8", 16, 128, max_q_len=2, mixed_q_len=True)
     default = get_backend(backend).default_serving_variant(spec, CPU)
     assert default.get("max_splits") == 1
@@ -57,10 +45,9 @@ def test_a_decoder_runs_a_given_variant_with_splits_at_128_heads(backend, device
 
 
 def test_a_split_k_variant_with_a_batch_budget_splits_by_batch_size(device):
-    """split_budget reaches the kernel through the backend: 3 sequences under a budget of 7
-    run 2 splits each (rounding down; 150 tokens -> 192 in 64-token tiles) where max_splits
-    alone gives 4 of 75 -> 128 tokens, so 3; the answer is right. On a GPU 2 x 3 programs
-    fill few of its SMs, so fill_splits raises the share to max_splits (the 3 of no budget)."""
+    """split_budget reaches the kernel: 3 sequences under a budget of 7 run 2 splits each (150
+    tokens -> 192 in 64-token tiles) where max_splits alone gives 3 (4 of 75 -> 128 tokens); on a
+    GPU fill_splits raises the share to max_splits (the 3 of no budget)."""
     spec = CallSpec("bf16", 16, 16, max_q_len=1)
     variant = get_backend("triton").default_serving_variant(spec, CPU).with_params(
         max_splits=4, tokens_per_split=32, split_budget=7)
@@ -73,13 +60,6 @@ def test_a_split_k_variant_with_a_batch_budget_splits_by_batch_size(device):
     unbudgeted = get_backend("triton").build_serving(variant.with_params(split_budget=0), spec, device)
     unbudgeted(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
     assert unbudgeted.workspace.split_count[:3].tolist() == [3, 3, 3]
-
-
-def test_decode_picks_the_own_split_k_kernel_first(device):
-    inp = serving.make_input([1, 1], [9, 40], 16, 0, "bf16", seed=2, device=device)
-    decode(inp.q, inp.qo_indptr, inp.kv, **inp.layout)
-    decoder = Decoder(CallSpec("bf16"), device=device)
-    assert PREFERENCE[:2] == OWN and decoder.backend == "triton"
 
 
 def test_the_output_buffer_is_allocated_once_and_reused(device):
@@ -125,7 +105,7 @@ def test_lengths_on_the_host_are_required_once_the_spec_says_so(device):
         decoder(inp.q, inp.qo_indptr, inp.kv, **inp.layout, q_lens_host=inp.q_lens)
 
 
-def test_decode_keeps_one_decoder_per_spec(device, monkeypatch):
+def test_decode_keeps_one_decoder_per_spec_and_picks_the_own_split_k_kernel_first(device, monkeypatch):
     built = []
     original = get_backend("triton").build_serving
     monkeypatch.setattr(get_backend("triton"), "build_serving",
@@ -136,6 +116,8 @@ def test_decode_keeps_one_decoder_per_spec(device, monkeypatch):
     paged = serving.make_input([1, 1], [9, 40], 16, 16, "bf16", seed=2, device=device)
     decode(paged.q, paged.qo_indptr, paged.kv, **paged.layout)
     assert [s.page_size for s in built] == [0, 16]
+    # decode picks the own split-K kernel first
+    assert PREFERENCE[:2] == OWN and Decoder(CallSpec("bf16"), device=device).backend == "triton"
 
 
 # ---------------------------------------------------------------------------- the spec
@@ -152,16 +134,14 @@ def test_infer_spec_reads_shapes_and_dtypes_only():
 
 
 # ------------------------------------------------------------------------- refusals
-def test_a_spec_no_backend_serves_is_refused_naming_each_backends_reason():
+def test_a_spec_no_backend_serves_or_a_named_backend_refuses_is_refused_saying_why():
     with pytest.raises(ValueError, match="no backend serves") as info:
         Decoder(CallSpec("bf16", 16, 16, max_q_len=8), device="cpu")
     message = str(info.value)
     for name in PREFERENCE:
         assert f"{name}: " in message
     assert "q_len up to 4, not 8" in message
-
-
-def test_a_named_backend_that_refuses_says_why_and_which_would_serve():
+    # a named backend that refuses says why and which would serve
     spec = CallSpec("bf16", 16, 16, max_q_len=2, mixed_q_len=True)
     with pytest.raises(ValueError, match=r"backend flashmla cannot serve .*pages of 64 tokens.*"
                                          r"backends that would: triton, triton_fused"):
@@ -177,57 +157,42 @@ def test_a_named_backend_that_refuses_says_why_and_which_would_serve():
         Decoder(spec, backend="triton_fused", variant=Variant.make("triton", kv="bf16"), device="cpu")
 
 
-def _mismatch(name: str):
-    """A call of CallSpec('fp8', 16, 16, max_q_len=2) with one thing wrong."""
-    inp = serving.make_input([2, 1], [9, 40], 16, 16, "fp8", seed=8)
-    args = dict(q=inp.q, qo_indptr=inp.qo_indptr, kv=inp.kv, kv_scale=inp.kv_scale, **inp.layout)
-    other = serving.make_input([2, 1], [9, 40], 16, 0, "fp8", seed=8)
-    if name == "heads":
-        args["q"] = serving.make_input([2, 1], [9, 40], 32, 16, "fp8", seed=8).q
-    elif name == "page_size":
-        args["kv"] = serving.make_input([2, 1], [9, 40], 16, 64, "fp8", seed=8).kv
-    elif name == "contiguous":
-        args.update(kv=other.kv, kv_indptr=other.kv_indptr, block_table=None, seq_lens=None)
-    elif name == "both":
-        args["kv_indptr"] = other.kv_indptr
-    elif name == "bf16_kv":
-        args.update(kv=torch.zeros(inp.kv.shape, dtype=torch.bfloat16), kv_scale=None)
-    elif name == "no_scale":
-        args["kv_scale"] = None
-    elif name == "float64_scale":  # a Python float is a kv_scale (tests/test_uint8_cache.py); this is not
-        args["kv_scale"] = torch.tensor([0.5], dtype=torch.float64)
-    elif name == "batch":
-        args["qo_indptr"] = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
-    elif name == "too_many_tokens":
-        args["q"] = torch.zeros((5, 16, 576), dtype=torch.bfloat16)
-    elif name == "block_table_dtype":
-        args["block_table"] = inp.block_table.long()
-    elif name == "seq_lens_rows":
-        args["seq_lens"] = inp.seq_lens[:1]
-    elif name == "q_dtype":
-        args["q"] = inp.q.float()
-    return args
+def _fp8(heads=16, page_size=16):
+    return serving.make_input([2, 1], [9, 40], heads, page_size, "fp8", seed=8)
 
 
-@pytest.mark.parametrize("name,message", [
-    ("heads", r"\(total_q, 16, 576\)"),
-    ("page_size", r"\(num_pages, 16, 576\)"),
-    ("contiguous", "pass block_table and seq_lens"),
-    ("both", "not kv_indptr"),
-    ("bf16_kv", "kv must have an fp8 dtype"),
-    ("no_scale", "fp8 KV needs kv_scale"),
-    ("float64_scale", "fp8 KV needs kv_scale"),
-    ("batch", r"block_table must be an int32 \(3, max_pages\)"),
-    ("too_many_tokens", "each brings 1 to 2"),
-    ("block_table_dtype", "block_table must be an int32"),
-    ("seq_lens_rows", r"seq_lens must be an int32 \(2,\)"),
-    ("q_dtype", "contiguous bfloat16"),
-])
-def test_a_call_that_does_not_match_its_decoder_is_refused_before_launch(name, message):
+# name: (the arguments that differ from a right call of CallSpec('fp8', 16, 16, max_q_len=2), the refusal)
+MISMATCHES = {
+    "heads": (lambda inp, flat: dict(q=_fp8(heads=32).q), r"\(total_q, 16, 576\)"),
+    "page_size": (lambda inp, flat: dict(kv=_fp8(page_size=64).kv), r"\(num_pages, 16, 576\)"),
+    "contiguous": (lambda inp, flat: dict(kv=flat.kv, kv_indptr=flat.kv_indptr, block_table=None,
+                                          seq_lens=None), "pass block_table and seq_lens"),
+    "both": (lambda inp, flat: dict(kv_indptr=flat.kv_indptr), "not kv_indptr"),
+    "bf16_kv": (lambda inp, flat: dict(kv=torch.zeros(inp.kv.shape, dtype=torch.bfloat16), kv_scale=None),
+                "kv must have an fp8 dtype"),
+    "no_scale": (lambda inp, flat: dict(kv_scale=None), "fp8 KV needs kv_scale"),
+    # a Python float is a kv_scale (tests/test_uint8_cache.py); this is not
+    "float64_scale": (lambda inp, flat: dict(kv_scale=torch.tensor([0.5], dtype=torch.float64)),
+                      "fp8 KV needs kv_scale"),
+    "batch": (lambda inp, flat: dict(qo_indptr=torch.tensor([0, 1, 2, 3], dtype=torch.int32)),
+              r"block_table must be an int32 \(3, max_pages\)"),
+    "too_many_tokens": (lambda inp, flat: dict(q=torch.zeros((5, 16, 576), dtype=torch.bfloat16)),
+                        "each brings 1 to 2"),
+    "block_table_dtype": (lambda inp, flat: dict(block_table=inp.block_table.long()),
+                          "block_table must be an int32"),
+    "seq_lens_rows": (lambda inp, flat: dict(seq_lens=inp.seq_lens[:1]), r"seq_lens must be an int32 \(2,\)"),
+    "q_dtype": (lambda inp, flat: dict(q=inp.q.float()), "contiguous bfloat16"),
+}
+
+
+@pytest.mark.parametrize("name", MISMATCHES)
+def test_a_call_that_does_not_match_its_decoder_is_refused_before_launch(name):
     decoder = Decoder(CallSpec("fp8", 16, 16, max_q_len=2, mixed_q_len=True), device="cpu")
-    args = _mismatch(name)
+    inp = _fp8()
+    args = dict(q=inp.q, qo_indptr=inp.qo_indptr, kv=inp.kv, kv_scale=inp.kv_scale, **inp.layout)
+    edit, message = MISMATCHES[name]
     with pytest.raises(ValueError, match=message):
-        decoder(**args)
+        decoder(**{**args, **edit(inp, _fp8(page_size=0))})
 
 
 def test_one_new_token_each_is_checked_against_the_spec():

@@ -1,5 +1,5 @@
-"""The dispatcher's fast path for the leaderboard's call (a tuned uniform shape called
-again): the same checks and messages as the full path, the same runner, misses still counted."""
+"""The dispatcher's fast path for a tuned uniform shape called again: the full path's checks and
+messages, the same runner, misses still counted."""
 
 from __future__ import annotations
 
@@ -34,6 +34,9 @@ def test_a_repeated_tuned_call_takes_the_same_runner_and_a_miss_is_counted_every
     for _ in range(3):
         d(*other[:4], kv_len=64, check_indptr=False)
     assert sum(d.misses.values()) == 3  # a shape the table lacks never takes the fast path
+    for kv in ("bf16", "fp8"):  # the quick predicate agrees with the checks on good inputs
+        data = problem.generate_input(3, 17, 4, device="cpu")
+        assert check_decode_inputs(*data[:4], kv) == 3
 
 
 @pytest.mark.parametrize("spoil, words", [
@@ -54,19 +57,13 @@ def test_the_fast_path_refuses_what_the_full_path_refuses_with_its_message(spoil
         d(*spoil(*data[:4]), kv_len=64, check_indptr=False)
 
 
-def test_the_quick_predicate_agrees_with_the_checks_on_good_inputs():
-    for kv in ("bf16", "fp8"):
-        data = problem.generate_input(3, 17, 4, device="cpu")
-        assert check_decode_inputs(*data[:4], kv) == 3
-
-
 def _runtime(calls: list):
     from mla_tune.runtime import Runtime
 
     return Runtime(table=None, platform=None, dispatcher=_dispatcher(calls), fallback_backend="triton")
 
 
-def test_the_entry_reuses_the_runner_for_the_same_inputs_and_checks_anything_new():
+def test_the_entry_reuses_the_runner_for_the_same_inputs_checks_anything_new_and_misses_uncached():
     calls = []
     rt = _runtime(calls)
     data = problem.generate_input(4, 64, 5, device="cpu")  # (q, kv_data, qo, kv_indptr, config)
@@ -92,10 +89,7 @@ def test_the_entry_reuses_the_runner_for_the_same_inputs_and_checks_anything_new
     rt.custom_kernel(data)
     with pytest.raises(ValueError, match='config\\["batch_size"\\] is 5'):
         rt.custom_kernel((*data[:4], {**data[4], "batch_size": 5}))
-
-
-def test_the_entry_takes_no_shortcut_for_a_shape_the_table_lacks():
-    calls = []
+    # no shortcut for a shape the table lacks
     rt = _runtime(calls)
     other = problem.generate_input(2, 64, 6, device="cpu")
     for _ in range(3):

@@ -1,33 +1,20 @@
-"""End to end on the CPU: `mla-tune sweep` -> table -> runtime -> `mla-tune export` -> the
-exported file imported the way the leaderboard imports it, and checked.
+"""End to end on the CPU: `mla-tune sweep` (a subprocess) -> table -> runtime -> `mla-tune
+export` -> the exported file imported as the leaderboard does, outputs checked against
+problem.reference under the leaderboard rule.
 
-Two sweeps, each run once per module as the real command in a subprocess:
-
-- own kernels (tests/data/e2e_cpu.yaml): torch, triton and triton_fused under Triton's
-  interpreter (fp16 dots, tiny shapes, few reps), on the CPU platform;
-- AITER through its CPU fake (tests/data/e2e_aiter.yaml): torch and aiter on a simulated
-  MI355X (MLA_TUNE_FAKE_PLATFORM=MI355X, the testing hook in mla_tune/gpu.py, with
-  tests/fakes on PYTHONPATH so that `import aiter` finds the fake of AITER v0.1.11), and
-  again through the fake of v0.1.20.post1 (tests/data/e2e_aiter_new.yaml: OPUS and Gluon);
-- and a simulated MI355X without any AITER: the sweep says what to install and tunes Triton.
-
-Outputs are always checked against the leaderboard's reference (problem.reference: fp8
-q, fp8 KV, fp32 math) under the leaderboard rule. Exported files run in one fresh
-subprocess per group, in a folder with a leaderboard-like task.py, whose import system
-refuses mla_tune (the package is installed editable, so leaving it off sys.path would not
-keep it out). The one exception is the fake aiter itself: it stands in for the vendor
-library and computes its answer with mla_tune.problem.reference, so imports made by the
-`aiter` package (and by the mla_tune modules it pulls in) are let through and listed.
+Sweeps: own kernels (tests/data/e2e_cpu.yaml, Triton's interpreter); AITER through its CPU fakes
+of v0.1.11 and v0.1.20.post1 on a simulated MI355X (MLA_TUNE_FAKE_PLATFORM, tests/fakes on
+PYTHONPATH); and a simulated MI355X without AITER. Exported files run in a fresh subprocess
+whose import system refuses mla_tune, except imports made by the fake aiter (which computes
+with mla_tune.problem.reference): those are let through and listed.
 """
 
 from __future__ import annotations
 
 import ast
 import json
-import os
 import subprocess
 import sys
-import textwrap
 import warnings
 from pathlib import Path
 
@@ -41,31 +28,20 @@ from mla_tune.cli import app
 from mla_tune.core import Shape, Variant
 from mla_tune.problem import check, generate_input, generate_ragged_input, get_rule, reference
 from mla_tune.tables.table import load_table, write_table
-from tests.helpers import vendor_fakes
+from tests.helpers import WIDE, exported_env, run_exported, vendor_fakes
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).parent / "data"
 CPU_CONFIG = "tests/data/e2e_cpu.yaml"  # relative to ROOT: the table records the path
 AITER_CONFIG = "tests/data/e2e_aiter.yaml"
 RULE = get_rule("leaderboard")
-WIDE = {"COLUMNS": "250", "NO_COLOR": "1", "TERM": "dumb"}  # rich wraps at 80 columns otherwise
 MISSING = (2, 24)  # a shape neither table has: the fallback serves it
 RAGGED = [5, 40, 17]
 
 
-
 # ----------------------------------------------------------------------------- helpers
-def _base_env() -> dict[str, str]:
-    """This process's environment without a fake platform or extra paths, interpreter on."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", gpu.FAKE_PLATFORM_ENV, "MLA_TUNE_EXTRA_BACKENDS")}
-    # this tree's mla_tune, not the one an editable install elsewhere points at (a worktree)
-    env.update(WIDE, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    return env
-
-
 def _aiter_env(platform: str | None = "MI355X") -> dict[str, str]:
-    env = vendor_fakes.subprocess_env("aiter", base=_base_env())
+    env = vendor_fakes.subprocess_env("aiter", base=exported_env())
     if platform:
         env[gpu.FAKE_PLATFORM_ENV] = platform
     return env
@@ -112,66 +88,19 @@ def _case(batch: int, kv_len: int, seed: int):
     return generate_input(batch, kv_len, seed=seed, device="cpu")
 
 
-RUNNER = textwrap.dedent('''
-    import importlib, json, sys, warnings
-
-    class _NoMlaTune:
-        """mla_tune is refused to everyone but the fake aiter (tests/fakes/aiter) and the
-        mla_tune modules it pulls in; what was let through is listed."""
-        let_through = []
-
-        def find_spec(self, name, path=None, target=None):
-            if name != "mla_tune" and not name.startswith("mla_tune."):
-                return None
-            frame = sys._getframe(1)
-            while frame is not None and (frame.f_code.co_filename.startswith("<frozen")
-                                         or "importlib" in frame.f_code.co_filename):
-                frame = frame.f_back
-            importer = frame.f_globals.get("__name__", "?") if frame is not None else "?"
-            if importer.split(".")[0] in ("aiter", "mla_tune"):
-                self.let_through.append([name, importer])
-                return None
-            raise ImportError(f"the exported file must not import mla_tune ({name}, from {importer})")
-
-    sys.meta_path.insert(0, _NoMlaTune())
-    sys.path.insert(0, ".")
-    import torch
-    warnings.simplefilter("ignore")
-    report = {}
-    for name in sys.argv[1:]:
-        sub = importlib.import_module(name)
-        own = sorted(k for k, v in vars(sub).items()
-                     if str(getattr(v, "__module__", "") or "").startswith("mla_tune")
-                     or getattr(v, "__name__", "") == "mla_tune")
-        cases = torch.load(f"inputs_{name}.pt")
-        outs = [sub.custom_kernel(tuple(case)).clone() for case in cases]
-        torch.save(outs, f"outputs_{name}.pt")
-        fake = sys.modules.get("aiter")
-        report[name] = {
-            "misses": sorted([s.batch, s.kv_len] for s in sub._EXPORT_DISPATCHER.misses),
-            "mla_tune_names": own,
-            "aiter_calls": dict(fake._state.calls) if fake is not None else None,
-        }
-    report["mla_tune_modules"] = sorted(m for m in sys.modules if m.split(".")[0] == "mla_tune")
-    report["let_through"] = _NoMlaTune.let_through
-    print("REPORT " + json.dumps(report))
-''')
+def _assert_served(outs: list, cases: list, report: dict) -> None:
+    """Every exported output matches the reference; the one miss is the shape neither table has."""
+    for out, case in zip(outs, cases, strict=True):
+        _assert_matches(out, case)
+    assert report["misses"] == [list(MISSING)]
 
 
-def _run_exported(folder: Path, cases: dict[str, list], env: dict[str, str]) -> tuple[dict, dict]:
-    """Import each exported module (folder/NAME.py) in one fresh subprocess and run its
-    custom_kernel on its cases; returns ({name: outputs}, report)."""
-    (folder / "task.py").write_text("import typing\ninput_t = typing.Any\noutput_t = typing.Any\n")
-    (folder / "run_exported.py").write_text(RUNNER)
-    for name, module_cases in cases.items():
-        torch.save([list(case) for case in module_cases], folder / f"inputs_{name}.pt")
-    done = subprocess.run([sys.executable, "run_exported.py", *cases], cwd=folder, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    report = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("REPORT "))[7:])
-    for name in cases:
-        assert report[name]["mla_tune_names"] == [], f"{name} holds objects from mla_tune"
-    return {name: torch.load(folder / f"outputs_{name}.pt") for name in cases}, report
+def _pin(row: dict, record: dict) -> None:
+    """The table row's winner becomes the swept record's variant, with its time and calibration."""
+    variant = Variant.parse(record["variant"])
+    row["winner"] = {"variant": str(variant), "backend": variant.backend, "params": variant.p}
+    row["time_us"] = round(record["time"]["median_us"], 3)
+    row["calibration"] = record["calibration"]
 
 
 def _exported_table(text: str) -> dict[tuple[int, int], str]:
@@ -184,7 +113,7 @@ def _exported_table(text: str) -> dict[tuple[int, int], str]:
 # ==================================================================== own kernels (CPU)
 @pytest.fixture(scope="module")
 def cpu_sweep(tmp_path_factory):
-    return _sweep(tmp_path_factory.mktemp("cpu_sweep"), "cpu", CPU_CONFIG, _base_env())
+    return _sweep(tmp_path_factory.mktemp("cpu_sweep"), "cpu", CPU_CONFIG, exported_env())
 
 
 def test_cpu_sweep_writes_a_row_per_shape_with_a_winner_that_passed(cpu_sweep):
@@ -265,7 +194,7 @@ def cpu_exports(cpu_sweep, tmp_path_factory):
         texts[name] = (folder / f"{name}.py").read_text()
     shapes = [*sorted(_rows(cpu_sweep)), MISSING]
     cases = {name: [_case(*s, seed=200 + i) for i, s in enumerate(shapes)] for name in texts}
-    outs, report = _run_exported(folder, cases, _base_env())
+    outs, report = run_exported(folder, cases, exported_env())
     return {"texts": texts, "cases": cases, "outs": outs, "report": report, "shapes": shapes}
 
 
@@ -283,10 +212,8 @@ def test_cpu_full_export_imports_without_mla_tune_and_matches_the_reference(cpu_
     assert "needs no vendor library (torch and triton only)" in text
     assert "shapes the table lacks run the triton fallback" in text
     assert _exported_table(text) == {s: r["winner"]["variant"] for s, r in _rows(cpu_sweep).items()}
-    for out, case in zip(cpu_exports["outs"]["full"], cpu_exports["cases"]["full"], strict=True):
-        _assert_matches(out, case)
     report = cpu_exports["report"]
-    assert report["full"]["misses"] == [list(MISSING)]
+    _assert_served(cpu_exports["outs"]["full"], cpu_exports["cases"]["full"], report["full"])
     assert report["mla_tune_modules"] == [] and report["let_through"] == []
 
 
@@ -297,15 +224,13 @@ def test_cpu_torch_only_export_keeps_torch_rows_and_falls_back_to_torch(cpu_swee
     assert "shapes the table lacks run the torch fallback" in text
     # every row's torch pick (its winner when torch won, else its torch alternate)
     assert _exported_table(text) == {s: r["alternates"]["torch"]["variant"] for s, r in _rows(cpu_sweep).items()}
-    for out, case in zip(cpu_exports["outs"]["torch_only"], cpu_exports["cases"]["torch_only"], strict=True):
-        _assert_matches(out, case)
-    assert cpu_exports["report"]["torch_only"]["misses"] == [list(MISSING)]
+    _assert_served(cpu_exports["outs"]["torch_only"], cpu_exports["cases"]["torch_only"],
+                   cpu_exports["report"]["torch_only"])
 
 
 def test_cpu_export_without_torch_takes_each_rows_best_allowed_alternate(cpu_sweep, cpu_exports):
-    """`--only triton_fused,triton`: a row whose winner is excluded (torch wins every row
-    on the CPU, where Triton runs interpreted) takes its best alternate among the allowed
-    backends; a row with none would be left out and run the triton fallback."""
+    """`--only triton_fused,triton`: a row whose winner is excluded takes its best allowed
+    alternate."""
     text = cpu_exports["texts"]["own_triton"]
     _check_header(text, "cpu")
     expected = {s: str(v) for s, v in
@@ -317,14 +242,12 @@ def test_cpu_export_without_torch_takes_each_rows_best_allowed_alternate(cpu_swe
         assert entries[shape] in {a["variant"] for a in allowed.values()}
         assert Variant.parse(entries[shape]).backend in ("triton", "triton_fused")
     assert "def _build_torch(" not in text and "def _build_triton(" in text
-    for out, case in zip(cpu_exports["outs"]["own_triton"], cpu_exports["cases"]["own_triton"], strict=True):
-        _assert_matches(out, case)
-    assert cpu_exports["report"]["own_triton"]["misses"] == [list(MISSING)]
+    _assert_served(cpu_exports["outs"]["own_triton"], cpu_exports["cases"]["own_triton"],
+                   cpu_exports["report"]["own_triton"])
 
 
 def test_cpu_export_of_only_triton_fused_is_refused_for_want_of_a_fallback(cpu_sweep, tmp_path):
-    # Rows could take triton_fused alternates, but shapes the table lacks need a fallback
-    # (triton or torch), so the exporter refuses rather than write a file that cannot serve them.
+    # shapes the table lacks need a triton or torch fallback, so the exporter refuses
     result = _export(cpu_sweep["path"], tmp_path / "fused.py", "triton_fused")
     assert result.exit_code == 1
     assert ("the fallback needs the triton or the torch backend, but --only allows only triton_fused; "
@@ -412,25 +335,16 @@ def test_mi355x_sweep_without_the_fake_platform_is_refused_naming_the_cpu(tmp_pa
 
 @pytest.fixture(scope="module")
 def aiter_pinned_table(aiter_sweep, tmp_path_factory):
-    """The MI355X table with each row's winner pinned to an aiter variant the sweep passed.
-
-    On the CPU, torch's bmm and the fake (fp32 reference math on the CPU) take about the
-    same time, so which one wins a row is down to timing noise; pinned, the runtime goes
-    through AITER every time (on a real MI355X AITER is the expected winner anyway).
-    Pinned: (2, 200) -> the fastest fp8_static variant (calibrated q_amax, AITER's static
-    quant op), (1, 40) -> the fastest non-persistent one. Everything else is the sweep's.
-    """
+    """The MI355X table with each winner pinned to an aiter variant the sweep passed (on the CPU
+    torch and the fake tie, so the sweep's winner is noise): (2, 200) the fastest fp8_static,
+    (1, 40) the fastest non-persistent."""
     data = yaml.safe_load(aiter_sweep["path"].read_text())
     picks = {(2, 200): lambda r: r["params"]["q"] == "fp8_static",
              (1, 40): lambda r: r["params"]["mode"] == "nonpersistent"}
     for row in data["rows"]:
         shape = (row["batch"], row["kv_len"])
-        record = min((r for r in _aiter_ok(aiter_sweep, shape) if picks[shape](r)),
-                     key=lambda r: r["time"]["median_us"])
-        variant = Variant.parse(record["variant"])
-        row["winner"] = {"variant": str(variant), "backend": "aiter", "params": variant.p}
-        row["time_us"] = round(record["time"]["median_us"], 3)
-        row["calibration"] = record["calibration"]
+        _pin(row, min((r for r in _aiter_ok(aiter_sweep, shape) if picks[shape](r)),
+                      key=lambda r: r["time"]["median_us"]))
     path = write_table(tmp_path_factory.mktemp("pinned") / "MI355X.yaml", data)
     load_table(path)  # still a valid table
     return path
@@ -491,11 +405,9 @@ def test_mi355x_exports_import_with_the_fake_aiter_and_without_mla_tune(aiter_sw
 
     shapes = [*sorted(rows), MISSING]
     cases = {name: [_case(*s, seed=400 + i) for i, s in enumerate(shapes)] for name in ("aiter_only", "pinned")}
-    outs, report = _run_exported(tmp_path, cases, _aiter_env(platform=None))
+    outs, report = run_exported(tmp_path, cases, _aiter_env(platform=None))
     for name, module_cases in cases.items():
-        for out, case in zip(outs[name], module_cases, strict=True):
-            _assert_matches(out, case)
-        assert report[name]["misses"] == [list(MISSING)]
+        _assert_served(outs[name], module_cases, report[name])
     # each file's two table rows went through the fake (one process: the counts add up)
     assert report["aiter_only"]["aiter_calls"]["mla_decode_fwd"] == 2
     assert report["pinned"]["aiter_calls"]["mla_decode_fwd"] == 4
@@ -517,8 +429,8 @@ def aiter_new_sweep(tmp_path_factory):
 
 
 def test_mi355x_sweep_through_the_newer_fake_gives_a_table_and_an_export(aiter_new_sweep, tmp_path):
-    """The fake of 0.1.20.post1 offers what 0.1.11 lacks: the OPUS stage 1 and the Gluon
-    decode join the sweep, pass the gate, and the export runs them through the fake."""
+    """The fake of 0.1.20.post1 adds OPUS and the Gluon decode: they pass the gate, and an
+    export pinned to Gluon runs it through the fake."""
     header = aiter_new_sweep["header"]
     assert header["unavailable"] == {}
     assert header["platform"]["versions"]["amd-aiter"] == "0.1.20.post1"
@@ -537,25 +449,22 @@ def test_mi355x_sweep_through_the_newer_fake_gives_a_table_and_an_export(aiter_n
     # pin the row to the Gluon fp8 variant and export it: the file runs it through the fake
     data = yaml.safe_load(aiter_new_sweep["path"].read_text())
     gluon = next(r for r in records if r["params"].get("mode") == "gluon" and r["params"]["kv"] == "fp8")
-    variant = Variant.parse(gluon["variant"])
-    data["rows"][0]["winner"] = {"variant": str(variant), "backend": "aiter", "params": variant.p}
-    data["rows"][0]["time_us"] = round(gluon["time"]["median_us"], 3)
-    data["rows"][0]["calibration"] = gluon["calibration"]
+    _pin(data["rows"][0], gluon)
     pinned = write_table(tmp_path / "MI355X.yaml", data)
     result = _export(pinned, tmp_path / "gluon.py", "aiter,triton")
     assert result.exit_code == 0, result.output
     text = (tmp_path / "gluon.py").read_text()
     _check_header(text, "MI355X")
-    assert _exported_table(text) == {(2, 200): str(variant)}
+    assert _exported_table(text) == {(2, 200): str(Variant.parse(gluon["variant"]))}
     cases = {"gluon": [_case(2, 200, seed=500)]}
     env = dict(_aiter_env(platform=None), MLA_TUNE_FAKE_AITER_VERSION="0.1.20.post1")
-    outs, report = _run_exported(tmp_path, cases, env)
+    outs, report = run_exported(tmp_path, cases, env)
     _assert_matches(outs["gluon"][0], cases["gluon"][0])
     assert report["gluon"]["aiter_calls"]["mla_gluon"] == 1
 
 
 def test_mi355x_sweep_without_aiter_says_what_to_install_and_tunes_triton(tmp_path):
-    env = dict(_base_env(), **{gpu.FAKE_PLATFORM_ENV: "MI355X"})  # no fakes on the path: no aiter
+    env = dict(exported_env(), **{gpu.FAKE_PLATFORM_ENV: "MI355X"})  # no fakes on the path: no aiter
     out = tmp_path / "MI355X.yaml"
     done = _mla_tune("sweep", "--gpu", "MI355X", "--config", "tests/data/e2e_no_aiter.yaml", "--out", out,
                      env=env)

@@ -1,16 +1,10 @@
-"""The single-file export: header, no mla_tune import, only the code it needs, correct output.
-
-The exported file is imported in a fresh subprocess whose import system refuses mla_tune
-(the package is installed editable, so a plain sys.path change would not keep it out); it
-runs custom_kernel on saved inputs under the interpreter, and this process checks the
-outputs against the fp32 reference under the leaderboard rule.
-"""
+"""The single-file export: header, no mla_tune import, only the code it needs, correct output
+(the file runs in a fresh subprocess that refuses mla_tune; outputs are checked here against
+the fp32 reference under the leaderboard rule)."""
 
 from __future__ import annotations
 
 import ast
-import builtins
-import os
 import shutil
 import subprocess
 import sys
@@ -22,76 +16,10 @@ import torch
 
 from mla_tune.export import ExportError, export_submission, module_from_source, prepare_modules
 from mla_tune.problem import check, generate_input, generate_ragged_input, get_rule, reference
+from tests.helpers import CPU_TABLE as TABLE
+from tests.helpers import assert_clean_export, exported_outputs
 
-DATA = Path(__file__).parent / "data"
-TABLE = DATA / "table_cpu.yaml"
 RULE = get_rule("leaderboard")
-
-RUNNER = textwrap.dedent('''
-    import importlib, sys, warnings
-    class _NoMlaTune:
-        def find_spec(self, name, path=None, target=None):
-            if name == "mla_tune" or name.startswith("mla_tune."):
-                raise ImportError("the exported file must not import mla_tune")
-    sys.meta_path.insert(0, _NoMlaTune())
-    sys.path.insert(0, ".")
-    import torch
-    warnings.simplefilter("ignore")
-    sub = importlib.import_module(sys.argv[1])
-    cases = torch.load("inputs.pt")
-    outs = [sub.custom_kernel(tuple(case)).clone() for case in cases]
-    assert "mla_tune" not in sys.modules, sorted(m for m in sys.modules if "mla_tune" in m)
-    torch.save(outs, "outputs.pt")
-    print("misses", sorted((s.batch, s.kv_len) for s in sub._EXPORT_DISPATCHER.misses))
-''')
-
-
-def _run_exported(tmp_path: Path, module: str, cases: list) -> tuple[list, str]:
-    (tmp_path / "task.py").write_text("import typing\ninput_t = typing.Any\noutput_t = typing.Any\n")
-    (tmp_path / "run_export.py").write_text(RUNNER)
-    torch.save([list(case) for case in cases], tmp_path / "inputs.pt")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["TRITON_INTERPRET"] = "1"
-    done = subprocess.run([sys.executable, "run_export.py", module], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return torch.load(tmp_path / "outputs.pt"), done.stdout
-
-
-def _undefined_names(text: str) -> set[str]:
-    """A pyflakes-like check: every name read somewhere is bound somewhere or a builtin."""
-    tree = ast.parse(text)
-    bound = set(dir(builtins))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
-            bound.add(node.id)
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            bound.add(node.name)
-        elif isinstance(node, ast.arg):
-            bound.add(node.arg)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
-        elif isinstance(node, ast.ExceptHandler) and node.name:
-            bound.add(node.name)
-    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} - bound
-
-
-def _assert_clean(path: Path) -> str:
-    text = path.read_text()
-    compile(text, str(path), "exec")
-    assert _undefined_names(text) == set()
-    ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
-    if Path(ruff).exists():
-        lint = subprocess.run([ruff, "check", "--no-cache", "--isolated", "--select", "F", str(path)],
-                              capture_output=True, text=True)
-        assert lint.returncode == 0, lint.stdout
-    lines = text.splitlines()
-    assert lines[:2] == ["#!POPCORN leaderboard amd-mixed-mla", "#!POPCORN gpu cpu"]
-    assert "import mla_tune" not in text and "from mla_tune" not in text
-    assert "from task import input_t, output_t" in text
-    assert text.count("from __future__ import annotations") == 1
-    return text
-
 
 def _check(outs, cases, formats):
     for out, case, kv_format in zip(outs, cases, formats, strict=True):
@@ -101,7 +29,7 @@ def _check(outs, cases, formats):
 
 def test_full_export_runs_without_mla_tune_and_matches_the_reference(tmp_path):
     path = export_submission(TABLE, tmp_path / "submission.py")
-    text = _assert_clean(path)
+    text = assert_clean_export(path)
     assert "Backends used: triton, torch; shapes the table lacks run the triton fallback." in text
     assert "needs no vendor library (torch and triton only)" in text
     assert "config configs/test.yaml hash 0123abcd, rule leaderboard rtol=0.1" in text
@@ -119,9 +47,9 @@ def test_full_export_runs_without_mla_tune_and_matches_the_reference(tmp_path):
     # (3, 16): a row without a winner -> fallback.
     cases = [generate_input(b, n, seed=10 + i, device="cpu")
              for i, (b, n) in enumerate([(1, 8), (2, 40), (2, 24), (3, 16)])]
-    outs, stdout = _run_exported(tmp_path, "submission", cases)
+    outs, misses = exported_outputs(tmp_path, "submission", cases)
     _check(outs, cases, ["bf16", "fp8", "fp8", "fp8"])
-    assert "misses [(2, 24), (3, 16)]" in stdout
+    assert misses == [[2, 24], [3, 16]]
 
 
 def test_exported_custom_kernel_honours_config_sm_scale(tmp_path):
@@ -130,7 +58,7 @@ def test_exported_custom_kernel_honours_config_sm_scale(tmp_path):
     from mla_tune.core import CORE_DEEPSEEK_V3_SCALE as DSV3
 
     path = export_submission(TABLE, tmp_path / "submission.py")
-    text = _assert_clean(path)
+    text = assert_clean_export(path)
     assert "dispatcher = _EXPORT_DISPATCHER if sm_scale == SM_SCALE else _export_scaled(sm_scale)" in text
     # (1, 8): torch row; (2, 40): triton row; (2, 24): the triton fallback; then (2, 40) at
     # the leaderboard's scale
@@ -139,18 +67,18 @@ def test_exported_custom_kernel_honours_config_sm_scale(tmp_path):
         case = generate_input(b, n, seed=20 + i, device="cpu")
         cases.append((*case[:4], {**case[4], "sm_scale": DSV3}))
     cases.append(generate_input(2, 40, seed=23, device="cpu"))
-    outs, stdout = _run_exported(tmp_path, "submission", cases)
+    outs, misses = exported_outputs(tmp_path, "submission", cases)
     for out, case, kv_format in zip(outs, cases, ["bf16", "fp8", "fp8", "fp8"], strict=True):
         scale = case[4]["sm_scale"]
         assert check(out, reference(case, q_format="bf16", kv_format=kv_format, sm_scale=scale), RULE).passed
         if scale == DSV3:  # the leaderboard's scale would be wrong here: the scale was used
             assert not check(out, reference(case, q_format="bf16", kv_format=kv_format), RULE).passed
-    assert "misses []" in stdout  # the fallback shape ran on the scaled dispatcher, not the default
+    assert misses == []  # the fallback shape ran on the scaled dispatcher, not the default
 
 
 def test_torch_only_export_carries_no_triton_code_and_uses_torch_alternates(tmp_path):
     path = export_submission(TABLE, tmp_path / "torch_only.py", only_backends=["torch"])
-    text = _assert_clean(path)
+    text = assert_clean_export(path)
     assert "triton" not in {line.split()[1] for line in text.splitlines()
                             if line.startswith(("import ", "from "))}
     assert "@triton.jit" not in text and "flash_decode" not in text
@@ -158,7 +86,7 @@ def test_torch_only_export_carries_no_triton_code_and_uses_torch_alternates(tmp_
     assert "needs no vendor library (torch only)" in text
     cases = [generate_input(1, 8, seed=1, device="cpu"), generate_input(2, 40, seed=2, device="cpu"),
              generate_input(3, 16, seed=3, device="cpu")]
-    outs, _ = _run_exported(tmp_path, "torch_only", cases)
+    outs, _ = exported_outputs(tmp_path, "torch_only", cases)
     _check(outs, cases, ["bf16", "bf16", "bf16"])
 
 

@@ -1,14 +1,6 @@
-"""The fused one-launch family on the serving call (fused_decode_serving) against
-mla_tune/serving/inputs.py's fp32 reference, with the call shape of flash_decode_serving:
-fp8 q, other page sizes and q_len 3, a padding slot, its counters, its refusals, under
-Triton's interpreter with fp16 dots.
-
-Its answers over the matrix layout x heads x q_len x KV are in
-tests/test_serving_correctness.py (a covering sample on the CPU, the full matrix on the
-GPU), its CUDA-graph replay in tests/test_graph_replay.py. Every run here poisons the
-output and the partials with NaN first; paged caches hold NaN in every slot no sequence
-owns.
-"""
+"""The fused one-launch serving kernel (fused_decode_serving) against the fp32 reference,
+under the interpreter with fp16 dots: fp8 q, odd page sizes, q_len 3, a padding slot, its
+counters and refusals. Output and partials are poisoned with NaN first."""
 
 from __future__ import annotations
 
@@ -54,9 +46,8 @@ def _launch(inp: serving.ServingInput, device: str, *, max_splits: int, tokens_p
 
 @pytest.mark.parametrize("layout,q_len", [(0, 1), (64, 2)])
 def test_fused_serving_fp8_q_and_fp8_dot(layout, q_len, device):
-    """q quantized in the kernel per (new token, head), QK dot fp8 x fp8. On the CPU the
-    interpreter rounds some fp32 -> fp8 casts wrongly (a carry into the exponent), so the
-    bound there is the error of fp8 q itself, not the strict rule (GPU tests apply it)."""
+    """q quantized per (new token, head), QK dot fp8 x fp8. The interpreter rounds some fp32 ->
+    fp8 casts wrongly, so the CPU bound is the error of fp8 q itself."""
     inp = serving.make_input(_q_lens([65, 17, 1], q_len), [65, 17, 1], 16, layout, "fp8", seed=5, device=device)
     out = _launch(inp, device, max_splits=4, tokens_per_split=16, block_n=16, block_h=16, q_fp8=True)
     ref = serving.reference(row_quantized_q(inp.q), inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
@@ -87,8 +78,7 @@ def test_a_sequence_of_length_0_is_left_untouched(device):
 
 
 def test_the_reduction_resets_its_counters_so_a_workspace_serves_new_calls(device):
-    """What a CUDA graph replay does: the same buffers, refilled with other lengths,
-    q_lens and block tables, and no allocation or host read between the calls."""
+    """A graph replay: the same buffers refilled with other lengths, q_lens and tables."""
     first = serving.make_input([2, 1, 2], [40, 1, 100], 16, 16, "fp8", seed=21, device=device)
     workspace = FusedServingWorkspace.allocate(6, 16, 4, device)
     out = torch.empty((5, 16, 512), dtype=torch.bfloat16, device=device)
@@ -109,20 +99,14 @@ def test_the_reduction_resets_its_counters_so_a_workspace_serves_new_calls(devic
     assert int(workspace.count.abs().sum()) == 0
 
 
-@pytest.mark.parametrize(
-    "change,message",
-    [
-        (dict(block_h=12), "block_h"),
-        (dict(block_h=4), "block_h"),  # 4 heads x 1 new token: fewer than 16 MMA columns
-        (dict(max_q_len=5), "max_q_len"),
-        (dict(block_n=24), "block_n"),
-        (dict(tokens_per_split=0), "tokens_per_split"),
-        (dict(kv_indptr="both"), "not both"),
-        (dict(qk_dot="fp8"), "q_fp8"),  # fp8 dots on a bf16 cache, and without q_fp8
-        (dict(pv_dot="fp32"), "pv_dot"),
-        (dict(workspace="small"), "workspace is for"),
-    ],
-)
+@pytest.mark.parametrize("change,message", [
+    (dict(block_h=12), "block_h"), (dict(block_h=4), "block_h"),  # block_h 4: fewer than 16 MMA columns
+    (dict(max_q_len=5), "max_q_len"), (dict(block_n=24), "block_n"),
+    (dict(tokens_per_split=0), "tokens_per_split"),
+    (dict(kv_indptr="both"), "not both"), (dict(pv_dot="fp32"), "pv_dot"),
+    (dict(qk_dot="fp8"), "q_fp8"),  # fp8 dots on a bf16 cache, and without q_fp8
+    (dict(workspace="small"), "workspace is for"),
+])
 def test_bad_calls_are_refused_by_name(change, message):
     inp = serving.make_input([1, 1], [5, 9], 16, 16, "bf16", seed=1)
     kwargs = dict(inp.layout, max_q_len=1, max_splits=2, tokens_per_split=4, block_n=16, block_h=16,

@@ -19,7 +19,8 @@ from mla_tune.gpu import fake_platform
 from mla_tune.kernels import gluon_decode
 from mla_tune.problem import generate_input
 from mla_tune.tune.config import expand_space, load_config
-from tests.test_export import TABLE, _assert_clean, _run_exported
+from tests.helpers import CPU_TABLE as TABLE
+from tests.helpers import assert_clean_export, exported_outputs
 
 GLUON = "gluon_fused(block_n=64,kv=fp8,num_splits=1,num_stages=2,q=fp8_dynamic,v_path=rs8)"
 
@@ -61,13 +62,13 @@ def test_export_with_a_gluon_winner_is_self_contained_and_says_why_it_cannot_run
     (tmp_path / "table.yaml").write_text(yaml.safe_dump(table))
     path = export_submission(tmp_path / "table.yaml", tmp_path / "sub.py",
                              only_backends=["triton", "triton_fused", "gluon_fused"])
-    text = _assert_clean(path)
+    text = assert_clean_export(path)
     assert "def _build_gluon_fused(" in text and "def _gd_decode_kernel(" in text
     # the (1, 8) row's triton alternate runs; the gluon row fails with the reason and the fix
-    outs, _ = _run_exported(tmp_path, "sub", [generate_input(1, 8, seed=3, device="cpu")])
+    outs, _ = exported_outputs(tmp_path, "sub", [generate_input(1, 8, seed=3, device="cpu")])
     assert outs[0].shape == (1, 16, 512)
-    torch.save([list(generate_input(2, 40, seed=4, device="cpu"))], tmp_path / "inputs.pt")
-    done = subprocess.run([sys.executable, "run_export.py", "sub"], cwd=tmp_path, capture_output=True,
+    torch.save([list(generate_input(2, 40, seed=4, device="cpu"))], tmp_path / "inputs_sub.pt")
+    done = subprocess.run([sys.executable, "run_exported.py", "sub"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300, env={"TRITON_INTERPRET": "1", "PATH": "/usr/bin:/bin"})
     assert done.returncode != 0
     # the reason is what this machine lacks: the GPU where this Triton's Gluon has the kernel's API

@@ -1,10 +1,9 @@
-"""The Gluon serving kernel's CPU-checkable parts: the split rule, its split reduction (plain
-Triton, run under the interpreter against partials computed in torch), and gluon_fused's
-serving capability (record, variants, refusals). The kernel itself needs an sm_90 GPU:
-tests/test_gluon_serving_compile.py compiles it here, tests/test_gluon_serving_gpu.py runs it."""
+"""The Gluon serving kernel's CPU-checkable parts: its split rule, its split reduction (plain
+Triton, under the interpreter) and gluon_fused's serving capability, variants and refusals."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -45,9 +44,8 @@ def test_a_batch_budget_shares_its_splits_by_length():
 
 
 def _partials(q, kv, q_lens, kv_lens, heads, max_splits, tokens_per_split, cap, budget):
-    """What the serving kernel leaves for the reduction, in torch: per (split, new token, head)
-    the normalized partial output and its log2-sum-exp (O 0 and -inf where a split holds
-    none of the tokens a new token sees), and the exact answer with its natural-log LSE."""
+    """In torch, the serving kernel's partials per (split, new token, head): normalized O and
+    log2-sum-exp (0 and -inf for a split a new token sees none of); the exact answer, LSE."""
     part_o = torch.full((max_splits * cap * heads, V_DIM), float("nan"))
     part_lse = torch.full((max_splits * cap * heads,), float("nan"))
     exact = torch.empty((sum(q_lens), heads, V_DIM))
@@ -112,30 +110,26 @@ def test_the_reduction_combines_the_splits_into_the_exact_answer(device, paged, 
 
 def test_the_record_serves_the_engines_layouts_and_refuses_the_rest():
     caps = capabilities("gluon_fused")
-    for kv in ("fp8", "bf16"):
-        for page in (0, 64, 128):
-            for heads in CORE_HEADS:
-                spec = CallSpec(kv, page, heads, max_q_len=4, mixed_q_len=True, graph=True, return_lse=True)
-                assert caps.refusal(spec) is None, spec
+    for kv, page, heads in itertools.product(("fp8", "bf16"), (0, 64, 128), CORE_HEADS):
+        spec = CallSpec(kv, page, heads, max_q_len=4, mixed_q_len=True, graph=True, return_lse=True)
+        assert caps.refusal(spec) is None, spec
     assert "not pages of 16" in caps.refusal(CallSpec("fp8", 16))
     assert "q_len up to 4" in caps.refusal(CallSpec("fp8", 64, max_q_len=8))
     assert "not mxfp4" in caps.refusal(CallSpec("mxfp4", 64))
 
 
 def test_default_and_offered_variants_fit_every_family_and_name_their_q_mode():
-    for kv in ("fp8", "bf16"):
-        for heads in CORE_HEADS:
-            for q_len in (1, 2, 3, 4):
-                spec = CallSpec(kv, 64, heads, max_q_len=q_len, mixed_q_len=True)
-                offered = gluon_fused.serving_candidates(spec, {"num_stages": [2, 3]}, H200)
-                default = gluon_fused.default_serving_variant(spec, H200)
-                assert default.get("q") == {"fp8": "fp8_dynamic", "bf16": "bf16"}[kv]
-                for variant in [default, *offered]:
-                    gluon_fused.validate(variant)
-                    rows = variant.get("block_h") * (1 << (q_len - 1).bit_length())
-                    assert rows in gluon_serving.GS_ROWS and heads % variant.get("block_h") == 0
-                    assert variant.get("kv") == kv and variant.get("max_splits") <= gluon_serving.GS_MAX_SPLITS
-                assert offered, spec
+    for kv, heads, q_len in itertools.product(("fp8", "bf16"), CORE_HEADS, (1, 2, 3, 4)):
+        spec = CallSpec(kv, 64, heads, max_q_len=q_len, mixed_q_len=True)
+        offered = gluon_fused.serving_candidates(spec, {"num_stages": [2, 3]}, H200)
+        default = gluon_fused.default_serving_variant(spec, H200)
+        assert default.get("q") == {"fp8": "fp8_dynamic", "bf16": "bf16"}[kv]
+        for variant in [default, *offered]:
+            gluon_fused.validate(variant)
+            rows = variant.get("block_h") * (1 << (q_len - 1).bit_length())
+            assert rows in gluon_serving.GS_ROWS and heads % variant.get("block_h") == 0
+            assert variant.get("kv") == kv and variant.get("max_splits") <= gluon_serving.GS_MAX_SPLITS
+        assert offered, spec
     # bf16 at 32 rows spills with every V dim in one program: never offered so
     bf16 = gluon_fused.serving_candidates(CallSpec("bf16", 64, 128), {}, H200)
     assert not [v for v in bf16 if v.get("block_h") == 32 and v.get("v_halves") == 1]
@@ -173,9 +167,8 @@ def test_serving_variants_are_refused_by_name():
 
 
 def test_a_table_entry_naming_a_serving_variant_passes_the_tables_rules():
-    # The table's check reads backends/params.py (no torch, no kernel): it must know the
-    # serving form, or a serving table with a Gluon pick fails to load (the re-sweep of
-    # 2026-12-02 failed so at writing its table). The form's split cap is the kernel's.
+    # The table's check reads backends/params.py (no torch): it must know the serving form,
+    # with the kernel's split cap, or a table with a Gluon pick fails to load.
     from mla_tune.backends.params import PARAM_RULES, PR_GS_MAX_SPLITS, check_variant_rules
     from mla_tune.tables.table import TableError, check_variant_field
 

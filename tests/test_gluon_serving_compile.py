@@ -1,15 +1,7 @@
-"""The Gluon serving kernel (kernels/gluon_serving.py) compiles for sm_90 on a machine
-without a GPU, without spilling, within an H200 block's shared memory.
-
-Each case's launches are captured from the backend's real path: gluon_fused.build_serving
-of the variant, then one call of its runner with meta tensors (no memory) while
-xcompile.capture.recording records the launches; each is bound and compiled for
-GPUTarget("cuda", 90, 32) by mla_tune/xcompile/targets.py (ptxas ships in Triton's wheel)
-in a child process (the suite's conftest sets TRITON_INTERPRET, whose jit functions cannot
-be compiled). CI runs it with Triton 3.9; under the contest's Triton 3.6:
-`/work/venv36/bin/python -m pytest -q tests/test_gluon_serving_compile.py`. Compiling is not
-running: tests/test_gluon_serving_gpu.py checks the answers on an H200.
-"""
+"""The Gluon serving kernel (kernels/gluon_serving.py) compiles for sm_90 without a GPU,
+without spilling, within an H200 block's shared memory: the launches of gluon_fused's runner
+called on meta tensors, compiled in a child process (TRITON_INTERPRET's jit cannot compile).
+Under Triton 3.6: `/work/venv36/bin/python -m pytest -q tests/test_gluon_serving_compile.py`."""
 
 from __future__ import annotations
 
@@ -29,10 +21,7 @@ pytestmark = pytest.mark.skipif(gluon_serving.gluon is None,
 META = torch.device("meta")
 H200_BLOCK_SMEM = 232448  # 227 KB: what one sm_90 block may allocate
 
-# (spec, variant): fp8 and bf16 KV, pages of 64 and 128, 64 and 128 heads, q_len 2 and 4,
-# one and two V halves, the split reduction, the LSE and a batch budget (a runtime int: the
-# same binary). Two binaries keep CI's suite short; tests/test_gluon_serving_gpu.py runs the
-# whole matrix (contiguous KV and 3 stages included) on the H200.
+# (spec, variant): two binaries, to keep CI short; tests/test_gluon_serving_gpu.py runs the rest.
 CASES = [
     (CallSpec("fp8", 64, 128, max_q_len=2, mixed_q_len=True, graph=True, return_lse=True),
      "gluon_fused(block_h=16,kv=fp8,max_splits=8,num_stages=2,q=fp8_dynamic,split_budget=40,tokens_per_split=512,"
@@ -44,8 +33,7 @@ IDS = ["fp8-page64-h128-q2-lse", "bf16-page128-h64-q4-lse-halves"]
 
 
 def compile_cases() -> list[dict]:
-    """Each case's launches, one call of the built runner at batch 3 with meta tensors
-    (xcompile.capture.recording), compiled for sm_90: name, grid, error and resources."""
+    """Each case's launches at batch 3 on meta tensors, compiled for sm_90: their records."""
     from mla_tune.xcompile import capture, check, targets
 
     facts, batch = check.facts_for("H200"), 3

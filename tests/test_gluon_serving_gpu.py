@@ -1,22 +1,9 @@
-"""The Gluon serving kernel (kernels/gluon_serving.py, through gluon_fused.build_serving)
-against the fp32 reference on an H200: fp8 and bf16 KV, 16 / 64 / 128 heads, q_len 1 / 2 / 4
-(causal among the new tokens, q_lens mixed where a sequence is shorter), pages of 64 (and
-the contiguous layout at 16 heads, q_len 2), lengths 1, 17, 3000 and ragged mixes with page
-and tile edges, at DeepSeek-V3's softmax scale, under the strict rule. Unused cache slots
-are NaN (serving.inputs.make_input), so a kernel that reads one fails.
-
-For fp8 KV the reference's q is quantized as the kernel quantizes it (one scale per (new
-token, head), amax / 448): at DeepSeek-V3's scale a per-tensor q scale differs from it by
-more than the strict rule allows (tests/test_gpu_engine_call.py, gluon_fused's build).
-
-Also: the Decoder's call captured in a CUDA graph (serving.capture_without_sync refuses a
-call that synchronizes) and replayed with new lengths, q_lens and block tables.
-
-Each family (KV format, heads, q_len, layout) and each graph case runs in its own spawned
-process (a pool of up to 8, so the kernels compile in parallel, and a crash or a poisoned
-CUDA context costs only its own); every case runs inside try/except and reports its first
-error line. Run on the H200: `python -m pytest -q -m gpu tests/test_gluon_serving_gpu.py`.
-"""
+"""The Gluon serving kernel (through gluon_fused.build_serving) against the fp32 reference on
+an H200 at DeepSeek-V3's scale, strict rule, NaN in unused cache slots; and the Decoder's call
+captured in a CUDA graph and replayed with new lengths, q_lens and block tables. For fp8 KV
+the reference's q is quantized as the kernel does (a scale per (new token, head), amax / 448):
+a per-tensor scale differs by more than the strict rule allows. Each family and graph case
+runs in its own spawned process (a pool of up to 8), each case reporting its first error."""
 
 from __future__ import annotations
 
@@ -48,10 +35,8 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _variants(spec: CallSpec, platform) -> list[Variant]:
-    """The default serving variant, and beside it (one more binary per family, to keep the
-    compiles few) one without splits at q_len 1, one with two V halves (at most 4 splits of
-    256 tokens, and a batch budget of 24 splits: a runtime int, the same binary) at q_len 2
-    and 4."""
+    """The default serving variant and one more binary per family: no splits at q_len 1, two
+    V halves (4 splits of 256 tokens, a batch budget of 24: a runtime int) at q_len 2 and 4."""
     from mla_tune.backends import gluon_fused
 
     default = gluon_fused.default_serving_variant(spec, platform)
@@ -109,14 +94,11 @@ def run_family(family: tuple) -> list[dict]:
     return results
 
 
-# A CUDA graph of the Decoder's call, captured once (serving.capture_without_sync: a call that
-# synchronizes raises) and replayed with other lengths, q_lens and block tables.
 GRAPH_CASES = [("graph", "fp8", 64), ("graph", "bf16", 64), ("graph", "fp8", 0)]
 
 
 def run_graph(case: tuple) -> list[dict]:
-    """Each replay of one captured Decoder call (gluon_fused's default serving variant, 128
-    heads, q_len up to 2), its output poisoned with NaN before the replay."""
+    """Each replay of one captured Decoder call (128 heads, q_len up to 2), output poisoned."""
     from mla_tune import problem
     from mla_tune.serving import inputs as serving
     from mla_tune.serving.call import Decoder
@@ -151,10 +133,6 @@ def run_graph(case: tuple) -> list[dict]:
     return results
 
 
-def run_task(task: tuple) -> list[dict]:
-    return run_graph(task) if task[0] == "graph" else run_family(task)
-
-
 @pytest.fixture(scope="module")
 def outcomes() -> dict[tuple, list[dict]]:
     if not torch.cuda.is_available():
@@ -167,7 +145,8 @@ def outcomes() -> dict[tuple, list[dict]]:
     context = multiprocessing.get_context("spawn")
     workers = min(8, os.cpu_count() or 1)
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, max_tasks_per_child=1) as pool:
-        futures = {pool.submit(run_task, task): task for task in FAMILIES + GRAPH_CASES}
+        futures = {pool.submit(run_graph if task[0] == "graph" else run_family, task): task
+                   for task in FAMILIES + GRAPH_CASES}
         for future in concurrent.futures.as_completed(futures):
             family = futures[future]
             try:

@@ -1,20 +1,9 @@
 """A CUDA graph of the serving call replays new lengths: one test per path, GPU only.
 
-Each graph is captured once at the maxima by serving.capture_without_sync, which compiles
-outside the graph and captures under sync debug mode "error" (a call that synchronizes
-with the host raises there instead of being captured), then replayed with other lengths,
-q_lens and block tables (serving.refill_for_replays: 1-, 2- and 3000-token sequences moved
-between batch slots), each replay's output poisoned with NaN first and compared with the
-fp32 reference of the new call.
-
-- the serving call (Decoder): split-K and the fused kernel, each with its default variant
-  and with the launch settings the kernel tests chose; FlashMLA (one q_len per call, so 1)
-  on bf16 and fp8 KV; FlashInfer with its plan made on the host before each replay (an
-  engine's step), outside the graph;
-- any other serving backend that declares itself graph-safe and runs on the H200 (the
-  Gluon kernel where it serves), with its default variant;
-- DecodePlan: an engine's decode step (update, then three layers) captured whole and
-  replayed while the sequences grow, for split-K, fused and FlashMLA.
+Each graph is captured once at the maxima (serving.capture_without_sync: sync debug mode
+"error"), replayed with other lengths, q_lens and block tables (serving.refill_for_replays),
+each output poisoned with NaN first and compared with the fp32 reference of the new call:
+the Decoder of every graph-safe serving backend on the H200, and a DecodePlan's whole step.
 """
 
 from __future__ import annotations
@@ -115,8 +104,7 @@ GROWING_LENS = [1, 17, 63, 64, 65, 700, 3000, 129]
 @_gpu
 @pytest.mark.parametrize("backend", ["triton", "triton_fused", "flashmla"])
 def test_a_decode_step_through_a_plan_captured_once_replays_growing_lengths(backend):
-    """An engine's step: update once, then three layers, captured once for the batch bucket
-    and replayed while every sequence grows by 4 tokens per replay."""
+    """An engine's step (update, then three layers) captured once, replayed as sequences grow."""
     spec = CallSpec("fp8", page_size=64, heads=HEADS, max_q_len=1, graph=True)
     plan = DecodePlan(spec, max_batch=8, backend=backend, device="cuda")
     batch = len(GROWING_LENS)
@@ -150,8 +138,7 @@ def test_every_backend_that_serves_a_graph_on_the_h200_has_a_replay_case():
 
 @pytest.mark.parametrize("layout", [0, 64])
 def test_refilling_the_captured_buffers_reproduces_each_replay_input(layout):
-    """The graph tests' update step (serving.refill_for_replays), on the CPU: after each refill
-    the captured call's own buffers describe exactly the new call."""
+    """After each refill (serving.refill_for_replays) the captured buffers are exactly the new call."""
     heads, max_q = 16, 2
     static = serving.make_input(serving.GRAPH_Q_LENS, serving.GRAPH_KV_LENS, heads, layout, "fp8",
                                 seed=41, device="cpu")

@@ -1,5 +1,4 @@
-"""Bad inputs and out-of-range table parameters are refused with one line, before any
-kernel is built or launched: fp8 bytes as uint8, a Python float scale, num_splits=10^9."""
+"""Bad inputs and out-of-range table parameters are refused in one line before any build."""
 
 from __future__ import annotations
 

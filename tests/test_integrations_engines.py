@@ -1,17 +1,13 @@
 """The engine backends (mla_tune/integrations/vllm.py, sglang.py) against fakes of vLLM
-0.33.0 and SGLang 0.5.23 that enforce the real base classes' hook signatures.
-
-Each numerics test is an engine-like loop: 2 layers, 3 decode steps, DeepSeek-V3's softmax
-scale, the graph hooks emulated (a captured batch size takes the graph plan, another the
-eager one), the new tokens' KV written into the cache by the engine's own path each step,
-and every layer's output compared with the fp32 reference at that scale (and shown to
-differ from the reference at the leaderboard's scale). Triton's interpreter on the CPU."""
+0.33.0 and SGLang 0.5.23 that enforce the real hook signatures: engine-like loops (2 layers,
+3 steps, graph and eager plans) at DeepSeek-V3's scale against the fp32 reference."""
 
 from __future__ import annotations
 
 import importlib.util
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -35,8 +31,7 @@ def _no_table(monkeypatch):
 
 
 class Cache:
-    """A paged latent cache per layer that sequences grow into (block size `page`), with
-    every slot no sequence holds yet NaN; fp8 caches as the engine keeps them."""
+    """A paged latent cache per layer that sequences grow into, every unheld slot NaN."""
 
     def __init__(self, lens, page, steps, fp8, seed, as_bytes, device="cpu"):
         gen = torch.Generator().manual_seed(seed)
@@ -59,8 +54,7 @@ class Cache:
                 self.write(layer, b, range(n), torch.randn((n, QK_DIM), generator=gen))
 
     def grow(self, b, by, gen=None):
-        """Sequence b grows by `by` tokens: all but the last get data here (every layer);
-        the last is the step's new token, which the engine writes."""
+        """Sequence b grows by `by` tokens, all but the last (the engine writes it) filled here."""
         for layer in range(LAYERS):
             self.write(layer, b, range(self.lens[b], self.lens[b] + by - 1),
                        torch.randn((by - 1, QK_DIM), generator=gen))
@@ -145,44 +139,42 @@ def _vllm_step(cache, rows, seed, builder, impls, layers):
     return metadata
 
 
-@pytest.mark.parametrize("cache_dtype", ["fp8"])  # uint8 bytes, as vLLM keeps fp8 (bf16: the SGLang loop)
-def test_vllm_decode_loop_at_deepseek_v3_scale_with_lse(monkeypatch, cache_dtype):
-    engine_fakes.install(monkeypatch, "vllm")
-    from vllm.config import (
-        CacheConfig,
-        CompilationConfig,
-        CUDAGraphMode,
-        ParallelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
-    from vllm.config import ModelConfig as VModel
+def vllm_layers(cache, cache_dtype, page, dcp, max_seqs, device):
+    """vLLM's config (graphs at batch 1, 2, 4), the metadata builder, per layer impl and layer."""
+    from vllm import config as vc
     from vllm.v1.attention.backend import AttentionLayer, AttentionType
 
     from mla_tune.integrations import vllm as backend
 
-    page = 16
-    config = VllmConfig(model_config=VModel(num_attention_heads=HEADS),
-                        cache_config=CacheConfig(cache_dtype=cache_dtype, block_size=page),
-                        parallel_config=ParallelConfig(decode_context_parallel_size=2),
-                        scheduler_config=SchedulerConfig(max_num_seqs=4),
-                        compilation_config=CompilationConfig(cudagraph_mode=CUDAGraphMode(True),
-                                                             cudagraph_capture_sizes=[1, 2, 4]))
-    fp8 = cache_dtype == "fp8"
-    cache = Cache([5, 30, 47, 70], page, 3, fp8=fp8, seed=1, as_bytes=True)
-    impls, layers = [], []
-    for layer in range(LAYERS):
+    config = vc.VllmConfig(model_config=vc.ModelConfig(num_attention_heads=HEADS),
+                           cache_config=vc.CacheConfig(cache_dtype=cache_dtype, block_size=page),
+                           parallel_config=vc.ParallelConfig(decode_context_parallel_size=dcp),
+                           scheduler_config=vc.SchedulerConfig(max_num_seqs=max_seqs),
+                           compilation_config=vc.CompilationConfig(cudagraph_mode=vc.CUDAGraphMode(True),
+                                                                   cudagraph_capture_sizes=[1, 2, 4]))
+    impls, layers, names = [], [], [f"layers.{i}.attn" for i in range(LAYERS)]
+    for layer, name in enumerate(names):
         impl = backend.MlaTuneMLAImpl(num_heads=HEADS, head_size=QK_DIM, scale=SCALE, num_kv_heads=1,
                                       alibi_slopes=None, sliding_window=None, kv_cache_dtype=cache_dtype,
                                       logits_soft_cap=None, attn_type=AttentionType.DECODER,
                                       kv_sharing_target_layer_name=None, kv_lora_rank=V_DIM,
                                       qk_rope_head_dim=QK_DIM - V_DIM)
-        impl.dcp_world_size = 2  # decode context parallelism: the LSE is asked for
+        if dcp > 1:
+            impl.dcp_world_size = dcp  # decode context parallelism: the LSE is asked for
         impls.append(impl)
         layers.append(AttentionLayer(k_scale=cache.scales[layer]))
-        config.compilation_config.static_forward_context[f"layers.{layer}.attn"] = type("L", (), {"impl": impl})
-    spec = type("Spec", (), {"block_size": page})
-    builder = backend.MlaTuneMLAMetadataBuilder(spec, [f"layers.{i}.attn" for i in range(LAYERS)], config, torch.device("cpu"))
+        config.compilation_config.static_forward_context[name] = SimpleNamespace(impl=impl)
+    builder = backend.MlaTuneMLAMetadataBuilder(SimpleNamespace(block_size=page), names, config, device)
+    return builder, impls, layers
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8"])  # uint8 bytes, as vLLM keeps fp8 (bf16: the SGLang loop)
+def test_vllm_decode_loop_at_deepseek_v3_scale_with_lse(monkeypatch, cache_dtype):
+    engine_fakes.install(monkeypatch, "vllm")
+    fp8 = cache_dtype == "fp8"
+    cache = Cache([5, 30, 47, 70], 16, 3, fp8=fp8, seed=1, as_bytes=True)
+    builder, impls, layers = vllm_layers(cache, cache_dtype, 16, dcp=2, max_seqs=4,
+                                         device=torch.device("cpu"))
     assert builder.plans.spec.sm_scale == SCALE
     assert builder.plans.spec.cache_dtype == ("uint8" if fp8 else "")
     assert builder.plans.spec.return_lse and builder.plans.graph is not None
@@ -193,8 +185,7 @@ def test_vllm_decode_loop_at_deepseek_v3_scale_with_lse(monkeypatch, cache_dtype
 
 # -------------------------------------------------------------------------------- SGLang
 class Pool:
-    """What SGLang's MLA token pool gives a backend: per layer a (slots, 1, 576) buffer
-    (Cache's storage) and set_kv_buffer(layer, loc, cache_k, cache_v)."""
+    """SGLang's MLA token pool over Cache's storage: get_key_buffer and set_kv_buffer."""
 
     def __init__(self, cache):
         self.cache = cache
@@ -210,8 +201,6 @@ class Pool:
 
 
 def sglang_runner(cache, max_reqs, context):
-    from types import SimpleNamespace
-
     req_to_token = torch.zeros((max_reqs, context), dtype=torch.int32, device=cache.device)
     for b in range(len(cache.lens)):
         held = min(context, cache.table.shape[1] * cache.page)  # the rest of the row stays 0
@@ -244,8 +233,6 @@ def test_sglang_backend_registers_and_the_fake_refuses_the_removed_hooks(monkeyp
 
 def test_sglang_page_one_decode_loop_at_deepseek_v3_scale_with_graph_hooks(monkeypatch):
     engine_fakes.install(monkeypatch, "sglang")
-    from types import SimpleNamespace
-
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
     from mla_tune.integrations import sglang as backend

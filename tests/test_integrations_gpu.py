@@ -1,12 +1,6 @@
-"""The engine backends on the GPU, in real CUDA graphs (marked gpu; not run on the CPU).
-
-    python -m pytest -m gpu tests/test_integrations_gpu.py
-
-Each test is the CPU loop of tests/test_integrations_engines.py on CUDA (the engines are
-still the fakes of tests/fakes: vLLM and SGLang are not installed on the device machine),
-with the layers captured once in a CUDA graph and replayed for 3 steps whose lengths grow:
-per step the engine's metadata hook runs outside the graph, then the replay, then every
-layer's output is checked against the fp32 reference at DeepSeek-V3's scale."""
+"""The engine loops of tests/test_integrations_engines.py (still the fakes) on CUDA, the
+layers captured once in a CUDA graph and replayed for 3 steps whose lengths grow, each step's
+metadata hook outside the graph, every layer checked against the fp32 reference."""
 
 from __future__ import annotations
 
@@ -24,6 +18,7 @@ from tests.test_integrations_engines import (
     close_to_reference,
     engine_fakes,
     sglang_runner,
+    vllm_layers,
 )
 
 pytestmark = pytest.mark.gpu
@@ -92,40 +87,13 @@ def test_sglang_backend_replays_a_captured_decode_step_with_new_lengths(monkeypa
 @pytest.mark.parametrize("cache_dtype", ["fp8", "auto"])
 def test_vllm_backend_replays_captured_layers_after_each_build(monkeypatch, cache_dtype):
     engine_fakes.install(monkeypatch, "vllm")
-    from vllm.config import (
-        CacheConfig,
-        CompilationConfig,
-        CUDAGraphMode,
-        ParallelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
-    from vllm.config import ModelConfig as VModel
-    from vllm.v1.attention.backend import AttentionLayer, AttentionType, CommonAttentionMetadata
-
-    from mla_tune.integrations import vllm as backend
+    from vllm.v1.attention.backend import CommonAttentionMetadata
 
     monkeypatch.setenv("MLA_TUNE_SERVING_TABLE", "none")
     dev, page, bs = torch.device("cuda"), 64, 4
     fp8 = cache_dtype == "fp8"
-    config = VllmConfig(model_config=VModel(num_attention_heads=HEADS),
-                        cache_config=CacheConfig(cache_dtype=cache_dtype, block_size=page),
-                        parallel_config=ParallelConfig(decode_context_parallel_size=1),
-                        scheduler_config=SchedulerConfig(max_num_seqs=8),
-                        compilation_config=CompilationConfig(cudagraph_mode=CUDAGraphMode(True),
-                                                             cudagraph_capture_sizes=[1, 2, 4]))
     cache = Cache([5, 300, 1000, 64], page, 200, fp8=fp8, seed=5, as_bytes=True, device=dev)
-    impls, layer_objs = [], []
-    for i in range(LAYERS):
-        impl = backend.MlaTuneMLAImpl(num_heads=HEADS, head_size=QK_DIM, scale=SCALE, num_kv_heads=1,
-                                      alibi_slopes=None, sliding_window=None, kv_cache_dtype=cache_dtype,
-                                      logits_soft_cap=None, attn_type=AttentionType.DECODER,
-                                      kv_sharing_target_layer_name=None, kv_lora_rank=V_DIM,
-                                      qk_rope_head_dim=QK_DIM - V_DIM)
-        impls.append(impl)
-        layer_objs.append(AttentionLayer(k_scale=cache.scales[i]))
-        config.compilation_config.static_forward_context[f"l{i}"] = SimpleNamespace(impl=impl)
-    builder = backend.MlaTuneMLAMetadataBuilder(SimpleNamespace(block_size=page), ["l0", "l1"], config, dev)
+    builder, impls, layer_objs = vllm_layers(cache, cache_dtype, page, dcp=1, max_seqs=8, device=dev)
     rows = [0, 1, 2, 3]
     qsl = torch.arange(bs + 1, dtype=torch.int32)
     seq_lens = torch.tensor(cache.lens, dtype=torch.int32, device=dev)

@@ -1,9 +1,6 @@
 """The package's layout (docs/architecture.md): imports run one way between its folders.
 
-The leaderboard's side (tune/, tables/, runtime/, export/) imports nothing from the serving
-side (serving/), except runtime/decode.py and runtime/plan.py, the old import paths kept as
-re-exports; tables/ imports nothing from tune/; serving/__init__.py imports nothing, so
-serving/table.py loads without torch. Read with `ast`, lazy imports inside functions included.
+Read with `ast`, lazy imports inside functions included.
 """
 
 from __future__ import annotations

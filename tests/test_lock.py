@@ -15,8 +15,7 @@ from mla_tune.tune.results import ResultsError, SweepLock
 ROOT = Path(__file__).resolve().parent.parent
 TORCH = ROOT / "tests" / "data" / "sweep_torch.yaml"
 
-# A sweep whose body only holds the lock a moment: both processes go through run_sweep's
-# real lock handling, started at the same instant.
+# a sweep that only holds the lock a moment, through run_sweep's real lock handling
 _RACER = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path

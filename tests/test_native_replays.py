@@ -1,7 +1,5 @@
-"""The schedule replays in C (mla_tune/native.py; backends/triton_splitk_schedule.py,
-backends/gluon_fused_schedule.py and backends/flashinfer_mla_schedule.py) give exactly what their numpy paths give, on random
-ragged batches across every branch; and a machine without a C compiler, or with a broken
-one, runs the numpy path."""
+"""The schedule replays in C (mla_tune/native.py) give exactly what their numpy paths give, on
+random ragged batches across every branch; without a C compiler, or with a broken one, numpy runs."""
 
 from __future__ import annotations
 
@@ -20,8 +18,7 @@ from mla_tune.backends import triton_splitk_schedule as sk
 
 @pytest.fixture(autouse=True)
 def _c_path_allowed(monkeypatch):
-    """These tests compare the C path with the numpy one: $MLA_TUNE_NO_NATIVE (which turns the
-    C path off) does not apply to them."""
+    """$MLA_TUNE_NO_NATIVE (the C path off) does not apply to tests that compare the two paths."""
     monkeypatch.delenv(native.DISABLE_ENV, raising=False)
 
 
@@ -37,29 +34,24 @@ def numpy_path(monkeypatch):
     return run
 
 
-def _lens(rng, batch):
-    lens = [int(2 ** rng.uniform(0, 16.5)) for _ in range(batch)]
-    if rng.random() < 0.15:
-        lens[rng.randrange(batch)] = 0
-    return np.asarray(lens, dtype=np.int64)
-
-
-def test_the_c_replays_are_built_wherever_a_c_compiler_is():
-    """CI's and the H200's machines have one (gcc); a machine without runs the numpy path."""
-    have = native.compiler() is not None
-    assert (sk._native() is not None, fi._native() is not None) == (have, have)
+def _batches(seed: int, n: int = 400):
+    """n random ragged batches (some with an empty sequence): (rng, batch, lengths, heads)."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        batch = rng.randint(1, 256)
+        lens = [int(2 ** rng.uniform(0, 16.5)) for _ in range(batch)]
+        if rng.random() < 0.15:
+            lens[rng.randrange(batch)] = 0
+        yield rng, batch, np.asarray(lens, dtype=np.int64), rng.choice([16, 64, 128])
 
 
 def test_the_split_k_replay_in_c_is_the_numpy_replay(numpy_path, monkeypatch):
-    rng = random.Random(3)
     dealt = []  # the numpy path's exact dealings (the other steps are one wave or many waves)
     real = makespan.greedy_makespan  # the dealing split-K's replay shares (makespan.deal)
     monkeypatch.setattr(makespan, "greedy_makespan", lambda work, slots: dealt.append(1) or real(work, slots))
     runs = 0
-    for _ in range(500):
-        batch = rng.randint(1, 256)
-        lens = _lens(rng, batch)
-        heads, q_len = rng.choice([16, 64, 128]), rng.randint(1, 4)
+    for rng, _batch, lens, heads in _batches(3, 500):
+        q_len = rng.randint(1, 4)
         params = {"max_splits": rng.choice([1, 2, 8, 33, 64]), "tokens_per_split": rng.choice([16, 128, 512]),
                   "block_n": rng.choice([16, 32, 64]), "block_h": rng.choice([16, 32, 64]),
                   "split_budget": rng.choice([0, 0, 33, 132, 264])}
@@ -76,12 +68,11 @@ def test_the_split_k_replay_in_c_is_the_numpy_replay(numpy_path, monkeypatch):
     assert sk.splitk_schedule(lens, 16, 1, params, 2, 132, 64) == want
 
 
-def test_the_flashinfer_replay_in_c_is_the_numpy_replay(numpy_path):
-    rng = random.Random(5)
-    for _ in range(400):
-        batch = rng.randint(1, 256)
-        lens = _lens(rng, batch)
-        heads, q_len, sm = rng.choice([16, 64, 128]), rng.randint(1, 4), rng.choice([78, 132])
+def test_the_flashinfer_replay_in_c_is_the_numpy_replay_and_built_wherever_a_c_compiler_is(numpy_path):
+    have = native.compiler() is not None
+    assert (sk._native() is not None, fi._native() is not None) == (have, have)
+    for rng, _batch, lens, heads in _batches(5):
+        q_len, sm = rng.randint(1, 4), rng.choice([78, 132])
         got = fi.flashinfer_mla_features(lens, heads, q_len, sm)
         want = numpy_path(fi.flashinfer_mla_features, lens, heads, q_len, sm)
         assert got == want, (lens.tolist(), heads, q_len, sm)
@@ -115,9 +106,8 @@ def test_without_a_compiler_or_with_a_broken_one_the_python_path_runs(monkeypatc
 
 
 def test_the_interpolation_in_c_is_the_python_interpolation():
-    """The committed table's grids (times, rates, the batch buckets' points) interpolated in
-    C agree with the Python steps (_bracket, _at_batch, _blend) to rounding, with the same
-    variants left out, at random batches and lengths, on grid points and past both ends."""
+    """The committed table's grids interpolated in C agree with the Python steps to rounding, with
+    the same variants left out, at random batches and lengths, on grid points and past both ends."""
     from mla_tune.serving import estimate
     from mla_tune.serving.table import load_serving_table
 
@@ -147,17 +137,13 @@ def test_the_interpolation_in_c_is_the_python_interpolation():
 
 
 def test_a_split_k_models_one_call_replay_in_c_is_its_numpy_replay(numpy_path):
-    """SplitKModel.replay (the makespan, the reduction's steps and a uniform batch's steps
-    in one C call) against its numpy path (splitk_schedule and uniform_reduce_steps)."""
+    """SplitKModel.replay (makespan, reduction steps, a uniform batch's steps: one C call)."""
     from types import SimpleNamespace
 
     from mla_tune.core import Variant
 
-    rng = random.Random(5)
-    for _ in range(400):
-        batch = rng.randint(1, 256)
-        lens = _lens(rng, batch)
-        heads, q_len = rng.choice([16, 64, 128]), rng.randint(1, 4)
+    for rng, batch, lens, heads in _batches(5):
+        q_len = rng.randint(1, 4)
         variant = Variant.make("triton", max_splits=rng.choice([1, 2, 8, 33, 64]),
                                tokens_per_split=rng.choice([16, 128, 512]), block_n=rng.choice([16, 32, 64]),
                                block_h=rng.choice([16, 32, 64]), split_budget=rng.choice([0, 0, 33, 132, 264]))
@@ -173,18 +159,13 @@ def test_a_split_k_models_one_call_replay_in_c_is_its_numpy_replay(numpy_path):
 
 
 def test_a_gluon_models_replay_in_c_is_its_numpy_replay(numpy_path):
-    """GluonModel.replay (the makespan of gluon_fused's split rule, one C call) against its
-    numpy path (gluon_schedule), over every branch: one wave, past EXACT_WAVES, the heap."""
+    """GluonModel.replay (gluon_fused's makespan, one C call) over one wave, many, the heap."""
     from types import SimpleNamespace
 
     from mla_tune.core import Variant
 
-    rng = random.Random(8)
     assert gl._native() is not None
-    for _ in range(400):
-        batch = rng.randint(1, 256)
-        lens = _lens(rng, batch)
-        heads = rng.choice([16, 64, 128])
+    for rng, batch, lens, heads in _batches(8):
         budget = rng.choice([0, 0, 66, 264])
         variant = Variant.make("gluon_fused", kv="fp8", q="fp8_dynamic", block_h=rng.choice([4, 8, 16, 32]),
                                max_splits=rng.choice([1, 2, 16, 33, 64]), num_stages=2,
@@ -196,9 +177,8 @@ def test_a_gluon_models_replay_in_c_is_its_numpy_replay(numpy_path):
 
 
 def test_a_familys_compiled_estimate_picks_and_estimates_as_the_python_estimate_does():
-    """Estimator.pick's one C call (`_Compiled`: the grids and every model's C estimate)
-    against Estimator.estimates and fastest, on the committed table's 12 families: ragged,
-    uniform and length-less calls; the same pick and the same estimates, float for float."""
+    """Estimator.pick's one C call against Estimator.estimates and fastest on the committed table:
+    the same pick and estimates, float for float, for ragged, uniform and length-less calls."""
     from mla_tune.serving.estimate import fastest
     from mla_tune.serving.table import load_serving_table
 
@@ -252,9 +232,8 @@ def test_without_a_c_compiler_the_pick_is_the_python_estimates(monkeypatch):
 
 
 def test_a_list_of_ints_is_copied_into_the_int_buffer_exactly():
-    """native.IntBuffer.fill (a C pass over a Python list where a C compiler is found, else
-    numpy's copy): the same ints for lists of every size (the buffer grows), a tuple (numpy's
-    path), numpy ints; an int past 64 bits is refused as numpy refuses it."""
+    """native.IntBuffer.fill (C where a compiler is found, else numpy): lists of every size, a
+    tuple, numpy ints; an int past 64 bits is refused as numpy refuses it."""
     buffer = native.IntBuffer(4)
     assert (buffer.fn is not None) == (native.compiler() is not None)
     rng = random.Random(9)

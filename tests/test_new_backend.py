@@ -1,16 +1,9 @@
 """A new serving backend is its own file plus one registry line (issue 28's acceptance).
 
-The backend (PROBE_SOURCE, written into tmp_path as its own module) answers the serving
-call with the fp32 reference of mla_tune.serving.inputs, rounded to bf16, and serves 8
-and 16 heads, one page size and up to two new tokens: 8 heads is a call no built-in
-backend serves. "The registry line" is one entry naming its module: the plugin entry
-`MLA_TUNE_EXTRA_BACKENDS=probe_serving=<module>` (the `plugin` registration), or one
-monkeypatched BACKEND_MODULES entry (the `builtin` one, as a built-in backend's line
-would be). Nothing else is edited: no preference list, no cost table, no name check; the
-serving configs that sweep it are the tests' own. Each test shows one place that takes it:
-the Decoder (picked by the registry's order, and as the fp32 reference answers), the
-serving sweep's family plan and its dry run from the command line, the serving table's
-loader and DecodePlan.
+The probe backend (PROBE_SOURCE, its own module in tmp_path) answers with the fp32 reference
+rounded to bf16 and serves 8 heads, which no built-in backend does. Its registry line is the
+plugin entry MLA_TUNE_EXTRA_BACKENDS (`plugin`) or one BACKEND_MODULES entry (`builtin`);
+nothing else is edited. Each test shows one place that takes it.
 """
 
 from __future__ import annotations
@@ -156,9 +149,9 @@ def _close(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     assert float((out.float() - ref).abs().max()) <= 1e-2 * float(ref.abs().max()) + 1e-6, what
 
 
-def _config(tmp_path, listed: dict) -> str:
+def _config(tmp_path, listed: dict, **changes) -> str:
     path = tmp_path / "probe.yaml"
-    path.write_text(yaml.safe_dump({**CONFIG, "backends": listed}, sort_keys=False))
+    path.write_text(yaml.safe_dump({**CONFIG, **changes, "backends": listed}, sort_keys=False))
     return str(path)
 
 
@@ -188,7 +181,7 @@ def test_first_in_the_registry_is_first_in_the_decoders_order(probe, monkeypatch
     assert Decoder(CallSpec("bf16", 16, 16), device="cpu").backend == NAME
 
 
-def test_the_serving_sweep_plans_it_where_a_config_lists_it(probe, tmp_path):
+def test_the_serving_sweep_and_its_dry_run_plan_it_where_a_config_lists_it(probe, tmp_path):
     platform = gpu.detect()
     listed = load_serving_config(_config(tmp_path, {"triton": {}, NAME: {"tile": [1, 2]}}))
     tiles = [Variant.make(NAME, kv="bf16", q="bf16", tile=t) for t in (1, 2)]
@@ -204,9 +197,7 @@ def test_the_serving_sweep_plans_it_where_a_config_lists_it(probe, tmp_path):
     unlisted = load_serving_config(_config(tmp_path, {"triton": {}}))
     sixteen = family_plan(unlisted, FamilyKey("bf16", 16, 16, 2), platform)
     assert sixteen.candidates and all(v.backend == "triton" for v in sixteen.candidates)
-
-
-def test_the_command_lines_dry_run_plans_it(probe, tmp_path):
+    # the command line's dry run plans it
     config = _config(tmp_path, {"triton": {}, NAME: {"tile": [1, 2]}})
     result = CliRunner().invoke(app, ["sweep", "--gpu", "H200", "--config", config, "--dry-run"])
     assert result.exit_code == 0, result.output
@@ -219,18 +210,15 @@ def test_the_command_lines_dry_run_plans_it(probe, tmp_path):
 
 @pytest.mark.parametrize("probe", ["plugin"], indirect=True)  # gate workers inherit the environment
 def test_a_serving_sweep_gates_and_times_it_into_a_table_a_decode_plan_runs(probe, tmp_path):
-    """The sweep itself, with made-up times (tile 2 twice as fast): its gate passes the
-    probe's variants against the fp32 reference, every cell picks tile 2, and the table it
-    writes drives a DecodePlan."""
+    """With made-up times (tile 2 twice as fast) the gate passes the probe's variants, every
+    cell picks tile 2, and the table drives a DecodePlan."""
     def timer(call, reps: int) -> Timing:
         t = call.batch * (5.0 if call.variant.get("tile") == 2 else 10.0)
         return Timing(t, t, t, reps)
 
-    config = dict(CONFIG, families={**CONFIG["families"], "heads": [8]})
-    path = tmp_path / "probe.yaml"
-    path.write_text(yaml.safe_dump({**config, "backends": {NAME: {"tile": [1, 2]}}}, sort_keys=False))
+    path = _config(tmp_path, {NAME: {"tile": [1, 2]}}, families={**CONFIG["families"], "heads": [8]})
     out = tmp_path / "CPU.serving.yaml"
-    run_serving_sweep(str(path), "CPU", out=out, platform=gpu.detect(), timer=timer, log=lambda line: None)
+    run_serving_sweep(path, "CPU", out=out, platform=gpu.detect(), timer=timer, log=lambda line: None)
     tile2 = Variant.make(NAME, kv="bf16", q="bf16", tile=2)
     family = load_serving_table(out).families[FamilyKey.of(SPEC8)]
     assert {cell: c.variant for cell, c in family.cells.items()} == {

@@ -1,5 +1,5 @@
-"""The FlashInfer and FlashMLA backends: on the CPU through tests/fakes, and on the H200
-with the real libraries (`pytest -m gpu`, wheels from shared/device/wheels.sh)."""
+"""The FlashInfer and FlashMLA backends: on the CPU through tests/fakes, on the H200 (`-m gpu`)
+with the real libraries."""
 
 import inspect
 import sys
@@ -42,16 +42,13 @@ def _static(variant, shape=SHAPE, device="cpu"):
 
 
 # ------------------------------------------------------------------- FlashInfer
-def test_unavailable_reasons_name_the_missing_library(monkeypatch):
+def test_unavailable_reasons_name_the_missing_library(fakes, monkeypatch):
+    assert flashinfer_mla.unavailable_reason() is None  # the CPU fakes count as available
+    assert flash_mla.unavailable_reason() is None
     for module in ("flashinfer", "flash_mla"):
         monkeypatch.setitem(sys.modules, module, None)  # makes the import raise ImportError
     assert flashinfer_mla.unavailable_reason().startswith("FlashInfer cannot be imported")
     assert flash_mla.unavailable_reason().startswith("FlashMLA cannot be imported")
-
-
-def test_the_cpu_fakes_count_as_available(fakes):
-    assert flashinfer_mla.unavailable_reason() is None
-    assert flash_mla.unavailable_reason() is None
 
 
 def test_flashinfer_fake_has_the_0_6_18_signatures(fakes):

@@ -1,5 +1,4 @@
-"""Tables that ship: one lookup order for the CLI and the runtime (mla_tune/locate.py), and a
-built wheel that finds the committed tables from outside the checkout (setup.py)."""
+"""Tables that ship: one lookup order (mla_tune/locate.py), and a wheel that finds them."""
 
 from __future__ import annotations
 
@@ -94,9 +93,8 @@ def test_a_built_wheel_ships_the_tables_and_finds_them_outside_the_checkout(tmp_
     python = venv / "bin" / "python"
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
                     "--no-index", "-q", str(wheel)], check=True)
-    # Then (not before: pip must not see this process's mla_tune) this process's packages,
-    # torch among them, as plain path entries; their .pth files (an editable mla_tune's
-    # finder) are not run, so mla_tune can only come from the wheel.
+    # after pip (it must not see this mla_tune): this process's packages as plain paths, whose
+    # .pth files (an editable mla_tune's finder) are not run, so mla_tune comes from the wheel
     purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              check=True, capture_output=True, text=True).stdout.strip()
     Path(purelib, "_outer_site.pth").write_text("".join(f"{d}\n" for d in _site_dirs()))

@@ -1,10 +1,5 @@
-"""DecodePlan (mla_tune/serving/decode_plan.py): planned once, updated per step, run per layer.
-
-On the CPU the own kernels run under Triton's interpreter (fp16 dots). The plan's picks
-come from a small serving table built here; every result is compared with the fp32
-reference of mla_tune.serving. A decode loop through a plan captured in a CUDA graph (GPU):
-tests/test_graph_replay.py.
-"""
+"""DecodePlan (mla_tune/serving/decode_plan.py): planned once, updated per step, run per layer,
+its picks from a small serving table built here, each result against the fp32 reference."""
 
 from __future__ import annotations
 
@@ -16,13 +11,7 @@ from mla_tune.backends.triton_splitk_schedule import SplitKModel
 from mla_tune.core import CallSpec, Variant
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.decode_plan import DecodePlan
-from mla_tune.serving.table import (
-    Cell,
-    Family,
-    FamilyKey,
-    GraphPick,
-    ServingTable,
-)
+from mla_tune.serving.table import Cell, Family, FamilyKey, GraphPick, ServingTable
 
 SPEC = CallSpec("bf16", page_size=16, heads=16, max_q_len=2, mixed_q_len=True)
 BATCHES = [2, 4, 8]
@@ -63,13 +52,19 @@ def _close(out, ref, what: str = ""):
     assert result.passed, f"{what}: {result}"
 
 
-def test_a_plan_without_a_table_runs_the_default_variant_correctly():
+def test_a_plan_without_a_table_runs_the_default_variant_correctly_and_reuses_its_buffers():
     plan = DecodePlan(SPEC, max_batch=4)
     assert plan.variants == [plan.pick(3)]
     inp, picked = _step(plan, [1, 17, 63, 65], seed=1)
     assert picked.backend == "triton"  # the preferred backend's default
     out = plan.run(inp.q, inp.kv, inp.kv_scale)
     _close(out, inp.reference())
+    # runs reuse the buffers warm allocated
+    plan = DecodePlan(SPEC, max_batch=8)
+    inp, _ = _step(plan, [3, 70], seed=7)
+    first = plan.run(inp.q, inp.kv, inp.kv_scale).data_ptr()
+    inp, _ = _step(plan, [3, 70, 5, 9, 11, 2, 2, 40], seed=8)  # the plan's largest batch
+    assert plan.run(inp.q, inp.kv, inp.kv_scale).data_ptr() == first
 
 
 def test_the_plan_builds_every_pick_up_front_and_picks_by_bucket_and_mean_length():
@@ -139,15 +134,7 @@ def test_a_graph_plan_ignores_lengths_and_takes_the_graph_pick():
     _close(plan.run(inp.q, inp.kv, inp.kv_scale), inp.reference())
 
 
-def test_runs_reuse_the_buffers_warm_allocated():
-    plan = DecodePlan(SPEC, max_batch=8)
-    inp, _ = _step(plan, [3, 70], seed=7)
-    first = plan.run(inp.q, inp.kv, inp.kv_scale).data_ptr()
-    inp, _ = _step(plan, [3, 70, 5, 9, 11, 2, 2, 40], seed=8)  # the plan's largest batch
-    assert plan.run(inp.q, inp.kv, inp.kv_scale).data_ptr() == first
-
-
-def test_a_step_the_plan_was_not_made_for_is_refused():
+def test_a_step_the_plan_was_not_made_for_is_refused_and_a_table_without_the_family_warns():
     plan = DecodePlan(SPEC, max_batch=2, warm=False)
     inp = serving.make_input([1, 1, 1], [5, 6, 7], 16, 16, "bf16", seed=9, device=plan.device)
     for run in (plan.run, plan.run_checked):
@@ -161,9 +148,7 @@ def test_a_step_the_plan_was_not_made_for_is_refused():
     plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
     with pytest.raises(ValueError, match="q must be a contiguous bfloat16"):
         plan.run_checked(inp.q[:, :8].contiguous(), inp.kv)
-
-
-def test_a_table_without_the_family_warns_and_runs_the_default():
+    # a table without the family: a warning, and the default
     other = CallSpec("bf16", page_size=64, heads=16, max_q_len=1)
     with pytest.warns(UserWarning, match="no family for bf16 KV, paged 64"):
         plan = DecodePlan(other, max_batch=2, table=_table(), warm=False)

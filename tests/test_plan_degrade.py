@@ -1,8 +1,6 @@
-"""DecodePlan degrades as runtime.load does (issue 29, deliverable 6): a table pick whose
-backend cannot serve the spec here (no flash_mla on this machine, another GPU, no LSE)
-warns once when the plan is made and is replaced per step by the cell's best runnable
-variant (the estimates' next, the cell's runner-up, else the preferred backend's
-default), each replacement counted in the plan's misses."""
+"""DecodePlan degrades as runtime.load does: a table pick whose backend cannot serve the spec
+here warns once when the plan is made and is replaced per step by the cell's best runnable
+variant (the runner-up, else the default), each replacement counted in the plan's misses."""
 
 from __future__ import annotations
 

@@ -1,22 +1,9 @@
-"""The MI355X prior (configs/priors/MI355X.yaml): an honest untuned submission before any sweep.
+"""The MI355X prior (configs/priors/MI355X.yaml): an honest untuned submission before any sweep:
+its rows, schema, `show`, and an export that runs under every AITER fake and its fallback.
 
-- The file is a table marked as a prior (provenance.kind: prior): every row has a winner, no
-  time, and a `prior.source`; its split counts are the seed's where the seed fixed them and
-  AITER's own rule (mla_decode_fwd with num_kv_splits=None) elsewhere, recomputed here.
-- The schema refuses a prior row with a time and a measured row with a `prior`.
-- `mla-tune show` and `mla-tune export --gpu MI355X` (in a folder without an MI355X table)
-  say it is a prior; the exported file runs, in a fresh process, the leaderboard's four test
-  shapes through the AITER fakes (the contest's build f3be04a12, 0.1.11, 0.1.20.post1) and a
-  small shape the prior lacks through its Triton fallback under the interpreter, each output
-  checked against the leaderboard's reference under its rule.
-
-CPU sizes: 4x1024 and 32x1024 run whole through custom_kernel. 64x8192 and 256x8192 would
-take minutes and many GB to generate and check on the CPU (64x8192 alone: 100 s and 7 GB on
-this 2-core machine), so the file's dispatcher is asked which variant each runs, and that
-variant runs through the file's own Dispatcher and builders at 8 x 512 and 8 x 128 (a
-non-persistent AITER variant does not depend on the batch; its splits stay within what
-AITER's stage 2 reads at those lengths). The fakes compute in fp32 per sequence, which is
-what bounds the batch here.
+On the CPU, 4x1024 and 32x1024 run whole; 64x8192 and 256x8192 (64x8192 alone: 100 s, 7 GB) run
+the variant the file picks for them at 8 x 512 and 8 x 128 (non-persistent AITER does not
+depend on the batch; its splits stay within what AITER's stage 2 reads at those lengths).
 """
 
 from __future__ import annotations
@@ -130,10 +117,8 @@ def test_show_says_it_is_a_prior():
 
 
 CHILD = textwrap.dedent('''
-    """Run the exported file under each AITER fake named on the command line (the file and the
-    fake imported afresh for each): ("run_at" only) through custom_kernel, ("as" B x L too) with
-    the variant the file runs at B x L, through the file's own Dispatcher and builders. The
-    fallback case runs once, under the first fake (it calls no AITER)."""
+    """Run the exported file, imported afresh, under each AITER fake named in argv; the fallback
+    case (no AITER) runs once."""
     import importlib, json, os, sys, warnings
     sys.path.insert(0, ".")
     import torch

@@ -1,13 +1,6 @@
-"""The serving gate's reference for a kernel that quantizes q per (new token, head) row
-(issue 31): serving.inputs' fp8_row q format (quantize_fp8_rows), and the gate's choice of
-it through the backends' optional serving_q_reference hook (gluon_fused's answers fp8_row).
-
-The Gluon kernels quantize q inside the kernel (kernels/gluon_serving.py, its q prologue:
-amax from 1e-12 up, amax / 448, e4m3fn); there is no host-side torch function to compare
-with, so the plain-torch quantization below, written row by row, is the comparison. The GPU
-test at the end runs the kernel itself, through the gate, at DeepSeek-V3's softmax scale:
-`python -m pytest -q -m gpu tests/test_q_row_reference.py` on an H200.
-"""
+"""The serving gate's reference for kernels that quantize q per (new token, head) row: the
+fp8_row q format (quantize_fp8_rows), checked against a plain row-by-row torch quantization,
+and the gate's choice of it through the backends' serving_q_reference hook."""
 
 from __future__ import annotations
 
@@ -77,9 +70,8 @@ def test_the_reference_reads_the_row_quantized_q():
 
 
 def test_per_row_and_per_tensor_references_differ_by_more_than_the_strict_rule():
-    """One large row: per tensor, every other row's q is read coarser. A kernel that reads
-    q per row (stood in for by the per-row reference in bf16) passes against the per-row
-    reference and fails against the per-tensor one, and the per-row q is nearer bf16 q."""
+    """One large row: a per-row kernel (the per-row reference in bf16) passes against the
+    per-row reference, fails against the per-tensor one, and is nearer bf16 q."""
     inp = make_input([1, 2, 1, 2], [1, 17, 65, 300], 16, 64, "fp8", seed=9)
     inp.q[1, 5] *= 64.0
     exact, by_row, by_tensor = (inp.reference(f, sm_scale=CORE_DEEPSEEK_V3_SCALE) for f in ("bf16", "fp8_row", "fp8"))
@@ -155,8 +147,7 @@ def test_a_backends_hook_picks_its_reference_and_the_gate_judges_by_it(hook_back
     assert reference_q_format(probe("fp8_row", q="bf16"), VARIANT_GATE) == "bf16"  # bf16 q: no hook
     with pytest.raises(ValueError, match=r"qref_probe.*serving_q_reference.*'fp8_static'.*bf16, fp8, fp8_row"):
         reference_q_format(probe("fp8_static"), VARIANT_GATE)
-    # The gate itself, at DeepSeek-V3's scale: the per-row kernel passes against the per-row
-    # reference its hook names, and fails against the per-tensor one.
+    # The gate at DeepSeek-V3's scale: passes against the hook's per-row reference, not per tensor.
     spec = CallSpec("fp8", 64, 16, 2, mixed_q_len=True, sm_scale=CORE_DEEPSEEK_V3_SCALE)
     passed = gate_one(GateJob(spec, str(probe("fp8_row")), VARIANT_GATE, STRICT, "cpu"))
     assert passed["ok"], passed
@@ -168,11 +159,8 @@ def test_a_backends_hook_picks_its_reference_and_the_gate_judges_by_it(hook_back
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads,q_len", [(16, 1), (128, 2), (128, 4)])
 def test_the_gluon_kernel_passes_the_gate_against_the_per_row_reference(heads, q_len):
-    """The Gluon serving kernel (gluon_fused's default serving variant, fp8 KV, so fp8 q) at
-    DeepSeek-V3's softmax scale, paged 64: through the gate (configs/serving.yaml's probe
-    lengths, margin and rule, reference_q: variant, so fp8_row), and on a ragged call
-    within the strict rule against the per-row reference. The per-tensor reference's
-    mismatch is printed beside it (-s)."""
+    """gluon_fused's default fp8 serving variant at DeepSeek-V3's scale passes the gate of
+    configs/serving.yaml (fp8_row) and, on a ragged call, the strict rule per row."""
     from mla_tune.kernels.gluon_serving import GS_UNAVAILABLE
     from mla_tune.serving.config import load_serving_config
 

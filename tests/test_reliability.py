@@ -1,23 +1,29 @@
-"""Issue 30: what a reliability audit found, each case and its kin.
-
-- show and diff check the backends' parameter rules (backends/params.py, data without torch)
-  with the messages export and the runtime give;
-- (more cases below, one section each).
-"""
+"""Issue 30: the reliability audit's cases, one section each."""
 
 from __future__ import annotations
 
+import builtins
+import errno
+import importlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
+import yaml
+from typer.testing import CliRunner
 
 from mla_tune.backends import BACKEND_MODULES, get_backend
 from mla_tune.backends.params import PARAM_RULES, check_space_value, check_variant_rules
+from mla_tune.cli import app
 from mla_tune.core import Variant
+from mla_tune.fileio import LineLog, WriteError
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).parent / "data"
@@ -143,18 +149,12 @@ def test_a_space_value_no_variant_can_carry_fails_at_config_load(tmp_path, secti
     with pytest.raises(ConfigError) as caught:
         load_config(path)
     assert f"field '{field}'" in str(caught.value) and message in str(caught.value)
-    from typer.testing import CliRunner
-
-    from mla_tune.cli import app
-
     result = CliRunner().invoke(app, ["sweep", "--gpu", "cpu", "--config", str(path), "--dry-run"])
     assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
     assert message in result.output
 
 
 def test_a_serving_space_value_no_variant_can_carry_fails_at_config_load(tmp_path):
-    import yaml
-
     from mla_tune.serving.config import ServingConfigError, load_serving_config
 
     raw = yaml.safe_load((REPO / "configs" / "serving.yaml").read_text())
@@ -174,10 +174,6 @@ class FailingFolder:
     OS calls are patched rather than the folder chmodded."""
 
     def __init__(self, monkeypatch, folder: Path, code: int, after: int = 0):
-        import builtins
-        import errno
-        import os
-
         self.folder, self.code, self.left = Path(folder).resolve(), code, after
         self.full = after == 0  # fsync fails once the disk is full
         self.fds: set[int] = set()
@@ -250,10 +246,6 @@ class FailingFolder:
 
 
 def _cli(*args):
-    from typer.testing import CliRunner
-
-    from mla_tune.cli import app
-
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
@@ -274,10 +266,6 @@ def _files(folder: Path) -> list[str]:
 
 
 def test_line_log_cuts_a_failed_write_off_and_names_the_file(tmp_path, monkeypatch):
-    import errno
-
-    from mla_tune.fileio import LineLog, WriteError
-
     path = tmp_path / "r.jsonl"
     log = LineLog(path, "re-run to resume")
     log.append(b'{"a": 1}\n')
@@ -292,42 +280,27 @@ def test_line_log_cuts_a_failed_write_off_and_names_the_file(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("code", [30, 28])
-def test_export_to_a_read_only_or_full_folder_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, code):
-    out = tmp_path / "out"
-    out.mkdir()
-    FailingFolder(monkeypatch, out, code)
-    result = _cli("export", "--table", TABLE, "-o", out / "sub.py", "--only", "torch")
-    _one_line(result, str(out / "sub.py"), "write elsewhere")
-    monkeypatch.undo()
-    assert _files(out) == []
-
-
-@pytest.mark.parametrize("code", [30, 28])
-def test_a_sweep_into_a_read_only_or_full_folder_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, code):
+@pytest.mark.parametrize("command", ["export", "sweep", "serving sweep"])
+def test_a_command_into_a_read_only_or_full_folder_is_one_line_and_leaves_nothing(tmp_path, monkeypatch,
+                                                                                 code, command):
     out = tmp_path / "ro"
     out.mkdir()
+    args, needles = {
+        "export": (["export", "--table", TABLE, "-o", out / "sub.py", "--only", "torch"],
+                   [str(out / "sub.py"), "write elsewhere"]),
+        "sweep": (["sweep", "--gpu", "cpu", "--config", DATA / "sweep_torch.yaml", "--out", out / "cpu.yaml"],
+                  [str(out / "cpu.yaml.lock"), "write the table elsewhere (--out)"]),
+        "serving sweep": (["sweep", "--gpu", "cpu", "--config", REPO / "configs" / "serving.yaml", "--force",
+                           "--out", out / "cpu.serving.yaml"],
+                          [str(out), "read-only" if code == 30 else "No space left on device"]),
+    }[command]
     FailingFolder(monkeypatch, out, code)
-    result = _cli("sweep", "--gpu", "cpu", "--config", DATA / "sweep_torch.yaml", "--out", out / "cpu.yaml")
-    _one_line(result, str(out / "cpu.yaml.lock"), "write the table elsewhere (--out)")
+    _one_line(_cli(*args), *needles)
     monkeypatch.undo()
     assert _files(out) == []  # no table, no results, no lock naming this live process
 
 
-@pytest.mark.parametrize("code, words", [(30, "read-only"), (28, "No space left on device")])
-def test_a_serving_sweep_into_a_read_only_or_full_folder_is_one_line(tmp_path, monkeypatch, code, words):
-    out = tmp_path / "ro"
-    out.mkdir()
-    FailingFolder(monkeypatch, out, code)
-    result = _cli("sweep", "--gpu", "cpu", "--config", REPO / "configs" / "serving.yaml", "--force",
-                  "--out", out / "cpu.serving.yaml")
-    _one_line(result, str(out), words)
-    monkeypatch.undo()
-    assert _files(out) == []
-
-
 def test_verify_json_into_a_read_only_folder_is_one_line(tmp_path, monkeypatch):
-    import errno
-
     reports = sorted((REPO / "docs" / "data" / "verify").glob("*.json.gz"))[:1]
     if not reports:
         pytest.skip("no recorded verify reports")
@@ -344,9 +317,6 @@ def test_verify_json_into_a_read_only_folder_is_one_line(tmp_path, monkeypatch):
 
 
 def test_verify_json_on_a_full_disk_is_a_write_error_and_leaves_nothing(tmp_path, monkeypatch):
-    import errno
-
-    from mla_tune.fileio import WriteError
     from mla_tune.serving.verify import emit  # what verify and verify --rescore write --json with
 
     FailingFolder(monkeypatch, tmp_path, errno.ENOSPC)
@@ -357,9 +327,6 @@ def test_verify_json_on_a_full_disk_is_a_write_error_and_leaves_nothing(tmp_path
 
 
 def test_a_report_plot_on_a_full_disk_leaves_no_partial_png(tmp_path, monkeypatch):
-    import errno
-
-    from mla_tune.fileio import WriteError
     from mla_tune.report import _save
 
     class Figure:  # what _save needs of a matplotlib figure, without matplotlib
@@ -382,8 +349,6 @@ def test_a_report_plot_on_a_full_disk_leaves_no_partial_png(tmp_path, monkeypatc
 
 
 def test_a_disk_that_fills_mid_sweep_stops_in_one_line_and_keeps_whole_lines(tmp_path, monkeypatch):
-    import errno
-
     out = tmp_path / "cpu.yaml"
     FailingFolder(monkeypatch, tmp_path, errno.ENOSPC, after=3)  # the lock's pid, the header, one step
     result = _cli("sweep", "--gpu", "cpu", "--config", DATA / "sweep_torch.yaml", "--out", out)
@@ -404,10 +369,6 @@ def test_a_disk_that_fills_mid_sweep_stops_in_one_line_and_keeps_whole_lines(tmp
 # ------------------------------------------------------------ Ctrl-C from a terminal
 @pytest.mark.parametrize("handler", ["python", "SIG_DFL", "not from Python"])
 def test_a_ctrl_c_while_a_worker_starts_is_held_and_raised_not_dropped(tmp_path, capfd, monkeypatch, handler):
-    import signal
-    import threading
-    import time
-
     from mla_tune.tune.procs import sigint_held
 
     log = tmp_path / "worker.log"
@@ -437,10 +398,6 @@ def test_a_ctrl_c_while_a_worker_starts_is_held_and_raised_not_dropped(tmp_path,
 
 
 def test_ctrl_c_to_the_process_group_while_the_workers_start_prints_no_traceback(tmp_path):
-    import os
-    import signal
-    import time
-
     from mla_tune.backends import EXTRA_BACKENDS_ENV
     from tests.fakes import EXTRA_BACKENDS
     from tests.helpers import sigint_as_in_a_terminal
@@ -468,8 +425,6 @@ FOUR = "custom_kernel: data must be the 5-tuple (q, kv_data, qo_indptr, kv_indpt
 
 
 def test_the_runtime_and_the_export_name_the_five_tuple(tmp_path):
-    import importlib
-
     import torch
 
     from mla_tune import runtime
@@ -527,11 +482,6 @@ def test_a_nan_in_the_fp8_cache_cannot_vanish_in_the_gate():
 
 
 def test_the_sweeps_table_on_a_full_disk_says_the_rerun_only_writes_it(tmp_path, monkeypatch):
-    import errno
-
-    import yaml
-
-    from mla_tune.fileio import WriteError
     from mla_tune.tables.table import write_table
 
     table = yaml.safe_load(TABLE.read_text())

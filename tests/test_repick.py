@@ -1,6 +1,4 @@
-"""Graph picks re-chosen on recorded verify runs (mla_tune/serving/repick.py, `mla-tune verify
---rescore ... --repick-graph OUT`): made-up reports over a made-up table, so every geomean is
-known; and the committed table's re-chosen picks judged on the held-out half."""
+"""Graph picks re-chosen on recorded verify runs (serving/repick.py, `verify --repick-graph`)."""
 
 from __future__ import annotations
 
@@ -58,7 +56,7 @@ def _report(path: Path, shapes: list) -> Path:
     return path
 
 
-def test_a_bucket_takes_the_variant_clearly_faster_over_its_recorded_shapes(tmp_path):
+def test_a_bucket_takes_the_variant_clearly_faster_over_its_recorded_shapes_and_keeps_it_written(tmp_path):
     # bucket 4: BETTER 10% faster than the swept pick at 6 shapes (one ragged, its worst);
     # bucket 8: only 2% faster (under MARGIN): kept
     shapes = [_shape(3, {SWEPT: 110.0, BETTER: 100.0}) for _ in range(5)]
@@ -79,17 +77,18 @@ def test_a_bucket_takes_the_variant_clearly_faster_over_its_recorded_shapes(tmp_
     assert table.provenance["graph_repick"] == {"reports": ["r.json"], "margin": repick.MARGIN,
                                                 "min_shapes": repick.MIN_SHAPES, "replaced": 1}
     assert len(lines) == 1 and "batch 4" in lines[0]
+    # the written table reads back with its chosen picks
+    back = load_serving_table(write_serving_table(tmp_path / "t.serving.yaml", table))
+    assert back.families[KEY].graph == table.families[KEY].graph
+    assert back.provenance["graph_repick"]["replaced"] == 1
 
 
-def test_too_few_shapes_leave_a_bucket_as_swept(tmp_path):
+def test_too_few_shapes_leave_a_bucket_as_swept_and_a_pick_not_timed_everywhere_gives_way(tmp_path):
     shapes = [_shape(3, {SWEPT: 150.0, BETTER: 100.0}) for _ in range(repick.MIN_SHAPES - 1)]
     table = _table()
     assert repick.repick_graph(table, [_report(tmp_path / "r.json", shapes)], log=lambda _: None) == []
     assert table.families[KEY].graph[4].variant == Variant.parse(SWEPT)
-
-
-def test_a_pick_not_timed_at_every_shape_gives_way(tmp_path):
-    # the swept pick was pruned at one shape: the best variant timed everywhere replaces it
+    # a pick not timed at every shape (pruned at one) gives way to the best timed everywhere
     shapes = [_shape(3, {SWEPT: 100.0, BETTER: 101.0}) for _ in range(6)] + [_shape(3, {BETTER: 100.0})]
     table = _table()
     (change,) = repick.repick_graph(table, [_report(tmp_path / "r.json", shapes)], log=lambda _: None)
@@ -110,15 +109,6 @@ def test_a_run_that_never_timed_the_pick_cannot_judge_it(tmp_path):
     assert (change["batch"], change["now"], change["shapes"]) == (4, BETTER, 6)
 
 
-def test_the_written_table_reads_back_with_its_chosen_picks(tmp_path):
-    shapes = [_shape(3, {SWEPT: 120.0, BETTER: 100.0}) for _ in range(6)]
-    table = _table()
-    repick.repick_graph(table, [_report(tmp_path / "r.json", shapes)], log=lambda _: None)
-    back = load_serving_table(write_serving_table(tmp_path / "t.serving.yaml", table))
-    assert back.families[KEY].graph == table.families[KEY].graph
-    assert back.provenance["graph_repick"]["replaced"] == 1
-
-
 def test_the_command_writes_the_table_and_leaves_the_input_alone(tmp_path):
     source = write_serving_table(tmp_path / "in.serving.yaml", _table())
     before = source.read_bytes()
@@ -134,18 +124,12 @@ def test_the_command_writes_the_table_and_leaves_the_input_alone(tmp_path):
     assert refused.exit_code != 0 and "--rescore" in refused.output
 
 
-# The committed table's graph picks were re-chosen on the even seeds of docs/data/verify and
-# its gluon-2026-12-03 runs (its provenance's graph_repick); held out, the odd seeds of the
-# runs that time every candidate of its config (gluon-2026-12-03) score them within these.
 GRAPH_GEOMEAN, GRAPH_P95 = 0.046, 0.25  # held-out pooled graph regret of the committed table
 
 
-def test_the_committed_tables_graph_picks_were_chosen_on_the_even_seeds_only():
+def test_the_committed_tables_graph_picks_were_chosen_on_the_even_seeds_and_hold_on_the_odd():
     names = load_serving_table(ROOT / "tables" / "H200.serving.yaml").provenance["graph_repick"]["reports"]
     assert names and all(int(re.search(r"seed(\d+)", n).group(1)) % 2 == 0 for n in names)
-
-
-def test_the_committed_tables_graph_picks_hold_on_the_held_out_half():
     held = sorted(p for p in (ROOT / "docs" / "data" / "verify" / "gluon-2026-12-03").glob("*.json.gz")
                   if int(re.search(r"seed(\d+)", p.name).group(1)) % 2)
     scored = rescore(ROOT / "tables" / "H200.serving.yaml", held, judge="graph", log=lambda _line: None)

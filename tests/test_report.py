@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from mla_tune.core import Shape
 from mla_tune.report import (
@@ -19,14 +20,14 @@ from mla_tune.report import (
 )
 from mla_tune.tables.render import summary_lines, variant_lines, wrap
 from mla_tune.tables.table import load_table
+from mla_tune.tune.progress import summarize
 from mla_tune.tune.results import read_results
 
 REPO = Path(__file__).parents[1]
 H200 = REPO / "tables" / "H200.yaml"
 H200_RESULTS = REPO / "tables" / "H200.results.jsonl"
 TABLE = Path(__file__).parent / "data" / "table_cpu.yaml"
-# The H200 table and results as they stood before the budgeted search: fixed numbers for
-# exact assertions, whatever a later sweep commits to tables/.
+# the H200 table and results before the budgeted search: fixed numbers for exact assertions
 H200_FIXED = Path(__file__).parent / "data" / "H200.pre-search.yaml"
 H200_FIXED_RESULTS = Path(__file__).parent / "data" / "H200.pre-search.results.jsonl"
 
@@ -132,10 +133,6 @@ def test_the_sweep_summary_fits_80_columns_with_full_winners():
 
 
 def test_summarize_prints_plain_lines_through_the_sweeps_console(monkeypatch):
-    from rich.console import Console
-
-    from mla_tune.tune.progress import summarize
-
     monkeypatch.setenv("COLUMNS", "80")
     _header, records, _ = read_results(H200_RESULTS)
     buffer = io.StringIO()

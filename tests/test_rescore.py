@@ -1,5 +1,4 @@
-"""`mla-tune verify --rescore` (mla_tune/serving/rescore.py): a table's picks scored on the times a
-verify report recorded. Made-up reports over a made-up table, so every regret is known."""
+"""`mla-tune verify --rescore` (serving/rescore.py): a table's picks scored on a report's times."""
 
 from __future__ import annotations
 
@@ -70,7 +69,7 @@ def reports(tmp_path):
     return [one, two]
 
 
-def test_a_rescore_reads_each_picks_recorded_time(reports):
+def test_a_rescore_reads_each_picks_recorded_time_and_thresholds_judge_it(reports):
     out = rs.rescore(_table(A), reports, log=lambda _: None)
     regrets = [(r["regret"]["eager"], r["measured"]["eager"]) for r in out["shapes"]]
     assert regrets == [(pytest.approx(0.10), "final"), (pytest.approx(0.04), "short"),
@@ -82,6 +81,12 @@ def test_a_rescore_reads_each_picks_recorded_time(reports):
     assert [r["seed"] for r in out["reports"]] == [1, 2]
     assert out["reports"][0]["eager"]["max"] == pytest.approx(0.10)
     assert out["exit_code"] == 0 and not out["verdict"]["failed"]
+    # thresholds judge the rescored picks
+    assert rs.rescore(_table(C), reports, max_regret=0.3, log=lambda _: None)["exit_code"] == 0
+    out = rs.rescore(_table(A), reports, max_regret=0.2, log=lambda _: None)
+    assert out["exit_code"] == 1 and "max regret 25.0% is over 20.0%" in out["verdict"]["reasons"][0]
+    with pytest.raises(VerifyError, match="--judge must be"):
+        rs.rescore(_table(A), reports, judge="mean", log=lambda _: None)
 
 
 def test_a_pick_the_report_did_not_measure_fails_and_stays_out_of_the_statistics(reports, tmp_path):
@@ -93,14 +98,6 @@ def test_a_pick_the_report_did_not_measure_fails_and_stays_out_of_the_statistics
     assert any("not measured there" in reason for reason in out["verdict"]["reasons"])
     assert any(line.startswith("FAIL") for line in lines)
     assert json.loads((tmp_path / "r.json").read_text())["schema"] == rs.RESCORE_SCHEMA
-
-
-def test_thresholds_judge_the_rescored_picks(reports):
-    assert rs.rescore(_table(C), reports, max_regret=0.3, log=lambda _: None)["exit_code"] == 0
-    out = rs.rescore(_table(A), reports, max_regret=0.2, log=lambda _: None)
-    assert out["exit_code"] == 1 and "max regret 25.0% is over 20.0%" in out["verdict"]["reasons"][0]
-    with pytest.raises(VerifyError, match="--judge must be"):
-        rs.rescore(_table(A), reports, judge="mean", log=lambda _: None)
 
 
 def test_bad_reports_are_named(tmp_path):

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
 
-from mla_tune.tune.results import ResultsError, read_results
+from mla_tune.tune.results import ResultsError, read_json_lines, read_results
 
 
 @pytest.mark.parametrize("record", [
@@ -26,18 +27,14 @@ def test_a_results_record_without_its_key_fields_is_one_line_naming_it(tmp_path,
 
 def test_a_gzipped_results_file_reads_as_the_plain_one(tmp_path):
     # results committed for the record are gzipped (docs/data/sweep); --merge reads them so
-    import gzip as _gzip
-
-    from mla_tune.tune.results import read_json_lines as _read
-
     plain = tmp_path / "r.jsonl"
     plain.write_text('{"kind": "header"}\n\n{"kind": "candidate", "n": 1}\n{"kind": "cand')
     packed = tmp_path / "r.jsonl.gz"
-    packed.write_bytes(_gzip.compress(plain.read_bytes()))
-    (a, wa), (b, wb) = (_read(p, redone="redo", fix="fix") for p in (plain, packed))
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    (a, wa), (b, wb) = (read_json_lines(p, redone="redo", fix="fix") for p in (plain, packed))
     assert list(a) == list(b) == [(1, {"kind": "header"}), (3, {"kind": "candidate", "n": 1})]
     assert len(wa) == len(wb) == 1
     broken = tmp_path / "cut.jsonl.gz"
     broken.write_bytes(packed.read_bytes()[:-6])
     with pytest.raises(ResultsError, match="not a whole gzip file"):
-        _read(broken, redone="redo", fix="fix")
+        read_json_lines(broken, redone="redo", fix="fix")

@@ -1,6 +1,4 @@
-"""The two results readers (tune/results.read_results, serving/results.read_records) on a
-torn last line, a damaged line and a wrong first line: their messages, word for word, and
-which error comes first."""
+"""Both results readers on a torn, a damaged and a wrong first line: messages, word for word."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The budgeted search: successive halving, dedupe, the plan's fit to budget_s, the dry run's
-per-rung plan, a sweep that ends within its budget, progress lines, Ctrl-C and resume."""
+"""The budgeted search: halving, dedupe, fitting budget_s, dry runs, progress, Ctrl-C, resume."""
 
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,11 +18,14 @@ import pytest
 from mla_tune import gpu as gpu_mod
 from mla_tune.backends import EXTRA_BACKENDS_ENV
 from mla_tune.core import Shape, Variant
+from mla_tune.tables.table import table_from_results
+from mla_tune.tune import worker
 from mla_tune.tune.config import config_from_dict, load_config
 from mla_tune.tune.results import candidate_key, read_results
-from mla_tune.tune.schedule import DEFAULT_COSTS, CostModel, fit_plan
+from mla_tune.tune.schedule import DEFAULT_COSTS, CostModel, fit_plan, measured_costs
 from mla_tune.tune.search import Timed, promote, ranked
 from mla_tune.tune.sweep import SweepError, plan_candidates, run_sweep
+from mla_tune.tune.worker import WorkerHandle
 from tests.fakes import EXTRA_BACKENDS, capture, registered
 from tests.helpers import sigint_as_in_a_terminal
 
@@ -53,9 +56,7 @@ def test_promote_keeps_the_best_fraction_each_backends_best_and_the_baseline():
 
 
 def test_the_serving_sweeps_halving_is_promote_with_carried_seeds_and_no_per_backend_keep():
-    """The serving sweep's rung (serving/sweep.py): no baseline, no per-backend best, the
-    neighbours' winners carried (never cut, even when slow), ties broken by the place in
-    the plan (Timed.rank) before the text; a carried text that was not timed is not kept."""
+    """No baseline or per-backend best; carried winners never cut; ties broken by Timed.rank."""
     timed = [Timed("b(x=1)", "b", 10.0, rank=3), Timed("a(x=9)", "a", 10.0, rank=1),
              Timed("a(x=2)", "a", 11.0, rank=0), Timed("c(x=1)", "c", 30.0, rank=2),
              Timed("a(x=3)", "a", 12.0, rank=4), Timed("b(x=2)", "b", 13.0, rank=5)]
@@ -114,8 +115,6 @@ def test_a_budget_too_small_cuts_samples_then_candidates_keeping_baseline_and_fa
 
 
 def test_measured_costs_from_the_h200_results_file_give_a_basis_and_a_jit_cost():
-    from mla_tune.tune.schedule import measured_costs
-
     # the pre-search H200 sweep: FlashInfer JIT-compiled in the timed worker then
     costs, n = measured_costs(REPO / "tests" / "data" / "H200.pre-search.results.jsonl")
     assert n > 500
@@ -201,8 +200,6 @@ def test_the_next_dry_run_plans_from_the_measured_costs_and_cuts_ahead(budget_sw
 
 # --------------------------------------------------------------- refusal, Ctrl-C
 def test_another_gpu_is_refused_from_its_name_before_any_worker_starts(monkeypatch, tmp_path):
-    from mla_tune.tune import worker
-
     monkeypatch.setattr(gpu_mod, "quick_device_name", lambda: "NVIDIA H200")
 
     def no_worker(self):
@@ -257,8 +254,6 @@ def test_ctrl_c_stops_the_workers_prints_how_to_resume_and_the_resumed_sweep_com
 
 # ------------------------------------------------------------------ old results
 def test_an_old_results_file_without_rungs_still_builds_a_table():
-    from mla_tune.tables.table import table_from_results
-
     path = REPO / "tests" / "data" / "H200.pre-search.results.jsonl"
     header, records, _ = read_results(path)
     config = load_config(REPO / "configs" / "leaderboard.yaml")
@@ -269,13 +264,7 @@ def test_an_old_results_file_without_rungs_still_builds_a_table():
 
 
 def test_a_worker_reaped_from_two_threads_at_once_is_closed_once(tmp_path):
-    """Ctrl-C reaps the worker from the main thread while the device's runner thread may be
-    reaping it after seeing it die: the pipe is closed once (a second close raised EBADF and
-    turned the interrupt into exit 1)."""
-    import threading
-
-    from mla_tune.tune.worker import WorkerHandle
-
+    """Ctrl-C and the runner thread may both reap the worker: the pipe is closed once."""
     closes = []
     gate = threading.Barrier(2)
 

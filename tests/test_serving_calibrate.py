@@ -1,6 +1,4 @@
-"""The reduction's cost per step, measured for a serving table (mla_tune/serving/calibrate.py):
-the probes' plan, the cost from their times, the table it writes, and one probe run for real
-(on the Triton interpreter here: the path, not the numbers)."""
+"""The reduction's cost per step, measured for a serving table (mla_tune/serving/calibrate.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +18,7 @@ TABLE = "tables/H200.serving.yaml"
 H200 = Platform("H200", "NVIDIA H200 (simulated)", "sm_90", False, 132, simulated=True)
 
 
-def test_each_probe_pairs_a_long_tail_with_the_uniform_batch_of_its_tokens():
+def test_each_probe_pairs_a_long_tail_with_the_uniform_batch_of_its_tokens(monkeypatch):
     table = load_serving_table(TABLE)
     probes = cal.plan_probes(table)
     assert probes, "the committed table has split-K models"
@@ -41,6 +39,22 @@ def test_each_probe_pairs_a_long_tail_with_the_uniform_batch_of_its_tokens():
         return [v for v in f.models if v.backend == "triton"]
     assert all(splitk(table.families[p.key]) for p in probes)
     assert not cal.plan_probes(table, [k for k, f in table.families.items() if not splitk(f)])
+    # a model blind at a probe's batch (its variant pruned early there) is not picked for it
+    blind = {(p.key, len(p.tail)): p.variant for p in probes}
+    real = table.estimator.model_estimates
+
+    def estimates(family, kv_lens, calibrated=True):
+        out = dict(real(family, kv_lens, calibrated))
+        out.pop(blind.get((family.key, len(kv_lens))), None)
+        return out
+
+    monkeypatch.setattr(table.estimator, "model_estimates", estimates)
+    again = cal.plan_probes(table)
+    assert again, "other split-K models still make probes"
+    for p in again:
+        assert p.variant != blind[(p.key, len(p.tail))]
+        spec_free = [real(table.families[p.key], list(lens), False).get(p.variant) for lens in (p.uniform, p.tail)]
+        assert None not in spec_free
 
 
 def test_the_cost_per_step_is_what_the_model_misses_on_the_tail_and_the_table_keeps_it(tmp_path):
@@ -94,8 +108,7 @@ def test_calibrate_refuses_another_gpu_and_bad_options_and_a_dry_run_writes_noth
 
 
 def test_a_probe_runs_checked_on_the_real_kernel(device):
-    """The measurement itself, small: a split-K variant on a tail batch and its uniform twin,
-    both checked against the reference (the interpreter's times mean nothing)."""
+    """A split-K variant on a tail batch and its uniform twin, both checked against the reference."""
     cfg = load_serving_config("configs/serving.yaml")
     key = FamilyKey("bf16", 64, 16, 1)
     dot = "fp16" if device == "cpu" else "bf16"  # the interpreter's bf16 dot is wrong (README)
@@ -105,26 +118,3 @@ def test_a_probe_runs_checked_on_the_real_kernel(device):
     probe = cal.ReduceProbe(key, 64, variant, tail, (78, 77, 77), (1, 2))
     times = cal.measure(probe, cfg, device, timing.cpu_time if device == "cpu" else timing.time_call, 1, 1)
     assert set(times) == {"uniform", "tail"} and all(t > 0 for t in times.values())
-
-
-def test_a_probe_skips_a_model_that_cannot_estimate_its_batch(monkeypatch):
-    # A model knows only the batches its variant was timed at: a sweep where another backend
-    # pruned it early leaves it blind at some probe batches. The plan must not pick it there
-    # (calibrate then failed with "estimates no time" on the re-sweep of 2026-12-02).
-    table = load_serving_table(TABLE)
-    first = cal.plan_probes(table)
-    blind = {(p.key, len(p.tail)): p.variant for p in first}
-    real = table.estimator.model_estimates
-
-    def estimates(family, kv_lens, calibrated=True):
-        out = dict(real(family, kv_lens, calibrated))
-        out.pop(blind.get((family.key, len(kv_lens))), None)
-        return out
-
-    monkeypatch.setattr(table.estimator, "model_estimates", estimates)
-    again = cal.plan_probes(table)
-    assert again, "other split-K models still make probes"
-    for p in again:
-        assert p.variant != blind[(p.key, len(p.tail))]
-        spec_free = [real(table.families[p.key], list(lens), False).get(p.variant) for lens in (p.uniform, p.tail)]
-        assert None not in spec_free

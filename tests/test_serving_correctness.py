@@ -1,33 +1,9 @@
-"""The serving call's answers against the fp32 reference (mla_tune/serving/inputs.py): one
-matrix for every backend that serves it, each case through the one call (Decoder).
+"""The serving call (Decoder) of every serving backend against the fp32 reference.
 
-GPU (`pytest -m gpu`): backend x layout {contiguous, paged 1, 16, 64} x heads x q_len {1, 2,
-4} x KV {bf16, fp8} over the lengths 3000, 1, 17, 63, 64, 65, 1000 and 129, at DeepSeek-V3's
-softmax scale (the caller's, CallSpec.sm_scale; the fixed 1/sqrt(576) of the leaderboard
-would hide a kernel that ignored it):
-
-- split-K (triton) at 16 and 128 heads, the fused one-launch kernel (triton_fused) at 16,
-  32, 64 and 128, and every other serving backend that runs on the H200 (FlashMLA,
-  FlashInfer, the Gluon kernel where it serves) at 16 and 128, each on every cell its
-  capability record declares (read from CAPABILITIES, never restated here); six cells
-  beyond the grid for the own kernels (pages of 2, 8 and 128 tokens, q_len 3, 32 and 64
-  heads);
-- per cell, each backend's default serving variant, and for the own kernels the launch
-  settings the kernel tests chose (split-K: one setting per cell rotated over one split
-  without stage 2, a few, many short ones, head tiles of 16 and of 64 rows, q bf16 and
-  fp8_dynamic; fused: one split written directly, 16 splits with a doubled head tile, and
-  fp8 q with an fp8 QK dot on fp8 KV); FlashInfer's fa2 kernel and FlashMLA's static fp8 q
-  on one cell or two each.
-
-Every case calls twice: the first answer (the runner's own buffer) and the own kernels'
-partials are poisoned with NaN, so the second call must write every element and reduce
-only what it wrote; paged caches hold NaN in every slot no sequence owns.
-
-CPU: the own kernels under Triton's interpreter (fp16 dots) through the same call, over a
-sample of the matrix that covers every pair of (layout, heads, q_len, KV) values for each
-backend (test_cpu_sample_covers_every_pair_of_factors), with lengths 1, 17, 63, 64, 65 and
-a long one.
-"""
+GPU: each backend's declared cells of layout x heads x q_len x KV (read from CAPABILITIES)
+at DeepSeek-V3's softmax scale (CallSpec.sm_scale), with a few settings per cell. CPU: the
+own kernels under Triton's interpreter over a sample covering every pair of factors. Every
+case calls twice, the first answer and the partials poisoned with NaN."""
 
 from __future__ import annotations
 
@@ -84,15 +60,12 @@ def _poison(decoder: Decoder, out: torch.Tensor) -> None:
         getattr(decoder.runner.workspace, name).fill_(float("nan"))
 
 
-# Backends whose library returns a new output tensor on each eager call (a CUDA graph keeps
-# it fixed): FlashMLA's flash_mla_with_kvcache. Their answers are checked, not their buffers.
+# Libraries that return a new output tensor per eager call: their answers are checked, not buffers.
 LIBRARY_OUTPUTS = ("flashmla",)
 
 
 def _answer_into_poisoned_buffers(decoder: Decoder, inp: serving.ServingInput, warm=None) -> torch.Tensor:
-    """Call once (`warm`, an input with the same new tokens, or `inp` itself), poison what
-    the call returned and the partials, and call `inp` into them: every element of the
-    answer is written by the call whose result is checked."""
+    """Call `warm` (or `inp`), poison its answer and the partials, and call `inp` into them."""
     first = call_with_host_lengths(decoder, warm or inp)
     _poison(decoder, first)
     again = call_with_host_lengths(decoder, inp)
@@ -108,10 +81,8 @@ def _expected(variant: Variant, inp: serving.ServingInput) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------ GPU
 def _splitk_variant(layout: int, heads: int, q_len: int, kv: str, device: str = "cuda", **change) -> Variant:
-    """The split-K setting of a GPU cell, rotated over the matrix so that every split
-    setting (one split: no stage 2; 8 of 256 tokens; 16 of 64 in 32-token tiles), both head
-    tiles (16 heads; 64 rows) and both dynamic q modes run, without a compile per
-    combination."""
+    """The split-K setting of a GPU cell, rotated so every split setting, head tile (16
+    heads; 64 rows) and dynamic q mode runs without a compile per combination."""
     rows = 1 << (q_len - 1).bit_length()
     spin = (layout + heads // 16 + q_len) % 3
     max_splits, tokens_per_split, block_n = [(1, 1, 64), (8, 256, 64), (16, 64, 32)][spin]
@@ -124,9 +95,8 @@ def _splitk_variant(layout: int, heads: int, q_len: int, kv: str, device: str = 
 
 
 def _fused_variants(heads: int, q_len: int, kv: str) -> list[Variant]:
-    """The fused settings of a GPU cell: one split (the direct write), up to 16 splits with
-    a doubled head tile, and on fp8 KV fp8 q with an fp8 QK dot at up to 8 (as the H200
-    table's picks); 16 MMA columns (heads x next_pow2(q_len)) per program otherwise."""
+    """One split (the direct write), 16 splits with a doubled head tile, and on fp8 KV fp8 q
+    with an fp8 QK dot; 16 MMA columns (heads x next_pow2(q_len)) per program otherwise."""
     block_h = min(heads, 16 // (1 << (q_len - 1).bit_length()))
     common = dict(kv=kv, num_warps=4, num_stages=2)
     bf16 = dict(q="bf16", qk_dot="bf16", pv_dot="bf16")
@@ -141,8 +111,7 @@ def _fused_variants(heads: int, q_len: int, kv: str) -> list[Variant]:
 
 
 def _gpu_variants(name: str, cell: tuple, spec: CallSpec, q_amax: float, platform) -> list[Variant]:
-    """The backend's default serving variant for the cell, then the cell's other settings
-    (q_amax: FlashMLA's static q scale, below the input's largest |q|)."""
+    """The default serving variant, then the cell's other settings (q_amax: FlashMLA's)."""
     variants = [get_backend(name).default_serving_variant(spec, platform)]
     if name == "triton":
         variants.append(_splitk_variant(*cell))
@@ -191,10 +160,7 @@ def test_every_declared_cell_matches_the_reference_on_the_gpu(case):
 
 
 def test_the_gpu_matrix_covers_every_backend_layout_heads_q_len_and_kv():
-    """The parameter sets the matrix replaced, all in it: every cell of the grid for split-K
-    (16, 128 heads) and fused (16-128 heads), FlashMLA's paged-64 cells and FlashInfer's
-    every layout, each other serving backend's declared cells; the cells beyond the grid;
-    every split-K setting and q mode; each fused setting on every fused cell."""
+    """Every declared cell and odd cell, split-K setting, q mode and fused setting is in it."""
     cases = {name: {tuple(c[1:]) for c in GPU_CASES if c[0] == name} for name in _serving_backends()}
     assert {"flashmla", "flashinfer"} <= set(OTHERS)
     assert cases["triton"] == set(GRID) | set(ODD_CELLS)
@@ -211,8 +177,7 @@ def test_the_gpu_matrix_covers_every_backend_layout_heads_q_len_and_kv():
 
 
 def test_every_variant_of_the_gpu_matrix_validates_and_builds(monkeypatch):
-    """On the CPU, so that a bad setting fails here and not in the GPU's time: each case's
-    variants (for the H200) validate, and the own ones build for the cell's spec."""
+    """On the CPU: each GPU case's variants validate, and the own ones build."""
     vendor_fakes.install(monkeypatch, "flash_mla", "flashinfer")
     h200 = gpu.fake_platform("H200")
     built = 0
@@ -228,44 +193,21 @@ def test_every_variant_of_the_gpu_matrix_validates_and_builds(monkeypatch):
 
 
 # ------------------------------------------------------------------------------ CPU
-# (backend, layout, heads, q_len, kv, kv_lens, setting). For each own backend, every pair of
-# (layout, heads, q_len, kv) values appears (32 heads standing in for 128: the interpreter
-# runs a program per head in the reduction); lengths 1, 17, 63, 64, 65 and 300; one split
-# (no reduction), several, and max_splits capping a long sequence; every q mode; tiles
-# shorter, equal and longer than a page; head tiles of 4 to 32. Setting: (block_n, block_h,
-# max_splits, tokens_per_split[, q mode]) with fp16 dots, or None: the backend's default
-# serving variant on the CPU (a split every 256 tokens, so 300 splits).
+# (backend, layout, heads, q_len, kv, kv_lens, setting); 32 heads stand in for 128 (the
+# interpreter runs a program per head in the reduction). Setting: (block_n, block_h,
+# max_splits, tokens_per_split[, q mode]) with fp16 dots, or None: the default variant.
 _ROWS = [(0, 16, 1, "bf16"), (0, 32, 2, "fp8"), (0, 16, 4, "fp8"), (1, 32, 1, "bf16"), (1, 16, 2, "fp8"),
          (1, 32, 4, "bf16"), (16, 16, 1, "fp8"), (16, 32, 2, "bf16"), (16, 16, 4, "bf16"), (64, 32, 1, "fp8"),
          (64, 16, 2, "bf16"), (64, 32, 4, "fp8")]
 _SPLITK_SETTINGS = [
-    ([300, 1, 17], (64, 16, 8, 32, "bf16")),
-    ([65, 1], (32, 32, 4, 32, "fp8_dynamic")),
-    ([63, 4, 64], (16, 4, 1, 1, "bf16")),
-    ([17, 64], (16, 32, 2, 32, "bf16")),
-    ([300, 1, 65], (64, 8, 4, 64, "fp8_static")),
-    ([18, 5], (16, 16, 3, 8, "bf16")),
-    ([1, 63, 65, 17], (32, 16, 4, 16, "fp8_dynamic")),
-    ([64, 2], (16, 32, 2, 48, "bf16")),
-    ([65, 17, 4], (16, 8, 8, 16, "bf16")),
-    ([65, 1], (32, 16, 4, 32, "bf16")),
-    ([300, 17, 64], (64, 16, 16, 32, "bf16")),
-    ([17, 63], (16, 16, 2, 16, "fp8_dynamic")),
+    ([300, 1, 17], (64, 16, 8, 32, "bf16")), ([65, 1], (32, 32, 4, 32, "fp8_dynamic")),
+    ([63, 4, 64], (16, 4, 1, 1, "bf16")), ([17, 64], (16, 32, 2, 32, "bf16")),
+    ([300, 1, 65], (64, 8, 4, 64, "fp8_static")), ([18, 5], (16, 16, 3, 8, "bf16")),
+    ([1, 63, 65, 17], (32, 16, 4, 16, "fp8_dynamic")), ([64, 2], (16, 32, 2, 48, "bf16")),
+    ([65, 17, 4], (16, 8, 8, 16, "bf16")), ([65, 1], (32, 16, 4, 32, "bf16")),
+    ([300, 17, 64], (64, 16, 16, 32, "bf16")), ([17, 63], (16, 16, 2, 16, "fp8_dynamic")),
 ]
-_FUSED_SETTINGS = [
-    ([300, 1, 17], (64, 16, 8, 32)),
-    ([65, 1], (32, 32, 4, 32)),
-    ([63, 4, 64], (16, 4, 1, 1)),
-    ([17, 64], (16, 32, 2, 32)),
-    ([300, 1, 65], (64, 8, 4, 64)),
-    ([18, 5], (16, 16, 3, 8)),
-    ([1, 63, 65, 17], (32, 16, 4, 16)),
-    ([64, 2], (16, 32, 2, 48)),
-    ([65, 17, 4], (16, 8, 8, 16)),
-    ([65, 1], (32, 16, 4, 32)),
-    ([300, 17, 64], (64, 16, 16, 32)),
-    ([17, 63], (16, 16, 2, 16)),
-]
+_FUSED_SETTINGS = [(lens, setting[:4]) for lens, setting in _SPLITK_SETTINGS]
 CPU_CASES = ([("triton", *row, lens, s) for row, (lens, s) in zip(_ROWS, _SPLITK_SETTINGS, strict=True)]
              + [("triton_fused", *row, lens, s) for row, (lens, s) in zip(_ROWS, _FUSED_SETTINGS, strict=True)]
              + [("triton", 16, 16, 2, "fp8", [300, 17], None), ("triton", 0, 16, 1, "bf16", [300, 1], None),

@@ -1,13 +1,6 @@
-"""The serving call's reference (mla_tune/serving/inputs.py), and the split-K kernel that
-reads every layout (flash_decode_serving): its split rule, budgets, grids, workspace and
-refusals, against that fp32 reference, under Triton's interpreter with fp16 dots.
-
-The kernel's answers over the matrix layout x heads x q_len x KV are in
-tests/test_serving_correctness.py (a covering sample on the CPU, the full matrix on the
-GPU), its CUDA-graph replay in tests/test_graph_replay.py. Every run here poisons the
-output and the scratch with NaN first, and the paged caches hold NaN in every slot no
-sequence owns.
-"""
+"""The serving reference (mla_tune/serving/inputs.py), and the split-K serving kernel's split
+rule, budgets, grids, workspace and refusals against it (interpreter, fp16 dots). Every run
+poisons the output and scratch with NaN; paged caches hold NaN in every unowned slot."""
 
 from __future__ import annotations
 
@@ -52,6 +45,14 @@ def _launch(inp: serving.ServingInput, device: str, *, max_splits: int, tokens_p
         block_n=block_n, block_h=block_h, num_warps=num_warps, num_stages=num_stages,
         dot_dtype=_dot_dtype(device), workspace=workspace, split_budget=split_budget, sm_count=sm_count,
     )
+
+
+def _checked(inp: serving.ServingInput, device: str, what: str, workspace=None, **launch):
+    """_launch (into a new workspace unless given one) checked against the reference; the workspace."""
+    workspace = workspace or FlashDecodeServingWorkspace.allocate(
+        inp.q.shape[0], inp.q.shape[1], launch["max_splits"], device, max_q_len=max(inp.q_lens))
+    assert_close(_launch(inp, device, workspace=workspace, **launch), inp.reference(), 1e-2, what)
+    return workspace
 
 
 # ------------------------------------------------------------------------ reference
@@ -105,8 +106,7 @@ def test_paged_input_holds_the_same_tokens_shuffled(page_size, kv):
 
 # --------------------------------------------------------------------- the kernel
 def test_kernel_reproduces_flash_decode_on_the_leaderboard_call(device):
-    """Same splits, same sums: in a batch of one sequence the split budget is the sequence's
-    (cdiv(kv_len, tokens_per_split) splits, at most max_splits), the old kernel's rule."""
+    """A batch of one sequence splits as the old kernel: the same sums, bit for bit."""
     for kv_len, splits in ((100, 4), (3000, 4), (17, 1)):
         data = problem.generate_ragged_input([kv_len], seed=8, device=device)
         q, kv_data, qo_indptr, kv_indptr, _cfg = data
@@ -121,14 +121,10 @@ def test_kernel_reproduces_flash_decode_on_the_leaderboard_call(device):
 
 
 def test_one_long_sequence_borrows_the_short_ones_split_budget(device):
-    """A ragged batch shares its budget (max_splits per sequence) by length: the long
-    sequence takes most of it (the H200's 56k-among-3k mix needed this), every sequence
-    gets at least one split, and the answer is right."""
+    """A ragged batch shares its budget by length, each sequence at least one split."""
     inp = serving.make_input([1, 1, 1, 1], [2000, 40, 17, 1], 16, 0, "bf16", seed=12, device=device)
-    workspace = FlashDecodeServingWorkspace.allocate(4, 16, 32, device)
-    out = _launch(inp, device, max_splits=32, tokens_per_split=16, block_n=16, block_h=16,
-                  workspace=workspace)
-    assert_close(out, inp.reference(), 1e-2, "ragged budget")
+    workspace = _checked(inp, device, "ragged budget", max_splits=32, tokens_per_split=16, block_n=16,
+                         block_h=16)
     # Budget 4 x 32 = 128 over 2058 tokens: 2000 -> round(124.4) splits of 17 -> 32-token
     # tiles, 63 of them; 40 -> 2 splits; 17 and 1 -> one each.
     assert workspace.split_count[:4].tolist() == [63, 2, 1, 1]
@@ -136,45 +132,39 @@ def test_one_long_sequence_borrows_the_short_ones_split_budget(device):
 
 
 def test_a_uniform_batch_splits_as_the_per_sequence_rule(device):
-    """Equal lengths: each sequence gets min(max_splits, cdiv(kv_len, tokens_per_split))
-    splits of whole tiles, the rule the serving table's uniform cells were measured with;
-    q_len 2 included. (90 tokens in 4 splits of 16-token tiles: 32 each, so 3.)"""
-    # (1, 65, 64): 2 splits each, as many items as the kernel's bound (total // 64 + batch)
+    """Equal lengths: min(max_splits, cdiv(kv_len, tokens_per_split)) splits of whole tiles
+    each. (90 tokens in 4 splits of 16-token tiles: 32 each, so 3; (1, 65, 64): as many
+    items as the kernel's bound, total // 64 + batch.)"""
     for q_len, kv_len, tokens, expect in ((1, 300, 64, 4), (2, 300, 100, 3), (1, 90, 16, 3), (1, 65, 64, 2)):
         inp = serving.make_input([q_len] * 3, [kv_len] * 3, 16, 16, "fp8", seed=13, device=device)
-        workspace = FlashDecodeServingWorkspace.allocate(3 * q_len, 16, 4, device, max_q_len=q_len)
-        out = _launch(inp, device, max_splits=4, tokens_per_split=tokens, block_n=16,
-                      block_h=16 // q_len, workspace=workspace)
-        assert_close(out, inp.reference(), 1e-2, f"uniform q_len {q_len}")
+        workspace = _checked(inp, device, f"uniform q_len {q_len}", max_splits=4, tokens_per_split=tokens,
+                             block_n=16, block_h=16 // q_len)
         assert workspace.split_count[:3].tolist() == [expect] * 3, (q_len, kv_len)
 
 
-@pytest.mark.parametrize("q_len, kv_len, budget, expect", [
-    (1, 609, 16, 5),   # 16 // 3 = 5 splits each at any length where tokens_per_split allows
-    (1, 512, 16, 5),   # ... the same count on the power of two, where the per-sequence rule steps
-    (1, 300, 16, 5),   # cdiv(300, 64) = 5 still allows it
-    (1, 90, 16, 2),    # cdiv(90, 64) = 2 caps it
-    (2, 609, 7, 2),    # q_len 2: the budget is the whole batch's, 7 // 3 = 2
-    (1, 609, 2, 1),    # a budget under the batch: one split each, never none
+@pytest.mark.parametrize("q_len, kv_len, budget, sms, expect", [
+    (1, 609, 16, 0, 5),   # 16 // 3 = 5 splits each at any length where tokens_per_split allows
+    (1, 512, 16, 0, 5),   # ... the same on the power of two, where the per-sequence rule steps
+    (1, 300, 16, 0, 5),   # cdiv(300, 64) = 5 still allows it
+    (1, 90, 16, 0, 2),    # cdiv(90, 64) = 2 caps it
+    (2, 609, 7, 0, 2),    # q_len 2: the budget is the whole batch's, 7 // 3 = 2
+    (1, 609, 2, 0, 1),    # a budget under the batch: one split each, never none
+    (1, 609, 4, 8, 5),    # 8 SMs: fill_splits raises 1 split each to 5
 ])
-def test_a_batch_budget_splits_a_uniform_batch_by_its_size_not_its_length(device, q_len, kv_len, budget, expect):
-    """split_budget caps the whole batch's splits (a wave of the SMs): a uniform batch runs
-    floor(budget / batch) splits each, so the count does not step at multiples of
-    tokens_per_split (the per-sequence rule ran 8 x 512 on one split and 7 x 609 on two on
-    the H200, 65.5 vs 56.2 us), and the answer is right."""
+def test_a_batch_budget_splits_a_uniform_batch_by_its_size_not_its_length(device, q_len, kv_len, budget, sms,
+                                                                          expect):
+    """split_budget caps the batch's splits: floor(budget / batch) each, not stepping at
+    multiples of tokens_per_split; with an SM count fill_splits' share (budget 4 on 8 SMs:
+    5 each fill 15 of 16 programs)."""
     inp = serving.make_input([q_len] * 3, [kv_len] * 3, 16, 16, "fp8", seed=15, device=device)
-    workspace = FlashDecodeServingWorkspace.allocate(3 * q_len, 16, 8, device, max_q_len=q_len)
-    out = _launch(inp, device, max_splits=8, tokens_per_split=64, block_n=16, block_h=16 // q_len,
-                  workspace=workspace, split_budget=budget)
-    assert_close(out, inp.reference(), 1e-2, f"budget {budget}")
+    workspace = _checked(inp, device, f"budget {budget}", max_splits=8, tokens_per_split=64, block_n=16,
+                         block_h=16 // q_len, split_budget=budget, sm_count=sms)
     assert workspace.split_count[:3].tolist() == [expect] * 3
 
 
 def test_fill_splits_raises_a_share_that_leaves_the_waves_idle():
-    """fill_splits: floor(budget / batch) where its programs fill >= 80% of their waves, else
-    the fewest more that do (the H200's 6 x 28440 at 128 heads: 2 splits, 96 programs on 132
-    SMs, ran 23% slower than 5 splits, 240 programs), capped at max_splits; no device: the
-    plain share."""
+    """floor(budget / batch) where its programs fill >= 80% of their waves, else the fewest
+    more that do, capped at max_splits; no SM count: the plain share."""
     assert fill_splits(17, 8, 8, 17, 132) == 2      # 128 programs of 132: kept
     assert fill_splits(17, 6, 8, 17, 132) == 5      # 96 of 132 (73%) -> 240 of 264 (91%)
     assert fill_splits(17, 7, 8, 17, 132) == 2      # 112 of 132 (85%): kept
@@ -183,22 +173,10 @@ def test_fill_splits_raises_a_share_that_leaves_the_waves_idle():
     assert fill_splits(17, 6, 8, 17, 0) == 2        # no SM count (the CPU): the plain share
     assert fill_splits(7, 3, 1, 4, 132) == 4        # nothing fills: the best fill within max_splits
     assert fill_splits(40, 2, 1, 8, 132) == 8       # the share is past max_splits: capped
+    assert fill_splits(4, 3, 1, 8, 8) == 5           # 3 programs of 8 -> 15 of 16
     for batch in range(1, 70):                       # never fewer than the share, never past the cap
         s = fill_splits(17, batch, 8, 17, 132)
         assert max(1, min(17, 17 // batch)) <= s <= 17
-
-
-def test_a_batch_budget_fills_the_waves_of_the_sms_it_is_given(device):
-    """With an SM count the launch runs fill_splits' share: 3 sequences at 16 heads (one head
-    tile) under a budget of 4 on 8 SMs would run 1 split each (3 programs of 8); 5 each fill
-    15 of 16. The answer is right."""
-    inp = serving.make_input([1] * 3, [609] * 3, 16, 16, "fp8", seed=17, device=device)
-    workspace = FlashDecodeServingWorkspace.allocate(3, 16, 8, device)
-    out = _launch(inp, device, max_splits=8, tokens_per_split=64, block_n=16, block_h=16,
-                  workspace=workspace, split_budget=4, sm_count=8)
-    assert_close(out, inp.reference(), 1e-2, "filled budget")
-    assert fill_splits(4, 3, 1, 8, 8) == 5
-    assert workspace.split_count[:3].tolist() == [5] * 3
 
 
 @pytest.mark.parametrize("lens,heads,q_len,max_splits,tps,block_n,block_h,budget,sms", [
@@ -210,16 +188,14 @@ def test_a_batch_budget_fills_the_waves_of_the_sms_it_is_given(device):
 ])
 def test_the_host_replay_of_the_split_rule_is_what_the_kernel_runs(device, lens, heads, q_len, max_splits, tps,
                                                                    block_n, block_h, budget, sms):
-    """kernels/split_rule.serving_splits (the eager lookup's cost model replays it on the
-    host) gives each sequence the split count stage 1 writes on the device."""
+    """kernels/split_rule.serving_splits gives the split counts stage 1 writes."""
     live = [n for n in lens if n]
     inp = serving.make_input([min(q_len, n) for n in live], live, heads, 16, "bf16", seed=5, device=device)
-    workspace = FlashDecodeServingWorkspace.allocate(inp.q.shape[0], heads, max_splits, device,
-                                                     max_q_len=max(inp.q_lens))
-    _launch(inp, device, max_splits=max_splits, tokens_per_split=tps, block_n=block_n, block_h=block_h,
-            workspace=workspace, split_budget=budget, sm_count=sms)
     kw = dict(max_splits=max_splits, tokens_per_split=tps, block_n=block_n, block_h=block_h,
               split_budget=budget, sm_count=sms)
+    workspace = FlashDecodeServingWorkspace.allocate(inp.q.shape[0], heads, max_splits, device,
+                                                     max_q_len=max(inp.q_lens))
+    _launch(inp, device, workspace=workspace, **kw)
     splits = serving_splits(live, q_len, heads, **kw)
     assert workspace.split_count[:len(live)].tolist() == [-(-n // s) for n, s in zip(live, splits, strict=True)]
     items = split_items(live, splits)
@@ -229,16 +205,11 @@ def test_the_host_replay_of_the_split_rule_is_what_the_kernel_runs(device, lens,
 
 
 def test_a_batch_budget_shares_a_ragged_batch_rounding_up(device):
-    """A ragged batch under a batch budget shares it by length rounding up, each sequence at
-    least one split: no split is longer than the batch's mean (whole tiles), and the batch
-    runs at most budget + batch splits. Rounding down ran a 28-sequence mix on the H200 with
-    splits of up to 1.7x the mean, 48% behind the best candidate."""
+    """Shares by length rounding up: no split past the mean, at most budget + batch splits."""
     lens = [350, 250, 100, 700]
     inp = serving.make_input([1] * 4, lens, 16, 0, "bf16", seed=16, device=device)
-    workspace = FlashDecodeServingWorkspace.allocate(4, 16, 32, device)
-    out = _launch(inp, device, max_splits=32, tokens_per_split=16, block_n=16, block_h=16,
-                  workspace=workspace, split_budget=8)
-    assert_close(out, inp.reference(), 1e-2, "ragged batch budget")
+    workspace = _checked(inp, device, "ragged batch budget", max_splits=32, tokens_per_split=16, block_n=16,
+                         block_h=16, split_budget=8)
     # 8 (2 per sequence) over 1400 tokens, a mean split of 175: shares 2, 1.43, 0.57, 4 ->
     # 2, 2, 1, 4 splits of 176, 128, 112, 176 tokens (rounding down: 2, 1, 1, 4, one of 250).
     counts = workspace.split_count[:4].tolist()
@@ -247,9 +218,8 @@ def test_a_batch_budget_shares_a_ragged_batch_rounding_up(device):
     assert max(-(-n // c) for n, c in zip(lens, counts, strict=True)) <= 176  # the mean, to whole tiles
     # The long sequence among short ones still takes most of a budget.
     inp = serving.make_input([1, 1, 1, 1], [2000, 40, 17, 1], 16, 0, "bf16", seed=18, device=device)
-    out = _launch(inp, device, max_splits=32, tokens_per_split=16, block_n=16, block_h=16,
-                  workspace=workspace, split_budget=20)
-    assert_close(out, inp.reference(), 1e-2, "ragged batch budget, one long sequence")
+    _checked(inp, device, "ragged batch budget, one long sequence", workspace, max_splits=32,
+             tokens_per_split=16, block_n=16, block_h=16, split_budget=20)
     # 20 over 2058 tokens: 2000 -> ceil(19.4) = 20 splits of 100 -> 112-token tiles, 18 of
     # them; 40, 17 and 1 -> one each.
     assert workspace.split_count[:4].tolist() == [18, 1, 1, 1]
@@ -258,30 +228,31 @@ def test_a_batch_budget_shares_a_ragged_batch_rounding_up(device):
 
 
 def test_one_split_per_sequence_never_borrows(device):
-    """max_splits 1 has no scratch for partials: a ragged batch runs one split per
-    sequence however its budget would share out (the H200 ran past the empty scratch)."""
+    """max_splits 1 has no scratch for partials: one split per sequence, whatever the budget."""
     inp = serving.make_input([1, 1, 1], [700, 1, 17], 16, 1, "bf16", seed=14, device=device)
-    workspace = FlashDecodeServingWorkspace.allocate(3, 16, 1, device)
+    workspace = _checked(inp, device, "one split", max_splits=1, tokens_per_split=1, block_n=64, block_h=16)
     assert workspace.part_out.numel() == 0
-    out = _launch(inp, device, max_splits=1, tokens_per_split=1, block_n=64, block_h=16,
-                  workspace=workspace)
-    assert_close(out, inp.reference(), 1e-2, "one split")
     assert workspace.split_count[:3].tolist() == [1, 1, 1]
 
 
-def test_a_grid_smaller_than_the_items_runs_them_in_turn(device, monkeypatch):
-    """Past _fd_ONE_ITEM_CTAS programs _fd_GRID_CTAS programs run several split items
-    each: the same counts, offsets and answer as a program per item."""
-    inp = serving.make_input([2, 1, 2, 1], [200, 40, 100, 5], 16, 16, "fp8", seed=15, device=device)
-    ref = inp.reference()
-    grids, counts = [], []
-    launch = flash_decode_module.jit_launch
+@pytest.fixture
+def launches(monkeypatch):
+    """The (grid, kwargs) of every launch of flash_decode's jit_launch."""
+    seen, launch = [], flash_decode_module.jit_launch
 
     def spy(fn, grid, record, *args, **kwargs):
-        grids.append((grid, kwargs.get("ITEM_LOOP")))
+        seen.append((grid, kwargs))
         return launch(fn, grid, record, *args, **kwargs)
 
     monkeypatch.setattr(flash_decode_module, "jit_launch", spy)
+    return seen
+
+
+def test_a_grid_smaller_than_the_items_runs_them_in_turn(device, monkeypatch, launches):
+    """Past _fd_ONE_ITEM_CTAS programs, each runs several split items: the same counts and answer."""
+    inp = serving.make_input([2, 1, 2, 1], [200, 40, 100, 5], 16, 16, "fp8", seed=15, device=device)
+    ref = inp.reference()
+    counts = []
     monkeypatch.setattr(flash_decode_module, "_fd_GRID_CTAS", 6)  # 2 head tiles: 3 programs each
     for one_item in (8192, 6):
         monkeypatch.setattr(flash_decode_module, "_fd_ONE_ITEM_CTAS", one_item)
@@ -291,34 +262,24 @@ def test_a_grid_smaller_than_the_items_runs_them_in_turn(device, monkeypatch):
         assert_close(out, ref, 1e-2, f"one program per item up to {one_item}")
         counts.append((workspace.split_count[:4].tolist(), workspace.split_off[:4].tolist()))
     assert counts[0] == counts[1]
-    stage1 = [g for g in grids if len(g[0]) == 2]
+    stage1 = [(grid, kwargs.get("ITEM_LOOP")) for grid, kwargs in launches if len(grid) == 2]
     assert stage1 == [((2, 4 * 6 // 2 + 4), False), ((2, 3), True)]  # the budget's items, then the cap's
     assert sum(counts[1][0]) > 3  # more items than the small grid's programs
 
 
 @pytest.mark.parametrize("wide", [True, False])
-def test_the_reduction_runs_in_narrow_and_wide_grids(device, monkeypatch, wide):
-    """Stage 2 runs a program per (sequence, new token, head), over a quarter of the
-    columns each while the grid stays small: the same answer either way."""
+def test_the_reduction_runs_in_narrow_and_wide_grids(device, monkeypatch, launches, wide):
+    """Stage 2 over all columns or a quarter of them per program: the same answer either way."""
     if not wide:  # the narrow grid's splits per step, whatever the grid's size
         monkeypatch.setattr(flash_decode_module, "reduce_splits_per_step", lambda *args: REDUCE_SPLITS_PER_STEP[0])
-    grids = []
-    launch = flash_decode_module.jit_launch
-
-    def spy(fn, grid, record, *args, **kwargs):
-        grids.append(grid)
-        return launch(fn, grid, record, *args, **kwargs)
-
-    monkeypatch.setattr(flash_decode_module, "jit_launch", spy)
     inp = serving.make_input([2, 1, 2], [200, 17, 130], 16, 64, "bf16", seed=16, device=device)
     out = _launch(inp, device, max_splits=32, tokens_per_split=16, block_n=16, block_h=8)
     assert_close(out, inp.reference(), 1e-2, f"wide {wide}")
-    assert grids[-1] == (3, 2, 16 * (4 if wide else 1))
+    assert launches[-1][0] == (3, 2, 16 * (4 if wide else 1))
 
 
 def test_one_workspace_serves_new_lengths_and_block_tables(device):
-    """What a CUDA graph replay does: the same buffers, refilled with other lengths,
-    q_lens and block tables, and no allocation or host read between the calls."""
+    """A graph replay: the same buffers refilled with other lengths, q_lens and tables."""
     first = serving.make_input([2, 1, 2], [40, 1, 100], 16, 16, "fp8", seed=21, device=device)
     workspace = FlashDecodeServingWorkspace.allocate(6, 16, 4, device, max_q_len=2)
     out = torch.empty((5, 16, 512), dtype=torch.bfloat16, device=device)
@@ -340,8 +301,7 @@ def test_one_workspace_serves_new_lengths_and_block_tables(device):
 
 
 def test_an_empty_padding_slot_writes_nothing_and_spoils_nothing(device):
-    """A CUDA graph padded past the live batch may carry seq_len 0: its rows stay as they
-    were (here NaN) and every other sequence is still right."""
+    """A padding slot of seq_len 0: its rows stay NaN, every other sequence is right."""
     inp = serving.make_input([1, 1, 1], [40, 5, 70], 16, 16, "fp8", seed=23, device=device)
     ref = inp.reference()
     inp.seq_lens[1] = 0
@@ -351,9 +311,7 @@ def test_an_empty_padding_slot_writes_nothing_and_spoils_nothing(device):
 
 
 def test_padded_new_token_rows_leave_the_schedule_alone(device):
-    """A graph sized for more new tokens than the step brings: q and out have padding rows
-    past qo_indptr[-1], so the grid holds far more split items than the budget (max_splits
-    per real new token); those programs exit and the live rows are right."""
+    """Padding rows past qo_indptr[-1] (many more split items) exit; the live rows are right."""
     inp = serving.make_input([1, 1, 1], [300, 20, 700], 16, 16, "bf16", seed=24, device=device)
     ref = inp.reference()
     q = torch.cat([inp.q, torch.zeros((9, 16, inp.q.shape[2]), dtype=inp.q.dtype, device=device)])
@@ -368,20 +326,13 @@ def test_padded_new_token_rows_leave_the_schedule_alone(device):
     assert workspace.split_count[:3].tolist() == [4, 1, 8]
 
 
-@pytest.mark.parametrize(
-    "change,message",
-    [
-        (dict(block_h=12), "block_h"),
-        (dict(block_h=4), "block_h"),  # 4 heads x 1 new token: fewer than 16 MMA rows
-        (dict(max_q_len=0), "max_q_len"),
-        (dict(block_n=24), "block_n"),
-        (dict(tokens_per_split=0), "tokens_per_split"),
-        (dict(kv_indptr="both"), "not both"),
-        (dict(q_mode="fp8_static"), "q_scale"),
-        (dict(dot_dtype="fp32"), "dot_dtype"),
-        (dict(workspace="small"), "workspace is for"),
-    ],
-)
+@pytest.mark.parametrize("change,message", [
+    (dict(block_h=12), "block_h"), (dict(block_h=4), "block_h"),  # block_h 4: fewer than 16 MMA rows
+    (dict(max_q_len=0), "max_q_len"), (dict(block_n=24), "block_n"),
+    (dict(tokens_per_split=0), "tokens_per_split"),
+    (dict(kv_indptr="both"), "not both"), (dict(q_mode="fp8_static"), "q_scale"),
+    (dict(dot_dtype="fp32"), "dot_dtype"), (dict(workspace="small"), "workspace is for"),
+])
 def test_bad_calls_are_refused_by_name(change, message):
     inp = serving.make_input([1, 1], [5, 9], 16, 16, "bf16", seed=1)
     kwargs = dict(inp.layout, max_q_len=1, max_splits=2, tokens_per_split=4, block_n=16, block_h=16,

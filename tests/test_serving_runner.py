@@ -1,8 +1,5 @@
-"""kernels/serving_runner.py: the own kernel families' serving runner and the checks their
-launchers share, beside the kernels (core.py keeps the facts and imports no mla_tune module).
-
-CPU only and fast: every call here is refused, or built, before any kernel launches.
-"""
+"""kernels/serving_runner.py: the own kernels' serving runner and shared launch checks, beside
+the kernels (core.py imports no mla_tune module). Every call is refused or built before a launch."""
 
 from __future__ import annotations
 

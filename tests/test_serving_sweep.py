@@ -1,7 +1,5 @@
-"""The serving sweep (mla_tune/serving/sweep.py) end to end under Triton's interpreter:
-a tiny config (one family, 2 batch x 2 kv buckets, three real candidates and a deliberately
-wrong one) swept with a made-up timer, so that the winners, the graph pick and the resume
-are known; plus the config, the candidates, the plan and the dry run."""
+"""The serving sweep (mla_tune/serving/sweep.py) end to end under Triton's interpreter on a
+tiny config with made-up times (tests/serving_timers.py); the config, candidates, plan, dry run."""
 
 from __future__ import annotations
 
@@ -46,18 +44,17 @@ TINY = {
     "search": {"rungs": [1, 2], "keep": 0.5, "min_keep": 1, "cross_top": 3},
     "backends": {"triton": {"tokens_per_split": [16, 64]}, "triton_fused": {}, "wrong_serving": {}},
 }
-_name = name
 
 
 class FakeTimer:
-    """Returns the made-up time; with `run`, the runner really runs too, once per variant
-    and cell (under the interpreter each run costs a second: only the first test pays);
-    counts what it timed; raises KeyboardInterrupt (a kill) after `stop_after` calls."""
+    """The made-up time (x `slow(call)`); `run`: the runner runs once per variant and cell;
+    records what it timed; raises KeyboardInterrupt (a kill) after `stop_after` calls."""
 
-    def __init__(self, stop_after: int | None = None, run: bool = False):
+    def __init__(self, stop_after: int | None = None, run: bool = False, slow=lambda call: 1.0):
         self.timed: list[tuple] = []
         self.stop_after = stop_after
         self.run = run
+        self.slow = slow
         self.ran: set[tuple] = set()
 
     def __call__(self, call: sw.TimedCall, reps: int) -> Timing:
@@ -67,8 +64,13 @@ class FakeTimer:
             self.ran.add((str(call.variant), call.batch, call.kv_len))
             call()
         self.timed.append((call.batch, call.kv_len, str(call.variant), reps))
-        t = TIMES[call.kv_len][_name(call.variant)] * call.batch
+        t = TIMES[call.kv_len][name(call.variant)] * call.batch * self.slow(call)
         return Timing(t, t, t, reps)
+
+
+def _named(picks: dict) -> dict:
+    """{key: variant string} as {key: the made-up name of the variant}."""
+    return {k: name(Variant.parse(v)) for k, v in picks.items()}
 
 
 _GATES: dict = {}  # GateJob -> its outcome: each candidate is gated once in this module
@@ -85,16 +87,14 @@ _real_gate_one = gate_module.gate_one
 
 @pytest.fixture
 def tiny(monkeypatch):
-    """The tiny config; the gate of a (family, candidate) in this process runs once for the
-    module (the first sweep's), as a resumed sweep would replay it."""
+    """The tiny config; each (family, candidate) is gated once per module, as a resume replays it."""
     monkeypatch.setenv(EXTRA_BACKENDS_ENV, "wrong_serving=tests.serving_fakes")
     monkeypatch.setattr(gate_module, "gate_one", _gate_once)
     return serving_config_from_dict(copy.deepcopy(TINY), "tiny.yaml")
 
 
 def _sweep(cfg, tmp_path, timer, **kw):
-    """A sweep of `cfg` into tmp_path: timed in this process with a timer object, in a
-    worker process with a timer's name."""
+    """A sweep of `cfg` into tmp_path (a timer's name: timed in a worker process)."""
     kw.setdefault("log", lambda line: None)
     return sw.run_serving_sweep(cfg, "CPU", out=tmp_path / "CPU.serving.yaml", platform=detect(), timer=timer, **kw)
 
@@ -117,50 +117,35 @@ def test_a_tiny_sweep_picks_gated_winners_and_the_worst_case_graph_pick(tiny, tm
     header, records, _ = read_records(summary["results"])
     assert header["platform"]["smem_per_sm"] == 0 and header["platform"]["sm_count"] == 0  # the CPU's
     gates = {r["variant"]: r["ok"] for r in records if r["kind"] == "gate"}
-    assert sorted(_name(Variant.parse(v)) for v, ok in gates.items() if ok) == ["A", "B", "C", "D"]
+    assert sorted(name(Variant.parse(v)) for v, ok in gates.items() if ok) == ["A", "B", "C", "D"]
     assert [ok for v, ok in gates.items() if v.startswith("wrong_serving")] == [False]
     assert not any(v.startswith("wrong_serving") for _, _, v, _ in timer.timed)  # gated out: never timed
     cells, graph = _picks(table)
-    names = {cell: _name(Variant.parse(v)) for cell, v in cells.items()}
-    assert names == {(1, 32): "A", (1, 64): "B", (2, 32): "A", (2, 64): "B"}
+    assert _named(cells) == {(1, 32): "A", (1, 64): "B", (2, 32): "A", (2, 64): "B"}
     assert all(gates[v] for v in [*cells.values(), *graph.values()])
-    assert {b: _name(Variant.parse(v)) for b, v in graph.items()} == {1: "C", 2: "C"}
+    assert _named(graph) == {1: "C", 2: "C"}
     fam = next(iter(table.families.values()))
     assert fam.graph[1].worst_regret == pytest.approx(0.12) and fam.graph[1].worst_kv_len == 32
     assert fam.cells[(1, 64)].runner_up["time_us"] == pytest.approx(16.5)
     assert table.provenance["config"]["hash"] == tiny.hash and table.provenance["rule"]["name"] == "strict"
     spec = CallSpec("fp8", 16, 16, 2, mixed_q_len=True)
-    assert _name(table.lookup(spec, batch=2, mean_kv_len=60)) == "B"
-    assert _name(table.lookup(spec, batch=2, graph=True)) == "C"
-
-
-class RaggedSlowTimer(FakeTimer):
-    """C as TIMES has it on uniform cells, but `factor` times slower on the ragged mix."""
-
-    def __init__(self, factor: float):
-        super().__init__()
-        self.factor = factor
-
-    def __call__(self, call: sw.TimedCall, reps: int) -> Timing:
-        out = super().__call__(call, reps)
-        if call.kv_len == sw.RAGGED_PROBE_KV and _name(call.variant) == "C":
-            t = out.median_us * self.factor
-            return Timing(t, t, t, reps)
-        return out
+    assert name(table.lookup(spec, batch=2, mean_kv_len=60)) == "B"
+    assert name(table.lookup(spec, batch=2, graph=True)) == "C"
 
 
 def test_the_graph_pick_is_judged_on_the_buckets_ragged_mix_too(tiny, tmp_path):
-    """C has the smallest worst regret over the uniform cells (12%); slow on the ragged
-    mix (2x), it loses the graph pick to B (worst 20%, at kv 32), and the mix's lengths,
-    drawn in the bucket's kv range, are recorded. A pick whose worst case is the mix says
-    kv_len 0, and the table loads it."""
-    summary = _sweep(tiny, tmp_path, RaggedSlowTimer(2.0))
+    """C, 2x slower on the ragged mix, loses the graph pick to B; the mix's lengths are
+    recorded; a pick whose worst case is the mix says kv_len 0."""
+    def slow(call):
+        return 2.0 if call.kv_len == sw.RAGGED_PROBE_KV and name(call.variant) == "C" else 1.0
+
+    summary = _sweep(tiny, tmp_path, FakeTimer(slow=slow))
     _, records, _ = read_records(summary["results"])
     graphs = {r["batch"]: r for r in records if r["kind"] == "graph"}
-    assert {b: _name(Variant.parse(g["variant"])) for b, g in graphs.items()} == {1: "B", 2: "B"}
+    assert _named({b: g["variant"] for b, g in graphs.items()}) == {1: "B", 2: "B"}
     assert [len(graphs[b]["ragged_kv_lens"]) for b in (1, 2)] == [1, 2]
     assert all(32 <= n <= 64 for b in (1, 2) for n in graphs[b]["ragged_kv_lens"])
-    ragged_steps = {_name(Variant.parse(v)) for b, kv, v, _ in _steps(summary["results"]) if kv == 0}
+    ragged_steps = {name(Variant.parse(v)) for b, kv, v, _ in _steps(summary["results"]) if kv == 0}
     assert ragged_steps >= {"A", "B", "C"}
     # C 15.6% over B on the mix, more than its 12% at kv 32 and less than B's 20% there:
     # C is the pick and its worst case is the mix, recorded as kv_len 0
@@ -175,7 +160,7 @@ def test_the_graph_pick_is_judged_on_the_buckets_ragged_mix_too(tiny, tmp_path):
         TIMES[sw.RAGGED_PROBE_KV].update(saved)
     fam = next(iter(table.families.values()))
     for b in (1, 2):
-        assert _name(fam.graph[b].variant) == "C" and fam.graph[b].worst_kv_len == 0
+        assert name(fam.graph[b].variant) == "C" and fam.graph[b].worst_kv_len == 0
         assert fam.graph[b].worst_regret == pytest.approx(18.5 / 16.0 - 1, abs=1e-4)  # 4 places in the table
 
 
@@ -186,22 +171,21 @@ def test_ragged_probe_lengths_are_fixed_and_in_range():
 
 
 def test_a_probe_prunes_a_hopeless_candidate_at_the_first_rung(tiny, tmp_path):
-    """A candidate whose one-call probe is over PRUNE_FACTOR x the cell's best so far is
-    recorded as pruned and never timed; one within it is timed as before."""
+    """A probe over PRUNE_FACTOR x the cell's best is recorded as pruned, never timed."""
     def probe(call: sw.TimedCall) -> float:
-        slow = 100.0 if _name(call.variant) == "C" else 1.0
-        return TIMES[call.kv_len][_name(call.variant)] * call.batch * slow
+        slow = 100.0 if name(call.variant) == "C" else 1.0
+        return TIMES[call.kv_len][name(call.variant)] * call.batch * slow
 
     timer = FakeTimer()
     summary = _sweep(tiny, tmp_path, timer, probe=probe)
     _, records, _ = read_records(summary["results"])
     pruned = [r for r in records if r["kind"] == "step" and r["status"] == "pruned"]
     # C (slow by its probe) and D (triton's default, 50 us against 10-20) are over 4x
-    assert pruned and {_name(Variant.parse(r["variant"])) for r in pruned} == {"C", "D"}
+    assert pruned and {name(Variant.parse(r["variant"])) for r in pruned} == {"C", "D"}
     assert all(r["probe_us"] > sw.PRUNE_FACTOR * 1.0 for r in pruned)
-    assert not any(_name(Variant.parse(v)) == "C" for _, _, v, _ in timer.timed)
+    assert not any(name(Variant.parse(v)) == "C" for _, _, v, _ in timer.timed)
     cells, graph = _picks(load_serving_table(summary["table"]))
-    assert {_name(Variant.parse(v)) for v in [*cells.values(), *graph.values()]} <= {"A", "B"}
+    assert {*_named(cells).values(), *_named(graph).values()} <= {"A", "B"}
     # a resume replays the pruned steps instead of probing again
     again = FakeTimer()
     _sweep(tiny, tmp_path, again, probe=lambda call: pytest.fail("probed again on resume"))
@@ -228,15 +212,13 @@ def test_a_killed_sweep_resumes_without_retiming_and_ends_as_one_run(tiny, tmp_p
 
 
 def test_a_sweep_timed_in_a_worker_process_writes_the_table_of_one_timed_here(tiny, tmp_path):
-    """The timer by name: every measurement runs in a killable worker process (the GPU
-    sweep's default). The same made-up times give the same steps and the same table as the
-    sweep timed in this process; a candidate that kills its worker (D at batch 1, kv 32)
-    is recorded as crashed, costs only that step, and a fresh worker times the rest."""
+    """Same steps and table timed in a worker process; a worker killed by D (batch 1, kv 32)
+    costs only that step, recorded as crashed."""
     here = _sweep(tiny, tmp_path / "here", FakeTimer())
     there = _sweep(tiny, tmp_path / "worker", "tests.serving_timers:crashing_time")
     _, records, _ = read_records(there["results"])
     crashed = [r for r in records if r["kind"] == "step" and r["status"] == "crashed"]
-    assert [(r["batch"], r["kv_len"], _name(Variant.parse(r["variant"]))) for r in crashed] == [(1, 32, "D")]
+    assert [(r["batch"], r["kv_len"], name(Variant.parse(r["variant"]))) for r in crashed] == [(1, 32, "D")]
     assert "exit code 11" in crashed[0]["error"] and "worker-0.log" in crashed[0]["error"]
     assert _steps(there["results"]) == _steps(here["results"])
     assert load_serving_table(there["table"]).as_dict()["families"] == load_serving_table(here["table"]).as_dict()["families"]
@@ -289,7 +271,6 @@ def test_gate_workers_reject_a_wrong_candidate_in_a_spawned_process(tiny):
     assert "ragged probe" in out[jobs[1].variant]["reason"]
 
 
-# ------------------------------------------------------------------ config, candidates, plan
 def test_serving_candidates_are_valid_for_every_family_and_use_fp16_dots_without_a_gpu():
     h200, cpu = fake_platform("H200"), detect()
     for module, rows in ((triton_splitk, "mma_rows"), (triton_fused, "mma_columns")):
@@ -314,10 +295,7 @@ def test_serving_candidates_are_valid_for_every_family_and_use_fp16_dots_without
 
 
 def test_batch_waves_offer_batch_budgets_instead_of_per_sequence_caps():
-    """batch_waves W: a variant per W whose batch shares ceil(W x SMs / head tiles) splits
-    (split_budget; max_splits as much, capped), with max_splits 1 beside them; no per-sequence
-    split_waves unless the space asks for them too. split_budget is a runtime argument: it
-    adds no compile."""
+    """batch_waves W: split_budget ceil(W x SMs / head tiles), a runtime argument (no compile)."""
     h200 = fake_platform("H200")
     spec = CallSpec("fp8", 64, 128, 4)
     offered = triton_splitk.serving_candidates(
@@ -373,8 +351,7 @@ def test_the_committed_config_plans_tier_1_within_21_gpu_minutes(capsys):
 
 
 def test_the_command_line_dry_run_and_bad_options(capsys):
-    """`mla-tune sweep --config configs/serving.yaml` goes here (cli.py's hook, sweep_from_cli);
-    a bad option is one line and exit 1."""
+    """`mla-tune sweep --config` (sweep_from_cli): a bad option is one line and exit 1."""
     assert sw.sweep_from_cli("configs/serving.yaml", "H200", dry_run=True) == 0
     assert "estimated GPU time" in capsys.readouterr().out
     assert sw.sweep_from_cli("configs/serving.yaml", "H200", shard="3/2", dry_run=True) == 1
@@ -397,8 +374,7 @@ def test_a_results_file_of_another_config_is_refused(tiny, tmp_path):
 
 
 def test_own_backends_export_together_with_their_serving_candidates():
-    """Both own backends define serving_candidates: the export renames it per backend
-    (export/modules.py lists it among PROTOCOL_NAMES)."""
+    """The export renames serving_candidates per backend (a PROTOCOL_NAME)."""
     from mla_tune.export import modules
 
     assert "serving_candidates" in modules.PROTOCOL_NAMES
@@ -409,9 +385,7 @@ def test_own_backends_export_together_with_their_serving_candidates():
 
 @pytest.mark.gpu
 def test_a_small_serving_sweep_on_the_gpu(tmp_path):
-    """The pipeline on the GPU: the leaderboard timer, gate workers (spawned, CUDA), paged
-    64 KV, 128 heads, q_len 2, vendors where installed; the table loads and every planned
-    cell and batch bucket has a pick."""
+    """The pipeline on the GPU: every planned cell and batch bucket gets a pick."""
     raw = copy.deepcopy(TINY)
     raw.update(families={"kv_format": ["fp8"], "page_size": [64], "heads": [128], "q_len": [2]},
                call={"mixed_q_len": False}, batch_buckets=[1, 32], kv_buckets=[512, 4096], gate_workers=2,
@@ -432,9 +406,7 @@ def test_a_small_serving_sweep_on_the_gpu(tmp_path):
 @pytest.mark.parametrize("kv_len", [32, 512, 4096, 65536])
 @pytest.mark.parametrize("batch", [1, 2, 7, 64, 256])
 def test_spread_cell_lengths_stay_in_their_bucket_and_off_its_split_steps(batch, kv_len):
-    """A spread cell's lengths are lengths its kv bucket serves (each within half an octave,
-    their mean looked up to this bucket), off the bucket's own length where every split
-    rule of a power of two steps; aligned is the bucket's length for every sequence."""
+    """Spread lengths stay within half an octave of the bucket, off its split steps."""
     buckets = [32, 64, 512, 1024, 2048, 4096, 8192, 32768, 65536]
     assert sw.cell_kv_lens(batch, kv_len) == [kv_len] * batch
     lens = sw.cell_kv_lens(batch, kv_len, "spread")
@@ -454,9 +426,7 @@ def test_spread_cell_lengths_stay_in_their_bucket_and_off_its_split_steps(batch,
 
 
 def test_cell_lengths_are_a_search_option_that_changes_the_hash_and_the_timed_lengths(tiny, tmp_path, monkeypatch):
-    """search.cell_lengths: aligned when absent (the hash of a config without it is
-    unchanged), `spread` changes the hash (a resume never mixes the two) and the lengths
-    each cell's candidates are timed on; a bad value names the field and the choices."""
+    """search.cell_lengths: aligned by default; `spread` changes the hash and the timed lengths."""
     assert tiny.search.cell_lengths == "aligned"
     raw = copy.deepcopy(TINY)
     raw["search"]["cell_lengths"] = "spread"
@@ -477,8 +447,7 @@ def test_cell_lengths_are_a_search_option_that_changes_the_hash_and_the_timed_le
     for batch in (1, 2):
         assert {tuple(sw.cell_kv_lens(batch, kv, "spread")) for kv in (32, 64)} <= seen[batch]
     assert not {(32, 32), (64, 64)} & seen[2]  # no cell of 2 was timed aligned
-    assert {cell: _name(Variant.parse(v)) for cell, v in _picks(table)[0].items()} == {
-        (1, 32): "A", (1, 64): "B", (2, 32): "A", (2, 64): "B"}
+    assert _named(_picks(table)[0]) == {(1, 32): "A", (1, 64): "B", (2, 32): "A", (2, 64): "B"}
 
 
 def test_edge_batch_is_the_smallest_batch_a_bucket_serves():
@@ -494,23 +463,14 @@ def _graph_union(out, batch: int) -> list[str]:
     return next(r["union"] for r in records if r["kind"] == "graph" and r["batch"] == batch)
 
 
-class EdgeTimer(FakeTimer):
+def _edge_timer() -> FakeTimer:
     """TIMES, except that A is twice as slow at batch 2 (the edge of the bucket of 4 after 1)."""
-
-    def __call__(self, call: sw.TimedCall, reps: int) -> Timing:
-        out = super().__call__(call, reps)
-        if call.batch == 2 and _name(call.variant) == "A":
-            t = out.median_us * 2
-            return Timing(t, t, t, reps)
-        return out
+    return FakeTimer(slow=lambda call: 2.0 if call.batch == 2 and name(call.variant) == "A" else 1.0)
 
 
 def test_the_edge_stage_times_finalists_at_the_buckets_smallest_batch(tiny, tmp_path):
-    """search.batch_edge: off by default (the hash of a config without it is unchanged); on,
-    the bucket of 4 (after 1) times its finalists (the cross stage's union) at every kv cell
-    at batch 2 as well, and the cell of 4 x 32 picks the fused C (12% behind A at 4, A twice
-    as slow at 2) where without the edge it picks A; the bucket of 1 has no edge; a resumed sweep times nothing again; the dry run
-    counts the stage; a bad value names the field."""
+    """search.batch_edge (off by default): the bucket of 4 also times its finalists at batch 2,
+    so 4 x 32 picks C over A (twice as slow at 2); resume, dry run and a bad value."""
     assert tiny.search.batch_edge is False
     raw = copy.deepcopy(TINY)
     raw["batch_buckets"] = [1, 4]
@@ -518,21 +478,21 @@ def test_the_edge_stage_times_finalists_at_the_buckets_smallest_batch(tiny, tmp_
     raw["search"]["batch_edge"] = True
     edged = serving_config_from_dict(copy.deepcopy(raw), "edge.yaml")
     assert edged.search.batch_edge and edged.hash != plain.hash
-    without = load_serving_table(_sweep(plain, tmp_path / "plain", EdgeTimer())["table"])
-    timer = EdgeTimer()
+    without = load_serving_table(_sweep(plain, tmp_path / "plain", _edge_timer())["table"])
+    timer = _edge_timer()
     summary = _sweep(edged, tmp_path / "edge", timer)
     table = load_serving_table(summary["table"])
-    at_edge = {(kv, _name(Variant.parse(v))) for b, kv, v, _ in timer.timed if b == 2}
-    union = {_name(Variant.parse(v)) for v in _graph_union(tmp_path / "edge", 4)}
+    at_edge = {(kv, name(Variant.parse(v))) for b, kv, v, _ in timer.timed if b == 2}
+    union = {name(Variant.parse(v)) for v in _graph_union(tmp_path / "edge", 4)}
     assert {"A", "B", "C"} <= union
     assert at_edge == {(kv, n) for kv in (32, 64) for n in union}  # the bucket's finalists at every kv
     assert {b for b, _, _, _ in timer.timed} == {1, 2, 4}  # the bucket of 1 has no edge
-    assert {c: _name(Variant.parse(v)) for c, v in _picks(without)[0].items()}[(4, 32)] == "A"
-    picks = {c: _name(Variant.parse(v)) for c, v in _picks(table)[0].items()}
+    assert _named(_picks(without)[0])[(4, 32)] == "A"
+    picks = _named(_picks(table)[0])
     assert picks[(4, 32)] == "C" and picks[(1, 32)] == "A" and picks[(4, 64)] == "B"
     assert _picks(table)[1] == _picks(without)[1]  # graph picks ignore the edge
     assert table.provenance["search"]["batch_edge"] is True
-    again = EdgeTimer()
+    again = _edge_timer()
     _sweep(edged, tmp_path / "edge", again)
     assert again.timed == []
     assert sw.dry_run(edged, "H200", log=lambda line: None)["edge"] > 0

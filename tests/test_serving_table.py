@@ -7,6 +7,7 @@ import copy
 import warnings
 
 import pytest
+import yaml
 
 from mla_tune.backends.flashinfer_mla_schedule import VendorModel
 from mla_tune.core import CallSpec, Variant
@@ -33,11 +34,8 @@ def _v(splits: int, kv: str = "fp8") -> Variant:
                          "num_stages=2,num_warps=4,q=bf16)")
 
 
-def test_batch_goes_up_to_the_smallest_bucket_at_or_above_it():
+def test_batch_goes_up_to_the_next_bucket_and_kv_len_takes_the_nearest_in_log_scale():
     assert [batch_bucket(BATCHES, b) for b in (1, 3, 4, 5, 33, 256, 300)] == [1, 4, 4, 8, 64, 256, 256]
-
-
-def test_kv_len_takes_the_nearest_bucket_in_log_scale():
     # the boundary between 4096 and 8192 is their geometric mean, 5792.6
     assert kv_bucket(KVS, 5792) == 4096 and kv_bucket(KVS, 5793) == 8192
     assert kv_bucket(KVS, 1) == 512 and kv_bucket(KVS, 10**6) == 65536
@@ -99,18 +97,6 @@ def test_a_written_table_loads_back_equal(tmp_path):
     assert loaded.as_dict() == original.as_dict()
 
 
-def _broken(tmp_path, edit) -> str:
-    data = _table().as_dict()
-    edit(data)
-    path = tmp_path / "bad.serving.yaml"
-    import yaml
-
-    path.write_text(yaml.safe_dump(data))
-    with pytest.raises(TableError) as err:
-        load_serving_table(path)
-    return str(err.value)
-
-
 @pytest.mark.parametrize("edit, words", [
     (lambda d: d.update(schema=1), "schema"),
     (lambda d: d.update(batch_buckets=[4, 2]), "batch_buckets"),
@@ -126,8 +112,13 @@ def _broken(tmp_path, edit) -> str:
     (lambda d: d["families"].append(copy.deepcopy(d["families"][0])), "a second family"),
 ])
 def test_a_broken_table_is_refused_naming_file_family_and_field(tmp_path, edit, words):
-    message = _broken(tmp_path, edit)
-    assert "bad.serving.yaml" in message and words in message
+    data = _table().as_dict()
+    edit(data)
+    path = tmp_path / "bad.serving.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(TableError) as err:
+        load_serving_table(path)
+    assert "bad.serving.yaml" in str(err.value) and words in str(err.value)
 
 
 def test_a_table_with_python_tags_is_refused_without_running_anything(tmp_path):
@@ -137,11 +128,9 @@ def test_a_table_with_python_tags_is_refused_without_running_anything(tmp_path):
         load_serving_table(path)
 
 
-def test_eager_pick_does_not_follow_one_buckets_outlier():
-    """The cell's eager pick weighs the adjacent batch buckets (serving_build.eager_pick):
-    FlashInfer measured slow at exactly 48 (the H200 sweep of 2026-11-30: 63 us beside
-    triton's 58) but far ahead at 32 and 64 is the pick for the bucket of 48; a variant
-    that wins the cell by a wide margin keeps it."""
+def test_eager_pick_does_not_follow_one_buckets_outlier_and_weighs_the_buckets_smallest_batch():
+    """A cell's eager pick weighs the adjacent batch buckets and, where the edge stage timed
+    it, the bucket's smallest batch; a variant that wins the cell by a wide margin keeps it."""
     from mla_tune.serving.build import eager_pick
 
     buckets = [16, 32, 48, 64, 96]
@@ -151,15 +140,7 @@ def test_eager_pick_does_not_follow_one_buckets_outlier():
     assert eager_pick(times, 48, buckets) == "tr"
     assert eager_pick({48: {"a": 2.0, "b": 1.0}}, 48, buckets) == "b"  # no neighbours: the cell's best
     assert eager_pick({32: {"a": 1.0}}, 48, buckets) is None  # nothing timed at the cell
-
-
-def test_eager_pick_weighs_the_buckets_smallest_batch():
-    """With the edge stage's times (search.batch_edge) a cell's eager pick weighs the
-    bucket's smallest batch as much as the cell: the H200's fp8 16-head cell at 96 x 1024
-    had FlashMLA 7.5% ahead of split-K, which ran 83 x 1003 about 18% faster (session 10);
-    only variants timed at the edge compete; an empty edge changes nothing."""
-    from mla_tune.serving.build import eager_pick
-
+    # the edge (search.batch_edge) weighs as much as the cell; an empty edge changes nothing
     buckets = [64, 80, 96, 112]
     times = {80: {"fmla": 76.3, "tr": 73.6}, 96: {"fmla": 77.7, "tr": 83.5}, 112: {"fmla": 82.1, "tr": 93.1}}
     assert eager_pick(times, 96, buckets) == "fmla"
@@ -187,15 +168,11 @@ def test_the_lookup_warns_once_where_the_installed_vendor_is_not_the_tables(monk
 
     real = metadata.version
     monkeypatch.setattr(metadata, "version", lambda d: "0.7.0" if d == "flashinfer-python" else real(d))
-    table, spec = _vendor_table("0.6.18.post1")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for batch in (5, 6, 7):
-            table.lookup(spec, batch, 1500.0)
-    said = [str(w.message) for w in caught if "flashinfer-python" in str(w.message)]
-    assert len(said) == 1 and "0.6.18.post1" in said[0] and "0.7.0" in said[0], said
-    same, spec = _vendor_table("0.7.0")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        same.lookup(spec, 5, 1500.0)
-    assert not [w for w in caught if "flashinfer-python" in str(w.message)]
+    for version, warned in (("0.6.18.post1", 1), ("0.7.0", 0)):
+        table, spec = _vendor_table(version)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for batch in (5, 6, 7):
+                table.lookup(spec, batch, 1500.0)
+        said = [str(w.message) for w in caught if "flashinfer-python" in str(w.message)]
+        assert len(said) == warned and all(version in m and "0.7.0" in m for m in said), said

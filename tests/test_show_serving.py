@@ -1,6 +1,4 @@
-"""`mla-tune show` and `mla-tune diff` on serving tables (mla_tune/serving/render.py):
-families, buckets and every pick in 80 columns and as JSON; the diff's pick and time
-changes; a leaderboard table against a serving table refused in one line; no torch."""
+"""`mla-tune show` and `mla-tune diff` on serving tables (mla_tune/serving/render.py)."""
 
 from __future__ import annotations
 
@@ -19,10 +17,9 @@ from mla_tune.serving.table import (
     ServingTable,
     write_serving_table,
 )
-from tests.helpers import NARROW, assert_commands_import_no_torch, invoke
+from tests.helpers import CPU_TABLE as LEADERBOARD
+from tests.helpers import NARROW, REPO, assert_commands_import_no_torch, invoke
 
-REPO = Path(__file__).parents[1]
-LEADERBOARD = Path(__file__).parent / "data" / "table_cpu.yaml"
 COMMITTED = REPO / "tables" / "H200.serving.yaml"
 BATCHES = [1, 32, 256]
 KVS = [1024, 8192, 65536]
@@ -73,7 +70,8 @@ def _legend(lines: list[str], tag: str) -> dict[str, str]:
 
 
 def test_show_prints_buckets_families_and_every_pick_in_80_columns(tmp_path):
-    result = invoke("show", "--table", _write(tmp_path))
+    path = _write(tmp_path)
+    result = invoke("show", "--table", path)
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert max(map(len, lines)) <= 80 and "\x1b[" not in result.output
@@ -96,6 +94,12 @@ def test_show_prints_buckets_families_and_every_pick_in_80_columns(tmp_path):
     assert "  versions: flashinfer-python 0.6.18, triton 3.6.0" in lines
     # grep for one parameter finds lines that say whose variant it is
     assert all(line.split()[0] == "fp8/p64/h128/q2" for line in lines if "max_splits=64" in line)
+    # --times adds each family's grid of times
+    lines = invoke("show", "--table", path, "--times").output.splitlines()
+    start = lines.index("  the eager picks' times (us), fp8/p64/h128/q2:")
+    assert lines[start + 1].split() == ["batch", "1024", "8192", "65536"]
+    assert lines[start + 2].split() == ["1", "20.2", "91.9", "665.4"]  # 10 x batch + kv / 100
+    assert lines[start + 4].split() == ["256", "2570", ".", "-"]
 
 
 def test_show_json_holds_every_cell_graph_pick_and_left_out_cell(tmp_path):
@@ -111,6 +115,11 @@ def test_show_json_holds_every_cell_graph_pick_and_left_out_cell(tmp_path):
     assert fp8["graph"][2] == {"batch": 256, "variant": str(_v(8)), "worst_regret": 0.125, "worst_kv_len": 65536}
     assert fp8["left_out"] == [{"batch": 256, "kv_len": 65536, "reason": "over max_kv_bytes"}]
     assert fams[str(BF16)]["candidates"] == {}
+    # an unquoted YAML date is text in the JSON
+    path.write_text(path.read_text().replace("date: '2026-12-01'", "date: 2026-12-01"))
+    result = invoke("show", "--table", path, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["provenance"]["date"] == "2026-12-01"
 
 
 def test_show_gpu_keeps_the_leaderboard_table_and_names_the_serving_one_beside_it(tmp_path):
@@ -168,17 +177,13 @@ def test_diff_of_serving_tables_flags_pick_and_time_changes_per_family(tmp_path)
     assert cells[(1, 65536)]["status"] == "left out in new" and cells[(1, 65536)]["change"] is None
 
 
-def test_diff_of_a_table_with_itself_changes_nothing(tmp_path):
-    path = _write(tmp_path)
-    result = invoke("diff", path, path)
+def test_diff_of_a_table_with_itself_changes_nothing_and_with_a_leaderboard_is_one_line(tmp_path):
+    serving = _write(tmp_path)
+    result = invoke("diff", serving, serving)
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
     assert "8 cells: 0 with another pick" in text and "0 with a time change" in text
     assert "graph picks: 0 changed" in text and "cells and" not in text  # no family listed
-
-
-def test_diff_of_a_leaderboard_and_a_serving_table_is_one_line(tmp_path):
-    serving = _write(tmp_path)
     for pair in ((LEADERBOARD, serving), (serving, LEADERBOARD)):
         result = invoke("diff", *pair)
         assert result.exit_code == 1
@@ -208,14 +213,6 @@ def test_the_committed_serving_table_shows_in_80_columns_through_a_pipe():
     grids = [line for line in lines if line.split()[:1] == ["batch"] and "buckets:" not in line]
     assert len(grids) == families and all(g.split()[-2:] == ["graph", "worst"] for g in grids)
     assert "provenance:" in lines and any(line.startswith("  config: configs/serving.yaml") for line in lines)
-
-
-def test_show_times_adds_each_familys_grid_of_times(tmp_path):
-    lines = invoke("show", "--table", _write(tmp_path), "--times").output.splitlines()
-    start = lines.index("  the eager picks' times (us), fp8/p64/h128/q2:")
-    assert lines[start + 1].split() == ["batch", "1024", "8192", "65536"]
-    assert lines[start + 2].split() == ["1", "20.2", "91.9", "665.4"]  # 10 x batch + kv / 100
-    assert lines[start + 4].split() == ["256", "2570", ".", "-"]
 
 
 def test_a_grid_too_wide_for_80_columns_splits_its_kv_columns(tmp_path):
@@ -248,11 +245,3 @@ def test_table_kind_reads_the_schema_line_without_parsing_the_table(tmp_path):
         "serving", "serving", "leaderboard", "leaderboard", "leaderboard"]
     assert table_kind(tmp_path / "missing.yaml") is None and table_kind(tmp_path) is None
     assert table_kind(LEADERBOARD) == "leaderboard"
-
-
-def test_show_json_turns_an_unquoted_yaml_date_into_text(tmp_path):
-    path = _write(tmp_path)
-    path.write_text(path.read_text().replace("date: '2026-12-01'", "date: 2026-12-01"))
-    result = invoke("show", "--table", path, "--json")
-    assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["provenance"]["date"] == "2026-12-01"

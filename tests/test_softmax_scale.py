@@ -1,28 +1,21 @@
-"""The model's softmax scale (issue 29): CallSpec.sm_scale and build(..., sm_scale=) reach
-every backend that runs on the CPU, through Triton's interpreter or the vendors' fakes
-(tests/fakes: they take the scale as the real libraries declare it and answer with the
-fp32 reference at that scale).
-
-Each call at DeepSeek-V3's scale (mscale**2 / sqrt(192), about 0.1352, 3.2 x the
-leaderboard's 1/sqrt(576)) must match the fp32 reference at that scale under the strict
-rule, and must fail it against the reference at the leaderboard's scale: a backend that
-ignored the scale would fail the first check. The own kernels take the scale as a runtime
-argument: two scales bind to one compiled kernel (the same JIT cache key).
-"""
+"""The model's softmax scale (CallSpec.sm_scale, build(..., sm_scale=)) reaches every CPU backend:
+each call matches the reference at DeepSeek-V3's scale and not at the leaderboard's."""
 
 from __future__ import annotations
 
 import math
 import sys
+import warnings
 
 import pytest
 import torch
 
-from mla_tune import gpu, problem
+from mla_tune import gpu, problem, runtime
 from mla_tune.backends import get_backend
 from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, SM_SCALE, CallSpec, Shape, Variant
+from mla_tune.kernels import flash_decode, fused_decode
 from mla_tune.serving import inputs as serving
-from mla_tune.serving.call import Decoder
+from mla_tune.serving.call import Decoder, decode
 from mla_tune.serving.table import FamilyKey
 from tests.helpers import cpu_table, vendor_fakes
 
@@ -91,8 +84,6 @@ def test_the_decoder_and_decode_pass_the_spec_scale():
     spec = CallSpec("bf16", heads=16, max_q_len=2, mixed_q_len=True, sm_scale=DSV3)
     out = Decoder(spec)(inp.q, inp.qo_indptr, inp.kv, None, kv_indptr=inp.kv_indptr)
     _scaled_and_not(out, inp.reference(sm_scale=DSV3), inp.reference(), "Decoder")
-    from mla_tune.serving.call import decode
-
     out = decode(inp.q, inp.qo_indptr, inp.kv, kv_indptr=inp.kv_indptr, max_q_len=2, sm_scale=DSV3)
     _scaled_and_not(out, inp.reference(sm_scale=DSV3), inp.reference(), "decode")
 
@@ -105,8 +96,7 @@ def _leaderboard_variant(name: str, shape: Shape, kv: str) -> Variant:
     if name == "flashmla":
         return Variant.make("flashmla", kv=kv, q="bf16" if kv == "bf16" else "fp8_dynamic")
     space = {"kv": [kv]} if name == "flashinfer" else {"kv": [kv], "num_splits": [2], "block_n": [32]}
-    # not reduce=spin: its programs wait for each other, and the interpreter runs them one by
-    # one; fp16 dots: the interpreter's fp8 and bf16 tl.dot are not the GPU's
+    # not reduce=spin (the interpreter runs programs one by one); fp16 dots (its fp8/bf16 ones differ)
     return next(v for v in get_backend(name).candidates(shape, space, H200)
                 if v.get("reduce") != "spin" and v.get("qk_dot", "fp16") == "fp16"
                 and v.get("pv_dot", "fp16") == "fp16")
@@ -118,9 +108,7 @@ LEADERBOARD_CASES = [("torch", "bf16"), ("triton", "bf16"), ("triton", "fp8"), (
 
 @pytest.mark.parametrize("name,kv", LEADERBOARD_CASES, ids=[f"{n}-{k}" for n, k in LEADERBOARD_CASES])
 def test_build_takes_the_models_scale(name, kv, monkeypatch):
-    """build(variant, shape, device, sm_scale=...) of every backend that runs on the CPU
-    (gluon_fused needs an sm_90 GPU: tests/test_gpu_engine_call.py; aiter's build is
-    tested with its fakes in tests/test_aiter_backend.py)."""
+    """build(..., sm_scale=) of every backend that runs on the CPU."""
     if name in VENDOR_MODULES:
         vendor_fakes.install(monkeypatch, VENDOR_MODULES[name])
     shape = Shape(2, 128)
@@ -134,10 +122,7 @@ def test_build_takes_the_models_scale(name, kv, monkeypatch):
 
 
 def test_fp8_static_q_composes_with_the_models_scale():
-    """A static q scale is q_amax / fp8_max (tune/calibration.py: a property of q alone);
-    the softmax scale multiplies the scores after the dot, so the model's scale changes
-    neither the calibration nor the quantized q: the call matches the reference of the same
-    static q at the model's scale."""
+    """The model's scale changes neither the calibration nor the quantized static q."""
     spec = CallSpec("fp8", page_size=16, heads=16, max_q_len=1, sm_scale=DSV3)
     inp = serving.make_input([1, 1], [33, 90], 16, 16, "fp8", seed=8)
     q_amax = 1.1 * float(inp.q.abs().amax())
@@ -151,8 +136,7 @@ def test_fp8_static_q_composes_with_the_models_scale():
 
 # ------------------------------------------------------------ one compile for every scale
 def _bind_keys(launch, capture_module, args_list) -> list[str]:
-    """Each launch's JIT cache key (specialization + options), as Triton's JIT computes it
-    for an sm_90 target (no GPU needed: the binder only reads the arguments)."""
+    """Each launch's JIT cache key (specialization + options) for an sm_90 target."""
     jit = pytest.importorskip("triton.runtime.jit")
     compiler = pytest.importorskip("triton.compiler.compiler")
     backends = pytest.importorskip("triton.backends.compiler")
@@ -182,25 +166,19 @@ def _bind_keys(launch, capture_module, args_list) -> list[str]:
 
 @pytest.mark.parametrize("family", ["splitk", "fused"])
 def test_two_scales_bind_to_one_compiled_kernel(family):
-    from mla_tune.kernels import flash_decode, fused_decode
-
     inp = serving.make_input([1, 1], [5, 9], 16, 16, "bf16", seed=1)
     out = torch.empty((2, 16, 512), dtype=torch.bfloat16)
     common = dict(max_q_len=1, max_splits=2, tokens_per_split=4, block_n=16, block_h=16, num_warps=4, num_stages=1)
     if family == "splitk":
-        module = flash_decode
-
-        def launch(sm_scale, block_n=16):
-            flash_decode.flash_decode_serving(inp.q, inp.qo_indptr, inp.kv, None, out, **inp.layout,
-                                              **{**common, "block_n": block_n}, dot_dtype="fp16", sm_count=4,
-                                              sm_scale=sm_scale)
+        module, dots = flash_decode, dict(dot_dtype="fp16", sm_count=4)
+        serve = flash_decode.flash_decode_serving
     else:
-        module = fused_decode
+        module, dots = fused_decode, dict(qk_dot="fp16", pv_dot="fp16")
+        serve = fused_decode.fused_decode_serving
 
-        def launch(sm_scale, block_n=16):
-            fused_decode.fused_decode_serving(inp.q, inp.qo_indptr, inp.kv, None, out, **inp.layout,
-                                              **{**common, "block_n": block_n}, qk_dot="fp16", pv_dot="fp16",
-                                              sm_scale=sm_scale)
+    def launch(sm_scale, block_n=16):
+        serve(inp.q, inp.qo_indptr, inp.kv, None, out, **inp.layout, **{**common, "block_n": block_n}, **dots,
+              sm_scale=sm_scale)
 
     keys = _bind_keys(launch, module, [{"sm_scale": SM_SCALE}, {"sm_scale": DSV3}, {"sm_scale": DSV3, "block_n": 32}])
     per_call = len(keys) // 3
@@ -210,13 +188,7 @@ def test_two_scales_bind_to_one_compiled_kernel(family):
 
 
 def test_the_leaderboard_runtime_takes_the_scale_from_the_config(tmp_path):
-    """runtime.custom_kernel passes config["sm_scale"] to the builds (a dispatcher per
-    scale, built lazily; the tuned picks are the same), and its repeat-call path keeps
-    the scale in what it compares."""
-    import warnings
-
-    from mla_tune import runtime
-
+    """custom_kernel passes config["sm_scale"] to the builds, its repeat path included."""
     path = cpu_table(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

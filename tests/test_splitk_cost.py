@@ -1,7 +1,4 @@
-"""Our split-K kernel's schedule model (mla_tune/backends/triton_splitk_schedule.py): its
-schedule at a call's own lengths, its fit when a serving table is built (`fit`) and the
-eager lookup that uses it (serving/estimate.py). The replay of the split rule itself is checked against
-the kernel in tests/test_serving_layouts.py."""
+"""The split-K schedule model (backends/triton_splitk_schedule.py): schedule, fit and lookup."""
 
 from __future__ import annotations
 
@@ -57,7 +54,7 @@ def _span(lens, occupancy=1, heads=16, variant=ONE, sm=132, item_tokens=0):
     return splitk_schedule(lens, heads, 1, dict(variant.params), occupancy, sm, item_tokens)[0]
 
 
-def test_the_makespan_counts_waves_and_waits_for_the_longest():
+def test_the_makespan_counts_waves_waits_for_the_longest_and_charges_each_items_fixed_tokens():
     assert _span([100] * 132) == 100            # one wave
     assert _span([100] * 133) == 200            # one program more: a second wave
     assert _span([100] * 264, occupancy=2) == 100  # two programs per SM: one wave again
@@ -65,25 +62,20 @@ def test_the_makespan_counts_waves_and_waits_for_the_longest():
     # 128 heads in 16-head tiles: 8 programs an item, so 132 SMs hold 16 items at once
     assert _span([100] * 16, heads=128) == 100 and _span([100] * 17, heads=128) == 200
     # programs, not items, fill the SMs: 33 items x 8 tiles are exactly two waves of 132
-    # (items whole on 16 groups of 8 SMs would take three: at 11 x 1233 tokens, 128 heads,
-    # fp8, that estimate was 15% slow and picked a variant 17.6% behind; seed 38, session 13)
+    # (whole items on 16 groups of 8 SMs would take three)
     assert _span([100] * 33, heads=128) == 200
     # past EXACT_WAVES waves: the mean load plus half the longest item
     n = 132 * (EXACT_WAVES + 1)
     assert _span([100] * n) == pytest.approx(n * 100 / 132 + 50)
     assert _span([0, 0]) == 0
-
-
-def test_each_item_costs_its_fixed_tokens_so_more_splits_are_not_free():
+    # each item costs its fixed tokens, so more splits are not free
     assert _span([100] * 132, item_tokens=50) == 150
     assert _span([100] * 133, item_tokens=50) == 300  # the second wave's item pays it again
     n = 132 * (EXACT_WAVES + 1)
     assert _span([100] * n, item_tokens=50) == pytest.approx(n * 150 / 132 + 75)
-    # 5 x 1688 tokens at 128 heads in 64-head tiles: a budget of 132 splits runs 14 items a
-    # sequence (13 of 128 tokens and one of 24), 70 on 66 slots, so 4 slots run a second,
-    # short item; a budget of 66 runs 9 items of 192 (45, one wave). By tokens alone the
-    # bigger budget looks faster (152 < 192); at a program's cost of 128 tokens it is slower,
-    # as the H200 measured it (46.5 us against 39.0, seed 24, docs/perf.md session 12).
+    # 5 x 1688 tokens, 128 heads, 64-head tiles: budget 132 runs 14 items a sequence (13 of
+    # 128 tokens, one of 24), 70 on 66 slots; budget 66 runs 9 of 192 (45, one wave). By tokens
+    # the bigger budget is faster (152 < 192); at 128 tokens a program it is slower (as measured).
     def budget(b, cost):
         return _span([1688] * 5, heads=128, variant=SPLIT.with_params(
             block_h=64, tokens_per_split=128, split_budget=b), item_tokens=cost)
@@ -115,14 +107,11 @@ def test_the_fit_recovers_the_occupancy_and_the_overhead():
     m = models[ONE]
     assert (m.occupancy, m.overhead_us, m.item_tokens, m.sm_count) == (1, pytest.approx(10.0), 0, 132)
     assert m.fit_error < 1e-9
-    # and a program's fixed cost in tokens, one of ITEM_TOKENS (the overhead again a quarter
-    # of the fastest point's time: 12.5 of 12.5 + 30 / 512 x (512 + 128))
+    # a program's fixed cost in tokens, one of ITEM_TOKENS (overhead 12.5 of 12.5 + 30/512 x 640)
     m = _splitk_models(KEY, _grid(overhead=12.5, item_tokens=128), 132)[ONE]
     assert (m.occupancy, m.overhead_us, m.item_tokens) == (1, pytest.approx(12.5), 128) and m.fit_error < 1e-9
-    # two programs an SM: 264 sequences are one wave, 265 two. Leaving one point out, its
-    # neighbours at the same batch predict it whatever the occupancy (the rate is the
-    # batch's): only a grid of one length a batch tells occupancies apart. (A follow-up:
-    # leave whole batches out.)
+    # two programs an SM: 264 sequences are one wave, 265 two; only a grid of one length a
+    # batch tells occupancies apart (a left-out point's neighbours share its batch's rate)
     assert _splitk_models(KEY, _grid(occupancy=2, kvs=(1024,)), 132)[ONE].occupancy == 2
     assert _splitk_models(KEY, _grid(occupancy=2), 132)[ONE].occupancy == 1
     assert _splitk_models(KEY, _grid(), 0) == {}  # no SM count, no model
@@ -151,6 +140,12 @@ def test_the_lookup_estimates_a_ragged_batch_by_its_schedule():
     assert _table({}).lookup(spec, 100, 1024.0, kv_lens=ragged) == ONE
 
 
+def _refused(path: Path, data: dict, words: str) -> None:
+    path.write_text(dump_yaml(data))
+    with pytest.raises(TableError, match=words):
+        load_serving_table(path)
+
+
 def test_the_models_survive_a_write_and_load_and_a_broken_one_is_refused(tmp_path):
     table = _table(_splitk_models(KEY, _grid(), 132))
     path = write_serving_table(tmp_path / "H200.serving.yaml", table)
@@ -169,10 +164,7 @@ def test_the_models_survive_a_write_and_load_and_a_broken_one_is_refused(tmp_pat
         entry = dict(data["families"][0]["models"][0])
         entry.update(edit)
         data["families"][0]["models"] = [entry]
-        bad = tmp_path / "bad.serving.yaml"
-        bad.write_text(dump_yaml(data))
-        with pytest.raises(TableError, match=words):
-            load_serving_table(bad)
+        _refused(tmp_path / "bad.serving.yaml", data, words)
 
 
 def test_an_older_schema_is_refused_with_the_command_that_rebuilds_it(tmp_path):
@@ -180,16 +172,13 @@ def test_an_older_schema_is_refused_with_the_command_that_rebuilds_it(tmp_path):
     path = tmp_path / "old.serving.yaml"
     for old in ("serving/2", "serving/5"):
         data["schema"] = old
-        path.write_text(dump_yaml(data))
-        with pytest.raises(TableError, match=rf"schema is '{old}', this mla-tune reads 'serving/6'; rebuild it.*mla-tune sweep"):
-            load_serving_table(path)
+        words = rf"schema is '{old}', this mla-tune reads 'serving/6'; rebuild it.*mla-tune sweep"
+        _refused(path, data, words)
     # a split-K model must carry its program's fixed cost (item_tokens)
     data = _table(_splitk_models(KEY, _grid(item_tokens=64), 132)).as_dict()
     assert data["families"][0]["models"][0]["item_tokens"] == 64
     del data["families"][0]["models"][0]["item_tokens"]
-    path.write_text(dump_yaml(data))
-    with pytest.raises(TableError, match="is a mapping of backend, fit_error, item_tokens"):
-        load_serving_table(path)
+    _refused(path, data, "is a mapping of backend, fit_error, item_tokens")
 
 
 def test_the_reduction_steps_follow_the_longest_sequences_splits():
@@ -237,17 +226,12 @@ def test_the_lookup_adds_the_measured_reduction_steps_beyond_a_uniform_batchs(tm
     assert "reduce_step_us: {16: 5.0, 64: 1.0}" in return_path.read_text()
     assert load_serving_table(return_path).families[KEY].calibration == {"triton": {"reduce_step_us": {16: 5.0, 64: 1.0}}}
     data = table.as_dict()
-    for bad, words in (({32: 1.0}, "must map splits per reduction step"), ({16: -1.0}, r"\[16\] must be a finite"),
-                       ([1.0], "must map splits per reduction step")):
-        data["families"][0]["calibration"] = {"triton": {"reduce_step_us": bad}}
-        return_path.write_text(dump_yaml(data))
-        with pytest.raises(TableError, match=words):
-            load_serving_table(return_path)
-    for bad, words in (({"flashmla": {}}, "'flashmla' has no calibration"), ([1], "must map backends")):
+    for bad, words in (({"triton": {"reduce_step_us": {32: 1.0}}}, "must map splits per reduction step"),
+                       ({"triton": {"reduce_step_us": {16: -1.0}}}, r"\[16\] must be a finite"),
+                       ({"triton": {"reduce_step_us": [1.0]}}, "must map splits per reduction step"),
+                       ({"flashmla": {}}, "'flashmla' has no calibration"), ([1], "must map backends")):
         data["families"][0]["calibration"] = bad
-        return_path.write_text(dump_yaml(data))
-        with pytest.raises(TableError, match=words):
-            load_serving_table(return_path)
+        _refused(return_path, data, words)
     # a family without a calibration (no split-K variant needs one) loads with none
     del data["families"][0]["calibration"]
     return_path.write_text(dump_yaml(data))
@@ -283,10 +267,8 @@ def test_a_split_k_estimate_stays_near_its_interpolated_time():
 
 
 def test_a_rate_the_points_cannot_blend_comes_from_the_interpolated_time():
-    """Two kv points around the call with no split-K variant in common (a batch-edge point
-    holds its cell's best 3): the times blend through FlashMLA, the rates cannot, and the
-    model takes the rate of the variant's interpolated time at a uniform batch of the mean,
-    so a ragged call still sees its long sequence."""
+    """With no split-K variant in common at the two kv points around the call, the model takes the
+    rate of the variant's interpolated time, so a ragged call still sees its long sequence."""
     spec = CallSpec("bf16", 64, 16, 1)
     other = SPLIT.with_params(split_budget=264, tokens_per_split=128, block_n=32)
     fam = Family(KEY)
@@ -341,9 +323,7 @@ def compiled_ctas() -> list[dict]:
 
 
 def test_the_occupancy_cap_is_what_the_kernel_compiled_for_sm90_gets():
-    """On the CPU, with the installed Triton (CI: 3.9, 178-255 registers a thread here; the
-    H200's 3.6 gives the same CTAs, at 186-255 registers over every split-K variant of the
-    committed table)."""
+    """On the CPU, with the installed Triton (the H200's 3.6 gives the same CTAs)."""
     from mla_tune.xcompile.resources import SMEM_PER_SM
     from tests.helpers import run_outside_the_interpreter
 
@@ -356,11 +336,8 @@ def test_the_occupancy_cap_is_what_the_kernel_compiled_for_sm90_gets():
 # ------------------------------------------------------------------------------ GPU
 @pytest.mark.gpu
 def test_the_occupancy_cap_is_what_the_compiled_kernel_gets_on_the_gpu(monkeypatch, capsys):
-    """Every split-K variant the committed serving table models: its stage-1 kernel, compiled
-    and launched on this GPU, holds as many CTAs per SM (registers, shared memory, warps:
-    xcompile.resources.cuda_ctas_per_sm) as `occupancy_cap` lets the fit choose. A cap above
-    it let a fit choose an occupancy the SM cannot hold (a uniform batch past one wave then
-    estimated at half its time)."""
+    """Each split-K variant of the committed table, launched here, holds as many CTAs per SM
+    (cuda_ctas_per_sm) as `occupancy_cap` lets the fit choose."""
     import torch
 
     from mla_tune.kernels import flash_decode

@@ -1,9 +1,12 @@
-"""The split-K replay over a numpy array (triton_splitk_schedule._schedule_array, what the eager lookup
-runs) gives what the per-sequence replay of kernels/split_rule.py gives, on random ragged
-batches across every branch (one wave, the exact dealing, many waves; zero lengths)."""
+"""The split-K replay over a numpy array (what the eager lookup runs) equals the per-sequence
+replay of kernels/split_rule.py on random ragged batches across every branch."""
 
+import heapq
 import random
 
+import numpy as np
+
+from mla_tune.backends.makespan import greedy_makespan
 from mla_tune.backends.triton_splitk_schedule import lengths, splitk_schedule
 
 
@@ -32,20 +35,11 @@ def test_array_replay_matches_the_loop():
         branches.add("one" if want[0] == max(lens) + item else "more")
         branches.add(slots)
     assert "one" in branches and "more" in branches
-
-
-def test_all_zero_lengths():
-    params = {"max_splits": 8, "tokens_per_split": 512, "block_n": 32, "block_h": 64}
+    params = {"max_splits": 8, "tokens_per_split": 512, "block_n": 32, "block_h": 64}  # all lengths 0
     assert splitk_schedule(lengths([0, 0]), 128, 1, params, 2, 132) == splitk_schedule([0, 0], 128, 1, params, 2, 132)
 
 
 def test_greedy_makespan_is_the_heaps():
-    import heapq
-
-    import numpy as np
-
-    from mla_tune.backends.makespan import greedy_makespan
-
     rng = random.Random(3)
     for _ in range(300):
         slots = rng.randint(1, 300)

@@ -1,12 +1,7 @@
 """On the GPU: an export passes its table's rule at lengths no table holds (its fallback).
 
-The shapes 2x1, 2x2, 2x17 and 63 tokens (batch 2 and 8) are in no table, so the export's
-fallback serves them, chosen by mla_tune.tables.dispatch's policy for the table's rule. The
-committed table is exported as is (the `leaderboard` rule) and again from a copy whose
-provenance names the `strict` rule (its rows, tuned under the leaderboard rule, are
-untouched: only the fallback is under test); scripts/check_submission.py runs each export
-at those shapes and must find every shape passing the table's rule. (2026-11-30 on the
-H200: the leaderboard-rule export failed `strict` at 2x2 and 2x17, docs/perf.md.)
+The committed table is exported as is (`leaderboard`) and with provenance naming `strict`
+(rows untouched); scripts/check_submission.py must find every fallback shape passing.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The sweep end to end on the CPU, with the torch baseline and fake backends (tests/fakes)
-that are correct, wrong, raise, crash their worker, hang, or need a GPU."""
+"""The sweep end to end on the CPU: the torch baseline and fake backends that are correct,
+wrong, raise, crash their worker, hang, or need a GPU."""
 
 from __future__ import annotations
 
@@ -19,12 +19,8 @@ from mla_tune import problem
 from mla_tune.backends import EXTRA_BACKENDS_ENV
 from mla_tune.core import Shape, Variant
 from mla_tune.tune.config import load_config
-from mla_tune.tune.results import (
-    SweepLock,
-    candidate_key,
-    read_results,
-    repair_tail,
-)
+from mla_tune.tune.results import SweepLock, candidate_key, read_results, repair_tail
+from mla_tune.tune.schedule import BackendCost, CostModel
 from mla_tune.tune.sweep import SweepError, assign_shapes, run_sweep
 from mla_tune.tune.worker import compile_shape_for, precompile
 from tests.fakes import EXTRA_BACKENDS, capture, registered
@@ -39,16 +35,6 @@ def fake_backends():
     """Register the fakes for this process and (through the environment) its workers."""
     with registered(EXTRA_BACKENDS):
         yield
-
-
-def by_key(records):
-    return {(r["shape"]["batch"], r["shape"]["kv_len"], r["variant"]): r for r in records}
-
-
-def count_candidates(path: Path) -> int:
-    if not path.exists():
-        return 0
-    return sum(1 for line in path.read_bytes().split(b"\n")[1:] if line.endswith(b"}"))
 
 
 # ------------------------------------------------------------------------- dry run
@@ -362,8 +348,6 @@ def test_a_sweep_killed_mid_rung_resumes_without_running_any_step_twice(tmp_path
 
 
 def test_a_first_call_jit_goes_to_first_s_and_leaves_the_usual_cost_alone():
-    from mla_tune.tune.schedule import BackendCost, CostModel
-
     model = CostModel({"*": BackendCost(0.01, 0.005, 0.0, 0.0)}, "test")
     model.observe("flashinfer", 0, 5, 18.0, first_call=True)  # the JIT
     for _ in range(5):

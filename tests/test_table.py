@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import yaml
 
+from mla_tune.backends import BACKEND_MODULES, get_backend
 from mla_tune.core import Shape, Variant
+from mla_tune.gpu import fake_platform
 from mla_tune.problem import get_rule
 from mla_tune.tables.table import TableError, load_table, pick_best, table_from_results, write_table
 
@@ -295,8 +300,6 @@ BACKEND_CASES = {
 @pytest.fixture
 def no_vendor_libraries(monkeypatch):
     """validate() must not import a vendor library: importing one here fails."""
-    import sys
-
     for name in ("aiter", "aiter.mla", "flashinfer", "flashinfer.mla", "flash_mla"):
         monkeypatch.setitem(sys.modules, name, None)
 
@@ -304,9 +307,6 @@ def no_vendor_libraries(monkeypatch):
 @pytest.mark.parametrize("case", list(BACKEND_CASES))
 def test_validate_accepts_every_candidate_of_its_backend_and_refuses_an_unknown_parameter(
         case, no_vendor_libraries):
-    from mla_tune.backends import BACKEND_MODULES, get_backend
-    from mla_tune.gpu import fake_platform
-
     name = case.split("@")[0]
     platform, space = BACKEND_CASES[case]
     backend = get_backend(name)
@@ -357,8 +357,6 @@ def test_validate_accepts_every_candidate_of_its_backend_and_refuses_an_unknown_
     ],
 )
 def test_validate_names_the_parameter_the_value_and_what_is_allowed(text, message, no_vendor_libraries):
-    from mla_tune.backends import get_backend
-
     variant = Variant.parse(text)
     with pytest.raises(ValueError, match=rf"^{variant.backend}: .*{message}"):
         get_backend(variant.backend).validate(variant)
@@ -383,8 +381,6 @@ def test_an_old_table_without_the_later_fields_loads_with_their_defaults(tmp_pat
 
 @pytest.mark.parametrize("libyaml", [True, False], ids=["libyaml", "pure-python-yaml"])
 def test_a_yaml_alias_bomb_fails_fast_in_one_line(tmp_path, monkeypatch, libyaml):
-    import time
-
     if not libyaml:  # the loader without libyaml's C parser refuses aliases too
         monkeypatch.delattr(yaml, "CSafeLoader", raising=False)
 
@@ -401,8 +397,6 @@ def test_a_yaml_alias_bomb_fails_fast_in_one_line(tmp_path, monkeypatch, libyaml
 
 
 def test_files_that_are_not_a_table_are_refused_in_one_line(tmp_path):
-    import os
-
     huge = tmp_path / "huge.yaml"
     with open(huge, "wb") as handle:  # sparse: 17 MB that take no disk
         handle.truncate(17 * 1024 * 1024)

@@ -1,6 +1,5 @@
-"""The task pool (mla_tune/tune/pool.py): tasks by name in the sweep's killable worker
-processes; a task that raises, crashes its worker, hangs or loses its context costs only
-itself, and the next task runs on a fresh worker."""
+"""The task pool (mla_tune/tune/pool.py): a task that raises, crashes its worker, hangs or
+loses its context costs only itself; the next runs on a fresh worker."""
 
 from __future__ import annotations
 
@@ -42,8 +41,6 @@ def remember(context, value):
 
 
 def test_a_raise_a_crash_a_hang_and_a_lost_context_cost_only_their_own_task(tmp_path):
-    """Two workers (one process start each, and one per task that ends its worker: the
-    test's cost is those starts)."""
     with TaskPool(2, tmp_path / "pool") as pool:
         both = list(pool.run([Task(f"{HERE}:pid"), Task(f"{HERE}:pid")], 60))
         assert sorted(i for i, _ in both) == [0, 1] and len({o.value for _, o in both}) == 2

@@ -1,5 +1,4 @@
-"""`mla-tune time` (mla_tune/time_cli.py) on the CPU: its pieces (the lengths a scan covers,
-the batch-budget variants it adds, the option parsers), its help, its refusals, and each
+"""`mla-tune time` (mla_tune/time_cli.py) on the CPU: its pieces, help, refusals, and each
 subcommand end to end on Triton's interpreter (times are wall clock there, meaningless)."""
 
 from __future__ import annotations
@@ -56,16 +55,14 @@ def _invoke(*args):
 
 
 # ------------------------------------------------------------------------- pieces
-def test_the_scanned_lengths_all_look_up_their_bucket_and_span_it():
+def test_the_scanned_lengths_span_their_bucket_and_budget_variants_come_from_split_k_ones_only():
     buckets = [512, 1024, 2048, 4096]
     for bucket in buckets:
         lens = bucket_lengths(bucket, 8)
         assert len(lens) == 8 and lens == sorted(lens)
         assert {kv_bucket(buckets, n) for n in lens} == {bucket}
         assert lens[0] < bucket * 0.75 and lens[-1] > bucket * 1.25  # both halves of the octave
-
-
-def test_budget_variants_are_made_from_split_k_ones_only():
+    # budget variants are made from split-K ones only
     split = Variant.make("triton", kv="fp8", q="bf16", block_n=64, block_h=16, max_splits=17,
                          tokens_per_split=512, num_warps=8, num_stages=2, dot_dtype="bf16")
     budget = with_budget(split, 2, 128, sm_count=132, heads=128)
@@ -73,9 +70,7 @@ def test_budget_variants_are_made_from_split_k_ones_only():
     unsplit = Variant.make("triton", **{**split.p, "max_splits": 1})
     assert with_budget(unsplit, 1, 128, 132, 128) is None
     assert with_budget(Variant.make("flashmla", kv="fp8", q="fp8_dynamic"), 1, 128, 132, 128) is None
-
-
-def test_lists_lengths_and_shapes_are_parsed_or_refused_by_name():
+    # lists, lengths and shapes are parsed or refused by name
     assert parse_ints("25,28,32", "--batch") == [25, 28, 32]
     assert parse_lens("7,1024*3") == [7, 1024, 1024, 1024]
     assert [str(s) for s in parse_shapes("4x1024,32x8192")] == ["4x1024", "32x8192"]
@@ -140,8 +135,7 @@ def interpreter(monkeypatch):
 @pytest.fixture
 def stand_in_timer(monkeypatch):
     """The serving commands' timer, replaced: each measurement returns 10, 20, 30, ... us
-    without calling (every call is still run once for its check): the interpreter's kernel
-    calls are the cost of these tests."""
+    without calling (every call still runs once for its check)."""
     timed = []
 
     def timer_for(device):
@@ -191,9 +185,9 @@ def _worst_lines(data: dict) -> list[str]:
 
 
 def test_a_scan_times_every_candidate_and_its_budget_copies_at_each_shape(interpreter, stand_in_timer, tmp_path):
-    """One batch at two lengths: the config's two split-K candidates and their budget
-    copies, every one checked and timed at each shape, the worst regrets printed from the
-    times and the times written."""
+    """One batch at two lengths: the config's two split-K candidates and their budget copies,
+    each checked and timed at each shape, the worst regrets printed and the times written; and
+    a ragged mix, one shape."""
     out = tmp_path / "scan.json"
     result = _invoke("scan", "--kv", "fp8", "--heads", "16", "--page", "16", "--config", CONFIG,
                      "--batch", "1", "--lengths", "20,40", "--budget-waves", "1", "--reps", "1",
@@ -207,9 +201,7 @@ def test_a_scan_times_every_candidate_and_its_budget_copies_at_each_shape(interp
     assert all(set(t) == {"1x20", "1x40"} for t in data["times"].values())
     assert "fails the check" not in result.output
     assert [line for line in result.output.splitlines() if line.startswith("worst")] == _worst_lines(data)
-
-
-def test_a_ragged_mix_scans_as_one_shape(interpreter, stand_in_timer, tmp_path):
+    # a ragged mix scans as one shape
     out = tmp_path / "mix.json"
     result = _invoke("scan", "--kv", "bf16", "--heads", "16", "--page", "16", "--config", CONFIG,
                      "--mix", "9,30", "--reps", "1", "--device", "cpu", "--json", out)

@@ -1,12 +1,5 @@
-"""Caches as engines keep them (issue 29): vLLM stores an fp8 cache as uint8 bytes and
-SGLang passes kv_scale as a Python float.
-
-- CallSpec(cache_dtype="uint8") declares the bytes once: every path views them as fp8.
-- Without it a uint8 cache is refused, with the fix, by every path: DecodePlan.run (one
-  attribute check per call), run_checked, the Decoder, decode(), and the own runners'
-  launch check (check_serving_launch) beneath them; the vendors' runners check the dtype.
-- kv_scale may be a float: it becomes a (1,) float32 device tensor kept per value.
-"""
+"""Caches as engines keep them: an fp8 cache as uint8 bytes (read as fp8 where CallSpec declares
+cache_dtype="uint8", else refused with the fix by every path) and kv_scale as a Python float."""
 
 from __future__ import annotations
 
@@ -75,10 +68,7 @@ def test_an_undeclared_uint8_cache_is_refused_by_every_path():
         runner(inp.q, inp.qo_indptr, raw, inp.kv_scale, **inp.layout)
     # and the right cache still runs after the refusals
     _close(plan.run(inp.q, inp.kv, inp.kv_scale).clone(), inp)
-
-
-def test_a_bf16_plan_refuses_an_fp8_cache():
-    inp = _input()
+    # a bf16 plan refuses an fp8 cache
     plan = DecodePlan(CallSpec("bf16", page_size=16, heads=16), max_batch=4)
     plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
     with pytest.raises(ValueError, match="kv must be bf16"):

@@ -1,6 +1,4 @@
-"""FlashInfer's schedule model (mla_tune/backends/flashinfer_mla_schedule.py): its MLA schedule
-replayed on the host, its linear fit, and the serving table's estimated eager pick that uses
-both (serving/estimate.py)."""
+"""FlashInfer's schedule model (backends/flashinfer_mla_schedule.py): replay, fit and lookup."""
 
 from __future__ import annotations
 
@@ -35,7 +33,7 @@ TR = Variant.parse("triton(block_h=16,block_n=32,dot_dtype=bf16,kv=bf16,max_spli
                    "num_warps=4,q=bf16,tokens_per_split=128)")
 
 
-def test_the_replay_deals_chunks_as_flashinfer_does():
+def test_the_replay_deals_chunks_as_flashinfer_does_and_short_sequences_split_into_small_chunks():
     # 16 heads x q_len 4 = 64 rows: one CTA per cluster, 132 clusters, q tiles of 64 rows.
     # 16 x 32768: the limit is 4096 (ceil(524288 / 132) = 3972, rounded up to 256) and the
     # 128 chunks fit the clusters: one each, cost 2 x 64 + 4096.
@@ -48,13 +46,11 @@ def test_the_replay_deals_chunks_as_flashinfer_does():
     _, makespan, works, *_ = flashinfer_mla_features([44654] * 15, 16, 4, 132)
     assert makespan == 3822 + 5248 and works == 2
     assert flashinfer_mla_works_per_cluster([44654] * 15, 16, 4, 132) == pytest.approx(135 / 132)
-
-
-def test_short_sequences_split_into_small_chunks():
-    # ceil(3 x 100 / 66) = 5 tokens per cluster -> a limit of 32: each 100-token sequence is 4
-    # chunks (32, 32, 32, 4), 12 in all, one per cluster
+    # short sequences: ceil(3 x 100 / 66) = 5 tokens per cluster -> a limit of 32: each
+    # 100-token sequence is 4 chunks (32, 32, 32, 4), 12 in all, one per cluster
     feats = flashinfer_mla_features([100] * 3, 128, 1, 132)
     assert feats[2] == 1.0 and feats[1] == 2 * 128 + 32 and feats[3] == 3 * max(100 * 2 // 32, 1)
+    assert len(FLASHINFER_FEATURES) == len(flashinfer_mla_features([10], 16, 1, 132))  # the names
 
 
 def test_a_linear_fit_recovers_its_coefficients_and_zeroes_a_constant_column():
@@ -175,10 +171,6 @@ def test_a_broken_model_or_point_is_refused(tmp_path, edit, words):
     with pytest.raises(TableError) as err:
         load_serving_table(path)
     assert "bad.serving.yaml" in str(err.value) and words in str(err.value), str(err.value)
-
-
-def test_the_feature_names_match_the_replay():
-    assert len(FLASHINFER_FEATURES) == len(flashinfer_mla_features([10], 16, 1, 132))
 
 
 def test_the_build_fits_flashinfers_model_to_its_aligned_cells():

@@ -1,7 +1,5 @@
-"""FlashInfer's replayed schedule (flashinfer_mla_schedule.flashinfer_mla_features, vectorized) gives
-what a chunk-by-chunk replay of FlashInfer's MLAPlan dealing gives (the loop below, the
-module's previous implementation), on random ragged batches: long sequences that merge,
-empty ones, one q tile and several; and works_per_cluster is the same on a list and an array."""
+"""FlashInfer's replayed schedule (flashinfer_mla_features) equals a chunk-by-chunk replay of
+its MLAPlan dealing on random ragged batches; works_per_cluster is the same on list and array."""
 
 import heapq
 import random
@@ -71,7 +69,4 @@ def test_features_match_the_chunk_by_chunk_replay():
         merged += want[3] > 0
         several_tiles += q_len * heads > 128
     assert merged > 50 and several_tiles > 50
-
-
-def test_no_sequences():
-    assert flashinfer_mla_features([], 128, 1, 132) == _reference([], 128, 1, 132)
+    assert flashinfer_mla_features([], 128, 1, 132) == _reference([], 128, 1, 132)  # no sequences

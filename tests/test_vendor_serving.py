@@ -1,15 +1,6 @@
 """FlashMLA, FlashInfer and AITER behind the serving call (build_serving), against the fp32
-reference of mla_tune.serving.
-
-Which calls each backend takes is read from its CAPABILITIES (`refusal`), never restated
-here, so a test and its declaration cannot disagree: every declared cell of the matrix
-layout {contiguous, paged 1, 16, 64} x heads {16, 128} x q_len {1, 2, 4} x KV {bf16, fp8}
-runs, every other cell is refused by build_serving, through the fakes of tests/fakes
-(which check the calls as the libraries do and answer with the reference). On the H200
-(`pytest -m gpu`) a padded slot of length 0 with the real FlashMLA and FlashInfer; their
-cells on the GPU are in tests/test_serving_correctness.py's matrix, their CUDA-graph replays
-in tests/test_graph_replay.py. AITER has no GPU here: CPU only.
-"""
+reference, on the CPU through tests/fakes: every cell their CAPABILITIES declare runs, every
+other cell is refused. On the H200 (`-m gpu`): a padded slot of length 0, real libraries."""
 
 from __future__ import annotations
 
@@ -21,7 +12,7 @@ import torch
 
 from mla_tune import gpu
 from mla_tune.backends import aiter_mla, flash_mla, flashinfer_mla
-from mla_tune.core import CallSpec, Variant
+from mla_tune.core import Variant
 from mla_tune.serving import inputs as serving
 from tests.helpers import (
     assert_close,
@@ -44,20 +35,14 @@ CELLS = list(itertools.product(LAYOUTS, HEADS, Q_LENS, KV_FORMATS))
 H200 = gpu.fake_platform("H200")
 
 
-def _spec(name: str, layout: int, heads: int, q_len: int, kv: str, graph: bool = False) -> CallSpec:
-    return cell_spec(name, layout, heads, q_len, kv, graph=graph)
-
-
 def _cells(name: str, served: bool) -> list[tuple]:
     caps = BACKENDS[name].CAPABILITIES
-    return [(name, *cell) for cell in CELLS if (caps.refusal(_spec(name, *cell)) is None) == served]
+    return [(name, *cell) for cell in CELLS if (caps.refusal(cell_spec(name, *cell)) is None) == served]
 
 
 SERVED = [c for name in BACKENDS for c in _cells(name, True)]
-# On the CPU, FlashMLA's fp8 cells at 128 heads and q_len 2 or 4 are left out: their q
-# quantizer runs under Triton's interpreter for about 100 s between them, and what they
-# check (the call's wiring through the fake) is checked at 128 heads by q_len 1 and bf16,
-# and at q_len 2 and 4 by 16 heads. tests/test_serving_correctness.py runs them on the GPU.
+# FlashMLA's fp8 cells at 128 heads and q_len 2 or 4 are left out on the CPU (their q quantizer
+# takes ~100 s under the interpreter); their wiring is checked by the neighbouring cells.
 CPU_SERVED = [c for c in SERVED if not (c[0] == "flashmla" and c[2] == 128 and c[3] > 1 and c[4] == "fp8")]
 REFUSED = [c for name in BACKENDS for c in _cells(name, False)]
 
@@ -67,9 +52,8 @@ def _install(monkeypatch, name: str, **settings):
 
 
 def _expected(variant: Variant, inp: serving.ServingInput) -> torch.Tensor:
-    """The reference on q as the variant's q mode sees it. AITER's dynamic quantizer keeps
-    its scale amax / fp8_max in fp32 (FlashMLA's QQuantizer rounds it to bf16, as
-    problem.quantize_fp8): a static scale of this call's amax is the same."""
+    """The reference on q as the variant's q mode sees it. AITER's dynamic scale stays fp32
+    (FlashMLA's rounds to bf16): a static scale of this call's amax is the same."""
     q_mode = variant.get("q")
     if variant.backend == "aiter" and q_mode == "fp8_dynamic":
         return inp.reference("fp8_static", float(inp.q.abs().amax()))
@@ -83,10 +67,9 @@ def _assert_close(out: torch.Tensor, ref: torch.Tensor, max_error: float, what: 
 
 
 def _run_case(name, layout, heads, q_len, kv, platform, seed=17):
-    """Build the backend's default serving variant for the cell on the CPU, call it twice
-    (the first answer poisoned with NaN, so the second must write every element) and compare."""
+    """The cell's default serving variant, called twice (the first answer poisoned with NaN)."""
     backend = BACKENDS[name]
-    spec = _spec(name, layout, heads, q_len, kv)
+    spec = cell_spec(name, layout, heads, q_len, kv)
     variant = backend.default_serving_variant(spec, platform)
     runner = backend.build_serving(variant, spec, "cpu")
     inp = serving_input(spec, KV_LENS, seed, "cpu")
@@ -113,7 +96,7 @@ def test_each_backend_declares_the_layouts_its_library_reads():
 def test_default_serving_variants_validate_and_read_the_calls_kv(case):
     name, *cell = case
     backend = BACKENDS[name]
-    variant = backend.default_serving_variant(_spec(name, *cell), H200)
+    variant = backend.default_serving_variant(cell_spec(name, *cell), H200)
     backend.validate(variant)
     assert variant.backend == backend.NAME and variant.get("kv") == cell[3]
 
@@ -122,8 +105,9 @@ def test_default_serving_variants_validate_and_read_the_calls_kv(case):
 def test_build_serving_refuses_what_the_capabilities_refuse(case, monkeypatch):
     name, *cell = case
     _install(monkeypatch, name)
-    backend, spec = BACKENDS[name], _spec(name, *cell)
-    variant = backend.default_serving_variant(_spec(name, 64 if name == "flashmla" else 0, 16, 1, cell[3]), H200)
+    backend, spec = BACKENDS[name], cell_spec(name, *cell)
+    variant = backend.default_serving_variant(cell_spec(name, 64 if name == "flashmla" else 0, 16, 1, cell[3]),
+                                              H200)
     with pytest.raises(ValueError, match=f"{name} cannot serve"):
         backend.build_serving(variant, spec, "cpu")
     with pytest.raises(ValueError, match=f"{name} cannot serve"):
@@ -135,9 +119,9 @@ def test_a_variant_for_the_other_kv_format_is_refused(name, monkeypatch):
     _install(monkeypatch, name)
     backend = BACKENDS[name]
     layout = 64 if name == "flashmla" else 0
-    bf16_variant = backend.default_serving_variant(_spec(name, layout, 16, 1, "bf16"), H200)
+    bf16_variant = backend.default_serving_variant(cell_spec(name, layout, 16, 1, "bf16"), H200)
     with pytest.raises(ValueError, match="make the variant with kv=fp8"):
-        backend.build_serving(bf16_variant, _spec(name, layout, 16, 1, "fp8"), "cpu")
+        backend.build_serving(bf16_variant, cell_spec(name, layout, 16, 1, "fp8"), "cpu")
 
 
 def test_leaderboard_variants_stay_valid():
@@ -165,7 +149,7 @@ def test_the_newer_aiter_fake_serves_too(monkeypatch):
 
 def test_flash_mla_answers_a_static_q_scale_and_counts_saturation(monkeypatch):
     _install(monkeypatch, "flashmla")
-    spec = _spec("flashmla", 64, 32, 2, "fp8")
+    spec = cell_spec("flashmla", 64, 32, 2, "fp8")
     inp = serving_input(spec, KV_LENS, 5, "cpu")
     variant = Variant.make("flashmla", kv="fp8", q="fp8_static", q_amax=0.8 * float(inp.q.abs().amax()))
     runner = flash_mla.build_serving(variant, spec, "cpu")
@@ -177,7 +161,7 @@ def test_flash_mla_answers_a_static_q_scale_and_counts_saturation(monkeypatch):
 def test_one_q_len_per_call_backends_refuse_a_ragged_one(name, monkeypatch):
     _install(monkeypatch, name)
     layout = 64 if name == "flashmla" else 0
-    spec = _spec(name, layout, 16, 2, "bf16")
+    spec = cell_spec(name, layout, 16, 2, "bf16")
     runner = BACKENDS[name].build_serving(BACKENDS[name].default_serving_variant(spec, H200), spec, "cpu")
     inp = serving.make_input([2, 1, 2], [40, 70, 9], 16, layout, "bf16", seed=3)  # 5 rows, 3 sequences
     with pytest.raises(ValueError, match="same q_len"):
@@ -186,7 +170,7 @@ def test_one_q_len_per_call_backends_refuse_a_ragged_one(name, monkeypatch):
 
 def test_flashinfer_refuses_a_call_without_host_lengths(monkeypatch):
     _install(monkeypatch, "flashinfer")
-    spec = _spec("flashinfer", 16, 16, 2, "bf16")
+    spec = cell_spec("flashinfer", 16, 16, 2, "bf16")
     runner = flashinfer_mla.build_serving(flashinfer_mla.default_serving_variant(spec, H200), spec, "cpu")
     inp = serving_input(spec, [40, 5, 70], 3, "cpu")
     with pytest.raises(ValueError, match="pass q_lens_host and kv_lens_host"):
@@ -200,7 +184,7 @@ def test_flashinfer_refuses_a_call_without_host_lengths(monkeypatch):
 def test_flashinfer_replans_only_when_the_lengths_or_the_page_array_change(layout, monkeypatch):
     fi = _install(monkeypatch, "flashinfer")
     calls = fi.mla.calls
-    spec = _spec("flashinfer", layout, 16, 2, "fp8")
+    spec = cell_spec("flashinfer", layout, 16, 2, "fp8")
     runner = flashinfer_mla.build_serving(flashinfer_mla.default_serving_variant(spec, H200), spec, "cpu")
     inp = serving_input(spec, [40, 5, 70], 3, "cpu")
     for _ in range(3):
@@ -221,7 +205,7 @@ def test_flashinfer_replans_only_when_the_lengths_or_the_page_array_change(layou
 def test_flashinfer_refuses_a_replan_that_changes_a_graphs_grid(monkeypatch):
     """32 heads: q_len 1 packs 32 rows per request (1-CTA clusters), q_len 4 packs 128 (2)."""
     _install(monkeypatch, "flashinfer")
-    spec = _spec("flashinfer", 0, 32, 4, "bf16", graph=True)
+    spec = cell_spec("flashinfer", 0, 32, 4, "bf16", graph=True)
     runner = flashinfer_mla.build_serving(flashinfer_mla.default_serving_variant(spec, H200), spec, "cpu")
     short = serving.make_input([1, 1], [40, 9], 32, 0, "bf16", seed=1)
     call_with_host_lengths(runner, short)
@@ -232,7 +216,7 @@ def test_flashinfer_refuses_a_replan_that_changes_a_graphs_grid(monkeypatch):
 @pytest.mark.parametrize("name,layout", [("flashinfer", 0), ("flashinfer", 16), ("aiter", 0), ("aiter", 1)])
 def test_the_output_buffer_is_reused_and_grows_only_for_more_rows(name, layout, monkeypatch):
     _install(monkeypatch, name)
-    spec = _spec(name, layout, 16, 1, "fp8")
+    spec = cell_spec(name, layout, 16, 1, "fp8")
     runner = BACKENDS[name].build_serving(BACKENDS[name].default_serving_variant(spec, H200), spec, "cpu")
     big, small = (serving.make_input([1] * n, [30 + i for i in range(n)], 16, layout, "fp8", seed=n)
                   for n in (5, 3))
@@ -245,7 +229,7 @@ def test_the_output_buffer_is_reused_and_grows_only_for_more_rows(name, layout, 
 
 def test_flash_mla_schedules_every_call_on_the_device(monkeypatch):
     fm = _install(monkeypatch, "flashmla")
-    spec = _spec("flashmla", 64, 16, 1, "bf16")
+    spec = cell_spec("flashmla", 64, 16, 1, "bf16")
     runner = flash_mla.build_serving(flash_mla.default_serving_variant(spec, H200), spec, "cpu")
     for seed, lens in ((1, [40, 70]), (2, [130, 1])):
         inp = serving_input(spec, lens, seed, "cpu")
@@ -253,7 +237,7 @@ def test_flash_mla_schedules_every_call_on_the_device(monkeypatch):
     assert fm.calls == {"get_mla_decoding_metadata": 2, "flash_mla_with_kvcache": 2}
 
 
-# the fakes answer with these (they stand in for the libraries, which may read what they like)
+# the fakes answer with these
 _REFERENCES = ("mla_tune.serving.inputs", "mla_tune.problem")
 _READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "__iter__")
 
@@ -262,12 +246,10 @@ _READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cp
                                   ("flashinfer", 0, 128, 1, "bf16"), ("aiter", 1, 16, 2, "fp8"),
                                   ("aiter", 0, 128, 1, "bf16")], ids=cell_id)
 def test_runners_read_no_tensor_on_the_host(case, monkeypatch):
-    """Every way of reading a tensor's values on the host raises when the caller is mla-tune's
-    code (the backend module, the kernels and quantizers it launches); the fakes, standing in
-    for the libraries, and the reference they answer with may read what they like."""
+    """Reading a tensor's values on the host raises when mla-tune's code (not a fake) does it."""
     name, *cell = case
     _install(monkeypatch, name)
-    spec = _spec(name, *cell)
+    spec = cell_spec(name, *cell)
     platform = gpu.fake_platform("MI355X") if name == "aiter" else H200
     variant = BACKENDS[name].default_serving_variant(spec, platform)
     runner = BACKENDS[name].build_serving(variant, spec, "cpu")
@@ -292,10 +274,10 @@ def test_runners_read_no_tensor_on_the_host(case, monkeypatch):
 def test_a_padded_slot_with_seq_len_0_spoils_no_other_row(case, monkeypatch):
     name, *cell = case
     _install(monkeypatch, name)
-    spec = _spec(name, *cell)
-    runner = BACKENDS[name].build_serving(BACKENDS[name].default_serving_variant(spec, H200), spec, "cpu")
-    inp = serving_input(spec, [40, 5, 70], 23, "cpu")
+    spec = cell_spec(name, *cell)
     variant = BACKENDS[name].default_serving_variant(spec, H200)
+    runner = BACKENDS[name].build_serving(variant, spec, "cpu")
+    inp = serving_input(spec, [40, 5, 70], 23, "cpu")
     ref = _expected(variant, inp)
     inp.seq_lens[1] = 0
     inp.kv_lens[1] = 0
@@ -304,20 +286,14 @@ def test_a_padded_slot_with_seq_len_0_spoils_no_other_row(case, monkeypatch):
 
 
 # ------------------------------------------------------------------------------ GPU
-def _real(name: str) -> None:
-    reason = BACKENDS[name].unavailable_reason()
-    assert reason is None, reason
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [("flashinfer", 16, 128, 2, "bf16"), ("flashmla", 64, 16, 2, "bf16"),
                                   ("flashmla", 64, 16, 2, "fp8")], ids=cell_id)
 def test_a_padded_slot_with_seq_len_0_does_not_crash_on_the_h200(case):
-    """Last in the file (FlashMLA's fp8 extension, the oldest code, last of all): a crash
-    here would take the CUDA context with it."""
+    """Last in the file (FlashMLA's fp8 last of all): a crash takes the CUDA context."""
     name, *cell = case
-    _real(name)
-    spec = _spec(name, *cell)
+    assert BACKENDS[name].unavailable_reason() is None, BACKENDS[name].unavailable_reason()
+    spec = cell_spec(name, *cell)
     variant = BACKENDS[name].default_serving_variant(spec, gpu.detect())
     runner = BACKENDS[name].build_serving(variant, spec, "cuda")
     inp = serving_input(spec, [40, 5, 70], 23, "cuda")

@@ -1,6 +1,5 @@
-"""`mla-tune verify` (mla_tune/serving/verify.py) under Triton's interpreter: a tiny config (one
-family, 2 x 2 buckets, heads 16), a made-up table whose picks are known, and a made-up timer,
-so that the regrets are known; the shapes, the left-out rule, the thresholds and the CLI."""
+"""`mla-tune verify` (mla_tune/serving/verify.py) on a tiny config, a made-up table whose picks
+are known and a made-up timer, so that the regrets are known."""
 
 from __future__ import annotations
 
@@ -58,18 +57,24 @@ def tiny(monkeypatch, tmp_path):
              "W": next(v for v in cands if v.backend == "wrong_serving"),
              "F": Decoder(cfg.spec(key), device="cpu").variant}
     assert len(set(names.values())) == 5
+    table_path = _write_table(tmp_path / "CPU.serving.yaml", cfg, config_path, [2, 4], [32, 64],
+                              names["A"], names["B"], 0.1, 32)
+    return cfg, table_path, names
+
+
+def _write_table(path, cfg, config_path, batches, kvs, eager, graph, regret, worst_kv):
+    """A table of the config's first family: eager everywhere, graph at every batch."""
     table = {"schema": "serving/6", "gpu": detect().name,
              "provenance": {"config": {"path": str(config_path), "hash": cfg.hash}},
-             "batch_buckets": [2, 4], "kv_buckets": [32, 64],
-             "families": [{"key": key.as_dict(),
-                           "cells": [{"batch": b, "kv_len": kv, "variant": str(names["A"]), "time_us": 1.0}
-                                     for b in (2, 4) for kv in (32, 64)],
-                           "graph": [{"batch": b, "variant": str(names["B"]), "worst_regret": 0.1,
-                                      "worst_kv_len": 32} for b in (2, 4)],
+             "batch_buckets": batches, "kv_buckets": kvs,
+             "families": [{"key": cfg.families[0].as_dict(),
+                           "cells": [{"batch": b, "kv_len": kv, "variant": str(eager), "time_us": 1.0}
+                                     for b in batches for kv in kvs],
+                           "graph": [{"batch": b, "variant": str(graph), "worst_regret": regret,
+                                      "worst_kv_len": worst_kv} for b in batches],
                            "left_out": []}]}
-    table_path = tmp_path / "CPU.serving.yaml"
-    table_path.write_text(yaml.safe_dump(table, sort_keys=False))
-    return cfg, table_path, names
+    path.write_text(yaml.safe_dump(table, sort_keys=False))
+    return path
 
 
 class FakeTimer:
@@ -84,10 +89,6 @@ class FakeTimer:
         self.order.append((name, reps))
         t = PER_SEQUENCE_US[name] * call.batch
         return Timing(t, t, t, reps)
-
-
-def _quiet(line: str) -> None:
-    pass
 
 
 def test_held_out_shapes_are_off_the_grid_deterministic_and_respect_left_out(tiny):
@@ -127,7 +128,7 @@ def test_regret_is_the_picks_time_over_the_best_correct_candidate(tiny, tmp_path
 
     out = tmp_path / "out" / "verify.json"
     report = vf.run_verify(table_path, shapes=2, ragged=1, seed=3, samples=2, json_path=out, timer=timer,
-                           probe=probe, device="cpu", log=_quiet)
+                           probe=probe, device="cpu", log=lambda _: None)
     assert report["exit_code"] == 0 and not report["verdict"]["failed"]
     assert len(report["shapes"]) == 3
     for r in report["shapes"]:
@@ -157,7 +158,7 @@ def test_a_wrong_fast_candidate_is_never_the_best_and_a_wrong_pick_fails(tiny, t
     text = table_path.read_text().replace(str(names["A"]), str(names["W"]))
     table_path.write_text(text)  # the eager pick is now the wrong (fast) backend
     report = vf.run_verify(table_path, shapes=1, ragged=0, samples=1, timer=FakeTimer(names),
-                           device="cpu", log=_quiet)
+                           device="cpu", log=lambda _: None)
     r = report["shapes"][0]
     assert r["best"] == str(names["C"]) and r["checks"][str(names["W"])]["passed"] is False
     assert r["regret"]["eager"] == pytest.approx(-0.5)  # faster than the best correct one, and wrong
@@ -176,16 +177,16 @@ def test_a_candidate_the_gate_rejects_does_not_compete_for_best(tiny, monkeypatc
 
     monkeypatch.setattr(vf, "run_gates", gates)
     report = vf.run_verify(table_path, shapes=1, ragged=1, samples=1, workers=1, timer=FakeTimer(names),
-                           device="cpu", log=_quiet)
+                           device="cpu", log=lambda _: None)
     assert report["compile"]["gate_failed"] == {str(names["C"]): "ragged probe: 2.6% of elements outside"}
     for r in report["shapes"]:
         assert r["best"] == str(names["A"]) and r["regret"]["eager"] == pytest.approx(0.0)
         assert str(names["C"]) not in r["final_us"]
 
 
-def test_thresholds_set_the_exit_code(tiny):
+def test_thresholds_set_the_exit_code_from_the_regret_statistics(tiny):
     _, table_path, names = tiny
-    kw = dict(shapes=1, ragged=0, samples=1, device="cpu", log=_quiet)
+    kw = dict(shapes=1, ragged=0, samples=1, device="cpu", log=lambda _: None)
     report = vf.run_verify(table_path, max_p95=0.05, timer=FakeTimer(names), **kw)
     assert report["exit_code"] == 1 and "p95 regret 10.0% is over 5.0%" in report["verdict"]["reasons"][0]
     records = report["shapes"]
@@ -196,9 +197,7 @@ def test_thresholds_set_the_exit_code(tiny):
         "failed": False, "reasons": [], "judged": [], "partial": False, "checks": 5, "checks_failed": 0}
     stopped = vf.run_verify(table_path, budget_s=1e-9, timer=FakeTimer(names), **kw)  # spent at once
     assert stopped["stopped"] and stopped["exit_code"] == 3 and stopped["shapes"] == []
-
-
-def test_regret_statistics():
+    # the regret statistics
     s = vf.regret_stats([0.0] * 18 + [0.10, 0.20])
     assert s["n"] == 20 and s["p95"] == pytest.approx(0.10) and s["max"] == pytest.approx(0.20)
     assert s["geomean"] == pytest.approx((1.1 * 1.2) ** (1 / 20) - 1)
@@ -256,16 +255,9 @@ def test_verify_on_the_gpu(tmp_path):
     cands = family_plan(cfg, key, detect()).candidates
     eager = cands[0]
     graph = next((v for v in cands if v.backend == "flashmla"), cands[-1])
-    table = {"schema": "serving/6", "gpu": detect().name,
-             "provenance": {"config": {"path": str(tmp_path / "gpu_tiny.yaml"), "hash": cfg.hash}},
-             "batch_buckets": [1, 32], "kv_buckets": [512, 4096],
-             "families": [{"key": key.as_dict(),
-                           "cells": [{"batch": b, "kv_len": kv, "variant": str(eager), "time_us": 1.0}
-                                     for b in (1, 32) for kv in (512, 4096)],
-                           "graph": [{"batch": b, "variant": str(graph), "worst_regret": 0.0, "worst_kv_len": 512}
-                                     for b in (1, 32)], "left_out": []}]}
-    (tmp_path / "GPU.serving.yaml").write_text(yaml.safe_dump(table, sort_keys=False))
-    report = vf.run_verify(tmp_path / "GPU.serving.yaml", shapes=2, ragged=1, samples=3,
+    path = _write_table(tmp_path / "GPU.serving.yaml", cfg, tmp_path / "gpu_tiny.yaml", [1, 32], [512, 4096],
+                        eager, graph, 0.0, 512)
+    report = vf.run_verify(path, shapes=2, ragged=1, samples=3,
                            json_path=tmp_path / "v.json", log=print)
     assert len(report["shapes"]) == 3 and report["protocol"]["name"] == "leaderboard-emulation"
     for r in report["shapes"]:
