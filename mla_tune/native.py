@@ -114,8 +114,9 @@ class Library:
 
 
 # `ints_of_list`: a Python list of ints copied into an int64 buffer in one pass, without
-# making each one a numpy scalar (np.asarray of a list costs ~40 ns an item).
-_LIST_C = r"""
+# making each one a numpy scalar (np.asarray of a list costs ~40 ns an item). A library that
+# includes it calls Python's C API: load it with python_api=True.
+LIST_C = r"""
 #include <stdint.h>
 #include <stddef.h>
 typedef struct _object PyObject;
@@ -139,7 +140,7 @@ int64_t ints_of_list(PyObject *list, int64_t *out, int64_t cap) {
     return (int64_t)n;
 }
 """
-_list_reader = Library("list_reader", _LIST_C, {"ints_of_list": (ctypes.c_int64, (
+_list_reader = Library("list_reader", LIST_C, {"ints_of_list": (ctypes.c_int64, (
     ctypes.py_object, ctypes.c_void_p, ctypes.c_int64))}, python_api=True)
 
 

@@ -216,6 +216,61 @@ def test_a_familys_compiled_estimate_picks_and_estimates_as_the_python_estimate_
     assert {"flashinfer", "gluon_fused", "triton"} <= picks  # every kind of model decided some
 
 
+def test_a_plans_step_with_host_lengths_picks_in_one_c_call_what_its_lookup_picks_from_the_mean():
+    """DecodePlan.update with the lengths on the host (their mean, its ~1% step and whole
+    length in the C call: _Compiled.pick_lengths) picks what `pick(batch, mean, lengths)`
+    picks, and counts the same misses, on every family of the committed table: ragged and
+    uniform steps, batch 1 to 256, lengths 1 to 2^17 (past the grid), lists and tuples."""
+    import warnings
+
+    import torch
+
+    from mla_tune.core import CallSpec
+    from mla_tune.serving.decode_plan import DecodePlan
+    from mla_tune.serving.table import load_serving_table
+
+    if native.compiler() is None:
+        pytest.skip("no C compiler here: the plan picks through the Python estimate (checked elsewhere)")
+    table = load_serving_table("tables/H200.serving.yaml")
+    plans = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the vendors' picks cannot run here: said once per plan
+        for key in table.families:
+            spec = CallSpec(key.kv_format, page_size=key.page_size, heads=key.heads, max_q_len=key.q_len,
+                            host_lengths=True)
+            plans[key] = DecodePlan(spec, 256, table=table, device="cpu", warm=False)
+    compiled = {key: table.estimator.compiled(table.families[key]) for key in plans}
+    assert None not in compiled.values()
+    rng = random.Random(5)
+    seen = set()
+    for i in range(1500):
+        key = rng.choice(sorted(plans))
+        plan = plans[key]
+        batch = 1 if i % 50 == 0 else 256 if i % 50 == 1 else rng.randint(1, 256)
+        lens = ([int(2 ** rng.uniform(0, 17))] * batch if rng.random() < 0.3
+                else [int(2 ** rng.uniform(0, 17)) for _ in range(batch)])
+        pages = max(-(-n // key.page_size) for n in lens)
+        qo = torch.arange(0, batch * key.q_len + 1, key.q_len, dtype=torch.int32)
+        before = dict(plan.misses)
+        got = plan.update(qo, block_table=torch.zeros((batch, pages), dtype=torch.int32),
+                          seq_lens=torch.tensor(lens, dtype=torch.int32), q_lens_host=[key.q_len] * batch,
+                          kv_lens_host=lens if i % 7 else tuple(lens))  # a tuple: copied in by IntBuffer.fill
+        after = dict(plan.misses)
+        # the estimates the step's C call left, float for float the Python estimate's at the mean
+        c = compiled[key]
+        left = dict(zip(c.variants, c.out[-len(c.variants):].tolist(), strict=True))
+        want_est = table.estimator.estimates(table.families[key], batch, sum(lens) / batch, lens)
+        assert {v: t for v, t in left.items() if t == t} == want_est, (key, batch, lens)
+        want = plan.pick(batch, sum(lens) / batch, lens)
+        assert got == want, (key, batch, lens)
+        assert {k: n - before.get(k, 0) for k, n in after.items()} == {
+            k: n - after.get(k, 0) for k, n in plan.misses.items()}, (key, batch, lens)
+        seen.add(got.backend)
+    # the own Triton kernels ran, and stood in for picks that cannot run here (counted in misses)
+    assert {"triton", "triton_fused"} <= seen
+    assert sum(n for plan in plans.values() for k, n in plan.misses.items() if "cannot run here" in k) > 0
+
+
 def test_without_a_c_compiler_the_pick_is_the_python_estimates(monkeypatch):
     from mla_tune.serving import estimate
     from mla_tune.serving.table import load_serving_table

@@ -133,6 +133,12 @@ class DecodePlan:
         # pick cannot run here takes the fastest of them from the same C call
         self._allowed = (self.table.estimator.allowed(family, self._decoders.__contains__)
                          if self._unrunnable and family.points and not spec.graph else None)
+        # a step with its lengths on the host picks in one C call where the family's estimate
+        # is compiled (the mean and its steps included: _Compiled.pick_lengths)
+        self._compiled = (self.table.estimator.compiled(family)
+                          if family is not None and family.points and not spec.graph else None)
+        self._mask = self._allowed.address if self._allowed is not None else None
+        self._miss_keys = {v: f"{v.backend} cannot run here" for v in self._unrunnable}
         self._inputs = self._default.inputs
         self._kv_dtype = self._inputs.fast_dtype
         self._decoder = self._default
@@ -214,10 +220,25 @@ class DecodePlan:
                     "" if mean is None else f", kv_len ~{mean:.0f}")
                 self.misses[key] = self.misses.get(key, 0) + 1
             elif variant in self._unrunnable:
-                key = f"{variant.backend} cannot run here"
-                self.misses[key] = self.misses.get(key, 0) + 1
+                self._count_miss(variant)
                 variant = runnable if runnable is not None else self._runner_up(batch, mean)
         return variant if variant is not None and variant in self._decoders else self._default.variant
+
+    def _pick_lengths(self, batch: int, kv_lens) -> Variant:
+        """`pick(batch, sum(kv_lens) / len(kv_lens), kv_lens)` where the family's estimate is
+        compiled and kv_lens holds one or more lengths: the same variant, in one C call."""
+        variant, runnable = self._compiled.pick_lengths(batch, kv_lens, self._mask)
+        if variant is None:  # no variant is estimated around the call: the cells decide
+            return self.pick(batch, sum(kv_lens) / len(kv_lens), kv_lens)
+        if variant in self._unrunnable:
+            self._count_miss(variant)
+            variant = runnable if runnable is not None else self._runner_up(batch, sum(kv_lens) / len(kv_lens))
+        return variant if variant is not None and variant in self._decoders else self._default.variant
+
+    def _count_miss(self, variant: Variant) -> None:
+        """A pick that cannot run here, counted in misses by its backend."""
+        key = self._miss_keys[variant]
+        self.misses[key] = self.misses.get(key, 0) + 1
 
     def _runner_up(self, batch: int, mean: float | None) -> Variant | None:
         """Where the table's pick cannot run and no runnable variant is estimated (pick's
@@ -239,8 +260,12 @@ class DecodePlan:
             raise ValueError(f"a step of {batch} sequences, but the plan was made for up to "
                              f"{self.max_batch}; make a plan with a larger max_batch")
         if mean_kv_len is None and kv_lens_host is not None and len(kv_lens_host):
-            mean_kv_len = sum(kv_lens_host) / len(kv_lens_host)
-        variant = self.pick(batch, mean_kv_len, kv_lens_host)
+            if self._compiled is not None:
+                variant = self._pick_lengths(batch, kv_lens_host)
+            else:
+                variant = self.pick(batch, sum(kv_lens_host) / len(kv_lens_host), kv_lens_host)
+        else:
+            variant = self.pick(batch, mean_kv_len, kv_lens_host)
         decoder = self._decoders[variant]
         layout = dict(kv_indptr=kv_indptr, block_table=block_table, seq_lens=seq_lens,
                       q_lens_host=q_lens_host, kv_lens_host=kv_lens_host)

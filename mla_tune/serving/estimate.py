@@ -14,9 +14,10 @@
 - `fit_models` fits every backend's models for a family when the table is built.
 - Where a C compiler is found, the interpolation runs in C (`_Dense`), and where every
   model of a family also gives a C estimate (`native_estimate`), the family's whole
-  estimate and its fastest variant are one C call (`_Compiled`, `Estimator.pick`: the
-  eager lookup of DecodePlan); the Python steps stay for a machine without a compiler and
-  give the same picks (tests/test_native_replays.py).
+  estimate and its fastest variant are one C call (`_Compiled`: `Estimator.pick`, and
+  `pick_lengths`, a DecodePlan step's, which also copies the host lengths in and takes
+  their mean); the Python steps stay for a machine without a compiler and give the same
+  picks (tests/test_native_replays.py).
 
 Nothing here names a backend. Nothing here imports torch.
 """
@@ -200,7 +201,7 @@ class _Grid:
 # `_Grid.interpolate` in C over a dense layout of the points (`_Dense`): `interpolate`'s
 # steps (_bracket, _at_batch, _blend) one for one, in IEEE doubles without contraction
 # (mla_tune/native.py), NAN for a variant a point lacks or the call leaves out.
-_NATIVE_SOURCE = native.ESTIMATE_H + r"""
+_NATIVE_SOURCE = native.ESTIMATE_H + native.LIST_C + r"""
 
 typedef struct {
     const double *t;        /* [nb][mk][nv] times, NAN where the point lacks the variant */
@@ -301,6 +302,7 @@ typedef struct {
     double window;
     double *scratch, *interp, *rates_out, *buckets_out, *est;
     int64_t best_allowed;
+    double kv_steps;              /* _KV_STEPS_PER_OCTAVE */
 } family_t;
 
 int64_t family_estimate(family_t *f, const int64_t *lens, int64_t n, int64_t batch, double kv,
@@ -337,6 +339,29 @@ int64_t family_estimate(family_t *f, const int64_t *lens, int64_t n, int64_t bat
     f->best_allowed = ok;
     return best;
 }
+
+/* family_estimate for a step of n > 0 sequences of these lengths (`_Compiled.pick_lengths`):
+   their mean, taken to ~1% as _kv_step takes it (the grids' length) and as a whole length
+   (uniform_length), calibrated; Python's arithmetic step by step (its int sum, true
+   division, math.log2, round half to even, 2.0 ** x) */
+int64_t family_step(family_t *f, const int64_t *lens, int64_t n, int64_t batch, const uint8_t *allowed) {
+    int64_t total = 0;
+    for (int64_t s = 0; s < n; s++) total += lens[s];
+    double mean = (double)total / (double)n;
+    double step = nearbyint(log2(mean > 1.0 ? mean : 1.0) * f->kv_steps);
+    double kv = pow(2.0, step / f->kv_steps);
+    double whole = nearbyint(kv);
+    return family_estimate(f, lens, n, batch, kv, whole > 1.0 ? (int64_t)whole : 1, 1, allowed);
+}
+
+/* family_step over a Python list of lengths, copied into buf (cap int64s) first; -2 where
+   the list cannot be read so (more than cap items, or one not an int of 64 bits) */
+int64_t family_step_list(family_t *f, PyObject *list, int64_t *buf, int64_t cap, int64_t batch,
+                         const uint8_t *allowed) {
+    int64_t n = ints_of_list(list, buf, cap);
+    if (n < 1) return -2;
+    return family_step(f, buf, n, batch, allowed);
+}
 """
 
 
@@ -351,7 +376,8 @@ class _FamilyC(ctypes.Structure):
                 ("nm", ctypes.c_int64), ("nv", ctypes.c_int64), ("model_variant", ctypes.c_void_p),
                 ("model_fn", ctypes.c_void_p), ("model_params", ctypes.c_void_p), ("window", ctypes.c_double),
                 ("scratch", ctypes.c_void_p), ("interp", ctypes.c_void_p), ("rates_out", ctypes.c_void_p),
-                ("buckets_out", ctypes.c_void_p), ("est", ctypes.c_void_p), ("best_allowed", ctypes.c_int64)]
+                ("buckets_out", ctypes.c_void_p), ("est", ctypes.c_void_p), ("best_allowed", ctypes.c_int64),
+                ("kv_steps", ctypes.c_double)]
 
 
 _I64 = ctypes.c_int64
@@ -359,7 +385,10 @@ _native = native.Library("serving_interpolate", _NATIVE_SOURCE, {
     "grid_interpolate": (None, (ctypes.POINTER(_GridC), ctypes.c_double, ctypes.c_double, ctypes.c_void_p,
                                 ctypes.c_void_p)),
     "family_estimate": (_I64, (ctypes.c_void_p, ctypes.c_void_p, _I64, _I64, ctypes.c_double, _I64, _I64,
-                               ctypes.c_void_p))})
+                               ctypes.c_void_p)),
+    "family_step": (_I64, (ctypes.c_void_p, ctypes.c_void_p, _I64, _I64, ctypes.c_void_p)),
+    "family_step_list": (_I64, (ctypes.c_void_p, ctypes.py_object, ctypes.c_void_p, _I64, _I64, ctypes.c_void_p))},
+    python_api=True)
 
 
 class _Dense:
@@ -407,7 +436,7 @@ class _Compiled:
     `Estimator.pick` then runs it instead of `estimates` and `fastest` (the same picks:
     tests/test_native_replays.py)."""
 
-    __slots__ = ("variants", "keep", "struct", "out", "address", "fn", "lens")
+    __slots__ = ("variants", "keep", "struct", "out", "address", "fn", "step_fn", "step_list_fn", "lens")
 
     def __init__(self, estimator: Estimator, family, lib, natives: list):
         variants = sorted({v for times in family.points.values() for v in times}, key=str)
@@ -431,9 +460,9 @@ class _Compiled:
         self.struct = _FamilyC(*(ctypes.addressof(g.struct) if g is not None else None for g in grids),
                                len(models), nv, order.ctypes.data, fns.ctypes.data,
                                param_ptrs.ctypes.data, MODEL_WINDOW, base, base + 16 * nv, base + 24 * nv,
-                               base + 32 * nv, base + 40 * nv, -1)
+                               base + 32 * nv, base + 40 * nv, -1, float(_KV_STEPS_PER_OCTAVE))
         self.address = ctypes.addressof(self.struct)
-        self.fn = lib.family_estimate
+        self.fn, self.step_fn, self.step_list_fn = lib.family_estimate, lib.family_step, lib.family_step_list
         self.lens = native.IntBuffer()  # the call's lengths, copied in once per call
 
     def mask(self, allowed: Callable[[Variant], bool]) -> np.ndarray:
@@ -454,6 +483,20 @@ class _Compiled:
         ok = self.struct.best_allowed
         return (variants[best] if best >= 0 else None, lambda: _present(variants, values),
                 variants[ok] if ok >= 0 else None)
+
+    def pick_lengths(self, batch: int, kv_lens: Sequence[int], mask_address: int | None = None
+                     ) -> tuple[Variant | None, Variant | None]:
+        """`Estimator.pick(family, batch, sum(kv_lens) / len(kv_lens), kv_lens, allowed)`'s
+        pick and fastest allowed variant (`mask_address`: an `Allowed`'s address, or None)
+        for a step whose lengths are on the host (one or more), the mean and its steps taken
+        in the same C call: a DecodePlan's step."""
+        lens = self.lens
+        best = (self.step_list_fn(self.address, kv_lens, lens.address, lens.capacity, batch, mask_address)
+                if type(kv_lens) is list else -2)
+        if best == -2:  # not a list of ints that fits the buffer: copied in by fill (which grows it)
+            best = self.step_fn(self.address, lens.address, lens.fill(kv_lens), batch, mask_address)
+        ok = self.struct.best_allowed
+        return (self.variants[best] if best >= 0 else None), (self.variants[ok] if ok >= 0 else None)
 
 
 @dataclass(frozen=True)
