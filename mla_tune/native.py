@@ -51,13 +51,20 @@ static void sift_down(T *h, int64_t n) { \
 """
 
 
-# `deal_short`: makespan.deal's two cases without a dealing, for the makespan replays in C
-# (backends/*_schedule.py): n_items split items (tokens in all, the longest `longest`), each
-# run by `programs` programs of `item` tokens' fixed cost, over `slots` slots. Returns 1 with
-# *span set where they fit one wave (the longest program) or pass exact_waves waves (the mean
-# load plus half the longest program), 0 where the caller deals them through its heap.
+# makespan.deal in C, for the makespan replays (backends/*_schedule.py; needs HEAP_C first).
+# `deal_short`: its two cases without a dealing: n_items split items (tokens in all, the
+# longest `longest`), each run by `programs` programs of `item` tokens' fixed cost, over
+# `slots` slots. Returns 1 with *span set where they fit one wave (the longest program) or
+# pass exact_waves waves (the mean load plus half the longest program), 0 where the caller
+# deals them: it lays out each program's work (tokens + item, in launch order) and calls
+# `greedy_span`, makespan.greedy_makespan step for step (the same blocks, the same heap after
+# a block cut short; buf: 4 x slots doubles), so each slot's load is the same sum.
 DEAL_C = r"""
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+SIFT_DOWN(double)
+
 static int deal_short(int64_t n_items, int64_t programs, int64_t slots, int64_t exact_waves, int64_t tokens,
                       int64_t longest, double item, double *span) {
     int64_t count = n_items * programs;
@@ -68,6 +75,68 @@ static int deal_short(int64_t n_items, int64_t programs, int64_t slots, int64_t 
         return 1;
     }
     return 0;
+}
+
+/* a[0..n) sorted ascending, tmp: n doubles (insertion runs of 16, then bottom-up merges) */
+static void sort_doubles(double *a, int64_t n, double *tmp) {
+    int64_t i = 1;
+    while (i < n && a[i] >= a[i - 1]) i++;
+    if (i >= n) return;
+    for (int64_t lo = 0; lo < n; lo += 16) {
+        int64_t hi = lo + 16 < n ? lo + 16 : n;
+        for (int64_t j = lo + 1; j < hi; j++) {
+            double x = a[j];
+            int64_t h = j;
+            while (h > lo && a[h - 1] > x) { a[h] = a[h - 1]; h--; }
+            a[h] = x;
+        }
+    }
+    double *src = a, *dst = tmp;
+    for (int64_t width = 16; width < n; width *= 2) {
+        for (int64_t lo = 0; lo < n; lo += 2 * width) {
+            int64_t mid = lo + width < n ? lo + width : n, hi = lo + 2 * width < n ? lo + 2 * width : n;
+            int64_t x = lo, y = mid, o = lo;
+            while (x < mid && y < hi) dst[o++] = src[y] < src[x] ? src[y++] : src[x++];
+            while (x < mid) dst[o++] = src[x++];
+            while (y < hi) dst[o++] = src[y++];
+        }
+        double *t = src; src = dst; dst = t;
+    }
+    if (src != a) memcpy(a, src, (size_t)n * sizeof(double));
+}
+
+static double greedy_span(const double *work, int64_t n, int64_t slots, double *buf) {
+    double *loads = buf, *next = buf + slots, *ends = buf + 2 * slots, *tmp = buf + 3 * slots;
+    if (n <= slots) {
+        double top = 0.0;
+        for (int64_t i = 0; i < n; i++) if (work[i] > top) top = work[i];
+        return top;
+    }
+    memcpy(loads, work, (size_t)slots * sizeof(double));
+    sort_doubles(loads, slots, tmp);
+    int64_t i = slots;
+    while (i < n) {
+        int64_t m = n - i < slots ? n - i : slots, k = 1;
+        double low = ends[0] = loads[0] + work[i];  /* the least end so far */
+        while (k < m && loads[k] <= low) {  /* the next load is still the least */
+            ends[k] = loads[k] + work[i + k];
+            if (ends[k] < low) low = ends[k];
+            k++;
+        }
+        sort_doubles(ends, k, tmp);
+        int64_t a = k, b = 0, o = 0;
+        while (a < slots && b < k) next[o++] = loads[a] <= ends[b] ? loads[a++] : ends[b++];
+        while (a < slots) next[o++] = loads[a++];
+        while (b < k) next[o++] = ends[b++];
+        double *t = loads; loads = next; next = t;
+        i += k;
+        if (k < 16 && i < n) {  /* a block cut short: the next programs through the heap (sorted is a heap) */
+            int64_t stop = n - i < 64 ? n : i + 64;
+            for (; i < stop; i++) { loads[0] += work[i]; sift_down(loads, slots); }
+            sort_doubles(loads, slots, tmp);
+        }
+    }
+    return loads[slots - 1];
 }
 """
 

@@ -96,12 +96,10 @@ def occupancy_cap(variant, q_len: int, smem_per_sm: int = 0) -> int:
 
 
 # gluon_schedule and GluonModel.estimate in C, the same arithmetic (IEEE doubles, no
-# contraction: mla_tune/native.py), with the dealing as a heap.
+# contraction: mla_tune/native.py), with makespan.deal's dealing (native.DEAL_C).
 _NATIVE_SOURCE = native.HEAP_C + native.DEAL_C + native.ESTIMATE_H + r"""
 #include <stdlib.h>
 #include <math.h>
-
-SIFT_DOWN(double)
 
 static void split_of(int64_t len, int64_t total, int64_t max_splits, int64_t tps, int64_t budget,
                      int64_t *splits, int64_t *per) {
@@ -135,21 +133,21 @@ int gl_schedule(const int64_t *lens, int64_t n, int64_t max_splits, int64_t tps,
     }
     if (live == 0) { *span = 0.0; return 0; }
     if (deal_short(n_items, programs, slots, exact_waves, tokens, longest, item, span)) return 0;
-    double *heap = calloc((size_t)slots, sizeof(double));
-    if (heap == NULL) return -1;
+    int64_t count = n_items * programs;  /* at most exact_waves x slots: deal_short took the rest */
+    double *work = malloc((size_t)(count + 4 * slots) * sizeof(double));
+    if (work == NULL) return -1;
+    int64_t w_at = 0;
     for (int64_t s = 0; s < n; s++) {
         int64_t len = lens[s], splits, per;
         if (len <= 0) continue;
         split_of(len, total, max_splits, tps, budget, &splits, &per);
         for (int64_t j = 0; j < splits; j++) {
             double w = (double)(j + 1 < splits ? per : len - (splits - 1) * per) + item;
-            for (int64_t t = 0; t < programs; t++) { heap[0] += w; sift_down(heap, slots); }
+            for (int64_t t = 0; t < programs; t++) work[w_at++] = w;
         }
     }
-    double top = 0.0;
-    for (int64_t i = 0; i < slots; i++) if (heap[i] > top) top = heap[i];
-    free(heap);
-    *span = top;
+    *span = greedy_span(work, count, slots, work + count);
+    free(work);
     return 0;
 }
 

@@ -139,12 +139,10 @@ def _schedule_array(lens: np.ndarray, heads: int, q_len: int, params: Mapping, o
 
 
 # _schedule_array in C, the same arithmetic step by step (IEEE doubles, no contraction:
-# mla_tune/native.py), with the dealing as `_deal`'s heap.
+# mla_tune/native.py), with makespan.deal's dealing (native.DEAL_C).
 _NATIVE_SOURCE = native.HEAP_C + native.DEAL_C + native.ESTIMATE_H + r"""
 #include <stdlib.h>
 #include <math.h>
-
-SIFT_DOWN(double)
 
 static int64_t split_of(int64_t len, int64_t total, int64_t max_splits, int64_t block_n, int64_t budget,
                         double share_round, int64_t tokens_per_split) {
@@ -182,8 +180,10 @@ int sk_schedule(const int64_t *lens, int64_t n, int64_t max_splits, int64_t bloc
     if (live == 0) { *span = 0.0; *steps = 0; return 0; }
     *steps = most > 1 ? (most + per_step - 1) / per_step : 0;
     if (deal_short(n_items, tiles, slots, exact_waves, tokens, longest, item_tokens, span)) return 0;
-    double *heap = calloc((size_t)slots, sizeof(double));
-    if (heap == NULL) return -1;
+    int64_t count = n_items * tiles;  /* at most exact_waves x slots: deal_short took the rest */
+    double *work = malloc((size_t)(count + 4 * slots) * sizeof(double));
+    if (work == NULL) return -1;
+    int64_t w_at = 0;
     for (int64_t s = 0; s < n; s++) {
         int64_t len = lens[s];
         if (len <= 0) continue;
@@ -191,13 +191,11 @@ int sk_schedule(const int64_t *lens, int64_t n, int64_t max_splits, int64_t bloc
         int64_t full = len / split, rest = len % split;
         for (int64_t j = 0; j < full + (rest > 0); j++) {
             double w = (double)(j < full ? split : rest) + item_tokens;
-            for (int64_t t = 0; t < tiles; t++) { heap[0] += w; sift_down(heap, slots); }
+            for (int64_t t = 0; t < tiles; t++) work[w_at++] = w;
         }
     }
-    double top = 0.0;
-    for (int64_t i = 0; i < slots; i++) if (heap[i] > top) top = heap[i];
-    free(heap);
-    *span = top;
+    *span = greedy_span(work, count, slots, work + count);
+    free(work);
     return 0;
 }
 
