@@ -613,14 +613,12 @@ class Estimator:
         self._memo: dict = {}
         self._derived: dict = {}
         self._grids: dict = {}
-        self._picks: dict = {}  # id(family) -> (family, its compiled estimate or None), for pick
 
     def clear(self) -> None:
         """Forget every memoized result (after a family's points or models change)."""
         self._memo.clear()
         self._derived.clear()
         self._grids.clear()
-        self._picks.clear()
 
     def prepare(self, family) -> None:
         """The one-off work for a family, so that none is left for a call: each
@@ -659,11 +657,8 @@ class Estimator:
         allowed)` where `allowed` is given, else None): in one C call where the family is
         compiled (`compiled`), else through `estimates`. `allowed` is `self.allowed(family,
         ...)`'s, made once."""
-        kept = self._picks.get(id(family))  # (family, its compiled estimate): one lookup a call
-        if kept is None or kept[0] is not family:
-            self._warn_versions_once(family)
-            kept = self._picks[id(family)] = (family, self.compiled(family))
-        compiled = kept[1]
+        self._warn_versions_once(family)
+        compiled = self.compiled(family)
         if compiled is None:
             est = self.estimates(family, batch, mean_kv_len, kv_lens)
             return fastest(est), lambda: est, None if allowed is None else fastest(est, allowed.accepts)
