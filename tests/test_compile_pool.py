@@ -185,8 +185,6 @@ def test_jobs_are_one_per_variant_and_stand_in_and_remember_their_shapes():
     v = Variant.parse("triton(block_n=32,dot_dtype=fp16,kv=fp8,num_splits=4,num_stages=1,num_warps=4,q=bf16)")
     jobs = plan_jobs([(v, Shape(4, 1024)), (v, Shape(256, 8192)), (str(v), Shape(32, 1024))], 132, hip=False)
     assert jobs == [CompileJob(str(v), Shape(1, 1), (Shape(4, 1024), Shape(256, 8192), Shape(32, 1024)))]
-    assert compile_pool.backend_precompiles("triton") and not compile_pool.backend_precompiles("torch")
-    assert compile_pool.backend_precompiles("flashinfer") and compile_pool.backend_precompiles("flashmla")
 
 
 # ------------------------------------------------------------------ isolation
@@ -245,7 +243,6 @@ def test_start_returns_at_once_and_a_deadline_stops_the_pool_keeping_finished_jo
     assert time.monotonic() - t0 < 70 and handle.done()
     assert [r.status for r in report.results] == ["ok", "not_run", "not_run", "not_run"]
     assert report.notes == ["stopped at the caller's deadline"]
-    assert report.seconds_per_variant()[jobs[0].variant] == report.results[0].elapsed_s
 
 
 # -------------------------------------------------------------------- orphans

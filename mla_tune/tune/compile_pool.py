@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from mla_tune import problem
-from mla_tune.backends import capabilities, get_backend
+from mla_tune.backends import get_backend
 from mla_tune.core import QK_DIM, Shape, Variant
 from mla_tune.tune.procs import die_with_parent
 
@@ -53,11 +53,6 @@ _SMALL_INPUT_TOKENS = 1 << 16
 
 
 # --------------------------------------------------------------------------- plan
-def backend_precompiles(name: str) -> bool:
-    """Whether backend `name` says its kernels are worth warming in the pool."""
-    return capabilities(name).precompile
-
-
 def default_compile_shape(shape: Shape) -> Shape:
     """A stand-in in the same Triton specialization class per dimension (== 1, a multiple
     of 16, other), for backends that do not say better: integer launch arguments derived
@@ -143,13 +138,6 @@ class CompileReport:
     def errors(self) -> dict[str, str]:
         """{"variant at shape": why} for every job that did not finish ok."""
         return {str(r.job): f"{r.status}: {r.error}" for r in self.results if r.status != "ok"}
-
-    def seconds_per_variant(self) -> dict[str, float]:
-        """Compile seconds per variant text (estimate data for the sweep's plan)."""
-        out: dict[str, float] = {}
-        for r in self.results:
-            out[r.job.variant] = out.get(r.job.variant, 0.0) + r.elapsed_s
-        return out
 
 
 # ------------------------------------------------------------------- the process
