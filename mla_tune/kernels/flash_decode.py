@@ -867,7 +867,7 @@ def flash_decode_serving(
     batch) splits (per head tile), shared rounding up: a uniform batch then runs
     min(floor(split_budget / batch), max_splits, cdiv(seq_len, tokens_per_split)) splits
     each, so the grid stays about one wave of the SMs at any length (a per-sequence rule
-    steps at every multiple of tokens_per_split: docs/perf.md, session 9); where that share
+    steps at every multiple of tokens_per_split: H200, 2026-12-01); where that share
     leaves the waves under-filled the batch runs more splits instead: the budget launched
     is batch x fill_splits(...) (on the host from the batch size, so a recorded launch or a
     graph keeps it; sm_count None: the device's SMs, 0: the plain share). Past

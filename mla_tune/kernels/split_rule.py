@@ -18,7 +18,7 @@ from collections.abc import Sequence
 # A batch budget's splits per sequence, floor(split_budget / batch), keep a uniform batch
 # within the budget but can leave much of its last wave idle: on the H200, 6 x 28440 at 128
 # heads (fp8, q_len 4, 8 head tiles) under a one-wave budget of 17 ran 2 splits each (96
-# programs: a wave 73% full) in 1370 us, where 5 each took 1110 (session 10, docs/perf.md). Past
+# programs: a wave 73% full) in 1370 us, where 5 each took 1110 (2026-12-01). Past
 # that share, the fewest splits whose programs fill at least this fraction of their waves.
 _sr_WAVE_FILL = 0.8
 # The reduction (stage 2) runs a program per (sequence, new token, head) over all 512

@@ -247,7 +247,7 @@ def edge_batch(batch_buckets, batch: int) -> int | None:
     where that is the bucket itself (the first bucket, or one right after its neighbour).
     An eager call of any batch from there to `batch` runs the cell's pick, and backends scale
     differently inside the span: on the H200 FlashMLA ran 83 x 1003 (fp8, 16 heads) in about
-    its time at 96 while split-K ran 21% faster than it there (docs/perf.md, session 10)."""
+    its time at 96 while split-K ran 21% faster than it there (2026-12-01)."""
     buckets = sorted(batch_buckets)
     i = buckets.index(batch)
     if i == 0 or buckets[i - 1] + 1 >= batch:

@@ -153,7 +153,7 @@ def cell_kv_lens(batch: int, kv_len: int, mode: str = "aligned") -> list[int]:
     Aligned, a bucket's length is exactly where split rules step: on the H200 the 64-row
     split-K tile with a split per 512 tokens ran 8 x 512 (fp8, 128 heads, q_len 4) on one
     split per sequence in 65.5 us and 7 x 609 on two in 56.2 us, so cells timed aligned
-    picked variants that lose at the lengths engines bring (docs/perf.md, session 8)."""
+    picked variants that lose at the lengths engines bring (2026-12-01)."""
     if mode == "aligned":
         return [kv_len] * batch
     if mode != "spread":
