@@ -1,9 +1,10 @@
 """gluon_fused compiles for sm_90 with the installed Triton, on a machine without a GPU.
 
-The launch is captured from the backend's real path: `build(variant, shape, meta)` and one
-call with meta tensors at the real shape, while `KernelInterface.__getitem__` records each
-launch instead of running it. Each launch is then bound as `JITFunction.run` binds it and
-compiled by `triton.compile` for `GPUTarget("cuda", 90, 32)` (ptxas ships in Triton's wheel).
+The launch is captured from the backend's real path and compiled for the H200's target, as
+`mla-tune compile` does (mla_tune.xcompile.capture: `build(variant, shape, meta)` and one call
+with meta tensors at the real shape, each launch recorded instead of run; xcompile.targets:
+bound as `JITFunction.run` binds it, then `triton.compile` for sm_90, whose ptxas ships in
+Triton's wheel).
 CI runs this with Triton 3.9; the same file runs under the contest's Triton 3.6 with
 `/work/venv36/bin/python -m pytest -q tests/test_gluon_compile.py`. Compiling is not running:
 only 3.6 has run the kernel on an H200 (docs/perf.md).
@@ -11,26 +12,21 @@ only 3.6 has run the kernel on an H200 (docs/perf.md).
 
 from __future__ import annotations
 
-import inspect
 import re
 import sys
 import time
-from unittest import mock
 
 import pytest
 import torch
 import triton
 
 from mla_tune.backends import gluon_fused
-from mla_tune.core import QK_DIM, Shape, Variant
+from mla_tune.core import Shape, Variant
 from mla_tune.kernels import gluon_decode
 from tests.helpers import run_outside_the_interpreter
 
 pytestmark = pytest.mark.skipif(gluon_decode.gluon is None,
                                 reason=f"no Gluon in this Triton: {gluon_decode.GD_UNAVAILABLE}")
-
-META = torch.device("meta")
-H200_SMS = 132
 
 CASES = [
     # tables/H200.yaml's most frequent winner (six shapes): the decode and the reduce launch
@@ -47,61 +43,33 @@ CASES = [
 ]
 
 
-def capture_launches(variant: Variant, shape: Shape) -> list[tuple]:
-    """(kernel, grid, args, kwargs) of every launch one call of the built runner makes."""
-    launches: list[tuple] = []
-
-    def record(kernel, grid):
-        return lambda *args, **kwargs: launches.append((kernel, grid, args, kwargs))
-
-    with mock.patch.object(triton.runtime.jit.KernelInterface, "__getitem__", record), \
-            mock.patch.object(gluon_fused, "unavailable_reason", lambda: None), \
-            mock.patch.object(gluon_fused, "device_sm_count", lambda device: H200_SMS):  # no sm_90 GPU here
-        runner = gluon_fused.build(variant, shape, META)
-        kv = torch.empty((shape.total_kv, 1, QK_DIM), dtype=torch.float8_e4m3fn, device=META)
-        q = torch.empty((shape.batch, 16, QK_DIM), dtype=torch.bfloat16, device=META)
-        indptr = torch.empty(shape.batch + 1, dtype=torch.int32, device=META)
-        runner(q, {"fp8": (kv, torch.empty(1, dtype=torch.float32, device=META))}, indptr, indptr)
-    return launches
-
-
-def compile_sm90(kernel, args: tuple, kwargs: dict):
-    """triton.compile of one captured launch for sm_90, bound as JITFunction.run binds it."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import ASTSource, make_backend
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import create_function_from_signature
-
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-    kwargs = {**kwargs, "debug": False, "instrumentation_mode": ""}
-    if "fpsan_homomorphic_casts" in inspect.getsource(type(kernel).run):  # 3.9's run adds it, 3.6's does not
-        kwargs["fpsan_homomorphic_casts"] = False
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    bound, specialization, options = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
-    source = (GluonASTSource if kernel.is_gluon() else ASTSource)(kernel, signature, constexprs, attrs)
-    return triton.compile(source, target=target, options=options.__dict__)
-
-
 def compile_cases() -> list[dict]:
-    """Each case's launches, compiled: what the tests assert on. Needs a process without
-    TRITON_INTERPRET (the suite's conftest sets it, and the interpreter's jit functions cannot
-    be compiled), so the tests run it in a child process."""
+    """Each case's launches, captured and compiled for the H200 as `mla-tune compile` does
+    (mla_tune.xcompile.capture, xcompile.targets): what the tests assert on. Needs a process
+    without TRITON_INTERPRET (the suite's conftest sets it, and the interpreter's jit functions
+    cannot be compiled), so the tests run it in a child process."""
+    from mla_tune import gpu
+    from mla_tune.xcompile import capture, targets
+
+    facts = gpu.KNOWN_GPUS["H200"]
+    target = targets.target_for(facts)
     results = []
-    for text, shape in CASES:
-        launches = []
-        for kernel, grid, args, kwargs in capture_launches(Variant.parse(text), shape):
-            start = time.perf_counter()
-            try:
-                compiled = compile_sm90(kernel, args, kwargs)
-            except Exception as exc:  # the compiler's own message is the test's failure message
-                launches.append({"name": kernel.fn.__name__, "error": f"{type(exc).__name__}: {exc}"})
-                continue
-            print(f"{text} {kernel.fn.__name__}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
-            launches.append({"name": kernel.fn.__name__, "grid": list(grid), "shared": compiled.metadata.shared,
-                             "ptx": compiled.asm["ptx"], "cubin_bytes": len(compiled.asm["cubin"])})
-        results.append({"variant": text, "launches": launches})
+    with capture.recording(facts) as recorded:
+        for text, shape in CASES:
+            item = capture.capture_candidate(Variant.parse(text), shape, facts, recorded)
+            launches = [] if item.error is None else [{"name": "capture", "error": item.error}]
+            for launch in item.launches:
+                start = time.perf_counter()
+                try:
+                    b = targets.bind(launch.kernel, launch.grid, launch.args, launch.kwargs, target)
+                    compiled = triton.compile(b.src, target=b.target, options=b.options.__dict__)
+                except Exception as exc:  # the compiler's own message is the test's failure message
+                    launches.append({"name": launch.kernel.fn.__name__, "error": f"{type(exc).__name__}: {exc}"})
+                    continue
+                print(f"{text} {b.name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+                launches.append({"name": b.name, "grid": list(b.launch[0]), "shared": compiled.metadata.shared,
+                                 "ptx": compiled.asm["ptx"], "cubin_bytes": len(compiled.asm["cubin"])})
+            results.append({"variant": text, "launches": launches})
     return results
 
 
