@@ -176,6 +176,13 @@ def test_a_gluon_models_replay_in_c_is_its_numpy_replay(numpy_path):
         assert model.replay(call) == numpy_path(model.replay, call), (lens.tolist(), heads, variant)
 
 
+def _left_by(compiled) -> dict:
+    """The estimates a compiled family's last C call left (the last nv values of its `out`),
+    {variant: us}, a variant with none (NAN) left out."""
+    values = compiled.out[-len(compiled.variants):].tolist()
+    return {v: t for v, t in zip(compiled.variants, values, strict=True) if t == t}
+
+
 def test_a_familys_compiled_estimate_picks_and_estimates_as_the_python_estimate_does():
     """Estimator.pick's one C call against Estimator.estimates and fastest on the committed table:
     the same pick and estimates, float for float, for ragged, uniform and length-less calls."""
@@ -204,13 +211,14 @@ def test_a_familys_compiled_estimate_picks_and_estimates_as_the_python_estimate_
                 else [int(2 ** rng.uniform(5, 16.5))] * batch if mode < 0.8 else None)
         mean = sum(lens) / batch if lens else 2 ** rng.uniform(5, 16.5)
         some, none = allowed[family.key]
-        variant, estimates, ok = table.estimator.pick(family, batch, mean, lens, some)
+        variant, ok = table.estimator.pick(family, batch, mean, lens, some)
+        got = _left_by(table.estimator.compiled(family))
         want = table.estimator.estimates(family, batch, mean, lens)
-        assert variant == fastest(want) and estimates() == want, (family.key, batch, mean, lens)
+        assert variant == fastest(want) and got == want, (family.key, batch, mean, lens)
         # the fastest allowed variant, from the same C call
         assert ok == fastest(want, some.accepts), (family.key, batch, mean, lens)
-        assert table.estimator.pick(family, batch, mean, lens, none)[2] is None
-        assert table.estimator.pick(family, batch, mean, lens)[2] is None
+        assert table.estimator.pick(family, batch, mean, lens, none)[1] is None
+        assert table.estimator.pick(family, batch, mean, lens)[1] is None
         if variant is not None:  # None: no variant is estimated around the call (the lookup's cells decide)
             picks.add(variant.backend)
     assert {"flashinfer", "gluon_fused", "triton"} <= picks  # every kind of model decided some
@@ -257,10 +265,8 @@ def test_a_plans_step_with_host_lengths_picks_in_one_c_call_what_its_lookup_pick
                           kv_lens_host=lens if i % 7 else tuple(lens))  # a tuple: copied in by IntBuffer.fill
         after = dict(plan.misses)
         # the estimates the step's C call left, float for float the Python estimate's at the mean
-        c = compiled[key]
-        left = dict(zip(c.variants, c.out[-len(c.variants):].tolist(), strict=True))
         want_est = table.estimator.estimates(table.families[key], batch, sum(lens) / batch, lens)
-        assert {v: t for v, t in left.items() if t == t} == want_est, (key, batch, lens)
+        assert _left_by(compiled[key]) == want_est, (key, batch, lens)
         want = plan.pick(batch, sum(lens) / batch, lens)
         assert got == want, (key, batch, lens)
         assert {k: n - before.get(k, 0) for k, n in after.items()} == {
@@ -281,9 +287,10 @@ def test_without_a_c_compiler_the_pick_is_the_python_estimates(monkeypatch):
     table.estimator.prepare(family)
     assert table.estimator.compiled(family) is None
     allowed = table.estimator.allowed(family, lambda v: v.backend == "triton")
-    variant, estimates, ok = table.estimator.pick(family, 8, 3000.0, [3000] * 8, allowed)
-    assert variant == estimate.fastest(estimates()) and estimates()
-    assert ok == estimate.fastest(estimates(), allowed.accepts) and allowed.mask is None
+    variant, ok = table.estimator.pick(family, 8, 3000.0, [3000] * 8, allowed)
+    want = table.estimator.estimates(family, 8, 3000.0, [3000] * 8)
+    assert variant == estimate.fastest(want) and want
+    assert ok == estimate.fastest(want, allowed.accepts) and allowed.mask is None
 
 
 def test_a_list_of_ints_is_copied_into_the_int_buffer_exactly():

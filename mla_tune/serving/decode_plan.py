@@ -210,9 +210,8 @@ class DecodePlan:
             mean = None if self.spec.graph else mean_kv_len
             # the table's lookup, its estimates made once for this step (in one C call where
             # the family's estimate is compiled), with the fastest runnable of them
-            variant, _estimates, runnable = (
-                self.table.estimator.pick(self._family, batch, mean, kv_lens, self._allowed)
-                if mean is not None and self._family.points else (None, None, None))
+            variant, runnable = (self.table.estimator.pick(self._family, batch, mean, kv_lens, self._allowed)
+                                 if mean is not None and self._family.points else (None, None))
             if variant is None:
                 variant = self.table.lookup(self.spec, batch, mean, graph=self.spec.graph, kv_lens=kv_lens)
             if variant is None:

@@ -470,19 +470,16 @@ class _Compiled:
         return np.asarray([bool(allowed(v)) for v in self.variants], dtype=np.uint8)
 
     def __call__(self, batch: int, kv: float, kv_lens: Sequence[int] | None, mean_kv_len: float,
-                 uniform_len: int, mask_address: int | None = None
-                 ) -> tuple[Variant | None, Callable[[], dict[Variant, float]], Variant | None]:
-        """The pick, its estimates and the fastest variant the mask at `mask_address` allows
-        (an `Allowed`'s; None without one) for a call of these lengths (kv_lens; None: `batch`
-        sequences of the mean, uncalibrated, as `Call.lengths` says) at the grids' length kv."""
+                 uniform_len: int, mask_address: int | None = None) -> tuple[Variant | None, Variant | None]:
+        """The pick and the fastest variant the mask at `mask_address` allows (an `Allowed`'s;
+        None without one) for a call of these lengths (kv_lens; None: `batch` sequences of the
+        mean, uncalibrated, as `Call.lengths` says) at the grids' length kv. The estimates
+        stay in `out`'s last nv values until the next call."""
         n = self.lens.fill(kv_lens if kv_lens is not None else [max(int(round(mean_kv_len)), 1)] * batch)
         best = self.fn(self.address, self.lens.address, n, batch, kv, uniform_len, int(kv_lens is not None),
                        mask_address)
-        nv, variants = len(self.variants), self.variants
-        values = self.out[5 * nv:].tolist()
         ok = self.struct.best_allowed
-        return (variants[best] if best >= 0 else None, lambda: _present(variants, values),
-                variants[ok] if ok >= 0 else None)
+        return (self.variants[best] if best >= 0 else None), (self.variants[ok] if ok >= 0 else None)
 
     def pick_lengths(self, batch: int, kv_lens: Sequence[int], mask_address: int | None = None
                      ) -> tuple[Variant | None, Variant | None]:
@@ -651,17 +648,15 @@ class Estimator:
         return self._derived[key]
 
     def pick(self, family, batch: int, mean_kv_len: float, kv_lens: Sequence[int] | None,
-             allowed: Allowed | None = None
-             ) -> tuple[Variant | None, Callable[[], dict[Variant, float]], Variant | None]:
-        """(`fastest(estimates(...))`, a function returning the estimates, `fastest(estimates,
-        allowed)` where `allowed` is given, else None): in one C call where the family is
-        compiled (`compiled`), else through `estimates`. `allowed` is `self.allowed(family,
-        ...)`'s, made once."""
+             allowed: Allowed | None = None) -> tuple[Variant | None, Variant | None]:
+        """(`fastest(estimates(...))`, `fastest(estimates, allowed)` where `allowed` is given,
+        else None): in one C call where the family is compiled (`compiled`), else through
+        `estimates`. `allowed` is `self.allowed(family, ...)`'s, made once."""
         self._warn_versions_once(family)
         compiled = self.compiled(family)
         if compiled is None:
             est = self.estimates(family, batch, mean_kv_len, kv_lens)
-            return fastest(est), lambda: est, None if allowed is None else fastest(est, allowed.accepts)
+            return fastest(est), None if allowed is None else fastest(est, allowed.accepts)
         kv = _kv_step(mean_kv_len)[1]
         mask = None if allowed is None else allowed.mask
         if mask is not None and len(mask) != len(compiled.variants):
