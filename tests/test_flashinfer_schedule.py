@@ -1,4 +1,5 @@
-"""FlashInfer's schedule model (backends/flashinfer_mla_schedule.py): replay, fit and lookup."""
+"""FlashInfer's schedule model (backends/flashinfer_mla_schedule.py): its replay and fit, its
+estimate in the eager lookup, and a serving table's models and points written, read and refused."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from mla_tune.backends.flashinfer_mla_schedule import (
 )
 from mla_tune.core import CallSpec, Variant
 from mla_tune.fileio import dump_yaml
-from mla_tune.serving.estimate import fit_models, interpolate
+from mla_tune.serving.estimate import fit_models
 from mla_tune.serving.table import (
     Cell,
     Family,
@@ -79,33 +80,6 @@ def _family(model: VendorModel | None) -> Family:
 def _table(model=None) -> ServingTable:
     fam = _family(model)
     return ServingTable("H200", {}, [8, 16], [16384, 32768], {fam.key: fam})
-
-
-def test_interpolate_is_log_log_in_batch_and_length_and_extends_past_the_last_length():
-    points = _family(None).points
-    est = interpolate(points, 8, 16384)
-    assert est == {FI: pytest.approx(60.0), FM: pytest.approx(80.0)}
-    mid = interpolate(points, 8, 16384 * 2 ** 0.5)
-    assert mid[FI] == pytest.approx((60.0 * 100.0) ** 0.5)
-    both = interpolate(points, 11, 32768)  # 11 is 0.46 of the way from 8 to 16 in log
-    w = 0.45943161863729726
-    assert both[FM] == pytest.approx(130.0 ** (1 - w) * 202.0 ** w)
-    past = interpolate(points, 16, 65536)  # slope log(166/96)/log 2 = 0.79: 166 x 2^0.79
-    assert past[FI] == pytest.approx(166.0 * 2 ** 0.7901, rel=1e-3)
-    assert interpolate(points, 64, 16384) == interpolate(points, 16, 16384)  # beyond: the nearest
-    # FlashInfer not timed at 16 x 16384 (a batch-edge point holds its cell's best 3 only):
-    points[(16, 16384)] = {FM: 127.0}
-    # where that point weighs more than half (12 is 0.58 of the way to 16), it drops out ...
-    assert set(interpolate(points, 12, 16384)) == {FM}
-    # ... and where it weighs less (10: 0.32), it is taken there as FlashMLA's time scaled by
-    # FlashInfer's ratio to FlashMLA at 8 x 16384: 127 x 60 / 80
-    w = 0.32192809488736235
-    est = interpolate(points, 10, 16384)
-    assert est[FI] == pytest.approx(60.0 ** (1 - w) * (127.0 * 60.0 / 80.0) ** w)
-    assert est[FM] == pytest.approx(80.0 ** (1 - w) * 127.0 ** w)
-    # with no variant timed at both points there is no ratio to go by: it drops out
-    points[(16, 16384)] = {TR: 127.0}
-    assert set(interpolate(points, 10, 16384)) == set()
 
 
 def test_the_eager_pick_is_the_fastest_estimate_and_flashinfers_comes_from_its_schedule():
