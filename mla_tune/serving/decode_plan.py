@@ -218,10 +218,8 @@ class DecodePlan:
                 key = f"batch {batch_bucket(self.table.batch_buckets, batch)}" + (
                     "" if mean is None else f", kv_len ~{mean:.0f}")
                 self.misses[key] = self.misses.get(key, 0) + 1
-            elif variant in self._unrunnable:
-                self._count_miss(variant)
-                variant = runnable if runnable is not None else self._runner_up(batch, mean)
-        return variant if variant is not None and variant in self._decoders else self._default.variant
+            return self._runnable(variant, runnable, batch, mean)
+        return self._default.variant
 
     def _pick_lengths(self, batch: int, kv_lens) -> Variant:
         """`pick(batch, sum(kv_lens) / len(kv_lens), kv_lens)` where the family's estimate is
@@ -229,15 +227,21 @@ class DecodePlan:
         variant, runnable = self._compiled.pick_lengths(batch, kv_lens, self._mask)
         if variant is None:  # no variant is estimated around the call: the cells decide
             return self.pick(batch, sum(kv_lens) / len(kv_lens), kv_lens)
-        if variant in self._unrunnable:
-            self._count_miss(variant)
-            variant = runnable if runnable is not None else self._runner_up(batch, sum(kv_lens) / len(kv_lens))
-        return variant if variant is not None and variant in self._decoders else self._default.variant
+        return self._runnable(variant, runnable, batch, None, kv_lens)
 
-    def _count_miss(self, variant: Variant) -> None:
-        """A pick that cannot run here, counted in misses by its backend."""
-        key = self._miss_keys[variant]
-        self.misses[key] = self.misses.get(key, 0) + 1
+    def _runnable(self, variant: Variant | None, runnable: Variant | None, batch: int, mean: float | None,
+                  kv_lens=None) -> Variant:
+        """The variant the step runs for the table's pick: a pick that cannot run here is
+        counted in misses and replaced by `runnable` (the fastest runnable estimate), else by
+        the cell's runner-up at `mean` (kv_lens' mean where mean is None and they are given);
+        anything the plan did not build runs the default."""
+        if variant in self._unrunnable:
+            key = self._miss_keys[variant]
+            self.misses[key] = self.misses.get(key, 0) + 1
+            if runnable is None and mean is None and kv_lens:
+                mean = sum(kv_lens) / len(kv_lens)
+            variant = runnable if runnable is not None else self._runner_up(batch, mean)
+        return variant if variant is not None and variant in self._decoders else self._default.variant
 
     def _runner_up(self, batch: int, mean: float | None) -> Variant | None:
         """Where the table's pick cannot run and no runnable variant is estimated (pick's

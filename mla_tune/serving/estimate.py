@@ -476,10 +476,8 @@ class _Compiled:
         mean, uncalibrated, as `Call.lengths` says) at the grids' length kv. The estimates
         stay in `out`'s last nv values until the next call."""
         n = self.lens.fill(kv_lens if kv_lens is not None else [max(int(round(mean_kv_len)), 1)] * batch)
-        best = self.fn(self.address, self.lens.address, n, batch, kv, uniform_len, int(kv_lens is not None),
-                       mask_address)
-        ok = self.struct.best_allowed
-        return (self.variants[best] if best >= 0 else None), (self.variants[ok] if ok >= 0 else None)
+        return self._picked(self.fn(self.address, self.lens.address, n, batch, kv, uniform_len,
+                                    int(kv_lens is not None), mask_address))
 
     def pick_lengths(self, batch: int, kv_lens: Sequence[int], mask_address: int | None = None
                      ) -> tuple[Variant | None, Variant | None]:
@@ -492,6 +490,10 @@ class _Compiled:
                 if type(kv_lens) is list else -2)
         if best == -2:  # not a list of ints that fits the buffer: copied in by fill (which grows it)
             best = self.step_fn(self.address, lens.address, lens.fill(kv_lens), batch, mask_address)
+        return self._picked(best)
+
+    def _picked(self, best: int) -> tuple[Variant | None, Variant | None]:
+        """(the pick, the fastest allowed) of a C call that returned `best` (-1: none)."""
         ok = self.struct.best_allowed
         return (self.variants[best] if best >= 0 else None), (self.variants[ok] if ok >= 0 else None)
 
