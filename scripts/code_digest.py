@@ -45,13 +45,11 @@ SPLITK_CASES = [  # (KV format, max_q_len, max_splits): one split only, several,
 
 def _print_digests(case: str, launches: list, target) -> None:
     """Bind, compile and print one line per captured launch."""
-    import triton
-
     from mla_tune.xcompile import targets
 
     for launch in launches:
         b = targets.bind(launch.kernel, launch.grid, launch.args, launch.kwargs, target)
-        compiled = triton.compile(b.src, target=b.target, options=b.options.__dict__)
+        compiled = targets.compile_binary(b)
         text = compiled.asm["ptx" if target.backend == "cuda" else "amdgcn"]
         digest = hashlib.sha1(text.encode()).hexdigest()[:12]
         print(f"{case} {b.name} {target.backend}:{target.arch} shared={compiled.metadata.shared} {digest}",
@@ -64,6 +62,7 @@ def gluon(variants: list[str]) -> int:
     from mla_tune.xcompile import capture, targets
 
     facts = gpu.KNOWN_GPUS["H200"]
+    target = targets.target_for(facts)
     failed = 0
     with capture.recording(facts) as launches:
         for text in variants or GLUON_VARIANTS:
@@ -72,7 +71,7 @@ def gluon(variants: list[str]) -> int:
                 print(f"{text} {item.error}", flush=True)
                 failed += 1
                 continue
-            _print_digests(text, item.launches, targets.target_for(facts))
+            _print_digests(text, item.launches, target)
     return 1 if failed else 0
 
 

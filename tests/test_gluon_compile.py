@@ -62,7 +62,7 @@ def compile_cases() -> list[dict]:
                 start = time.perf_counter()
                 try:
                     b = targets.bind(launch.kernel, launch.grid, launch.args, launch.kwargs, target)
-                    compiled = triton.compile(b.src, target=b.target, options=b.options.__dict__)
+                    compiled = targets.compile_binary(b)
                 except Exception as exc:  # the compiler's own message is the test's failure message
                     launches.append({"name": launch.kernel.fn.__name__, "error": f"{type(exc).__name__}: {exc}"})
                     continue

@@ -131,6 +131,11 @@ def first_error_line(exc: BaseException, stderr: str) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def compile_binary(b: Bound):
+    """triton.compile of a bound launch for its target (the compiled kernel: asm, metadata)."""
+    return triton.compile(b.src, target=b.target, options=b.options.__dict__)
+
+
 def compile_bound(b: Bound, lds_limit: int) -> dict:
     """Compile `b` (in a fresh Triton cache, so ptxas's log is written) and read what the
     binary uses; a compile error is a record with ok False and the first error line."""
@@ -145,7 +150,7 @@ def compile_bound(b: Bound, lds_limit: int) -> dict:
         try:
             with warnings.catch_warnings(), contextlib.redirect_stdout(out), _stderr_to(err_path):
                 warnings.simplefilter("ignore")
-                compiled = triton.compile(b.src, target=b.target, options=b.options.__dict__)
+                compiled = compile_binary(b)
         except Exception as exc:  # the compiler's error is the result, not a crash
             with open(err_path) as f:
                 record["error"] = first_error_line(exc, f.read())
