@@ -28,10 +28,10 @@ from mla_tune.problem import check, generate_input, get_rule, reference
 from mla_tune.tables.prior import find_prior
 from mla_tune.tables.table import TableError, load_table
 from mla_tune.tune.config import load_config
+from tests.helpers import WIDE
 
 ROOT = Path(__file__).resolve().parents[1]
 PRIOR = ROOT / "configs" / "priors" / "MI355X.yaml"
-WIDE = {"COLUMNS": "250", "NO_COLOR": "1", "TERM": "dumb"}
 # the seed's fixed split counts (../shared/seed/000_97316cf1d40f3d27.txt, custom_kernel)
 SEED_SPLITS = {(64, 8192): 4, (256, 1024): 16, (256, 8192): 1}
 # the leaderboard's test shapes, each run at (batch, kv_len) on the CPU
