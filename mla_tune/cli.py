@@ -517,6 +517,11 @@ def verify(
              "or .gz, or a folder of them; repeat the option) instead of timing; --max-p95, --max-regret, "
              "--judge and --json apply, the shape and timing options do not. For comparing "
              "tables offline; a table is accepted on a GPU run at fresh seeds.")] = None,
+    unrunnable: Annotated[list[str] | None, typer.Option(
+        help="With --rescore: score the table as a DecodePlan steps on a machine where this "
+             "backend cannot run (repeat the option): a pick of it is replaced by the fastest "
+             "estimate that runs, else the cell's runner-up, else the fallback. For reports "
+             "recorded before a backend was a candidate.")] = None,
     repick_graph: Annotated[Path | None, typer.Option(
         help="With --rescore: re-choose each batch bucket's CUDA-graph pick on those reports (the "
              "variant with the smallest geomean regret over the bucket's recorded shapes, where it "
@@ -536,6 +541,8 @@ def verify(
     for flag, value in (("--max-p95", max_p95), ("--max-regret", max_regret)):
         if value is not None and not 0 <= value <= 1:
             raise _usage_error(f"{flag} is a fraction (0.05 for 5%), got {value}")
+    if unrunnable and not rescore:
+        raise _usage_error("--unrunnable scores recorded reports: give them with --rescore")
     if repick_graph is not None and not rescore:
         raise _usage_error("--repick-graph chooses on recorded reports: give them with --rescore")
     if repick_graph is not None:
@@ -557,7 +564,7 @@ def verify(
             from mla_tune.serving.rescore import rescore as run_rescore
 
             out = run_rescore(table, list(rescore), max_p95=max_p95, max_regret=max_regret, judge=judge,
-                              json_path=json_path, log=typer.echo)
+                              json_path=json_path, unrunnable=unrunnable or (), log=typer.echo)
         if out["exit_code"]:
             raise typer.Exit(out["exit_code"])
         return

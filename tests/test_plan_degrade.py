@@ -4,6 +4,7 @@ variant (the runner-up, else the default), each replacement counted in the plan'
 
 from __future__ import annotations
 
+import random
 import warnings
 
 import torch
@@ -12,7 +13,14 @@ from mla_tune import problem
 from mla_tune.core import CallSpec, Variant
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.decode_plan import DecodePlan
-from mla_tune.serving.table import Cell, Family, FamilyKey, GraphPick, ServingTable
+from mla_tune.serving.table import (
+    Cell,
+    Family,
+    FamilyKey,
+    GraphPick,
+    ServingTable,
+    load_serving_table,
+)
 
 SPEC = CallSpec("bf16", page_size=64, heads=16, max_q_len=1)
 FLASHMLA = Variant.make("flashmla", kv="bf16", q="bf16")
@@ -65,3 +73,27 @@ def test_a_graph_plan_falls_back_to_the_default_where_no_runner_up_is_kept():
     assert problem.check(out.float(), inp.reference(), problem.RULES["strict"]).passed
     assert plan.misses == {"flashmla cannot run here": 1}
     assert torch.isfinite(out).all()
+
+
+def test_the_tables_plan_pick_is_what_a_plan_steps_with_where_picks_cannot_run():
+    """ServingTable.plan_pick (what `verify --rescore --unrunnable` scores) against DecodePlan.pick
+    on the committed table, here where gluon_fused, FlashInfer and FlashMLA cannot run."""
+    table = load_serving_table("tables/H200.serving.yaml")
+    rng = random.Random(7)
+    replaced = 0
+    for key in sorted(table.families, key=str):
+        for graph in (False, True):
+            spec = CallSpec(key.kv_format, key.page_size, key.heads, key.q_len, graph=graph)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                plan = DecodePlan(spec, max_batch=256, table=table, warm=False)
+            built = set(plan.variants)
+            for _ in range(60):
+                batch = rng.randint(1, 256)
+                lens = [int(2 ** rng.uniform(0, 17)) for _ in range(batch)]
+                mean = sum(lens) / batch
+                want = plan.pick(batch, mean, lens)
+                got = table.plan_pick(spec, batch, built.__contains__, mean, lens)
+                assert (got or plan.variants[0]) == want, (key, graph, batch)
+                replaced += table.lookup(spec, batch, mean, graph=graph, kv_lens=lens) not in built
+    assert replaced > 100  # the stand-ins were exercised

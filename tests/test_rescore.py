@@ -121,3 +121,19 @@ def test_a_folder_names_its_reports_in_order(reports, tmp_path):
     assert rs.report_paths([tmp_path]) == sorted(reports)
     out = rs.rescore(_table(A), [tmp_path], log=lambda _: None)
     assert len(out["shapes"]) == 4
+
+
+def test_unrunnable_backends_are_scored_by_the_stand_ins_a_plan_runs(reports):
+    fm = Variant.make("flashmla", kv="bf16", q="bf16")
+    fam = Family(FamilyKey.of(SPEC))
+    for kv in (512, 1024):
+        fam.cells[(4, kv)] = Cell(4, kv, fm, 1.0, runner_up={"variant": C, "time_us": 1.1})
+    fam.graph[4] = GraphPick(4, fm, 0.1, 512)
+    table = ServingTable("H200", {}, [4], [512, 1024], {fam.key: fam})
+    out = rs.rescore(table, reports, unrunnable=["flashmla"], log=lambda _: None)
+    assert [r["roles"]["eager"] for r in out["shapes"]] == [C, C, C, F]  # the runner-up
+    assert [r["roles"]["graph"] for r in out["shapes"]] == [F, F, F, F]  # no stand-in: the fallback
+    assert [r["regret"]["eager"] for r in out["shapes"]][:3] == [0.0, 0.0, pytest.approx(-0.1)]
+    assert out["unrunnable"] == ["flashmla"]
+    with pytest.raises(VerifyError, match="--unrunnable flash_mla: not a backend"):
+        rs.rescore(table, reports, unrunnable=["flash_mla"], log=lambda _: None)

@@ -35,9 +35,11 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from dataclasses import replace
 from pathlib import Path
 
+from mla_tune.backends import known_backends
 from mla_tune.core import CallSpec, Variant
 from mla_tune.fileio import read_maybe_gzipped
 from mla_tune.serving.table import FamilyKey, ServingTable, load_serving_table
@@ -97,9 +99,11 @@ def _time(record: dict, variant: str) -> tuple[float | None, str | None]:
     return None, None
 
 
-def rescore_shape(table: ServingTable, record: dict) -> dict:
+def rescore_shape(table: ServingTable, record: dict, unrunnable: Collection[str] = ()) -> dict:
     """The recorded shape with the table's picks as its eager and graph roles: roles,
-    from_table, regret (None where not measured), `measured` ('final', 'short' or None)."""
+    from_table, regret (None where not measured), `measured` ('final', 'short' or None).
+    `unrunnable`: backends the picks are scored without, as a DecodePlan on a machine
+    without them steps (ServingTable.plan_pick); their picks' stand-ins run instead."""
     r = copy.deepcopy(record)
     key = FamilyKey(**r["family"])
     spec = CallSpec(key.kv_format, key.page_size, key.heads, key.q_len)
@@ -107,8 +111,16 @@ def rescore_shape(table: ServingTable, record: dict) -> dict:
     r["recorded_roles"] = dict(record["roles"])
     r["measured"] = {"fallback": "final"}
     kv_lens = r["kv_lens"] if isinstance(r["kv_lens"], list) else [r["kv_lens"]] * r["batch"]
-    for role, looked in (("eager", table.lookup(spec, r["batch"], r["mean_kv_len"], kv_lens=kv_lens)),
-                         ("graph", table.lookup(spec, r["batch"], graph=True))):
+    if unrunnable:
+        def runs(v: Variant) -> bool:
+            return v.backend not in unrunnable
+
+        looks = (table.plan_pick(spec, r["batch"], runs, r["mean_kv_len"], kv_lens),
+                 table.plan_pick(replace(spec, graph=True), r["batch"], runs))
+    else:
+        looks = (table.lookup(spec, r["batch"], r["mean_kv_len"], kv_lens=kv_lens),
+                 table.lookup(spec, r["batch"], graph=True))
+    for role, looked in zip(("eager", "graph"), looks, strict=True):
         variant = str(looked) if looked is not None else fallback  # no pick: the fallback runs
         r["roles"][role] = variant
         r["from_table"][role] = looked is not None
@@ -124,20 +136,25 @@ def rescore_shape(table: ServingTable, record: dict) -> dict:
 
 def rescore(table: str | Path | ServingTable, reports: list[str | Path], *, max_p95: float | None = None,
             max_regret: float | None = None, judge: str = "eager", json_path: str | Path | None = None,
-            log: Callable[[str], None] = print) -> dict:
+            unrunnable: Collection[str] = (), log: Callable[[str], None] = print) -> dict:
     """Score the table's picks on recorded verify reports (see the module); returns the
-    report (what --json writes) with exit_code 0 (passed or not judged) or 1 (failed)."""
+    report (what --json writes) with exit_code 0 (passed or not judged) or 1 (failed).
+    `unrunnable`: backends to score the table without (rescore_shape)."""
     if judge not in ("eager", "graph", "both"):
         raise VerifyError(f"--judge must be eager, graph or both, got {judge!r}")
     if not reports:
         raise VerifyError("--rescore needs at least one verify report (mla-tune verify --json PATH)")
+    unknown = sorted(set(unrunnable) - set(known_backends()))
+    if unknown:
+        raise VerifyError(f"--unrunnable {', '.join(unknown)}: not a backend; the backends are "
+                          f"{', '.join(known_backends())}")
     table = table if isinstance(table, ServingTable) else load_serving_table(table)
     records, per_report = [], []
     for path in report_paths(reports):
         report = read_report(path)
         if report.get("device", {}).get("name") not in (None, table.gpu):
             log(f"warning: {path} was measured on {report['device']['name']}; the table is for {table.gpu}")
-        mine = [rescore_shape(table, r) for r in report["shapes"]]
+        mine = [rescore_shape(table, r, unrunnable) for r in report["shapes"]]
         for r in mine:
             r["report"] = str(path)
         per_report.append({"path": str(path), "seed": (report.get("options") or {}).get("seed"),
@@ -157,7 +174,7 @@ def rescore(table: str | Path | ServingTable, reports: list[str | Path], *, max_
     out = {"schema": RESCORE_SCHEMA, "table": {"path": str(table.path), "gpu": table.gpu,
                                                "config_hash": (table.provenance.get("config") or {}).get("hash")},
            "reports": per_report, "shapes": records, "summary": summary, "verdict": verdict,
-           "unmeasured": len(unmeasured)}
+           "unmeasured": len(unmeasured), "unrunnable": sorted(unrunnable)}
     out["exit_code"] = 1 if verdict["failed"] else 0
     return emit(out, rescore_lines(out), json_path, log)
 
@@ -169,8 +186,11 @@ def rescore_lines(out: dict) -> list[str]:
 
     shapes = out["shapes"]
     lines = [f"rescore {out['table']['path']} on {len(out['reports'])} verify report(s), {len(shapes)} shapes "
-             f"(recorded times: no GPU; a table is accepted on mla-tune verify at fresh seeds)", "",
-             f"eager regret over {SHOW_OVER:.0%}, or a pick not measured (~: a short-rung time):"]
+             f"(recorded times: no GPU; a table is accepted on mla-tune verify at fresh seeds)"]
+    if out["unrunnable"]:
+        lines.append(f"scored as a plan steps where {', '.join(out['unrunnable'])} cannot run: "
+                     "their picks' stand-ins run instead")
+    lines += ["", f"eager regret over {SHOW_OVER:.0%}, or a pick not measured (~: a short-rung time):"]
     for r in shapes:
         reg = r["regret"]["eager"]
         if reg is not None and reg <= SHOW_OVER:

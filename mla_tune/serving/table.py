@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -213,6 +213,32 @@ class ServingTable:
         if cell is not None:
             return cell.variant
         return pick.variant if pick is not None else None
+
+    def plan_pick(self, spec: CallSpec, batch: int, runs: Callable[[Variant], bool],
+                  mean_kv_len: float | None = None, kv_lens: Sequence[int] | None = None) -> Variant | None:
+        """What a DecodePlan for `spec` that can run only the variants `runs` accepts steps
+        with (serving/decode_plan.py, pick): the lookup's pick where it runs; else the
+        fastest estimate that runs, else the cell's runner-up where it runs; None where the
+        plan runs its default (no family, no pick, or none of these runs). With every
+        variant running, `lookup`'s pick. For scoring a table as a machine without some
+        backends would run it (`mla-tune verify --rescore --unrunnable`)."""
+        family = self.family(spec)
+        if family is None:
+            return None
+        mean = None if spec.graph else mean_kv_len
+        pick, runnable = None, None
+        if mean is not None and family.points:
+            pick, runnable = self.estimator.pick(family, batch, mean, kv_lens, self.estimator.allowed(family, runs))
+        if pick is None:
+            pick = self.lookup(spec, batch, mean, graph=spec.graph, kv_lens=kv_lens)
+        if pick is None or runs(pick):
+            return pick
+        if runnable is not None or mean is None:
+            return runnable
+        cell = family.cells.get((batch_bucket(self.batch_buckets, batch), kv_bucket(self.kv_buckets, mean)))
+        runner_up = (cell.runner_up or {}).get("variant") if cell is not None else None
+        runner_up = Variant.parse(runner_up) if isinstance(runner_up, str) else runner_up
+        return runner_up if runner_up is not None and runs(runner_up) else None
 
     def prepare(self, spec: CallSpec) -> None:
         """The eager lookup's one-off work for the spec's family (Estimator.prepare), so
