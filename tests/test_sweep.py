@@ -38,23 +38,6 @@ def fake_backends():
 
 
 # ------------------------------------------------------------------------- dry run
-def test_dry_run_plans_the_leaderboard_for_an_absent_h200_without_writing(tmp_path):
-    console, buf = capture()
-    summary = run_sweep(REPO / "configs" / "leaderboard.yaml", "H200", out=tmp_path / "H200.yaml",
-                        dry_run=True, console=console)
-    text = buf.getvalue()
-    assert summary.dry_run and summary.table_path is None
-    assert set(summary.plan) == {"4x1024", "4x8192", "32x1024", "32x8192", "64x1024",
-                                 "64x8192", "256x1024", "256x8192"}
-    for per_backend in summary.plan.values():
-        assert per_backend["torch"] == ["torch(kv=bf16,q=bf16)"]
-        # triton is planned (its candidates listed) or named unavailable with its reason
-        assert per_backend.get("triton") or "triton" in summary.unavailable
-    assert "8 shapes" in text and "H200" in text and "planned for H200" in text
-    assert "256x8192" in text
-    assert list(tmp_path.iterdir()) == []  # no lock, no results, no table
-
-
 def test_dry_run_lists_candidates_of_a_backend_that_only_lacks_the_gpu(tmp_path):
     console, buf = capture()
     summary = run_sweep(TINY, "H200", out=tmp_path / "t.yaml", dry_run=True, console=console)
