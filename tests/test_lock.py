@@ -101,7 +101,8 @@ def test_a_lock_of_a_killed_sweep_is_taken_over_with_a_warning_naming_its_pid(tm
     killed.wait()
     assert path.read_text().strip() == str(killed.pid)
     lock = SweepLock(path).acquire()
-    assert f"left by pid {killed.pid}" in lock.warning
+    assert "stale lock" in lock.warning and f"left by pid {killed.pid}" in lock.warning
+    assert path.read_text().strip() == str(os.getpid())
     with pytest.raises(ResultsError, match=f"pid {os.getpid()}"):
         SweepLock(path).acquire()  # a second sweep in this very process is refused too
     lock.release()

@@ -119,12 +119,6 @@ def test_every_backend_has_rules_and_space_values_are_checked_one_by_one():
 
 
 # ------------------------------------------------ space values refused at config load
-def _config(tmp_path: Path, extra: str) -> Path:
-    path = tmp_path / "space.yaml"
-    path.write_text((DATA / "sweep_torch.yaml").read_text() + extra)
-    return path
-
-
 @pytest.mark.parametrize("section, field, message", [
     ("  triton: {num_splits: [1, 0], block_n: [16], kv: [bf16], dot_dtype: [fp16]}\n",
      "backends.triton.num_splits", "num_splits=0 is not allowed"),
@@ -136,7 +130,8 @@ def _config(tmp_path: Path, extra: str) -> Path:
 def test_a_space_value_no_variant_can_carry_fails_at_config_load(tmp_path, section, field, message):
     from mla_tune.tune.config import ConfigError, load_config
 
-    path = _config(tmp_path, section)
+    path = tmp_path / "space.yaml"
+    path.write_text((DATA / "sweep_torch.yaml").read_text() + section)
     with pytest.raises(ConfigError) as caught:
         load_config(path)
     assert f"field '{field}'" in str(caught.value) and message in str(caught.value)
