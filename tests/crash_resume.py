@@ -1,13 +1,10 @@
 """The harness of tests/test_crash_resume.py: a sweep with an injected crashing candidate,
 killed with kill -9 halfway and started again, keeps every other result and A's clear winners.
 
-  A   the sweep, uninterrupted, into OUT/a/GPU.yaml
-  B1  the same sweep into OUT/b/GPU.yaml in its own process group, SIGKILLed (whole group) once
-      kill_after of A's candidates are written; then a torn line is appended unless tear=False.
-  B2  the same command again, which must resume: take over the stale lock, drop the torn line.
-
-Findings go to OUT/report.json (always written, with every log's tail). `run` returns 0 when
-every check passed, 1 when one failed, 2 when a step could not run.
+A: the sweep, uninterrupted; B1: the same sweep SIGKILLed (whole group) at kill_after of A's
+candidates, a torn line appended unless tear=False; B2: the same command again, which resumes.
+Findings go to OUT/report.json; `run` returns 0 when every check passed, 1 when one
+failed, 2 when a step could not run.
 """
 
 from __future__ import annotations
@@ -115,21 +112,16 @@ def count_candidates(results: Path) -> int:
     return sum(1 for line in data.split(b"\n")[:-1] if b'"kind": "candidate"' in line)
 
 
-class Deadline:
-    def __init__(self, seconds: float):
-        self.end = time.monotonic() + seconds
-        self.seconds = seconds
-
-    def left(self) -> float:
-        return self.end - time.monotonic()
+def _start(cmd: list[str], env: dict, out) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
 
 
 def run_to_end(cmd: list[str], env: dict, log: Path, limit_s: float, what: str) -> dict:
     """Run a sweep to its end; a sweep past limit_s is killed (whole group) and raises."""
     t0 = time.monotonic()
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = _start(cmd, env, out)
         try:
             rc = proc.wait(timeout=max(1.0, limit_s))
         except subprocess.TimeoutExpired:
@@ -147,8 +139,7 @@ def run_and_kill(cmd: list[str], env: dict, log: Path, results: Path, target: in
     """Start a sweep in its own process group; SIGKILL the group at `target` candidate lines."""
     t0 = time.monotonic()
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = _start(cmd, env, out)
         while (written := count_candidates(results)) < target:
             if proc.poll() is not None:
                 raise DemoError(
@@ -254,9 +245,7 @@ def print_table(shapes: list[dict]) -> None:
 # ----------------------------------------------------------------------------- main
 @dataclass
 class Demo:
-    """What to run: the sweep's GPU name (cpu here), config, an empty out folder, the extra
-    backends (name=module,...), the injected crash's backend, when to kill B (a fraction of A's
-    candidate count), --candidate-timeout, the whole demo's seconds, and whether to tear a line."""
+    """What to run; kill_after is the fraction of A's candidates at which B is killed."""
 
     gpu: str
     config: Path
@@ -287,7 +276,10 @@ class Demo:
 
 def run(args: Demo) -> int:
     started = time.monotonic()
-    deadline = Deadline(args.deadline)
+
+    def left() -> float:
+        return started + args.deadline - time.monotonic()
+
     env = sweep_env(args.extra_backends)
     a_dir, b_dir = args.out / "a", args.out / "b"
     a_dir.mkdir(parents=True, exist_ok=True)
@@ -302,7 +294,7 @@ def run(args: Demo) -> int:
     try:
         say(f"[A] the uninterrupted sweep -> {a_table} (log {a_dir / 'sweep.log'})")
         report["steps"]["a"] = run_to_end(sweep_command(args, a_table), env, a_dir / "sweep.log",
-                                          deadline.left(), "sweep A")
+                                          left(), "sweep A")
         _header, a_records, _ = read_results(a_results)
         n_a = len(a_records)
         say(f"[A] done in {report['steps']['a']['elapsed_s']} s: {n_a} candidate records")
@@ -312,7 +304,7 @@ def run(args: Demo) -> int:
 
         say(f"[B1] the same sweep -> {b_table}, SIGKILL to its process group at {target} of {n_a} records")
         kill = run_and_kill(sweep_command(args, b_table), env, b_dir / "sweep_killed.log", b_results,
-                            target, deadline.left())
+                            target, left())
         snapshot = b_results.read_bytes()
         kept = snapshot[: snapshot.rfind(b"\n") + 1]
         kill.update(lines_at_kill=count_candidates(b_results), torn_tail_bytes=len(snapshot) - len(kept),
@@ -337,18 +329,18 @@ def run(args: Demo) -> int:
 
         say(f"[B2] the same command again, resuming (log {b_dir / 'sweep_resumed.log'})")
         report["steps"]["b_resumed"] = run_to_end(sweep_command(args, b_table), env,
-                                                  b_dir / "sweep_resumed.log", deadline.left(), "sweep B2")
+                                                  b_dir / "sweep_resumed.log", left(), "sweep B2")
         text = " ".join((b_dir / "sweep_resumed.log").read_text(errors="replace").split())
         say(f"[B2] done in {report['steps']['b_resumed']['elapsed_s']} s")
-        checks.add("B2 took over the stale lock", "stale lock" in text, "its output says 'taking over a stale lock'"
-                   if "stale lock" in text else "its output does not mention the stale lock")
+
+        def said(check: str, needle: str) -> None:
+            checks.add(check, needle in text,
+                       f"its output {'says' if needle in text else 'does not say'} '{needle}'")
+
+        said("B2 took over the stale lock", "stale lock")
         if kill["torn_tail"] != "none":
-            checks.add("B2 dropped the torn last line", "truncated last line" in text,
-                       "its output warns of a truncated last line" if "truncated last line" in text
-                       else "no warning about the torn line in its output")
-        resumed = f"{kill['lines_at_kill']} already recorded"
-        checks.add("B2 resumed rather than starting over", resumed in text,
-                   f"its output says '{resumed}'" if resumed in text else f"'{resumed}' not in its output")
+            said("B2 dropped the torn last line", "truncated last line")
+        said("B2 resumed rather than starting over", f"{kill['lines_at_kill']} already recorded")
         code = 1
         _, b_records, warnings = read_results(b_results)
         checks.add("B's results read back cleanly", not warnings, "; ".join(warnings) or "no warnings")

@@ -15,6 +15,7 @@ from mla_tune.cli import app
 from mla_tune.core import Shape
 from tests import crash_resume
 from tests.fakes import EXTRA_BACKENDS, fake_oob
+from tests.helpers import WIDE
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data"
@@ -118,14 +119,12 @@ def test_the_oob_kernel_stores_zeros_at_the_offset_it_is_given():
 def test_the_candidate_timeout_option_reaches_run_sweep(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(mla_tune.tune.sweep, "run_sweep", lambda *a, **k: calls.append(k))
-    runner = CliRunner()
-    env = {"COLUMNS": "250", "NO_COLOR": "1", "TERM": "dumb"}
-    result = runner.invoke(app, ["sweep", "--gpu", "H200", "--config", str(CPU_CONFIG),
-                                 "--candidate-timeout", "7.5"], env=env)
+    sweep = ["sweep", "--gpu", "H200", "--config", str(CPU_CONFIG)]
+    result = CliRunner().invoke(app, [*sweep, "--candidate-timeout", "7.5"], env=WIDE)
     assert result.exit_code == 0, result.output
     assert calls[-1]["candidate_timeout_s"] == 7.5
-    result = runner.invoke(app, ["sweep", "--gpu", "H200", "--config", str(CPU_CONFIG)], env=env)
+    result = CliRunner().invoke(app, sweep, env=WIDE)
     assert result.exit_code == 0 and "candidate_timeout_s" not in calls[-1]  # the config's limit
-    result = runner.invoke(app, ["sweep", "--gpu", "H200", "--candidate-timeout", "0"], env=env)
+    result = CliRunner().invoke(app, [*sweep[:3], "--candidate-timeout", "0"], env=WIDE)
     assert result.exit_code == 2 and "--candidate-timeout must be a positive number" in result.output
     assert len(calls) == 2

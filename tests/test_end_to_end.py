@@ -1,12 +1,7 @@
 """End to end on the CPU: `mla-tune sweep` (a subprocess) -> table -> runtime -> `mla-tune
-export` -> the exported file imported as the leaderboard does, outputs checked against
-problem.reference under the leaderboard rule.
-
-Sweeps: own kernels (tests/data/e2e_cpu.yaml, Triton's interpreter); AITER through its CPU fakes
-of v0.1.11 and v0.1.20.post1 on a simulated MI355X (MLA_TUNE_FAKE_PLATFORM, tests/fakes on
-PYTHONPATH); and a simulated MI355X without AITER. Exported files run in a fresh subprocess
-whose import system refuses mla_tune, except imports made by the fake aiter (which computes
-with mla_tune.problem.reference): those are let through and listed.
+export` -> the exported file, run in a subprocess that refuses mla_tune (except imports of the
+fake aiter, listed), checked against problem.reference. Own kernels, AITER's fakes of v0.1.11
+and v0.1.20.post1 on a simulated MI355X, and a simulated MI355X without AITER.
 """
 
 from __future__ import annotations
@@ -116,7 +111,8 @@ def cpu_sweep(tmp_path_factory):
     return _sweep(tmp_path_factory.mktemp("cpu_sweep"), "cpu", CPU_CONFIG, exported_env())
 
 
-def test_cpu_sweep_writes_a_row_per_shape_with_a_winner_that_passed(cpu_sweep):
+def test_cpu_sweep_writes_a_row_per_shape_with_a_winner_that_passed_and_runs_triton_fused(
+        cpu_sweep):
     table, header = cpu_sweep["table"], cpu_sweep["header"]
     assert "sweep e2e_cpu on cpu" in cpu_sweep["done"].stdout
     assert table["gpu"] == "cpu" and header["gpu"] == "cpu" and not header["forced"]
@@ -144,7 +140,10 @@ def test_cpu_sweep_writes_a_row_per_shape_with_a_winner_that_passed(cpu_sweep):
         assert isinstance(row["backends"]["torch"], float) and isinstance(row["backends"]["triton"], float)
         assert row["backends"]["triton"] == pytest.approx(min(r["time"]["median_us"] for r in triton_records),
                                                           rel=1e-3)
-        assert "triton_fused" in row["backends"]  # a time, or why there is none (see the test below)
+        fused = [r for r in records if r["backend"] == "triton_fused"]
+        assert fused and all(r["status"] == "ok" for r in fused), row["backends"]["triton_fused"]
+        assert isinstance(row["backends"]["triton_fused"], float)
+        assert "triton_fused" in row["alternates"]
         assert row["baseline_us"] == row["backends"]["torch"]
         assert row["runner_up"] is not None and row["runner_up"]["variant"] != row["winner"]["variant"]
         counts = row["candidates"]
@@ -152,13 +151,6 @@ def test_cpu_sweep_writes_a_row_per_shape_with_a_winner_that_passed(cpu_sweep):
                                                       ("ok", "rejected", "failed", "crashed", "timeout", "pruned"))
         assert counts["ok"] == len(records) and counts["ok"] >= 1 + expected_triton[shape]
         assert set(row["alternates"]) >= {"torch", "triton"}
-
-
-def test_triton_fused_candidates_run_in_the_cpu_sweep(cpu_sweep):
-    for shape, row in _rows(cpu_sweep).items():
-        fused = [r for r in _records(cpu_sweep, shape) if r["backend"] == "triton_fused"]
-        assert fused and all(r["status"] == "ok" for r in fused), row["backends"]["triton_fused"]
-        assert isinstance(row["backends"]["triton_fused"], float) and "triton_fused" in row["alternates"]
 
 
 def test_cpu_runtime_serves_table_rows_a_missing_shape_and_a_ragged_batch(cpu_sweep):
@@ -277,7 +269,7 @@ def _aiter_ok(sweep: dict, shape) -> list[dict]:
     return [r for r in _records(sweep, shape) if r["backend"] == "aiter" and r["status"] == "ok"]
 
 
-def test_mi355x_sweep_runs_every_aiter_family_through_the_fake(aiter_sweep):
+def test_mi355x_sweep_runs_every_aiter_family_through_the_fake_into_simulated_rows(aiter_sweep):
     stdout = " ".join(aiter_sweep["done"].stdout.split())
     assert "sweep e2e_aiter on AMD Instinct MI355X (simulated): 39 candidates over 2 shapes" in stdout
     header = aiter_sweep["header"]
@@ -300,9 +292,6 @@ def test_mi355x_sweep_runs_every_aiter_family_through_the_fake(aiter_sweep):
         intra = [r for r in aiter if r["params"].get("intra_batch")]
         assert bool(intra) == (shape[1] >= 196)  # AITER's intra-batch builder needs >= 196 tokens
         assert {r["params"].get("fast_mode") for r in aiter if r["params"]["mode"] == "persistent"} == {True, False}
-
-
-def test_mi355x_table_rows_and_its_simulated_provenance(aiter_sweep):
     table = aiter_sweep["table"]
     assert table["gpu"] == "MI355X"
     prov = table["provenance"]
@@ -465,15 +454,11 @@ def test_mi355x_sweep_through_the_newer_fake_gives_a_table_and_an_export(aiter_n
 
 def test_mi355x_sweep_without_aiter_says_what_to_install_and_tunes_triton(tmp_path):
     env = dict(exported_env(), **{gpu.FAKE_PLATFORM_ENV: "MI355X"})  # no fakes on the path: no aiter
-    out = tmp_path / "MI355X.yaml"
-    done = _mla_tune("sweep", "--gpu", "MI355X", "--config", "tests/data/e2e_no_aiter.yaml", "--out", out,
-                     env=env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    said = " ".join((done.stdout + done.stderr).split())
-    assert "aiter" in said and "install amd-aiter 0.1.10.post2 or later, a ROCm build from AMD's wheel index" in said
-    table = yaml.safe_load(out.read_text())
-    row = table["rows"][0]
+    sweep = _sweep(tmp_path, "MI355X", "tests/data/e2e_no_aiter.yaml", env)
+    said = " ".join((sweep["done"].stdout + sweep["done"].stderr).split())
+    install = "install amd-aiter 0.1.10.post2 or later"
+    assert "aiter" in said and f"{install}, a ROCm build from AMD's wheel index" in said
+    row = sweep["table"]["rows"][0]
     assert isinstance(row["backends"]["triton"], float) and "aiter" not in row["alternates"]
-    results = [json.loads(line) for line in out.with_name("MI355X.results.jsonl").read_text().splitlines()]
-    assert "install amd-aiter 0.1.10.post2 or later" in results[0]["unavailable"]["aiter"]
-    assert {r["backend"] for r in results if r.get("kind") == "candidate"} == {"torch", "triton"}
+    assert install in sweep["header"]["unavailable"]["aiter"]
+    assert {r["backend"] for r in sweep["records"]} == {"torch", "triton"}

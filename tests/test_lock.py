@@ -63,18 +63,25 @@ def test_two_sweeps_started_together_exactly_one_runs_the_other_names_lock_and_p
     assert not lock.exists()  # the winner removed it on the way out
 
 
+def _hold(path: Path, write_pid: bool) -> subprocess.Popen:
+    """A process holding the flock of `path`, its pid written in if `write_pid` (no torch: fast)."""
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, os, time
+        fd = os.open({str(path)!r}, os.O_RDWR | os.O_CREAT)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if {write_pid}:
+            os.write(fd, f"{{os.getpid()}}\\n".encode())
+        print("held", flush=True)
+        time.sleep(30)
+    """)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
 def test_a_live_holder_is_never_taken_over_even_while_its_file_is_still_empty(tmp_path):
     path = tmp_path / "t.yaml.lock"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(f"""
-            import fcntl, os, sys, time
-            fd = os.open({str(path)!r}, os.O_RDWR | os.O_CREAT)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            print("locked", flush=True)
-            time.sleep(30)
-        """)], stdout=subprocess.PIPE, text=True)
+    holder = _hold(path, write_pid=False)
     try:
-        assert holder.stdout.readline().strip() == "locked"
         assert path.read_text() == ""  # just created: no pid in it yet
         with pytest.raises(ResultsError, match="another sweep .* holds the lock"):
             SweepLock(path).acquire()
@@ -89,21 +96,13 @@ def test_a_live_holder_is_never_taken_over_even_while_its_file_is_still_empty(tm
 
 def test_a_lock_of_a_killed_sweep_is_taken_over_with_a_warning_naming_its_pid(tmp_path):
     path = tmp_path / "t.yaml.lock"
-    # what SweepLock.acquire leaves: the flock held, the pid written (no torch import: fast)
-    killed = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import fcntl, os, time
-        fd = os.open({str(path)!r}, os.O_RDWR | os.O_CREAT)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        os.write(fd, f"{{os.getpid()}}\\n".encode())
-        print("held", flush=True)
-        time.sleep(30)
-    """)], stdout=subprocess.PIPE, text=True)
-    assert killed.stdout.readline().strip() == "held"
+    killed = _hold(path, write_pid=True)  # what SweepLock.acquire leaves: flock held, pid written
     killed.kill()
     killed.wait()
     assert path.read_text().strip() == str(killed.pid)
     lock = SweepLock(path).acquire()
-    assert f"left by pid {killed.pid}" in lock.warning
+    assert "stale lock" in lock.warning and f"left by pid {killed.pid}" in lock.warning
+    assert path.read_text().strip() == str(os.getpid())
     with pytest.raises(ResultsError, match=f"pid {os.getpid()}"):
         SweepLock(path).acquire()  # a second sweep in this very process is refused too
     lock.release()

@@ -57,7 +57,7 @@ def test_a_torn_last_line_is_left_out_with_one_warning(tmp_path, reader):
 
 
 @READERS
-def test_a_damaged_line_raises_naming_it_and_the_fix(tmp_path, reader):
+def test_a_damaged_line_raises_naming_it_and_the_fix_a_wrong_header_before_it(tmp_path, reader):
     path = tmp_path / "r.jsonl"
     path.write_bytes(_line(reader["header"]) + _line(reader["record"]) + b"{not json\n")
     with pytest.raises(ResultsError) as info:
@@ -66,11 +66,6 @@ def test_a_damaged_line_raises_naming_it_and_the_fix(tmp_path, reader):
     assert isinstance(exc.__cause__, json.JSONDecodeError)
     assert str(exc) == (f"{path}, line 3: not valid JSON ({exc.__cause__}); the file was damaged or edited. "
                         f"{reader['fix']}")
-
-
-@READERS
-def test_a_wrong_first_line_raises_before_a_damaged_later_line(tmp_path, reader):
-    path = tmp_path / "r.jsonl"
     path.write_bytes(_line(reader["record"]) + b"{not json\n")
     with pytest.raises(ResultsError, match=f"^{re.escape(f'{path}: ' + reader['not_header'])}$"):
         reader["read"](path)

@@ -123,11 +123,20 @@ def test_measured_costs_from_the_h200_results_file_give_a_basis_and_a_jit_cost()
 
 
 # ---------------------------------------------------------------------- dry run
-def test_the_dry_run_prints_candidates_per_rung_and_an_estimate_with_its_basis(tmp_path):
+def test_the_dry_run_plans_each_shape_per_rung_with_an_estimate_and_writes_nothing(tmp_path):
     console, buf = capture()
     summary = run_sweep(REPO / "configs" / "leaderboard.yaml", "H200", out=tmp_path / "H200.yaml",
                         dry_run=True, console=console)
     text = buf.getvalue()
+    assert summary.dry_run and summary.table_path is None
+    assert set(summary.plan) == {"4x1024", "4x8192", "32x1024", "32x8192", "64x1024",
+                                 "64x8192", "256x1024", "256x8192"}
+    for per_backend in summary.plan.values():
+        assert per_backend["torch"] == ["torch(kv=bf16,q=bf16)"]
+        # triton is planned (its candidates listed) or named unavailable with its reason
+        assert per_backend.get("triton") or "triton" in summary.unavailable
+    assert "8 shapes" in text and "planned for H200" in text and "256x8192" in text
+    assert list(tmp_path.iterdir()) == []  # no lock, no results, no table
     assert "search: rungs [5, 12, 30] samples" in text
     n0, n1, n2 = summary.rung_plan["256x8192"]
     assert n0 > n1 > n2 >= 3 and f"per rung {n0} -> {n1} -> {n2}" in text

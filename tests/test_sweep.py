@@ -19,7 +19,7 @@ from mla_tune import problem
 from mla_tune.backends import EXTRA_BACKENDS_ENV
 from mla_tune.core import Shape, Variant
 from mla_tune.tune.config import load_config
-from mla_tune.tune.results import SweepLock, candidate_key, read_results, repair_tail
+from mla_tune.tune.results import candidate_key, read_results, repair_tail
 from mla_tune.tune.schedule import BackendCost, CostModel
 from mla_tune.tune.sweep import SweepError, assign_shapes, run_sweep
 from mla_tune.tune.worker import compile_shape_for, precompile
@@ -38,23 +38,6 @@ def fake_backends():
 
 
 # ------------------------------------------------------------------------- dry run
-def test_dry_run_plans_the_leaderboard_for_an_absent_h200_without_writing(tmp_path):
-    console, buf = capture()
-    summary = run_sweep(REPO / "configs" / "leaderboard.yaml", "H200", out=tmp_path / "H200.yaml",
-                        dry_run=True, console=console)
-    text = buf.getvalue()
-    assert summary.dry_run and summary.table_path is None
-    assert set(summary.plan) == {"4x1024", "4x8192", "32x1024", "32x8192", "64x1024",
-                                 "64x8192", "256x1024", "256x8192"}
-    for per_backend in summary.plan.values():
-        assert per_backend["torch"] == ["torch(kv=bf16,q=bf16)"]
-        # triton is planned (its candidates listed) or named unavailable with its reason
-        assert per_backend.get("triton") or "triton" in summary.unavailable
-    assert "8 shapes" in text and "H200" in text and "planned for H200" in text
-    assert "256x8192" in text
-    assert list(tmp_path.iterdir()) == []  # no lock, no results, no table
-
-
 def test_dry_run_lists_candidates_of_a_backend_that_only_lacks_the_gpu(tmp_path):
     console, buf = capture()
     summary = run_sweep(TINY, "H200", out=tmp_path / "t.yaml", dry_run=True, console=console)
@@ -174,18 +157,6 @@ def test_a_second_sweep_on_the_same_table_is_refused_naming_the_pid(tmp_path):
     with pytest.raises(SweepError, match=f"another sweep \\(pid {os.getpid()}\\) holds"):
         run_sweep(TORCH, "cpu", out=tmp_path / "cpu.yaml", console=capture()[0])
     assert lock.read_text().strip() == str(os.getpid())  # the refused sweep left it alone
-
-
-def test_a_stale_lock_of_a_dead_process_is_taken_over_with_a_warning(tmp_path):
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    path = tmp_path / "x.yaml.lock"
-    path.write_text(f"{dead.pid}\n")
-    lock = SweepLock(path).acquire()
-    assert "stale lock" in lock.warning and str(dead.pid) in lock.warning
-    assert path.read_text().strip() == str(os.getpid())
-    lock.release()
-    assert not path.exists()
 
 
 def test_config_hash_mismatch_is_refused_and_fresh_moves_the_old_file_aside(tmp_path):
