@@ -92,7 +92,7 @@ def test_show_on_a_wide_terminal_puts_each_variant_on_one_line():
         assert any(line.endswith(row.winner["variant"]) for line in result.output.splitlines())
 
 
-def test_show_prints_rows_notes_and_provenance():
+def test_show_prints_rows_notes_and_provenance_and_json_for_scripts():
     result = invoke("show", "--table", TABLE)
     assert result.exit_code == 0, result.output
     out = result.output
@@ -101,9 +101,6 @@ def test_show_prints_rows_notes_and_provenance():
     assert "3x16 winner none: no candidate passed the gate" in out and "triton: all" in out
     assert "provenance:" in out and "rule: leaderboard rtol=0.1 atol=0.1" in out
     assert "config: configs/test.yaml (hash 0123abcd)" in out
-
-
-def test_show_json_is_the_table_for_scripts():
     result = invoke("show", "--table", TABLE, "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
@@ -125,6 +122,9 @@ def test_a_gpu_name_that_is_not_a_name_is_refused_in_one_line(bad):
         assert result.output.strip().splitlines() == [
             f"error: --gpu {bad!r} is not a GPU name; use letters, digits, '-' and '_' only, "
             "like H200 or MI355X"]
+    result = invoke("show")  # neither --gpu nor --table
+    assert result.exit_code == 2
+    assert "--gpu NAME or a table file with --table PATH" in result.output
 
 
 def test_export_writes_the_submission(tmp_path):
@@ -203,12 +203,6 @@ def test_an_internal_error_shows_its_traceback_not_a_one_line_error():
     assert "error: an internal bug" not in done.stderr
 
 
-def test_export_and_show_need_a_gpu_or_a_table():
-    result = invoke("show")
-    assert result.exit_code == 2
-    assert "--gpu NAME or a table file with --table PATH" in result.output
-
-
 def test_sweep_passes_its_options_through(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(mla_tune.tune.sweep, "run_sweep", lambda *a, **k: calls.append((a, k)))
@@ -222,16 +216,15 @@ def test_sweep_passes_its_options_through(monkeypatch, tmp_path):
     assert result.exit_code == 2 and "--devices must be GPU indices" in result.output
 
 
-def test_sweep_dry_run_plans_the_leaderboard_config():
-    result = invoke("sweep", "--dry-run", "--gpu", "H200", "--config", CONFIG)
-    assert result.exit_code == 0, result.output
-    assert "dry run" in result.output and "4x1024" in result.output
-
-
-def test_sweep_with_a_missing_config_exits_1_naming_it(tmp_path):
-    result = invoke("sweep", "--gpu", "H200", "--config", tmp_path / "none.yaml", "--dry-run")
-    assert result.exit_code == 1, result.output
-    assert "none.yaml" in result.output and "Traceback" not in result.output
+@pytest.mark.parametrize(("config", "code", "says"), [
+    (CONFIG, 0, ["dry run", "4x1024"]),
+    ("configs/serving.yaml", 0, ["1404 cells", "estimated GPU time"]),  # the serving sweep
+    ("none.yaml", 1, ["none.yaml"]),  # missing: exit 1, naming it
+], ids=["leaderboard", "serving", "missing"])
+def test_sweep_dry_run_plans_either_kind_of_config_or_names_a_missing_one(config, code, says):
+    result = invoke("sweep", "--gpu", "H200", "--config", config, "--dry-run")
+    assert result.exit_code == code, result.output
+    assert all(word in result.output for word in says) and "Traceback" not in result.output
 
 
 def test_diff_flags_winner_changes_and_times_outside_the_noise(tmp_path):
@@ -312,12 +305,6 @@ def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(monkeypatch, tmp
         f"error: cannot write {tmp_path / 'sub.py'}: No space left on device; free some space or "
         "write elsewhere"]
     assert list(tmp_path.iterdir()) == []
-
-
-def test_sweep_with_a_serving_config_runs_the_serving_sweep():
-    result = invoke("sweep", "--gpu", "H200", "--config", "configs/serving.yaml", "--dry-run")
-    assert result.exit_code == 0, result.output
-    assert "1404 cells" in result.output and "estimated GPU time" in result.output
 
 
 def test_sweep_takes_a_budget_for_either_kind_of_config(monkeypatch):
