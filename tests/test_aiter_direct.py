@@ -13,27 +13,13 @@ import torch
 from mla_tune import gpu, problem
 from mla_tune.backends import aiter_mla
 from mla_tune.core import SM_SCALE, CallSpec, Shape, Variant
-from tests.test_aiter_backend import (
-    F3BE04A12,
-    RELEASES,
-    ROOT,
-    _fill_work,
-    _work_buffers,
-    vendor_fakes,
-)
+from tests import test_aiter_backend
+from tests.test_aiter_backend import F3BE04A12, ROOT, _fill_work, _new, _work_buffers, vendor_fakes
 
+aiter = test_aiter_backend.aiter  # the fixture: each test runs under every faked release
 SHAPE = Shape(3, 256)
-DIRECT = {"mode": "direct", "fast_mode": False, "intra_batch": True, "max_split_per_batch": 4, "kv_granularity": 16}
-
-
-@pytest.fixture(params=RELEASES, ids=("v0.1.11", "v0.1.20.post1", "f3be04a12"))
-def aiter(monkeypatch, request):
-    monkeypatch.setenv("MLA_TUNE_FAKE_AITER_VERSION", request.param)
-    return vendor_fakes.install(monkeypatch, "aiter")["aiter"]
-
-
-def _new(aiter) -> bool:
-    return aiter.__version__ == "0.1.20.post1"
+DIRECT = {"mode": "direct", "fast_mode": False, "intra_batch": True, "max_split_per_batch": 4,
+          "kv_granularity": 16}
 
 
 @pytest.fixture
