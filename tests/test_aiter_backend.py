@@ -208,20 +208,16 @@ def test_persistent_metadata_is_built_once_in_build(aiter, data):
 
 
 def test_torch_quantizers_stand_in_for_missing_aiter_ones(aiter, monkeypatch, data):
-    results = {}
-    for q_mode in ("fp8_static", "fp8_dynamic"):
-        variant = Variant.make("aiter", kv="fp8", q=q_mode, mode="nonpersistent", num_kv_splits=2)
-        if q_mode == "fp8_static":
-            variant = variant.with_params(q_amax=_q_amax(data) * 1.1)
-        results[q_mode] = aiter_mla.build(variant, SHAPE, "cpu")(*data[:4]).clone()
+    variants = {"fp8_dynamic": Variant.make("aiter", kv="fp8", q="fp8_dynamic",
+                                            mode="nonpersistent", num_kv_splits=2)}
+    variants["fp8_static"] = variants["fp8_dynamic"].with_params(q="fp8_static",
+                                                                 q_amax=_q_amax(data) * 1.1)
+    results = {q: aiter_mla.build(v, SHAPE, "cpu")(*data[:4]).clone() for q, v in variants.items()}
     monkeypatch.delattr(aiter, "static_per_tensor_quant")
     monkeypatch.delattr(aiter, "dynamic_per_tensor_quant")
     calls_before = dict(aiter._state.calls)
     for q_mode, vendor_out in results.items():
-        variant = Variant.make("aiter", kv="fp8", q=q_mode, mode="nonpersistent", num_kv_splits=2)
-        if q_mode == "fp8_static":
-            variant = variant.with_params(q_amax=_q_amax(data) * 1.1)
-        torch_out = aiter_mla.build(variant, SHAPE, "cpu")(*data[:4])
+        torch_out = aiter_mla.build(variants[q_mode], SHAPE, "cpu")(*data[:4])
         assert torch.equal(torch_out, vendor_out), q_mode
     assert aiter._state.calls["static_per_tensor_quant"] == calls_before["static_per_tensor_quant"]
 
@@ -355,7 +351,7 @@ def test_the_gate_refuses_a_missing_feature_naming_it_and_what_to_install(aiter,
     assert "get_mla_metadata_v1 (absent or unreadable)" in aiter_mla.unavailable_reason()
 
 
-def test_binary_eras_and_the_drift_note():
+def test_binary_eras_the_drift_note_and_the_warning_at_table_load():
     era = aiter_mla.aiter_binary_era
     assert [era(v) for v in ("0.1.11", "0.1.12", "0.1.16.post3", "0.1.17", "0.1.19.post1", "0.1.19.post2",
                              "0.1.20+rocm7.0", "0.1.21.dev4+g1234")] == [0, 1, 2, 3, 3, 4, 4, 4]
@@ -366,9 +362,7 @@ def test_binary_eras_and_the_drift_note():
     assert note("0.1.17", "0.1.18") == ""
     assert note("0.1.11", "0.1.20.post1") == "AITER's kernel binaries differ between these builds; "
     assert note("0.1.dev123", "0.1.20").startswith("cannot tell whether AITER's kernel binaries differ")
-
-
-def test_a_table_from_another_aiter_build_warns_at_load():
+    # a table from another AITER build warns at load, saying so
     table = types.SimpleNamespace(path="tables/MI355X.yaml", gpu="MI355X", provenance={"versions": {
         "torch": "2.9", "amd-aiter": "0.1.11", "amd-aiter-commit": "c4a3ff2a04"}})
     here = types.SimpleNamespace(versions={"torch": "2.9", "amd-aiter": "0.1.20.post1",
@@ -412,7 +406,7 @@ def test_provenance_finds_the_version_and_commit_without_importing_aiter(tmp_pat
     assert versions["amd-aiter"] == "0.1.dev123" and versions["amd-aiter-commit"] == sha
 
 
-def test_build_refuses_bad_variants_before_touching_aiter(aiter):
+def test_build_refuses_bad_variants_before_touching_aiter_and_runners_other_shapes(aiter, data):
     with pytest.raises(ValueError, match="q_amax"):
         aiter_mla.build(Variant.make("aiter", kv="fp8", q="fp8_static", mode="nonpersistent", num_kv_splits=1),
                         SHAPE, "cpu")
@@ -423,12 +417,9 @@ def test_build_refuses_bad_variants_before_touching_aiter(aiter):
         aiter_mla.build(Variant.make("aiter", kv="fp8", q="fp8_dynamic", mode="nonpersistent", num_kv_splits=4),
                         SHAPE, "cpu")
     assert aiter._state.calls["mla_decode_fwd"] == 0
-
-
-def test_a_runner_refuses_another_shape(aiter, data):
-    runner = aiter_mla.build(Variant.make("aiter", kv="bf16", q="bf16", mode="nonpersistent", num_kv_splits=1),
-                             Shape(2, 256), "cpu")
-    with pytest.raises(ValueError, match="built for 2x256"):
+    runner = aiter_mla.build(Variant.make("aiter", kv="bf16", q="bf16", mode="nonpersistent",
+                                          num_kv_splits=1), Shape(2, 256), "cpu")
+    with pytest.raises(ValueError, match="built for 2x256"):  # a runner refuses another shape
         runner(*data[:4])
 
 
