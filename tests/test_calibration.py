@@ -31,13 +31,10 @@ def _spaces_with_fp8_static() -> dict:
     return {"torch": {}, "triton": {"kv": ["fp8"], "q": ["bf16", "fp8_static"]}}
 
 
-def test_the_leaderboard_config_states_its_generator_calibration():
-    config = load_config(REPO / "configs" / "leaderboard.yaml")
+def test_generator_calibration_is_the_max_over_calibration_seeds_and_says_so():
+    config = load_config(REPO / "configs" / "leaderboard.yaml")  # states it
     assert config.calibration.source == "generator" and config.calibration.stated
     assert config.calibration.purpose == "leaderboard" and config.calibration.margin == 1.1
-
-
-def test_generator_calibration_is_the_max_over_calibration_seeds_and_says_so():
     record = calibrate(None, SHAPE, [11, 12], "cpu")
     amax = max(float(problem.generate_input(2, 1, s, device="cpu")[0].abs().amax()) for s in (11, 12))
     assert record["q_amax"] == round(amax * 1.1, 4)
@@ -60,7 +57,7 @@ def test_a_q_sample_file_calibrates_from_its_max_and_records_its_hash(tmp_path):
     assert f"{sample.numel()} elements, sha256 " in record["source"]
 
 
-def test_a_stated_distribution_calibrates_from_its_tail():
+def test_a_stated_distribution_calibrates_from_its_tail_and_a_stated_q_amax_as_is():
     spec = config_from_dict(_raw(calibration={"q_distribution": "normal", "q_std": 8.0})).calibration
     record = calibrate(spec, SHAPE, [11], "cpu")
     assert record["q_amax"] == round(normal_tail_amax(8.0, SHAPE.batch), 4)
@@ -69,9 +66,7 @@ def test_a_stated_distribution_calibrates_from_its_tail():
     assert 5.8 < normal_tail_amax(1.0, 2) < 6.2 < normal_tail_amax(1.0, 256) < 7.0
     draws = torch.randn(64, 16, 576, generator=torch.Generator().manual_seed(0))
     assert float(draws.abs().amax()) < normal_tail_amax(1.0, 64)
-
-
-def test_a_stated_q_amax_is_used_as_is():
+    # a stated q_amax is used as is
     spec = config_from_dict(_raw(calibration={"q_amax": 40})).calibration
     assert calibrate(spec, SHAPE, [11], "cpu") == {
         "q_amax": 40.0, "kind": "q_amax", "method": "stated", "source": "q_amax 40.0 stated in the config"}
