@@ -382,8 +382,10 @@ def _package(root: Path, version_line: str) -> Path:
     return root
 
 
-def test_provenance_finds_the_version_and_commit_without_importing_aiter(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "aiter", None)
+def test_without_aiter_imported_the_reason_is_one_sentence_and_provenance_finds_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "aiter", None)  # makes `import aiter` raise ImportError
+    reason = aiter_mla.unavailable_reason()
+    assert reason.startswith("AITER cannot be imported") and reason.endswith(".")  # one sentence
     monkeypatch.delitem(sys.modules, "aiter")
     scm = _package(tmp_path / "scm", "__version__ = '0.1.21.dev4+g1234abc.d20260901'\n")
     monkeypatch.syspath_prepend(str(scm))
@@ -471,12 +473,6 @@ def test_persistent_caps_are_offered_once_per_distinct_metadata(aiter, shape):
     expected_intra = {min(shape.kv_len // 196, -(-cu // shape.batch), c) for c in (1, 2, 4, 16)}
     expected_fast = {"auto"} | {min(cu, c * shape.batch) for c in (1, 2, 4, 16)}
     assert intra == expected_intra and fast == expected_fast
-
-
-def test_unavailable_reason_is_one_sentence_when_aiter_is_absent(monkeypatch):
-    monkeypatch.setitem(sys.modules, "aiter", None)  # makes `import aiter` raise ImportError
-    reason = aiter_mla.unavailable_reason()
-    assert reason.startswith("AITER cannot be imported") and reason.endswith(".")
 
 
 @pytest.mark.parametrize("release", ["0.1.20.post1", "f3be04a12"])  # 0.1.11, the default, runs in test_end_to_end

@@ -57,7 +57,13 @@ class _Spy:
                           warn_on_miss=False, ragged_backends=frozenset())
 
 
-def test_table_rows_run_their_variants_and_match_the_reference(rt):
+def test_table_rows_run_their_variants_match_the_reference_and_time_nothing(rt, monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the runtime must never time anything")
+
+    monkeypatch.setattr(mla_tune.tune.timing, "time_call", forbidden)
+    monkeypatch.setattr(mla_tune.tune.timing, "wall_time", forbidden)
+    monkeypatch.setattr(torch.cuda, "Event", forbidden)
     assert rt.fallback_backend == "triton"
     torch_row = generate_input(1, 8, seed=1, device="cpu")  # torch winner
     _assert_correct(rt.decode(*torch_row[:4]), torch_row, "bf16")
@@ -66,6 +72,9 @@ def test_table_rows_run_their_variants_and_match_the_reference(rt):
     built = {key[0].backend for key in rt.dispatcher._runners}
     assert built == {"torch", "triton"}
     assert rt.dispatcher.misses == {}
+    for data in (torch_row, triton_row):  # each row through both entry points
+        rt.custom_kernel(data)
+        rt.decode(*data[:4])
 
 
 def test_unknown_and_ragged_shapes_run_the_fallback_and_are_counted(rt):
@@ -84,19 +93,6 @@ def test_unknown_and_ragged_shapes_run_the_fallback_and_are_counted(rt):
     with pytest.warns(UserWarning, match="3x16"):
         _assert_correct(rt.decode(*data[:4]), data, "fp8")
     assert rt.dispatcher.misses == {Shape(2, 24): 1, Shape(3, 17): 1, Shape(3, 16): 1}
-
-
-def test_decode_never_times_anything(rt, monkeypatch):
-    def forbidden(*args, **kwargs):
-        raise AssertionError("the runtime must never time anything")
-
-    monkeypatch.setattr(mla_tune.tune.timing, "time_call", forbidden)
-    monkeypatch.setattr(mla_tune.tune.timing, "wall_time", forbidden)
-    monkeypatch.setattr(torch.cuda, "Event", forbidden)
-    for batch, kv_len in ((1, 8), (2, 40)):
-        data = generate_input(batch, kv_len, seed=6, device="cpu")
-        rt.custom_kernel(data)
-        rt.decode(*data[:4])
 
 
 def test_runners_are_built_lazily_once_per_shape():
