@@ -257,17 +257,6 @@ def _positional(args, kwargs):
                                           "max_seqlen_q"))]
 
 
-def test_fake_rejects_a_dtype_pair_aiter_has_no_kernel_for(aiter, data):
-    fp8_q, q_scale = problem.quantize_fp8(data[0])
-    args, kwargs = _direct_call_args(data, q=fp8_q)
-    with pytest.raises(RuntimeError, match="no nonpersistent MLA decode kernel"):  # fp8 q x bf16 KV
-        aiter.mla.mla_decode_fwd(*args, **kwargs, q_scale=q_scale, kv_scale=q_scale)
-    kv8, kv_scale = data[1]["fp8"]
-    args, kwargs = _direct_call_args(data, kv=kv8)
-    with pytest.raises(RuntimeError, match="no nonpersistent MLA decode kernel"):  # bf16 q x fp8 KV
-        aiter.mla.mla_decode_fwd(*args, **kwargs, kv_scale=kv_scale)
-
-
 def test_fake_rejects_int64_indices_and_an_old_positional_call(aiter, data):
     args, kwargs = _direct_call_args(data, index_dtype=torch.int64)
     with pytest.raises(RuntimeError, match="must be int32"):
@@ -487,7 +476,7 @@ def test_a_worker_subprocess_sees_the_fake_through_subprocess_env(release):
 
 
 # ------------------------------------------------------- what the fake enforces
-def test_fake_refuses_non_persistent_splits_past_what_stage_2_reads(aiter, data):
+def test_fake_refuses_kernelless_dtype_pairs_and_splits_past_what_stage_2_reads(aiter, data):
     fp8_q, q_scale = problem.quantize_fp8(data[0])
     kv8, kv_scale = data[1]["fp8"]
     args, kwargs = _direct_call_args(data, q=fp8_q, kv=kv8)
@@ -502,6 +491,13 @@ def test_fake_refuses_non_persistent_splits_past_what_stage_2_reads(aiter, data)
     with pytest.raises(RuntimeError, match=r"\(1..4\)"):  # bf16 q: 64 tokens per split
         args, kwargs = _direct_call_args(data)
         aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE, **splits(5))
+    # a dtype pair AITER has no kernel for
+    args, kwargs = _direct_call_args(data, q=fp8_q)
+    with pytest.raises(RuntimeError, match="no nonpersistent MLA decode kernel"):  # fp8 q x bf16 KV
+        aiter.mla.mla_decode_fwd(*args, **kwargs, q_scale=q_scale, kv_scale=q_scale)
+    args, kwargs = _direct_call_args(data, kv=kv8)
+    with pytest.raises(RuntimeError, match="no nonpersistent MLA decode kernel"):  # bf16 q x fp8 KV
+        aiter.mla.mla_decode_fwd(*args, **kwargs, kv_scale=kv_scale)
 
 
 def test_fake_refuses_strided_o_and_kv_buffers(aiter, data):
