@@ -220,19 +220,6 @@ def test_a_broken_table_fails_naming_the_file_the_row_and_the_field(tmp_path, ed
     assert str(path) in str(info.value)
 
 
-def test_missing_unparsable_or_executable_tables_are_refused(tmp_path):
-    with pytest.raises(TableError, match=r"nope\.yaml does not exist; run `mla-tune sweep"):
-        load_table(tmp_path / "nope.yaml")
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("rows: [\n")
-    with pytest.raises(TableError, match="is not valid YAML"):
-        load_table(bad)
-    # safe_load refuses python tags: nothing in a table is ever executed.
-    bad.write_text("schema: !!python/object/apply:os.system ['echo hi']\n")
-    with pytest.raises(TableError, match="is not valid YAML"):
-        load_table(bad)
-
-
 # ------------------------------------------------- each backend's parameter rules at load
 def _set_variant(entry: dict, drop: tuple = (), **change) -> None:
     """Rewrite the variant of a winner / runner_up / alternate entry (and its params)."""
@@ -398,7 +385,11 @@ def test_a_yaml_alias_bomb_fails_fast_in_one_line(tmp_path, monkeypatch, libyaml
     assert time.monotonic() - started < 1.0 and "\n" not in str(info.value)
 
 
-def test_files_that_are_not_a_table_are_refused_in_one_line(tmp_path):
+def test_missing_unparsable_or_odd_files_are_refused_in_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rows: [\n")
+    python_tag = tmp_path / "exec.yaml"  # safe_load refuses it: nothing in a table is executed
+    python_tag.write_text("schema: !!python/object/apply:os.system ['echo hi']\n")
     huge = tmp_path / "huge.yaml"
     with open(huge, "wb") as handle:  # sparse: 17 MB that take no disk
         handle.truncate(17 * 1024 * 1024)
@@ -408,7 +399,9 @@ def test_files_that_are_not_a_table_are_refused_in_one_line(tmp_path):
     os.mkfifo(fifo)
     binary = tmp_path / "binary.yaml"
     binary.write_bytes(b"\xff\xfe\x00schema")
-    for path, message in ((huge, r"is over 16777216 bytes, far larger than any table"),
+    for path, message in ((tmp_path / "nope.yaml", r"nope\.yaml does not exist; run `mla-tune sweep"),
+                          (bad, "is not valid YAML"), (python_tag, "is not valid YAML"),
+                          (huge, r"is over 16777216 bytes, far larger than any table"),
                           (tmp_path, r"is a directory; pass the path of a \.yaml file"),
                           (loop, r"cannot read table .*: Too many levels of symbolic links"),
                           (fifo, r"is not a regular file"),
