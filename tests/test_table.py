@@ -399,7 +399,8 @@ def test_missing_unparsable_or_odd_files_are_refused_in_one_line(tmp_path):
     os.mkfifo(fifo)
     binary = tmp_path / "binary.yaml"
     binary.write_bytes(b"\xff\xfe\x00schema")
-    for path, message in ((tmp_path / "nope.yaml", r"nope\.yaml does not exist; run `mla-tune sweep"),
+    missing = tmp_path / "nope.yaml"
+    for path, message in ((missing, r"nope\.yaml does not exist; run `mla-tune sweep"),
                           (bad, "is not valid YAML"), (python_tag, "is not valid YAML"),
                           (huge, r"is over 16777216 bytes, far larger than any table"),
                           (tmp_path, r"is a directory; pass the path of a \.yaml file"),
