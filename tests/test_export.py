@@ -21,13 +21,16 @@ from tests.helpers import assert_clean_export, exported_outputs
 
 RULE = get_rule("leaderboard")
 
+
 def _check(outs, cases, formats):
     for out, case, kv_format in zip(outs, cases, formats, strict=True):
         result = check(out, reference(case, q_format="bf16", kv_format=kv_format), RULE)
         assert result.passed, result.reason
 
 
-def test_full_export_runs_without_mla_tune_and_matches_the_reference(tmp_path):
+def test_full_export_runs_without_mla_tune_matches_the_reference_and_honours_sm_scale(tmp_path):
+    from mla_tune.core import CORE_DEEPSEEK_V3_SCALE as DSV3
+
     path = export_submission(TABLE, tmp_path / "submission.py")
     text = assert_clean_export(path)
     assert "Backends used: triton, torch; shapes the table lacks run the triton fallback." in text
@@ -42,38 +45,26 @@ def test_full_export_runs_without_mla_tune_and_matches_the_reference(tmp_path):
                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
     assert len(defined) == len(set(defined)), sorted({n for n in defined if defined.count(n) > 1})
     assert "@triton.jit" in text and "import triton.language as tl" in text
+    assert ("dispatcher = _EXPORT_DISPATCHER if sm_scale == SM_SCALE else "
+            "_export_scaled(sm_scale)") in text
     assert [p.name for p in tmp_path.iterdir()] == ["submission.py"]  # written atomically
     # (1, 8): torch row; (2, 40): triton fp8 row; (2, 24): not in the table -> fallback;
     # (3, 16): a row without a winner -> fallback.
     cases = [generate_input(b, n, seed=10 + i, device="cpu")
              for i, (b, n) in enumerate([(1, 8), (2, 40), (2, 24), (3, 16)])]
-    outs, misses = exported_outputs(tmp_path, "submission", cases)
-    _check(outs, cases, ["bf16", "fp8", "fp8", "fp8"])
-    assert misses == [[2, 24], [3, 16]]
-
-
-def test_exported_custom_kernel_honours_config_sm_scale(tmp_path):
-    """config["sm_scale"] other than the leaderboard's runs a dispatcher at that scale (built
-    on first use); the leaderboard's scale keeps the default dispatcher (its misses below)."""
-    from mla_tune.core import CORE_DEEPSEEK_V3_SCALE as DSV3
-
-    path = export_submission(TABLE, tmp_path / "submission.py")
-    text = assert_clean_export(path)
-    assert "dispatcher = _EXPORT_DISPATCHER if sm_scale == SM_SCALE else _export_scaled(sm_scale)" in text
-    # (1, 8): torch row; (2, 40): triton row; (2, 24): the triton fallback; then (2, 40) at
-    # the leaderboard's scale
-    cases = []
-    for i, (b, n) in enumerate([(1, 8), (2, 40), (2, 24)]):
-        case = generate_input(b, n, seed=20 + i, device="cpu")
-        cases.append((*case[:4], {**case[4], "sm_scale": DSV3}))
-    cases.append(generate_input(2, 40, seed=23, device="cpu"))
-    outs, misses = exported_outputs(tmp_path, "submission", cases)
-    for out, case, kv_format in zip(outs, cases, ["bf16", "fp8", "fp8", "fp8"], strict=True):
-        scale = case[4]["sm_scale"]
-        assert check(out, reference(case, q_format="bf16", kv_format=kv_format, sm_scale=scale), RULE).passed
-        if scale == DSV3:  # the leaderboard's scale would be wrong here: the scale was used
-            assert not check(out, reference(case, q_format="bf16", kv_format=kv_format), RULE).passed
-    assert misses == []  # the fallback shape ran on the scaled dispatcher, not the default
+    # config["sm_scale"] other than the leaderboard's: a dispatcher at that scale, built on
+    # first use, for a torch row, a triton row and (3, 24), a shape the table lacks
+    scaled = [generate_input(b, n, seed=20 + i, device="cpu")
+              for i, (b, n) in enumerate([(1, 8), (2, 40), (3, 24)])]
+    scaled = [(*case[:4], {**case[4], "sm_scale": DSV3}) for case in scaled]
+    outs, misses = exported_outputs(tmp_path, "submission", cases + scaled)
+    _check(outs[:4], cases, ["bf16", "fp8", "fp8", "fp8"])
+    for out, case, kv_format in zip(outs[4:], scaled, ["bf16", "fp8", "fp8"], strict=True):
+        assert check(out, reference(case, q_format="bf16", kv_format=kv_format, sm_scale=DSV3),
+                     RULE).passed
+        # the leaderboard's scale would be wrong here: the scale was used
+        assert not check(out, reference(case, q_format="bf16", kv_format=kv_format), RULE).passed
+    assert misses == [[2, 24], [3, 16]]  # 3x24 ran on the scaled dispatcher, not the default
 
 
 def test_torch_only_export_carries_no_triton_code_and_uses_torch_alternates(tmp_path):
