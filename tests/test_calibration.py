@@ -128,16 +128,7 @@ def test_a_serving_config_refuses_generator_calibration_of_fp8_static():
     assert config_from_dict(_raw(purpose="serving")).calibration.source is None
 
 
-def test_a_serving_spec_without_a_source_fails_the_candidate_not_the_sweep():
-    # flashmla and aiter offer fp8_static unasked: the worker's calibration refuses it
-    spec = config_from_dict(_raw(purpose="serving")).calibration
-    with pytest.raises(CalibrationError, match="a serving config calibrates fp8_static from real q only"):
-        calibrate(spec.as_dict(), SHAPE, [11], "cpu")
-    with pytest.raises(CalibrationError, match="from real q only"):
-        calibrate(CalibrationSpec(purpose="serving"), SHAPE, [11], "cpu")
-
-
-def test_the_worker_runs_fp8_static_with_the_configs_calibration_and_records_it():
+def test_the_worker_runs_fp8_static_with_the_configs_calibration_or_fails_the_candidate():
     spec = config_from_dict(_raw(calibration={"q_amax": 40.0})).calibration
     step = worker.Step(
         Shape(1, 16),
@@ -150,6 +141,14 @@ def test_the_worker_runs_fp8_static_with_the_configs_calibration_and_records_it(
     assert record["status"] == "ok", record["reason"]
     assert record["variant"].endswith("q=fp8_static,q_amax=40.0)")
     assert record["calibration"]["kind"] == "q_amax"
+    # a serving spec without a source (flashmla and aiter offer fp8_static unasked) fails the
+    # candidate, not the sweep
+    spec = config_from_dict(_raw(purpose="serving")).calibration
+    with pytest.raises(CalibrationError,
+                       match="a serving config calibrates fp8_static from real q only"):
+        calibrate(spec.as_dict(), SHAPE, [11], "cpu")
+    with pytest.raises(CalibrationError, match="from real q only"):
+        calibrate(CalibrationSpec(purpose="serving"), SHAPE, [11], "cpu")
     serving = calibration.CalibrationSpec(purpose="serving", source=None).as_dict()
     result, _state = worker.run_step(dataclasses.replace(step, calibration=serving), None, "cpu",
                                      has_gpu=False)
