@@ -257,7 +257,7 @@ def _positional(args, kwargs):
                                           "max_seqlen_q"))]
 
 
-def test_fake_rejects_int64_indices_and_an_old_positional_call(aiter, data):
+def test_fake_rejects_int64_indices_old_positional_calls_and_strided_buffers(aiter, data):
     args, kwargs = _direct_call_args(data, index_dtype=torch.int64)
     with pytest.raises(RuntimeError, match="must be int32"):
         aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE)
@@ -274,6 +274,17 @@ def test_fake_rejects_int64_indices_and_an_old_positional_call(aiter, data):
         aiter.static_per_tensor_quant(out=torch.empty(2, dtype=torch.float8_e4m3fn),
                                       input=torch.ones(2, dtype=torch.bfloat16), scale=torch.ones(1))
     aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE)  # the right call passes
+    # strided o and kv buffers (args as in the right call)
+    batch, total = SHAPE.batch, SHAPE.total_kv
+    args[2] = torch.empty((batch, 512, 16), dtype=torch.bfloat16).transpose(1, 2)
+    with pytest.raises(RuntimeError, match="o must be dense"):
+        aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE)
+    args, kwargs = _direct_call_args(data)
+    wide = torch.zeros((total, 1, 1, 1152), dtype=torch.bfloat16)
+    wide[..., :576] = data[1]["bf16"].view(total, 1, 1, 576)
+    args[1] = wide[..., :576]  # same values, rows 1152 apart
+    with pytest.raises(RuntimeError, match="kv_buffer's inner dims must be dense"):
+        aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE)
 
 
 def test_fake_rejects_split_indptr_with_work_meta_data_and_undersized_buffers(aiter, data):
@@ -498,20 +509,6 @@ def test_fake_refuses_kernelless_dtype_pairs_and_splits_past_what_stage_2_reads(
     args, kwargs = _direct_call_args(data, kv=kv8)
     with pytest.raises(RuntimeError, match="no nonpersistent MLA decode kernel"):  # bf16 q x fp8 KV
         aiter.mla.mla_decode_fwd(*args, **kwargs, kv_scale=kv_scale)
-
-
-def test_fake_refuses_strided_o_and_kv_buffers(aiter, data):
-    args, kwargs = _direct_call_args(data)
-    batch, total = SHAPE.batch, SHAPE.total_kv
-    args[2] = torch.empty((batch, 512, 16), dtype=torch.bfloat16).transpose(1, 2)
-    with pytest.raises(RuntimeError, match="o must be dense"):
-        aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE)
-    args, kwargs = _direct_call_args(data)
-    wide = torch.zeros((total, 1, 1, 1152), dtype=torch.bfloat16)
-    wide[..., :576] = data[1]["bf16"].view(total, 1, 1, 576)
-    args[1] = wide[..., :576]  # same values, rows 1152 apart
-    with pytest.raises(RuntimeError, match="kv_buffer's inner dims must be dense"):
-        aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE)
 
 
 def test_fake_fp8_follows_the_arch(monkeypatch):
