@@ -127,18 +127,15 @@ def test_a_gpu_name_that_is_not_a_name_is_refused_in_one_line(bad):
     assert "--gpu NAME or a table file with --table PATH" in result.output
 
 
-def test_export_writes_the_submission(tmp_path):
+def test_export_writes_the_submission_and_overwrites_only_its_own_files(tmp_path):
     out = tmp_path / "submission.py"
     result = invoke("export", "--table", TABLE, "-o", out, "--only", "torch")
     assert result.exit_code == 0, result.output
     assert "backends limited to torch" in result.output
     assert out.read_text().splitlines()[:2] == ["#!POPCORN leaderboard amd-mixed-mla",
                                                 "#!POPCORN gpu cpu"]
-    # a second export over its own earlier file is fine
+    # a second export over its own earlier file is fine; over its table, results or a config not
     assert invoke("export", "--table", TABLE, "-o", out, "--only", "torch").exit_code == 0
-
-
-def test_export_never_overwrites_its_table_results_or_a_config(tmp_path):
     table = tmp_path / "cpu.yaml"
     table.write_text(TABLE.read_text())
     results = tmp_path / "cpu.results.jsonl"
