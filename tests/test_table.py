@@ -65,13 +65,15 @@ def _row(table, batch, kv_len):
     return next(r for r in table["rows"] if (r["batch"], r["kv_len"]) == (batch, kv_len))
 
 
-def test_winner_is_the_fastest_and_the_row_carries_its_evidence():
+def test_winner_is_the_fastest_the_row_carries_its_evidence_and_a_lost_shape_a_reason():
     records = [
         _record(TRITON_A, median=20.0, p10=19.0, p90=21.0),
         _record(TRITON_B, median=25.0),
         _record(TORCH, median=40.0),
         _record("triton(block_n=16,kv=fp8,num_splits=8,q=bf16)", status="rejected"),
         _record("triton(block_n=16,kv=fp8,num_splits=16,q=bf16)", status="pruned"),
+        _record(TRITON_A, status="rejected", shape=(8, 64)),
+        _record(TORCH, status="failed", shape=(8, 64)),
     ]
     table = table_from_results(_header(), records, _config())
     row = _row(table, 4, 1024)
@@ -94,6 +96,11 @@ def test_winner_is_the_fastest_and_the_row_carries_its_evidence():
     assert prov["config"] == {"path": "configs/test.yaml", "hash": "abc123"}
     assert prov["rule"] == {"name": "leaderboard", "rtol": 0.1, "atol": 0.1, "allowance": 0.05}
     assert prov["versions"]["triton"] == "3.6.0" and prov["copy_bandwidth_gbps"] == 4280.0
+    # a shape without an ok candidate: a null winner and a reason
+    row = _row(table, 8, 64)
+    assert row["winner"] is None and row["time_us"] is None and row["alternates"] == {}
+    assert "triton: all rejected" in row["reason"] and "torch: none ok: 1 failed" in row["reason"]
+    assert row["backends"]["aiter"] == "unavailable: ROCm only"
 
 
 def test_ties_within_one_percent_go_to_the_earlier_backend_then_the_text():
@@ -108,16 +115,6 @@ def test_ties_within_one_percent_go_to_the_earlier_backend_then_the_text():
     row = _row(table_from_results(_header(), records, _config()), 4, 1024)
     assert row["winner"]["variant"] == TORCH
     assert pick_best([]) is None
-
-
-def test_a_shape_without_an_ok_candidate_has_a_null_winner_and_a_reason():
-    records = [_record(TRITON_A, status="rejected", shape=(8, 64)),
-               _record(TORCH, status="failed", shape=(8, 64)),
-               _record(TORCH, median=9.0)]
-    row = _row(table_from_results(_header(), records, _config()), 8, 64)
-    assert row["winner"] is None and row["time_us"] is None and row["alternates"] == {}
-    assert "triton: all rejected" in row["reason"] and "torch: none ok: 1 failed" in row["reason"]
-    assert row["backends"]["aiter"] == "unavailable: ROCm only"
 
 
 def test_a_rerun_counts_once_and_an_fp8_static_winner_records_its_calibration():
