@@ -107,7 +107,7 @@ def _expected(spec):
             for s in spec]
 
 
-def test_fake_has_the_signatures_of_its_release(aiter):
+def test_fake_has_the_signatures_of_its_release_and_the_backend_reads_them(aiter):
     decode, info, builder, stage1, reduce = _SIGNATURES[aiter.__version__]
     assert _params(inspect.signature(aiter.mla.mla_decode_fwd)) == _expected(decode)
     assert _params(inspect.signature(aiter.get_mla_metadata_info_v1)) == _expected(info)
@@ -128,9 +128,7 @@ def test_fake_has_the_signatures_of_its_release(aiter):
     else:
         with pytest.raises(ModuleNotFoundError):
             __import__("aiter.ops.triton.gluon.mla_gluon")
-
-
-def test_backend_reads_the_fakes_version_and_features(aiter):
+    # what the backend reads of it
     assert aiter_mla._ai_version(aiter) == aiter.__version__
     assert aiter_mla.unavailable_reason() is None
     features = aiter_mla._ai_features(aiter)
