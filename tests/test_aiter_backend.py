@@ -107,7 +107,7 @@ def _expected(spec):
             for s in spec]
 
 
-def test_fake_has_the_signatures_of_its_release(aiter):
+def test_fake_has_the_signatures_of_its_release_and_the_backend_reads_them(aiter):
     decode, info, builder, stage1, reduce = _SIGNATURES[aiter.__version__]
     assert _params(inspect.signature(aiter.mla.mla_decode_fwd)) == _expected(decode)
     assert _params(inspect.signature(aiter.get_mla_metadata_info_v1)) == _expected(info)
@@ -128,9 +128,7 @@ def test_fake_has_the_signatures_of_its_release(aiter):
     else:
         with pytest.raises(ModuleNotFoundError):
             __import__("aiter.ops.triton.gluon.mla_gluon")
-
-
-def test_backend_reads_the_fakes_version_and_features(aiter):
+    # what the backend reads of it
     assert aiter_mla._ai_version(aiter) == aiter.__version__
     assert aiter_mla.unavailable_reason() is None
     features = aiter_mla._ai_features(aiter)
@@ -208,20 +206,16 @@ def test_persistent_metadata_is_built_once_in_build(aiter, data):
 
 
 def test_torch_quantizers_stand_in_for_missing_aiter_ones(aiter, monkeypatch, data):
-    results = {}
-    for q_mode in ("fp8_static", "fp8_dynamic"):
-        variant = Variant.make("aiter", kv="fp8", q=q_mode, mode="nonpersistent", num_kv_splits=2)
-        if q_mode == "fp8_static":
-            variant = variant.with_params(q_amax=_q_amax(data) * 1.1)
-        results[q_mode] = aiter_mla.build(variant, SHAPE, "cpu")(*data[:4]).clone()
+    variants = {"fp8_dynamic": Variant.make("aiter", kv="fp8", q="fp8_dynamic",
+                                            mode="nonpersistent", num_kv_splits=2)}
+    variants["fp8_static"] = variants["fp8_dynamic"].with_params(q="fp8_static",
+                                                                 q_amax=_q_amax(data) * 1.1)
+    results = {q: aiter_mla.build(v, SHAPE, "cpu")(*data[:4]).clone() for q, v in variants.items()}
     monkeypatch.delattr(aiter, "static_per_tensor_quant")
     monkeypatch.delattr(aiter, "dynamic_per_tensor_quant")
     calls_before = dict(aiter._state.calls)
     for q_mode, vendor_out in results.items():
-        variant = Variant.make("aiter", kv="fp8", q=q_mode, mode="nonpersistent", num_kv_splits=2)
-        if q_mode == "fp8_static":
-            variant = variant.with_params(q_amax=_q_amax(data) * 1.1)
-        torch_out = aiter_mla.build(variant, SHAPE, "cpu")(*data[:4])
+        torch_out = aiter_mla.build(variants[q_mode], SHAPE, "cpu")(*data[:4])
         assert torch.equal(torch_out, vendor_out), q_mode
     assert aiter._state.calls["static_per_tensor_quant"] == calls_before["static_per_tensor_quant"]
 
@@ -261,18 +255,7 @@ def _positional(args, kwargs):
                                           "max_seqlen_q"))]
 
 
-def test_fake_rejects_a_dtype_pair_aiter_has_no_kernel_for(aiter, data):
-    fp8_q, q_scale = problem.quantize_fp8(data[0])
-    args, kwargs = _direct_call_args(data, q=fp8_q)
-    with pytest.raises(RuntimeError, match="no nonpersistent MLA decode kernel"):  # fp8 q x bf16 KV
-        aiter.mla.mla_decode_fwd(*args, **kwargs, q_scale=q_scale, kv_scale=q_scale)
-    kv8, kv_scale = data[1]["fp8"]
-    args, kwargs = _direct_call_args(data, kv=kv8)
-    with pytest.raises(RuntimeError, match="no nonpersistent MLA decode kernel"):  # bf16 q x fp8 KV
-        aiter.mla.mla_decode_fwd(*args, **kwargs, kv_scale=kv_scale)
-
-
-def test_fake_rejects_int64_indices_and_an_old_positional_call(aiter, data):
+def test_fake_rejects_int64_indices_old_positional_calls_and_strided_buffers(aiter, data):
     args, kwargs = _direct_call_args(data, index_dtype=torch.int64)
     with pytest.raises(RuntimeError, match="must be int32"):
         aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE)
@@ -289,6 +272,17 @@ def test_fake_rejects_int64_indices_and_an_old_positional_call(aiter, data):
         aiter.static_per_tensor_quant(out=torch.empty(2, dtype=torch.float8_e4m3fn),
                                       input=torch.ones(2, dtype=torch.bfloat16), scale=torch.ones(1))
     aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE)  # the right call passes
+    # strided o and kv buffers (args as in the right call)
+    batch, total = SHAPE.batch, SHAPE.total_kv
+    args[2] = torch.empty((batch, 512, 16), dtype=torch.bfloat16).transpose(1, 2)
+    with pytest.raises(RuntimeError, match="o must be dense"):
+        aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE)
+    args, kwargs = _direct_call_args(data)
+    wide = torch.zeros((total, 1, 1, 1152), dtype=torch.bfloat16)
+    wide[..., :576] = data[1]["bf16"].view(total, 1, 1, 576)
+    args[1] = wide[..., :576]  # same values, rows 1152 apart
+    with pytest.raises(RuntimeError, match="kv_buffer's inner dims must be dense"):
+        aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE)
 
 
 def test_fake_rejects_split_indptr_with_work_meta_data_and_undersized_buffers(aiter, data):
@@ -355,7 +349,7 @@ def test_the_gate_refuses_a_missing_feature_naming_it_and_what_to_install(aiter,
     assert "get_mla_metadata_v1 (absent or unreadable)" in aiter_mla.unavailable_reason()
 
 
-def test_binary_eras_and_the_drift_note():
+def test_binary_eras_the_drift_note_and_the_warning_at_table_load():
     era = aiter_mla.aiter_binary_era
     assert [era(v) for v in ("0.1.11", "0.1.12", "0.1.16.post3", "0.1.17", "0.1.19.post1", "0.1.19.post2",
                              "0.1.20+rocm7.0", "0.1.21.dev4+g1234")] == [0, 1, 2, 3, 3, 4, 4, 4]
@@ -366,9 +360,7 @@ def test_binary_eras_and_the_drift_note():
     assert note("0.1.17", "0.1.18") == ""
     assert note("0.1.11", "0.1.20.post1") == "AITER's kernel binaries differ between these builds; "
     assert note("0.1.dev123", "0.1.20").startswith("cannot tell whether AITER's kernel binaries differ")
-
-
-def test_a_table_from_another_aiter_build_warns_at_load():
+    # a table from another AITER build warns at load, saying so
     table = types.SimpleNamespace(path="tables/MI355X.yaml", gpu="MI355X", provenance={"versions": {
         "torch": "2.9", "amd-aiter": "0.1.11", "amd-aiter-commit": "c4a3ff2a04"}})
     here = types.SimpleNamespace(versions={"torch": "2.9", "amd-aiter": "0.1.20.post1",
@@ -388,8 +380,10 @@ def _package(root: Path, version_line: str) -> Path:
     return root
 
 
-def test_provenance_finds_the_version_and_commit_without_importing_aiter(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "aiter", None)
+def test_without_aiter_imported_the_reason_is_one_sentence_and_provenance_finds_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "aiter", None)  # makes `import aiter` raise ImportError
+    reason = aiter_mla.unavailable_reason()
+    assert reason.startswith("AITER cannot be imported") and reason.endswith(".")  # one sentence
     monkeypatch.delitem(sys.modules, "aiter")
     scm = _package(tmp_path / "scm", "__version__ = '0.1.21.dev4+g1234abc.d20260901'\n")
     monkeypatch.syspath_prepend(str(scm))
@@ -412,7 +406,7 @@ def test_provenance_finds_the_version_and_commit_without_importing_aiter(tmp_pat
     assert versions["amd-aiter"] == "0.1.dev123" and versions["amd-aiter-commit"] == sha
 
 
-def test_build_refuses_bad_variants_before_touching_aiter(aiter):
+def test_build_refuses_bad_variants_before_touching_aiter_and_runners_other_shapes(aiter, data):
     with pytest.raises(ValueError, match="q_amax"):
         aiter_mla.build(Variant.make("aiter", kv="fp8", q="fp8_static", mode="nonpersistent", num_kv_splits=1),
                         SHAPE, "cpu")
@@ -423,12 +417,9 @@ def test_build_refuses_bad_variants_before_touching_aiter(aiter):
         aiter_mla.build(Variant.make("aiter", kv="fp8", q="fp8_dynamic", mode="nonpersistent", num_kv_splits=4),
                         SHAPE, "cpu")
     assert aiter._state.calls["mla_decode_fwd"] == 0
-
-
-def test_a_runner_refuses_another_shape(aiter, data):
-    runner = aiter_mla.build(Variant.make("aiter", kv="bf16", q="bf16", mode="nonpersistent", num_kv_splits=1),
-                             Shape(2, 256), "cpu")
-    with pytest.raises(ValueError, match="built for 2x256"):
+    runner = aiter_mla.build(Variant.make("aiter", kv="bf16", q="bf16", mode="nonpersistent",
+                                          num_kv_splits=1), Shape(2, 256), "cpu")
+    with pytest.raises(ValueError, match="built for 2x256"):  # a runner refuses another shape
         runner(*data[:4])
 
 
@@ -482,12 +473,6 @@ def test_persistent_caps_are_offered_once_per_distinct_metadata(aiter, shape):
     assert intra == expected_intra and fast == expected_fast
 
 
-def test_unavailable_reason_is_one_sentence_when_aiter_is_absent(monkeypatch):
-    monkeypatch.setitem(sys.modules, "aiter", None)  # makes `import aiter` raise ImportError
-    reason = aiter_mla.unavailable_reason()
-    assert reason.startswith("AITER cannot be imported") and reason.endswith(".")
-
-
 @pytest.mark.parametrize("release", ["0.1.20.post1", "f3be04a12"])  # 0.1.11, the default, runs in test_end_to_end
 def test_a_worker_subprocess_sees_the_fake_through_subprocess_env(release):
     env = vendor_fakes.subprocess_env("aiter", cu_num=304, arch="gfx942")
@@ -500,7 +485,7 @@ def test_a_worker_subprocess_sees_the_fake_through_subprocess_env(release):
 
 
 # ------------------------------------------------------- what the fake enforces
-def test_fake_refuses_non_persistent_splits_past_what_stage_2_reads(aiter, data):
+def test_fake_refuses_kernelless_dtype_pairs_and_splits_past_what_stage_2_reads(aiter, data):
     fp8_q, q_scale = problem.quantize_fp8(data[0])
     kv8, kv_scale = data[1]["fp8"]
     args, kwargs = _direct_call_args(data, q=fp8_q, kv=kv8)
@@ -515,20 +500,13 @@ def test_fake_refuses_non_persistent_splits_past_what_stage_2_reads(aiter, data)
     with pytest.raises(RuntimeError, match=r"\(1..4\)"):  # bf16 q: 64 tokens per split
         args, kwargs = _direct_call_args(data)
         aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE, **splits(5))
-
-
-def test_fake_refuses_strided_o_and_kv_buffers(aiter, data):
-    args, kwargs = _direct_call_args(data)
-    batch, total = SHAPE.batch, SHAPE.total_kv
-    args[2] = torch.empty((batch, 512, 16), dtype=torch.bfloat16).transpose(1, 2)
-    with pytest.raises(RuntimeError, match="o must be dense"):
-        aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE)
-    args, kwargs = _direct_call_args(data)
-    wide = torch.zeros((total, 1, 1, 1152), dtype=torch.bfloat16)
-    wide[..., :576] = data[1]["bf16"].view(total, 1, 1, 576)
-    args[1] = wide[..., :576]  # same values, rows 1152 apart
-    with pytest.raises(RuntimeError, match="kv_buffer's inner dims must be dense"):
-        aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE)
+    # a dtype pair AITER has no kernel for
+    args, kwargs = _direct_call_args(data, q=fp8_q)
+    with pytest.raises(RuntimeError, match="no nonpersistent MLA decode kernel"):  # fp8 q x bf16 KV
+        aiter.mla.mla_decode_fwd(*args, **kwargs, q_scale=q_scale, kv_scale=q_scale)
+    args, kwargs = _direct_call_args(data, kv=kv8)
+    with pytest.raises(RuntimeError, match="no nonpersistent MLA decode kernel"):  # bf16 q x fp8 KV
+        aiter.mla.mla_decode_fwd(*args, **kwargs, kv_scale=kv_scale)
 
 
 def test_fake_fp8_follows_the_arch(monkeypatch):

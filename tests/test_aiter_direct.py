@@ -13,27 +13,13 @@ import torch
 from mla_tune import gpu, problem
 from mla_tune.backends import aiter_mla
 from mla_tune.core import SM_SCALE, CallSpec, Shape, Variant
-from tests.test_aiter_backend import (
-    F3BE04A12,
-    RELEASES,
-    ROOT,
-    _fill_work,
-    _work_buffers,
-    vendor_fakes,
-)
+from tests import test_aiter_backend
+from tests.test_aiter_backend import F3BE04A12, ROOT, _fill_work, _new, _work_buffers, vendor_fakes
 
+aiter = test_aiter_backend.aiter  # the fixture: each test runs under every faked release
 SHAPE = Shape(3, 256)
-DIRECT = {"mode": "direct", "fast_mode": False, "intra_batch": True, "max_split_per_batch": 4, "kv_granularity": 16}
-
-
-@pytest.fixture(params=RELEASES, ids=("v0.1.11", "v0.1.20.post1", "f3be04a12"))
-def aiter(monkeypatch, request):
-    monkeypatch.setenv("MLA_TUNE_FAKE_AITER_VERSION", request.param)
-    return vendor_fakes.install(monkeypatch, "aiter")["aiter"]
-
-
-def _new(aiter) -> bool:
-    return aiter.__version__ == "0.1.20.post1"
+DIRECT = {"mode": "direct", "fast_mode": False, "intra_batch": True, "max_split_per_batch": 4,
+          "kv_granularity": 16}
 
 
 @pytest.fixture
@@ -71,11 +57,8 @@ def test_every_fake_entry_point_refuses_arguments_past_its_leading_tensors(aiter
             fn(*([None] * (count + 1)))
         # the signature inspect sees is still the real one (the gate reads it)
         assert list(inspect.signature(fn).parameters)[0] != "args", dotted
-
-
-def test_a_positional_q_scale_lands_in_lse_on_the_newer_build(aiter, data):
-    """Why the rule: from 0.1.20.post1's stage 1 on, the slot after `output` is `lse`; an
-    older positional caller hands it q_scale (the fake, unwrapped, shows where it lands)."""
+    # why the rule: from 0.1.20.post1's stage 1 on, the slot after `output` is `lse`; an older
+    # positional caller hands it q_scale (the fake, unwrapped, shows where it lands)
     stage1 = inspect.unwrap(aiter.mla_decode_stage1_asm_fwd)
     names = list(inspect.signature(stage1).parameters)
     assert names[17] == ("lse" if _new(aiter) else "q_scale")
@@ -107,7 +90,7 @@ def test_the_backend_passes_everything_past_the_leading_tensors_by_keyword():
 
 
 # ------------------------------------------------------------------ the direct mode
-def test_direct_mode_builds_its_work_list_and_buffers_once(aiter, data):
+def test_direct_mode_builds_its_buffers_once_and_the_fake_knows_its_partials(aiter, data):
     variant = Variant.make("aiter", kv="fp8", q="fp8_dynamic", **DIRECT)
     runner = aiter_mla.build(variant, SHAPE, "cpu")
     assert aiter._state.calls["get_mla_metadata_v1"] == 1
@@ -116,6 +99,16 @@ def test_direct_mode_builds_its_work_list_and_buffers_once(aiter, data):
     assert calls["mla_decode_stage1_asm_fwd"] == calls["mla_reduce_v1"] == 3 and calls["mla_decode_fwd"] == 0
     assert calls["get_mla_metadata_v1"] == 1
     assert len(set(outs)) == 1 and len(aiter._state.partials) == 1  # one partial buffer, reused
+    # the fake's reduction refuses partials stage 1 did not write (it knows them by address)
+    other = torch.zeros((64, 1, 16, 512))
+    extra = {"num_kv_splits": 256} if _new(aiter) else {}
+    buffers = next(iter(aiter._state.metadata.values()))["reduce"]
+    assert buffers  # the work list's reduce buffers are recorded
+    with pytest.raises(RuntimeError, match="not written by mla_decode_stage1_asm_fwd"):
+        aiter.mla_reduce_v1(
+            other, torch.zeros((64, 1, 16, 1)), reduce_indptr=torch.zeros(4, dtype=torch.int32),
+            reduce_final_map=None, reduce_partial_map=torch.zeros(4, dtype=torch.int32),
+            max_seqlen_q=1, final_output=torch.empty((3, 16, 512), dtype=torch.bfloat16), **extra)
 
 
 def test_direct_mode_passes_lse_and_the_split_bound_only_where_the_signature_has_them(aiter, data, monkeypatch):
@@ -136,20 +129,6 @@ def test_direct_mode_passes_lse_and_the_split_bound_only_where_the_signature_has
     assert ("lse" in stage1) == _new(aiter) and stage1.get("lse") is None and stage1["q_scale"] is None
     assert reduce.get("num_kv_splits") == (256 if _new(aiter) else None)  # get_mla_decode_fwd_max_splits
     assert torch.allclose(out.float(), _reference(data, SM_SCALE), atol=2e-2, rtol=2e-2)
-
-
-def test_the_fake_reduction_refuses_partials_stage_1_did_not_write(aiter, data):
-    variant = Variant.make("aiter", kv="bf16", q="bf16", **DIRECT)
-    runner = aiter_mla.build(variant, SHAPE, "cpu")  # kept: the fake knows partials by address
-    runner(*data[:4])
-    other = torch.zeros((64, 1, 16, 512))
-    extra = {"num_kv_splits": 256} if _new(aiter) else {}
-    buffers = next(iter(aiter._state.metadata.values()))["reduce"]
-    assert buffers  # the work list's reduce buffers are recorded
-    with pytest.raises(RuntimeError, match="not written by mla_decode_stage1_asm_fwd"):
-        aiter.mla_reduce_v1(other, torch.zeros((64, 1, 16, 1)), reduce_indptr=torch.zeros(4, dtype=torch.int32),
-                            reduce_final_map=None, reduce_partial_map=torch.zeros(4, dtype=torch.int32),
-                            max_seqlen_q=1, final_output=torch.empty((3, 16, 512), dtype=torch.bfloat16), **extra)
 
 
 def _opaque(fn):

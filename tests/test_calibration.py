@@ -31,13 +31,10 @@ def _spaces_with_fp8_static() -> dict:
     return {"torch": {}, "triton": {"kv": ["fp8"], "q": ["bf16", "fp8_static"]}}
 
 
-def test_the_leaderboard_config_states_its_generator_calibration():
-    config = load_config(REPO / "configs" / "leaderboard.yaml")
+def test_generator_calibration_is_the_max_over_calibration_seeds_and_says_so():
+    config = load_config(REPO / "configs" / "leaderboard.yaml")  # states it
     assert config.calibration.source == "generator" and config.calibration.stated
     assert config.calibration.purpose == "leaderboard" and config.calibration.margin == 1.1
-
-
-def test_generator_calibration_is_the_max_over_calibration_seeds_and_says_so():
     record = calibrate(None, SHAPE, [11, 12], "cpu")
     amax = max(float(problem.generate_input(2, 1, s, device="cpu")[0].abs().amax()) for s in (11, 12))
     assert record["q_amax"] == round(amax * 1.1, 4)
@@ -60,7 +57,7 @@ def test_a_q_sample_file_calibrates_from_its_max_and_records_its_hash(tmp_path):
     assert f"{sample.numel()} elements, sha256 " in record["source"]
 
 
-def test_a_stated_distribution_calibrates_from_its_tail():
+def test_a_stated_distribution_calibrates_from_its_tail_and_a_stated_q_amax_as_is():
     spec = config_from_dict(_raw(calibration={"q_distribution": "normal", "q_std": 8.0})).calibration
     record = calibrate(spec, SHAPE, [11], "cpu")
     assert record["q_amax"] == round(normal_tail_amax(8.0, SHAPE.batch), 4)
@@ -69,9 +66,7 @@ def test_a_stated_distribution_calibrates_from_its_tail():
     assert 5.8 < normal_tail_amax(1.0, 2) < 6.2 < normal_tail_amax(1.0, 256) < 7.0
     draws = torch.randn(64, 16, 576, generator=torch.Generator().manual_seed(0))
     assert float(draws.abs().amax()) < normal_tail_amax(1.0, 64)
-
-
-def test_a_stated_q_amax_is_used_as_is():
+    # a stated q_amax is used as is
     spec = config_from_dict(_raw(calibration={"q_amax": 40})).calibration
     assert calibrate(spec, SHAPE, [11], "cpu") == {
         "q_amax": 40.0, "kind": "q_amax", "method": "stated", "source": "q_amax 40.0 stated in the config"}
@@ -133,16 +128,7 @@ def test_a_serving_config_refuses_generator_calibration_of_fp8_static():
     assert config_from_dict(_raw(purpose="serving")).calibration.source is None
 
 
-def test_a_serving_spec_without_a_source_fails_the_candidate_not_the_sweep():
-    # flashmla and aiter offer fp8_static unasked: the worker's calibration refuses it
-    spec = config_from_dict(_raw(purpose="serving")).calibration
-    with pytest.raises(CalibrationError, match="a serving config calibrates fp8_static from real q only"):
-        calibrate(spec.as_dict(), SHAPE, [11], "cpu")
-    with pytest.raises(CalibrationError, match="from real q only"):
-        calibrate(CalibrationSpec(purpose="serving"), SHAPE, [11], "cpu")
-
-
-def test_the_worker_runs_fp8_static_with_the_configs_calibration_and_records_it():
+def test_the_worker_runs_fp8_static_with_the_configs_calibration_or_fails_the_candidate():
     spec = config_from_dict(_raw(calibration={"q_amax": 40.0})).calibration
     step = worker.Step(
         Shape(1, 16),
@@ -155,6 +141,14 @@ def test_the_worker_runs_fp8_static_with_the_configs_calibration_and_records_it(
     assert record["status"] == "ok", record["reason"]
     assert record["variant"].endswith("q=fp8_static,q_amax=40.0)")
     assert record["calibration"]["kind"] == "q_amax"
+    # a serving spec without a source (flashmla and aiter offer fp8_static unasked) fails the
+    # candidate, not the sweep
+    spec = config_from_dict(_raw(purpose="serving")).calibration
+    with pytest.raises(CalibrationError,
+                       match="a serving config calibrates fp8_static from real q only"):
+        calibrate(spec.as_dict(), SHAPE, [11], "cpu")
+    with pytest.raises(CalibrationError, match="from real q only"):
+        calibrate(CalibrationSpec(purpose="serving"), SHAPE, [11], "cpu")
     serving = calibration.CalibrationSpec(purpose="serving", source=None).as_dict()
     result, _state = worker.run_step(dataclasses.replace(step, calibration=serving), None, "cpu",
                                      has_gpu=False)

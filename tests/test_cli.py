@@ -92,7 +92,7 @@ def test_show_on_a_wide_terminal_puts_each_variant_on_one_line():
         assert any(line.endswith(row.winner["variant"]) for line in result.output.splitlines())
 
 
-def test_show_prints_rows_notes_and_provenance():
+def test_show_prints_rows_notes_and_provenance_and_json_for_scripts():
     result = invoke("show", "--table", TABLE)
     assert result.exit_code == 0, result.output
     out = result.output
@@ -101,9 +101,6 @@ def test_show_prints_rows_notes_and_provenance():
     assert "3x16 winner none: no candidate passed the gate" in out and "triton: all" in out
     assert "provenance:" in out and "rule: leaderboard rtol=0.1 atol=0.1" in out
     assert "config: configs/test.yaml (hash 0123abcd)" in out
-
-
-def test_show_json_is_the_table_for_scripts():
     result = invoke("show", "--table", TABLE, "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
@@ -125,20 +122,20 @@ def test_a_gpu_name_that_is_not_a_name_is_refused_in_one_line(bad):
         assert result.output.strip().splitlines() == [
             f"error: --gpu {bad!r} is not a GPU name; use letters, digits, '-' and '_' only, "
             "like H200 or MI355X"]
+    result = invoke("show")  # neither --gpu nor --table
+    assert result.exit_code == 2
+    assert "--gpu NAME or a table file with --table PATH" in result.output
 
 
-def test_export_writes_the_submission(tmp_path):
+def test_export_writes_the_submission_and_overwrites_only_its_own_files(tmp_path):
     out = tmp_path / "submission.py"
     result = invoke("export", "--table", TABLE, "-o", out, "--only", "torch")
     assert result.exit_code == 0, result.output
     assert "backends limited to torch" in result.output
     assert out.read_text().splitlines()[:2] == ["#!POPCORN leaderboard amd-mixed-mla",
                                                 "#!POPCORN gpu cpu"]
-    # a second export over its own earlier file is fine
+    # a second export over its own earlier file is fine; over its table, results or a config not
     assert invoke("export", "--table", TABLE, "-o", out, "--only", "torch").exit_code == 0
-
-
-def test_export_never_overwrites_its_table_results_or_a_config(tmp_path):
     table = tmp_path / "cpu.yaml"
     table.write_text(TABLE.read_text())
     results = tmp_path / "cpu.results.jsonl"
@@ -155,33 +152,27 @@ def test_export_never_overwrites_its_table_results_or_a_config(tmp_path):
         assert target.read_text() == before
 
 
-def test_export_and_show_problems_with_paths_are_one_line(tmp_path):
+def test_path_and_domain_errors_exit_1_in_one_line_naming_the_file(tmp_path):
     loop = tmp_path / "loop.yaml"
     loop.symlink_to(loop)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(TABLE.read_text().replace("schema: 1", "schema: 7"))
     cases = [
         (("show", "--table", tmp_path), f"table {tmp_path} is a directory"),
         (("show", "--table", loop), f"cannot read table {loop}: Too many levels of symbolic links"),
         (("export", "--table", TABLE, "-o", tmp_path, "--only", "torch"),
          f"-o {tmp_path} is a directory; name the submission file"),
+        (("show", "--table", broken), f"table {broken}: schema is 7"),
+        (("export", "--table", TABLE, "-o", tmp_path / "x.py", "--only", "aiter"),
+         "add triton or torch to --only"),
+        (("export", "--gpu", "H200", "--table", TABLE, "-o", tmp_path / "x.py"),
+         "is for cpu, not H200"),
     ]
     for args, says in cases:
         result = invoke(*args)
         assert result.exit_code == 1, result.output
         lines = result.output.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
-
-
-def test_domain_errors_exit_1_with_a_message_naming_the_file(tmp_path):
-    broken = tmp_path / "broken.yaml"
-    broken.write_text(TABLE.read_text().replace("schema: 1", "schema: 7"))
-    result = invoke("show", "--table", broken)
-    assert result.exit_code == 1
-    assert "error:" in result.output and str(broken) in result.output
-    assert "schema is 7" in result.output and "Traceback" not in result.output
-    result = invoke("export", "--table", TABLE, "-o", tmp_path / "x.py", "--only", "aiter")
-    assert result.exit_code == 1 and "add triton or torch to --only" in result.output
-    result = invoke("export", "--gpu", "H200", "--table", TABLE, "-o", tmp_path / "x.py")
-    assert result.exit_code == 1 and "is for cpu, not H200" in result.output
 
 
 def test_an_internal_error_shows_its_traceback_not_a_one_line_error():
@@ -203,12 +194,6 @@ def test_an_internal_error_shows_its_traceback_not_a_one_line_error():
     assert "error: an internal bug" not in done.stderr
 
 
-def test_export_and_show_need_a_gpu_or_a_table():
-    result = invoke("show")
-    assert result.exit_code == 2
-    assert "--gpu NAME or a table file with --table PATH" in result.output
-
-
 def test_sweep_passes_its_options_through(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(mla_tune.tune.sweep, "run_sweep", lambda *a, **k: calls.append((a, k)))
@@ -222,16 +207,15 @@ def test_sweep_passes_its_options_through(monkeypatch, tmp_path):
     assert result.exit_code == 2 and "--devices must be GPU indices" in result.output
 
 
-def test_sweep_dry_run_plans_the_leaderboard_config():
-    result = invoke("sweep", "--dry-run", "--gpu", "H200", "--config", CONFIG)
-    assert result.exit_code == 0, result.output
-    assert "dry run" in result.output and "4x1024" in result.output
-
-
-def test_sweep_with_a_missing_config_exits_1_naming_it(tmp_path):
-    result = invoke("sweep", "--gpu", "H200", "--config", tmp_path / "none.yaml", "--dry-run")
-    assert result.exit_code == 1, result.output
-    assert "none.yaml" in result.output and "Traceback" not in result.output
+@pytest.mark.parametrize(("config", "code", "says"), [
+    (CONFIG, 0, ["dry run", "4x1024"]),
+    ("configs/serving.yaml", 0, ["1404 cells", "estimated GPU time"]),  # the serving sweep
+    ("none.yaml", 1, ["none.yaml"]),  # missing: exit 1, naming it
+], ids=["leaderboard", "serving", "missing"])
+def test_sweep_dry_run_plans_either_kind_of_config_or_names_a_missing_one(config, code, says):
+    result = invoke("sweep", "--gpu", "H200", "--config", config, "--dry-run")
+    assert result.exit_code == code, result.output
+    assert all(word in result.output for word in says) and "Traceback" not in result.output
 
 
 def test_diff_flags_winner_changes_and_times_outside_the_noise(tmp_path):
@@ -312,12 +296,6 @@ def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(monkeypatch, tmp
         f"error: cannot write {tmp_path / 'sub.py'}: No space left on device; free some space or "
         "write elsewhere"]
     assert list(tmp_path.iterdir()) == []
-
-
-def test_sweep_with_a_serving_config_runs_the_serving_sweep():
-    result = invoke("sweep", "--gpu", "H200", "--config", "configs/serving.yaml", "--dry-run")
-    assert result.exit_code == 0, result.output
-    assert "1404 cells" in result.output and "estimated GPU time" in result.output
 
 
 def test_sweep_takes_a_budget_for_either_kind_of_config(monkeypatch):

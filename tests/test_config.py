@@ -60,12 +60,17 @@ def test_hash_ignores_key_order_and_comments_but_not_values(tmp_path):
     assert load_config(a).hash != load_config(c).hash
 
 
-def test_precompile_flag_is_taken_out_of_the_search_space(tmp_path):
-    raw = with_change(backends={"torch": {"precompile": True}, "triton": {"precompile": False, "block_n": [32]}})
+def test_precompile_is_taken_out_of_the_space_and_defaults_to_the_backends_word(tmp_path):
+    raw = with_change(backends={"torch": {"precompile": True},
+                                "triton": {"precompile": False, "block_n": [32]}})
     config = load_config(write(tmp_path, raw))
     assert config.precompile == {"torch": True, "triton": False}
     assert config.backends["triton"] == {"block_n": [32]}
     assert config.backends["torch"] == {}
+    # a search section is left to the search
+    config = load_config(write(tmp_path, with_change(search={"rungs": [1, 3]})))
+    assert config.raw["search"] == {"rungs": [1, 3]}
+    assert config.precompile == {"torch": False, "triton": True}  # their CAPABILITIES.precompile
 
 
 @pytest.mark.parametrize(
@@ -100,16 +105,7 @@ def test_each_config_error_names_the_file_and_the_field(tmp_path, changes, field
     assert str(path) in message and f"'{field}'" in message and words in message
 
 
-def test_a_file_that_is_not_a_mapping_or_not_yaml_names_the_file(tmp_path):
-    for text in ("- 1\n- 2\n", "name: [unclosed\n"):
-        path = write(tmp_path, text, "odd.yaml")
-        with pytest.raises(ConfigError, match="odd.yaml"):
-            load_config(path)
-    with pytest.raises(ConfigError, match="missing.yaml does not exist; pass the path of a config"):
-        load_config(tmp_path / "missing.yaml")
-
-
-# ------------------------------------------- strict validation (issue 12: configs as strictly as tables)
+# ------------------------------------------------------------- strict validation
 @pytest.mark.parametrize(
     "backends, field, allowed",
     [
@@ -181,7 +177,7 @@ def test_nan_in_yaml_spelling_is_refused_as_the_dry_run_would_have_let_it_throug
         load_config(write(tmp_path, text))
 
 
-def test_unreadable_files_give_one_line_naming_the_file(tmp_path):
+def test_unreadable_or_odd_files_give_one_line_naming_the_file(tmp_path):
     bomb = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
         f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"
         for p, c in zip("abcdefgh", "bcdefghi", strict=True)
@@ -189,7 +185,8 @@ def test_unreadable_files_give_one_line_naming_the_file(tmp_path):
     assert len(bomb) < 3000  # 10**9 nodes once expanded
     cases = {
         "directory": (tmp_path / "adir", "is a directory"),
-        "missing": (tmp_path / "missing.yaml", "does not exist"),
+        "missing": (tmp_path / "missing.yaml", "does not exist; pass the path of a config"),
+        "not a mapping": (write(tmp_path, "- 1\n- 2\n", "list.yaml"), "must be a YAML mapping"),
         "huge": (write(tmp_path, "name: x\n" + "#" * (1 << 20), "huge.yaml"), "over 1048576 bytes"),
         "binary": (write(tmp_path, "", "bin.yaml"), "not UTF-8"),
         "bomb": (write(tmp_path, bomb, "bomb.yaml"), "alias"),
@@ -204,13 +201,4 @@ def test_unreadable_files_give_one_line_naming_the_file(tmp_path):
         message = str(info.value)
         assert str(path) in message and words in message, (case, message)
         assert "\n" not in message, case
-
-
-def test_a_search_section_is_left_to_the_search_and_precompile_defaults_to_the_backends_word(tmp_path):
-    config = load_config(write(tmp_path, with_change(search={"rungs": [1, 3]})))
-    assert config.raw["search"] == {"rungs": [1, 3]}
-    assert config.precompile == {"torch": False, "triton": True}  # their CAPABILITIES.precompile
-
-
-def test_config_error_is_a_value_error_for_the_cli_until_a_common_base_lands():
-    assert issubclass(ConfigError, ValueError)
+    assert issubclass(ConfigError, ValueError)  # the CLI catches it as one

@@ -21,13 +21,16 @@ from tests.helpers import assert_clean_export, exported_outputs
 
 RULE = get_rule("leaderboard")
 
+
 def _check(outs, cases, formats):
     for out, case, kv_format in zip(outs, cases, formats, strict=True):
         result = check(out, reference(case, q_format="bf16", kv_format=kv_format), RULE)
         assert result.passed, result.reason
 
 
-def test_full_export_runs_without_mla_tune_and_matches_the_reference(tmp_path):
+def test_full_export_runs_without_mla_tune_matches_the_reference_and_honours_sm_scale(tmp_path):
+    from mla_tune.core import CORE_DEEPSEEK_V3_SCALE as DSV3
+
     path = export_submission(TABLE, tmp_path / "submission.py")
     text = assert_clean_export(path)
     assert "Backends used: triton, torch; shapes the table lacks run the triton fallback." in text
@@ -42,38 +45,26 @@ def test_full_export_runs_without_mla_tune_and_matches_the_reference(tmp_path):
                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
     assert len(defined) == len(set(defined)), sorted({n for n in defined if defined.count(n) > 1})
     assert "@triton.jit" in text and "import triton.language as tl" in text
+    assert ("dispatcher = _EXPORT_DISPATCHER if sm_scale == SM_SCALE else "
+            "_export_scaled(sm_scale)") in text
     assert [p.name for p in tmp_path.iterdir()] == ["submission.py"]  # written atomically
     # (1, 8): torch row; (2, 40): triton fp8 row; (2, 24): not in the table -> fallback;
     # (3, 16): a row without a winner -> fallback.
     cases = [generate_input(b, n, seed=10 + i, device="cpu")
              for i, (b, n) in enumerate([(1, 8), (2, 40), (2, 24), (3, 16)])]
-    outs, misses = exported_outputs(tmp_path, "submission", cases)
-    _check(outs, cases, ["bf16", "fp8", "fp8", "fp8"])
-    assert misses == [[2, 24], [3, 16]]
-
-
-def test_exported_custom_kernel_honours_config_sm_scale(tmp_path):
-    """config["sm_scale"] other than the leaderboard's runs a dispatcher at that scale (built
-    on first use); the leaderboard's scale keeps the default dispatcher (its misses below)."""
-    from mla_tune.core import CORE_DEEPSEEK_V3_SCALE as DSV3
-
-    path = export_submission(TABLE, tmp_path / "submission.py")
-    text = assert_clean_export(path)
-    assert "dispatcher = _EXPORT_DISPATCHER if sm_scale == SM_SCALE else _export_scaled(sm_scale)" in text
-    # (1, 8): torch row; (2, 40): triton row; (2, 24): the triton fallback; then (2, 40) at
-    # the leaderboard's scale
-    cases = []
-    for i, (b, n) in enumerate([(1, 8), (2, 40), (2, 24)]):
-        case = generate_input(b, n, seed=20 + i, device="cpu")
-        cases.append((*case[:4], {**case[4], "sm_scale": DSV3}))
-    cases.append(generate_input(2, 40, seed=23, device="cpu"))
-    outs, misses = exported_outputs(tmp_path, "submission", cases)
-    for out, case, kv_format in zip(outs, cases, ["bf16", "fp8", "fp8", "fp8"], strict=True):
-        scale = case[4]["sm_scale"]
-        assert check(out, reference(case, q_format="bf16", kv_format=kv_format, sm_scale=scale), RULE).passed
-        if scale == DSV3:  # the leaderboard's scale would be wrong here: the scale was used
-            assert not check(out, reference(case, q_format="bf16", kv_format=kv_format), RULE).passed
-    assert misses == []  # the fallback shape ran on the scaled dispatcher, not the default
+    # config["sm_scale"] other than the leaderboard's: a dispatcher at that scale, built on
+    # first use, for a torch row, a triton row and (3, 24), a shape the table lacks
+    scaled = [generate_input(b, n, seed=20 + i, device="cpu")
+              for i, (b, n) in enumerate([(1, 8), (2, 40), (3, 24)])]
+    scaled = [(*case[:4], {**case[4], "sm_scale": DSV3}) for case in scaled]
+    outs, misses = exported_outputs(tmp_path, "submission", cases + scaled)
+    _check(outs[:4], cases, ["bf16", "fp8", "fp8", "fp8"])
+    for out, case, kv_format in zip(outs[4:], scaled, ["bf16", "fp8", "fp8"], strict=True):
+        assert check(out, reference(case, q_format="bf16", kv_format=kv_format, sm_scale=DSV3),
+                     RULE).passed
+        # the leaderboard's scale would be wrong here: the scale was used
+        assert not check(out, reference(case, q_format="bf16", kv_format=kv_format), RULE).passed
+    assert misses == [[2, 24], [3, 16]]  # 3x24 ran on the scaled dispatcher, not the default
 
 
 def test_torch_only_export_carries_no_triton_code_and_uses_torch_alternates(tmp_path):
@@ -90,41 +81,34 @@ def test_torch_only_export_carries_no_triton_code_and_uses_torch_alternates(tmp_
     _check(outs, cases, ["bf16", "bf16", "bf16"])
 
 
-def test_exported_dispatcher_refuses_ragged_batches_with_a_torch_fallback(tmp_path):
+def test_a_torch_only_export_refuses_ragged_batches_and_configs_without_kv_seq_len(tmp_path):
     export_submission(TABLE, tmp_path / "torch_only.py", only_backends=["torch"])
+    (tmp_path / "task.py").write_text("import typing\ninput_t = output_t = typing.Any\n")
     ragged = generate_ragged_input([3, 5], seed=1, device="cpu")
-    (tmp_path / "task.py").write_text("import typing\ninput_t = output_t = typing.Any\n")
-    torch.save(list(ragged[:4]), tmp_path / "ragged.pt")
+    torch.save([list(ragged[:4]), list(generate_input(1, 8, seed=1, device="cpu")[:4])],
+               tmp_path / "cases.pt")
     script = ("import sys; sys.path.insert(0, '.'); import torch, torch_only\n"
-              "q, kv, qo, ptr = torch.load('ragged.pt')\n"
-              "try:\n    torch_only._EXPORT_DISPATCHER(q, kv, qo, ptr)\n"
-              "except ValueError as exc:\n    print('refused:', exc)\n")
-    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)
-    assert "refused: a ragged batch needs a fallback that reads kv_indptr" in done.stdout, done.stderr
-
-
-def test_custom_kernel_without_a_kv_seq_len_says_what_it_needs(tmp_path):
-    export_submission(TABLE, tmp_path / "torch_only.py", only_backends=["torch"])
-    (tmp_path / "task.py").write_text("import typing\ninput_t = output_t = typing.Any\n")
-    torch.save(list(generate_input(1, 8, seed=1, device="cpu")[:4]), tmp_path / "case.pt")
-    script = ("import sys; sys.path.insert(0, '.'); import torch, torch_only\n"
-              "q, kv, qo, ptr = torch.load('case.pt')\n"
+              "ragged, (q, kv, qo, ptr) = torch.load('cases.pt')\n"
+              "try:\n    torch_only._EXPORT_DISPATCHER(*ragged)\n"
+              "except ValueError as exc:\n    print('refused:', exc)\n"
               "for config in (None, {}, {'kv_seq_len': '8'}, {'kv_seq_len': 0}):\n"
               "    try:\n        torch_only.custom_kernel((q, kv, qo, ptr, config))\n"
               "    except ValueError as exc:\n        print('refused:', exc)\n"
-              "print('ok', tuple(torch_only.custom_kernel((q, kv, qo, ptr, {'kv_seq_len': 8})).shape))\n")
+              "out = torch_only.custom_kernel((q, kv, qo, ptr, {'kv_seq_len': 8}))\n"
+              "print('ok', tuple(out.shape))\n")
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120)
     lines = done.stdout.splitlines()
-    assert len(lines) == 5, done.stdout + done.stderr
-    for line, config in zip(lines, ("None", "{}", "{'kv_seq_len': '8'}", "{'kv_seq_len': 0}"), strict=False):
+    assert len(lines) == 6, done.stdout + done.stderr
+    assert "refused: a ragged batch needs a fallback that reads kv_indptr" in lines[0]
+    configs = ("None", "{}", "{'kv_seq_len': '8'}", "{'kv_seq_len': 0}")
+    for line, config in zip(lines[1:5], configs, strict=True):
         assert line == ("refused: custom_kernel: data's config must be a dict whose kv_seq_len is "
                         f"the batch's kv length (an int >= 1), got config={config}")
     assert lines[-1] == "ok (1, 16, 512)"
 
 
-def test_export_refuses_to_overwrite_a_file_it_did_not_write(tmp_path):
+def test_export_refuses_foreign_files_directories_and_bad_backend_lists(tmp_path):
     table = tmp_path / "cpu.yaml"
     table.write_text(TABLE.read_text())
     with pytest.raises(ExportError, match="exists and is not a submission mla-tune wrote"):
@@ -132,9 +116,6 @@ def test_export_refuses_to_overwrite_a_file_it_did_not_write(tmp_path):
     assert table.read_text() == TABLE.read_text()
     with pytest.raises(ExportError, match="is a directory; name the submission file"):
         export_submission(table, tmp_path, only_backends=["torch"])
-
-
-def test_export_refuses_unknown_or_fallbackless_backend_lists(tmp_path):
     with pytest.raises(ExportError, match="unknown backend.*warp; known backends: .*torch"):
         export_submission(TABLE, tmp_path / "x.py", only_backends=["warp"])
     with pytest.raises(ExportError, match="the fallback needs the triton or the torch backend"):
@@ -206,8 +187,8 @@ def test_modules_that_cannot_be_exported_are_refused():
 
 
 def test_export_is_byte_identical_with_and_without_a_serving_table_beside_it(tmp_path):
-    """Issue 10: the exporter never reads tables/NAME.serving.yaml, so a serving table next
-    to the leaderboard table changes nothing in the submission file."""
+    """The exporter never reads tables/NAME.serving.yaml: a serving table next to the
+    leaderboard table changes nothing in the submission file."""
     from mla_tune.export import render_submission
     from mla_tune.serving.table import Family, FamilyKey, ServingTable, write_serving_table
 

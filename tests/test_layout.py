@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "mla_tune"
 REEXPORTS = {"runtime/decode.py", "runtime/plan.py"}
 
@@ -29,20 +31,16 @@ def _folder(name: str) -> list[Path]:
     return sorted((PACKAGE / name).rglob("*.py"))
 
 
-def test_the_leaderboard_side_imports_nothing_from_the_serving_side():
+@pytest.mark.parametrize(("folders", "forbidden"), [
+    (("tune", "tables", "runtime", "export"), "mla_tune.serving"),
+    (("tables",), "mla_tune.tune"),
+], ids=["leaderboard-side-not-serving", "tables-not-tune"])
+def test_imports_run_one_way_between_folders(folders, forbidden):
     bad = []
-    for folder in ("tune", "tables", "runtime", "export"):
-        for path in _folder(folder):
-            rel = str(path.relative_to(PACKAGE))
-            if rel in REEXPORTS:
-                continue
-            bad += [f"{rel}: {m}" for m in _imports(path) if m.startswith("mla_tune.serving")]
-    assert not bad, bad
-
-
-def test_tables_import_nothing_from_tune():
-    bad = [f"{p.relative_to(PACKAGE)}: {m}" for p in _folder("tables") for m in _imports(p)
-           if m.startswith("mla_tune.tune")]
+    for path in (path for folder in folders for path in _folder(folder)):
+        rel = str(path.relative_to(PACKAGE))
+        if rel not in REEXPORTS:
+            bad += [f"{rel}: {m}" for m in _imports(path) if m.startswith(forbidden)]
     assert not bad, bad
 
 

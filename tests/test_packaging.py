@@ -56,9 +56,7 @@ def test_a_path_is_a_path_and_a_name_is_a_name(tmp_path):
     # the same folder reached twice (./tables is the checkout's) is searched once
     dirs = locate.table_dirs(packaged=Path("tables"))
     assert [label for label, _ in dirs].count("./tables") == 1 and len(dirs) == 1
-
-
-def test_runtime_load_takes_a_path_as_its_first_argument(tmp_path):
+    # runtime.load takes a path as its first argument
     missing = tmp_path / "x.yaml"
     with pytest.raises(TableError, match=r"x\.yaml does not exist"):
         runtime.load(str(missing))  # a path, not a GPU named ".../x.yaml"

@@ -85,35 +85,21 @@ def _edited(tmp_path: Path, edit) -> Path:
     return path
 
 
-def test_the_schema_keeps_priors_and_measurements_apart(tmp_path):
-    def timed(data):
-        data["rows"][0]["time_us"] = 12.5
-
-    with pytest.raises(TableError, match=r"row 1 .*a prior's row holds no measurements, but it has time_us"):
-        load_table(_edited(tmp_path, timed), check_params=False)
-
-    def sourceless(data):
-        del data["rows"][2]["prior"]
-
-    with pytest.raises(TableError, match=r"row 3 .*needs `prior: \{source: \.\.\.\}`"):
-        load_table(_edited(tmp_path, sourceless), check_params=False)
-
-    def measured(data):  # the same rows in a table that claims to be measured
-        del data["provenance"]["kind"]
-        for row in data["rows"]:
-            row["time_us"] = 10.0
-
-    with pytest.raises(TableError, match=r"row 1 .*field `prior` belongs in a prior's rows"):
-        load_table(_edited(tmp_path, measured), check_params=False)
+def _measured(data):  # the prior's rows in a table that claims to be measured
+    del data["provenance"]["kind"]
+    for row in data["rows"]:
+        row["time_us"] = 10.0
 
 
-def test_show_says_it_is_a_prior():
-    result = CliRunner().invoke(app, ["show", "--table", str(PRIOR)], env=WIDE)
-    assert result.exit_code == 0, result.output
-    assert "8 shapes, a PRIOR: choices made without measuring, no times" in result.output
-    assert "64x8192   prior aiter(kv=fp8,mode=nonpersistent,num_kv_splits=4,q=fp8_static,q_amax=6.0)" in result.output
-    assert "64x8192   from  seed: the seed fixed 4 splits here" in result.output
-    assert "time" not in result.output.split("choices:")[0].replace("no times", "")
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda d: d["rows"][0].update(time_us=12.5),
+     r"row 1 .*a prior's row holds no measurements, but it has time_us"),
+    (lambda d: d["rows"][2].pop("prior"), r"row 3 .*needs `prior: \{source: \.\.\.\}`"),
+    (_measured, r"row 1 .*field `prior` belongs in a prior's rows"),
+], ids=["timed", "sourceless", "measured"])
+def test_the_schema_keeps_priors_and_measurements_apart(tmp_path, edit, message):
+    with pytest.raises(TableError, match=message):
+        load_table(_edited(tmp_path, edit), check_params=False)
 
 
 CHILD = textwrap.dedent('''
@@ -224,7 +210,14 @@ def test_the_exported_prior_runs_the_test_shapes_through_aiter_and_the_rest_thro
         assert got["misses"] == ([list(EXTRA)] if n == 0 else [])
 
 
-def test_show_of_a_gpu_with_no_table_shows_its_prior_and_says_so(tmp_path, monkeypatch):
+def test_show_says_it_is_a_prior_and_shows_it_for_a_gpu_with_no_table(tmp_path, monkeypatch):
+    result = CliRunner().invoke(app, ["show", "--table", str(PRIOR)], env=WIDE)
+    assert result.exit_code == 0, result.output
+    assert "8 shapes, a PRIOR: choices made without measuring, no times" in result.output
+    picked = "aiter(kv=fp8,mode=nonpersistent,num_kv_splits=4,q=fp8_static,q_amax=6.0)"
+    assert f"64x8192   prior {picked}" in result.output
+    assert "64x8192   from  seed: the seed fixed 4 splits here" in result.output
+    assert "time" not in result.output.split("choices:")[0].replace("no times", "")
     monkeypatch.chdir(tmp_path)  # no ./tables: the packaged ones have no MI355X table
     monkeypatch.delenv(locate.ENV_TABLES, raising=False)
     assert locate.find_table("MI355X") is None and find_prior("MI355X") is not None

@@ -32,7 +32,7 @@ H200_FIXED = Path(__file__).parent / "data" / "H200.pre-search.yaml"
 H200_FIXED_RESULTS = Path(__file__).parent / "data" / "H200.pre-search.results.jsonl"
 
 
-def test_the_markdown_has_every_shape_its_floor_each_backends_best_and_the_sweeps_curves():
+def test_the_markdown_has_every_shape_its_floor_backends_and_curves_or_says_what_is_missing():
     table = load_table(H200_FIXED, check_params=False)
     candidates = read_candidates(H200_FIXED_RESULTS)
     text = report_markdown(table, candidates, plots={})
@@ -50,9 +50,7 @@ def test_the_markdown_has_every_shape_its_floor_each_backends_best_and_the_sweep
                   and c["backend"] == "triton" and c["params"].get("num_splits") == 16)
     assert dict(curve["triton"])[16] == best_16 == table.rows[Shape(4, 1024)].time_us
     assert "flashmla" not in curve  # it has no num_splits
-
-
-def test_the_markdown_without_a_results_file_says_what_is_left_out():
+    # without a results file: says what is left out
     text = report_markdown(load_table(TABLE, check_params=False), None, plots={})
     assert "No results file next to the table" in text and "| 3x16 | none |" in text
 

@@ -36,7 +36,8 @@ def _assert_correct(out, data, kv_format):
 
 
 class _Spy:
-    """A builder that records what it built and whose runner returns a marker."""
+    """A builder that records what it built and whose runner returns a marker; `dispatcher`
+    serves a torch row at 1 x 8 (and torch elsewhere) through it."""
 
     def __init__(self):
         self.built: list[tuple[Variant, Shape]] = []
@@ -51,8 +52,18 @@ class _Spy:
 
         return runner
 
+    def dispatcher(self):
+        return Dispatcher({(1, 8): TORCH}, {"torch": self}, lambda shape: TORCH,
+                          warn_on_miss=False, ragged_backends=frozenset())
 
-def test_table_rows_run_their_variants_and_match_the_reference(rt):
+
+def test_table_rows_run_their_variants_match_the_reference_and_time_nothing(rt, monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the runtime must never time anything")
+
+    monkeypatch.setattr(mla_tune.tune.timing, "time_call", forbidden)
+    monkeypatch.setattr(mla_tune.tune.timing, "wall_time", forbidden)
+    monkeypatch.setattr(torch.cuda, "Event", forbidden)
     assert rt.fallback_backend == "triton"
     torch_row = generate_input(1, 8, seed=1, device="cpu")  # torch winner
     _assert_correct(rt.decode(*torch_row[:4]), torch_row, "bf16")
@@ -61,6 +72,9 @@ def test_table_rows_run_their_variants_and_match_the_reference(rt):
     built = {key[0].backend for key in rt.dispatcher._runners}
     assert built == {"torch", "triton"}
     assert rt.dispatcher.misses == {}
+    for data in (torch_row, triton_row):  # each row through both entry points
+        rt.custom_kernel(data)
+        rt.decode(*data[:4])
 
 
 def test_unknown_and_ragged_shapes_run_the_fallback_and_are_counted(rt):
@@ -81,23 +95,9 @@ def test_unknown_and_ragged_shapes_run_the_fallback_and_are_counted(rt):
     assert rt.dispatcher.misses == {Shape(2, 24): 1, Shape(3, 17): 1, Shape(3, 16): 1}
 
 
-def test_decode_never_times_anything(rt, monkeypatch):
-    def forbidden(*args, **kwargs):
-        raise AssertionError("the runtime must never time anything")
-
-    monkeypatch.setattr(mla_tune.tune.timing, "time_call", forbidden)
-    monkeypatch.setattr(mla_tune.tune.timing, "wall_time", forbidden)
-    monkeypatch.setattr(torch.cuda, "Event", forbidden)
-    for batch, kv_len in ((1, 8), (2, 40)):
-        data = generate_input(batch, kv_len, seed=6, device="cpu")
-        rt.custom_kernel(data)
-        rt.decode(*data[:4])
-
-
 def test_runners_are_built_lazily_once_per_shape():
     spy = _Spy()
-    dispatcher = Dispatcher({(1, 8): TORCH}, {"torch": spy}, lambda shape: TORCH, warn_on_miss=False,
-                            ragged_backends=frozenset())
+    dispatcher = spy.dispatcher()
     assert spy.built == []
     data = generate_input(1, 8, seed=1, device="cpu")
     for _ in range(3):
@@ -171,8 +171,7 @@ def _bad_inputs():
                          ids=[c[0] for c in _bad_inputs()])
 def test_bad_inputs_raise_before_any_kernel_is_built(name, edit, message, check_indptr):
     spy = _Spy()
-    dispatcher = Dispatcher({(1, 8): TORCH}, {"torch": spy}, lambda shape: TORCH, warn_on_miss=False,
-                            ragged_backends=frozenset())
+    dispatcher = spy.dispatcher()
     data = edit(generate_input(1, 8, seed=1, device="cpu"))
     with pytest.raises(ValueError, match=message):
         dispatcher(*data[:4], kv_len=8, check_indptr=check_indptr)
@@ -218,15 +217,12 @@ def test_version_drift_warns_naming_the_field_and_both_versions(tmp_path):
                for m in messages)
 
 
-def test_a_missing_table_names_the_file_and_how_to_make_it(monkeypatch, tmp_path):
+def test_module_level_custom_kernel_loads_this_gpus_table_once(monkeypatch, tmp_path):
     monkeypatch.setattr(runtime, "TABLES_DIR", tmp_path)
+    # no table yet: the error names the file and how to make it
     with pytest.raises(TableError, match=r"cpu\.yaml does not exist; run `mla-tune sweep --gpu NAME`"):
         runtime.load()
-
-
-def test_module_level_custom_kernel_loads_this_gpus_table_once(monkeypatch, tmp_path):
     (tmp_path / "cpu.yaml").write_text(cpu_table(tmp_path).read_text())
-    monkeypatch.setattr(runtime, "TABLES_DIR", tmp_path)
     runtime.default_runtime.cache_clear()
     try:
         data = generate_input(1, 8, seed=9, device="cpu")

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import typer
 import typer.main
-from typer.testing import CliRunner
 
+from mla_tune.cli import app
 from mla_tune.core import Variant
 from mla_tune.errors import MlaTuneError
 from mla_tune.serving.table import (
@@ -25,10 +24,10 @@ from mla_tune.serving.table import (
     write_serving_table,
 )
 from mla_tune.serving.time_picks import bucket_lengths, parse_ints, parse_lens, with_budget
-from mla_tune.time_cli import register
 from mla_tune.tune import time_variants
 from mla_tune.tune.time_variants import parse_shapes
 from mla_tune.tune.timing import Timing
+from tests.helpers import invoke
 
 CONFIG = Path(__file__).parent / "data" / "serving_time_cpu.yaml"
 ENV = {"COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"}
@@ -39,19 +38,8 @@ SPLIT16, DEFAULT = (
     f"tokens_per_split={tps})" for bn, tps in ((16, 16), (64, 256)))
 
 
-def _app() -> typer.Typer:
-    app = typer.Typer()
-
-    @app.command()
-    def other() -> None:  # a second command, so that `time` is mounted as a group, as in cli.py
-        """Another command."""
-
-    register(app)
-    return app
-
-
 def _invoke(*args):
-    return CliRunner().invoke(_app(), ["time", *[str(a) for a in args]], env=ENV)
+    return invoke("time", *args, env=ENV)
 
 
 # ------------------------------------------------------------------------- pieces
@@ -87,7 +75,7 @@ def test_the_scanned_lengths_span_their_bucket_and_budget_variants_come_from_spl
 def test_each_subcommand_explains_itself_and_every_option_has_a_sentence_of_help():
     result = _invoke("--help")
     assert result.exit_code == 0 and all(name in result.output for name in ("variants", "mix", "scan"))
-    group = typer.main.get_command(_app()).commands["time"]
+    group = typer.main.get_command(app).commands["time"]
     for name, command in group.commands.items():
         assert _invoke(name, "-h").exit_code == 0
         assert (command.help or "").strip(), name
