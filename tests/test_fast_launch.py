@@ -161,7 +161,7 @@ def test_the_guard_rejects_a_changed_dtype_alignment_shape_stride_device_or_a_la
     assert replay.matches((q, kv, scale))
 
 
-def test_a_replay_substitutes_by_identity_and_launches_as_the_jit_does():
+def test_a_replay_substitutes_by_identity_launches_as_the_jit_does_or_is_refused():
     q, kv, ws = _FakeTensor(4096), _FakeTensor(1 << 16), _FakeTensor(1 << 24)
     replay, compiled = _replay([q, kv, ws, 7, q, "CONST"], (q, kv, None))
     q2, kv2 = _FakeTensor(1 << 26), _FakeTensor(1 << 27)
@@ -170,10 +170,7 @@ def test_a_replay_substitutes_by_identity_and_launches_as_the_jit_does():
     assert compiled.calls == [(2, 3, 1, 77, "FUNCTION", "PACKED", None, None, None,
                                1 << 26, 1 << 27, 1 << 24, 7, 1 << 26, "CONST")]
     assert not replay.try_launch((_FakeTensor(4096 + 4), kv2, None)) and len(compiled.calls) == 1
-
-
-def test_a_replay_is_refused_for_a_view_of_a_substituted_tensor_or_an_unrecordable_launch():
-    q = _FakeTensor(4096)
+    # refused for a view of a substituted tensor or an unrecordable launch
     view = _FakeTensor(4096)  # another object over q's storage: it would not follow the layer
     assert _replay([q, view], (q,))[0] is None
     assert _replay([_FakeTensor(99)], (q,))[0] is None  # q reaches no launch

@@ -1,9 +1,7 @@
-"""The one-launch fused decode (backend triton_fused) against the fp32 reference.
-
-CPU: Triton's interpreter with fp16 dots (its bf16 dots are wrong), tiny shapes, the
-`none` and `last` reductions (`spin` waits for programs that the interpreter runs one after
-another, so it is tested on the GPU only). GPU: the 8 leaderboard shapes under `strict`
-(MXFP4 under `leaderboard`).
+"""The one-launch fused decode (backend triton_fused) against the fp32 reference: on the CPU
+with fp16 dots (the interpreter's bf16 dots are wrong) and the `none` and `last` reductions
+(`spin` waits for programs the interpreter runs one by one); on the GPU at the 8 leaderboard
+shapes under `strict` (MXFP4 under `leaderboard`).
 """
 
 from __future__ import annotations

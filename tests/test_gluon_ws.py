@@ -1,11 +1,7 @@
-"""Warp specialization of the Gluon decode: the constexpr WS of kernels/gluon_decode.py and the
-backend's later parameter `ws`.
-
-CPU: validation, candidates, shared memory and residency, and ws reaching the launch (the
-kernel replaced by a recorder; the backend's dispatch is in tests/test_gluon_decode.py).
-GPU (the H200's Triton 3.6): ws 1 and 2 under tests/test_gluon_decode.py's
-check_against_both at the 8 leaderboard shapes and at kv_len 1, 17, 3000, with the
-reductions, V halves, the other V paths and the backend.
+"""Warp specialization of the Gluon decode (the constexpr WS, the backend's later parameter
+`ws`): on the CPU its rules and its launch (the kernel a recorder); on the H200, ws 1 and 2
+under tests/test_gluon_decode.py's check_against_both at the leaderboard shapes, kv_len 1,
+17 and 3000, with the reductions, V halves, the other V paths and the backend.
 """
 
 from __future__ import annotations
