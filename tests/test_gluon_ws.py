@@ -42,7 +42,7 @@ def test_ws_is_a_later_parameter_validated_by_value_and_shared_memory():
         gluon_fused.validate(_variant(v_path="ss16a", num_stages=3, ws=2))
 
 
-def test_shared_memory_and_residency_with_ws_match_the_compilers_figures():
+def test_shared_memory_and_residency_with_ws_match_the_compilers_figures_and_the_spin_check():
     smem = gluon_decode.gd_smem_bytes
     # Triton 3.6 offline compiles for sm_90a (scripts/bench_issue11.py --compile at 9401329)
     assert [smem(64, st, "rs8", 1, 1) for st in (2, 3, 4, 5)] == [94564, 135548, 176516, 217500]
@@ -63,6 +63,16 @@ def test_shared_memory_and_residency_with_ws_match_the_compilers_figures():
         warps = 4 * (1 + len(gluon_decode.GD_WS_WORKER_REGS[ws]))
         regs = gluon_decode.GD_WS_MAXNREG[ws] * 32 * warps
         assert regs * gluon_decode.GD_WS_CTAS_PER_SM_BY_REGS[ws] <= 65536
+    # spin's residency check counts ws 2 as one CTA per SM
+    check = gluon_decode.gd_check_launch
+    base = dict(block_n=64, num_stages=2, v_path="rs8", reduce="spin", sm_count=132)
+    check(64, 4, **base, ws=1)  # 256 programs, 2 per SM
+    check(32, 4, **{**base, "num_stages": 4}, ws=2)  # 128 programs, 1 per SM
+    with pytest.raises(ValueError, match=r"256 programs > 132 SMs x 1 CTAs per SM .*ws 2"):
+        check(64, 4, **base, ws=2)
+    check(64, 4, **{**base, "reduce": "launch"}, ws=2)  # two waves are fine without a barrier
+    with pytest.raises(ValueError, match=r"ws must be one of 0, 1, 2"):
+        check(1, 1, **base, ws=3)
 
 
 def test_the_kernels_register_requests_are_the_modules_constants():
@@ -75,18 +85,6 @@ def test_the_kernels_register_requests_are_the_modules_constants():
     one, two = gluon_decode.GD_WS_WORKER_REGS[1], gluon_decode.GD_WS_WORKER_REGS[2]
     assert f"], [1], [{one[0]}])" in source
     assert f"], [4, 1], [{two[0]}, {two[1]}])" in source
-
-
-def test_spin_residency_counts_ws2_as_one_cta_per_sm():
-    check = gluon_decode.gd_check_launch
-    base = dict(block_n=64, num_stages=2, v_path="rs8", reduce="spin", sm_count=132)
-    check(64, 4, **base, ws=1)  # 256 programs, 2 per SM
-    check(32, 4, **{**base, "num_stages": 4}, ws=2)  # 128 programs, 1 per SM
-    with pytest.raises(ValueError, match=r"256 programs > 132 SMs x 1 CTAs per SM .*ws 2"):
-        check(64, 4, **base, ws=2)
-    check(64, 4, **{**base, "reduce": "launch"}, ws=2)  # two waves are fine without a barrier
-    with pytest.raises(ValueError, match=r"ws must be one of 0, 1, 2"):
-        check(1, 1, **base, ws=3)
 
 
 def test_candidates_offer_ws_only_where_asked_and_where_it_can_pay():

@@ -131,7 +131,8 @@ def test_the_default_runtime_counts_saturated_q_without_a_sync_per_call(tmp_path
     assert rt.q_saturation() == 0
 
 
-def test_check_mode_raise_refuses_the_call_before_the_kernel_launches(tmp_path, fakes, monkeypatch):
+def test_check_modes_raise_before_the_launch_warn_or_count_only_where_free(tmp_path, fakes,
+                                                                          monkeypatch):
     rt = _load(_static_table(tmp_path), check_q_range=True)
     rt.custom_kernel(_scaled(TRITON_SHAPE, 1.0))  # in range: runs
     launched = []
@@ -147,9 +148,7 @@ def test_check_mode_raise_refuses_the_call_before_the_kernel_launches(tmp_path, 
         rt.custom_kernel(_scaled(FLASHMLA_SHAPE, 8.0))
     assert fakes["flash_mla"].calls["flash_mla_with_kvcache"] == 0
     assert rt.q_saturation() > 0
-
-
-def test_check_mode_warn_runs_and_warns_and_off_counts_only_where_free(tmp_path, fakes):
+    # warn: runs and warns; off: counts only where it is free
     rt = _load(_static_table(tmp_path), check_q_range="warn")
     with pytest.warns(UserWarning, match="q elements exceed q_amax"):
         rt.custom_kernel(_scaled(TRITON_SHAPE, 8.0))
