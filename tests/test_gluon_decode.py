@@ -308,11 +308,16 @@ def test_spin_is_refused_for_a_grid_the_gpu_cannot_hold_at_once():
 
 
 # ----------------------------------------------------------------------------- H200
+@pytest.fixture
+def gluon_gpu():
+    """Skips the test where gluon_fused cannot run (no sm_90 GPU, or no Gluon API it calls)."""
+    if gluon_fused.unavailable_reason():
+        pytest.skip(gluon_fused.unavailable_reason())
+
+
 def h200(test):
-    """Marks a test `gpu` and skips it where gluon_fused cannot run (no sm_90 GPU, or a Triton
-    without the Gluon API the kernel calls)."""
-    reason = gluon_fused.unavailable_reason()
-    return pytest.mark.gpu(pytest.mark.skipif(reason is not None, reason=str(reason))(test))
+    """A `gpu` test that needs gluon_fused to run (the gluon_gpu fixture)."""
+    return pytest.mark.gpu(pytest.mark.usefixtures("gluon_gpu")(test))
 
 
 GPU_VARIANTS = [

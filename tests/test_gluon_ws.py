@@ -16,8 +16,10 @@ from mla_tune.backends import gluon_fused
 from mla_tune.core import QK_DIM, Shape, Variant
 from mla_tune.gpu import fake_platform
 from mla_tune.kernels import gluon_decode
+from tests import test_gluon_decode
 from tests.test_gluon_decode import _GdBufs, check_against_both, expect, h200, run_gluon
 
+gluon_gpu = test_gluon_decode.gluon_gpu  # the fixture h200 tests use
 BASE = dict(kv="fp8", q="fp8_dynamic", block_n=64, num_stages=3, num_splits=1, v_path="rs8")
 
 
