@@ -1,13 +1,10 @@
-"""What each backend can do is declared once, in its CAPABILITIES, and read from there: the
-registry's helpers, the sweep's plan, the dispatcher's ragged check, the precompile default,
-the provenance's vendor versions, the runtime's version check and the export."""
+"""Each backend's CAPABILITIES, declared once and read by the registry, the sweep, the
+dispatcher, the precompile default, the provenance, the runtime and the export."""
 
 from __future__ import annotations
 
 import ast
 import re
-import sys
-import textwrap
 import types
 import warnings
 from importlib import metadata
@@ -19,7 +16,6 @@ import yaml
 from mla_tune import gpu, runtime
 from mla_tune.backends import (
     BACKEND_MODULES,
-    EXTRA_BACKENDS_ENV,
     PLUGIN_CAPABILITIES,
     baseline_backend,
     capabilities,
@@ -42,6 +38,7 @@ from mla_tune.tune.config import (
 )
 from mla_tune.tune.sweep import plan_candidates, run_sweep
 from tests.fakes import capture
+from tests.helpers import register_backends
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = gpu.Platform("cpu", "cpu", "cpu", False, 0)
@@ -59,31 +56,8 @@ def _config(backends: dict, shapes=((2, 64),)):
 
 @pytest.fixture
 def plugin(tmp_path, monkeypatch):
-    """plugin(name, body): register a backend module with `body` (plus NAME and the
-    protocol's minimum) as backend `name`, for this test only."""
-    monkeypatch.syspath_prepend(str(tmp_path))
-    registered = []
-
-    def make(name: str, body: str = "") -> types.ModuleType:
-        module = f"capsplug_{name}"
-        (tmp_path / f"{module}.py").write_text(textwrap.dedent(f"""
-            from mla_tune.core import Capabilities, Variant
-            NAME = {name!r}
-            def unavailable_reason():
-                return None
-            def candidates(shape, space, platform):
-                return [Variant.make(NAME, kv="bf16", q="bf16")]
-            def build(variant, shape, device):
-                raise AssertionError("not built in these tests")
-        """) + textwrap.dedent(body))
-        monkeypatch.delitem(sys.modules, module, raising=False)
-        registered.append(f"{name}={module}")
-        monkeypatch.setenv(EXTRA_BACKENDS_ENV, ",".join(registered))
-        return get_backend(name)
-
-    yield make
-    for item in registered:
-        sys.modules.pop(item.split("=")[1], None)
+    """plugin(name, body): backend `name` of `body` (tests.helpers.register_backends)."""
+    return lambda name, body="": register_backends(tmp_path, monkeypatch, {name: body})
 
 
 # ------------------------------------------------------------------ the records themselves

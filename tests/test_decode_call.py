@@ -1,5 +1,5 @@
-"""The one decode call (mla_tune/serving/call.py) over the own backends' serving runners, against
-the fp32 reference; the full matrix is in tests/test_serving_correctness.py."""
+"""The one decode call (Decoder, decode) over the own serving runners, against the fp32
+reference; the full matrix is in tests/test_serving_correctness.py."""
 
 from __future__ import annotations
 
@@ -23,8 +23,7 @@ CPU = Platform("cpu", "cpu", "cpu", False, 0)
 
 @pytest.fixture(autouse=True)
 def _fresh_decoders():
-    """Each test builds its own Decoders (decode() keeps them per spec otherwise)."""
-    clear_decoders()
+    clear_decoders()  # decode() keeps a Decoder per spec otherwise
     yield
     clear_decoders()
 
@@ -63,8 +62,7 @@ def test_a_split_k_variant_with_a_batch_budget_splits_by_batch_size(device):
 
 
 def test_the_output_buffer_is_allocated_once_and_reused(device):
-    """No allocation per call: the same buffer for the same and for fewer new tokens; a
-    larger call grows it once (at least doubling), and it stays."""
+    """The same buffer for the same and for fewer new tokens; a larger call grows it once."""
     spec = CallSpec("bf16", 16, 16, max_q_len=2, mixed_q_len=True)
     for backend in OWN:
         decoder = Decoder(spec, backend=backend, device=device)
@@ -85,8 +83,7 @@ def test_the_output_buffer_is_allocated_once_and_reused(device):
 
 @pytest.mark.parametrize("backend", OWN)
 def test_a_padded_graph_slot_of_length_0_does_not_crash(backend, device):
-    """A CUDA graph padded past the live batch carries seq_len 0: its rows are
-    unspecified, every other sequence is right."""
+    """A graph padded past the live batch carries seq_len 0: every other sequence is right."""
     inp = serving.make_input([1, 1, 1], [40, 5, 100], 16, 16, "fp8", seed=23, device=device)
     ref = inp.reference()
     inp.seq_lens[1] = 0
@@ -270,14 +267,13 @@ def test_build_and_build_serving_take_only_their_own_parameter_set(backend):
     module.validate(leaderboard)
     with pytest.raises(ValueError, match="leaderboard variant"):
         module.build_serving(leaderboard, spec, "cpu")
-    with pytest.raises(ValueError, match="make the variant with kv=fp8"):
-        module.build_serving(serving_variant.with_params(kv="bf16"), spec, "cpu")
-    with pytest.raises(ValueError, match="use block_h=8"):
-        module.build_serving(serving_variant.with_params(block_h=4), spec, "cpu")
-    with pytest.raises(ValueError, match="must divide 32 heads"):
-        module.build_serving(serving_variant.with_params(block_h=64),
-                             CallSpec("fp8", 64, 32, max_q_len=2, mixed_q_len=True), "cpu")
+    h32 = CallSpec("fp8", 64, 32, max_q_len=2, mixed_q_len=True)
+    q8 = CallSpec("fp8", 64, 128, max_q_len=8)
+    for change, call_spec, message in ((dict(kv="bf16"), spec, "make the variant with kv=fp8"),
+                                       (dict(block_h=4), spec, "use block_h=8"),
+                                       (dict(block_h=64), h32, "must divide 32 heads"),
+                                       ({}, q8, "q_len up to 4, not 8")):
+        with pytest.raises(ValueError, match=message):
+            module.build_serving(serving_variant.with_params(**change), call_spec, "cpu")
     with pytest.raises(ValueError, match="q_len up to 4, not 8"):
-        module.build_serving(serving_variant, CallSpec("fp8", 64, 128, max_q_len=8), "cpu")
-    with pytest.raises(ValueError, match="q_len up to 4, not 8"):
-        module.default_serving_variant(CallSpec("fp8", 64, 128, max_q_len=8), CPU)
+        module.default_serving_variant(q8, CPU)

@@ -1,10 +1,6 @@
-"""A CUDA graph of the serving call replays new lengths: one test per path, GPU only.
-
-Each graph is captured once at the maxima (serving.capture_without_sync: sync debug mode
-"error"), replayed with other lengths, q_lens and block tables (serving.refill_for_replays),
-each output poisoned with NaN first and compared with the fp32 reference of the new call:
-the Decoder of every graph-safe serving backend on the H200, and a DecodePlan's whole step.
-"""
+"""A CUDA graph of the serving call (every graph-safe backend's Decoder, a DecodePlan's step),
+captured once at the maxima and replayed with other lengths, q_lens and block tables, each
+output poisoned with NaN and compared with the fp32 reference of the new call."""
 
 from __future__ import annotations
 

@@ -51,21 +51,20 @@ def test_an_undeclared_uint8_cache_is_refused_by_every_path():
     raw = inp.kv.view(torch.uint8)
     plan = DecodePlan(SPEC, max_batch=4)
     plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
-    with pytest.raises(ValueError, match="cache_dtype='uint8'"):
-        plan.run(inp.q, raw, inp.kv_scale)
-    with pytest.raises(ValueError, match="cache_dtype='uint8'"):
-        plan.run_checked(inp.q, raw, inp.kv_scale)
+    for run in (plan.run, plan.run_checked):
+        with pytest.raises(ValueError, match="cache_dtype='uint8'"):
+            run(inp.q, raw, inp.kv_scale)
     decoder = Decoder(SPEC)
     with pytest.raises(ValueError, match="cache_dtype='uint8'"):
         decoder(inp.q, inp.qo_indptr, raw, inp.kv_scale, **inp.layout)
     with pytest.raises(ValueError, match="kv.view"):
         decode(inp.q, inp.qo_indptr, raw, inp.kv_scale, **inp.layout)
-    with pytest.raises(ValueError, match="kv is uint8"):  # the runner beneath, called directly
-        decoder.runner(inp.q, inp.qo_indptr, raw, inp.kv_scale, **inp.layout)
-    runner = get_backend("triton_fused").build_serving(
-        get_backend("triton_fused").default_serving_variant(SPEC, decoder.platform), SPEC, "cpu")
-    with pytest.raises(ValueError, match="kv is uint8"):
-        runner(inp.q, inp.qo_indptr, raw, inp.kv_scale, **inp.layout)
+    fused = get_backend("triton_fused")
+    fused_runner = fused.build_serving(fused.default_serving_variant(SPEC, decoder.platform), SPEC,
+                                       "cpu")
+    for runner in (decoder.runner, fused_runner):  # the runners beneath, called directly
+        with pytest.raises(ValueError, match="kv is uint8"):
+            runner(inp.q, inp.qo_indptr, raw, inp.kv_scale, **inp.layout)
     # and the right cache still runs after the refusals
     _close(plan.run(inp.q, inp.kv, inp.kv_scale).clone(), inp)
     # a bf16 plan refuses an fp8 cache
