@@ -20,7 +20,8 @@ def add_backends(tmp_path, monkeypatch):
     """add_backends({name: (Capabilities arguments, extra source)}): made-up backends (no rule
     knows their names), registered by tests.helpers.register_backends."""
     return lambda specs: register_backends(tmp_path, monkeypatch, {
-        name: f"CAPABILITIES = Capabilities({caps})\n{extra}" for name, (caps, extra) in specs.items()})
+        name: f"CAPABILITIES = Capabilities({caps})\n{extra}"
+        for name, (caps, extra) in specs.items()})
 
 
 # ------------------------------------------------ the runtime's version-drift note

@@ -65,10 +65,13 @@ def test_the_fakes_have_flashinfer_0_6_18s_and_flash_mla_1_0_0s_signatures(fakes
     # FlashMLA 1.0.0's
     fm = fakes["flash_mla"]
     names = [n for n, _, _ in _names(fm.flash_mla_with_kvcache)]
-    assert names[:6] == ["q", "k_cache", "block_table", "cache_seqlens", "head_dim_v", "tile_scheduler_metadata"]
-    assert names[-5:] == ["enable_batch_invariant", "use_legacy", "kv_format", "descale_q", "descale_k"]
+    assert names[:6] == ["q", "k_cache", "block_table", "cache_seqlens", "head_dim_v",
+                         "tile_scheduler_metadata"]
+    assert names[-5:] == ["enable_batch_invariant", "use_legacy", "kv_format", "descale_q",
+                          "descale_k"]
     assert [n for n, _, _ in _names(fm.get_mla_decoding_metadata)] == [
-        "seqlens_k", "num_q_tokens_per_head_k", "h_k", "h_q", "is_fp8_kvcache", "topk", "use_legacy"]
+        "seqlens_k", "num_q_tokens_per_head_k", "h_k", "h_q", "is_fp8_kvcache", "topk",
+        "use_legacy"]
     assert fm.__version__ == "1.0.0" and fm.has_legacy()
 
 
