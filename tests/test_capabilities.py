@@ -96,7 +96,7 @@ def test_every_builtin_backend_declares_a_record_its_candidates_and_validate_agr
                     _config({name: {key: [value]}})
 
 
-def test_the_registry_names_the_baseline_the_ragged_readers_and_the_vendors_from_the_records():
+def test_the_registry_and_the_precompile_defaults_read_the_records():
     assert baseline_backend() == "torch" and capabilities("torch").baseline
     assert [n for n in BACKEND_MODULES if capabilities(n).baseline] == ["torch"]
     assert ragged_backends() == frozenset({"triton"})
@@ -105,6 +105,10 @@ def test_the_registry_names_the_baseline_the_ragged_readers_and_the_vendors_from
     assert None not in vendor_distributions()
     for name in ("triton", "triton_fused", "gluon_fused", "torch"):
         assert capabilities(name).vendor is None  # torch and triton are recorded anyway
+    for name in BACKEND_MODULES:
+        assert default_precompile(name) is capabilities(name).precompile
+    assert _config({"torch": {}, "triton": {}}).precompile == {"torch": False, "triton": True}
+    assert _config({"triton": {"precompile": False}}).precompile == {"triton": False}  # config wins
 
 
 def test_a_plugin_without_a_record_gets_the_conservative_default(plugin):
@@ -231,14 +235,6 @@ def test_the_dispatcher_refuses_a_ragged_batch_for_a_backend_whose_record_says_u
     uniform = generate_input(2, 5, seed=1, device="cpu")
     assert Dispatcher({}, {"triton_fused": build}, lambda shape: fused, warn_on_miss=False,
                       ragged_backends=frozenset())(*uniform[:4]) == "ran"
-
-
-def test_precompile_defaults_follow_the_records():
-    for name in BACKEND_MODULES:
-        flag = capabilities(name).precompile
-        assert default_precompile(name) is flag
-    assert _config({"torch": {}, "triton": {}}).precompile == {"torch": False, "triton": True}
-    assert _config({"triton": {"precompile": False}}).precompile == {"triton": False}  # the config's word wins
 
 
 def test_software_versions_record_each_vendor_the_records_name(plugin, monkeypatch):

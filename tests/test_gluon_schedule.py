@@ -28,14 +28,11 @@ def _variant(max_splits=16, tokens_per_split=512, block_h=16, v_halves=1, split_
                         v_halves=v_halves, **extra)
 
 
-def test_the_backend_owns_this_schedule_model():
-    assert schedule_module("gluon_fused") is gl
-    assert gl.TILE == GS_BN
-
-
-def test_the_split_rule_is_the_kernels():
+def test_the_backends_schedule_model_splits_as_the_kernel_does():
     """gluon_splits is gs_num_splits, with and without a batch budget, empty sequences
     included; each split holds per tokens but the last, which holds the rest (> 0)."""
+    assert schedule_module("gluon_fused") is gl
+    assert gl.TILE == GS_BN
     rng = random.Random(7)
     for _ in range(300):
         lens = np.asarray([int(2 ** rng.uniform(0, 16.5)) * (rng.random() > 0.1) for _ in range(rng.randint(1, 64))])

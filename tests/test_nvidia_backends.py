@@ -139,16 +139,13 @@ def test_flashinfer_runner_refuses_another_shape(fakes, data):
 
 
 # --------------------------------------------------------------------- FlashMLA
-def test_flash_mla_candidates_need_sm90_and_whole_pages():
+def test_flash_mla_candidates_and_build_need_sm90_whole_pages_and_a_q_amax(fakes):
     space = {"kv": ["bf16", "fp8"], "q": ["bf16", "fp8_dynamic", "fp8_static"]}
     assert [str(v) for v in flash_mla.candidates(Shape(4, 1024), space, H200)] == [
         "flashmla(kv=bf16,q=bf16)", "flashmla(kv=fp8,q=fp8_dynamic)", "flashmla(kv=fp8,q=fp8_static)"]
     assert flash_mla.candidates(Shape(4, 1000), space, H200) == []
     assert flash_mla.candidates(Shape(4, 1024), space, MI355X) == []
     assert flash_mla.candidates(Shape(4, 1024), space, gpu.fake_platform("A100")) == []
-
-
-def test_flash_mla_build_refuses_partial_pages_and_missing_q_amax(fakes):
     with pytest.raises(ValueError, match="kv_len 96 is not a multiple of 64"):
         flash_mla.build(Variant.make("flashmla", kv="bf16", q="bf16"), Shape(2, 96), "cpu")
     with pytest.raises(ValueError, match="q_amax"):
