@@ -66,9 +66,7 @@ def test_a_captured_serving_call_replays_new_lengths_and_block_tables(case):
     max_q = 2 if backend.CAPABILITIES.mixed_q_len else 1
     spec = CallSpec(kv, page_size=layout, heads=HEADS, max_q_len=max_q, mixed_q_len=max_q > 1, graph=True,
                     host_lengths=backend.CAPABILITIES.host_lengths)
-    variant = None
-    if setting:
-        variant = Variant.make(name, kv=kv, **SETTINGS[name])
+    variant = Variant.make(name, kv=kv, **SETTINGS[name]) if setting else None
     decoder = Decoder(spec, backend=name, variant=variant, device="cuda")
     q_lens = serving.GRAPH_Q_LENS if max_q > 1 else [1] * len(serving.GRAPH_KV_LENS)
     static = serving.make_input(q_lens, serving.GRAPH_KV_LENS, HEADS, layout, kv, seed=41, device="cuda")
