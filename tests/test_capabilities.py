@@ -262,7 +262,7 @@ def test_software_versions_record_each_vendor_the_records_name(plugin, monkeypat
     assert [str(w.message) for w in caught if "acme-mla is 1.0 but this process has 2.0" in str(w.message)]
 
 
-def test_the_runtime_names_a_backend_whose_record_excludes_this_platform():
+def test_the_runtime_and_the_sweep_name_a_backend_whose_record_excludes_the_platform():
     # on the plain CPU a GPU backend's own reason speaks (a CPU fake of a vendor may stand in)
     assert runtime.backend_unavailable("gluon_fused", CPU) == get_backend("gluon_fused").unavailable_reason()
     assert runtime.backend_unavailable("gluon_fused", CPU)
@@ -271,9 +271,7 @@ def test_the_runtime_names_a_backend_whose_record_excludes_this_platform():
     assert runtime.backend_unavailable("torch", CPU) is None
     assert runtime.backend_unavailable("aiter", PLATFORMS["H200"]).startswith(
         "it runs on hip/gfx942 or hip/gfx950, not on H200")
-
-
-def test_the_sweep_skips_a_backend_whose_record_excludes_the_platform_with_its_reason():
+    # the sweep skips it, with that reason
     config = _config({"torch": {}, "triton": {}, "gluon_fused": {}})
     planned = plan_candidates(config, CPU)
     assert planned.unavailable == {"gluon_fused": get_backend("gluon_fused").unavailable_reason()}

@@ -92,7 +92,7 @@ def test_a_padded_graph_slot_of_length_0_does_not_crash(backend, device):
     assert_close(out[0::2], ref[0::2], 1e-2, f"{backend} live sequences")
 
 
-def test_lengths_on_the_host_are_required_once_the_spec_says_so(device):
+def test_a_decoder_checks_host_lengths_q_len_and_kv_scale_against_its_spec(device):
     inp = serving.make_input([2, 1], [9, 40], 16, 0, "bf16", seed=9, device=device)
     out = decode(inp.q, inp.qo_indptr, inp.kv, **inp.layout, max_q_len=2,
                  q_lens_host=inp.q_lens, kv_lens_host=inp.kv_lens)
@@ -100,6 +100,13 @@ def test_lengths_on_the_host_are_required_once_the_spec_says_so(device):
     decoder = Decoder(CallSpec("bf16", 0, 16, 2, True, host_lengths=True), device=device)
     with pytest.raises(ValueError, match="pass q_lens_host and kv_lens_host"):
         decoder(inp.q, inp.qo_indptr, inp.kv, **inp.layout, q_lens_host=inp.q_lens)
+    decoder = Decoder(CallSpec("bf16"), device="cpu")  # one new token each
+    inp = serving.make_input([2, 1], [9, 40], 16, 0, "bf16", seed=8)
+    with pytest.raises(ValueError, match="max_q_len 1"):
+        decoder(inp.q, inp.qo_indptr, inp.kv, **inp.layout)
+    with pytest.raises(ValueError, match="takes no kv_scale"):
+        one = serving.make_input([1, 1], [9, 40], 16, 0, "bf16", seed=8)
+        decoder(one.q, one.qo_indptr, one.kv, torch.ones(1), **one.layout)
 
 
 def test_decode_keeps_one_decoder_per_spec_and_picks_the_own_split_k_kernel_first(device, monkeypatch):
@@ -190,16 +197,6 @@ def test_a_call_that_does_not_match_its_decoder_is_refused_before_launch(name):
     edit, message = MISMATCHES[name]
     with pytest.raises(ValueError, match=message):
         decoder(**{**args, **edit(inp, _fp8(page_size=0))})
-
-
-def test_one_new_token_each_is_checked_against_the_spec():
-    decoder = Decoder(CallSpec("bf16"), device="cpu")
-    inp = serving.make_input([2, 1], [9, 40], 16, 0, "bf16", seed=8)
-    with pytest.raises(ValueError, match="max_q_len 1"):
-        decoder(inp.q, inp.qo_indptr, inp.kv, **inp.layout)
-    with pytest.raises(ValueError, match="takes no kv_scale"):
-        one = serving.make_input([1, 1], [9, 40], 16, 0, "bf16", seed=8)
-        decoder(one.q, one.qo_indptr, one.kv, torch.ones(1), **one.layout)
 
 
 # ---------------------------------------------------------------- variants and specs
