@@ -50,7 +50,8 @@ def test_a_declared_uint8_cache_is_read_as_fp8_and_kv_scale_may_be_a_python_floa
         plan.run(inp.q, raw, -1.0)
     decoder = Decoder(SPEC)
     kept = decoder.inputs.scale(scale)
-    assert kept.dtype == torch.float32 and tuple(kept.shape) == (1,) and decoder.inputs.scale(scale) is kept
+    assert kept.dtype == torch.float32 and tuple(kept.shape) == (1,)
+    assert decoder.inputs.scale(scale) is kept
     _close(decoder(inp.q, inp.qo_indptr, inp.kv, scale, **inp.layout).clone(), inp)
 
 
