@@ -310,3 +310,34 @@ def assert_clean_export(path: Path) -> str:
     assert "from task import input_t, output_t" in text
     assert text.count("from __future__ import annotations") == 1
     return text
+
+
+# --- group e ---
+_BACKEND_HEAD = '''
+from mla_tune.core import Capabilities, Variant
+NAME = {name!r}
+def unavailable_reason():
+    return None
+def candidates(shape, space, platform):
+    return [Variant.make(NAME, kv="bf16", q="bf16")]
+def build(variant, shape, device):
+    raise ValueError("a test backend builds nothing")
+'''
+
+
+def register_backends(tmp_path: Path, monkeypatch, bodies: dict[str, str]):
+    """Each name of bodies a backend module in tmp_path (NAME and the protocol's minimum, then
+    its body), registered by MLA_TUNE_EXTRA_BACKENDS (with those registered before) for this
+    test only; the first one's module."""
+    from mla_tune.backends import EXTRA_BACKENDS_ENV, get_backend
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    entries = [e for e in os.environ.get(EXTRA_BACKENDS_ENV, "").split(",") if e]
+    for name, body in bodies.items():
+        module = f"group_e_backend_{name}"
+        source = _BACKEND_HEAD.format(name=name) + textwrap.dedent(body)
+        (tmp_path / f"{module}.py").write_text(source)
+        sys.modules.pop(module, None)
+        entries.append(f"{name}={module}")
+    monkeypatch.setenv(EXTRA_BACKENDS_ENV, ",".join(entries))
+    return get_backend(next(iter(bodies)))

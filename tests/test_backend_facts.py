@@ -1,65 +1,27 @@
-"""Rules read a fact the backend declares (a CAPABILITIES field, a module hook), not its name:
-made-up backends (MLA_TUNE_EXTRA_BACKENDS) follow the fact, today's keep their behaviour."""
+"""Rules read a fact a backend declares (a CAPABILITIES field, a hook), not its name: made-up
+backends follow the fact, today's keep their behaviour."""
 
 from __future__ import annotations
-
-import sys
-import textwrap
 
 import pytest
 
 from mla_tune import backends, runtime
-from mla_tune.backends import EXTRA_BACKENDS_ENV, aiter_mla, drift_note, triton_splitk
+from mla_tune.backends import aiter_mla, drift_note, triton_splitk
 from mla_tune.core import Shape, Variant
 from mla_tune.gpu import fake_platform
 from mla_tune.serving.time_picks import vendor_backends, with_budget
 from mla_tune.xcompile import check as xcheck
 from mla_tune.xcompile.capture import captured
-from tests.helpers import cpu_table
-
-MODULE_HEAD = '''
-from __future__ import annotations
-
-from mla_tune.core import Capabilities
-
-NAME = "{name}"
-CAPABILITIES = Capabilities({caps})
-
-
-def unavailable_reason():
-    return None
-
-
-def candidates(shape, space, platform):
-    return []
-
-
-def build(variant, shape, device):
-    raise ValueError("a test backend builds nothing")
-'''
+from tests.helpers import cpu_table, register_backends
 
 
 @pytest.fixture
 def add_backends(tmp_path, monkeypatch):
-    """add_backends({name: (capabilities arguments, extra module source)}): each one a module
-    in tmp_path registered by MLA_TUNE_EXTRA_BACKENDS (names made up: no rule knows them)."""
-    added = []
-
-    def add(specs: dict[str, tuple[str, str]]) -> None:
-        entries = []
-        for name, (caps, extra) in specs.items():
-            module = f"hb_facts_{name}"
-            source = textwrap.dedent(MODULE_HEAD).format(name=name, caps=caps) + textwrap.dedent(extra)
-            (tmp_path / f"{module}.py").write_text(source)
-            sys.modules.pop(module, None)
-            added.append(module)
-            entries.append(f"{name}={module}")
-        monkeypatch.syspath_prepend(str(tmp_path))
-        monkeypatch.setenv(EXTRA_BACKENDS_ENV, ",".join(entries))
-
-    yield add
-    for module in added:
-        sys.modules.pop(module, None)
+    """add_backends({name: (Capabilities arguments, extra source)}): made-up backends (no rule
+    knows their names), registered by tests.helpers.register_backends."""
+    return lambda specs: register_backends(tmp_path, monkeypatch, {
+        name: f"CAPABILITIES = Capabilities({caps})\n{extra}"
+        for name, (caps, extra) in specs.items()})
 
 
 # ------------------------------------------------ the runtime's version-drift note

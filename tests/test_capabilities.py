@@ -1,13 +1,10 @@
-"""What each backend can do is declared once, in its CAPABILITIES, and read from there: the
-registry's helpers, the sweep's plan, the dispatcher's ragged check, the precompile default,
-the provenance's vendor versions, the runtime's version check and the export."""
+"""Each backend's CAPABILITIES, declared once and read by the registry, the sweep, the
+dispatcher, the precompile default, the provenance, the runtime and the export."""
 
 from __future__ import annotations
 
 import ast
 import re
-import sys
-import textwrap
 import types
 import warnings
 from importlib import metadata
@@ -19,7 +16,6 @@ import yaml
 from mla_tune import gpu, runtime
 from mla_tune.backends import (
     BACKEND_MODULES,
-    EXTRA_BACKENDS_ENV,
     PLUGIN_CAPABILITIES,
     baseline_backend,
     capabilities,
@@ -42,6 +38,7 @@ from mla_tune.tune.config import (
 )
 from mla_tune.tune.sweep import plan_candidates, run_sweep
 from tests.fakes import capture
+from tests.helpers import register_backends
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = gpu.Platform("cpu", "cpu", "cpu", False, 0)
@@ -59,31 +56,8 @@ def _config(backends: dict, shapes=((2, 64),)):
 
 @pytest.fixture
 def plugin(tmp_path, monkeypatch):
-    """plugin(name, body): register a backend module with `body` (plus NAME and the
-    protocol's minimum) as backend `name`, for this test only."""
-    monkeypatch.syspath_prepend(str(tmp_path))
-    registered = []
-
-    def make(name: str, body: str = "") -> types.ModuleType:
-        module = f"capsplug_{name}"
-        (tmp_path / f"{module}.py").write_text(textwrap.dedent(f"""
-            from mla_tune.core import Capabilities, Variant
-            NAME = {name!r}
-            def unavailable_reason():
-                return None
-            def candidates(shape, space, platform):
-                return [Variant.make(NAME, kv="bf16", q="bf16")]
-            def build(variant, shape, device):
-                raise AssertionError("not built in these tests")
-        """) + textwrap.dedent(body))
-        monkeypatch.delitem(sys.modules, module, raising=False)
-        registered.append(f"{name}={module}")
-        monkeypatch.setenv(EXTRA_BACKENDS_ENV, ",".join(registered))
-        return get_backend(name)
-
-    yield make
-    for item in registered:
-        sys.modules.pop(item.split("=")[1], None)
+    """plugin(name, body): backend `name` of `body` (tests.helpers.register_backends)."""
+    return lambda name, body="": register_backends(tmp_path, monkeypatch, {name: body})
 
 
 # ------------------------------------------------------------------ the records themselves
@@ -122,7 +96,7 @@ def test_every_builtin_backend_declares_a_record_its_candidates_and_validate_agr
                     _config({name: {key: [value]}})
 
 
-def test_the_registry_names_the_baseline_the_ragged_readers_and_the_vendors_from_the_records():
+def test_the_registry_and_the_precompile_defaults_read_the_records():
     assert baseline_backend() == "torch" and capabilities("torch").baseline
     assert [n for n in BACKEND_MODULES if capabilities(n).baseline] == ["torch"]
     assert ragged_backends() == frozenset({"triton"})
@@ -131,6 +105,10 @@ def test_the_registry_names_the_baseline_the_ragged_readers_and_the_vendors_from
     assert None not in vendor_distributions()
     for name in ("triton", "triton_fused", "gluon_fused", "torch"):
         assert capabilities(name).vendor is None  # torch and triton are recorded anyway
+    for name in BACKEND_MODULES:
+        assert default_precompile(name) is capabilities(name).precompile
+    assert _config({"torch": {}, "triton": {}}).precompile == {"torch": False, "triton": True}
+    assert _config({"triton": {"precompile": False}}).precompile == {"triton": False}  # config wins
 
 
 def test_a_plugin_without_a_record_gets_the_conservative_default(plugin):
@@ -195,7 +173,6 @@ def test_the_builtin_records_refuse_what_their_libraries_cannot_serve():
     assert capabilities("torch").refusal(contiguous) == "it serves the leaderboard's call only (no build_serving)"
     # the Gluon serving kernel reads a 64-token tile from one page: pages of 64 or 128, or contiguous
     assert capabilities("gluon_fused").refusal(CallSpec("fp8", 64, heads=128, max_q_len=4)) is None
-    assert "not pages of 16" in capabilities("gluon_fused").refusal(CallSpec("fp8", 16))
     assert "not the contiguous layout" in capabilities("flashmla").refusal(contiguous)  # 64-token pages only
     assert capabilities("triton_fused").refusal(CallSpec("mxfp4", 16)) == "it reads bf16, fp8 KV, not mxfp4"
     assert "host_lengths" in capabilities("flashinfer").refusal(CallSpec("bf16", 16))
@@ -260,14 +237,6 @@ def test_the_dispatcher_refuses_a_ragged_batch_for_a_backend_whose_record_says_u
                       ragged_backends=frozenset())(*uniform[:4]) == "ran"
 
 
-def test_precompile_defaults_follow_the_records():
-    for name in BACKEND_MODULES:
-        flag = capabilities(name).precompile
-        assert default_precompile(name) is flag
-    assert _config({"torch": {}, "triton": {}}).precompile == {"torch": False, "triton": True}
-    assert _config({"triton": {"precompile": False}}).precompile == {"triton": False}  # the config's word wins
-
-
 def test_software_versions_record_each_vendor_the_records_name(plugin, monkeypatch):
     plugin("acme", 'CAPABILITIES = Capabilities(kv_formats=("bf16",), vendor="acme-mla")\n')
     installed = {"acme-mla": "2.0", vendor_distributions()[0]: "1.5"}
@@ -293,7 +262,7 @@ def test_software_versions_record_each_vendor_the_records_name(plugin, monkeypat
     assert [str(w.message) for w in caught if "acme-mla is 1.0 but this process has 2.0" in str(w.message)]
 
 
-def test_the_runtime_names_a_backend_whose_record_excludes_this_platform():
+def test_the_runtime_and_the_sweep_name_a_backend_whose_record_excludes_the_platform():
     # on the plain CPU a GPU backend's own reason speaks (a CPU fake of a vendor may stand in)
     assert runtime.backend_unavailable("gluon_fused", CPU) == get_backend("gluon_fused").unavailable_reason()
     assert runtime.backend_unavailable("gluon_fused", CPU)
@@ -302,9 +271,7 @@ def test_the_runtime_names_a_backend_whose_record_excludes_this_platform():
     assert runtime.backend_unavailable("torch", CPU) is None
     assert runtime.backend_unavailable("aiter", PLATFORMS["H200"]).startswith(
         "it runs on hip/gfx942 or hip/gfx950, not on H200")
-
-
-def test_the_sweep_skips_a_backend_whose_record_excludes_the_platform_with_its_reason():
+    # the sweep skips it, with that reason
     config = _config({"torch": {}, "triton": {}, "gluon_fused": {}})
     planned = plan_candidates(config, CPU)
     assert planned.unavailable == {"gluon_fused": get_backend("gluon_fused").unavailable_reason()}

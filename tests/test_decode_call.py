@@ -1,5 +1,5 @@
-"""The one decode call (mla_tune/serving/call.py) over the own backends' serving runners, against
-the fp32 reference; the full matrix is in tests/test_serving_correctness.py."""
+"""The one decode call (Decoder, decode) over the own serving runners, against the fp32
+reference; the full matrix is in tests/test_serving_correctness.py."""
 
 from __future__ import annotations
 
@@ -23,8 +23,7 @@ CPU = Platform("cpu", "cpu", "cpu", False, 0)
 
 @pytest.fixture(autouse=True)
 def _fresh_decoders():
-    """Each test builds its own Decoders (decode() keeps them per spec otherwise)."""
-    clear_decoders()
+    clear_decoders()  # decode() keeps a Decoder per spec otherwise
     yield
     clear_decoders()
 
@@ -63,8 +62,7 @@ def test_a_split_k_variant_with_a_batch_budget_splits_by_batch_size(device):
 
 
 def test_the_output_buffer_is_allocated_once_and_reused(device):
-    """No allocation per call: the same buffer for the same and for fewer new tokens; a
-    larger call grows it once (at least doubling), and it stays."""
+    """The same buffer for the same and for fewer new tokens; a larger call grows it once."""
     spec = CallSpec("bf16", 16, 16, max_q_len=2, mixed_q_len=True)
     for backend in OWN:
         decoder = Decoder(spec, backend=backend, device=device)
@@ -85,8 +83,7 @@ def test_the_output_buffer_is_allocated_once_and_reused(device):
 
 @pytest.mark.parametrize("backend", OWN)
 def test_a_padded_graph_slot_of_length_0_does_not_crash(backend, device):
-    """A CUDA graph padded past the live batch carries seq_len 0: its rows are
-    unspecified, every other sequence is right."""
+    """A graph padded past the live batch carries seq_len 0: every other sequence is right."""
     inp = serving.make_input([1, 1, 1], [40, 5, 100], 16, 16, "fp8", seed=23, device=device)
     ref = inp.reference()
     inp.seq_lens[1] = 0
@@ -95,7 +92,7 @@ def test_a_padded_graph_slot_of_length_0_does_not_crash(backend, device):
     assert_close(out[0::2], ref[0::2], 1e-2, f"{backend} live sequences")
 
 
-def test_lengths_on_the_host_are_required_once_the_spec_says_so(device):
+def test_a_decoder_checks_host_lengths_q_len_and_kv_scale_against_its_spec(device):
     inp = serving.make_input([2, 1], [9, 40], 16, 0, "bf16", seed=9, device=device)
     out = decode(inp.q, inp.qo_indptr, inp.kv, **inp.layout, max_q_len=2,
                  q_lens_host=inp.q_lens, kv_lens_host=inp.kv_lens)
@@ -103,6 +100,13 @@ def test_lengths_on_the_host_are_required_once_the_spec_says_so(device):
     decoder = Decoder(CallSpec("bf16", 0, 16, 2, True, host_lengths=True), device=device)
     with pytest.raises(ValueError, match="pass q_lens_host and kv_lens_host"):
         decoder(inp.q, inp.qo_indptr, inp.kv, **inp.layout, q_lens_host=inp.q_lens)
+    decoder = Decoder(CallSpec("bf16"), device="cpu")  # one new token each
+    inp = serving.make_input([2, 1], [9, 40], 16, 0, "bf16", seed=8)
+    with pytest.raises(ValueError, match="max_q_len 1"):
+        decoder(inp.q, inp.qo_indptr, inp.kv, **inp.layout)
+    with pytest.raises(ValueError, match="takes no kv_scale"):
+        one = serving.make_input([1, 1], [9, 40], 16, 0, "bf16", seed=8)
+        decoder(one.q, one.qo_indptr, one.kv, torch.ones(1), **one.layout)
 
 
 def test_decode_keeps_one_decoder_per_spec_and_picks_the_own_split_k_kernel_first(device, monkeypatch):
@@ -195,16 +199,6 @@ def test_a_call_that_does_not_match_its_decoder_is_refused_before_launch(name):
         decoder(**{**args, **edit(inp, _fp8(page_size=0))})
 
 
-def test_one_new_token_each_is_checked_against_the_spec():
-    decoder = Decoder(CallSpec("bf16"), device="cpu")
-    inp = serving.make_input([2, 1], [9, 40], 16, 0, "bf16", seed=8)
-    with pytest.raises(ValueError, match="max_q_len 1"):
-        decoder(inp.q, inp.qo_indptr, inp.kv, **inp.layout)
-    with pytest.raises(ValueError, match="takes no kv_scale"):
-        one = serving.make_input([1, 1], [9, 40], 16, 0, "bf16", seed=8)
-        decoder(one.q, one.qo_indptr, one.kv, torch.ones(1), **one.layout)
-
-
 # ---------------------------------------------------------------- variants and specs
 PLATFORMS = [CPU, fake_platform("H200"), Platform("gpu78", "gpu78", "sm_89", False, 78)]
 
@@ -270,14 +264,13 @@ def test_build_and_build_serving_take_only_their_own_parameter_set(backend):
     module.validate(leaderboard)
     with pytest.raises(ValueError, match="leaderboard variant"):
         module.build_serving(leaderboard, spec, "cpu")
-    with pytest.raises(ValueError, match="make the variant with kv=fp8"):
-        module.build_serving(serving_variant.with_params(kv="bf16"), spec, "cpu")
-    with pytest.raises(ValueError, match="use block_h=8"):
-        module.build_serving(serving_variant.with_params(block_h=4), spec, "cpu")
-    with pytest.raises(ValueError, match="must divide 32 heads"):
-        module.build_serving(serving_variant.with_params(block_h=64),
-                             CallSpec("fp8", 64, 32, max_q_len=2, mixed_q_len=True), "cpu")
+    h32 = CallSpec("fp8", 64, 32, max_q_len=2, mixed_q_len=True)
+    q8 = CallSpec("fp8", 64, 128, max_q_len=8)
+    for change, call_spec, message in ((dict(kv="bf16"), spec, "make the variant with kv=fp8"),
+                                       (dict(block_h=4), spec, "use block_h=8"),
+                                       (dict(block_h=64), h32, "must divide 32 heads"),
+                                       ({}, q8, "q_len up to 4, not 8")):
+        with pytest.raises(ValueError, match=message):
+            module.build_serving(serving_variant.with_params(**change), call_spec, "cpu")
     with pytest.raises(ValueError, match="q_len up to 4, not 8"):
-        module.build_serving(serving_variant, CallSpec("fp8", 64, 128, max_q_len=8), "cpu")
-    with pytest.raises(ValueError, match="q_len up to 4, not 8"):
-        module.default_serving_variant(CallSpec("fp8", 64, 128, max_q_len=8), CPU)
+        module.default_serving_variant(q8, CPU)

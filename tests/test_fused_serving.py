@@ -1,6 +1,5 @@
-"""The fused one-launch serving kernel (fused_decode_serving) against the fp32 reference,
-under the interpreter with fp16 dots: fp8 q, odd page sizes, q_len 3, a padding slot, its
-counters and refusals. Output and partials are poisoned with NaN first."""
+"""fused_decode_serving against the fp32 reference (fp16 dots on the CPU), output and partials
+poisoned with NaN first: fp8 q, odd page sizes, q_len 3, a padding slot, counters, refusals."""
 
 from __future__ import annotations
 

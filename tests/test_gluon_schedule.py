@@ -1,8 +1,5 @@
-"""gluon_fused's serving schedule model (mla_tune/backends/gluon_fused_schedule.py): its
-replay of the kernel's split rule and shared memory, and what its makespan tells a ragged
-batch from a uniform one. Its C replay against the numpy one is in
-tests/test_native_replays.py; the fit and the estimate it shares with the split-K model are
-in tests/test_splitk_cost.py (mla_tune/backends/makespan.py)."""
+"""gluon_fused's serving schedule model: its replay of the kernel's split rule and shared
+memory, and what its makespan tells a ragged batch from a uniform one."""
 
 from __future__ import annotations
 
@@ -31,15 +28,11 @@ def _variant(max_splits=16, tokens_per_split=512, block_h=16, v_halves=1, split_
                         v_halves=v_halves, **extra)
 
 
-def test_the_backend_owns_this_schedule_model():
+def test_the_backends_schedule_model_splits_as_the_kernel_does():
+    """gluon_splits is gs_num_splits, with and without a batch budget, empty sequences
+    included; each split holds per tokens but the last, which holds the rest (> 0)."""
     assert schedule_module("gluon_fused") is gl
     assert gl.TILE == GS_BN
-
-
-def test_the_split_rule_is_the_kernels():
-    """gluon_splits against gluon_serving.gs_num_splits (the kernels' integer rule), with
-    and without a batch budget, empty sequences included; each split holds per tokens but
-    the last, which holds what is left (more than 0)."""
     rng = random.Random(7)
     for _ in range(300):
         lens = np.asarray([int(2 ** rng.uniform(0, 16.5)) * (rng.random() > 0.1) for _ in range(rng.randint(1, 64))])
@@ -68,9 +61,8 @@ def test_the_occupancy_is_what_the_shared_memory_holds():
 
 
 def test_a_ragged_batchs_long_sequence_waits_on_a_small_split_cap():
-    """One 64k sequence among short ones: at max_splits 16 its 16 long programs bound the
-    call, at 64 they are a quarter as long; a uniform batch of short sequences (fewer
-    splits than either cap) has the same makespan under both."""
+    """One 64k sequence among short ones bounds the call at max_splits 16, far less at 64; a
+    uniform short batch (fewer splits than either cap) has the same makespan under both."""
     ragged = [64000] + [1000] * 31
     few = gl.gluon_schedule(ragged, 16, _params(max_splits=16), 2, 132)
     many = gl.gluon_schedule(ragged, 16, _params(max_splits=64), 2, 132)
@@ -81,8 +73,8 @@ def test_a_ragged_batchs_long_sequence_waits_on_a_small_split_cap():
 
 
 def test_more_programs_per_split_take_longer_past_a_wave():
-    """Two V halves or 8-head tiles double the programs per split: past the slots, the
-    makespan grows; within one wave, it does not."""
+    """Two V halves or 8-head tiles double the programs per split: past a wave the makespan
+    grows, within one it does not."""
     lens = [8192] * 64
     base = gl.gluon_schedule(lens, 16, _params(), 1, 132)
     assert gl.gluon_schedule(lens, 16, _params(v_halves=2), 1, 132) > 1.5 * base

@@ -1,5 +1,5 @@
 """The Gluon serving kernel's CPU-checkable parts: its split rule, its split reduction (plain
-Triton, under the interpreter) and gluon_fused's serving capability, variants and refusals."""
+Triton) and gluon_fused's serving record, variants and refusals."""
 
 from __future__ import annotations
 
@@ -167,8 +167,7 @@ def test_serving_variants_are_refused_by_name():
 
 
 def test_a_table_entry_naming_a_serving_variant_passes_the_tables_rules():
-    # The table's check reads backends/params.py (no torch): it must know the serving form,
-    # with the kernel's split cap, or a table with a Gluon pick fails to load.
+    # the table's check (backends/params.py, no torch) knows the serving form and its split cap
     from mla_tune.backends.params import PARAM_RULES, PR_GS_MAX_SPLITS, check_variant_rules
     from mla_tune.tables.table import TableError, check_variant_field
 

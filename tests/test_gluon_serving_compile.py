@@ -1,7 +1,6 @@
-"""The Gluon serving kernel (kernels/gluon_serving.py) compiles for sm_90 without a GPU,
-without spilling, within an H200 block's shared memory: the launches of gluon_fused's runner
-called on meta tensors, compiled in a child process (TRITON_INTERPRET's jit cannot compile).
-Under Triton 3.6: `/work/venv36/bin/python -m pytest -q tests/test_gluon_serving_compile.py`."""
+"""The Gluon serving kernel's launches (on meta tensors, compiled in a child process) compile
+for sm_90 without a GPU, without spills, within an H200 block's shared memory. Under Triton
+3.6: `/work/venv36/bin/python -m pytest -q tests/test_gluon_serving_compile.py`."""
 
 from __future__ import annotations
 

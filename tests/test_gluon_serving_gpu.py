@@ -1,9 +1,6 @@
-"""The Gluon serving kernel (through gluon_fused.build_serving) against the fp32 reference on
-an H200 at DeepSeek-V3's scale, strict rule, NaN in unused cache slots; and the Decoder's call
-captured in a CUDA graph and replayed with new lengths, q_lens and block tables. For fp8 KV
-the reference's q is quantized as the kernel does (a scale per (new token, head), amax / 448):
-a per-tensor scale differs by more than the strict rule allows. Each family and graph case
-runs in its own spawned process (a pool of up to 8), each case reporting its first error."""
+"""The Gluon serving kernel against the fp32 reference on an H200 at DeepSeek-V3's scale,
+strict rule, eager and replayed from a CUDA graph; for fp8 KV the reference's q is quantized
+per (new token, head) as the kernel does. Each family runs in its own spawned process."""
 
 from __future__ import annotations
 

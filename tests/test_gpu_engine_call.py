@@ -1,6 +1,6 @@
-"""The engine's call on the H200 at DeepSeek-V3's softmax scale through the real FlashMLA and
-FlashInfer and the own kernels: output (strict rule; relative L2 5e-2 for FlashMLA's fp8 kernel,
-which rounds P to fp8) and LSE against the fp32 reference; a uint8 fp8 cache through a plan."""
+"""The engine's call on the H200 at DeepSeek-V3's scale through FlashMLA, FlashInfer and the own
+kernels: output (strict; relative L2 5e-2 for FlashMLA's fp8 kernel, which rounds P to fp8) and
+LSE against the fp32 reference; a uint8 fp8 cache through a plan."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, CallSpec, Shape
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.call import Decoder
 from mla_tune.serving.decode_plan import DecodePlan
+from tests.helpers import row_quantized_q
 
 pytestmark = pytest.mark.gpu
 DSV3 = CORE_DEEPSEEK_V3_SCALE
@@ -106,12 +107,8 @@ def test_gluon_fused_build_takes_the_scale():
     data = problem.generate_input(shape.batch, shape.kv_len, seed=9, device="cuda")
     out = gluon.build(variant, shape, "cuda", sm_scale=DSV3)(*data[:4])
     torch.cuda.synchronize()
-    # gluon_fused's q has a scale per (sequence, head), amax / 448; per tensor fails strict at
-    # this scale, so the reference quantizes q as the kernel does.
-    q = data[0].float()
-    q_scale = q.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 448.0
-    q_rows = (q / q_scale).to(torch.float8_e4m3fn).float() * q_scale
-    rowwise = (q_rows, *data[1:])  # fp32 q: reference("bf16", ...) takes it as it is
+    # q quantized as the kernel does, per (sequence, head): per tensor fails strict at this scale
+    rowwise = (row_quantized_q(data[0]), *data[1:])  # fp32 q: reference("bf16", ...) takes it as is
     ref = problem.reference(rowwise, "bf16", "fp8", sm_scale=DSV3)
     assert problem.check(out, ref, problem.RULES["strict"]).passed
     assert not problem.check(out, problem.reference(rowwise, "bf16", "fp8"), problem.RULES["strict"]).passed

@@ -1,10 +1,6 @@
-"""A CUDA graph of the serving call replays new lengths: one test per path, GPU only.
-
-Each graph is captured once at the maxima (serving.capture_without_sync: sync debug mode
-"error"), replayed with other lengths, q_lens and block tables (serving.refill_for_replays),
-each output poisoned with NaN first and compared with the fp32 reference of the new call:
-the Decoder of every graph-safe serving backend on the H200, and a DecodePlan's whole step.
-"""
+"""A CUDA graph of the serving call (every graph-safe backend's Decoder, a DecodePlan's step),
+captured once at the maxima and replayed with other lengths, q_lens and block tables, each
+output poisoned with NaN and compared with the fp32 reference of the new call."""
 
 from __future__ import annotations
 
@@ -70,9 +66,7 @@ def test_a_captured_serving_call_replays_new_lengths_and_block_tables(case):
     max_q = 2 if backend.CAPABILITIES.mixed_q_len else 1
     spec = CallSpec(kv, page_size=layout, heads=HEADS, max_q_len=max_q, mixed_q_len=max_q > 1, graph=True,
                     host_lengths=backend.CAPABILITIES.host_lengths)
-    variant = None
-    if setting:
-        variant = Variant.make(name, kv=kv, **SETTINGS[name])
+    variant = Variant.make(name, kv=kv, **SETTINGS[name]) if setting else None
     decoder = Decoder(spec, backend=name, variant=variant, device="cuda")
     q_lens = serving.GRAPH_Q_LENS if max_q > 1 else [1] * len(serving.GRAPH_KV_LENS)
     static = serving.make_input(q_lens, serving.GRAPH_KV_LENS, HEADS, layout, kv, seed=41, device="cuda")

@@ -21,19 +21,16 @@ MXFP4_FUSED = Variant.make("triton_fused", kv="mxfp4", q="bf16", qk_dot="fp16", 
                            block_n=16, num_warps=4, num_stages=1, num_splits=1, reduce="none")
 
 
-class _Spy:
-    def __init__(self):
-        self.built = []
+def _dispatcher(variant: Variant) -> tuple[Dispatcher, list]:
+    """A dispatcher for variant at 1x8 and the variants it built."""
+    built = []
 
-    def __call__(self, variant, shape, device):
-        self.built.append(variant)
+    def build(picked, shape, device):
+        built.append(picked)
         return lambda *args: "ran"
 
-
-def _dispatcher(variant: Variant) -> tuple[Dispatcher, _Spy]:
-    spy = _Spy()
-    return Dispatcher({(1, 8): variant}, {variant.backend: spy}, lambda s: variant, warn_on_miss=False,
-                      ragged_backends=frozenset()), spy
+    return Dispatcher({(1, 8): variant}, {variant.backend: build}, lambda s: variant,
+                      warn_on_miss=False, ragged_backends=frozenset()), built
 
 
 def _with(data, fmt, entry):
@@ -43,7 +40,7 @@ def _with(data, fmt, entry):
 
 @pytest.mark.parametrize("check_indptr", [False, True])
 def test_fp8_kv_as_uint8_bytes_is_refused_with_the_view_to_use(check_indptr):
-    dispatcher, spy = _dispatcher(FP8_TRITON)
+    dispatcher, built = _dispatcher(FP8_TRITON)
     data = generate_input(1, 8, seed=1, device="cpu")
     kv8, scale = data[1]["fp8"]
     as_bytes = _with(data, "fp8", (kv8.view(torch.uint8), scale))  # how vLLM keeps an fp8 cache
@@ -53,13 +50,13 @@ def test_fp8_kv_as_uint8_bytes_is_refused_with_the_view_to_use(check_indptr):
     for other in (torch.int8, torch.float8_e5m2):  # other bytes are not e4m3 codes either
         with pytest.raises(ValueError, match="fp8 KV must have an fp8 dtype"):
             dispatcher(*_with(data, "fp8", (kv8.view(other), scale))[:4], kv_len=8, check_indptr=check_indptr)
-    assert spy.built == []
+    assert built == []
     viewed = _with(data, "fp8", (kv8.view(torch.uint8).view(torch.float8_e4m3fn), scale))
     assert dispatcher(*viewed[:4], kv_len=8, check_indptr=check_indptr) == "ran"
 
 
 def test_a_python_float_scale_is_refused_in_one_line():
-    dispatcher, spy = _dispatcher(FP8_TRITON)
+    dispatcher, built = _dispatcher(FP8_TRITON)
     data = generate_input(1, 8, seed=1, device="cpu")
     kv8, scale = data[1]["fp8"]
     for bad in (float(scale), None, [float(scale)]):
@@ -68,11 +65,11 @@ def test_a_python_float_scale_is_refused_in_one_line():
             dispatcher(*_with(data, "fp8", (kv8, bad))[:4], kv_len=8, check_indptr=False)
     with pytest.raises(ValueError, match="kv_data\\[\"fp8\"\\]\\[0\\] must be a tensor, got float"):
         dispatcher(*_with(data, "fp8", (1.0, scale))[:4], kv_len=8, check_indptr=False)
-    fused, fused_spy = _dispatcher(MXFP4_FUSED)
+    fused, fused_built = _dispatcher(MXFP4_FUSED)
     packed, scales = data[1]["mxfp4"]
     with pytest.raises(ValueError, match="mxfp4 scales must be a .* tensor of E8M0 bytes, got float"):
         fused(*_with(data, "mxfp4", (packed, 1.0))[:4], kv_len=8, check_indptr=False)
-    assert spy.built == [] and fused_spy.built == []
+    assert built == [] and fused_built == []
 
 
 def _table_with(tmp_path, variant: Variant) -> Path:

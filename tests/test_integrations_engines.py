@@ -1,27 +1,19 @@
-"""The engine backends (mla_tune/integrations/vllm.py, sglang.py) against fakes of vLLM
-0.33.0 and SGLang 0.5.23 that enforce the real hook signatures: engine-like loops (2 layers,
-3 steps, graph and eager plans) at DeepSeek-V3's scale against the fp32 reference."""
+"""The vLLM and SGLang backends against fakes of vLLM 0.33.0 and SGLang 0.5.23 that enforce
+the real hooks: engine loops (2 layers, 3 steps, graph and eager plans) at DeepSeek-V3's scale."""
 
 from __future__ import annotations
 
-import importlib.util
-import math
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from mla_tune import problem
+from mla_tune.core import CORE_DEEPSEEK_V3_SCALE as SCALE
 from mla_tune.core import QK_DIM, SM_SCALE, V_DIM
 from mla_tune.serving import inputs as serving
+from tests.fakes import engine_fakes
 
-FAKES = Path(__file__).resolve().parent / "fakes"
-_spec = importlib.util.spec_from_file_location("engine_fakes", FAKES / "engine_fakes.py")
-engine_fakes = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(engine_fakes)
-
-SCALE = (0.1 * math.log(40.0) + 1.0) ** 2 / math.sqrt(192.0)  # DeepSeek-V3's, about 0.1352
 HEADS, LAYERS = 16, 2
 
 

@@ -1,6 +1,5 @@
-"""The engine loops of tests/test_integrations_engines.py (still the fakes) on CUDA, the
-layers captured once in a CUDA graph and replayed for 3 steps whose lengths grow, each step's
-metadata hook outside the graph, every layer checked against the fp32 reference."""
+"""The engine loops of tests/test_integrations_engines.py on CUDA: layers captured once, replayed
+for 3 growing steps (metadata hooks outside the graph), each against the fp32 reference."""
 
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ def test_unavailable_reasons_name_the_missing_library(fakes, monkeypatch):
     assert flash_mla.unavailable_reason().startswith("FlashMLA cannot be imported")
 
 
-def test_flashinfer_fake_has_the_0_6_18_signatures(fakes):
+def test_the_fakes_have_flashinfer_0_6_18s_and_flash_mla_1_0_0s_signatures(fakes):
     wrapper = fakes["flashinfer"].mla.BatchMLAPagedAttentionWrapper
     empty = inspect.Parameter.empty
     pk, kw = "POSITIONAL_OR_KEYWORD", "KEYWORD_ONLY"
@@ -62,6 +62,17 @@ def test_flashinfer_fake_has_the_0_6_18_signatures(fakes):
                                         ("ckv_scale_arr", kw, None), ("kpe_scale", kw, None)]
     assert _names(wrapper.__init__)[1:3] == [("float_workspace_buffer", pk, empty), ("use_cuda_graph", pk, False)]
     assert fakes["flashinfer"].__version__ == "0.6.18.post1"
+    # FlashMLA 1.0.0's
+    fm = fakes["flash_mla"]
+    names = [n for n, _, _ in _names(fm.flash_mla_with_kvcache)]
+    assert names[:6] == ["q", "k_cache", "block_table", "cache_seqlens", "head_dim_v",
+                         "tile_scheduler_metadata"]
+    assert names[-5:] == ["enable_batch_invariant", "use_legacy", "kv_format", "descale_q",
+                          "descale_k"]
+    assert [n for n, _, _ in _names(fm.get_mla_decoding_metadata)] == [
+        "seqlens_k", "num_q_tokens_per_head_k", "h_k", "h_q", "is_fp8_kvcache", "topk",
+        "use_legacy"]
+    assert fm.__version__ == "1.0.0" and fm.has_legacy()
 
 
 def test_flashinfer_candidates_follow_the_platform():
@@ -128,26 +139,13 @@ def test_flashinfer_runner_refuses_another_shape(fakes, data):
 
 
 # --------------------------------------------------------------------- FlashMLA
-def test_flash_mla_fake_has_the_1_0_0_signatures(fakes):
-    fm = fakes["flash_mla"]
-    names = [n for n, _, _ in _names(fm.flash_mla_with_kvcache)]
-    assert names[:6] == ["q", "k_cache", "block_table", "cache_seqlens", "head_dim_v", "tile_scheduler_metadata"]
-    assert names[-5:] == ["enable_batch_invariant", "use_legacy", "kv_format", "descale_q", "descale_k"]
-    assert [n for n, _, _ in _names(fm.get_mla_decoding_metadata)] == [
-        "seqlens_k", "num_q_tokens_per_head_k", "h_k", "h_q", "is_fp8_kvcache", "topk", "use_legacy"]
-    assert fm.__version__ == "1.0.0" and fm.has_legacy()
-
-
-def test_flash_mla_candidates_need_sm90_and_whole_pages():
+def test_flash_mla_candidates_and_build_need_sm90_whole_pages_and_a_q_amax(fakes):
     space = {"kv": ["bf16", "fp8"], "q": ["bf16", "fp8_dynamic", "fp8_static"]}
     assert [str(v) for v in flash_mla.candidates(Shape(4, 1024), space, H200)] == [
         "flashmla(kv=bf16,q=bf16)", "flashmla(kv=fp8,q=fp8_dynamic)", "flashmla(kv=fp8,q=fp8_static)"]
     assert flash_mla.candidates(Shape(4, 1000), space, H200) == []
     assert flash_mla.candidates(Shape(4, 1024), space, MI355X) == []
     assert flash_mla.candidates(Shape(4, 1024), space, gpu.fake_platform("A100")) == []
-
-
-def test_flash_mla_build_refuses_partial_pages_and_missing_q_amax(fakes):
     with pytest.raises(ValueError, match="kv_len 96 is not a multiple of 64"):
         flash_mla.build(Variant.make("flashmla", kv="bf16", q="bf16"), Shape(2, 96), "cpu")
     with pytest.raises(ValueError, match="q_amax"):

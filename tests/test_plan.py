@@ -1,5 +1,5 @@
-"""DecodePlan (mla_tune/serving/decode_plan.py): planned once, updated per step, run per layer,
-its picks from a small serving table built here, each result against the fp32 reference."""
+"""DecodePlan: planned once, updated per step, run per layer, picking from a small serving
+table built here; each result against the fp32 reference."""
 
 from __future__ import annotations
 
@@ -52,13 +52,17 @@ def _close(out, ref, what: str = ""):
     assert result.passed, f"{what}: {result}"
 
 
+def _checked_step(plan: DecodePlan, kv_lens: list[int], seed: int, what: str = "", **update):
+    """One step (update, then run, checked against the reference); the variant it picked."""
+    inp, picked = _step(plan, kv_lens, seed, **update)
+    _close(plan.run(inp.q, inp.kv, inp.kv_scale), inp.reference(), what)
+    return picked
+
+
 def test_a_plan_without_a_table_runs_the_default_variant_correctly_and_reuses_its_buffers():
     plan = DecodePlan(SPEC, max_batch=4)
     assert plan.variants == [plan.pick(3)]
-    inp, picked = _step(plan, [1, 17, 63, 65], seed=1)
-    assert picked.backend == "triton"  # the preferred backend's default
-    out = plan.run(inp.q, inp.kv, inp.kv_scale)
-    _close(out, inp.reference())
+    assert _checked_step(plan, [1, 17, 63, 65], seed=1).backend == "triton"  # the default
     # runs reuse the buffers warm allocated
     plan = DecodePlan(SPEC, max_batch=8)
     inp, _ = _step(plan, [3, 70], seed=7)
@@ -71,52 +75,50 @@ def test_the_plan_builds_every_pick_up_front_and_picks_by_bucket_and_mean_length
     plan = DecodePlan(SPEC, max_batch=8, table=_table())
     assert set(plan.variants) == {plan._default.variant, GRAPH_4, EAGER_4_256, GRAPH_8}
     # eager: batch 3 -> bucket 4; mean length 200 -> kv bucket 256: the cell
-    inp, picked = _step(plan, [190, 200, 210], seed=2, mean_kv_len=200)
-    assert picked == EAGER_4_256
-    _close(plan.run(inp.q, inp.kv, inp.kv_scale), inp.reference())
+    assert _checked_step(plan, [190, 200, 210], seed=2, mean_kv_len=200) == EAGER_4_256
     # eager, mean 40 -> kv bucket 32: no cell there, so the bucket's nearest cell (256)
-    inp, picked = _step(plan, [30, 40, 50], seed=3, mean_kv_len=40)
-    assert picked == EAGER_4_256 and plan.misses == {}
-    _close(plan.run(inp.q, inp.kv, inp.kv_scale), inp.reference())
+    assert _checked_step(plan, [30, 40, 50], seed=3, mean_kv_len=40) == EAGER_4_256
+    assert plan.misses == {}
     # batch 1 -> bucket 2: nothing there at all, so the default, counted as a miss
-    inp, picked = _step(plan, [40], seed=3, mean_kv_len=40)
-    assert picked == plan._default.variant and plan.misses == {"batch 2, kv_len ~40": 1}
-    _close(plan.run(inp.q, inp.kv, inp.kv_scale), inp.reference())
+    assert _checked_step(plan, [40], seed=3, mean_kv_len=40) == plan._default.variant
+    assert plan.misses == {"batch 2, kv_len ~40": 1}
     # no mean length known: the graph pick of the bucket
-    inp = serving.make_input([1] * 6, [5, 9, 300, 17, 2, 64], 16, 16, "bf16", seed=4, device=plan.device)
+    inp = serving.make_input([1] * 6, [5, 9, 300, 17, 2, 64], 16, 16, "bf16", seed=4,
+                             device=plan.device)
     assert plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens) == GRAPH_8
     _close(plan.run(inp.q, inp.kv, inp.kv_scale), inp.reference())
     # the mean from host lengths
-    inp, picked = _step(plan, [250, 260, 270], seed=5, kv_lens_host=[250, 260, 270])
-    assert picked == EAGER_4_256
+    lens = [250, 260, 270]
+    assert _checked_step(plan, lens, seed=5, kv_lens_host=lens) == EAGER_4_256
 
 
 def test_an_eager_plan_builds_the_point_variants_and_picks_the_fastest_estimate():
     table = _table()
     fam = table.families[FamilyKey.of(SPEC)]
     # measured points: the graph pick of 8 is estimated fastest near 256
-    fam.points = {(4, 32): {EAGER_4_256: 5.0, GRAPH_8: 9.0}, (4, 256): {EAGER_4_256: 20.0, GRAPH_8: 12.0},
-                  (8, 32): {EAGER_4_256: 6.0, GRAPH_8: 9.5}, (8, 256): {EAGER_4_256: 24.0, GRAPH_8: 13.0}}
+    fam.points = {(4, 32): {EAGER_4_256: 5.0, GRAPH_8: 9.0},
+                  (4, 256): {EAGER_4_256: 20.0, GRAPH_8: 12.0},
+                  (8, 32): {EAGER_4_256: 6.0, GRAPH_8: 9.5},
+                  (8, 256): {EAGER_4_256: 24.0, GRAPH_8: 13.0}}
     plan = DecodePlan(SPEC, max_batch=4, table=table)
     assert GRAPH_8 in plan.variants  # a point variant, though no cell or graph pick <= 4 has it
-    inp, picked = _step(plan, [240, 250, 260], seed=11, kv_lens_host=[240, 250, 260])
-    assert picked == GRAPH_8
-    _close(plan.run(inp.q, inp.kv, inp.kv_scale), inp.reference(), "the estimated pick")
-    inp, picked = _step(plan, [30, 40, 50], seed=12, kv_lens_host=[30, 40, 50])
-    assert picked == EAGER_4_256
+    long, short = [240, 250, 260], [30, 40, 50]
+    assert _checked_step(plan, long, 11, "the estimated pick", kv_lens_host=long) == GRAPH_8
+    assert _step(plan, short, seed=12, kv_lens_host=short)[1] == EAGER_4_256
 
 
 def test_an_eager_plan_does_the_lookups_one_off_work_when_it_is_made(monkeypatch):
-    """The split-K rates over the points (a makespan per point) are computed at plan creation,
-    not in the engine's first step."""
+    """The split-K rates over the points are computed when the plan is made, not at step one."""
     table = _table()
     key = FamilyKey.of(SPEC)
     fam = table.families[key]
     fam.points = {(4, 32): {GRAPH_4: 5.0, GRAPH_8: 9.0}, (4, 256): {GRAPH_4: 20.0, GRAPH_8: 12.0}}
-    fam.models = {GRAPH_4: SplitKModel(GRAPH_4, occupancy=1, overhead_us=1.0, sm_count=132, fit_error=0.0)}
+    fam.models = {GRAPH_4: SplitKModel(GRAPH_4, occupancy=1, overhead_us=1.0, sm_count=132,
+                                       fit_error=0.0)}
     made = []
     real = SplitKModel.point_rate
-    monkeypatch.setattr(SplitKModel, "point_rate", lambda self, *a: made.append(a[1:3]) or real(self, *a))
+    monkeypatch.setattr(SplitKModel, "point_rate",
+                        lambda self, *a: made.append(a[1:3]) or real(self, *a))
     DecodePlan(SPEC, max_batch=4, table=table, warm=False)
     assert sorted(made) == [(4, 32), (4, 256)]  # each point's rate once, at the plan
     assert set(table.estimator.derived("rates", fam)) == {(4, 32), (4, 256)} and len(made) == 2
@@ -129,9 +131,8 @@ def test_a_graph_plan_ignores_lengths_and_takes_the_graph_pick():
     table.families[FamilyKey.of(spec)] = fam
     plan = DecodePlan(spec, max_batch=4, table=table)
     assert EAGER_4_256 not in plan.variants  # eager cells are not built for a graph plan
-    inp, picked = _step(plan, [190, 200, 210], seed=6, kv_lens_host=[190, 200, 210])
-    assert picked == GRAPH_4
-    _close(plan.run(inp.q, inp.kv, inp.kv_scale), inp.reference())
+    lens = [190, 200, 210]
+    assert _checked_step(plan, lens, seed=6, kv_lens_host=lens) == GRAPH_4
 
 
 def test_a_step_the_plan_was_not_made_for_is_refused_and_a_table_without_the_family_warns():

@@ -1,9 +1,6 @@
-"""The serving call (Decoder) of every serving backend against the fp32 reference.
-
-GPU: each backend's declared cells of layout x heads x q_len x KV (read from CAPABILITIES)
-at DeepSeek-V3's softmax scale (CallSpec.sm_scale), with a few settings per cell. CPU: the
-own kernels under Triton's interpreter over a sample covering every pair of factors. Every
-case calls twice, the first answer and the partials poisoned with NaN."""
+"""The Decoder of every serving backend against the fp32 reference, called twice (the first
+answer and the partials poisoned with NaN). GPU: each declared cell at DeepSeek-V3's scale, a
+few settings per cell. CPU: the own kernels over a sample covering every pair of factors."""
 
 from __future__ import annotations
 
@@ -159,8 +156,9 @@ def test_every_declared_cell_matches_the_reference_on_the_gpu(case):
         _assert_close(out, _expected(variant, inp), max_error(variant, "cuda"), f"{cell_id(case)} {variant}")
 
 
-def test_the_gpu_matrix_covers_every_backend_layout_heads_q_len_and_kv():
-    """Every declared cell and odd cell, split-K setting, q mode and fused setting is in it."""
+def test_the_gpu_matrix_covers_every_cell_and_setting_and_its_variants_build(monkeypatch):
+    """Every declared cell and odd cell, split-K setting, q mode and fused setting is in it; on
+    the CPU each case's variants validate, and the own ones build."""
     cases = {name: {tuple(c[1:]) for c in GPU_CASES if c[0] == name} for name in _serving_backends()}
     assert {"flashmla", "flashinfer"} <= set(OTHERS)
     assert cases["triton"] == set(GRID) | set(ODD_CELLS)
@@ -174,10 +172,6 @@ def test_the_gpu_matrix_covers_every_backend_layout_heads_q_len_and_kv():
     assert {s[0] for s in settings} == {1, 8, 16} and {s[1] for s in settings} == {True, False}
     assert {s[2] for s in settings} == {"bf16", "fp8_dynamic"}
     assert all(len(_fused_variants(*c[1:])) == (3 if c[3] == "fp8" else 2) for c in cases["triton_fused"])
-
-
-def test_every_variant_of_the_gpu_matrix_validates_and_builds(monkeypatch):
-    """On the CPU: each GPU case's variants validate, and the own ones build."""
     vendor_fakes.install(monkeypatch, "flash_mla", "flashinfer")
     h200 = gpu.fake_platform("H200")
     built = 0
@@ -189,7 +183,8 @@ def test_every_variant_of_the_gpu_matrix_validates_and_builds(monkeypatch):
             if name in OWN:
                 get_backend(name).build_serving(variant, spec, "cpu")  # allocates on its first call
                 built += 1
-    assert built == 54 * 2 + 100 * 3 + 51  # default + rotated; default + 2 bf16 settings (+ fp8 q on fp8 KV)
+    # split-K: default + rotated; fused: default + 2 bf16 settings (+ fp8 q on fp8 KV)
+    assert built == 54 * 2 + 100 * 3 + 51
 
 
 # ------------------------------------------------------------------------------ CPU

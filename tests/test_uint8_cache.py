@@ -35,7 +35,7 @@ def test_callspec_takes_uint8_for_fp8_only():
 
 
 @pytest.mark.parametrize("backend", ["triton", "triton_fused"])
-def test_a_declared_uint8_cache_is_read_as_fp8_by_run_and_run_checked(backend):
+def test_a_declared_uint8_cache_is_read_as_fp8_and_kv_scale_may_be_a_python_float(backend):
     inp = _input()
     plan = DecodePlan(BYTES, max_batch=4, backend=backend)
     plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
@@ -44,6 +44,15 @@ def test_a_declared_uint8_cache_is_read_as_fp8_by_run_and_run_checked(backend):
     _close(plan.run_checked(inp.q, raw, inp.kv_scale).clone(), inp)
     with pytest.raises(ValueError, match="uint8 tensor of fp8 bytes"):
         plan.run(inp.q, inp.kv, inp.kv_scale)  # the spec said bytes
+    scale = float(inp.kv_scale)
+    _close(plan.run(inp.q, raw, scale).clone(), inp)
+    with pytest.raises(ValueError, match="positive and finite"):
+        plan.run(inp.q, raw, -1.0)
+    decoder = Decoder(SPEC)
+    kept = decoder.inputs.scale(scale)
+    assert kept.dtype == torch.float32 and tuple(kept.shape) == (1,)
+    assert decoder.inputs.scale(scale) is kept
+    _close(decoder(inp.q, inp.qo_indptr, inp.kv, scale, **inp.layout).clone(), inp)
 
 
 def test_an_undeclared_uint8_cache_is_refused_by_every_path():
@@ -51,21 +60,20 @@ def test_an_undeclared_uint8_cache_is_refused_by_every_path():
     raw = inp.kv.view(torch.uint8)
     plan = DecodePlan(SPEC, max_batch=4)
     plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
-    with pytest.raises(ValueError, match="cache_dtype='uint8'"):
-        plan.run(inp.q, raw, inp.kv_scale)
-    with pytest.raises(ValueError, match="cache_dtype='uint8'"):
-        plan.run_checked(inp.q, raw, inp.kv_scale)
+    for run in (plan.run, plan.run_checked):
+        with pytest.raises(ValueError, match="cache_dtype='uint8'"):
+            run(inp.q, raw, inp.kv_scale)
     decoder = Decoder(SPEC)
     with pytest.raises(ValueError, match="cache_dtype='uint8'"):
         decoder(inp.q, inp.qo_indptr, raw, inp.kv_scale, **inp.layout)
     with pytest.raises(ValueError, match="kv.view"):
         decode(inp.q, inp.qo_indptr, raw, inp.kv_scale, **inp.layout)
-    with pytest.raises(ValueError, match="kv is uint8"):  # the runner beneath, called directly
-        decoder.runner(inp.q, inp.qo_indptr, raw, inp.kv_scale, **inp.layout)
-    runner = get_backend("triton_fused").build_serving(
-        get_backend("triton_fused").default_serving_variant(SPEC, decoder.platform), SPEC, "cpu")
-    with pytest.raises(ValueError, match="kv is uint8"):
-        runner(inp.q, inp.qo_indptr, raw, inp.kv_scale, **inp.layout)
+    fused = get_backend("triton_fused")
+    fused_runner = fused.build_serving(fused.default_serving_variant(SPEC, decoder.platform), SPEC,
+                                       "cpu")
+    for runner in (decoder.runner, fused_runner):  # the runners beneath, called directly
+        with pytest.raises(ValueError, match="kv is uint8"):
+            runner(inp.q, inp.qo_indptr, raw, inp.kv_scale, **inp.layout)
     # and the right cache still runs after the refusals
     _close(plan.run(inp.q, inp.kv, inp.kv_scale).clone(), inp)
     # a bf16 plan refuses an fp8 cache
@@ -73,17 +81,3 @@ def test_an_undeclared_uint8_cache_is_refused_by_every_path():
     plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
     with pytest.raises(ValueError, match="kv must be bf16"):
         plan.run(inp.q, inp.kv, inp.kv_scale)
-
-
-def test_kv_scale_may_be_a_python_float():
-    inp = _input()
-    scale = float(inp.kv_scale)
-    plan = DecodePlan(BYTES, max_batch=4)
-    plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
-    _close(plan.run(inp.q, inp.kv.view(torch.uint8), scale).clone(), inp)
-    decoder = Decoder(SPEC)
-    kept = decoder.inputs.scale(scale)
-    assert kept.dtype == torch.float32 and tuple(kept.shape) == (1,) and decoder.inputs.scale(scale) is kept
-    _close(decoder(inp.q, inp.qo_indptr, inp.kv, scale, **inp.layout).clone(), inp)
-    with pytest.raises(ValueError, match="positive and finite"):
-        plan.run(inp.q, inp.kv.view(torch.uint8), -1.0)

@@ -1,6 +1,5 @@
-"""FlashMLA, FlashInfer and AITER behind the serving call (build_serving), against the fp32
-reference, on the CPU through tests/fakes: every cell their CAPABILITIES declare runs, every
-other cell is refused. On the H200 (`-m gpu`): a padded slot of length 0, real libraries."""
+"""FlashMLA, FlashInfer and AITER's serving call against the fp32 reference through tests/fakes:
+declared cells run, the rest are refused. On the H200 (`-m gpu`): a padded slot of length 0."""
 
 from __future__ import annotations
 
@@ -43,7 +42,8 @@ def _cells(name: str, served: bool) -> list[tuple]:
 SERVED = [c for name in BACKENDS for c in _cells(name, True)]
 # FlashMLA's fp8 cells at 128 heads and q_len 2 or 4 are left out on the CPU (their q quantizer
 # takes ~100 s under the interpreter); their wiring is checked by the neighbouring cells.
-CPU_SERVED = [c for c in SERVED if not (c[0] == "flashmla" and c[2] == 128 and c[3] > 1 and c[4] == "fp8")]
+CPU_SERVED = [c for c in SERVED
+              if not (c[0] == "flashmla" and c[2] == 128 and c[3] > 1 and c[4] == "fp8")]
 REFUSED = [c for name in BACKENDS for c in _cells(name, False)]
 
 
@@ -66,23 +66,29 @@ def _assert_close(out: torch.Tensor, ref: torch.Tensor, max_error: float, what: 
     assert_close(out[:ref.shape[0]], ref, max_error, what)
 
 
+def _runner(name, *cell, platform=H200, device="cpu", **extra):
+    """The cell's spec, its default serving variant and that variant's runner."""
+    spec = cell_spec(name, *cell, **extra)
+    variant = BACKENDS[name].default_serving_variant(spec, platform)
+    return spec, variant, BACKENDS[name].build_serving(variant, spec, device)
+
+
 def _run_case(name, layout, heads, q_len, kv, platform, seed=17):
     """The cell's default serving variant, called twice (the first answer poisoned with NaN)."""
-    backend = BACKENDS[name]
-    spec = cell_spec(name, layout, heads, q_len, kv)
-    variant = backend.default_serving_variant(spec, platform)
-    runner = backend.build_serving(variant, spec, "cpu")
+    spec, variant, runner = _runner(name, layout, heads, q_len, kv, platform=platform)
     inp = serving_input(spec, KV_LENS, seed, "cpu")
     call_with_host_lengths(runner, inp).fill_(float("nan"))
     out = call_with_host_lengths(runner, inp)
-    _assert_close(out, _expected(variant, inp), max_error(variant, "cpu"), cell_id((name, layout, heads, q_len, kv)))
+    what = cell_id((name, layout, heads, q_len, kv))
+    _assert_close(out, _expected(variant, inp), max_error(variant, "cpu"), what)
 
 
 # ------------------------------------------------------------------ what is declared
 def test_each_backend_declares_the_layouts_its_library_reads():
     """The facts read from the libraries' sources (see each module's docstring)."""
     fm, fi, ai = flash_mla.CAPABILITIES, flashinfer_mla.CAPABILITIES, aiter_mla.CAPABILITIES
-    assert (fm.contiguous, fm.page_sizes, fm.mixed_q_len, fm.graph_safe, fm.host_lengths) == (False, (64,), False, True, False)
+    assert (fm.contiguous, fm.page_sizes, fm.mixed_q_len, fm.graph_safe, fm.host_lengths) == (
+        False, (64,), False, True, False)
     assert (fi.contiguous, fi.mixed_q_len, fi.host_lengths) == (True, True, True)
     assert {1, 16, 64} <= set(fi.page_sizes)
     assert (ai.contiguous, ai.page_sizes, ai.heads, ai.mixed_q_len) == (True, (1,), (16, 128), False)
@@ -106,8 +112,8 @@ def test_build_serving_refuses_what_the_capabilities_refuse(case, monkeypatch):
     name, *cell = case
     _install(monkeypatch, name)
     backend, spec = BACKENDS[name], cell_spec(name, *cell)
-    variant = backend.default_serving_variant(cell_spec(name, 64 if name == "flashmla" else 0, 16, 1, cell[3]),
-                                              H200)
+    served = cell_spec(name, 64 if name == "flashmla" else 0, 16, 1, cell[3])
+    variant = backend.default_serving_variant(served, H200)
     with pytest.raises(ValueError, match=f"{name} cannot serve"):
         backend.build_serving(variant, spec, "cpu")
     with pytest.raises(ValueError, match=f"{name} cannot serve"):
@@ -161,32 +167,25 @@ def test_flash_mla_answers_a_static_q_scale_and_counts_saturation(monkeypatch):
 def test_one_q_len_per_call_backends_refuse_a_ragged_one(name, monkeypatch):
     _install(monkeypatch, name)
     layout = 64 if name == "flashmla" else 0
-    spec = cell_spec(name, layout, 16, 2, "bf16")
-    runner = BACKENDS[name].build_serving(BACKENDS[name].default_serving_variant(spec, H200), spec, "cpu")
+    _, _, runner = _runner(name, layout, 16, 2, "bf16")
     inp = serving.make_input([2, 1, 2], [40, 70, 9], 16, layout, "bf16", seed=3)  # 5 rows, 3 sequences
     with pytest.raises(ValueError, match="same q_len"):
         call_with_host_lengths(runner, inp)
 
 
-def test_flashinfer_refuses_a_call_without_host_lengths(monkeypatch):
-    _install(monkeypatch, "flashinfer")
-    spec = cell_spec("flashinfer", 16, 16, 2, "bf16")
-    runner = flashinfer_mla.build_serving(flashinfer_mla.default_serving_variant(spec, H200), spec, "cpu")
+@pytest.mark.parametrize("layout", [0, 16])
+def test_flashinfer_replans_only_when_the_lengths_or_the_page_array_change(layout, monkeypatch):
+    """Also: a call without host lengths, or with too few, is refused."""
+    fi = _install(monkeypatch, "flashinfer")
+    calls = fi.mla.calls
+    spec, _, runner = _runner("flashinfer", layout, 16, 2, "fp8")
     inp = serving_input(spec, [40, 5, 70], 3, "cpu")
     with pytest.raises(ValueError, match="pass q_lens_host and kv_lens_host"):
         runner(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
     with pytest.raises(ValueError, match="one entry per sequence"):
-        runner(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout, q_lens_host=inp.q_lens[:2],
-               kv_lens_host=inp.kv_lens)
-
-
-@pytest.mark.parametrize("layout", [0, 16])
-def test_flashinfer_replans_only_when_the_lengths_or_the_page_array_change(layout, monkeypatch):
-    fi = _install(monkeypatch, "flashinfer")
-    calls = fi.mla.calls
-    spec = cell_spec("flashinfer", layout, 16, 2, "fp8")
-    runner = flashinfer_mla.build_serving(flashinfer_mla.default_serving_variant(spec, H200), spec, "cpu")
-    inp = serving_input(spec, [40, 5, 70], 3, "cpu")
+        runner(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout,
+               q_lens_host=inp.q_lens[:2], kv_lens_host=inp.kv_lens)
+    assert calls["plan"] == calls["run"] == 0
     for _ in range(3):
         call_with_host_lengths(runner, inp)
     assert (calls["plan"], calls["run"]) == (1, 3)
@@ -205,32 +204,30 @@ def test_flashinfer_replans_only_when_the_lengths_or_the_page_array_change(layou
 def test_flashinfer_refuses_a_replan_that_changes_a_graphs_grid(monkeypatch):
     """32 heads: q_len 1 packs 32 rows per request (1-CTA clusters), q_len 4 packs 128 (2)."""
     _install(monkeypatch, "flashinfer")
-    spec = cell_spec("flashinfer", 0, 32, 4, "bf16", graph=True)
-    runner = flashinfer_mla.build_serving(flashinfer_mla.default_serving_variant(spec, H200), spec, "cpu")
+    _, _, runner = _runner("flashinfer", 0, 32, 4, "bf16", graph=True)
     short = serving.make_input([1, 1], [40, 9], 32, 0, "bf16", seed=1)
     call_with_host_lengths(runner, short)
     with pytest.raises(ValueError, match="launch grid"):
         call_with_host_lengths(runner, serving.make_input([4, 4], [40, 9], 32, 0, "bf16", seed=1))
 
 
-@pytest.mark.parametrize("name,layout", [("flashinfer", 0), ("flashinfer", 16), ("aiter", 0), ("aiter", 1)])
+@pytest.mark.parametrize("name,layout",
+                         [("flashinfer", 0), ("flashinfer", 16), ("aiter", 0), ("aiter", 1)])
 def test_the_output_buffer_is_reused_and_grows_only_for_more_rows(name, layout, monkeypatch):
     _install(monkeypatch, name)
-    spec = cell_spec(name, layout, 16, 1, "fp8")
-    runner = BACKENDS[name].build_serving(BACKENDS[name].default_serving_variant(spec, H200), spec, "cpu")
+    _, _, runner = _runner(name, layout, 16, 1, "fp8")
     big, small = (serving.make_input([1] * n, [30 + i for i in range(n)], 16, layout, "fp8", seed=n)
                   for n in (5, 3))
     first = call_with_host_lengths(runner, big)
-    ptr = first.data_ptr()
-    assert call_with_host_lengths(runner, small).data_ptr() == ptr and call_with_host_lengths(runner, big).data_ptr() == ptr
+    for inp in (small, big):
+        assert call_with_host_lengths(runner, inp).data_ptr() == first.data_ptr()
     larger = serving.make_input([1] * 9, [20] * 9, 16, layout, "fp8", seed=9)
     assert call_with_host_lengths(runner, larger).shape[0] == 9
 
 
 def test_flash_mla_schedules_every_call_on_the_device(monkeypatch):
     fm = _install(monkeypatch, "flashmla")
-    spec = cell_spec("flashmla", 64, 16, 1, "bf16")
-    runner = flash_mla.build_serving(flash_mla.default_serving_variant(spec, H200), spec, "cpu")
+    spec, _, runner = _runner("flashmla", 64, 16, 1, "bf16")
     for seed, lens in ((1, [40, 70]), (2, [130, 1])):
         inp = serving_input(spec, lens, seed, "cpu")
         _assert_close(call_with_host_lengths(runner, inp), inp.reference(), 1e-2, f"lengths {lens}")
@@ -249,10 +246,8 @@ def test_runners_read_no_tensor_on_the_host(case, monkeypatch):
     """Reading a tensor's values on the host raises when mla-tune's code (not a fake) does it."""
     name, *cell = case
     _install(monkeypatch, name)
-    spec = cell_spec(name, *cell)
     platform = gpu.fake_platform("MI355X") if name == "aiter" else H200
-    variant = BACKENDS[name].default_serving_variant(spec, platform)
-    runner = BACKENDS[name].build_serving(variant, spec, "cpu")
+    spec, variant, runner = _runner(name, *cell, platform=platform)
     inp = serving_input(spec, [70, 1, 17], 8, "cpu")
     with monkeypatch.context() as patched:
         for method in _READS:
@@ -269,20 +264,28 @@ def test_runners_read_no_tensor_on_the_host(case, monkeypatch):
     _assert_close(out, _expected(variant, inp), 1e-2, cell_id(case))
 
 
-@pytest.mark.parametrize("case", [("flashmla", 64, 16, 1, "fp8"), ("flashinfer", 16, 16, 1, "bf16"),
-                                  ("aiter", 1, 16, 1, "bf16")], ids=cell_id)
-def test_a_padded_slot_with_seq_len_0_spoils_no_other_row(case, monkeypatch):
+def _padded_slot_rows(case, platform, device):
+    """The live sequences' rows of a call whose sequence 1 is a padded slot (seq_len 0), the
+    reference's rows, and the variant."""
     name, *cell = case
-    _install(monkeypatch, name)
-    spec = cell_spec(name, *cell)
-    variant = BACKENDS[name].default_serving_variant(spec, H200)
-    runner = BACKENDS[name].build_serving(variant, spec, "cpu")
-    inp = serving_input(spec, [40, 5, 70], 23, "cpu")
+    spec, variant, runner = _runner(name, *cell, platform=platform, device=device)
+    inp = serving_input(spec, [40, 5, 70], 23, device)
     ref = _expected(variant, inp)
     inp.seq_lens[1] = 0
     inp.kv_lens[1] = 0
     out = call_with_host_lengths(runner, inp)
-    _assert_close(out[0::2], ref[0::2], 1e-2, "live sequences")
+    if device == "cuda":
+        torch.cuda.synchronize()
+    rows = [r for b in (0, 2) for r in range(sum(inp.q_lens[:b]), sum(inp.q_lens[: b + 1]))]
+    return out[rows], ref[rows], variant
+
+
+@pytest.mark.parametrize("case", [("flashmla", 64, 16, 1, "fp8"), ("flashinfer", 16, 16, 1, "bf16"),
+                                  ("aiter", 1, 16, 1, "bf16")], ids=cell_id)
+def test_a_padded_slot_with_seq_len_0_spoils_no_other_row(case, monkeypatch):
+    _install(monkeypatch, case[0])
+    out, ref, _ = _padded_slot_rows(case, H200, "cpu")
+    _assert_close(out, ref, 1e-2, "live sequences")
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -291,16 +294,7 @@ def test_a_padded_slot_with_seq_len_0_spoils_no_other_row(case, monkeypatch):
                                   ("flashmla", 64, 16, 2, "fp8")], ids=cell_id)
 def test_a_padded_slot_with_seq_len_0_does_not_crash_on_the_h200(case):
     """Last in the file (FlashMLA's fp8 last of all): a crash takes the CUDA context."""
-    name, *cell = case
-    assert BACKENDS[name].unavailable_reason() is None, BACKENDS[name].unavailable_reason()
-    spec = cell_spec(name, *cell)
-    variant = BACKENDS[name].default_serving_variant(spec, gpu.detect())
-    runner = BACKENDS[name].build_serving(variant, spec, "cuda")
-    inp = serving_input(spec, [40, 5, 70], 23, "cuda")
-    ref = _expected(variant, inp)
-    inp.seq_lens[1] = 0
-    inp.kv_lens[1] = 0
-    out = call_with_host_lengths(runner, inp)
-    torch.cuda.synchronize()
-    rows = [r for b in (0, 2) for r in range(sum(inp.q_lens[:b]), sum(inp.q_lens[: b + 1]))]
-    _assert_close(out[rows], ref[rows], max_error(variant, "cuda"), "live sequences")
+    reason = BACKENDS[case[0]].unavailable_reason()
+    assert reason is None, reason
+    out, ref, variant = _padded_slot_rows(case, gpu.detect(), "cuda")
+    _assert_close(out, ref, max_error(variant, "cuda"), "live sequences")
