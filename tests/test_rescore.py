@@ -44,14 +44,12 @@ def _shape(index: int, key: FamilyKey, final: dict, short: dict, pruned: list, k
             "checks": {v: {"passed": True, "reason": "ok"} for v in final}}
 
 
-def _report(path, shapes, seed=1, gz=False):
-    report = {"schema": VERIFY_SCHEMA, "device": {"name": "H200"}, "options": {"seed": seed}, "shapes": shapes}
-    text = json.dumps(report)
-    if gz:
-        with gzip.open(path, "wt") as handle:
-            handle.write(text)
-    else:
-        path.write_text(text)
+def _report(path, shapes, seed=1):
+    """A verify report at `path`, gzipped where it ends in .gz."""
+    report = {"schema": VERIFY_SCHEMA, "device": {"name": "H200"}, "options": {"seed": seed},
+              "shapes": shapes}
+    with gzip.open(path, "wt") if path.suffix == ".gz" else open(path, "w") as handle:
+        handle.write(json.dumps(report))
     return path
 
 
@@ -65,7 +63,7 @@ def reports(tmp_path):
     two = _report(tmp_path / "v2.json.gz", [
         _shape(0, key, {A: 100.0, B: 125.0, F: 300.0}, {C: 90.0}, [D]),
         _shape(1, OTHER, {F: 100.0, D: 80.0}, {}, []),  # no family in the table: the fallback
-    ], seed=2, gz=True)
+    ], seed=2)
     return [one, two]
 
 

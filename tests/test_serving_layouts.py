@@ -186,18 +186,18 @@ def test_fill_splits_raises_a_share_that_leaves_the_waves_idle():
     ([5, 60, 33, 52, 17, 28], 32, 4, 17, 16, 16, 4, 17, 132),  # 8 head tiles, q_len 4
     ([100, 200], 16, 1, 1, 16, 16, 16, 0, 0),                 # max_splits 1: one split each
 ])
-def test_the_host_replay_of_the_split_rule_is_what_the_kernel_runs(device, lens, heads, q_len, max_splits, tps,
-                                                                   block_n, block_h, budget, sms):
+def test_the_host_replay_of_the_split_rule_is_what_the_kernel_runs(
+        device, lens, heads, q_len, max_splits, tps, block_n, block_h, budget, sms):
     """kernels/split_rule.serving_splits gives the split counts stage 1 writes."""
     live = [n for n in lens if n]
-    inp = serving.make_input([min(q_len, n) for n in live], live, heads, 16, "bf16", seed=5, device=device)
+    inp = serving.make_input([min(q_len, n) for n in live], live, heads, 16, "bf16", seed=5,
+                             device=device)
     kw = dict(max_splits=max_splits, tokens_per_split=tps, block_n=block_n, block_h=block_h,
               split_budget=budget, sm_count=sms)
-    workspace = FlashDecodeServingWorkspace.allocate(inp.q.shape[0], heads, max_splits, device,
-                                                     max_q_len=max(inp.q_lens))
-    _launch(inp, device, workspace=workspace, **kw)
+    workspace = _checked(inp, device, "split rule", **kw)
     splits = serving_splits(live, q_len, heads, **kw)
-    assert workspace.split_count[:len(live)].tolist() == [-(-n // s) for n, s in zip(live, splits, strict=True)]
+    assert workspace.split_count[:len(live)].tolist() == [
+        -(-n // s) for n, s in zip(live, splits, strict=True)]
     items = split_items(live, splits)
     assert sum(items) == sum(live)
     assert len(items) == sum(workspace.split_count[:len(live)].tolist())
