@@ -332,32 +332,22 @@ def test_padded_new_token_rows_leave_the_schedule_alone(device):
     (dict(tokens_per_split=0), "tokens_per_split"),
     (dict(kv_indptr="both"), "not both"), (dict(q_mode="fp8_static"), "q_scale"),
     (dict(dot_dtype="fp32"), "dot_dtype"), (dict(workspace="small"), "workspace is for"),
+    (dict(kv="pages of 24"), "page_size"), (dict(block_table="int64"), "block_table"),
 ])
 def test_bad_calls_are_refused_by_name(change, message):
     inp = serving.make_input([1, 1], [5, 9], 16, 16, "bf16", seed=1)
     kwargs = dict(inp.layout, max_q_len=1, max_splits=2, tokens_per_split=4, block_n=16, block_h=16,
                   num_warps=4, num_stages=1, dot_dtype="fp16")
     kwargs.update(change)
+    kv = kwargs.pop("kv", inp.kv)
+    if change.get("kv") == "pages of 24":
+        kv = torch.zeros((2, 24, 576), dtype=torch.bfloat16)
+    if change.get("block_table") == "int64":
+        kwargs["block_table"] = inp.block_table.long()
     if change.get("kv_indptr") == "both":
         kwargs["kv_indptr"] = torch.tensor([0, 5, 14], dtype=torch.int32)
     if change.get("workspace") == "small":
         kwargs["workspace"] = FlashDecodeServingWorkspace.allocate(1, 16, 2, "cpu")
     out = torch.empty((2, 16, 512), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=message):
-        flash_decode_serving(inp.q, inp.qo_indptr, inp.kv, None, out, **kwargs)
-
-
-def test_paged_layout_checks_the_page_size_and_table():
-    inp = serving.make_input([1], [5], 16, 16, "bf16", seed=1)
-    out = torch.empty((1, 16, 512), dtype=torch.bfloat16)
-    kwargs = dict(max_q_len=1, max_splits=1, tokens_per_split=4, block_n=16, block_h=16,
-                  num_warps=4, num_stages=1, dot_dtype="fp16")
-    odd_pages = inp.kv.reshape(-1, 8, 2 * 576)[..., :576].contiguous()  # page size 8: fine
-    assert odd_pages.shape[1] == 8
-    with pytest.raises(ValueError, match="page_size"):
-        bad = torch.zeros((2, 24, 576), dtype=torch.bfloat16)
-        flash_decode_serving(inp.q, inp.qo_indptr, bad, None, out, block_table=inp.block_table,
-                             seq_lens=inp.seq_lens, **kwargs)
-    with pytest.raises(ValueError, match="block_table"):
-        flash_decode_serving(inp.q, inp.qo_indptr, inp.kv, None, out, block_table=inp.block_table.long(),
-                             seq_lens=inp.seq_lens, **kwargs)
+        flash_decode_serving(inp.q, inp.qo_indptr, kv, None, out, **kwargs)
