@@ -339,7 +339,7 @@ def test_config_errors_name_the_field_and_the_hash_ignores_order(tiny):
     assert serving_config_from_dict(reordered, "other.yaml").hash == tiny.hash
 
 
-def test_the_committed_config_plans_tier_1_within_21_gpu_minutes(capsys):
+def test_the_committed_config_plans_tier_1_within_21_gpu_minutes_and_dry_runs_from_the_cli(capsys):
     cfg = load_serving_config("configs/serving.yaml")
     assert len(cfg.families) == 12 and cfg.budget_s <= 600
     est = sw.dry_run(cfg, "H200")
@@ -356,10 +356,7 @@ def test_the_committed_config_plans_tier_1_within_21_gpu_minutes(capsys):
     shards = [plan_sweep(cfg, fake_platform("H200"), (i, 3), check_available=False)
               for i in (1, 2, 3)]
     assert sorted(u.index for s in shards for u in s.units) == list(range(plan.all_units))
-
-
-def test_the_command_line_dry_run_and_bad_options(capsys):
-    """`mla-tune sweep --config` (sweep_from_cli): a bad option is one line and exit 1."""
+    # `mla-tune sweep --config` (sweep_from_cli): a dry run; a bad option is one line and exit 1
     assert sw.sweep_from_cli("configs/serving.yaml", "H200", dry_run=True) == 0
     assert "estimated GPU time" in capsys.readouterr().out
     assert sw.sweep_from_cli("configs/serving.yaml", "H200", shard="3/2", dry_run=True) == 1
