@@ -147,7 +147,7 @@ def _refused(path: Path, data: dict, words: str) -> None:
         load_serving_table(path)
 
 
-def test_the_models_survive_a_write_and_load_and_a_broken_one_is_refused(tmp_path):
+def test_the_models_survive_a_write_and_load_and_a_broken_or_older_one_is_refused(tmp_path):
     table = _table(_splitk_models(KEY, _grid(), 132))
     path = write_serving_table(tmp_path / "H200.serving.yaml", table)
     text = path.read_text()
@@ -166,9 +166,7 @@ def test_the_models_survive_a_write_and_load_and_a_broken_one_is_refused(tmp_pat
         entry.update(edit)
         data["families"][0]["models"] = [entry]
         _refused(tmp_path / "bad.serving.yaml", data, words)
-
-
-def test_an_older_schema_is_refused_with_the_command_that_rebuilds_it(tmp_path):
+    # an older schema is refused with the command that rebuilds it
     data = _table({}).as_dict()
     path = tmp_path / "old.serving.yaml"
     for old in ("serving/2", "serving/5"):
