@@ -20,7 +20,7 @@ def _points() -> dict:
             (16, 16384): {A: 96.0, B: 127.0}, (16, 32768): {A: 166.0, B: 202.0}}
 
 
-def test_interpolate_is_log_log_in_batch_and_length_and_extends_past_the_last_length():
+def test_interpolate_is_log_log_and_takes_a_variant_a_point_lacks_from_the_others_ratio():
     points = _points()
     assert interpolate(points, 8, 16384) == {A: pytest.approx(60.0), B: pytest.approx(80.0)}
     mid = interpolate(points, 8, 16384 * 2 ** 0.5)
@@ -31,10 +31,6 @@ def test_interpolate_is_log_log_in_batch_and_length_and_extends_past_the_last_le
     past = interpolate(points, 16, 65536)  # slope log(166/96)/log 2 = 0.79: 166 x 2^0.79
     assert past[A] == pytest.approx(166.0 * 2 ** 0.7901, rel=1e-3)
     assert interpolate(points, 64, 16384) == interpolate(points, 16, 16384)  # beyond: the nearest
-
-
-def test_a_variant_a_point_lacks_is_taken_from_the_others_ratio_or_left_out():
-    points = _points()
     points[(16, 16384)] = {B: 127.0}  # A not timed there
     # where that point weighs more than half (12 is 0.58 of the way to 16), A drops out ...
     assert set(interpolate(points, 12, 16384)) == {B}

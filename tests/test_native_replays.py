@@ -5,15 +5,24 @@ from __future__ import annotations
 
 import random
 import subprocess
+import warnings
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from mla_tune import native
 from mla_tune.backends import flashinfer_mla_schedule as fi
 from mla_tune.backends import gluon_fused_schedule as gl
 from mla_tune.backends import makespan
 from mla_tune.backends import triton_splitk_schedule as sk
+from mla_tune.core import CallSpec, Variant
+from mla_tune.serving import estimate
+from mla_tune.serving.decode_plan import DecodePlan
+from mla_tune.serving.table import load_serving_table
+
+COMMITTED = "tables/H200.serving.yaml"
 
 
 @pytest.fixture(autouse=True)
@@ -45,16 +54,20 @@ def _batches(seed: int, n: int = 400):
         yield rng, batch, np.asarray(lens, dtype=np.int64), rng.choice([16, 64, 128])
 
 
+def _splitk_params(rng) -> dict:
+    """Random split-K parameters: every split rule, with and without a batch budget."""
+    return {"max_splits": rng.choice([1, 2, 8, 33, 64]),
+            "tokens_per_split": rng.choice([16, 128, 512]), "block_n": rng.choice([16, 32, 64]),
+            "block_h": rng.choice([16, 32, 64]), "split_budget": rng.choice([0, 0, 33, 132, 264])}
+
+
 def test_the_split_k_replay_in_c_is_the_numpy_replay(numpy_path, monkeypatch):
     dealt = []  # the numpy path's exact dealings (the other steps are one wave or many waves)
     real = makespan.greedy_makespan  # the dealing split-K's replay shares (makespan.deal)
     monkeypatch.setattr(makespan, "greedy_makespan", lambda work, slots: dealt.append(1) or real(work, slots))
     runs = 0
     for rng, _batch, lens, heads in _batches(3, 500):
-        q_len = rng.randint(1, 4)
-        params = {"max_splits": rng.choice([1, 2, 8, 33, 64]), "tokens_per_split": rng.choice([16, 128, 512]),
-                  "block_n": rng.choice([16, 32, 64]), "block_h": rng.choice([16, 32, 64]),
-                  "split_budget": rng.choice([0, 0, 33, 132, 264])}
+        q_len, params = rng.randint(1, 4), _splitk_params(rng)
         # a few SMs too: fewer slots than a dealing block (16) cuts every block short
         occupancy, sm, item = rng.randint(1, 4), rng.choice([2, 7, 78, 132, 132]), rng.choice([0, 32, 128, 0.5])
         got = sk.splitk_schedule(lens, heads, q_len, params, occupancy, sm, item)
@@ -109,12 +122,9 @@ def test_without_a_compiler_or_with_a_broken_one_the_python_path_runs(monkeypatc
 def test_the_interpolation_in_c_is_the_python_interpolation():
     """The committed table's grids interpolated in C agree with the Python steps to rounding, with
     the same variants left out, at random batches and lengths, on grid points and past both ends."""
-    from mla_tune.serving import estimate
-    from mla_tune.serving.table import load_serving_table
-
     if estimate._native() is None:
         pytest.skip("no C compiler here: the Python interpolation is the only one (checked elsewhere)")
-    table = load_serving_table("tables/H200.serving.yaml")
+    table = load_serving_table(COMMITTED)
     rng = random.Random(11)
     compared = left_out = 0
     for family in table.families.values():
@@ -139,15 +149,9 @@ def test_the_interpolation_in_c_is_the_python_interpolation():
 
 def test_a_split_k_models_one_call_replay_in_c_is_its_numpy_replay(numpy_path):
     """SplitKModel.replay (makespan, reduction steps, a uniform batch's steps: one C call)."""
-    from types import SimpleNamespace
-
-    from mla_tune.core import Variant
-
     for rng, batch, lens, heads in _batches(5):
         q_len = rng.randint(1, 4)
-        variant = Variant.make("triton", max_splits=rng.choice([1, 2, 8, 33, 64]),
-                               tokens_per_split=rng.choice([16, 128, 512]), block_n=rng.choice([16, 32, 64]),
-                               block_h=rng.choice([16, 32, 64]), split_budget=rng.choice([0, 0, 33, 132, 264]))
+        variant = Variant.make("triton", **_splitk_params(rng))
         model = sk.SplitKModel(variant, rng.randint(1, 4), 3.0, rng.choice([78, 132]), 0.0,
                                rng.choice([0, 32, 128]))
         uniform = max(int(lens.sum()) // batch, 1) if rng.random() < 0.9 else rng.randint(1, 70000)
@@ -161,10 +165,6 @@ def test_a_split_k_models_one_call_replay_in_c_is_its_numpy_replay(numpy_path):
 
 def test_a_gluon_models_replay_in_c_is_its_numpy_replay(numpy_path):
     """GluonModel.replay (gluon_fused's makespan, one C call) over one wave, many, the heap."""
-    from types import SimpleNamespace
-
-    from mla_tune.core import Variant
-
     assert gl._native() is not None
     for rng, batch, lens, heads in _batches(8):
         budget = rng.choice([0, 0, 66, 264])
@@ -188,12 +188,9 @@ def _left_by(compiled) -> dict:
 def test_a_familys_compiled_estimate_picks_and_estimates_as_the_python_estimate_does():
     """Estimator.pick's one C call against Estimator.estimates and fastest on the committed table:
     the same pick and estimates, float for float, for ragged, uniform and length-less calls."""
-    from mla_tune.serving.estimate import fastest
-    from mla_tune.serving.table import load_serving_table
-
     if native.compiler() is None:
         pytest.skip("no C compiler here: the Python estimate is the only one (checked elsewhere)")
-    table = load_serving_table("tables/H200.serving.yaml")
+    table = load_serving_table(COMMITTED)
     families = list(table.families.values())
     for family in families:
         table.estimator.prepare(family)
@@ -216,9 +213,9 @@ def test_a_familys_compiled_estimate_picks_and_estimates_as_the_python_estimate_
         variant, ok = table.estimator.pick(family, batch, mean, lens, some)
         got = _left_by(table.estimator.compiled(family))
         want = table.estimator.estimates(family, batch, mean, lens)
-        assert variant == fastest(want) and got == want, (family.key, batch, mean, lens)
+        assert variant == estimate.fastest(want) and got == want, (family.key, batch, mean, lens)
         # the fastest allowed variant, from the same C call
-        assert ok == fastest(want, some.accepts), (family.key, batch, mean, lens)
+        assert ok == estimate.fastest(want, some.accepts), (family.key, batch, mean, lens)
         assert table.estimator.pick(family, batch, mean, lens, none)[1] is None
         assert table.estimator.pick(family, batch, mean, lens)[1] is None
         if variant is not None:  # None: no variant is estimated around the call (the lookup's cells decide)
@@ -227,21 +224,12 @@ def test_a_familys_compiled_estimate_picks_and_estimates_as_the_python_estimate_
 
 
 def test_a_plans_step_with_host_lengths_picks_in_one_c_call_what_its_lookup_picks_from_the_mean():
-    """DecodePlan.update with the lengths on the host (their mean, its ~1% step and whole
-    length in the C call: _Compiled.pick_lengths) picks what `pick(batch, mean, lengths)`
-    picks, and counts the same misses, on every family of the committed table: ragged and
-    uniform steps, batch 1 to 256, lengths 1 to 2^17 (past the grid), lists and tuples."""
-    import warnings
-
-    import torch
-
-    from mla_tune.core import CallSpec
-    from mla_tune.serving.decode_plan import DecodePlan
-    from mla_tune.serving.table import load_serving_table
-
+    """DecodePlan.update with host lengths (one C call: _Compiled.pick_lengths) picks, and counts
+    misses, as `pick(batch, mean, lengths)` on every committed family: ragged and uniform steps,
+    batch 1 to 256, lengths 1 to 2^17 (past the grid), lists and tuples."""
     if native.compiler() is None:
         pytest.skip("no C compiler here: the plan picks through the Python estimate (checked elsewhere)")
-    table = load_serving_table("tables/H200.serving.yaml")
+    table = load_serving_table(COMMITTED)
     plans = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the vendors' picks cannot run here: said once per plan
@@ -280,11 +268,8 @@ def test_a_plans_step_with_host_lengths_picks_in_one_c_call_what_its_lookup_pick
 
 
 def test_without_a_c_compiler_the_pick_is_the_python_estimates(monkeypatch):
-    from mla_tune.serving import estimate
-    from mla_tune.serving.table import load_serving_table
-
     monkeypatch.setattr(estimate, "_native", lambda: None)
-    table = load_serving_table("tables/H200.serving.yaml")
+    table = load_serving_table(COMMITTED)
     family = next(iter(table.families.values()))
     table.estimator.prepare(family)
     assert table.estimator.compiled(family) is None

@@ -1,10 +1,6 @@
-"""A new serving backend is its own file plus one registry line (issue 28's acceptance).
-
-The probe backend (PROBE_SOURCE, its own module in tmp_path) answers with the fp32 reference
-rounded to bf16 and serves 8 heads, which no built-in backend does. Its registry line is the
-plugin entry MLA_TUNE_EXTRA_BACKENDS (`plugin`) or one BACKEND_MODULES entry (`builtin`);
-nothing else is edited. Each test shows one place that takes it.
-"""
+"""A new serving backend is its own file plus one registry line: the probe (PROBE_SOURCE, a
+module in tmp_path; the fp32 reference rounded to bf16, at 8 heads, which no built-in serves),
+registered by MLA_TUNE_EXTRA_BACKENDS (`plugin`) or one BACKEND_MODULES entry (`builtin`)."""
 
 from __future__ import annotations
 
@@ -116,7 +112,8 @@ def build_serving(variant: Variant, spec: CallSpec, device):
     return run
 '''
 
-SPEC8 = CallSpec("bf16", page_size=16, heads=8, max_q_len=2, mixed_q_len=True)  # only the probe serves it
+SPEC8 = CallSpec("bf16", page_size=16, heads=8, max_q_len=2, mixed_q_len=True)  # only the probe's
+TILE1, TILE2 = (Variant.make(NAME, kv="bf16", q="bf16", tile=t) for t in (1, 2))
 CONFIG = {
     "name": "probe", "rule": "strict", "check_seeds": [1, 2],
     "families": {"kv_format": ["bf16"], "page_size": [16], "heads": [8, 16], "q_len": [2]},
@@ -159,7 +156,7 @@ def test_the_decoder_takes_it_by_the_registrys_order_and_it_answers_as_the_refer
     assert serving_backends()[-1] == NAME  # its registry line is its place in the order
     assert serving_backends()[:2] == ["triton", "triton_fused"]  # the own kernels first
     decoder = Decoder(SPEC8, device="cpu")  # no backend named: the first that serves 8 heads
-    assert decoder.backend == NAME and decoder.variant == Variant.make(NAME, kv="bf16", q="bf16", tile=1)
+    assert decoder.backend == NAME and decoder.variant == TILE1
     inp = serving.make_input([1, 2, 2], [1, 17, 40], 8, 16, "bf16", seed=3)
     _close(decoder(inp.q, inp.qo_indptr, inp.kv, **inp.layout), inp.reference(), "8 heads")
     # named, at a spec the own kernels serve too, and at fp8 KV
@@ -184,7 +181,7 @@ def test_first_in_the_registry_is_first_in_the_decoders_order(probe, monkeypatch
 def test_the_serving_sweep_and_its_dry_run_plan_it_where_a_config_lists_it(probe, tmp_path):
     platform = gpu.detect()
     listed = load_serving_config(_config(tmp_path, {"triton": {}, NAME: {"tile": [1, 2]}}))
-    tiles = [Variant.make(NAME, kv="bf16", q="bf16", tile=t) for t in (1, 2)]
+    tiles = [TILE1, TILE2]
     for key in listed.families:
         plan = family_plan(listed, key, platform)
         assert [v for v in plan.candidates if v.backend == NAME] == tiles, key
@@ -219,32 +216,31 @@ def test_a_serving_sweep_gates_and_times_it_into_a_table_a_decode_plan_runs(prob
     path = _config(tmp_path, {NAME: {"tile": [1, 2]}}, families={**CONFIG["families"], "heads": [8]})
     out = tmp_path / "CPU.serving.yaml"
     run_serving_sweep(path, "CPU", out=out, platform=gpu.detect(), timer=timer, log=lambda line: None)
-    tile2 = Variant.make(NAME, kv="bf16", q="bf16", tile=2)
     family = load_serving_table(out).families[FamilyKey.of(SPEC8)]
     assert {cell: c.variant for cell, c in family.cells.items()} == {
-        (b, kv): tile2 for b in CONFIG["batch_buckets"] for kv in CONFIG["kv_buckets"]}
+        (b, kv): TILE2 for b in CONFIG["batch_buckets"] for kv in CONFIG["kv_buckets"]}
     plan = DecodePlan(SPEC8, max_batch=4, table=out, device="cpu")
     inp = serving.make_input([2, 2, 1], [30, 35, 40], 8, 16, "bf16", seed=7)
-    assert plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens, mean_kv_len=35) == tile2
+    assert plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens,
+                       mean_kv_len=35) == TILE2
     _close(plan.run(inp.q, inp.kv), inp.reference(), "the swept pick")
 
 
 def test_a_serving_table_that_picks_it_loads_and_a_decode_plan_runs_it(probe, tmp_path):
-    tile2 = Variant.make(NAME, kv="bf16", q="bf16", tile=2)
     family = Family(FamilyKey.of(SPEC8))
-    family.cells[(4, 256)] = Cell(4, 256, tile2, 10.0)
+    family.cells[(4, 256)] = Cell(4, 256, TILE2, 10.0)
     path = write_serving_table(tmp_path / "CPU.serving.yaml",
                                ServingTable("CPU", {}, [2, 4], [32, 256], {family.key: family}))
     table = load_serving_table(path)  # every variant checked by its backend's validate
-    assert table.lookup(SPEC8, 3, 200.0) == tile2
+    assert table.lookup(SPEC8, 3, 200.0) == TILE2
     plan = DecodePlan(SPEC8, max_batch=4, table=table, device="cpu")
-    assert set(plan.variants) == {tile2, Variant.make(NAME, kv="bf16", q="bf16", tile=1)}
+    assert set(plan.variants) == {TILE2, TILE1}
     runs = dict(probe.RUNS)
     inp = serving.make_input([2, 1, 2], [190, 200, 210], 8, 16, "bf16", seed=5)
     assert plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens,
-                       mean_kv_len=200) == tile2
+                       mean_kv_len=200) == TILE2
     _close(plan.run(inp.q, inp.kv), inp.reference(), "the table's pick")
-    assert probe.RUNS[str(tile2)] == runs.get(str(tile2), 0) + 1
+    assert probe.RUNS[str(TILE2)] == runs.get(str(TILE2), 0) + 1
     # a cell the table lacks: the preferred backend's default, which for 8 heads is the probe's
     inp = serving.make_input([1, 1], [9, 20], 8, 16, "bf16", seed=6)
     picked = plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens, mean_kv_len=15)

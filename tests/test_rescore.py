@@ -44,14 +44,12 @@ def _shape(index: int, key: FamilyKey, final: dict, short: dict, pruned: list, k
             "checks": {v: {"passed": True, "reason": "ok"} for v in final}}
 
 
-def _report(path, shapes, seed=1, gz=False):
-    report = {"schema": VERIFY_SCHEMA, "device": {"name": "H200"}, "options": {"seed": seed}, "shapes": shapes}
-    text = json.dumps(report)
-    if gz:
-        with gzip.open(path, "wt") as handle:
-            handle.write(text)
-    else:
-        path.write_text(text)
+def _report(path, shapes, seed=1):
+    """A verify report at `path`, gzipped where it ends in .gz."""
+    report = {"schema": VERIFY_SCHEMA, "device": {"name": "H200"}, "options": {"seed": seed},
+              "shapes": shapes}
+    with gzip.open(path, "wt") if path.suffix == ".gz" else open(path, "w") as handle:
+        handle.write(json.dumps(report))
     return path
 
 
@@ -65,11 +63,12 @@ def reports(tmp_path):
     two = _report(tmp_path / "v2.json.gz", [
         _shape(0, key, {A: 100.0, B: 125.0, F: 300.0}, {C: 90.0}, [D]),
         _shape(1, OTHER, {F: 100.0, D: 80.0}, {}, []),  # no family in the table: the fallback
-    ], seed=2, gz=True)
+    ], seed=2)
     return [one, two]
 
 
-def test_a_rescore_reads_each_picks_recorded_time_and_thresholds_judge_it(reports):
+def test_a_rescore_scores_recorded_times_and_fails_on_a_threshold_or_an_unmeasured_pick(
+        reports, tmp_path):
     out = rs.rescore(_table(A), reports, log=lambda _: None)
     regrets = [(r["regret"]["eager"], r["measured"]["eager"]) for r in out["shapes"]]
     assert regrets == [(pytest.approx(0.10), "final"), (pytest.approx(0.04), "short"),
@@ -87,9 +86,7 @@ def test_a_rescore_reads_each_picks_recorded_time_and_thresholds_judge_it(report
     assert out["exit_code"] == 1 and "max regret 25.0% is over 20.0%" in out["verdict"]["reasons"][0]
     with pytest.raises(VerifyError, match="--judge must be"):
         rs.rescore(_table(A), reports, judge="mean", log=lambda _: None)
-
-
-def test_a_pick_the_report_did_not_measure_fails_and_stays_out_of_the_statistics(reports, tmp_path):
+    # a pick the report did not measure fails and stays out of the statistics
     lines: list[str] = []
     out = rs.rescore(_table(D), reports, max_regret=0.5, json_path=tmp_path / "r.json", log=lines.append)
     assert [r["regret"]["eager"] for r in out["shapes"]][:3] == [None, None, None]  # D: absent, pruned, pruned

@@ -186,18 +186,18 @@ def test_fill_splits_raises_a_share_that_leaves_the_waves_idle():
     ([5, 60, 33, 52, 17, 28], 32, 4, 17, 16, 16, 4, 17, 132),  # 8 head tiles, q_len 4
     ([100, 200], 16, 1, 1, 16, 16, 16, 0, 0),                 # max_splits 1: one split each
 ])
-def test_the_host_replay_of_the_split_rule_is_what_the_kernel_runs(device, lens, heads, q_len, max_splits, tps,
-                                                                   block_n, block_h, budget, sms):
+def test_the_host_replay_of_the_split_rule_is_what_the_kernel_runs(
+        device, lens, heads, q_len, max_splits, tps, block_n, block_h, budget, sms):
     """kernels/split_rule.serving_splits gives the split counts stage 1 writes."""
     live = [n for n in lens if n]
-    inp = serving.make_input([min(q_len, n) for n in live], live, heads, 16, "bf16", seed=5, device=device)
+    inp = serving.make_input([min(q_len, n) for n in live], live, heads, 16, "bf16", seed=5,
+                             device=device)
     kw = dict(max_splits=max_splits, tokens_per_split=tps, block_n=block_n, block_h=block_h,
               split_budget=budget, sm_count=sms)
-    workspace = FlashDecodeServingWorkspace.allocate(inp.q.shape[0], heads, max_splits, device,
-                                                     max_q_len=max(inp.q_lens))
-    _launch(inp, device, workspace=workspace, **kw)
+    workspace = _checked(inp, device, "split rule", **kw)
     splits = serving_splits(live, q_len, heads, **kw)
-    assert workspace.split_count[:len(live)].tolist() == [-(-n // s) for n, s in zip(live, splits, strict=True)]
+    assert workspace.split_count[:len(live)].tolist() == [
+        -(-n // s) for n, s in zip(live, splits, strict=True)]
     items = split_items(live, splits)
     assert sum(items) == sum(live)
     assert len(items) == sum(workspace.split_count[:len(live)].tolist())
@@ -332,32 +332,22 @@ def test_padded_new_token_rows_leave_the_schedule_alone(device):
     (dict(tokens_per_split=0), "tokens_per_split"),
     (dict(kv_indptr="both"), "not both"), (dict(q_mode="fp8_static"), "q_scale"),
     (dict(dot_dtype="fp32"), "dot_dtype"), (dict(workspace="small"), "workspace is for"),
+    (dict(kv="pages of 24"), "page_size"), (dict(block_table="int64"), "block_table"),
 ])
 def test_bad_calls_are_refused_by_name(change, message):
     inp = serving.make_input([1, 1], [5, 9], 16, 16, "bf16", seed=1)
     kwargs = dict(inp.layout, max_q_len=1, max_splits=2, tokens_per_split=4, block_n=16, block_h=16,
                   num_warps=4, num_stages=1, dot_dtype="fp16")
     kwargs.update(change)
+    kv = kwargs.pop("kv", inp.kv)
+    if change.get("kv") == "pages of 24":
+        kv = torch.zeros((2, 24, 576), dtype=torch.bfloat16)
+    if change.get("block_table") == "int64":
+        kwargs["block_table"] = inp.block_table.long()
     if change.get("kv_indptr") == "both":
         kwargs["kv_indptr"] = torch.tensor([0, 5, 14], dtype=torch.int32)
     if change.get("workspace") == "small":
         kwargs["workspace"] = FlashDecodeServingWorkspace.allocate(1, 16, 2, "cpu")
     out = torch.empty((2, 16, 512), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=message):
-        flash_decode_serving(inp.q, inp.qo_indptr, inp.kv, None, out, **kwargs)
-
-
-def test_paged_layout_checks_the_page_size_and_table():
-    inp = serving.make_input([1], [5], 16, 16, "bf16", seed=1)
-    out = torch.empty((1, 16, 512), dtype=torch.bfloat16)
-    kwargs = dict(max_q_len=1, max_splits=1, tokens_per_split=4, block_n=16, block_h=16,
-                  num_warps=4, num_stages=1, dot_dtype="fp16")
-    odd_pages = inp.kv.reshape(-1, 8, 2 * 576)[..., :576].contiguous()  # page size 8: fine
-    assert odd_pages.shape[1] == 8
-    with pytest.raises(ValueError, match="page_size"):
-        bad = torch.zeros((2, 24, 576), dtype=torch.bfloat16)
-        flash_decode_serving(inp.q, inp.qo_indptr, bad, None, out, block_table=inp.block_table,
-                             seq_lens=inp.seq_lens, **kwargs)
-    with pytest.raises(ValueError, match="block_table"):
-        flash_decode_serving(inp.q, inp.qo_indptr, inp.kv, None, out, block_table=inp.block_table.long(),
-                             seq_lens=inp.seq_lens, **kwargs)
+        flash_decode_serving(inp.q, inp.qo_indptr, kv, None, out, **kwargs)

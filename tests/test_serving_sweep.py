@@ -90,7 +90,14 @@ def tiny(monkeypatch):
     """The tiny config; each (family, candidate) is gated once per module, as a resume replays it."""
     monkeypatch.setenv(EXTRA_BACKENDS_ENV, "wrong_serving=tests.serving_fakes")
     monkeypatch.setattr(gate_module, "gate_one", _gate_once)
-    return serving_config_from_dict(copy.deepcopy(TINY), "tiny.yaml")
+    return _config("tiny.yaml")
+
+
+def _config(name: str, search: dict | None = None, **changes):
+    """TINY with `changes`, its search section updated by `search`, as a config named `name`."""
+    raw = {**copy.deepcopy(TINY), **changes}
+    raw["search"].update(search or {})
+    return serving_config_from_dict(raw, name)
 
 
 def _sweep(cfg, tmp_path, timer, **kw):
@@ -104,6 +111,11 @@ def _steps(path) -> set[tuple]:
     return {(r["batch"], r["kv_len"], r["variant"], r["samples"]) for r in records if r["kind"] == "step"}
 
 
+def _families(path) -> list:
+    """The families of a serving table, as written."""
+    return load_serving_table(path).as_dict()["families"]
+
+
 def _picks(table) -> dict:
     fam = next(iter(table.families.values()))
     return ({cell: str(c.variant) for cell, c in fam.cells.items()},
@@ -115,7 +127,7 @@ def test_a_tiny_sweep_picks_gated_winners_and_the_worst_case_graph_pick(tiny, tm
     summary = _sweep(tiny, tmp_path, timer)
     table = load_serving_table(summary["table"])
     header, records, _ = read_records(summary["results"])
-    assert header["platform"]["smem_per_sm"] == 0 and header["platform"]["sm_count"] == 0  # the CPU's
+    assert header["platform"]["smem_per_sm"] == header["platform"]["sm_count"] == 0  # the CPU's
     gates = {r["variant"]: r["ok"] for r in records if r["kind"] == "gate"}
     assert sorted(name(Variant.parse(v)) for v, ok in gates.items() if ok) == ["A", "B", "C", "D"]
     assert [ok for v, ok in gates.items() if v.startswith("wrong_serving")] == [False]
@@ -133,7 +145,7 @@ def test_a_tiny_sweep_picks_gated_winners_and_the_worst_case_graph_pick(tiny, tm
     assert name(table.lookup(spec, batch=2, graph=True)) == "C"
 
 
-def test_the_graph_pick_is_judged_on_the_buckets_ragged_mix_too(tiny, tmp_path):
+def test_the_graph_pick_is_judged_on_the_buckets_ragged_mix_too(tiny, tmp_path, monkeypatch):
     """C, 2x slower on the ragged mix, loses the graph pick to B; the mix's lengths are
     recorded; a pick whose worst case is the mix says kv_len 0."""
     def slow(call):
@@ -149,19 +161,14 @@ def test_the_graph_pick_is_judged_on_the_buckets_ragged_mix_too(tiny, tmp_path):
     assert ragged_steps >= {"A", "B", "C"}
     # C 15.6% over B on the mix, more than its 12% at kv 32 and less than B's 20% there:
     # C is the pick and its worst case is the mix, recorded as kv_len 0
-    tmp2 = tmp_path / "second"
-    tmp2.mkdir()
-    timer = FakeTimer()
-    saved = dict(TIMES[sw.RAGGED_PROBE_KV])
-    try:
-        TIMES[sw.RAGGED_PROBE_KV].update(A=30.0, B=16.0, C=18.5)
-        table = load_serving_table(_sweep(tiny, tmp2, timer)["table"])
-    finally:
-        TIMES[sw.RAGGED_PROBE_KV].update(saved)
+    mix = {**TIMES[sw.RAGGED_PROBE_KV], "A": 30.0, "B": 16.0, "C": 18.5}
+    monkeypatch.setitem(TIMES, sw.RAGGED_PROBE_KV, mix)
+    table = load_serving_table(_sweep(tiny, tmp_path / "2", FakeTimer())["table"])
     fam = next(iter(table.families.values()))
     for b in (1, 2):
         assert name(fam.graph[b].variant) == "C" and fam.graph[b].worst_kv_len == 0
-        assert fam.graph[b].worst_regret == pytest.approx(18.5 / 16.0 - 1, abs=1e-4)  # 4 places in the table
+        # 4 places in the table
+        assert fam.graph[b].worst_regret == pytest.approx(18.5 / 16.0 - 1, abs=1e-4)
 
 
 def test_ragged_probe_lengths_are_fixed_and_in_range():
@@ -221,7 +228,7 @@ def test_a_sweep_timed_in_a_worker_process_writes_the_table_of_one_timed_here(ti
     assert [(r["batch"], r["kv_len"], name(Variant.parse(r["variant"]))) for r in crashed] == [(1, 32, "D")]
     assert "exit code 11" in crashed[0]["error"] and "worker-0.log" in crashed[0]["error"]
     assert _steps(there["results"]) == _steps(here["results"])
-    assert load_serving_table(there["table"]).as_dict()["families"] == load_serving_table(here["table"]).as_dict()["families"]
+    assert _families(there["table"]) == _families(here["table"])
     assert (tmp_path / "worker" / "CPU.serving.worker-0.log").exists()
 
 
@@ -239,9 +246,8 @@ def test_shards_merge_into_the_table_of_one_run(tiny, tmp_path):
     result = CliRunner().invoke(app, ["sweep", "--gpu", "CPU", "--config", str(config), "--out", str(out),
                                       "--merge", ",".join(map(str, paths))])
     assert result.exit_code == 0, result.output
-    merged, one = load_serving_table(out), load_serving_table(whole["table"])
-    assert _picks(merged) == _picks(one)
-    assert merged.as_dict()["families"] == one.as_dict()["families"]
+    assert _picks(load_serving_table(out)) == _picks(load_serving_table(whole["table"]))
+    assert _families(out) == _families(whole["table"])
     with pytest.raises(sw.ServingSweepError, match="merge only the shards of one config"):
         sw.merge(tiny, "H200", paths, out=tmp_path / "x.yaml", log=lambda line: None)
     assert sw.sweep_from_cli(config, "H200", out=tmp_path / "x.yaml", merge_results=paths) == 1
@@ -255,7 +261,7 @@ def test_the_budget_stops_cleanly_and_the_table_says_what_was_left_out(tiny, tmp
     assert summary["stopped"]
     table = load_serving_table(summary["table"])
     fam = next(iter(table.families.values()))
-    assert 1 <= len(fam.cells) < 4 and fam.cells
+    assert 1 <= len(fam.cells) < 4
     assert all("budget" in c["reason"] for c in fam.left_out)
     assert len(fam.cells) + len(fam.left_out) == 4
     assert table.provenance["sweep"]["stopped"] is True
@@ -296,36 +302,36 @@ def test_serving_candidates_are_valid_for_every_family_and_use_fp16_dots_without
 
 def test_batch_waves_offer_batch_budgets_instead_of_per_sequence_caps():
     """batch_waves W: split_budget ceil(W x SMs / head tiles), a runtime argument (no compile)."""
-    h200 = fake_platform("H200")
     spec = CallSpec("fp8", 64, 128, 4)
-    offered = triton_splitk.serving_candidates(
-        spec, {"mma_rows": [64], "batch_waves": [1, 2], "max_splits": [1], "tokens_per_split": [128]}, h200)
-    rules = sorted((v.get("max_splits"), v.p.get("split_budget", 0)) for v in offered)
-    assert rules == [(1, 0), (17, 17), (33, 33)]  # 8 head tiles of 16 heads x 4 tokens
-    assert compile_key(offered[-1]) == compile_key(Variant.make("triton", **{**offered[-1].p, "split_budget": 5}))
-    both = triton_splitk.serving_candidates(spec, {"mma_rows": [64], "batch_waves": [1], "split_waves": [1]}, h200)
-    assert sorted((v.get("max_splits"), v.p.get("split_budget", 0)) for v in both) == [(17, 0), (17, 17)]
-    wide = triton_splitk.serving_candidates(CallSpec("fp8", 64, 16, 1), {"batch_waves": [4]}, h200)
-    assert [(v.get("max_splits"), v.p.get("split_budget", 0)) for v in wide] == [(64, 528)]  # capped at 64
+
+    def rules(spec, space):
+        offered = triton_splitk.serving_candidates(spec, space, fake_platform("H200"))
+        return offered, sorted((v.get("max_splits"), v.p.get("split_budget", 0)) for v in offered)
+
+    offered, split_rules = rules(spec, {"mma_rows": [64], "batch_waves": [1, 2], "max_splits": [1],
+                                        "tokens_per_split": [128]})
+    assert split_rules == [(1, 0), (17, 17), (33, 33)]  # 8 head tiles of 16 heads x 4 tokens
+    assert compile_key(offered[-1]) == compile_key(offered[-1].with_params(split_budget=5))
+    both = rules(spec, {"mma_rows": [64], "batch_waves": [1], "split_waves": [1]})[1]
+    assert both == [(17, 0), (17, 17)]
+    wide = rules(CallSpec("fp8", 64, 16, 1), {"batch_waves": [4]})[1]
+    assert wide == [(64, 528)]  # capped at 64
     for v in offered:
         triton_splitk.build_serving(v, spec, "cpu")
     with pytest.raises(ValueError, match="batch_waves must hold positive numbers"):
-        triton_splitk.serving_candidates(spec, {"batch_waves": [0]}, h200)
+        rules(spec, {"batch_waves": [0]})
     with pytest.raises(ValueError, match="split_budget"):
-        triton_splitk.validate(Variant.make("triton", **{**offered[-1].p, "split_budget": -1}))
+        triton_splitk.validate(offered[-1].with_params(split_budget=-1))
 
 
-def test_config_errors_name_the_field_and_the_hash_ignores_order(tiny, monkeypatch):
-    bad = copy.deepcopy(TINY)
-    bad["backends"]["triton"] = {"mma_rows": [12]}
-    with pytest.raises(ServingConfigError, match=r"backends\.triton.*mma_rows"):
-        serving_config_from_dict(bad, "bad.yaml")
-    for field, value, match in (("search", {"rungs": [2, 1], "keep": 0.5, "min_keep": 1, "cross_top": 3}, "search.rungs"),
-                                ("kv_buckets", [64, 32], "kv_buckets"), ("budget", 5, "unknown field"),
-                                ("left_out", [{"max_tokens": 10}], r"left_out\[0\]\.why")):
-        bad = {**copy.deepcopy(TINY), field: value}
+def test_config_errors_name_the_field_and_the_hash_ignores_order(tiny):
+    bad_triton = {**TINY["backends"], "triton": {"mma_rows": [12]}}
+    for field, value, match in (
+            ("backends", bad_triton, r"backends\.triton.*mma_rows"), ("budget", 5, "unknown field"),
+            ("search", {"rungs": [2, 1]}, "search.rungs"), ("kv_buckets", [64, 32], "kv_buckets"),
+            ("left_out", [{"max_tokens": 10}], r"left_out\[0\]\.why")):
         with pytest.raises(ServingConfigError, match=match):
-            serving_config_from_dict(bad, "bad.yaml")
+            _config("bad.yaml", **{field: value})
     fm8 = Variant.make("flashmla", kv="fp8", q="fp8_dynamic")
     assert reference_q_format(fm8, tiny.gate) == "bf16"  # exact: the fp8 q error counts
     assert reference_q_format(fm8, dataclasses.replace(tiny.gate, reference_q="variant")) == "fp8"
@@ -333,7 +339,7 @@ def test_config_errors_name_the_field_and_the_hash_ignores_order(tiny, monkeypat
     assert serving_config_from_dict(reordered, "other.yaml").hash == tiny.hash
 
 
-def test_the_committed_config_plans_tier_1_within_21_gpu_minutes(capsys):
+def test_the_committed_config_plans_tier_1_within_21_gpu_minutes_and_dry_runs_from_the_cli(capsys):
     cfg = load_serving_config("configs/serving.yaml")
     assert len(cfg.families) == 12 and cfg.budget_s <= 600
     est = sw.dry_run(cfg, "H200")
@@ -341,17 +347,16 @@ def test_the_committed_config_plans_tier_1_within_21_gpu_minutes(capsys):
     assert est["total"] <= 21 * 60 and "left out batch 256: kv 8192" in out  # 1242 s, the edge 219 of them
     plan = plan_sweep(cfg, fake_platform("H200"), check_available=False)
     # every family gets every backend, and a choice of split rules and head tiles
-    assert all(len(f.candidates) >= 8 and set(f.per_backend()) == {"triton", "triton_fused", "flashmla", "flashinfer", "gluon_fused"}
+    backends = {"triton", "triton_fused", "flashmla", "flashinfer", "gluon_fused"}
+    assert all(len(f.candidates) >= 8 and set(f.per_backend()) == backends
                for f in plan.families.values())
     # bf16 caches over 768 MiB per layer are left out; fp8 ones fit twice the tokens
     fp8 = next(f for k, f in plan.families.items() if k.kv_format == "fp8")
-    assert {"batch": 256, "kv_len": 4096} not in [{k: c[k] for k in ("batch", "kv_len")} for c in fp8.left_out]
-    shards = [plan_sweep(cfg, fake_platform("H200"), (i, 3), check_available=False) for i in (1, 2, 3)]
+    assert (256, 4096) not in [(c["batch"], c["kv_len"]) for c in fp8.left_out]
+    shards = [plan_sweep(cfg, fake_platform("H200"), (i, 3), check_available=False)
+              for i in (1, 2, 3)]
     assert sorted(u.index for s in shards for u in s.units) == list(range(plan.all_units))
-
-
-def test_the_command_line_dry_run_and_bad_options(capsys):
-    """`mla-tune sweep --config` (sweep_from_cli): a bad option is one line and exit 1."""
+    # `mla-tune sweep --config` (sweep_from_cli): a dry run; a bad option is one line and exit 1
     assert sw.sweep_from_cli("configs/serving.yaml", "H200", dry_run=True) == 0
     assert "estimated GPU time" in capsys.readouterr().out
     assert sw.sweep_from_cli("configs/serving.yaml", "H200", shard="3/2", dry_run=True) == 1
@@ -425,16 +430,14 @@ def test_spread_cell_lengths_stay_in_their_bucket_and_off_its_split_steps(batch,
         sw.cell_kv_lens(batch, kv_len, "ragged")
 
 
-def test_cell_lengths_are_a_search_option_that_changes_the_hash_and_the_timed_lengths(tiny, tmp_path, monkeypatch):
+def test_cell_lengths_are_a_search_option_that_changes_the_hash_and_the_timed_lengths(
+        tiny, tmp_path, monkeypatch):
     """search.cell_lengths: aligned by default; `spread` changes the hash and the timed lengths."""
     assert tiny.search.cell_lengths == "aligned"
-    raw = copy.deepcopy(TINY)
-    raw["search"]["cell_lengths"] = "spread"
-    spread = serving_config_from_dict(raw, "spread.yaml")
+    spread = _config("spread.yaml", {"cell_lengths": "spread"})
     assert spread.search.cell_lengths == "spread" and spread.hash != tiny.hash
-    raw["search"]["cell_lengths"] = "uniform"
     with pytest.raises(ServingConfigError, match=r"search\.cell_lengths.*aligned, spread.*'uniform'"):
-        serving_config_from_dict(raw, "bad.yaml")
+        _config("bad.yaml", {"cell_lengths": "uniform"})
     seen = {}
     real = measure_module.make_input
 
@@ -472,11 +475,8 @@ def test_the_edge_stage_times_finalists_at_the_buckets_smallest_batch(tiny, tmp_
     """search.batch_edge (off by default): the bucket of 4 also times its finalists at batch 2,
     so 4 x 32 picks C over A (twice as slow at 2); resume, dry run and a bad value."""
     assert tiny.search.batch_edge is False
-    raw = copy.deepcopy(TINY)
-    raw["batch_buckets"] = [1, 4]
-    plain = serving_config_from_dict(copy.deepcopy(raw), "plain.yaml")
-    raw["search"]["batch_edge"] = True
-    edged = serving_config_from_dict(copy.deepcopy(raw), "edge.yaml")
+    plain = _config("plain.yaml", batch_buckets=[1, 4])
+    edged = _config("edge.yaml", {"batch_edge": True}, batch_buckets=[1, 4])
     assert edged.search.batch_edge and edged.hash != plain.hash
     without = load_serving_table(_sweep(plain, tmp_path / "plain", _edge_timer())["table"])
     timer = _edge_timer()
@@ -497,6 +497,5 @@ def test_the_edge_stage_times_finalists_at_the_buckets_smallest_batch(tiny, tmp_
     assert again.timed == []
     assert sw.dry_run(edged, "H200", log=lambda line: None)["edge"] > 0
     assert sw.dry_run(plain, "H200", log=lambda line: None)["edge"] == 0
-    raw["search"]["batch_edge"] = "yes"
     with pytest.raises(ServingConfigError, match=r"search\.batch_edge.*true or false.*'yes'"):
-        serving_config_from_dict(raw, "bad.yaml")
+        _config("bad.yaml", {"batch_edge": "yes"}, batch_buckets=[1, 4])

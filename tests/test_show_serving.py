@@ -69,7 +69,7 @@ def _legend(lines: list[str], tag: str) -> dict[str, str]:
     return out
 
 
-def test_show_prints_buckets_families_and_every_pick_in_80_columns(tmp_path):
+def test_show_prints_every_pick_in_80_columns_and_its_json_every_cell(tmp_path):
     path = _write(tmp_path)
     result = invoke("show", "--table", path)
     assert result.exit_code == 0, result.output
@@ -100,10 +100,7 @@ def test_show_prints_buckets_families_and_every_pick_in_80_columns(tmp_path):
     assert lines[start + 1].split() == ["batch", "1024", "8192", "65536"]
     assert lines[start + 2].split() == ["1", "20.2", "91.9", "665.4"]  # 10 x batch + kv / 100
     assert lines[start + 4].split() == ["256", "2570", ".", "-"]
-
-
-def test_show_json_holds_every_cell_graph_pick_and_left_out_cell(tmp_path):
-    path = _write(tmp_path)
+    # --json holds every cell, graph pick and left-out cell
     data = json.loads(invoke("show", "--table", path, "--json").output)
     assert data["kind"] == "serving" and data["path"] == str(path) and data["gpu"] == "H200"
     assert data["batch_buckets"] == BATCHES and data["kv_buckets"] == KVS

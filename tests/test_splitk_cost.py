@@ -35,6 +35,9 @@ SPLIT = Variant.parse("triton(block_h=16,block_n=64,dot_dtype=bf16,kv=bf16,max_s
                       "num_warps=4,q=bf16,tokens_per_split=512)")
 FM = Variant.parse("flashmla(kv=bf16,q=bf16)")
 KEY = FamilyKey("bf16", 64, 16, 1)
+SPEC = CallSpec("bf16", 64, 16, 1)
+UNIFORM = [1024] * 100
+RAGGED = [100] * 99 + [1024 * 100 - 9900]  # UNIFORM's mean, one long sequence
 TABLE = Path(__file__).resolve().parents[1] / "tables" / "H200.serving.yaml"
 
 
@@ -71,7 +74,6 @@ def test_the_makespan_counts_waves_waits_for_the_longest_and_charges_each_items_
     # each item costs its fixed tokens, so more splits are not free
     assert _span([100] * 132, item_tokens=50) == 150
     assert _span([100] * 133, item_tokens=50) == 300  # the second wave's item pays it again
-    n = 132 * (EXACT_WAVES + 1)
     assert _span([100] * n, item_tokens=50) == pytest.approx(n * 150 / 132 + 75)
     # 5 x 1688 tokens, 128 heads, 64-head tiles: budget 132 runs 14 items a sequence (13 of
     # 128 tokens, one of 24), 70 on 66 slots; budget 66 runs 9 of 192 (45, one wave). By tokens
@@ -103,16 +105,14 @@ def _grid(overhead=10.0, rate=30 / 512, occupancy=1, kvs=(512, 1024, 2048), item
 
 def test_the_fit_recovers_the_occupancy_and_the_overhead():
     # overhead 10 us = a quarter of the fastest point's 40 us, one of the fractions tried
-    models = _splitk_models(KEY, _grid(), 132)
-    m = models[ONE]
+    m = _splitk_models(KEY, _grid(), 132)[ONE]
     assert (m.occupancy, m.overhead_us, m.item_tokens, m.sm_count) == (1, pytest.approx(10.0), 0, 132)
     assert m.fit_error < 1e-9
     # a program's fixed cost in tokens, one of ITEM_TOKENS (overhead 12.5 of 12.5 + 30/512 x 640)
     m = _splitk_models(KEY, _grid(overhead=12.5, item_tokens=128), 132)[ONE]
     assert (m.occupancy, m.overhead_us, m.item_tokens) == (1, pytest.approx(12.5), 128) and m.fit_error < 1e-9
-    # two programs an SM: 264 sequences are one wave, 265 two; only a grid of one length a
-    # batch tells occupancies apart (a left-out point's neighbours share its batch's rate)
-    assert _splitk_models(KEY, _grid(occupancy=2, kvs=(1024,)), 132)[ONE].occupancy == 2
+    # two programs an SM fit a grid of one length a batch (the occupancy cap's test); on the
+    # full grid a left-out point's neighbours share its batch's rate: occupancies look alike
     assert _splitk_models(KEY, _grid(occupancy=2), 132)[ONE].occupancy == 1
     assert _splitk_models(KEY, _grid(), 0) == {}  # no SM count, no model
     few = dict(list(_grid().items())[:5])
@@ -124,20 +124,21 @@ def _table(models: dict) -> ServingTable:
     for (b, k), t in _grid().items():
         fam.points[(b, k)] = {**t, FM: 1.15 * t[ONE]}  # FlashMLA 15% behind on every uniform batch
     fam.models = models
+    return _serving(fam)
+
+
+def _serving(fam: Family) -> ServingTable:
     return ServingTable("H200", {}, [64, 128, 256, 512], [512, 1024, 2048], {KEY: fam})
 
 
 def test_the_lookup_estimates_a_ragged_batch_by_its_schedule():
-    spec = CallSpec("bf16", 64, 16, 1)
     table = _table(_splitk_models(KEY, _grid(), 132))
-    uniform = [1024] * 100
-    ragged = [100] * 99 + [1024 * 100 - 9900]  # the same mean, one long sequence
-    assert table.lookup(spec, 100, 1024.0, kv_lens=uniform) == ONE
-    est = table.estimates(spec, 100, 1024.0, kv_lens=ragged)
+    assert table.lookup(SPEC, 100, 1024.0, kv_lens=UNIFORM) == ONE
+    est = table.estimates(SPEC, 100, 1024.0, kv_lens=RAGGED)
     assert est[ONE] == pytest.approx(10 + 30 / 512 * 92500, rel=1e-6)  # the long one alone
-    assert table.lookup(spec, 100, 1024.0, kv_lens=ragged) == FM
+    assert table.lookup(SPEC, 100, 1024.0, kv_lens=RAGGED) == FM
     # without its model the split-K variant is interpolated as if uniform, and kept
-    assert _table({}).lookup(spec, 100, 1024.0, kv_lens=ragged) == ONE
+    assert _table({}).lookup(SPEC, 100, 1024.0, kv_lens=RAGGED) == ONE
 
 
 def _refused(path: Path, data: dict, words: str) -> None:
@@ -146,7 +147,7 @@ def _refused(path: Path, data: dict, words: str) -> None:
         load_serving_table(path)
 
 
-def test_the_models_survive_a_write_and_load_and_a_broken_one_is_refused(tmp_path):
+def test_the_models_survive_a_write_and_load_and_a_broken_or_older_one_is_refused(tmp_path):
     table = _table(_splitk_models(KEY, _grid(), 132))
     path = write_serving_table(tmp_path / "H200.serving.yaml", table)
     text = path.read_text()
@@ -165,9 +166,7 @@ def test_the_models_survive_a_write_and_load_and_a_broken_one_is_refused(tmp_pat
         entry.update(edit)
         data["families"][0]["models"] = [entry]
         _refused(tmp_path / "bad.serving.yaml", data, words)
-
-
-def test_an_older_schema_is_refused_with_the_command_that_rebuilds_it(tmp_path):
+    # an older schema is refused with the command that rebuilds it
     data = _table({}).as_dict()
     path = tmp_path / "old.serving.yaml"
     for old in ("serving/2", "serving/5"):
@@ -199,32 +198,31 @@ def test_the_reduction_steps_follow_the_longest_sequences_splits():
 
 
 def test_the_lookup_adds_the_measured_reduction_steps_beyond_a_uniform_batchs(tmp_path):
-    spec = CallSpec("bf16", 64, 16, 1)
     split = SPLIT.with_params(tokens_per_split=16)  # many splits at the grid's short lengths
     fam = Family(KEY)
     for (b, k), t in _grid().items():
         fam.points[(b, k)] = {**t, split: 1.02 * t[ONE]}
     fam.models = _splitk_models(KEY, {pt: {split: t[split]} for pt, t in fam.points.items()}, 132)
-    table = ServingTable("H200", {}, [64, 128, 256, 512], [512, 1024, 2048], {KEY: fam})
-    uniform = [1024] * 100
-    ragged = [100] * 99 + [1024 * 100 - 9900]  # the same mean, one sequence with most splits
-    params = dict(split.params)
-    extra = reduce_steps(ragged, 16, 1, params, 132) - reduce_steps(uniform, 16, 1, params, 132)
+    table = _serving(fam)
+    params = dict(split.params)  # RAGGED's long sequence has most splits
+    extra = reduce_steps(RAGGED, 16, 1, params, 132) - reduce_steps(UNIFORM, 16, 1, params, 132)
     assert extra > 1
-    before = table.estimates(spec, 100, 1024.0, kv_lens=ragged)[split]
-    assert _splitk(table, spec, ragged) == {split: pytest.approx(before)}
-    fam.calibration = {"triton": {"reduce_step_us": {16: 5.0, 64: 1.0}}}  # 100 x 16 heads: the narrow grid's 16 a step
-    table = ServingTable("H200", {}, [64, 128, 256, 512], [512, 1024, 2048], {KEY: fam})
-    assert table.estimates(spec, 100, 1024.0, kv_lens=ragged)[split] == pytest.approx(before + 5.0 * extra)
-    assert _splitk(table, spec, ragged, calibrated=False) == {split: pytest.approx(before)}
+    before = table.estimates(SPEC, 100, 1024.0, kv_lens=RAGGED)[split]
+    assert _splitk(table, SPEC, RAGGED) == {split: pytest.approx(before)}
+    calibration = {"triton": {"reduce_step_us": {16: 5.0, 64: 1.0}}}
+    fam.calibration = calibration  # 100 x 16 heads: the narrow grid's 16 a step
+    table = _serving(fam)
+    after = table.estimates(SPEC, 100, 1024.0, kv_lens=RAGGED)[split]
+    assert after == pytest.approx(before + 5.0 * extra)
+    assert _splitk(table, SPEC, RAGGED, calibrated=False) == {split: pytest.approx(before)}
     # a uniform batch, and a call without its lengths, add nothing
-    flat = table.estimates(spec, 100, 1024.0, kv_lens=uniform)[split]
-    assert flat == pytest.approx(table.estimates(spec, 100, 1024.0)[split])
-    assert _splitk(table, spec, uniform) == _splitk(table, spec, uniform, calibrated=False)
+    flat = table.estimates(SPEC, 100, 1024.0, kv_lens=UNIFORM)[split]
+    assert flat == pytest.approx(table.estimates(SPEC, 100, 1024.0)[split])
+    assert _splitk(table, SPEC, UNIFORM) == _splitk(table, SPEC, UNIFORM, calibrated=False)
     # it is written, read back, and checked
     return_path = write_serving_table(tmp_path / "H200.serving.yaml", table)
     assert "reduce_step_us: {16: 5.0, 64: 1.0}" in return_path.read_text()
-    assert load_serving_table(return_path).families[KEY].calibration == {"triton": {"reduce_step_us": {16: 5.0, 64: 1.0}}}
+    assert load_serving_table(return_path).families[KEY].calibration == calibration
     data = table.as_dict()
     for bad, words in (({"triton": {"reduce_step_us": {32: 1.0}}}, "must map splits per reduction step"),
                        ({"triton": {"reduce_step_us": {16: -1.0}}}, r"\[16\] must be a finite"),
@@ -253,23 +251,23 @@ def test_a_split_k_estimate_stays_near_its_interpolated_time():
     """The model may say slower than the uniform neighbours, not much faster (SPLITK_FLOOR):
     at 600 tokens a split per 512 makes 2 splits of 320 where the grid's 512 made one of
     512, and a model whose time is its longest item would call it 38% faster."""
-    spec = CallSpec("bf16", 64, 16, 1)
     fam = Family(KEY)
-    fam.points = {(b, k): {SPLIT: 0.1 * k, FM: 0.12 * k} for b in (64, 128) for k in (512, 1024)}  # in proportion
+    fam.points = {(b, k): {SPLIT: 0.1 * k, FM: 0.12 * k}  # in proportion
+                  for b in (64, 128) for k in (512, 1024)}
     fam.models = {SPLIT: SplitKModel(SPLIT, 1, 0.0, 132, 0.0)}
     table = ServingTable("H200", {}, [64, 128], [512, 1024], {KEY: fam})
     interp = table.estimator.interpolated("times", fam, 64, 600.0)[SPLIT]
     assert interp == pytest.approx(60.0, rel=0.01)  # the memo takes lengths to ~1%
-    assert _splitk(table, spec, [600] * 64)[SPLIT] < 0.7 * interp
-    assert table.estimates(spec, 64, 600.0, kv_lens=[600] * 64)[SPLIT] == pytest.approx(SPLITK_FLOOR * interp)
+    assert _splitk(table, SPEC, [600] * 64)[SPLIT] < 0.7 * interp
+    floored = table.estimates(SPEC, 64, 600.0, kv_lens=[600] * 64)[SPLIT]
+    assert floored == pytest.approx(SPLITK_FLOOR * interp)
     # at a grid point the model is exact, over the floor
-    assert table.estimates(spec, 64, 1024.0, kv_lens=[1024] * 64)[SPLIT] == pytest.approx(102.4)
+    assert table.estimates(SPEC, 64, 1024.0, kv_lens=[1024] * 64)[SPLIT] == pytest.approx(102.4)
 
 
 def test_a_rate_the_points_cannot_blend_comes_from_the_interpolated_time():
     """With no split-K variant in common at the two kv points around the call, the model takes the
     rate of the variant's interpolated time, so a ragged call still sees its long sequence."""
-    spec = CallSpec("bf16", 64, 16, 1)
     other = SPLIT.with_params(split_budget=264, tokens_per_split=128, block_n=32)
     fam = Family(KEY)
     fam.points = {(64, 512): {ONE: 51.2, FM: 60.0}, (64, 1024): {other: 90.0, FM: 110.0}}
@@ -278,11 +276,11 @@ def test_a_rate_the_points_cannot_blend_comes_from_the_interpolated_time():
     assert table.estimator.interpolated("rates", fam, 64, 700.0) == {}  # nothing in common to blend by
     times = table.estimator.interpolated("times", fam, 64, 700.0)
     assert ONE in times  # (other, at the point of weight 0.45 alone, sits out: MIN_MEASURED_WEIGHT)
-    uniform = _splitk(table, spec, [700] * 64)
+    uniform = _splitk(table, SPEC, [700] * 64)
     assert uniform[ONE] == pytest.approx(times[ONE], rel=0.02)  # a uniform call: the interpolated time
     ragged = [100] * 63 + [700 * 64 - 6300]  # the same tokens, one long sequence (one program each)
-    assert _splitk(table, spec, ragged)[ONE] > 10 * uniform[ONE]
-    assert table.estimates(spec, 64, 700.0, kv_lens=ragged)[ONE] > 10 * uniform[ONE]
+    assert _splitk(table, SPEC, ragged)[ONE] > 10 * uniform[ONE]
+    assert table.estimates(SPEC, 64, 700.0, kv_lens=ragged)[ONE] > 10 * uniform[ONE]
 
 
 # Variants of the committed serving table's split-K models, one of each (block_n, num_warps)

@@ -22,17 +22,9 @@ from mla_tune.serving.config import load_serving_config, serving_config_from_dic
 from mla_tune.serving.table import load_serving_table
 from mla_tune.tune import timing
 from mla_tune.tune.timing import Timing
+from tests.test_serving_sweep import TINY as SWEEP_TINY
 
-TINY = {
-    "name": "tiny-verify", "rule": "strict", "check_seeds": [1, 2],
-    "families": {"kv_format": ["fp8"], "page_size": [16], "heads": [16], "q_len": [2]},
-    "call": {"mixed_q_len": True},
-    "batch_buckets": [2, 4], "kv_buckets": [32, 64],
-    "gate": {"ragged_kv_lens": [1, 17, 63, 64, 65, 100], "tail_kv_len": 77, "tail_batch": 2, "margin": 0.5,
-             "reference_q": "exact"},
-    "search": {"rungs": [1, 2], "keep": 0.5, "min_keep": 1, "cross_top": 3},
-    "backends": {"triton": {"tokens_per_split": [16, 64]}, "triton_fused": {}, "wrong_serving": {}},
-}
+TINY = {**copy.deepcopy(SWEEP_TINY), "name": "tiny-verify", "batch_buckets": [2, 4]}
 SPEC = CallSpec("fp8", 16, 16, 2, mixed_q_len=True)
 # Made-up times per sequence: the fused kernel C is the best correct candidate; the table's
 # eager pick A is 10% slower, its graph pick B 30%, the fallback F twice; W (wrong_serving)
@@ -229,13 +221,11 @@ def test_cli_help_bad_table_and_a_run_writing_json(tiny, tmp_path, monkeypatch):
                      "--max-regret", "0.05")
     assert result.exit_code == 1 and "FAIL" in result.output
     # --rescore: no timing, the picks' times read back from the report just written
-    cpu_time = timing.cpu_time
     monkeypatch.setattr(timing, "cpu_time", lambda *a: pytest.fail("a rescore timed something"))
     result = _invoke("verify", "--table", table_path, "--rescore", out, "--max-regret", "0.12")
     assert result.exit_code == 0 and "PASS (on recorded times)" in result.output, result.output
     result = _invoke("verify", "--table", table_path, "--rescore", out, "--max-regret", "0.05")
     assert result.exit_code == 1 and "max regret 10.0% is over 5.0%" in result.output
-    monkeypatch.setattr(timing, "cpu_time", cpu_time)
 
 
 @pytest.mark.gpu
