@@ -1,7 +1,11 @@
-"""The serving runners' step API and the replayed Triton launches (mla_tune/kernels/launch.py):
-steps against the plain runner and the reference (interpreter, vendor fakes), the replay's
-guard and substitution on fake objects; on the GPU, replays bit-identical to the JIT launch
-and DecodePlan.run's host time (CUDA graphs: tests/test_graph_replay.py).
+"""The serving runners' step API and the replayed Triton launches (mla_tune/kernels/launch.py).
+
+On the CPU (Triton's interpreter): a step's layers through DecodePlan answer as the plain
+runner and the fp32 reference for both own backends; the interpreter takes the JIT path
+(nothing is recorded); the replay's guard, substitution and step-to-step keeping, on fake
+objects; FlashMLA's and FlashInfer's steps through the CPU fakes. GPU-marked: replays
+bit-identical to the JIT launch across layers, a misaligned q falling back, and the host
+time of DecodePlan.run (a CUDA graph of update + runs: tests/test_graph_replay.py).
 """
 
 from __future__ import annotations
@@ -36,8 +40,7 @@ def _close(out, ref, what=""):
 def _layers(spec: CallSpec, kv_lens, q_lens, n: int, device="cpu"):
     """n layers of one step: the step's tensors from the first, a q and a KV cache per layer
     (same shapes, new values)."""
-    first = serving.make_input(q_lens, kv_lens, spec.heads, spec.page_size, spec.kv_format, seed=3,
-                               device=device)
+    first = serving.make_input(q_lens, kv_lens, spec.heads, spec.page_size, spec.kv_format, seed=3, device=device)
     gen = torch.Generator(device=device).manual_seed(4)
     layers = [(first.q, first.kv)]
     for _ in range(n - 1):
@@ -48,8 +51,7 @@ def _layers(spec: CallSpec, kv_lens, q_lens, n: int, device="cpu"):
 
 
 def _ref(first, q, kv, q_format="bf16"):
-    return serving.reference(q, first.qo_indptr, kv, first.kv_scale, **first.layout,
-                             q_format=q_format)
+    return serving.reference(q, first.qo_indptr, kv, first.kv_scale, **first.layout, q_format=q_format)
 
 
 # --------------------------------------------------------------------- own runners, CPU
@@ -62,7 +64,7 @@ def test_a_steps_layers_through_the_plan_answer_as_the_plain_runner_and_the_refe
     for i, (q, kv) in enumerate(layers):
         out = plan.run(q, kv, None).clone()
         plain = runner(q, first.qo_indptr, kv, None, **first.layout).clone()
-        assert torch.equal(out, plain), f"{backend} layer {i}: the step differs from the runner"
+        assert torch.equal(out, plain), f"{backend} layer {i}: the step differs from the plain runner"
         _close(out, _ref(first, q, kv), f"{backend} layer {i}")
 
 
@@ -71,10 +73,10 @@ def test_the_interpreter_takes_the_jit_path_and_records_nothing():
     first, layers = _layers(SPEC, LENS, [1, 2, 2], 2)
     record = []
     out = torch.empty((first.q.shape[0], 16, 512), dtype=torch.bfloat16)
-    workspace = FlashDecodeServingWorkspace.allocate(8, 16, 4, "cpu", max_q_len=2)
     flash_decode_serving(first.q, first.qo_indptr, first.kv, None, out, **first.layout, max_q_len=2,
-                         max_splits=4, tokens_per_split=16, block_n=16, block_h=8, num_warps=4,
-                         num_stages=1, dot_dtype="fp16", workspace=workspace, record=record)
+                         max_splits=4, tokens_per_split=16, block_n=16, block_h=8, num_warps=4, num_stages=1,
+                         dot_dtype="fp16", workspace=FlashDecodeServingWorkspace.allocate(8, 16, 4, "cpu", max_q_len=2),
+                         record=record)
     assert record == [None, None]  # stage 1 and stage 2, neither replayable here
     assert LaunchReplay.build(record, (first.q, first.kv, None)) is None
     plan = DecodePlan(SPEC, max_batch=4, backend="triton_fused")
@@ -94,10 +96,8 @@ def test_the_jit_launch_is_still_the_call_a_replay_makes():
 class _FakeTensor:
     """What tensor_sig and LaunchReplay.build read of a tensor."""
 
-    def __init__(self, ptr=4096, dtype=torch.bfloat16, shape=(4, 16, 576), stride=(9216, 576, 1),
-                 device=0):
-        self.ptr, self.dtype, self.shape, self._stride = ptr, dtype, torch.Size(shape), stride
-        self.device = device
+    def __init__(self, ptr=4096, dtype=torch.bfloat16, shape=(4, 16, 576), stride=(9216, 576, 1), device=0):
+        self.ptr, self.dtype, self.shape, self._stride, self.device = ptr, dtype, torch.Size(shape), stride, device
 
     def stride(self):
         return self._stride
@@ -131,14 +131,12 @@ def _replay(values, tensors, grid=(2, 3)):
     return LaunchReplay.build([rec], tensors), compiled
 
 
-def test_the_guard_rejects_a_changed_dtype_alignment_shape_stride_device_or_a_launch_hook():
-    fp8 = torch.float8_e4m3fn
-    q, kv = _FakeTensor(4096), _FakeTensor(8192, fp8, (10, 16, 576))
-    scale = _FakeTensor(64, torch.float32, (1,), (1,))
+def test_the_guard_rejects_a_changed_dtype_alignment_shape_stride_or_device():
+    q, kv, scale = _FakeTensor(4096), _FakeTensor(8192, torch.float8_e4m3fn, (10, 16, 576)), _FakeTensor(64, torch.float32, (1,), (1,))
     replay, _ = _replay([q, 5, kv, scale], (q, kv, scale))
-    assert replay.matches((_FakeTensor(1 << 20), _FakeTensor(1 << 21, fp8, (10, 16, 576)),
+    assert replay.matches((_FakeTensor(1 << 20), _FakeTensor(1 << 21, torch.float8_e4m3fn, (10, 16, 576)),
                            _FakeTensor(128, torch.float32, (1,), (1,))))
-    kv2 = _FakeTensor(1 << 21, fp8, (10, 16, 576))
+    kv2 = _FakeTensor(1 << 21, torch.float8_e4m3fn, (10, 16, 576))
     for bad_q in (_FakeTensor(4096, dtype=torch.float16),  # dtype
                   _FakeTensor(4096 + 8),  # data_ptr no longer 16-byte aligned
                   _FakeTensor(4096, shape=(5, 16, 576)),  # shape: total_q, the grid
@@ -147,21 +145,25 @@ def test_the_guard_rejects_a_changed_dtype_alignment_shape_stride_device_or_a_la
         assert not replay.matches((bad_q, kv2, scale)), bad_q.__dict__
     assert not replay.matches((q, kv2, None))  # a scale where the recording had none, and back
     assert not replay.matches((q, _FakeTensor(1 << 21, torch.bfloat16, (10, 16, 576)), scale))
-    # a launch hook set: refused while it is there
-    assert replay.matches((q, kv, scale))
+
+
+def test_the_guard_rejects_while_a_launch_hook_is_set():
+    q = _FakeTensor()
+    replay, _ = _replay([q], (q,))
+    assert replay.matches((q,))
 
     def hook(_metadata):
         return None
 
     triton.knobs.runtime.launch_enter_hook.add(hook)
     try:
-        assert not replay.matches((q, kv, scale))
+        assert not replay.matches((q,))
     finally:
         triton.knobs.runtime.launch_enter_hook.remove(hook)
-    assert replay.matches((q, kv, scale))
+    assert replay.matches((q,))
 
 
-def test_a_replay_substitutes_by_identity_launches_as_the_jit_does_or_is_refused():
+def test_a_replay_substitutes_by_identity_and_launches_as_the_jit_does():
     q, kv, ws = _FakeTensor(4096), _FakeTensor(1 << 16), _FakeTensor(1 << 24)
     replay, compiled = _replay([q, kv, ws, 7, q, "CONST"], (q, kv, None))
     q2, kv2 = _FakeTensor(1 << 26), _FakeTensor(1 << 27)
@@ -170,7 +172,10 @@ def test_a_replay_substitutes_by_identity_launches_as_the_jit_does_or_is_refused
     assert compiled.calls == [(2, 3, 1, 77, "FUNCTION", "PACKED", None, None, None,
                                1 << 26, 1 << 27, 1 << 24, 7, 1 << 26, "CONST")]
     assert not replay.try_launch((_FakeTensor(4096 + 4), kv2, None)) and len(compiled.calls) == 1
-    # refused for a view of a substituted tensor or an unrecordable launch
+
+
+def test_a_replay_is_refused_for_a_view_of_a_substituted_tensor_or_an_unrecordable_launch():
+    q = _FakeTensor(4096)
     view = _FakeTensor(4096)  # another object over q's storage: it would not follow the layer
     assert _replay([q, view], (q,))[0] is None
     assert _replay([_FakeTensor(99)], (q,))[0] is None  # q reaches no launch
@@ -220,14 +225,12 @@ def _fake_runner():
         return replays[-1]
 
     spec = CallSpec("bf16", page_size=16, heads=16, max_q_len=1)
-    runner = OwnServingRunner("fake", spec, "cpu", decode, _FakeWorkspace, 4, {}, replay_from)
-    return runner, launches, replays
+    return OwnServingRunner("fake", spec, "cpu", decode, _FakeWorkspace, 4, {}, replay_from), launches, replays
 
 
 def test_a_step_records_at_its_first_layer_replays_the_rest_and_keeps_it_for_the_same_tensors():
     runner, launches, replays = _fake_runner()
-    qo = torch.arange(3, dtype=torch.int32)
-    table, lens = torch.zeros((2, 4), dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    qo, table, lens = torch.arange(3, dtype=torch.int32), torch.zeros((2, 4), dtype=torch.int32), torch.ones(2, dtype=torch.int32)
     kv = torch.zeros((4, 16, 576), dtype=torch.bfloat16)
     qs = [torch.randn((2, 16, 576)).to(torch.bfloat16) for _ in range(3)]
     layer = runner.step(qo, block_table=table, seq_lens=lens)
@@ -264,8 +267,7 @@ def test_a_runner_without_a_step_gets_a_plain_per_layer_call():
 # --------------------------------------------------------------------- vendor steps, CPU fakes
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
 @pytest.mark.parametrize("host_q_lens", [True, False])
-def test_a_flashmla_step_schedules_once_and_answers_as_its_plain_runner(monkeypatch, kv_format,
-                                                                        host_q_lens):
+def test_a_flashmla_step_schedules_once_and_answers_as_its_plain_runner(monkeypatch, kv_format, host_q_lens):
     fake = vendor_fakes.install(monkeypatch, "flash_mla")["flash_mla"]
     spec = CallSpec(kv_format, page_size=64, heads=16, max_q_len=2)
     decoder = Decoder(spec, backend="flashmla", device="cpu")
@@ -285,8 +287,7 @@ def test_a_flashmla_step_schedules_once_and_answers_as_its_plain_runner(monkeypa
 def test_a_flashinfer_step_plans_once_and_answers_as_its_plain_runner(monkeypatch, kv_format):
     vendor_fakes.install(monkeypatch, "flashinfer")
     import flashinfer.mla as fake
-    spec = CallSpec(kv_format, page_size=16, heads=16, max_q_len=2, mixed_q_len=True,
-                    host_lengths=True)
+    spec = CallSpec(kv_format, page_size=16, heads=16, max_q_len=2, mixed_q_len=True, host_lengths=True)
     plan = DecodePlan(spec, max_batch=4, backend="flashinfer", device="cpu")
     first, layers = _layers(spec, LENS, [1, 2, 2], 3)
     host = {"q_lens_host": [1, 2, 2], "kv_lens_host": LENS}
@@ -296,8 +297,7 @@ def test_a_flashinfer_step_plans_once_and_answers_as_its_plain_runner(monkeypatc
     assert fake.calls["plan"] == plans + 1 and fake.calls["run"] == runs + 3
     runner = plan._default.runner
     for i, ((q, kv), out) in enumerate(zip(layers, outs, strict=True)):
-        plain = runner(q, first.qo_indptr, kv, first.kv_scale, **first.layout, **host)
-        assert torch.equal(out, plain), f"layer {i}"
+        assert torch.equal(out, runner(q, first.qo_indptr, kv, first.kv_scale, **first.layout, **host)), f"layer {i}"
         _close(out, _ref(first, q, kv), f"layer {i}")
 
 
@@ -314,21 +314,19 @@ def test_an_update_does_the_steps_vendor_work_before_any_layer_into_fixed_buffer
     host = {"q_lens_host": [1, 1, 1], "kv_lens_host": lens}
     fi_plan = DecodePlan(spec, max_batch=4, backend="flashinfer", device="cpu")
     plans = fi.calls["plan"]
-    for shift in (1, 0):
-        fi_plan.update(first.qo_indptr, **first.layout,
-                       **{**host, "kv_lens_host": [n - shift for n in lens]})
+    fi_plan.update(first.qo_indptr, **first.layout, **{**host, "kv_lens_host": [n - 1 for n in lens]})
+    fi_plan.update(first.qo_indptr, **first.layout, **host)
     assert fi.calls["plan"] == plans + 2  # each update planned, before any layer ran
     fm_plan = DecodePlan(spec, max_batch=4, backend="flashmla", device="cpu")
     where = []
     first.seq_lens.sub_(1)  # a step at lens - 1, then the sequences grow to lens
     for grow in (0, 1):
         first.seq_lens.add_(grow)
-        fm_plan.update(first.qo_indptr, **first.layout,
-                       **{**host, "kv_lens_host": [n - 1 + grow for n in lens]})
+        fm_plan.update(first.qo_indptr, **first.layout, **{**host, "kv_lens_host": [n - 1 + grow for n in lens]})
         where.append(tuple(t.data_ptr() for t in fm_plan._layer.sched))
         out = fm_plan.run(*layers[0], first.kv_scale)
         _close(out, _ref(first, *layers[0]), f"flashmla step {grow}")
-    assert where[0] == where[1], "FlashMLA's schedule moved: a graph would read stale memory"
+    assert where[0] == where[1], "FlashMLA's schedule moved between steps: a graph would read stale memory"
     assert fm.calls["get_mla_decoding_metadata"] >= 2
 
 
@@ -345,8 +343,7 @@ def _gpu_variant(backend: str, spec: CallSpec, q_mode: str | None):
 @pytest.mark.parametrize("backend,kv_format,q_mode", [
     ("triton", "bf16", None), ("triton", "fp8", None), ("triton", "fp8", "fp8_dynamic"),
     ("triton_fused", "bf16", None), ("triton_fused", "fp8", None)])
-def test_replayed_launches_are_bit_identical_to_the_jit_launch_across_layers(backend, kv_format,
-                                                                            q_mode):
+def test_replayed_launches_are_bit_identical_to_the_jit_launch_across_layers(backend, kv_format, q_mode):
     spec = CallSpec(kv_format, page_size=64, heads=128, max_q_len=1)
     decoder = Decoder(spec, variant=_gpu_variant(backend, spec, q_mode), device="cuda")
     runner = decoder.runner
@@ -367,8 +364,7 @@ def test_replayed_launches_are_bit_identical_to_the_jit_launch_across_layers(bac
     assert not recorded.matches((odd, layers[1][1], first.kv_scale))
     out = step(odd, layers[1][1], first.kv_scale).clone()
     assert step.fast[0] is not recorded, "the misaligned q did not take the JIT path"
-    plain = runner(odd, first.qo_indptr, layers[1][1], first.kv_scale, **first.layout)
-    assert torch.equal(out, plain)
+    assert torch.equal(out, runner(odd, first.qo_indptr, layers[1][1], first.kv_scale, **first.layout))
     _close(out, _ref(first, odd, layers[1][1], q_format), "misaligned q")
     # and an aligned layer after it is right again (recorded anew)
     assert torch.equal(step(*layers[2], first.kv_scale), outs[2])
@@ -381,12 +377,10 @@ def test_plan_run_host_time_is_printed():
     for backend in ("triton", "triton_fused", "flashmla"):
         spec = CallSpec("bf16", page_size=64, heads=128, max_q_len=1)
         plan = DecodePlan(spec, max_batch=32, backend=backend, device="cuda")
-        inp = serving.make_input([1] * 32, [3980 + i for i in range(32)], 128, 64, "bf16", seed=1,
-                                 device="cuda")
+        inp = serving.make_input([1] * 32, [3980 + i for i in range(32)], 128, 64, "bf16", seed=1, device="cuda")
         plan.update(inp.qo_indptr, **inp.layout)
         run = host_time(lambda plan=plan, inp=inp: plan.run(inp.q, inp.kv, inp.kv_scale))
-        print(f"\nDecodePlan.run {backend}: {run.median_us:.1f} us host per call "
-              f"(p90 {run.p90_us:.1f})")
+        print(f"\nDecodePlan.run {backend}: {run.median_us:.1f} us host per call (p90 {run.p90_us:.1f})")
         if backend != "flashmla":
             assert plan._layer.fast is not None, "the fast path was not taken"
 
@@ -401,11 +395,9 @@ def test_a_record_holds_every_parameter_in_signature_order_with_defaults(monkeyp
     from types import SimpleNamespace
 
     monkeypatch.setattr(launch, "replay_unsupported", lambda: None)
-    active = SimpleNamespace(get_current_stream=lambda device: 5, get_current_device=lambda: 0)
-    driver = SimpleNamespace(active=active)
+    driver = SimpleNamespace(active=SimpleNamespace(get_current_stream=lambda device: 5, get_current_device=lambda: 0))
     monkeypatch.setattr(triton.runtime, "driver", driver)
     a, compiled = torch.zeros(4), _FakeCompiled()
-    fn = JITFunction(_bind_me)
-    rec = launch._ln_record(fn, (2, 3), compiled, (a, 5), {"C": 7, "num_warps": 4})
+    rec = launch._ln_record(JITFunction(_bind_me), (2, 3), compiled, (a, 5), {"C": 7, "num_warps": 4})
     assert rec.values == [a, 5, 7, 3] and rec.grid == (2, 3, 1) and rec.device == 0
-    assert launch._ln_record(fn, lambda meta: (1,), compiled, (a, 5), {"C": 7}) is None
+    assert launch._ln_record(JITFunction(_bind_me), lambda meta: (1,), compiled, (a, 5), {"C": 7}) is None

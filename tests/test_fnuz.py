@@ -1,6 +1,9 @@
-"""gfx942's fp8 (float8_e4m3fnuz) in the fused family: an fp8 dot casts to the cache's own fp8
-(Triton's AMD backend cannot convert fnuz to OCP e4m3, xcompile.md), and in-kernel q
-quantization uses that fp8's range."""
+"""gfx942's fp8 (float8_e4m3fnuz) in the fused family: an fp8 dot casts to the cache's own fp8.
+
+Triton's AMD backend cannot convert fnuz to OCP e4m3 ("Unsupported conversion from
+'f8E4M3FNUZ' to 'f8E4M3FN'", xcompile.md), so the fp8 a dot casts to follows the KV's
+dtype (fused_decode.fu_dot_code), and in-kernel q quantization uses that fp8's range.
+"""
 
 from __future__ import annotations
 
@@ -36,15 +39,12 @@ def test_fused_decode_reads_an_fnuz_cache_with_fp8_dots(device):
     # (about 0.05 to 0.09 here): the fnuz cache must do as well as the e4m3fn one.
     ocp = problem.generate_ragged_input([17, 40], seed=5, device=device)
     fnuz = _as_fnuz(ocp)
-    for q, qk_dot, pv_dot in (("fp8_dynamic", "fp8", "fp16"), ("bf16", "fp16", "fp8"),
-                              ("fp8_dynamic", "fp8", "fp8")):
-        variant = Variant.make("triton_fused", kv="fp8", q=q, qk_dot=qk_dot, pv_dot=pv_dot,
-                               tok_m=True, block_n=16, num_warps=4, num_stages=1, num_splits=1,
-                               reduce="none")
+    for q, qk_dot, pv_dot in (("fp8_dynamic", "fp8", "fp16"), ("bf16", "fp16", "fp8"), ("fp8_dynamic", "fp8", "fp8")):
+        variant = Variant.make("triton_fused", kv="fp8", q=q, qk_dot=qk_dot, pv_dot=pv_dot, tok_m=True,
+                               block_n=16, num_warps=4, num_stages=1, num_splits=1, reduce="none")
         run = triton_fused.build(variant, Shape(2, 40), device)
         errs = []
         for data in (ocp, fnuz):
             ref = problem.reference(data, q_format="bf16", kv_format="fp8")
             errs.append(float((run(*data[:4]).float() - ref).norm() / ref.norm()))
-        assert errs[1] < min(0.1, 1.5 * errs[0] + 0.01), \
-            f"{variant}: relative L2 error e4m3fn {errs[0]:.4f}, fnuz {errs[1]:.4f}"
+        assert errs[1] < min(0.1, 1.5 * errs[0] + 0.01), f"{variant}: relative L2 error e4m3fn {errs[0]:.4f}, fnuz {errs[1]:.4f}"

@@ -1,7 +1,9 @@
-"""The one-launch fused decode (backend triton_fused) against the fp32 reference: on the CPU
-with fp16 dots (the interpreter's bf16 dots are wrong) and the `none` and `last` reductions
-(`spin` waits for programs the interpreter runs one by one); on the GPU at the 8 leaderboard
-shapes under `strict` (MXFP4 under `leaderboard`).
+"""The one-launch fused decode (backend triton_fused) against the fp32 reference.
+
+CPU: Triton's interpreter with fp16 dots (its bf16 dots are wrong), tiny shapes, the
+`none` and `last` reductions (`spin` waits for programs that the interpreter runs one after
+another, so it is tested on the GPU only). GPU: the 8 leaderboard shapes under `strict`
+(MXFP4 under `leaderboard`).
 """
 
 from __future__ import annotations
@@ -15,78 +17,97 @@ from mla_tune.core import Shape, Variant
 from mla_tune.gpu import fake_platform
 from tests.helpers import rel_l2
 
-CPU_BASE = dict(q="bf16", qk_dot="fp16", pv_dot="fp16", tok_m=True, block_n=16, num_warps=4,
-                num_stages=1)
+CPU_BASE = dict(q="bf16", qk_dot="fp16", pv_dot="fp16", tok_m=True, block_n=16, num_warps=4, num_stages=1)
 
 
 def _variant(**params) -> Variant:
     return Variant.make("triton_fused", **{**CPU_BASE, **params})
 
 
-# (kv, lens, params, seed): every kv format at a single token, a partial tile with heads on M,
-# ragged batches with empty splits in the short sequences; then the levers (TMA loads from
-# device and host descriptors, the persistent grid, MXFP4 dequantization), each against the
-# fp32 reference of the format it reads. The interpreter's persistent grid has 3 "SMs", so
-# sequences are cut between programs.
-CASES = [(kv, lens, dict(num_splits=splits, reduce=reduce, tok_m=tok_m), 7)
-         for kv in ("bf16", "fp8", "mxfp4")
-         for lens, splits, reduce, tok_m in [([1], 1, "none", True), ([17], 1, "none", False),
-                                             ([17, 40, 3], 3, "last", True),
-                                             ([100, 33], 4, "last", False)]] + [
-    ("fp8", [1], dict(load="tma"), 11),  # a single token: the rest of the tile is zero-filled
-    ("bf16", [17, 40, 3], dict(load="tma", num_splits=3, reduce="last"), 11),  # rows masked
-    ("fp8", [100, 33], dict(load="tma_host", num_splits=4, reduce="last", tok_m=False), 11),
-    ("fp8", [1], dict(grid="persistent"), 11),
-    ("fp8", [17, 40, 3], dict(grid="persistent"), 11),  # 2 pieces, direct writes, an idle program
-    ("bf16", [100, 33], dict(grid="persistent", waves=2), 11),  # a 4-piece sequence
-    ("fp8", [17, 40, 3], dict(grid="persistent", load="tma"), 11),
-    ("mxfp4", [1], dict(), 11),
-    ("mxfp4", [100, 33], dict(num_splits=4, reduce="last", tok_m=False), 11),
-    ("mxfp4", [17, 40, 3], dict(grid="persistent", load="tma"), 11),
-    ("mxfp4", [17, 40, 3], dict(load="tma_host"), 11),
-]
-
-
-@pytest.mark.parametrize("kv,lens,params,seed", CASES)
-def test_fused_decode_matches_reference(device, kv, lens, params, seed):
-    data = problem.generate_ragged_input(lens, seed=seed, device=device)
-    p = dict(kv=kv, num_splits=1, reduce="last" if params.get("grid") == "persistent" else "none")
-    run = triton_fused.build(_variant(**{**p, **params}), Shape(len(lens), max(lens)), device)
+@pytest.mark.parametrize("kv", ["bf16", "fp8", "mxfp4"])
+@pytest.mark.parametrize(
+    "lens,num_splits,reduce,tok_m",
+    [
+        ([1], 1, "none", True),  # a single token
+        ([17], 1, "none", False),  # not a multiple of block_n, heads on M
+        ([17, 40, 3], 3, "last", True),  # ragged, empty splits in the short sequences
+        ([100, 33], 4, "last", False),
+    ],
+)
+def test_fused_decode_matches_reference(device, kv, lens, num_splits, reduce, tok_m):
+    data = problem.generate_ragged_input(lens, seed=7, device=device)
+    variant = _variant(kv=kv, num_splits=num_splits, reduce=reduce, tok_m=tok_m)
+    run = triton_fused.build(variant, Shape(len(lens), max(lens)), device)
     out = run(*data[:4])
-    assert out.shape == (len(lens), 16, 512) and out.dtype == torch.bfloat16
     ref = problem.reference(data, q_format="bf16", kv_format=kv)
+    assert out.shape == (len(lens), 16, 512) and out.dtype == torch.bfloat16
     assert rel_l2(out, ref) < 1e-2  # bf16 output rounding is ~3e-3
 
 
-@pytest.mark.parametrize("params", [dict(num_splits=3), dict(num_splits=1, grid="persistent")])
-def test_counters_reset_so_calls_repeat(device, params):
-    """The last-arriving reducer's and the persistent grid's counters are ready for the next
-    call, with another batch between."""
-    data = problem.generate_ragged_input([50, 20, 9], seed=5, device=device)
-    variant = _variant(kv="fp8", reduce="last", **params)
-    run = triton_fused.build(variant, Shape(3, 50), device)
+def test_last_reducer_resets_its_counter_so_calls_repeat(device):
+    data = problem.generate_ragged_input([50, 20], seed=3, device=device)
+    run = triton_fused.build(_variant(kv="fp8", num_splits=3, reduce="last"), Shape(2, 50), device)
     first = run(*data[:4]).clone()
-    assert torch.equal(first, run(*data[:4]))
-    other = problem.generate_ragged_input([9, 61], seed=6, device=device)  # another batch between
-    other_ref = problem.reference(other, q_format="bf16", kv_format="fp8")
-    assert rel_l2(run(*other[:4]), other_ref) < 1e-2
-    assert torch.equal(first, run(*data[:4]))
-    assert rel_l2(first, problem.reference(data, q_format="bf16", kv_format="fp8")) < 1e-2
+    second = run(*data[:4])
+    assert torch.equal(first, second)
+    ref = problem.reference(data, q_format="bf16", kv_format="fp8")
+    assert rel_l2(second, ref) < 1e-2
 
 
 def test_larger_ragged_batch_than_planned_grows_buffers_once(device):
     data = problem.generate_ragged_input([9, 30, 2], seed=4, device=device)
-    variant = _variant(kv="bf16", num_splits=2, reduce="last")
-    out = triton_fused.build(variant, Shape(1, 30), device)(*data[:4])
+    run = triton_fused.build(_variant(kv="bf16", num_splits=2, reduce="last"), Shape(1, 30), device)
+    out = run(*data[:4])
     assert rel_l2(out, problem.reference(data, q_format="bf16", kv_format="bf16")) < 1e-2
 
 
+# The issue-5 levers: TMA loads (device and host descriptors), the persistent grid, and the
+# MXFP4 dequantization, each against the fp32 reference of the format it reads. Under the
+# interpreter the persistent grid has 3 "SMs", so sequences are cut between programs.
+@pytest.mark.parametrize(
+    "kv,lens,params",
+    [
+        ("fp8", [1], dict(load="tma")),  # a single token: the rest of the tile is zero-filled
+        ("bf16", [17, 40, 3], dict(load="tma", num_splits=3, reduce="last")),  # next sequence's rows masked
+        ("fp8", [100, 33], dict(load="tma_host", num_splits=4, reduce="last", tok_m=False)),
+        ("fp8", [1], dict(grid="persistent")),
+        ("fp8", [17, 40, 3], dict(grid="persistent")),  # 2 pieces, direct writes, an idle program
+        ("bf16", [100, 33], dict(grid="persistent", waves=2)),  # a 4-piece sequence
+        ("fp8", [17, 40, 3], dict(grid="persistent", load="tma")),
+        ("mxfp4", [1], dict()),
+        ("mxfp4", [100, 33], dict(num_splits=4, reduce="last", tok_m=False)),
+        ("mxfp4", [17, 40, 3], dict(grid="persistent", load="tma")),
+        ("mxfp4", [17, 40, 3], dict(load="tma_host")),
+    ],
+)
+def test_levers_match_the_reference(device, kv, lens, params):
+    data = problem.generate_ragged_input(lens, seed=11, device=device)
+    p = dict(kv=kv, num_splits=1, reduce="last" if params.get("grid") == "persistent" else "none")
+    run = triton_fused.build(_variant(**{**p, **params}), Shape(len(lens), max(lens)), device)
+    out = run(*data[:4])
+    assert rel_l2(out, problem.reference(data, q_format="bf16", kv_format=kv)) < 1e-2
+
+
+def test_persistent_grid_resets_its_counters_so_calls_repeat(device):
+    data = problem.generate_ragged_input([50, 20, 9], seed=5, device=device)
+    run = triton_fused.build(_variant(kv="fp8", num_splits=1, reduce="last", grid="persistent"), Shape(3, 50), device)
+    first = run(*data[:4]).clone()
+    other = problem.generate_ragged_input([9, 61], seed=6, device=device)  # another batch between
+    assert rel_l2(run(*other[:4]), problem.reference(other, q_format="bf16", kv_format="fp8")) < 1e-2
+    assert torch.equal(first, run(*data[:4]))
+    assert rel_l2(first, problem.reference(data, q_format="bf16", kv_format="fp8")) < 1e-2
+
+
+# MXFP4 bit dequantization (the kernel's integer bit operations) through the kernel itself:
+# one token per sequence and q = 0 make every score 0, so p = 1, l = 1 and the output is the
+# token's V row as the kernel dequantized it into the dot dtype, then rounded to bf16. Block
+# j's byte i holds code i in its low nibble and (i + j) % 16 in its high one: every block
+# has all 16 E2M1 codes in both nibbles, and the 16 blocks of a row all 256 byte values.
 def _mx_rows_through_decode(scale_bytes: list[int], params: dict, device):
-    """MXFP4 bit dequantization through the kernel: one token per row and q = 0 make the output
-    that token's V row as the kernel dequantized it (then bf16). Block j's byte i holds codes i
-    and (i + j) % 16: all 16 E2M1 codes per nibble, all 256 bytes per row. The rows' 16 V
-    blocks take `scale_bytes` in order (others 127). Returns (out [rows, 16, 512] fp32, the
-    fp32 reference [rows, 512], each output dim's scale byte [rows, 512])."""
+    """(out [rows, 16, 512] fp32, ref [rows, 512] fp32, byte [rows, 512]): the decode's output
+    for single-token rows whose 16 V blocks take `scale_bytes` in order (further blocks, and
+    the rope blocks, scale byte 127), the fp32 reference dequantization, and each output
+    dim's scale byte."""
     rows = -(-len(scale_bytes) // 16)
     flat = torch.full((rows * 16,), 127, dtype=torch.uint8)
     flat[: len(scale_bytes)] = torch.tensor(scale_bytes, dtype=torch.uint8)
@@ -97,8 +118,7 @@ def _mx_rows_through_decode(scale_bytes: list[int], params: dict, device):
     packed = packed.repeat(rows, 1).contiguous()
     q = torch.zeros(rows, 16, 576, dtype=torch.bfloat16, device=device)
     indptr = torch.arange(rows + 1, dtype=torch.int32, device=device)
-    variant = Variant.make("triton_fused", **{**params, "kv": "mxfp4", "q": "bf16", "num_splits": 1,
-                                              "reduce": "none"})
+    variant = Variant.make("triton_fused", **{**params, "kv": "mxfp4", "q": "bf16", "num_splits": 1, "reduce": "none"})
     run = triton_fused.build(variant, Shape(rows, 1), device)
     out = run(q, {"mxfp4": (packed.to(device), scales.to(device))}, indptr, indptr)
     ref = problem.dequantize_mxfp4(packed, scales)[:, :512]
@@ -107,9 +127,12 @@ def _mx_rows_through_decode(scale_bytes: list[int], params: dict, device):
 
 
 def test_mxfp4_bit_dequantization_is_exact_for_every_code_at_the_fp16_dots_scales(device):
-    # c x 2^(b - 127) is an exact fp16 value for bytes 104..140; bytes above make inf K and
-    # NaN scores, bytes below round to fp16's subnormal grid of 2^-24 (error at most 2^-25).
-    # The GPU test below covers bytes 0..252 with bf16 dots.
+    # fp16 dots (the interpreter's bf16 dots are wrong): c x 2^(b - 127) for every code c is
+    # an fp16 value exactly for scale bytes 104..140; bytes above make inf K and NaN scores,
+    # bytes below round to fp16's subnormal grid of 2^-24, so only their error (at most
+    # 2^-25) is checked.
+    # test_mxfp4_bit_dequantization_is_exact_for_every_code_and_scale_on_the_gpu covers
+    # bytes 0..252 with bf16 dots.
     out, ref, byte = _mx_rows_through_decode(list(range(141)), CPU_BASE, device)
     exact = (byte >= 104)[:, None, :].expand_as(out)
     full_ref = ref[:, None, :].expand_as(out)
@@ -118,7 +141,23 @@ def test_mxfp4_bit_dequantization_is_exact_for_every_code_at_the_fp16_dots_scale
     assert float((out - full_ref).abs().max()) <= 2.0**-25
 
 
-def test_candidates_follow_the_validity_rules_and_later_parameters_keep_old_texts():
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("tok_m", [True, False])
+def test_mxfp4_bit_dequantization_is_exact_for_every_code_and_scale_on_the_gpu(tok_m):
+    # bf16 dots: every c x 2^(b - 127) is a normal bf16 value for bytes 2..252 (253 and up
+    # overflow fp32 for c = 6: inf K, NaN scores). Bytes 0 and 1 involve fp32 subnormals
+    # (byte 0's scale 2^-127 itself, byte 1's 0.5 x 2^-126), which the GPU may flush; all
+    # their values are below 2^-123, so only the error's size is checked there.
+    params = {**GPU_FAMILIES["mxfp4"], "tok_m": tok_m}
+    out, ref, byte = _mx_rows_through_decode(list(range(253)), params, "cuda")
+    exact = (byte >= 2)[:, None, :].expand_as(out)
+    full_ref = ref[:, None, :].expand_as(out)
+    assert torch.equal(out[exact], full_ref[exact])
+    assert float((out - full_ref).abs().max()) < 2.0**-123
+
+
+def test_candidates_follow_the_validity_rules():
     plat = fake_platform("H200")
     space = {"kv": ["fp8", "bf16"], "q": ["bf16", "fp8_dynamic"], "qk_dot": ["fp16", "fp8"],
              "pv_dot": ["fp16", "fp8"], "num_splits": [1, 2, 64], "reduce": ["last", "spin"]}
@@ -135,13 +174,15 @@ def test_candidates_follow_the_validity_rules_and_later_parameters_keep_old_text
     assert big and all(v.get("reduce") == "last" for v in big)
     # more splits than 64-token tiles are refused
     assert not triton_fused.candidates(Shape(4, 64), {"num_splits": [2], "block_n": [64]}, plat)
-    # the later parameters stay out of the old variants' texts and expand the space
+
+
+def test_later_parameters_keep_old_variant_texts_and_expand_the_space():
+    plat = fake_platform("H200")
     old = triton_fused.candidates(Shape(4, 1024), {"num_splits": [1, 2], "reduce": ["last"]}, plat)
     assert old and all("load" not in v.p and "grid" not in v.p and "waves" not in v.p for v in old)
-    space = {"kv": ["fp8", "mxfp4"], "q": ["bf16"], "qk_dot": ["fp16", "bf16"],
-             "pv_dot": ["fp16", "bf16"], "block_n": [32], "num_warps": [4], "num_splits": [1, 2],
-             "reduce": ["last"], "load": ["ptr", "tma"], "grid": ["split", "persistent"],
-             "waves": [1, 2]}
+    space = {"kv": ["fp8", "mxfp4"], "q": ["bf16"], "qk_dot": ["fp16", "bf16"], "pv_dot": ["fp16", "bf16"],
+             "block_n": [32], "num_warps": [4], "num_splits": [1, 2], "reduce": ["last"],
+             "load": ["ptr", "tma"], "grid": ["split", "persistent"], "waves": [1, 2]}
     cands = triton_fused.candidates(Shape(4, 1024), space, plat)
     pers = [v for v in cands if v.get("grid") == "persistent"]
     assert pers and all(v.get("num_splits") == 1 and v.get("reduce") == "last" for v in pers)
@@ -160,19 +201,36 @@ def test_build_refuses_an_invalid_variant_with_the_reason():
         triton_fused.candidates(Shape(2, 64), {"splits": [2]}, fake_platform("H200"))
 
 
-# ----------------------------------------------------------------------------- GPU
-LEADERBOARD_SHAPES = [(b, n) for b in (4, 32, 64, 256) for n in (1024, 8192)]
+LEADERBOARD_SHAPES = [(4, 1024), (4, 8192), (32, 1024), (32, 8192), (64, 1024), (64, 8192), (256, 1024), (256, 8192)]
 GPU_FAMILIES = {
-    "fp8_q8": dict(kv="fp8", q="fp8_dynamic", qk_dot="fp8", pv_dot="fp16", block_n=128,
-                   num_warps=8, num_stages=2),
-    "fp8_qbf16": dict(kv="fp8", q="bf16", qk_dot="fp16", pv_dot="fp16", block_n=32, num_warps=4,
-                      num_stages=2),
-    "bf16": dict(kv="bf16", q="bf16", qk_dot="bf16", pv_dot="bf16", block_n=64, num_warps=4,
-                 num_stages=2),
-    "mxfp4": dict(kv="mxfp4", q="bf16", qk_dot="bf16", pv_dot="bf16", block_n=32, num_warps=4,
-                  num_stages=2),
+    "fp8_q8": dict(kv="fp8", q="fp8_dynamic", qk_dot="fp8", pv_dot="fp16", block_n=128, num_warps=8, num_stages=2),
+    "fp8_qbf16": dict(kv="fp8", q="bf16", qk_dot="fp16", pv_dot="fp16", block_n=32, num_warps=4, num_stages=2),
+    "bf16": dict(kv="bf16", q="bf16", qk_dot="bf16", pv_dot="bf16", block_n=64, num_warps=4, num_stages=2),
+    "mxfp4": dict(kv="mxfp4", q="bf16", qk_dot="bf16", pv_dot="bf16", block_n=32, num_warps=4, num_stages=2),
 }
-# The levers on the best split plan's compile parameters (the fp8-q family) or the MXFP4 one.
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("family", list(GPU_FAMILIES))
+@pytest.mark.parametrize("batch,kv_len", LEADERBOARD_SHAPES)
+def test_leaderboard_shapes_pass_the_rule(family, batch, kv_len):
+    shape = Shape(batch, kv_len)
+    data = problem.generate_input(batch, kv_len, seed=1001, device="cuda")
+    ref = problem.reference(data)
+    rule = problem.RULES["leaderboard" if family == "mxfp4" else "strict"]
+    splits = max(1, min(32, 128 // batch, kv_len // GPU_FAMILIES[family]["block_n"]))
+    for reduce in (["spin", "last"] if splits > 1 else ["none"]):
+        variant = Variant.make("triton_fused", tok_m=True, num_splits=splits, reduce=reduce, **GPU_FAMILIES[family])
+        run = triton_fused.build(variant, shape, "cuda")
+        first = run(*data[:4]).clone()
+        result = problem.check(first, ref, rule)
+        assert result.passed, f"{variant}: {result.reason}"
+        assert torch.equal(first, run(*data[:4])), f"{variant}: a second call differs"
+
+
+# The levers at the 8 shapes: each on the best split plan's compile parameters (the
+# fp8-q family) or the MXFP4 family; strict for fp8, leaderboard for MXFP4.
 GPU_LEVERS = {
     "tma": dict(load="tma"),
     "tma_host": dict(load="tma_host"),
@@ -181,55 +239,20 @@ GPU_LEVERS = {
 }
 
 
-def _check_and_repeat(variant: Variant, batch: int, kv_len: int) -> None:
-    """The variant at the leaderboard's input passes its family's rule (MXFP4: `leaderboard`,
-    else `strict`) and a second call repeats the first bit for bit."""
-    data = problem.generate_input(batch, kv_len, seed=1001, device="cuda")
-    rule = problem.RULES["leaderboard" if variant.get("kv") == "mxfp4" else "strict"]
-    run = triton_fused.build(variant, Shape(batch, kv_len), "cuda")
-    first = run(*data[:4]).clone()
-    result = problem.check(first, problem.reference(data), rule)
-    assert result.passed, f"{variant}: {result.reason}"
-    assert torch.equal(first, run(*data[:4])), f"{variant}: a second call differs"
-
-
-def _splits(family: str, batch: int, kv_len: int) -> int:
-    return max(1, min(32, 128 // batch, kv_len // GPU_FAMILIES[family]["block_n"]))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("tok_m", [True, False])
-def test_mxfp4_bit_dequantization_is_exact_for_every_code_and_scale_on_the_gpu(tok_m):
-    # bf16 dots: every c x 2^(b - 127) is a normal bf16 value for bytes 2..252 (253 and up
-    # overflow fp32 for c = 6). Bytes 0 and 1 involve fp32 subnormals, which the GPU may
-    # flush; their values are below 2^-123, so only the error's size is checked there.
-    params = {**GPU_FAMILIES["mxfp4"], "tok_m": tok_m}
-    out, ref, byte = _mx_rows_through_decode(list(range(253)), params, "cuda")
-    exact = (byte >= 2)[:, None, :].expand_as(out)
-    full_ref = ref[:, None, :].expand_as(out)
-    assert torch.equal(out[exact], full_ref[exact])
-    assert float((out - full_ref).abs().max()) < 2.0**-123
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("family", list(GPU_FAMILIES))
-@pytest.mark.parametrize("batch,kv_len", LEADERBOARD_SHAPES)
-def test_leaderboard_shapes_pass_the_rule(family, batch, kv_len):
-    splits = _splits(family, batch, kv_len)
-    for reduce in (["spin", "last"] if splits > 1 else ["none"]):
-        _check_and_repeat(Variant.make("triton_fused", tok_m=True, num_splits=splits,
-                                       reduce=reduce, **GPU_FAMILIES[family]), batch, kv_len)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("lever", list(GPU_LEVERS))
 @pytest.mark.parametrize("family", ["fp8_q8", "mxfp4"])
 @pytest.mark.parametrize("batch,kv_len", LEADERBOARD_SHAPES)
 def test_leaderboard_shapes_pass_the_rule_with_the_levers(lever, family, batch, kv_len):
-    splits = _splits(family, batch, kv_len)
+    shape = Shape(batch, kv_len)
+    data = problem.generate_input(batch, kv_len, seed=1001, device="cuda")
+    rule = problem.RULES["leaderboard" if family == "mxfp4" else "strict"]
+    splits = max(1, min(32, 128 // batch, kv_len // GPU_FAMILIES[family]["block_n"]))
     plan = dict(num_splits=splits, reduce="last" if splits > 1 else "none")
-    params = {**GPU_FAMILIES[family], **plan, **GPU_LEVERS[lever]}
-    _check_and_repeat(Variant.make("triton_fused", tok_m=True, **params), batch, kv_len)
+    variant = Variant.make("triton_fused", tok_m=True, **{**GPU_FAMILIES[family], **plan, **GPU_LEVERS[lever]})
+    run = triton_fused.build(variant, shape, "cuda")
+    first = run(*data[:4]).clone()
+    result = problem.check(first, problem.reference(data), rule)
+    assert result.passed, f"{variant}: {result.reason}"
+    assert torch.equal(first, run(*data[:4])), f"{variant}: a second call differs"

@@ -1,6 +1,7 @@
 """fused_decode's V split (`v_split=2`: two programs per (split, sequence), each with half the
-V dims), called directly, v_split 1 and 2 under `strict`: on the CPU with fp16 dots and the
-`none` and `last` reductions, on the GPU at three leaderboard shapes with `last` and `spin`.
+V dims), called directly. CPU: the interpreter (fp16 dots) under `strict` and a relative L2
+bound, v_split 1 and 2, the `none` and `last` reductions. GPU: three leaderboard shapes (16, 4
+and 1 split) under `strict` with `last` and `spin`, v_split 1 and 2.
 """
 
 from __future__ import annotations
@@ -30,26 +31,26 @@ class _Bufs:
         self.out = torch.empty((batch, 16, V_DIM), dtype=torch.bfloat16, device=device)
 
 
-def run_fused(data, bufs: _Bufs, *, kv: str, num_splits: int, reduce: str, v_split: int,
-              tok_m: bool = True, load: str = "ptr", **params) -> torch.Tensor:
-    q, entry = data[0], data[1][kv]
-    dummy = torch.zeros(1, dtype=torch.float32, device=q.device)
-    if kv == "bf16":
-        cache, scale = entry.view(-1, QK_DIM), dummy
-    else:
-        cache, scale = entry[0].view(-1, QK_DIM), entry[1]
+def _prepare_tma(load: str, device) -> None:
     if load == "tma":
         import triton
 
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8,
-                                                                         device=q.device))
-    out = bufs.out[: q.shape[0]]
-    fused_decode(q, cache, scale, dummy, data[3], out, bufs.part_o, bufs.part_lse, bufs.count,
-                 bufs.flag, num_splits=num_splits, kv_fmt=kv, tok_m=tok_m,
-                 reduce=reduce if num_splits > 1 else "none",
-                 sm_scale_log2=SM_SCALE * math.log2(math.e), load=load, v_split=v_split,
-                 **{**CPU, **params})
-    return out
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
+
+
+def run_fused(data, bufs: _Bufs, *, kv: str, num_splits: int, reduce: str, v_split: int, tok_m: bool = True,
+              load: str = "ptr", **params) -> torch.Tensor:
+    q, kv_data = data[0], data[1]
+    entry = kv_data[kv]
+    dummy = torch.zeros(1, dtype=torch.float32, device=q.device)
+    cache, scale = (entry.view(-1, QK_DIM), dummy) if kv == "bf16" else (entry[0].view(-1, QK_DIM), entry[1])
+    _prepare_tma(load, q.device)
+    options = {**CPU, **params}
+    fused_decode(q, cache, scale, dummy, data[3], bufs.out[: q.shape[0]], bufs.part_o, bufs.part_lse,
+                 bufs.count, bufs.flag, num_splits=num_splits, kv_fmt=kv, tok_m=tok_m,
+                 reduce=reduce if num_splits > 1 else "none", sm_scale_log2=SM_SCALE * math.log2(math.e),
+                 load=load, v_split=v_split, **options)
+    return bufs.out[: q.shape[0]]
 
 
 def _check(out, data, kv: str, what: str, q_format: str = "bf16") -> None:
@@ -75,8 +76,7 @@ CASES = [
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 @pytest.mark.parametrize("lens,num_splits,reduce,tok_m,load", CASES,
                          ids=lambda v: "x".join(map(str, v)) if isinstance(v, list) else str(v))
-def test_v_split_matches_the_reference_and_v_split_1(device, kv, lens, num_splits, reduce, tok_m,
-                                                     load):
+def test_v_split_matches_the_reference_and_v_split_1(device, kv, lens, num_splits, reduce, tok_m, load):
     data = problem.generate_ragged_input(lens, seed=11, device=device)
     bufs = _Bufs(len(lens), num_splits, device)
     kwargs = dict(kv=kv, num_splits=num_splits, reduce=reduce, tok_m=tok_m, load=load)
@@ -92,8 +92,7 @@ def test_v_split_matches_the_reference_and_v_split_1(device, kv, lens, num_split
 def test_v_split_last_reducer_resets_its_counters_so_calls_repeat(device):
     data = problem.generate_ragged_input([50, 20, 9], seed=3, device=device)
     bufs = _Bufs(3, 3, device)
-    opts = dict(kv="fp8", num_splits=3, reduce="last", v_split=2)
-    calls = [run_fused(data, bufs, **opts).clone() for _ in range(3)]
+    calls = [run_fused(data, bufs, kv="fp8", num_splits=3, reduce="last", v_split=2).clone() for _ in range(3)]
     assert torch.equal(calls[0], calls[1]) and torch.equal(calls[0], calls[2])
     assert int(bufs.count.abs().sum()) == 0  # every (sequence, half) counter is back at zero
     _check(calls[0], data, "fp8", "v_split 2, 3 calls")
@@ -123,14 +122,14 @@ def test_v_split_at_the_leaderboard_shapes_under_strict(batch, kv_len):
     ref = problem.reference(data)
     splits = max(1, min(32, 128 // batch, kv_len // GPU_FQ8["block_n"]))
     for v_split in (1, 2):
-        spin = ["spin"] if batch * splits * v_split <= sm_count else []
-        for reduce in ["none"] if splits == 1 else ["last"] + spin:
+        reduces = ["none"] if splits == 1 else ["last"] + (["spin"] if batch * splits * v_split <= sm_count else [])
+        for reduce in reduces:
             bufs = _Bufs(batch, splits, "cuda")
             what = f"v_split {v_split}, {splits} splits, reduce {reduce} at {batch}x{kv_len}"
-            opts = dict(kv="fp8", num_splits=splits, reduce=reduce, v_split=v_split, **GPU_FQ8)
-            first = run_fused(data, bufs, **opts).clone()
+            first = run_fused(data, bufs, kv="fp8", num_splits=splits, reduce=reduce, v_split=v_split,
+                              **GPU_FQ8).clone()
             result = problem.check(first, ref, problem.RULES["strict"])
             assert result.passed, f"{what}: {result.reason}"
             for _ in range(2):
-                assert torch.equal(first, run_fused(data, bufs, **opts)), \
-                    f"{what}: a repeated call differs"
+                assert torch.equal(first, run_fused(data, bufs, kv="fp8", num_splits=splits, reduce=reduce,
+                                                    v_split=v_split, **GPU_FQ8)), f"{what}: a repeated call differs"

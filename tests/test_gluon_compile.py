@@ -1,7 +1,13 @@
-"""gluon_fused compiles for sm_90 with the installed Triton, on a machine without a GPU: the
-backend's launches captured and compiled for the H200 as `mla-tune compile` does. CI runs it
-with Triton 3.9; `/work/venv36/bin/python -m pytest -q tests/test_gluon_compile.py` with the
-contest's 3.6 (only 3.6 has run the kernel on an H200, docs/perf.md).
+"""gluon_fused compiles for sm_90 with the installed Triton, on a machine without a GPU.
+
+The launch is captured from the backend's real path and compiled for the H200's target, as
+`mla-tune compile` does (mla_tune.xcompile.capture: `build(variant, shape, meta)` and one call
+with meta tensors at the real shape, each launch recorded instead of run; xcompile.targets:
+bound as `JITFunction.run` binds it, then `triton.compile` for sm_90, whose ptxas ships in
+Triton's wheel).
+CI runs this with Triton 3.9; the same file runs under the contest's Triton 3.6 with
+`/work/venv36/bin/python -m pytest -q tests/test_gluon_compile.py`. Compiling is not running:
+only 3.6 has run the kernel on an H200 (docs/perf.md).
 """
 
 from __future__ import annotations
@@ -24,24 +30,24 @@ pytestmark = pytest.mark.skipif(gluon_decode.gluon is None,
 
 CASES = [
     # tables/H200.yaml's most frequent winner (six shapes): the decode and the reduce launch
-    ("gluon_fused(block_n=64,kv=fp8,num_splits=4,num_stages=2,q=fp8_dynamic,v_path=rs8)",
-     Shape(64, 8192)),
+    ("gluon_fused(block_n=64,kv=fp8,num_splits=4,num_stages=2,q=fp8_dynamic,v_path=rs8)", Shape(64, 8192)),
     # warp specialization with two consumers: every renamed builtin (TMA load, CTA barrier,
     # shared-memory reinterpret) and gl.warp_specialize
-    ("gluon_fused(block_n=64,kv=fp8,num_splits=2,num_stages=3,q=fp8_dynamic,v_path=ss16,ws=2)",
-     Shape(4, 1024)),
+    ("gluon_fused(block_n=64,kv=fp8,num_splits=2,num_stages=3,q=fp8_dynamic,v_path=ss16,ws=2)", Shape(4, 1024)),
     # the small shapes' levers: the winner's kernel with q loaded once, first; bf16 partials
     # combined by the spin barrier in the one launch
-    ("gluon_fused(block_n=64,kv=fp8,num_splits=4,num_stages=2,q=fp8_dynamic,q_load=first,"
-     "v_path=rs8)", Shape(64, 8192)),
-    ("gluon_fused(block_n=64,kv=fp8,num_splits=16,num_stages=2,part=bf16,q=fp8_dynamic,"
-     "q_load=first,reduce=spin,v_path=ss16)", Shape(4, 1024)),
+    ("gluon_fused(block_n=64,kv=fp8,num_splits=4,num_stages=2,q=fp8_dynamic,q_load=first,v_path=rs8)",
+     Shape(64, 8192)),
+    ("gluon_fused(block_n=64,kv=fp8,num_splits=16,num_stages=2,part=bf16,q=fp8_dynamic,q_load=first,reduce=spin,"
+     "v_path=ss16)", Shape(4, 1024)),
 ]
 
 
 def compile_cases() -> list[dict]:
-    """Each case's launches, captured and compiled for the H200: what the tests assert on. Run
-    in a child process without TRITON_INTERPRET (interpreted jit functions cannot compile)."""
+    """Each case's launches, captured and compiled for the H200 as `mla-tune compile` does
+    (mla_tune.xcompile.capture, xcompile.targets): what the tests assert on. Needs a process
+    without TRITON_INTERPRET (the suite's conftest sets it, and the interpreter's jit functions
+    cannot be compiled), so the tests run it in a child process."""
     from mla_tune import gpu
     from mla_tune.xcompile import capture, targets
 
@@ -57,34 +63,31 @@ def compile_cases() -> list[dict]:
                 try:
                     b = targets.bind(launch.kernel, launch.grid, launch.args, launch.kwargs, target)
                     compiled = targets.compile_binary(b)
-                except Exception as exc:  # the compiler's message is the test's failure message
-                    launches.append({"name": launch.kernel.fn.__name__,
-                                     "error": f"{type(exc).__name__}: {exc}"})
+                except Exception as exc:  # the compiler's own message is the test's failure message
+                    launches.append({"name": launch.kernel.fn.__name__, "error": f"{type(exc).__name__}: {exc}"})
                     continue
                 print(f"{text} {b.name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
-                launches.append({"name": b.name, "grid": list(b.launch[0]),
-                                 "shared": compiled.metadata.shared, "ptx": compiled.asm["ptx"],
-                                 "cubin_bytes": len(compiled.asm["cubin"])})
+                launches.append({"name": b.name, "grid": list(b.launch[0]), "shared": compiled.metadata.shared,
+                                 "ptx": compiled.asm["ptx"], "cubin_bytes": len(compiled.asm["cubin"])})
             results.append({"variant": text, "launches": launches})
     return results
 
 
 @pytest.fixture(scope="module")
 def compiled() -> dict[str, list[dict]]:
-    results = run_outside_the_interpreter("tests.test_gluon_compile", "compile_cases", timeout=600)
-    return {r["variant"]: r["launches"] for r in results}
+    return {r["variant"]: r["launches"]
+            for r in run_outside_the_interpreter("tests.test_gluon_compile", "compile_cases", timeout=600)}
 
 
 def test_this_triton_has_every_name_the_kernel_calls():
     assert gluon_decode.GD_UNAVAILABLE is None, gluon_decode.GD_UNAVAILABLE
     reason = gluon_fused.unavailable_reason()
-    if not torch.cuda.is_available():  # the CPU machine: the GPU is missing, not the version
+    if not torch.cuda.is_available():  # the CPU machine: the GPU is what is missing, not the version
         assert reason == "gluon_fused needs an NVIDIA sm_90 GPU (Gluon has no CPU interpreter)"
         assert triton.__version__ not in reason
 
 
-@pytest.mark.parametrize("text, shape", CASES,
-                         ids=["table-winner", "ws2", "q-first", "one-launch-bf16-parts"])
+@pytest.mark.parametrize("text, shape", CASES, ids=["table-winner", "ws2", "q-first", "one-launch-bf16-parts"])
 def test_the_backends_launch_compiles_for_sm90(compiled, text, shape):
     variant = Variant.parse(text)
     launches = compiled[text]
@@ -97,8 +100,7 @@ def test_the_backends_launch_compiles_for_sm90(compiled, text, shape):
     assert decode["grid"] == [variant.p["num_splits"], shape.batch]
     p = {**gluon_fused.GF_LATER_DEFAULTS, **variant.p}
     # the shared memory the compiler allocated is the kernel module's figure (the spin check's)
-    smem = gluon_decode.gd_smem_bytes(p["block_n"], p["num_stages"], p["v_path"], 1, p["ws"])
-    assert decode["shared"] == smem
+    assert decode["shared"] == gluon_decode.gd_smem_bytes(p["block_n"], p["num_stages"], p["v_path"], 1, p["ws"])
     ptx = decode["ptx"]
     assert ".target sm_90a" in ptx
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx  # the MMAs and the TMA loads
@@ -119,8 +121,7 @@ def test_q_loaded_first_is_issued_before_the_kv_indptr_loads_and_the_ring(compil
     copies, which wait for KV_INDPTR."""
     twice, first = (compiled[text][0]["ptx"] for text, _ in CASES[0:3:2])
     for ptx in (twice, first):
-        # the indptr before the ring
-        assert _first(ptx, "ld.global.b32") < _first(ptx, "cp.async.bulk.tensor")
+        assert _first(ptx, "ld.global.b32") < _first(ptx, "cp.async.bulk.tensor")  # the indptr before the ring
     assert _first(twice, "cp.async.bulk.tensor") < _first(twice, "ld.global.v4")
     assert _first(first, "ld.global.v4") < _first(first, "ld.global.b32")
 

@@ -1,6 +1,8 @@
-"""gluon_fused in the registry, the leaderboard sweep space and the export (CPU side: the
-exported gluon row refuses to run with the reason and the fix; the GPU side is
-scripts/check_submission.py on such an export, docs/perf.md)."""
+"""gluon_fused in the registry, the leaderboard sweep space and the export (CPU side).
+
+Gluon has no CPU interpreter, so here the export of a table with a gluon_fused winner must
+be self-contained, import without mla_tune, and refuse the gluon row with the reason and the
+fix; the GPU side is scripts/check_submission.py on such an export (docs/perf.md)."""
 
 from __future__ import annotations
 
@@ -30,9 +32,8 @@ def test_gluon_fused_is_registered_unavailable_here_and_its_space_is_small():
     assert backend.CAPABILITIES.precompile and "v_path" in backend.SPACE_KEYS
     config = load_config("configs/leaderboard.yaml")
     space = config.backends["gluon_fused"]
-    h200 = fake_platform("H200")
     per_shape = {s: list(dict.fromkeys(v for grid in expand_space(space)
-                                       for v in backend.candidates(s, grid, h200)))
+                                       for v in backend.candidates(s, grid, fake_platform("H200"))))
                  for s in config.shapes}
     # today's space and the one-launch levers' sub-grid: the sweep's estimate stays near 2.5 min
     assert 0 < sum(map(len, per_shape.values())) <= 300
@@ -40,11 +41,13 @@ def test_gluon_fused_is_registered_unavailable_here_and_its_space_is_small():
         for v in variants:
             backend.validate(v)
             assert backend.compile_shape(v, shape, 132).batch == 1
-            # spin only where the whole grid is resident (2 CTAs per SM at 2 stages, 132 SMs)
+        assert {v.p["v_path"] for v in variants} == {"rs8", "ss16"}
+        # spin only where the whole grid is resident (2 CTAs per SM at 2 stages, 132 SMs)
+        for v in variants:
             if v.p.get("reduce") == "spin":
                 assert v.p["num_splits"] > 1 and shape.batch * v.p["num_splits"] <= 2 * 132
-        assert {v.p["v_path"] for v in variants} == {"rs8", "ss16"}
-        # the probe's best split count, min(32, 128 // batch, tiles), is offered at each shape
+    # the probe's best split count, min(32, 128 // batch, tiles), is offered at each shape
+    for shape, variants in per_shape.items():
         best = max(1, min(32, 128 // shape.batch, shape.kv_len // 64))
         assert best in {v.p["num_splits"] for v in variants}, shape
     assert {v.p["num_splits"] for v in per_shape[Shape(256, 8192)]} == {1}
@@ -65,10 +68,9 @@ def test_export_with_a_gluon_winner_is_self_contained_and_says_why_it_cannot_run
     outs, _ = exported_outputs(tmp_path, "sub", [generate_input(1, 8, seed=3, device="cpu")])
     assert outs[0].shape == (1, 16, 512)
     torch.save([list(generate_input(2, 40, seed=4, device="cpu"))], tmp_path / "inputs_sub.pt")
-    done = subprocess.run([sys.executable, "run_exported.py", "sub"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300,
-                          env={"TRITON_INTERPRET": "1", "PATH": "/usr/bin:/bin"})
+    done = subprocess.run([sys.executable, "run_exported.py", "sub"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, env={"TRITON_INTERPRET": "1", "PATH": "/usr/bin:/bin"})
     assert done.returncode != 0
-    # the reason is what this machine lacks: the GPU, where this Triton's Gluon has the kernel's API
-    fix = "install triton 3.6" if gluon_decode.GD_UNAVAILABLE else "needs an NVIDIA sm_90 GPU"
+    # the reason is what this machine lacks: the GPU where this Triton's Gluon has the kernel's API
+    fix = "needs an NVIDIA sm_90 GPU" if gluon_decode.GD_UNAVAILABLE is None else "install triton 3.6"
     assert "gluon_fused cannot run here" in done.stderr and fix in done.stderr

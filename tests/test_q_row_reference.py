@@ -1,6 +1,6 @@
-"""The serving gate's fp8_row reference for kernels that quantize q per (new token, head) row,
-against a plain row-by-row torch quantization, and the gate's choice of it through the
-backends' serving_q_reference hook."""
+"""The serving gate's reference for kernels that quantize q per (new token, head) row: the
+fp8_row q format (quantize_fp8_rows), checked against a plain row-by-row torch quantization,
+and the gate's choice of it through the backends' serving_q_reference hook."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from mla_tune.serving.gate import GateJob, gate_one, reference_q_format
 from mla_tune.serving.inputs import make_input, quantize_fp8_rows, reference, reference_q
 
 STRICT = problem.RULES["strict"]
-DSV3 = CORE_DEEPSEEK_V3_SCALE
 H200 = fake_platform("H200")
 VARIANT_GATE = GateSpec((1, 17, 64, 65, 300), 77, 2, 0.5, (11, 12), reference_q="variant")
 EXACT_GATE = GateSpec((1, 17, 64, 65, 300), 77, 2, 0.5, (11, 12), reference_q="exact")
@@ -31,8 +30,7 @@ def _plain_rows(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     flat = q.reshape(-1, q.shape[-1]).to(torch.float32)
     q8 = torch.empty(flat.shape, dtype=torch.float8_e4m3fn)
     scales = torch.empty((flat.shape[0], 1), dtype=torch.float32)
-    floor = torch.tensor(1e-12, dtype=torch.float32)
-    fp8_max = torch.tensor(448.0, dtype=torch.float32)
+    floor, fp8_max = torch.tensor(1e-12, dtype=torch.float32), torch.tensor(448.0, dtype=torch.float32)
     for i, row in enumerate(flat):
         scale = torch.maximum(row.abs().max(), floor) / fp8_max
         q8[i] = torch.clamp(row / scale, -448.0, 448.0).to(torch.float8_e4m3fn)
@@ -61,19 +59,22 @@ def test_row_quantization_is_the_plain_per_row_one_bit_for_bit(tokens, heads):
     assert not torch.equal(reference_q(q[:, 2:], "fp8"), reference_q(q, "fp8")[:, 2:])
 
 
-def test_the_reference_reads_the_row_quantized_q_and_differs_from_per_tensor_beyond_strict():
+def test_the_reference_reads_the_row_quantized_q():
     inp = make_input([1, 2, 1], [1, 70, 130], 16, 64, "fp8", seed=4)
     want8, want_scale = _plain_rows(inp.q)
     plain = reference(want8.float() * want_scale, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout,
-                      sm_scale=DSV3)
-    assert torch.equal(inp.reference("fp8_row", sm_scale=DSV3), plain)
+                      sm_scale=CORE_DEEPSEEK_V3_SCALE)
+    assert torch.equal(inp.reference("fp8_row", sm_scale=CORE_DEEPSEEK_V3_SCALE), plain)
     with pytest.raises(ValueError, match="fp8_row"):
         inp.reference("fp8_rows")
-    # One large row: a per-row kernel (the per-row reference in bf16) passes against the
-    # per-row reference, fails against the per-tensor one, and is nearer bf16 q.
+
+
+def test_per_row_and_per_tensor_references_differ_by_more_than_the_strict_rule():
+    """One large row: a per-row kernel (the per-row reference in bf16) passes against the
+    per-row reference, fails against the per-tensor one, and is nearer bf16 q."""
     inp = make_input([1, 2, 1, 2], [1, 17, 65, 300], 16, 64, "fp8", seed=9)
     inp.q[1, 5] *= 64.0
-    exact, by_row, by_tensor = (inp.reference(f, sm_scale=DSV3) for f in ("bf16", "fp8_row", "fp8"))
+    exact, by_row, by_tensor = (inp.reference(f, sm_scale=CORE_DEEPSEEK_V3_SCALE) for f in ("bf16", "fp8_row", "fp8"))
     kernel = by_row.to(torch.bfloat16)
     assert problem.check(kernel, by_row, STRICT, margin=0.5).passed
     against_tensor = problem.check(kernel, by_tensor, STRICT)
@@ -91,17 +92,14 @@ def test_the_gate_reads_q_as_each_backend_quantizes_it():
     assert reference_q_format(g8, VARIANT_GATE) == "fp8_row"
     assert reference_q_format(g16, VARIANT_GATE) == "bf16"
     assert reference_q_format(g8, EXACT_GATE) == "bf16"  # exact: the q quantization counts
-    spec = CallSpec("fp8", 64, 16, 1)
-    t8 = [v for v in triton_splitk.serving_candidates(spec, {"q": ["fp8_dynamic"]}, H200)
+    t8 = [v for v in triton_splitk.serving_candidates(CallSpec("fp8", 64, 16, 1), {"q": ["fp8_dynamic"]}, H200)
           if v.get("q") == "fp8_dynamic"]
     assert t8 and {reference_q_format(v, VARIANT_GATE) for v in t8} == {"fp8"}
-    t16 = triton_splitk.default_serving_variant(spec, H200)
+    t16 = triton_splitk.default_serving_variant(CallSpec("fp8", 64, 16, 1), H200)
     assert t16.get("q") == "bf16" and reference_q_format(t16, VARIANT_GATE) == "bf16"
     for q in ("fp8_dynamic", "fp8_static"):
-        flashmla = Variant.make(flash_mla.NAME, kv="fp8", q=q)
-        assert reference_q_format(flashmla, VARIANT_GATE) == "fp8"
-    flashmla = Variant.make(flash_mla.NAME, kv="bf16", q="bf16")
-    assert reference_q_format(flashmla, VARIANT_GATE) == "bf16"
+        assert reference_q_format(Variant.make(flash_mla.NAME, kv="fp8", q=q), VARIANT_GATE) == "fp8"
+    assert reference_q_format(Variant.make(flash_mla.NAME, kv="bf16", q="bf16"), VARIANT_GATE) == "bf16"
 
 
 HOOK_NAME = "qref_probe"
@@ -122,9 +120,8 @@ def serving_q_reference(variant):
 def build_serving(variant, spec, device):
     def run(q, qo_indptr, kv, kv_scale, *, kv_indptr=None, block_table=None, seq_lens=None,
             q_lens_host=None, kv_lens_host=None):
-        out = reference(q, qo_indptr, kv, kv_scale, kv_indptr=kv_indptr, block_table=block_table,
-                        seq_lens=seq_lens, q_format="fp8_row", sm_scale=spec.sm_scale)
-        return out.to(torch.bfloat16)
+        return reference(q, qo_indptr, kv, kv_scale, kv_indptr=kv_indptr, block_table=block_table,
+                         seq_lens=seq_lens, q_format="fp8_row", sm_scale=spec.sm_scale).to(torch.bfloat16)
 
     return run
 '''
@@ -148,11 +145,10 @@ def test_a_backends_hook_picks_its_reference_and_the_gate_judges_by_it(hook_back
     for ref in ("fp8_row", "fp8", "bf16"):
         assert reference_q_format(probe(ref), VARIANT_GATE) == ref
     assert reference_q_format(probe("fp8_row", q="bf16"), VARIANT_GATE) == "bf16"  # bf16 q: no hook
-    with pytest.raises(ValueError,
-                       match=r"qref_probe.*serving_q_reference.*'fp8_static'.*bf16, fp8, fp8_row"):
+    with pytest.raises(ValueError, match=r"qref_probe.*serving_q_reference.*'fp8_static'.*bf16, fp8, fp8_row"):
         reference_q_format(probe("fp8_static"), VARIANT_GATE)
     # The gate at DeepSeek-V3's scale: passes against the hook's per-row reference, not per tensor.
-    spec = CallSpec("fp8", 64, 16, 2, mixed_q_len=True, sm_scale=DSV3)
+    spec = CallSpec("fp8", 64, 16, 2, mixed_q_len=True, sm_scale=CORE_DEEPSEEK_V3_SCALE)
     passed = gate_one(GateJob(spec, str(probe("fp8_row")), VARIANT_GATE, STRICT, "cpu"))
     assert passed["ok"], passed
     failed = gate_one(GateJob(spec, str(probe("fp8")), VARIANT_GATE, STRICT, "cpu"))
@@ -173,21 +169,17 @@ def test_the_gluon_kernel_passes_the_gate_against_the_per_row_reference(heads, q
         pytest.skip(reason)
     cfg = load_serving_config("configs/serving.yaml")
     assert cfg.gate.reference_q == "variant"
-    spec = CallSpec("fp8", 64, heads, q_len, mixed_q_len=True, graph=True, sm_scale=DSV3)
+    spec = CallSpec("fp8", 64, heads, q_len, mixed_q_len=True, graph=True, sm_scale=CORE_DEEPSEEK_V3_SCALE)
     variant = gluon_fused.default_serving_variant(spec, H200)
     assert reference_q_format(variant, cfg.gate) == "fp8_row"
     gated = gate_one(GateJob(spec, str(variant), cfg.gate, cfg.rule, "cuda"))
     assert gated["ok"], gated
     kv_lens = [1, 17, 3000, 64, 65, 129, 2, 4133]
-    inp = make_input([min(q_len, n) for n in kv_lens], kv_lens, heads, 64, "fp8", seed=77,
-                     device="cuda")
-    runner = gluon_fused.build_serving(variant, spec, "cuda")
-    out = runner(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
+    inp = make_input([min(q_len, n) for n in kv_lens], kv_lens, heads, 64, "fp8", seed=77, device="cuda")
+    out = gluon_fused.build_serving(variant, spec, "cuda")(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
     torch.cuda.synchronize()
-    by_row = problem.check(out, inp.reference("fp8_row", sm_scale=DSV3), STRICT,
-                           margin=cfg.gate.margin)
-    by_tensor = problem.check(out, inp.reference("fp8", sm_scale=DSV3), STRICT)
-    print(f"heads {heads} q_len {q_len}: per-row mismatch {by_row.mismatch:.4f} (max abs "
-          f"{by_row.max_abs_err:.4f}), per-tensor mismatch {by_tensor.mismatch:.4f}; "
-          f"gate {gated['checks']}")
+    by_row = problem.check(out, inp.reference("fp8_row", sm_scale=spec.sm_scale), STRICT, margin=cfg.gate.margin)
+    by_tensor = problem.check(out, inp.reference("fp8", sm_scale=spec.sm_scale), STRICT)
+    print(f"heads {heads} q_len {q_len}: per-row mismatch {by_row.mismatch:.4f} (max abs {by_row.max_abs_err:.4f}), "
+          f"per-tensor mismatch {by_tensor.mismatch:.4f}; gate {gated['checks']}")
     assert by_row.passed, by_row

@@ -25,23 +25,13 @@ VENDOR_MODULES = {"flashmla": "flash_mla", "flashinfer": "flashinfer"}
 STRICT = problem.RULES["strict"]
 
 
-def _install_vendor(monkeypatch, name: str):
-    """The CPU fake of the backend's vendor library where it has one (then the platform is an
-    H200); returns the platform to plan for."""
-    if name not in VENDOR_MODULES:
-        return gpu.detect()
-    vendor_fakes.install(monkeypatch, VENDOR_MODULES[name])
-    return H200
-
-
-def _scaled_and_not(out: torch.Tensor, ref_scaled: torch.Tensor, ref_default: torch.Tensor,
-                    what: str) -> None:
+def _scaled_and_not(out: torch.Tensor, ref_scaled: torch.Tensor, ref_default: torch.Tensor, what: str) -> None:
     out = out[: ref_scaled.shape[0]].float()
     assert bool(torch.isfinite(out).all()), f"{what}: NaN or an unwritten element"
     at_scale = problem.check(out, ref_scaled, STRICT)
     assert at_scale.passed, f"{what}: against the reference at the model's scale: {at_scale.reason}"
     ignored = problem.check(out, ref_default, STRICT)
-    assert not ignored.passed, f"{what}: also matches the leaderboard's scale (could not see it)"
+    assert not ignored.passed, f"{what}: also matches the leaderboard's scale, so the test could not see it ignored"
 
 
 def test_deepseek_v3_scale_is_the_models():
@@ -64,16 +54,17 @@ def test_callspec_refuses_a_scale_that_is_no_softmax_scale(bad):
         CallSpec("bf16", sm_scale=bad)
 
 
-SERVING_CASES = [(name, kv) for name in ("triton", "triton_fused", "flashmla", "flashinfer")
-                 for kv in ("bf16", "fp8")]
+SERVING_CASES = [(name, kv) for name in ("triton", "triton_fused", "flashmla", "flashinfer") for kv in ("bf16", "fp8")]
 
 
-@pytest.mark.parametrize("name,kv", SERVING_CASES)
+@pytest.mark.parametrize("name,kv", SERVING_CASES, ids=[f"{n}-{k}" for n, k in SERVING_CASES])
 def test_the_serving_call_answers_at_the_models_scale(name, kv, monkeypatch):
-    platform = _install_vendor(monkeypatch, name)
+    platform = gpu.detect()
+    if name in VENDOR_MODULES:
+        vendor_fakes.install(monkeypatch, VENDOR_MODULES[name])
+        platform = H200
     page = 64 if name == "flashmla" else 16
-    spec = CallSpec(kv, page_size=page, heads=16, max_q_len=1, sm_scale=DSV3,
-                    host_lengths=name == "flashinfer")
+    spec = CallSpec(kv, page_size=page, heads=16, max_q_len=1, sm_scale=DSV3, host_lengths=name == "flashinfer")
     backend = get_backend(name)
     variant = backend.default_serving_variant(spec, platform)
     runner = backend.build_serving(variant, spec, "cpu")
@@ -81,8 +72,7 @@ def test_the_serving_call_answers_at_the_models_scale(name, kv, monkeypatch):
     out = runner(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout,
                  q_lens_host=inp.q_lens, kv_lens_host=inp.kv_lens)
     q_format = {"bf16": "bf16", "fp8_dynamic": "fp8"}[variant.get("q")]
-    _scaled_and_not(out, inp.reference(q_format, sm_scale=DSV3), inp.reference(q_format),
-                    f"{name} {kv}")
+    _scaled_and_not(out, inp.reference(q_format, sm_scale=DSV3), inp.reference(q_format), f"{name} {kv}")
     if name == "flashmla":
         assert sys.modules["flash_mla.flash_mla_interface"].last_call["softmax_scale"] == DSV3
     if name == "flashinfer":
@@ -105,24 +95,22 @@ def _leaderboard_variant(name: str, shape: Shape, kv: str) -> Variant:
         return Variant.make("torch", kv="bf16", q="bf16")
     if name == "flashmla":
         return Variant.make("flashmla", kv=kv, q="bf16" if kv == "bf16" else "fp8_dynamic")
-    space = {"kv": [kv]}
-    if name != "flashinfer":
-        space.update(num_splits=[2], block_n=[32])
-    # not reduce=spin (the interpreter runs programs one by one); fp16 dots (its others differ)
+    space = {"kv": [kv]} if name == "flashinfer" else {"kv": [kv], "num_splits": [2], "block_n": [32]}
+    # not reduce=spin (the interpreter runs programs one by one); fp16 dots (its fp8/bf16 ones differ)
     return next(v for v in get_backend(name).candidates(shape, space, H200)
                 if v.get("reduce") != "spin" and v.get("qk_dot", "fp16") == "fp16"
                 and v.get("pv_dot", "fp16") == "fp16")
 
 
-LEADERBOARD_CASES = [("torch", "bf16"), ("triton", "bf16"), ("triton", "fp8"),
-                     ("triton_fused", "bf16"), ("triton_fused", "fp8"), ("flashmla", "bf16"),
-                     ("flashinfer", "bf16"), ("flashinfer", "fp8")]
+LEADERBOARD_CASES = [("torch", "bf16"), ("triton", "bf16"), ("triton", "fp8"), ("triton_fused", "bf16"),
+                     ("triton_fused", "fp8"), ("flashmla", "bf16"), ("flashinfer", "bf16"), ("flashinfer", "fp8")]
 
 
-@pytest.mark.parametrize("name,kv", LEADERBOARD_CASES)
+@pytest.mark.parametrize("name,kv", LEADERBOARD_CASES, ids=[f"{n}-{k}" for n, k in LEADERBOARD_CASES])
 def test_build_takes_the_models_scale(name, kv, monkeypatch):
     """build(..., sm_scale=) of every backend that runs on the CPU."""
-    _install_vendor(monkeypatch, name)
+    if name in VENDOR_MODULES:
+        vendor_fakes.install(monkeypatch, VENDOR_MODULES[name])
     shape = Shape(2, 128)
     data = problem.generate_input(shape.batch, shape.kv_len, seed=7, device="cpu")
     variant = _leaderboard_variant(name, shape, kv)
@@ -147,7 +135,7 @@ def test_fp8_static_q_composes_with_the_models_scale():
 
 
 # ------------------------------------------------------------ one compile for every scale
-def _bind_keys(launch, capture_module, args_list, monkeypatch) -> list[str]:
+def _bind_keys(launch, capture_module, args_list) -> list[str]:
     """Each launch's JIT cache key (specialization + options) for an sm_90 target."""
     jit = pytest.importorskip("triton.runtime.jit")
     compiler = pytest.importorskip("triton.compiler.compiler")
@@ -159,9 +147,13 @@ def _bind_keys(launch, capture_module, args_list, monkeypatch) -> list[str]:
     def capture(fn, grid, record, *args, **kwargs):
         captured.append((fn, args, kwargs))
 
-    monkeypatch.setattr(capture_module, "jit_launch", capture)
-    for kwargs in args_list:
-        launch(**kwargs)
+    original = capture_module.jit_launch
+    capture_module.jit_launch = capture
+    try:
+        for kwargs in args_list:
+            launch(**kwargs)
+    finally:
+        capture_module.jit_launch = original
     target = compiler.make_backend(backends.GPUTarget("cuda", 90, 32))
     keys = []
     for fn, args, kwargs in captured:
@@ -173,24 +165,22 @@ def _bind_keys(launch, capture_module, args_list, monkeypatch) -> list[str]:
 
 
 @pytest.mark.parametrize("family", ["splitk", "fused"])
-def test_two_scales_bind_to_one_compiled_kernel(family, monkeypatch):
+def test_two_scales_bind_to_one_compiled_kernel(family):
     inp = serving.make_input([1, 1], [5, 9], 16, 16, "bf16", seed=1)
     out = torch.empty((2, 16, 512), dtype=torch.bfloat16)
-    common = dict(max_q_len=1, max_splits=2, tokens_per_split=4, block_h=16, num_warps=4,
-                  num_stages=1)
-    module, serve, dots = {
-        "splitk": (flash_decode, flash_decode.flash_decode_serving,
-                   dict(dot_dtype="fp16", sm_count=4)),
-        "fused": (fused_decode, fused_decode.fused_decode_serving,
-                  dict(qk_dot="fp16", pv_dot="fp16")),
-    }[family]
+    common = dict(max_q_len=1, max_splits=2, tokens_per_split=4, block_n=16, block_h=16, num_warps=4, num_stages=1)
+    if family == "splitk":
+        module, dots = flash_decode, dict(dot_dtype="fp16", sm_count=4)
+        serve = flash_decode.flash_decode_serving
+    else:
+        module, dots = fused_decode, dict(qk_dot="fp16", pv_dot="fp16")
+        serve = fused_decode.fused_decode_serving
 
     def launch(sm_scale, block_n=16):
-        serve(inp.q, inp.qo_indptr, inp.kv, None, out, **inp.layout, **common, block_n=block_n,
-              **dots, sm_scale=sm_scale)
+        serve(inp.q, inp.qo_indptr, inp.kv, None, out, **inp.layout, **{**common, "block_n": block_n}, **dots,
+              sm_scale=sm_scale)
 
-    calls = [{"sm_scale": SM_SCALE}, {"sm_scale": DSV3}, {"sm_scale": DSV3, "block_n": 32}]
-    keys = _bind_keys(launch, module, calls, monkeypatch)
+    keys = _bind_keys(launch, module, [{"sm_scale": SM_SCALE}, {"sm_scale": DSV3}, {"sm_scale": DSV3, "block_n": 32}])
     per_call = len(keys) // 3
     first, second, other = keys[:per_call], keys[per_call:2 * per_call], keys[2 * per_call:]
     assert first == second, "a new softmax scale specialized the kernel (a recompile per value)"
@@ -203,14 +193,13 @@ def test_the_leaderboard_runtime_takes_the_scale_from_the_config(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         rt = runtime.load(table=path, device="cpu")
-    data = problem.generate_input(1, 8, seed=1, device="cpu")  # a torch row
-    config = data[4]
-    model = (*data[:4], {**config, "sm_scale": DSV3})
-    ref_model = problem.reference(model, "bf16", "bf16", sm_scale=DSV3)
-    ref_board = problem.reference(model, "bf16", "bf16")
+    q, kv_data, qo_indptr, kv_indptr, config = problem.generate_input(1, 8, seed=1, device="cpu")  # a torch row
+    model = (q, kv_data, qo_indptr, kv_indptr, {**config, "sm_scale": DSV3})
+    data = (q, kv_data, qo_indptr, kv_indptr, config)
+    ref_model, ref_board = (problem.reference(model, "bf16", "bf16", sm_scale=DSV3),
+                            problem.reference(model, "bf16", "bf16"))
     for _ in range(2):  # the second call takes the repeat path
-        out = rt.custom_kernel(model).clone()
-        _scaled_and_not(out, ref_model, ref_board, "custom_kernel at the model's scale")
+        _scaled_and_not(rt.custom_kernel(model).clone(), ref_model, ref_board, "custom_kernel at the model's scale")
     assert config["sm_scale"] == SM_SCALE  # the leaderboard's config: its own scale
     out = rt.custom_kernel(data)  # same tensors, the leaderboard's config: not the model's runner
     assert problem.check(out.float(), ref_board, STRICT).passed

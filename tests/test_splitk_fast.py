@@ -11,8 +11,7 @@ from mla_tune.backends.triton_splitk_schedule import lengths, splitk_schedule
 
 
 def _params(rng):
-    return {"max_splits": rng.choice([1, 2, 4, 8, 16, 32, 64]),
-            "tokens_per_split": rng.choice([256, 512, 1024, 4096]),
+    return {"max_splits": rng.choice([1, 2, 4, 8, 16, 32, 64]), "tokens_per_split": rng.choice([256, 512, 1024, 4096]),
             "block_n": rng.choice([16, 32, 64]), "block_h": rng.choice([16, 32, 64]),
             "split_budget": rng.choice([0, 0, 66, 132, 264])}
 
@@ -32,11 +31,12 @@ def test_array_replay_matches_the_loop():
         got = splitk_schedule(lengths(lens), heads, q_len, params, occupancy, sm, item)
         assert got == want, (lens, heads, q_len, params, occupancy, sm, item)
         assert type(got[1]) is int
+        slots = sm * occupancy
         branches.add("one" if want[0] == max(lens) + item else "more")
+        branches.add(slots)
     assert "one" in branches and "more" in branches
-    params = {"max_splits": 8, "tokens_per_split": 512, "block_n": 32, "block_h": 64}
-    zeros = splitk_schedule([0, 0], 128, 1, params, 2, 132)  # all lengths 0
-    assert splitk_schedule(lengths([0, 0]), 128, 1, params, 2, 132) == zeros
+    params = {"max_splits": 8, "tokens_per_split": 512, "block_n": 32, "block_h": 64}  # all lengths 0
+    assert splitk_schedule(lengths([0, 0]), 128, 1, params, 2, 132) == splitk_schedule([0, 0], 128, 1, params, 2, 132)
 
 
 def test_greedy_makespan_is_the_heaps():

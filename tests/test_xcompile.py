@@ -26,17 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MI355X_CONFIG = ROOT / "configs" / "mi355x.yaml"
 LEADERBOARD = ROOT / "configs" / "leaderboard.yaml"
 TINY = ROOT / "tests" / "data" / "xcompile_tiny.yaml"
-SPLITK = Variant.parse("triton(block_n=32,dot_dtype=fp16,kv=fp8,num_splits=4,num_stages=2,"
-                       "num_warps=4,q=bf16)")
-
-
-def _invoke(*args):
-    """`mla-tune ARGS` in 80 columns."""
-    return CliRunner().invoke(app, list(args), env={"COLUMNS": "80"})
-
-
-def _plan(config: Path, gpu_name: str):
-    return plan_candidates(load_config(config), gpu.fake_platform(gpu_name), planning_only=True)
+SPLITK = Variant.parse("triton(block_n=32,dot_dtype=fp16,kv=fp8,num_splits=4,num_stages=2,num_warps=4,q=bf16)")
 
 
 @pytest.fixture(autouse=True)
@@ -46,15 +36,13 @@ def own_cache(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------ gpu facts
 def test_every_known_gpu_has_a_compile_target_and_its_own_config():
-    assert gpu.KNOWN_GPUS["MI355X"].config == "mi355x.yaml"
-    assert gpu.default_config("MI355X") == "configs/mi355x.yaml"
+    assert gpu.KNOWN_GPUS["MI355X"].config == "mi355x.yaml" and gpu.default_config("MI355X") == "configs/mi355x.yaml"
     assert gpu.default_config("H200") == "configs/leaderboard.yaml" == gpu.default_config("B200")
     for name, facts in gpu.KNOWN_GPUS.items():
         assert (ROOT / "configs" / facts.config).is_file(), name
         target = target_for(facts)
         assert (target.backend == "hip") == facts.is_hip and target.warp_size == facts.warp_size
-    assert target_for(gpu.KNOWN_GPUS["H200"]).arch == 90
-    assert gpu.KNOWN_GPUS["MI300X"].lds_bytes == 65536
+    assert target_for(gpu.KNOWN_GPUS["H200"]).arch == 90 and gpu.KNOWN_GPUS["MI300X"].lds_bytes == 65536
 
 
 # ------------------------------------------------------------------ capture
@@ -63,13 +51,12 @@ def test_capture_finds_the_launches_of_the_backends_real_path():
     with recording(facts) as launches:
         item = capture_candidate(SPLITK, Shape(256, 8192), facts, launches)
         one = capture_candidate(SPLITK.with_params(num_splits=1), Shape(4, 1024), facts, launches)
-        static_q = SPLITK.with_params(q="fp8_static")
-        static = capture_candidate(static_q, Shape(4, 1024), facts, launches)
+        static = capture_candidate(SPLITK.with_params(q="fp8_static"), Shape(4, 1024), facts, launches)
     assert item.error is None and [ln.kernel.fn.__name__ for ln in item.launches] == [
         "_fd_stage1_kernel", "_fd_stage2_kernel"]
     assert tuple(item.launches[0].grid)[:2] == (256, 4)  # a program per (sequence, split)
     assert [ln.kernel.fn.__name__ for ln in one.launches] == ["_fd_stage1_kernel"]  # no reduction
-    assert static.error is None and static.label == str(static_q)
+    assert static.error is None and static.label == str(SPLITK.with_params(q="fp8_static"))
     # the KV cache reaches the kernel at its real size: 256 x 8192 bf16 tokens pass 2 GiB, so on
     # AMD its pointer loses the buffer-op range attribute ("S"), and the binary differs
     target = target_for(facts)
@@ -84,18 +71,16 @@ def test_capture_finds_the_launches_of_the_backends_real_path():
 
 def test_gluon_is_captured_for_sm_90_on_a_machine_without_it():
     facts = gpu.KNOWN_GPUS["H200"]
-    variant = Variant.parse("gluon_fused(block_n=64,kv=fp8,num_splits=8,num_stages=2,"
-                            "q=fp8_dynamic,v_path=rs8)")
+    variant = Variant.parse("gluon_fused(block_n=64,kv=fp8,num_splits=8,num_stages=2,q=fp8_dynamic,v_path=rs8)")
     with recording(facts) as launches:
         item = capture_candidate(variant, Shape(32, 8192), facts, launches)
     assert item.error is None, item.error
-    names = [ln.kernel.fn.__name__ for ln in item.launches]
-    assert names == ["_gd_decode_kernel", "_gd_reduce_kernel"]
-    first, target = item.launches[0], target_for(facts)
-    types = [t for t, _ in specialization(first.kernel, first.args, first.kwargs, target)]
+    assert [ln.kernel.fn.__name__ for ln in item.launches] == ["_gd_decode_kernel", "_gd_reduce_kernel"]
+    first = item.launches[0]
+    types = [t for t, _ in specialization(first.kernel, first.args, first.kwargs, target_for(facts))]
     assert any("tensordesc" in str(t) for t in types), types  # the TMA descriptor's own type
     # compiled from Gluon's own source class, as its JIT does (plain ASTSource fails under 3.6)
-    bound = bind(first.kernel, first.grid, first.args, first.kwargs, target)
+    bound = bind(first.kernel, first.grid, first.args, first.kwargs, target_for(facts))
     assert type(bound.src).__name__ == "GluonASTSource"
 
 
@@ -130,8 +115,7 @@ PTX = """\
 )
 {
 \t.loc\t1 71 16
-\tmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1, %f2, %f3, %f4}, \
-{%r1, %r2, %r3, %r4}, {%r5, %r6}, {%f1, %f2, %f3, %f4};
+\tmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1, %f2, %f3, %f4}, {%r1, %r2, %r3, %r4}, {%r5, %r6}, {%f1, %f2, %f3, %f4};
 \twgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%f5}, %rd1, %rd2, 1, 1, 1;
 \tret;
 }
@@ -140,24 +124,19 @@ PTX = """\
 
 def test_resources_are_read_from_a_recorded_listing_and_ptxas_log():
     amd = amd_resources(AMDGCN, shared=36864, num_warps=4, arch="gfx950")
-    regs = (amd["vgprs"], amd["arch_vgprs"], amd["agprs"], amd["sgprs"], amd["scratch"])
-    assert regs == (336, 256, 80, 44, 72)
+    assert (amd["vgprs"], amd["arch_vgprs"], amd["agprs"], amd["sgprs"], amd["scratch"]) == (336, 256, 80, 44, 72)
     assert amd["mma"] == 2 and amd["mma_ops"] == {"v_mfma_f32_16x16x32_bf16": 2}
     assert amd["waves_per_simd"] == 1 == amd["llvm_occupancy"]  # 512 // 336
     assert amd_resources(AMDGCN.replace("336", "128"), 36864, 4, "gfx950")["waves_per_simd"] == 4
     # LDS bounds it too: 160 KiB holds 4 workgroups of 40 KiB, 4 x 4 waves over 4 SIMDs
     assert amd_resources(AMDGCN.replace("336", "64"), 40960, 4, "gfx950")["waves_per_simd"] == 4
     cuda = cuda_resources(PTXAS_LOG, PTX, shared=53248, num_warps=4, arch="sm_90")
-    regs = (cuda["registers"], cuda["scratch"], cuda["spill_loads"], cuda["stack"])
-    assert regs == (255, 160, 152, 152)
-    assert cuda["mma"] == 2
-    assert cuda["ctas_per_sm"] == 2 and cuda["warps_per_sm"] == 8  # 65536 / (256 x 32 x 4)
-    fewer_regs = cuda_resources(PTXAS_LOG.replace("255", "96"), PTX, 53248, 4, "sm_90")
-    assert fewer_regs["ctas_per_sm"] == 4  # bound by shared memory
+    assert (cuda["registers"], cuda["scratch"], cuda["spill_loads"], cuda["stack"]) == (255, 160, 152, 152)
+    assert cuda["mma"] == 2 and cuda["ctas_per_sm"] == 2 and cuda["warps_per_sm"] == 8  # 65536 / (256 x 32 x 4)
+    assert cuda_resources(PTXAS_LOG.replace("255", "96"), PTX, 53248, 4, "sm_90")["ctas_per_sm"] == 4  # smem
     # the same instructions under other metadata and comments are the same code, not other code
-    sha = code_sha(AMDGCN, ";")
-    assert sha == code_sha(AMDGCN.replace("; comment", "").replace("336", "340"), ";")
-    assert sha != code_sha(AMDGCN.replace("a[4:7], v[4:7]", "a[4:7], v[5:8]"), ";")
+    assert code_sha(AMDGCN, ";") == code_sha(AMDGCN.replace("; comment", "").replace("336", "340"), ";")
+    assert code_sha(AMDGCN, ";") != code_sha(AMDGCN.replace("a[4:7], v[4:7]", "a[4:7], v[5:8]"), ";")
 
 
 def test_the_first_error_line_is_mlirs_diagnostic_else_the_exceptions_cause():
@@ -173,16 +152,14 @@ def test_the_first_error_line_is_mlirs_diagnostic_else_the_exceptions_cause():
 def test_a_duplicate_binary_is_dropped_and_a_second_check_reads_the_cache():
     """Real compiles (in a process without the tests' interpreter): waves_per_eu=1 gives gfx950
     the same code as 0, so the second candidate is dropped; then every binary is cached."""
-    base = SPLITK.with_params(dot_dtype="bf16", matrix_instr_nonkdim=16, waves_per_eu=0,
-                              num_splits=1)
+    base = SPLITK.with_params(dot_dtype="bf16", matrix_instr_nonkdim=16, waves_per_eu=0, num_splits=1)
     twin = base.with_params(waves_per_eu=1)
     plan = {Shape(4, 1024): [base, twin]}
     first = xcheck.check_plan(plan, "MI355X", jobs=2, q_quant=False)
     assert first["compiled"] == 2 and first["cached"] == 0  # stage 1 twice (other options)
     assert all(b["ok"] for b in first["binaries"]), first["binaries"]
     assert list(first["drops"]["4x1024"]) == [str(twin)]
-    same = f"compiles to the same code and launches as {base}"
-    assert first["drops"]["4x1024"][str(twin)].startswith(same)
+    assert first["drops"]["4x1024"][str(twin)].startswith(f"compiles to the same code and launches as {base}")
     again = xcheck.check_plan(plan, "MI355X", jobs=2, q_quant=False)
     assert again["compiled"] == 0 and again["cached"] == 2 and again["drops"] == first["drops"]
     assert [b["sha"] for b in again["binaries"]] == [b["sha"] for b in first["binaries"]]
@@ -207,54 +184,54 @@ def test_drops_are_recorded_with_their_reason():
     assert drops["4x1024"]["v2"].startswith("compiles to the same code and launches as v1")
     assert drops["4x1024"]["v3"] == (f"_fd_stage1_kernel does not compile for MI355X with Triton "
                                      f"{triton.__version__}: k.py:1:2: error: no")
-    lds = "needs 204800 B of shared memory (LDS), more than MI355X's 163840 B"
-    assert lds in drops["4x1024"]["v4"]
+    assert "needs 204800 B of shared memory (LDS), more than MI355X's 163840 B" in drops["4x1024"]["v4"]
 
 
 def test_the_dry_run_plans_without_the_checks_drops_and_prints_why(monkeypatch, tmp_path):
-    planned = _plan(MI355X_CONFIG, "MI355X")
+    planned = plan_candidates(load_config(MI355X_CONFIG), gpu.fake_platform("MI355X"), planning_only=True)
     shape = next(iter(planned.plan))
     victim = next(v for v in planned.plan[shape] if v.backend == "triton")
     report = {"gpu": "MI355X", "target": "hip:gfx950", "triton": "3.9.0", "image_triton": "3.6.0",
-              "version_note": None, "lds_limit": 163840, "jobs": 1, "compiled": 1, "cached": 0,
-              "wall_s": 1.0, "not_compiled": {}, "binaries": [], "capture_errors": [],
+              "version_note": None, "lds_limit": 163840, "jobs": 1, "compiled": 1, "cached": 0, "wall_s": 1.0,
+              "not_compiled": {}, "binaries": [], "capture_errors": [],
               "drops": {str(shape): {str(victim): "it is the test's victim"}}}
     seen = []
-    monkeypatch.setattr(xcheck, "check_plan",
-                        lambda plan, name, jobs=None: seen.append(name) or report)
+    monkeypatch.setattr(xcheck, "check_plan", lambda plan, name, jobs=None: seen.append(name) or report)
     from rich.console import Console
 
     console = Console(record=True, width=80)
-    out = tmp_path / "MI355X.yaml"
-    summary = run_sweep(MI355X_CONFIG, "MI355X", out=out, dry_run=True, compile_check=True,
-                        console=console)
+    summary = run_sweep(MI355X_CONFIG, "MI355X", out=tmp_path / "MI355X.yaml", dry_run=True,
+                        compile_check=True, console=console)
     assert seen == ["MI355X"] and summary.compile_drops == report["drops"]
     assert str(victim) not in summary.plan[str(shape)]["triton"]
     text = console.export_text()
     assert f"dropped: {shape} {victim}" in text and "test's victim" in text
-    plain = run_sweep(MI355X_CONFIG, "MI355X", out=out, dry_run=True, console=console)
+    plain = run_sweep(MI355X_CONFIG, "MI355X", out=tmp_path / "MI355X.yaml", dry_run=True, console=console)
     assert seen == ["MI355X"] and str(victim) in plain.plan[str(shape)]["triton"]  # off by default
 
 
-def test_sweep_plans_each_gpus_config_and_compile_refuses_an_unknown_gpu():
-    result = _invoke("sweep", "--gpu", "MI355X", "--dry-run")  # no --config: mi355x.yaml
+def test_mi355x_without_a_config_plans_aiter():
+    result = CliRunner().invoke(app, ["sweep", "--gpu", "MI355X", "--dry-run"], env={"COLUMNS": "80"})
     assert result.exit_code == 0, result.output
     assert "mi355x" in result.output and "aiter" in result.output
-    h200 = _invoke("sweep", "--gpu", "H200", "--dry-run")
+    h200 = CliRunner().invoke(app, ["sweep", "--gpu", "H200", "--dry-run"], env={"COLUMNS": "80"})
     assert "config leaderboard" in h200.output and "aiter" not in h200.output
+
+
+def test_an_unknown_gpu_is_refused_by_compile_with_the_known_ones():
     result = CliRunner().invoke(app, ["compile", "--gpu", "B999"])
     assert result.exit_code == 1 and "MI355X" in result.output and "KNOWN_GPUS" in result.output
 
 
 def test_another_python_runs_the_check_and_its_json_is_read_back(monkeypatch):
     """--triton PYTHON (here this one): a subprocess computes the report; the parent prints it."""
-    args = ["compile", "--gpu", "H200", "--config", str(TINY), "--triton"]
-    result = _invoke(*args, sys.executable, "--jobs", "2")
+    result = CliRunner().invoke(app, ["compile", "--gpu", "H200", "--config", str(TINY), "--triton", sys.executable,
+                                      "--jobs", "2"], env={"COLUMNS": "80"})
     assert result.exit_code == 0, result.output
     assert f"Triton {triton.__version__}" in result.output and "_fd_stage1_kernel" in result.output
     lines = result.output.splitlines()
     assert max(map(len, lines)) <= 80, [line for line in lines if len(line) > 80]
-    bad = CliRunner().invoke(app, [*args, "/nonexistent/py"])
+    bad = CliRunner().invoke(app, ["compile", "--gpu", "H200", "--config", str(TINY), "--triton", "/nonexistent/py"])
     assert bad.exit_code == 1 and "--triton /nonexistent/py" in bad.output
 
 
@@ -262,14 +239,13 @@ def test_another_python_runs_the_check_and_its_json_is_read_back(monkeypatch):
 def test_every_distinct_binary_of_the_mi355x_plan_compiles_for_gfx950():
     """Every CI run: the whole MI355X plan (configs/mi355x.yaml), no sample, 2 processes."""
     t0 = time.monotonic()
-    planned = _plan(MI355X_CONFIG, "MI355X")
+    planned = plan_candidates(load_config(MI355X_CONFIG), gpu.fake_platform("MI355X"), planning_only=True)
     report = xcheck.check_plan(planned.plan, "MI355X", jobs=2)
     failed = [(b["kernel"], b["error"], b["users"][0]) for b in report["binaries"] if not b["ok"]]
     assert not failed and not report["capture_errors"], (failed, report["capture_errors"][:3])
     assert report["cached"] == 0 and report["compiled"] == len(report["binaries"]) > 50
     own = sum(len([v for v in vs if v.backend == "triton"]) for vs in planned.plan.values())
-    users = {(s, label) for b in report["binaries"] for s, label in b["users"]
-             if label.startswith("triton(")}
+    users = {(s, label) for b in report["binaries"] for s, label in b["users"] if label.startswith("triton(")}
     assert len(users) == own  # every candidate of the plan was captured
     assert not any(b["over_lds"] for b in report["binaries"])
     print(f"MI355X: {len(report['binaries'])} binaries in {time.monotonic() - t0:.0f} s")
@@ -282,7 +258,7 @@ H200_SAMPLE_EVERY = 80
 
 
 def test_a_sample_of_the_h200_plan_compiles_for_sm_90_triton_and_gluon():
-    planned = _plan(LEADERBOARD, "H200")
+    planned = plan_candidates(load_config(LEADERBOARD), gpu.fake_platform("H200"), planning_only=True)
     plan = {}
     for shape, variants in planned.plan.items():
         own = [v for v in variants if v.backend in ("triton", "triton_fused")]
@@ -317,8 +293,7 @@ def test_on_the_gpu_the_cross_compile_is_the_code_the_jit_launches():
     ours = {b["sha"] for b in report["binaries"]}
     facts = gpu.KNOWN_GPUS[name]
     with recording(facts) as launches:
-        kernels = {ln.kernel for v in variants
-                   for ln in capture_candidate(v, shape, facts, launches).launches}
+        kernels = {ln.kernel for v in variants for ln in capture_candidate(v, shape, facts, launches).launches}
     q, kv_data, qo_indptr, kv_indptr, _ = generate_input(shape.batch, shape.kv_len, seed=1)
     for v in variants:
         get_backend("triton").build(v, shape, "cuda")(q, kv_data, qo_indptr, kv_indptr)
