@@ -11,6 +11,7 @@ from mla_tune.core import CallSpec, Variant
 from mla_tune.serving import rescore as rs
 from mla_tune.serving.table import Cell, Family, FamilyKey, GraphPick, ServingTable
 from mla_tune.serving.verify import VERIFY_SCHEMA, VerifyError
+from tests.helpers import invoke
 
 SPEC = CallSpec("bf16", page_size=64, heads=16, max_q_len=1)
 OTHER = FamilyKey("fp8", 64, 128, 4)  # a family the table lacks
@@ -134,3 +135,5 @@ def test_unrunnable_backends_are_scored_by_the_stand_ins_a_plan_runs(reports):
     assert out["unrunnable"] == ["flashmla"]
     with pytest.raises(VerifyError, match="--unrunnable flash_mla: not a backend"):
         rs.rescore(table, reports, unrunnable=["flash_mla"], log=lambda _: None)
+    result = invoke("verify", "--table", "tables/H200.serving.yaml", "--unrunnable", "flashmla")
+    assert result.exit_code == 2 and "give them with --rescore" in result.output
