@@ -5,6 +5,8 @@ variant (the runner-up, else the default), each replacement counted in the plan'
 from __future__ import annotations
 
 import random
+import sys
+import threading
 import warnings
 
 import torch
@@ -97,3 +99,34 @@ def test_the_tables_plan_pick_is_what_a_plan_steps_with_where_picks_cannot_run()
                 assert (got or plan.variants[0]) == want, (key, graph, batch)
                 replaced += table.lookup(spec, batch, mean, graph=graph, kv_lens=lens) not in built
     assert replaced > 100  # the stand-ins were exercised
+
+
+def test_plans_of_one_table_stepped_on_two_threads_pick_as_each_alone():
+    """Each plan owns its compiled estimate's buffers: two plans of one ServingTable object,
+    stepped on two threads switching every microsecond, pick what each picks alone (here on
+    the CPU the fastest runnable stand-in matters: gluon_fused and the vendors cannot run)."""
+    table = load_serving_table("tables/H200.serving.yaml")
+    spec = CallSpec("fp8", 64, 16, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plans = [DecodePlan(spec, max_batch=256, table=table, warm=False) for _ in range(2)]
+    rng = random.Random(3)
+    steps = [[int(2 ** rng.uniform(6, 16)) for _ in range(rng.randint(1, 256))] for _ in range(300)]
+    alone = [plans[0].pick(len(lens), sum(lens) / len(lens), lens) for lens in steps]
+    got: list[list] = [[], []]
+
+    def step(i: int) -> None:
+        got[i] = [plans[i].pick(len(lens), sum(lens) / len(lens), lens) for lens in steps]
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(3):
+            threads = [threading.Thread(target=step, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert got[0] == alone and got[1] == alone
+    finally:
+        sys.setswitchinterval(interval)

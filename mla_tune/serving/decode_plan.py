@@ -134,8 +134,9 @@ class DecodePlan:
         self._allowed = (self.table.estimator.allowed(family, self._decoders.__contains__)
                          if self._unrunnable and family.points and not spec.graph else None)
         # a step with its lengths on the host picks in one C call where the family's estimate
-        # is compiled (the mean and its steps included: _Compiled.pick_lengths)
-        self._compiled = (self.table.estimator.compiled(family)
+        # is compiled (the mean and its steps included: _Compiled.pick_lengths); the plan's
+        # own, so that plans of one table stepped on different threads share no buffer
+        self._compiled = (self.table.estimator.compiled(family, own=True)
                           if family is not None and family.points and not spec.graph else None)
         self._mask = self._allowed.address if self._allowed is not None else None
         self._miss_keys = {v: f"{v.backend} cannot run here" for v in self._unrunnable}
@@ -210,7 +211,8 @@ class DecodePlan:
             mean = None if self.spec.graph else mean_kv_len
             # the table's lookup, its estimates made once for this step (in one C call where
             # the family's estimate is compiled), with the fastest runnable of them
-            variant, runnable = (self.table.estimator.pick(self._family, batch, mean, kv_lens, self._allowed)
+            estimator = self.table.estimator
+            variant, runnable = (estimator.pick(self._family, batch, mean, kv_lens, self._allowed, self._compiled)
                                  if mean is not None and self._family.points else (None, None))
             if variant is None:
                 variant = self.table.lookup(self.spec, batch, mean, graph=self.spec.graph, kv_lens=kv_lens)

@@ -632,11 +632,13 @@ class Estimator:
             self.estimates(family, batch, 4096.0, [4096] * batch)
         self.compiled(family)
 
-    def compiled(self, family) -> _Compiled | None:
+    def compiled(self, family, own: bool = False) -> _Compiled | None:
         """The family's compiled estimate (`_Compiled`), made once; None where a model has no
-        C estimate or no C compiler is found (`pick` then runs the Python estimate)."""
+        C estimate or no C compiler is found (`pick` then runs the Python estimate).
+        own=True: a new one for the caller alone, its buffers its own (a DecodePlan's, so that
+        plans stepped on different threads share none); a `_Compiled` serves one thread."""
         key = ("compiled", family.key)
-        if key not in self._derived:
+        if key not in self._derived or own:
             lib = _native()
             natives = []
             for variant, model in family.models.items():
@@ -646,16 +648,21 @@ class Estimator:
                     break
                 natives.append(made)
             ok = lib is not None and len(natives) == len(family.models) and bool(family.points)
-            self._derived[key] = _Compiled(self, family, lib, natives) if ok else None
+            made = _Compiled(self, family, lib, natives) if ok else None
+            if own:
+                return made
+            self._derived[key] = made
         return self._derived[key]
 
     def pick(self, family, batch: int, mean_kv_len: float, kv_lens: Sequence[int] | None,
-             allowed: Allowed | None = None) -> tuple[Variant | None, Variant | None]:
+             allowed: Allowed | None = None, compiled: _Compiled | None = None
+             ) -> tuple[Variant | None, Variant | None]:
         """(`fastest(estimates(...))`, `fastest(estimates, allowed)` where `allowed` is given,
-        else None): in one C call where the family is compiled (`compiled`), else through
-        `estimates`. `allowed` is `self.allowed(family, ...)`'s, made once."""
+        else None): in one C call where the family is compiled (`compiled`; a caller's own,
+        `compiled(family, own=True)`, where given), else through `estimates`. `allowed` is
+        `self.allowed(family, ...)`'s, made once."""
         self._warn_versions_once(family)
-        compiled = self.compiled(family)
+        compiled = compiled if compiled is not None else self.compiled(family)
         if compiled is None:
             est = self.estimates(family, batch, mean_kv_len, kv_lens)
             return fastest(est), None if allowed is None else fastest(est, allowed.accepts)
