@@ -178,13 +178,6 @@ def test_a_gluon_models_replay_in_c_is_its_numpy_replay(numpy_path):
         assert model.replay(call) == numpy_path(model.replay, call), (lens.tolist(), heads, variant)
 
 
-def _left_by(compiled) -> dict:
-    """The estimates a compiled family's last C call left (the last nv values of its `out`),
-    {variant: us}, a variant with none (NAN) left out."""
-    values = compiled.out[-len(compiled.variants):].tolist()
-    return {v: t for v, t in zip(compiled.variants, values, strict=True) if t == t}
-
-
 def test_a_familys_compiled_estimate_picks_and_estimates_as_the_python_estimate_does():
     """Estimator.pick's one C call against Estimator.estimates and fastest on the committed table:
     the same pick and estimates, float for float, for ragged, uniform and length-less calls."""
@@ -211,7 +204,7 @@ def test_a_familys_compiled_estimate_picks_and_estimates_as_the_python_estimate_
         mean = sum(lens) / batch if lens else 2 ** rng.uniform(5, 16.5)
         some, none = allowed[family.key]
         variant, ok = table.estimator.pick(family, batch, mean, lens, some)
-        got = _left_by(table.estimator.compiled(family))
+        got = table.estimator.compiled(family).estimates_left()
         want = table.estimator.estimates(family, batch, mean, lens)
         assert variant == estimate.fastest(want) and got == want, (family.key, batch, mean, lens)
         # the fastest allowed variant, from the same C call
@@ -237,8 +230,7 @@ def test_a_plans_step_with_host_lengths_picks_in_one_c_call_what_its_lookup_pick
             spec = CallSpec(key.kv_format, page_size=key.page_size, heads=key.heads, max_q_len=key.q_len,
                             host_lengths=True)
             plans[key] = DecodePlan(spec, 256, table=table, device="cpu", warm=False)
-    compiled = {key: table.estimator.compiled(table.families[key]) for key in plans}
-    assert None not in compiled.values()
+    assert all(table.estimator.compiled(table.families[key]) is not None for key in plans)
     rng = random.Random(5)
     seen = set()
     for i in range(1500):
@@ -256,7 +248,7 @@ def test_a_plans_step_with_host_lengths_picks_in_one_c_call_what_its_lookup_pick
         after = dict(plan.misses)
         # the estimates the step's C call left, float for float the Python estimate's at the mean
         want_est = table.estimator.estimates(table.families[key], batch, sum(lens) / batch, lens)
-        assert _left_by(compiled[key]) == want_est, (key, batch, lens)
+        assert plan.last_estimates() == want_est, (key, batch, lens)
         want = plan.pick(batch, sum(lens) / batch, lens)
         assert got == want, (key, batch, lens)
         assert {k: n - before.get(k, 0) for k, n in after.items()} == {

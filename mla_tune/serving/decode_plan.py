@@ -245,6 +245,12 @@ class DecodePlan:
             variant = runnable if runnable is not None else self._runner_up(batch, mean)
         return variant if variant is not None and variant in self._decoders else self._default.variant
 
+    def last_estimates(self) -> dict[Variant, float]:
+        """The estimated times (us) behind the plan's last eager pick where its lookup is
+        compiled (a variant with none left out): why a step ran what it ran. {} where the
+        lookup is not compiled (a graph plan, no points, no C compiler)."""
+        return self._compiled.estimates_left() if self._compiled is not None else {}
+
     def _runner_up(self, batch: int, mean: float | None) -> Variant | None:
         """Where the table's pick cannot run and no runnable variant is estimated (pick's
         `runnable`): the cell's runner-up where it runs here, else None (the default)."""

@@ -492,6 +492,11 @@ class _Compiled:
             best = self.step_fn(self.address, lens.address, lens.fill(kv_lens), batch, mask_address)
         return self._picked(best)
 
+    def estimates_left(self) -> dict[Variant, float]:
+        """The estimates (us) the last call left in `out`, a variant with none left out."""
+        values = self.out[-len(self.variants):].tolist()
+        return {v: t for v, t in zip(self.variants, values, strict=True) if t == t}
+
     def _picked(self, best: int) -> tuple[Variant | None, Variant | None]:
         """(the pick, the fastest allowed) of a C call that returned `best` (-1: none)."""
         ok = self.struct.best_allowed
