@@ -111,15 +111,11 @@ def rescore_shape(table: ServingTable, record: dict, unrunnable: Collection[str]
     r["recorded_roles"] = dict(record["roles"])
     r["measured"] = {"fallback": "final"}
     kv_lens = r["kv_lens"] if isinstance(r["kv_lens"], list) else [r["kv_lens"]] * r["batch"]
-    if unrunnable:
-        def runs(v: Variant) -> bool:
-            return v.backend not in unrunnable
+    def runs(v: Variant) -> bool:
+        return v.backend not in unrunnable
 
-        looks = (table.plan_pick(spec, r["batch"], runs, r["mean_kv_len"], kv_lens),
-                 table.plan_pick(replace(spec, graph=True), r["batch"], runs))
-    else:
-        looks = (table.lookup(spec, r["batch"], r["mean_kv_len"], kv_lens=kv_lens),
-                 table.lookup(spec, r["batch"], graph=True))
+    looks = (table.plan_pick(spec, r["batch"], runs, r["mean_kv_len"], kv_lens),
+             table.plan_pick(replace(spec, graph=True), r["batch"], runs))
     for role, looked in zip(("eager", "graph"), looks, strict=True):
         variant = str(looked) if looked is not None else fallback  # no pick: the fallback runs
         r["roles"][role] = variant
