@@ -8,6 +8,7 @@ traceback. Reading commands (show, diff) import neither torch nor a backend.
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -582,3 +583,22 @@ def verify(
 from mla_tune.time_cli import register as register_time  # noqa: E402
 
 register_time(app)
+
+
+def _prose(text: str) -> str:
+    """A docstring's paragraphs each on one line, blank lines between them: typer's rich help
+    keeps a paragraph's line breaks, so a docstring wrapped in the source would print ragged
+    lines in any terminal (every command's docstring is prose: no lists, no code)."""
+    return "\n\n".join(" ".join(line.strip() for line in paragraph.splitlines())
+                       for paragraph in inspect.cleandoc(text).split("\n\n"))
+
+
+def _unwrap_help(typer_app: typer.Typer) -> None:
+    """Every command's help (its docstring where not given) as `_prose`, sub-commands too."""
+    for info in typer_app.registered_commands:
+        info.help = _prose(info.help or inspect.getdoc(info.callback) or "")
+    for group in typer_app.registered_groups:
+        _unwrap_help(group.typer_instance)
+
+
+_unwrap_help(app)

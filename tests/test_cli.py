@@ -66,6 +66,25 @@ def test_boolean_flags_have_no_negative_twins_and_every_option_a_sentence_of_hel
     assert invoke("sweep", "--no-dry-run", "--gpu", "H200").exit_code == 2
 
 
+def _command_paths(command, path=()):
+    for name, sub in getattr(command, "commands", {}).items():
+        yield (*path, name)
+        yield from _command_paths(sub, (*path, name))
+
+
+def test_every_commands_help_text_fills_its_lines_in_80_columns():
+    """A docstring's own line breaks would print ragged lines (rich help keeps them)."""
+    paths = list(_command_paths(typer.main.get_command(app)))
+    assert ("time", "scan") in paths
+    for path in paths:
+        lines = invoke(*path, "--help").output.splitlines()
+        start = next(i for i, line in enumerate(lines) if "Usage:" in line) + 1
+        text = [line.rstrip() for line in lines[start:next(i for i, line in enumerate(lines) if "╭" in line)]]
+        for line, after in zip(text, text[1:]):
+            if line and after:  # two lines of one paragraph: the second's first word did not fit
+                assert len(line) + 1 + len(after.split()[0]) > 78, f"mla-tune {' '.join(path)}: {line!r}"
+
+
 @pytest.mark.parametrize("path", [H200, H200_FIXED], ids=["committed", "pre-search"])
 def test_show_fits_80_columns_in_40_lines_with_every_winner_greppable(path):
     result = invoke("show", "--table", path)
