@@ -82,6 +82,52 @@ def test_the_split_k_replay_in_c_is_the_numpy_replay(numpy_path, monkeypatch):
     assert sk.splitk_schedule(lens, 16, 1, params, 2, 132, 64) == want
 
 
+def _dealings(seed: int, n: int):
+    """n random dealings (work in launch order, slots) of the shapes the runs' dealing meets:
+    runs of equal programs (a sequence's full splits, a split's head tiles), equal loads,
+    works rising (the ascending queue, filled past its buffer), falling (the heap), mixed,
+    fractional, one slot to a few hundred, up to ten waves."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        slots = rng.choice([1, 2, 3, 7, 16, 17, 64, 132, 264, rng.randint(1, 300)])
+        count = rng.randint(1, 10 * slots + 20)
+        shape = rng.choice(["runs", "alphabet", "rising", "falling", "random", "fractional"])
+        if shape == "runs":
+            work = []
+            while len(work) < count:
+                work += [float(rng.choice([16, 32, 64, 96, 128]) * rng.randint(1, 8) + rng.choice([0, 32, 256]))] * \
+                    rng.choice([1, 1, 2, 4, 8, rng.randint(1, 2 * slots)])
+            work = work[:count]
+        elif shape == "alphabet":
+            work = [float(rng.choice([1, 2, 3, 5])) for _ in range(count)]
+        elif shape == "rising":
+            work = sorted(float(rng.randint(1, 50)) for _ in range(count))
+        elif shape == "falling":
+            work = sorted((float(rng.randint(1, 5000)) for _ in range(count)), reverse=True)
+        elif shape == "random":
+            work = [float(rng.randint(1, 100000)) for _ in range(count)]
+        else:
+            work = [rng.randint(1, 300) + rng.choice([0.5, 0.1, 0.25, 1 / 3]) for _ in range(count)]
+        yield np.asarray(work, dtype=np.float64), slots
+
+
+def test_the_runs_dealing_in_c_is_greedy_makespan():
+    """The C dealing (greedy_runs, through sk_deal) gives the same double as the numpy
+    dealing the replays share (makespan.greedy_makespan) and as a plain heap."""
+    lib = sk._native()
+    if lib is None:
+        pytest.skip("no C compiler here: the numpy dealing is the only one")
+    import heapq
+
+    for work, slots in _dealings(17, 3000):
+        got = lib.sk_deal(native.address(work), work.shape[0], slots)
+        want = float(makespan.greedy_makespan(work, slots))
+        heap = [0.0] * slots
+        for w in work.tolist():
+            heapq.heapreplace(heap, heap[0] + w)
+        assert got == want == max(heap), (work.tolist(), slots)
+
+
 def test_the_flashinfer_replay_in_c_is_the_numpy_replay_and_built_wherever_a_c_compiler_is(numpy_path):
     have = native.compiler() is not None
     assert (sk._native() is not None, fi._native() is not None) == (have, have)

@@ -200,6 +200,19 @@ int sk_schedule(const int64_t *lens, int64_t n, int64_t max_splits, int64_t bloc
     return 0;
 }
 
+/* greedy_runs over n programs' work (in launch order, equal neighbours made runs) and
+   `slots` slots, the largest work where n <= slots: makespan.greedy_makespan for the tests'
+   direct check of the dealing; NAN where its buffer cannot be had */
+double sk_deal(const double *work, int64_t n, int64_t slots) {
+    run_t *runs = malloc((size_t)(n + 3 * slots + 1) * sizeof(run_t));
+    if (runs == NULL) return NAN;
+    int64_t nr = 0;
+    for (int64_t i = 0; i < n; i++) nr = add_run(runs, nr, work[i], 1);
+    double span = greedy_runs(runs, nr, slots, runs + nr);
+    free(runs);
+    return span;
+}
+
 /* SplitKModel's replay for one call in one C call: out[0] the makespan and out[1] the
    reduction's steps (sk_schedule), out[2] the steps of a uniform batch of `batch`
    sequences of uniform_len tokens (uniform_reduce_steps). The model's constants are
@@ -321,7 +334,8 @@ _native = native.Library("splitk_schedule", _NATIVE_SOURCE, {
     "sk_schedule": (ctypes.c_int, (ctypes.c_void_p, _I64, _I64, _I64, _I64, _F64, _I64, _I64, _I64, _F64, _I64,
                                    _I64, ctypes.POINTER(_F64), ctypes.POINTER(_I64))),
     "sk_replay": (ctypes.c_int, (ctypes.c_void_p, _F64, ctypes.c_void_p, _I64, _I64, _I64, _F64, _I64, _I64,
-                                 ctypes.c_void_p))})
+                                 ctypes.c_void_p)),
+    "sk_deal": (_F64, (ctypes.c_void_p, _I64, _I64))})
 
 
 def reduce_steps(kv_lens: Sequence[int], heads: int, q_len: int, params: Mapping, sm_count: int) -> int:
