@@ -141,6 +141,33 @@ def test_the_flashinfer_replay_in_c_is_the_numpy_replay_and_built_wherever_a_c_c
     assert fi.flashinfer_mla_features([], 16, 1, 132) == numpy_path(fi.flashinfer_mla_features, [], 16, 1, 132)
 
 
+def test_the_flashinfer_dealing_in_c_is_the_heap_dealing_at_ties_and_few_clusters(numpy_path):
+    """FlashInfer's dealing in C (the least key from three places: the clusters not dealt to,
+    an ascending queue, a heap) deals each chunk where the numpy path's heap does: batches of
+    equal or few distinct lengths (equal loads, ties to the lower index), of one long
+    sequence, random, over 1 to 66 clusters and 132."""
+    if fi._native() is None:
+        pytest.skip("no C compiler here: the numpy dealing is the only one")
+    rng = random.Random(23)
+    for _ in range(1500):
+        batch = rng.randint(1, 256)
+        shape = rng.choice(["equal", "few", "one long", "random"])
+        if shape == "equal":
+            lens = [rng.choice([1, 64, 100, 256, 1000, 4096, 20000])] * batch
+        elif shape == "few":
+            pool = [rng.randint(1, 70000) for _ in range(rng.randint(2, 4))]
+            lens = [rng.choice(pool) for _ in range(batch)]
+        elif shape == "one long":
+            lens = [rng.randint(1, 200) for _ in range(batch)]
+            lens[rng.randrange(batch)] = rng.randint(10000, 300000)
+        else:
+            lens = [int(2 ** rng.uniform(0, 17)) for _ in range(batch)]
+        lens = np.asarray(lens, dtype=np.int64)
+        heads, q_len, sm = rng.choice([16, 64, 128]), rng.randint(1, 4), rng.choice([2, 3, 7, 16, 78, 132, 133])
+        got = fi.flashinfer_mla_features(lens, heads, q_len, sm)
+        assert got == numpy_path(fi.flashinfer_mla_features, lens, heads, q_len, sm), (lens.tolist(), heads, q_len, sm)
+
+
 def test_without_a_compiler_or_with_a_broken_one_the_python_path_runs(monkeypatch, tmp_path):
     source = "int one(void) { return 1; }\n"
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
