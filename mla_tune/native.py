@@ -111,7 +111,12 @@ static void sort_runs(run_t *a, int64_t n, run_t *tmp) {
         for (int64_t lo = 0; lo < n; lo += 2 * width) {
             int64_t mid = lo + width < n ? lo + width : n, hi = lo + 2 * width < n ? lo + 2 * width : n;
             int64_t x = lo, y = mid, o = lo;
-            while (x < mid && y < hi) dst[o++] = src[y].work < src[x].work ? src[y++] : src[x++];
+            while (x < mid && y < hi) {  /* without a branch on the comparison */
+                int64_t t = src[y].work < src[x].work;
+                dst[o++] = src[t ? y : x];
+                y += t;
+                x += 1 - t;
+            }
             while (x < mid) dst[o++] = src[x++];
             while (y < hi) dst[o++] = src[y++];
         }
