@@ -184,14 +184,19 @@ typedef struct {
    ties to the lower index, as FlashInfer's MinHeap) */
 static void fi_deal(fi_loads_t *d, int64_t cost) {
     int64_t x = d->a < d->nq ? d->q[d->a] : INT64_MAX, y = d->b < d->nf ? d->fifo[d->b] : INT64_MAX;
-    if (d->nh > 0 && d->heap[0] < x && d->heap[0] < y) {
-        d->works[d->heap[0] % SLOTS]++;
-        d->heap[0] += cost;
-        sift_down(d->heap, d->nh);
-        return;
-    }
     int64_t key;
-    if (x < y) key = d->q[d->a++];
+    if (d->nh > 0 && d->heap[0] < x && d->heap[0] < y) {
+        key = d->heap[0];
+        if (d->nf == d->b || key + cost >= d->fifo[d->nf - 1]) {  /* it leaves the heap for the queue */
+            d->heap[0] = d->heap[--d->nh];
+            if (d->nh > 0) sift_down(d->heap, d->nh);
+        } else {
+            d->works[key % SLOTS]++;
+            d->heap[0] = key + cost;
+            sift_down(d->heap, d->nh);
+            return;
+        }
+    } else if (x < y) key = d->q[d->a++];
     else if ((key = d->fifo[d->b++]), d->b == d->nf) d->b = d->nf = 0;
     d->works[key % SLOTS]++;
     key += cost;
