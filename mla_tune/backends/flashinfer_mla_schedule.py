@@ -196,8 +196,12 @@ static void fi_deal(fi_loads_t *d, int64_t cost) {
             sift_down(d->heap, d->nh);
             return;
         }
-    } else if (x < y) key = d->q[d->a++];
-    else if ((key = d->fifo[d->b++]), d->b == d->nf) d->b = d->nf = 0;
+    } else if (x < y) {
+        key = d->q[d->a++];
+    } else {
+        key = d->fifo[d->b++];
+        if (d->b == d->nf) d->b = d->nf = 0;  /* the queue emptied: it starts again at its buffer's front */
+    }
     d->works[key % SLOTS]++;
     key += cost;
     if (d->nf > d->b && key < d->fifo[d->nf - 1]) {  /* out of order: into the heap (sift up) */
