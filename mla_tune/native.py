@@ -51,19 +51,24 @@ static void sift_down(T *h, int64_t n) { \
 """
 
 
-# makespan.deal in C, for the makespan replays (backends/*_schedule.py; needs HEAP_C first).
-# `deal_short`: its two cases without a dealing: n_items split items (tokens in all, the
-# longest `longest`), each run by `programs` programs of `item` tokens' fixed cost, over
-# `slots` slots. Returns 1 with *span set where they fit one wave (the longest program) or
-# pass exact_waves waves (the mean load plus half the longest program), 0 where the caller
-# deals them: it lays out each program's work (tokens + item, in launch order) and calls
-# `greedy_span`, makespan.greedy_makespan step for step (the same blocks, the same heap after
-# a block cut short; buf: 4 x slots doubles), so each slot's load is the same sum.
+# makespan.deal in C, for the makespan replays (backends/*_schedule.py). `deal_short`: its
+# two cases without a dealing: n_items split items (tokens in all, the longest `longest`),
+# each run by `programs` programs of `item` tokens' fixed cost, over `slots` slots. Returns 1
+# with *span set where they fit one wave (the longest program) or pass exact_waves waves
+# (the mean load plus half the longest program), 0 where the caller deals them: it lays out
+# the programs (in launch order) as runs of equal work (`add_run`) and calls `greedy_runs`.
+# That deals each program to a least-loaded slot, as makespan.greedy_makespan's blocks and
+# heap do; it differs from them only in which of equally loaded slots a program takes, so
+# the slots' loads are the same sums (each slot's programs added in launch order) and the
+# most-loaded slot's load is the same double.
 DEAL_C = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-SIFT_DOWN(double)
+#include <math.h>
+
+/* `count` programs (or slots) of `work` tokens each */
+typedef struct { double work; int64_t count; } run_t;
 
 static int deal_short(int64_t n_items, int64_t programs, int64_t slots, int64_t exact_waves, int64_t tokens,
                       int64_t longest, double item, double *span) {
@@ -77,66 +82,144 @@ static int deal_short(int64_t n_items, int64_t programs, int64_t slots, int64_t 
     return 0;
 }
 
-/* a[0..n) sorted ascending, tmp: n doubles (insertion runs of 16, then bottom-up merges) */
-static void sort_doubles(double *a, int64_t n, double *tmp) {
+/* runs[0..nr) with `count` more programs of `work` after them (none for count 0, one run
+   with the last where its work is the same); returns the new nr */
+static int64_t add_run(run_t *runs, int64_t nr, double work, int64_t count) {
+    if (count <= 0) return nr;
+    if (nr > 0 && runs[nr - 1].work == work) { runs[nr - 1].count += count; return nr; }
+    runs[nr].work = work;
+    runs[nr].count = count;
+    return nr + 1;
+}
+
+/* a[0..n) sorted by work, ascending; tmp: n runs (insertion runs of 16, then bottom-up merges) */
+static void sort_runs(run_t *a, int64_t n, run_t *tmp) {
     int64_t i = 1;
-    while (i < n && a[i] >= a[i - 1]) i++;
+    while (i < n && a[i].work >= a[i - 1].work) i++;
     if (i >= n) return;
     for (int64_t lo = 0; lo < n; lo += 16) {
         int64_t hi = lo + 16 < n ? lo + 16 : n;
         for (int64_t j = lo + 1; j < hi; j++) {
-            double x = a[j];
+            run_t x = a[j];
             int64_t h = j;
-            while (h > lo && a[h - 1] > x) { a[h] = a[h - 1]; h--; }
+            while (h > lo && a[h - 1].work > x.work) { a[h] = a[h - 1]; h--; }
             a[h] = x;
         }
     }
-    double *src = a, *dst = tmp;
+    run_t *src = a, *dst = tmp;
     for (int64_t width = 16; width < n; width *= 2) {
         for (int64_t lo = 0; lo < n; lo += 2 * width) {
             int64_t mid = lo + width < n ? lo + width : n, hi = lo + 2 * width < n ? lo + 2 * width : n;
             int64_t x = lo, y = mid, o = lo;
-            while (x < mid && y < hi) dst[o++] = src[y] < src[x] ? src[y++] : src[x++];
+            while (x < mid && y < hi) {  /* without a branch on the comparison */
+                int64_t t = src[y].work < src[x].work;
+                dst[o++] = src[t ? y : x];
+                y += t;
+                x += 1 - t;
+            }
             while (x < mid) dst[o++] = src[x++];
             while (y < hi) dst[o++] = src[y++];
         }
-        double *t = src; src = dst; dst = t;
+        run_t *t = src; src = dst; dst = t;
     }
-    if (src != a) memcpy(a, src, (size_t)n * sizeof(double));
+    if (src != a) memcpy(a, src, (size_t)n * sizeof(run_t));
 }
 
-static double greedy_span(const double *work, int64_t n, int64_t slots, double *buf) {
-    double *loads = buf, *next = buf + slots, *ends = buf + 2 * slots, *tmp = buf + 3 * slots;
-    if (n <= slots) {
-        double top = 0.0;
-        for (int64_t i = 0; i < n; i++) if (work[i] > top) top = work[i];
+/* the root of a min-heap (by work) of n runs moved down to its place after its work grew */
+static void runs_sift_down(run_t *h, int64_t n) {
+    run_t x = h[0];
+    int64_t i = 0;
+    for (;;) {
+        int64_t c = 2 * i + 1;
+        if (c >= n) break;
+        if (c + 1 < n && h[c + 1].work < h[c].work) c++;
+        if (h[c].work >= x.work) break;
+        h[i] = h[c];
+        i = c;
+    }
+    h[i] = x;
+}
+
+/* x added to a min-heap (by work) of n runs (room for n + 1) */
+static void runs_push(run_t *h, int64_t n, run_t x) {
+    int64_t i = n;
+    while (i > 0) {
+        int64_t p = (i - 1) / 2;
+        if (h[p].work <= x.work) break;
+        h[i] = h[p];
+        i = p;
+    }
+    h[i] = x;
+}
+
+/* The most-loaded slot's load when the programs of runs[0..nr) (in launch order, each work
+   positive) are dealt one by one to a least-loaded of `slots` slots (buf: 3 x slots runs).
+   The slots' loads are kept as runs of equal load (a run of programs takes a run of equal
+   least loads all at once, each ending at the same load), in three places whose least is
+   the least load: `q` the first wave's loads sorted (taken from its front), `fifo` the loads
+   dealt since that came in ascending order (appended at its back), `heap` those that did
+   not. Every run holds at least one slot, so each place holds at most `slots` runs. */
+static double greedy_runs(const run_t *runs, int64_t nr, int64_t slots, run_t *buf) {
+    run_t *q = buf, *fifo = buf + slots, *heap = buf + 2 * slots;
+    int64_t r = 0, c = nr > 0 ? runs[0].count : 0, left = slots, nq = 0;
+    while (r < nr && left > 0) {  /* the first wave: an empty slot each */
+        int64_t t = c < left ? c : left;
+        q[nq].work = runs[r].work;
+        q[nq++].count = t;
+        left -= t;
+        c -= t;
+        if (c == 0 && ++r < nr) c = runs[r].count;
+    }
+    double top = 0.0;
+    if (r >= nr) {
+        for (int64_t j = 0; j < nq; j++) if (q[j].work > top) top = q[j].work;
         return top;
     }
-    memcpy(loads, work, (size_t)slots * sizeof(double));
-    sort_doubles(loads, slots, tmp);
-    int64_t i = slots;
-    while (i < n) {
-        int64_t m = n - i < slots ? n - i : slots, k = 1;
-        double low = ends[0] = loads[0] + work[i];  /* the least end so far */
-        while (k < m && loads[k] <= low) {  /* the next load is still the least */
-            ends[k] = loads[k] + work[i + k];
-            if (ends[k] < low) low = ends[k];
-            k++;
+    sort_runs(q, nq, heap);  /* the heap's room as scratch: it is empty yet */
+    int64_t a = 0, b = 0, nf = 0, nh = 0;  /* q[a..nq), fifo[b..nf), heap[0..nh) */
+    for (;;) {
+        double w = runs[r].work;
+        while (c > 0) {  /* c programs of work w: the next ones take the least loads */
+            double x = a < nq ? q[a].work : HUGE_VAL, y = b < nf ? fifo[b].work : HUGE_VAL;
+            run_t add;
+            if (nh > 0 && heap[0].work < x && heap[0].work < y) {
+                add.work = heap[0].work + w;
+                if (c >= heap[0].count) {  /* all the heap's least take one each */
+                    c -= heap[0].count;
+                    heap[0].work = add.work;
+                    runs_sift_down(heap, nh);
+                    continue;
+                }
+                heap[0].count -= c;  /* it stays the least */
+                add.count = c;
+                c = 0;
+            } else {
+                run_t *from = x <= y ? &q[a] : &fifo[b];
+                add.work = from->work + w;
+                add.count = c < from->count ? c : from->count;
+                c -= add.count;
+                if ((from->count -= add.count) == 0) { if (x <= y) a++; else b++; }
+                if (b == nf) b = nf = 0;
+                if (nf > b && add.work == fifo[nf - 1].work) { fifo[nf - 1].count += add.count; continue; }
+                if (nf == b || add.work > fifo[nf - 1].work) {
+                    if (nf == slots) {  /* at the buffer's end: the queue moved to its front */
+                        memmove(fifo, fifo + b, (size_t)(nf - b) * sizeof(run_t));
+                        nf -= b;
+                        b = 0;
+                    }
+                    fifo[nf++] = add;
+                    continue;
+                }
+            }
+            runs_push(heap, nh++, add);
         }
-        sort_doubles(ends, k, tmp);
-        int64_t a = k, b = 0, o = 0;
-        while (a < slots && b < k) next[o++] = loads[a] <= ends[b] ? loads[a++] : ends[b++];
-        while (a < slots) next[o++] = loads[a++];
-        while (b < k) next[o++] = ends[b++];
-        double *t = loads; loads = next; next = t;
-        i += k;
-        if (k < 16 && i < n) {  /* a block cut short: the next programs through the heap (sorted is a heap) */
-            int64_t stop = n - i < 64 ? n : i + 64;
-            for (; i < stop; i++) { loads[0] += work[i]; sift_down(loads, slots); }
-            sort_doubles(loads, slots, tmp);
-        }
+        if (++r >= nr) break;
+        c = runs[r].count;
     }
-    return loads[slots - 1];
+    top = a < nq ? q[nq - 1].work : 0.0;
+    if (nf > b && fifo[nf - 1].work > top) top = fifo[nf - 1].work;
+    for (int64_t j = 0; j < nh; j++) if (heap[j].work > top) top = heap[j].work;
+    return top;
 }
 """
 

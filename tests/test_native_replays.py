@@ -82,6 +82,52 @@ def test_the_split_k_replay_in_c_is_the_numpy_replay(numpy_path, monkeypatch):
     assert sk.splitk_schedule(lens, 16, 1, params, 2, 132, 64) == want
 
 
+def _dealings(seed: int, n: int):
+    """n random dealings (work in launch order, slots) of the shapes the runs' dealing meets:
+    runs of equal programs (a sequence's full splits, a split's head tiles), equal loads,
+    works rising (the ascending queue, filled past its buffer), falling (the heap), mixed,
+    fractional, one slot to a few hundred, up to ten waves."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        slots = rng.choice([1, 2, 3, 7, 16, 17, 64, 132, 264, rng.randint(1, 300)])
+        count = rng.randint(1, 10 * slots + 20)
+        shape = rng.choice(["runs", "alphabet", "rising", "falling", "random", "fractional"])
+        if shape == "runs":
+            work = []
+            while len(work) < count:
+                work += [float(rng.choice([16, 32, 64, 96, 128]) * rng.randint(1, 8) + rng.choice([0, 32, 256]))] * \
+                    rng.choice([1, 1, 2, 4, 8, rng.randint(1, 2 * slots)])
+            work = work[:count]
+        elif shape == "alphabet":
+            work = [float(rng.choice([1, 2, 3, 5])) for _ in range(count)]
+        elif shape == "rising":
+            work = sorted(float(rng.randint(1, 50)) for _ in range(count))
+        elif shape == "falling":
+            work = sorted((float(rng.randint(1, 5000)) for _ in range(count)), reverse=True)
+        elif shape == "random":
+            work = [float(rng.randint(1, 100000)) for _ in range(count)]
+        else:
+            work = [rng.randint(1, 300) + rng.choice([0.5, 0.1, 0.25, 1 / 3]) for _ in range(count)]
+        yield np.asarray(work, dtype=np.float64), slots
+
+
+def test_the_runs_dealing_in_c_is_greedy_makespan():
+    """The C dealing (greedy_runs, through sk_deal) gives the same double as the numpy
+    dealing the replays share (makespan.greedy_makespan) and as a plain heap."""
+    lib = sk._native()
+    if lib is None:
+        pytest.skip("no C compiler here: the numpy dealing is the only one")
+    import heapq
+
+    for work, slots in _dealings(17, 3000):
+        got = lib.sk_deal(native.address(work), work.shape[0], slots)
+        want = float(makespan.greedy_makespan(work, slots))
+        heap = [0.0] * slots
+        for w in work.tolist():
+            heapq.heapreplace(heap, heap[0] + w)
+        assert got == want == max(heap), (work.tolist(), slots)
+
+
 def test_the_flashinfer_replay_in_c_is_the_numpy_replay_and_built_wherever_a_c_compiler_is(numpy_path):
     have = native.compiler() is not None
     assert (sk._native() is not None, fi._native() is not None) == (have, have)
@@ -93,6 +139,33 @@ def test_the_flashinfer_replay_in_c_is_the_numpy_replay_and_built_wherever_a_c_c
         works = fi.flashinfer_mla_works_per_cluster(lens, heads, q_len, sm)
         assert works == numpy_path(fi.flashinfer_mla_works_per_cluster, lens, heads, q_len, sm)
     assert fi.flashinfer_mla_features([], 16, 1, 132) == numpy_path(fi.flashinfer_mla_features, [], 16, 1, 132)
+
+
+def test_the_flashinfer_dealing_in_c_is_the_heap_dealing_at_ties_and_few_clusters(numpy_path):
+    """FlashInfer's dealing in C (the least key from three places: the clusters not dealt to,
+    an ascending queue, a heap) deals each chunk where the numpy path's heap does: batches of
+    equal or few distinct lengths (equal loads, ties to the lower index), of one long
+    sequence, random, over 1 to 66 clusters and 132."""
+    if fi._native() is None:
+        pytest.skip("no C compiler here: the numpy dealing is the only one")
+    rng = random.Random(23)
+    for _ in range(1500):
+        batch = rng.randint(1, 256)
+        shape = rng.choice(["equal", "few", "one long", "random"])
+        if shape == "equal":
+            lens = [rng.choice([1, 64, 100, 256, 1000, 4096, 20000])] * batch
+        elif shape == "few":
+            pool = [rng.randint(1, 70000) for _ in range(rng.randint(2, 4))]
+            lens = [rng.choice(pool) for _ in range(batch)]
+        elif shape == "one long":
+            lens = [rng.randint(1, 200) for _ in range(batch)]
+            lens[rng.randrange(batch)] = rng.randint(10000, 300000)
+        else:
+            lens = [int(2 ** rng.uniform(0, 17)) for _ in range(batch)]
+        lens = np.asarray(lens, dtype=np.int64)
+        heads, q_len, sm = rng.choice([16, 64, 128]), rng.randint(1, 4), rng.choice([2, 3, 7, 16, 78, 132, 133])
+        got = fi.flashinfer_mla_features(lens, heads, q_len, sm)
+        assert got == numpy_path(fi.flashinfer_mla_features, lens, heads, q_len, sm), (lens.tolist(), heads, q_len, sm)
 
 
 def test_without_a_compiler_or_with_a_broken_one_the_python_path_runs(monkeypatch, tmp_path):

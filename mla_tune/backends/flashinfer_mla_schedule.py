@@ -138,6 +138,7 @@ def flashinfer_mla_features(kv_lens: Sequence[int], heads: int, q_len: int, sm_c
 # chunk, to the least-loaded cluster (its key packs the index below the load, as above).
 _NATIVE_SOURCE = native.HEAP_C + native.ESTIMATE_H + r"""
 #include <stdlib.h>
+#include <string.h>
 #define SLOTS 4096
 
 SIFT_DOWN(int64_t)
@@ -170,14 +171,63 @@ double fi_works(const int64_t *lens, int64_t n, int64_t heads, int64_t q_len, in
     return (double)(chunks * g[3]) / (double)g[1];
 }
 
+/* The clusters' keys (load * SLOTS + cluster) in three places whose least is the least key:
+   `q` the keys not dealt to yet (ascending, taken from its front), `fifo` the keys dealt to
+   since, where they came in ascending order (appended at its back), `heap` those that did
+   not; `works` each cluster's chunks. Each place holds at most `clusters` keys. */
+typedef struct {
+    int64_t *q, *fifo, *heap, *works;
+    int64_t a, nq, b, nf, nh, clusters;
+} fi_loads_t;
+
+/* one chunk of `cost` (in the keys' units) dealt to the least-loaded cluster (the least key:
+   ties to the lower index, as FlashInfer's MinHeap) */
+static void fi_deal(fi_loads_t *d, int64_t cost) {
+    int64_t x = d->a < d->nq ? d->q[d->a] : INT64_MAX, y = d->b < d->nf ? d->fifo[d->b] : INT64_MAX;
+    int64_t key;
+    if (d->nh > 0 && d->heap[0] < x && d->heap[0] < y) {
+        key = d->heap[0];
+        if (d->nf == d->b || key + cost >= d->fifo[d->nf - 1]) {  /* it leaves the heap for the queue */
+            d->heap[0] = d->heap[--d->nh];
+            if (d->nh > 0) sift_down(d->heap, d->nh);
+        } else {
+            d->works[key % SLOTS]++;
+            d->heap[0] = key + cost;
+            sift_down(d->heap, d->nh);
+            return;
+        }
+    } else if (x < y) {
+        key = d->q[d->a++];
+    } else {
+        key = d->fifo[d->b++];
+        if (d->b == d->nf) d->b = d->nf = 0;  /* the queue emptied: it starts again at its buffer's front */
+    }
+    d->works[key % SLOTS]++;
+    key += cost;
+    if (d->nf > d->b && key < d->fifo[d->nf - 1]) {  /* out of order: into the heap (sift up) */
+        int64_t i = d->nh++;
+        while (i > 0 && d->heap[(i - 1) / 2] > key) { d->heap[i] = d->heap[(i - 1) / 2]; i = (i - 1) / 2; }
+        d->heap[i] = key;
+        return;
+    }
+    if (d->nf == d->clusters) {  /* at the buffer's end: the queue moved to its front */
+        memmove(d->fifo, d->fifo + d->b, (size_t)(d->nf - d->b) * sizeof(int64_t));
+        d->nf -= d->b;
+        d->b = 0;
+    }
+    d->fifo[d->nf++] = key;
+}
+
+/* flashinfer_mla_features' integer features (out: makespan, max works, merge CTAs, max
+   merge): 0, or -1 where its buffers cannot be had */
 int fi_features(const int64_t *lens, int64_t n, int64_t heads, int64_t q_len, int64_t sm_count, int64_t *out) {
     int64_t g[6];
     geometry(lens, n, heads, q_len, sm_count, g);
     int64_t cluster = g[0], clusters = g[1], tile = g[2], q_tiles = g[3], limit = g[4], packed = g[5];
-    int64_t *heap = malloc((size_t)clusters * sizeof(int64_t));
-    int64_t *works = calloc((size_t)clusters, sizeof(int64_t));
-    if (heap == NULL || works == NULL) { free(heap); free(works); return -1; }
-    for (int64_t i = 0; i < clusters; i++) heap[i] = i;  /* empty clusters, by index: a heap */
+    int64_t *buf = calloc((size_t)(4 * clusters), sizeof(int64_t));
+    if (buf == NULL) return -1;
+    fi_loads_t d = {buf, buf + clusters, buf + 2 * clusters, buf + 3 * clusters, 0, clusters, 0, 0, 0, clusters};
+    for (int64_t i = 0; i < clusters; i++) d.q[i] = i;  /* empty clusters, by index */
     int64_t merge_ctas = 0, max_merge = 0;
     int64_t full_cost = (2 * tile + limit) * SLOTS;
     for (int64_t s = 0; s < n; s++) {
@@ -195,29 +245,19 @@ int fi_features(const int64_t *lens, int64_t n, int64_t heads, int64_t q_len, in
         }
         int64_t last = (rest > 0 || full == 0) ? (2 * tile + rest) * SLOTS : 0;
         for (int64_t t = 0; t < q_tiles; t++) {
-            for (int64_t j = 0; j < full; j++) {
-                works[heap[0] % SLOTS]++;
-                heap[0] += full_cost;
-                sift_down(heap, clusters);
-            }
-            if (last) {
-                works[heap[0] % SLOTS]++;
-                heap[0] += last;
-                sift_down(heap, clusters);
-            }
+            for (int64_t j = 0; j < full; j++) fi_deal(&d, full_cost);
+            if (last) fi_deal(&d, last);
         }
     }
-    int64_t top = 0, most = 0;
-    for (int64_t i = 0; i < clusters; i++) {
-        if (heap[i] > top) top = heap[i];
-        if (works[i] > most) most = works[i];
-    }
+    int64_t top = d.a < d.nq ? d.q[d.nq - 1] : 0, most = 0;
+    if (d.nf > d.b && d.fifo[d.nf - 1] > top) top = d.fifo[d.nf - 1];
+    for (int64_t i = 0; i < d.nh; i++) if (d.heap[i] > top) top = d.heap[i];
+    for (int64_t i = 0; i < clusters; i++) if (d.works[i] > most) most = d.works[i];
     out[0] = top / SLOTS;
     out[1] = most;
     out[2] = merge_ctas;
     out[3] = max_merge;
-    free(heap);
-    free(works);
+    free(buf);
     return 0;
 }
 

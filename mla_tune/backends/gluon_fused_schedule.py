@@ -97,7 +97,7 @@ def occupancy_cap(variant, q_len: int, smem_per_sm: int = 0) -> int:
 
 # gluon_schedule and GluonModel.estimate in C, the same arithmetic (IEEE doubles, no
 # contraction: mla_tune/native.py), with makespan.deal's dealing (native.DEAL_C).
-_NATIVE_SOURCE = native.HEAP_C + native.DEAL_C + native.ESTIMATE_H + r"""
+_NATIVE_SOURCE = native.DEAL_C + native.ESTIMATE_H + r"""
 #include <stdlib.h>
 #include <math.h>
 
@@ -116,38 +116,40 @@ static void split_of(int64_t len, int64_t total, int64_t max_splits, int64_t tps
     *per = p * 64;
 }
 
+/* gluon_schedule's makespan over n lengths (in *span): 0, or -1 where its buffer cannot be
+   had. Each live sequence's splits are taken once (buf); where its programs need dealing
+   they go to greedy_runs as runs: its full splits', then its last's. */
 int gl_schedule(const int64_t *lens, int64_t n, int64_t max_splits, int64_t tps, int64_t budget, int64_t programs,
                 int64_t slots, double item, int64_t exact_waves, double *span) {
     int64_t total = 0, n_items = 0, tokens = 0, longest = 0, live = 0;
     for (int64_t s = 0; s < n; s++) total += lens[s];
+    /* each sequence's splits and tokens per split (2 x n), then the runs (2 a sequence) and
+       greedy_runs' buffer (3 x slots) */
+    void *buf = malloc((size_t)(2 * n) * sizeof(int64_t) + (size_t)(2 * n + 3 * slots) * sizeof(run_t));
+    if (buf == NULL) return -1;
+    int64_t *splits = buf, *per = splits + n;
     for (int64_t s = 0; s < n; s++) {
-        int64_t len = lens[s], splits, per;
-        if (len <= 0) continue;
-        split_of(len, total, max_splits, tps, budget, &splits, &per);
-        int64_t first = splits > 1 ? per : len, last = len - (splits - 1) * per;
+        int64_t len = lens[s];
+        if (len <= 0) { splits[s] = 0; continue; }
+        split_of(len, total, max_splits, tps, budget, &splits[s], &per[s]);
+        int64_t first = splits[s] > 1 ? per[s] : len, last = len - (splits[s] - 1) * per[s];
         if (first > longest) longest = first;
         if (last > longest) longest = last;
-        n_items += splits;
+        n_items += splits[s];
         tokens += len;
         live++;
     }
-    if (live == 0) { *span = 0.0; return 0; }
-    if (deal_short(n_items, programs, slots, exact_waves, tokens, longest, item, span)) return 0;
-    int64_t count = n_items * programs;  /* at most exact_waves x slots: deal_short took the rest */
-    double *work = malloc((size_t)(count + 4 * slots) * sizeof(double));
-    if (work == NULL) return -1;
-    int64_t w_at = 0;
+    if (live == 0) { *span = 0.0; free(buf); return 0; }
+    if (deal_short(n_items, programs, slots, exact_waves, tokens, longest, item, span)) { free(buf); return 0; }
+    run_t *runs = (run_t *)(per + n);
+    int64_t nr = 0;
     for (int64_t s = 0; s < n; s++) {
-        int64_t len = lens[s], splits, per;
-        if (len <= 0) continue;
-        split_of(len, total, max_splits, tps, budget, &splits, &per);
-        for (int64_t j = 0; j < splits; j++) {
-            double w = (double)(j + 1 < splits ? per : len - (splits - 1) * per) + item;
-            for (int64_t t = 0; t < programs; t++) work[w_at++] = w;
-        }
+        if (splits[s] == 0) continue;
+        nr = add_run(runs, nr, (double)per[s] + item, (splits[s] - 1) * programs);
+        nr = add_run(runs, nr, (double)(lens[s] - (splits[s] - 1) * per[s]) + item, programs);
     }
-    *span = greedy_span(work, count, slots, work + count);
-    free(work);
+    *span = greedy_runs(runs, nr, slots, runs + 2 * n);
+    free(buf);
     return 0;
 }
 

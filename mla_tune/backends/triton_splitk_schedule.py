@@ -140,7 +140,7 @@ def _schedule_array(lens: np.ndarray, heads: int, q_len: int, params: Mapping, o
 
 # _schedule_array in C, the same arithmetic step by step (IEEE doubles, no contraction:
 # mla_tune/native.py), with makespan.deal's dealing (native.DEAL_C).
-_NATIVE_SOURCE = native.HEAP_C + native.DEAL_C + native.ESTIMATE_H + r"""
+_NATIVE_SOURCE = native.DEAL_C + native.ESTIMATE_H + r"""
 #include <stdlib.h>
 #include <math.h>
 
@@ -159,44 +159,58 @@ static int64_t split_of(int64_t len, int64_t total, int64_t max_splits, int64_t 
     return (blocks < 1 ? 1 : blocks) * block_n;
 }
 
+/* splitk_schedule's (makespan, reduce steps) over n lengths (in *span, *steps): 0, or -1
+   where its buffer cannot be had. Each live sequence's split is taken once (buf); where its
+   programs need dealing they go to greedy_runs as runs: its full splits', then its rest's. */
 int sk_schedule(const int64_t *lens, int64_t n, int64_t max_splits, int64_t block_n, int64_t budget,
                 double share_round, int64_t tokens_per_split, int64_t tiles, int64_t slots, double item_tokens,
                 int64_t per_step, int64_t exact_waves, double *span, int64_t *steps) {
     int64_t most = 0, n_items = 0, longest = 0, tokens = 0, live = 0, total = 0;
     for (int64_t s = 0; s < n; s++) total += lens[s];
     if (total < 1) total = 1;
+    /* the splits (n), then the runs (2 a sequence) and greedy_runs' buffer (3 x slots) */
+    void *buf = malloc((size_t)n * sizeof(int64_t) + (size_t)(2 * n + 3 * slots) * sizeof(run_t));
+    if (buf == NULL) return -1;
+    int64_t *split = buf;
     for (int64_t s = 0; s < n; s++) {
         int64_t len = lens[s];
-        if (len <= 0) continue;
-        int64_t split = split_of(len, total, max_splits, block_n, budget, share_round, tokens_per_split);
-        int64_t full = len / split, rest = len % split, counts = full + (rest > 0);
-        int64_t item = full > 0 ? split : rest;
+        if (len <= 0) { split[s] = 0; continue; }
+        int64_t sp = split[s] = split_of(len, total, max_splits, block_n, budget, share_round, tokens_per_split);
+        int64_t full = len / sp, rest = len % sp, counts = full + (rest > 0);
+        int64_t item = full > 0 ? sp : rest;
         if (counts > most) most = counts;
         if (item > longest) longest = item;
         n_items += counts;
         tokens += len;
         live++;
     }
-    if (live == 0) { *span = 0.0; *steps = 0; return 0; }
+    if (live == 0) { *span = 0.0; *steps = 0; free(buf); return 0; }
     *steps = most > 1 ? (most + per_step - 1) / per_step : 0;
-    if (deal_short(n_items, tiles, slots, exact_waves, tokens, longest, item_tokens, span)) return 0;
-    int64_t count = n_items * tiles;  /* at most exact_waves x slots: deal_short took the rest */
-    double *work = malloc((size_t)(count + 4 * slots) * sizeof(double));
-    if (work == NULL) return -1;
-    int64_t w_at = 0;
+    if (deal_short(n_items, tiles, slots, exact_waves, tokens, longest, item_tokens, span)) { free(buf); return 0; }
+    run_t *runs = (run_t *)(split + n);
+    int64_t nr = 0;
     for (int64_t s = 0; s < n; s++) {
-        int64_t len = lens[s];
-        if (len <= 0) continue;
-        int64_t split = split_of(len, total, max_splits, block_n, budget, share_round, tokens_per_split);
-        int64_t full = len / split, rest = len % split;
-        for (int64_t j = 0; j < full + (rest > 0); j++) {
-            double w = (double)(j < full ? split : rest) + item_tokens;
-            for (int64_t t = 0; t < tiles; t++) work[w_at++] = w;
-        }
+        if (split[s] == 0) continue;
+        int64_t len = lens[s], full = len / split[s], rest = len % split[s];
+        nr = add_run(runs, nr, (double)split[s] + item_tokens, full * tiles);
+        if (rest > 0) nr = add_run(runs, nr, (double)rest + item_tokens, tiles);
     }
-    *span = greedy_span(work, count, slots, work + count);
-    free(work);
+    *span = greedy_runs(runs, nr, slots, runs + 2 * n);
+    free(buf);
     return 0;
+}
+
+/* greedy_runs over n programs' work (in launch order, equal neighbours made runs) and
+   `slots` slots, the largest work where n <= slots: makespan.greedy_makespan for the tests'
+   direct check of the dealing; NAN where its buffer cannot be had */
+double sk_deal(const double *work, int64_t n, int64_t slots) {
+    run_t *runs = malloc((size_t)(n + 3 * slots + 1) * sizeof(run_t));
+    if (runs == NULL) return NAN;
+    int64_t nr = 0;
+    for (int64_t i = 0; i < n; i++) nr = add_run(runs, nr, work[i], 1);
+    double span = greedy_runs(runs, nr, slots, runs + nr);
+    free(runs);
+    return span;
 }
 
 /* SplitKModel's replay for one call in one C call: out[0] the makespan and out[1] the
@@ -320,7 +334,8 @@ _native = native.Library("splitk_schedule", _NATIVE_SOURCE, {
     "sk_schedule": (ctypes.c_int, (ctypes.c_void_p, _I64, _I64, _I64, _I64, _F64, _I64, _I64, _I64, _F64, _I64,
                                    _I64, ctypes.POINTER(_F64), ctypes.POINTER(_I64))),
     "sk_replay": (ctypes.c_int, (ctypes.c_void_p, _F64, ctypes.c_void_p, _I64, _I64, _I64, _F64, _I64, _I64,
-                                 ctypes.c_void_p))})
+                                 ctypes.c_void_p)),
+    "sk_deal": (_F64, (ctypes.c_void_p, _I64, _I64))})
 
 
 def reduce_steps(kv_lens: Sequence[int], heads: int, q_len: int, params: Mapping, sm_count: int) -> int:
