@@ -130,3 +130,23 @@ def test_plans_of_one_table_stepped_on_two_threads_pick_as_each_alone():
             assert got[0] == alone and got[1] == alone
     finally:
         sys.setswitchinterval(interval)
+
+
+def test_a_steps_pick_is_the_plans_own_variant_object():
+    """update() returns the very object the plan keys its runner by (plan.variants), so a
+    step's dict lookups match by identity rather than by comparing the variants' fields."""
+    table = load_serving_table("tables/H200.serving.yaml")
+    spec = CallSpec("bf16", 64, 16, 1, host_lengths=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = DecodePlan(spec, max_batch=256, table=table, warm=False)
+    own = {id(v) for v in plan.variants}
+    rng = random.Random(5)
+    for _ in range(60):
+        lens = [int(2 ** rng.uniform(6, 16)) for _ in range(rng.randint(1, 256))]
+        batch = len(lens)
+        picked = plan.update(torch.arange(batch + 1, dtype=torch.int32),
+                             block_table=torch.zeros((batch, -(-max(lens) // 64)), dtype=torch.int32),
+                             seq_lens=torch.tensor(lens, dtype=torch.int32), q_lens_host=[1] * batch,
+                             kv_lens_host=lens)
+        assert id(picked) in own and picked == plan.pick(batch, sum(lens) / batch, lens)

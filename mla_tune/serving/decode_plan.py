@@ -129,15 +129,22 @@ class DecodePlan:
                 runner_up = Variant.parse(runner_up) if isinstance(runner_up, str) else runner_up
                 if runner_up is not None and runner_up in self._decoders:
                     self._runner_ups[at] = runner_up
-        # the runnable variants as the family's compiled estimate reads them: a step whose
-        # pick cannot run here takes the fastest of them from the same C call
-        self._allowed = (self.table.estimator.allowed(family, self._decoders.__contains__)
-                         if self._unrunnable and family.points and not spec.graph else None)
         # a step with its lengths on the host picks in one C call where the family's estimate
         # is compiled (the mean and its steps included: _Compiled.pick_lengths); the plan's
         # own, so that plans of one table stepped on different threads share no buffer
         self._compiled = (self.table.estimator.compiled(family, own=True)
                           if family is not None and family.points and not spec.graph else None)
+        if self._compiled is not None:
+            # keyed by the compiled lookup's own objects, the variants its picks return: a
+            # step's dict lookups then match by identity, not by comparing the variants' fields
+            same = {v: v for v in self._compiled.variants}
+            self._decoders = {same.get(v, v): d for v, d in self._decoders.items()}
+            self._unrunnable = {same.get(v, v): r for v, r in self._unrunnable.items()}
+            self._runner_ups = {at: same.get(v, v) for at, v in self._runner_ups.items()}
+        # the runnable variants as the family's compiled estimate reads them: a step whose
+        # pick cannot run here takes the fastest of them from the same C call
+        self._allowed = (self.table.estimator.allowed(family, self._decoders.__contains__)
+                         if self._unrunnable and family.points and not spec.graph else None)
         self._mask = self._allowed.address if self._allowed is not None else None
         self._miss_keys = {v: f"{v.backend} cannot run here" for v in self._unrunnable}
         self._inputs = self._default.inputs
