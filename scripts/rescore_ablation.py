@@ -8,11 +8,12 @@ models, mla_tune/backends/*_schedule.py) out,
 or sets it to an extreme, and rescores the table's eager picks (serving/rescore.py) on the
 recorded runs split in two halves by seed: even seeds (the half a rule may be chosen on) and
 odd seeds (the half it is judged on). A line per ablation: per half, the runs whose eager
-p95 regret is within 5% and max within 15%, and the pooled p95 and max. No GPU.
+p95 regret is within 5% and max within 15%, and the pooled geomean, p95 and max. No GPU.
 
 Ablations (default: all): today, no_reduce_step_us, no_flashinfer_model, no_splitk_models,
-MODEL_WINDOW=inf, MODEL_WORKS=inf, SPLITK_FLOOR=0, MIN_MEASURED_WEIGHT=0,
-MIN_MEASURED_WEIGHT=1, EXACT_WAVES=1000.
+MODEL_WINDOW=inf, MODEL_WORKS=inf, SplitKModel.floor=0, GluonModel.floor=0.9,
+MIN_MEASURED_WEIGHT=0, MIN_MEASURED_WEIGHT=1, EXACT_WAVES=1000. A line per ablation gives, per
+half, the runs within both limits, then the eager picks' pooled geomean, p95 and max regret.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import math
 import re
 from pathlib import Path
 
-from mla_tune.backends import flashinfer_mla_schedule, makespan, triton_splitk_schedule
+from mla_tune.backends import flashinfer_mla_schedule, gluon_fused_schedule, triton_splitk_schedule
 from mla_tune.serving import estimate, table
 from mla_tune.serving.rescore import rescore
 
@@ -35,7 +36,8 @@ FAMILY_EDITS = {
 CONSTANTS = {  # ablation -> (module, name, value)
     "MODEL_WINDOW=inf": (estimate, "MODEL_WINDOW", math.inf),
     "MODEL_WORKS=inf": (flashinfer_mla_schedule, "MODEL_WORKS", math.inf),
-    "SPLITK_FLOOR=0": (makespan, "SPLITK_FLOOR", 0.0),
+    "SplitKModel.floor=0": (triton_splitk_schedule.SplitKModel, "floor", 0.0),
+    "GluonModel.floor=0.9": (gluon_fused_schedule.GluonModel, "floor", 0.9),
     "MIN_MEASURED_WEIGHT=0": (estimate, "MIN_MEASURED_WEIGHT", 0.0),
     "MIN_MEASURED_WEIGHT=1": (estimate, "MIN_MEASURED_WEIGHT", 1.0),
     "EXACT_WAVES=1000": (triton_splitk_schedule, "EXACT_WAVES", 1000),
@@ -65,7 +67,8 @@ def score(table_path: Path, reports: list[Path], ablation: str) -> str:
             setattr(module, name, kept)
     runs = sum(r["eager"]["p95"] <= RUN_P95 and r["eager"]["max"] <= RUN_MAX for r in out["reports"])
     pooled = out["summary"]["eager"]["all"]
-    return f"{runs}/{len(out['reports'])} p95 {pooled['p95']:.2%} max {pooled['max']:.1%}"
+    return (f"{runs}/{len(out['reports'])} gm {pooled['geomean']:.2%} p95 {pooled['p95']:.2%} "
+            f"max {pooled['max']:.1%}")
 
 
 def main() -> None:
@@ -78,10 +81,10 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown ablation(s) {', '.join(unknown)}; choose from {', '.join(ABLATIONS)}")
     split = halves(args.reports)
-    print(f"{'ablation':<24} {'even seeds (' + str(len(split['even'])) + ' runs)':<32} "
+    print(f"{'ablation':<24} {'even seeds (' + str(len(split['even'])) + ' runs)':<36} "
           f"odd seeds ({len(split['odd'])} runs)")
     for ablation in args.ablations or ABLATIONS:
-        print(f"{ablation:<24} {score(args.table, split['even'], ablation):<32} "
+        print(f"{ablation:<24} {score(args.table, split['even'], ablation):<36} "
               f"{score(args.table, split['odd'], ablation)}", flush=True)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 import subprocess
@@ -80,7 +81,7 @@ def test_every_commands_help_text_fills_its_lines_in_80_columns():
         lines = invoke(*path, "--help").output.splitlines()
         start = next(i for i, line in enumerate(lines) if "Usage:" in line) + 1
         text = [line.rstrip() for line in lines[start:next(i for i, line in enumerate(lines) if "╭" in line)]]
-        for line, after in zip(text, text[1:]):
+        for line, after in itertools.pairwise(text):
             if line and after:  # two lines of one paragraph: the second's first word did not fit
                 assert len(line) + 1 + len(after.split()[0]) > 78, f"mla-tune {' '.join(path)}: {line!r}"
 

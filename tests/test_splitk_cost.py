@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 
 from mla_tune.backends import schedule_module, triton_splitk_schedule
-from mla_tune.backends.makespan import EXACT_WAVES, SPLITK_FLOOR
+from mla_tune.backends.gluon_fused_schedule import GluonModel
+from mla_tune.backends.makespan import EXACT_WAVES
 from mla_tune.backends.triton_splitk_schedule import (
+    SPLITK_FLOOR,
     SplitKModel,
     occupancy_cap,
     reduce_steps,
@@ -247,20 +249,26 @@ def test_a_uniform_batchs_steps_need_no_pass_over_its_lengths(variant):
                     reduce_steps([kv_len] * batch, heads, q_len, params, 132), (batch, kv_len, heads, q_len)
 
 
-def test_a_split_k_estimate_stays_near_its_interpolated_time():
-    """The model may say slower than the uniform neighbours, not much faster (SPLITK_FLOOR):
-    at 600 tokens a split per 512 makes 2 splits of 320 where the grid's 512 made one of
-    512, and a model whose time is its longest item would call it 38% faster."""
+def test_a_split_k_estimate_stays_near_its_interpolated_time_and_a_gluon_one_does_not():
+    """A split-K model may say slower than the uniform neighbours, not much faster
+    (SPLITK_FLOOR): at 600 tokens a split per 512 makes 2 splits of 320 where the grid's 512
+    made one of 512, and a model whose time is its longest item would call it 38% faster.
+    gluon_fused's model has no floor (GluonModel.floor 0: the rescore ablation, perf.md's
+    decision log): its estimate is the model's own."""
+    gluon = Variant.parse("gluon_fused(block_h=16,kv=bf16,max_splits=64,num_stages=2,q=bf16,"
+                          "tokens_per_split=512,v_halves=1)")
     fam = Family(KEY)
-    fam.points = {(b, k): {SPLIT: 0.1 * k, FM: 0.12 * k}  # in proportion
+    fam.points = {(b, k): {SPLIT: 0.1 * k, FM: 0.12 * k, gluon: 0.11 * k}  # in proportion
                   for b in (64, 128) for k in (512, 1024)}
-    fam.models = {SPLIT: SplitKModel(SPLIT, 1, 0.0, 132, 0.0)}
+    fam.models = {SPLIT: SplitKModel(SPLIT, 1, 0.0, 132, 0.0), gluon: GluonModel(gluon, 1, 0.0, 132, 0.0)}
     table = ServingTable("H200", {}, [64, 128], [512, 1024], {KEY: fam})
-    interp = table.estimator.interpolated("times", fam, 64, 600.0)[SPLIT]
-    assert interp == pytest.approx(60.0, rel=0.01)  # the memo takes lengths to ~1%
-    assert _splitk(table, SPEC, [600] * 64)[SPLIT] < 0.7 * interp
-    floored = table.estimates(SPEC, 64, 600.0, kv_lens=[600] * 64)[SPLIT]
-    assert floored == pytest.approx(SPLITK_FLOOR * interp)
+    interp = table.estimator.interpolated("times", fam, 64, 600.0)
+    assert interp[SPLIT] == pytest.approx(60.0, rel=0.01)  # the memo takes lengths to ~1%
+    own = table.model_estimates(SPEC, [600] * 64)
+    assert own[SPLIT] < 0.7 * interp[SPLIT] and own[gluon] < 0.7 * interp[gluon]
+    estimates = table.estimates(SPEC, 64, 600.0, kv_lens=[600] * 64)
+    assert estimates[SPLIT] == pytest.approx(SPLITK_FLOOR * interp[SPLIT])
+    assert estimates[gluon] == pytest.approx(own[gluon])
     # at a grid point the model is exact, over the floor
     assert table.estimates(SPEC, 64, 1024.0, kv_lens=[1024] * 64)[SPLIT] == pytest.approx(102.4)
 

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from mla_tune import native
-from mla_tune.backends import makespan
 from mla_tune.backends.makespan import (
     DEFAULT_SMEM_PER_SM,
     EXACT_WAVES,
@@ -221,7 +220,7 @@ class GluonModel(MakespanModel):
         p = self.params
         params = np.asarray([self.occupancy, self.overhead_us, self.sm_count, float(self.item_tokens),
                              int(p["max_splits"]), int(p["tokens_per_split"]), int(p.get("split_budget", 0)),
-                             _programs(key.heads, p), makespan.SPLITK_FLOOR, EXACT_WAVES], dtype=np.float64)
+                             _programs(key.heads, p), self.floor, EXACT_WAVES], dtype=np.float64)
         return ctypes.cast(lib.gl_model_estimate, ctypes.c_void_p).value, params
 
 

@@ -17,6 +17,7 @@ import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -27,14 +28,6 @@ ITEM_TOKENS = (0, 32, 64, 128, 256)  # a program's fixed cost in tokens that a f
 # longest item (greedy dealing ends within one item of the mean): the exact dealing costs
 # a heap operation per program, and a long batch on a per-sequence cap makes thousands.
 EXACT_WAVES = 3
-# A model's estimate stays at least this fraction of the variant's interpolated time: the
-# model may say a call is slower than its uniform neighbours (a wave that overflows, a
-# ragged batch's long sequence), but not much faster, since a replay that shortens the
-# longest item (a split rule that cuts a sequence finer than the grid's points did) does
-# not shorten the call in proportion. Rescoring docs/data/verify without it
-# (scripts/rescore_ablation.py), the odd seeds' pooled p95 goes from 0.86% to 0.93% (no
-# run's verdict changes).
-SPLITK_FLOOR = 0.9
 FIT_MIN_POINTS = 6  # a variant's model is fitted where it has this many points
 # An SM's shared memory where the sweep's results header does not record it (smem_per_sm):
 # Hopper's, 228 KiB (H100, H200).
@@ -102,6 +95,10 @@ class MakespanModel:
     reduction steps)` and `replay(call) -> (makespan, reduction steps, a uniform batch's
     steps)`, and may add a cost per reduction step (`step_cost`)."""
 
+    # An estimate stays at least this fraction of the variant's interpolated time (0: no
+    # floor). A subclass sets one where a rescore ablation shows its backend needs it
+    # (scripts/rescore_ablation.py): triton_splitk_schedule.SPLITK_FLOOR.
+    floor: ClassVar[float] = 0.0
     variant: object  # mla_tune.core.Variant
     occupancy: int
     overhead_us: float
@@ -139,7 +136,7 @@ class MakespanModel:
     def estimate(self, call, raw: bool = False) -> float | None:
         """The variant's time for `call` (serving/estimate.py's Call): overhead plus the
         interpolated rate times the call's own makespan, plus `step_cost`, at least
-        SPLITK_FLOOR x its interpolated time. It runs only where the interpolated time is
+        `floor` x its interpolated time. It runs only where the interpolated time is
         within call.window of the best (host time: a replay per call); None elsewhere, or
         where no rate can be interpolated. raw: no window and no floor (the model's own
         estimate, for calibration)."""
@@ -158,7 +155,7 @@ class MakespanModel:
         span, steps, uniform = self.replay(call)
         t = self.overhead_us + rate * span
         t += self.step_cost(call, steps, uniform)
-        return t if raw else max(t, SPLITK_FLOOR * mine)
+        return t if raw else max(t, self.floor * mine)
 
     def as_dict(self) -> dict:
         return {"variant": str(self.variant), "occupancy": self.occupancy, "overhead_us": round(self.overhead_us, 3),
