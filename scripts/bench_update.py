@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python scripts/bench_update.py [--table tables/H200.serving.yaml]
         [--mixes 1000] [--seed 0] [--picks picks.json] [--json out.json] [--tensors-first]
-        [--no-lookup] [--device cpu|cuda] [--warm]
+        [--no-lookup] [--device cpu|cuda] [--warm] [--by-family]
 
 One eager plan (serving/decode_plan.py; host lengths, 64-token pages, max_batch 256) per
 family of the table (16 or 128 heads, q_len 1-4, fp8 or bf16 KV), made before the clock
@@ -27,6 +27,8 @@ tensors before the first timed call instead (the same mixes): what making a step
 just before its call (as an engine does, and the default) costs the call in cache misses.
 `--no-lookup` makes the plans without the table (each runs its default variant): what an
 update costs besides the table's lookup (its layout checks and the runner's step).
+`--by-family` adds a line per family (its own steps: about 1000 / 12 each); `--json` always
+holds them.
 """
 
 from __future__ import annotations
@@ -79,6 +81,11 @@ def _replays() -> str:
     return "numpy" if os.environ.get(native.DISABLE_ENV) or native.compiler() is None else "C"
 
 
+def _tag(key) -> str:
+    """A family's short name: kv format / heads / q_len, e.g. bf16/h16/q1."""
+    return f"{key.kv_format}/h{key.heads}/q{key.q_len}"
+
+
 def _stats(values: list[float]) -> dict:
     ordered = sorted(values)
     n = len(ordered)
@@ -102,6 +109,8 @@ def main() -> None:
     ap.add_argument("--warm", action="store_true",
                     help="make the plans with warm=True (each runner compiled and run once, as an engine "
                          "makes them; needs the GPU) rather than warm=False")
+    ap.add_argument("--by-family", action="store_true",
+                    help="also print the update's statistics per family (its steps only)")
     ap.add_argument("--no-lookup", action="store_true",
                     help="plans without the table: the update's cost besides the lookup")
     args = ap.parse_args()
@@ -117,7 +126,7 @@ def main() -> None:
             plans[key] = DecodePlan(spec, MAX_BATCH, table=None if args.no_lookup else table, device=args.device,
                                     warm=args.warm)
     made = time.perf_counter() - made
-    times, first, picks, seen = [], [], [], set()
+    times, first, picks, seen, by_family = [], [], [], set(), {}
     mixes = list(_mixes(keys, args.mixes, args.seed))
     made_first = [_tensors(key, kv_lens, args.device) for key, kv_lens in mixes] if args.tensors_first else None
     for i, (key, kv_lens) in enumerate(mixes):
@@ -130,6 +139,7 @@ def main() -> None:
         if args.device != "cpu":
             torch.cuda.synchronize()  # the step's device work ends before the next step's tensors
         times.append(us)
+        by_family.setdefault(key, []).append(us)
         if key not in seen:
             seen.add(key)
             first.append(us)
@@ -139,13 +149,18 @@ def main() -> None:
     out = {"table": args.table, "mixes": args.mixes, "seed": args.seed, "tensors_first": args.tensors_first,
            "no_lookup": args.no_lookup, "replays": _replays(), "device": args.device, "warm": args.warm,
            "plans": len(plans),
-           "plans_made_s": round(made, 2), "update": _stats(times), "first_update": _stats(first)}
+           "plans_made_s": round(made, 2), "update": _stats(times), "first_update": _stats(first),
+           "by_family": {_tag(key): _stats(us) for key, us in sorted(by_family.items())}}
     print(f"{len(plans)} plans made in {made:.2f} s ({out['replays']} replays); DecodePlan.update over {args.mixes} fresh mixes "
           "(us, from each plan's first call):")
     for name in ("update", "first_update"):
         s = out[name]
         print(f"  {name:<13} n {s['n']:>5}  median {s['median_us']:>8}  p90 {s['p90_us']:>8}  "
               f"p99 {s['p99_us']:>8}  max {s['max_us']:>8}")
+    if args.by_family:
+        for tag, s in out["by_family"].items():
+            print(f"  {tag:<13} n {s['n']:>5}  median {s['median_us']:>8}  p90 {s['p90_us']:>8}  "
+                  f"p99 {s['p99_us']:>8}  max {s['max_us']:>8}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
     if args.picks:
