@@ -9,8 +9,9 @@ Register it before the engine starts, then select the CUSTOM backend:
 (`register()` here does the first line.) Written against vLLM 0.33.0's v1 MLA API, whose
 common classes live in `vllm.model_executor.layers.attention.mla_attention` (read from
 vllm-project/vllm: mla_attention.py at 90b0a26e, v1/attention/backends/registry.py at
-0033bf03, v1/attention/backends/mla/flashmla.py at 01b1d340). The trio, as vLLM's FlashMLA
-backend is built:
+0033bf03, v1/attention/backends/mla/flashmla.py at 01b1d340; `seq_lens_cpu_upper_bound` from
+v1/attention/backend.py at 0014ca6b, read with getattr since older releases lack it). The
+trio, as vLLM's FlashMLA backend is built:
 
 - `MlaTuneMLABackend` (MLACommonBackend): names the builder and impl; bf16 or fp8 caches
   of (num_blocks, block_size, 576), the fp8 one kept as uint8 with a per-layer `_k_scale`.
@@ -26,10 +27,15 @@ backend is built:
   runs the step's plan on the cache and returns (out, lse or None). The LSE is natural-log
   (`lse_base_on_e`), (tokens, heads) float32.
 
-vLLM hands `_build_decode` the lengths on the device only, so the spec has no host lengths
-(FlashInfer picks, which plan on the host, are not eligible) and the eager pick is the
-batch bucket's graph pick unless the table has no family (then the default variant). The
-table is `plans.serving_table()` ($MLA_TUNE_SERVING_TABLE, else this GPU's).
+vLLM hands `_build_decode` the lengths on the device, so the spec has no host lengths
+(FlashInfer picks, which plan on the host, are not eligible). The builder's `build` keeps
+the step's `CommonAttentionMetadata.seq_lens_cpu_upper_bound` (vLLM's host copy of the
+lengths, exact without speculative decoding) for `_build_decode`: an eager step's lookup
+then estimates at its own lengths. With speculative decoding (the host copy is then an upper
+bound), with decode context parallelism (the layers see each rank's share), or where vLLM
+gives no host copy, the eager pick is the batch bucket's graph pick, and without a family
+the default variant. The table is `plans.serving_table()` ($MLA_TUNE_SERVING_TABLE, else
+this GPU's).
 Tested against a fake of these base classes (tests/fakes/vllm), not a real vLLM.
 """
 
@@ -135,6 +141,19 @@ class MlaTuneMLAMetadataBuilder(MLACommonMetadataBuilder[MlaTuneMetadata]):
         self.plans = EnginePlans(spec, vllm_config.scheduler_config.max_num_seqs,
                                  max(self.graph_batches, default=0),
                                  table=serving_table(gpu_name(device)), device=device)
+        # vLLM's host lengths are exact without speculative decoding, and they are the
+        # sequences' own only without decode context parallelism (the layers then see each
+        # rank's share): only then does an eager step's lookup take them
+        self._host_lengths = max_q_len == 1 and self.dcp_world_size == 1
+        self._kv_lens_host = None
+
+    def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
+        lens = getattr(common_attn_metadata, "seq_lens_cpu_upper_bound", None) if self._host_lengths else None
+        self._kv_lens_host = lens  # read by _build_decode, which vLLM calls from here
+        try:
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        finally:
+            self._kv_lens_host = None
 
     def _build_decode(self, block_table_tensor: torch.Tensor, seq_lens_device: torch.Tensor,
                       max_seq_len: int, query_start_loc_cpu: torch.Tensor,
@@ -142,8 +161,12 @@ class MlaTuneMLAMetadataBuilder(MLACommonMetadataBuilder[MlaTuneMetadata]):
                       dcp_tot_seq_lens_device: torch.Tensor | None) -> MlaTuneDecodeMetadata:
         batch = query_start_loc_cpu.shape[0] - 1
         q_lens = (query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]).tolist()  # a host tensor
-        self.plans.update(batch in self.graph_batches, query_start_loc_device,
-                          block_table=block_table_tensor, seq_lens=seq_lens_device, q_lens_host=q_lens)
+        graph, lens = batch in self.graph_batches, self._kv_lens_host
+        # an eager step's lengths on the host (the decodes come first): its lookup estimates
+        # for them; a graph step's pick does not depend on them
+        kv_lens = lens[:batch].tolist() if lens is not None and not graph and lens.shape[0] >= batch else None
+        self.plans.update(graph, query_start_loc_device, block_table=block_table_tensor,
+                          seq_lens=seq_lens_device, q_lens_host=q_lens, kv_lens_host=kv_lens)
         return MlaTuneDecodeMetadata(block_table=block_table_tensor, seq_lens=seq_lens_device,
                                      dcp_tot_seq_lens=dcp_tot_seq_lens_device, plans=self.plans)
 

@@ -73,6 +73,8 @@ class CommonAttentionMetadata:
     max_seq_len: int
     block_table_tensor: torch.Tensor
     slot_mapping: torch.Tensor
+    # (batch_size,) the lengths on the host: exact but for async speculative decoding's rows
+    seq_lens_cpu_upper_bound: torch.Tensor | None = None
 
 
 M = TypeVar("M")
