@@ -181,11 +181,12 @@ def test_vllm_decode_loop_at_deepseek_v3_scale_with_lse(monkeypatch, cache_dtype
         assert metadata.decode.plans.active is (builder.plans.graph if len(rows) == 4 else builder.plans.eager)
 
 
-@pytest.mark.parametrize(("dcp", "speculative", "takes"), [(1, 0, True), (2, 0, False), (1, 1, False)])
-def test_vllm_eager_steps_take_vllms_host_lengths_where_they_are_exact(monkeypatch, dcp, speculative, takes):
+@pytest.mark.parametrize(("dcp", "speculative", "takes"), [(1, 0, "lengths"), (2, 0, None), (1, 1, "mean")])
+def test_vllm_eager_steps_take_vllms_host_lengths(monkeypatch, dcp, speculative, takes):
     """vLLM's host copy of the lengths (seq_lens_cpu_upper_bound) reaches an eager step's
-    plan, whose lookup estimates at them, without decode context parallelism (each rank's
-    share differs) or speculative decoding (an upper bound then); a graph step takes none."""
+    plan, whose lookup estimates at them; with speculative decoding (an upper bound then)
+    their mean; with decode context parallelism (each rank's share differs) nothing. A graph
+    step takes none."""
     engine_fakes.install(monkeypatch, "vllm")
     cache = Cache([5, 30, 47, 70], 16, 3, fp8=False, seed=2, as_bytes=False)
     builder, impls, layers = vllm_layers(cache, "auto", 16, dcp=dcp, max_seqs=4, device=torch.device("cpu"),
@@ -194,13 +195,15 @@ def test_vllm_eager_steps_take_vllms_host_lengths_where_they_are_exact(monkeypat
     update = builder.plans.update
     monkeypatch.setattr(builder.plans, "update",
                         lambda graph, qo, **layout: calls.append((graph, layout["kv_lens_host"],
+                                                                  layout["mean_kv_len"],
                                                                   layout["seq_lens"].tolist())) or
                         update(graph, qo, **layout))
     for step, rows in enumerate(([0, 1, 2, 3], [0, 2, 3])):  # 4: captured (unless q_len 2), 3: eager
         _vllm_step(cache, rows, 20 + step, builder, impls, layers)
-    assert [graph for graph, _, _ in calls] == [not speculative, False]
-    for graph, kv_lens, lens in calls:
-        assert kv_lens == (lens if takes and not graph else None)
+    assert [graph for graph, *_ in calls] == [not speculative, False]
+    for graph, kv_lens, mean, lens in calls:
+        assert kv_lens == (lens if takes == "lengths" and not graph else None)
+        assert mean == (sum(lens) / len(lens) if takes == "mean" and not graph else None)
 
 
 # -------------------------------------------------------------------------------- SGLang

@@ -30,11 +30,11 @@ trio, as vLLM's FlashMLA backend is built:
 vLLM hands `_build_decode` the lengths on the device, so the spec has no host lengths
 (FlashInfer picks, which plan on the host, are not eligible). The builder's `build` keeps
 the step's `CommonAttentionMetadata.seq_lens_cpu_upper_bound` (vLLM's host copy of the
-lengths, exact without speculative decoding) for `_build_decode`: an eager step's lookup
-then estimates at its own lengths. With speculative decoding (the host copy is then an upper
-bound), with decode context parallelism (the layers see each rank's share), or where vLLM
-gives no host copy, the eager pick is the batch bucket's graph pick, and without a family
-the default variant. The table is `plans.serving_table()` ($MLA_TUNE_SERVING_TABLE, else
+lengths) for `_build_decode`: an eager step's lookup then estimates at its own lengths, or
+with speculative decoding (the copy is then an upper bound by at most a row's draft tokens)
+at their mean. With decode context parallelism (the layers see each rank's share) or where
+vLLM gives no host copy, the eager pick is the batch bucket's graph pick, and without a
+family the default variant. The table is `plans.serving_table()` ($MLA_TUNE_SERVING_TABLE, else
 this GPU's).
 Tested against a fake of these base classes (tests/fakes/vllm), not a real vLLM.
 """
@@ -141,14 +141,14 @@ class MlaTuneMLAMetadataBuilder(MLACommonMetadataBuilder[MlaTuneMetadata]):
         self.plans = EnginePlans(spec, vllm_config.scheduler_config.max_num_seqs,
                                  max(self.graph_batches, default=0),
                                  table=serving_table(gpu_name(device)), device=device)
-        # vLLM's host lengths are exact without speculative decoding, and they are the
-        # sequences' own only without decode context parallelism (the layers then see each
-        # rank's share): only then does an eager step's lookup take them
-        self._host_lengths = max_q_len == 1 and self.dcp_world_size == 1
+        # vLLM's host copy of the lengths is the sequences' own only without decode context
+        # parallelism (the layers then see each rank's share), and exact only without
+        # speculative decoding (then an upper bound by at most the draft tokens of a row)
+        self._own_lengths, self._exact_lengths = self.dcp_world_size == 1, max_q_len == 1
         self._kv_lens_host = None
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
-        lens = getattr(common_attn_metadata, "seq_lens_cpu_upper_bound", None) if self._host_lengths else None
+        lens = getattr(common_attn_metadata, "seq_lens_cpu_upper_bound", None) if self._own_lengths else None
         self._kv_lens_host = lens  # read by _build_decode, which vLLM calls from here
         try:
             return super().build(common_prefix_len, common_attn_metadata, fast_build)
@@ -163,10 +163,16 @@ class MlaTuneMLAMetadataBuilder(MLACommonMetadataBuilder[MlaTuneMetadata]):
         q_lens = (query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]).tolist()  # a host tensor
         graph, lens = batch in self.graph_batches, self._kv_lens_host
         # an eager step's lengths on the host (the decodes come first): its lookup estimates
-        # for them; a graph step's pick does not depend on them
-        kv_lens = lens[:batch].tolist() if lens is not None and not graph and lens.shape[0] >= batch else None
+        # for them where they are exact, else for their mean; a graph step's pick does not
+        # depend on them
+        kv_lens = mean = None
+        if lens is not None and not graph and lens.shape[0] >= batch:
+            if self._exact_lengths:
+                kv_lens = lens[:batch].tolist()
+            else:
+                mean = float(lens[:batch].sum()) / batch
         self.plans.update(graph, query_start_loc_device, block_table=block_table_tensor,
-                          seq_lens=seq_lens_device, q_lens_host=q_lens, kv_lens_host=kv_lens)
+                          seq_lens=seq_lens_device, q_lens_host=q_lens, kv_lens_host=kv_lens, mean_kv_len=mean)
         return MlaTuneDecodeMetadata(block_table=block_table_tensor, seq_lens=seq_lens_device,
                                      dcp_tot_seq_lens=dcp_tot_seq_lens_device, plans=self.plans)
 
