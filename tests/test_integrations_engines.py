@@ -3,6 +3,7 @@ the real hooks: engine loops (2 layers, 3 steps, graph and eager plans) at DeepS
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -204,6 +205,29 @@ def test_vllm_eager_steps_take_vllms_host_lengths(monkeypatch, dcp, speculative,
     for graph, kv_lens, mean, lens in calls:
         assert kv_lens == (lens if takes == "lengths" and not graph else None)
         assert mean == (sum(lens) / len(lens) if takes == "mean" and not graph else None)
+
+
+def test_vllm_a_step_with_prefills_runs_its_decodes_on_the_eager_plan(monkeypatch):
+    """A mixed step (chunked prefill) runs its attention outside any full CUDA graph, so its
+    decodes take the eager plan and its lengths-aware pick even where their count is a
+    capture size; a step of decodes only of that size takes the graph plan."""
+    engine_fakes.install(monkeypatch, "vllm")
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    cache = Cache([5, 30, 47, 70, 90], 16, 3, fp8=False, seed=4, as_bytes=False)
+    builder, _impls, _layers = vllm_layers(cache, "auto", 16, dcp=1, max_seqs=8, device=torch.device("cpu"))
+    lens = torch.tensor(cache.lens, dtype=torch.int32)
+    for q_lens, graph in (([1, 1, 1, 1, 3], False), ([1, 1, 1, 1], True)):  # 4 decodes: a capture size
+        n = len(q_lens)
+        qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+        common = CommonAttentionMetadata(
+            query_start_loc=qsl.clone(), query_start_loc_cpu=qsl, seq_lens=lens[:n].clone(), num_reqs=n,
+            num_actual_tokens=int(qsl[-1]), max_query_len=max(q_lens), max_seq_len=int(lens.max()),
+            block_table_tensor=cache.table[:n].clone(), slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64),
+            seq_lens_cpu_upper_bound=lens[:n])
+        metadata = builder.build(0, common)
+        assert metadata.num_decodes == 4 and metadata.num_prefills == n - 4
+        assert metadata.decode.plans.active is (builder.plans.graph if graph else builder.plans.eager)
 
 
 # -------------------------------------------------------------------------------- SGLang

@@ -21,7 +21,8 @@ trio, as vLLM's FlashMLA backend is built:
   dtype, the layers' softmax scale (their impls' `scale`, DeepSeek-V3's mscale**2/sqrt(192)),
   the LSE when decode context parallelism needs it, the speculative q_len. Its
   `_build_decode` (once per step, before the layers or their graph replay) updates the
-  plan of the step's mode (a batch size vLLM captures: the graph plan) with vLLM's device
+  plan of the step's mode (a step of decodes only whose batch size vLLM captures: the graph
+  plan; a step with prefills runs its attention outside any full graph) with vLLM's device
   block table, lengths and query_start_loc, and the q lengths from the host copy.
 - `MlaTuneMLAImpl` (MLACommonImpl): prefill stays vLLM's; `forward_mqa` (once per layer)
   runs the step's plan on the cache and returns (out, lse or None). The LSE is natural-log
@@ -145,15 +146,19 @@ class MlaTuneMLAMetadataBuilder(MLACommonMetadataBuilder[MlaTuneMetadata]):
         # parallelism (the layers then see each rank's share), and exact only without
         # speculative decoding (then an upper bound by at most the draft tokens of a row)
         self._own_lengths, self._exact_lengths = self.dcp_world_size == 1, max_q_len == 1
-        self._kv_lens_host = None
+        self._kv_lens_host, self._decodes_only = None, True
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
-        lens = getattr(common_attn_metadata, "seq_lens_cpu_upper_bound", None) if self._own_lengths else None
-        self._kv_lens_host = lens  # read by _build_decode, which vLLM calls from here
+        m = common_attn_metadata
+        # read by _build_decode, which vLLM calls from here: the host lengths, and whether the
+        # step holds decodes only (a step with prefills is never in a full CUDA graph: this
+        # builder supports graphs of uniform batches only, UNIFORM_BATCH)
+        self._kv_lens_host = getattr(m, "seq_lens_cpu_upper_bound", None) if self._own_lengths else None
+        self._decodes_only = m.max_query_len <= self.reorder_batch_threshold
         try:
-            return super().build(common_prefix_len, common_attn_metadata, fast_build)
+            return super().build(common_prefix_len, m, fast_build)
         finally:
-            self._kv_lens_host = None
+            self._kv_lens_host, self._decodes_only = None, True
 
     def _build_decode(self, block_table_tensor: torch.Tensor, seq_lens_device: torch.Tensor,
                       max_seq_len: int, query_start_loc_cpu: torch.Tensor,
@@ -161,7 +166,7 @@ class MlaTuneMLAMetadataBuilder(MLACommonMetadataBuilder[MlaTuneMetadata]):
                       dcp_tot_seq_lens_device: torch.Tensor | None) -> MlaTuneDecodeMetadata:
         batch = query_start_loc_cpu.shape[0] - 1
         q_lens = (query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]).tolist()  # a host tensor
-        graph, lens = batch in self.graph_batches, self._kv_lens_host
+        graph, lens = self._decodes_only and batch in self.graph_batches, self._kv_lens_host
         # an eager step's lengths on the host (the decodes come first): its lookup estimates
         # for them where they are exact, else for their mean; a graph step's pick does not
         # depend on them

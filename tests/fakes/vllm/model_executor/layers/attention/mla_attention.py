@@ -117,22 +117,28 @@ class MLACommonMetadataBuilder(AttentionMetadataBuilder[M]):
         return self.build(0, common_attn_metadata)
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
+        """The step's metadata as vLLM's build makes it: the decodes (query_len <=
+        reorder_batch_threshold, at the batch's front, where vLLM's reorder puts them) through
+        `_build_decode`; the prefills after them get a stand-in (vLLM's prefill path is not
+        faked)."""
         m = common_attn_metadata
-        if m.max_query_len > self.reorder_batch_threshold:
-            raise NotImplementedError("the fake builds decode-only steps (query_len <= reorder_batch_threshold)")
         lens = (m.query_start_loc_cpu[1:] - m.query_start_loc_cpu[:-1]).tolist()
-        if self.query_len_support != QueryLenSupport.VARLEN and len(set(lens)) > 1:
+        n = next((i for i, q in enumerate(lens) if q > self.reorder_batch_threshold), len(lens))
+        if any(q <= self.reorder_batch_threshold for q in lens[n:]):
+            raise AssertionError("the batch's decodes are not all at its front (vLLM reorders them there)")
+        if self.query_len_support != QueryLenSupport.VARLEN and len(set(lens[:n])) > 1:
             raise AssertionError("a builder without VARLEN support got decodes of different query lengths")
-        n = m.num_reqs
+        tokens = int(m.query_start_loc_cpu[n])
         decode = self._build_decode(
             block_table_tensor=m.block_table_tensor[:n], seq_lens_device=m.seq_lens[:n],
             max_seq_len=m.max_seq_len, query_start_loc_cpu=m.query_start_loc_cpu[: n + 1],
-            query_start_loc_device=m.query_start_loc[: n + 1], num_decode_tokens=m.num_actual_tokens,
-            dcp_tot_seq_lens_device=None)
-        return self.metadata_cls(num_reqs=n, max_query_len=m.max_query_len, max_seq_len=m.max_seq_len,
+            query_start_loc_device=m.query_start_loc[: n + 1], num_decode_tokens=tokens,
+            dcp_tot_seq_lens_device=None) if n else None
+        return self.metadata_cls(num_reqs=m.num_reqs, max_query_len=m.max_query_len, max_seq_len=m.max_seq_len,
                                  num_actual_tokens=m.num_actual_tokens, query_start_loc=m.query_start_loc,
-                                 slot_mapping=m.slot_mapping, num_decodes=n,
-                                 num_decode_tokens=m.num_actual_tokens, num_prefills=0, decode=decode)
+                                 slot_mapping=m.slot_mapping, num_decodes=n, num_decode_tokens=tokens,
+                                 num_prefills=m.num_reqs - n, decode=decode,
+                                 prefill=object() if n < m.num_reqs else None)
 
 
 class _BuilderSignatures:
