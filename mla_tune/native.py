@@ -30,28 +30,40 @@ FLAGS = ("-O2", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-std
 
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
-# `SIFT_DOWN(T)` defines `sift_down(T *heap, int64_t n)`: the root of a binary min-heap of n
-# T moved down to its place (after the root's value grew: Python's heapq.heapreplace).
+# `HEAP_OPS(P, T, KEY)` defines, for a binary min-heap of T ordered by KEY(x) (a macro of
+# one element), `P_sift_down(T *h, int64_t n)`: the root moved down to its place after its
+# key grew (Python's heapq.heapreplace), and `P_push(T *h, int64_t n, T x)`: x added to a
+# heap of n (room for n + 1; heapq.heappush).
 HEAP_C = r"""
 #include <stdint.h>
-#define SIFT_DOWN(T) \
-static void sift_down(T *h, int64_t n) { \
+#define HEAP_OPS(P, T, KEY) \
+static void P##_sift_down(T *h, int64_t n) { \
     T x = h[0]; \
     int64_t i = 0; \
     for (;;) { \
         int64_t c = 2 * i + 1; \
         if (c >= n) break; \
-        if (c + 1 < n && h[c + 1] < h[c]) c++; \
-        if (h[c] >= x) break; \
+        if (c + 1 < n && KEY(h[c + 1]) < KEY(h[c])) c++; \
+        if (KEY(h[c]) >= KEY(x)) break; \
         h[i] = h[c]; \
         i = c; \
+    } \
+    h[i] = x; \
+} \
+static void P##_push(T *h, int64_t n, T x) { \
+    int64_t i = n; \
+    while (i > 0) { \
+        int64_t p = (i - 1) / 2; \
+        if (KEY(h[p]) <= KEY(x)) break; \
+        h[i] = h[p]; \
+        i = p; \
     } \
     h[i] = x; \
 }
 """
 
-
-# makespan.deal in C, for the makespan replays (backends/*_schedule.py). `deal_short`: its
+# makespan.deal in C, for the makespan replays (backends/*_schedule.py; needs HEAP_C first).
+# `deal_short`: its
 # two cases without a dealing: n_items split items (tokens in all, the longest `longest`),
 # each run by `programs` programs of `item` tokens' fixed cost, over `slots` slots. Returns 1
 # with *span set where they fit one wave (the longest program) or pass exact_waves waves
@@ -69,6 +81,8 @@ DEAL_C = r"""
 
 /* `count` programs (or slots) of `work` tokens each */
 typedef struct { double work; int64_t count; } run_t;
+#define RUN_WORK(r) ((r).work)
+HEAP_OPS(runs, run_t, RUN_WORK)  /* runs_sift_down, runs_push: a heap of runs by their work */
 
 static int deal_short(int64_t n_items, int64_t programs, int64_t slots, int64_t exact_waves, int64_t tokens,
                       int64_t longest, double item, double *span) {
@@ -123,33 +137,6 @@ static void sort_runs(run_t *a, int64_t n, run_t *tmp) {
         run_t *t = src; src = dst; dst = t;
     }
     if (src != a) memcpy(a, src, (size_t)n * sizeof(run_t));
-}
-
-/* the root of a min-heap (by work) of n runs moved down to its place after its work grew */
-static void runs_sift_down(run_t *h, int64_t n) {
-    run_t x = h[0];
-    int64_t i = 0;
-    for (;;) {
-        int64_t c = 2 * i + 1;
-        if (c >= n) break;
-        if (c + 1 < n && h[c + 1].work < h[c].work) c++;
-        if (h[c].work >= x.work) break;
-        h[i] = h[c];
-        i = c;
-    }
-    h[i] = x;
-}
-
-/* x added to a min-heap (by work) of n runs (room for n + 1) */
-static void runs_push(run_t *h, int64_t n, run_t x) {
-    int64_t i = n;
-    while (i > 0) {
-        int64_t p = (i - 1) / 2;
-        if (h[p].work <= x.work) break;
-        h[i] = h[p];
-        i = p;
-    }
-    h[i] = x;
 }
 
 /* The most-loaded slot's load when the programs of runs[0..nr) (in launch order, each work

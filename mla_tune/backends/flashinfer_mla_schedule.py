@@ -141,7 +141,8 @@ _NATIVE_SOURCE = native.HEAP_C + native.ESTIMATE_H + r"""
 #include <string.h>
 #define SLOTS 4096
 
-SIFT_DOWN(int64_t)
+#define CLUSTER_KEY(k) (k)
+HEAP_OPS(keys, int64_t, CLUSTER_KEY)  /* keys_sift_down, keys_push: a heap of the clusters' keys */
 
 /* _geometry and _chunk_limit: the cluster size, clusters, q tile rows, q tiles, kv_len_limit */
 static void geometry(const int64_t *lens, int64_t n, int64_t heads, int64_t q_len, int64_t sm_count,
@@ -189,11 +190,11 @@ static void fi_deal(fi_loads_t *d, int64_t cost) {
         key = d->heap[0];
         if (d->nf == d->b || key + cost >= d->fifo[d->nf - 1]) {  /* it leaves the heap for the queue */
             d->heap[0] = d->heap[--d->nh];
-            if (d->nh > 0) sift_down(d->heap, d->nh);
+            if (d->nh > 0) keys_sift_down(d->heap, d->nh);
         } else {
             d->works[key % SLOTS]++;
             d->heap[0] = key + cost;
-            sift_down(d->heap, d->nh);
+            keys_sift_down(d->heap, d->nh);
             return;
         }
     } else if (x < y) {
@@ -204,10 +205,8 @@ static void fi_deal(fi_loads_t *d, int64_t cost) {
     }
     d->works[key % SLOTS]++;
     key += cost;
-    if (d->nf > d->b && key < d->fifo[d->nf - 1]) {  /* out of order: into the heap (sift up) */
-        int64_t i = d->nh++;
-        while (i > 0 && d->heap[(i - 1) / 2] > key) { d->heap[i] = d->heap[(i - 1) / 2]; i = (i - 1) / 2; }
-        d->heap[i] = key;
+    if (d->nf > d->b && key < d->fifo[d->nf - 1]) {  /* out of order: into the heap */
+        keys_push(d->heap, d->nh++, key);
         return;
     }
     if (d->nf == d->clusters) {  /* at the buffer's end: the queue moved to its front */
