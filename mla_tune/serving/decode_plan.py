@@ -125,8 +125,7 @@ class DecodePlan:
         self._runner_ups: dict[tuple[int, int], Variant] = {}
         if self._unrunnable and family is not None and not spec.graph:
             for at, cell in family.cells.items():
-                runner_up = (cell.runner_up or {}).get("variant")
-                runner_up = Variant.parse(runner_up) if isinstance(runner_up, str) else runner_up
+                runner_up = cell.runner_up_variant
                 if runner_up is not None and runner_up in self._decoders:
                     self._runner_ups[at] = runner_up
         # a step with its lengths on the host picks in one C call where the family's estimate
@@ -170,12 +169,8 @@ class DecodePlan:
         """The runner-ups of the cells whose pick cannot run here (pick() runs them instead)."""
         if self._family is None or self.spec.graph or not self._unrunnable:
             return []
-        out = []
-        for cell in self._family.cells.values():
-            runner_up = (cell.runner_up or {}).get("variant") if cell.variant in self._unrunnable else None
-            if runner_up is not None:
-                out.append(Variant.parse(runner_up) if isinstance(runner_up, str) else runner_up)
-        return list(dict.fromkeys(out))
+        out = [cell.runner_up_variant for cell in self._family.cells.values() if cell.variant in self._unrunnable]
+        return list(dict.fromkeys(v for v in out if v is not None))
 
     @property
     def variants(self) -> list[Variant]:

@@ -94,6 +94,12 @@ class Cell:
     time_us: float
     runner_up: dict | None = None  # {variant, time_us}
 
+    @property
+    def runner_up_variant(self) -> Variant | None:
+        """The runner-up's variant (parsed where the entry holds its text), None without one."""
+        variant = (self.runner_up or {}).get("variant")
+        return Variant.parse(variant) if isinstance(variant, str) else variant
+
 
 @dataclass(frozen=True)
 class GraphPick:
@@ -236,8 +242,7 @@ class ServingTable:
         if runnable is not None or mean is None:
             return runnable
         cell = family.cells.get((batch_bucket(self.batch_buckets, batch), kv_bucket(self.kv_buckets, mean)))
-        runner_up = (cell.runner_up or {}).get("variant") if cell is not None else None
-        runner_up = Variant.parse(runner_up) if isinstance(runner_up, str) else runner_up
+        runner_up = cell.runner_up_variant if cell is not None else None
         return runner_up if runner_up is not None and runs(runner_up) else None
 
     def prepare(self, spec: CallSpec) -> None:
