@@ -26,7 +26,6 @@ from mla_tune.backends import (
     vendor_distributions,
 )
 from mla_tune.core import KV_FORMATS, Q_MODES, CallSpec, Capabilities, Shape, Variant
-from mla_tune.export import render_submission
 from mla_tune.problem import generate_input, generate_ragged_input
 from mla_tune.tables.dispatch import Dispatcher
 from mla_tune.tune.config import (
@@ -43,7 +42,6 @@ from tests.helpers import register_backends
 ROOT = Path(__file__).resolve().parents[1]
 CPU = gpu.Platform("cpu", "cpu", "cpu", False, 0)
 PLATFORMS = {name: gpu.fake_platform(name) for name in gpu.KNOWN_GPUS} | {"cpu": CPU}
-TABLE = ROOT / "tests" / "data" / "table_cpu.yaml"
 
 
 def _config(backends: dict, shapes=((2, 64),)):
@@ -292,15 +290,6 @@ def test_a_dry_run_names_the_backends_its_gpu_cannot_run_in_its_summary(tmp_path
     assert summary.unavailable["aiter"].startswith("it runs on hip/gfx942 or hip/gfx950, not on H200")
     assert all("aiter" not in per for per in summary.plan.values())
     assert "aiter" in buf.getvalue() and "gfx950" in buf.getvalue()
-
-
-def test_the_export_renders_the_ragged_readers_from_the_records_of_the_backends_it_carries():
-    text = render_submission(TABLE)
-    assert "_EXPORT_RAGGED_BACKENDS = frozenset(['triton'])\n" in text
-    assert "ragged_backends=_EXPORT_RAGGED_BACKENDS)" in text
-    assert "_CAPABILITIES_triton = Capabilities(" in text and "\nCAPABILITIES =" not in text
-    torch_only = render_submission(TABLE, only_backends=["torch"])
-    assert "_EXPORT_RAGGED_BACKENDS = frozenset([])\n" in torch_only
 
 
 # ------------------------------------------------------------------ one place for each fact
