@@ -217,22 +217,20 @@ def test_the_dispatcher_refuses_a_ragged_batch_for_a_backend_whose_record_says_u
         built.append((variant, shape))
         return lambda *args: "ran"
 
+    def dispatcher(variant, names, ragged):
+        return Dispatcher({}, dict.fromkeys(names, build), lambda shape: variant, warn_on_miss=False,
+                          ragged_backends=ragged)
+
     fused = Variant.make("triton_fused", kv="fp8", q="bf16", num_splits=1, block_n=32)
-    builders = {"triton_fused": build, "torch": build}
-    dispatcher = Dispatcher({}, builders, lambda shape: fused, warn_on_miss=False,
-                            ragged_backends=ragged_backends(builders))
     ragged = generate_ragged_input([3, 5], seed=1, device="cpu")
     with pytest.raises(ValueError, match=r"reads kv_indptr per sequence \(no backend wired here does\)"):
-        dispatcher(*ragged[:4])
+        dispatcher(fused, ["triton_fused", "torch"], ragged_backends(["triton_fused", "torch"]))(*ragged[:4])
     assert built == []
     split = Variant.make("triton", kv="fp8", q="bf16", num_splits=1, block_n=32)
-    builders = {"triton": build}
-    dispatcher = Dispatcher({}, builders, lambda shape: split, warn_on_miss=False,
-                            ragged_backends=ragged_backends(builders))
-    assert dispatcher(*ragged[:4]) == "ran" and built == [(split, Shape(2, 5))]
+    assert dispatcher(split, ["triton"], ragged_backends(["triton"]))(*ragged[:4]) == "ran"
+    assert built == [(split, Shape(2, 5))]
     uniform = generate_input(2, 5, seed=1, device="cpu")
-    assert Dispatcher({}, {"triton_fused": build}, lambda shape: fused, warn_on_miss=False,
-                      ragged_backends=frozenset())(*uniform[:4]) == "ran"
+    assert dispatcher(fused, ["triton_fused"], frozenset())(*uniform[:4]) == "ran"
 
 
 def test_software_versions_record_each_vendor_the_records_name(plugin, monkeypatch):
