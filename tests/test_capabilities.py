@@ -182,12 +182,8 @@ def test_the_builtin_records_refuse_what_their_libraries_cannot_serve():
                 assert capabilities(name).refusal(spec) is None, (name, spec)
 
 
-def _serving_modules():
-    return {n: get_backend(n) for n in BACKEND_MODULES if hasattr(get_backend(n), "build_serving")}
-
-
 def test_a_backend_with_the_serving_call_declares_it_and_its_default_variant_fits_the_spec():
-    serving = _serving_modules()
+    serving = {n: get_backend(n) for n in BACKEND_MODULES if hasattr(get_backend(n), "build_serving")}
     if not serving:
         pytest.skip("no backend's serving call is merged into this tree yet")
     declared = {n for n in BACKEND_MODULES if capabilities(n).serving}
