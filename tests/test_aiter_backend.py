@@ -24,16 +24,24 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SHAPE = Shape(3, 256)  # small, yet long enough for the intra-batch builder (>= 196 tokens)
 STRICT = problem.RULES["strict"]
+BF16_NP = Variant.make("aiter", kv="bf16", q="bf16", mode="nonpersistent", num_kv_splits=1)
+BF16_PERSISTENT = Variant.make("aiter", kv="bf16", q="bf16", mode="persistent", fast_mode=True,
+                               intra_batch=False, max_split_per_batch=-1, kv_granularity=16)
 
 
 F3BE04A12 = "0.1.10.post4.dev78+gf3be04a12a"  # setuptools_scm's version of the runner's commit
 RELEASES = ("0.1.11", "0.1.20.post1", F3BE04A12)
 
 
+def install(monkeypatch, release, **config):
+    """The fake of `release` (a version, or f3be04a12), installed in this process."""
+    monkeypatch.setenv("MLA_TUNE_FAKE_AITER_VERSION", release)
+    return vendor_fakes.install(monkeypatch, "aiter", **config)["aiter"]
+
+
 @pytest.fixture(params=RELEASES, ids=("v0.1.11", "v0.1.20.post1", "f3be04a12"))
 def aiter(monkeypatch, request):
-    monkeypatch.setenv("MLA_TUNE_FAKE_AITER_VERSION", request.param)
-    return vendor_fakes.install(monkeypatch, "aiter")["aiter"]
+    return install(monkeypatch, request.param)
 
 
 def _new(aiter) -> bool:
@@ -108,12 +116,10 @@ def _expected(spec):
 
 
 def test_fake_has_the_signatures_of_its_release_and_the_backend_reads_them(aiter):
-    decode, info, builder, stage1, reduce = _SIGNATURES[aiter.__version__]
-    assert _params(inspect.signature(aiter.mla.mla_decode_fwd)) == _expected(decode)
-    assert _params(inspect.signature(aiter.get_mla_metadata_info_v1)) == _expected(info)
-    assert _params(inspect.signature(aiter.get_mla_metadata_v1)) == _expected(builder)
-    assert _params(inspect.signature(aiter.mla_decode_stage1_asm_fwd)) == _expected(stage1)
-    assert _params(inspect.signature(aiter.mla_reduce_v1)) == _expected(reduce)
+    entries = (aiter.mla.mla_decode_fwd, aiter.get_mla_metadata_info_v1, aiter.get_mla_metadata_v1,
+               aiter.mla_decode_stage1_asm_fwd, aiter.mla_reduce_v1)
+    for entry, spec in zip(entries, _SIGNATURES[aiter.__version__], strict=True):
+        assert _params(inspect.signature(entry)) == _expected(spec), entry.__name__
     # pybind ops declared without py::arg names take positional arguments only
     for op in (aiter.static_per_tensor_quant, aiter.dynamic_per_tensor_quant):
         assert {p.kind.name for p in inspect.signature(op).parameters.values()} == {"POSITIONAL_ONLY"}
@@ -139,28 +145,27 @@ def test_fake_has_the_signatures_of_its_release_and_the_backend_reads_them(aiter
     assert features["direct"] is True
 
 
+def _family(kv, q, mode, *work, **extra):
+    """A variant family's parameters; `work`: fast_mode, intra_batch, max_split_per_batch, kv_granularity."""
+    keys = ("fast_mode", "intra_batch", "max_split_per_batch", "kv_granularity")
+    return {"kv": kv, "q": q, "mode": mode, **dict(zip(keys, work, strict=False)), **extra}
+
+
 FAMILIES = [
-    {"kv": "fp8", "q": "fp8_static", "mode": "nonpersistent", "num_kv_splits": 2},
-    {"kv": "fp8", "q": "fp8_dynamic", "mode": "nonpersistent", "num_kv_splits": 1},
-    {"kv": "bf16", "q": "bf16", "mode": "nonpersistent", "num_kv_splits": 4},
-    {"kv": "fp8", "q": "fp8_static", "mode": "persistent", "fast_mode": False, "intra_batch": True,
-     "max_split_per_batch": 8, "kv_granularity": 16},
-    {"kv": "fp8", "q": "bf16", "mode": "persistent", "fast_mode": True, "intra_batch": False,
-     "max_split_per_batch": -1, "kv_granularity": 64},
-    {"kv": "bf16", "q": "bf16", "mode": "persistent", "fast_mode": False, "intra_batch": False,
-     "max_split_per_batch": -1, "kv_granularity": 16},
+    _family("fp8", "fp8_static", "nonpersistent", num_kv_splits=2),
+    _family("fp8", "fp8_dynamic", "nonpersistent", num_kv_splits=1),
+    _family("bf16", "bf16", "nonpersistent", num_kv_splits=4),
+    _family("fp8", "fp8_static", "persistent", False, True, 8, 16),
+    _family("fp8", "bf16", "persistent", True, False, -1, 64),
+    _family("bf16", "bf16", "persistent", False, False, -1, 16),
     # stage 1 and the reduction called directly, over the work lists of the three builders
-    {"kv": "fp8", "q": "fp8_static", "mode": "direct", "fast_mode": False, "intra_batch": True,
-     "max_split_per_batch": 8, "kv_granularity": 16},
-    {"kv": "fp8", "q": "bf16", "mode": "direct", "fast_mode": True, "intra_batch": False,
-     "max_split_per_batch": 2, "kv_granularity": 32},
-    {"kv": "bf16", "q": "bf16", "mode": "direct", "fast_mode": False, "intra_batch": False,
-     "max_split_per_batch": -1, "kv_granularity": 16},
+    _family("fp8", "fp8_static", "direct", False, True, 8, 16),
+    _family("fp8", "bf16", "direct", True, False, 2, 32),
+    _family("bf16", "bf16", "direct", False, False, -1, 16),
     # 0.1.20+ only (the 0.1.11 fake refuses them at build, naming what to install)
-    {"kv": "fp8", "q": "fp8_dynamic", "mode": "persistent", "fast_mode": True, "intra_batch": False,
-     "max_split_per_batch": 2, "kv_granularity": 16, "opus": True},
-    {"kv": "fp8", "q": "bf16", "mode": "gluon"},
-    {"kv": "bf16", "q": "bf16", "mode": "gluon"},
+    _family("fp8", "fp8_dynamic", "persistent", True, False, 2, 16, opus=True),
+    _family("fp8", "bf16", "gluon"),
+    _family("bf16", "bf16", "gluon"),
 ]
 _NEW_ONLY = {"opus", "gluon"}
 
@@ -249,13 +254,24 @@ def _fill_work(aiter, qo, kvp, last, work, **kwargs):
                 reduce_final_map=work[4], reduce_partial_map=work[5])
 
 
+def bf16_persistent_call(aiter, case, shape, **extra):
+    """mla_decode_fwd of bf16 `case` over a fast-mode work list built here, plus `extra`."""
+    qo, last = torch.arange(shape.batch + 1, dtype=torch.int32), torch.ones(shape.batch, dtype=torch.int32)
+    kvp = qo * shape.kv_len
+    work = _fill_work(aiter, qo, kvp, last, _work_buffers(aiter, shape.batch, torch.bfloat16, torch.bfloat16))
+    o = torch.empty((shape.batch, 16, 512), dtype=torch.bfloat16)
+    aiter.mla.mla_decode_fwd(case[0], case[1]["bf16"].view(-1, 1, 1, 576), o, qo_indptr=qo, kv_indptr=kvp,
+                             kv_indices=torch.arange(shape.total_kv, dtype=torch.int32),
+                             kv_last_page_lens=last, max_seqlen_q=1, **work, **extra)
+
+
 def _positional(args, kwargs):
     """The call's arguments in mla_decode_fwd's order up to max_seqlen_q (an old caller's)."""
     return [*args, *(kwargs[k] for k in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_lens",
                                           "max_seqlen_q"))]
 
 
-def test_fake_rejects_int64_indices_old_positional_calls_and_strided_buffers(aiter, data):
+def test_fake_rejects_int64_indices_old_positional_calls_strided_buffers_and_bad_work_lists(aiter, data):
     args, kwargs = _direct_call_args(data, index_dtype=torch.int64)
     with pytest.raises(RuntimeError, match="must be int32"):
         aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE)
@@ -283,9 +299,7 @@ def test_fake_rejects_int64_indices_old_positional_calls_and_strided_buffers(ait
     args[1] = wide[..., :576]  # same values, rows 1152 apart
     with pytest.raises(RuntimeError, match="kv_buffer's inner dims must be dense"):
         aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE)
-
-
-def test_fake_rejects_split_indptr_with_work_meta_data_and_undersized_buffers(aiter, data):
+    # a split indptr with work_meta_data, undersized and swapped work buffers
     args, kwargs = _direct_call_args(data)
     qo, kvp, last = kwargs["qo_indptr"], kwargs["kv_indptr"], kwargs["kv_last_page_lens"]
     bf16 = torch.bfloat16
@@ -312,12 +326,11 @@ def test_the_gate_takes_any_version_string_when_the_signatures_are_there(aiter, 
         monkeypatch.setattr(aiter_mla, "_ai_version", lambda _module: None)  # and no distribution
     else:
         monkeypatch.setattr(sys.modules["aiter._version"], "__version__", version)
-    variant = Variant.make("aiter", kv="bf16", q="bf16", mode="nonpersistent", num_kv_splits=1)
     verified = version == "0.1.20+rocm7.0"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert aiter_mla.unavailable_reason() is None
-        aiter_mla.build(variant, SHAPE, "cpu")
+        aiter_mla.build(BF16_NP, SHAPE, "cpu")
     texts = [str(w.message) for w in caught]
     if verified:
         assert texts == []
@@ -342,9 +355,8 @@ def test_the_gate_refuses_a_missing_feature_naming_it_and_what_to_install(aiter,
     assert reason == ("AITER 0.1.7.post2.dev18 lacks what mla-tune calls: mla_decode_fwd(page_size, nhead_kv, "
                       "intra_batch_mode); install amd-aiter 0.1.10.post2 or later, a ROCm build from AMD's "
                       "wheel index or from source (docs/amd.md).")
-    variant = Variant.make("aiter", kv="bf16", q="bf16", mode="nonpersistent", num_kv_splits=1)
     with pytest.raises(ValueError, match=r"lacks what mla-tune calls: mla_decode_fwd\(page_size"):
-        aiter_mla.build(variant, SHAPE, "cpu")
+        aiter_mla.build(BF16_NP, SHAPE, "cpu")
     monkeypatch.delattr(aiter, "get_mla_metadata_v1")
     assert "get_mla_metadata_v1 (absent or unreadable)" in aiter_mla.unavailable_reason()
 
@@ -407,18 +419,12 @@ def test_without_aiter_imported_the_reason_is_one_sentence_and_provenance_finds_
 
 
 def test_build_refuses_bad_variants_before_touching_aiter_and_runners_other_shapes(aiter, data):
-    with pytest.raises(ValueError, match="q_amax"):
-        aiter_mla.build(Variant.make("aiter", kv="fp8", q="fp8_static", mode="nonpersistent", num_kv_splits=1),
-                        SHAPE, "cpu")
-    with pytest.raises(ValueError, match="no nonpersistent kernel"):
-        aiter_mla.build(Variant.make("aiter", kv="fp8", q="bf16", mode="nonpersistent", num_kv_splits=1),
-                        SHAPE, "cpu")
-    with pytest.raises(ValueError, match="num_kv_splits must be an int in 1..2"):  # 256 tokens / 128
-        aiter_mla.build(Variant.make("aiter", kv="fp8", q="fp8_dynamic", mode="nonpersistent", num_kv_splits=4),
-                        SHAPE, "cpu")
+    for q, splits, message in (("fp8_static", 1, "q_amax"), ("bf16", 1, "no nonpersistent kernel"),
+                               ("fp8_dynamic", 4, "num_kv_splits must be an int in 1..2")):  # 256 / 128
+        with pytest.raises(ValueError, match=message):
+            aiter_mla.build(BF16_NP.with_params(kv="fp8", q=q, num_kv_splits=splits), SHAPE, "cpu")
     assert aiter._state.calls["mla_decode_fwd"] == 0
-    runner = aiter_mla.build(Variant.make("aiter", kv="bf16", q="bf16", mode="nonpersistent",
-                                          num_kv_splits=1), Shape(2, 256), "cpu")
+    runner = aiter_mla.build(BF16_NP, Shape(2, 256), "cpu")
     with pytest.raises(ValueError, match="built for 2x256"):  # a runner refuses another shape
         runner(*data[:4])
 
@@ -510,8 +516,7 @@ def test_fake_refuses_kernelless_dtype_pairs_and_splits_past_what_stage_2_reads(
 
 
 def test_fake_fp8_follows_the_arch(monkeypatch):
-    monkeypatch.setenv("MLA_TUNE_FAKE_AITER_VERSION", "0.1.20.post1")
-    fake = vendor_fakes.install(monkeypatch, "aiter", arch="gfx942", cu_num=304)["aiter"]
+    fake = install(monkeypatch, "0.1.20.post1", arch="gfx942", cu_num=304)
     assert fake.dtypes.fp8 is torch.float8_e4m3fnuz
     x, scale = torch.ones(4, dtype=torch.bfloat16), torch.ones(1)
     with pytest.raises(RuntimeError, match="not support output type: torch.float8_e4m3fn"):
@@ -520,8 +525,7 @@ def test_fake_fp8_follows_the_arch(monkeypatch):
     fake.static_per_tensor_quant(out, x, scale)
     assert out.float().tolist() == [1.0] * 4
     # the backend sizes its q scale from AITER's fp8: 240 for e4m3fnuz
-    variant = Variant.make("aiter", kv="bf16", q="bf16", mode="nonpersistent", num_kv_splits=1)
-    assert aiter_mla.build(variant, SHAPE, "cpu") is not None
+    assert aiter_mla.build(BF16_NP, SHAPE, "cpu") is not None
     assert torch.finfo(fake.dtypes.fp8).max == 240.0
 
 
@@ -530,28 +534,17 @@ def test_new_release_falls_back_to_non_persistent_unless_the_split_count_is_pass
     non-persistent; the backend passes get_mla_decode_fwd_max_splits and stays persistent."""
     shape = Shape(32, 200)
     case = problem.generate_input(shape.batch, shape.kv_len, seed=3, device="cpu")
-    variant = Variant.make("aiter", kv="bf16", q="bf16", mode="persistent", fast_mode=True, intra_batch=False,
-                           max_split_per_batch=-1, kv_granularity=16)
-    out = aiter_mla.build(variant, shape, "cpu")(*case[:4])
+    out = aiter_mla.build(BF16_PERSISTENT, shape, "cpu")(*case[:4])
     assert aiter._state.last_call["mode"] == "persistent"
     assert aiter._state.last_call["num_kv_splits"] == (256 if _new(aiter) else None)
-    result = problem.check(out, expected_output(case, variant), STRICT)
+    result = problem.check(out, expected_output(case, BF16_PERSISTENT), STRICT)
     assert result.passed, result.reason
     if not _new(aiter):
         return
-    bf16 = torch.bfloat16
-    qo = torch.arange(shape.batch + 1, dtype=torch.int32)
-    kvp, last = qo * shape.kv_len, torch.ones(shape.batch, dtype=torch.int32)
-    work = _work_buffers(aiter, shape.batch, bf16, bf16, fast_mode=True)
-    buffers = _fill_work(aiter, qo, kvp, last, work)
-    o = torch.empty((shape.batch, 16, 512), dtype=bf16)
-    call = [case[0], case[1]["bf16"].view(-1, 1, 1, 576), o]
-    rest = dict(qo_indptr=qo, kv_indptr=kvp, kv_indices=torch.arange(shape.total_kv, dtype=torch.int32),
-                kv_last_page_lens=last, max_seqlen_q=1, sm_scale=SM_SCALE)
-    aiter.mla.mla_decode_fwd(*call, **rest, **buffers)
+    bf16_persistent_call(aiter, case, shape, sm_scale=SM_SCALE)
     assert aiter._state.last_call["mode"] == "nonpersistent"
     with pytest.raises(RuntimeError, match="num_kv_splits=8 is below the splits the metadata may hold"):
-        aiter.mla.mla_decode_fwd(*call, **rest, num_kv_splits=8, **buffers)
+        bf16_persistent_call(aiter, case, shape, sm_scale=SM_SCALE, num_kv_splits=8)
 
 
 def test_the_mi355x_config_follows_gfx950_facts_and_plans_a_modest_sweep(aiter):

@@ -4,6 +4,7 @@ gate, through the fakes of v0.1.11, f3be04a12 (the contest runner's build) and
 v0.1.20.post1 (tests/fakes/aiter)."""
 
 import ast
+import functools
 import inspect
 import types
 
@@ -14,10 +15,9 @@ from mla_tune import gpu, problem
 from mla_tune.backends import aiter_mla
 from mla_tune.core import SM_SCALE, CallSpec, Shape, Variant
 from tests import test_aiter_backend
-from tests.test_aiter_backend import F3BE04A12, ROOT, _fill_work, _new, _work_buffers, vendor_fakes
+from tests.test_aiter_backend import BF16_NP, BF16_PERSISTENT, F3BE04A12, ROOT, SHAPE, _new, install
 
 aiter = test_aiter_backend.aiter  # the fixture: each test runs under every faked release
-SHAPE = Shape(3, 256)
 DIRECT = {"mode": "direct", "fast_mode": False, "intra_batch": True, "max_split_per_batch": 4,
           "kv_granularity": 16}
 
@@ -27,12 +27,13 @@ def data():
     return problem.generate_input(SHAPE.batch, SHAPE.kv_len, seed=5, device="cpu")
 
 
-def _reference(data, sm_scale):
-    """fp32 attention of bf16 q over bf16 KV at `sm_scale`, computed here."""
+def _matches(out, data, sm_scale=SM_SCALE):
+    """Whether `out` is, within 2e-2, the fp32 attention of bf16 q over bf16 KV at `sm_scale`."""
     q = data[0].float()
     kv = data[1]["bf16"].float().reshape(q.shape[0], -1, 576)
     scores = torch.einsum("bhd,bnd->bhn", q, kv) * sm_scale
-    return torch.einsum("bhn,bnd->bhd", scores.softmax(-1), kv[..., :512])
+    reference = torch.einsum("bhn,bnd->bhd", scores.softmax(-1), kv[..., :512])
+    return torch.allclose(out.float(), reference, atol=2e-2, rtol=2e-2)
 
 
 # ------------------------------------------------------------------ the keyword rule
@@ -42,17 +43,10 @@ _LEADING = {"mla.mla_decode_fwd": 3, "get_mla_metadata_info_v1": 0, "get_mla_met
 _LEADING_NEW = {"get_mla_decode_fwd_max_splits": 0, "ops.triton.gluon.mla_gluon.mla_gluon": 4}
 
 
-def _entry(aiter, dotted):
-    target = aiter
-    for part in dotted.split("."):
-        target = getattr(target, part)
-    return target
-
-
 def test_every_fake_entry_point_refuses_arguments_past_its_leading_tensors(aiter):
     entries = dict(_LEADING, **(_LEADING_NEW if _new(aiter) else {}))
     for dotted, count in entries.items():
-        fn = _entry(aiter, dotted)
+        fn = functools.reduce(getattr, dotted.split("."), aiter)
         with pytest.raises(TypeError, match=rf"{dotted.split('.')[-1]}: {count + 1} positional arguments"):
             fn(*([None] * (count + 1)))
         # the signature inspect sees is still the real one (the gate reads it)
@@ -128,7 +122,7 @@ def test_direct_mode_passes_lse_and_the_split_bound_only_where_the_signature_has
     assert n1 == n2 == 2
     assert ("lse" in stage1) == _new(aiter) and stage1.get("lse") is None and stage1["q_scale"] is None
     assert reduce.get("num_kv_splits") == (256 if _new(aiter) else None)  # get_mla_decode_fwd_max_splits
-    assert torch.allclose(out.float(), _reference(data, SM_SCALE), atol=2e-2, rtol=2e-2)
+    assert _matches(out, data)
 
 
 def _opaque(fn):
@@ -156,7 +150,7 @@ def test_direct_mode_is_read_from_the_torch_op_schema_behind_an_opaque_wrapper(a
     assert features["direct"] is True and features["direct_lse"] == _new(aiter)
     variant = Variant.make("aiter", kv="bf16", q="bf16", **DIRECT)
     out = aiter_mla.build(variant, SHAPE, "cpu")(*data[:4])
-    assert torch.allclose(out.float(), _reference(data, SM_SCALE), atol=2e-2, rtol=2e-2)
+    assert _matches(out, data)
 
 
 def test_direct_candidates_join_where_the_aiter_has_the_ops(aiter, monkeypatch):
@@ -195,15 +189,13 @@ def test_the_softmax_scale_reaches_every_aiter_call(aiter, data, params):
     default = aiter_mla.build(variant, SHAPE, "cpu")(*data[:4]).float().clone()
     scaled = aiter_mla.build(variant, SHAPE, "cpu", sm_scale=scale)(*data[:4]).float()
     assert (scaled - default).abs().max() > 0.05
-    assert torch.allclose(default, _reference(data, SM_SCALE), atol=2e-2, rtol=2e-2)
-    assert torch.allclose(scaled, _reference(data, scale), atol=2e-2, rtol=2e-2)
+    assert _matches(default, data) and _matches(scaled, data, scale)
 
 
 def test_build_refuses_a_softmax_scale_that_is_no_positive_float(aiter):
-    variant = Variant.make("aiter", kv="bf16", q="bf16", mode="nonpersistent", num_kv_splits=1)
     for bad in (0.0, -1.0, float("nan"), True, "0.1"):
         with pytest.raises(ValueError, match="sm_scale must be a positive finite float"):
-            aiter_mla.build(variant, SHAPE, "cpu", sm_scale=bad)
+            aiter_mla.build(BF16_NP, SHAPE, "cpu", sm_scale=bad)
     assert isinstance(aiter_mla._ai_sm_scale(1), float)  # AITER's ops refuse an int
 
 
@@ -214,55 +206,43 @@ def test_the_serving_call_takes_the_specs_softmax_scale(aiter, data):
     runner = aiter_mla.build_serving(variant, spec, "cpu")
     qo = torch.arange(SHAPE.batch + 1, dtype=torch.int32)
     out = runner(data[0], qo, data[1]["bf16"], None, kv_indptr=qo * SHAPE.kv_len)
-    assert torch.allclose(out.float(), _reference(data, 0.19), atol=2e-2, rtol=2e-2)
+    assert _matches(out, data, 0.19)
 
 
 # ------------------------------------------------------------------ the #4144 gate
-def _bf16_persistent(batch):
-    return Variant.make("aiter", kv="bf16", q="bf16", mode="persistent", fast_mode=True, intra_batch=False,
-                        max_split_per_batch=-1, kv_granularity=16), Shape(batch, 200)
+def _persistent_case(batch):
+    shape = Shape(batch, 200)
+    return shape, problem.generate_input(shape.batch, shape.kv_len, seed=3, device="cpu")
 
 
 def test_the_contest_build_has_no_persistent_gate_and_the_table_says_so(monkeypatch):
-    monkeypatch.setenv("MLA_TUNE_FAKE_AITER_VERSION", "f3be04a12")
     monkeypatch.setenv("AITER_MLA_DECODE_PERSISTENT_MAX_BATCH", "1")  # would gate every batch on 0.1.18+
-    fake = vendor_fakes.install(monkeypatch, "aiter")["aiter"]
+    fake = install(monkeypatch, "f3be04a12")
     assert fake.__version__ == F3BE04A12
     assert aiter_mla._ai_features(fake)["persistent_gate"] is False
     assert aiter_mla.aiter_persistent_gate(fake.__version__) == "absent (before 0.1.18)"
-    variant, shape = _bf16_persistent(32)
-    case = problem.generate_input(shape.batch, shape.kv_len, seed=3, device="cpu")
-    out = aiter_mla.build(variant, shape, "cpu")(*case[:4])
+    shape, case = _persistent_case(32)
+    out = aiter_mla.build(BF16_PERSISTENT, shape, "cpu")(*case[:4])
     assert fake._state.last_call["mode"] == "persistent" and fake._state.last_call["num_kv_splits"] is None
-    assert torch.allclose(out.float(), _reference(case, SM_SCALE), atol=2e-2, rtol=2e-2)
+    assert _matches(out, case)
 
 
 @pytest.mark.parametrize("cap", ["4", "0"])
 def test_the_newer_build_gates_by_its_variable_and_the_backend_stays_persistent(monkeypatch, cap):
-    monkeypatch.setenv("MLA_TUNE_FAKE_AITER_VERSION", "0.1.20.post1")
     monkeypatch.setenv("AITER_MLA_DECODE_PERSISTENT_MAX_BATCH", cap)
-    fake = vendor_fakes.install(monkeypatch, "aiter")["aiter"]
+    fake = install(monkeypatch, "0.1.20.post1")
     assert aiter_mla._ai_features(fake)["persistent_gate"] is True
     assert aiter_mla.aiter_persistent_gate(fake.__version__) == "bypassed (persistent calls pass num_kv_splits)"
-    variant, shape = _bf16_persistent(4)
-    case = problem.generate_input(shape.batch, shape.kv_len, seed=3, device="cpu")
-    runner = aiter_mla.build(variant, shape, "cpu")
-    runner(*case[:4])
+    shape, case = _persistent_case(4)
+    aiter_mla.build(BF16_PERSISTENT, shape, "cpu")(*case[:4])
     assert fake._state.last_call["mode"] == "persistent" and fake._state.last_call["num_kv_splits"] == 256
     # a work list handed over without num_kv_splits: gated at batch >= 4, not at 0 (off)
-    qo, last = torch.arange(shape.batch + 1, dtype=torch.int32), torch.ones(shape.batch, dtype=torch.int32)
-    work = _fill_work(fake, qo, qo * 200, last, _work_buffers(fake, shape.batch, torch.bfloat16, torch.bfloat16))
-    o = torch.empty((shape.batch, 16, 512), dtype=torch.bfloat16)
-    fake.mla.mla_decode_fwd(case[0], case[1]["bf16"].view(-1, 1, 1, 576), o, qo_indptr=qo, kv_indptr=qo * 200,
-                            kv_indices=torch.arange(shape.total_kv, dtype=torch.int32), kv_last_page_lens=last,
-                            max_seqlen_q=1, **work)
+    test_aiter_backend.bf16_persistent_call(fake, case, shape)
     assert fake._state.last_call["mode"] == ("nonpersistent" if cap == "4" else "persistent")
 
 
 def test_build_refuses_a_gated_persistent_call_it_cannot_keep_persistent(monkeypatch):
-    monkeypatch.setenv("MLA_TUNE_FAKE_AITER_VERSION", "0.1.20.post1")
-    fake = vendor_fakes.install(monkeypatch, "aiter")["aiter"]
+    fake = install(monkeypatch, "0.1.20.post1")
     monkeypatch.delattr(fake, "get_mla_decode_fwd_max_splits")
-    variant, shape = _bf16_persistent(32)
     with pytest.raises(ValueError, match="#4144.*use mode direct"):
-        aiter_mla.build(variant, shape, "cpu")
+        aiter_mla.build(BF16_PERSISTENT, Shape(32, 200), "cpu")

@@ -97,14 +97,15 @@ def test_bad_calibrations_fail_at_config_load_naming_the_field(tmp_path, calib, 
     (torch.randn(3, 512), "must hold q with last dim 576"),
     ({"q": torch.randn(3, 576)}, "must hold one floating tensor of q, got dict"),
     (torch.full((2, 576), float("inf")), "holds no finite nonzero values"),
+    ("import os", "is not a tensor saved with torch.save"),  # a text file
 ])
 def test_a_q_sample_that_is_not_q_fails_at_config_load(tmp_path, content, message):
-    torch.save(content, tmp_path / "q.pt")
+    if isinstance(content, str):
+        (tmp_path / "q.pt").write_text(content)
+    else:
+        torch.save(content, tmp_path / "q.pt")
     with pytest.raises(ConfigError, match=re.escape(message)):
         config_from_dict(_raw(calibration={"q_sample": "q.pt"}), tmp_path / "c.yaml")
-    (tmp_path / "junk.pt").write_text("import os")
-    with pytest.raises(ConfigError, match="is not a tensor saved with torch.save"):
-        config_from_dict(_raw(calibration={"q_sample": "junk.pt"}), tmp_path / "c.yaml")
 
 
 def test_a_serving_config_refuses_generator_calibration_of_fp8_static():

@@ -26,7 +26,6 @@ from mla_tune.backends import (
     vendor_distributions,
 )
 from mla_tune.core import KV_FORMATS, Q_MODES, CallSpec, Capabilities, Shape, Variant
-from mla_tune.export import render_submission
 from mla_tune.problem import generate_input, generate_ragged_input
 from mla_tune.tables.dispatch import Dispatcher
 from mla_tune.tune.config import (
@@ -43,7 +42,6 @@ from tests.helpers import register_backends
 ROOT = Path(__file__).resolve().parents[1]
 CPU = gpu.Platform("cpu", "cpu", "cpu", False, 0)
 PLATFORMS = {name: gpu.fake_platform(name) for name in gpu.KNOWN_GPUS} | {"cpu": CPU}
-TABLE = ROOT / "tests" / "data" / "table_cpu.yaml"
 
 
 def _config(backends: dict, shapes=((2, 64),)):
@@ -184,12 +182,8 @@ def test_the_builtin_records_refuse_what_their_libraries_cannot_serve():
                 assert capabilities(name).refusal(spec) is None, (name, spec)
 
 
-def _serving_modules():
-    return {n: get_backend(n) for n in BACKEND_MODULES if hasattr(get_backend(n), "build_serving")}
-
-
 def test_a_backend_with_the_serving_call_declares_it_and_its_default_variant_fits_the_spec():
-    serving = _serving_modules()
+    serving = {n: get_backend(n) for n in BACKEND_MODULES if hasattr(get_backend(n), "build_serving")}
     if not serving:
         pytest.skip("no backend's serving call is merged into this tree yet")
     declared = {n for n in BACKEND_MODULES if capabilities(n).serving}
@@ -219,22 +213,20 @@ def test_the_dispatcher_refuses_a_ragged_batch_for_a_backend_whose_record_says_u
         built.append((variant, shape))
         return lambda *args: "ran"
 
+    def dispatcher(variant, names, ragged):
+        return Dispatcher({}, dict.fromkeys(names, build), lambda shape: variant, warn_on_miss=False,
+                          ragged_backends=ragged)
+
     fused = Variant.make("triton_fused", kv="fp8", q="bf16", num_splits=1, block_n=32)
-    builders = {"triton_fused": build, "torch": build}
-    dispatcher = Dispatcher({}, builders, lambda shape: fused, warn_on_miss=False,
-                            ragged_backends=ragged_backends(builders))
     ragged = generate_ragged_input([3, 5], seed=1, device="cpu")
     with pytest.raises(ValueError, match=r"reads kv_indptr per sequence \(no backend wired here does\)"):
-        dispatcher(*ragged[:4])
+        dispatcher(fused, ["triton_fused", "torch"], ragged_backends(["triton_fused", "torch"]))(*ragged[:4])
     assert built == []
     split = Variant.make("triton", kv="fp8", q="bf16", num_splits=1, block_n=32)
-    builders = {"triton": build}
-    dispatcher = Dispatcher({}, builders, lambda shape: split, warn_on_miss=False,
-                            ragged_backends=ragged_backends(builders))
-    assert dispatcher(*ragged[:4]) == "ran" and built == [(split, Shape(2, 5))]
+    assert dispatcher(split, ["triton"], ragged_backends(["triton"]))(*ragged[:4]) == "ran"
+    assert built == [(split, Shape(2, 5))]
     uniform = generate_input(2, 5, seed=1, device="cpu")
-    assert Dispatcher({}, {"triton_fused": build}, lambda shape: fused, warn_on_miss=False,
-                      ragged_backends=frozenset())(*uniform[:4]) == "ran"
+    assert dispatcher(fused, ["triton_fused"], frozenset())(*uniform[:4]) == "ran"
 
 
 def test_software_versions_record_each_vendor_the_records_name(plugin, monkeypatch):
@@ -292,15 +284,6 @@ def test_a_dry_run_names_the_backends_its_gpu_cannot_run_in_its_summary(tmp_path
     assert summary.unavailable["aiter"].startswith("it runs on hip/gfx942 or hip/gfx950, not on H200")
     assert all("aiter" not in per for per in summary.plan.values())
     assert "aiter" in buf.getvalue() and "gfx950" in buf.getvalue()
-
-
-def test_the_export_renders_the_ragged_readers_from_the_records_of_the_backends_it_carries():
-    text = render_submission(TABLE)
-    assert "_EXPORT_RAGGED_BACKENDS = frozenset(['triton'])\n" in text
-    assert "ragged_backends=_EXPORT_RAGGED_BACKENDS)" in text
-    assert "_CAPABILITIES_triton = Capabilities(" in text and "\nCAPABILITIES =" not in text
-    torch_only = render_submission(TABLE, only_backends=["torch"])
-    assert "_EXPORT_RAGGED_BACKENDS = frozenset([])\n" in torch_only
 
 
 # ------------------------------------------------------------------ one place for each fact

@@ -32,6 +32,17 @@ H200_FIXED = DATA / "H200.pre-search.yaml"
 CONFIG = REPO / "configs" / "leaderboard.yaml"
 
 
+def _error_lines(*args, code=1):
+    """The lines `mla-tune ARGS` prints, asserting it exits with `code`."""
+    result = invoke(*args)
+    assert result.exit_code == code, result.output
+    return result.output.strip().splitlines()
+
+
+def _fits_80_columns_in_40_lines(lines):
+    return len(lines) <= 40 and max(map(len, lines)) <= 80
+
+
 @pytest.mark.parametrize(
     ("command", "says"),
     [("sweep", "Sweep every candidate kernel per shape"),
@@ -91,7 +102,7 @@ def test_show_fits_80_columns_in_40_lines_with_every_winner_greppable(path):
     result = invoke("show", "--table", path)
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    assert len(lines) <= 40 and max(map(len, lines)) <= 80, result.output
+    assert _fits_80_columns_in_40_lines(lines), result.output
     assert "…" not in result.output and "\x1b[" not in result.output  # no rich ellipsis, no ANSI
     table = load_table(path, check_params=False)
     for shape, row in table.rows.items():
@@ -137,9 +148,7 @@ def test_show_and_diff_never_import_torch():
 @pytest.mark.parametrize("bad", ["", "../../x", "H200/..", "a b", "-x"])
 def test_a_gpu_name_that_is_not_a_name_is_refused_in_one_line(bad):
     for command in (["show"], ["export", "-o", "x.py"], ["sweep", "--dry-run"], ["report"]):
-        result = invoke(*command, f"--gpu={bad}")
-        assert result.exit_code == 2, result.output
-        assert result.output.strip().splitlines() == [
+        assert _error_lines(*command, f"--gpu={bad}", code=2) == [
             f"error: --gpu {bad!r} is not a GPU name; use letters, digits, '-' and '_' only, "
             "like H200 or MI355X"]
     result = invoke("show")  # neither --gpu nor --table
@@ -164,9 +173,7 @@ def test_export_writes_the_submission_and_overwrites_only_its_own_files(tmp_path
     config.write_text("name: x\n")
     for target in (table, results, config):
         before = target.read_text()
-        result = invoke("export", "--table", table, "-o", target, "--only", "torch")
-        assert result.exit_code == 1, result.output
-        assert result.output.strip().splitlines() == [
+        assert _error_lines("export", "--table", table, "-o", target, "--only", "torch") == [
             f"error: -o {target} exists and is not a submission mla-tune wrote (it does not start "
             "with #!POPCORN); export overwrites only its own files, so choose another output path"]
         assert target.read_text() == before
@@ -189,9 +196,7 @@ def test_path_and_domain_errors_exit_1_in_one_line_naming_the_file(tmp_path):
          "is for cpu, not H200"),
     ]
     for args, says in cases:
-        result = invoke(*args)
-        assert result.exit_code == 1, result.output
-        lines = result.output.strip().splitlines()
+        lines = _error_lines(*args)
         assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
 
 
@@ -263,10 +268,8 @@ def test_diff_flags_winner_changes_and_times_outside_the_noise(tmp_path):
 
 def test_report_without_matplotlib_says_how_to_install_it(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # an import of it now fails
-    result = invoke("report", "--table", TABLE, "--out", tmp_path / "r")
-    assert result.exit_code == 1
-    assert result.output.strip() == ('error: mla-tune report needs matplotlib for its plots; '
-                                     'install it with pip install -e ".[report]"')
+    assert _error_lines("report", "--table", TABLE, "--out", tmp_path / "r") == [
+        'error: mla-tune report needs matplotlib for its plots; install it with pip install -e ".[report]"']
     assert not (tmp_path / "r").exists()
 
 
@@ -277,7 +280,7 @@ def test_mla_tune_show_piped_fits_80_columns_without_a_terminal():
                           capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert len(lines) <= 40 and max(map(len, lines)) <= 80
+    assert _fits_80_columns_in_40_lines(lines)
     assert any(line.split()[:2] == ["4x1024", "winner"] and "num_splits=16" in line for line in lines)
 
 
@@ -290,18 +293,15 @@ def test_show_clips_a_huge_text_field_instead_of_printing_it(tmp_path):
     result = invoke("show", "--table", big)
     assert time.monotonic() - started < 10
     assert result.exit_code == 0, result.output
-    lines = result.output.splitlines()
-    assert len(lines) <= 40 and max(map(len, lines)) <= 80
+    assert _fits_80_columns_in_40_lines(result.output.splitlines())
 
 
 def test_a_missing_table_for_a_gpu_lists_the_tables_and_suggests_the_case(monkeypatch):
     monkeypatch.chdir(REPO)
-    result = invoke("show", "--gpu", "h200")
-    assert result.exit_code == 1
-    assert result.output.strip() == ("error: no table tables/h200.yaml for --gpu h200 (did you mean "
-                                     "--gpu H200?); make one with `mla-tune sweep --gpu h200`")
-    result = invoke("export", "--gpu", "H100", "-o", "never.py")
-    assert result.exit_code == 1 and "(tables here: H200" in result.output
+    assert _error_lines("show", "--gpu", "h200") == [
+        "error: no table tables/h200.yaml for --gpu h200 (did you mean --gpu H200?); make one with "
+        "`mla-tune sweep --gpu h200`"]
+    assert "(tables here: H200" in "\n".join(_error_lines("export", "--gpu", "H100", "-o", "never.py"))
     assert not (REPO / "never.py").exists()
 
 
@@ -310,9 +310,7 @@ def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(monkeypatch, tmp
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(fileio.os, "fsync", no_space)
-    result = invoke("export", "--table", TABLE, "-o", tmp_path / "sub.py", "--only", "torch")
-    assert result.exit_code == 1
-    assert result.output.strip().splitlines() == [
+    assert _error_lines("export", "--table", TABLE, "-o", tmp_path / "sub.py", "--only", "torch") == [
         f"error: cannot write {tmp_path / 'sub.py'}: No space left on device; free some space or "
         "write elsewhere"]
     assert list(tmp_path.iterdir()) == []

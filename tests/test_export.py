@@ -41,6 +41,10 @@ def test_full_export_runs_without_mla_tune_matches_the_reference_and_honours_sm_
     # validate is a protocol name too: renamed per backend, and build calls the renamed one
     assert "def _validate_triton(" in text and "def _validate_torch(" in text
     assert "\ndef validate(" not in text and "    _validate_triton(variant)\n" in text
+    # the ragged readers, rendered from the CAPABILITIES records of the backends it carries
+    assert "_EXPORT_RAGGED_BACKENDS = frozenset(['triton'])\n" in text
+    assert "ragged_backends=_EXPORT_RAGGED_BACKENDS)" in text
+    assert "_CAPABILITIES_triton = Capabilities(" in text and "\nCAPABILITIES =" not in text
     defined = [n.name for n in ast.parse(text).body
                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
     assert len(defined) == len(set(defined)), sorted({n for n in defined if defined.count(n) > 1})
@@ -67,7 +71,7 @@ def test_full_export_runs_without_mla_tune_matches_the_reference_and_honours_sm_
     assert misses == [[2, 24], [3, 16]]  # 3x24 ran on the scaled dispatcher, not the default
 
 
-def test_torch_only_export_carries_no_triton_code_and_uses_torch_alternates(tmp_path):
+def test_torch_only_export_carries_no_triton_code_uses_torch_alternates_and_refuses_ragged_batches(tmp_path):
     path = export_submission(TABLE, tmp_path / "torch_only.py", only_backends=["torch"])
     text = assert_clean_export(path)
     assert "triton" not in {line.split()[1] for line in text.splitlines()
@@ -75,15 +79,12 @@ def test_torch_only_export_carries_no_triton_code_and_uses_torch_alternates(tmp_
     assert "@triton.jit" not in text and "flash_decode" not in text
     assert "(2, 40): 'torch(kv=bf16,q=bf16)'" in text  # the triton row's torch alternate
     assert "needs no vendor library (torch only)" in text
+    assert "_EXPORT_RAGGED_BACKENDS = frozenset([])\n" in text
     cases = [generate_input(1, 8, seed=1, device="cpu"), generate_input(2, 40, seed=2, device="cpu"),
              generate_input(3, 16, seed=3, device="cpu")]
     outs, _ = exported_outputs(tmp_path, "torch_only", cases)
     _check(outs, cases, ["bf16", "bf16", "bf16"])
-
-
-def test_a_torch_only_export_refuses_ragged_batches_and_configs_without_kv_seq_len(tmp_path):
-    export_submission(TABLE, tmp_path / "torch_only.py", only_backends=["torch"])
-    (tmp_path / "task.py").write_text("import typing\ninput_t = output_t = typing.Any\n")
+    # the same file refuses ragged batches and configs without kv_seq_len
     ragged = generate_ragged_input([3, 5], seed=1, device="cpu")
     torch.save([list(ragged[:4]), list(generate_input(1, 8, seed=1, device="cpu")[:4])],
                tmp_path / "cases.pt")

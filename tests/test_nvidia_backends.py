@@ -174,17 +174,20 @@ def test_flash_mla_fake_rejects_what_flash_mla_rejects(fakes, data):
     seqlens = torch.full((3,), 128, dtype=torch.int32)
     table = torch.arange(6, dtype=torch.int32).view(3, 2)
     sched = fm.get_mla_metadata()[0]
+
+    def call(cache, block_table=table, **kwargs):
+        return fm.flash_mla_with_kvcache(q, cache, block_table, seqlens, 512, sched, **kwargs)
+
     with pytest.raises(RuntimeError, match="page_block_size must be 64"):
-        fm.flash_mla_with_kvcache(q, kv.view(12, 32, 1, 576), table, seqlens, 512, sched, use_legacy=True)
+        call(kv.view(12, 32, 1, 576), use_legacy=True)
     with pytest.raises(RuntimeError, match="block_table must have dtype torch.int32"):
-        fm.flash_mla_with_kvcache(q, kv.view(6, 64, 1, 576), table.long(), seqlens, 512, sched, use_legacy=True)
+        call(kv.view(6, 64, 1, 576), table.long(), use_legacy=True)
     kv8, scale = data[1]["fp8"]
     with pytest.raises(RuntimeError, match="same dtype"):  # no bf16 q x fp8 KV kernel
-        fm.flash_mla_with_kvcache(q, kv8.view(6, 64, 1, 576), table, seqlens, 512, sched, is_fp8_kvcache=True,
-                                  use_legacy=True, descale_q=scale, descale_k=scale)
+        call(kv8.view(6, 64, 1, 576), is_fp8_kvcache=True, use_legacy=True, descale_q=scale, descale_k=scale)
     with pytest.raises(AssertionError, match="use_legacy=True"):
-        fm.flash_mla_with_kvcache(q, kv.view(6, 64, 1, 576), table, seqlens, 512, sched)
-    out, _ = fm.flash_mla_with_kvcache(q, kv.view(6, 64, 1, 576), table, seqlens, 512, sched, use_legacy=True)
+        call(kv.view(6, 64, 1, 576))
+    out, _ = call(kv.view(6, 64, 1, 576), use_legacy=True)
     assert out.shape == (3, 1, 16, 512)
 
 

@@ -101,14 +101,16 @@ def test_a_built_wheel_ships_the_tables_and_finds_them_outside_the_checkout(tmp_
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", locate.ENV_TABLES)}
     # the vendor fakes stand in for flash_mla / flashinfer, which the table's picks name
     env.update(TRITON_INTERPRET="1", PYTHONPATH=str(FAKES))
-    show = subprocess.run([str(venv / "bin" / "mla-tune"), "show", "--gpu", "H200", "--json"],
-                          cwd=outside, env=env, capture_output=True, text=True)
+
+    def outside_run(*command):
+        return subprocess.run([str(c) for c in command], cwd=outside, env=env, capture_output=True, text=True)
+
+    show = outside_run(venv / "bin" / "mla-tune", "show", "--gpu", "H200", "--json")
     assert show.returncode == 0, show.stderr
     shown = json.loads(show.stdout)
     assert shown["path"] == f"{purelib}/mla_tune/data/tables/H200.yaml" and len(shown["rows"]) == 8
     # no MI355X table anywhere: export writes the packaged prior (configs/priors/ ships too)
-    prior = subprocess.run([str(venv / "bin" / "mla-tune"), "export", "--gpu", "MI355X", "-o", "sub.py"],
-                           cwd=outside, env=env, capture_output=True, text=True)
+    prior = outside_run(venv / "bin" / "mla-tune", "export", "--gpu", "MI355X", "-o", "sub.py")
     assert prior.returncode == 0, prior.stderr
     assert "PRIOR" in (outside / "sub.py").read_text()
     script = (
@@ -123,7 +125,7 @@ def test_a_built_wheel_ships_the_tables_and_finds_them_outside_the_checkout(tmp_
         "spec = CallSpec('bf16', page_size=64, heads=16, max_q_len=1, graph=True, host_lengths=True)\n"
         "plan = DecodePlan(spec, max_batch=8, table='H200', warm=False)\n"
         "print(plan.table.path, len(plan.variants))\n")
-    run = subprocess.run([str(python), "-c", script], cwd=outside, env=env, capture_output=True, text=True)
+    run = outside_run(python, "-c", script)
     assert run.returncode == 0, run.stderr[-3000:]
     module, table, serving = run.stdout.splitlines()[-3:]
     assert module == f"{purelib}/mla_tune/__init__.py"  # the installed copy, not the checkout

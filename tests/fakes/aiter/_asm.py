@@ -12,7 +12,7 @@ The fp32 numerics say nothing about the accuracy of AITER's kernels: no accuracy
 """
 
 import torch
-from aiter import _state, dtypes
+from aiter import _checks, _state, dtypes
 from aiter._checks import need, need_int, need_pow2, need_tensor, paged_attend
 
 # (q dtype, kv dtype) with a persistent assembly kernel at 16 heads, 576/512, q_len 1
@@ -29,11 +29,6 @@ def _need_type(ok, message):
 def _need_optional_tensor(name, value):
     _need_type(value is None or isinstance(value, torch.Tensor),
                f"mla_decode_stage1_asm_fwd: {name} needs to be Optional[torch.Tensor] but got {type(value)}")
-
-
-def _check_scale(name, scale):
-    need_tensor(name, scale, dtype=torch.float32)
-    need(tuple(scale.shape) == (1,), f"{name} must be a per-tensor fp32 [1] dequant scale, got {tuple(scale.shape)}")
 
 
 def stage1(args: dict) -> None:
@@ -86,25 +81,19 @@ def stage1(args: dict) -> None:
          f"for Q {Q.dtype} with KV {KV.dtype})")
     if Q.dtype == dtypes.fp8:
         need(q_scale is not None and kv_scale is not None, "fp8 Q needs both q_scale and kv_scale")
-        _check_scale("q_scale", q_scale)
+        _checks.check_scale("q_scale", q_scale)
     else:
         need(q_scale is None, "q_scale given for a bf16 Q")
     if KV.dtype == dtypes.fp8:
         need(kv_scale is not None, "fp8 KV needs kv_scale (the kernel would read an unset scale)")
-        _check_scale("kv_scale", kv_scale)
+        _checks.check_scale("kv_scale", kv_scale)
     else:
         need(kv_scale is None, "kv_scale given for a bf16 KV cache")
 
     need(work_meta_data is not None and work_indptr is not None and work_info_set is not None,
          "the persistent stage 1 needs work_meta_data, work_indptr and work_info_set")
-    built = _state.metadata.get(work_meta_data.data_ptr())
-    need(built is not None, "work_meta_data was not filled by get_mla_metadata_v1")
-    need(work_meta_data.tolist() == [work_indptr.data_ptr(), work_info_set.data_ptr()],
-         "work_meta_data points at other buffers than work_indptr / work_info_set (swapped?)")
-    need(built["kv_indptr"] == kv_indptr.tolist(), "metadata was built for other kv lengths")
-    need(built["page_size"] == page_size, "metadata was built for another page size")
-    for key, actual in (("dtype_q", Q.dtype), ("dtype_kv", KV.dtype)):
-        need(built[key] in (None, actual), f"metadata was built for {key}={built[key]}, call has {actual}")
+    built = _checks.need_work_list(work_meta_data, work_indptr, work_info_set, kv_indptr, page_size, Q.dtype,
+                                   KV.dtype)
     rows = built["partial_rows"] * max_seqlen_q
     for name, t, width in (("splitData", split_data, 512), ("splitLse", split_lse, 1)):
         need_tensor(name, t, dtype=torch.float32, dim=4)

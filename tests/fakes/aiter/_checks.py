@@ -5,6 +5,7 @@ import functools
 import inspect
 
 import torch
+from aiter import _state
 
 
 class FakeAiterError(RuntimeError):
@@ -33,6 +34,24 @@ def need_int(name, value):
 def need_pow2(name, value):
     need_int(name, value)
     need(value > 0 and value & (value - 1) == 0, f"{name} Must be power of 2! (got {value})")
+
+
+def check_scale(name, scale):
+    need_tensor(name, scale, dtype=torch.float32)
+    need(tuple(scale.shape) == (1,), f"{name} must be a per-tensor fp32 [1] dequant scale, got {tuple(scale.shape)}")
+
+
+def need_work_list(work_meta_data, work_indptr, work_info_set, kv_indptr, page_size, q_dtype, kv_dtype):
+    """What get_mla_metadata_v1 built work_meta_data for, checked against the call; returned."""
+    built = _state.metadata.get(work_meta_data.data_ptr())
+    need(built is not None, "work_meta_data was not filled by get_mla_metadata_v1")
+    need(work_meta_data.tolist() == [work_indptr.data_ptr(), work_info_set.data_ptr()],
+         "work_meta_data points at other buffers than work_indptr / work_info_set (swapped?)")
+    need(built["kv_indptr"] == kv_indptr.tolist(), "metadata was built for other kv lengths")
+    need(built["page_size"] == page_size, "metadata was built for another page size")
+    for key, actual in (("dtype_q", q_dtype), ("dtype_kv", kv_dtype)):
+        need(built[key] in (None, actual), f"metadata was built for {key}={built[key]}, call has {actual}")
+    return built
 
 
 def keywords_past(count: int):

@@ -12,7 +12,7 @@ import functools
 import os
 
 import torch
-from aiter import _state, dtypes
+from aiter import _checks, _state, dtypes
 from aiter._checks import keywords_past, need, need_int, need_pow2, need_tensor, paged_attend
 
 # (q dtype, kv dtype) -> modes with an assembly kernel for 16 heads, 576/512, qlen 1
@@ -55,11 +55,6 @@ def _use_persistent_mla_decode(bs, nhead, max_seqlen_q, q_dtype, kv_dtype):
         return True
     max_batch = _persistent_mla_decode_max_batch()
     return max_batch <= 0 or bs < max_batch
-
-
-def _check_scale(name, scale):
-    need_tensor(name, scale, dtype=torch.float32)
-    need(tuple(scale.shape) == (1,), f"{name} must be a per-tensor fp32 [1] dequant scale, got {tuple(scale.shape)}")
 
 
 def _mla_decode_fwd_v0_1_11(
@@ -197,12 +192,12 @@ def _decode(args, use_opus, keep_persistent=True):
              f"{kv_buffer.dtype} at {heads} heads, max_seqlen_q {max_seqlen_q}")
     if q.dtype == dtypes.fp8:
         need(q_scale is not None and kv_scale is not None, "fp8 q needs both q_scale and kv_scale")
-        _check_scale("q_scale", q_scale)
+        _checks.check_scale("q_scale", q_scale)
     else:
         need(q_scale is None, "q_scale given for a bf16 q")
     if kv_buffer.dtype == dtypes.fp8:
         need(kv_scale is not None, "fp8 KV needs kv_scale (v0.1.11 leaves it uninitialised otherwise)")
-        _check_scale("kv_scale", kv_scale)
+        _checks.check_scale("kv_scale", kv_scale)
     else:
         need(kv_scale is None, "kv_scale given for a bf16 KV cache")
 
@@ -215,14 +210,8 @@ def _decode(args, use_opus, keep_persistent=True):
                  f"metadata may hold ({_state.cu_num}): pass get_mla_decode_fwd_max_splits(...)")
         for name in _PERSISTENT_BUFFERS:
             need_tensor(name, locals()[name])
-        built = _state.metadata.get(work_meta_data.data_ptr())
-        need(built is not None, "work_meta_data was not filled by get_mla_metadata_v1")
-        need(work_meta_data.tolist() == [work_indptr.data_ptr(), work_info_set.data_ptr()],
-             "work_meta_data points at other buffers than work_indptr / work_info_set (swapped?)")
-        need(built["kv_indptr"] == kv_indptr.tolist(), "metadata was built for other kv lengths")
-        need(built["page_size"] == page_size, "metadata was built for another page size")
-        for key, actual in (("dtype_q", q.dtype), ("dtype_kv", kv_buffer.dtype)):
-            need(built[key] in (None, actual), f"metadata was built for {key}={built[key]}, call has {actual}")
+        _checks.need_work_list(work_meta_data, work_indptr, work_info_set, kv_indptr, page_size, q.dtype,
+                               kv_buffer.dtype)
     elif num_kv_splits_indptr is not None:
         need_int("num_kv_splits", num_kv_splits)
         bounds = kv_indptr.tolist()
