@@ -30,23 +30,14 @@ def name(variant: Variant) -> str:
     return "A" if tps == A.split("=")[1] else "B" if tps == B.split("=")[1] else "D"
 
 
-def made_up(call) -> Timing:
-    t = TIMES[call.kv_len][name(call.variant)] * call.batch
-    return Timing(t, t, t, 1)
-
-
-def made_up_time(call, reps: int) -> Timing:
-    """TIMES, in a worker; A's runner really runs at its first measurement (the worker
-    builds and feeds it: the interpreter's run costs a second, so only that one)."""
-    if (call.batch, call.kv_len, reps, name(call.variant)) == (1, 32, 1, "A"):
-        call()
-    t = made_up(call).median_us
-    return Timing(t, t, t, reps)
-
-
 def crashing_time(call, reps: int) -> Timing:
-    """made_up_time, except that D (never kept: 50 us against 10-20) kills its worker at
-    batch 1, kv 32, as a kernel that segfaults would."""
+    """TIMES, in a worker, except that D (never kept: 50 us against 10-20) kills its worker at
+    batch 1, kv 32, as a kernel that segfaults would. A's runner really runs at its first
+    measurement (the worker builds and feeds it: the interpreter's run costs a second, so only
+    that one)."""
     if call.batch == 1 and call.kv_len == 32 and name(call.variant) == "D":
         os._exit(11)
-    return made_up_time(call, reps)
+    if (call.batch, call.kv_len, reps, name(call.variant)) == (1, 32, 1, "A"):
+        call()
+    t = TIMES[call.kv_len][name(call.variant)] * call.batch
+    return Timing(t, t, t, reps)

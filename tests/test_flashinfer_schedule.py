@@ -32,6 +32,8 @@ FI = Variant.parse("flashinfer(kernel=fa3,kv=bf16,q=bf16)")
 FM = Variant.parse("flashmla(kv=bf16,q=bf16)")
 TR = Variant.parse("triton(block_h=16,block_n=32,dot_dtype=bf16,kv=bf16,max_splits=64,num_stages=2,"
                    "num_warps=4,q=bf16,tokens_per_split=128)")
+KEY = FamilyKey("bf16", 64, 16, 4)
+MODEL = VendorModel(FI, (1.0, 0.05, 0.0, 0.0, 0.0, 0.0), 132, 0.031)  # a model the table writes and reads
 
 
 def test_the_replay_deals_chunks_as_flashinfer_does_and_short_sequences_split_into_small_chunks():
@@ -66,7 +68,7 @@ def test_a_linear_fit_recovers_its_coefficients_and_zeroes_a_constant_column():
 
 
 def _family(model: VendorModel | None) -> Family:
-    fam = Family(FamilyKey("bf16", 64, 16, 4))
+    fam = Family(KEY)
     for (b, kv), times in {
         (8, 16384): {FI: 60.0, FM: 80.0}, (8, 32768): {FI: 100.0, FM: 130.0},
         (16, 16384): {FI: 96.0, FM: 127.0}, (16, 32768): {FI: 166.0, FM: 202.0},
@@ -98,13 +100,13 @@ def test_the_eager_pick_is_the_fastest_estimate_and_flashinfers_comes_from_its_s
     assert table.lookup(spec, 15, 44654.0) == FM
     # near FlashMLA's the model runs; over 1.5x from it either way, the interpolated time stands
     assert table.estimates(spec, 8, 16384.0)[FI] != pytest.approx(60.0)
-    table.families[FamilyKey("bf16", 64, 16, 4)].points[(8, 16384)] = {FI: 60.0, FM: 200.0}
+    table.families[KEY].points[(8, 16384)] = {FI: 60.0, FM: 200.0}
     table.estimator.clear()
     assert table.estimates(spec, 8, 16384.0)[FI] == pytest.approx(60.0)
     # a graph pick still ignores the lengths
     assert table.lookup(spec, 15, graph=True) is None
     # where no variant was measured at every point around the call, the cell decides
-    fam = table.families[FamilyKey("bf16", 64, 16, 4)]
+    fam = table.families[KEY]
     fam.points[(16, 32768)] = {TR: 300.0}
     fam.cells[(16, 32768)] = Cell(16, 32768, FM, 202.0)
     table.estimator.clear()
@@ -112,13 +114,13 @@ def test_the_eager_pick_is_the_fastest_estimate_and_flashinfers_comes_from_its_s
 
 
 def test_points_and_the_model_survive_a_write_and_load(tmp_path):
-    table = _table(VendorModel(FI, (1.0, 0.05, 0.0, 0.0, 0.0, 0.0), 132, 0.031))
+    table = _table(MODEL)
     path = write_serving_table(tmp_path / "H200.serving.yaml", table)
     text = path.read_text()
     assert "schema: serving/6" in text and "models:\n  - backend: flashinfer" in text
     assert "- {batch: 8, kv_len: 16384, us: {0: 60.0, 1: 80.0}}" in text  # one line a point
     loaded = load_serving_table(path)
-    fam = loaded.families[FamilyKey("bf16", 64, 16, 4)]
+    fam = loaded.families[KEY]
     assert fam.points == _family(None).points
     assert fam.models == table.families[fam.key].models
     assert loaded.as_dict() == table.as_dict()
@@ -137,7 +139,7 @@ def test_points_and_the_model_survive_a_write_and_load(tmp_path):
     (lambda f: f.update(variants="x"), "variants must be a list"),
 ])
 def test_a_broken_model_or_point_is_refused(tmp_path, edit, words):
-    data = _table(VendorModel(FI, (1.0, 0.05, 0.0, 0.0, 0.0, 0.0), 132, 0.031)).as_dict()
+    data = _table(MODEL).as_dict()
     data["families"][0]["points"] = [dict(p) for p in data["families"][0]["points"]]
     edit(data["families"][0])
     path = tmp_path / "bad.serving.yaml"
@@ -152,22 +154,21 @@ def test_the_build_fits_flashinfers_model_to_its_aligned_cells():
         cells = {(b, kv): t for (k, b, kv), t in timed.items() if k == key and kv > 0}
         return fit_models(key, points, cells, {"sm_count": sm_count, "smem_per_sm": 0}).get(FI)
 
-    key = FamilyKey("bf16", 64, 16, 4)
     truth = (6.0, 0.03, 1.5, 0.02, 0.05, 0.01)
     timed, points = {}, {}
     for b in (1, 2, 4, 8, 12, 16):
         for kv in (512, 1024, 2048, 4096, 8192):
             t = predict(truth, flashinfer_mla_features([kv] * b, 16, 4, 132))
-            timed[(key, b, kv)] = {str(FI): t, str(FM): 2 * t}
+            timed[(KEY, b, kv)] = {str(FI): t, str(FM): 2 * t}
             points[(b, kv)] = {FI: t, FM: 2 * t}
-    timed[(key, 16, 0)] = {str(FI): 1e6}  # the graph stage's ragged mix: not a cell, not fitted
-    model = _flashinfer_model(timed, key, points, 132)
+    timed[(KEY, 16, 0)] = {str(FI): 1e6}  # the graph stage's ragged mix: not a cell, not fitted
+    model = _flashinfer_model(timed, KEY, points, 132)
     assert model.variant == FI and model.sm_count == 132 and model.fit_error_p90 < 1e-4
     for lens in ([3000] * 7, [44654] * 15, [600, 9000, 30000]):  # off the grid: features the grid
         feats = flashinfer_mla_features(lens, 16, 4, 132)  # only spans approximately
-        assert model.time_us(key, lens) == pytest.approx(predict(truth, feats), rel=0.02)
-    assert _flashinfer_model(timed, key, points, 0) is None  # no SM count in the results header
+        assert model.time_us(KEY, lens) == pytest.approx(predict(truth, feats), rel=0.02)
+    assert _flashinfer_model(timed, KEY, points, 0) is None  # no SM count in the results header
     few = dict(list(timed.items())[:FIT_MIN_CELLS - 1])
-    assert _flashinfer_model(few, key, points, 132) is None
+    assert _flashinfer_model(few, KEY, points, 132) is None
     no_fi = {p: {FM: t[FM]} for p, t in points.items()}
-    assert _flashinfer_model(timed, key, no_fi, 132) is None  # FlashInfer is no eager pick
+    assert _flashinfer_model(timed, KEY, no_fi, 132) is None  # FlashInfer is no eager pick

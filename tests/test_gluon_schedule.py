@@ -60,9 +60,11 @@ def test_the_occupancy_is_what_the_shared_memory_holds():
     assert gl.occupancy_cap(_variant(block_h=8), 4) == 228 * 1024 // gs_smem_bytes(32, 2, True)
 
 
-def test_a_ragged_batchs_long_sequence_waits_on_a_small_split_cap():
+def test_a_ragged_batch_waits_on_a_small_split_cap_and_more_programs_per_split_past_a_wave():
     """One 64k sequence among short ones bounds the call at max_splits 16, far less at 64; a
-    uniform short batch (fewer splits than either cap) has the same makespan under both."""
+    uniform short batch (fewer splits than either cap) has the same makespan under both. Two
+    V halves or 8-head tiles double the programs per split: past a wave the makespan grows,
+    within one it does not."""
     ragged = [64000] + [1000] * 31
     few = gl.gluon_schedule(ragged, 16, _params(max_splits=16), 2, 132)
     many = gl.gluon_schedule(ragged, 16, _params(max_splits=64), 2, 132)
@@ -70,11 +72,6 @@ def test_a_ragged_batchs_long_sequence_waits_on_a_small_split_cap():
     uniform = [1000] * 32
     assert (gl.gluon_schedule(uniform, 16, _params(max_splits=16), 2, 132)
             == gl.gluon_schedule(uniform, 16, _params(max_splits=64), 2, 132))
-
-
-def test_more_programs_per_split_take_longer_past_a_wave():
-    """Two V halves or 8-head tiles double the programs per split: past a wave the makespan
-    grows, within one it does not."""
     lens = [8192] * 64
     base = gl.gluon_schedule(lens, 16, _params(), 1, 132)
     assert gl.gluon_schedule(lens, 16, _params(v_halves=2), 1, 132) > 1.5 * base

@@ -43,13 +43,14 @@ def numpy_path(monkeypatch):
     return run
 
 
-def _batches(seed: int, n: int = 400):
-    """n random ragged batches (some with an empty sequence): (rng, batch, lengths, heads)."""
+def _batches(seed: int, n: int = 400, max_batch: int = 256, empty: float = 0.15):
+    """n random ragged batches (an `empty` share with an empty sequence): (rng, batch, lengths,
+    heads); also tests/test_splitk_fast.py's and tests/test_vendor_fast.py's batches."""
     rng = random.Random(seed)
     for _ in range(n):
-        batch = rng.randint(1, 256)
+        batch = rng.randint(1, max_batch)
         lens = [int(2 ** rng.uniform(0, 16.5)) for _ in range(batch)]
-        if rng.random() < 0.15:
+        if rng.random() < empty:
             lens[rng.randrange(batch)] = 0
         yield rng, batch, np.asarray(lens, dtype=np.int64), rng.choice([16, 64, 128])
 
@@ -128,7 +129,11 @@ def test_the_runs_dealing_in_c_is_greedy_makespan():
         assert got == want == max(heap), (work.tolist(), slots)
 
 
-def test_the_flashinfer_replay_in_c_is_the_numpy_replay_and_built_wherever_a_c_compiler_is(numpy_path):
+def test_flashinfer_replay_and_dealing_in_c_are_the_numpy_paths_and_built_wherever_a_c_compiler_is(numpy_path):
+    """The replay in C equals the numpy path's on random batches; its dealing in C (the least key
+    from three places: the clusters not dealt to, an ascending queue, a heap) deals each chunk
+    where the numpy path's heap does: batches of equal or few distinct lengths (equal loads,
+    ties to the lower index), of one long sequence, random, over 1 to 66 clusters and 132."""
     have = native.compiler() is not None
     assert (sk._native() is not None, fi._native() is not None) == (have, have)
     for rng, _batch, lens, heads in _batches(5):
@@ -139,14 +144,7 @@ def test_the_flashinfer_replay_in_c_is_the_numpy_replay_and_built_wherever_a_c_c
         works = fi.flashinfer_mla_works_per_cluster(lens, heads, q_len, sm)
         assert works == numpy_path(fi.flashinfer_mla_works_per_cluster, lens, heads, q_len, sm)
     assert fi.flashinfer_mla_features([], 16, 1, 132) == numpy_path(fi.flashinfer_mla_features, [], 16, 1, 132)
-
-
-def test_the_flashinfer_dealing_in_c_is_the_heap_dealing_at_ties_and_few_clusters(numpy_path):
-    """FlashInfer's dealing in C (the least key from three places: the clusters not dealt to,
-    an ascending queue, a heap) deals each chunk where the numpy path's heap does: batches of
-    equal or few distinct lengths (equal loads, ties to the lower index), of one long
-    sequence, random, over 1 to 66 clusters and 132."""
-    if fi._native() is None:
+    if not have:
         pytest.skip("no C compiler here: the numpy dealing is the only one")
     rng = random.Random(23)
     for _ in range(1500):
@@ -220,8 +218,9 @@ def test_the_interpolation_in_c_is_the_python_interpolation():
     assert compared > 10000 and left_out > 0  # the imputing and leaving-out branches ran
 
 
-def test_a_split_k_models_one_call_replay_in_c_is_its_numpy_replay(numpy_path):
-    """SplitKModel.replay (makespan, reduction steps, a uniform batch's steps: one C call)."""
+def test_a_split_k_and_a_gluon_models_one_call_replay_in_c_is_its_numpy_replay(numpy_path):
+    """SplitKModel.replay (makespan, reduction steps, a uniform batch's steps: one C call);
+    GluonModel.replay (gluon_fused's makespan, one C call) over one wave, many, the heap."""
     for rng, batch, lens, heads in _batches(5):
         q_len = rng.randint(1, 4)
         variant = Variant.make("triton", **_splitk_params(rng))
@@ -234,10 +233,6 @@ def test_a_split_k_models_one_call_replay_in_c_is_its_numpy_replay(numpy_path):
         want = numpy_path(model.replay, call)
         assert got == want and all(type(x) is t for x, t in zip(got[1:], (int, int), strict=True)), (
             lens.tolist(), heads, q_len, variant, uniform)
-
-
-def test_a_gluon_models_replay_in_c_is_its_numpy_replay(numpy_path):
-    """GluonModel.replay (gluon_fused's makespan, one C call) over one wave, many, the heap."""
     assert gl._native() is not None
     for rng, batch, lens, heads in _batches(8):
         budget = rng.choice([0, 0, 66, 264])

@@ -25,11 +25,11 @@ def _v(splits: int) -> str:
 A, B, C, D, F = _v(2), _v(4), _v(8), _v(16), _v(64)  # F: the fallback
 
 
-def _table(eager: str) -> ServingTable:
+def _table(eager: str, graph: str = B, runner_up: dict | None = None) -> ServingTable:
     fam = Family(FamilyKey.of(SPEC))
     for kv in (512, 1024):
-        fam.cells[(4, kv)] = Cell(4, kv, Variant.parse(eager), 1.0)
-    fam.graph[4] = GraphPick(4, Variant.parse(B), 0.1, 512)
+        fam.cells[(4, kv)] = Cell(4, kv, Variant.parse(eager), 1.0, runner_up=runner_up)
+    fam.graph[4] = GraphPick(4, Variant.parse(graph), 0.1, 512)
     return ServingTable("H200", {}, [4], [512, 1024], {fam.key: fam})
 
 
@@ -98,7 +98,10 @@ def test_a_rescore_scores_recorded_times_and_fails_on_a_threshold_or_an_unmeasur
     assert json.loads((tmp_path / "r.json").read_text())["schema"] == rs.RESCORE_SCHEMA
 
 
-def test_bad_reports_are_named(tmp_path):
+def test_a_folder_names_its_reports_in_order_and_bad_reports_are_named(reports, tmp_path):
+    (tmp_path / "notes.txt").write_text("not a report")
+    assert rs.report_paths([tmp_path]) == sorted(reports)
+    assert len(rs.rescore(_table(A), [tmp_path], log=lambda _: None)["shapes"]) == 4
     with pytest.raises(VerifyError, match="no such verify report"):
         rs.read_report(tmp_path / "missing.json")
     (tmp_path / "bad.json").write_text("{not json")
@@ -114,20 +117,9 @@ def test_bad_reports_are_named(tmp_path):
         rs.report_paths([tmp_path / "empty"])
 
 
-def test_a_folder_names_its_reports_in_order(reports, tmp_path):
-    (tmp_path / "notes.txt").write_text("not a report")
-    assert rs.report_paths([tmp_path]) == sorted(reports)
-    out = rs.rescore(_table(A), [tmp_path], log=lambda _: None)
-    assert len(out["shapes"]) == 4
-
-
 def test_unrunnable_backends_are_scored_by_the_stand_ins_a_plan_runs(reports):
-    fm = Variant.make("flashmla", kv="bf16", q="bf16")
-    fam = Family(FamilyKey.of(SPEC))
-    for kv in (512, 1024):
-        fam.cells[(4, kv)] = Cell(4, kv, fm, 1.0, runner_up={"variant": C, "time_us": 1.1})
-    fam.graph[4] = GraphPick(4, fm, 0.1, 512)
-    table = ServingTable("H200", {}, [4], [512, 1024], {fam.key: fam})
+    fm = str(Variant.make("flashmla", kv="bf16", q="bf16"))
+    table = _table(fm, fm, runner_up={"variant": C, "time_us": 1.1})
     out = rs.rescore(table, reports, unrunnable=["flashmla"], log=lambda _: None)
     assert [r["roles"]["eager"] for r in out["shapes"]] == [C, C, C, F]  # the runner-up
     assert [r["roles"]["graph"] for r in out["shapes"]] == [F, F, F, F]  # no stand-in: the fallback

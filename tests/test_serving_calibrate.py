@@ -15,6 +15,7 @@ from mla_tune.serving.table import FamilyKey, load_serving_table
 from mla_tune.tune import timing
 
 TABLE = "tables/H200.serving.yaml"
+FAMILY = "kv_format=bf16,heads=16,q_len=1"  # one family: bf16 KV, 16 heads, q_len 1
 H200 = Platform("H200", "NVIDIA H200 (simulated)", "sm_90", False, 132, simulated=True)
 
 
@@ -57,8 +58,22 @@ def test_each_probe_pairs_a_long_tail_with_the_uniform_batch_of_its_tokens(monke
         assert None not in spec_free
 
 
-def test_the_cost_per_step_is_what_the_model_misses_on_the_tail_and_the_table_keeps_it(tmp_path):
+def test_the_cost_per_step_is_what_the_model_misses_on_the_tail_the_table_keeps_it_and_bad_runs_write_nothing(
+        tmp_path):
+    """Another GPU, bad options and a dry run leave the table alone; then a calibration writes
+    the cost per step that the model misses on the tail, for the family asked only."""
     path = shutil.copy(TABLE, tmp_path / "H200.serving.yaml")
+    before = path.read_bytes()
+    mi355x = Platform("MI355X", "AMD Instinct MI355X (simulated)", "gfx950", True, 256, simulated=True)
+    with pytest.raises(cal.CalibrateError, match="the table is for H200; this is MI355X"):
+        cal.calibrate(path, platform=mi355x, families="heads=16,q_len=1,kv_format=bf16", log=lambda _: None,
+                      measure_fn=lambda *a: pytest.fail("measured on the wrong GPU"))
+    with pytest.raises(cal.CalibrateError, match="--reps and --rounds must be >= 1"):
+        cal.calibrate(path, reps=0, log=lambda _: None)
+    lines = []
+    assert cal.calibrate(path, dry_run=True, log=lines.append)["path"] is None
+    assert path.read_bytes() == before and "probes" in lines[0] and len(lines) > 1
+    assert cal.main(["--table", str(tmp_path / "none.yaml"), "--dry-run"]) == 1
     table = load_serving_table(path)
     key = FamilyKey("bf16", 64, 16, 1)
     others = {k: dict(f.calibration) for k, f in table.families.items() if k != key}
@@ -72,7 +87,7 @@ def test_the_cost_per_step_is_what_the_model_misses_on_the_tail_and_the_table_ke
                for n, lens in (("uniform", probe.uniform), ("tail", probe.tail))}
         return {"uniform": est["uniform"] + 3.0, "tail": est["tail"] + 3.0 + 4.5 * (probe.steps[1] - probe.steps[0])}
 
-    out = cal.calibrate(path, families="kv_format=bf16,heads=16,q_len=1", platform=H200, device="cpu",
+    out = cal.calibrate(path, families=FAMILY, platform=H200, device="cpu",
                         measure_fn=fake_measure, log=lambda _: None)
     assert [p["per_step"] for p in out["probes"]] == [16, 64] and len(seen) == 2
     assert all(p["step_us"] == pytest.approx(4.5) for p in out["probes"])
@@ -87,24 +102,9 @@ def test_the_cost_per_step_is_what_the_model_misses_on_the_tail_and_the_table_ke
     after = loaded.model_estimates(spec, tail)[seen[0].variant]
     assert after == pytest.approx(before + 4.5 * (seen[0].steps[1] - seen[0].steps[0]), rel=1e-6)
     # a model that is faster on the tail than it says gives 0, not a negative cost
-    cal.calibrate(path, families="kv_format=bf16,heads=16,q_len=1", platform=H200, device="cpu",
+    cal.calibrate(path, families=FAMILY, platform=H200, device="cpu",
                   measure_fn=lambda p, *a: {"uniform": 100.0, "tail": 1.0}, log=lambda _: None)
     assert load_serving_table(path).families[key].calibration == {"triton": {"reduce_step_us": {16: 0.0, 64: 0.0}}}
-
-
-def test_calibrate_refuses_another_gpu_and_bad_options_and_a_dry_run_writes_nothing(tmp_path):
-    path = shutil.copy(TABLE, tmp_path / "H200.serving.yaml")
-    before = path.read_bytes()
-    mi355x = Platform("MI355X", "AMD Instinct MI355X (simulated)", "gfx950", True, 256, simulated=True)
-    with pytest.raises(cal.CalibrateError, match="the table is for H200; this is MI355X"):
-        cal.calibrate(path, platform=mi355x, families="heads=16,q_len=1,kv_format=bf16", log=lambda _: None,
-                      measure_fn=lambda *a: pytest.fail("measured on the wrong GPU"))
-    with pytest.raises(cal.CalibrateError, match="--reps and --rounds must be >= 1"):
-        cal.calibrate(path, reps=0, log=lambda _: None)
-    lines = []
-    assert cal.calibrate(path, dry_run=True, log=lines.append)["path"] is None
-    assert path.read_bytes() == before and "probes" in lines[0] and len(lines) > 1
-    assert cal.main(["--table", str(tmp_path / "none.yaml"), "--dry-run"]) == 1
 
 
 def test_a_probe_runs_checked_on_the_real_kernel(device):

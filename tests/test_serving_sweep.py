@@ -171,10 +171,13 @@ def test_the_graph_pick_is_judged_on_the_buckets_ragged_mix_too(tiny, tmp_path, 
         assert fam.graph[b].worst_regret == pytest.approx(18.5 / 16.0 - 1, abs=1e-4)
 
 
-def test_ragged_probe_lengths_are_fixed_and_in_range():
+def test_ragged_probe_lengths_are_fixed_and_in_range_and_an_edge_batch_is_a_buckets_smallest():
     lens = sw.ragged_probe_lengths(64, [512, 1024, 65536])
     assert lens == sw.ragged_probe_lengths(64, [512, 1024, 65536]) and len(lens) == 64
     assert min(lens) >= 512 and max(lens) <= 65536 and len(set(lens)) > 32
+    buckets = [1, 2, 4, 8, 12, 96, 112]
+    assert [edge_batch(buckets, b) for b in buckets] == [None, None, 3, 5, 9, 13, 97]
+    assert edge_batch([4, 1, 2], 4) == 3  # any order
 
 
 def test_a_probe_prunes_a_hopeless_candidate_at_the_first_rung(tiny, tmp_path):
@@ -199,7 +202,10 @@ def test_a_probe_prunes_a_hopeless_candidate_at_the_first_rung(tiny, tmp_path):
     assert again.timed == []
 
 
-def test_a_killed_sweep_resumes_without_retiming_and_ends_as_one_run(tiny, tmp_path):
+def test_a_killed_a_sharded_and_a_worker_timed_sweep_each_end_as_the_table_of_one_run(tiny, tmp_path):
+    """A killed sweep resumes without retiming; shards merge; a sweep timed in a worker process
+    writes the same steps and table, and a worker killed by D (batch 1, kv 32) costs only that
+    step, recorded as crashed."""
     whole = _sweep(tiny, tmp_path / "whole", FakeTimer())
     with pytest.raises(KeyboardInterrupt):
         _sweep(tiny, tmp_path, FakeTimer(stop_after=4))
@@ -216,41 +222,33 @@ def test_a_killed_sweep_resumes_without_retiming_and_ends_as_one_run(tiny, tmp_p
     assert all(re.search(r"elapsed \d+ s, ETA \d+ s$", line) for line in cells), cells
     assert _steps(results) == _steps(whole["results"])
     assert _picks(load_serving_table(summary["table"])) == _picks(load_serving_table(whole["table"]))
-
-
-def test_a_sweep_timed_in_a_worker_process_writes_the_table_of_one_timed_here(tiny, tmp_path):
-    """Same steps and table timed in a worker process; a worker killed by D (batch 1, kv 32)
-    costs only that step, recorded as crashed."""
-    here = _sweep(tiny, tmp_path / "here", FakeTimer())
+    # timed in a worker process
     there = _sweep(tiny, tmp_path / "worker", "tests.serving_timers:crashing_time")
     _, records, _ = read_records(there["results"])
     crashed = [r for r in records if r["kind"] == "step" and r["status"] == "crashed"]
     assert [(r["batch"], r["kv_len"], name(Variant.parse(r["variant"]))) for r in crashed] == [(1, 32, "D")]
     assert "exit code 11" in crashed[0]["error"] and "worker-0.log" in crashed[0]["error"]
-    assert _steps(there["results"]) == _steps(here["results"])
-    assert _families(there["table"]) == _families(here["table"])
+    assert _steps(there["results"]) == _steps(whole["results"])
+    assert _families(there["table"]) == _families(whole["table"])
     assert (tmp_path / "worker" / "CPU.serving.worker-0.log").exists()
-
-
-def test_shards_merge_into_the_table_of_one_run(tiny, tmp_path):
-    whole = _sweep(tiny, tmp_path / "whole", FakeTimer())
-    paths = []
+    # in shards, merged
+    shards, paths = tmp_path / "shards", []
     for i in (1, 2):
-        summary = _sweep(tiny, tmp_path, FakeTimer(), shard=(i, 2))
+        summary = _sweep(tiny, shards, FakeTimer(), shard=(i, 2))
         assert summary["table"] is None and summary["cells"] == 2
         paths.append(summary["results"])
     assert paths[0] != paths[1]
-    config = tmp_path / "tiny.yaml"  # the command line reads the config from its file
+    config = shards / "tiny.yaml"  # the command line reads the config from its file
     config.write_text(yaml.safe_dump(TINY))
-    out = tmp_path / "merged.serving.yaml"
+    out = shards / "merged.serving.yaml"
     result = CliRunner().invoke(app, ["sweep", "--gpu", "CPU", "--config", str(config), "--out", str(out),
                                       "--merge", ",".join(map(str, paths))])
     assert result.exit_code == 0, result.output
     assert _picks(load_serving_table(out)) == _picks(load_serving_table(whole["table"]))
     assert _families(out) == _families(whole["table"])
     with pytest.raises(sw.ServingSweepError, match="merge only the shards of one config"):
-        sw.merge(tiny, "H200", paths, out=tmp_path / "x.yaml", log=lambda line: None)
-    assert sw.sweep_from_cli(config, "H200", out=tmp_path / "x.yaml", merge_results=paths) == 1
+        sw.merge(tiny, "H200", paths, out=shards / "x.yaml", log=lambda line: None)
+    assert sw.sweep_from_cli(config, "H200", out=shards / "x.yaml", merge_results=paths) == 1
 
 
 def test_the_budget_stops_cleanly_and_the_table_says_what_was_left_out(tiny, tmp_path, monkeypatch):
@@ -453,19 +451,6 @@ def test_cell_lengths_are_a_search_option_that_changes_the_hash_and_the_timed_le
     assert _named(_picks(table)[0]) == {(1, 32): "A", (1, 64): "B", (2, 32): "A", (2, 64): "B"}
 
 
-def test_edge_batch_is_the_smallest_batch_a_bucket_serves():
-    buckets = [1, 2, 4, 8, 12, 96, 112]
-    assert [edge_batch(buckets, b) for b in buckets] == [None, None, 3, 5, 9, 13, 97]
-    assert edge_batch([4, 1, 2], 4) == 3  # any order
-
-
-def _graph_union(out, batch: int) -> list[str]:
-    """The cross stage's union recorded for the bucket of `batch` in a sweep's results."""
-    (path,) = out.glob("*.results.jsonl")
-    _, records, _ = read_records(path)
-    return next(r["union"] for r in records if r["kind"] == "graph" and r["batch"] == batch)
-
-
 def _edge_timer() -> FakeTimer:
     """TIMES, except that A is twice as slow at batch 2 (the edge of the bucket of 4 after 1)."""
     return FakeTimer(slow=lambda call: 2.0 if call.batch == 2 and name(call.variant) == "A" else 1.0)
@@ -483,7 +468,9 @@ def test_the_edge_stage_times_finalists_at_the_buckets_smallest_batch(tiny, tmp_
     summary = _sweep(edged, tmp_path / "edge", timer)
     table = load_serving_table(summary["table"])
     at_edge = {(kv, name(Variant.parse(v))) for b, kv, v, _ in timer.timed if b == 2}
-    union = {name(Variant.parse(v)) for v in _graph_union(tmp_path / "edge", 4)}
+    _, records, _ = read_records(summary["results"])  # the cross stage's union for the bucket of 4
+    union = next(r["union"] for r in records if r["kind"] == "graph" and r["batch"] == 4)
+    union = {name(Variant.parse(v)) for v in union}
     assert {"A", "B", "C"} <= union
     assert at_edge == {(kv, n) for kv in (32, 64) for n in union}  # the bucket's finalists at every kv
     assert {b for b, _, _, _ in timer.timed} == {1, 2, 4}  # the bucket of 1 has no edge

@@ -145,24 +145,20 @@ def test_eager_pick_does_not_follow_one_buckets_outlier_and_weighs_the_buckets_s
     assert eager_pick({96: {"a": 1.0, "b": 1.5}}, 96, buckets, edge={"c": 0.1}) == "a"
 
 
-def _vendor_table(version: str) -> tuple[ServingTable, CallSpec]:
-    spec = CallSpec("bf16", page_size=64, heads=16, max_q_len=1)
-    fi = Variant.parse("flashinfer(kernel=fa3,kv=bf16,q=bf16)")
-    fam = Family(FamilyKey.of(spec))
-    fam.points = {(b, k): {fi: 10.0 * b * k / 1024, _v(4, "bf16"): 12.0 * b * k / 1024}
-                  for b in (4, 8) for k in (1024, 2048)}
-    fam.models = {fi: VendorModel(fi, (1.0, 0.01, 0.0, 0.0, 0.0, 0.0), 132, 0.05)}
-    return ServingTable("H200", {"versions": {"flashinfer-python": version}}, [4, 8], [1024, 2048],
-                        {fam.key: fam}), spec
-
-
 def test_the_lookup_warns_once_where_the_installed_vendor_is_not_the_tables(monkeypatch):
     from importlib import metadata
 
     real = metadata.version
     monkeypatch.setattr(metadata, "version", lambda d: "0.7.0" if d == "flashinfer-python" else real(d))
+    spec = CallSpec("bf16", page_size=64, heads=16, max_q_len=1)
+    fi = Variant.parse("flashinfer(kernel=fa3,kv=bf16,q=bf16)")
     for version, warned in (("0.6.18.post1", 1), ("0.7.0", 0)):
-        table, spec = _vendor_table(version)
+        fam = Family(FamilyKey.of(spec))
+        fam.points = {(b, k): {fi: 10.0 * b * k / 1024, _v(4, "bf16"): 12.0 * b * k / 1024}
+                      for b in (4, 8) for k in (1024, 2048)}
+        fam.models = {fi: VendorModel(fi, (1.0, 0.01, 0.0, 0.0, 0.0, 0.0), 132, 0.05)}
+        table = ServingTable("H200", {"versions": {"flashinfer-python": version}}, [4, 8], [1024, 2048],
+                             {fam.key: fam})
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for batch in (5, 6, 7):

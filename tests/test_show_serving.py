@@ -145,8 +145,10 @@ def _changed(table: ServingTable) -> None:
     fp8.graph[32] = GraphPick(32, _v(64), 0.05, 1024)
 
 
-def test_diff_of_serving_tables_flags_pick_and_time_changes_per_family(tmp_path):
+def test_diff_of_serving_tables_flags_pick_and_time_changes_per_family_and_never_imports_torch(tmp_path):
     old, new = _write(tmp_path, "old.serving.yaml"), _write(tmp_path, "new.serving.yaml", _changed)
+    assert_commands_import_no_torch(["show", "--table", old], ["show", "--table", old, "--json"],
+                                    ["diff", old, new], ["diff", old, new, "--json"])
     result = invoke("diff", old, new)
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
@@ -188,12 +190,6 @@ def test_diff_of_a_table_with_itself_changes_nothing_and_with_a_leaderboard_is_o
         assert "a leaderboard table" in result.output and "a serving table" in result.output
     result = invoke("diff", serving, tmp_path / "gone.serving.yaml")  # unreadable: its loader says why
     assert result.exit_code == 1 and "gone.serving.yaml does not exist" in result.output
-
-
-def test_show_and_diff_of_serving_tables_never_import_torch(tmp_path):
-    old, new = _write(tmp_path, "old.serving.yaml"), _write(tmp_path, "new.serving.yaml", _changed)
-    assert_commands_import_no_torch(["show", "--table", old], ["show", "--table", old, "--json"],
-                                    ["diff", old, new], ["diff", old, new, "--json"])
 
 
 def test_the_committed_serving_table_shows_in_80_columns_through_a_pipe():

@@ -133,7 +133,15 @@ def _serving(fam: Family) -> ServingTable:
     return ServingTable("H200", {}, [64, 128, 256, 512], [512, 1024, 2048], {KEY: fam})
 
 
-def test_the_lookup_estimates_a_ragged_batch_by_its_schedule():
+def _refused(path: Path, data: dict, words: str) -> None:
+    path.write_text(dump_yaml(data))
+    with pytest.raises(TableError, match=words):
+        load_serving_table(path)
+
+
+def test_the_models_estimate_a_ragged_batch_by_its_schedule_survive_a_write_and_load_or_are_refused(tmp_path):
+    """The lookup estimates a ragged batch by the model's schedule; the models survive a write
+    and load, and a broken or older one is refused."""
     table = _table(_splitk_models(KEY, _grid(), 132))
     assert table.lookup(SPEC, 100, 1024.0, kv_lens=UNIFORM) == ONE
     est = table.estimates(SPEC, 100, 1024.0, kv_lens=RAGGED)
@@ -141,16 +149,6 @@ def test_the_lookup_estimates_a_ragged_batch_by_its_schedule():
     assert table.lookup(SPEC, 100, 1024.0, kv_lens=RAGGED) == FM
     # without its model the split-K variant is interpolated as if uniform, and kept
     assert _table({}).lookup(SPEC, 100, 1024.0, kv_lens=RAGGED) == ONE
-
-
-def _refused(path: Path, data: dict, words: str) -> None:
-    path.write_text(dump_yaml(data))
-    with pytest.raises(TableError, match=words):
-        load_serving_table(path)
-
-
-def test_the_models_survive_a_write_and_load_and_a_broken_or_older_one_is_refused(tmp_path):
-    table = _table(_splitk_models(KEY, _grid(), 132))
     path = write_serving_table(tmp_path / "H200.serving.yaml", table)
     text = path.read_text()
     assert "models:" in text and "backend: triton" in text and "occupancy: 1" in text
@@ -293,10 +291,10 @@ def test_a_rate_the_points_cannot_blend_comes_from_the_interpolated_time():
 
 # Variants of the committed serving table's split-K models, one of each (block_n, num_warps)
 COMPILE_CASES = [
-    (FamilyKey("bf16", 64, 16, 1), "triton(block_h=16,block_n=32,dot_dtype=bf16,kv=bf16,max_splits=64,num_stages=2,"
-                                   "num_warps=4,q=bf16,split_budget=264,tokens_per_split=128)"),
-    (FamilyKey("bf16", 64, 16, 1), "triton(block_h=16,block_n=64,dot_dtype=bf16,kv=bf16,max_splits=64,num_stages=2,"
-                                   "num_warps=4,q=bf16,tokens_per_split=512)"),
+    (KEY, "triton(block_h=16,block_n=32,dot_dtype=bf16,kv=bf16,max_splits=64,num_stages=2,"
+          "num_warps=4,q=bf16,split_budget=264,tokens_per_split=128)"),
+    (KEY, "triton(block_h=16,block_n=64,dot_dtype=bf16,kv=bf16,max_splits=64,num_stages=2,"
+          "num_warps=4,q=bf16,tokens_per_split=512)"),
     (FamilyKey("fp8", 64, 16, 4), "triton(block_h=16,block_n=64,dot_dtype=bf16,kv=fp8,max_splits=64,num_stages=2,"
                                   "num_warps=8,q=bf16,split_budget=132,tokens_per_split=128)"),
 ]

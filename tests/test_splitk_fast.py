@@ -8,6 +8,7 @@ import numpy as np
 
 from mla_tune.backends.makespan import greedy_makespan
 from mla_tune.backends.triton_splitk_schedule import lengths, splitk_schedule
+from tests.test_native_replays import _batches
 
 
 def _params(rng):
@@ -17,14 +18,9 @@ def _params(rng):
 
 
 def test_array_replay_matches_the_loop():
-    rng = random.Random(7)
     branches = set()
-    for _ in range(600):
-        batch = rng.randint(1, 256)
-        lens = [int(2 ** rng.uniform(0, 16.5)) for _ in range(batch)]
-        if rng.random() < 0.1:
-            lens[rng.randrange(batch)] = 0
-        heads, q_len = rng.choice([16, 64, 128]), rng.randint(1, 4)
+    for rng, _batch, array, heads in _batches(7, 600, empty=0.1):
+        lens, q_len = array.tolist(), rng.randint(1, 4)
         params, occupancy, sm = _params(rng), rng.randint(1, 4), rng.choice([78, 132])
         item = rng.choice([0, 32, 256, 0.0])
         want = splitk_schedule(lens, heads, q_len, params, occupancy, sm, item)

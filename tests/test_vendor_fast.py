@@ -2,7 +2,6 @@
 its MLAPlan dealing on random ragged batches; works_per_cluster is the same on list and array."""
 
 import heapq
-import random
 
 import numpy as np
 
@@ -10,6 +9,7 @@ from mla_tune.backends.flashinfer_mla_schedule import (
     flashinfer_mla_features,
     flashinfer_mla_works_per_cluster,
 )
+from tests.test_native_replays import _batches
 
 SLOTS = 1 << 12
 
@@ -53,14 +53,9 @@ def _reference(kv_lens, heads, q_len, sm_count):
 
 
 def test_features_match_the_chunk_by_chunk_replay():
-    rng = random.Random(11)
     merged = several_tiles = 0
-    for _ in range(400):
-        batch = rng.randint(1, 160)
-        lens = [int(2 ** rng.uniform(0, 16.5)) for _ in range(batch)]
-        if rng.random() < 0.15:
-            lens[rng.randrange(batch)] = 0
-        heads, q_len, sm = rng.choice([16, 64, 128]), rng.randint(1, 4), rng.choice([78, 132])
+    for rng, _batch, array, heads in _batches(11, 400, max_batch=160):
+        lens, q_len, sm = array.tolist(), rng.randint(1, 4), rng.choice([78, 132])
         want = _reference(lens, heads, q_len, sm)
         assert flashinfer_mla_features(lens, heads, q_len, sm) == want, (lens, heads, q_len, sm)
         assert flashinfer_mla_features(np.asarray(lens), heads, q_len, sm) == want

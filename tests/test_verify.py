@@ -145,19 +145,6 @@ def test_regret_is_the_picks_time_over_the_best_correct_candidate(tiny, tmp_path
     assert saved["shapes"][0]["final_us"] and saved["shapes"][0]["input_seed"] == report["shapes"][0]["input_seed"]
 
 
-def test_a_wrong_fast_candidate_is_never_the_best_and_a_wrong_pick_fails(tiny, tmp_path):
-    cfg, table_path, names = tiny
-    text = table_path.read_text().replace(str(names["A"]), str(names["W"]))
-    table_path.write_text(text)  # the eager pick is now the wrong (fast) backend
-    report = vf.run_verify(table_path, shapes=1, ragged=0, samples=1, timer=FakeTimer(names),
-                           device="cpu", log=lambda _: None)
-    r = report["shapes"][0]
-    assert r["best"] == str(names["C"]) and r["checks"][str(names["W"])]["passed"] is False
-    assert r["regret"]["eager"] == pytest.approx(-0.5)  # faster than the best correct one, and wrong
-    assert report["verdict"]["failed"] and report["exit_code"] == 1
-    assert "outside the rule" in report["verdict"]["reasons"][0]
-
-
 def test_a_candidate_the_gate_rejects_does_not_compete_for_best(tiny, monkeypatch):
     """The table's sweep never admitted it, so the lookup is not judged against it."""
     _, table_path, names = tiny
@@ -176,7 +163,9 @@ def test_a_candidate_the_gate_rejects_does_not_compete_for_best(tiny, monkeypatc
         assert str(names["C"]) not in r["final_us"]
 
 
-def test_thresholds_set_the_exit_code_from_the_regret_statistics(tiny):
+def test_thresholds_set_the_exit_code_from_the_regret_statistics_and_a_wrong_fast_pick_fails(tiny):
+    """The regret thresholds set the exit code; a wrong fast candidate is never the best, and
+    as the eager pick it fails the run."""
     _, table_path, names = tiny
     kw = dict(shapes=1, ragged=0, samples=1, device="cpu", log=lambda _: None)
     report = vf.run_verify(table_path, max_p95=0.05, timer=FakeTimer(names), **kw)
@@ -195,6 +184,14 @@ def test_thresholds_set_the_exit_code_from_the_regret_statistics(tiny):
     assert s["geomean"] == pytest.approx((1.1 * 1.2) ** (1 / 20) - 1)
     assert vf.regret_stats([0.1, math.inf])["max"] == math.inf
     assert vf.regret_stats([])["n"] == 0
+    text = table_path.read_text().replace(str(names["A"]), str(names["W"]))
+    table_path.write_text(text)  # the eager pick is now the wrong (fast) backend
+    report = vf.run_verify(table_path, timer=FakeTimer(names), **kw)
+    r = report["shapes"][0]
+    assert r["best"] == str(names["C"]) and r["checks"][str(names["W"])]["passed"] is False
+    assert r["regret"]["eager"] == pytest.approx(-0.5)  # faster than the best correct one, and wrong
+    assert report["verdict"]["failed"] and report["exit_code"] == 1
+    assert "outside the rule" in report["verdict"]["reasons"][0]
 
 
 def _invoke(*args):
