@@ -271,6 +271,17 @@ def test_the_reduction_runs_in_narrow_and_wide_grids(device, monkeypatch, launch
     assert launches[-1][0] == (3, 2, 16 * (4 if wide else 1))
 
 
+def refill(static: serving.ServingInput, new: serving.ServingInput) -> None:
+    """new's tensors copied into static's (paged, fp8) buffers, as a graph's static inputs are."""
+    static.q.copy_(new.q)
+    static.qo_indptr.copy_(new.qo_indptr)
+    static.seq_lens.copy_(new.seq_lens)
+    static.block_table.zero_()
+    static.block_table[:, : new.block_table.shape[1]].copy_(new.block_table)
+    static.kv.view(torch.uint8)[: new.kv.shape[0]].copy_(new.kv.view(torch.uint8))
+    static.kv_scale.copy_(new.kv_scale)
+
+
 def test_one_workspace_serves_new_lengths_and_block_tables(device):
     """A graph replay: the same buffers refilled with other lengths, q_lens and tables."""
     first = serving.make_input([2, 1, 2], [40, 1, 100], 16, 16, "fp8", seed=21, device=device)
@@ -280,14 +291,7 @@ def test_one_workspace_serves_new_lengths_and_block_tables(device):
     _launch(first, device, **kwargs)
     assert_close(out, first.reference(), 1e-2, "first call")
     second = serving.make_input([1, 2, 2], [90, 3, 2], 16, 16, "fp8", seed=22, device=device)
-    # Into the first call's tensors, as a graph's static inputs are refilled.
-    first.q.copy_(second.q)
-    first.qo_indptr.copy_(second.qo_indptr)
-    first.seq_lens.copy_(second.seq_lens)
-    first.block_table.zero_()
-    first.block_table[:, : second.block_table.shape[1]].copy_(second.block_table)
-    first.kv.view(torch.uint8)[: second.kv.shape[0]].copy_(second.kv.view(torch.uint8))
-    first.kv_scale.copy_(second.kv_scale)
+    refill(first, second)
     second_out = _launch(first, device, **kwargs)
     assert second_out.data_ptr() == out.data_ptr()
     assert_close(out, second.reference(), 1e-2, "second call")
@@ -319,6 +323,13 @@ def test_padded_new_token_rows_leave_the_schedule_alone(device):
 SMALL = serving.make_input([1, 1], [5, 9], 16, 16, "bf16", seed=1)
 
 
+def small_call(**launch) -> dict:
+    """SMALL's arguments for a serving launcher, with `launch` (its dots) added."""
+    return dict(q=SMALL.q, qo_indptr=SMALL.qo_indptr, kv=SMALL.kv, kv_scale=None, **SMALL.layout,
+                out=torch.empty((2, 16, 512), dtype=torch.bfloat16), max_q_len=1, max_splits=2,
+                tokens_per_split=4, block_n=16, block_h=16, num_warps=4, num_stages=1, **launch)
+
+
 @pytest.mark.parametrize("change,message", [
     (dict(block_h=12), "block_h"), (dict(block_h=4), "block_h"),  # block_h 4: fewer than 16 MMA rows
     (dict(max_q_len=0), "max_q_len"), (dict(block_n=24), "block_n"),
@@ -330,8 +341,5 @@ SMALL = serving.make_input([1, 1], [5, 9], 16, 16, "bf16", seed=1)
     (dict(block_table=SMALL.block_table.long()), "block_table"),
 ])
 def test_bad_calls_are_refused_by_name(change, message):
-    call = dict(q=SMALL.q, qo_indptr=SMALL.qo_indptr, kv=SMALL.kv, kv_scale=None, **SMALL.layout,
-                out=torch.empty((2, 16, 512), dtype=torch.bfloat16), max_q_len=1, max_splits=2,
-                tokens_per_split=4, block_n=16, block_h=16, num_warps=4, num_stages=1, dot_dtype="fp16")
     with pytest.raises(ValueError, match=message):
-        flash_decode_serving(**{**call, **change})
+        flash_decode_serving(**{**small_call(dot_dtype="fp16"), **change})
