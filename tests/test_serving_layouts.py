@@ -128,34 +128,27 @@ def test_kernel_reproduces_flash_decode_on_the_leaderboard_call(device):
         torch.testing.assert_close(new, old, rtol=0, atol=0, msg=f"kv_len {kv_len}")
 
 
-def test_a_uniform_batch_splits_as_the_per_sequence_rule(device):
-    """Equal lengths: min(max_splits, cdiv(kv_len, tokens_per_split)) splits of whole tiles
-    each. (90 tokens in 4 splits of 16-token tiles: 32 each, so 3; (1, 65, 64): as many
-    items as the kernel's bound, total // 64 + batch.)"""
-    for q_len, kv_len, tokens, expect in ((1, 300, 64, 4), (2, 300, 100, 3), (1, 90, 16, 3), (1, 65, 64, 2)):
-        inp = serving.make_input([q_len] * 3, [kv_len] * 3, 16, 16, "fp8", seed=13, device=device)
-        workspace = _checked(inp, device, f"uniform q_len {q_len}", max_splits=4, tokens_per_split=tokens,
-                             block_n=16, block_h=16 // q_len)
-        assert workspace.split_count[:3].tolist() == [expect] * 3, (q_len, kv_len)
-
-
-@pytest.mark.parametrize("q_len, kv_len, budget, sms, expect", [
-    (1, 609, 16, 0, 5),   # 16 // 3 = 5 splits each at any length where tokens_per_split allows
-    (1, 512, 16, 0, 5),   # ... the same on the power of two, where the per-sequence rule steps
-    (1, 300, 16, 0, 5),   # cdiv(300, 64) = 5 still allows it
-    (1, 90, 16, 0, 2),    # cdiv(90, 64) = 2 caps it
-    (2, 609, 7, 0, 2),    # q_len 2: the budget is the whole batch's, 7 // 3 = 2
-    (1, 609, 2, 0, 1),    # a budget under the batch: one split each, never none
-    (1, 609, 4, 8, 5),    # 8 SMs: fill_splits raises 1 split each to 5
+@pytest.mark.parametrize("q_len, kv_len, max_splits, tps, budget, sms, expect", [
+    (1, 300, 4, 64, 0, 0, 4),     # no budget: the per-sequence rule,
+    (2, 300, 4, 100, 0, 0, 3),    # min(max_splits, cdiv(kv_len, tokens_per_split))
+    (1, 90, 4, 16, 0, 0, 3),      # 90 tokens in 4 splits of 16-token tiles: 32 each, so 3
+    (1, 65, 4, 64, 0, 0, 2),      # as many items as the kernel's bound, total // 64 + batch
+    (1, 609, 8, 64, 16, 0, 5),    # 16 // 3 = 5 splits each at any length where tokens_per_split allows
+    (1, 512, 8, 64, 16, 0, 5),    # ... the same on the power of two, where the per-sequence rule steps
+    (1, 300, 8, 64, 16, 0, 5),    # cdiv(300, 64) = 5 still allows it
+    (1, 90, 8, 64, 16, 0, 2),     # cdiv(90, 64) = 2 caps it
+    (2, 609, 8, 64, 7, 0, 2),     # q_len 2: the budget is the whole batch's, 7 // 3 = 2
+    (1, 609, 8, 64, 2, 0, 1),     # a budget under the batch: one split each, never none
+    (1, 609, 8, 64, 4, 8, 5),     # 8 SMs: fill_splits raises 1 split each to 5
 ])
-def test_a_batch_budget_splits_a_uniform_batch_by_its_size_not_its_length(device, q_len, kv_len, budget, sms,
-                                                                          expect):
-    """split_budget caps the batch's splits: floor(budget / batch) each, not stepping at
-    multiples of tokens_per_split; with an SM count fill_splits' share (budget 4 on 8 SMs:
-    5 each fill 15 of 16 programs)."""
-    inp = serving.make_input([q_len] * 3, [kv_len] * 3, 16, 16, "fp8", seed=15, device=device)
-    workspace = _checked(inp, device, f"budget {budget}", max_splits=8, tokens_per_split=64, block_n=16,
-                         block_h=16 // q_len, split_budget=budget, sm_count=sms)
+def test_a_uniform_batch_splits_by_the_per_sequence_rule_or_by_its_budget_not_its_length(
+        device, q_len, kv_len, max_splits, tps, budget, sms, expect):
+    """Equal lengths: splits of whole tiles, min(max_splits, cdiv(kv_len, tokens_per_split))
+    each; a split_budget caps the batch's: floor(budget / batch) each, or with an SM count
+    fill_splits' share (budget 4 on 8 SMs: 5 each fill 15 of 16 programs)."""
+    inp = serving.make_input([q_len] * 3, [kv_len] * 3, 16, 16, "fp8", seed=13, device=device)
+    workspace = _checked(inp, device, f"q_len {q_len}, budget {budget}", max_splits=max_splits, block_n=16,
+                         tokens_per_split=tps, block_h=16 // q_len, split_budget=budget, sm_count=sms)
     assert workspace.split_count[:3].tolist() == [expect] * 3
 
 
