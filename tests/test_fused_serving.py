@@ -9,6 +9,7 @@ import torch
 from mla_tune.kernels.fused_decode import FusedServingWorkspace, fused_decode_serving
 from mla_tune.serving import inputs as serving
 from tests.helpers import assert_close, rel_l2, row_quantized_q
+from tests.test_serving_layouts import refill, small_call
 
 
 def _q_lens(kv_lens: list[int], q_len: int) -> list[int]:
@@ -86,13 +87,7 @@ def test_the_reduction_resets_its_counters_so_a_workspace_serves_new_calls(devic
     assert_close(out, first.reference(), 1e-2, "first call")
     assert int(workspace.count.abs().sum()) == 0
     second = serving.make_input([1, 2, 2], [90, 3, 2], 16, 16, "fp8", seed=22, device=device)
-    first.q.copy_(second.q)
-    first.qo_indptr.copy_(second.qo_indptr)
-    first.seq_lens.copy_(second.seq_lens)
-    first.block_table.zero_()
-    first.block_table[:, : second.block_table.shape[1]].copy_(second.block_table)
-    first.kv.view(torch.uint8)[: second.kv.shape[0]].copy_(second.kv.view(torch.uint8))
-    first.kv_scale.copy_(second.kv_scale)
+    refill(first, second)
     _launch(first, device, **kwargs)
     assert_close(out, second.reference(), 1e-2, "second call")
     assert int(workspace.count.abs().sum()) == 0
@@ -102,19 +97,10 @@ def test_the_reduction_resets_its_counters_so_a_workspace_serves_new_calls(devic
     (dict(block_h=12), "block_h"), (dict(block_h=4), "block_h"),  # block_h 4: fewer than 16 MMA columns
     (dict(max_q_len=5), "max_q_len"), (dict(block_n=24), "block_n"),
     (dict(tokens_per_split=0), "tokens_per_split"),
-    (dict(kv_indptr="both"), "not both"), (dict(pv_dot="fp32"), "pv_dot"),
+    (dict(kv_indptr=torch.tensor([0, 5, 14], dtype=torch.int32)), "not both"), (dict(pv_dot="fp32"), "pv_dot"),
     (dict(qk_dot="fp8"), "q_fp8"),  # fp8 dots on a bf16 cache, and without q_fp8
-    (dict(workspace="small"), "workspace is for"),
+    (dict(workspace=FusedServingWorkspace.allocate(1, 16, 2, "cpu")), "workspace is for"),
 ])
 def test_bad_calls_are_refused_by_name(change, message):
-    inp = serving.make_input([1, 1], [5, 9], 16, 16, "bf16", seed=1)
-    kwargs = dict(inp.layout, max_q_len=1, max_splits=2, tokens_per_split=4, block_n=16, block_h=16,
-                  num_warps=4, num_stages=1, qk_dot="fp16", pv_dot="fp16")
-    kwargs.update(change)
-    if change.get("kv_indptr") == "both":
-        kwargs["kv_indptr"] = torch.tensor([0, 5, 14], dtype=torch.int32)
-    if change.get("workspace") == "small":
-        kwargs["workspace"] = FusedServingWorkspace.allocate(1, 16, 2, "cpu")
-    out = torch.empty((2, 16, 512), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=message):
-        fused_decode_serving(inp.q, inp.qo_indptr, inp.kv, None, out, **kwargs)
+        fused_decode_serving(**{**small_call(qk_dot="fp16", pv_dot="fp16"), **change})

@@ -60,11 +60,10 @@ def _checked_step(plan: DecodePlan, kv_lens: list[int], seed: int, what: str = "
 
 
 def test_a_plan_without_a_table_runs_the_default_variant_correctly_and_reuses_its_buffers():
-    plan = DecodePlan(SPEC, max_batch=4)
+    plan = DecodePlan(SPEC, max_batch=8)
     assert plan.variants == [plan.pick(3)]
     assert _checked_step(plan, [1, 17, 63, 65], seed=1).backend == "triton"  # the default
     # runs reuse the buffers warm allocated
-    plan = DecodePlan(SPEC, max_batch=8)
     inp, _ = _step(plan, [3, 70], seed=7)
     first = plan.run(inp.q, inp.kv, inp.kv_scale).data_ptr()
     inp, _ = _step(plan, [3, 70, 5, 9, 11, 2, 2, 40], seed=8)  # the plan's largest batch

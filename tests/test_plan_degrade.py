@@ -37,13 +37,19 @@ def _table() -> ServingTable:
     return ServingTable("H200", {}, [2, 4], [32, 256], {fam.key: fam})
 
 
-def test_a_plan_whose_table_picks_flashmla_runs_here_and_says_so_once():
+def _plan(spec: CallSpec, table: ServingTable, max_batch: int = 256, **kw) -> tuple[DecodePlan, list[str]]:
+    """The plan (warm=False unless kw says), and what it warned when it was made."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan = DecodePlan(SPEC, max_batch=4, table=_table())
-    said = [w for w in caught if "cannot serve it here" in str(w.message)]
-    assert len(said) == 1, [str(w.message) for w in caught]
-    assert "flashmla" in str(said[0].message)
+        plan = DecodePlan(spec, max_batch=max_batch, table=table, **{"warm": False, **kw})
+    return plan, [str(w.message) for w in caught]
+
+
+def test_a_plan_whose_table_picks_flashmla_runs_here_and_says_so_once():
+    plan, messages = _plan(SPEC, _table(), 4, warm=True)
+    said = [m for m in messages if "cannot serve it here" in m]
+    assert len(said) == 1, messages
+    assert "flashmla" in said[0]
     assert FLASHMLA not in plan.variants and RUNNER_UP in plan.variants
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no further word per step
@@ -63,10 +69,8 @@ def test_a_graph_plan_falls_back_to_the_default_where_no_runner_up_is_kept():
     fam = Family(FamilyKey.of(spec))
     fam.graph[4] = GraphPick(4, FLASHMLA, 0.05, 32)
     table = ServingTable("H200", {}, [2, 4], [32, 256], {fam.key: fam})
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        plan = DecodePlan(spec, max_batch=4, table=table, warm=False)
-    assert sum("cannot serve it here" in str(w.message) for w in caught) == 1
+    plan, messages = _plan(spec, table, 4)
+    assert sum("cannot serve it here" in m for m in messages) == 1
     inp = serving.make_input([1, 1, 1], [70, 129, 3], 16, 64, "bf16", seed=40)
     default = plan.variants[0]  # the plan's default: its first variant
     assert default.backend == "triton"
@@ -86,9 +90,7 @@ def test_the_tables_plan_pick_is_what_a_plan_steps_with_where_picks_cannot_run()
     for key in sorted(table.families, key=str):
         for graph in (False, True):
             spec = CallSpec(key.kv_format, key.page_size, key.heads, key.q_len, graph=graph)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                plan = DecodePlan(spec, max_batch=256, table=table, warm=False)
+            plan, _ = _plan(spec, table)
             built = set(plan.variants)
             for _ in range(60):
                 batch = rng.randint(1, 256)
@@ -107,9 +109,7 @@ def test_plans_of_one_table_stepped_on_two_threads_pick_as_each_alone():
     the CPU the fastest runnable stand-in matters: gluon_fused and the vendors cannot run)."""
     table = load_serving_table("tables/H200.serving.yaml")
     spec = CallSpec("fp8", 64, 16, 1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        plans = [DecodePlan(spec, max_batch=256, table=table, warm=False) for _ in range(2)]
+    plans = [_plan(spec, table)[0] for _ in range(2)]
     rng = random.Random(3)
     steps = [[int(2 ** rng.uniform(6, 16)) for _ in range(rng.randint(1, 256))] for _ in range(300)]
     alone = [plans[0].pick(len(lens), sum(lens) / len(lens), lens) for lens in steps]
@@ -137,9 +137,7 @@ def test_a_steps_pick_is_the_plans_own_variant_object():
     step's dict lookups match by identity rather than by comparing the variants' fields."""
     table = load_serving_table("tables/H200.serving.yaml")
     spec = CallSpec("bf16", 64, 16, 1, host_lengths=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        plan = DecodePlan(spec, max_batch=256, table=table, warm=False)
+    plan, _ = _plan(spec, table)
     own = {id(v) for v in plan.variants}
     rng = random.Random(5)
     for _ in range(60):

@@ -4,6 +4,8 @@ poisons the output and scratch with NaN; paged caches hold NaN in every unowned 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -47,11 +49,17 @@ def _launch(inp: serving.ServingInput, device: str, *, max_splits: int, tokens_p
     )
 
 
-def _checked(inp: serving.ServingInput, device: str, what: str, workspace=None, **launch):
-    """_launch (into a new workspace unless given one) checked against the reference; the workspace."""
-    workspace = workspace or FlashDecodeServingWorkspace.allocate(
+def _checked(inp: serving.ServingInput, device: str, what: str, **launch):
+    """_launch into a new workspace, checked against the reference, its split counts against
+    the host replay of the split rule (kernels/split_rule.serving_splits); the workspace."""
+    workspace = FlashDecodeServingWorkspace.allocate(
         inp.q.shape[0], inp.q.shape[1], launch["max_splits"], device, max_q_len=max(inp.q_lens))
     assert_close(_launch(inp, device, workspace=workspace, **launch), inp.reference(), 1e-2, what)
+    splits = serving_splits(inp.kv_lens, max(inp.q_lens), inp.q.shape[1], **launch)
+    counts = workspace.split_count[:len(inp.kv_lens)].tolist()
+    assert counts == [-(-n // s) for n, s in zip(inp.kv_lens, splits, strict=True)], what
+    items = split_items(inp.kv_lens, splits)
+    assert sum(items) == sum(inp.kv_lens) and len(items) == sum(counts), what
     return workspace
 
 
@@ -120,45 +128,27 @@ def test_kernel_reproduces_flash_decode_on_the_leaderboard_call(device):
         torch.testing.assert_close(new, old, rtol=0, atol=0, msg=f"kv_len {kv_len}")
 
 
-def test_one_long_sequence_borrows_the_short_ones_split_budget(device):
-    """A ragged batch shares its budget by length, each sequence at least one split."""
-    inp = serving.make_input([1, 1, 1, 1], [2000, 40, 17, 1], 16, 0, "bf16", seed=12, device=device)
-    workspace = _checked(inp, device, "ragged budget", max_splits=32, tokens_per_split=16, block_n=16,
-                         block_h=16)
-    # Budget 4 x 32 = 128 over 2058 tokens: 2000 -> round(124.4) splits of 17 -> 32-token
-    # tiles, 63 of them; 40 -> 2 splits; 17 and 1 -> one each.
-    assert workspace.split_count[:4].tolist() == [63, 2, 1, 1]
-    assert workspace.split_off[:4].tolist() == [0, 63, 65, 66]
-
-
-def test_a_uniform_batch_splits_as_the_per_sequence_rule(device):
-    """Equal lengths: min(max_splits, cdiv(kv_len, tokens_per_split)) splits of whole tiles
-    each. (90 tokens in 4 splits of 16-token tiles: 32 each, so 3; (1, 65, 64): as many
-    items as the kernel's bound, total // 64 + batch.)"""
-    for q_len, kv_len, tokens, expect in ((1, 300, 64, 4), (2, 300, 100, 3), (1, 90, 16, 3), (1, 65, 64, 2)):
-        inp = serving.make_input([q_len] * 3, [kv_len] * 3, 16, 16, "fp8", seed=13, device=device)
-        workspace = _checked(inp, device, f"uniform q_len {q_len}", max_splits=4, tokens_per_split=tokens,
-                             block_n=16, block_h=16 // q_len)
-        assert workspace.split_count[:3].tolist() == [expect] * 3, (q_len, kv_len)
-
-
-@pytest.mark.parametrize("q_len, kv_len, budget, sms, expect", [
-    (1, 609, 16, 0, 5),   # 16 // 3 = 5 splits each at any length where tokens_per_split allows
-    (1, 512, 16, 0, 5),   # ... the same on the power of two, where the per-sequence rule steps
-    (1, 300, 16, 0, 5),   # cdiv(300, 64) = 5 still allows it
-    (1, 90, 16, 0, 2),    # cdiv(90, 64) = 2 caps it
-    (2, 609, 7, 0, 2),    # q_len 2: the budget is the whole batch's, 7 // 3 = 2
-    (1, 609, 2, 0, 1),    # a budget under the batch: one split each, never none
-    (1, 609, 4, 8, 5),    # 8 SMs: fill_splits raises 1 split each to 5
+@pytest.mark.parametrize("q_len, kv_len, max_splits, tps, budget, sms, expect", [
+    (1, 300, 4, 64, 0, 0, 4),     # no budget: the per-sequence rule,
+    (2, 300, 4, 100, 0, 0, 3),    # min(max_splits, cdiv(kv_len, tokens_per_split))
+    (1, 90, 4, 16, 0, 0, 3),      # 90 tokens in 4 splits of 16-token tiles: 32 each, so 3
+    (1, 65, 4, 64, 0, 0, 2),      # as many items as the kernel's bound, total // 64 + batch
+    (1, 609, 8, 64, 16, 0, 5),    # 16 // 3 = 5 splits each at any length where tokens_per_split allows
+    (1, 512, 8, 64, 16, 0, 5),    # ... the same on the power of two, where the per-sequence rule steps
+    (1, 300, 8, 64, 16, 0, 5),    # cdiv(300, 64) = 5 still allows it
+    (1, 90, 8, 64, 16, 0, 2),     # cdiv(90, 64) = 2 caps it
+    (2, 609, 8, 64, 7, 0, 2),     # q_len 2: the budget is the whole batch's, 7 // 3 = 2
+    (1, 609, 8, 64, 2, 0, 1),     # a budget under the batch: one split each, never none
+    (1, 609, 8, 64, 4, 8, 5),     # 8 SMs: fill_splits raises 1 split each to 5
 ])
-def test_a_batch_budget_splits_a_uniform_batch_by_its_size_not_its_length(device, q_len, kv_len, budget, sms,
-                                                                          expect):
-    """split_budget caps the batch's splits: floor(budget / batch) each, not stepping at
-    multiples of tokens_per_split; with an SM count fill_splits' share (budget 4 on 8 SMs:
-    5 each fill 15 of 16 programs)."""
-    inp = serving.make_input([q_len] * 3, [kv_len] * 3, 16, 16, "fp8", seed=15, device=device)
-    workspace = _checked(inp, device, f"budget {budget}", max_splits=8, tokens_per_split=64, block_n=16,
-                         block_h=16 // q_len, split_budget=budget, sm_count=sms)
+def test_a_uniform_batch_splits_by_the_per_sequence_rule_or_by_its_budget_not_its_length(
+        device, q_len, kv_len, max_splits, tps, budget, sms, expect):
+    """Equal lengths: splits of whole tiles, min(max_splits, cdiv(kv_len, tokens_per_split))
+    each; a split_budget caps the batch's: floor(budget / batch) each, or with an SM count
+    fill_splits' share (budget 4 on 8 SMs: 5 each fill 15 of 16 programs)."""
+    inp = serving.make_input([q_len] * 3, [kv_len] * 3, 16, 16, "fp8", seed=13, device=device)
+    workspace = _checked(inp, device, f"q_len {q_len}, budget {budget}", max_splits=max_splits, block_n=16,
+                         tokens_per_split=tps, block_h=16 // q_len, split_budget=budget, sm_count=sms)
     assert workspace.split_count[:3].tolist() == [expect] * 3
 
 
@@ -179,12 +169,11 @@ def test_fill_splits_raises_a_share_that_leaves_the_waves_idle():
         assert max(1, min(17, 17 // batch)) <= s <= 17
 
 
+# Every _checked launch also checks the host replay; more cases here (a ragged batch under a
+# budget, fill_splits raising the share, max_splits 1: in the tests above).
 @pytest.mark.parametrize("lens,heads,q_len,max_splits,tps,block_n,block_h,budget,sms", [
-    ([350, 250, 100, 700], 16, 1, 32, 16, 16, 16, 8, 0),     # a ragged batch under a budget
     ([1, 17, 600, 45, 0], 16, 1, 8, 64, 32, 16, 0, 0),        # no budget; a padded slot of 0
-    ([609] * 3, 16, 1, 8, 64, 16, 16, 4, 8),                  # fill_splits raises the share
     ([5, 60, 33, 52, 17, 28], 32, 4, 17, 16, 16, 4, 17, 132),  # 8 head tiles, q_len 4
-    ([100, 200], 16, 1, 1, 16, 16, 16, 0, 0),                 # max_splits 1: one split each
 ])
 def test_the_host_replay_of_the_split_rule_is_what_the_kernel_runs(
         device, lens, heads, q_len, max_splits, tps, block_n, block_h, budget, sms):
@@ -194,37 +183,34 @@ def test_the_host_replay_of_the_split_rule_is_what_the_kernel_runs(
                              device=device)
     kw = dict(max_splits=max_splits, tokens_per_split=tps, block_n=block_n, block_h=block_h,
               split_budget=budget, sm_count=sms)
-    workspace = _checked(inp, device, "split rule", **kw)
-    splits = serving_splits(live, q_len, heads, **kw)
-    assert workspace.split_count[:len(live)].tolist() == [
-        -(-n // s) for n, s in zip(live, splits, strict=True)]
-    items = split_items(live, splits)
-    assert sum(items) == sum(live)
-    assert len(items) == sum(workspace.split_count[:len(live)].tolist())
+    _checked(inp, device, "split rule", **kw)
     assert all(s == 0 for n, s in zip(lens, serving_splits(lens, q_len, heads, **kw), strict=True) if n == 0)
 
 
-def test_a_batch_budget_shares_a_ragged_batch_rounding_up(device):
-    """Shares by length rounding up: no split past the mean, at most budget + batch splits."""
+def test_a_ragged_batch_shares_its_budget_by_length_rounding_up(device):
+    """Shares by length rounding up: no split past the mean, at most budget + batch splits; a
+    long sequence among short ones borrows their splits, each sequence at least one."""
     lens = [350, 250, 100, 700]
     inp = serving.make_input([1] * 4, lens, 16, 0, "bf16", seed=16, device=device)
-    workspace = _checked(inp, device, "ragged batch budget", max_splits=32, tokens_per_split=16, block_n=16,
-                         block_h=16, split_budget=8)
+    kw = dict(max_splits=32, tokens_per_split=16, block_n=16, block_h=16)
+    counts = _checked(inp, device, "ragged batch budget", **kw, split_budget=8).split_count[:4].tolist()
     # 8 (2 per sequence) over 1400 tokens, a mean split of 175: shares 2, 1.43, 0.57, 4 ->
     # 2, 2, 1, 4 splits of 176, 128, 112, 176 tokens (rounding down: 2, 1, 1, 4, one of 250).
-    counts = workspace.split_count[:4].tolist()
     assert counts == [2, 2, 1, 4]
     assert sum(counts) <= 8 + 4
     assert max(-(-n // c) for n, c in zip(lens, counts, strict=True)) <= 176  # the mean, to whole tiles
-    # The long sequence among short ones still takes most of a budget.
     inp = serving.make_input([1, 1, 1, 1], [2000, 40, 17, 1], 16, 0, "bf16", seed=18, device=device)
-    _checked(inp, device, "ragged batch budget, one long sequence", workspace, max_splits=32,
-             tokens_per_split=16, block_n=16, block_h=16, split_budget=20)
     # 20 over 2058 tokens: 2000 -> ceil(19.4) = 20 splits of 100 -> 112-token tiles, 18 of
     # them; 40, 17 and 1 -> one each.
+    workspace = _checked(inp, device, "one long sequence, budget 20", **kw, split_budget=20)
     assert workspace.split_count[:4].tolist() == [18, 1, 1, 1]
+    # No budget, so 4 x 32 = 128 over 2058 tokens: 2000 -> round(124.4) splits of 17 ->
+    # 32-token tiles, 63 of them; 40 -> 2 splits; 17 and 1 -> one each.
+    workspace = _checked(inp, device, "one long sequence, no budget", **kw)
+    assert workspace.split_count[:4].tolist() == [63, 2, 1, 1]
+    assert workspace.split_off[:4].tolist() == [0, 63, 65, 66]
     with pytest.raises(ValueError, match="split_budget must be an integer >= 0"):
-        _launch(inp, device, max_splits=32, tokens_per_split=16, block_n=16, block_h=16, split_budget=-1)
+        _launch(inp, device, **kw, split_budget=-1)
 
 
 def test_one_split_per_sequence_never_borrows(device):
@@ -278,6 +264,17 @@ def test_the_reduction_runs_in_narrow_and_wide_grids(device, monkeypatch, launch
     assert launches[-1][0] == (3, 2, 16 * (4 if wide else 1))
 
 
+def refill(static: serving.ServingInput, new: serving.ServingInput) -> None:
+    """new's tensors copied into static's (paged, fp8) buffers, as a graph's static inputs are."""
+    static.q.copy_(new.q)
+    static.qo_indptr.copy_(new.qo_indptr)
+    static.seq_lens.copy_(new.seq_lens)
+    static.block_table.zero_()
+    static.block_table[:, : new.block_table.shape[1]].copy_(new.block_table)
+    static.kv.view(torch.uint8)[: new.kv.shape[0]].copy_(new.kv.view(torch.uint8))
+    static.kv_scale.copy_(new.kv_scale)
+
+
 def test_one_workspace_serves_new_lengths_and_block_tables(device):
     """A graph replay: the same buffers refilled with other lengths, q_lens and tables."""
     first = serving.make_input([2, 1, 2], [40, 1, 100], 16, 16, "fp8", seed=21, device=device)
@@ -287,14 +284,7 @@ def test_one_workspace_serves_new_lengths_and_block_tables(device):
     _launch(first, device, **kwargs)
     assert_close(out, first.reference(), 1e-2, "first call")
     second = serving.make_input([1, 2, 2], [90, 3, 2], 16, 16, "fp8", seed=22, device=device)
-    # Into the first call's tensors, as a graph's static inputs are refilled.
-    first.q.copy_(second.q)
-    first.qo_indptr.copy_(second.qo_indptr)
-    first.seq_lens.copy_(second.seq_lens)
-    first.block_table.zero_()
-    first.block_table[:, : second.block_table.shape[1]].copy_(second.block_table)
-    first.kv.view(torch.uint8)[: second.kv.shape[0]].copy_(second.kv.view(torch.uint8))
-    first.kv_scale.copy_(second.kv_scale)
+    refill(first, second)
     second_out = _launch(first, device, **kwargs)
     assert second_out.data_ptr() == out.data_ptr()
     assert_close(out, second.reference(), 1e-2, "second call")
@@ -313,41 +303,36 @@ def test_an_empty_padding_slot_writes_nothing_and_spoils_nothing(device):
 def test_padded_new_token_rows_leave_the_schedule_alone(device):
     """Padding rows past qo_indptr[-1] (many more split items) exit; the live rows are right."""
     inp = serving.make_input([1, 1, 1], [300, 20, 700], 16, 16, "bf16", seed=24, device=device)
-    ref = inp.reference()
     q = torch.cat([inp.q, torch.zeros((9, 16, inp.q.shape[2]), dtype=inp.q.dtype, device=device)])
-    out = torch.full((12, 16, 512), float("nan"), dtype=torch.bfloat16, device=device)
     workspace = FlashDecodeServingWorkspace.allocate(12, 16, 4, device)
-    flash_decode_serving(q, inp.qo_indptr, inp.kv, inp.kv_scale, out, **inp.layout, max_q_len=1,
-                         max_splits=4, tokens_per_split=16, block_n=16, block_h=16, num_warps=4,
-                         num_stages=1, dot_dtype=_dot_dtype(device), workspace=workspace)
-    assert_close(out[:3], ref, 1e-2, "live rows")
+    out = _launch(replace(inp, q=q), device, max_splits=4, tokens_per_split=16, block_n=16, block_h=16,
+                  workspace=workspace, sm_count=None)  # None: the device's SMs
+    assert_close(out[:3], inp.reference(), 1e-2, "live rows")
     assert bool(out[3:].isnan().all())  # padding rows untouched
     # Budget 12 over 1020 tokens: 300 -> 4 splits (cap cdiv(300, 16) = 19), 20 -> 1, 700 -> 8.
     assert workspace.split_count[:3].tolist() == [4, 1, 8]
+
+
+SMALL = serving.make_input([1, 1], [5, 9], 16, 16, "bf16", seed=1)
+
+
+def small_call(**launch) -> dict:
+    """SMALL's arguments for a serving launcher, with `launch` (its dots) added."""
+    return dict(q=SMALL.q, qo_indptr=SMALL.qo_indptr, kv=SMALL.kv, kv_scale=None, **SMALL.layout,
+                out=torch.empty((2, 16, 512), dtype=torch.bfloat16), max_q_len=1, max_splits=2,
+                tokens_per_split=4, block_n=16, block_h=16, num_warps=4, num_stages=1, **launch)
 
 
 @pytest.mark.parametrize("change,message", [
     (dict(block_h=12), "block_h"), (dict(block_h=4), "block_h"),  # block_h 4: fewer than 16 MMA rows
     (dict(max_q_len=0), "max_q_len"), (dict(block_n=24), "block_n"),
     (dict(tokens_per_split=0), "tokens_per_split"),
-    (dict(kv_indptr="both"), "not both"), (dict(q_mode="fp8_static"), "q_scale"),
-    (dict(dot_dtype="fp32"), "dot_dtype"), (dict(workspace="small"), "workspace is for"),
-    (dict(kv="pages of 24"), "page_size"), (dict(block_table="int64"), "block_table"),
+    (dict(kv_indptr=torch.tensor([0, 5, 14], dtype=torch.int32)), "not both"),
+    (dict(q_mode="fp8_static"), "q_scale"), (dict(dot_dtype="fp32"), "dot_dtype"),
+    (dict(workspace=FlashDecodeServingWorkspace.allocate(1, 16, 2, "cpu")), "workspace is for"),
+    (dict(kv=torch.zeros((2, 24, 576), dtype=torch.bfloat16)), "page_size"),
+    (dict(block_table=SMALL.block_table.long()), "block_table"),
 ])
 def test_bad_calls_are_refused_by_name(change, message):
-    inp = serving.make_input([1, 1], [5, 9], 16, 16, "bf16", seed=1)
-    kwargs = dict(inp.layout, max_q_len=1, max_splits=2, tokens_per_split=4, block_n=16, block_h=16,
-                  num_warps=4, num_stages=1, dot_dtype="fp16")
-    kwargs.update(change)
-    kv = kwargs.pop("kv", inp.kv)
-    if change.get("kv") == "pages of 24":
-        kv = torch.zeros((2, 24, 576), dtype=torch.bfloat16)
-    if change.get("block_table") == "int64":
-        kwargs["block_table"] = inp.block_table.long()
-    if change.get("kv_indptr") == "both":
-        kwargs["kv_indptr"] = torch.tensor([0, 5, 14], dtype=torch.int32)
-    if change.get("workspace") == "small":
-        kwargs["workspace"] = FlashDecodeServingWorkspace.allocate(1, 16, 2, "cpu")
-    out = torch.empty((2, 16, 512), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=message):
-        flash_decode_serving(inp.q, inp.qo_indptr, kv, None, out, **kwargs)
+        flash_decode_serving(**{**small_call(dot_dtype="fp16"), **change})

@@ -19,7 +19,7 @@ from mla_tune.kernels.serving_runner import (
     check_serving_build,
     serving_launch_args,
 )
-from mla_tune.serving import inputs as serving
+from tests.test_serving_layouts import small_call
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,13 +65,9 @@ def test_a_build_refuses_a_leaderboard_variant_and_a_head_tile_that_does_not_div
 @pytest.mark.parametrize("lse", [torch.empty((3, 16)), torch.empty((2, 16), dtype=torch.bfloat16),
                                  torch.empty((16, 2)).t()])
 def test_both_launchers_refuse_an_lse_of_the_wrong_shape_dtype_or_layout(launcher, lse):
-    inp = serving.make_input([1, 1], [5, 9], 16, 16, "bf16", seed=1)
-    out = torch.empty((2, 16, 512), dtype=torch.bfloat16)
-    kwargs = dict(inp.layout, max_q_len=1, max_splits=2, tokens_per_split=4, block_n=16, block_h=16,
-                  num_warps=4, num_stages=1, lse=lse)
     if launcher == "split-K":
-        call, kwargs = flash_decode_serving, dict(kwargs, dot_dtype="fp16")
+        call, dots = flash_decode_serving, dict(dot_dtype="fp16")
     else:
-        call, kwargs = fused_decode_serving, dict(kwargs, qk_dot="fp16", pv_dot="fp16")
+        call, dots = fused_decode_serving, dict(qk_dot="fp16", pv_dot="fp16")
     with pytest.raises(ValueError, match=r"lse must be a contiguous float32 \(2, 16\) tensor"):
-        call(inp.q, inp.qo_indptr, inp.kv, None, out, **kwargs)
+        call(**small_call(lse=lse, **dots))
