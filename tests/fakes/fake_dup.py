@@ -4,12 +4,10 @@ planner must collapse the candidates that differ only there."""
 from __future__ import annotations
 
 from mla_tune.core import Shape, Variant
+from tests.group_b_support import runs_here
 
 NAME = "fake_dup"
-
-
-def unavailable_reason() -> str | None:
-    return None
+unavailable_reason = runs_here
 
 
 def candidates(shape: Shape, space: dict, platform) -> list[Variant]:

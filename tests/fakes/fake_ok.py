@@ -14,12 +14,10 @@ import torch
 
 from mla_tune import problem
 from mla_tune.core import Shape, Variant
+from tests.group_b_support import runs_here
 
 NAME = "fake_ok"
-
-
-def unavailable_reason() -> str | None:
-    return None
+unavailable_reason = runs_here
 
 
 def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
