@@ -173,23 +173,6 @@ def test_cpu_runtime_serves_table_rows_a_missing_shape_and_a_ragged_batch(cpu_sw
     assert rt.dispatcher.misses == {Shape(*MISSING): 1, Shape(3, 40): 1}
 
 
-@pytest.fixture(scope="module")
-def cpu_exports(cpu_sweep, tmp_path_factory):
-    """The CPU table exported three ways, each file run in one subprocess on its cases."""
-    folder = tmp_path_factory.mktemp("cpu_exports")
-    table = cpu_sweep["path"]
-    texts = {}
-    for name, only in (("full", None), ("torch_only", "torch"), ("own_triton", "triton_fused,triton")):
-        result = _export(table, folder / f"{name}.py", only)
-        assert result.exit_code == 0, result.output
-        assert f"wrote {folder / name}.py: 2 shapes from {table}" in " ".join(result.output.split())
-        texts[name] = (folder / f"{name}.py").read_text()
-    shapes = [*sorted(_rows(cpu_sweep)), MISSING]
-    cases = {name: [_case(*s, seed=200 + i) for i, s in enumerate(shapes)] for name in texts}
-    outs, report = run_exported(folder, cases, exported_env())
-    return {"texts": texts, "cases": cases, "outs": outs, "report": report, "shapes": shapes}
-
-
 def _check_header(text: str, gpu_name: str) -> None:
     assert text.splitlines()[:2] == ["#!POPCORN leaderboard amd-mixed-mla", f"#!POPCORN gpu {gpu_name}"]
     assert "import mla_tune" not in text and "from mla_tune" not in text
@@ -197,45 +180,48 @@ def _check_header(text: str, gpu_name: str) -> None:
     compile(text, "exported", "exec")
 
 
-def test_cpu_full_export_imports_without_mla_tune_and_matches_the_reference(cpu_sweep, cpu_exports):
-    text = cpu_exports["texts"]["full"]
-    _check_header(text, "cpu")
+def test_cpu_exports_full_torch_only_and_own_triton_import_without_mla_tune_and_match_the_reference(
+        cpu_sweep, tmp_path):
+    """The CPU table exported three ways, the files run in one subprocess on their cases:
+    `--only torch` keeps each row's torch pick; `--only triton_fused,triton` takes each row's
+    best allowed alternate where its winner is excluded."""
+    table, rows = cpu_sweep["path"], _rows(cpu_sweep)
+    texts = {}
+    for name, only in (("full", None), ("torch_only", "torch"), ("own_triton", "triton_fused,triton")):
+        result = _export(table, tmp_path / f"{name}.py", only)
+        assert result.exit_code == 0, result.output
+        assert f"wrote {tmp_path / name}.py: 2 shapes from {table}" in " ".join(result.output.split())
+        texts[name] = (tmp_path / f"{name}.py").read_text()
+        _check_header(texts[name], "cpu")
+
+    text = texts["full"]
     assert f"config {CPU_CONFIG} hash {cpu_sweep['table']['provenance']['config']['hash']}" in text
     assert "needs no vendor library (torch and triton only)" in text
     assert "shapes the table lacks run the triton fallback" in text
-    assert _exported_table(text) == {s: r["winner"]["variant"] for s, r in _rows(cpu_sweep).items()}
-    report = cpu_exports["report"]
-    _assert_served(cpu_exports["outs"]["full"], cpu_exports["cases"]["full"], report["full"])
-    assert report["mla_tune_modules"] == [] and report["let_through"] == []
+    assert _exported_table(text) == {s: r["winner"]["variant"] for s, r in rows.items()}
 
-
-def test_cpu_torch_only_export_keeps_torch_rows_and_falls_back_to_torch(cpu_sweep, cpu_exports):
-    text = cpu_exports["texts"]["torch_only"]
-    _check_header(text, "cpu")
+    text = texts["torch_only"]
     assert "@triton.jit" not in text and "needs no vendor library (torch only)" in text
     assert "shapes the table lacks run the torch fallback" in text
     # every row's torch pick (its winner when torch won, else its torch alternate)
-    assert _exported_table(text) == {s: r["alternates"]["torch"]["variant"] for s, r in _rows(cpu_sweep).items()}
-    _assert_served(cpu_exports["outs"]["torch_only"], cpu_exports["cases"]["torch_only"],
-                   cpu_exports["report"]["torch_only"])
+    assert _exported_table(text) == {s: r["alternates"]["torch"]["variant"] for s, r in rows.items()}
 
-
-def test_cpu_export_without_torch_takes_each_rows_best_allowed_alternate(cpu_sweep, cpu_exports):
-    """`--only triton_fused,triton`: a row whose winner is excluded takes its best allowed
-    alternate."""
-    text = cpu_exports["texts"]["own_triton"]
-    _check_header(text, "cpu")
-    expected = {s: str(v) for s, v in
-                load_table(cpu_sweep["path"]).variants(only_backends=["triton_fused", "triton"]).items()}
+    text = texts["own_triton"]
+    expected = {s: str(v) for s, v in load_table(table).variants(only_backends=["triton_fused", "triton"]).items()}
     entries = _exported_table(text)
     assert entries == {(s.batch, s.kv_len): v for s, v in expected.items()}
-    for shape, row in _rows(cpu_sweep).items():
+    for shape, row in rows.items():
         allowed = {b: a for b, a in row["alternates"].items() if b in ("triton", "triton_fused")}
         assert entries[shape] in {a["variant"] for a in allowed.values()}
         assert Variant.parse(entries[shape]).backend in ("triton", "triton_fused")
     assert "def _build_torch(" not in text and "def _build_triton(" in text
-    _assert_served(cpu_exports["outs"]["own_triton"], cpu_exports["cases"]["own_triton"],
-                   cpu_exports["report"]["own_triton"])
+
+    shapes = [*sorted(rows), MISSING]
+    cases = {name: [_case(*s, seed=200 + i) for i, s in enumerate(shapes)] for name in texts}
+    outs, report = run_exported(tmp_path, cases, exported_env())
+    for name, module_cases in cases.items():
+        _assert_served(outs[name], module_cases, report[name])
+    assert report["mla_tune_modules"] == [] and report["let_through"] == []
 
 
 def test_cpu_export_of_only_triton_fused_is_refused_for_want_of_a_fallback(cpu_sweep, tmp_path):
