@@ -36,17 +36,15 @@ from mla_tune.tune.config import ConfigError, load_config
 from mla_tune.tune.procs import sigint_held
 from mla_tune.tune.results import read_results
 from tests.fakes import EXTRA_BACKENDS
-from tests.helpers import sigint_as_in_a_terminal
+from tests.helpers import CPU_TABLE, REPO, sigint_as_in_a_terminal
 
-REPO = Path(__file__).resolve().parents[1]
-DATA = Path(__file__).parent / "data"
-TABLE = DATA / "table_cpu.yaml"
+DATA = REPO / "tests" / "data"
 GOOD = "triton(block_n=16,dot_dtype=fp16,kv=fp8,num_splits=2,num_stages=1,num_warps=4,q=bf16)"
 
 
 # ----------------------------------------------------------- parameter rules as data
 def _bad_table(tmp_path: Path, edit: str) -> Path:
-    text = TABLE.read_text()
+    text = CPU_TABLE.read_text()
     assert GOOD in text
     path = tmp_path / f"bad_{len(list(tmp_path.iterdir()))}.yaml"
     path.write_text(text.replace(GOOD, GOOD.replace("num_splits=2", edit), 1))
@@ -62,7 +60,7 @@ def test_show_refuses_what_export_refuses_with_the_same_line_and_without_torch(t
         out = {{}}
         for edit, bad in {({k: str(v) for k, v in bad.items()})!r}.items():
             for name, args in (("show", ["show", "--table", bad]), ("show_json", ["show", "--table", bad, "--json"]),
-                               ("diff", ["diff", {str(TABLE)!r}, bad])):
+                               ("diff", ["diff", {str(CPU_TABLE)!r}, bad])):
                 result = CliRunner().invoke(cli.app, args)
                 out[edit + " " + name] = [result.exit_code, result.output]
         out["torch"] = "torch" in sys.modules
@@ -281,7 +279,7 @@ def test_a_command_into_a_read_only_or_full_folder_is_one_line_and_leaves_nothin
     out = tmp_path / "ro"
     out.mkdir()
     args, needles = {
-        "export": (["export", "--table", TABLE, "-o", out / "sub.py", "--only", "torch"],
+        "export": (["export", "--table", CPU_TABLE, "-o", out / "sub.py", "--only", "torch"],
                    [str(out / "sub.py"), "write elsewhere"]),
         "sweep": (["sweep", "--gpu", "cpu", "--config", DATA / "sweep_torch.yaml", "--out", out / "cpu.yaml"],
                   [str(out / "cpu.yaml.lock"), "write the table elsewhere (--out)"]),
@@ -401,13 +399,13 @@ FOUR = "custom_kernel: data must be the 5-tuple (q, kv_data, qo_indptr, kv_indpt
 
 def test_the_runtime_and_the_export_name_the_five_tuple(tmp_path):
     data = generate_input(1, 8, seed=3, device="cpu")
-    rt = runtime.load(table=TABLE, device="cpu", allow_other_gpu=True)
+    rt = runtime.load(table=CPU_TABLE, device="cpu", allow_other_gpu=True)
     with pytest.raises(ValueError) as caught:
         rt.custom_kernel(tuple(data[:4]))
     assert str(caught.value) == FOUR
     with pytest.raises(ValueError, match=r"got a dict$"):
         rt.custom_kernel({"q": data[0]})
-    export_submission(TABLE, tmp_path / "four_sub.py", only_backends=["torch"])
+    export_submission(CPU_TABLE, tmp_path / "four_sub.py", only_backends=["torch"])
     (tmp_path / "task.py").write_text("import typing\ninput_t = typing.Any\noutput_t = typing.Any\n")
     sys.path.insert(0, str(tmp_path))
     try:
@@ -451,7 +449,7 @@ def _emit(path):  # what verify and verify --rescore write --json with
 
 
 def _write_table(path):
-    write_table(path, yaml.safe_load(TABLE.read_text()))
+    write_table(path, yaml.safe_load(CPU_TABLE.read_text()))
 
 
 @pytest.mark.parametrize("write, name, advice", [

@@ -24,9 +24,8 @@ from mla_tune.tune.schedule import BackendCost, CostModel
 from mla_tune.tune.sweep import SweepError, assign_shapes, run_sweep
 from mla_tune.tune.worker import compile_shape_for, precompile
 from tests.fakes import EXTRA_BACKENDS, capture, registered
-from tests.helpers import sigint_as_in_a_terminal
+from tests.helpers import REPO, sigint_as_in_a_terminal
 
-REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data"
 TINY, RESUME, BUDGET, TORCH = (DATA / f"sweep_{n}.yaml" for n in ("tiny", "resume", "budget", "torch"))
 
@@ -256,9 +255,12 @@ def _lines(path: Path) -> list[dict]:
     return out
 
 
-_SWEEP = ("import sys; from pathlib import Path; from mla_tune.tune.sweep import run_sweep, SweepInterrupted\n"
-          "try:\n    run_sweep(sys.argv[1], 'cpu', out=Path(sys.argv[2]))\n"
-          "except SweepInterrupted:\n    sys.exit(130)\n")
+_SWEEP = (
+    "import sys; from pathlib import Path; "
+    "from mla_tune.tune.sweep import run_sweep, SweepInterrupted\n"
+    "try:\n    run_sweep(sys.argv[1], 'cpu', out=Path(sys.argv[2]))\n"
+    "except SweepInterrupted:\n    sys.exit(130)\n"
+)
 
 
 @pytest.mark.parametrize("config, sig, when", [
@@ -273,7 +275,8 @@ def test_a_sweep_killed_or_interrupted_mid_rung_resumes_without_running_any_step
     results = tmp_path / "cpu.results.jsonl"
     env = {**os.environ, EXTRA_BACKENDS_ENV: EXTRA_BACKENDS, "PYTHONPATH": str(REPO), "COLUMNS": "400"}
     proc = subprocess.Popen([sys.executable, "-c", _SWEEP, str(config), str(out)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=sigint_as_in_a_terminal)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            preexec_fn=sigint_as_in_a_terminal)
 
     def ready(lines):
         if when == "mid rung 0":
@@ -283,7 +286,7 @@ def test_a_sweep_killed_or_interrupted_mid_rung_resumes_without_running_any_step
 
     deadline = time.monotonic() + 120
     while not ready(_lines(results)):
-        assert proc.poll() is None, f"the sweep ended before the signal: {proc.stdout.read().decode()[-2000:]}"
+        assert proc.poll() is None, f"the sweep ended early: {proc.stdout.read().decode()[-2000:]}"
         assert time.monotonic() < deadline, "the sweep wrote too few records in 120 s"
         time.sleep(0.01)
     proc.send_signal(sig)
