@@ -157,16 +157,18 @@ def test_the_mi355x_dry_run_plans_within_its_budget():
 
 
 # ------------------------------------------------------------- the budget, for real
-def test_a_sweep_over_its_budget_cuts_ends_within_budget_plus_10_percent_and_the_next_dry_run_cuts_ahead(
-        tmp_path):
-    """Without a terminal the sweep prints a plain line per shape and rung; the next dry run
-    plans from the costs it measured."""
-    config = DATA / "sweep_search_budget.yaml"
+@pytest.fixture(scope="module")
+def budget_sweep(tmp_path_factory):
+    out = tmp_path_factory.mktemp("budget") / "cpu.yaml"
     console, buf = capture()
     t0 = time.monotonic()
-    summary = run_sweep(config, "cpu", out=tmp_path / "cpu.yaml", console=console)
-    wall_s, text = time.monotonic() - t0, buf.getvalue()
-    budget = load_config(config).budget_s
+    summary = run_sweep(DATA / "sweep_search_budget.yaml", "cpu", out=out, console=console)
+    return summary, time.monotonic() - t0, buf.getvalue()
+
+
+def test_a_sweep_over_its_budget_cuts_candidates_and_ends_within_budget_plus_10_percent(budget_sweep):
+    summary, wall_s, _text = budget_sweep
+    budget = load_config(DATA / "sweep_search_budget.yaml").budget_s
     assert wall_s <= 1.1 * budget, f"the sweep took {wall_s:.1f} s against a budget of {budget} s"
     lines = [json.loads(x) for x in summary.results_path.read_text().splitlines()[1:]]
     finals = [r for r in lines if r["kind"] == "candidate"]
@@ -180,14 +182,22 @@ def test_a_sweep_over_its_budget_cuts_ends_within_budget_plus_10_percent_and_the
     for row in table["rows"]:
         assert row["candidates"]["rung0"] >= row["candidates"]["rung1"] >= 1
 
+
+def test_without_a_terminal_the_sweep_prints_a_plain_line_per_shape_and_rung(budget_sweep):
+    _summary, _wall, text = budget_sweep
     pattern = re.compile(r"^(1x17|2x17): rung [12]/2 done; \d+/\d+ candidates done; best [\d.]+ us \S+; "
                          r"elapsed \d+ s, ETA \d+ s$", re.M)
     assert {m.group(1) for m in pattern.finditer(text)} == {"1x17", "2x17"}
     assert "\x1b[" not in text  # no terminal codes
 
+
+def test_the_next_dry_run_plans_from_the_measured_costs_and_cuts_ahead(budget_sweep):
+    summary, _wall, _text = budget_sweep
     console, buf = capture()
-    dry = run_sweep(config, "cpu", out=summary.table_path, dry_run=True, console=console)
-    assert f"estimate basis: measured from {summary.results_path}" in buf.getvalue()
+    dry = run_sweep(DATA / "sweep_search_budget.yaml", "cpu", out=summary.table_path, dry_run=True,
+                    console=console)
+    text = buf.getvalue()
+    assert f"estimate basis: measured from {summary.results_path}" in text
     assert any("dropped to fit the budget" in n or "cut from" in n for n in dry.notes)
 
 

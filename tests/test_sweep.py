@@ -50,12 +50,18 @@ def test_dry_run_lists_candidates_of_a_backend_that_only_lacks_the_gpu(tmp_path)
 
 
 # ------------------------------------------------------------ one sweep, every outcome
-def test_every_outcome_is_recorded_with_a_reason_the_fastest_ok_wins_and_the_header_has_provenance(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_sweep(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny") / "cpu.yaml"
     console, buf = capture()
-    summary = run_sweep(TINY, "cpu", out=tmp_path / "cpu.yaml", console=console, candidate_timeout_s=4)
+    summary = run_sweep(TINY, "cpu", out=out, console=console, candidate_timeout_s=4)
     header, records, warnings = read_results(summary.results_path)
-    text = buf.getvalue()
     assert not warnings
+    return summary, header, records, buf.getvalue()
+
+
+def test_every_outcome_is_recorded_with_its_status_and_a_reason(tiny_sweep):
+    summary, _header, records, text = tiny_sweep
     statuses = {(r["shape"]["batch"], r["variant"].split("(")[0], r["variant"]): r for r in records}
     got = {(b, backend): r["status"] for (b, backend, _), r in statuses.items() if backend != "fake_ok"}
     assert got == {
@@ -91,7 +97,9 @@ def test_every_outcome_is_recorded_with_a_reason_the_fastest_ok_wins_and_the_hea
     assert [(r["backend"], r["status"]) for r in at_rung0] == [
         ("fake_poison", "failed"), ("fake_wrong", "rejected"), ("fake_raise", "failed")]
 
-    # ok candidates pass every seed, and the fastest wins each shape
+
+def test_ok_candidates_pass_every_seed_and_the_fastest_wins_each_shape(tiny_sweep):
+    summary, _header, records, text = tiny_sweep
     for r in records:
         if r["status"] == "ok":
             assert [c["seed"] for c in r["checks"]] == [1001, 2002]
@@ -107,7 +115,9 @@ def test_every_outcome_is_recorded_with_a_reason_the_fastest_ok_wins_and_the_hea
     assert "sweep summary" in text and fast.format(2) in text
     assert summary.table_path.exists()
 
-    # the fp8_static variant is built with a calibrated q_amax
+
+def test_fp8_static_variant_is_built_with_a_calibrated_q_amax(tiny_sweep):
+    _summary, _header, records, _text = tiny_sweep
     static = [r for r in records if r["params"].get("q") == "fp8_static"]
     assert len(static) == 2
     for r in static:
@@ -117,7 +127,9 @@ def test_every_outcome_is_recorded_with_a_reason_the_fastest_ok_wins_and_the_hea
         assert q_amax == pytest.approx(r["calibration"]["observed_amax"] * 1.1, rel=1e-3)
         assert r["status"] in ("ok", "pruned")  # fake_ok raises when q_amax is missing
 
-    # the header carries provenance and names the CPU timer
+
+def test_header_carries_provenance_and_names_the_cpu_timer(tiny_sweep):
+    summary, header, _records, _text = tiny_sweep
     config = load_config(TINY)
     assert header["kind"] == "header" and header["schema"] == 1
     assert header["gpu"] == "cpu" and header["forced"] is False
