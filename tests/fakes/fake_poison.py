@@ -4,11 +4,16 @@ failed, and its worker must exit so that the next candidate gets a fresh one."""
 from __future__ import annotations
 
 from mla_tune.core import Shape, Variant
-from tests.group_b_support import plain_candidates, runs_here
 
 NAME = "fake_poison"
-unavailable_reason = runs_here
-candidates = plain_candidates(NAME, batch=1)
+
+
+def unavailable_reason() -> str | None:
+    return None
+
+
+def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
+    return [Variant.make(NAME, kv="bf16", q="bf16")] if shape.batch == 1 else []
 
 
 def build(variant: Variant, shape: Shape, device):

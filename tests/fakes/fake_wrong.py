@@ -6,11 +6,16 @@ import torch
 
 from mla_tune import problem
 from mla_tune.core import Shape, Variant
-from tests.group_b_support import plain_candidates, runs_here
 
 NAME = "fake_wrong"
-unavailable_reason = runs_here
-candidates = plain_candidates(NAME)
+
+
+def unavailable_reason() -> str | None:
+    return None
+
+
+def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
+    return [Variant.make(NAME, kv="bf16", q="bf16")]
 
 
 def build(variant: Variant, shape: Shape, device):
