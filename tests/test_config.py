@@ -150,25 +150,21 @@ def test_a_search_space_value_the_backend_refuses_fails_at_load_naming_the_backe
     assert words in str(info.value)
 
 
-BAD_NUMBERS = [float("nan"), float("inf"), -float("inf"), -1, 0, "60", True, [60]]
+TIMING = {"reps": 3, "prune_reps": 1, "prune_factor": 2}
+NAN, INF = float("nan"), float("inf")
 
 
-@pytest.mark.parametrize("field", ["budget_s", "candidate_timeout_s"])
-@pytest.mark.parametrize("value", BAD_NUMBERS, ids=repr)
-def test_seconds_must_be_positive_finite_numbers(tmp_path, field, value):
-    with pytest.raises(ConfigError, match=f"'{field}': must be a positive, finite number"):
-        load_config(write(tmp_path, with_change(**{field: value})))
-
-
-@pytest.mark.parametrize("key, value, match", [
-    *(("prune_factor", v, "'timing.prune_factor'") for v in (float("nan"), float("inf"), 0, -2, "2", False)),
-    *(("reps", v, "'timing.reps': must be an integer >= 1")
-      for v in (float("nan"), float("inf"), 2.5, "3", True, 0)),
+@pytest.mark.parametrize("changes, match", [
+    *(({field: v}, f"'{field}': must be a positive, finite number")
+      for field in ("budget_s", "candidate_timeout_s") for v in (NAN, INF, -INF, -1, 0, "60", True, [60])),
+    *(({"timing": {**TIMING, "prune_factor": v}}, "'timing.prune_factor'") for v in (NAN, INF, 0, -2, "2", False)),
+    *(({"timing": {**TIMING, "reps": v}}, "'timing.reps': must be an integer >= 1")
+      for v in (NAN, INF, 2.5, "3", True, 0)),
 ], ids=repr)
-def test_prune_factor_must_be_finite_at_least_one_and_reps_positive_integers(tmp_path, key, value, match):
-    timing = {"reps": 3, "prune_reps": 1, "prune_factor": 2, key: value}
+def test_seconds_must_be_positive_finite_numbers_prune_factor_at_least_one_and_reps_positive_integers(
+        tmp_path, changes, match):
     with pytest.raises(ConfigError, match=match):
-        load_config(write(tmp_path, with_change(timing=timing)))
+        load_config(write(tmp_path, with_change(**changes)))
 
 
 def test_nan_in_yaml_spelling_is_refused_as_the_dry_run_would_have_let_it_through(tmp_path):

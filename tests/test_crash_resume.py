@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,9 +14,8 @@ from mla_tune.cli import app
 from mla_tune.core import Shape
 from tests import crash_resume
 from tests.fakes import EXTRA_BACKENDS, fake_oob
-from tests.helpers import WIDE
+from tests.helpers import REPO, WIDE
 
-REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data"
 CPU_CONFIG = DATA / "resume_demo_cpu.yaml"
 GPU_CONFIG = DATA / "resume_demo_gpu.yaml"

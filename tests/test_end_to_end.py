@@ -23,11 +23,9 @@ from mla_tune.cli import app
 from mla_tune.core import Shape, Variant
 from mla_tune.problem import check, generate_input, generate_ragged_input, get_rule, reference
 from mla_tune.tables.table import load_table, write_table
-from tests.helpers import WIDE, exported_env, run_exported, vendor_fakes
+from tests.helpers import REPO, WIDE, exported_env, run_exported, vendor_fakes
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = Path(__file__).parent / "data"
-CPU_CONFIG = "tests/data/e2e_cpu.yaml"  # relative to ROOT: the table records the path
+CPU_CONFIG = "tests/data/e2e_cpu.yaml"  # relative to REPO: the table records the path
 AITER_CONFIG = "tests/data/e2e_aiter.yaml"
 RULE = get_rule("leaderboard")
 MISSING = (2, 24)  # a shape neither table has: the fallback serves it
@@ -46,13 +44,30 @@ def _mla_tune(*args, env: dict[str, str], timeout: float = 240) -> subprocess.Co
     """The installed `mla-tune` command (the console script next to this python)."""
     script = Path(sys.executable).with_name("mla-tune")
     command = [str(script)] if script.exists() else [sys.executable, "-c", "from mla_tune.cli import app; app()"]
-    return subprocess.run(command + [str(a) for a in args], cwd=ROOT, env=env,
+    return subprocess.run(command + [str(a) for a in args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
 def _export(table: Path, out: Path, only: str | None = None):
     args = ["export", "--table", str(table), "-o", str(out)] + (["--only", only] if only else [])
     return CliRunner().invoke(app, args, env=WIDE)
+
+
+def _exports(folder: Path, gpu_name: str, n_shapes: int, exports: dict) -> dict[str, str]:
+    """{name: (table, --only)} exported to folder/NAME.py: each file's text, once the command
+    said what it wrote and the file is a Popcorn submission for gpu_name without mla_tune."""
+    texts = {}
+    for name, (table, only) in exports.items():
+        result = _export(table, folder / f"{name}.py", only)
+        assert result.exit_code == 0, result.output
+        said = f"wrote {folder / name}.py: {n_shapes} shapes from {table}"
+        assert said in " ".join(result.output.split()), result.output
+        text = texts[name] = (folder / f"{name}.py").read_text()
+        assert text.splitlines()[:2] == ["#!POPCORN leaderboard amd-mixed-mla", f"#!POPCORN gpu {gpu_name}"]
+        assert "import mla_tune" not in text and "from mla_tune" not in text
+        assert "from task import input_t, output_t" in text
+        compile(text, "exported", "exec")
+    return texts
 
 
 def _sweep(tmp: Path, gpu_name: str, config: str, env: dict[str, str]) -> dict:
@@ -173,69 +188,43 @@ def test_cpu_runtime_serves_table_rows_a_missing_shape_and_a_ragged_batch(cpu_sw
     assert rt.dispatcher.misses == {Shape(*MISSING): 1, Shape(3, 40): 1}
 
 
-@pytest.fixture(scope="module")
-def cpu_exports(cpu_sweep, tmp_path_factory):
-    """The CPU table exported three ways, each file run in one subprocess on its cases."""
-    folder = tmp_path_factory.mktemp("cpu_exports")
-    table = cpu_sweep["path"]
-    texts = {}
-    for name, only in (("full", None), ("torch_only", "torch"), ("own_triton", "triton_fused,triton")):
-        result = _export(table, folder / f"{name}.py", only)
-        assert result.exit_code == 0, result.output
-        assert f"wrote {folder / name}.py: 2 shapes from {table}" in " ".join(result.output.split())
-        texts[name] = (folder / f"{name}.py").read_text()
-    shapes = [*sorted(_rows(cpu_sweep)), MISSING]
-    cases = {name: [_case(*s, seed=200 + i) for i, s in enumerate(shapes)] for name in texts}
-    outs, report = run_exported(folder, cases, exported_env())
-    return {"texts": texts, "cases": cases, "outs": outs, "report": report, "shapes": shapes}
+def test_cpu_exports_full_torch_only_and_own_triton_import_without_mla_tune_and_match_the_reference(
+        cpu_sweep, tmp_path):
+    """The CPU table exported three ways, the files run in one subprocess on their cases:
+    `--only torch` keeps each row's torch pick; `--only triton_fused,triton` takes each row's
+    best allowed alternate where its winner is excluded."""
+    table, rows = cpu_sweep["path"], _rows(cpu_sweep)
+    texts = _exports(tmp_path, "cpu", 2, {"full": (table, None), "torch_only": (table, "torch"),
+                                          "own_triton": (table, "triton_fused,triton")})
 
-
-def _check_header(text: str, gpu_name: str) -> None:
-    assert text.splitlines()[:2] == ["#!POPCORN leaderboard amd-mixed-mla", f"#!POPCORN gpu {gpu_name}"]
-    assert "import mla_tune" not in text and "from mla_tune" not in text
-    assert "from task import input_t, output_t" in text
-    compile(text, "exported", "exec")
-
-
-def test_cpu_full_export_imports_without_mla_tune_and_matches_the_reference(cpu_sweep, cpu_exports):
-    text = cpu_exports["texts"]["full"]
-    _check_header(text, "cpu")
+    text = texts["full"]
     assert f"config {CPU_CONFIG} hash {cpu_sweep['table']['provenance']['config']['hash']}" in text
     assert "needs no vendor library (torch and triton only)" in text
     assert "shapes the table lacks run the triton fallback" in text
-    assert _exported_table(text) == {s: r["winner"]["variant"] for s, r in _rows(cpu_sweep).items()}
-    report = cpu_exports["report"]
-    _assert_served(cpu_exports["outs"]["full"], cpu_exports["cases"]["full"], report["full"])
-    assert report["mla_tune_modules"] == [] and report["let_through"] == []
+    assert _exported_table(text) == {s: r["winner"]["variant"] for s, r in rows.items()}
 
-
-def test_cpu_torch_only_export_keeps_torch_rows_and_falls_back_to_torch(cpu_sweep, cpu_exports):
-    text = cpu_exports["texts"]["torch_only"]
-    _check_header(text, "cpu")
+    text = texts["torch_only"]
     assert "@triton.jit" not in text and "needs no vendor library (torch only)" in text
     assert "shapes the table lacks run the torch fallback" in text
     # every row's torch pick (its winner when torch won, else its torch alternate)
-    assert _exported_table(text) == {s: r["alternates"]["torch"]["variant"] for s, r in _rows(cpu_sweep).items()}
-    _assert_served(cpu_exports["outs"]["torch_only"], cpu_exports["cases"]["torch_only"],
-                   cpu_exports["report"]["torch_only"])
+    assert _exported_table(text) == {s: r["alternates"]["torch"]["variant"] for s, r in rows.items()}
 
-
-def test_cpu_export_without_torch_takes_each_rows_best_allowed_alternate(cpu_sweep, cpu_exports):
-    """`--only triton_fused,triton`: a row whose winner is excluded takes its best allowed
-    alternate."""
-    text = cpu_exports["texts"]["own_triton"]
-    _check_header(text, "cpu")
-    expected = {s: str(v) for s, v in
-                load_table(cpu_sweep["path"]).variants(only_backends=["triton_fused", "triton"]).items()}
+    text = texts["own_triton"]
+    expected = load_table(table).variants(only_backends=["triton_fused", "triton"])
     entries = _exported_table(text)
-    assert entries == {(s.batch, s.kv_len): v for s, v in expected.items()}
-    for shape, row in _rows(cpu_sweep).items():
+    assert entries == {(s.batch, s.kv_len): str(v) for s, v in expected.items()}
+    for shape, row in rows.items():
         allowed = {b: a for b, a in row["alternates"].items() if b in ("triton", "triton_fused")}
         assert entries[shape] in {a["variant"] for a in allowed.values()}
         assert Variant.parse(entries[shape]).backend in ("triton", "triton_fused")
     assert "def _build_torch(" not in text and "def _build_triton(" in text
-    _assert_served(cpu_exports["outs"]["own_triton"], cpu_exports["cases"]["own_triton"],
-                   cpu_exports["report"]["own_triton"])
+
+    shapes = [*sorted(rows), MISSING]
+    cases = {name: [_case(*s, seed=200 + i) for i, s in enumerate(shapes)] for name in texts}
+    outs, report = run_exported(tmp_path, cases, exported_env())
+    for name, module_cases in cases.items():
+        _assert_served(outs[name], module_cases, report[name])
+    assert report["mla_tune_modules"] == [] and report["let_through"] == []
 
 
 def test_cpu_export_of_only_triton_fused_is_refused_for_want_of_a_fallback(cpu_sweep, tmp_path):
@@ -319,7 +308,7 @@ def test_mi355x_sweep_without_the_fake_platform_is_refused_naming_the_cpu(tmp_pa
     assert done.returncode == 1, done.stdout[-2000:]
     assert ("this machine has no GPU (cpu), not MI355X; run on an MI355X or pass --force"
             in " ".join(done.stderr.split())), done.stderr
-    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []  # no table, no lock (released on the way out), no results
 
 
 @pytest.fixture(scope="module")
@@ -373,12 +362,7 @@ def test_mi355x_exports_import_with_the_fake_aiter_and_without_mla_tune(aiter_sw
     exports = {"plain": (aiter_sweep["path"], None),        # the sweep's winners, as they came out
                "aiter_only": (aiter_sweep["path"], "aiter,triton"),  # rows take aiter alternates
                "pinned": (aiter_pinned_table, None)}        # aiter winners, fp8_static included
-    texts = {}
-    for name, (table, only) in exports.items():
-        result = _export(table, tmp_path / f"{name}.py", only)
-        assert result.exit_code == 0, result.output
-        texts[name] = (tmp_path / f"{name}.py").read_text()
-        _check_header(texts[name], "MI355X")
+    texts = _exports(tmp_path, "MI355X", 2, exports)
     rows = _rows(aiter_sweep)
     assert _exported_table(texts["plain"]) == {s: r["winner"]["variant"] for s, r in rows.items()}
     aiter_won = any(r["winner"]["backend"] == "aiter" for r in rows.values())
@@ -440,10 +424,7 @@ def test_mi355x_sweep_through_the_newer_fake_gives_a_table_and_an_export(aiter_n
     gluon = next(r for r in records if r["params"].get("mode") == "gluon" and r["params"]["kv"] == "fp8")
     _pin(data["rows"][0], gluon)
     pinned = write_table(tmp_path / "MI355X.yaml", data)
-    result = _export(pinned, tmp_path / "gluon.py", "aiter,triton")
-    assert result.exit_code == 0, result.output
-    text = (tmp_path / "gluon.py").read_text()
-    _check_header(text, "MI355X")
+    text = _exports(tmp_path, "MI355X", 1, {"gluon": (pinned, "aiter,triton")})["gluon"]
     assert _exported_table(text) == {(2, 200): str(Variant.parse(gluon["variant"]))}
     cases = {"gluon": [_case(2, 200, seed=500)]}
     env = dict(_aiter_env(platform=None), MLA_TUNE_FAKE_AITER_VERSION="0.1.20.post1")

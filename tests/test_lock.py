@@ -51,11 +51,9 @@ def test_two_sweeps_started_together_exactly_one_runs_the_other_names_lock_and_p
         for _ in range(2)
     ]
     outputs = [p.communicate(timeout=60) for p in procs]
-    codes = sorted(p.returncode for p in procs)
-    assert codes == [0, 1], outputs
-    ran = next(o for p, o in zip(procs, outputs, strict=True) if p.returncode == 0)[0]
-    refused = next(o for p, o in zip(procs, outputs, strict=True) if p.returncode == 1)[0]
-    winner = next(p for p in procs if p.returncode == 0)
+    by_code = {p.returncode: (p, stdout) for p, (stdout, _) in zip(procs, outputs, strict=True)}
+    assert sorted(by_code) == [0, 1], outputs
+    (winner, ran), (_, refused) = by_code[0], by_code[1]
     assert ran.strip() == "RAN"
     lines = refused.strip().splitlines()
     assert len(lines) == 1, refused

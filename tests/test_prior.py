@@ -28,10 +28,9 @@ from mla_tune.problem import check, generate_input, get_rule, reference
 from mla_tune.tables.prior import find_prior
 from mla_tune.tables.table import TableError, load_table
 from mla_tune.tune.config import load_config
-from tests.helpers import WIDE
+from tests.helpers import REPO, WIDE
 
-ROOT = Path(__file__).resolve().parents[1]
-PRIOR = ROOT / "configs" / "priors" / "MI355X.yaml"
+PRIOR = REPO / "configs" / "priors" / "MI355X.yaml"
 # the seed's fixed split counts (../shared/seed/000_97316cf1d40f3d27.txt, custom_kernel)
 SEED_SPLITS = {(64, 8192): 4, (256, 1024): 16, (256, 8192): 1}
 # the leaderboard's test shapes, each run at (batch, kv_len) on the CPU
@@ -53,8 +52,8 @@ def test_the_prior_is_a_table_marked_prior_with_the_seeds_and_aiters_choices():
     table = load_table(PRIOR)  # every variant through its backend's validate()
     assert table.is_prior and table.gpu == "MI355X"
     assert table.provenance["arch"] == gpu.KNOWN_GPUS["MI355X"].arch
-    assert table.provenance["rule"]["name"] == load_config(ROOT / "configs" / "mi355x.yaml").rule.name
-    assert set(table.rows) == set(load_config(ROOT / "configs" / "mi355x.yaml").shapes)
+    assert table.provenance["rule"]["name"] == load_config(REPO / "configs" / "mi355x.yaml").rule.name
+    assert set(table.rows) == set(load_config(REPO / "configs" / "mi355x.yaml").shapes)
     cus = gpu.KNOWN_GPUS["MI355X"].sm_count
     for shape, row in table.rows.items():
         variant = row.winner_variant
@@ -183,7 +182,7 @@ def test_the_exported_prior_runs_the_test_shapes_through_aiter_and_the_rest_thro
     torch.save([list(c) for c in cases], tmp_path / "inputs.pt")
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", gpu.FAKE_PLATFORM_ENV)}
-    env.update(TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "fakes"), str(ROOT)]))
+    env.update(TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(REPO / "tests" / "fakes"), str(REPO)]))
     done = subprocess.run([sys.executable, "child.py", *AITER_BUILDS], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
@@ -228,8 +227,7 @@ def test_show_says_it_is_a_prior_and_shows_it_for_a_gpu_with_no_table(tmp_path, 
     assert "a PRIOR: choices made" in flat and "aiter(" in shown.output
     as_json = CliRunner().invoke(app, ["show", "--gpu", "MI355X", "--json"])
     assert as_json.exit_code == 0
-    body = as_json.stdout if hasattr(as_json, "stdout") else as_json.output
-    assert json.loads(body[body.index("{"):])["provenance"]["kind"] == "prior"
+    assert json.loads(as_json.stdout[as_json.stdout.index("{"):])["provenance"]["kind"] == "prior"
     # a GPU with neither a table nor a prior is still the one-line error
     missing = CliRunner().invoke(app, ["show", "--gpu", "B200"])
     assert missing.exit_code == 1 and "no table" in missing.output

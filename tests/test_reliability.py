@@ -16,24 +16,35 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from typer.testing import CliRunner
 
-from mla_tune.backends import BACKEND_MODULES, get_backend
+from mla_tune import runtime
+from mla_tune.backends import BACKEND_MODULES, EXTRA_BACKENDS_ENV, get_backend
 from mla_tune.backends.params import PARAM_RULES, check_space_value, check_variant_rules
 from mla_tune.cli import app
 from mla_tune.core import Variant
+from mla_tune.export import export_submission
 from mla_tune.fileio import LineLog, WriteError
+from mla_tune.problem import check, generate_input, get_rule, reference
+from mla_tune.report import _save
+from mla_tune.serving.config import ServingConfigError, load_serving_config
+from mla_tune.serving.verify import emit
+from mla_tune.tables.table import write_table
+from mla_tune.tune.config import ConfigError, load_config
+from mla_tune.tune.procs import sigint_held
+from mla_tune.tune.results import read_results
+from tests.fakes import EXTRA_BACKENDS
+from tests.helpers import CPU_TABLE, REPO, sigint_as_in_a_terminal
 
-REPO = Path(__file__).resolve().parents[1]
-DATA = Path(__file__).parent / "data"
-TABLE = DATA / "table_cpu.yaml"
+DATA = REPO / "tests" / "data"
 GOOD = "triton(block_n=16,dot_dtype=fp16,kv=fp8,num_splits=2,num_stages=1,num_warps=4,q=bf16)"
 
 
 # ----------------------------------------------------------- parameter rules as data
 def _bad_table(tmp_path: Path, edit: str) -> Path:
-    text = TABLE.read_text()
+    text = CPU_TABLE.read_text()
     assert GOOD in text
     path = tmp_path / f"bad_{len(list(tmp_path.iterdir()))}.yaml"
     path.write_text(text.replace(GOOD, GOOD.replace("num_splits=2", edit), 1))
@@ -49,7 +60,7 @@ def test_show_refuses_what_export_refuses_with_the_same_line_and_without_torch(t
         out = {{}}
         for edit, bad in {({k: str(v) for k, v in bad.items()})!r}.items():
             for name, args in (("show", ["show", "--table", bad]), ("show_json", ["show", "--table", bad, "--json"]),
-                               ("diff", ["diff", {str(TABLE)!r}, bad])):
+                               ("diff", ["diff", {str(CPU_TABLE)!r}, bad])):
                 result = CliRunner().invoke(cli.app, args)
                 out[edit + " " + name] = [result.exit_code, result.output]
         out["torch"] = "torch" in sys.modules
@@ -128,8 +139,6 @@ def test_every_backend_has_rules_and_space_values_are_checked_one_by_one():
      "backends.triton.grids[1].num_splits", "num_splits=300 is not allowed"),
 ])
 def test_a_space_value_no_variant_can_carry_fails_at_config_load(tmp_path, section, field, message):
-    from mla_tune.tune.config import ConfigError, load_config
-
     path = tmp_path / "space.yaml"
     path.write_text((DATA / "sweep_torch.yaml").read_text() + section)
     with pytest.raises(ConfigError) as caught:
@@ -141,8 +150,6 @@ def test_a_space_value_no_variant_can_carry_fails_at_config_load(tmp_path, secti
 
 
 def test_a_serving_space_value_no_variant_can_carry_fails_at_config_load(tmp_path):
-    from mla_tune.serving.config import ServingConfigError, load_serving_config
-
     raw = yaml.safe_load((REPO / "configs" / "serving.yaml").read_text())
     name = next(iter(raw["backends"]))
     raw["backends"][name] = {"max_splits": [0]}
@@ -272,7 +279,7 @@ def test_a_command_into_a_read_only_or_full_folder_is_one_line_and_leaves_nothin
     out = tmp_path / "ro"
     out.mkdir()
     args, needles = {
-        "export": (["export", "--table", TABLE, "-o", out / "sub.py", "--only", "torch"],
+        "export": (["export", "--table", CPU_TABLE, "-o", out / "sub.py", "--only", "torch"],
                    [str(out / "sub.py"), "write elsewhere"]),
         "sweep": (["sweep", "--gpu", "cpu", "--config", DATA / "sweep_torch.yaml", "--out", out / "cpu.yaml"],
                   [str(out / "cpu.yaml.lock"), "write the table elsewhere (--out)"]),
@@ -303,8 +310,6 @@ def test_verify_json_into_a_read_only_folder_is_one_line(tmp_path, monkeypatch):
 
 
 def test_a_report_plot_on_a_full_disk_leaves_no_partial_png(tmp_path, monkeypatch):
-    from mla_tune.report import _save
-
     class Figure:  # what _save needs of a matplotlib figure, without matplotlib
         def tight_layout(self):
             pass
@@ -336,8 +341,6 @@ def test_a_disk_that_fills_mid_sweep_stops_in_one_line_and_keeps_whole_lines(tmp
     assert results.endswith(b"\n") and all(json.loads(x) for x in results.splitlines())  # no torn line
     assert not out.exists() and not (tmp_path / "cpu.yaml.lock").exists()
     # what a re-run resumes from: the header and the finished step, nothing to repair
-    from mla_tune.tune.results import read_results
-
     header, records, warnings = read_results(tmp_path / "cpu.results.jsonl", kinds=("candidate", "step", "rung"))
     assert header is not None and records and warnings == []
 
@@ -345,8 +348,6 @@ def test_a_disk_that_fills_mid_sweep_stops_in_one_line_and_keeps_whole_lines(tmp
 # ------------------------------------------------------------ Ctrl-C from a terminal
 @pytest.mark.parametrize("handler", ["python", "SIG_DFL", "not from Python"])
 def test_a_ctrl_c_while_a_worker_starts_is_held_and_raised_not_dropped(tmp_path, capfd, monkeypatch, handler):
-    from mla_tune.tune.procs import sigint_held
-
     log = tmp_path / "worker.log"
     before = signal.default_int_handler if handler == "python" else signal.SIG_DFL
     inherited = signal.signal(signal.SIGINT, before)  # the sweep's, whatever pytest's is
@@ -374,10 +375,6 @@ def test_a_ctrl_c_while_a_worker_starts_is_held_and_raised_not_dropped(tmp_path,
 
 
 def test_ctrl_c_to_the_process_group_while_the_workers_start_prints_no_traceback(tmp_path):
-    from mla_tune.backends import EXTRA_BACKENDS_ENV
-    from tests.fakes import EXTRA_BACKENDS
-    from tests.helpers import sigint_as_in_a_terminal
-
     out = tmp_path / "cpu.yaml"
     env = {**os.environ, EXTRA_BACKENDS_ENV: EXTRA_BACKENDS, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "mla_tune", "sweep", "--gpu", "cpu", "--config",
@@ -401,20 +398,14 @@ FOUR = "custom_kernel: data must be the 5-tuple (q, kv_data, qo_indptr, kv_indpt
 
 
 def test_the_runtime_and_the_export_name_the_five_tuple(tmp_path):
-    import torch
-
-    from mla_tune import runtime
-    from mla_tune.export import export_submission
-    from mla_tune.problem import generate_input
-
     data = generate_input(1, 8, seed=3, device="cpu")
-    rt = runtime.load(table=TABLE, device="cpu", allow_other_gpu=True)
+    rt = runtime.load(table=CPU_TABLE, device="cpu", allow_other_gpu=True)
     with pytest.raises(ValueError) as caught:
         rt.custom_kernel(tuple(data[:4]))
     assert str(caught.value) == FOUR
     with pytest.raises(ValueError, match=r"got a dict$"):
         rt.custom_kernel({"q": data[0]})
-    export_submission(TABLE, tmp_path / "four_sub.py", only_backends=["torch"])
+    export_submission(CPU_TABLE, tmp_path / "four_sub.py", only_backends=["torch"])
     (tmp_path / "task.py").write_text("import typing\ninput_t = typing.Any\noutput_t = typing.Any\n")
     sys.path.insert(0, str(tmp_path))
     try:
@@ -431,10 +422,6 @@ def test_the_runtime_and_the_export_name_the_five_tuple(tmp_path):
 
 # ------------------------------------------------------------ a NaN byte in fp8 KV
 def test_a_nan_in_the_fp8_cache_cannot_vanish_in_the_gate():
-    import torch
-
-    from mla_tune.problem import check, generate_input, get_rule, reference
-
     rule = get_rule("leaderboard")
     data = list(generate_input(4, 16, seed=5, device="cpu"))
     kv, scale = data[1]["fp8"]
@@ -457,16 +444,12 @@ def test_a_nan_in_the_fp8_cache_cannot_vanish_in_the_gate():
     assert not check(wrong, ref, rule).passed and check(wrong, ref, rule).reason == "output holds NaN"
 
 
-def _emit(path):
-    from mla_tune.serving.verify import emit  # what verify and verify --rescore write --json with
-
+def _emit(path):  # what verify and verify --rescore write --json with
     emit({"exit_code": 0}, ["a line"], path, lambda line: None)
 
 
 def _write_table(path):
-    from mla_tune.tables.table import write_table
-
-    write_table(path, yaml.safe_load(TABLE.read_text()))
+    write_table(path, yaml.safe_load(CPU_TABLE.read_text()))
 
 
 @pytest.mark.parametrize("write, name, advice", [

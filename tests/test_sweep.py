@@ -24,8 +24,8 @@ from mla_tune.tune.schedule import BackendCost, CostModel
 from mla_tune.tune.sweep import SweepError, assign_shapes, run_sweep
 from mla_tune.tune.worker import compile_shape_for, precompile
 from tests.fakes import EXTRA_BACKENDS, capture, registered
+from tests.helpers import REPO, sigint_as_in_a_terminal
 
-REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data"
 TINY, RESUME, BUDGET, TORCH = (DATA / f"sweep_{n}.yaml" for n in ("tiny", "resume", "budget", "torch"))
 
@@ -143,14 +143,6 @@ def test_header_carries_provenance_and_names_the_cpu_timer(tiny_sweep):
 
 
 # ------------------------------------------------------------------- refusals, lock
-def test_a_sweep_for_another_gpu_is_refused_naming_what_was_found(tmp_path):
-    with pytest.raises(SweepError) as info:
-        run_sweep(TORCH, "MI355X", out=tmp_path / "MI355X.yaml", console=capture()[0])
-    assert "this machine has no GPU (cpu), not MI355X; run on an MI355X or pass --force" in str(info.value)
-    assert not (tmp_path / "MI355X.yaml.lock").exists()  # released on the way out
-    assert not (tmp_path / "MI355X.results.jsonl").exists()
-
-
 def test_a_second_sweep_on_the_same_table_is_refused_naming_the_pid(tmp_path):
     lock = tmp_path / "cpu.yaml.lock"
     lock.write_text(f"{os.getpid()}\n")  # a live process holds it
@@ -263,46 +255,68 @@ def _lines(path: Path) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("kill_when", ["mid rung 0", "mid rung 1"])
-def test_a_sweep_killed_mid_rung_resumes_without_running_any_step_twice(tmp_path, kill_when):
+_SWEEP = (
+    "import sys; from pathlib import Path; "
+    "from mla_tune.tune.sweep import run_sweep, SweepInterrupted\n"
+    "try:\n    run_sweep(sys.argv[1], 'cpu', out=Path(sys.argv[2]))\n"
+    "except SweepInterrupted:\n    sys.exit(130)\n"
+)
+
+
+@pytest.mark.parametrize("config, sig, when", [
+    (RESUME, signal.SIGKILL, "mid rung 0"), (RESUME, signal.SIGKILL, "mid rung 1"),
+    (DATA / "sweep_interrupt.yaml", signal.SIGINT, "mid rung 0"),
+], ids=["kill -9 mid rung 0", "kill -9 mid rung 1", "ctrl-c mid rung 0"])
+def test_a_sweep_killed_or_interrupted_mid_rung_resumes_without_running_any_step_twice(tmp_path, config, sig,
+                                                                                        when):
+    """A kill -9 leaves its lock (and here a torn line); a Ctrl-C stops the workers, prints how
+    to resume and leaves neither. The same command then resumes."""
     out = tmp_path / "cpu.yaml"
     results = tmp_path / "cpu.results.jsonl"
-    script = (
-        "import sys; from pathlib import Path; "
-        "from mla_tune.tune.sweep import run_sweep; "
-        "run_sweep(sys.argv[1], 'cpu', out=Path(sys.argv[2]))"
-    )
-    env = {**os.environ, EXTRA_BACKENDS_ENV: EXTRA_BACKENDS, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-c", script, str(RESUME), str(out)], cwd=REPO,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    env = {**os.environ, EXTRA_BACKENDS_ENV: EXTRA_BACKENDS, "PYTHONPATH": str(REPO), "COLUMNS": "400"}
+    proc = subprocess.Popen([sys.executable, "-c", _SWEEP, str(config), str(out)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            preexec_fn=sigint_as_in_a_terminal)
 
     def ready(lines):
-        if kill_when == "mid rung 0":
+        if when == "mid rung 0":
             return len(lines) >= 2
         rung = [i for i, r in enumerate(lines) if r["kind"] == "rung"]
         return bool(rung) and len(lines) > rung[0] + 2  # a cut recorded and a rung-1 step done
 
     deadline = time.monotonic() + 120
     while not ready(_lines(results)):
-        if proc.poll() is not None:
-            pytest.fail(f"the sweep ended before it was killed: {proc.stderr.read().decode()[-2000:]}")
+        assert proc.poll() is None, f"the sweep ended early: {proc.stdout.read().decode()[-2000:]}"
         assert time.monotonic() < deadline, "the sweep wrote too few records in 120 s"
         time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    proc.stderr.close()
+    proc.send_signal(sig)
+    output = proc.communicate(timeout=60)[0].decode()
     killed_at = results.read_bytes()
     kept = killed_at[: killed_at.rfind(b"\n") + 1]
     before = _lines(results)
     assert sum(r["kind"] == "candidate" and r["status"] == "ok" and r["rung"] == 1 for r in before) < 8
-    assert (tmp_path / "cpu.yaml.lock").exists()  # left by the killed sweep
-    with open(results, "ab") as f:  # as if it had died in the middle of a write
-        f.write(b'{"kind": "step", "shape": {"ba')
+    if sig == signal.SIGKILL:
+        assert (tmp_path / "cpu.yaml.lock").exists()  # left by the killed sweep
+        with open(results, "ab") as f:  # as if it had died in the middle of a write
+            f.write(b'{"kind": "step", "shape": {"ba')
+    else:
+        assert proc.returncode == 130, output
+        line = [x for x in output.splitlines() if x.startswith("interrupted:")]
+        assert len(line) == 1, output
+        assert f"kept in {results}" in line[0]
+        assert line[0].endswith(f"resume with: mla-tune sweep --gpu cpu --config {config} --out {out}")
+        assert "Traceback" not in output
+        assert not (tmp_path / "cpu.yaml.lock").exists()
+        log = (tmp_path / "cpu.worker0.log").read_text()
+        assert "KeyboardInterrupt" not in log  # the worker ignored it; the sweep stopped it
+        _header, recorded, warnings = read_results(results, kinds=("candidate", "step", "rung"))
+        assert not warnings and len(recorded) < 19
 
     console, buf = capture()
-    summary = run_sweep(RESUME, "cpu", out=out, console=console)
+    summary = run_sweep(config, "cpu", out=out, console=console)
     text = buf.getvalue()
-    assert "stale lock" in text and "truncated last line" in text
+    if sig == signal.SIGKILL:
+        assert "stale lock" in text and "truncated last line" in text
     n_final = sum(r["kind"] == "candidate" for r in before)
     assert f"{n_final} already recorded" in text
     assert results.read_bytes().startswith(kept)  # what was recorded stays as it was
