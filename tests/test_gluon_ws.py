@@ -22,8 +22,7 @@ from mla_tune.backends import gluon_fused
 from mla_tune.core import QK_DIM, SM_SCALE, V_DIM, Shape, Variant
 from mla_tune.gpu import fake_platform
 from mla_tune.kernels import gluon_decode
-from tests.helpers import rel_l2
-from tests.test_gluon_decode import ACCURACY_FACTOR, kernel_math
+from tests.test_gluon_decode import _gpu_skip, check, expect
 
 BASE = dict(kv="fp8", q="fp8_dynamic", block_n=64, num_stages=3, num_splits=1, v_path="rs8")
 
@@ -139,7 +138,7 @@ class _Recorder:
         return lambda *args, **kwargs: self.calls.append((grid, kwargs)) or "compiled"
 
 
-def test_gluon_decode_passes_ws_and_its_register_budget_to_the_launch(monkeypatch):
+def test_gluon_decode_launches_with_ws_its_register_budget_and_q_load_and_refuses_bad_values(monkeypatch):
     rec = _Recorder()
     monkeypatch.setattr(gluon_decode, "GD_UNAVAILABLE", None)
     monkeypatch.setattr(gluon_decode, "_gd_decode_kernel", rec)
@@ -155,30 +154,18 @@ def test_gluon_decode_passes_ws_and_its_register_budget_to_the_launch(monkeypatc
     assert all(k["num_warps"] == 4 for k in (k0, k1, k2))
     with pytest.raises(ValueError, match="ws must be one of"):
         gluon_decode.gluon_decode(q, None, None, indptr, None, None, None, ws=4, **common)
+    with pytest.raises(ValueError, match="q_load must be one of twice, first; got 'once'"):
+        gluon_decode.gluon_decode(q, None, None, indptr, None, None, None, q_load="once", **common)
+    with pytest.raises(ValueError, match="part_o must be float32 or bfloat16"):
+        gluon_decode.gluon_decode(q, None, None, indptr, None, torch.empty(4, dtype=torch.float16), None,
+                                  **{**common, "num_splits": 2})
     assert len(rec.calls) == 3  # refused before any launch
     assert "Q_LOAD" not in k0  # q_load "twice" (the default) launches as before it existed too
     gluon_decode.gluon_decode(q, None, None, indptr, None, None, None, q_load="first", **common)
     assert rec.calls[-1][1]["Q_LOAD"] == 1
 
 
-def test_the_backend_dispatches_ws_to_the_kernel(monkeypatch):
-    seen = []
-    monkeypatch.setattr(gluon_fused, "unavailable_reason", lambda: None)
-    monkeypatch.setattr(gluon_fused, "gd_kv_descriptor", lambda kv, block_n: ("desc", block_n))
-    monkeypatch.setattr(gluon_fused, "gluon_decode", lambda *args, **kwargs: seen.append(kwargs))
-    data = problem.generate_input(2, 256, seed=3, device="cpu")
-    for params, ws in [(dict(), 0), (dict(ws=1), 1), (dict(ws=2, num_stages=4, num_splits=2), 2)]:
-        run = gluon_fused.build(_variant(**params), Shape(2, 256), "cpu")
-        out = run(*data[:4])
-        assert out.shape == (2, 16, V_DIM) and seen[-1]["ws"] == ws
-        assert seen[-1]["num_stages"] == params.get("num_stages", 3)
-
-
 # ----------------------------------------------------------------------------- H200
-def _gpu_skip() -> str | None:
-    return gluon_fused.unavailable_reason()
-
-
 _SM_COUNT: list[int] = []
 
 
@@ -186,22 +173,6 @@ def _sm_count() -> int:
     if not _SM_COUNT:
         _SM_COUNT.append(torch.cuda.get_device_properties(0).multi_processor_count)
     return _SM_COUNT[0]
-
-
-def expect(data) -> dict:
-    """tests/test_gluon_decode.py's two expectations for `data`, computed once: kernel_math
-    (strict) and the bound on the relative L2 distance from the exact answer."""
-    exact = problem.reference(data, "bf16", "bf16")
-    return dict(math=kernel_math(data), exact=exact,
-                bound=ACCURACY_FACTOR * rel_l2(problem.reference(data), exact))
-
-
-def check(out, exp: dict, what: str) -> None:
-    """check_against_both with precomputed expectations (the same two assertions)."""
-    result = problem.check(out, exp["math"], problem.RULES["strict"])
-    err = rel_l2(out, exp["exact"])
-    assert result.passed, f"{what}: vs kernel_math {result.reason}; rel L2 vs exact {err:.2e} (bound {exp['bound']:.2e})"
-    assert err <= exp["bound"], f"{what}: rel L2 vs exact {err:.2e} > {exp['bound']:.2e} (strict vs kernel_math: ok)"
 
 
 def run_ws(data, *, ws: int, num_splits: int, reduce: str = "launch", num_stages: int = 4, v_path: str = "rs8",
