@@ -55,13 +55,20 @@ def test_validate_accepts_the_base_and_names_each_bad_parameter():
         gluon_fused.validate(Variant.make("gluon_fused", **{k: v for k, v in BASE.items() if k != "v_path"}))
 
 
-def test_shared_memory_estimate_matches_the_compilers_figures():
-    # ptxas/Triton 3.6 offline compiles (scripts/gluon_probe.py --decode at 9401329, docs/perf.md)
+def test_shared_memory_estimates_match_the_compilers_figures():
+    # ptxas/Triton 3.6 offline compiles (scripts/gluon_probe.py --decode at 9401329, docs/perf.md;
+    # per V half: --decode 64/2/ss16a/split/h2 ...): the backend's figure and the kernel module's
     assert gluon_fused._gf_smem_bytes(64, 3) == 151832
     assert gluon_fused._gf_smem_bytes(64, 4) == 192800
-    assert gluon_fused._gf_smem_bytes(128, 2) == 211216
     assert gluon_fused._gf_smem_bytes(64, 3, "ss16a") == 200984
-    assert gluon_fused._gf_smem_bytes(64, 2, "ss16a") == 160016
+    assert gluon_decode.gd_smem_bytes(64, 2, "rs8") == 94480
+    assert gluon_decode.gd_smem_bytes(64, 3, "rs8", 2) == 135448
+    assert gluon_decode.gd_smem_bytes(64, 2, "ss16", 2) == 110864
+    assert gluon_decode.gd_smem_bytes(64, 2, "ss16a") == gluon_fused._gf_smem_bytes(64, 2, "ss16a") == 160016
+    assert gluon_decode.gd_smem_bytes(64, 2, "ss16a", 2) == 127248  # two fp16 box buffers, not four
+    assert gluon_decode.gd_smem_bytes(128, 2, "ss16") == gluon_fused._gf_smem_bytes(128, 2) == 211216
+    assert [gluon_decode.gd_ctas_per_sm(64, st, vp)
+            for vp, st in [("rs8", 2), ("ss16", 2), ("rs8", 3), ("ss16a", 2)]] == [2, 2, 1, 1]
 
 
 def test_candidates_pass_validate_and_never_split_past_the_tiles():
@@ -237,13 +244,16 @@ def test_the_backend_passes_ws_q_load_and_the_partials_type_to_the_kernel(monkey
         assert (kwargs["ws"], kwargs["q_load"], kwargs["num_stages"]) == (ws, q_load, stages)
 
 
-def test_q_load_and_part_are_later_parameters_offered_where_they_mean_something(monkeypatch):
+def test_reduce_q_load_and_part_are_later_parameters_offered_where_they_mean_something(monkeypatch):
     old = _variant(num_splits=4)
-    for later in ("q_load", "part"):
+    for later in ("q_load", "part", "reduce"):
         assert later not in old.p
+    gluon_fused.validate(old)
     gluon_fused.validate(_variant(num_splits=4, q_load="first", part="bf16"))
+    gluon_fused.validate(_variant(reduce="spin"))
     for params, match in [(dict(q_load="thrice"), "q_load=thrice is not allowed; allowed: twice, first"),
-                          (dict(part="fp16"), "part=fp16 is not allowed; allowed: fp32, bf16")]:
+                          (dict(part="fp16"), "part=fp16 is not allowed; allowed: fp32, bf16"),
+                          (dict(reduce="last"), "reduce")]:  # reduce=last: slower wherever measured
         with pytest.raises(ValueError, match=match):
             gluon_fused.validate(_variant(**params))
     space = {"num_stages": [2], "v_path": ["rs8"], "q_load": ["twice", "first"], "part": ["fp32", "bf16"]}
@@ -355,29 +365,9 @@ def test_bf16_partials_on_a_ragged_batch_with_empty_splits(reduce):
     check_against_both(gluon_fused.build(variant, Shape(5, 3000), "cuda")(*data[:4]), data, str(variant))
 
 
-def test_the_backend_reads_reduce_as_a_later_parameter():
-    old = _variant()
-    assert "reduce" not in old.p
-    gluon_fused.validate(old)
-    gluon_fused.validate(_variant(reduce="spin"))
-    with pytest.raises(ValueError, match="reduce"):
-        gluon_fused.validate(_variant(reduce="last"))  # not offered: slower wherever measured
-
-
 # ------------------------------------------------------ in-kernel reductions and V halves
 # gluon_decode's reduce ("last", "spin") and v_halves, called directly (the backend does not
 # take them yet). The CPU tests check the host-side rules; the GPU tests the kernel.
-def test_shared_memory_estimate_per_v_half_matches_the_compilers_figures():
-    # ptxas/Triton 3.6 offline compiles (scripts/gluon_probe.py at 9401329, --decode 64/2/ss16a/split/h2 ...)
-    assert gluon_decode.gd_smem_bytes(64, 2, "rs8") == 94480
-    assert gluon_decode.gd_smem_bytes(64, 3, "rs8", 2) == 135448
-    assert gluon_decode.gd_smem_bytes(64, 2, "ss16", 2) == 110864
-    assert gluon_decode.gd_smem_bytes(64, 2, "ss16a") == gluon_fused._gf_smem_bytes(64, 2, "ss16a") == 160016
-    assert gluon_decode.gd_smem_bytes(64, 2, "ss16a", 2) == 127248  # two fp16 box buffers, not four
-    assert gluon_decode.gd_smem_bytes(128, 2, "ss16") == gluon_fused._gf_smem_bytes(128, 2) == 211216
-    assert [gluon_decode.gd_ctas_per_sm(64, st, vp) for vp, st in [("rs8", 2), ("ss16", 2), ("rs8", 3), ("ss16a", 2)]] == [2, 2, 1, 1]
-
-
 def test_spin_is_refused_for_a_grid_the_gpu_cannot_hold_at_once():
     check = gluon_decode.gd_check_launch
     base = dict(block_n=64, num_stages=2, v_path="rs8", reduce="spin", sm_count=132)
