@@ -12,16 +12,14 @@ import torch
 
 from mla_tune import gpu, problem, runtime
 from mla_tune.backends import get_backend
-from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, SM_SCALE, CallSpec, Shape, Variant
+from mla_tune.core import SM_SCALE, CallSpec, Shape, Variant
 from mla_tune.kernels import flash_decode, fused_decode
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.call import Decoder, decode
 from mla_tune.serving.table import FamilyKey
+from tests.group_a_support import DSV3, H200, VENDOR_MODULES, serving_call
 from tests.helpers import cpu_table, vendor_fakes
 
-DSV3 = CORE_DEEPSEEK_V3_SCALE
-H200 = gpu.fake_platform("H200")
-VENDOR_MODULES = {"flashmla": "flash_mla", "flashinfer": "flashinfer"}
 STRICT = problem.RULES["strict"]
 
 
@@ -59,18 +57,7 @@ SERVING_CASES = [(name, kv) for name in ("triton", "triton_fused", "flashmla", "
 
 @pytest.mark.parametrize("name,kv", SERVING_CASES, ids=[f"{n}-{k}" for n, k in SERVING_CASES])
 def test_the_serving_call_answers_at_the_models_scale(name, kv, monkeypatch):
-    platform = gpu.detect()
-    if name in VENDOR_MODULES:
-        vendor_fakes.install(monkeypatch, VENDOR_MODULES[name])
-        platform = H200
-    page = 64 if name == "flashmla" else 16
-    spec = CallSpec(kv, page_size=page, heads=16, max_q_len=1, sm_scale=DSV3, host_lengths=name == "flashinfer")
-    backend = get_backend(name)
-    variant = backend.default_serving_variant(spec, platform)
-    runner = backend.build_serving(variant, spec, "cpu")
-    inp = serving.make_input([1, 1, 1], [5, 70, 130], 16, page, kv, seed=5)
-    out = runner(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout,
-                 q_lens_host=inp.q_lens, kv_lens_host=inp.kv_lens)
+    out, variant, inp, _ = serving_call(monkeypatch, name, kv, [1, 1, 1], [5, 70, 130], 5)
     q_format = {"bf16": "bf16", "fp8_dynamic": "fp8"}[variant.get("q")]
     _scaled_and_not(out, inp.reference(q_format, sm_scale=DSV3), inp.reference(q_format), f"{name} {kv}")
     if name == "flashmla":
