@@ -253,7 +253,7 @@ def test_reduce_q_load_and_part_are_later_parameters_offered_where_they_mean_som
     gluon_fused.validate(_variant(reduce="spin"))
     for params, match in [(dict(q_load="thrice"), "q_load=thrice is not allowed; allowed: twice, first"),
                           (dict(part="fp16"), "part=fp16 is not allowed; allowed: fp32, bf16"),
-                          (dict(reduce="last"), "reduce")]:  # reduce=last: slower wherever measured
+                          (dict(reduce="last"), "reduce")]:  # last: not offered, slower wherever measured
         with pytest.raises(ValueError, match=match):
             gluon_fused.validate(_variant(**params))
     space = {"num_stages": [2], "v_path": ["rs8"], "q_load": ["twice", "first"], "part": ["fp32", "bf16"]}
