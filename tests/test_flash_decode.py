@@ -53,33 +53,51 @@ def _assert_close(out, ref, rules=("strict",)) -> None:
         assert result.passed, f"{rule}: {result.reason}"
 
 
+def _options(device) -> dict:
+    """flash_decode's launch options at the tests' tiny shapes."""
+    return dict(block_n=16, num_warps=4, num_stages=1, dot_dtype=_dot_dtype(device))
+
+
 def _run_variant(variant: Variant, data, device):
     runner = triton_splitk.build(variant, Shape(data[0].shape[0], data[4]["kv_seq_len"]), device)
     return runner(*data[:4])
 
 
-# (kv_lens, num_splits, block_n, kv, q): every kv format x q mode, kv_len 1, 17, 100,
-# more splits than blocks (100 tokens, 8 splits of 32: four empty), ragged batches.
+# (kv_lens, num_splits, block_n, kv, q, register-file options, seed): every kv format x q
+# mode, kv_len 1, 17, 100, 301 and 3001 (odd, many tiles), more splits than blocks (100
+# tokens, 8 splits of 32: four empty), ragged batches; then stage 1 for AMD's register file:
+# the value columns split over two programs (v_split) and/or the score dot in chunks (qk_split).
 CASES = [
-    ([1], 1, 16, "bf16", "bf16"),
-    ([17, 17], 2, 16, "fp8", "fp8_dynamic"),
-    ([100], 3, 32, "fp8", "bf16"),
-    ([100], 8, 32, "bf16", "fp8_static"),
-    ([1, 17, 40], 4, 16, "fp8", "fp8_static"),
-    ([1, 17, 40], 1, 32, "bf16", "fp8_dynamic"),
-]
+    ([1], 1, 16, "bf16", "bf16", {}, 7),
+    ([17, 17], 2, 16, "fp8", "fp8_dynamic", {}, 7),
+    ([100], 3, 32, "fp8", "bf16", {}, 7),
+    ([100], 8, 32, "bf16", "fp8_static", {}, 7),
+    ([1, 17, 40], 4, 16, "fp8", "fp8_static", {}, 7),
+    ([1, 17, 40], 1, 32, "bf16", "fp8_dynamic", {}, 7),
+] + [(lens, splits, block_n, kv, q, dict(v_split=v, qk_split=k), 11)
+     for lens, splits, block_n, kv, q, v, k in [
+         ([1], 1, 16, "bf16", "bf16", 2, 1),
+         ([17, 40], 3, 16, "fp8", "fp8_dynamic", 1, 8),
+         ([3001], 8, 64, "fp8", "bf16", 2, 4),
+         ([1, 17, 100], 4, 32, "bf16", "fp8_static", 2, 2),
+         ([17], 1, 16, "fp8", "fp8_static", 1, 4),
+         ([100], 8, 32, "bf16", "fp8_dynamic", 2, 8),
+         ([301, 17], 1, 32, "bf16", "bf16", 1, 2),
+     ]]
 
 
-@pytest.mark.parametrize("kv_lens,num_splits,block_n,kv,q", CASES)
-def test_kernel_matches_reference_in_its_formats(kv_lens, num_splits, block_n, kv, q, device):
-    data = problem.generate_ragged_input(kv_lens, seed=7, device=device)
+@pytest.mark.parametrize("kv_lens,num_splits,block_n,kv,q,registers,seed", CASES)
+def test_kernel_and_register_file_options_match_reference_in_their_formats(
+        kv_lens, num_splits, block_n, kv, q, registers, seed, device):
+    data = problem.generate_ragged_input(kv_lens, seed=seed, device=device)
     params = dict(kv=kv, q=q, num_splits=num_splits, block_n=block_n, num_warps=4,
-                  num_stages=1, dot_dtype=_dot_dtype(device))
+                  num_stages=1, dot_dtype=_dot_dtype(device), **registers)
     q_amax = None
     if q == "fp8_static":
         # Below the calibrated amax, so some values of q are clamped, as in serving.
         q_amax = 0.8 * _calibrated_q_amax(len(kv_lens), device)
-        assert bool((data[0].abs() > q_amax).any())
+        # (The register-file cases' q need not reach it: at 1x17, seed 11, none does.)
+        assert registers or bool((data[0].abs() > q_amax).any())
         params["q_amax"] = q_amax
     out = _run_variant(Variant.make("triton", **params), data, device)
     assert out.shape == (len(kv_lens), 16, 512) and out.dtype == torch.bfloat16
@@ -98,8 +116,7 @@ def test_wrong_sm_scale_fails_the_check(device):
     q, kv_data, _qo, kv_indptr, _cfg = data
     kv, kv_scale = kv_data["fp8"]
     out = torch.empty((2, 16, 512), dtype=torch.bfloat16, device=device)
-    flash_decode(q, kv, kv_scale, kv_indptr, out, num_splits=2, block_n=16, num_warps=4,
-                 num_stages=1, dot_dtype=_dot_dtype(device), sm_scale=2 * SM_SCALE)
+    flash_decode(q, kv, kv_scale, kv_indptr, out, num_splits=2, sm_scale=2 * SM_SCALE, **_options(device))
     ref = problem.reference(data, "bf16", "fp8")
     assert rel_l2(out, ref) > 0.1
     assert not problem.check(out, ref, problem.RULES["strict"]).passed
@@ -115,7 +132,7 @@ def test_one_split_is_a_single_launch_and_more_splits_reduce(device, monkeypatch
             raise AssertionError("stage 2 launched")
 
     monkeypatch.setattr(fd, "_fd_stage2_kernel", NoLaunch())
-    kwargs = dict(block_n=16, num_warps=4, num_stages=1, dot_dtype=_dot_dtype(device))
+    kwargs = _options(device)
     workspace = FlashDecodeWorkspace.allocate(1, 1, device)
     flash_decode(q, kv_data["bf16"], None, kv_indptr, out, num_splits=1, workspace=workspace, **kwargs)
     _assert_close(out, problem.reference(data, "bf16", "bf16"))
@@ -147,19 +164,13 @@ def test_default_variant_uses_fp16_dots_under_the_interpreter_and_fills_the_gpu(
     assert triton_splitk.unavailable_reason() is None
 
 
-@pytest.mark.parametrize(
-    "params,message",
-    [
-        (dict(kv="fp8", q="bf16", num_splits=1, block_n=32, num_warps=4, dot_dtype="fp16"), "num_stages"),
-        (dict(kv="fp8", q="bf16", num_splits=1, block_n=32, num_warps=4, num_stages=1,
-              dot_dtype="fp16", color=1), "color"),
-        (dict(kv="fp8", q="fp8_static", num_splits=1, block_n=32, num_warps=4, num_stages=1,
-              dot_dtype="fp16"), "q_amax"),
-        (dict(kv="mxfp4", q="bf16", num_splits=1, block_n=32, num_warps=4, num_stages=1,
-              dot_dtype="fp16"), "mxfp4"),
-    ],
-)
-def test_build_rejects_bad_variants_by_name(params, message):
+VALID = dict(kv="fp8", q="bf16", num_splits=1, block_n=32, num_warps=4, num_stages=1, dot_dtype="fp16")
+
+
+@pytest.mark.parametrize("change,message", [(dict(num_stages=None), "num_stages"), (dict(color=1), "color"),
+                                            (dict(q="fp8_static"), "q_amax"), (dict(kv="mxfp4"), "mxfp4")])
+def test_build_rejects_bad_variants_by_name(change, message):
+    params = {k: v for k, v in {**VALID, **change}.items() if v is not None}  # None: left out
     with pytest.raises(ValueError, match=message):
         triton_splitk.build(Variant.make("triton", **params), Shape(2, 40), "cpu")
 
@@ -204,34 +215,6 @@ def test_candidates_name_an_unknown_key():
 
 
 # ---------------------------------------------------- stage 1 for AMD's register file
-# (kv_lens, num_splits, block_n, kv, q, v_split, qk_split): every kv format x q mode with
-# the value columns split over two programs and/or the score dot in chunks; kv_len 1, 17
-# 301 and 3001 (odd, many tiles), more splits than blocks (100 tokens, 8 splits of 32), ragged.
-REGISTER_CASES = [
-    ([1], 1, 16, "bf16", "bf16", 2, 1),
-    ([17, 40], 3, 16, "fp8", "fp8_dynamic", 1, 8),
-    ([3001], 8, 64, "fp8", "bf16", 2, 4),
-    ([1, 17, 100], 4, 32, "bf16", "fp8_static", 2, 2),
-    ([17], 1, 16, "fp8", "fp8_static", 1, 4),
-    ([100], 8, 32, "bf16", "fp8_dynamic", 2, 8),
-    ([301, 17], 1, 32, "bf16", "bf16", 1, 2),
-]
-
-
-@pytest.mark.parametrize("kv_lens,num_splits,block_n,kv,q,v_split,qk_split", REGISTER_CASES)
-def test_register_file_options_match_the_reference(kv_lens, num_splits, block_n, kv, q, v_split,
-                                                   qk_split, device):
-    data = problem.generate_ragged_input(kv_lens, seed=11, device=device)
-    params = dict(kv=kv, q=q, num_splits=num_splits, block_n=block_n, num_warps=4, num_stages=1,
-                  dot_dtype=_dot_dtype(device), v_split=v_split, qk_split=qk_split)
-    q_amax = None
-    if q == "fp8_static":
-        q_amax = 0.8 * _calibrated_q_amax(len(kv_lens), device)
-        params["q_amax"] = q_amax
-    out = _run_variant(Variant.make("triton", **params), data, device)
-    _assert_close(out, _expected(data, kv, q, q_amax))
-
-
 def test_v_split_halves_write_every_column_and_one_lse(device, monkeypatch):
     # Poison the partials: a column or an lse that no program writes shows up as NaN.
     data = problem.generate_input(2, 70, seed=4, device=device)
@@ -241,23 +224,22 @@ def test_v_split_halves_write_every_column_and_one_lse(device, monkeypatch):
     workspace.part_out.fill_(float("nan"))
     workspace.part_lse.fill_(float("nan"))
     out = torch.full((2, 16, 512), float("nan"), dtype=torch.bfloat16, device=device)
-    flash_decode(q, kv, kv_scale, kv_indptr, out, num_splits=3, block_n=16, num_warps=4, num_stages=1,
-                 dot_dtype=_dot_dtype(device), workspace=workspace, v_split=2, qk_split=4)
+    flash_decode(q, kv, kv_scale, kv_indptr, out, num_splits=3, workspace=workspace, v_split=2, qk_split=4,
+                 **_options(device))
     assert not workspace.part_out.isnan().any() and not workspace.part_lse.isnan().any()
     _assert_close(out, problem.reference(data, "bf16", "fp8"))
 
 
 def test_register_file_options_are_checked_by_name():
-    base = dict(kv="fp8", q="bf16", num_splits=1, block_n=32, num_warps=4, num_stages=1, dot_dtype="fp16")
     for name, bad in (("v_split", 3), ("qk_split", 3), ("qk_split", 16)):
         with pytest.raises(ValueError, match=name):
-            triton_splitk.validate(Variant.make("triton", **base, **{name: bad}))
-    triton_splitk.validate(Variant.make("triton", **base, v_split=2, qk_split=8))
+            triton_splitk.validate(Variant.make("triton", **VALID, **{name: bad}))
+    triton_splitk.validate(Variant.make("triton", **VALID, v_split=2, qk_split=8))
     data = problem.generate_input(1, 4, seed=1, device="cpu")
     out = torch.empty((1, 16, 512), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="qk_split must be one of 1, 2, 4, 8"):
-        flash_decode(data[0], data[1]["bf16"], None, data[3], out, num_splits=1, block_n=16, num_warps=4,
-                     num_stages=1, dot_dtype="fp16", qk_split=3)
+        flash_decode(data[0], data[1]["bf16"], None, data[3], out, num_splits=1, qk_split=3,
+                     **_options("cpu"))
 
 
 def test_candidates_leave_default_register_options_out_of_the_name():

@@ -24,34 +24,52 @@ def _variant(**params) -> Variant:
     return Variant.make("triton_fused", **{**CPU_BASE, **params})
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp8", "mxfp4"])
-@pytest.mark.parametrize(
-    "lens,num_splits,reduce,tok_m",
-    [
-        ([1], 1, "none", True),  # a single token
-        ([17], 1, "none", False),  # not a multiple of block_n, heads on M
-        ([17, 40, 3], 3, "last", True),  # ragged, empty splits in the short sequences
-        ([100, 33], 4, "last", False),
-    ],
-)
-def test_fused_decode_matches_reference(device, kv, lens, num_splits, reduce, tok_m):
-    data = problem.generate_ragged_input(lens, seed=7, device=device)
-    variant = _variant(kv=kv, num_splits=num_splits, reduce=reduce, tok_m=tok_m)
-    run = triton_fused.build(variant, Shape(len(lens), max(lens)), device)
+# (kv, lens, params, seed). Every KV format at a single token, a partial tile (heads on M),
+# ragged batches with empty splits in the short sequences. Then the issue-5 levers: TMA loads
+# (device and host descriptors), the persistent grid, and the MXFP4 dequantization. Under the
+# interpreter the persistent grid has 3 "SMs", so sequences are cut between programs.
+CASES = [(kv, lens, dict(num_splits=num_splits, reduce=reduce, tok_m=tok_m), 7)
+         for kv in ("bf16", "fp8", "mxfp4") for lens, num_splits, reduce, tok_m in [
+             ([1], 1, "none", True),  # a single token
+             ([17], 1, "none", False),  # not a multiple of block_n, heads on M
+             ([17, 40, 3], 3, "last", True),  # ragged, empty splits in the short sequences
+             ([100, 33], 4, "last", False),
+         ]] + [(kv, lens, params, 11) for kv, lens, params in [
+             ("fp8", [1], dict(load="tma")),  # a single token: the rest of the tile is zero-filled
+             # the next sequence's rows masked:
+             ("bf16", [17, 40, 3], dict(load="tma", num_splits=3, reduce="last")),
+             ("fp8", [100, 33], dict(load="tma_host", num_splits=4, reduce="last", tok_m=False)),
+             ("fp8", [1], dict(grid="persistent")),
+             ("fp8", [17, 40, 3], dict(grid="persistent")),  # 2 pieces, direct writes, an idle program
+             ("bf16", [100, 33], dict(grid="persistent", waves=2)),  # a 4-piece sequence
+             ("fp8", [17, 40, 3], dict(grid="persistent", load="tma")),
+             ("mxfp4", [1], dict()),
+             ("mxfp4", [100, 33], dict(num_splits=4, reduce="last", tok_m=False)),
+             ("mxfp4", [17, 40, 3], dict(grid="persistent", load="tma")),
+             ("mxfp4", [17, 40, 3], dict(load="tma_host")),
+         ]]
+
+
+@pytest.mark.parametrize("kv,lens,params,seed", CASES)
+def test_fused_decode_and_its_levers_match_the_reference(device, kv, lens, params, seed):
+    data = problem.generate_ragged_input(lens, seed=seed, device=device)
+    p = dict(kv=kv, num_splits=1, reduce="last" if params.get("grid") == "persistent" else "none")
+    run = triton_fused.build(_variant(**{**p, **params}), Shape(len(lens), max(lens)), device)
     out = run(*data[:4])
-    ref = problem.reference(data, q_format="bf16", kv_format=kv)
     assert out.shape == (len(lens), 16, 512) and out.dtype == torch.bfloat16
-    assert rel_l2(out, ref) < 1e-2  # bf16 output rounding is ~3e-3
+    assert rel_l2(out, problem.reference(data, q_format="bf16", kv_format=kv)) < 1e-2  # bf16 rounding: ~3e-3
 
 
-def test_last_reducer_resets_its_counter_so_calls_repeat(device):
-    data = problem.generate_ragged_input([50, 20], seed=3, device=device)
-    run = triton_fused.build(_variant(kv="fp8", num_splits=3, reduce="last"), Shape(2, 50), device)
+@pytest.mark.parametrize("lens,params,seed", [([50, 20], dict(num_splits=3), 3),
+                                              ([50, 20, 9], dict(num_splits=1, grid="persistent"), 5)])
+def test_last_reducer_and_persistent_grid_reset_their_counters_so_calls_repeat(device, lens, params, seed):
+    data = problem.generate_ragged_input(lens, seed=seed, device=device)
+    run = triton_fused.build(_variant(kv="fp8", reduce="last", **params), Shape(len(lens), 50), device)
     first = run(*data[:4]).clone()
-    second = run(*data[:4])
-    assert torch.equal(first, second)
-    ref = problem.reference(data, q_format="bf16", kv_format="fp8")
-    assert rel_l2(second, ref) < 1e-2
+    other = problem.generate_ragged_input([9, 61], seed=6, device=device)  # another batch between
+    assert rel_l2(run(*other[:4]), problem.reference(other, q_format="bf16", kv_format="fp8")) < 1e-2
+    assert torch.equal(first, run(*data[:4]))
+    assert rel_l2(first, problem.reference(data, q_format="bf16", kv_format="fp8")) < 1e-2
 
 
 def test_larger_ragged_batch_than_planned_grows_buffers_once(device):
@@ -59,43 +77,6 @@ def test_larger_ragged_batch_than_planned_grows_buffers_once(device):
     run = triton_fused.build(_variant(kv="bf16", num_splits=2, reduce="last"), Shape(1, 30), device)
     out = run(*data[:4])
     assert rel_l2(out, problem.reference(data, q_format="bf16", kv_format="bf16")) < 1e-2
-
-
-# The issue-5 levers: TMA loads (device and host descriptors), the persistent grid, and the
-# MXFP4 dequantization, each against the fp32 reference of the format it reads. Under the
-# interpreter the persistent grid has 3 "SMs", so sequences are cut between programs.
-@pytest.mark.parametrize(
-    "kv,lens,params",
-    [
-        ("fp8", [1], dict(load="tma")),  # a single token: the rest of the tile is zero-filled
-        ("bf16", [17, 40, 3], dict(load="tma", num_splits=3, reduce="last")),  # next sequence's rows masked
-        ("fp8", [100, 33], dict(load="tma_host", num_splits=4, reduce="last", tok_m=False)),
-        ("fp8", [1], dict(grid="persistent")),
-        ("fp8", [17, 40, 3], dict(grid="persistent")),  # 2 pieces, direct writes, an idle program
-        ("bf16", [100, 33], dict(grid="persistent", waves=2)),  # a 4-piece sequence
-        ("fp8", [17, 40, 3], dict(grid="persistent", load="tma")),
-        ("mxfp4", [1], dict()),
-        ("mxfp4", [100, 33], dict(num_splits=4, reduce="last", tok_m=False)),
-        ("mxfp4", [17, 40, 3], dict(grid="persistent", load="tma")),
-        ("mxfp4", [17, 40, 3], dict(load="tma_host")),
-    ],
-)
-def test_levers_match_the_reference(device, kv, lens, params):
-    data = problem.generate_ragged_input(lens, seed=11, device=device)
-    p = dict(kv=kv, num_splits=1, reduce="last" if params.get("grid") == "persistent" else "none")
-    run = triton_fused.build(_variant(**{**p, **params}), Shape(len(lens), max(lens)), device)
-    out = run(*data[:4])
-    assert rel_l2(out, problem.reference(data, q_format="bf16", kv_format=kv)) < 1e-2
-
-
-def test_persistent_grid_resets_its_counters_so_calls_repeat(device):
-    data = problem.generate_ragged_input([50, 20, 9], seed=5, device=device)
-    run = triton_fused.build(_variant(kv="fp8", num_splits=1, reduce="last", grid="persistent"), Shape(3, 50), device)
-    first = run(*data[:4]).clone()
-    other = problem.generate_ragged_input([9, 61], seed=6, device=device)  # another batch between
-    assert rel_l2(run(*other[:4]), problem.reference(other, q_format="bf16", kv_format="fp8")) < 1e-2
-    assert torch.equal(first, run(*data[:4]))
-    assert rel_l2(first, problem.reference(data, q_format="bf16", kv_format="fp8")) < 1e-2
 
 
 # MXFP4 bit dequantization (the kernel's integer bit operations) through the kernel itself:

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+import triton
 
 from mla_tune import problem
 from mla_tune.core import QK_DIM, SM_SCALE, V_DIM, device_sm_count
@@ -31,20 +32,15 @@ class _Bufs:
         self.out = torch.empty((batch, 16, V_DIM), dtype=torch.bfloat16, device=device)
 
 
-def _prepare_tma(load: str, device) -> None:
-    if load == "tma":
-        import triton
-
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
-
-
 def run_fused(data, bufs: _Bufs, *, kv: str, num_splits: int, reduce: str, v_split: int, tok_m: bool = True,
               load: str = "ptr", **params) -> torch.Tensor:
     q, kv_data = data[0], data[1]
     entry = kv_data[kv]
     dummy = torch.zeros(1, dtype=torch.float32, device=q.device)
     cache, scale = (entry.view(-1, QK_DIM), dummy) if kv == "bf16" else (entry[0].view(-1, QK_DIM), entry[1])
-    _prepare_tma(load, q.device)
+    if load == "tma":  # the device descriptors' scratch
+        triton.set_allocator(lambda size, _align, _stream: torch.empty(size, dtype=torch.int8,
+                                                                         device=q.device))
     options = {**CPU, **params}
     fused_decode(q, cache, scale, dummy, data[3], bufs.out[: q.shape[0]], bufs.part_o, bufs.part_lse,
                  bufs.count, bufs.flag, num_splits=num_splits, kv_fmt=kv, tok_m=tok_m,

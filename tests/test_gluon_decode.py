@@ -55,13 +55,20 @@ def test_validate_accepts_the_base_and_names_each_bad_parameter():
         gluon_fused.validate(Variant.make("gluon_fused", **{k: v for k, v in BASE.items() if k != "v_path"}))
 
 
-def test_shared_memory_estimate_matches_the_compilers_figures():
-    # ptxas/Triton 3.6 offline compiles (scripts/gluon_probe.py --decode at 9401329, docs/perf.md)
+def test_shared_memory_estimates_match_the_compilers_figures():
+    # ptxas/Triton 3.6 offline compiles (scripts/gluon_probe.py --decode at 9401329, docs/perf.md;
+    # per V half: --decode 64/2/ss16a/split/h2 ...): the backend's figure and the kernel module's
     assert gluon_fused._gf_smem_bytes(64, 3) == 151832
     assert gluon_fused._gf_smem_bytes(64, 4) == 192800
-    assert gluon_fused._gf_smem_bytes(128, 2) == 211216
     assert gluon_fused._gf_smem_bytes(64, 3, "ss16a") == 200984
-    assert gluon_fused._gf_smem_bytes(64, 2, "ss16a") == 160016
+    assert gluon_decode.gd_smem_bytes(64, 2, "rs8") == 94480
+    assert gluon_decode.gd_smem_bytes(64, 3, "rs8", 2) == 135448
+    assert gluon_decode.gd_smem_bytes(64, 2, "ss16", 2) == 110864
+    assert gluon_decode.gd_smem_bytes(64, 2, "ss16a") == gluon_fused._gf_smem_bytes(64, 2, "ss16a") == 160016
+    assert gluon_decode.gd_smem_bytes(64, 2, "ss16a", 2) == 127248  # two fp16 box buffers, not four
+    assert gluon_decode.gd_smem_bytes(128, 2, "ss16") == gluon_fused._gf_smem_bytes(128, 2) == 211216
+    assert [gluon_decode.gd_ctas_per_sm(64, st, vp)
+            for vp, st in [("rs8", 2), ("ss16", 2), ("rs8", 3), ("ss16a", 2)]] == [2, 2, 1, 1]
 
 
 def test_candidates_pass_validate_and_never_split_past_the_tiles():
@@ -91,12 +98,17 @@ def test_unavailable_reason_says_why_the_kernel_cannot_run_here():
             gluon_fused.build(_variant(), Shape(1, 64), "cpu")
 
 
-def test_the_module_imports_without_gluon_and_says_so(monkeypatch):
-    monkeypatch.setitem(sys.modules, "triton.experimental.gluon", None)  # the import raises
-    path = Path(gluon_decode.__file__)
-    spec = importlib.util.spec_from_file_location("gluon_decode_without_gluon", path)
+def _fresh_gluon_decode(name: str):
+    """kernels/gluon_decode.py imported anew, as `name`, under the test's monkeypatches."""
+    spec = importlib.util.spec_from_file_location(name, Path(gluon_decode.__file__))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_the_module_imports_without_gluon_and_says_so(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton.experimental.gluon", None)  # the import raises
+    module = _fresh_gluon_decode("gluon_decode_without_gluon")
     assert module.gluon is None
     assert module.GD_UNAVAILABLE.startswith("this Triton (")
     assert "has no usable Gluon" in module.GD_UNAVAILABLE and module.GD_UNAVAILABLE.endswith("install triton 3.6")
@@ -112,10 +124,7 @@ def test_a_gluon_without_a_name_the_kernel_calls_says_which(monkeypatch):
 
     for name in ("async_load", "async_copy_global_to_shared"):  # 3.9's name and 3.6's
         monkeypatch.delattr(tma, name, raising=False)
-    path = Path(gluon_decode.__file__)
-    spec = importlib.util.spec_from_file_location("gluon_decode_without_a_tma_load", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _fresh_gluon_decode("gluon_decode_without_a_tma_load")
     assert "lacks tma.async_load or tma.async_copy_global_to_shared, which the Gluon kernel calls" in (
         module.GD_UNAVAILABLE)
     assert module.GD_UNAVAILABLE.endswith("install triton 3.6 (run on the H200) or 3.9 (compiled for sm_90)")
@@ -172,14 +181,25 @@ def kernel_math(data, q_scale_per: str = "head") -> torch.Tensor:
 ACCURACY_FACTOR = 1.25
 
 
-def check_against_both(out, data, what: str) -> None:
-    """strict vs kernel_math, and relative L2 vs the exact answer within ACCURACY_FACTOR times
-    the leaderboard reference's; the message carries both numbers."""
-    result = problem.check(out, kernel_math(data), problem.RULES["strict"])
+def expect(data) -> dict:
+    """The two expectations for `data` (computed once where several outputs share it):
+    kernel_math, and the bound on the relative L2 distance from the exact answer."""
     exact = problem.reference(data, "bf16", "bf16")
-    err, bound = rel_l2(out, exact), ACCURACY_FACTOR * rel_l2(problem.reference(data), exact)
+    return dict(math=kernel_math(data), exact=exact,
+                bound=ACCURACY_FACTOR * rel_l2(problem.reference(data), exact))
+
+
+def check(out, exp: dict, what: str) -> None:
+    """strict vs kernel_math, and relative L2 vs the exact answer within the bound; the
+    message carries both numbers."""
+    result = problem.check(out, exp["math"], problem.RULES["strict"])
+    err, bound = rel_l2(out, exp["exact"]), exp["bound"]
     assert result.passed, f"{what}: vs kernel_math {result.reason}; rel L2 vs exact {err:.2e} (bound {bound:.2e})"
     assert err <= bound, f"{what}: rel L2 vs exact {err:.2e} > {bound:.2e} (strict vs kernel_math: ok)"
+
+
+def check_against_both(out, data, what: str) -> None:
+    check(out, expect(data), what)
 
 
 def test_kernel_math_is_the_reference_math_but_for_the_q_scale_and_meets_the_bound():
@@ -204,26 +224,36 @@ def test_kernel_math_is_the_reference_math_but_for_the_q_scale_and_meets_the_bou
         check_against_both(off_by_one, data, "the last token dropped")
 
 
-def test_the_backend_passes_q_load_and_the_partials_type_to_the_kernel(monkeypatch):
+def test_the_backend_passes_ws_q_load_and_the_partials_type_to_the_kernel(monkeypatch):
     seen = []
     monkeypatch.setattr(gluon_fused, "unavailable_reason", lambda: None)
     monkeypatch.setattr(gluon_fused, "gd_kv_descriptor", lambda kv, block_n: ("desc", block_n))
     monkeypatch.setattr(gluon_fused, "gluon_decode", lambda *args, **kwargs: seen.append((args, kwargs)))
     data = problem.generate_input(2, 256, seed=3, device="cpu")
-    for params, q_load, part in [(dict(), "twice", torch.float32), (dict(q_load="first"), "first", torch.float32),
-                                 (dict(num_splits=2, part="bf16"), "twice", torch.bfloat16)]:
-        gluon_fused.build(_variant(**params), Shape(2, 256), "cpu")(*data[:4])
+    for params, ws, q_load, stages, part in [
+        (dict(), 0, "twice", 3, torch.float32),
+        (dict(q_load="first"), 0, "first", 3, torch.float32),
+        (dict(num_splits=2, part="bf16"), 0, "twice", 3, torch.bfloat16),
+        (dict(v_path="rs8"), 0, "twice", 3, torch.float32),
+        (dict(v_path="rs8", ws=1), 1, "twice", 3, torch.float32),
+        (dict(v_path="rs8", ws=2, num_stages=4, num_splits=2), 2, "twice", 4, torch.float32),
+    ]:
+        out = gluon_fused.build(_variant(**params), Shape(2, 256), "cpu")(*data[:4])
         args, kwargs = seen[-1]
-        assert kwargs["q_load"] == q_load and args[5].dtype == part  # part_o, the sixth argument
+        assert out.shape == (2, 16, V_DIM) and args[5].dtype == part  # part_o, the sixth argument
+        assert (kwargs["ws"], kwargs["q_load"], kwargs["num_stages"]) == (ws, q_load, stages)
 
 
-def test_q_load_and_part_are_later_parameters_offered_where_they_mean_something(monkeypatch):
+def test_reduce_q_load_and_part_are_later_parameters_offered_where_they_mean_something(monkeypatch):
     old = _variant(num_splits=4)
-    for later in ("q_load", "part"):
+    for later in ("q_load", "part", "reduce"):
         assert later not in old.p
+    gluon_fused.validate(old)
     gluon_fused.validate(_variant(num_splits=4, q_load="first", part="bf16"))
+    gluon_fused.validate(_variant(reduce="spin"))
     for params, match in [(dict(q_load="thrice"), "q_load=thrice is not allowed; allowed: twice, first"),
-                          (dict(part="fp16"), "part=fp16 is not allowed; allowed: fp32, bf16")]:
+                          (dict(part="fp16"), "part=fp16 is not allowed; allowed: fp32, bf16"),
+                          (dict(reduce="last"), "reduce")]:  # last: not offered, slower wherever measured
         with pytest.raises(ValueError, match=match):
             gluon_fused.validate(_variant(**params))
     space = {"num_stages": [2], "v_path": ["rs8"], "q_load": ["twice", "first"], "part": ["fp32", "bf16"]}
@@ -235,17 +265,6 @@ def test_q_load_and_part_are_later_parameters_offered_where_they_mean_something(
     monkeypatch.setattr(gluon_fused, "unavailable_reason", lambda: None)
     with pytest.raises(ValueError, match="one split writes no partials"):
         gluon_fused.build(_variant(part="bf16"), Shape(1, 64), "cpu")
-
-
-def test_gluon_decode_refuses_an_unknown_q_load_or_partials_type(monkeypatch):
-    monkeypatch.setattr(gluon_decode, "GD_UNAVAILABLE", None)
-    q, indptr = torch.zeros(1, 16, QK_DIM), torch.arange(2, dtype=torch.int32)
-    common = dict(block_n=64, num_stages=2, v_path="rs8", sm_scale_log2=1.0)
-    with pytest.raises(ValueError, match="q_load must be one of twice, first; got 'once'"):
-        gluon_decode.gluon_decode(q, None, None, indptr, None, None, None, num_splits=1, q_load="once", **common)
-    with pytest.raises(ValueError, match="part_o must be float32 or bfloat16"):
-        gluon_decode.gluon_decode(q, None, None, indptr, None, torch.empty(4, dtype=torch.float16), None,
-                                  num_splits=2, **common)
 
 
 # ----------------------------------------------------------------------------- H200
@@ -346,29 +365,9 @@ def test_bf16_partials_on_a_ragged_batch_with_empty_splits(reduce):
     check_against_both(gluon_fused.build(variant, Shape(5, 3000), "cuda")(*data[:4]), data, str(variant))
 
 
-def test_the_backend_reads_reduce_as_a_later_parameter():
-    old = _variant()
-    assert "reduce" not in old.p
-    gluon_fused.validate(old)
-    gluon_fused.validate(_variant(reduce="spin"))
-    with pytest.raises(ValueError, match="reduce"):
-        gluon_fused.validate(_variant(reduce="last"))  # not offered: slower wherever measured
-
-
 # ------------------------------------------------------ in-kernel reductions and V halves
 # gluon_decode's reduce ("last", "spin") and v_halves, called directly (the backend does not
 # take them yet). The CPU tests check the host-side rules; the GPU tests the kernel.
-def test_shared_memory_estimate_per_v_half_matches_the_compilers_figures():
-    # ptxas/Triton 3.6 offline compiles (scripts/gluon_probe.py at 9401329, --decode 64/2/ss16a/split/h2 ...)
-    assert gluon_decode.gd_smem_bytes(64, 2, "rs8") == 94480
-    assert gluon_decode.gd_smem_bytes(64, 3, "rs8", 2) == 135448
-    assert gluon_decode.gd_smem_bytes(64, 2, "ss16", 2) == 110864
-    assert gluon_decode.gd_smem_bytes(64, 2, "ss16a") == gluon_fused._gf_smem_bytes(64, 2, "ss16a") == 160016
-    assert gluon_decode.gd_smem_bytes(64, 2, "ss16a", 2) == 127248  # two fp16 box buffers, not four
-    assert gluon_decode.gd_smem_bytes(128, 2, "ss16") == gluon_fused._gf_smem_bytes(128, 2) == 211216
-    assert [gluon_decode.gd_ctas_per_sm(64, st, vp) for vp, st in [("rs8", 2), ("ss16", 2), ("rs8", 3), ("ss16a", 2)]] == [2, 2, 1, 1]
-
-
 def test_spin_is_refused_for_a_grid_the_gpu_cannot_hold_at_once():
     check = gluon_decode.gd_check_launch
     base = dict(block_n=64, num_stages=2, v_path="rs8", reduce="spin", sm_count=132)

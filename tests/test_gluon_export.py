@@ -41,13 +41,11 @@ def test_gluon_fused_is_registered_unavailable_here_and_its_space_is_small():
         for v in variants:
             backend.validate(v)
             assert backend.compile_shape(v, shape, 132).batch == 1
-        assert {v.p["v_path"] for v in variants} == {"rs8", "ss16"}
-        # spin only where the whole grid is resident (2 CTAs per SM at 2 stages, 132 SMs)
-        for v in variants:
+            # spin only where the whole grid is resident (2 CTAs per SM at 2 stages, 132 SMs)
             if v.p.get("reduce") == "spin":
                 assert v.p["num_splits"] > 1 and shape.batch * v.p["num_splits"] <= 2 * 132
-    # the probe's best split count, min(32, 128 // batch, tiles), is offered at each shape
-    for shape, variants in per_shape.items():
+        assert {v.p["v_path"] for v in variants} == {"rs8", "ss16"}
+        # the probe's best split count, min(32, 128 // batch, tiles), is offered at each shape
         best = max(1, min(32, 128 // shape.batch, shape.kv_len // 64))
         assert best in {v.p["num_splits"] for v in variants}, shape
     assert {v.p["num_splits"] for v in per_shape[Shape(256, 8192)]} == {1}

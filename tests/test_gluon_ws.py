@@ -3,11 +3,10 @@ the backend's later parameter `ws`.
 
 CPU: parameter validation, candidates and their dedupe, shared memory and residency, and the
 dispatch of ws to the kernel launch (the kernel replaced by a recorder; Gluon has no CPU
-interpreter). GPU (`pytest -m gpu`, the H200's Triton 3.6): ws 1 and ws 2 against the
-kernel's arithmetic under strict and the exact answer's bound (tests/test_gluon_decode.py's
-check_against_both, its expectations computed once per input here) at the 8 leaderboard
-shapes and at kv_len 1, 17, 3000, with the reductions, V halves, the other V paths and the
-backend.
+interpreter; the backend's dispatch: tests/test_gluon_decode.py). GPU (`pytest -m gpu`, the
+H200's Triton 3.6): ws 1 and ws 2 against tests/test_gluon_decode.py's expect and check (the
+kernel's arithmetic under strict, the exact answer's bound) at the 8 leaderboard shapes and at
+kv_len 1, 17, 3000, with the reductions, V halves, the other V paths and the backend.
 """
 
 from __future__ import annotations
@@ -22,8 +21,7 @@ from mla_tune.backends import gluon_fused
 from mla_tune.core import QK_DIM, SM_SCALE, V_DIM, Shape, Variant
 from mla_tune.gpu import fake_platform
 from mla_tune.kernels import gluon_decode
-from tests.helpers import rel_l2
-from tests.test_gluon_decode import ACCURACY_FACTOR, kernel_math
+from tests.test_gluon_decode import _gpu_skip, check, expect
 
 BASE = dict(kv="fp8", q="fp8_dynamic", block_n=64, num_stages=3, num_splits=1, v_path="rs8")
 
@@ -103,22 +101,18 @@ def test_candidates_offer_ws_only_where_asked_and_where_it_can_pay():
         space = {"ws": [0, 1, 2], "num_stages": [2, 3, 4], "v_path": ["rs8"], "reduce": ["launch", "spin"]}
         found = gluon_fused.candidates(shape, space, h200)
         assert len(found) == len(set(found))
-        for v in found:
-            gluon_fused.validate(v)
         ws0 = [v for v in found if "ws" not in v.p]
         assert 0 not in {v.p.get("ws") for v in found}  # ws 0 is left out of the variant
         assert {str(v) for v in ws0} >= {str(v) for v in gluon_fused.candidates(shape, {**space, "ws": [0]}, h200)}
         assert {v.p.get("ws") for v in found} >= {None, 1}
+        ws2 = [v for v in found if v.p.get("ws") == 2]
         for v in found:
-            if v.p.get("ws") == 2:
+            gluon_fused.validate(v)
+            if v in ws2:
                 tiles = math.ceil(shape.kv_len / 64)
                 assert v.p["num_stages"] >= 3 and math.ceil(tiles / v.p["num_splits"]) >= 2
                 assert shape.batch * v.p["num_splits"] <= sm
-        ws2 = [v for v in found if v.p.get("ws") == 2]
-        if shape.batch == 256:
-            assert not ws2  # 256 programs: two waves at one CTA per SM
-        else:
-            assert ws2
+        assert bool(ws2) == (shape.batch != 256)  # 256 programs: two waves at one CTA per SM
     # ws 2's rules, each with its reason
     p = dict(BASE, ws=2, num_stages=2, num_splits=4)
     assert "one ring slot" in gluon_fused._gf_ws_reason(p, Shape(4, 8192), sm)
@@ -139,7 +133,7 @@ class _Recorder:
         return lambda *args, **kwargs: self.calls.append((grid, kwargs)) or "compiled"
 
 
-def test_gluon_decode_passes_ws_and_its_register_budget_to_the_launch(monkeypatch):
+def test_gluon_decode_launches_with_ws_its_register_budget_and_q_load_and_refuses_bad_values(monkeypatch):
     rec = _Recorder()
     monkeypatch.setattr(gluon_decode, "GD_UNAVAILABLE", None)
     monkeypatch.setattr(gluon_decode, "_gd_decode_kernel", rec)
@@ -155,30 +149,18 @@ def test_gluon_decode_passes_ws_and_its_register_budget_to_the_launch(monkeypatc
     assert all(k["num_warps"] == 4 for k in (k0, k1, k2))
     with pytest.raises(ValueError, match="ws must be one of"):
         gluon_decode.gluon_decode(q, None, None, indptr, None, None, None, ws=4, **common)
+    with pytest.raises(ValueError, match="q_load must be one of twice, first; got 'once'"):
+        gluon_decode.gluon_decode(q, None, None, indptr, None, None, None, q_load="once", **common)
+    with pytest.raises(ValueError, match="part_o must be float32 or bfloat16"):
+        gluon_decode.gluon_decode(q, None, None, indptr, None, torch.empty(4, dtype=torch.float16), None,
+                                  **{**common, "num_splits": 2})
     assert len(rec.calls) == 3  # refused before any launch
     assert "Q_LOAD" not in k0  # q_load "twice" (the default) launches as before it existed too
     gluon_decode.gluon_decode(q, None, None, indptr, None, None, None, q_load="first", **common)
     assert rec.calls[-1][1]["Q_LOAD"] == 1
 
 
-def test_the_backend_dispatches_ws_to_the_kernel(monkeypatch):
-    seen = []
-    monkeypatch.setattr(gluon_fused, "unavailable_reason", lambda: None)
-    monkeypatch.setattr(gluon_fused, "gd_kv_descriptor", lambda kv, block_n: ("desc", block_n))
-    monkeypatch.setattr(gluon_fused, "gluon_decode", lambda *args, **kwargs: seen.append(kwargs))
-    data = problem.generate_input(2, 256, seed=3, device="cpu")
-    for params, ws in [(dict(), 0), (dict(ws=1), 1), (dict(ws=2, num_stages=4, num_splits=2), 2)]:
-        run = gluon_fused.build(_variant(**params), Shape(2, 256), "cpu")
-        out = run(*data[:4])
-        assert out.shape == (2, 16, V_DIM) and seen[-1]["ws"] == ws
-        assert seen[-1]["num_stages"] == params.get("num_stages", 3)
-
-
 # ----------------------------------------------------------------------------- H200
-def _gpu_skip() -> str | None:
-    return gluon_fused.unavailable_reason()
-
-
 _SM_COUNT: list[int] = []
 
 
@@ -186,22 +168,6 @@ def _sm_count() -> int:
     if not _SM_COUNT:
         _SM_COUNT.append(torch.cuda.get_device_properties(0).multi_processor_count)
     return _SM_COUNT[0]
-
-
-def expect(data) -> dict:
-    """tests/test_gluon_decode.py's two expectations for `data`, computed once: kernel_math
-    (strict) and the bound on the relative L2 distance from the exact answer."""
-    exact = problem.reference(data, "bf16", "bf16")
-    return dict(math=kernel_math(data), exact=exact,
-                bound=ACCURACY_FACTOR * rel_l2(problem.reference(data), exact))
-
-
-def check(out, exp: dict, what: str) -> None:
-    """check_against_both with precomputed expectations (the same two assertions)."""
-    result = problem.check(out, exp["math"], problem.RULES["strict"])
-    err = rel_l2(out, exp["exact"])
-    assert result.passed, f"{what}: vs kernel_math {result.reason}; rel L2 vs exact {err:.2e} (bound {exp['bound']:.2e})"
-    assert err <= exp["bound"], f"{what}: rel L2 vs exact {err:.2e} > {exp['bound']:.2e} (strict vs kernel_math: ok)"
 
 
 def run_ws(data, *, ws: int, num_splits: int, reduce: str = "launch", num_stages: int = 4, v_path: str = "rs8",

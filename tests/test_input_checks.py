@@ -33,43 +33,33 @@ def _dispatcher(variant: Variant) -> tuple[Dispatcher, list]:
                       warn_on_miss=False, ragged_backends=frozenset()), built
 
 
-def _with(data, fmt, entry):
-    q, kv_data, qo, kv_indptr, config = data
-    return q, {**kv_data, fmt: entry}, qo, kv_indptr, config
-
-
 @pytest.mark.parametrize("check_indptr", [False, True])
-def test_fp8_kv_as_uint8_bytes_is_refused_with_the_view_to_use(check_indptr):
+def test_fp8_kv_as_uint8_bytes_and_a_python_float_scale_are_refused_in_one_line(check_indptr):
     dispatcher, built = _dispatcher(FP8_TRITON)
+    fused, fused_built = _dispatcher(MXFP4_FUSED)
     data = generate_input(1, 8, seed=1, device="cpu")
     kv8, scale = data[1]["fp8"]
-    as_bytes = _with(data, "fp8", (kv8.view(torch.uint8), scale))  # how vLLM keeps an fp8 cache
+
+    def call(fmt, entry, to=dispatcher):
+        """`to` called on data with kv_data[fmt] replaced by entry."""
+        return to(data[0], {**data[1], fmt: entry}, *data[2:4], kv_len=8, check_indptr=check_indptr)
+
     with pytest.raises(ValueError, match=r"fp8 KV must have an fp8 dtype .*got torch\.uint8; pass fp8 bytes "
                                          r"held as torch\.uint8 as kv\.view\(torch\.float8_e4m3fn\)"):
-        dispatcher(*as_bytes[:4], kv_len=8, check_indptr=check_indptr)
+        call("fp8", (kv8.view(torch.uint8), scale))  # how vLLM keeps an fp8 cache
     for other in (torch.int8, torch.float8_e5m2):  # other bytes are not e4m3 codes either
         with pytest.raises(ValueError, match="fp8 KV must have an fp8 dtype"):
-            dispatcher(*_with(data, "fp8", (kv8.view(other), scale))[:4], kv_len=8, check_indptr=check_indptr)
-    assert built == []
-    viewed = _with(data, "fp8", (kv8.view(torch.uint8).view(torch.float8_e4m3fn), scale))
-    assert dispatcher(*viewed[:4], kv_len=8, check_indptr=check_indptr) == "ran"
-
-
-def test_a_python_float_scale_is_refused_in_one_line():
-    dispatcher, built = _dispatcher(FP8_TRITON)
-    data = generate_input(1, 8, seed=1, device="cpu")
-    kv8, scale = data[1]["fp8"]
+            call("fp8", (kv8.view(other), scale))
     for bad in (float(scale), None, [float(scale)]):
         with pytest.raises(ValueError, match=r"fp8 KV scale must be a \(1,\) float32 tensor on q's device, got "
                                              r"\w+; make it once with torch\.tensor\(\[scale\]"):
-            dispatcher(*_with(data, "fp8", (kv8, bad))[:4], kv_len=8, check_indptr=False)
+            call("fp8", (kv8, bad))
     with pytest.raises(ValueError, match="kv_data\\[\"fp8\"\\]\\[0\\] must be a tensor, got float"):
-        dispatcher(*_with(data, "fp8", (1.0, scale))[:4], kv_len=8, check_indptr=False)
-    fused, fused_built = _dispatcher(MXFP4_FUSED)
-    packed, scales = data[1]["mxfp4"]
+        call("fp8", (1.0, scale))
     with pytest.raises(ValueError, match="mxfp4 scales must be a .* tensor of E8M0 bytes, got float"):
-        fused(*_with(data, "mxfp4", (packed, 1.0))[:4], kv_len=8, check_indptr=False)
+        call("mxfp4", (data[1]["mxfp4"][0], 1.0), to=fused)
     assert built == [] and fused_built == []
+    assert call("fp8", (kv8.view(torch.uint8).view(torch.float8_e4m3fn), scale)) == "ran"
 
 
 def _table_with(tmp_path, variant: Variant) -> Path:

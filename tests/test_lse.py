@@ -16,17 +16,12 @@ import sys
 import pytest
 import torch
 
-from mla_tune import gpu
-from mla_tune.backends import capabilities, get_backend
-from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, CallSpec
+from mla_tune.backends import capabilities
+from mla_tune.core import CallSpec
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.call import Decoder
 from mla_tune.serving.decode_plan import DecodePlan
-from tests.helpers import vendor_fakes
-
-DSV3 = CORE_DEEPSEEK_V3_SCALE
-H200 = gpu.fake_platform("H200")
-VENDOR_MODULES = {"flashmla": "flash_mla", "flashinfer": "flashinfer"}
+from tests.group_a_support import DSV3, serving_call
 
 
 def _assert_lse(lse: torch.Tensor, ref_lse: torch.Tensor, what: str) -> None:
@@ -52,17 +47,10 @@ SPLITK = [("bf16", 1, 4), ("fp8", 1, 4), ("bf16", 2, 4), ("fp8", 2, 4), ("bf16",
 
 
 @pytest.mark.parametrize("kv,q_len,max_splits", SPLITK, ids=[f"{k}-q{q}-s{s}" for k, q, s in SPLITK])
-def test_split_k_returns_the_references_lse(kv, q_len, max_splits):
-    spec = CallSpec(kv, page_size=16, heads=16, max_q_len=q_len, mixed_q_len=q_len > 1, sm_scale=DSV3,
-                    return_lse=True)
-    backend = get_backend("triton")
-    variant = backend.default_serving_variant(spec, gpu.detect()).with_params(max_splits=max_splits,
-                                                                             tokens_per_split=64)
-    q_lens = [1, q_len, q_len]
-    kv_lens = [1, 17, 300]
-    inp = serving.make_input(q_lens, kv_lens, 16, 16, kv, seed=13)
-    runner = backend.build_serving(variant, spec, "cpu")
-    out, lse = runner(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
+def test_split_k_returns_the_references_lse(kv, q_len, max_splits, monkeypatch):
+    splits = dict(max_splits=max_splits, tokens_per_split=64)
+    (out, lse), _, inp, runner = serving_call(monkeypatch, "triton", kv, [1, q_len, q_len], [1, 17, 300], 13,
+                                              splits, host=False, mixed_q_len=q_len > 1, return_lse=True)
     counts = runner.workspace.split_count[:3].tolist()
     assert counts[:2] == [1, 1] and (counts[2] > 1) == (max_splits > 1), counts  # both branches ran
     ref, ref_lse = inp.reference(sm_scale=DSV3, return_lse=True)
@@ -78,24 +66,12 @@ CASES = [("triton_fused", "bf16", 2), ("triton_fused", "fp8", 1), ("flashmla", "
 
 @pytest.mark.parametrize("name,kv,q_len", CASES, ids=[f"{n}-{k}-q{q}" for n, k, q in CASES])
 def test_each_declared_backend_returns_the_references_lse(name, kv, q_len, monkeypatch):
-    platform = gpu.detect()
-    if name in VENDOR_MODULES:
-        vendor_fakes.install(monkeypatch, VENDOR_MODULES[name])
-        platform = H200
-    page = 64 if name == "flashmla" else 16
     mixed = name != "flashmla" and q_len > 1
-    spec = CallSpec(kv, page_size=page, heads=16, max_q_len=q_len, mixed_q_len=mixed, sm_scale=DSV3,
-                    return_lse=True, host_lengths=name == "flashinfer")
-    backend = get_backend(name)
-    variant = backend.default_serving_variant(spec, platform)
-    if name == "triton_fused":  # several splits for the long sequences: the reduction's LSE too
-        variant = variant.with_params(max_splits=4, tokens_per_split=32)
-    q_lens = [q_len, 1 if mixed else q_len, q_len]
-    kv_lens = [70, 5 if mixed else 9, 130]
-    inp = serving.make_input(q_lens, kv_lens, 16, page, kv, seed=11)
-    runner = backend.build_serving(variant, spec, "cpu")
-    out, lse = runner(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout,
-                      q_lens_host=inp.q_lens, kv_lens_host=inp.kv_lens)
+    # triton_fused: several splits for the long sequences, so the reduction's LSE too
+    params = dict(max_splits=4, tokens_per_split=32) if name == "triton_fused" else None
+    q_lens, kv_lens = [q_len, 1 if mixed else q_len, q_len], [70, 5 if mixed else 9, 130]
+    (out, lse), variant, inp, _ = serving_call(monkeypatch, name, kv, q_lens, kv_lens, 11, params,
+                                               mixed_q_len=mixed, return_lse=True)
     q_format = {"bf16": "bf16", "fp8_dynamic": "fp8"}[variant.get("q")]
     ref, ref_lse = inp.reference(q_format, sm_scale=DSV3, return_lse=True)
     _assert_lse(lse, ref_lse, f"{name} {kv} q_len {q_len}")

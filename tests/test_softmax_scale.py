@@ -12,16 +12,14 @@ import torch
 
 from mla_tune import gpu, problem, runtime
 from mla_tune.backends import get_backend
-from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, SM_SCALE, CallSpec, Shape, Variant
+from mla_tune.core import SM_SCALE, CallSpec, Shape, Variant
 from mla_tune.kernels import flash_decode, fused_decode
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.call import Decoder, decode
 from mla_tune.serving.table import FamilyKey
+from tests.group_a_support import DSV3, H200, VENDOR_MODULES, serving_call
 from tests.helpers import cpu_table, vendor_fakes
 
-DSV3 = CORE_DEEPSEEK_V3_SCALE
-H200 = gpu.fake_platform("H200")
-VENDOR_MODULES = {"flashmla": "flash_mla", "flashinfer": "flashinfer"}
 STRICT = problem.RULES["strict"]
 
 
@@ -59,18 +57,7 @@ SERVING_CASES = [(name, kv) for name in ("triton", "triton_fused", "flashmla", "
 
 @pytest.mark.parametrize("name,kv", SERVING_CASES, ids=[f"{n}-{k}" for n, k in SERVING_CASES])
 def test_the_serving_call_answers_at_the_models_scale(name, kv, monkeypatch):
-    platform = gpu.detect()
-    if name in VENDOR_MODULES:
-        vendor_fakes.install(monkeypatch, VENDOR_MODULES[name])
-        platform = H200
-    page = 64 if name == "flashmla" else 16
-    spec = CallSpec(kv, page_size=page, heads=16, max_q_len=1, sm_scale=DSV3, host_lengths=name == "flashinfer")
-    backend = get_backend(name)
-    variant = backend.default_serving_variant(spec, platform)
-    runner = backend.build_serving(variant, spec, "cpu")
-    inp = serving.make_input([1, 1, 1], [5, 70, 130], 16, page, kv, seed=5)
-    out = runner(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout,
-                 q_lens_host=inp.q_lens, kv_lens_host=inp.kv_lens)
+    out, variant, inp, _ = serving_call(monkeypatch, name, kv, [1, 1, 1], [5, 70, 130], 5)
     q_format = {"bf16": "bf16", "fp8_dynamic": "fp8"}[variant.get("q")]
     _scaled_and_not(out, inp.reference(q_format, sm_scale=DSV3), inp.reference(q_format), f"{name} {kv}")
     if name == "flashmla":
@@ -135,7 +122,7 @@ def test_fp8_static_q_composes_with_the_models_scale():
 
 
 # ------------------------------------------------------------ one compile for every scale
-def _bind_keys(launch, capture_module, args_list) -> list[str]:
+def _bind_keys(monkeypatch, launch, capture_module, args_list) -> list[str]:
     """Each launch's JIT cache key (specialization + options) for an sm_90 target."""
     jit = pytest.importorskip("triton.runtime.jit")
     compiler = pytest.importorskip("triton.compiler.compiler")
@@ -143,17 +130,10 @@ def _bind_keys(launch, capture_module, args_list) -> list[str]:
     if not hasattr(jit, "create_function_from_signature"):
         pytest.skip("this Triton has no create_function_from_signature")
     captured = []
-
-    def capture(fn, grid, record, *args, **kwargs):
-        captured.append((fn, args, kwargs))
-
-    original = capture_module.jit_launch
-    capture_module.jit_launch = capture
-    try:
-        for kwargs in args_list:
-            launch(**kwargs)
-    finally:
-        capture_module.jit_launch = original
+    monkeypatch.setattr(capture_module, "jit_launch",
+                        lambda fn, grid, record, *args, **kwargs: captured.append((fn, args, kwargs)))
+    for kwargs in args_list:
+        launch(**kwargs)
     target = compiler.make_backend(backends.GPUTarget("cuda", 90, 32))
     keys = []
     for fn, args, kwargs in captured:
@@ -164,23 +144,21 @@ def _bind_keys(launch, capture_module, args_list) -> list[str]:
     return keys
 
 
-@pytest.mark.parametrize("family", ["splitk", "fused"])
-def test_two_scales_bind_to_one_compiled_kernel(family):
+@pytest.mark.parametrize("module,serve,dots", [
+    (flash_decode, flash_decode.flash_decode_serving, dict(dot_dtype="fp16", sm_count=4)),
+    (fused_decode, fused_decode.fused_decode_serving, dict(qk_dot="fp16", pv_dot="fp16")),
+], ids=["splitk", "fused"])
+def test_two_scales_bind_to_one_compiled_kernel(monkeypatch, module, serve, dots):
     inp = serving.make_input([1, 1], [5, 9], 16, 16, "bf16", seed=1)
     out = torch.empty((2, 16, 512), dtype=torch.bfloat16)
     common = dict(max_q_len=1, max_splits=2, tokens_per_split=4, block_n=16, block_h=16, num_warps=4, num_stages=1)
-    if family == "splitk":
-        module, dots = flash_decode, dict(dot_dtype="fp16", sm_count=4)
-        serve = flash_decode.flash_decode_serving
-    else:
-        module, dots = fused_decode, dict(qk_dot="fp16", pv_dot="fp16")
-        serve = fused_decode.fused_decode_serving
 
     def launch(sm_scale, block_n=16):
         serve(inp.q, inp.qo_indptr, inp.kv, None, out, **inp.layout, **{**common, "block_n": block_n}, **dots,
               sm_scale=sm_scale)
 
-    keys = _bind_keys(launch, module, [{"sm_scale": SM_SCALE}, {"sm_scale": DSV3}, {"sm_scale": DSV3, "block_n": 32}])
+    keys = _bind_keys(monkeypatch, launch, module,
+                      [{"sm_scale": SM_SCALE}, {"sm_scale": DSV3}, {"sm_scale": DSV3, "block_n": 32}])
     per_call = len(keys) // 3
     first, second, other = keys[:per_call], keys[per_call:2 * per_call], keys[2 * per_call:]
     assert first == second, "a new softmax scale specialized the kernel (a recompile per value)"

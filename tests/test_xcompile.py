@@ -10,10 +10,8 @@ from pathlib import Path
 
 import pytest
 import triton
-from typer.testing import CliRunner
 
 from mla_tune import gpu
-from mla_tune.cli import app
 from mla_tune.core import Shape, Variant
 from mla_tune.tune.config import load_config
 from mla_tune.tune.sweep import plan_candidates, run_sweep
@@ -21,6 +19,7 @@ from mla_tune.xcompile import check as xcheck
 from mla_tune.xcompile.capture import capture_candidate, recording
 from mla_tune.xcompile.resources import amd_resources, code_sha, cuda_resources
 from mla_tune.xcompile.targets import bind, first_error_line, specialization, target_for
+from tests.helpers import invoke
 
 ROOT = Path(__file__).resolve().parent.parent
 MI355X_CONFIG = ROOT / "configs" / "mi355x.yaml"
@@ -211,27 +210,26 @@ def test_the_dry_run_plans_without_the_checks_drops_and_prints_why(monkeypatch, 
 
 
 def test_mi355x_without_a_config_plans_aiter():
-    result = CliRunner().invoke(app, ["sweep", "--gpu", "MI355X", "--dry-run"], env={"COLUMNS": "80"})
+    result = invoke("sweep", "--gpu", "MI355X", "--dry-run")
     assert result.exit_code == 0, result.output
     assert "mi355x" in result.output and "aiter" in result.output
-    h200 = CliRunner().invoke(app, ["sweep", "--gpu", "H200", "--dry-run"], env={"COLUMNS": "80"})
+    h200 = invoke("sweep", "--gpu", "H200", "--dry-run")
     assert "config leaderboard" in h200.output and "aiter" not in h200.output
 
 
 def test_an_unknown_gpu_is_refused_by_compile_with_the_known_ones():
-    result = CliRunner().invoke(app, ["compile", "--gpu", "B999"])
+    result = invoke("compile", "--gpu", "B999")
     assert result.exit_code == 1 and "MI355X" in result.output and "KNOWN_GPUS" in result.output
 
 
 def test_another_python_runs_the_check_and_its_json_is_read_back(monkeypatch):
     """--triton PYTHON (here this one): a subprocess computes the report; the parent prints it."""
-    result = CliRunner().invoke(app, ["compile", "--gpu", "H200", "--config", str(TINY), "--triton", sys.executable,
-                                      "--jobs", "2"], env={"COLUMNS": "80"})
+    result = invoke("compile", "--gpu", "H200", "--config", TINY, "--triton", sys.executable, "--jobs", 2)
     assert result.exit_code == 0, result.output
     assert f"Triton {triton.__version__}" in result.output and "_fd_stage1_kernel" in result.output
     lines = result.output.splitlines()
     assert max(map(len, lines)) <= 80, [line for line in lines if len(line) > 80]
-    bad = CliRunner().invoke(app, ["compile", "--gpu", "H200", "--config", str(TINY), "--triton", "/nonexistent/py"])
+    bad = invoke("compile", "--gpu", "H200", "--config", TINY, "--triton", "/nonexistent/py")
     assert bad.exit_code == 1 and "--triton /nonexistent/py" in bad.output
 
 
