@@ -1,5 +1,5 @@
 """What several test files share: reference math and serving inputs for the backend tests,
-the CLI in 80 columns, the exported file run in a fresh process that refuses mla_tune, and the
+a backend's serving call at DeepSeek-V3's softmax scale, the CLI in 80 columns, the exported file run in a fresh process that refuses mla_tune, and the
 vendor libraries' CPU fakes.
 
 `vendor_fakes` is tests/fakes/vendor_fakes.py: `vendor_fakes.install(monkeypatch,
@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from mla_tune import gpu, problem
-from mla_tune.core import CallSpec
+from mla_tune.backends import get_backend
+from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, CallSpec
 from mla_tune.serving import inputs as serving
 from tests.fakes import vendor_fakes  # noqa: F401  (re-exported for the tests)
 
@@ -159,6 +160,31 @@ def serving_input(spec: CallSpec, kv_lens: list[int], seed: int, device) -> serv
         q_lens = [q_len] * len(kv_lens)
     return serving.make_input(q_lens, kv_lens, spec.heads, spec.page_size, spec.kv_format, seed=seed,
                               device=device)
+
+
+VENDOR_MODULES = {"flashmla": "flash_mla", "flashinfer": "flashinfer"}  # a vendor backend's fake
+FAKE_H200 = gpu.fake_platform("H200")
+
+
+def serving_call(monkeypatch, name: str, kv: str, q_lens, kv_lens, seed: int, params=None,
+                 host: bool = True, **spec):
+    """(output, variant, input, runner): backend `name`'s default serving variant (changed by
+    `params`) at DeepSeek-V3's scale, built for the CPU (a vendor through its fake, on a fake
+    H200; FlashMLA with 64-token pages, the others 16) and called once on a new input, with
+    the lengths on the host too where `host`. `spec`: more CallSpec fields."""
+    platform = gpu.detect()
+    if name in VENDOR_MODULES:
+        vendor_fakes.install(monkeypatch, VENDOR_MODULES[name])
+        platform = FAKE_H200
+    page = 64 if name == "flashmla" else 16
+    spec = CallSpec(kv, page_size=page, heads=16, max_q_len=max(q_lens), sm_scale=CORE_DEEPSEEK_V3_SCALE,
+                    host_lengths=name == "flashinfer", **spec)
+    backend = get_backend(name)
+    variant = backend.default_serving_variant(spec, platform).with_params(**(params or {}))
+    inp = serving.make_input(q_lens, kv_lens, 16, page, kv, seed=seed)
+    runner = backend.build_serving(variant, spec, "cpu")
+    lengths = dict(q_lens_host=inp.q_lens, kv_lens_host=inp.kv_lens) if host else {}
+    return runner(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout, **lengths), variant, inp, runner
 
 
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:

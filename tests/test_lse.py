@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from mla_tune.backends import capabilities
+from mla_tune.core import CORE_DEEPSEEK_V3_SCALE as DSV3
 from mla_tune.core import CallSpec
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.call import Decoder
 from mla_tune.serving.decode_plan import DecodePlan
-from tests.group_a_support import DSV3, serving_call
+from tests.helpers import serving_call
 
 
 def _assert_lse(lse: torch.Tensor, ref_lse: torch.Tensor, what: str) -> None:

@@ -12,13 +12,14 @@ import torch
 
 from mla_tune import gpu, problem, runtime
 from mla_tune.backends import get_backend
+from mla_tune.core import CORE_DEEPSEEK_V3_SCALE as DSV3
 from mla_tune.core import SM_SCALE, CallSpec, Shape, Variant
 from mla_tune.kernels import flash_decode, fused_decode
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.call import Decoder, decode
 from mla_tune.serving.table import FamilyKey
-from tests.group_a_support import DSV3, H200, VENDOR_MODULES, serving_call
-from tests.helpers import cpu_table, vendor_fakes
+from tests.helpers import FAKE_H200 as H200
+from tests.helpers import VENDOR_MODULES, cpu_table, serving_call, vendor_fakes
 
 STRICT = problem.RULES["strict"]
 
