@@ -183,8 +183,11 @@ def serving_call(monkeypatch, name: str, kv: str, q_lens, kv_lens, seed: int, pa
     variant = backend.default_serving_variant(spec, platform).with_params(**(params or {}))
     inp = serving.make_input(q_lens, kv_lens, 16, page, kv, seed=seed)
     runner = backend.build_serving(variant, spec, "cpu")
-    lengths = dict(q_lens_host=inp.q_lens, kv_lens_host=inp.kv_lens) if host else {}
-    return runner(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout, **lengths), variant, inp, runner
+    if host:
+        out = call_with_host_lengths(runner, inp)
+    else:
+        out = runner(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
+    return out, variant, inp, runner
 
 
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
