@@ -264,17 +264,6 @@ def test_the_reduction_runs_in_narrow_and_wide_grids(device, monkeypatch, launch
     assert launches[-1][0] == (3, 2, 16 * (4 if wide else 1))
 
 
-def refill(static: serving.ServingInput, new: serving.ServingInput) -> None:
-    """new's tensors copied into static's (paged, fp8) buffers, as a graph's static inputs are."""
-    static.q.copy_(new.q)
-    static.qo_indptr.copy_(new.qo_indptr)
-    static.seq_lens.copy_(new.seq_lens)
-    static.block_table.zero_()
-    static.block_table[:, : new.block_table.shape[1]].copy_(new.block_table)
-    static.kv.view(torch.uint8)[: new.kv.shape[0]].copy_(new.kv.view(torch.uint8))
-    static.kv_scale.copy_(new.kv_scale)
-
-
 def test_one_workspace_serves_new_lengths_and_block_tables(device):
     """A graph replay: the same buffers refilled with other lengths, q_lens and tables."""
     first = serving.make_input([2, 1, 2], [40, 1, 100], 16, 16, "fp8", seed=21, device=device)
@@ -284,7 +273,7 @@ def test_one_workspace_serves_new_lengths_and_block_tables(device):
     _launch(first, device, **kwargs)
     assert_close(out, first.reference(), 1e-2, "first call")
     second = serving.make_input([1, 2, 2], [90, 3, 2], 16, 16, "fp8", seed=22, device=device)
-    refill(first, second)
+    serving.refill(first, second)
     second_out = _launch(first, device, **kwargs)
     assert second_out.data_ptr() == out.data_ptr()
     assert_close(out, second.reference(), 1e-2, "second call")

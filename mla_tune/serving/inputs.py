@@ -249,28 +249,34 @@ def capture_without_sync(call) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def refill(static: ServingInput, new: ServingInput, what: str = "the new call") -> None:
+    """new's tensors copied into `static`'s buffers, as an engine's update step does before
+    replaying a graph captured on `static` (q and the tables zero-filled past new's); a
+    `new` that needs more cache rows than `static` holds is refused, naming `what`."""
+    static.q.zero_()
+    static.q[: new.q.shape[0]].copy_(new.q)
+    static.qo_indptr.copy_(new.qo_indptr)
+    if static.page_size == LAYOUT_CONTIGUOUS:
+        static.kv_indptr.copy_(new.kv_indptr)
+    else:
+        static.seq_lens.copy_(new.seq_lens)
+        static.block_table.zero_()
+        static.block_table[:, : new.block_table.shape[1]].copy_(new.block_table)
+    if new.kv.shape[0] > static.kv.shape[0]:
+        raise ValueError(f"{what} needs {new.kv.shape[0]} cache rows, the captured call has "
+                         f"{static.kv.shape[0]}")
+    static.kv.view(torch.uint8)[: new.kv.shape[0]].copy_(new.kv.view(torch.uint8))
+    if new.kv_scale is not None:
+        static.kv_scale.copy_(new.kv_scale)
+
+
 def refill_for_replays(static: ServingInput, max_q_len: int, heads: int, kv_format: str, device):
-    """For each of GRAPH_REPLAYS: a new call's tensors copied into `static`'s buffers (what an
-    engine's update step does before replaying its graph); yields (seed, the new input) so
-    the caller replays and compares with `new.reference(...)`."""
-    page_size = static.page_size
+    """For each of GRAPH_REPLAYS: a new call's tensors copied into `static`'s buffers
+    (`refill`); yields (seed, the new input) so the caller replays and compares with
+    `new.reference(...)`."""
     for seed, kv_lens in GRAPH_REPLAYS:
         q_lens = [min(n, max_q_len) for n in kv_lens]
         q_lens[-1] = 1  # the total stays within the captured q
-        new = make_input(q_lens, kv_lens, heads, page_size, kv_format, seed=seed, device=device)
-        static.q.zero_()
-        static.q[: new.q.shape[0]].copy_(new.q)
-        static.qo_indptr.copy_(new.qo_indptr)
-        if page_size == LAYOUT_CONTIGUOUS:
-            static.kv_indptr.copy_(new.kv_indptr)
-        else:
-            static.seq_lens.copy_(new.seq_lens)
-            static.block_table.zero_()
-            static.block_table[:, : new.block_table.shape[1]].copy_(new.block_table)
-        if new.kv.shape[0] > static.kv.shape[0]:
-            raise ValueError(f"replay seed {seed} needs {new.kv.shape[0]} cache rows, the captured "
-                             f"call has {static.kv.shape[0]}")
-        static.kv.view(torch.uint8)[: new.kv.shape[0]].copy_(new.kv.view(torch.uint8))
-        if new.kv_scale is not None:
-            static.kv_scale.copy_(new.kv_scale)
+        new = make_input(q_lens, kv_lens, heads, static.page_size, kv_format, seed=seed, device=device)
+        refill(static, new, f"replay seed {seed}")
         yield seed, new
