@@ -1,6 +1,7 @@
 """What several test files share: reference math and serving inputs for the backend tests,
-a backend's serving call at DeepSeek-V3's softmax scale, the CLI in 80 columns, the exported file run in a fresh process that refuses mla_tune, and the
-vendor libraries' CPU fakes.
+a backend's serving call at DeepSeek-V3's softmax scale, a captured CUDA graph's new calls
+(`refill_for_replays`), the CLI in 80 columns, the exported file run in a fresh process that
+refuses mla_tune, test backends registered for one test, and the vendor libraries' CPU fakes.
 
 `vendor_fakes` is tests/fakes/vendor_fakes.py: `vendor_fakes.install(monkeypatch,
 "flashinfer")` puts the fake in sys.modules for one test.
@@ -160,6 +161,46 @@ def serving_input(spec: CallSpec, kv_lens: list[int], seed: int, device) -> serv
         q_lens = [q_len] * len(kv_lens)
     return serving.make_input(q_lens, kv_lens, spec.heads, spec.page_size, spec.kv_format, seed=seed,
                               device=device)
+
+
+# One call captured at these lengths (each kv_len >= its q_len), then replayed with the
+# others: ragged, with 1-, 2- and 3000-token sequences moved between batch slots.
+GRAPH_Q_LENS = [2, 2, 2, 2, 2, 1]
+GRAPH_KV_LENS = [3000, 700, 65, 2, 17, 64]
+GRAPH_REPLAYS = ((42, [5, 3000, 1, 64, 65, 2]), (43, [700, 17, 2, 1, 64, 3000]))
+
+
+def refill(static: serving.ServingInput, new: serving.ServingInput, what: str = "the new call") -> None:
+    """new's tensors copied into `static`'s buffers, as an engine's update step does before
+    replaying a graph captured on `static` (q and the tables zero-filled past new's); a
+    `new` that needs more cache rows than `static` holds is refused, naming `what`."""
+    static.q.zero_()
+    static.q[: new.q.shape[0]].copy_(new.q)
+    static.qo_indptr.copy_(new.qo_indptr)
+    if static.page_size == serving.LAYOUT_CONTIGUOUS:
+        static.kv_indptr.copy_(new.kv_indptr)
+    else:
+        static.seq_lens.copy_(new.seq_lens)
+        static.block_table.zero_()
+        static.block_table[:, : new.block_table.shape[1]].copy_(new.block_table)
+    if new.kv.shape[0] > static.kv.shape[0]:
+        raise ValueError(f"{what} needs {new.kv.shape[0]} cache rows, the captured call has "
+                         f"{static.kv.shape[0]}")
+    static.kv.view(torch.uint8)[: new.kv.shape[0]].copy_(new.kv.view(torch.uint8))
+    if new.kv_scale is not None:
+        static.kv_scale.copy_(new.kv_scale)
+
+
+def refill_for_replays(static: serving.ServingInput, max_q_len: int, heads: int, kv_format: str, device):
+    """For each of GRAPH_REPLAYS: a new call's tensors copied into `static`'s buffers
+    (`refill`); yields (seed, the new input) so the caller replays and compares with
+    `new.reference(...)`."""
+    for seed, kv_lens in GRAPH_REPLAYS:
+        q_lens = [min(n, max_q_len) for n in kv_lens]
+        q_lens[-1] = 1  # the total stays within the captured q
+        new = serving.make_input(q_lens, kv_lens, heads, static.page_size, kv_format, seed=seed, device=device)
+        refill(static, new, f"replay seed {seed}")
+        yield seed, new
 
 
 VENDOR_MODULES = {"flashmla": "flash_mla", "flashinfer": "flashinfer"}  # a vendor backend's fake
@@ -341,7 +382,6 @@ def assert_clean_export(path: Path) -> str:
     return text
 
 
-# --- group e ---
 _BACKEND_HEAD = '''
 from mla_tune.core import Capabilities, Variant
 NAME = {name!r}
@@ -363,7 +403,7 @@ def register_backends(tmp_path: Path, monkeypatch, bodies: dict[str, str]):
     monkeypatch.syspath_prepend(str(tmp_path))
     entries = [e for e in os.environ.get(EXTRA_BACKENDS_ENV, "").split(",") if e]
     for name, body in bodies.items():
-        module = f"group_e_backend_{name}"
+        module = f"extra_backend_{name}"
         source = _BACKEND_HEAD.format(name=name) + textwrap.dedent(body)
         (tmp_path / f"{module}.py").write_text(source)
         sys.modules.pop(module, None)

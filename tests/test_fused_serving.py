@@ -8,7 +8,7 @@ import torch
 
 from mla_tune.kernels.fused_decode import FusedServingWorkspace, fused_decode_serving
 from mla_tune.serving import inputs as serving
-from tests.helpers import assert_close, rel_l2, row_quantized_q
+from tests.helpers import assert_close, refill, rel_l2, row_quantized_q
 from tests.test_serving_layouts import small_call
 
 
@@ -87,7 +87,7 @@ def test_the_reduction_resets_its_counters_so_a_workspace_serves_new_calls(devic
     assert_close(out, first.reference(), 1e-2, "first call")
     assert int(workspace.count.abs().sum()) == 0
     second = serving.make_input([1, 2, 2], [90, 3, 2], 16, 16, "fp8", seed=22, device=device)
-    serving.refill(first, second)
+    refill(first, second)
     _launch(first, device, **kwargs)
     assert_close(out, second.reference(), 1e-2, "second call")
     assert int(workspace.count.abs().sum()) == 0

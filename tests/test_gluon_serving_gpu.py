@@ -99,6 +99,7 @@ def run_graph(case: tuple) -> list[dict]:
     from mla_tune import problem
     from mla_tune.serving import inputs as serving
     from mla_tune.serving.call import Decoder
+    from tests.helpers import GRAPH_KV_LENS, GRAPH_Q_LENS, refill_for_replays
 
     _, kv_format, page = case
     results = []
@@ -106,7 +107,7 @@ def run_graph(case: tuple) -> list[dict]:
         spec = CallSpec(kv_format, page, 128, max_q_len=2, mixed_q_len=True, graph=True,
                         sm_scale=CORE_DEEPSEEK_V3_SCALE)
         decoder = Decoder(spec, backend="gluon_fused", device="cuda")
-        static = serving.make_input(serving.GRAPH_Q_LENS, serving.GRAPH_KV_LENS, 128, page, kv_format, seed=41,
+        static = serving.make_input(GRAPH_Q_LENS, GRAPH_KV_LENS, 128, page, kv_format, seed=41,
                                     device="cuda")
         held = {}
 
@@ -115,7 +116,7 @@ def run_graph(case: tuple) -> list[dict]:
 
         graph = serving.capture_without_sync(call)
         out = held["out"]
-        for seed, new in serving.refill_for_replays(static, 2, 128, kv_format, "cuda"):
+        for seed, new in refill_for_replays(static, 2, 128, kv_format, "cuda"):
             out.fill_(float("nan"))
             graph.replay()
             torch.cuda.synchronize()

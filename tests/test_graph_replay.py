@@ -13,7 +13,15 @@ from mla_tune.core import CallSpec, Variant
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.call import PREFERENCE, Decoder
 from mla_tune.serving.decode_plan import DecodePlan
-from tests.helpers import assert_close, max_error, serving_expected
+from tests.helpers import (
+    GRAPH_KV_LENS,
+    GRAPH_Q_LENS,
+    GRAPH_REPLAYS,
+    assert_close,
+    max_error,
+    refill_for_replays,
+    serving_expected,
+)
 
 
 def _gpu(test):
@@ -68,9 +76,9 @@ def test_a_captured_serving_call_replays_new_lengths_and_block_tables(case):
                     host_lengths=backend.CAPABILITIES.host_lengths)
     variant = Variant.make(name, kv=kv, **SETTINGS[name]) if setting else None
     decoder = Decoder(spec, backend=name, variant=variant, device="cuda")
-    q_lens = serving.GRAPH_Q_LENS if max_q > 1 else [1] * len(serving.GRAPH_KV_LENS)
-    static = serving.make_input(q_lens, serving.GRAPH_KV_LENS, HEADS, layout, kv, seed=41, device="cuda")
-    lengths = {"q_lens_host": q_lens, "kv_lens_host": serving.GRAPH_KV_LENS} if spec.host_lengths else {}
+    q_lens = GRAPH_Q_LENS if max_q > 1 else [1] * len(GRAPH_KV_LENS)
+    static = serving.make_input(q_lens, GRAPH_KV_LENS, HEADS, layout, kv, seed=41, device="cuda")
+    lengths = {"q_lens_host": q_lens, "kv_lens_host": GRAPH_KV_LENS} if spec.host_lengths else {}
     held = {}
 
     def call():
@@ -78,7 +86,7 @@ def test_a_captured_serving_call_replays_new_lengths_and_block_tables(case):
 
     graph = serving.capture_without_sync(call)
     out = held["out"]
-    for seed, new in serving.refill_for_replays(static, max_q, HEADS, kv, "cuda"):
+    for seed, new in refill_for_replays(static, max_q, HEADS, kv, "cuda"):
         if name == "flashinfer":  # its plan runs on the host: before each replay, outside the graph
             decoder.runner.plan(static.q, static.qo_indptr, static.kv, static.kv_scale, **static.layout,
                                 q_lens_host=new.q_lens, kv_lens_host=new.kv_lens)
@@ -134,13 +142,13 @@ def test_every_backend_that_serves_a_graph_on_the_h200_has_a_replay_case():
 def test_refilling_the_captured_buffers_reproduces_each_replay_input(layout):
     """After each refill (serving.refill_for_replays) the captured buffers are exactly the new call."""
     heads, max_q = 16, 2
-    static = serving.make_input(serving.GRAPH_Q_LENS, serving.GRAPH_KV_LENS, heads, layout, "fp8",
+    static = serving.make_input(GRAPH_Q_LENS, GRAPH_KV_LENS, heads, layout, "fp8",
                                 seed=41, device="cpu")
     seen = []
-    for seed, new in serving.refill_for_replays(static, max_q, heads, "fp8", "cpu"):
+    for seed, new in refill_for_replays(static, max_q, heads, "fp8", "cpu"):
         rows = new.q.shape[0]
         refilled = serving.reference(static.q, static.qo_indptr, static.kv, static.kv_scale,
                                      **static.layout, q_format="fp8")[:rows]
         assert torch.equal(refilled, new.reference("fp8")), f"replay seed {seed}"
         seen.append(seed)
-    assert seen == [seed for seed, _ in serving.GRAPH_REPLAYS]
+    assert seen == [seed for seed, _ in GRAPH_REPLAYS]

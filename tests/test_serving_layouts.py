@@ -19,7 +19,7 @@ from mla_tune.kernels.flash_decode import (
 )
 from mla_tune.kernels.split_rule import REDUCE_SPLITS_PER_STEP, serving_splits, split_items
 from mla_tune.serving import inputs as serving
-from tests.helpers import assert_close
+from tests.helpers import assert_close, refill
 
 KV_FORMATS = ("bf16", "fp8")
 
@@ -273,7 +273,7 @@ def test_one_workspace_serves_new_lengths_and_block_tables(device):
     _launch(first, device, **kwargs)
     assert_close(out, first.reference(), 1e-2, "first call")
     second = serving.make_input([1, 2, 2], [90, 3, 2], 16, 16, "fp8", seed=22, device=device)
-    serving.refill(first, second)
+    refill(first, second)
     second_out = _launch(first, device, **kwargs)
     assert second_out.data_ptr() == out.data_ptr()
     assert_close(out, second.reference(), 1e-2, "second call")

@@ -224,14 +224,7 @@ def reference(
     return (out, lse) if return_lse else out
 
 
-# ------------------------------------------------------------------ CUDA-graph replay
-# One call captured at these lengths (each kv_len >= its q_len), then replayed with the
-# others: ragged, with 1-, 2- and 3000-token sequences moved between batch slots.
-GRAPH_Q_LENS = [2, 2, 2, 2, 2, 1]
-GRAPH_KV_LENS = [3000, 700, 65, 2, 17, 64]
-GRAPH_REPLAYS = ((42, [5, 3000, 1, 64, 65, 2]), (43, [700, 17, 2, 1, 64, 3000]))
-
-
+# ------------------------------------------------------------------ CUDA-graph capture
 def capture_without_sync(call) -> torch.cuda.CUDAGraph:
     """Compile `call` outside the graph, then run it once and capture it under sync debug
     mode "error": a call that synchronizes raises here instead of being captured."""
@@ -247,36 +240,3 @@ def capture_without_sync(call) -> torch.cuda.CUDAGraph:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     return graph
-
-
-def refill(static: ServingInput, new: ServingInput, what: str = "the new call") -> None:
-    """new's tensors copied into `static`'s buffers, as an engine's update step does before
-    replaying a graph captured on `static` (q and the tables zero-filled past new's); a
-    `new` that needs more cache rows than `static` holds is refused, naming `what`."""
-    static.q.zero_()
-    static.q[: new.q.shape[0]].copy_(new.q)
-    static.qo_indptr.copy_(new.qo_indptr)
-    if static.page_size == LAYOUT_CONTIGUOUS:
-        static.kv_indptr.copy_(new.kv_indptr)
-    else:
-        static.seq_lens.copy_(new.seq_lens)
-        static.block_table.zero_()
-        static.block_table[:, : new.block_table.shape[1]].copy_(new.block_table)
-    if new.kv.shape[0] > static.kv.shape[0]:
-        raise ValueError(f"{what} needs {new.kv.shape[0]} cache rows, the captured call has "
-                         f"{static.kv.shape[0]}")
-    static.kv.view(torch.uint8)[: new.kv.shape[0]].copy_(new.kv.view(torch.uint8))
-    if new.kv_scale is not None:
-        static.kv_scale.copy_(new.kv_scale)
-
-
-def refill_for_replays(static: ServingInput, max_q_len: int, heads: int, kv_format: str, device):
-    """For each of GRAPH_REPLAYS: a new call's tensors copied into `static`'s buffers
-    (`refill`); yields (seed, the new input) so the caller replays and compares with
-    `new.reference(...)`."""
-    for seed, kv_lens in GRAPH_REPLAYS:
-        q_lens = [min(n, max_q_len) for n in kv_lens]
-        q_lens[-1] = 1  # the total stays within the captured q
-        new = make_input(q_lens, kv_lens, heads, static.page_size, kv_format, seed=seed, device=device)
-        refill(static, new, f"replay seed {seed}")
-        yield seed, new
