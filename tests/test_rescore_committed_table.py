@@ -1,8 +1,9 @@
 """The committed serving table's eager picks (and, on the odd seeds, its graph picks), rescored
 on recorded verify runs that no lookup rule or graph pick was chosen on (the odd seeds of
-docs/data/verify/gluon-2026-12-03 and the fresh seeds of recheck-2026-12-03, 40 shapes each),
-stay within the limits this file claims; by hand: `mla-tune verify --table
-tables/H200.serving.yaml --max-p95 0.05 --max-regret 0.15 --rescore docs/data/verify/recheck-2026-12-03`.
+docs/data/verify/gluon-2026-12-03 and the fresh seeds of recheck-2026-12-03 and
+recheck-2026-12-05, 40 shapes each), stay within the limits this file claims; by hand: `mla-tune
+verify --table tables/H200.serving.yaml --max-p95 0.05 --max-regret 0.15 --rescore
+docs/data/verify/recheck-2026-12-05`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ CORPORA = {
                          if _seed(p) % 2), [95, 97, 99, 101], 3, 0.02, 0.12, (0.046, 0.25)),
     "fresh-seeds": (sorted((VERIFY / "recheck-2026-12-03").glob("*.json.gz")),
                     [*range(103, 118), 119], 15, 0.025, 0.18, None),
+    "fresh-seeds-2026-12-05": (sorted((VERIFY / "recheck-2026-12-05").glob("*.json.gz")),
+                               list(range(120, 134)), 13, 0.035, 0.15, (0.05, 0.30)),
 }
 
 
