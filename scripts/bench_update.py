@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python scripts/bench_update.py [--table tables/H200.serving.yaml]
         [--mixes 1000] [--seed 0] [--picks picks.json] [--json out.json] [--tensors-first]
-        [--no-lookup] [--device cpu|cuda] [--warm] [--by-family]
+        [--no-lookup] [--device cpu|cuda] [--warm] [--by-family] [--by-backend]
 
 One eager plan (serving/decode_plan.py; host lengths, 64-token pages, max_batch 256) per
 family of the table (16 or 128 heads, q_len 1-4, fp8 or bf16 KV), made before the clock
@@ -27,8 +27,9 @@ tensors before the first timed call instead (the same mixes): what making a step
 just before its call (as an engine does, and the default) costs the call in cache misses.
 `--no-lookup` makes the plans without the table (each runs its default variant): what an
 update costs besides the table's lookup (its layout checks and the runner's step).
-`--by-family` adds a line per family (its own steps: about 1000 / 12 each); `--json` always
-holds them.
+`--by-family` adds a line per family (its own steps: about 1000 / 12 each), `--by-backend` a
+line per backend of the variant each step ran (update's return: on a machine without the
+vendors, the stand-in that ran); `--json` always holds both.
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ def main() -> None:
                          "makes them; needs the GPU) rather than warm=False")
     ap.add_argument("--by-family", action="store_true",
                     help="also print the update's statistics per family (its steps only)")
+    ap.add_argument("--by-backend", action="store_true",
+                    help="also print the update's statistics per backend of the variant each step ran")
     ap.add_argument("--no-lookup", action="store_true",
                     help="plans without the table: the update's cost besides the lookup")
     args = ap.parse_args()
@@ -126,7 +129,7 @@ def main() -> None:
             plans[key] = DecodePlan(spec, MAX_BATCH, table=None if args.no_lookup else table, device=args.device,
                                     warm=args.warm)
     made = time.perf_counter() - made
-    times, first, picks, seen, by_family = [], [], [], set(), {}
+    times, first, picks, seen, by_family, by_backend = [], [], [], set(), {}, {}
     mixes = list(_mixes(keys, args.mixes, args.seed))
     made_first = [_tensors(key, kv_lens, args.device) for key, kv_lens in mixes] if args.tensors_first else None
     for i, (key, kv_lens) in enumerate(mixes):
@@ -134,12 +137,13 @@ def main() -> None:
         plan = plans[key]
         qo = step.pop("qo_indptr")
         t0 = time.perf_counter_ns()
-        plan.update(qo, **step)
+        ran = plan.update(qo, **step)
         us = (time.perf_counter_ns() - t0) / 1e3
         if args.device != "cpu":
             torch.cuda.synchronize()  # the step's device work ends before the next step's tensors
         times.append(us)
         by_family.setdefault(key, []).append(us)
+        by_backend.setdefault(ran.backend, []).append(us)
         if key not in seen:
             seen.add(key)
             first.append(us)
@@ -150,17 +154,19 @@ def main() -> None:
            "no_lookup": args.no_lookup, "replays": _replays(), "device": args.device, "warm": args.warm,
            "plans": len(plans),
            "plans_made_s": round(made, 2), "update": _stats(times), "first_update": _stats(first),
-           "by_family": {_tag(key): _stats(us) for key, us in sorted(by_family.items())}}
+           "by_family": {_tag(key): _stats(us) for key, us in sorted(by_family.items())},
+           "by_backend": {name: _stats(us) for name, us in sorted(by_backend.items())}}
     print(f"{len(plans)} plans made in {made:.2f} s ({out['replays']} replays); DecodePlan.update over {args.mixes} fresh mixes "
           "(us, from each plan's first call):")
     for name in ("update", "first_update"):
         s = out[name]
         print(f"  {name:<13} n {s['n']:>5}  median {s['median_us']:>8}  p90 {s['p90_us']:>8}  "
               f"p99 {s['p99_us']:>8}  max {s['max_us']:>8}")
-    if args.by_family:
-        for tag, s in out["by_family"].items():
-            print(f"  {tag:<13} n {s['n']:>5}  median {s['median_us']:>8}  p90 {s['p90_us']:>8}  "
-                  f"p99 {s['p99_us']:>8}  max {s['max_us']:>8}")
+    lines = [*(out["by_family"].items() if args.by_family else ()),
+             *(out["by_backend"].items() if args.by_backend else ())]
+    for tag, s in lines:
+        print(f"  {tag:<13} n {s['n']:>5}  median {s['median_us']:>8}  p90 {s['p90_us']:>8}  "
+              f"p99 {s['p99_us']:>8}  max {s['max_us']:>8}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
     if args.picks:

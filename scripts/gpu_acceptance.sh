@@ -30,7 +30,8 @@
 #       in $OUT as H200.serving.results.tgz; DEVICES=0,1 runs a shard per GPU)
 #   bash scripts/gpu_acceptance.sh gpu-suite           # the whole GPU suite (pytest -m gpu, 8 xdist
 #       workers; pytest-xdist and execnet wheels in .whl/), then DecodePlan.update's host time
-#       (scripts/bench_update.py) with the table and without it (--no-lookup); about 8 minutes
+#       (scripts/bench_update.py) with the table, per backend that ran, and without it
+#       (--no-lookup); about 6 minutes
 #   SEEDS="91 92" bash scripts/gpu_acceptance.sh serving-verify   # DecodePlan.update's host time
 #       on the device's tensors (bench_update.py), run's host times beside the vendors'
 #       (bench_serving_host.py), then `mla-tune verify` of tables/H200.serving.yaml at each seed
@@ -279,15 +280,15 @@ gpu-suite)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   timed gpu-suite timeout ${SUITE_TIMEOUT:-400} python3 -m pytest -q -m gpu -n 8 --dist load -p no:cacheprovider \
     > "$out/gpu_tests.log" 2>&1; tail -25 "$out/gpu_tests.log" | grep -v -i warn
-  timed update timeout 120 python3 scripts/bench_update.py --device cuda --warm --json "$out/update_c.json" \
-    2>&1 | tail -6
+  timed update timeout 120 python3 scripts/bench_update.py --device cuda --warm --by-backend \
+    --json "$out/update_c.json" 2>&1 | tail -12
   timed update-no-lookup timeout 120 python3 scripts/bench_update.py --device cuda --warm --no-lookup \
     --json "$out/update_no_lookup.json" 2>&1 | tail -6
   ;;
 serving-verify)
   # host time first (nothing else running): update on the device's tensors, then run beside the vendors
-  timed update timeout 150 python3 scripts/bench_update.py --device cuda --warm --json "$out/update_c.json" \
-    2>&1 | tail -4
+  timed update timeout 150 python3 scripts/bench_update.py --device cuda --warm --by-backend \
+    --json "$out/update_c.json" 2>&1 | tail -10
   timed host timeout 110 python3 scripts/bench_serving_host.py --out "$out" 2>&1 | tail -24
   verify_seeds tables/H200.serving.yaml
   ;;
