@@ -62,19 +62,17 @@ static void P##_push(T *h, int64_t n, T x) { \
 }
 """
 
-# makespan.deal in C, for the makespan replays (backends/*_schedule.py; needs HEAP_C first).
-# `deal_short`: its
-# two cases without a dealing: n_items split items (tokens in all, the longest `longest`),
-# each run by `programs` programs of `item` tokens' fixed cost, over `slots` slots. Returns 1
-# with *span set where they fit one wave (the longest program) or pass exact_waves waves
-# (the mean load plus half the longest program), 0 where the caller deals them: it lays out
-# the programs (in launch order) as runs of equal work (`add_run`) and calls `greedy_runs`.
-# That deals each program to a least-loaded slot, as makespan.greedy_makespan's blocks and
-# heap do; it differs from them only in which of equally loaded slots a program takes, so
-# the slots' loads are the same sums (each slot's programs added in launch order) and the
-# most-loaded slot's load is the same double.
-DEAL_C = r"""
-#include <stdint.h>
+# makespan.deal in C, for the makespan replays (backends/*_schedule.py; HEAP_C included).
+# `deal_short`: its two cases without a dealing: n_items split items (tokens in all, the
+# longest `longest`), each run by `programs` programs of `item` tokens' fixed cost, over
+# `slots` slots. Returns 1 with *span set where they fit one wave (the longest program) or
+# pass exact_waves waves (the mean load plus half the longest program), 0 where the caller
+# deals them: it lays out the programs (in launch order) as runs of equal work (`add_run`)
+# and calls `greedy_runs`. That deals each program to a least-loaded slot, as
+# makespan.greedy_makespan's blocks and heap do; it differs from them only in which of
+# equally loaded slots a program takes, so the slots' loads are the same sums (each slot's
+# programs added in launch order) and the most-loaded slot's load is the same double.
+DEAL_C = HEAP_C + r"""
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>

@@ -158,12 +158,9 @@ def main() -> None:
            "by_backend": {name: _stats(us) for name, us in sorted(by_backend.items())}}
     print(f"{len(plans)} plans made in {made:.2f} s ({out['replays']} replays); DecodePlan.update over {args.mixes} fresh mixes "
           "(us, from each plan's first call):")
-    for name in ("update", "first_update"):
-        s = out[name]
-        print(f"  {name:<13} n {s['n']:>5}  median {s['median_us']:>8}  p90 {s['p90_us']:>8}  "
-              f"p99 {s['p99_us']:>8}  max {s['max_us']:>8}")
-    lines = [*(out["by_family"].items() if args.by_family else ()),
-             *(out["by_backend"].items() if args.by_backend else ())]
+    lines = [(name, out[name]) for name in ("update", "first_update")]
+    lines += [*(out["by_family"].items() if args.by_family else ()),
+              *(out["by_backend"].items() if args.by_backend else ())]
     for tag, s in lines:
         print(f"  {tag:<13} n {s['n']:>5}  median {s['median_us']:>8}  p90 {s['p90_us']:>8}  "
               f"p99 {s['p99_us']:>8}  max {s['max_us']:>8}")

@@ -12,8 +12,7 @@ p95 regret is within 5% and max within 15%, and the pooled geomean, p95 and max.
 
 Ablations (default: all): today, no_reduce_step_us, no_flashinfer_model, no_splitk_models,
 MODEL_WINDOW=inf, MODEL_WORKS=inf, SplitKModel.floor=0, GluonModel.floor=0.9,
-MIN_MEASURED_WEIGHT=0, MIN_MEASURED_WEIGHT=1, EXACT_WAVES=1000. A line per ablation gives, per
-half, the runs within both limits, then the eager picks' pooled geomean, p95 and max regret.
+MIN_MEASURED_WEIGHT=0, MIN_MEASURED_WEIGHT=1, EXACT_WAVES=1000.
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ def occupancy_cap(variant, q_len: int, smem_per_sm: int = 0) -> int:
 
 # gluon_schedule and GluonModel.estimate in C, the same arithmetic (IEEE doubles, no
 # contraction: mla_tune/native.py), with makespan.deal's dealing (native.DEAL_C).
-_NATIVE_SOURCE = native.HEAP_C + native.DEAL_C + native.ESTIMATE_H + r"""
+_NATIVE_SOURCE = native.DEAL_C + native.ESTIMATE_H + r"""
 #include <stdlib.h>
 #include <math.h>
 

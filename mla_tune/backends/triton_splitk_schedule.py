@@ -139,7 +139,7 @@ def _schedule_array(lens: np.ndarray, heads: int, q_len: int, params: Mapping, o
 
 # _schedule_array in C, the same arithmetic step by step (IEEE doubles, no contraction:
 # mla_tune/native.py), with makespan.deal's dealing (native.DEAL_C).
-_NATIVE_SOURCE = native.HEAP_C + native.DEAL_C + native.ESTIMATE_H + r"""
+_NATIVE_SOURCE = native.DEAL_C + native.ESTIMATE_H + r"""
 #include <stdlib.h>
 #include <math.h>
 
