@@ -129,3 +129,20 @@ def test_unrunnable_backends_are_scored_by_the_stand_ins_a_plan_runs(reports):
         rs.rescore(table, reports, unrunnable=["flash_mla"], log=lambda _: None)
     result = invoke("verify", "--table", "tables/H200.serving.yaml", "--unrunnable", "flashmla")
     assert result.exit_code == 2 and "give them with --rescore" in result.output
+
+
+def test_a_shape_recorded_twice_is_summarized_across_its_recordings(reports, tmp_path):
+    key = FamilyKey.of(SPEC)
+    again = _report(tmp_path / "v3.json", [  # v1's shapes, recorded again: A stays 5% behind at #0
+        _shape(0, key, {A: 105.0, B: 130.0, C: 100.0, F: 200.0}, {}, []),
+        _shape(1, key, {A: 90.0, B: 120.0, C: 100.0, F: 150.0}, {}, [D], kind="ragged"),
+    ], seed=1)
+    assert rs.rescore(_table(A), reports[:1], log=lambda _: None)["repeats"] is None  # no shape twice
+    lines: list[str] = []
+    rep = rs.rescore(_table(A), [reports[0], again], log=lines.append)["repeats"]
+    assert (rep["shapes"], rep["recordings"], rep["same_best"]) == (2, [2], 1)  # #1's best: C, then A
+    assert [(s["reports"], s["index"], s["regrets"]) for s in rep["steady"]] == [
+        (["v1.json", "v3.json"], 0, [pytest.approx(0.10), pytest.approx(0.05)])]  # #1: 4%, then 0%
+    assert any(line.startswith("2 shapes recorded 2 times each: the same best in every recording at 1; "
+                               "eager regret over 1% in every recording at 1") for line in lines)
+    assert any("v1.json #0" in line and "10.0% / 5.0%" in line for line in lines)

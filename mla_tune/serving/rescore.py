@@ -23,6 +23,12 @@ Best stays the report's; the fallback's regret is the report's (the fallback doe
 depend on the table). A pick whose run failed or whose output was outside the rule in the
 recorded run fails the rescore as it failed the run (verify's verdict).
 
+A shape recorded in more than one report (verify again at the same seed, with a table of
+the same buckets: the same family, batch and lengths) is summarized across its recordings
+(`repeats`): how many name the same best variant in every recording, and the shapes whose
+eager regret is over STEADY_OVER in every one, a miss of the lookup rather than of one
+run's timing.
+
 What it is for: choosing between tables and lookup rules offline on measurements already
 paid for, over many more shapes than one GPU run times. It is not a verify: a table is
 accepted on `mla-tune verify` at fresh seeds on the GPU (a rule tuned on the recorded
@@ -57,6 +63,7 @@ from mla_tune.serving.verify import (
 
 RESCORE_SCHEMA = "serving-rescore/1"
 SHOW_OVER = 0.05  # per-shape lines: the eager regrets over this, and the picks not measured
+STEADY_OVER = 0.01  # a shape recorded several times: its eager regret over this in every recording
 
 
 def read_report(path: str | Path) -> dict:
@@ -170,9 +177,52 @@ def rescore(table: str | Path | ServingTable, reports: list[str | Path], *, max_
     out = {"schema": RESCORE_SCHEMA, "table": {"path": str(table.path), "gpu": table.gpu,
                                                "config_hash": (table.provenance.get("config") or {}).get("hash")},
            "reports": per_report, "shapes": records, "summary": summary, "verdict": verdict,
-           "unmeasured": len(unmeasured), "unrunnable": sorted(unrunnable)}
+           "unmeasured": len(unmeasured), "unrunnable": sorted(unrunnable), "repeats": repeats(records)}
     out["exit_code"] = 1 if verdict["failed"] else 0
     return emit(out, rescore_lines(out), json_path, log)
+
+
+def repeats(records: list[dict]) -> dict | None:
+    """The shapes recorded in more than one report (the same family, batch, q_lens and
+    kv_lens), across their recordings: how many shapes and recordings, at how many every
+    recording names the same best, and the shapes whose eager regret is over STEADY_OVER
+    in every recording (report names, the eager pick, the regrets in report order and each
+    recording's best); None when no shape is recorded twice."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        lengths = tuple(r["kv_lens"]) if isinstance(r["kv_lens"], list) else r["kv_lens"]
+        q_lens = tuple(r["q_lens"]) if isinstance(r.get("q_lens"), list) else r.get("q_lens")
+        key = (tuple(sorted(r["family"].items())), r["batch"], q_lens, lengths)
+        groups.setdefault(key, []).append(r)
+    repeated = [g for g in groups.values() if len(g) > 1]
+    if not repeated:
+        return None
+    steady = [{"reports": [Path(r["report"]).name for r in g], "index": g[0]["index"],
+               "family": g[0]["family"], "batch": g[0]["batch"], "kind": g[0]["kind"],
+               "kv_lens": g[0]["kv_lens"], "mean_kv_len": g[0]["mean_kv_len"], "eager": g[0]["roles"]["eager"],
+               "regrets": [r["regret"]["eager"] for r in g], "best": [r["best"] for r in g]}
+              for g in repeated
+              if all(r["regret"]["eager"] is not None and r["regret"]["eager"] > STEADY_OVER for r in g)]
+    return {"shapes": len(repeated), "recordings": sorted({len(g) for g in repeated}),
+            "same_best": sum(len({r["best"] for r in g}) == 1 for g in repeated), "steady_over": STEADY_OVER,
+            "steady": sorted(steady, key=lambda x: -min(x["regrets"]))}
+
+
+def _repeat_lines(rep: dict | None, name: Callable[[str | None], str]) -> list[str]:
+    """repeats() in lines: the counts, then a line per steady miss (its smallest regret first)."""
+    if rep is None:
+        return []
+    times = "/".join(map(str, rep["recordings"]))
+    lines = ["", f"{rep['shapes']} shapes recorded {times} times each: the same best in every recording at "
+             f"{rep['same_best']}; eager regret over {rep['steady_over']:.0%} in every recording at "
+             f"{len(rep['steady'])}:"]
+    for s in rep["steady"]:
+        kv = str(s["kv_lens"]) if s["kind"] == "uniform" else f"ragged {s['mean_kv_len']:.0f}"
+        best = "/".join(dict.fromkeys(name(b) for b in s["best"]))
+        lines.append(f"  {s['reports'][0]} #{s['index']:<3} {family_short(FamilyKey(**s['family'])):<17} "
+                     f"batch {s['batch']:>3} kv {kv:<14} eager {name(s['eager']):<12} "
+                     f"{' / '.join(pct_text(x) for x in s['regrets'])}; best {best}")
+    return lines
 
 
 def rescore_lines(out: dict) -> list[str]:
@@ -201,6 +251,7 @@ def rescore_lines(out: dict) -> list[str]:
         s = rep["eager"]
         lines.append(f"  {Path(rep['path']).name:<32} seed {rep['seed']!s:<4} eager p95 {pct_text(s['p95']):>6} "
                      f"max {pct_text(s['max']):>6} (n {s['n']})")
+    lines += _repeat_lines(out.get("repeats"), name)
     if out["unmeasured"]:
         lines.append(f"{out['unmeasured']} role(s) at {len(shapes)} shapes not measured in the reports "
                      "(left out of the statistics)")
