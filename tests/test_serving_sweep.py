@@ -456,9 +456,10 @@ def _edge_timer() -> FakeTimer:
     return FakeTimer(slow=lambda call: 2.0 if call.batch == 2 and name(call.variant) == "A" else 1.0)
 
 
-def test_the_edge_stage_times_finalists_at_the_buckets_smallest_batch(tiny, tmp_path):
-    """search.batch_edge (off by default): the bucket of 4 also times its finalists at batch 2,
-    so 4 x 32 picks C over A (twice as slow at 2); resume, dry run and a bad value."""
+def test_the_edge_stage_times_finalists_and_the_last_rung_at_the_buckets_smallest_batch(tiny, tmp_path):
+    """search.batch_edge (off by default): the bucket of 4 also times its finalists and its
+    cells' last rung at batch 2, so 4 x 32 picks C over A (twice as slow at 2); resume, dry
+    run and a bad value."""
     assert tiny.search.batch_edge is False
     plain = _config("plain.yaml", batch_buckets=[1, 4])
     edged = _config("edge.yaml", {"batch_edge": True}, batch_buckets=[1, 4])
@@ -482,6 +483,18 @@ def test_the_edge_stage_times_finalists_at_the_buckets_smallest_batch(tiny, tmp_
     again = _edge_timer()
     _sweep(edged, tmp_path / "edge", again)
     assert again.timed == []
+    # cross_top 1: the union is each cell's winner, and the last rung also holds C
+    narrow = _config("narrow.yaml", {"batch_edge": True, "cross_top": 1}, batch_buckets=[1, 4])
+    timer = _edge_timer()
+    summary = _sweep(narrow, tmp_path / "narrow", timer)
+    _, records, _ = read_records(summary["results"])
+    union = next(r["union"] for r in records if r["kind"] == "graph" and r["batch"] == 4)
+    last = {(r["kv_len"], name(Variant.parse(r["variant"]))) for r in records
+            if r["kind"] == "step" and r["batch"] == 4 and r["samples"] == 2 and r["kv_len"] in (32, 64)}
+    assert {name(Variant.parse(v)) for v in union} == {"A", "B"} and {n for _, n in last} == {"A", "B", "C"}
+    at_edge = {(kv, name(Variant.parse(v))) for b, kv, v, _ in timer.timed if b == 2}
+    assert at_edge == last | {(kv, name(Variant.parse(v))) for kv in (32, 64) for v in union}
+    assert _named(_picks(load_serving_table(summary["table"]))[0])[(4, 32)] == "C"
     assert sw.dry_run(edged, "H200", log=lambda line: None)["edge"] > 0
     assert sw.dry_run(plain, "H200", log=lambda line: None)["edge"] == 0
     with pytest.raises(ServingConfigError, match=r"search\.batch_edge.*true or false.*'yes'"):

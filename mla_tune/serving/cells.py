@@ -221,6 +221,9 @@ def estimate(cfg: ServingConfig, plan: SweepPlan, gate_workers: int | None = Non
         fam = plan.families[unit.key]
         last_size = rung_sizes(cfg, len(fam.candidates))[-1]
         union = min(len(fam.candidates), 2 * cfg.search.cross_top)
+        # the union and the last rung, which the union mostly holds (the H200's sweep of
+        # 2026-12-03: 25 variants of a last rung missing from the union over 1212 edge cells)
+        at_edge = max(union, last_size)
         edge = edge_batch(cfg.batch_buckets, unit.batch) if cfg.search.batch_edge else None
         if unit.kv_lens:  # the ragged mix: the whole union, at about the mean kv bucket
             mean_kv = sum(unit.kv_lens) // len(unit.kv_lens)
@@ -233,8 +236,8 @@ def estimate(cfg: ServingConfig, plan: SweepPlan, gate_workers: int | None = Non
                                                                      LATER_RUNG_RATIO)
             inputs_s += 2 * (0.01 + unit.batch * kv_len * KV_BYTES_PER_TOKEN[unit.key.kv_format]
                              / INPUT_BYTES_PER_S)
-            if edge is not None:  # the union at the bucket's smallest batch
-                edge_s += union * measurement_s(unit.key, edge, kv_len, last, LATER_RUNG_RATIO)
+            if edge is not None:  # the union and the last rung at the bucket's smallest batch
+                edge_s += at_edge * measurement_s(unit.key, edge, kv_len, last, LATER_RUNG_RATIO)
                 inputs_s += 0.01 + edge * kv_len * KV_BYTES_PER_TOKEN[unit.key.kv_format] / INPUT_BYTES_PER_S
     parts = {"gate_and_compile": gate + compile_s, "cache_loads": load_s, "cells": cells_s,
              "cross": cross_s, "edge": edge_s, "inputs": inputs_s}

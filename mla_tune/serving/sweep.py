@@ -24,10 +24,10 @@ Stages (cells.py plans them, results.py records them):
    a graph cannot depend on kv_len, and an engine's batch is rarely uniform (on the H200
    a graph pick chosen on uniform cells alone ran 1.4x FlashMLA's step on 500-4000 token
    lengths, docs/perf.md).
-4. Edge, per unit, with search.batch_edge: the cross stage's union timed at every kv cell
-   at the smallest batch the bucket serves (cells.edge_batch: the bucket below plus one,
-   uniform at the cell's lengths, rungs[-1] samples), so that the edge's points hold what
-   the bucket's do; a cell's eager pick weighs that edge beside the cell
+4. Edge, per unit, with search.batch_edge: the cross stage's union, and every variant the
+   cell timed in its last rung, timed at every kv cell at the smallest batch the bucket
+   serves (cells.edge_batch: the bucket below plus one, uniform at the cell's lengths,
+   rungs[-1] samples), so that the edge's points hold what the bucket's do; a cell's eager pick weighs that edge beside the cell
    (build.eager_pick), since eager calls of any batch in the bucket's span run it, and the
    eager lookup interpolates between them. A CUDA graph runs at the bucket's batch: its
    pick ignores the edge.
@@ -386,17 +386,22 @@ class Sweeper:
         return cells, ok, list(dict.fromkeys(Variant.parse(t) for kv in ok for t in cells[kv]["top"]))
 
     def edge(self, unit: Unit) -> int | None:
-        """With search.batch_edge, the unit's finalists (the cross stage's union) at every
-        kv cell with a winner, at the bucket's smallest batch (cells.edge_batch): recorded
-        steps at that batch and the cell's kv_len, resumed like any other. Returns that
-        batch, or None where nothing was measured or found."""
+        """With search.batch_edge, the unit's finalists (the cross stage's union) and each
+        cell's variants timed in its last rung, at every kv cell with a winner, at the
+        bucket's smallest batch (cells.edge_batch): recorded steps at that batch and the
+        cell's kv_len, resumed like any other. Returns that batch, or None where nothing
+        was measured or found."""
         batch = edge_batch(self.cfg.batch_buckets, unit.batch) if self.cfg.search.batch_edge else None
         if batch is None:
             return None
         _cells, ok, union = self._finalists(unit)
         last = self.cfg.search.rungs[-1]
         for kv in ok:
-            for variant in union:
+            # the cell's last rung too: a variant the edge lacks is left out of the estimates
+            # near the edge, where the edge weighs most (estimate.MIN_MEASURED_WEIGHT)
+            timed = [Variant.parse(v) for (k, b, n, v, samples), step in self.rec.records.steps.items()
+                     if (k, b, n, samples) == (unit.key, unit.batch, kv, last) and step.get("status") == "ok"]
+            for variant in dict.fromkeys([*union, *timed]):
                 self.measure(unit.key, batch, kv, variant, last)
             self._drop_input()
         return batch if ok and union else None
