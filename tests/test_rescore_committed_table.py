@@ -1,8 +1,8 @@
 """The committed serving table's eager picks (and, on the odd seeds, its graph picks), rescored
 on recorded verify runs that no lookup rule or graph pick was chosen on (the odd seeds of
 docs/data/verify/gluon-2026-12-03, the fresh seeds of recheck-2026-12-03 and
-recheck-2026-12-05, and repeat-2026-12-05's recordings of some of those seeds again, 40
-shapes each), stay within the limits this file claims; by hand: `mla-tune verify --table
+recheck-2026-12-05 and lastrung-2026-12-05, and repeat-2026-12-05's recordings of some of
+those seeds again, 40 shapes each), stay within the limits this file claims; by hand: `mla-tune verify --table
 tables/H200.serving.yaml --max-p95 0.05 --max-regret 0.15 --rescore
 docs/data/verify/recheck-2026-12-05`.
 """
@@ -37,6 +37,10 @@ CORPORA = {
                     [*range(103, 118), 119], 15, 0.025, 0.18, None),
     "fresh-seeds-2026-12-05": (sorted((VERIFY / "recheck-2026-12-05").glob("*.json.gz")),
                                list(range(120, 134)), 13, 0.035, 0.15, (0.05, 0.30)),
+    # the table's own fresh seeds (seed 134's run stopped at 12 shapes, its budget spent compiling)
+    "fresh-seeds-lastrung-2026-12-05": (sorted(p for p in (VERIFY / "lastrung-2026-12-05").glob("*.json.gz")
+                                               if _seed(p) != 134), list(range(135, 141)), 6, 0.01, 0.10,
+                                        (0.05, 0.30)),
     # the odd seeds above recorded again three times on one machine, and seeds 126 and 127 once
     "recorded-again-2026-12-05": (sorted((VERIFY / "repeat-2026-12-05").glob("*.json.gz")),
                                   [95] * 3 + [97] * 3 + [99] * 3 + [101] * 3 + [126, 127], 11, 0.035, 0.20,
