@@ -11,7 +11,8 @@ then the step's per-layer fast path: replayed Triton launches for the own kernel
 FlashMLA's op called directly, FlashInfer's run); beside them FlashMLA's
 `flash_mla_with_kvcache` called directly (its schedule made once) and FlashInfer's
 `BatchMLAPagedAttentionWrapper.run` after one `plan`. Then DecodePlan.run and the vendors'
-direct calls again at 16 heads (bf16), and the leaderboard entry beside its bare runner.
+direct calls again at 16 heads (bf16), FlashInfer's `plan` alone (_flashinfer_plan_rows:
+whether it waits for the GPU), and the leaderboard entry beside its bare runner.
 Host time: timing.host_time (calls back to back, GPU busy ahead); GPU time:
 timing.time_call (the leaderboard protocol). Each result is checked against
 mla_tune.serving.inputs' fp32 reference first (strict rule). A vendor whose wheel is missing is
@@ -152,6 +153,49 @@ def _direct_flashinfer(inp, kv_format: str, heads: int):
     return call, "bf16 q"
 
 
+def _flashinfer_plan_rows(heads_list=(16, 128), batches=(1, 32, 256), held_us: float = 3000.0, reps: int = 21):
+    """FlashInfer's `plan` alone (fa3, bf16, 64-token pages, one new token a sequence, lengths
+    3980-4019), called as the flashinfer backend calls it: the lengths as new int32 CPU
+    tensors each call. Host us per call, medians over `reps`: with the GPU idle, with
+    `held_us` of GPU work queued ahead (a plan that waits for the stream takes about that
+    much longer), and the same with the CPU tensors pinned (made outside the timing)."""
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+    for heads in heads_list:
+        wrapper = BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=DEVICE),
+                                                backend="fa3")
+        for batch in batches:
+            times = {name: _plan_us(wrapper, heads, batch, held, pin, reps)
+                     for name, held, pin in (("idle_us", 0.0, False), ("busy_us", held_us, False),
+                                             ("busy_pinned_us", held_us, True))}
+            yield {"heads": heads, "batch": batch, "held_us": held_us, **times}
+
+
+def _plan_us(wrapper, heads: int, batch: int, held_us: float, pin: bool, reps: int) -> float:
+    """Median host us of one wrapper.plan at `batch` sequences (see _flashinfer_plan_rows)."""
+    import time
+
+    from mla_tune.tune.timing import hold_gpu
+
+    kv_lens = [3980 + (i * 7) % 40 for i in range(batch)]
+    pages = [-(-n // PAGE) for n in kv_lens]
+    indices = torch.arange(sum(pages), dtype=torch.int32, device=DEVICE)
+    lists = ([0, *range(1, batch + 1)], [0, *torch.tensor(pages).cumsum(0).tolist()], kv_lens)
+    out = []
+    for rep in range(reps + 1):  # the first plans once untimed (JIT module, buffers)
+        pinned = [torch.tensor(x, dtype=torch.int32).pin_memory() for x in lists] if pin else None
+        torch.cuda.synchronize()
+        if held_us:
+            hold_gpu(held_us)
+        t0 = time.perf_counter()
+        qo, kv, lens = pinned or [torch.tensor(x, dtype=torch.int32) for x in lists]
+        wrapper.plan(qo, kv, indices, lens, heads, 512, 64, PAGE, False, SM_SCALE, torch.bfloat16, torch.bfloat16)
+        if rep:
+            out.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+    return round(statistics.median(out), 1)
+
+
 def _paired_dispatch_us(entry, bare, calls: int = 50, rounds: int = 41) -> dict:
     """Host us per call of `entry` and `bare` in alternating rounds (each round: `calls`
     calls back to back, timing.host_round), and the median of the per-pair differences: the
@@ -225,6 +269,17 @@ def main() -> None:
             print(f"{r['heads']:>5} {r['kv']:5} {r['call']:32} {'ok' if r['strict'] else 'FAIL':>6} "
                   f"{r['host_us']:8.1f} {r['host_p90_us']:7.1f} {r['gpu_us']:8.1f} {r['gpu_spread']:6.3f}  "
                   f"{r['variant']}")
+    try:
+        fi_plan = list(_flashinfer_plan_rows())
+    except Exception:  # noqa: BLE001 - a missing wheel is a line
+        fi_plan = []
+        print("flashinfer plan rows:", traceback.format_exc(limit=3))
+    if fi_plan:
+        print(f"\nFlashInfer's plan alone (host us per call, median of 21; busy: "
+              f"{fi_plan[0]['held_us']:.0f} us of GPU work queued ahead)")
+        print(f"{'heads':>5} {'batch':>5} {'idle':>8} {'busy':>8} {'busy, pinned':>13}")
+        for r in fi_plan:
+            print(f"{r['heads']:>5} {r['batch']:>5} {r['idle_us']:8.1f} {r['busy_us']:8.1f} {r['busy_pinned_us']:13.1f}")
     board = []
     if not args.no_leaderboard:
         try:
@@ -239,7 +294,8 @@ def main() -> None:
                   f"{r['rounds']} paired rounds)")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "serving_host.json").write_text(json.dumps({"serving": rows, "leaderboard": board}, indent=1))
+        (args.out / "serving_host.json").write_text(json.dumps({"serving": rows, "flashinfer_plan": fi_plan,
+                                                                "leaderboard": board}, indent=1))
     print()
     print("\n".join(_summary(rows, args.batch)))
 
