@@ -2,8 +2,8 @@
 on recorded verify runs that no lookup rule or graph pick was chosen on (the odd seeds of
 docs/data/verify/gluon-2026-12-03, the fresh seeds of recheck-2026-12-03 and
 recheck-2026-12-05 and lastrung-2026-12-05, and repeat-2026-12-05's recordings of some of
-those seeds again, 40 shapes each), stay within the limits this file claims; by hand: `mla-tune verify --table
-tables/H200.serving.yaml --max-p95 0.05 --max-regret 0.15 --rescore
+those seeds again, 40 shapes each), stay within the limits this file claims; by hand:
+`mla-tune verify --table tables/H200.serving.yaml --max-p95 0.05 --max-regret 0.15 --rescore
 docs/data/verify/recheck-2026-12-05`.
 """
 

@@ -27,8 +27,8 @@ Stages (cells.py plans them, results.py records them):
 4. Edge, per unit, with search.batch_edge: the cross stage's union, and every variant the
    cell timed in its last rung, timed at every kv cell at the smallest batch the bucket
    serves (cells.edge_batch: the bucket below plus one, uniform at the cell's lengths,
-   rungs[-1] samples), so that the edge's points hold what the bucket's do; a cell's eager pick weighs that edge beside the cell
-   (build.eager_pick), since eager calls of any batch in the bucket's span run it, and the
+   rungs[-1] samples), so that the edge's points hold what the bucket's do; a cell's eager
+   pick weighs that edge beside the cell (build.eager_pick), since eager calls of any batch in the bucket's span run it, and the
    eager lookup interpolates between them. A CUDA graph runs at the bucket's batch: its
    pick ignores the edge.
 Every measurement is appended to the results file as it is made, so a killed sweep resumes
@@ -399,8 +399,9 @@ class Sweeper:
         for kv in ok:
             # the cell's last rung too: a variant the edge lacks is left out of the estimates
             # near the edge, where the edge weighs most (estimate.MIN_MEASURED_WEIGHT)
-            timed = [Variant.parse(v) for (k, b, n, v, samples), step in self.rec.records.steps.items()
-                     if (k, b, n, samples) == (unit.key, unit.batch, kv, last) and step.get("status") == "ok"]
+            steps = self.rec.records.steps
+            timed = [v for v in self.plan.families[unit.key].candidates
+                     if steps.get(Records.step_key(unit.key, unit.batch, kv, str(v), last), {}).get("status") == "ok"]
             for variant in dict.fromkeys([*union, *timed]):
                 self.measure(unit.key, batch, kv, variant, last)
             self._drop_input()
