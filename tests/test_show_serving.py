@@ -143,10 +143,21 @@ def _changed(table: ServingTable) -> None:
     del fp8.cells[(1, 65536)]
     fp8.left_out.append({"batch": 1, "kv_len": 65536, "reason": "over the budget"})
     fp8.graph[32] = GraphPick(32, _v(64), 0.05, 1024)
+    # what the eager lookup reads besides the cells: one point entry added, one moved
+    fp8.points[(1, 1024)][_v(16)] = 30.0
+    fp8.points[(32, 1024)][_v(8)] *= 1.1
+    fp8.calibration = {"triton": {"reduce_step_us": {16: 2.5}}}
+
+
+def _points(table: ServingTable) -> None:
+    fp8 = table.families[FP8]
+    fp8.points = {(1, 1024): {_v(8): 20.24}, (32, 1024): {_v(8): 330.24}}
+    fp8.calibration = {"triton": {"reduce_step_us": {16: 2.0}}}
 
 
 def test_diff_of_serving_tables_flags_pick_and_time_changes_per_family_and_never_imports_torch(tmp_path):
-    old, new = _write(tmp_path, "old.serving.yaml"), _write(tmp_path, "new.serving.yaml", _changed)
+    old = _write(tmp_path, "old.serving.yaml", _points)
+    new = _write(tmp_path, "new.serving.yaml", lambda table: (_points(table), _changed(table)))
     assert_commands_import_no_torch(["show", "--table", old], ["show", "--table", old, "--json"],
                                     ["diff", old, new], ["diff", old, new, "--json"])
     result = invoke("diff", old, new)
@@ -156,7 +167,12 @@ def test_diff_of_serving_tables_flags_pick_and_time_changes_per_family_and_never
     text = " ".join(result.output.split())
     assert "8 cells: 2 with another pick (or in one table only), 2 with a time change outside" in text
     assert "6 graph picks: 1 changed" not in text and "4 graph picks: 1 changed" in text
+    assert "point entries (what the eager lookup interpolates: + new, - gone, ~ a time change outside " \
+           "the noise) +1 -0 ~1 of 3; calibration changed in 1 families" in text
     assert any(line.startswith(f"{FP8} (fp8/p64/h128/q2): 3 of 7 cells and 1 of 3") for line in lines)
+    assert "graph picks changed; point entries +1 -0 ~1 of 3" in text
+    assert '  old calibration: {"triton":{"reduce_step_us":{"16":2.0}}}' in lines
+    assert '  new calibration: {"triton":{"reduce_step_us":{"16":2.5}}}' in lines
     rows = {line.split()[0]: line for line in lines if line.startswith("  ") and "x" in line.split()[0]}
     assert rows["1x1024"].split()[1:] == ["A", "C", "20.2", "24.3", "+20.0%", "SLOWER", "pick", "changed"]
     assert rows["32x8192"].split()[1:] == ["A", "A", "401.9", "361.7", "-10.0%", "FASTER", "same", "pick"]
@@ -174,6 +190,10 @@ def test_diff_of_serving_tables_flags_pick_and_time_changes_per_family_and_never
         "batch": 32, "kv_len": 1024, "old_pick": str(_v(8)), "new_pick": str(_v(8)), "old_us": 0, "new_us": 0,
         "change": 0.005, "noise": 0.01, "flagged": False, "status": "same pick"}
     assert cells[(1, 65536)]["status"] == "left out in new" and cells[(1, 65536)]["change"] is None
+    fp8 = next(f for f in data["families"] if f["family"] == str(FP8))
+    assert fp8["points"] == {"added": 1, "removed": 0, "changed": 1, "of": 3}
+    assert fp8["calibration"] == {"old": {"triton": {"reduce_step_us": {"16": 2.0}}},
+                                  "new": {"triton": {"reduce_step_us": {"16": 2.5}}}}
 
 
 def test_diff_of_a_table_with_itself_changes_nothing_and_with_a_leaderboard_is_one_line(tmp_path):
@@ -183,6 +203,7 @@ def test_diff_of_a_table_with_itself_changes_nothing_and_with_a_leaderboard_is_o
     text = " ".join(result.output.split())
     assert "8 cells: 0 with another pick" in text and "0 with a time change" in text
     assert "graph picks: 0 changed" in text and "cells and" not in text  # no family listed
+    assert "+0 -0 ~0 of 0; calibration changed in 0 families" in text
     for pair in ((LEADERBOARD, serving), (serving, LEADERBOARD)):
         result = invoke("diff", *pair)
         assert result.exit_code == 1

@@ -17,7 +17,10 @@ per batch bucket, far more than fit as full variants in a grid, so:
   `mla-tune show --table tables/H200.serving.yaml | grep tokens_per_split=128` finds the
   lines and each says whose variant it is.
 
-The diff compares each family cell by cell and graph pick by graph pick. A time change is
+The diff compares each family cell by cell and graph pick by graph pick, and counts the
+point entries (a variant's time at a point, what the eager lookup interpolates) added,
+removed and changed, and names a changed calibration: a table swept again can keep every
+pick and still estimate differently. A time change is
 flagged by the leaderboard diff's rule (tables/diff.py: outside the larger of the recorded
 spreads and the tie tolerance); a serving table records no spread per cell, so its noise is
 the tie tolerance. The JSON views hold every cell; the text lists the changed ones.
@@ -297,7 +300,24 @@ def _family_diff(key: FamilyKey, old: Family | None, new: Family | None) -> dict
                       "status": ("only in new" if a is None else "only in old" if b is None else
                                  "same pick" if a.variant == b.variant else "pick changed")})
     return {"family": str(key), "key": key.as_dict(), "tag": family_tag(key), "status": status,
-            "cells": cells, "graph": graph}
+            "cells": cells, "graph": graph, "points": _points_diff(old, new, share_),
+            "calibration": (None if old.calibration == new.calibration
+                            else {"old": old.calibration, "new": new.calibration})}
+
+
+def _points_diff(old: Family, new: Family, share_: float) -> dict:
+    """The point entries (a variant's time at a (batch, kv) point, what the eager lookup
+    interpolates) in the new table only, in the old only, and in both with a time change
+    outside the noise; `of`: the new table's entries."""
+    a = {(p, v): t for p, times in old.points.items() for v, t in times.items()}
+    b = {(p, v): t for p, times in new.points.items() for v, t in times.items()}
+    changed = sum(time_change(a[k], b[k], share_)[1] for k in a.keys() & b.keys())
+    return {"added": len(b.keys() - a.keys()), "removed": len(a.keys() - b.keys()), "changed": changed,
+            "of": len(b)}
+
+
+def _points_text(points: dict) -> str:
+    return f"+{points['added']} -{points['removed']} ~{points['changed']} of {points['of']}"
 
 
 def diff_serving(old: ServingTable, new: ServingTable) -> dict:
@@ -316,12 +336,22 @@ def _changed(family: dict) -> tuple[list[dict], list[dict]]:
     return cells, [g for g in family["graph"] if g["status"] != "same pick"]
 
 
+def _estimates_changed(family: dict) -> bool:
+    """Whether what the eager lookup reads besides the cells changed: points or calibration."""
+    p = family["points"]
+    return bool(p["added"] or p["removed"] or p["changed"] or family["calibration"])
+
+
 def _family_diff_lines(family: dict, width: int) -> list[str]:
     cells, graph = _changed(family)
     used = [v for row in (*cells, *graph) for v in (row["old_pick"], row["new_pick"]) if v]
     labels = _labels(used)
     lines = wrap("", f"{family['family']} ({family['tag']}): {len(cells)} of {len(family['cells'])} "
-                     f"cells and {len(graph)} of {len(family['graph'])} graph picks changed", width)
+                     f"cells and {len(graph)} of {len(family['graph'])} graph picks changed; point "
+                     f"entries {_points_text(family['points'])}", width)
+    for side in ("old", "new") if family["calibration"] else ():
+        text = json.dumps(family["calibration"][side], sort_keys=True, separators=(",", ":"))
+        lines += wrap(f"  {side} calibration: ", text, width)
     if cells:
         rows = [[f"{c['batch']}x{c['kv_len']}", labels.get(c["old_pick"], "-"), labels.get(c["new_pick"], "-"),
                  us(c["old_us"]), us(c["new_us"]), "-" if c["change"] is None else f"{c['change']:+.1%}",
@@ -351,12 +381,17 @@ def serving_diff_lines(diff: dict, old_path: str | Path, new_path: str | Path, w
     n_graph = sum(len(f["graph"]) for f in families)
     n_graph_changed = sum(len(g) for _, g in changed.values())
     one_side = sum(f["status"] != "in both" for f in families)
+    points = {k: sum(f["points"][k] for f in families) for k in ("added", "removed", "changed", "of")}
+    calibrated = sum(bool(f["calibration"]) for f in families)
     lines = [*wrap("old: ", clip(old_path), width), *wrap("new: ", clip(new_path), width)]
     lines += wrap("", f"serving tables for {clip(diff['old_gpu'], 40)} and {clip(diff['new_gpu'], 40)}: "
                       f"{len(families)} families ({one_side} in one table only), {n_cells} cells: {n_picks} "
                       f"with another pick (or in one table only), {n_flagged} with a time change outside "
                       f"the noise ({share(diff['noise'])}: a serving table records no spread); {n_graph} "
-                      f"graph picks: {n_graph_changed} changed; times in us", width)
+                      f"graph picks: {n_graph_changed} changed; point entries (what the eager "
+                      f"lookup interpolates: + new, - gone, ~ a time change outside the noise) "
+                      f"{_points_text(points)}; calibration changed in {calibrated} families; times "
+                      f"in us", width)
     for name in ("batch_buckets", "kv_buckets"):
         if diff[name]["old"] != diff[name]["new"]:
             lines += wrap(f"{name.replace('_', ' ')}: ", f"old {' '.join(map(str, diff[name]['old']))}; "
@@ -365,7 +400,7 @@ def serving_diff_lines(diff: dict, old_path: str | Path, new_path: str | Path, w
             for f in families]
     lines += grid(["family", "table", "cells changed", "graph changed"], rows, left=2)
     for family in families:
-        if family["status"] == "in both" and any(changed[family["family"]]):
+        if family["status"] == "in both" and (any(changed[family["family"]]) or _estimates_changed(family)):
             lines.append("")
             lines += _family_diff_lines(family, width)
     return lines
