@@ -75,8 +75,17 @@ def _calls(inp, kv_format: str, heads: int, batch: int, full: bool):
     return calls, errors
 
 
+def _kv_lens(batch: int) -> list[int]:
+    """The benchmark's lengths: 3980-4019 tokens, ragged."""
+    return [3980 + (i * 7) % 40 for i in range(batch)]
+
+
+def _pages(kv_lens) -> list[int]:
+    return [-(-n // PAGE) for n in kv_lens]
+
+
 def _rows(batch: int, heads: int, kv_formats, full: bool):
-    kv_lens = [3980 + (i * 7) % 40 for i in range(batch)]
+    kv_lens = _kv_lens(batch)
     for kv_format in kv_formats:
         inp = serving.make_input([1] * batch, kv_lens, heads, PAGE, kv_format, seed=7, device=DEVICE)
         ref = {q: inp.reference(q_format=q) for q in ("bf16", "fp8")}
@@ -136,7 +145,7 @@ def _direct_flashinfer(inp, kv_format: str, heads: int):
 
     batch = inp.seq_lens.shape[0]
     dev = inp.q.device
-    pages = [-(-n // PAGE) for n in inp.kv_lens]
+    pages = _pages(inp.kv_lens)
     kv_indptr = torch.tensor([0] + list(torch.tensor(pages).cumsum(0).tolist()), dtype=torch.int32, device=dev)
     kv_indices = torch.cat([inp.block_table[b, :p] for b, p in enumerate(pages)]).to(torch.int32)
     wrapper = BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=dev), backend="fa3")
@@ -168,7 +177,7 @@ def _flashinfer_plan_rows(heads_list=(16, 128), batches=(1, 32, 256), held_us: f
             times = {name: _plan_us(wrapper, heads, batch, held, pin, reps)
                      for name, held, pin in (("idle_us", 0.0, False), ("busy_us", held_us, False),
                                              ("busy_pinned_us", held_us, True))}
-            yield {"heads": heads, "batch": batch, "held_us": held_us, **times}
+            yield {"heads": heads, "batch": batch, "reps": reps, "held_us": held_us, **times}
 
 
 def _plan_us(wrapper, heads: int, batch: int, held_us: float, pin: bool, reps: int) -> float:
@@ -177,8 +186,8 @@ def _plan_us(wrapper, heads: int, batch: int, held_us: float, pin: bool, reps: i
 
     from mla_tune.tune.timing import hold_gpu
 
-    kv_lens = [3980 + (i * 7) % 40 for i in range(batch)]
-    pages = [-(-n // PAGE) for n in kv_lens]
+    kv_lens = _kv_lens(batch)
+    pages = _pages(kv_lens)
     indices = torch.arange(sum(pages), dtype=torch.int32, device=DEVICE)
     lists = ([0, *range(1, batch + 1)], [0, *torch.tensor(pages).cumsum(0).tolist()], kv_lens)
     out = []
@@ -275,7 +284,7 @@ def main() -> None:
         fi_plan = []
         print("flashinfer plan rows:", traceback.format_exc(limit=3))
     if fi_plan:
-        print(f"\nFlashInfer's plan alone (host us per call, median of 21; busy: "
+        print(f"\nFlashInfer's plan alone (host us per call, median of {fi_plan[0]['reps']}; busy: "
               f"{fi_plan[0]['held_us']:.0f} us of GPU work queued ahead)")
         print(f"{'heads':>5} {'batch':>5} {'idle':>8} {'busy':>8} {'busy, pinned':>13}")
         for r in fi_plan:

@@ -208,6 +208,14 @@ def repeats(records: list[dict]) -> dict | None:
             "steady": sorted(steady, key=lambda x: -min(x["regrets"]))}
 
 
+def _shape_head(report: str, r: dict, eager: str, name: Callable[[str | None], str]) -> str:
+    """A per-shape line's start: the report, the shape (index, family, batch, kv) and its
+    eager pick's backend."""
+    kv = str(r["kv_lens"]) if r["kind"] == "uniform" else f"ragged {r['mean_kv_len']:.0f}"
+    return (f"  {report} #{r['index']:<3} {family_short(FamilyKey(**r['family'])):<17} "
+            f"batch {r['batch']:>3} kv {kv:<14} eager {name(eager):<12}")
+
+
 def _repeat_lines(rep: dict | None, name: Callable[[str | None], str]) -> list[str]:
     """repeats() in lines: the counts, then a line per steady miss (its smallest regret first)."""
     if rep is None:
@@ -217,10 +225,8 @@ def _repeat_lines(rep: dict | None, name: Callable[[str | None], str]) -> list[s
              f"{rep['same_best']}; eager regret over {rep['steady_over']:.0%} in every recording at "
              f"{len(rep['steady'])}:"]
     for s in rep["steady"]:
-        kv = str(s["kv_lens"]) if s["kind"] == "uniform" else f"ragged {s['mean_kv_len']:.0f}"
         best = "/".join(dict.fromkeys(name(b) for b in s["best"]))
-        lines.append(f"  {s['reports'][0]} #{s['index']:<3} {family_short(FamilyKey(**s['family'])):<17} "
-                     f"batch {s['batch']:>3} kv {kv:<14} eager {name(s['eager']):<12} "
+        lines.append(f"{_shape_head(s['reports'][0], s, s['eager'], name)} "
                      f"{' / '.join(pct_text(x) for x in s['regrets'])}; best {best}")
     return lines
 
@@ -241,10 +247,8 @@ def rescore_lines(out: dict) -> list[str]:
         reg = r["regret"]["eager"]
         if reg is not None and reg <= SHOW_OVER:
             continue
-        kv = (str(r["kv_lens"]) if r["kind"] == "uniform" else f"ragged {r['mean_kv_len']:.0f}")
         what = "not measured" if reg is None else f"+{pct_text(reg)}" + ("~" if r["measured"]["eager"] == "short" else "")
-        lines.append(f"  {Path(r['report']).name} #{r['index']:<3} {family_short(FamilyKey(**r['family'])):<17} "
-                     f"batch {r['batch']:>3} kv {kv:<14} eager {name(r['roles']['eager']):<12} {what:>13}; "
+        lines.append(f"{_shape_head(Path(r['report']).name, r, r['roles']['eager'], name)} {what:>13}; "
                      f"best {name(r['best'])}")
     lines += [""] + summary_lines(out["summary"])
     for rep in out["reports"]:

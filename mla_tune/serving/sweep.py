@@ -396,10 +396,10 @@ class Sweeper:
             return None
         _cells, ok, union = self._finalists(unit)
         last = self.cfg.search.rungs[-1]
+        steps = self.rec.records.steps
         for kv in ok:
             # the cell's last rung too: a variant the edge lacks is left out of the estimates
             # near the edge, where the edge weighs most (estimate.MIN_MEASURED_WEIGHT)
-            steps = self.rec.records.steps
             timed = [v for v in self.plan.families[unit.key].candidates
                      if steps.get(Records.step_key(unit.key, unit.batch, kv, str(v), last), {}).get("status") == "ok"]
             for variant in dict.fromkeys([*union, *timed]):
