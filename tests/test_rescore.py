@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 
 import pytest
 
@@ -146,3 +147,31 @@ def test_a_shape_recorded_twice_is_summarized_across_its_recordings(reports, tmp
     assert any(line.startswith("2 shapes recorded 2 times each: the same best in every recording at 1; "
                                "eager regret over 1% in every recording at 1") for line in lines)
     assert any("v1.json #0" in line and "10.0% / 5.0%" in line for line in lines)
+
+
+def test_the_points_agreement_compares_relative_times_just_below_a_point_and_between_recordings(tmp_path):
+    key = FamilyKey.of(SPEC)
+    table = _table(A)
+    table.families[key].points = {(4, 1024): {Variant.parse(A): 50.0, Variant.parse(B): 52.5},
+                                  (4, 512): {Variant.parse(A): 30.0, Variant.parse(B): 30.0}}
+
+    def at(index, batch, kv, final):
+        return {**_shape(index, key, final, {}, []), "batch": batch, "kv_lens": kv, "mean_kv_len": float(kv)}
+    shapes = [at(0, 4, 1010, {A: 100.0, B: 110.0, C: 90.0, F: 300.0}),  # 1.3% below 1024: B/A 1.10, the point's 1.05
+              at(1, 4, 1030, {A: 100.0, B: 200.0, F: 300.0}),  # past the point: not compared
+              at(2, 3, 1020, {A: 100.0, B: 200.0, F: 300.0}),  # not a point's batch
+              at(3, 4, 490, {A: 100.0, B: 100.0, F: 300.0})]  # 4.3% below 512: too far
+    one = _report(tmp_path / "a.json", shapes)
+    again = _report(tmp_path / "b.json", [at(0, 4, 1010, {A: 100.0, B: 121.0, C: 95.0, F: 300.0}), *shapes[1:]])
+    lines: list[str] = []
+    agree = rs.rescore(table, [one, again], log=lines.append)["agreement"]
+    assert agree["shapes"] == 2 and agree["points"]["pairs"] == 2  # shape 0 in each report
+    assert agree["points"]["median"] == pytest.approx((math.log(1.1 / 1.05) + math.log(1.21 / 1.05)) / 2)
+    # between the recordings, relative to the first one's fastest: C at shape 0, A at the others
+    again_pairs = sorted([abs(math.log(100 / 90) - math.log(100 / 95)), abs(math.log(110 / 90) - math.log(121 / 95)),
+                          abs(math.log(300 / 90) - math.log(300 / 95)), *[0.0] * 6])
+    assert agree["recorded_again"]["pairs"] == len(again_pairs)
+    assert agree["recorded_again"]["median"] == pytest.approx(again_pairs[4])
+    assert agree["recorded_again"]["p90"] == pytest.approx(again_pairs[-1])
+    assert any(line.startswith("relative times, the table's points against the final rounds at 2 uniform shapes "
+                               "within 2% below a point: median") for line in lines)

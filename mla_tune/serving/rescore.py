@@ -29,6 +29,14 @@ the same buckets: the same family, batch and lengths) is summarized across its r
 eager regret is over STEADY_OVER in every one, a miss of the lookup rather than of one
 run's timing.
 
+Beside them, how far the table's own points agree with the recorded times (`agreement`),
+where the lookup adds nothing of its own: at a uniform shape of a point's batch whose
+length is within POINT_NEAR below a point's (the kernels' steps come past a length, not
+before it), each variant of the point in the shape's final round, its time relative to the
+fastest of them, against the same ratio of the point's times. The same relative difference
+between two recordings of a shape says how far one run agrees with another. A lookup whose
+estimates rest on the points cannot pick closer than the points agree.
+
 What it is for: choosing between tables and lookup rules offline on measurements already
 paid for, over many more shapes than one GPU run times. It is not a verify: a table is
 accepted on `mla-tune verify` at fresh seeds on the GPU (a rule tuned on the recorded
@@ -41,6 +49,8 @@ from __future__ import annotations
 
 import copy
 import json
+import math
+import statistics
 from collections.abc import Callable, Collection
 from dataclasses import replace
 from pathlib import Path
@@ -64,6 +74,7 @@ from mla_tune.serving.verify import (
 RESCORE_SCHEMA = "serving-rescore/1"
 SHOW_OVER = 0.05  # per-shape lines: the eager regrets over this, and the picks not measured
 STEADY_OVER = 0.01  # a shape recorded several times: its eager regret over this in every recording
+POINT_NEAR = 0.02  # agreement: a shape's length within this fraction below a point's
 
 
 def read_report(path: str | Path) -> dict:
@@ -177,9 +188,22 @@ def rescore(table: str | Path | ServingTable, reports: list[str | Path], *, max_
     out = {"schema": RESCORE_SCHEMA, "table": {"path": str(table.path), "gpu": table.gpu,
                                                "config_hash": (table.provenance.get("config") or {}).get("hash")},
            "reports": per_report, "shapes": records, "summary": summary, "verdict": verdict,
-           "unmeasured": len(unmeasured), "unrunnable": sorted(unrunnable), "repeats": repeats(records)}
+           "unmeasured": len(unmeasured), "unrunnable": sorted(unrunnable), "repeats": repeats(records),
+           "agreement": agreement(table, records)}
     out["exit_code"] = 1 if verdict["failed"] else 0
     return emit(out, rescore_lines(out), json_path, log)
+
+
+def _groups(records: list[dict]) -> list[list[dict]]:
+    """The records of each shape recorded more than once (the same family, batch, q_lens and
+    kv_lens), in report order."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        lengths = tuple(r["kv_lens"]) if isinstance(r["kv_lens"], list) else r["kv_lens"]
+        q_lens = tuple(r["q_lens"]) if isinstance(r.get("q_lens"), list) else r.get("q_lens")
+        key = (tuple(sorted(r["family"].items())), r["batch"], q_lens, lengths)
+        groups.setdefault(key, []).append(r)
+    return [g for g in groups.values() if len(g) > 1]
 
 
 def repeats(records: list[dict]) -> dict | None:
@@ -188,13 +212,7 @@ def repeats(records: list[dict]) -> dict | None:
     recording names the same best, and the shapes whose eager regret is over STEADY_OVER
     in every recording (report names, the eager pick, the regrets in report order and each
     recording's best); None when no shape is recorded twice."""
-    groups: dict[tuple, list[dict]] = {}
-    for r in records:
-        lengths = tuple(r["kv_lens"]) if isinstance(r["kv_lens"], list) else r["kv_lens"]
-        q_lens = tuple(r["q_lens"]) if isinstance(r.get("q_lens"), list) else r.get("q_lens")
-        key = (tuple(sorted(r["family"].items())), r["batch"], q_lens, lengths)
-        groups.setdefault(key, []).append(r)
-    repeated = [g for g in groups.values() if len(g) > 1]
+    repeated = _groups(records)
     if not repeated:
         return None
     steady = [{"reports": [Path(r["report"]).name for r in g], "index": g[0]["index"],
@@ -206,6 +224,57 @@ def repeats(records: list[dict]) -> dict | None:
     return {"shapes": len(repeated), "recordings": sorted({len(g) for g in repeated}),
             "same_best": sum(len({r["best"] for r in g}) == 1 for g in repeated), "steady_over": STEADY_OVER,
             "steady": sorted(steady, key=lambda x: -min(x["regrets"]))}
+
+
+def _relative(times: dict[str, float], against: dict[str, float]) -> list[float]:
+    """|log(t_v / t_ref) - log(a_v / a_ref)| for each variant v in both but ref, the
+    fastest of them in `times`."""
+    common = [v for v in times if v in against]
+    if len(common) < 2:
+        return []
+    ref = min(common, key=times.get)
+    return [abs(math.log(times[v] / times[ref]) - math.log(against[v] / against[ref])) for v in common if v != ref]
+
+
+def _spread(diffs: list[float]) -> dict:
+    """n, median and p90 (nearest rank) of relative differences."""
+    ordered = sorted(diffs)
+    return {"pairs": len(ordered), "median": statistics.median(ordered) if ordered else None,
+            "p90": ordered[math.ceil(0.9 * len(ordered)) - 1] if ordered else None}
+
+
+def agreement(table: ServingTable, records: list[dict]) -> dict:
+    """The table's points against the recorded final rounds (see the module): at each uniform
+    shape of a point's batch and a length within POINT_NEAR below the point's, the relative
+    differences of the point's variants (`_relative`); and between the recordings of a shape
+    recorded more than once (each pair of recordings). The shapes and the pairs counted, the
+    median and p90 of each."""
+    points, shapes = [], 0
+    for r in records:
+        family = table.families.get(FamilyKey(**r["family"]))
+        if r["kind"] != "uniform" or family is None:
+            continue
+        kv = r["kv_lens"]
+        near = [k for b, k in family.points if b == r["batch"] and k * (1.0 - POINT_NEAR) <= kv <= k]
+        if near:
+            diffs = _relative(r["final_us"], {str(v): t for v, t in family.points[(r["batch"], min(near))].items()})
+            shapes += bool(diffs)
+            points += diffs
+    again = []
+    for group in _groups(records):
+        again += [d for i, a in enumerate(group) for b in group[i + 1:] for d in _relative(a["final_us"], b["final_us"])]
+    return {"near": POINT_NEAR, "shapes": shapes, "points": _spread(points), "recorded_again": _spread(again)}
+
+
+def _agreement_lines(agree: dict) -> list[str]:
+    """agreement() in two lines."""
+    pts, again = agree["points"], agree["recorded_again"]
+
+    def spread(s: dict) -> str:
+        return f"median {s['median']:.1%}, p90 {s['p90']:.1%} ({s['pairs']} pairs)" if s["pairs"] else "no pairs"
+    return ["", f"relative times, the table's points against the final rounds at {agree['shapes']} uniform shapes "
+                f"within {agree['near']:.0%} below a point: {spread(pts)}",
+            f"the same between two recordings of one shape: {spread(again)}"]
 
 
 def _shape_head(report: str, r: dict, eager: str, name: Callable[[str | None], str]) -> str:
@@ -256,6 +325,7 @@ def rescore_lines(out: dict) -> list[str]:
         lines.append(f"  {Path(rep['path']).name:<32} seed {rep['seed']!s:<4} eager p95 {pct_text(s['p95']):>6} "
                      f"max {pct_text(s['max']):>6} (n {s['n']})")
     lines += _repeat_lines(out.get("repeats"), name)
+    lines += _agreement_lines(out["agreement"])
     if out["unmeasured"]:
         lines.append(f"{out['unmeasured']} role(s) at {len(shapes)} shapes not measured in the reports "
                      "(left out of the statistics)")
