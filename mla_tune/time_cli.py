@@ -3,6 +3,7 @@
     mla-tune time variants VARIANT... [--shapes 4x1024,...]      leaderboard variants, side by side
     mla-tune time mix --table T --kv fp8 --heads 16 --lens ...   a serving table's picks at one batch
     mla-tune time scan --kv fp8 --heads 16 --batch 30 --bucket 512   a family's candidates over a bucket
+    mla-tune time points --table T [--points 24]                 a serving table's own points again
 
 Each call is checked against the fp32 reference before it is timed under the leaderboard
 protocol (mla_tune.tune.timing.time_call). The sweep and `mla-tune verify` decide; these
@@ -27,7 +28,8 @@ from mla_tune.errors import MlaTuneError
 time_app = typer.Typer(rich_markup_mode="rich", no_args_is_help=True,
                        context_settings={"help_option_names": ["-h", "--help"]},
                        help="Check and time chosen kernels on this GPU (variants, a serving mix, a "
-                            "bucket's lengths); the sweep and verify decide, these look.")
+                            "bucket's lengths, a table's points); the sweep and verify decide, these "
+                            "look.")
 
 
 class Device(str, Enum):
@@ -201,3 +203,36 @@ def scan_command(
         scan_lengths(config_path(config), FamilyKey(kv.value, page, heads, q_len), **where,
                      budget_waves=waves, budget_tokens=tokens, backends=names, reps=reps,
                      device=check_device(device), json_path=json_path, log=typer.echo)
+
+
+@time_app.command("points")
+def points_command(
+    table: Annotated[Path, typer.Option(help="The serving table, e.g. tables/H200.serving.yaml.")],
+    families: Annotated[str | None, typer.Option(
+        help="Only the families matching these field=value terms, e.g. kv_format=fp8,heads=16.")] = None,
+    points: Annotated[int, typer.Option(min=1, help="How many of the table's points to time (drawn by --seed).")] = 24,
+    seed: Annotated[int, typer.Option(help="The seed the points and their inputs are drawn from.")] = 0,
+    samples: Annotated[int, typer.Option(min=1, help="Samples per variant in each pass.")] = 5,
+    passes: Annotated[int, typer.Option(min=1, help="Alternating passes per round (verify's final round: 4).")] = 4,
+    config: Annotated[Path | None, typer.Option(
+        help="The serving config (its rule and gate); the default is the one the table names.")] = None,
+    budget: Annotated[float | None, typer.Option(
+        min=0, help="Seconds the run may take; it stops between points and reports what it timed.")] = None,
+    json_path: Annotated[Path | None, typer.Option(
+        "--json", help="Write every time here (each point's variants: table, fresh, passes, again).")] = None,
+    device: _DeviceOption = Device.cuda,
+) -> None:
+    """Re-time a serving table's own points on this GPU: do its swept times hold here?
+
+    At each drawn point (a family's batch and kv bucket with two or more swept variants), on
+    one uniform input: every variant checked against the fp32 reference, timed as a sweep step
+    (built just before, its samples in one block), then all in alternating passes, twice (as
+    verify's final round). Prints the four times per variant, then how far each pair of them
+    disagrees on how the variants compare (median and p90 of |log ratio| differences), the
+    measure rescore's agreement line uses."""
+    with _errors():
+        from mla_tune.serving.time_picks import time_points
+
+        time_points(table, families=families, points=points, seed=seed, samples=samples, passes=passes,
+                    config=config, budget=budget, device=check_device(device), json_path=json_path,
+                    log=typer.echo)

@@ -91,7 +91,8 @@ def test_each_subcommand_explains_itself_and_every_option_has_a_sentence_of_help
 def test_without_a_gpu_each_subcommand_says_so_in_one_line():
     for args in (["variants", "torch(kv=bf16,q=bf16)", "--shapes", "1x8"],
                  ["mix", "--table", "t.yaml", "--kv", "fp8", "--heads", "16", "--lens", "8"],
-                 ["scan", "--kv", "fp8", "--heads", "16", "--mix", "8,9"]):
+                 ["scan", "--kv", "fp8", "--heads", "16", "--mix", "8,9"],
+                 ["points", "--table", "t.yaml"]):
         result = _invoke(*args)
         assert result.exit_code == 1, result.output
         assert "needs a CUDA GPU" in result.output and len(result.output.strip().splitlines()) == 1
@@ -224,3 +225,40 @@ def test_a_mix_runs_the_tables_eager_and_graph_picks_and_the_extra_variants(inte
     assert [rows[r][1:4] for r in ("eager", "graph", "extra1")] == [
         ["10.0", "1.000", "ok"], ["20.0", "2.000", "ok"], ["30.0", "3.000", "ok"]]
     assert rows["extra2"][1] == "error" and "nobackend" in " ".join(rows["extra2"])
+
+
+def test_points_retimes_a_tables_points_as_a_sweep_step_and_in_alternating_passes(interpreter, stand_in_timer,
+                                                                                  tmp_path):
+    key = FamilyKey("fp8", 16, 16, 1)
+    split16, default = Variant.parse(SPLIT16.format(kv="fp8")), Variant.parse(DEFAULT.format(kv="fp8"))
+    family = Family(key, cells={(2, 32): Cell(2, 32, split16, 5.0), (2, 64): Cell(2, 64, split16, 7.0)},
+                    points={(2, 32): {split16: 5.0, default: 6.0}, (2, 64): {split16: 7.0, default: 7.5},
+                            (1, 32): {split16: 4.0}})  # one variant: nothing to compare
+    table = write_serving_table(tmp_path / "CPU.serving.yaml", ServingTable(
+        "CPU", {"config": {"path": str(CONFIG)}}, [1, 2, 4], [32, 64], {key: family}))
+    out = tmp_path / "points.json"
+    result = _invoke("points", "--table", table, "--samples", "1", "--passes", "2", "--device", "cpu",
+                     "--json", out)
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert [(p["batch"], p["kv_len"]) for p in data["points"]] == [(2, 32), (2, 64)]
+    # per point, the stand-in's 10, 20, ... us in the order timed: each variant as a sweep step
+    # (the table's fastest first), then two rounds of two passes, the second round's order reversed
+    # and each odd pass backwards from its turn's start
+    assert data["points"][0]["variants"] == {
+        str(split16): {"table": 5.0, "fresh": 10.0, "passes": 40.0, "again": 90.0},
+        str(default): {"table": 6.0, "fresh": 20.0, "passes": 50.0, "again": 80.0}}
+    assert data["points"][1]["variants"][str(split16)] == {"table": 7.0, "fresh": 110.0, "passes": 140.0,
+                                                           "again": 190.0}
+    assert len(stand_in_timer) == 2 * (2 + 2 * 2 * 2)
+    summary = data["summary"]
+    assert all(s["pairs"] == 2 for s in summary.values())
+    first = abs(math.log(50 / 40) - math.log(80 / 90))  # point 1, passes ~ again
+    second = abs(math.log(150 / 140) - math.log(180 / 190))
+    assert summary["passes ~ again"]["median"] == pytest.approx((first + second) / 2)
+    assert "passes ~ again" in result.output and "fp8/p16/h16/q1 batch 2 kv 32" in result.output
+    # refusals, by name in one line
+    for args, says in [(["--families", "heads=128"], "matches none of the table's families"),
+                       (["--points", "0"], "--points")]:
+        result = _invoke("points", "--table", table, "--device", "cpu", *args)
+        assert result.exit_code != 0 and says in result.output, result.output

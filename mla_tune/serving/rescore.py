@@ -51,7 +51,7 @@ import copy
 import json
 import math
 import statistics
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -226,9 +226,10 @@ def repeats(records: list[dict]) -> dict | None:
             "steady": sorted(steady, key=lambda x: -min(x["regrets"]))}
 
 
-def _relative(times: dict[str, float], against: dict[str, float]) -> list[float]:
-    """|log(t_v / t_ref) - log(a_v / a_ref)| for each variant v in both but ref, the
-    fastest of them in `times`."""
+def relative_differences(times: Mapping, against: Mapping) -> list[float]:
+    """|log(t_v / t_ref) - log(a_v / a_ref)| for each key v of both `times` and `against`
+    ({variant: us} each) but ref, the fastest of them in `times`: how far two measurements
+    of the same calls disagree on how they compare."""
     common = [v for v in times if v in against]
     if len(common) < 2:
         return []
@@ -236,8 +237,8 @@ def _relative(times: dict[str, float], against: dict[str, float]) -> list[float]
     return [abs(math.log(times[v] / times[ref]) - math.log(against[v] / against[ref])) for v in common if v != ref]
 
 
-def _spread(diffs: list[float]) -> dict:
-    """n, median and p90 (nearest rank) of relative differences."""
+def spread_of(diffs: list[float]) -> dict:
+    """pairs, median and p90 (nearest rank) of relative differences (None without any)."""
     ordered = sorted(diffs)
     return {"pairs": len(ordered), "median": statistics.median(ordered) if ordered else None,
             "p90": ordered[math.ceil(0.9 * len(ordered)) - 1] if ordered else None}
@@ -246,8 +247,8 @@ def _spread(diffs: list[float]) -> dict:
 def agreement(table: ServingTable, records: list[dict]) -> dict:
     """The table's points against the recorded final rounds (see the module): at each uniform
     shape of a point's batch and a length within POINT_NEAR below the point's, the relative
-    differences of the point's variants (`_relative`); and between the recordings of a shape
-    recorded more than once (each pair of recordings). The shapes and the pairs counted, the
+    differences of the point's variants (`relative_differences`); and between the recordings
+    of a shape recorded more than once (each pair of recordings). The shapes and the pairs counted, the
     median and p90 of each."""
     points, shapes = [], 0
     for r in records:
@@ -257,13 +258,15 @@ def agreement(table: ServingTable, records: list[dict]) -> dict:
         kv = r["kv_lens"]
         near = [k for b, k in family.points if b == r["batch"] and k * (1.0 - POINT_NEAR) <= kv <= k]
         if near:
-            diffs = _relative(r["final_us"], {str(v): t for v, t in family.points[(r["batch"], min(near))].items()})
+            point = family.points[(r["batch"], min(near))]
+            diffs = relative_differences(r["final_us"], {str(v): t for v, t in point.items()})
             shapes += bool(diffs)
             points += diffs
     again = []
     for group in _groups(records):
-        again += [d for i, a in enumerate(group) for b in group[i + 1:] for d in _relative(a["final_us"], b["final_us"])]
-    return {"near": POINT_NEAR, "shapes": shapes, "points": _spread(points), "recorded_again": _spread(again)}
+        again += [d for i, a in enumerate(group) for b in group[i + 1:]
+                  for d in relative_differences(a["final_us"], b["final_us"])]
+    return {"near": POINT_NEAR, "shapes": shapes, "points": spread_of(points), "recorded_again": spread_of(again)}
 
 
 def _agreement_lines(agree: dict) -> list[str]:

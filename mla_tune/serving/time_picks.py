@@ -1,5 +1,6 @@
-"""`mla-tune time mix` and `mla-tune time scan`: serving candidates checked and timed at
-chosen lengths, for a look at one batch or one bucket; `mla-tune verify` judges a table.
+"""`mla-tune time mix`, `time scan` and `time points`: serving candidates checked and timed
+at chosen lengths, for a look at one batch or one bucket, or at a table's own points;
+`mla-tune verify` judges a table.
 
 mix: a serving table's picks at one batch of given lengths, beside the vendors. Prints
 the table's cell for the batch and mean length as swept (at a grid point with equal
@@ -17,6 +18,15 @@ log-evenly over a kv bucket (K x 2^u, u from -1/2 to 1/2: the lengths an eager c
 the bucket up for), or at given lengths, for each batch size; or on one ragged mix. Prints,
 per candidate, the regret to the fastest at each shape and the worst, so a split rule that
 steps inside a bucket shows up as a large worst regret.
+
+points: a sample of a serving table's points (a family's batch and kv bucket, where the
+table holds two or more variants' swept times), each on one uniform input: every variant
+checked against the fp32 reference, then timed as a sweep step times it (built just before,
+its samples in one block), then all of them in alternating passes, twice (verify's final
+round: verify.alternating_passes' order). Prints each variant's four times and, over all
+the points, how far each pair of the four disagrees on how the variants compare
+(rescore.relative_differences: median and p90): whether the table's points hold on this
+machine, and how much of a disagreement is the protocol's.
 
 Timing: timing.time_call on a GPU (the leaderboard protocol: L2 flushed, CUDA events,
 median of `reps`); on the CPU (Triton's interpreter, for tests) wall clock, meaningless.
@@ -264,3 +274,119 @@ def scan_lengths(config: str | Path, key: FamilyKey, *, batches: list[int] | Non
 
         atomic_write_text(json_path, json.dumps(out, indent=1) + "\n")
     return out
+
+
+def time_points(table_path: str | Path, *, families: str | None = None, points: int = 24, seed: int = 0,
+                samples: int = 5, passes: int = 4, config: str | Path | None = None, budget: float | None = None,
+                device: str = "cuda", json_path: str | Path | None = None,
+                log: Callable[[str], None] = print) -> dict:
+    """`mla-tune time points` (see the module). Returns (and writes to json_path) {table,
+    device, protocol, points: [{family, batch, kv_len, variants: {variant: {table, fresh,
+    passes, again}}, failed}], summary: {comparison: spread}}."""
+    import random
+    import statistics
+    import time
+
+    import torch
+
+    from mla_tune import gpu, problem
+    from mla_tune.backends import get_backend
+    from mla_tune.serving.gate import reference_q_format, run_call
+    from mla_tune.serving.inputs import make_input
+    from mla_tune.serving.rescore import relative_differences, spread_of
+    from mla_tune.serving.table import load_serving_table
+    from mla_tune.serving.verify import (
+        alternating_passes,
+        family_short,
+        resolve_config,
+        select_families,
+    )
+    from mla_tune.tune.time_variants import first_line, timer_for
+
+    for name, value in (("--points", points), ("--samples", samples), ("--passes", passes)):
+        if value < 1:
+            raise MlaTuneError(f"{name} must be >= 1, got {value}")
+    table = load_serving_table(table_path)
+    cfg = resolve_config(table, config)
+    chosen = [(key, batch, kv) for key in select_families(table, families)
+              for batch, kv in sorted(table.families[key].points) if len(table.families[key].points[(batch, kv)]) > 1]
+    if not chosen:
+        raise MlaTuneError(f"serving table {table_path} has no point of two or more variants in "
+                           f"{families or 'any family'}: nothing to compare")
+    chosen = sorted(random.Random(seed).sample(chosen, min(points, len(chosen))),
+                    key=lambda c: (str(c[0]), c[1], c[2]))
+    timer, began, where = timer_for(device), time.monotonic(), gpu.detect().name or device
+    rows = []
+    log(f"{len(chosen)} points of {table_path} on {where}: each variant built and timed "
+        f"at once ({samples * passes} samples, as the sweep), then all in {passes} alternating passes of "
+        f"{samples} samples, twice (as verify's final round)")
+    for i, (key, batch, kv) in enumerate(chosen):
+        if budget is not None and time.monotonic() - began > budget:
+            log(f"--budget {budget:g} s spent: {len(chosen) - i} points not timed")
+            break
+        spec, swept = cfg.spec(key), table.families[key].points[(batch, kv)]
+        inp = make_input([key.q_len] * batch, [kv] * batch, key.heads, key.page_size, key.kv_format,
+                         seed=seed * 1000 + i, device=device)
+        refs, row = {}, {"family": key.as_dict(), "batch": batch, "kv_len": kv, "variants": {}, "failed": {}}
+        fresh = {}
+        for v in sorted(swept, key=swept.get):
+            try:  # built just before it is timed, its samples in one block: as a sweep step
+                runner = get_backend(v.backend).build_serving(v, spec, device)
+                q_format = reference_q_format(v, cfg.gate)
+                if q_format not in refs:
+                    refs[q_format] = inp.reference(q_format)
+                if not problem.check(run_call(runner, inp), refs[q_format], cfg.rule).passed:
+                    row["failed"][str(v)] = f"fails the {cfg.rule.name} check"
+                    continue
+                fresh[v] = timer(_bound(run_call, runner, inp), samples * passes).median_us
+            except Exception as exc:  # noqa: BLE001 - a variant that cannot run is reported, not fatal
+                row["failed"][str(v)] = first_line(exc)
+        calls = {v: _bound(run_call, get_backend(v.backend).build_serving(v, spec, device), inp) for v in fresh}
+        rounds = [alternating_passes(calls, timer, samples, passes),
+                  alternating_passes(dict(reversed(list(calls.items()))), timer, samples, passes)]
+        for v in fresh:
+            row["variants"][str(v)] = {"table": swept[v], "fresh": fresh[v],
+                                       "passes": statistics.median(rounds[0][v]),
+                                       "again": statistics.median(rounds[1][v])}
+        rows.append(row)
+        calls = inp = refs = None  # the point's input and runners go before the next's
+        if device != "cpu":
+            torch.cuda.empty_cache()
+        _point_lines(row, family_short(key), log)
+    compare = {"table ~ passes": ("table", "passes"), "fresh ~ passes": ("fresh", "passes"),
+               "passes ~ again": ("passes", "again"), "table ~ fresh": ("table", "fresh")}
+    summary = {}
+    for name, (a, b) in compare.items():
+        diffs = []
+        for row in rows:
+            got = row["variants"]
+            diffs += relative_differences({v: t[a] for v, t in got.items()}, {v: t[b] for v, t in got.items()})
+        summary[name] = spread_of(diffs)
+    log("relative times (|log ratio to the point's fastest| apart), median / p90 (pairs):")
+    for name, s in summary.items():
+        shown = f"{s['median']:.1%} / {s['p90']:.1%} ({s['pairs']})" if s["pairs"] else "no pairs"
+        log(f"  {name:<15} {shown}")
+    out = {"table": str(table_path), "device": where,
+           "protocol": {"samples": samples, "passes": passes, "timer": "time_call" if device != "cpu" else "cpu_time"},
+           "points": rows, "summary": summary}
+    if json_path is not None:
+        from mla_tune.fileio import atomic_write_text
+
+        atomic_write_text(json_path, json.dumps(out, indent=1) + "\n")
+    return out
+
+
+def _bound(fn: Callable, *args) -> Callable[[], object]:
+    """fn(*args) as a call of no arguments (what a timer times)."""
+    return lambda: fn(*args)
+
+
+def _point_lines(row: dict, family: str, log: Callable[[str], None]) -> None:
+    """A point's variants: the table's us, then as a sweep step, in passes and again."""
+    log(f"{family} batch {row['batch']} kv {row['kv_len']}: {'table':>8} {'fresh':>8} {'passes':>8} "
+        f"{'again':>8}")
+    for v, t in row["variants"].items():
+        log(f"  {Variant.parse(v).backend:<12} {t['table']:8.1f} {t['fresh']:8.1f} {t['passes']:8.1f} "
+            f"{t['again']:8.1f}  {v}")
+    for v, why in row["failed"].items():
+        log(f"  {Variant.parse(v).backend:<12} not timed: {why}  {v}")

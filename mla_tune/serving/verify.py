@@ -63,9 +63,10 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -222,6 +223,32 @@ def summarize(records: list[dict]) -> dict:
     return out
 
 
+def alternating_passes(calls: Mapping, timer: Callable, samples: int, passes: int = FINAL_PASSES,
+                       on_error: Callable[[Any, BaseException], None] | None = None,
+                       sit_out: Collection = ()) -> dict:
+    """{key: [each pass's median]} of `calls` ({key: call}) timed in turns, the final round's
+    order: pass p starts at the p-th call and every other pass runs backwards, so a drift or
+    a position effect (docs/perf.md 6.1) falls on each call alike; `samples` samples a turn
+    (timer(call, samples).median_us). A call that raises one of RUN_ERRORS goes to
+    on_error(key, exc) (which may raise) and sits out the passes after (re-raised without
+    on_error); the keys in `sit_out` keep their turn in the order but are not timed."""
+    out: dict = {v: [] for v in calls}
+    names, dead = list(calls), set(sit_out)
+    for p in range(passes):
+        turn = names[p % len(names):] + names[:p % len(names)] if names else []
+        for v in reversed(turn) if p % 2 else turn:
+            if v in dead:
+                continue
+            try:
+                out[v].append(timer(calls[v], samples).median_us)
+            except RUN_ERRORS as exc:
+                if on_error is None:
+                    raise
+                dead.add(v)
+                on_error(v, exc)
+    return out
+
+
 def pct_text(x: float | None) -> str:
     """A regret as a percentage for the reports ("-": not measured; "failed": its run failed)."""
     if x is None:
@@ -326,17 +353,9 @@ class Verifier:
                 calls[v] = self._call(v, shape, inp)
             except RUN_ERRORS as exc:
                 self._failed(failed, v, shape, exc)
-        passes: dict[Variant, list[float]] = {v: [] for v in calls}
-        names = list(calls)
-        for p in range(FINAL_PASSES):
-            turn = names[p % len(names):] + names[:p % len(names)] if names else []
-            for v in reversed(turn) if p % 2 else turn:
-                if str(v) in failed:
-                    continue
-                try:
-                    passes[v].append(self.timer(calls[v], self.samples).median_us)
-                except RUN_ERRORS as exc:
-                    self._failed(failed, v, shape, exc)
+        passes = alternating_passes(calls, self.timer, self.samples,
+                                    on_error=lambda v, exc: self._failed(failed, v, shape, exc),
+                                    sit_out=[v for v in calls if str(v) in failed])
         times = {v: statistics.median(ts) for v, ts in passes.items() if ts and str(v) not in failed}
         checks = self._checks(inp, calls, times, roles)
         correct = [v for v in sorted(times, key=times.get)
