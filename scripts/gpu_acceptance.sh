@@ -38,6 +38,9 @@
 #       (30 shapes, 10 ragged mixes)
 #   SEEDS="107 108" bash scripts/gpu_acceptance.sh serving-recheck   # `mla-tune verify` of
 #       tables/H200.serving.yaml at each seed only (VERIFY_BUDGET=, VERIFY_TIMEOUT=), reports back
+#   bash scripts/gpu_acceptance.sh serving-points   # `mla-tune time points` of
+#       tables/H200.serving.yaml (POINTS=48 points, POINTS_BUDGET=300 s): its points timed again,
+#       as a sweep step and in verify's alternating passes; the report comes back gzipped
 #   SEEDS="101 102" bash scripts/gpu_acceptance.sh serving-adopt   # a serving table built by this
 #       tree from a sweep's results (RESULTS=, default docs/data/sweep/h200-2026-12-02-gluon/
 #       H200.serving.results.jsonl.gz; or TABLE_GZ= a built table) calibrated here,
@@ -53,7 +56,7 @@
 # It works in /tmp/acceptance and copies what matters (the table, its results file, the logs,
 # at most 8 files: what the device tool brings back) to $OUT (or ./gpu_out).
 set -uo pipefail
-modes="gpu-suite|leaderboard-levers|serving-verify|serving-recheck|serving-adopt|leaderboard-sweep|leaderboard-budget|leaderboard-export|sweep-safety|serving-tests|serving-splitk|serving-sweep-chunk|serving-table"
+modes="gpu-suite|leaderboard-levers|serving-verify|serving-recheck|serving-points|serving-adopt|leaderboard-sweep|leaderboard-budget|leaderboard-export|sweep-safety|serving-tests|serving-splitk|serving-sweep-chunk|serving-table"
 mode=${1:?usage: gpu_acceptance.sh $modes}
 keep=${OUT:-gpu_out}
 out=/tmp/acceptance
@@ -294,6 +297,12 @@ serving-verify)
   ;;
 serving-recheck)
   verify_seeds tables/H200.serving.yaml
+  ;;
+serving-points)
+  timed points timeout $(( ${POINTS_BUDGET:-300} + 120 )) python3 -m mla_tune time points \
+    --table tables/H200.serving.yaml --points ${POINTS:-48} --budget ${POINTS_BUDGET:-300} \
+    --json "$out/points.json" > "$out/points.log" 2>&1; grep -v -i warn "$out/points.log" | tail -8
+  gzip -c "$out/points.json" > "$keep/points.json.gz" 2>/dev/null; cp "$out/points.log" "$keep/"
   ;;
 serving-table)
   ( CUDA_VISIBLE_DEVICES=1 timeout 400 python3 -m mla_tune verify --table tables/H200.serving.yaml \
