@@ -1,7 +1,7 @@
 """Which of the eager lookup's rules the recorded verify runs need: a rescore ablation.
 
     PYTHONPATH=. python scripts/rescore_ablation.py [--table tables/H200.serving.yaml]
-        [--reports docs/data/verify] [ABLATION ...]
+        [--reports docs/data/verify [--reports FOLDER ...]] [ABLATION ...]
 
 Each ablation takes one rule of the lookup (mla_tune/serving/estimate.py and the schedule
 models, mla_tune/backends/*_schedule.py) out,
@@ -12,19 +12,27 @@ p95 regret is within 5% and max within 15%, and the pooled geomean, p95 and max.
 
 Ablations (default: all): today, no_reduce_step_us, no_flashinfer_model, no_splitk_models,
 MODEL_WINDOW=inf, MODEL_WORKS=inf, SplitKModel.floor=0, GluonModel.floor=0.9,
-MIN_MEASURED_WEIGHT=0, MIN_MEASURED_WEIGHT=1, EXACT_WAVES=1000.
+MIN_MEASURED_WEIGHT=0, MIN_MEASURED_WEIGHT=1, EXACT_WAVES=1000; and three that change the
+lookup's form rather than remove a rule (its Python steps, the C path set aside):
+linear_lengths and linear_batches (the interpolation's weights linear in the length, or the
+batch, instead of its log) and backend_offsets (each family's estimates of a backend scaled
+by the median ratio of measured to estimated time over the even half's variants within 15%
+of their shape's best: fitted on the even half, so only the odd half judges it).
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
+import contextlib
 import math
 import re
+import statistics
 from pathlib import Path
 
 from mla_tune.backends import flashinfer_mla_schedule, gluon_fused_schedule, triton_splitk_schedule
 from mla_tune.serving import estimate, table
-from mla_tune.serving.rescore import rescore
+from mla_tune.serving.rescore import read_report, rescore
 
 RUN_P95, RUN_MAX = 0.05, 0.15
 FAMILY_EDITS = {
@@ -41,16 +49,89 @@ CONSTANTS = {  # ablation -> (module, name, value)
     "MIN_MEASURED_WEIGHT=1": (estimate, "MIN_MEASURED_WEIGHT", 1.0),
     "EXACT_WAVES=1000": (triton_splitk_schedule, "EXACT_WAVES", 1000),
 }
-ABLATIONS = ("today", *FAMILY_EDITS, *CONSTANTS)
+FORMS = ("linear_lengths", "linear_batches", "backend_offsets")
+ABLATIONS = ("today", *FAMILY_EDITS, *CONSTANTS, *FORMS)
 
 
-def halves(folder: Path) -> dict[str, list[Path]]:
-    reports = sorted(folder.glob("*.json.gz"))
+def _linear_bracket(grid: list[int], x: float) -> list[tuple[int, float]]:
+    """estimate._bracket with weights linear in x."""
+    i = bisect.bisect_left(grid, x)
+    if i < len(grid) and grid[i] == x or i == 0 or i == len(grid):
+        return [(grid[min(i, len(grid) - 1)], 1.0)]
+    lo, hi = grid[i - 1], grid[i]
+    return [(lo, (hi - x) / (hi - lo)), (hi, (x - lo) / (hi - lo))]
+
+
+def _lengths_linear(grid, batch: int, kv_len: float):
+    """_Grid.at_batch (the length between a batch's points) with linear weights."""
+    kvs = grid.kvs[batch]
+    if kv_len > kvs[-1] and len(kvs) >= 2:
+        k1, t1, slope = grid.past[batch]
+        return {v: t1[v] * (kv_len / k1) ** s for v, s in slope.items()}
+    return estimate._blend([(w, grid.points[(batch, k)]) for k, w in _linear_bracket(kvs, kv_len)])
+
+
+def _batches_linear(grid, batch: int, kv_len: float):
+    """_Grid.interpolate (between the batches) with linear weights."""
+    if not grid.batches:
+        return {}
+    return estimate._blend([(w, grid.at_batch(b, kv_len)) for b, w in _linear_bracket(grid.batches, batch)])
+
+
+def _offsets(table_path: Path, reports: list[Path]) -> dict:
+    """{(family key, backend): median measured / estimated} over the reports' uniform and
+    ragged shapes, each variant measured within 15% of its shape's best."""
+    loaded = table.load_serving_table(table_path)
+    ratios: dict = {}
+    for path in reports:
+        for r in read_report(path)["shapes"]:
+            key = table.FamilyKey(**r["family"])
+            family = loaded.families.get(key)
+            if family is None or not family.points:
+                continue
+            lens = r["kv_lens"] if isinstance(r["kv_lens"], list) else [r["kv_lens"]] * r["batch"]
+            est = loaded.estimator.estimates(family, r["batch"], r["mean_kv_len"], lens)
+            measured = {**(r.get("short_us") or {}), **(r.get("final_us") or {})}
+            for v, t in est.items():
+                m = measured.get(str(v))
+                if m is not None and m < 1.15 * r["best_us"]:
+                    ratios.setdefault((key, v.backend), []).append(math.log(m / t))
+    return {k: math.exp(statistics.median(x)) for k, x in ratios.items() if len(x) >= 3}
+
+
+@contextlib.contextmanager
+def _form(ablation: str, table_path: Path, fit_on: list[Path]):
+    """The lookup's Python steps with the ablation's form in place (estimate's C library set
+    aside: the C interpolation and the family's one-call estimate are its own)."""
+    kept = estimate._native, estimate._Grid.at_batch, estimate._Grid.interpolate, estimate.Estimator.estimates
+    estimate._native = lambda: None
+    if ablation == "linear_lengths":
+        estimate._Grid.at_batch = _lengths_linear
+    elif ablation == "linear_batches":
+        estimate._Grid.interpolate = _batches_linear
+    elif ablation == "backend_offsets":
+        factor, plain = _offsets(table_path, fit_on), kept[3]
+
+        def scaled(self, family, batch, mean_kv_len, kv_lens):
+            out = plain(self, family, batch, mean_kv_len, kv_lens)
+            return {v: t * factor.get((family.key, v.backend), 1.0) for v, t in out.items()}
+        estimate.Estimator.estimates = scaled
+    try:
+        yield
+    finally:
+        estimate._native, estimate._Grid.at_batch, estimate._Grid.interpolate, estimate.Estimator.estimates = kept
+
+
+def halves(folders: list[Path]) -> dict[str, list[Path]]:
+    reports = sorted(p for folder in folders for p in folder.glob("*.json.gz"))
     seed = {p: int(re.search(r"seed(\d+)", p.name).group(1)) for p in reports}
     return {"even": [p for p in reports if seed[p] % 2 == 0], "odd": [p for p in reports if seed[p] % 2]}
 
 
-def score(table_path: Path, reports: list[Path], ablation: str) -> str:
+def score(table_path: Path, reports: list[Path], ablation: str, fit_on: list[Path]) -> str:
+    if ablation in FORMS:
+        with _form(ablation, table_path, fit_on):
+            return score(table_path, reports, "today", fit_on)
     loaded = table.load_serving_table(table_path)  # fresh: no estimates memoized under another rule
     for family in loaded.families.values():
         if ablation in FAMILY_EDITS:
@@ -74,17 +155,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("ablations", nargs="*", metavar="ABLATION", help=", ".join(ABLATIONS))
     ap.add_argument("--table", type=Path, default=Path("tables/H200.serving.yaml"))
-    ap.add_argument("--reports", type=Path, default=Path("docs/data/verify"))
+    ap.add_argument("--reports", type=Path, action="append",
+                    help="A folder of verify reports (repeat for more); default docs/data/verify.")
     args = ap.parse_args()
     unknown = [a for a in args.ablations if a not in ABLATIONS]
     if unknown:
         ap.error(f"unknown ablation(s) {', '.join(unknown)}; choose from {', '.join(ABLATIONS)}")
-    split = halves(args.reports)
+    split = halves(args.reports or [Path("docs/data/verify")])
     print(f"{'ablation':<24} {'even seeds (' + str(len(split['even'])) + ' runs)':<36} "
           f"odd seeds ({len(split['odd'])} runs)")
     for ablation in args.ablations or ABLATIONS:
-        print(f"{ablation:<24} {score(args.table, split['even'], ablation):<36} "
-              f"{score(args.table, split['odd'], ablation)}", flush=True)
+        print(f"{ablation:<24} {score(args.table, split['even'], ablation, split['even']):<36} "
+              f"{score(args.table, split['odd'], ablation, split['even'])}", flush=True)
 
 
 if __name__ == "__main__":
