@@ -220,6 +220,9 @@ def points_command(
         min=0, help="Seconds the run may take; it stops between points and reports what it timed.")] = None,
     json_path: Annotated[Path | None, typer.Option(
         "--json", help="Write every time here (each point's variants: table, fresh, passes, again).")] = None,
+    workers: Annotated[int | None, typer.Option(
+        min=0, help="Processes that gate (and so compile) the variants first; the default is the "
+                    "config's gate_workers on a GPU, 0 (none) without one.")] = None,
     device: _DeviceOption = Device.cuda,
 ) -> None:
     """Re-time a serving table's own points on this GPU: do its swept times hold here?
@@ -234,5 +237,5 @@ def points_command(
         from mla_tune.serving.time_picks import time_points
 
         time_points(table, families=families, points=points, seed=seed, samples=samples, passes=passes,
-                    config=config, budget=budget, device=check_device(device), json_path=json_path,
-                    log=typer.echo)
+                    config=config, budget=budget, workers=workers, device=check_device(device),
+                    json_path=json_path, log=typer.echo)

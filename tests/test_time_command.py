@@ -14,6 +14,7 @@ import typer.main
 from mla_tune.cli import app
 from mla_tune.core import Variant
 from mla_tune.errors import MlaTuneError
+from mla_tune.serving import gate as gate_module
 from mla_tune.serving.table import (
     Cell,
     Family,
@@ -228,7 +229,7 @@ def test_a_mix_runs_the_tables_eager_and_graph_picks_and_the_extra_variants(inte
 
 
 def test_points_retimes_a_tables_points_as_a_sweep_step_and_in_alternating_passes(interpreter, stand_in_timer,
-                                                                                  tmp_path):
+                                                                                  tmp_path, monkeypatch):
     key = FamilyKey("fp8", 16, 16, 1)
     split16, default = Variant.parse(SPLIT16.format(kv="fp8")), Variant.parse(DEFAULT.format(kv="fp8"))
     family = Family(key, cells={(2, 32): Cell(2, 32, split16, 5.0), (2, 64): Cell(2, 64, split16, 7.0)},
@@ -257,6 +258,18 @@ def test_points_retimes_a_tables_points_as_a_sweep_step_and_in_alternating_passe
     second = abs(math.log(150 / 140) - math.log(180 / 190))
     assert summary["passes ~ again"]["median"] == pytest.approx((first + second) / 2)
     assert "passes ~ again" in result.output and "fp8/p16/h16/q1 batch 2 kv 32" in result.output
+    # with --workers, the gate first: a variant it rejects is named and not timed
+    def gate(jobs, workers):
+        assert workers == 3 and sorted(j.variant for j in jobs) == sorted([str(split16), str(default)])  # once each
+        return [(j, {"ok": j.variant != str(default), "reason": "wrong at kv 17"}) for j in jobs]
+    monkeypatch.setattr(gate_module, "run_gates", gate)
+    result = _invoke("points", "--table", table, "--samples", "1", "--passes", "1", "--workers", "3",
+                     "--device", "cpu", "--json", out)
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert all(list(p["variants"]) == [str(split16)] for p in data["points"])
+    assert all(p["failed"] == {str(default): "the gate rejected it: wrong at kv 17"} for p in data["points"])
+    assert f"not timed: the gate rejected it: wrong at kv 17  {default}" in result.output
     # refusals, by name in one line
     for args, says in [(["--families", "heads=128"], "matches none of the table's families"),
                        (["--points", "0"], "--points")]:

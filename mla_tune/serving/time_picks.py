@@ -278,11 +278,14 @@ def scan_lengths(config: str | Path, key: FamilyKey, *, batches: list[int] | Non
 
 def time_points(table_path: str | Path, *, families: str | None = None, points: int = 24, seed: int = 0,
                 samples: int = 5, passes: int = 4, config: str | Path | None = None, budget: float | None = None,
-                device: str = "cuda", json_path: str | Path | None = None,
+                workers: int | None = None, device: str = "cuda", json_path: str | Path | None = None,
                 log: Callable[[str], None] = print) -> dict:
-    """`mla-tune time points` (see the module). Returns (and writes to json_path) {table,
-    device, protocol, points: [{family, batch, kv_len, variants: {variant: {table, fresh,
-    passes, again}}, failed}], summary: {comparison: spread}}."""
+    """`mla-tune time points` (see the module). With workers > 0 (None: the config's
+    gate_workers on a GPU, 0 on the CPU) the variants go through the config's gate in that
+    many processes first, which compiles them (as verify does); one the gate rejects is not
+    timed. Returns (and writes to json_path) {table, device, protocol, points: [{family,
+    batch, kv_len, variants: {variant: {table, fresh, passes, again}}, failed}], summary:
+    {comparison: spread}}."""
     import random
     import statistics
     import time
@@ -291,7 +294,7 @@ def time_points(table_path: str | Path, *, families: str | None = None, points: 
 
     from mla_tune import gpu, problem
     from mla_tune.backends import get_backend
-    from mla_tune.serving.gate import reference_q_format, run_call
+    from mla_tune.serving.gate import GateJob, reference_q_format, run_call, run_gates
     from mla_tune.serving.inputs import make_input
     from mla_tune.serving.rescore import relative_differences, spread_of
     from mla_tune.serving.table import load_serving_table
@@ -316,6 +319,16 @@ def time_points(table_path: str | Path, *, families: str | None = None, points: 
     chosen = sorted(random.Random(seed).sample(chosen, min(points, len(chosen))),
                     key=lambda c: (str(c[0]), c[1], c[2]))
     timer, began, where = timer_for(device), time.monotonic(), gpu.detect().name or device
+    workers = (cfg.gate_workers if device != "cpu" else 0) if workers is None else workers
+    rejected = {}
+    if workers > 0:
+        jobs = {(key, v): GateJob(cfg.spec(key), str(v), cfg.gate, cfg.rule, str(device))
+                for key, batch, kv in chosen for v in table.families[key].points[(batch, kv)]}
+        log(f"gate: {len(jobs)} variants in {workers} processes (compiles them)")
+        by_job = {id(job): kv for kv, job in jobs.items()}
+        for job, out in run_gates(list(jobs.values()), workers):
+            if not out["ok"]:
+                rejected[by_job[id(job)]] = f"the gate rejected it: {out['reason']}"
     rows = []
     log(f"{len(chosen)} points of {table_path} on {where}: each variant built and timed "
         f"at once ({samples * passes} samples, as the sweep), then all in {passes} alternating passes of "
@@ -330,6 +343,9 @@ def time_points(table_path: str | Path, *, families: str | None = None, points: 
         refs, row = {}, {"family": key.as_dict(), "batch": batch, "kv_len": kv, "variants": {}, "failed": {}}
         fresh = {}
         for v in sorted(swept, key=swept.get):
+            if (key, v) in rejected:
+                row["failed"][str(v)] = rejected[(key, v)]
+                continue
             try:  # built just before it is timed, its samples in one block: as a sweep step
                 runner = get_backend(v.backend).build_serving(v, spec, device)
                 q_format = reference_q_format(v, cfg.gate)
