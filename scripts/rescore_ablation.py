@@ -12,18 +12,16 @@ p95 regret is within 5% and max within 15%, and the pooled geomean, p95 and max.
 
 Ablations (default: all): today, no_reduce_step_us, no_flashinfer_model, no_splitk_models,
 MODEL_WINDOW=inf, MODEL_WORKS=inf, SplitKModel.floor=0, GluonModel.floor=0.9,
-MIN_MEASURED_WEIGHT=0, MIN_MEASURED_WEIGHT=1, EXACT_WAVES=1000; and three that change the
-lookup's form rather than remove a rule (its Python steps, the C path set aside):
-linear_lengths and linear_batches (the interpolation's weights linear in the length, or the
-batch, instead of its log) and backend_offsets (each family's estimates of a backend scaled
-by the median ratio of measured to estimated time over the even half's variants within 15%
-of their shape's best: fitted on the even half, so only the odd half judges it).
+MIN_MEASURED_WEIGHT=0, MIN_MEASURED_WEIGHT=1, EXACT_WAVES=1000; and backend_offsets, a change of
+the lookup's form rather than a rule taken out: each family's estimates of a backend scaled by
+the median ratio of measured to estimated time over the even half's variants within 15% of
+their shape's best (fitted on the even half, so only the odd half judges it; the Python
+estimate, the family's one-call C estimate set aside).
 """
 
 from __future__ import annotations
 
 import argparse
-import bisect
 import contextlib
 import math
 import re
@@ -49,33 +47,8 @@ CONSTANTS = {  # ablation -> (module, name, value)
     "MIN_MEASURED_WEIGHT=1": (estimate, "MIN_MEASURED_WEIGHT", 1.0),
     "EXACT_WAVES=1000": (triton_splitk_schedule, "EXACT_WAVES", 1000),
 }
-FORMS = ("linear_lengths", "linear_batches", "backend_offsets")
+FORMS = ("backend_offsets",)
 ABLATIONS = ("today", *FAMILY_EDITS, *CONSTANTS, *FORMS)
-
-
-def _linear_bracket(grid: list[int], x: float) -> list[tuple[int, float]]:
-    """estimate._bracket with weights linear in x."""
-    i = bisect.bisect_left(grid, x)
-    if i < len(grid) and grid[i] == x or i == 0 or i == len(grid):
-        return [(grid[min(i, len(grid) - 1)], 1.0)]
-    lo, hi = grid[i - 1], grid[i]
-    return [(lo, (hi - x) / (hi - lo)), (hi, (x - lo) / (hi - lo))]
-
-
-def _lengths_linear(grid, batch: int, kv_len: float):
-    """_Grid.at_batch (the length between a batch's points) with linear weights."""
-    kvs = grid.kvs[batch]
-    if kv_len > kvs[-1] and len(kvs) >= 2:
-        k1, t1, slope = grid.past[batch]
-        return {v: t1[v] * (kv_len / k1) ** s for v, s in slope.items()}
-    return estimate._blend([(w, grid.points[(batch, k)]) for k, w in _linear_bracket(kvs, kv_len)])
-
-
-def _batches_linear(grid, batch: int, kv_len: float):
-    """_Grid.interpolate (between the batches) with linear weights."""
-    if not grid.batches:
-        return {}
-    return estimate._blend([(w, grid.at_batch(b, kv_len)) for b, w in _linear_bracket(grid.batches, batch)])
 
 
 def _offsets(table_path: Path, reports: list[Path]) -> dict:
@@ -100,26 +73,21 @@ def _offsets(table_path: Path, reports: list[Path]) -> dict:
 
 
 @contextlib.contextmanager
-def _form(ablation: str, table_path: Path, fit_on: list[Path]):
-    """The lookup's Python steps with the ablation's form in place (estimate's C library set
-    aside: the C interpolation and the family's one-call estimate are its own)."""
-    kept = estimate._native, estimate._Grid.at_batch, estimate._Grid.interpolate, estimate.Estimator.estimates
-    estimate._native = lambda: None
-    if ablation == "linear_lengths":
-        estimate._Grid.at_batch = _lengths_linear
-    elif ablation == "linear_batches":
-        estimate._Grid.interpolate = _batches_linear
-    elif ablation == "backend_offsets":
-        factor, plain = _offsets(table_path, fit_on), kept[3]
+def _backend_offsets(table_path: Path, fit_on: list[Path]):
+    """The lookup with backend_offsets in place: the Python estimate (Estimator.pick
+    without a compiled family), its estimates scaled by `_offsets` of the reports fit_on."""
+    compiled, plain = estimate.Estimator.compiled, estimate.Estimator.estimates
+    factor = _offsets(table_path, fit_on)
 
-        def scaled(self, family, batch, mean_kv_len, kv_lens):
-            out = plain(self, family, batch, mean_kv_len, kv_lens)
-            return {v: t * factor.get((family.key, v.backend), 1.0) for v, t in out.items()}
-        estimate.Estimator.estimates = scaled
+    def scaled(self, family, batch, mean_kv_len, kv_lens):
+        out = plain(self, family, batch, mean_kv_len, kv_lens)
+        return {v: t * factor.get((family.key, v.backend), 1.0) for v, t in out.items()}
+    estimate.Estimator.compiled = lambda self, family, own=False: None
+    estimate.Estimator.estimates = scaled
     try:
         yield
     finally:
-        estimate._native, estimate._Grid.at_batch, estimate._Grid.interpolate, estimate.Estimator.estimates = kept
+        estimate.Estimator.compiled, estimate.Estimator.estimates = compiled, plain
 
 
 def halves(folders: list[Path]) -> dict[str, list[Path]]:
@@ -130,7 +98,7 @@ def halves(folders: list[Path]) -> dict[str, list[Path]]:
 
 def score(table_path: Path, reports: list[Path], ablation: str, fit_on: list[Path]) -> str:
     if ablation in FORMS:
-        with _form(ablation, table_path, fit_on):
+        with _backend_offsets(table_path, fit_on):
             return score(table_path, reports, "today", fit_on)
     loaded = table.load_serving_table(table_path)  # fresh: no estimates memoized under another rule
     for family in loaded.families.values():
