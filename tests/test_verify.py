@@ -251,3 +251,22 @@ def test_verify_on_the_gpu(tmp_path):
         assert r["best"] is not None and all(0 <= r["regret"][role] < math.inf for role in vf.ROLES)
         assert all(c["passed"] for v, c in r["checks"].items() if v in r["roles"].values())
     assert get_backend("triton") and Variant.parse(report["shapes"][0]["best"])
+
+
+def test_the_final_rounds_passes_rotate_and_reverse_and_a_failing_call_sits_out_the_rest():
+    order, failed = [], []
+
+    def timer(call, samples):
+        order.append(call)
+        if call == "c" and len(order) > 3:
+            raise RuntimeError("lost at its second turn")
+        return Timing(float(len(order)), 0.0, 0.0, samples)
+    calls = {"a": "a", "b": "b", "c": "c", "d": "d"}
+    out = vf.alternating_passes(calls, timer, 5, passes=3, on_error=lambda v, exc: failed.append((v, str(exc))),
+                                sit_out=["d"])
+    # pass 0: a b c; pass 1 starts at b, backwards: a c(fails) b; pass 2 starts at c: a b (c out, d never)
+    assert order == ["a", "b", "c", "a", "c", "b", "a", "b"]
+    assert out == {"a": [1.0, 4.0, 7.0], "b": [2.0, 6.0, 8.0], "c": [3.0], "d": []}
+    assert failed == [("c", "lost at its second turn")]
+    with pytest.raises(RuntimeError):  # without on_error it is the caller's
+        vf.alternating_passes({"c": "c"}, lambda call, samples: (_ for _ in ()).throw(RuntimeError("x")), 1)

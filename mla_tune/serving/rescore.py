@@ -248,8 +248,8 @@ def agreement(table: ServingTable, records: list[dict]) -> dict:
     """The table's points against the recorded final rounds (see the module): at each uniform
     shape of a point's batch and a length within POINT_NEAR below the point's, the relative
     differences of the point's variants (`relative_differences`); and between the recordings
-    of a shape recorded more than once (each pair of recordings). The shapes and the pairs counted, the
-    median and p90 of each."""
+    of a shape recorded more than once (each pair of recordings). The shapes and the pairs
+    counted, the median and p90 of each."""
     points, shapes = [], 0
     for r in records:
         family = table.families.get(FamilyKey(**r["family"]))
@@ -259,13 +259,13 @@ def agreement(table: ServingTable, records: list[dict]) -> dict:
         near = [k for b, k in family.points if b == r["batch"] and k * (1.0 - POINT_NEAR) <= kv <= k]
         if near:
             point = family.points[(r["batch"], min(near))]
-            diffs = relative_differences(r["final_us"], {str(v): t for v, t in point.items()})
+            diffs = relative_differences(r.get("final_us") or {}, {str(v): t for v, t in point.items()})
             shapes += bool(diffs)
             points += diffs
     again = []
     for group in _groups(records):
         again += [d for i, a in enumerate(group) for b in group[i + 1:]
-                  for d in relative_differences(a["final_us"], b["final_us"])]
+                  for d in relative_differences(a.get("final_us") or {}, b.get("final_us") or {})]
     return {"near": POINT_NEAR, "shapes": shapes, "points": spread_of(points), "recorded_again": spread_of(again)}
 
 

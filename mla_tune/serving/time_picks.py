@@ -22,8 +22,8 @@ steps inside a bucket shows up as a large worst regret.
 points: a sample of a serving table's points (a family's batch and kv bucket, where the
 table holds two or more variants' swept times), each on one uniform input: every variant
 checked against the fp32 reference, then timed as a sweep step times it (built just before,
-its samples in one block), then all of them in alternating passes, twice (verify's final
-round: verify.alternating_passes' order). Prints each variant's four times and, over all
+its samples in one block), then the same runners in alternating passes, twice (verify's
+final round: verify.alternating_passes' order). Prints each variant's four times and, over all
 the points, how far each pair of the four disagrees on how the variants compare
 (rescore.relative_differences: median and p90): whether the table's points hold on this
 machine, and how much of a disagreement is the protocol's.
@@ -325,10 +325,10 @@ def time_points(table_path: str | Path, *, families: str | None = None, points: 
         jobs = {(key, v): GateJob(cfg.spec(key), str(v), cfg.gate, cfg.rule, str(device))
                 for key, batch, kv in chosen for v in table.families[key].points[(batch, kv)]}
         log(f"gate: {len(jobs)} variants in {workers} processes (compiles them)")
-        by_job = {id(job): kv for kv, job in jobs.items()}
+        which = {id(job): key_variant for key_variant, job in jobs.items()}
         for job, out in run_gates(list(jobs.values()), workers):
             if not out["ok"]:
-                rejected[by_job[id(job)]] = f"the gate rejected it: {out['reason']}"
+                rejected[which[id(job)]] = f"the gate rejected it: {out['reason']}"
     rows = []
     log(f"{len(chosen)} points of {table_path} on {where}: each variant built and timed "
         f"at once ({samples * passes} samples, as the sweep), then all in {passes} alternating passes of "
@@ -341,7 +341,7 @@ def time_points(table_path: str | Path, *, families: str | None = None, points: 
         inp = make_input([key.q_len] * batch, [kv] * batch, key.heads, key.page_size, key.kv_format,
                          seed=seed * 1000 + i, device=device)
         refs, row = {}, {"family": key.as_dict(), "batch": batch, "kv_len": kv, "variants": {}, "failed": {}}
-        fresh = {}
+        fresh, runners = {}, {}
         for v in sorted(swept, key=swept.get):
             if (key, v) in rejected:
                 row["failed"][str(v)] = rejected[(key, v)]
@@ -355,17 +355,22 @@ def time_points(table_path: str | Path, *, families: str | None = None, points: 
                     row["failed"][str(v)] = f"fails the {cfg.rule.name} check"
                     continue
                 fresh[v] = timer(_bound(run_call, runner, inp), samples * passes).median_us
+                runners[v] = runner
             except Exception as exc:  # noqa: BLE001 - a variant that cannot run is reported, not fatal
                 row["failed"][str(v)] = first_line(exc)
-        calls = {v: _bound(run_call, get_backend(v.backend).build_serving(v, spec, device), inp) for v in fresh}
-        rounds = [alternating_passes(calls, timer, samples, passes),
-                  alternating_passes(dict(reversed(list(calls.items()))), timer, samples, passes)]
+        calls = {v: _bound(run_call, runner, inp) for v, runner in runners.items()}
+
+        def failed(v, exc, row=row):
+            row["failed"][str(v)] = first_line(exc)
+        rounds = [alternating_passes(calls, timer, samples, passes, on_error=failed),
+                  alternating_passes(dict(reversed(list(calls.items()))), timer, samples, passes, on_error=failed)]
         for v in fresh:
-            row["variants"][str(v)] = {"table": swept[v], "fresh": fresh[v],
-                                       "passes": statistics.median(rounds[0][v]),
-                                       "again": statistics.median(rounds[1][v])}
+            if str(v) not in row["failed"]:
+                row["variants"][str(v)] = {"table": swept[v], "fresh": fresh[v],
+                                           "passes": statistics.median(rounds[0][v]),
+                                           "again": statistics.median(rounds[1][v])}
         rows.append(row)
-        calls = inp = refs = None  # the point's input and runners go before the next's
+        calls = runners = inp = refs = None  # the point's input and runners go before the next's
         if device != "cpu":
             torch.cuda.empty_cache()
         _point_lines(row, family_short(key), log)
