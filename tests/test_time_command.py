@@ -258,6 +258,9 @@ def test_points_retimes_a_tables_points_as_a_sweep_step_and_in_alternating_passe
     second = abs(math.log(150 / 140) - math.log(180 / 190))
     assert summary["passes ~ again"]["median"] == pytest.approx((first + second) / 2)
     assert "passes ~ again" in result.output and "fp8/p16/h16/q1 batch 2 kv 32" in result.output
+    # passes / table: 40/5, 50/6, 140/7, 150/7.5
+    assert data["by_backend"] == {"triton": {"n": 4, "median": pytest.approx((50 / 6 + 20) / 2)}}
+    assert "passes / table per backend, median (n): triton 14.167 (4)" in result.output
     # with --workers, the gate first: a variant it rejects is named and not timed
     def gate(jobs, workers):
         assert workers == 3 and sorted(j.variant for j in jobs) == sorted([str(split16), str(default)])  # once each

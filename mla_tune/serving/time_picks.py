@@ -25,8 +25,9 @@ checked against the fp32 reference, then timed as a sweep step times it (built j
 its samples in one block), then the same runners in alternating passes, twice (verify's
 final round: verify.alternating_passes' order). Prints each variant's four times and, over all
 the points, how far each pair of the four disagrees on how the variants compare
-(rescore.relative_differences: median and p90): whether the table's points hold on this
-machine, and how much of a disagreement is the protocol's.
+(rescore.relative_differences: median and p90), and each backend's median ratio of its
+passes' time to the table's: whether the table's points hold on this machine, how much of
+a disagreement is the protocol's, and whether one backend's times moved as a whole.
 
 Timing: timing.time_call on a GPU (the leaderboard protocol: L2 flushed, CUDA events,
 median of `reps`); on the CPU (Triton's interpreter, for tests) wall clock, meaningless.
@@ -285,7 +286,7 @@ def time_points(table_path: str | Path, *, families: str | None = None, points: 
     many processes first, which compiles them (as verify does); one the gate rejects is not
     timed. Returns (and writes to json_path) {table, device, protocol, points: [{family,
     batch, kv_len, variants: {variant: {table, fresh, passes, again}}, failed}], summary:
-    {comparison: spread}}."""
+    {comparison: spread}, by_backend: {backend: {n, median of passes / table}}}."""
     import random
     import statistics
     import time
@@ -387,9 +388,17 @@ def time_points(table_path: str | Path, *, families: str | None = None, points: 
     for name, s in summary.items():
         shown = f"{s['median']:.1%} / {s['p90']:.1%} ({s['pairs']})" if s["pairs"] else "no pairs"
         log(f"  {name:<15} {shown}")
+    ratios: dict[str, list[float]] = {}
+    for row in rows:
+        for v, t in row["variants"].items():
+            ratios.setdefault(Variant.parse(v).backend, []).append(t["passes"] / t["table"])
+    by_backend = {b: {"n": len(x), "median": statistics.median(x)} for b, x in sorted(ratios.items())}
+    if by_backend:
+        log("passes / table per backend, median (n): " + ", ".join(
+            f"{b} {s['median']:.3f} ({s['n']})" for b, s in by_backend.items()))
     out = {"table": str(table_path), "device": where,
            "protocol": {"samples": samples, "passes": passes, "timer": "time_call" if device != "cpu" else "cpu_time"},
-           "points": rows, "summary": summary}
+           "points": rows, "summary": summary, "by_backend": by_backend}
     if json_path is not None:
         from mla_tune.fileio import atomic_write_text
 
