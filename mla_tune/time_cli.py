@@ -223,6 +223,10 @@ def points_command(
     workers: Annotated[int | None, typer.Option(
         min=0, help="Processes that gate (and so compile) the variants first; the default is the "
                     "config's gate_workers on a GPU, 0 (none) without one.")] = None,
+    write: Annotated[Path | None, typer.Option(
+        help="Time every point of the chosen families in one round of alternating passes (--points "
+             "is ignored) and write the table here with those times as its points' (review it with "
+             "mla-tune diff; split a long run with --families).")] = None,
     device: _DeviceOption = Device.cuda,
 ) -> None:
     """Re-time a serving table's own points on this GPU: do its swept times hold here?
@@ -232,10 +236,13 @@ def points_command(
     (built just before, its samples in one block), then all in alternating passes, twice (as
     verify's final round). Prints the four times per variant, then how far each pair of them
     disagrees on how the variants compare (median and p90 of |log ratio| differences), the
-    measure rescore's agreement line uses."""
+    measure rescore's agreement line uses, and each backend's median ratio to the table.
+    With --write, the table's points are timed again on this GPU as verify times and written
+    to a new table: the cells keep their swept times, the schedule models their fitted
+    shapes, and the provenance says what was timed again."""
     with _errors():
         from mla_tune.serving.time_picks import time_points
 
         time_points(table, families=families, points=points, seed=seed, samples=samples, passes=passes,
-                    config=config, budget=budget, workers=workers, device=check_device(device),
+                    config=config, budget=budget, workers=workers, write=write, device=check_device(device),
                     json_path=json_path, log=typer.echo)

@@ -22,6 +22,7 @@ from mla_tune.serving.table import (
     GraphPick,
     ServingTable,
     kv_bucket,
+    load_serving_table,
     write_serving_table,
 )
 from mla_tune.serving.time_picks import bucket_lengths, parse_ints, parse_lens, with_budget
@@ -278,3 +279,32 @@ def test_points_retimes_a_tables_points_as_a_sweep_step_and_in_alternating_passe
                        (["--points", "0"], "--points")]:
         result = _invoke("points", "--table", table, "--device", "cpu", *args)
         assert result.exit_code != 0 and says in result.output, result.output
+
+
+def test_points_write_times_every_point_in_passes_and_writes_the_table_with_those_times(
+        interpreter, stand_in_timer, tmp_path):
+    key = FamilyKey("fp8", 16, 16, 1)
+    split16, default = Variant.parse(SPLIT16.format(kv="fp8")), Variant.parse(DEFAULT.format(kv="fp8"))
+    family = Family(key, cells={(2, 32): Cell(2, 32, split16, 5.0), (2, 64): Cell(2, 64, split16, 7.0)},
+                    points={(2, 32): {split16: 5.0, default: 6.0}, (2, 64): {split16: 7.0, default: 7.5},
+                            (1, 32): {split16: 4.0}})
+    table = write_serving_table(tmp_path / "CPU.serving.yaml", ServingTable(
+        "CPU", {"config": {"path": str(CONFIG)}}, [1, 2, 4], [32, 64], {key: family}))
+    out = tmp_path / "RETIMED.serving.yaml"
+    result = _invoke("points", "--table", table, "--samples", "1", "--passes", "2", "--points", "1",
+                     "--device", "cpu", "--write", out)
+    assert result.exit_code == 0, result.output
+    # every point (the one-variant one too, --points ignored), one round of two passes: 10, 20, ...
+    assert len(stand_in_timer) == 2 + 4 + 4
+    written = load_serving_table(out).families[key]
+    assert written.points == {(1, 32): {split16: 15.0}, (2, 32): {split16: 40.0, default: 50.0},
+                              (2, 64): {split16: 80.0, default: 90.0}}
+    assert written.cells == family.cells  # as swept
+    retimed = load_serving_table(out).provenance["points_retimed"]
+    assert (retimed["points"], retimed["of"], retimed["variant_times"], retimed["kept"]) == (3, 3, 5, 0)
+    assert retimed["from"] == str(table) and retimed["passes"] == 2
+    assert load_serving_table(table).families[key].points == family.points  # the table given is untouched
+    assert f"wrote {out}: 5 variant times at 3 of 3 points timed again" in result.output
+    assert "table ~ passes" in result.output
+    rows = [line.split() for line in result.output.splitlines() if line.strip().startswith("triton")]
+    assert all(r[2] == "-" and r[4] == "-" for r in rows)  # no fresh or again column

@@ -27,7 +27,10 @@ final round: verify.alternating_passes' order). Prints each variant's four times
 the points, how far each pair of the four disagrees on how the variants compare
 (rescore.relative_differences: median and p90), and each backend's median ratio of its
 passes' time to the table's: whether the table's points hold on this machine, how much of
-a disagreement is the protocol's, and whether one backend's times moved as a whole.
+a disagreement is the protocol's, and whether one backend's times moved as a whole. With
+`write`, every point of the chosen families is timed in one round of passes only, and the
+table is written with those times as its points' (the lookup's interpolation and its
+schedule models' rates read them), the cells and the models' fitted shapes as they were.
 
 Timing: timing.time_call on a GPU (the leaderboard protocol: L2 flushed, CUDA events,
 median of `reps`); on the CPU (Triton's interpreter, for tests) wall clock, meaningless.
@@ -279,47 +282,42 @@ def scan_lengths(config: str | Path, key: FamilyKey, *, batches: list[int] | Non
 
 def time_points(table_path: str | Path, *, families: str | None = None, points: int = 24, seed: int = 0,
                 samples: int = 5, passes: int = 4, config: str | Path | None = None, budget: float | None = None,
-                workers: int | None = None, device: str = "cuda", json_path: str | Path | None = None,
-                log: Callable[[str], None] = print) -> dict:
+                workers: int | None = None, write: str | Path | None = None, device: str = "cuda",
+                json_path: str | Path | None = None, log: Callable[[str], None] = print) -> dict:
     """`mla-tune time points` (see the module). With workers > 0 (None: the config's
     gate_workers on a GPU, 0 on the CPU) the variants go through the config's gate in that
     many processes first, which compiles them (as verify does); one the gate rejects is not
-    timed. Returns (and writes to json_path) {table, device, protocol, points: [{family,
-    batch, kv_len, variants: {variant: {table, fresh, passes, again}}, failed}], summary:
-    {comparison: spread}, by_backend: {backend: {n, median of passes / table}}}."""
+    timed. With `write`, every point of the chosen families is timed, in one round of
+    alternating passes only, and the table is written there with those times as its points'
+    (`_write_points`). Returns (and writes to json_path) {table, device, protocol, points:
+    [{family, batch, kv_len, variants: {variant: {table, passes[, fresh, again]}}, failed}],
+    summary: {comparison: spread}, by_backend: {backend: {n, median of passes / table}},
+    written}."""
     import random
     import statistics
     import time
 
-    import torch
-
-    from mla_tune import gpu, problem
-    from mla_tune.backends import get_backend
-    from mla_tune.serving.gate import GateJob, reference_q_format, run_call, run_gates
-    from mla_tune.serving.inputs import make_input
+    from mla_tune import gpu
+    from mla_tune.serving.gate import GateJob, run_gates
     from mla_tune.serving.rescore import relative_differences, spread_of
     from mla_tune.serving.table import load_serving_table
-    from mla_tune.serving.verify import (
-        alternating_passes,
-        family_short,
-        resolve_config,
-        select_families,
-    )
-    from mla_tune.tune.time_variants import first_line, timer_for
+    from mla_tune.serving.verify import family_short, resolve_config, select_families
 
     for name, value in (("--points", points), ("--samples", samples), ("--passes", passes)):
         if value < 1:
             raise MlaTuneError(f"{name} must be >= 1, got {value}")
     table = load_serving_table(table_path)
     cfg = resolve_config(table, config)
+    least = 1 if write is not None else 2  # a comparison needs two variants; a rewrite, every point
     chosen = [(key, batch, kv) for key in select_families(table, families)
-              for batch, kv in sorted(table.families[key].points) if len(table.families[key].points[(batch, kv)]) > 1]
+              for batch, kv in sorted(table.families[key].points) if len(table.families[key].points[(batch, kv)]) >= least]
     if not chosen:
-        raise MlaTuneError(f"serving table {table_path} has no point of two or more variants in "
-                           f"{families or 'any family'}: nothing to compare")
-    chosen = sorted(random.Random(seed).sample(chosen, min(points, len(chosen))),
-                    key=lambda c: (str(c[0]), c[1], c[2]))
-    timer, began, where = timer_for(device), time.monotonic(), gpu.detect().name or device
+        raise MlaTuneError(f"serving table {table_path} has no point of {least} or more variants in "
+                           f"{families or 'any family'}: nothing to time")
+    if write is None:
+        chosen = sorted(random.Random(seed).sample(chosen, min(points, len(chosen))),
+                        key=lambda c: (str(c[0]), c[1], c[2]))
+    began, where = time.monotonic(), gpu.detect().name or device
     workers = (cfg.gate_workers if device != "cpu" else 0) if workers is None else workers
     rejected = {}
     if workers > 0:
@@ -330,58 +328,26 @@ def time_points(table_path: str | Path, *, families: str | None = None, points: 
         for job, out in run_gates(list(jobs.values()), workers):
             if not out["ok"]:
                 rejected[which[id(job)]] = f"the gate rejected it: {out['reason']}"
+    log(f"{len(chosen)} points of {table_path} on {where}: " + (
+        f"all in {passes} alternating passes of {samples} samples (as verify's final round), to write {write}"
+        if write is not None else
+        f"each variant built and timed at once ({samples * passes} samples, as the sweep), then all in "
+        f"{passes} alternating passes of {samples} samples, twice (as verify's final round)"))
     rows = []
-    log(f"{len(chosen)} points of {table_path} on {where}: each variant built and timed "
-        f"at once ({samples * passes} samples, as the sweep), then all in {passes} alternating passes of "
-        f"{samples} samples, twice (as verify's final round)")
     for i, (key, batch, kv) in enumerate(chosen):
         if budget is not None and time.monotonic() - began > budget:
             log(f"--budget {budget:g} s spent: {len(chosen) - i} points not timed")
             break
-        spec, swept = cfg.spec(key), table.families[key].points[(batch, kv)]
-        inp = make_input([key.q_len] * batch, [kv] * batch, key.heads, key.page_size, key.kv_format,
-                         seed=seed * 1000 + i, device=device)
-        refs, row = {}, {"family": key.as_dict(), "batch": batch, "kv_len": kv, "variants": {}, "failed": {}}
-        fresh, runners = {}, {}
-        for v in sorted(swept, key=swept.get):
-            if (key, v) in rejected:
-                row["failed"][str(v)] = rejected[(key, v)]
-                continue
-            try:  # built just before it is timed, its samples in one block: as a sweep step
-                runner = get_backend(v.backend).build_serving(v, spec, device)
-                q_format = reference_q_format(v, cfg.gate)
-                if q_format not in refs:
-                    refs[q_format] = inp.reference(q_format)
-                if not problem.check(run_call(runner, inp), refs[q_format], cfg.rule).passed:
-                    row["failed"][str(v)] = f"fails the {cfg.rule.name} check"
-                    continue
-                fresh[v] = timer(_bound(run_call, runner, inp), samples * passes).median_us
-                runners[v] = runner
-            except Exception as exc:  # noqa: BLE001 - a variant that cannot run is reported, not fatal
-                row["failed"][str(v)] = first_line(exc)
-        calls = {v: _bound(run_call, runner, inp) for v, runner in runners.items()}
-
-        def failed(v, exc, row=row):
-            row["failed"][str(v)] = first_line(exc)
-        rounds = [alternating_passes(calls, timer, samples, passes, on_error=failed),
-                  alternating_passes(dict(reversed(list(calls.items()))), timer, samples, passes, on_error=failed)]
-        for v in fresh:
-            if str(v) not in row["failed"]:
-                row["variants"][str(v)] = {"table": swept[v], "fresh": fresh[v],
-                                           "passes": statistics.median(rounds[0][v]),
-                                           "again": statistics.median(rounds[1][v])}
-        rows.append(row)
-        calls = runners = inp = refs = None  # the point's input and runners go before the next's
-        if device != "cpu":
-            torch.cuda.empty_cache()
-        _point_lines(row, family_short(key), log)
+        rows.append(_time_point(cfg, table, key, batch, kv, seed * 1000 + i, samples, passes, rejected,
+                                write is None, device))
+        _point_lines(rows[-1], family_short(key), log)
     compare = {"table ~ passes": ("table", "passes"), "fresh ~ passes": ("fresh", "passes"),
                "passes ~ again": ("passes", "again"), "table ~ fresh": ("table", "fresh")}
     summary = {}
     for name, (a, b) in compare.items():
         diffs = []
         for row in rows:
-            got = row["variants"]
+            got = {v: t for v, t in row["variants"].items() if a in t and b in t}
             diffs += relative_differences({v: t[a] for v, t in got.items()}, {v: t[b] for v, t in got.items()})
         summary[name] = spread_of(diffs)
     log("relative times (|log ratio to the point's fastest| apart), median / p90 (pairs):")
@@ -396,14 +362,102 @@ def time_points(table_path: str | Path, *, families: str | None = None, points: 
     if by_backend:
         log("passes / table per backend, median (n): " + ", ".join(
             f"{b} {s['median']:.3f} ({s['n']})" for b, s in by_backend.items()))
-    out = {"table": str(table_path), "device": where,
-           "protocol": {"samples": samples, "passes": passes, "timer": "time_call" if device != "cpu" else "cpu_time"},
-           "points": rows, "summary": summary, "by_backend": by_backend}
+    protocol = {"samples": samples, "passes": passes, "timer": "time_call" if device != "cpu" else "cpu_time"}
+    out = {"table": str(table_path), "device": where, "protocol": protocol, "points": rows, "summary": summary,
+           "by_backend": by_backend, "written": None}
+    if write is not None:
+        out["written"] = _write_points(table_path, write, rows, len(chosen), where, protocol, log)
     if json_path is not None:
         from mla_tune.fileio import atomic_write_text
 
         atomic_write_text(json_path, json.dumps(out, indent=1) + "\n")
     return out
+
+
+def _time_point(cfg, table, key: FamilyKey, batch: int, kv: int, seed: int, samples: int, passes: int,
+                rejected: dict, compare: bool, device: str) -> dict:
+    """One point of `time_points`: its row, each variant checked, then (compare) timed as a
+    sweep step, then all in a round of alternating passes (and, compare, a second round in
+    the reverse order)."""
+    import statistics
+
+    import torch
+
+    from mla_tune import problem
+    from mla_tune.backends import get_backend
+    from mla_tune.serving.gate import reference_q_format, run_call
+    from mla_tune.serving.inputs import make_input
+    from mla_tune.serving.verify import alternating_passes
+    from mla_tune.tune.time_variants import first_line, timer_for
+
+    timer = timer_for(device)
+    spec, swept = cfg.spec(key), table.families[key].points[(batch, kv)]
+    inp = make_input([key.q_len] * batch, [kv] * batch, key.heads, key.page_size, key.kv_format, seed=seed,
+                     device=device)
+    refs, row = {}, {"family": key.as_dict(), "batch": batch, "kv_len": kv, "variants": {}, "failed": {}}
+    fresh, runners = {}, {}
+    for v in sorted(swept, key=swept.get):
+        if (key, v) in rejected:
+            row["failed"][str(v)] = rejected[(key, v)]
+            continue
+        try:  # built just before it is timed, its samples in one block: as a sweep step
+            runner = get_backend(v.backend).build_serving(v, spec, device)
+            q_format = reference_q_format(v, cfg.gate)
+            if q_format not in refs:
+                refs[q_format] = inp.reference(q_format)
+            if not problem.check(run_call(runner, inp), refs[q_format], cfg.rule).passed:
+                row["failed"][str(v)] = f"fails the {cfg.rule.name} check"
+                continue
+            if compare:
+                fresh[v] = timer(_bound(run_call, runner, inp), samples * passes).median_us
+            runners[v] = runner
+        except Exception as exc:  # noqa: BLE001 - a variant that cannot run is reported, not fatal
+            row["failed"][str(v)] = first_line(exc)
+    calls = {v: _bound(run_call, runner, inp) for v, runner in runners.items()}
+
+    def failed(v, exc):
+        row["failed"][str(v)] = first_line(exc)
+    rounds = [alternating_passes(calls, timer, samples, passes, on_error=failed)]
+    if compare:
+        rounds.append(alternating_passes(dict(reversed(list(calls.items()))), timer, samples, passes,
+                                         on_error=failed))
+    for v in runners:
+        if str(v) not in row["failed"]:
+            row["variants"][str(v)] = {"table": swept[v], "passes": statistics.median(rounds[0][v])}
+            if compare:
+                row["variants"][str(v)].update(fresh=fresh[v], again=statistics.median(rounds[1][v]))
+    calls = runners = inp = refs = None  # the point's input and runners go before the next's
+    if device != "cpu":
+        torch.cuda.empty_cache()
+    return row
+
+
+def _write_points(table_path: str | Path, out: str | Path, rows: list[dict], chosen: int, device: str,
+                  protocol: dict, log: Callable[[str], None]) -> dict:
+    """The table at table_path written to `out` with each timed variant's passes time as its
+    point's time; the points and variants not timed keep theirs, the cells their swept
+    times, and the schedule models their fitted shapes (their rates come from the points).
+    The provenance says what was timed again, where and how (`points_retimed`)."""
+    import datetime as _dt
+
+    from mla_tune.serving.table import load_serving_table, write_serving_table
+
+    table = load_serving_table(table_path)
+    timed = 0
+    for row in rows:
+        point = table.families[FamilyKey(**row["family"])].points[(row["batch"], row["kv_len"])]
+        for v, t in row["variants"].items():
+            point[Variant.parse(v)] = round(t["passes"], 3)
+            timed += 1
+    kept = sum(len(r["failed"]) for r in rows)
+    table.provenance = {**table.provenance, "points_retimed": {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "device": device,
+        "from": str(table_path), **protocol, "points": len(rows), "of": chosen, "variant_times": timed,
+        "kept": kept}}
+    write_serving_table(out, table)
+    log(f"wrote {out}: {timed} variant times at {len(rows)} of {chosen} points timed again; {kept} kept as swept "
+        f"(not run here), {chosen - len(rows)} points not reached")
+    return {"path": str(out), "points": len(rows), "of": chosen, "variant_times": timed, "kept": kept}
 
 
 def _bound(fn: Callable, *args) -> Callable[[], object]:
@@ -412,11 +466,12 @@ def _bound(fn: Callable, *args) -> Callable[[], object]:
 
 
 def _point_lines(row: dict, family: str, log: Callable[[str], None]) -> None:
-    """A point's variants: the table's us, then as a sweep step, in passes and again."""
+    """A point's variants: the table's us, then as a sweep step, in passes and again ('-'
+    where not timed so)."""
     log(f"{family} batch {row['batch']} kv {row['kv_len']}: {'table':>8} {'fresh':>8} {'passes':>8} "
         f"{'again':>8}")
     for v, t in row["variants"].items():
-        log(f"  {Variant.parse(v).backend:<12} {t['table']:8.1f} {t['fresh']:8.1f} {t['passes']:8.1f} "
-            f"{t['again']:8.1f}  {v}")
+        cols = " ".join(f"{t[c]:8.1f}" if c in t else f"{'-':>8}" for c in ("table", "fresh", "passes", "again"))
+        log(f"  {Variant.parse(v).backend:<12} {cols}  {v}")
     for v, why in row["failed"].items():
         log(f"  {Variant.parse(v).backend:<12} not timed: {why}  {v}")
