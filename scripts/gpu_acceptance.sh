@@ -305,7 +305,7 @@ serving-points)
   [ "${RETIME:-0}" = 1 ] && retime=(--write "$keep/H200.serving.retimed.yaml" ${FAMILIES:+--families "$FAMILIES"})
   timed points timeout $(( ${POINTS_BUDGET:-300} + 120 )) python3 -m mla_tune time points \
     --table "${TABLE:-tables/H200.serving.yaml}" --points ${POINTS:-48} --budget ${POINTS_BUDGET:-300} \
-    "${retime[@]}" --json "$out/points.json" > "$out/points.log" 2>&1; grep -v -i warn "$out/points.log" | tail -8
+    ${retime[@]+"${retime[@]}"} --json "$out/points.json" > "$out/points.log" 2>&1; grep -v -i warn "$out/points.log" | tail -8
   gzip -c "$out/points.json" > "$keep/points.json.gz" 2>/dev/null; cp "$out/points.log" "$keep/"
   ;;
 serving-table)

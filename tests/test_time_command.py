@@ -301,10 +301,17 @@ def test_points_write_times_every_point_in_passes_and_writes_the_table_with_thos
                               (2, 64): {split16: 80.0, default: 90.0}}
     assert written.cells == family.cells  # as swept
     retimed = load_serving_table(out).provenance["points_retimed"]
-    assert (retimed["points"], retimed["of"], retimed["variant_times"], retimed["kept"]) == (3, 3, 5, 0)
+    assert (retimed["families"], retimed["points"], retimed["variant_times"], retimed["kept"]) == ([str(key)], 3, 5, 0)
     assert retimed["from"] == str(table) and retimed["passes"] == 2
     assert load_serving_table(table).families[key].points == family.points  # the table given is untouched
-    assert f"wrote {out}: 5 variant times at 3 of 3 points timed again" in result.output
+    assert f"wrote {out}: 5 variant times at 3 points of 1 families timed again" in result.output
     assert "table ~ passes" in result.output
     rows = [line.split() for line in result.output.splitlines() if line.strip().startswith("triton")]
     assert all(r[2] == "-" and r[4] == "-" for r in rows)  # no fresh or again column
+
+    # a family the budget cuts short keeps all its times (its points are not mixed)
+    result = _invoke("points", "--table", table, "--samples", "1", "--passes", "1", "--device", "cpu",
+                     "--write", out, "--budget", "0")
+    assert result.exit_code == 0, result.output
+    assert load_serving_table(out).families[key].points == family.points
+    assert f"not reached in full, so left as swept: {key}" in result.output

@@ -366,7 +366,7 @@ def time_points(table_path: str | Path, *, families: str | None = None, points: 
     out = {"table": str(table_path), "device": where, "protocol": protocol, "points": rows, "summary": summary,
            "by_backend": by_backend, "written": None}
     if write is not None:
-        out["written"] = _write_points(table_path, write, rows, len(chosen), where, protocol, log)
+        out["written"] = _write_points(table_path, write, rows, chosen, where, protocol, log)
     if json_path is not None:
         from mla_tune.fileio import atomic_write_text
 
@@ -432,32 +432,47 @@ def _time_point(cfg, table, key: FamilyKey, batch: int, kv: int, seed: int, samp
     return row
 
 
-def _write_points(table_path: str | Path, out: str | Path, rows: list[dict], chosen: int, device: str,
+def _write_points(table_path: str | Path, out: str | Path, rows: list[dict], chosen: list[tuple], device: str,
                   protocol: dict, log: Callable[[str], None]) -> dict:
     """The table at table_path written to `out` with each timed variant's passes time as its
-    point's time; the points and variants not timed keep theirs, the cells their swept
-    times, and the schedule models their fitted shapes (their rates come from the points).
-    The provenance says what was timed again, where and how (`points_retimed`)."""
+    point's time, for the families whose every chosen point was timed (a family cut short
+    by the budget keeps all its times: its points are not mixed); a variant not run here
+    keeps its time, the cells their swept times, and the schedule models their fitted
+    shapes (their rates come from the points). The provenance says what was timed again,
+    where and how (`points_retimed`)."""
     import datetime as _dt
 
     from mla_tune.serving.table import load_serving_table, write_serving_table
 
     table = load_serving_table(table_path)
-    timed = 0
+    wanted = {}
+    for key, _batch, _kv in chosen:
+        wanted[key] = wanted.get(key, 0) + 1
+    done = {}
     for row in rows:
-        point = table.families[FamilyKey(**row["family"])].points[(row["batch"], row["kv_len"])]
+        key = FamilyKey(**row["family"])
+        done[key] = done.get(key, 0) + 1
+    whole = {key for key, n in wanted.items() if done.get(key) == n}
+    timed = kept = points = 0
+    for row in rows:
+        key = FamilyKey(**row["family"])
+        if key not in whole:
+            continue
+        point = table.families[key].points[(row["batch"], row["kv_len"])]
         for v, t in row["variants"].items():
             point[Variant.parse(v)] = round(t["passes"], 3)
-            timed += 1
-    kept = sum(len(r["failed"]) for r in rows)
+        timed, kept, points = timed + len(row["variants"]), kept + len(row["failed"]), points + 1
+    short = sorted(str(k) for k in wanted if k not in whole)
     table.provenance = {**table.provenance, "points_retimed": {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "device": device,
-        "from": str(table_path), **protocol, "points": len(rows), "of": chosen, "variant_times": timed,
-        "kept": kept}}
+        "from": str(table_path), **protocol, "families": sorted(str(k) for k in whole), "points": points,
+        "variant_times": timed, "kept": kept}}
     write_serving_table(out, table)
-    log(f"wrote {out}: {timed} variant times at {len(rows)} of {chosen} points timed again; {kept} kept as swept "
-        f"(not run here), {chosen - len(rows)} points not reached")
-    return {"path": str(out), "points": len(rows), "of": chosen, "variant_times": timed, "kept": kept}
+    log(f"wrote {out}: {timed} variant times at {points} points of {len(whole)} families timed again; {kept} "
+        "kept as swept (not run here)" + (f"; not reached in full, so left as swept: {'; '.join(short)}"
+                                           if short else ""))
+    return {"path": str(out), "families": len(whole), "points": points, "variant_times": timed, "kept": kept,
+            "left": short}
 
 
 def _bound(fn: Callable, *args) -> Callable[[], object]:
