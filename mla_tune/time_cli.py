@@ -225,8 +225,9 @@ def points_command(
                     "config's gate_workers on a GPU, 0 (none) without one.")] = None,
     write: Annotated[Path | None, typer.Option(
         help="Time every point of the chosen families in one round of alternating passes (--points "
-             "is ignored) and write the table here with those times as its points' (review it with "
-             "mla-tune diff; split a long run with --families).")] = None,
+             "is ignored; with the gate run, no check per point, as the sweep) and write the table "
+             "here with those times as its points' (review it with mla-tune diff; split a long run "
+             "with --families).")] = None,
     device: _DeviceOption = Device.cuda,
 ) -> None:
     """Re-time a serving table's own points on this GPU: do its swept times hold here?

@@ -15,6 +15,7 @@ from mla_tune.cli import app
 from mla_tune.core import Variant
 from mla_tune.errors import MlaTuneError
 from mla_tune.serving import gate as gate_module
+from mla_tune.serving.inputs import ServingInput
 from mla_tune.serving.table import (
     Cell,
     Family,
@@ -282,7 +283,7 @@ def test_points_retimes_a_tables_points_as_a_sweep_step_and_in_alternating_passe
 
 
 def test_points_write_times_every_point_in_passes_and_writes_the_table_with_those_times(
-        interpreter, stand_in_timer, tmp_path):
+        interpreter, stand_in_timer, tmp_path, monkeypatch):
     key = FamilyKey("fp8", 16, 16, 1)
     split16, default = Variant.parse(SPLIT16.format(kv="fp8")), Variant.parse(DEFAULT.format(kv="fp8"))
     family = Family(key, cells={(2, 32): Cell(2, 32, split16, 5.0), (2, 64): Cell(2, 64, split16, 7.0)},
@@ -309,6 +310,13 @@ def test_points_write_times_every_point_in_passes_and_writes_the_table_with_thos
     rows = [line.split() for line in result.output.splitlines() if line.strip().startswith("triton")]
     assert all(r[2] == "-" and r[4] == "-" for r in rows)  # no fresh or again column
 
+    # with the gate run first, no check per point (as the sweep): no reference is computed
+    monkeypatch.setattr(gate_module, "run_gates", lambda jobs, workers: [(j, {"ok": True}) for j in jobs])
+    monkeypatch.setattr(ServingInput, "reference", lambda *a, **k: pytest.fail("checked after the gate"))
+    result = _invoke("points", "--table", table, "--samples", "1", "--passes", "1", "--device", "cpu",
+                     "--workers", "2", "--write", tmp_path / "gated.yaml")
+    assert result.exit_code == 0, result.output
+    assert load_serving_table(tmp_path / "gated.yaml").provenance["points_retimed"]["variant_times"] == 5
     # a family the budget cuts short keeps all its times (its points are not mixed)
     result = _invoke("points", "--table", table, "--samples", "1", "--passes", "1", "--device", "cpu",
                      "--write", out, "--budget", "0")

@@ -289,7 +289,8 @@ def time_points(table_path: str | Path, *, families: str | None = None, points: 
     many processes first, which compiles them (as verify does); one the gate rejects is not
     timed. With `write`, every point of the chosen families is timed, in one round of
     alternating passes only, and the table is written there with those times as its points'
-    (`_write_points`). Returns (and writes to json_path) {table, device, protocol, points:
+    (`_write_points`); its variants are then checked at each point only where the gate did
+    not run (as the sweep: the gate admits, the cells are timed). Returns (and writes to json_path) {table, device, protocol, points:
     [{family, batch, kv_len, variants: {variant: {table, passes[, fresh, again]}}, failed}],
     summary: {comparison: spread}, by_backend: {backend: {n, median of passes / table}},
     written}."""
@@ -339,7 +340,7 @@ def time_points(table_path: str | Path, *, families: str | None = None, points: 
             log(f"--budget {budget:g} s spent: {len(chosen) - i} points not timed")
             break
         rows.append(_time_point(cfg, table, key, batch, kv, seed * 1000 + i, samples, passes, rejected,
-                                write is None, device))
+                                compare=write is None, check=write is None or workers == 0, device=device))
         _point_lines(rows[-1], family_short(key), log)
     compare = {"table ~ passes": ("table", "passes"), "fresh ~ passes": ("fresh", "passes"),
                "passes ~ again": ("passes", "again"), "table ~ fresh": ("table", "fresh")}
@@ -375,10 +376,10 @@ def time_points(table_path: str | Path, *, families: str | None = None, points: 
 
 
 def _time_point(cfg, table, key: FamilyKey, batch: int, kv: int, seed: int, samples: int, passes: int,
-                rejected: dict, compare: bool, device: str) -> dict:
-    """One point of `time_points`: its row, each variant checked, then (compare) timed as a
-    sweep step, then all in a round of alternating passes (and, compare, a second round in
-    the reverse order)."""
+                rejected: dict, *, compare: bool, check: bool, device: str) -> dict:
+    """One point of `time_points`: its row, each variant checked against the reference (where
+    `check`), then (compare) timed as a sweep step, then all in a round of alternating passes
+    (and, compare, a second round in the reverse order)."""
     import statistics
 
     import torch
@@ -403,9 +404,9 @@ def _time_point(cfg, table, key: FamilyKey, batch: int, kv: int, seed: int, samp
         try:  # built just before it is timed, its samples in one block: as a sweep step
             runner = get_backend(v.backend).build_serving(v, spec, device)
             q_format = reference_q_format(v, cfg.gate)
-            if q_format not in refs:
+            if check and q_format not in refs:
                 refs[q_format] = inp.reference(q_format)
-            if not problem.check(run_call(runner, inp), refs[q_format], cfg.rule).passed:
+            if check and not problem.check(run_call(runner, inp), refs[q_format], cfg.rule).passed:
                 row["failed"][str(v)] = f"fails the {cfg.rule.name} check"
                 continue
             if compare:
