@@ -323,3 +323,32 @@ def test_points_write_times_every_point_in_passes_and_writes_the_table_with_thos
     assert result.exit_code == 0, result.output
     assert load_serving_table(out).families[key].points == family.points
     assert f"not reached in full, so left as swept: {key}" in result.output
+
+
+@pytest.mark.parametrize("lost_at", [7, 9])  # the second point's first timing, or its first pass
+def test_points_stop_where_the_cuda_context_is_lost_and_keep_what_was_timed(interpreter, tmp_path, monkeypatch,
+                                                                            lost_at):
+    key = FamilyKey("fp8", 16, 16, 1)
+    split16, default = Variant.parse(SPLIT16.format(kv="fp8")), Variant.parse(DEFAULT.format(kv="fp8"))
+    family = Family(key, cells={(2, 32): Cell(2, 32, split16, 5.0)},
+                    points={(2, 32): {split16: 5.0, default: 6.0}, (2, 64): {split16: 7.0, default: 7.5}})
+    table = write_serving_table(tmp_path / "CPU.serving.yaml", ServingTable(
+        "CPU", {"config": {"path": str(CONFIG)}}, [1, 2, 4], [32, 64], {key: family}))
+    timed = []
+
+    def timer_for(device):
+        def timer(fn, reps):
+            timed.append(fn)
+            if len(timed) == lost_at:  # six a point: 2 fresh, then 2 rounds of 2
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return Timing(10.0 * len(timed), 0.0, 0.0, reps)
+        return timer
+    monkeypatch.setattr(time_variants, "timer_for", timer_for)
+    out = tmp_path / "points.json"
+    result = _invoke("points", "--table", table, "--samples", "1", "--passes", "1", "--device", "cpu",
+                     "--json", out)
+    assert result.exit_code == 0, result.output
+    assert "the CUDA context was lost at this point: 0 points not timed" in result.output
+    data = json.loads(out.read_text())
+    assert [(p["batch"], p["kv_len"]) for p in data["points"]] == [(2, 32)]  # the first point only
+    assert len(timed) == lost_at  # nothing after the lost context

@@ -342,6 +342,11 @@ def time_points(table_path: str | Path, *, families: str | None = None, points: 
         rows.append(_time_point(cfg, table, key, batch, kv, seed * 1000 + i, samples, passes, rejected,
                                 compare=write is None, check=write is None or workers == 0, device=device))
         _point_lines(rows[-1], family_short(key), log)
+        if rows[-1].pop("lost_context", False):
+            log(f"the CUDA context was lost at this point: {len(chosen) - i - 1} points not timed (nothing after "
+                "it can run in this process); what was timed before is kept")
+            rows.pop()
+            break
     compare = {"table ~ passes": ("table", "passes"), "fresh ~ passes": ("fresh", "passes"),
                "passes ~ again": ("passes", "again"), "table ~ fresh": ("table", "fresh")}
     summary = {}
@@ -379,14 +384,15 @@ def _time_point(cfg, table, key: FamilyKey, batch: int, kv: int, seed: int, samp
                 rejected: dict, *, compare: bool, check: bool, device: str) -> dict:
     """One point of `time_points`: its row, each variant checked against the reference (where
     `check`), then (compare) timed as a sweep step, then all in a round of alternating passes
-    (and, compare, a second round in the reverse order)."""
+    (and, compare, a second round in the reverse order). An error that loses the CUDA
+    context ends the point with `lost_context` in its row."""
     import statistics
 
     import torch
 
     from mla_tune import problem
     from mla_tune.backends import get_backend
-    from mla_tune.serving.gate import reference_q_format, run_call
+    from mla_tune.serving.gate import poisons_context, reference_q_format, run_call
     from mla_tune.serving.inputs import make_input
     from mla_tune.serving.verify import alternating_passes
     from mla_tune.tune.time_variants import first_line, timer_for
@@ -414,14 +420,24 @@ def _time_point(cfg, table, key: FamilyKey, batch: int, kv: int, seed: int, samp
             runners[v] = runner
         except Exception as exc:  # noqa: BLE001 - a variant that cannot run is reported, not fatal
             row["failed"][str(v)] = first_line(exc)
+            if poisons_context(exc):  # nothing after it can run
+                row["lost_context"] = True
+                runners.clear()
+                break
     calls = {v: _bound(run_call, runner, inp) for v, runner in runners.items()}
 
     def failed(v, exc):
         row["failed"][str(v)] = first_line(exc)
-    rounds = [alternating_passes(calls, timer, samples, passes, on_error=failed)]
-    if compare:
-        rounds.append(alternating_passes(dict(reversed(list(calls.items()))), timer, samples, passes,
-                                         on_error=failed))
+        if poisons_context(exc):
+            row["lost_context"] = True
+            raise exc
+    try:
+        rounds = [alternating_passes(calls, timer, samples, passes, on_error=failed)]
+        if compare:
+            rounds.append(alternating_passes(dict(reversed(list(calls.items()))), timer, samples, passes,
+                                             on_error=failed))
+    except Exception:  # noqa: BLE001 - the context was lost (failed re-raised it): the row says so
+        runners.clear()
     for v in runners:
         if str(v) not in row["failed"]:
             row["variants"][str(v)] = {"table": swept[v], "passes": statistics.median(rounds[0][v])}
