@@ -188,8 +188,9 @@ def rescore(table: str | Path | ServingTable, reports: list[str | Path], *, max_
     out = {"schema": RESCORE_SCHEMA, "table": {"path": str(table.path), "gpu": table.gpu,
                                                "config_hash": (table.provenance.get("config") or {}).get("hash")},
            "reports": per_report, "shapes": records, "summary": summary, "verdict": verdict,
-           "unmeasured": len(unmeasured), "unrunnable": sorted(unrunnable), "repeats": repeats(records),
-           "agreement": agreement(table, records)}
+           "unmeasured": len(unmeasured), "unrunnable": sorted(unrunnable)}
+    groups = _groups(records)
+    out["repeats"], out["agreement"] = repeats(groups), agreement(table, records, groups)
     out["exit_code"] = 1 if verdict["failed"] else 0
     return emit(out, rescore_lines(out), json_path, log)
 
@@ -206,13 +207,11 @@ def _groups(records: list[dict]) -> list[list[dict]]:
     return [g for g in groups.values() if len(g) > 1]
 
 
-def repeats(records: list[dict]) -> dict | None:
-    """The shapes recorded in more than one report (the same family, batch, q_lens and
-    kv_lens), across their recordings: how many shapes and recordings, at how many every
-    recording names the same best, and the shapes whose eager regret is over STEADY_OVER
-    in every recording (report names, the eager pick, the regrets in report order and each
+def repeats(repeated: list[list[dict]]) -> dict | None:
+    """The shapes recorded in more than one report (`_groups`' records of each), across
+    their recordings: how many shapes and recordings, at how many every recording names
+    the same best, and the shapes whose eager regret is over STEADY_OVER in every recording (report names, the eager pick, the regrets in report order and each
     recording's best); None when no shape is recorded twice."""
-    repeated = _groups(records)
     if not repeated:
         return None
     steady = [{"reports": [Path(r["report"]).name for r in g], "index": g[0]["index"],
@@ -244,12 +243,12 @@ def spread_of(diffs: list[float]) -> dict:
             "p90": ordered[math.ceil(0.9 * len(ordered)) - 1] if ordered else None}
 
 
-def agreement(table: ServingTable, records: list[dict]) -> dict:
+def agreement(table: ServingTable, records: list[dict], repeated: list[list[dict]]) -> dict:
     """The table's points against the recorded final rounds (see the module): at each uniform
     shape of a point's batch and a length within POINT_NEAR below the point's, the relative
     differences of the point's variants (`relative_differences`); and between the recordings
-    of a shape recorded more than once (each pair of recordings). The shapes and the pairs
-    counted, the median and p90 of each."""
+    of a shape recorded more than once (`repeated`: `_groups`' records of each; each pair of
+    recordings). The shapes and the pairs counted, the median and p90 of each."""
     points, shapes = [], 0
     for r in records:
         family = table.families.get(FamilyKey(**r["family"]))
@@ -263,7 +262,7 @@ def agreement(table: ServingTable, records: list[dict]) -> dict:
             shapes += bool(diffs)
             points += diffs
     again = []
-    for group in _groups(records):
+    for group in repeated:
         again += [d for i, a in enumerate(group) for b in group[i + 1:]
                   for d in relative_differences(a.get("final_us") or {}, b.get("final_us") or {})]
     return {"near": POINT_NEAR, "shapes": shapes, "points": spread_of(points), "recorded_again": spread_of(again)}

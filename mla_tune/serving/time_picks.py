@@ -372,7 +372,7 @@ def time_points(table_path: str | Path, *, families: str | None = None, points: 
     out = {"table": str(table_path), "device": where, "protocol": protocol, "points": rows, "summary": summary,
            "by_backend": by_backend, "written": None}
     if write is not None:
-        out["written"] = _write_points(table_path, write, rows, chosen, where, protocol, log)
+        out["written"] = _write_points(table, table_path, write, rows, chosen, where, protocol, log)
     if json_path is not None:
         from mla_tune.fileio import atomic_write_text
 
@@ -449,27 +449,22 @@ def _time_point(cfg, table, key: FamilyKey, batch: int, kv: int, seed: int, samp
     return row
 
 
-def _write_points(table_path: str | Path, out: str | Path, rows: list[dict], chosen: list[tuple], device: str,
-                  protocol: dict, log: Callable[[str], None]) -> dict:
-    """The table at table_path written to `out` with each timed variant's passes time as its
-    point's time, for the families whose every chosen point was timed (a family cut short
+def _write_points(table, table_path: str | Path, out: str | Path, rows: list[dict], chosen: list[tuple],
+                  device: str, protocol: dict, log: Callable[[str], None]) -> dict:
+    """`table` (the one loaded from table_path, changed here) written to `out` with each timed
+    variant's passes time as its point's time, for the families whose every chosen point was timed (a family cut short
     by the budget keeps all its times: its points are not mixed); a variant not run here
     keeps its time, the cells their swept times, and the schedule models their fitted
     shapes (their rates come from the points). The provenance says what was timed again,
     where and how (`points_retimed`)."""
     import datetime as _dt
+    from collections import Counter
 
-    from mla_tune.serving.table import load_serving_table, write_serving_table
+    from mla_tune.serving.table import write_serving_table
 
-    table = load_serving_table(table_path)
-    wanted = {}
-    for key, _batch, _kv in chosen:
-        wanted[key] = wanted.get(key, 0) + 1
-    done = {}
-    for row in rows:
-        key = FamilyKey(**row["family"])
-        done[key] = done.get(key, 0) + 1
-    whole = {key for key, n in wanted.items() if done.get(key) == n}
+    wanted = Counter(key for key, _batch, _kv in chosen)
+    done = Counter(FamilyKey(**row["family"]) for row in rows)
+    whole = {key for key, n in wanted.items() if done[key] == n}
     timed = kept = points = 0
     for row in rows:
         key = FamilyKey(**row["family"])
