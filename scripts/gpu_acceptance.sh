@@ -18,7 +18,7 @@
 #       the test groups
 #   bash scripts/gpu_acceptance.sh sweep-safety         # the crash-and-resume sweep (an
 #       out-of-bounds candidate, kill -9 halfway) and the strict fallback at short lengths:
-#       tests/test_crash_resume.py and tests/test_strict_fallback.py, one after the other
+#       tests/test_crash_resume.py and tests/test_runtime.py, one after the other
 #   bash scripts/gpu_acceptance.sh serving-tests [OLD_EXPORT.py]   # the serving GPU tests in
 #       parallel groups, the leaderboard export beside OLD_EXPORT.py (3% rule), serving host times
 #   bash scripts/gpu_acceptance.sh serving-splitk       # on one GPU: the serving split-K tests
@@ -194,7 +194,7 @@ leaderboard-budget)
 sweep-safety)
   timed crash-resume timeout 450 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_crash_resume.py \
     > "$out/gpu_tests_crash.log" 2>&1; tail -3 "$out/gpu_tests_crash.log"
-  timed strict-fallback timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_strict_fallback.py \
+  timed strict-fallback timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_runtime.py \
     > "$out/gpu_tests_strict.log" 2>&1; tail -3 "$out/gpu_tests_strict.log"
   cat "$out/gpu_tests_crash.log" "$out/gpu_tests_strict.log" > "$out/gpu_tests.log"
   ;;

@@ -3,8 +3,6 @@ MLA_TUNE_EXTRA_BACKENDS as `wrong_serving`): its runner returns zeros, fast. It 
 serving_candidates, so the sweep offers its default serving variant; the gate must reject
 it, and it must never become a pick."""
 
-from __future__ import annotations
-
 import torch
 
 from mla_tune.core import CORE_HEADS, CORE_PAGE_SIZES, V_DIM, CallSpec, Capabilities, Variant

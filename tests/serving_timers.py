@@ -3,15 +3,13 @@ name that a worker process imports (the sweep times in worker processes when its
 a name): the same times, so that a sweep timed in a worker writes the table of one timed in
 the sweep's own process."""
 
-from __future__ import annotations
-
 import os
 
 from mla_tune.core import Variant
 from mla_tune.serving.sweep import RAGGED_PROBE_KV
 from mla_tune.tune.timing import Timing
 
-A, B = "tokens_per_split=16", "tokens_per_split=64"  # the two triton candidates
+TRITON = {"16": "A", "64": "B"}  # the two triton candidates' tokens_per_split
 # Made-up times (us per sequence): A wins at kv 32, B at kv 64; the fused candidate C is
 # never best but its worst regret (12%) is the smallest (A 33%, B 20%), while its mean
 # regret (11%) is not (B 10%): the graph pick must be C. wrong_serving would win everywhere.
@@ -26,8 +24,7 @@ def name(variant: Variant) -> str:
         return "W"
     if variant.backend == "triton_fused":
         return "C"
-    tps = str(variant.get("tokens_per_split"))
-    return "A" if tps == A.split("=")[1] else "B" if tps == B.split("=")[1] else "D"
+    return TRITON.get(str(variant.get("tokens_per_split")), "D")
 
 
 def crashing_time(call, reps: int) -> Timing:

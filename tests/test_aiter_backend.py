@@ -27,8 +27,6 @@ STRICT = problem.RULES["strict"]
 BF16_NP = Variant.make("aiter", kv="bf16", q="bf16", mode="nonpersistent", num_kv_splits=1)
 BF16_PERSISTENT = Variant.make("aiter", kv="bf16", q="bf16", mode="persistent", fast_mode=True,
                                intra_batch=False, max_split_per_batch=-1, kv_granularity=16)
-
-
 F3BE04A12 = "0.1.10.post4.dev78+gf3be04a12a"  # setuptools_scm's version of the runner's commit
 RELEASES = ("0.1.11", "0.1.20.post1", F3BE04A12)
 
@@ -51,10 +49,6 @@ def _new(aiter) -> bool:
 @pytest.fixture
 def data():
     return problem.generate_input(SHAPE.batch, SHAPE.kv_len, seed=7, device="cpu")
-
-
-def _q_amax(seed_data):
-    return float(seed_data[0].abs().amax())
 
 
 def _params(sig):
@@ -176,7 +170,7 @@ def test_each_variant_family_builds_and_matches_the_reference(aiter, data, param
     variant = Variant.make("aiter", **params)
     if params["q"] == "fp8_static":
         calibration = problem.generate_input(SHAPE.batch, SHAPE.kv_len, seed=11, device="cpu")
-        variant = variant.with_params(q_amax=_q_amax(calibration))
+        variant = variant.with_params(q_amax=float(calibration[0].abs().amax()))
     new_only = "opus" if params.get("opus") else params["mode"] if params["mode"] in _NEW_ONLY else None
     if new_only and not _new(aiter):
         with pytest.raises(ValueError, match=rf"this AITER has no {'OPUS' if new_only == 'opus' else 'Gluon'}.*0\.1\.(20|18)\+"):
@@ -211,10 +205,9 @@ def test_persistent_metadata_is_built_once_in_build(aiter, data):
 
 
 def test_torch_quantizers_stand_in_for_missing_aiter_ones(aiter, monkeypatch, data):
-    variants = {"fp8_dynamic": Variant.make("aiter", kv="fp8", q="fp8_dynamic",
-                                            mode="nonpersistent", num_kv_splits=2)}
-    variants["fp8_static"] = variants["fp8_dynamic"].with_params(q="fp8_static",
-                                                                 q_amax=_q_amax(data) * 1.1)
+    dynamic = BF16_NP.with_params(kv="fp8", q="fp8_dynamic", num_kv_splits=2)
+    static = dynamic.with_params(q="fp8_static", q_amax=float(data[0].abs().amax()) * 1.1)
+    variants = {"fp8_dynamic": dynamic, "fp8_static": static}
     results = {q: aiter_mla.build(v, SHAPE, "cpu")(*data[:4]).clone() for q, v in variants.items()}
     monkeypatch.delattr(aiter, "static_per_tensor_quant")
     monkeypatch.delattr(aiter, "dynamic_per_tensor_quant")
@@ -233,7 +226,7 @@ def _direct_call_args(data, q=None, kv=None, index_dtype=torch.int32):
     o = torch.empty((batch, 16, 512), dtype=torch.bfloat16)
     return [q_in if q is None else q, kv_in.view(total, 1, 1, 576), o], dict(
         qo_indptr=torch.arange(batch + 1, dtype=index_dtype),
-        kv_indptr=torch.arange(batch + 1, dtype=index_dtype) * SHAPE.kv_len,
+        kv_indptr=torch.arange(batch + 1, dtype=index_dtype) * (total // batch),
         kv_indices=torch.arange(total, dtype=index_dtype), kv_last_page_lens=torch.ones(batch, dtype=index_dtype),
         max_seqlen_q=1)
 
@@ -256,19 +249,10 @@ def _fill_work(aiter, qo, kvp, last, work, **kwargs):
 
 def bf16_persistent_call(aiter, case, shape, **extra):
     """mla_decode_fwd of bf16 `case` over a fast-mode work list built here, plus `extra`."""
-    qo, last = torch.arange(shape.batch + 1, dtype=torch.int32), torch.ones(shape.batch, dtype=torch.int32)
-    kvp = qo * shape.kv_len
-    work = _fill_work(aiter, qo, kvp, last, _work_buffers(aiter, shape.batch, torch.bfloat16, torch.bfloat16))
-    o = torch.empty((shape.batch, 16, 512), dtype=torch.bfloat16)
-    aiter.mla.mla_decode_fwd(case[0], case[1]["bf16"].view(-1, 1, 1, 576), o, qo_indptr=qo, kv_indptr=kvp,
-                             kv_indices=torch.arange(shape.total_kv, dtype=torch.int32),
-                             kv_last_page_lens=last, max_seqlen_q=1, **work, **extra)
-
-
-def _positional(args, kwargs):
-    """The call's arguments in mla_decode_fwd's order up to max_seqlen_q (an old caller's)."""
-    return [*args, *(kwargs[k] for k in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_lens",
-                                          "max_seqlen_q"))]
+    args, kwargs = _direct_call_args(case)
+    qo, kvp, last = kwargs["qo_indptr"], kwargs["kv_indptr"], kwargs["kv_last_page_lens"]
+    work = _work_buffers(aiter, shape.batch, torch.bfloat16, torch.bfloat16)
+    aiter.mla.mla_decode_fwd(*args, **kwargs, **_fill_work(aiter, qo, kvp, last, work), **extra)
 
 
 def test_fake_rejects_int64_indices_old_positional_calls_strided_buffers_and_bad_work_lists(aiter, data):
@@ -276,26 +260,25 @@ def test_fake_rejects_int64_indices_old_positional_calls_strided_buffers_and_bad
     with pytest.raises(RuntimeError, match="must be int32"):
         aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE)
     # before v0.1.10.post2 sm_scale followed max_seqlen_q; now that slot is page_size, and the
-    # fake refuses the positional call outright
+    # fake refuses the positional call outright (kwargs are in mla_decode_fwd's order)
     args, kwargs = _direct_call_args(data)
+    old_call = [*args, *kwargs.values(), SM_SCALE]
     with pytest.raises(TypeError, match="mla_decode_fwd: 9 positional arguments; the fake takes q, kv_buffer, o"):
-        aiter.mla.mla_decode_fwd(*_positional(args, kwargs), SM_SCALE)
+        aiter.mla.mla_decode_fwd(*old_call)
     # what AITER itself does with it: page_size = sm_scale, which its checks refuse
-    unwrapped = inspect.unwrap(aiter.mla.mla_decode_fwd)
     with pytest.raises(RuntimeError, match="page_size"):
-        unwrapped(*_positional(args, kwargs), SM_SCALE)
+        inspect.unwrap(aiter.mla.mla_decode_fwd)(*old_call)
     with pytest.raises(TypeError):  # the quant ops are pybind functions without argument names
         aiter.static_per_tensor_quant(out=torch.empty(2, dtype=torch.float8_e4m3fn),
                                       input=torch.ones(2, dtype=torch.bfloat16), scale=torch.ones(1))
     aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE)  # the right call passes
     # strided o and kv buffers (args as in the right call)
-    batch, total = SHAPE.batch, SHAPE.total_kv
-    args[2] = torch.empty((batch, 512, 16), dtype=torch.bfloat16).transpose(1, 2)
+    args[2] = torch.empty((SHAPE.batch, 512, 16), dtype=torch.bfloat16).transpose(1, 2)
     with pytest.raises(RuntimeError, match="o must be dense"):
         aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE)
     args, kwargs = _direct_call_args(data)
-    wide = torch.zeros((total, 1, 1, 1152), dtype=torch.bfloat16)
-    wide[..., :576] = data[1]["bf16"].view(total, 1, 1, 576)
+    wide = torch.zeros((SHAPE.total_kv, 1, 1, 1152), dtype=torch.bfloat16)
+    wide[..., :576] = data[1]["bf16"].view(SHAPE.total_kv, 1, 1, 576)
     args[1] = wide[..., :576]  # same values, rows 1152 apart
     with pytest.raises(RuntimeError, match="kv_buffer's inner dims must be dense"):
         aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE)
@@ -529,11 +512,16 @@ def test_fake_fp8_follows_the_arch(monkeypatch):
     assert torch.finfo(fake.dtypes.fp8).max == 240.0
 
 
+def persistent_case(batch):
+    """(shape, input) at kv_len 200 for a persistent call at this batch."""
+    shape = Shape(batch, 200)
+    return shape, problem.generate_input(shape.batch, shape.kv_len, seed=3, device="cpu")
+
+
 def test_new_release_falls_back_to_non_persistent_unless_the_split_count_is_passed(aiter):
     """0.1.18+: a bf16 persistent call at batch >= 32 that leaves num_kv_splits to AITER runs
     non-persistent; the backend passes get_mla_decode_fwd_max_splits and stays persistent."""
-    shape = Shape(32, 200)
-    case = problem.generate_input(shape.batch, shape.kv_len, seed=3, device="cpu")
+    shape, case = persistent_case(32)
     out = aiter_mla.build(BF16_PERSISTENT, shape, "cpu")(*case[:4])
     assert aiter._state.last_call["mode"] == "persistent"
     assert aiter._state.last_call["num_kv_splits"] == (256 if _new(aiter) else None)
@@ -550,7 +538,7 @@ def test_new_release_falls_back_to_non_persistent_unless_the_split_count_is_pass
 def test_the_mi355x_config_follows_gfx950_facts_and_plans_a_modest_sweep(aiter):
     """configs/mi355x.yaml: no kpack (Triton forces 1 on gfx950), 16x16 MFMA only, AITER's
     336 candidates (plus Gluon and OPUS where the AITER has them), and a header comment that
-    states the plan this test computes (the Triton space is that file's owner's to size)."""
+    states the plan this test computes."""
     from mla_tune.backends import get_backend
 
     config = load_config(ROOT / "configs" / "mi355x.yaml")

@@ -65,8 +65,7 @@ _BACKEND_LEADING = {"mla_decode_fwd": 3, "mla_gluon": 4, "get_mla_metadata_v1": 
 
 
 def test_the_backend_passes_everything_past_the_leading_tensors_by_keyword():
-    """An AST check of every call aiter_mla.py makes into AITER, beside the fakes' own
-    refusal at call time (which every backend test above exercises)."""
+    """An AST check of every call aiter_mla.py makes into AITER (the fakes refuse at call time)."""
     tree = ast.parse((ROOT / "mla_tune" / "backends" / "aiter_mla.py").read_text())
     seen = set()
     for node in ast.walk(tree):
@@ -199,7 +198,6 @@ def test_build_refuses_a_softmax_scale_that_is_no_positive_float(aiter):
     assert isinstance(aiter_mla._ai_sm_scale(1), float)  # AITER's ops refuse an int
 
 
-@pytest.mark.skipif("sm_scale" not in CallSpec.__dataclass_fields__, reason="CallSpec has no sm_scale here")
 def test_the_serving_call_takes_the_specs_softmax_scale(aiter, data):
     spec = CallSpec("bf16", sm_scale=0.19)
     variant = aiter_mla.default_serving_variant(spec, gpu.fake_platform("MI355X"))
@@ -210,18 +208,13 @@ def test_the_serving_call_takes_the_specs_softmax_scale(aiter, data):
 
 
 # ------------------------------------------------------------------ the #4144 gate
-def _persistent_case(batch):
-    shape = Shape(batch, 200)
-    return shape, problem.generate_input(shape.batch, shape.kv_len, seed=3, device="cpu")
-
-
 def test_the_contest_build_has_no_persistent_gate_and_the_table_says_so(monkeypatch):
     monkeypatch.setenv("AITER_MLA_DECODE_PERSISTENT_MAX_BATCH", "1")  # would gate every batch on 0.1.18+
     fake = install(monkeypatch, "f3be04a12")
     assert fake.__version__ == F3BE04A12
     assert aiter_mla._ai_features(fake)["persistent_gate"] is False
     assert aiter_mla.aiter_persistent_gate(fake.__version__) == "absent (before 0.1.18)"
-    shape, case = _persistent_case(32)
+    shape, case = test_aiter_backend.persistent_case(32)
     out = aiter_mla.build(BF16_PERSISTENT, shape, "cpu")(*case[:4])
     assert fake._state.last_call["mode"] == "persistent" and fake._state.last_call["num_kv_splits"] is None
     assert _matches(out, case)
@@ -233,7 +226,7 @@ def test_the_newer_build_gates_by_its_variable_and_the_backend_stays_persistent(
     fake = install(monkeypatch, "0.1.20.post1")
     assert aiter_mla._ai_features(fake)["persistent_gate"] is True
     assert aiter_mla.aiter_persistent_gate(fake.__version__) == "bypassed (persistent calls pass num_kv_splits)"
-    shape, case = _persistent_case(4)
+    shape, case = test_aiter_backend.persistent_case(4)
     aiter_mla.build(BF16_PERSISTENT, shape, "cpu")(*case[:4])
     assert fake._state.last_call["mode"] == "persistent" and fake._state.last_call["num_kv_splits"] == 256
     # a work list handed over without num_kv_splits: gated at batch >= 4, not at 0 (off)

@@ -1,7 +1,5 @@
 """fp8_static q calibration: the config's sources, what a row records, serving's refusals."""
 
-from __future__ import annotations
-
 import copy
 import dataclasses
 import re

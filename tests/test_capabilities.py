@@ -1,7 +1,7 @@
 """Each backend's CAPABILITIES, declared once and read by the registry, the sweep, the
-dispatcher, the precompile default, the provenance, the runtime and the export."""
-
-from __future__ import annotations
+dispatcher, the precompile default, the provenance, the runtime, the export and mla-tune
+compile and time; rules read a fact a backend declares (a CAPABILITIES field, a hook), not its
+name: made-up backends follow the fact, today's keep their behaviour."""
 
 import ast
 import re
@@ -17,16 +17,20 @@ from mla_tune import gpu, runtime
 from mla_tune.backends import (
     BACKEND_MODULES,
     PLUGIN_CAPABILITIES,
+    aiter_mla,
     baseline_backend,
     capabilities,
+    drift_note,
     get_backend,
     known_backends,
     platform_refusal,
     ragged_backends,
+    triton_splitk,
     vendor_distributions,
 )
 from mla_tune.core import KV_FORMATS, Q_MODES, CallSpec, Capabilities, Shape, Variant
 from mla_tune.problem import generate_input, generate_ragged_input
+from mla_tune.serving.time_picks import vendor_backends, with_budget
 from mla_tune.tables.dispatch import Dispatcher
 from mla_tune.tune.config import (
     ConfigError,
@@ -36,26 +40,31 @@ from mla_tune.tune.config import (
     load_config,
 )
 from mla_tune.tune.sweep import plan_candidates, run_sweep
+from mla_tune.xcompile import check as xcheck
+from mla_tune.xcompile.capture import captured
 from tests.fakes import capture
-from tests.helpers import register_backends
+from tests.helpers import cpu_table, register_backends
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = gpu.Platform("cpu", "cpu", "cpu", False, 0)
 PLATFORMS = {name: gpu.fake_platform(name) for name in gpu.KNOWN_GPUS} | {"cpu": CPU}
 
 
-def _config(backends: dict, shapes=((2, 64),)):
+def _config(backends: dict):
     return config_from_dict({
         "name": "caps", "rule": "leaderboard", "check_seeds": [1, 2], "calibration_seeds": [3],
         "timing": {"reps": 3, "prune_reps": 2, "prune_factor": 2},
-        "shapes": [{"batch": b, "kv_len": n} for b, n in shapes], "backends": backends,
+        "shapes": [{"batch": 2, "kv_len": 64}], "backends": backends,
     })
 
 
 @pytest.fixture
-def plugin(tmp_path, monkeypatch):
-    """plugin(name, body): backend `name` of `body` (tests.helpers.register_backends)."""
-    return lambda name, body="": register_backends(tmp_path, monkeypatch, {name: body})
+def plugins(tmp_path, monkeypatch):
+    """plugins({name: (Capabilities arguments or None, extra source)}): made-up backends
+    (no rule knows their names), registered by tests.helpers.register_backends."""
+    return lambda specs: register_backends(tmp_path, monkeypatch, {
+        name: (f"CAPABILITIES = Capabilities({caps})\n" if caps is not None else "") + extra
+        for name, (caps, extra) in specs.items()})
 
 
 # ------------------------------------------------------------------ the records themselves
@@ -109,8 +118,8 @@ def test_the_registry_and_the_precompile_defaults_read_the_records():
     assert _config({"triton": {"precompile": False}}).precompile == {"triton": False}  # config wins
 
 
-def test_a_plugin_without_a_record_gets_the_conservative_default(plugin):
-    plugin("plain", "PRECOMPILE = True\n")  # the old flag is no longer read
+def test_a_plugin_without_a_record_gets_the_conservative_default(plugins):
+    plugins({"plain": (None, "PRECOMPILE = True\n")})  # the old flag is no longer read
     caps = capabilities("plain")
     assert caps is PLUGIN_CAPABILITIES
     assert caps.kv_formats == KV_FORMATS and caps.q_modes == Q_MODES
@@ -121,9 +130,9 @@ def test_a_plugin_without_a_record_gets_the_conservative_default(plugin):
     assert caps.refusal(CallSpec("bf16")) == "it serves the leaderboard's call only (no build_serving)"
 
 
-def test_a_plugins_record_is_read_like_a_builtin_one(plugin):
-    plugin("ragged_one", 'CAPABILITIES = Capabilities(kv_formats=("bf16",), ragged=True, precompile=True, '
-                         'vendor="acme-mla", platforms=(("hip", "gfx950"),))\n')
+def test_a_plugins_record_is_read_like_a_builtin_one(plugins):
+    plugins({"ragged_one": ('kv_formats=("bf16",), ragged=True, precompile=True, '
+                            'vendor="acme-mla", platforms=(("hip", "gfx950"),)', "")})
     assert ragged_backends() == frozenset({"triton", "ragged_one"})
     assert "acme-mla" in vendor_distributions() and baseline_backend() == "torch"
     assert default_precompile("ragged_one")
@@ -133,8 +142,8 @@ def test_a_plugins_record_is_read_like_a_builtin_one(plugin):
         "it runs on hip/gfx950, not on H200 (cuda/sm_90)"
 
 
-def test_a_second_baseline_or_a_builtin_without_a_record_is_a_loud_error(plugin, monkeypatch):
-    plugin("other_base", 'CAPABILITIES = Capabilities(kv_formats=("bf16",), baseline=True)\n')
+def test_a_second_baseline_or_a_builtin_without_a_record_is_a_loud_error(plugins, monkeypatch):
+    plugins({"other_base": ('kv_formats=("bf16",), baseline=True', "")})
     with pytest.raises(TypeError, match="exactly one backend must declare CAPABILITIES.baseline, "
                                         "found torch, other_base"):
         baseline_backend()
@@ -184,8 +193,6 @@ def test_the_builtin_records_refuse_what_their_libraries_cannot_serve():
 
 def test_a_backend_with_the_serving_call_declares_it_and_its_default_variant_fits_the_spec():
     serving = {n: get_backend(n) for n in BACKEND_MODULES if hasattr(get_backend(n), "build_serving")}
-    if not serving:
-        pytest.skip("no backend's serving call is merged into this tree yet")
     declared = {n for n in BACKEND_MODULES if capabilities(n).serving}
     assert set(serving) == declared
     for name, module in serving.items():
@@ -229,8 +236,8 @@ def test_the_dispatcher_refuses_a_ragged_batch_for_a_backend_whose_record_says_u
     assert dispatcher(fused, ["triton_fused"], frozenset())(*uniform[:4]) == "ran"
 
 
-def test_software_versions_record_each_vendor_the_records_name(plugin, monkeypatch):
-    plugin("acme", 'CAPABILITIES = Capabilities(kv_formats=("bf16",), vendor="acme-mla")\n')
+def test_software_versions_record_each_vendor_the_records_name(plugins, monkeypatch):
+    plugins({"acme": ('kv_formats=("bf16",), vendor="acme-mla"', "")})
     installed = {"acme-mla": "2.0", vendor_distributions()[0]: "1.5"}
 
     def version(dist):
@@ -284,6 +291,108 @@ def test_a_dry_run_names_the_backends_its_gpu_cannot_run_in_its_summary(tmp_path
     assert summary.unavailable["aiter"].startswith("it runs on hip/gfx942 or hip/gfx950, not on H200")
     assert all("aiter" not in per for per in summary.plan.values())
     assert "aiter" in buf.getvalue() and "gfx950" in buf.getvalue()
+
+
+# ------------------------------------------------ the runtime's version-drift note
+DRIFT_HOOK = '''
+def vendor_drift_note(tuned, here):
+    return f"{NAME} says {tuned} -> {here} moved its kernels; "
+'''
+
+
+def test_the_drift_note_comes_from_the_hook_of_the_backend_wrapping_that_distribution(plugins, tmp_path):
+    plugins({
+        "drifty": ('kv_formats=("bf16",), vendor="drifty-lib"', DRIFT_HOOK),
+        "hook_no_vendor": ('kv_formats=("bf16",)', DRIFT_HOOK),  # the hook alone says nothing
+        "vendor_no_hook": ('kv_formats=("bf16",), vendor="quiet-lib"', ""),
+    })
+    assert drift_note("drifty-lib", "1.0", "2.0") == "drifty says 1.0 -> 2.0 moved its kernels; "
+    assert drift_note("quiet-lib", "1.0", "2.0") == ""
+    assert drift_note("hook_no_vendor", "1.0", "2.0") == ""
+    with pytest.warns(UserWarning) as record:
+        runtime.load(table=cpu_table(tmp_path, versions={"drifty-lib": "1.0", "quiet-lib": "3.0"}), device="cpu")
+    messages = [str(w.message) for w in record]
+    assert any("provenance.versions.drifty-lib is 1.0 but this process has not installed; "
+               "drifty says 1.0 -> None moved its kernels; timings may have moved" in m for m in messages)
+    assert any("provenance.versions.quiet-lib is 3.0 but this process has not installed; timings may "
+               "have moved" in m for m in messages)
+    # aiter keeps its binary note and the other versions get none
+    aiter = capabilities("aiter").vendor
+    assert drift_note(aiter, "0.1.11", "0.1.20") == aiter_mla.aiter_drift_note("0.1.11", "0.1.20") != ""
+    assert drift_note(aiter, "0.1.13", "0.1.14") == ""  # one binary era
+    for name in ("torch", "triton", capabilities("flashinfer").vendor,
+                 capabilities("flashmla").vendor):
+        assert drift_note(name, "1.0", "2.0") == ""
+    assert drift_note(aiter, "0.1.11", None) == ""  # not installed here: nothing to compare
+
+
+# ------------------------------------------------ which candidates mla-tune compile captures
+CAPTURE_BUILD = '''
+def build(variant, shape, device):
+    raise ValueError(f"{NAME} was built by the capture")
+'''
+
+
+def test_the_compile_check_captures_own_precompiled_kernels_not_vendor_or_plain_ones(plugins, monkeypatch):
+    plugins({
+        "own_jit": ('kv_formats=("bf16",), precompile=True', CAPTURE_BUILD),
+        "wrapped": ('kv_formats=("bf16",), precompile=True, vendor="some-lib"', CAPTURE_BUILD),
+        "eager": ('kv_formats=("bf16",)', CAPTURE_BUILD),
+    })
+    assert [n for n in BACKEND_MODULES if captured(n)] == ["triton", "triton_fused", "gluon_fused"]
+    assert [n for n in ("own_jit", "wrapped", "eager") if captured(n)] == ["own_jit"]
+    monkeypatch.setattr(xcheck, "interpreting", lambda: False)  # nothing reaches a compile here
+    shape = Shape(2, 64)
+    plan = {shape: [Variant.make(n, kv="bf16", q="bf16") for n in ("own_jit", "wrapped", "eager")]}
+    report = xcheck.check_plan(plan, "H200", jobs=1, use_cache=False, q_quant=False)
+    assert report["not_compiled"] == {"wrapped": 1, "eager": 1}
+    assert report["capture_errors"] == [{"shape": str(shape), "label": "own_jit(kv=bf16,q=bf16)",
+                                         "error": "capture failed: ValueError: own_jit was built by the capture"}]
+
+
+# ------------------------------------------------ mla-tune time: vendor rows and budget variants
+SERVING_PAIR = '''
+def default_serving_variant(spec, platform):
+    raise ValueError("not called here")
+
+def build_serving(variant, spec, device):
+    raise ValueError("not called here")
+'''
+BUDGET_HOOK = '''
+def batch_split_budget(waves, sm_count, head_tiles):
+    return int(waves * sm_count) * 1000 + head_tiles
+'''
+
+
+def test_the_vendor_rows_of_a_mix_are_the_serving_backends_that_wrap_a_vendor_for_this_gpu(plugins):
+    h200, mi355x = PLATFORMS["H200"], PLATFORMS["MI355X"]
+    assert vendor_backends(h200) == ["flashinfer", "flashmla"] and vendor_backends(mi355x) == ["aiter"]
+    sm90 = 'platforms=(("cuda", "sm_90"),)'
+    plugins({
+        "new_vendor": (f'kv_formats=("bf16",), serving=True, vendor="new-lib", {sm90}', SERVING_PAIR),
+        "amd_vendor": ('kv_formats=("bf16",), serving=True, vendor="amd-lib", platforms=(("hip",),)',
+                       SERVING_PAIR),
+        "no_serving": (f'kv_formats=("bf16",), vendor="lb-lib", {sm90}', ""),
+        "own_kernel": (f'kv_formats=("bf16",), serving=True, {sm90}', SERVING_PAIR),
+    })
+    assert vendor_backends(h200) == ["flashinfer", "flashmla", "new_vendor"]
+    assert vendor_backends(mi355x) == ["aiter", "amd_vendor"]
+
+
+def test_budget_variants_come_from_a_backends_batch_split_budget_hook(plugins):
+    plugins({"budgeted": ('kv_formats=("bf16",)', BUDGET_HOOK), "unbudgeted": ('kv_formats=("bf16",)', "")})
+    split = dict(kv="bf16", q="bf16", block_h=16, max_splits=8, tokens_per_split=512)
+    made = with_budget(Variant.make("budgeted", **split), 2, 128, sm_count=100, heads=64)
+    assert made == Variant.make("budgeted", **{**split, "tokens_per_split": 128, "split_budget": 200 * 1000 + 4})
+    assert with_budget(Variant.make("unbudgeted", **split), 2, 128, 100, 64) is None
+    assert with_budget(Variant.make("budgeted", **{**split, "max_splits": 1}), 2, 128, 100, 64) is None
+    # today's: triton's budget (its own rule), none for gluon_fused though its serving form
+    # takes split_budget (it has no hook: its budgets are its serving_candidates' own)
+    triton = Variant.make("triton", **split, block_n=64, num_warps=8, num_stages=2, dot_dtype="bf16")
+    assert with_budget(triton, 2, 128, 100, 64).get("split_budget") == triton_splitk.batch_split_budget(2, 100, 4)
+    gluon = Variant.make("gluon_fused", kv="fp8", q="fp8_dynamic", block_h=16, max_splits=8,
+                         tokens_per_split=512, num_stages=2, v_halves=1)
+    assert with_budget(gluon, 2, 128, 100, 64) is None
 
 
 # ------------------------------------------------------------------ one place for each fact

@@ -1,7 +1,5 @@
 """The `mla-tune` command line: help, show, export, diff, sweep's option passing, clean errors."""
 
-from __future__ import annotations
-
 import errno
 import itertools
 import json
@@ -10,7 +8,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 import typer.main
@@ -20,23 +17,24 @@ import mla_tune.tune.sweep
 from mla_tune import __version__, fileio
 from mla_tune.cli import app
 from mla_tune.tables.table import load_table
-from tests.helpers import NARROW, assert_commands_import_no_torch, invoke
+from tests.helpers import CPU_TABLE as TABLE
+from tests.helpers import NARROW, REPO, assert_commands_import_no_torch, invoke
 
-REPO = Path(__file__).parents[1]
-DATA = Path(__file__).parent / "data"
-TABLE = DATA / "table_cpu.yaml"
 H200 = REPO / "tables" / "H200.yaml"
 # The H200 table as it stood before the budgeted search: fixed numbers for exact assertions,
 # whatever a later sweep commits to tables/.
-H200_FIXED = DATA / "H200.pre-search.yaml"
-CONFIG = REPO / "configs" / "leaderboard.yaml"
+H200_FIXED = REPO / "tests" / "data" / "H200.pre-search.yaml"
+
+
+def _output(*args, code=0, env=None):
+    """What `mla-tune ARGS` prints, asserting it exits with `code`."""
+    result = invoke(*args, env=env)
+    assert result.exit_code == code, result.output
+    return result.output
 
 
 def _error_lines(*args, code=1):
-    """The lines `mla-tune ARGS` prints, asserting it exits with `code`."""
-    result = invoke(*args)
-    assert result.exit_code == code, result.output
-    return result.output.strip().splitlines()
+    return _output(*args, code=code).strip().splitlines()
 
 
 def _fits_80_columns_in_40_lines(lines):
@@ -53,17 +51,14 @@ def _fits_80_columns_in_40_lines(lines):
 )
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_every_command_has_help_with_h_too(command, says, flag):
-    result = invoke(command, flag)
-    assert result.exit_code == 0, result.output
-    assert says in " ".join(result.output.split())
+    assert says in " ".join(_output(command, flag).split())
 
 
 def test_no_arguments_prints_the_command_list_and_version_prints_the_version():
     result = invoke()
     for command in ("sweep", "export", "show", "diff", "report"):
         assert command in result.output
-    result = invoke("--version")
-    assert result.exit_code == 0 and result.output.strip() == f"mla-tune {__version__}"
+    assert _output("--version").strip() == f"mla-tune {__version__}"
 
 
 def test_boolean_flags_have_no_negative_twins_and_every_option_a_sentence_of_help():
@@ -99,11 +94,10 @@ def test_every_commands_help_text_fills_its_lines_in_80_columns():
 
 @pytest.mark.parametrize("path", [H200, H200_FIXED], ids=["committed", "pre-search"])
 def test_show_fits_80_columns_in_40_lines_with_every_winner_greppable(path):
-    result = invoke("show", "--table", path)
-    assert result.exit_code == 0, result.output
-    lines = result.output.splitlines()
-    assert _fits_80_columns_in_40_lines(lines), result.output
-    assert "…" not in result.output and "\x1b[" not in result.output  # no rich ellipsis, no ANSI
+    output = _output("show", "--table", path)
+    lines = output.splitlines()
+    assert _fits_80_columns_in_40_lines(lines), output
+    assert "…" not in output and "\x1b[" not in output  # no rich ellipsis, no ANSI
     table = load_table(path, check_params=False)
     for shape, row in table.rows.items():
         mine = [line for line in lines if line.split()[:2] == [str(shape), "winner"]]
@@ -114,27 +108,23 @@ def test_show_fits_80_columns_in_40_lines_with_every_winner_greppable(path):
     hits = [line for line in lines if "num_splits=16" in line]
     assert hits and hits[0].split()[:2] == ["4x1024", "winner"]
     if path == H200_FIXED:
-        assert "2.00x" in result.output and "69/85/0" in result.output  # speedup, ok/pruned/bad
+        assert "2.00x" in output and "69/85/0" in output  # speedup, ok/pruned/bad
 
 
 def test_show_on_a_wide_terminal_puts_each_variant_on_one_line():
-    result = invoke("show", "--table", H200, env={**NARROW, "COLUMNS": "200"})
+    lines = _output("show", "--table", H200, env={**NARROW, "COLUMNS": "200"}).splitlines()
     for row in load_table(H200, check_params=False).rows.values():
-        assert any(line.endswith(row.winner["variant"]) for line in result.output.splitlines())
+        assert any(line.endswith(row.winner["variant"]) for line in lines)
 
 
 def test_show_prints_rows_notes_and_provenance_and_json_for_scripts():
-    result = invoke("show", "--table", TABLE)
-    assert result.exit_code == 0, result.output
-    out = result.output
+    out = _output("show", "--table", TABLE)
     assert "  1x8  winner torch(kv=bf16,q=bf16)" in out and "2x40" in out
     assert "1.38x" in out  # baseline 11.0 / triton 8.0
     assert "3x16 winner none: no candidate passed the gate" in out and "triton: all" in out
     assert "provenance:" in out and "rule: leaderboard rtol=0.1 atol=0.1" in out
     assert "config: configs/test.yaml (hash 0123abcd)" in out
-    result = invoke("show", "--table", TABLE, "--json")
-    assert result.exit_code == 0, result.output
-    data = json.loads(result.output)
+    data = json.loads(_output("show", "--table", TABLE, "--json"))
     assert data["gpu"] == "cpu" and data["path"] == str(TABLE)
     assert [(r["batch"], r["kv_len"]) for r in data["rows"]] == [(1, 8), (2, 40), (3, 16)]
     assert data["rows"][1]["winner"]["variant"].startswith("triton(block_n=16")
@@ -151,20 +141,18 @@ def test_a_gpu_name_that_is_not_a_name_is_refused_in_one_line(bad):
         assert _error_lines(*command, f"--gpu={bad}", code=2) == [
             f"error: --gpu {bad!r} is not a GPU name; use letters, digits, '-' and '_' only, "
             "like H200 or MI355X"]
-    result = invoke("show")  # neither --gpu nor --table
-    assert result.exit_code == 2
-    assert "--gpu NAME or a table file with --table PATH" in result.output
+    # neither --gpu nor --table
+    assert "--gpu NAME or a table file with --table PATH" in _output("show", code=2)
 
 
 def test_export_writes_the_submission_and_overwrites_only_its_own_files(tmp_path):
     out = tmp_path / "submission.py"
-    result = invoke("export", "--table", TABLE, "-o", out, "--only", "torch")
-    assert result.exit_code == 0, result.output
-    assert "backends limited to torch" in result.output
+    output = _output("export", "--table", TABLE, "-o", out, "--only", "torch")
+    assert "backends limited to torch" in output
     assert out.read_text().splitlines()[:2] == ["#!POPCORN leaderboard amd-mixed-mla",
                                                 "#!POPCORN gpu cpu"]
     # a second export over its own earlier file is fine; over its table, results or a config not
-    assert invoke("export", "--table", TABLE, "-o", out, "--only", "torch").exit_code == 0
+    _output("export", "--table", TABLE, "-o", out, "--only", "torch")
     table = tmp_path / "cpu.yaml"
     table.write_text(TABLE.read_text())
     results = tmp_path / "cpu.results.jsonl"
@@ -222,25 +210,23 @@ def test_an_internal_error_shows_its_traceback_not_a_one_line_error():
 def test_sweep_passes_its_options_through(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(mla_tune.tune.sweep, "run_sweep", lambda *a, **k: calls.append((a, k)))
-    result = invoke("sweep", "--gpu", "H200", "--config", tmp_path / "c.yaml", "--out",
-                     tmp_path / "t.yaml", "--devices", "0,1", "--fresh", "--force")
-    assert result.exit_code == 0, result.output
+    _output("sweep", "--gpu", "H200", "--config", tmp_path / "c.yaml", "--out", tmp_path / "t.yaml",
+            "--devices", "0,1", "--fresh", "--force")
     assert calls == [((tmp_path / "c.yaml", "H200"),
                       {"out": tmp_path / "t.yaml", "dry_run": False, "force": True,
                        "devices": [0, 1], "fresh": True})]
-    result = invoke("sweep", "--gpu", "H200", "--devices", "zero")
-    assert result.exit_code == 2 and "--devices must be GPU indices" in result.output
+    output = _output("sweep", "--gpu", "H200", "--devices", "zero", code=2)
+    assert "--devices must be GPU indices" in output
 
 
 @pytest.mark.parametrize(("config", "code", "says"), [
-    (CONFIG, 0, ["dry run", "4x1024"]),
+    (REPO / "configs" / "leaderboard.yaml", 0, ["dry run", "4x1024"]),
     ("configs/serving.yaml", 0, ["1404 cells", "estimated GPU time"]),  # the serving sweep
     ("none.yaml", 1, ["none.yaml"]),  # missing: exit 1, naming it
 ], ids=["leaderboard", "serving", "missing"])
 def test_sweep_dry_run_plans_either_kind_of_config_or_names_a_missing_one(config, code, says):
-    result = invoke("sweep", "--gpu", "H200", "--config", config, "--dry-run")
-    assert result.exit_code == code, result.output
-    assert all(word in result.output for word in says) and "Traceback" not in result.output
+    output = _output("sweep", "--gpu", "H200", "--config", config, "--dry-run", code=code)
+    assert all(word in output for word in says) and "Traceback" not in output
 
 
 def test_diff_flags_winner_changes_and_times_outside_the_noise(tmp_path):
@@ -251,15 +237,13 @@ def test_diff_flags_winner_changes_and_times_outside_the_noise(tmp_path):
                                  "params": {"kv": "bf16", "q": "bf16"}}
     new = tmp_path / "new.yaml"
     new.write_text(yaml.safe_dump(data, sort_keys=False))
-    result = invoke("diff", TABLE, new)
-    assert result.exit_code == 0, result.output
-    lines = result.output.splitlines()
+    lines = _output("diff", TABLE, new).splitlines()
     assert max(map(len, lines)) <= 80
     row = {line.split()[0]: line for line in lines if line[:1].isdigit()}
     assert "+20.0%" in row["1x8"] and "SLOWER" in row["1x8"] and "same winner" in row["1x8"]
     assert "+1.2%" in row["2x40"] and "within noise" in row["2x40"] and "winner changed" in row["2x40"]
     assert any(line.split()[:3] == ["2x40", "new", "torch(kv=bf16,q=bf16)"] for line in lines)
-    data = json.loads(invoke("diff", TABLE, new, "--json").output)
+    data = json.loads(_output("diff", TABLE, new, "--json"))
     by_shape = {c["shape"]: c for c in data["shapes"]}
     assert by_shape["1x8"]["flagged"] is True and by_shape["1x8"]["noise"] == 0.02
     assert by_shape["2x40"]["flagged"] is False and by_shape["2x40"]["status"] == "winner changed"
@@ -290,10 +274,9 @@ def test_show_clips_a_huge_text_field_instead_of_printing_it(tmp_path):
     big = tmp_path / "big.yaml"
     big.write_text(text.replace(reason, "  reason: '" + "why " * 3_000_000 + "'"))  # 12 MB
     started = time.monotonic()
-    result = invoke("show", "--table", big)
+    lines = _output("show", "--table", big).splitlines()
     assert time.monotonic() - started < 10
-    assert result.exit_code == 0, result.output
-    assert _fits_80_columns_in_40_lines(result.output.splitlines())
+    assert _fits_80_columns_in_40_lines(lines)
 
 
 def test_a_missing_table_for_a_gpu_lists_the_tables_and_suggests_the_case(monkeypatch):
@@ -319,17 +302,11 @@ def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(monkeypatch, tmp
 def test_sweep_takes_a_budget_for_either_kind_of_config(monkeypatch):
     """--budget replaces budget_s in either kind of config; a bad value is one line and exit 2."""
     seen = {}
-
-    def fake_serving(config, gpu, **kw):
-        seen.update(kw)
-        return 0
-
-    monkeypatch.setattr("mla_tune.serving.sweep.sweep_from_cli", fake_serving)
-    result = invoke("sweep", "--gpu", "H200", "--config", "configs/serving.yaml", "--budget", "300")
-    assert result.exit_code == 0, result.output
+    monkeypatch.setattr("mla_tune.serving.sweep.sweep_from_cli",
+                        lambda config, gpu, **kw: seen.update(kw))  # None: exit 0
+    _output("sweep", "--gpu", "H200", "--config", "configs/serving.yaml", "--budget", "300")
     assert seen["budget"] == 300.0
-    result = invoke("sweep", "--gpu", "H200", "--dry-run", "--budget", "60")
-    assert result.exit_code == 0, result.output
-    assert "fits the budget of 60 s" in result.output and "dropped for the budget" in result.output
-    result = invoke("sweep", "--gpu", "H200", "--budget", "-5")
-    assert result.exit_code == 2 and "--budget must be a positive number of seconds" in result.output
+    output = _output("sweep", "--gpu", "H200", "--dry-run", "--budget", "60")
+    assert "fits the budget of 60 s" in output and "dropped for the budget" in output
+    output = _output("sweep", "--gpu", "H200", "--budget", "-5", code=2)
+    assert "--budget must be a positive number of seconds" in output

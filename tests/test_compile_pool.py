@@ -1,7 +1,5 @@
 """The precompile pool: right stand-ins, isolated jobs, a non-blocking API, no orphans."""
 
-from __future__ import annotations
-
 import json
 import os
 import signal

@@ -1,20 +1,16 @@
 """Crash safety end to end (tests/crash_resume.py), the fake_oob backend, --candidate-timeout."""
 
-from __future__ import annotations
-
 import json
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
 import mla_tune.tune.sweep
 from mla_tune.backends import EXTRA_BACKENDS_ENV
-from mla_tune.cli import app
 from mla_tune.core import Shape
 from tests import crash_resume
 from tests.fakes import EXTRA_BACKENDS, fake_oob
-from tests.helpers import REPO, WIDE
+from tests.helpers import REPO, WIDE, invoke
 
 DATA = REPO / "tests" / "data"
 CPU_CONFIG = DATA / "resume_demo_cpu.yaml"
@@ -118,11 +114,11 @@ def test_the_candidate_timeout_option_reaches_run_sweep(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(mla_tune.tune.sweep, "run_sweep", lambda *a, **k: calls.append(k))
     sweep = ["sweep", "--gpu", "H200", "--config", str(CPU_CONFIG)]
-    result = CliRunner().invoke(app, [*sweep, "--candidate-timeout", "7.5"], env=WIDE)
+    result = invoke(*sweep, "--candidate-timeout", "7.5", env=WIDE)
     assert result.exit_code == 0, result.output
     assert calls[-1]["candidate_timeout_s"] == 7.5
-    result = CliRunner().invoke(app, sweep, env=WIDE)
+    result = invoke(*sweep, env=WIDE)
     assert result.exit_code == 0 and "candidate_timeout_s" not in calls[-1]  # the config's limit
-    result = CliRunner().invoke(app, [*sweep[:3], "--candidate-timeout", "0"], env=WIDE)
+    result = invoke(*sweep[:3], "--candidate-timeout", "0", env=WIDE)
     assert result.exit_code == 2 and "--candidate-timeout must be a positive number" in result.output
     assert len(calls) == 2

@@ -1,8 +1,6 @@
 """The one decode call (Decoder, decode) over the own serving runners, against the fp32
 reference; the full matrix is in tests/test_serving_correctness.py."""
 
-from __future__ import annotations
-
 import itertools
 
 import pytest
@@ -79,17 +77,6 @@ def test_the_output_buffer_is_allocated_once_and_reused(device):
         assert grown != ptr
         assert decoder(larger.q, larger.qo_indptr, larger.kv, **larger.layout).data_ptr() == grown
         assert decoder(big.q, big.qo_indptr, big.kv, **big.layout).data_ptr() == grown
-
-
-@pytest.mark.parametrize("backend", OWN)
-def test_a_padded_graph_slot_of_length_0_does_not_crash(backend, device):
-    """A graph padded past the live batch carries seq_len 0: every other sequence is right."""
-    inp = serving.make_input([1, 1, 1], [40, 5, 100], 16, 16, "fp8", seed=23, device=device)
-    ref = inp.reference()
-    inp.seq_lens[1] = 0
-    decoder = Decoder(CallSpec("fp8", 16, 16, graph=True), backend=backend, device=device)
-    out = decoder(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
-    assert_close(out[0::2], ref[0::2], 1e-2, f"{backend} live sequences")
 
 
 def test_a_decoder_checks_host_lengths_q_len_and_kv_scale_against_its_spec(device):
@@ -175,7 +162,7 @@ MISMATCHES = {
     "bf16_kv": (lambda inp, flat: dict(kv=torch.zeros(inp.kv.shape, dtype=torch.bfloat16), kv_scale=None),
                 "kv must have an fp8 dtype"),
     "no_scale": (lambda inp, flat: dict(kv_scale=None), "fp8 KV needs kv_scale"),
-    # a Python float is a kv_scale (tests/test_uint8_cache.py); this is not
+    # a Python float is a kv_scale (tests/test_model_call_facts.py); this is not
     "float64_scale": (lambda inp, flat: dict(kv_scale=torch.tensor([0.5], dtype=torch.float64)),
                       "fp8 KV needs kv_scale"),
     "batch": (lambda inp, flat: dict(qo_indptr=torch.tensor([0, 1, 2, 3], dtype=torch.int32)),

@@ -1,8 +1,6 @@
 """The dispatcher's fast path for a tuned uniform shape called again: the full path's checks and
 messages, the same runner, misses still counted."""
 
-from __future__ import annotations
-
 import pytest
 import torch
 

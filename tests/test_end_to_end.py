@@ -4,8 +4,6 @@ fake aiter, listed), checked against problem.reference. Own kernels, AITER's fak
 and v0.1.20.post1 on a simulated MI355X, and a simulated MI355X without AITER.
 """
 
-from __future__ import annotations
-
 import ast
 import json
 import subprocess
@@ -16,14 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from typer.testing import CliRunner
 
 from mla_tune import gpu, runtime
-from mla_tune.cli import app
 from mla_tune.core import Shape, Variant
 from mla_tune.problem import check, generate_input, generate_ragged_input, get_rule, reference
 from mla_tune.tables.table import load_table, write_table
-from tests.helpers import REPO, WIDE, exported_env, run_exported, vendor_fakes
+from tests.helpers import REPO, WIDE, exported_env, invoke, run_exported, vendor_fakes
 
 CPU_CONFIG = "tests/data/e2e_cpu.yaml"  # relative to REPO: the table records the path
 AITER_CONFIG = "tests/data/e2e_aiter.yaml"
@@ -49,8 +45,8 @@ def _mla_tune(*args, env: dict[str, str], timeout: float = 240) -> subprocess.Co
 
 
 def _export(table: Path, out: Path, only: str | None = None):
-    args = ["export", "--table", str(table), "-o", str(out)] + (["--only", only] if only else [])
-    return CliRunner().invoke(app, args, env=WIDE)
+    only_args = ["--only", only] if only else []
+    return invoke("export", "--table", table, "-o", out, *only_args, env=WIDE)
 
 
 def _exports(folder: Path, gpu_name: str, n_shapes: int, exports: dict) -> dict[str, str]:

@@ -1,8 +1,8 @@
 """The single-file export: header, no mla_tune import, only the code it needs, correct output
 (the file runs in a fresh subprocess that refuses mla_tune; outputs are checked here against
-the fp32 reference under the leaderboard rule)."""
-
-from __future__ import annotations
+the fp32 reference under the leaderboard rule). And scripts/check_submission.py's paired ratio:
+two files timed alternately compare only figures taken at the same position in a round (the
+H200 shows a position effect)."""
 
 import ast
 import shutil
@@ -17,7 +17,7 @@ import torch
 from mla_tune.export import ExportError, export_submission, module_from_source, prepare_modules
 from mla_tune.problem import check, generate_input, generate_ragged_input, get_rule, reference
 from tests.helpers import CPU_TABLE as TABLE
-from tests.helpers import assert_clean_export, exported_outputs
+from tests.helpers import REPO, assert_clean_export, exported_outputs
 
 RULE = get_rule("leaderboard")
 
@@ -202,3 +202,26 @@ def test_export_is_byte_identical_with_and_without_a_serving_table_beside_it(tmp
     write_serving_table(folder / "cpu.serving.yaml",
                         ServingTable("cpu", {}, [1, 2], [512, 1024], {key: Family(key)}))
     assert render_submission(table) == before
+
+
+def _rounds(first: float, second: float, rounds: int, mine_scale: float):
+    """Figures as check_submission records them: mine[0] first, then round k (theirs
+    first when k is even), with a position effect first -> second."""
+    mine = [first * mine_scale]
+    theirs = []
+    for k in range(rounds):
+        theirs_at, mine_at = (first, second) if k % 2 == 0 else (second, first)
+        theirs.append(theirs_at)
+        mine.append(mine_at * mine_scale)
+    return mine, theirs
+
+
+@pytest.mark.parametrize("rounds", [1, 2, 3, 5])
+def test_a_position_effect_cancels_and_a_real_difference_shows(rounds, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    from check_submission import paired_ratio
+
+    mine, theirs = _rounds(19.6, 21.5, rounds, 1.0)
+    assert paired_ratio(mine, theirs) == pytest.approx(1.0)
+    mine, theirs = _rounds(19.6, 21.5, rounds, 1.05)
+    assert paired_ratio(mine, theirs) == pytest.approx(1.05)

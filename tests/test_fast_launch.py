@@ -8,8 +8,6 @@ bit-identical to the JIT launch across layers, a misaligned q falling back, and 
 time of DecodePlan.run (a CUDA graph of update + runs: tests/test_graph_replay.py).
 """
 
-from __future__ import annotations
-
 import inspect
 
 import pytest

@@ -4,8 +4,6 @@ On the CPU the kernels run under Triton's interpreter with fp16 dots (its bf16 d
 wrong); on a GPU the same tests use bf16 dots. Shapes stay tiny on the CPU.
 """
 
-from __future__ import annotations
-
 import dataclasses
 
 import pytest
@@ -20,15 +18,10 @@ from mla_tune.kernels.flash_decode import FlashDecodeWorkspace, flash_decode
 from tests.helpers import rel_l2
 
 
-def _dot_dtype(device: str) -> str:
-    return "bf16" if device == "cuda" else "fp16"
-
-
 def _calibrated_q_amax(batch: int, device: str, seeds=(901, 902)) -> float:
     """What the sweep does for fp8_static: the largest |q| seen on calibration inputs."""
-    return max(
-        float(problem.generate_input(batch, 1, seed, device=device)[0].abs().amax()) for seed in seeds
-    )
+    return max(float(problem.generate_input(batch, 1, seed, device=device)[0].abs().amax())
+               for seed in seeds)
 
 
 def _expected(data, kv: str, q: str, q_amax: float | None = None) -> torch.Tensor:
@@ -54,8 +47,9 @@ def _assert_close(out, ref, rules=("strict",)) -> None:
 
 
 def _options(device) -> dict:
-    """flash_decode's launch options at the tests' tiny shapes."""
-    return dict(block_n=16, num_warps=4, num_stages=1, dot_dtype=_dot_dtype(device))
+    """flash_decode's launch options at the tests' tiny shapes, with fp16 dots on the CPU."""
+    dot = "bf16" if device == "cuda" else "fp16"
+    return dict(block_n=16, num_warps=4, num_stages=1, dot_dtype=dot)
 
 
 def _run_variant(variant: Variant, data, device):
@@ -90,8 +84,7 @@ CASES = [
 def test_kernel_and_register_file_options_match_reference_in_their_formats(
         kv_lens, num_splits, block_n, kv, q, registers, seed, device):
     data = problem.generate_ragged_input(kv_lens, seed=seed, device=device)
-    params = dict(kv=kv, q=q, num_splits=num_splits, block_n=block_n, num_warps=4,
-                  num_stages=1, dot_dtype=_dot_dtype(device), **registers)
+    params = dict(_options(device), kv=kv, q=q, num_splits=num_splits, block_n=block_n, **registers)
     q_amax = None
     if q == "fp8_static":
         # Below the calibrated amax, so some values of q are clamped, as in serving.

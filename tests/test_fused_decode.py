@@ -1,21 +1,31 @@
-"""The one-launch fused decode (backend triton_fused) against the fp32 reference.
+"""The one-launch fused decode (backend triton_fused, and fused_decode called directly for its
+V split: `v_split=2`, two programs per (split, sequence), each with half the V dims) against
+the fp32 reference.
 
 CPU: Triton's interpreter with fp16 dots (its bf16 dots are wrong), tiny shapes, the
 `none` and `last` reductions (`spin` waits for programs that the interpreter runs one after
 another, so it is tested on the GPU only). GPU: the 8 leaderboard shapes under `strict`
-(MXFP4 under `leaderboard`).
+(MXFP4 under `leaderboard`); the V split at three of them (16, 4 and 1 split) under `strict`
+with `last` and `spin`.
+
+gfx942's fp8 (float8_e4m3fnuz): Triton's AMD backend cannot convert fnuz to OCP e4m3
+("Unsupported conversion from 'f8E4M3FNUZ' to 'f8E4M3FN'", xcompile.md), so the fp8 a dot
+casts to follows the KV's dtype (fused_decode.fu_dot_code), and in-kernel q quantization uses
+that fp8's range.
 """
 
-from __future__ import annotations
+import math
 
 import pytest
 import torch
+import triton
 
 from mla_tune import problem
 from mla_tune.backends import triton_fused
-from mla_tune.core import Shape, Variant
+from mla_tune.core import QK_DIM, SM_SCALE, V_DIM, Shape, Variant, device_sm_count
 from mla_tune.gpu import fake_platform
-from tests.helpers import rel_l2
+from mla_tune.kernels.fused_decode import FU_DOT_CODES, FU_DOT_FP8_FNUZ, fu_dot_code, fused_decode
+from tests.helpers import assert_close, rel_l2
 
 CPU_BASE = dict(q="bf16", qk_dot="fp16", pv_dot="fp16", tok_m=True, block_n=16, num_warps=4, num_stages=1)
 
@@ -25,7 +35,7 @@ def _variant(**params) -> Variant:
 
 
 # (kv, lens, params, seed). Every KV format at a single token, a partial tile (heads on M),
-# ragged batches with empty splits in the short sequences. Then the issue-5 levers: TMA loads
+# ragged batches with empty splits in the short sequences. Then the levers: TMA loads
 # (device and host descriptors), the persistent grid, and the MXFP4 dequantization. Under the
 # interpreter the persistent grid has 3 "SMs", so sequences are cut between programs.
 CASES = [(kv, lens, dict(num_splits=num_splits, reduce=reduce, tok_m=tok_m), 7)
@@ -111,9 +121,7 @@ def test_mxfp4_bit_dequantization_is_exact_for_every_code_at_the_fp16_dots_scale
     # fp16 dots (the interpreter's bf16 dots are wrong): c x 2^(b - 127) for every code c is
     # an fp16 value exactly for scale bytes 104..140; bytes above make inf K and NaN scores,
     # bytes below round to fp16's subnormal grid of 2^-24, so only their error (at most
-    # 2^-25) is checked.
-    # test_mxfp4_bit_dequantization_is_exact_for_every_code_and_scale_on_the_gpu covers
-    # bytes 0..252 with bf16 dots.
+    # 2^-25) is checked. The GPU test below covers bytes 0..252 with bf16 dots.
     out, ref, byte = _mx_rows_through_decode(list(range(141)), CPU_BASE, device)
     exact = (byte >= 104)[:, None, :].expand_as(out)
     full_ref = ref[:, None, :].expand_as(out)
@@ -182,6 +190,40 @@ def test_build_refuses_an_invalid_variant_with_the_reason():
         triton_fused.candidates(Shape(2, 64), {"splits": [2]}, fake_platform("H200"))
 
 
+# ----------------------------------------------------------------- gfx942's fp8 (fnuz)
+def test_an_fp8_dot_follows_the_caches_fp8():
+    fn = torch.empty(4, 576, dtype=torch.float8_e4m3fn)
+    fnuz = torch.empty(4, 576, dtype=torch.float8_e4m3fnuz)
+    assert fu_dot_code("fp8", fn) == FU_DOT_CODES["fp8"]
+    assert fu_dot_code("fp8", fnuz) == FU_DOT_FP8_FNUZ != FU_DOT_CODES["fp8"]
+    for dot in ("fp16", "bf16"):
+        assert fu_dot_code(dot, fnuz) == fu_dot_code(dot, fn) == FU_DOT_CODES[dot]
+
+
+def _as_fnuz(data):
+    """The same inputs with the fp8 cache requantized to e4m3fnuz (max 240) per tensor."""
+    kv8, scale = data[1]["fp8"]
+    values = kv8.float() * scale
+    fnuz_scale = values.abs().amax().reshape(1) / torch.finfo(torch.float8_e4m3fnuz).max
+    kv_fnuz = (values / fnuz_scale).to(torch.float8_e4m3fnuz)
+    return (data[0], {**data[1], "fp8": (kv_fnuz, fnuz_scale.float())}, *data[2:])
+
+
+def test_fused_decode_reads_an_fnuz_cache_with_fp8_dots(device):
+    # fp8 q x fp8 K, and fp8 P x fp8 V (P scaled into the fp8's range: 256 would overflow
+    # fnuz's 240). At these tiny sizes fp8 dots are a few percent off even with e4m3fn
+    # (about 0.05 to 0.09 here): the fnuz cache must do as well as the e4m3fn one.
+    ocp = problem.generate_ragged_input([17, 40], seed=5, device=device)
+    fnuz = _as_fnuz(ocp)
+    for q, qk_dot, pv_dot in (("fp8_dynamic", "fp8", "fp16"), ("bf16", "fp16", "fp8"),
+                              ("fp8_dynamic", "fp8", "fp8")):
+        variant = _variant(kv="fp8", q=q, qk_dot=qk_dot, pv_dot=pv_dot, num_splits=1, reduce="none")
+        run = triton_fused.build(variant, Shape(2, 40), device)
+        errs = [rel_l2(run(*data[:4]), problem.reference(data, q_format="bf16", kv_format="fp8"))
+                for data in (ocp, fnuz)]
+        assert errs[1] < min(0.1, 1.5 * errs[0] + 0.01), \
+            f"{variant}: relative L2 error e4m3fn {errs[0]:.4f}, fnuz {errs[1]:.4f}"
+
 LEADERBOARD_SHAPES = [(4, 1024), (4, 8192), (32, 1024), (32, 8192), (64, 1024), (64, 8192), (256, 1024), (256, 8192)]
 GPU_FAMILIES = {
     "fp8_q8": dict(kv="fp8", q="fp8_dynamic", qk_dot="fp8", pv_dot="fp16", block_n=128, num_warps=8, num_stages=2),
@@ -237,3 +279,115 @@ def test_leaderboard_shapes_pass_the_rule_with_the_levers(lever, family, batch, 
     result = problem.check(first, problem.reference(data), rule)
     assert result.passed, f"{variant}: {result.reason}"
     assert torch.equal(first, run(*data[:4])), f"{variant}: a second call differs"
+
+
+# ----------------------------------------------------------- the V split, called directly
+DIRECT_CPU = dict(q_fp8=False, qk_dot="fp16", pv_dot="fp16", num_warps=4, num_stages=1, block_n=16)
+
+
+class _Bufs:
+    """fused_decode's scratch for `slots` partials; counters for 2 x batch (v_split 2)."""
+
+    def __init__(self, batch: int, num_splits: int, device):
+        slots = batch * num_splits
+        self.part_o = torch.empty(slots * 16 * V_DIM, dtype=torch.float32, device=device)
+        self.part_lse = torch.empty(slots * 16, dtype=torch.float32, device=device)
+        self.count = torch.zeros(2 * batch, dtype=torch.int32, device=device)
+        self.flag = torch.zeros(2 * batch, dtype=torch.int32, device=device)
+        self.out = torch.empty((batch, 16, V_DIM), dtype=torch.bfloat16, device=device)
+
+
+def run_fused(data, bufs: _Bufs, *, kv: str, num_splits: int, reduce: str, v_split: int, tok_m: bool = True,
+              load: str = "ptr", **params) -> torch.Tensor:
+    q, kv_data = data[0], data[1]
+    entry = kv_data[kv]
+    dummy = torch.zeros(1, dtype=torch.float32, device=q.device)
+    cache, scale = (entry.view(-1, QK_DIM), dummy) if kv == "bf16" else (entry[0].view(-1, QK_DIM), entry[1])
+    if load == "tma":  # the device descriptors' scratch
+        triton.set_allocator(lambda size, _align, _stream: torch.empty(size, dtype=torch.int8,
+                                                                         device=q.device))
+    options = {**DIRECT_CPU, **params}
+    fused_decode(q, cache, scale, dummy, data[3], bufs.out[: q.shape[0]], bufs.part_o, bufs.part_lse,
+                 bufs.count, bufs.flag, num_splits=num_splits, kv_fmt=kv, tok_m=tok_m,
+                 reduce=reduce if num_splits > 1 else "none", sm_scale_log2=SM_SCALE * math.log2(math.e),
+                 load=load, v_split=v_split, **options)
+    return bufs.out[: q.shape[0]]
+
+
+def _check(out, data, kv: str, what: str) -> None:
+    assert_close(out, problem.reference(data, q_format="bf16", kv_format=kv), 1e-2, what)
+
+
+# (lens, num_splits, reduce, tok_m, load): a single token, a partial tile, ragged batches
+# with empty splits in the short sequences, heads on M, and the TMA loads.
+V_SPLIT_CASES = [
+    ([1], 1, "none", True, "ptr"),
+    ([17], 1, "none", True, "ptr"),
+    ([17], 2, "last", False, "ptr"),
+    ([17, 40, 3], 3, "last", True, "ptr"),
+    ([100, 33], 4, "last", False, "ptr"),
+    ([17, 40, 3], 3, "last", True, "tma"),
+    ([100, 33], 4, "last", True, "tma_host"),
+]
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("lens,num_splits,reduce,tok_m,load", V_SPLIT_CASES,
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, list) else str(v))
+def test_v_split_matches_the_reference_and_v_split_1(device, kv, lens, num_splits, reduce, tok_m, load):
+    data = problem.generate_ragged_input(lens, seed=11, device=device)
+    bufs = _Bufs(len(lens), num_splits, device)
+    kwargs = dict(kv=kv, num_splits=num_splits, reduce=reduce, tok_m=tok_m, load=load)
+    whole = run_fused(data, bufs, v_split=1, **kwargs).clone()
+    bufs.out.fill_(float("nan"))  # every output element must be written by one of the halves
+    halves = run_fused(data, bufs, v_split=2, **kwargs).clone()
+    _check(whole, data, kv, f"v_split 1 {kwargs} at {lens}")
+    _check(halves, data, kv, f"v_split 2 {kwargs} at {lens}")
+    # The halves differ from the whole only by the scores' summation order (bf16 output).
+    torch.testing.assert_close(halves.float(), whole.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_v_split_last_reducer_resets_its_counters_so_calls_repeat(device):
+    data = problem.generate_ragged_input([50, 20, 9], seed=3, device=device)
+    bufs = _Bufs(3, 3, device)
+    calls = [run_fused(data, bufs, kv="fp8", num_splits=3, reduce="last", v_split=2).clone() for _ in range(3)]
+    assert torch.equal(calls[0], calls[1]) and torch.equal(calls[0], calls[2])
+    assert int(bufs.count.abs().sum()) == 0  # every (sequence, half) counter is back at zero
+    _check(calls[0], data, "fp8", "v_split 2, 3 calls")
+
+
+def test_v_split_refuses_what_it_does_not_run(device):
+    data = problem.generate_ragged_input([17], seed=1, device=device)
+    bufs = _Bufs(1, 2, device)
+    for kwargs, match in [(dict(v_split=3), "v_split must be 1 or 2"),
+                          (dict(v_split=2, programs=2), "split grid"),
+                          (dict(v_split=2, num_splits=129), "at most 128 splits")]:
+        with pytest.raises(ValueError, match=match):
+            run_fused(data, bufs, **{**dict(kv="fp8", num_splits=2, reduce="last"), **kwargs})
+
+
+# ----------------------------------------------------------------------------- H200
+# triton_fused's fp8-q family (scripts/bench_peers.py FU_PICKS), strict at every shape.
+GPU_FQ8 = dict(q_fp8=True, qk_dot="fp8", pv_dot="fp16", num_warps=4, num_stages=3, block_n=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("batch,kv_len", [(4, 1024), (32, 1024), (256, 1024)])  # 16, 4 and 1 split
+def test_v_split_at_the_leaderboard_shapes_under_strict(batch, kv_len):
+    sm_count = device_sm_count(torch.device("cuda"))
+    data = problem.generate_input(batch, kv_len, seed=1001, device="cuda")
+    ref = problem.reference(data)
+    splits = max(1, min(32, 128 // batch, kv_len // GPU_FQ8["block_n"]))
+    for v_split in (1, 2):
+        reduces = ["none"] if splits == 1 else ["last"] + (["spin"] if batch * splits * v_split <= sm_count else [])
+        for reduce in reduces:
+            bufs = _Bufs(batch, splits, "cuda")
+            what = f"v_split {v_split}, {splits} splits, reduce {reduce} at {batch}x{kv_len}"
+            first = run_fused(data, bufs, kv="fp8", num_splits=splits, reduce=reduce, v_split=v_split,
+                              **GPU_FQ8).clone()
+            result = problem.check(first, ref, problem.RULES["strict"])
+            assert result.passed, f"{what}: {result.reason}"
+            for _ in range(2):
+                assert torch.equal(first, run_fused(data, bufs, kv="fp8", num_splits=splits, reduce=reduce,
+                                                    v_split=v_split, **GPU_FQ8)), f"{what}: a repeated call differs"

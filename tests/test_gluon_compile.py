@@ -1,6 +1,8 @@
-"""gluon_fused compiles for sm_90 with the installed Triton, on a machine without a GPU.
+"""The Gluon kernels compile for sm_90 with the installed Triton, on a machine without a GPU:
+gluon_fused's leaderboard decode (its launches, shared memory and PTX) and its serving
+kernel (without spills, within an H200 block's shared memory).
 
-The launch is captured from the backend's real path and compiled for the H200's target, as
+The launches are captured from the backends' real paths and compiled for the H200's target, as
 `mla-tune compile` does (mla_tune.xcompile.capture: `build(variant, shape, meta)` and one call
 with meta tensors at the real shape, each launch recorded instead of run; xcompile.targets:
 bound as `JITFunction.run` binds it, then `triton.compile` for sm_90, whose ptxas ships in
@@ -10,23 +12,23 @@ CI runs this with Triton 3.9; the same file runs under the contest's Triton 3.6 
 only 3.6 has run the kernel on an H200 (docs/perf.md).
 """
 
-from __future__ import annotations
-
 import re
-import sys
-import time
 
 import pytest
 import torch
 import triton
 
-from mla_tune.backends import gluon_fused
-from mla_tune.core import Shape, Variant
-from mla_tune.kernels import gluon_decode
+from mla_tune.backends import gluon_fused, gluon_fused_schedule
+from mla_tune.core import QK_DIM, V_DIM, CallSpec, Shape, Variant
+from mla_tune.kernels import gluon_decode, gluon_serving
+from mla_tune.xcompile.resources import SMEM_PER_SM
 from tests.helpers import run_outside_the_interpreter
 
 pytestmark = pytest.mark.skipif(gluon_decode.gluon is None,
                                 reason=f"no Gluon in this Triton: {gluon_decode.GD_UNAVAILABLE}")
+
+META = torch.device("meta")
+H200_BLOCK_SMEM = 232448  # 227 KB: what one sm_90 block may allocate
 
 CASES = [
     # tables/H200.yaml's most frequent winner (six shapes): the decode and the reduce launch
@@ -42,55 +44,85 @@ CASES = [
      "v_path=ss16)", Shape(4, 1024)),
 ]
 
+# (spec, variant) of the serving kernel: two binaries, to keep CI short;
+# tests/test_gluon_serving_gpu.py runs the rest.
+SERVING_CASES = [
+    (CallSpec("fp8", 64, 128, max_q_len=2, mixed_q_len=True, graph=True, return_lse=True),
+     "gluon_fused(block_h=16,kv=fp8,max_splits=8,num_stages=2,q=fp8_dynamic,split_budget=40,"
+     "tokens_per_split=512,v_halves=1)"),
+    (CallSpec("bf16", 128, 64, max_q_len=4, mixed_q_len=True, return_lse=True),
+     "gluon_fused(block_h=8,kv=bf16,max_splits=4,num_stages=2,q=bf16,tokens_per_split=256,"
+     "v_halves=2)"),
+]
+SERVING_IDS = ["fp8-page64-h128-q2-lse", "bf16-page128-h64-q4-lse-halves"]
 
-def compile_cases() -> list[dict]:
-    """Each case's launches, captured and compiled for the H200 as `mla-tune compile` does
-    (mla_tune.xcompile.capture, xcompile.targets): what the tests assert on. Needs a process
-    without TRITON_INTERPRET (the suite's conftest sets it, and the interpreter's jit functions
-    cannot be compiled), so the tests run it in a child process."""
+
+def compile_cases() -> dict:
+    """What the tests assert on: each case's launches, captured and compiled for the H200 as
+    `mla-tune compile` does (the decode's with their PTX, the serving kernel's at batch 3 as
+    compile_bound's records). Needs a process without TRITON_INTERPRET (the suite's conftest
+    sets it, and the interpreter's jit functions cannot be compiled), so the tests run it in a
+    child process."""
     from mla_tune import gpu
     from mla_tune.xcompile import capture, targets
 
     facts = gpu.KNOWN_GPUS["H200"]
     target = targets.target_for(facts)
-    results = []
+    decode, serving = {}, []
     with capture.recording(facts) as recorded:
         for text, shape in CASES:
             item = capture.capture_candidate(Variant.parse(text), shape, facts, recorded)
             launches = [] if item.error is None else [{"name": "capture", "error": item.error}]
             for launch in item.launches:
-                start = time.perf_counter()
                 try:
                     b = targets.bind(launch.kernel, launch.grid, launch.args, launch.kwargs, target)
                     compiled = targets.compile_binary(b)
                 except Exception as exc:  # the compiler's own message is the test's failure message
                     launches.append({"name": launch.kernel.fn.__name__, "error": f"{type(exc).__name__}: {exc}"})
                     continue
-                print(f"{text} {b.name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
                 launches.append({"name": b.name, "grid": list(b.launch[0]), "shared": compiled.metadata.shared,
                                  "ptx": compiled.asm["ptx"], "cubin_bytes": len(compiled.asm["cubin"])})
-            results.append({"variant": text, "launches": launches})
-    return results
+            decode[text] = launches
+        batch = 3
+        for spec, text in SERVING_CASES:
+            recorded.clear()
+            q = _meta(batch * spec.max_q_len, spec.heads, QK_DIM, dtype=torch.bfloat16)
+            fp8 = spec.kv_format == "fp8"
+            kv = _meta(40, spec.page_size, QK_DIM, dtype=torch.float8_e4m3fn if fp8 else q.dtype)
+            scale = _meta(1, dtype=torch.float32) if fp8 else None
+            layout = dict(block_table=_meta(batch, 12), seq_lens=_meta(batch))
+            runner = gluon_fused.build_serving(Variant.parse(text), spec, META)
+            result = runner(q, _meta(batch + 1), kv, scale, **layout)
+            out = result[0] if spec.return_lse else result
+            assert tuple(out.shape) == (q.shape[0], spec.heads, V_DIM)
+            keys = ("kernel", "error", "registers", "scratch", "spill_loads", "lds", "mma_ops",
+                    "ctas_per_sm")
+            records = []
+            for x in recorded:
+                bound = targets.bind(x.kernel, x.grid, x.args, x.kwargs, target)
+                record = targets.compile_bound(bound, facts.lds_bytes)
+                records.append({"grid": list(x.grid), **{k: record.get(k) for k in keys}})
+            serving.append(records)
+    return {"decode": decode, "serving": serving}
+
+
+def _meta(*shape: int, dtype=torch.int32) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=META)
 
 
 @pytest.fixture(scope="module")
-def compiled() -> dict[str, list[dict]]:
-    return {r["variant"]: r["launches"]
-            for r in run_outside_the_interpreter("tests.test_gluon_compile", "compile_cases", timeout=600)}
+def compiled() -> dict:
+    return run_outside_the_interpreter("tests.test_gluon_compile", "compile_cases", timeout=900)
 
 
 def test_this_triton_has_every_name_the_kernel_calls():
     assert gluon_decode.GD_UNAVAILABLE is None, gluon_decode.GD_UNAVAILABLE
-    reason = gluon_fused.unavailable_reason()
-    if not torch.cuda.is_available():  # the CPU machine: the GPU is what is missing, not the version
-        assert reason == "gluon_fused needs an NVIDIA sm_90 GPU (Gluon has no CPU interpreter)"
-        assert triton.__version__ not in reason
 
 
 @pytest.mark.parametrize("text, shape", CASES, ids=["table-winner", "ws2", "q-first", "one-launch-bf16-parts"])
 def test_the_backends_launch_compiles_for_sm90(compiled, text, shape):
     variant = Variant.parse(text)
-    launches = compiled[text]
+    launches = compiled["decode"][text]
     assert [launch.get("error") for launch in launches] == [None] * len(launches)
     # num_splits > 1: the decode, then the reduce launch, unless the splits combine in the kernel
     one_launch = variant.p.get("reduce") == "spin"
@@ -119,7 +151,7 @@ def test_q_loaded_first_is_issued_before_the_kv_indptr_loads_and_the_ring(compil
     """q_load=first: q's box loads (16-byte ld.global.v4) come first, so their round trip runs
     while KV_INDPTR's does; with twice (the winner) they wait behind the ring's first TMA
     copies, which wait for KV_INDPTR."""
-    twice, first = (compiled[text][0]["ptx"] for text, _ in CASES[0:3:2])
+    twice, first = (compiled["decode"][text][0]["ptx"] for text, _ in CASES[0:3:2])
     for ptx in (twice, first):
         assert _first(ptx, "ld.global.b32") < _first(ptx, "cp.async.bulk.tensor")  # the indptr before the ring
     assert _first(twice, "cp.async.bulk.tensor") < _first(twice, "ld.global.v4")
@@ -129,7 +161,32 @@ def test_q_loaded_first_is_issued_before_the_kv_indptr_loads_and_the_ring(compil
 def test_bf16_partials_are_stored_as_16_bit_values(compiled):
     """part=bf16: each of the 64 partial O values a thread holds is rounded to bf16 and
     stored as 16 bits, where the fp32 winner stores 64 32-bit values."""
-    fp32, bf16 = compiled[CASES[0][0]][0]["ptx"], compiled[CASES[3][0]][0]["ptx"]
+    fp32, bf16 = (compiled["decode"][CASES[i][0]][0]["ptx"] for i in (0, 3))
     count = lambda ptx, op: len(re.findall(rf"\b{re.escape(op)}\b", ptx))  # noqa: E731
     assert (count(fp32, "st.global.b32"), count(fp32, "st.global.b16")) == (64, 0)
     assert (count(bf16, "st.global.b16"), count(bf16, "cvt.rn.bf16.f32")) == (64, 64)
+
+
+@pytest.mark.parametrize("index", range(len(SERVING_CASES)), ids=SERVING_IDS)
+def test_the_serving_launches_compile_for_sm90_without_spills(compiled, index):
+    spec, text = SERVING_CASES[index]
+    p = Variant.parse(text).p
+    records = compiled["serving"][index]
+    assert [r["error"] for r in records] == [None] * len(records)
+    # one split writes the output: no reduction launch
+    names = ["_gs_serving_kernel"] + (["_gs_reduce_kernel"] if p["max_splits"] > 1 else [])
+    assert [r["kernel"] for r in records] == names
+    decode = records[0]
+    assert decode["grid"] == [spec.heads // p["block_h"] * p["v_halves"], p["max_splits"], 3]
+    assert decode["scratch"] == 0 and decode["spill_loads"] == 0, decode  # no register spills
+    rows = p["block_h"] * triton.next_power_of_2(spec.max_q_len)
+    # the compiler's shared memory is the module's figure (3.6: up to its slack more), within
+    # an H200 block's
+    estimate = gluon_serving.gs_smem_bytes(rows, p["num_stages"], spec.kv_format == "fp8")
+    assert estimate <= decode["lds"] <= estimate + gluon_serving.GS_SMEM_SLACK <= H200_BLOCK_SMEM
+    assert any(op.startswith("wgmma.mma_async") for op in decode["mma_ops"]), decode["mma_ops"]
+    # the schedule model's occupancy cap is what an SM holds of the compiled kernel (registers too)
+    assert decode["ctas_per_sm"] == gluon_fused_schedule.occupancy_cap(
+        Variant.parse(text), spec.max_q_len, SMEM_PER_SM["sm_90"])
+    for reduce in records[1:]:
+        assert reduce["grid"] == [3, spec.max_q_len, spec.heads] and reduce["scratch"] == 0

@@ -198,10 +198,6 @@ def check(out, exp: dict, what: str) -> None:
     assert err <= bound, f"{what}: rel L2 vs exact {err:.2e} > {bound:.2e} (strict vs kernel_math: ok)"
 
 
-def check_against_both(out, data, what: str) -> None:
-    check(out, expect(data), what)
-
-
 def test_kernel_math_is_the_reference_math_but_for_the_q_scale_and_meets_the_bound():
     for batch, kv_len in [(1, 1), (4, 17), (1, 300)]:
         data = problem.generate_input(batch, kv_len, seed=batch * 31 + kv_len, device="cpu")
@@ -211,7 +207,7 @@ def test_kernel_math_is_the_reference_math_but_for_the_q_scale_and_meets_the_bou
         per_tensor = problem.check(kernel_math(data, "tensor"), ref, problem.RULES["strict"])
         assert per_tensor.passed, f"{batch}x{kv_len}: {per_tensor.reason}"
         ours = kernel_math(data)
-        check_against_both(ours, data, f"kernel_math at {batch}x{kv_len}")
+        check(ours, expect(data), f"kernel_math at {batch}x{kv_len}")
         if kv_len == 17:  # why the strict expectation is kernel_math, not the reference
             assert problem.check(ours, ref, problem.RULES["strict"]).mismatch > 0.10
     # The check can fail: a mask that drops each sequence's last token (an off-by-one at the
@@ -221,7 +217,7 @@ def test_kernel_math_is_the_reference_math_but_for_the_q_scale_and_meets_the_bou
     packed = kv8.reshape(4, 17, -1)[:, :16].reshape(64, 1, QK_DIM)
     off_by_one = kernel_math((q, {"fp8": (packed, kv_scale)}, qo_indptr, torch.arange(5) * 16, config))
     with pytest.raises(AssertionError, match="vs kernel_math"):
-        check_against_both(off_by_one, data, "the last token dropped")
+        check(off_by_one, expect(data), "the last token dropped")
 
 
 def test_the_backend_passes_ws_q_load_and_the_partials_type_to_the_kernel(monkeypatch):
@@ -268,8 +264,21 @@ def test_reduce_q_load_and_part_are_later_parameters_offered_where_they_mean_som
 
 
 # ----------------------------------------------------------------------------- H200
-def _gpu_skip() -> str | None:
-    return gluon_fused.unavailable_reason()
+def gluon_gpu(test):
+    """Marks a test `gpu`, skipped where gluon_fused cannot run (its unavailable_reason)."""
+    reason = gluon_fused.unavailable_reason()
+    return pytest.mark.gpu(pytest.mark.skipif(reason is not None, reason=str(reason))(test))
+
+
+def check_backend(variant: Variant, shape: Shape, data, what: str, repeats: int = 1):
+    """The backend's output for `variant` on the GPU, checked (`check`) and bit-identical on
+    `repeats` more calls."""
+    run = gluon_fused.build(variant, shape, "cuda")
+    first = run(*data[:4]).clone()
+    check(first, expect(data), what)
+    for _ in range(repeats):
+        assert torch.equal(first, run(*data[:4])), f"{what}: a later call differs"
+    return first
 
 
 GPU_VARIANTS = [
@@ -281,41 +290,39 @@ GPU_VARIANTS = [
 ]
 
 
-@pytest.mark.gpu
+@gluon_gpu
 @pytest.mark.parametrize("params", GPU_VARIANTS, ids=lambda p: f"{p['block_n']}-{p['num_stages']}-{p['v_path']}")
 @pytest.mark.parametrize("kv_len", [1, 17, 1024, 3000])
 @pytest.mark.parametrize("batch", [1, 4, 32])
 def test_gluon_decode_matches_the_reference_under_strict(batch, kv_len, params):
-    if _gpu_skip():
-        pytest.skip(_gpu_skip())
     shape = Shape(batch, kv_len)
     data = problem.generate_input(batch, kv_len, seed=batch * 31 + kv_len, device="cuda")
     tiles = -(-kv_len // params["block_n"])
     for splits in sorted({1, min(tiles, max(1, 128 // batch)), min(tiles, 3)}):
         variant = _variant(num_splits=splits, **params)
-        run = gluon_fused.build(variant, shape, "cuda")
-        first = run(*data[:4]).clone()
-        check_against_both(first, data, f"{variant} at {shape}")
-        assert torch.equal(first, run(*data[:4])), f"{variant}: a second call differs"
+        check_backend(variant, shape, data, f"{variant} at {shape}")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("v_path", ["ss16", "rs16", "rs8", "ss16a"])
-def test_gluon_decode_ragged_batch_with_empty_splits(v_path):
-    if _gpu_skip():
-        pytest.skip(_gpu_skip())
+# 4 splits on a ragged batch: the 1- and 17-token sequences leave splits empty.
+RAGGED_VARIANTS = {
+    **{v_path: dict(v_path=v_path) for v_path in ("ss16", "rs16", "rs8", "ss16a")},
+    **{f"bf16-partials-{reduce}": dict(num_stages=2, v_path="rs8", part="bf16", q_load="first",
+                                       reduce=reduce) for reduce in ("launch", "spin")},
+}
+
+
+@gluon_gpu
+@pytest.mark.parametrize("params", list(RAGGED_VARIANTS.values()), ids=list(RAGGED_VARIANTS))
+def test_gluon_decode_ragged_batch_with_empty_splits(params):
     data = problem.generate_ragged_input([1, 17, 3000, 64, 130], seed=9, device="cuda")
-    variant = _variant(num_splits=4, v_path=v_path)
-    run = gluon_fused.build(variant, Shape(5, 3000), "cuda")
-    check_against_both(run(*data[:4]), data, str(variant))
+    variant = _variant(num_splits=4, **params)
+    check_backend(variant, Shape(5, 3000), data, str(variant), repeats=0)
 
 
-@pytest.mark.gpu
+@gluon_gpu
 @pytest.mark.parametrize("batch, kv_len, splits", [(4, 1024, 16), (4, 8192, 32), (32, 1024, 4), (64, 8192, 4),
                                                    (3, 17, 1), (5, 3000, 8)])
 def test_the_backend_with_reduce_spin_matches_the_reference_and_repeats(batch, kv_len, splits):
-    if _gpu_skip():
-        pytest.skip(_gpu_skip())
     data = problem.generate_input(batch, kv_len, seed=batch + kv_len, device="cuda")
     shape = Shape(batch, kv_len)
     tiles = -(-kv_len // 64)
@@ -324,45 +331,26 @@ def test_the_backend_with_reduce_spin_matches_the_reference_and_repeats(batch, k
         with pytest.raises(ValueError, match="one split has nothing to reduce"):
             gluon_fused.build(_variant(num_splits=1, v_path="rs8", reduce="spin"), shape, "cuda")
         return
-    # 2 stages: two CTAs per SM, so 64 x 4 splits = 256 programs are resident on 132 SMs
-    run = gluon_fused.build(_variant(num_splits=splits, num_stages=2, v_path="rs8", reduce="spin"), shape, "cuda")
-    first = run(*data[:4]).clone()
-    check_against_both(first, data, f"spin {splits} splits at {shape}")
-    for _ in range(2):  # the barrier's count and flag are left ready for the next call
-        assert torch.equal(first, run(*data[:4]))
+    # 2 stages: two CTAs per SM, so 64 x 4 splits = 256 programs are resident on 132 SMs;
+    # two more calls: the barrier's count and flag are left ready for the next call
+    variant = _variant(num_splits=splits, num_stages=2, v_path="rs8", reduce="spin")
+    check_backend(variant, shape, data, f"spin {splits} splits at {shape}", repeats=2)
 
 
-@pytest.mark.gpu
+@gluon_gpu
 @pytest.mark.parametrize("batch, kv_len, splits, reduce, v_path", [
     (4, 1024, 16, "spin", "ss16"), (4, 8192, 32, "spin", "rs8"), (32, 1024, 4, "launch", "rs8"),
     (64, 8192, 4, "spin", "rs8"), (1, 1, 1, "launch", "rs8"), (3, 17, 1, "launch", "ss16"), (5, 3000, 8, "launch", "ss16")])
 def test_q_loaded_first_is_bit_identical_and_bf16_partials_pass_strict(batch, kv_len, splits, reduce, v_path):
-    if _gpu_skip():
-        pytest.skip(_gpu_skip())
     data = problem.generate_input(batch, kv_len, seed=batch * 5 + kv_len, device="cuda")
     shape = Shape(batch, kv_len)
     common = dict(num_splits=splits, num_stages=2, v_path=v_path, **({"reduce": reduce} if splits > 1 else {}))
     twice = gluon_fused.build(_variant(**common), shape, "cuda")(*data[:4]).clone()
-    first = gluon_fused.build(_variant(q_load="first", **common), shape, "cuda")
-    out = first(*data[:4]).clone()
+    out = check_backend(_variant(q_load="first", **common), shape, data, f"q_load=first at {shape}")
     assert torch.equal(out, twice), f"q_load=first differs from twice at {shape}, {splits} splits"
-    assert torch.equal(out, first(*data[:4])), "a second call differs"
-    check_against_both(out, data, f"q_load=first at {shape}")
     if splits > 1:
-        run = gluon_fused.build(_variant(q_load="first", part="bf16", **common), shape, "cuda")
-        bf16 = run(*data[:4]).clone()
-        check_against_both(bf16, data, f"bf16 partials, {splits} splits, {reduce} at {shape}")
-        assert torch.equal(bf16, run(*data[:4])), "bf16 partials: a second call differs"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("reduce", ["launch", "spin"])
-def test_bf16_partials_on_a_ragged_batch_with_empty_splits(reduce):
-    if _gpu_skip():
-        pytest.skip(_gpu_skip())
-    data = problem.generate_ragged_input([1, 17, 3000, 64, 130], seed=9, device="cuda")
-    variant = _variant(num_splits=4, num_stages=2, v_path="rs8", part="bf16", q_load="first", reduce=reduce)
-    check_against_both(gluon_fused.build(variant, Shape(5, 3000), "cuda")(*data[:4]), data, str(variant))
+        check_backend(_variant(q_load="first", part="bf16", **common), shape, data,
+                      f"bf16 partials, {splits} splits, {reduce} at {shape}")
 
 
 # ------------------------------------------------------ in-kernel reductions and V halves
@@ -402,8 +390,9 @@ class _GdBufs:
         self.out = torch.empty((batch, 16, V_DIM), dtype=torch.bfloat16, device="cuda")
 
 
-def run_gluon(data, bufs: _GdBufs, *, num_splits: int, reduce: str, v_halves: int, block_n: int = 64,
-              num_stages: int = 2, v_path: str = "rs8") -> torch.Tensor:
+def run_gluon(data, bufs: _GdBufs, *, num_splits: int, reduce: str, v_halves: int = 1,
+              block_n: int = 64, num_stages: int = 2, v_path: str = "rs8",
+              ws: int = 0) -> torch.Tensor:
     """One gluon_decode call on the leaderboard inputs; the output is NaN-filled first, so
     an element no program writes fails the check."""
     q, kv_data, _qo, kv_indptr, _config = data
@@ -415,8 +404,19 @@ def run_gluon(data, bufs: _GdBufs, *, num_splits: int, reduce: str, v_halves: in
         q, gluon_decode.gd_kv_descriptor(kv, block_n), kv_scale, kv_indptr, out, bufs.part_o, bufs.part_lse,
         num_splits=num_splits, block_n=block_n, num_stages=num_stages, v_path=v_path,
         sm_scale_log2=SM_SCALE * math.log2(math.e), reduce=reduce, v_halves=v_halves, count=bufs.count,
-        flag=bufs.flag, sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
+        flag=bufs.flag, sm_count=torch.cuda.get_device_properties(0).multi_processor_count,
+        ws=ws)
     return out
+
+
+def run_twice(data, *, num_splits: int, **opts) -> torch.Tensor:
+    """Two run_gluon calls (opts: its keywords) on fresh buffers; the first's output, which
+    the second repeats bit for bit."""
+    bufs = _GdBufs(data[0].shape[0], num_splits)
+    first = run_gluon(data, bufs, num_splits=num_splits, **opts).clone()
+    again = run_gluon(data, bufs, num_splits=num_splits, **opts)
+    assert torch.equal(first, again), f"{num_splits} splits, {opts}: a second call differs"
+    return first
 
 
 def _split_counts(batch: int, kv_len: int, v_halves: int, block_n: int = 64) -> list[int]:
@@ -427,31 +427,24 @@ def _split_counts(batch: int, kv_len: int, v_halves: int, block_n: int = 64) -> 
     return sorted(counts | ({1} if v_halves == 2 else set()))
 
 
-@pytest.mark.gpu
+@gluon_gpu
 @pytest.mark.parametrize("v_halves", [1, 2])
 @pytest.mark.parametrize("reduce", ["last", "spin"])
 @pytest.mark.parametrize("kv_len", [1, 17, 1024, 3000])
 @pytest.mark.parametrize("batch", [1, 4, 32])
 def test_inkernel_reduce_and_v_halves_match_under_strict(batch, kv_len, reduce, v_halves):
-    if _gpu_skip():
-        pytest.skip(_gpu_skip())
     data = problem.generate_input(batch, kv_len, seed=batch * 31 + kv_len, device="cuda")
     for splits in _split_counts(batch, kv_len, v_halves):
-        bufs = _GdBufs(batch, splits)
         what = f"rs8/2, {splits} splits, reduce {reduce}, v_halves {v_halves} at {batch}x{kv_len}"
-        first = run_gluon(data, bufs, num_splits=splits, reduce=reduce, v_halves=v_halves).clone()
-        check_against_both(first, data, what)
-        assert torch.equal(first, run_gluon(data, bufs, num_splits=splits, reduce=reduce, v_halves=v_halves)), \
-            f"{what}: a second call differs"
+        out = run_twice(data, num_splits=splits, reduce=reduce, v_halves=v_halves)
+        check(out, expect(data), what)
 
 
-@pytest.mark.gpu
+@gluon_gpu
 @pytest.mark.parametrize("v_halves", [1, 2])
 @pytest.mark.parametrize("reduce", ["last", "spin"])
 @pytest.mark.parametrize("path", ["ss16/2", "ss16a/2", "rs16/3"])
 def test_inkernel_reduce_and_v_halves_on_the_other_v_paths(path, reduce, v_halves):
-    if _gpu_skip():
-        pytest.skip(_gpu_skip())
     v_path, stages = path.split("/")
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     for batch, kv_len, splits in [(4, 3000, 32), (1, 17, 1)]:
@@ -461,37 +454,34 @@ def test_inkernel_reduce_and_v_halves_on_the_other_v_paths(path, reduce, v_halve
         data = problem.generate_input(batch, kv_len, seed=batch * 31 + kv_len, device="cuda")
         out = run_gluon(data, _GdBufs(batch, splits), num_splits=splits, reduce=reduce, v_halves=v_halves,
                         num_stages=int(stages), v_path=v_path)
-        check_against_both(out, data, f"{path}, {splits} splits, reduce {reduce}, v_halves {v_halves} at {batch}x{kv_len}")
+        what = f"{path}, {splits} splits, reduce {reduce}, v_halves {v_halves} at {batch}x{kv_len}"
+        check(out, expect(data), what)
 
 
-@pytest.mark.gpu
+@gluon_gpu
 @pytest.mark.parametrize("v_halves", [1, 2])
 @pytest.mark.parametrize("reduce", ["last", "spin"])
 def test_inkernel_reduce_ragged_batch_with_empty_splits(reduce, v_halves):
-    if _gpu_skip():
-        pytest.skip(_gpu_skip())
     data = problem.generate_ragged_input([1, 17, 3000, 64, 130], seed=9, device="cuda")
     for splits in (3, 4):
         out = run_gluon(data, _GdBufs(5, splits), num_splits=splits, reduce=reduce, v_halves=v_halves)
-        check_against_both(out, data, f"ragged, {splits} splits, reduce {reduce}, v_halves {v_halves}")
+        check(out, expect(data), f"ragged, {splits} splits, reduce {reduce}, v_halves {v_halves}")
 
 
-@pytest.mark.gpu
+@gluon_gpu
 @pytest.mark.parametrize("v_halves", [1, 2])
 @pytest.mark.parametrize("reduce", ["last", "spin"])
 def test_inkernel_reduce_counters_reset_so_calls_repeat(reduce, v_halves):
-    if _gpu_skip():
-        pytest.skip(_gpu_skip())
     bufs = _GdBufs(8, 16)
     data = problem.generate_input(8, 1024, seed=21, device="cuda")
     other = problem.generate_ragged_input([300, 1024, 5], seed=22, device="cuda")
     calls = [run_gluon(data, bufs, num_splits=16, reduce=reduce, v_halves=v_halves).clone() for _ in range(3)]
     assert torch.equal(calls[0], calls[1]) and torch.equal(calls[0], calls[2]), "3 calls in a row differ"
     assert int(bufs.count.abs().sum()) == 0, "an arrival counter was left non-zero"
-    check_against_both(calls[0], data, f"reduce {reduce}, v_halves {v_halves}, third call")
+    check(calls[0], expect(data), f"reduce {reduce}, v_halves {v_halves}, third call")
     # Another batch on the same counters in between, then the first again.
-    check_against_both(run_gluon(other, bufs, num_splits=16, reduce=reduce, v_halves=v_halves).clone(), other,
-                       f"reduce {reduce}, v_halves {v_halves}, a ragged batch between")
+    between = run_gluon(other, bufs, num_splits=16, reduce=reduce, v_halves=v_halves).clone()
+    check(between, expect(other), f"reduce {reduce}, v_halves {v_halves}, a ragged batch between")
     assert torch.equal(calls[0], run_gluon(data, bufs, num_splits=16, reduce=reduce, v_halves=v_halves))
     assert int(bufs.count.abs().sum()) == 0, "an arrival counter was left non-zero"
     if reduce == "spin":  # a flag flips once per call of its (sequence, half): 5 or 4 calls

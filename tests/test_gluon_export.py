@@ -4,8 +4,6 @@ Gluon has no CPU interpreter, so here the export of a table with a gluon_fused w
 be self-contained, import without mla_tune, and refuse the gluon row with the reason and the
 fix; the GPU side is scripts/check_submission.py on such an export (docs/perf.md)."""
 
-from __future__ import annotations
-
 import subprocess
 import sys
 
@@ -19,8 +17,7 @@ from mla_tune.gpu import fake_platform
 from mla_tune.kernels import gluon_decode
 from mla_tune.problem import generate_input
 from mla_tune.tune.config import expand_space, load_config
-from tests.helpers import CPU_TABLE as TABLE
-from tests.helpers import assert_clean_export, exported_outputs
+from tests.helpers import CPU_TABLE, assert_clean_export, exported_outputs
 
 GLUON = "gluon_fused(block_n=64,kv=fp8,num_splits=1,num_stages=2,q=fp8_dynamic,v_path=rs8)"
 
@@ -52,7 +49,7 @@ def test_gluon_fused_is_registered_unavailable_here_and_its_space_is_small():
 
 
 def test_export_with_a_gluon_winner_is_self_contained_and_says_why_it_cannot_run_here(tmp_path):
-    table = yaml.safe_load(TABLE.read_text())
+    table = yaml.safe_load(CPU_TABLE.read_text())
     row = next(r for r in table["rows"] if (r["batch"], r["kv_len"]) == (2, 40))
     params = dict(Variant.parse(GLUON).p)
     row["winner"] = {"variant": GLUON, "backend": "gluon_fused", "params": params}

@@ -1,8 +1,6 @@
 """gluon_fused's serving schedule model: its replay of the kernel's split rule and shared
 memory, and what its makespan tells a ragged batch from a uniform one."""
 
-from __future__ import annotations
-
 import random
 from types import SimpleNamespace
 
@@ -13,8 +11,6 @@ from mla_tune.backends import gluon_fused_schedule as gl
 from mla_tune.backends import schedule_module
 from mla_tune.core import Variant
 from mla_tune.kernels.gluon_serving import GS_BN, GS_ROWS, gs_num_splits, gs_smem_bytes
-
-KEY = SimpleNamespace(heads=16, q_len=1)
 
 
 def _params(**kw) -> dict:
@@ -85,4 +81,5 @@ def test_the_leaderboards_variants_get_no_model():
     """The leaderboard's gluon_fused variants (no tokens_per_split) are not serving variants."""
     lb = Variant.make("gluon_fused", kv="fp8", q="fp8_dynamic", block_n=64, num_splits=8, num_stages=2)
     points = {(b, k): {lb: 10.0 + b * k / 1e4} for b in (1, 8, 32) for k in (1024, 4096, 16384)}
-    assert gl.fit(KEY, [lb], points, {}, {"sm_count": 132}, lambda *a: {}) == []
+    assert gl.fit(SimpleNamespace(heads=16, q_len=1), [lb], points, {}, {"sm_count": 132},
+                  lambda *a: {}) == []

@@ -1,8 +1,6 @@
 """The Gluon serving kernel's CPU-checkable parts: its split rule, its split reduction (plain
 Triton) and gluon_fused's serving record, variants and refusals."""
 
-from __future__ import annotations
-
 import itertools
 import math
 

@@ -2,8 +2,6 @@
 strict rule, eager and replayed from a CUDA graph; for fp8 KV the reference's q is quantized
 per (new token, head) as the kernel does. Each family runs in its own spawned process."""
 
-from __future__ import annotations
-
 import concurrent.futures
 import multiprocessing
 import os
@@ -153,7 +151,7 @@ def outcomes() -> dict[tuple, list[dict]]:
                 found[family] = [{"family": family, "case": "worker", "ok": False, "error": _first_line(exc)}]
     for task in FAMILIES + GRAPH_CASES:
         for case in found[task]:
-            print(family, case.get("variant", ""), case["case"], "ok" if case["ok"] else "FAIL",
+            print(task, case.get("variant", ""), case["case"], "ok" if case["ok"] else "FAIL",
                   case.get("error") or f"mismatch {case.get('mismatch', 0):.4f} max_abs_err "
                   f"{case.get('max_abs_err', 0):.4f} lse_err {case.get('lse_err', '-')}")
     return found

@@ -1,15 +1,9 @@
 """Warp specialization of the Gluon decode: the constexpr WS of kernels/gluon_decode.py and
-the backend's later parameter `ws`.
-
-CPU: parameter validation, candidates and their dedupe, shared memory and residency, and the
-dispatch of ws to the kernel launch (the kernel replaced by a recorder; Gluon has no CPU
-interpreter; the backend's dispatch: tests/test_gluon_decode.py). GPU (`pytest -m gpu`, the
-H200's Triton 3.6): ws 1 and ws 2 against tests/test_gluon_decode.py's expect and check (the
-kernel's arithmetic under strict, the exact answer's bound) at the 8 leaderboard shapes and at
-kv_len 1, 17, 3000, with the reductions, V halves, the other V paths and the backend.
+the backend's later parameter `ws`. On the CPU: its rules, shared memory, residency and
+candidates, and its dispatch to the launch (the kernel replaced by a recorder: Gluon has no
+CPU interpreter). On the GPU (`pytest -m gpu`, the H200's Triton 3.6): ws 1 and 2 against
+tests/test_gluon_decode.py's `expect` and `check`, at the leaderboard and odd shapes.
 """
-
-from __future__ import annotations
 
 import math
 
@@ -18,10 +12,10 @@ import torch
 
 from mla_tune import problem
 from mla_tune.backends import gluon_fused
-from mla_tune.core import QK_DIM, SM_SCALE, V_DIM, Shape, Variant
+from mla_tune.core import QK_DIM, Shape, Variant
 from mla_tune.gpu import fake_platform
 from mla_tune.kernels import gluon_decode
-from tests.test_gluon_decode import _gpu_skip, check, expect
+from tests.test_gluon_decode import check, check_backend, expect, gluon_gpu, run_twice
 
 BASE = dict(kv="fp8", q="fp8_dynamic", block_n=64, num_stages=3, num_splits=1, v_path="rs8")
 
@@ -161,38 +155,14 @@ def test_gluon_decode_launches_with_ws_its_register_budget_and_q_load_and_refuse
 
 
 # ----------------------------------------------------------------------------- H200
-_SM_COUNT: list[int] = []
-
-
-def _sm_count() -> int:
-    if not _SM_COUNT:
-        _SM_COUNT.append(torch.cuda.get_device_properties(0).multi_processor_count)
-    return _SM_COUNT[0]
-
-
-def run_ws(data, *, ws: int, num_splits: int, reduce: str = "launch", num_stages: int = 4, v_path: str = "rs8",
-           v_halves: int = 1, block_n: int = 64) -> torch.Tensor:
-    """One gluon_decode call with fresh buffers (counters zeroed); the output NaN-filled first,
-    so an element no program writes fails the check."""
-    q, kv_data, _qo, kv_indptr, _config = data
-    batch = q.shape[0]
-    kv8, kv_scale = kv_data["fp8"]
-    slots = batch * num_splits
-    part_o = torch.empty(slots * 16 * V_DIM, dtype=torch.float32, device="cuda")
-    part_lse = torch.empty(slots * 16, dtype=torch.float32, device="cuda")
-    count = torch.zeros(2 * batch, dtype=torch.int32, device="cuda")
-    flag = torch.zeros(2 * batch, dtype=torch.int32, device="cuda")
-    out = torch.full((batch, 16, V_DIM), float("nan"), dtype=torch.bfloat16, device="cuda")
-    desc = gluon_decode.gd_kv_descriptor(kv8.view(-1, QK_DIM), block_n)
-    opts = dict(num_splits=num_splits, block_n=block_n, num_stages=num_stages, v_path=v_path,
-                sm_scale_log2=SM_SCALE * math.log2(math.e), reduce=reduce if num_splits > 1 else "launch",
-                v_halves=v_halves, count=count, flag=flag, sm_count=_sm_count(), ws=ws)
-    gluon_decode.gluon_decode(q, desc, kv_scale, kv_indptr, out, part_o, part_lse, **opts)
-    first = out.clone()
-    out.fill_(float("nan"))
-    gluon_decode.gluon_decode(q, desc, kv_scale, kv_indptr, out, part_o, part_lse, **opts)
-    assert torch.equal(first, out), f"ws {ws}, {num_splits} splits, {reduce}: a second call differs"
-    return first
+def run_ws(data, *, ws: int, num_splits: int, reduce: str = "launch", num_stages: int = 4,
+           **opts) -> torch.Tensor:
+    """run_twice (fresh buffers, the second call bit-identical) with `ws`, rs8 at 4 stages
+    unless told; one split launches with reduce "launch" (nothing to combine)."""
+    if num_splits == 1:
+        reduce = "launch"
+    return run_twice(data, ws=ws, num_splits=num_splits, reduce=reduce, num_stages=num_stages,
+                     **opts)
 
 
 # The best ws 0 configurations with ws 1, and a ws 2 plan per shape: (v_path, stages, splits, reduce, v_halves) and (splits, reduce) for rs8/4.
@@ -208,11 +178,9 @@ LEADERBOARD_PLANS = {
 }
 
 
-@pytest.mark.gpu
+@gluon_gpu
 @pytest.mark.parametrize("batch, kv_len", list(LEADERBOARD_PLANS), ids=lambda v: str(v))
 def test_ws_matches_at_the_leaderboard_shapes(batch, kv_len):
-    if _gpu_skip():
-        pytest.skip(_gpu_skip())
     data = problem.generate_input(batch, kv_len, seed=batch * 7 + kv_len, device="cuda")
     exp = expect(data)
     ref = problem.reference(data)
@@ -228,14 +196,12 @@ def test_ws_matches_at_the_leaderboard_shapes(batch, kv_len):
         assert result.passed, f"{what} vs problem.reference: {result.reason}"
 
 
-@pytest.mark.gpu
+@gluon_gpu
 @pytest.mark.parametrize("kv_len", [1, 17, 3000])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_ws_at_tiny_and_odd_lengths(batch, kv_len):
     """0, 1, 2 and odd tile counts per program: empty splits (1 and 17 tokens at 3 splits),
     a lone tile (the second consumer idle), 47 tiles in 1, 3 (16/16/15) and 8 splits."""
-    if _gpu_skip():
-        pytest.skip(_gpu_skip())
     data = problem.generate_input(batch, kv_len, seed=batch * 31 + kv_len, device="cuda")
     exp = expect(data)
     for ws in (1, 2):
@@ -245,11 +211,9 @@ def test_ws_at_tiny_and_odd_lengths(batch, kv_len):
                 check(out, exp, f"ws {ws} rs8/{stages} s{splits} at {batch}x{kv_len}")
 
 
-@pytest.mark.gpu
+@gluon_gpu
 @pytest.mark.parametrize("ws", [1, 2])
 def test_ws_with_the_in_kernel_reductions_and_v_halves(ws):
-    if _gpu_skip():
-        pytest.skip(_gpu_skip())
     data = problem.generate_input(4, 3000, seed=43, device="cuda")
     ragged = problem.generate_ragged_input([1, 17, 3000, 64, 130], seed=9, device="cuda")
     exp, exp_ragged = expect(data), expect(ragged)
@@ -261,12 +225,10 @@ def test_ws_with_the_in_kernel_reductions_and_v_halves(ws):
             check(out, exp_ragged, f"ws {ws} s4 {reduce} h{halves}, ragged with empty splits")
 
 
-@pytest.mark.gpu
+@gluon_gpu
 @pytest.mark.parametrize("ws", [1, 2])
 @pytest.mark.parametrize("path", ["ss16/3", "rs16/3", "ss16a/2"])
 def test_ws_on_the_other_v_paths(path, ws):
-    if _gpu_skip():
-        pytest.skip(_gpu_skip())
     v_path, stages = path.split("/")
     halves = 2 if v_path == "ss16a" and ws == 2 else 1  # ss16a x 2 consumers x 4 boxes: too much smem
     for batch, kv_len, splits in [(4, 3000, 4), (3, 130, 1)]:
@@ -275,17 +237,10 @@ def test_ws_on_the_other_v_paths(path, ws):
         check(out, expect(data), f"ws {ws} {path} h{halves} s{splits} at {batch}x{kv_len}")
 
 
-@pytest.mark.gpu
+@gluon_gpu
 @pytest.mark.parametrize("params", [dict(ws=1, num_stages=2, num_splits=4, reduce="spin"),
                                     dict(ws=2, num_stages=4, num_splits=4, reduce="spin"),
                                     dict(ws=2, num_stages=3, num_splits=1)], ids=str)
 def test_the_backend_with_ws_matches_and_repeats(params):
-    if _gpu_skip():
-        pytest.skip(_gpu_skip())
-    shape = Shape(32, 1024)
     data = problem.generate_input(32, 1024, seed=77, device="cuda")
-    run = gluon_fused.build(_variant(**params), shape, "cuda")
-    first = run(*data[:4]).clone()
-    check(first, expect(data), f"backend {params}")
-    for _ in range(2):
-        assert torch.equal(first, run(*data[:4]))
+    check_backend(_variant(**params), Shape(32, 1024), data, f"backend {params}", repeats=2)

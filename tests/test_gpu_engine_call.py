@@ -2,8 +2,6 @@
 kernels: output (strict; relative L2 5e-2 for FlashMLA's fp8 kernel, which rounds P to fp8) and
 LSE against the fp32 reference; a uint8 fp8 cache through a plan."""
 
-from __future__ import annotations
-
 import pytest
 import torch
 

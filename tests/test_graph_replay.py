@@ -2,8 +2,6 @@
 captured once at the maxima and replayed with other lengths, q_lens and block tables, each
 output poisoned with NaN and compared with the fp32 reference of the new call."""
 
-from __future__ import annotations
-
 import pytest
 import torch
 

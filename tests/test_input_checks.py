@@ -1,7 +1,5 @@
 """Bad inputs and out-of-range table parameters are refused in one line before any build."""
 
-from __future__ import annotations
-
 from pathlib import Path
 
 import pytest

@@ -1,8 +1,6 @@
 """The vLLM and SGLang backends against fakes of vLLM 0.33.0 and SGLang 0.5.23 that enforce
 the real hooks: engine loops (2 layers, 3 steps, graph and eager plans) at DeepSeek-V3's scale."""
 
-from __future__ import annotations
-
 import itertools
 from types import SimpleNamespace
 
@@ -30,13 +28,11 @@ class Cache:
         gen = torch.Generator().manual_seed(seed)
         self.page, self.fp8, self.as_bytes, self.device = page, fp8, as_bytes, torch.device(device)
         pages = [-(-(n + steps) // page) for n in lens]
-        order = torch.randperm(sum(pages) + 2, generator=gen)
-        self.table = torch.zeros((len(lens), max(pages) + 1), dtype=torch.int32)
-        used = 0
-        for b, n in enumerate(pages):
-            self.table[b, :n] = order[used:used + n]
-            used += n
         self.num_pages = sum(pages) + 2
+        order = torch.randperm(self.num_pages, generator=gen)
+        self.table = torch.zeros((len(lens), max(pages) + 1), dtype=torch.int32)
+        for b, held in enumerate(order[: sum(pages)].split(pages)):  # the next pages of a shuffle
+            self.table[b, : len(held)] = held
         self.lens = list(lens)
         self.scales = [torch.tensor([0.02 + 0.01 * layer], dtype=torch.float32, device=device) for layer in range(LAYERS)]
         dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16

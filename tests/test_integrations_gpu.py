@@ -1,8 +1,6 @@
 """The engine loops of tests/test_integrations_engines.py on CUDA: layers captured once, replayed
 for 3 growing steps (metadata hooks outside the graph), each against the fp32 reference."""
 
-from __future__ import annotations
-
 from types import SimpleNamespace
 
 import pytest

@@ -1,8 +1,6 @@
 """Page-1 addressing (mla_tune/integrations/indices.py): SGLang's kv_indptr + kv_indices as a
 block table, entry by entry and through the serving call (Triton's interpreter on the CPU)."""
 
-from __future__ import annotations
-
 import itertools
 
 import pytest

@@ -3,8 +3,6 @@
 Read with `ast`, lazy imports inside functions included.
 """
 
-from __future__ import annotations
-
 import ast
 import subprocess
 import sys
@@ -27,17 +25,13 @@ def _imports(path: Path) -> set[str]:
     return found
 
 
-def _folder(name: str) -> list[Path]:
-    return sorted((PACKAGE / name).rglob("*.py"))
-
-
 @pytest.mark.parametrize(("folders", "forbidden"), [
     (("tune", "tables", "runtime", "export"), "mla_tune.serving"),
     (("tables",), "mla_tune.tune"),
 ], ids=["leaderboard-side-not-serving", "tables-not-tune"])
 def test_imports_run_one_way_between_folders(folders, forbidden):
     bad = []
-    for path in (path for folder in folders for path in _folder(folder)):
+    for path in (path for folder in folders for path in sorted((PACKAGE / folder).rglob("*.py"))):
         rel = str(path.relative_to(PACKAGE))
         if rel not in REEXPORTS:
             bad += [f"{rel}: {m}" for m in _imports(path) if m.startswith(forbidden)]

@@ -1,8 +1,10 @@
 """The schedule replays in C (mla_tune/native.py) give exactly what their numpy paths give, on
-random ragged batches across every branch; without a C compiler, or with a broken one, numpy runs."""
+random ragged batches across every branch; without a C compiler, or with a broken one, numpy runs.
+The numpy paths against plain replays: split-K's over an array against split_rule's loop over a
+list, the dealing against a heap, FlashInfer's against a chunk-by-chunk replay of MLAPlan."""
 
-from __future__ import annotations
-
+import heapq
+import itertools
 import random
 import subprocess
 import warnings
@@ -45,7 +47,7 @@ def numpy_path(monkeypatch):
 
 def _batches(seed: int, n: int = 400, max_batch: int = 256, empty: float = 0.15):
     """n random ragged batches (an `empty` share with an empty sequence): (rng, batch, lengths,
-    heads); also tests/test_splitk_fast.py's and tests/test_vendor_fast.py's batches."""
+    heads)."""
     rng = random.Random(seed)
     for _ in range(n):
         batch = rng.randint(1, max_batch)
@@ -57,26 +59,37 @@ def _batches(seed: int, n: int = 400, max_batch: int = 256, empty: float = 0.15)
 
 def _splitk_params(rng) -> dict:
     """Random split-K parameters: every split rule, with and without a batch budget."""
-    return {"max_splits": rng.choice([1, 2, 8, 33, 64]),
-            "tokens_per_split": rng.choice([16, 128, 512]), "block_n": rng.choice([16, 32, 64]),
-            "block_h": rng.choice([16, 32, 64]), "split_budget": rng.choice([0, 0, 33, 132, 264])}
+    return {"max_splits": rng.choice([1, 2, 4, 8, 16, 32, 33, 64]),
+            "tokens_per_split": rng.choice([16, 128, 256, 512, 1024, 4096]),
+            "block_n": rng.choice([16, 32, 64]), "block_h": rng.choice([16, 32, 64]),
+            "split_budget": rng.choice([0, 0, 33, 66, 132, 264])}
 
 
-def test_the_split_k_replay_in_c_is_the_numpy_replay(numpy_path, monkeypatch):
+def test_the_split_k_replay_in_c_is_the_numpy_one_and_the_loop_over_a_list(numpy_path, monkeypatch):
+    """Over an int64 array (what the eager lookup runs) in C and in numpy, and over a list
+    (split_rule's per-sequence replay)."""
     dealt = []  # the numpy path's exact dealings (the other steps are one wave or many waves)
     real = makespan.greedy_makespan  # the dealing split-K's replay shares (makespan.deal)
     monkeypatch.setattr(makespan, "greedy_makespan", lambda work, slots: dealt.append(1) or real(work, slots))
-    runs = 0
-    for rng, _batch, lens, heads in _batches(3, 500):
+    runs, branches = 0, set()
+    for rng, _batch, lens, heads in _batches(3, 1000):
         q_len, params = rng.randint(1, 4), _splitk_params(rng)
         # a few SMs too: fewer slots than a dealing block (16) cuts every block short
-        occupancy, sm, item = rng.randint(1, 4), rng.choice([2, 7, 78, 132, 132]), rng.choice([0, 32, 128, 0.5])
+        occupancy, sm = rng.randint(1, 4), rng.choice([2, 7, 78, 132, 132])
+        item = rng.choice([0, 32, 128, 256, 0.5])
         got = sk.splitk_schedule(lens, heads, q_len, params, occupancy, sm, item)
         want = numpy_path(sk.splitk_schedule, lens, heads, q_len, params, occupancy, sm, item)
-        assert got == want and type(got[1]) is int, (lens.tolist(), heads, q_len, params, occupancy, sm, item)
+        case = (lens.tolist(), heads, q_len, params, occupancy, sm, item)
+        loop = sk.splitk_schedule(lens.tolist(), *case[1:])
+        assert got == want == loop and type(got[1]) is int, case
+        branches.add("one wave" if got[0] == max(lens) + item else "more")
         runs += 1
     assert 50 < len(dealt) < runs - 50  # both the exact dealing and the others, often
-    assert sk.splitk_schedule(np.zeros(3, dtype=np.int64), 128, 1, params, 1, 132) == (0.0, 0)
+    assert branches == {"one wave", "more"}
+    no_budget = {"max_splits": 8, "tokens_per_split": 512, "block_n": 32, "block_h": 64}
+    for zeros in (np.zeros(3, dtype=np.int64), [0, 0, 0]):  # all lengths 0
+        assert sk.splitk_schedule(zeros, 128, 1, params, 1, 132) == (0.0, 0)
+        assert sk.splitk_schedule(zeros, 128, 1, no_budget, 2, 132) == (0.0, 0)
     # a strided or int32 array is read as the numbers it holds
     lens = np.arange(1, 400, dtype=np.int32)[::2] * 37
     want = numpy_path(sk.splitk_schedule, lens.astype(np.int64), 16, 1, params, 2, 132, 64)
@@ -86,13 +99,14 @@ def test_the_split_k_replay_in_c_is_the_numpy_replay(numpy_path, monkeypatch):
 def _dealings(seed: int, n: int):
     """n random dealings (work in launch order, slots) of the shapes the runs' dealing meets:
     runs of equal programs (a sequence's full splits, a split's head tiles), equal loads,
-    works rising (the ascending queue, filled past its buffer), falling (the heap), mixed,
-    fractional, one slot to a few hundred, up to ten waves."""
+    works rising (the ascending queue, filled past its buffer), falling (the heap), mixed, a
+    few long among short, fractional, one slot to a few hundred, up to ten waves."""
     rng = random.Random(seed)
     for _ in range(n):
         slots = rng.choice([1, 2, 3, 7, 16, 17, 64, 132, 264, rng.randint(1, 300)])
         count = rng.randint(1, 10 * slots + 20)
-        shape = rng.choice(["runs", "alphabet", "rising", "falling", "random", "fractional"])
+        shape = rng.choice(["runs", "alphabet", "rising", "falling", "random", "long among short",
+                            "fractional"])
         if shape == "runs":
             work = []
             while len(work) < count:
@@ -107,43 +121,88 @@ def _dealings(seed: int, n: int):
             work = sorted((float(rng.randint(1, 5000)) for _ in range(count)), reverse=True)
         elif shape == "random":
             work = [float(rng.randint(1, 100000)) for _ in range(count)]
+        elif shape == "long among short":
+            work = [float(rng.choice([512, 512, 512, rng.randint(1, 64)])) for _ in range(count)]
         else:
             work = [rng.randint(1, 300) + rng.choice([0.5, 0.1, 0.25, 1 / 3]) for _ in range(count)]
         yield np.asarray(work, dtype=np.float64), slots
 
 
-def test_the_runs_dealing_in_c_is_greedy_makespan():
-    """The C dealing (greedy_runs, through sk_deal) gives the same double as the numpy
-    dealing the replays share (makespan.greedy_makespan) and as a plain heap."""
+def test_the_runs_dealing_in_numpy_and_in_c_is_a_plain_heaps():
+    """The numpy dealing the replays share (makespan.greedy_makespan) and, where a C compiler
+    is found, the C one (greedy_runs, through sk_deal) give a plain heap's makespan exactly."""
     lib = sk._native()
-    if lib is None:
-        pytest.skip("no C compiler here: the numpy dealing is the only one")
-    import heapq
-
     for work, slots in _dealings(17, 3000):
-        got = lib.sk_deal(native.address(work), work.shape[0], slots)
-        want = float(makespan.greedy_makespan(work, slots))
         heap = [0.0] * slots
         for w in work.tolist():
             heapq.heapreplace(heap, heap[0] + w)
-        assert got == want == max(heap), (work.tolist(), slots)
+        want = float(makespan.greedy_makespan(work, slots))
+        assert want == max(heap), (work.tolist(), slots)
+        if (work == work.round()).all():  # whole numbers: an int64 array deals the same
+            assert makespan.greedy_makespan(work.astype(np.int64), slots) == want
+        if lib is not None:
+            got = lib.sk_deal(native.address(work), work.shape[0], slots)
+            assert got == want, (work.tolist(), slots)
+
+
+def _chunk_replay(kv_lens: list[int], heads: int, q_len: int, sm_count: int) -> list[float]:
+    """flashinfer_mla_features by a chunk-by-chunk replay of MLAPlan's dealing: a heap of
+    (cost << 12) | cluster."""
+    slots = 1 << 12
+    packed = q_len * heads
+    cluster = 2 if packed > 64 else 1
+    clusters = max(sm_count // cluster, 1)
+    tile = 64 * cluster
+    q_tiles = -(-packed // tile)
+    per_cluster = max(-(-sum(kv_lens) * q_tiles // clusters), 1)
+    small = ((8, 32), (16, 64), (32, 128), (64, 192))  # (tokens per cluster up to, limit)
+    limit = next((lim for top, lim in small if per_cluster <= top), -(-per_cluster // 256) * 256)
+    heap, works = list(range(clusters)), [0] * clusters
+    merge_ctas = max_merge = 0
+    for n in kv_lens:
+        full, rest = divmod(n, limit)
+        if n > limit:
+            ctas = max(n * cluster // limit, 1)
+            for t in range(q_tiles):
+                rows = min(tile, packed - t * tile)
+                merge_ctas += ctas
+                max_merge = max(max_merge, (full + (rest > 0)) * -(-rows // ctas))
+        last = (2 * tile + rest) * slots if rest or not full else 0
+        for _ in range(q_tiles):
+            for cost in [(2 * tile + limit) * slots] * full + ([last] if last else []):
+                top = heap[0]
+                works[top % slots] += 1
+                heapq.heapreplace(heap, top + cost)
+    return [1.0, float(max(heap) // slots), float(max(works)), float(merge_ctas),
+            float(len(kv_lens)), float(max_merge)]
 
 
 def test_flashinfer_replay_and_dealing_in_c_are_the_numpy_paths_and_built_wherever_a_c_compiler_is(numpy_path):
-    """The replay in C equals the numpy path's on random batches; its dealing in C (the least key
-    from three places: the clusters not dealt to, an ascending queue, a heap) deals each chunk
-    where the numpy path's heap does: batches of equal or few distinct lengths (equal loads,
-    ties to the lower index), of one long sequence, random, over 1 to 66 clusters and 132."""
+    """The replay, in C and in numpy, over an array or a list, equals a chunk-by-chunk replay
+    (`_chunk_replay`) on random batches; its dealing in C (the least key from three places:
+    the clusters not dealt to, an ascending queue, a heap) deals each chunk where the numpy
+    path's heap does: batches of equal or few distinct lengths (equal loads, ties to the lower
+    index), of one long sequence, random, over 1 to 66 clusters and 132."""
     have = native.compiler() is not None
     assert (sk._native() is not None, fi._native() is not None) == (have, have)
-    for rng, _batch, lens, heads in _batches(5):
+    merged = several_tiles = 0
+    for rng, _batch, lens, heads in itertools.chain(_batches(5), _batches(11, 400, max_batch=160)):
         q_len, sm = rng.randint(1, 4), rng.choice([78, 132])
-        got = fi.flashinfer_mla_features(lens, heads, q_len, sm)
-        want = numpy_path(fi.flashinfer_mla_features, lens, heads, q_len, sm)
-        assert got == want, (lens.tolist(), heads, q_len, sm)
+        want = _chunk_replay(lens.tolist(), heads, q_len, sm)
+        for kv_lens in (lens, lens.tolist()):
+            got = fi.flashinfer_mla_features(kv_lens, heads, q_len, sm)
+            assert got == want, (lens.tolist(), heads, q_len, sm)
+        assert numpy_path(fi.flashinfer_mla_features, lens, heads, q_len, sm) == want
         works = fi.flashinfer_mla_works_per_cluster(lens, heads, q_len, sm)
+        assert works == fi.flashinfer_mla_works_per_cluster(lens.tolist(), heads, q_len, sm)
         assert works == numpy_path(fi.flashinfer_mla_works_per_cluster, lens, heads, q_len, sm)
-    assert fi.flashinfer_mla_features([], 16, 1, 132) == numpy_path(fi.flashinfer_mla_features, [], 16, 1, 132)
+        merged += want[3] > 0
+        several_tiles += q_len * heads > 128
+    assert merged > 50 and several_tiles > 50
+    for heads in (16, 128):  # no sequences
+        want = _chunk_replay([], heads, 1, 132)
+        assert fi.flashinfer_mla_features([], heads, 1, 132) == want
+        assert numpy_path(fi.flashinfer_mla_features, [], heads, 1, 132) == want
     if not have:
         pytest.skip("no C compiler here: the numpy dealing is the only one")
     rng = random.Random(23)

@@ -2,8 +2,6 @@
 module in tmp_path; the fp32 reference rounded to bf16, at 8 heads, which no built-in serves),
 registered by MLA_TUNE_EXTRA_BACKENDS (`plugin`) or one BACKEND_MODULES entry (`builtin`)."""
 
-from __future__ import annotations
-
 import ast
 import sys
 import textwrap
@@ -12,11 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from typer.testing import CliRunner
 
 from mla_tune import backends, gpu, problem
 from mla_tune.backends import EXTRA_BACKENDS_ENV, serving_backends
-from mla_tune.cli import app
 from mla_tune.core import CallSpec, Variant
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.call import Decoder
@@ -34,6 +30,7 @@ from mla_tune.serving.table import (
 )
 from mla_tune.tune.schedule import DEFAULT_COSTS, CostModel
 from mla_tune.tune.timing import Timing
+from tests.helpers import invoke
 
 NAME = "probe_serving"
 PROBE_SOURCE = '''
@@ -196,7 +193,7 @@ def test_the_serving_sweep_and_its_dry_run_plan_it_where_a_config_lists_it(probe
     assert sixteen.candidates and all(v.backend == "triton" for v in sixteen.candidates)
     # the command line's dry run plans it
     config = _config(tmp_path, {"triton": {}, NAME: {"tile": [1, 2]}})
-    result = CliRunner().invoke(app, ["sweep", "--gpu", "H200", "--config", config, "--dry-run"])
+    result = invoke("sweep", "--gpu", "H200", "--config", config, "--dry-run")
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert any("8 heads" in line and f"2 candidates ({NAME} 2)" in line for line in lines), result.output

@@ -91,17 +91,16 @@ def test_flashinfer_candidates_follow_the_platform():
 @pytest.mark.parametrize("backend", ["fa3", "fa2"])
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 def test_flashinfer_plans_once_runs_on_views_and_matches_the_reference(fakes, data, backend, kv):
-    calls = fakes["flashinfer"].mla.calls
+    mla = fakes["flashinfer"].mla
     runner = flashinfer_mla.build(Variant.make("flashinfer", kernel=backend, kv=kv, q="bf16"), SHAPE, "cpu")
-    assert calls["plan"] == 1
+    assert mla.calls["plan"] == 1
     first = runner(*data[:4]).clone()
-    out = runner(*data[:4])
-    assert calls == {"init": 1, "plan": 1, "run": 2}
-    assert out.data_ptr() == fakes["flashinfer"].mla.last_run["out_ptr"]  # run() wrote into the runner's buffer
+    out, last = runner(*data[:4]), mla.last_run
+    assert mla.calls == {"init": 1, "plan": 1, "run": 2}
+    assert out.data_ptr() == last["out_ptr"]  # run() wrote into the runner's buffer
     assert torch.equal(first, out)
     result = problem.check(out, problem.reference(data, "bf16", kv), STRICT)
     assert result.passed, result.reason
-    last = fakes["flashinfer"].mla.last_run
     assert last["ckv_stride"] == (576, 576, 1)  # a view of the (total_kv, 1, 576) cache, no copy
     if kv == "bf16":
         assert last["ckv_ptr"] == data[1]["bf16"].data_ptr()

@@ -1,7 +1,5 @@
 """Tables that ship: one lookup order (mla_tune/locate.py), and a wheel that finds them."""
 
-from __future__ import annotations
-
 import json
 import os
 import shutil

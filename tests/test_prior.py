@@ -6,8 +6,6 @@ the variant the file picks for them at 8 x 512 and 8 x 128 (non-persistent AITER
 depend on the batch; its splits stay within what AITER's stage 2 reads at those lengths).
 """
 
-from __future__ import annotations
-
 import json
 import math
 import os
@@ -19,16 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from typer.testing import CliRunner
 
 from mla_tune import gpu, locate
-from mla_tune.cli import app
 from mla_tune.core import Shape
 from mla_tune.problem import check, generate_input, get_rule, reference
 from mla_tune.tables.prior import find_prior
 from mla_tune.tables.table import TableError, load_table
 from mla_tune.tune.config import load_config
-from tests.helpers import REPO, WIDE
+from tests.helpers import REPO, WIDE, invoke
 
 PRIOR = REPO / "configs" / "priors" / "MI355X.yaml"
 # the seed's fixed split counts (../shared/seed/000_97316cf1d40f3d27.txt, custom_kernel)
@@ -154,7 +150,7 @@ def prior_export(tmp_path_factory):
         mp.chdir(folder)
         mp.delenv(locate.ENV_TABLES, raising=False)
         assert locate.find_table("MI355X") is None and find_prior("MI355X") is not None
-        result = CliRunner().invoke(app, ["export", "--gpu", "MI355X", "-o", "sub.py"], env=WIDE)
+        result = invoke("export", "--gpu", "MI355X", "-o", "sub.py", env=WIDE)
     assert result.exit_code == 0, result.output
     return folder, result.output
 
@@ -210,7 +206,7 @@ def test_the_exported_prior_runs_the_test_shapes_through_aiter_and_the_rest_thro
 
 
 def test_show_says_it_is_a_prior_and_shows_it_for_a_gpu_with_no_table(tmp_path, monkeypatch):
-    result = CliRunner().invoke(app, ["show", "--table", str(PRIOR)], env=WIDE)
+    result = invoke("show", "--table", PRIOR, env=WIDE)
     assert result.exit_code == 0, result.output
     assert "8 shapes, a PRIOR: choices made without measuring, no times" in result.output
     picked = "aiter(kv=fp8,mode=nonpersistent,num_kv_splits=4,q=fp8_static,q_amax=6.0)"
@@ -220,14 +216,14 @@ def test_show_says_it_is_a_prior_and_shows_it_for_a_gpu_with_no_table(tmp_path, 
     monkeypatch.chdir(tmp_path)  # no ./tables: the packaged ones have no MI355X table
     monkeypatch.delenv(locate.ENV_TABLES, raising=False)
     assert locate.find_table("MI355X") is None and find_prior("MI355X") is not None
-    shown = CliRunner().invoke(app, ["show", "--gpu", "MI355X"], env={"COLUMNS": "80"})
+    shown = invoke("show", "--gpu", "MI355X")
     assert shown.exit_code == 0, shown.output
     flat = " ".join(shown.output.split())  # wrapping moves with the checkout's path length
     assert "no table for MI355X yet" in flat and "showing its prior" in flat
     assert "a PRIOR: choices made" in flat and "aiter(" in shown.output
-    as_json = CliRunner().invoke(app, ["show", "--gpu", "MI355X", "--json"])
+    as_json = invoke("show", "--gpu", "MI355X", "--json")
     assert as_json.exit_code == 0
     assert json.loads(as_json.stdout[as_json.stdout.index("{"):])["provenance"]["kind"] == "prior"
     # a GPU with neither a table nor a prior is still the one-line error
-    missing = CliRunner().invoke(app, ["show", "--gpu", "B200"])
+    missing = invoke("show", "--gpu", "B200")
     assert missing.exit_code == 1 and "no table" in missing.output

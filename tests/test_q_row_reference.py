@@ -2,21 +2,17 @@
 fp8_row q format (quantize_fp8_rows), checked against a plain row-by-row torch quantization,
 and the gate's choice of it through the backends' serving_q_reference hook."""
 
-from __future__ import annotations
-
-import sys
-import textwrap
-
 import pytest
 import torch
 
 from mla_tune import problem
-from mla_tune.backends import EXTRA_BACKENDS_ENV, flash_mla, gluon_fused, triton_splitk
+from mla_tune.backends import flash_mla, gluon_fused, triton_splitk
 from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, QK_DIM, CallSpec, Variant
 from mla_tune.gpu import fake_platform
 from mla_tune.serving.config import GateSpec
 from mla_tune.serving.gate import GateJob, gate_one, reference_q_format
 from mla_tune.serving.inputs import make_input, quantize_fp8_rows, reference, reference_q
+from tests.helpers import register_backends
 
 STRICT = problem.RULES["strict"]
 H200 = fake_platform("H200")
@@ -82,12 +78,9 @@ def test_per_row_and_per_tensor_references_differ_by_more_than_the_strict_rule()
     assert float((by_row - exact).abs().mean()) < float((by_tensor - exact).abs().mean())
 
 
-def _gluon(kv: str) -> Variant:
-    return gluon_fused.default_serving_variant(CallSpec(kv, 64, 16, 2, mixed_q_len=True), H200)
-
-
 def test_the_gate_reads_q_as_each_backend_quantizes_it():
-    g8, g16 = _gluon("fp8"), _gluon("bf16")
+    g8, g16 = (gluon_fused.default_serving_variant(CallSpec(kv, 64, 16, 2, mixed_q_len=True), H200)
+               for kv in ("fp8", "bf16"))
     assert g8.get("q") == "fp8_dynamic" and g16.get("q") == "bf16"
     assert reference_q_format(g8, VARIANT_GATE) == "fp8_row"
     assert reference_q_format(g16, VARIANT_GATE) == "bf16"
@@ -103,42 +96,27 @@ def test_the_gate_reads_q_as_each_backend_quantizes_it():
 
 
 HOOK_NAME = "qref_probe"
-HOOK_SOURCE = '''
-"""A serving backend for tests: the per-row-q reference in bf16; its hook answers `ref`."""
-
+# A serving backend whose call is the per-row-q reference in bf16; its hook answers `ref`.
+HOOK_BODY = '''
 import torch
-
 from mla_tune.serving.inputs import reference
-
-NAME = "qref_probe"
-
 
 def serving_q_reference(variant):
     return variant.get("ref")
 
-
 def build_serving(variant, spec, device):
     def run(q, qo_indptr, kv, kv_scale, *, kv_indptr=None, block_table=None, seq_lens=None,
             q_lens_host=None, kv_lens_host=None):
-        return reference(q, qo_indptr, kv, kv_scale, kv_indptr=kv_indptr, block_table=block_table,
-                         seq_lens=seq_lens, q_format="fp8_row", sm_scale=spec.sm_scale).to(torch.bfloat16)
-
+        out = reference(q, qo_indptr, kv, kv_scale, kv_indptr=kv_indptr, block_table=block_table,
+                        seq_lens=seq_lens, q_format="fp8_row", sm_scale=spec.sm_scale)
+        return out.to(torch.bfloat16)
     return run
 '''
 
 
-@pytest.fixture
-def hook_backend(tmp_path, monkeypatch):
-    module = "qref_probe_backend"
-    (tmp_path / f"{module}.py").write_text(textwrap.dedent(HOOK_SOURCE))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, module, raising=False)
-    monkeypatch.setenv(EXTRA_BACKENDS_ENV, f"{HOOK_NAME}={module}")
-    yield
-    sys.modules.pop(module, None)
+def test_a_backends_hook_picks_its_reference_and_the_gate_judges_by_it(tmp_path, monkeypatch):
+    register_backends(tmp_path, monkeypatch, {HOOK_NAME: HOOK_BODY})
 
-
-def test_a_backends_hook_picks_its_reference_and_the_gate_judges_by_it(hook_backend):
     def probe(ref: str, q: str = "fp8_dynamic") -> Variant:
         return Variant.make(HOOK_NAME, kv="fp8", q=q, ref=ref)
 

@@ -1,6 +1,4 @@
-"""Issue 30: the reliability audit's cases, one section each."""
-
-from __future__ import annotations
+"""Reliability: parameter rules, read-only or full disks, Ctrl-C, 4-tuples, a NaN in fp8 KV."""
 
 import builtins
 import errno
@@ -18,12 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from typer.testing import CliRunner
 
 from mla_tune import runtime
 from mla_tune.backends import BACKEND_MODULES, EXTRA_BACKENDS_ENV, get_backend
 from mla_tune.backends.params import PARAM_RULES, check_space_value, check_variant_rules
-from mla_tune.cli import app
 from mla_tune.core import Variant
 from mla_tune.export import export_submission
 from mla_tune.fileio import LineLog, WriteError
@@ -36,7 +32,7 @@ from mla_tune.tune.config import ConfigError, load_config
 from mla_tune.tune.procs import sigint_held
 from mla_tune.tune.results import read_results
 from tests.fakes import EXTRA_BACKENDS
-from tests.helpers import CPU_TABLE, REPO, sigint_as_in_a_terminal
+from tests.helpers import CPU_TABLE, REPO, invoke, sigint_as_in_a_terminal
 
 DATA = REPO / "tests" / "data"
 GOOD = "triton(block_n=16,dot_dtype=fp16,kv=fp8,num_splits=2,num_stages=1,num_warps=4,q=bf16)"
@@ -144,7 +140,7 @@ def test_a_space_value_no_variant_can_carry_fails_at_config_load(tmp_path, secti
     with pytest.raises(ConfigError) as caught:
         load_config(path)
     assert f"field '{field}'" in str(caught.value) and message in str(caught.value)
-    result = CliRunner().invoke(app, ["sweep", "--gpu", "cpu", "--config", str(path), "--dry-run"])
+    result = invoke("sweep", "--gpu", "cpu", "--config", path, "--dry-run")
     assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
     assert message in result.output
 
@@ -238,10 +234,6 @@ class FailingFolder:
         monkeypatch.setattr(builtins, "open", fake_builtin_open)
 
 
-def _cli(*args):
-    return CliRunner().invoke(app, [str(a) for a in args])
-
-
 def _one_line(result, *needles, progress: bool = False):
     """The command failed in one red line (after its progress lines, if `progress`)."""
     lines = result.output.strip().splitlines()
@@ -288,7 +280,7 @@ def test_a_command_into_a_read_only_or_full_folder_is_one_line_and_leaves_nothin
                           [str(out), "read-only" if code == 30 else "No space left on device"]),
     }[command]
     FailingFolder(monkeypatch, out, code)
-    _one_line(_cli(*args), *needles)
+    _one_line(invoke(*args), *needles)
     monkeypatch.undo()
     assert _files(out) == []  # no table, no results, no lock naming this live process
 
@@ -300,8 +292,8 @@ def test_verify_json_into_a_read_only_folder_is_one_line(tmp_path, monkeypatch):
     out = tmp_path / "ro"
     out.mkdir()
     FailingFolder(monkeypatch, out, errno.EROFS)
-    result = _cli("verify", "--table", REPO / "tables" / "H200.serving.yaml", "--rescore", reports[0],
-                  "--json", out / "v.json")
+    result = invoke("verify", "--table", REPO / "tables" / "H200.serving.yaml", "--rescore",
+                    reports[0], "--json", out / "v.json")
     lines = result.output.strip().splitlines()
     assert result.exit_code == 1 and lines[-1].startswith(f"error: cannot write {out / 'v.json'}"), result.output
     assert "Traceback" not in result.output
@@ -332,7 +324,7 @@ def test_a_report_plot_on_a_full_disk_leaves_no_partial_png(tmp_path, monkeypatc
 def test_a_disk_that_fills_mid_sweep_stops_in_one_line_and_keeps_whole_lines(tmp_path, monkeypatch):
     out = tmp_path / "cpu.yaml"
     FailingFolder(monkeypatch, tmp_path, errno.ENOSPC, after=3)  # the lock's pid, the header, one step
-    result = _cli("sweep", "--gpu", "cpu", "--config", DATA / "sweep_torch.yaml", "--out", out)
+    result = invoke("sweep", "--gpu", "cpu", "--config", DATA / "sweep_torch.yaml", "--out", out)
     line = _one_line(result, f"{tmp_path / 'cpu.results.jsonl'}: No space left on device",
                      "re-run the same command to resume", progress=True)
     assert "every finished step is kept" in line

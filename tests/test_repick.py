@@ -1,14 +1,10 @@
 """Graph picks re-chosen on recorded verify runs (serving/repick.py, `verify --repick-graph`)."""
 
-from __future__ import annotations
-
 import json
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from mla_tune.cli import app
 from mla_tune.core import Variant
 from mla_tune.serving import repick
 from mla_tune.serving.table import (
@@ -21,6 +17,7 @@ from mla_tune.serving.table import (
     write_serving_table,
 )
 from mla_tune.serving.verify import VERIFY_SCHEMA
+from tests.helpers import invoke
 
 KEY = FamilyKey("bf16", 64, 16, 1)
 
@@ -111,11 +108,10 @@ def test_the_command_writes_the_table_and_leaves_the_input_alone(tmp_path):
     before = source.read_bytes()
     report = _report(tmp_path / "r.json", [_shape(3, {SWEPT: 120.0, BETTER: 100.0}) for _ in range(6)])
     out = tmp_path / "out.serving.yaml"
-    result = CliRunner().invoke(app, ["verify", "--table", str(source), "--rescore", str(report),
-                                      "--repick-graph", str(out)])
+    result = invoke("verify", "--table", source, "--rescore", report, "--repick-graph", out)
     assert result.exit_code == 0, result.output
     assert "1 graph pick(s) replaced" in result.output and "--judge graph" in result.output
     assert source.read_bytes() == before
     assert load_serving_table(out).families[KEY].graph[4].variant == Variant.parse(BETTER)
-    refused = CliRunner().invoke(app, ["verify", "--table", str(source), "--repick-graph", str(out)])
+    refused = invoke("verify", "--table", source, "--repick-graph", out)
     assert refused.exit_code != 0 and "--rescore" in refused.output

@@ -1,8 +1,6 @@
 """`mla-tune report` (Markdown without matplotlib; plots when it is installed) and the
 plain-text rendering rules shared by show, diff and the sweep's summary."""
 
-from __future__ import annotations
-
 import io
 import json
 from pathlib import Path

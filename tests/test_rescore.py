@@ -1,7 +1,5 @@
 """`mla-tune verify --rescore` (serving/rescore.py): a table's picks scored on a report's times."""
 
-from __future__ import annotations
-
 import gzip
 import json
 import math

@@ -7,8 +7,6 @@ those seeds again, 40 shapes each), stay within the limits this file claims; by 
 docs/data/verify/recheck-2026-12-05`.
 """
 
-from __future__ import annotations
-
 import re
 from pathlib import Path
 

@@ -1,7 +1,5 @@
 """The budgeted search: halving, dedupe, fitting budget_s, dry runs, progress, Ctrl-C, resume."""
 
-from __future__ import annotations
-
 import json
 import re
 import shutil

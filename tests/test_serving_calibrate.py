@@ -1,7 +1,5 @@
 """The reduction's cost per step, measured for a serving table (mla_tune/serving/calibrate.py)."""
 
-from __future__ import annotations
-
 import shutil
 
 import pytest

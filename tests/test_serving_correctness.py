@@ -2,8 +2,6 @@
 answer and the partials poisoned with NaN). GPU: each declared cell at DeepSeek-V3's scale, a
 few settings per cell. CPU: the own kernels over a sample covering every pair of factors."""
 
-from __future__ import annotations
-
 import itertools
 
 import pytest
@@ -51,12 +49,6 @@ def _spec(name: str, layout: int, heads: int, q_len: int, kv: str) -> CallSpec:
 _PARTIALS = {"triton": ("part_out", "part_lse", "q_amax"), "triton_fused": ("part_o", "part_lse")}
 
 
-def _poison(decoder: Decoder, out: torch.Tensor) -> None:
-    out.fill_(float("nan"))
-    for name in _PARTIALS.get(decoder.backend, ()):
-        getattr(decoder.runner.workspace, name).fill_(float("nan"))
-
-
 # Libraries that return a new output tensor per eager call: their answers are checked, not buffers.
 LIBRARY_OUTPUTS = ("flashmla",)
 
@@ -64,7 +56,9 @@ LIBRARY_OUTPUTS = ("flashmla",)
 def _answer_into_poisoned_buffers(decoder: Decoder, inp: serving.ServingInput, warm=None) -> torch.Tensor:
     """Call `warm` (or `inp`), poison its answer and the partials, and call `inp` into them."""
     first = call_with_host_lengths(decoder, warm or inp)
-    _poison(decoder, first)
+    first.fill_(float("nan"))
+    for name in _PARTIALS.get(decoder.backend, ()):
+        getattr(decoder.runner.workspace, name).fill_(float("nan"))
     again = call_with_host_lengths(decoder, inp)
     if decoder.variant.backend not in LIBRARY_OUTPUTS:
         assert again.data_ptr() == first.data_ptr(), "the runner allocated a new output for the same new tokens"
@@ -77,7 +71,7 @@ def _expected(variant: Variant, inp: serving.ServingInput) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------ GPU
-def _splitk_variant(layout: int, heads: int, q_len: int, kv: str, device: str = "cuda", **change) -> Variant:
+def _splitk_variant(layout: int, heads: int, q_len: int, kv: str) -> Variant:
     """The split-K setting of a GPU cell, rotated so every split setting, head tile (16
     heads; 64 rows) and dynamic q mode runs without a compile per combination."""
     rows = 1 << (q_len - 1).bit_length()
@@ -85,10 +79,9 @@ def _splitk_variant(layout: int, heads: int, q_len: int, kv: str, device: str = 
     max_splits, tokens_per_split, block_n = [(1, 1, 64), (8, 256, 64), (16, 64, 32)][spin]
     block_h = 16 if spin != 1 else min(heads, 64 // rows)
     q_mode = "fp8_dynamic" if (kv == "fp8") == (q_len != 2) else "bf16"
-    params = dict(kv=kv, q=q_mode, block_n=block_n, block_h=block_h, max_splits=max_splits,
-                  tokens_per_split=tokens_per_split, num_warps=8 if block_h * rows >= 64 else 4,
-                  num_stages=2, dot_dtype="bf16" if device == "cuda" else "fp16")
-    return Variant.make("triton", **{**params, **change})
+    return Variant.make("triton", kv=kv, q=q_mode, block_n=block_n, block_h=block_h,
+                        max_splits=max_splits, tokens_per_split=tokens_per_split,
+                        num_warps=8 if block_h * rows >= 64 else 4, num_stages=2, dot_dtype="bf16")
 
 
 def _fused_variants(heads: int, q_len: int, kv: str) -> list[Variant]:

@@ -1,8 +1,7 @@
-"""The serving reference (mla_tune/serving/inputs.py), and the split-K serving kernel's split
-rule, budgets, grids, workspace and refusals against it (interpreter, fp16 dots). Every run
-poisons the output and scratch with NaN; paged caches hold NaN in every unowned slot."""
-
-from __future__ import annotations
+"""The serving reference (mla_tune/serving/inputs.py), and the serving kernels against it
+(interpreter, fp16 dots): split-K's split rule, budgets, grids, workspace and refusals, and the
+fused kernel's fp8 q, odd page sizes, q_len 3, counters and refusals. Every run poisons the
+output and scratch with NaN; paged caches hold NaN in every unowned slot."""
 
 from dataclasses import replace
 
@@ -17,41 +16,55 @@ from mla_tune.kernels.flash_decode import (
     flash_decode,
     flash_decode_serving,
 )
+from mla_tune.kernels.fused_decode import FusedServingWorkspace, fused_decode_serving
 from mla_tune.kernels.split_rule import REDUCE_SPLITS_PER_STEP, serving_splits, split_items
 from mla_tune.serving import inputs as serving
-from tests.helpers import assert_close, refill
+from tests.helpers import assert_close, refill, rel_l2, row_quantized_q
 
 KV_FORMATS = ("bf16", "fp8")
+# Each serving kernel: its launcher, its workspace, the partials its reduction reads, and the
+# options the tests fix (split-K: no split budget and no SM count unless given).
+KERNELS = {
+    "splitk": (flash_decode_serving, FlashDecodeServingWorkspace,
+               ("part_out", "part_lse", "q_amax"), dict(split_budget=0, sm_count=0)),
+    "fused": (fused_decode_serving, FusedServingWorkspace, ("part_o", "part_lse"), {}),
+}
 
 
-def _dot_dtype(device: str) -> str:
-    return "bf16" if device == "cuda" else "fp16"
+def _dots(kernel: str, device: str, q_fp8: bool = False) -> dict:
+    """bf16 dots on a GPU, fp16 under the interpreter (its bf16 dot is wrong); the fused
+    kernel's fp8 q goes with an fp8 QK dot, as the H200 table's picks."""
+    dot = "bf16" if device == "cuda" else "fp16"
+    if kernel == "splitk":
+        return dict(dot_dtype=dot)
+    if q_fp8:
+        return dict(q_fp8=True, qk_dot="fp8", pv_dot="fp16")
+    return dict(q_fp8=False, qk_dot=dot, pv_dot=dot)
 
 
-def _launch(inp: serving.ServingInput, device: str, *, max_splits: int, tokens_per_split: int,
-            block_n: int, block_h: int, num_warps: int = 4, num_stages: int = 1, workspace=None, out=None,
-            split_budget: int = 0, sm_count: int = 0):
-    """One bf16-q launch into poisoned buffers (q modes: tests/test_serving_correctness.py)."""
-    heads = inp.q.shape[1]
+def _launch(inp: serving.ServingInput, device: str, *, max_splits: int, kernel: str = "splitk",
+            q_fp8: bool = False, workspace=None, out=None, **launch):
+    """One launch into poisoned buffers, bf16 q unless the fused kernel's q_fp8 (split-K's q
+    modes: tests/test_serving_correctness.py); what split-K returns, the fused kernel's out."""
+    serve, workspace_type, partials, fixed = KERNELS[kernel]
     if workspace is None:
-        workspace = FlashDecodeServingWorkspace.allocate(inp.q.shape[0], heads, max_splits, device,
-                                                         max_q_len=max(inp.q_lens))
-    for buf in (workspace.part_out, workspace.part_lse, workspace.q_amax):
-        buf.fill_(float("nan"))  # stage 2 must read only what stage 1 wrote
+        workspace = workspace_type.allocate(inp.q.shape[0], inp.q.shape[1], max_splits, device,
+                                            max_q_len=max(inp.q_lens))
+    for name in partials:
+        getattr(workspace, name).fill_(float("nan"))  # the reduction reads only what was written
     if out is None:
-        out = torch.empty((inp.q.shape[0], heads, 512), dtype=torch.bfloat16, device=device)
+        out = torch.empty((*inp.q.shape[:2], 512), dtype=torch.bfloat16, device=device)
     out.fill_(float("nan"))  # every element must be written
-    return flash_decode_serving(
-        inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, out, **inp.layout,
-        max_q_len=max(inp.q_lens), max_splits=max_splits, tokens_per_split=tokens_per_split,
-        block_n=block_n, block_h=block_h, num_warps=num_warps, num_stages=num_stages,
-        dot_dtype=_dot_dtype(device), workspace=workspace, split_budget=split_budget, sm_count=sm_count,
-    )
+    launch = {"num_warps": 4, "num_stages": 1, **fixed, **launch, **_dots(kernel, device, q_fp8)}
+    returned = serve(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, out, **inp.layout,
+                     max_q_len=max(inp.q_lens), max_splits=max_splits, workspace=workspace,
+                     **launch)
+    return returned if kernel == "splitk" else out  # the fused launcher returns its kernel
 
 
 def _checked(inp: serving.ServingInput, device: str, what: str, **launch):
-    """_launch into a new workspace, checked against the reference, its split counts against
-    the host replay of the split rule (kernels/split_rule.serving_splits); the workspace."""
+    """A split-K _launch into a new workspace, checked against the reference, its split counts
+    against the host replay of the split rule (kernels/split_rule.serving_splits); the workspace."""
     workspace = FlashDecodeServingWorkspace.allocate(
         inp.q.shape[0], inp.q.shape[1], launch["max_splits"], device, max_q_len=max(inp.q_lens))
     assert_close(_launch(inp, device, workspace=workspace, **launch), inp.reference(), 1e-2, what)
@@ -119,7 +132,7 @@ def test_kernel_reproduces_flash_decode_on_the_leaderboard_call(device):
         data = problem.generate_ragged_input([kv_len], seed=8, device=device)
         q, kv_data, qo_indptr, kv_indptr, _cfg = data
         kv, kv_scale = kv_data["fp8"]
-        common = dict(block_n=16, num_warps=4, num_stages=1, dot_dtype=_dot_dtype(device))
+        common = dict(block_n=16, num_warps=4, num_stages=1, **_dots("splitk", device))
         old = torch.empty((1, 16, 512), dtype=torch.bfloat16, device=device)
         flash_decode(q, kv, kv_scale, kv_indptr, old, num_splits=splits, **common)
         new = torch.full_like(old, float("nan"))
@@ -264,29 +277,44 @@ def test_the_reduction_runs_in_narrow_and_wide_grids(device, monkeypatch, launch
     assert launches[-1][0] == (3, 2, 16 * (4 if wide else 1))
 
 
-def test_one_workspace_serves_new_lengths_and_block_tables(device):
-    """A graph replay: the same buffers refilled with other lengths, q_lens and tables."""
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_one_workspace_serves_new_lengths_and_block_tables(device, kernel):
+    """A graph replay: the same buffers refilled with other lengths, q_lens and tables; the
+    fused reduction resets its arrival counters after each call."""
     first = serving.make_input([2, 1, 2], [40, 1, 100], 16, 16, "fp8", seed=21, device=device)
-    workspace = FlashDecodeServingWorkspace.allocate(6, 16, 4, device, max_q_len=2)
+    workspace = KERNELS[kernel][1].allocate(6, 16, 4, device, max_q_len=2)
     out = torch.empty((5, 16, 512), dtype=torch.bfloat16, device=device)
-    kwargs = dict(max_splits=4, tokens_per_split=16, block_n=16, block_h=8, workspace=workspace, out=out)
+    kwargs = dict(kernel=kernel, max_splits=4, tokens_per_split=16, block_n=16, block_h=8,
+                  workspace=workspace, out=out)
+
+    def counters_are_reset() -> bool:  # split-K has none
+        return kernel == "splitk" or int(workspace.count.abs().sum()) == 0
+
     _launch(first, device, **kwargs)
     assert_close(out, first.reference(), 1e-2, "first call")
+    assert counters_are_reset()
     second = serving.make_input([1, 2, 2], [90, 3, 2], 16, 16, "fp8", seed=22, device=device)
     refill(first, second)
-    second_out = _launch(first, device, **kwargs)
-    assert second_out.data_ptr() == out.data_ptr()
+    assert _launch(first, device, **kwargs).data_ptr() == out.data_ptr()
     assert_close(out, second.reference(), 1e-2, "second call")
+    assert counters_are_reset()
 
 
-def test_an_empty_padding_slot_writes_nothing_and_spoils_nothing(device):
-    """A padding slot of seq_len 0: its rows stay NaN, every other sequence is right."""
-    inp = serving.make_input([1, 1, 1], [40, 5, 70], 16, 16, "fp8", seed=23, device=device)
+@pytest.mark.parametrize("kernel,q_lens,kv_lens,kv,seed,block_h", [
+    ("splitk", [1, 1, 1], [40, 5, 70], "fp8", 23, 16),
+    ("fused", [2, 1, 2], [70, 5, 33], "bf16", 12, 8),
+], ids=["splitk", "fused"])
+def test_an_empty_padding_slot_writes_nothing_and_spoils_nothing(
+        device, kernel, q_lens, kv_lens, kv, seed, block_h):
+    """A CUDA graph's padding slot (seq_len 0): its rows stay NaN, every other sequence is right."""
+    inp = serving.make_input(q_lens, kv_lens, 16, 16, kv, seed=seed, device=device)
     ref = inp.reference()
     inp.seq_lens[1] = 0
-    out = _launch(inp, device, max_splits=4, tokens_per_split=16, block_n=16, block_h=16)
-    assert bool(out[1].isnan().all())
-    assert_close(out[0::2], ref[0::2], 1e-2, "live sequences")
+    out = _launch(inp, device, kernel=kernel, max_splits=4, tokens_per_split=16, block_n=16,
+                  block_h=block_h)
+    padding = torch.arange(out.shape[0], device=device) == q_lens[0]  # slot 1's one new token
+    assert bool(out[padding].isnan().all())
+    assert_close(out[~padding], ref[~padding], 1e-2, "live sequences")
 
 
 def test_padded_new_token_rows_leave_the_schedule_alone(device):
@@ -312,16 +340,54 @@ def small_call(**launch) -> dict:
                 tokens_per_split=4, block_n=16, block_h=16, num_warps=4, num_stages=1, **launch)
 
 
-@pytest.mark.parametrize("change,message", [
-    (dict(block_h=12), "block_h"), (dict(block_h=4), "block_h"),  # block_h 4: fewer than 16 MMA rows
-    (dict(max_q_len=0), "max_q_len"), (dict(block_n=24), "block_n"),
-    (dict(tokens_per_split=0), "tokens_per_split"),
+_BOTH_BAD = [
+    (dict(block_h=12), "block_h"), (dict(block_h=4), "block_h"),  # block_h 4: under 16 MMA rows
+    (dict(block_n=24), "block_n"), (dict(tokens_per_split=0), "tokens_per_split"),
     (dict(kv_indptr=torch.tensor([0, 5, 14], dtype=torch.int32)), "not both"),
-    (dict(q_mode="fp8_static"), "q_scale"), (dict(dot_dtype="fp32"), "dot_dtype"),
+]
+BAD_CALLS = [("splitk", *bad) for bad in _BOTH_BAD + [
+    (dict(max_q_len=0), "max_q_len"), (dict(q_mode="fp8_static"), "q_scale"),
+    (dict(dot_dtype="fp32"), "dot_dtype"),
     (dict(workspace=FlashDecodeServingWorkspace.allocate(1, 16, 2, "cpu")), "workspace is for"),
     (dict(kv=torch.zeros((2, 24, 576), dtype=torch.bfloat16)), "page_size"),
     (dict(block_table=SMALL.block_table.long()), "block_table"),
-])
-def test_bad_calls_are_refused_by_name(change, message):
+]] + [("fused", *bad) for bad in _BOTH_BAD + [
+    (dict(max_q_len=5), "max_q_len"), (dict(pv_dot="fp32"), "pv_dot"),
+    (dict(qk_dot="fp8"), "q_fp8"),  # fp8 dots on a bf16 cache, and without q_fp8
+    (dict(workspace=FusedServingWorkspace.allocate(1, 16, 2, "cpu")), "workspace is for"),
+]]
+
+
+@pytest.mark.parametrize("kernel,change,message", BAD_CALLS)
+def test_bad_calls_are_refused_by_name(kernel, change, message):
     with pytest.raises(ValueError, match=message):
-        flash_decode_serving(**{**small_call(dot_dtype="fp16"), **change})
+        KERNELS[kernel][0](**{**small_call(**_dots(kernel, "cpu")), **change})
+
+
+# ------------------------------------------------------------- the fused kernel alone
+@pytest.mark.parametrize("layout,q_lens", [(0, [1, 1, 1]), (64, [2, 1, 1])],
+                         ids=["contiguous-q1", "page64-q2"])
+def test_fused_serving_fp8_q_and_fp8_dot(layout, q_lens, device):
+    """q quantized per (new token, head), QK dot fp8 x fp8. The interpreter rounds some fp32 ->
+    fp8 casts wrongly, so the CPU bound is the error of fp8 q itself."""
+    inp = serving.make_input(q_lens, [65, 17, 1], 16, layout, "fp8", seed=5, device=device)
+    out = _launch(inp, device, kernel="fused", max_splits=4, tokens_per_split=16, block_n=16,
+                  block_h=16, q_fp8=True)
+    ref = serving.reference(row_quantized_q(inp.q), inp.qo_indptr, inp.kv, inp.kv_scale,
+                            **inp.layout)
+    if device == "cuda":
+        assert_close(out, ref, 1e-2, "fp8 q")
+    else:
+        err = rel_l2(out, ref)
+        assert bool(torch.isfinite(out).all()) and err < 8e-2, f"fp8 q: {err:.4f}"
+
+
+@pytest.mark.parametrize("page_size,heads,block_n,block_h", [(128, 64, 32, 16), (8, 32, 16, 8)])
+def test_fused_serving_other_page_sizes_heads_and_q_len_3(page_size, heads, block_n, block_h,
+                                                           device):
+    """Pages larger and smaller than a tile, 32 and 64 heads, q_len 3 (padded to 4 rows)."""
+    inp = serving.make_input([3, 3, 2], [100, 3, 70], heads, page_size, "fp8", seed=9,
+                             device=device)
+    out = _launch(inp, device, kernel="fused", max_splits=4, tokens_per_split=48, block_n=block_n,
+                  block_h=block_h)
+    assert_close(out, inp.reference(), 1e-2, f"page {page_size} heads {heads} q_len 3")

@@ -1,8 +1,6 @@
 """kernels/serving_runner.py: the own kernels' serving runner and shared launch checks, beside
 the kernels (core.py imports no mla_tune module). Every call is refused or built before a launch."""
 
-from __future__ import annotations
-
 import ast
 from pathlib import Path
 

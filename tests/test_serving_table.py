@@ -1,8 +1,6 @@
 """The serving table (mla_tune/serving/table.py): bucket rules, the graph pick by
 worst case, lookup, a write/load round trip, and load errors that name file, family, field."""
 
-from __future__ import annotations
-
 import copy
 import warnings
 

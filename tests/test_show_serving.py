@@ -1,7 +1,5 @@
 """`mla-tune show` and `mla-tune diff` on serving tables (mla_tune/serving/render.py)."""
 
-from __future__ import annotations
-
 import json
 import shutil
 import subprocess
@@ -59,6 +57,14 @@ def _write(tmp_path: Path, name: str = "H200.serving.yaml", edit=None) -> Path:
     return write_serving_table(tmp_path / name, _table(edit))
 
 
+def _shown(*args, env=NARROW) -> str:
+    """The output of `mla-tune ARGS`, which exits 0 within 80 columns and without colour."""
+    result = invoke(*args, env=env)
+    assert result.exit_code == 0, result.output
+    assert max(map(len, result.output.splitlines())) <= 80 and "\x1b[" not in result.output
+    return result.output
+
+
 def _legend(lines: list[str], tag: str) -> dict[str, str]:
     """label -> the variant rebuilt from its lines (`  TAG LABEL  text`, continued)."""
     out: dict[str, str] = {}
@@ -71,10 +77,7 @@ def _legend(lines: list[str], tag: str) -> dict[str, str]:
 
 def test_show_prints_every_pick_in_80_columns_and_its_json_every_cell(tmp_path):
     path = _write(tmp_path)
-    result = invoke("show", "--table", path)
-    assert result.exit_code == 0, result.output
-    lines = result.output.splitlines()
-    assert max(map(len, lines)) <= 80 and "\x1b[" not in result.output
+    lines = _shown("show", "--table", path).splitlines()
     assert "batch buckets: 1 32 256" in lines and "kv buckets: 1024 8192 65536" in lines
     assert any(line.startswith(str(FP8)) and "(fp8/p64/h128/q2)" in line for line in lines)
     assert any(line.startswith(str(BF16)) and "(bf16/contig/h16/q1)" in line for line in lines)
@@ -95,7 +98,7 @@ def test_show_prints_every_pick_in_80_columns_and_its_json_every_cell(tmp_path):
     # grep for one parameter finds lines that say whose variant it is
     assert all(line.split()[0] == "fp8/p64/h128/q2" for line in lines if "max_splits=64" in line)
     # --times adds each family's grid of times
-    lines = invoke("show", "--table", path, "--times").output.splitlines()
+    lines = _shown("show", "--table", path, "--times").splitlines()
     start = lines.index("  the eager picks' times (us), fp8/p64/h128/q2:")
     assert lines[start + 1].split() == ["batch", "1024", "8192", "65536"]
     assert lines[start + 2].split() == ["1", "20.2", "91.9", "665.4"]  # 10 x batch + kv / 100
@@ -123,13 +126,12 @@ def test_show_gpu_keeps_the_leaderboard_table_and_names_the_serving_one_beside_i
     shutil.copy(LEADERBOARD, tmp_path / "cpu.yaml")
     _write(tmp_path, "cpu.serving.yaml")
     env = {**NARROW, "MLA_TUNE_TABLES": str(tmp_path)}
-    result = invoke("show", "--gpu", "cpu", env=env)
-    assert result.exit_code == 0, result.output
-    assert "winner torch(kv=bf16,q=bf16)" in result.output  # the leaderboard table
-    note = [line for line in result.output.splitlines() if "serving table" in line]
+    output = _shown("show", "--gpu", "cpu", env=env)
+    assert "winner torch(kv=bf16,q=bf16)" in output  # the leaderboard table
+    note = [line for line in output.splitlines() if "serving table" in line]
     assert note == ["A serving table sits beside it: `mla-tune show --gpu cpu --serving` shows it."]
-    result = invoke("show", "--gpu", "cpu", "--serving", env=env)
-    assert result.exit_code == 0 and "serving table for H200, 2 families" in result.output
+    output = _shown("show", "--gpu", "cpu", "--serving", env=env)
+    assert "serving table for H200, 2 families" in output
     result = invoke("show", "--gpu", "none", "--serving", env=env)
     assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
     assert "none.serving.yaml does not exist" in result.output
@@ -160,11 +162,8 @@ def test_diff_of_serving_tables_flags_pick_and_time_changes_per_family_and_never
     new = _write(tmp_path, "new.serving.yaml", lambda table: (_points(table), _changed(table)))
     assert_commands_import_no_torch(["show", "--table", old], ["show", "--table", old, "--json"],
                                     ["diff", old, new], ["diff", old, new, "--json"])
-    result = invoke("diff", old, new)
-    assert result.exit_code == 0, result.output
-    lines = result.output.splitlines()
-    assert max(map(len, lines)) <= 80
-    text = " ".join(result.output.split())
+    output = _shown("diff", old, new)
+    lines, text = output.splitlines(), " ".join(output.split())
     assert "8 cells: 2 with another pick (or in one table only), 2 with a time change outside" in text
     assert "6 graph picks: 1 changed" not in text and "4 graph picks: 1 changed" in text
     assert "point entries (what the eager lookup interpolates: + new, - gone, ~ a time change outside " \
@@ -198,9 +197,7 @@ def test_diff_of_serving_tables_flags_pick_and_time_changes_per_family_and_never
 
 def test_diff_of_a_table_with_itself_changes_nothing_and_with_a_leaderboard_is_one_line(tmp_path):
     serving = _write(tmp_path)
-    result = invoke("diff", serving, serving)
-    assert result.exit_code == 0, result.output
-    text = " ".join(result.output.split())
+    text = " ".join(_shown("diff", serving, serving).split())
     assert "8 cells: 0 with another pick" in text and "0 with a time change" in text
     assert "graph picks: 0 changed" in text and "cells and" not in text  # no family listed
     assert "+0 -0 ~0 of 0; calibration changed in 0 families" in text
@@ -238,10 +235,7 @@ def test_a_grid_too_wide_for_80_columns_splits_its_kv_columns(tmp_path):
         fam.cells = {(b, k): Cell(b, k, _v(8), 1234.5) for b in BATCHES for k in kvs}
         fam.left_out = []
 
-    result = invoke("show", "--table", _write(tmp_path, edit=many), "--times")
-    assert result.exit_code == 0, result.output
-    lines = result.output.splitlines()
-    assert max(map(len, lines)) <= 80
+    lines = _shown("show", "--table", _write(tmp_path, edit=many), "--times").splitlines()
     headers = [line.split() for line in lines if line.split()[:1] == ["batch"] and "buckets:" not in line]
     shown = [int(k) for h in headers for k in h[1:] if k.isdigit()]
     assert sorted(shown) == sorted(kvs * 4)  # every kv bucket in both families' picks and times grids

@@ -1,7 +1,5 @@
 """The split-K schedule model (backends/triton_splitk_schedule.py): schedule, fit and lookup."""
 
-from __future__ import annotations
-
 from pathlib import Path
 
 import pytest
@@ -162,17 +160,13 @@ def test_the_models_estimate_a_ragged_batch_by_its_schedule_survive_a_write_and_
                         (dict(item_tokens=1.5), "item_tokens must be an integer >= 0"),
                         (dict(extra=1), "is a mapping of backend, fit_error")):
         data = table.as_dict()
-        entry = dict(data["families"][0]["models"][0])
-        entry.update(edit)
-        data["families"][0]["models"] = [entry]
+        data["families"][0]["models"] = [{**data["families"][0]["models"][0], **edit}]
         _refused(tmp_path / "bad.serving.yaml", data, words)
     # an older schema is refused with the command that rebuilds it
-    data = _table({}).as_dict()
     path = tmp_path / "old.serving.yaml"
     for old in ("serving/2", "serving/5"):
-        data["schema"] = old
-        words = rf"schema is '{old}', this mla-tune reads 'serving/6'; rebuild it.*mla-tune sweep"
-        _refused(path, data, words)
+        _refused(path, {**_table({}).as_dict(), "schema": old},
+                 rf"schema is '{old}', this mla-tune reads 'serving/6'; rebuild it.*mla-tune sweep")
     # a split-K model must carry its program's fixed cost (item_tokens)
     data = _table(_splitk_models(KEY, _grid(item_tokens=64), 132)).as_dict()
     assert data["families"][0]["models"][0]["item_tokens"] == 64
@@ -209,9 +203,8 @@ def test_the_lookup_adds_the_measured_reduction_steps_beyond_a_uniform_batchs(tm
     assert extra > 1
     before = table.estimates(SPEC, 100, 1024.0, kv_lens=RAGGED)[split]
     assert _splitk(table, SPEC, RAGGED) == {split: pytest.approx(before)}
-    calibration = {"triton": {"reduce_step_us": {16: 5.0, 64: 1.0}}}
-    fam.calibration = calibration  # 100 x 16 heads: the narrow grid's 16 a step
-    table = _serving(fam)
+    fam.calibration = calibration = {"triton": {"reduce_step_us": {16: 5.0, 64: 1.0}}}
+    table = _serving(fam)  # 100 x 16 heads: the narrow grid's 16 splits a step
     after = table.estimates(SPEC, 100, 1024.0, kv_lens=RAGGED)[split]
     assert after == pytest.approx(before + 5.0 * extra)
     assert _splitk(table, SPEC, RAGGED, calibrated=False) == {split: pytest.approx(before)}
@@ -220,20 +213,20 @@ def test_the_lookup_adds_the_measured_reduction_steps_beyond_a_uniform_batchs(tm
     assert flat == pytest.approx(table.estimates(SPEC, 100, 1024.0)[split])
     assert _splitk(table, SPEC, UNIFORM) == _splitk(table, SPEC, UNIFORM, calibrated=False)
     # it is written, read back, and checked
-    return_path = write_serving_table(tmp_path / "H200.serving.yaml", table)
-    assert "reduce_step_us: {16: 5.0, 64: 1.0}" in return_path.read_text()
-    assert load_serving_table(return_path).families[KEY].calibration == calibration
+    path = write_serving_table(tmp_path / "H200.serving.yaml", table)
+    assert "reduce_step_us: {16: 5.0, 64: 1.0}" in path.read_text()
+    assert load_serving_table(path).families[KEY].calibration == calibration
     data = table.as_dict()
     for bad, words in (({"triton": {"reduce_step_us": {32: 1.0}}}, "must map splits per reduction step"),
                        ({"triton": {"reduce_step_us": {16: -1.0}}}, r"\[16\] must be a finite"),
                        ({"triton": {"reduce_step_us": [1.0]}}, "must map splits per reduction step"),
                        ({"flashmla": {}}, "'flashmla' has no calibration"), ([1], "must map backends")):
         data["families"][0]["calibration"] = bad
-        _refused(return_path, data, words)
+        _refused(path, data, words)
     # a family without a calibration (no split-K variant needs one) loads with none
     del data["families"][0]["calibration"]
-    return_path.write_text(dump_yaml(data))
-    assert load_serving_table(return_path).families[KEY].calibration == {}
+    path.write_text(dump_yaml(data))
+    assert load_serving_table(path).families[KEY].calibration == {}
 
 
 @pytest.mark.parametrize("variant", [SPLIT, SPLIT.with_params(tokens_per_split=128, block_n=32, split_budget=264),

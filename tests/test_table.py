@@ -1,9 +1,11 @@
-"""The table schema: built from results, written atomically, loaded with precise errors."""
+"""The table schema: built from results, written atomically, loaded with precise errors; and
+the atomic writes themselves (mla_tune/fileio.py): the umask honoured, and every OS failure
+one line with nothing left behind."""
 
-from __future__ import annotations
-
+import errno
 import os
 import re
+import stat
 import sys
 import time
 from pathlib import Path
@@ -12,8 +14,10 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from mla_tune import fileio
 from mla_tune.backends import BACKEND_MODULES, get_backend
 from mla_tune.core import Shape, Variant
+from mla_tune.fileio import WriteError, atomic_write_text
 from mla_tune.gpu import fake_platform
 from mla_tune.problem import get_rule
 from mla_tune.tables.table import TableError, load_table, pick_best, table_from_results, write_table
@@ -34,32 +38,26 @@ def _config(shapes=((4, 1024), (8, 64))):
 
 
 def _header(**extra):
-    header = {
+    return {
         "kind": "header", "gpu": "H200", "schema": 1, "date": "2026-12-01",
         "platform": {"device_name": "NVIDIA H200", "arch": "sm_90", "driver": "570.1",
                      "versions": {"torch": "2.11.0", "triton": "3.6.0"}},
         "protocol": {"name": "leaderboard-emulation"}, "copy_bandwidth_gbps": 4280.0,
         "config": {"path": "configs/test.yaml", "hash": "abc123"},
         "rule": get_rule("leaderboard").as_dict(), "mla_tune_version": "0.1.0",
-        "unavailable": {"aiter": "ROCm only"},
+        "unavailable": {"aiter": "ROCm only"}, **extra,
     }
-    header.update(extra)
-    return header
 
 
 def _record(variant, status="ok", median=None, shape=(4, 1024), p10=None, p90=None, **extra):
     v = Variant.parse(variant)
-    time = None
-    if median is not None:
-        time = {"median_us": median, "p10_us": p10 or median * 0.98, "p90_us": p90 or median * 1.02,
-                "samples": 30}
-    record = {"kind": "candidate", "shape": {"batch": shape[0], "kv_len": shape[1]},
-              "variant": variant, "backend": v.backend, "params": v.p, "status": status,
-              "reason": "" if status == "ok" else "because", "checks": [], "time": time,
-              "wall": {"median_us": 40.0} if median else None, "calibration": None,
-              "elapsed_s": 1.0}
-    record.update(extra)
-    return record
+    time = None if median is None else {"median_us": median, "p10_us": p10 or median * 0.98,
+                                        "p90_us": p90 or median * 1.02, "samples": 30}
+    return {"kind": "candidate", "shape": {"batch": shape[0], "kv_len": shape[1]},
+            "variant": variant, "backend": v.backend, "params": v.p, "status": status,
+            "reason": "" if status == "ok" else "because", "checks": [], "time": time,
+            "wall": {"median_us": 40.0} if median else None, "calibration": None,
+            "elapsed_s": 1.0, **extra}
 
 
 def _row(table, batch, kv_len):
@@ -397,3 +395,69 @@ def test_missing_unparsable_or_odd_files_are_refused_in_one_line(tmp_path):
         with pytest.raises(TableError, match=message) as info:
             load_table(path)
         assert "\n" not in str(info.value)
+
+
+# ------------------------------------------------------------------------- atomic writes
+def _mode(path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_a_new_file_gets_the_mode_the_umask_gives_and_a_replaced_one_keeps_its_own(tmp_path):
+    old = os.umask(0o022)
+    try:
+        path = atomic_write_text(tmp_path / "t.yaml", "a")
+        assert _mode(path) == 0o644 and path.read_text() == "a"
+        os.umask(0o077)
+        assert _mode(atomic_write_text(tmp_path / "private.yaml", "b")) == 0o600
+        path.chmod(0o664)
+        atomic_write_text(path, "c")
+        assert _mode(path) == 0o664 and path.read_text() == "c"
+    finally:
+        os.umask(old)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["private.yaml", "t.yaml"]
+
+
+def test_a_full_disk_is_one_line_and_keeps_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "t.yaml"
+    path.write_text("old")
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(fileio.os, "fsync", no_space)
+    with pytest.raises(WriteError, match=r"cannot write .*t\.yaml: No space left on device; free "
+                                         r"some space or write elsewhere") as info:
+        atomic_write_text(path, "new")
+    assert "\n" not in str(info.value) and isinstance(info.value, OSError)
+    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["t.yaml"]
+
+
+@pytest.mark.parametrize("refusal", [
+    pytest.param("chmod", marks=pytest.mark.skipif(
+        os.geteuid() == 0, reason="root writes into read-only folders anyway")),
+    "faked",  # as root too
+])
+def test_a_read_only_folder_is_one_line(tmp_path, monkeypatch, refusal):
+    def refuse(*args, **kwargs):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    if refusal == "faked":
+        monkeypatch.setattr(fileio.tempfile, "mkstemp", refuse)
+    else:
+        folder.chmod(0o555)
+    try:
+        with pytest.raises(WriteError, match=r"t\.yaml: Permission denied; write somewhere you "
+                                             "may write"):
+            atomic_write_text(folder / "t.yaml", "x")
+    finally:
+        folder.chmod(0o755)
+
+
+def test_a_directory_or_a_file_in_the_path_is_one_line(tmp_path):
+    with pytest.raises(WriteError, match="Is a directory; name a file, not a directory"):
+        atomic_write_text(tmp_path, "x")
+    (tmp_path / "f").write_text("")
+    with pytest.raises(WriteError, match="cannot write .*f/t.yaml"):
+        atomic_write_text(tmp_path / "f" / "t.yaml", "x")

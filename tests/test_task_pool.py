@@ -1,8 +1,6 @@
 """The task pool (mla_tune/tune/pool.py): a task that raises, crashes its worker, hangs or
 loses its context costs only itself; the next runs on a fresh worker."""
 
-from __future__ import annotations
-
 import os
 import time
 

@@ -1,8 +1,6 @@
 """`mla-tune time` (mla_tune/time_cli.py) on the CPU: its pieces, help, refusals, and each
 subcommand end to end on Triton's interpreter (times are wall clock there, meaningless)."""
 
-from __future__ import annotations
-
 import json
 import math
 from pathlib import Path
@@ -43,6 +41,13 @@ SPLIT16, DEFAULT = (
 
 def _invoke(*args):
     return invoke("time", *args, env=ENV)
+
+
+def _run(*args) -> str:
+    """The output of `mla-tune time ARGS --device cpu`, which exits 0."""
+    result = _invoke(*args, "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    return result.output
 
 
 # ------------------------------------------------------------------------- pieces
@@ -124,15 +129,17 @@ def interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-@pytest.fixture
-def stand_in_timer(monkeypatch):
+def _stand_in(monkeypatch, lost_at: int | None = None) -> list:
     """The serving commands' timer, replaced: each measurement returns 10, 20, 30, ... us
-    without calling (every call still runs once for its check)."""
+    without calling (every call still runs once for its check), and the lost_at-th raises
+    as a lost CUDA context does; the list of what was timed."""
     timed = []
 
     def timer_for(device):
         def timer(fn, reps):
             timed.append(fn)
+            if len(timed) == lost_at:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
             us = 10.0 * len(timed)
             return Timing(us, us, us, reps)
         return timer
@@ -141,30 +148,46 @@ def stand_in_timer(monkeypatch):
     return timed
 
 
+@pytest.fixture
+def stand_in_timer(monkeypatch):
+    return _stand_in(monkeypatch)
+
+
+KEY = FamilyKey("fp8", 16, 16, 1)
+S16, DEF = (Variant.parse(v.format(kv="fp8")) for v in (SPLIT16, DEFAULT))
+CELLS = {(2, 32): Cell(2, 32, S16, 5.0), (2, 64): Cell(2, 64, S16, 7.0)}
+# the cells' points, and one at 1 x 32 with one variant: nothing to compare
+POINTS = {(2, 32): {S16: 5.0, DEF: 6.0}, (2, 64): {S16: 7.0, DEF: 7.5}, (1, 32): {S16: 4.0}}
+
+
+def _table(tmp_path, cells=CELLS, **family) -> Path:
+    """A CPU serving table of KEY's family as CONFIG sweeps it; family: Family's other fields."""
+    return write_serving_table(tmp_path / "CPU.serving.yaml", ServingTable(
+        "CPU", {"config": {"path": str(CONFIG)}}, [1, 2, 4], [32, 64],
+        {KEY: Family(KEY, cells=dict(cells), **family)}))
+
+
 def test_variants_are_checked_and_timed_and_a_failing_one_is_a_row(interpreter):
     good = "torch(kv=bf16,q=bf16)"
-    result = _invoke("variants", good, "nobackend(kv=bf16)", "--shapes", "1x8,2x5", "--reps", "1",
-                     "--device", "cpu")
-    assert result.exit_code == 0, result.output
-    lines = result.output.strip().splitlines()
+    output = _run("variants", good, "nobackend(kv=bf16)", "--shapes", "1x8,2x5", "--reps", "1")
+    lines = output.strip().splitlines()
     ok = [line for line in lines if line.endswith(good)]
     assert [line.split()[0] for line in ok] == ["1x8", "2x5"]
     assert all(line.split()[4] == "ok" and line.split()[5] in ("ok", "FAIL") for line in ok)  # lb, strict
     errors = [line for line in lines if "nobackend" in line]
     assert len(errors) == 2 and all(" error " in line and "unknown backend" in line for line in errors)
-    assert time_variants.FLOOR_ROW not in result.output  # no --floor
+    assert time_variants.FLOOR_ROW not in output  # no --floor
 
 
 def test_the_floor_row_times_one_tiny_launch_before_each_shapes_variants(interpreter, stand_in_timer):
     good = "torch(kv=bf16,q=bf16)"
-    result = _invoke("variants", good, "--shapes", "1x8,2x5", "--reps", "1", "--device", "cpu", "--floor")
-    assert result.exit_code == 0, result.output
-    rows = [line.split() for line in result.output.strip().splitlines()[1:]]
+    output = _run("variants", good, "--shapes", "1x8,2x5", "--reps", "1", "--floor")
+    rows = [line.split() for line in output.strip().splitlines()[1:]]
     assert [(r[0], r[-1]) for r in rows] == [("1x8", "element"), ("1x8", good), ("2x5", "element"), ("2x5", good)]
     assert [r[1] for r in rows] == ["10.0", "20.0", "30.0", "40.0"]  # timed in that order
     floor = stand_in_timer[0]
     assert floor.__name__ == "zero_" and floor.__self__.numel() == 1  # one element, one launch
-    assert time_variants.FLOOR_ROW in result.output
+    assert time_variants.FLOOR_ROW in output
 
 
 def _worst_lines(data: dict) -> list[str]:
@@ -180,50 +203,42 @@ def test_a_scan_times_every_candidate_and_its_budget_copies_at_each_shape(interp
     each checked and timed at each shape, the worst regrets printed and the times written; and
     a ragged mix, one shape."""
     out = tmp_path / "scan.json"
-    result = _invoke("scan", "--kv", "fp8", "--heads", "16", "--page", "16", "--config", CONFIG,
-                     "--batch", "1", "--lengths", "20,40", "--budget-waves", "1", "--reps", "1",
-                     "--device", "cpu", "--json", out)
-    assert result.exit_code == 0, result.output
+    output = _run("scan", "--kv", "fp8", "--heads", "16", "--page", "16", "--config", CONFIG,
+                  "--batch", "1", "--lengths", "20,40", "--budget-waves", "1", "--reps", "1",
+                  "--json", out)
     data = json.loads(out.read_text())
-    assert data["shapes"] == ["1x20", "1x40"] and data["family"] == str(FamilyKey("fp8", 16, 16, 1))
+    assert data["shapes"] == ["1x20", "1x40"] and data["family"] == str(KEY)
     assert {SPLIT16.format(kv="fp8"), DEFAULT.format(kv="fp8")} < set(data["times"])
     budgeted = [v for v in data["times"] if "split_budget=" in v]
     assert len(budgeted) == 2 and len(data["times"]) == 4 and len(stand_in_timer) == 8
     assert all(set(t) == {"1x20", "1x40"} for t in data["times"].values())
-    assert "fails the check" not in result.output
-    assert [line for line in result.output.splitlines() if line.startswith("worst")] == _worst_lines(data)
+    assert "fails the check" not in output
+    assert [line for line in output.splitlines() if line.startswith("worst")] == _worst_lines(data)
     # a ragged mix scans as one shape
     out = tmp_path / "mix.json"
-    result = _invoke("scan", "--kv", "bf16", "--heads", "16", "--page", "16", "--config", CONFIG,
-                     "--mix", "9,30", "--reps", "1", "--device", "cpu", "--json", out)
-    assert result.exit_code == 0, result.output
+    output = _run("scan", "--kv", "bf16", "--heads", "16", "--page", "16", "--config", CONFIG,
+                  "--mix", "9,30", "--reps", "1", "--json", out)
     data = json.loads(out.read_text())
     assert data["shapes"] == ["mix2~19"] and data["batches"] == [2] and len(data["times"]) == 2
-    assert all(set(t) == {"mix2~19"} for t in data["times"].values()) and "fails the check" not in result.output
+    assert all(set(t) == {"mix2~19"} for t in data["times"].values())
+    assert "fails the check" not in output
 
 
 def test_a_mix_runs_the_tables_eager_and_graph_picks_and_the_extra_variants(interpreter, stand_in_timer, tmp_path):
-    key = FamilyKey("fp8", 16, 16, 1)
     extra = SPLIT16.format(kv="fp8").replace("max_splits=4", "max_splits=1")
-    split16, default = Variant.parse(SPLIT16.format(kv="fp8")), Variant.parse(DEFAULT.format(kv="fp8"))
-    family = Family(key, cells={(2, 32): Cell(2, 32, split16, 5.0), (2, 64): Cell(2, 64, split16, 7.0)},
-                    graph={2: GraphPick(2, default, 0.1, 64)})
-    table = write_serving_table(tmp_path / "CPU.serving.yaml", ServingTable(
-        "CPU", {"config": {"path": str(CONFIG)}}, [1, 2, 4], [32, 64], {key: family}))
-    result = _invoke("mix", "--table", table, "--kv", "fp8", "--heads", "16", "--page", "16",
-                     "--lens", "30,34", "--variant", extra, "--variant", "nobackend(kv=fp8)",
-                     "--reps", "1", "--device", "cpu")
-    assert result.exit_code == 0, result.output
-    lines = result.output.strip().splitlines()
-    assert lines[0].startswith(f"{key}: 2 sequences, kv_lens [30, 34] (mean 32)")
-    assert lines[1] == f"the table's cell 2 x 32: {split16}, 5.0 us as swept"
+    table = _table(tmp_path, graph={2: GraphPick(2, DEF, 0.1, 64)})
+    lines = _run("mix", "--table", table, "--kv", "fp8", "--heads", "16", "--page", "16",
+                 "--lens", "30,34", "--variant", extra, "--variant", "nobackend(kv=fp8)",
+                 "--reps", "1").strip().splitlines()
+    assert lines[0].startswith(f"{KEY}: 2 sequences, kv_lens [30, 34] (mean 32)")
+    assert lines[1] == f"the table's cell 2 x 32: {S16}, 5.0 us as swept"
     skipped = [line for line in lines if " not timed, it cannot serve this here: " in line]
     # no GPU here: each vendor backend with a serving call is named, with why it did not run
     assert [line.split(":")[0] for line in skipped] == ["aiter", "flashinfer", "flashmla"]
     header = lines.index(next(line for line in lines if line.split()[:2] == ["role", "us"]))
     rows = {line.split()[0]: line.split() for line in lines[header + 1:]}
     assert set(rows) == {"eager", "graph", "extra1", "extra2"}
-    assert rows["eager"][-1] == str(split16) and rows["graph"][-1] == str(default) and rows["extra1"][-1] == extra
+    assert [rows[r][-1] for r in ("eager", "graph", "extra1")] == [str(S16), str(DEF), extra]
     # timed in order at 10, 20, 30 us (the stand-in): ratios to the fastest, each checked
     assert [rows[r][1:4] for r in ("eager", "graph", "extra1")] == [
         ["10.0", "1.000", "ok"], ["20.0", "2.000", "ok"], ["30.0", "3.000", "ok"]]
@@ -232,49 +247,42 @@ def test_a_mix_runs_the_tables_eager_and_graph_picks_and_the_extra_variants(inte
 
 def test_points_retimes_a_tables_points_as_a_sweep_step_and_in_alternating_passes(interpreter, stand_in_timer,
                                                                                   tmp_path, monkeypatch):
-    key = FamilyKey("fp8", 16, 16, 1)
-    split16, default = Variant.parse(SPLIT16.format(kv="fp8")), Variant.parse(DEFAULT.format(kv="fp8"))
-    family = Family(key, cells={(2, 32): Cell(2, 32, split16, 5.0), (2, 64): Cell(2, 64, split16, 7.0)},
-                    points={(2, 32): {split16: 5.0, default: 6.0}, (2, 64): {split16: 7.0, default: 7.5},
-                            (1, 32): {split16: 4.0}})  # one variant: nothing to compare
-    table = write_serving_table(tmp_path / "CPU.serving.yaml", ServingTable(
-        "CPU", {"config": {"path": str(CONFIG)}}, [1, 2, 4], [32, 64], {key: family}))
+    table = _table(tmp_path, points=POINTS)
     out = tmp_path / "points.json"
-    result = _invoke("points", "--table", table, "--samples", "1", "--passes", "2", "--device", "cpu",
-                     "--json", out)
-    assert result.exit_code == 0, result.output
+    output = _run("points", "--table", table, "--samples", "1", "--passes", "2", "--json", out)
     data = json.loads(out.read_text())
     assert [(p["batch"], p["kv_len"]) for p in data["points"]] == [(2, 32), (2, 64)]
     # per point, the stand-in's 10, 20, ... us in the order timed: each variant as a sweep step
     # (the table's fastest first), then two rounds of two passes, the second round's order reversed
     # and each odd pass backwards from its turn's start
     assert data["points"][0]["variants"] == {
-        str(split16): {"table": 5.0, "fresh": 10.0, "passes": 40.0, "again": 90.0},
-        str(default): {"table": 6.0, "fresh": 20.0, "passes": 50.0, "again": 80.0}}
-    assert data["points"][1]["variants"][str(split16)] == {"table": 7.0, "fresh": 110.0, "passes": 140.0,
-                                                           "again": 190.0}
+        str(S16): {"table": 5.0, "fresh": 10.0, "passes": 40.0, "again": 90.0},
+        str(DEF): {"table": 6.0, "fresh": 20.0, "passes": 50.0, "again": 80.0}}
+    assert data["points"][1]["variants"][str(S16)] == {"table": 7.0, "fresh": 110.0,
+                                                       "passes": 140.0, "again": 190.0}
     assert len(stand_in_timer) == 2 * (2 + 2 * 2 * 2)
     summary = data["summary"]
     assert all(s["pairs"] == 2 for s in summary.values())
     first = abs(math.log(50 / 40) - math.log(80 / 90))  # point 1, passes ~ again
     second = abs(math.log(150 / 140) - math.log(180 / 190))
     assert summary["passes ~ again"]["median"] == pytest.approx((first + second) / 2)
-    assert "passes ~ again" in result.output and "fp8/p16/h16/q1 batch 2 kv 32" in result.output
+    assert "passes ~ again" in output and "fp8/p16/h16/q1 batch 2 kv 32" in output
     # passes / table: 40/5, 50/6, 140/7, 150/7.5
     assert data["by_backend"] == {"triton": {"n": 4, "median": pytest.approx((50 / 6 + 20) / 2)}}
-    assert "passes / table per backend, median (n): triton 14.167 (4)" in result.output
+    assert "passes / table per backend, median (n): triton 14.167 (4)" in output
     # with --workers, the gate first: a variant it rejects is named and not timed
     def gate(jobs, workers):
-        assert workers == 3 and sorted(j.variant for j in jobs) == sorted([str(split16), str(default)])  # once each
-        return [(j, {"ok": j.variant != str(default), "reason": "wrong at kv 17"}) for j in jobs]
+        assert workers == 3
+        assert sorted(j.variant for j in jobs) == sorted(map(str, [S16, DEF]))  # once each
+        return [(j, {"ok": j.variant != str(DEF), "reason": "wrong at kv 17"}) for j in jobs]
     monkeypatch.setattr(gate_module, "run_gates", gate)
-    result = _invoke("points", "--table", table, "--samples", "1", "--passes", "1", "--workers", "3",
-                     "--device", "cpu", "--json", out)
-    assert result.exit_code == 0, result.output
+    output = _run("points", "--table", table, "--samples", "1", "--passes", "1", "--workers", "3",
+                  "--json", out)
     data = json.loads(out.read_text())
-    assert all(list(p["variants"]) == [str(split16)] for p in data["points"])
-    assert all(p["failed"] == {str(default): "the gate rejected it: wrong at kv 17"} for p in data["points"])
-    assert f"not timed: the gate rejected it: wrong at kv 17  {default}" in result.output
+    assert all(list(p["variants"]) == [str(S16)] for p in data["points"])
+    assert all(p["failed"] == {str(DEF): "the gate rejected it: wrong at kv 17"}
+               for p in data["points"])
+    assert f"not timed: the gate rejected it: wrong at kv 17  {DEF}" in output
     # refusals, by name in one line
     for args, says in [(["--families", "heads=128"], "matches none of the table's families"),
                        (["--points", "0"], "--points")]:
@@ -284,71 +292,48 @@ def test_points_retimes_a_tables_points_as_a_sweep_step_and_in_alternating_passe
 
 def test_points_write_times_every_point_in_passes_and_writes_the_table_with_those_times(
         interpreter, stand_in_timer, tmp_path, monkeypatch):
-    key = FamilyKey("fp8", 16, 16, 1)
-    split16, default = Variant.parse(SPLIT16.format(kv="fp8")), Variant.parse(DEFAULT.format(kv="fp8"))
-    family = Family(key, cells={(2, 32): Cell(2, 32, split16, 5.0), (2, 64): Cell(2, 64, split16, 7.0)},
-                    points={(2, 32): {split16: 5.0, default: 6.0}, (2, 64): {split16: 7.0, default: 7.5},
-                            (1, 32): {split16: 4.0}})
-    table = write_serving_table(tmp_path / "CPU.serving.yaml", ServingTable(
-        "CPU", {"config": {"path": str(CONFIG)}}, [1, 2, 4], [32, 64], {key: family}))
+    table = _table(tmp_path, points=POINTS)
     out = tmp_path / "RETIMED.serving.yaml"
-    result = _invoke("points", "--table", table, "--samples", "1", "--passes", "2", "--points", "1",
-                     "--device", "cpu", "--write", out)
-    assert result.exit_code == 0, result.output
+    output = _run("points", "--table", table, "--samples", "1", "--passes", "2", "--points", "1",
+                  "--write", out)
     # every point (the one-variant one too, --points ignored), one round of two passes: 10, 20, ...
     assert len(stand_in_timer) == 2 + 4 + 4
-    written = load_serving_table(out).families[key]
-    assert written.points == {(1, 32): {split16: 15.0}, (2, 32): {split16: 40.0, default: 50.0},
-                              (2, 64): {split16: 80.0, default: 90.0}}
-    assert written.cells == family.cells  # as swept
+    written = load_serving_table(out).families[KEY]
+    assert written.points == {(1, 32): {S16: 15.0}, (2, 32): {S16: 40.0, DEF: 50.0},
+                              (2, 64): {S16: 80.0, DEF: 90.0}}
+    assert written.cells == CELLS  # as swept
     retimed = load_serving_table(out).provenance["points_retimed"]
-    assert (retimed["families"], retimed["points"], retimed["variant_times"], retimed["kept"]) == ([str(key)], 3, 5, 0)
+    assert ([retimed[k] for k in ("families", "points", "variant_times", "kept")]
+            == [[str(KEY)], 3, 5, 0])
     assert retimed["from"] == str(table) and retimed["passes"] == 2
-    assert load_serving_table(table).families[key].points == family.points  # the table given is untouched
-    assert f"wrote {out}: 5 variant times at 3 points of 1 families timed again" in result.output
-    assert "table ~ passes" in result.output
-    rows = [line.split() for line in result.output.splitlines() if line.strip().startswith("triton")]
+    assert load_serving_table(table).families[KEY].points == POINTS  # the table given is untouched
+    assert f"wrote {out}: 5 variant times at 3 points of 1 families timed again" in output
+    assert "table ~ passes" in output
+    rows = [line.split() for line in output.splitlines() if line.strip().startswith("triton")]
     assert all(r[2] == "-" and r[4] == "-" for r in rows)  # no fresh or again column
 
     # with the gate run first, no check per point (as the sweep): no reference is computed
     monkeypatch.setattr(gate_module, "run_gates", lambda jobs, workers: [(j, {"ok": True}) for j in jobs])
     monkeypatch.setattr(ServingInput, "reference", lambda *a, **k: pytest.fail("checked after the gate"))
-    result = _invoke("points", "--table", table, "--samples", "1", "--passes", "1", "--device", "cpu",
-                     "--workers", "2", "--write", tmp_path / "gated.yaml")
-    assert result.exit_code == 0, result.output
+    _run("points", "--table", table, "--samples", "1", "--passes", "1", "--workers", "2",
+         "--write", tmp_path / "gated.yaml")
     assert load_serving_table(tmp_path / "gated.yaml").provenance["points_retimed"]["variant_times"] == 5
     # a family the budget cuts short keeps all its times (its points are not mixed)
-    result = _invoke("points", "--table", table, "--samples", "1", "--passes", "1", "--device", "cpu",
-                     "--write", out, "--budget", "0")
-    assert result.exit_code == 0, result.output
-    assert load_serving_table(out).families[key].points == family.points
-    assert f"not reached in full, so left as swept: {key}" in result.output
+    output = _run("points", "--table", table, "--samples", "1", "--passes", "1", "--write", out,
+                  "--budget", "0")
+    assert load_serving_table(out).families[KEY].points == POINTS
+    assert f"not reached in full, so left as swept: {KEY}" in output
 
 
 @pytest.mark.parametrize("lost_at", [7, 9])  # the second point's first timing, or its first pass
 def test_points_stop_where_the_cuda_context_is_lost_and_keep_what_was_timed(interpreter, tmp_path, monkeypatch,
                                                                             lost_at):
-    key = FamilyKey("fp8", 16, 16, 1)
-    split16, default = Variant.parse(SPLIT16.format(kv="fp8")), Variant.parse(DEFAULT.format(kv="fp8"))
-    family = Family(key, cells={(2, 32): Cell(2, 32, split16, 5.0)},
-                    points={(2, 32): {split16: 5.0, default: 6.0}, (2, 64): {split16: 7.0, default: 7.5}})
-    table = write_serving_table(tmp_path / "CPU.serving.yaml", ServingTable(
-        "CPU", {"config": {"path": str(CONFIG)}}, [1, 2, 4], [32, 64], {key: family}))
-    timed = []
-
-    def timer_for(device):
-        def timer(fn, reps):
-            timed.append(fn)
-            if len(timed) == lost_at:  # six a point: 2 fresh, then 2 rounds of 2
-                raise RuntimeError("CUDA error: an illegal memory access was encountered")
-            return Timing(10.0 * len(timed), 0.0, 0.0, reps)
-        return timer
-    monkeypatch.setattr(time_variants, "timer_for", timer_for)
+    table = _table(tmp_path, cells={(2, 32): CELLS[(2, 32)]},
+                   points={k: POINTS[k] for k in [(2, 32), (2, 64)]})
+    timed = _stand_in(monkeypatch, lost_at)  # six a point: 2 fresh, then 2 rounds of 2
     out = tmp_path / "points.json"
-    result = _invoke("points", "--table", table, "--samples", "1", "--passes", "1", "--device", "cpu",
-                     "--json", out)
-    assert result.exit_code == 0, result.output
-    assert "the CUDA context was lost at this point: 0 points not timed" in result.output
+    output = _run("points", "--table", table, "--samples", "1", "--passes", "1", "--json", out)
+    assert "the CUDA context was lost at this point: 0 points not timed" in output
     data = json.loads(out.read_text())
     assert [(p["batch"], p["kv_len"]) for p in data["points"]] == [(2, 32)]  # the first point only
     assert len(timed) == lost_at  # nothing after the lost context

@@ -1,27 +1,31 @@
 """`mla-tune verify` (mla_tune/serving/verify.py) on a tiny config, a made-up table whose picks
 are known and a made-up timer, so that the regrets are known."""
 
-from __future__ import annotations
-
 import copy
 import json
 import math
 
 import pytest
 import yaml
-from typer.testing import CliRunner
 
 from mla_tune.backends import EXTRA_BACKENDS_ENV, get_backend
-from mla_tune.cli import app
 from mla_tune.core import CallSpec, Variant
 from mla_tune.gpu import detect
 from mla_tune.serving import verify as vf
 from mla_tune.serving.call import Decoder
 from mla_tune.serving.cells import family_plan
 from mla_tune.serving.config import load_serving_config, serving_config_from_dict
-from mla_tune.serving.table import load_serving_table
+from mla_tune.serving.table import (
+    Cell,
+    Family,
+    GraphPick,
+    ServingTable,
+    load_serving_table,
+    write_serving_table,
+)
 from mla_tune.tune import timing
 from mla_tune.tune.timing import Timing
+from tests.helpers import invoke
 from tests.test_serving_sweep import TINY as SWEEP_TINY
 
 TINY = {**copy.deepcopy(SWEEP_TINY), "name": "tiny-verify", "batch_buckets": [2, 4]}
@@ -56,17 +60,11 @@ def tiny(monkeypatch, tmp_path):
 
 def _write_table(path, cfg, config_path, batches, kvs, eager, graph, regret, worst_kv):
     """A table of the config's first family: eager everywhere, graph at every batch."""
-    table = {"schema": "serving/6", "gpu": detect().name,
-             "provenance": {"config": {"path": str(config_path), "hash": cfg.hash}},
-             "batch_buckets": batches, "kv_buckets": kvs,
-             "families": [{"key": cfg.families[0].as_dict(),
-                           "cells": [{"batch": b, "kv_len": kv, "variant": str(eager), "time_us": 1.0}
-                                     for b in batches for kv in kvs],
-                           "graph": [{"batch": b, "variant": str(graph), "worst_regret": regret,
-                                      "worst_kv_len": worst_kv} for b in batches],
-                           "left_out": []}]}
-    path.write_text(yaml.safe_dump(table, sort_keys=False))
-    return path
+    cells = {(b, kv): Cell(b, kv, eager, 1.0) for b in batches for kv in kvs}
+    fam = Family(cfg.families[0], cells, {b: GraphPick(b, graph, regret, worst_kv) for b in batches})
+    provenance = {"config": {"path": str(config_path), "hash": cfg.hash}}
+    table = ServingTable(detect().name, provenance, batches, kvs, {fam.key: fam})
+    return write_serving_table(path, table)
 
 
 class FakeTimer:
@@ -164,8 +162,6 @@ def test_a_candidate_the_gate_rejects_does_not_compete_for_best(tiny, monkeypatc
 
 
 def test_thresholds_set_the_exit_code_from_the_regret_statistics_and_a_wrong_fast_pick_fails(tiny):
-    """The regret thresholds set the exit code; a wrong fast candidate is never the best, and
-    as the eager pick it fails the run."""
     _, table_path, names = tiny
     kw = dict(shapes=1, ragged=0, samples=1, device="cpu", log=lambda _: None)
     report = vf.run_verify(table_path, max_p95=0.05, timer=FakeTimer(names), **kw)
@@ -195,7 +191,7 @@ def test_thresholds_set_the_exit_code_from_the_regret_statistics_and_a_wrong_fas
 
 
 def _invoke(*args):
-    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "100", "NO_COLOR": "1"})
+    return invoke(*args, env={"COLUMNS": "100", "NO_COLOR": "1"})
 
 
 def test_cli_help_bad_table_and_a_run_writing_json(tiny, tmp_path, monkeypatch):

@@ -2,17 +2,19 @@
 cache, the plan's drops, and (CI's acceptance) every distinct binary of the MI355X plan and a
 sample of the H200 plan cross-compiled with the installed Triton, without a GPU."""
 
-from __future__ import annotations
-
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 import triton
+from rich.console import Console
 
 from mla_tune import gpu
+from mla_tune.backends import get_backend
 from mla_tune.core import Shape, Variant
+from mla_tune.problem import generate_input
 from mla_tune.tune.config import load_config
 from mla_tune.tune.sweep import plan_candidates, run_sweep
 from mla_tune.xcompile import check as xcheck
@@ -196,8 +198,6 @@ def test_the_dry_run_plans_without_the_checks_drops_and_prints_why(monkeypatch, 
               "drops": {str(shape): {str(victim): "it is the test's victim"}}}
     seen = []
     monkeypatch.setattr(xcheck, "check_plan", lambda plan, name, jobs=None: seen.append(name) or report)
-    from rich.console import Console
-
     console = Console(record=True, width=80)
     summary = run_sweep(MI355X_CONFIG, "MI355X", out=tmp_path / "MI355X.yaml", dry_run=True,
                         compile_check=True, console=console)
@@ -277,12 +277,6 @@ def test_on_the_gpu_the_cross_compile_is_the_code_the_jit_launches():
     """On an H200 or MI355X (`python -m pytest -m gpu tests/test_xcompile.py`): the binaries the
     check compiles from a meta-device capture have the instructions of those Triton's JIT
     compiles for a real launch of the same candidates, stage 1 and the reduction."""
-    import torch
-
-    from mla_tune.backends import get_backend
-    from mla_tune.problem import generate_input
-    from mla_tune.xcompile.resources import code_sha
-
     name = gpu.detect().name
     assert name in gpu.KNOWN_GPUS, f"{name} is not in gpu.KNOWN_GPUS"
     shape, variants = Shape(4, 1024), [SPLITK, SPLITK.with_params(kv="bf16", dot_dtype="bf16")]

@@ -84,7 +84,7 @@ def flashinfer_mla_features(kv_lens: Sequence[int], heads: int, q_len: int, sm_c
     - merge CTAs: the CTAs that merge split chunks; largest merge: the most partial rows
       one merge CTA reads (partial chunks x rows per CTA).
     In C where a C compiler is found (`_NATIVE_SOURCE`: the same integers, dealt as
-    tests/test_vendor_fast.py's chunk-by-chunk replay deals them)."""
+    tests/test_native_replays.py's chunk-by-chunk replay deals them)."""
     lens = np.ascontiguousarray(kv_lens, dtype=np.int64)
     lib = _native()
     if lib is not None:

@@ -76,7 +76,7 @@ def splitk_schedule(kv_lens: Sequence[int], heads: int, q_len: int, params: Mapp
     least-loaded slot, as the hardware's block scheduler runs them (programs beyond the
     slots wait for the first to finish; past EXACT_WAVES waves, the mean load plus half the
     longest item), and the steps of the reduction's longest loop (`reduce_steps`).
-    kv_lens may be a numpy int64 array (`lengths`), which a caller replaying several
+    kv_lens may be a numpy int64 array, which a caller replaying several
     variants for one call makes once: the replay is then vectorized (`_schedule_array`),
     with the same result as the per-sequence replay of split_rule.serving_splits."""
     if isinstance(kv_lens, np.ndarray):
@@ -87,18 +87,13 @@ def splitk_schedule(kv_lens: Sequence[int], heads: int, q_len: int, params: Mapp
             _steps(kv_lens, splits, q_len, heads))
 
 
-def lengths(kv_lens: Sequence[int]) -> np.ndarray:
-    """The call's lengths as the int64 array `splitk_schedule` replays without a Python loop."""
-    return np.asarray(kv_lens, dtype=np.int64)
-
-
 def _schedule_array(lens: np.ndarray, heads: int, q_len: int, params: Mapping, occupancy: int,
                     sm_count: int, item_tokens: float) -> tuple[float, int]:
     """splitk_schedule over an int64 array: split_rule.serving_splits' rule in numpy (the
     same float64 share, n * budget / total, exact below 2**53), its items as a repeat, dealt
     by makespan.deal (what `_deal` does over a list); or all of it in C (`_NATIVE_SOURCE`, mla_tune/native.py: the same
-    arithmetic) where a C compiler is found. tests/test_splitk_fast.py checks it against the
-    loop, tests/test_native_replays.py the C against the numpy."""
+    arithmetic) where a C compiler is found. tests/test_native_replays.py checks the C, the
+    numpy and the loop against each other."""
     rule = _rule(params, sm_count)
     max_splits, block_n, batch = rule["max_splits"], rule["block_n"], int(lens.shape[0])
     tiles = max(heads // rule["block_h"], 1)

@@ -108,7 +108,7 @@ def gs_acc_regs(rows: int, v_halves: int) -> int:
 def gs_smem_bytes(rows: int, num_stages: int, fp8: bool) -> int:
     """Shared memory the kernel allocates: the KV ring (stages x 9 boxes of 64 x 64), q (9
     boxes of rows x 64), P^T (64 x rows, 16-bit), the barriers and 256 B: Triton 3.9's
-    figure; 3.6 allocates 256 B more at 32 rows (tests/test_gluon_serving_compile.py)."""
+    figure; 3.6 allocates 256 B more at 32 rows (tests/test_gluon_compile.py)."""
     elem = 1 if fp8 else 2
     return (num_stages * GS_BOXES * GS_BN * GS_BOX * elem + GS_BOXES * rows * GS_BOX * elem
             + GS_BN * rows * 2 + 8 * num_stages + 256)

@@ -26,7 +26,7 @@ from mla_tune.core import (
 # table's correctness rule, against the gate's reference (the leaderboard's: fp8 q from a
 # dynamic per-tensor scale x fp8 KV), at every kv_len, short ones included. Share of
 # elements off on random inputs, worst of 4 seeds at batch 4, each pair computed in fp32
-# by problem.reference (tests/test_fallback.py runs the kernels at kv_len 1, 2, 17, 63):
+# by problem.reference (tests/test_runtime.py runs the kernels at kv_len 1, 2, 17, 63):
 #   strict       kv_len 1    2     17    63    128   512
 #   fp8 q/fp8 KV     0%   0%    0%    0%    0%    0%    (the reference's own math)
 #   bf16 q/fp8 KV    0%  13%   12%   3.8%  1.1%  0%

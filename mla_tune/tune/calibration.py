@@ -25,7 +25,7 @@ Nothing here depends on the softmax scale: q_amax bounds q itself, and every ker
 multiplies the scores by the model's sm_scale (CallSpec.sm_scale, build's sm_scale) after
 the dot, so a model's scale (DeepSeek-V3's 0.1352 beside the leaderboard's 1/sqrt(576))
 keeps the same calibration. The quantization's error in a score grows with the scale as
-every other score error does (tests/test_softmax_scale.py checks an fp8_static call at
+every other score error does (tests/test_model_call_facts.py checks an fp8_static call at
 DeepSeek-V3's scale against the reference of the same static q at that scale).
 """
 

@@ -1,8 +1,6 @@
 """Tiny fake backends for the sweep's tests (CPU, fast), registered through
 MLA_TUNE_EXTRA_BACKENDS so that spawned worker processes find them too."""
 
-from __future__ import annotations
-
 import contextlib
 import io
 import os

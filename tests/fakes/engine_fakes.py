@@ -10,8 +10,6 @@ Load this module by path, e.g.
     spec = importlib.util.spec_from_file_location("engine_fakes", FAKES_DIR / "engine_fakes.py")
 """
 
-from __future__ import annotations
-
 import importlib.util
 import sys
 from pathlib import Path

@@ -1,7 +1,5 @@
 """A fake that kills its process like a segfault (exit code 139), at batch 2 only."""
 
-from __future__ import annotations
-
 import os
 import sys
 

@@ -1,8 +1,6 @@
 """A fake whose `ignored` option changes nothing: its dedupe_key says so, and the sweep's
 planner must collapse the candidates that differ only there."""
 
-from __future__ import annotations
-
 from mla_tune.core import Shape, Variant
 
 NAME = "fake_dup"

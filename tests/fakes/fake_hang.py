@@ -1,7 +1,5 @@
 """A fake whose runner never returns, at batch 2 only: the sweep must kill it."""
 
-from __future__ import annotations
-
 import time
 
 from mla_tune.core import Shape, Variant

@@ -1,8 +1,6 @@
 """A fake that is unavailable without a GPU, like a vendor backend: it must land in the
 header's "unavailable" map, and a dry run for an absent GPU still lists its candidates."""
 
-from __future__ import annotations
-
 from mla_tune.core import Shape, Variant
 
 NAME = "fake_nogpu"

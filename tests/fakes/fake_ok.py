@@ -6,8 +6,6 @@ delay_us (sleep of a variant away from its batch), static (true: add an fp8_stat
 variant, which must arrive with a calibrated q_amax).
 """
 
-from __future__ import annotations
-
 import time
 
 import torch

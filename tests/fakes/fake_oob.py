@@ -14,8 +14,6 @@ a GPU, and build() refuses as well.
 Space: `batches` (optional list of batch sizes): offer the variant at these batches only.
 """
 
-from __future__ import annotations
-
 import os
 
 import torch

@@ -1,7 +1,5 @@
 """A fake whose runner runs out of device memory: recorded as failed, the sweep goes on."""
 
-from __future__ import annotations
-
 import torch
 
 from mla_tune.core import Shape, Variant

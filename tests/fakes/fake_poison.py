@@ -1,8 +1,6 @@
 """A fake that raises the error a broken CUDA context gives, at batch 1 only: recorded as
 failed, and its worker must exit so that the next candidate gets a fresh one."""
 
-from __future__ import annotations
-
 from mla_tune.core import Shape, Variant
 
 NAME = "fake_poison"

@@ -1,7 +1,5 @@
 """A fake whose build raises, like a kernel that does not compile: recorded as failed."""
 
-from __future__ import annotations
-
 from mla_tune.core import Shape, Variant
 
 NAME = "fake_raise"

@@ -2,8 +2,6 @@
 tests: ok (writes a marker file named by `tag` into $MLA_TUNE_TEST_MARKERS), hang, exit
 (the process exits), segv (the process segfaults), raise (a compile error)."""
 
-from __future__ import annotations
-
 import ctypes
 import os
 import time

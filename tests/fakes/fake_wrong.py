@@ -1,7 +1,5 @@
 """A fake that answers the negated reference: every element is off, so the gate rejects it."""
 
-from __future__ import annotations
-
 import torch
 
 from mla_tune import problem

@@ -20,8 +20,6 @@ Load this module by path (it is not part of a package), e.g.
     spec = importlib.util.spec_from_file_location("vendor_fakes", FAKES_DIR / "vendor_fakes.py")
 """
 
-from __future__ import annotations
-
 import importlib.util
 import os
 import sys

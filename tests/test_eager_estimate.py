@@ -1,7 +1,7 @@
-"""FlashInfer's schedule model (backends/flashinfer_mla_schedule.py): its replay and fit, its
-estimate in the eager lookup, and a serving table's models and points written, read and refused."""
-
-from __future__ import annotations
+"""The eager lookup's estimate: the interpolation between measured points (serving/estimate.py
+`interpolate`) and FlashInfer's schedule model (backends/flashinfer_mla_schedule.py), its replay
+and fit, its estimate in the lookup, and a serving table's models and points written, read and
+refused."""
 
 import pytest
 
@@ -17,7 +17,7 @@ from mla_tune.backends.flashinfer_mla_schedule import (
 )
 from mla_tune.core import CallSpec, Variant
 from mla_tune.fileio import dump_yaml
-from mla_tune.serving.estimate import fit_models
+from mla_tune.serving.estimate import fit_models, interpolate
 from mla_tune.serving.table import (
     Cell,
     Family,
@@ -34,6 +34,35 @@ TR = Variant.parse("triton(block_h=16,block_n=32,dot_dtype=bf16,kv=bf16,max_spli
                    "num_warps=4,q=bf16,tokens_per_split=128)")
 KEY = FamilyKey("bf16", 64, 16, 4)
 MODEL = VendorModel(FI, (1.0, 0.05, 0.0, 0.0, 0.0, 0.0), 132, 0.031)  # a model the table writes and reads
+POINTS = {(8, 16384): {FI: 60.0, FM: 80.0}, (8, 32768): {FI: 100.0, FM: 130.0},
+          (16, 16384): {FI: 96.0, FM: 127.0}, (16, 32768): {FI: 166.0, FM: 202.0}}
+
+
+def test_interpolate_is_log_log_and_takes_a_variant_a_point_lacks_from_the_others_ratio():
+    """In batch and length; past the last length by the last slope, past the last batch the
+    nearest; a variant a point lacks is taken from the others' ratio there, or left out."""
+    points = dict(POINTS)
+    assert interpolate(points, 8, 16384) == {FI: pytest.approx(60.0), FM: pytest.approx(80.0)}
+    mid = interpolate(points, 8, 16384 * 2 ** 0.5)
+    assert mid[FI] == pytest.approx((60.0 * 100.0) ** 0.5)
+    both = interpolate(points, 11, 32768)  # 11 is 0.46 of the way from 8 to 16 in log
+    w = 0.45943161863729726
+    assert both[FM] == pytest.approx(130.0 ** (1 - w) * 202.0 ** w)
+    past = interpolate(points, 16, 65536)  # slope log(166/96)/log 2 = 0.79: 166 x 2^0.79
+    assert past[FI] == pytest.approx(166.0 * 2 ** 0.7901, rel=1e-3)
+    assert interpolate(points, 64, 16384) == interpolate(points, 16, 16384)  # beyond: the nearest
+    points[(16, 16384)] = {FM: 127.0}  # FlashInfer not timed there
+    # where that point weighs more than half (12 is 0.58 of the way to 16), FlashInfer drops out ...
+    assert set(interpolate(points, 12, 16384)) == {FM}
+    # ... and where it weighs less (10: 0.32), it is taken there as FlashMLA's time scaled by
+    # their ratio at 8 x 16384: 127 x 60 / 80
+    w = 0.32192809488736235
+    est = interpolate(points, 10, 16384)
+    assert est[FI] == pytest.approx(60.0 ** (1 - w) * (127.0 * 60.0 / 80.0) ** w)
+    assert est[FM] == pytest.approx(80.0 ** (1 - w) * 127.0 ** w)
+    # with no variant timed at both points there is no ratio to go by: both drop out
+    points[(16, 16384)] = {TR: 127.0}
+    assert set(interpolate(points, 10, 16384)) == set()
 
 
 def test_the_replay_deals_chunks_as_flashinfer_does_and_short_sequences_split_into_small_chunks():
@@ -69,11 +98,8 @@ def test_a_linear_fit_recovers_its_coefficients_and_zeroes_a_constant_column():
 
 def _family(model: VendorModel | None) -> Family:
     fam = Family(KEY)
-    for (b, kv), times in {
-        (8, 16384): {FI: 60.0, FM: 80.0}, (8, 32768): {FI: 100.0, FM: 130.0},
-        (16, 16384): {FI: 96.0, FM: 127.0}, (16, 32768): {FI: 166.0, FM: 202.0},
-    }.items():
-        fam.points[(b, kv)] = times
+    for (b, kv), times in POINTS.items():
+        fam.points[(b, kv)] = dict(times)
         fam.cells[(b, kv)] = Cell(b, kv, FI, times[FI])
     fam.models = {model.variant: model} if model is not None else {}
     return fam

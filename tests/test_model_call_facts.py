@@ -1,7 +1,20 @@
-"""The model's softmax scale (CallSpec.sm_scale, build(..., sm_scale=)) reaches every CPU backend:
-each call matches the reference at DeepSeek-V3's scale and not at the leaderboard's."""
+"""What a model's call declares beyond its cell, and every path honouring it.
 
-from __future__ import annotations
+The softmax scale (CallSpec.sm_scale, build(..., sm_scale=)) reaches every CPU backend: each
+call matches the reference at DeepSeek-V3's scale and not at the leaderboard's.
+
+The optional LSE (issue 29): CallSpec(return_lse=True) makes every run return (out, lse), lse
+the natural-log log-sum-exp of each (new token, head)'s scaled scores, (total_q, heads)
+float32, as vLLM's MLA backends merge it (`lse_base_on_e`). Backends declare it in
+CAPABILITIES.lse: triton_fused (its reduction keeps the running max and sum), the split-K
+family (stage 1 writes it for a one-split sequence, stage 2 from the splits' merge), FlashMLA
+(softmax_lse: natural log, (batch, h_q, s_q)), FlashInfer (asked for natural log: its default
+is base 2). Checked through the interpreter and the vendors' fakes against the fp32
+reference's LSE, at DeepSeek-V3's scale.
+
+Caches as engines keep them: an fp8 cache as uint8 bytes (read as fp8 where CallSpec declares
+cache_dtype="uint8", else refused with the fix by every path) and kv_scale as a Python float.
+"""
 
 import math
 import sys
@@ -11,12 +24,13 @@ import pytest
 import torch
 
 from mla_tune import gpu, problem, runtime
-from mla_tune.backends import get_backend
+from mla_tune.backends import capabilities, get_backend
 from mla_tune.core import CORE_DEEPSEEK_V3_SCALE as DSV3
 from mla_tune.core import SM_SCALE, CallSpec, Shape, Variant
 from mla_tune.kernels import flash_decode, fused_decode
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.call import Decoder, decode
+from mla_tune.serving.decode_plan import DecodePlan
 from mla_tune.serving.table import FamilyKey
 from tests.helpers import FAKE_H200 as H200
 from tests.helpers import VENDOR_MODULES, cpu_table, serving_call, vendor_fakes
@@ -172,14 +186,153 @@ def test_the_leaderboard_runtime_takes_the_scale_from_the_config(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         rt = runtime.load(table=path, device="cpu")
-    q, kv_data, qo_indptr, kv_indptr, config = problem.generate_input(1, 8, seed=1, device="cpu")  # a torch row
-    model = (q, kv_data, qo_indptr, kv_indptr, {**config, "sm_scale": DSV3})
-    data = (q, kv_data, qo_indptr, kv_indptr, config)
+    data = problem.generate_input(1, 8, seed=1, device="cpu")  # a torch row
+    model = (*data[:4], {**data[4], "sm_scale": DSV3})
     ref_model, ref_board = (problem.reference(model, "bf16", "bf16", sm_scale=DSV3),
                             problem.reference(model, "bf16", "bf16"))
     for _ in range(2):  # the second call takes the repeat path
         _scaled_and_not(rt.custom_kernel(model).clone(), ref_model, ref_board, "custom_kernel at the model's scale")
-    assert config["sm_scale"] == SM_SCALE  # the leaderboard's config: its own scale
+    assert data[4]["sm_scale"] == SM_SCALE  # the leaderboard's config: its own scale
     out = rt.custom_kernel(data)  # same tensors, the leaderboard's config: not the model's runner
     assert problem.check(out.float(), ref_board, STRICT).passed
     assert rt.scaled(DSV3) is rt.scaled(DSV3)  # one dispatcher per scale
+
+
+# ------------------------------------------------------------------ the LSE
+def _assert_lse(lse: torch.Tensor, ref_lse: torch.Tensor, what: str) -> None:
+    assert lse.dtype == torch.float32 and tuple(lse.shape) == tuple(ref_lse.shape), \
+        f"{what}: lse {lse.dtype} {tuple(lse.shape)}, expected float32 {tuple(ref_lse.shape)}"
+    err = float((lse - ref_lse).abs().max())
+    # scores of bf16 operands: about 1e-2 absolute at these sizes; a base-2 LSE would be
+    # off by a factor 1.44 (several units), one at the leaderboard's scale by 3x
+    assert err < 5e-2, f"{what}: max |lse - reference| = {err:.4f}"
+
+
+def test_the_capability_record_says_who_returns_it():
+    assert {name: capabilities(name).lse for name in ("triton", "triton_fused", "flashmla", "flashinfer")} == {
+        "triton": True, "triton_fused": True, "flashmla": True, "flashinfer": True}
+    spec = CallSpec("bf16", page_size=16, return_lse=True)
+    assert capabilities("triton").refusal(spec) is None
+    assert Decoder(spec).backend == "triton"  # the first of the preference order
+
+
+# Split-K (backend triton): kv_len 1 and 17 run in one split (stage 1 writes out and LSE),
+# the few hundred in several (stage 2 merges them); max_splits 1 runs every sequence in one.
+SPLITK = [("bf16", 1, 4), ("fp8", 1, 4), ("bf16", 2, 4), ("fp8", 2, 4), ("bf16", 2, 1)]
+
+
+@pytest.mark.parametrize("kv,q_len,max_splits", SPLITK, ids=[f"{k}-q{q}-s{s}" for k, q, s in SPLITK])
+def test_split_k_returns_the_references_lse(kv, q_len, max_splits, monkeypatch):
+    splits = dict(max_splits=max_splits, tokens_per_split=64)
+    (out, lse), _, inp, runner = serving_call(monkeypatch, "triton", kv, [1, q_len, q_len], [1, 17, 300], 13,
+                                              splits, host=False, mixed_q_len=q_len > 1, return_lse=True)
+    counts = runner.workspace.split_count[:3].tolist()
+    assert counts[:2] == [1, 1] and (counts[2] > 1) == (max_splits > 1), counts  # both branches ran
+    ref, ref_lse = inp.reference(sm_scale=DSV3, return_lse=True)
+    _assert_lse(lse, ref_lse, f"triton {kv} q_len {q_len} max_splits {max_splits}")
+    assert float((out.float() - ref).abs().max()) < 0.05
+    # at the leaderboard's scale the LSE is another: the scale reaches it
+    assert float((lse - inp.reference(return_lse=True)[1]).abs().max()) > 0.5
+
+
+LSE_CASES = [("triton_fused", "bf16", 2), ("triton_fused", "fp8", 1), ("flashmla", "bf16", 2), ("flashmla", "fp8", 1),
+             ("flashinfer", "bf16", 2), ("flashinfer", "fp8", 1)]
+
+
+@pytest.mark.parametrize("name,kv,q_len", LSE_CASES,
+                         ids=[f"{n}-{k}-q{q}" for n, k, q in LSE_CASES])
+def test_each_declared_backend_returns_the_references_lse(name, kv, q_len, monkeypatch):
+    mixed = name != "flashmla" and q_len > 1
+    # triton_fused: several splits for the long sequences, so the reduction's LSE too
+    params = dict(max_splits=4, tokens_per_split=32) if name == "triton_fused" else None
+    q_lens, kv_lens = [q_len, 1 if mixed else q_len, q_len], [70, 5 if mixed else 9, 130]
+    (out, lse), variant, inp, _ = serving_call(monkeypatch, name, kv, q_lens, kv_lens, 11, params,
+                                               mixed_q_len=mixed, return_lse=True)
+    q_format = {"bf16": "bf16", "fp8_dynamic": "fp8"}[variant.get("q")]
+    ref, ref_lse = inp.reference(q_format, sm_scale=DSV3, return_lse=True)
+    _assert_lse(lse, ref_lse, f"{name} {kv} q_len {q_len}")
+    assert float((out.float() - ref).abs().max()) < 0.05
+    if name == "flashinfer":
+        assert sys.modules["flashinfer.mla"].last_run["return_lse_base_on_e"] is True
+
+
+def test_a_plan_with_return_lse_returns_out_and_lse_per_layer():
+    spec = CallSpec("bf16", page_size=16, heads=16, max_q_len=2, mixed_q_len=True, sm_scale=DSV3, return_lse=True)
+    plan = DecodePlan(spec, max_batch=4)
+    inp = serving.make_input([2, 1, 2], [40, 3, 90], 16, 16, "bf16", seed=12)
+    plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
+    ref, ref_lse = inp.reference(sm_scale=DSV3, return_lse=True)
+    for _layer in range(2):  # the second layer replays what the first recorded (on a GPU)
+        out, lse = plan.run(inp.q, inp.kv)
+        _assert_lse(lse, ref_lse, "plan.run")
+        assert float((out.float() - ref).abs().max()) < 0.05
+
+
+# --------------------------------------------------------- a uint8 cache, a float kv_scale
+SPEC = CallSpec("fp8", page_size=16, heads=16, max_q_len=1, sm_scale=DSV3)
+BYTES = CallSpec("fp8", page_size=16, heads=16, max_q_len=1, sm_scale=DSV3, cache_dtype="uint8")
+
+
+def _input() -> serving.ServingInput:
+    return serving.make_input([1, 1, 1], [3, 40, 77], 16, 16, "fp8", seed=21)
+
+
+def _close(out, inp):
+    result = problem.check(out.float(), inp.reference(sm_scale=DSV3), STRICT)
+    assert result.passed, result.reason
+
+
+def test_callspec_takes_uint8_for_fp8_only():
+    with pytest.raises(ValueError, match="use kv_format='fp8'"):
+        CallSpec("bf16", cache_dtype="uint8")
+    with pytest.raises(ValueError, match="cache_dtype must be one of"):
+        CallSpec("fp8", cache_dtype="int8")
+
+
+@pytest.mark.parametrize("backend", ["triton", "triton_fused"])
+def test_a_declared_uint8_cache_is_read_as_fp8_and_kv_scale_may_be_a_python_float(backend):
+    inp = _input()
+    plan = DecodePlan(BYTES, max_batch=4, backend=backend)
+    plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
+    raw = inp.kv.view(torch.uint8)
+    _close(plan.run(inp.q, raw, inp.kv_scale).clone(), inp)
+    _close(plan.run_checked(inp.q, raw, inp.kv_scale).clone(), inp)
+    with pytest.raises(ValueError, match="uint8 tensor of fp8 bytes"):
+        plan.run(inp.q, inp.kv, inp.kv_scale)  # the spec said bytes
+    scale = float(inp.kv_scale)
+    _close(plan.run(inp.q, raw, scale).clone(), inp)
+    with pytest.raises(ValueError, match="positive and finite"):
+        plan.run(inp.q, raw, -1.0)
+    decoder = Decoder(SPEC)
+    kept = decoder.inputs.scale(scale)
+    assert kept.dtype == torch.float32 and tuple(kept.shape) == (1,)
+    assert decoder.inputs.scale(scale) is kept
+    _close(decoder(inp.q, inp.qo_indptr, inp.kv, scale, **inp.layout).clone(), inp)
+
+
+def test_an_undeclared_uint8_cache_is_refused_by_every_path():
+    inp = _input()
+    raw = inp.kv.view(torch.uint8)
+    plan = DecodePlan(SPEC, max_batch=4)
+    plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
+    for run in (plan.run, plan.run_checked):
+        with pytest.raises(ValueError, match="cache_dtype='uint8'"):
+            run(inp.q, raw, inp.kv_scale)
+    decoder = Decoder(SPEC)
+    with pytest.raises(ValueError, match="cache_dtype='uint8'"):
+        decoder(inp.q, inp.qo_indptr, raw, inp.kv_scale, **inp.layout)
+    with pytest.raises(ValueError, match="kv.view"):
+        decode(inp.q, inp.qo_indptr, raw, inp.kv_scale, **inp.layout)
+    fused = get_backend("triton_fused")
+    fused_runner = fused.build_serving(fused.default_serving_variant(SPEC, decoder.platform), SPEC,
+                                       "cpu")
+    for runner in (decoder.runner, fused_runner):  # the runners beneath, called directly
+        with pytest.raises(ValueError, match="kv is uint8"):
+            runner(inp.q, inp.qo_indptr, raw, inp.kv_scale, **inp.layout)
+    # and the right cache still runs after the refusals
+    _close(plan.run(inp.q, inp.kv, inp.kv_scale).clone(), inp)
+    # a bf16 plan refuses an fp8 cache
+    plan = DecodePlan(CallSpec("bf16", page_size=16, heads=16), max_batch=4)
+    plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
+    with pytest.raises(ValueError, match="kv must be bf16"):
+        plan.run(inp.q, inp.kv, inp.kv_scale)
