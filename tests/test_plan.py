@@ -274,19 +274,21 @@ def test_plans_of_one_table_stepped_on_two_threads_pick_as_each_alone():
         sys.setswitchinterval(interval)
 
 
-def test_a_steps_pick_is_the_plans_own_variant_object():
+@pytest.mark.parametrize("heads, q_len", [(16, 1), (128, 2)])  # 128 x 2: stand-ins run here
+def test_a_steps_pick_is_the_plans_own_variant_object(heads, q_len):
     """update() returns the very object the plan keys its runner by (plan.variants), so a
-    step's dict lookups match by identity rather than by comparing the variants' fields."""
+    step's dict lookups match by identity rather than by comparing the variants' fields;
+    a stand-in for a pick that cannot run here (a FlashInfer pick on the CPU) too."""
     table = load_serving_table(COMMITTED)
-    spec = CallSpec("bf16", 64, 16, 1, host_lengths=True)
+    spec = CallSpec("bf16", 64, heads, q_len, host_lengths=True)
     plan, _ = _plan(spec, table)
     own = {id(v) for v in plan.variants}
     rng = random.Random(5)
-    for _ in range(60):
-        lens = [int(2 ** rng.uniform(6, 16)) for _ in range(rng.randint(1, 256))]
+    for _ in range(200):
+        lens = [1 + int(2 ** rng.uniform(0, 16)) for _ in range(rng.randint(1, 256))]
         batch = len(lens)
-        picked = plan.update(torch.arange(batch + 1, dtype=torch.int32),
+        picked = plan.update(torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32),
                              block_table=torch.zeros((batch, -(-max(lens) // 64)), dtype=torch.int32),
-                             seq_lens=torch.tensor(lens, dtype=torch.int32), q_lens_host=[1] * batch,
+                             seq_lens=torch.tensor(lens, dtype=torch.int32), q_lens_host=[q_len] * batch,
                              kv_lens_host=lens)
         assert id(picked) in own and picked == plan.pick(batch, sum(lens) / batch, lens)

@@ -121,12 +121,13 @@ class DecodePlan:
                           "run the cell's best runnable variant (the estimates' next, the runner-up, or "
                           f"the default {self._default.variant}), counted in misses", stacklevel=2)
         # each cell's runner-up that runs here, by (batch bucket, kv bucket): _runner_up's,
-        # made here so that no step parses one
+        # made here so that no step parses one; each the object the plan keys its runner by
         self._runner_ups: dict[tuple[int, int], Variant] = {}
         if self._unrunnable and family is not None and not spec.graph:
+            keys = {v: v for v in self._decoders}
             for at, cell in family.cells.items():
-                runner_up = cell.runner_up_variant
-                if runner_up is not None and runner_up in self._decoders:
+                runner_up = keys.get(cell.runner_up_variant)
+                if runner_up is not None:
                     self._runner_ups[at] = runner_up
         # a step with its lengths on the host picks in one C call where the family's estimate
         # is compiled (the mean and its steps included: _Compiled.pick_lengths); the plan's
