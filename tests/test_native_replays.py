@@ -84,7 +84,7 @@ def test_the_split_k_replay_in_c_is_the_numpy_one_and_the_loop_over_a_list(numpy
         assert got == want == loop and type(got[1]) is int, case
         branches.add("one wave" if got[0] == max(lens) + item else "more")
         runs += 1
-    assert 50 < len(dealt) < runs - 50  # both the exact dealing and the others, often
+    assert runs // 10 < len(dealt) < runs - runs // 10  # both the exact dealing and the others, often
     assert branches == {"one wave", "more"}
     no_budget = {"max_splits": 8, "tokens_per_split": 512, "block_n": 32, "block_h": 64}
     for zeros in (np.zeros(3, dtype=np.int64), [0, 0, 0]):  # all lengths 0
@@ -128,7 +128,7 @@ def _dealings(seed: int, n: int):
         yield np.asarray(work, dtype=np.float64), slots
 
 
-def test_the_runs_dealing_in_numpy_and_in_c_is_a_plain_heaps():
+def test_the_runs_dealing_in_numpy_and_in_c_is_a_plain_heaps_makespan():
     """The numpy dealing the replays share (makespan.greedy_makespan) and, where a C compiler
     is found, the C one (greedy_runs, through sk_deal) give a plain heap's makespan exactly."""
     lib = sk._native()
@@ -198,7 +198,7 @@ def test_flashinfer_replay_and_dealing_in_c_are_the_numpy_paths_and_built_wherev
         assert works == numpy_path(fi.flashinfer_mla_works_per_cluster, lens, heads, q_len, sm)
         merged += want[3] > 0
         several_tiles += q_len * heads > 128
-    assert merged > 50 and several_tiles > 50
+    assert merged > 100 and several_tiles > 100  # of 800 batches
     for heads in (16, 128):  # no sequences
         want = _chunk_replay([], heads, 1, 132)
         assert fi.flashinfer_mla_features([], heads, 1, 132) == want

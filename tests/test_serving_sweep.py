@@ -391,6 +391,7 @@ def test_a_small_serving_sweep_on_the_gpu(tmp_path):
 @pytest.mark.parametrize("kv_len", [32, 512, 4096, 65536])
 @pytest.mark.parametrize("batch", [1, 2, 7, 64, 256])
 def test_spread_cell_lengths_stay_in_their_bucket_and_off_its_split_steps(batch, kv_len):
+    """Spread lengths stay within half an octave of the bucket, off its split steps."""
     buckets = [32, 64, 512, 1024, 2048, 4096, 8192, 32768, 65536]
     assert sw.cell_kv_lens(batch, kv_len) == [kv_len] * batch
     lens = sw.cell_kv_lens(batch, kv_len, "spread")

@@ -162,6 +162,8 @@ def test_a_candidate_the_gate_rejects_does_not_compete_for_best(tiny, monkeypatc
 
 
 def test_thresholds_set_the_exit_code_from_the_regret_statistics_and_a_wrong_fast_pick_fails(tiny):
+    """The regret thresholds set the exit code; a wrong fast candidate is never the best, and
+    as the eager pick it fails the run."""
     _, table_path, names = tiny
     kw = dict(shapes=1, ragged=0, samples=1, device="cpu", log=lambda _: None)
     report = vf.run_verify(table_path, max_p95=0.05, timer=FakeTimer(names), **kw)
