@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 import traceback
 from pathlib import Path
 
@@ -32,7 +33,7 @@ import torch
 from mla_tune.core import QK_DIM, SM_SCALE, V_DIM, CallSpec
 from mla_tune.problem import RULES, check
 from mla_tune.serving import inputs as serving
-from mla_tune.tune.timing import host_round, host_time, time_call
+from mla_tune.tune.timing import hold_gpu, host_round, host_time, time_call
 
 PAGE = 64
 DEVICE = "cuda"
@@ -182,10 +183,6 @@ def _flashinfer_plan_rows(heads_list=(16, 128), batches=(1, 32, 256), held_us: f
 
 def _plan_us(wrapper, heads: int, batch: int, held_us: float, pin: bool, reps: int) -> float:
     """Median host us of one wrapper.plan at `batch` sequences (see _flashinfer_plan_rows)."""
-    import time
-
-    from mla_tune.tune.timing import hold_gpu
-
     kv_lens = _kv_lens(batch)
     pages = _pages(kv_lens)
     indices = torch.arange(sum(pages), dtype=torch.int32, device=DEVICE)

@@ -210,7 +210,8 @@ def _groups(records: list[dict]) -> list[list[dict]]:
 def repeats(repeated: list[list[dict]]) -> dict | None:
     """The shapes recorded in more than one report (`_groups`' records of each), across
     their recordings: how many shapes and recordings, at how many every recording names
-    the same best, and the shapes whose eager regret is over STEADY_OVER in every recording (report names, the eager pick, the regrets in report order and each
+    the same best, and the shapes whose eager regret is over STEADY_OVER in every
+    recording (report names, the eager pick, the regrets in report order and each
     recording's best); None when no shape is recorded twice."""
     if not repeated:
         return None

@@ -28,8 +28,8 @@ Stages (cells.py plans them, results.py records them):
    cell timed in its last rung, timed at every kv cell at the smallest batch the bucket
    serves (cells.edge_batch: the bucket below plus one, uniform at the cell's lengths,
    rungs[-1] samples), so that the edge's points hold what the bucket's do; a cell's eager
-   pick weighs that edge beside the cell (build.eager_pick), since eager calls of any batch in the bucket's span run it, and the
-   eager lookup interpolates between them. A CUDA graph runs at the bucket's batch: its
+   pick weighs that edge beside the cell (build.eager_pick), since eager calls of any batch
+   in the bucket's span run it, and the eager lookup interpolates between them. A CUDA graph runs at the bucket's batch: its
    pick ignores the edge.
 Every measurement is appended to the results file as it is made, so a killed sweep resumes
 where it stopped; `budget_s` (the leaderboard's clock, tune/schedule.py's BudgetClock)

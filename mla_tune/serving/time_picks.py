@@ -38,8 +38,13 @@ median of `reps`); on the CPU (Triton's interpreter, for tests) wall clock, mean
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
+import random
+import statistics
+import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -290,14 +295,10 @@ def time_points(table_path: str | Path, *, families: str | None = None, points: 
     timed. With `write`, every point of the chosen families is timed, in one round of
     alternating passes only, and the table is written there with those times as its points'
     (`_write_points`); its variants are then checked at each point only where the gate did
-    not run (as the sweep: the gate admits, the cells are timed). Returns (and writes to json_path) {table, device, protocol, points:
-    [{family, batch, kv_len, variants: {variant: {table, passes[, fresh, again]}}, failed}],
-    summary: {comparison: spread}, by_backend: {backend: {n, median of passes / table}},
-    written}."""
-    import random
-    import statistics
-    import time
-
+    not run (as the sweep: the gate admits, the cells are timed). Returns (and writes to
+    json_path) {table, device, protocol, points: [{family, batch, kv_len, variants:
+    {variant: {table, passes[, fresh, again]}}, failed}], summary: {comparison: spread},
+    by_backend: {backend: {n, median of passes / table}}, written}."""
     from mla_tune import gpu
     from mla_tune.serving.gate import GateJob, run_gates
     from mla_tune.serving.rescore import relative_differences, spread_of
@@ -386,14 +387,13 @@ def _time_point(cfg, table, key: FamilyKey, batch: int, kv: int, seed: int, samp
     `check`), then (compare) timed as a sweep step, then all in a round of alternating passes
     (and, compare, a second round in the reverse order). An error that loses the CUDA
     context ends the point with `lost_context` in its row."""
-    import statistics
-
     import torch
 
     from mla_tune import problem
     from mla_tune.backends import get_backend
     from mla_tune.serving.gate import poisons_context, reference_q_format, run_call
     from mla_tune.serving.inputs import make_input
+    from mla_tune.serving.measure import TimedCall
     from mla_tune.serving.verify import alternating_passes
     from mla_tune.tune.time_variants import first_line, timer_for
 
@@ -416,7 +416,7 @@ def _time_point(cfg, table, key: FamilyKey, batch: int, kv: int, seed: int, samp
                 row["failed"][str(v)] = f"fails the {cfg.rule.name} check"
                 continue
             if compare:
-                fresh[v] = timer(_bound(run_call, runner, inp), samples * passes).median_us
+                fresh[v] = timer(TimedCall(v, key, batch, kv, runner, inp), samples * passes).median_us
             runners[v] = runner
         except Exception as exc:  # noqa: BLE001 - a variant that cannot run is reported, not fatal
             row["failed"][str(v)] = first_line(exc)
@@ -424,7 +424,7 @@ def _time_point(cfg, table, key: FamilyKey, batch: int, kv: int, seed: int, samp
                 row["lost_context"] = True
                 runners.clear()
                 break
-    calls = {v: _bound(run_call, runner, inp) for v, runner in runners.items()}
+    calls = {v: TimedCall(v, key, batch, kv, runner, inp) for v, runner in runners.items()}
 
     def failed(v, exc):
         row["failed"][str(v)] = first_line(exc)
@@ -452,14 +452,12 @@ def _time_point(cfg, table, key: FamilyKey, batch: int, kv: int, seed: int, samp
 def _write_points(table, table_path: str | Path, out: str | Path, rows: list[dict], chosen: list[tuple],
                   device: str, protocol: dict, log: Callable[[str], None]) -> dict:
     """`table` (the one loaded from table_path, changed here) written to `out` with each timed
-    variant's passes time as its point's time, for the families whose every chosen point was timed (a family cut short
-    by the budget keeps all its times: its points are not mixed); a variant not run here
+    variant's passes time as its point's time, for the families whose every chosen point was
+    timed (a family cut short by the budget keeps all its times: its points are not mixed);
+    a variant not run here
     keeps its time, the cells their swept times, and the schedule models their fitted
     shapes (their rates come from the points). The provenance says what was timed again,
     where and how (`points_retimed`)."""
-    import datetime as _dt
-    from collections import Counter
-
     from mla_tune.serving.table import write_serving_table
 
     wanted = Counter(key for key, _batch, _kv in chosen)
@@ -476,7 +474,7 @@ def _write_points(table, table_path: str | Path, out: str | Path, rows: list[dic
         timed, kept, points = timed + len(row["variants"]), kept + len(row["failed"]), points + 1
     short = sorted(str(k) for k in wanted if k not in whole)
     table.provenance = {**table.provenance, "points_retimed": {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "device": device,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "device": device,
         "from": str(table_path), **protocol, "families": sorted(str(k) for k in whole), "points": points,
         "variant_times": timed, "kept": kept}}
     write_serving_table(out, table)
@@ -485,11 +483,6 @@ def _write_points(table, table_path: str | Path, out: str | Path, rows: list[dic
                                            if short else ""))
     return {"path": str(out), "families": len(whole), "points": points, "variant_times": timed, "kept": kept,
             "left": short}
-
-
-def _bound(fn: Callable, *args) -> Callable[[], object]:
-    """fn(*args) as a call of no arguments (what a timer times)."""
-    return lambda: fn(*args)
 
 
 def _point_lines(row: dict, family: str, log: Callable[[str], None]) -> None:
