@@ -23,7 +23,8 @@ Two launch paths share these helpers: `flash_decode`, the leaderboard's call (co
 the serving call (contiguous or paged KV, any head count in tiles, q_len new tokens per
 sequence causal among themselves, split counts computed on the device, CUDA-graph safe;
 `mla_tune/serving/inputs.py` has its inputs and reference). The leaderboard path keeps its own
-kernel until scripts/bench_layouts.py shows the serving kernel as fast on the 8 shapes.
+kernel, which its table was timed with; moving it to the serving kernel waits on a side-by-side
+timing on the 8 shapes (scripts/bench_layouts.py at 9401329 was that benchmark).
 
 Exportable module: see docs/architecture.md (imports, `_fd_` prefix, no import-time work).
 """

@@ -11,8 +11,8 @@ operand lives, so here:
 - O^T[512 x 16] += V^T[512 x BN] @ P^T[BN x 16] as fp16 wgmma, four [128 x 16] accumulators
   (64 fp32 registers per thread in all). V^T is the same fp8 tile read transposed; how it
   reaches the MMA is the constexpr V_PATH, chosen by the V-path probe
-  (scripts/gluon_probe.py): 0 `ss16` converts the box to fp16 in shared memory and the MMA
-  reads both operands there; 1 `rs16` does the same and loads the A operand with
+  (scripts/gluon_probe.py at 9401329): 0 `ss16` converts the box to fp16 in shared memory and
+  the MMA reads both operands there; 1 `rs16` does the same and loads the A operand with
   ldmatrix.trans; 2 `rs8` loads the fp8 bytes straight into the A layout (the probe shows one
   ld.shared.u8 per element, kept for comparison); 3 `ss16a` is ss16 with one fp16 buffer per
   box and asynchronous MMAs, so converting box c + 1 overlaps the MMA of box c.
@@ -282,8 +282,9 @@ def _gd_decode_kernel(
     REDUCE: gl.constexpr, V_HALVES: gl.constexpr, NS: gl.constexpr, WS: gl.constexpr = 0,
     Q_LOAD: gl.constexpr = 0,
 ):
-    # An offline compile whose signature predates WS (scripts/gluon_probe.py --decode) binds it
-    # to None, not to its default: that is the kernel without warp specialization.
+    # An offline compile whose signature predates WS (scripts/gluon_probe.py --decode at
+    # 9401329) binds it to None, not to its default: that is the kernel without warp
+    # specialization.
     WSM: gl.constexpr = _gd_ws_mode(WS)
     QLM: gl.constexpr = _gd_q_load_mode(Q_LOAD)
     if V_HALVES == 1:
