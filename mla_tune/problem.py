@@ -112,7 +112,9 @@ def make_config(batch: int, kv_len: int) -> dict:
     }
 
 
-def _kv_data(kv_bf16: torch.Tensor) -> dict:
+def kv_data(kv_bf16: torch.Tensor) -> dict:
+    """The leaderboard's kv_data of a bf16 KV cache (total_kv, 1, 576): bf16, fp8 (KV and
+    scale) and mxfp4 (packed codes and scales)."""
     total_kv = kv_bf16.shape[0]
     packed, scales = quantize_mxfp4(kv_bf16)
     return {
@@ -133,26 +135,7 @@ def generate_input(batch: int, kv_len: int, seed: int, device="cuda"):
     )
     qo_indptr = torch.arange(0, batch + 1, dtype=torch.int32, device=device)
     kv_indptr = torch.arange(0, batch + 1, dtype=torch.int32, device=device) * kv_len
-    return q, _kv_data(kv), qo_indptr, kv_indptr, make_config(batch, kv_len)
-
-
-def generate_ragged_input(kv_lens: list[int], seed: int, device="cuda"):
-    """Like generate_input, with one kv length per sequence (config's kv_seq_len is the max)."""
-    if not kv_lens or min(kv_lens) < 1:
-        raise ValueError(f"ragged batches need kv lengths >= 1, got {kv_lens}")
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    batch = len(kv_lens)
-    q = torch.randn((batch, NUM_HEADS, QK_DIM), dtype=torch.bfloat16, device=device, generator=gen)
-    kv = torch.randn(
-        (sum(kv_lens), NUM_KV_HEADS, QK_DIM), dtype=torch.bfloat16, device=device, generator=gen
-    )
-    qo_indptr = torch.arange(0, batch + 1, dtype=torch.int32, device=device)
-    offsets = [0]
-    for n in kv_lens:
-        offsets.append(offsets[-1] + n)
-    kv_indptr = torch.tensor(offsets, dtype=torch.int32, device=device)
-    return q, _kv_data(kv), qo_indptr, kv_indptr, make_config(batch, max(kv_lens))
+    return q, kv_data(kv), qo_indptr, kv_indptr, make_config(batch, kv_len)
 
 
 # ----------------------------------------------------------------------- reference

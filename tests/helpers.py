@@ -9,6 +9,7 @@ refuses mla_tune, test backends registered for one test, and the vendor librarie
 
 import ast
 import builtins
+import itertools
 import json
 import os
 import shutil
@@ -229,6 +230,20 @@ def serving_call(monkeypatch, name: str, kv: str, q_lens, kv_lens, seed: int, pa
     else:
         out = runner(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
     return out, variant, inp, runner
+
+
+def ragged_input(kv_lens: list[int], seed: int, device="cuda"):
+    """problem.generate_input's tuple with one kv length per sequence (config's kv_seq_len is
+    the longest): the leaderboard's kernels at ragged lengths."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    batch = len(kv_lens)
+    q = torch.randn((batch, problem.NUM_HEADS, problem.QK_DIM), dtype=torch.bfloat16, device=device, generator=gen)
+    kv = torch.randn((sum(kv_lens), problem.NUM_KV_HEADS, problem.QK_DIM), dtype=torch.bfloat16, device=device,
+                     generator=gen)
+    qo_indptr = torch.arange(0, batch + 1, dtype=torch.int32, device=device)
+    kv_indptr = torch.tensor([0, *itertools.accumulate(kv_lens)], dtype=torch.int32, device=device)
+    return q, problem.kv_data(kv), qo_indptr, kv_indptr, problem.make_config(batch, max(kv_lens))
 
 
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:

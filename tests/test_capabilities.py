@@ -29,7 +29,7 @@ from mla_tune.backends import (
     vendor_distributions,
 )
 from mla_tune.core import KV_FORMATS, Q_MODES, CallSpec, Capabilities, Shape, Variant
-from mla_tune.problem import generate_input, generate_ragged_input
+from mla_tune.problem import generate_input
 from mla_tune.serving.time_picks import vendor_backends, with_budget
 from mla_tune.tables.dispatch import Dispatcher
 from mla_tune.tune.config import (
@@ -43,7 +43,7 @@ from mla_tune.tune.sweep import plan_candidates, run_sweep
 from mla_tune.xcompile import check as xcheck
 from mla_tune.xcompile.capture import captured
 from tests.fakes import capture
-from tests.helpers import cpu_table, register_backends
+from tests.helpers import cpu_table, ragged_input, register_backends
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = gpu.Platform("cpu", "cpu", "cpu", False, 0)
@@ -225,7 +225,7 @@ def test_the_dispatcher_refuses_a_ragged_batch_for_a_backend_whose_record_says_u
                           ragged_backends=ragged)
 
     fused = Variant.make("triton_fused", kv="fp8", q="bf16", num_splits=1, block_n=32)
-    ragged = generate_ragged_input([3, 5], seed=1, device="cpu")
+    ragged = ragged_input([3, 5], seed=1, device="cpu")
     with pytest.raises(ValueError, match=r"reads kv_indptr per sequence \(no backend wired here does\)"):
         dispatcher(fused, ["triton_fused", "torch"], ragged_backends(["triton_fused", "torch"]))(*ragged[:4])
     assert built == []

@@ -17,9 +17,9 @@ import yaml
 
 from mla_tune import gpu, runtime
 from mla_tune.core import Shape, Variant
-from mla_tune.problem import check, generate_input, generate_ragged_input, get_rule, reference
+from mla_tune.problem import check, generate_input, get_rule, reference
 from mla_tune.tables.table import load_table, write_table
-from tests.helpers import REPO, WIDE, exported_env, invoke, run_exported, vendor_fakes
+from tests.helpers import REPO, WIDE, exported_env, invoke, ragged_input, run_exported, vendor_fakes
 
 CPU_CONFIG = "tests/data/e2e_cpu.yaml"  # relative to REPO: the table records the path
 AITER_CONFIG = "tests/data/e2e_aiter.yaml"
@@ -178,7 +178,7 @@ def test_cpu_runtime_serves_table_rows_a_missing_shape_and_a_ragged_batch(cpu_sw
     case = _case(*MISSING, seed=7)
     with pytest.warns(UserWarning, match=r"a shape the table lacks \(2x24\); running the fallback triton\("):
         _assert_matches(rt.custom_kernel(case).clone(), case)
-    ragged = generate_ragged_input(RAGGED, seed=8, device="cpu")
+    ragged = ragged_input(RAGGED, seed=8, device="cpu")
     with pytest.warns(UserWarning, match=r"a ragged batch \(3x40\); running the fallback triton\("):
         _assert_matches(rt.decode(*ragged[:4]).clone(), ragged)
     assert rt.dispatcher.misses == {Shape(*MISSING): 1, Shape(3, 40): 1}
@@ -347,7 +347,7 @@ def test_mi355x_runtime_decodes_through_the_fake_aiter(aiter_pinned_table, monke
     case = _case(*MISSING, seed=9)
     with pytest.warns(UserWarning, match="a shape the table lacks"):
         _assert_matches(rt.custom_kernel(case).clone(), case)
-    ragged = generate_ragged_input(RAGGED, seed=10, device="cpu")
+    ragged = ragged_input(RAGGED, seed=10, device="cpu")
     with pytest.warns(UserWarning, match="a ragged batch"):
         _assert_matches(rt.decode(*ragged[:4]).clone(), ragged)
     assert calls["mla_decode_fwd"] == n_calls  # both went to the triton fallback

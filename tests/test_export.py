@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from mla_tune.export import ExportError, export_submission, module_from_source, prepare_modules
-from mla_tune.problem import check, generate_input, generate_ragged_input, get_rule, reference
+from mla_tune.problem import check, generate_input, get_rule, reference
 from tests.helpers import CPU_TABLE as TABLE
-from tests.helpers import REPO, assert_clean_export, exported_outputs
+from tests.helpers import REPO, assert_clean_export, exported_outputs, ragged_input
 
 RULE = get_rule("leaderboard")
 
@@ -85,7 +85,7 @@ def test_torch_only_export_carries_no_triton_code_uses_torch_alternates_and_refu
     outs, _ = exported_outputs(tmp_path, "torch_only", cases)
     _check(outs, cases, ["bf16", "bf16", "bf16"])
     # the same file refuses ragged batches and configs without kv_seq_len
-    ragged = generate_ragged_input([3, 5], seed=1, device="cpu")
+    ragged = ragged_input([3, 5], seed=1, device="cpu")
     torch.save([list(ragged[:4]), list(generate_input(1, 8, seed=1, device="cpu")[:4])],
                tmp_path / "cases.pt")
     script = ("import sys; sys.path.insert(0, '.'); import torch, torch_only\n"

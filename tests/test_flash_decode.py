@@ -15,7 +15,7 @@ from mla_tune.core import SM_SCALE, Shape, Variant, fp8_dtype_for
 from mla_tune.gpu import fake_platform
 from mla_tune.kernels import flash_decode as fd
 from mla_tune.kernels.flash_decode import FlashDecodeWorkspace, flash_decode
-from tests.helpers import rel_l2
+from tests.helpers import ragged_input, rel_l2
 
 
 def _calibrated_q_amax(batch: int, device: str, seeds=(901, 902)) -> float:
@@ -83,7 +83,7 @@ CASES = [
 @pytest.mark.parametrize("kv_lens,num_splits,block_n,kv,q,registers,seed", CASES)
 def test_kernel_and_register_file_options_match_reference_in_their_formats(
         kv_lens, num_splits, block_n, kv, q, registers, seed, device):
-    data = problem.generate_ragged_input(kv_lens, seed=seed, device=device)
+    data = ragged_input(kv_lens, seed=seed, device=device)
     params = dict(_options(device), kv=kv, q=q, num_splits=num_splits, block_n=block_n, **registers)
     q_amax = None
     if q == "fp8_static":
@@ -140,7 +140,7 @@ def test_runner_reuses_its_output_and_follows_a_new_ragged_batch(device):
     out1 = runner(*first[:4])
     _assert_close(out1, problem.reference(first, "bf16", "fp8"))
     assert runner(*first[:4]).data_ptr() == out1.data_ptr()
-    ragged = problem.generate_ragged_input([1, 17, 40], seed=2, device=device)
+    ragged = ragged_input([1, 17, 40], seed=2, device=device)
     out2 = runner(*ragged[:4])
     assert out2.shape == (3, 16, 512)
     _assert_close(out2, problem.reference(ragged, "bf16", "fp8"))
@@ -314,7 +314,7 @@ def test_register_file_options_at_leaderboard_shapes_on_gpu(kv, v_split, qk_spli
 @pytest.mark.parametrize("kv_lens", [[1], [17], [3000, 3000], [1, 17, 3000, 640, 2]])
 @pytest.mark.parametrize("num_splits", [1, 5, 16])
 def test_odd_and_ragged_lengths_on_gpu(kv_lens, num_splits, device):
-    data = problem.generate_ragged_input(kv_lens, seed=2002, device=device)
+    data = ragged_input(kv_lens, seed=2002, device=device)
     for kv, q in (("fp8", "fp8_dynamic"), ("bf16", "bf16")):
         variant = Variant.make("triton", kv=kv, q=q, num_splits=num_splits, block_n=32,
                                num_warps=4, num_stages=2, dot_dtype="bf16")

@@ -25,7 +25,7 @@ from mla_tune.backends import triton_fused
 from mla_tune.core import QK_DIM, SM_SCALE, V_DIM, Shape, Variant, device_sm_count
 from mla_tune.gpu import fake_platform
 from mla_tune.kernels.fused_decode import FU_DOT_CODES, FU_DOT_FP8_FNUZ, fu_dot_code, fused_decode
-from tests.helpers import assert_close, rel_l2
+from tests.helpers import assert_close, ragged_input, rel_l2
 
 CPU_BASE = dict(q="bf16", qk_dot="fp16", pv_dot="fp16", tok_m=True, block_n=16, num_warps=4, num_stages=1)
 
@@ -62,7 +62,7 @@ CASES = [(kv, lens, dict(num_splits=num_splits, reduce=reduce, tok_m=tok_m), 7)
 
 @pytest.mark.parametrize("kv,lens,params,seed", CASES)
 def test_fused_decode_and_its_levers_match_the_reference(device, kv, lens, params, seed):
-    data = problem.generate_ragged_input(lens, seed=seed, device=device)
+    data = ragged_input(lens, seed=seed, device=device)
     p = dict(kv=kv, num_splits=1, reduce="last" if params.get("grid") == "persistent" else "none")
     run = triton_fused.build(_variant(**{**p, **params}), Shape(len(lens), max(lens)), device)
     out = run(*data[:4])
@@ -73,17 +73,17 @@ def test_fused_decode_and_its_levers_match_the_reference(device, kv, lens, param
 @pytest.mark.parametrize("lens,params,seed", [([50, 20], dict(num_splits=3), 3),
                                               ([50, 20, 9], dict(num_splits=1, grid="persistent"), 5)])
 def test_last_reducer_and_persistent_grid_reset_their_counters_so_calls_repeat(device, lens, params, seed):
-    data = problem.generate_ragged_input(lens, seed=seed, device=device)
+    data = ragged_input(lens, seed=seed, device=device)
     run = triton_fused.build(_variant(kv="fp8", reduce="last", **params), Shape(len(lens), 50), device)
     first = run(*data[:4]).clone()
-    other = problem.generate_ragged_input([9, 61], seed=6, device=device)  # another batch between
+    other = ragged_input([9, 61], seed=6, device=device)  # another batch between
     assert rel_l2(run(*other[:4]), problem.reference(other, q_format="bf16", kv_format="fp8")) < 1e-2
     assert torch.equal(first, run(*data[:4]))
     assert rel_l2(first, problem.reference(data, q_format="bf16", kv_format="fp8")) < 1e-2
 
 
 def test_larger_ragged_batch_than_planned_grows_buffers_once(device):
-    data = problem.generate_ragged_input([9, 30, 2], seed=4, device=device)
+    data = ragged_input([9, 30, 2], seed=4, device=device)
     run = triton_fused.build(_variant(kv="bf16", num_splits=2, reduce="last"), Shape(1, 30), device)
     out = run(*data[:4])
     assert rel_l2(out, problem.reference(data, q_format="bf16", kv_format="bf16")) < 1e-2
@@ -213,7 +213,7 @@ def test_fused_decode_reads_an_fnuz_cache_with_fp8_dots(device):
     # fp8 q x fp8 K, and fp8 P x fp8 V (P scaled into the fp8's range: 256 would overflow
     # fnuz's 240). At these tiny sizes fp8 dots are a few percent off even with e4m3fn
     # (about 0.05 to 0.09 here): the fnuz cache must do as well as the e4m3fn one.
-    ocp = problem.generate_ragged_input([17, 40], seed=5, device=device)
+    ocp = ragged_input([17, 40], seed=5, device=device)
     fnuz = _as_fnuz(ocp)
     for q, qk_dot, pv_dot in (("fp8_dynamic", "fp8", "fp16"), ("bf16", "fp16", "fp8"),
                               ("fp8_dynamic", "fp8", "fp8")):
@@ -335,7 +335,7 @@ V_SPLIT_CASES = [
 @pytest.mark.parametrize("lens,num_splits,reduce,tok_m,load", V_SPLIT_CASES,
                          ids=lambda v: "x".join(map(str, v)) if isinstance(v, list) else str(v))
 def test_v_split_matches_the_reference_and_v_split_1(device, kv, lens, num_splits, reduce, tok_m, load):
-    data = problem.generate_ragged_input(lens, seed=11, device=device)
+    data = ragged_input(lens, seed=11, device=device)
     bufs = _Bufs(len(lens), num_splits, device)
     kwargs = dict(kv=kv, num_splits=num_splits, reduce=reduce, tok_m=tok_m, load=load)
     whole = run_fused(data, bufs, v_split=1, **kwargs).clone()
@@ -348,7 +348,7 @@ def test_v_split_matches_the_reference_and_v_split_1(device, kv, lens, num_split
 
 
 def test_v_split_last_reducer_resets_its_counters_so_calls_repeat(device):
-    data = problem.generate_ragged_input([50, 20, 9], seed=3, device=device)
+    data = ragged_input([50, 20, 9], seed=3, device=device)
     bufs = _Bufs(3, 3, device)
     calls = [run_fused(data, bufs, kv="fp8", num_splits=3, reduce="last", v_split=2).clone() for _ in range(3)]
     assert torch.equal(calls[0], calls[1]) and torch.equal(calls[0], calls[2])
@@ -357,7 +357,7 @@ def test_v_split_last_reducer_resets_its_counters_so_calls_repeat(device):
 
 
 def test_v_split_refuses_what_it_does_not_run(device):
-    data = problem.generate_ragged_input([17], seed=1, device=device)
+    data = ragged_input([17], seed=1, device=device)
     bufs = _Bufs(1, 2, device)
     for kwargs, match in [(dict(v_split=3), "v_split must be 1 or 2"),
                           (dict(v_split=2, programs=2), "split grid"),

@@ -25,7 +25,7 @@ from mla_tune import problem
 from mla_tune.backends import gluon_fused
 from mla_tune.core import QK_DIM, SM_SCALE, V_DIM, Shape, Variant
 from mla_tune.kernels import gluon_decode
-from tests.helpers import rel_l2
+from tests.helpers import ragged_input, rel_l2
 
 BASE = dict(kv="fp8", q="fp8_dynamic", block_n=64, num_stages=3, num_splits=1, v_path="ss16")
 
@@ -322,7 +322,7 @@ RAGGED_VARIANTS = {
 @gluon_gpu
 @pytest.mark.parametrize("params", list(RAGGED_VARIANTS.values()), ids=list(RAGGED_VARIANTS))
 def test_gluon_decode_ragged_batch_with_empty_splits(params):
-    data = problem.generate_ragged_input([1, 17, 3000, 64, 130], seed=9, device="cuda")
+    data = ragged_input([1, 17, 3000, 64, 130], seed=9, device="cuda")
     variant = _variant(num_splits=4, **params)
     check_backend(variant, Shape(5, 3000), data, str(variant), repeats=0)
 
@@ -470,7 +470,7 @@ def test_inkernel_reduce_and_v_halves_on_the_other_v_paths(path, reduce, v_halve
 @pytest.mark.parametrize("v_halves", [1, 2])
 @pytest.mark.parametrize("reduce", ["last", "spin"])
 def test_inkernel_reduce_ragged_batch_with_empty_splits(reduce, v_halves):
-    data = problem.generate_ragged_input([1, 17, 3000, 64, 130], seed=9, device="cuda")
+    data = ragged_input([1, 17, 3000, 64, 130], seed=9, device="cuda")
     for splits in (3, 4):
         out = run_gluon(data, _GdBufs(5, splits), num_splits=splits, reduce=reduce, v_halves=v_halves)
         check(out, expect(data), f"ragged, {splits} splits, reduce {reduce}, v_halves {v_halves}")
@@ -482,7 +482,7 @@ def test_inkernel_reduce_ragged_batch_with_empty_splits(reduce, v_halves):
 def test_inkernel_reduce_counters_reset_so_calls_repeat(reduce, v_halves):
     bufs = _GdBufs(8, 16)
     data = problem.generate_input(8, 1024, seed=21, device="cuda")
-    other = problem.generate_ragged_input([300, 1024, 5], seed=22, device="cuda")
+    other = ragged_input([300, 1024, 5], seed=22, device="cuda")
     calls = [run_gluon(data, bufs, num_splits=16, reduce=reduce, v_halves=v_halves).clone() for _ in range(3)]
     assert torch.equal(calls[0], calls[1]) and torch.equal(calls[0], calls[2]), "3 calls in a row differ"
     assert int(bufs.count.abs().sum()) == 0, "an arrival counter was left non-zero"

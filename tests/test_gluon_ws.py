@@ -15,6 +15,7 @@ from mla_tune.backends import gluon_fused
 from mla_tune.core import QK_DIM, Shape, Variant
 from mla_tune.gpu import fake_platform
 from mla_tune.kernels import gluon_decode
+from tests.helpers import ragged_input
 from tests.test_gluon_decode import check, check_backend, expect, gluon_gpu, run_twice
 
 BASE = dict(kv="fp8", q="fp8_dynamic", block_n=64, num_stages=3, num_splits=1, v_path="rs8")
@@ -215,7 +216,7 @@ def test_ws_at_tiny_and_odd_lengths(batch, kv_len):
 @pytest.mark.parametrize("ws", [1, 2])
 def test_ws_with_the_in_kernel_reductions_and_v_halves(ws):
     data = problem.generate_input(4, 3000, seed=43, device="cuda")
-    ragged = problem.generate_ragged_input([1, 17, 3000, 64, 130], seed=9, device="cuda")
+    ragged = ragged_input([1, 17, 3000, 64, 130], seed=9, device="cuda")
     exp, exp_ragged = expect(data), expect(ragged)
     for reduce in ("last", "spin"):
         for halves in (1, 2):

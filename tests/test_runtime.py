@@ -18,10 +18,10 @@ from mla_tune.backends import get_backend, ragged_backends, triton_splitk
 from mla_tune.core import Shape, Variant
 from mla_tune.export import export_submission
 from mla_tune.gpu import detect
-from mla_tune.problem import RULES, check, generate_input, generate_ragged_input, reference
+from mla_tune.problem import RULES, check, generate_input, reference
 from mla_tune.tables.dispatch import DISPATCH_FALLBACKS, Dispatcher, dispatch_fallback
 from mla_tune.tables.table import TableError
-from tests.helpers import REPO, cpu_table, exported_outputs
+from tests.helpers import REPO, cpu_table, exported_outputs, ragged_input
 
 RULE = RULES["leaderboard"]
 STRICT = RULES["strict"]
@@ -92,7 +92,7 @@ def test_unknown_and_ragged_shapes_run_the_fallback_and_are_counted(rt):
     _assert_correct(out, data, "fp8")
     expected = get_backend("triton").default_variant(Shape(2, 24))  # the table's rule: leaderboard
     assert rt.dispatcher.variant_for(2, 24) == expected
-    ragged = generate_ragged_input([5, 17, 9], seed=4, device="cpu")
+    ragged = ragged_input([5, 17, 9], seed=4, device="cpu")
     with pytest.warns(UserWarning, match=r"a ragged batch \(3x17\)"):
         out = rt.decode(*ragged[:4])
     _assert_correct(out, ragged, "fp8")
@@ -123,7 +123,7 @@ def test_a_torch_fallback_refuses_ragged_batches_before_launching():
     spy = _Spy()
     dispatcher = Dispatcher({}, {"torch": spy}, fallback, warn_on_miss=False,
                             ragged_backends=ragged_backends(["torch"]))
-    ragged = generate_ragged_input([3, 5], seed=1, device="cpu")
+    ragged = ragged_input([3, 5], seed=1, device="cpu")
     with pytest.raises(ValueError, match="a ragged batch needs a fallback that reads kv_indptr"):
         dispatcher(*ragged[:4])
     assert spy.built == []

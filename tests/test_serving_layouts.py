@@ -19,7 +19,7 @@ from mla_tune.kernels.flash_decode import (
 from mla_tune.kernels.fused_decode import FusedServingWorkspace, fused_decode_serving
 from mla_tune.kernels.split_rule import REDUCE_SPLITS_PER_STEP, serving_splits, split_items
 from mla_tune.serving import inputs as serving
-from tests.helpers import assert_close, refill, rel_l2, row_quantized_q
+from tests.helpers import assert_close, ragged_input, refill, rel_l2, row_quantized_q
 
 KV_FORMATS = ("bf16", "fp8")
 # Each serving kernel: its launcher, its workspace, the partials its reduction reads, and the
@@ -90,7 +90,7 @@ def _from_leaderboard(data, kv_format: str) -> serving.ServingInput:
 @pytest.mark.parametrize("kv", KV_FORMATS)
 @pytest.mark.parametrize("q_format", ["bf16", "fp8"])
 def test_reference_equals_the_leaderboard_reference_on_its_layout(kv_lens, kv, q_format):
-    data = problem.generate_ragged_input(kv_lens, seed=5, device="cpu")
+    data = ragged_input(kv_lens, seed=5, device="cpu")
     ours = _from_leaderboard(data, kv).reference(q_format)
     torch.testing.assert_close(ours, problem.reference(data, q_format, kv), rtol=1e-5, atol=1e-5)
 
@@ -129,7 +129,7 @@ def test_paged_input_holds_the_same_tokens_shuffled(page_size, kv):
 def test_kernel_reproduces_flash_decode_on_the_leaderboard_call(device):
     """A batch of one sequence splits as the old kernel: the same sums, bit for bit."""
     for kv_len, splits in ((100, 4), (3000, 4), (17, 1)):
-        data = problem.generate_ragged_input([kv_len], seed=8, device=device)
+        data = ragged_input([kv_len], seed=8, device=device)
         q, kv_data, qo_indptr, kv_indptr, _cfg = data
         kv, kv_scale = kv_data["fp8"]
         common = dict(block_n=16, num_warps=4, num_stages=1, **_dots("splitk", device))

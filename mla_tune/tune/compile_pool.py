@@ -42,7 +42,7 @@ _PLACEHOLDER_Q_AMAX = 6.0
 # ROCm Triton marks a pointer whose storage fits in 2 GiB ("buffer ops", AMD backend's
 # is_within_2gb); a stand-in for a larger cache must keep its cache in a larger storage.
 _HIP_BUFFER_LIMIT = 2**31 - 1
-# Bytes per KV token of each format in the leaderboard's kv_data (problem._kv_data).
+# Bytes per KV token of each format in the leaderboard's kv_data (problem.kv_data).
 _KV_BYTES_PER_TOKEN = {"bf16": 2 * QK_DIM, "fp8": QK_DIM, "mxfp4": QK_DIM // 2}
 START_TIMEOUT_S = 180.0  # a compile process's start: import torch and triton, start CUDA
 _START_FAILURES_ALLOWED = 3  # consecutive processes that never started before giving up
