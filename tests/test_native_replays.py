@@ -346,7 +346,8 @@ def test_a_familys_compiled_estimate_picks_and_estimates_as_the_python_estimate_
 def test_a_plans_step_with_host_lengths_picks_in_one_c_call_what_its_lookup_picks_from_the_mean():
     """DecodePlan.update with host lengths (one C call: _Compiled.pick_lengths) picks, and counts
     misses, as `pick(batch, mean, lengths)` on every committed family: ragged and uniform steps,
-    batch 1 to 256, lengths 1 to 2^17 (past the grid), lists and tuples."""
+    batch 1 to 256 and 600 (more lengths than the lookup's buffer has held: it grows first),
+    lengths 1 to 2^17 (past the grid), lists and tuples."""
     if native.compiler() is None:
         pytest.skip("no C compiler here: the plan picks through the Python estimate (checked elsewhere)")
     table = load_serving_table(COMMITTED)
@@ -356,14 +357,15 @@ def test_a_plans_step_with_host_lengths_picks_in_one_c_call_what_its_lookup_pick
         for key in table.families:
             spec = CallSpec(key.kv_format, page_size=key.page_size, heads=key.heads, max_q_len=key.q_len,
                             host_lengths=True)
-            plans[key] = DecodePlan(spec, 256, table=table, device="cpu", warm=False)
+            plans[key] = DecodePlan(spec, 600, table=table, device="cpu", warm=False)
     assert all(table.estimator.compiled(table.families[key]) is not None for key in plans)
     rng = random.Random(5)
     seen = set()
     for i in range(1500):
         key = rng.choice(sorted(plans))
         plan = plans[key]
-        batch = 1 if i % 50 == 0 else 256 if i % 50 == 1 else rng.randint(1, 256)
+        drawn = rng.randint(1, 256)
+        batch = 1 if i % 50 == 0 else 256 if i % 50 == 1 else 600 if i % 50 == 2 else drawn
         lens = ([int(2 ** rng.uniform(0, 17))] * batch if rng.random() < 0.3
                 else [int(2 ** rng.uniform(0, 17)) for _ in range(batch)])
         pages = max(-(-n // key.page_size) for n in lens)

@@ -488,8 +488,9 @@ class _Compiled:
         lens = self.lens
         best = (self.step_list_fn(self.address, kv_lens, lens.address, lens.capacity, batch, mask_address)
                 if type(kv_lens) is list else -2)
-        if best == -2:  # not a list of ints that fits the buffer: copied in by fill (which grows it)
-            best = self.step_fn(self.address, lens.address, lens.fill(kv_lens), batch, mask_address)
+        if best == -2:  # not a list of ints that fits the buffer: copied in by fill (which grows it,
+            n = lens.fill(kv_lens)  # so its address is read after)
+            best = self.step_fn(self.address, lens.address, n, batch, mask_address)
         return self._picked(best)
 
     def estimates_left(self) -> dict[Variant, float]:
