@@ -20,6 +20,7 @@ import math
 import sys
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -301,6 +302,9 @@ def test_a_declared_uint8_cache_is_read_as_fp8_and_kv_scale_may_be_a_python_floa
         plan.run(inp.q, inp.kv, inp.kv_scale)  # the spec said bytes
     scale = float(inp.kv_scale)
     _close(plan.run(inp.q, raw, scale).clone(), inp)
+    numpy_float = np.float64(scale)  # a float subclass, as an engine's config may hold
+    _close(plan.run(inp.q, raw, numpy_float).clone(), inp)
+    _close(plan.run_checked(inp.q, raw, numpy_float).clone(), inp)
     with pytest.raises(ValueError, match="positive and finite"):
         plan.run(inp.q, raw, -1.0)
     decoder = Decoder(SPEC)

@@ -161,6 +161,20 @@ def test_a_step_the_plan_was_not_made_for_is_refused_and_a_table_without_the_fam
     plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
     with pytest.raises(ValueError, match="q must be a contiguous bfloat16"):
         plan.run_checked(inp.q[:, :8].contiguous(), inp.kv)
+    # a refused step leaves no step to run (not the last one's kernels and buffers)
+    with pytest.raises(ValueError, match="block_table must be an int32"):
+        plan.update(inp.qo_indptr, block_table=inp.block_table.long(), seq_lens=inp.seq_lens)
+    for run in (plan.run, plan.run_checked):
+        with pytest.raises(ValueError, match=r"call update\(...\) with the step's lengths before run"):
+            run(inp.q, inp.kv)
+    layout = dict(block_table=inp.block_table, seq_lens=inp.seq_lens)
+    for bad, match in [(dict(kv_lens_host=[5]), "kv_lens_host holds 1 lengths for a step of 2 sequences"),
+                       (dict(kv_lens_host=[], mean_kv_len=6.0), "holds 0 lengths"),
+                       (dict(mean_kv_len=float("nan")), "mean_kv_len must be a finite number of tokens")]:
+        with pytest.raises(ValueError, match=match):
+            plan.update(inp.qo_indptr, **layout, **bad)
+    with pytest.raises(ValueError, match="a step needs at least one sequence: skip attention"):
+        plan.update(inp.qo_indptr[:1], **layout)
     # a table without the family: a warning, and the default
     other = CallSpec("bf16", page_size=64, heads=16, max_q_len=1)
     with pytest.warns(UserWarning, match="no family for bf16 KV, paged 64"):
@@ -189,6 +203,21 @@ def _plan(spec: CallSpec, table: ServingTable, max_batch: int = 256, **kw) -> tu
         warnings.simplefilter("always")
         plan = DecodePlan(spec, max_batch=max_batch, table=table, **{"warm": False, **kw})
     return plan, [str(w.message) for w in caught]
+
+
+def test_empty_host_lengths_are_refused_where_the_lookups_replays_would_divide_by_them():
+    # fp8, q_len 4: the families whose split-K models divide a split budget by the batch (in
+    # C: a SIGFPE that killed the process where [] passed for a step's lengths)
+    spec = CallSpec("fp8", page_size=64, heads=16, max_q_len=4, mixed_q_len=True, host_lengths=True)
+    plan, _ = _plan(spec, load_serving_table(COMMITTED), max_batch=8)
+    qo = torch.arange(0, 4 * 8 + 1, 4, dtype=torch.int32)
+    layout = dict(block_table=torch.zeros((8, 50), dtype=torch.int32), seq_lens=torch.full((8,), 3000, dtype=torch.int32),
+                  q_lens_host=[4] * 8)
+    with pytest.raises(ValueError, match="kv_lens_host holds 0 lengths for a step of 8 sequences"):
+        plan.update(qo, **layout, kv_lens_host=[], mean_kv_len=3000.0)
+    with pytest.raises(ValueError, match="kv_lens_host holds 0 lengths"):
+        plan.pick(8, 3000.0, [])
+    assert plan.update(qo, **layout, kv_lens_host=[3000] * 8) == plan.pick(8, 3000.0, [3000] * 8)
 
 
 def test_a_plan_whose_table_picks_flashmla_runs_here_and_says_so_once():

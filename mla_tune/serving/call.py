@@ -323,7 +323,7 @@ class Decoder:
                 fix = (" (fp8 bytes kept as uint8: declare them with CallSpec(..., cache_dtype='uint8'))"
                        if kv.dtype == torch.uint8 else "")
                 self._refuse(f"kv must have an fp8 dtype (the spec's KV format), got {kv.dtype}{fix}")
-            if not (type(kv_scale) is float or (isinstance(kv_scale, torch.Tensor) and kv_scale.numel() == 1
+            if not (isinstance(kv_scale, float) or (isinstance(kv_scale, torch.Tensor) and kv_scale.numel() == 1
                     and kv_scale.dtype == torch.float32 and kv_scale.device == dev)):
                 self._refuse(f"fp8 KV needs kv_scale, a Python float or a (1,) float32 tensor on {dev}, "
                              f"got {_tensor_text(kv_scale)}")
@@ -349,8 +349,8 @@ class Decoder:
                       q_lens_host=q_lens_host, kv_lens_host=kv_lens_host)
         self.check(q, qo_indptr, kv, kv_scale, **layout)
         kv = self.inputs.cache(kv)
-        if type(kv_scale) is float:
-            kv_scale = self.inputs.scale(kv_scale)
+        if isinstance(kv_scale, float):  # numpy's float64 too
+            kv_scale = self.inputs.scale(float(kv_scale))
         return self._runner(q, qo_indptr, kv, kv_scale, **layout)
 
 

@@ -64,6 +64,17 @@ def _no_step(*_args):
     raise ValueError("call update(...) with the step's lengths before run")
 
 
+def _check_lengths(batch: int, mean_kv_len, kv_lens) -> None:
+    """A step's host lengths, where given, hold one length per sequence, and its mean is
+    finite: the lookup's estimates (and their C replays) take both as they are."""
+    if kv_lens is not None and len(kv_lens) != batch:
+        raise ValueError(f"kv_lens_host holds {len(kv_lens)} lengths for a step of {batch} sequences; "
+                         "pass one length per sequence, or None where the lengths are not on the host")
+    if mean_kv_len is not None and not math.isfinite(mean_kv_len):
+        raise ValueError(f"mean_kv_len must be a finite number of tokens, got {mean_kv_len!r}; pass None "
+                         "where it is not known")
+
+
 def _table(table) -> ServingTable | None:
     if table is None or isinstance(table, ServingTable):
         return table
@@ -209,6 +220,7 @@ class DecodePlan:
         """The variant a step of `batch` sequences runs (no timing): see the module.
         kv_lens: the step's lengths on the host, where the engine has them (a table's
         schedule models replay their backends' schedules for them)."""
+        _check_lengths(batch, mean_kv_len, kv_lens)
         variant = None
         if self.table is not None and self._family is not None:
             mean = None if self.spec.graph else mean_kv_len
@@ -266,14 +278,20 @@ class DecodePlan:
                q_lens_host=None, kv_lens_host=None, mean_kv_len: float | None = None) -> Variant:
         """Once per step: pick the variant for this batch and keep the step's tensors (the
         engine keeps them in place across the step, as a CUDA graph needs). Returns the
-        variant picked. Nothing here reads a device tensor on the host."""
+        variant picked. Nothing here reads a device tensor on the host. A step refused here
+        leaves no step to run: `run` raises until an update succeeds."""
+        self._layer, self._qo = _no_step, None  # until the new step exists
         if not (isinstance(qo_indptr, torch.Tensor) and qo_indptr.dim() == 1):
             raise ValueError("qo_indptr must be a (batch + 1,) int32 tensor")
         batch = qo_indptr.shape[0] - 1
-        if not 1 <= batch <= self.max_batch:
+        if batch < 1:
+            raise ValueError("a step of no sequences (qo_indptr holds one entry); a step needs at least "
+                             "one sequence: skip attention for an empty step")
+        if batch > self.max_batch:
             raise ValueError(f"a step of {batch} sequences, but the plan was made for up to "
                              f"{self.max_batch}; make a plan with a larger max_batch")
-        if mean_kv_len is None and kv_lens_host is not None and len(kv_lens_host):
+        _check_lengths(batch, mean_kv_len, kv_lens_host)
+        if mean_kv_len is None and kv_lens_host is not None:
             if self._compiled is not None:
                 variant = self._pick_lengths(batch, kv_lens_host)
             else:
@@ -284,7 +302,6 @@ class DecodePlan:
         layout = dict(kv_indptr=kv_indptr, block_table=block_table, seq_lens=seq_lens,
                       q_lens_host=q_lens_host, kv_lens_host=kv_lens_host)
         decoder.check_step(qo_indptr, **layout)  # the layers' q and caches are not checked
-        self._layer = _no_step  # until the new step exists
         self._layer = runner_step(decoder.runner, qo_indptr, **layout)
         self._decoder, self._qo = decoder, qo_indptr
         return variant
@@ -299,8 +316,8 @@ class DecodePlan:
         `run_checked` checks q and kv too."""
         if kv.dtype is not self._kv_dtype:
             kv = self._inputs.cache(kv)
-        if kv_scale.__class__ is float:
-            kv_scale = self._inputs.scale(kv_scale)
+        if isinstance(kv_scale, float):  # numpy's float64 too
+            kv_scale = self._inputs.scale(float(kv_scale))
         return self._layer(q, kv, kv_scale)
 
     def run_checked(self, q, kv, kv_scale=None) -> torch.Tensor:
