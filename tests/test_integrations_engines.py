@@ -1,7 +1,9 @@
 """The vLLM and SGLang backends against fakes of vLLM 0.33.0 and SGLang 0.5.23 that enforce
-the real hooks: engine loops (2 layers, 3 steps, graph and eager plans) at DeepSeek-V3's scale."""
+the real hooks: engine loops (2 layers, 3 steps, graph and eager plans) at DeepSeek-V3's scale
+(and SGLang's at V2-Lite's, whose model config and layers compute it one bit apart)."""
 
 import itertools
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -171,7 +173,8 @@ def test_vllm_decode_loop_at_deepseek_v3_scale_with_lse(monkeypatch, cache_dtype
     builder, impls, layers = vllm_layers(cache, cache_dtype, 16, dcp=2, max_seqs=4,
                                          device=torch.device("cpu"))
     assert builder.plans.spec.sm_scale == SCALE
-    assert builder.plans.spec.cache_dtype == ("uint8" if fp8 else "")
+    assert builder.plans.spec.cache_dtype == ""  # vLLM views its uint8 bytes as fp8 before forward_mqa
+    assert builder.plans.spec.heads == 2 * HEADS  # q's heads gathered over the DCP group of 2
     assert builder.plans.spec.return_lse and builder.plans.graph is not None
     for step, rows in enumerate(([0, 1, 2, 3], [0, 2, 3], [0, 1, 2, 3])):  # 4: captured, 3: eager
         metadata = _vllm_step(cache, rows, 10 + step, builder, impls, layers)
@@ -201,6 +204,15 @@ def test_vllm_eager_steps_take_vllms_host_lengths(monkeypatch, dcp, speculative,
     for graph, kv_lens, mean, lens in calls:
         assert kv_lens == (lens if takes == "lengths" and not graph else None)
         assert mean == (sum(lens) / len(lens) if takes == "mean" and not graph else None)
+
+
+def test_vllm_more_speculative_tokens_than_the_kernels_take_are_refused_with_the_limit(monkeypatch):
+    engine_fakes.install(monkeypatch, "vllm")
+    cache = Cache([5, 30], 16, 3, fp8=False, seed=2, as_bytes=False)
+    vllm_layers(cache, "auto", 16, dcp=1, max_seqs=4, device=torch.device("cpu"), speculative=3)  # q_len 4
+    with pytest.raises(ValueError, match=r"up to 5 tokens per sequence .* take up to 4: use "
+                                         r"num_speculative_tokens 3 or fewer"):
+        vllm_layers(cache, "auto", 16, dcp=1, max_seqs=4, device=torch.device("cpu"), speculative=4)
 
 
 def test_vllm_a_step_with_prefills_runs_its_decodes_on_the_eager_plan(monkeypatch):
@@ -274,19 +286,28 @@ def test_sglang_backend_registers_and_the_fake_refuses_the_removed_hooks(monkeyp
                 pass
 
 
-def test_sglang_page_one_decode_loop_at_deepseek_v3_scale_with_graph_hooks(monkeypatch):
+# DeepSeek-V2-Lite's yarn (factor 40, mscale_all_dim 0.707): SGLang's model config computes its
+# scaling as 1 / sqrt(192) x m^2, its layers as 192 ** -0.5 x m^2, which differ in the last bit
+_M = 0.1 * 0.707 * math.log(40) + 1.0
+V2_LITE = (1 / math.sqrt(192) * _M * _M, 192 ** -0.5 * _M * _M)
+
+
+@pytest.mark.parametrize(("config_scale", "layer_scale"), [(SCALE, SCALE), V2_LITE], ids=["v3", "v2_lite"])
+def test_sglang_page_one_decode_loop_at_the_models_scale_with_graph_hooks(monkeypatch, config_scale, layer_scale):
     engine_fakes.install(monkeypatch, "sglang")
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
     from mla_tune.integrations import sglang as backend
 
+    assert V2_LITE[0] != V2_LITE[1]
     cache = Cache([5, 30, 47], 1, 3, fp8=False, seed=2, as_bytes=False)  # page 1: SGLang's token slots
     runner = sglang_runner(cache, max_reqs=4, context=64)
+    runner.model_config.scaling = config_scale
     attn = backend.create_mla_tune_backend(runner)
-    assert attn.plans.spec.sm_scale == SCALE and attn.plans.spec.page_size == 1
+    assert attn.plans.spec.sm_scale == config_scale and attn.plans.spec.page_size == 1
     attn.init_cuda_graph_state(max_bs=2, max_num_tokens=2)
     layers = [SimpleNamespace(layer_id=i, tp_q_head_num=HEADS, head_dim=QK_DIM, v_head_dim=V_DIM,
-                              scaling=SCALE, k_scale=None) for i in range(LAYERS)]
+                              scaling=layer_scale, k_scale=None) for i in range(LAYERS)]
     gen = torch.Generator().manual_seed(7)
     for step, rows in enumerate(([0, 1, 2], [0, 2], [1, 2])):  # 3 sequences eager; 2: the graph path
         for b in rows:
@@ -308,6 +329,9 @@ def test_sglang_page_one_decode_loop_at_deepseek_v3_scale_with_graph_hooks(monke
             out = attn.forward(q, latent, latent[..., :V_DIM], layer, batch)
             assert out.shape == (len(rows), HEADS * V_DIM)
             q3 = q.view(-1, HEADS, QK_DIM)
-            ref, _ = cache.reference(layer.layer_id, q3, rows, SCALE)
+            ref, _ = cache.reference(layer.layer_id, q3, rows, layer_scale)
             close_to_reference(out.view(-1, HEADS, V_DIM), ref, f"SGLang step {step} layer {layer.layer_id}")
             _ignored_scale_would_fail(out.view(-1, HEADS, V_DIM), cache, layer.layer_id, q3, rows)
+    layers[0].scaling = layer_scale * 1.01  # a layer at another scale than the plans'
+    with pytest.raises(ValueError, match="layer 0 scales scores by"):
+        attn.forward(q, latent, latent[..., :V_DIM], layers[0], batch)

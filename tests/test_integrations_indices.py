@@ -47,6 +47,12 @@ def test_bad_buffers_are_refused_with_what_was_expected(device):
     pages = PageOneTable(2, 4, device=device)
     with pytest.raises(ValueError, match="a sequence of 5 tokens, but the page-1 table holds 4"):
         pages.update(indptr, indices, kv_lens_host=[5])
+    # without host lengths a longer sequence is cut to the row, its length too: no kernel reads
+    # the next row's slots as its own
+    indptr = torch.tensor([0, 6, 8], dtype=torch.int32, device=device)
+    indices = torch.tensor([10, 11, 12, 13, 14, 15, 20, 21], dtype=torch.int32, device=device)
+    table, lens = pages.update(indptr, indices)
+    assert lens.tolist() == [4, 2] and table[0].tolist() == [10, 11, 12, 13] and table[1, :2].tolist() == [20, 21]
 
 
 @pytest.mark.parametrize("kv_format", ["fp8"])  # bf16 at page 1 runs in the SGLang loop (test_integrations_engines)
@@ -89,3 +95,7 @@ def test_sglangs_request_map_becomes_the_block_table_of_its_page_size(page, devi
         used = -(-n // page)
         assert torch.equal(table[b, :used], pages.view(len(lens), -1)[b, :used].to(torch.int32))
         assert (table[b, used:] == -7).all()
+    narrow = torch.full((5, 2), -7, dtype=torch.int32, device=device)  # 2 pages: the longer are cut
+    req_to_block_table(req_to_token.to(device), torch.tensor(order, device=device), torch.tensor(lens, device=device),
+                       page, narrow, out_lens)
+    assert out_lens.tolist() == [min(n, 2 * page) for n in lens]

@@ -32,8 +32,8 @@ def _indices_to_table_kernel(kv_indptr, kv_indices, table, seq_lens, table_strid
     chunk = tl.program_id(1)
     start = tl.load(kv_indptr + b)
     length = tl.load(kv_indptr + b + 1) - start
-    if chunk == 0:
-        tl.store(seq_lens + b, length)
+    if chunk == 0:  # a longer sequence is cut to the row: no kernel reads past it
+        tl.store(seq_lens + b, tl.minimum(length, width))
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     keep = (cols < length) & (cols < width)
     slots = tl.load(kv_indices + start + cols, mask=keep, other=0)
@@ -46,8 +46,9 @@ def indices_to_block_table(kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
 
     kv_indptr: (batch + 1,) int32 or int64; kv_indices: (>= kv_indptr[-1],) int32 or int64
     slots of a (num_slots, 1, 576) cache; block_table: (>= batch, width) int32 whose width
-    covers the longest sequence (a longer one would be cut off: size the buffer for the
-    engine's context length); seq_lens: (>= batch,) int32. Checks shapes and dtypes only."""
+    covers the longest sequence (a longer one is cut to its first width tokens, its length
+    too, so no kernel reads another row: size the buffer for the engine's context length);
+    seq_lens: (>= batch,) int32. Checks shapes and dtypes only."""
     batch = kv_indptr.shape[0] - 1
     if kv_indptr.dim() != 1 or batch < 1:
         raise ValueError(f"kv_indptr must be (batch + 1,) with batch >= 1, got {tuple(kv_indptr.shape)}")
@@ -100,9 +101,9 @@ def _req_to_table_kernel(req_to_token, req_pool_indices, lens_in, table, lens_ou
                          table_stride, width, PAGE: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0)
     row = tl.load(req_pool_indices + b).to(tl.int64)
-    length = tl.load(lens_in + b).to(tl.int32)
+    length = tl.minimum(tl.load(lens_in + b).to(tl.int32), width * PAGE)  # cut to the row, as above
     tl.store(lens_out + b, length)
-    pages = tl.minimum((length + PAGE - 1) // PAGE, width)
+    pages = (length + PAGE - 1) // PAGE
     for start in range(0, pages, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         keep = cols < pages
@@ -116,7 +117,8 @@ def req_to_block_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tenso
     """SGLang's request-to-token map as a block table, on the device in one launch:
     block_table[b, j] = req_to_token[req_pool_indices[b], j * page_size] // page_size for the
     pages of seq_lens[b] tokens, and seq_lens_out[b] = seq_lens[b] as int32 (b < batch =
-    len(req_pool_indices)). With page_size 1 a row is the request's token slots (the
+    len(req_pool_indices); a sequence longer than block_table's pages is cut to them, its
+    length too). With page_size 1 a row is the request's token slots (the
     kv_indices SGLang's Triton backend builds from the same map). Only the pages each
     sequence uses are written; checks shapes and dtypes only."""
     batch = req_pool_indices.shape[0]

@@ -24,7 +24,8 @@ sgl-project/sglang source, with its flashmla_backend.py; attention_registry.py a
   and before each replay, outside the graph: the same table written into the fixed
   buffers, and the graph plan updated (its pick depends on the batch bucket only).
 - `init_forward_metadata_in_graph(forward_batch)`: nothing (out_graph did the step's work).
-- `get_cuda_graph_seq_len_fill_value()`: 1, as SGLang's FlashMLA backend.
+- `get_cuda_graph_seq_len_fill_value()`: 1 (a padded row's one token, in the page its
+  request-to-token row names).
 - `forward_decode(q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs)`: once per
   layer: store the new tokens' latent KV (`set_kv_buffer`), run the step's plan on
   `get_key_buffer(layer.layer_id)` at `layer.scaling` (fixed per model: the plans' spec)
@@ -36,6 +37,8 @@ the base class (tests/fakes/sglang), not a real SGLang.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -147,7 +150,9 @@ class MlaTuneAttnBackend(AttentionBackend):
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
         if k is not None and save_kv_cache:
             self.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
-        if layer.scaling != self.scaling:
+        # the model config's scaling (1 / sqrt(192) x mscale^2) and the layers' (192 ** -0.5 x
+        # mscale^2) may differ in the last bit (sglang configs/model_config.py, models/deepseek_v2.py)
+        if layer.scaling != self.scaling and not math.isclose(layer.scaling, self.scaling, rel_tol=1e-6):
             raise ValueError(f"layer {layer.layer_id} scales scores by {layer.scaling}, but the plans were made "
                              f"for the model's {self.scaling}")
         cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).view(-1, self.page_size, QK_DIM)

@@ -8,18 +8,21 @@ Register it before the engine starts, then select the CUSTOM backend:
 
 (`register()` here does the first line.) Written against vLLM 0.33.0's v1 MLA API, whose
 common classes live in `vllm.model_executor.layers.attention.mla_attention` (read from
-vllm-project/vllm: mla_attention.py at 90b0a26e, v1/attention/backends/registry.py at
-0033bf03, v1/attention/backends/mla/flashmla.py at 01b1d340; `seq_lens_cpu_upper_bound` from
-v1/attention/backend.py at 0014ca6b, read with getattr since older releases lack it). The
-trio, as vLLM's FlashMLA backend is built:
+vllm-project/vllm: mla_attention.py at 0014ca6b, whose MLAAttention calls the impl's
+`forward_mqa` (at 90b0a26e the hook was `_forward_decode`); v1/attention/backends/registry.py
+at 0033bf03, v1/attention/backends/mla/flashmla.py at 01b1d340; `seq_lens_cpu_upper_bound`
+from v1/attention/backend.py at 0014ca6b, read with getattr since older releases lack it).
+The trio, as vLLM's FlashMLA backend is built:
 
 - `MlaTuneMLABackend` (MLACommonBackend): names the builder and impl; bf16 or fp8 caches
-  of (num_blocks, block_size, 576), the fp8 one kept as uint8 with a per-layer `_k_scale`.
+  of (num_blocks, block_size, 576), the fp8 one stored as uint8 bytes with a per-layer
+  `_k_scale`, which vLLM views as fp8 before `forward_mqa`.
 - `MlaTuneMLAMetadataBuilder` (MLACommonMetadataBuilder): owns the EnginePlans (a graph
   plan for up to the largest CUDA-graph capture size when full graphs are on, an eager plan
   for up to max_num_seqs), made from the model's facts: heads per GPU, block size, cache
   dtype, the layers' softmax scale (their impls' `scale`, DeepSeek-V3's mscale**2/sqrt(192)),
-  the LSE when decode context parallelism needs it, the speculative q_len. Its
+  the LSE when decode context parallelism needs it (then the heads of the whole DCP group:
+  vLLM gathers q's heads across it before `forward_mqa`), the speculative q_len. Its
   `_build_decode` (once per step, before the layers or their graph replay) updates the
   plan of the step's mode (a step of decodes only whose batch size vLLM captures: the graph
   plan; a step with prefills runs its attention outside any full graph) with vLLM's device
@@ -57,11 +60,11 @@ from vllm.model_executor.layers.attention.mla_attention import (
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends.utils import get_per_layer_parameters
 
+from mla_tune.backends import capabilities, serving_backends
 from mla_tune.core import CallSpec
 from mla_tune.integrations.plans import EnginePlans, gpu_name, serving_table
 
 CLASS_PATH = "mla_tune.integrations.vllm.MlaTuneMLABackend"
-MAX_Q_LEN = 16  # CallSpec's longest q_len
 
 
 def register() -> None:
@@ -106,11 +109,13 @@ class MlaTuneMetadata(MLACommonMetadata[MlaTuneDecodeMetadata]):
     pass
 
 
-def _kv_format(cache_dtype: str) -> tuple[str, str]:
+def _kv_format(cache_dtype: str) -> str:
     if cache_dtype in ("auto", "bfloat16"):
-        return "bf16", ""
+        return "bf16"
     if cache_dtype in ("fp8", "fp8_e4m3"):
-        return "fp8", "uint8"  # vLLM keeps an fp8 cache as bytes
+        # vLLM keeps an fp8 cache as uint8 bytes and views it as fp8 (current_platform's
+        # fp8_dtype()) before forward_mqa: the plans take the fp8 dtype (cache_dtype "")
+        return "fp8"
     raise ValueError(f"mla-tune serves bf16 and fp8 (e4m3) MLA caches, not kv_cache_dtype={cache_dtype!r}; "
                      "use --kv-cache-dtype auto or fp8")
 
@@ -126,14 +131,18 @@ class MlaTuneMLAMetadataBuilder(MLACommonMetadataBuilder[MlaTuneMetadata]):
         if len(scales) != 1:
             raise ValueError(f"mla-tune's plans take one softmax scale, but the layers {layer_names[:3]}... "
                              f"have {sorted(scales)}")
-        kv_format, cache_dtype = _kv_format(vllm_config.cache_config.cache_dtype)
+        kv_format = _kv_format(vllm_config.cache_config.cache_dtype)
         max_q_len = int(self.reorder_batch_threshold)
-        if max_q_len > MAX_Q_LEN:
-            raise ValueError(f"decode steps of up to {max_q_len} tokens per sequence; mla-tune serves up to "
-                             f"{MAX_Q_LEN} (fewer speculative tokens)")
-        heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
+        longest = max(capabilities(name).max_q_len for name in serving_backends())
+        if max_q_len > longest:
+            raise ValueError(f"decode steps of up to {max_q_len} tokens per sequence (1 + the speculative "
+                             f"tokens), but mla-tune's serving kernels take up to {longest}: use "
+                             f"num_speculative_tokens {longest - 1} or fewer")
+        # with decode context parallelism vLLM gathers q's heads across the DCP group before
+        # forward_mqa (each rank attends all of them over its share of the cache)
+        heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config) * self.dcp_world_size
         spec = CallSpec(kv_format, page_size=kv_cache_spec.block_size, heads=heads, max_q_len=max_q_len,
-                        sm_scale=scales.pop(), return_lse=self.dcp_world_size > 1, cache_dtype=cache_dtype)
+                        sm_scale=scales.pop(), return_lse=self.dcp_world_size > 1)
         compilation = vllm_config.compilation_config
         full_graphs = compilation.cudagraph_mode.has_full_cudagraphs()
         sizes = sorted(compilation.cudagraph_capture_sizes or []) if full_graphs else []
@@ -198,7 +207,7 @@ class MlaTuneMLAImpl(MLACommonImpl[MlaTuneMetadata]):
                                       "logits_soft_cap")
         if attn_type != AttentionType.DECODER:
             raise NotImplementedError("mla-tune's MLA backend serves decoder self-attention only")
-        self._fp8 = _kv_format(kv_cache_dtype)[0] == "fp8"
+        self._fp8 = _kv_format(kv_cache_dtype) == "fp8"
         # q arrives in bf16: vLLM quantizes decode q to fp8 before forward_mqa when an impl
         # with an fp8 cache says it takes it; the plans quantize q themselves if their variant does
         self.supports_quant_query_input = False

@@ -4,11 +4,14 @@ builder and impl that a vLLM MLA backend subclasses (0.33.0's names and signatur
 The fake's builder serves decode-only steps (what a decode backend's hooks see); its
 impl's `forward_decode_step` stands in for MLACommonImpl.forward on such a step: it writes
 the new tokens' latent KV into the cache at slot_mapping (an fp8 cache as uint8 bytes at
-the layer's _k_scale, as vLLM's concat_and_cache_mla), calls `forward_mqa(q, cache,
-attn_metadata, layer)` with q as the (ql_nope, q_pe) tuple (or, with an fp8 cache and
-`supports_quant_query_input`, q quantized to fp8 as MLAAttention does), and checks what comes back:
-out (tokens, heads, kv_lora_rank), lse (tokens, heads) float32 or None. It returns the
-latent out (the up-projection is vLLM's, not the backend's)."""
+the layer's _k_scale, as vLLM's concat_and_cache_mla), views an fp8 cache as fp8, calls
+`forward_mqa(q, cache, attn_metadata, layer)` with q as the (ql_nope, q_pe) tuple (or, with
+an fp8 cache and `supports_quant_query_input`, q quantized to fp8 as MLAAttention does; with
+decode context parallelism, q's heads gathered over the group: here the group's every rank
+holds this q), and checks what comes back: out (tokens, heads of the group, kv_lora_rank),
+lse (tokens, heads of the group) float32 or None. It returns the latent out of this rank's
+heads (the LSE merge and the up-projection are vLLM's, not the backend's; vllm-project/vllm
+mla_attention.py at 0014ca6b)."""
 
 import enum
 from dataclasses import dataclass
@@ -181,19 +184,25 @@ class MLACommonImpl(MLAAttentionImpl[M]):
             assert kv_cache.dtype == torch.uint8, "vLLM keeps an fp8 MLA cache as uint8"
             quant = (latent.float() / layer._k_scale.float()).to(torch.float8_e4m3fn)
             flat[slots] = quant.view(torch.uint8)
+            kv_cache = kv_cache.view(torch.float8_e4m3fn)  # MLAAttention's view before forward_mqa
         else:
             flat[slots] = latent.to(kv_cache.dtype)
         if self.supports_quant_query_input and self.kv_cache_dtype.startswith("fp8"):
             mqa_q = (q.float() / layer._q_scale.float()).to(torch.float8_e4m3fn)  # MLAAttention's q quant
         else:
             mqa_q = (q[..., : self.kv_lora_rank], q[..., self.kv_lora_rank:])
+        dcp = self.dcp_world_size
+        if dcp > 1:  # q's heads gathered across the DCP group (here every rank's q is this one's)
+            mqa_q = torch.cat([torch.cat(mqa_q, dim=-1) if type(mqa_q) is tuple else mqa_q] * dcp, dim=1)
         result = self.forward_mqa(mqa_q, kv_cache, attn_metadata, layer)
         assert isinstance(result, tuple) and len(result) == 2, "forward_mqa returns (out, lse | None)"
         out, lse = result
         tokens = attn_metadata.num_decode_tokens
-        assert tuple(out.shape) == (tokens, self.num_heads, self.kv_lora_rank), tuple(out.shape)
-        if self.dcp_world_size > 1 and self.can_return_lse_for_decode:
-            assert lse is not None and tuple(lse.shape) == (tokens, self.num_heads) and lse.dtype == torch.float32
+        assert tuple(out.shape) == (tokens, self.num_heads * dcp, self.kv_lora_rank), tuple(out.shape)
+        if dcp > 1 and self.can_return_lse_for_decode:
+            assert lse is not None and tuple(lse.shape) == (tokens, self.num_heads * dcp) and lse.dtype == torch.float32
+        if dcp > 1:  # the LSE merge over the group's shares, then this rank's heads (one share here)
+            out, lse = out[:, : self.num_heads], lse[:, : self.num_heads]
         return out, lse
 
 
