@@ -69,9 +69,10 @@ def test_the_entry_reuses_the_runner_for_the_same_inputs_checks_anything_new_and
         rt.custom_kernel(data)
     assert len(calls) == 3 and rt._last is not None and rt._last[8] is not None
     # The same objects with another kv_seq_len: checked again, and refused with its message.
-    with pytest.raises(ValueError, match="holds 256 tokens, not batch x kv_len"):
+    with pytest.raises(ValueError, match=r"holds 256 tokens, not batch x kv_len .* config\[\"kv_seq_len\"\]"):
         rt.custom_kernel((*data[:4], {**data[4], "kv_seq_len": 65}))
     assert rt._last is None  # a failed call leaves nothing to reuse
+    assert not rt.dispatcher.misses  # named before the lookup: not a shape the table lacks
     # A new q of the wrong dtype after a good call: checked, refused.
     rt.custom_kernel(data)
     with pytest.raises(ValueError, match="q must be bfloat16"):

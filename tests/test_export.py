@@ -14,7 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from mla_tune.export import ExportError, export_submission, module_from_source, prepare_modules
+from mla_tune.export import (
+    ExportError,
+    export_submission,
+    module_from_source,
+    prepare_modules,
+    render_submission,
+)
+from mla_tune.export.modules import GENERATED_NAMES
 from mla_tune.problem import check, generate_input, get_rule, reference
 from tests.helpers import CPU_TABLE as TABLE
 from tests.helpers import REPO, assert_clean_export, exported_outputs, ragged_input
@@ -175,6 +182,24 @@ def test_two_modules_defining_one_name_differently_are_refused_naming_both():
     uses_torch = _module("mla_tune.kernels.four", "import torch\n")
     with pytest.raises(ExportError, match="defines `torch`, which the exported file already uses"):
         prepare_modules([uses_torch, shadow])
+
+
+def test_a_module_may_not_define_a_name_the_exported_files_own_code_defines():
+    """export.modules.GENERATED_NAMES is what the template defines (a prior's export has every
+    one), so a module defining one is refused rather than silently replaced."""
+    text = render_submission(REPO / "configs" / "priors" / "MI355X.yaml")
+    defined = set()
+    for stmt in ast.parse(text).body:
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else []
+        names = [stmt.name] if isinstance(stmt, (ast.FunctionDef, ast.ClassDef)) else [
+            t.id for t in targets if isinstance(t, ast.Name)]
+        if isinstance(stmt, ast.ImportFrom) and stmt.module == "task":
+            names = [alias.name for alias in stmt.names]
+        defined |= {n for n in names if n.lower().startswith("_export") or n in ("input_t", "output_t", "custom_kernel")}
+    assert defined == GENERATED_NAMES
+    for name in sorted(GENERATED_NAMES):
+        with pytest.raises(ExportError, match=f"defines `{name}`, which the exported file already uses"):
+            prepare_modules([_module("mla_tune.kernels.demo", f"def {name}(x):\n    return x\n")])
 
 
 def test_modules_that_cannot_be_exported_are_refused():

@@ -109,7 +109,8 @@ CAPABILITIES = Capabilities(
 _AI_VERIFIED = ((0, 1, 10, 2), (0, 1, 20, 1))
 _AI_VERIFIED_TEXT = "0.1.10.post2 to 0.1.20.post1"
 _AI_INSTALL = ("install amd-aiter 0.1.10.post2 or later, a ROCm build from AMD's wheel index or "
-               "from source (docs/amd.md)")
+               "from source (docs/amd.md); where AITER cannot change (a contest's runner), export "
+               "without it: mla-tune export --only triton,torch")
 # Kernel binaries (hsa/gfx9*/mla/*.co) changed at these releases: the fp8 persistent
 # kernel (LSE) at 0.1.12, the fp8 non-persistent kernel at 0.1.16, the fp8 rebuild and the
 # gfx950 bf16 persistent switch at 0.1.17, 64-bit KV offsets at 0.1.19.post2. Timings tuned

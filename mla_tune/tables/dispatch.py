@@ -92,6 +92,13 @@ def _dp_kv_rows(kv_data: dict, kv_format: str) -> int:
     return int(tensor.shape[0])
 
 
+def _uniform_total_message(fmt: str, total: int, batch: int, kv_len: int) -> str:
+    return (f'kv_data["{fmt}"] holds {total} tokens, not batch x kv_len = {batch} x {kv_len} = '
+            f"{batch * kv_len}: kv_len (the leaderboard's config[\"kv_seq_len\"]) must be every "
+            "sequence's token count in a uniform batch; a ragged batch needs check_indptr=True "
+            "(runtime.decode's default)")
+
+
 class Dispatcher:
     """Pick and run the variant for each decode call's shape; never times anything.
 
@@ -209,6 +216,13 @@ class Dispatcher:
             require(isinstance(kv_len, int) and not isinstance(kv_len, bool) and kv_len >= 1,
                     f"check_indptr=False needs kv_len, the uniform tokens per sequence (>= 1); "
                     f"got {kv_len!r}")
+            # kv_len is trusted here: a KV total it does not explain is named before the
+            # lookup (which would call it a shape the table lacks)
+            probe = next((f for f in KV_FORMATS if f in kv_data), None) if isinstance(kv_data, dict) else None
+            if probe is not None:
+                check_decode_inputs(q, kv_data, qo_indptr, kv_indptr, probe)
+                total = _dp_kv_rows(kv_data, probe)
+                require(total == batch * kv_len, _uniform_total_message(probe, total, batch, kv_len))
         shape = Shape(batch, kv_len)
         variant = self.variant_for(batch, kv_len, ragged)
         if ragged or shape not in self._table:
@@ -220,9 +234,7 @@ class Dispatcher:
             require(total == sum(lengths), f'kv_data["{fmt}"] holds {total} tokens but '
                     f"kv_indptr ends at {sum(lengths)}")
         else:
-            require(total == batch * kv_len,
-                    f'kv_data["{fmt}"] holds {total} tokens, not batch x kv_len = '
-                    f"{batch} x {kv_len} = {batch * kv_len}; a ragged batch needs check_indptr=True")
+            require(total == batch * kv_len, _uniform_total_message(fmt, total, batch, kv_len))
         key = (variant, shape, str(q.device))
         runner = self._runners.get(key)
         if runner is None:
