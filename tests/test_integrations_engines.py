@@ -206,6 +206,39 @@ def test_vllm_eager_steps_take_vllms_host_lengths(monkeypatch, dcp, speculative,
         assert mean == (sum(lens) / len(lens) if takes == "mean" and not graph else None)
 
 
+@pytest.mark.parametrize("speculative", [0, 1])
+def test_vllm_a_graph_step_padded_with_empty_requests_answers_its_real_rows(monkeypatch, speculative):
+    """A full CUDA graph's step as vLLM pads it: requests of query length 0 and sequence
+    length 0 up to the captured batch (query_start_loc repeats the real token count), q
+    padded to the captured tokens. The graph plan takes it; the real rows match the
+    reference, the padding stays finite."""
+    engine_fakes.install(monkeypatch, "vllm")
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    q_len, real, padded = 1 + speculative, 3, 4
+    cache = Cache([5, 30, 47], 16, 3, fp8=False, seed=3, as_bytes=False)
+    builder, impls, layers = vllm_layers(cache, "auto", 16, dcp=1, max_seqs=8, device=torch.device("cpu"),
+                                         speculative=speculative)
+    builder.graph_batches = frozenset({padded})  # a capture of `padded` requests at this q_len
+    builder.plans.make_graph_plan(padded)
+    qsl = torch.tensor([q_len * min(i, real) for i in range(padded + 1)], dtype=torch.int32)
+    lens = torch.tensor(cache.lens + [0], dtype=torch.int32)
+    table = torch.cat([cache.table[:real], torch.zeros((1, cache.table.shape[1]), dtype=torch.int32)])
+    metadata = builder.build(0, CommonAttentionMetadata(
+        query_start_loc=qsl.clone(), query_start_loc_cpu=qsl, seq_lens=lens.clone(), num_reqs=padded,
+        num_actual_tokens=padded * q_len, max_query_len=q_len, max_seq_len=int(lens.max()),
+        block_table_tensor=table.clone(), slot_mapping=torch.full((padded * q_len,), -1, dtype=torch.int64),
+        seq_lens_cpu_upper_bound=lens))
+    assert builder.plans.active is builder.plans.graph
+    q = torch.randn((padded * q_len, HEADS, QK_DIM), generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    out, _ = impls[0].forward_mqa((q[..., :V_DIM], q[..., V_DIM:]), cache.engine_view(0), metadata, layers[0])
+    ref, _ = serving.reference(q[: real * q_len], qsl[: real + 1], cache.kv[0].view(cache.num_pages, 16, QK_DIM),
+                               None, block_table=cache.table[:real], seq_lens=lens[:real], sm_scale=SCALE,
+                               return_lse=True)
+    close_to_reference(out[: real * q_len], ref, f"vLLM padded graph step, q_len {q_len}")
+    assert torch.isfinite(out[real * q_len:].float()).all()
+
+
 def test_vllm_more_speculative_tokens_than_the_kernels_take_are_refused_with_the_limit(monkeypatch):
     engine_fakes.install(monkeypatch, "vllm")
     cache = Cache([5, 30], 16, 3, fp8=False, seed=2, as_bytes=False)

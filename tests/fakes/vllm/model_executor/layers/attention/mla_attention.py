@@ -129,7 +129,9 @@ class MLACommonMetadataBuilder(AttentionMetadataBuilder[M]):
         n = next((i for i, q in enumerate(lens) if q > self.reorder_batch_threshold), len(lens))
         if any(q <= self.reorder_batch_threshold for q in lens[n:]):
             raise AssertionError("the batch's decodes are not all at its front (vLLM reorders them there)")
-        if self.query_len_support != QueryLenSupport.VARLEN and len(set(lens[:n])) > 1:
+        # a request of query length 0 is a full CUDA graph's padding, counted as a decode
+        # (vllm/v1/attention/backends/utils.py, split_decodes_and_prefills)
+        if self.query_len_support != QueryLenSupport.VARLEN and len({q for q in lens[:n] if q}) > 1:
             raise AssertionError("a builder without VARLEN support got decodes of different query lengths")
         tokens = int(m.query_start_loc_cpu[n])
         decode = self._build_decode(
