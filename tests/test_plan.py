@@ -177,7 +177,7 @@ def test_a_step_the_plan_was_not_made_for_is_refused_and_a_table_without_the_fam
         plan.update(inp.qo_indptr[:1], **layout)
     # a table without the family: a warning, and the default
     other = CallSpec("bf16", page_size=64, heads=16, max_q_len=1)
-    with pytest.warns(UserWarning, match="no family for bf16 KV, paged 64"):
+    with pytest.warns(UserWarning, match=r"no family for bf16 KV, paged 64.*The table has: bf16/p16/h16/q2; sweep"):
         plan = DecodePlan(other, max_batch=2, table=_table(), warm=False)
     assert plan.variants == [plan.pick(2)]
 

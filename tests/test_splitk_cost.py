@@ -167,6 +167,9 @@ def test_the_models_estimate_a_ragged_batch_by_its_schedule_survive_a_write_and_
     for old in ("serving/2", "serving/5"):
         _refused(path, {**_table({}).as_dict(), "schema": old},
                  rf"schema is '{old}', this mla-tune reads 'serving/6'; rebuild it.*mla-tune sweep")
+    with pytest.raises(TableError, match=r"tables/H200.yaml is a leaderboard table \(schema 1, per-shape "
+                                         r"winners\), not a serving table; pass a serving table"):
+        load_serving_table("tables/H200.yaml")
     # a split-K model must carry its program's fixed cost (item_tokens)
     data = _table(_splitk_models(KEY, _grid(item_tokens=64), 132)).as_dict()
     assert data["families"][0]["models"][0]["item_tokens"] == 64

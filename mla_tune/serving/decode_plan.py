@@ -100,8 +100,11 @@ class DecodePlan:
         self._decoders: dict[Variant, Decoder] = {self._default.variant: self._default}
         family = self.table.family(spec) if self.table is not None else None
         if self.table is not None and family is None:
+            families = " ".join(sorted(key.tag for key in self.table.families)) or "none"
             warnings.warn(f"serving table {self.table.path}: no family for {spec_text(spec)}; "
-                          f"every call runs the default {self._default.variant}", stacklevel=2)
+                          f"every call runs the default {self._default.variant}. The table has: "
+                          f"{families}; sweep the call's family (configs/serving.yaml) to tune it",
+                          stacklevel=2)
         self._family = family
         if family is not None and not spec.graph:
             # The lookup's one-off work (its interpolation grids, each split-K variant's rates

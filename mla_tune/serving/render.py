@@ -74,13 +74,6 @@ def table_kind(path: str | Path) -> str | None:
 
 
 # ------------------------------------------------------------------ names and labels
-def family_tag(key: FamilyKey) -> str:
-    """A family in a few characters, for the start of its variant lines: fp8/p64/h16/q1
-    (page 0, contiguous KV: fp8/contig/h16/q1)."""
-    page = "contig" if key.page_size == 0 else f"p{key.page_size}"
-    return f"{key.kv_format}/{page}/h{key.heads}/q{key.q_len}"
-
-
 def label_name(index: int) -> str:
     """A, B, ..., Z, a, ..., z, then AA, AB, ...: the index-th label."""
     if index < len(_LETTERS):
@@ -103,7 +96,7 @@ def _mapping(value: Any) -> Mapping:
 def _family_view(family: Family, provenance: Mapping) -> dict:
     candidates = _mapping(_mapping(provenance.get("candidates")).get(str(family.key)))
     return {
-        "key": family.key.as_dict(), "name": str(family.key), "tag": family_tag(family.key),
+        "key": family.key.as_dict(), "name": str(family.key), "tag": family.key.tag,
         "candidates": dict(candidates),
         "cells": [{"batch": c.batch, "kv_len": c.kv_len, "variant": str(c.variant),
                    "time_us": round(c.time_us, 3),
@@ -299,7 +292,7 @@ def _family_diff(key: FamilyKey, old: Family | None, new: Family | None) -> dict
                       "new_worst_regret": b and round(b.worst_regret, 4),
                       "status": ("only in new" if a is None else "only in old" if b is None else
                                  "same pick" if a.variant == b.variant else "pick changed")})
-    return {"family": str(key), "key": key.as_dict(), "tag": family_tag(key), "status": status,
+    return {"family": str(key), "key": key.as_dict(), "tag": key.tag, "status": status,
             "cells": cells, "graph": graph, "points": _points_diff(old, new, share_),
             "calibration": (None if old.calibration == new.calibration
                             else {"old": old.calibration, "new": new.calibration})}

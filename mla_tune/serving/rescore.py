@@ -63,7 +63,6 @@ from mla_tune.serving.verify import (
     VERIFY_SCHEMA,
     VerifyError,
     emit,
-    family_short,
     pct_text,
     regret_stats,
     summarize,
@@ -284,7 +283,7 @@ def _shape_head(report: str, r: dict, eager: str, name: Callable[[str | None], s
     """A per-shape line's start: the report, the shape (index, family, batch, kv) and its
     eager pick's backend."""
     kv = str(r["kv_lens"]) if r["kind"] == "uniform" else f"ragged {r['mean_kv_len']:.0f}"
-    return (f"  {report} #{r['index']:<3} {family_short(FamilyKey(**r['family'])):<17} "
+    return (f"  {report} #{r['index']:<3} {FamilyKey(**r['family']).tag:<17} "
             f"batch {r['batch']:>3} kv {kv:<14} eager {name(eager):<12}")
 
 

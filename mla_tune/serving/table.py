@@ -85,6 +85,13 @@ class FamilyKey:
         layout = "contiguous" if self.page_size == 0 else f"page {self.page_size}"
         return f"{self.kv_format} KV, {layout}, {self.heads} heads, q_len {self.q_len}"
 
+    @property
+    def tag(self) -> str:
+        """The family in a few characters: fp8/p64/h16/q1 (page 0, contiguous KV:
+        fp8/contig/h16/q1)."""
+        page = "contig" if self.page_size == 0 else f"p{self.page_size}"
+        return f"{self.kv_format}/{page}/h{self.heads}/q{self.q_len}"
+
 
 @dataclass(frozen=True)
 class Cell:
@@ -554,6 +561,9 @@ def load_serving_table(path: str | Path, check_params: bool = True) -> ServingTa
     if not isinstance(raw, dict):
         raise TableError(f"{where} must be a mapping (schema, gpu, provenance, batch_buckets, "
                          "kv_buckets, families)")
+    if raw.get("schema") != SERVING_SCHEMA and isinstance(raw.get("rows"), list):
+        raise TableError(f"{where} is a leaderboard table (schema {raw.get('schema')!r:.40}, per-shape "
+                         "winners), not a serving table; pass a serving table (tables/NAME.serving.yaml)")
     if raw.get("schema") != SERVING_SCHEMA:
         raise TableError(f"{where}: schema is {raw.get('schema')!r:.40}, this mla-tune reads {SERVING_SCHEMA!r}; "
                          "rebuild it with this version (mla-tune sweep --config configs/serving.yaml "

@@ -303,7 +303,7 @@ def time_points(table_path: str | Path, *, families: str | None = None, points: 
     from mla_tune.serving.gate import GateJob, run_gates
     from mla_tune.serving.rescore import relative_differences, spread_of
     from mla_tune.serving.table import load_serving_table
-    from mla_tune.serving.verify import family_short, resolve_config, select_families
+    from mla_tune.serving.verify import resolve_config, select_families
 
     for name, value in (("--points", points), ("--samples", samples), ("--passes", passes)):
         if value < 1:
@@ -342,7 +342,7 @@ def time_points(table_path: str | Path, *, families: str | None = None, points: 
             break
         rows.append(_time_point(cfg, table, key, batch, kv, seed * 1000 + i, samples, passes, rejected,
                                 compare=write is None, check=write is None or workers == 0, device=device))
-        _point_lines(rows[-1], family_short(key), log)
+        _point_lines(rows[-1], key.tag, log)
         if rows[-1].pop("lost_context", False):
             log(f"the CUDA context was lost at this point: {len(chosen) - i - 1} points not timed (nothing after "
                 "it can run in this process); what was timed before is kept")

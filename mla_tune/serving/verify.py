@@ -144,10 +144,6 @@ def _off_grid(rng: random.Random, lo: int, hi: int, grid: list[int]) -> int:
             return n
 
 
-def family_short(key: FamilyKey) -> str:
-    return f"{key.kv_format}/p{key.page_size}/h{key.heads}/q{key.q_len}"
-
-
 def select_families(table: ServingTable, text: str | None) -> list[FamilyKey]:
     """The table's families, or those matching every field of `text`
     ('kv_format=fp8,heads=128'; a field given twice matches either value)."""
@@ -164,7 +160,7 @@ def select_families(table: ServingTable, text: str | None) -> list[FamilyKey]:
     keys = [k for k in keys if all(str(getattr(k, n)) in vs for n, vs in wanted.items())]
     if not keys:
         raise VerifyError(f"--families {text!r} matches none of the table's families: "
-                          + "; ".join(map(family_short, table.families)))
+                          + "; ".join(key.tag for key in table.families))
     return keys
 
 
@@ -390,7 +386,7 @@ class Verifier:
         failed[str(variant)] = error_text(exc)
         if poisons_context(exc):
             raise VerifyError(f"the CUDA context was lost running {variant} at shape {shape.index} "
-                              f"({family_short(shape.key)}, batch {shape.batch}): {error_text(exc)}") from exc
+                              f"({shape.key.tag}, batch {shape.batch}): {error_text(exc)}") from exc
         if type(exc).__name__ == "OutOfMemoryError":
             torch.cuda.empty_cache()
 
@@ -567,7 +563,7 @@ def _progress(done: int, total: int, shape: HeldOutShape, r: dict, elapsed: floa
     def name(v):
         return Variant.parse(v).backend if v else "none"
 
-    return (f"[{done}/{total}] {family_short(shape.key)} batch {shape.batch} kv {shape.kv_text()}: eager "
+    return (f"[{done}/{total}] {shape.key.tag} batch {shape.batch} kv {shape.kv_text()}: eager "
             f"{name(r['roles']['eager'])} +{pct_text(r['regret']['eager'])}, graph +{pct_text(r['regret']['graph'])}, "
             f"fallback +{pct_text(r['regret']['fallback'])}; best {name(r['best'])} "
             f"{r['best_us'] if r['best_us'] is not None else '-'} us ({r['candidates']} candidates, "
@@ -596,7 +592,7 @@ def report_lines(report: dict) -> list[str]:
         key = FamilyKey(**r["family"])
         kv = (str(r["kv_lens"]) if r["kind"] == "uniform" else
               f"ragged {r['mean_kv_len']:.0f} ({min(r['kv_lens'])}..{max(r['kv_lens'])})")
-        lines.append(f"{r['index']:>3} {family_short(key):<17} {r['batch']:>5} {kv:<24} "
+        lines.append(f"{r['index']:>3} {key.tag:<17} {r['batch']:>5} {kv:<24} "
                      f"{name(r['roles']['eager'], r['from_table']['eager']):<14} {pct_text(r['regret']['eager']):>7} "
                      f"{pct_text(r['regret']['graph']):>7} {pct_text(r['regret']['fallback']):>8}  {name(r['best'])}")
     missed = sum(not r["from_table"]["eager"] for r in report["shapes"])
