@@ -192,6 +192,8 @@ def sweep(
             device_list = [int(d) for d in _list(devices, "--devices")]
         except ValueError:
             raise _usage_error(f"--devices must be GPU indices like 0,1, got {devices!r}") from None
+        if len(set(device_list)) != len(device_list) or min(device_list) < 0:
+            raise _usage_error(f"--devices must be distinct GPU indices (0 or more) like 0,1, got {devices!r}")
     if config is None:  # the GPU's own search space (gpu.KNOWN_GPUS)
         from mla_tune.gpu import default_config
 

@@ -23,6 +23,8 @@ QK_ROPE_DIM = 64
 QK_DIM = KV_LORA_RANK + QK_ROPE_DIM  # 576: keys use all of it
 V_DIM = KV_LORA_RANK  # 512: values are the first 512 dims of the same latent
 SM_SCALE = 1.0 / math.sqrt(QK_DIM)
+# The seeds torch.Generator.manual_seed takes; an input drawn from one outside overflows.
+SEED_RANGE = (-(2**63), 2**64 - 1)
 MXFP4_BLOCK = 32
 MXFP4_SCALES = QK_DIM // MXFP4_BLOCK  # 18 E8M0 scales per token
 

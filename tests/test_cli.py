@@ -217,6 +217,19 @@ def test_sweep_passes_its_options_through(monkeypatch, tmp_path):
                        "devices": [0, 1], "fresh": True})]
     output = _output("sweep", "--gpu", "H200", "--devices", "zero", code=2)
     assert "--devices must be GPU indices" in output
+    for bad in ("-1", "0,0"):  # either sweep (a serving config's too) is refused before it starts
+        for config in ("configs/leaderboard.yaml", "configs/serving.yaml"):
+            output = _output("sweep", "--gpu", "H200", "--config", config, "--devices", bad, code=2)
+            assert "--devices must be distinct GPU indices" in output, output
+
+
+def test_a_serving_config_with_families_misspelt_is_named_by_the_serving_configs_message(tmp_path):
+    raw = yaml.safe_load((REPO / "configs" / "serving.yaml").read_text())
+    raw["familes"] = raw.pop("families")
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    output = _output("sweep", "--gpu", "H200", "--config", path, "--dry-run", code=1)
+    assert "field 'familes': unknown field" in output, output
 
 
 @pytest.mark.parametrize(("config", "code", "says"), [

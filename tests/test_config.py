@@ -81,6 +81,7 @@ def test_precompile_is_taken_out_of_the_space_and_defaults_to_the_backends_word(
         ({"check_seeds": [1]}, "check_seeds", "at least 2"),
         ({"check_seeds": [1, 1]}, "check_seeds", "distinct"),
         ({"check_seeds": [1, "2"]}, "check_seeds", "integers"),
+        ({"check_seeds": [1, 2**64]}, "check_seeds", "seeds must lie in -9223372036854775808 to"),
         ({"calibration_seeds": [2, 3]}, "calibration_seeds", "also check_seeds"),
         ({"timing": {"reps": 0, "prune_reps": 1, "prune_factor": 2}}, "timing.reps", ">= 1"),
         ({"timing": {"prune_reps": 1, "prune_factor": 2}}, "timing.reps", "missing"),

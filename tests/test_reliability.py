@@ -1,6 +1,7 @@
 """Reliability: parameter rules, read-only or full disks, Ctrl-C, 4-tuples, a NaN in fp8 KV."""
 
 import builtins
+import copy
 import errno
 import importlib
 import json
@@ -145,14 +146,24 @@ def test_a_space_value_no_variant_can_carry_fails_at_config_load(tmp_path, secti
     assert message in result.output
 
 
-def test_a_serving_space_value_no_variant_can_carry_fails_at_config_load(tmp_path):
-    raw = yaml.safe_load((REPO / "configs" / "serving.yaml").read_text())
-    name = next(iter(raw["backends"]))
-    raw["backends"][name] = {"max_splits": [0]}
-    path = tmp_path / "serving.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    with pytest.raises(ServingConfigError, match=rf"backends\.{name}\.max_splits.*max_splits=0 is not allowed"):
-        load_serving_config(path)
+def test_a_serving_config_value_nothing_can_carry_fails_at_config_load(tmp_path):
+    base = yaml.safe_load((REPO / "configs" / "serving.yaml").read_text())
+    name = next(iter(base["backends"]))
+    rule = {"max_tokens": 10, "why": "a test"}
+    for edit, match in [
+        (lambda raw: raw["backends"].update({name: {"max_splits": [0]}}),
+         rf"backends\.{name}\.max_splits.*max_splits=0 is not allowed"),
+        (lambda raw: raw.update(check_seeds=[1, 2**64]), "check_seeds.*must be two distinct integers from"),
+        (lambda raw: raw.update(left_out=[{**rule, "kv_format": "FP8"}]),
+         r"left_out\[0\]\.kv_format.*'FP8' matches no family; the families' kv_format: bf16, fp8"),
+        (lambda raw: raw.update(left_out=[{**rule, "heads": "sixteen"}]), r"left_out\[0\]\.heads.*matches no family"),
+    ]:
+        raw = copy.deepcopy(base)
+        edit(raw)
+        path = tmp_path / "serving.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        with pytest.raises(ServingConfigError, match=match):
+            load_serving_config(path)
 
 
 # ------------------------------------------- read-only folders and full disks, per command

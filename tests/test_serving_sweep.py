@@ -241,6 +241,11 @@ def test_a_killed_a_sharded_and_a_worker_timed_sweep_each_end_as_the_table_of_on
     with pytest.raises(sw.ServingSweepError, match="merge only the shards of one config"):
         sw.merge(tiny, "H200", paths, out=shards / "x.yaml", log=lambda line: None)
     assert sw.sweep_from_cli(config, "H200", out=shards / "x.yaml", merge_results=paths) == 1
+    with pytest.raises(sw.ServingSweepError, match="hold shards 1/2, 1/2: merge the shards of one split"):
+        sw.merge(tiny, "CPU", [paths[0], paths[0]], out=shards / "x.yaml", log=lambda line: None)
+    said = []
+    sw.merge(tiny, "CPU", paths[1:], out=shards / "half.yaml", log=said.append)
+    assert any(line.startswith("warning: shard(s) 1/2 not merged") for line in said), said
 
 
 def test_the_budget_stops_cleanly_and_the_table_says_what_was_left_out(tiny, tmp_path, monkeypatch):

@@ -18,7 +18,14 @@ from mla_tune import problem
 from mla_tune.backends import EXTRA_BACKENDS_ENV
 from mla_tune.core import Shape, Variant
 from mla_tune.tune.config import load_config
-from mla_tune.tune.results import ResultsError, SweepLock, candidate_key, read_results, repair_tail
+from mla_tune.tune.results import (
+    ResultsError,
+    SweepLock,
+    candidate_key,
+    lock_path_for,
+    read_results,
+    repair_tail,
+)
 from mla_tune.tune.schedule import BackendCost, CostModel
 from mla_tune.tune.sweep import SweepError, assign_shapes, run_sweep
 from mla_tune.tune.worker import compile_shape_for, precompile
@@ -143,7 +150,8 @@ def test_header_carries_provenance_and_names_the_cpu_timer(tiny_sweep):
 
 # ------------------------------------------------------------------- refusals, lock
 def test_a_second_sweep_on_the_same_table_is_refused_naming_the_pid(tmp_path):
-    lock = tmp_path / "cpu.yaml.lock"
+    lock = lock_path_for(tmp_path / "cpu.yaml")
+    assert lock == lock_path_for(tmp_path / "cpu") == tmp_path / "cpu.results.jsonl.lock"  # one results file, one lock
     lock.write_text(f"{os.getpid()}\n")  # a live process holds it
     with pytest.raises(SweepError, match=f"another sweep \\(pid {os.getpid()}\\) holds"):
         run_sweep(TORCH, "cpu", out=tmp_path / "cpu.yaml", console=capture()[0])
@@ -176,7 +184,7 @@ _RACER = textwrap.dedent("""
 
 def test_two_sweeps_started_together_exactly_one_runs_the_other_names_lock_and_pid(tmp_path):
     out = tmp_path / "cpu.yaml"
-    lock = tmp_path / "cpu.yaml.lock"
+    lock = lock_path_for(out)
     lock.write_text("")  # what a sweep killed between creating and writing it leaves
     ready = tmp_path / "ready"
     ready.mkdir()

@@ -216,11 +216,19 @@ def merge(config: str | Path | ServingConfig, gpu_name: str, results: list[Path]
         headers.append(header)
         for r in recs:
             records.add(r)
+    shards = sorted(tuple(h.get("shard", (1, 1))) for h in headers)
+    text = ", ".join(f"{i}/{n}" for i, n in shards)
+    if len(set(shards)) != len(shards) or len({n for _, n in shards}) != 1:
+        raise ServingSweepError(f"the results files hold shards {text}: merge the shards of one split "
+                                "(one N), each once")
+    missing = sorted(set(range(1, shards[0][1] + 1)) - {i for i, _ in shards})
+    if missing:
+        log(f"warning: shard(s) {', '.join(f'{i}/{shards[0][1]}' for i in missing)} not merged: their cells "
+            "stay unmeasured in the table (sweep them with --shard I/N, then merge again)")
     platform = platform or gpu.fake_platform(gpu_name)
     plan = plan_sweep(cfg, platform, check_available=False)
-    shards = sorted({tuple(h.get("shard", (1, 1))) for h in headers})
     write_table(cfg, plan, records, headers, out, gpu_name,
-                f"not measured: no results file merged holds it (shards {', '.join(f'{i}/{n}' for i, n in shards)})",
+                f"not measured: no results file merged holds it (shards {text})",
                 {"merged": len(headers)})
     log(f"wrote {out} from {len(headers)} results file(s)")
     return out

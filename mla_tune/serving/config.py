@@ -20,7 +20,7 @@ from typing import Any
 
 from mla_tune import gpu
 from mla_tune.backends import capabilities, get_backend, known_backends
-from mla_tune.core import CallSpec, Variant
+from mla_tune.core import SEED_RANGE, CallSpec, Variant
 from mla_tune.errors import MlaTuneError
 from mla_tune.fileio import read_yaml
 from mla_tune.problem import Rule, get_rule
@@ -162,14 +162,15 @@ def load_serving_config(path: str | Path) -> ServingConfig:
 
 
 def is_serving_config(path: str | Path) -> bool:
-    """Whether `path` reads as a serving config (it has `families`), so that `mla-tune
-    sweep --config` can hand it to the serving sweep; a file that does not read is left to
-    the caller's own loader and its message."""
+    """Whether `path` reads as a serving config (it has `families`, or the serving grid's
+    `batch_buckets` or `kv_buckets`, so that a misspelt `families` is named by the serving
+    config's own message), so that `mla-tune sweep --config` can hand it to the serving
+    sweep; a file that does not read is left to the caller's own loader and its message."""
     try:
         raw = read_yaml(Path(path), "config", ServingConfigError, max_bytes=CONFIG_MAX_BYTES)
     except ServingConfigError:
         return False
-    return isinstance(raw, dict) and "families" in raw
+    return isinstance(raw, dict) and bool({"families", "batch_buckets", "kv_buckets"} & set(raw))
 
 
 def _int(value: Any) -> bool:
@@ -207,9 +208,10 @@ def serving_config_from_dict(raw: Any, path: str | Path = "<serving config>",
     if rule is None:
         raise fail("rule", f"must be a rule name (strict, leaderboard), got {raw['rule']!r}")
     seeds = raw["check_seeds"]
-    if not (isinstance(seeds, list) and len(seeds) == 2 and all(_int(s) for s in seeds) and seeds[0] != seeds[1]):
-        raise fail("check_seeds", f"must be two distinct integers (the ragged probe's seed, the tail "
-                   f"probe's), got {seeds!r}")
+    if not (isinstance(seeds, list) and len(seeds) == 2 and all(_int(s) for s in seeds) and seeds[0] != seeds[1]
+            and all(SEED_RANGE[0] <= s <= SEED_RANGE[1] for s in seeds)):
+        raise fail("check_seeds", f"must be two distinct integers from {SEED_RANGE[0]} to {SEED_RANGE[1]} "
+                   f"(the ragged probe's seed, the tail probe's), got {seeds!r}")
     families = _families(raw["families"], fail)
     call = _call(raw.get("call"), fail)
     batch_buckets = _buckets(raw["batch_buckets"], "batch_buckets", fail)
@@ -223,7 +225,7 @@ def serving_config_from_dict(raw: Any, path: str | Path = "<serving config>",
     cfg = ServingConfig(
         name=raw["name"], path=path, hash=config_hash(raw), rule=rule, families=families,
         call=call, batch_buckets=batch_buckets, kv_buckets=kv_buckets,
-        left_out=_left_out(raw.get("left_out"), fail), gate=_gate(raw["gate"], tuple(seeds), fail),
+        left_out=_left_out(raw.get("left_out"), families, fail), gate=_gate(raw["gate"], tuple(seeds), fail),
         search=_search(raw["search"], fail), budget_s=float(budget) if budget is not None else None,
         gate_workers=workers, backends=_backends(raw["backends"], fail), raw=raw,
     )
@@ -271,7 +273,7 @@ def _buckets(value: Any, field: str, fail) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _left_out(value: Any, fail) -> tuple[LeftOutRule, ...]:
+def _left_out(value: Any, families: tuple[FamilyKey, ...], fail) -> tuple[LeftOutRule, ...]:
     if value is None:
         return ()
     if not isinstance(value, list):
@@ -297,6 +299,11 @@ def _left_out(value: Any, fail) -> tuple[LeftOutRule, ...]:
         for name in LEFT_OUT_MATCH:
             if name in item:
                 values = item[name] if isinstance(item[name], list) else [item[name]]
+                known = sorted({getattr(key, name) for key in families}, key=str)
+                stray = [v for v in values if v not in known]
+                if stray or not values:
+                    raise fail(f"{where}.{name}", f"{stray[0] if stray else values!r} matches no family; the "
+                               f"families' {name}: {', '.join(map(str, known))}")
                 match.append((name, tuple(values)))
         rules.append(LeftOutRule(conditions[0], limit, " ".join(why.split()), tuple(match)))
     return tuple(rules)

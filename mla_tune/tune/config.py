@@ -20,7 +20,7 @@ from typing import Any
 from mla_tune import gpu
 from mla_tune.backends import capabilities, get_backend, known_backends
 from mla_tune.backends.params import check_space_value, param_rules
-from mla_tune.core import Shape
+from mla_tune.core import SEED_RANGE, Shape
 from mla_tune.errors import MlaTuneError
 from mla_tune.fileio import read_yaml
 from mla_tune.problem import Rule, get_rule
@@ -195,6 +195,8 @@ def _seed_list(value: Any, field: str, fail) -> list[int]:
         raise fail(field, f"must be a list of integers, got {value!r}")
     if len(set(value)) != len(value):
         raise fail(field, f"seeds must be distinct, got {value}")
+    if not all(SEED_RANGE[0] <= s <= SEED_RANGE[1] for s in value):
+        raise fail(field, f"seeds must lie in {SEED_RANGE[0]} to {SEED_RANGE[1]} (torch's), got {value}")
     return list(value)
 
 

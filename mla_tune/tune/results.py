@@ -36,7 +36,10 @@ def results_path_for(table_path: Path) -> Path:
 
 
 def lock_path_for(table_path: Path) -> Path:
-    return table_path.with_name(table_path.name + ".lock")
+    """The results file's lock: tables/H200.yaml (or tables/H200) -> tables/H200.results.jsonl.lock,
+    so two names of one results file take one lock."""
+    results = results_path_for(table_path)
+    return results.with_name(results.name + ".lock")
 
 
 def candidate_key(shape: dict, variant: str) -> tuple[int, int, str]:
