@@ -157,8 +157,9 @@ def sweep(
         help="Seconds one candidate may run before its worker is killed and it is recorded as a "
              "timeout; the default is the config's candidate_timeout_s, else 120.")] = None,
     budget: Annotated[float | None, typer.Option(
-        help="Seconds this sweep may take, instead of the config's budget_s (a stopped serving "
-             "sweep resumes with the same command).")] = None,
+        help="Seconds this sweep may take, instead of the config's budget_s. A sweep the budget "
+             "stops exits 3 and resumes with the same command (a larger --budget times what is "
+             "left; a candidate still running at the budget's end is not recorded).")] = None,
     compile_check: Annotated[CompileCheck, typer.Option(
         "--compile-check", case_sensitive=False,
         help="Cross-compile the plan's own kernels for the GPU first and drop the candidates that "
@@ -217,10 +218,12 @@ def sweep(
         from mla_tune.tune.sweep import SweepInterrupted, run_sweep
 
         try:
-            run_sweep(config, gpu, out=out, dry_run=dry_run, force=force, devices=device_list,
-                      fresh=fresh, **timeout)
+            summary = run_sweep(config, gpu, out=out, dry_run=dry_run, force=force, devices=device_list,
+                                fresh=fresh, **timeout)
         except SweepInterrupted:  # run_sweep printed how to resume; no "Aborted!" after it
             raise typer.Exit(130) from None
+        if getattr(summary, "stopped", False):  # the budget stopped it (run_sweep said how to resume)
+            raise typer.Exit(3)
 
 
 @app.command("compile")

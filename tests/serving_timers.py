@@ -4,6 +4,7 @@ a name): the same times, so that a sweep timed in a worker writes the table of o
 the sweep's own process."""
 
 import os
+import time
 
 from mla_tune.core import Variant
 from mla_tune.serving.sweep import RAGGED_PROBE_KV
@@ -36,5 +37,14 @@ def crashing_time(call, reps: int) -> Timing:
         os._exit(11)
     if (call.batch, call.kv_len, reps, name(call.variant)) == (1, 32, 1, "A"):
         call()
+    t = TIMES[call.kv_len][name(call.variant)] * call.batch
+    return Timing(t, t, t, reps)
+
+
+def hanging_time(call, reps: int) -> Timing:
+    """TIMES, in a worker, except that D hangs at batch 1, kv 32 (a kernel waiting on itself):
+    its worker is killed at its limit, or at the budget's hard deadline."""
+    if call.batch == 1 and call.kv_len == 32 and name(call.variant) == "D":
+        time.sleep(3600)
     t = TIMES[call.kv_len][name(call.variant)] * call.batch
     return Timing(t, t, t, reps)

@@ -285,7 +285,7 @@ def test_a_command_into_a_read_only_or_full_folder_is_one_line_and_leaves_nothin
         "export": (["export", "--table", CPU_TABLE, "-o", out / "sub.py", "--only", "torch"],
                    [str(out / "sub.py"), "write elsewhere"]),
         "sweep": (["sweep", "--gpu", "cpu", "--config", DATA / "sweep_torch.yaml", "--out", out / "cpu.yaml"],
-                  [str(out / "cpu.yaml.lock"), "write the table elsewhere (--out)"]),
+                  [str(out / "cpu.results.jsonl.lock"), "write the table elsewhere (--out)"]),
         "serving sweep": (["sweep", "--gpu", "cpu", "--config", REPO / "configs" / "serving.yaml", "--force",
                            "--out", out / "cpu.serving.yaml"],
                           [str(out), "read-only" if code == 30 else "No space left on device"]),
@@ -342,7 +342,7 @@ def test_a_disk_that_fills_mid_sweep_stops_in_one_line_and_keeps_whole_lines(tmp
     monkeypatch.undo()
     results = (tmp_path / "cpu.results.jsonl").read_bytes()
     assert results.endswith(b"\n") and all(json.loads(x) for x in results.splitlines())  # no torn line
-    assert not out.exists() and not (tmp_path / "cpu.yaml.lock").exists()
+    assert not out.exists() and not (tmp_path / "cpu.results.jsonl.lock").exists()
     # what a re-run resumes from: the header and the finished step, nothing to repair
     header, records, warnings = read_results(tmp_path / "cpu.results.jsonl", kinds=("candidate", "step", "rung"))
     assert header is not None and records and warnings == []
@@ -384,7 +384,7 @@ def test_ctrl_c_to_the_process_group_while_the_workers_start_prints_no_traceback
                              str(DATA / "sweep_resume.yaml"), "--out", str(out)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=sigint_as_in_a_terminal)
-    lock = tmp_path / "cpu.yaml.lock"
+    lock = tmp_path / "cpu.results.jsonl.lock"
     deadline = time.monotonic() + 60
     while not lock.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)

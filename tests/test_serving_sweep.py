@@ -248,6 +248,25 @@ def test_a_killed_a_sharded_and_a_worker_timed_sweep_each_end_as_the_table_of_on
     assert any(line.startswith("warning: shard(s) 1/2 not merged") for line in said), said
 
 
+def test_a_step_the_budgets_hard_deadline_kills_is_not_recorded_and_a_resume_times_it(tiny, tmp_path,
+                                                                                      monkeypatch):
+    """A measurement cut by the budget, not by its own limit (D hangs at batch 1, kv 32): no
+    record, the sweep stops; the resume times it under its own limit (a timeout, recorded)."""
+    timer, lines = "tests.serving_timers:hanging_time", []
+    with monkeypatch.context() as m:  # the budget's end: every limit cut to 1.5 s, and come when one is
+        m.setattr(sw.BudgetClock, "timeout", lambda self, limit_s: min(limit_s, 1.5))
+        m.setattr(sw.BudgetClock, "past_hard_deadline", lambda self: True)
+        first = _sweep(tiny, tmp_path, timer, candidate_timeout_s=120, log=lines.append)
+    _, records, _ = read_records(first["results"])
+    assert first["stopped"] and not [r for r in records if r["kind"] == "step" and r["status"] != "ok"]
+    assert any("budget spent" in line and "without --fresh" in line for line in lines), lines
+    again = _sweep(tiny, tmp_path, timer, candidate_timeout_s=2)
+    _, records, _ = read_records(again["results"])
+    timeouts = [(r["batch"], r["kv_len"], name(Variant.parse(r["variant"]))) for r in records
+                if r["kind"] == "step" and r["status"] == "timeout"]
+    assert not again["stopped"] and timeouts == [(1, 32, "D")]
+
+
 def test_the_budget_stops_cleanly_and_the_table_says_what_was_left_out(tiny, tmp_path, monkeypatch):
     checks = iter(range(10**6))
     # past the budget after the 4 gate jobs and 7 measurements: in the second cell

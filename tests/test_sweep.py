@@ -162,12 +162,14 @@ def test_a_second_sweep_on_the_same_table_is_refused_naming_the_pid(tmp_path):
 _RACER = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
+    from types import SimpleNamespace
     import mla_tune.tune.sweep as sweep
     from mla_tune.tune.sweep import SweepError, run_sweep
 
     def hold(*args, **kwargs):
         print("RAN", flush=True)
         time.sleep(1.5)
+        return SimpleNamespace(stopped=False)
 
     sweep._sweep = hold
     ready, config, out = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -316,6 +318,28 @@ def test_compile_stand_ins_keep_each_dimension_in_its_triton_specialization_clas
 
 
 # --------------------------------------------------------------- multi device, budget
+def test_a_candidate_the_budgets_hard_deadline_kills_is_not_recorded_and_a_resume_runs_it(tmp_path):
+    """A candidate cut by the budget, not by its own limit: no record (one would have called it a
+    timeout at the cut limit, final for every resume); the sweep stops (summary.stopped, with the
+    command that resumes it), and the resume times it under its own limit."""
+    out = tmp_path / "cpu.yaml"
+    console, buf = capture()
+    summary = run_sweep(DATA / "sweep_hang_budget.yaml", "cpu", out=out, console=console)
+    lines = [json.loads(line) for line in summary.results_path.read_text().splitlines()]
+    timed = [r["variant"].split("(")[0] for r in lines if r["kind"] in ("step", "candidate")]
+    assert summary.stopped and timed == ["torch"]  # the baseline ran; the hung candidate left no line
+    text = " ".join(buf.getvalue().split())
+    assert "fake_hang(kv=bf16,q=bf16) was still running at the budget's hard deadline; it is not recorded" in text
+    assert f"resume with: mla-tune sweep --gpu cpu --config {DATA / 'sweep_hang_budget.yaml'} --out {out}" in text
+    again = run_sweep(DATA / "sweep_hang_budget.yaml", "cpu", out=out, console=capture()[0], budget_s=60,
+                      candidate_timeout_s=2)
+    _, records, _ = read_results(again.results_path)
+    hang = [r for r in records if r["kind"] == "candidate" and r["backend"] == "fake_hang"]
+    assert not again.stopped and len(hang) == 1 and hang[0]["status"] == "timeout"
+    assert "the 2 s limit" in hang[0]["reason"]
+
+
+
 def test_two_devices_share_the_shapes_and_an_impossible_budget_keeps_the_baseline(tmp_path):
     console, buf = capture()
     summary = run_sweep(BUDGET, "H200", out=tmp_path / "H200.yaml", devices=[0, 1], force=True,
@@ -388,7 +412,7 @@ def test_a_sweep_killed_or_interrupted_mid_rung_resumes_without_running_any_step
     before = _lines(results)
     assert sum(r["kind"] == "candidate" and r["status"] == "ok" and r["rung"] == 1 for r in before) < 8
     if sig == signal.SIGKILL:
-        assert (tmp_path / "cpu.yaml.lock").exists()  # left by the killed sweep
+        assert (tmp_path / "cpu.results.jsonl.lock").exists()  # left by the killed sweep
         with open(results, "ab") as f:  # as if it had died in the middle of a write
             f.write(b'{"kind": "step", "shape": {"ba')
     else:
@@ -398,7 +422,7 @@ def test_a_sweep_killed_or_interrupted_mid_rung_resumes_without_running_any_step
         assert f"kept in {results}" in line[0]
         assert line[0].endswith(f"resume with: mla-tune sweep --gpu cpu --config {config} --out {out}")
         assert "Traceback" not in output
-        assert not (tmp_path / "cpu.yaml.lock").exists()
+        assert not (tmp_path / "cpu.results.jsonl.lock").exists()
         log = (tmp_path / "cpu.worker0.log").read_text()
         assert "KeyboardInterrupt" not in log  # the worker ignored it; the sweep stopped it
         _header, recorded, warnings = read_results(results, kinds=("candidate", "step", "rung"))
@@ -421,7 +445,7 @@ def test_a_sweep_killed_or_interrupted_mid_rung_resumes_without_running_any_step
     assert len(finals) == len(set(finals)) == 8  # each candidate ends exactly once
     assert sum(r["kind"] == "step" for r in lines) == 8  # each passed rung 0 once
     assert set(summary.winners) == {"2x17", "1x33"}
-    assert not (tmp_path / "cpu.yaml.lock").exists()
+    assert not (tmp_path / "cpu.results.jsonl.lock").exists()
 
 
 def test_a_first_call_jit_goes_to_first_s_and_leaves_the_usual_cost_alone():

@@ -177,7 +177,8 @@ class Sweeper:
     def __init__(self, cfg: ServingConfig, plan: SweepPlan, recorder: Recorder, *, timer: Timer | str,
                  device, clock: BudgetClock, log: Callable[[str], None] = print, gate_workers: int | None = None,
                  probe: Probe | str | None = None, pool: TaskPool | None = None,
-                 timeout_s: float = MEASURE_TIMEOUT_S, log_stem: Path | None = None):
+                 timeout_s: float = MEASURE_TIMEOUT_S, log_stem: Path | None = None,
+                 gate_timeout_s: float = GATE_TIMEOUT_S):
         if pool is not None and not (isinstance(timer, str) and (probe is None or isinstance(probe, str))):
             raise ValueError("a sweep that times in worker processes takes its timer and probe by name "
                              "('package.module:function'), not as objects")
@@ -185,6 +186,7 @@ class Sweeper:
         self.timer, self.device, self.clock, self.log = timer, str(device), clock, log
         self.probe = probe  # None: every first-rung candidate is timed in full
         self.pool, self.timeout_s, self.log_stem = pool, timeout_s, log_stem
+        self.gate_timeout_s = gate_timeout_s  # a gate's limit in a gate worker process
         self.gate_workers = cfg.gate_workers if gate_workers is None else gate_workers
         self.passed: dict[FamilyKey, list[Variant]] = {}
         self._cache: dict = {}  # in this process: the cell's input (measure.cell_input)
@@ -203,13 +205,18 @@ class Sweeper:
                 if (key, str(v)) not in self.rec.records.gates:
                     jobs.append(GateJob(spec, str(v), self.cfg.gate, self.cfg.rule, self.device))
         if jobs:
+            where = (f"{self.gate_workers} worker process(es), each gate limited to {self.gate_timeout_s:g} s"
+                     if self.gate_workers else "in this process, without a time limit: gate_workers > 0 "
+                     "gates in killable worker processes")
             self.log(f"gate: {len(jobs)} candidate(s) over {len(keys)} famil{'y' if len(keys) == 1 else 'ies'}"
-                     f" ({self.gate_workers or 'no'} worker process(es))")
+                     f" ({where})")
         done = 0
         stem = None if self.log_stem is None else self.log_stem.with_name(self.log_stem.name + ".gate")
         for job, out in run_gates(jobs, self.gate_workers, stop=self._over_budget, log_stem=stem,
-                                  timeout_s=lambda: self.clock.timeout(GATE_TIMEOUT_S)):
+                                  timeout_s=lambda: self.clock.timeout(self.gate_timeout_s)):
             key = FamilyKey.of(job.spec)
+            if not out["ok"] and out["reason"].startswith("timeout:") and self.clock.past_hard_deadline():
+                continue  # killed by the budget, not its own limit: not recorded, gated on resume
             out = {k: v for k, v in out.items() if k != "poisoned"}
             self.rec.append({"kind": "gate", "family": _family(key), "variant": job.variant, **out})
             done += 1
@@ -222,6 +229,8 @@ class Sweeper:
             self.log(f"gate: {key}: {len(self.passed[key])} of {len(fam.candidates)} candidates pass")
         if done < len(jobs):
             self.stopped = True
+            self.log(f"budget spent after {time.monotonic() - self.started:.0f} s, in the gate: stopping; run "
+                     "the same command again (without --fresh) to resume")
 
     def _over_budget(self) -> bool:
         return self.clock.left() <= 0
@@ -270,6 +279,8 @@ class Sweeper:
             out = measure(job, self._cache, _callable(self.timer), _callable(self.probe))
         else:
             outcome = self.pool.call(Task(MEASURE_TASK, (job,)), self.clock.timeout(self.timeout_s))
+            if outcome.status == "timeout" and self.clock.past_hard_deadline():
+                raise _BudgetSpent  # killed by the budget, not its own limit: not recorded, run on resume
             out = outcome.value if outcome.status == "ok" else {"status": outcome.status, "error": outcome.error}
             if outcome.status != "ok":
                 self.log(f"  {outcome.status}: {variant} at batch {batch}, kv {kv_len}: {outcome.error}")
@@ -436,7 +447,7 @@ class Sweeper:
         except _BudgetSpent:
             self.stopped = True
             self.log(f"budget spent after {time.monotonic() - self.started:.0f} s: stopping; run the "
-                     "same command again to resume")
+                     "same command again (without --fresh) to resume")
         finally:
             self._drop_input()
 
@@ -511,7 +522,7 @@ def run_serving_sweep(config: str | Path | ServingConfig, gpu_name: str, *, out:
                 sweeper = Sweeper(cfg, plan, recorder, timer=timer, device=device,
                                   clock=BudgetClock(budget, started), log=log, gate_workers=gate_workers,
                                   probe=probe, pool=pool, timeout_s=candidate_timeout_s or MEASURE_TIMEOUT_S,
-                                  log_stem=log_stem)
+                                  log_stem=log_stem, gate_timeout_s=candidate_timeout_s or GATE_TIMEOUT_S)
                 sweeper.run()
         finally:
             recorder.close()
@@ -521,7 +532,7 @@ def run_serving_sweep(config: str | Path | ServingConfig, gpu_name: str, *, out:
         summary = {"results": results, "table": None, "stopped": sweeper.stopped, "timed": sweeper.timed,
                    "cells": done, "seconds": round(seconds, 1)}
         if shard == (1, 1):
-            reason = ("not measured: the sweep stopped at its budget; run it again to resume"
+            reason = ("not measured: the sweep stopped at its budget; run it again (without --fresh) to resume"
                       if sweeper.stopped else "not measured")
             write_table(cfg, plan, recorder.records, [recorder.header], out, gpu_name, reason,
                         {"sweep": {"budget_s": budget, "seconds": round(seconds, 1), "stopped": sweeper.stopped}})
@@ -614,7 +625,8 @@ def _spread_over_devices(config: Path, gpu_name: str, out: Path, devices: list[i
         raise
     codes = [proc.exitcode for proc in procs]
     if any(codes):
-        print(f"error: shard exit codes {codes}; run the same command again to resume", file=sys.stderr)
+        print(f"error: shard exit codes {codes}; run the same command again (without --fresh) to resume",
+              file=sys.stderr)
         return 3 if set(codes) <= {0, 3} else 1
     merge(config, gpu_name, [results_path_for(out, (i, n)) for i in range(1, n + 1)], out=out)
     return 0

@@ -57,6 +57,7 @@ class Shared:
     stop: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
     interrupted: bool = False
+    budget_spent: bool = False  # a step ran into the budget's hard deadline: the sweep stopped
 
     def append(self, record: dict) -> None:
         with self.lock:
@@ -199,6 +200,14 @@ class DeviceRunner:
         t0 = time.monotonic()
         result = self._run(step)
         elapsed = time.monotonic() - t0
+        if result is None:  # the budget's hard deadline: the sweep stops here
+            with sh.lock:
+                if not sh.stop.is_set():
+                    sh.progress.print(escape(f"budget: {shape} {text} was still running at the budget's "
+                                             "hard deadline; it is not recorded and the sweep stops"))
+                sh.budget_spent = True
+                sh.stop.set()
+            return
         if sh.stop.is_set():
             return  # interrupted: the kill was ours, not the candidate's
         variant = Variant.parse(result.variant)
@@ -231,7 +240,9 @@ class DeviceRunner:
             if result.status not in ("ok", "pruned"):
                 sh.progress.print(escape(f"{result.status}: {shape} {result.variant}: {result.reason}"))
 
-    def _run(self, step: Step) -> StepResult:
+    def _run(self, step: Step) -> StepResult | None:
+        """The step's result; None where the budget's hard deadline killed it (not its own
+        limit): nothing is recorded, the sweep stops, and a resume runs it."""
         timeout = self.shared.timeout
         if Variant.parse(step.variant).backend != baseline_backend():  # the baseline always runs
             timeout = self.shared.clock.timeout(timeout)
@@ -239,6 +250,8 @@ class DeviceRunner:
             result = self.worker.request(step, timeout)
         except WorkerTimeout:
             self.worker.reap()
+            if timeout < self.shared.timeout and self.shared.clock.past_hard_deadline():
+                return None
             return StepResult(step.variant, "timeout",
                               f"ran past the {timeout:.0f} s limit; its worker was killed")
         except WorkerGone as gone:

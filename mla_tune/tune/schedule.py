@@ -388,6 +388,11 @@ class BudgetClock:
         """A candidate's time limit: its own, cut to what the budget has left."""
         return max(0.5, min(limit_s, self.hard_deadline - time.monotonic()))
 
+    def past_hard_deadline(self) -> bool:
+        """Whether the hard deadline has come: a candidate killed for its time now was cut by
+        the budget, not by its own limit, so it is not recorded (a resume runs it)."""
+        return time.monotonic() >= self.hard_deadline - 0.05
+
     def shape_deadline(self, shape_s: float, remaining_s: float) -> float:
         """This shape's share of the time left, by its part of the work still planned."""
         if math.isinf(self.deadline):

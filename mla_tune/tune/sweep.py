@@ -90,6 +90,7 @@ class SweepSummary:
     estimate_s: float | None = None
     rung_plan: dict[str, list[int]] = field(default_factory=dict)  # shape -> candidates per rung
     compile_drops: dict[str, dict[str, str]] = field(default_factory=dict)  # shape -> variant -> reason
+    stopped: bool = False  # the budget's hard deadline stopped the sweep: run it again to resume
 
 
 @dataclass
@@ -271,20 +272,27 @@ def run_sweep(config_path, gpu: str, out: Path | None = None, dry_run: bool = Fa
         raise SweepError(str(exc)) from None
     if lock.warning:
         console.print(f"[yellow]warning[/]: {escape(lock.warning)}")
+    # the command that resumes this sweep: the same options, less --fresh
+    resume = f"mla-tune sweep --gpu {gpu} --config {config.path}"
+    resume += "" if out == default_out else f" --out {out}"
+    resume += " --force" if force else ""
+    resume += "" if devices == [0] else f" --devices {','.join(map(str, devices))}"
+    resume += "" if budget_s is None else f" --budget {budget_s:g}"
+    resume += "" if candidate_timeout_s is None else f" --candidate-timeout {candidate_timeout_s:g}"
     try:
-        return _sweep(config, gpu, out, results_path, force, devices, fresh, console, timeout,
-                      compile_check is not False)
+        summary = _sweep(config, gpu, out, results_path, force, devices, fresh, console, timeout,
+                         compile_check is not False)
     except KeyboardInterrupt:
-        resume = f"mla-tune sweep --gpu {gpu} --config {config.path}"
-        resume += "" if out == default_out else f" --out {out}"
-        resume += " --force" if force else ""
-        resume += "" if devices == [0] else f" --devices {','.join(map(str, devices))}"
         message = (f"interrupted: the workers are stopped and every finished step is kept in "
                    f"{results_path}; resume with: {resume}")
         console.print(escape(message), soft_wrap=True)
         raise SweepInterrupted(message) from None
     finally:
         lock.release()
+    if summary.stopped:
+        console.print(escape(f"stopped at the budget: every finished step is kept in {results_path}; resume "
+                             f"with: {resume} (a larger --budget times what is left)"), soft_wrap=True)
+    return summary
 
 
 def _refuse_other_gpu_early(gpu: str) -> None:
@@ -497,7 +505,7 @@ def _finish(header: dict, records: list[dict], config: Config, out: Path, result
         counts=counts, timed=counts["ok"] + counts["pruned"], elapsed_s=time.monotonic() - started,
         table_path=table_path, results_path=results_path, winners=winners,
         unavailable=header.get("unavailable", {}), notes=list(header.get("search", {}).get("notes", [])),
-        estimate_s=header.get("search", {}).get("estimate_s"),
+        estimate_s=header.get("search", {}).get("estimate_s"), stopped=shared.budget_spent,
     )
 
 
