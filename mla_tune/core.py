@@ -554,13 +554,19 @@ def tensor_sig(t):
 
 
 def check_serving_layout(qo_indptr, kv, kv_indptr, block_table, seq_lens) -> int:
-    """Shapes and dtypes of the serving call's KV layout, for every kernel family that takes
-    it (never values: that would read the device); returns the page size, 0 for contiguous KV."""
+    """Shapes, dtypes and strides of the serving call's KV layout, for every kernel family
+    that takes it (never values: that would read the device; the kernels read the index
+    tensors element by element, so those must be contiguous); returns the page size, 0 for
+    contiguous KV."""
     import torch
 
     batch = qo_indptr.shape[0] - 1
     if qo_indptr.dim() != 1 or batch < 1 or qo_indptr.dtype != torch.int32:
         raise ValueError(f"qo_indptr must be int32 (batch + 1,), got {qo_indptr.dtype} {tuple(qo_indptr.shape)}")
+    for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("seq_lens", seq_lens)):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (a strided view is read as if it were not): "
+                             f"pass {name}.contiguous()")
     if not kv.is_contiguous() or kv.shape[-1] != QK_DIM:
         raise ValueError(f"kv must be contiguous with last dim {QK_DIM}, got {tuple(kv.shape)}")
     if (block_table is None) == (kv_indptr is None) or (block_table is None) != (seq_lens is None):

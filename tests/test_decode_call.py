@@ -171,7 +171,13 @@ MISMATCHES = {
                         "each brings 1 to 2"),
     "block_table_dtype": (lambda inp, flat: dict(block_table=inp.block_table.long()),
                           "block_table must be an int32"),
-    "seq_lens_rows": (lambda inp, flat: dict(seq_lens=inp.seq_lens[:1]), r"seq_lens must be an int32 \(2,\)"),
+    "seq_lens_rows": (lambda inp, flat: dict(seq_lens=inp.seq_lens[:1]),
+                      r"seq_lens must be a contiguous int32 \(2,\)"),
+    # the same values in a strided view: the kernels would read its gaps as lengths
+    "seq_lens_strided": (lambda inp, flat: dict(seq_lens=inp.seq_lens.repeat_interleave(2)[::2]),
+                         r"seq_lens must be a contiguous int32 \(2,\)"),
+    "qo_indptr_strided": (lambda inp, flat: dict(qo_indptr=inp.qo_indptr.repeat_interleave(2)[::2]),
+                          "qo_indptr must be a contiguous int32"),
     "q_dtype": (lambda inp, flat: dict(q=inp.q.float()), "contiguous bfloat16"),
 }
 
@@ -184,6 +190,20 @@ def test_a_call_that_does_not_match_its_decoder_is_refused_before_launch(name):
     edit, message = MISMATCHES[name]
     with pytest.raises(ValueError, match=message):
         decoder(**{**args, **edit(inp, _fp8(page_size=0))})
+
+
+@pytest.mark.parametrize("backend", OWN)
+def test_the_runners_beneath_refuse_strided_index_tensors(backend):
+    """A runner called directly (no Decoder) reads qo_indptr, kv_indptr and seq_lens element by
+    element: a strided view of the right values is refused, not read through its gaps."""
+    for page_size, field in ((16, "seq_lens"), (0, "kv_indptr"), (16, "qo_indptr")):
+        spec = CallSpec("fp8", page_size, 16, max_q_len=2, mixed_q_len=True)
+        runner = Decoder(spec, backend=backend, device="cpu").runner
+        inp = _fp8(page_size=page_size)
+        args = dict(qo_indptr=inp.qo_indptr, **inp.layout)
+        args[field] = args[field].repeat_interleave(2)[::2]
+        with pytest.raises(ValueError, match=rf"{field} must be contiguous .* pass {field}\.contiguous\(\)"):
+            runner(inp.q, args.pop("qo_indptr"), inp.kv, inp.kv_scale, **args)
 
 
 # ---------------------------------------------------------------- variants and specs

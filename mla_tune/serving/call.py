@@ -263,16 +263,16 @@ class Decoder:
         arguments (a DecodePlan checks these once per step, in update)."""
         spec, dev = self.spec, self.device
         if not (isinstance(qo_indptr, torch.Tensor) and qo_indptr.dim() == 1 and qo_indptr.shape[0] >= 2
-                and qo_indptr.dtype == torch.int32 and qo_indptr.device == dev):
-            self._refuse(f"qo_indptr must be an int32 (batch + 1,) tensor on {dev}, got "
+                and qo_indptr.dtype == torch.int32 and qo_indptr.device == dev and qo_indptr.is_contiguous()):
+            self._refuse(f"qo_indptr must be a contiguous int32 (batch + 1,) tensor on {dev}, got "
                          f"{_tensor_text(qo_indptr)}")
         batch = qo_indptr.shape[0] - 1
         if spec.page_size == 0:
             if kv_indptr is None or block_table is not None or seq_lens is not None:
                 self._refuse("the spec's KV is contiguous: pass kv_indptr, not block_table / seq_lens")
             if not (isinstance(kv_indptr, torch.Tensor) and kv_indptr.shape == (batch + 1,)
-                    and kv_indptr.dtype == torch.int32 and kv_indptr.device == dev):
-                self._refuse(f"kv_indptr must be an int32 ({batch + 1},) tensor on {dev}, got "
+                    and kv_indptr.dtype == torch.int32 and kv_indptr.device == dev and kv_indptr.is_contiguous()):
+                self._refuse(f"kv_indptr must be a contiguous int32 ({batch + 1},) tensor on {dev}, got "
                              f"{_tensor_text(kv_indptr)}")
         else:
             if kv_indptr is not None or block_table is None or seq_lens is None:
@@ -284,8 +284,8 @@ class Decoder:
                 self._refuse(f"block_table must be an int32 ({batch}, max_pages) tensor on {dev} "
                              f"with contiguous rows, got {_tensor_text(block_table)}")
             if not (isinstance(seq_lens, torch.Tensor) and seq_lens.shape == (batch,)
-                    and seq_lens.dtype == torch.int32 and seq_lens.device == dev):
-                self._refuse(f"seq_lens must be an int32 ({batch},) tensor on {dev}, got "
+                    and seq_lens.dtype == torch.int32 and seq_lens.device == dev and seq_lens.is_contiguous()):
+                self._refuse(f"seq_lens must be a contiguous int32 ({batch},) tensor on {dev}, got "
                              f"{_tensor_text(seq_lens)}")
         if spec.host_lengths and not (
                 isinstance(q_lens_host, Sequence) and isinstance(kv_lens_host, Sequence)
