@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import Enum
@@ -438,6 +439,11 @@ def diff(
         kinds = {table_kind(old), table_kind(new)} - {None}  # None: unreadable, its loader says why
         if len(kinds) == 2:
             which = {p: table_kind(p) for p in (old, new)}
+            from mla_tune.serving.table import load_serving_table
+            from mla_tune.tables.table import load_table
+
+            for path, kind in which.items():  # a file that is not a table of its kind: its own error
+                (load_serving_table if kind == "serving" else load_table)(path, check_params=False)
             raise MlaTuneError(f"cannot diff {old} (a {which[old]} table) against {new} (a {which[new]} "
                                "table); diff two leaderboard tables (GPU.yaml) or two serving tables "
                                "(GPU.serving.yaml)")
@@ -552,10 +558,26 @@ def verify(
     if repick_graph is not None and not rescore:
         raise _usage_error("--repick-graph chooses on recorded reports: give them with --rescore")
     if repick_graph is not None:
+        ignored = [flag for flag, given in (("--json", json_path is not None), ("--max-p95", max_p95 is not None),
+                                           ("--max-regret", max_regret is not None)) if given]
+        if ignored:
+            raise _usage_error(f"--repick-graph writes a table and judges nothing: drop {', '.join(ignored)} "
+                               "(judge the written table with a second verify --rescore)")
+        target = Path(repick_graph)
+        if target.exists() and target.resolve() == Path(table).resolve():
+            raise _usage_error(f"--repick-graph {repick_graph} is the table it re-chooses from: write a new "
+                               "file, and review it beside the old one (mla-tune diff)")
         with _domain_errors():
             from mla_tune.serving.repick import repick_graph as run_repick
             from mla_tune.serving.table import load_serving_table, write_serving_table
+            from mla_tune.tables.table import TableError
 
+            if target.exists():
+                try:
+                    load_serving_table(target)
+                except TableError:
+                    raise MlaTuneError(f"{repick_graph} exists and is not a serving table: give a new path "
+                                       "(--repick-graph overwrites only a serving table)") from None
             chosen = load_serving_table(table)
             typer.echo(f"graph picks of {table}, re-chosen on the recorded shapes of {len(rescore)} --rescore "
                        "path(s):")
@@ -575,6 +597,12 @@ def verify(
             raise typer.Exit(out["exit_code"])
         return
     with _domain_errors():
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise MlaTuneError("verify times the picks on a CUDA GPU, and torch sees none here: run it on "
+                                   "the table's GPU, or score recorded runs without one (--rescore REPORTS)")
         from mla_tune.serving.verify import run_verify
 
         report = run_verify(table, config=config, shapes=shapes, ragged=ragged, seed=seed, samples=samples,

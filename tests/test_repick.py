@@ -115,3 +115,12 @@ def test_the_command_writes_the_table_and_leaves_the_input_alone(tmp_path):
     assert load_serving_table(out).families[KEY].graph[4].variant == Variant.parse(BETTER)
     refused = invoke("verify", "--table", source, "--repick-graph", out)
     assert refused.exit_code != 0 and "--rescore" in refused.output
+    # never over its own input, a file that is not a serving table, or with options it would ignore
+    text = tmp_path / "notes.txt"
+    text.write_text("mine")
+    for target, extra, says in [(source, [], "is the table it re-chooses from"),
+                                (text, [], "exists and is not a serving table"),
+                                (out, ["--json", tmp_path / "v.json"], "drop --json")]:
+        refused = invoke("verify", "--table", source, "--rescore", report, "--repick-graph", target, *extra)
+        assert refused.exit_code in (1, 2) and says in refused.output, refused.output
+    assert source.read_bytes() == before and text.read_text() == "mine"

@@ -103,6 +103,10 @@ def test_a_written_table_loads_back_equal(tmp_path):
     (lambda d: d["families"][0]["cells"][0].update(time_us=-1), "time_us"),
     (lambda d: d["families"][0]["cells"][0].update(variant="nosuch(kv=fp8,q=bf16)"), "unknown backend"),
     (lambda d: d["families"][0]["cells"][0].update(variant=str(_v(8, kv="bf16"))), "family's KV format"),
+    (lambda d: d["families"][0]["cells"][0].update(runner_up={"variant": str(_v(8)), "time_us": "12.5"}),
+     "runner_up: time_us must be a finite number"),  # a hand edit: show sorted it and raised
+    (lambda d: d["families"][0]["cells"][0].update(runner_up={"variant": "nosuch(kv=fp8,q=bf16)", "time_us": 1.0}),
+     "runner_up.variant names unknown backend 'nosuch'"),
     (lambda d: d["families"][0]["graph"][0].update(worst_kv_len=7), "worst_kv_len"),
     (lambda d: d["families"][0]["left_out"][0].update(reason=""), "must say why"),
     (lambda d: d["families"].append(copy.deepcopy(d["families"][0])), "a second family"),

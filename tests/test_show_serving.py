@@ -208,6 +208,10 @@ def test_diff_of_a_table_with_itself_changes_nothing_and_with_a_leaderboard_is_o
         assert "a leaderboard table" in result.output and "a serving table" in result.output
     result = invoke("diff", serving, tmp_path / "gone.serving.yaml")  # unreadable: its loader says why
     assert result.exit_code == 1 and "gone.serving.yaml does not exist" in result.output
+    empty = tmp_path / "empty.yaml"  # no schema line, so not a serving table: but not a table at all
+    empty.write_text("")
+    result = invoke("diff", empty, serving)
+    assert result.exit_code == 1 and "empty.yaml: the top level must be a mapping" in result.output, result.output
 
 
 def test_the_committed_serving_table_shows_in_80_columns_through_a_pipe():

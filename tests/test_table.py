@@ -199,6 +199,7 @@ ROW1, ROW2 = r"row 1 \(batch 1, kv_len 8\)", r"row 2 \(batch 2, kv_len 40\)"
     ("edit", "message"),
     [
         (lambda d: d.update(schema=2), r"schema is 2, this mla-tune reads schema 1"),
+        (lambda d: d.update(schema="serving/6"), r"a serving table \(serving/6\), not a leaderboard table"),
         (lambda d: d.pop("gpu"), r"field `gpu`"),
         (lambda d: d["provenance"].pop("date"), r"provenance\.date"),
         (lambda d: d["rows"][1]["winner"].update(variant="warp(kv=fp8,q=bf16)", backend="warp"),

@@ -200,6 +200,10 @@ def test_cli_help_bad_table_and_a_run_writing_json(tiny, tmp_path, monkeypatch):
     result = _invoke("verify", "--help")
     assert result.exit_code == 0 and "Re-time a serving table's picks" in " ".join(result.output.split())
     assert _invoke("verify", "--table", tmp_path / "x.yaml", "--max-p95", "5").exit_code == 2  # a fraction
+    monkeypatch.delenv("TRITON_INTERPRET")  # no GPU and no interpreter: verify cannot time here
+    result = _invoke("verify", "--table", table_path := tiny[1])
+    assert result.exit_code == 1 and "torch sees none here" in result.output and "--rescore" in result.output
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     result = _invoke("verify", "--table", tmp_path / "nope.serving.yaml")
     assert result.exit_code == 1
     lines = result.output.strip().splitlines()

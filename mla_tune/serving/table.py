@@ -421,8 +421,11 @@ def _family(path: Path, index: int, raw: Any, batch_buckets: list[int], kv_bucke
         variant = check_variant_field(at, "variant", {"variant": entry.get("variant")}, known, check_params)
         _match_family(at, variant, family.key)
         runner_up = entry.get("runner_up")
-        if runner_up is not None and not isinstance(runner_up, dict):
-            raise TableError(f"{at}: runner_up must be a mapping or absent")
+        if runner_up is not None:
+            if not (isinstance(runner_up, dict) and set(runner_up) == {"variant", "time_us"}):
+                raise TableError(f"{at}: runner_up must be a mapping of variant and time_us, or absent")
+            check_variant_field(at, "runner_up", runner_up, known, check_params)
+            _number(f"{at}, runner_up", "time_us", runner_up["time_us"])
         family.cells[(batch, kv_len)] = Cell(batch, kv_len, variant,
                                              _number(at, "time_us", entry.get("time_us")), runner_up)
     for i, entry in enumerate(_entries(where, raw, "graph")):

@@ -519,6 +519,10 @@ def load_table(path: str | Path, check_params: bool = True) -> Table:
     where = _where(path)
     if not isinstance(data, dict):
         raise TableError(f"{where}: the top level must be a mapping with schema, gpu, provenance, rows")
+    if isinstance(data.get("schema"), str) and data["schema"].startswith("serving/"):
+        raise TableError(f"{where}: a serving table ({data['schema']}), not a leaderboard table (per-shape "
+                         "winners): the leaderboard runtime, export and report take tables/NAME.yaml; a "
+                         "DecodePlan runs a serving table, and show, diff and verify read one")
     if data.get("schema") != SCHEMA_VERSION:
         raise TableError(f"{where}: schema is {data.get('schema')!r:.40}, this mla-tune reads schema "
                          f"{SCHEMA_VERSION}; regenerate it with `mla-tune sweep`")
