@@ -114,6 +114,11 @@ def test_a_folder_names_its_reports_in_order_and_bad_reports_are_named(reports, 
     (tmp_path / "empty").mkdir()
     with pytest.raises(VerifyError, match="a folder with no verify reports"):
         rs.report_paths([tmp_path / "empty"])
+    # a --json that cannot be written is refused before any work (verify's too: check_json_path)
+    (tmp_path / "file").write_text("")
+    for bad, says in ((tmp_path / "empty", "is a folder"), (tmp_path / "file" / "r.json", "cannot write into")):
+        with pytest.raises(VerifyError, match=says):
+            rs.rescore(_table(A), reports, json_path=bad, log=pytest.fail)
 
 
 def test_unrunnable_backends_are_scored_by_the_stand_ins_a_plan_runs(reports):

@@ -62,6 +62,7 @@ from mla_tune.serving.table import FamilyKey, ServingTable, load_serving_table
 from mla_tune.serving.verify import (
     VERIFY_SCHEMA,
     VerifyError,
+    check_json_path,
     emit,
     pct_text,
     regret_stats,
@@ -155,6 +156,7 @@ def rescore(table: str | Path | ServingTable, reports: list[str | Path], *, max_
     `unrunnable`: backends to score the table without (rescore_shape)."""
     if judge not in ("eager", "graph", "both"):
         raise VerifyError(f"--judge must be eager, graph or both, got {judge!r}")
+    check_json_path(json_path)
     if not reports:
         raise VerifyError("--rescore needs at least one verify report (mla-tune verify --json PATH)")
     unknown = sorted(set(unrunnable) - set(known_backends()))

@@ -60,6 +60,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
+import os
 import random
 import statistics
 import time
@@ -447,6 +448,7 @@ def run_verify(table: str | Path | ServingTable, *, config: str | Path | Serving
     writes) with report["exit_code"]: 0 passed or not judged, 1 failed, 3 stopped by the
     budget."""
     started = time.monotonic()
+    check_json_path(json_path)
     if shapes < 0 or ragged < 0 or shapes + ragged == 0:
         raise VerifyError(f"--shapes and --ragged must be >= 0 and not both 0, got {shapes} and {ragged}")
     if samples < 1:
@@ -509,6 +511,23 @@ def run_verify(table: str | Path | ServingTable, *, config: str | Path | Serving
     }
     report["exit_code"] = 1 if verdict["failed"] else 3 if stopped else 0
     return emit(report, report_lines(report), json_path, log)
+
+
+def check_json_path(json_path: str | Path | None) -> None:
+    """Refuse, before any work, a --json path that cannot be written: a folder, or a file whose
+    nearest existing folder is not a writable folder (the write makes the folders below it);
+    else the report would be lost after the run."""
+    if json_path is None:
+        return
+    path = Path(json_path).absolute()
+    if path.is_dir():
+        raise VerifyError(f"--json {json_path} is a folder: give a file path, e.g. {path / 'verify.json'}")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise VerifyError(f"--json {json_path}: cannot write into {folder} (not a writable folder); "
+                          "give a path in a writable folder")
 
 
 def emit(report: dict, lines: list[str], json_path: str | Path | None, log: Callable[[str], None]) -> dict:
