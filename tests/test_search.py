@@ -165,7 +165,7 @@ def budget_sweep(tmp_path_factory):
 
 
 def test_a_sweep_over_its_budget_cuts_candidates_and_ends_within_budget_plus_10_percent(budget_sweep):
-    summary, wall_s, _text = budget_sweep
+    summary, wall_s, text = budget_sweep
     budget = load_config(DATA / "sweep_search_budget.yaml").budget_s
     assert wall_s <= 1.1 * budget, f"the sweep took {wall_s:.1f} s against a budget of {budget} s"
     lines = [json.loads(x) for x in summary.results_path.read_text().splitlines()[1:]]
@@ -177,8 +177,12 @@ def test_a_sweep_over_its_budget_cuts_candidates_and_ends_within_budget_plus_10_
     assert set(summary.winners) == {"1x17", "2x17"}  # every shape still has a winner
     assert {r["backend"] for r in finals if r["status"] == "ok"} >= {"torch"}
     table = __import__("yaml").safe_load(summary.table_path.read_text())
+    skipped = {(d["shape"]["batch"], d["shape"]["kv_len"]): len(d["skipped"]) for d in decisions if d["rung"] == 0}
     for row in table["rows"]:
         assert row["candidates"]["rung0"] >= row["candidates"]["rung1"] >= 1
+        # what the clock left untimed at rung 0 is counted, and said (a resume does not run it)
+        assert row["candidates"].get("skipped", 0) == skipped.get((row["batch"], row["kv_len"]), 0)
+    assert ("skipped at rung 0 to fit the budget" in " ".join(text.split())) == (sum(skipped.values()) > 0)
 
 
 def test_without_a_terminal_the_sweep_prints_a_plain_line_per_shape_and_rung(budget_sweep):

@@ -15,8 +15,8 @@ whole validate() (which adds the rules over several parameters: the fused family
 combinations, a Gluon tile's shared memory, AITER's kernel pairs) runs too unless
 `check_params=False` (show, diff), and only then are the backend modules imported.
 A row's `candidates` counts {tried, ok, rejected, failed, crashed, timeout, pruned} and, from
-a search with rungs, rung0, rung1, ... (candidates timed at each rung) and dropped (cut by
-the budget before running).
+a search with rungs, rung0, rung1, ... (candidates timed at each rung), dropped (cut by
+the budget before running) and skipped (left untimed at rung 0 by the running clock).
 
 A prior (`provenance.kind: prior`, e.g. configs/priors/MI355X.yaml) is a table of choices made
 without measuring, for a GPU nobody has swept yet: every row has a winner, no `time_us`, and a

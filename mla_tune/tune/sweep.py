@@ -496,7 +496,13 @@ def _finish(header: dict, records: list[dict], config: Config, out: Path, result
             started: float, shared: Shared, console: Console) -> SweepSummary:
     finals = [r for r in records if r.get("kind", "candidate") == "candidate"]
     winners = summarize(finals, console)
-    table_path = _write_table(header, finals, config, out, console)
+    skipped = _skipped_at_rung0(records)
+    if skipped:
+        console.print(escape(f"budget: {sum(skipped.values())} candidate(s) of {len(skipped)} shape(s) were "
+                             "skipped at rung 0 to fit the budget and never timed (the table counts them, "
+                             "candidates.skipped); a resume does not run them: sweep again with --fresh "
+                             "and a larger budget to time them"), soft_wrap=True)
+    table_path = _write_table(header, finals, config, out, console, skipped)
     counts = dict.fromkeys(STATUSES, 0)
     for r in shared.records:
         if r.get("kind") == "candidate":
@@ -540,10 +546,24 @@ def _precompile(config: Config, fitted: FittedPlan, old_records: list[dict], dev
         console.print(escape(f"  e.g. {where}: {error[:300]}"))
 
 
-def _write_table(header: dict, records: list[dict], config: Config, out: Path, console: Console):
+def _skipped_at_rung0(records: list[dict]) -> dict[str, int]:
+    """"BxK" -> candidates the running clock skipped at rung 0 (each shape's last rung-0 decision)."""
+    last = {}
+    for r in records:
+        if r.get("kind") == "rung" and r.get("rung") == 0:
+            last[f"{r['shape']['batch']}x{r['shape']['kv_len']}"] = len(r.get("skipped") or [])
+    return {shape: n for shape, n in last.items() if n}
+
+
+def _write_table(header: dict, records: list[dict], config: Config, out: Path, console: Console,
+                 skipped: dict[str, int] | None = None):
     from mla_tune.tables import table as table_module  # written alongside; imported when needed
 
     table = table_module.table_from_results(header, records, config)
+    for row in table["rows"]:
+        n = (skipped or {}).get(f"{row['batch']}x{row['kv_len']}")
+        if n:
+            row["candidates"]["skipped"] = n
     table_module.write_table(out, table)
     console.print(escape(f"table written: {out}"))
     return out
