@@ -247,6 +247,9 @@ def write_report(table_path: str | Path, out_dir: str | Path,
     Without results_path, the results file next to the table is used if it exists."""
     table_path, out_dir = Path(table_path), Path(out_dir)
     table = load_table(table_path, check_params=False)
+    if table.is_prior:
+        raise ReportError(f"{table_path} is a prior (choices made without measuring): it has no times to "
+                          "report; `mla-tune show` lists its choices, and a sweep on the GPU measures them")
     _pyplot()  # fail before writing anything when matplotlib is missing
     given = results_path is not None
     results_path = Path(results_path) if given else results_path_for(table_path)

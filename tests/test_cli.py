@@ -223,6 +223,11 @@ def test_sweep_passes_its_options_through(monkeypatch, tmp_path):
             assert "--devices must be distinct GPU indices" in output, output
 
 
+def test_a_dry_run_for_a_gpu_nobody_knows_says_so():
+    output = _output("sweep", "--gpu", "H201", "--dry-run")
+    assert "warning: H201 is neither this machine's GPU nor one mla-tune knows" in " ".join(output.split())
+
+
 def test_a_serving_config_with_families_misspelt_is_named_by_the_serving_configs_message(tmp_path):
     raw = yaml.safe_load((REPO / "configs" / "serving.yaml").read_text())
     raw["familes"] = raw.pop("families")

@@ -68,6 +68,10 @@ def test_a_results_record_without_a_shape_is_one_line_naming_it(tmp_path):
     results.write_text("\n".join(json.dumps(r) for r in ({"kind": "header"}, good, no_backend)) + "\n")
     with pytest.raises(ReportError, match=r"candidate record 2: missing or malformed 'backend'"):
         read_candidates(results)
+    # a prior has no times: refused by name, nothing written
+    with pytest.raises(ReportError, match="is a prior .* it has no times to report"):
+        write_report(REPO / "configs" / "priors" / "MI355X.yaml", tmp_path / "report")
+    assert not (tmp_path / "report").exists()
 
 
 def test_write_report_draws_the_plots_and_links_them(tmp_path):

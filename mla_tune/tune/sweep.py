@@ -217,6 +217,10 @@ def _dry_run(config: Config, gpu: str, out: Path, results_path: Path, console: C
         else probe_platform(devices[0])
     absent = found.name != gpu
     platform = gpu_mod.fake_platform(gpu) if absent else found
+    if absent and gpu not in gpu_mod.KNOWN_GPUS:
+        console.print(escape(f"warning: {gpu} is neither this machine's GPU nor one mla-tune knows "
+                             f"({', '.join(gpu_mod.KNOWN_GPUS)}): the plan assumes an unknown CUDA GPU of "
+                             f"{platform.sm_count} SMs; check the name, or plan on the GPU itself"), soft_wrap=True)
     planned = plan_candidates(config, platform, planning_only=absent)
     if check:
         compile_check(planned, gpu, console)
