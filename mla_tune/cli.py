@@ -89,6 +89,12 @@ def _table_path(gpu: str | None, table: Path | None) -> Path:
     return path
 
 
+def _same_gpu(table: Path, tuned: str, gpu: str) -> None:
+    """--gpu and --table both given: the table must be the GPU's."""
+    if tuned != gpu:
+        raise MlaTuneError(f"table {table} is for {tuned}, not {gpu}; pass the right --table or --gpu")
+
+
 def _prior_for_show(gpu: str | None, table: Path | None) -> Path | None:
     """For `show --gpu NAME` with no table for NAME but a prior (configs/priors/NAME.yaml, what
     `mla-tune export --gpu NAME` writes before any sweep): the prior's path, said on stderr."""
@@ -380,12 +386,25 @@ def show(
             path = locate.table_path(gpu, serving=True)
         else:
             path = _prior_for_show(gpu, table) or _table_path(gpu, table)
-        if table_kind(path) == "serving":
+        kind = table_kind(path)
+        if serving and kind != "serving":
+            raise _usage_error(f"--serving shows a serving table, and {path} is not one: give the serving "
+                               "table's path with --table, or --gpu NAME --serving")
+        if times and kind != "serving":
+            raise _usage_error("--times shows a serving table's measured times; a leaderboard table's are "
+                               "in its rows already")
+        if kind == "serving":
+            if gpu and table is not None:
+                from mla_tune.serving.table import load_serving_table
+
+                _same_gpu(table, load_serving_table(path, check_params=False).gpu, gpu)
             _show_serving(path, as_json, times)
             return
         from mla_tune.tables.table import load_table
 
         loaded = load_table(path, check_params=False)
+        if gpu and table is not None:
+            _same_gpu(table, loaded.gpu, gpu)
     if as_json:
         _print_json({"path": str(path), **loaded.as_dict()})
         return

@@ -208,6 +208,13 @@ def test_diff_of_a_table_with_itself_changes_nothing_and_with_a_leaderboard_is_o
         assert "a leaderboard table" in result.output and "a serving table" in result.output
     result = invoke("diff", serving, tmp_path / "gone.serving.yaml")  # unreadable: its loader says why
     assert result.exit_code == 1 and "gone.serving.yaml does not exist" in result.output
+    # show's options that would be ignored, or disagree, are refused
+    for args, code, says in [(("--gpu", "MI355X", "--table", serving), 1, "is for H200, not MI355X"),
+                             (("--gpu", "MI355X", "--table", LEADERBOARD), 1, "not MI355X"),
+                             (("--table", LEADERBOARD, "--serving"), 2, "is not one"),
+                             (("--table", LEADERBOARD, "--times"), 2, "--times shows a serving table's")]:
+        result = invoke("show", *args)
+        assert result.exit_code == code and says in result.output, (args, result.output)
     empty = tmp_path / "empty.yaml"  # no schema line, so not a serving table: but not a table at all
     empty.write_text("")
     result = invoke("diff", empty, serving)
