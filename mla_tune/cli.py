@@ -394,11 +394,7 @@ def show(
             raise _usage_error("--times shows a serving table's measured times; a leaderboard table's are "
                                "in its rows already")
         if kind == "serving":
-            if gpu and table is not None:
-                from mla_tune.serving.table import load_serving_table
-
-                _same_gpu(table, load_serving_table(path, check_params=False).gpu, gpu)
-            _show_serving(path, as_json, times)
+            _show_serving(path, as_json, times, gpu if table is not None else None)
             return
         from mla_tune.tables.table import load_table
 
@@ -419,12 +415,15 @@ def show(
             typer.echo(line)
 
 
-def _show_serving(path: Path, as_json: bool, times: bool) -> None:
+def _show_serving(path: Path, as_json: bool, times: bool, gpu: str | None = None) -> None:
+    """Show the serving table at `path`; `gpu` (--gpu beside --table): the table must be its."""
     from mla_tune.serving.render import show_lines, show_view
     from mla_tune.serving.table import load_serving_table
     from mla_tune.tables.render import line_width
 
     loaded = load_serving_table(path, check_params=False)
+    if gpu:
+        _same_gpu(path, loaded.gpu, gpu)
     if as_json:
         _print_json(show_view(loaded, path))
         return

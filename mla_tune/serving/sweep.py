@@ -99,7 +99,7 @@ from mla_tune.tune import search as halving
 from mla_tune.tune import timing
 from mla_tune.tune.pool import TaskPool
 from mla_tune.tune.progress import eta_s
-from mla_tune.tune.results import SweepLock, move_aside
+from mla_tune.tune.results import SweepLock, move_aside, results_lock_path
 from mla_tune.tune.schedule import BudgetClock
 from mla_tune.tune.worker import Task, resolve
 
@@ -228,9 +228,7 @@ class Sweeper:
                                 if self.rec.records.gates.get((key, str(v)), {}).get("ok")]
             self.log(f"gate: {key}: {len(self.passed[key])} of {len(fam.candidates)} candidates pass")
         if done < len(jobs):
-            self.stopped = True
-            self.log(f"budget spent after {time.monotonic() - self.started:.0f} s, in the gate: stopping; run "
-                     "the same command again (without --fresh) to resume")
+            raise _BudgetSpent  # run() stops and says how to resume
 
     def _over_budget(self) -> bool:
         return self.clock.left() <= 0
@@ -506,7 +504,7 @@ def run_serving_sweep(config: str | Path | ServingConfig, gpu_name: str, *, out:
     budget = budget_s if budget_s is not None else cfg.budget_s
     started = time.monotonic()
     plan = plan_sweep(cfg, platform, shard)
-    with SweepLock(results.with_name(results.name + ".lock")) as lock:
+    with SweepLock(results_lock_path(results)) as lock:
         if lock.warning:
             log(f"warning: {lock.warning}")
         if fresh and results.exists():

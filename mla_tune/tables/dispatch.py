@@ -202,9 +202,9 @@ class Dispatcher:
                 f"q must be a (batch, 16, 576) tensor, got {getattr(q, 'shape', type(q).__name__)}")
         batch = int(q.shape[0])
         ragged = False
+        probe = next((f for f in KV_FORMATS if f in kv_data), None) if isinstance(kv_data, dict) else None
         if check_indptr:
             require(isinstance(kv_data, dict) and kv_data, "kv_data must be a non-empty dict")
-            probe = next((f for f in KV_FORMATS if f in kv_data), None)
             require(probe is not None, f"kv_data holds none of the KV formats {KV_FORMATS}")
             check_decode_inputs(q, kv_data, qo_indptr, kv_indptr, probe)
             lengths = check_indptr_values(qo_indptr, kv_indptr, _dp_kv_rows(kv_data, probe))
@@ -218,7 +218,6 @@ class Dispatcher:
                     f"got {kv_len!r}")
             # kv_len is trusted here: a KV total it does not explain is named before the
             # lookup (which would call it a shape the table lacks)
-            probe = next((f for f in KV_FORMATS if f in kv_data), None) if isinstance(kv_data, dict) else None
             if probe is not None:
                 check_decode_inputs(q, kv_data, qo_indptr, kv_indptr, probe)
                 total = _dp_kv_rows(kv_data, probe)

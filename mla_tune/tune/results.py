@@ -36,9 +36,13 @@ def results_path_for(table_path: Path) -> Path:
 
 
 def lock_path_for(table_path: Path) -> Path:
-    """The results file's lock: tables/H200.yaml (or tables/H200) -> tables/H200.results.jsonl.lock,
-    so two names of one results file take one lock."""
-    results = results_path_for(table_path)
+    """The lock of the table's results file (results_lock_path): tables/H200.yaml (or
+    tables/H200) -> tables/H200.results.jsonl.lock, so two names of one file take one lock."""
+    return results_lock_path(results_path_for(table_path))
+
+
+def results_lock_path(results: Path) -> Path:
+    """A results file's lock (either sweep's): its path plus .lock."""
     return results.with_name(results.name + ".lock")
 
 
