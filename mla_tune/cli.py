@@ -186,6 +186,9 @@ def sweep(
     --shard i/n sweeps one shard and --merge builds the table from the shards' results."""
     if candidate_timeout is not None and not candidate_timeout > 0:
         raise _usage_error(f"--candidate-timeout must be a positive number of seconds, got {candidate_timeout}")
+    if dry_run and (fresh or candidate_timeout is not None):
+        raise _usage_error("--dry-run prints the plan and runs nothing: --fresh and --candidate-timeout apply "
+                           "to a sweep that runs; drop them, or drop --dry-run")
     # passed only when given, so run_sweep's own defaults (the config's limits) apply otherwise
     timeout = {} if candidate_timeout is None else {"candidate_timeout_s": candidate_timeout}
     if budget is not None and not budget > 0:
@@ -265,6 +268,11 @@ def compile_(
     binary does not compile or a candidate's launches could not be captured."""
     if jobs is not None and jobs < 1:
         raise _usage_error(f"--jobs must be a positive number of processes, got {jobs}")
+    if as_json and as_markdown:
+        raise _usage_error("--json and --markdown are two views of one report: pass one")
+    if users and (as_json or as_markdown):
+        raise _usage_error("--users lists each binary's candidates in the text view (--json holds them "
+                           "already; --markdown has no such list): drop --users, or --json/--markdown")
     if config is None:
         from mla_tune.gpu import default_config
 

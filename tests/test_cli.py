@@ -245,6 +245,18 @@ def test_a_serving_config_with_families_misspelt_is_named_by_the_serving_configs
 def test_sweep_dry_run_plans_either_kind_of_config_or_names_a_missing_one(config, code, says):
     output = _output("sweep", "--gpu", "H200", "--config", config, "--dry-run", code=code)
     assert all(word in output for word in says) and "Traceback" not in output
+    assert code or max(map(len, output.splitlines())) <= 80  # a plan wraps (an error is one line)
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["sweep", "--gpu", "H200", "--dry-run", "--fresh"], "--fresh and --candidate-timeout apply to a sweep"),
+    (["sweep", "--gpu", "H200", "--dry-run", "--candidate-timeout", "5"], "drop them, or drop --dry-run"),
+    (["compile", "--gpu", "H200", "--json", "--markdown"], "two views of one report: pass one"),
+    (["compile", "--gpu", "H200", "--markdown", "--users"], "drop --users"),
+], ids=["dry-run-fresh", "dry-run-timeout", "json-markdown", "markdown-users"])
+def test_an_option_the_command_would_ignore_is_refused(args, says):
+    output = _output(*args, code=2)
+    assert says in " ".join(output.split()), output
 
 
 def test_diff_flags_winner_changes_and_times_outside_the_noise(tmp_path):

@@ -146,10 +146,15 @@ def test_a_shape_recorded_twice_is_summarized_across_its_recordings(reports, tmp
     rep = rs.rescore(_table(A), [reports[0], again], log=lines.append)["repeats"]
     assert (rep["shapes"], rep["recordings"], rep["same_best"]) == (2, [2], 1)  # #1's best: C, then A
     assert [(s["reports"], s["index"], s["regrets"]) for s in rep["steady"]] == [
-        (["v1.json", "v3.json"], 0, [pytest.approx(0.10), pytest.approx(0.05)])]  # #1: 4%, then 0%
-    assert any(line.startswith("2 shapes recorded 2 times each: the same best in every recording at 1; "
-                               "eager regret over 1% in every recording at 1") for line in lines)
-    assert any("v1.json #0" in line and "10.0% / 5.0%" in line for line in lines)
+        ([str(reports[0]), str(again)], 0, [pytest.approx(0.10), pytest.approx(0.05)])]  # #1: 4%, then 0%
+    text = " ".join(line.strip() for line in lines)  # its lines wrapped at 80 columns
+    assert ("2 shapes recorded 2 times each: the same best in every recording at 1; "
+            "eager regret over 1% in every recording at 1") in text
+    assert "  R1  v1.json" in "\n".join(lines) and "  R2  v3.json" in "\n".join(lines)
+    assert any(line.startswith("  R1  #0   ") and "10.0% / 5.0%" in line for line in lines)
+    assert max(map(len, lines)) <= 80  # in a pipe: 80 columns
+    with pytest.raises(VerifyError, match="given twice"):  # a file and its folder: one report, not two recordings
+        rs.rescore(_table(A), [reports[0], tmp_path], log=lambda _: None)
 
 
 def test_the_points_agreement_compares_relative_times_just_below_a_point_and_between_recordings(tmp_path):
@@ -176,5 +181,6 @@ def test_the_points_agreement_compares_relative_times_just_below_a_point_and_bet
     assert agree["recorded_again"]["pairs"] == len(again_pairs)
     assert agree["recorded_again"]["median"] == pytest.approx(again_pairs[4])
     assert agree["recorded_again"]["p90"] == pytest.approx(again_pairs[-1])
-    assert any(line.startswith("relative times, the table's points against the final rounds at 2 uniform shapes "
-                               "within 2% below a point: median") for line in lines)
+    text = " ".join(line.strip() for line in lines)  # its lines wrapped at 80 columns
+    assert ("relative times, the table's points against the final rounds at 2 uniform shapes "
+            "within 2% below a point: median") in text

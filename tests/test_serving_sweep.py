@@ -358,7 +358,8 @@ def test_the_committed_config_plans_tier_1_within_21_gpu_minutes_and_dry_runs_fr
     assert len(cfg.families) == 12 and cfg.budget_s <= 600
     est = sw.dry_run(cfg, "H200")
     out = capsys.readouterr().out
-    assert est["total"] <= 21 * 60 and "left out batch 256: kv 8192" in out  # 1242 s, the edge 219 of them
+    assert est["total"] <= 21 * 60 and "left out batch 192, 224, 256: kv 8192, 16384" in out  # 1242 s, edge 219
+    assert max(map(len, out.splitlines())) <= 80  # wrapped to a pipe's 80 columns
     plan = plan_sweep(cfg, fake_platform("H200"), check_available=False)
     # every family gets every backend, and a choice of split rules and head tiles
     backends = {"triton", "triton_fused", "flashmla", "flashinfer", "gluon_fused"}
@@ -377,6 +378,8 @@ def test_the_committed_config_plans_tier_1_within_21_gpu_minutes_and_dry_runs_fr
     assert "--shard must be i/n" in capsys.readouterr().err
     assert sw.sweep_from_cli("configs/serving.yaml", "H200", shard="1/2", devices=[0, 1]) == 1
     assert "not both" in capsys.readouterr().err
+    assert sw.sweep_from_cli("configs/serving.yaml", "H200", dry_run=True, budget=60, devices=[0, 1]) == 1
+    assert "--budget, --devices" in capsys.readouterr().err  # a dry run would ignore them
     with pytest.raises(ValueError):
         parse_shard("0/2")
     assert is_serving_config("configs/serving.yaml") and not is_serving_config("configs/leaderboard.yaml")

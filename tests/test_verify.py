@@ -215,6 +215,7 @@ def test_cli_help_bad_table_and_a_run_writing_json(tiny, tmp_path, monkeypatch):
                      "--max-p95", "0.2", "--max-regret", "0.2", "--json", out)
     assert result.exit_code == 0, result.output
     assert "PASS" in result.output and "eager pick" in result.output and "elapsed" in result.output
+    assert max(map(len, result.output.splitlines())) <= 100  # fitted to the COLUMNS given
     assert len(json.loads(out.read_text())["shapes"]) == 2
     result = _invoke("verify", "--table", table_path, "--shapes", 1, "--ragged", 0, "--samples", 1,
                      "--max-regret", "0.05")

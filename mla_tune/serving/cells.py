@@ -259,8 +259,15 @@ def edge_batch(batch_buckets, batch: int) -> int | None:
 
 
 def left_out_summary(fam: FamilyPlan) -> list[str]:
-    """One line per batch bucket with cells left out: 'batch 64: kv 32768, 65536'."""
+    """The family's left-out cells, one entry per run of batch buckets that leave out the same
+    kv buckets: 'batch 48, 56, 64, 80: kv 32768, 65536'."""
     by_batch: dict[int, list[int]] = {}
     for c in fam.left_out:
         by_batch.setdefault(c["batch"], []).append(c["kv_len"])
-    return [f"batch {b}: kv {', '.join(map(str, kvs))}" for b, kvs in sorted(by_batch.items())]
+    runs: list[tuple[list[int], list[int]]] = []
+    for b, kvs in sorted(by_batch.items()):
+        if runs and runs[-1][1] == kvs:
+            runs[-1][0].append(b)
+        else:
+            runs.append(([b], kvs))
+    return [f"batch {', '.join(map(str, bs))}: kv {', '.join(map(str, kvs))}" for bs, kvs in runs]

@@ -64,8 +64,10 @@ from mla_tune.serving.verify import (
     VerifyError,
     check_json_path,
     emit,
+    fitting,
     pct_text,
     regret_stats,
+    shape_text,
     summarize,
     summary_lines,
     verdict_of,
@@ -95,7 +97,8 @@ def read_report(path: str | Path) -> dict:
 
 
 def report_paths(paths: list[str | Path]) -> list[Path]:
-    """The reports named: each a file, or a folder's *.json and *.json.gz in name order."""
+    """The reports named: each a file, or a folder's *.json and *.json.gz in name order;
+    a report named twice (a file and its folder, say) is refused."""
     out: list[Path] = []
     for path in map(Path, paths):
         if path.is_dir():
@@ -105,6 +108,12 @@ def report_paths(paths: list[str | Path]) -> list[Path]:
             out += found
         else:
             out.append(path)
+    seen: dict[Path, Path] = {}
+    for path in out:
+        if path.resolve() in seen:
+            raise VerifyError(f"{path} is given twice (also as {seen[path.resolve()]}): a report counted twice "
+                              "would pass as a second recording of its shapes; name each report once")
+        seen[path.resolve()] = path
     return out
 
 
@@ -153,7 +162,9 @@ def rescore(table: str | Path | ServingTable, reports: list[str | Path], *, max_
             unrunnable: Collection[str] = (), log: Callable[[str], None] = print) -> dict:
     """Score the table's picks on recorded verify reports (see the module); returns the
     report (what --json writes) with exit_code 0 (passed or not judged) or 1 (failed).
-    `unrunnable`: backends to score the table without (rescore_shape)."""
+    `unrunnable`: backends to score the table without (rescore_shape). Its lines are fitted
+    to the width (verify.fitting)."""
+    log = fitting(log)
     if judge not in ("eager", "graph", "both"):
         raise VerifyError(f"--judge must be eager, graph or both, got {judge!r}")
     check_json_path(json_path)
@@ -212,11 +223,11 @@ def repeats(repeated: list[list[dict]]) -> dict | None:
     """The shapes recorded in more than one report (`_groups`' records of each), across
     their recordings: how many shapes and recordings, at how many every recording names
     the same best, and the shapes whose eager regret is over STEADY_OVER in every
-    recording (report names, the eager pick, the regrets in report order and each
+    recording (report paths, the eager pick, the regrets in report order and each
     recording's best); None when no shape is recorded twice."""
     if not repeated:
         return None
-    steady = [{"reports": [Path(r["report"]).name for r in g], "index": g[0]["index"],
+    steady = [{"reports": [r["report"] for r in g], "index": g[0]["index"],
                "family": g[0]["family"], "batch": g[0]["batch"], "kind": g[0]["kind"],
                "kv_lens": g[0]["kv_lens"], "mean_kv_len": g[0]["mean_kv_len"], "eager": g[0]["roles"]["eager"],
                "regrets": [r["regret"]["eager"] for r in g], "best": [r["best"] for r in g]}
@@ -281,54 +292,56 @@ def _agreement_lines(agree: dict) -> list[str]:
             f"the same between two recordings of one shape: {spread(again)}"]
 
 
-def _shape_head(report: str, r: dict, eager: str, name: Callable[[str | None], str]) -> str:
-    """A per-shape line's start: the report, the shape (index, family, batch, kv) and its
-    eager pick's backend."""
-    kv = str(r["kv_lens"]) if r["kind"] == "uniform" else f"ragged {r['mean_kv_len']:.0f}"
-    return (f"  {report} #{r['index']:<3} {FamilyKey(**r['family']).tag:<17} "
-            f"batch {r['batch']:>3} kv {kv:<14} eager {name(eager):<12}")
+def _shape_head(label: str, r: dict, eager: str, name: Callable[[str | None], str]) -> str:
+    """A per-shape line's start: its report's label, the shape (index, family, batch x kv)
+    and its eager pick's backend."""
+    return f"  {label:<4}#{r['index']:<4}{FamilyKey(**r['family']).tag:<17} {shape_text(r):<12} {name(eager):<12}"
 
 
-def _repeat_lines(rep: dict | None, name: Callable[[str | None], str]) -> list[str]:
+def _repeat_lines(rep: dict | None, name: Callable[[str | None], str], label: Mapping[str, str]) -> list[str]:
     """repeats() in lines: the counts, then a line per steady miss (its smallest regret first)."""
     if rep is None:
         return []
     times = "/".join(map(str, rep["recordings"]))
     lines = ["", f"{rep['shapes']} shapes recorded {times} times each: the same best in every recording at "
              f"{rep['same_best']}; eager regret over {rep['steady_over']:.0%} in every recording at "
-             f"{len(rep['steady'])}:"]
+             f"{len(rep['steady'])} (at its first report's label):"]
     for s in rep["steady"]:
         best = "/".join(dict.fromkeys(name(b) for b in s["best"]))
-        lines.append(f"{_shape_head(s['reports'][0], s, s['eager'], name)} "
+        lines.append(f"{_shape_head(label[s['reports'][0]], s, s['eager'], name)} "
                      f"{' / '.join(pct_text(x) for x in s['regrets'])}; best {best}")
     return lines
 
 
 def rescore_lines(out: dict) -> list[str]:
-    """The shapes worth a look, the summary, each report's eager line and the verdict."""
+    """The reports (labelled R1, R2, ...) with their eager regrets, the shapes worth a look,
+    the summary, the repeats, the agreement and the verdict."""
     def name(v: str | None) -> str:
         return Variant.parse(v).backend if v else "none"
 
     shapes = out["shapes"]
+    label = {rep["path"]: f"R{i}" for i, rep in enumerate(out["reports"], start=1)}
     lines = [f"rescore {out['table']['path']} on {len(out['reports'])} verify report(s), {len(shapes)} shapes "
              f"(recorded times: no GPU; a table is accepted on mla-tune verify at fresh seeds)"]
     if out["unrunnable"]:
         lines.append(f"scored as a plan steps where {', '.join(out['unrunnable'])} cannot run: "
                      "their picks' stand-ins run instead")
-    lines += ["", f"eager regret over {SHOW_OVER:.0%}, or a pick not measured (~: a short-rung time):"]
+    lines += ["", "the reports, each with its eager picks' regret:"]
+    for rep in out["reports"]:
+        s, file = rep["eager"], Path(rep["path"]).name
+        lines.append(f"  {label[rep['path']]:<4}{file:<36} seed {rep['seed']!s:<4} p95 {pct_text(s['p95']):>6} "
+                     f"max {pct_text(s['max']):>6} n {s['n']}")
+    lines += ["", f"eager regret over {SHOW_OVER:.0%}, or a pick not measured (~: a short-rung time), "
+                  "at batch x kv_len (~: a ragged mix's mean):"]
     for r in shapes:
         reg = r["regret"]["eager"]
         if reg is not None and reg <= SHOW_OVER:
             continue
         what = "not measured" if reg is None else f"+{pct_text(reg)}" + ("~" if r["measured"]["eager"] == "short" else "")
-        lines.append(f"{_shape_head(Path(r['report']).name, r, r['roles']['eager'], name)} {what:>13}; "
+        lines.append(f"{_shape_head(label[r['report']], r, r['roles']['eager'], name)} {what:>7}; "
                      f"best {name(r['best'])}")
     lines += [""] + summary_lines(out["summary"])
-    for rep in out["reports"]:
-        s = rep["eager"]
-        lines.append(f"  {Path(rep['path']).name:<32} seed {rep['seed']!s:<4} eager p95 {pct_text(s['p95']):>6} "
-                     f"max {pct_text(s['max']):>6} (n {s['n']})")
-    lines += _repeat_lines(out.get("repeats"), name)
+    lines += _repeat_lines(out.get("repeats"), name, label)
     lines += _agreement_lines(out["agreement"])
     if out["unmeasured"]:
         lines.append(f"{out['unmeasured']} role(s) at {len(shapes)} shapes not measured in the reports "

@@ -546,34 +546,42 @@ def run_serving_sweep(config: str | Path | ServingConfig, gpu_name: str, *, out:
 def dry_run(cfg: ServingConfig, gpu_name: str, shard: tuple[int, int] = (1, 1),
             gate_workers: int | None = None, log: Callable[[str], None] = print) -> dict:
     """Print the plan (families, candidates, cells, left-out cells, a GPU-time estimate)
-    for `gpu_name` without running anything; returns the estimate."""
+    for `gpu_name` without running anything, each line wrapped to the terminal's width
+    (tables.render.line_width: 80 in a pipe); returns the estimate."""
+    from mla_tune.tables.render import line_width, wrap
+
+    width = line_width()
+
+    def say(lead: str, text: str) -> None:
+        for line in wrap(lead, text, width):
+            log(line)
+
     platform = gpu.fake_platform(gpu_name)
     plan = plan_sweep(cfg, platform, shard, check_available=False)
-    log(f"serving sweep {cfg.name} ({cfg.path}, hash {cfg.hash[:12]}) planned for {gpu_name} "
+    say("", f"serving sweep {cfg.name} ({cfg.path}, hash {cfg.hash[:12]}) planned for {gpu_name} "
         f"({platform.sm_count} SMs), rule {cfg.rule.name}, shard {shard[0]}/{shard[1]}, cells timed on "
         f"{cfg.search.cell_lengths} lengths"
         + (", finalists also at each batch bucket's smallest batch" if cfg.search.batch_edge else ""))
     for key, fam in plan.families.items():
         cells = sum(len(u.kv_lens) for u in plan.units if u.key == key)
         per = ", ".join(f"{b} {n}" for b, n in fam.per_backend().items()) or "none"
-        log(f"  {key}: {len(fam.candidates)} candidates ({per}); {cells} cells here, "
+        say("  ", f"{key}: {len(fam.candidates)} candidates ({per}); {cells} cells here, "
             f"{len(fam.left_out)} left out by rule")
         for backend, why in fam.skipped.items():
-            log(f"      {backend} skipped: {why}")
+            say("      ", f"{backend} skipped: {why}")
         for line in left_out_summary(fam):
-            log(f"      left out {line}")
+            say("      ", f"left out {line}")
     first = plan.families[cfg.families[0]]
-    log("gate probes (" + str(first.key) + "): " + "; ".join(
+    say("", "gate probes (" + str(first.key) + "): " + "; ".join(
         f"{label}: q_lens {q}, kv_lens {kv}" for label, q, kv, _ in probe_lengths(first.spec, cfg.gate)))
     est = estimate(cfg, plan, gate_workers)
-    log(f"{len(plan.units)} units, {plan.cells} cells; estimated GPU time {est['total'] / 60:.1f} min "
+    say("", f"{len(plan.units)} units, {plan.cells} cells; estimated GPU time {est['total'] / 60:.1f} min "
         f"(gate and compile {est['gate_and_compile']:.0f} s, cache loads {est['cache_loads']:.0f} s, cells "
         f"{est['cells']:.0f} s, cross {est['cross']:.0f} s, edge {est['edge']:.0f} s, inputs {est['inputs']:.0f} s; "
-        "a rough cost model, "
-        "mla_tune/serving/cells.py)")
+        "a rough cost model, mla_tune/serving/cells.py)")
     for rule in cfg.left_out:
         match = ", ".join(f"{name} in {list(values)}" for name, values in rule.match) or "every family"
-        log(f"left out by rule ({match}): cells over {rule.condition} {rule.limit}: {rule.why}")
+        say("", f"left out by rule ({match}): cells over {rule.condition} {rule.limit}: {rule.why}")
     return est
 
 
@@ -651,6 +659,12 @@ def sweep_from_cli(config: Path, gpu_name: str, *, out: Path | None = None, dry_
             merge(cfg, gpu_name, merge_results, out=out)
             return 0
         if dry_run:
+            ignored = [name for name, given in (("--budget", budget is not None), ("--devices", devices),
+                                                ("--fresh", fresh), ("--candidate-timeout", candidate_timeout))
+                       if given]
+            if ignored:
+                raise ValueError(f"{', '.join(ignored)}: a serving dry run prints the plan of --shard and runs "
+                                 "nothing, so it would ignore them; drop them, or drop --dry-run")
             _print_plan(cfg, gpu_name, parts)
             return 0
         if devices:

@@ -446,8 +446,9 @@ def run_verify(table: str | Path | ServingTable, *, config: str | Path | Serving
                log: Callable[[str], None] = print) -> dict:
     """Verify a serving table (see the module docstring); returns the report (what --json
     writes) with report["exit_code"]: 0 passed or not judged, 1 failed, 3 stopped by the
-    budget."""
+    budget. Its lines are fitted to the width (`fitting`)."""
     started = time.monotonic()
+    log = fitting(log)
     check_json_path(json_path)
     if shapes < 0 or ragged < 0 or shapes + ragged == 0:
         raise VerifyError(f"--shapes and --ragged must be >= 0 and not both 0, got {shapes} and {ragged}")
@@ -540,6 +541,36 @@ def emit(report: dict, lines: list[str], json_path: str | Path | None, log: Call
     return report
 
 
+def fitting(log: Callable[[str], None]) -> Callable[[str], None]:
+    """`log` with each message first fitted to the width (`fit_lines`): verify's and
+    rescore's printer."""
+    def fitted(text: str) -> None:
+        for line in fit_lines(text.split("\n")):
+            log(line)
+    return fitted
+
+
+def fit_lines(lines: list[str], width: int | None = None) -> list[str]:
+    """Each line at most `width` wide (the terminal's, 80 in a pipe: tables.render.line_width):
+    a longer one broken at spaces, its continuation lines indented two more than it."""
+    from mla_tune.tables.render import line_width, wrap
+
+    width = width or line_width()
+    out: list[str] = []
+    for line in lines:
+        if len(line) <= width:
+            out.append(line)
+        else:
+            text = line.lstrip(" ")
+            out += wrap(line[: len(line) - len(text)], text, width)
+    return out
+
+
+def shape_text(r: dict) -> str:
+    """A recorded shape as batch x kv_len: '123x1145', ragged '43x~10058' (its mean)."""
+    return f"{r['batch']}x{r['kv_lens']}" if r["kind"] == "uniform" else f"{r['batch']}x~{r['mean_kv_len']:.0f}"
+
+
 def _jsonable(x):
     """inf (a role that failed to run) as the string 'inf': JSON has no infinity."""
     if isinstance(x, float) and not math.isfinite(x):
@@ -605,15 +636,13 @@ def report_lines(report: dict) -> list[str]:
     def name(v, table=True):
         return ("none" if v is None else Variant.parse(v).backend) + ("" if table else "*")
 
-    lines = ["", f"{'#':>3} {'family':<17} {'batch':>5} {'kv':<24} {'eager pick':<14} {'regret':>7} "
-                 f"{'graph':>7} {'fallback':>8}  best"]
+    lines = ["", f"{'#':>3} {'family':<17} {'shape':<12} {'eager pick':<13} {'regret':>7} {'graph':>7}  best"]
     for r in report["shapes"]:
         key = FamilyKey(**r["family"])
-        kv = (str(r["kv_lens"]) if r["kind"] == "uniform" else
-              f"ragged {r['mean_kv_len']:.0f} ({min(r['kv_lens'])}..{max(r['kv_lens'])})")
-        lines.append(f"{r['index']:>3} {key.tag:<17} {r['batch']:>5} {kv:<24} "
-                     f"{name(r['roles']['eager'], r['from_table']['eager']):<14} {pct_text(r['regret']['eager']):>7} "
-                     f"{pct_text(r['regret']['graph']):>7} {pct_text(r['regret']['fallback']):>8}  {name(r['best'])}")
+        lines.append(f"{r['index']:>3} {key.tag:<17} {shape_text(r):<12} "
+                     f"{name(r['roles']['eager'], r['from_table']['eager']):<13} {pct_text(r['regret']['eager']):>7} "
+                     f"{pct_text(r['regret']['graph']):>7}  {name(r['best'])}")
+    lines.append("(shape: batch x kv_len, ~ the mean of a ragged mix; each shape's fallback regret is in --json)")
     missed = sum(not r["from_table"]["eager"] for r in report["shapes"])
     lines += [f"(* the table has no pick there, its cell left out or missing: the fallback runs; "
               f"{missed} of {len(report['shapes'])} eager picks)", ""]

@@ -12,19 +12,33 @@ from rich.progress import Progress as RichProgress
 
 from mla_tune.backends import baseline_backend
 from mla_tune.core import Shape
+from mla_tune.tables.render import MAX_WIDTH, MIN_WIDTH, wrap
 from mla_tune.tune.config import Config
+
+
+def say(console: Console, lead: str, text: str, head: str = "", style: str = "") -> None:
+    """`lead` + `head` + `text` as plain lines of at most the console's width (80 to 200),
+    broken at spaces, continuation lines indented two more (tables.render.wrap); `head`
+    (a name) in rich's `style` on the first line. No markup in `text` is read."""
+    width = max(MIN_WIDTH, min(MAX_WIDTH, console.width))
+    for i, line in enumerate(wrap(lead, head + text, width)):
+        if i == 0 and head and style:
+            rest = line[len(lead) + len(head):]
+            console.print(f"{escape(lead)}[{style}]{escape(head)}[/]{escape(rest)}", soft_wrap=True)
+        else:
+            console.print(escape(line), soft_wrap=True)
 
 
 def print_plan(config: Config, gpu: str, where: str, out: Path, results_path: Path,
                devices: list[int], planned, fitted, costs, console: Console) -> None:
     """The dry run's report: candidates per shape and backend, per rung, and the estimate."""
-    console.print(f"[bold]dry run[/]: config {config.name} ({config.path}, hash {config.hash[:12]})")
-    console.print(escape(f"  GPU {gpu} ({where}); devices {devices}; rule {config.rule.name}"))
-    console.print(escape(f"  table -> {out}; results -> {results_path}"))
-    console.print(f"  {len(config.shapes)} shapes: {', '.join(str(s) for s in config.shapes)}")
+    say(console, "", f": config {config.name} ({config.path}, hash {config.hash[:12]})", "dry run", "bold")
+    say(console, "  ", f"GPU {gpu} ({where}); devices {devices}; rule {config.rule.name}")
+    say(console, "  ", f"table -> {out}; results -> {results_path}")
+    say(console, "  ", f"{len(config.shapes)} shapes: {', '.join(str(s) for s in config.shapes)}")
     rungs = list(fitted.rungs)
-    console.print(escape(f"  search: rungs {rungs} samples, keep {config.search.keep:g} per rung "
-                         f"(at least {config.search.min_keep}, plus each backend's best and the baseline)"))
+    say(console, "  ", f"search: rungs {rungs} samples, keep {config.search.keep:g} per rung "
+                       f"(at least {config.search.min_keep}, plus each backend's best and the baseline)")
     total = 0
     for shape, variants in planned.plan.items():
         kept = fitted.plan.get(shape, [])
@@ -32,34 +46,32 @@ def print_plan(config: Config, gpu: str, where: str, out: Path, results_path: Pa
         for v in kept:
             counts[v.backend] = counts.get(v.backend, 0) + 1
         total += len(kept)
-        text = ", ".join(f"{b} {n}" + (" (not runnable here)" if b in planned.listed_anyway else "")
+        text = ", ".join(f"{b} {n}" + ("*" if b in planned.listed_anyway else "")
                          for b, n in counts.items())
         plan = fitted.estimate.shapes.get(shape)
         per_rung = " -> ".join(str(n) for n in plan.rung_counts) if plan else "0"
         cut = f", {len(variants) - len(kept)} dropped for the budget" if len(kept) != len(variants) else ""
-        console.print(escape(f"  {shape}: {len(kept)} candidates ({text or 'none'}){cut}; "
-                             f"per rung {per_rung}"))
+        say(console, "  ", f"{shape}: {len(kept)} candidates ({text or 'none'}){cut}; per rung {per_rung}")
     for name, reason in planned.listed_anyway.items():
-        console.print(f"  [yellow]{name}[/]: unavailable on this machine ({escape(reason)}); "
-                      f"its candidates are listed for {gpu}, marked not runnable here")
+        say(console, "  ", f": unavailable on this machine ({reason}); its candidates are listed for {gpu}, "
+                           "marked * (not runnable here)", name, "yellow")
     for name, reason in planned.unavailable.items():
-        console.print(f"  [red]{name}[/]: unavailable: {escape(reason)}")
+        say(console, "  ", f": unavailable: {reason}", name, "red")
     compiled = {str(v) for vs in fitted.plan.values() for v in vs if config.precompile.get(v.backend)}
     dupes = f"; {planned.duplicates} duplicates collapsed" if planned.duplicates else ""
     compiled_out = sum(len(per) for per in getattr(planned, "compile_drops", {}).values())
     dupes += f"; {compiled_out} dropped by the compile check" if compiled_out else ""
-    console.print(f"  {total} candidates in all{dupes}; {len(compiled)} distinct variants to precompile")
+    say(console, "  ", f"{total} candidates in all{dupes}; {len(compiled)} distinct variants to precompile")
     for note in fitted.notes:
-        console.print(f"  [yellow]budget[/]: {escape(note)}")
+        say(console, "  ", f": {note}", "budget", "yellow")
     e = fitted.estimate
     budget = config.budget_s
     verdict = ("no budget set" if budget is None else
                f"fits the budget of {budget:.0f} s" if e.seconds <= budget else
                f"does NOT fit the budget of {budget:.0f} s")
-    console.print(escape(
-        f"  estimated {e.seconds:.0f} s: start {e.startup_s:.0f} s, compile {e.compile_s:.0f} s, "
-        f"first calls {e.first_calls_s:.0f} s, candidates {e.candidates_s:.0f} s; {verdict}"))
-    console.print(escape(f"  estimate basis: {costs.basis}"))
+    say(console, "  ", f"estimated {e.seconds:.0f} s: start {e.startup_s:.0f} s, compile {e.compile_s:.0f} s, "
+                       f"first calls {e.first_calls_s:.0f} s, candidates {e.candidates_s:.0f} s; {verdict}")
+    say(console, "  ", f"estimate basis: {costs.basis}")
 
 
 def eta_s(elapsed_s: float, done_here: int, left: int, estimate_s: float | None = None) -> float | None:

@@ -34,7 +34,7 @@ from mla_tune.tables.table import STATUSES
 from mla_tune.tune import timing
 from mla_tune.tune.compile_pool import plan_jobs
 from mla_tune.tune.config import Config, expand_space, load_config
-from mla_tune.tune.progress import Progress, print_plan, summarize
+from mla_tune.tune.progress import Progress, print_plan, say, summarize
 from mla_tune.tune.results import (
     SCHEMA,
     ResultsError,
@@ -218,9 +218,9 @@ def _dry_run(config: Config, gpu: str, out: Path, results_path: Path, console: C
     absent = found.name != gpu
     platform = gpu_mod.fake_platform(gpu) if absent else found
     if absent and gpu not in gpu_mod.KNOWN_GPUS:
-        console.print(escape(f"warning: {gpu} is neither this machine's GPU nor one mla-tune knows "
-                             f"({', '.join(gpu_mod.KNOWN_GPUS)}): the plan assumes an unknown CUDA GPU of "
-                             f"{platform.sm_count} SMs; check the name, or plan on the GPU itself"), soft_wrap=True)
+        say(console, "", f"warning: {gpu} is neither this machine's GPU nor one mla-tune knows "
+                         f"({', '.join(gpu_mod.KNOWN_GPUS)}): the plan assumes an unknown CUDA GPU of "
+                         f"{platform.sm_count} SMs; check the name, or plan on the GPU itself")
     planned = plan_candidates(config, platform, planning_only=absent)
     if check:
         compile_check(planned, gpu, console)
@@ -231,8 +231,8 @@ def _dry_run(config: Config, gpu: str, out: Path, results_path: Path, console: C
     where = f"planned for {gpu}; this machine has {found.device_name}" if absent else found.device_name
     print_plan(config, gpu, where, out, results_path, devices, planned, fitted, costs, console)
     if not check and gpu in gpu_mod.KNOWN_GPUS:
-        console.print(escape(f"  compile check: not run; --compile-check on (or `mla-tune compile --gpu {gpu}`) "
-                             "cross-compiles the plan and drops what fails"))
+        say(console, "  ", f"compile check: not run; --compile-check on (or `mla-tune compile --gpu {gpu}`) "
+                           "cross-compiles the plan and drops what fails")
     return SweepSummary(
         counts=dict.fromkeys(STATUSES, 0), timed=0, elapsed_s=0.0, table_path=None,
         results_path=results_path, winners={}, dry_run=True, plan=_plan_dict(fitted.plan),
