@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from mla_tune import gpu as gpu_mod
 from mla_tune.core import Shape, Variant
@@ -176,13 +177,46 @@ def test_a_sweep_over_its_budget_cuts_candidates_and_ends_within_budget_plus_10_
     assert len(finals) < 2 * 21
     assert set(summary.winners) == {"1x17", "2x17"}  # every shape still has a winner
     assert {r["backend"] for r in finals if r["status"] == "ok"} >= {"torch"}
-    table = __import__("yaml").safe_load(summary.table_path.read_text())
+    table = yaml.safe_load(summary.table_path.read_text())
     skipped = {(d["shape"]["batch"], d["shape"]["kv_len"]): len(d["skipped"]) for d in decisions if d["rung"] == 0}
     for row in table["rows"]:
         assert row["candidates"]["rung0"] >= row["candidates"]["rung1"] >= 1
-        # what the clock left untimed at rung 0 is counted, and said (a resume does not run it)
+        # what the clock left untimed at rung 0 is counted, and said (a resume with room times it)
         assert row["candidates"].get("skipped", 0) == skipped.get((row["batch"], row["kv_len"]), 0)
     assert ("skipped at rung 0 to fit the budget" in " ".join(text.split())) == (sum(skipped.values()) > 0)
+
+
+def test_a_resume_times_what_rung_0_skipped_decides_again_and_keeps_what_was_kept(tmp_path, monkeypatch):
+    """The first run's clock (here: a stand-in) skips the variant fast at batch 2 and four others
+    at rung 0; the resume times them, and its re-decided rungs find the fast one."""
+    from mla_tune.tune.runner import DeviceRunner
+
+    config, out = DATA / "sweep_reopen.yaml", tmp_path / "cpu.yaml"
+    skip = {2, 3, 4, 5, 6}
+    real = DeviceRunner._fits_rung0
+    monkeypatch.setattr(DeviceRunner, "_fits_rung0",
+                        lambda self, search, v, deadline: v.get("fast_for_batch") not in skip)
+    first = run_sweep(config, "cpu", out=out, console=capture()[0])
+    before = [json.loads(x) for x in first.results_path.read_text().splitlines()[1:]]
+    (decision,) = [d for d in before if d["kind"] == "rung"]
+    assert len(decision["skipped"]) == 5 and "fast_for_batch=2" not in first.winners["2x17"]["variant"]
+    assert yaml.safe_load(first.table_path.read_text())["rows"][0]["candidates"]["skipped"] == 5
+    monkeypatch.setattr(DeviceRunner, "_fits_rung0", real)
+    console, buf = capture()
+    again = run_sweep(config, "cpu", out=out, console=console)
+    after = [json.loads(x) for x in again.results_path.read_text().splitlines()[1:]][len(before):]
+    timed0 = {r["variant"] for r in after if r["kind"] == "step" and r["rung"] == 0}
+    assert timed0 == set(decision["skipped"])  # the skipped ones only: the others' times stand
+    (redone,) = [d for d in after if d["kind"] == "rung"]
+    assert not redone["skipped"] and set(decision["kept"]) <= set(redone["kept"])
+    ok_before = {r["variant"] for r in before if r["kind"] == "candidate" and r["status"] == "ok"}
+    assert not ok_before & {r["variant"] for r in after if r["kind"] == "candidate"}  # not cut, not re-timed
+    assert "fast_for_batch=2" in again.winners["2x17"]["variant"]
+    row = yaml.safe_load(again.table_path.read_text())["rows"][0]
+    assert "skipped" not in row["candidates"] and "skipped at rung 0" not in buf.getvalue()
+    assert len(again.results_path.read_text().splitlines()) == 1 + len(before) + len(after)
+    third = run_sweep(config, "cpu", out=out, console=capture()[0])  # nothing left: nothing re-opens
+    assert third.results_path.read_text() == again.results_path.read_text()
 
 
 def test_without_a_terminal_the_sweep_prints_a_plain_line_per_shape_and_rung(budget_sweep):

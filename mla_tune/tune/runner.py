@@ -2,9 +2,10 @@
 
 Per shape: rung 0 runs every planned candidate (gate, then rungs[0] samples) unless the
 budget cannot cover it (the baseline always runs); after each rung but the last the
-survivors are chosen (sweep_search.promote), trimmed to what the shape's share of the
-budget covers, and recorded; the last rung times them in full. Every finished step is one
-fsynced line, so a resumed sweep re-derives where each shape stood.
+survivors are chosen (search.promote), trimmed to what the shape's share of the budget
+covers, and recorded; the last rung times them in full. Every finished step is one fsynced
+line, so a resumed sweep re-derives where each shape stood; a resume with time for what
+rung 0 skipped times it and decides the rungs again, keeping what they kept (`_reopen`).
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ class DeviceRunner:
         for rung in sorted(search.decisions):  # a stop between a decision and its cut lines
             for step in search.undecided_cuts(rung):
                 self._record_cut(search, step, rung, "halving", search.decisions[rung])
+        carried = self._reopen(search, deadline)
         for rung in range(search.start_rung(), len(rungs)):
             skipped = []
             pending = search.pending(rung)
@@ -116,9 +118,24 @@ class DeviceRunner:
             if sh.stop.is_set():
                 return
             if rung < last:
-                self._decide(search, rung, skipped, deadline)
+                self._decide(search, rung, skipped, deadline, carried.get(rung, ()))
             if pending:
                 sh.progress.shape_line(shape, search, rung, len(rungs))
+
+    def _reopen(self, search: ShapeSearch, deadline: float) -> dict[int, list[str]]:
+        """A resume of a shape whose rung 0 skipped candidates (the clock was short) re-opens
+        its rungs when the first of them fits now: its decisions are set aside, so the
+        skipped candidates are timed at rung 0 and each rung is decided again over all it
+        timed, and those the earlier decisions kept are carried (never cut: their later
+        steps and final times stand). Returns rung -> the texts to carry; {} when nothing
+        re-opens."""
+        first = search.decisions.get(0)
+        skipped = [t for t in (first or {}).get("skipped") or () if t in {str(v) for v in search.planned}]
+        if not skipped or not self._fits_rung0(search, Variant.parse(skipped[0]), deadline):
+            return {}
+        carried = {rung: list(d["kept"]) for rung, d in search.decisions.items()}
+        search.decisions.clear()
+        return carried
 
     def _fits_rung0(self, search: ShapeSearch, variant: Variant, deadline: float) -> bool:
         """Whether this candidate's rung 0, and the later rungs of the survivors it would
@@ -149,10 +166,12 @@ class DeviceRunner:
             entrants = entrants[:n]
         return total
 
-    def _decide(self, search: ShapeSearch, rung: int, skipped: list[str], deadline: float) -> None:
+    def _decide(self, search: ShapeSearch, rung: int, skipped: list[str], deadline: float,
+                carried: tuple[str, ...] | list[str] = ()) -> None:
         sh = self.shared
         timed = search.timed(rung)
-        order, cut, n_must = promote(timed, sh.config.search.keep, sh.config.search.min_keep, baseline_backend())
+        order, cut, n_must = promote(timed, sh.config.search.keep, sh.config.search.min_keep, baseline_backend(),
+                                     carried)
         per_call = {t.text: (t.median_us * 1e-6, t.backend) for t in timed}
         k = len(order)
         while k > n_must and time.monotonic() + self._finish_cost([per_call[t] for t in order[:k]], rung) > deadline:

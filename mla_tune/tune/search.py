@@ -132,10 +132,13 @@ class ShapeSearch:
         return rung
 
     def timed(self, rung: int) -> list[Timed]:
+        """The entrants' times at `rung`, less those that ended there or before (cut, failed);
+        one that went on to a later rung counts (a re-opened rung is decided again)."""
         out = []
         entrants = {key_of(self.shape, t) for t in self.entrants(rung)}
         for key, r in self.steps.get(rung, {}).items():
-            if key in entrants and r["status"] == "ok" and key not in self.finals:
+            final = self.finals.get(key)
+            if key in entrants and r["status"] == "ok" and (final is None or int(final.get("rung") or 0) > rung):
                 out.append(Timed(r["variant"], r["backend"], r["time"]["median_us"]))
         return out
 

@@ -504,8 +504,8 @@ def _finish(header: dict, records: list[dict], config: Config, out: Path, result
     if skipped:
         console.print(escape(f"budget: {sum(skipped.values())} candidate(s) of {len(skipped)} shape(s) were "
                              "skipped at rung 0 to fit the budget and never timed (the table counts them, "
-                             "candidates.skipped); a resume does not run them: sweep again with --fresh "
-                             "and a larger budget to time them"), soft_wrap=True)
+                             "candidates.skipped); a resume (the same command; a larger --budget gives it "
+                             "room) times them and decides those shapes' rungs again"), soft_wrap=True)
     table_path = _write_table(header, finals, config, out, console, skipped)
     counts = dict.fromkeys(STATUSES, 0)
     for r in shared.records:
