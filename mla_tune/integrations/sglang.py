@@ -28,8 +28,11 @@ sgl-project/sglang source, with its flashmla_backend.py; attention_registry.py a
   request-to-token row names).
 - `forward_decode(q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs)`: once per
   layer: store the new tokens' latent KV (`set_kv_buffer`), run the step's plan on
-  `get_key_buffer(layer.layer_id)` at `layer.scaling` (fixed per model: the plans' spec)
-  with `layer.k_scale`, return (tokens, heads * 512).
+  `get_key_buffer(layer.layer_id)` at `layer.scaling` (fixed per model: the plans' spec),
+  return (tokens, heads * 512). An fp8 cache is read at scale 1, whatever `layer.k_scale`
+  says: SGLang's `MLATokenToKVPool.set_kv_buffer` and `set_mla_kv_buffer` cast the latent
+  to fp8 without a scale (they take none), and its FlashMLA backend passes `descale_k` 1
+  (flashmla_backend.py, mem_cache/memory_pool.py in the stored sgl-project/sglang source).
 
 `forward_extend` is refused: mla-tune serves decode only. The table is
 `plans.serving_table()` ($MLA_TUNE_SERVING_TABLE, else this GPU's). Tested against a fake of
@@ -156,9 +159,9 @@ class MlaTuneAttnBackend(AttentionBackend):
             raise ValueError(f"layer {layer.layer_id} scales scores by {layer.scaling}, but the plans were made "
                              f"for the model's {self.scaling}")
         cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).view(-1, self.page_size, QK_DIM)
-        kv_scale = None
-        if self.spec.kv_format == "fp8":
-            kv_scale = self._one if layer.k_scale is None else layer.k_scale.reshape(1)
+        # an fp8 cache holds the latent cast as is: SGLang's MLA pool takes no scale on write
+        # (set_kv_buffer, set_mla_kv_buffer), so layer.k_scale is not this cache's scale
+        kv_scale = self._one if self.spec.kv_format == "fp8" else None
         out = self.plans.run(q.view(-1, layer.tp_q_head_num, QK_DIM), cache, kv_scale)
         return out.view(-1, layer.tp_q_head_num * V_DIM)
 
