@@ -26,7 +26,9 @@ def _no_table(monkeypatch):
 class Cache:
     """A paged latent cache per layer that sequences grow into, every unheld slot NaN."""
 
-    def __init__(self, lens, page, steps, fp8, seed, as_bytes, device="cpu"):
+    def __init__(self, lens, page, steps, fp8, seed, as_bytes, device="cpu", unit_scales=False):
+        """unit_scales: an fp8 cache written without a scale (SGLang's MLA pool), else each
+        layer's latent divided by its own k_scale (vLLM's)."""
         gen = torch.Generator().manual_seed(seed)
         self.page, self.fp8, self.as_bytes, self.device = page, fp8, as_bytes, torch.device(device)
         pages = [-(-(n + steps) // page) for n in lens]
@@ -36,7 +38,8 @@ class Cache:
         for b, held in enumerate(order[: sum(pages)].split(pages)):  # the next pages of a shuffle
             self.table[b, : len(held)] = held
         self.lens = list(lens)
-        self.scales = [torch.tensor([0.02 + 0.01 * layer], dtype=torch.float32, device=device) for layer in range(LAYERS)]
+        self.scales = [torch.tensor([1.0 if unit_scales else 0.02 + 0.01 * layer], dtype=torch.float32, device=device)
+                       for layer in range(LAYERS)]
         dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
         self.kv = [torch.full((self.num_pages * page, QK_DIM), float("nan"), device=device).to(dtype)
                    for _ in range(LAYERS)]
@@ -273,19 +276,19 @@ def test_vllm_a_step_with_prefills_runs_its_decodes_on_the_eager_plan(monkeypatc
 
 # -------------------------------------------------------------------------------- SGLang
 class Pool:
-    """SGLang's MLA token pool over Cache's storage: get_key_buffer and set_kv_buffer."""
+    """SGLang's MLA token pool over Cache's storage: get_key_buffer and set_kv_buffer, which
+    casts the latent to the cache's dtype with no scale (MLATokenToKVPool takes none)."""
 
     def __init__(self, cache):
+        assert not cache.fp8 or all(float(s) == 1.0 for s in cache.scales), "SGLang's fp8 pool has no scale"
         self.cache = cache
 
     def get_key_buffer(self, layer_id):
         return self.cache.kv[layer_id].view(-1, 1, QK_DIM)
 
     def set_kv_buffer(self, layer, loc, cache_k, cache_v):
-        value = cache_k.view(-1, QK_DIM).float()
-        if self.cache.fp8:
-            value = value / self.cache.scales[layer.layer_id]
-        self.cache.kv[layer.layer_id].view(-1, QK_DIM)[loc.long()] = value.to(self.cache.kv[layer.layer_id].dtype)
+        kv = self.cache.kv[layer.layer_id]
+        kv.view(-1, QK_DIM)[loc.long()] = cache_k.view(-1, QK_DIM).to(kv.dtype)
 
 
 def sglang_runner(cache, max_reqs, context):
@@ -325,22 +328,27 @@ _M = 0.1 * 0.707 * math.log(40) + 1.0
 V2_LITE = (1 / math.sqrt(192) * _M * _M, 192 ** -0.5 * _M * _M)
 
 
-@pytest.mark.parametrize(("config_scale", "layer_scale"), [(SCALE, SCALE), V2_LITE], ids=["v3", "v2_lite"])
-def test_sglang_page_one_decode_loop_at_the_models_scale_with_graph_hooks(monkeypatch, config_scale, layer_scale):
+@pytest.mark.parametrize(("config_scale", "layer_scale", "fp8"), [(SCALE, SCALE, False), (*V2_LITE, False),
+                                                                 (SCALE, SCALE, True)], ids=["v3", "v2_lite", "v3_fp8"])
+def test_sglang_page_one_decode_loop_at_the_models_scale_with_graph_hooks(monkeypatch, config_scale, layer_scale,
+                                                                           fp8):
+    """An fp8 cache is read at scale 1 whatever the layer's k_scale (0.37 here): the pool wrote
+    it unscaled."""
     engine_fakes.install(monkeypatch, "sglang")
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
     from mla_tune.integrations import sglang as backend
 
     assert V2_LITE[0] != V2_LITE[1]
-    cache = Cache([5, 30, 47], 1, 3, fp8=False, seed=2, as_bytes=False)  # page 1: SGLang's token slots
+    cache = Cache([5, 30, 47], 1, 3, fp8=fp8, seed=2, as_bytes=False, unit_scales=True)  # page 1: token slots
     runner = sglang_runner(cache, max_reqs=4, context=64)
     runner.model_config.scaling = config_scale
     attn = backend.create_mla_tune_backend(runner)
     assert attn.plans.spec.sm_scale == config_scale and attn.plans.spec.page_size == 1
     attn.init_cuda_graph_state(max_bs=2, max_num_tokens=2)
     layers = [SimpleNamespace(layer_id=i, tp_q_head_num=HEADS, head_dim=QK_DIM, v_head_dim=V_DIM,
-                              scaling=layer_scale, k_scale=None) for i in range(LAYERS)]
+                              scaling=layer_scale, k_scale=torch.tensor([0.37]) if fp8 else None)
+              for i in range(LAYERS)]
     gen = torch.Generator().manual_seed(7)
     for step, rows in enumerate(([0, 1, 2], [0, 2], [1, 2])):  # 3 sequences eager; 2: the graph path
         for b in rows:
