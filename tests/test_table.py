@@ -150,7 +150,7 @@ def test_written_table_round_trips_atomically_without_yaml_aliases(tmp_path):
     assert "&id" not in text and "*id" not in text
     assert [p.name for p in tmp_path.iterdir()] == ["H200.yaml"]  # no temp file left
     loaded = load_table(path)
-    assert loaded.gpu == "H200" and loaded.path == path
+    assert loaded.gpu == "H200" and loaded.path == path and loaded.provenance["row_count"] == 2
     assert list(loaded.rows) == [Shape(4, 1024), Shape(8, 64)]
     assert loaded.rows[Shape(4, 1024)].time_us == 20.0
     assert loaded.rows[Shape(4, 1024)]["time_us"] == 20.0  # a row reads as the file's mapping too
@@ -160,6 +160,21 @@ def test_written_table_round_trips_atomically_without_yaml_aliases(tmp_path):
                                                         Shape(8, 64): Variant.parse(TORCH)}
     assert loaded.variants(only_backends=["aiter"]) == {}
     assert loaded.rows[Shape(8, 64)].calibration == shared
+
+
+def test_a_table_cut_between_rows_is_refused_by_its_row_count(tmp_path):
+    text = (DATA.parent.parent / "tables" / "H200.yaml").read_text()
+    rows = text.split("\n- batch: ")
+    assert len(rows) == 9 and "  row_count: 8\n" in text  # the committed table states its 8 rows
+    cut = tmp_path / "cut.yaml"
+    cut.write_text("\n- batch: ".join(rows[:6]) + "\n")  # a valid YAML file of 5 rows
+    with pytest.raises(TableError, match=r"holds 5 rows, but its provenance.row_count says 8: the file was cut"):
+        load_table(cut)
+    cut.write_text("\n- batch: ".join(rows[:6]).replace("  row_count: 8\n", "") + "\n")
+    assert len(load_table(cut).rows) == 5  # a table from before row_count: not checked
+    cut.write_text(text.replace("  row_count: 8\n", "  row_count: true\n"))
+    with pytest.raises(TableError, match="row_count says True"):
+        load_table(cut)
 
 
 def test_the_hand_written_test_table_loads():

@@ -8,7 +8,8 @@ never executes anything from the file (fileio.read_yaml: a safe loader that refu
 aliases, on a file of at most 16 MB; then Variant.parse), and every error names the file, the
 row and the field, so a hand edit that breaks a row is caught at load.
 
-Schema 1, top level: `schema`, `gpu`, `provenance`, `rows`. A row is a `Row` (below, the one
+Schema 1, top level: `schema`, `gpu`, `provenance`, `rows`; `provenance.row_count` (written
+since 2026-12-05, optional at load) must equal the rows held. A row is a `Row` (below, the one
 definition of its fields). Every variant is checked against its backend's parameter rules
 as data (backends/params.py: names, choices, bounds), which import no torch; the backends'
 whole validate() (which adds the rules over several parameters: the fused family's
@@ -300,6 +301,7 @@ def table_from_results(header: dict, records: list[dict], config) -> dict:
         "protocol": dict(header.get("protocol") or {}),
         "copy_bandwidth_gbps": bandwidth,
         "mla_tune_version": str(header.get("mla_tune_version", "")),
+        "row_count": len(rows),  # above the rows in the file: a file cut between rows is caught at load
     }
     return {"schema": SCHEMA_VERSION, "gpu": str(header["gpu"]), "provenance": provenance,
             "rows": rows}
@@ -545,4 +547,9 @@ def load_table(path: str | Path, check_params: bool = True) -> Table:
         if row.shape in rows:
             raise TableError(f"{_where(path, index, raw)}: a second row for this shape; keep one")
         rows[row.shape] = row
+    stated = provenance.get("row_count")
+    if stated is not None and (isinstance(stated, bool) or stated != len(data["rows"])):
+        raise TableError(f"{where}: holds {len(data['rows'])} rows, but its provenance.row_count says "
+                         f"{stated!r:.20}: the file was cut short or rows were removed; restore it (git) or "
+                         "write it again with `mla-tune sweep` (its results file keeps every step)")
     return Table(gpu=data["gpu"], provenance=provenance, rows=rows, path=path)
