@@ -222,8 +222,7 @@ def test_default_serving_variants_validate_and_build_for_every_spec(backend, pla
         assert Variant.parse(str(variant)) == variant
         assert variant.get("kv") == kv and variant.get("q") == "bf16"
         rows = 1 << (max_q_len - 1).bit_length()
-        # the interpreter (and the fused family) fill 16 MMA rows; split-K on a GPU aims at 64
-        # (at most all the heads), measured 1.7x faster at 128 heads (docs/perf.md)
+        # 16 MMA rows (interpreter, fused); split-K on a GPU 64, at most all heads (docs/perf.md)
         want = min(heads * rows, 64) if backend == "triton" and platform.has_gpu else 16
         assert heads % variant.get("block_h") == 0 and variant.get("block_h") * rows == want
         splits = variant.get("max_splits")

@@ -8,11 +8,11 @@ import random
 import sys
 import threading
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
 
-from mla_tune import problem
 from mla_tune.backends.triton_splitk_schedule import SplitKModel
 from mla_tune.core import CallSpec, Variant
 from mla_tune.serving import inputs as serving
@@ -25,6 +25,7 @@ from mla_tune.serving.table import (
     ServingTable,
     load_serving_table,
 )
+from tests.helpers import assert_close
 
 SPEC = CallSpec("bf16", page_size=16, heads=16, max_q_len=2, mixed_q_len=True)
 BATCHES = [2, 4, 8]
@@ -44,8 +45,8 @@ EAGER_4_256 = _variant("triton_fused", 4, 32)
 GRAPH_8 = _variant("triton_fused", 2, 128)
 
 
-def _table() -> ServingTable:
-    fam = Family(FamilyKey.of(SPEC))
+def _table(spec: CallSpec = SPEC) -> ServingTable:
+    fam = Family(FamilyKey.of(spec))
     fam.cells[(4, 256)] = Cell(4, 256, EAGER_4_256, 10.0)
     fam.graph[4] = GraphPick(4, GRAPH_4, 0.05, 32)
     fam.graph[8] = GraphPick(8, GRAPH_8, 0.02, 256)
@@ -59,16 +60,10 @@ def _step(plan: DecodePlan, kv_lens: list[int], seed: int, **update):
     return inp, picked
 
 
-def _close(out, ref, what: str = ""):
-    assert torch.isfinite(out).all(), f"NaN or inf in the output {what}"
-    result = problem.check(out, ref, problem.RULES["strict"])
-    assert result.passed, f"{what}: {result}"
-
-
 def _checked_step(plan: DecodePlan, kv_lens: list[int], seed: int, what: str = "", **update):
     """One step (update, then run, checked against the reference); the variant it picked."""
     inp, picked = _step(plan, kv_lens, seed, **update)
-    _close(plan.run(inp.q, inp.kv, inp.kv_scale), inp.reference(), what)
+    assert_close(plan.run(inp.q, inp.kv, inp.kv_scale), inp.reference(), what=what)
     return picked
 
 
@@ -98,7 +93,7 @@ def test_the_plan_builds_every_pick_up_front_and_picks_by_bucket_and_mean_length
     inp = serving.make_input([1] * 6, [5, 9, 300, 17, 2, 64], 16, 16, "bf16", seed=4,
                              device=plan.device)
     assert plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens) == GRAPH_8
-    _close(plan.run(inp.q, inp.kv, inp.kv_scale), inp.reference())
+    assert_close(plan.run(inp.q, inp.kv, inp.kv_scale), inp.reference())
     # the mean from host lengths
     lens = [250, 260, 270]
     assert _checked_step(plan, lens, seed=5, kv_lens_host=lens) == EAGER_4_256
@@ -137,11 +132,8 @@ def test_an_eager_plan_does_the_lookups_one_off_work_when_it_is_made(monkeypatch
 
 
 def test_a_graph_plan_ignores_lengths_and_takes_the_graph_pick():
-    spec = CallSpec("bf16", page_size=16, heads=16, max_q_len=2, mixed_q_len=True, graph=True)
-    table = _table()
-    fam = table.families.pop(FamilyKey.of(SPEC))
-    table.families[FamilyKey.of(spec)] = fam
-    plan = DecodePlan(spec, max_batch=4, table=table)
+    spec = replace(SPEC, graph=True)
+    plan = DecodePlan(spec, max_batch=4, table=_table(spec))
     assert EAGER_4_256 not in plan.variants  # eager cells are not built for a graph plan
     lens = [190, 200, 210]
     assert _checked_step(plan, lens, seed=6, kv_lens_host=lens) == GRAPH_4
@@ -190,9 +182,11 @@ RUNNER_UP = Variant.parse("triton(block_h=16,block_n=32,dot_dtype=fp16,kv=bf16,m
                           "num_warps=4,q=bf16,tokens_per_split=64)")
 
 
-def _flashmla_table() -> ServingTable:
-    fam = Family(FamilyKey.of(SPEC64))
-    fam.cells[(4, 256)] = Cell(4, 256, FLASHMLA, 10.0, runner_up={"variant": str(RUNNER_UP), "time_us": 11.0})
+def _flashmla_table(graph: bool) -> ServingTable:
+    fam = Family(FamilyKey.of(replace(SPEC64, graph=graph)))
+    if not graph:  # a graph pick keeps no runner-up
+        fam.cells[(4, 256)] = Cell(4, 256, FLASHMLA, 10.0,
+                                   runner_up={"variant": str(RUNNER_UP), "time_us": 11.0})
     fam.graph[4] = GraphPick(4, FLASHMLA, 0.05, 32)
     return ServingTable("H200", {}, [2, 4], [32, 256], {fam.key: fam})
 
@@ -206,8 +200,7 @@ def _plan(spec: CallSpec, table: ServingTable, max_batch: int = 256, **kw) -> tu
 
 
 def test_empty_host_lengths_are_refused_where_the_lookups_replays_would_divide_by_them():
-    # fp8, q_len 4: the families whose split-K models divide a split budget by the batch (in
-    # C: a SIGFPE that killed the process where [] passed for a step's lengths)
+    # fp8, q_len 4: split-K models that divide a split budget by the batch (a SIGFPE in C)
     spec = CallSpec("fp8", page_size=64, heads=16, max_q_len=4, mixed_q_len=True, host_lengths=True)
     plan, _ = _plan(spec, load_serving_table(COMMITTED), max_batch=8)
     qo = torch.arange(0, 4 * 8 + 1, 4, dtype=torch.int32)
@@ -220,36 +213,24 @@ def test_empty_host_lengths_are_refused_where_the_lookups_replays_would_divide_b
     assert plan.update(qo, **layout, kv_lens_host=[3000] * 8) == plan.pick(8, 3000.0, [3000] * 8)
 
 
-def test_a_plan_whose_table_picks_flashmla_runs_here_and_says_so_once():
-    plan, messages = _plan(SPEC64, _flashmla_table(), 4, warm=True)
+@pytest.mark.parametrize("graph", [False, True], ids=["eager-runner-up", "graph-default"])
+def test_a_flashmla_pick_warns_once_and_steps_with_its_stand_in(graph):
+    """The cell's runner-up stands in for it; a graph pick, which keeps none, the default."""
+    plan, messages = _plan(replace(SPEC64, graph=graph), _flashmla_table(graph), 4, warm=True)
     said = [m for m in messages if "cannot serve it here" in m]
-    assert len(said) == 1, messages
-    assert "flashmla" in said[0]
-    assert FLASHMLA not in plan.variants and RUNNER_UP in plan.variants
+    assert len(said) == 1 and "flashmla" in said[0], messages
+    stand_in = plan.variants[0] if graph else RUNNER_UP  # the plan's default: its first variant
+    assert FLASHMLA not in plan.variants and stand_in in plan.variants
+    assert stand_in.backend == "triton"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no further word per step
-        for step, kv_lens in enumerate(([200, 250, 300], [190, 260, 220, 240])):
+        for step, kv_lens in enumerate(([200, 250, 300], [70, 129, 3, 240])):
             inp = serving.make_input([1] * len(kv_lens), kv_lens, 16, 64, "bf16", seed=30 + step)
             picked = plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens,
                                  mean_kv_len=sum(kv_lens) / len(kv_lens))
-            assert picked == RUNNER_UP  # the cell's runner-up stands in
-            _close(plan.run(inp.q, inp.kv), inp.reference(), f"step {step}")
+            assert picked == stand_in
+            assert_close(plan.run(inp.q, inp.kv), inp.reference(), what=f"step {step}")
     assert plan.misses == {"flashmla cannot run here": 2}
-
-
-def test_a_graph_plan_falls_back_to_the_default_where_no_runner_up_is_kept():
-    spec = CallSpec("bf16", page_size=64, heads=16, max_q_len=1, graph=True)
-    fam = Family(FamilyKey.of(spec))
-    fam.graph[4] = GraphPick(4, FLASHMLA, 0.05, 32)
-    table = ServingTable("H200", {}, [2, 4], [32, 256], {fam.key: fam})
-    plan, messages = _plan(spec, table, 4)
-    assert sum("cannot serve it here" in m for m in messages) == 1
-    inp = serving.make_input([1, 1, 1], [70, 129, 3], 16, 64, "bf16", seed=40)
-    default = plan.variants[0]  # the plan's default: its first variant
-    assert default.backend == "triton"
-    assert plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens) == default
-    _close(plan.run(inp.q, inp.kv), inp.reference(), "the default")
-    assert plan.misses == {"flashmla cannot run here": 1}
 
 
 def test_the_tables_plan_pick_is_what_a_plan_steps_with_where_picks_cannot_run():

@@ -12,8 +12,8 @@ from mla_tune.backends import get_backend
 from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, CallSpec, Variant
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.call import PREFERENCE, Decoder
-from tests.helpers import assert_close as _assert_close
 from tests.helpers import (
+    assert_close,
     call_with_host_lengths,
     cell_id,
     cell_spec,
@@ -146,7 +146,7 @@ def test_every_declared_cell_matches_the_reference_on_the_gpu(case):
         decoder = Decoder(spec, variant=variant, device="cuda")
         out = _answer_into_poisoned_buffers(decoder, inp)
         torch.cuda.synchronize()
-        _assert_close(out, _expected(variant, inp), max_error(variant, "cuda"), f"{cell_id(case)} {variant}")
+        assert_close(out, _expected(variant, inp), max_error(variant, "cuda"), f"{cell_id(case)} {variant}")
 
 
 def test_the_gpu_matrix_covers_every_cell_and_setting_and_its_variants_build(monkeypatch):
@@ -247,4 +247,4 @@ def test_the_serving_call_matches_the_reference_on_a_covering_sample(case):
     # the first call over the new tokens alone (each sequence holds just them): it sizes the buffers
     warm = serving.make_input(inp.q_lens, inp.q_lens, heads, layout, kv, seed=1)
     out = _answer_into_poisoned_buffers(decoder, inp, warm)
-    _assert_close(out, _expected(variant, inp), 1e-2, f"{cell_id(case)} {variant}")
+    assert_close(out, _expected(variant, inp), 1e-2, f"{cell_id(case)} {variant}")

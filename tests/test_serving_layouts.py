@@ -183,21 +183,26 @@ def test_fill_splits_raises_a_share_that_leaves_the_waves_idle():
 
 
 # Every _checked launch also checks the host replay; more cases here (a ragged batch under a
-# budget, fill_splits raising the share, max_splits 1: in the tests above).
-@pytest.mark.parametrize("lens,heads,q_len,max_splits,tps,block_n,block_h,budget,sms", [
-    ([1, 17, 600, 45, 0], 16, 1, 8, 64, 32, 16, 0, 0),        # no budget; a padded slot of 0
-    ([5, 60, 33, 52, 17, 28], 32, 4, 17, 16, 16, 4, 17, 132),  # 8 head tiles, q_len 4
-])
+# budget, fill_splits raising the share: in the tests above).
+@pytest.mark.parametrize("lens,page,heads,q_len,max_splits,tps,block_n,block_h,budget,sms", [
+    ([1, 17, 600, 45, 0], 16, 16, 1, 8, 64, 32, 16, 0, 0),        # no budget; a padded slot of 0
+    ([5, 60, 33, 52, 17, 28], 16, 32, 4, 17, 16, 16, 4, 17, 132),  # 8 head tiles, q_len 4
+    ([700, 1, 17], 1, 16, 1, 1, 1, 64, 16, 0, 0),                  # max_splits 1
+], ids=["no-budget", "budget-q4", "one-split"])
 def test_the_host_replay_of_the_split_rule_is_what_the_kernel_runs(
-        device, lens, heads, q_len, max_splits, tps, block_n, block_h, budget, sms):
-    """kernels/split_rule.serving_splits gives the split counts stage 1 writes."""
+        device, lens, page, heads, q_len, max_splits, tps, block_n, block_h, budget, sms):
+    """kernels/split_rule.serving_splits gives the split counts stage 1 writes; max_splits 1
+    has no scratch for partials: one split per sequence, never borrowed."""
     live = [n for n in lens if n]
-    inp = serving.make_input([min(q_len, n) for n in live], live, heads, 16, "bf16", seed=5,
+    inp = serving.make_input([min(q_len, n) for n in live], live, heads, page, "bf16", seed=5,
                              device=device)
     kw = dict(max_splits=max_splits, tokens_per_split=tps, block_n=block_n, block_h=block_h,
               split_budget=budget, sm_count=sms)
-    _checked(inp, device, "split rule", **kw)
+    workspace = _checked(inp, device, "split rule", **kw)
     assert all(s == 0 for n, s in zip(lens, serving_splits(lens, q_len, heads, **kw), strict=True) if n == 0)
+    if max_splits == 1:
+        assert workspace.part_out.numel() == 0
+        assert workspace.split_count[:len(live)].tolist() == [1] * len(live)
 
 
 def test_a_ragged_batch_shares_its_budget_by_length_rounding_up(device):
@@ -224,14 +229,6 @@ def test_a_ragged_batch_shares_its_budget_by_length_rounding_up(device):
     assert workspace.split_off[:4].tolist() == [0, 63, 65, 66]
     with pytest.raises(ValueError, match="split_budget must be an integer >= 0"):
         _launch(inp, device, **kw, split_budget=-1)
-
-
-def test_one_split_per_sequence_never_borrows(device):
-    """max_splits 1 has no scratch for partials: one split per sequence, whatever the budget."""
-    inp = serving.make_input([1, 1, 1], [700, 1, 17], 16, 1, "bf16", seed=14, device=device)
-    workspace = _checked(inp, device, "one split", max_splits=1, tokens_per_split=1, block_n=64, block_h=16)
-    assert workspace.part_out.numel() == 0
-    assert workspace.split_count[:3].tolist() == [1, 1, 1]
 
 
 @pytest.fixture

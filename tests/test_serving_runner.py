@@ -10,14 +10,12 @@ import torch
 from mla_tune import core, gpu
 from mla_tune.backends import get_backend
 from mla_tune.core import CallSpec
-from mla_tune.kernels.flash_decode import flash_decode_serving
-from mla_tune.kernels.fused_decode import fused_decode_serving
 from mla_tune.kernels.serving_runner import (
     OwnServingRunner,
     check_serving_build,
     serving_launch_args,
 )
-from tests.test_serving_layouts import small_call
+from tests.test_serving_layouts import KERNELS, _dots, small_call
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,13 +57,9 @@ def test_a_build_refuses_a_leaderboard_variant_and_a_head_tile_that_does_not_div
     assert check_serving_build("triton", variant, CallSpec("bf16", heads=16, max_q_len=3), caps, True, 16) == 4
 
 
-@pytest.mark.parametrize("launcher", ["split-K", "fused"])
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("lse", [torch.empty((3, 16)), torch.empty((2, 16), dtype=torch.bfloat16),
                                  torch.empty((16, 2)).t()])
-def test_both_launchers_refuse_an_lse_of_the_wrong_shape_dtype_or_layout(launcher, lse):
-    if launcher == "split-K":
-        call, dots = flash_decode_serving, dict(dot_dtype="fp16")
-    else:
-        call, dots = fused_decode_serving, dict(qk_dot="fp16", pv_dot="fp16")
+def test_both_launchers_refuse_an_lse_of_the_wrong_shape_dtype_or_layout(kernel, lse):
     with pytest.raises(ValueError, match=r"lse must be a contiguous float32 \(2, 16\) tensor"):
-        call(**small_call(lse=lse, **dots))
+        KERNELS[kernel][0](**small_call(lse=lse, **_dots(kernel, "cpu")))

@@ -2,7 +2,6 @@
 declared cells run, the rest are refused. A padded slot of length 0, for every backend (the own
 kernels' too); on the H200 (`-m gpu`) the vendors' on the GPU."""
 
-import itertools
 import sys
 
 import pytest
@@ -21,21 +20,17 @@ from tests.helpers import (
     serving_input,
     vendor_fakes,
 )
+from tests.test_serving_correctness import GRID  # (layout, heads, q_len, kv) of every cell
 
 BACKENDS = {"flashmla": flash_mla, "flashinfer": flashinfer_mla, "aiter": aiter_mla}
 PACKAGES = {"flashmla": "flash_mla", "flashinfer": "flashinfer", "aiter": "aiter"}
-LAYOUTS = (0, 1, 16, 64)  # 0: contiguous; else the page size
-HEADS = (16, 128)
-Q_LENS = (1, 2, 4)
-KV_FORMATS = ("bf16", "fp8")
 KV_LENS = [3000, 1, 17, 63, 64, 65]
-CELLS = list(itertools.product(LAYOUTS, HEADS, Q_LENS, KV_FORMATS))
 H200 = gpu.fake_platform("H200")
 
 
 def _cells(name: str, served: bool) -> list[tuple]:
     caps = BACKENDS[name].CAPABILITIES
-    return [(name, *cell) for cell in CELLS if (caps.refusal(cell_spec(name, *cell)) is None) == served]
+    return [(name, *cell) for cell in GRID if (caps.refusal(cell_spec(name, *cell)) is None) == served]
 
 
 SERVED = [c for name in BACKENDS for c in _cells(name, True)]
