@@ -1,17 +1,12 @@
 """The one-launch fused decode (backend triton_fused, and fused_decode called directly for its
-V split: `v_split=2`, two programs per (split, sequence), each with half the V dims) against
-the fp32 reference.
+V split: two programs per (split, sequence), each with half the V dims) against the fp32
+reference.
 
-CPU: Triton's interpreter with fp16 dots (its bf16 dots are wrong), tiny shapes, the
-`none` and `last` reductions (`spin` waits for programs that the interpreter runs one after
-another, so it is tested on the GPU only). GPU: the 8 leaderboard shapes under `strict`
-(MXFP4 under `leaderboard`); the V split at three of them (16, 4 and 1 split) under `strict`
-with `last` and `spin`.
-
-gfx942's fp8 (float8_e4m3fnuz): Triton's AMD backend cannot convert fnuz to OCP e4m3
-("Unsupported conversion from 'f8E4M3FNUZ' to 'f8E4M3FN'", xcompile.md), so the fp8 a dot
-casts to follows the KV's dtype (fused_decode.fu_dot_code), and in-kernel q quantization uses
-that fp8's range.
+CPU: the interpreter with fp16 dots (its bf16 dots are wrong), reductions `none` and `last`
+(`spin` waits for programs the interpreter runs one after another: GPU only). GPU: the 8
+leaderboard shapes under `strict` (MXFP4 under `leaderboard`), the V split at three of them.
+gfx942's fp8 (e4m3fnuz) cannot be converted to e4m3 by Triton's AMD backend, so the fp8 a
+dot casts to follows the KV's dtype (fused_decode.fu_dot_code).
 """
 
 import math
@@ -70,23 +65,18 @@ def test_fused_decode_and_its_levers_match_the_reference(device, kv, lens, param
     assert rel_l2(out, problem.reference(data, q_format="bf16", kv_format=kv)) < 1e-2  # bf16 rounding: ~3e-3
 
 
-@pytest.mark.parametrize("lens,params,seed", [([50, 20], dict(num_splits=3), 3),
-                                              ([50, 20, 9], dict(num_splits=1, grid="persistent"), 5)])
-def test_last_reducer_and_persistent_grid_reset_their_counters_so_calls_repeat(device, lens, params, seed):
+# The first plan is for one sequence: the first call's larger ragged batch grows the buffers.
+@pytest.mark.parametrize("lens,params,seed,plan_batch", [([50, 20], dict(num_splits=3), 3, 1),
+                                                         ([50, 20, 9], dict(num_splits=1, grid="persistent"), 5, 3)])
+def test_last_reducer_and_persistent_grid_reset_their_counters_so_calls_repeat(device, lens, params, seed,
+                                                                                plan_batch):
     data = ragged_input(lens, seed=seed, device=device)
-    run = triton_fused.build(_variant(kv="fp8", reduce="last", **params), Shape(len(lens), 50), device)
+    run = triton_fused.build(_variant(kv="fp8", reduce="last", **params), Shape(plan_batch, 50), device)
     first = run(*data[:4]).clone()
     other = ragged_input([9, 61], seed=6, device=device)  # another batch between
     assert rel_l2(run(*other[:4]), problem.reference(other, q_format="bf16", kv_format="fp8")) < 1e-2
     assert torch.equal(first, run(*data[:4]))
     assert rel_l2(first, problem.reference(data, q_format="bf16", kv_format="fp8")) < 1e-2
-
-
-def test_larger_ragged_batch_than_planned_grows_buffers_once(device):
-    data = ragged_input([9, 30, 2], seed=4, device=device)
-    run = triton_fused.build(_variant(kv="bf16", num_splits=2, reduce="last"), Shape(1, 30), device)
-    out = run(*data[:4])
-    assert rel_l2(out, problem.reference(data, q_format="bf16", kv_format="bf16")) < 1e-2
 
 
 # MXFP4 bit dequantization (the kernel's integer bit operations) through the kernel itself:
@@ -233,52 +223,37 @@ GPU_FAMILIES = {
 }
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("family", list(GPU_FAMILIES))
-@pytest.mark.parametrize("batch,kv_len", LEADERBOARD_SHAPES)
-def test_leaderboard_shapes_pass_the_rule(family, batch, kv_len):
-    shape = Shape(batch, kv_len)
-    data = problem.generate_input(batch, kv_len, seed=1001, device="cuda")
-    ref = problem.reference(data)
-    rule = problem.RULES["leaderboard" if family == "mxfp4" else "strict"]
-    splits = max(1, min(32, 128 // batch, kv_len // GPU_FAMILIES[family]["block_n"]))
-    for reduce in (["spin", "last"] if splits > 1 else ["none"]):
-        variant = Variant.make("triton_fused", tok_m=True, num_splits=splits, reduce=reduce, **GPU_FAMILIES[family])
-        run = triton_fused.build(variant, shape, "cuda")
-        first = run(*data[:4]).clone()
-        result = problem.check(first, ref, rule)
-        assert result.passed, f"{variant}: {result.reason}"
-        assert torch.equal(first, run(*data[:4])), f"{variant}: a second call differs"
-
-
-# The levers at the 8 shapes: each on the best split plan's compile parameters (the
-# fp8-q family) or the MXFP4 family; strict for fp8, leaderboard for MXFP4.
+# The levers on the fp8-q and MXFP4 families (the fused reduction `last` where splits > 1);
+# without a lever, every family with reductions `spin` and `last`.
 GPU_LEVERS = {
     "tma": dict(load="tma"),
     "tma_host": dict(load="tma_host"),
     "persistent": dict(grid="persistent", num_splits=1, reduce="last"),
     "persistent_tma": dict(grid="persistent", load="tma", num_splits=1, reduce="last"),
 }
+GPU_CASES = [(family, None) for family in GPU_FAMILIES] + [
+    (family, lever) for lever in GPU_LEVERS for family in ("fp8_q8", "mxfp4")]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("lever", list(GPU_LEVERS))
-@pytest.mark.parametrize("family", ["fp8_q8", "mxfp4"])
+@pytest.mark.parametrize("family,lever", GPU_CASES, ids=lambda v: str(v))
 @pytest.mark.parametrize("batch,kv_len", LEADERBOARD_SHAPES)
-def test_leaderboard_shapes_pass_the_rule_with_the_levers(lever, family, batch, kv_len):
-    shape = Shape(batch, kv_len)
+def test_leaderboard_shapes_pass_the_rule(family, lever, batch, kv_len):
     data = problem.generate_input(batch, kv_len, seed=1001, device="cuda")
+    ref = problem.reference(data)
     rule = problem.RULES["leaderboard" if family == "mxfp4" else "strict"]
     splits = max(1, min(32, 128 // batch, kv_len // GPU_FAMILIES[family]["block_n"]))
-    plan = dict(num_splits=splits, reduce="last" if splits > 1 else "none")
-    variant = Variant.make("triton_fused", tok_m=True, **{**GPU_FAMILIES[family], **plan, **GPU_LEVERS[lever]})
-    run = triton_fused.build(variant, shape, "cuda")
-    first = run(*data[:4]).clone()
-    result = problem.check(first, problem.reference(data), rule)
-    assert result.passed, f"{variant}: {result.reason}"
-    assert torch.equal(first, run(*data[:4])), f"{variant}: a second call differs"
+    reduces = ["none"] if splits == 1 else ["last"] if lever else ["spin", "last"]
+    for reduce in reduces:
+        plan = dict(num_splits=splits, reduce=reduce)
+        params = {**GPU_FAMILIES[family], **plan, **GPU_LEVERS.get(lever, {})}
+        variant = Variant.make("triton_fused", tok_m=True, **params)
+        run = triton_fused.build(variant, Shape(batch, kv_len), "cuda")
+        first = run(*data[:4]).clone()
+        result = problem.check(first, ref, rule)
+        assert result.passed, f"{variant}: {result.reason}"
+        assert torch.equal(first, run(*data[:4])), f"{variant}: a second call differs"
 
 
 # ----------------------------------------------------------- the V split, called directly
