@@ -47,6 +47,9 @@ def test_validate_accepts_the_base_and_names_each_bad_parameter():
         (dict(num_warps=4), r"unknown parameter num_warps"),
         (dict(block_n=128, num_stages=3), r"needs 293144 B of shared memory .* use fewer stages"),
         (dict(num_stages=4, v_path="ss16a"), r"needs 241952 B of shared memory"),
+        (dict(q_load="thrice"), "q_load=thrice is not allowed; allowed: twice, first"),
+        (dict(part="fp16"), "part=fp16 is not allowed; allowed: fp32, bf16"),
+        (dict(reduce="last"), "reduce"),  # last: not offered, slower wherever measured
     ]:
         with pytest.raises(ValueError, match=match):
             gluon_fused.validate(_variant(**params))
@@ -245,11 +248,6 @@ def test_reduce_q_load_and_part_are_later_parameters_offered_where_they_mean_som
     gluon_fused.validate(old)
     gluon_fused.validate(_variant(num_splits=4, q_load="first", part="bf16"))
     gluon_fused.validate(_variant(reduce="spin"))
-    for params, match in [(dict(q_load="thrice"), "q_load=thrice is not allowed; allowed: twice, first"),
-                          (dict(part="fp16"), "part=fp16 is not allowed; allowed: fp32, bf16"),
-                          (dict(reduce="last"), "reduce")]:  # last: not offered, slower wherever measured
-        with pytest.raises(ValueError, match=match):
-            gluon_fused.validate(_variant(**params))
     space = {"num_stages": [2], "v_path": ["rs8"], "q_load": ["twice", "first"], "part": ["fp32", "bf16"]}
     found = gluon_fused.candidates(Shape(4, 1024), space, None)
     by = {(v.get("num_splits"), v.get("q_load", "twice"), v.get("part", "fp32")) for v in found}
