@@ -1,11 +1,7 @@
-"""The serving runners' step API and the replayed Triton launches (mla_tune/kernels/launch.py).
-
-On the CPU (Triton's interpreter): a step's layers through DecodePlan answer as the plain
-runner and the fp32 reference for both own backends; the interpreter takes the JIT path
-(nothing is recorded); the replay's guard, substitution and step-to-step keeping, on fake
-objects; FlashMLA's and FlashInfer's steps through the CPU fakes. GPU-marked: replays
-bit-identical to the JIT launch across layers, a misaligned q falling back, and the host
-time of DecodePlan.run (a CUDA graph of update + runs: tests/test_graph_replay.py).
+"""The serving runners' step API and the replayed Triton launches (mla_tune/kernels/launch.py):
+a step's layers answer as the plain runner and the reference (own backends interpreted, the
+vendors through their CPU fakes); the replay's guard and substitution on fake objects. GPU:
+replays bit-identical to the JIT launch, a misaligned q falling back, DecodePlan.run's host time.
 """
 
 import inspect

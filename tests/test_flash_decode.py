@@ -172,22 +172,19 @@ SPACE = {"kv": ["fp8", "bf16"], "q": ["bf16", "fp8_static"], "num_splits": [1, 2
          "block_n": [32], "num_warps": [4], "num_stages": [1], "dot_dtype": ["bf16"]}
 
 
-def test_candidates_drop_splits_shorter_than_a_tile():
-    variants = triton_splitk.candidates(Shape(4, 100), SPACE, fake_platform("H200"))
-    assert {v.get("num_splits") for v in variants} == {1, 2}  # 100 / 4 = 25 < 32
-    assert len(variants) == 2 * 2 * 2
+@pytest.mark.parametrize("shape,splits,kept", [
+    (Shape(4, 100), [1, 2, 4, 8], {1, 2}),  # 100 / 4 = 25 < 32: splits shorter than a tile
+    (Shape(4, 1), [1, 2, 4, 8], {1}),
+    (Shape(256, 8192), [4, 8], {4}),  # 256 x 8 > 4 x 132; 4 is the smallest
+    (Shape(4, 8192), [4, 8], {4, 8}),
+], ids=["short-splits", "one-token", "over-four-waves", "within-four-waves"])
+def test_candidates_drop_splits_shorter_than_a_tile_and_grids_over_four_waves(shape, splits, kept):
+    space = {**SPACE, "num_splits": splits}
+    variants = triton_splitk.candidates(shape, space, fake_platform("H200"))
+    assert {v.get("num_splits") for v in variants} == kept
+    assert len(variants) == 2 * 2 * len(kept)  # every kv x q
     assert all(v.get("kv") and v.get("q") for v in variants)
     assert all(v.get("q_amax") is None for v in variants)
-    only_one = triton_splitk.candidates(Shape(4, 1), SPACE, fake_platform("H200"))
-    assert {v.get("num_splits") for v in only_one} == {1}
-
-
-def test_candidates_drop_grids_over_four_waves_but_keep_the_smallest():
-    space = {**SPACE, "num_splits": [4, 8]}
-    big = triton_splitk.candidates(Shape(256, 8192), space, fake_platform("H200"))
-    assert {v.get("num_splits") for v in big} == {4}  # 256 x 8 > 4 x 132; 4 is the smallest
-    small = triton_splitk.candidates(Shape(4, 8192), space, fake_platform("H200"))
-    assert {v.get("num_splits") for v in small} == {4, 8}
 
 
 def test_hip_options_are_offered_only_on_rocm():

@@ -1,17 +1,12 @@
 """The one-launch fused decode (backend triton_fused, and fused_decode called directly for its
-V split: `v_split=2`, two programs per (split, sequence), each with half the V dims) against
-the fp32 reference.
+V split: two programs per (split, sequence), each with half the V dims) against the fp32
+reference.
 
-CPU: Triton's interpreter with fp16 dots (its bf16 dots are wrong), tiny shapes, the
-`none` and `last` reductions (`spin` waits for programs that the interpreter runs one after
-another, so it is tested on the GPU only). GPU: the 8 leaderboard shapes under `strict`
-(MXFP4 under `leaderboard`); the V split at three of them (16, 4 and 1 split) under `strict`
-with `last` and `spin`.
-
-gfx942's fp8 (float8_e4m3fnuz): Triton's AMD backend cannot convert fnuz to OCP e4m3
-("Unsupported conversion from 'f8E4M3FNUZ' to 'f8E4M3FN'", xcompile.md), so the fp8 a dot
-casts to follows the KV's dtype (fused_decode.fu_dot_code), and in-kernel q quantization uses
-that fp8's range.
+CPU: the interpreter with fp16 dots (its bf16 dots are wrong), reductions `none` and `last`
+(`spin` waits for programs the interpreter runs one after another: GPU only). GPU: the 8
+leaderboard shapes under `strict` (MXFP4 under `leaderboard`), the V split at three of them.
+gfx942's fp8 (e4m3fnuz) cannot be converted to e4m3 by Triton's AMD backend, so the fp8 a
+dot casts to follows the KV's dtype (fused_decode.fu_dot_code).
 """
 
 import math
@@ -70,11 +65,13 @@ def test_fused_decode_and_its_levers_match_the_reference(device, kv, lens, param
     assert rel_l2(out, problem.reference(data, q_format="bf16", kv_format=kv)) < 1e-2  # bf16 rounding: ~3e-3
 
 
-@pytest.mark.parametrize("lens,params,seed", [([50, 20], dict(num_splits=3), 3),
-                                              ([50, 20, 9], dict(num_splits=1, grid="persistent"), 5)])
-def test_last_reducer_and_persistent_grid_reset_their_counters_so_calls_repeat(device, lens, params, seed):
+# The first plan is for one sequence: the first call's larger ragged batch grows the buffers.
+@pytest.mark.parametrize("lens,params,seed,plan_batch", [([50, 20], dict(num_splits=3), 3, 1),
+                                                         ([50, 20, 9], dict(num_splits=1, grid="persistent"), 5, 3)])
+def test_last_reducer_and_persistent_grid_reset_their_counters_so_calls_repeat(device, lens, params, seed,
+                                                                                plan_batch):
     data = ragged_input(lens, seed=seed, device=device)
-    run = triton_fused.build(_variant(kv="fp8", reduce="last", **params), Shape(len(lens), 50), device)
+    run = triton_fused.build(_variant(kv="fp8", reduce="last", **params), Shape(plan_batch, 50), device)
     first = run(*data[:4]).clone()
     other = ragged_input([9, 61], seed=6, device=device)  # another batch between
     assert rel_l2(run(*other[:4]), problem.reference(other, q_format="bf16", kv_format="fp8")) < 1e-2
@@ -82,23 +79,16 @@ def test_last_reducer_and_persistent_grid_reset_their_counters_so_calls_repeat(d
     assert rel_l2(first, problem.reference(data, q_format="bf16", kv_format="fp8")) < 1e-2
 
 
-def test_larger_ragged_batch_than_planned_grows_buffers_once(device):
-    data = ragged_input([9, 30, 2], seed=4, device=device)
-    run = triton_fused.build(_variant(kv="bf16", num_splits=2, reduce="last"), Shape(1, 30), device)
-    out = run(*data[:4])
-    assert rel_l2(out, problem.reference(data, q_format="bf16", kv_format="bf16")) < 1e-2
-
-
 # MXFP4 bit dequantization (the kernel's integer bit operations) through the kernel itself:
 # one token per sequence and q = 0 make every score 0, so p = 1, l = 1 and the output is the
 # token's V row as the kernel dequantized it into the dot dtype, then rounded to bf16. Block
 # j's byte i holds code i in its low nibble and (i + j) % 16 in its high one: every block
 # has all 16 E2M1 codes in both nibbles, and the 16 blocks of a row all 256 byte values.
-def _mx_rows_through_decode(scale_bytes: list[int], params: dict, device):
-    """(out [rows, 16, 512] fp32, ref [rows, 512] fp32, byte [rows, 512]): the decode's output
-    for single-token rows whose 16 V blocks take `scale_bytes` in order (further blocks, and
-    the rope blocks, scale byte 127), the fp32 reference dequantization, and each output
-    dim's scale byte."""
+def _mx_rows_through_decode(scale_bytes: list[int], params: dict, device, exact_from: int):
+    """The decode's output for single-token rows whose 16 V blocks take `scale_bytes` in order
+    (further blocks, and the rope blocks, scale byte 127), asserted equal to the fp32
+    reference dequantization where the scale byte is >= exact_from; (the largest error
+    anywhere, each output dim's scale byte [rows, 512])."""
     rows = -(-len(scale_bytes) // 16)
     flat = torch.full((rows * 16,), 127, dtype=torch.uint8)
     flat[: len(scale_bytes)] = torch.tensor(scale_bytes, dtype=torch.uint8)
@@ -112,9 +102,12 @@ def _mx_rows_through_decode(scale_bytes: list[int], params: dict, device):
     variant = Variant.make("triton_fused", **{**params, "kv": "mxfp4", "q": "bf16", "num_splits": 1, "reduce": "none"})
     run = triton_fused.build(variant, Shape(rows, 1), device)
     out = run(q, {"mxfp4": (packed.to(device), scales.to(device))}, indptr, indptr)
-    ref = problem.dequantize_mxfp4(packed, scales)[:, :512]
+    out = out.float().cpu()
+    ref = problem.dequantize_mxfp4(packed, scales)[:, None, :512].expand_as(out)
     byte = scales[:, :16].repeat_interleave(32, dim=1).int()
-    return out.float().cpu(), ref, byte
+    exact = (byte >= exact_from)[:, None, :].expand_as(out)
+    assert torch.equal(out[exact], ref[exact])
+    return float((out - ref).abs().max()), byte
 
 
 def test_mxfp4_bit_dequantization_is_exact_for_every_code_at_the_fp16_dots_scales(device):
@@ -122,12 +115,9 @@ def test_mxfp4_bit_dequantization_is_exact_for_every_code_at_the_fp16_dots_scale
     # an fp16 value exactly for scale bytes 104..140; bytes above make inf K and NaN scores,
     # bytes below round to fp16's subnormal grid of 2^-24, so only their error (at most
     # 2^-25) is checked. The GPU test below covers bytes 0..252 with bf16 dots.
-    out, ref, byte = _mx_rows_through_decode(list(range(141)), CPU_BASE, device)
-    exact = (byte >= 104)[:, None, :].expand_as(out)
-    full_ref = ref[:, None, :].expand_as(out)
+    err, byte = _mx_rows_through_decode(list(range(141)), CPU_BASE, device, exact_from=104)
     assert set(byte[byte >= 104].tolist()) == set(range(104, 141))  # (and byte 127's padding)
-    assert torch.equal(out[exact], full_ref[exact])
-    assert float((out - full_ref).abs().max()) <= 2.0**-25
+    assert err <= 2.0**-25
 
 
 @pytest.mark.gpu
@@ -139,11 +129,8 @@ def test_mxfp4_bit_dequantization_is_exact_for_every_code_and_scale_on_the_gpu(t
     # (byte 0's scale 2^-127 itself, byte 1's 0.5 x 2^-126), which the GPU may flush; all
     # their values are below 2^-123, so only the error's size is checked there.
     params = {**GPU_FAMILIES["mxfp4"], "tok_m": tok_m}
-    out, ref, byte = _mx_rows_through_decode(list(range(253)), params, "cuda")
-    exact = (byte >= 2)[:, None, :].expand_as(out)
-    full_ref = ref[:, None, :].expand_as(out)
-    assert torch.equal(out[exact], full_ref[exact])
-    assert float((out - full_ref).abs().max()) < 2.0**-123
+    err, _ = _mx_rows_through_decode(list(range(253)), params, "cuda", exact_from=2)
+    assert err < 2.0**-123
 
 
 def test_candidates_follow_the_validity_rules():
@@ -233,52 +220,37 @@ GPU_FAMILIES = {
 }
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("family", list(GPU_FAMILIES))
-@pytest.mark.parametrize("batch,kv_len", LEADERBOARD_SHAPES)
-def test_leaderboard_shapes_pass_the_rule(family, batch, kv_len):
-    shape = Shape(batch, kv_len)
-    data = problem.generate_input(batch, kv_len, seed=1001, device="cuda")
-    ref = problem.reference(data)
-    rule = problem.RULES["leaderboard" if family == "mxfp4" else "strict"]
-    splits = max(1, min(32, 128 // batch, kv_len // GPU_FAMILIES[family]["block_n"]))
-    for reduce in (["spin", "last"] if splits > 1 else ["none"]):
-        variant = Variant.make("triton_fused", tok_m=True, num_splits=splits, reduce=reduce, **GPU_FAMILIES[family])
-        run = triton_fused.build(variant, shape, "cuda")
-        first = run(*data[:4]).clone()
-        result = problem.check(first, ref, rule)
-        assert result.passed, f"{variant}: {result.reason}"
-        assert torch.equal(first, run(*data[:4])), f"{variant}: a second call differs"
-
-
-# The levers at the 8 shapes: each on the best split plan's compile parameters (the
-# fp8-q family) or the MXFP4 family; strict for fp8, leaderboard for MXFP4.
+# The levers on the fp8-q and MXFP4 families (the fused reduction `last` where splits > 1);
+# without a lever, every family with reductions `spin` and `last`.
 GPU_LEVERS = {
     "tma": dict(load="tma"),
     "tma_host": dict(load="tma_host"),
     "persistent": dict(grid="persistent", num_splits=1, reduce="last"),
     "persistent_tma": dict(grid="persistent", load="tma", num_splits=1, reduce="last"),
 }
+GPU_CASES = [(family, None) for family in GPU_FAMILIES] + [
+    (family, lever) for lever in GPU_LEVERS for family in ("fp8_q8", "mxfp4")]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("lever", list(GPU_LEVERS))
-@pytest.mark.parametrize("family", ["fp8_q8", "mxfp4"])
+@pytest.mark.parametrize("family,lever", GPU_CASES, ids=lambda v: str(v))
 @pytest.mark.parametrize("batch,kv_len", LEADERBOARD_SHAPES)
-def test_leaderboard_shapes_pass_the_rule_with_the_levers(lever, family, batch, kv_len):
-    shape = Shape(batch, kv_len)
+def test_leaderboard_shapes_pass_the_rule(family, lever, batch, kv_len):
     data = problem.generate_input(batch, kv_len, seed=1001, device="cuda")
+    ref = problem.reference(data)
     rule = problem.RULES["leaderboard" if family == "mxfp4" else "strict"]
     splits = max(1, min(32, 128 // batch, kv_len // GPU_FAMILIES[family]["block_n"]))
-    plan = dict(num_splits=splits, reduce="last" if splits > 1 else "none")
-    variant = Variant.make("triton_fused", tok_m=True, **{**GPU_FAMILIES[family], **plan, **GPU_LEVERS[lever]})
-    run = triton_fused.build(variant, shape, "cuda")
-    first = run(*data[:4]).clone()
-    result = problem.check(first, problem.reference(data), rule)
-    assert result.passed, f"{variant}: {result.reason}"
-    assert torch.equal(first, run(*data[:4])), f"{variant}: a second call differs"
+    reduces = ["none"] if splits == 1 else ["last"] if lever else ["spin", "last"]
+    for reduce in reduces:
+        plan = dict(num_splits=splits, reduce=reduce)
+        params = {**GPU_FAMILIES[family], **plan, **GPU_LEVERS.get(lever, {})}
+        variant = Variant.make("triton_fused", tok_m=True, **params)
+        run = triton_fused.build(variant, Shape(batch, kv_len), "cuda")
+        first = run(*data[:4]).clone()
+        result = problem.check(first, ref, rule)
+        assert result.passed, f"{variant}: {result.reason}"
+        assert torch.equal(first, run(*data[:4])), f"{variant}: a second call differs"
 
 
 # ----------------------------------------------------------- the V split, called directly

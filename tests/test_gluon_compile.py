@@ -1,15 +1,8 @@
 """The Gluon kernels compile for sm_90 with the installed Triton, on a machine without a GPU:
-gluon_fused's leaderboard decode (its launches, shared memory and PTX) and its serving
-kernel (without spills, within an H200 block's shared memory).
-
-The launches are captured from the backends' real paths and compiled for the H200's target, as
-`mla-tune compile` does (mla_tune.xcompile.capture: `build(variant, shape, meta)` and one call
-with meta tensors at the real shape, each launch recorded instead of run; xcompile.targets:
-bound as `JITFunction.run` binds it, then `triton.compile` for sm_90, whose ptxas ships in
-Triton's wheel).
-CI runs this with Triton 3.9; the same file runs under the contest's Triton 3.6 with
-`/work/venv36/bin/python -m pytest -q tests/test_gluon_compile.py`. Compiling is not running:
-only 3.6 has run the kernel on an H200 (docs/perf.md).
+gluon_fused's leaderboard decode (its launches, shared memory and PTX) and its serving kernel
+(without spills, within an H200 block's shared memory), captured from the backends' real paths
+as `mla-tune compile` does. CI runs this with Triton 3.9; the contest's Triton 3.6 runs it with
+`/work/venv36/bin/python -m pytest -q tests/test_gluon_compile.py`.
 """
 
 import re
@@ -58,11 +51,9 @@ SERVING_IDS = ["fp8-page64-h128-q2-lse", "bf16-page128-h64-q4-lse-halves"]
 
 
 def compile_cases() -> dict:
-    """What the tests assert on: each case's launches, captured and compiled for the H200 as
-    `mla-tune compile` does (the decode's with their PTX, the serving kernel's at batch 3 as
-    compile_bound's records). Needs a process without TRITON_INTERPRET (the suite's conftest
-    sets it, and the interpreter's jit functions cannot be compiled), so the tests run it in a
-    child process."""
+    """Each case's launches compiled for the H200 (the decode's with their PTX, the serving
+    kernel's at batch 3 as compile_bound's records). The interpreter's jit functions cannot be
+    compiled, so the tests run this in a child process without TRITON_INTERPRET."""
     from mla_tune import gpu
     from mla_tune.xcompile import capture, targets
 

@@ -1,15 +1,12 @@
-"""The Gluon decode: its backend's parameters and guard on the CPU, the kernel
-itself on the H200 (`pytest -m gpu`, Triton 3.6). Gluon has no CPU interpreter, so the
-kernel's correctness is only checked there; the split reduction launch is plain Triton and
-runs under the interpreter here.
+"""The Gluon decode: its backend's parameters and guard on the CPU (Gluon has no CPU
+interpreter; the split reduction launch is plain Triton and runs here), the kernel on the
+H200 (`pytest -m gpu`, Triton 3.6).
 
-What the GPU tests expect: `kernel_math`, the kernel's documented arithmetic in torch (q
-quantized to fp8 with one scale per (sequence, head), fp8 KV, fp32 scores, P rounded to fp16,
-fp32 sums, bf16 out), under `strict`; and, independently, that the output is no further from
-the exact answer (bf16 q and KV, fp32) than the leaderboard's own fp8 reference is. The
-leaderboard reference quantizes q with one scale for the whole tensor: at 17 tokens that
-difference alone puts 13-25% of the elements outside strict's 1% (the CPU test below shows
-it), so it cannot be the strict expectation of a per-head kernel.
+The GPU tests expect `kernel_math` (the kernel's arithmetic in torch: q quantized to fp8 per
+(sequence, head), fp32 scores, P in fp16, bf16 out) under `strict`, and an output no further
+from the exact answer than the leaderboard's fp8 reference is. That reference quantizes q per
+tensor, which alone puts 13-25% of the elements outside strict at 17 tokens (the CPU test
+shows it): it cannot be the strict expectation of a per-head kernel.
 """
 
 import functools
@@ -26,6 +23,7 @@ from mla_tune.backends import gluon_fused
 from mla_tune.core import QK_DIM, SM_SCALE, V_DIM, Shape, Variant
 from mla_tune.kernels import gluon_decode
 from tests.helpers import ragged_input, rel_l2
+from tests.test_fused_decode import _Bufs  # gluon_decode takes the same buffers
 
 BASE = dict(kv="fp8", q="fp8_dynamic", block_n=64, num_stages=3, num_splits=1, v_path="ss16")
 
@@ -49,6 +47,9 @@ def test_validate_accepts_the_base_and_names_each_bad_parameter():
         (dict(num_warps=4), r"unknown parameter num_warps"),
         (dict(block_n=128, num_stages=3), r"needs 293144 B of shared memory .* use fewer stages"),
         (dict(num_stages=4, v_path="ss16a"), r"needs 241952 B of shared memory"),
+        (dict(q_load="thrice"), "q_load=thrice is not allowed; allowed: twice, first"),
+        (dict(part="fp16"), "part=fp16 is not allowed; allowed: fp32, bf16"),
+        (dict(reduce="last"), "reduce"),  # last: not offered, slower wherever measured
     ]:
         with pytest.raises(ValueError, match=match):
             gluon_fused.validate(_variant(**params))
@@ -57,8 +58,7 @@ def test_validate_accepts_the_base_and_names_each_bad_parameter():
 
 
 def test_shared_memory_estimates_match_the_compilers_figures():
-    # ptxas/Triton 3.6 offline compiles (scripts/gluon_probe.py --decode at 9401329, docs/perf.md;
-    # per V half: --decode 64/2/ss16a/split/h2 ...): the backend's figure and the kernel module's
+    # Triton 3.6 offline compiles (docs/perf.md): the backend's figure and the kernel module's
     assert gluon_fused._gf_smem_bytes(64, 3) == 151832
     assert gluon_fused._gf_smem_bytes(64, 4) == 192800
     assert gluon_fused._gf_smem_bytes(64, 3, "ss16a") == 200984
@@ -248,11 +248,6 @@ def test_reduce_q_load_and_part_are_later_parameters_offered_where_they_mean_som
     gluon_fused.validate(old)
     gluon_fused.validate(_variant(num_splits=4, q_load="first", part="bf16"))
     gluon_fused.validate(_variant(reduce="spin"))
-    for params, match in [(dict(q_load="thrice"), "q_load=thrice is not allowed; allowed: twice, first"),
-                          (dict(part="fp16"), "part=fp16 is not allowed; allowed: fp32, bf16"),
-                          (dict(reduce="last"), "reduce")]:  # last: not offered, slower wherever measured
-        with pytest.raises(ValueError, match=match):
-            gluon_fused.validate(_variant(**params))
     space = {"num_stages": [2], "v_path": ["rs8"], "q_load": ["twice", "first"], "part": ["fp32", "bf16"]}
     found = gluon_fused.candidates(Shape(4, 1024), space, None)
     by = {(v.get("num_splits"), v.get("q_load", "twice"), v.get("part", "fp32")) for v in found}
@@ -384,21 +379,17 @@ def test_spin_is_refused_for_a_grid_the_gpu_cannot_hold_at_once():
         check(1, 2, **{**base, "reduce": "atomic"})
     with pytest.raises(ValueError, match="v_halves must be 1 or 2"):
         check(1, 2, **{**base, "v_halves": 4})
+    # warp specialization: ws 1 keeps two CTAs per SM, ws 2 (registers) one
+    check(64, 4, **base, ws=1)  # 256 programs
+    check(32, 4, **{**base, "num_stages": 4}, ws=2)  # 128 programs
+    with pytest.raises(ValueError, match=r"256 programs > 132 SMs x 1 CTAs per SM .*ws 2"):
+        check(64, 4, **base, ws=2)
+    check(64, 4, **{**base, "reduce": "launch"}, ws=2)  # two waves are fine without a barrier
+    with pytest.raises(ValueError, match=r"ws must be one of 0, 1, 2"):
+        check(1, 1, **base, ws=3)
 
 
-class _GdBufs:
-    """gluon_decode's buffers for up to `batch` sequences x `splits` splits; the counters and
-    flags zeroed once, as a caller does."""
-
-    def __init__(self, batch: int, splits: int):
-        self.part_o = torch.empty(batch * splits * 16 * V_DIM, dtype=torch.float32, device="cuda")
-        self.part_lse = torch.empty(batch * splits * 16, dtype=torch.float32, device="cuda")
-        self.count = torch.zeros(2 * batch, dtype=torch.int32, device="cuda")
-        self.flag = torch.zeros(2 * batch, dtype=torch.int32, device="cuda")
-        self.out = torch.empty((batch, 16, V_DIM), dtype=torch.bfloat16, device="cuda")
-
-
-def run_gluon(data, bufs: _GdBufs, *, num_splits: int, reduce: str, v_halves: int = 1,
+def run_gluon(data, bufs: _Bufs, *, num_splits: int, reduce: str, v_halves: int = 1,
               block_n: int = 64, num_stages: int = 2, v_path: str = "rs8",
               ws: int = 0) -> torch.Tensor:
     """One gluon_decode call on the leaderboard inputs; the output is NaN-filled first, so
@@ -420,7 +411,7 @@ def run_gluon(data, bufs: _GdBufs, *, num_splits: int, reduce: str, v_halves: in
 def run_twice(data, *, num_splits: int, **opts) -> torch.Tensor:
     """Two run_gluon calls (opts: its keywords) on fresh buffers; the first's output, which
     the second repeats bit for bit."""
-    bufs = _GdBufs(data[0].shape[0], num_splits)
+    bufs = _Bufs(data[0].shape[0], num_splits, "cuda")
     first = run_gluon(data, bufs, num_splits=num_splits, **opts).clone()
     again = run_gluon(data, bufs, num_splits=num_splits, **opts)
     assert torch.equal(first, again), f"{num_splits} splits, {opts}: a second call differs"
@@ -460,8 +451,8 @@ def test_inkernel_reduce_and_v_halves_on_the_other_v_paths(path, reduce, v_halve
         if reduce == "spin" and batch * splits * v_halves > sm_count * per_sm:
             continue  # not resident at once (ss16a/2 and rs16/3 hold one CTA per SM)
         data = problem.generate_input(batch, kv_len, seed=batch * 31 + kv_len, device="cuda")
-        out = run_gluon(data, _GdBufs(batch, splits), num_splits=splits, reduce=reduce, v_halves=v_halves,
-                        num_stages=int(stages), v_path=v_path)
+        out = run_gluon(data, _Bufs(batch, splits, "cuda"), num_splits=splits, reduce=reduce,
+                        v_halves=v_halves, num_stages=int(stages), v_path=v_path)
         what = f"{path}, {splits} splits, reduce {reduce}, v_halves {v_halves} at {batch}x{kv_len}"
         check(out, expect(data), what)
 
@@ -472,7 +463,8 @@ def test_inkernel_reduce_and_v_halves_on_the_other_v_paths(path, reduce, v_halve
 def test_inkernel_reduce_ragged_batch_with_empty_splits(reduce, v_halves):
     data = ragged_input([1, 17, 3000, 64, 130], seed=9, device="cuda")
     for splits in (3, 4):
-        out = run_gluon(data, _GdBufs(5, splits), num_splits=splits, reduce=reduce, v_halves=v_halves)
+        bufs = _Bufs(5, splits, "cuda")
+        out = run_gluon(data, bufs, num_splits=splits, reduce=reduce, v_halves=v_halves)
         check(out, expect(data), f"ragged, {splits} splits, reduce {reduce}, v_halves {v_halves}")
 
 
@@ -480,7 +472,7 @@ def test_inkernel_reduce_ragged_batch_with_empty_splits(reduce, v_halves):
 @pytest.mark.parametrize("v_halves", [1, 2])
 @pytest.mark.parametrize("reduce", ["last", "spin"])
 def test_inkernel_reduce_counters_reset_so_calls_repeat(reduce, v_halves):
-    bufs = _GdBufs(8, 16)
+    bufs = _Bufs(8, 16, "cuda")
     data = problem.generate_input(8, 1024, seed=21, device="cuda")
     other = ragged_input([300, 1024, 5], seed=22, device="cuda")
     calls = [run_gluon(data, bufs, num_splits=16, reduce=reduce, v_halves=v_halves).clone() for _ in range(3)]

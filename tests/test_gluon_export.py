@@ -1,8 +1,6 @@
-"""gluon_fused in the registry, the leaderboard sweep space and the export (CPU side).
-
-Gluon has no CPU interpreter, so here the export of a table with a gluon_fused winner must
-be self-contained, import without mla_tune, and refuse the gluon row with the reason and the
-fix; the GPU side is scripts/check_submission.py on such an export (docs/perf.md)."""
+"""gluon_fused in the registry, the leaderboard sweep space and the export (CPU side): Gluon has
+no CPU interpreter, so an export with a gluon_fused winner must be self-contained, import
+without mla_tune, and refuse the gluon row with the reason and the fix."""
 
 import subprocess
 import sys

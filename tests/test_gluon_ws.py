@@ -1,8 +1,6 @@
-"""Warp specialization of the Gluon decode: the constexpr WS of kernels/gluon_decode.py and
-the backend's later parameter `ws`. On the CPU: its rules, shared memory, residency and
-candidates, and its dispatch to the launch (the kernel replaced by a recorder: Gluon has no
-CPU interpreter). On the GPU (`pytest -m gpu`, the H200's Triton 3.6): ws 1 and 2 against
-tests/test_gluon_decode.py's `expect` and `check`, at the leaderboard and odd shapes.
+"""Warp specialization (`ws`) of the Gluon decode. CPU: its rules, shared memory, residency,
+candidates and launch (the kernel replaced by a recorder: Gluon has no CPU interpreter).
+GPU: ws 1 and 2 against tests/test_gluon_decode.py's `check`, leaderboard and odd shapes.
 """
 
 import math
@@ -43,7 +41,7 @@ def test_ws_is_a_later_parameter_validated_by_value_and_shared_memory():
 
 def test_shared_memory_and_residency_with_ws_match_the_compilers_figures():
     smem = gluon_decode.gd_smem_bytes
-    # Triton 3.6 offline compiles for sm_90a (scripts/bench_issue11.py --compile at 9401329, docs/perf.md)
+    # Triton 3.6 offline compiles for sm_90a (docs/perf.md)
     assert [smem(64, st, "rs8", 1, 1) for st in (2, 3, 4, 5)] == [94564, 135548, 176516, 217500]
     assert [smem(64, st, "rs8", 1, 2) for st in (2, 3, 4, 5)] == [96880, 137872, 178832, 219824]
     assert smem(64, 2, "ss16", 1, 1) == 110948 and smem(128, 2, "ss16", 1, 1) == 211300
@@ -73,18 +71,6 @@ def test_the_kernels_register_requests_are_the_modules_constants():
     one, two = gluon_decode.GD_WS_WORKER_REGS[1], gluon_decode.GD_WS_WORKER_REGS[2]
     assert f"], [1], [{one[0]}])" in source
     assert f"], [4, 1], [{two[0]}, {two[1]}])" in source
-
-
-def test_spin_residency_counts_ws2_as_one_cta_per_sm():
-    check = gluon_decode.gd_check_launch
-    base = dict(block_n=64, num_stages=2, v_path="rs8", reduce="spin", sm_count=132)
-    check(64, 4, **base, ws=1)  # 256 programs, 2 per SM
-    check(32, 4, **{**base, "num_stages": 4}, ws=2)  # 128 programs, 1 per SM
-    with pytest.raises(ValueError, match=r"256 programs > 132 SMs x 1 CTAs per SM .*ws 2"):
-        check(64, 4, **base, ws=2)
-    check(64, 4, **{**base, "reduce": "launch"}, ws=2)  # two waves are fine without a barrier
-    with pytest.raises(ValueError, match=r"ws must be one of 0, 1, 2"):
-        check(1, 1, **base, ws=3)
 
 
 def test_candidates_offer_ws_only_where_asked_and_where_it_can_pay():

@@ -1,10 +1,8 @@
 """The one-launch q quantizer against torch's quantization, value for value, and a static q
 scale caught when a call's q exceeds it: the quantizer's device counter, q_range_count, and
-the runtime's check_q_range modes and q_saturation().
-
-Values, not bits: a tiny negative q that rounds to zero comes out +0 here and -0 from
-torch (the rounding trick in flash_decode.round_to_mantissa drops the sign of a zero),
-which no dot can tell apart. Seeded, so a failure reproduces."""
+the runtime's check_q_range modes and q_saturation(). Values, not bits: a tiny negative q
+that rounds to zero comes out +0 here and -0 from torch (flash_decode.round_to_mantissa
+drops a zero's sign), which no dot can tell apart."""
 
 import warnings
 from pathlib import Path
