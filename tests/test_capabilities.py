@@ -1,7 +1,5 @@
-"""Each backend's CAPABILITIES, declared once and read by the registry, the sweep, the
-dispatcher, the precompile default, the provenance, the runtime, the export and mla-tune
-compile and time; rules read a fact a backend declares (a CAPABILITIES field, a hook), not its
-name: made-up backends follow the fact, today's keep their behaviour."""
+"""Each backend's CAPABILITIES, declared once and read wherever a rule needs a fact about it (a
+field, a hook), never its name: made-up backends follow the fact, today's keep their behaviour."""
 
 import ast
 import re
@@ -60,8 +58,7 @@ def _config(backends: dict):
 
 @pytest.fixture
 def plugins(tmp_path, monkeypatch):
-    """plugins({name: (Capabilities arguments or None, extra source)}): made-up backends
-    (no rule knows their names), registered by tests.helpers.register_backends."""
+    """plugins({name: (Capabilities arguments or None, extra source)}): made-up backends."""
     return lambda specs: register_backends(tmp_path, monkeypatch, {
         name: (f"CAPABILITIES = Capabilities({caps})\n" if caps is not None else "") + extra
         for name, (caps, extra) in specs.items()})

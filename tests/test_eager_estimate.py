@@ -1,7 +1,5 @@
-"""The eager lookup's estimate: the interpolation between measured points (serving/estimate.py
-`interpolate`) and FlashInfer's schedule model (backends/flashinfer_mla_schedule.py), its replay
-and fit, its estimate in the lookup, and a serving table's models and points written, read and
-refused."""
+"""The eager lookup's estimate: serving/estimate.py's interpolation between measured points,
+FlashInfer's schedule model (replay, fit, estimate), a table's models and points on disk."""
 
 import pytest
 

@@ -1,20 +1,7 @@
-"""What a model's call declares beyond its cell, and every path honouring it.
-
-The softmax scale (CallSpec.sm_scale, build(..., sm_scale=)) reaches every CPU backend: each
-call matches the reference at DeepSeek-V3's scale and not at the leaderboard's.
-
-The optional LSE (issue 29): CallSpec(return_lse=True) makes every run return (out, lse), lse
-the natural-log log-sum-exp of each (new token, head)'s scaled scores, (total_q, heads)
-float32, as vLLM's MLA backends merge it (`lse_base_on_e`). Backends declare it in
-CAPABILITIES.lse: triton_fused (its reduction keeps the running max and sum), the split-K
-family (stage 1 writes it for a one-split sequence, stage 2 from the splits' merge), FlashMLA
-(softmax_lse: natural log, (batch, h_q, s_q)), FlashInfer (asked for natural log: its default
-is base 2). Checked through the interpreter and the vendors' fakes against the fp32
-reference's LSE, at DeepSeek-V3's scale.
-
-Caches as engines keep them: an fp8 cache as uint8 bytes (read as fp8 where CallSpec declares
-cache_dtype="uint8", else refused with the fix by every path) and kv_scale as a Python float.
-"""
+"""What a model's call declares beyond its cell, and every path honouring it: the softmax
+scale (CallSpec.sm_scale, build(..., sm_scale=)); the optional LSE (CallSpec.return_lse,
+CAPABILITIES.lse, issue 29: natural log, (total_q, heads) float32, as vLLM merges it); an fp8
+cache kept as uint8 bytes (CallSpec.cache_dtype) and kv_scale as a Python float."""
 
 import math
 import sys
@@ -210,8 +197,8 @@ def _assert_lse(lse: torch.Tensor, ref_lse: torch.Tensor, what: str) -> None:
 
 
 def test_the_capability_record_says_who_returns_it():
-    assert {name: capabilities(name).lse for name in ("triton", "triton_fused", "flashmla", "flashinfer")} == {
-        "triton": True, "triton_fused": True, "flashmla": True, "flashinfer": True}
+    for name in ("triton", "triton_fused", "flashmla", "flashinfer"):
+        assert capabilities(name).lse is True, name
     spec = CallSpec("bf16", page_size=16, return_lse=True)
     assert capabilities("triton").refusal(spec) is None
     assert Decoder(spec).backend == "triton"  # the first of the preference order

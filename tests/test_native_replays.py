@@ -1,7 +1,5 @@
-"""The schedule replays in C (mla_tune/native.py) give exactly what their numpy paths give, on
-random ragged batches across every branch; without a C compiler, or with a broken one, numpy runs.
-The numpy paths against plain replays: split-K's over an array against split_rule's loop over a
-list, the dealing against a heap, FlashInfer's against a chunk-by-chunk replay of MLAPlan."""
+"""The schedule replays in C (mla_tune/native.py) equal their numpy paths on random ragged batches,
+and those equal plain replays (a list loop, a heap, MLAPlan chunk by chunk); else numpy runs."""
 
 import heapq
 import itertools
@@ -46,8 +44,7 @@ def numpy_path(monkeypatch):
 
 
 def _batches(seed: int, n: int = 400, max_batch: int = 256, empty: float = 0.15):
-    """n random ragged batches (an `empty` share with an empty sequence): (rng, batch, lengths,
-    heads)."""
+    """n random ragged batches (`empty` of them with a 0 length): (rng, batch, lens, heads)."""
     rng = random.Random(seed)
     for _ in range(n):
         batch = rng.randint(1, max_batch)
@@ -66,8 +63,7 @@ def _splitk_params(rng) -> dict:
 
 
 def test_the_split_k_replay_in_c_is_the_numpy_one_and_the_loop_over_a_list(numpy_path, monkeypatch):
-    """Over an int64 array (what the eager lookup runs) in C and in numpy, and over a list
-    (split_rule's per-sequence replay)."""
+    """Over an int64 array (the eager lookup's) in C and numpy, and over a list (split_rule's)."""
     dealt = []  # the numpy path's exact dealings (the other steps are one wave or many waves)
     real = makespan.greedy_makespan  # the dealing split-K's replay shares (makespan.deal)
     monkeypatch.setattr(makespan, "greedy_makespan", lambda work, slots: dealt.append(1) or real(work, slots))
@@ -97,10 +93,8 @@ def test_the_split_k_replay_in_c_is_the_numpy_one_and_the_loop_over_a_list(numpy
 
 
 def _dealings(seed: int, n: int):
-    """n random dealings (work in launch order, slots) of the shapes the runs' dealing meets:
-    runs of equal programs (a sequence's full splits, a split's head tiles), equal loads,
-    works rising (the ascending queue, filled past its buffer), falling (the heap), mixed, a
-    few long among short, fractional, one slot to a few hundred, up to ten waves."""
+    """n random dealings (work in launch order, slots): runs of equal programs, equal loads,
+    rising (past the ascending queue's buffer), falling, mixed, long among short, fractional."""
     rng = random.Random(seed)
     for _ in range(n):
         slots = rng.choice([1, 2, 3, 7, 16, 17, 64, 132, 264, rng.randint(1, 300)])
@@ -178,11 +172,9 @@ def _chunk_replay(kv_lens: list[int], heads: int, q_len: int, sm_count: int) -> 
 
 
 def test_flashinfer_replay_and_dealing_in_c_are_the_numpy_paths_and_built_wherever_a_c_compiler_is(numpy_path):
-    """The replay, in C and in numpy, over an array or a list, equals a chunk-by-chunk replay
-    (`_chunk_replay`) on random batches; its dealing in C (the least key from three places:
-    the clusters not dealt to, an ascending queue, a heap) deals each chunk where the numpy
-    path's heap does: batches of equal or few distinct lengths (equal loads, ties to the lower
-    index), of one long sequence, random, over 1 to 66 clusters and 132."""
+    """The replay (C, numpy; array, list) equals `_chunk_replay`; its C dealing (clusters not dealt
+    to, an ascending queue, a heap) deals as numpy's heap does on equal, few distinct (ties to the
+    lower index), one long and random lengths, over 1 to 66 clusters and 132."""
     have = native.compiler() is not None
     assert (sk._native() is not None, fi._native() is not None) == (have, have)
     merged = several_tiles = 0
@@ -228,25 +220,25 @@ def test_flashinfer_replay_and_dealing_in_c_are_the_numpy_paths_and_built_wherev
 def test_without_a_compiler_or_with_a_broken_one_the_python_path_runs(monkeypatch, tmp_path):
     source = "int one(void) { return 1; }\n"
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(native, "_loaded", {})
-    assert native.load("probe", source).one() == 1
+
+    def load(name, text=source):  # in a fresh process (none loaded yet)
+        monkeypatch.setattr(native, "_loaded", {})
+        return native.load(name, text)
+
+    assert load("probe").one() == 1
     (built,) = (tmp_path / "native").glob("probe-*.so")
     calls = []
     real = subprocess.run
     monkeypatch.setattr(native.subprocess, "run", lambda *a, **k: calls.append(a) or real(*a, **k))
-    monkeypatch.setattr(native, "_loaded", {})
-    assert native.load("probe", source).one() == 1 and calls == []  # the cached library, not built again
+    assert load("probe").one() == 1 and calls == []  # the cached library, not built again
     assert list((tmp_path / "native").glob("probe-*.so")) == [built]
-    monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setenv(native.DISABLE_ENV, "1")
-    assert native.load("probe", source) is None
+    assert load("probe") is None
     monkeypatch.delenv(native.DISABLE_ENV)
-    monkeypatch.setattr(native, "_loaded", {})
     with pytest.warns(UserWarning, match="cannot build broken"):
-        assert native.load("broken", "this is not C\n") is None
-    monkeypatch.setattr(native, "_loaded", {})
+        assert load("broken", "this is not C\n") is None
     monkeypatch.setattr(native, "compiler", lambda: None)
-    assert native.load("other", source + "\n") is None
+    assert load("other", source + "\n") is None
 
 
 def test_the_interpolation_in_c_is_the_python_interpolation():
@@ -344,10 +336,9 @@ def test_a_familys_compiled_estimate_picks_and_estimates_as_the_python_estimate_
 
 
 def test_a_plans_step_with_host_lengths_picks_in_one_c_call_what_its_lookup_picks_from_the_mean():
-    """DecodePlan.update with host lengths (one C call: _Compiled.pick_lengths) picks, and counts
-    misses, as `pick(batch, mean, lengths)` on every committed family: ragged and uniform steps,
-    batch 1 to 256 and 600 (more lengths than the lookup's buffer has held: it grows first),
-    lengths 1 to 2^17 (past the grid), lists and tuples."""
+    """DecodePlan.update with host lengths (_Compiled.pick_lengths) picks and counts misses as
+    `pick(batch, mean, lengths)` on every committed family: ragged and uniform, batch 1 to 256 and
+    600 (past the lookup's buffer: it grows first), lengths 1 to 2^17, lists and tuples."""
     if native.compiler() is None:
         pytest.skip("no C compiler here: the plan picks through the Python estimate (checked elsewhere)")
     table = load_serving_table(COMMITTED)

@@ -245,9 +245,8 @@ def test_a_serving_table_that_picks_it_loads_and_a_decode_plan_runs_it(probe, tm
     _close(plan.run(inp.q, inp.kv), inp.reference(), "the default")
 
 
-# Modules outside backends/ that still name built-in backends in a comparison or a literal
-# of names, with why, and how many such places each may hold (fewer is fine: a count only
-# guards against a new one). The library names torch and triton count too.
+# Modules outside backends/ that may name built-in backends (torch and triton count, as the
+# libraries too) in a comparison or a literal of names: how many places (at most), and why.
 NAMED_OUTSIDE_BACKENDS = {
     "mla_tune/gpu.py": (1, "the torch and triton libraries' versions"),
     "mla_tune/export/modules.py": (1, "torch and triton, the third-party imports an export may keep"),
@@ -267,9 +266,8 @@ def _backend_names(node, names: set[str]) -> list[str]:
 
 
 def test_no_new_module_outside_the_backends_names_a_backend():
-    """A comparison with a built-in backend's name (`variant.backend == "flashinfer"`), or a
-    literal list of two or more of them (a preference order, a table keyed by name), is a
-    place a new backend would have to join: none beyond NAMED_OUTSIDE_BACKENDS."""
+    """A comparison with a built-in backend's name, or a literal of two or more of them (an
+    order, a table keyed by name), is a place a new backend must join: none but those listed."""
     names = set(backends.BACKEND_MODULES)
     root = Path(backends.__file__).parents[1]
     found: dict[str, list[int]] = {}

@@ -62,7 +62,6 @@ def test_the_fakes_have_flashinfer_0_6_18s_and_flash_mla_1_0_0s_signatures(fakes
                                         ("ckv_scale_arr", kw, None), ("kpe_scale", kw, None)]
     assert _names(wrapper.__init__)[1:3] == [("float_workspace_buffer", pk, empty), ("use_cuda_graph", pk, False)]
     assert fakes["flashinfer"].__version__ == "0.6.18.post1"
-    # FlashMLA 1.0.0's
     fm = fakes["flash_mla"]
     names = [n for n, _, _ in _names(fm.flash_mla_with_kvcache)]
     assert names[:6] == ["q", "k_cache", "block_table", "cache_seqlens", "head_dim_v",

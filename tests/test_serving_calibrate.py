@@ -56,8 +56,7 @@ def test_each_probe_pairs_a_long_tail_with_the_uniform_batch_of_its_tokens(monke
         assert None not in spec_free
 
 
-def test_the_cost_per_step_is_what_the_model_misses_on_the_tail_the_table_keeps_it_and_bad_runs_write_nothing(
-        tmp_path):
+def test_the_table_keeps_the_step_cost_the_model_misses_on_a_tail_and_bad_runs_keep_none(tmp_path):
     """Another GPU, bad options and a dry run leave the table alone; then a calibration writes
     the cost per step that the model misses on the tail, for the family asked only."""
     path = shutil.copy(TABLE, tmp_path / "H200.serving.yaml")

@@ -75,9 +75,9 @@ def test_the_makespan_counts_waves_waits_for_the_longest_and_charges_each_items_
     assert _span([100] * 132, item_tokens=50) == 150
     assert _span([100] * 133, item_tokens=50) == 300  # the second wave's item pays it again
     assert _span([100] * n, item_tokens=50) == pytest.approx(n * 150 / 132 + 75)
-    # 5 x 1688 tokens, 128 heads, 64-head tiles: budget 132 runs 14 items a sequence (13 of
-    # 128 tokens, one of 24), 70 on 66 slots; budget 66 runs 9 of 192 (45, one wave). By tokens
-    # the bigger budget is faster (152 < 192); at 128 tokens a program it is slower (as measured).
+    # 5 x 1688 tokens, 128 heads, 64-head tiles: budget 132 runs 70 items (13 of 128 tokens and
+    # one of 24 a sequence) on 66 slots, budget 66 runs 45 of 192 (one wave): faster by tokens,
+    # slower at 128 tokens a program (as measured)
     def budget(b, cost):
         return _span([1688] * 5, heads=128, variant=SPLIT.with_params(
             block_h=64, tokens_per_split=128, split_budget=b), item_tokens=cost)
@@ -138,8 +138,6 @@ def _refused(path: Path, data: dict, words: str) -> None:
 
 
 def test_the_models_estimate_a_ragged_batch_by_its_schedule_survive_a_write_and_load_or_are_refused(tmp_path):
-    """The lookup estimates a ragged batch by the model's schedule; the models survive a write
-    and load, and a broken or older one is refused."""
     table = _table(_splitk_models(KEY, _grid(), 132))
     assert table.lookup(SPEC, 100, 1024.0, kv_lens=UNIFORM) == ONE
     est = table.estimates(SPEC, 100, 1024.0, kv_lens=RAGGED)
@@ -244,11 +242,9 @@ def test_a_uniform_batchs_steps_need_no_pass_over_its_lengths(variant):
 
 
 def test_a_split_k_estimate_stays_near_its_interpolated_time_and_a_gluon_one_does_not():
-    """A split-K model may say slower than the uniform neighbours, not much faster
-    (SPLITK_FLOOR): at 600 tokens a split per 512 makes 2 splits of 320 where the grid's 512
-    made one of 512, and a model whose time is its longest item would call it 38% faster.
-    gluon_fused's model has no floor (GluonModel.floor 0: the rescore ablation, perf.md's
-    decision log): its estimate is the model's own."""
+    """A split-K model may not say much faster than its uniform neighbours (SPLITK_FLOOR): at
+    600 tokens a split per 512 makes 2 of 320 where the grid's 512 made one of 512, so a time
+    of the longest item would be 38% faster. gluon_fused's model has no floor (GluonModel.floor)."""
     gluon = Variant.parse("gluon_fused(block_h=16,kv=bf16,max_splits=64,num_stages=2,q=bf16,"
                           "tokens_per_split=512,v_halves=1)")
     fam = Family(KEY)
@@ -297,9 +293,8 @@ COMPILE_CASES = [
 
 
 def compiled_ctas() -> list[dict]:
-    """Each COMPILE_CASES variant's serving stage-1 launch, captured from build_serving's real
-    path and compiled for sm_90 (xcompile): its registers, shared memory and CTAs per SM.
-    Needs a process without TRITON_INTERPRET (the test below runs it in one)."""
+    """Each COMPILE_CASES variant's serving stage-1 launch (build_serving's real path) compiled
+    for sm_90: registers, shared memory, CTAs per SM. Runs without TRITON_INTERPRET."""
     from unittest import mock
 
     from mla_tune.backends import triton_splitk
