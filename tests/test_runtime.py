@@ -1,7 +1,6 @@
-"""The runtime and the Dispatcher: table dispatch, fallback policy, input checks, no timing.
-The fallback honours the table's correctness rule at short lengths (kv_len 1, 2, 17, 63), in
-the runtime and in the exported file (on the GPU through scripts/check_submission.py), from
-one policy (mla_tune.tables.dispatch); its split count comes from the device, not a literal."""
+"""The runtime and the Dispatcher: table dispatch, input checks, no timing, and one fallback
+policy (mla_tune.tables.dispatch) that passes the table's rule at short lengths (kv_len 1, 2, 17,
+63) in the runtime and the exported file, its split count asked of the device."""
 
 import re
 import subprocess
