@@ -189,18 +189,6 @@ def test_each_variant_family_builds_and_matches_the_reference(aiter, data, param
     assert again.data_ptr() == out.data_ptr()  # the runner's own buffer, reused
 
 
-def test_persistent_metadata_is_built_once_in_build(aiter, data):
-    variant = Variant.make("aiter", kv="fp8", q="fp8_dynamic", mode="persistent", fast_mode=False,
-                           intra_batch=True, max_split_per_batch=16, kv_granularity=16)
-    runner = aiter_mla.build(variant, SHAPE, "cpu")
-    assert aiter._state.calls["get_mla_metadata_v1"] == 1
-    for _ in range(3):
-        runner(*data[:4])
-    assert aiter._state.calls["get_mla_metadata_v1"] == 1
-    assert aiter._state.calls["mla_decode_fwd"] == 3
-    assert aiter._state.calls["dynamic_per_tensor_quant"] == 3  # amax recomputed every call
-
-
 def test_torch_quantizers_stand_in_for_missing_aiter_ones(aiter, monkeypatch, data):
     dynamic = BF16_NP.with_params(kv="fp8", q="fp8_dynamic", num_kv_splits=2)
     static = dynamic.with_params(q="fp8_static", q_amax=float(data[0].abs().amax()) * 1.1)

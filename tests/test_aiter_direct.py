@@ -83,15 +83,22 @@ def test_the_backend_passes_everything_past_the_leading_tensors_by_keyword():
 
 
 # ------------------------------------------------------------------ the direct mode
-def test_direct_mode_builds_its_buffers_once_and_the_fake_knows_its_partials(aiter, data):
-    variant = Variant.make("aiter", kv="fp8", q="fp8_dynamic", **DIRECT)
+@pytest.mark.parametrize("mode, calls", [
+    ("persistent", {"mla_decode_fwd": 3}),
+    ("direct", {"mla_decode_fwd": 0, "mla_decode_stage1_asm_fwd": 3, "mla_reduce_v1": 3}),
+], ids=["persistent", "direct"])
+def test_the_work_list_is_built_once_in_build_and_direct_partials_are_known(aiter, data, mode, calls):
+    params = dict(DIRECT, mode=mode, max_split_per_batch=16 if mode == "persistent" else 4)
+    variant = Variant.make("aiter", kv="fp8", q="fp8_dynamic", **params)
     runner = aiter_mla.build(variant, SHAPE, "cpu")
     assert aiter._state.calls["get_mla_metadata_v1"] == 1
     outs = [runner(*data[:4]).data_ptr() for _ in range(3)]
-    calls = aiter._state.calls
-    assert calls["mla_decode_stage1_asm_fwd"] == calls["mla_reduce_v1"] == 3 and calls["mla_decode_fwd"] == 0
-    assert calls["get_mla_metadata_v1"] == 1
-    assert len(set(outs)) == 1 and len(aiter._state.partials) == 1  # one partial buffer, reused
+    assert {name: aiter._state.calls[name] for name in calls} == calls
+    assert aiter._state.calls["get_mla_metadata_v1"] == 1 and len(set(outs)) == 1  # one output buffer
+    assert aiter._state.calls["dynamic_per_tensor_quant"] == 3  # amax recomputed every call
+    if mode == "persistent":
+        return
+    assert len(aiter._state.partials) == 1  # one partial buffer, reused
     # the fake's reduction refuses partials stage 1 did not write (it knows them by address)
     other = torch.zeros((64, 1, 16, 512))
     extra = {"num_kv_splits": 256} if _new(aiter) else {}
