@@ -248,8 +248,7 @@ def test_every_distinct_binary_of_the_mi355x_plan_compiles_for_gfx950():
 
 
 # One triton / triton_fused candidate in 80 per shape and every fourth gluon_fused one at one
-# shape, with q_quant: each kernel family of the plan, not its whole space (the MI355X plan
-# above is compiled whole; `mla-tune compile --gpu H200` compiles the whole H200 plan).
+# shape, with q_quant: each kernel family of the H200 plan, not its whole space.
 H200_SAMPLE_EVERY = 80
 
 
