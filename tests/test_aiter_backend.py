@@ -1,8 +1,6 @@
-"""The AITER backend, on the CPU through tests/fakes/aiter, a fake of AITER v0.1.11, of
-f3be04a12 (the contest runner's build) or of v0.1.20.post1: every test taking the `aiter`
-fixture runs against all three. The fakes refuse any argument past the first few tensors
-passed by position, so every backend call these tests make proves the keyword rule
-(tests/test_aiter_direct.py has the rule's own tests and the direct mode's)."""
+"""The AITER backend on the CPU through tests/fakes/aiter: the `aiter` fixture runs a test under
+the fakes of v0.1.11, f3be04a12 (the contest runner's build) and v0.1.20.post1, which refuse
+arguments past the leading tensors passed by position (the keyword rule)."""
 
 import inspect
 import subprocess
@@ -55,8 +53,7 @@ def _params(sig):
     return [(p.name, p.kind.name, p.default) for p in sig.parameters.values()]
 
 
-# Parameter lists read from ROCm/aiter tag v0.1.11 (aiter/mla.py, aiter/ops/attention.py);
-# commit f3be04a12a has the same files.
+# Parameter lists of ROCm/aiter v0.1.11 and f3be04a12a (aiter/mla.py, aiter/ops/attention.py).
 _V0111_DECODE = [
     "q", "kv_buffer", "o", "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_lens", "max_seqlen_q",
     ("page_size", 1), ("nhead_kv", 1), ("sm_scale", None), ("logit_cap", 0.0), ("num_kv_splits", None),
@@ -190,18 +187,6 @@ def test_each_variant_family_builds_and_matches_the_reference(aiter, data, param
         assert aiter._state.calls["mla_decode_fwd"] == 0
     again = runner(*data[:4])
     assert again.data_ptr() == out.data_ptr()  # the runner's own buffer, reused
-
-
-def test_persistent_metadata_is_built_once_in_build(aiter, data):
-    variant = Variant.make("aiter", kv="fp8", q="fp8_dynamic", mode="persistent", fast_mode=False,
-                           intra_batch=True, max_split_per_batch=16, kv_granularity=16)
-    runner = aiter_mla.build(variant, SHAPE, "cpu")
-    assert aiter._state.calls["get_mla_metadata_v1"] == 1
-    for _ in range(3):
-        runner(*data[:4])
-    assert aiter._state.calls["get_mla_metadata_v1"] == 1
-    assert aiter._state.calls["mla_decode_fwd"] == 3
-    assert aiter._state.calls["dynamic_per_tensor_quant"] == 3  # amax recomputed every call
 
 
 def test_torch_quantizers_stand_in_for_missing_aiter_ones(aiter, monkeypatch, data):

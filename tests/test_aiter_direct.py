@@ -83,15 +83,22 @@ def test_the_backend_passes_everything_past_the_leading_tensors_by_keyword():
 
 
 # ------------------------------------------------------------------ the direct mode
-def test_direct_mode_builds_its_buffers_once_and_the_fake_knows_its_partials(aiter, data):
-    variant = Variant.make("aiter", kv="fp8", q="fp8_dynamic", **DIRECT)
+@pytest.mark.parametrize("mode, calls", [
+    ("persistent", {"mla_decode_fwd": 3}),
+    ("direct", {"mla_decode_fwd": 0, "mla_decode_stage1_asm_fwd": 3, "mla_reduce_v1": 3}),
+], ids=["persistent", "direct"])
+def test_the_work_list_is_built_once_in_build_and_direct_partials_are_known(aiter, data, mode, calls):
+    params = dict(DIRECT, mode=mode, max_split_per_batch=16 if mode == "persistent" else 4)
+    variant = Variant.make("aiter", kv="fp8", q="fp8_dynamic", **params)
     runner = aiter_mla.build(variant, SHAPE, "cpu")
     assert aiter._state.calls["get_mla_metadata_v1"] == 1
     outs = [runner(*data[:4]).data_ptr() for _ in range(3)]
-    calls = aiter._state.calls
-    assert calls["mla_decode_stage1_asm_fwd"] == calls["mla_reduce_v1"] == 3 and calls["mla_decode_fwd"] == 0
-    assert calls["get_mla_metadata_v1"] == 1
-    assert len(set(outs)) == 1 and len(aiter._state.partials) == 1  # one partial buffer, reused
+    assert {name: aiter._state.calls[name] for name in calls} == calls
+    assert aiter._state.calls["get_mla_metadata_v1"] == 1 and len(set(outs)) == 1  # one output buffer
+    assert aiter._state.calls["dynamic_per_tensor_quant"] == 3  # amax recomputed every call
+    if mode == "persistent":
+        return
+    assert len(aiter._state.partials) == 1  # one partial buffer, reused
     # the fake's reduction refuses partials stage 1 did not write (it knows them by address)
     other = torch.zeros((64, 1, 16, 512))
     extra = {"num_kv_splits": 256} if _new(aiter) else {}
@@ -208,30 +215,26 @@ def test_the_serving_call_takes_the_specs_softmax_scale(aiter, data):
 
 
 # ------------------------------------------------------------------ the #4144 gate
-def test_the_contest_build_has_no_persistent_gate_and_the_table_says_so(monkeypatch):
-    monkeypatch.setenv("AITER_MLA_DECODE_PERSISTENT_MAX_BATCH", "1")  # would gate every batch on 0.1.18+
-    fake = install(monkeypatch, "f3be04a12")
-    assert fake.__version__ == F3BE04A12
-    assert aiter_mla._ai_features(fake)["persistent_gate"] is False
-    assert aiter_mla.aiter_persistent_gate(fake.__version__) == "absent (before 0.1.18)"
-    shape, case = test_aiter_backend.persistent_case(32)
+@pytest.mark.parametrize("release, cap, batch", [("f3be04a12", "1", 32), ("0.1.20.post1", "4", 4),
+                                                 ("0.1.20.post1", "0", 4)],
+                         ids=["contest-build-has-no-gate", "newer-gates-at-4", "newer-gate-off"])
+def test_each_builds_persistent_gate_and_the_backend_stays_persistent(monkeypatch, release, cap,
+                                                                      batch):
+    monkeypatch.setenv("AITER_MLA_DECODE_PERSISTENT_MAX_BATCH", cap)  # "1": every batch on 0.1.18+
+    fake = install(monkeypatch, release)
+    assert fake.__version__ == {"f3be04a12": F3BE04A12}.get(release, release)
+    gated = release == "0.1.20.post1"
+    assert aiter_mla._ai_features(fake)["persistent_gate"] is gated
+    assert aiter_mla.aiter_persistent_gate(fake.__version__) == (
+        "bypassed (persistent calls pass num_kv_splits)" if gated else "absent (before 0.1.18)")
+    shape, case = test_aiter_backend.persistent_case(batch)
     out = aiter_mla.build(BF16_PERSISTENT, shape, "cpu")(*case[:4])
-    assert fake._state.last_call["mode"] == "persistent" and fake._state.last_call["num_kv_splits"] is None
+    assert fake._state.last_call["mode"] == "persistent"
+    assert fake._state.last_call["num_kv_splits"] == (256 if gated else None)
     assert _matches(out, case)
-
-
-@pytest.mark.parametrize("cap", ["4", "0"])
-def test_the_newer_build_gates_by_its_variable_and_the_backend_stays_persistent(monkeypatch, cap):
-    monkeypatch.setenv("AITER_MLA_DECODE_PERSISTENT_MAX_BATCH", cap)
-    fake = install(monkeypatch, "0.1.20.post1")
-    assert aiter_mla._ai_features(fake)["persistent_gate"] is True
-    assert aiter_mla.aiter_persistent_gate(fake.__version__) == "bypassed (persistent calls pass num_kv_splits)"
-    shape, case = test_aiter_backend.persistent_case(4)
-    aiter_mla.build(BF16_PERSISTENT, shape, "cpu")(*case[:4])
-    assert fake._state.last_call["mode"] == "persistent" and fake._state.last_call["num_kv_splits"] == 256
-    # a work list handed over without num_kv_splits: gated at batch >= 4, not at 0 (off)
-    test_aiter_backend.bf16_persistent_call(fake, case, shape)
-    assert fake._state.last_call["mode"] == ("nonpersistent" if cap == "4" else "persistent")
+    if gated:  # a work list handed over without num_kv_splits: gated at batch >= 4, not at 0 (off)
+        test_aiter_backend.bf16_persistent_call(fake, case, shape)
+        assert fake._state.last_call["mode"] == ("nonpersistent" if cap == "4" else "persistent")
 
 
 def test_build_refuses_a_gated_persistent_call_it_cannot_keep_persistent(monkeypatch):

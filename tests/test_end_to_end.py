@@ -101,6 +101,18 @@ def _assert_served(outs: list, cases: list, report: dict) -> None:
     assert report["misses"] == [list(MISSING)]
 
 
+def _assert_fallback_serves_a_missing_shape_and_a_ragged_batch(rt, seed: int) -> None:
+    """Each warns, runs the triton fallback, matches the reference and is counted as a miss."""
+    case = _case(*MISSING, seed=seed)
+    fallback = r"; running the fallback triton\("
+    with pytest.warns(UserWarning, match=r"a shape the table lacks \(2x24\)" + fallback):
+        _assert_matches(rt.custom_kernel(case).clone(), case)
+    ragged = ragged_input(RAGGED, seed=seed + 1, device="cpu")
+    with pytest.warns(UserWarning, match=r"a ragged batch \(3x40\)" + fallback):
+        _assert_matches(rt.decode(*ragged[:4]).clone(), ragged)
+    assert rt.dispatcher.misses == {Shape(*MISSING): 1, Shape(3, 40): 1}
+
+
 def _pin(row: dict, record: dict) -> None:
     """The table row's winner becomes the swept record's variant, with its time and calibration."""
     variant = Variant.parse(record["variant"])
@@ -174,14 +186,7 @@ def test_cpu_runtime_serves_table_rows_a_missing_shape_and_a_ragged_batch(cpu_sw
         _assert_matches(rt.decode(*case[:4]).clone(), case)
         _assert_matches(rt.custom_kernel(case).clone(), case)  # the leaderboard entry, no sync
     assert rt.dispatcher.misses == {}
-
-    case = _case(*MISSING, seed=7)
-    with pytest.warns(UserWarning, match=r"a shape the table lacks \(2x24\); running the fallback triton\("):
-        _assert_matches(rt.custom_kernel(case).clone(), case)
-    ragged = ragged_input(RAGGED, seed=8, device="cpu")
-    with pytest.warns(UserWarning, match=r"a ragged batch \(3x40\); running the fallback triton\("):
-        _assert_matches(rt.decode(*ragged[:4]).clone(), ragged)
-    assert rt.dispatcher.misses == {Shape(*MISSING): 1, Shape(3, 40): 1}
+    _assert_fallback_serves_a_missing_shape_and_a_ragged_batch(rt, seed=7)
 
 
 def test_cpu_exports_full_torch_only_and_own_triton_import_without_mla_tune_and_match_the_reference(
@@ -344,13 +349,8 @@ def test_mi355x_runtime_decodes_through_the_fake_aiter(aiter_pinned_table, monke
             assert calls["static_per_tensor_quant"] == before["static_per_tensor_quant"] + 2
     assert rt.dispatcher.misses == {}
     n_calls = calls["mla_decode_fwd"]
-    case = _case(*MISSING, seed=9)
-    with pytest.warns(UserWarning, match="a shape the table lacks"):
-        _assert_matches(rt.custom_kernel(case).clone(), case)
-    ragged = ragged_input(RAGGED, seed=10, device="cpu")
-    with pytest.warns(UserWarning, match="a ragged batch"):
-        _assert_matches(rt.decode(*ragged[:4]).clone(), ragged)
-    assert calls["mla_decode_fwd"] == n_calls  # both went to the triton fallback
+    _assert_fallback_serves_a_missing_shape_and_a_ragged_batch(rt, seed=9)
+    assert calls["mla_decode_fwd"] == n_calls  # neither went through AITER
 
 
 def test_mi355x_exports_import_with_the_fake_aiter_and_without_mla_tune(aiter_sweep, aiter_pinned_table,

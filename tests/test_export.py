@@ -1,8 +1,6 @@
-"""The single-file export: header, no mla_tune import, only the code it needs, correct output
-(the file runs in a fresh subprocess that refuses mla_tune; outputs are checked here against
-the fp32 reference under the leaderboard rule). And scripts/check_submission.py's paired ratio:
-two files timed alternately compare only figures taken at the same position in a round (the
-H200 shows a position effect)."""
+"""The single-file export: header, no mla_tune import, only the code it needs, output matching
+the fp32 reference in a fresh process that refuses mla_tune; and scripts/check_submission.py's
+paired ratio, which compares only figures taken at the same position in a round."""
 
 import ast
 import shutil

@@ -78,7 +78,6 @@ def _site_dirs() -> list[str]:
 
 
 def test_a_built_wheel_ships_the_tables_and_finds_them_outside_the_checkout(tmp_path):
-    """About 15-25 s on the 2-core CPU machine: build, a fresh venv, install, three calls."""
     wheels = tmp_path / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                     "-q", "-w", str(wheels), "."], cwd=REPO, check=True)

@@ -1,10 +1,6 @@
-"""The MI355X prior (configs/priors/MI355X.yaml): an honest untuned submission before any sweep:
-its rows, schema, `show`, and an export that runs under every AITER fake and its fallback.
-
-On the CPU, 4x1024 and 32x1024 run whole; 64x8192 and 256x8192 (64x8192 alone: 100 s, 7 GB) run
-the variant the file picks for them at 8 x 512 and 8 x 128 (non-persistent AITER does not
-depend on the batch; its splits stay within what AITER's stage 2 reads at those lengths).
-"""
+"""The MI355X prior (configs/priors/MI355X.yaml): its rows, schema, `show`, and an export that
+runs under every AITER fake and its fallback. On the CPU, 64x8192 and 256x8192 run the variant the
+file picks for them at 8 x 512 and 8 x 128 (non-persistent AITER does not depend on the batch)."""
 
 import json
 import math
@@ -98,8 +94,7 @@ def test_the_schema_keeps_priors_and_measurements_apart(tmp_path, edit, message)
 
 
 CHILD = textwrap.dedent('''
-    """Run the exported file, imported afresh, under each AITER fake named in argv; the fallback
-    case (no AITER) runs once."""
+    """The exported file, imported afresh under each AITER fake in argv; the fallback case once."""
     import importlib, json, os, sys, warnings
     sys.path.insert(0, ".")
     import torch

@@ -1,7 +1,6 @@
-"""The runtime and the Dispatcher: table dispatch, fallback policy, input checks, no timing.
-The fallback honours the table's correctness rule at short lengths (kv_len 1, 2, 17, 63), in
-the runtime and in the exported file (on the GPU through scripts/check_submission.py), from
-one policy (mla_tune.tables.dispatch); its split count comes from the device, not a literal."""
+"""The runtime and the Dispatcher: table dispatch, input checks, no timing, and one fallback
+policy (mla_tune.tables.dispatch) that passes the table's rule at short lengths (kv_len 1, 2, 17,
+63) in the runtime and the exported file, its split count asked of the device."""
 
 import re
 import subprocess
@@ -248,8 +247,7 @@ def test_the_policy_per_rule_and_backend_and_why_strict_needs_its_own():
     assert (strict.get("kv"), strict.get("q")) == ("fp8", "fp8_dynamic")
     loose = dispatch_fallback("triton", "leaderboard", triton_splitk.default_variant)(Shape(2, 17))
     assert (loose.get("kv"), loose.get("q")) == ("fp8", "bf16")
-    # which would fail strict: bf16 q reads the scores the reference computes from fp8 q, and
-    # 17 tokens do not average that away (the H200 measured 12.9% of elements off at 2 x 17)
+    # bf16 q fails strict there: the reference's scores come from fp8 q, 17 tokens do not average it
     data = generate_input(2, 17, seed=117, device="cpu")
     out = triton_splitk.build(loose, Shape(2, 17), "cpu")(*data[:4])
     result = check(out, reference(data), STRICT)

@@ -209,17 +209,15 @@ def test_the_dry_run_plans_without_the_checks_drops_and_prints_why(monkeypatch, 
     assert seen == ["MI355X"] and str(victim) in plain.plan[str(shape)]["triton"]  # off by default
 
 
-def test_mi355x_without_a_config_plans_aiter():
-    result = invoke("sweep", "--gpu", "MI355X", "--dry-run")
-    assert result.exit_code == 0, result.output
-    assert "mi355x" in result.output and "aiter" in result.output
-    h200 = invoke("sweep", "--gpu", "H200", "--dry-run")
-    assert "config leaderboard" in h200.output and "aiter" not in h200.output
-
-
-def test_an_unknown_gpu_is_refused_by_compile_with_the_known_ones():
-    result = invoke("compile", "--gpu", "B999")
-    assert result.exit_code == 1 and "MI355X" in result.output and "KNOWN_GPUS" in result.output
+@pytest.mark.parametrize("args, code, says, never", [
+    (["sweep", "--gpu", "MI355X", "--dry-run"], 0, ["mi355x", "aiter"], []),
+    (["sweep", "--gpu", "H200", "--dry-run"], 0, ["config leaderboard"], ["aiter"]),
+    (["compile", "--gpu", "B999"], 1, ["MI355X", "KNOWN_GPUS"], []),
+], ids=["mi355x-plans-aiter", "h200-plans-no-aiter", "compile-refuses-an-unknown-gpu"])
+def test_the_gpu_picks_its_config_and_compile_names_the_known_gpus(args, code, says, never):
+    result = invoke(*args)
+    assert result.exit_code == code, result.output
+    assert all(s in result.output for s in says) and not any(s in result.output for s in never)
 
 
 def test_another_python_runs_the_check_and_its_json_is_read_back(monkeypatch):
@@ -250,8 +248,7 @@ def test_every_distinct_binary_of_the_mi355x_plan_compiles_for_gfx950():
 
 
 # One triton / triton_fused candidate in 80 per shape and every fourth gluon_fused one at one
-# shape, with q_quant: each kernel family of the plan, not its whole space (the MI355X plan
-# above is compiled whole; `mla-tune compile --gpu H200` compiles the whole H200 plan).
+# shape, with q_quant: each kernel family of the H200 plan, not its whole space.
 H200_SAMPLE_EVERY = 80
 
 
