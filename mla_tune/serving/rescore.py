@@ -64,7 +64,6 @@ from mla_tune.serving.verify import (
     VerifyError,
     check_json_path,
     emit,
-    fitting,
     pct_text,
     regret_stats,
     shape_text,
@@ -72,6 +71,7 @@ from mla_tune.serving.verify import (
     summary_lines,
     verdict_of,
 )
+from mla_tune.tables.render import fitting
 
 RESCORE_SCHEMA = "serving-rescore/1"
 SHOW_OVER = 0.05  # per-shape lines: the eager regrets over this, and the picks not measured
@@ -163,7 +163,7 @@ def rescore(table: str | Path | ServingTable, reports: list[str | Path], *, max_
     """Score the table's picks on recorded verify reports (see the module); returns the
     report (what --json writes) with exit_code 0 (passed or not judged) or 1 (failed).
     `unrunnable`: backends to score the table without (rescore_shape). Its lines are fitted
-    to the width (verify.fitting)."""
+    to the width (tables.render.fitting)."""
     log = fitting(log)
     if judge not in ("eager", "graph", "both"):
         raise VerifyError(f"--judge must be eager, graph or both, got {judge!r}")

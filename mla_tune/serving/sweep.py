@@ -95,6 +95,7 @@ from mla_tune.serving.measure import (
 )
 from mla_tune.serving.results import SCHEMA, Recorder, Records, results_path_for
 from mla_tune.serving.table import FamilyKey, choose_graph_pick
+from mla_tune.tables.render import fitting
 from mla_tune.tune import search as halving
 from mla_tune.tune import timing
 from mla_tune.tune.pool import TaskPool
@@ -546,42 +547,35 @@ def run_serving_sweep(config: str | Path | ServingConfig, gpu_name: str, *, out:
 def dry_run(cfg: ServingConfig, gpu_name: str, shard: tuple[int, int] = (1, 1),
             gate_workers: int | None = None, log: Callable[[str], None] = print) -> dict:
     """Print the plan (families, candidates, cells, left-out cells, a GPU-time estimate)
-    for `gpu_name` without running anything, each line wrapped to the terminal's width
-    (tables.render.line_width: 80 in a pipe); returns the estimate."""
-    from mla_tune.tables.render import line_width, wrap
-
-    width = line_width()
-
-    def say(lead: str, text: str) -> None:
-        for line in wrap(lead, text, width):
-            log(line)
-
+    for `gpu_name` without running anything, each line fitted to the terminal's width
+    (tables.render.fitting: 80 in a pipe); returns the estimate."""
+    log = fitting(log)
     platform = gpu.fake_platform(gpu_name)
     plan = plan_sweep(cfg, platform, shard, check_available=False)
-    say("", f"serving sweep {cfg.name} ({cfg.path}, hash {cfg.hash[:12]}) planned for {gpu_name} "
+    log(f"serving sweep {cfg.name} ({cfg.path}, hash {cfg.hash[:12]}) planned for {gpu_name} "
         f"({platform.sm_count} SMs), rule {cfg.rule.name}, shard {shard[0]}/{shard[1]}, cells timed on "
         f"{cfg.search.cell_lengths} lengths"
         + (", finalists also at each batch bucket's smallest batch" if cfg.search.batch_edge else ""))
     for key, fam in plan.families.items():
         cells = sum(len(u.kv_lens) for u in plan.units if u.key == key)
         per = ", ".join(f"{b} {n}" for b, n in fam.per_backend().items()) or "none"
-        say("  ", f"{key}: {len(fam.candidates)} candidates ({per}); {cells} cells here, "
+        log(f"  {key}: {len(fam.candidates)} candidates ({per}); {cells} cells here, "
             f"{len(fam.left_out)} left out by rule")
         for backend, why in fam.skipped.items():
-            say("      ", f"{backend} skipped: {why}")
+            log(f"      {backend} skipped: {why}")
         for line in left_out_summary(fam):
-            say("      ", f"left out {line}")
+            log(f"      left out {line}")
     first = plan.families[cfg.families[0]]
-    say("", "gate probes (" + str(first.key) + "): " + "; ".join(
+    log("gate probes (" + str(first.key) + "): " + "; ".join(
         f"{label}: q_lens {q}, kv_lens {kv}" for label, q, kv, _ in probe_lengths(first.spec, cfg.gate)))
     est = estimate(cfg, plan, gate_workers)
-    say("", f"{len(plan.units)} units, {plan.cells} cells; estimated GPU time {est['total'] / 60:.1f} min "
+    log(f"{len(plan.units)} units, {plan.cells} cells; estimated GPU time {est['total'] / 60:.1f} min "
         f"(gate and compile {est['gate_and_compile']:.0f} s, cache loads {est['cache_loads']:.0f} s, cells "
         f"{est['cells']:.0f} s, cross {est['cross']:.0f} s, edge {est['edge']:.0f} s, inputs {est['inputs']:.0f} s; "
         "a rough cost model, mla_tune/serving/cells.py)")
     for rule in cfg.left_out:
         match = ", ".join(f"{name} in {list(values)}" for name, values in rule.match) or "every family"
-        say("", f"left out by rule ({match}): cells over {rule.condition} {rule.limit}: {rule.why}")
+        log(f"left out by rule ({match}): cells over {rule.condition} {rule.limit}: {rule.why}")
     return est
 
 

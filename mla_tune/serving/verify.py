@@ -91,6 +91,7 @@ from mla_tune.serving.gate import (
 from mla_tune.serving.inputs import ServingInput, make_input
 from mla_tune.serving.sweep import PRUNE_FACTOR, TimedCall, event_probe
 from mla_tune.serving.table import FamilyKey, ServingTable, load_serving_table
+from mla_tune.tables.render import fitting
 from mla_tune.tune import timing
 
 VERIFY_SCHEMA = "serving-verify/1"
@@ -446,7 +447,7 @@ def run_verify(table: str | Path | ServingTable, *, config: str | Path | Serving
                log: Callable[[str], None] = print) -> dict:
     """Verify a serving table (see the module docstring); returns the report (what --json
     writes) with report["exit_code"]: 0 passed or not judged, 1 failed, 3 stopped by the
-    budget. Its lines are fitted to the width (`fitting`)."""
+    budget. Its lines are fitted to the width (tables.render.fitting)."""
     started = time.monotonic()
     log = fitting(log)
     check_json_path(json_path)
@@ -539,31 +540,6 @@ def emit(report: dict, lines: list[str], json_path: str | Path | None, log: Call
         atomic_write_text(json_path, json.dumps(_jsonable(report), indent=1) + "\n")
         log(f"wrote {json_path}")
     return report
-
-
-def fitting(log: Callable[[str], None]) -> Callable[[str], None]:
-    """`log` with each message first fitted to the width (`fit_lines`): verify's and
-    rescore's printer."""
-    def fitted(text: str) -> None:
-        for line in fit_lines(text.split("\n")):
-            log(line)
-    return fitted
-
-
-def fit_lines(lines: list[str], width: int | None = None) -> list[str]:
-    """Each line at most `width` wide (the terminal's, 80 in a pipe: tables.render.line_width):
-    a longer one broken at spaces, its continuation lines indented two more than it."""
-    from mla_tune.tables.render import line_width, wrap
-
-    width = width or line_width()
-    out: list[str] = []
-    for line in lines:
-        if len(line) <= width:
-            out.append(line)
-        else:
-            text = line.lstrip(" ")
-            out += wrap(line[: len(line) - len(text)], text, width)
-    return out
 
 
 def shape_text(r: dict) -> str:

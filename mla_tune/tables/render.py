@@ -20,7 +20,7 @@ never below 80). The rules, which `show`, the sweep's summary and `diff` all fol
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 MIN_WIDTH = 80
 MAX_WIDTH = 200
@@ -66,6 +66,29 @@ def wrap(lead: str, text: str, width: int, sep: str = " ") -> list[str]:
         prefix = lead + (" " * CONTINUE_INDENT if lines else "")
         lines.append(prefix + current.rstrip())
     return lines
+
+
+def fit_lines(lines: Iterable[str], width: int | None = None) -> list[str]:
+    """Each line at most `width` wide (default `line_width()`): a longer one broken at spaces
+    (`wrap`), its leading spaces its lead, its continuation lines indented two more."""
+    width = width or line_width()
+    out: list[str] = []
+    for line in lines:
+        if len(line) <= width:
+            out.append(line)
+        else:
+            text = line.lstrip(" ")
+            out += wrap(line[: len(line) - len(text)], text, width)
+    return out
+
+
+def fitting(log: Callable[[str], None]) -> Callable[[str], None]:
+    """`log` with each message fitted to the width first (`fit_lines`): the printer of the
+    serving dry run, verify and rescore, which log plain lines."""
+    def fitted(text: str) -> None:
+        for line in fit_lines(text.split("\n")):
+            log(line)
+    return fitted
 
 
 def variant_lines(lead: str, variant_text: str, width: int) -> list[str]:
