@@ -2,6 +2,7 @@
 worst case, lookup, a write/load round trip, and load errors that name file, family, field."""
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -167,3 +168,27 @@ def test_the_lookup_warns_once_where_the_installed_vendor_is_not_the_tables(monk
                 table.lookup(spec, batch, 1500.0)
         said = [str(w.message) for w in caught if "flashinfer-python" in str(w.message)]
         assert len(said) == warned and all(version in m and "0.7.0" in m for m in said), said
+
+
+def test_a_table_cut_between_entries_or_with_entries_removed_is_refused(tmp_path):
+    """provenance.entry_counts (above the families) catches what YAML alone reads as a smaller
+    table; a table written without it (before 2026-12-05) loads unchecked."""
+    text = open("tables/H200.serving.yaml").read()
+    assert load_serving_table("tables/H200.serving.yaml").provenance["entry_counts"]["families"] == 12
+    lines = text.splitlines(keepends=True)
+    cut = max(i for i, line in enumerate(lines) if line.startswith("  - {batch:"))  # the last point
+    path = tmp_path / "cut.serving.yaml"
+    for broken, words in [("".join(lines[:cut]), "points 2615 (stated 2616)"),
+                          ("".join(lines[:max(i for i, line in enumerate(lines) if line == "- key:\n")]),
+                           "families 11 (stated 12)")]:
+        path.write_text(broken)
+        with pytest.raises(TableError, match=r"cut\.serving\.yaml: holds .*" + re.escape(words)):
+            load_serving_table(path)
+    data = _table().as_dict()
+    data["families"][0]["left_out"].clear()  # removed by hand
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(TableError, match=r"left_out 0 \(stated 1\).*restore it"):
+        load_serving_table(path)
+    del data["provenance"]["entry_counts"]
+    path.write_text(yaml.safe_dump(data))
+    assert load_serving_table(path).families[FamilyKey("fp8", 64, 128, 2)].left_out == []

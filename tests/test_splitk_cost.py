@@ -226,6 +226,7 @@ def test_the_lookup_adds_the_measured_reduction_steps_beyond_a_uniform_batchs(tm
         _refused(path, data, words)
     # a family without a calibration (no split-K variant needs one) loads with none
     del data["families"][0]["calibration"]
+    data["provenance"]["entry_counts"]["calibration"] = 0
     path.write_text(dump_yaml(data))
     assert load_serving_table(path).families[KEY].calibration == {}
 

@@ -38,7 +38,10 @@ reduction's measured cost per step, serving/calibrate.py); a cell `{batch, kv_le
 variant, time_us, runner_up?}`; a graph pick `{batch, variant, worst_regret, worst_kv_len,
 chosen_on?}` (worst_kv_len 0: the sweep's ragged mix for the bucket, or a ragged shape;
 chosen_on: the pick was chosen on recorded verify runs, serving/repick.py); a left-out cell
-`{batch, kv_len, reason}`. Loading never executes anything from the file
+`{batch, kv_len, reason}`. `provenance.entry_counts` (written since 2026-12-05, optional at
+load) counts the families and, over all of them, each part's entries (ENTRY_PARTS): it sits
+above the families, so a file cut between entries, or entries removed by hand, is refused at
+load rather than read as a smaller table. Loading never executes anything from the file
 (fileio.read_yaml) and every error names the file, the family and the field.
 Nothing here imports torch.
 """
@@ -63,6 +66,9 @@ SERVING_SCHEMA = "serving/6"
 # and shapes, its geomean regret there, and the sweep's pick with its geomean regret there.
 CHOSEN_ON_FIELDS = ("reports", "shapes", "geomean_regret", "sweep_pick", "sweep_geomean_regret")
 _KEY_FIELDS = ("kv_format", "page_size", "heads", "q_len")
+# The parts of a family whose entries provenance.entry_counts counts (calibration: its
+# backends' fields), beside the families themselves.
+ENTRY_PARTS = ("cells", "graph", "left_out", "variants", "points", "models", "calibration")
 
 
 @dataclass(frozen=True, order=True)
@@ -291,9 +297,22 @@ class ServingTable:
                 **_models_dict(fam.models),
                 **_calibration_dict(fam.calibration),
             })
-        return {"schema": SERVING_SCHEMA, "gpu": self.gpu, "provenance": _provenance_dict(self.provenance),
+        provenance = _provenance_dict(self.provenance)
+        provenance["entry_counts"] = entry_counts(families)  # above the families in the file
+        return {"schema": SERVING_SCHEMA, "gpu": self.gpu, "provenance": provenance,
                 "batch_buckets": list(self.batch_buckets), "kv_buckets": list(self.kv_buckets),
                 "families": families}
+
+
+def entry_counts(families: list) -> dict[str, int]:
+    """How many families the file's `families` list holds and, over them all, each part's
+    entries (ENTRY_PARTS): what provenance.entry_counts states."""
+    def size(family: Any, part: str) -> int:
+        value = family.get(part) if isinstance(family, dict) else None
+        if part == "calibration" and isinstance(value, dict):
+            return sum(len(f) if isinstance(f, dict) else 1 for f in value.values())
+        return len(value) if isinstance(value, (list, dict)) else 0
+    return {"families": len(families), **{part: sum(size(f, part) for f in families) for part in ENTRY_PARTS}}
 
 
 def _provenance_dict(provenance: Any, key: str = "") -> Any:
@@ -588,4 +607,16 @@ def load_serving_table(path: str | Path, check_params: bool = True) -> ServingTa
         if family.key in families:
             raise TableError(f"{where}, family {i}: a second family for {family.key}")
         families[family.key] = family
+    stated = provenance.get("entry_counts")
+    if stated is not None:
+        held = entry_counts(raw["families"])
+        if not isinstance(stated, dict) or set(stated) != set(held):
+            raise TableError(f"{where}: provenance.entry_counts must map {', '.join(held)} to counts "
+                             "(mla-tune writes it), or be absent")
+        wrong = [f"{part} {held[part]} (stated {stated[part]!r:.20})" for part in held
+                 if isinstance(stated[part], bool) or stated[part] != held[part]]
+        if wrong:
+            raise TableError(f"{where}: holds {', '.join(wrong)}, not what its provenance.entry_counts "
+                             "states: the file was cut short or entries were removed; restore it (git) or "
+                             "build it again (mla-tune sweep --config configs/serving.yaml --merge RESULTS)")
     return ServingTable(gpu, provenance, batch_buckets, kv_buckets, families, path)
