@@ -52,6 +52,8 @@
 #       tables/H200.serving.yaml and the FlashInfer tests on GPU 1; on GPU 0 the fast-path and
 #       FlashMLA tests, the engine loop (bf16, fp8) beside FlashMLA, the 64 x 4000 example, host times
 #
+# MLA_TUNE_REQUIRE_BACKENDS=1 (exported for every mode): a GPU test whose backend cannot run fails.
+#
 # Test groups name files; a file that is not in this tree is left out of its group (with a
 # line saying so), so a group survives tests moving between files.
 #
@@ -65,7 +67,7 @@ out=/tmp/acceptance
 mkdir -p "$out" "$keep"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:. PATH=/tmp/site/bin:$PATH CUDA_HOME=/usr/local/cuda \
-  FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 PYTHONUNBUFFERED=1
+  FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 PYTHONUNBUFFERED=1 MLA_TUNE_REQUIRE_BACKENDS=1
 
 timed() {  # timed NAME CMD...: runs CMD, prints and records its wall seconds
   local name=$1; shift

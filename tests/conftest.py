@@ -2,6 +2,10 @@
 
 TRITON_INTERPRET must be set before any @triton.jit function is created, so it is set
 here, before pytest imports the test modules.
+
+MLA_TUNE_REQUIRE_BACKENDS=1 (set by scripts/gpu_acceptance.sh) is the require mode: on a CUDA
+GPU, a GPU test whose backend, vendor wheel or Gluon cannot run fails instead of skipping
+(tests/helpers.py `unavailable` says the rule). Without a CUDA GPU the GPU tests still skip.
 """
 
 import os

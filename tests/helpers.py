@@ -1,7 +1,8 @@
 """What several test files share: reference math and serving inputs for the backend tests,
 a backend's serving call at DeepSeek-V3's softmax scale, a captured CUDA graph's new calls
 (`refill_for_replays`), the CLI in 80 columns, the exported file run in a fresh process that
-refuses mla_tune, test backends registered for one test, and the vendor libraries' CPU fakes.
+refuses mla_tune, test backends registered for one test, the vendor libraries' CPU fakes, and
+`unavailable`: the GPU tests' skip for a backend that cannot run, a failure in require mode.
 
 `vendor_fakes` is tests/fakes/vendor_fakes.py: `vendor_fakes.install(monkeypatch,
 "flashinfer")` puts the fake in sys.modules for one test.
@@ -17,7 +18,9 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import NoReturn
 
+import pytest
 import torch
 
 from mla_tune import gpu, problem
@@ -30,6 +33,22 @@ REPO = Path(__file__).resolve().parents[1]
 CPU_TABLE = REPO / "tests" / "data" / "table_cpu.yaml"
 NARROW = {"COLUMNS": "80", "NO_COLOR": "1", "TERM": "dumb"}
 WIDE = {"COLUMNS": "250", "NO_COLOR": "1", "TERM": "dumb"}  # rich wraps at 80 columns otherwise
+REQUIRE_BACKENDS = "MLA_TUNE_REQUIRE_BACKENDS"
+
+
+def unavailable(reason: str) -> NoReturn:
+    """A GPU test's way out when a backend, a vendor wheel (FlashMLA, FlashInfer) or Gluon
+    cannot run on this GPU: pytest.skip(reason), or pytest.fail(reason) where the environment
+    sets MLA_TUNE_REQUIRE_BACKENDS=1, as scripts/gpu_acceptance.sh does, so that on the
+    acceptance machine a missing wheel or a broken backend fails instead of passing as a skip.
+
+    The rule: without a CUDA GPU this always skips (there every GPU test skips, with or
+    without the variable: the require mode is for the GPU machine). A declared non-case (a
+    backend whose capabilities declare no LSE, or that it does not serve a spec) is no
+    unavailability: such a test calls pytest.skip itself, as it does for "needs a CUDA GPU"."""
+    if torch.cuda.is_available() and os.environ.get(REQUIRE_BACKENDS) == "1":
+        pytest.fail(f"{reason} ({REQUIRE_BACKENDS}=1: every backend must run here)", pytrace=False)
+    pytest.skip(reason)
 
 
 def cpu_table(tmp_path: Path, name: str = "table.yaml", edit=None, versions: dict | None = None, **top) -> Path:

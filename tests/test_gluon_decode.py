@@ -22,7 +22,7 @@ from mla_tune import problem
 from mla_tune.backends import gluon_fused
 from mla_tune.core import QK_DIM, SM_SCALE, V_DIM, Shape, Variant
 from mla_tune.kernels import gluon_decode
-from tests.helpers import ragged_input, rel_l2
+from tests.helpers import ragged_input, rel_l2, unavailable
 from tests.test_fused_decode import _Bufs  # gluon_decode takes the same buffers
 
 BASE = dict(kv="fp8", q="fp8_dynamic", block_n=64, num_stages=3, num_splits=1, v_path="ss16")
@@ -261,13 +261,14 @@ def test_reduce_q_load_and_part_are_later_parameters_offered_where_they_mean_som
 
 # ----------------------------------------------------------------------------- H200
 def gluon_gpu(test):
-    """Marks a test `gpu`; it skips where gluon_fused cannot run (its unavailable_reason,
-    asked when the test runs, so that collecting the module touches no GPU)."""
+    """Marks a test `gpu`; where gluon_fused cannot run (its unavailable_reason, asked when
+    the test runs, so that collecting the module touches no GPU) it goes through
+    `unavailable`: a skip, a failure in require mode on a CUDA GPU."""
     @functools.wraps(test)
     def run(*args, **kwargs):
         reason = gluon_fused.unavailable_reason()
         if reason is not None:
-            pytest.skip(reason)
+            unavailable(reason)
         return test(*args, **kwargs)
 
     return pytest.mark.gpu(run)

@@ -134,9 +134,10 @@ def outcomes() -> dict[tuple, list[dict]]:
     if not torch.cuda.is_available():
         pytest.skip("needs an sm_90 GPU")
     from mla_tune.backends import gluon_fused
+    from tests.helpers import unavailable
 
     if gluon_fused.unavailable_reason() is not None:
-        pytest.skip(gluon_fused.unavailable_reason())
+        unavailable(gluon_fused.unavailable_reason())
     found: dict[tuple, list[dict]] = {}
     context = multiprocessing.get_context("spawn")
     workers = min(8, os.cpu_count() or 1)

@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from mla_tune import problem
-from mla_tune.backends import capabilities, get_backend
+from mla_tune.backends import capabilities, get_backend, platform_refusal
 from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, CallSpec, Shape
+from mla_tune.gpu import detect
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.call import Decoder
 from mla_tune.serving.decode_plan import DecodePlan
-from tests.helpers import row_quantized_q
+from tests.helpers import row_quantized_q, unavailable
 
 pytestmark = pytest.mark.gpu
 DSV3 = CORE_DEEPSEEK_V3_SCALE
@@ -19,13 +20,23 @@ KV_LENS = [1, 17, 64, 65, 300, 3000]
 
 
 def _decoder(name: str, spec: CallSpec) -> Decoder:
-    """The backend's Decoder for spec on this GPU, or a skip naming why it cannot serve it."""
+    """The backend's Decoder for spec on this GPU, in the Decoder's order of reasons: one
+    that declares it does not serve spec here (its capabilities' refusal, its platforms) is a
+    plain skip; one that cannot run here (its module does not import, or its
+    unavailable_reason) goes through `unavailable`, a failure in require mode; any other
+    refusal of the Decoder fails the test."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     try:
-        return Decoder(spec, backend=name, device="cuda")
-    except ValueError as exc:
-        pytest.skip(str(exc))
+        declared = capabilities(name).refusal(spec) or platform_refusal(name, detect())
+        reason = get_backend(name).unavailable_reason()
+    except ImportError as exc:
+        unavailable(f"{name}: its module cannot be imported ({exc})")
+    if declared is not None:
+        pytest.skip(f"{name} declares it does not serve this spec here: {declared}")
+    if reason is not None:
+        unavailable(f"{name}: {reason}")
+    return Decoder(spec, backend=name, device="cuda")
 
 
 CASES = [(n, kv, lse) for n in ("triton", "triton_fused", "flashmla", "flashinfer") for kv in ("bf16", "fp8")
@@ -96,11 +107,11 @@ def test_a_uint8_cache_through_a_plan(backend):
 
 def test_gluon_fused_build_takes_the_scale():
     gluon = get_backend("gluon_fused")
-    if not torch.cuda.is_available() or gluon.unavailable_reason() is not None:
-        pytest.skip(f"gluon_fused: {gluon.unavailable_reason() if torch.cuda.is_available() else 'no GPU'}")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if gluon.unavailable_reason() is not None:
+        unavailable(f"gluon_fused: {gluon.unavailable_reason()}")
     shape = Shape(4, 1024)
-    from mla_tune.gpu import detect
-
     variant = gluon.candidates(shape, {}, detect())[0]
     data = problem.generate_input(shape.batch, shape.kv_len, seed=9, device="cuda")
     out = gluon.build(variant, shape, "cuda", sm_scale=DSV3)(*data[:4])

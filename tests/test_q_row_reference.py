@@ -12,7 +12,7 @@ from mla_tune.gpu import fake_platform
 from mla_tune.serving.config import GateSpec
 from mla_tune.serving.gate import GateJob, gate_one, reference_q_format
 from mla_tune.serving.inputs import make_input, quantize_fp8_rows, reference, reference_q
-from tests.helpers import register_backends
+from tests.helpers import register_backends, unavailable
 
 STRICT = problem.RULES["strict"]
 H200 = fake_platform("H200")
@@ -144,7 +144,7 @@ def test_the_gluon_kernel_passes_the_gate_against_the_per_row_reference(heads, q
 
     reason = GS_UNAVAILABLE or gluon_fused.unavailable_reason()
     if reason:
-        pytest.skip(reason)
+        unavailable(reason)
     cfg = load_serving_config("configs/serving.yaml")
     assert cfg.gate.reference_q == "variant"
     spec = CallSpec("fp8", 64, heads, q_len, mixed_q_len=True, graph=True, sm_scale=CORE_DEEPSEEK_V3_SCALE)
