@@ -25,7 +25,7 @@ import torch
 
 from mla_tune import gpu, problem
 from mla_tune.backends import get_backend
-from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, CallSpec
+from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, V_DIM, CallSpec
 from mla_tune.serving import inputs as serving
 from tests.fakes import vendor_fakes  # noqa: F401  (re-exported for the tests)
 
@@ -144,6 +144,12 @@ def serving_expected(variant, q, qo_indptr, kv, kv_scale, *, sm_scale: float | N
     q_format = {"bf16": "bf16", "fp8_dynamic": "fp8", "fp8_static": "fp8_static"}[q_mode]
     return inputs.reference(q, qo_indptr, kv, kv_scale, **layout, q_format=q_format, q_amax=variant.get("q_amax"),
                             sm_scale=sm_scale)
+
+
+CELL_LAYOUTS = (0, 1, 16, 64)  # 0: contiguous; else the page size
+CELL_Q_LENS = (1, 2, 4)
+CELL_KV_FORMATS = ("bf16", "fp8")
+CELL_GRID = list(itertools.product(CELL_LAYOUTS, (16, 128), CELL_Q_LENS, CELL_KV_FORMATS))  # (layout, heads, q_len, kv)
 
 
 def cell_spec(name: str, layout: int, heads: int, q_len: int, kv: str, **extra) -> CallSpec:
@@ -268,6 +274,18 @@ def ragged_input(kv_lens: list[int], seed: int, device="cuda"):
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
     """The relative L2 error of out against the fp32 reference."""
     return float((out.float() - ref).norm() / ref.norm())
+
+
+class DecodeBuffers:
+    """fused_decode's and gluon_decode's scratch: batch x num_splits partials, 2 x batch counters."""
+
+    def __init__(self, batch: int, num_splits: int, device):
+        slots = batch * num_splits
+        self.part_o = torch.empty(slots * 16 * V_DIM, dtype=torch.float32, device=device)
+        self.part_lse = torch.empty(slots * 16, dtype=torch.float32, device=device)
+        self.count = torch.zeros(2 * batch, dtype=torch.int32, device=device)
+        self.flag = torch.zeros(2 * batch, dtype=torch.int32, device=device)
+        self.out = torch.empty((batch, 16, V_DIM), dtype=torch.bfloat16, device=device)
 
 
 def max_error(variant, device) -> float:

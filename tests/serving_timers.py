@@ -1,7 +1,7 @@
-"""Made-up times for the serving sweep's tests (tests/test_serving_sweep.py), and timers by
-name that a worker process imports (the sweep times in worker processes when its timer is
-a name): the same times, so that a sweep timed in a worker writes the table of one timed in
-the sweep's own process."""
+"""A tiny serving sweep config (TINY) and made-up times for it (tests/test_serving_sweep.py,
+tests/test_verify.py), and timers by name that a worker process imports (the sweep times in
+worker processes when its timer is a name): the same times, so that a sweep timed in a worker
+writes the table of one timed in the sweep's own process."""
 
 import os
 import time
@@ -10,6 +10,16 @@ from mla_tune.core import Variant
 from mla_tune.serving.sweep import RAGGED_PROBE_KV
 from mla_tune.tune.timing import Timing
 
+TINY = {
+    "name": "tiny", "rule": "strict", "check_seeds": [1, 2],
+    "families": {"kv_format": ["fp8"], "page_size": [16], "heads": [16], "q_len": [2]},
+    "call": {"mixed_q_len": True},
+    "batch_buckets": [1, 2], "kv_buckets": [32, 64],
+    "gate": {"ragged_kv_lens": [1, 17, 63, 64, 65, 100], "tail_kv_len": 77, "tail_batch": 2, "margin": 0.5,
+             "reference_q": "exact"},
+    "search": {"rungs": [1, 2], "keep": 0.5, "min_keep": 1, "cross_top": 3},
+    "backends": {"triton": {"tokens_per_split": [16, 64]}, "triton_fused": {}, "wrong_serving": {}},
+}
 TRITON = {"16": "A", "64": "B"}  # the two triton candidates' tokens_per_split
 # Made-up times (us per sequence): A wins at kv 32, B at kv 64; the fused candidate C is
 # never best but its worst regret (12%) is the smallest (A 33%, B 20%), while its mean

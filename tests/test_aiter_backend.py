@@ -16,32 +16,12 @@ from mla_tune import gpu, problem, runtime
 from mla_tune.backends import aiter_mla
 from mla_tune.core import SM_SCALE, Shape, Variant
 from mla_tune.tune.config import expand_space, load_config
-from tests.helpers import expected_output, vendor_fakes
+from tests import aiter_helpers
+from tests.aiter_helpers import BF16_NP, BF16_PERSISTENT, SHAPE, direct_call_args, install, is_new
+from tests.helpers import REPO, expected_output, vendor_fakes
 
-ROOT = Path(__file__).resolve().parents[1]
-
-SHAPE = Shape(3, 256)  # small, yet long enough for the intra-batch builder (>= 196 tokens)
+aiter = aiter_helpers.aiter  # the fixture: each test runs under every faked release
 STRICT = problem.RULES["strict"]
-BF16_NP = Variant.make("aiter", kv="bf16", q="bf16", mode="nonpersistent", num_kv_splits=1)
-BF16_PERSISTENT = Variant.make("aiter", kv="bf16", q="bf16", mode="persistent", fast_mode=True,
-                               intra_batch=False, max_split_per_batch=-1, kv_granularity=16)
-F3BE04A12 = "0.1.10.post4.dev78+gf3be04a12a"  # setuptools_scm's version of the runner's commit
-RELEASES = ("0.1.11", "0.1.20.post1", F3BE04A12)
-
-
-def install(monkeypatch, release, **config):
-    """The fake of `release` (a version, or f3be04a12), installed in this process."""
-    monkeypatch.setenv("MLA_TUNE_FAKE_AITER_VERSION", release)
-    return vendor_fakes.install(monkeypatch, "aiter", **config)["aiter"]
-
-
-@pytest.fixture(params=RELEASES, ids=("v0.1.11", "v0.1.20.post1", "f3be04a12"))
-def aiter(monkeypatch, request):
-    return install(monkeypatch, request.param)
-
-
-def _new(aiter) -> bool:
-    return aiter.__version__ == "0.1.20.post1"
 
 
 @pytest.fixture
@@ -96,7 +76,7 @@ _V0111_REDUCE = ["partial_output", "partial_lse", "reduce_indptr", "reduce_final
                  "max_seqlen_q", "final_output", ("final_lse", None)]
 _V01120_REDUCE = _V0111_REDUCE[:6] + ["num_kv_splits"] + _V0111_REDUCE[6:]  # required, before final_output
 _OLD = (_V0111_DECODE, _V0111_INFO, _V0111_BUILDER, _V0111_STAGE1, _V0111_REDUCE)
-_SIGNATURES = {"0.1.11": _OLD, F3BE04A12: _OLD,
+_SIGNATURES = {"0.1.11": _OLD, aiter_helpers.F3BE04A12: _OLD,
                "0.1.20.post1": (_V01120_DECODE, _V01120_INFO, _V01120_BUILDER, _V01120_STAGE1, _V01120_REDUCE)}
 
 
@@ -115,9 +95,9 @@ def test_fake_has_the_signatures_of_its_release_and_the_backend_reads_them(aiter
     for op in (aiter.static_per_tensor_quant, aiter.dynamic_per_tensor_quant):
         assert {p.kind.name for p in inspect.signature(op).parameters.values()} == {"POSITIONAL_ONLY"}
     assert aiter.dtypes.fp8 is torch.float8_e4m3fn
-    assert hasattr(aiter, "get_mla_decode_fwd_max_splits") == _new(aiter)
-    assert hasattr(aiter, "mla_decode_fwd_opus_stage1") == _new(aiter)
-    if _new(aiter):
+    assert hasattr(aiter, "get_mla_decode_fwd_max_splits") == is_new(aiter)
+    assert hasattr(aiter, "mla_decode_fwd_opus_stage1") == is_new(aiter)
+    if is_new(aiter):
         from aiter.ops.triton.gluon.mla_gluon import mla_gluon
 
         assert list(inspect.signature(mla_gluon).parameters)[:7] == [
@@ -132,7 +112,7 @@ def test_fake_has_the_signatures_of_its_release_and_the_backend_reads_them(aiter
     assert features["missing"] == []
     for key in ("info_split_cap", "max_splits", "opus", "gluon", "gluon_fp8_any_batch", "persistent_gate",
                 "direct_lse", "direct_reduce_splits"):
-        assert features[key] == _new(aiter), key
+        assert features[key] == is_new(aiter), key
     assert features["direct"] is True
 
 
@@ -169,7 +149,7 @@ def test_each_variant_family_builds_and_matches_the_reference(aiter, data, param
         calibration = problem.generate_input(SHAPE.batch, SHAPE.kv_len, seed=11, device="cpu")
         variant = variant.with_params(q_amax=float(calibration[0].abs().amax()))
     new_only = "opus" if params.get("opus") else params["mode"] if params["mode"] in _NEW_ONLY else None
-    if new_only and not _new(aiter):
+    if new_only and not is_new(aiter):
         with pytest.raises(ValueError, match=rf"this AITER has no {'OPUS' if new_only == 'opus' else 'Gluon'}.*0\.1\.(20|18)\+"):
             aiter_mla.build(variant, SHAPE, "cpu")
         return
@@ -203,50 +183,13 @@ def test_torch_quantizers_stand_in_for_missing_aiter_ones(aiter, monkeypatch, da
     assert aiter._state.calls["static_per_tensor_quant"] == calls_before["static_per_tensor_quant"]
 
 
-def _direct_call_args(data, q=None, kv=None, index_dtype=torch.int32):
-    """mla_decode_fwd's leading tensors (positional) and the rest of a call (by keyword)."""
-    q_in, kv_data, _qo, _kv, _cfg = data
-    batch, total = q_in.shape[0], kv_data["bf16"].shape[0]
-    kv_in = kv_data["bf16"] if kv is None else kv
-    o = torch.empty((batch, 16, 512), dtype=torch.bfloat16)
-    return [q_in if q is None else q, kv_in.view(total, 1, 1, 576), o], dict(
-        qo_indptr=torch.arange(batch + 1, dtype=index_dtype),
-        kv_indptr=torch.arange(batch + 1, dtype=index_dtype) * (total // batch),
-        kv_indices=torch.arange(total, dtype=index_dtype), kv_last_page_lens=torch.ones(batch, dtype=index_dtype),
-        max_seqlen_q=1)
-
-
-def _work_buffers(aiter, batch, q_dtype, kv_dtype, **info_kwargs):
-    info = aiter.get_mla_metadata_info_v1(batch_size=batch, max_seqlen_qo=1, num_head_qo=16, q_dtype=q_dtype,
-                                          kv_dtype=kv_dtype, is_sparse=False, **info_kwargs)
-    return [torch.empty(size, dtype=dtype) for size, dtype in info]
-
-
-def _fill_work(aiter, qo, kvp, last, work, **kwargs):
-    """get_mla_metadata_v1 by keyword; the builder takes work_info_set before work_indptr."""
-    aiter.get_mla_metadata_v1(qo, kvp, kv_last_page_lens=last, num_heads_per_head_k=16, num_heads_k=1,
-                              is_causal=True, work_metadata_ptrs=work[0], work_info_set=work[2],
-                              work_indptr=work[1], reduce_indptr=work[3], reduce_final_map=work[4],
-                              reduce_partial_map=work[5], **kwargs)
-    return dict(work_meta_data=work[0], work_indptr=work[1], work_info_set=work[2], reduce_indptr=work[3],
-                reduce_final_map=work[4], reduce_partial_map=work[5])
-
-
-def bf16_persistent_call(aiter, case, shape, **extra):
-    """mla_decode_fwd of bf16 `case` over a fast-mode work list built here, plus `extra`."""
-    args, kwargs = _direct_call_args(case)
-    qo, kvp, last = kwargs["qo_indptr"], kwargs["kv_indptr"], kwargs["kv_last_page_lens"]
-    work = _work_buffers(aiter, shape.batch, torch.bfloat16, torch.bfloat16)
-    aiter.mla.mla_decode_fwd(*args, **kwargs, **_fill_work(aiter, qo, kvp, last, work), **extra)
-
-
 def test_fake_rejects_int64_indices_old_positional_calls_strided_buffers_and_bad_work_lists(aiter, data):
-    args, kwargs = _direct_call_args(data, index_dtype=torch.int64)
+    args, kwargs = direct_call_args(data, index_dtype=torch.int64)
     with pytest.raises(RuntimeError, match="must be int32"):
         aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE)
     # before v0.1.10.post2 sm_scale followed max_seqlen_q; now that slot is page_size, and the
     # fake refuses the positional call outright (kwargs are in mla_decode_fwd's order)
-    args, kwargs = _direct_call_args(data)
+    args, kwargs = direct_call_args(data)
     old_call = [*args, *kwargs.values(), SM_SCALE]
     with pytest.raises(TypeError, match="mla_decode_fwd: 9 positional arguments; the fake takes q, kv_buffer, o"):
         aiter.mla.mla_decode_fwd(*old_call)
@@ -261,21 +204,21 @@ def test_fake_rejects_int64_indices_old_positional_calls_strided_buffers_and_bad
     args[2] = torch.empty((SHAPE.batch, 512, 16), dtype=torch.bfloat16).transpose(1, 2)
     with pytest.raises(RuntimeError, match="o must be dense"):
         aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE)
-    args, kwargs = _direct_call_args(data)
+    args, kwargs = direct_call_args(data)
     wide = torch.zeros((SHAPE.total_kv, 1, 1, 1152), dtype=torch.bfloat16)
     wide[..., :576] = data[1]["bf16"].view(SHAPE.total_kv, 1, 1, 576)
     args[1] = wide[..., :576]  # same values, rows 1152 apart
     with pytest.raises(RuntimeError, match="kv_buffer's inner dims must be dense"):
         aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE)
     # a split indptr with work_meta_data, undersized and swapped work buffers
-    args, kwargs = _direct_call_args(data)
+    args, kwargs = direct_call_args(data)
     qo, kvp, last = kwargs["qo_indptr"], kwargs["kv_indptr"], kwargs["kv_last_page_lens"]
     bf16 = torch.bfloat16
-    work = _work_buffers(aiter, SHAPE.batch, bf16, bf16, fast_mode=False, num_kv_splits=2, intra_batch_mode=True)
+    work = aiter_helpers.work_buffers(aiter, SHAPE.batch, bf16, bf16, fast_mode=False, num_kv_splits=2, intra_batch_mode=True)
     long_kvp = torch.arange(SHAPE.batch + 1, dtype=torch.int32) * 2048  # 2048 // 196 = 10 splits possible
     with pytest.raises(RuntimeError, match="builder writes"):  # sized for 2 splits, asked for 8
-        _fill_work(aiter, qo, long_kvp, last, work, fast_mode=False, max_split_per_batch=8, intra_batch_mode=True)
-    buffers = _fill_work(aiter, qo, kvp, last, work, fast_mode=False, max_split_per_batch=1, intra_batch_mode=True)
+        aiter_helpers.fill_work(aiter, qo, long_kvp, last, work, fast_mode=False, max_split_per_batch=8, intra_batch_mode=True)
+    buffers = aiter_helpers.fill_work(aiter, qo, kvp, last, work, fast_mode=False, max_split_per_batch=1, intra_batch_mode=True)
     with pytest.raises(RuntimeError, match="never pass num_kv_splits_indptr"):
         aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE, num_kv_splits_indptr=qo, **buffers)
     swapped = dict(buffers, work_indptr=work[2], work_info_set=work[1])
@@ -399,7 +342,7 @@ def test_build_refuses_bad_variants_before_touching_aiter_and_runners_other_shap
 
 
 def _mi355x_candidates(shape, platform):
-    space = load_config(ROOT / "configs" / "mi355x.yaml").backends["aiter"]
+    space = load_config(REPO / "configs" / "mi355x.yaml").backends["aiter"]
     return list(dict.fromkeys(v for grid in expand_space(space)
                               for v in aiter_mla.candidates(shape, grid, platform)))
 
@@ -418,9 +361,9 @@ def test_candidates_come_only_on_a_hip_platform(aiter):
         aiter_mla._ai_validate(v.with_params(q_amax=4.0) if v.get("q") == "fp8_static" else v, shape)
     modes = {v.get("mode") for v in variants}
     # Gluon and OPUS only where the installed AITER has them (0.1.20.post1's fake does)
-    assert modes == ({"nonpersistent", "persistent", "gluon"} if _new(aiter) else {"nonpersistent", "persistent"})
+    assert modes == ({"nonpersistent", "persistent", "gluon"} if is_new(aiter) else {"nonpersistent", "persistent"})
     opus = [v for v in variants if v.get("opus")]
-    assert bool(opus) == _new(aiter) and all(v.get("q") != "bf16" and v.get("kv") == "fp8" for v in opus)
+    assert bool(opus) == is_new(aiter) and all(v.get("q") != "bf16" and v.get("kv") == "fp8" for v in opus)
     mi300 = _mi355x_candidates(shape, gpu.fake_platform("MI300X"))
     assert all(v.get("max_split_per_batch") >= 16 for v in mi300 if v.get("intra_batch"))
     assert not any(v.get("mode") == "gluon" or v.get("opus") for v in mi300)  # gfx950 only
@@ -456,14 +399,14 @@ def test_a_worker_subprocess_sees_the_fake_through_subprocess_env(release):
             "print(aiter.__version__, aiter._state.cu_num, aiter._state.arch, aiter_mla.unavailable_reason())")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == [F3BE04A12 if release == "f3be04a12" else release, "304", "gfx942", "None"]
+    assert done.stdout.split() == [aiter_helpers.F3BE04A12 if release == "f3be04a12" else release, "304", "gfx942", "None"]
 
 
 # ------------------------------------------------------- what the fake enforces
 def test_fake_refuses_kernelless_dtype_pairs_and_splits_past_what_stage_2_reads(aiter, data):
     fp8_q, q_scale = problem.quantize_fp8(data[0])
     kv8, kv_scale = data[1]["fp8"]
-    args, kwargs = _direct_call_args(data, q=fp8_q, kv=kv8)
+    args, kwargs = direct_call_args(data, q=fp8_q, kv=kv8)
     batch = SHAPE.batch
 
     def splits(n):
@@ -473,13 +416,13 @@ def test_fake_refuses_kernelless_dtype_pairs_and_splits_past_what_stage_2_reads(
         aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE, q_scale=q_scale, kv_scale=kv_scale, **splits(3))
     aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE, q_scale=q_scale, kv_scale=kv_scale, **splits(2))
     with pytest.raises(RuntimeError, match=r"\(1..4\)"):  # bf16 q: 64 tokens per split
-        args, kwargs = _direct_call_args(data)
+        args, kwargs = direct_call_args(data)
         aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE, **splits(5))
     # a dtype pair AITER has no kernel for
-    args, kwargs = _direct_call_args(data, q=fp8_q)
+    args, kwargs = direct_call_args(data, q=fp8_q)
     with pytest.raises(RuntimeError, match="no nonpersistent MLA decode kernel"):  # fp8 q x bf16 KV
         aiter.mla.mla_decode_fwd(*args, **kwargs, q_scale=q_scale, kv_scale=q_scale)
-    args, kwargs = _direct_call_args(data, kv=kv8)
+    args, kwargs = direct_call_args(data, kv=kv8)
     with pytest.raises(RuntimeError, match="no nonpersistent MLA decode kernel"):  # bf16 q x fp8 KV
         aiter.mla.mla_decode_fwd(*args, **kwargs, kv_scale=kv_scale)
 
@@ -498,27 +441,21 @@ def test_fake_fp8_follows_the_arch(monkeypatch):
     assert torch.finfo(fake.dtypes.fp8).max == 240.0
 
 
-def persistent_case(batch):
-    """(shape, input) at kv_len 200 for a persistent call at this batch."""
-    shape = Shape(batch, 200)
-    return shape, problem.generate_input(shape.batch, shape.kv_len, seed=3, device="cpu")
-
-
 def test_new_release_falls_back_to_non_persistent_unless_the_split_count_is_passed(aiter):
     """0.1.18+: a bf16 persistent call at batch >= 32 that leaves num_kv_splits to AITER runs
     non-persistent; the backend passes get_mla_decode_fwd_max_splits and stays persistent."""
-    shape, case = persistent_case(32)
+    shape, case = aiter_helpers.persistent_case(32)
     out = aiter_mla.build(BF16_PERSISTENT, shape, "cpu")(*case[:4])
     assert aiter._state.last_call["mode"] == "persistent"
-    assert aiter._state.last_call["num_kv_splits"] == (256 if _new(aiter) else None)
+    assert aiter._state.last_call["num_kv_splits"] == (256 if is_new(aiter) else None)
     result = problem.check(out, expected_output(case, BF16_PERSISTENT), STRICT)
     assert result.passed, result.reason
-    if not _new(aiter):
+    if not is_new(aiter):
         return
-    bf16_persistent_call(aiter, case, shape, sm_scale=SM_SCALE)
+    aiter_helpers.bf16_persistent_call(aiter, case, shape, sm_scale=SM_SCALE)
     assert aiter._state.last_call["mode"] == "nonpersistent"
     with pytest.raises(RuntimeError, match="num_kv_splits=8 is below the splits the metadata may hold"):
-        bf16_persistent_call(aiter, case, shape, sm_scale=SM_SCALE, num_kv_splits=8)
+        aiter_helpers.bf16_persistent_call(aiter, case, shape, sm_scale=SM_SCALE, num_kv_splits=8)
 
 
 def test_the_mi355x_config_follows_gfx950_facts_and_plans_a_modest_sweep(aiter):
@@ -527,7 +464,7 @@ def test_the_mi355x_config_follows_gfx950_facts_and_plans_a_modest_sweep(aiter):
     states the plan this test computes."""
     from mla_tune.backends import get_backend
 
-    config = load_config(ROOT / "configs" / "mi355x.yaml")
+    config = load_config(REPO / "configs" / "mi355x.yaml")
     platform = gpu.fake_platform("MI355X")
     counts = {}
     for name, space in config.backends.items():
@@ -538,10 +475,10 @@ def test_the_mi355x_config_follows_gfx950_facts_and_plans_a_modest_sweep(aiter):
         if name == "triton":
             for variant in set().union(*per_shape):
                 assert "kpack" not in variant.p and variant.get("matrix_instr_nonkdim") == 16
-    extra = 16 + 56 if _new(aiter) else 0  # Gluon and OPUS where the AITER has them
+    extra = 16 + 56 if is_new(aiter) else 0  # Gluon and OPUS where the AITER has them
     assert counts["aiter"] == 336 + extra and counts["torch"] == 8
     assert set(counts) == {"torch", "triton", "aiter"}
-    comment = (ROOT / "configs" / "mi355x.yaml").read_text()
+    comment = (REPO / "configs" / "mi355x.yaml").read_text()
     base = counts["triton"] + 336 + 8
     assert f"{counts['triton']} Triton" in comment and "336 AITER" in comment and "8 torch" in comment
     assert f"{base} candidates" in comment and f"({base + 16 + 56})" in comment

@@ -14,10 +14,11 @@ import torch
 from mla_tune import gpu, problem
 from mla_tune.backends import aiter_mla
 from mla_tune.core import SM_SCALE, CallSpec, Shape, Variant
-from tests import test_aiter_backend
-from tests.test_aiter_backend import BF16_NP, BF16_PERSISTENT, F3BE04A12, ROOT, SHAPE, _new, install
+from tests import aiter_helpers
+from tests.aiter_helpers import BF16_NP, BF16_PERSISTENT, F3BE04A12, SHAPE, install, is_new
+from tests.helpers import REPO
 
-aiter = test_aiter_backend.aiter  # the fixture: each test runs under every faked release
+aiter = aiter_helpers.aiter  # the fixture: each test runs under every faked release
 DIRECT = {"mode": "direct", "fast_mode": False, "intra_batch": True, "max_split_per_batch": 4,
           "kv_granularity": 16}
 
@@ -44,7 +45,7 @@ _LEADING_NEW = {"get_mla_decode_fwd_max_splits": 0, "ops.triton.gluon.mla_gluon.
 
 
 def test_every_fake_entry_point_refuses_arguments_past_its_leading_tensors(aiter):
-    entries = dict(_LEADING, **(_LEADING_NEW if _new(aiter) else {}))
+    entries = dict(_LEADING, **(_LEADING_NEW if is_new(aiter) else {}))
     for dotted, count in entries.items():
         fn = functools.reduce(getattr, dotted.split("."), aiter)
         with pytest.raises(TypeError, match=rf"{dotted.split('.')[-1]}: {count + 1} positional arguments"):
@@ -55,7 +56,7 @@ def test_every_fake_entry_point_refuses_arguments_past_its_leading_tensors(aiter
     # positional caller hands it q_scale (the fake, unwrapped, shows where it lands)
     stage1 = inspect.unwrap(aiter.mla_decode_stage1_asm_fwd)
     names = list(inspect.signature(stage1).parameters)
-    assert names[17] == ("lse" if _new(aiter) else "q_scale")
+    assert names[17] == ("lse" if is_new(aiter) else "q_scale")
 
 
 # The AITER callables aiter_mla.py calls, and the arguments it may pass them positionally
@@ -66,7 +67,7 @@ _BACKEND_LEADING = {"mla_decode_fwd": 3, "mla_gluon": 4, "get_mla_metadata_v1": 
 
 def test_the_backend_passes_everything_past_the_leading_tensors_by_keyword():
     """An AST check of every call aiter_mla.py makes into AITER (the fakes refuse at call time)."""
-    tree = ast.parse((ROOT / "mla_tune" / "backends" / "aiter_mla.py").read_text())
+    tree = ast.parse((REPO / "mla_tune" / "backends" / "aiter_mla.py").read_text())
     seen = set()
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
@@ -101,7 +102,7 @@ def test_the_work_list_is_built_once_in_build_and_direct_partials_are_known(aite
     assert len(aiter._state.partials) == 1  # one partial buffer, reused
     # the fake's reduction refuses partials stage 1 did not write (it knows them by address)
     other = torch.zeros((64, 1, 16, 512))
-    extra = {"num_kv_splits": 256} if _new(aiter) else {}
+    extra = {"num_kv_splits": 256} if is_new(aiter) else {}
     buffers = next(iter(aiter._state.metadata.values()))["reduce"]
     assert buffers  # the work list's reduce buffers are recorded
     with pytest.raises(RuntimeError, match="not written by mla_decode_stage1_asm_fwd"):
@@ -126,8 +127,8 @@ def test_direct_mode_passes_lse_and_the_split_bound_only_where_the_signature_has
     out = aiter_mla.build(variant, SHAPE, "cpu")(*data[:4])
     (n1, stage1), (n2, reduce) = seen["mla_decode_stage1_asm_fwd"], seen["mla_reduce_v1"]
     assert n1 == n2 == 2
-    assert ("lse" in stage1) == _new(aiter) and stage1.get("lse") is None and stage1["q_scale"] is None
-    assert reduce.get("num_kv_splits") == (256 if _new(aiter) else None)  # get_mla_decode_fwd_max_splits
+    assert ("lse" in stage1) == is_new(aiter) and stage1.get("lse") is None and stage1["q_scale"] is None
+    assert reduce.get("num_kv_splits") == (256 if is_new(aiter) else None)  # get_mla_decode_fwd_max_splits
     assert _matches(out, data)
 
 
@@ -153,7 +154,7 @@ def test_direct_mode_is_read_from_the_torch_op_schema_behind_an_opaque_wrapper(a
     assert aiter_mla._ai_features(aiter)["direct"] is False  # nothing to read: not offered
     monkeypatch.setattr(torch.ops, "aiter", types.SimpleNamespace(**schemas), raising=False)
     features = aiter_mla._ai_features(aiter)
-    assert features["direct"] is True and features["direct_lse"] == _new(aiter)
+    assert features["direct"] is True and features["direct_lse"] == is_new(aiter)
     variant = Variant.make("aiter", kv="bf16", q="bf16", **DIRECT)
     out = aiter_mla.build(variant, SHAPE, "cpu")(*data[:4])
     assert _matches(out, data)
@@ -188,7 +189,7 @@ _SCALED = [
 
 @pytest.mark.parametrize("params", _SCALED, ids=lambda p: p["mode"])
 def test_the_softmax_scale_reaches_every_aiter_call(aiter, data, params):
-    if params["mode"] == "gluon" and not _new(aiter):
+    if params["mode"] == "gluon" and not is_new(aiter):
         pytest.skip("AITER's Gluon decode is 0.1.18+ (the 0.1.20.post1 fake)")
     variant = Variant.make("aiter", kv="bf16", q="bf16", **params)
     scale = 0.19  # far from 1/sqrt(576) = 0.0417: the scores change markedly
@@ -227,13 +228,13 @@ def test_each_builds_persistent_gate_and_the_backend_stays_persistent(monkeypatc
     assert aiter_mla._ai_features(fake)["persistent_gate"] is gated
     assert aiter_mla.aiter_persistent_gate(fake.__version__) == (
         "bypassed (persistent calls pass num_kv_splits)" if gated else "absent (before 0.1.18)")
-    shape, case = test_aiter_backend.persistent_case(batch)
+    shape, case = aiter_helpers.persistent_case(batch)
     out = aiter_mla.build(BF16_PERSISTENT, shape, "cpu")(*case[:4])
     assert fake._state.last_call["mode"] == "persistent"
     assert fake._state.last_call["num_kv_splits"] == (256 if gated else None)
     assert _matches(out, case)
     if gated:  # a work list handed over without num_kv_splits: gated at batch >= 4, not at 0 (off)
-        test_aiter_backend.bf16_persistent_call(fake, case, shape)
+        aiter_helpers.bf16_persistent_call(fake, case, shape)
         assert fake._state.last_call["mode"] == ("nonpersistent" if cap == "4" else "persistent")
 
 

@@ -17,10 +17,10 @@ import triton
 
 from mla_tune import problem
 from mla_tune.backends import triton_fused
-from mla_tune.core import QK_DIM, SM_SCALE, V_DIM, Shape, Variant, device_sm_count
+from mla_tune.core import QK_DIM, SM_SCALE, Shape, Variant, device_sm_count
 from mla_tune.gpu import fake_platform
 from mla_tune.kernels.fused_decode import FU_DOT_CODES, FU_DOT_FP8_FNUZ, fu_dot_code, fused_decode
-from tests.helpers import assert_close, ragged_input, rel_l2
+from tests.helpers import DecodeBuffers, assert_close, ragged_input, rel_l2
 
 CPU_BASE = dict(q="bf16", qk_dot="fp16", pv_dot="fp16", tok_m=True, block_n=16, num_warps=4, num_stages=1)
 
@@ -257,19 +257,7 @@ def test_leaderboard_shapes_pass_the_rule(family, lever, batch, kv_len):
 DIRECT_CPU = dict(q_fp8=False, qk_dot="fp16", pv_dot="fp16", num_warps=4, num_stages=1, block_n=16)
 
 
-class _Bufs:
-    """fused_decode's scratch for `slots` partials; counters for 2 x batch (v_split 2)."""
-
-    def __init__(self, batch: int, num_splits: int, device):
-        slots = batch * num_splits
-        self.part_o = torch.empty(slots * 16 * V_DIM, dtype=torch.float32, device=device)
-        self.part_lse = torch.empty(slots * 16, dtype=torch.float32, device=device)
-        self.count = torch.zeros(2 * batch, dtype=torch.int32, device=device)
-        self.flag = torch.zeros(2 * batch, dtype=torch.int32, device=device)
-        self.out = torch.empty((batch, 16, V_DIM), dtype=torch.bfloat16, device=device)
-
-
-def run_fused(data, bufs: _Bufs, *, kv: str, num_splits: int, reduce: str, v_split: int, tok_m: bool = True,
+def run_fused(data, bufs: DecodeBuffers, *, kv: str, num_splits: int, reduce: str, v_split: int, tok_m: bool = True,
               load: str = "ptr", **params) -> torch.Tensor:
     q, kv_data = data[0], data[1]
     entry = kv_data[kv]
@@ -308,7 +296,7 @@ V_SPLIT_CASES = [
                          ids=lambda v: "x".join(map(str, v)) if isinstance(v, list) else str(v))
 def test_v_split_matches_the_reference_and_v_split_1(device, kv, lens, num_splits, reduce, tok_m, load):
     data = ragged_input(lens, seed=11, device=device)
-    bufs = _Bufs(len(lens), num_splits, device)
+    bufs = DecodeBuffers(len(lens), num_splits, device)
     kwargs = dict(kv=kv, num_splits=num_splits, reduce=reduce, tok_m=tok_m, load=load)
     whole = run_fused(data, bufs, v_split=1, **kwargs).clone()
     bufs.out.fill_(float("nan"))  # every output element must be written by one of the halves
@@ -321,7 +309,7 @@ def test_v_split_matches_the_reference_and_v_split_1(device, kv, lens, num_split
 
 def test_v_split_last_reducer_resets_its_counters_so_calls_repeat(device):
     data = ragged_input([50, 20, 9], seed=3, device=device)
-    bufs = _Bufs(3, 3, device)
+    bufs = DecodeBuffers(3, 3, device)
     calls = [run_fused(data, bufs, kv="fp8", num_splits=3, reduce="last", v_split=2).clone() for _ in range(3)]
     assert torch.equal(calls[0], calls[1]) and torch.equal(calls[0], calls[2])
     assert int(bufs.count.abs().sum()) == 0  # every (sequence, half) counter is back at zero
@@ -330,7 +318,7 @@ def test_v_split_last_reducer_resets_its_counters_so_calls_repeat(device):
 
 def test_v_split_refuses_what_it_does_not_run(device):
     data = ragged_input([17], seed=1, device=device)
-    bufs = _Bufs(1, 2, device)
+    bufs = DecodeBuffers(1, 2, device)
     for kwargs, match in [(dict(v_split=3), "v_split must be 1 or 2"),
                           (dict(v_split=2, programs=2), "split grid"),
                           (dict(v_split=2, num_splits=129), "at most 128 splits")]:
@@ -354,7 +342,7 @@ def test_v_split_at_the_leaderboard_shapes_under_strict(batch, kv_len):
     for v_split in (1, 2):
         reduces = ["none"] if splits == 1 else ["last"] + (["spin"] if batch * splits * v_split <= sm_count else [])
         for reduce in reduces:
-            bufs = _Bufs(batch, splits, "cuda")
+            bufs = DecodeBuffers(batch, splits, "cuda")
             what = f"v_split {v_split}, {splits} splits, reduce {reduce} at {batch}x{kv_len}"
             first = run_fused(data, bufs, kv="fp8", num_splits=splits, reduce=reduce, v_split=v_split,
                               **GPU_FQ8).clone()

@@ -1,6 +1,6 @@
 """Warp specialization (`ws`) of the Gluon decode. CPU: its rules, shared memory, residency,
 candidates and launch (the kernel replaced by a recorder: Gluon has no CPU interpreter).
-GPU: ws 1 and 2 against tests/test_gluon_decode.py's `check`, leaderboard and odd shapes.
+GPU: ws 1 and 2 against tests/gluon_helpers.py's `check`, leaderboard and odd shapes.
 """
 
 import math
@@ -13,8 +13,8 @@ from mla_tune.backends import gluon_fused
 from mla_tune.core import QK_DIM, Shape, Variant
 from mla_tune.gpu import fake_platform
 from mla_tune.kernels import gluon_decode
+from tests.gluon_helpers import check, check_backend, expect, gluon_gpu, run_twice
 from tests.helpers import ragged_input
-from tests.test_gluon_decode import check, check_backend, expect, gluon_gpu, run_twice
 
 BASE = dict(kv="fp8", q="fp8_dynamic", block_n=64, num_stages=3, num_splits=1, v_path="rs8")
 

@@ -78,26 +78,28 @@ def _site_dirs() -> list[str]:
 
 
 def test_a_built_wheel_ships_the_tables_and_finds_them_outside_the_checkout(tmp_path):
+    # no caller's PYTHONPATH: with the checkout on it, pip finds its mla_tune.egg-info and
+    # takes the wheel as installed already
+    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", locate.ENV_TABLES)}
     wheels = tmp_path / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "-q", "-w", str(wheels), "."], cwd=REPO, check=True)
+                    "-q", "-w", str(wheels), "."], cwd=REPO, env=clean, check=True)
     (wheel,) = wheels.glob("mla_tune-*.whl")
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages",
-                    str(venv)], check=True)
+                    str(venv)], env=clean, check=True)
     python = venv / "bin" / "python"
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
-                    "--no-index", "-q", str(wheel)], check=True)
+                    "--no-index", "-q", str(wheel)], env=clean, check=True)
     # after pip (it must not see this mla_tune): this process's packages as plain paths, whose
     # .pth files (an editable mla_tune's finder) are not run, so mla_tune comes from the wheel
     purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             check=True, capture_output=True, text=True).stdout.strip()
+                             env=clean, check=True, capture_output=True, text=True).stdout.strip()
     Path(purelib, "_outer_site.pth").write_text("".join(f"{d}\n" for d in _site_dirs()))
     outside = tmp_path / "elsewhere"
     outside.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", locate.ENV_TABLES)}
     # the vendor fakes stand in for flash_mla / flashinfer, which the table's picks name
-    env.update(TRITON_INTERPRET="1", PYTHONPATH=str(FAKES))
+    env = dict(clean, TRITON_INTERPRET="1", PYTHONPATH=str(FAKES))
 
     def outside_run(*command):
         return subprocess.run([str(c) for c in command], cwd=outside, env=env, capture_output=True, text=True)

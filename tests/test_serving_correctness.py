@@ -13,6 +13,10 @@ from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, CallSpec, Variant
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.call import PREFERENCE, Decoder
 from tests.helpers import (
+    CELL_GRID,
+    CELL_KV_FORMATS,
+    CELL_LAYOUTS,
+    CELL_Q_LENS,
     assert_close,
     call_with_host_lengths,
     cell_id,
@@ -23,10 +27,6 @@ from tests.helpers import (
     vendor_fakes,
 )
 
-LAYOUTS = (0, 1, 16, 64)  # 0: contiguous; else the page size
-HEADS = (16, 128)
-Q_LENS = (1, 2, 4)
-KV_FORMATS = ("bf16", "fp8")
 OWN = ("triton", "triton_fused")
 SCALE = CORE_DEEPSEEK_V3_SCALE
 GPU_KV_LENS = [3000, 1, 17, 63, 64, 65, 1000, 129]
@@ -124,12 +124,11 @@ def _serving_backends() -> list[str]:
     return [name for name in PREFERENCE if _caps(name).serving and _caps(name).runs_on(tags)]
 
 
-GRID = list(itertools.product(LAYOUTS, HEADS, Q_LENS, KV_FORMATS))
-FUSED_GRID = list(itertools.product(LAYOUTS, (16, 32, 64, 128), Q_LENS, KV_FORMATS))
+FUSED_GRID = list(itertools.product(CELL_LAYOUTS, (16, 32, 64, 128), CELL_Q_LENS, CELL_KV_FORMATS))
 OTHERS = [name for name in _serving_backends() if name not in OWN]  # FlashMLA, FlashInfer, ...
-GPU_CASES = (_declared("triton", GRID + ODD_CELLS)
+GPU_CASES = (_declared("triton", CELL_GRID + ODD_CELLS)
              + _declared("triton_fused", FUSED_GRID + [c for c in ODD_CELLS if c not in FUSED_GRID])
-             + [case for name in OTHERS for case in _declared(name, GRID)])
+             + [case for name in OTHERS for case in _declared(name, CELL_GRID)])
 
 
 @pytest.mark.gpu
@@ -154,12 +153,12 @@ def test_the_gpu_matrix_covers_every_cell_and_setting_and_its_variants_build(mon
     the CPU each case's variants validate, and the own ones build."""
     cases = {name: {tuple(c[1:]) for c in GPU_CASES if c[0] == name} for name in _serving_backends()}
     assert {"flashmla", "flashinfer"} <= set(OTHERS)
-    assert cases["triton"] == set(GRID) | set(ODD_CELLS)
+    assert cases["triton"] == set(CELL_GRID) | set(ODD_CELLS)
     assert cases["triton_fused"] == set(FUSED_GRID) | set(ODD_CELLS)
     assert {c[0] for c in cases["flashmla"]} == {64} and len(cases["flashmla"]) == 12
-    assert {c[0] for c in cases["flashinfer"]} == set(LAYOUTS) and len(cases["flashinfer"]) == 48
+    assert {c[0] for c in cases["flashinfer"]} == set(CELL_LAYOUTS) and len(cases["flashinfer"]) == 48
     for name in OTHERS:
-        assert cases[name] and cases[name] == {c for c in GRID if _caps(name).refusal(_spec(name, *c)) is None}
+        assert cases[name] and cases[name] == {c for c in CELL_GRID if _caps(name).refusal(_spec(name, *c)) is None}
     settings = {(v.get("max_splits"), v.get("block_h") * (1 << (c[2] - 1).bit_length()) >= 64, v.get("q"))
                 for c in cases["triton"] for v in [_splitk_variant(*c)]}
     assert {s[0] for s in settings} == {1, 8, 16} and {s[1] for s in settings} == {True, False}
@@ -215,7 +214,7 @@ def _cpu_variant(name: str, kv: str, setting: tuple, q_amax: float) -> Variant:
 
 
 def test_cpu_sample_covers_every_pair_of_factors():
-    factors = [LAYOUTS, (16, 32), Q_LENS, KV_FORMATS]
+    factors = [CELL_LAYOUTS, (16, 32), CELL_Q_LENS, CELL_KV_FORMATS]
     for name in OWN:
         cases = [c[1:] for c in CPU_CASES if c[0] == name and c[6] is not None]
         for i, j in itertools.combinations(range(4), 2):

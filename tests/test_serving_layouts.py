@@ -16,30 +16,13 @@ from mla_tune.kernels.flash_decode import (
     flash_decode,
     flash_decode_serving,
 )
-from mla_tune.kernels.fused_decode import FusedServingWorkspace, fused_decode_serving
+from mla_tune.kernels.fused_decode import FusedServingWorkspace
 from mla_tune.kernels.split_rule import REDUCE_SPLITS_PER_STEP, serving_splits, split_items
 from mla_tune.serving import inputs as serving
 from tests.helpers import assert_close, ragged_input, refill, rel_l2, row_quantized_q
+from tests.serving_kernels import KERNELS, SMALL, dot_options, small_call
 
 KV_FORMATS = ("bf16", "fp8")
-# Each serving kernel: its launcher, its workspace, the partials its reduction reads, and the
-# options the tests fix (split-K: no split budget and no SM count unless given).
-KERNELS = {
-    "splitk": (flash_decode_serving, FlashDecodeServingWorkspace,
-               ("part_out", "part_lse", "q_amax"), dict(split_budget=0, sm_count=0)),
-    "fused": (fused_decode_serving, FusedServingWorkspace, ("part_o", "part_lse"), {}),
-}
-
-
-def _dots(kernel: str, device: str, q_fp8: bool = False) -> dict:
-    """bf16 dots on a GPU, fp16 under the interpreter (its bf16 dot is wrong); the fused
-    kernel's fp8 q goes with an fp8 QK dot, as the H200 table's picks."""
-    dot = "bf16" if device == "cuda" else "fp16"
-    if kernel == "splitk":
-        return dict(dot_dtype=dot)
-    if q_fp8:
-        return dict(q_fp8=True, qk_dot="fp8", pv_dot="fp16")
-    return dict(q_fp8=False, qk_dot=dot, pv_dot=dot)
 
 
 def _launch(inp: serving.ServingInput, device: str, *, max_splits: int, kernel: str = "splitk",
@@ -55,7 +38,7 @@ def _launch(inp: serving.ServingInput, device: str, *, max_splits: int, kernel: 
     if out is None:
         out = torch.empty((*inp.q.shape[:2], 512), dtype=torch.bfloat16, device=device)
     out.fill_(float("nan"))  # every element must be written
-    launch = {"num_warps": 4, "num_stages": 1, **fixed, **launch, **_dots(kernel, device, q_fp8)}
+    launch = {"num_warps": 4, "num_stages": 1, **fixed, **launch, **dot_options(kernel, device, q_fp8)}
     returned = serve(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, out, **inp.layout,
                      max_q_len=max(inp.q_lens), max_splits=max_splits, workspace=workspace,
                      **launch)
@@ -132,7 +115,7 @@ def test_kernel_reproduces_flash_decode_on_the_leaderboard_call(device):
         data = ragged_input([kv_len], seed=8, device=device)
         q, kv_data, qo_indptr, kv_indptr, _cfg = data
         kv, kv_scale = kv_data["fp8"]
-        common = dict(block_n=16, num_warps=4, num_stages=1, **_dots("splitk", device))
+        common = dict(block_n=16, num_warps=4, num_stages=1, **dot_options("splitk", device))
         old = torch.empty((1, 16, 512), dtype=torch.bfloat16, device=device)
         flash_decode(q, kv, kv_scale, kv_indptr, old, num_splits=splits, **common)
         new = torch.full_like(old, float("nan"))
@@ -327,16 +310,6 @@ def test_padded_new_token_rows_leave_the_schedule_alone(device):
     assert workspace.split_count[:3].tolist() == [4, 1, 8]
 
 
-SMALL = serving.make_input([1, 1], [5, 9], 16, 16, "bf16", seed=1)
-
-
-def small_call(**launch) -> dict:
-    """SMALL's arguments for a serving launcher, with `launch` (its dots) added."""
-    return dict(q=SMALL.q, qo_indptr=SMALL.qo_indptr, kv=SMALL.kv, kv_scale=None, **SMALL.layout,
-                out=torch.empty((2, 16, 512), dtype=torch.bfloat16), max_q_len=1, max_splits=2,
-                tokens_per_split=4, block_n=16, block_h=16, num_warps=4, num_stages=1, **launch)
-
-
 _BOTH_BAD = [
     (dict(block_h=12), "block_h"), (dict(block_h=4), "block_h"),  # block_h 4: under 16 MMA rows
     (dict(block_n=24), "block_n"), (dict(tokens_per_split=0), "tokens_per_split"),
@@ -358,7 +331,7 @@ BAD_CALLS = [("splitk", *bad) for bad in _BOTH_BAD + [
 @pytest.mark.parametrize("kernel,change,message", BAD_CALLS)
 def test_bad_calls_are_refused_by_name(kernel, change, message):
     with pytest.raises(ValueError, match=message):
-        KERNELS[kernel][0](**{**small_call(**_dots(kernel, "cpu")), **change})
+        KERNELS[kernel][0](**{**small_call(**dot_options(kernel, "cpu")), **change})
 
 
 # ------------------------------------------------------------- the fused kernel alone

@@ -15,7 +15,7 @@ from mla_tune.kernels.serving_runner import (
     check_serving_build,
     serving_launch_args,
 )
-from tests.test_serving_layouts import KERNELS, _dots, small_call
+from tests.serving_kernels import KERNELS, dot_options, small_call
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,4 +62,4 @@ def test_a_build_refuses_a_leaderboard_variant_and_a_head_tile_that_does_not_div
                                  torch.empty((16, 2)).t()])
 def test_both_launchers_refuse_an_lse_of_the_wrong_shape_dtype_or_layout(kernel, lse):
     with pytest.raises(ValueError, match=r"lse must be a contiguous float32 \(2, 16\) tensor"):
-        KERNELS[kernel][0](**small_call(lse=lse, **_dots(kernel, "cpu")))
+        KERNELS[kernel][0](**small_call(lse=lse, **dot_options(kernel, "cpu")))

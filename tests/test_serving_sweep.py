@@ -30,18 +30,7 @@ from mla_tune.serving.table import kv_bucket, load_serving_table
 from mla_tune.tune import timing
 from mla_tune.tune.timing import Timing
 from tests.helpers import invoke
-from tests.serving_timers import TIMES, name
-
-TINY = {
-    "name": "tiny", "rule": "strict", "check_seeds": [1, 2],
-    "families": {"kv_format": ["fp8"], "page_size": [16], "heads": [16], "q_len": [2]},
-    "call": {"mixed_q_len": True},
-    "batch_buckets": [1, 2], "kv_buckets": [32, 64],
-    "gate": {"ragged_kv_lens": [1, 17, 63, 64, 65, 100], "tail_kv_len": 77, "tail_batch": 2, "margin": 0.5,
-             "reference_q": "exact"},
-    "search": {"rungs": [1, 2], "keep": 0.5, "min_keep": 1, "cross_top": 3},
-    "backends": {"triton": {"tokens_per_split": [16, 64]}, "triton_fused": {}, "wrong_serving": {}},
-}
+from tests.serving_timers import TIMES, TINY, name
 
 
 class FakeTimer:

@@ -12,6 +12,7 @@ from mla_tune.backends import aiter_mla, flash_mla, flashinfer_mla, get_backend
 from mla_tune.core import Variant
 from mla_tune.serving import inputs as serving
 from tests.helpers import (
+    CELL_GRID,
     assert_close,
     call_with_host_lengths,
     cell_id,
@@ -20,7 +21,6 @@ from tests.helpers import (
     serving_input,
     vendor_fakes,
 )
-from tests.test_serving_correctness import GRID  # (layout, heads, q_len, kv) of every cell
 
 BACKENDS = {"flashmla": flash_mla, "flashinfer": flashinfer_mla, "aiter": aiter_mla}
 PACKAGES = {"flashmla": "flash_mla", "flashinfer": "flashinfer", "aiter": "aiter"}
@@ -30,7 +30,7 @@ H200 = gpu.fake_platform("H200")
 
 def _cells(name: str, served: bool) -> list[tuple]:
     caps = BACKENDS[name].CAPABILITIES
-    return [(name, *cell) for cell in GRID if (caps.refusal(cell_spec(name, *cell)) is None) == served]
+    return [(name, *cell) for cell in CELL_GRID if (caps.refusal(cell_spec(name, *cell)) is None) == served]
 
 
 SERVED = [c for name in BACKENDS for c in _cells(name, True)]

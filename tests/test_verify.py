@@ -26,7 +26,7 @@ from mla_tune.serving.table import (
 from mla_tune.tune import timing
 from mla_tune.tune.timing import Timing
 from tests.helpers import invoke
-from tests.test_serving_sweep import TINY as SWEEP_TINY
+from tests.serving_timers import TINY as SWEEP_TINY
 
 TINY = {**copy.deepcopy(SWEEP_TINY), "name": "tiny-verify", "batch_buckets": [2, 4]}
 SPEC = CallSpec("fp8", 16, 16, 2, mixed_q_len=True)
