@@ -17,7 +17,12 @@ from mla_tune.kernels.flash_decode import (
     flash_decode_serving,
 )
 from mla_tune.kernels.fused_decode import FusedServingWorkspace
-from mla_tune.kernels.split_rule import REDUCE_SPLITS_PER_STEP, serving_splits, split_items
+from mla_tune.kernels.split_rule import (
+    REDUCE_SPLITS_PER_STEP,
+    launch_items,
+    serving_splits,
+    split_items,
+)
 from mla_tune.serving import inputs as serving
 from tests.helpers import assert_close, ragged_input, refill, rel_l2, row_quantized_q
 from tests.serving_kernels import KERNELS, SMALL, dot_options, small_call
@@ -46,14 +51,17 @@ def _launch(inp: serving.ServingInput, device: str, *, max_splits: int, kernel: 
 
 
 def _checked(inp: serving.ServingInput, device: str, what: str, **launch):
-    """A split-K _launch into a new workspace, checked against the reference, its split counts
-    against the host replay of the split rule (kernels/split_rule.serving_splits); the workspace."""
+    """A split-K _launch into a new workspace (sized to its batch budget, if any), checked
+    against the reference, its split counts against the host replay of the split rule
+    (kernels/split_rule.serving_splits) and the items its scratch holds; the workspace."""
     workspace = FlashDecodeServingWorkspace.allocate(
-        inp.q.shape[0], inp.q.shape[1], launch["max_splits"], device, max_q_len=max(inp.q_lens))
+        inp.q.shape[0], inp.q.shape[1], launch["max_splits"], device, max_q_len=max(inp.q_lens),
+        split_budget=launch.get("split_budget", 0), block_h=launch["block_h"], sm_count=launch.get("sm_count", 0))
     assert_close(_launch(inp, device, workspace=workspace, **launch), inp.reference(), 1e-2, what)
     splits = serving_splits(inp.kv_lens, max(inp.q_lens), inp.q.shape[1], **launch)
     counts = workspace.split_count[:len(inp.kv_lens)].tolist()
     assert counts == [-(-n // s) for n, s in zip(inp.kv_lens, splits, strict=True)], what
+    assert launch["max_splits"] == 1 or sum(counts) <= workspace.max_items, what
     items = split_items(inp.kv_lens, splits)
     assert sum(items) == sum(inp.kv_lens) and len(items) == sum(counts), what
     return workspace
@@ -212,6 +220,24 @@ def test_a_ragged_batch_shares_its_budget_by_length_rounding_up(device):
     assert workspace.split_off[:4].tolist() == [0, 63, 65, 66]
     with pytest.raises(ValueError, match="split_budget must be an integer >= 0"):
         _launch(inp, device, **kw, split_budget=-1)
+
+
+def test_a_batch_budgets_scratch_holds_what_the_budget_launches_and_is_refused_for_more(device):
+    """Sized to a batch budget, the scratch holds the most items any batch up to max_total_q
+    launches (split_rule.most_items), a small share of max_splits per sequence's; a call it
+    cannot hold (no budget) is refused before any launch."""
+    plain = FlashDecodeServingWorkspace.allocate(256, 128, 64, "meta")  # 256 sequences, 128 heads
+    tight = FlashDecodeServingWorkspace.allocate(256, 128, 64, "meta", split_budget=66, block_h=16, sm_count=132)
+    assert plain.part_out.shape == ((64 + 1) * 256, 128, 512)  # max_splits per sequence, plus one each
+    assert tight.max_items == max(launch_items(b, 256, 64, 1, b * fill_splits(66, b, 8, 64, 132))
+                                  for b in range(1, 257)) == 512  # 256 sequences, one split each (+1)
+    assert tight.part_out.shape == (512, 128, 512)  # 0.125 GiB of fp32 where plain takes 4.06 GiB
+    inp = serving.make_input([1] * 4, [300, 40, 17, 1], 16, 0, "bf16", seed=18, device=device)
+    kw = dict(max_splits=32, tokens_per_split=16, block_n=16, block_h=16)
+    workspace = FlashDecodeServingWorkspace.allocate(4, 16, 32, device, split_budget=8, block_h=16)
+    assert workspace.max_items == 8 + 4 < 32 * 4
+    with pytest.raises(ValueError, match="holds the partials of 12 split items; this call is launched for 132"):
+        _launch(inp, device, workspace=workspace, **kw)
 
 
 @pytest.fixture

@@ -15,6 +15,9 @@ from mla_tune.kernels.serving_runner import (
     check_serving_build,
     serving_launch_args,
 )
+from mla_tune.kernels.split_rule import most_items
+from mla_tune.serving import inputs as serving
+from tests.helpers import rel_l2
 from tests.serving_kernels import KERNELS, dot_options, small_call
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +47,21 @@ def test_both_own_backends_build_an_own_serving_runner_with_the_shared_launch_ar
     shared = serving_launch_args(variant, spec)
     assert shared["sm_scale"] == 0.125 and shared["max_q_len"] == 2
     assert shared["max_splits"] == variant.get("max_splits") and shared["block_h"] == variant.get("block_h")
+
+
+def test_a_split_k_runner_with_a_batch_budget_sizes_its_scratch_to_the_budget():
+    """Its workspace holds what the budget launches for the capacity (split_rule.most_items,
+    the SMs as the launch takes them: none on the CPU), not max_splits per sequence."""
+    spec = CallSpec("bf16", page_size=16, heads=16, max_q_len=1)
+    variant = get_backend("triton").default_serving_variant(spec, gpu.fake_platform("H200"))
+    variant = variant.with_params(max_splits=16, split_budget=4, tokens_per_split=16, block_h=16,
+                                  **dot_options("splitk", "cpu"))
+    inp = serving.make_input([1] * 3, [40, 17, 1], 16, 16, "bf16", seed=3)
+    runner = get_backend("triton").build_serving(variant, spec, "cpu")
+    out = runner(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
+    assert rel_l2(out.float(), inp.reference()) < 1e-2
+    assert runner.workspace.max_items == most_items(3, 16, 1, 4, 1, 0) == 3 + 3 < 16 * 3 + 3
+    assert runner.workspace.part_out.shape[0] == runner.workspace.max_items
 
 
 def test_a_build_refuses_a_leaderboard_variant_and_a_head_tile_that_does_not_divide_the_heads():

@@ -52,6 +52,8 @@ from mla_tune.kernels.serving_runner import check_serving_launch, serving_worksp
 from mla_tune.kernels.split_rule import (
     REDUCE_SPLITS_PER_STEP,
     fill_splits,
+    launch_items,
+    most_items,
     reduce_splits_per_step,
 )
 
@@ -784,9 +786,11 @@ def _fd_serving_stage2_kernel(
 class FlashDecodeServingWorkspace:
     """Scratch for `flash_decode_serving`, sized from the caller's maxima (never from the
     data): partial outputs and log2-sum-exps per (split item, new token, head) for the most
-    split items the rule makes (max_splits x new tokens / next_pow2(max_q_len), plus one per
-    sequence), next_pow2(max_q_len) tokens each: (max_splits + next_pow2(max_q_len)) x
-    max_total_q rows; q amax partials; each sequence's split count and first item."""
+    split items a call of at most max_total_q new tokens is launched for
+    (split_rule.most_items: max_splits x new tokens / next_pow2(max_q_len), plus one per
+    sequence; with a batch budget, what its split_budget, block_h and sm_count launch, far
+    fewer), next_pow2(max_q_len) tokens each; q amax partials; each sequence's split count
+    and first item."""
 
     max_total_q: int
     heads: int
@@ -797,13 +801,21 @@ class FlashDecodeServingWorkspace:
     q_amax: torch.Tensor
     split_count: torch.Tensor
     split_off: torch.Tensor
+    max_items: int = 0  # the most split items its partials hold (0: max_splits 1, none)
 
     @classmethod
-    def allocate(cls, max_total_q: int, heads: int, max_splits: int, device,
-                 max_q_len: int = 1) -> FlashDecodeServingWorkspace:
+    def allocate(cls, max_total_q: int, heads: int, max_splits: int, device, max_q_len: int = 1, *,
+                 split_budget: int = 0, block_h: int = 0, sm_count: int = 0) -> FlashDecodeServingWorkspace:
+        """Scratch for calls of at most max_total_q new tokens; with split_budget > 0 and the
+        launch's block_h and sm_count (its SMs, as the launch resolves them), only for calls
+        with that batch budget (`fits` checks each call's items)."""
         q_len_max = triton.next_power_of_2(max(max_q_len, 1))
         # One split writes the output directly: no partials.
-        slots = (max_splits + q_len_max) * max_total_q if max_splits > 1 else 0
+        items = 0
+        if max_splits > 1:
+            items = most_items(max_total_q, max_splits, q_len_max, split_budget if block_h else 0,
+                               max(heads // block_h, 1) if block_h else 1, sm_count)
+        slots = q_len_max * items
         return cls(
             max_total_q,
             heads,
@@ -814,11 +826,12 @@ class FlashDecodeServingWorkspace:
             torch.empty((max_total_q,), dtype=torch.float32, device=device),
             torch.empty((max_total_q,), dtype=torch.int32, device=device),
             torch.empty((max_total_q,), dtype=torch.int32, device=device),
+            items,
         )
 
-    def fits(self, total_q: int, heads: int, max_splits: int, max_q_len: int = 1) -> bool:
+    def fits(self, total_q: int, heads: int, max_splits: int, max_q_len: int = 1, items: int = 0) -> bool:
         return (self.max_total_q >= total_q and self.heads == heads and self.max_splits == max_splits
-                and self.q_len_max >= max_q_len)
+                and self.q_len_max >= max_q_len and (max_splits <= 1 or items <= self.max_items))
 
 
 def flash_decode_serving(
@@ -878,7 +891,8 @@ def flash_decode_serving(
     q_mode "fp8_dynamic" takes its per-tensor amax over all of q, rows past
     qo_indptr[-1] (a graph's padding) included: keep those rows zero or in range.
     workspace: FlashDecodeServingWorkspace.allocate(max_total_q, heads, max_splits,
-    max_q_len=max_q_len).
+    max_q_len=max_q_len), with split_budget, block_h and sm_count as given here for scratch
+    sized to the batch budget.
     Nothing here reads a device tensor or allocates once a workspace is given.
     record: a list to which each launch appends what replays it (kernels/launch.py); the
     launches are the same with and without it.
@@ -903,11 +917,24 @@ def flash_decode_serving(
     if isinstance(split_budget, bool) or not isinstance(split_budget, int) or not 0 <= split_budget < 2**31:
         raise ValueError(f"split_budget must be an integer >= 0 (0: max_splits per sequence), got {split_budget!r}")
     tiles = heads // block_h
+    sms, launched = 0, split_budget  # (max_splits 1: no budget applies)
     if split_budget > 0 and max_splits > 1:  # the wave-filling share, as a budget of s per sequence
         sms = device_sm_count(q.device) if sm_count is None else sm_count
-        split_budget = batch * fill_splits(split_budget, batch, tiles, max_splits, sms)
-    workspace = serving_workspace(workspace, FlashDecodeServingWorkspace, total_q, heads, max_splits, q.device,
-                                  max_q_len=max_q_len)
+        launched = batch * fill_splits(split_budget, batch, tiles, max_splits, sms)
+    # Items: at most the budget plus one per sequence (split_rule.launch_items). A program per
+    # item, or past _fd_ONE_ITEM_CTAS programs _fd_GRID_CTAS of them that loop over the items.
+    items = launch_items(batch, total_q, max_splits, q_len_max, launched if max_splits > 1 else 0)
+    if workspace is None:
+        workspace = FlashDecodeServingWorkspace.allocate(total_q, heads, max_splits, q.device, max_q_len,
+                                                         split_budget=split_budget, block_h=block_h, sm_count=sms)
+    if not workspace.fits(total_q, heads, max_splits, max_q_len, items):
+        serving_workspace(workspace, FlashDecodeServingWorkspace, total_q, heads, max_splits, q.device,
+                          max_q_len=max_q_len)  # raises where the sizes differ
+        raise ValueError(f"workspace holds the partials of {workspace.max_items} split items; this call is "
+                         f"launched for {items} (split_budget {split_budget}, block_h {block_h}): allocate it "
+                         "with FlashDecodeServingWorkspace.allocate(..., split_budget=, block_h=, sm_count=) as "
+                         "the launch takes them, or without a split_budget")
+    split_budget = launched
     extra = {k: v for k, v in (hip_options or {}).items() if v is not None}
     unknown = set(extra) - set(_fd_HIP_OPTIONS)
     if unknown:
@@ -920,12 +947,6 @@ def flash_decode_serving(
     dummy = workspace.q_amax
     seq_ptrs = (kv_indptr, dummy, dummy) if page_size == 0 else (dummy, block_table, seq_lens)
     bt_stride = block_table.stride(0) if page_size else 0
-    # Items: at most the budget (max_splits x new tokens / q_len_max, rounded down) plus one
-    # per sequence (rounding); with max_splits 1, one per sequence. A program per item, or
-    # past _fd_ONE_ITEM_CTAS programs _fd_GRID_CTAS of them that loop over the items.
-    items = batch if max_splits == 1 else (max_splits * total_q) // q_len_max + batch
-    if split_budget > 0 and max_splits > 1:
-        items = min(items, max(split_budget, batch) + batch)
     item_loop = tiles * items > _fd_ONE_ITEM_CTAS
     programs = min(items, max(_fd_GRID_CTAS // tiles, 1)) if item_loop else items
     jit_launch(

@@ -63,7 +63,7 @@ class OwnServingRunner:
     """The runner of an own kernel family's serving call (build_serving's result).
 
     It owns `out` and the family's workspace (`workspace_type.allocate(capacity, heads,
-    max_splits, device, max_q_len=spec.max_q_len)`), and with spec.return_lse a (capacity,
+    max_splits, device, max_q_len=spec.max_q_len, **workspace_args)`), and with spec.return_lse a (capacity,
     heads) float32 LSE buffer, allocated on the first call and again only when a call brings
     more new tokens than any before (at least doubling), never from the data; it reads no
     device tensor on the host, so a CUDA graph can hold it. `decode(q, qo_indptr, kv,
@@ -77,11 +77,12 @@ class OwnServingRunner:
     recorded into a replay, or None (then every layer takes `decode`)."""
 
     def __init__(self, name: str, spec: CallSpec, device, decode, workspace_type, max_splits: int,
-                 launch: dict, replay_from=None):
+                 launch: dict, replay_from=None, workspace_args: dict | None = None):
         import torch
 
         self.name, self.spec, self.device = name, spec, device
         self._decode, self._workspace_type, self._launch = decode, workspace_type, launch
+        self._workspace_args = dict(workspace_args or {})
         self._max_splits, self.replay_from = max_splits, replay_from
         self._bf16 = torch.bfloat16
         self.capacity, self.out, self.workspace, self.lse = 0, None, None, None
@@ -103,7 +104,7 @@ class OwnServingRunner:
             capacity = max(total_q, 2 * self.capacity)
             self.out = torch.empty((capacity, spec.heads, V_DIM), dtype=torch.bfloat16, device=self.device)
             self.workspace = self._workspace_type.allocate(capacity, spec.heads, self._max_splits, self.device,
-                                                           max_q_len=spec.max_q_len)
+                                                           max_q_len=spec.max_q_len, **self._workspace_args)
             if spec.return_lse:
                 self.lse = torch.empty((capacity, spec.heads), dtype=torch.float32, device=self.device)
             self.capacity = capacity

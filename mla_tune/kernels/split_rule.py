@@ -73,6 +73,33 @@ def batch_share(batch: int, q_len: int, max_splits: int, split_budget: int, head
     return budget, 0.5
 
 
+def launch_items(batch: int, total_q: int, max_splits: int, q_len_max: int, launched_budget: int = 0) -> int:
+    """The split items stage 1 is launched for (a bound on what the device deals: its split
+    counts add up to at most this): the budget, max_splits x total_q new tokens / q_len_max
+    (rounded down), or with a batch budget at most max(launched_budget, batch) (the host's
+    batch x fill_splits(...)), plus one per sequence (rounding); with max_splits 1, one per
+    sequence. Nondecreasing in total_q."""
+    if max_splits <= 1:
+        return batch
+    items = (max_splits * total_q) // q_len_max + batch
+    if launched_budget > 0:
+        items = min(items, max(launched_budget, batch) + batch)
+    return items
+
+
+def most_items(max_total_q: int, max_splits: int, q_len_max: int, split_budget: int = 0,
+               head_tiles: int = 1, sm_count: int = 0) -> int:
+    """The most split items (launch_items) any call of at most max_total_q new tokens is
+    launched for, over every batch up to max_total_q (a sequence brings at least one new
+    token); a batch budget (split_budget > 0) with the SMs the launch fills (sm_count, as
+    fill_splits takes it). What a workspace sized for such calls must hold."""
+    if max_splits <= 1 or split_budget <= 0:
+        return launch_items(max_total_q, max_total_q, max_splits, q_len_max)
+    return max(launch_items(b, max_total_q, max_splits, q_len_max,
+                            b * fill_splits(split_budget, b, head_tiles, max_splits, sm_count))
+               for b in range(1, max_total_q + 1))
+
+
 def serving_splits(kv_lens: Sequence[int], q_len: int, heads: int, *, max_splits: int,
                    tokens_per_split: int, block_n: int, block_h: int, split_budget: int = 0,
                    sm_count: int = 0, batch: int | None = None, total: int | None = None) -> list[int]:
