@@ -94,17 +94,11 @@ def test_a_linear_fit_recovers_its_coefficients_and_zeroes_a_constant_column():
         fit_linear(rows[:3], times[:3])
 
 
-def _family(model: VendorModel | None) -> Family:
-    fam = Family(KEY)
+def _table(model: VendorModel | None = None) -> ServingTable:
+    fam = Family(KEY, models={model.variant: model} if model is not None else {})
     for (b, kv), times in POINTS.items():
         fam.points[(b, kv)] = dict(times)
         fam.cells[(b, kv)] = Cell(b, kv, FI, times[FI])
-    fam.models = {model.variant: model} if model is not None else {}
-    return fam
-
-
-def _table(model=None) -> ServingTable:
-    fam = _family(model)
     return ServingTable("H200", {}, [8, 16], [16384, 32768], {fam.key: fam})
 
 
@@ -145,7 +139,7 @@ def test_points_and_the_model_survive_a_write_and_load(tmp_path):
     assert "- {batch: 8, kv_len: 16384, us: {0: 60.0, 1: 80.0}}" in text  # one line a point
     loaded = load_serving_table(path)
     fam = loaded.families[KEY]
-    assert fam.points == _family(None).points
+    assert fam.points == POINTS
     assert fam.models == table.families[fam.key].models
     assert loaded.as_dict() == table.as_dict()
 
