@@ -1,6 +1,8 @@
 """The eager lookup's estimate: serving/estimate.py's interpolation between measured points,
 FlashInfer's schedule model (replay, fit, estimate), a table's models and points on disk."""
 
+import warnings
+
 import pytest
 
 from mla_tune.backends.flashinfer_mla_schedule import (
@@ -94,17 +96,11 @@ def test_a_linear_fit_recovers_its_coefficients_and_zeroes_a_constant_column():
         fit_linear(rows[:3], times[:3])
 
 
-def _family(model: VendorModel | None) -> Family:
-    fam = Family(KEY)
+def _table(model: VendorModel | None = None) -> ServingTable:
+    fam = Family(KEY, models={model.variant: model} if model is not None else {})
     for (b, kv), times in POINTS.items():
         fam.points[(b, kv)] = dict(times)
         fam.cells[(b, kv)] = Cell(b, kv, FI, times[FI])
-    fam.models = {model.variant: model} if model is not None else {}
-    return fam
-
-
-def _table(model=None) -> ServingTable:
-    fam = _family(model)
     return ServingTable("H200", {}, [8, 16], [16384, 32768], {fam.key: fam})
 
 
@@ -145,7 +141,7 @@ def test_points_and_the_model_survive_a_write_and_load(tmp_path):
     assert "- {batch: 8, kv_len: 16384, us: {0: 60.0, 1: 80.0}}" in text  # one line a point
     loaded = load_serving_table(path)
     fam = loaded.families[KEY]
-    assert fam.points == _family(None).points
+    assert fam.points == POINTS
     assert fam.models == table.families[fam.key].models
     assert loaded.as_dict() == table.as_dict()
 
@@ -196,3 +192,24 @@ def test_the_build_fits_flashinfers_model_to_its_aligned_cells():
     assert _flashinfer_model(few, KEY, points, 132) is None
     no_fi = {p: {FM: t[FM]} for p, t in points.items()}
     assert _flashinfer_model(timed, KEY, no_fi, 132) is None  # FlashInfer is no eager pick
+
+
+def test_the_lookup_warns_once_where_the_installed_vendor_is_not_the_tables(monkeypatch):
+    from importlib import metadata
+
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda d: "0.7.0" if d == "flashinfer-python" else real(d))
+    spec = CallSpec("bf16", page_size=64, heads=16, max_q_len=1)
+    for version, warned in (("0.6.18.post1", 1), ("0.7.0", 0)):
+        fam = Family(FamilyKey.of(spec))
+        fam.points = {(b, k): {FI: 10.0 * b * k / 1024, TR: 12.0 * b * k / 1024}
+                      for b in (4, 8) for k in (1024, 2048)}
+        fam.models = {FI: VendorModel(FI, (1.0, 0.01, 0.0, 0.0, 0.0, 0.0), 132, 0.05)}
+        table = ServingTable("H200", {"versions": {"flashinfer-python": version}}, [4, 8], [1024, 2048],
+                             {fam.key: fam})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for batch in (5, 6, 7):
+                table.lookup(spec, batch, 1500.0)
+        said = [str(w.message) for w in caught if "flashinfer-python" in str(w.message)]
+        assert len(said) == warned and all(version in m and "0.7.0" in m for m in said), said

@@ -282,16 +282,13 @@ def test_a_declared_uint8_cache_is_read_as_fp8_and_kv_scale_may_be_a_python_floa
     inp = _input()
     plan = DecodePlan(BYTES, max_batch=4, backend=backend)
     plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
-    raw = inp.kv.view(torch.uint8)
-    _close(plan.run(inp.q, raw, inp.kv_scale).clone(), inp)
-    _close(plan.run_checked(inp.q, raw, inp.kv_scale).clone(), inp)
+    raw, scale = inp.kv.view(torch.uint8), float(inp.kv_scale)
+    # a tensor, a Python float, a float subclass (as an engine's config may hold)
+    for kv_scale in (inp.kv_scale, scale, np.float64(scale)):
+        for run in (plan.run, plan.run_checked):
+            _close(run(inp.q, raw, kv_scale).clone(), inp)
     with pytest.raises(ValueError, match="uint8 tensor of fp8 bytes"):
         plan.run(inp.q, inp.kv, inp.kv_scale)  # the spec said bytes
-    scale = float(inp.kv_scale)
-    _close(plan.run(inp.q, raw, scale).clone(), inp)
-    numpy_float = np.float64(scale)  # a float subclass, as an engine's config may hold
-    _close(plan.run(inp.q, raw, numpy_float).clone(), inp)
-    _close(plan.run_checked(inp.q, raw, numpy_float).clone(), inp)
     with pytest.raises(ValueError, match="positive and finite"):
         plan.run(inp.q, raw, -1.0)
     decoder = Decoder(SPEC)

@@ -36,9 +36,8 @@ def numpy_path(monkeypatch):
     """fn(*args) with the numpy path of the replays (their C libraries unset)."""
     def run(fn, *args):
         with monkeypatch.context() as m:
-            m.setattr(sk, "_native", lambda: None)
-            m.setattr(gl, "_native", lambda: None)
-            m.setattr(fi, "_native", lambda: None)
+            for module in (sk, gl, fi):
+                m.setattr(module, "_native", lambda: None)
             return fn(*args)
     return run
 

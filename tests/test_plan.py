@@ -1,8 +1,6 @@
 """DecodePlan: planned once, updated per step, run per layer, picking from a small serving
-table built here; each result against the fp32 reference. It degrades as runtime.load does: a
-table pick whose backend cannot serve the spec here warns once when the plan is made and is
-replaced per step by the cell's best runnable variant (the runner-up, else the default), each
-replacement counted in the plan's misses."""
+table built here, each result against the fp32 reference; a pick that cannot run here warns
+once and steps with its stand-in (the runner-up, else the default), counted in the misses."""
 
 import random
 import sys

@@ -1,11 +1,7 @@
-"""The committed serving table's eager picks (and, on the odd seeds, its graph picks), rescored
-on recorded verify runs that no lookup rule or graph pick was chosen on (the odd seeds of
-docs/data/verify/gluon-2026-12-03, the fresh seeds of recheck-2026-12-03 and
-recheck-2026-12-05 and lastrung-2026-12-05, and repeat-2026-12-05's recordings of some of
-those seeds again, 40 shapes each), stay within the limits this file claims; by hand:
-`mla-tune verify --table tables/H200.serving.yaml --max-p95 0.05 --max-regret 0.15 --rescore
-docs/data/verify/recheck-2026-12-05`.
-"""
+"""The committed serving table's eager picks (and held-out graph picks), rescored on recorded
+verify runs (CORPORA) that no lookup rule or graph pick was chosen on, stay within the limits
+claimed here; by hand: `mla-tune verify --table tables/H200.serving.yaml --max-p95 0.05
+--max-regret 0.15 --rescore docs/data/verify/recheck-2026-12-05`."""
 
 import re
 from pathlib import Path

@@ -13,7 +13,7 @@ from mla_tune.serving.table import FamilyKey, load_serving_table
 from mla_tune.tune import timing
 
 TABLE = "tables/H200.serving.yaml"
-FAMILY = "kv_format=bf16,heads=16,q_len=1"  # one family: bf16 KV, 16 heads, q_len 1
+FAMILY, KEY = "kv_format=bf16,heads=16,q_len=1", FamilyKey("bf16", 64, 16, 1)  # the family asked
 H200 = Platform("H200", "NVIDIA H200 (simulated)", "sm_90", False, 132, simulated=True)
 
 
@@ -72,8 +72,7 @@ def test_the_table_keeps_the_step_cost_the_model_misses_on_a_tail_and_bad_runs_k
     assert path.read_bytes() == before and "probes" in lines[0] and len(lines) > 1
     assert cal.main(["--table", str(tmp_path / "none.yaml"), "--dry-run"]) == 1
     table = load_serving_table(path)
-    key = FamilyKey("bf16", 64, 16, 1)
-    others = {k: dict(f.calibration) for k, f in table.families.items() if k != key}
+    others = {k: dict(f.calibration) for k, f in table.families.items() if k != KEY}
     seen = []
 
     def fake_measure(probe, cfg, device, timer, reps, rounds):
@@ -89,9 +88,9 @@ def test_the_table_keeps_the_step_cost_the_model_misses_on_a_tail_and_bad_runs_k
     assert [p["per_step"] for p in out["probes"]] == [16, 64] and len(seen) == 2
     assert all(p["step_us"] == pytest.approx(4.5) for p in out["probes"])
     loaded = load_serving_table(path)
-    assert loaded.families[key].calibration == {"triton": {"reduce_step_us": {16: 4.5, 64: 4.5}}}
+    assert loaded.families[KEY].calibration == {"triton": {"reduce_step_us": {16: 4.5, 64: 4.5}}}
     assert loaded.provenance["reduce_calibration"]["probes"][0]["steps"] == list(seen[0].steps)
-    assert {k: f.calibration for k, f in loaded.families.items() if k != key} == others  # only the family asked
+    assert {k: f.calibration for k, f in loaded.families.items() if k != KEY} == others  # only the family asked
     # the lookup now charges a long-tail call for its reduction
     spec = CallSpec("bf16", 64, 16, 1)
     tail = list(seen[0].tail)
@@ -101,17 +100,16 @@ def test_the_table_keeps_the_step_cost_the_model_misses_on_a_tail_and_bad_runs_k
     # a model that is faster on the tail than it says gives 0, not a negative cost
     cal.calibrate(path, families=FAMILY, platform=H200, device="cpu",
                   measure_fn=lambda p, *a: {"uniform": 100.0, "tail": 1.0}, log=lambda _: None)
-    assert load_serving_table(path).families[key].calibration == {"triton": {"reduce_step_us": {16: 0.0, 64: 0.0}}}
+    assert load_serving_table(path).families[KEY].calibration == {"triton": {"reduce_step_us": {16: 0.0, 64: 0.0}}}
 
 
 def test_a_probe_runs_checked_on_the_real_kernel(device):
     """A split-K variant on a tail batch and its uniform twin, both checked against the reference."""
     cfg = load_serving_config("configs/serving.yaml")
-    key = FamilyKey("bf16", 64, 16, 1)
     dot = "fp16" if device == "cpu" else "bf16"  # the interpreter's bf16 dot is wrong (README)
     variant = Variant.parse(f"triton(block_h=16,block_n=16,dot_dtype={dot},kv=bf16,max_splits=64,num_stages=1,"
                             "num_warps=4,q=bf16,tokens_per_split=16)")
     tail = (200, 16, 16)
-    probe = cal.ReduceProbe(key, 64, variant, tail, (78, 77, 77), (1, 2))
+    probe = cal.ReduceProbe(KEY, 64, variant, tail, (78, 77, 77), (1, 2))
     times = cal.measure(probe, cfg, device, timing.cpu_time if device == "cpu" else timing.time_call, 1, 1)
     assert set(times) == {"uniform", "tail"} and all(t > 0 for t in times.values())
