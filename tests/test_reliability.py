@@ -291,7 +291,10 @@ def test_a_command_into_a_read_only_or_full_folder_is_one_line_and_leaves_nothin
                           [str(out), "read-only" if code == 30 else "No space left on device"]),
     }[command]
     FailingFolder(monkeypatch, out, code)
-    _one_line(invoke(*args), *needles)
+    line = _one_line(invoke(*args), *needles)
+    if (command, code) == ("export", errno.ENOSPC):  # the whole line, word for word
+        assert line == (f"error: cannot write {out / 'sub.py'}: No space left on device; free some "
+                        "space or write elsewhere")
     monkeypatch.undo()
     assert _files(out) == []  # no table, no results, no lock naming this live process
 
