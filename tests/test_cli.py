@@ -13,6 +13,7 @@ import yaml
 
 import mla_tune.tune.sweep
 from mla_tune import __version__
+from mla_tune.backends import known_backends
 from mla_tune.cli import app
 from mla_tune.tables.table import load_table
 from tests.helpers import CPU_TABLE as TABLE
@@ -180,10 +181,13 @@ def test_path_and_domain_errors_exit_1_in_one_line_naming_the_file(tmp_path):
          "add triton or torch to --only"),
         (("export", "--gpu", "H200", "--table", TABLE, "-o", tmp_path / "x.py"),
          "is for cpu, not H200"),
+        (("export", "--table", TABLE, "-o", tmp_path / "x.py", "--only", "warp"),
+         f"unknown backend(s) warp; known backends: {', '.join(known_backends())}"),
     ]
     for args, says in cases:
         lines = _error_lines(*args)
         assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
+    assert not (tmp_path / "x.py").exists()
 
 
 def test_an_internal_error_shows_its_traceback_not_a_one_line_error():
@@ -193,7 +197,8 @@ def test_an_internal_error_shows_its_traceback_not_a_one_line_error():
         def broken(*args, **kwargs):
             raise ValueError("an internal bug")
         mla_tune.tables.table.load_table = broken
-        from mla_tune.cli import app
+        from mla_tune.backends import known_backends
+from mla_tune.cli import app
         app(["show", "--table", {str(TABLE)!r}])
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
