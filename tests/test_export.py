@@ -89,7 +89,7 @@ def test_torch_only_export_carries_no_triton_code_uses_torch_alternates_and_refu
              generate_input(3, 16, seed=3, device="cpu")]
     outs, _ = exported_outputs(tmp_path, "torch_only", cases)
     _check(outs, cases, ["bf16", "bf16", "bf16"])
-    # the same file refuses ragged batches and configs without kv_seq_len
+    # the same file refuses ragged batches, configs without kv_seq_len and a 4-tuple
     ragged = ragged_input([3, 5], seed=1, device="cpu")
     torch.save([list(ragged[:4]), list(generate_input(1, 8, seed=1, device="cpu")[:4])],
                tmp_path / "cases.pt")
@@ -97,20 +97,23 @@ def test_torch_only_export_carries_no_triton_code_uses_torch_alternates_and_refu
               "ragged, (q, kv, qo, ptr) = torch.load('cases.pt')\n"
               "try:\n    torch_only._EXPORT_DISPATCHER(*ragged)\n"
               "except ValueError as exc:\n    print('refused:', exc)\n"
-              "for config in (None, {}, {'kv_seq_len': '8'}, {'kv_seq_len': 0}):\n"
-              "    try:\n        torch_only.custom_kernel((q, kv, qo, ptr, config))\n"
+              "for config in (None, {}, {'kv_seq_len': '8'}, {'kv_seq_len': 0}, 'no config'):\n"
+              "    data = (q, kv, qo, ptr) if config == 'no config' else (q, kv, qo, ptr, config)\n"
+              "    try:\n        torch_only.custom_kernel(data)\n"
               "    except ValueError as exc:\n        print('refused:', exc)\n"
               "out = torch_only.custom_kernel((q, kv, qo, ptr, {'kv_seq_len': 8}))\n"
               "print('ok', tuple(out.shape))\n")
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120)
     lines = done.stdout.splitlines()
-    assert len(lines) == 6, done.stdout + done.stderr
+    assert len(lines) == 7, done.stdout + done.stderr
     assert "refused: a ragged batch needs a fallback that reads kv_indptr" in lines[0]
     configs = ("None", "{}", "{'kv_seq_len': '8'}", "{'kv_seq_len': 0}")
     for line, config in zip(lines[1:5], configs, strict=True):
         assert line == ("refused: custom_kernel: data's config must be a dict whose kv_seq_len is "
                         f"the batch's kv length (an int >= 1), got config={config}")
+    assert lines[5] == ("refused: custom_kernel: data must be the 5-tuple (q, kv_data, qo_indptr, "
+                        "kv_indptr, config), got a tuple of 4")
     assert lines[-1] == "ok (1, 16, 512)"
 
 
