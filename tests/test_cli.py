@@ -172,7 +172,8 @@ def test_path_and_domain_errors_exit_1_in_one_line_naming_the_file(tmp_path):
     broken = tmp_path / "broken.yaml"
     broken.write_text(TABLE.read_text().replace("schema: 1", "schema: 7"))
     cases = [
-        (("show", "--table", tmp_path), f"table {tmp_path} is a directory"),
+        (("show", "--table", tmp_path),
+         f"table {tmp_path} is a directory; pass the path of a .yaml file"),
         (("show", "--table", loop), f"cannot read table {loop}: Too many levels of symbolic links"),
         (("export", "--table", TABLE, "-o", tmp_path, "--only", "torch"),
          f"-o {tmp_path} is a directory; name the submission file"),

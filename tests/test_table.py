@@ -422,8 +422,6 @@ def test_missing_unparsable_or_odd_files_are_refused_in_one_line(tmp_path):
     huge = tmp_path / "huge.yaml"
     with open(huge, "wb") as handle:  # sparse: 17 MB that take no disk
         handle.truncate(17 * 1024 * 1024)
-    loop = tmp_path / "loop.yaml"
-    loop.symlink_to(loop)
     fifo = tmp_path / "fifo.yaml"
     os.mkfifo(fifo)
     binary = tmp_path / "binary.yaml"
@@ -432,8 +430,6 @@ def test_missing_unparsable_or_odd_files_are_refused_in_one_line(tmp_path):
     for path, message in ((missing, r"nope\.yaml does not exist; run `mla-tune sweep"),
                           (bad, "is not valid YAML"), (python_tag, "is not valid YAML"),
                           (huge, r"is over 16777216 bytes, far larger than any table"),
-                          (tmp_path, r"is a directory; pass the path of a \.yaml file"),
-                          (loop, r"cannot read table .*: Too many levels of symbolic links"),
                           (fifo, r"is not a regular file"),
                           (binary, r"is not UTF-8 text")):
         with pytest.raises(TableError, match=message) as info:
