@@ -198,8 +198,7 @@ def test_an_internal_error_shows_its_traceback_not_a_one_line_error():
         def broken(*args, **kwargs):
             raise ValueError("an internal bug")
         mla_tune.tables.table.load_table = broken
-        from mla_tune.backends import known_backends
-from mla_tune.cli import app
+        from mla_tune.cli import app
         app(["show", "--table", {str(TABLE)!r}])
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
