@@ -209,7 +209,6 @@ def compare_winners(checks: Checks, table_a: dict, table_b: dict) -> list[dict]:
         shapes.append({
             "shape": _shape_name(shape), "a_winner": a_win and a_win["variant"], "a_us": row.get("time_us"),
             "b_winner": b_win and b_win["variant"], "b_us": other.get("time_us"),
-            "runner_up": runner and runner["variant"], "runner_up_us": runner and runner["time_us"],
             "gap": None if gap is None else round(gap, 4), "compared": compared, "same": same,
         })
         if compared:
@@ -283,9 +282,7 @@ def run(args: Demo) -> int:
     a_table, b_table = a_dir / f"{args.gpu}.yaml", b_dir / f"{args.gpu}.yaml"
     a_results, b_results = results_path_for(a_table), results_path_for(b_table)
     checks = Checks()
-    report: dict = {"gpu": args.gpu, "config": str(args.config), "out": str(args.out),
-                    "crash_backend": args.crash_backend, "kill_after": args.kill_after,
-                    "extra_backends": env[EXTRA_BACKENDS_ENV], "steps": {}, "checks": checks.items}
+    report: dict = {"steps": {}, "checks": checks.items}
     code = 2
     try:
         say(f"[A] the uninterrupted sweep -> {a_table} (log {a_dir / 'sweep.log'})")
@@ -347,16 +344,9 @@ def run(args: Demo) -> int:
         checks.add("every candidate of A is in B exactly once", not (dupes or missing or extra),
                    f"{len(b_keys)} records in B, {len(a_keys)} in A; duplicates {dupes or 'none'}, "
                    f"missing {missing or 'none'}, extra {extra or 'none'}")
-        a_status = {key_of(r): r["status"] for r in a_records}
-        report["status_differences"] = [
-            {"shape": _shape_name(key_of(r)), "variant": r["variant"], "a": a_status.get(key_of(r)), "b": r["status"]}
-            for r in b_records if a_status.get(key_of(r)) != r["status"]]
         crash_a = check_crash(checks, "A", a_records, args.crash_backend)
         crash_b = check_crash(checks, "B", b_records, args.crash_backend)
-        if crash_b is not None:
-            index = b_records.index(crash_b)
-            report["crash_after_kill"] = index >= kill["lines_at_kill"]
-            report["crash_records"] = {"a": crash_a, "b": crash_b}
+        report["crash_records"] = {"a": crash_a, "b": crash_b}
         table_a = yaml.safe_load(a_table.read_text())
         table_b = yaml.safe_load(b_table.read_text())
         report["shapes"] = compare_winners(checks, table_a, table_b)
@@ -367,7 +357,6 @@ def run(args: Demo) -> int:
     finally:
         report["elapsed_s"] = round(time.monotonic() - started, 1)
         report["passed"] = code == 0
-        report["exit_code"] = code
         report["log_tails"] = {str(log.relative_to(args.out)): log_tail(log, 40)
                                for log in sorted(args.out.glob("*/*.log"))}
         args.out.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,7 @@
 """The `mla-tune` command line: help, show, export, diff, sweep's option passing, clean errors."""
 
-import errno
 import itertools
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -14,7 +12,8 @@ import typer.main
 import yaml
 
 import mla_tune.tune.sweep
-from mla_tune import __version__, fileio
+from mla_tune import __version__
+from mla_tune.backends import known_backends
 from mla_tune.cli import app
 from mla_tune.tables.table import load_table
 from tests.helpers import CPU_TABLE as TABLE
@@ -173,7 +172,8 @@ def test_path_and_domain_errors_exit_1_in_one_line_naming_the_file(tmp_path):
     broken = tmp_path / "broken.yaml"
     broken.write_text(TABLE.read_text().replace("schema: 1", "schema: 7"))
     cases = [
-        (("show", "--table", tmp_path), f"table {tmp_path} is a directory"),
+        (("show", "--table", tmp_path),
+         f"table {tmp_path} is a directory; pass the path of a .yaml file"),
         (("show", "--table", loop), f"cannot read table {loop}: Too many levels of symbolic links"),
         (("export", "--table", TABLE, "-o", tmp_path, "--only", "torch"),
          f"-o {tmp_path} is a directory; name the submission file"),
@@ -182,10 +182,13 @@ def test_path_and_domain_errors_exit_1_in_one_line_naming_the_file(tmp_path):
          "add triton or torch to --only"),
         (("export", "--gpu", "H200", "--table", TABLE, "-o", tmp_path / "x.py"),
          "is for cpu, not H200"),
+        (("export", "--table", TABLE, "-o", tmp_path / "x.py", "--only", "warp"),
+         f"unknown backend(s) warp; known backends: {', '.join(known_backends())}"),
     ]
     for args, says in cases:
         lines = _error_lines(*args)
         assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
+    assert not (tmp_path / "x.py").exists()
 
 
 def test_an_internal_error_shows_its_traceback_not_a_one_line_error():
@@ -214,18 +217,17 @@ def test_sweep_passes_its_options_through(monkeypatch, tmp_path):
             "--devices", "0,1", "--fresh", "--force")
     assert calls == [((tmp_path / "c.yaml", "H200"),
                       {"out": tmp_path / "t.yaml", "dry_run": False, "force": True,
-                       "devices": [0, 1], "fresh": True})]
+                       "devices": [0, 1], "fresh": True})]  # no candidate_timeout_s: the config's
+    _output("sweep", "--gpu", "H200", "--config", tmp_path / "c.yaml", "--candidate-timeout", "7.5")
+    assert calls[-1][1]["candidate_timeout_s"] == 7.5
+    output = _output("sweep", "--gpu", "H200", "--candidate-timeout", "0", code=2)
+    assert "--candidate-timeout must be a positive number" in output and len(calls) == 2
     output = _output("sweep", "--gpu", "H200", "--devices", "zero", code=2)
     assert "--devices must be GPU indices" in output
     for bad in ("-1", "0,0"):  # either sweep (a serving config's too) is refused before it starts
         for config in ("configs/leaderboard.yaml", "configs/serving.yaml"):
             output = _output("sweep", "--gpu", "H200", "--config", config, "--devices", bad, code=2)
             assert "--devices must be distinct GPU indices" in output, output
-
-
-def test_a_dry_run_for_a_gpu_nobody_knows_says_so():
-    output = _output("sweep", "--gpu", "H201", "--dry-run")
-    assert "warning: H201 is neither this machine's GPU nor one mla-tune knows" in " ".join(output.split())
 
 
 def test_a_serving_config_with_families_misspelt_is_named_by_the_serving_configs_message(tmp_path):
@@ -237,14 +239,17 @@ def test_a_serving_config_with_families_misspelt_is_named_by_the_serving_configs
     assert "field 'familes': unknown field" in output, output
 
 
-@pytest.mark.parametrize(("config", "code", "says"), [
-    (REPO / "configs" / "leaderboard.yaml", 0, ["dry run", "4x1024"]),
-    ("configs/serving.yaml", 0, ["1404 cells", "estimated GPU time"]),  # the serving sweep
-    ("none.yaml", 1, ["none.yaml"]),  # missing: exit 1, naming it
-], ids=["leaderboard", "serving", "missing"])
-def test_sweep_dry_run_plans_either_kind_of_config_or_names_a_missing_one(config, code, says):
-    output = _output("sweep", "--gpu", "H200", "--config", config, "--dry-run", code=code)
-    assert all(word in output for word in says) and "Traceback" not in output
+@pytest.mark.parametrize(("gpu", "config", "code", "says"), [
+    ("H200", REPO / "configs" / "leaderboard.yaml", 0, ["dry run", "4x1024"]),
+    ("H200", "configs/serving.yaml", 0, ["1404 cells", "estimated GPU time"]),  # the serving sweep
+    ("H200", "none.yaml", 1, ["none.yaml"]),  # missing: exit 1, naming it
+    ("H201", None, 0, ["warning: H201 is neither this machine's GPU nor one mla-tune knows"]),
+], ids=["leaderboard", "serving", "missing", "unknown-gpu"])
+def test_sweep_dry_run_plans_either_kind_of_config_or_names_a_missing_one_or_unknown_gpu(
+        gpu, config, code, says):
+    config_args = ["--config", config] if config else []  # none: the GPU's default config
+    output = _output("sweep", "--gpu", gpu, *config_args, "--dry-run", code=code)
+    assert all(word in " ".join(output.split()) for word in says) and "Traceback" not in output
     assert code or max(map(len, output.splitlines())) <= 80  # a plan wraps (an error is one line)
 
 
@@ -316,17 +321,6 @@ def test_a_missing_table_for_a_gpu_lists_the_tables_and_suggests_the_case(monkey
         "`mla-tune sweep --gpu h200`"]
     assert "(tables here: H200" in "\n".join(_error_lines("export", "--gpu", "H100", "-o", "never.py"))
     assert not (REPO / "never.py").exists()
-
-
-def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(monkeypatch, tmp_path):
-    def no_space(fd):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(fileio.os, "fsync", no_space)
-    assert _error_lines("export", "--table", TABLE, "-o", tmp_path / "sub.py", "--only", "torch") == [
-        f"error: cannot write {tmp_path / 'sub.py'}: No space left on device; free some space or "
-        "write elsewhere"]
-    assert list(tmp_path.iterdir()) == []
 
 
 def test_sweep_takes_a_budget_for_either_kind_of_config(monkeypatch):

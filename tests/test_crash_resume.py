@@ -1,16 +1,15 @@
-"""Crash safety end to end (tests/crash_resume.py), the fake_oob backend, --candidate-timeout."""
+"""Crash safety end to end (tests/crash_resume.py) and the fake_oob backend."""
 
 import json
 
 import pytest
 import torch
 
-import mla_tune.tune.sweep
 from mla_tune.backends import EXTRA_BACKENDS_ENV
 from mla_tune.core import Shape
 from tests import crash_resume
 from tests.fakes import EXTRA_BACKENDS, fake_oob
-from tests.helpers import REPO, WIDE, invoke
+from tests.helpers import REPO
 
 DATA = REPO / "tests" / "data"
 CPU_CONFIG = DATA / "resume_demo_cpu.yaml"
@@ -107,18 +106,3 @@ def test_the_oob_kernel_stores_zeros_at_the_offset_it_is_given():
     out = torch.ones(2 * 16 * 512, dtype=torch.bfloat16)
     fake_oob.oob_store(out, 96)
     assert out[96:112].eq(0).all() and out[:96].eq(1).all() and out[112:].eq(1).all()
-
-
-# ------------------------------------------------------------------- --candidate-timeout
-def test_the_candidate_timeout_option_reaches_run_sweep(monkeypatch, tmp_path):
-    calls = []
-    monkeypatch.setattr(mla_tune.tune.sweep, "run_sweep", lambda *a, **k: calls.append(k))
-    sweep = ["sweep", "--gpu", "H200", "--config", str(CPU_CONFIG)]
-    result = invoke(*sweep, "--candidate-timeout", "7.5", env=WIDE)
-    assert result.exit_code == 0, result.output
-    assert calls[-1]["candidate_timeout_s"] == 7.5
-    result = invoke(*sweep, env=WIDE)
-    assert result.exit_code == 0 and "candidate_timeout_s" not in calls[-1]  # the config's limit
-    result = invoke(*sweep[:3], "--candidate-timeout", "0", env=WIDE)
-    assert result.exit_code == 2 and "--candidate-timeout must be a positive number" in result.output
-    assert len(calls) == 2

@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -302,12 +303,9 @@ def test_the_sm_count_is_asked_of_the_device_once(monkeypatch):
     assert core.device_sm_count() == 0 and core.device_sm_count("cpu") == 0  # no GPU here
     asked = []
 
-    class Props:
-        multi_processor_count = 77
-
     def props(index):
         asked.append(index)
-        return Props()
+        return SimpleNamespace(multi_processor_count=77)
 
     core._core_sm_count.cache_clear()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

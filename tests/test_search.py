@@ -6,6 +6,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -271,16 +272,10 @@ def test_a_worker_reaped_from_two_threads_at_once_is_closed_once(tmp_path):
             time.sleep(0.002)
             closes.append(threading.get_ident())
 
-    class Proc:
-        def is_alive(self):
-            return False
-
-        def join(self, _timeout):
-            pass
-
     for _ in range(20):
         handle = WorkerHandle(0, tmp_path / "w.log")
-        handle._proc, handle._conn = Proc(), Conn()
+        handle._proc = SimpleNamespace(is_alive=lambda: False, join=lambda _timeout: None)
+        handle._conn = Conn()
         closes.clear()
 
         def reap(handle=handle):
