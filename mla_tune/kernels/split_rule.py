@@ -1,6 +1,7 @@
 """The serving split-K kernel's split rule, in plain Python: what the host launches with
-(`fill_splits`) and what every stage-1 program computes on the device from the lengths
-(`serving_splits`, a replay for cost models: backends/triton_splitk_schedule.py).
+(`fill_splits`; the items stage 1 is launched for, `launch_items`, and the most of them a
+workspace must hold, `most_items`) and what every stage-1 program computes on the device
+from the lengths (`serving_splits`, a replay for cost models: backends/triton_splitk_schedule.py).
 
 The rule lives in kernels/flash_decode.py's `_fd_split_len` and `flash_decode_serving`;
 tests/test_serving_layouts.py checks this replay against the split counts the kernel writes.
