@@ -41,26 +41,18 @@ def _info(batch_size, max_seqlen_qo, num_head_qo, q_dtype, kv_dtype, is_sparse, 
         max_work = (batch_size + cu_num - 1) * tiles
         max_split_tiles = min(batch_size + cu_num - 1, (cu_num - 1) * 2) * tiles
     else:
-        max_work = tile_cnt * cu_num
-        max_split_tiles = tile_cnt * cu_num
+        max_work = max_split_tiles = tile_cnt * cu_num
     if max_split_per_batch > 0:  # 0.1.20: a global budget shared by every tile
         max_split_tiles = max(max_split_tiles, tile_cnt + min(cu_num, max_split_per_batch * batch_size))
-    if not intra_batch_mode:
-        return (
-            ((2), torch.uint64),
-            ((cu_num + 1), torch.int32),
-            ((max_work, 8), torch.int32),
-            ((tile_cnt + 1), torch.int32),
-            ((tile_cnt, 2), torch.int32),
-            (max_split_tiles, torch.int32),
-        )
+    if intra_batch_mode:
+        max_work = max_split_tiles = tile_cnt * num_kv_splits
     return (
         ((2), torch.uint64),
-        (cu_num + 1, torch.int32),
-        ((tile_cnt * num_kv_splits, 8), torch.int32),
+        ((cu_num + 1), torch.int32),
+        ((max_work, 8), torch.int32),
         ((tile_cnt + 1), torch.int32),
         ((tile_cnt, 2), torch.int32),
-        (tile_cnt * num_kv_splits, torch.int32),
+        (max_split_tiles, torch.int32),
     )
 
 
