@@ -33,3 +33,18 @@ def capture() -> tuple[Console, io.StringIO]:
     """A wide console writing into a buffer, for tests that read what the sweep printed."""
     buf = io.StringIO()
     return Console(file=buf, width=250), buf
+
+
+def unavailable_reason() -> str | None:
+    """The tiny fakes' own (each imports it): they run anywhere."""
+    return None
+
+
+def one_variant(name: str, batch: int | None = None):
+    """A fake's `candidates`: one bf16 variant of backend `name`, at batch `batch` only if given."""
+    from mla_tune.core import Shape, Variant
+
+    def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
+        return [Variant.make(name, kv="bf16", q="bf16")] if batch in (None, shape.batch) else []
+
+    return candidates

@@ -11,30 +11,18 @@ Load this module by path, e.g.
 """
 
 import importlib.util
-import sys
 from pathlib import Path
 
 FAKES_DIR = Path(__file__).resolve().parent
 ENGINES = ("vllm", "sglang")
+_spec = importlib.util.spec_from_file_location("vendor_fakes", FAKES_DIR / "vendor_fakes.py")
+_vendor_fakes = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_vendor_fakes)
 
 
 def install(monkeypatch, *engines: str) -> dict:
-    loaded = {}
-    for name in engines or ENGINES:
+    for name in engines:
         if name not in ENGINES:
             raise ValueError(f"no engine fake for {name!r}; fakes exist for {', '.join(ENGINES)}")
-        ours = f"mla_tune.integrations.{name}"
-        for key in [k for k in sys.modules if k == name or k.startswith(name + ".") or k == ours]:
-            monkeypatch.delitem(sys.modules, key)
-        before = set(sys.modules)
-        init = FAKES_DIR / name / "__init__.py"
-        spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(init.parent)])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)
-        finally:
-            for key in set(sys.modules) - before:
-                monkeypatch.setitem(sys.modules, key, sys.modules.pop(key))
-        loaded[name] = module
-    return loaded
+    return {name: _vendor_fakes.load(monkeypatch, name, drop=(f"mla_tune.integrations.{name}",))
+            for name in engines or ENGINES}

@@ -4,16 +4,10 @@ import os
 import sys
 
 from mla_tune.core import Shape, Variant
+from tests.fakes import one_variant, unavailable_reason  # noqa: F401  (the backend's hook)
 
 NAME = "fake_crash"
-
-
-def unavailable_reason() -> str | None:
-    return None
-
-
-def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
-    return [Variant.make(NAME, kv="bf16", q="bf16")] if shape.batch == 2 else []
+candidates = one_variant(NAME, batch=2)
 
 
 def build(variant: Variant, shape: Shape, device):

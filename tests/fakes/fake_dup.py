@@ -2,12 +2,9 @@
 planner must collapse the candidates that differ only there."""
 
 from mla_tune.core import Shape, Variant
+from tests.fakes import unavailable_reason  # noqa: F401  (the backend's hook)
 
 NAME = "fake_dup"
-
-
-def unavailable_reason() -> str | None:
-    return None
 
 
 def candidates(shape: Shape, space: dict, platform) -> list[Variant]:

@@ -12,12 +12,9 @@ import torch
 
 from mla_tune import problem
 from mla_tune.core import Shape, Variant
+from tests.fakes import unavailable_reason  # noqa: F401  (the backend's hook)
 
 NAME = "fake_ok"
-
-
-def unavailable_reason() -> str | None:
-    return None
 
 
 def candidates(shape: Shape, space: dict, platform) -> list[Variant]:

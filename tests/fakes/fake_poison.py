@@ -2,16 +2,10 @@
 failed, and its worker must exit so that the next candidate gets a fresh one."""
 
 from mla_tune.core import Shape, Variant
+from tests.fakes import one_variant, unavailable_reason  # noqa: F401  (the backend's hook)
 
 NAME = "fake_poison"
-
-
-def unavailable_reason() -> str | None:
-    return None
-
-
-def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
-    return [Variant.make(NAME, kv="bf16", q="bf16")] if shape.batch == 1 else []
+candidates = one_variant(NAME, batch=1)
 
 
 def build(variant: Variant, shape: Shape, device):

@@ -1,16 +1,10 @@
 """A fake whose build raises, like a kernel that does not compile: recorded as failed."""
 
 from mla_tune.core import Shape, Variant
+from tests.fakes import one_variant, unavailable_reason  # noqa: F401  (the backend's hook)
 
 NAME = "fake_raise"
-
-
-def unavailable_reason() -> str | None:
-    return None
-
-
-def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
-    return [Variant.make(NAME, kv="bf16", q="bf16")]
+candidates = one_variant(NAME)
 
 
 def build(variant: Variant, shape: Shape, device):

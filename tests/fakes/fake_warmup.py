@@ -8,14 +8,11 @@ import time
 from pathlib import Path
 
 from mla_tune.core import KV_FORMATS, Q_MODES, Capabilities, Shape, Variant
+from tests.fakes import unavailable_reason  # noqa: F401  (the backend's hook)
 
 NAME = "fake_warmup"
 CAPABILITIES = Capabilities(kv_formats=KV_FORMATS, q_modes=Q_MODES, precompile=True)
 MARKERS_ENV = "MLA_TUNE_TEST_MARKERS"
-
-
-def unavailable_reason() -> str | None:
-    return None
 
 
 def candidates(shape: Shape, space: dict, platform) -> list[Variant]:

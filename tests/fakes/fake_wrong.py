@@ -4,16 +4,10 @@ import torch
 
 from mla_tune import problem
 from mla_tune.core import Shape, Variant
+from tests.fakes import one_variant, unavailable_reason  # noqa: F401  (the backend's hook)
 
 NAME = "fake_wrong"
-
-
-def unavailable_reason() -> str | None:
-    return None
-
-
-def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
-    return [Variant.make(NAME, kv="bf16", q="bf16")]
+candidates = one_variant(NAME)
 
 
 def build(variant: Variant, shape: Shape, device):

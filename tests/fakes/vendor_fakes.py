@@ -57,26 +57,27 @@ def install(monkeypatch, *packages: str, cu_num: int | None = None, arch: str | 
     """
     for key, value in _settings_env(cu_num, arch).items():
         monkeypatch.setenv(key, value)
-    loaded = {}
-    for name in _check(packages):
-        for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
-            monkeypatch.delitem(sys.modules, key)
-        before = set(sys.modules)
-        init = FAKES_DIR / name / "__init__.py"
-        spec = importlib.util.spec_from_file_location(
-            name, init, submodule_search_locations=[str(init.parent)]
-        )
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)  # imports every submodule of the fake eagerly
-        finally:
-            # hand every module the fake added to monkeypatch, which removes them afterwards
-            for key in set(sys.modules) - before:
-                value = sys.modules.pop(key)
-                monkeypatch.setitem(sys.modules, key, value)
-        loaded[name] = module
-    return loaded
+    return {name: load(monkeypatch, name) for name in _check(packages)}
+
+
+def load(monkeypatch, name: str, drop=()):
+    """Import the fake package `name` fresh from this folder, by path, into sys.modules (its
+    old modules, and those named in `drop`, removed first); monkeypatch undoes it all."""
+    for key in [k for k in sys.modules if k == name or k.startswith(name + ".") or k in drop]:
+        monkeypatch.delitem(sys.modules, key)
+    before = set(sys.modules)
+    init = FAKES_DIR / name / "__init__.py"
+    spec = importlib.util.spec_from_file_location(name, init,
+                                                  submodule_search_locations=[str(init.parent)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)  # imports every submodule of the fake eagerly
+    finally:
+        # hand every module the fake added to monkeypatch, which removes them afterwards
+        for key in set(sys.modules) - before:
+            monkeypatch.setitem(sys.modules, key, sys.modules.pop(key))
+    return module
 
 
 def subprocess_env(*packages: str, base: dict | None = None, cu_num: int | None = None,

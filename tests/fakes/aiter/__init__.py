@@ -1,16 +1,12 @@
 """A CPU fake of AITER (package amd-aiter) for mla-tune's tests.
 
 Install it with tests/fakes/vendor_fakes.py (in-process, or PYTHONPATH for a worker). It
-imitates one build, chosen by MLA_TUNE_FAKE_AITER_VERSION: 0.1.11 (the default, tagged
-during the amd-mixed-mla contest), f3be04a12 (the commit the contest's runner built, seven
-commits before v0.1.11, with its Python API) or 0.1.20.post1 (max_split_per_batch on the
-info call, get_mla_decode_fwd_max_splits, `causal`, `lse` in the stage 1 op,
-`num_kv_splits` in mla_reduce_v1, the #4144 persistent gate, the OPUS stage 1, the Gluon
-decode). Same signatures, dtype pairs (fp8 per arch), shapes, int32 indices, dense buffers,
-scale shapes, split caps and metadata buffer sizes as that build; it raises where the real
-one would raise or silently misbehave, and, stricter than AITER, it refuses any argument
-past the first few tensors passed by position (_checks.keywords_past). Its fp32 numerics
-are no evidence of AITER's accuracy.
+imitates one build, chosen by MLA_TUNE_FAKE_AITER_VERSION: 0.1.11 (the default, tagged during
+the amd-mixed-mla contest), f3be04a12 or 0.1.20.post1 (_state.py says what each has). Same signatures, dtype pairs (fp8 per arch), shapes, int32
+indices, dense buffers, scale shapes, split caps and metadata buffer sizes as that build; it
+raises where the real one would raise or silently misbehave, and, stricter than AITER, it
+refuses any argument past the first few tensors passed by position (_checks.keywords_past).
+Its fp32 numerics are no evidence of AITER's accuracy.
 """
 
 import aiter.ops.triton.gluon  # noqa: E402  (the package; its mla_gluon exists from 0.1.18)

@@ -69,26 +69,14 @@ def stage1(args: dict) -> None:
     need_tensor("output", output, dtype=dtypes.bf16, shape=(total_q, heads, 512))
     need(output.is_contiguous(), f"output must be dense (contiguous), got strides {output.stride()}")
     bs = qo_indptr.shape[0] - 1 if isinstance(qo_indptr, torch.Tensor) else -1
-    for name, t, size in (("qo_indptr", qo_indptr, bs + 1), ("kv_indptr", kv_indptr, bs + 1),
-                          ("kv_last_page_lens", kv_last, bs), ("kv_page_indices", kv_indices, None)):
-        need_tensor(name, t, dim=1)
-        need(t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}")
-        need(size is None or t.shape[0] == size, f"{name} must have {size} entries, got {t.shape[0]}")
+    _checks.need_indptrs(bs, qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_last_page_lens=kv_last,
+                         kv_page_indices=kv_indices)
     need(qo_indptr.tolist() == list(range(bs + 1)), f"qo_indptr must be arange(bs + 1) at q_len 1, got "
          f"{qo_indptr.tolist()[:8]}")
     pair = (Q.dtype, KV.dtype)
     need(pair in _PERSISTENT_PAIRS, f"mla_decode_stage1_asm_fwd: cannot find suitable kernel (no persistent kernel "
          f"for Q {Q.dtype} with KV {KV.dtype})")
-    if Q.dtype == dtypes.fp8:
-        need(q_scale is not None and kv_scale is not None, "fp8 Q needs both q_scale and kv_scale")
-        _checks.check_scale("q_scale", q_scale)
-    else:
-        need(q_scale is None, "q_scale given for a bf16 Q")
-    if KV.dtype == dtypes.fp8:
-        need(kv_scale is not None, "fp8 KV needs kv_scale (the kernel would read an unset scale)")
-        _checks.check_scale("kv_scale", kv_scale)
-    else:
-        need(kv_scale is None, "kv_scale given for a bf16 KV cache")
+    _checks.need_scales("Q", Q.dtype, q_scale, KV.dtype, kv_scale, "the kernel would read an unset scale")
 
     need(work_meta_data is not None and work_indptr is not None and work_info_set is not None,
          "the persistent stage 1 needs work_meta_data, work_indptr and work_info_set")

@@ -5,7 +5,7 @@ import functools
 import inspect
 
 import torch
-from aiter import _state
+from aiter import _state, dtypes
 
 
 class FakeAiterError(RuntimeError):
@@ -39,6 +39,30 @@ def need_pow2(name, value):
 def check_scale(name, scale):
     need_tensor(name, scale, dtype=torch.float32)
     need(tuple(scale.shape) == (1,), f"{name} must be a per-tensor fp32 [1] dequant scale, got {tuple(scale.shape)}")
+
+
+def need_indptrs(bs, **named):
+    """The 1-D int32 index tensors of a paged call: indptrs of bs + 1 entries, last page
+    lengths of bs, page indices of any length (named *indices)."""
+    for name, t in named.items():
+        size = None if name.endswith("indices") else bs if name == "kv_last_page_lens" else bs + 1
+        need_tensor(name, t, dim=1)
+        need(t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}")
+        need(size is None or t.shape[0] == size, f"{name} must have {size} entries, got {t.shape[0]}")
+
+
+def need_scales(q_name, q_dtype, q_scale, kv_dtype, kv_scale, unset):
+    """fp8 q needs both per-tensor scales, fp8 KV its own (else `unset`); bf16 takes none."""
+    if q_dtype == dtypes.fp8:
+        need(q_scale is not None and kv_scale is not None, f"fp8 {q_name} needs both q_scale and kv_scale")
+        check_scale("q_scale", q_scale)
+    else:
+        need(q_scale is None, f"q_scale given for a bf16 {q_name}")
+    if kv_dtype == dtypes.fp8:
+        need(kv_scale is not None, f"fp8 KV needs kv_scale ({unset})")
+        check_scale("kv_scale", kv_scale)
+    else:
+        need(kv_scale is None, "kv_scale given for a bf16 KV cache")
 
 
 def need_work_list(work_meta_data, work_indptr, work_info_set, kv_indptr, page_size, q_dtype, kv_dtype):
@@ -79,6 +103,22 @@ def keywords_past(count: int):
         return call
 
     return wrap
+
+
+def older(fn, *dropped, body=None):
+    """fn as an older build declares it: a function whose signature (for inspect.signature,
+    and for inspect.unwrap, which stops here) is fn's without `dropped`, those left at their
+    defaults; `body`, if given, runs instead of fn, taking every argument by keyword."""
+    sig = inspect.signature(fn)
+    old = sig.replace(parameters=[p for name, p in sig.parameters.items() if name not in dropped])
+
+    def call(*args, **kwargs):
+        bound = old.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return (body or fn)(**bound.arguments)
+
+    call.__name__, call.__qualname__, call.__signature__ = fn.__name__, fn.__qualname__, old
+    return call
 
 
 def attend(q32, kv_tokens32, token_indptr, sm_scale, qo_indptr=None):

@@ -1,5 +1,6 @@
 """Fake aiter.mla: mla_decode_fwd with the real signature and contract of the build the
-fake imitates (0.1.11 and f3be04a12 share one, 0.1.20.post1 has its own; see _state.py).
+fake imitates (0.1.11 and f3be04a12 share one: 0.1.20.post1's less context parallelism
+and `causal`; see _state.py).
 
 It enforces what the real call path checks or silently depends on (aiter/mla.py,
 csrc/py_itfs_cu/asm_mla.cu, hsa/gfx950/mla/mla_asm.csv) and computes the answer on the CPU
@@ -13,7 +14,7 @@ import os
 
 import torch
 from aiter import _checks, _state, dtypes
-from aiter._checks import keywords_past, need, need_int, need_pow2, need_tensor, paged_attend
+from aiter._checks import keywords_past, need, need_int, need_pow2, need_tensor, older, paged_attend
 
 # (q dtype, kv dtype) -> modes with an assembly kernel for 16 heads, 576/512, qlen 1
 _KERNELS = {
@@ -57,37 +58,7 @@ def _use_persistent_mla_decode(bs, nhead, max_seqlen_q, q_dtype, kv_dtype):
     return max_batch <= 0 or bs < max_batch
 
 
-def _mla_decode_fwd_v0_1_11(
-    q,
-    kv_buffer,
-    o,
-    qo_indptr,
-    kv_indptr,
-    kv_indices,
-    kv_last_page_lens,
-    max_seqlen_q,
-    page_size=1,
-    nhead_kv=1,
-    sm_scale=None,  # 1.0 / (qk_head_dim**0.5)
-    logit_cap=0.0,
-    num_kv_splits=None,  # for experts only!!!
-    num_kv_splits_indptr=None,  # for experts only!!!
-    work_meta_data=None,
-    work_indptr=None,
-    work_info_set=None,
-    reduce_indptr=None,
-    reduce_final_map=None,
-    reduce_partial_map=None,
-    q_scale=None,
-    kv_scale=None,
-    intra_batch_mode=False,
-    return_logits=False,
-    return_lse=False,
-):
-    return _decode(dict(locals()), use_opus=False)
-
-
-def _mla_decode_fwd_v0_1_20_post1(
+def _mla_decode_fwd(
     q,
     kv_buffer,
     o,
@@ -131,9 +102,16 @@ def _mla_decode_fwd_v0_1_20_post1(
     return _decode(args, use_opus=use_opus, keep_persistent=keep_persistent)
 
 
-_mla_decode_fwd_v0_1_11.__name__ = _mla_decode_fwd_v0_1_20_post1.__name__ = "mla_decode_fwd"
+def _mla_decode_fwd_v0_1_11(**args):
+    return _decode(args, use_opus=False)
+
+
+_mla_decode_fwd.__name__ = _mla_decode_fwd_v0_1_11.__name__ = "mla_decode_fwd"
+if not _state.new_api:  # 0.1.11 and f3be04a12: no context parallelism, no `causal`, no gate
+    _mla_decode_fwd = older(_mla_decode_fwd, "g_kv_indptr", "cp_world_size", "cp_rank", "causal",
+                            body=_mla_decode_fwd_v0_1_11)
 # q, kv_buffer and o positionally; the rest by keyword (mla-tune's rule, _checks.keywords_past)
-mla_decode_fwd = keywords_past(3)(_mla_decode_fwd_v0_1_20_post1 if _state.new_api else _mla_decode_fwd_v0_1_11)
+mla_decode_fwd = keywords_past(3)(_mla_decode_fwd)
 mla_decode_fwd.__qualname__ = "mla_decode_fwd"
 
 
@@ -163,11 +141,8 @@ def _decode(args, use_opus, keep_persistent=True):
     need(kv_buffer.stride()[1:] == (nhead_kv * 576, 576, 1),
          f"kv_buffer's inner dims must be dense (strides (*, {nhead_kv * 576}, 576, 1)), got {kv_buffer.stride()}")
     bs = qo_indptr.shape[0] - 1 if isinstance(qo_indptr, torch.Tensor) else -1
-    for name, t, size in (("qo_indptr", qo_indptr, bs + 1), ("kv_indptr", kv_indptr, bs + 1),
-                          ("kv_last_page_lens", kv_last_page_lens, bs), ("kv_indices", kv_indices, None)):
-        need_tensor(name, t, dim=1)
-        need(t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}")
-        need(size is None or t.shape[0] == size, f"{name} must have {size} entries, got {t.shape[0]}")
+    _checks.need_indptrs(bs, qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_last_page_lens=kv_last_page_lens,
+                         kv_indices=kv_indices)
     need(sm_scale is None or isinstance(sm_scale, float), f"sm_scale must be a float, got {sm_scale!r}")
     # the kernels find sequence b's q rows at b * max_seqlen_q (asm_mla.cu: stride_Q =
     # Q.stride(0) * max_seqlen_q), so every sequence brings max_seqlen_q new tokens
@@ -190,16 +165,8 @@ def _decode(args, use_opus, keep_persistent=True):
         longest = _NONPERSISTENT_QLEN.get(pair, {}).get(heads, 0)
         need(max_seqlen_q <= longest, f"no nonpersistent MLA decode kernel for q {q.dtype} with KV "
              f"{kv_buffer.dtype} at {heads} heads, max_seqlen_q {max_seqlen_q}")
-    if q.dtype == dtypes.fp8:
-        need(q_scale is not None and kv_scale is not None, "fp8 q needs both q_scale and kv_scale")
-        _checks.check_scale("q_scale", q_scale)
-    else:
-        need(q_scale is None, "q_scale given for a bf16 q")
-    if kv_buffer.dtype == dtypes.fp8:
-        need(kv_scale is not None, "fp8 KV needs kv_scale (v0.1.11 leaves it uninitialised otherwise)")
-        _checks.check_scale("kv_scale", kv_scale)
-    else:
-        need(kv_scale is None, "kv_scale given for a bf16 KV cache")
+    _checks.need_scales("q", q.dtype, q_scale, kv_buffer.dtype, kv_scale,
+                        "v0.1.11 leaves it uninitialised otherwise")
 
     if persistent:
         if _state.new_api and num_kv_splits is not None:

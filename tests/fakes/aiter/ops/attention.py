@@ -1,7 +1,7 @@
 """Fake aiter.ops.attention: the persistent-mode metadata functions and the two ops under
 mla_decode_fwd's persistent path (mla_decode_stage1_asm_fwd, mla_reduce_v1) of the build
-the fake imitates (0.1.11 and f3be04a12 share their signatures, 0.1.20.post1 has its own;
-see _state.py).
+the fake imitates (0.1.11 and f3be04a12 share their signatures: 0.1.20.post1's less what
+they lack, _checks.older; see _state.py).
 
 Signatures, buffer-size formulas and builder checks follow ROCm/aiter as read at v0.1.11
 (c4a3ff2a04), f3be04a12a and v0.1.20.post1 (de07f3885e): aiter/ops/attention.py,
@@ -18,7 +18,7 @@ import math
 
 import torch
 from aiter import _asm, _state
-from aiter._checks import FakeAiterError, keywords_past, need, need_pow2, need_tensor
+from aiter._checks import FakeAiterError, keywords_past, need, need_pow2, need_tensor, older
 
 
 def _tiles_per_batch(max_seqlen_qo, num_head_qo, q_dtype, kv_dtype):
@@ -41,44 +41,22 @@ def _info(batch_size, max_seqlen_qo, num_head_qo, q_dtype, kv_dtype, is_sparse, 
         max_work = (batch_size + cu_num - 1) * tiles
         max_split_tiles = min(batch_size + cu_num - 1, (cu_num - 1) * 2) * tiles
     else:
-        max_work = tile_cnt * cu_num
-        max_split_tiles = tile_cnt * cu_num
+        max_work = max_split_tiles = tile_cnt * cu_num
     if max_split_per_batch > 0:  # 0.1.20: a global budget shared by every tile
         max_split_tiles = max(max_split_tiles, tile_cnt + min(cu_num, max_split_per_batch * batch_size))
-    if not intra_batch_mode:
-        return (
-            ((2), torch.uint64),
-            ((cu_num + 1), torch.int32),
-            ((max_work, 8), torch.int32),
-            ((tile_cnt + 1), torch.int32),
-            ((tile_cnt, 2), torch.int32),
-            (max_split_tiles, torch.int32),
-        )
+    if intra_batch_mode:
+        max_work = max_split_tiles = tile_cnt * num_kv_splits
     return (
         ((2), torch.uint64),
-        (cu_num + 1, torch.int32),
-        ((tile_cnt * num_kv_splits, 8), torch.int32),
+        ((cu_num + 1), torch.int32),
+        ((max_work, 8), torch.int32),
         ((tile_cnt + 1), torch.int32),
         ((tile_cnt, 2), torch.int32),
-        (tile_cnt * num_kv_splits, torch.int32),
+        (max_split_tiles, torch.int32),
     )
 
 
-def _get_mla_metadata_info_v1_v0_1_11(
-    batch_size: int,
-    max_seqlen_qo: int,
-    num_head_qo: int,
-    q_dtype: torch.dtype,
-    kv_dtype: torch.dtype,
-    is_sparse: bool,
-    fast_mode: bool = True,
-    num_kv_splits: int = 32,
-    intra_batch_mode: bool = False,
-):
-    return _info(**locals(), max_split_per_batch=-1)
-
-
-def _get_mla_metadata_info_v1_v0_1_20_post1(
+def get_mla_metadata_info_v1(
     batch_size: int,
     max_seqlen_qo: int,
     num_head_qo: int,
@@ -119,34 +97,7 @@ def _intra_batch_splits(kv_len, batch, max_split_per_batch):
     return min(kv_len // 196, -(-_state.cu_num // batch), max_split_per_batch)
 
 
-def _get_mla_metadata_v1_v0_1_11(
-    seqlens_qo_indptr: torch.Tensor,
-    seqlens_kv_indptr: torch.Tensor,
-    kv_last_page_lens: torch.Tensor,
-    num_heads_per_head_k: int,
-    num_heads_k: int,
-    is_causal: bool,
-    work_metadata_ptrs: torch.Tensor,
-    work_info_set: torch.Tensor,
-    work_indptr: torch.Tensor,
-    reduce_indptr: torch.Tensor,
-    reduce_final_map: torch.Tensor,
-    reduce_partial_map: torch.Tensor,
-    page_size: int = 1,
-    kv_granularity: int = 16,
-    max_seqlen_qo: int = -1,
-    uni_seqlen_qo: int = -1,
-    fast_mode: bool = True,
-    topk: int = -1,
-    max_split_per_batch: int = -1,
-    intra_batch_mode: bool = False,
-    dtype_q: torch.dtype | None = None,
-    dtype_kv: torch.dtype | None = None,
-) -> None:
-    _build(dict(locals()))
-
-
-def _get_mla_metadata_v1_v0_1_20_post1(
+def get_mla_metadata_v1(
     seqlens_qo_indptr: torch.Tensor,
     seqlens_kv_indptr: torch.Tensor,
     kv_last_page_lens: torch.Tensor,
@@ -191,31 +142,7 @@ def _get_mla_metadata_v1_v0_1_20_post1(
     _build(args)
 
 
-def _mla_decode_stage1_asm_fwd_v0_1_11(
-    Q: torch.Tensor,
-    KV: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_page_indices: torch.Tensor,
-    kv_last_page_lens: torch.Tensor,
-    num_kv_splits_indptr: torch.Tensor | None,
-    work_meta_data: torch.Tensor | None,
-    work_indptr: torch.Tensor | None,
-    work_info_set: torch.Tensor | None,
-    max_seqlen_q: int,
-    page_size: int,
-    nhead_kv: int,
-    softmax_scale: float,
-    splitData: torch.Tensor,
-    splitLse: torch.Tensor,
-    output: torch.Tensor,
-    q_scale: torch.Tensor | None = None,
-    kv_scale: torch.Tensor | None = None,
-) -> None:
-    _asm.stage1(dict(locals(), lse=None))
-
-
-def _mla_decode_stage1_asm_fwd_v0_1_20_post1(
+def mla_decode_stage1_asm_fwd(
     Q: torch.Tensor,
     KV: torch.Tensor,
     qo_indptr: torch.Tensor,
@@ -253,20 +180,7 @@ def _mla_decode_stage1_asm_fwd_v0_1_20_post1(
     _asm.stage1(args)
 
 
-def _mla_reduce_v1_v0_1_11(
-    partial_output: torch.Tensor,
-    partial_lse: torch.Tensor,
-    reduce_indptr: torch.Tensor,
-    reduce_final_map: torch.Tensor | None,
-    reduce_partial_map: torch.Tensor,
-    max_seqlen_q: int,
-    final_output: torch.Tensor,
-    final_lse: torch.Tensor | None = None,
-) -> None:
-    _asm.reduce(dict(locals(), num_kv_splits=None))
-
-
-def _mla_reduce_v1_v0_1_20_post1(
+def mla_reduce_v1(
     partial_output: torch.Tensor,
     partial_lse: torch.Tensor,
     reduce_indptr: torch.Tensor,
@@ -280,16 +194,18 @@ def _mla_reduce_v1_v0_1_20_post1(
     _asm.reduce(dict(locals()))
 
 
-if _state.new_api:
-    get_mla_metadata_info_v1 = _get_mla_metadata_info_v1_v0_1_20_post1
-    get_mla_metadata_v1 = _get_mla_metadata_v1_v0_1_20_post1
-    mla_decode_stage1_asm_fwd = _mla_decode_stage1_asm_fwd_v0_1_20_post1
-    mla_reduce_v1 = _mla_reduce_v1_v0_1_20_post1
-else:
-    get_mla_metadata_info_v1 = _get_mla_metadata_info_v1_v0_1_11
-    get_mla_metadata_v1 = _get_mla_metadata_v1_v0_1_11
-    mla_decode_stage1_asm_fwd = _mla_decode_stage1_asm_fwd_v0_1_11
-    mla_reduce_v1 = _mla_reduce_v1_v0_1_11
+def _mla_reduce_v1_v0_1_11(**args) -> None:
+    _asm.reduce(dict(args, num_kv_splits=None))
+
+
+if not _state.new_api:  # what 0.1.11 and f3be04a12 lack (see _state.py)
+    get_mla_metadata_info_v1 = older(get_mla_metadata_info_v1, "max_split_per_batch")
+    get_mla_metadata_v1 = older(get_mla_metadata_v1, "is_cp_round_robin", "mla_version",
+                                "dtype_q_nope", "dtype_q_rope", "dtype_kv_nope", "dtype_kv_rope")
+    mla_decode_stage1_asm_fwd = older(
+        mla_decode_stage1_asm_fwd, "lse", "g_kv_indptr", "cp_world_size", "cp_rank",
+        "valid_split_count", "use_valid_split_count_reduce", "causal")
+    mla_reduce_v1 = older(mla_reduce_v1, "num_kv_splits", body=_mla_reduce_v1_v0_1_11)
     del get_mla_decode_fwd_max_splits, mla_decode_fwd_opus_stage1  # not before 0.1.16 / 0.1.20
 # How many leading arguments the fake takes positionally (_checks.keywords_past): the
 # first tensors, whose order never moved; everything after them by keyword.
