@@ -471,10 +471,10 @@ def build_serving(variant: Variant, spec: CallSpec, device):
         split_budget=p.get("split_budget", 0),
     )
     # A batch budget's scratch holds what that budget launches (the SMs as the launch takes them)
-    sized = dict(split_budget=launch["split_budget"], block_h=p["block_h"], sm_count=device_sm_count(device))
+    sized = (dict(split_budget=launch["split_budget"], block_h=p["block_h"], sm_count=device_sm_count(device))
+             if launch["split_budget"] > 0 else None)
     return OwnServingRunner(NAME, spec, device, flash_decode_serving, FlashDecodeServingWorkspace,
-                            p["max_splits"], launch, LaunchReplay.build,
-                            workspace_args=sized if launch["split_budget"] > 0 else None)
+                            p["max_splits"], launch, LaunchReplay.build, workspace_args=sized)
 
 
 

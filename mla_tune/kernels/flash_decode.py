@@ -808,7 +808,7 @@ class FlashDecodeServingWorkspace:
                  split_budget: int = 0, block_h: int = 0, sm_count: int = 0) -> FlashDecodeServingWorkspace:
         """Scratch for calls of at most max_total_q new tokens; with split_budget > 0 and the
         launch's block_h and sm_count (its SMs, as the launch resolves them), only for calls
-        with that batch budget (`fits` checks each call's items)."""
+        with that batch budget (flash_decode_serving refuses a call of more items)."""
         q_len_max = triton.next_power_of_2(max(max_q_len, 1))
         # One split writes the output directly: no partials.
         items = 0
@@ -829,9 +829,9 @@ class FlashDecodeServingWorkspace:
             items,
         )
 
-    def fits(self, total_q: int, heads: int, max_splits: int, max_q_len: int = 1, items: int = 0) -> bool:
+    def fits(self, total_q: int, heads: int, max_splits: int, max_q_len: int = 1) -> bool:
         return (self.max_total_q >= total_q and self.heads == heads and self.max_splits == max_splits
-                and self.q_len_max >= max_q_len and (max_splits <= 1 or items <= self.max_items))
+                and self.q_len_max >= max_q_len)
 
 
 def flash_decode_serving(
@@ -917,24 +917,20 @@ def flash_decode_serving(
     if isinstance(split_budget, bool) or not isinstance(split_budget, int) or not 0 <= split_budget < 2**31:
         raise ValueError(f"split_budget must be an integer >= 0 (0: max_splits per sequence), got {split_budget!r}")
     tiles = heads // block_h
-    sms, launched = 0, split_budget  # (max_splits 1: no budget applies)
+    launched = split_budget  # the kernel's batch budget (with max_splits 1 none applies)
     if split_budget > 0 and max_splits > 1:  # the wave-filling share, as a budget of s per sequence
         sms = device_sm_count(q.device) if sm_count is None else sm_count
         launched = batch * fill_splits(split_budget, batch, tiles, max_splits, sms)
     # Items: at most the budget plus one per sequence (split_rule.launch_items). A program per
     # item, or past _fd_ONE_ITEM_CTAS programs _fd_GRID_CTAS of them that loop over the items.
-    items = launch_items(batch, total_q, max_splits, q_len_max, launched if max_splits > 1 else 0)
-    if workspace is None:
-        workspace = FlashDecodeServingWorkspace.allocate(total_q, heads, max_splits, q.device, max_q_len,
-                                                         split_budget=split_budget, block_h=block_h, sm_count=sms)
-    if not workspace.fits(total_q, heads, max_splits, max_q_len, items):
-        serving_workspace(workspace, FlashDecodeServingWorkspace, total_q, heads, max_splits, q.device,
-                          max_q_len=max_q_len)  # raises where the sizes differ
+    items = launch_items(batch, total_q, max_splits, q_len_max, launched)
+    workspace = serving_workspace(workspace, FlashDecodeServingWorkspace, total_q, heads, max_splits, q.device,
+                                  max_q_len=max_q_len)
+    if max_splits > 1 and items > workspace.max_items:
         raise ValueError(f"workspace holds the partials of {workspace.max_items} split items; this call is "
                          f"launched for {items} (split_budget {split_budget}, block_h {block_h}): allocate it "
                          "with FlashDecodeServingWorkspace.allocate(..., split_budget=, block_h=, sm_count=) as "
                          "the launch takes them, or without a split_budget")
-    split_budget = launched
     extra = {k: v for k, v in (hip_options or {}).items() if v is not None}
     unknown = set(extra) - set(_fd_HIP_OPTIONS)
     if unknown:
@@ -952,7 +948,7 @@ def flash_decode_serving(
     jit_launch(
         _fd_serving_stage1_kernel, (tiles, programs), record,
         q, qo_indptr, kv, kv_scale if kv_scaled else dummy, *seq_ptrs, workspace.q_amax,
-        batch, total_q, tokens_per_split, split_budget, bt_stride,
+        batch, total_q, tokens_per_split, launched, bt_stride,
         float(q_scale or 1.0), float(torch.finfo(q_fp8_dtype).max), float(sm_scale * _fd_LOG2E),
         out, workspace.part_out, workspace.part_lse, workspace.split_count, workspace.split_off, lse,
         H=heads, BLOCK_H=block_h, Q_LEN_MAX=q_len_max, MAX_SPLITS=max_splits, BLOCK_N=block_n,
