@@ -304,14 +304,15 @@ class ServingTable:
                 "families": families}
 
 
-def entry_counts(families: list) -> dict[str, int]:
+def entry_counts(families: list[dict]) -> dict[str, int]:
     """How many families the file's `families` list holds and, over them all, each part's
-    entries (ENTRY_PARTS): what provenance.entry_counts states."""
-    def size(family: Any, part: str) -> int:
-        value = family.get(part) if isinstance(family, dict) else None
-        if part == "calibration" and isinstance(value, dict):
-            return sum(len(f) if isinstance(f, dict) else 1 for f in value.values())
-        return len(value) if isinstance(value, (list, dict)) else 0
+    entries (ENTRY_PARTS; a family's calibration: its backends' fields): what
+    provenance.entry_counts states. The families are as_dict's, or a loaded file's once
+    checked."""
+    def size(family: dict, part: str) -> int:
+        if part == "calibration":
+            return sum(len(fields) for fields in (family.get(part) or {}).values())
+        return len(family.get(part) or ())
     return {"families": len(families), **{part: sum(size(f, part) for f in families) for part in ENTRY_PARTS}}
 
 
