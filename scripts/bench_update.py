@@ -29,7 +29,10 @@ just before its call (as an engine does, and the default) costs the call in cach
 update costs besides the table's lookup (its layout checks and the runner's step).
 `--by-family` adds a line per family (its own steps: about 1000 / 12 each), `--by-backend` a
 line per backend of the variant each step ran (update's return: on a machine without the
-vendors, the stand-in that ran); `--json` always holds both.
+vendors, the stand-in that ran); `--json` always holds both. Each plan's split partials are
+printed too: `plan.scratch`, the one buffer its own runners share, beside the sum of what
+each would hold alone (`scratch_bytes` at max_batch; only the runners built here), and on a
+GPU the device memory the plan took while it was made (torch.cuda.memory_allocated).
 """
 
 from __future__ import annotations
@@ -95,6 +98,17 @@ def _stats(values: list[float]) -> dict:
             "p99_us": round(ordered[math.ceil(0.99 * n) - 1], 1), "max_us": round(ordered[-1], 1)}
 
 
+def _memory(plan: DecodePlan, key, before: int, device: str) -> dict:
+    """A plan's split partials in GiB: shared (plan.scratch), each runner's alone summed,
+    and on a GPU the device memory allocated while the plan was made."""
+    alone = sum(r.scratch_bytes(MAX_BATCH * key.q_len) for r in plan.runners.values() if hasattr(r, "scratch_bytes"))
+    out = {"runners": len(plan.runners), "shared_gib": round(plan.scratch.nbytes / 2**30, 3),
+           "alone_gib": round(alone / 2**30, 3)}
+    if device != "cpu":
+        out["allocated_gib"] = round((torch.cuda.memory_allocated() - before) / 2**30, 3)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--table", default="tables/H200.serving.yaml")
@@ -119,15 +133,17 @@ def main() -> None:
     args = ap.parse_args()
     table = load_serving_table(args.table)
     keys = sorted(k for k in table.families if k.page_size > 0)
-    plans = {}
+    plans, memory = {}, {}
     made = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the vendors' picks cannot run here: said once per plan
         for key in keys:
             spec = CallSpec(key.kv_format, page_size=key.page_size, heads=key.heads, max_q_len=key.q_len,
                             host_lengths=True)
+            before = torch.cuda.memory_allocated() if args.device != "cpu" else 0
             plans[key] = DecodePlan(spec, MAX_BATCH, table=None if args.no_lookup else table, device=args.device,
                                     warm=args.warm)
+            memory[key] = _memory(plans[key], key, before, args.device)
     made = time.perf_counter() - made
     times, first, picks, seen, by_family, by_backend = [], [], [], set(), {}, {}
     mixes = list(_mixes(keys, args.mixes, args.seed))
@@ -155,7 +171,8 @@ def main() -> None:
            "plans": len(plans),
            "plans_made_s": round(made, 2), "update": _stats(times), "first_update": _stats(first),
            "by_family": {_tag(key): _stats(us) for key, us in sorted(by_family.items())},
-           "by_backend": {name: _stats(us) for name, us in sorted(by_backend.items())}}
+           "by_backend": {name: _stats(us) for name, us in sorted(by_backend.items())},
+           "memory": {_tag(key): m for key, m in sorted(memory.items())}}
     print(f"{len(plans)} plans made in {made:.2f} s ({out['replays']} replays); DecodePlan.update over {args.mixes} fresh mixes "
           "(us, from each plan's first call):")
     lines = [(name, out[name]) for name in ("update", "first_update")]
@@ -164,6 +181,14 @@ def main() -> None:
     for tag, s in lines:
         print(f"  {tag:<13} n {s['n']:>5}  median {s['median_us']:>8}  p90 {s['p90_us']:>8}  "
               f"p99 {s['p99_us']:>8}  max {s['max_us']:>8}")
+    total = {name: round(sum(m.get(name, 0) for m in memory.values()), 2)
+             for name in ("shared_gib", "alone_gib", "allocated_gib")}
+    print(f"split partials at max_batch {MAX_BATCH} (GiB): shared {total['shared_gib']}, each runner alone "
+          f"{total['alone_gib']}" + (f"; the plans took {total['allocated_gib']} of device memory"
+                                      if args.device != "cpu" else ""))
+    for tag, m in (out["memory"].items() if args.by_family else ()):
+        print(f"  {tag:<13} runners {m['runners']:>3}  shared {m['shared_gib']:>7}  alone {m['alone_gib']:>7}"
+              + (f"  allocated {m['allocated_gib']:>7}" if "allocated_gib" in m else ""))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
     if args.picks:

@@ -300,3 +300,28 @@ def test_a_steps_pick_is_the_plans_own_variant_object(heads, q_len):
                              seq_lens=torch.tensor(lens, dtype=torch.int32), q_lens_host=[q_len] * batch,
                              kv_lens_host=lens)
         assert id(picked) in own and picked == plan.pick(batch, sum(lens) / batch, lens)
+
+
+def test_a_plans_own_runners_share_one_scratch_sized_for_the_largest():
+    """The split partials of every own runner are views of plan.scratch, which is the
+    largest runner's at max_batch, not their sum; the fused kernel's arrival counters stay
+    each runner's own; steps that alternate between variants stay right."""
+    plan = DecodePlan(SPEC, max_batch=8, table=_table())
+    runners = list(plan.runners.values())
+    assert len(runners) == 4
+    base, end = plan.scratch.buffer.data_ptr(), plan.scratch.buffer.data_ptr() + plan.scratch.nbytes
+    own = []
+    for runner in runners:
+        workspace = runner.workspace
+        for name in type(workspace).SHARED:
+            assert base <= getattr(workspace, name).data_ptr() < end or getattr(workspace, name).numel() == 0
+        own.append(plan.scratch.shared_bytes(workspace))
+        assert runner.scratch_bytes(8 * SPEC.max_q_len) == own[-1]
+        counts = getattr(workspace, "count", None)
+        assert counts is None or not base <= counts.data_ptr() < end
+    assert plan.scratch.nbytes == max(own) < sum(own)
+    for seed, (lens, mean) in enumerate([([190, 200, 210], 200), ([5, 9, 300, 17, 2, 64], None),
+                                         ([250, 260, 270], 260), ([30, 2, 70, 1, 40, 9, 300, 3], None)]):
+        _checked_step(plan, lens, seed=20 + seed, what=f"step {seed}", mean_kv_len=mean)
+    assert {_step(plan, [190, 200, 210], 1, mean_kv_len=200)[1],
+            _step(plan, [5, 9, 300, 17, 2, 64], 2)[1]} == {EAGER_4_256, GRAPH_8}

@@ -10,8 +10,10 @@ import torch
 from mla_tune import core, gpu
 from mla_tune.backends import get_backend
 from mla_tune.core import CallSpec
+from mla_tune.kernels.fused_decode import FusedServingWorkspace
 from mla_tune.kernels.serving_runner import (
     OwnServingRunner,
+    SharedScratch,
     check_serving_build,
     serving_launch_args,
 )
@@ -64,6 +66,8 @@ def test_a_split_k_runner_with_a_batch_budget_sizes_its_scratch_to_the_budget(de
     assert runner.workspace.max_items == most <= 16 * 3 + 3  # on 132 SMs: 16 each fill the waves most
     assert device == "cuda" or most == 3 + 3  # the CPU: 4 // 3 = 1 split each, plus one each
     assert runner.workspace.part_out.shape[0] == runner.workspace.max_items
+    with pytest.raises(ValueError, match="before the runner's first call"):
+        runner.share_scratch(SharedScratch(device), 3)
 
 
 def test_a_build_refuses_a_leaderboard_variant_and_a_head_tile_that_does_not_divide_the_heads():
@@ -83,3 +87,20 @@ def test_a_build_refuses_a_leaderboard_variant_and_a_head_tile_that_does_not_div
 def test_both_launchers_refuse_an_lse_of_the_wrong_shape_dtype_or_layout(kernel, lse):
     with pytest.raises(ValueError, match=r"lse must be a contiguous float32 \(2, 16\) tensor"):
         KERNELS[kernel][0](**small_call(lse=lse, **dot_options(kernel, "cpu")))
+
+
+def test_shared_scratch_reserves_first_places_views_and_keeps_a_larger_workspace_its_own():
+    scratch = SharedScratch("cpu")
+    small = FusedServingWorkspace.allocate(4, 16, 2, "meta")
+    large = FusedServingWorkspace.allocate(8, 16, 4, "meta")
+    scratch.reserve(scratch.shared_bytes(small))
+    placed = scratch.place(FusedServingWorkspace.allocate(4, 16, 2, "meta"))
+    assert scratch.nbytes == scratch.shared_bytes(small) and placed.part_o.device.type == "cpu"
+    assert placed.part_o.data_ptr() == scratch.buffer.data_ptr()
+    assert placed.part_lse.data_ptr() == scratch.buffer.data_ptr() + -(-placed.part_o.nbytes // 256) * 256
+    assert int(placed.count.abs().sum()) == 0  # not shared, and zeroed as allocate makes it
+    with pytest.raises(ValueError, match="before the first call"):
+        scratch.reserve(scratch.shared_bytes(large))
+    alone = scratch.place(large)  # past the buffer: its own tensors
+    assert tuple(alone.part_o.shape) == (8, 4, 16, 512)
+    assert not scratch.buffer.data_ptr() <= alone.part_o.data_ptr() < scratch.buffer.data_ptr() + scratch.nbytes

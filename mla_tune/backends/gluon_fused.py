@@ -79,6 +79,7 @@ from mla_tune.kernels.gluon_serving import (
     gluon_serving,
     gs_check_variant,
 )
+from mla_tune.kernels.serving_runner import OwnServingRunner
 
 NAME = "gluon_fused"
 
@@ -450,41 +451,12 @@ def serving_candidates(spec: CallSpec, space: dict, platform) -> list[Variant]:
     return list(dict.fromkeys(out))
 
 
-class _GfServingRunner:
-    """build_serving's runner: owns out, the workspace (partials, TMA descriptors) and, with
-    spec.return_lse, the LSE buffer, allocated on the first call and again only when a call
-    brings more new tokens than any before (at least doubling), never from the data; it
-    reads no device tensor on the host, so a CUDA graph can hold it."""
-
-    def __init__(self, spec: CallSpec, device, launch: dict):
-        self.spec, self.device, self.launch = spec, device, launch
-        self.capacity, self.out, self.workspace, self.lse = 0, None, None, None
-
-    def __call__(self, q, qo_indptr, kv, kv_scale, *, kv_indptr=None, block_table=None, seq_lens=None,
-                 q_lens_host=None, kv_lens_host=None):
-        spec, total_q = self.spec, q.shape[0]
-        if q.dim() != 3 or q.shape[1] != spec.heads or (kv.dtype != torch.bfloat16) != (spec.kv_format != "bf16"):
-            raise ValueError(f"{NAME}: this runner serves {spec.heads} heads over {spec.kv_format} KV; "
-                             f"got q {tuple(q.shape)} and kv {kv.dtype}")
-        if total_q > self.capacity:
-            capacity = max(total_q, 2 * self.capacity)
-            self.out = torch.empty((capacity, spec.heads, V_DIM), dtype=torch.bfloat16, device=self.device)
-            self.workspace = GluonServingWorkspace.allocate(capacity, spec.heads, self.launch["max_splits"],
-                                                            self.device)
-            if spec.return_lse:
-                self.lse = torch.empty((capacity, spec.heads), dtype=torch.float32, device=self.device)
-            self.capacity = capacity
-        out = self.out[:total_q]
-        lse = self.lse[:total_q] if spec.return_lse else None
-        gluon_serving(q, qo_indptr, kv, kv_scale, out, kv_indptr=kv_indptr, block_table=block_table,
-                      seq_lens=seq_lens, workspace=self.workspace, lse=lse, **self.launch)
-        return (out, lse) if spec.return_lse else out
-
-
 def build_serving(variant: Variant, spec: CallSpec, device):
     """A runner(q, qo_indptr, kv, kv_scale, *, kv_indptr | block_table + seq_lens) -> out
     (or (out, lse) with spec.return_lse) for calls of `spec` (the serving-call contract,
-    docs/runtime.md), at the softmax scale spec.sm_scale; see _GfServingRunner."""
+    docs/runtime.md), at the softmax scale spec.sm_scale: an OwnServingRunner
+    (kernels/serving_runner.py) over gluon_serving, whose launches are not replayed (every
+    layer launches through gluon_serving)."""
     validate(variant)
     if not _gf_is_serving(variant):
         raise ValueError(f"{NAME}: {variant} is a leaderboard variant (num_splits); the serving call takes "
@@ -501,4 +473,5 @@ def build_serving(variant: Variant, spec: CallSpec, device):
     launch = dict(max_q_len=spec.max_q_len, block_h=p["block_h"], max_splits=p["max_splits"],
                   tokens_per_split=p["tokens_per_split"], num_stages=p["num_stages"], v_halves=p["v_halves"],
                   split_budget=p.get("split_budget", 0), sm_scale=spec.sm_scale)
-    return _GfServingRunner(spec, torch.device(device), launch)
+    return OwnServingRunner(NAME, spec, torch.device(device), gluon_serving, GluonServingWorkspace,
+                            p["max_splits"], launch)

@@ -803,6 +803,9 @@ class FlashDecodeServingWorkspace:
     split_off: torch.Tensor
     max_items: int = 0  # the most split items its partials hold (0: max_splits 1, none)
 
+    # written before they are read in every call: a plan's runners may share them (SharedScratch)
+    SHARED = ("part_out", "part_lse")
+
     @classmethod
     def allocate(cls, max_total_q: int, heads: int, max_splits: int, device, max_q_len: int = 1, *,
                  split_budget: int = 0, block_h: int = 0, sm_count: int = 0) -> FlashDecodeServingWorkspace:

@@ -983,6 +983,9 @@ class FusedServingWorkspace:
     part_lse: torch.Tensor
     count: torch.Tensor
 
+    # written before they are read in every call: a plan's runners may share them (SharedScratch)
+    SHARED = ("part_o", "part_lse")
+
     @classmethod
     def allocate(cls, max_total_q: int, heads: int, max_splits: int, device,
                  max_q_len: int = 1) -> FusedServingWorkspace:

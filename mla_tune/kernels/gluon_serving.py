@@ -524,6 +524,9 @@ class GluonServingWorkspace:
     part_lse: torch.Tensor
     descriptors: dict  # (address, rows, dtype) -> TMA descriptor
 
+    # written before they are read in every call: a plan's runners may share them (SharedScratch)
+    SHARED = ("part_o", "part_lse")
+
     @classmethod
     def allocate(cls, max_total_q: int, heads: int, max_splits: int, device,
                  max_q_len: int = 1) -> GluonServingWorkspace:

@@ -6,6 +6,8 @@ triton_fused backends returns, and the checks their serving launchers share.
 - `OwnServingRunner` (and its `step`, `OwnServingStep`): owns out, the family's workspace
   and the LSE buffer, launches through the family's launcher, records a step's launches at
   its first layer and replays them for the others (kernels/launch.py);
+- `SharedScratch`: one buffer for the partials of several runners of which one runs at a
+  time (a DecodePlan's), where each would hold its own;
 - `check_serving_launch`, `serving_workspace`: the shape, dtype and scratch checks
   flash_decode_serving and fused_decode_serving make before a launch; `check_serving_q`
   and `check_serving_result`, the parts the Gluon serving launcher shares with them.
@@ -15,6 +17,8 @@ the facts come from core.py.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from mla_tune.core import (
     QK_DIM,
@@ -74,7 +78,8 @@ class OwnServingRunner:
     step's per-layer call, which launches through Triton's JIT at its first layer
     (recording) and replays those launches directly for later layers. `replay_from(record,
     (q, kv, kv_scale))` (kernels/launch.LaunchReplay.build) turns the launches one call
-    recorded into a replay, or None (then every layer takes `decode`)."""
+    recorded into a replay, or None (then every layer takes `decode`). `share_scratch(scratch,
+    capacity)`, before the first call, takes the workspace's partials from a SharedScratch."""
 
     def __init__(self, name: str, spec: CallSpec, device, decode, workspace_type, max_splits: int,
                  launch: dict, replay_from=None, workspace_args: dict | None = None):
@@ -86,6 +91,7 @@ class OwnServingRunner:
         self._max_splits, self.replay_from = max_splits, replay_from
         self._bf16 = torch.bfloat16
         self.capacity, self.out, self.workspace, self.lse = 0, None, None, None
+        self._scratch = None
         # The last step's tensors and its (replay, out), for the next step with the same
         # ones (OwnServingStep reads and sets it).
         self.kept = None
@@ -103,8 +109,8 @@ class OwnServingRunner:
 
             capacity = max(total_q, 2 * self.capacity)
             self.out = torch.empty((capacity, spec.heads, V_DIM), dtype=torch.bfloat16, device=self.device)
-            self.workspace = self._workspace_type.allocate(capacity, spec.heads, self._max_splits, self.device,
-                                                           max_q_len=spec.max_q_len, **self._workspace_args)
+            self.workspace = (self._workspace(capacity, self.device) if self._scratch is None
+                              else self._scratch.place(self._workspace(capacity, "meta")))
             if spec.return_lse:
                 self.lse = torch.empty((capacity, spec.heads), dtype=torch.float32, device=self.device)
             self.capacity = capacity
@@ -119,6 +125,24 @@ class OwnServingRunner:
                      seq_lens=seq_lens, workspace=self.workspace, record=record, **self._launch)
         return out
 
+    def _workspace(self, capacity: int, device):
+        return self._workspace_type.allocate(capacity, self.spec.heads, self._max_splits, device,
+                                             max_q_len=self.spec.max_q_len, **self._workspace_args)
+
+    def scratch_bytes(self, capacity: int) -> int:
+        """The bytes its workspace's shared fields (the split partials) take at `capacity` new
+        tokens: what it holds alone, and what it reserves in a SharedScratch."""
+        return SharedScratch.shared_bytes(self._workspace(capacity, "meta"))
+
+    def share_scratch(self, scratch: SharedScratch, capacity: int) -> None:
+        """Take the workspace's shared fields from `scratch` for calls of up to `capacity`
+        new tokens (their bytes reserved now; a larger call's workspace is the runner's own).
+        Before the first call: a workspace already allocated would stay where it is."""
+        if self.capacity:
+            raise ValueError(f"{self.name}: share_scratch goes before the runner's first call")
+        scratch.reserve(self.scratch_bytes(capacity))
+        self._scratch = scratch
+
     def step(self, qo_indptr, *, kv_indptr=None, block_table=None, seq_lens=None, q_lens_host=None,
              kv_lens_host=None) -> OwnServingStep:
         """The per-layer call of one step: `layer(q, kv, kv_scale) -> out`. Enqueues nothing
@@ -126,6 +150,64 @@ class OwnServingRunner:
         layer's launch, with everything else."""
         return OwnServingStep(self, qo_indptr, dict(kv_indptr=kv_indptr, block_table=block_table,
                                                      seq_lens=seq_lens))
+
+
+class SharedScratch:
+    """One buffer for the partials of several runners of which one runs at a time, in
+    stream order (a DecodePlan's: one variant a step): where each runner would hold its
+    own, they hold views of this, so a plan's scratch is its largest runner's, not their sum.
+
+    A workspace type names in `SHARED` the fields that every call writes before it reads
+    them (the split partials); those alone are shared. Each runner reserves first
+    (`reserve`: the shared_bytes of its workspace allocated on the meta device); the first `place`
+    allocates the buffer at the largest reservation, and it never moves, so recorded
+    launches and captured CUDA graphs keep valid addresses. `place` turns a meta workspace
+    into a real one: its SHARED fields views of the buffer (their own tensors where they
+    exceed it), its other tensors its own, zeroed."""
+
+    ALIGN = 256  # bytes: each view starts aligned for any load the kernels make
+
+    def __init__(self, device):
+        self.device, self.nbytes, self.buffer = device, 0, None
+
+    @classmethod
+    def shared_bytes(cls, workspace) -> int:
+        """The bytes `workspace`'s SHARED fields take in the buffer, each aligned."""
+        return sum(cls._span(getattr(workspace, name).nbytes) for name in type(workspace).SHARED)
+
+    @classmethod
+    def _span(cls, nbytes: int) -> int:
+        return -(-nbytes // cls.ALIGN) * cls.ALIGN
+
+    def reserve(self, need: int) -> None:
+        """Make room for `need` bytes (a workspace's shared_bytes)."""
+        if self.buffer is not None and need > self.nbytes:
+            raise ValueError(f"SharedScratch: a reservation of {need} bytes after the buffer was allocated "
+                             f"at {self.nbytes}; reserve every runner's before the first call")
+        self.nbytes = max(self.nbytes, need)
+
+    def place(self, workspace):
+        """`workspace` (allocated on the meta device) on the buffer's device, its SHARED
+        fields in the buffer where they fit."""
+        import torch
+
+        if self.buffer is None:
+            self.buffer = torch.empty((self.nbytes,), dtype=torch.uint8, device=self.device)
+        shared = type(workspace).SHARED
+        fits, offset = self.shared_bytes(workspace) <= self.nbytes, 0
+        for field in dataclasses.fields(workspace):
+            meta = getattr(workspace, field.name)
+            if not isinstance(meta, torch.Tensor):
+                continue
+            if field.name in shared and fits:
+                real = self.buffer[offset:offset + meta.nbytes].view(meta.dtype).view(meta.shape)
+                offset += self._span(meta.nbytes)
+            elif field.name in shared:
+                real = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+            else:
+                real = torch.zeros(meta.shape, dtype=meta.dtype, device=self.device)
+            setattr(workspace, field.name, real)
+        return workspace
 
 
 class OwnServingStep:

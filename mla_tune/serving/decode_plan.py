@@ -13,7 +13,10 @@ lengths and block table, and replays a CUDA graph of the layers per batch size. 
         out = plan.run(q[layer], kv_cache[layer], kv_scale[layer])
 
 - The plan builds and warms (compiles, allocates) every runner it may pick for batches up
-  to `max_batch`, once: afterwards nothing allocates.
+  to `max_batch`, once: afterwards nothing allocates. The own runners' split partials are
+  views of one buffer, `plan.scratch` (kernels/serving_runner.SharedScratch), sized for
+  the largest of them at max_batch: a step runs one variant, so they need not have their
+  own. A plan's calls are therefore in stream order, as an engine's layers are.
 - `update` picks the variant from the serving table (serving/table.py) without
   timing anything: in a graph (spec.graph) the graph pick of the batch's bucket, which
   does not depend on the lengths; eagerly the table's estimated fastest for the batch and
@@ -55,6 +58,7 @@ import warnings
 import torch
 
 from mla_tune.core import QK_DIM, CallSpec, Variant
+from mla_tune.kernels.serving_runner import SharedScratch
 from mla_tune.locate import table_path
 from mla_tune.serving.call import Decoder, runner_step, spec_text, why_not
 from mla_tune.serving.table import ServingTable, batch_bucket, kv_bucket, load_serving_table
@@ -128,6 +132,12 @@ class DecodePlan:
                 reasons[variant.backend] = why_not(variant.backend, spec, self._default.platform)
             if variant not in self._decoders and reasons[variant.backend] is None:
                 self._decoders[variant] = Decoder(spec, variant=variant, device=self.device)
+        # the own runners' partials in one buffer (one runner runs a step); reserved before warm
+        self.scratch = SharedScratch(self.device)
+        for decoder in self._decoders.values():
+            share = getattr(decoder.runner, "share_scratch", None)
+            if share is not None:
+                share(self.scratch, max_batch * spec.max_q_len)
         if self._unrunnable:
             why = "; ".join(f"{n}: {r}" for n, r in sorted(reasons.items()) if r is not None)
             warnings.warn(f"serving table {self.table.path}: {len(self._unrunnable)} pick(s) for "
@@ -190,6 +200,11 @@ class DecodePlan:
     @property
     def variants(self) -> list[Variant]:
         return list(self._decoders)
+
+    @property
+    def runners(self) -> dict:
+        """Each variant's runner, the backend's (serving/call.py's Decoder.runner)."""
+        return {variant: decoder.runner for variant, decoder in self._decoders.items()}
 
     # ------------------------------------------------------------------ warm
     def warm(self) -> None:
