@@ -51,6 +51,18 @@ def unavailable(reason: str) -> NoReturn:
     pytest.skip(reason)
 
 
+def runnable_backends(names) -> list[str]:
+    """The backends of `names` that run here, for a GPU test that samples over whichever do;
+    in the require mode (see unavailable) one that does not fails the test, naming why."""
+    from mla_tune.backends import get_backend
+
+    reasons = {name: get_backend(name).unavailable_reason() for name in names}
+    missing = "; ".join(f"{name}: {reason}" for name, reason in reasons.items() if reason is not None)
+    if missing and torch.cuda.is_available() and os.environ.get(REQUIRE_BACKENDS) == "1":
+        unavailable(missing)
+    return [name for name, reason in reasons.items() if reason is None]
+
+
 def cpu_table(tmp_path: Path, name: str = "table.yaml", edit=None, versions: dict | None = None, **top) -> Path:
     """tests/data/table_cpu.yaml written to tmp_path/name with this process's versions (so it
     loads without a drift warning) updated by `versions`, top-level fields replaced by `top`,

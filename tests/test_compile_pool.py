@@ -22,6 +22,7 @@ from mla_tune.tune import compile_pool
 from mla_tune.tune.compile_pool import CompileJob, compile_shape_for, plan_jobs
 from mla_tune.tune.config import expand_space, load_config
 from tests.fakes.fake_warmup import MARKERS_ENV
+from tests.helpers import runnable_backends
 
 ROOT = Path(__file__).resolve().parent.parent
 LEADERBOARD = ROOT / "configs" / "leaderboard.yaml"
@@ -331,8 +332,7 @@ def test_after_the_pool_a_fresh_process_compiles_nothing_at_the_real_shapes(tmp_
     no Triton cache entry, and no first call (FlashInfer's JIT included) takes seconds."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
     platform = gpu.detect(0)
-    names = [n for n in ("triton", "triton_fused", "flashinfer", "flashmla")
-             if get_backend(n).unavailable_reason() is None]
+    names = runnable_backends(("triton", "triton_fused", "flashinfer", "flashmla"))
     pairs = _candidates(LEADERBOARD, platform, names)
     ends = (Shape(4, 1024), Shape(256, 8192))  # every vendor variant at the smallest and largest shape
     sample = list(dict.fromkeys(
