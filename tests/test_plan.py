@@ -320,6 +320,7 @@ def test_a_plans_own_runners_share_one_scratch_sized_for_the_largest():
         counts = getattr(workspace, "count", None)
         assert counts is None or not base <= counts.data_ptr() < end
     assert plan.scratch.nbytes == max(own) < sum(own)
+    assert f"{max(own) / 2**20:.1f} MiB of shared split partials" in repr(plan)
     for seed, (lens, mean) in enumerate([([190, 200, 210], 200), ([5, 9, 300, 17, 2, 64], None),
                                          ([250, 260, 270], 260), ([30, 2, 70, 1, 40, 9, 300, 3], None)]):
         _checked_step(plan, lens, seed=20 + seed, what=f"step {seed}", mean_kv_len=mean)

@@ -347,4 +347,5 @@ class DecodePlan:
 
     def __repr__(self) -> str:
         return (f"DecodePlan({spec_text(self.spec)}, up to {self.max_batch} sequences, "
-                f"{len(self._decoders)} variant(s), default {self._default.variant})")
+                f"{len(self._decoders)} variant(s), default {self._default.variant}, "
+                f"{self.scratch.nbytes / 2**20:.1f} MiB of shared split partials)")
