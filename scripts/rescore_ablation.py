@@ -12,7 +12,10 @@ p95 regret is within 5% and max within 15%, and the pooled geomean, p95 and max.
 
 Ablations (default: all): today, no_reduce_step_us, no_flashinfer_model, no_splitk_models,
 MODEL_WINDOW=inf, MODEL_WORKS=inf, SplitKModel.floor=0, GluonModel.floor=0.9,
-MIN_MEASURED_WEIGHT=0, MIN_MEASURED_WEIGHT=1, EXACT_WAVES=1000; and backend_offsets, a change of
+MIN_MEASURED_WEIGHT=0, MIN_MEASURED_WEIGHT=1, EXACT_WAVES=1000, gluon_EXACT_WAVES=2 (gluon_fused's
+replays deal fewer waves exactly); envelope_batch, envelope_length and envelope_both, the
+table's points replaced by their lower envelope (a variant's time at a point the least of its
+times there and at every point of a larger batch, a longer length, or both); and backend_offsets, a change of
 the lookup's form rather than a rule taken out: each family's estimates of a backend scaled by
 the median ratio of measured to estimated time over the even half's variants within 15% of
 their shape's best (fitted on the even half, so only the odd half judges it; the Python
@@ -37,6 +40,9 @@ FAMILY_EDITS = {
     "no_reduce_step_us": lambda f: setattr(f, "calibration", {}),
     "no_flashinfer_model": lambda f: setattr(f, "models", {v: m for v, m in f.models.items() if v.backend != "flashinfer"}),
     "no_splitk_models": lambda f: setattr(f, "models", {v: m for v, m in f.models.items() if v.backend != "triton"}),
+    "envelope_batch": lambda f: _envelope(f, lambda b, k, b2, k2: b2 >= b and k2 == k),
+    "envelope_length": lambda f: _envelope(f, lambda b, k, b2, k2: b2 == b and k2 >= k),
+    "envelope_both": lambda f: _envelope(f, lambda b, k, b2, k2: b2 >= b and k2 >= k),
 }
 CONSTANTS = {  # ablation -> (module, name, value)
     "MODEL_WINDOW=inf": (estimate, "MODEL_WINDOW", math.inf),
@@ -46,9 +52,19 @@ CONSTANTS = {  # ablation -> (module, name, value)
     "MIN_MEASURED_WEIGHT=0": (estimate, "MIN_MEASURED_WEIGHT", 0.0),
     "MIN_MEASURED_WEIGHT=1": (estimate, "MIN_MEASURED_WEIGHT", 1.0),
     "EXACT_WAVES=1000": (triton_splitk_schedule, "EXACT_WAVES", 1000),
+    "gluon_EXACT_WAVES=2": (gluon_fused_schedule, "EXACT_WAVES", 2),
 }
 FORMS = ("backend_offsets",)
 ABLATIONS = ("today", *FAMILY_EDITS, *CONSTANTS, *FORMS)
+
+
+def _envelope(family, beyond) -> None:
+    """family.points with each variant's time at a point the least of its times at the points
+    `beyond(batch, kv, batch2, kv2)` admits (the point itself included)."""
+    points = family.points
+    family.points = {(b, k): {v: min(t2[v] for (b2, k2), t2 in points.items() if v in t2 and beyond(b, k, b2, k2))
+                              for v in times}
+                     for (b, k), times in points.items()}
 
 
 def _offsets(table_path: Path, reports: list[Path]) -> dict:
