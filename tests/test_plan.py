@@ -201,9 +201,10 @@ def test_empty_host_lengths_are_refused_where_the_lookups_replays_would_divide_b
     # fp8, q_len 4: split-K models that divide a split budget by the batch (a SIGFPE in C)
     spec = CallSpec("fp8", page_size=64, heads=16, max_q_len=4, mixed_q_len=True, host_lengths=True)
     plan, _ = _plan(spec, load_serving_table(COMMITTED), max_batch=8)
-    qo = torch.arange(0, 4 * 8 + 1, 4, dtype=torch.int32)
-    layout = dict(block_table=torch.zeros((8, 50), dtype=torch.int32), seq_lens=torch.full((8,), 3000, dtype=torch.int32),
-                  q_lens_host=[4] * 8)
+    dev = plan.device
+    qo = torch.arange(0, 4 * 8 + 1, 4, dtype=torch.int32, device=dev)
+    layout = dict(block_table=torch.zeros((8, 50), dtype=torch.int32, device=dev),
+                  seq_lens=torch.full((8,), 3000, dtype=torch.int32, device=dev), q_lens_host=[4] * 8)
     with pytest.raises(ValueError, match="kv_lens_host holds 0 lengths for a step of 8 sequences"):
         plan.update(qo, **layout, kv_lens_host=[], mean_kv_len=3000.0)
     with pytest.raises(ValueError, match="kv_lens_host holds 0 lengths"):
@@ -295,9 +296,10 @@ def test_a_steps_pick_is_the_plans_own_variant_object(heads, q_len):
     for _ in range(200):
         lens = [1 + int(2 ** rng.uniform(0, 16)) for _ in range(rng.randint(1, 256))]
         batch = len(lens)
-        picked = plan.update(torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32),
-                             block_table=torch.zeros((batch, -(-max(lens) // 64)), dtype=torch.int32),
-                             seq_lens=torch.tensor(lens, dtype=torch.int32), q_lens_host=[q_len] * batch,
+        dev = plan.device
+        picked = plan.update(torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device=dev),
+                             block_table=torch.zeros((batch, -(-max(lens) // 64)), dtype=torch.int32, device=dev),
+                             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev), q_lens_host=[q_len] * batch,
                              kv_lens_host=lens)
         assert id(picked) in own and picked == plan.pick(batch, sum(lens) / batch, lens)
 

@@ -302,7 +302,7 @@ def test_points_write_times_every_point_in_passes_and_writes_the_table_with_thos
     assert written.points == {(1, 32): {S16: 15.0}, (2, 32): {S16: 40.0, DEF: 50.0},
                               (2, 64): {S16: 80.0, DEF: 90.0}}
     assert written.cells == CELLS  # as swept
-    retimed = load_serving_table(out).provenance["points_retimed"]
+    retimed = load_serving_table(out).provenance["points_retimed"][-1]
     assert ([retimed[k] for k in ("families", "points", "variant_times", "kept")]
             == [[str(KEY)], 3, 5, 0])
     assert retimed["from"] == str(table) and retimed["passes"] == 2
@@ -317,7 +317,12 @@ def test_points_write_times_every_point_in_passes_and_writes_the_table_with_thos
     monkeypatch.setattr(ServingInput, "reference", lambda *a, **k: pytest.fail("checked after the gate"))
     _run("points", "--table", table, "--samples", "1", "--passes", "1", "--workers", "2",
          "--write", tmp_path / "gated.yaml")
-    assert load_serving_table(tmp_path / "gated.yaml").provenance["points_retimed"]["variant_times"] == 5
+    assert load_serving_table(tmp_path / "gated.yaml").provenance["points_retimed"][-1]["variant_times"] == 5
+    # a run from a re-timed table adds its record after the first's (a long run split by family)
+    _run("points", "--table", out, "--samples", "1", "--passes", "1", "--workers", "2", "--write",
+         tmp_path / "chained.yaml")
+    chain = load_serving_table(tmp_path / "chained.yaml").provenance["points_retimed"]
+    assert [r["from"] for r in chain] == [str(table), str(out)]
     # a family the budget cuts short keeps all its times (its points are not mixed)
     output = _run("points", "--table", table, "--samples", "1", "--passes", "1", "--write", out,
                   "--budget", "0")

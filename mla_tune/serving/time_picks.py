@@ -457,7 +457,7 @@ def _write_points(table, table_path: str | Path, out: str | Path, rows: list[dic
     a variant not run here
     keeps its time, the cells their swept times, and the schedule models their fitted
     shapes (their rates come from the points). The provenance says what was timed again,
-    where and how (`points_retimed`)."""
+    where and how (`points_retimed`: a record per run, appended to the given table's)."""
     from mla_tune.serving.table import write_serving_table
 
     wanted = Counter(key for key, _batch, _kv in chosen)
@@ -473,10 +473,12 @@ def _write_points(table, table_path: str | Path, out: str | Path, rows: list[dic
             point[Variant.parse(v)] = round(t["passes"], 3)
         timed, kept, points = timed + len(row["variants"]), kept + len(row["failed"]), points + 1
     short = sorted(str(k) for k in wanted if k not in whole)
-    table.provenance = {**table.provenance, "points_retimed": {
+    # one record per run, after those of the runs the table came from (a long run split by family)
+    earlier = table.provenance.get("points_retimed", [])
+    table.provenance = {**table.provenance, "points_retimed": [*([earlier] if isinstance(earlier, dict) else earlier), {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "device": device,
         "from": str(table_path), **protocol, "families": sorted(str(k) for k in whole), "points": points,
-        "variant_times": timed, "kept": kept}}
+        "variant_times": timed, "kept": kept}]}
     write_serving_table(out, table)
     log(f"wrote {out}: {timed} variant times at {points} points of {len(whole)} families timed again; {kept} "
         "kept as swept (not run here)" + (f"; not reached in full, so left as swept: {'; '.join(short)}"
