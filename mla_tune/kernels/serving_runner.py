@@ -1,5 +1,5 @@
-"""The own kernel families' serving runner: what build_serving of the triton and
-triton_fused backends returns, and the checks their serving launchers share.
+"""The own kernel families' serving runner: what build_serving of the triton,
+triton_fused and gluon_fused backends returns, and the checks their serving launchers share.
 
 - `check_serving_build`: the checks both own build_serving functions start with;
 - `serving_launch_args`: the launch arguments both families take from a variant and a spec;
