@@ -9,7 +9,7 @@ import torch
 
 from mla_tune import core, gpu
 from mla_tune.backends import get_backend
-from mla_tune.core import CallSpec
+from mla_tune.core import CallSpec, Variant
 from mla_tune.kernels.fused_decode import FusedServingWorkspace
 from mla_tune.kernels.serving_runner import (
     OwnServingRunner,
@@ -104,3 +104,22 @@ def test_shared_scratch_reserves_first_places_views_and_keeps_a_larger_workspace
     alone = scratch.place(large)  # past the buffer: its own tensors
     assert tuple(alone.part_o.shape) == (8, 4, 16, 512)
     assert not scratch.buffer.data_ptr() <= alone.part_o.data_ptr() < scratch.buffer.data_ptr() + scratch.nbytes
+
+
+@pytest.mark.parametrize("heads, q_len, budget", [(128, 1, 66), (128, 2, 33), (128, 4, 17), (16, 4, 132),
+                                                   (16, 1, 0), (16, 2, 0)])
+def test_the_gpu_default_of_64_rows_shares_one_wave_of_splits_and_holds_what_that_launches(heads, q_len, budget):
+    """On a GPU (an H200's 132 SMs) the split-K default whose head tile makes 64 MMA rows takes
+    a batch budget of one wave over its head tiles (docs/perf.md 7), so its scratch is what
+    that budget launches; a 16- or 32-row default and the interpreter's keep none."""
+    spec = CallSpec("fp8", page_size=64, heads=heads, max_q_len=q_len)
+    triton = get_backend("triton")
+    variant = triton.default_serving_variant(spec, gpu.fake_platform("H200"))
+    assert variant.get("split_budget", 0) == budget
+    assert (variant.get("num_warps"), variant.get("tokens_per_split")) == ((8, 128) if budget else (4, 512))
+    assert "split_budget" not in triton.default_serving_variant(spec, gpu.fake_platform("cpu")).p
+    if budget:
+        unbudgeted = Variant.parse(str(variant).replace(f"split_budget={budget},", ""))
+        # built here, on the CPU's SM count; on an H200's 132: scripts/compare_recorded.py --defaults
+        alone = [triton.build_serving(v, spec, "cpu").scratch_bytes(256 * q_len) for v in (variant, unbudgeted)]
+        assert alone[0] * 2 < alone[1]

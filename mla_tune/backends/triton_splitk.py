@@ -290,6 +290,7 @@ _tsk_SERVING_MAX_SPLITS = 64
 _tsk_MMA_ROWS = 16  # the smallest tl.dot M: block_h x next_pow2(max_q_len) rows per program
 _tsk_GPU_ROWS = 64  # rows per program of the GPU default (head tile x new tokens)
 _tsk_GPU_TOKENS_PER_SPLIT = 512
+_tsk_GPU_BUDGET_TOKENS_PER_SPLIT = 128  # the 64-row GPU default's, with its batch budget
 
 
 def _tsk_next_pow2(n: int) -> int:
@@ -299,11 +300,13 @@ def _tsk_next_pow2(n: int) -> int:
 def default_serving_variant(spec: CallSpec, platform) -> Variant:
     """A correct, untuned serving variant for `spec` on `platform` (mla_tune.gpu.Platform):
     on a GPU, heads per program for 64 MMA rows (head tile x next_pow2(max_q_len), at most
-    all the heads) with 8 warps and a split every 512 tokens; without one (the
-    interpreter), the fewest heads that fill 16 rows, 4 warps, a split every 256 tokens.
-    max_splits lets one sequence fill the platform's SMs (`sm_count`; a platform without
-    any stands in a few); bf16 q, and bf16 dots (fp16 where no GPU runs them: the
-    interpreter's bf16 dot is wrong)."""
+    all the heads); where they make 64 rows, 8 warps, a split every 128 tokens and a batch
+    budget of one wave of splits (split_budget ceil(sm_count / head tiles), shared by the
+    sequences by length), else 4 warps, a split every 512 tokens and no budget; without one
+    (the interpreter), the fewest heads that fill 16 rows, 4 warps, a split every 256 tokens
+    and no budget. max_splits lets one sequence fill the platform's SMs
+    (`sm_count`; a platform without any stands in a few); bf16 q, and bf16 dots (fp16 where
+    no GPU runs them: the interpreter's bf16 dot is wrong)."""
     reason = CAPABILITIES.refusal(spec)
     if reason is not None:
         raise ValueError(f"triton cannot serve {spec}: {reason}")
@@ -316,7 +319,7 @@ def default_serving_variant(spec: CallSpec, platform) -> Variant:
         # KV is read once per head tile); the interpreter keeps the small tile (test time).
         block_h = min(spec.heads, max(block_h, _tsk_GPU_ROWS // rows))
         warps = 8 if block_h * rows >= _tsk_GPU_ROWS else 4
-        tokens = _tsk_GPU_TOKENS_PER_SPLIT
+        tokens = _tsk_GPU_BUDGET_TOKENS_PER_SPLIT if warps == 8 else _tsk_GPU_TOKENS_PER_SPLIT
     if spec.heads % block_h:
         raise ValueError(f"triton: {spec.heads} heads do not split into tiles of {block_h} heads "
                          f"(the 16 MMA rows at max_q_len {spec.max_q_len}); use heads from "
@@ -324,10 +327,14 @@ def default_serving_variant(spec: CallSpec, platform) -> Variant:
     sm_count = platform.sm_count or _tsk_INTERPRETER_SMS
     head_tiles = spec.heads // block_h
     max_splits = max(1, min(-(-sm_count // head_tiles), _tsk_SERVING_MAX_SPLITS))
+    # The 64-row GPU default's batch shares one wave of splits (docs/perf.md 7, "Split-K's GPU
+    # default of 64 MMA rows shares one wave of splits": faster than max_splits per sequence
+    # at most recorded cells, and its scratch is what the budget launches)
+    budget = batch_split_budget(1, sm_count, head_tiles) if platform.has_gpu and warps == 8 and max_splits > 1 else 0
     return Variant.make(
         NAME, kv=spec.kv_format, q="bf16", block_n=64, block_h=block_h, max_splits=max_splits,
         tokens_per_split=tokens, num_warps=warps, num_stages=2,
-        dot_dtype="bf16" if platform.has_gpu else "fp16",
+        dot_dtype="bf16" if platform.has_gpu else "fp16", **({"split_budget": budget} if budget else {}),
     )
 
 
