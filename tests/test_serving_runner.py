@@ -123,3 +123,18 @@ def test_the_gpu_default_of_64_rows_shares_one_wave_of_splits_and_holds_what_tha
         # built here, on the CPU's SM count; on an H200's 132: scripts/compare_recorded.py --defaults
         alone = [triton.build_serving(v, spec, "cpu").scratch_bytes(256 * q_len) for v in (variant, unbudgeted)]
         assert alone[0] * 2 < alone[1]
+
+
+def test_the_recorded_comparison_behind_the_gpu_default_runs_on_the_committed_sweep(capsys, monkeypatch):
+    """scripts/compare_recorded.py --defaults (docs/perf.md 7's figures) pairs today's default
+    with the sweep's unbudgeted one in the eight families of 64-row defaults."""
+    import runpy
+    import sys
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", ["compare_recorded.py", "--defaults"])
+    runpy.run_path(str(ROOT / "scripts" / "compare_recorded.py"), run_name="__main__")
+    lines = capsys.readouterr().out.splitlines()
+    compared = [line for line in lines if " cells, B / A median " in line]
+    assert len(compared) == 8 and all(float(line.split("median ")[1].split(",")[0]) < 0.9 for line in compared)
+    assert sum("is the one the sweep timed" in line for line in lines) == 4  # 16 heads, q_len 1-2
