@@ -312,14 +312,15 @@ def default_serving_variant(spec: CallSpec, platform) -> Variant:
         raise ValueError(f"triton cannot serve {spec}: {reason}")
     rows = _tsk_next_pow2(spec.max_q_len)
     block_h = max(1, _tsk_MMA_ROWS // rows)
-    warps, tokens = 4, _tsk_SERVING_TOKENS_PER_SPLIT
+    warps, tokens, full = 4, _tsk_SERVING_TOKENS_PER_SPLIT, False
     if platform.has_gpu:
         # On the H200 (docs/perf.md, "head tiles"), 128 heads at ~4k tokens: 64 rows per
         # program with 8 warps and a split per 512 tokens ran 1.7x faster than 16 rows (the
         # KV is read once per head tile); the interpreter keeps the small tile (test time).
         block_h = min(spec.heads, max(block_h, _tsk_GPU_ROWS // rows))
-        warps = 8 if block_h * rows >= _tsk_GPU_ROWS else 4
-        tokens = _tsk_GPU_BUDGET_TOKENS_PER_SPLIT if warps == 8 else _tsk_GPU_TOKENS_PER_SPLIT
+        full = block_h * rows >= _tsk_GPU_ROWS  # the 64-row tile: 8 warps and a batch budget
+        warps = 8 if full else 4
+        tokens = _tsk_GPU_BUDGET_TOKENS_PER_SPLIT if full else _tsk_GPU_TOKENS_PER_SPLIT
     if spec.heads % block_h:
         raise ValueError(f"triton: {spec.heads} heads do not split into tiles of {block_h} heads "
                          f"(the 16 MMA rows at max_q_len {spec.max_q_len}); use heads from "
@@ -330,7 +331,7 @@ def default_serving_variant(spec: CallSpec, platform) -> Variant:
     # The 64-row GPU default's batch shares one wave of splits (docs/perf.md 7, "Split-K's GPU
     # default of 64 MMA rows shares one wave of splits": faster than max_splits per sequence
     # at most recorded cells, and its scratch is what the budget launches)
-    budget = batch_split_budget(1, sm_count, head_tiles) if platform.has_gpu and warps == 8 and max_splits > 1 else 0
+    budget = batch_split_budget(1, sm_count, head_tiles) if full and max_splits > 1 else 0
     return Variant.make(
         NAME, kv=spec.kv_format, q="bf16", block_n=64, block_h=block_h, max_splits=max_splits,
         tokens_per_split=tokens, num_warps=warps, num_stages=2,

@@ -475,7 +475,8 @@ def _write_points(table, table_path: str | Path, out: str | Path, rows: list[dic
     short = sorted(str(k) for k in wanted if k not in whole)
     # one record per run, after those of the runs the table came from (a long run split by family)
     earlier = table.provenance.get("points_retimed", [])
-    table.provenance = {**table.provenance, "points_retimed": [*([earlier] if isinstance(earlier, dict) else earlier), {
+    earlier = [earlier] if isinstance(earlier, dict) else list(earlier)  # one record, before lists
+    table.provenance = {**table.provenance, "points_retimed": [*earlier, {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "device": device,
         "from": str(table_path), **protocol, "families": sorted(str(k) for k in whole), "points": points,
         "variant_times": timed, "kept": kept}]}
