@@ -25,6 +25,11 @@
 #       (its shared split budget), the ragged mix that budget is for beside FlashMLA and two
 #       large-batch cells beside their swept times (`mla-tune time mix`), `mla-tune verify`
 #       at seeds 3 and 4 (SEEDS= others)
+#   bash scripts/gpu_acceptance.sh splitk-default      # on one GPU: split-K's default serving variant
+#       beside the unbudgeted one it replaced (a split every 512 tokens, no split_budget), timed
+#       new, old, old, new by `mla-tune time mix` at four mixes in four 64-row families (MIXES=
+#       ;-separated --lens, FAMILIES= kv/heads/q_len), the table's picks and the vendors beside;
+#       then DecodePlan's scratch and update host time per family (bench_update.py --by-family)
 #   RESULTS=... CONFIG=... DEVICES=... bash scripts/gpu_acceptance.sh serving-sweep-chunk   # one
 #       chunk of the serving sweep, resumed from the previous chunk's results (they come back
 #       in $OUT as H200.serving.results.tgz; DEVICES=0,1 runs a shard per GPU)
@@ -60,7 +65,7 @@
 # It works in /tmp/acceptance and copies what matters (the table, its results file, the logs,
 # at most 8 files: what the device tool brings back) to $OUT (or ./gpu_out).
 set -uo pipefail
-modes="gpu-suite|leaderboard-levers|serving-verify|serving-recheck|serving-points|serving-adopt|leaderboard-sweep|leaderboard-budget|leaderboard-export|sweep-safety|serving-tests|serving-splitk|serving-sweep-chunk|serving-table"
+modes="gpu-suite|splitk-default|leaderboard-levers|serving-verify|serving-recheck|serving-points|serving-adopt|leaderboard-sweep|leaderboard-budget|leaderboard-export|sweep-safety|serving-tests|serving-splitk|serving-sweep-chunk|serving-table"
 mode=${1:?usage: gpu_acceptance.sh $modes}
 keep=${OUT:-gpu_out}
 out=/tmp/acceptance
@@ -239,6 +244,44 @@ serving-splitk)
       --shapes 60 --ragged 20 --budget 130 --max-p95 0.05 --max-regret 0.15 --json "$out/verify$seed.json" \
       > "$out/verify$seed.log" 2>&1; grep -v -i warn "$out/verify$seed.log" | tail -9
   done
+  ;;
+splitk-default)
+  # each line: FAMILY NEW OLD (OLD: NEW without its budget, a split every 512 tokens)
+  python3 - "${FAMILIES:-fp8/128/1 bf16/128/1 fp8/128/4 fp8/16/4}" > "$out/defaults.txt" <<'PY'
+import sys
+from mla_tune import gpu
+from mla_tune.backends import get_backend
+from mla_tune.core import CallSpec, Variant
+platform = gpu.detect()
+for family in sys.argv[1].split():
+    kv, heads, q_len = family.split("/")
+    new = get_backend("triton").default_serving_variant(
+        CallSpec(kv, page_size=64, heads=int(heads), max_q_len=int(q_len)), platform)
+    old = Variant.make("triton", **{**{k: v for k, v in new.p.items() if k != "split_budget"}, "tokens_per_split": 512})
+    print(family, new, old)
+PY
+  cat "$out/defaults.txt"
+  IFS=';' read -r -a mixes <<< "${MIXES:-4501,2796,56221;512*256;4000*64;20000*40}"
+  while read -r family new old; do
+    IFS=/ read -r kv heads q_len <<< "$family"
+    for lens in "${mixes[@]}"; do
+      [ "$SECONDS" -lt "${MIX_S:-420}" ] || { echo "mix $family $lens: left out, out of time" | tee -a "$out/walls.txt"; continue; }
+      echo "== $family $lens" >> "$out/mix.log"
+      timed "mix-$family-$lens" timeout 90 python3 -m mla_tune time mix --table tables/H200.serving.yaml --kv "$kv" \
+        --heads "$heads" --q-len "$q_len" --lens "$lens" --variant "$new" --variant "$old" --variant "$old" \
+        --variant "$new" >> "$out/mix.log" 2>&1
+    done
+  done < "$out/defaults.txt"
+  # the table: per family and mix, new and old (mean of the two positions) and old / new
+  awk '/^== /{f=$2; m=$3; n1=n2=o1=o2=""; bad=""} $1 ~ /^extra[1-4]$/ && $4 != "ok"{bad=" FAIL"}
+       $1=="extra1"{n1=$2} $1=="extra2"{o1=$2} $1=="extra3"{o2=$2}
+       $1=="extra4"{n2=$2; if (n1+0 > 0 && n2+0 > 0 && o1+0 > 0 && o2+0 > 0)
+         printf "%-11s %-16s new %7.1f (%7.1f %7.1f) old %7.1f (%7.1f %7.1f) old/new %.3f%s\n", f, m, (n1+n2)/2, n1, n2,
+           (o1+o2)/2, o1, o2, (o1+o2)/(n1+n2), bad; else print f, m, "a default did not run" bad}' "$out/mix.log" \
+    | tee "$out/defaults_table.txt"
+  timed update timeout 150 python3 scripts/bench_update.py --device cuda --warm --by-family --mixes 300 \
+    --json "$out/update_c.json" 2>&1 | grep -v -i warn | tail -30
+  cp "$out/mix.log" "$out/defaults_table.txt" "$keep/"
   ;;
 serving-sweep-chunk)
   # the serving sweep, one chunk per device command (the sweep stops cleanly at
