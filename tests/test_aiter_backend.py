@@ -29,10 +29,6 @@ def data():
     return problem.generate_input(SHAPE.batch, SHAPE.kv_len, seed=7, device="cpu")
 
 
-def _params(sig):
-    return [(p.name, p.kind.name, p.default) for p in sig.parameters.values()]
-
-
 # Parameter lists of ROCm/aiter v0.1.11 and f3be04a12a (aiter/mla.py, aiter/ops/attention.py).
 _V0111_DECODE = [
     "q", "kv_buffer", "o", "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_lens", "max_seqlen_q",
@@ -90,7 +86,8 @@ def test_fake_has_the_signatures_of_its_release_and_the_backend_reads_them(aiter
     entries = (aiter.mla.mla_decode_fwd, aiter.get_mla_metadata_info_v1, aiter.get_mla_metadata_v1,
                aiter.mla_decode_stage1_asm_fwd, aiter.mla_reduce_v1)
     for entry, spec in zip(entries, _SIGNATURES[aiter.__version__], strict=True):
-        assert _params(inspect.signature(entry)) == _expected(spec), entry.__name__
+        got = [(p.name, p.kind.name, p.default) for p in inspect.signature(entry).parameters.values()]
+        assert got == _expected(spec), entry.__name__
     # pybind ops declared without py::arg names take positional arguments only
     for op in (aiter.static_per_tensor_quant, aiter.dynamic_per_tensor_quant):
         assert {p.kind.name for p in inspect.signature(op).parameters.values()} == {"POSITIONAL_ONLY"}

@@ -17,16 +17,13 @@ from mla_tune.tune.config import ConfigError, config_from_dict, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = Shape(2, 16)
+FP8_STATIC = {"torch": {}, "triton": {"kv": ["fp8"], "q": ["bf16", "fp8_static"]}}  # offers q=fp8_static
 
 
 def _raw(**changes) -> dict:
     raw = yaml.safe_load((REPO / "tests" / "data" / "sweep_torch.yaml").read_text())
     raw.update(changes)
     return raw
-
-
-def _spaces_with_fp8_static() -> dict:
-    return {"torch": {}, "triton": {"kv": ["fp8"], "q": ["bf16", "fp8_static"]}}
 
 
 def test_generator_calibration_is_the_max_over_calibration_seeds_and_says_so():
@@ -47,7 +44,7 @@ def test_a_q_sample_file_calibrates_from_its_max_and_records_its_hash(tmp_path):
     sample[0, 0, 0] = 70.0  # the real q's outlier channel
     torch.save(sample, tmp_path / "q.pt")
     config = config_from_dict(_raw(calibration={"q_sample": "q.pt", "margin": 1.2},
-                                   backends=_spaces_with_fp8_static()), tmp_path / "c.yaml")
+                                   backends=copy.deepcopy(FP8_STATIC)), tmp_path / "c.yaml")
     spec = config.calibration
     assert spec.source == "q_sample" and spec.q_sample == str((tmp_path / "q.pt").resolve())
     record = calibrate(spec.as_dict(), SHAPE, [11], "cpu")  # as it travels to the worker
@@ -107,9 +104,8 @@ def test_a_q_sample_that_is_not_q_fails_at_config_load(tmp_path, content, messag
 
 
 def test_a_serving_config_refuses_generator_calibration_of_fp8_static():
-    spaces = _spaces_with_fp8_static()
     for calib in (None, {"generator": "leaderboard"}):
-        raw = _raw(purpose="serving", backends=copy.deepcopy(spaces))
+        raw = _raw(purpose="serving", backends=copy.deepcopy(FP8_STATIC))
         if calib is not None:
             raw["calibration"] = calib
         with pytest.raises(ConfigError, match=r"'calibration': a serving config offers q=fp8_static \(triton\) "
@@ -122,7 +118,7 @@ def test_a_serving_config_refuses_generator_calibration_of_fp8_static():
     with pytest.raises(ConfigError, match="'purpose': must be one of leaderboard, serving"):
         config_from_dict(_raw(purpose="prod"))
     # with a real source it loads; without fp8_static it needs none
-    ok = config_from_dict(_raw(purpose="serving", backends=spaces, calibration={"q_amax": 30.0}))
+    ok = config_from_dict(_raw(purpose="serving", backends=copy.deepcopy(FP8_STATIC), calibration={"q_amax": 30.0}))
     assert ok.calibration.source == "q_amax" and ok.calibration.purpose == "serving"
     assert config_from_dict(_raw(purpose="serving")).calibration.source is None
 

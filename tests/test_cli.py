@@ -20,8 +20,7 @@ from tests.helpers import CPU_TABLE as TABLE
 from tests.helpers import NARROW, REPO, assert_commands_import_no_torch, invoke
 
 H200 = REPO / "tables" / "H200.yaml"
-# The H200 table as it stood before the budgeted search: fixed numbers for exact assertions,
-# whatever a later sweep commits to tables/.
+# the H200 table before the budgeted search: fixed numbers for exact assertions
 H200_FIXED = REPO / "tests" / "data" / "H200.pre-search.yaml"
 
 
@@ -178,8 +177,8 @@ def test_path_and_domain_errors_exit_1_in_one_line_naming_the_file(tmp_path):
         (("export", "--table", TABLE, "-o", tmp_path, "--only", "torch"),
          f"-o {tmp_path} is a directory; name the submission file"),
         (("show", "--table", broken), f"table {broken}: schema is 7"),
-        (("export", "--table", TABLE, "-o", tmp_path / "x.py", "--only", "aiter"),
-         "add triton or torch to --only"),
+        (("export", "--table", TABLE, "-o", tmp_path / "x.py", "--only", "aiter"),  # no fallback left
+         "the fallback needs the triton or the torch backend, but --only allows only aiter; add triton or torch to --only"),
         (("export", "--gpu", "H200", "--table", TABLE, "-o", tmp_path / "x.py"),
          "is for cpu, not H200"),
         (("export", "--table", TABLE, "-o", tmp_path / "x.py", "--only", "warp"),

@@ -115,7 +115,6 @@ def test_every_leaderboard_candidate_compiles_at_its_stand_in_exactly_the_kernel
     pairs = _candidates(LEADERBOARD, h200, ("triton", "triton_fused", "flashmla"))
     assert len(pairs) > 500
     keys = LaunchKeys(monkeypatch)
-    checked = 0
     for variant, shape in pairs:
         standin = compile_shape_for(shape, variant, h200.sm_count)
         assert standin.total_kv <= 2048, (variant, shape, standin)  # small: at most 2048 tokens
@@ -123,8 +122,6 @@ def test_every_leaderboard_candidate_compiles_at_its_stand_in_exactly_the_kernel
         # FlashMLA's bf16 path is all vendor code; every other candidate launches Triton
         assert real or str(variant) == "flashmla(kv=bf16,q=bf16)", f"{variant} launched no Triton kernel"
         assert keys.of(variant, standin) == real, f"{variant} at {shape} vs its stand-in {standin}"
-        checked += 1
-    assert checked == len(pairs)
 
 
 def test_a_shape_class_stand_in_cannot_run_the_splits_compile_shape_for_keeps(monkeypatch):

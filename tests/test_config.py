@@ -161,12 +161,6 @@ def test_seconds_must_be_positive_finite_numbers_prune_factor_at_least_one_and_r
         load_config(write(tmp_path, with_change(**changes)))
 
 
-def test_nan_in_yaml_spelling_is_refused_as_the_dry_run_would_have_let_it_through(tmp_path):
-    text = yaml.safe_dump(VALID).replace("budget_s: 60", "budget_s: .nan")
-    with pytest.raises(ConfigError, match="'budget_s'"):
-        load_config(write(tmp_path, text))
-
-
 def test_unreadable_or_odd_files_give_one_line_naming_the_file(tmp_path):
     bomb = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
         f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"

@@ -57,10 +57,8 @@ def _run_variant(variant: Variant, data, device):
     return runner(*data[:4])
 
 
-# (kv_lens, num_splits, block_n, kv, q, register-file options, seed): every kv format x q
-# mode, kv_len 1, 17, 100, 301 and 3001 (odd, many tiles), more splits than blocks (100
-# tokens, 8 splits of 32: four empty), ragged batches; then stage 1 for AMD's register file:
-# the value columns split over two programs (v_split) and/or the score dot in chunks (qk_split).
+# (kv_lens, num_splits, block_n, kv, q, register-file options, seed): every kv format x q mode,
+# kv_len 1 to 3001, empty splits, ragged batches; then AMD's v_split and qk_split in stage 1.
 CASES = [
     ([1], 1, 16, "bf16", "bf16", {}, 7),
     ([17, 17], 2, 16, "fp8", "fp8_dynamic", {}, 7),
@@ -87,9 +85,7 @@ def test_kernel_and_register_file_options_match_reference_in_their_formats(
     params = dict(_options(device), kv=kv, q=q, num_splits=num_splits, block_n=block_n, **registers)
     q_amax = None
     if q == "fp8_static":
-        # Below the calibrated amax, so some values of q are clamped, as in serving.
-        q_amax = 0.8 * _calibrated_q_amax(len(kv_lens), device)
-        # (The register-file cases' q need not reach it: at 1x17, seed 11, none does.)
+        q_amax = 0.8 * _calibrated_q_amax(len(kv_lens), device)  # some q clamps (register cases: need not)
         assert registers or bool((data[0].abs() > q_amax).any())
         params["q_amax"] = q_amax
     out = _run_variant(Variant.make("triton", **params), data, device)
@@ -197,22 +193,20 @@ def test_hip_options_are_offered_only_on_rocm():
     assert len(nvidia) == 1 and nvidia[0].get("waves_per_eu") is None
 
 
-def test_candidates_name_an_unknown_key():
-    with pytest.raises(ValueError, match="block_size.*known"):
-        triton_splitk.candidates(Shape(4, 1024), {"block_size": [32]}, fake_platform("H200"))
-    with pytest.raises(ValueError, match="mxfp4"):
-        triton_splitk.candidates(Shape(4, 1024), {"kv": ["mxfp4"]}, fake_platform("H200"))
+@pytest.mark.parametrize("space,message", [({"block_size": [32]}, "block_size.*known"), ({"kv": ["mxfp4"]}, "mxfp4")])
+def test_candidates_name_an_unknown_key_or_format(space, message):
+    with pytest.raises(ValueError, match=message):
+        triton_splitk.candidates(Shape(4, 1024), space, fake_platform("H200"))
 
 
 # ---------------------------------------------------- stage 1 for AMD's register file
 def test_v_split_halves_write_every_column_and_one_lse(device, monkeypatch):
-    # Poison the partials: a column or an lse that no program writes shows up as NaN.
     data = problem.generate_input(2, 70, seed=4, device=device)
     q, kv_data, _qo, kv_indptr, _cfg = data
     kv, kv_scale = kv_data["fp8"]
     workspace = FlashDecodeWorkspace.allocate(2, 3, device)
     workspace.part_out.fill_(float("nan"))
-    workspace.part_lse.fill_(float("nan"))
+    workspace.part_lse.fill_(float("nan"))  # a column or an lse no program writes stays NaN
     out = torch.full((2, 16, 512), float("nan"), dtype=torch.bfloat16, device=device)
     flash_decode(q, kv, kv_scale, kv_indptr, out, num_splits=3, workspace=workspace, v_split=2, qk_split=4,
                  **_options(device))
@@ -245,8 +239,7 @@ def test_candidates_leave_default_register_options_out_of_the_name():
 
 
 def test_candidates_refuse_what_cannot_fit_the_platforms_lds():
-    # gfx942's 64 KiB: bf16 KV at block_n 64 with 2 stages keeps a 73728-byte tile in LDS
-    # (what its compiled binary holds, xcompile.md); block_n 32 (36864) fits.
+    # gfx942's 64 KiB: bf16 KV at block_n 64, 2 stages needs 73728 B of LDS; block_n 32 fits.
     space = {**SPACE, "kv": ["bf16"], "q": ["bf16"], "num_splits": [1], "block_n": [32, 64],
              "num_stages": [2]}
     mi300x = dataclasses.replace(fake_platform("MI300X"), smem_per_sm=64 * 1024)

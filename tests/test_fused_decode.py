@@ -1,12 +1,7 @@
 """The one-launch fused decode (backend triton_fused, and fused_decode called directly for its
-V split: two programs per (split, sequence), each with half the V dims) against the fp32
-reference.
-
-CPU: the interpreter with fp16 dots (its bf16 dots are wrong), reductions `none` and `last`
-(`spin` waits for programs the interpreter runs one after another: GPU only). GPU: the 8
-leaderboard shapes under `strict` (MXFP4 under `leaderboard`), the V split at three of them.
-gfx942's fp8 (e4m3fnuz) cannot be converted to e4m3 by Triton's AMD backend, so the fp8 a
-dot casts to follows the KV's dtype (fused_decode.fu_dot_code).
+V split) against the fp32 reference. CPU: fp16 dots, reductions `none` and `last`; GPU (`spin`
+too): the 8 leaderboard shapes under `strict` (MXFP4 under `leaderboard`). An fp8 dot casts to
+the KV's fp8 dtype (gfx942's e4m3fnuz: fused_decode.fu_dot_code).
 """
 
 import math
@@ -29,10 +24,8 @@ def _variant(**params) -> Variant:
     return Variant.make("triton_fused", **{**CPU_BASE, **params})
 
 
-# (kv, lens, params, seed). Every KV format at a single token, a partial tile (heads on M),
-# ragged batches with empty splits in the short sequences. Then the levers: TMA loads
-# (device and host descriptors), the persistent grid, and the MXFP4 dequantization. Under the
-# interpreter the persistent grid has 3 "SMs", so sequences are cut between programs.
+# (kv, lens, params, seed): every KV format at 1 token, a partial tile, ragged batches with empty
+# splits; then TMA loads, the persistent grid (3 "SMs" here: sequences cut between programs), MXFP4.
 CASES = [(kv, lens, dict(num_splits=num_splits, reduce=reduce, tok_m=tok_m), 7)
          for kv in ("bf16", "fp8", "mxfp4") for lens, num_splits, reduce, tok_m in [
              ([1], 1, "none", True),  # a single token
@@ -79,16 +72,11 @@ def test_last_reducer_and_persistent_grid_reset_their_counters_so_calls_repeat(d
     assert rel_l2(first, problem.reference(data, q_format="bf16", kv_format="fp8")) < 1e-2
 
 
-# MXFP4 bit dequantization (the kernel's integer bit operations) through the kernel itself:
-# one token per sequence and q = 0 make every score 0, so p = 1, l = 1 and the output is the
-# token's V row as the kernel dequantized it into the dot dtype, then rounded to bf16. Block
-# j's byte i holds code i in its low nibble and (i + j) % 16 in its high one: every block
-# has all 16 E2M1 codes in both nibbles, and the 16 blocks of a row all 256 byte values.
 def _mx_rows_through_decode(scale_bytes: list[int], params: dict, device, exact_from: int):
-    """The decode's output for single-token rows whose 16 V blocks take `scale_bytes` in order
-    (further blocks, and the rope blocks, scale byte 127), asserted equal to the fp32
-    reference dequantization where the scale byte is >= exact_from; (the largest error
-    anywhere, each output dim's scale byte [rows, 512])."""
+    """The decode of single-token rows with q = 0 (so the output is the token's V row as the
+    kernel dequantized it), whose 16 V blocks take `scale_bytes` (others 127) and hold every
+    E2M1 code in both nibbles: asserted equal to the fp32 dequantization where the scale byte is
+    >= exact_from; returns (the largest error anywhere, each output dim's scale byte)."""
     rows = -(-len(scale_bytes) // 16)
     flat = torch.full((rows * 16,), 127, dtype=torch.uint8)
     flat[: len(scale_bytes)] = torch.tensor(scale_bytes, dtype=torch.uint8)
@@ -111,10 +99,8 @@ def _mx_rows_through_decode(scale_bytes: list[int], params: dict, device, exact_
 
 
 def test_mxfp4_bit_dequantization_is_exact_for_every_code_at_the_fp16_dots_scales(device):
-    # fp16 dots (the interpreter's bf16 dots are wrong): c x 2^(b - 127) for every code c is
-    # an fp16 value exactly for scale bytes 104..140; bytes above make inf K and NaN scores,
-    # bytes below round to fp16's subnormal grid of 2^-24, so only their error (at most
-    # 2^-25) is checked. The GPU test below covers bytes 0..252 with bf16 dots.
+    # fp16 dots: c x 2^(b - 127) is exact in fp16 for bytes 104..140 (above: inf K); bytes below
+    # round to fp16's subnormal grid of 2^-24, so only their error is checked.
     err, byte = _mx_rows_through_decode(list(range(141)), CPU_BASE, device, exact_from=104)
     assert set(byte[byte >= 104].tolist()) == set(range(104, 141))  # (and byte 127's padding)
     assert err <= 2.0**-25
@@ -187,21 +173,15 @@ def test_an_fp8_dot_follows_the_caches_fp8():
         assert fu_dot_code(dot, fnuz) == fu_dot_code(dot, fn) == FU_DOT_CODES[dot]
 
 
-def _as_fnuz(data):
-    """The same inputs with the fp8 cache requantized to e4m3fnuz (max 240) per tensor."""
-    kv8, scale = data[1]["fp8"]
+def test_fused_decode_reads_an_fnuz_cache_with_fp8_dots(device):
+    # fp8 q x fp8 K and fp8 P x fp8 V (P scaled into fnuz's 240): a few percent off even with
+    # e4m3fn at these sizes, so the fnuz cache must do as well as the e4m3fn one.
+    ocp = ragged_input([17, 40], seed=5, device=device)
+    kv8, scale = ocp[1]["fp8"]  # requantized to e4m3fnuz (max 240) per tensor:
     values = kv8.float() * scale
     fnuz_scale = values.abs().amax().reshape(1) / torch.finfo(torch.float8_e4m3fnuz).max
-    kv_fnuz = (values / fnuz_scale).to(torch.float8_e4m3fnuz)
-    return (data[0], {**data[1], "fp8": (kv_fnuz, fnuz_scale.float())}, *data[2:])
-
-
-def test_fused_decode_reads_an_fnuz_cache_with_fp8_dots(device):
-    # fp8 q x fp8 K, and fp8 P x fp8 V (P scaled into the fp8's range: 256 would overflow
-    # fnuz's 240). At these tiny sizes fp8 dots are a few percent off even with e4m3fn
-    # (about 0.05 to 0.09 here): the fnuz cache must do as well as the e4m3fn one.
-    ocp = ragged_input([17, 40], seed=5, device=device)
-    fnuz = _as_fnuz(ocp)
+    fnuz = (ocp[0], {**ocp[1], "fp8": ((values / fnuz_scale).to(torch.float8_e4m3fnuz), fnuz_scale.float())},
+            *ocp[2:])
     for q, qk_dot, pv_dot in (("fp8_dynamic", "fp8", "fp16"), ("bf16", "fp16", "fp8"),
                               ("fp8_dynamic", "fp8", "fp8")):
         variant = _variant(kv="fp8", q=q, qk_dot=qk_dot, pv_dot=pv_dot, num_splits=1, reduce="none")

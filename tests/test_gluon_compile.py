@@ -1,9 +1,6 @@
-"""The Gluon kernels compile for sm_90 with the installed Triton, on a machine without a GPU:
-gluon_fused's leaderboard decode (its launches, shared memory and PTX) and its serving kernel
-(without spills, within an H200 block's shared memory), captured from the backends' real paths
-as `mla-tune compile` does. CI runs this with Triton 3.9; the contest's Triton 3.6 runs it with
-`/work/venv36/bin/python -m pytest -q tests/test_gluon_compile.py`.
-"""
+"""The Gluon kernels, captured as `mla-tune compile` does, compile for sm_90 with the installed
+Triton (3.9 in CI; 3.6: /work/venv36/bin/python -m pytest) without a GPU: gluon_fused's decode
+(launches, shared memory, PTX) and serving kernel (no spills, within an H200 block's smem)."""
 
 import re
 

@@ -1,6 +1,6 @@
-"""Warp specialization (`ws`) of the Gluon decode. CPU: its rules, shared memory, residency,
-candidates and launch (the kernel replaced by a recorder: Gluon has no CPU interpreter).
-GPU: ws 1 and 2 against tests/gluon_helpers.py's `check`, leaderboard and odd shapes.
+"""Warp specialization (`ws`) of the Gluon decode. CPU: its register requests, candidates and
+launch (the kernel replaced by a recorder; validation, shared memory and residency:
+tests/test_gluon_decode.py). GPU: ws 1 and 2 against tests/gluon_helpers.py's `check`.
 """
 
 import math
@@ -24,43 +24,6 @@ def _variant(**params) -> Variant:
 
 
 # ------------------------------------------------------------------------------- CPU
-def test_ws_is_a_later_parameter_validated_by_value_and_shared_memory():
-    old = _variant()
-    assert "ws" not in old.p
-    gluon_fused.validate(old)  # a variant from before ws: ws 0
-    for ws in (0, 1, 2):
-        gluon_fused.validate(_variant(ws=ws, num_stages=4))
-    for bad, shown in [(3, "3"), ("two", "two"), (True, "true")]:
-        with pytest.raises(ValueError, match=rf"ws={shown} is not allowed; allowed: 0, 1, 2"):
-            gluon_fused.validate(_variant(ws=bad))
-    # ws 2 adds a second consumer's P^T and four fp16 boxes: ss16a at 3 stages no longer fits
-    gluon_fused.validate(_variant(v_path="ss16a", num_stages=3, ws=1))
-    with pytest.raises(ValueError, match=r"needs 268944 B of shared memory .*ws 2\), over the 232448 B"):
-        gluon_fused.validate(_variant(v_path="ss16a", num_stages=3, ws=2))
-
-
-def test_shared_memory_and_residency_with_ws_match_the_compilers_figures():
-    smem = gluon_decode.gd_smem_bytes
-    # Triton 3.6 offline compiles for sm_90a (docs/perf.md)
-    assert [smem(64, st, "rs8", 1, 1) for st in (2, 3, 4, 5)] == [94564, 135548, 176516, 217500]
-    assert [smem(64, st, "rs8", 1, 2) for st in (2, 3, 4, 5)] == [96880, 137872, 178832, 219824]
-    assert smem(64, 2, "ss16", 1, 1) == 110948 and smem(128, 2, "ss16", 1, 1) == 211300
-    assert [smem(64, st, "ss16", 1, 2) for st in (2, 3, 4)] == [129648, 170640, 211600]
-    assert smem(64, 4, "rs16", 1, 2) == 211600 and smem(128, 2, "rs8", 1, 2) == 182896
-    assert smem(64, 2, "ss16a", 2, 2) == 162416 and smem(64, 3, "ss16a", 1, 2) == 268944
-    assert smem(64, 3, "ss16a", 1, 1) == 201084 and smem(64, 4, "rs16", 1, 1) == 192900
-    assert smem(64, 2, "rs8", 1, 0) == 94480  # ws 0 unchanged
-    # the backend's figure adds the same (it counts one fp16 box for rs8 too)
-    assert gluon_fused._gf_smem_bytes(64, 3, "ss16", 2) == smem(64, 3, "ss16", 1, 2) == 170640
-    per_sm = gluon_decode.gd_ctas_per_sm
-    assert [per_sm(64, 2, "rs8", 1, ws) for ws in (0, 1, 2)] == [2, 2, 1]  # ws 2: registers
-    assert per_sm(64, 3, "rs8", 1, 1) == 1  # shared memory
-    # registers per CTA at launch: maxnreg x all warps fits the file the given times
-    for ws in (1, 2):
-        warps = 4 * (1 + len(gluon_decode.GD_WS_WORKER_REGS[ws]))
-        assert gluon_decode.GD_WS_MAXNREG[ws] * 32 * warps * gluon_decode.GD_WS_CTAS_PER_SM_BY_REGS[ws] <= 65536
-
-
 def test_the_kernels_register_requests_are_the_modules_constants():
     """gl.warp_specialize takes its warps and registers as literals in the kernel (a jitted
     function reads no dict): they must be GD_WS_WORKER_REGS."""

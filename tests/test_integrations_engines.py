@@ -46,9 +46,19 @@ def test_vllm_backend_registers_as_custom_and_the_fake_refuses_wrong_hooks(monke
                 pass
 
 
-def _vllm_step(cache, rows, seed, builder, impls, layers):
+def _common(qsl, lens, table, slots, tokens=None, max_seq_len=None):
+    """vLLM's CommonAttentionMetadata of a step: query_start_loc qsl, seq_lens (and their host
+    copy) lens; tokens and max_seq_len default to qsl's last and lens' largest."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
+    return CommonAttentionMetadata(
+        query_start_loc=qsl.clone(), query_start_loc_cpu=qsl, seq_lens=lens.clone(), num_reqs=len(lens),
+        num_actual_tokens=int(qsl[-1]) if tokens is None else tokens, max_query_len=int((qsl[1:] - qsl[:-1]).max()),
+        max_seq_len=int(lens.max()) if max_seq_len is None else max_seq_len, block_table_tensor=table.clone(),
+        slot_mapping=slots, seq_lens_cpu_upper_bound=lens)
+
+
+def _vllm_step(cache, rows, seed, builder, impls, layers):
     gen = torch.Generator().manual_seed(seed)
     for b in rows:
         cache.lens[b] += 1  # this step's new token, written by the layer below
@@ -56,11 +66,7 @@ def _vllm_step(cache, rows, seed, builder, impls, layers):
     qsl = torch.arange(n + 1, dtype=torch.int32)
     slots = torch.tensor([cache.slot(b, cache.lens[b] - 1) for b in rows], dtype=torch.int64)
     lens = torch.tensor([cache.lens[b] for b in rows], dtype=torch.int32)
-    common = CommonAttentionMetadata(
-        query_start_loc=qsl.clone(), query_start_loc_cpu=qsl, seq_lens=lens.clone(),
-        num_reqs=n, num_actual_tokens=n, max_query_len=1, max_seq_len=max(cache.lens[b] for b in rows),
-        block_table_tensor=cache.table[rows].clone(), slot_mapping=slots, seq_lens_cpu_upper_bound=lens)
-    metadata = builder.build(0, common)
+    metadata = builder.build(0, _common(qsl, lens, cache.table[rows], slots))
     for layer, (impl, layer_obj) in enumerate(zip(impls, layers, strict=True)):
         q = torch.randn((n, HEADS, QK_DIM), generator=gen).to(torch.bfloat16)
         latent = torch.randn((n, QK_DIM), generator=gen)
@@ -124,8 +130,6 @@ def test_vllm_a_graph_step_padded_with_empty_requests_answers_its_real_rows(monk
     padded to the captured tokens. The graph plan takes it; the real rows match the
     reference, the padding stays finite."""
     engine_fakes.install(monkeypatch, "vllm")
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
     q_len, real, padded = 1 + speculative, 3, 4
     cache = Cache([5, 30, 47], 16, 3, fp8=False, seed=3, as_bytes=False)
     builder, impls, layers = vllm_layers(cache, "auto", 16, dcp=1, max_seqs=8, device=torch.device("cpu"),
@@ -135,11 +139,8 @@ def test_vllm_a_graph_step_padded_with_empty_requests_answers_its_real_rows(monk
     qsl = torch.tensor([q_len * min(i, real) for i in range(padded + 1)], dtype=torch.int32)
     lens = torch.tensor(cache.lens + [0], dtype=torch.int32)
     table = torch.cat([cache.table[:real], torch.zeros((1, cache.table.shape[1]), dtype=torch.int32)])
-    metadata = builder.build(0, CommonAttentionMetadata(
-        query_start_loc=qsl.clone(), query_start_loc_cpu=qsl, seq_lens=lens.clone(), num_reqs=padded,
-        num_actual_tokens=padded * q_len, max_query_len=q_len, max_seq_len=int(lens.max()),
-        block_table_tensor=table.clone(), slot_mapping=torch.full((padded * q_len,), -1, dtype=torch.int64),
-        seq_lens_cpu_upper_bound=lens))
+    metadata = builder.build(0, _common(qsl, lens, table, torch.full((padded * q_len,), -1, dtype=torch.int64),
+                                        tokens=padded * q_len))
     assert builder.plans.active is builder.plans.graph
     q = torch.randn((padded * q_len, HEADS, QK_DIM), generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     out, _ = impls[0].forward_mqa((q[..., :V_DIM], q[..., V_DIM:]), cache.engine_view(0), metadata, layers[0])
@@ -164,20 +165,14 @@ def test_vllm_a_step_with_prefills_runs_its_decodes_on_the_eager_plan(monkeypatc
     decodes take the eager plan and its lengths-aware pick even where their count is a
     capture size; a step of decodes only of that size takes the graph plan."""
     engine_fakes.install(monkeypatch, "vllm")
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
     cache = Cache([5, 30, 47, 70, 90], 16, 3, fp8=False, seed=4, as_bytes=False)
     builder, _impls, _layers = vllm_layers(cache, "auto", 16, dcp=1, max_seqs=8, device=torch.device("cpu"))
     lens = torch.tensor(cache.lens, dtype=torch.int32)
     for q_lens, graph in (([1, 1, 1, 1, 3], False), ([1, 1, 1, 1], True)):  # 4 decodes: a capture size
         n = len(q_lens)
         qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
-        common = CommonAttentionMetadata(
-            query_start_loc=qsl.clone(), query_start_loc_cpu=qsl, seq_lens=lens[:n].clone(), num_reqs=n,
-            num_actual_tokens=int(qsl[-1]), max_query_len=max(q_lens), max_seq_len=int(lens.max()),
-            block_table_tensor=cache.table[:n].clone(), slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64),
-            seq_lens_cpu_upper_bound=lens[:n])
-        metadata = builder.build(0, common)
+        slots = torch.zeros(int(qsl[-1]), dtype=torch.int64)
+        metadata = builder.build(0, _common(qsl, lens[:n], cache.table[:n], slots, max_seq_len=int(lens.max())))
         assert metadata.num_decodes == 4 and metadata.num_prefills == n - 4
         assert metadata.decode.plans.active is (builder.plans.graph if graph else builder.plans.eager)
 

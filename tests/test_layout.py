@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from mla_tune import core
+
 PACKAGE = Path(__file__).resolve().parent.parent / "mla_tune"
 REEXPORTS = {"runtime/decode.py", "runtime/plan.py"}
 
@@ -43,3 +45,11 @@ def test_the_old_serving_paths_are_only_re_exports():
         assert body and all(isinstance(n, ast.ImportFrom) and n.module.startswith("mla_tune.serving.")
                             for n in body), rel
 
+
+def test_core_imports_no_mla_tune_and_the_serving_runner_sits_beside_the_kernels():
+    assert not [m for m in _imports(PACKAGE / "core.py") if m.startswith("mla_tune")]
+    runner = [m for m in _imports(PACKAGE / "kernels" / "serving_runner.py") if m.startswith("mla_tune")]
+    assert "mla_tune.core" in runner and all(m == "mla_tune.core" or m.startswith("mla_tune.core.") for m in runner)
+    for name in ("OwnServingRunner", "OwnServingStep", "own_serving_runner", "check_serving_launch",
+                 "check_serving_build", "serving_workspace"):
+        assert not hasattr(core, name), name

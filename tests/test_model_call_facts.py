@@ -49,10 +49,13 @@ def test_the_serving_tables_key_leaves_out_the_calls_own_facts():
     assert FamilyKey.of(model) == FamilyKey.of(plain)
 
 
-@pytest.mark.parametrize("bad", [0.0, -0.1, float("nan"), float("inf"), True, "0.13"])
-def test_callspec_refuses_a_scale_that_is_no_softmax_scale(bad):
-    with pytest.raises(ValueError, match="sm_scale must be a positive finite float"):
-        CallSpec("bf16", sm_scale=bad)
+@pytest.mark.parametrize("kv, facts, says", [
+    *[("bf16", {"sm_scale": bad}, "sm_scale must be a positive finite float")
+      for bad in (0.0, -0.1, float("nan"), float("inf"), True, "0.13")],
+    ("bf16", {"cache_dtype": "uint8"}, "use kv_format='fp8'"), ("fp8", {"cache_dtype": "int8"}, "cache_dtype must be one of")])
+def test_callspec_refuses_a_scale_that_is_no_softmax_scale_and_uint8_bytes_of_anything_but_fp8(kv, facts, says):
+    with pytest.raises(ValueError, match=says):
+        CallSpec(kv, **facts)
 
 
 SERVING_CASES = [(name, kv) for name in ("triton", "triton_fused", "flashmla", "flashinfer") for kv in ("bf16", "fp8")]
@@ -268,13 +271,6 @@ def _input() -> serving.ServingInput:
 def _close(out, inp):
     result = problem.check(out.float(), inp.reference(sm_scale=DSV3), STRICT)
     assert result.passed, result.reason
-
-
-def test_callspec_takes_uint8_for_fp8_only():
-    with pytest.raises(ValueError, match="use kv_format='fp8'"):
-        CallSpec("bf16", cache_dtype="uint8")
-    with pytest.raises(ValueError, match="cache_dtype must be one of"):
-        CallSpec("fp8", cache_dtype="int8")
 
 
 @pytest.mark.parametrize("backend", ["triton", "triton_fused"])

@@ -72,11 +72,6 @@ def test_a_config_path_falls_back_to_the_packaged_copy(monkeypatch, tmp_path):
     assert locate.config_path("configs/leaderboard.yaml") == Path("configs/leaderboard.yaml")
 
 
-def _site_dirs() -> list[str]:
-    dirs = [*site.getsitepackages(), sysconfig.get_paths()["purelib"]]
-    return list(dict.fromkeys(d for d in dirs if Path(d).is_dir()))
-
-
 def test_a_built_wheel_ships_the_tables_and_finds_them_outside_the_checkout(tmp_path):
     # no caller's PYTHONPATH: with the checkout on it, pip finds its mla_tune.egg-info and
     # takes the wheel as installed already
@@ -95,7 +90,8 @@ def test_a_built_wheel_ships_the_tables_and_finds_them_outside_the_checkout(tmp_
     # .pth files (an editable mla_tune's finder) are not run, so mla_tune comes from the wheel
     purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              env=clean, check=True, capture_output=True, text=True).stdout.strip()
-    Path(purelib, "_outer_site.pth").write_text("".join(f"{d}\n" for d in _site_dirs()))
+    outer = dict.fromkeys(d for d in [*site.getsitepackages(), sysconfig.get_paths()["purelib"]] if Path(d).is_dir())
+    Path(purelib, "_outer_site.pth").write_text("".join(f"{d}\n" for d in outer))
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     # the vendor fakes stand in for flash_mla / flashinfer, which the table's picks name

@@ -23,7 +23,7 @@ from mla_tune.tune.config import load_config
 from tests.helpers import REPO, WIDE, invoke
 
 PRIOR = REPO / "configs" / "priors" / "MI355X.yaml"
-# the seed's fixed split counts (../shared/seed/000_97316cf1d40f3d27.txt, custom_kernel)
+# the split counts the seed's custom_kernel fixes
 SEED_SPLITS = {(64, 8192): 4, (256, 1024): 16, (256, 8192): 1}
 # the leaderboard's test shapes, each run at (batch, kv_len) on the CPU
 TEST_SHAPES = {(4, 1024): (4, 1024), (32, 1024): (32, 1024), (64, 8192): (8, 512), (256, 8192): (8, 128)}

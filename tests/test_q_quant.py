@@ -1,8 +1,6 @@
-"""The one-launch q quantizer against torch's quantization, value for value, and a static q
-scale caught when a call's q exceeds it: the quantizer's device counter, q_range_count, and
-the runtime's check_q_range modes and q_saturation(). Values, not bits: a tiny negative q
-that rounds to zero comes out +0 here and -0 from torch (flash_decode.round_to_mantissa
-drops a zero's sign), which no dot can tell apart."""
+"""The one-launch q quantizer against torch's quantization, value for value (a zero's sign may
+differ: no dot can tell), and a static q scale caught when a call's q exceeds it: the
+quantizer's device counter, q_range_count, the runtime's check_q_range and q_saturation()."""
 
 import warnings
 from pathlib import Path
@@ -33,16 +31,6 @@ def _q_amax(shape: Shape) -> float:
 
 
 # --------------------------------------------------------------------- the kernels
-def _torch_static(q, q_amax, dtype):
-    fp8_max = torch.finfo(dtype).max
-    scale = torch.tensor([q_amax / fp8_max], dtype=torch.float32, device=q.device)
-    return (q / scale).clamp(-fp8_max, fp8_max).to(dtype), scale
-
-
-def _same_values(a, b):
-    return torch.equal(a.float(), b.float())  # -0.0 == 0.0
-
-
 @pytest.mark.parametrize("seed", [0, 36, 39])  # 36 and 39 hold values that round to -0
 def test_dynamic_quantization_matches_the_leaderboard_reference(device, seed):
     torch.manual_seed(seed)
@@ -52,23 +40,22 @@ def test_dynamic_quantization_matches_the_leaderboard_reference(device, seed):
         q8, scale = quant(x)
         ref8, ref_scale = quantize_fp8(x, FP8)
         assert torch.equal(scale, ref_scale)
-        assert _same_values(q8, ref8)
+        assert torch.equal(q8.float(), ref8.float())  # values: -0.0 == 0.0
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_static_quantization_matches_torch_and_clamps(device, seed):
+def test_static_quantization_matches_torch_clamps_and_needs_an_amax(device, seed):
     torch.manual_seed(seed)
     q = torch.randn((2, 16, 576), dtype=torch.bfloat16, device=device)
     q_amax = 0.8 * float(q.abs().amax())  # some values must clamp
     quant = QQuantizer("fp8_static", 2, device, FP8, q_amax=q_amax)
     q8, scale = quant(q)
-    ref8, ref_scale = _torch_static(q, q_amax, FP8)
+    fp8_max = torch.finfo(FP8).max
+    ref_scale = torch.tensor([q_amax / fp8_max], dtype=torch.float32, device=device)
+    ref8 = (q / ref_scale).clamp(-fp8_max, fp8_max).to(FP8)
     assert torch.allclose(scale, ref_scale)
-    assert _same_values(q8, ref8)
-    assert float(q8.float().abs().amax()) == torch.finfo(FP8).max
-
-
-def test_static_quantization_refuses_a_missing_amax(device):
+    assert torch.equal(q8.float(), ref8.float())
+    assert float(q8.float().abs().amax()) == fp8_max
     with pytest.raises(ValueError, match="q_amax"):
         QQuantizer("fp8_static", 1, device, FP8)
 

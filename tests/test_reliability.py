@@ -5,6 +5,7 @@ import copy
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -46,19 +47,19 @@ def _bad_table(tmp_path: Path, edit: str) -> Path:
 
 
 def test_show_refuses_what_export_refuses_with_the_same_line_and_without_torch(tmp_path):
-    bad = {edit: _bad_table(tmp_path, edit) for edit in ("num_splitz=4", "num_splits=two")}
+    bad = {edit: str(_bad_table(tmp_path, edit)) for edit in ("num_splitz=4", "num_splits=two")}
     code = textwrap.dedent(f"""
         import json, sys
         from typer.testing import CliRunner
         from mla_tune import cli
         out = {{}}
-        for edit, bad in {({k: str(v) for k, v in bad.items()})!r}.items():
+        for edit, bad in {bad!r}.items():
             for name, args in (("show", ["show", "--table", bad]), ("show_json", ["show", "--table", bad, "--json"]),
                                ("diff", ["diff", {str(CPU_TABLE)!r}, bad])):
                 result = CliRunner().invoke(cli.app, args)
                 out[edit + " " + name] = [result.exit_code, result.output]
         out["torch"] = "torch" in sys.modules
-        for edit, bad in {({k: str(v) for k, v in bad.items()})!r}.items():
+        for edit, bad in {bad!r}.items():
             result = CliRunner().invoke(cli.app, ["export", "--table", bad, "-o", {str(tmp_path / "sub.py")!r}])
             out[edit + " export"] = [result.exit_code, result.output]
         print(json.dumps(out))
@@ -96,44 +97,42 @@ def test_every_backend_has_rules_and_space_values_are_checked_one_by_one():
             check_space_value(PARAM_RULES[backend], name, value)
 
 
-# ------------------------------------------------ space values refused at config load
-@pytest.mark.parametrize("section, field, message", [
+# ------------------------------------------------ values refused at config load
+SERVING = yaml.safe_load((REPO / "configs" / "serving.yaml").read_text())
+FIRST = next(iter(SERVING["backends"]))  # the serving config's first backend
+LEFT_OUT = {"max_tokens": 10, "why": "a test"}
+
+
+def _serving(**changes) -> str:
+    raw = copy.deepcopy(SERVING)
+    raw["backends"].update(changes.pop("backends", {}))
+    return yaml.safe_dump({**raw, **changes})
+
+
+@pytest.mark.parametrize("text, error, match", [
     ("  triton: {num_splits: [1, 0], block_n: [16], kv: [bf16], dot_dtype: [fp16]}\n",
-     "backends.triton.num_splits", "num_splits=0 is not allowed"),
+     ConfigError, r"field 'backends\.triton\.num_splits'.*num_splits=0 is not allowed"),
     ("  triton: {num_splits: [1], block_n: [16], kv: [bf16], dot_dtype: [fp16], hip: {waves_per_eu: [17]}}\n",
-     "backends.triton.hip.waves_per_eu", "waves_per_eu=17 is not allowed"),
+     ConfigError, r"field 'backends\.triton\.hip\.waves_per_eu'.*waves_per_eu=17 is not allowed"),
     ("  triton: {grids: [{num_splits: [2]}, {num_splits: [300]}], kv: [bf16], dot_dtype: [fp16]}\n",
-     "backends.triton.grids[1].num_splits", "num_splits=300 is not allowed"),
-])
-def test_a_space_value_no_variant_can_carry_fails_at_config_load(tmp_path, section, field, message):
-    path = tmp_path / "space.yaml"
-    path.write_text((DATA / "sweep_torch.yaml").read_text() + section)
-    with pytest.raises(ConfigError) as caught:
-        load_config(path)
-    assert f"field '{field}'" in str(caught.value) and message in str(caught.value)
+     ConfigError, r"field 'backends\.triton\.grids\[1\]\.num_splits'.*num_splits=300 is not allowed"),
+    (_serving(backends={FIRST: {"max_splits": [0]}}), ServingConfigError,
+     rf"backends\.{FIRST}\.max_splits.*max_splits=0 is not allowed"),
+    (_serving(check_seeds=[1, 2**64]), ServingConfigError, "check_seeds.*must be two distinct integers from"),
+    (_serving(left_out=[{**LEFT_OUT, "kv_format": "FP8"}]), ServingConfigError,
+     r"left_out\[0\]\.kv_format.*'FP8' matches no family; the families' kv_format: bf16, fp8"),
+    (_serving(left_out=[{**LEFT_OUT, "heads": "sixteen"}]), ServingConfigError,
+     r"left_out\[0\]\.heads.*matches no family"),
+], ids=["num_splits", "waves_per_eu", "grids", "serving max_splits", "serving seeds", "serving kv_format",
+        "serving heads"])
+def test_a_config_value_nothing_can_carry_fails_at_load_and_the_dry_run_in_one_line(tmp_path, text, error, match):
+    path = tmp_path / "config.yaml"
+    path.write_text(text if error is ServingConfigError else (DATA / "sweep_torch.yaml").read_text() + text)
+    with pytest.raises(error, match=match):
+        (load_serving_config if error is ServingConfigError else load_config)(path)
     result = invoke("sweep", "--gpu", "cpu", "--config", path, "--dry-run")
     assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
-    assert message in result.output
-
-
-def test_a_serving_config_value_nothing_can_carry_fails_at_config_load(tmp_path):
-    base = yaml.safe_load((REPO / "configs" / "serving.yaml").read_text())
-    name = next(iter(base["backends"]))
-    rule = {"max_tokens": 10, "why": "a test"}
-    for edit, match in [
-        (lambda raw: raw["backends"].update({name: {"max_splits": [0]}}),
-         rf"backends\.{name}\.max_splits.*max_splits=0 is not allowed"),
-        (lambda raw: raw.update(check_seeds=[1, 2**64]), "check_seeds.*must be two distinct integers from"),
-        (lambda raw: raw.update(left_out=[{**rule, "kv_format": "FP8"}]),
-         r"left_out\[0\]\.kv_format.*'FP8' matches no family; the families' kv_format: bf16, fp8"),
-        (lambda raw: raw.update(left_out=[{**rule, "heads": "sixteen"}]), r"left_out\[0\]\.heads.*matches no family"),
-    ]:
-        raw = copy.deepcopy(base)
-        edit(raw)
-        path = tmp_path / "serving.yaml"
-        path.write_text(yaml.safe_dump(raw))
-        with pytest.raises(ServingConfigError, match=match):
-            load_serving_config(path)
+    assert re.search(match, " ".join(result.output.split())), result.output
 
 
 # ------------------------------------------- read-only folders and full disks, per command
@@ -227,24 +226,7 @@ def _one_line(result, *needles, progress: bool = False):
     return lines[0]
 
 
-def _files(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.rglob("*")) if folder.exists() else []
-
-
-def test_line_log_cuts_a_failed_write_off_and_names_the_file(tmp_path, monkeypatch):
-    path = tmp_path / "r.jsonl"
-    log = LineLog(path, "re-run to resume")
-    log.append(b'{"a": 1}\n')
-    FailingFolder(monkeypatch, tmp_path, errno.ENOSPC)
-    with pytest.raises(WriteError) as caught:
-        log.append(b'{"b": 2, "long": "' + b"x" * 100 + b'"}\n')
-    monkeypatch.undo()
-    log.close()
-    assert path.read_bytes() == b'{"a": 1}\n'  # the torn half is cut off again
-    assert str(caught.value) == (f"cannot write {path}: No space left on device; free some space or "
-                                 "write elsewhere; re-run to resume")
-
-
+FULL = "No space left on device; free some space or write elsewhere"
 VERIFY_REPORTS = sorted((REPO / "docs" / "data" / "verify").glob("*.json.gz"))[:1]
 
 
@@ -271,30 +253,9 @@ def test_a_command_into_a_read_only_or_full_folder_is_one_line_and_leaves_nothin
     FailingFolder(monkeypatch, out, code)
     line = _one_line(invoke(*args), *needles, progress=command == "verify --json")
     if (command, code) == ("export", errno.ENOSPC):  # the whole line, word for word
-        assert line == (f"error: cannot write {out / 'sub.py'}: No space left on device; free some "
-                        "space or write elsewhere")
+        assert line == f"error: cannot write {out / 'sub.py'}: {FULL}"
     monkeypatch.undo()
-    assert _files(out) == []  # no table, no results, no lock naming this live process
-
-
-def test_a_report_plot_on_a_full_disk_leaves_no_partial_png(tmp_path, monkeypatch):
-    class Figure:  # what _save needs of a matplotlib figure, without matplotlib
-        def tight_layout(self):
-            pass
-
-        def clf(self):
-            pass
-
-        def savefig(self, path, dpi, format):
-            with open(path, "wb") as f:
-                f.write(b"\x89PNG" + b"0" * 1000)
-
-    assert _save(Figure(), tmp_path, "ok.png") == "ok.png" and (tmp_path / "ok.png").stat().st_size == 1004
-    FailingFolder(monkeypatch, tmp_path, errno.ENOSPC)
-    with pytest.raises(WriteError, match=f"cannot write {tmp_path / 'full.png'}: No space left"):
-        _save(Figure(), tmp_path, "full.png")
-    monkeypatch.undo()
-    assert _files(tmp_path) == ["ok.png"]
+    assert list(out.rglob("*")) == []  # no table, no results, no lock naming this live process
 
 
 def test_a_disk_that_fills_mid_sweep_stops_in_one_line_and_keeps_whole_lines(tmp_path, monkeypatch):
@@ -400,26 +361,56 @@ def test_a_nan_in_the_fp8_cache_cannot_vanish_in_the_gate():
     assert not check(wrong, ref, rule).passed and check(wrong, ref, rule).reason == "output holds NaN"
 
 
-def _emit(path):  # what verify and verify --rescore write --json with
+class _Figure:  # what report._save needs of a matplotlib figure, without matplotlib
+    def tight_layout(self):
+        pass
+
+    def clf(self):
+        pass
+
+    def savefig(self, path, dpi, format):
+        with open(path, "wb") as f:
+            f.write(b"\x89PNG" + b"0" * 1000)
+
+
+def _line_log(path, fill):  # a failed append is cut off again
+    log = LineLog(path, "re-run to resume")
+    log.append(b'{"a": 1}\n')
+    fill()
+    try:
+        log.append(b'{"b": 2, "long": "' + b"x" * 100 + b'"}\n')
+    finally:
+        log.close()
+
+
+def _report_plot(path, fill):
+    assert _save(_Figure(), path.parent, "ok.png") == "ok.png"
+    fill()
+    _save(_Figure(), path.parent, path.name)
+
+
+def _emit(path, fill):  # what verify and verify --rescore write --json with
+    fill()
     emit({"exit_code": 0}, ["a line"], path, lambda line: None)
 
 
-def _write_table(path):
+def _write_table(path, fill):
+    fill()
     write_table(path, yaml.safe_load(CPU_TABLE.read_text()))
 
 
-@pytest.mark.parametrize("write, name, advice", [
-    (_emit, "v.json", "free some space or write elsewhere"),
+@pytest.mark.parametrize("write, name, advice, kept", [
+    (_line_log, "r.jsonl", "; re-run to resume", {"r.jsonl": b'{"a": 1}\n'}),
+    (_report_plot, "full.png", "", {"ok.png": b"\x89PNG" + b"0" * 1000}),
+    (_emit, "v.json", "", {}),
     (_write_table, "cpu.yaml",
-     "re-running the same command writes the table without timing anything again"),
-])
-def test_verify_json_or_the_sweeps_table_on_a_full_disk_is_a_write_error_leaving_nothing(
-        tmp_path, monkeypatch, write, name, advice):
-    FailingFolder(monkeypatch, tmp_path, errno.ENOSPC)
+     "; the results file keeps every step, so re-running the same command writes the table without timing "
+     "anything again", {}),
+], ids=["line log", "report plot", "verify json", "sweep table"])
+def test_a_write_on_a_full_disk_is_one_write_error_naming_the_file_and_leaves_no_partial_file(
+        tmp_path, monkeypatch, write, name, advice, kept):
     with pytest.raises(WriteError) as caught:
-        write(tmp_path / name)
+        write(tmp_path / name, lambda: FailingFolder(monkeypatch, tmp_path, errno.ENOSPC))
     monkeypatch.undo()
-    message = str(caught.value)
-    assert message.startswith(f"cannot write {tmp_path / name}: No space left on device; free")
-    assert advice in message
-    assert _files(tmp_path) == []
+    assert str(caught.value) == f"cannot write {tmp_path / name}: {FULL}{advice}"
+    assert {p.name: p.read_bytes() for p in tmp_path.rglob("*")} == kept

@@ -8,16 +8,15 @@ import torch
 from mla_tune.backends import get_backend
 from tests.helpers import REQUIRE_BACKENDS, runnable_backends, unavailable
 
-OUTCOMES = [  # (a CUDA GPU, the variable, what unavailable raises)
+
+@pytest.mark.parametrize("cuda,require,outcome", [  # (a CUDA GPU, the variable, what unavailable raises)
     (True, None, pytest.skip.Exception),
     (True, "0", pytest.skip.Exception),
     (True, "1", pytest.fail.Exception),
     (False, "1", pytest.skip.Exception),
-]
-
-
-@pytest.mark.parametrize("cuda,require,outcome", OUTCOMES)
-def test_an_unavailable_backend_fails_only_in_require_mode_on_a_cuda_gpu(cuda, require, outcome, monkeypatch):
+])
+def test_an_unavailable_backend_fails_and_is_kept_in_a_sample_only_in_require_mode_on_a_cuda_gpu(
+        cuda, require, outcome, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     if require is None:
         monkeypatch.delenv(REQUIRE_BACKENDS, raising=False)
@@ -25,13 +24,7 @@ def test_an_unavailable_backend_fails_only_in_require_mode_on_a_cuda_gpu(cuda, r
         monkeypatch.setenv(REQUIRE_BACKENDS, require)
     with pytest.raises(outcome, match="flashmla: FlashMLA cannot be imported"):
         unavailable("flashmla: FlashMLA cannot be imported")
-
-
-@pytest.mark.parametrize("cuda,require,outcome", OUTCOMES)
-def test_a_sample_over_the_runnable_backends_leaves_one_out_only_outside_require_mode(
-        cuda, require, outcome, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    monkeypatch.setenv(REQUIRE_BACKENDS, require or "0")
+    # a sample over the runnable backends leaves the unavailable one out only outside require mode
     monkeypatch.setattr(get_backend("flashmla"), "unavailable_reason", lambda: "no FlashMLA wheel")
     monkeypatch.setattr(get_backend("triton"), "unavailable_reason", lambda: None)
     if outcome is pytest.fail.Exception:

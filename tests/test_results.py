@@ -10,7 +10,7 @@ import pytest
 
 from mla_tune.serving.results import SCHEMA as SERVING_SCHEMA
 from mla_tune.serving.results import read_records
-from mla_tune.tune.results import ResultsError, read_json_lines, read_results
+from mla_tune.tune.results import ResultsError, read_json_lines, read_results, repair_tail
 
 FAMILY = {"kv_format": "bf16", "page_size": 1, "heads": 16, "q_len": 1}
 TUNE = {
@@ -46,15 +46,16 @@ def test_a_missing_or_empty_file_reads_as_nothing(tmp_path, reader):
 
 
 @READERS
-def test_a_torn_last_line_is_left_out_with_one_warning(tmp_path, reader):
+def test_a_torn_last_line_is_left_out_with_one_warning_and_repair_tail_cuts_it_once(tmp_path, reader):
     path = tmp_path / "r.jsonl"
-    torn = b'{"kind": "cand'
-    path.write_bytes(_line(reader["header"]) + b"\n" + _line(reader["record"]) + torn)
+    torn, good = b'{"kind": "cand', _line(reader["header"]) + b"\n" + _line(reader["record"])
+    path.write_bytes(good + torn)
     header, records, warnings = reader["read"](path)
     assert header == reader["header"] and records == [reader["record"]]  # the blank line skipped
     assert warnings == [f"{path}: ignoring a truncated last line ({len(torn)} bytes, a write cut short "
                         f"by a kill); {reader['redone']}"]
     assert path.read_bytes().endswith(torn)  # reading never writes: repair_tail cuts it
+    assert repair_tail(path) and path.read_bytes() == good and not repair_tail(path)
 
 
 @READERS

@@ -1,6 +1,7 @@
-"""The runtime and the Dispatcher: table dispatch, input checks, no timing, and one fallback
-policy (mla_tune.tables.dispatch) that passes the table's rule at short lengths (kv_len 1, 2, 17,
-63) in the runtime and the exported file, its split count asked of the device."""
+"""The runtime and the Dispatcher: table dispatch, input checks and out-of-range table parameters
+refused in one line before any build, no timing, and one fallback policy (mla_tune.tables.dispatch)
+that passes the table's rule at short lengths (kv_len 1, 2, 17, 63) in the runtime and the exported
+file, its split count asked of the device."""
 
 import re
 import subprocess
@@ -45,7 +46,7 @@ def _assert_correct(out, data, kv_format):
 
 class _Spy:
     """A builder that records what it built and whose runner returns a marker; `dispatcher`
-    serves a torch row at 1 x 8 (and torch elsewhere) through it."""
+    serves a row of `variant` (torch by default) at 1 x 8, and it elsewhere, through it."""
 
     def __init__(self):
         self.built: list[tuple[Variant, Shape]] = []
@@ -60,8 +61,8 @@ class _Spy:
 
         return runner
 
-    def dispatcher(self):
-        return Dispatcher({(1, 8): TORCH}, {"torch": self}, lambda shape: TORCH,
+    def dispatcher(self, variant=TORCH):
+        return Dispatcher({(1, 8): variant}, {variant.backend: self}, lambda shape: variant,
                           warn_on_miss=False, ragged_backends=frozenset())
 
 
@@ -134,39 +135,24 @@ def test_a_torch_fallback_refuses_ragged_batches_before_launching():
 def _bad_inputs():
     """(name, edit of (q, kv_data, qo_indptr, kv_indptr, config), expected message, the
     check_indptr setting the message is matched with)."""
-    def q_to(dtype):
-        return lambda d: (d[0].to(dtype), *d[1:])
-
-    def noncontiguous_q(d):
-        wide = torch.zeros((*d[0].shape[:2], 2 * d[0].shape[2]), dtype=torch.bfloat16)
-        q = wide[:, :, ::2]
-        q.copy_(d[0])
-        return (q, *d[1:])
-
-    def meta_q(d):
-        return (torch.empty(d[0].shape, dtype=torch.bfloat16, device="meta"), *d[1:])
-
-    def kv_drop(fmt):
-        return lambda d: (d[0], {k: v for k, v in d[1].items() if k != fmt}, *d[2:])
-
     def short_kv(d):
-        kv = dict(d[1])
-        kv["bf16"] = kv["bf16"][:-1].contiguous()
-        return (d[0], kv, *d[2:])
+        return (d[0], {**d[1], "bf16": d[1]["bf16"][:-1].contiguous()}, *d[2:])
 
     def ptr(index, value):
-        def edit(d):
-            d = list(d)
-            d[index] = value(d[index])
-            return tuple(d)
-        return edit
+        return lambda d: tuple(value(x) if i == index else x for i, x in enumerate(d))
+
+    def noncontiguous_q(d):  # every other column of a zeroed buffer twice as wide
+        wide = torch.zeros((*d[0].shape[:2], 2 * d[0].shape[2]), dtype=torch.bfloat16)
+        return (wide[:, :, ::2].copy_(d[0]), *d[1:])
 
     return [
-        ("q dtype", q_to(torch.float32), "q must be bfloat16, got torch.float32", False),
+        ("q dtype", lambda d: (d[0].float(), *d[1:]), "q must be bfloat16, got torch.float32", False),
         ("q shape", lambda d: (d[0][:, :, :512].contiguous(), *d[1:]), r"q must have shape \(batch, 16, 576\)", False),
         ("q layout", noncontiguous_q, "q must be contiguous", False),
-        ("q device", meta_q, "KV is on cpu but q is on meta", False),
-        ("kv missing", kv_drop("bf16"), "kv_data lacks the 'bf16' entry", False),
+        ("q device", lambda d: (torch.empty(d[0].shape, dtype=torch.bfloat16, device="meta"), *d[1:]),
+         "KV is on cpu but q is on meta", False),
+        ("kv missing", lambda d: (d[0], {k: v for k, v in d[1].items() if k != "bf16"}, *d[2:]),
+         "kv_data lacks the 'bf16' entry", False),
         ("kv total", short_kv, r"holds 7 tokens, not batch x kv_len = 1 x 8 = 8", False),
         ("kv total synced", short_kv, "kv_indptr ends at 8 but the KV cache holds 7 tokens", True),
         ("indptr dtype", ptr(3, lambda p: p.long()), "kv_indptr must be int32, got torch.int64", False),
@@ -201,6 +187,78 @@ def test_indptr_that_disagrees_with_the_tensors_is_refused(rt):
     meta = torch.empty(q.shape, dtype=torch.bfloat16, device="meta")
     with pytest.raises(ValueError, match="q must be on cpu, the device this runtime was loaded for"):
         rt.decode(meta, kv_data, qo, kv_indptr)
+
+
+FP8_TRITON = Variant.make("triton", block_n=16, dot_dtype="fp16", kv="fp8", num_splits=1, num_stages=1,
+                          num_warps=4, q="bf16")
+MXFP4_FUSED = Variant.make("triton_fused", kv="mxfp4", q="bf16", qk_dot="fp16", pv_dot="fp16", tok_m=True,
+                           block_n=16, num_warps=4, num_stages=1, num_splits=1, reduce="none")
+
+
+@pytest.mark.parametrize("check_indptr", [False, True])
+def test_fp8_kv_as_uint8_bytes_and_a_python_float_scale_are_refused_in_one_line(check_indptr):
+    spy, fused_spy = _Spy(), _Spy()
+    dispatcher, fused = spy.dispatcher(FP8_TRITON), fused_spy.dispatcher(MXFP4_FUSED)
+    data = generate_input(1, 8, seed=1, device="cpu")
+    kv8, scale = data[1]["fp8"]
+
+    def call(fmt, entry, to=dispatcher):
+        """`to` called on data with kv_data[fmt] replaced by entry."""
+        return to(data[0], {**data[1], fmt: entry}, *data[2:4], kv_len=8, check_indptr=check_indptr)
+
+    with pytest.raises(ValueError, match=r"fp8 KV must have an fp8 dtype .*got torch\.uint8; pass fp8 bytes "
+                                         r"held as torch\.uint8 as kv\.view\(torch\.float8_e4m3fn\)"):
+        call("fp8", (kv8.view(torch.uint8), scale))  # how vLLM keeps an fp8 cache
+    for other in (torch.int8, torch.float8_e5m2):  # other bytes are not e4m3 codes either
+        with pytest.raises(ValueError, match="fp8 KV must have an fp8 dtype"):
+            call("fp8", (kv8.view(other), scale))
+    for bad in (float(scale), None, [float(scale)]):
+        with pytest.raises(ValueError, match=r"fp8 KV scale must be a \(1,\) float32 tensor on q's device, got "
+                                             r"\w+; make it once with torch\.tensor\(\[scale\]"):
+            call("fp8", (kv8, bad))
+    with pytest.raises(ValueError, match="kv_data\\[\"fp8\"\\]\\[0\\] must be a tensor, got float"):
+        call("fp8", (1.0, scale))
+    with pytest.raises(ValueError, match="mxfp4 scales must be a .* tensor of E8M0 bytes, got float"):
+        call("mxfp4", (data[1]["mxfp4"][0], 1.0), to=fused)
+    assert spy.built == [] and fused_spy.built == []
+    assert call("fp8", (kv8.view(torch.uint8).view(torch.float8_e4m3fn), scale)) == "ran"
+
+
+def _table_with(tmp_path, variant: Variant):
+    def edit(data):
+        data["rows"][1]["winner"] = {"variant": str(variant), "backend": variant.backend, "params": variant.p}
+        data["rows"][1]["alternates"] = {variant.backend: {"variant": str(variant), "time_us": 8.0}}
+        data["rows"][1]["backends"] = {variant.backend: 8.0}
+
+    return cpu_table(tmp_path, edit=edit)
+
+
+FUSED = Variant.make("triton_fused", kv="fp8", q="bf16", qk_dot="fp16", pv_dot="fp16", tok_m=True, block_n=32,
+                     num_warps=4, num_stages=3, num_splits=2, reduce="last")
+
+
+@pytest.mark.parametrize(("variant", "message"), [
+    (FP8_TRITON.with_params(num_splits=1000000000), "num_splits=1000000000 is not allowed; num_splits must be an "
+                                                    "int from 1 to 256"),
+    (FP8_TRITON.with_params(block_n=1 << 20), "block_n must be a power of two from 16 to 256"),
+    (FP8_TRITON.with_params(num_warps=64), "num_warps must be a power of two from 1 to 32"),
+    (FP8_TRITON.with_params(num_stages=100), "num_stages must be an int from 1 to 8"),
+    (FP8_TRITON.with_params(waves_per_eu=1000), "waves_per_eu must be an int from 0 to 16"),
+    (FUSED.with_params(num_splits=1000000000), "num_splits must be an int from 1 to 256"),
+    (FUSED.with_params(num_stages=99), "num_stages must be an int from 1 to 8"),
+    (FUSED.with_params(num_warps=128), "num_warps must be a power of two from 1 to 32"),
+])
+def test_parameters_no_gpu_can_run_fail_at_table_load(tmp_path, variant, message):
+    with pytest.raises(TableError, match=r"row 2 \(batch 2, kv_len 40\): winner\.variant: .*" + message):
+        runtime.load(table=_table_with(tmp_path, variant), device="cpu")
+    with pytest.raises(ValueError, match=message):
+        get_backend(variant.backend).build(variant, None, "cpu")  # build validates first
+
+
+def test_the_largest_allowed_values_still_load(tmp_path):
+    variant = FP8_TRITON.with_params(num_splits=256, block_n=256, num_warps=32, num_stages=8)
+    rt = runtime.load(table=_table_with(tmp_path, variant), device="cpu")
+    assert rt.dispatcher.variant_for(2, 40) == variant
 
 
 def test_a_table_for_another_gpu_is_refused_unless_allowed(tmp_path):

@@ -68,21 +68,15 @@ def _checked(inp: serving.ServingInput, device: str, what: str, **launch):
 
 
 # ------------------------------------------------------------------------ reference
-def _from_leaderboard(data, kv_format: str) -> serving.ServingInput:
-    """The leaderboard's input tuple (problem.generate_input) as a serving call."""
-    q, kv_data, qo_indptr, kv_indptr, _config = data
-    kv, kv_scale = (kv_data["bf16"], None) if kv_format == "bf16" else kv_data["fp8"]
-    bounds = kv_indptr.tolist()
-    kv_lens = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
-    return serving.ServingInput(q, qo_indptr, kv, kv_scale, kv_indptr, None, None, [1] * q.shape[0], kv_lens, 0)
-
-
 @pytest.mark.parametrize("kv_lens", [[40, 40, 40], [1, 17, 40]])
 @pytest.mark.parametrize("kv", KV_FORMATS)
 @pytest.mark.parametrize("q_format", ["bf16", "fp8"])
 def test_reference_equals_the_leaderboard_reference_on_its_layout(kv_lens, kv, q_format):
     data = ragged_input(kv_lens, seed=5, device="cpu")
-    ours = _from_leaderboard(data, kv).reference(q_format)
+    q, kv_data, qo_indptr, kv_indptr, _config = data  # the leaderboard's call as a serving one:
+    cache, kv_scale = (kv_data["bf16"], None) if kv == "bf16" else kv_data["fp8"]
+    ours = serving.ServingInput(q, qo_indptr, cache, kv_scale, kv_indptr, None, None, [1] * q.shape[0], kv_lens,
+                                0).reference(q_format)
     torch.testing.assert_close(ours, problem.reference(data, q_format, kv), rtol=1e-5, atol=1e-5)
 
 

@@ -1,7 +1,6 @@
-"""kernels/serving_runner.py: the own kernels' serving runner and shared launch checks, beside
-the kernels (core.py imports no mla_tune module). Every call is refused or built before a launch."""
+"""kernels/serving_runner.py: the own kernels' serving runner and shared launch checks (where it
+sits: tests/test_layout.py). Every call is refused or built before a launch."""
 
-import ast
 from pathlib import Path
 
 import pytest
@@ -23,20 +22,6 @@ from tests.helpers import rel_l2
 from tests.serving_kernels import KERNELS, dot_options, small_call
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _mla_tune_imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    return {node.module for node in ast.walk(tree)
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mla_tune")}
-
-
-def test_core_holds_facts_and_the_runner_sits_beside_the_kernels():
-    assert _mla_tune_imports(ROOT / "mla_tune" / "core.py") == set()
-    assert _mla_tune_imports(ROOT / "mla_tune" / "kernels" / "serving_runner.py") == {"mla_tune.core"}
-    for name in ("OwnServingRunner", "OwnServingStep", "own_serving_runner", "check_serving_launch",
-                 "check_serving_build", "serving_workspace"):
-        assert not hasattr(core, name), name
 
 
 @pytest.mark.parametrize("backend", ["triton", "triton_fused"])

@@ -178,13 +178,6 @@ def test_a_table_cut_between_rows_is_refused_by_its_row_count(tmp_path):
         load_table(cut)
 
 
-def test_the_hand_written_test_table_loads():
-    table = load_table(DATA / "table_cpu.yaml")
-    assert table.gpu == "cpu" and len(table.rows) == 3
-    assert table.rows[Shape(3, 16)]["winner"] is None
-    assert set(table.variants()) == {Shape(1, 8), Shape(2, 40)}
-
-
 class _FullDumper(yaml.SafeDumper):
     def ignore_aliases(self, data):  # tables never hold YAML aliases; the loader refuses them
         return True
@@ -457,47 +450,35 @@ def test_a_new_file_gets_the_mode_the_umask_gives_and_a_replaced_one_keeps_its_o
     assert sorted(p.name for p in tmp_path.iterdir()) == ["private.yaml", "t.yaml"]
 
 
-def test_a_full_disk_is_one_line_and_keeps_the_old_file(tmp_path, monkeypatch):
-    path = tmp_path / "t.yaml"
-    path.write_text("old")
-
-    def no_space(fd):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(fileio.os, "fsync", no_space)
-    with pytest.raises(WriteError, match=r"cannot write .*t\.yaml: No space left on device; free "
-                                         r"some space or write elsewhere") as info:
-        atomic_write_text(path, "new")
-    assert "\n" not in str(info.value) and isinstance(info.value, OSError)
-    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["t.yaml"]
+def _fail(code):
+    def fail(*args, **kwargs):
+        raise OSError(code, os.strerror(code))  # EACCES: a PermissionError
+    return fail
 
 
-@pytest.mark.parametrize("refusal", [
-    pytest.param("chmod", marks=pytest.mark.skipif(
+@pytest.mark.parametrize("case, match", [
+    ("full disk", r"cannot write .*t\.yaml: No space left on device; free some space or write elsewhere"),
+    pytest.param("read-only", r"t\.yaml: Permission denied; write somewhere you may write", marks=pytest.mark.skipif(
         os.geteuid() == 0, reason="root writes into read-only folders anyway")),
-    "faked",  # as root too
+    ("read-only faked", r"t\.yaml: Permission denied; write somewhere you may write"),  # as root too
+    ("a directory", "Is a directory; name a file, not a directory"),
+    ("a file in the path", r"cannot write .*t\.yaml/x\.yaml"),
 ])
-def test_a_read_only_folder_is_one_line(tmp_path, monkeypatch, refusal):
-    def refuse(*args, **kwargs):
-        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
-
+def test_a_failed_write_is_one_line_and_leaves_the_old_file_and_nothing_else(tmp_path, monkeypatch, case, match):
     folder = tmp_path / "ro"
     folder.mkdir()
-    if refusal == "faked":
-        monkeypatch.setattr(fileio.tempfile, "mkstemp", refuse)
-    else:
+    old = folder / "t.yaml"
+    old.write_text("old")
+    if case == "full disk":
+        monkeypatch.setattr(fileio.os, "fsync", _fail(errno.ENOSPC))
+    elif case == "read-only faked":
+        monkeypatch.setattr(fileio.tempfile, "mkstemp", _fail(errno.EACCES))
+    elif case == "read-only":
         folder.chmod(0o555)
     try:
-        with pytest.raises(WriteError, match=r"t\.yaml: Permission denied; write somewhere you "
-                                             "may write"):
-            atomic_write_text(folder / "t.yaml", "x")
+        with pytest.raises(WriteError, match=match) as info:
+            atomic_write_text({"a directory": folder, "a file in the path": old / "x.yaml"}.get(case, old), "new")
     finally:
         folder.chmod(0o755)
-
-
-def test_a_directory_or_a_file_in_the_path_is_one_line(tmp_path):
-    with pytest.raises(WriteError, match="Is a directory; name a file, not a directory"):
-        atomic_write_text(tmp_path, "x")
-    (tmp_path / "f").write_text("")
-    with pytest.raises(WriteError, match="cannot write .*f/t.yaml"):
-        atomic_write_text(tmp_path / "f" / "t.yaml", "x")
+    assert "\n" not in str(info.value) and isinstance(info.value, OSError)
+    assert old.read_text() == "old" and sorted(p.name for p in tmp_path.rglob("*")) == ["ro", "t.yaml"]

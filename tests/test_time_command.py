@@ -70,9 +70,7 @@ def test_the_scanned_lengths_span_their_bucket_and_budget_variants_come_from_spl
     assert parse_ints("25,28,32", "--batch") == [25, 28, 32]
     assert parse_lens("7,1024*3") == [7, 1024, 1024, 1024]
     assert [str(s) for s in parse_shapes("4x1024,32x8192")] == ["4x1024", "32x8192"]
-    for parse, bad, name in [(lambda t: parse_ints(t, "--lengths"), "25,x", "--lengths"),
-                             (lambda t: parse_ints(t, "--lengths"), "0", "--lengths"),
-                             (lambda t: parse_ints(t, "--lengths"), "", "--lengths"),
+    for parse, bad, name in [*[(lambda t: parse_ints(t, "--lengths"), text, "--lengths") for text in ("25,x", "0", "")],
                              (parse_lens, "5*x", "--lens"), (parse_lens, "0", "--lens"),
                              (parse_shapes, "4x0", "--shapes"), (parse_shapes, "4by1024", "--shapes")]:
         with pytest.raises(MlaTuneError, match=name):
