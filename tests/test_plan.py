@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from mla_tune.backends import get_backend
 from mla_tune.backends.triton_splitk_schedule import SplitKModel
 from mla_tune.core import CallSpec, Variant
 from mla_tune.serving import inputs as serving
@@ -189,6 +190,14 @@ def _flashmla_table(graph: bool) -> ServingTable:
     return ServingTable("H200", {}, [2, 4], [32, 256], {fam.key: fam})
 
 
+@pytest.fixture
+def vendors_cannot_run(monkeypatch):
+    """The stand-in tests' premise on any machine: gluon_fused, FlashInfer and FlashMLA cannot
+    run here (as on the CPU machine; on an H100 or H200 they could)."""
+    for name in ("gluon_fused", "flashinfer", "flashmla"):
+        monkeypatch.setattr(get_backend(name), "unavailable_reason", lambda name=name: f"{name} is left out here")
+
+
 def _plan(spec: CallSpec, table: ServingTable, max_batch: int = 256, **kw) -> tuple[DecodePlan, list[str]]:
     """The plan (warm=False unless kw says), and what it warned when it was made."""
     with warnings.catch_warnings(record=True) as caught:
@@ -213,7 +222,7 @@ def test_empty_host_lengths_are_refused_where_the_lookups_replays_would_divide_b
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager-runner-up", "graph-default"])
-def test_a_flashmla_pick_warns_once_and_steps_with_its_stand_in(graph):
+def test_a_flashmla_pick_warns_once_and_steps_with_its_stand_in(graph, vendors_cannot_run):
     """The cell's runner-up stands in for it; a graph pick, which keeps none, the default."""
     plan, messages = _plan(replace(SPEC64, graph=graph), _flashmla_table(graph), 4, warm=True)
     said = [m for m in messages if "cannot serve it here" in m]
@@ -232,9 +241,9 @@ def test_a_flashmla_pick_warns_once_and_steps_with_its_stand_in(graph):
     assert plan.misses == {"flashmla cannot run here": 2}
 
 
-def test_the_tables_plan_pick_is_what_a_plan_steps_with_where_picks_cannot_run():
+def test_the_tables_plan_pick_is_what_a_plan_steps_with_where_picks_cannot_run(vendors_cannot_run):
     """ServingTable.plan_pick (what `verify --rescore --unrunnable` scores) against DecodePlan.pick
-    on the committed table, here where gluon_fused, FlashInfer and FlashMLA cannot run."""
+    on the committed table, where gluon_fused, FlashInfer and FlashMLA cannot run."""
     table = load_serving_table(COMMITTED)
     rng = random.Random(7)
     replaced = 0
@@ -254,10 +263,10 @@ def test_the_tables_plan_pick_is_what_a_plan_steps_with_where_picks_cannot_run()
     assert replaced > 100  # the stand-ins were exercised
 
 
-def test_plans_of_one_table_stepped_on_two_threads_pick_as_each_alone():
+def test_plans_of_one_table_stepped_on_two_threads_pick_as_each_alone(vendors_cannot_run):
     """Each plan owns its compiled estimate's buffers: two plans of one ServingTable object,
-    stepped on two threads switching every microsecond, pick what each picks alone (here on
-    the CPU the fastest runnable stand-in matters: gluon_fused and the vendors cannot run)."""
+    stepped on two threads switching every microsecond, pick what each picks alone (the
+    fastest runnable stand-in matters: gluon_fused and the vendors cannot run)."""
     table = load_serving_table(COMMITTED)
     spec = CallSpec("fp8", 64, 16, 1)
     plans = [_plan(spec, table)[0] for _ in range(2)]
@@ -284,10 +293,10 @@ def test_plans_of_one_table_stepped_on_two_threads_pick_as_each_alone():
 
 
 @pytest.mark.parametrize("heads, q_len", [(16, 1), (128, 2)])  # 128 x 2: stand-ins run here
-def test_a_steps_pick_is_the_plans_own_variant_object(heads, q_len):
+def test_a_steps_pick_is_the_plans_own_variant_object(heads, q_len, vendors_cannot_run):
     """update() returns the very object the plan keys its runner by (plan.variants), so a
     step's dict lookups match by identity rather than by comparing the variants' fields;
-    a stand-in for a pick that cannot run here (a FlashInfer pick on the CPU) too."""
+    a stand-in for a pick that cannot run here (a FlashInfer pick) too."""
     table = load_serving_table(COMMITTED)
     spec = CallSpec("bf16", 64, heads, q_len, host_lengths=True)
     plan, _ = _plan(spec, table)
