@@ -26,6 +26,7 @@ from pathlib import Path
 
 from mla_tune import gpu
 from mla_tune.backends import get_backend
+from mla_tune.backends.triton_splitk import serving_workspace_args
 from mla_tune.core import CallSpec, Variant
 from mla_tune.kernels.flash_decode import FlashDecodeServingWorkspace
 from mla_tune.kernels.serving_runner import SharedScratch
@@ -37,10 +38,9 @@ MAX_BATCH = 256
 def _partials_gib(variant: Variant, spec: CallSpec, sm_count: int) -> float:
     """A split-K serving variant's split partials at MAX_BATCH sequences of max_q_len new
     tokens, as its runner allocates them on a GPU of sm_count SMs."""
-    p, budget = variant.p, variant.get("split_budget", 0)
     workspace = FlashDecodeServingWorkspace.allocate(
-        MAX_BATCH * spec.max_q_len, spec.heads, p["max_splits"], "meta", max_q_len=spec.max_q_len,
-        **(dict(split_budget=budget, block_h=p["block_h"], sm_count=sm_count) if budget else {}))
+        MAX_BATCH * spec.max_q_len, spec.heads, variant.p["max_splits"], "meta", max_q_len=spec.max_q_len,
+        **(serving_workspace_args(variant, sm_count) or {}))
     return SharedScratch.shared_bytes(workspace) / 2**30
 
 

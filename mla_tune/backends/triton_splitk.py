@@ -478,11 +478,18 @@ def build_serving(variant: Variant, spec: CallSpec, device):
         q_fp8_dtype=q_fp8_dtype, hip_options={k: p[k] for k in _tsk_HIP_KEYS if k in p},
         split_budget=p.get("split_budget", 0),
     )
-    # A batch budget's scratch holds what that budget launches (the SMs as the launch takes them)
-    sized = (dict(split_budget=launch["split_budget"], block_h=p["block_h"], sm_count=device_sm_count(device))
-             if launch["split_budget"] > 0 else None)
     return OwnServingRunner(NAME, spec, device, flash_decode_serving, FlashDecodeServingWorkspace,
-                            p["max_splits"], launch, LaunchReplay.build, workspace_args=sized)
+                            p["max_splits"], launch, LaunchReplay.build,
+                            workspace_args=serving_workspace_args(variant, device_sm_count(device)))
+
+
+def serving_workspace_args(variant: Variant, sm_count: int) -> dict | None:
+    """How a serving variant's runner sizes its workspace on a GPU of `sm_count` SMs
+    (FlashDecodeServingWorkspace.allocate's keywords): with a batch budget, for what that
+    budget launches (the SMs as the launch takes them); None without one (max_splits per
+    sequence)."""
+    budget = variant.get("split_budget", 0)
+    return dict(split_budget=budget, block_h=variant.p["block_h"], sm_count=sm_count) if budget > 0 else None
 
 
 
