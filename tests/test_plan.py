@@ -233,7 +233,7 @@ def test_a_flashmla_pick_warns_once_and_steps_with_its_stand_in(graph, vendors_c
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no further word per step
         for step, kv_lens in enumerate(([200, 250, 300], [70, 129, 3, 240])):
-            inp = serving.make_input([1] * len(kv_lens), kv_lens, 16, 64, "bf16", seed=30 + step)
+            inp = serving.make_input([1] * len(kv_lens), kv_lens, 16, 64, "bf16", seed=30 + step, device=plan.device)
             picked = plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens,
                                  mean_kv_len=sum(kv_lens) / len(kv_lens))
             assert picked == stand_in
