@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from mla_tune import gpu
 from mla_tune.backends import get_backend
 from mla_tune.backends.triton_splitk_schedule import SplitKModel
 from mla_tune.core import CallSpec, Variant
@@ -219,6 +220,21 @@ def test_empty_host_lengths_are_refused_where_the_lookups_replays_would_divide_b
     with pytest.raises(ValueError, match="kv_lens_host holds 0 lengths"):
         plan.pick(8, 3000.0, [])
     assert plan.update(qo, **layout, kv_lens_host=[3000] * 8) == plan.pick(8, 3000.0, [3000] * 8)
+
+
+@pytest.mark.parametrize("tuned_on, here, warned", [("H200", "H100", True), ("H100", "H100", False),
+                                                     ("H200", "cpu", False)])
+def test_a_table_tuned_on_another_gpu_is_used_with_one_warning(tuned_on, here, warned, monkeypatch):
+    """The plan runs another GPU's table (the leaderboard runtime refuses one) and says so once,
+    naming both GPUs and the sweep that tunes this one; not on the CPU, whose tables are tests'."""
+    monkeypatch.setattr("mla_tune.serving.call.detect", lambda index=None: gpu.fake_platform(here))
+    plan, messages = _plan(SPEC, replace(_table(), gpu=tuned_on), max_batch=8)
+    said = [m for m in messages if "was tuned on" in m]
+    assert said == ([f"serving table {plan.table.path} was tuned on {tuned_on} but this process runs on "
+                     f"{here}: its picks run right here, but the fastest on {tuned_on} need not be the "
+                     f"fastest here; tune this GPU with `mla-tune sweep --config configs/serving.yaml "
+                     f"--gpu {here}`"] if warned else []), messages
+    assert plan.pick(4, 256.0, [256] * 4) == EAGER_4_256  # the table's pick all the same
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager-runner-up", "graph-default"])

@@ -22,8 +22,10 @@ lengths and block table, and replays a CUDA graph of the layers per batch size. 
   does not depend on the lengths; eagerly the table's estimated fastest for the batch and
   the mean length (`mean_kv_len`, or the mean of `kv_lens_host`, which engines keep on the
   host; the schedule models replay their backends' schedules for `kv_lens_host`),
-  else the graph pick. A family or cell the table lacks runs the preferred backend's
-  default variant (serving/call.py), counted in `misses`; so does a pick whose backend
+  else the graph pick. A table tuned on another GPU than this process's is used, with a
+  warning at the plan (the leaderboard runtime refuses one). A family or cell the table
+  lacks runs the preferred backend's default variant (serving/call.py), counted in
+  `misses`; so does a pick whose backend
   cannot serve the spec here (warned once at the plan: the estimates' next runnable
   variant, else the cell's runner-up, else the default). `update` checks the call's
   layout arguments against the spec once per step (shapes and dtypes only).
@@ -102,6 +104,12 @@ class DecodePlan:
         self._default = Decoder(spec, backend=backend, device=device)
         self.device = self._default.device
         self._decoders: dict[Variant, Decoder] = {self._default.variant: self._default}
+        here = self._default.platform
+        if self.table is not None and here.has_gpu and self.table.gpu != here.name:
+            warnings.warn(f"serving table {self.table.path} was tuned on {self.table.gpu} but this process runs "
+                          f"on {here.name}: its picks run right here, but the fastest on {self.table.gpu} need "
+                          f"not be the fastest here; tune this GPU with `mla-tune sweep --config "
+                          f"configs/serving.yaml --gpu {here.name}`", stacklevel=2)
         family = self.table.family(spec) if self.table is not None else None
         if self.table is not None and family is None:
             families = " ".join(sorted(key.tag for key in self.table.families)) or "none"
