@@ -98,10 +98,10 @@ def _stats(values: list[float]) -> dict:
             "p99_us": round(ordered[math.ceil(0.99 * n) - 1], 1), "max_us": round(ordered[-1], 1)}
 
 
-def _memory(plan: DecodePlan, key, before: int, device: str) -> dict:
+def _memory(plan: DecodePlan, before: int, device: str) -> dict:
     """A plan's split partials in GiB: shared (plan.scratch), each runner's alone summed,
     and on a GPU the device memory allocated while the plan was made."""
-    alone = sum(r.scratch_bytes(MAX_BATCH * key.q_len) for r in plan.runners.values() if hasattr(r, "scratch_bytes"))
+    alone = sum(r.scratch_bytes(plan.max_total_q) for r in plan.runners.values() if hasattr(r, "scratch_bytes"))
     out = {"runners": len(plan.runners), "shared_gib": round(plan.scratch.nbytes / 2**30, 3),
            "alone_gib": round(alone / 2**30, 3)}
     if device != "cpu":
@@ -143,7 +143,7 @@ def main() -> None:
             before = torch.cuda.memory_allocated() if args.device != "cpu" else 0
             plans[key] = DecodePlan(spec, MAX_BATCH, table=None if args.no_lookup else table, device=args.device,
                                     warm=args.warm)
-            memory[key] = _memory(plans[key], key, before, args.device)
+            memory[key] = _memory(plans[key], before, args.device)
     made = time.perf_counter() - made
     times, first, picks, seen, by_family, by_backend = [], [], [], set(), {}, {}
     mixes = list(_mixes(keys, args.mixes, args.seed))

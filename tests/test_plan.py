@@ -335,7 +335,7 @@ def test_a_plans_own_runners_share_one_scratch_sized_for_the_largest():
     each runner's own; steps that alternate between variants stay right."""
     plan = DecodePlan(SPEC, max_batch=8, table=_table())
     runners = list(plan.runners.values())
-    assert len(runners) == 4
+    assert len(runners) == 4 and plan.max_total_q == 8 * SPEC.max_q_len
     base, end = plan.scratch.buffer.data_ptr(), plan.scratch.buffer.data_ptr() + plan.scratch.nbytes
     own = []
     for runner in runners:
@@ -343,7 +343,7 @@ def test_a_plans_own_runners_share_one_scratch_sized_for_the_largest():
         for name in type(workspace).SHARED:
             assert base <= getattr(workspace, name).data_ptr() < end or getattr(workspace, name).numel() == 0
         own.append(plan.scratch.shared_bytes(workspace))
-        assert runner.scratch_bytes(8 * SPEC.max_q_len) == own[-1]
+        assert runner.scratch_bytes(plan.max_total_q) == own[-1]
         counts = getattr(workspace, "count", None)
         assert counts is None or not base <= counts.data_ptr() < end
     assert plan.scratch.nbytes == max(own) < sum(own)

@@ -98,6 +98,8 @@ class DecodePlan:
             raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
         self.spec = spec
         self.max_batch = max_batch
+        # the largest call's new tokens: what the shared partials and warm() are sized for
+        self.max_total_q = max_batch * spec.max_q_len
         self.table = _table(table)
         self.misses: dict[str, int] = {}
         # The default: the preferred backend's untuned variant, for what the table lacks.
@@ -145,7 +147,7 @@ class DecodePlan:
         for decoder in self._decoders.values():
             share = getattr(decoder.runner, "share_scratch", None)
             if share is not None:
-                share(self.scratch, max_batch * spec.max_q_len)
+                share(self.scratch, self.max_total_q)
         if self._unrunnable:
             why = "; ".join(f"{n}: {r}" for n, r in sorted(reasons.items()) if r is not None)
             warnings.warn(f"serving table {self.table.path}: {len(self._unrunnable)} pick(s) for "
