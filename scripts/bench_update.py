@@ -31,8 +31,9 @@ update costs besides the table's lookup (its layout checks and the runner's step
 line per backend of the variant each step ran (update's return: on a machine without the
 vendors, the stand-in that ran); `--json` always holds both. Each plan's split partials are
 printed too: `plan.scratch`, the one buffer its own runners share, beside the sum of what
-each would hold alone (`scratch_bytes` at max_batch; only the runners built here), and on a
-GPU the device memory the plan took while it was made (torch.cuda.memory_allocated).
+each would hold alone (`scratch_bytes` at max_batch; only the runners built here); their
+outputs, `plan.outputs`, beside one output buffer per own runner; and on a GPU the device
+memory the plan took while it was made (torch.cuda.memory_allocated).
 """
 
 from __future__ import annotations
@@ -101,9 +102,11 @@ def _stats(values: list[float]) -> dict:
 def _memory(plan: DecodePlan, before: int, device: str) -> dict:
     """A plan's split partials in GiB: shared (plan.scratch), each runner's alone summed,
     and on a GPU the device memory allocated while the plan was made."""
-    alone = sum(r.scratch_bytes(plan.max_total_q) for r in plan.runners.values() if hasattr(r, "scratch_bytes"))
+    own = [r for r in plan.runners.values() if hasattr(r, "scratch_bytes")]
+    alone = sum(r.scratch_bytes(plan.max_total_q) for r in own)
     out = {"runners": len(plan.runners), "shared_gib": round(plan.scratch.nbytes / 2**30, 3),
-           "alone_gib": round(alone / 2**30, 3)}
+           "alone_gib": round(alone / 2**30, 3), "outputs_gib": round(plan.outputs.nbytes / 2**30, 3),
+           "outputs_alone_gib": round(len(own) * plan.outputs.nbytes / 2**30, 3)}
     if device != "cpu":
         out["allocated_gib"] = round((torch.cuda.memory_allocated() - before) / 2**30, 3)
     return out
@@ -182,12 +185,14 @@ def main() -> None:
         print(f"  {tag:<13} n {s['n']:>5}  median {s['median_us']:>8}  p90 {s['p90_us']:>8}  "
               f"p99 {s['p99_us']:>8}  max {s['max_us']:>8}")
     total = {name: round(sum(m.get(name, 0) for m in memory.values()), 2)
-             for name in ("shared_gib", "alone_gib", "allocated_gib")}
+             for name in ("shared_gib", "alone_gib", "outputs_gib", "outputs_alone_gib", "allocated_gib")}
     print(f"split partials at max_batch {MAX_BATCH} (GiB): shared {total['shared_gib']}, each runner alone "
-          f"{total['alone_gib']}" + (f"; the plans took {total['allocated_gib']} of device memory"
-                                      if args.device != "cpu" else ""))
+          f"{total['alone_gib']}; outputs shared {total['outputs_gib']}, each runner alone "
+          f"{total['outputs_alone_gib']}" + (f"; the plans took {total['allocated_gib']} of device memory"
+                                             if args.device != "cpu" else ""))
     for tag, m in (out["memory"].items() if args.by_family else ()):
         print(f"  {tag:<13} runners {m['runners']:>3}  shared {m['shared_gib']:>7}  alone {m['alone_gib']:>7}"
+              f"  outputs {m['outputs_gib']:>6} / {m['outputs_alone_gib']:>6}"
               + (f"  allocated {m['allocated_gib']:>7}" if "allocated_gib" in m else ""))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")

@@ -257,6 +257,9 @@ def test_a_plan_with_return_lse_returns_out_and_lse_per_layer():
         out, lse = plan.run(inp.q, inp.kv)
         _assert_lse(lse, ref_lse, "plan.run")
         assert float((out.float() - ref).abs().max()) < 0.05
+    # both in plan.outputs: out at its start, the LSE buffer after it (256-byte aligned)
+    base, out_bytes = plan.outputs.buffer.data_ptr(), plan.max_total_q * 16 * 512 * 2
+    assert (out.data_ptr(), lse.data_ptr()) == (base, base + -(-out_bytes // 256) * 256)
 
 
 # --------------------------------------------------------- a uint8 cache, a float kv_scale

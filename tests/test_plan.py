@@ -331,8 +331,9 @@ def test_a_steps_pick_is_the_plans_own_variant_object(heads, q_len, vendors_cann
 
 def test_a_plans_own_runners_share_one_scratch_sized_for_the_largest():
     """The split partials of every own runner are views of plan.scratch, which is the
-    largest runner's at max_batch, not their sum; the fused kernel's arrival counters stay
-    each runner's own; steps that alternate between variants stay right."""
+    largest runner's at max_batch, not their sum, and their outputs views of plan.outputs,
+    one runner's; the fused kernel's arrival counters stay each runner's own; steps that
+    alternate between variants stay right."""
     plan = DecodePlan(SPEC, max_batch=8, table=_table())
     runners = list(plan.runners.values())
     assert len(runners) == 4 and plan.max_total_q == 8 * SPEC.max_q_len
@@ -348,6 +349,10 @@ def test_a_plans_own_runners_share_one_scratch_sized_for_the_largest():
         assert counts is None or not base <= counts.data_ptr() < end
     assert plan.scratch.nbytes == max(own) < sum(own)
     assert f"{max(own) / 2**20:.1f} MiB of shared split partials" in repr(plan)
+    out_bytes = plan.max_total_q * SPEC.heads * 512 * 2
+    assert plan.outputs.nbytes == out_bytes
+    assert {r.out.data_ptr() for r in runners} == {plan.outputs.buffer.data_ptr()}
+    assert all(r.out.shape == (plan.max_total_q, SPEC.heads, 512) for r in runners)
     for seed, (lens, mean) in enumerate([([190, 200, 210], 200), ([5, 9, 300, 17, 2, 64], None),
                                          ([250, 260, 270], 260), ([30, 2, 70, 1, 40, 9, 300, 3], None)]):
         _checked_step(plan, lens, seed=20 + seed, what=f"step {seed}", mean_kv_len=mean)

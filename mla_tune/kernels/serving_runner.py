@@ -6,8 +6,8 @@ triton_fused and gluon_fused backends returns, and the checks their serving laun
 - `OwnServingRunner` (and its `step`, `OwnServingStep`): owns out, the family's workspace
   and the LSE buffer, launches through the family's launcher, records a step's launches at
   its first layer and replays them for the others (kernels/launch.py);
-- `SharedScratch`: one buffer for the partials of several runners of which one runs at a
-  time (a DecodePlan's), where each would hold its own;
+- `SharedScratch`: one buffer for the partials (or the outputs) of several runners of which
+  one runs at a time (a DecodePlan's), where each would hold its own;
 - `check_serving_launch`, `serving_workspace`: the shape, dtype and scratch checks
   flash_decode_serving and fused_decode_serving make before a launch; `check_serving_q`
   and `check_serving_result`, the parts the Gluon serving launcher shares with them.
@@ -19,6 +19,7 @@ the facts come from core.py.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from mla_tune.core import (
     QK_DIM,
@@ -79,7 +80,8 @@ class OwnServingRunner:
     (recording) and replays those launches directly for later layers. `replay_from(record,
     (q, kv, kv_scale))` (kernels/launch.LaunchReplay.build) turns the launches one call
     recorded into a replay, or None (then every layer takes `decode`). `share_scratch(scratch,
-    capacity)`, before the first call, takes the workspace's partials from a SharedScratch."""
+    capacity)`, before the first call, takes the workspace's partials from a SharedScratch,
+    and `share_outputs(outputs, capacity)` out and the LSE buffer from another."""
 
     def __init__(self, name: str, spec: CallSpec, device, decode, workspace_type, max_splits: int,
                  launch: dict, replay_from=None, workspace_args: dict | None = None):
@@ -91,7 +93,7 @@ class OwnServingRunner:
         self._max_splits, self.replay_from = max_splits, replay_from
         self._bf16 = torch.bfloat16
         self.capacity, self.out, self.workspace, self.lse = 0, None, None, None
-        self._scratch = None
+        self._scratch = self._outputs = None
         # The last step's tensors and its (replay, out), for the next step with the same
         # ones (OwnServingStep reads and sets it).
         self.kept = None
@@ -108,11 +110,12 @@ class OwnServingRunner:
             import torch
 
             capacity = max(total_q, 2 * self.capacity)
-            self.out = torch.empty((capacity, spec.heads, V_DIM), dtype=torch.bfloat16, device=self.device)
+            shapes = self._output_shapes(capacity)
+            made = (self._outputs.views(shapes) if self._outputs is not None
+                    else [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in shapes])
+            self.out, self.lse = made[0], (made[1] if spec.return_lse else None)
             self.workspace = (self._workspace(capacity, self.device) if self._scratch is None
                               else self._scratch.place(self._workspace(capacity, "meta")))
-            if spec.return_lse:
-                self.lse = torch.empty((capacity, spec.heads), dtype=torch.float32, device=self.device)
             self.capacity = capacity
             self.kept = None  # its launches wrote the old buffers
         out = self.out[:total_q]
@@ -128,6 +131,25 @@ class OwnServingRunner:
     def _workspace(self, capacity: int, device):
         return self._workspace_type.allocate(capacity, self.spec.heads, self._max_splits, device,
                                              max_q_len=self.spec.max_q_len, **self._workspace_args)
+
+    def _output_shapes(self, capacity: int) -> list:
+        """(shape, dtype) of out and, with spec.return_lse, the LSE buffer at `capacity`."""
+        import torch
+
+        shapes = [((capacity, self.spec.heads, V_DIM), torch.bfloat16)]
+        if self.spec.return_lse:
+            shapes.append(((capacity, self.spec.heads), torch.float32))
+        return shapes
+
+    def share_outputs(self, outputs: SharedScratch, capacity: int) -> None:
+        """Take out (and the LSE buffer) from `outputs` for calls of up to `capacity` new
+        tokens (their bytes reserved now; a larger call's are the runner's own), as
+        share_scratch does the partials: a call's out is read before the plan's next call
+        (stream order), whichever runner that call runs. Before the first call."""
+        if self.capacity:
+            raise ValueError(f"{self.name}: share_outputs goes before the runner's first call")
+        outputs.reserve(SharedScratch.views_bytes(self._output_shapes(capacity)))
+        self._outputs = outputs
 
     def scratch_bytes(self, capacity: int) -> int:
         """The bytes its workspace's shared fields (the split partials) take at `capacity` new
@@ -153,9 +175,10 @@ class OwnServingRunner:
 
 
 class SharedScratch:
-    """One buffer for the partials of several runners of which one runs at a time, in
-    stream order (a DecodePlan's: one variant a step): where each runner would hold its
-    own, they hold views of this, so a plan's scratch is its largest runner's, not their sum.
+    """One buffer for the partials (or the outputs) of several runners of which one runs at
+    a time, in stream order (a DecodePlan's: one variant a step): where each runner would
+    hold its own, they hold views of this, so a plan's scratch is its largest runner's, not
+    their sum.
 
     A workspace type names in `SHARED` the fields that every call writes before it reads
     them (the split partials); those alone are shared. Each runner reserves first
@@ -163,7 +186,8 @@ class SharedScratch:
     allocates the buffer at the largest reservation, and it never moves, so recorded
     launches and captured CUDA graphs keep valid addresses. `place` turns a meta workspace
     into a real one: its SHARED fields views of the buffer (their own tensors where they
-    exceed it), its other tensors its own, zeroed."""
+    exceed it), its other tensors its own, zeroed. `views` does the same for plain (shape,
+    dtype) tensors (a runner's out and LSE buffers, `OwnServingRunner.share_outputs`)."""
 
     ALIGN = 256  # bytes: each view starts aligned for any load the kernels make
 
@@ -191,23 +215,40 @@ class SharedScratch:
         fields in the buffer where they fit."""
         import torch
 
-        if self.buffer is None:
-            self.buffer = torch.empty((self.nbytes,), dtype=torch.uint8, device=self.device)
         shared = type(workspace).SHARED
-        fits, offset = self.shared_bytes(workspace) <= self.nbytes, 0
+        metas = [getattr(workspace, name) for name in shared]
+        for name, real in zip(shared, self.views([(m.shape, m.dtype) for m in metas]), strict=True):
+            setattr(workspace, name, real)
         for field in dataclasses.fields(workspace):
             meta = getattr(workspace, field.name)
-            if not isinstance(meta, torch.Tensor):
-                continue
-            if field.name in shared and fits:
-                real = self.buffer[offset:offset + meta.nbytes].view(meta.dtype).view(meta.shape)
-                offset += self._span(meta.nbytes)
-            elif field.name in shared:
-                real = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
-            else:
-                real = torch.zeros(meta.shape, dtype=meta.dtype, device=self.device)
-            setattr(workspace, field.name, real)
+            if field.name not in shared and isinstance(meta, torch.Tensor):
+                setattr(workspace, field.name, torch.zeros(meta.shape, dtype=meta.dtype, device=self.device))
         return workspace
+
+    @classmethod
+    def views_bytes(cls, shapes) -> int:
+        """The bytes tensors of these (shape, dtype) take in the buffer, each aligned."""
+        import torch
+
+        return sum(cls._span(math.prod(shape) * torch.empty((), dtype=dtype).element_size())
+                   for shape, dtype in shapes)
+
+    def views(self, shapes) -> list:
+        """Tensors of these (shape, dtype), uninitialized: views of the buffer one after the
+        other where they fit in it (allocated at the largest reservation the first time),
+        else each its own."""
+        import torch
+
+        if self.buffer is None:
+            self.buffer = torch.empty((self.nbytes,), dtype=torch.uint8, device=self.device)
+        if self.views_bytes(shapes) > self.nbytes:
+            return [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in shapes]
+        out, offset = [], 0
+        for shape, dtype in shapes:
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            out.append(self.buffer[offset:offset + nbytes].view(dtype).view(shape))
+            offset += self._span(nbytes)
+        return out
 
 
 class OwnServingStep:

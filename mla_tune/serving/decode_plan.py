@@ -15,8 +15,10 @@ lengths and block table, and replays a CUDA graph of the layers per batch size. 
 - The plan builds and warms (compiles, allocates) every runner it may pick for batches up
   to `max_batch`, once: afterwards nothing allocates. The own runners' split partials are
   views of one buffer, `plan.scratch` (kernels/serving_runner.SharedScratch), sized for
-  the largest of them at max_batch: a step runs one variant, so they need not have their
-  own. A plan's calls are therefore in stream order, as an engine's layers are.
+  the largest of them at max_batch, and their outputs (and LSE buffers) views of another,
+  `plan.outputs`: a step runs one variant, so they need not have their own. A plan's calls
+  are therefore in stream order, as an engine's layers are, and a call's output is read
+  before the plan's next call (an own runner's output is its reused buffer in any case).
 - `update` picks the variant from the serving table (serving/table.py) without
   timing anything: in a graph (spec.graph) the graph pick of the batch's bucket, which
   does not depend on the lengths; eagerly the table's estimated fastest for the batch and
@@ -142,12 +144,13 @@ class DecodePlan:
                 reasons[variant.backend] = why_not(variant.backend, spec, self._default.platform)
             if variant not in self._decoders and reasons[variant.backend] is None:
                 self._decoders[variant] = Decoder(spec, variant=variant, device=self.device)
-        # the own runners' partials in one buffer (one runner runs a step); reserved before warm
-        self.scratch = SharedScratch(self.device)
+        # the own runners' partials in one buffer, their outputs in another (one runner runs a
+        # step); reserved before warm
+        self.scratch, self.outputs = SharedScratch(self.device), SharedScratch(self.device)
         for decoder in self._decoders.values():
-            share = getattr(decoder.runner, "share_scratch", None)
-            if share is not None:
-                share(self.scratch, self.max_total_q)
+            if hasattr(decoder.runner, "share_scratch"):
+                decoder.runner.share_scratch(self.scratch, self.max_total_q)
+                decoder.runner.share_outputs(self.outputs, self.max_total_q)
         if self._unrunnable:
             why = "; ".join(f"{n}: {r}" for n, r in sorted(reasons.items()) if r is not None)
             warnings.warn(f"serving table {self.table.path}: {len(self._unrunnable)} pick(s) for "
@@ -358,4 +361,5 @@ class DecodePlan:
     def __repr__(self) -> str:
         return (f"DecodePlan({spec_text(self.spec)}, up to {self.max_batch} sequences, "
                 f"{len(self._decoders)} variant(s), default {self._default.variant}, "
-                f"{self.scratch.nbytes / 2**20:.1f} MiB of shared split partials)")
+                f"{self.scratch.nbytes / 2**20:.1f} MiB of shared split partials, "
+                f"{self.outputs.nbytes / 2**20:.1f} MiB of shared outputs)")
