@@ -27,6 +27,9 @@ tensors before the first timed call instead (the same mixes): what making a step
 just before its call (as an engine does, and the default) costs the call in cache misses.
 `--no-lookup` makes the plans without the table (each runs its default variant): what an
 update costs besides the table's lookup (its layout checks and the runner's step).
+`--profile N` then runs the same steps again under cProfile, untimed, and prints the N
+functions that took the most of update's time (cumulative), per backend of the variant
+each step ran: where a step's host time goes.
 `--by-family` adds a line per family (its own steps: about 1000 / 12 each), `--by-backend` a
 line per backend of the variant each step ran (update's return: on a machine without the
 vendors, the stand-in that ran); `--json` always holds both. Each plan's split partials are
@@ -39,9 +42,11 @@ memory the plan took while it was made (torch.cuda.memory_allocated).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import math
 import os
+import pstats
 import random
 import statistics
 import time
@@ -112,6 +117,37 @@ def _memory(plan: DecodePlan, before: int, device: str) -> dict:
     return out
 
 
+def _profile(plans: dict, mixes: list, device: str, top: int) -> None:
+    """The mixes' updates again under cProfile, untimed, a profile per backend of the
+    variant each step ran (a step's pick is known after its update, so each update is
+    profiled alone and added to its backend's); prints each one's `top` functions by
+    cumulative time."""
+    profiles: dict[str, pstats.Stats] = {}
+    steps: dict[str, int] = {}
+    for key, kv_lens in mixes:
+        step = _tensors(key, kv_lens, device)
+        qo = step.pop("qo_indptr")
+        prof = cProfile.Profile()
+        prof.enable()
+        ran = plans[key].update(qo, **step)
+        prof.disable()
+        if device != "cpu":
+            torch.cuda.synchronize()
+        steps[ran.backend] = steps.get(ran.backend, 0) + 1
+        if ran.backend in profiles:
+            profiles[ran.backend].add(prof)
+        else:
+            profiles[ran.backend] = pstats.Stats(prof)
+    for backend, stats in sorted(profiles.items()):
+        n = steps[backend]
+        print(f"\nupdate's profile over the {n} steps that ran {backend} (cumulative and own us per step, "
+              "calls per step; under the profiler):")
+        rows = sorted(stats.stats.items(), key=lambda item: -item[1][3])[:top]
+        for (path, line, func), (_cc, calls, own, cum, _callers) in rows:
+            where = f"{Path(path).name}:{line}({func})" if line else func
+            print(f"  {cum / n * 1e6:9.1f} {own / n * 1e6:9.1f} {calls / n:7.1f}  {where[:90]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--table", default="tables/H200.serving.yaml")
@@ -133,6 +169,9 @@ def main() -> None:
                     help="also print the update's statistics per backend of the variant each step ran")
     ap.add_argument("--no-lookup", action="store_true",
                     help="plans without the table: the update's cost besides the lookup")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="then the same steps again under cProfile (untimed): the N functions that took "
+                         "the most of update's time, per backend of the variant each step ran")
     args = ap.parse_args()
     table = load_serving_table(args.table)
     keys = sorted(k for k in table.families if k.page_size > 0)
@@ -194,6 +233,8 @@ def main() -> None:
         print(f"  {tag:<13} runners {m['runners']:>3}  shared {m['shared_gib']:>7}  alone {m['alone_gib']:>7}"
               f"  outputs {m['outputs_gib']:>6} / {m['outputs_alone_gib']:>6}"
               + (f"  allocated {m['allocated_gib']:>7}" if "allocated_gib" in m else ""))
+    if args.profile:
+        _profile(plans, mixes, args.device, args.profile)
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
     if args.picks:
