@@ -9,7 +9,7 @@ import torch
 
 from mla_tune import gpu
 from mla_tune.backends import aiter_mla, flash_mla, flashinfer_mla, get_backend
-from mla_tune.core import Variant
+from mla_tune.core import CallSpec, Variant
 from mla_tune.serving import inputs as serving
 from tests.helpers import (
     CELL_GRID,
@@ -191,6 +191,33 @@ def test_flashinfer_replans_only_when_the_lengths_or_the_page_array_change(layou
     assert calls["run"] == 3 + 1 + bool(layout)  # plan() alone runs nothing
 
 
+def test_flashinfer_plans_uniform_steps_from_index_arrays_made_once(monkeypatch):
+    """A uniform q_len's qo_indptr and a block table's row starts are host tensors made once
+    per (step, batch) and passed again unchanged; a ragged step's are its running sums."""
+    fi = _install(monkeypatch, "flashinfer")
+    seen = []
+    plan = fi.mla.BatchMLAPagedAttentionWrapper.plan
+
+    def recording(self, qo_indptr, kv_indptr, *args, **kw):
+        seen.append((qo_indptr, kv_indptr))
+        return plan(self, qo_indptr, kv_indptr, *args, **kw)
+    monkeypatch.setattr(fi.mla.BatchMLAPagedAttentionWrapper, "plan", recording)
+    spec = CallSpec("bf16", page_size=16, heads=16, max_q_len=2, host_lengths=True)  # one q_len a step
+    runner = get_backend("flashinfer").build_serving(get_backend("flashinfer").default_serving_variant(spec, H200),
+                                                     spec, "cpu")
+    for seed, lens in ((1, [40, 5, 70]), (2, [41, 6, 71])):
+        inp = serving.make_input([2, 2, 2], lens, 16, 16, "bf16", seed=seed)
+        _assert_close(call_with_host_lengths(runner, inp), inp.reference(), 1e-2, f"lengths {lens}")
+    (qo1, kv1), (qo2, kv2) = seen
+    width = inp.layout["block_table"].shape[1]
+    assert qo1 is qo2 and qo1.tolist() == [0, 2, 4, 6]
+    assert kv1 is kv2 and kv1.tolist() == [0, width, 2 * width, 3 * width]
+    _, _, mixed = _runner("flashinfer", 16, 16, 2, "bf16")  # ragged q_len
+    ragged = serving.make_input([2, 1, 2], [40, 5, 70], 16, 16, "bf16", seed=3)
+    _assert_close(call_with_host_lengths(mixed, ragged), ragged.reference(), 1e-2, "ragged q_lens")
+    assert seen[-1][0].tolist() == [0, 2, 3, 5]
+
+
 def test_flashinfer_refuses_a_replan_that_changes_a_graphs_grid(monkeypatch):
     """32 heads: q_len 1 packs 32 rows per request (1-CTA clusters), q_len 4 packs 128 (2)."""
     _install(monkeypatch, "flashinfer")
@@ -222,6 +249,30 @@ def test_flash_mla_schedules_every_call_on_the_device(monkeypatch):
         inp = serving_input(spec, lens, seed, "cpu")
         _assert_close(call_with_host_lengths(runner, inp), inp.reference(), 1e-2, f"lengths {lens}")
     assert fm.calls == {"get_mla_decoding_metadata": 2, "flash_mla_with_kvcache": 2}
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_flash_mla_keeps_a_steps_schedule_at_fixed_addresses_only_for_a_graph(graph, monkeypatch):
+    """A graph's layers replay with the schedule's addresses of the capture, so a graph
+    runner copies each step's schedule into buffers it keeps; an eager runner's layers read
+    the schedule as FlashMLA made it (no copy)."""
+    fm = _install(monkeypatch, "flashmla")
+    made = []
+    original = fm.get_mla_decoding_metadata
+
+    def recording(*args, **kw):
+        made.append(original(*args, **kw))
+        return made[-1]
+    monkeypatch.setattr(fm, "get_mla_decoding_metadata", recording)
+    spec, _, runner = _runner("flashmla", 64, 16, 1, "bf16", graph=graph)
+    addresses = []
+    for seed, lens in ((1, [40, 70]), (2, [130, 1])):
+        inp = serving_input(spec, lens, seed, "cpu")
+        step = runner.step(inp.qo_indptr, **inp.layout, q_lens_host=inp.q_lens, kv_lens_host=inp.kv_lens)
+        _assert_close(step(inp.q, inp.kv, inp.kv_scale), inp.reference(), 1e-2, f"lengths {lens}")
+        addresses.append(tuple(t.data_ptr() for t in step.sched))
+        assert (step.sched[0] is made[-1][0]) == (not graph)
+    assert (addresses[0] == addresses[1]) == graph
 
 
 # the fakes answer with these

@@ -298,14 +298,17 @@ def build_serving(variant: Variant, spec: CallSpec, device):
     fixed: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def schedule(seq_lens, q_len: int):
-        """FlashMLA's split schedule (tile metadata, split counts): one launch on the device,
-        copied into buffers this runner keeps per shape, so that the layers read it from the
-        same addresses every step: a graph of the layers replays right after an update made
-        outside it (as engines update before a replay); captured with the layers, the copy is
-        captured too."""
+        """FlashMLA's split schedule (tile metadata, split counts): one launch on the device.
+        With spec.graph, copied into buffers this runner keeps per shape, so that the layers
+        read it from the same addresses every step: a graph of the layers replays right after
+        an update made outside it (as engines update before a replay); captured with the
+        layers, the copy is captured too. An eager runner's layers read it as made (two
+        copies fewer a step: about 25 us of host time on an H100's host, docs/perf.md 3.2)."""
         meta, splits = flash_mla.get_mla_decoding_metadata(
             seq_lens, q_len * heads // NUM_KV_HEADS, NUM_KV_HEADS, h_q=heads, is_fp8_kvcache=fp8,
             use_legacy=True)
+        if not spec.graph:
+            return meta, splits
         key = (tuple(meta.shape), meta.dtype, tuple(splits.shape), splits.dtype)
         if key not in fixed:
             fixed[key] = (torch.empty_like(meta), torch.empty_like(splits))

@@ -39,6 +39,8 @@ Serving call (`build_serving`), as read in flashinfer-python 0.6.18.post1's whee
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from mla_tune.backends.params import PARAM_RULES, check_variant_rules
@@ -204,10 +206,12 @@ def _fi_serving_check(spec: CallSpec, variant: Variant | None = None) -> None:
 
 
 def _fi_running_sum(lengths) -> list[int]:
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + int(n))
-    return out
+    """0 and the running sums of `lengths` (ints)."""
+    return [0, *accumulate(lengths)]
+
+
+# Most arrays a runner keeps of the form 0, step, ..., n x step (its plans' indptrs)
+_FI_STRIDED_KEPT = 1024
 
 
 def _fi_plan_grid(wrapper) -> tuple[int, ...]:
@@ -245,6 +249,19 @@ def build_serving(variant: Variant, spec: CallSpec, device):
     state = {"key": None, "grid": None, "capacity": 0, "out": None, "q_scaled": None, "arange": None,
              "plans": 0, "lse": None}
     with_lse = spec.return_lse
+    strided: dict[tuple[int, int], torch.Tensor] = {}
+
+    def strided_indptr(step: int, n: int) -> torch.Tensor:
+        """0, step, ..., n x step as an int32 host tensor, made once per (step, n) and never
+        written after (the wrapper may keep it): a uniform q_len's qo_indptr, a block table's
+        row starts."""
+        t = strided.get((step, n))
+        if t is None:
+            t = torch.arange(0, (n + 1) * step, step, dtype=torch.int32) if step else torch.zeros(n + 1,
+                                                                                                 dtype=torch.int32)
+            if len(strided) < _FI_STRIDED_KEPT:
+                strided[(step, n)] = t
+        return t
 
     def plan(q, qo_indptr, kv, kv_scale, *, kv_indptr=None, block_table=None, seq_lens=None,
              q_lens_host=None, kv_lens_host=None):
@@ -271,7 +288,7 @@ def build_serving(variant: Variant, spec: CallSpec, device):
         if q_lens_host is None or kv_lens_host is None:
             raise ValueError("flashinfer plans on the host: pass q_lens_host and kv_lens_host (each "
                              "sequence's new tokens and cached tokens, Python lists of ints)")
-        q_lens, kv_lens = tuple(int(n) for n in q_lens_host), tuple(int(n) for n in kv_lens_host)
+        q_lens, kv_lens = tuple(map(int, q_lens_host)), tuple(map(int, kv_lens_host))
         # q may hold more rows than this step's new tokens (a CUDA graph's padding)
         if len(q_lens) != batch or len(kv_lens) != batch or sum(q_lens) > (total_q or sum(q_lens)):
             raise ValueError(f"flashinfer: q_lens_host and kv_lens_host need one entry per sequence ({batch}) "
@@ -293,17 +310,20 @@ def build_serving(variant: Variant, spec: CallSpec, device):
                 raise ValueError("flashinfer reads the block table as its page index array: pass a "
                                  "contiguous block_table")
             width = block_table.shape[1]
-            if any(-(-n // page_size) > width for n in kv_lens):
+            if max(kv_lens) > width * page_size:  # more pages than the table's columns
                 raise ValueError(f"flashinfer: a kv_len of {max(kv_lens)} needs more pages than the block "
                                  f"table's {width} columns")
             kv_indices = block_table.view(-1)
-            kv_starts = [b * width for b in range(batch + 1)]  # row b of the table
+            kv_starts = None  # row b of the table: b x width
         key = (q_lens, kv_lens, kv_indices.data_ptr(), tuple(kv_indices.shape))
         if key == state["key"]:
             return
+        uniform = q_lens.count(q_lens[0]) == batch
         wrapper.plan(
-            qo_indptr=torch.tensor(_fi_running_sum(q_lens), dtype=torch.int32),
-            kv_indptr=torch.tensor(kv_starts, dtype=torch.int32),
+            qo_indptr=(strided_indptr(q_lens[0], batch) if uniform
+                       else torch.tensor(_fi_running_sum(q_lens), dtype=torch.int32)),
+            kv_indptr=(strided_indptr(width, batch) if kv_starts is None
+                       else torch.tensor(kv_starts, dtype=torch.int32)),
             kv_indices=kv_indices,
             kv_len_arr=torch.tensor(kv_lens, dtype=torch.int32),
             num_heads=heads, head_dim_ckv=KV_LORA_RANK, head_dim_kpe=QK_ROPE_DIM,
