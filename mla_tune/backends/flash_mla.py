@@ -303,7 +303,7 @@ def build_serving(variant: Variant, spec: CallSpec, device):
         read it from the same addresses every step: a graph of the layers replays right after
         an update made outside it (as engines update before a replay); captured with the
         layers, the copy is captured too. An eager runner's layers read it as made (two
-        copies fewer a step: about 25 us of host time on an H100's host, docs/perf.md 3.2)."""
+        copies fewer a step: 14-34 us of host time on an H100's host, docs/perf.md 3.2)."""
         meta, splits = flash_mla.get_mla_decoding_metadata(
             seq_lens, q_len * heads // NUM_KV_HEADS, NUM_KV_HEADS, h_q=heads, is_fp8_kvcache=fp8,
             use_legacy=True)
