@@ -223,9 +223,13 @@ def test_flashinfer_refuses_a_replan_that_changes_a_graphs_grid(monkeypatch):
     _install(monkeypatch, "flashinfer")
     _, _, runner = _runner("flashinfer", 0, 32, 4, "bf16", graph=True)
     short = serving.make_input([1, 1], [40, 9], 32, 0, "bf16", seed=1)
+    long = serving.make_input([4, 4], [40, 9], 32, 0, "bf16", seed=1)
     call_with_host_lengths(runner, short)
     with pytest.raises(ValueError, match="launch grid"):
-        call_with_host_lengths(runner, serving.make_input([4, 4], [40, 9], 32, 0, "bf16", seed=1))
+        call_with_host_lengths(runner, long)
+    _, _, eager = _runner("flashinfer", 0, 32, 4, "bf16")  # nothing replays an eager runner's grid
+    for inp in (short, long):
+        _assert_close(call_with_host_lengths(eager, inp), inp.reference(), 1e-2, "eager, either grid")
 
 
 @pytest.mark.parametrize("name,layout",

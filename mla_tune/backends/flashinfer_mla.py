@@ -333,14 +333,17 @@ def build_serving(variant: Variant, spec: CallSpec, device):
         state["key"] = key
         state["plans"] += 1  # a step that planned before runs on a plan no longer there
         # MLAPlanInfo's first two entries are the launch grid (cluster size, clusters): a
-        # graph captured with one grid replays it, so a replan must keep it
-        grid = _fi_plan_grid(wrapper)
-        if spec.graph and state["grid"] is not None and grid != state["grid"]:
-            state["key"] = None
-            raise ValueError(f"flashinfer: this plan's launch grid {grid} differs from the first one "
-                             f"{state['grid']} (2-CTA clusters when the mean q_len x heads exceeds 64), "
-                             "so a captured graph cannot replay it; capture one graph per grid")
-        state["grid"] = state["grid"] or grid
+        # graph captured with one grid replays it, so a graph runner's replan must keep it
+        # (read only there: indexing the plan info took 19-22 us of a step on an H100's host,
+        # docs/perf.md 3.2)
+        if spec.graph:
+            grid = _fi_plan_grid(wrapper)
+            if state["grid"] is not None and grid != state["grid"]:
+                state["key"] = None
+                raise ValueError(f"flashinfer: this plan's launch grid {grid} differs from the first one "
+                                 f"{state['grid']} (2-CTA clusters when the mean q_len x heads exceeds 64), "
+                                 "so a captured graph cannot replay it; capture one graph per grid")
+            state["grid"] = state["grid"] or grid
 
     def buffers(total_q: int):
         """out, fp8's scaled q and the LSE (or None) for total_q new tokens: views of buffers
