@@ -136,13 +136,18 @@ def mix_command(
         help="Another variant to time beside the picks (repeat the option for more).")] = None,
     reps: Annotated[int, typer.Option(min=1, help="Timed calls per measurement (the median is shown).")] = 30,
     seed: Annotated[int, typer.Option(help="The seed of the one input every role runs on.")] = 1,
+    layers: Annotated[int, typer.Option(
+        min=0, help="Also time each role as this many back-to-back layers of one decode step (each its own "
+                    "copy of the KV cache, in a CUDA graph, the L2 not flushed): us per layer, as an "
+                    "engine's step runs them, beside the leaderboard protocol's one flushed call.")] = 0,
     device: _DeviceOption = Device.cuda,
 ) -> None:
     """Check and time a serving table's picks at one batch of given lengths, beside the vendors.
 
     Prints the table's cell for the batch and mean length as swept, then the eager pick, the
     graph pick, each vendor's default variant that runs here and any --variant: us, ratio to
-    the fastest that passes the config's rule, and the check."""
+    the fastest that passes the config's rule, and the check; with --layers, each one's us
+    per layer in an engine-like step too."""
     with _errors():
         from mla_tune.serving.table import FamilyKey
         from mla_tune.serving.time_picks import parse_lens, time_mix
@@ -150,7 +155,7 @@ def mix_command(
 
         kv_lens, extra = parse_lens(lens), parse_variants(variant or [])
         time_mix(table, FamilyKey(kv.value, page, heads, q_len), kv_lens, config=config, variants=extra,
-                 reps=reps, seed=seed, device=check_device(device), log=typer.echo)
+                 reps=reps, seed=seed, device=check_device(device), layers=layers, log=typer.echo)
 
 
 @time_app.command("scan")

@@ -13,6 +13,7 @@ from mla_tune.cli import app
 from mla_tune.core import Variant
 from mla_tune.errors import MlaTuneError
 from mla_tune.serving import gate as gate_module
+from mla_tune.serving import time_picks
 from mla_tune.serving.inputs import ServingInput
 from mla_tune.serving.table import (
     Cell,
@@ -220,6 +221,29 @@ def test_a_scan_times_every_candidate_and_its_budget_copies_at_each_shape(interp
     assert data["shapes"] == ["mix2~19"] and data["batches"] == [2] and len(data["times"]) == 2
     assert all(set(t) == {"mix2~19"} for t in data["times"].values())
     assert "fails the check" not in output
+
+
+def test_a_mix_with_layers_times_each_role_as_a_steps_layers_and_checks_the_last(interpreter, stand_in_timer,
+                                                                                 tmp_path, monkeypatch):
+    """--layers N: each role also as N back-to-back layers of one step (wall clock here: the
+    column's presence and its check are what the CPU can show); past the KV copies' bound the
+    layered column is an error with the reason, the flushed call's figures stand."""
+    table = _table(tmp_path, graph={2: GraphPick(2, DEF, 0.1, 64)})
+    args = ("mix", "--table", table, "--kv", "fp8", "--heads", "16", "--page", "16", "--lens", "30,34",
+            "--reps", "1", "--layers", "2")
+    lines = _run(*args).strip().splitlines()
+    assert any(line.startswith("layer us: each role as 2 back-to-back layers of one step") for line in lines)
+    header = lines.index(next(line for line in lines if line.split()[:2] == ["role", "us"]))
+    assert lines[header].split()[:6] == ["role", "us", "x", "best", "check", "layer"]
+    rows = {line.split()[0]: line.split() for line in lines[header + 1:]}
+    assert [rows[r][1:4] for r in ("eager", "graph")] == [["10.0", "1.000", "ok"], ["20.0", "2.000", "ok"]]
+    assert all(float(rows[r][4]) > 0 and float(rows[r][5]) >= 1.0 for r in ("eager", "graph"))
+    assert min(float(rows[r][5]) for r in ("eager", "graph")) == 1.0
+    monkeypatch.setattr(time_picks, "LAYERED_KV_BYTES", 1)
+    lines = _run(*args).strip().splitlines()
+    eager = next(line for line in lines if line.split()[0] == "eager")
+    assert eager.split()[2:5] == ["1.000", "ok", "error"]  # the stand-in timer counts on: 30, 40
+    assert "--layers 2 needs 0.0 GiB of KV copies, over 0 GiB: give fewer layers or shorter lengths)" in eager
 
 
 def test_a_mix_runs_the_tables_eager_and_graph_picks_and_the_extra_variants(interpreter, stand_in_timer, tmp_path):

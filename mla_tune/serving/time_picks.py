@@ -34,6 +34,9 @@ schedule models' rates read them), the cells and the models' fitted shapes as th
 
 Timing: timing.time_call on a GPU (the leaderboard protocol: L2 flushed, CUDA events,
 median of `reps`); on the CPU (Triton's interpreter, for tests) wall clock, meaningless.
+mix with `layers` N also times each role as an engine's decode step runs it (`layered_us`):
+N back-to-back layers, each over its own copy of q and the KV cache, the step's shared work
+once, captured in a CUDA graph and replayed; us per layer, the last layer's output checked.
 """
 
 from __future__ import annotations
@@ -116,12 +119,66 @@ def _shown(lens: list[int]) -> str:
     return str(lens) if len(lens) <= 8 else f"{lens[:8]}... ({len(lens)})"
 
 
+LAYERED_KV_BYTES = 32 << 30  # the most KV copies `layered_us` makes
+
+
+def layered_us(runner, inp, layers: int, reps: int, device: str, check: Callable) -> float:
+    """us per layer of one decode step of `layers` layers as an engine runs it: the step's
+    shared work once (serving/call.runner_step), then each layer over its own copy of q and
+    of the KV cache, back to back, its output copied out (as the next op reads it); on a GPU
+    captured in a CUDA graph and replayed `reps` times (CUDA events, the L2 not flushed
+    between layers: the median replay over `layers`), on the CPU run once (wall clock,
+    meaningless). `check(out)` judges the last layer's output (its input is the mix's own)."""
+    import torch
+
+    from mla_tune.serving.call import runner_step
+    from mla_tune.serving.inputs import capture_without_sync
+
+    need = layers * inp.kv.nbytes
+    if need > LAYERED_KV_BYTES:
+        raise MlaTuneError(f"--layers {layers} needs {need / 2**30:.1f} GiB of KV copies, over "
+                           f"{LAYERED_KV_BYTES >> 30} GiB: give fewer layers or shorter lengths")
+    kvs = [inp.kv.clone() for _ in range(layers)]
+    qs = [inp.q.clone() for _ in range(layers)]
+    layer = runner_step(runner, inp.qo_indptr, **inp.layout, q_lens_host=inp.q_lens, kv_lens_host=inp.kv_lens)
+    out = None
+
+    def step():
+        nonlocal out
+        for q, kv in zip(qs, kvs, strict=True):
+            got = layer(q, kv, inp.kv_scale)
+            got = got[0] if isinstance(got, tuple) else got
+            if out is None:
+                out = torch.empty_like(got)
+            out.copy_(got)
+
+    if device == "cpu":
+        t0 = time.perf_counter()
+        step()
+        us = (time.perf_counter() - t0) * 1e6 / layers
+    else:
+        graph = capture_without_sync(step)
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / layers)
+        us = statistics.median(times)
+    if not check(out):
+        raise MlaTuneError(f"the last of {layers} layers answered outside the rule")
+    return us
+
+
 def time_mix(table_path: str | Path, key: FamilyKey, kv_lens: list[int], *, config: str | Path | None = None,
              variants: list[Variant] = (), reps: int = 30, seed: int = 1, device: str = "cuda",
-             log: Callable[[str], None] = print) -> list[dict]:
+             layers: int = 0, log: Callable[[str], None] = print) -> list[dict]:
     """`mla-tune time mix` (see the module): returns a row per role (eager, graph, each
     vendor, extra1...): role, variant, us (None when it did not run), ratio to the fastest
-    that passed, passed, error."""
+    that passed, passed, error; with layers > 0 also layer_us (layered_us: None where it
+    did not run, layer_error then says why) and layer_ratio."""
     import torch
 
     from mla_tune import gpu, problem
@@ -165,6 +222,14 @@ def time_mix(table_path: str | Path, key: FamilyKey, kv_lens: list[int], *, conf
                 refs[q_format] = inp.reference(q_format)
             row["passed"] = problem.check(run_call(runner, inp), refs[q_format], cfg.rule).passed
             row["us"] = timer(lambda r=runner: run_call(r, inp), reps=reps).median_us
+            if layers:
+                row.update(layer_us=None, layer_ratio=None, layer_error=None)
+                try:
+                    row["layer_us"] = layered_us(
+                        runner, inp, layers, reps, device,
+                        lambda out, ref=refs[q_format]: problem.check(out[:ref.shape[0]], ref, cfg.rule).passed)
+                except Exception as exc:  # noqa: BLE001 - the layered time is a column, its failure a note
+                    row["layer_error"] = first_line(exc)
             del runner
         except Exception as exc:  # noqa: BLE001 - one role that cannot run is a row, not the end
             row["error"] = first_line(exc)
@@ -181,13 +246,27 @@ def time_mix(table_path: str | Path, key: FamilyKey, kv_lens: list[int], *, conf
     for name, reason in skipped.items():
         if reason is not None:
             log(f"{name}: not timed, it cannot serve this here: {reason}")
-    log(f"{'role':>8} {'us':>9} {'x best':>7} {'check':>6}  variant")
+    best_layer = min((r["layer_us"] for r in rows if r["passed"] and r.get("layer_us")), default=math.nan)
+    if layers:
+        log(f"layer us: each role as {layers} back-to-back layers of one step (their own KV copies; "
+            f"{'a CUDA graph, ' if device != 'cpu' else ''}L2 not flushed), per layer")
+    log(f"{'role':>8} {'us':>9} {'x best':>7} {'check':>6}" + (f" {'layer us':>9} {'x best':>7}" if layers else "")
+        + "  variant")
     for r in rows:
         if r["us"] is None:
-            log(f"{r['role']:>8} {'error':>9} {'':>7} {'':>6}  {r['variant']}: {r['error']}")
+            log(f"{r['role']:>8} {'error':>9} {'':>7} {'':>6}" + (" " * 18 if layers else "")
+                + f"  {r['variant']}: {r['error']}")
             continue
         r["ratio"] = r["us"] / best
-        log(f"{r['role']:>8} {r['us']:9.1f} {r['ratio']:7.3f} {'ok' if r['passed'] else 'FAIL':>6}  {r['variant']}")
+        layered = ""
+        if layers and r.get("layer_us") is not None:
+            r["layer_ratio"] = r["layer_us"] / best_layer
+            layered = f" {r['layer_us']:9.1f} {r['layer_ratio']:7.3f}"
+        elif layers:
+            layered = f" {'error':>9} {'':>7}"
+        note = f" (layers: {r['layer_error']})" if r.get("layer_error") else ""
+        log(f"{r['role']:>8} {r['us']:9.1f} {r['ratio']:7.3f} {'ok' if r['passed'] else 'FAIL':>6}{layered}"
+            f"  {r['variant']}{note}")
     return rows
 
 
