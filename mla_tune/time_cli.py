@@ -184,8 +184,12 @@ def scan_command(
     backends: Annotated[str | None, typer.Option(
         help="Comma-separated backends to time; the default is all the config offers.")] = None,
     reps: Annotated[int, typer.Option(min=1, help="Timed calls per measurement (the median is kept).")] = 20,
+    layers: Annotated[int, typer.Option(
+        min=0, help="Time each candidate as this many back-to-back layers of one decode step (each its "
+                    "own copy of the KV cache, in a CUDA graph, the L2 not flushed; us per layer, the "
+                    "last layer checked) instead of one flushed call.")] = 0,
     json_path: Annotated[Path | None, typer.Option(
-        "--json", help="Write every time here (family, batches, lengths, shapes, times).")] = None,
+        "--json", help="Write every time here (family, batches, lengths, shapes, protocol, times).")] = None,
     device: _DeviceOption = Device.cuda,
 ) -> None:
     """Time a family's serving candidates across one kv bucket's lengths: where a pick holds up.
@@ -193,7 +197,8 @@ def scan_command(
     Every candidate the config offers the family (each call checked against the fp32
     reference under its rule), on uniform batches at --points lengths spread log-evenly over
     the bucket (the lengths an eager call looks it up for), at --lengths, or on one ragged
-    --mix; prints each candidate's regret to the fastest per shape and its worst."""
+    --mix; prints each candidate's regret to the fastest per shape and its worst. With
+    --layers, as an engine's step runs them."""
     with _errors():
         from mla_tune.locate import config_path
         from mla_tune.serving.table import FamilyKey
@@ -207,7 +212,7 @@ def scan_command(
         names = [b.strip() for b in backends.split(",") if b.strip()] if backends else None
         scan_lengths(config_path(config), FamilyKey(kv.value, page, heads, q_len), **where,
                      budget_waves=waves, budget_tokens=tokens, backends=names, reps=reps,
-                     device=check_device(device), json_path=json_path, log=typer.echo)
+                     device=check_device(device), layers=layers, json_path=json_path, log=typer.echo)
 
 
 @time_app.command("points")

@@ -220,7 +220,15 @@ def test_a_scan_times_every_candidate_and_its_budget_copies_at_each_shape(interp
     data = json.loads(out.read_text())
     assert data["shapes"] == ["mix2~19"] and data["batches"] == [2] and len(data["times"]) == 2
     assert all(set(t) == {"mix2~19"} for t in data["times"].values())
-    assert "fails the check" not in output
+    assert "fails the check" not in output and data["protocol"] == "one flushed call"
+    # --layers: each time a layer's of a step (wall clock here), not the stand-in timer's
+    timed = len(stand_in_timer)
+    output = _run("scan", "--kv", "bf16", "--heads", "16", "--page", "16", "--config", CONFIG,
+                  "--mix", "9,30", "--reps", "1", "--layers", "2", "--json", out)
+    data = json.loads(out.read_text())
+    assert data["protocol"] == "a layer of a 2-layer step" and "times: a layer of a 2-layer step" in output
+    assert len(stand_in_timer) == timed and len(data["times"]) == 2
+    assert all(t["mix2~19"] > 0 for t in data["times"].values())
 
 
 def test_a_mix_with_layers_times_each_role_as_a_steps_layers_and_checks_the_last(interpreter, stand_in_timer,

@@ -37,6 +37,7 @@ median of `reps`); on the CPU (Triton's interpreter, for tests) wall clock, mean
 mix with `layers` N also times each role as an engine's decode step runs it (`layered_us`):
 N back-to-back layers, each over its own copy of q and the KV cache, the step's shared work
 once, captured in a CUDA graph and replayed; us per layer, the last layer's output checked.
+scan with `layers` N times every candidate that way instead of the flushed call.
 """
 
 from __future__ import annotations
@@ -286,10 +287,13 @@ def scan_lengths(config: str | Path, key: FamilyKey, *, batches: list[int] | Non
                  bucket: int | None = None, lengths: list[int] | None = None, mix: list[int] | None = None,
                  points: int = 8, budget_waves: list[float] = (), budget_tokens: list[int] = (128,),
                  backends: list[str] | None = None, reps: int = 20, device: str = "cuda",
-                 json_path: str | Path | None = None, log: Callable[[str], None] = print) -> dict:
+                 layers: int = 0, json_path: str | Path | None = None,
+                 log: Callable[[str], None] = print) -> dict:
     """`mla-tune time scan` (see the module). Give `batches` with `bucket` (its lengths are
     scanned) or `lengths`, or `mix` alone (one ragged batch). Returns (and writes to
-    json_path) {family, batches, lengths, shapes, times: {variant: {shape: us}}}."""
+    json_path) {family, batches, lengths, shapes, protocol, times: {variant: {shape: us}}};
+    with layers > 0 each time is us per layer of a step of that many layers (layered_us),
+    else one flushed call's."""
     import torch
 
     from mla_tune import gpu, problem
@@ -339,15 +343,23 @@ def scan_lengths(config: str | Path, key: FamilyKey, *, batches: list[int] | Non
             except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is reported, not fatal
                 log(f"  {v}: {first_line(exc)}")
                 continue
-            if ok:
-                times[str(v)][shape] = timer(lambda r=runners[v], x=inp: run_call(r, x), reps=reps).median_us
-            else:
+            if not ok:
                 log(f"  {v}: fails the check at {shape}")
+            elif layers:
+                try:
+                    times[str(v)][shape] = layered_us(
+                        runners[v], inp, layers, reps, device,
+                        lambda out, ref=refs[q_format]: problem.check(out[:ref.shape[0]], ref, cfg.rule).passed)
+                except Exception as exc:  # noqa: BLE001 - reported, as a candidate that cannot run
+                    log(f"  {v}: {layers} layers at {shape}: {first_line(exc)}")
+            else:
+                times[str(v)][shape] = timer(lambda r=runners[v], x=inp: run_call(r, x), reps=reps).median_us
         del inp, refs
         if device != "cpu":
             torch.cuda.empty_cache()
     best = {n: min((t[n] for t in times.values() if n in t), default=math.nan) for n in shapes}
-    log(f"{key}: batches {batches}, lengths {lengths}")
+    protocol = f"a layer of a {layers}-layer step" if layers else "one flushed call"
+    log(f"{key}: batches {batches}, lengths {lengths}; times: {protocol}")
     log("best us: " + " ".join(f"{best[n]:.1f}" for n in shapes))
     rows = []
     for name, t in times.items():
@@ -356,7 +368,8 @@ def scan_lengths(config: str | Path, key: FamilyKey, *, batches: list[int] | Non
             rows.append((max(regrets), name, regrets))
     for worst, name, regrets in sorted(rows)[:12]:
         log(f"worst {100 * worst:5.1f}%  " + " ".join(f"{100 * r:5.1f}" for r in regrets) + f"  {name}")
-    out = {"family": str(key), "batches": batches, "lengths": lengths, "shapes": shapes, "times": times}
+    out = {"family": str(key), "batches": batches, "lengths": lengths, "shapes": shapes, "protocol": protocol,
+           "times": times}
     if json_path is not None:
         from mla_tune.fileio import atomic_write_text
 
