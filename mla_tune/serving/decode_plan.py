@@ -36,8 +36,8 @@ lengths and block table, and replays a CUDA graph of the layers per batch size. 
   FlashInfer plans on the host from the host lengths (paged KV; contiguous KV at the
   step's first run); FlashMLA computes its split schedule from seq_lens on the device and,
   for a graph plan (spec.graph), copies it into fixed buffers. So an engine may call
-  `update` outside a graph that holds
-  only the runs, before each replay (the protocol above, docs/serving.md), or capture
+  `update` outside a graph that holds only the runs, before each replay (the protocol
+  above, docs/serving.md), or capture
   `update` with the runs when no pick plans on the host (a FlashInfer pick must be
   updated outside the graph: a replay cannot run host code).
 - `run` calls only the step's per-layer function, behind one check of the cache's dtype
