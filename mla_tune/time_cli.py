@@ -238,6 +238,10 @@ def points_command(
              "is ignored; with the gate run, no check per point, as the sweep) and write the table "
              "here with those times as its points' (review it with mla-tune diff; split a long run "
              "with --families).")] = None,
+    layers: Annotated[int, typer.Option(
+        min=0, help="Time every variant as this many back-to-back layers of one decode step (each its own "
+                    "copy of the point's KV cache, in a CUDA graph): us per layer, as an engine's step "
+                    "runs it; with --write the table's points then hold those times.")] = 0,
     device: _DeviceOption = Device.cuda,
 ) -> None:
     """Re-time a serving table's own points on this GPU: do its swept times hold here?
@@ -256,4 +260,4 @@ def points_command(
 
         time_points(table, families=families, points=points, seed=seed, samples=samples, passes=passes,
                     config=config, budget=budget, workers=workers, write=write, device=check_device(device),
-                    json_path=json_path, log=typer.echo)
+                    layers=layers, json_path=json_path, log=typer.echo)

@@ -47,7 +47,8 @@
 #       tables/H200.serving.yaml (POINTS=48 points, POINTS_BUDGET=300 s): its points timed again,
 #       as a sweep step and in verify's alternating passes; the report comes back gzipped.
 #       RETIME=1 (FAMILIES= its --families, TABLE= the table to start from): every point timed
-#       again in passes, the table written back as H200.serving.retimed.yaml
+#       again in passes, the table written back as H200.serving.retimed.yaml; LAYERS=N times
+#       each as a layer of an N-layer step (an engine's step; docs/perf.md 2.7)
 #   SEEDS="101 102" bash scripts/gpu_acceptance.sh serving-adopt   # a serving table built by this
 #       tree from a sweep's results (RESULTS=, default docs/data/sweep/h200-2026-12-02-gluon/
 #       H200.serving.results.jsonl.gz; or TABLE_GZ= a built table) calibrated here,
@@ -350,7 +351,8 @@ serving-points)
   [ "${RETIME:-0}" = 1 ] && retime=(--write "$keep/H200.serving.retimed.yaml" ${FAMILIES:+--families "$FAMILIES"})
   timed points timeout $(( ${POINTS_BUDGET:-300} + 120 )) python3 -m mla_tune time points \
     --table "${TABLE:-tables/H200.serving.yaml}" --points ${POINTS:-48} --budget ${POINTS_BUDGET:-300} \
-    ${retime[@]+"${retime[@]}"} --json "$out/points.json" > "$out/points.log" 2>&1; grep -v -i warn "$out/points.log" | tail -8
+    ${retime[@]+"${retime[@]}"} ${LAYERS:+--layers "$LAYERS"} --json "$out/points.json" > "$out/points.log" 2>&1
+  grep -v -i warn "$out/points.log" | tail -8
   gzip -c "$out/points.json" > "$keep/points.json.gz" 2>/dev/null; cp "$out/points.log" "$keep/"
   ;;
 serving-table)

@@ -227,14 +227,15 @@ def test_a_scan_times_every_candidate_and_its_budget_copies_at_each_shape(interp
                   "--mix", "9,30", "--reps", "1", "--layers", "2", "--json", out)
     data = json.loads(out.read_text())
     assert data["protocol"] == "a layer of a 2-layer step" and "times: a layer of a 2-layer step" in output
-    assert len(stand_in_timer) == timed and len(data["times"]) == 2
-    assert all(t["mix2~19"] > 0 for t in data["times"].values())
+    # the same timer, over a step of 2 layers: its 11th and 12th figures, halved
+    assert [type(call).__name__ for call in stand_in_timer[timed:]] == ["LayeredStep"] * 2
+    assert sorted(t["mix2~19"] for t in data["times"].values()) == [55.0, 60.0]
 
 
 def test_a_mix_with_layers_times_each_role_as_a_steps_layers_and_checks_the_last(interpreter, stand_in_timer,
                                                                                  tmp_path, monkeypatch):
-    """--layers N: each role also as N back-to-back layers of one step (wall clock here: the
-    column's presence and its check are what the CPU can show); past the KV copies' bound the
+    """--layers N: each role also as N back-to-back layers of one step (a LayeredStep, by the
+    same timer: its figure over N), its last layer checked; past the KV copies' bound the
     layered column is an error with the reason, the flushed call's figures stand."""
     table = _table(tmp_path, graph={2: GraphPick(2, DEF, 0.1, 64)})
     args = ("mix", "--table", table, "--kv", "fp8", "--heads", "16", "--page", "16", "--lens", "30,34",
@@ -244,13 +245,14 @@ def test_a_mix_with_layers_times_each_role_as_a_steps_layers_and_checks_the_last
     header = lines.index(next(line for line in lines if line.split()[:2] == ["role", "us"]))
     assert lines[header].split()[:6] == ["role", "us", "x", "best", "check", "layer"]
     rows = {line.split()[0]: line.split() for line in lines[header + 1:]}
-    assert [rows[r][1:4] for r in ("eager", "graph")] == [["10.0", "1.000", "ok"], ["20.0", "2.000", "ok"]]
-    assert all(float(rows[r][4]) > 0 and float(rows[r][5]) >= 1.0 for r in ("eager", "graph"))
-    assert min(float(rows[r][5]) for r in ("eager", "graph")) == 1.0
+    # the stand-in's 10, 20, 30, 40 us: each role's call, then its step of 2 layers (halved)
+    assert [rows[r][1:6] for r in ("eager", "graph")] == [["10.0", "1.000", "ok", "10.0", "1.000"],
+                                                          ["30.0", "3.000", "ok", "20.0", "2.000"]]
+    assert [type(call).__name__ for call in stand_in_timer][1::2] == ["LayeredStep"] * 2
     monkeypatch.setattr(time_picks, "LAYERED_KV_BYTES", 1)
     lines = _run(*args).strip().splitlines()
     eager = next(line for line in lines if line.split()[0] == "eager")
-    assert eager.split()[2:5] == ["1.000", "ok", "error"]  # the stand-in timer counts on: 30, 40
+    assert eager.split()[2:5] == ["1.000", "ok", "error"]  # the stand-in timer counts on: 50, 60
     assert "--layers 2 needs 0.0 GiB of KV copies, over 0 GiB: give fewer layers or shorter lengths)" in eager
 
 
@@ -358,6 +360,19 @@ def test_points_write_times_every_point_in_passes_and_writes_the_table_with_thos
                   "--budget", "0")
     assert load_serving_table(out).families[KEY].points == POINTS
     assert f"not reached in full, so left as swept: {KEY}" in output
+
+
+def test_points_write_with_layers_writes_a_layers_time_in_a_step(interpreter, stand_in_timer, tmp_path):
+    """--layers N: each variant timed as a LayeredStep of N layers (the same timer, its figure
+    over N), every point's KV copied once for its variants; the provenance names the layers."""
+    out = tmp_path / "STEP.serving.yaml"
+    _run("points", "--table", _table(tmp_path, points=POINTS), "--samples", "1", "--passes", "2",
+         "--write", out, "--layers", "2")
+    assert len(stand_in_timer) == 10 and {type(c).__name__ for c in stand_in_timer} == {"LayeredStep"}
+    written = load_serving_table(out)
+    assert written.families[KEY].points == {(1, 32): {S16: 7.5}, (2, 32): {S16: 20.0, DEF: 25.0},
+                                            (2, 64): {S16: 40.0, DEF: 45.0}}  # the passes' medians, halved
+    assert written.provenance["points_retimed"][-1]["layers"] == 2
 
 
 @pytest.mark.parametrize("lost_at", [7, 9])  # the second point's first timing, or its first pass

@@ -34,10 +34,11 @@ schedule models' rates read them), the cells and the models' fitted shapes as th
 
 Timing: timing.time_call on a GPU (the leaderboard protocol: L2 flushed, CUDA events,
 median of `reps`); on the CPU (Triton's interpreter, for tests) wall clock, meaningless.
-mix with `layers` N also times each role as an engine's decode step runs it (`layered_us`):
+mix with `layers` N also times each role as an engine's decode step runs it (`LayeredStep`:
 N back-to-back layers, each over its own copy of q and the KV cache, the step's shared work
-once, captured in a CUDA graph and replayed; us per layer, the last layer's output checked.
-scan with `layers` N times every candidate that way instead of the flushed call.
+once, captured in a CUDA graph and replayed, the same timer, its L2 flush before each step):
+us per layer, the last layer's output checked. scan and points with `layers` N time every
+candidate that way instead of the flushed call (points' --write then writes those times).
 """
 
 from __future__ import annotations
@@ -120,55 +121,63 @@ def _shown(lens: list[int]) -> str:
     return str(lens) if len(lens) <= 8 else f"{lens[:8]}... ({len(lens)})"
 
 
-LAYERED_KV_BYTES = 32 << 30  # the most KV copies `layered_us` makes
+LAYERED_KV_BYTES = 32 << 30  # the most KV copies `layer_copies` makes
 
 
-def layered_us(runner, inp, layers: int, reps: int, device: str, check: Callable) -> float:
-    """us per layer of one decode step of `layers` layers as an engine runs it: the step's
-    shared work once (serving/call.runner_step), then each layer over its own copy of q and
-    of the KV cache, back to back, its output copied out (as the next op reads it); on a GPU
-    captured in a CUDA graph and replayed `reps` times (CUDA events, the L2 not flushed
-    between layers: the median replay over `layers`), on the CPU run once (wall clock,
-    meaningless). `check(out)` judges the last layer's output (its input is the mix's own)."""
-    import torch
-
-    from mla_tune.serving.call import runner_step
-    from mla_tune.serving.inputs import capture_without_sync
-
+def layer_copies(inp, layers: int) -> tuple[list, list]:
+    """(qs, kvs): `layers` copies of the input's q and KV cache, one per layer of a step (an
+    engine's layers each read their own cache); refused past LAYERED_KV_BYTES."""
     need = layers * inp.kv.nbytes
     if need > LAYERED_KV_BYTES:
         raise MlaTuneError(f"--layers {layers} needs {need / 2**30:.1f} GiB of KV copies, over "
                            f"{LAYERED_KV_BYTES >> 30} GiB: give fewer layers or shorter lengths")
-    kvs = [inp.kv.clone() for _ in range(layers)]
-    qs = [inp.q.clone() for _ in range(layers)]
-    layer = runner_step(runner, inp.qo_indptr, **inp.layout, q_lens_host=inp.q_lens, kv_lens_host=inp.kv_lens)
-    out = None
+    return [inp.q.clone() for _ in range(layers)], [inp.kv.clone() for _ in range(layers)]
 
-    def step():
-        nonlocal out
-        for q, kv in zip(qs, kvs, strict=True):
-            got = layer(q, kv, inp.kv_scale)
-            got = got[0] if isinstance(got, tuple) else got
-            if out is None:
-                out = torch.empty_like(got)
-            out.copy_(got)
 
-    if device == "cpu":
-        t0 = time.perf_counter()
-        step()
-        us = (time.perf_counter() - t0) * 1e6 / layers
-    else:
-        graph = capture_without_sync(step)
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / layers)
-        us = statistics.median(times)
-    if not check(out):
+class LayeredStep:
+    """One decode step as an engine runs it: the step's shared work once
+    (serving/call.runner_step, here, when it is made), then each layer over its own copy of
+    q and of the KV cache (`copies`: layer_copies'), back to back, its output copied out (as
+    the next op reads it). Calling it runs the step: on a GPU a CUDA graph of the layers,
+    captured here and replayed; on the CPU the layers themselves. `out`: the last layer's
+    output; `layers`: how many. A timer's figure over it, divided by `layers`, is a layer's
+    time in a step (timing.time_call flushes the L2 before each step, as the rest of the
+    model's step would; the layers themselves run back to back)."""
+
+    def __init__(self, runner, inp, copies: tuple[list, list], device: str):
+        import torch
+
+        from mla_tune.serving.call import runner_step
+        from mla_tune.serving.inputs import capture_without_sync
+
+        self._qs, self._kvs = copies
+        self.layers, self._scale = len(self._qs), inp.kv_scale
+        self._layer = runner_step(runner, inp.qo_indptr, **inp.layout, q_lens_host=inp.q_lens,
+                                  kv_lens_host=inp.kv_lens)
+        got = self._layer(self._qs[0], self._kvs[0], self._scale)
+        got = got[0] if isinstance(got, tuple) else got
+        self.out = torch.empty_like(got).copy_(got)
+        self._graph = capture_without_sync(self._step) if device != "cpu" else None
+
+    def _step(self) -> None:
+        for q, kv in zip(self._qs, self._kvs, strict=True):
+            got = self._layer(q, kv, self._scale)
+            self.out.copy_(got[0] if isinstance(got, tuple) else got)
+
+    def __call__(self):
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            self._step()
+        return self.out
+
+
+def layered_us(runner, inp, layers: int, reps: int, device: str, check: Callable, timer: Callable) -> float:
+    """us per layer of a LayeredStep of `layers` layers: timer(step, reps)'s median over
+    `layers`; `check(out)` judges the last layer's output (its input is `inp`'s own)."""
+    step = LayeredStep(runner, inp, layer_copies(inp, layers), device)
+    us = timer(step, reps).median_us / layers
+    if not check(step.out):
         raise MlaTuneError(f"the last of {layers} layers answered outside the rule")
     return us
 
@@ -228,7 +237,8 @@ def time_mix(table_path: str | Path, key: FamilyKey, kv_lens: list[int], *, conf
                 try:
                     row["layer_us"] = layered_us(
                         runner, inp, layers, reps, device,
-                        lambda out, ref=refs[q_format]: problem.check(out[:ref.shape[0]], ref, cfg.rule).passed)
+                        lambda out, ref=refs[q_format]: problem.check(out[:ref.shape[0]], ref, cfg.rule).passed,
+                        timer)
                 except Exception as exc:  # noqa: BLE001 - the layered time is a column, its failure a note
                     row["layer_error"] = first_line(exc)
             del runner
@@ -249,8 +259,8 @@ def time_mix(table_path: str | Path, key: FamilyKey, kv_lens: list[int], *, conf
             log(f"{name}: not timed, it cannot serve this here: {reason}")
     best_layer = min((r["layer_us"] for r in rows if r["passed"] and r.get("layer_us")), default=math.nan)
     if layers:
-        log(f"layer us: each role as {layers} back-to-back layers of one step (their own KV copies; "
-            f"{'a CUDA graph, ' if device != 'cpu' else ''}L2 not flushed), per layer")
+        log(f"layer us: each role as {layers} back-to-back layers of one step (their own KV copies"
+            f"{', a CUDA graph' if device != 'cpu' else ''}; the L2 flushed before the step only), per layer")
     log(f"{'role':>8} {'us':>9} {'x best':>7} {'check':>6}" + (f" {'layer us':>9} {'x best':>7}" if layers else "")
         + "  variant")
     for r in rows:
@@ -349,7 +359,8 @@ def scan_lengths(config: str | Path, key: FamilyKey, *, batches: list[int] | Non
                 try:
                     times[str(v)][shape] = layered_us(
                         runners[v], inp, layers, reps, device,
-                        lambda out, ref=refs[q_format]: problem.check(out[:ref.shape[0]], ref, cfg.rule).passed)
+                        lambda out, ref=refs[q_format]: problem.check(out[:ref.shape[0]], ref, cfg.rule).passed,
+                        timer)
                 except Exception as exc:  # noqa: BLE001 - reported, as a candidate that cannot run
                     log(f"  {v}: {layers} layers at {shape}: {first_line(exc)}")
             else:
@@ -380,14 +391,17 @@ def scan_lengths(config: str | Path, key: FamilyKey, *, batches: list[int] | Non
 def time_points(table_path: str | Path, *, families: str | None = None, points: int = 24, seed: int = 0,
                 samples: int = 5, passes: int = 4, config: str | Path | None = None, budget: float | None = None,
                 workers: int | None = None, write: str | Path | None = None, device: str = "cuda",
-                json_path: str | Path | None = None, log: Callable[[str], None] = print) -> dict:
+                layers: int = 0, json_path: str | Path | None = None,
+                log: Callable[[str], None] = print) -> dict:
     """`mla-tune time points` (see the module). With workers > 0 (None: the config's
     gate_workers on a GPU, 0 on the CPU) the variants go through the config's gate in that
     many processes first, which compiles them (as verify does); one the gate rejects is not
     timed. With `write`, every point of the chosen families is timed, in one round of
     alternating passes only, and the table is written there with those times as its points'
     (`_write_points`); its variants are then checked at each point only where the gate did
-    not run (as the sweep: the gate admits, the cells are timed). Returns (and writes to
+    not run (as the sweep: the gate admits, the cells are timed). With layers > 0 every time
+    is a layer's of a LayeredStep of that many layers (the point's KV copied once for all
+    its variants), and the protocol says so. Returns (and writes to
     json_path) {table, device, protocol, points: [{family, batch, kv_len, variants:
     {variant: {table, passes[, fresh, again]}}, failed}], summary: {comparison: spread},
     by_backend: {backend: {n, median of passes / table}}, written}."""
@@ -433,7 +447,8 @@ def time_points(table_path: str | Path, *, families: str | None = None, points: 
             log(f"--budget {budget:g} s spent: {len(chosen) - i} points not timed")
             break
         rows.append(_time_point(cfg, table, key, batch, kv, seed * 1000 + i, samples, passes, rejected,
-                                compare=write is None, check=write is None or workers == 0, device=device))
+                                compare=write is None, check=write is None or workers == 0, device=device,
+                                layers=layers))
         _point_lines(rows[-1], key.tag, log)
         if rows[-1].pop("lost_context", False):
             log(f"the CUDA context was lost at this point: {len(chosen) - i - 1} points not timed (nothing after "
@@ -461,7 +476,8 @@ def time_points(table_path: str | Path, *, families: str | None = None, points: 
     if by_backend:
         log("passes / table per backend, median (n): " + ", ".join(
             f"{b} {s['median']:.3f} ({s['n']})" for b, s in by_backend.items()))
-    protocol = {"samples": samples, "passes": passes, "timer": "time_call" if device != "cpu" else "cpu_time"}
+    protocol = {"samples": samples, "passes": passes, "timer": "time_call" if device != "cpu" else "cpu_time",
+                **({"layers": layers} if layers else {})}
     out = {"table": str(table_path), "device": where, "protocol": protocol, "points": rows, "summary": summary,
            "by_backend": by_backend, "written": None}
     if write is not None:
@@ -474,11 +490,12 @@ def time_points(table_path: str | Path, *, families: str | None = None, points: 
 
 
 def _time_point(cfg, table, key: FamilyKey, batch: int, kv: int, seed: int, samples: int, passes: int,
-                rejected: dict, *, compare: bool, check: bool, device: str) -> dict:
+                rejected: dict, *, compare: bool, check: bool, device: str, layers: int = 0) -> dict:
     """One point of `time_points`: its row, each variant checked against the reference (where
     `check`), then (compare) timed as a sweep step, then all in a round of alternating passes
-    (and, compare, a second round in the reverse order). An error that loses the CUDA
-    context ends the point with `lost_context` in its row."""
+    (and, compare, a second round in the reverse order); with layers > 0 each timed as a
+    layer of a LayeredStep. An error that loses the CUDA context ends the point with
+    `lost_context` in its row."""
     import torch
 
     from mla_tune import problem
@@ -495,6 +512,16 @@ def _time_point(cfg, table, key: FamilyKey, batch: int, kv: int, seed: int, samp
                      device=device)
     refs, row = {}, {"family": key.as_dict(), "batch": batch, "kv_len": kv, "variants": {}, "failed": {}}
     fresh, runners = {}, {}
+    per = max(layers, 1)  # a timed call's layers: its time over this is a layer's
+    try:
+        copies = layer_copies(inp, layers) if layers else None
+    except MlaTuneError as exc:
+        row["failed"] = {str(v): str(exc) for v in swept}
+        return row
+
+    def timed(v, runner):
+        return (LayeredStep(runner, inp, copies, device) if layers
+                else TimedCall(v, key, batch, kv, runner, inp))
     for v in sorted(swept, key=swept.get):
         if (key, v) in rejected:
             row["failed"][str(v)] = rejected[(key, v)]
@@ -507,16 +534,17 @@ def _time_point(cfg, table, key: FamilyKey, batch: int, kv: int, seed: int, samp
             if check and not problem.check(run_call(runner, inp), refs[q_format], cfg.rule).passed:
                 row["failed"][str(v)] = f"fails the {cfg.rule.name} check"
                 continue
+            call = timed(v, runner)
             if compare:
-                fresh[v] = timer(TimedCall(v, key, batch, kv, runner, inp), samples * passes).median_us
-            runners[v] = runner
+                fresh[v] = timer(call, samples * passes).median_us / per
+            runners[v] = call
         except Exception as exc:  # noqa: BLE001 - a variant that cannot run is reported, not fatal
             row["failed"][str(v)] = first_line(exc)
             if poisons_context(exc):  # nothing after it can run
                 row["lost_context"] = True
                 runners.clear()
                 break
-    calls = {v: TimedCall(v, key, batch, kv, runner, inp) for v, runner in runners.items()}
+    calls = dict(runners)
 
     def failed(v, exc):
         row["failed"][str(v)] = first_line(exc)
@@ -532,10 +560,10 @@ def _time_point(cfg, table, key: FamilyKey, batch: int, kv: int, seed: int, samp
         runners.clear()
     for v in runners:
         if str(v) not in row["failed"]:
-            row["variants"][str(v)] = {"table": swept[v], "passes": statistics.median(rounds[0][v])}
+            row["variants"][str(v)] = {"table": swept[v], "passes": statistics.median(rounds[0][v]) / per}
             if compare:
-                row["variants"][str(v)].update(fresh=fresh[v], again=statistics.median(rounds[1][v]))
-    calls = runners = inp = refs = None  # the point's input and runners go before the next's
+                row["variants"][str(v)].update(fresh=fresh[v], again=statistics.median(rounds[1][v]) / per)
+    calls = runners = inp = refs = copies = None  # the point's input and runners go before the next's
     if device != "cpu":
         torch.cuda.empty_cache()
     return row
