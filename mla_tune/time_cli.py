@@ -138,8 +138,8 @@ def mix_command(
     seed: Annotated[int, typer.Option(help="The seed of the one input every role runs on.")] = 1,
     layers: Annotated[int, typer.Option(
         min=0, help="Also time each role as this many back-to-back layers of one decode step (each its own "
-                    "copy of the KV cache, in a CUDA graph, the L2 not flushed): us per layer, as an "
-                    "engine's step runs them, beside the leaderboard protocol's one flushed call.")] = 0,
+                    "copy of the KV cache, in a CUDA graph, the L2 flushed before the step): us per layer, "
+                    "as an engine's step runs them, beside the leaderboard protocol's one flushed call.")] = 0,
     device: _DeviceOption = Device.cuda,
 ) -> None:
     """Check and time a serving table's picks at one batch of given lengths, beside the vendors.
@@ -184,10 +184,11 @@ def scan_command(
     backends: Annotated[str | None, typer.Option(
         help="Comma-separated backends to time; the default is all the config offers.")] = None,
     reps: Annotated[int, typer.Option(min=1, help="Timed calls per measurement (the median is kept).")] = 20,
-    layers: Annotated[int, typer.Option(
+    layers: Annotated[int | None, typer.Option(
         min=0, help="Time each candidate as this many back-to-back layers of one decode step (each its "
-                    "own copy of the KV cache, in a CUDA graph, the L2 not flushed; us per layer, the "
-                    "last layer checked) instead of one flushed call.")] = 0,
+                    "own copy of the KV cache, in a CUDA graph, the L2 flushed before the step; us per "
+                    "layer, the last layer checked); 0: one flushed call. Default: the config's "
+                    "search.step_layers.")] = None,
     json_path: Annotated[Path | None, typer.Option(
         "--json", help="Write every time here (family, batches, lengths, shapes, protocol, times).")] = None,
     device: _DeviceOption = Device.cuda,
@@ -238,10 +239,12 @@ def points_command(
              "is ignored; with the gate run, no check per point, as the sweep) and write the table "
              "here with those times as its points' (review it with mla-tune diff; split a long run "
              "with --families).")] = None,
-    layers: Annotated[int, typer.Option(
+    layers: Annotated[int | None, typer.Option(
         min=0, help="Time every variant as this many back-to-back layers of one decode step (each its own "
                     "copy of the point's KV cache, in a CUDA graph): us per layer, as an engine's step "
-                    "runs it; with --write the table's points then hold those times.")] = 0,
+                    "runs it; 0: one flushed call; with --write the table's points then hold those times. "
+                    "Default: the table's config's search.step_layers (the protocol its points were "
+                    "timed under).")] = None,
     device: _DeviceOption = Device.cuda,
 ) -> None:
     """Re-time a serving table's own points on this GPU: do its swept times hold here?

@@ -449,6 +449,33 @@ def test_cell_lengths_are_a_search_option_that_changes_the_hash_and_the_timed_le
     assert _named(_picks(table)[0]) == {(1, 32): "A", (1, 64): "B", (2, 32): "A", (2, 64): "B"}
 
 
+def test_step_layers_time_every_candidate_as_a_layer_of_a_step_and_change_the_hash(tiny, tmp_path):
+    """search.step_layers N (0 by default, and the hash without it): every step of the sweep
+    times a LayeredStep of N layers, its time over N (the made-up time here, halved), and the
+    table's provenance says so; the picks follow the times as before."""
+    assert tiny.search.step_layers == 0
+    stepped = _config("step.yaml", {"step_layers": 2})
+    assert stepped.search.step_layers == 2 and stepped.hash != tiny.hash
+    seen = []
+
+    class StepTimer(FakeTimer):
+        def __call__(self, call, reps):
+            seen.append(type(call).__name__)
+            return super().__call__(call, reps)
+    timer = StepTimer(run=True)
+    summary = _sweep(stepped, tmp_path, timer)
+    assert set(seen) == {"LayeredStep"}
+    table = load_serving_table(summary["table"])
+    assert table.provenance["search"]["step_layers"] == 2
+    plain = load_serving_table(_sweep(tiny, tmp_path / "plain", FakeTimer())["table"])
+    assert _picks(table) == _picks(plain) and "step_layers" not in plain.provenance["search"]
+    fam, plain_fam = (next(iter(t.families.values())) for t in (table, plain))
+    assert {at: c.time_us * 2 for at, c in fam.cells.items()} == {at: c.time_us for at, c in plain_fam.cells.items()}
+    for bad in (-1, 65, 1.5, True):
+        with pytest.raises(ServingConfigError, match=r"search\.step_layers.*integer 0\.\.64"):
+            _config("bad.yaml", {"step_layers": bad})
+
+
 def _edge_timer() -> FakeTimer:
     """TIMES, except that A is twice as slow at batch 2 (the edge of the bucket of 4 after 1)."""
     return FakeTimer(slow=lambda call: 2.0 if call.batch == 2 and name(call.variant) == "A" else 1.0)

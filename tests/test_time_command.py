@@ -13,7 +13,7 @@ from mla_tune.cli import app
 from mla_tune.core import Variant
 from mla_tune.errors import MlaTuneError
 from mla_tune.serving import gate as gate_module
-from mla_tune.serving import time_picks
+from mla_tune.serving import measure as measure_module
 from mla_tune.serving.inputs import ServingInput
 from mla_tune.serving.table import (
     Cell,
@@ -249,11 +249,11 @@ def test_a_mix_with_layers_times_each_role_as_a_steps_layers_and_checks_the_last
     assert [rows[r][1:6] for r in ("eager", "graph")] == [["10.0", "1.000", "ok", "10.0", "1.000"],
                                                           ["30.0", "3.000", "ok", "20.0", "2.000"]]
     assert [type(call).__name__ for call in stand_in_timer][1::2] == ["LayeredStep"] * 2
-    monkeypatch.setattr(time_picks, "LAYERED_KV_BYTES", 1)
+    monkeypatch.setattr(measure_module, "LAYERED_KV_BYTES", 1)
     lines = _run(*args).strip().splitlines()
     eager = next(line for line in lines if line.split()[0] == "eager")
     assert eager.split()[2:5] == ["1.000", "ok", "error"]  # the stand-in timer counts on: 50, 60
-    assert "--layers 2 needs 0.0 GiB of KV copies, over 0 GiB: give fewer layers or shorter lengths)" in eager
+    assert "2 layers need 0.0 GiB of KV copies, over 0 GiB: give fewer layers or shorter lengths)" in eager
 
 
 def test_a_mix_runs_the_tables_eager_and_graph_picks_and_the_extra_variants(interpreter, stand_in_timer, tmp_path):

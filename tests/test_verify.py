@@ -2,6 +2,7 @@
 are known and a made-up timer, so that the regrets are known."""
 
 import copy
+import dataclasses
 import json
 import math
 
@@ -141,6 +142,26 @@ def test_regret_is_the_picks_time_over_the_best_correct_candidate(tiny, tmp_path
     assert saved["schema"] == vf.VERIFY_SCHEMA and saved["options"]["seed"] == 3
     assert saved["config"]["hash"] == cfg.hash and saved["versions"]["torch"]
     assert saved["shapes"][0]["final_us"] and saved["shapes"][0]["input_seed"] == report["shapes"][0]["input_seed"]
+
+
+def test_a_table_swept_as_steps_is_verified_as_steps(tiny):
+    """A config with search.step_layers N: verify times every candidate as a LayeredStep of N
+    layers (its figures over N: the same regrets, best_us over N) and the report says so."""
+    cfg, table_path, names = tiny
+    stepped = dataclasses.replace(cfg, search=dataclasses.replace(cfg.search, step_layers=2))
+    seen = set()
+
+    class StepTimer(FakeTimer):
+        def __call__(self, call, reps):
+            seen.add(type(call).__name__)
+            return super().__call__(call, reps)
+    kw = dict(shapes=1, ragged=0, seed=3, samples=1, device="cpu", log=lambda _: None)
+    plain = vf.run_verify(table_path, timer=FakeTimer(names), **kw)
+    report = vf.run_verify(table_path, config=stepped, timer=StepTimer(names), **kw)
+    assert seen == {"LayeredStep"} and report["protocol"]["step_layers"] == 2
+    assert "step_layers" not in plain["protocol"]
+    (r,), (p,) = report["shapes"], plain["shapes"]
+    assert r["regret"] == pytest.approx(p["regret"]) and r["best_us"] == pytest.approx(p["best_us"] / 2)
 
 
 def test_a_candidate_the_gate_rejects_does_not_compete_for_best(tiny, monkeypatch):

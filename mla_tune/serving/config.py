@@ -36,7 +36,8 @@ CALL_FIELDS = {"mixed_q_len", "host_lengths", "graph"}
 GATE_FIELDS = {"ragged_kv_lens", "tail_kv_len", "tail_batch", "margin", "reference_q"}
 REFERENCE_Q = ("exact", "variant")
 SEARCH_FIELDS = {"rungs", "keep", "min_keep", "cross_top"}
-SEARCH_OPTIONAL = {"cell_lengths", "batch_edge"}
+SEARCH_OPTIONAL = {"cell_lengths", "batch_edge", "step_layers"}
+STEP_LAYERS_MAX = 64
 CELL_LENGTHS = ("aligned", "spread")  # sweep.cell_kv_lens
 LEFT_OUT_CONDITIONS = ("max_kv_bytes", "max_tokens")
 LEFT_OUT_MATCH = ("kv_format", "heads", "q_len", "page_size")
@@ -89,7 +90,11 @@ class ServingSearch:
     `spread`, the batch's lengths spread over the lengths the bucket serves. `batch_edge`:
     the union of the bucket's kv cells' best `cross_top` is also timed at every kv cell at
     the smallest batch the bucket serves (the bucket below plus one: cells.edge_batch), and
-    a cell's eager pick weighs that edge beside the cell (build.eager_pick)."""
+    a cell's eager pick weighs that edge beside the cell (build.eager_pick). `step_layers`
+    N > 0: every time (the sweep's, verify's, `time points`') is a layer's in a decode step
+    of N layers back to back (serving/measure.LayeredStep: the step's shared work once, each
+    layer its own KV copy, the L2 flushed before the step), an engine's step, where 0 (the
+    default) times one flushed call (docs/perf.md 2.7)."""
 
     rungs: tuple[int, ...]
     keep: float
@@ -97,6 +102,7 @@ class ServingSearch:
     cross_top: int
     cell_lengths: str = "aligned"
     batch_edge: bool = False
+    step_layers: int = 0
 
 
 @dataclass(frozen=True)
@@ -349,8 +355,12 @@ def _search(value: Any, fail) -> ServingSearch:
     batch_edge = value.get("batch_edge", ServingSearch.batch_edge)
     if not isinstance(batch_edge, bool):
         raise fail("search.batch_edge", f"must be true or false, got {batch_edge!r}")
+    step_layers = value.get("step_layers", ServingSearch.step_layers)
+    if not (_int(step_layers) and 0 <= step_layers <= STEP_LAYERS_MAX):
+        raise fail("search.step_layers", f"must be an integer 0..{STEP_LAYERS_MAX} (layers of a decode step "
+                   f"each time is a layer of; 0: one flushed call), got {step_layers!r}")
     return ServingSearch(tuple(rungs), float(keep), value["min_keep"], value["cross_top"], cell_lengths,
-                         batch_edge)
+                         batch_edge, step_layers)
 
 
 def _backends(value: Any, fail) -> dict[str, list[dict]]:

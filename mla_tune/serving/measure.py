@@ -22,6 +22,7 @@ import torch
 
 from mla_tune.backends import get_backend
 from mla_tune.core import CallSpec, Variant
+from mla_tune.errors import MlaTuneError
 from mla_tune.serving.gate import RUN_ERRORS, error_text, poisons_context, run_call
 from mla_tune.serving.inputs import ServingInput, make_input
 from mla_tune.serving.table import FamilyKey
@@ -58,6 +59,64 @@ class TimedCall:
         return run_call(self.runner, self.inp)
 
 
+# The most KV copies a LayeredStep's layers take (layer_copies)
+LAYERED_KV_BYTES = 32 << 30
+
+
+def layer_copies(inp: ServingInput, layers: int) -> tuple[list, list]:
+    """(qs, kvs): `layers` copies of the input's q and KV cache, one per layer of a step (an
+    engine's layers each read their own cache); refused past LAYERED_KV_BYTES."""
+    need = layers * inp.kv.nbytes
+    if need > LAYERED_KV_BYTES:
+        raise MlaTuneError(f"{layers} layers need {need / 2**30:.1f} GiB of KV copies, over "
+                           f"{LAYERED_KV_BYTES >> 30} GiB: give fewer layers or shorter lengths")
+    return [inp.q.clone() for _ in range(layers)], [inp.kv.clone() for _ in range(layers)]
+
+
+class LayeredStep:
+    """One decode step of a TimedCall's runner as an engine runs it: the step's shared work
+    once (serving/call.runner_step, here, when it is made), then each layer over its own copy
+    of q and of the KV cache (`copies`: layer_copies'), back to back, its output copied out
+    (as the next op reads it). Calling it runs the step: on a GPU a CUDA graph of the layers,
+    captured here and replayed; on the CPU the layers themselves. `out`: the last layer's
+    output; `layers`: how many; the TimedCall's variant, family, batch, kv_len, runner and inp
+    as its own (the timers and checks read them). A timer's figure over it, divided by
+    `layers` (`per_layer`), is a layer's time in a step: timing.time_call flushes the L2
+    before each step, as the rest of a model's step would; the layers run back to back."""
+
+    def __init__(self, call: TimedCall, copies: tuple[list, list], device: str):
+        from mla_tune.serving.call import runner_step
+        from mla_tune.serving.inputs import capture_without_sync
+
+        self.variant, self.family, self.batch, self.kv_len = call.variant, call.family, call.batch, call.kv_len
+        self.runner, self.inp = call.runner, call.inp
+        self._qs, self._kvs = copies
+        self.layers, self._scale = len(self._qs), self.inp.kv_scale
+        self._layer = runner_step(self.runner, self.inp.qo_indptr, **self.inp.layout, q_lens_host=self.inp.q_lens,
+                                  kv_lens_host=self.inp.kv_lens)
+        got = self._layer(self._qs[0], self._kvs[0], self._scale)
+        got = got[0] if isinstance(got, tuple) else got
+        self.out = torch.empty_like(got).copy_(got)
+        self._graph = capture_without_sync(self._step) if str(device) != "cpu" else None
+
+    def _step(self) -> None:
+        for q, kv in zip(self._qs, self._kvs, strict=True):
+            got = self._layer(q, kv, self._scale)
+            self.out.copy_(got[0] if isinstance(got, tuple) else got)
+
+    def __call__(self):
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            self._step()
+        return self.out
+
+
+def per_layer(t: timing.Timing, layers: int) -> timing.Timing:
+    """A step's timing as one of its `layers` layers' (every figure over `layers`)."""
+    return timing.Timing(t.median_us / layers, t.p10_us / layers, t.p90_us / layers, t.samples)
+
+
 def event_probe(call) -> float:
     """One warm call's GPU time (us) by CUDA events: no L2 flush (a warm cache flatters the
     candidate, so a pruning decision errs towards keeping it) and no host time: a sleep
@@ -82,7 +141,8 @@ def event_probe(call) -> float:
 class MeasureJob:
     """One step: `variant` at the cell (family, batch, kv_len) on inputs of `kv_lens`
     (seed `seed`), `samples` samples; with `prune_over`, a probe first, and pruned when
-    one call takes longer (us). `timer` and `probe` name the functions a worker uses."""
+    one call takes longer (us). `timer` and `probe` name the functions a worker uses. With
+    `layers`, the probe and the samples time a LayeredStep of that many layers, per layer."""
 
     spec: CallSpec
     family: FamilyKey
@@ -96,6 +156,7 @@ class MeasureJob:
     prune_over: float | None = None
     timer: str = CPU_TIMER
     probe: str = ""
+    layers: int = 0  # > 0: timed as a layer of a LayeredStep of this many (search.step_layers)
 
 
 def cell_input(job: MeasureJob, cache: dict) -> ServingInput:
@@ -118,12 +179,18 @@ def measure(job: MeasureJob, cache: dict, timer: Callable, probe: Callable | Non
     try:
         runner = get_backend(variant.backend).build_serving(variant, job.spec, job.device)
         call = TimedCall(variant, job.family, job.batch, job.kv_len, runner, cell_input(job, cache))
+        per = max(job.layers, 1)
+        if job.layers:
+            if len(cache.get("copies", ([], []))[0]) != job.layers:
+                cache["copies"] = layer_copies(call.inp, job.layers)  # the cell's, for its candidates
+            call = LayeredStep(call, cache["copies"], job.device)
         if job.prune_over is not None and probe is not None:
-            probe_us = probe(call)
+            probe_us = probe(call) / per
             if probe_us > job.prune_over:
+                what = "one call" if per == 1 else "a layer of the step"
                 return {"status": "pruned", "probe_us": round(probe_us, 3),
-                        "reason": f"one call took {probe_us:.1f} us, over {PRUNE_FACTOR:g}x the cell's best so far"}
-        return {"status": "ok", "time": timer(call, job.samples).as_dict()}
+                        "reason": f"{what} took {probe_us:.1f} us, over {PRUNE_FACTOR:g}x the cell's best so far"}
+        return {"status": "ok", "time": per_layer(timer(call, job.samples), per).as_dict()}
     except RUN_ERRORS as exc:
         out = {"status": "failed", "error": error_text(exc)}
         if poisons_context(exc):

@@ -273,7 +273,7 @@ class Sweeper:
         job = MeasureJob(self.plan.families[key].spec, key, batch, kv_len, tuple(self._kv_lens(key, batch, kv_len)),
                          cell_seed(batch, kv_len), str(variant), samples, self.device, prune_over,
                          self.timer if isinstance(self.timer, str) else "",
-                         self.probe if isinstance(self.probe, str) else "")
+                         self.probe if isinstance(self.probe, str) else "", self.cfg.search.step_layers)
         if self.pool is None:
             out = measure(job, self._cache, _callable(self.timer), _callable(self.probe))
         else:

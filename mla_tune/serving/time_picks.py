@@ -121,61 +121,13 @@ def _shown(lens: list[int]) -> str:
     return str(lens) if len(lens) <= 8 else f"{lens[:8]}... ({len(lens)})"
 
 
-LAYERED_KV_BYTES = 32 << 30  # the most KV copies `layer_copies` makes
+def layered_us(call, layers: int, reps: int, device: str, check: Callable, timer: Callable) -> float:
+    """us per layer of a LayeredStep of `layers` layers of `call` (a measure.TimedCall):
+    timer(step, reps)'s median over `layers`; `check(out)` judges the last layer's output
+    (its input is the call's own)."""
+    from mla_tune.serving.measure import LayeredStep, layer_copies
 
-
-def layer_copies(inp, layers: int) -> tuple[list, list]:
-    """(qs, kvs): `layers` copies of the input's q and KV cache, one per layer of a step (an
-    engine's layers each read their own cache); refused past LAYERED_KV_BYTES."""
-    need = layers * inp.kv.nbytes
-    if need > LAYERED_KV_BYTES:
-        raise MlaTuneError(f"--layers {layers} needs {need / 2**30:.1f} GiB of KV copies, over "
-                           f"{LAYERED_KV_BYTES >> 30} GiB: give fewer layers or shorter lengths")
-    return [inp.q.clone() for _ in range(layers)], [inp.kv.clone() for _ in range(layers)]
-
-
-class LayeredStep:
-    """One decode step as an engine runs it: the step's shared work once
-    (serving/call.runner_step, here, when it is made), then each layer over its own copy of
-    q and of the KV cache (`copies`: layer_copies'), back to back, its output copied out (as
-    the next op reads it). Calling it runs the step: on a GPU a CUDA graph of the layers,
-    captured here and replayed; on the CPU the layers themselves. `out`: the last layer's
-    output; `layers`: how many. A timer's figure over it, divided by `layers`, is a layer's
-    time in a step (timing.time_call flushes the L2 before each step, as the rest of the
-    model's step would; the layers themselves run back to back)."""
-
-    def __init__(self, runner, inp, copies: tuple[list, list], device: str):
-        import torch
-
-        from mla_tune.serving.call import runner_step
-        from mla_tune.serving.inputs import capture_without_sync
-
-        self._qs, self._kvs = copies
-        self.layers, self._scale = len(self._qs), inp.kv_scale
-        self._layer = runner_step(runner, inp.qo_indptr, **inp.layout, q_lens_host=inp.q_lens,
-                                  kv_lens_host=inp.kv_lens)
-        got = self._layer(self._qs[0], self._kvs[0], self._scale)
-        got = got[0] if isinstance(got, tuple) else got
-        self.out = torch.empty_like(got).copy_(got)
-        self._graph = capture_without_sync(self._step) if device != "cpu" else None
-
-    def _step(self) -> None:
-        for q, kv in zip(self._qs, self._kvs, strict=True):
-            got = self._layer(q, kv, self._scale)
-            self.out.copy_(got[0] if isinstance(got, tuple) else got)
-
-    def __call__(self):
-        if self._graph is not None:
-            self._graph.replay()
-        else:
-            self._step()
-        return self.out
-
-
-def layered_us(runner, inp, layers: int, reps: int, device: str, check: Callable, timer: Callable) -> float:
-    """us per layer of a LayeredStep of `layers` layers: timer(step, reps)'s median over
-    `layers`; `check(out)` judges the last layer's output (its input is `inp`'s own)."""
-    step = LayeredStep(runner, inp, layer_copies(inp, layers), device)
+    step = LayeredStep(call, layer_copies(call.inp, layers), device)
     us = timer(step, reps).median_us / layers
     if not check(step.out):
         raise MlaTuneError(f"the last of {layers} layers answered outside the rule")
@@ -196,6 +148,7 @@ def time_mix(table_path: str | Path, key: FamilyKey, kv_lens: list[int], *, conf
     from mla_tune.serving.call import why_not
     from mla_tune.serving.gate import reference_q_format, run_call
     from mla_tune.serving.inputs import make_input
+    from mla_tune.serving.measure import TimedCall
     from mla_tune.serving.table import batch_bucket, kv_bucket, load_serving_table
     from mla_tune.serving.verify import resolve_config
     from mla_tune.tune.time_variants import first_line, timer_for
@@ -236,7 +189,7 @@ def time_mix(table_path: str | Path, key: FamilyKey, kv_lens: list[int], *, conf
                 row.update(layer_us=None, layer_ratio=None, layer_error=None)
                 try:
                     row["layer_us"] = layered_us(
-                        runner, inp, layers, reps, device,
+                        TimedCall(v, key, len(kv_lens), round(mean), runner, inp), layers, reps, device,
                         lambda out, ref=refs[q_format]: problem.check(out[:ref.shape[0]], ref, cfg.rule).passed,
                         timer)
                 except Exception as exc:  # noqa: BLE001 - the layered time is a column, its failure a note
@@ -297,13 +250,13 @@ def scan_lengths(config: str | Path, key: FamilyKey, *, batches: list[int] | Non
                  bucket: int | None = None, lengths: list[int] | None = None, mix: list[int] | None = None,
                  points: int = 8, budget_waves: list[float] = (), budget_tokens: list[int] = (128,),
                  backends: list[str] | None = None, reps: int = 20, device: str = "cuda",
-                 layers: int = 0, json_path: str | Path | None = None,
+                 layers: int | None = None, json_path: str | Path | None = None,
                  log: Callable[[str], None] = print) -> dict:
     """`mla-tune time scan` (see the module). Give `batches` with `bucket` (its lengths are
     scanned) or `lengths`, or `mix` alone (one ragged batch). Returns (and writes to
     json_path) {family, batches, lengths, shapes, protocol, times: {variant: {shape: us}}};
     with layers > 0 each time is us per layer of a step of that many layers (layered_us),
-    else one flushed call's."""
+    with 0 one flushed call's; None: the config's search.step_layers."""
     import torch
 
     from mla_tune import gpu, problem
@@ -312,10 +265,12 @@ def scan_lengths(config: str | Path, key: FamilyKey, *, batches: list[int] | Non
     from mla_tune.serving.config import load_serving_config
     from mla_tune.serving.gate import reference_q_format, run_call
     from mla_tune.serving.inputs import make_input
+    from mla_tune.serving.measure import TimedCall
     from mla_tune.tune.time_variants import first_line, timer_for
 
     check_scan_args(batches, bucket, lengths, mix, points)
     cfg = load_serving_config(config)
+    layers = cfg.search.step_layers if layers is None else layers
     platform = gpu.detect()
     plan = family_plan(cfg, key, platform)
     variants = [v for v in plan.candidates if backends is None or v.backend in backends]
@@ -358,7 +313,7 @@ def scan_lengths(config: str | Path, key: FamilyKey, *, batches: list[int] | Non
             elif layers:
                 try:
                     times[str(v)][shape] = layered_us(
-                        runners[v], inp, layers, reps, device,
+                        TimedCall(v, key, len(lens), sum(lens) // len(lens), runners[v], inp), layers, reps, device,
                         lambda out, ref=refs[q_format]: problem.check(out[:ref.shape[0]], ref, cfg.rule).passed,
                         timer)
                 except Exception as exc:  # noqa: BLE001 - reported, as a candidate that cannot run
@@ -391,7 +346,7 @@ def scan_lengths(config: str | Path, key: FamilyKey, *, batches: list[int] | Non
 def time_points(table_path: str | Path, *, families: str | None = None, points: int = 24, seed: int = 0,
                 samples: int = 5, passes: int = 4, config: str | Path | None = None, budget: float | None = None,
                 workers: int | None = None, write: str | Path | None = None, device: str = "cuda",
-                layers: int = 0, json_path: str | Path | None = None,
+                layers: int | None = None, json_path: str | Path | None = None,
                 log: Callable[[str], None] = print) -> dict:
     """`mla-tune time points` (see the module). With workers > 0 (None: the config's
     gate_workers on a GPU, 0 on the CPU) the variants go through the config's gate in that
@@ -401,7 +356,8 @@ def time_points(table_path: str | Path, *, families: str | None = None, points: 
     (`_write_points`); its variants are then checked at each point only where the gate did
     not run (as the sweep: the gate admits, the cells are timed). With layers > 0 every time
     is a layer's of a LayeredStep of that many layers (the point's KV copied once for all
-    its variants), and the protocol says so. Returns (and writes to
+    its variants), and the protocol says so; None: the config's search.step_layers, the
+    protocol the table's points were timed under. Returns (and writes to
     json_path) {table, device, protocol, points: [{family, batch, kv_len, variants:
     {variant: {table, passes[, fresh, again]}}, failed}], summary: {comparison: spread},
     by_backend: {backend: {n, median of passes / table}}, written}."""
@@ -416,6 +372,7 @@ def time_points(table_path: str | Path, *, families: str | None = None, points: 
             raise MlaTuneError(f"{name} must be >= 1, got {value}")
     table = load_serving_table(table_path)
     cfg = resolve_config(table, config)
+    layers = cfg.search.step_layers if layers is None else layers
     least = 1 if write is not None else 2  # a comparison needs two variants; a rewrite, every point
     chosen = [(key, batch, kv) for key in select_families(table, families)
               for batch, kv in sorted(table.families[key].points) if len(table.families[key].points[(batch, kv)]) >= least]
@@ -502,7 +459,7 @@ def _time_point(cfg, table, key: FamilyKey, batch: int, kv: int, seed: int, samp
     from mla_tune.backends import get_backend
     from mla_tune.serving.gate import poisons_context, reference_q_format, run_call
     from mla_tune.serving.inputs import make_input
-    from mla_tune.serving.measure import TimedCall
+    from mla_tune.serving.measure import LayeredStep, TimedCall, layer_copies
     from mla_tune.serving.verify import alternating_passes
     from mla_tune.tune.time_variants import first_line, timer_for
 
@@ -520,8 +477,8 @@ def _time_point(cfg, table, key: FamilyKey, batch: int, kv: int, seed: int, samp
         return row
 
     def timed(v, runner):
-        return (LayeredStep(runner, inp, copies, device) if layers
-                else TimedCall(v, key, batch, kv, runner, inp))
+        call = TimedCall(v, key, batch, kv, runner, inp)
+        return LayeredStep(call, copies, device) if layers else call
     for v in sorted(swept, key=swept.get):
         if (key, v) in rejected:
             row["failed"][str(v)] = rejected[(key, v)]

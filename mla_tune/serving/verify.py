@@ -89,6 +89,7 @@ from mla_tune.serving.gate import (
     run_gates,
 )
 from mla_tune.serving.inputs import ServingInput, make_input
+from mla_tune.serving.measure import LayeredStep, layer_copies, per_layer
 from mla_tune.serving.sweep import PRUNE_FACTOR, TimedCall, event_probe
 from mla_tune.serving.table import FamilyKey, ServingTable, load_serving_table
 from mla_tune.tables.render import fitting
@@ -308,9 +309,12 @@ class Verifier:
                                                      if failed else ""))
         return {"kernels": len(jobs), "seconds": round(seconds, 1), "gate_failed": failed}
 
-    def _call(self, variant: Variant, shape: HeldOutShape, inp: ServingInput) -> TimedCall:
+    def _call(self, variant: Variant, shape: HeldOutShape, inp: ServingInput, copies=None):
+        """The variant's TimedCall on `inp`; with `copies` (the config's search.step_layers),
+        a LayeredStep of it over them, which the timers time per step (verify_shape divides)."""
         runner = get_backend(variant.backend).build_serving(variant, self.cfg.spec(shape.key), self.device)
-        return TimedCall(variant, shape.key, shape.batch, round(shape.mean_kv_len), runner, inp)
+        call = TimedCall(variant, shape.key, shape.batch, round(shape.mean_kv_len), runner, inp)
+        return LayeredStep(call, copies, str(self.device)) if copies is not None else call
 
     def verify_shape(self, shape: HeldOutShape) -> dict:
         key, spec = shape.key, self.cfg.spec(shape.key)
@@ -323,6 +327,13 @@ class Verifier:
         from_table = {r: looked[r] is not None for r in looked}
         failed: dict[str, str] = {}
         probes, short, pruned = {}, {}, []
+        # the table's protocol (its config's search.step_layers): each time a layer's of a step
+        layers = self.cfg.search.step_layers
+        copies = layer_copies(inp, layers) if layers else None
+        per = max(layers, 1)
+
+        def timer(call, samples):
+            return per_layer(self.timer(call, samples), per)
         # probe and short rung, one candidate at a time (its runner goes before the next:
         # a split-K runner's workspace at 128 heads and 1024 rows is GBs)
         best_probe = math.inf
@@ -332,14 +343,14 @@ class Verifier:
         for v in order:
             call = None  # the previous candidate's runner goes now
             try:
-                call = self._call(v, shape, inp)
+                call = self._call(v, shape, inp, copies)
                 if self.probe is not None:
-                    probes[v] = self.probe(call)
+                    probes[v] = self.probe(call) / per
                     if probes[v] > PRUNE_FACTOR * best_probe and v not in roles.values():
                         pruned.append(v)
                         continue
                     best_probe = min(best_probe, probes[v])
-                short[v] = self.timer(call, SHORT_SAMPLES).median_us
+                short[v] = timer(call, SHORT_SAMPLES).median_us
             except RUN_ERRORS as exc:
                 self._failed(failed, v, shape, exc)
         call = None
@@ -348,10 +359,10 @@ class Verifier:
         calls = {}
         for v in final:
             try:
-                calls[v] = self._call(v, shape, inp)
+                calls[v] = self._call(v, shape, inp, copies)
             except RUN_ERRORS as exc:
                 self._failed(failed, v, shape, exc)
-        passes = alternating_passes(calls, self.timer, self.samples,
+        passes = alternating_passes(calls, timer, self.samples,
                                     on_error=lambda v, exc: self._failed(failed, v, shape, exc),
                                     sit_out=[v for v in calls if str(v) in failed])
         times = {v: statistics.median(ts) for v, ts in passes.items() if ts and str(v) not in failed}
@@ -504,7 +515,8 @@ def run_verify(table: str | Path | ServingTable, *, config: str | Path | Serving
         "versions": {k: str(v) for k, v in platform.versions.items()},
         "protocol": {**timing.protocol(platform.has_gpu), "short_samples": SHORT_SAMPLES, "final_top": FINAL_TOP,
                      "final_passes": FINAL_PASSES, "samples": samples, "prune_factor": PRUNE_FACTOR,
-                     "probe": probe is not None},
+                     "probe": probe is not None,
+                     **({"step_layers": cfg.search.step_layers} if cfg.search.step_layers else {})},
         "options": {"shapes": shapes, "ragged": ragged, "seed": seed, "families": [str(k) for k in keys],
                     "budget_s": budget_s, "workers": workers, "max_p95": max_p95, "max_regret": max_regret,
                     "judge": judge},
