@@ -1,5 +1,6 @@
 """The reduction's cost per step, measured for a serving table (mla_tune/serving/calibrate.py)."""
 
+import dataclasses
 import shutil
 
 import pytest
@@ -113,3 +114,12 @@ def test_a_probe_runs_checked_on_the_real_kernel(device):
     probe = cal.ReduceProbe(KEY, 64, variant, tail, (78, 77, 77), (1, 2))
     times = cal.measure(probe, cfg, device, timing.cpu_time if device == "cpu" else timing.time_call, 1, 1)
     assert set(times) == {"uniform", "tail"} and all(t > 0 for t in times.values())
+    # under a config's search.step_layers: each probe a LayeredStep, its figure over the layers
+    stepped = dataclasses.replace(cfg, search=dataclasses.replace(cfg.search, step_layers=2))
+    timed = []
+
+    def stand_in(call, reps):
+        timed.append(type(call).__name__)
+        return timing.Timing(8.0, 8.0, 8.0, reps)
+    assert cal.measure(probe, stepped, device, stand_in, 1, 2) == {"uniform": 4.0, "tail": 4.0}
+    assert timed == ["LayeredStep"] * 4

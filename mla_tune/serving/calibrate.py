@@ -112,14 +112,18 @@ def plan_probes(table: ServingTable, keys: list[FamilyKey] | None = None, tail_k
 def measure(probe: ReduceProbe, cfg, device, timer: Callable, reps: int, rounds: int) -> dict[str, float]:
     """{'uniform': us, 'tail': us}: the probe's variant on both batches, each checked
     against the fp32 reference under the config's rule (a wrong answer is an error), then
-    timed in `rounds` alternating passes of `reps` samples; the median of the passes."""
+    timed in `rounds` alternating passes of `reps` samples; the median of the passes. With
+    the config's search.step_layers N (the protocol the table's points were timed under),
+    each timed as a layer of a LayeredStep of N layers."""
     from mla_tune import problem
     from mla_tune.backends import get_backend
     from mla_tune.serving.gate import reference_q_format, run_call
     from mla_tune.serving.inputs import make_input
+    from mla_tune.serving.measure import LayeredStep, TimedCall, layer_copies
 
     key = probe.key
     spec = cfg.spec(key)
+    layers = cfg.search.step_layers
     runner = get_backend(probe.variant.backend).build_serving(probe.variant, spec, device)
     calls = {}
     for name, lens in (("uniform", probe.uniform), ("tail", probe.tail)):
@@ -131,10 +135,13 @@ def measure(probe: ReduceProbe, cfg, device, timer: Callable, reps: int, rounds:
             raise CalibrateError(f"{probe.variant} fails the {cfg.rule.name} check on the {name} batch of "
                                  f"{key}: {result.reason}; the table's pick is wrong here, re-run the sweep")
         calls[name] = lambda inp=inp: run_call(runner, inp)
+        if layers:
+            one = TimedCall(probe.variant, key, len(lens), round(sum(lens) / len(lens)), runner, inp)
+            calls[name] = LayeredStep(one, layer_copies(inp, layers), str(device))
     passes: dict[str, list[float]] = {name: [] for name in calls}
     for r in range(rounds):
         for name in (("uniform", "tail") if r % 2 == 0 else ("tail", "uniform")):
-            passes[name].append(timer(calls[name], reps).median_us)
+            passes[name].append(timer(calls[name], reps).median_us / max(layers, 1))
     return {name: statistics.median(ts) for name, ts in passes.items()}
 
 

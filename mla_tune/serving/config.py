@@ -91,7 +91,7 @@ class ServingSearch:
     the union of the bucket's kv cells' best `cross_top` is also timed at every kv cell at
     the smallest batch the bucket serves (the bucket below plus one: cells.edge_batch), and
     a cell's eager pick weighs that edge beside the cell (build.eager_pick). `step_layers`
-    N > 0: every time (the sweep's, verify's, `time points`') is a layer's in a decode step
+    N > 0: every time (the sweep's, verify's, calibrate's, `time points`') is a layer's in a decode step
     of N layers back to back (serving/measure.LayeredStep: the step's shared work once, each
     layer its own KV copy, the L2 flushed before the step), an engine's step, where 0 (the
     default) times one flushed call (docs/perf.md 2.7)."""
