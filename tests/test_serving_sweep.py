@@ -474,6 +474,9 @@ def test_step_layers_time_every_candidate_as_a_layer_of_a_step_and_change_the_ha
     for bad in (-1, 65, 1.5, True):
         with pytest.raises(ServingConfigError, match=r"search\.step_layers.*integer 0\.\.64"):
             _config("bad.yaml", {"step_layers": bad})
+    # the dry run's estimate counts each sample as a step of that many kernels
+    est = [sw.dry_run(c, "H200", log=lambda line: None) for c in (tiny, stepped)]
+    assert est[1]["cells"] > est[0]["cells"] and est[1]["gate_and_compile"] == est[0]["gate_and_compile"]
 
 
 def _edge_timer() -> FakeTimer:

@@ -186,10 +186,14 @@ def rung_sizes(cfg: ServingConfig, candidates: int) -> list[int]:
     return sizes
 
 
-def measurement_s(key: FamilyKey, batch: int, kv_len: int, samples: int, ratio: float = 1.0) -> float:
-    """One measurement of `samples` samples of a candidate `ratio` x the cell's best."""
-    k = ratio * kernel_us(key, batch, kv_len)
-    return MEASURE_OVERHEAD_S + (samples * (SAMPLE_OVERHEAD_US + k) + 6 * k) / 1e6
+def measurement_s(key: FamilyKey, batch: int, kv_len: int, samples: int, ratio: float = 1.0,
+                  layers: int = 0) -> float:
+    """One measurement of `samples` samples of a candidate `ratio` x the cell's best; with
+    `layers` (search.step_layers), each sample and warm-up call a step of that many kernels
+    (the graph's capture counted as two warm-up calls more)."""
+    k = ratio * kernel_us(key, batch, kv_len) * max(layers, 1)
+    warm = 6 + (2 if layers else 0)
+    return MEASURE_OVERHEAD_S + (samples * (SAMPLE_OVERHEAD_US + k) + warm * k) / 1e6
 
 
 def cell_s(cfg: ServingConfig, key: FamilyKey, batch: int, kv_len: int, candidates: int) -> float:
@@ -198,9 +202,10 @@ def cell_s(cfg: ServingConfig, key: FamilyKey, batch: int, kv_len: int, candidat
     sizes, rungs = rung_sizes(cfg, candidates), cfg.search.rungs
     timed = first_rung_timed(cfg, candidates)
     k = kernel_us(key, batch, kv_len)
-    seconds = timed * measurement_s(key, batch, kv_len, rungs[0], FIRST_RUNG_TIMED_RATIO)
-    seconds += (candidates - timed) * (PROBE_OVERHEAD_S + 2 * PRUNED_RATIO * k / 1e6)
-    seconds += sum(n * measurement_s(key, batch, kv_len, s, LATER_RUNG_RATIO)
+    layers = cfg.search.step_layers
+    seconds = timed * measurement_s(key, batch, kv_len, rungs[0], FIRST_RUNG_TIMED_RATIO, layers)
+    seconds += (candidates - timed) * (PROBE_OVERHEAD_S + 2 * PRUNED_RATIO * k * max(layers, 1) / 1e6)
+    seconds += sum(n * measurement_s(key, batch, kv_len, s, LATER_RUNG_RATIO, layers)
                    for n, s in zip(sizes[1:], rungs[1:], strict=True))
     return seconds
 
@@ -216,7 +221,7 @@ def estimate(cfg: ServingConfig, plan: SweepPlan, gate_workers: int | None = Non
         compile_s += compiles * COMPILE_S / workers
         gate += len(fam.candidates) * GATE_CALL_S / workers
         load_s += compiles * CACHE_LOAD_S
-    last = cfg.search.rungs[-1]
+    last, layers = cfg.search.rungs[-1], cfg.search.step_layers
     for unit in plan.units:
         fam = plan.families[unit.key]
         last_size = rung_sizes(cfg, len(fam.candidates))[-1]
@@ -227,17 +232,17 @@ def estimate(cfg: ServingConfig, plan: SweepPlan, gate_workers: int | None = Non
         edge = edge_batch(cfg.batch_buckets, unit.batch) if cfg.search.batch_edge else None
         if unit.kv_lens:  # the ragged mix: the whole union, at about the mean kv bucket
             mean_kv = sum(unit.kv_lens) // len(unit.kv_lens)
-            cross_s += union * measurement_s(unit.key, unit.batch, mean_kv, last, LATER_RUNG_RATIO)
+            cross_s += union * measurement_s(unit.key, unit.batch, mean_kv, last, LATER_RUNG_RATIO, layers)
             inputs_s += 0.01 + unit.batch * mean_kv * KV_BYTES_PER_TOKEN[unit.key.kv_format] / INPUT_BYTES_PER_S
         for kv_len in unit.kv_lens:
             cells_s += cell_s(cfg, unit.key, unit.batch, kv_len, len(fam.candidates))
             # the union's members not already in this cell's last rung
             cross_s += max(0, union - last_size + 1) * measurement_s(unit.key, unit.batch, kv_len, last,
-                                                                     LATER_RUNG_RATIO)
+                                                                     LATER_RUNG_RATIO, layers)
             inputs_s += 2 * (0.01 + unit.batch * kv_len * KV_BYTES_PER_TOKEN[unit.key.kv_format]
                              / INPUT_BYTES_PER_S)
             if edge is not None:  # the union and the last rung at the bucket's smallest batch
-                edge_s += at_edge * measurement_s(unit.key, edge, kv_len, last, LATER_RUNG_RATIO)
+                edge_s += at_edge * measurement_s(unit.key, edge, kv_len, last, LATER_RUNG_RATIO, layers)
                 inputs_s += 0.01 + edge * kv_len * KV_BYTES_PER_TOKEN[unit.key.kv_format] / INPUT_BYTES_PER_S
     parts = {"gate_and_compile": gate + compile_s, "cache_loads": load_s, "cells": cells_s,
              "cross": cross_s, "edge": edge_s, "inputs": inputs_s}
