@@ -17,7 +17,14 @@ from mla_tune.gpu import detect, fake_platform
 from mla_tune.serving import gate as gate_module
 from mla_tune.serving import measure as measure_module
 from mla_tune.serving import sweep as sw
-from mla_tune.serving.cells import compile_key, edge_batch, parse_shard, plan_sweep
+from mla_tune.serving.cells import (
+    compile_key,
+    edge_batch,
+    kernel_us,
+    measurement_s,
+    parse_shard,
+    plan_sweep,
+)
 from mla_tune.serving.config import (
     ServingConfigError,
     is_serving_config,
@@ -26,7 +33,7 @@ from mla_tune.serving.config import (
 )
 from mla_tune.serving.gate import GateJob, reference_q_format, run_gates
 from mla_tune.serving.results import read_records, results_path_for
-from mla_tune.serving.table import kv_bucket, load_serving_table
+from mla_tune.serving.table import FamilyKey, kv_bucket, load_serving_table
 from mla_tune.tune import timing
 from mla_tune.tune.timing import Timing
 from tests.helpers import invoke
@@ -475,8 +482,10 @@ def test_step_layers_time_every_candidate_as_a_layer_of_a_step_and_change_the_ha
         with pytest.raises(ServingConfigError, match=r"search\.step_layers.*integer 0\.\.64"):
             _config("bad.yaml", {"step_layers": bad})
     # the dry run's estimate counts each sample as a step of that many kernels
-    est = [sw.dry_run(c, "H200", log=lambda line: None) for c in (tiny, stepped)]
-    assert est[1]["cells"] > est[0]["cells"] and est[1]["gate_and_compile"] == est[0]["gate_and_compile"]
+    key = FamilyKey("bf16", 64, 128, 1)
+    k = kernel_us(key, 64, 8192)
+    extra = measurement_s(key, 64, 8192, 20, layers=8) - measurement_s(key, 64, 8192, 20)
+    assert extra == pytest.approx((20 * 7 * k + (8 * 8 - 6) * k) / 1e6)
 
 
 def _edge_timer() -> FakeTimer:
