@@ -16,7 +16,7 @@ from mla_tune.serving.table import (
     load_serving_table,
     write_serving_table,
 )
-from mla_tune.serving.verify import VERIFY_SCHEMA
+from mla_tune.serving.verify import VERIFY_SCHEMA, VerifyError
 from tests.helpers import invoke
 
 KEY = FamilyKey("bf16", 64, 16, 1)
@@ -81,6 +81,10 @@ def test_too_few_shapes_leave_a_bucket_as_swept_and_a_pick_not_timed_everywhere_
     shapes = [_shape(3, {SWEPT: 150.0, BETTER: 100.0}) for _ in range(repick.MIN_SHAPES - 1)]
     table = _table()
     assert repick.repick_graph(table, [_report(tmp_path / "r.json", shapes)], log=lambda _: None) == []
+    table.provenance = {**table.provenance, "search": {"step_layers": 8}}  # points timed as steps
+    with pytest.raises(VerifyError, match="timed each candidate as one flushed call"):
+        repick.repick_graph(table, [_report(tmp_path / "r.json", shapes)], log=lambda _: None)
+    table.provenance = {k: v for k, v in table.provenance.items() if k != "search"}
     assert table.families[KEY].graph[4].variant == Variant.parse(SWEPT)
     # a pick not timed at every shape (pruned at one) gives way to the best timed everywhere
     shapes = [_shape(3, {SWEPT: 100.0, BETTER: 101.0}) for _ in range(6)] + [_shape(3, {BETTER: 100.0})]

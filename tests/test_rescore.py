@@ -121,6 +121,25 @@ def test_a_folder_names_its_reports_in_order_and_bad_reports_are_named(reports, 
             rs.rescore(_table(A), reports, json_path=bad, log=pytest.fail)
 
 
+def test_reports_timed_under_another_protocol_than_the_tables_are_refused(reports, tmp_path):
+    """A table swept as 8-layer steps (search.step_layers) is not scored on reports of single
+    flushed calls, nor the other way round; reports of its own protocol are."""
+    stepped = _table(A)
+    stepped.provenance = {"search": {"step_layers": 8}}
+    with pytest.raises(VerifyError, match=r"v1\.json timed each candidate as one flushed call, the table's "
+                                          r"points were timed as a layer of a 8-layer step"):
+        rs.rescore(stepped, reports, log=lambda _: None)
+    key = FamilyKey.of(SPEC)
+    steps = tmp_path / "steps.json"
+    steps.write_text(json.dumps({"schema": VERIFY_SCHEMA, "device": {"name": "H200"}, "options": {"seed": 3},
+                                 "protocol": {"step_layers": 8},
+                                 "shapes": [_shape(0, key, {A: 110.0, C: 100.0, F: 200.0}, {}, [])]}))
+    assert len(rs.rescore(stepped, [steps], log=lambda _: None)["shapes"]) == 1
+    with pytest.raises(VerifyError, match="as a layer of a 8-layer step, the table's points were timed as one "
+                                          "flushed call"):
+        rs.rescore(_table(A), [steps], log=lambda _: None)
+
+
 def test_unrunnable_backends_are_scored_by_the_stand_ins_a_plan_runs(reports):
     fm = str(Variant.make("flashmla", kv="bf16", q="bf16"))
     table = _table(fm, fm, runner_up={"variant": C, "time_us": 1.1})

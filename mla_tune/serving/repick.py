@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from mla_tune.core import Variant
-from mla_tune.serving.rescore import read_report, report_paths
+from mla_tune.serving.rescore import check_protocol, read_report, report_paths
 from mla_tune.serving.table import FamilyKey, GraphPick, ServingTable, batch_bucket, kv_bucket
 
 MARGIN = 0.03  # a new pick's geomean regret must be under (1 - MARGIN) x the current pick's
@@ -67,7 +67,9 @@ def repick_graph(table: ServingTable, reports: Sequence[str | Path], *, margin: 
     paths = report_paths(list(reports))
     shapes: dict[tuple[FamilyKey, int], list[tuple[dict, dict[str, float]]]] = {}
     for path in paths:
-        records = [(r, _times(r)) for r in read_report(path)["shapes"]]
+        report = read_report(path)
+        check_protocol(table, report, path)
+        records = [(r, _times(r)) for r in report["shapes"]]
         offered = frozenset(v for _, factors in records for v in factors)  # what the run timed anywhere
         for record, factors in records:
             key = FamilyKey(**record["family"])

@@ -96,6 +96,20 @@ def read_report(path: str | Path) -> dict:
     return report
 
 
+def check_protocol(table: ServingTable, report: dict, path: str | Path) -> None:
+    """Refuse a verify report whose candidates were timed under another protocol than the
+    table's points (search.step_layers: a layer of an N-layer step, or 0, one flushed call):
+    its times and the table's cannot be weighed together."""
+    def said(n: int) -> str:
+        return f"as a layer of a {n}-layer step" if n else "as one flushed call"
+    layers = int((table.provenance.get("search") or {}).get("step_layers", 0))
+    timed = int((report.get("protocol") or {}).get("step_layers", 0))
+    if timed != layers:
+        raise VerifyError(f"{path} timed each candidate {said(timed)}, the table's points were timed "
+                          f"{said(layers)} (its config's search.step_layers): the regrets would mix two "
+                          "protocols; use reports of the table's protocol (mla-tune verify of it)")
+
+
 def report_paths(paths: list[str | Path]) -> list[Path]:
     """The reports named: each a file, or a folder's *.json and *.json.gz in name order;
     a report named twice (a file and its folder, say) is refused."""
@@ -180,6 +194,7 @@ def rescore(table: str | Path | ServingTable, reports: list[str | Path], *, max_
         report = read_report(path)
         if report.get("device", {}).get("name") not in (None, table.gpu):
             log(f"warning: {path} was measured on {report['device']['name']}; the table is for {table.gpu}")
+        check_protocol(table, report, path)
         mine = [rescore_shape(table, r, unrunnable) for r in report["shapes"]]
         for r in mine:
             r["report"] = str(path)
