@@ -456,7 +456,7 @@ def test_cell_lengths_are_a_search_option_that_changes_the_hash_and_the_timed_le
     assert _named(_picks(table)[0]) == {(1, 32): "A", (1, 64): "B", (2, 32): "A", (2, 64): "B"}
 
 
-def test_step_layers_time_every_candidate_as_a_layer_of_a_step_and_change_the_hash(tiny, tmp_path):
+def test_step_layers_time_every_candidate_as_a_layer_of_a_step_and_change_the_hash(tiny, tmp_path, monkeypatch):
     """search.step_layers N (0 by default, and the hash without it): every step of the sweep
     times a LayeredStep of N layers, its time over N (the made-up time here, halved), and the
     table's provenance says so; the picks follow the times as before."""
@@ -481,6 +481,12 @@ def test_step_layers_time_every_candidate_as_a_layer_of_a_step_and_change_the_ha
     for bad in (-1, 65, 1.5, True):
         with pytest.raises(ServingConfigError, match=r"search\.step_layers.*integer 0\.\.64"):
             _config("bad.yaml", {"step_layers": bad})
+    # a cell whose KV copies would pass the bound is that measurement's failure, not the sweep's
+    monkeypatch.setattr(measure_module, "LAYERED_KV_BYTES", 1)
+    key, variant = stepped.families[0], next(iter(fam.cells.values())).variant
+    job = measure_module.MeasureJob(stepped.spec(key), key, 1, 32, (32,), 5, str(variant), 1, "cpu", layers=2)
+    out = measure_module.measure(job, {}, FakeTimer(), None)
+    assert out["status"] == "failed" and "2 layers need" in out["error"]
     # the dry run's estimate counts each sample as a step of that many kernels
     key = FamilyKey("bf16", 64, 128, 1)
     k = kernel_us(key, 64, 8192)

@@ -22,7 +22,6 @@ import torch
 
 from mla_tune.backends import get_backend
 from mla_tune.core import CallSpec, Variant
-from mla_tune.errors import MlaTuneError
 from mla_tune.serving.gate import RUN_ERRORS, error_text, poisons_context, run_call
 from mla_tune.serving.inputs import ServingInput, make_input
 from mla_tune.serving.table import FamilyKey
@@ -65,11 +64,12 @@ LAYERED_KV_BYTES = 32 << 30
 
 def layer_copies(inp: ServingInput, layers: int) -> tuple[list, list]:
     """(qs, kvs): `layers` copies of the input's q and KV cache, one per layer of a step (an
-    engine's layers each read their own cache); refused past LAYERED_KV_BYTES."""
+    engine's layers each read their own cache); refused past LAYERED_KV_BYTES (a ValueError:
+    a measurement records it as its failure)."""
     need = layers * inp.kv.nbytes
     if need > LAYERED_KV_BYTES:
-        raise MlaTuneError(f"{layers} layers need {need / 2**30:.1f} GiB of KV copies, over "
-                           f"{LAYERED_KV_BYTES >> 30} GiB: give fewer layers or shorter lengths")
+        raise ValueError(f"{layers} layers need {need / 2**30:.1f} GiB of KV copies, over "
+                         f"{LAYERED_KV_BYTES >> 30} GiB: give fewer layers or shorter lengths")
     return [inp.q.clone() for _ in range(layers)], [inp.kv.clone() for _ in range(layers)]
 
 

@@ -472,7 +472,7 @@ def _time_point(cfg, table, key: FamilyKey, batch: int, kv: int, seed: int, samp
     per = max(layers, 1)  # a timed call's layers: its time over this is a layer's
     try:
         copies = layer_copies(inp, layers) if layers else None
-    except MlaTuneError as exc:
+    except ValueError as exc:
         row["failed"] = {str(v): str(exc) for v in swept}
         return row
 
