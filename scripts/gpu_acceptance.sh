@@ -43,6 +43,10 @@
 #       (30 shapes, 10 ragged mixes)
 #   SEEDS="107 108" bash scripts/gpu_acceptance.sh serving-recheck   # `mla-tune verify` of
 #       tables/H200.serving.yaml at each seed only (VERIFY_BUDGET=, VERIFY_TIMEOUT=), reports back
+#   bash scripts/gpu_acceptance.sh serving-steps    # on one GPU: each role of `mla-tune time mix`
+#       also as a layer of a LAYERS=8-layer step at the engine loop's mixes (bf16, fp8; 8 and 32
+#       sequences, 128 heads), the calibration probe's LayeredSteps on the GPU, `time scan
+#       --layers` over bf16's 8 x 2048 bucket (docs/perf.md 2.7)
 #   bash scripts/gpu_acceptance.sh serving-points   # `mla-tune time points` of
 #       tables/H200.serving.yaml (POINTS=48 points, POINTS_BUDGET=300 s): its points timed again,
 #       as a sweep step and in verify's alternating passes; the report comes back gzipped.
@@ -66,7 +70,7 @@
 # It works in /tmp/acceptance and copies what matters (the table, its results file, the logs,
 # at most 8 files: what the device tool brings back) to $OUT (or ./gpu_out).
 set -uo pipefail
-modes="gpu-suite|splitk-default|leaderboard-levers|serving-verify|serving-recheck|serving-points|serving-adopt|leaderboard-sweep|leaderboard-budget|leaderboard-export|sweep-safety|serving-tests|serving-splitk|serving-sweep-chunk|serving-table"
+modes="gpu-suite|splitk-default|serving-steps|leaderboard-levers|serving-verify|serving-recheck|serving-points|serving-adopt|leaderboard-sweep|leaderboard-budget|leaderboard-export|sweep-safety|serving-tests|serving-splitk|serving-sweep-chunk|serving-table"
 mode=${1:?usage: gpu_acceptance.sh $modes}
 keep=${OUT:-gpu_out}
 out=/tmp/acceptance
@@ -283,6 +287,25 @@ PY
   timed update timeout 150 python3 scripts/bench_update.py --device cuda --warm --by-family --mixes 300 \
     --json "$out/update_c.json" 2>&1 | grep -v -i warn | tail -30
   cp "$out/mix.log" "$out/defaults_table.txt" "$keep/"
+  ;;
+serving-steps)
+  # an engine's step against the flushed call (docs/perf.md 2.7): `time mix --layers` at the
+  # engine loop's first-step mixes, LayeredStep timed by time_call; the calibration probe on
+  # the GPU (LayeredSteps captured there); `time scan --layers` over one bucket
+  L8=2240,3665,2998,1646,3134,3083,3333,532
+  L32=3352,2280,1730,3391,981,1403,1141,2108,3853,1924,2915,3258,2976,786,3415,3470,1457,2884,3006,3764,1874,3855,2636,1633,3411,1451,1987,3225,1019,2425,1133,2094
+  for kv in bf16 fp8; do for lens in $L8 $L32; do
+    echo "== $kv ${lens:0:20}... layers ${LAYERS:-8}" >> "$out/steps.log"
+    timed "steps-$kv" timeout 120 python3 -m mla_tune time mix --table tables/H200.serving.yaml --kv $kv \
+      --heads 128 --lens "$lens" --layers ${LAYERS:-8} --reps 20 >> "$out/steps.log" 2>&1
+  done; done
+  grep -v -i warn "$out/steps.log" | grep -E "^==|^ +(eager|graph|flashinfer|flashmla) "
+  timed calibrate-probe timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_serving_calibrate.py \
+    -k real_kernel 2>&1 | tail -2
+  timed scan timeout 240 python3 -m mla_tune time scan --kv bf16 --heads 128 --batch 8 --bucket 2048 \
+    --points 4 --layers ${LAYERS:-8} --reps 10 --json "$out/scan.json" > "$out/scan.log" 2>&1
+  grep -v -i warn "$out/scan.log" | tail -8
+  cp "$out/steps.log" "$out/scan.log" "$out/scan.json" "$keep/" 2>/dev/null
   ;;
 serving-sweep-chunk)
   # the serving sweep, one chunk per device command (the sweep stops cleanly at
