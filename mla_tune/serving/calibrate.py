@@ -119,7 +119,7 @@ def measure(probe: ReduceProbe, cfg, device, timer: Callable, reps: int, rounds:
     from mla_tune.backends import get_backend
     from mla_tune.serving.gate import reference_q_format, run_call
     from mla_tune.serving.inputs import make_input
-    from mla_tune.serving.measure import LayeredStep, TimedCall, layer_copies
+    from mla_tune.serving.measure import TimedCall, as_step, layer_copies, layer_timer
 
     key = probe.key
     spec = cfg.spec(key)
@@ -134,14 +134,13 @@ def measure(probe: ReduceProbe, cfg, device, timer: Callable, reps: int, rounds:
         if not result.passed:
             raise CalibrateError(f"{probe.variant} fails the {cfg.rule.name} check on the {name} batch of "
                                  f"{key}: {result.reason}; the table's pick is wrong here, re-run the sweep")
-        calls[name] = lambda inp=inp: run_call(runner, inp)
-        if layers:
-            one = TimedCall(probe.variant, key, len(lens), round(sum(lens) / len(lens)), runner, inp)
-            calls[name] = LayeredStep(one, layer_copies(inp, layers), str(device))
+        calls[name] = as_step(TimedCall(probe.variant, key, len(lens), round(sum(lens) / len(lens)), runner, inp),
+                              layer_copies(inp, layers) if layers else None, str(device))
+    timer = layer_timer(timer)
     passes: dict[str, list[float]] = {name: [] for name in calls}
     for r in range(rounds):
         for name in (("uniform", "tail") if r % 2 == 0 else ("tail", "uniform")):
-            passes[name].append(timer(calls[name], reps).median_us / max(layers, 1))
+            passes[name].append(timer(calls[name], reps).median_us)
     return {name: statistics.median(ts) for name, ts in passes.items()}
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -45,7 +46,10 @@ MEASURE_TASK = "mla_tune.serving.measure:measure_task"
 @dataclass
 class TimedCall:
     """What the timer times: one serving call of `variant` at a cell. Tests' timers read
-    variant, family, batch and kv_len to return made-up times."""
+    variant, family, batch and kv_len to return made-up times. `layers`: the calls one
+    timing runs (1; a LayeredStep's N), which `layer_timer` divides by."""
+
+    layers: ClassVar[int] = 1
 
     variant: Variant
     family: FamilyKey
@@ -112,9 +116,23 @@ class LayeredStep:
         return self.out
 
 
+def as_step(call: TimedCall, copies: tuple[list, list] | None, device: str) -> TimedCall | LayeredStep:
+    """`call` as the protocol times it: a LayeredStep over `copies` (layer_copies') where
+    given (search.step_layers), else the call itself."""
+    return LayeredStep(call, copies, device) if copies is not None else call
+
+
 def per_layer(t: timing.Timing, layers: int) -> timing.Timing:
     """A step's timing as one of its `layers` layers' (every figure over `layers`)."""
     return timing.Timing(t.median_us / layers, t.p10_us / layers, t.p90_us / layers, t.samples)
+
+
+def layer_timer(timer: Callable) -> Callable:
+    """`timer` (timer(call, samples) -> Timing) per layer: a LayeredStep's figures over its
+    layers, a TimedCall's as they are."""
+    def timed(call, samples: int) -> timing.Timing:
+        return per_layer(timer(call, samples), call.layers)
+    return timed
 
 
 def event_probe(call) -> float:
@@ -178,19 +196,18 @@ def measure(job: MeasureJob, cache: dict, timer: Callable, probe: Callable | Non
     variant = Variant.parse(job.variant)
     try:
         runner = get_backend(variant.backend).build_serving(variant, job.spec, job.device)
-        call = TimedCall(variant, job.family, job.batch, job.kv_len, runner, cell_input(job, cache))
-        per = max(job.layers, 1)
-        if job.layers:
-            if len(cache.get("copies", ([], []))[0]) != job.layers:
-                cache["copies"] = layer_copies(call.inp, job.layers)  # the cell's, for its candidates
-            call = LayeredStep(call, cache["copies"], job.device)
+        inp = cell_input(job, cache)
+        if job.layers and len(cache.get("copies", ([], []))[0]) != job.layers:
+            cache["copies"] = layer_copies(inp, job.layers)  # the cell's, for its candidates
+        call = as_step(TimedCall(variant, job.family, job.batch, job.kv_len, runner, inp),
+                       cache["copies"] if job.layers else None, job.device)
         if job.prune_over is not None and probe is not None:
-            probe_us = probe(call) / per
+            probe_us = probe(call) / call.layers
             if probe_us > job.prune_over:
-                what = "one call" if per == 1 else "a layer of the step"
+                what = "one call" if call.layers == 1 else "a layer of the step"
                 return {"status": "pruned", "probe_us": round(probe_us, 3),
                         "reason": f"{what} took {probe_us:.1f} us, over {PRUNE_FACTOR:g}x the cell's best so far"}
-        return {"status": "ok", "time": per_layer(timer(call, job.samples), per).as_dict()}
+        return {"status": "ok", "time": layer_timer(timer)(call, job.samples).as_dict()}
     except RUN_ERRORS as exc:
         out = {"status": "failed", "error": error_text(exc)}
         if poisons_context(exc):

@@ -121,15 +121,16 @@ def _shown(lens: list[int]) -> str:
     return str(lens) if len(lens) <= 8 else f"{lens[:8]}... ({len(lens)})"
 
 
-def layered_us(call, layers: int, reps: int, device: str, check: Callable, timer: Callable) -> float:
+def layered_us(call, layers: int, reps: int, device: str, ref, rule, timer: Callable) -> float:
     """us per layer of a LayeredStep of `layers` layers of `call` (a measure.TimedCall):
-    timer(step, reps)'s median over `layers`; `check(out)` judges the last layer's output
-    (its input is the call's own)."""
-    from mla_tune.serving.measure import LayeredStep, layer_copies
+    timer(step, reps)'s median per layer (measure.layer_timer); the last layer's output
+    (its input is the call's own) checked against `ref` under `rule`."""
+    from mla_tune import problem
+    from mla_tune.serving.measure import LayeredStep, layer_copies, layer_timer
 
     step = LayeredStep(call, layer_copies(call.inp, layers), device)
-    us = timer(step, reps).median_us / layers
-    if not check(step.out):
+    us = layer_timer(timer)(step, reps).median_us
+    if not problem.check(step.out[:ref.shape[0]], ref, rule).passed:
         raise MlaTuneError(f"the last of {layers} layers answered outside the rule")
     return us
 
@@ -188,10 +189,8 @@ def time_mix(table_path: str | Path, key: FamilyKey, kv_lens: list[int], *, conf
             if layers:
                 row.update(layer_us=None, layer_ratio=None, layer_error=None)
                 try:
-                    row["layer_us"] = layered_us(
-                        TimedCall(v, key, len(kv_lens), round(mean), runner, inp), layers, reps, device,
-                        lambda out, ref=refs[q_format]: problem.check(out[:ref.shape[0]], ref, cfg.rule).passed,
-                        timer)
+                    row["layer_us"] = layered_us(TimedCall(v, key, len(kv_lens), round(mean), runner, inp),
+                                                 layers, reps, device, refs[q_format], cfg.rule, timer)
                 except Exception as exc:  # noqa: BLE001 - the layered time is a column, its failure a note
                     row["layer_error"] = first_line(exc)
             del runner
@@ -314,8 +313,7 @@ def scan_lengths(config: str | Path, key: FamilyKey, *, batches: list[int] | Non
                 try:
                     times[str(v)][shape] = layered_us(
                         TimedCall(v, key, len(lens), sum(lens) // len(lens), runners[v], inp), layers, reps, device,
-                        lambda out, ref=refs[q_format]: problem.check(out[:ref.shape[0]], ref, cfg.rule).passed,
-                        timer)
+                        refs[q_format], cfg.rule, timer)
                 except Exception as exc:  # noqa: BLE001 - reported, as a candidate that cannot run
                     log(f"  {v}: {layers} layers at {shape}: {first_line(exc)}")
             else:
@@ -459,26 +457,21 @@ def _time_point(cfg, table, key: FamilyKey, batch: int, kv: int, seed: int, samp
     from mla_tune.backends import get_backend
     from mla_tune.serving.gate import poisons_context, reference_q_format, run_call
     from mla_tune.serving.inputs import make_input
-    from mla_tune.serving.measure import LayeredStep, TimedCall, layer_copies
+    from mla_tune.serving.measure import TimedCall, as_step, layer_copies, layer_timer
     from mla_tune.serving.verify import alternating_passes
     from mla_tune.tune.time_variants import first_line, timer_for
 
-    timer = timer_for(device)
+    timer = layer_timer(timer_for(device))  # a LayeredStep's figures per layer
     spec, swept = cfg.spec(key), table.families[key].points[(batch, kv)]
     inp = make_input([key.q_len] * batch, [kv] * batch, key.heads, key.page_size, key.kv_format, seed=seed,
                      device=device)
     refs, row = {}, {"family": key.as_dict(), "batch": batch, "kv_len": kv, "variants": {}, "failed": {}}
     fresh, runners = {}, {}
-    per = max(layers, 1)  # a timed call's layers: its time over this is a layer's
     try:
         copies = layer_copies(inp, layers) if layers else None
     except ValueError as exc:
         row["failed"] = {str(v): str(exc) for v in swept}
         return row
-
-    def timed(v, runner):
-        call = TimedCall(v, key, batch, kv, runner, inp)
-        return LayeredStep(call, copies, device) if layers else call
     for v in sorted(swept, key=swept.get):
         if (key, v) in rejected:
             row["failed"][str(v)] = rejected[(key, v)]
@@ -491,9 +484,9 @@ def _time_point(cfg, table, key: FamilyKey, batch: int, kv: int, seed: int, samp
             if check and not problem.check(run_call(runner, inp), refs[q_format], cfg.rule).passed:
                 row["failed"][str(v)] = f"fails the {cfg.rule.name} check"
                 continue
-            call = timed(v, runner)
+            call = as_step(TimedCall(v, key, batch, kv, runner, inp), copies, device)
             if compare:
-                fresh[v] = timer(call, samples * passes).median_us / per
+                fresh[v] = timer(call, samples * passes).median_us
             runners[v] = call
         except Exception as exc:  # noqa: BLE001 - a variant that cannot run is reported, not fatal
             row["failed"][str(v)] = first_line(exc)
@@ -517,9 +510,9 @@ def _time_point(cfg, table, key: FamilyKey, batch: int, kv: int, seed: int, samp
         runners.clear()
     for v in runners:
         if str(v) not in row["failed"]:
-            row["variants"][str(v)] = {"table": swept[v], "passes": statistics.median(rounds[0][v]) / per}
+            row["variants"][str(v)] = {"table": swept[v], "passes": statistics.median(rounds[0][v])}
             if compare:
-                row["variants"][str(v)].update(fresh=fresh[v], again=statistics.median(rounds[1][v]) / per)
+                row["variants"][str(v)].update(fresh=fresh[v], again=statistics.median(rounds[1][v]))
     calls = runners = inp = refs = copies = None  # the point's input and runners go before the next's
     if device != "cpu":
         torch.cuda.empty_cache()

@@ -89,7 +89,7 @@ from mla_tune.serving.gate import (
     run_gates,
 )
 from mla_tune.serving.inputs import ServingInput, make_input
-from mla_tune.serving.measure import LayeredStep, layer_copies, per_layer
+from mla_tune.serving.measure import as_step, layer_copies, layer_timer
 from mla_tune.serving.sweep import PRUNE_FACTOR, TimedCall, event_probe
 from mla_tune.serving.table import FamilyKey, ServingTable, load_serving_table
 from mla_tune.tables.render import fitting
@@ -311,10 +311,10 @@ class Verifier:
 
     def _call(self, variant: Variant, shape: HeldOutShape, inp: ServingInput, copies=None):
         """The variant's TimedCall on `inp`; with `copies` (the config's search.step_layers),
-        a LayeredStep of it over them, which the timers time per step (verify_shape divides)."""
+        a LayeredStep of it over them (measure.as_step; verify_shape's timer takes it per layer)."""
         runner = get_backend(variant.backend).build_serving(variant, self.cfg.spec(shape.key), self.device)
-        call = TimedCall(variant, shape.key, shape.batch, round(shape.mean_kv_len), runner, inp)
-        return LayeredStep(call, copies, str(self.device)) if copies is not None else call
+        return as_step(TimedCall(variant, shape.key, shape.batch, round(shape.mean_kv_len), runner, inp),
+                       copies, str(self.device))
 
     def verify_shape(self, shape: HeldOutShape) -> dict:
         key, spec = shape.key, self.cfg.spec(shape.key)
@@ -330,10 +330,7 @@ class Verifier:
         # the table's protocol (its config's search.step_layers): each time a layer's of a step
         layers = self.cfg.search.step_layers
         copies = layer_copies(inp, layers) if layers else None
-        per = max(layers, 1)
-
-        def timer(call, samples):
-            return per_layer(self.timer(call, samples), per)
+        timer = layer_timer(self.timer)
         # probe and short rung, one candidate at a time (its runner goes before the next:
         # a split-K runner's workspace at 128 heads and 1024 rows is GBs)
         best_probe = math.inf
@@ -345,7 +342,7 @@ class Verifier:
             try:
                 call = self._call(v, shape, inp, copies)
                 if self.probe is not None:
-                    probes[v] = self.probe(call) / per
+                    probes[v] = self.probe(call) / call.layers
                     if probes[v] > PRUNE_FACTOR * best_probe and v not in roles.values():
                         pruned.append(v)
                         continue
