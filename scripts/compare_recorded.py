@@ -19,8 +19,6 @@ where B is more than 8% slower. No GPU.
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import statistics
 from pathlib import Path
 
@@ -30,6 +28,7 @@ from mla_tune.backends.triton_splitk import serving_workspace_args
 from mla_tune.core import CallSpec, Variant
 from mla_tune.kernels.flash_decode import FlashDecodeServingWorkspace
 from mla_tune.kernels.serving_runner import SharedScratch
+from mla_tune.serving.results import read_records
 
 RESULTS = Path("docs/data/sweep/h200-2026-12-02-gluon/H200.serving.results.jsonl.gz")
 MAX_BATCH = 256
@@ -45,20 +44,18 @@ def _partials_gib(variant: Variant, spec: CallSpec, sm_count: int) -> float:
 
 
 def _read(path: Path) -> tuple[dict, dict]:
-    """(the header, {family tag: {(batch, kv_len): {variant text: least median us}}})."""
-    header, times = {}, {}
-    with gzip.open(path, "rt", encoding="utf-8") as fh:
-        for line in fh:
-            row = json.loads(line)
-            if row.get("kind") == "header":
-                header = row
-            if row.get("kind") != "step" or row.get("status") != "ok":
-                continue
-            f = row["family"]
-            tag = f"{f['kv_format']}/h{f['heads']}/q{f['q_len']}/p{f['page_size']}"
-            cell = times.setdefault(tag, {}).setdefault((row["batch"], row["kv_len"]), {})
-            cell[row["variant"]] = min(cell.get(row["variant"], float("inf")), row["time"]["median_us"])
-    return header, times
+    """(the header, {family tag: {(batch, kv_len): {variant text: least median us}}}), read by
+    the sweep's own reader (serving/results.read_records)."""
+    header, records, _warnings = read_records(path)
+    times = {}
+    for row in records:
+        if row.get("kind") != "step" or row.get("status") != "ok":
+            continue
+        f = row["family"]
+        tag = f"{f['kv_format']}/h{f['heads']}/q{f['q_len']}/p{f['page_size']}"
+        cell = times.setdefault(tag, {}).setdefault((row["batch"], row["kv_len"]), {})
+        cell[row["variant"]] = min(cell.get(row["variant"], float("inf")), row["time"]["median_us"])
+    return header or {}, times
 
 
 def _compare(tag: str, cells: dict, a: str, b: str) -> None:
