@@ -228,10 +228,7 @@ class SharedScratch:
     @classmethod
     def views_bytes(cls, shapes) -> int:
         """The bytes tensors of these (shape, dtype) take in the buffer, each aligned."""
-        import torch
-
-        return sum(cls._span(math.prod(shape) * torch.empty((), dtype=dtype).element_size())
-                   for shape, dtype in shapes)
+        return sum(cls._span(math.prod(shape) * dtype.itemsize) for shape, dtype in shapes)
 
     def views(self, shapes) -> list:
         """Tensors of these (shape, dtype), uninitialized: views of the buffer one after the
@@ -245,7 +242,7 @@ class SharedScratch:
             return [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in shapes]
         out, offset = [], 0
         for shape, dtype in shapes:
-            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            nbytes = math.prod(shape) * dtype.itemsize
             out.append(self.buffer[offset:offset + nbytes].view(dtype).view(shape))
             offset += self._span(nbytes)
         return out
