@@ -6,7 +6,6 @@ import re
 import types
 import warnings
 from importlib import metadata
-from pathlib import Path
 
 import pytest
 import yaml
@@ -23,13 +22,10 @@ from mla_tune.backends import (
     known_backends,
     platform_refusal,
     ragged_backends,
-    triton_splitk,
     vendor_distributions,
 )
 from mla_tune.core import KV_FORMATS, Q_MODES, CallSpec, Capabilities, Shape, Variant
-from mla_tune.problem import generate_input
 from mla_tune.serving.time_picks import vendor_backends, with_budget
-from mla_tune.tables.dispatch import Dispatcher
 from mla_tune.tune.config import (
     ConfigError,
     config_from_dict,
@@ -41,9 +37,9 @@ from mla_tune.tune.sweep import plan_candidates, run_sweep
 from mla_tune.xcompile import check as xcheck
 from mla_tune.xcompile.capture import captured
 from tests.fakes import capture
-from tests.helpers import cpu_table, ragged_input, register_backends
+from tests.helpers import REPO as ROOT
+from tests.helpers import cpu_table, register_backends
 
-ROOT = Path(__file__).resolve().parents[1]
 CPU = gpu.Platform("cpu", "cpu", "cpu", False, 0)
 PLATFORMS = {name: gpu.fake_platform(name) for name in gpu.KNOWN_GPUS} | {"cpu": CPU}
 
@@ -210,29 +206,6 @@ def test_a_backend_with_the_serving_call_declares_it_and_its_default_variant_fit
 
 
 # ------------------------------------------------------------------ who reads the records
-def test_the_dispatcher_refuses_a_ragged_batch_for_a_backend_whose_record_says_uniform_only():
-    built = []
-
-    def build(variant, shape, device):
-        built.append((variant, shape))
-        return lambda *args: "ran"
-
-    def dispatcher(variant, names, ragged):
-        return Dispatcher({}, dict.fromkeys(names, build), lambda shape: variant, warn_on_miss=False,
-                          ragged_backends=ragged)
-
-    fused = Variant.make("triton_fused", kv="fp8", q="bf16", num_splits=1, block_n=32)
-    ragged = ragged_input([3, 5], seed=1, device="cpu")
-    with pytest.raises(ValueError, match=r"reads kv_indptr per sequence \(no backend wired here does\)"):
-        dispatcher(fused, ["triton_fused", "torch"], ragged_backends(["triton_fused", "torch"]))(*ragged[:4])
-    assert built == []
-    split = Variant.make("triton", kv="fp8", q="bf16", num_splits=1, block_n=32)
-    assert dispatcher(split, ["triton"], ragged_backends(["triton"]))(*ragged[:4]) == "ran"
-    assert built == [(split, Shape(2, 5))]
-    uniform = generate_input(2, 5, seed=1, device="cpu")
-    assert dispatcher(fused, ["triton_fused"], frozenset())(*uniform[:4]) == "ran"
-
-
 def test_software_versions_record_each_vendor_the_records_name(plugins, monkeypatch):
     plugins({"acme": ('kv_formats=("bf16",), vendor="acme-mla"', "")})
     installed = {"acme-mla": "2.0", vendor_distributions()[0]: "1.5"}
@@ -306,9 +279,16 @@ def test_the_drift_note_comes_from_the_hook_of_the_backend_wrapping_that_distrib
     assert drift_note("drifty-lib", "1.0", "2.0") == "drifty says 1.0 -> 2.0 moved its kernels; "
     assert drift_note("quiet-lib", "1.0", "2.0") == ""
     assert drift_note("hook_no_vendor", "1.0", "2.0") == ""
+    versions = {"drifty-lib": "1.0", "quiet-lib": "3.0", "triton": "3.6.0",
+                "sgl-flash-mla": "1.0.0"}
     with pytest.warns(UserWarning) as record:
-        runtime.load(table=cpu_table(tmp_path, versions={"drifty-lib": "1.0", "quiet-lib": "3.0"}), device="cpu")
+        runtime.load(table=cpu_table(tmp_path, versions=versions), device="cpu")
     messages = [str(w.message) for w in record]
+    here = gpu.detect().versions["triton"]
+    assert any(f"provenance.versions.triton is 3.6.0 but this process has {here}" in m
+               for m in messages)
+    assert any("provenance.versions.sgl-flash-mla is 1.0.0 but this process has not installed" in m
+               for m in messages)
     assert any("provenance.versions.drifty-lib is 1.0 but this process has not installed; "
                "drifty says 1.0 -> None moved its kernels; timings may have moved" in m for m in messages)
     assert any("provenance.versions.quiet-lib is 3.0 but this process has not installed; timings may "
@@ -383,10 +363,8 @@ def test_budget_variants_come_from_a_backends_batch_split_budget_hook(plugins):
     assert made == Variant.make("budgeted", **{**split, "tokens_per_split": 128, "split_budget": 200 * 1000 + 4})
     assert with_budget(Variant.make("unbudgeted", **split), 2, 128, 100, 64) is None
     assert with_budget(Variant.make("budgeted", **{**split, "max_splits": 1}), 2, 128, 100, 64) is None
-    # today's: triton's budget (its own rule), none for gluon_fused though its serving form
-    # takes split_budget (it has no hook: its budgets are its serving_candidates' own)
-    triton = Variant.make("triton", **split, block_n=64, num_warps=8, num_stages=2, dot_dtype="bf16")
-    assert with_budget(triton, 2, 128, 100, 64).get("split_budget") == triton_splitk.batch_split_budget(2, 100, 4)
+    # none for gluon_fused though its serving form takes split_budget (it has no hook: its
+    # budgets are its serving_candidates' own); triton's: tests/test_time_command.py
     gluon = Variant.make("gluon_fused", kv="fp8", q="fp8_dynamic", block_h=16, max_splits=8,
                          tokens_per_split=512, num_stages=2, v_halves=1)
     assert with_budget(gluon, 2, 128, 100, 64) is None

@@ -124,7 +124,7 @@ def test_every_leaderboard_candidate_compiles_at_its_stand_in_exactly_the_kernel
         assert keys.of(variant, standin) == real, f"{variant} at {shape} vs its stand-in {standin}"
 
 
-def test_a_shape_class_stand_in_cannot_run_the_splits_compile_shape_for_keeps(monkeypatch):
+def test_a_shape_class_stand_in_cannot_run_the_splits_compile_shape_for_keeps():
     """The shape-class stand-in of 4 x 8192 (2 x 64) cannot run 8 splits of 64 tokens."""
     variant = Variant.parse("triton_fused(block_n=64,kv=fp8,num_splits=8,num_stages=3,num_warps=4,"
                             "pv_dot=fp16,q=fp8_dynamic,qk_dot=fp8,reduce=last,tok_m=true)")

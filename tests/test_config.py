@@ -77,6 +77,10 @@ def _backends(**spaces):
     return {"backends": {"torch": {}, **spaces}}
 
 
+TIMING = {"reps": 3, "prune_reps": 1, "prune_factor": 2}
+NAN, INF = float("nan"), float("inf")
+
+
 @pytest.mark.parametrize(
     "changes, field, words",
     [
@@ -87,11 +91,9 @@ def _backends(**spaces):
         ({"check_seeds": [1, "2"]}, "check_seeds", "integers"),
         ({"check_seeds": [1, 2**64]}, "check_seeds", "seeds must lie in -9223372036854775808 to"),
         ({"calibration_seeds": [2, 3]}, "calibration_seeds", "also check_seeds"),
-        ({"timing": {"reps": 0, "prune_reps": 1, "prune_factor": 2}}, "timing.reps", ">= 1"),
         ({"timing": {"prune_reps": 1, "prune_factor": 2}}, "timing.reps", "missing"),
         ({"timing": {"reps": 3, "prune_reps": 1, "prune_factor": 0.5}}, "timing.prune_factor", ">= 1"),
         ({"timing": {"reps": 3, "prune_reps": 1, "prune_factor": 2, "rep": 1}}, "timing.rep", "unknown"),
-        ({"budget_s": -1}, "budget_s", "positive"),
         ({"shapes": []}, "shapes", "non-empty"),
         ({"shapes": [{"batch": 2, "kv_len": 9}, {"batch": 2, "kv_len": 9}]}, "shapes[1]", "duplicate"),
         ({"shapes": [{"batch": 2, "kv_len": 0}]}, "shapes[0]", "positive"),
@@ -132,6 +134,14 @@ def _backends(**spaces):
         # a value no variant may carry: the parameter rules (backends/params.py), naming the field
         ({"backends": {"aiter": {"mode": ["eager"]}}}, "backends.aiter.mode",
          "'backends.aiter.mode': aiter: mode=eager is not allowed"),
+        # seconds: positive finite numbers; prune_factor at least one; reps positive integers
+        *(({field: v}, field, f"'{field}': must be a positive, finite number")
+          for field in ("budget_s", "candidate_timeout_s")
+          for v in (NAN, INF, -INF, -1, 0, "60", True, [60])),
+        *(({"timing": {**TIMING, "prune_factor": v}}, "timing.prune_factor", ())
+          for v in (NAN, INF, 0, -2, "2", False)),
+        *(({"timing": {**TIMING, "reps": v}}, "timing.reps", "'timing.reps': must be an integer >= 1")
+          for v in (NAN, INF, 2.5, "3", True, 0)),
     ],
 )
 def test_each_config_error_is_one_line_naming_the_file_and_the_field(
@@ -142,23 +152,6 @@ def test_each_config_error_is_one_line_naming_the_file_and_the_field(
     message = str(info.value)
     assert str(path) in message and f"'{field}'" in message and "\n" not in message, message
     assert all(w in message for w in ((words,) if isinstance(words, str) else words)), message
-
-
-TIMING = {"reps": 3, "prune_reps": 1, "prune_factor": 2}
-NAN, INF = float("nan"), float("inf")
-
-
-@pytest.mark.parametrize("changes, match", [
-    *(({field: v}, f"'{field}': must be a positive, finite number")
-      for field in ("budget_s", "candidate_timeout_s") for v in (NAN, INF, -INF, -1, 0, "60", True, [60])),
-    *(({"timing": {**TIMING, "prune_factor": v}}, "'timing.prune_factor'") for v in (NAN, INF, 0, -2, "2", False)),
-    *(({"timing": {**TIMING, "reps": v}}, "'timing.reps': must be an integer >= 1")
-      for v in (NAN, INF, 2.5, "3", True, 0)),
-], ids=repr)
-def test_seconds_must_be_positive_finite_numbers_prune_factor_at_least_one_and_reps_positive_integers(
-        tmp_path, changes, match):
-    with pytest.raises(ConfigError, match=match):
-        load_config(write(tmp_path, with_change(**changes)))
 
 
 def test_unreadable_or_odd_files_give_one_line_naming_the_file(tmp_path):

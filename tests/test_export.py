@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from mla_tune.backends import get_backend, known_backends
 from mla_tune.core import Shape, Variant
@@ -28,7 +27,7 @@ from mla_tune.kernels import gluon_decode
 from mla_tune.problem import check, generate_input, get_rule, reference
 from mla_tune.tune.config import expand_space, load_config
 from tests.helpers import CPU_TABLE as TABLE
-from tests.helpers import REPO, assert_clean_export, exported_outputs, ragged_input
+from tests.helpers import REPO, assert_clean_export, cpu_table, exported_outputs, ragged_input
 
 RULE = get_rule("leaderboard")
 
@@ -267,13 +266,12 @@ def test_gluon_fused_is_registered_unavailable_here_and_its_space_is_small():
 
 
 def test_export_with_a_gluon_winner_is_self_contained_and_says_why_it_cannot_run_here(tmp_path):
-    table = yaml.safe_load(TABLE.read_text())
-    row = next(r for r in table["rows"] if (r["batch"], r["kv_len"]) == (2, 40))
-    params = dict(Variant.parse(GLUON).p)
-    row["winner"] = {"variant": GLUON, "backend": "gluon_fused", "params": params}
-    row["alternates"]["gluon_fused"] = {"variant": GLUON, "time_us": 5.0}
-    (tmp_path / "table.yaml").write_text(yaml.safe_dump(table))
-    path = export_submission(tmp_path / "table.yaml", tmp_path / "sub.py",
+    def gluon_winner(data):  # the (2, 40) row
+        params = Variant.parse(GLUON).p
+        data["rows"][1]["winner"] = {"variant": GLUON, "backend": "gluon_fused", "params": params}
+        data["rows"][1]["alternates"]["gluon_fused"] = {"variant": GLUON, "time_us": 5.0}
+
+    path = export_submission(cpu_table(tmp_path, edit=gluon_winner), tmp_path / "sub.py",
                              only_backends=["triton", "triton_fused", "gluon_fused"])
     text = assert_clean_export(path)
     assert "def _build_gluon_fused(" in text and "def _gd_decode_kernel(" in text

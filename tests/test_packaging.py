@@ -13,9 +13,9 @@ import pytest
 
 from mla_tune import locate, runtime
 from mla_tune.tables.table import TableError
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parents[1]
-FAKES = Path(__file__).resolve().parent / "fakes"
+FAKES = REPO / "tests" / "fakes"
 
 
 def _tables(folder: Path, *names: str) -> Path:

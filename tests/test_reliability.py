@@ -13,6 +13,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -145,7 +146,6 @@ class FailingFolder:
     def __init__(self, monkeypatch, folder: Path, code: int, after: int = 0):
         self.folder, self.code, self.left = Path(folder).resolve(), code, after
         self.full = after == 0  # fsync fails once the disk is full
-        self.fds: set[int] = set()
         real_open, real_write, real_fsync, real_mkdir = os.open, os.write, os.fsync, os.mkdir
         real_builtin_open, real_replace = builtins.open, os.replace
         rofs = code == errno.EROFS
@@ -170,14 +170,11 @@ class FailingFolder:
         def fake_open(path, flags, mode=0o777, *args, **kwargs):
             if rofs and flags & writes and under(path):
                 fail(path)
-            fd = real_open(path, flags, mode, *args, **kwargs)
-            if under(path):
-                self.fds.add(fd)
-            return fd
+            return real_open(path, flags, mode, *args, **kwargs)
 
-        def tracked(fd) -> bool:
+        def tracked(fd) -> bool:  # the file the descriptor has open lies under the folder
             try:
-                return fd in self.fds or under(os.readlink(f"/proc/self/fd/{fd}"))
+                return under(os.readlink(f"/proc/self/fd/{fd}"))
             except OSError:
                 return False
 
@@ -227,6 +224,7 @@ def _one_line(result, *needles, progress: bool = False):
 
 
 FULL = "No space left on device; free some space or write elsewhere"
+PNG = b"\x89PNG" + b"0" * 1000
 VERIFY_REPORTS = sorted((REPO / "docs" / "data" / "verify").glob("*.json.gz"))[:1]
 
 
@@ -361,18 +359,6 @@ def test_a_nan_in_the_fp8_cache_cannot_vanish_in_the_gate():
     assert not check(wrong, ref, rule).passed and check(wrong, ref, rule).reason == "output holds NaN"
 
 
-class _Figure:  # what report._save needs of a matplotlib figure, without matplotlib
-    def tight_layout(self):
-        pass
-
-    def clf(self):
-        pass
-
-    def savefig(self, path, dpi, format):
-        with open(path, "wb") as f:
-            f.write(b"\x89PNG" + b"0" * 1000)
-
-
 def _line_log(path, fill):  # a failed append is cut off again
     log = LineLog(path, "re-run to resume")
     log.append(b'{"a": 1}\n')
@@ -383,10 +369,16 @@ def _line_log(path, fill):  # a failed append is cut off again
         log.close()
 
 
-def _report_plot(path, fill):
-    assert _save(_Figure(), path.parent, "ok.png") == "ok.png"
+def _savefig(path, dpi, format):
+    with open(path, "wb") as f:
+        f.write(PNG)
+
+
+def _report_plot(path, fill):  # a figure with what report._save needs, without matplotlib
+    figure = SimpleNamespace(tight_layout=lambda: None, clf=lambda: None, savefig=_savefig)
+    assert _save(figure, path.parent, "ok.png") == "ok.png"
     fill()
-    _save(_Figure(), path.parent, path.name)
+    _save(figure, path.parent, path.name)
 
 
 def _emit(path, fill):  # what verify and verify --rescore write --json with
@@ -401,7 +393,7 @@ def _write_table(path, fill):
 
 @pytest.mark.parametrize("write, name, advice, kept", [
     (_line_log, "r.jsonl", "; re-run to resume", {"r.jsonl": b'{"a": 1}\n'}),
-    (_report_plot, "full.png", "", {"ok.png": b"\x89PNG" + b"0" * 1000}),
+    (_report_plot, "full.png", "", {"ok.png": PNG}),
     (_emit, "v.json", "", {}),
     (_write_table, "cpu.yaml",
      "; the results file keeps every step, so re-running the same command writes the table without timing "

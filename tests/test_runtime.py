@@ -18,7 +18,6 @@ from mla_tune import core, runtime
 from mla_tune.backends import get_backend, ragged_backends, triton_splitk
 from mla_tune.core import Shape, Variant
 from mla_tune.export import export_submission
-from mla_tune.gpu import detect
 from mla_tune.problem import RULES, check, generate_input, reference
 from mla_tune.tables.dispatch import DISPATCH_FALLBACKS, Dispatcher, dispatch_fallback
 from mla_tune.tables.table import TableError
@@ -74,16 +73,14 @@ def test_table_rows_run_their_variants_match_the_reference_and_time_nothing(rt, 
     monkeypatch.setattr(mla_tune.tune.timing, "wall_time", forbidden)
     monkeypatch.setattr(torch.cuda, "Event", forbidden)
     assert rt.fallback_backend == "triton"
-    torch_row = generate_input(1, 8, seed=1, device="cpu")  # torch winner
-    _assert_correct(rt.decode(*torch_row[:4]), torch_row, "bf16")
-    triton_row = generate_input(2, 40, seed=2, device="cpu")  # triton fp8 winner
-    _assert_correct(rt.custom_kernel(triton_row), triton_row, "fp8")
+    # (1, 8): a torch winner; (2, 40): a triton fp8 winner; each through both entry points
+    for seed, (batch, kv_len, kv_format) in enumerate([(1, 8, "bf16"), (2, 40, "fp8")], 1):
+        data = generate_input(batch, kv_len, seed=seed, device="cpu")
+        _assert_correct(rt.decode(*data[:4]), data, kv_format)
+        _assert_correct(rt.custom_kernel(data), data, kv_format)
     built = {key[0].backend for key in rt.dispatcher._runners}
     assert built == {"torch", "triton"}
     assert rt.dispatcher.misses == {}
-    for data in (torch_row, triton_row):  # each row through both entry points
-        rt.custom_kernel(data)
-        rt.decode(*data[:4])
 
 
 def test_unknown_and_ragged_shapes_run_the_fallback_and_are_counted(rt):
@@ -118,18 +115,33 @@ def test_runners_are_built_lazily_once_per_shape():
     assert spy.built[-1] == (TORCH, Shape(2, 8)) and dispatcher.misses == {Shape(2, 8): 1}
 
 
-def test_a_torch_fallback_refuses_ragged_batches_before_launching():
-    backend, fallback = runtime.fallback_policy("leaderboard", allowed=["torch"])
-    assert backend == "torch" and fallback(Shape(3, 3)) == TORCH
-    spy = _Spy()
-    dispatcher = Dispatcher({}, {"torch": spy}, fallback, warn_on_miss=False,
-                            ragged_backends=ragged_backends(["torch"]))
-    ragged = ragged_input([3, 5], seed=1, device="cpu")
-    with pytest.raises(ValueError, match="a ragged batch needs a fallback that reads kv_indptr"):
-        dispatcher(*ragged[:4])
-    assert spy.built == []
+def test_a_ragged_batch_runs_only_on_a_backend_whose_record_reads_kv_indptr():
+    backend, torch_fallback = runtime.fallback_policy("leaderboard", allowed=["torch"])
+    assert backend == "torch" and torch_fallback(Shape(3, 3)) == TORCH
     with pytest.raises(ValueError, match="only aiter are allowed; allow one of them"):
         runtime.fallback_policy(allowed=["aiter"])
+    fused = Variant.make("triton_fused", kv="fp8", q="bf16", num_splits=1, block_n=32)
+    split = Variant.make("triton", kv="fp8", q="bf16", num_splits=1, block_n=32)
+    ragged = ragged_input([3, 5], seed=1, device="cpu")
+    uniform = generate_input(2, 5, seed=1, device="cpu")
+
+    def spy_dispatcher(spy, fallback, names):
+        """Backends `names` built by spy, the ragged readers among them as their records say."""
+        return Dispatcher({}, dict.fromkeys(names, spy), fallback, warn_on_miss=False,
+                          ragged_backends=ragged_backends(names))
+
+    refused = (r"a ragged batch needs a fallback that reads kv_indptr per sequence "
+               r"\(no backend wired here does\)")
+    uniform_only = [(torch_fallback, ["torch"]), (lambda shape: fused, ["triton_fused", "torch"])]
+    for fallback, names in uniform_only:
+        spy = _Spy()
+        with pytest.raises(ValueError, match=refused):
+            spy_dispatcher(spy, fallback, names)(*ragged[:4])
+        assert spy.built == []
+    spy = _Spy()
+    assert spy_dispatcher(spy, lambda shape: split, ["triton"])(*ragged[:4]) == "ran"
+    assert spy.built == [(split, Shape(2, 5))]
+    assert spy_dispatcher(spy, lambda shape: fused, ["triton_fused"])(*uniform[:4]) == "ran"
 
 
 def _bad_inputs():
@@ -270,17 +282,6 @@ def test_a_table_for_another_gpu_is_refused_unless_allowed(tmp_path):
     assert rt.table.gpu == "H200"
     with pytest.raises(TableError, match="was made for H200, not MI355X"):
         runtime.load(gpu="MI355X", table=path, allow_other_gpu=True)
-
-
-def test_version_drift_warns_naming_the_field_and_both_versions(tmp_path):
-    path = cpu_table(tmp_path, versions={"triton": "3.6.0", "sgl-flash-mla": "1.0.0"})
-    with pytest.warns(UserWarning) as record:
-        runtime.load(table=path)
-    messages = [str(w.message) for w in record]
-    here = detect().versions["triton"]
-    assert any(f"provenance.versions.triton is 3.6.0 but this process has {here}" in m for m in messages)
-    assert any("provenance.versions.sgl-flash-mla is 1.0.0 but this process has not installed" in m
-               for m in messages)
 
 
 def test_module_level_custom_kernel_loads_this_gpus_table_once(monkeypatch, tmp_path):
