@@ -1,5 +1,6 @@
 """The Gluon decode's checks that tests/test_gluon_decode.py and tests/test_gluon_ws.py share:
-`kernel_math`, `check` against it and the exact answer, `gluon_gpu`, and direct calls."""
+`gluon_variant`, `kernel_math`, `check` against it and the exact answer, `gluon_gpu`, and
+direct calls."""
 
 import functools
 import math
@@ -12,6 +13,13 @@ from mla_tune.backends import gluon_fused
 from mla_tune.core import QK_DIM, SM_SCALE, V_DIM, Shape, Variant
 from mla_tune.kernels import gluon_decode
 from tests.helpers import DecodeBuffers, rel_l2, unavailable
+
+BASE = dict(kv="fp8", q="fp8_dynamic", block_n=64, num_stages=3, num_splits=1, v_path="ss16")
+
+
+def gluon_variant(**params) -> Variant:
+    """gluon_fused's BASE variant with `params` changed."""
+    return Variant.make("gluon_fused", **{**BASE, **params})
 
 
 def kernel_math(data, q_scale_per: str = "head") -> torch.Tensor:

@@ -11,7 +11,6 @@ import torch
 import triton
 from triton.runtime.jit import JITFunction
 
-from mla_tune import problem
 from mla_tune.core import CallSpec, tensor_sig
 from mla_tune.kernels import launch
 from mla_tune.kernels.flash_decode import FlashDecodeServingWorkspace, flash_decode_serving
@@ -20,15 +19,10 @@ from mla_tune.kernels.serving_runner import OwnServingRunner
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.call import Decoder, runner_step
 from mla_tune.serving.decode_plan import DecodePlan
-from tests.helpers import vendor_fakes
+from tests.helpers import assert_close, vendor_fakes
 
 SPEC = CallSpec("bf16", page_size=16, heads=16, max_q_len=2, mixed_q_len=True)
 LENS = [1, 17, 40]
-
-
-def _close(out, ref, what=""):
-    result = problem.check(out, ref, problem.RULES["strict"])
-    assert result.passed, f"{what}: {result}"
 
 
 def _layers(spec: CallSpec, kv_lens, q_lens, n: int, device="cpu"):
@@ -60,7 +54,7 @@ def test_a_steps_layers_through_the_plan_answer_as_the_plain_runner_and_the_refe
         assert plan._layer.fast is None  # the interpreter: every layer took the runner
         plain = runner(q, first.qo_indptr, kv, None, **first.layout).clone()
         assert torch.equal(out, plain), f"{backend} layer {i}: the step differs from the plain runner"
-        _close(out, _ref(first, q, kv), f"{backend} layer {i}")
+        assert_close(out, _ref(first, q, kv), what=f"{backend} layer {i}")
 
 
 def test_the_interpreter_takes_the_jit_path_and_records_nothing():
@@ -264,7 +258,7 @@ def test_a_flashmla_step_schedules_once_and_answers_as_its_plain_runner(monkeypa
     for i, ((q, kv), out) in enumerate(zip(layers, outs, strict=True)):
         plain = decoder.runner(q, first.qo_indptr, kv, first.kv_scale, **first.layout)
         assert torch.equal(out, plain), f"layer {i}"
-        _close(out, _ref(first, q, kv, "fp8" if kv_format == "fp8" else "bf16"), f"layer {i}")
+        assert_close(out, _ref(first, q, kv, kv_format), what=f"layer {i}")
 
 
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
@@ -282,7 +276,7 @@ def test_a_flashinfer_step_plans_once_and_answers_as_its_plain_runner(monkeypatc
     runner = plan._default.runner
     for i, ((q, kv), out) in enumerate(zip(layers, outs, strict=True)):
         assert torch.equal(out, runner(q, first.qo_indptr, kv, first.kv_scale, **first.layout, **host)), f"layer {i}"
-        _close(out, _ref(first, q, kv), f"layer {i}")
+        assert_close(out, _ref(first, q, kv), what=f"layer {i}")
 
 
 def test_an_update_does_the_steps_vendor_work_before_any_layer_into_fixed_buffers(monkeypatch):
@@ -309,7 +303,7 @@ def test_an_update_does_the_steps_vendor_work_before_any_layer_into_fixed_buffer
         fm_plan.update(first.qo_indptr, **first.layout, **{**host, "kv_lens_host": [n - 1 + grow for n in lens]})
         where.append(tuple(t.data_ptr() for t in fm_plan._layer.sched))
         out = fm_plan.run(*layers[0], first.kv_scale)
-        _close(out, _ref(first, *layers[0]), f"flashmla step {grow}")
+        assert_close(out, _ref(first, *layers[0]), what=f"flashmla step {grow}")
     assert where[0] == where[1], "FlashMLA's schedule moved between steps: a graph would read stale memory"
     assert fm.calls["get_mla_decoding_metadata"] >= 2
 
@@ -339,7 +333,7 @@ def test_replayed_launches_are_bit_identical_to_the_jit_launch_across_layers(bac
         plain = runner(q, first.qo_indptr, kv, first.kv_scale, **first.layout)
         assert torch.equal(out, plain), f"layer {i}: the replay differs from the JIT launch"
     q_format = "fp8" if str(decoder.variant.get("q")).startswith("fp8") else "bf16"
-    _close(outs[2], _ref(first, *layers[2], q_format), "layer 2")
+    assert_close(outs[2], _ref(first, *layers[2], q_format), what="layer 2")
     # a misaligned q (a view 2 bytes into a buffer) does not fit the recording: JIT path
     q = layers[1][0]
     odd = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")[1:].view(q.shape)
@@ -349,7 +343,7 @@ def test_replayed_launches_are_bit_identical_to_the_jit_launch_across_layers(bac
     out = step(odd, layers[1][1], first.kv_scale).clone()
     assert step.fast[0] is not recorded, "the misaligned q did not take the JIT path"
     assert torch.equal(out, runner(odd, first.qo_indptr, layers[1][1], first.kv_scale, **first.layout))
-    _close(out, _ref(first, odd, layers[1][1], q_format), "misaligned q")
+    assert_close(out, _ref(first, odd, layers[1][1], q_format), what="misaligned q")
     # and an aligned layer after it is right again (recorded anew)
     assert torch.equal(step(*layers[2], first.kv_scale), outs[2])
 

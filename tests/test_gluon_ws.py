@@ -10,17 +10,11 @@ import torch
 
 from mla_tune import problem
 from mla_tune.backends import gluon_fused
-from mla_tune.core import QK_DIM, Shape, Variant
+from mla_tune.core import QK_DIM, Shape
 from mla_tune.gpu import fake_platform
 from mla_tune.kernels import gluon_decode
-from tests.gluon_helpers import check, check_backend, expect, gluon_gpu, run_twice
+from tests.gluon_helpers import check, check_backend, expect, gluon_gpu, gluon_variant, run_twice
 from tests.helpers import ragged_input
-
-BASE = dict(kv="fp8", q="fp8_dynamic", block_n=64, num_stages=3, num_splits=1, v_path="rs8")
-
-
-def _variant(**params) -> Variant:
-    return Variant.make("gluon_fused", **{**BASE, **params})
 
 
 # ------------------------------------------------------------------------------- CPU
@@ -58,7 +52,7 @@ def test_candidates_offer_ws_only_where_asked_and_where_it_can_pay():
                 assert shape.batch * v.p["num_splits"] <= sm
         assert bool(ws2) == (shape.batch != 256)  # 256 programs: two waves at one CTA per SM
     # ws 2's rules, each with its reason
-    p = dict(BASE, ws=2, num_stages=2, num_splits=4)
+    p = dict(gluon_variant(v_path="rs8", ws=2, num_stages=2, num_splits=4).p)
     assert "one ring slot" in gluon_fused._gf_ws_reason(p, Shape(4, 8192), sm)
     assert "second consumer idle" in gluon_fused._gf_ws_reason({**p, "num_stages": 3, "num_splits": 16},
                                                                Shape(4, 1024), sm)
@@ -193,4 +187,5 @@ def test_ws_on_the_other_v_paths(path, ws):
                                     dict(ws=2, num_stages=3, num_splits=1)], ids=str)
 def test_the_backend_with_ws_matches_and_repeats(params):
     data = problem.generate_input(32, 1024, seed=77, device="cuda")
-    check_backend(_variant(**params), Shape(32, 1024), data, f"backend {params}", repeats=2)
+    variant = gluon_variant(v_path="rs8", **params)
+    check_backend(variant, Shape(32, 1024), data, f"backend {params}", repeats=2)

@@ -205,8 +205,8 @@ def test_the_flashmla_runner_exposes_its_counter(fakes):
 # ------------------------------------------------------------------ on the H200
 @pytest.mark.gpu
 def test_real_flashmla_fp8_static_counts_saturation_and_check_mode_raises(tmp_path):
-    """q scaled by 8 against a generator calibration: FlashMLA's answer is wrong (issue 12
-    measured 74-75% of elements off) and the counter says how many elements were clamped."""
+    """q scaled by 8 against a generator calibration: FlashMLA's answer is wrong and the
+    counter says how many elements were clamped."""
     assert flash_mla.unavailable_reason() is None, flash_mla.unavailable_reason()
     shape = Shape(4, 1024)
     amax = calibration.calibrate(None, shape, list(range(11, 19)), "cuda")["q_amax"]
