@@ -13,6 +13,7 @@ from mla_tune.serving.verify import VERIFY_SCHEMA, VerifyError
 from tests.helpers import invoke
 
 SPEC = CallSpec("bf16", page_size=64, heads=16, max_q_len=1)
+KEY = FamilyKey.of(SPEC)
 OTHER = FamilyKey("fp8", 64, 128, 4)  # a family the table lacks
 
 
@@ -25,7 +26,7 @@ A, B, C, D, F = _v(2), _v(4), _v(8), _v(16), _v(64)  # F: the fallback
 
 
 def _table(eager: str, graph: str = B, runner_up: dict | None = None) -> ServingTable:
-    fam = Family(FamilyKey.of(SPEC))
+    fam = Family(KEY)
     for kv in (512, 1024):
         fam.cells[(4, kv)] = Cell(4, kv, Variant.parse(eager), 1.0, runner_up=runner_up)
     fam.graph[4] = GraphPick(4, Variant.parse(graph), 0.1, 512)
@@ -44,10 +45,10 @@ def _shape(index: int, key: FamilyKey, final: dict, short: dict, pruned: list, k
             "checks": {v: {"passed": True, "reason": "ok"} for v in final}}
 
 
-def _report(path, shapes, seed=1):
-    """A verify report at `path`, gzipped where it ends in .gz."""
+def _report(path, shapes, seed=1, **fields):
+    """A verify report at `path` (its other top-level `fields`), gzipped where it ends in .gz."""
     report = {"schema": VERIFY_SCHEMA, "device": {"name": "H200"}, "options": {"seed": seed},
-              "shapes": shapes}
+              "shapes": shapes, **fields}
     with gzip.open(path, "wt") if path.suffix == ".gz" else open(path, "w") as handle:
         handle.write(json.dumps(report))
     return path
@@ -55,13 +56,12 @@ def _report(path, shapes, seed=1):
 
 @pytest.fixture
 def reports(tmp_path):
-    key = FamilyKey.of(SPEC)
     one = _report(tmp_path / "v1.json", [
-        _shape(0, key, {A: 110.0, B: 130.0, C: 100.0, F: 200.0}, {}, []),
-        _shape(1, key, {B: 120.0, C: 100.0, F: 150.0}, {A: 104.0}, [D], kind="ragged"),
+        _shape(0, KEY, {A: 110.0, B: 130.0, C: 100.0, F: 200.0}, {}, []),
+        _shape(1, KEY, {B: 120.0, C: 100.0, F: 150.0}, {A: 104.0}, [D], kind="ragged"),
     ], seed=1)
     two = _report(tmp_path / "v2.json.gz", [
-        _shape(0, key, {A: 100.0, B: 125.0, F: 300.0}, {C: 90.0}, [D]),
+        _shape(0, KEY, {A: 100.0, B: 125.0, F: 300.0}, {C: 90.0}, [D]),
         _shape(1, OTHER, {F: 100.0, D: 80.0}, {}, []),  # no family in the table: the fallback
     ], seed=2)
     return [one, two]
@@ -129,11 +129,8 @@ def test_reports_timed_under_another_protocol_than_the_tables_are_refused(report
     with pytest.raises(VerifyError, match=r"v1\.json timed each candidate as one flushed call, the table's "
                                           r"points were timed as a layer of a 8-layer step"):
         rs.rescore(stepped, reports, log=lambda _: None)
-    key = FamilyKey.of(SPEC)
-    steps = tmp_path / "steps.json"
-    steps.write_text(json.dumps({"schema": VERIFY_SCHEMA, "device": {"name": "H200"}, "options": {"seed": 3},
-                                 "protocol": {"step_layers": 8},
-                                 "shapes": [_shape(0, key, {A: 110.0, C: 100.0, F: 200.0}, {}, [])]}))
+    shapes = [_shape(0, KEY, {A: 110.0, C: 100.0, F: 200.0}, {}, [])]
+    steps = _report(tmp_path / "steps.json", shapes, seed=3, protocol={"step_layers": 8})
     assert len(rs.rescore(stepped, [steps], log=lambda _: None)["shapes"]) == 1
     with pytest.raises(VerifyError, match="as a layer of a 8-layer step, the table's points were timed as one "
                                           "flushed call"):
@@ -155,10 +152,9 @@ def test_unrunnable_backends_are_scored_by_the_stand_ins_a_plan_runs(reports):
 
 
 def test_a_shape_recorded_twice_is_summarized_across_its_recordings(reports, tmp_path):
-    key = FamilyKey.of(SPEC)
     again = _report(tmp_path / "v3.json", [  # v1's shapes, recorded again: A stays 5% behind at #0
-        _shape(0, key, {A: 105.0, B: 130.0, C: 100.0, F: 200.0}, {}, []),
-        _shape(1, key, {A: 90.0, B: 120.0, C: 100.0, F: 150.0}, {}, [D], kind="ragged"),
+        _shape(0, KEY, {A: 105.0, B: 130.0, C: 100.0, F: 200.0}, {}, []),
+        _shape(1, KEY, {A: 90.0, B: 120.0, C: 100.0, F: 150.0}, {}, [D], kind="ragged"),
     ], seed=1)
     assert rs.rescore(_table(A), reports[:1], log=lambda _: None)["repeats"] is None  # no shape twice
     lines: list[str] = []
@@ -177,13 +173,12 @@ def test_a_shape_recorded_twice_is_summarized_across_its_recordings(reports, tmp
 
 
 def test_the_points_agreement_compares_relative_times_just_below_a_point_and_between_recordings(tmp_path):
-    key = FamilyKey.of(SPEC)
     table = _table(A)
-    table.families[key].points = {(4, 1024): {Variant.parse(A): 50.0, Variant.parse(B): 52.5},
+    table.families[KEY].points = {(4, 1024): {Variant.parse(A): 50.0, Variant.parse(B): 52.5},
                                   (4, 512): {Variant.parse(A): 30.0, Variant.parse(B): 30.0}}
 
     def at(index, batch, kv, final):
-        return {**_shape(index, key, final, {}, []), "batch": batch, "kv_lens": kv, "mean_kv_len": float(kv)}
+        return {**_shape(index, KEY, final, {}, []), "batch": batch, "kv_lens": kv, "mean_kv_len": float(kv)}
     shapes = [at(0, 4, 1010, {A: 100.0, B: 110.0, C: 90.0, F: 300.0}),  # 1.3% below 1024: B/A 1.10, the point's 1.05
               at(1, 4, 1030, {A: 100.0, B: 200.0, F: 300.0}),  # past the point: not compared
               at(2, 3, 1020, {A: 100.0, B: 200.0, F: 300.0}),  # not a point's batch

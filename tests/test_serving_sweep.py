@@ -42,10 +42,12 @@ from tests.serving_timers import TIMES, TINY, name
 
 class FakeTimer:
     """The made-up time (x `slow(call)`); `run`: the runner runs once per variant and cell;
-    records what it timed; raises KeyboardInterrupt (a kill) after `stop_after` calls."""
+    records what it timed and the calls' types; raises KeyboardInterrupt (a kill) after
+    `stop_after` calls."""
 
     def __init__(self, stop_after: int | None = None, run: bool = False, slow=lambda call: 1.0):
         self.timed: list[tuple] = []
+        self.kinds: set[str] = set()
         self.stop_after = stop_after
         self.run = run
         self.slow = slow
@@ -58,6 +60,7 @@ class FakeTimer:
             self.ran.add((str(call.variant), call.batch, call.kv_len))
             call()
         self.timed.append((call.batch, call.kv_len, str(call.variant), reps))
+        self.kinds.add(type(call).__name__)
         t = TIMES[call.kv_len][name(call.variant)] * call.batch * self.slow(call)
         return Timing(t, t, t, reps)
 
@@ -463,15 +466,9 @@ def test_step_layers_time_every_candidate_as_a_layer_of_a_step_and_change_the_ha
     assert tiny.search.step_layers == 0
     stepped = _config("step.yaml", {"step_layers": 2})
     assert stepped.search.step_layers == 2 and stepped.hash != tiny.hash
-    seen = []
-
-    class StepTimer(FakeTimer):
-        def __call__(self, call, reps):
-            seen.append(type(call).__name__)
-            return super().__call__(call, reps)
-    timer = StepTimer(run=True)
+    timer = FakeTimer(run=True)
     summary = _sweep(stepped, tmp_path, timer)
-    assert set(seen) == {"LayeredStep"}
+    assert timer.kinds == {"LayeredStep"}
     table = load_serving_table(summary["table"])
     assert table.provenance["search"]["step_layers"] == 2
     plain = load_serving_table(_sweep(tiny, tmp_path / "plain", FakeTimer())["table"])

@@ -202,9 +202,9 @@ def test_a_scan_times_every_candidate_and_its_budget_copies_at_each_shape(interp
     each checked and timed at each shape, the worst regrets printed and the times written; and
     a ragged mix, one shape."""
     out = tmp_path / "scan.json"
-    output = _run("scan", "--kv", "fp8", "--heads", "16", "--page", "16", "--config", CONFIG,
-                  "--batch", "1", "--lengths", "20,40", "--budget-waves", "1", "--reps", "1",
-                  "--json", out)
+    scan = ("scan", "--heads", "16", "--page", "16", "--config", CONFIG, "--reps", "1",
+            "--json", out)
+    output = _run(*scan, "--kv", "fp8", "--batch", "1", "--lengths", "20,40", "--budget-waves", "1")
     data = json.loads(out.read_text())
     assert data["shapes"] == ["1x20", "1x40"] and data["family"] == str(KEY)
     assert {SPLIT16.format(kv="fp8"), DEFAULT.format(kv="fp8")} < set(data["times"])
@@ -214,17 +214,14 @@ def test_a_scan_times_every_candidate_and_its_budget_copies_at_each_shape(interp
     assert "fails the check" not in output
     assert [line for line in output.splitlines() if line.startswith("worst")] == _worst_lines(data)
     # a ragged mix scans as one shape
-    out = tmp_path / "mix.json"
-    output = _run("scan", "--kv", "bf16", "--heads", "16", "--page", "16", "--config", CONFIG,
-                  "--mix", "9,30", "--reps", "1", "--json", out)
+    output = _run(*scan, "--kv", "bf16", "--mix", "9,30")
     data = json.loads(out.read_text())
     assert data["shapes"] == ["mix2~19"] and data["batches"] == [2] and len(data["times"]) == 2
     assert all(set(t) == {"mix2~19"} for t in data["times"].values())
     assert "fails the check" not in output and data["protocol"] == "one flushed call"
     # --layers: each time a layer's of a step (wall clock here), not the stand-in timer's
     timed = len(stand_in_timer)
-    output = _run("scan", "--kv", "bf16", "--heads", "16", "--page", "16", "--config", CONFIG,
-                  "--mix", "9,30", "--reps", "1", "--layers", "2", "--json", out)
+    output = _run(*scan, "--kv", "bf16", "--mix", "9,30", "--layers", "2")
     data = json.loads(out.read_text())
     assert data["protocol"] == "a layer of a 2-layer step" and "times: a layer of a 2-layer step" in output
     # the same timer, over a step of 2 layers: its 11th and 12th figures, halved

@@ -69,15 +69,18 @@ def _write_table(path, cfg, config_path, batches, kvs, eager, graph, regret, wor
 
 
 class FakeTimer:
-    """The made-up time of the call's variant (nothing runs); remembers the order."""
+    """The made-up time of the call's variant (nothing runs); remembers the order and the
+    calls' types."""
 
     def __init__(self, names):
         self.name = {v: n for n, v in names.items()}
         self.order: list[tuple[str, int]] = []
+        self.kinds: set[str] = set()
 
     def __call__(self, call, reps: int) -> Timing:
         name = self.name[call.variant]
         self.order.append((name, reps))
+        self.kinds.add(type(call).__name__)
         t = PER_SEQUENCE_US[name] * call.batch
         return Timing(t, t, t, reps)
 
@@ -149,16 +152,11 @@ def test_a_table_swept_as_steps_is_verified_as_steps(tiny):
     layers (its figures over N: the same regrets, best_us over N) and the report says so."""
     cfg, table_path, names = tiny
     stepped = dataclasses.replace(cfg, search=dataclasses.replace(cfg.search, step_layers=2))
-    seen = set()
-
-    class StepTimer(FakeTimer):
-        def __call__(self, call, reps):
-            seen.add(type(call).__name__)
-            return super().__call__(call, reps)
     kw = dict(shapes=1, ragged=0, seed=3, samples=1, device="cpu", log=lambda _: None)
     plain = vf.run_verify(table_path, timer=FakeTimer(names), **kw)
-    report = vf.run_verify(table_path, config=stepped, timer=StepTimer(names), **kw)
-    assert seen == {"LayeredStep"} and report["protocol"]["step_layers"] == 2
+    timer = FakeTimer(names)
+    report = vf.run_verify(table_path, config=stepped, timer=timer, **kw)
+    assert timer.kinds == {"LayeredStep"} and report["protocol"]["step_layers"] == 2
     assert "step_layers" not in plain["protocol"]
     (r,), (p,) = report["shapes"], plain["shapes"]
     assert r["regret"] == pytest.approx(p["regret"]) and r["best_us"] == pytest.approx(p["best_us"] / 2)
@@ -222,14 +220,14 @@ def test_cli_help_bad_table_and_a_run_writing_json(tiny, tmp_path, monkeypatch):
     assert result.exit_code == 0 and "Re-time a serving table's picks" in " ".join(result.output.split())
     assert _invoke("verify", "--table", tmp_path / "x.yaml", "--max-p95", "5").exit_code == 2  # a fraction
     monkeypatch.delenv("TRITON_INTERPRET")  # no GPU and no interpreter: verify cannot time here
-    result = _invoke("verify", "--table", table_path := tiny[1])
+    _, table_path, names = tiny
+    result = _invoke("verify", "--table", table_path)
     assert result.exit_code == 1 and "torch sees none here" in result.output and "--rescore" in result.output
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     result = _invoke("verify", "--table", tmp_path / "nope.serving.yaml")
     assert result.exit_code == 1
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "nope.serving.yaml" in lines[0]
-    _, table_path, names = tiny
     monkeypatch.setattr(timing, "cpu_time", FakeTimer(names))  # the CPU's default timer
     out = tmp_path / "v.json"
     result = _invoke("verify", "--table", table_path, "--shapes", 1, "--ragged", 1, "--samples", 1,
