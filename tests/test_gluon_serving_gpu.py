@@ -42,19 +42,25 @@ def _variants(spec: CallSpec, platform) -> list[Variant]:
     return [default, halves]
 
 
-def _q_as_the_kernel_reads_it(q: torch.Tensor, kv_format: str) -> torch.Tensor:
-    """bf16 q as is; for fp8 KV the kernel's q8 x scale per (new token, head) row."""
-    from mla_tune.serving.inputs import reference_q
+def _verdict(out: torch.Tensor, inp, kv_format: str, sm_scale: float) -> tuple[dict, torch.Tensor]:
+    """out against the fp32 reference under the strict rule, on q as the kernel reads it (for fp8
+    KV its q8 x scale per (new token, head) row); and the reference's LSE."""
+    from mla_tune import problem
+    from mla_tune.serving.inputs import reference, reference_q
 
-    return q if kv_format == "bf16" else reference_q(q, "fp8_row")
+    q = inp.q if kv_format == "bf16" else reference_q(inp.q, "fp8_row")
+    ref, ref_lse = reference(q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout, sm_scale=sm_scale,
+                             return_lse=True)
+    verdict = problem.check(out.float(), ref, problem.RULES["strict"])
+    return dict(ok=verdict.passed, mismatch=verdict.mismatch, max_abs_err=verdict.max_abs_err,
+                reason=verdict.reason), ref_lse
 
 
 def run_family(family: tuple) -> list[dict]:
     """Every (variant, lengths) case of one family, each a dict with its verdict."""
-    from mla_tune import problem
     from mla_tune.backends import gluon_fused
     from mla_tune.gpu import detect
-    from mla_tune.serving.inputs import make_input, reference
+    from mla_tune.serving.inputs import make_input
 
     kv_format, heads, q_len, page = family
     spec = CallSpec(kv_format, page, heads, max_q_len=q_len, mixed_q_len=True, graph=True,
@@ -74,15 +80,11 @@ def run_family(family: tuple) -> list[dict]:
                 result = runner(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
                 out, lse = result if spec.return_lse else (result, None)
                 torch.cuda.synchronize()
-                ref, ref_lse = reference(_q_as_the_kernel_reads_it(inp.q, kv_format), inp.qo_indptr, inp.kv,
-                                         inp.kv_scale, **inp.layout, sm_scale=spec.sm_scale, return_lse=True)
-                verdict = problem.check(out.float(), ref, problem.RULES["strict"])
-                case.update(ok=verdict.passed, mismatch=verdict.mismatch, max_abs_err=verdict.max_abs_err,
-                            reason=verdict.reason)
+                verdict, ref_lse = _verdict(out, inp, kv_format, spec.sm_scale)
+                case.update(verdict)
                 if lse is not None:
-                    lse_err = float((lse - ref_lse).abs().max())
-                    case["lse_err"] = lse_err
-                    case["ok"] = case["ok"] and lse_err < 2e-2
+                    case["lse_err"] = float((lse - ref_lse).abs().max())
+                    case["ok"] = case["ok"] and case["lse_err"] < 2e-2
             except Exception as exc:  # one bug must not hide the other cases
                 case["error"] = _first_line(exc)
             results.append(case)
@@ -94,7 +96,6 @@ GRAPH_CASES = [("graph", "fp8", 64), ("graph", "bf16", 64), ("graph", "fp8", 0)]
 
 def run_graph(case: tuple) -> list[dict]:
     """Each replay of one captured Decoder call (128 heads, q_len up to 2), output poisoned."""
-    from mla_tune import problem
     from mla_tune.serving import inputs as serving
     from mla_tune.serving.call import Decoder
     from tests.helpers import GRAPH_KV_LENS, GRAPH_Q_LENS, refill_for_replays
@@ -118,12 +119,9 @@ def run_graph(case: tuple) -> list[dict]:
             out.fill_(float("nan"))
             graph.replay()
             torch.cuda.synchronize()
-            ref = serving.reference(_q_as_the_kernel_reads_it(new.q, kv_format), new.qo_indptr, new.kv,
-                                    new.kv_scale, **new.layout, sm_scale=spec.sm_scale)
-            verdict = problem.check(out[:new.q.shape[0]].float(), ref, problem.RULES["strict"])
+            verdict, _ = _verdict(out[:new.q.shape[0]], new, kv_format, spec.sm_scale)
             results.append({"family": case, "case": f"replay {seed}", "variant": str(decoder.variant),
-                            "ok": verdict.passed, "mismatch": verdict.mismatch,
-                            "max_abs_err": verdict.max_abs_err, "reason": verdict.reason, "error": None})
+                            **verdict, "error": None})
     except Exception as exc:
         results.append({"family": case, "case": "graph", "ok": False, "error": _first_line(exc)})
     return results

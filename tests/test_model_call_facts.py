@@ -1,7 +1,6 @@
-"""What a model's call declares beyond its cell, and every path honouring it: the softmax
-scale (CallSpec.sm_scale, build(..., sm_scale=)); the optional LSE (CallSpec.return_lse,
-CAPABILITIES.lse, issue 29: natural log, (total_q, heads) float32, as vLLM merges it); an fp8
-cache kept as uint8 bytes (CallSpec.cache_dtype) and kv_scale as a Python float."""
+"""What a model's call declares beyond its cell, and every path honouring it: the softmax scale,
+the optional LSE (natural log, (total_q, heads) float32, as vLLM merges it), an fp8 cache kept
+as uint8 bytes (CallSpec.cache_dtype) and kv_scale as a Python float."""
 
 import math
 import sys
@@ -207,42 +206,36 @@ def test_the_capability_record_says_who_returns_it():
     assert Decoder(spec).backend == "triton"  # the first of the preference order
 
 
-# Split-K (backend triton): kv_len 1 and 17 run in one split (stage 1 writes out and LSE),
-# the few hundred in several (stage 2 merges them); max_splits 1 runs every sequence in one.
-SPLITK = [("bf16", 1, 4), ("fp8", 1, 4), ("bf16", 2, 4), ("fp8", 2, 4), ("bf16", 2, 1)]
+# Split-K (triton): kv_len 1 and 17 run in one split (stage 1 writes out and LSE), 300 in several
+# (stage 2 merges them), all in one at max_splits 1; triton_fused splits the long sequences, so
+# its reduction's LSE runs too. (backend, kv, q_len, max_splits: None for the default's)
+LSE_CASES = [("triton", "bf16", 1, 4), ("triton", "fp8", 1, 4), ("triton", "bf16", 2, 4), ("triton", "fp8", 2, 4),
+             ("triton", "bf16", 2, 1), ("triton_fused", "bf16", 2, 4), ("triton_fused", "fp8", 1, 4),
+             ("flashmla", "bf16", 2, None), ("flashmla", "fp8", 1, None), ("flashinfer", "bf16", 2, None),
+             ("flashinfer", "fp8", 1, None)]
 
 
-@pytest.mark.parametrize("kv,q_len,max_splits", SPLITK, ids=[f"{k}-q{q}-s{s}" for k, q, s in SPLITK])
-def test_split_k_returns_the_references_lse(kv, q_len, max_splits, monkeypatch):
-    splits = dict(max_splits=max_splits, tokens_per_split=64)
-    (out, lse), _, inp, runner = serving_call(monkeypatch, "triton", kv, [1, q_len, q_len], [1, 17, 300], 13,
-                                              splits, host=False, mixed_q_len=q_len > 1, return_lse=True)
-    counts = runner.workspace.split_count[:3].tolist()
-    assert counts[:2] == [1, 1] and (counts[2] > 1) == (max_splits > 1), counts  # both branches ran
-    ref, ref_lse = inp.reference(sm_scale=DSV3, return_lse=True)
-    _assert_lse(lse, ref_lse, f"triton {kv} q_len {q_len} max_splits {max_splits}")
-    assert float((out.float() - ref).abs().max()) < 0.05
-    # at the leaderboard's scale the LSE is another: the scale reaches it
-    assert float((lse - inp.reference(return_lse=True)[1]).abs().max()) > 0.5
-
-
-LSE_CASES = [("triton_fused", "bf16", 2), ("triton_fused", "fp8", 1), ("flashmla", "bf16", 2), ("flashmla", "fp8", 1),
-             ("flashinfer", "bf16", 2), ("flashinfer", "fp8", 1)]
-
-
-@pytest.mark.parametrize("name,kv,q_len", LSE_CASES,
-                         ids=[f"{n}-{k}-q{q}" for n, k, q in LSE_CASES])
-def test_each_declared_backend_returns_the_references_lse(name, kv, q_len, monkeypatch):
+@pytest.mark.parametrize("name,kv,q_len,max_splits", LSE_CASES,
+                         ids=[f"{n}-{k}-q{q}-s{s}" for n, k, q, s in LSE_CASES])
+def test_each_declared_backend_returns_the_references_lse(name, kv, q_len, max_splits, monkeypatch):
     mixed = name != "flashmla" and q_len > 1
-    # triton_fused: several splits for the long sequences, so the reduction's LSE too
-    params = dict(max_splits=4, tokens_per_split=32) if name == "triton_fused" else None
-    q_lens, kv_lens = [q_len, 1 if mixed else q_len, q_len], [70, 5 if mixed else 9, 130]
-    (out, lse), variant, inp, _ = serving_call(monkeypatch, name, kv, q_lens, kv_lens, 11, params,
-                                               mixed_q_len=mixed, return_lse=True)
+    if name == "triton":
+        q_lens, kv_lens, seed = [1, q_len, q_len], [1, 17, 300], 13
+    else:
+        q_lens, kv_lens, seed = [q_len, 1 if mixed else q_len, q_len], [70, 5 if mixed else 9, 130], 11
+    params = None if max_splits is None else dict(max_splits=max_splits,
+                                                  tokens_per_split=64 if name == "triton" else 32)
+    (out, lse), variant, inp, runner = serving_call(monkeypatch, name, kv, q_lens, kv_lens, seed, params,
+                                                    host=name != "triton", mixed_q_len=mixed, return_lse=True)
     q_format = {"bf16": "bf16", "fp8_dynamic": "fp8"}[variant.get("q")]
     ref, ref_lse = inp.reference(q_format, sm_scale=DSV3, return_lse=True)
-    _assert_lse(lse, ref_lse, f"{name} {kv} q_len {q_len}")
+    _assert_lse(lse, ref_lse, f"{name} {kv} q_len {q_len} max_splits {max_splits}")
     assert float((out.float() - ref).abs().max()) < 0.05
+    if name == "triton":
+        counts = runner.workspace.split_count[:3].tolist()
+        assert counts[:2] == [1, 1] and (counts[2] > 1) == (max_splits > 1), counts  # both branches ran
+        # at the leaderboard's scale the LSE is another: the scale reaches it
+        assert float((lse - inp.reference(return_lse=True)[1]).abs().max()) > 0.5
     if name == "flashinfer":
         assert sys.modules["flashinfer.mla"].last_run["return_lse_base_on_e"] is True
 

@@ -8,10 +8,9 @@ import itertools
 import pytest
 import torch
 
-from mla_tune import core, gpu
+from mla_tune import gpu
 from mla_tune.backends import UnknownBackend, get_backend
 from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, CORE_HEADS, CallSpec, Shape, Variant
-from mla_tune.kernels.flash_decode import fill_splits
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.call import PREFERENCE, Decoder, clear_decoders, decode, infer_spec
 from tests.helpers import (
@@ -273,24 +272,6 @@ def test_a_decoder_runs_a_given_variant_with_splits_at_128_heads(backend, device
     inp = serving.make_input([2, 1, 2], [100, 33, 2], 128, 16, "fp8", seed=3, device=device)
     out = decoder(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
     assert_close(out, inp.reference(), 1e-2, f"{backend} with splits")
-
-
-def test_a_split_k_variant_with_a_batch_budget_splits_by_batch_size(device):
-    """split_budget reaches the kernel: 3 sequences under a budget of 7 run 2 splits each (150
-    tokens -> 192 in 64-token tiles) where max_splits alone gives 3 (4 of 75 -> 128 tokens); on a
-    GPU fill_splits raises the share to max_splits (the 3 of no budget)."""
-    spec = CallSpec("bf16", 16, 16, max_q_len=1)
-    variant = get_backend("triton").default_serving_variant(spec, CPU).with_params(
-        max_splits=4, tokens_per_split=32, split_budget=7)
-    runner = get_backend("triton").build_serving(variant, spec, device)
-    inp = serving.make_input([1, 1, 1], [300, 300, 300], 16, 16, "bf16", seed=5, device=device)
-    out = runner(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
-    assert_close(out, inp.reference(), 1e-2, "split_budget")
-    share = fill_splits(7, 3, 16 // variant.get("block_h"), 4, core.device_sm_count(device))
-    assert runner.workspace.split_count[:3].tolist() == {2: [2, 2, 2], 4: [3, 3, 3]}[share]
-    unbudgeted = get_backend("triton").build_serving(variant.with_params(split_budget=0), spec, device)
-    unbudgeted(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
-    assert unbudgeted.workspace.split_count[:3].tolist() == [3, 3, 3]
 
 
 def test_the_output_buffer_is_allocated_once_and_reused(device):

@@ -1,7 +1,5 @@
-"""The serving reference (mla_tune/serving/inputs.py), and the serving kernels against it
-(interpreter, fp16 dots): split-K's split rule, budgets, grids, workspace and refusals, and the
-fused kernel's fp8 q, odd page sizes, q_len 3, counters and refusals. Every run poisons the
-output and scratch with NaN; paged caches hold NaN in every unowned slot."""
+"""The serving reference (mla_tune/serving/inputs.py) and the serving kernels against it
+(interpreter: fp16 dots), outputs and scratch poisoned with NaN, unowned page slots NaN."""
 
 from dataclasses import replace
 
@@ -16,7 +14,7 @@ from mla_tune.kernels.flash_decode import (
     flash_decode,
     flash_decode_serving,
 )
-from mla_tune.kernels.fused_decode import FusedServingWorkspace
+from mla_tune.kernels.fused_decode import FusedServingWorkspace, fused_decode_serving
 from mla_tune.kernels.split_rule import (
     REDUCE_SPLITS_PER_STEP,
     launch_items,
@@ -25,15 +23,44 @@ from mla_tune.kernels.split_rule import (
 )
 from mla_tune.serving import inputs as serving
 from tests.helpers import assert_close, ragged_input, refill, rel_l2, row_quantized_q
-from tests.serving_kernels import KERNELS, SMALL, dot_options, small_call
+
+# Each serving kernel: its launcher, its workspace, the partials its reduction reads, and the
+# options the tests fix (split-K: no split budget and no SM count unless given).
+KERNELS = {
+    "splitk": (flash_decode_serving, FlashDecodeServingWorkspace,
+               ("part_out", "part_lse", "q_amax"), dict(split_budget=0, sm_count=0)),
+    "fused": (fused_decode_serving, FusedServingWorkspace, ("part_o", "part_lse"), {}),
+}
+
+
+def dot_options(kernel: str, device: str, q_fp8: bool = False) -> dict:
+    """bf16 dots on a GPU, fp16 under the interpreter (its bf16 dot is wrong); fp8 q goes with
+    an fp8 QK dot in the fused kernel."""
+    dot = "bf16" if device == "cuda" else "fp16"
+    if kernel == "splitk":
+        return dict(dot_dtype=dot)
+    if q_fp8:
+        return dict(q_fp8=True, qk_dot="fp8", pv_dot="fp16")
+    return dict(q_fp8=False, qk_dot=dot, pv_dot=dot)
+
+
+SMALL = serving.make_input([1, 1], [5, 9], 16, 16, "bf16", seed=1)
+
+
+def small_call(kernel: str) -> dict:
+    """SMALL's arguments for the kernel's serving launcher on the CPU."""
+    return dict(q=SMALL.q, qo_indptr=SMALL.qo_indptr, kv=SMALL.kv, kv_scale=None, **SMALL.layout,
+                out=torch.empty((2, 16, 512), dtype=torch.bfloat16), max_q_len=1, max_splits=2,
+                tokens_per_split=4, block_n=16, block_h=16, num_warps=4, num_stages=1,
+                **dot_options(kernel, "cpu"))
+
 
 KV_FORMATS = ("bf16", "fp8")
 
 
 def _launch(inp: serving.ServingInput, device: str, *, max_splits: int, kernel: str = "splitk",
             q_fp8: bool = False, workspace=None, out=None, **launch):
-    """One launch into poisoned buffers, bf16 q unless the fused kernel's q_fp8 (split-K's q
-    modes: tests/test_serving_correctness.py); what split-K returns, the fused kernel's out."""
+    """One launch into poisoned buffers (bf16 q unless the fused kernel's q_fp8); the output."""
     serve, workspace_type, partials, fixed = KERNELS[kernel]
     if workspace is None:
         workspace = workspace_type.allocate(inp.q.shape[0], inp.q.shape[1], max_splits, device,
@@ -51,9 +78,8 @@ def _launch(inp: serving.ServingInput, device: str, *, max_splits: int, kernel: 
 
 
 def _checked(inp: serving.ServingInput, device: str, what: str, **launch):
-    """A split-K _launch into a new workspace (sized to its batch budget, if any), checked
-    against the reference, its split counts against the host replay of the split rule
-    (kernels/split_rule.serving_splits) and the items its scratch holds; the workspace."""
+    """A split-K _launch into a new workspace sized to its budget, checked against the reference
+    and its split counts and items against the host replay (split_rule.serving_splits)."""
     workspace = FlashDecodeServingWorkspace.allocate(
         inp.q.shape[0], inp.q.shape[1], launch["max_splits"], device, max_q_len=max(inp.q_lens),
         split_budget=launch.get("split_budget", 0), block_h=launch["block_h"], sm_count=launch.get("sm_count", 0))
@@ -334,6 +360,8 @@ _BOTH_BAD = [
     (dict(block_h=12), "block_h"), (dict(block_h=4), "block_h"),  # block_h 4: under 16 MMA rows
     (dict(block_n=24), "block_n"), (dict(tokens_per_split=0), "tokens_per_split"),
     (dict(kv_indptr=torch.tensor([0, 5, 14], dtype=torch.int32)), "not both"),
+    *[(dict(lse=lse), r"lse must be a contiguous float32 \(2, 16\) tensor")  # wrong shape, dtype, layout
+      for lse in (torch.empty((3, 16)), torch.empty((2, 16), dtype=torch.bfloat16), torch.empty((16, 2)).t())],
 ]
 BAD_CALLS = [("splitk", *bad) for bad in _BOTH_BAD + [
     (dict(max_q_len=0), "max_q_len"), (dict(q_mode="fp8_static"), "q_scale"),
@@ -351,7 +379,7 @@ BAD_CALLS = [("splitk", *bad) for bad in _BOTH_BAD + [
 @pytest.mark.parametrize("kernel,change,message", BAD_CALLS)
 def test_bad_calls_are_refused_by_name(kernel, change, message):
     with pytest.raises(ValueError, match=message):
-        KERNELS[kernel][0](**{**small_call(**dot_options(kernel, "cpu")), **change})
+        KERNELS[kernel][0](**{**small_call(kernel), **change})
 
 
 # ------------------------------------------------------------- the fused kernel alone
