@@ -178,6 +178,10 @@ def sweep(
     merge: Annotated[str | None, typer.Option(
         help="A serving config: build the table from these comma-separated results files (the "
              "shards' ones) instead of sweeping.")] = None,
+    refit: Annotated[Path | None, typer.Option(
+        help="With --merge: keep this serving table's cells, points, graph picks and calibration "
+             "and fit only its schedule models again from the results it was built from (after a "
+             "backend's schedule model changes; no GPU); writes --out, else the table itself.")] = None,
 ) -> None:
     """Sweep every candidate kernel per shape on this GPU and write its dispatch table.
 
@@ -210,8 +214,16 @@ def sweep(
 
         config = Path(default_config(gpu))
     config = config_path(config)  # configs/NAME.yaml, else the packaged copy (mla_tune/locate.py)
+    if refit is not None and merge is None:
+        raise _usage_error("--refit fits a table's models again from its results: give them with --merge")
     with _domain_errors():
         from mla_tune.serving.config import is_serving_config
+
+        if refit is not None:
+            from mla_tune.serving.build import refit_models
+
+            refit_models(refit, [Path(m) for m in _list(merge, "--merge")], out=out)
+            return
 
         if is_serving_config(config):  # a serving grid (configs/serving.yaml): its own sweep
             from mla_tune.serving.sweep import sweep_from_cli

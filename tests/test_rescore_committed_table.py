@@ -26,18 +26,18 @@ def _seed(path: Path) -> int:
 # corpus is held out from the graph picks (`verify --repick-graph` chose them on the even seeds)
 CORPORA = {
     "odd-seeds": (sorted(p for p in (VERIFY / "gluon-2026-12-03").glob("*.json.gz")
-                         if _seed(p) % 2), [95, 97, 99, 101], 3, 0.02, 0.12, (0.046, 0.25)),
+                         if _seed(p) % 2), [95, 97, 99, 101], 4, 0.02, 0.12, (0.046, 0.25)),
     "fresh-seeds": (sorted((VERIFY / "recheck-2026-12-03").glob("*.json.gz")),
                     [*range(103, 118), 119], 15, 0.025, 0.18, None),
     "fresh-seeds-2026-12-05": (sorted((VERIFY / "recheck-2026-12-05").glob("*.json.gz")),
-                               list(range(120, 134)), 13, 0.035, 0.15, (0.05, 0.30)),
+                               list(range(120, 134)), 14, 0.035, 0.15, (0.05, 0.30)),
     # the table's own fresh seeds (seed 134's run stopped at 12 shapes, its budget spent compiling)
     "fresh-seeds-lastrung-2026-12-05": (sorted(p for p in (VERIFY / "lastrung-2026-12-05").glob("*.json.gz")
-                                               if _seed(p) != 134), list(range(135, 141)), 6, 0.01, 0.10,
+                                               if _seed(p) != 134), list(range(135, 141)), 6, 0.015, 0.10,
                                         (0.05, 0.30)),
     # the odd seeds above recorded again three times on one machine, and seeds 126 and 127 once
     "recorded-again-2026-12-05": (sorted((VERIFY / "repeat-2026-12-05").glob("*.json.gz")),
-                                  [95] * 3 + [97] * 3 + [99] * 3 + [101] * 3 + [126, 127], 11, 0.035, 0.20,
+                                  [95] * 3 + [97] * 3 + [99] * 3 + [101] * 3 + [126, 127], 13, 0.035, 0.20,
                                   (0.05, 0.30)),
 }
 

@@ -94,7 +94,7 @@ def test_the_occupancy_cap_follows_the_warps_registers_and_the_devices_shared_me
     grid = _grid(occupancy=2, kvs=(1024,))
     assert _splitk_models(KEY, grid, 132)[ONE].occupancy == 2
     assert _splitk_models(KEY, grid, 132, smem_per_sm=60 * 1024)[ONE].occupancy == 1
-    assert schedule_module("triton") is triton_splitk_schedule and schedule_module("flashmla") is None
+    assert schedule_module("triton") is triton_splitk_schedule and schedule_module("torch") is None
 
 
 def _grid(overhead=10.0, rate=30 / 512, occupancy=1, kvs=(512, 1024, 2048), item_tokens=0):
@@ -152,7 +152,7 @@ def test_the_models_estimate_a_ragged_batch_by_its_schedule_survive_a_write_and_
     assert loaded.as_dict() == table.as_dict() and loaded.families[KEY].models[ONE].occupancy == 1
     for edit, words in ((dict(occupancy=0), "occupancy must be a positive integer"),
                         (dict(variant=str(FM)), "a triton model, but variant is flashmla"),
-                        (dict(backend="flashmla"), "backend 'flashmla' has no schedule model"),
+                        (dict(backend="torch"), "backend 'torch' has no schedule model"),
                         (dict(overhead_us=-1.0), "overhead_us must be a finite number"),
                         (dict(item_tokens=-1), "item_tokens must be an integer >= 0"),
                         (dict(item_tokens=1.5), "item_tokens must be an integer >= 0"),

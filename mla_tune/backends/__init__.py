@@ -78,8 +78,9 @@ Optional members (absent: the defaults in brackets):
 
 A schedule model, optional, for the serving lookup (mla_tune/serving/estimate.py): a module
 beside the backend's own, named `<its module>_schedule` (backends/triton_splitk_schedule.py,
-backends/gluon_fused_schedule.py, backends/flashinfer_mla_schedule.py; the first two share
-backends/makespan.py), torch-free (the serving table loads it), defining
+backends/gluon_fused_schedule.py, backends/flashinfer_mla_schedule.py,
+backends/flash_mla_schedule.py; the first two share backends/makespan.py, the last two
+backends/linear_schedule.py), torch-free (the serving table loads it), defining
     def fit(key, variants, points, cells, platform, interpolate) -> list[model]
         The models of one serving family (key: heads, q_len) for its point variants of
         this backend, from their points ({(batch, kv_len): {Variant: us}}), every timed

@@ -27,6 +27,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from mla_tune import native
+from mla_tune.backends.linear_schedule import (  # noqa: F401 (fit_linear, predict, relative_errors: re-exported)
+    FIT_MIN_CELLS,
+    WINDOW_C,
+    LinearModel,
+    fit_linear,
+    fit_model,
+    load_model,
+    predict,
+    relative_errors,
+)
 
 FLASHINFER_FEATURES = ("one", "makespan", "max_works", "merge_ctas", "batch", "max_merge")
 _CTA_TILE_Q = 64
@@ -136,7 +146,7 @@ def flashinfer_mla_features(kv_lens: Sequence[int], heads: int, q_len: int, sm_c
 
 # flashinfer_mla_features' schedule in C (mla_tune/native.py): FlashInfer's dealing, chunk by
 # chunk, to the least-loaded cluster (its key packs the index below the load, as above).
-_NATIVE_SOURCE = native.HEAP_C + native.ESTIMATE_H + r"""
+_NATIVE_SOURCE = native.HEAP_C + native.ESTIMATE_H + WINDOW_C + r"""
 #include <stdlib.h>
 #include <string.h>
 #define SLOTS 4096
@@ -264,17 +274,9 @@ int fi_features(const int64_t *lens, int64_t n, int64_t heads, int64_t q_len, in
    then the coefficients of FLASHINFER_FEATURES (one, makespan, max_works, merge_ctas, batch,
    max_merge) */
 double fi_model_estimate(const double *p, int64_t v, const est_call_t *c) {
-    double mine = c->est[v];
-    if (isnan(mine)) {
-        mine = c->buckets[v];
-        if (isnan(mine)) return NAN;
-    }
-    double other = NAN;
-    for (int64_t i = 0; i < c->nv; i++)
-        if (i != v && !isnan(c->est[i]) && (isnan(other) || c->est[i] < other)) other = c->est[i];
-    if (isnan(other)) return mine;
-    double hi = mine > other ? mine : other, lo = mine < other ? mine : other;
-    if (!(hi < c->window * lo)) return mine;
+    double mine;
+    int in = linear_window(v, c, &mine);
+    if (in <= 0) return in < 0 ? NAN : mine;
     int64_t sm = (int64_t)p[0], heads = (int64_t)p[1], q_len = (int64_t)p[2];
     if (!(fi_works(c->lens, c->n, heads, q_len, sm) <= p[3])) return mine;
     int64_t f[4];
@@ -291,81 +293,28 @@ _native = native.Library("flashinfer_schedule", _NATIVE_SOURCE, {
     "fi_features": (ctypes.c_int, (ctypes.c_void_p, _I64, _I64, _I64, _I64, ctypes.POINTER(_I64)))})
 
 
-def predict(coef: Sequence[float], features: Sequence[float]) -> float:
-    """coef . features, added left to right as the C estimate adds them (Python 3.12's sum()
-    of floats compensates its rounding, which would differ from it in the last place)."""
-    t = 0.0
-    for c, f in zip(coef, features, strict=True):
-        t = t + c * f
-    return t
-
-
-def fit_linear(rows: Sequence[Sequence[float]], times: Sequence[float]) -> list[float]:
-    """Least squares of times on rows, each row weighted by 1 / its time (relative error),
-    columns scaled to unit size and a tiny ridge, so a column that never varies (no merges
-    at any cell) gets 0 instead of breaking the solve. Needs len(rows) >= 2 x columns."""
-    n, m = len(rows), len(rows[0]) if rows else 0
-    if n < 2 * m or m == 0:
-        raise ValueError(f"fit_linear needs at least {2 * max(m, 1)} rows, got {n}")
-    scale = [max(abs(r[j]) for r in rows) or 1.0 for j in range(m)]
-    a = [[r[j] / scale[j] / t for j in range(m)] for r, t in zip(rows, times, strict=True)]
-    ata = [[sum(a[k][i] * a[k][j] for k in range(n)) for j in range(m)] for i in range(m)]
-    atb = [sum(a[k][i] for k in range(n)) for i in range(m)]  # the weighted targets t / t are all 1
-    ridge = 1e-9 * max(sum(ata[i][i] for i in range(m)), 1e-30)
-    for i in range(m):
-        ata[i][i] += ridge
-    x = _solve(ata, atb)
-    return [x[j] / scale[j] for j in range(m)]
-
-
-def _solve(a: list[list[float]], b: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting (a small symmetric system)."""
-    m = len(b)
-    a = [row[:] + [b[i]] for i, row in enumerate(a)]
-    for col in range(m):
-        pivot = max(range(col, m), key=lambda r: abs(a[r][col]))
-        a[col], a[pivot] = a[pivot], a[col]
-        if abs(a[col][col]) < 1e-300:
-            continue
-        for r in range(col + 1, m):
-            f = a[r][col] / a[col][col]
-            if f:
-                for c in range(col, m + 1):
-                    a[r][c] -= f * a[col][c]
-    x = [0.0] * m
-    for r in range(m - 1, -1, -1):
-        if abs(a[r][r]) < 1e-300:
-            continue
-        x[r] = (a[r][m] - sum(a[r][c] * x[c] for c in range(r + 1, m))) / a[r][r]
-    return x
-
-
-def relative_errors(coef: Sequence[float], rows: Sequence[Sequence[float]], times: Sequence[float]) -> list[float]:
-    return sorted(abs(predict(coef, r) / t - 1.0) for r, t in zip(rows, times, strict=True) if t > 0)
-
-
-
 # ------------------------------------------------------------------ the model
 # The model replays FlashInfer's schedule, a heap operation per chunk. It runs only where
 # FlashInfer deals at most MODEL_WORKS chunks per cluster: its steps are where its chunks
 # just overflow the clusters, and more chunks cost more host time and step less. Rescoring
 # docs/data/verify without the limit (scripts/rescore_ablation.py) changes no run's verdict.
 MODEL_WORKS = 3.0
-FIT_MIN_CELLS = 24  # the model is fitted where FlashInfer was timed at this many cells or more
 
 
 @dataclass(frozen=True)
-class VendorModel:
-    """FlashInfer's time as a linear model over its replayed schedule, fitted to its times
-    over the family's grid."""
+class VendorModel(LinearModel):
+    """FlashInfer's time as a linear model over its replayed schedule (FLASHINFER_FEATURES),
+    fitted to its times over the family's grid; it replays only where FlashInfer deals at
+    most MODEL_WORKS chunks per cluster."""
 
-    variant: object  # mla_tune.core.Variant
-    coef: tuple[float, ...]
-    sm_count: int
-    fit_error_p90: float  # relative error at the grid cells it was fitted on
+    FEATURES = FLASHINFER_FEATURES
+    WHAT = "FlashInfer"
 
-    def time_us(self, key, kv_lens: Sequence[int]) -> float:
-        return predict(self.coef, flashinfer_mla_features(kv_lens, key.heads, key.q_len, self.sm_count))
+    def features(self, key, kv_lens: Sequence[int]) -> list[float]:
+        return flashinfer_mla_features(kv_lens, key.heads, key.q_len, self.sm_count)
+
+    def applies(self, key, kv_lens) -> bool:
+        return flashinfer_mla_works_per_cluster(kv_lens, key.heads, key.q_len, self.sm_count) <= MODEL_WORKS
 
     def native_estimate(self, key, calibration) -> tuple[int, np.ndarray] | None:
         """(the address of `estimate`'s C function, its params) for the family's compiled
@@ -377,71 +326,15 @@ class VendorModel:
         params = np.asarray([self.sm_count, key.heads, key.q_len, MODEL_WORKS, *self.coef], dtype=np.float64)
         return ctypes.cast(lib.fi_model_estimate, ctypes.c_void_p).value, params
 
-    def estimate(self, call, raw: bool = False) -> float | None:
-        """FlashInfer's time for `call` (serving/estimate.py's Call). Where the call's
-        estimates lack it (a batch-edge point holds its cell's best 3 only, so FlashInfer
-        missing there says little), the batch buckets' interpolation stands in. The model
-        replaces that where FlashInfer's time and the best other's are within call.window
-        of each other and it deals at most MODEL_WORKS chunks per cluster (host time: a
-        replay per call). None where nothing estimates it. raw: the model's time,
-        everywhere."""
-        key = call.key
-        if raw:
-            return self.time_us(key, call.lengths())
-        est = call.est
-        mine = est.get(self.variant)
-        if mine is None:
-            mine = call.interpolated("buckets").get(self.variant)
-            if mine is None:
-                return None
-        others = [t for v, t in est.items() if v != self.variant]
-        if others:
-            other = min(others)
-            if max(mine, other) < call.window * min(mine, other):
-                lens = call.lengths()
-                if flashinfer_mla_works_per_cluster(lens, key.heads, key.q_len, self.sm_count) <= MODEL_WORKS:
-                    return self.time_us(key, lens)
-        return mine
-
-    def as_dict(self) -> dict:
-        return {"variant": str(self.variant), "sm_count": self.sm_count, "features": list(FLASHINFER_FEATURES),
-                "coef": [float(f"{c:.6g}") for c in self.coef], "fit_error_p90": round(self.fit_error_p90, 4)}
-
 
 def fit(key, variants: Sequence, points: Mapping, cells: Mapping, platform: Mapping,
         interpolate: Callable) -> list[VendorModel]:
-    """FlashInfer's model, fitted to its last-rung times at the family's aligned cells
-    (`cells`: {(batch, kv_len): {variant name: us}}, every sequence at the cell's length),
-    where exactly one FlashInfer variant is among the family's eager picks (`variants`).
-    None without the GPU's SM count (platform's sm_count 0), or with fewer than
-    FIT_MIN_CELLS cells. `points` and `interpolate` are not used."""
-    sm_count = int(platform.get("sm_count") or 0)
-    if sm_count <= 0 or len(variants) != 1:
-        return []
-    (variant,) = variants
-    name = str(variant)
-    rows, times = [], []
-    for (batch, kv_len), cell in sorted(cells.items()):
-        if kv_len > 0 and name in cell:
-            rows.append(flashinfer_mla_features([kv_len] * batch, key.heads, key.q_len, sm_count))
-            times.append(cell[name])
-    if len(rows) < FIT_MIN_CELLS:
-        return []
-    coef = fit_linear(rows, times)
-    errors = relative_errors(coef, rows, times)
-    return [VendorModel(variant, tuple(coef), sm_count, errors[int(0.9 * (len(errors) - 1))])]
+    """FlashInfer's model (linear_schedule.fit_model: its last-rung times at the family's
+    aligned cells, where exactly one FlashInfer variant is among the eager picks). `points`
+    and `interpolate` are not used."""
+    return fit_model(VendorModel, key, variants, cells, platform)
 
 
 def load(entry: Mapping, variant, key, check) -> VendorModel:
     """A model from its table entry (as_dict's fields; `check`: the table's field checks)."""
-    if set(entry) != {"variant", "sm_count", "features", "coef", "fit_error_p90"}:
-        check.fail("FlashInfer's model is a mapping of backend, variant, sm_count, features, coef, fit_error_p90")
-    if entry["features"] != list(FLASHINFER_FEATURES):
-        check.fail(f"features {entry['features']!r:.120} are not this mla-tune's {list(FLASHINFER_FEATURES)}; "
-                   "re-build the table (mla-tune sweep --merge)")
-    coef = entry["coef"]
-    if not isinstance(coef, list) or len(coef) != len(FLASHINFER_FEATURES):
-        check.fail(f"coef must be a list of {len(FLASHINFER_FEATURES)} numbers")
-    return VendorModel(variant, tuple(check.number(f"coef[{i}]", c, minimum=None) for i, c in enumerate(coef)),
-                       check.positive_int("sm_count", entry["sm_count"]),
-                       check.number("fit_error_p90", entry["fit_error_p90"]))
+    return load_model(VendorModel, entry, variant, check)

@@ -198,11 +198,9 @@ def write_table(cfg: ServingConfig, plan: SweepPlan, records: Records, headers: 
 
 
 
-def merge(config: str | Path | ServingConfig, gpu_name: str, results: list[Path], *,
-          out: str | Path | None = None, platform=None, log: Callable[[str], None] = print) -> Path:
-    """One table from several results files (the shards of one config and GPU)."""
-    cfg = config if isinstance(config, ServingConfig) else load_serving_config(config)
-    out = Path(out) if out is not None else Path("tables") / f"{gpu_name}.serving.yaml"
+def _read_results(results: list[Path], config_hash: str, gpu_name: str,
+                  log: Callable[[str], None]) -> tuple[list[dict], Records]:
+    """(headers, records) of results files swept with this config and on this GPU."""
     headers, records = [], Records()
     for path in results:
         header, recs, warnings = read_records(Path(path))
@@ -210,13 +208,22 @@ def merge(config: str | Path | ServingConfig, gpu_name: str, results: list[Path]
             log(f"warning: {warning}")
         if header is None:
             raise ServingSweepError(f"{path}: no such results file (or it is empty)")
-        if header.get("config_hash") != cfg.hash or header.get("gpu") != gpu_name:
+        if header.get("config_hash") != config_hash or header.get("gpu") != gpu_name:
             raise ServingSweepError(f"{path} was swept with config hash {header.get('config_hash', '?')[:12]} on "
-                                    f"{header.get('gpu')}, not {cfg.hash[:12]} on {gpu_name}: merge only the "
+                                    f"{header.get('gpu')}, not {config_hash[:12]} on {gpu_name}: merge only the "
                                     "shards of one config and GPU")
         headers.append(header)
         for r in recs:
             records.add(r)
+    return headers, records
+
+
+def merge(config: str | Path | ServingConfig, gpu_name: str, results: list[Path], *,
+          out: str | Path | None = None, platform=None, log: Callable[[str], None] = print) -> Path:
+    """One table from several results files (the shards of one config and GPU)."""
+    cfg = config if isinstance(config, ServingConfig) else load_serving_config(config)
+    out = Path(out) if out is not None else Path("tables") / f"{gpu_name}.serving.yaml"
+    headers, records = _read_results(results, cfg.hash, gpu_name, log)
     shards = sorted(tuple(h.get("shard", (1, 1))) for h in headers)
     text = ", ".join(f"{i}/{n}" for i, n in shards)
     if len(set(shards)) != len(shards) or len({n for _, n in shards}) != 1:
@@ -233,3 +240,36 @@ def merge(config: str | Path | ServingConfig, gpu_name: str, results: list[Path]
                 {"merged": len(headers)})
     log(f"wrote {out} from {len(headers)} results file(s)")
     return out
+
+
+def refit_models(table_path: str | Path, results: list[Path], *, out: str | Path | None = None,
+                 log: Callable[[str], None] = print) -> Path:
+    """A table's schedule models fitted again from the results files it was built from, every
+    other entry kept: its cells, points, graph picks and calibration (`sweep --merge RESULTS
+    --refit TABLE`). For a backend's schedule model added or changed after the table was
+    built and calibrated; no GPU. Its provenance gains `models_refit` (the date, the
+    results files); `out` defaults to the table itself (written atomically)."""
+    table = load_serving_table(table_path)
+    provenance = table.provenance
+    config_hash = (provenance.get("config") or {}).get("hash")
+    rungs = (provenance.get("search") or {}).get("rungs")
+    if not config_hash or not rungs:
+        raise ServingSweepError(f"{table_path}: its provenance names no config hash or search rungs, so the "
+                                "results it was built from cannot be told; re-build it with --merge")
+    _, records = _read_results(results, config_hash, table.gpu, log)
+    timed = timed_cells(records, int(rungs[-1]))
+    platform = provenance.get("gpu") or {}
+    fit_platform = {"sm_count": int(platform.get("sm_count") or 0),
+                    "smem_per_sm": int(platform.get("smem_per_sm") or 0)}
+    before = sum(len(f.models) for f in table.families.values())
+    for key, fam in table.families.items():
+        cells = {(b, k): times for (kk, b, k), times in timed.items() if kk == key and k > 0}
+        fam.models = fit_models(key, fam.points, cells, fit_platform)
+    table.provenance = {**provenance, "models_refit": {"date": _dt.date.today().isoformat(),
+                                                       "results": [Path(p).name for p in results]}}
+    out = Path(out) if out is not None else Path(table_path)
+    write_serving_table(out, table)
+    after = sum(len(f.models) for f in load_serving_table(out).families.values())
+    log(f"wrote {out}: its schedule models fitted again from {len(results)} results file(s), {before} -> {after}")
+    return out
+

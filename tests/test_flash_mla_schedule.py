@@ -1,0 +1,143 @@
+"""FlashMLA's schedule model (backends/flash_mla_schedule.py): the replay of its partition
+filling, in C and in Python; the fit over a family's cells; the estimate in a table's lookup;
+and `sweep --merge RESULTS --refit TABLE`, which fits a committed table's models again."""
+
+import json
+import random
+
+import pytest
+
+from mla_tune.backends import flash_mla_schedule as fm
+from mla_tune.backends.linear_schedule import predict
+from mla_tune.core import Variant
+from mla_tune.fileio import dump_yaml
+from mla_tune.serving.build import ServingSweepError, refit_models
+from mla_tune.serving.estimate import fit_models
+from mla_tune.serving.table import (
+    Family,
+    FamilyKey,
+    ServingTable,
+    load_serving_table,
+    write_serving_table,
+)
+from mla_tune.tables.table import TableError
+from tests.helpers import invoke
+
+FM = Variant.parse("flashmla(kv=bf16,q=bf16)")
+FI = Variant.parse("flashinfer(kernel=fa3,kv=bf16,q=bf16)")
+KEY = FamilyKey("bf16", 64, 128, 4)  # 512 q rows: 8 tiles, 132 // 8 = 16 partitions
+
+
+def _python(lens, heads=128, q_len=4, sm=132):
+    real = fm._native
+    fm._native = lambda: None
+    try:
+        return fm.flash_mla_features(lens, heads, q_len, sm)
+    finally:
+        fm._native = real
+
+
+def test_the_replay_fills_flashmlas_partitions_in_order_and_splits_where_one_fills():
+    assert fm.sm_parts(128, 4, 132) == 16 and fm.sm_parts(16, 1, 132) == 132 and fm.sm_parts(128, 4, 4) == 1
+    # 32 x 1024 tokens: 16 blocks + 5 each, 672 over 16 partitions: two sequences each, none split
+    assert _python([1024] * 32) == [1.0, 42.0, 0.0, 32.0]
+    # 33: payload ceil(693 / 16) + 5 = 49; the third sequence splits after 2 blocks, and so on
+    one, makespan, split, batch = _python([1024] * 33)
+    assert makespan == 49.0 and split > 0 and batch == 33.0
+    # 0, 1 and 64 tokens take one block, 65 two; 132 partitions of ceil(25 / 132) + 5 = 6 blocks:
+    # one sequence each, the last split over two
+    assert _python([0, 1, 64, 65], 16, 1) == [1.0, 6.0, 1.0, 4.0]
+    rng = random.Random(5)
+    for _ in range(300):  # the C replay is the Python one
+        heads, q_len, sm = rng.choice((16, 128)), rng.randint(1, 4), rng.choice((132, 78, 8))
+        lens = [int(2 ** rng.uniform(0, 16)) for _ in range(rng.randint(1, 300))]
+        assert fm.flash_mla_features(lens, heads, q_len, sm) == _python(lens, heads, q_len, sm), lens
+
+
+TRUTH = (20.0, 1.5, 0.4, 0.05)  # FlashMLA's time over FLASHMLA_FEATURES in the made-up cells
+
+
+def _cells():
+    cells, points = {}, {}
+    for b in (1, 2, 8, 16, 24, 32, 33, 40, 48, 49, 64):
+        for kv in (512, 1024, 2048, 4096):
+            t = predict(TRUTH, fm.flash_mla_features([kv] * b, KEY.heads, KEY.q_len, 132))
+            cells[(b, kv)] = {str(FM): t, str(FI): 1.1 * t}
+            points[(b, kv)] = {FM: t, FI: 1.1 * t}
+    return cells, points
+
+
+def _table(models: bool = True) -> ServingTable:
+    cells, points = _cells()
+    fitted = fit_models(KEY, points, cells, {"sm_count": 132, "smem_per_sm": 0}) if models else {}
+    provenance = {"config": {"hash": "ab" * 32}, "search": {"rungs": [3, 8, 20]},
+                  "gpu": {"sm_count": 132, "smem_per_sm": 233472}}
+    family = Family(KEY, points=points, models=fitted)
+    return ServingTable("H200", provenance, [1, 64], [512, 1024, 2048, 4096], {KEY: family})
+
+
+def test_the_model_fits_flashmlas_cells_and_estimates_its_step_at_a_split():
+    table = _table()
+    fam = table.families[KEY]
+    model = fam.models[FM]
+    assert isinstance(model, fm.FlashMLAModel) and model.fit_error_p90 < 1e-4
+    # between grid points it follows the schedule: 36 x 700 splits, 32 x 700 does not
+    for lens in ([700] * 36, [700] * 32, [100, 9000, 30000, 64]):
+        assert model.time_us(KEY, lens) == pytest.approx(
+            predict(TRUTH, fm.flash_mla_features(lens, KEY.heads, KEY.q_len, 132)), rel=1e-6)
+    # in the lookup: the model's estimate, FlashMLA being within the window of FlashInfer
+    lens = [700] * 36
+    est = table.estimator.estimates(fam, 36, 700.0, lens)
+    assert est[FM] == pytest.approx(model.time_us(KEY, lens), rel=1e-9)
+    cells, points = _cells()
+    assert fit_models(KEY, points, dict(list(cells.items())[:5]), {"sm_count": 132}) == {}  # too few cells
+
+
+def test_a_table_writes_and_reads_flashmlas_model_and_refuses_other_features(tmp_path):
+    table = _table()
+    path = write_serving_table(tmp_path / "H200.serving.yaml", table)
+    assert "  - backend: flashmla" in path.read_text()
+    assert load_serving_table(path).as_dict() == table.as_dict()
+    data = table.as_dict()
+    data["families"][0]["models"][0]["features"] = ["one", "makespan"]
+    (tmp_path / "bad.serving.yaml").write_text(dump_yaml(data))
+    with pytest.raises(TableError, match="re-build the table"):
+        load_serving_table(tmp_path / "bad.serving.yaml")
+
+
+def _results(path, config_hash: str):
+    cells, _ = _cells()
+    lines = [{"kind": "header", "schema": "serving-results/1", "config_hash": config_hash, "gpu": "H200"}]
+    for (b, kv), times in cells.items():
+        for variant, t in times.items():
+            lines.append({"kind": "step", "family": KEY.as_dict(), "batch": b, "kv_len": kv, "variant": variant,
+                          "samples": 20, "status": "ok", "time": {"median_us": t}})
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_refit_fits_the_models_again_from_the_results_and_keeps_every_other_entry(tmp_path):
+    bare = write_serving_table(tmp_path / "H200.serving.yaml", _table(models=False))
+    said = []
+    out = refit_models(bare, [_results(tmp_path / "r.jsonl", "ab" * 32)], out=tmp_path / "new.yaml",
+                       log=said.append)
+    new, old = load_serving_table(out), load_serving_table(bare)
+    assert new.as_dict()["families"][0]["models"] == _table().as_dict()["families"][0]["models"]  # as built
+    assert new.families[KEY].points == old.families[KEY].points
+    assert new.provenance["models_refit"]["results"] == ["r.jsonl"]
+    # two: FlashMLA's and FlashInfer's
+    assert said == [f"wrote {out}: its schedule models fitted again from 1 results file(s), 0 -> 2"]
+    with pytest.raises(ServingSweepError, match="config hash cdcd"):
+        refit_models(bare, [_results(tmp_path / "other.jsonl", "cd" * 32)], log=said.append)
+    table = _table(models=False)
+    table.provenance = {}
+    nameless = write_serving_table(tmp_path / "bare.serving.yaml", table)
+    with pytest.raises(ServingSweepError, match="names no config hash"):
+        refit_models(nameless, [tmp_path / "r.jsonl"], log=said.append)
+    # on the command line: the table's own results, given with --merge
+    bare_out = tmp_path / "cli.yaml"
+    result = invoke("sweep", "--gpu", "H200", "--config", "configs/serving.yaml", "--refit", bare)
+    assert result.exit_code == 2 and "give them with --merge" in result.output
+    result = invoke("sweep", "--gpu", "H200", "--config", "configs/serving.yaml", "--refit", bare,
+                    "--merge", tmp_path / "r.jsonl", "--out", bare_out)
+    assert result.exit_code == 0 and load_serving_table(bare_out).families[KEY].models, result.output
