@@ -11,12 +11,14 @@ from mla_tune.core import QK_DIM, V_DIM
 from mla_tune.serving import inputs as serving
 
 HEADS, LAYERS = 16, 2
+CPU = torch.device("cpu")
 
 
 class Cache:
     """A paged latent cache per layer that sequences grow into, every unheld slot NaN."""
 
-    def __init__(self, lens, page, steps, fp8, seed, as_bytes, device="cpu", unit_scales=False):
+    def __init__(self, lens, page, steps, seed, fp8=False, as_bytes=False, device="cpu",
+                 unit_scales=False):
         """unit_scales: an fp8 cache written without a scale (SGLang's MLA pool), else each
         layer's latent divided by its own k_scale (vLLM's)."""
         gen = torch.Generator().manual_seed(seed)
@@ -75,7 +77,7 @@ def close_to_reference(out, ref, what):
     assert result.passed, f"{what}: {result}"
 
 
-def vllm_layers(cache, cache_dtype, page, dcp, max_seqs, device, speculative=0):
+def vllm_layers(cache, cache_dtype, page, dcp, max_seqs, device=CPU, speculative=0):
     """vLLM's config (graphs at batch 1, 2, 4), the metadata builder, per layer impl and layer."""
     from vllm import config as vc
     from vllm.v1.attention.backend import AttentionLayer, AttentionType
@@ -120,6 +122,12 @@ class Pool:
     def set_kv_buffer(self, layer, loc, cache_k, cache_v):
         kv = self.cache.kv[layer.layer_id]
         kv.view(-1, QK_DIM)[loc.long()] = cache_k.view(-1, QK_DIM).to(kv.dtype)
+
+
+def sglang_layers(scaling, k_scale=None):
+    """SGLang's attention layers as the backend reads them, one per layer of the cache."""
+    return [SimpleNamespace(layer_id=i, tp_q_head_num=HEADS, head_dim=QK_DIM, v_head_dim=V_DIM,
+                            scaling=scaling, k_scale=k_scale) for i in range(LAYERS)]
 
 
 def sglang_runner(cache, max_reqs, context):

@@ -20,11 +20,9 @@ KV_LENS = [1, 17, 64, 65, 300, 3000]
 
 
 def _decoder(name: str, spec: CallSpec) -> Decoder:
-    """The backend's Decoder for spec on this GPU, in the Decoder's order of reasons: one
-    that declares it does not serve spec here (its capabilities' refusal, its platforms) is a
-    plain skip; one that cannot run here (its module does not import, or its
-    unavailable_reason) goes through `unavailable`, a failure in require mode; any other
-    refusal of the Decoder fails the test."""
+    """The backend's Decoder for spec on this GPU: a declared non-case (capabilities, platforms)
+    skips; a backend that cannot run here goes through `unavailable` (a failure in require
+    mode); any other refusal of the Decoder fails the test."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     try:

@@ -4,7 +4,6 @@ the real hooks: engine loops (2 layers, 3 steps, graph and eager plans) at DeepS
 
 import itertools
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -87,8 +86,7 @@ def test_vllm_decode_loop_at_deepseek_v3_scale_with_lse(monkeypatch, cache_dtype
     engine_fakes.install(monkeypatch, "vllm")
     fp8 = cache_dtype == "fp8"
     cache = Cache([5, 30, 47, 70], 16, 3, fp8=fp8, seed=1, as_bytes=True)
-    builder, impls, layers = vllm_layers(cache, cache_dtype, 16, dcp=2, max_seqs=4,
-                                         device=torch.device("cpu"))
+    builder, impls, layers = vllm_layers(cache, cache_dtype, 16, dcp=2, max_seqs=4)
     assert builder.plans.spec.sm_scale == SCALE
     assert builder.plans.spec.cache_dtype == ""  # vLLM views its uint8 bytes as fp8 before forward_mqa
     assert builder.plans.spec.heads == 2 * HEADS  # q's heads gathered over the DCP group of 2
@@ -105,9 +103,8 @@ def test_vllm_eager_steps_take_vllms_host_lengths(monkeypatch, dcp, speculative,
     their mean; with decode context parallelism (each rank's share differs) nothing. A graph
     step takes none."""
     engine_fakes.install(monkeypatch, "vllm")
-    cache = Cache([5, 30, 47, 70], 16, 3, fp8=False, seed=2, as_bytes=False)
-    builder, impls, layers = vllm_layers(cache, "auto", 16, dcp=dcp, max_seqs=4, device=torch.device("cpu"),
-                                         speculative=speculative)
+    cache = Cache([5, 30, 47, 70], 16, 3, seed=2)
+    builder, impls, layers = vllm_layers(cache, "auto", 16, dcp=dcp, max_seqs=4, speculative=speculative)
     calls = []
     update = builder.plans.update
     monkeypatch.setattr(builder.plans, "update",
@@ -131,9 +128,8 @@ def test_vllm_a_graph_step_padded_with_empty_requests_answers_its_real_rows(monk
     reference, the padding stays finite."""
     engine_fakes.install(monkeypatch, "vllm")
     q_len, real, padded = 1 + speculative, 3, 4
-    cache = Cache([5, 30, 47], 16, 3, fp8=False, seed=3, as_bytes=False)
-    builder, impls, layers = vllm_layers(cache, "auto", 16, dcp=1, max_seqs=8, device=torch.device("cpu"),
-                                         speculative=speculative)
+    cache = Cache([5, 30, 47], 16, 3, seed=3)
+    builder, impls, layers = vllm_layers(cache, "auto", 16, dcp=1, max_seqs=8, speculative=speculative)
     builder.graph_batches = frozenset({padded})  # a capture of `padded` requests at this q_len
     builder.plans.make_graph_plan(padded)
     qsl = torch.tensor([q_len * min(i, real) for i in range(padded + 1)], dtype=torch.int32)
@@ -153,11 +149,11 @@ def test_vllm_a_graph_step_padded_with_empty_requests_answers_its_real_rows(monk
 
 def test_vllm_more_speculative_tokens_than_the_kernels_take_are_refused_with_the_limit(monkeypatch):
     engine_fakes.install(monkeypatch, "vllm")
-    cache = Cache([5, 30], 16, 3, fp8=False, seed=2, as_bytes=False)
-    vllm_layers(cache, "auto", 16, dcp=1, max_seqs=4, device=torch.device("cpu"), speculative=3)  # q_len 4
+    cache = Cache([5, 30], 16, 3, seed=2)
+    vllm_layers(cache, "auto", 16, dcp=1, max_seqs=4, speculative=3)  # q_len 4
     with pytest.raises(ValueError, match=r"up to 5 tokens per sequence .* take up to 4: use "
                                          r"num_speculative_tokens 3 or fewer"):
-        vllm_layers(cache, "auto", 16, dcp=1, max_seqs=4, device=torch.device("cpu"), speculative=4)
+        vllm_layers(cache, "auto", 16, dcp=1, max_seqs=4, speculative=4)
 
 
 def test_vllm_a_step_with_prefills_runs_its_decodes_on_the_eager_plan(monkeypatch):
@@ -165,8 +161,8 @@ def test_vllm_a_step_with_prefills_runs_its_decodes_on_the_eager_plan(monkeypatc
     decodes take the eager plan and its lengths-aware pick even where their count is a
     capture size; a step of decodes only of that size takes the graph plan."""
     engine_fakes.install(monkeypatch, "vllm")
-    cache = Cache([5, 30, 47, 70, 90], 16, 3, fp8=False, seed=4, as_bytes=False)
-    builder, _impls, _layers = vllm_layers(cache, "auto", 16, dcp=1, max_seqs=8, device=torch.device("cpu"))
+    cache = Cache([5, 30, 47, 70, 90], 16, 3, seed=4)
+    builder, _impls, _layers = vllm_layers(cache, "auto", 16, dcp=1, max_seqs=8)
     lens = torch.tensor(cache.lens, dtype=torch.int32)
     for q_lens, graph in (([1, 1, 1, 1, 3], False), ([1, 1, 1, 1], True)):  # 4 decodes: a capture size
         n = len(q_lens)
@@ -221,9 +217,7 @@ def test_sglang_page_one_decode_loop_at_the_models_scale_with_graph_hooks(monkey
     attn = backend.create_mla_tune_backend(runner)
     assert attn.plans.spec.sm_scale == config_scale and attn.plans.spec.page_size == 1
     attn.init_cuda_graph_state(max_bs=2, max_num_tokens=2)
-    layers = [SimpleNamespace(layer_id=i, tp_q_head_num=HEADS, head_dim=QK_DIM, v_head_dim=V_DIM,
-                              scaling=layer_scale, k_scale=torch.tensor([0.37]) if fp8 else None)
-              for i in range(engine_helpers.LAYERS)]
+    layers = engine_helpers.sglang_layers(layer_scale, torch.tensor([0.37]) if fp8 else None)
     gen = torch.Generator().manual_seed(7)
     for step, rows in enumerate(([0, 1, 2], [0, 2], [1, 2])):  # 3 sequences eager; 2: the graph path
         for b in rows:

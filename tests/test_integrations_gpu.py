@@ -1,8 +1,6 @@
 """The engine loops of tests/test_integrations_engines.py on CUDA: layers captured once, replayed
 for 3 growing steps (metadata hooks outside the graph), each against the fp32 reference."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -35,13 +33,12 @@ def test_sglang_backend_replays_a_captured_decode_step_with_new_lengths(monkeypa
     monkeypatch.setenv("MLA_TUNE_SERVING_TABLE", "none")
     dev = torch.device("cuda")
     lens = [5, 300, 1000, 64]
-    cache = Cache(lens, page, 120, fp8=fp8, seed=3, as_bytes=False, device=dev, unit_scales=True)
+    cache = Cache(lens, page, 120, fp8=fp8, seed=3, device=dev, unit_scales=True)
     attn = backend.create_mla_tune_backend(engine_helpers.sglang_runner(cache, max_reqs=8, context=1200))
     rows, bs = [0, 1, 2, 3], 4
     attn.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs)
-    layers = [SimpleNamespace(layer_id=i, tp_q_head_num=HEADS, head_dim=QK_DIM, v_head_dim=V_DIM, scaling=SCALE,
-                              k_scale=torch.tensor([0.37], device=dev) if fp8 else None)  # not the pool's
-              for i in range(engine_helpers.LAYERS)]
+    k_scale = torch.tensor([0.37], device=dev) if fp8 else None  # not the pool's
+    layers = engine_helpers.sglang_layers(SCALE, k_scale)
     # the graph's static inputs, refilled before each replay (as SGLang's graph runner does)
     seq_lens = torch.tensor(lens, device=dev)
     loc = torch.zeros(bs, dtype=torch.int64, device=dev)

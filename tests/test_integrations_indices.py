@@ -87,8 +87,9 @@ def test_sglangs_request_map_becomes_the_block_table_of_its_page_size(page, devi
     req_to_token[order] = rows.to(torch.int32)
     table = torch.full((5, context // page), -7, dtype=torch.int32, device=device)
     out_lens = torch.zeros(5, dtype=torch.int32, device=device)
-    req_to_block_table(req_to_token.to(device), torch.tensor(order, device=device), torch.tensor(lens, device=device),
-                       page, table, out_lens)
+    request = (req_to_token.to(device), torch.tensor(order, device=device),
+               torch.tensor(lens, device=device), page)
+    req_to_block_table(*request, table, out_lens)
     assert out_lens.tolist() == lens
     table = table.cpu()
     for b, n in enumerate(lens):
@@ -96,6 +97,5 @@ def test_sglangs_request_map_becomes_the_block_table_of_its_page_size(page, devi
         assert torch.equal(table[b, :used], pages.view(len(lens), -1)[b, :used].to(torch.int32))
         assert (table[b, used:] == -7).all()
     narrow = torch.full((5, 2), -7, dtype=torch.int32, device=device)  # 2 pages: the longer are cut
-    req_to_block_table(req_to_token.to(device), torch.tensor(order, device=device), torch.tensor(lens, device=device),
-                       page, narrow, out_lens)
+    req_to_block_table(*request, narrow, out_lens)
     assert out_lens.tolist() == [min(n, 2 * page) for n in lens]
