@@ -13,6 +13,7 @@ from mla_tune.core import Variant
 from mla_tune.fileio import dump_yaml
 from mla_tune.serving.build import ServingSweepError, refit_models
 from mla_tune.serving.estimate import fit_models
+from mla_tune.serving.render import show_lines
 from mla_tune.serving.table import (
     Family,
     FamilyKey,
@@ -125,6 +126,7 @@ def test_refit_fits_the_models_again_from_the_results_and_keeps_every_other_entr
     assert new.as_dict()["families"][0]["models"] == _table().as_dict()["families"][0]["models"]  # as built
     assert new.families[KEY].points == old.families[KEY].points
     assert new.provenance["models_refit"]["results"] == ["r.jsonl"]
+    assert f"  models: fitted again {new.provenance['models_refit']['date']} from r.jsonl" in show_lines(new, out, 80)
     # two: FlashMLA's and FlashInfer's
     assert said == [f"wrote {out}: its schedule models fitted again from 1 results file(s), 0 -> 2"]
     with pytest.raises(ServingSweepError, match="config hash cdcd"):

@@ -219,6 +219,9 @@ def _provenance_lines(prov: Mapping, width: int) -> list[str]:
                  f"allowance={clip(rule.get('allowance'), 20)}", " "),
         ("timing", f"{clip(protocol.get('name') or '-', 60)}; {clip(protocol.get('statistic') or '-', 80)}", " "),
         ("search", ", ".join(f"{clip(k, 40)} {clip(v, 60)}" for k, v in search.items()) or "-", ", "),
+        *((("models", f"fitted again {clip(refit.get('date') or '-', 40)} from "
+                      f"{', '.join(clip(r, 80) for r in refit.get('results') or ()) or '-'}", " "),)
+          if (refit := _mapping(prov.get("models_refit"))) else ()),
     ):
         lines += wrap(f"  {key}: ", " ".join(text.split()), width, sep=sep)
     return lines
