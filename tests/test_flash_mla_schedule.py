@@ -39,7 +39,8 @@ def _python(lens, heads=128, q_len=4, sm=132):
 
 
 def test_the_replay_fills_flashmlas_partitions_in_order_and_splits_where_one_fills():
-    assert fm.sm_parts(128, 4, 132) == 16 and fm.sm_parts(16, 1, 132) == 132 and fm.sm_parts(128, 4, 4) == 1
+    assert fm.sm_parts(128, 4, 132) == 16 and fm.sm_parts(16, 1, 132) == 132
+    assert fm.sm_parts(128, 4, 4) == 1
     # 32 x 1024 tokens: 16 blocks + 5 each, 672 over 16 partitions: two sequences each, none split
     assert _python([1024] * 32) == [1.0, 42.0, 0.0, 32.0]
     # 33: payload ceil(693 / 16) + 5 = 49; the third sequence splits after 2 blocks, and so on
@@ -52,7 +53,8 @@ def test_the_replay_fills_flashmlas_partitions_in_order_and_splits_where_one_fil
     for _ in range(300):  # the C replay is the Python one
         heads, q_len, sm = rng.choice((16, 128)), rng.randint(1, 4), rng.choice((132, 78, 8))
         lens = [int(2 ** rng.uniform(0, 16)) for _ in range(rng.randint(1, 300))]
-        assert fm.flash_mla_features(lens, heads, q_len, sm) == _python(lens, heads, q_len, sm), lens
+        in_c = fm.flash_mla_features(lens, heads, q_len, sm)
+        assert in_c == _python(lens, heads, q_len, sm), lens
 
 
 TRUTH = (20.0, 1.5, 0.4, 0.05)  # FlashMLA's time over FLASHMLA_FEATURES in the made-up cells
@@ -91,7 +93,8 @@ def test_the_model_fits_flashmlas_cells_and_estimates_its_step_at_a_split():
     est = table.estimator.estimates(fam, 36, 700.0, lens)
     assert est[FM] == pytest.approx(model.time_us(KEY, lens), rel=1e-9)
     cells, points = _cells()
-    assert fit_models(KEY, points, dict(list(cells.items())[:5]), {"sm_count": 132}) == {}  # too few cells
+    few = dict(list(cells.items())[:5])
+    assert fit_models(KEY, points, few, {"sm_count": 132}) == {}  # too few cells
 
 
 def test_a_table_writes_and_reads_flashmlas_model_and_refuses_other_features(tmp_path):
@@ -108,11 +111,13 @@ def test_a_table_writes_and_reads_flashmlas_model_and_refuses_other_features(tmp
 
 def _results(path, config_hash: str):
     cells, _ = _cells()
-    lines = [{"kind": "header", "schema": "serving-results/1", "config_hash": config_hash, "gpu": "H200"}]
+    lines = [{"kind": "header", "schema": "serving-results/1", "config_hash": config_hash,
+              "gpu": "H200"}]
     for (b, kv), times in cells.items():
         for variant, t in times.items():
-            lines.append({"kind": "step", "family": KEY.as_dict(), "batch": b, "kv_len": kv, "variant": variant,
-                          "samples": 20, "status": "ok", "time": {"median_us": t}})
+            lines.append({"kind": "step", "family": KEY.as_dict(), "batch": b, "kv_len": kv,
+                          "variant": variant, "samples": 20, "status": "ok",
+                          "time": {"median_us": t}})
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
 
@@ -123,10 +128,12 @@ def test_refit_fits_the_models_again_from_the_results_and_keeps_every_other_entr
     out = refit_models(bare, [_results(tmp_path / "r.jsonl", "ab" * 32)], out=tmp_path / "new.yaml",
                        log=said.append)
     new, old = load_serving_table(out), load_serving_table(bare)
-    assert new.as_dict()["families"][0]["models"] == _table().as_dict()["families"][0]["models"]  # as built
+    models = new.as_dict()["families"][0]["models"]
+    assert models == _table().as_dict()["families"][0]["models"]  # as the build fits them
     assert new.families[KEY].points == old.families[KEY].points
     assert new.provenance["models_refit"]["results"] == ["r.jsonl"]
-    assert f"  models: fitted again {new.provenance['models_refit']['date']} from r.jsonl" in show_lines(new, out, 80)
+    date = new.provenance["models_refit"]["date"]
+    assert f"  models: fitted again {date} from r.jsonl" in show_lines(new, out, 80)
     # two: FlashMLA's and FlashInfer's
     assert said == [f"wrote {out}: its schedule models fitted again from 1 results file(s), 0 -> 2"]
     with pytest.raises(ServingSweepError, match="config hash cdcd"):
@@ -142,4 +149,5 @@ def test_refit_fits_the_models_again_from_the_results_and_keeps_every_other_entr
     assert result.exit_code == 2 and "give them with --merge" in result.output
     result = invoke("sweep", "--gpu", "H200", "--config", "configs/serving.yaml", "--refit", bare,
                     "--merge", tmp_path / "r.jsonl", "--out", bare_out)
-    assert result.exit_code == 0 and load_serving_table(bare_out).families[KEY].models, result.output
+    assert result.exit_code == 0, result.output
+    assert load_serving_table(bare_out).families[KEY].models
