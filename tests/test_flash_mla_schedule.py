@@ -22,7 +22,7 @@ from mla_tune.serving.table import (
     write_serving_table,
 )
 from mla_tune.tables.table import TableError
-from tests.helpers import invoke
+from tests.helpers import invoke, unavailable
 
 FM = Variant.parse("flashmla(kv=bf16,q=bf16)")
 FI = Variant.parse("flashinfer(kernel=fa3,kv=bf16,q=bf16)")
@@ -151,3 +151,32 @@ def test_refit_fits_the_models_again_from_the_results_and_keeps_every_other_entr
                     "--merge", tmp_path / "r.jsonl", "--out", bare_out)
     assert result.exit_code == 0, result.output
     assert load_serving_table(bare_out).families[KEY].models
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_the_replay_splits_the_sequences_flashmlas_own_scheduler_splits(fp8):
+    """On the GPU: FlashMLA's get_mla_decoding_metadata (as backends/flash_mla.py calls it)
+    makes as many partitions as sm_parts says and splits the sequences the replay splits."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from mla_tune.backends import flash_mla
+
+    if (reason := flash_mla.unavailable_reason()) is not None:
+        unavailable(reason)
+    import flash_mla as vendor
+
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    rng = random.Random(3)
+    for _ in range(40):
+        heads, q_len = rng.choice((16, 128)), rng.randint(1, 4)
+        lens = [int(2 ** rng.uniform(0, 16)) for _ in range(rng.randint(1, 200))]
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        meta, splits = vendor.get_mla_decoding_metadata(seq_lens, q_len * heads, 1, h_q=heads,
+                                                        is_fp8_kvcache=fp8, use_legacy=True)
+        assert meta.shape[0] == fm.sm_parts(heads, q_len, sm), (heads, q_len)
+        pieces = torch.diff(splits.cpu()).tolist()
+        split = sum(p > 1 for p in pieces)
+        assert fm.flash_mla_features(lens, heads, q_len, sm)[2] == split, (heads, q_len, lens)
