@@ -136,7 +136,7 @@ def test_refit_fits_the_models_again_from_the_results_and_keeps_every_other_entr
     assert f"  models: fitted again {date} from r.jsonl" in show_lines(new, out, 80)
     # two: FlashMLA's and FlashInfer's
     assert said == [f"wrote {out}: its schedule models fitted again from 1 results file(s), 0 -> 2"]
-    with pytest.raises(ServingSweepError, match="config hash cdcd"):
+    with pytest.raises(ServingSweepError, match="config hash cdcd.*give the results .* was built from"):
         refit_models(bare, [_results(tmp_path / "other.jsonl", "cd" * 32)], log=said.append)
     table = _table(models=False)
     table.provenance = {}

@@ -198,9 +198,10 @@ def write_table(cfg: ServingConfig, plan: SweepPlan, records: Records, headers: 
 
 
 
-def _read_results(results: list[Path], config_hash: str, gpu_name: str,
-                  log: Callable[[str], None]) -> tuple[list[dict], Records]:
-    """(headers, records) of results files swept with this config and on this GPU."""
+def _read_results(results: list[Path], config_hash: str, gpu_name: str, log: Callable[[str], None],
+                  fix: str = "merge only the shards of one config and GPU") -> tuple[list[dict], Records]:
+    """(headers, records) of results files swept with this config and on this GPU; `fix`
+    ends the error for a file that was not."""
     headers, records = [], Records()
     for path in results:
         header, recs, warnings = read_records(Path(path))
@@ -210,8 +211,7 @@ def _read_results(results: list[Path], config_hash: str, gpu_name: str,
             raise ServingSweepError(f"{path}: no such results file (or it is empty)")
         if header.get("config_hash") != config_hash or header.get("gpu") != gpu_name:
             raise ServingSweepError(f"{path} was swept with config hash {header.get('config_hash', '?')[:12]} on "
-                                    f"{header.get('gpu')}, not {config_hash[:12]} on {gpu_name}: merge only the "
-                                    "shards of one config and GPU")
+                                    f"{header.get('gpu')}, not {config_hash[:12]} on {gpu_name}: {fix}")
         headers.append(header)
         for r in recs:
             records.add(r)
@@ -256,7 +256,8 @@ def refit_models(table_path: str | Path, results: list[Path], *, out: str | Path
     if not config_hash or not rungs:
         raise ServingSweepError(f"{table_path}: its provenance names no config hash or search rungs, so the "
                                 "results it was built from cannot be told; re-build it with --merge")
-    _, records = _read_results(results, config_hash, table.gpu, log)
+    _, records = _read_results(results, config_hash, table.gpu, log,
+                               fix=f"give the results {table_path} was built from (its provenance.results)")
     timed = timed_cells(records, int(rungs[-1]))
     platform = provenance.get("gpu") or {}
     fit_platform = {"sm_count": int(platform.get("sm_count") or 0),
