@@ -124,10 +124,17 @@ def build_table(cfg: ServingConfig, plan: SweepPlan, records: Records, gpu_name:
                 fam.graph[batch] = GraphPick(batch, Variant.parse(g["variant"]), float(g["worst_regret"]),
                                              int(g["worst_kv_len"]))
         fam.points = _points(cfg, timed, key, {c.variant for c in fam.cells.values()})
-        cells = {(b, k): times for (kk, b, k), times in timed.items() if kk == key and k > 0}
-        fam.models = fit_models(key, fam.points, cells, {"sm_count": sm_count, "smem_per_sm": smem_per_sm})
+        fam.models = _fit_models(fam, timed, sm_count, smem_per_sm)
         families[key] = fam
     return ServingTable(gpu_name, provenance, list(cfg.batch_buckets), list(cfg.kv_buckets), families)
+
+
+def _fit_models(fam: Family, timed: dict, sm_count: int, smem_per_sm: int) -> dict:
+    """The family's schedule models (estimate.fit_models) from its points and its timed
+    cells at uniform lengths (`timed_cells`' entries of its key, the ragged mixes left out):
+    the build's and the refit's one rule."""
+    cells = {(b, k): times for (key, b, k), times in timed.items() if key == fam.key and k > 0}
+    return fit_models(fam.key, fam.points, cells, {"sm_count": sm_count, "smem_per_sm": smem_per_sm})
 
 
 def _cell(cfg: ServingConfig, timed: dict, key: FamilyKey, batch: int, kv_len: int, rec: dict) -> Cell:
@@ -260,12 +267,10 @@ def refit_models(table_path: str | Path, results: list[Path], *, out: str | Path
                                fix=f"give the results {table_path} was built from (its provenance.results)")
     timed = timed_cells(records, int(rungs[-1]))
     platform = provenance.get("gpu") or {}
-    fit_platform = {"sm_count": int(platform.get("sm_count") or 0),
-                    "smem_per_sm": int(platform.get("smem_per_sm") or 0)}
     before = sum(len(f.models) for f in table.families.values())
-    for key, fam in table.families.items():
-        cells = {(b, k): times for (kk, b, k), times in timed.items() if kk == key and k > 0}
-        fam.models = fit_models(key, fam.points, cells, fit_platform)
+    for fam in table.families.values():
+        fam.models = _fit_models(fam, timed, int(platform.get("sm_count") or 0),
+                                 int(platform.get("smem_per_sm") or 0))
     table.provenance = {**provenance, "models_refit": {"date": _dt.date.today().isoformat(),
                                                        "results": [Path(p).name for p in results]}}
     out = Path(out) if out is not None else Path(table_path)
