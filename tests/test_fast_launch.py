@@ -11,6 +11,7 @@ import torch
 import triton
 from triton.runtime.jit import JITFunction
 
+from mla_tune.backends import flash_mla as flash_mla_backend
 from mla_tune.core import CallSpec, tensor_sig
 from mla_tune.kernels import launch
 from mla_tune.kernels.flash_decode import FlashDecodeServingWorkspace, flash_decode_serving
@@ -279,10 +280,11 @@ def test_a_flashinfer_step_plans_once_and_answers_as_its_plain_runner(monkeypatc
         assert_close(out, _ref(first, q, kv), what=f"layer {i}")
 
 
-def test_an_update_does_the_steps_vendor_work_before_any_layer_into_fixed_buffers(monkeypatch):
+def test_a_graph_steps_vendor_work_lands_where_the_captured_layers_read_it(monkeypatch):
     """The engine's graph protocol (docs/serving.md): update on the host before each replay
-    of a graph that holds only the layers. FlashInfer must plan at update (a replay cannot
-    run host code) and FlashMLA's schedule must land where the captured layers read it."""
+    of a graph that holds the layers. FlashInfer must plan at update (a replay cannot run
+    host code); FlashMLA's update enqueues nothing: its schedule is launched by the first
+    layer, into fixed buffers, and again by the first layer captured, so the graph holds it."""
     installed = vendor_fakes.install(monkeypatch, "flash_mla", "flashinfer")
     import flashinfer.mla as fi
     fm = installed["flash_mla"]
@@ -296,16 +298,21 @@ def test_an_update_does_the_steps_vendor_work_before_any_layer_into_fixed_buffer
     fi_plan.update(first.qo_indptr, **first.layout, **host)
     assert fi.calls["plan"] == plans + 2  # each update planned, before any layer ran
     fm_plan = DecodePlan(spec, max_batch=4, backend="flashmla", device="cpu")
-    where = []
+    capturing = [False]
+    monkeypatch.setattr(flash_mla_backend, "_capturing", lambda: capturing[0])
+    made, where = fm.calls["get_mla_decoding_metadata"], set()
     first.seq_lens.sub_(1)  # a step at lens - 1, then the sequences grow to lens
-    for grow in (0, 1):
+    for grow, expected in ((0, 1), (1, 2)):  # step 1: an eager pass, then a captured one
         first.seq_lens.add_(grow)
         fm_plan.update(first.qo_indptr, **first.layout, **{**host, "kv_lens_host": [n - 1 + grow for n in lens]})
-        where.append(tuple(t.data_ptr() for t in fm_plan._layer.sched))
-        out = fm_plan.run(*layers[0], first.kv_scale)
-        assert_close(out, _ref(first, *layers[0]), what=f"flashmla step {grow}")
-    assert where[0] == where[1], "FlashMLA's schedule moved between steps: a graph would read stale memory"
-    assert fm.calls["get_mla_decoding_metadata"] >= 2
+        assert fm.calls["get_mla_decoding_metadata"] == made, "a graph step's update launched a schedule"
+        for capturing[0] in (False, True)[:grow + 1]:
+            for q, kv in layers:
+                assert_close(fm_plan.run(q, kv, first.kv_scale), _ref(first, q, kv), what=f"flashmla step {grow}")
+            where.add(tuple(t.data_ptr() for t in fm_plan._layer.sched))
+        made += expected
+        assert fm.calls["get_mla_decoding_metadata"] == made  # once per pass: first layer, first captured layer
+    assert len(where) == 1, "FlashMLA's schedule moved between steps: a graph would read stale memory"
 
 
 # --------------------------------------------------------------------- GPU

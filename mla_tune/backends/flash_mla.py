@@ -259,8 +259,10 @@ def build_serving(variant: Variant, spec: CallSpec, device):
 
     `runner.step(qo_indptr, *, block_table, seq_lens, q_lens_host=None, ...)` returns the
     step's per-layer call `layer(q, kv, kv_scale)`: the schedule is computed once per step
-    (at the step when its q_len is known, from q_lens_host or max_q_len 1, else at the first
-    layer), the first layer is checked in full, later layers whose q, kv and kv_scale look
+    (eager: at the step when its q_len is known, from q_lens_host or max_q_len 1, else at
+    the first layer; spec.graph: at the first layer, and again at the first layer captured
+    in a CUDA graph, so that the graph computes each replay's schedule itself and the
+    step's update enqueues nothing), the first layer is checked in full, later layers whose q, kv and kv_scale look
     as the first's did (core.tensor_sig) call FlashMLA's op directly, with fp8 q quantized
     by replayed launches (kernels/launch.py). The softmax scale is spec.sm_scale; with
     spec.return_lse a call returns (out, lse): FlashMLA's softmax_lse (natural log, (batch,
@@ -300,10 +302,10 @@ def build_serving(variant: Variant, spec: CallSpec, device):
     def schedule(seq_lens, q_len: int):
         """FlashMLA's split schedule (tile metadata, split counts): one launch on the device.
         With spec.graph, copied into buffers this runner keeps per shape, so that the layers
-        read it from the same addresses every step: a graph of the layers replays right after
-        an update made outside it (as engines update before a replay); captured with the
-        layers, the copy is captured too. An eager runner's layers read it as made (two
-        copies fewer a step: 14-34 us of host time on an H100's host, docs/perf.md 3.2)."""
+        read it from the same addresses every step; a graph step launches it in its first
+        captured layer (_FmStep), so the graph recomputes it at each replay. An eager
+        runner's layers read it as made (two copies fewer a step: 14-34 us of host time on
+        an H100's host, docs/perf.md 3.2)."""
         meta, splits = flash_mla.get_mla_decoding_metadata(
             seq_lens, q_len * heads // NUM_KV_HEADS, NUM_KV_HEADS, h_q=heads, is_fp8_kvcache=fp8,
             use_legacy=True)
@@ -363,25 +365,39 @@ def build_serving(variant: Variant, spec: CallSpec, device):
         elif spec.max_q_len == 1:
             q_len = 1
         return _FmStep(check, schedule, attend, quantize, heads, qo_indptr, kv_indptr, block_table,
-                       seq_lens, q_len)
+                       seq_lens, q_len, graph=spec.graph)
 
     run_flash_mla_serving.step = step
     run_flash_mla_serving.q_saturation = quantize.saturated if variant.get("q") == "fp8_static" else None
     return run_flash_mla_serving
 
 
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False where CUDA is not set up)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 class _FmStep:
-    """The per-layer call of one FlashMLA step (build_serving's runner.step)."""
+    """The per-layer call of one FlashMLA step (build_serving's runner.step).
+
+    Eager, the schedule is launched when the step is made (once per step, before its
+    layers). With `graph` (a graph spec) nothing is launched then: the first layer launches
+    it, and the first layer run while a CUDA graph captures launches it again, inside the
+    capture, so that each replay computes its schedule from the seq_lens of its own step
+    (written in place by the engine) into the fixed buffers its layers read. An engine's
+    update before a replay then enqueues nothing, as a graph of FlashMLA's own calls holds
+    their get_mla_decoding_metadata."""
 
     def __init__(self, check, schedule, attend, quantize, heads, qo_indptr, kv_indptr, block_table,
-                 seq_lens, q_len):
+                 seq_lens, q_len, graph: bool = False):
         self.check, self.schedule, self.attend, self.quantize = check, schedule, attend, quantize
         self.heads, self.qo_indptr, self.kv_indptr = heads, qo_indptr, kv_indptr
         self.block_table, self.seq_lens = block_table, seq_lens
         self.batch = qo_indptr.shape[0] - 1
-        # Per step, on the device: in the graph that holds the step's layers.
-        self.sched = schedule(seq_lens, q_len) if q_len is not None and seq_lens is not None else None
+        self.sched = (schedule(seq_lens, q_len) if q_len is not None and seq_lens is not None and not graph
+                      else None)
         self.q_len, self.sigs, self.rows, self.q_replay, self.q8_view = q_len, None, 0, None, None
+        self.uncaptured = graph  # no layer of this step has run in a capture yet
 
     def first(self, q, kv, kv_scale) -> None:
         """A layer unlike the step's last checked one: check it in full, (re)schedule when
@@ -394,6 +410,8 @@ class _FmStep:
         self.q_replay = None
 
     def __call__(self, q, kv, kv_scale=None):
+        if self.uncaptured and _capturing():  # the capture's first layer: its schedule joins the graph
+            self.sched, self.sigs, self.uncaptured = None, None, False
         if (tensor_sig(q), tensor_sig(kv), tensor_sig(kv_scale)) != self.sigs:
             self.first(q, kv, kv_scale)
         q_len, batch = self.q_len, self.batch
