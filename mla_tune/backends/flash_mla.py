@@ -234,18 +234,24 @@ class _FmQuantizer:
 
 
 def _fm_direct_ops():
-    """FlashMLA's dense decode ops as OpOverloads (bf16, fp8), or None where this flash_mla
-    has no `get_ops` or they are missing (then flash_mla_with_kvcache is called). For dense
-    legacy decoding with a schedule from get_mla_decoding_metadata, sgl-flash-mla 1.0.0's
+    """FlashMLA's dense decode ops as OpOverloads (bf16 decode, fp8 decode, bf16 schedule,
+    fp8 schedule), or None where this flash_mla has no `get_ops` or one is missing (then
+    flash_mla_with_kvcache and get_mla_decoding_metadata are called). For dense legacy
+    decoding with a schedule from get_mla_decoding_metadata, sgl-flash-mla 1.0.0's
     flash_mla_with_kvcache only asserts its arguments and calls `dense_decode_fwd` (bf16)
-    or `fwd_kvcache_mla_fp8` (fp8) of get_ops(use_legacy=True) with them, in this order
+    or `fwd_kvcache_mla_fp8` (fp8) of get_ops(use_legacy=True) with them, in this order,
+    and get_mla_decoding_metadata(..., use_legacy=True) returns the tuple of
+    `get_mla_decoding_metadata(seqlens_k, num_q_tokens_per_head_k, h_k, h_q, is_fp8_kvcache,
+    topk)` (bf16: is_fp8_kvcache False, topk None) or, for dense fp8,
+    `get_mla_decoding_metadata_dense_fp8(seqlens_k, num_q_tokens_per_head_k, h_k)`
     (flash_mla_interface.py); calling the op skips the wrapper's host time and changes
     nothing else (the op checks shapes and dtypes itself)."""
     try:
         from flash_mla.flash_mla_interface import get_ops
 
         legacy = get_ops(True)
-        return legacy.dense_decode_fwd.default, legacy.fwd_kvcache_mla_fp8.default
+        return (legacy.dense_decode_fwd.default, legacy.fwd_kvcache_mla_fp8.default,
+                legacy.get_mla_decoding_metadata.default, legacy.get_mla_decoding_metadata_dense_fp8.default)
     except (ImportError, AttributeError, RuntimeError):
         return None
 
@@ -306,9 +312,14 @@ def build_serving(variant: Variant, spec: CallSpec, device):
         captured layer (_FmStep), so the graph recomputes it at each replay. An eager
         runner's layers read it as made (two copies fewer a step: 14-34 us of host time on
         an H100's host, docs/perf.md 3.2)."""
-        meta, splits = flash_mla.get_mla_decoding_metadata(
-            seq_lens, q_len * heads // NUM_KV_HEADS, NUM_KV_HEADS, h_q=heads, is_fp8_kvcache=fp8,
-            use_legacy=True)
+        rows = q_len * heads // NUM_KV_HEADS
+        if ops is None:
+            meta, splits = flash_mla.get_mla_decoding_metadata(
+                seq_lens, rows, NUM_KV_HEADS, h_q=heads, is_fp8_kvcache=fp8, use_legacy=True)
+        elif fp8:
+            meta, splits = ops[3](seq_lens, rows, NUM_KV_HEADS)
+        else:
+            meta, splits = ops[2](seq_lens, rows, NUM_KV_HEADS, heads, False, None)
         if not spec.graph:
             return meta, splits
         key = (tuple(meta.shape), meta.dtype, tuple(splits.shape), splits.dtype)
