@@ -397,7 +397,8 @@ class _FmStep:
     capture, so that each replay computes its schedule from the seq_lens of its own step
     (written in place by the engine) into the fixed buffers its layers read. An engine's
     update before a replay then enqueues nothing, as a graph of FlashMLA's own calls holds
-    their get_mla_decoding_metadata."""
+    their get_mla_decoding_metadata. Only the step's first capture holds it: a second graph
+    is captured after an update of its own (docs/serving.md)."""
 
     def __init__(self, check, schedule, attend, quantize, heads, qo_indptr, kv_indptr, block_table,
                  seq_lens, q_len, graph: bool = False):
