@@ -102,9 +102,12 @@ GROWING_LENS = [1, 17, 63, 64, 65, 700, 3000, 129]
 
 
 @_gpu
+@pytest.mark.parametrize("update_in_graph", [True, False], ids=["update-captured", "update-before-replay"])
 @pytest.mark.parametrize("backend", ["triton", "triton_fused", "flashmla"])
-def test_a_decode_step_through_a_plan_captured_once_replays_growing_lengths(backend):
-    """An engine's step (update, then three layers) captured once, replayed as sequences grow."""
+def test_a_decode_step_through_a_plan_captured_once_replays_growing_lengths(backend, update_in_graph):
+    """An engine's step captured once, replayed as sequences grow: the update captured with
+    the three layers, or (the engines' protocol) made on the host before each replay of a
+    graph of the layers."""
     spec = CallSpec("fp8", page_size=64, heads=HEADS, max_q_len=1, graph=True)
     plan = DecodePlan(spec, max_batch=8, backend=backend, device="cuda")
     batch = len(GROWING_LENS)
@@ -112,11 +115,17 @@ def test_a_decode_step_through_a_plan_captured_once_replays_growing_lengths(back
     layers = [torch.randn_like(static.q) for _ in range(3)]
     outs = [torch.empty((batch, HEADS, 512), dtype=torch.bfloat16, device="cuda") for _ in layers]
 
-    def step():
+    def update():
         plan.update(static.qo_indptr, block_table=static.block_table, seq_lens=static.seq_lens)
+
+    def step():
+        if update_in_graph:
+            update()
         for q, out in zip(layers, outs, strict=True):
             out.copy_(plan.run(q, static.kv, static.kv_scale))
 
+    if not update_in_graph:
+        update()
     graph = serving.capture_without_sync(step)
     variant = plan.pick(batch)
     assert variant.backend == backend
@@ -124,6 +133,8 @@ def test_a_decode_step_through_a_plan_captured_once_replays_growing_lengths(back
         static.seq_lens.copy_(torch.tensor([n + grow for n in GROWING_LENS], dtype=torch.int32, device="cuda"))
         for out in outs:
             out.fill_(float("nan"))
+        if not update_in_graph:
+            update()
         graph.replay()
         torch.cuda.synchronize()
         for i, (q, out) in enumerate(zip(layers, outs, strict=True)):
