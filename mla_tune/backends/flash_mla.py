@@ -268,11 +268,11 @@ def build_serving(variant: Variant, spec: CallSpec, device):
     (eager: at the step when its q_len is known, from q_lens_host or max_q_len 1, else at
     the first layer; spec.graph: at the first layer, and again at the first layer captured
     in a CUDA graph, so that the graph computes each replay's schedule itself and the
-    step's update enqueues nothing), the first layer is checked in full, later layers whose q, kv and kv_scale look
-    as the first's did (core.tensor_sig) call FlashMLA's op directly, with fp8 q quantized
-    by replayed launches (kernels/launch.py). The softmax scale is spec.sm_scale; with
-    spec.return_lse a call returns (out, lse): FlashMLA's softmax_lse (natural log, (batch,
-    h_q, s_q)) as (total_q, heads) float32."""
+    step's update enqueues nothing), the first layer is checked in full, later layers whose
+    q, kv and kv_scale look as the first's did (core.tensor_sig) call FlashMLA's op
+    directly, with fp8 q quantized by replayed launches (kernels/launch.py). The softmax
+    scale is spec.sm_scale; with spec.return_lse a call returns (out, lse): FlashMLA's
+    softmax_lse (natural log, (batch, h_q, s_q)) as (total_q, heads) float32."""
     validate(variant)
     _fm_serving_check(spec, variant)
     import flash_mla
