@@ -156,8 +156,9 @@ def test_refit_fits_the_models_again_from_the_results_and_keeps_every_other_entr
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_the_replay_splits_the_sequences_flashmlas_own_scheduler_splits(fp8):
-    """On the GPU: FlashMLA's get_mla_decoding_metadata (as backends/flash_mla.py calls it)
-    makes as many partitions as sm_parts says and splits the sequences the replay splits."""
+    """On the GPU: FlashMLA's get_mla_decoding_metadata (legacy, the wrapper of the op
+    backends/flash_mla.py calls) makes as many partitions as sm_parts says and splits the
+    sequences the replay splits."""
     import torch
 
     if not torch.cuda.is_available():
