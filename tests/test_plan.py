@@ -90,10 +90,7 @@ def test_the_plan_builds_every_pick_up_front_and_picks_by_bucket_and_mean_length
     assert _checked_step(plan, [40], seed=3, mean_kv_len=40) == plan._default.variant
     assert plan.misses == {"batch 2, kv_len ~40": 1}
     # no mean length known: the graph pick of the bucket
-    inp = serving.make_input([1] * 6, [5, 9, 300, 17, 2, 64], 16, 16, "bf16", seed=4,
-                             device=plan.device)
-    assert plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens) == GRAPH_8
-    assert_close(plan.run(inp.q, inp.kv, inp.kv_scale), inp.reference())
+    assert _checked_step(plan, [5, 9, 300, 17, 2, 64], seed=4) == GRAPH_8
     # the mean from host lengths
     lens = [250, 260, 270]
     assert _checked_step(plan, lens, seed=5, kv_lens_host=lens) == EAGER_4_256
@@ -141,10 +138,14 @@ def test_a_graph_plan_ignores_lengths_and_takes_the_graph_pick():
 
 def test_a_step_the_plan_was_not_made_for_is_refused_and_a_table_without_the_family_warns():
     plan = DecodePlan(SPEC, max_batch=2, warm=False)
+
+    def no_step_to_run():
+        for run in (plan.run, plan.run_checked):
+            with pytest.raises(ValueError, match=r"call update\(...\) with the step's lengths before run"):
+                run(inp.q, inp.kv)
+
     inp = serving.make_input([1, 1, 1], [5, 6, 7], 16, 16, "bf16", seed=9, device=plan.device)
-    for run in (plan.run, plan.run_checked):
-        with pytest.raises(ValueError, match=r"call update\(...\) with the step's lengths before run"):
-            run(inp.q, inp.kv)
+    no_step_to_run()
     with pytest.raises(ValueError, match="up to 2; make a plan with a larger max_batch"):
         plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
     inp = serving.make_input([1, 1], [5, 6], 16, 16, "bf16", seed=9, device=plan.device)
@@ -156,9 +157,7 @@ def test_a_step_the_plan_was_not_made_for_is_refused_and_a_table_without_the_fam
     # a refused step leaves no step to run (not the last one's kernels and buffers)
     with pytest.raises(ValueError, match="block_table must be an int32"):
         plan.update(inp.qo_indptr, block_table=inp.block_table.long(), seq_lens=inp.seq_lens)
-    for run in (plan.run, plan.run_checked):
-        with pytest.raises(ValueError, match=r"call update\(...\) with the step's lengths before run"):
-            run(inp.q, inp.kv)
+    no_step_to_run()
     layout = dict(block_table=inp.block_table, seq_lens=inp.seq_lens)
     for bad, match in [(dict(kv_lens_host=[5]), "kv_lens_host holds 1 lengths for a step of 2 sequences"),
                        (dict(kv_lens_host=[], mean_kv_len=6.0), "holds 0 lengths"),
@@ -353,8 +352,8 @@ def test_a_plans_own_runners_share_one_scratch_sized_for_the_largest():
     assert plan.outputs.nbytes == out_bytes
     assert {r.out.data_ptr() for r in runners} == {plan.outputs.buffer.data_ptr()}
     assert all(r.out.shape == (plan.max_total_q, SPEC.heads, 512) for r in runners)
-    for seed, (lens, mean) in enumerate([([190, 200, 210], 200), ([5, 9, 300, 17, 2, 64], None),
-                                         ([250, 260, 270], 260), ([30, 2, 70, 1, 40, 9, 300, 3], None)]):
-        _checked_step(plan, lens, seed=20 + seed, what=f"step {seed}", mean_kv_len=mean)
-    assert {_step(plan, [190, 200, 210], 1, mean_kv_len=200)[1],
-            _step(plan, [5, 9, 300, 17, 2, 64], 2)[1]} == {EAGER_4_256, GRAPH_8}
+    steps = [([190, 200, 210], 200), ([5, 9, 300, 17, 2, 64], None), ([250, 260, 270], 260),
+             ([30, 2, 70, 1, 40, 9, 300, 3], None)]
+    picked = [_checked_step(plan, lens, seed=20 + seed, what=f"step {seed}", mean_kv_len=mean)
+              for seed, (lens, mean) in enumerate(steps)]
+    assert picked == [EAGER_4_256, GRAPH_8, EAGER_4_256, GRAPH_8]

@@ -55,22 +55,18 @@ def test_row_quantization_is_the_plain_per_row_one_bit_for_bit(tokens, heads):
     assert not torch.equal(reference_q(q[:, 2:], "fp8"), reference_q(q, "fp8")[:, 2:])
 
 
-def test_the_reference_reads_the_row_quantized_q():
-    inp = make_input([1, 2, 1], [1, 70, 130], 16, 64, "fp8", seed=4)
-    want8, want_scale = _plain_rows(inp.q)
-    plain = reference(want8.float() * want_scale, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout,
-                      sm_scale=CORE_DEEPSEEK_V3_SCALE)
-    assert torch.equal(inp.reference("fp8_row", sm_scale=CORE_DEEPSEEK_V3_SCALE), plain)
-    with pytest.raises(ValueError, match="fp8_row"):
-        inp.reference("fp8_rows")
-
-
-def test_per_row_and_per_tensor_references_differ_by_more_than_the_strict_rule():
-    """One large row: a per-row kernel (the per-row reference in bf16) passes against the
-    per-row reference, fails against the per-tensor one, and is nearer bf16 q."""
+def test_the_per_row_reference_reads_the_row_quantized_q_and_differs_from_the_per_tensor_one():
+    """The per-row reference is the reference on the plainly row-quantized q. One large row: a
+    per-row kernel (the per-row reference in bf16) passes against the per-row reference,
+    fails by more than the strict rule against the per-tensor one, and is nearer bf16 q."""
     inp = make_input([1, 2, 1, 2], [1, 17, 65, 300], 16, 64, "fp8", seed=9)
     inp.q[1, 5] *= 64.0
     exact, by_row, by_tensor = (inp.reference(f, sm_scale=CORE_DEEPSEEK_V3_SCALE) for f in ("bf16", "fp8_row", "fp8"))
+    want8, want_scale = _plain_rows(inp.q)
+    assert torch.equal(by_row, reference(want8.float() * want_scale, inp.qo_indptr, inp.kv, inp.kv_scale,
+                                         **inp.layout, sm_scale=CORE_DEEPSEEK_V3_SCALE))
+    with pytest.raises(ValueError, match="fp8_row"):
+        inp.reference("fp8_rows")
     kernel = by_row.to(torch.bfloat16)
     assert problem.check(kernel, by_row, STRICT, margin=0.5).passed
     against_tensor = problem.check(kernel, by_tensor, STRICT)

@@ -274,26 +274,6 @@ def test_a_decoder_runs_a_given_variant_with_splits_at_128_heads(backend, device
     assert_close(out, inp.reference(), 1e-2, f"{backend} with splits")
 
 
-def test_the_output_buffer_is_allocated_once_and_reused(device):
-    """The same buffer for the same and for fewer new tokens; a larger call grows it once."""
-    spec = CallSpec("bf16", 16, 16, max_q_len=2, mixed_q_len=True)
-    for backend in OWN:
-        decoder = Decoder(spec, backend=backend, device=device)
-        big = serving.make_input([2, 2, 1], [30, 5, 9], 16, 16, "bf16", seed=5, device=device)
-        small = serving.make_input([1, 2], [7, 12], 16, 16, "bf16", seed=6, device=device)
-        first = decoder(big.q, big.qo_indptr, big.kv, **big.layout)
-        ptr = first.data_ptr()
-        assert decoder(big.q, big.qo_indptr, big.kv, **big.layout).data_ptr() == ptr
-        out = decoder(small.q, small.qo_indptr, small.kv, **small.layout)
-        assert out.data_ptr() == ptr and out.shape[0] == 3
-        assert_close(out, small.reference(), 1e-2, f"{backend} smaller call")
-        larger = serving.make_input([2] * 4, [20] * 4, 16, 16, "bf16", seed=7, device=device)
-        grown = decoder(larger.q, larger.qo_indptr, larger.kv, **larger.layout).data_ptr()
-        assert grown != ptr
-        assert decoder(larger.q, larger.qo_indptr, larger.kv, **larger.layout).data_ptr() == grown
-        assert decoder(big.q, big.qo_indptr, big.kv, **big.layout).data_ptr() == grown
-
-
 def test_a_decoder_checks_host_lengths_q_len_and_kv_scale_against_its_spec(device, fresh_decoders):
     inp = serving.make_input([2, 1], [9, 40], 16, 0, "bf16", seed=9, device=device)
     out = decode(inp.q, inp.qo_indptr, inp.kv, **inp.layout, max_q_len=2,

@@ -67,6 +67,15 @@ def _runner(name, *cell, platform=H200, device="cpu", **extra):
     return spec, variant, get_backend(name).build_serving(variant, spec, device)
 
 
+def _any_runner(monkeypatch, device, name, *cell, **extra):
+    """_runner's three, then where it runs: a vendor through its fake on a fake H200 (on the
+    CPU), an own kernel as the tests' device runs it (extra: the spec's, graph=True say)."""
+    if name in PACKAGES:
+        _install(monkeypatch, name)
+        return (*_runner(name, *cell, **extra), "cpu")
+    return (*_runner(name, *cell, platform=gpu.detect(), device=device, **extra), device)
+
+
 def _run_case(name, layout, heads, q_len, kv, platform, seed=17):
     """The cell's default serving variant, called twice (the first answer poisoned with NaN)."""
     spec, variant, runner = _runner(name, layout, heads, q_len, kv, platform=platform)
@@ -232,34 +241,32 @@ def test_flashinfer_refuses_a_replan_that_changes_a_graphs_grid(monkeypatch):
         _assert_close(call_with_host_lengths(eager, inp), inp.reference(), 1e-2, "eager, either grid")
 
 
-@pytest.mark.parametrize("name,layout",
-                         [("flashinfer", 0), ("flashinfer", 16), ("aiter", 0), ("aiter", 1)])
-def test_the_output_buffer_is_reused_and_grows_only_for_more_rows(name, layout, monkeypatch):
-    _install(monkeypatch, name)
-    _, _, runner = _runner(name, layout, 16, 1, "fp8")
-    big, small = (serving.make_input([1] * n, [30 + i for i in range(n)], 16, layout, "fp8", seed=n)
-                  for n in (5, 3))
-    first = call_with_host_lengths(runner, big)
-    for inp in (small, big):
-        assert call_with_host_lengths(runner, inp).data_ptr() == first.data_ptr()
-    larger = serving.make_input([1] * 9, [20] * 9, 16, layout, "fp8", seed=9)
-    assert call_with_host_lengths(runner, larger).shape[0] == 9
-
-
-def test_flash_mla_schedules_every_call_on_the_device(monkeypatch):
-    fm = _install(monkeypatch, "flashmla")
-    spec, _, runner = _runner("flashmla", 64, 16, 1, "bf16")
-    for seed, lens in ((1, [40, 70]), (2, [130, 1])):
-        inp = serving_input(spec, lens, seed, "cpu")
-        _assert_close(call_with_host_lengths(runner, inp), inp.reference(), 1e-2, f"lengths {lens}")
-    assert fm.calls == {"get_mla_decoding_metadata": 2, "flash_mla_with_kvcache": 2}
+@pytest.mark.parametrize("name,layout", [("triton", 16), ("triton_fused", 16), ("flashinfer", 0),
+                                         ("flashinfer", 16), ("aiter", 0), ("aiter", 1)])
+def test_the_output_buffer_is_reused_and_grows_only_for_more_rows(name, layout, monkeypatch, device):
+    """The same buffer for the same and for fewer new tokens; a larger call grows it once and
+    the smaller calls after it keep the grown one."""
+    _, variant, runner, where = _any_runner(monkeypatch, device, name, layout, 16, 1, "fp8")
+    big, small = (serving.make_input([1] * n, [30 + i for i in range(n)], 16, layout, "fp8", seed=n,
+                                     device=where) for n in (5, 3))
+    first = call_with_host_lengths(runner, big).data_ptr()
+    for inp in (big, small):
+        out = call_with_host_lengths(runner, inp)
+        assert out.data_ptr() == first
+    _assert_close(out, _expected(variant, small), 1e-2, "fewer rows")
+    larger = serving.make_input([1] * 9, [20] * 9, 16, layout, "fp8", seed=9, device=where)
+    grown = call_with_host_lengths(runner, larger)
+    assert grown.shape[0] == 9 and grown.data_ptr() != first
+    for inp in (larger, big):
+        assert call_with_host_lengths(runner, inp).data_ptr() == grown.data_ptr()
 
 
 @pytest.mark.parametrize("graph", [False, True])
-def test_flash_mla_keeps_a_steps_schedule_at_fixed_addresses_only_for_a_graph(graph, monkeypatch):
-    """A graph's layers replay with the schedule's addresses of the capture, so a graph
-    runner copies each step's schedule into buffers it keeps; an eager runner's layers read
-    the schedule as FlashMLA made it (no copy)."""
+def test_flash_mla_schedules_each_call_and_keeps_it_at_fixed_addresses_only_for_a_graph(graph, monkeypatch):
+    """Every call and every step launches FlashMLA's schedule on the device. A graph's layers
+    replay with the schedule's addresses of the capture, so a graph runner copies each step's
+    schedule into buffers it keeps; an eager runner's layers read the schedule as FlashMLA
+    made it (no copy)."""
     fm = _install(monkeypatch, "flashmla")
     made = []
     original = fm.get_mla_decoding_metadata
@@ -272,11 +279,13 @@ def test_flash_mla_keeps_a_steps_schedule_at_fixed_addresses_only_for_a_graph(gr
     addresses = []
     for seed, lens in ((1, [40, 70]), (2, [130, 1])):
         inp = serving_input(spec, lens, seed, "cpu")
+        _assert_close(call_with_host_lengths(runner, inp), inp.reference(), 1e-2, f"lengths {lens}")
         step = runner.step(inp.qo_indptr, **inp.layout, q_lens_host=inp.q_lens, kv_lens_host=inp.kv_lens)
-        _assert_close(step(inp.q, inp.kv, inp.kv_scale), inp.reference(), 1e-2, f"lengths {lens}")
+        _assert_close(step(inp.q, inp.kv, inp.kv_scale), inp.reference(), 1e-2, f"step, lengths {lens}")
         addresses.append(tuple(t.data_ptr() for t in step.sched))
         assert (step.sched[0] is made[-1][0]) == (not graph)
     assert (addresses[0] == addresses[1]) == graph
+    assert fm.calls == {"get_mla_decoding_metadata": 4, "flash_mla_with_kvcache": 4}
 
 
 # the fakes answer with these
@@ -309,43 +318,35 @@ def test_runners_read_no_tensor_on_the_host(case, monkeypatch):
     _assert_close(out, _expected(variant, inp), 1e-2, cell_id(case))
 
 
-def _padded_slot_rows(case, platform, device, **extra):
-    """The live sequences' rows of a call whose sequence 1 is a padded slot (seq_len 0), the
-    reference's rows, and the variant (extra: the spec's, graph=True for example)."""
-    name, *cell = case
-    spec, variant, runner = _runner(name, *cell, platform=platform, device=device, **extra)
-    inp = serving_input(spec, [40, 5, 70], 23, device)
+# The vendors through their fakes and the own kernels (graph specs) where the tests run; then,
+# last in the file with FlashMLA's fp8 last of all (a crash takes the CUDA context), the
+# vendors on the H200.
+PADDED_SLOT_CASES = [pytest.param(case, False, id=cell_id(case)) for case in [
+    ("triton", 16, 16, 1, "fp8"), ("triton_fused", 16, 16, 1, "fp8"),
+    ("flashmla", 64, 16, 1, "fp8"), ("flashinfer", 16, 16, 1, "bf16"), ("aiter", 1, 16, 1, "bf16")]] + [
+    pytest.param(case, True, marks=pytest.mark.gpu, id=f"h200-{cell_id(case)}") for case in [
+        ("flashinfer", 16, 128, 2, "bf16"), ("flashmla", 64, 16, 2, "bf16"),
+        ("flashmla", 64, 16, 2, "fp8")]]
+
+
+@pytest.mark.parametrize("case, h200", PADDED_SLOT_CASES)
+def test_a_padded_slot_with_seq_len_0_spoils_no_other_row(case, h200, monkeypatch, device):
+    """A graph padded past the live batch carries seq_len 0: every other sequence is right
+    (and on the H200 nothing crashes)."""
+    if h200:
+        reason = BACKENDS[case[0]].unavailable_reason()
+        assert reason is None, reason
+        spec, variant, runner = _runner(*case, platform=gpu.detect(), device="cuda")
+        where = "cuda"
+    else:
+        extra = {} if case[0] in PACKAGES else {"graph": True}
+        spec, variant, runner, where = _any_runner(monkeypatch, device, *case, **extra)
+    inp = serving_input(spec, [40, 5, 70], 23, where)
     ref = _expected(variant, inp)
     inp.seq_lens[1] = 0
     inp.kv_lens[1] = 0
     out = call_with_host_lengths(runner, inp)
-    if device == "cuda":
+    if where == "cuda":
         torch.cuda.synchronize()
     rows = [r for b in (0, 2) for r in range(sum(inp.q_lens[:b]), sum(inp.q_lens[: b + 1]))]
-    return out[rows], ref[rows], variant
-
-
-@pytest.mark.parametrize("case", [("triton", 16, 16, 1, "fp8"), ("triton_fused", 16, 16, 1, "fp8"),
-                                  ("flashmla", 64, 16, 1, "fp8"), ("flashinfer", 16, 16, 1, "bf16"),
-                                  ("aiter", 1, 16, 1, "bf16")], ids=cell_id)
-def test_a_padded_slot_with_seq_len_0_spoils_no_other_row(case, monkeypatch, device):
-    """A graph padded past the live batch carries seq_len 0: every other sequence is right.
-    The vendors through their fakes, the own kernels where the tests run."""
-    vendor = case[0] in PACKAGES
-    if vendor:
-        _install(monkeypatch, case[0])
-    platform, where = (H200, "cpu") if vendor else (gpu.detect(), device)
-    out, ref, _ = _padded_slot_rows(case, platform, where, **({} if vendor else {"graph": True}))
-    _assert_close(out, ref, 1e-2, "live sequences")
-
-
-# ------------------------------------------------------------------------------ GPU
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", [("flashinfer", 16, 128, 2, "bf16"), ("flashmla", 64, 16, 2, "bf16"),
-                                  ("flashmla", 64, 16, 2, "fp8")], ids=cell_id)
-def test_a_padded_slot_with_seq_len_0_does_not_crash_on_the_h200(case):
-    """Last in the file (FlashMLA's fp8 last of all): a crash takes the CUDA context."""
-    reason = BACKENDS[case[0]].unavailable_reason()
-    assert reason is None, reason
-    out, ref, variant = _padded_slot_rows(case, gpu.detect(), "cuda")
-    _assert_close(out, ref, max_error(variant, "cuda"), "live sequences")
+    _assert_close(out[rows], ref[rows], max_error(variant, where), "live sequences")
