@@ -1,10 +1,12 @@
 """The serving runners' step API and the replayed Triton launches (mla_tune/kernels/launch.py):
 a step's layers answer as the plain runner and the reference (own backends interpreted, the
 vendors through their CPU fakes); the replay's guard and substitution on fake objects. GPU:
-replays bit-identical to the JIT launch, a misaligned q falling back, DecodePlan.run's host time.
+replays bit-identical to the JIT launch, a misaligned q falling back (DecodePlan.run's host time:
+scripts/bench_serving_host.py).
 """
 
 import inspect
+from dataclasses import replace
 
 import pytest
 import torch
@@ -43,19 +45,49 @@ def _ref(first, q, kv, q_format="bf16"):
     return serving.reference(q, first.qo_indptr, kv, first.kv_scale, **first.layout, q_format=q_format)
 
 
-# --------------------------------------------------------------------- own runners, CPU
-@pytest.mark.parametrize("backend", ["triton", "triton_fused"])
-def test_a_steps_layers_through_the_plan_answer_as_the_plain_runner_and_the_reference(backend):
-    plan = DecodePlan(SPEC, max_batch=4, backend=backend)
-    runner = plan._default.runner
-    first, layers = _layers(SPEC, LENS, [1, 2, 2], 2)
-    plan.update(first.qo_indptr, **first.layout)
-    for i, (q, kv) in enumerate(layers):
-        out = plan.run(q, kv, None).clone()
+# --------------------------------------------------------------------- a step's layers, CPU
+# (backend, kv format, host lengths): FlashMLA steps with the host q_lens and without
+STEP_CASES = [("triton", "bf16", False), ("triton_fused", "bf16", False), ("flashinfer", "bf16", True),
+              ("flashinfer", "fp8", True)]
+STEP_CASES += [("flashmla", kv, host) for kv in ("bf16", "fp8") for host in (True, False)]
+
+
+@pytest.mark.parametrize("backend,kv_format,host_lengths", STEP_CASES)
+def test_a_steps_layers_through_the_plan_answer_as_the_plain_runner_and_the_reference(
+        monkeypatch, backend, kv_format, host_lengths):
+    """The own runners interpreted; the vendors' fakes, which make their per-step work once for
+    the step: FlashInfer plans (then runs once per layer), FlashMLA schedules."""
+    fm = vendor_fakes.install(monkeypatch, "flashinfer", "flash_mla")["flash_mla"]
+    import flashinfer.mla as fi
+
+    if backend == "flashmla":  # one q_len a step, 64-token pages
+        spec = CallSpec(kv_format, page_size=64, heads=16, max_q_len=2)
+        q_lens, kv_lens = [2, 2, 2], [2, 70, 130]
+    else:
+        spec = replace(SPEC, kv_format=kv_format, host_lengths=host_lengths)
+        q_lens, kv_lens = [1, 2, 2], LENS
+    plan = DecodePlan(spec, max_batch=4, backend=backend, device="cpu")
+    first, layers = _layers(spec, kv_lens, q_lens, 2)
+    host = {"q_lens_host": q_lens} if host_lengths else {}
+    if spec.host_lengths:
+        host["kv_lens_host"] = kv_lens
+
+    def made():  # FlashInfer's plans and runs, FlashMLA's schedules
+        return [fi.calls["plan"], fi.calls["run"], fm.calls["get_mla_decoding_metadata"]]
+
+    before = made()
+    plan.update(first.qo_indptr, **first.layout, **host)
+    outs = [plan.run(q, kv, first.kv_scale).clone() for q, kv in layers]
+    step = [now - n for now, n in zip(made(), before, strict=True)]
+    assert step == {"flashinfer": [1, 2, 0], "flashmla": [0, 0, 1]}.get(backend, [0, 0, 0])
+    if backend in ("triton", "triton_fused"):
         assert plan._layer.fast is None  # the interpreter: every layer took the runner
-        plain = runner(q, first.qo_indptr, kv, None, **first.layout).clone()
+    runner = plan._default.runner
+    q_format = kv_format if backend == "flashmla" else "bf16"
+    for i, ((q, kv), out) in enumerate(zip(layers, outs, strict=True)):
+        plain = runner(q, first.qo_indptr, kv, first.kv_scale, **first.layout, **host)
         assert torch.equal(out, plain), f"{backend} layer {i}: the step differs from the plain runner"
-        assert_close(out, _ref(first, q, kv), what=f"{backend} layer {i}")
+        assert_close(out, _ref(first, q, kv, q_format), what=f"{backend} layer {i}")
 
 
 def test_the_interpreter_takes_the_jit_path_and_records_nothing():
@@ -243,43 +275,7 @@ def test_a_runner_without_a_step_gets_a_plain_per_layer_call():
                                                  q_lens_host=None, kv_lens_host=None))]
 
 
-# --------------------------------------------------------------------- vendor steps, CPU fakes
-@pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
-@pytest.mark.parametrize("host_q_lens", [True, False])
-def test_a_flashmla_step_schedules_once_and_answers_as_its_plain_runner(monkeypatch, kv_format, host_q_lens):
-    fake = vendor_fakes.install(monkeypatch, "flash_mla")["flash_mla"]
-    spec = CallSpec(kv_format, page_size=64, heads=16, max_q_len=2)
-    decoder = Decoder(spec, backend="flashmla", device="cpu")
-    first, layers = _layers(spec, [2, 70, 130], [2, 2, 2], 3)
-    host = {"q_lens_host": [2, 2, 2]} if host_q_lens else {}
-    before = fake.calls["get_mla_decoding_metadata"]
-    layer = decoder.runner.step(first.qo_indptr, **first.layout, **host)
-    outs = [layer(q, kv, first.kv_scale).clone() for q, kv in layers]
-    assert fake.calls["get_mla_decoding_metadata"] == before + 1  # once for the step
-    for i, ((q, kv), out) in enumerate(zip(layers, outs, strict=True)):
-        plain = decoder.runner(q, first.qo_indptr, kv, first.kv_scale, **first.layout)
-        assert torch.equal(out, plain), f"layer {i}"
-        assert_close(out, _ref(first, q, kv, kv_format), what=f"layer {i}")
-
-
-@pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
-def test_a_flashinfer_step_plans_once_and_answers_as_its_plain_runner(monkeypatch, kv_format):
-    vendor_fakes.install(monkeypatch, "flashinfer")
-    import flashinfer.mla as fake
-    spec = CallSpec(kv_format, page_size=16, heads=16, max_q_len=2, mixed_q_len=True, host_lengths=True)
-    plan = DecodePlan(spec, max_batch=4, backend="flashinfer", device="cpu")
-    first, layers = _layers(spec, LENS, [1, 2, 2], 3)
-    host = {"q_lens_host": [1, 2, 2], "kv_lens_host": LENS}
-    plans, runs = fake.calls["plan"], fake.calls["run"]
-    plan.update(first.qo_indptr, **first.layout, **host)
-    outs = [plan.run(q, kv, first.kv_scale).clone() for q, kv in layers]
-    assert fake.calls["plan"] == plans + 1 and fake.calls["run"] == runs + 3
-    runner = plan._default.runner
-    for i, ((q, kv), out) in enumerate(zip(layers, outs, strict=True)):
-        assert torch.equal(out, runner(q, first.qo_indptr, kv, first.kv_scale, **first.layout, **host)), f"layer {i}"
-        assert_close(out, _ref(first, q, kv), what=f"layer {i}")
-
-
+# --------------------------------------------------------------------- a graph step, CPU fakes
 def test_a_graph_steps_vendor_work_lands_where_the_captured_layers_read_it(monkeypatch):
     """The engine's graph protocol (docs/serving.md): update on the host before each replay
     of a graph that holds the layers. FlashInfer must plan at update (a replay cannot run
@@ -319,18 +315,15 @@ def test_a_graph_steps_vendor_work_lands_where_the_captured_layers_read_it(monke
 GPU_LENS = [1, 17, 63, 64, 65, 700, 3000, 129]
 
 
-def _gpu_variant(backend: str, spec: CallSpec, q_mode: str | None):
-    variant = Decoder(spec, backend=backend, device="cuda").variant
-    return variant if q_mode is None else variant.with_params(q=q_mode)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend,kv_format,q_mode", [
     ("triton", "bf16", None), ("triton", "fp8", None), ("triton", "fp8", "fp8_dynamic"),
     ("triton_fused", "bf16", None), ("triton_fused", "fp8", None)])
 def test_replayed_launches_are_bit_identical_to_the_jit_launch_across_layers(backend, kv_format, q_mode):
     spec = CallSpec(kv_format, page_size=64, heads=128, max_q_len=1)
-    decoder = Decoder(spec, variant=_gpu_variant(backend, spec, q_mode), device="cuda")
+    decoder = Decoder(spec, backend=backend, device="cuda")
+    if q_mode is not None:
+        decoder = Decoder(spec, variant=decoder.variant.with_params(q=q_mode), device="cuda")
     runner = decoder.runner
     first, layers = _layers(spec, GPU_LENS, [1] * 8, 3, device="cuda")
     step = runner.step(first.qo_indptr, **first.layout)
@@ -353,21 +346,6 @@ def test_replayed_launches_are_bit_identical_to_the_jit_launch_across_layers(bac
     assert_close(out, _ref(first, odd, layers[1][1], q_format), what="misaligned q")
     # and an aligned layer after it is right again (recorded anew)
     assert torch.equal(step(*layers[2], first.kv_scale), outs[2])
-
-
-@pytest.mark.gpu
-def test_plan_run_host_time_is_printed():
-    from mla_tune.tune.timing import host_time
-
-    for backend in ("triton", "triton_fused", "flashmla"):
-        spec = CallSpec("bf16", page_size=64, heads=128, max_q_len=1)
-        plan = DecodePlan(spec, max_batch=32, backend=backend, device="cuda")
-        inp = serving.make_input([1] * 32, [3980 + i for i in range(32)], 128, 64, "bf16", seed=1, device="cuda")
-        plan.update(inp.qo_indptr, **inp.layout)
-        run = host_time(lambda plan=plan, inp=inp: plan.run(inp.q, inp.kv, inp.kv_scale))
-        print(f"\nDecodePlan.run {backend}: {run.median_us:.1f} us host per call (p90 {run.p90_us:.1f})")
-        if backend != "flashmla":
-            assert plan._layer.fast is not None, "the fast path was not taken"
 
 
 def _bind_me(A, b, C: triton.language.constexpr, D: triton.language.constexpr = 3):

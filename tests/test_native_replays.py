@@ -42,6 +42,14 @@ def numpy_path(monkeypatch):
     return run
 
 
+def _on_every_path(numpy_path, fn, lens, *args):
+    """fn(lens, *args) over an int64 array (C where built), the same as a list, and the array
+    on the numpy path: asserted equal, returned."""
+    got = fn(lens, *args)
+    assert got == fn(lens.tolist(), *args) == numpy_path(fn, lens, *args), (lens.tolist(), *args)
+    return got
+
+
 def _batches(seed: int, n: int = 400, max_batch: int = 256, empty: float = 0.15):
     """n random ragged batches (`empty` of them with a 0 length): (rng, batch, lens, heads)."""
     rng = random.Random(seed)
@@ -72,11 +80,9 @@ def test_the_split_k_replay_in_c_is_the_numpy_one_and_the_loop_over_a_list(numpy
         # a few SMs too: fewer slots than a dealing block (16) cuts every block short
         occupancy, sm = rng.randint(1, 4), rng.choice([2, 7, 78, 132, 132])
         item = rng.choice([0, 32, 128, 256, 0.5])
-        got = sk.splitk_schedule(lens, heads, q_len, params, occupancy, sm, item)
-        want = numpy_path(sk.splitk_schedule, lens, heads, q_len, params, occupancy, sm, item)
-        case = (lens.tolist(), heads, q_len, params, occupancy, sm, item)
-        loop = sk.splitk_schedule(lens.tolist(), *case[1:])
-        assert got == want == loop and type(got[1]) is int, case
+        case = (heads, q_len, params, occupancy, sm, item)
+        got = _on_every_path(numpy_path, sk.splitk_schedule, lens, *case)
+        assert type(got[1]) is int, (lens.tolist(), *case)
         branches.add("one wave" if got[0] == max(lens) + item else "more")
         runs += 1
     assert runs // 10 < len(dealt) < runs - runs // 10  # both the exact dealing and the others, often
@@ -180,20 +186,16 @@ def test_flashinfer_replay_and_dealing_in_c_are_the_numpy_paths_and_built_wherev
     for rng, _batch, lens, heads in itertools.chain(_batches(5), _batches(11, 400, max_batch=160)):
         q_len, sm = rng.randint(1, 4), rng.choice([78, 132])
         want = _chunk_replay(lens.tolist(), heads, q_len, sm)
-        for kv_lens in (lens, lens.tolist()):
-            got = fi.flashinfer_mla_features(kv_lens, heads, q_len, sm)
-            assert got == want, (lens.tolist(), heads, q_len, sm)
-        assert numpy_path(fi.flashinfer_mla_features, lens, heads, q_len, sm) == want
-        works = fi.flashinfer_mla_works_per_cluster(lens, heads, q_len, sm)
-        assert works == fi.flashinfer_mla_works_per_cluster(lens.tolist(), heads, q_len, sm)
-        assert works == numpy_path(fi.flashinfer_mla_works_per_cluster, lens, heads, q_len, sm)
+        got = _on_every_path(numpy_path, fi.flashinfer_mla_features, lens, heads, q_len, sm)
+        assert got == want, (lens.tolist(), heads, q_len, sm)
+        _on_every_path(numpy_path, fi.flashinfer_mla_works_per_cluster, lens, heads, q_len, sm)
         merged += want[3] > 0
         several_tiles += q_len * heads > 128
     assert merged > 100 and several_tiles > 100  # of 800 batches
     for heads in (16, 128):  # no sequences
-        want = _chunk_replay([], heads, 1, 132)
-        assert fi.flashinfer_mla_features([], heads, 1, 132) == want
-        assert numpy_path(fi.flashinfer_mla_features, [], heads, 1, 132) == want
+        none = np.zeros(0, dtype=np.int64)
+        got = _on_every_path(numpy_path, fi.flashinfer_mla_features, none, heads, 1, 132)
+        assert got == _chunk_replay([], heads, 1, 132)
     if not have:
         pytest.skip("no C compiler here: the numpy dealing is the only one")
     rng = random.Random(23)
@@ -212,8 +214,7 @@ def test_flashinfer_replay_and_dealing_in_c_are_the_numpy_paths_and_built_wherev
             lens = [int(2 ** rng.uniform(0, 17)) for _ in range(batch)]
         lens = np.asarray(lens, dtype=np.int64)
         heads, q_len, sm = rng.choice([16, 64, 128]), rng.randint(1, 4), rng.choice([2, 3, 7, 16, 78, 132, 133])
-        got = fi.flashinfer_mla_features(lens, heads, q_len, sm)
-        assert got == numpy_path(fi.flashinfer_mla_features, lens, heads, q_len, sm), (lens.tolist(), heads, q_len, sm)
+        _on_every_path(numpy_path, fi.flashinfer_mla_features, lens, heads, q_len, sm)
 
 
 def test_without_a_compiler_or_with_a_broken_one_the_python_path_runs(monkeypatch, tmp_path):
