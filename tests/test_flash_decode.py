@@ -157,8 +157,10 @@ VALID = dict(kv="fp8", q="bf16", num_splits=1, block_n=32, num_warps=4, num_stag
 
 
 @pytest.mark.parametrize("change,message", [(dict(num_stages=None), "num_stages"), (dict(color=1), "color"),
-                                            (dict(q="fp8_static"), "q_amax"), (dict(kv="mxfp4"), "mxfp4")])
-def test_build_rejects_bad_variants_by_name(change, message):
+                                            (dict(q="fp8_static"), "q_amax"), (dict(kv="mxfp4"), "mxfp4"),
+                                            (dict(v_split=3), "v_split"), (dict(qk_split=3), "qk_split"),
+                                            (dict(qk_split=16), "qk_split")])
+def test_build_rejects_bad_variants_and_register_file_options_by_name(change, message):
     params = {k: v for k, v in {**VALID, **change}.items() if v is not None}  # None: left out
     with pytest.raises(ValueError, match=message):
         triton_splitk.build(Variant.make("triton", **params), Shape(2, 40), "cpu")
@@ -214,10 +216,7 @@ def test_v_split_halves_write_every_column_and_one_lse(device, monkeypatch):
     _assert_close(out, problem.reference(data, "bf16", "fp8"))
 
 
-def test_register_file_options_are_checked_by_name():
-    for name, bad in (("v_split", 3), ("qk_split", 3), ("qk_split", 16)):
-        with pytest.raises(ValueError, match=name):
-            triton_splitk.validate(Variant.make("triton", **VALID, **{name: bad}))
+def test_valid_register_file_options_pass_and_the_kernel_refuses_a_bad_qk_split():
     triton_splitk.validate(Variant.make("triton", **VALID, v_split=2, qk_split=8))
     data = problem.generate_input(1, 4, seed=1, device="cpu")
     out = torch.empty((1, 16, 512), dtype=torch.bfloat16)

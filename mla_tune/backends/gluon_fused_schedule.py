@@ -14,7 +14,7 @@ that the interpolation between uniform points cannot see.
 overhead + rate x makespan, fitted per variant, its occupancy at most what the kernel's
 shared memory leaves room for). The reduction that follows is not modelled: its cost is
 in the points' times. The replay is numpy, and C for the lookup (mla_tune/native.py; the
-same numbers). Nothing here imports torch; tests/test_gluon_schedule.py checks the rule
+same numbers). Nothing here imports torch; tests/test_gluon_serving.py checks the rule
 and the shared memory against the kernel's own (gs_num_splits, gs_smem_bytes).
 """
 

@@ -652,7 +652,7 @@ def gd_ws_smem_extra(block_n: int, num_stages: int, v_path: str, v_halves: int =
     ws 2: the second consumer's P^T and fp16 V box(es), the release barriers (8 B a stage, 16
     more with an odd count), and 336 B of q scale, hand-over barrier, captures and state (its
     hand-over itself reuses a ring slot). Fitted to Triton 3.6's figures at 2 to 5 stages
-    (tests/test_gluon_ws.py pins them)."""
+    (tests/test_gluon_decode.py pins them)."""
     if ws == 0:
         return 0
     bars = 8 * num_stages + 8 * (num_stages % 2)
