@@ -33,6 +33,9 @@ def test_generator_calibration_is_the_max_over_calibration_seeds_and_says_so():
     record = calibrate(None, SHAPE, [11, 12], "cpu")
     amax = max(float(problem.generate_input(2, 1, s, device="cpu")[0].abs().amax()) for s in (11, 12))
     assert record["q_amax"] == round(amax * 1.1, 4)
+    # drawn without the KV cache (kv_len 1): the q of the real shape all the same
+    q_full = problem.generate_input(2, 40, 11, device="cpu")[0]
+    assert torch.equal(problem.generate_input(2, 1, 11, device="cpu")[0], q_full)
     assert record["kind"] == "generator" and record["method"] == "max |q| x 1.1"
     assert "leaderboard input generator" in record["source"] and "the config names no calibration" in record["source"]
     stated = calibrate(CalibrationSpec(stated=True), SHAPE, [11, 12], "cpu")

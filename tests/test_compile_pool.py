@@ -131,6 +131,10 @@ def test_a_shape_class_stand_in_cannot_run_the_splits_compile_shape_for_keeps():
     with pytest.raises(ValueError, match="more splits than tiles"):
         get_backend("triton_fused").build(variant, compile_pool.default_compile_shape(Shape(4, 8192)), "meta")
     assert compile_shape_for(Shape(4, 8192), variant, 132) == Shape(1, 512)
+    # without a variant: the default, each dimension kept in its Triton specialization class
+    assert compile_shape_for(Shape(256, 8192)) == Shape(16, 64)
+    assert compile_shape_for(Shape(4, 1024)) == Shape(2, 64)
+    assert compile_shape_for(Shape(1, 1000)) == Shape(1, 17)
 
 
 @pytest.mark.parametrize("waves", [1, 2])

@@ -17,7 +17,7 @@ from mla_tune.tables.table import table_from_results
 from mla_tune.tune import worker
 from mla_tune.tune.config import config_from_dict, load_config
 from mla_tune.tune.results import read_results
-from mla_tune.tune.schedule import DEFAULT_COSTS, CostModel, fit_plan, measured_costs
+from mla_tune.tune.schedule import DEFAULT_COSTS, BackendCost, CostModel, fit_plan, measured_costs
 from mla_tune.tune.search import Timed, promote, ranked
 from mla_tune.tune.sweep import SweepError, plan_candidates, run_sweep
 from mla_tune.tune.worker import WorkerHandle
@@ -108,7 +108,14 @@ def test_a_budget_too_small_cuts_samples_then_candidates_keeping_baseline_and_fa
     assert any("dropped to fit the budget" in n for n in tight.notes)
 
 
-def test_measured_costs_from_the_h200_results_file_give_a_basis_and_a_jit_cost():
+def test_a_first_call_jit_goes_to_first_s_observed_or_measured_from_the_h200_results_file():
+    model = CostModel({"*": BackendCost(0.01, 0.005, 0.0, 0.0)}, "test")
+    model.observe("flashinfer", 0, 5, 18.0, first_call=True)  # the JIT
+    for _ in range(5):
+        model.observe("flashinfer", 0, 5, 0.02, first_call=False)
+    model.observe("flashinfer", 0, 5, 16.0, first_call=True)
+    cost = model.cost("flashinfer")  # the usual cost left alone
+    assert cost.rung0_s == pytest.approx(0.02) and cost.first_s == pytest.approx(17.0, abs=0.1)
     # the pre-search H200 sweep: FlashInfer JIT-compiled in the timed worker then
     costs, n = measured_costs(REPO / "tests" / "data" / "H200.pre-search.results.jsonl")
     assert n > 500

@@ -229,49 +229,40 @@ def test_a_scan_times_every_candidate_and_its_budget_copies_at_each_shape(interp
     assert sorted(t["mix2~19"] for t in data["times"].values()) == [55.0, 60.0]
 
 
-def test_a_mix_with_layers_times_each_role_as_a_steps_layers_and_checks_the_last(interpreter, stand_in_timer,
-                                                                                 tmp_path, monkeypatch):
-    """--layers N: each role also as N back-to-back layers of one step (a LayeredStep, by the
-    same timer: its figure over N), its last layer checked; past the KV copies' bound the
-    layered column is an error with the reason, the flushed call's figures stand."""
+def test_a_mix_runs_the_tables_picks_and_extra_variants_and_with_layers_each_as_a_steps_layers(
+        interpreter, stand_in_timer, tmp_path, monkeypatch):
+    """The table's eager and graph picks and the extra variants, each checked; --layers N: each
+    role also as N back-to-back layers of one step (a LayeredStep, by the same timer: its figure
+    over N), its last layer checked; past the KV copies' bound the layered column is an error
+    with the reason, the flushed call's figures stand."""
+    extra = SPLIT16.format(kv="fp8").replace("max_splits=4", "max_splits=1")
     table = _table(tmp_path, graph={2: GraphPick(2, DEF, 0.1, 64)})
     args = ("mix", "--table", table, "--kv", "fp8", "--heads", "16", "--page", "16", "--lens", "30,34",
             "--reps", "1", "--layers", "2")
-    lines = _run(*args).strip().splitlines()
-    assert any(line.startswith("layer us: each role as 2 back-to-back layers of one step") for line in lines)
-    header = lines.index(next(line for line in lines if line.split()[:2] == ["role", "us"]))
-    assert lines[header].split()[:6] == ["role", "us", "x", "best", "check", "layer"]
-    rows = {line.split()[0]: line.split() for line in lines[header + 1:]}
-    # the stand-in's 10, 20, 30, 40 us: each role's call, then its step of 2 layers (halved)
-    assert [rows[r][1:6] for r in ("eager", "graph")] == [["10.0", "1.000", "ok", "10.0", "1.000"],
-                                                          ["30.0", "3.000", "ok", "20.0", "2.000"]]
-    assert [type(call).__name__ for call in stand_in_timer][1::2] == ["LayeredStep"] * 2
-    monkeypatch.setattr(measure_module, "LAYERED_KV_BYTES", 1)
-    lines = _run(*args).strip().splitlines()
-    eager = next(line for line in lines if line.split()[0] == "eager")
-    assert eager.split()[2:5] == ["1.000", "ok", "error"]  # the stand-in timer counts on: 50, 60
-    assert "2 layers need 0.0 GiB of KV copies, over 0 GiB: give fewer layers or shorter lengths)" in eager
-
-
-def test_a_mix_runs_the_tables_eager_and_graph_picks_and_the_extra_variants(interpreter, stand_in_timer, tmp_path):
-    extra = SPLIT16.format(kv="fp8").replace("max_splits=4", "max_splits=1")
-    table = _table(tmp_path, graph={2: GraphPick(2, DEF, 0.1, 64)})
-    lines = _run("mix", "--table", table, "--kv", "fp8", "--heads", "16", "--page", "16",
-                 "--lens", "30,34", "--variant", extra, "--variant", "nobackend(kv=fp8)",
-                 "--reps", "1").strip().splitlines()
+    lines = _run(*args, "--variant", extra, "--variant", "nobackend(kv=fp8)").strip().splitlines()
     assert lines[0].startswith(f"{KEY}: 2 sequences, kv_lens [30, 34] (mean 32)")
     assert lines[1] == f"the table's cell 2 x 32: {S16}, 5.0 us as swept"
     skipped = [line for line in lines if " not timed, it cannot serve this here: " in line]
     # no GPU here: each vendor backend with a serving call is named, with why it did not run
     assert [line.split(":")[0] for line in skipped] == ["aiter", "flashinfer", "flashmla"]
+    assert any(line.startswith("layer us: each role as 2 back-to-back layers of one step") for line in lines)
     header = lines.index(next(line for line in lines if line.split()[:2] == ["role", "us"]))
+    assert lines[header].split()[:6] == ["role", "us", "x", "best", "check", "layer"]
     rows = {line.split()[0]: line.split() for line in lines[header + 1:]}
     assert set(rows) == {"eager", "graph", "extra1", "extra2"}
     assert [rows[r][-1] for r in ("eager", "graph", "extra1")] == [str(S16), str(DEF), extra]
-    # timed in order at 10, 20, 30 us (the stand-in): ratios to the fastest, each checked
-    assert [rows[r][1:4] for r in ("eager", "graph", "extra1")] == [
-        ["10.0", "1.000", "ok"], ["20.0", "2.000", "ok"], ["30.0", "3.000", "ok"]]
+    # the stand-in's 10, 20, ... us in order: each role's call, then its step of 2 layers
+    # (halved); ratios to the fastest, each checked
+    assert [rows[r][1:6] for r in ("eager", "graph", "extra1")] == [
+        ["10.0", "1.000", "ok", "10.0", "1.000"], ["30.0", "3.000", "ok", "20.0", "2.000"],
+        ["50.0", "5.000", "ok", "30.0", "3.000"]]
+    assert [type(call).__name__ for call in stand_in_timer][1::2] == ["LayeredStep"] * 3
     assert rows["extra2"][1] == "error" and "nobackend" in " ".join(rows["extra2"])
+    monkeypatch.setattr(measure_module, "LAYERED_KV_BYTES", 1)
+    lines = _run(*args).strip().splitlines()
+    eager = next(line for line in lines if line.split()[0] == "eager")
+    assert eager.split()[2:5] == ["1.000", "ok", "error"]  # the stand-in timer counts on: 70, 80
+    assert "2 layers need 0.0 GiB of KV copies, over 0 GiB: give fewer layers or shorter lengths)" in eager
 
 
 def test_points_retimes_a_tables_points_as_a_sweep_step_and_in_alternating_passes(interpreter, stand_in_timer,
@@ -319,7 +310,7 @@ def test_points_retimes_a_tables_points_as_a_sweep_step_and_in_alternating_passe
         assert result.exit_code != 0 and says in result.output, result.output
 
 
-def test_points_write_times_every_point_in_passes_and_writes_the_table_with_those_times(
+def test_points_write_times_every_point_in_passes_or_as_a_layer_of_a_step_into_the_table(
         interpreter, stand_in_timer, tmp_path, monkeypatch):
     table = _table(tmp_path, points=POINTS)
     out = tmp_path / "RETIMED.serving.yaml"
@@ -340,6 +331,16 @@ def test_points_write_times_every_point_in_passes_and_writes_the_table_with_thos
     assert "table ~ passes" in output
     rows = [line.split() for line in output.splitlines() if line.strip().startswith("triton")]
     assert all(r[2] == "-" and r[4] == "-" for r in rows)  # no fresh or again column
+    # --layers N: each variant timed as a LayeredStep of N layers (the same timer, its figure
+    # over N), every point's KV copied once for its variants; the provenance names the layers
+    stand_in_timer.clear()
+    _run("points", "--table", table, "--samples", "1", "--passes", "2", "--write",
+         tmp_path / "STEP.yaml", "--layers", "2")
+    assert len(stand_in_timer) == 10 and {type(c).__name__ for c in stand_in_timer} == {"LayeredStep"}
+    written = load_serving_table(tmp_path / "STEP.yaml")
+    assert written.families[KEY].points == {(1, 32): {S16: 7.5}, (2, 32): {S16: 20.0, DEF: 25.0},
+                                            (2, 64): {S16: 40.0, DEF: 45.0}}  # the passes' medians, halved
+    assert written.provenance["points_retimed"][-1]["layers"] == 2
 
     # with the gate run first, no check per point (as the sweep): no reference is computed
     monkeypatch.setattr(gate_module, "run_gates", lambda jobs, workers: [(j, {"ok": True}) for j in jobs])
@@ -357,19 +358,6 @@ def test_points_write_times_every_point_in_passes_and_writes_the_table_with_thos
                   "--budget", "0")
     assert load_serving_table(out).families[KEY].points == POINTS
     assert f"not reached in full, so left as swept: {KEY}" in output
-
-
-def test_points_write_with_layers_writes_a_layers_time_in_a_step(interpreter, stand_in_timer, tmp_path):
-    """--layers N: each variant timed as a LayeredStep of N layers (the same timer, its figure
-    over N), every point's KV copied once for its variants; the provenance names the layers."""
-    out = tmp_path / "STEP.serving.yaml"
-    _run("points", "--table", _table(tmp_path, points=POINTS), "--samples", "1", "--passes", "2",
-         "--write", out, "--layers", "2")
-    assert len(stand_in_timer) == 10 and {type(c).__name__ for c in stand_in_timer} == {"LayeredStep"}
-    written = load_serving_table(out)
-    assert written.families[KEY].points == {(1, 32): {S16: 7.5}, (2, 32): {S16: 20.0, DEF: 25.0},
-                                            (2, 64): {S16: 40.0, DEF: 45.0}}  # the passes' medians, halved
-    assert written.provenance["points_retimed"][-1]["layers"] == 2
 
 
 @pytest.mark.parametrize("lost_at", [7, 9])  # the second point's first timing, or its first pass
