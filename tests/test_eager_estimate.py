@@ -1,5 +1,5 @@
 """The eager lookup's estimate: serving/estimate.py's interpolation between measured points,
-FlashInfer's schedule model (replay, fit, estimate), a table's models and points on disk."""
+FlashInfer's schedule model (replay, fit, estimate)."""
 
 import warnings
 
@@ -16,24 +16,14 @@ from mla_tune.backends.flashinfer_mla_schedule import (
     relative_errors,
 )
 from mla_tune.core import CallSpec, Variant
-from mla_tune.fileio import dump_yaml
 from mla_tune.serving.estimate import fit_models, interpolate
-from mla_tune.serving.table import (
-    Cell,
-    Family,
-    FamilyKey,
-    ServingTable,
-    load_serving_table,
-    write_serving_table,
-)
-from mla_tune.tables.table import TableError
+from mla_tune.serving.table import Cell, Family, FamilyKey, ServingTable
 
 FI = Variant.parse("flashinfer(kernel=fa3,kv=bf16,q=bf16)")
 FM = Variant.parse("flashmla(kv=bf16,q=bf16)")
 TR = Variant.parse("triton(block_h=16,block_n=32,dot_dtype=bf16,kv=bf16,max_splits=64,num_stages=2,"
                    "num_warps=4,q=bf16,tokens_per_split=128)")
 KEY = FamilyKey("bf16", 64, 16, 4)
-MODEL = VendorModel(FI, (1.0, 0.05, 0.0, 0.0, 0.0, 0.0), 132, 0.031)  # a model the table writes and reads
 POINTS = {(8, 16384): {FI: 60.0, FM: 80.0}, (8, 32768): {FI: 100.0, FM: 130.0},
           (16, 16384): {FI: 96.0, FM: 127.0}, (16, 32768): {FI: 166.0, FM: 202.0}}
 
@@ -131,42 +121,6 @@ def test_the_eager_pick_is_the_fastest_estimate_and_flashinfers_comes_from_its_s
     fam.cells[(16, 32768)] = Cell(16, 32768, FM, 202.0)
     table.estimator.clear()
     assert table.estimates(spec, 15, 44654.0) == {} and table.lookup(spec, 15, 44654.0) == FM
-
-
-def test_points_and_the_model_survive_a_write_and_load(tmp_path):
-    table = _table(MODEL)
-    path = write_serving_table(tmp_path / "H200.serving.yaml", table)
-    text = path.read_text()
-    assert "schema: serving/6" in text and "models:\n  - backend: flashinfer" in text
-    assert "- {batch: 8, kv_len: 16384, us: {0: 60.0, 1: 80.0}}" in text  # one line a point
-    loaded = load_serving_table(path)
-    fam = loaded.families[KEY]
-    assert fam.points == POINTS
-    assert fam.models == table.families[fam.key].models
-    assert loaded.as_dict() == table.as_dict()
-
-
-@pytest.mark.parametrize("edit, words", [
-    (lambda f: f["models"][0].update(features=["one"]), "re-build the table"),
-    (lambda f: f["models"][0].update(coef=[1.0] * 5), "coef must be a list of 6"),
-    (lambda f: f["models"][0].update(coef=[1.0] * 5 + ["x"]), "coef[5] must be a finite number"),
-    (lambda f: f["models"][0].update(variant=str(FM)), "a flashinfer model, but variant is flashmla"),
-    (lambda f: f["models"][0].update(sm_count=0), "sm_count"),
-    (lambda f: f["points"][0].update(kv_len=1000), "kv_len 1000 is not one of"),
-    (lambda f: f["points"][0].update(us={7: 1.0}), "not an index into"),
-    (lambda f: f["points"][0].update(us={0: 0.0}), "is 0"),
-    (lambda f: f["points"].append(dict(f["points"][0])), "a second point"),
-    (lambda f: f.update(variants="x"), "variants must be a list"),
-])
-def test_a_broken_model_or_point_is_refused(tmp_path, edit, words):
-    data = _table(MODEL).as_dict()
-    data["families"][0]["points"] = [dict(p) for p in data["families"][0]["points"]]
-    edit(data["families"][0])
-    path = tmp_path / "bad.serving.yaml"
-    path.write_text(dump_yaml(data))
-    with pytest.raises(TableError) as err:
-        load_serving_table(path)
-    assert "bad.serving.yaml" in str(err.value) and words in str(err.value), str(err.value)
 
 
 def test_the_build_fits_flashinfers_model_to_its_aligned_cells():

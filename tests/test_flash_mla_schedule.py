@@ -10,7 +10,6 @@ import pytest
 from mla_tune.backends import flash_mla_schedule as fm
 from mla_tune.backends.linear_schedule import predict
 from mla_tune.core import Variant
-from mla_tune.fileio import dump_yaml
 from mla_tune.serving.build import ServingSweepError, refit_models
 from mla_tune.serving.estimate import fit_models
 from mla_tune.serving.render import show_lines
@@ -21,7 +20,6 @@ from mla_tune.serving.table import (
     load_serving_table,
     write_serving_table,
 )
-from mla_tune.tables.table import TableError
 from tests.helpers import invoke, unavailable
 
 FM = Variant.parse("flashmla(kv=bf16,q=bf16)")
@@ -95,18 +93,6 @@ def test_the_model_fits_flashmlas_cells_and_estimates_its_step_at_a_split():
     cells, points = _cells()
     few = dict(list(cells.items())[:5])
     assert fit_models(KEY, points, few, {"sm_count": 132}) == {}  # too few cells
-
-
-def test_a_table_writes_and_reads_flashmlas_model_and_refuses_other_features(tmp_path):
-    table = _table()
-    path = write_serving_table(tmp_path / "H200.serving.yaml", table)
-    assert "  - backend: flashmla" in path.read_text()
-    assert load_serving_table(path).as_dict() == table.as_dict()
-    data = table.as_dict()
-    data["families"][0]["models"][0]["features"] = ["one", "makespan"]
-    (tmp_path / "bad.serving.yaml").write_text(dump_yaml(data))
-    with pytest.raises(TableError, match="re-build the table"):
-        load_serving_table(tmp_path / "bad.serving.yaml")
 
 
 def _results(path, config_hash: str):

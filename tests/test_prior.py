@@ -135,35 +135,23 @@ CHILD = textwrap.dedent('''
 AITER_BUILDS = ("f3be04a12", "0.1.11", "0.1.20.post1")  # the contest runner's build first, then every other faked
 
 
-@pytest.fixture(scope="module")
-def prior_export(tmp_path_factory):
-    """`mla-tune export --gpu MI355X -o sub.py` in a folder without tables, as a new user runs it."""
+def test_export_without_a_table_writes_the_prior_says_so_and_runs_it_through_aiter_and_triton(
+        tmp_path, monkeypatch):
+    """`mla-tune export --gpu MI355X -o sub.py` in a folder without tables, as a new user runs
+    it; the file runs the test shapes through AITER under every AITER fake, the rest through Triton."""
     if locate.find_table("MI355X") is not None:
         pytest.skip(f"{locate.find_table('MI355X')} exists: the prior is for a checkout without an MI355X table")
-    folder = tmp_path_factory.mktemp("prior_export")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.chdir(folder)
-        mp.delenv(locate.ENV_TABLES, raising=False)
-        assert locate.find_table("MI355X") is None and find_prior("MI355X") is not None
-        result = invoke("export", "--gpu", "MI355X", "-o", "sub.py", env=WIDE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(locate.ENV_TABLES, raising=False)
+    assert locate.find_table("MI355X") is None and find_prior("MI355X") is not None
+    result = invoke("export", "--gpu", "MI355X", "-o", "sub.py", env=WIDE)
     assert result.exit_code == 0, result.output
-    return folder, result.output
-
-
-def test_export_without_a_table_writes_the_prior_and_says_so(prior_export):
-    folder, stdout = prior_export
-    assert "wrote sub.py: 8 shapes from" in stdout and "configs/priors/MI355X.yaml" in stdout
-    assert "is a PRIOR, not a measurement" in stdout
-    text = (folder / "sub.py").read_text()
+    assert "wrote sub.py: 8 shapes from" in result.output and "configs/priors/MI355X.yaml" in result.output
+    assert "is a PRIOR, not a measurement" in result.output
+    text = (tmp_path / "sub.py").read_text()
     assert text.startswith("#!POPCORN leaderboard amd-mixed-mla\n#!POPCORN gpu MI355X\n")
     assert '"""A PRIOR FOR MI355X, NOT A MEASUREMENT: untuned choices, never timed on the MI355X' in text
     assert "\n_EXPORT_IS_PRIOR = True\n" in text
-
-
-def test_the_exported_prior_runs_the_test_shapes_through_aiter_and_the_rest_through_triton(
-        prior_export, tmp_path):
-    folder, _ = prior_export
-    (tmp_path / "sub.py").write_text((folder / "sub.py").read_text())
     (tmp_path / "task.py").write_text("import typing\ninput_t = typing.Any\noutput_t = typing.Any\n")
     (tmp_path / "child.py").write_text(CHILD)
     plan = [{"run_at": list(at), "as": None if at == shape else list(shape), "fallback": False}

@@ -5,9 +5,12 @@ import copy
 import re
 
 import pytest
-import yaml
 
+from mla_tune.backends.flash_mla_schedule import FlashMLAModel
+from mla_tune.backends.flashinfer_mla_schedule import VendorModel
+from mla_tune.backends.triton_splitk_schedule import SplitKModel
 from mla_tune.core import CallSpec, Variant
+from mla_tune.fileio import dump_yaml
 from mla_tune.serving.table import (
     Cell,
     Family,
@@ -24,6 +27,11 @@ from mla_tune.tables.table import TableError
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 KVS = [512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
+FP8, BF16 = FamilyKey("fp8", 64, 128, 2), FamilyKey("bf16", 64, 16, 4)
+FI = Variant.parse("flashinfer(kernel=fa3,kv=bf16,q=bf16)")
+FM = Variant.parse("flashmla(kv=bf16,q=bf16)")
+SPLITK = Variant.parse("triton(block_h=16,block_n=32,dot_dtype=bf16,kv=bf16,max_splits=1,num_stages=2,"
+                       "num_warps=4,q=bf16,tokens_per_split=128)")
 
 
 def _v(splits: int, kv: str = "fp8") -> Variant:
@@ -53,13 +61,29 @@ def test_the_graph_pick_minimises_the_worst_case_not_the_mean():
 
 
 def _table() -> ServingTable:
-    key = FamilyKey("fp8", 64, 128, 2)
-    fam = Family(key)
+    """An fp8 family of cells, graph picks and a left-out cell, and a bf16 family of points,
+    one schedule model of each kind and a calibration."""
+    fam = Family(FP8)
     fam.cells[(32, 1024)] = Cell(32, 1024, _v(8), 40.0, {"variant": str(_v(16)), "time_us": 41.0})
     fam.cells[(32, 8192)] = Cell(32, 8192, _v(16), 200.0)
     fam.graph[32] = GraphPick(32, _v(16), 0.04, 1024)
     fam.left_out.append({"batch": 256, "kv_len": 65536, "reason": "over the sweep budget"})
-    return ServingTable("H200", {"date": "2026-11-30"}, BATCHES, KVS, {key: fam})
+    models = Family(BF16)
+    models.points = {(8, 16384): {FI: 60.0, FM: 80.0}, (8, 32768): {FI: 100.0, FM: 130.0},
+                     (16, 16384): {FI: 96.0, FM: 127.0}, (16, 32768): {FI: 166.0, FM: 202.0}}
+    models.models = {SPLITK: SplitKModel(SPLITK, 1, 10.0, 132, 0.001, item_tokens=64),  # as loaded:
+                     FI: VendorModel(FI, (1.0, 0.05, 0.0, 0.0, 0.0, 0.0), 132, 0.031),  # in the
+                     FM: FlashMLAModel(FM, (20.0, 1.5, 0.4, 0.05), 132, 0.02)}  # backends' order
+    models.calibration = {"triton": {"reduce_step_us": {16: 5.0, 64: 1.0}}}
+    return ServingTable("H200", {"date": "2026-11-30"}, BATCHES, KVS, {FP8: fam, BF16: models})
+
+
+def _fp8(data: dict) -> dict:
+    return data["families"][1]  # as_dict sorts the families: bf16's first
+
+
+def _model(data: dict, backend: str) -> dict:
+    return next(m for m in data["families"][0]["models"] if m["backend"] == backend)
 
 
 def test_lookup_is_exact_on_the_family_and_bucketed_on_batch_and_kv():
@@ -75,46 +99,88 @@ def test_lookup_is_exact_on_the_family_and_bucketed_on_batch_and_kv():
     # ... but first the largest smaller batch bucket's cell at the same kv bucket
     assert table.lookup(spec, batch=200, mean_kv_len=900) == _v(8)  # 256 x 1024 left out: 32 x 1024
     assert table.lookup(spec, batch=200, mean_kv_len=2048) is None  # bucket 256: nothing measured
-    table.families[FamilyKey("fp8", 64, 128, 2)].graph[256] = GraphPick(256, _v(4), 0.0, 1024)
+    table.families[FP8].graph[256] = GraphPick(256, _v(4), 0.0, 1024)
     assert table.lookup(spec, batch=200, mean_kv_len=2048) == _v(4)  # ... but a graph pick
     assert table.lookup(spec, batch=200, mean_kv_len=900) == _v(8)  # a smaller bucket's cell first
     assert table.lookup(CallSpec("fp8", page_size=64, heads=128, max_q_len=1), 20, 900) is None
     assert table.lookup(CallSpec("bf16", page_size=64, heads=128, max_q_len=2), 20, 900) is None
 
 
-def test_a_written_table_loads_back_equal(tmp_path):
-    loaded = load_serving_table(write_serving_table(tmp_path / "H200.serving.yaml", _table()))
+def test_a_written_table_loads_back_equal_with_its_points_models_and_calibration(tmp_path):
+    path = write_serving_table(tmp_path / "H200.serving.yaml", _table())
+    text = path.read_text()
+    assert "schema: serving/6" in text and "models:\n  - backend: triton" in text
+    assert "  - backend: flashinfer" in text and "  - backend: flashmla" in text
+    assert "occupancy: 1" in text and "item_tokens: 64" in text
+    assert "- {batch: 8, kv_len: 16384, us: {0: 60.0, 1: 80.0}}" in text  # one line a point
+    assert "reduce_step_us: {16: 5.0, 64: 1.0}" in text
+    loaded = load_serving_table(path)
     assert loaded.families == _table().families and loaded.as_dict() == _table().as_dict()
+    assert loaded.families[FP8].calibration == {}  # none written: none read
 
 
 @pytest.mark.parametrize("edit, words", [
     (lambda d: d.update(schema=1), "schema"),
+    *((lambda d, old=old: d.update(schema=old),  # an older schema: the command that rebuilds it
+       (f"schema is '{old}', this mla-tune reads 'serving/6'; rebuild it", "mla-tune sweep"))
+      for old in ("serving/2", "serving/5")),
     (lambda d: d.update(batch_buckets=[4, 2]), "batch_buckets"),
-    (lambda d: d["families"][0]["key"].update(page_size=3), "page_size"),
-    (lambda d: d["families"][0]["key"].pop("q_len"), "key must be a mapping of exactly"),
-    (lambda d: d["families"][0]["cells"][0].update(batch=33), "batch 33 is not one of"),
-    (lambda d: d["families"][0]["cells"][0].update(kv_len=1000), "kv_len 1000 is not one of"),
-    (lambda d: d["families"][0]["cells"][0].update(time_us=-1), "time_us"),
-    (lambda d: d["families"][0]["cells"][0].update(variant="nosuch(kv=fp8,q=bf16)"), "unknown backend"),
-    (lambda d: d["families"][0]["cells"][0].update(variant=str(_v(8, kv="bf16"))), "family's KV format"),
-    (lambda d: d["families"][0]["cells"][0].update(runner_up={"variant": str(_v(8)), "time_us": "12.5"}),
+    (lambda d: _fp8(d)["key"].update(page_size=3), "page_size"),
+    (lambda d: _fp8(d)["key"].pop("q_len"), "key must be a mapping of exactly"),
+    (lambda d: _fp8(d)["cells"][0].update(batch=33), "batch 33 is not one of"),
+    (lambda d: _fp8(d)["cells"][0].update(kv_len=1000), "kv_len 1000 is not one of"),
+    (lambda d: _fp8(d)["cells"][0].update(time_us=-1), "time_us"),
+    (lambda d: _fp8(d)["cells"][0].update(variant="nosuch(kv=fp8,q=bf16)"), "unknown backend"),
+    (lambda d: _fp8(d)["cells"][0].update(variant=str(_v(8, kv="bf16"))), "family's KV format"),
+    (lambda d: _fp8(d)["cells"][0].update(runner_up={"variant": str(_v(8)), "time_us": "12.5"}),
      "runner_up: time_us must be a finite number"),  # a hand edit: show sorted it and raised
-    (lambda d: d["families"][0]["cells"][0].update(runner_up={"variant": "nosuch(kv=fp8,q=bf16)", "time_us": 1.0}),
+    (lambda d: _fp8(d)["cells"][0].update(runner_up={"variant": "nosuch(kv=fp8,q=bf16)", "time_us": 1.0}),
      "runner_up.variant names unknown backend 'nosuch'"),
-    (lambda d: d["families"][0]["graph"][0].update(worst_kv_len=7), "worst_kv_len"),
-    (lambda d: d["families"][0]["left_out"][0].update(reason=""), "must say why"),
-    (lambda d: d["families"].append(copy.deepcopy(d["families"][0])), "a second family"),
-    # a text instead: python tags are refused, not run
+    (lambda d: _fp8(d)["graph"][0].update(worst_kv_len=7), "worst_kv_len"),
+    (lambda d: _fp8(d)["left_out"][0].update(reason=""), "must say why"),
+    (lambda d: d["families"].append(copy.deepcopy(_fp8(d))), "a second family"),
+    # the points and the vendors' (linear) models
+    (lambda d: d["families"][0]["points"][0].update(kv_len=1000), "kv_len 1000 is not one of"),
+    (lambda d: d["families"][0]["points"][0].update(us={7: 1.0}), "not an index into"),
+    (lambda d: d["families"][0]["points"][0].update(us={0: 0.0}), "is 0"),
+    (lambda d: d["families"][0]["points"].append(dict(d["families"][0]["points"][0])), "a second point"),
+    (lambda d: d["families"][0].update(variants="x"), "variants must be a list"),
+    (lambda d: _model(d, "flashinfer").update(features=["one"]), "re-build the table"),
+    (lambda d: _model(d, "flashinfer").update(coef=[1.0] * 5), "coef must be a list of 6"),
+    (lambda d: _model(d, "flashinfer").update(coef=[1.0] * 5 + ["x"]), "coef[5] must be a finite number"),
+    (lambda d: _model(d, "flashinfer").update(variant=str(FM)), "a flashinfer model, but variant is flashmla"),
+    (lambda d: _model(d, "flashinfer").update(sm_count=0), "sm_count"),
+    # the split-K model, which must carry its program's fixed cost (item_tokens)
+    *((lambda d, edit=edit: _model(d, "triton").update(edit), words) for edit, words in (
+        (dict(occupancy=0), "occupancy must be a positive integer"),
+        (dict(variant=str(FM)), "a triton model, but variant is flashmla"),
+        (dict(backend="torch"), "backend 'torch' has no schedule model"),
+        (dict(overhead_us=-1.0), "overhead_us must be a finite number"),
+        (dict(item_tokens=-1), "item_tokens must be an integer >= 0"),
+        (dict(item_tokens=1.5), "item_tokens must be an integer >= 0"),
+        (dict(extra=1), "is a mapping of backend, fit_error"))),
+    (lambda d: _model(d, "triton").pop("item_tokens"), "is a mapping of backend, fit_error, item_tokens"),
+    # the split-K calibration
+    *((lambda d, bad=bad: d["families"][0].update(calibration=bad), words) for bad, words in (
+        ({"triton": {"reduce_step_us": {32: 1.0}}}, "must map splits per reduction step"),
+        ({"triton": {"reduce_step_us": {16: -1.0}}}, "[16] must be a finite"),
+        ({"triton": {"reduce_step_us": [1.0]}}, "must map splits per reduction step"),
+        ({"flashmla": {}}, "'flashmla' has no calibration"), ([1], "must map backends"))),
+    # a text instead: python tags are refused, not run; a leaderboard table is named as one
     (lambda d: "schema: !!python/object/apply:os.system ['echo pwned']\n", "not valid YAML"),
+    (lambda d: open("tables/H200.yaml").read(),
+     "is a leaderboard table (schema 1, per-shape winners), not a serving table; pass a serving table"),
 ])
 def test_a_broken_table_is_refused_naming_file_family_and_field(tmp_path, edit, words):
     data = _table().as_dict()
     text = edit(data)
     path = tmp_path / "bad.serving.yaml"
-    path.write_text(text if isinstance(text, str) else yaml.safe_dump(data))
+    path.write_text(text if isinstance(text, str) else dump_yaml(data))
     with pytest.raises(TableError) as err:
         load_serving_table(path)
-    assert "bad.serving.yaml" in str(err.value) and words in str(err.value)
+    message = str(err.value)
+    assert "bad.serving.yaml" in message, message
+    assert all(w in message for w in ((words,) if isinstance(words, str) else words)), message
 
 
 def test_eager_pick_does_not_follow_one_buckets_outlier_and_weighs_the_buckets_smallest_batch():
@@ -156,10 +222,10 @@ def test_a_table_cut_between_entries_or_with_entries_removed_is_refused(tmp_path
         with pytest.raises(TableError, match=r"cut\.serving\.yaml: holds .*" + re.escape(words)):
             load_serving_table(path)
     data = _table().as_dict()
-    data["families"][0]["left_out"].clear()  # removed by hand
-    path.write_text(yaml.safe_dump(data))
+    _fp8(data)["left_out"].clear()  # removed by hand
+    path.write_text(dump_yaml(data))
     with pytest.raises(TableError, match=r"left_out 0 \(stated 1\).*restore it"):
         load_serving_table(path)
     del data["provenance"]["entry_counts"]
-    path.write_text(yaml.safe_dump(data))
-    assert load_serving_table(path).families[FamilyKey("fp8", 64, 128, 2)].left_out == []
+    path.write_text(dump_yaml(data))
+    assert load_serving_table(path).families[FP8].left_out == []

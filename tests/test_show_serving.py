@@ -19,6 +19,7 @@ from tests.helpers import CPU_TABLE as LEADERBOARD
 from tests.helpers import NARROW, REPO, assert_commands_import_no_torch, invoke
 
 COMMITTED = REPO / "tables" / "H200.serving.yaml"
+LEADERBOARD_H200 = REPO / "tables" / "H200.yaml"
 BATCHES = [1, 32, 256]
 KVS = [1024, 8192, 65536]
 FP8, BF16 = FamilyKey("fp8", 64, 128, 2), FamilyKey("bf16", 0, 16, 1)
@@ -157,11 +158,15 @@ def _points(table: ServingTable) -> None:
     fp8.calibration = {"triton": {"reduce_step_us": {16: 2.0}}}
 
 
-def test_diff_of_serving_tables_flags_pick_and_time_changes_per_family_and_never_imports_torch(tmp_path):
+def test_diff_of_serving_tables_flags_pick_and_time_changes_per_family_and_show_and_diff_never_import_torch(
+        tmp_path):
     old = _write(tmp_path, "old.serving.yaml", _points)
     new = _write(tmp_path, "new.serving.yaml", lambda table: (_points(table), _changed(table)))
     assert_commands_import_no_torch(["show", "--table", old], ["show", "--table", old, "--json"],
-                                    ["diff", old, new], ["diff", old, new, "--json"])
+                                    ["diff", old, new], ["diff", old, new, "--json"],
+                                    ["show", "--table", LEADERBOARD_H200],  # a leaderboard table's too
+                                    ["show", "--table", LEADERBOARD, "--json"],
+                                    ["diff", LEADERBOARD, LEADERBOARD_H200])
     output = _shown("diff", old, new)
     lines, text = output.splitlines(), " ".join(output.split())
     assert "8 cells: 2 with another pick (or in one table only), 2 with a time change outside" in text
