@@ -244,48 +244,71 @@ def test_torch_quantizers_stand_in_for_missing_aiter_ones(aiter, monkeypatch, da
     assert aiter._state.calls["static_per_tensor_quant"] == calls_before["static_per_tensor_quant"]
 
 
-def test_fake_rejects_int64_indices_old_positional_calls_strided_buffers_and_bad_work_lists(aiter, data):
-    args, kwargs = direct_call_args(data, index_dtype=torch.int64)
-    with pytest.raises(RuntimeError, match="must be int32"):
-        aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE)
-    # before v0.1.10.post2 sm_scale followed max_seqlen_q; now that slot is page_size, and the
-    # fake refuses the positional call outright (kwargs are in mla_decode_fwd's order)
+def test_fake_refuses_what_aiter_refuses_or_would_misread_and_passes_the_right_calls(aiter, data):
+    decode, bf16 = aiter.mla.mla_decode_fwd, torch.bfloat16
     args, kwargs = direct_call_args(data)
+    call = dict(kwargs, sm_scale=SM_SCALE)
+    # before v0.1.10.post2 sm_scale followed max_seqlen_q; now that slot is page_size
     old_call = [*args, *kwargs.values(), SM_SCALE]
-    with pytest.raises(TypeError, match="mla_decode_fwd: 9 positional arguments; the fake takes q, kv_buffer, o"):
-        aiter.mla.mla_decode_fwd(*old_call)
-    # what AITER itself does with it: page_size = sm_scale, which its checks refuse
-    with pytest.raises(RuntimeError, match="page_size"):
-        inspect.unwrap(aiter.mla.mla_decode_fwd)(*old_call)
-    with pytest.raises(TypeError):  # the quant ops are pybind functions without argument names
-        aiter.static_per_tensor_quant(out=torch.empty(2, dtype=torch.float8_e4m3fn),
-                                      input=torch.ones(2, dtype=torch.bfloat16), scale=torch.ones(1))
-    aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE)  # the right call passes
-    # strided o and kv buffers (args as in the right call)
-    args[2] = torch.empty((SHAPE.batch, 512, 16), dtype=torch.bfloat16).transpose(1, 2)
-    with pytest.raises(RuntimeError, match="o must be dense"):
-        aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE)
-    args, kwargs = direct_call_args(data)
-    wide = torch.zeros((SHAPE.total_kv, 1, 1, 1152), dtype=torch.bfloat16)
-    wide[..., :576] = data[1]["bf16"].view(SHAPE.total_kv, 1, 1, 576)
-    args[1] = wide[..., :576]  # same values, rows 1152 apart
-    with pytest.raises(RuntimeError, match="kv_buffer's inner dims must be dense"):
-        aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE)
-    # a split indptr with work_meta_data, undersized and swapped work buffers
-    args, kwargs = direct_call_args(data)
+    strided_o = torch.empty((SHAPE.batch, 512, 16), dtype=bf16).transpose(1, 2)
+    wide = torch.zeros((SHAPE.total_kv, 1, 1, 1152), dtype=bf16)
+    wide[..., :576] = args[1]  # same values, rows 1152 apart
     qo, kvp, last = kwargs["qo_indptr"], kwargs["kv_indptr"], kwargs["kv_last_page_lens"]
-    bf16 = torch.bfloat16
-    work = work_buffers(aiter, SHAPE.batch, bf16, bf16, fast_mode=False, num_kv_splits=2, intra_batch_mode=True)
-    long_kvp = torch.arange(SHAPE.batch + 1, dtype=torch.int32) * 2048  # 2048 // 196 = 10 splits possible
-    with pytest.raises(RuntimeError, match="builder writes"):  # sized for 2 splits, asked for 8
-        fill_work(aiter, qo, long_kvp, last, work, fast_mode=False, max_split_per_batch=8, intra_batch_mode=True)
-    buffers = fill_work(aiter, qo, kvp, last, work, fast_mode=False, max_split_per_batch=1, intra_batch_mode=True)
-    with pytest.raises(RuntimeError, match="never pass num_kv_splits_indptr"):
-        aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE, num_kv_splits_indptr=qo, **buffers)
-    swapped = dict(buffers, work_indptr=work[2], work_info_set=work[1])
-    with pytest.raises(RuntimeError, match="swapped"):
-        aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE, **swapped)
-    aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE, **buffers)
+    intra = dict(fast_mode=False, intra_batch_mode=True)
+    work = work_buffers(aiter, SHAPE.batch, bf16, bf16, num_kv_splits=2, **intra)
+    buffers = fill_work(aiter, qo, kvp, last, work, max_split_per_batch=1, **intra)
+    long_kvp = torch.arange(SHAPE.batch + 1, dtype=torch.int32) * 2048  # 2048 // 196 = 10 splits
+    fp8_q, q_scale = problem.quantize_fp8(data[0])
+    kv8, kv_scale = data[1]["fp8"]
+    fp8_args, _ = direct_call_args(data, q=fp8_q, kv=kv8)
+    scales = dict(q_scale=q_scale, kv_scale=kv_scale)
+
+    def splits(n):
+        indptr = torch.arange(SHAPE.batch + 1, dtype=torch.int32) * n
+        return dict(num_kv_splits=n, num_kv_splits_indptr=indptr)
+
+    def with_(**changes):  # a call with other leading tensors or index dtypes, and no sm_scale
+        changed, more = direct_call_args(data, **changes)
+        return lambda **extra: decode(*changed, **more, **extra)
+
+    refused = [
+        (RuntimeError, "must be int32", lambda: with_(index_dtype=torch.int64)(sm_scale=SM_SCALE)),
+        # the fake refuses the old positional call outright (kwargs are in mla_decode_fwd's order)
+        (TypeError, "mla_decode_fwd: 9 positional arguments; the fake takes q, kv_buffer, o",
+         lambda: decode(*old_call)),
+        # what AITER itself does with it: page_size = sm_scale, which its checks refuse
+        (RuntimeError, "page_size", lambda: inspect.unwrap(decode)(*old_call)),
+        # the quant ops are pybind functions without argument names
+        (TypeError, None, lambda: aiter.static_per_tensor_quant(
+            out=torch.empty(2, dtype=torch.float8_e4m3fn), input=torch.ones(2, dtype=bf16),
+            scale=torch.ones(1))),
+        (RuntimeError, "o must be dense", lambda: decode(args[0], args[1], strided_o, **call)),
+        (RuntimeError, "kv_buffer's inner dims must be dense",
+         lambda: decode(args[0], wide[..., :576], args[2], **call)),
+        # work buffers sized for 2 splits, asked for 8
+        (RuntimeError, "builder writes",
+         lambda: fill_work(aiter, qo, long_kvp, last, work, max_split_per_batch=8, **intra)),
+        (RuntimeError, "never pass num_kv_splits_indptr",
+         lambda: decode(*args, **call, num_kv_splits_indptr=qo, **buffers)),
+        (RuntimeError, "swapped", lambda: decode(
+            *args, **call, **dict(buffers, work_indptr=work[2], work_info_set=work[1]))),
+        (RuntimeError, r"num_kv_splits=3 is past what stage 2 reads at kv_len 256 \(1..2\)",
+         lambda: decode(*fp8_args, **call, **scales, **splits(3))),
+        # bf16 q: 64 tokens per split
+        (RuntimeError, r"\(1..4\)", lambda: decode(*args, **call, **splits(5))),
+        # dtype pairs AITER has no kernel for: fp8 q x bf16 KV, bf16 q x fp8 KV
+        (RuntimeError, "no nonpersistent MLA decode kernel",
+         lambda: with_(q=fp8_q)(q_scale=q_scale, kv_scale=q_scale)),
+        (RuntimeError, "no nonpersistent MLA decode kernel",
+         lambda: with_(kv=kv8)(kv_scale=kv_scale)),
+    ]
+    for error, message, refused_call in refused:
+        with pytest.raises(error, match=message):
+            refused_call()
+    # the right calls pass
+    decode(*args, **call)
+    decode(*args, **call, **buffers)
+    decode(*fp8_args, **call, **scales, **splits(2))
 
 
 @pytest.mark.parametrize("version", ["0.1.dev123", "0.1.21.dev4+g1234", "0.1.20+rocm7.0", None])
@@ -391,12 +414,16 @@ def test_without_aiter_imported_the_reason_is_one_sentence_and_provenance_finds_
     assert versions["amd-aiter"] == "0.1.dev123" and versions["amd-aiter-commit"] == sha
 
 
-def test_build_refuses_bad_variants_before_touching_aiter_and_runners_other_shapes(aiter, data):
+def test_build_refuses_bad_variants_and_scales_before_touching_aiter_and_runners_other_shapes(aiter, data):
     for q, splits, message in (("fp8_static", 1, "q_amax"), ("bf16", 1, "no nonpersistent kernel"),
                                ("fp8_dynamic", 4, "num_kv_splits must be an int in 1..2")):  # 256 / 128
         with pytest.raises(ValueError, match=message):
             aiter_mla.build(BF16_NP.with_params(kv="fp8", q=q, num_kv_splits=splits), SHAPE, "cpu")
+    for bad in (0.0, -1.0, float("nan"), True, "0.1"):
+        with pytest.raises(ValueError, match="sm_scale must be a positive finite float"):
+            aiter_mla.build(BF16_NP, SHAPE, "cpu", sm_scale=bad)
     assert aiter._state.calls["mla_decode_fwd"] == 0
+    assert isinstance(aiter_mla._ai_sm_scale(1), float)  # AITER's ops refuse an int
     runner = aiter_mla.build(BF16_NP, Shape(2, 256), "cpu")
     with pytest.raises(ValueError, match="built for 2x256"):  # a runner refuses another shape
         runner(*data[:4])
@@ -452,42 +479,19 @@ def test_persistent_caps_are_offered_once_per_distinct_metadata(aiter, shape):
     assert intra == expected_intra and fast == expected_fast
 
 
-@pytest.mark.parametrize("release", ["0.1.20.post1", "f3be04a12"])  # 0.1.11, the default, runs in test_end_to_end
-def test_a_worker_subprocess_sees_the_fake_through_subprocess_env(release):
+def test_a_worker_subprocess_sees_the_fake_through_subprocess_env():
+    """The runner's build by its commit (the alias); 0.1.11 and 0.1.20.post1 reach the sweep's
+    workers in test_end_to_end."""
     env = vendor_fakes.subprocess_env("aiter", cu_num=304, arch="gfx942")
-    env["MLA_TUNE_FAKE_AITER_VERSION"] = release  # the runner's build by its commit: the alias
+    env["MLA_TUNE_FAKE_AITER_VERSION"] = "f3be04a12"
     code = ("import aiter; from mla_tune.backends import aiter_mla; "
             "print(aiter.__version__, aiter._state.cu_num, aiter._state.arch, aiter_mla.unavailable_reason())")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == [F3BE04A12 if release == "f3be04a12" else release, "304", "gfx942", "None"]
+    assert done.stdout.split() == [F3BE04A12, "304", "gfx942", "None"]
 
 
 # ------------------------------------------------------- what the fake enforces
-def test_fake_refuses_kernelless_dtype_pairs_and_splits_past_what_stage_2_reads(aiter, data):
-    fp8_q, q_scale = problem.quantize_fp8(data[0])
-    kv8, kv_scale = data[1]["fp8"]
-    args, kwargs = direct_call_args(data, q=fp8_q, kv=kv8)
-    batch = SHAPE.batch
-
-    def splits(n):
-        return dict(num_kv_splits=n, num_kv_splits_indptr=torch.arange(batch + 1, dtype=torch.int32) * n)
-
-    with pytest.raises(RuntimeError, match=r"num_kv_splits=3 is past what stage 2 reads at kv_len 256 \(1..2\)"):
-        aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE, q_scale=q_scale, kv_scale=kv_scale, **splits(3))
-    aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE, q_scale=q_scale, kv_scale=kv_scale, **splits(2))
-    with pytest.raises(RuntimeError, match=r"\(1..4\)"):  # bf16 q: 64 tokens per split
-        args, kwargs = direct_call_args(data)
-        aiter.mla.mla_decode_fwd(*args, **kwargs, sm_scale=SM_SCALE, **splits(5))
-    # a dtype pair AITER has no kernel for
-    args, kwargs = direct_call_args(data, q=fp8_q)
-    with pytest.raises(RuntimeError, match="no nonpersistent MLA decode kernel"):  # fp8 q x bf16 KV
-        aiter.mla.mla_decode_fwd(*args, **kwargs, q_scale=q_scale, kv_scale=q_scale)
-    args, kwargs = direct_call_args(data, kv=kv8)
-    with pytest.raises(RuntimeError, match="no nonpersistent MLA decode kernel"):  # bf16 q x fp8 KV
-        aiter.mla.mla_decode_fwd(*args, **kwargs, kv_scale=kv_scale)
-
-
 def test_fake_fp8_follows_the_arch(monkeypatch):
     fake = install(monkeypatch, "0.1.20.post1", arch="gfx942", cu_num=304)
     assert fake.dtypes.fp8 is torch.float8_e4m3fnuz
@@ -598,49 +602,36 @@ def test_the_work_list_is_built_once_in_build_and_direct_partials_are_known(aite
             max_seqlen_q=1, final_output=torch.empty((3, 16, 512), dtype=torch.bfloat16), **extra)
 
 
-def test_direct_mode_passes_lse_and_the_split_bound_only_where_the_signature_has_them(aiter, data, monkeypatch):
-    seen = {}
-    for name in ("mla_decode_stage1_asm_fwd", "mla_reduce_v1"):
-        real = getattr(aiter, name)
+def test_direct_mode_reads_the_op_schema_and_passes_lse_and_the_split_bound_only_where_they_exist(
+        aiter, data, monkeypatch):
+    """AITER's compile_ops ops show (*args, **kwargs) to inspect.signature (torch_compile_guard's
+    wrapper has no functools.wraps); the names are in the schema AITER registers from the stub
+    (torch.library.infer_schema, as AITER does). Read from there (from the signatures: the
+    features in the first test), lse and the split bound are passed where the build has them."""
+    schemas, seen = {}, {}
 
-        def spy(*args, _real=real, _name=name, **kwargs):
-            seen[_name] = (len(args), dict(kwargs))
-            return _real(*args, **kwargs)
+    def opaque(name, real):
+        def wrapper_custom(*args, **kwargs):
+            seen[name] = (len(args), dict(kwargs))
+            return real(*args, **kwargs)
 
-        spy.__signature__ = inspect.signature(real)
-        monkeypatch.setattr(aiter, name, spy)
-    out = aiter_mla.build(BF16_DIRECT, SHAPE, "cpu")(*data[:4])
-    (n1, stage1), (n2, reduce) = seen["mla_decode_stage1_asm_fwd"], seen["mla_reduce_v1"]
-    assert n1 == n2 == 2
-    assert ("lse" in stage1) == is_new(aiter) and stage1.get("lse") is None and stage1["q_scale"] is None
-    assert reduce.get("num_kv_splits") == (256 if is_new(aiter) else None)  # get_mla_decode_fwd_max_splits
-    assert _matches(out, data)
+        return wrapper_custom
 
-
-def _opaque(fn):
-    """A wrapper like AITER's torch_compile_guard returns: no functools.wraps."""
-    def wrapper_custom(*args, **kwargs):
-        return fn(*args, **kwargs)
-
-    return wrapper_custom
-
-
-def test_direct_mode_is_read_from_the_torch_op_schema_behind_an_opaque_wrapper(aiter, data, monkeypatch):
-    """AITER's compile_ops ops show (*args, **kwargs) to inspect.signature; the names are in
-    the schema AITER registers from the stub (torch.library.infer_schema, as AITER does)."""
-    schemas = {}
     for name in ("mla_decode_stage1_asm_fwd", "mla_reduce_v1"):
         real = getattr(aiter, name)
         text = torch.library.infer_schema(inspect.unwrap(real), mutates_args="unknown")
         schemas[name] = types.SimpleNamespace(default=types.SimpleNamespace(
             _schema=torch._C.parse_schema(f"aiter::{name}{text}")))
-
-        monkeypatch.setattr(aiter, name, _opaque(real))
+        monkeypatch.setattr(aiter, name, opaque(name, real))
     assert aiter_mla._ai_features(aiter)["direct"] is False  # nothing to read: not offered
     monkeypatch.setattr(torch.ops, "aiter", types.SimpleNamespace(**schemas), raising=False)
     features = aiter_mla._ai_features(aiter)
     assert features["direct"] is True and features["direct_lse"] == is_new(aiter)
     out = aiter_mla.build(BF16_DIRECT, SHAPE, "cpu")(*data[:4])
+    (n1, stage1), (n2, reduce) = seen["mla_decode_stage1_asm_fwd"], seen["mla_reduce_v1"]
+    assert n1 == n2 == 2
+    assert ("lse" in stage1) == is_new(aiter) and stage1.get("lse") is None and stage1["q_scale"] is None
+    assert reduce.get("num_kv_splits") == (256 if is_new(aiter) else None)  # get_mla_decode_fwd_max_splits
     assert _matches(out, data)
 
 
@@ -678,13 +669,6 @@ def test_the_softmax_scale_reaches_every_aiter_call(aiter, data, variant):
     assert _matches(default, data) and _matches(scaled, data, scale)
 
 
-def test_build_refuses_a_softmax_scale_that_is_no_positive_float(aiter):
-    for bad in (0.0, -1.0, float("nan"), True, "0.1"):
-        with pytest.raises(ValueError, match="sm_scale must be a positive finite float"):
-            aiter_mla.build(BF16_NP, SHAPE, "cpu", sm_scale=bad)
-    assert isinstance(aiter_mla._ai_sm_scale(1), float)  # AITER's ops refuse an int
-
-
 def test_the_serving_call_takes_the_specs_softmax_scale(aiter, data):
     spec = CallSpec("bf16", sm_scale=0.19)
     variant = aiter_mla.default_serving_variant(spec, gpu.fake_platform("MI355X"))
@@ -720,7 +704,6 @@ def test_each_builds_persistent_gate_and_the_backend_stays_persistent(monkeypatc
     assert fake._state.last_call["num_kv_splits"] == (256 if gated else None)
     result = problem.check(out, expected_output(case, BF16_PERSISTENT), STRICT)
     assert result.passed, result.reason
-    assert _matches(out, case)
     if not gated:
         return
     # a work list handed over without num_kv_splits: gated at the cap, never where it is 0

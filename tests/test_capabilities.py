@@ -111,22 +111,21 @@ def test_the_registry_and_the_precompile_defaults_read_the_records():
     assert _config({"triton": {"precompile": False}}).precompile == {"triton": False}  # config wins
 
 
-def test_a_plugin_without_a_record_gets_the_conservative_default(plugins):
-    plugins({"plain": (None, "PRECOMPILE = True\n")})  # the old flag is no longer read
+def test_a_plugins_record_is_read_like_a_builtin_one_and_without_one_it_gets_the_conservative_default(
+        plugins):
+    plugins({
+        "plain": (None, "PRECOMPILE = True\n"),  # the old flag is no longer read
+        "ragged_one": ('kv_formats=("bf16",), ragged=True, precompile=True, '
+                       'vendor="acme-mla", platforms=(("hip", "gfx950"),)', ""),
+    })
     caps = capabilities("plain")
     assert caps is PLUGIN_CAPABILITIES
     assert caps.kv_formats == KV_FORMATS and caps.q_modes == Q_MODES
     assert not (caps.ragged or caps.serving or caps.precompile or caps.baseline or caps.vendor)
     assert all(caps.runs_on(p.tags) for p in PLATFORMS.values())
-    assert "plain" in known_backends() and "plain" not in ragged_backends()
-    assert default_precompile("plain") is False
+    assert "plain" in known_backends() and default_precompile("plain") is False
     assert caps.refusal(CallSpec("bf16")) == "it serves the leaderboard's call only (no build_serving)"
-
-
-def test_a_plugins_record_is_read_like_a_builtin_one(plugins):
-    plugins({"ragged_one": ('kv_formats=("bf16",), ragged=True, precompile=True, '
-                            'vendor="acme-mla", platforms=(("hip", "gfx950"),)', "")})
-    assert ragged_backends() == frozenset({"triton", "ragged_one"})
+    assert ragged_backends() == frozenset({"triton", "ragged_one"})  # "plain" not among them
     assert "acme-mla" in vendor_distributions() and baseline_backend() == "torch"
     assert default_precompile("ragged_one")
     assert _config({"torch": {}, "ragged_one": {}}).precompile == {"torch": False, "ragged_one": True}
@@ -231,7 +230,8 @@ def test_software_versions_record_each_vendor_the_records_name(plugins, monkeypa
     assert [str(w.message) for w in caught if "acme-mla is 1.0 but this process has 2.0" in str(w.message)]
 
 
-def test_the_runtime_and_the_sweep_name_a_backend_whose_record_excludes_the_platform():
+def test_the_runtime_the_sweep_and_its_dry_run_name_a_backend_whose_record_excludes_the_platform(
+        tmp_path):
     # on the plain CPU a GPU backend's own reason speaks (a CPU fake of a vendor may stand in)
     reason = get_backend("gluon_fused").unavailable_reason()
     assert reason and runtime.backend_unavailable("gluon_fused", CPU) == reason
@@ -249,9 +249,7 @@ def test_the_runtime_and_the_sweep_name_a_backend_whose_record_excludes_the_plat
     planned = plan_candidates(_config({"torch": {}, "flashmla": {}}), PLATFORMS["MI355X"], planning_only=True)
     assert planned.unavailable["flashmla"].startswith("it runs on cuda/sm_90, not on MI355X")
     assert "flashmla" not in planned.listed_anyway
-
-
-def test_a_dry_run_names_the_backends_its_gpu_cannot_run_in_its_summary(tmp_path):
+    # a dry run names them in its summary
     raw = yaml.safe_load((ROOT / "configs" / "mi355x.yaml").read_text())
     raw["shapes"] = raw["shapes"][:1]
     config = tmp_path / "mi.yaml"

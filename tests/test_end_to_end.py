@@ -168,7 +168,7 @@ def test_cpu_sweep_writes_a_row_per_shape_with_a_winner_that_passed_and_runs_tri
         assert set(row["alternates"]) >= {"torch", "triton", "triton_fused"}
 
 
-def test_cpu_runtime_serves_table_rows_a_missing_shape_and_a_ragged_batch(cpu_sweep):
+def test_cpu_runtime_serves_the_swept_tables_rows(cpu_sweep):
     rt = runtime.load(table=cpu_sweep["path"], gpu="cpu")
     assert rt.platform.name == "cpu" and rt.fallback_backend == "triton"
     rows = _rows(cpu_sweep)
@@ -177,31 +177,16 @@ def test_cpu_runtime_serves_table_rows_a_missing_shape_and_a_ragged_batch(cpu_sw
         case = _case(*shape, seed=100 + seed)
         _assert_matches(rt.decode(*case[:4]).clone(), case)
         _assert_matches(rt.custom_kernel(case).clone(), case)  # the leaderboard entry, no sync
-    assert rt.dispatcher.misses == {}
-    _assert_fallback_serves_a_missing_shape_and_a_ragged_batch(rt, seed=7)
+    assert rt.dispatcher.misses == {}  # the fallback on the CPU: tests/test_runtime.py
 
 
-def test_cpu_exports_full_torch_only_and_own_triton_import_without_mla_tune_and_match_the_reference(
+def test_cpu_export_of_own_triton_kernels_imports_without_mla_tune_and_matches_the_reference(
         cpu_sweep, tmp_path):
-    """The CPU table exported three ways, the files run in one subprocess on their cases:
-    `--only torch` keeps each row's torch pick; `--only triton_fused,triton` takes each row's
-    best allowed alternate where its winner is excluded."""
+    """`--only triton_fused,triton` takes each row's best allowed alternate where its winner is
+    excluded; the file runs in a subprocess on its cases (the full and the torch-only export:
+    tests/test_export.py)."""
     table, rows = cpu_sweep["path"], _rows(cpu_sweep)
-    texts = _exports(tmp_path, "cpu", 2, {"full": (table, None), "torch_only": (table, "torch"),
-                                          "own_triton": (table, "triton_fused,triton")})
-
-    text = texts["full"]
-    assert f"config {CPU_CONFIG} hash {cpu_sweep['table']['provenance']['config']['hash']}" in text
-    assert "needs no vendor library (torch and triton only)" in text
-    assert "shapes the table lacks run the triton fallback" in text
-    assert _exported_table(text) == {s: r["winner"]["variant"] for s, r in rows.items()}
-
-    text = texts["torch_only"]
-    assert "@triton.jit" not in text and "needs no vendor library (torch only)" in text
-    assert "shapes the table lacks run the torch fallback" in text
-    # every row's torch pick (its winner when torch won, else its torch alternate)
-    assert _exported_table(text) == {s: r["alternates"]["torch"]["variant"] for s, r in rows.items()}
-
+    texts = _exports(tmp_path, "cpu", 2, {"own_triton": (table, "triton_fused,triton")})
     text = texts["own_triton"]
     expected = load_table(table).variants(only_backends=["triton_fused", "triton"])
     entries = _exported_table(text)
@@ -213,10 +198,9 @@ def test_cpu_exports_full_torch_only_and_own_triton_import_without_mla_tune_and_
     assert "def _build_torch(" not in text and "def _build_triton(" in text
 
     shapes = [*sorted(rows), MISSING]
-    cases = {name: [_case(*s, seed=200 + i) for i, s in enumerate(shapes)] for name in texts}
+    cases = {"own_triton": [_case(*s, seed=200 + i) for i, s in enumerate(shapes)]}
     outs, report = run_exported(tmp_path, cases, exported_env())
-    for name, module_cases in cases.items():
-        _assert_served(outs[name], module_cases, report[name])
+    _assert_served(outs["own_triton"], cases["own_triton"], report["own_triton"])
     assert report["mla_tune_modules"] == [] and report["let_through"] == []
 
 

@@ -89,11 +89,13 @@ def test_torch_only_export_carries_no_triton_code_uses_torch_alternates_and_refu
     assert "@triton.jit" not in text and "flash_decode" not in text
     assert "(2, 40): 'torch(kv=bf16,q=bf16)'" in text  # the triton row's torch alternate
     assert "needs no vendor library (torch only)" in text
+    assert "shapes the table lacks run the torch fallback" in text
     assert "_EXPORT_RAGGED_BACKENDS = frozenset([])\n" in text
     cases = [generate_input(1, 8, seed=1, device="cpu"), generate_input(2, 40, seed=2, device="cpu"),
              generate_input(3, 16, seed=3, device="cpu")]
-    outs, _ = exported_outputs(tmp_path, "torch_only", cases)
+    outs, misses = exported_outputs(tmp_path, "torch_only", cases)
     _check(outs, cases, ["bf16", "bf16", "bf16"])
+    assert misses == [[3, 16]]  # a row without a winner: the torch fallback
     # the same file refuses ragged batches, configs without kv_seq_len and a 4-tuple
     ragged = ragged_input([3, 5], seed=1, device="cpu")
     torch.save([list(ragged[:4]), list(generate_input(1, 8, seed=1, device="cpu")[:4])],

@@ -16,7 +16,7 @@ import yaml
 import mla_tune.tune.timing
 from mla_tune import core, runtime
 from mla_tune.backends import get_backend, ragged_backends, triton_splitk
-from mla_tune.core import Shape, Variant
+from mla_tune.core import Shape, Variant, check_decode_inputs
 from mla_tune.export import export_submission
 from mla_tune.problem import RULES, check, generate_input, reference
 from mla_tune.tables.dispatch import DISPATCH_FALLBACKS, Dispatcher, dispatch_fallback
@@ -45,7 +45,7 @@ def _assert_correct(out, data, kv_format):
 
 class _Spy:
     """A builder that records what it built and whose runner returns a marker; `dispatcher`
-    serves a row of `variant` (torch by default) at 1 x 8, and it elsewhere, through it."""
+    serves a row of `variant` (torch by default) at `row` (1 x 8), and it elsewhere, through it."""
 
     def __init__(self):
         self.built: list[tuple[Variant, Shape]] = []
@@ -60,8 +60,8 @@ class _Spy:
 
         return runner
 
-    def dispatcher(self, variant=TORCH):
-        return Dispatcher({(1, 8): variant}, {variant.backend: self}, lambda shape: variant,
+    def dispatcher(self, variant=TORCH, row=(1, 8)):
+        return Dispatcher({row: variant}, {variant.backend: self}, lambda shape: variant,
                           warn_on_miss=False, ragged_backends=frozenset())
 
 
@@ -101,7 +101,7 @@ def test_unknown_and_ragged_shapes_run_the_fallback_and_are_counted(rt):
     assert rt.dispatcher.misses == {Shape(2, 24): 1, Shape(3, 17): 1, Shape(3, 16): 1}
 
 
-def test_runners_are_built_lazily_once_per_shape():
+def test_runners_are_built_lazily_once_per_shape_and_a_miss_is_counted_every_time():
     spy = _Spy()
     dispatcher = spy.dispatcher()
     assert spy.built == []
@@ -109,10 +109,17 @@ def test_runners_are_built_lazily_once_per_shape():
     for _ in range(3):
         assert dispatcher(*data[:4]) == "ran"
         assert dispatcher(*data[:4], kv_len=8, check_indptr=False) == "ran"
-    assert spy.built == [(TORCH, Shape(1, 8))] and spy.calls == 6
+    # a repeated tuned call takes the fast path, to the same runner
+    assert dispatcher._fast and spy.built == [(TORCH, Shape(1, 8))] and spy.calls == 6
     other = generate_input(2, 8, seed=1, device="cpu")
     dispatcher(*other[:4])
-    assert spy.built[-1] == (TORCH, Shape(2, 8)) and dispatcher.misses == {Shape(2, 8): 1}
+    for _ in range(2):  # a shape the table lacks never takes the fast path
+        dispatcher(*other[:4], kv_len=8, check_indptr=False)
+    assert spy.built == [(TORCH, Shape(1, 8)), (TORCH, Shape(2, 8))]
+    assert dispatcher.misses == {Shape(2, 8): 3}
+    for kv in ("bf16", "fp8"):  # the quick predicate agrees with the checks on good inputs
+        data = generate_input(3, 17, 4, device="cpu")
+        assert check_decode_inputs(*data[:4], kv) == 3
 
 
 def test_a_ragged_batch_runs_only_on_a_backend_whose_record_reads_kv_indptr():
@@ -236,6 +243,64 @@ def test_fp8_kv_as_uint8_bytes_and_a_python_float_scale_are_refused_in_one_line(
     assert call("fp8", (kv8.view(torch.uint8).view(torch.float8_e4m3fn), scale)) == "ran"
 
 
+@pytest.mark.parametrize("spoil, words", [
+    (lambda q, kv, qo, ki: (q.float(), kv, qo, ki), "q must be bfloat16"),
+    (lambda q, kv, qo, ki: (q, {**kv, "fp8": (kv["fp8"][0].view(torch.uint8), kv["fp8"][1])}, qo, ki),
+     "fp8 KV must have an fp8 dtype"),
+    (lambda q, kv, qo, ki: (q, {**kv, "fp8": (kv["fp8"][0], kv["fp8"][1].double())}, qo, ki),
+     "fp8 KV scale must be one float32 value"),
+    (lambda q, kv, qo, ki: (q, kv, qo.long(), ki), "qo_indptr must be int32"),
+    (lambda q, kv, qo, ki: (q, {**kv, "fp8": (kv["fp8"][0][:-1], kv["fp8"][1])}, qo, ki),
+     "holds 255 tokens, not batch x kv_len"),
+])
+def test_the_fast_path_refuses_what_the_full_path_refuses_with_its_message(spoil, words):
+    dispatcher = _Spy().dispatcher(FP8_TRITON, row=(4, 64))
+    data = generate_input(4, 64, 3, device="cpu")
+    dispatcher(*data[:4], kv_len=64, check_indptr=False)  # the fast path is set up
+    with pytest.raises(ValueError, match=words):
+        dispatcher(*spoil(*data[:4]), kv_len=64, check_indptr=False)
+
+
+def test_the_entry_reuses_the_runner_for_the_same_inputs_checks_anything_new_and_misses_uncached():
+    spy = _Spy()
+
+    def entry():
+        return runtime.Runtime(table=None, platform=None, fallback_backend="triton",
+                               dispatcher=spy.dispatcher(FP8_TRITON, row=(4, 64)))
+
+    rt = entry()
+    data = generate_input(4, 64, 5, device="cpu")  # (q, kv_data, qo, kv_indptr, config)
+    for _ in range(3):
+        rt.custom_kernel(data)
+    assert spy.calls == 3 and rt._last is not None and rt._last[8] is not None
+    # The same objects with another kv_seq_len: checked again, and refused with its message.
+    with pytest.raises(ValueError, match=r"holds 256 tokens, not batch x kv_len .* config\[\"kv_seq_len\"\]"):
+        rt.custom_kernel((*data[:4], {**data[4], "kv_seq_len": 65}))
+    assert rt._last is None  # a failed call leaves nothing to reuse
+    assert not rt.dispatcher.misses  # named before the lookup: not a shape the table lacks
+    # A new q of the wrong dtype after a good call: checked, refused.
+    rt.custom_kernel(data)
+    with pytest.raises(ValueError, match="q must be bfloat16"):
+        rt.custom_kernel((data[0].float(), *data[1:]))
+    # The KV entry swapped inside the same dict: checked, refused.
+    rt.custom_kernel(data)
+    kv, scale = data[1]["fp8"]
+    data[1]["fp8"] = (kv.view(torch.uint8), scale)
+    with pytest.raises(ValueError, match="fp8 KV must have an fp8 dtype"):
+        rt.custom_kernel(data)
+    data[1]["fp8"] = (kv, scale)
+    # A config whose batch_size disagrees with q: refused.
+    rt.custom_kernel(data)
+    with pytest.raises(ValueError, match='config\\["batch_size"\\] is 5'):
+        rt.custom_kernel((*data[:4], {**data[4], "batch_size": 5}))
+    # no shortcut for a shape the table lacks
+    rt = entry()
+    other = generate_input(2, 64, 6, device="cpu")
+    for _ in range(3):
+        rt.custom_kernel(other)
+    assert rt._last is None and sum(rt.dispatcher.misses.values()) == 3
+
+
 def _table_with(tmp_path, variant: Variant):
     def edit(data):
         data["rows"][1]["winner"] = {"variant": str(variant), "backend": variant.backend, "params": variant.p}
@@ -324,17 +389,6 @@ def test_the_policy_per_rule_and_backend_and_why_strict_needs_its_own():
     assert set(DISPATCH_FALLBACKS) == {"triton", "torch"}
 
 
-@pytest.mark.parametrize("kv_len", SHORT)
-def test_the_strict_fallback_passes_strict_at_short_lengths(kv_len):
-    """Against the gate's reference (fp8 q x fp8 KV, the leaderboard's), under strict."""
-    variant = dispatch_fallback("triton", "strict", triton_splitk.default_variant)(Shape(2, kv_len))
-    runner = triton_splitk.build(variant, Shape(2, kv_len), "cpu")
-    for seed in (1, 2):
-        data = generate_input(2, kv_len, seed=100 * seed + kv_len, device="cpu")
-        result = check(runner(*data[:4]), reference(data), STRICT)
-        assert result.passed, f"{variant} at 2x{kv_len}, seed {seed}: {result.reason}"
-
-
 def test_a_strict_runtime_and_its_export_fall_back_to_what_passes_strict(tmp_path):
     table = cpu_table(tmp_path, "strict.yaml",
                       edit=lambda data: data["provenance"].update(rule=STRICT.as_dict()))
@@ -346,15 +400,17 @@ def test_a_strict_runtime_and_its_export_fall_back_to_what_passes_strict(tmp_pat
     with pytest.warns(UserWarning, match="a shape the table lacks"):
         out = rt.custom_kernel(data)
     assert check(out, reference(data), STRICT).passed
-    # the export of the same table: its fallback passes strict at the short lengths
+    # the export of the same table: its fallback passes strict at the short lengths, against
+    # the gate's reference (fp8 q x fp8 KV, the leaderboard's), on two seeds each
     path = export_submission(table, tmp_path / "strict_sub.py")
     text = path.read_text()
     assert "_export_fallback = dispatch_fallback('triton', 'strict', _default_variant_triton)" in text
-    cases = [generate_input(2, kv_len, seed=30 + kv_len, device="cpu") for kv_len in SHORT]
+    cases = [generate_input(2, kv_len, seed=100 * seed + kv_len, device="cpu")
+             for kv_len in SHORT for seed in (1, 2)]
     outs, misses = exported_outputs(tmp_path, "strict_sub", cases)
     for out, case in zip(outs, cases, strict=True):
         result = check(out, reference(case), STRICT)
-        assert result.passed, f"2x{case[0].shape[0]}: {result.reason}"
+        assert result.passed, f"2x{case[1]['bf16'].shape[0] // 2}: {result.reason}"
     assert misses == [[2, 1], [2, 2], [2, 17], [2, 63]]
 
 
