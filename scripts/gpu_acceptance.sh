@@ -339,8 +339,8 @@ leaderboard-export)
     --out "$out" 2>&1 | grep -v -i warn | tail -18
   if [ -n "${TEST_GROUPS:-}" ]; then IFS=';' read -r -a groups <<< "$TEST_GROUPS"; else
   groups=(
-    "tests/test_gpu_engine_call.py tests/test_integrations_gpu.py"
-    "tests/test_gluon_decode.py tests/test_gluon_ws.py"
+    "tests/test_gpu_engine_call.py tests/test_integrations_engines.py"
+    "tests/test_gluon_decode.py"
     "tests/test_xcompile.py tests/test_nvidia_backends.py"
   ); fi
   ( timed compile-vs-driver timeout ${GROUP_TIMEOUT:-300} python3 scripts/compile_vs_driver.py --out "$out" \
