@@ -35,6 +35,9 @@ CORPORA = {
     "fresh-seeds-lastrung-2026-12-05": (sorted(p for p in (VERIFY / "lastrung-2026-12-05").glob("*.json.gz")
                                                if _seed(p) != 134), list(range(135, 141)), 6, 0.015, 0.10,
                                         (0.05, 0.30)),
+    # the committed table's (8005039's) own fresh seeds; too few shapes to judge its graph picks
+    "fresh-seeds-2026-12-06": (sorted((VERIFY / "recheck-2026-12-06").glob("*.json.gz")),
+                               [141, 142], 2, 0.01, 0.10, None),
     # the odd seeds above recorded again three times on one machine, and seeds 126 and 127 once
     "recorded-again-2026-12-05": (sorted((VERIFY / "repeat-2026-12-05").glob("*.json.gz")),
                                   [95] * 3 + [97] * 3 + [99] * 3 + [101] * 3 + [126, 127], 13, 0.035, 0.20,
