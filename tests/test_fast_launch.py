@@ -302,7 +302,8 @@ def test_a_graph_steps_vendor_work_lands_where_the_captured_layers_read_it(monke
         first.seq_lens.add_(grow)
         fm_plan.update(first.qo_indptr, **first.layout, **{**host, "kv_lens_host": [n - 1 + grow for n in lens]})
         assert fm.calls["get_mla_decoding_metadata"] == made, "a graph step's update launched a schedule"
-        for capturing[0] in (False, True)[:grow + 1]:
+        for captured in (False, True)[:grow + 1]:
+            capturing[0] = captured
             for q, kv in layers:
                 assert_close(fm_plan.run(q, kv, first.kv_scale), _ref(first, q, kv), what=f"flashmla step {grow}")
             where.add(tuple(t.data_ptr() for t in fm_plan._layer.sched))

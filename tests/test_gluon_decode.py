@@ -591,8 +591,9 @@ def test_inkernel_reduce_counters_reset_so_calls_repeat(reduce, v_halves):
         assert bufs.flag[: 8 * v_halves].tolist() == expected
 
 
-# ------------------------------------------------------------- warp specialization (ws)
-# The best ws 0 configurations with ws 1, and a ws 2 plan per shape: (v_path, stages, splits, reduce, v_halves) and (splits, reduce) for rs8/4.
+# ------------------------------------------------------ warp specialization (ws), H200
+# The best ws 0 configurations with ws 1, and a ws 2 plan per shape: (v_path, stages, splits,
+# reduce, v_halves) and (splits, reduce) for rs8/4.
 LEADERBOARD_PLANS = {
     (4, 1024): (("ss16", 2, 16, "spin", 2), (8, "spin")),
     (4, 8192): (("rs8", 2, 32, "spin", 1), (32, "spin")),

@@ -117,8 +117,8 @@ def test_runners_are_built_lazily_once_per_shape_and_a_miss_is_counted_every_tim
         dispatcher(*other[:4], kv_len=8, check_indptr=False)
     assert spy.built == [(TORCH, Shape(1, 8)), (TORCH, Shape(2, 8))]
     assert dispatcher.misses == {Shape(2, 8): 3}
+    data = generate_input(3, 17, 4, device="cpu")
     for kv in ("bf16", "fp8"):  # the quick predicate agrees with the checks on good inputs
-        data = generate_input(3, 17, 4, device="cpu")
         assert check_decode_inputs(*data[:4], kv) == 3
 
 

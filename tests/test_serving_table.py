@@ -24,6 +24,7 @@ from mla_tune.serving.table import (
     write_serving_table,
 )
 from mla_tune.tables.table import TableError
+from tests.helpers import REPO
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 KVS = [512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
@@ -78,12 +79,16 @@ def _table() -> ServingTable:
     return ServingTable("H200", {"date": "2026-11-30"}, BATCHES, KVS, {FP8: fam, BF16: models})
 
 
+def _bf16(data: dict) -> dict:
+    return data["families"][0]  # as_dict sorts the families: bf16's first
+
+
 def _fp8(data: dict) -> dict:
-    return data["families"][1]  # as_dict sorts the families: bf16's first
+    return data["families"][1]
 
 
 def _model(data: dict, backend: str) -> dict:
-    return next(m for m in data["families"][0]["models"] if m["backend"] == backend)
+    return next(m for m in _bf16(data)["models"] if m["backend"] == backend)
 
 
 def test_lookup_is_exact_on_the_family_and_bucketed_on_batch_and_kv():
@@ -140,11 +145,11 @@ def test_a_written_table_loads_back_equal_with_its_points_models_and_calibration
     (lambda d: _fp8(d)["left_out"][0].update(reason=""), "must say why"),
     (lambda d: d["families"].append(copy.deepcopy(_fp8(d))), "a second family"),
     # the points and the vendors' (linear) models
-    (lambda d: d["families"][0]["points"][0].update(kv_len=1000), "kv_len 1000 is not one of"),
-    (lambda d: d["families"][0]["points"][0].update(us={7: 1.0}), "not an index into"),
-    (lambda d: d["families"][0]["points"][0].update(us={0: 0.0}), "is 0"),
-    (lambda d: d["families"][0]["points"].append(dict(d["families"][0]["points"][0])), "a second point"),
-    (lambda d: d["families"][0].update(variants="x"), "variants must be a list"),
+    (lambda d: _bf16(d)["points"][0].update(kv_len=1000), "kv_len 1000 is not one of"),
+    (lambda d: _bf16(d)["points"][0].update(us={7: 1.0}), "not an index into"),
+    (lambda d: _bf16(d)["points"][0].update(us={0: 0.0}), "is 0"),
+    (lambda d: _bf16(d)["points"].append(dict(_bf16(d)["points"][0])), "a second point"),
+    (lambda d: _bf16(d).update(variants="x"), "variants must be a list"),
     (lambda d: _model(d, "flashinfer").update(features=["one"]), "re-build the table"),
     (lambda d: _model(d, "flashinfer").update(coef=[1.0] * 5), "coef must be a list of 6"),
     (lambda d: _model(d, "flashinfer").update(coef=[1.0] * 5 + ["x"]), "coef[5] must be a finite number"),
@@ -161,14 +166,14 @@ def test_a_written_table_loads_back_equal_with_its_points_models_and_calibration
         (dict(extra=1), "is a mapping of backend, fit_error"))),
     (lambda d: _model(d, "triton").pop("item_tokens"), "is a mapping of backend, fit_error, item_tokens"),
     # the split-K calibration
-    *((lambda d, bad=bad: d["families"][0].update(calibration=bad), words) for bad, words in (
+    *((lambda d, bad=bad: _bf16(d).update(calibration=bad), words) for bad, words in (
         ({"triton": {"reduce_step_us": {32: 1.0}}}, "must map splits per reduction step"),
         ({"triton": {"reduce_step_us": {16: -1.0}}}, "[16] must be a finite"),
         ({"triton": {"reduce_step_us": [1.0]}}, "must map splits per reduction step"),
         ({"flashmla": {}}, "'flashmla' has no calibration"), ([1], "must map backends"))),
     # a text instead: python tags are refused, not run; a leaderboard table is named as one
     (lambda d: "schema: !!python/object/apply:os.system ['echo pwned']\n", "not valid YAML"),
-    (lambda d: open("tables/H200.yaml").read(),
+    (lambda d: (REPO / "tables" / "H200.yaml").read_text(),
      "is a leaderboard table (schema 1, per-shape winners), not a serving table; pass a serving table"),
 ])
 def test_a_broken_table_is_refused_naming_file_family_and_field(tmp_path, edit, words):
