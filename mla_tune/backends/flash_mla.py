@@ -37,6 +37,7 @@ csrc/sm90/decode/dense/splitkv_mla.cuh, csrc/extension/sm90/dense_fp8/*):
 from __future__ import annotations
 
 import copy
+from typing import Any, NamedTuple
 
 import torch
 
@@ -233,7 +234,16 @@ class _FmQuantizer:
         return q8.view(q.shape), scale
 
 
-def _fm_direct_ops():
+class _FmOps(NamedTuple):
+    """FlashMLA's dense legacy ops (OpOverloads), called directly: see _fm_direct_ops."""
+
+    decode_bf16: Any
+    decode_fp8: Any
+    schedule_bf16: Any
+    schedule_fp8: Any
+
+
+def _fm_direct_ops() -> _FmOps | None:
     """FlashMLA's dense decode ops as OpOverloads (bf16 decode, fp8 decode, bf16 schedule,
     fp8 schedule), or None where this flash_mla has no `get_ops` or one is missing (then
     flash_mla_with_kvcache and get_mla_decoding_metadata are called). For dense legacy
@@ -250,8 +260,8 @@ def _fm_direct_ops():
         from flash_mla.flash_mla_interface import get_ops
 
         legacy = get_ops(True)
-        return (legacy.dense_decode_fwd.default, legacy.fwd_kvcache_mla_fp8.default,
-                legacy.get_mla_decoding_metadata.default, legacy.get_mla_decoding_metadata_dense_fp8.default)
+        return _FmOps(legacy.dense_decode_fwd.default, legacy.fwd_kvcache_mla_fp8.default,
+                      legacy.get_mla_decoding_metadata.default, legacy.get_mla_decoding_metadata_dense_fp8.default)
     except (ImportError, AttributeError, RuntimeError):
         return None
 
@@ -317,9 +327,9 @@ def build_serving(variant: Variant, spec: CallSpec, device):
             meta, splits = flash_mla.get_mla_decoding_metadata(
                 seq_lens, rows, NUM_KV_HEADS, h_q=heads, is_fp8_kvcache=fp8, use_legacy=True)
         elif fp8:
-            meta, splits = ops[3](seq_lens, rows, NUM_KV_HEADS)
+            meta, splits = ops.schedule_fp8(seq_lens, rows, NUM_KV_HEADS)
         else:
-            meta, splits = ops[2](seq_lens, rows, NUM_KV_HEADS, heads, False, None)
+            meta, splits = ops.schedule_bf16(seq_lens, rows, NUM_KV_HEADS, heads, False, None)
         if not spec.graph:
             return meta, splits
         key = (tuple(meta.shape), meta.dtype, tuple(splits.shape), splits.dtype)
@@ -336,10 +346,10 @@ def build_serving(variant: Variant, spec: CallSpec, device):
         meta, splits = sched
         if ops is not None:
             if fp8:
-                result = ops[1](q4, pages, V_DIM, seq_lens, block_table, scale, q_len > 1, meta, splits,
-                                q_scale, kv_scale)
+                result = ops.decode_fp8(q4, pages, V_DIM, seq_lens, block_table, scale, q_len > 1, meta, splits,
+                                        q_scale, kv_scale)
             else:
-                result = ops[0](q4, pages, V_DIM, seq_lens, block_table, scale, q_len > 1, meta, splits)
+                result = ops.decode_bf16(q4, pages, V_DIM, seq_lens, block_table, scale, q_len > 1, meta, splits)
         else:
             holder = flash_mla.get_mla_metadata()[0]
             holder.tile_scheduler_metadata, holder.num_splits = meta, splits
