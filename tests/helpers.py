@@ -175,6 +175,13 @@ def cell_spec(name: str, layout: int, heads: int, q_len: int, kv: str, **extra) 
                     mixed_q_len=caps.mixed_q_len and q_len > 1, host_lengths=caps.host_lengths, **extra)
 
 
+def declared_cells(name: str, cells=CELL_GRID, served: bool = True) -> list[tuple]:
+    """(name, *cell) for each of `cells` whose call (cell_spec) this backend's serving
+    declares, or (served=False) refuses."""
+    caps = get_backend(name).CAPABILITIES
+    return [(name, *cell) for cell in cells if (caps.refusal(cell_spec(name, *cell)) is None) == served]
+
+
 def cell_id(case) -> str:
     """(backend, layout, heads, q_len, kv, ...) as a test id."""
     name, layout, heads, q_len, kv = case[:5]

@@ -22,6 +22,7 @@ from tests.helpers import (
     call_with_host_lengths,
     cell_id,
     cell_spec,
+    declared_cells,
     max_error,
     serving_expected,
     serving_input,
@@ -116,10 +117,6 @@ def _gpu_variants(name: str, cell: tuple, spec: CallSpec, q_amax: float, platfor
     return list(dict.fromkeys(variants))
 
 
-def _declared(name: str, cells) -> list[tuple]:
-    return [(name, *cell) for cell in cells if _caps(name).refusal(_spec(name, *cell)) is None]
-
-
 def _serving_backends() -> list[str]:
     """Every serving backend that runs on an H200, in the order a Decoder tries them."""
     tags = gpu.fake_platform("H200").tags
@@ -128,9 +125,9 @@ def _serving_backends() -> list[str]:
 
 FUSED_GRID = list(itertools.product(CELL_LAYOUTS, (16, 32, 64, 128), CELL_Q_LENS, CELL_KV_FORMATS))
 OTHERS = [name for name in _serving_backends() if name not in OWN]  # FlashMLA, FlashInfer, ...
-GPU_CASES = (_declared("triton", CELL_GRID + ODD_CELLS)
-             + _declared("triton_fused", FUSED_GRID + [c for c in ODD_CELLS if c not in FUSED_GRID])
-             + [case for name in OTHERS for case in _declared(name, CELL_GRID)])
+GPU_CASES = (declared_cells("triton", CELL_GRID + ODD_CELLS)
+             + declared_cells("triton_fused", FUSED_GRID + [c for c in ODD_CELLS if c not in FUSED_GRID])
+             + [case for name in OTHERS for case in declared_cells(name)])
 
 
 @pytest.mark.gpu

@@ -12,11 +12,11 @@ from mla_tune.backends import aiter_mla, flash_mla, flashinfer_mla, get_backend
 from mla_tune.core import CallSpec, Variant
 from mla_tune.serving import inputs as serving
 from tests.helpers import (
-    CELL_GRID,
     assert_close,
     call_with_host_lengths,
     cell_id,
     cell_spec,
+    declared_cells,
     max_error,
     serving_input,
     vendor_fakes,
@@ -28,17 +28,12 @@ KV_LENS = [3000, 1, 17, 63, 64, 65]
 H200 = gpu.fake_platform("H200")
 
 
-def _cells(name: str, served: bool) -> list[tuple]:
-    caps = BACKENDS[name].CAPABILITIES
-    return [(name, *cell) for cell in CELL_GRID if (caps.refusal(cell_spec(name, *cell)) is None) == served]
-
-
-SERVED = [c for name in BACKENDS for c in _cells(name, True)]
+SERVED = [c for name in BACKENDS for c in declared_cells(name)]
 # FlashMLA's fp8 cells at 128 heads and q_len 2 or 4 are left out on the CPU (their q quantizer
 # takes ~100 s under the interpreter); their wiring is checked by the neighbouring cells.
 CPU_SERVED = [c for c in SERVED
               if not (c[0] == "flashmla" and c[2] == 128 and c[3] > 1 and c[4] == "fp8")]
-REFUSED = [c for name in BACKENDS for c in _cells(name, False)]
+REFUSED = [c for name in BACKENDS for c in declared_cells(name, served=False)]
 
 
 def _install(monkeypatch, name: str, **settings):
