@@ -208,6 +208,10 @@ def serving_input(spec: CallSpec, kv_lens: list[int], seed: int, device) -> serv
                               device=device)
 
 
+# The GPU tests' eight sequences of one new token each (test_fast_launch's replays,
+# test_graph_replay's growing plan step): 1, either side of a 64-token page, 700, 3000, 129.
+GPU_LENS = [1, 17, 63, 64, 65, 700, 3000, 129]
+
 # One call captured at these lengths (each kv_len >= its q_len), then replayed with the
 # others: ragged, with 1-, 2- and 3000-token sequences moved between batch slots.
 GRAPH_Q_LENS = [2, 2, 2, 2, 2, 1]

@@ -22,7 +22,7 @@ from mla_tune.kernels.serving_runner import OwnServingRunner
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.call import Decoder, runner_step
 from mla_tune.serving.decode_plan import DecodePlan
-from tests.helpers import assert_close, vendor_fakes
+from tests.helpers import GPU_LENS, assert_close, vendor_fakes
 
 SPEC = CallSpec("bf16", page_size=16, heads=16, max_q_len=2, mixed_q_len=True)
 LENS = [1, 17, 40]
@@ -313,9 +313,6 @@ def test_a_graph_steps_vendor_work_lands_where_the_captured_layers_read_it(monke
 
 
 # --------------------------------------------------------------------- GPU
-GPU_LENS = [1, 17, 63, 64, 65, 700, 3000, 129]
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend,kv_format,q_mode", [
     ("triton", "bf16", None), ("triton", "fp8", None), ("triton", "fp8", "fp8_dynamic"),

@@ -12,6 +12,7 @@ from mla_tune.serving import inputs as serving
 from mla_tune.serving.call import PREFERENCE, Decoder
 from mla_tune.serving.decode_plan import DecodePlan
 from tests.helpers import (
+    GPU_LENS,
     GRAPH_KV_LENS,
     GRAPH_Q_LENS,
     GRAPH_REPLAYS,
@@ -98,9 +99,6 @@ def test_a_captured_serving_call_replays_new_lengths_and_block_tables(case):
             assert int(decoder.runner.workspace.count.abs().sum()) == 0
 
 
-GROWING_LENS = [1, 17, 63, 64, 65, 700, 3000, 129]
-
-
 @_gpu
 @pytest.mark.parametrize("update_in_graph", [True, False], ids=["update-captured", "update-before-replay"])
 @pytest.mark.parametrize("backend", ["triton", "triton_fused", "flashmla"])
@@ -110,8 +108,8 @@ def test_a_decode_step_through_a_plan_captured_once_replays_growing_lengths(back
     graph of the layers."""
     spec = CallSpec("fp8", page_size=64, heads=HEADS, max_q_len=1, graph=True)
     plan = DecodePlan(spec, max_batch=8, backend=backend, device="cuda")
-    batch = len(GROWING_LENS)
-    static = serving.make_input([1] * batch, [n + 8 for n in GROWING_LENS], HEADS, 64, "fp8", seed=10, device="cuda")
+    batch = len(GPU_LENS)
+    static = serving.make_input([1] * batch, [n + 8 for n in GPU_LENS], HEADS, 64, "fp8", seed=10, device="cuda")
     layers = [torch.randn_like(static.q) for _ in range(3)]
     outs = [torch.empty((batch, HEADS, 512), dtype=torch.bfloat16, device="cuda") for _ in layers]
 
@@ -130,7 +128,7 @@ def test_a_decode_step_through_a_plan_captured_once_replays_growing_lengths(back
     variant = plan.pick(batch)
     assert variant.backend == backend
     for grow in (0, 4, 8):
-        static.seq_lens.copy_(torch.tensor([n + grow for n in GROWING_LENS], dtype=torch.int32, device="cuda"))
+        static.seq_lens.copy_(torch.tensor([n + grow for n in GPU_LENS], dtype=torch.int32, device="cuda"))
         for out in outs:
             out.fill_(float("nan"))
         if not update_in_graph:
