@@ -577,7 +577,13 @@ def verify(
              "variant with the smallest geomean regret over the bucket's recorded shapes, where it "
              "beats the current pick by 3% on 6 shapes or more; mla_tune/serving/repick.py) and write "
              "the table to this path instead of scoring. Choose on one half of the reports and judge "
-             "the written table on the other (--judge graph).")] = None,
+             "the written table on the other (--judge graph). With --engine-loop: on those loops' "
+             "step times instead.")] = None,
+    engine_loop: Annotated[list[Path] | None, typer.Option(
+        help="With --repick-graph, no GPU: re-choose the graph picks of the buckets these engine-loop "
+             "reports timed (scripts/engine_loop.py --table T --variants ... --out DIR writes "
+             "DIR/engine_loop.json; repeat the option), where a variant's step is 3% faster than the "
+             "current pick's over the loops. The reports must come from the table's GPU.")] = None,
 ) -> None:
     """Re-time a serving table's picks on this GPU at held-out shapes and print their regret.
 
@@ -593,8 +599,11 @@ def verify(
             raise _usage_error(f"{flag} is a fraction (0.05 for 5%), got {value}")
     if unrunnable and not rescore:
         raise _usage_error("--unrunnable scores recorded reports: give them with --rescore")
-    if repick_graph is not None and not rescore:
-        raise _usage_error("--repick-graph chooses on recorded reports: give them with --rescore")
+    if engine_loop and repick_graph is None:
+        raise _usage_error("--engine-loop re-chooses graph picks: give --repick-graph OUT, the table to write")
+    if repick_graph is not None and bool(rescore) == bool(engine_loop):
+        raise _usage_error("--repick-graph chooses on recorded runs: give verify reports with --rescore, or "
+                           "engine-loop reports with --engine-loop (one of the two)")
     if repick_graph is not None:
         ignored = [flag for flag, given in (("--json", json_path is not None), ("--max-p95", max_p95 is not None),
                                            ("--max-regret", max_regret is not None)) if given]
@@ -607,6 +616,7 @@ def verify(
                                "file, and review it beside the old one (mla-tune diff)")
         with _domain_errors():
             from mla_tune.serving.repick import repick_graph as run_repick
+            from mla_tune.serving.repick import repick_graph_on_steps
             from mla_tune.serving.table import load_serving_table, write_serving_table
             from mla_tune.tables.table import TableError
 
@@ -617,13 +627,19 @@ def verify(
                     raise MlaTuneError(f"{repick_graph} exists and is not a serving table: give a new path "
                                        "(--repick-graph overwrites only a serving table)") from None
             chosen = load_serving_table(table)
-            typer.echo(f"graph picks of {table}, re-chosen on the recorded shapes of {len(rescore)} --rescore "
-                       "path(s):")
-            changes = run_repick(chosen, list(rescore), log=typer.echo)
+            if engine_loop:
+                typer.echo(f"graph picks of {table}, re-chosen on the step times of {len(engine_loop)} "
+                           "engine loop(s):")
+                changes = repick_graph_on_steps(chosen, list(engine_loop), log=typer.echo)
+            else:
+                typer.echo(f"graph picks of {table}, re-chosen on the recorded shapes of {len(rescore)} "
+                           "--rescore path(s):")
+                changes = run_repick(chosen, list(rescore), log=typer.echo)
             written = write_serving_table(repick_graph, chosen)
             load_serving_table(written)  # what was written loads
-        typer.echo(f"wrote {written}: {len(changes)} graph pick(s) replaced. Judge it on other reports: "
-                   f"mla-tune verify --table {written} --rescore OTHER_REPORTS --judge graph")
+        judge_it = (f"python scripts/engine_loop.py --table {written} --out DIR, at other lengths (--lens)"
+                    if engine_loop else f"mla-tune verify --table {written} --rescore OTHER_REPORTS --judge graph")
+        typer.echo(f"wrote {written}: {len(changes)} graph pick(s) replaced. Judge it on other runs: {judge_it}")
         return
     if rescore:
         with _domain_errors():

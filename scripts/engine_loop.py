@@ -1,30 +1,40 @@
 """A decode loop like an engine's: mla-tune's DecodePlan beside FlashMLA called directly.
 
     PYTHONPATH=. python scripts/engine_loop.py [--layers 61] [--heads 128] [--kv bf16]
-        [--buckets 8,32] [--steps 16] [--table tables/H200.serving.yaml] [--out DIR]
+        [--buckets 8,32] [--steps 16] [--lens 500,4000] [--table tables/H200.serving.yaml]
+        [--variants "V1;V2"] [--out DIR]
 
-Per batch bucket: sequences of 500-4000 tokens in 64-token pages (each layer its own KV
-cache), one CUDA graph per bucket holding every layer's run (its output copied out as an
-engine's next op would read it), replayed while every sequence grows by one token per step;
-before each replay the plan's update runs on the host with the engine's host lengths (the
-protocol of docs/serving.md; the step's time includes it). The same loop with FlashMLA's own call (its
-schedule made once per step inside the graph) is timed beside it. Before timing, the first
-and last layers' outputs of the first and last step are checked against mla_tune.serving.inputs'
-fp32 reference (strict rule). Prints ms per step and us per layer.
+Per batch bucket: sequences of `--lens` tokens (each drawn uniformly, seeded by the bucket)
+in 64-token pages (each layer its own KV cache), one CUDA graph per bucket holding every
+layer's run (its output copied out as an engine's next op would read it), replayed while
+every sequence grows by one token per step; before each replay the plan's update runs on
+the host with the engine's host lengths (the protocol of docs/serving.md; the step's time
+includes it). The same loop with FlashMLA's own call (its schedule made once per step
+inside the graph) is timed beside it. `--variants` (with `--table`) times the loop again
+with each variant as the bucket's graph pick, on the same lengths: what each candidate
+costs an engine's step. Before timing, the first and last layers' outputs of the first and
+last step are checked against mla_tune.serving.inputs' fp32 reference (strict rule).
+Prints ms per step and us per layer; `--out DIR` writes DIR/engine_loop.json, the report
+`mla-tune verify --table T --engine-loop REPORT --repick-graph OUT` re-chooses graph picks
+on (mla_tune/serving/repick.py: ENGINE_REPORT).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 from pathlib import Path
 
 import torch
 
-from mla_tune import problem
-from mla_tune.core import QK_DIM, SM_SCALE, V_DIM, CallSpec
+from mla_tune import gpu, problem
+from mla_tune.core import QK_DIM, SM_SCALE, V_DIM, CallSpec, Variant
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.decode_plan import DecodePlan
+from mla_tune.serving.repick import ENGINE_REPORT
+from mla_tune.serving.table import load_serving_table
 
 PAGE = 64
 
@@ -32,7 +42,7 @@ PAGE = 64
 def _loop(args, bucket: int, layers: int):
     """Static tensors of one bucket's loop: caches, block table, lengths, q and outputs."""
     gen = torch.Generator().manual_seed(bucket)
-    start = [int(x) for x in torch.randint(500, 4000, (bucket,), generator=gen)]
+    start = [int(x) for x in torch.randint(args.lens[0], args.lens[1], (bucket,), generator=gen)]
     grow = args.steps + 1
     base = serving.make_input([1] * bucket, [n + grow for n in start], args.heads, PAGE, args.kv,
                               seed=bucket, device="cuda")
@@ -75,13 +85,33 @@ def _time_steps(graph, seq_lens, steps: int, before_replay=None) -> tuple[list[f
     return steps_ms, replays_ms
 
 
-def run_plan(args, bucket, table):
+def run_plan(args, bucket, table, variant=None):
     """The engine's protocol (docs/serving.md): update once per step on the host, with the
-    lengths the engine keeps there, then the graph of the layers' runs."""
+    lengths the engine keeps there, then the graph of the layers' runs. `variant`: the
+    bucket's graph pick for this run instead of the table's (the table is left as it was)."""
     base, caches, seq_lens, qs, outs, start = _loop(args, bucket, args.layers)
     spec = CallSpec(args.kv, page_size=PAGE, heads=args.heads, max_q_len=1, graph=True, host_lengths=True)
-    plan = DecodePlan(spec, max_batch=bucket, table=table, device="cuda")
+    with _graph_pick(table, spec, bucket, variant):
+        plan = DecodePlan(spec, max_batch=bucket, table=table, device="cuda")
+        return _run(args, bucket, plan, base, caches, seq_lens, qs, outs, start)
 
+
+@contextlib.contextmanager
+def _graph_pick(table, spec, bucket, variant):
+    """The table with `variant` as the bucket's graph pick while the plan is made and run."""
+    if variant is None:
+        yield
+        return
+    graph = table.family(spec).graph
+    was = graph[bucket]
+    graph[bucket] = dataclasses.replace(was, variant=variant)
+    try:
+        yield
+    finally:
+        graph[bucket] = was
+
+
+def _run(args, bucket, plan, base, caches, seq_lens, qs, outs, start):
     def update(grown: int):
         plan.update(base.qo_indptr, block_table=base.block_table, seq_lens=seq_lens,
                     q_lens_host=[1] * bucket, kv_lens_host=[n + grown for n in start])
@@ -138,6 +168,10 @@ def run_flashmla(args, bucket):
     return times
 
 
+def _median(values):
+    return sorted(values)[len(values) // 2]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=61)
@@ -145,31 +179,55 @@ def main() -> None:
     parser.add_argument("--kv", choices=("bf16", "fp8"), default="bf16")
     parser.add_argument("--buckets", default="8,32")
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--lens", default="500,4000", help="LO,HI: each sequence's first length, drawn in [LO, HI)")
     parser.add_argument("--table", type=Path, default=None, help="a serving table (default: none)")
+    parser.add_argument("--variants", default="", help="with --table: ;-separated variants, each timed as "
+                        "every bucket's graph pick beside the table's own")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    lo, _, hi = args.lens.partition(",")
+    args.lens = (int(lo), int(hi))
+    if not 1 <= args.lens[0] < args.lens[1]:
+        parser.error(f"--lens LO,HI needs 1 <= LO < HI, got {args.lens}")
+    variants = [Variant.parse(v) for v in args.variants.split(";") if v.strip()]
+    if variants and args.table is None:
+        parser.error("--variants replaces the table's graph picks: give --table")
+    table = load_serving_table(args.table) if args.table is not None else None
     rows = []
     for bucket in [int(b) for b in args.buckets.split(",")]:
-        times, replays, variant = run_plan(args, bucket, args.table)
-        row = {"bucket": bucket, "mla_tune_ms": sorted(times)[len(times) // 2],
-               "mla_tune_replay_ms": sorted(replays)[len(replays) // 2], "variant": variant}
+        times, replays, variant = run_plan(args, bucket, table)
+        row = {"bucket": bucket, "mla_tune_ms": _median(times), "mla_tune_replay_ms": _median(replays),
+               "variant": variant, "steps_ms": {variant: _median(times)}}
+        for other in variants:
+            if str(other) != variant:
+                row["steps_ms"][str(other)] = _median(run_plan(args, bucket, table, other)[0])
+            torch.cuda.empty_cache()
         try:
             fm = run_flashmla(args, bucket)
-            row["flashmla_ms"] = sorted(fm)[len(fm) // 2]
+            row["flashmla_ms"] = _median(fm)
         except Exception as exc:  # noqa: BLE001 - FlashMLA missing: the row says so
             row["flashmla_error"] = f"{type(exc).__name__}: {exc}"
         rows.append(row)
         torch.cuda.empty_cache()
-    print(f"\n{torch.cuda.get_device_name()}: {args.layers} layers, {args.heads} heads, {args.kv} KV, "
-          f"{PAGE}-token pages, one CUDA graph per bucket, {args.steps} steps (median), all checked strict")
+    platform = gpu.detect()
+    print(f"\n{platform.device_name}: {args.layers} layers, {args.heads} heads, {args.kv} KV, {PAGE}-token "
+          f"pages, lengths {args.lens[0]}-{args.lens[1]}, one CUDA graph per bucket, {args.steps} steps "
+          "(median), all checked strict")
     for r in rows:
         fm = f"{r['flashmla_ms']:.3f} ms" if "flashmla_ms" in r else r["flashmla_error"][:60]
         print(f"bucket {r['bucket']:4}: mla-tune {r['mla_tune_ms']:.3f} ms/step "
               f"({1000 * r['mla_tune_ms'] / args.layers:.1f} us/layer; replay alone {r['mla_tune_replay_ms']:.3f} ms)"
               f"  FlashMLA {fm}  [{r['variant']}]")
+        for other, ms in r["steps_ms"].items():
+            if other != r["variant"]:
+                print(f"    as the graph pick: {ms:.3f} ms/step ({ms / r['mla_tune_ms']:.2f}x)  {other}")
     if args.out:
+        report = {"report": ENGINE_REPORT, "gpu": platform.name, "device": platform.device_name,
+                  "table": str(args.table) if args.table else None, "kv_format": args.kv, "page_size": PAGE,
+                  "heads": args.heads, "q_len": 1, "layers": args.layers, "steps": args.steps,
+                  "lens": list(args.lens), "buckets": rows}
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "engine_loop.json").write_text(json.dumps(rows, indent=1))
+        (args.out / "engine_loop.json").write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

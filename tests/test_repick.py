@@ -128,3 +128,68 @@ def test_the_command_writes_the_table_and_leaves_the_input_alone(tmp_path):
         refused = invoke("verify", "--table", source, "--rescore", report, "--repick-graph", target, *extra)
         assert refused.exit_code in (1, 2) and says in refused.output, refused.output
     assert source.read_bytes() == before and text.read_text() == "mine"
+
+
+def _loop(path: Path, rows: dict, gpu: str = "H200", **fields) -> Path:
+    """An engine-loop report (scripts/engine_loop.py's) of KEY's family: {batch: {variant: ms}}."""
+    report = {"report": repick.ENGINE_REPORT, "gpu": gpu, "device": f"NVIDIA {gpu}", "table": "t.serving.yaml",
+              **KEY.as_dict(), "layers": 61, "steps": 16, "lens": [500, 4000],
+              "buckets": [{"bucket": b, "variant": SWEPT, "steps_ms": times} for b, times in rows.items()]}
+    path.write_text(json.dumps({**report, **fields}))
+    return path
+
+
+def test_engine_loops_replace_a_graph_pick_whose_step_is_slower_over_their_geomean(tmp_path):
+    # bucket 4: BETTER's step 20% and 4% faster in two loops (geomean 11.7%): replaced, its
+    # worst over the loops 0 (fastest in both); bucket 8: 2% faster (under MARGIN): kept
+    short = _loop(tmp_path / "short.json", {4: {SWEPT: 1.2, BETTER: 1.0, PARTIAL: 1.1}, 8: {SWEPT: 1.02, BETTER: 1.0}})
+    long = _loop(tmp_path / "long.json", {4: {SWEPT: 2.08, BETTER: 2.0}})
+    table = _table()
+    lines = []
+    changes = repick.repick_graph_on_steps(table, [short, long], log=lines.append)
+    assert [(c["batch"], c["was"], c["now"], c["shapes"]) for c in changes] == [(4, SWEPT, BETTER, 2)]
+    pick = table.families[KEY].graph[4]
+    assert (pick.variant, pick.worst_regret, pick.worst_kv_len) == (Variant.parse(BETTER), 0.0, 0)
+    assert pick.chosen_on == {"reports": 2, "shapes": 2, "geomean_regret": 0.0, "sweep_pick": SWEPT,
+                              "sweep_geomean_regret": round((1.2 * 1.04) ** 0.5 - 1, 4)}
+    assert table.families[KEY].graph[8].variant == Variant.parse(SWEPT)
+    assert table.provenance["graph_repick_steps"] == {"reports": ["short.json", "long.json"],
+                                                      "margin": repick.MARGIN, "replaced": 1}
+    assert len(lines) == 1 and "batch 4" in lines[0]
+    # PARTIAL was timed in one loop of two: it does not compete, though it beat SWEPT there
+    assert all(c["now"] != PARTIAL for c in changes)
+    back = load_serving_table(write_serving_table(tmp_path / "t.serving.yaml", table))
+    assert back.families[KEY].graph == table.families[KEY].graph
+
+
+def test_engine_loops_leave_a_pick_they_did_not_time_and_refuse_another_gpu_or_a_bad_report(tmp_path):
+    table = _table()
+    lines = []
+    untimed = _loop(tmp_path / "u.json", {4: {BETTER: 1.0, PARTIAL: 1.5}})
+    assert repick.repick_graph_on_steps(table, [untimed], log=lines.append) == []
+    assert "not timed in every loop" in lines[0] and table.families[KEY].graph[4].variant == Variant.parse(SWEPT)
+    for path, says in [(_loop(tmp_path / "h100.json", {4: {SWEPT: 2.0, BETTER: 1.0}}, gpu="H100"),
+                        "timed on H100 .* the table is for H200"),
+                       (_loop(tmp_path / "heads.json", {4: {SWEPT: 2.0}}, heads=128), "no family"),
+                       (_loop(tmp_path / "bucket.json", {6: {SWEPT: 2.0}}), "batch 6 is not a batch bucket"),
+                       (_loop(tmp_path / "zero.json", {4: {SWEPT: 0.0}}), "positive ms per step"),
+                       (_loop(tmp_path / "kind.json", {4: {SWEPT: 1.0}}, report="other"), "not an engine-loop report"),
+                       (tmp_path / "missing.json", "no such engine-loop report")]:
+        with pytest.raises(VerifyError, match=says):
+            repick.repick_graph_on_steps(table, [path], log=lambda _: None)
+    assert table.families[KEY].graph[4].variant == Variant.parse(SWEPT)
+
+
+def test_the_command_repicks_on_engine_loops_and_asks_for_one_source(tmp_path):
+    source = write_serving_table(tmp_path / "in.serving.yaml", _table())
+    loop = _loop(tmp_path / "loop.json", {8: {SWEPT: 1.3, BETTER: 1.0}})
+    out = tmp_path / "out.serving.yaml"
+    result = invoke("verify", "--table", source, "--engine-loop", loop, "--repick-graph", out)
+    assert result.exit_code == 0, result.output
+    assert "1 graph pick(s) replaced" in result.output and "engine_loop.py" in result.output
+    assert load_serving_table(out).families[KEY].graph[8].variant == Variant.parse(BETTER)
+    report = _report(tmp_path / "r.json", [_shape(3, {SWEPT: 120.0, BETTER: 100.0}) for _ in range(6)])
+    for args, says in [(["--engine-loop", loop], "give --repick-graph"),
+                       (["--engine-loop", loop, "--rescore", report, "--repick-graph", out], "one of the two")]:
+        refused = invoke("verify", "--table", source, *args)
+        assert refused.exit_code == 2 and says in refused.output, refused.output

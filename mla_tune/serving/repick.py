@@ -1,6 +1,7 @@
-"""Graph picks chosen on recorded verify runs, no GPU:
+"""Graph picks chosen on recorded runs, no GPU: verify runs, or engine loops.
 
     mla-tune verify --table tables/H200.serving.yaml --rescore REPORTS... --repick-graph OUT
+    mla-tune verify --table tables/H200.serving.yaml --engine-loop REPORTS... --repick-graph OUT
 
 A batch bucket's graph pick is the one variant its CUDA graph runs at every length. The
 sweep chooses it on its uniform cells (serving/table.py's choose_graph_pick: the smallest
@@ -28,11 +29,23 @@ that shape's mean length (0 for a ragged mix). The table's provenance gains
 Choose on one half of the recorded runs and judge the result on the other (`mla-tune
 verify --rescore OTHER_HALF --judge graph`): the chosen picks look better on the shapes
 they were chosen on than they are. MARGIN and MIN_SHAPES were chosen that way on
-docs/data/verify (docs/perf.md, the decision log). Nothing here imports torch.
+docs/data/verify (docs/perf.md, the decision log).
+
+A verify run times each candidate as one flushed call (or a layer of a step, the table's
+protocol), which is not what a graph pick costs an engine: its graph replays every layer of
+a step back to back, and a backend that plans on the host (FlashInfer) does so before each
+replay. `scripts/engine_loop.py --table T --variants "V1;V2" --out DIR` times each
+candidate as the bucket's graph pick in a decode loop like an engine's (61 layers, lengths
+growing every step, the plan's update before each replay) and writes ENGINE_REPORT;
+`repick_graph_on_steps` re-chooses the picks of the buckets such loops timed, on their
+step times (the same MARGIN; no MIN_SHAPES: each loop is many steps of one mix). Its picks
+record `chosen_on` as above (shapes: the loops) and the provenance `graph_repick_steps`.
+Nothing here imports torch.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,9 +53,13 @@ from pathlib import Path
 from mla_tune.core import Variant
 from mla_tune.serving.rescore import check_protocol, read_report, report_paths
 from mla_tune.serving.table import FamilyKey, GraphPick, ServingTable, batch_bucket, kv_bucket
+from mla_tune.serving.verify import VerifyError
 
 MARGIN = 0.03  # a new pick's geomean regret must be under (1 - MARGIN) x the current pick's
 MIN_SHAPES = 6  # a bucket is re-chosen only on at least this many recorded shapes
+# scripts/engine_loop.py's report: its 'report' field, and the fields repick_graph_on_steps reads
+ENGINE_REPORT = "mla-tune engine loop/1"
+ENGINE_FIELDS = ("gpu", "kv_format", "page_size", "heads", "q_len", "layers", "lens", "buckets")
 
 
 def _times(record: dict) -> dict[str, float]:
@@ -95,17 +112,96 @@ def repick_graph(table: ServingTable, reports: Sequence[str | Path], *, margin: 
         worst = max(rows, key=lambda row: row[1][best])
         record = worst[0]
         worst_kv = 0 if record["kind"] == "ragged" else kv_bucket(table.kv_buckets, record["mean_kv_len"])
-        was_score = round(score[was] - 1.0, 4) if was in score else None
-        table.families[key].graph[bucket] = GraphPick(
-            bucket, Variant.parse(best), worst[1][best] - 1.0, worst_kv,
-            {"reports": len(paths), "shapes": len(rows), "geomean_regret": round(score[best] - 1.0, 4),
-             "sweep_pick": was, "sweep_geomean_regret": was_score})
-        changes.append({"family": str(key), "batch": bucket, "was": was, "now": best, "shapes": len(rows),
-                        "was_geomean_regret": was_score, "geomean_regret": round(score[best] - 1.0, 4)})
-        was_text = "not timed at every shape" if was_score is None else f"{100 * was_score:.1f}%"
-        log(f"  {key}, batch {bucket}: {was} ({was_text}) -> {best} ({100 * (score[best] - 1.0):.1f}%), "
-            f"{len(rows)} shapes")
+        changes.append(_replace(table, key, bucket, best, score, worst[1][best] - 1.0, worst_kv,
+                                len(paths), len(rows), log))
     table.provenance = {**table.provenance, "graph_repick": {
         "reports": [p.name for p in paths], "margin": margin, "min_shapes": min_shapes, "replaced": len(changes)}}
+    table.estimator.clear()
+    return changes
+
+
+def _replace(table: ServingTable, key: FamilyKey, bucket: int, best: str, score: dict[str, float],
+             worst_regret: float, worst_kv: int, reports: int, shapes: int, log: Callable[[str], None]) -> dict:
+    """Make `best` the bucket's graph pick, chosen on `shapes` recordings of `reports` runs
+    (score: each candidate's geomean time over the fastest's there); returns the change."""
+    was = str(table.families[key].graph[bucket].variant)
+    was_score = round(score[was] - 1.0, 4) if was in score else None
+    table.families[key].graph[bucket] = GraphPick(
+        bucket, Variant.parse(best), worst_regret, worst_kv,
+        {"reports": reports, "shapes": shapes, "geomean_regret": round(score[best] - 1.0, 4),
+         "sweep_pick": was, "sweep_geomean_regret": was_score})
+    was_text = "not timed at every shape" if was_score is None else f"{100 * was_score:.1f}%"
+    log(f"  {key}, batch {bucket}: {was} ({was_text}) -> {best} ({100 * (score[best] - 1.0):.1f}%), "
+        f"{shapes} shapes")
+    return {"family": str(key), "batch": bucket, "was": was, "now": best, "shapes": shapes,
+            "was_geomean_regret": was_score, "geomean_regret": round(score[best] - 1.0, 4)}
+
+
+def read_engine_report(path: str | Path) -> dict:
+    """An engine-loop report (scripts/engine_loop.py --out DIR: DIR/engine_loop.json); a
+    VerifyError names what is wrong."""
+    path = Path(path)
+    try:
+        report = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise VerifyError(f"{path}: no such engine-loop report; write one with "
+                          "`python scripts/engine_loop.py --table T --variants ... --out DIR`") from None
+    except (OSError, ValueError) as exc:
+        raise VerifyError(f"{path}: not an engine-loop report (JSON): {exc}") from exc
+    if not isinstance(report, dict) or report.get("report") != ENGINE_REPORT:
+        raise VerifyError(f"{path}: not an engine-loop report (its 'report' field is not {ENGINE_REPORT!r}; "
+                          "scripts/engine_loop.py --out writes one)")
+    missing = [f for f in ENGINE_FIELDS if f not in report]
+    if missing:
+        raise VerifyError(f"{path}: the engine-loop report lacks {', '.join(missing)}")
+    for row in report["buckets"]:
+        steps = row.get("steps_ms") if isinstance(row, dict) else None
+        if not (isinstance(row.get("bucket"), int) and isinstance(steps, dict) and steps
+                and all(isinstance(t, (int, float)) and t > 0 for t in steps.values())):
+            raise VerifyError(f"{path}: a bucket's row needs its batch (bucket) and each variant's positive "
+                              f"ms per step (steps_ms), got {row!r:.200}")
+    return report
+
+
+def repick_graph_on_steps(table: ServingTable, reports: Sequence[str | Path], *, margin: float = MARGIN,
+                          log: Callable[[str], None] = print) -> list[dict]:
+    """Re-choose graph picks on engine-loop reports (ENGINE_REPORT), in place: per family
+    and batch bucket a report timed, the variant whose geomean step time over the reports'
+    loops (each over the fastest there) is smallest replaces the pick where that is under
+    (1 - margin) x the current pick's; a bucket whose current pick some loop did not time
+    is left. Every report must come from the table's GPU. Returns the picks replaced."""
+    rows: dict[tuple[FamilyKey, int], list[dict[str, float]]] = {}
+    names = []
+    for path in map(Path, reports):
+        report = read_engine_report(path)
+        if report["gpu"] != table.gpu:
+            raise VerifyError(f"{path} was timed on {report['gpu']} ({report.get('device')}), the table is "
+                              f"for {table.gpu}: re-choose its graph picks on loops timed on {table.gpu}")
+        key = FamilyKey(report["kv_format"], report["page_size"], report["heads"], report["q_len"])
+        if key not in table.families:
+            raise VerifyError(f"{path} times {key}, which the table has no family for")
+        names.append(path.name)
+        for row in report["buckets"]:
+            if row["bucket"] not in table.families[key].graph:
+                raise VerifyError(f"{path}: batch {row['bucket']} is not a batch bucket of {key}'s graph picks "
+                                  f"({sorted(table.families[key].graph)})")
+            fastest = min(row["steps_ms"].values())
+            rows.setdefault((key, row["bucket"]), []).append(
+                {v: t / fastest for v, t in row["steps_ms"].items()})
+    changes = []
+    for (key, bucket), loops in sorted(rows.items()):
+        was = str(table.families[key].graph[bucket].variant)
+        everywhere = set.intersection(*(set(f) for f in loops))
+        if was not in everywhere:
+            log(f"  {key}, batch {bucket}: its pick {was} was not timed in every loop; left")
+            continue
+        score = {v: _geomean([f[v] for f in loops]) for v in everywhere}
+        best = min(sorted(score), key=score.__getitem__)
+        if best == was or not score[best] < (1.0 - margin) * score[was]:
+            continue
+        changes.append(_replace(table, key, bucket, best, score, max(f[best] for f in loops) - 1.0, 0,
+                                len(names), len(loops), log))
+    table.provenance = {**table.provenance, "graph_repick_steps": {
+        "reports": names, "margin": margin, "replaced": len(changes)}}
     table.estimator.clear()
     return changes
