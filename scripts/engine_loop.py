@@ -1,7 +1,7 @@
 """A decode loop like an engine's: mla-tune's DecodePlan beside FlashMLA called directly.
 
     PYTHONPATH=. python scripts/engine_loop.py [--layers 61] [--heads 128] [--kv bf16]
-        [--buckets 8,32] [--steps 16] [--lens 500,4000] [--table tables/H200.serving.yaml]
+        [--q-len 1] [--buckets 8,32] [--steps 16] [--lens 500,4000] [--table tables/H200.serving.yaml]
         [--variants "V1;V2"] [--out DIR]
 
 Per batch bucket: sequences of `--lens` tokens (each drawn uniformly, seeded by the bucket)
@@ -10,9 +10,10 @@ layer's run (its output copied out as an engine's next op would read it), replay
 every sequence grows by one token per step; before each replay the plan's update runs on
 the host with the engine's host lengths (the protocol of docs/serving.md; the step's time
 includes it). The same loop with FlashMLA's own call (its schedule made once per step
-inside the graph) is timed beside it. `--variants` (with `--table`) times the loop again
-with each variant as the bucket's graph pick, on the same lengths: what each candidate
-costs an engine's step. Before timing, the first and last layers' outputs of the first and
+inside the graph) is timed beside it. `--variants` (with `--table`; `graph-picks` in the
+list stands for every variant the family's graph picks name) times the loop again with each
+variant as the bucket's graph pick, on the same lengths: what each candidate costs an
+engine's step. `--q-len N`: each sequence brings N new tokens a step (a spec of max_q_len N). Before timing, the first and last layers' outputs of the first and
 last step are checked against mla_tune.serving.inputs' fp32 reference (strict rule).
 Prints ms per step and us per layer; `--out DIR` writes DIR/engine_loop.json, the report
 `mla-tune verify --table T --engine-loop REPORT --repick-graph OUT` re-chooses graph picks
@@ -37,6 +38,7 @@ from mla_tune.serving.repick import ENGINE_REPORT
 from mla_tune.serving.table import load_serving_table
 
 PAGE = 64
+GRAPH_PICKS = "graph-picks"  # in --variants: the family's graph picks, each a candidate at every bucket
 
 
 def _loop(args, bucket: int, layers: int):
@@ -44,14 +46,15 @@ def _loop(args, bucket: int, layers: int):
     gen = torch.Generator().manual_seed(bucket)
     start = [int(x) for x in torch.randint(args.lens[0], args.lens[1], (bucket,), generator=gen)]
     grow = args.steps + 1
-    base = serving.make_input([1] * bucket, [n + grow for n in start], args.heads, PAGE, args.kv,
+    base = serving.make_input([args.q_len] * bucket, [n + grow for n in start], args.heads, PAGE, args.kv,
                               seed=bucket, device="cuda")
     caches = [base.kv] + [torch.empty_like(base.kv) for _ in range(layers - 1)]
     for cache in caches[1:]:  # every layer its own cache: fresh random tokens, same pages
         cache.copy_(torch.randn(cache.shape, device="cuda").to(cache.dtype))
     seq_lens = torch.tensor(start, dtype=torch.int32, device="cuda")
-    qs = [torch.randn((bucket, args.heads, QK_DIM), dtype=torch.bfloat16, device="cuda") for _ in range(layers)]
-    outs = [torch.empty((bucket, args.heads, V_DIM), dtype=torch.bfloat16, device="cuda") for _ in range(layers)]
+    rows = bucket * args.q_len
+    qs = [torch.randn((rows, args.heads, QK_DIM), dtype=torch.bfloat16, device="cuda") for _ in range(layers)]
+    outs = [torch.empty((rows, args.heads, V_DIM), dtype=torch.bfloat16, device="cuda") for _ in range(layers)]
     return base, caches, seq_lens, qs, outs, start
 
 
@@ -90,7 +93,7 @@ def run_plan(args, bucket, table, variant=None):
     lengths the engine keeps there, then the graph of the layers' runs. `variant`: the
     bucket's graph pick for this run instead of the table's (the table is left as it was)."""
     base, caches, seq_lens, qs, outs, start = _loop(args, bucket, args.layers)
-    spec = CallSpec(args.kv, page_size=PAGE, heads=args.heads, max_q_len=1, graph=True, host_lengths=True)
+    spec = CallSpec(args.kv, page_size=PAGE, heads=args.heads, max_q_len=args.q_len, graph=True, host_lengths=True)
     with _graph_pick(table, spec, bucket, variant):
         plan = DecodePlan(spec, max_batch=bucket, table=table, device="cuda")
         return _run(args, bucket, plan, base, caches, seq_lens, qs, outs, start)
@@ -114,7 +117,7 @@ def _graph_pick(table, spec, bucket, variant):
 def _run(args, bucket, plan, base, caches, seq_lens, qs, outs, start):
     def update(grown: int):
         plan.update(base.qo_indptr, block_table=base.block_table, seq_lens=seq_lens,
-                    q_lens_host=[1] * bucket, kv_lens_host=[n + grown for n in start])
+                    q_lens_host=[args.q_len] * bucket, kv_lens_host=[n + grown for n in start])
 
     def layers():
         for q, cache, out in zip(qs, caches, outs, strict=True):
@@ -141,22 +144,24 @@ def run_flashmla(args, bucket):
     fp8 = args.kv == "fp8"
     pages = [c.view(c.shape[0], PAGE, 1, QK_DIM) for c in caches]
     sched = flash_mla.get_mla_metadata()[0]
-    quant = [QQuantizer("fp8_dynamic", bucket * args.heads // 16, "cuda", torch.float8_e4m3fn) for _ in qs] if fp8 else None
+    q_len = args.q_len
+    quant = ([QQuantizer("fp8_dynamic", bucket * q_len * args.heads // 16, "cuda", torch.float8_e4m3fn) for _ in qs]
+             if fp8 else None)
 
     def step():
         sched.tile_scheduler_metadata, sched.num_splits = flash_mla.get_mla_decoding_metadata(
-            seq_lens, args.heads, 1, h_q=args.heads, is_fp8_kvcache=fp8, use_legacy=True)
+            seq_lens, q_len * args.heads, 1, h_q=args.heads, is_fp8_kvcache=fp8, use_legacy=True)
         for i, (q, page, out) in enumerate(zip(qs, pages, outs, strict=True)):
             extra = {}
-            q4 = q.view(bucket, 1, args.heads, QK_DIM)
+            q4 = q.view(bucket, q_len, args.heads, QK_DIM)
             if fp8:
                 q8, q_scale = quant[i](q.view(-1, 16, QK_DIM))
-                q4 = q8.view(bucket, 1, args.heads, QK_DIM)
+                q4 = q8.view(bucket, q_len, args.heads, QK_DIM)
                 extra = {"descale_q": q_scale, "descale_k": base.kv_scale}
             o, _ = flash_mla.flash_mla_with_kvcache(q4, page, base.block_table, seq_lens, V_DIM, sched,
-                                                  softmax_scale=SM_SCALE, causal=False, is_fp8_kvcache=fp8,
+                                                  softmax_scale=SM_SCALE, causal=q_len > 1, is_fp8_kvcache=fp8,
                                                   use_legacy=True, **extra)
-            out.copy_(o.view(bucket, args.heads, V_DIM))
+            out.copy_(o.view(bucket * q_len, args.heads, V_DIM))
 
     graph = serving.capture_without_sync(step)
     seq_lens.copy_(torch.tensor(start, dtype=torch.int32, device="cuda"))
@@ -176,6 +181,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=61)
     parser.add_argument("--heads", type=int, default=128)
+    parser.add_argument("--q-len", type=int, default=1, help="new tokens per sequence each step (1-4)")
     parser.add_argument("--kv", choices=("bf16", "fp8"), default="bf16")
     parser.add_argument("--buckets", default="8,32")
     parser.add_argument("--steps", type=int, default=16)
@@ -189,10 +195,20 @@ def main() -> None:
     args.lens = (int(lo), int(hi))
     if not 1 <= args.lens[0] < args.lens[1]:
         parser.error(f"--lens LO,HI needs 1 <= LO < HI, got {args.lens}")
-    variants = [Variant.parse(v) for v in args.variants.split(";") if v.strip()]
-    if variants and args.table is None:
+    if args.variants and args.table is None:
         parser.error("--variants replaces the table's graph picks: give --table")
     table = load_serving_table(args.table) if args.table is not None else None
+    spec = CallSpec(args.kv, page_size=PAGE, heads=args.heads, max_q_len=args.q_len, graph=True, host_lengths=True)
+    variants = []
+    for text in (v.strip() for v in args.variants.split(";")):
+        if text == GRAPH_PICKS:  # every variant the family's graph picks name
+            family = table.family(spec)
+            if family is None:
+                parser.error(f"{args.table} has no family for {args.kv} KV, {args.heads} heads, q_len {args.q_len}")
+            variants += [g.variant for _, g in sorted(family.graph.items())]
+        elif text:
+            variants.append(Variant.parse(text))
+    variants = list(dict.fromkeys(variants))
     rows = []
     for bucket in [int(b) for b in args.buckets.split(",")]:
         times, replays, variant = run_plan(args, bucket, table)
@@ -210,7 +226,7 @@ def main() -> None:
         rows.append(row)
         torch.cuda.empty_cache()
     platform = gpu.detect()
-    print(f"\n{platform.device_name}: {args.layers} layers, {args.heads} heads, {args.kv} KV, {PAGE}-token "
+    print(f"\n{platform.device_name}: {args.layers} layers, {args.heads} heads, q_len {args.q_len}, {args.kv} KV, {PAGE}-token "
           f"pages, lengths {args.lens[0]}-{args.lens[1]}, one CUDA graph per bucket, {args.steps} steps "
           "(median), all checked strict")
     for r in rows:
@@ -224,7 +240,7 @@ def main() -> None:
     if args.out:
         report = {"report": ENGINE_REPORT, "gpu": platform.name, "device": platform.device_name,
                   "table": str(args.table) if args.table else None, "kv_format": args.kv, "page_size": PAGE,
-                  "heads": args.heads, "q_len": 1, "layers": args.layers, "steps": args.steps,
+                  "heads": args.heads, "q_len": args.q_len, "layers": args.layers, "steps": args.steps,
                   "lens": list(args.lens), "buckets": rows}
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "engine_loop.json").write_text(json.dumps(report, indent=1))

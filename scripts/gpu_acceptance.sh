@@ -58,12 +58,12 @@
 #       H200.serving.results.jsonl.gz; or TABLE_GZ= a built table) calibrated here,
 #       `mla-tune verify` of it at each seed, then the engine loop (fp8, bf16) beside FlashMLA
 #       (ENGINE_LOOPS=0: not the engine loop)
-#   bash scripts/gpu_acceptance.sh serving-graph-steps  # on the table's GPU: the engine loop (61
-#       layers, 128 heads, q_len 1) at every batch bucket, fp8 and bf16, at each of LENS= (default
-#       "64,1024 500,4000"; ;-free LO,HI pairs), with the table's graph pick and each candidate of
-#       GRAPH_VARIANTS_bf16= / GRAPH_VARIANTS_fp8= (;-separated; default FlashMLA and FlashInfer at
-#       bf16, FlashMLA at fp8) as the bucket's pick; the reports come back as
-#       engine_KV_LO-HI.json for `mla-tune verify --engine-loop ... --repick-graph OUT`
+#   bash scripts/gpu_acceptance.sh serving-graph-steps  # on the table's GPU (TABLE=): the engine
+#       loop (61 layers) at every batch bucket of each of GRAPH_FAMILIES= (KV/heads/q_len, default
+#       all twelve) at each of LENS= (LO,HI pairs; default 500,4000), the table's graph pick beside
+#       each candidate of GRAPH_VARIANTS_bf16= / GRAPH_VARIANTS_fp8= (;-separated; default the
+#       family's graph picks, FlashMLA, and FlashInfer at bf16) as the bucket's pick; the reports
+#       come back in engine_loops.tgz for `mla-tune verify --engine-loop ... --repick-graph OUT`
 #   bash scripts/gpu_acceptance.sh serving-table        # on two GPUs: `mla-tune verify` of
 #       tables/H200.serving.yaml and the FlashInfer tests on GPU 1; on GPU 0 the fast-path and
 #       FlashMLA tests, the engine loop (bf16, fp8) beside FlashMLA, the 64 x 4000 example, host times
@@ -357,19 +357,24 @@ leaderboard-export)
   cp "$out"/check_submission*.json "$out/compile_vs_driver.json" "$keep/" 2>/dev/null
   ;;
 serving-graph-steps)
+  table=${TABLE:-tables/H200.serving.yaml}
   buckets=$(python3 -c "from mla_tune.serving.table import load_serving_table as l; \
-print(','.join(map(str, l('${TABLE:-tables/H200.serving.yaml}').batch_buckets)))")
-  for lens in ${LENS:-64,1024 500,4000}; do
-    for kv in bf16 fp8; do
-      if [ $kv = bf16 ]; then v=${GRAPH_VARIANTS_bf16:-"flashmla(kv=bf16,q=bf16);flashinfer(kernel=fa3,kv=bf16,q=bf16)"}
-      else v=${GRAPH_VARIANTS_fp8:-"flashmla(kv=fp8,q=fp8_dynamic)"}; fi
-      timed "graph-steps-$kv-$lens" timeout ${LOOP_TIMEOUT:-280} python3 scripts/engine_loop.py --kv $kv \
-        --buckets "$buckets" --lens "$lens" --table "${TABLE:-tables/H200.serving.yaml}" --variants "$v" \
-        --out "$out/graph_${kv}_$lens" > "$out/graph_${kv}_$lens.log" 2>&1
-      grep -E "^bucket|as the graph pick|Error" "$out/graph_${kv}_$lens.log" | tail -45
-      cp "$out/graph_${kv}_$lens/engine_loop.json" "$keep/engine_${kv}_${lens/,/-}.json" 2>/dev/null
+print(','.join(map(str, l('$table').batch_buckets)))")
+  mkdir -p "$out/loops"
+  for lens in ${LENS:-500,4000}; do
+    for fam in ${GRAPH_FAMILIES:-bf16/128/1 fp8/128/1 bf16/16/1 fp8/16/1 bf16/128/2 bf16/128/4 bf16/16/2 bf16/16/4 fp8/128/2 fp8/128/4 fp8/16/2 fp8/16/4}; do
+      IFS=/ read -r kv heads qlen <<< "$fam"
+      if [ $kv = bf16 ]; then v=${GRAPH_VARIANTS_bf16:-"graph-picks;flashmla(kv=bf16,q=bf16);flashinfer(kernel=fa3,kv=bf16,q=bf16)"}
+      else v=${GRAPH_VARIANTS_fp8:-"graph-picks;flashmla(kv=fp8,q=fp8_dynamic)"}; fi
+      name=engine_${kv}_h${heads}_q${qlen}_${lens/,/-}
+      timed "$name" timeout ${LOOP_TIMEOUT:-200} python3 scripts/engine_loop.py --kv $kv --heads $heads \
+        --q-len $qlen --buckets "$buckets" --lens "$lens" --table "$table" --variants "$v" \
+        --steps ${LOOP_STEPS:-16} --out "$out/$name" > "$out/$name.log" 2>&1
+      grep -E "^bucket|as the graph pick|Error" "$out/$name.log" | cut -c1-140 | tail -45
+      cp "$out/$name/engine_loop.json" "$out/loops/$name.json" 2>/dev/null
     done
   done
+  tar -czf "$keep/engine_loops.tgz" -C "$out/loops" .
   ;;
 gpu-suite)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
