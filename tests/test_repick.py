@@ -151,7 +151,8 @@ def test_engine_loops_replace_a_graph_pick_whose_step_is_slower_over_their_geome
     pick = table.families[KEY].graph[4]
     assert (pick.variant, pick.worst_regret, pick.worst_kv_len) == (Variant.parse(BETTER), 0.0, 0)
     assert pick.chosen_on == {"reports": 2, "shapes": 2, "geomean_regret": 0.0, "sweep_pick": SWEPT,
-                              "sweep_geomean_regret": round((1.2 * 1.04) ** 0.5 - 1, 4)}
+                              "sweep_geomean_regret": round((1.2 * 1.04) ** 0.5 - 1, 4),
+                              "engine_loops": ["short.json", "long.json"]}
     assert table.families[KEY].graph[8].variant == Variant.parse(SWEPT)
     assert table.provenance["graph_repick_steps"] == {"reports": ["short.json", "long.json"],
                                                       "margin": repick.MARGIN, "replaced": 1}
@@ -160,6 +161,14 @@ def test_engine_loops_replace_a_graph_pick_whose_step_is_slower_over_their_geome
     assert all(c["now"] != PARTIAL for c in changes)
     back = load_serving_table(write_serving_table(tmp_path / "t.serving.yaml", table))
     assert back.families[KEY].graph == table.families[KEY].graph
+    # verify runs that time the other variant 10% faster at both buckets re-choose bucket 8,
+    # not bucket 4, whose pick the loops chose
+    shapes = [_shape(3, {SWEPT: 100.0, BETTER: 110.0}) for _ in range(6)]
+    shapes += [_shape(7, {SWEPT: 110.0, BETTER: 100.0}) for _ in range(6)]
+    lines.clear()
+    (change,) = repick.repick_graph(back, [_report(tmp_path / "r.json", shapes)], log=lines.append)
+    assert change["batch"] == 8 and back.families[KEY].graph[4].variant == Variant.parse(BETTER)
+    assert any("batch 4" in line and "chosen on engine loops; left" in line for line in lines)
 
 
 def test_engine_loops_leave_a_pick_they_did_not_time_and_refuse_another_gpu_or_a_bad_report(tmp_path):

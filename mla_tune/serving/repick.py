@@ -39,7 +39,9 @@ candidate as the bucket's graph pick in a decode loop like an engine's (61 layer
 growing every step, the plan's update before each replay) and writes ENGINE_REPORT;
 `repick_graph_on_steps` re-chooses the picks of the buckets such loops timed, on their
 step times (the same MARGIN; no MIN_SHAPES: each loop is many steps of one mix). Its picks
-record `chosen_on` as above (shapes: the loops) and the provenance `graph_repick_steps`.
+record `chosen_on` as above (shapes: the loops) with the loops' report names
+(table.CHOSEN_ON_LOOPS), and the provenance `graph_repick_steps`; `repick_graph` leaves
+such a pick alone (an engine's step is what a graph pick is for).
 Nothing here imports torch.
 """
 
@@ -52,7 +54,14 @@ from pathlib import Path
 
 from mla_tune.core import Variant
 from mla_tune.serving.rescore import check_protocol, read_report, report_paths
-from mla_tune.serving.table import FamilyKey, GraphPick, ServingTable, batch_bucket, kv_bucket
+from mla_tune.serving.table import (
+    CHOSEN_ON_LOOPS,
+    FamilyKey,
+    GraphPick,
+    ServingTable,
+    batch_bucket,
+    kv_bucket,
+)
 from mla_tune.serving.verify import VerifyError
 
 MARGIN = 0.03  # a new pick's geomean regret must be under (1 - MARGIN) x the current pick's
@@ -98,6 +107,9 @@ def repick_graph(table: ServingTable, reports: Sequence[str | Path], *, margin: 
         current = table.families[key].graph.get(bucket)
         if current is None:
             continue
+        if current.chosen_on and CHOSEN_ON_LOOPS in current.chosen_on:  # an engine's step chose it
+            log(f"  {key}, batch {bucket}: {current.variant} was chosen on engine loops; left")
+            continue
         rows = [(r, f) for r, f, offered in offered_rows if str(current.variant) in offered]
         if len(rows) < min_shapes:
             continue
@@ -121,15 +133,17 @@ def repick_graph(table: ServingTable, reports: Sequence[str | Path], *, margin: 
 
 
 def _replace(table: ServingTable, key: FamilyKey, bucket: int, best: str, score: dict[str, float],
-             worst_regret: float, worst_kv: int, reports: int, shapes: int, log: Callable[[str], None]) -> dict:
+             worst_regret: float, worst_kv: int, reports: int, shapes: int, log: Callable[[str], None],
+             loops: list[str] | None = None) -> dict:
     """Make `best` the bucket's graph pick, chosen on `shapes` recordings of `reports` runs
-    (score: each candidate's geomean time over the fastest's there); returns the change."""
+    (score: each candidate's geomean time over the fastest's there; loops: the engine
+    loops' report names, where they were the runs); returns the change."""
     was = str(table.families[key].graph[bucket].variant)
     was_score = round(score[was] - 1.0, 4) if was in score else None
     table.families[key].graph[bucket] = GraphPick(
         bucket, Variant.parse(best), worst_regret, worst_kv,
         {"reports": reports, "shapes": shapes, "geomean_regret": round(score[best] - 1.0, 4),
-         "sweep_pick": was, "sweep_geomean_regret": was_score})
+         "sweep_pick": was, "sweep_geomean_regret": was_score, **({CHOSEN_ON_LOOPS: loops} if loops else {})})
     was_text = "not timed at every shape" if was_score is None else f"{100 * was_score:.1f}%"
     log(f"  {key}, batch {bucket}: {was} ({was_text}) -> {best} ({100 * (score[best] - 1.0):.1f}%), "
         f"{shapes} shapes")
@@ -200,7 +214,7 @@ def repick_graph_on_steps(table: ServingTable, reports: Sequence[str | Path], *,
         if best == was or not score[best] < (1.0 - margin) * score[was]:
             continue
         changes.append(_replace(table, key, bucket, best, score, max(f[best] for f in loops) - 1.0, 0,
-                                len(names), len(loops), log))
+                                len(names), len(loops), log, loops=names))
     table.provenance = {**table.provenance, "graph_repick_steps": {
         "reports": names, "margin": margin, "replaced": len(changes)}}
     table.estimator.clear()

@@ -37,7 +37,7 @@ maps a backend to what its schedule module's `load_calibration` reads (the split
 reduction's measured cost per step, serving/calibrate.py); a cell `{batch, kv_len,
 variant, time_us, runner_up?}`; a graph pick `{batch, variant, worst_regret, worst_kv_len,
 chosen_on?}` (worst_kv_len 0: the sweep's ragged mix for the bucket, or a ragged shape;
-chosen_on: the pick was chosen on recorded verify runs, serving/repick.py); a left-out cell
+chosen_on: the pick was chosen on recorded verify runs or engine loops, serving/repick.py); a left-out cell
 `{batch, kv_len, reason}`. `provenance.entry_counts` (written since 2026-12-05, optional at
 load) counts the families and, over all of them, each part's entries (ENTRY_PARTS): it sits
 above the families, so a file cut between entries, or entries removed by hand, is refused at
@@ -65,6 +65,9 @@ SERVING_SCHEMA = "serving/6"
 # A graph pick chosen on recorded verify runs says so (serving/repick.py): how many reports
 # and shapes, its geomean regret there, and the sweep's pick with its geomean regret there.
 CHOSEN_ON_FIELDS = ("reports", "shapes", "geomean_regret", "sweep_pick", "sweep_geomean_regret")
+# A pick chosen on engine loops (repick_graph_on_steps) adds the loops' report names: the
+# protocol graph picks are judged by, which a re-choice on verify runs leaves alone.
+CHOSEN_ON_LOOPS = "engine_loops"
 _KEY_FIELDS = ("kv_format", "page_size", "heads", "q_len")
 # The parts of a family whose entries provenance.entry_counts counts (calibration: its
 # backends' fields), beside the families themselves.
@@ -460,9 +463,12 @@ def _family(path: Path, index: int, raw: Any, batch_buckets: list[int], kv_bucke
             raise TableError(f"{at}: worst_kv_len {worst_kv!r:.20} is neither one of the kv_buckets "
                              "nor 0 (the ragged mix)")
         chosen_on = entry.get("chosen_on")
-        if chosen_on is not None and not (isinstance(chosen_on, dict) and set(chosen_on) == set(CHOSEN_ON_FIELDS)):
+        if chosen_on is not None and not (isinstance(chosen_on, dict)
+                                          and set(chosen_on) - {CHOSEN_ON_LOOPS} == set(CHOSEN_ON_FIELDS)
+                                          and all(isinstance(n, str) for n in chosen_on.get(CHOSEN_ON_LOOPS, []))):
             raise TableError(f"{at}: chosen_on must be a mapping of {', '.join(CHOSEN_ON_FIELDS)} "
-                             "(serving/repick.py writes it), or absent")
+                             f"(and {CHOSEN_ON_LOOPS}, a list of report names; serving/repick.py writes it), "
+                             "or absent")
         family.graph[batch] = GraphPick(batch, variant,
                                         _number(at, "worst_regret", entry.get("worst_regret")), worst_kv,
                                         dict(chosen_on) if chosen_on is not None else None)
