@@ -12,8 +12,8 @@ p95 regret is within 5% and max within 15%, and the pooled geomean, p95 and max.
 
 Ablations (default: all): today, no_reduce_step_us, no_flashinfer_model, no_splitk_models,
 MODEL_WINDOW=inf, MODEL_WORKS=inf, SplitKModel.floor=0, GluonModel.floor=0.9,
-MIN_MEASURED_WEIGHT=0, MIN_MEASURED_WEIGHT=1, EXACT_WAVES=1000, gluon_EXACT_WAVES=2 (gluon_fused's
-replays deal fewer waves exactly); envelope_batch, envelope_length and envelope_both, the
+MIN_MEASURED_WEIGHT=0, MIN_MEASURED_WEIGHT=1, EXACT_WAVES=1000, gluon_EXACT_WAVES=2 and =1000
+(gluon_fused's replays deal fewer, or all, waves exactly); envelope_batch, envelope_length and envelope_both, the
 table's points replaced by their lower envelope (a variant's time at a point the least of its
 times there and at every point of a larger batch, a longer length, or both); and backend_offsets, a change of
 the lookup's form rather than a rule taken out: each family's estimates of a backend scaled by
@@ -53,6 +53,7 @@ CONSTANTS = {  # ablation -> (module, name, value)
     "MIN_MEASURED_WEIGHT=1": (estimate, "MIN_MEASURED_WEIGHT", 1.0),
     "EXACT_WAVES=1000": (triton_splitk_schedule, "EXACT_WAVES", 1000),
     "gluon_EXACT_WAVES=2": (gluon_fused_schedule, "EXACT_WAVES", 2),
+    "gluon_EXACT_WAVES=1000": (gluon_fused_schedule, "EXACT_WAVES", 1000),
 }
 FORMS = ("backend_offsets",)
 ABLATIONS = ("today", *FAMILY_EDITS, *CONSTANTS, *FORMS)
