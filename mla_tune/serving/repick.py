@@ -201,9 +201,10 @@ def repick_graph_on_steps(table: ServingTable, reports: Sequence[str | Path], *,
                                   f"({sorted(table.families[key].graph)})")
             fastest = min(row["steps_ms"].values())
             rows.setdefault((key, row["bucket"]), []).append(
-                {v: t / fastest for v, t in row["steps_ms"].items()})
+                (path.name, {v: t / fastest for v, t in row["steps_ms"].items()}))
     changes = []
-    for (key, bucket), loops in sorted(rows.items()):
+    for (key, bucket), named in sorted(rows.items()):
+        loops = [factors for _, factors in named]
         was = str(table.families[key].graph[bucket].variant)
         everywhere = set.intersection(*(set(f) for f in loops))
         if was not in everywhere:
@@ -213,8 +214,9 @@ def repick_graph_on_steps(table: ServingTable, reports: Sequence[str | Path], *,
         best = min(sorted(score), key=score.__getitem__)
         if best == was or not score[best] < (1.0 - margin) * score[was]:
             continue
+        timed_in = list(dict.fromkeys(name for name, _ in named))  # the reports that timed this bucket
         changes.append(_replace(table, key, bucket, best, score, max(f[best] for f in loops) - 1.0, 0,
-                                len(names), len(loops), log, loops=names))
+                                len(timed_in), len(loops), log, loops=timed_in))
     table.provenance = {**table.provenance, "graph_repick_steps": {
         "reports": names, "margin": margin, "replaced": len(changes)}}
     table.estimator.clear()
