@@ -183,6 +183,8 @@ def test_engine_loops_leave_a_pick_they_did_not_time_and_refuse_another_gpu_or_a
                        (_loop(tmp_path / "bucket.json", {6: {SWEPT: 2.0}}), "batch 6 is not a batch bucket"),
                        (_loop(tmp_path / "zero.json", {4: {SWEPT: 0.0}}), "positive ms per step"),
                        (_loop(tmp_path / "kind.json", {4: {SWEPT: 1.0}}, report="other"), "not an engine-loop report"),
+                       (_loop(tmp_path / "row.json", {}, buckets=[4]), "a bucket's row needs"),
+                       (_loop(tmp_path / "text.json", {4: {"not a variant": 1.0}}), "batch 4: variant text"),
                        (tmp_path / "missing.json", "no such engine-loop report")]:
         with pytest.raises(VerifyError, match=says):
             repick.repick_graph_on_steps(table, [path], log=lambda _: None)

@@ -156,7 +156,7 @@ def read_engine_report(path: str | Path) -> dict:
     VerifyError names what is wrong."""
     path = Path(path)
     try:
-        report = json.loads(Path(path).read_text())
+        report = json.loads(path.read_text())
     except FileNotFoundError:
         raise VerifyError(f"{path}: no such engine-loop report; write one with "
                           "`python scripts/engine_loop.py --table T --variants ... --out DIR`") from None
@@ -168,12 +168,19 @@ def read_engine_report(path: str | Path) -> dict:
     missing = [f for f in ENGINE_FIELDS if f not in report]
     if missing:
         raise VerifyError(f"{path}: the engine-loop report lacks {', '.join(missing)}")
+    if not isinstance(report["buckets"], list):
+        raise VerifyError(f"{path}: the engine-loop report's buckets must be a list of rows")
     for row in report["buckets"]:
         steps = row.get("steps_ms") if isinstance(row, dict) else None
-        if not (isinstance(row.get("bucket"), int) and isinstance(steps, dict) and steps
+        if not (isinstance(steps, dict) and steps and isinstance(row.get("bucket"), int)
                 and all(isinstance(t, (int, float)) and t > 0 for t in steps.values())):
             raise VerifyError(f"{path}: a bucket's row needs its batch (bucket) and each variant's positive "
                               f"ms per step (steps_ms), got {row!r:.200}")
+        for text in steps:
+            try:
+                Variant.parse(text)
+            except ValueError as exc:
+                raise VerifyError(f"{path}: batch {row['bucket']}: {exc}") from None
     return report
 
 
@@ -184,7 +191,7 @@ def repick_graph_on_steps(table: ServingTable, reports: Sequence[str | Path], *,
     loops (each over the fastest there) is smallest replaces the pick where that is under
     (1 - margin) x the current pick's; a bucket whose current pick some loop did not time
     is left. Every report must come from the table's GPU. Returns the picks replaced."""
-    rows: dict[tuple[FamilyKey, int], list[dict[str, float]]] = {}
+    rows: dict[tuple[FamilyKey, int], list[tuple[str, dict[str, float]]]] = {}  # (report, time / fastest)
     names = []
     for path in map(Path, reports):
         report = read_engine_report(path)
