@@ -13,9 +13,10 @@ includes it). The same loop with FlashMLA's own call (its schedule made once per
 inside the graph) is timed beside it. `--variants` (with `--table`; `graph-picks` in the
 list stands for every variant the family's graph picks name) times the loop again with each
 variant as the bucket's graph pick, on the same lengths: what each candidate costs an
-engine's step. `--q-len N`: each sequence brings N new tokens a step (a spec of max_q_len N). Before timing, the first and last layers' outputs of the first and
-last step are checked against mla_tune.serving.inputs' fp32 reference (strict rule).
-Prints ms per step and us per layer; `--out DIR` writes DIR/engine_loop.json, the report
+engine's step. `--q-len N`: each sequence brings N new tokens a step (a spec of max_q_len
+N). Before timing, the first and last layers' outputs of the first and last step are
+checked against mla_tune.serving.inputs' fp32 reference (strict rule). Prints ms per step
+and us per layer; `--out DIR` writes DIR/engine_loop.json (atomically), the report
 `mla-tune verify --table T --engine-loop REPORT --repick-graph OUT` re-chooses graph picks
 on (mla_tune/serving/repick.py: ENGINE_REPORT).
 """
@@ -32,6 +33,7 @@ import torch
 
 from mla_tune import gpu, problem
 from mla_tune.core import QK_DIM, SM_SCALE, V_DIM, CallSpec, Variant
+from mla_tune.fileio import atomic_write_text
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.decode_plan import DecodePlan
 from mla_tune.serving.repick import ENGINE_REPORT
@@ -243,7 +245,7 @@ def main() -> None:
                   "heads": args.heads, "q_len": args.q_len, "layers": args.layers, "steps": args.steps,
                   "lens": list(args.lens), "buckets": rows}
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "engine_loop.json").write_text(json.dumps(report, indent=1))
+        atomic_write_text(args.out / "engine_loop.json", json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
