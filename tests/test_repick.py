@@ -1,9 +1,13 @@
 """Graph picks re-chosen on recorded verify runs (serving/repick.py, `verify --repick-graph`)."""
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from mla_tune.core import Variant
 from mla_tune.serving import repick
@@ -20,6 +24,7 @@ from mla_tune.serving.verify import VERIFY_SCHEMA, VerifyError
 from tests.helpers import invoke
 
 KEY = FamilyKey("bf16", 64, 16, 1)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _v(splits: int) -> str:
@@ -204,3 +209,27 @@ def test_the_command_repicks_on_engine_loops_and_asks_for_one_source(tmp_path):
                        (["--engine-loop", loop, "--rescore", report, "--repick-graph", out], "one of the two")]:
         refused = invoke("verify", "--table", source, *args)
         assert refused.exit_code == 2 and says in refused.output, refused.output
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_engine_loop_writes_a_report_the_re_choice_reads(tmp_path):
+    """scripts/engine_loop.py on the GPU, 2 layers, buckets 1 and 2 of bf16 at 16 heads and
+    q_len 2, the family's graph picks and FlashMLA as candidates (each checked strict by the
+    script): its report names every candidate at every bucket, and the re-choice reads it."""
+    table = ROOT / "tables" / "H200.serving.yaml"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "engine_loop.py"), "--layers", "2", "--steps", "3", "--buckets", "1,2",
+         "--kv", "bf16", "--heads", "16", "--q-len", "2", "--lens", "64,300", "--table", str(table),
+         "--variants", "graph-picks;flashmla(kv=bf16,q=bf16)", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = repick.read_engine_report(tmp_path / "engine_loop.json")
+    assert (report["heads"], report["q_len"], report["layers"], report["lens"]) == (16, 2, 2, [64, 300])
+    family = load_serving_table(table).families[FamilyKey("bf16", 64, 16, 2)]
+    candidates = {str(g.variant) for g in family.graph.values()} | {"flashmla(kv=bf16,q=bf16)"}
+    assert [row["bucket"] for row in report["buckets"]] == [1, 2]
+    assert all(set(row["steps_ms"]) == candidates for row in report["buckets"])
+    chosen = load_serving_table(table)
+    chosen.gpu = report["gpu"]  # the committed table's GPU may not be this one
+    repick.repick_graph_on_steps(chosen, [tmp_path / "engine_loop.json"], log=lambda _line: None)
