@@ -13,6 +13,7 @@ from mla_tune.serving.table import (
     FamilyKey,
     GraphPick,
     ServingTable,
+    load_serving_table,
     write_serving_table,
 )
 from tests.helpers import CPU_TABLE as LEADERBOARD
@@ -86,10 +87,10 @@ def test_show_prints_every_pick_in_80_columns_and_its_json_every_cell(tmp_path):
     assert legend == {"A": str(_v(8)), "B": str(_v(64))}  # the most used first, each in full
     first = lines.index(next(line for line in lines if "(fp8/p64/h128/q2)" in line))
     start = next(i for i in range(first, len(lines)) if lines[i].split()[:1] == ["batch"])
-    assert lines[start].split() == ["batch", "1024", "8192", "65536", "graph", "worst"]
+    assert lines[start].split() == ["batch", "1024", "8192", "65536", "graph", "worst", "by"]
     rows = {line.split()[0]: line.split()[1:] for line in lines[start + 1:start + 4]}
-    assert rows == {"1": ["A", "A", "B", "A", "12.5%"], "32": ["A", "A", "B", "A", "12.5%"],
-                    "256": ["A", ".", "-", "A", "12.5%"]}
+    assert rows == {"1": ["A", "A", "B", "A", "12.5%", "sweep"], "32": ["A", "A", "B", "A", "12.5%", "sweep"],
+                    "256": ["A", ".", "-", "A", "12.5%", "sweep"]}
     assert "  candidates: triton 10, flashinfer 1" in lines
     assert any("-: 1 cell(s) left out by the config, e.g. 256x65536: over max_kv_bytes" in line
                for line in lines)
@@ -238,8 +239,22 @@ def test_the_committed_serving_table_shows_in_80_columns_through_a_pipe():
     heads = [line for line in lines if " KV, " in line and "): " in line]  # ... and in the view
     assert families >= 1 and len(heads) == families
     grids = [line for line in lines if line.split()[:1] == ["batch"] and "buckets:" not in line]
-    assert len(grids) == families and all(g.split()[-2:] == ["graph", "worst"] for g in grids)
+    assert len(grids) == families and all(g.split()[-3:] == ["graph", "worst", "by"] for g in grids)
     assert "provenance:" in lines and any(line.startswith("  config: configs/serving.yaml") for line in lines)
+    # which graph picks engine loops chose (bf16 bucket 8 at 128 heads, q_len 1, among them)
+    table = load_serving_table(COMMITTED)
+    loops = table.provenance["graph_repick_steps"]
+    assert any(line == f"  graph picks: {table.provenance['graph_repick']['replaced']} re-chosen on "
+               f"{len(table.provenance['graph_repick']['reports'])} verify reports; {loops['replaced']} "
+               f"re-chosen on {len(loops['reports'])} engine loops" for line in lines)
+    first = lines.index(next(line for line in lines if "(bf16/p64/h128/q1)" in line))
+    row = next(line.split() for line in lines[first:] if line.split()[:1] == ["8"])
+    rows = [line.split() for line in lines if line.split()[:1] and line.split()[0].isdigit()]
+    assert row[-1] == "loops" and sum(r[-1] == "loops" for r in rows) == loops["replaced"]
+    data = json.loads(invoke("show", "--table", COMMITTED, "--json").output)
+    graph = next(f for f in data["families"] if f["tag"] == "bf16/p64/h128/q1")["graph"]
+    assert next(g for g in graph if g["batch"] == 8)["chosen_on"]["engine_loops"] == [
+        "engine_bf16_h128_q1_500-4000.json"]
 
 
 def test_a_grid_too_wide_for_80_columns_splits_its_kv_columns(tmp_path):
@@ -255,7 +270,7 @@ def test_a_grid_too_wide_for_80_columns_splits_its_kv_columns(tmp_path):
     headers = [line.split() for line in lines if line.split()[:1] == ["batch"] and "buckets:" not in line]
     shown = [int(k) for h in headers for k in h[1:] if k.isdigit()]
     assert sorted(shown) == sorted(kvs * 4)  # every kv bucket in both families' picks and times grids
-    assert sum(h[-2:] == ["graph", "worst"] for h in headers) == 2  # once per family, after its last kvs
+    assert sum(h[-3:] == ["graph", "worst", "by"] for h in headers) == 2  # once per family, after its last kvs
 
 
 def test_table_kind_reads_the_schema_line_without_parsing_the_table(tmp_path):

@@ -8,7 +8,8 @@ per batch bucket, far more than fit as full variants in a grid, so:
 
 - each family's picks print as a grid of short labels (A, B, ...: one per distinct variant
   in the family, the most used first): a row per batch bucket, a column per kv bucket,
-  then the bucket's graph pick and its worst regret over the kv buckets. `-` marks a cell
+  then the bucket's graph pick, its worst regret over the kv buckets, and what chose it (the
+  sweep, recorded verify runs, or engine loops: serving/repick.py). `-` marks a cell
   the config left out (its reason follows the grid), `.` a cell with neither a pick nor a
   reason. Kv columns that do not fit the width go to a second grid. With `times`
   (`show --times`) a grid of the eager picks' times follows in the same layout.
@@ -103,7 +104,8 @@ def _family_view(family: Family, provenance: Mapping) -> dict:
                    **({"runner_up": c.runner_up} if c.runner_up else {})}
                   for _, c in sorted(family.cells.items())],
         "graph": [{"batch": g.batch, "variant": str(g.variant),
-                   "worst_regret": round(g.worst_regret, 4), "worst_kv_len": g.worst_kv_len}
+                   "worst_regret": round(g.worst_regret, 4), "worst_kv_len": g.worst_kv_len,
+                   **({"chosen_on": dict(g.chosen_on)} if g.chosen_on else {})}
                   for _, g in sorted(family.graph.items())],
         "left_out": sorted((dict(c) for c in family.left_out), key=lambda c: (c["batch"], c["kv_len"])),
         "points": len(family.points),
@@ -185,9 +187,10 @@ def _family_lines(family: dict, batch_buckets: Sequence[int], kv_buckets: Sequen
                 row.append(LEFT_OUT if (batch, kv) in left else NO_PICK)
                 missing += (batch, kv) not in left
         pick = graph.get(batch)
-        row += [labels[pick["variant"]], share(pick["worst_regret"])] if pick else [NO_PICK, "-"]
+        row += ([labels[pick["variant"]], share(pick["worst_regret"]), _chosen_by(pick)] if pick
+                else [NO_PICK, "-", "-"])
         rows.append(row)
-    lines += _fitting_grids(["batch", *map(str, kv_buckets), "graph", "worst"], rows, 1, 2, width, left=0)
+    lines += _fitting_grids(["batch", *map(str, kv_buckets), "graph", "worst", "by"], rows, 1, 3, width, left=0)
     if times:
         lines += _times_lines(family, batch_buckets, kv_buckets, width)
     lines += _left_out_lines(family, width)
@@ -199,6 +202,15 @@ def _family_lines(family: dict, batch_buckets: Sequence[int], kv_buckets: Sequen
     return lines
 
 
+def _chosen_by(pick: Mapping) -> str:
+    """What chose a graph pick (its view's chosen_on): the sweep, recorded verify runs, or
+    engine loops (serving/repick.py)."""
+    from mla_tune.serving.table import CHOSEN_ON_LOOPS
+
+    chosen_on = _mapping(pick.get("chosen_on"))
+    return "sweep" if not chosen_on else "loops" if CHOSEN_ON_LOOPS in chosen_on else "runs"
+
+
 def _provenance_lines(prov: Mapping, width: int) -> list[str]:
     gpu, config, rule = _mapping(prov.get("gpu")), _mapping(prov.get("config")), _mapping(prov.get("rule"))
     protocol, search = _mapping(prov.get("protocol")), _mapping(prov.get("search"))
@@ -206,6 +218,10 @@ def _provenance_lines(prov: Mapping, width: int) -> list[str]:
     tuned = clip(prov.get("date") or "-", 60)
     if prov.get("mla_tune_version"):
         tuned += f" with mla-tune {clip(prov['mla_tune_version'], 40)}"
+    repicked = "; ".join(  # the graph picks re-chosen after the sweep (serving/repick.py)
+        f"{clip(done.get('replaced'), 10)} re-chosen on {len(done.get('reports') or ())} {what}"
+        for what, done in (("verify reports", _mapping(prov.get("graph_repick"))),
+                           ("engine loops", _mapping(prov.get("graph_repick_steps")))) if done)
     lines = ["provenance:"]
     for key, text, sep in (
         ("device", f"{clip(gpu.get('device_name') or '-', 80)} ({clip(gpu.get('arch') or '-', 40)}, "
@@ -222,6 +238,7 @@ def _provenance_lines(prov: Mapping, width: int) -> list[str]:
         *((("models", f"fitted again {clip(refit.get('date') or '-', 40)} from "
                       f"{', '.join(clip(r, 80) for r in refit.get('results') or ()) or '-'}", " "),)
           if (refit := _mapping(prov.get("models_refit"))) else ()),
+        *((("graph picks", repicked, "; "),) if repicked else ()),
     ):
         lines += wrap(f"  {key}: ", " ".join(text.split()), width, sep=sep)
     return lines
@@ -229,7 +246,9 @@ def _provenance_lines(prov: Mapping, width: int) -> list[str]:
 
 LEGEND = ("Each grid: a row per batch bucket, a column per kv bucket; a letter is the family's "
           "eager pick there, its variant under the grid; graph: the batch bucket's CUDA-graph pick, "
-          "worst: its largest regret over the kv buckets; -: left out, .: no pick. "
+          "worst: its largest regret over the kv buckets (a pick chosen on engine loops: its step "
+          "over the fastest's there), by: what chose it (the sweep, recorded verify runs, or engine "
+          "loops); -: left out, .: no pick. "
           "--times adds each family's grid of times; --json prints every cell with its time "
           "and runner-up.")
 
