@@ -37,7 +37,9 @@ maps a backend to what its schedule module's `load_calibration` reads (the split
 reduction's measured cost per step, serving/calibrate.py); a cell `{batch, kv_len,
 variant, time_us, runner_up?}`; a graph pick `{batch, variant, worst_regret, worst_kv_len,
 chosen_on?}` (worst_kv_len 0: the sweep's ragged mix for the bucket, or a ragged shape;
-chosen_on: the pick was chosen on recorded verify runs or engine loops, serving/repick.py); a left-out cell
+chosen_on: the pick was chosen on recorded verify runs, or on engine loops, whose report
+names it then lists as engine_loops, an optional key added in serving/6 on 2026-12-06 that
+an mla-tune of before then refuses; serving/repick.py); a left-out cell
 `{batch, kv_len, reason}`. `provenance.entry_counts` (written since 2026-12-05, optional at
 load) counts the families and, over all of them, each part's entries (ENTRY_PARTS): it sits
 above the families, so a file cut between entries, or entries removed by hand, is refused at
