@@ -186,7 +186,7 @@ def test_diff_of_serving_tables_flags_pick_and_time_changes_per_family_and_show_
     legend = _legend(lines, "fp8/p64/h128/q2")
     assert legend == {"A": str(_v(8)), "B": str(_v(64)), "C": str(_v(16))}  # the most used first
     graph = [line.split() for line in lines if line.startswith("  32 ")]
-    assert graph == [["32", "A", "B", "12.5%", "5.0%", "pick", "changed"]]
+    assert graph == [["32", "A", "B", "12.5%", "5.0%", "sweep", "pick", "changed"]]
     data = json.loads(invoke("diff", old, new, "--json").output)
     assert data["kind"] == "serving" and data["noise"] == 0.01
     cells = {(c["batch"], c["kv_len"]): c for f in data["families"] if f["family"] == str(FP8) for c in f["cells"]}

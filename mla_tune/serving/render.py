@@ -312,6 +312,7 @@ def _family_diff(key: FamilyKey, old: Family | None, new: Family | None) -> dict
         graph.append({"batch": batch, "old_pick": a and str(a.variant), "new_pick": b and str(b.variant),
                       "old_worst_regret": a and round(a.worst_regret, 4),
                       "new_worst_regret": b and round(b.worst_regret, 4),
+                      "new_chosen_by": b and _chosen_by({"chosen_on": b.chosen_on}),
                       "status": ("only in new" if a is None else "only in old" if b is None else
                                  "same pick" if a.variant == b.variant else "pick changed")})
     return {"family": str(key), "key": key.as_dict(), "tag": key.tag, "status": status,
@@ -338,7 +339,7 @@ def _points_text(points: dict) -> str:
 def diff_serving(old: ServingTable, new: ServingTable) -> dict:
     """Two serving tables compared: per family (in either), every cell's old and new pick
     and time, the change and whether it is outside the noise, and every graph pick's old
-    and new variant and worst regret (see the module docstring)."""
+    and new variant and worst regret, and what chose the new one (see the module docstring)."""
     keys = sorted(old.families.keys() | new.families.keys())
     return {"kind": "serving", "old_gpu": old.gpu, "new_gpu": new.gpu, "noise": round(noise(), 4),
             "batch_buckets": {"old": list(old.batch_buckets), "new": list(new.batch_buckets)},
@@ -376,8 +377,9 @@ def _family_diff_lines(family: dict, width: int) -> list[str]:
                                                 "pick"], rows, left=3)]
     if graph:
         rows = [[str(g["batch"]), labels.get(g["old_pick"], "-"), labels.get(g["new_pick"], "-"),
-                 share(g["old_worst_regret"]), share(g["new_worst_regret"]), g["status"]] for g in graph]
-        lines += ["  " + line for line in grid(["graph", "old", "new", "old worst", "new worst", "pick"],
+                 share(g["old_worst_regret"]), share(g["new_worst_regret"]), g["new_chosen_by"] or "-",
+                 g["status"]] for g in graph]
+        lines += ["  " + line for line in grid(["graph", "old", "new", "old worst", "new worst", "new by", "pick"],
                                                rows, left=3)]
     width_label = max((len(x) for x in labels.values()), default=1)
     for variant, label in labels.items():
