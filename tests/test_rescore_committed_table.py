@@ -71,8 +71,8 @@ def test_every_pick_was_measured_and_the_eager_and_held_out_graph_regret_stay_wi
         assert chosen_on and all(_seed(Path(n)) % 2 == 0 for n in chosen_on)
 
         def on_loops(shape) -> bool:  # its bucket's graph pick was chosen on engine loops
-            pick = table.families[FamilyKey(**shape["family"])].graph[batch_bucket(table.batch_buckets, shape["batch"])]
-            return bool(pick.chosen_on and CHOSEN_ON_LOOPS in pick.chosen_on)
+            family = table.families[FamilyKey(**shape["family"])]
+            return family.graph[batch_bucket(table.batch_buckets, shape["batch"])].chosen_by == "loops"
 
         pooled = regret_stats([r["regret"]["graph"] for r in scored["shapes"] if not on_loops(r)])
         assert pooled["n"] >= 120 and pooled["geomean"] <= graph[0] and pooled["p95"] <= graph[1], pooled
@@ -93,7 +93,7 @@ def test_the_graph_picks_chosen_on_engine_loops_are_the_loops_choice():
             pick = family.graph[row["bucket"]]
             steps = row["steps_ms"]
             assert steps[str(pick.variant)] * (1 - repick.MARGIN) <= min(steps.values()), (path.name, row["bucket"])
-            if pick.chosen_on and CHOSEN_ON_LOOPS in pick.chosen_on:
+            if pick.chosen_by == "loops":
                 assert pick.chosen_on[CHOSEN_ON_LOOPS] == [path.name]
             timed += 1
     assert timed == 140  # 7 families x 20 buckets

@@ -142,6 +142,10 @@ def test_a_written_table_loads_back_equal_with_its_points_models_and_calibration
     (lambda d: _fp8(d)["cells"][0].update(runner_up={"variant": "nosuch(kv=fp8,q=bf16)", "time_us": 1.0}),
      "runner_up.variant names unknown backend 'nosuch'"),
     (lambda d: _fp8(d)["graph"][0].update(worst_kv_len=7), "worst_kv_len"),
+    (lambda d: _fp8(d)["graph"][0].update(chosen_on={"reports": 1, "shapes": 1, "geomean_regret": 0.0,
+                                                     "sweep_pick": "x", "sweep_geomean_regret": 0.1,
+                                                     "engine_loops": "loop.json"}),
+     "engine_loops, a list of report names"),
     (lambda d: _fp8(d)["left_out"][0].update(reason=""), "must say why"),
     (lambda d: d["families"].append(copy.deepcopy(_fp8(d))), "a second family"),
     # the points and the vendors' (linear) models

@@ -166,6 +166,8 @@ def _times_lines(family: dict, batch_buckets: Sequence[int], kv_buckets: Sequenc
 
 def _family_lines(family: dict, batch_buckets: Sequence[int], kv_buckets: Sequence[int],
                   width: int, times: bool = False) -> list[str]:
+    from mla_tune.serving.table import chosen_by
+
     picks = {(c["batch"], c["kv_len"]): c["variant"] for c in family["cells"]}
     graph = {g["batch"]: g for g in family["graph"]}
     left = {(c.get("batch"), c.get("kv_len")) for c in family["left_out"]}
@@ -187,8 +189,8 @@ def _family_lines(family: dict, batch_buckets: Sequence[int], kv_buckets: Sequen
                 row.append(LEFT_OUT if (batch, kv) in left else NO_PICK)
                 missing += (batch, kv) not in left
         pick = graph.get(batch)
-        row += ([labels[pick["variant"]], share(pick["worst_regret"]), _chosen_by(pick)] if pick
-                else [NO_PICK, "-", "-"])
+        row += ([labels[pick["variant"]], share(pick["worst_regret"]), chosen_by(_mapping(pick.get("chosen_on")))]
+                if pick else [NO_PICK, "-", "-"])
         rows.append(row)
     lines += _fitting_grids(["batch", *map(str, kv_buckets), "graph", "worst", "by"], rows, 1, 3, width, left=0)
     if times:
@@ -200,15 +202,6 @@ def _family_lines(family: dict, batch_buckets: Sequence[int], kv_buckets: Sequen
     for variant, label in labels.items():
         lines += variant_lines(f"  {family['tag']} {label.ljust(width_label)}  ", variant, width)
     return lines
-
-
-def _chosen_by(pick: Mapping) -> str:
-    """What chose a graph pick (its view's chosen_on): the sweep, recorded verify runs, or
-    engine loops (serving/repick.py)."""
-    from mla_tune.serving.table import CHOSEN_ON_LOOPS
-
-    chosen_on = _mapping(pick.get("chosen_on"))
-    return "sweep" if not chosen_on else "loops" if CHOSEN_ON_LOOPS in chosen_on else "runs"
 
 
 def _provenance_lines(prov: Mapping, width: int) -> list[str]:
@@ -312,7 +305,7 @@ def _family_diff(key: FamilyKey, old: Family | None, new: Family | None) -> dict
         graph.append({"batch": batch, "old_pick": a and str(a.variant), "new_pick": b and str(b.variant),
                       "old_worst_regret": a and round(a.worst_regret, 4),
                       "new_worst_regret": b and round(b.worst_regret, 4),
-                      "new_chosen_by": b and _chosen_by({"chosen_on": b.chosen_on}),
+                      "new_chosen_by": b and b.chosen_by,
                       "status": ("only in new" if a is None else "only in old" if b is None else
                                  "same pick" if a.variant == b.variant else "pick changed")})
     return {"family": str(key), "key": key.as_dict(), "tag": key.tag, "status": status,

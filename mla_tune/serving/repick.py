@@ -107,7 +107,7 @@ def repick_graph(table: ServingTable, reports: Sequence[str | Path], *, margin: 
         current = table.families[key].graph.get(bucket)
         if current is None:
             continue
-        if current.chosen_on and CHOSEN_ON_LOOPS in current.chosen_on:  # an engine's step chose it
+        if current.chosen_by == "loops":  # an engine's step chose it
             log(f"  {key}, batch {bucket}: {current.variant} was chosen on engine loops; left")
             continue
         rows = [(r, f) for r, f, offered in offered_rows if str(current.variant) in offered]

@@ -125,9 +125,20 @@ class GraphPick:
     variant: Variant
     worst_regret: float  # max over the kv buckets (and the ragged mix) of time / best there - 1
     worst_kv_len: int  # where that worst case is; 0: the bucket's ragged mix
-    # Where the pick was chosen on recorded verify runs (serving/repick.py) instead of the
-    # sweep's cells: {reports, shapes, geomean_regret, sweep_pick, sweep_geomean_regret}
+    # Where the pick was chosen on recorded verify runs or engine loops (serving/repick.py)
+    # instead of the sweep's cells: {reports, shapes, geomean_regret, sweep_pick,
+    # sweep_geomean_regret, engine_loops?}
     chosen_on: dict | None = None
+
+    @property
+    def chosen_by(self) -> str:
+        return chosen_by(self.chosen_on)
+
+
+def chosen_by(chosen_on: Mapping | None) -> str:
+    """What chose a graph pick, from its chosen_on: "sweep" (none), "loops" (engine loops:
+    CHOSEN_ON_LOOPS), else "runs" (recorded verify runs)."""
+    return "sweep" if not chosen_on else "loops" if CHOSEN_ON_LOOPS in chosen_on else "runs"
 
 
 @dataclass
@@ -467,7 +478,8 @@ def _family(path: Path, index: int, raw: Any, batch_buckets: list[int], kv_bucke
         chosen_on = entry.get("chosen_on")
         if chosen_on is not None and not (isinstance(chosen_on, dict)
                                           and set(chosen_on) - {CHOSEN_ON_LOOPS} == set(CHOSEN_ON_FIELDS)
-                                          and all(isinstance(n, str) for n in chosen_on.get(CHOSEN_ON_LOOPS, []))):
+                                          and isinstance(loops := chosen_on.get(CHOSEN_ON_LOOPS, []), list)
+                                          and all(isinstance(n, str) for n in loops)):
             raise TableError(f"{at}: chosen_on must be a mapping of {', '.join(CHOSEN_ON_FIELDS)} "
                              f"(and {CHOSEN_ON_LOOPS}, a list of report names; serving/repick.py writes it), "
                              "or absent")
