@@ -95,10 +95,15 @@ def run_plan(args, bucket, table, variant=None):
     lengths the engine keeps there, then the graph of the layers' runs. `variant`: the
     bucket's graph pick for this run instead of the table's (the table is left as it was)."""
     base, caches, seq_lens, qs, outs, start = _loop(args, bucket, args.layers)
-    spec = CallSpec(args.kv, page_size=PAGE, heads=args.heads, max_q_len=args.q_len, graph=True, host_lengths=True)
+    spec = _spec(args)
     with _graph_pick(table, spec, bucket, variant):
         plan = DecodePlan(spec, max_batch=bucket, table=table, device="cuda")
         return _run(args, bucket, plan, base, caches, seq_lens, qs, outs, start)
+
+
+def _spec(args) -> CallSpec:
+    """The loop's call: a CUDA-graph plan with the engine's host lengths."""
+    return CallSpec(args.kv, page_size=PAGE, heads=args.heads, max_q_len=args.q_len, graph=True, host_lengths=True)
 
 
 @contextlib.contextmanager
@@ -200,7 +205,7 @@ def main() -> None:
     if args.variants and args.table is None:
         parser.error("--variants replaces the table's graph picks: give --table")
     table = load_serving_table(args.table) if args.table is not None else None
-    spec = CallSpec(args.kv, page_size=PAGE, heads=args.heads, max_q_len=args.q_len, graph=True, host_lengths=True)
+    spec = _spec(args)
     variants = []
     for text in (v.strip() for v in args.variants.split(";")):
         if text == GRAPH_PICKS:  # every variant the family's graph picks name
