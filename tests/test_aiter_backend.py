@@ -30,6 +30,7 @@ DIRECT = {"mode": "direct", "fast_mode": False, "intra_batch": True, "max_split_
 BF16_DIRECT = Variant.make("aiter", kv="bf16", q="bf16", **DIRECT)
 F3BE04A12 = "0.1.10.post4.dev78+gf3be04a12a"  # setuptools_scm's version of the runner's commit
 STRICT = problem.RULES["strict"]
+MI355X = gpu.fake_platform("MI355X")
 
 
 def install(monkeypatch, release, **config):
@@ -140,18 +141,13 @@ _SIGNATURES = {"0.1.11": _OLD, F3BE04A12: _OLD,
                "0.1.20.post1": (_V01120_DECODE, _V01120_INFO, _V01120_BUILDER, _V01120_STAGE1, _V01120_REDUCE)}
 
 
-def _expected(spec):
-    empty = inspect.Parameter.empty
-    return [(s, "POSITIONAL_OR_KEYWORD", empty) if isinstance(s, str) else (s[0], "POSITIONAL_OR_KEYWORD", s[1])
-            for s in spec]
-
-
 def test_fake_has_the_signatures_of_its_release_and_the_backend_reads_them(aiter):
     entries = (aiter.mla.mla_decode_fwd, aiter.get_mla_metadata_info_v1, aiter.get_mla_metadata_v1,
                aiter.mla_decode_stage1_asm_fwd, aiter.mla_reduce_v1)
     for entry, spec in zip(entries, _SIGNATURES[aiter.__version__], strict=True):
         got = [(p.name, p.kind.name, p.default) for p in inspect.signature(entry).parameters.values()]
-        assert got == _expected(spec), entry.__name__
+        assert got == [(s, "POSITIONAL_OR_KEYWORD", inspect.Parameter.empty) if isinstance(s, str)
+                       else (s[0], "POSITIONAL_OR_KEYWORD", s[1]) for s in spec], entry.__name__
     # pybind ops declared without py::arg names take positional arguments only
     for op in (aiter.static_per_tensor_quant, aiter.dynamic_per_tensor_quant):
         assert {p.kind.name for p in inspect.signature(op).parameters.values()} == {"POSITIONAL_ONLY"}
@@ -438,7 +434,7 @@ def _mi355x_candidates(shape, platform):
 def test_candidates_come_only_on_a_hip_platform(aiter):
     shape = Shape(4, 1024)
     assert _mi355x_candidates(shape, gpu.fake_platform("H200")) == []
-    variants = _mi355x_candidates(shape, gpu.fake_platform("MI355X"))
+    variants = _mi355x_candidates(shape, MI355X)
     assert len(variants) == len(set(variants)) > 20
     for v in variants:
         assert v.get("kv") in ("bf16", "fp8") and v.get("q") in ("bf16", "fp8_dynamic", "fp8_static")
@@ -462,7 +458,7 @@ def test_candidates_come_only_on_a_hip_platform(aiter):
 def test_persistent_caps_are_offered_once_per_distinct_metadata(aiter, shape):
     """Two candidates whose work lists would be identical are never both offered, and the
     caps that change the work at this shape are all there."""
-    variants = [v for v in _mi355x_candidates(shape, gpu.fake_platform("MI355X")) if v.get("mode") == "persistent"]
+    variants = [v for v in _mi355x_candidates(shape, MI355X) if v.get("mode") == "persistent"]
     cu = 256
     keys = {}
     for v in variants:
@@ -513,11 +509,10 @@ def test_the_mi355x_config_follows_gfx950_facts_and_plans_a_modest_sweep(aiter):
     from mla_tune.backends import get_backend
 
     config = load_config(REPO / "configs" / "mi355x.yaml")
-    platform = gpu.fake_platform("MI355X")
     counts = {}
     for name, space in config.backends.items():
         backend = get_backend(name)
-        per_shape = [set(v for grid in expand_space(space) for v in backend.candidates(shape, grid, platform))
+        per_shape = [set(v for grid in expand_space(space) for v in backend.candidates(shape, grid, MI355X))
                      for shape in config.shapes]
         counts[name] = sum(len(s) for s in per_shape)
         if name == "triton":
@@ -604,10 +599,8 @@ def test_the_work_list_is_built_once_in_build_and_direct_partials_are_known(aite
 
 def test_direct_mode_reads_the_op_schema_and_passes_lse_and_the_split_bound_only_where_they_exist(
         aiter, data, monkeypatch):
-    """AITER's compile_ops ops show (*args, **kwargs) to inspect.signature (torch_compile_guard's
-    wrapper has no functools.wraps); the names are in the schema AITER registers from the stub
-    (torch.library.infer_schema, as AITER does). Read from there (from the signatures: the
-    features in the first test), lse and the split bound are passed where the build has them."""
+    """AITER's compile_ops ops show (*args, **kwargs) to inspect.signature (no functools.wraps);
+    their names are in the schema AITER registers from the stub (torch.library.infer_schema)."""
     schemas, seen = {}, {}
 
     def opaque(name, real):
@@ -638,15 +631,14 @@ def test_direct_mode_reads_the_op_schema_and_passes_lse_and_the_split_bound_only
 def test_direct_candidates_join_where_the_aiter_has_the_ops(aiter, monkeypatch):
     space = {"mode": ["direct"], "kv": ["fp8", "bf16"], "q": ["fp8_static", "bf16"], "max_split_per_batch": [1, 4],
              "fast_mode": [False, True], "intra_batch": [True]}
-    platform = gpu.fake_platform("MI355X")
-    variants = aiter_mla.candidates(Shape(32, 1024), space, platform)
+    variants = aiter_mla.candidates(Shape(32, 1024), space, MI355X)
     assert variants and {v.get("mode") for v in variants} == {"direct"}
     assert {(v.get("q"), v.get("kv")) for v in variants} == {("fp8_static", "fp8"), ("bf16", "fp8"), ("bf16", "bf16")}
     assert not any("opus" in v.p for v in variants)
     for v in variants:
         aiter_mla._ai_validate(v.with_params(q_amax=4.0) if v.get("q") == "fp8_static" else v, Shape(32, 1024))
     monkeypatch.delattr(aiter, "mla_reduce_v1")
-    assert aiter_mla.candidates(Shape(32, 1024), space, platform) == []
+    assert aiter_mla.candidates(Shape(32, 1024), space, MI355X) == []
     with pytest.raises(ValueError, match="opus is not a parameter of mode=direct"):
         aiter_mla.validate(Variant.make("aiter", kv="fp8", q="fp8_dynamic", opus=True, **DIRECT))
     with pytest.raises(ValueError, match="direct mode passes"):
@@ -671,7 +663,7 @@ def test_the_softmax_scale_reaches_every_aiter_call(aiter, data, variant):
 
 def test_the_serving_call_takes_the_specs_softmax_scale(aiter, data):
     spec = CallSpec("bf16", sm_scale=0.19)
-    variant = aiter_mla.default_serving_variant(spec, gpu.fake_platform("MI355X"))
+    variant = aiter_mla.default_serving_variant(spec, MI355X)
     runner = aiter_mla.build_serving(variant, spec, "cpu")
     qo = torch.arange(SHAPE.batch + 1, dtype=torch.int32)
     out = runner(data[0], qo, data[1]["bf16"], None, kv_indptr=qo * SHAPE.kv_len)
@@ -688,11 +680,10 @@ def test_each_builds_persistent_gate_and_the_backend_stays_persistent(monkeypatc
                                                                       batch):
     """0.1.18+: a bf16 persistent call at batch >= AITER_MLA_DECODE_PERSISTENT_MAX_BATCH
     (default 32, <= 0 off) that leaves num_kv_splits to AITER runs non-persistent; the backend
-    passes get_mla_decode_fwd_max_splits and stays persistent."""
+    passes get_mla_decode_fwd_max_splits and stays persistent, and refuses to build without it."""
     if cap is not None:  # "1": every batch on 0.1.18+
         monkeypatch.setenv("AITER_MLA_DECODE_PERSISTENT_MAX_BATCH", cap)
     fake = install(monkeypatch, release)
-    assert fake.__version__ == {"f3be04a12": F3BE04A12}.get(release, release)
     gated = release == "0.1.20.post1"
     assert aiter_mla._ai_features(fake)["persistent_gate"] is gated
     assert aiter_mla.aiter_persistent_gate(fake.__version__) == (
@@ -715,10 +706,7 @@ def test_each_builds_persistent_gate_and_the_backend_stays_persistent(monkeypatc
     assert fake._state.last_call["mode"] == ("persistent" if cap == "0" else "nonpersistent")
     with pytest.raises(RuntimeError, match="num_kv_splits=8 is below the splits the metadata"):
         fake.mla.mla_decode_fwd(*args, **call, num_kv_splits=8)
-
-
-def test_build_refuses_a_gated_persistent_call_it_cannot_keep_persistent(monkeypatch):
-    fake = install(monkeypatch, "0.1.20.post1")
+    # without get_mla_decode_fwd_max_splits the backend cannot keep it persistent: refused
     monkeypatch.delattr(fake, "get_mla_decode_fwd_max_splits")
     with pytest.raises(ValueError, match="#4144.*use mode direct"):
-        aiter_mla.build(BF16_PERSISTENT, Shape(32, 200), "cpu")
+        aiter_mla.build(BF16_PERSISTENT, shape, "cpu")

@@ -96,8 +96,9 @@ def test_every_builtin_backend_declares_a_record_its_candidates_and_validate_agr
                     _config({name: {key: [value]}})
 
 
-def test_the_registry_and_the_precompile_defaults_read_the_records():
-    assert baseline_backend() == "torch" and capabilities("torch").baseline
+def test_the_registry_reads_builtin_and_plugin_records_alike_and_a_plugin_without_one_is_conservative(
+        plugins):
+    assert capabilities("torch").baseline
     assert [n for n in BACKEND_MODULES if capabilities(n).baseline] == ["torch"]
     assert ragged_backends() == frozenset({"triton"})
     assert ragged_backends(["torch", "triton_fused"]) == frozenset()
@@ -107,12 +108,7 @@ def test_the_registry_and_the_precompile_defaults_read_the_records():
         assert capabilities(name).vendor is None  # torch and triton are recorded anyway
     for name in BACKEND_MODULES:
         assert default_precompile(name) is capabilities(name).precompile
-    assert _config({"torch": {}, "triton": {}}).precompile == {"torch": False, "triton": True}
     assert _config({"triton": {"precompile": False}}).precompile == {"triton": False}  # config wins
-
-
-def test_a_plugins_record_is_read_like_a_builtin_one_and_without_one_it_gets_the_conservative_default(
-        plugins):
     plugins({
         "plain": (None, "PRECOMPILE = True\n"),  # the old flag is no longer read
         "ragged_one": ('kv_formats=("bf16",), ragged=True, precompile=True, '
@@ -128,7 +124,8 @@ def test_a_plugins_record_is_read_like_a_builtin_one_and_without_one_it_gets_the
     assert ragged_backends() == frozenset({"triton", "ragged_one"})  # "plain" not among them
     assert "acme-mla" in vendor_distributions() and baseline_backend() == "torch"
     assert default_precompile("ragged_one")
-    assert _config({"torch": {}, "ragged_one": {}}).precompile == {"torch": False, "ragged_one": True}
+    assert _config({"torch": {}, "triton": {}, "ragged_one": {}}).precompile == {
+        "torch": False, "triton": True, "ragged_one": True}
     assert platform_refusal("ragged_one", PLATFORMS["MI355X"]) is None
     assert platform_refusal("ragged_one", PLATFORMS["H200"]) == \
         "it runs on hip/gfx950, not on H200 (cuda/sm_90)"
@@ -205,8 +202,47 @@ def test_a_backend_with_the_serving_call_declares_it_and_its_default_variant_fit
 
 
 # ------------------------------------------------------------------ who reads the records
-def test_software_versions_record_each_vendor_the_records_name(plugins, monkeypatch):
-    plugins({"acme": ('kv_formats=("bf16",), vendor="acme-mla"', "")})
+DRIFT_HOOK = '''
+def vendor_drift_note(tuned, here):
+    return f"{NAME} says {tuned} -> {here} moved its kernels; "
+'''
+
+
+def test_the_versions_and_their_drift_notes_come_from_the_vendors_and_hooks_the_records_name(
+        plugins, monkeypatch, tmp_path):
+    plugins({
+        "drifty": ('kv_formats=("bf16",), vendor="drifty-lib"', DRIFT_HOOK),
+        "hook_no_vendor": ('kv_formats=("bf16",)', DRIFT_HOOK),  # the hook alone says nothing
+        "vendor_no_hook": ('kv_formats=("bf16",), vendor="quiet-lib"', ""),
+        "acme": ('kv_formats=("bf16",), vendor="acme-mla"', ""),
+    })
+    # the drift note: the hook of the backend wrapping that distribution
+    assert drift_note("drifty-lib", "1.0", "2.0") == "drifty says 1.0 -> 2.0 moved its kernels; "
+    assert drift_note("quiet-lib", "1.0", "2.0") == ""
+    assert drift_note("hook_no_vendor", "1.0", "2.0") == ""
+    versions = {"drifty-lib": "1.0", "quiet-lib": "3.0", "triton": "3.6.0",
+                "sgl-flash-mla": "1.0.0"}
+    with pytest.warns(UserWarning) as record:
+        runtime.load(table=cpu_table(tmp_path, versions=versions), device="cpu")
+    messages = [str(w.message) for w in record]
+    here = gpu.detect().versions["triton"]
+    assert any(f"provenance.versions.triton is 3.6.0 but this process has {here}" in m
+               for m in messages)
+    assert any("provenance.versions.sgl-flash-mla is 1.0.0 but this process has not installed" in m
+               for m in messages)
+    assert any("provenance.versions.drifty-lib is 1.0 but this process has not installed; "
+               "drifty says 1.0 -> None moved its kernels; timings may have moved" in m for m in messages)
+    assert any("provenance.versions.quiet-lib is 3.0 but this process has not installed; timings may "
+               "have moved" in m for m in messages)
+    # aiter keeps its binary note and the other versions get none
+    aiter = capabilities("aiter").vendor
+    assert drift_note(aiter, "0.1.11", "0.1.20") == aiter_mla.aiter_drift_note("0.1.11", "0.1.20") != ""
+    assert drift_note(aiter, "0.1.13", "0.1.14") == ""  # one binary era
+    for name in ("torch", "triton", capabilities("flashinfer").vendor,
+                 capabilities("flashmla").vendor):
+        assert drift_note(name, "1.0", "2.0") == ""
+    assert drift_note(aiter, "0.1.11", None) == ""  # not installed here: nothing to compare
+    # software versions: each vendor the records name, where installed
     installed = {"acme-mla": "2.0", vendor_distributions()[0]: "1.5"}
 
     def version(dist):
@@ -222,7 +258,7 @@ def test_software_versions_record_each_vendor_the_records_name(plugins, monkeypa
     fields = runtime.version_fields()
     assert fields[:4] == ("torch", "triton", "cuda", "hip")
     assert {"acme-mla", "acme-mla-commit"} <= set(fields)
-    assert {v for v in vendor_distributions()} <= set(fields)
+    assert set(vendor_distributions()) <= set(fields)
     table = types.SimpleNamespace(path="t.yaml", gpu="H200", provenance={"versions": {"acme-mla": "1.0"}})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -259,46 +295,6 @@ def test_the_runtime_the_sweep_and_its_dry_run_name_a_backend_whose_record_exclu
     assert summary.unavailable["aiter"].startswith("it runs on hip/gfx942 or hip/gfx950, not on H200")
     assert all("aiter" not in per for per in summary.plan.values())
     assert "aiter" in buf.getvalue() and "gfx950" in buf.getvalue()
-
-
-# ------------------------------------------------ the runtime's version-drift note
-DRIFT_HOOK = '''
-def vendor_drift_note(tuned, here):
-    return f"{NAME} says {tuned} -> {here} moved its kernels; "
-'''
-
-
-def test_the_drift_note_comes_from_the_hook_of_the_backend_wrapping_that_distribution(plugins, tmp_path):
-    plugins({
-        "drifty": ('kv_formats=("bf16",), vendor="drifty-lib"', DRIFT_HOOK),
-        "hook_no_vendor": ('kv_formats=("bf16",)', DRIFT_HOOK),  # the hook alone says nothing
-        "vendor_no_hook": ('kv_formats=("bf16",), vendor="quiet-lib"', ""),
-    })
-    assert drift_note("drifty-lib", "1.0", "2.0") == "drifty says 1.0 -> 2.0 moved its kernels; "
-    assert drift_note("quiet-lib", "1.0", "2.0") == ""
-    assert drift_note("hook_no_vendor", "1.0", "2.0") == ""
-    versions = {"drifty-lib": "1.0", "quiet-lib": "3.0", "triton": "3.6.0",
-                "sgl-flash-mla": "1.0.0"}
-    with pytest.warns(UserWarning) as record:
-        runtime.load(table=cpu_table(tmp_path, versions=versions), device="cpu")
-    messages = [str(w.message) for w in record]
-    here = gpu.detect().versions["triton"]
-    assert any(f"provenance.versions.triton is 3.6.0 but this process has {here}" in m
-               for m in messages)
-    assert any("provenance.versions.sgl-flash-mla is 1.0.0 but this process has not installed" in m
-               for m in messages)
-    assert any("provenance.versions.drifty-lib is 1.0 but this process has not installed; "
-               "drifty says 1.0 -> None moved its kernels; timings may have moved" in m for m in messages)
-    assert any("provenance.versions.quiet-lib is 3.0 but this process has not installed; timings may "
-               "have moved" in m for m in messages)
-    # aiter keeps its binary note and the other versions get none
-    aiter = capabilities("aiter").vendor
-    assert drift_note(aiter, "0.1.11", "0.1.20") == aiter_mla.aiter_drift_note("0.1.11", "0.1.20") != ""
-    assert drift_note(aiter, "0.1.13", "0.1.14") == ""  # one binary era
-    for name in ("torch", "triton", capabilities("flashinfer").vendor,
-                 capabilities("flashmla").vendor):
-        assert drift_note(name, "1.0", "2.0") == ""
-    assert drift_note(aiter, "0.1.11", None) == ""  # not installed here: nothing to compare
 
 
 # ------------------------------------------------ which candidates mla-tune compile captures

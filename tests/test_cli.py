@@ -46,37 +46,40 @@ def test_no_arguments_prints_the_command_list_and_version_prints_the_version():
     assert _output("--version").strip() == f"mla-tune {__version__}"
 
 
-def test_boolean_flags_have_no_negative_twins_and_every_option_a_sentence_of_help():
-    group = typer.main.get_command(app)
-    for name, command in group.commands.items():
+def _commands(command, path=()):
+    """(path, command) for every command and group under `command`, depth first."""
+    for name, sub in getattr(command, "commands", {}).items():
+        yield (*path, name), sub
+        yield from _commands(sub, (*path, name))
+
+
+def test_boolean_flags_have_no_negative_twins_and_every_command_and_parameter_a_sentence_of_help():
+    for path, command in _commands(typer.main.get_command(app)):
+        assert (command.help or "").strip(), path
         for param in command.params:
-            if param.param_type_name != "option" or param.name == "help":
+            if param.name == "help":
                 continue
-            assert not param.secondary_opts, f"{name} {param.opts} has {param.secondary_opts}"
-            text = param.help or ""
-            assert text[:1].isupper() and text.rstrip().endswith("."), f"{name} {param.opts}: {text!r}"
+            assert not param.secondary_opts, f"{path} {param.opts} has {param.secondary_opts}"
+            text = getattr(param, "help", None) or ""  # arguments' help too
+            assert text[:1].isupper() and text.rstrip().endswith("."), f"{path} {param.opts}: {text!r}"
     assert invoke("sweep", "--no-dry-run", "--gpu", "H200").exit_code == 2
 
 
-def _command_paths(command, path=()):
-    for name, sub in getattr(command, "commands", {}).items():
-        yield (*path, name)
-        yield from _command_paths(sub, (*path, name))
-
-
 def test_every_command_has_help_with_h_too_whose_text_fills_its_lines_in_80_columns():
-    """A docstring's own line breaks would print ragged lines (rich help keeps them)."""
+    """A docstring's own line breaks would print ragged lines (rich help keeps them); a group's
+    help lists its commands."""
     says = {("sweep",): "Sweep every candidate kernel per shape",
             ("export",): "Write a table as one self-contained leaderboard submission file",
             ("show",): "Show a dispatch table",
             ("diff",): "Compare two tables shape by shape",
             ("report",): "Write a Markdown report of a table"}
-    paths = list(_command_paths(typer.main.get_command(app)))
-    assert ("time", "scan") in paths and set(says) <= set(paths)
-    for path in paths:
+    commands = dict(_commands(typer.main.get_command(app)))
+    assert ("time", "scan") in commands and set(says) <= set(commands)
+    for path, command in commands.items():
         output = _output(*path, "--help")
         assert _output(*path, "-h") == output
         assert says.get(path, "") in " ".join(output.split())
+        assert all(name in output for name in getattr(command, "commands", {})), path
         lines = output.splitlines()
         start = next(i for i, line in enumerate(lines) if "Usage:" in line) + 1
         text = [line.rstrip() for line in lines[start:next(i for i, line in enumerate(lines) if "╭" in line)]]
@@ -85,7 +88,7 @@ def test_every_command_has_help_with_h_too_whose_text_fills_its_lines_in_80_colu
                 assert len(line) + 1 + len(after.split()[0]) > 78, f"mla-tune {' '.join(path)}: {line!r}"
 
 
-def test_show_fits_80_columns_in_40_lines_piped_too_with_every_winner_greppable():
+def test_show_fits_80_columns_in_40_lines_piped_too_and_on_a_wide_terminal_each_winner_on_one_line():
     # `mla-tune show --gpu H200 | cat`: no terminal and no COLUMNS, so 80 columns
     env = {"PATH": "/usr/bin:/bin", "NO_COLOR": "1"}
     piped = subprocess.run([sys.executable, "-m", "mla_tune", "show", "--gpu", "H200"],
@@ -96,7 +99,9 @@ def test_show_fits_80_columns_in_40_lines_piped_too_with_every_winner_greppable(
         lines = output.splitlines()
         assert _fits_80_columns_in_40_lines(lines), output
         assert "…" not in output and "\x1b[" not in output  # no rich ellipsis, no ANSI
+        wide = _output("show", "--table", path, env={**NARROW, "COLUMNS": "200"}).splitlines()
         for shape, row in load_table(path, check_params=False).rows.items():
+            assert any(line.endswith(row.winner["variant"]) for line in wide)
             mine = [line for line in lines if line.split()[:2] == [str(shape), "winner"]]
             # the variant's full text, rebuilt from its lines, each k=v whole on one line
             text = "".join(line.split(maxsplit=2)[2].strip() for line in mine)
@@ -105,12 +110,6 @@ def test_show_fits_80_columns_in_40_lines_piped_too_with_every_winner_greppable(
         hits = [line for line in lines if "num_splits=16" in line]
         assert hits and hits[0].split()[:2] == ["4x1024", "winner"]
     assert "2.00x" in fixed and "69/85/0" in fixed  # the pre-search table's speedup, ok/pruned/bad
-
-
-def test_show_on_a_wide_terminal_puts_each_variant_on_one_line():
-    lines = _output("show", "--table", H200, env={**NARROW, "COLUMNS": "200"}).splitlines()
-    for row in load_table(H200, check_params=False).rows.values():
-        assert any(line.endswith(row.winner["variant"]) for line in lines)
 
 
 def test_show_prints_rows_notes_and_provenance_and_json_for_scripts():
@@ -158,11 +157,17 @@ def test_export_writes_the_submission_and_overwrites_only_its_own_files(tmp_path
         assert target.read_text() == before
 
 
-def test_path_and_domain_errors_exit_1_in_one_line_naming_the_file(tmp_path):
+def test_path_and_domain_errors_exit_1_in_one_line_naming_the_file_and_the_fix(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)  # where `--gpu NAME` looks for tables/NAME.yaml
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # an import of it now fails
     loop = tmp_path / "loop.yaml"
     loop.symlink_to(loop)
     broken = tmp_path / "broken.yaml"
     broken.write_text(TABLE.read_text().replace("schema: 1", "schema: 7"))
+    raw = yaml.safe_load((REPO / "configs" / "serving.yaml").read_text())
+    raw["familes"] = raw.pop("families")  # a serving config's field misspelt
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(yaml.safe_dump(raw))
     cases = [
         (("show", "--table", tmp_path),
          f"table {tmp_path} is a directory; pass the path of a .yaml file"),
@@ -176,11 +181,19 @@ def test_path_and_domain_errors_exit_1_in_one_line_naming_the_file(tmp_path):
          "is for cpu, not H200"),
         (("export", "--table", TABLE, "-o", tmp_path / "x.py", "--only", "warp"),
          f"unknown backend(s) warp; known backends: {', '.join(known_backends())}"),
+        (("sweep", "--gpu", "H200", "--config", typo, "--dry-run"), "field 'familes': unknown field"),
+        (("report", "--table", TABLE, "--out", tmp_path / "r"),
+         'error: mla-tune report needs matplotlib for its plots; install it with pip install -e ".[report]"'),
+        (("show", "--gpu", "h200"), "error: no table tables/h200.yaml for --gpu h200 (did you mean "
+         "--gpu H200?); make one with `mla-tune sweep --gpu h200`"),
+        (("export", "--gpu", "H100", "-o", "never.py"), "(tables here: H200"),
     ]
-    for args, says in cases:
+    for args, says in cases:  # a message that starts with "error: " is the whole line
         lines = _error_lines(*args)
         assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
-    assert not (tmp_path / "x.py").exists()
+        assert lines == [says] or not says.startswith("error: ")
+    assert not (tmp_path / "x.py").exists() and not (tmp_path / "r").exists()
+    assert not (REPO / "never.py").exists()
 
 
 def test_an_internal_error_shows_its_traceback_not_a_one_line_error():
@@ -202,7 +215,18 @@ def test_an_internal_error_shows_its_traceback_not_a_one_line_error():
     assert "error: an internal bug" not in done.stderr
 
 
-def test_sweep_passes_its_options_through(monkeypatch, tmp_path):
+def test_sweep_passes_its_options_and_budget_through_for_either_kind_of_config(monkeypatch, tmp_path):
+    """Options reach the sweep as given, --budget replacing budget_s in either kind of config;
+    a bad value is one line and exit 2."""
+    seen = {}
+    monkeypatch.setattr("mla_tune.serving.sweep.sweep_from_cli",
+                        lambda config, gpu, **kw: seen.update(kw))  # None: exit 0
+    _output("sweep", "--gpu", "H200", "--config", "configs/serving.yaml", "--budget", "300")
+    assert seen["budget"] == 300.0
+    output = _output("sweep", "--gpu", "H200", "--dry-run", "--budget", "60")
+    assert "fits the budget of 60 s" in output and "dropped for the budget" in output
+    output = _output("sweep", "--gpu", "H200", "--budget", "-5", code=2)
+    assert "--budget must be a positive number of seconds" in output
     calls = []
     monkeypatch.setattr(mla_tune.tune.sweep, "run_sweep", lambda *a, **k: calls.append((a, k)))
     _output("sweep", "--gpu", "H200", "--config", tmp_path / "c.yaml", "--out", tmp_path / "t.yaml",
@@ -220,15 +244,6 @@ def test_sweep_passes_its_options_through(monkeypatch, tmp_path):
         for config in ("configs/leaderboard.yaml", "configs/serving.yaml"):
             output = _output("sweep", "--gpu", "H200", "--config", config, "--devices", bad, code=2)
             assert "--devices must be distinct GPU indices" in output, output
-
-
-def test_a_serving_config_with_families_misspelt_is_named_by_the_serving_configs_message(tmp_path):
-    raw = yaml.safe_load((REPO / "configs" / "serving.yaml").read_text())
-    raw["familes"] = raw.pop("families")
-    path = tmp_path / "typo.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    output = _output("sweep", "--gpu", "H200", "--config", path, "--dry-run", code=1)
-    assert "field 'familes': unknown field" in output, output
 
 
 @pytest.mark.parametrize(("gpu", "config", "code", "says"), [
@@ -277,13 +292,6 @@ def test_diff_flags_winner_changes_and_times_outside_the_noise(tmp_path):
     assert by_shape["3x16"]["change"] is None
 
 
-def test_report_without_matplotlib_says_how_to_install_it(monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # an import of it now fails
-    assert _error_lines("report", "--table", TABLE, "--out", tmp_path / "r") == [
-        'error: mla-tune report needs matplotlib for its plots; install it with pip install -e ".[report]"']
-    assert not (tmp_path / "r").exists()
-
-
 def test_show_clips_a_huge_text_field_instead_of_printing_it(tmp_path):
     text = TABLE.read_text()
     reason = next(line for line in text.splitlines() if line.startswith("  reason: "))
@@ -293,25 +301,3 @@ def test_show_clips_a_huge_text_field_instead_of_printing_it(tmp_path):
     lines = _output("show", "--table", big).splitlines()
     assert time.monotonic() - started < 10
     assert _fits_80_columns_in_40_lines(lines)
-
-
-def test_a_missing_table_for_a_gpu_lists_the_tables_and_suggests_the_case(monkeypatch):
-    monkeypatch.chdir(REPO)
-    assert _error_lines("show", "--gpu", "h200") == [
-        "error: no table tables/h200.yaml for --gpu h200 (did you mean --gpu H200?); make one with "
-        "`mla-tune sweep --gpu h200`"]
-    assert "(tables here: H200" in "\n".join(_error_lines("export", "--gpu", "H100", "-o", "never.py"))
-    assert not (REPO / "never.py").exists()
-
-
-def test_sweep_takes_a_budget_for_either_kind_of_config(monkeypatch):
-    """--budget replaces budget_s in either kind of config; a bad value is one line and exit 2."""
-    seen = {}
-    monkeypatch.setattr("mla_tune.serving.sweep.sweep_from_cli",
-                        lambda config, gpu, **kw: seen.update(kw))  # None: exit 0
-    _output("sweep", "--gpu", "H200", "--config", "configs/serving.yaml", "--budget", "300")
-    assert seen["budget"] == 300.0
-    output = _output("sweep", "--gpu", "H200", "--dry-run", "--budget", "60")
-    assert "fits the budget of 60 s" in output and "dropped for the budget" in output
-    output = _output("sweep", "--gpu", "H200", "--budget", "-5", code=2)
-    assert "--budget must be a positive number of seconds" in output

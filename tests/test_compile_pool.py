@@ -90,13 +90,9 @@ class LaunchKeys:
 
 def _candidates(config_path: Path, platform, backends) -> list[tuple[Variant, Shape]]:
     config = load_config(config_path)
-    pairs = []
-    for name in backends:
-        backend = get_backend(name)
-        for shape in config.shapes:
-            for grid in expand_space(config.backends[name]):
-                pairs += [(v, shape) for v in backend.candidates(shape, grid, platform)]
-    return list(dict.fromkeys(pairs))
+    return list(dict.fromkeys((v, shape) for name in backends for shape in config.shapes
+                              for grid in expand_space(config.backends[name])
+                              for v in get_backend(name).candidates(shape, grid, platform)))
 
 
 @pytest.fixture

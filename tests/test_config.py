@@ -26,13 +26,9 @@ def write(tmp_path: Path, raw, name="c.yaml") -> Path:
 
 
 def with_change(**changes):
-    raw = yaml.safe_load(yaml.safe_dump(VALID))
-    for key, value in changes.items():
-        if value is None:
-            raw.pop(key)
-        else:
-            raw[key] = value
-    return raw
+    """VALID with `changes`, a key changed to None left out."""
+    raw = {**yaml.safe_load(yaml.safe_dump(VALID)), **changes}
+    return {key: value for key, value in raw.items() if value is not None}
 
 
 def test_leaderboard_config_loads_with_its_eight_shapes_and_rule():
@@ -157,18 +153,14 @@ def test_each_config_error_is_one_line_naming_the_file_and_the_field(
 def test_unreadable_or_odd_files_give_one_line_naming_the_file(tmp_path):
     """The config's own cases of the YAML reader (fileio.read_yaml): the rest, binary and
     unparsable files and alias bombs, are test_table.py's."""
-    cases = {
-        "directory": (tmp_path / "adir", "is a directory"),
-        "missing": (tmp_path / "missing.yaml", "does not exist; pass the path of a config"),
-        "not a mapping": (write(tmp_path, "- 1\n- 2\n", "list.yaml"), "must be a YAML mapping"),
-        "huge": (write(tmp_path, "name: x\n" + "#" * (1 << 20), "huge.yaml"), "over 1048576 bytes"),
-        "recursive": (write(tmp_path, "a: &a [*a]\n", "rec.yaml"), "alias"),
-    }
     (tmp_path / "adir").mkdir()
-    for case, (path, words) in cases.items():
+    for path, words in ((tmp_path / "adir", "is a directory"),
+                        (tmp_path / "missing.yaml", "does not exist; pass the path of a config"),
+                        (write(tmp_path, "- 1\n- 2\n", "list.yaml"), "must be a YAML mapping"),
+                        (write(tmp_path, "name: x\n" + "#" * (1 << 20), "huge.yaml"), "over 1048576 bytes"),
+                        (write(tmp_path, "a: &a [*a]\n", "rec.yaml"), "alias")):
         with pytest.raises(ConfigError) as info:
             load_config(path)
         message = str(info.value)
-        assert str(path) in message and words in message, (case, message)
-        assert "\n" not in message, case
+        assert str(path) in message and words in message and "\n" not in message, message
     assert issubclass(ConfigError, ValueError)  # the CLI catches it as one

@@ -81,19 +81,15 @@ def _winners(table_a: Path, table_b: Path) -> dict[str, dict]:
     rows_b = {(r["batch"], r["kv_len"]): r for r in yaml.safe_load(table_b.read_text())["rows"]}
     shapes = {}
     for row in yaml.safe_load(table_a.read_text())["rows"]:
-        shape = {"batch": row["batch"], "kv_len": row["kv_len"]}
+        shape, runner = {"batch": row["batch"], "kv_len": row["kv_len"]}, row.get("runner_up")
         a_win, b_win = row["winner"], rows_b[(row["batch"], row["kv_len"])]["winner"]
-        runner = row.get("runner_up")
-        gap = None
-        if a_win and runner and row["time_us"]:
-            gap = runner["time_us"] / row["time_us"] - 1.0
+        gap = runner["time_us"] / row["time_us"] - 1.0 if a_win and runner and row["time_us"] else None
         same = bool(a_win and b_win) and (
             candidate_key(shape, a_win["variant"]) == candidate_key(shape, b_win["variant"]))
-        shapes[f"{row['batch']}x{row['kv_len']}"] = {
-            "a_winner": a_win and a_win["variant"], "gap": gap, "same": same,
-            "compared": gap is not None and gap > CLEAR_GAP}
-    for name, s in shapes.items():
-        assert s["same"] or not s["compared"], f"{name}: B lost A's clear winner: {s}"
+        name = f"{row['batch']}x{row['kv_len']}"
+        shapes[name] = {"a_winner": a_win and a_win["variant"], "gap": gap, "same": same,
+                        "compared": gap is not None and gap > CLEAR_GAP}
+        assert same or not shapes[name]["compared"], f"{name}: B lost A's clear winner: {shapes[name]}"
     return shapes
 
 
@@ -104,10 +100,9 @@ def _kill_and_resume(out: Path, gpu: str, config: Path, extra_backends: str, cra
     env = {**os.environ, EXTRA_BACKENDS_ENV: extra_backends, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "COLUMNS": "200"}  # rich wraps at 80 columns in a log file otherwise
-    tables = {}
-    for run in ("a", "b"):
-        (out / run).mkdir(parents=True)
-        tables[run] = out / run / f"{gpu}.yaml"
+    tables = {run: out / run / f"{gpu}.yaml" for run in ("a", "b")}
+    for table in tables.values():
+        table.parent.mkdir(parents=True)
     common = ["--gpu", gpu, "--config", str(config)]
     if candidate_timeout is not None:
         common += ["--candidate-timeout", str(candidate_timeout)]

@@ -88,23 +88,11 @@ def _case(batch: int, kv_len: int, seed: int):
     return generate_input(batch, kv_len, seed=seed, device="cpu")
 
 
-def _assert_served(outs: list, cases: list, report: dict) -> None:
+def _assert_served(outs: list, cases: list, misses: list) -> None:
     """Every exported output matches the reference; the one miss is the shape neither table has."""
     for out, case in zip(outs, cases, strict=True):
         _assert_matches(out, case)
-    assert report["misses"] == [list(MISSING)]
-
-
-def _assert_fallback_serves_a_missing_shape_and_a_ragged_batch(rt, seed: int) -> None:
-    """Each warns, runs the triton fallback, matches the reference and is counted as a miss."""
-    case = _case(*MISSING, seed=seed)
-    fallback = r"; running the fallback triton\("
-    with pytest.warns(UserWarning, match=r"a shape the table lacks \(2x24\)" + fallback):
-        _assert_matches(rt.custom_kernel(case).clone(), case)
-    ragged = ragged_input(RAGGED, seed=seed + 1, device="cpu")
-    with pytest.warns(UserWarning, match=r"a ragged batch \(3x40\)" + fallback):
-        _assert_matches(rt.decode(*ragged[:4]).clone(), ragged)
-    assert rt.dispatcher.misses == {Shape(*MISSING): 1, Shape(3, 40): 1}
+    assert misses == [list(MISSING)]
 
 
 def _pin(row: dict, record: dict) -> None:
@@ -138,33 +126,18 @@ def test_cpu_sweep_writes_a_row_per_shape_with_a_winner_that_passed_and_runs_tri
     assert prov["config"]["path"] == CPU_CONFIG and prov["rule"]["name"] == "leaderboard"
     rows = _rows(cpu_sweep)
     assert sorted(rows) == [(1, 17), (2, 40)]
-    # triton: kv x num_splits; a split shorter than block_n 16 is not offered at kv_len 17
+    # triton: kv x num_splits; a split shorter than block_n 16 is not offered at kv_len 17.
+    # How a row is made of its records: tests/test_table.py; the gate's seeds: test_sweep.py.
     expected_triton = {(2, 40): 4, (1, 17): 2}
     for shape, row in rows.items():
         records = _records(cpu_sweep, shape)
-        by_variant = {r["variant"]: r for r in records}
-        # the winner passed the gate on both seeds and was timed
-        winner = by_variant[row["winner"]["variant"]]
-        assert winner["status"] == "ok" and [c["seed"] for c in winner["checks"]] == [1001, 2002]
-        assert all(c["passed"] for c in winner["checks"])
-        assert row["time_us"] == pytest.approx(winner["time"]["median_us"], rel=1e-3)
-        assert row["winner"]["backend"] == Variant.parse(row["winner"]["variant"]).backend
-        # every triton variant ran, passed and was timed; per-backend times and the baseline
+        # every candidate (triton and triton_fused too) ran, passed and was timed
+        assert all(r["status"] == "ok" and all(c["passed"] for c in r["checks"]) for r in records)
         triton_records = [r for r in records if r["backend"] == "triton"]
-        assert len(triton_records) == expected_triton[shape]
-        assert all(r["status"] == "ok" and all(c["passed"] for c in r["checks"]) for r in triton_records)
+        assert len(triton_records) == expected_triton[shape] < len(records)
         assert all(r["params"]["dot_dtype"] == "fp16" for r in triton_records)
+        assert any(r["backend"] == "triton_fused" for r in records), row["backends"]["triton_fused"]
         assert all(isinstance(row["backends"][b], float) for b in ("torch", "triton", "triton_fused"))
-        assert row["backends"]["triton"] == pytest.approx(min(r["time"]["median_us"] for r in triton_records),
-                                                          rel=1e-3)
-        fused = [r for r in records if r["backend"] == "triton_fused"]
-        assert fused and all(r["status"] == "ok" for r in fused), row["backends"]["triton_fused"]
-        assert row["baseline_us"] == row["backends"]["torch"]
-        assert row["runner_up"] is not None and row["runner_up"]["variant"] != row["winner"]["variant"]
-        counts = row["candidates"]
-        assert counts["tried"] == len(records) == sum(counts[s] for s in
-                                                      ("ok", "rejected", "failed", "crashed", "timeout", "pruned"))
-        assert counts["ok"] == len(records) and counts["ok"] >= 1 + expected_triton[shape]
         assert set(row["alternates"]) >= {"torch", "triton", "triton_fused"}
 
 
@@ -200,7 +173,7 @@ def test_cpu_export_of_own_triton_kernels_imports_without_mla_tune_and_matches_t
     shapes = [*sorted(rows), MISSING]
     cases = {"own_triton": [_case(*s, seed=200 + i) for i, s in enumerate(shapes)]}
     outs, report = run_exported(tmp_path, cases, exported_env())
-    _assert_served(outs["own_triton"], cases["own_triton"], report["own_triton"])
+    _assert_served(outs["own_triton"], cases["own_triton"], report["own_triton"]["misses"])
     assert report["mla_tune_modules"] == [] and report["let_through"] == []
 
 
@@ -222,10 +195,6 @@ def aiter_sweep(tmp_path_factory):
     return _sweep(tmp_path_factory.mktemp("aiter_sweep"), "MI355X", AITER_CONFIG, _aiter_env())
 
 
-def _aiter_ok(sweep: dict, shape) -> list[dict]:
-    return [r for r in _records(sweep, shape) if r["backend"] == "aiter" and r["status"] == "ok"]
-
-
 def test_mi355x_sweep_runs_every_aiter_family_through_the_fake_into_simulated_rows(aiter_sweep):
     stdout = " ".join(aiter_sweep["done"].stdout.split())
     assert "sweep e2e_aiter on AMD Instinct MI355X (simulated): 39 candidates over 2 shapes" in stdout
@@ -239,7 +208,6 @@ def test_mi355x_sweep_runs_every_aiter_family_through_the_fake_into_simulated_ro
                                                           if r["status"] != "ok"]
         aiter = [r for r in records if r["backend"] == "aiter"]
         assert len(aiter) == n_aiter
-        assert {r["params"]["mode"] for r in aiter} == {"nonpersistent", "persistent"}
         assert {r["params"]["q"] for r in aiter} == {"fp8_static", "fp8_dynamic", "bf16"}
         assert {(r["params"]["q"] != "bf16", r["params"]["kv"], r["params"]["mode"]) for r in aiter} == {
             (True, "fp8", "nonpersistent"), (True, "fp8", "persistent"), (False, "fp8", "persistent"),
@@ -255,13 +223,9 @@ def test_mi355x_sweep_runs_every_aiter_family_through_the_fake_into_simulated_ro
     assert prov["arch"] == "gfx950" and prov["protocol"]["name"] == "cpu-wall-clock"
     rows = _rows(aiter_sweep)
     assert sorted(rows) == [(1, 40), (2, 200)]
-    for shape, row in rows.items():
+    for row in rows.values():  # how a row is made of its records: tests/test_table.py
         assert row["winner"] is not None
         assert isinstance(row["backends"]["aiter"], float) and isinstance(row["backends"]["torch"], float)
-        assert row["backends"]["aiter"] == pytest.approx(min(r["time"]["median_us"] for r in _aiter_ok(aiter_sweep, shape)),
-                                                         rel=1e-3)
-        assert row["baseline_us"] == row["backends"]["torch"]
-        assert row["candidates"]["tried"] == row["candidates"]["ok"] == len(_records(aiter_sweep, shape))
         assert Variant.parse(row["alternates"]["aiter"]["variant"]).backend == "aiter"
     # The table can never pass for a real MI355X's: without the hook this machine is a CPU.
     with pytest.raises(runtime.GpuMismatchError, match="tuned on MI355X but this process runs on cpu"):
@@ -288,7 +252,8 @@ def aiter_pinned_table(aiter_sweep, tmp_path_factory):
              (1, 40): lambda r: r["params"]["mode"] == "nonpersistent"}
     for row in data["rows"]:
         shape = (row["batch"], row["kv_len"])
-        _pin(row, min((r for r in _aiter_ok(aiter_sweep, shape) if picks[shape](r)),
+        _pin(row, min((r for r in _records(aiter_sweep, shape)
+                       if r["backend"] == "aiter" and r["status"] == "ok" and picks[shape](r)),
                       key=lambda r: r["time"]["median_us"]))
     path = write_table(tmp_path_factory.mktemp("pinned") / "MI355X.yaml", data)
     load_table(path)  # still a valid table
@@ -315,8 +280,15 @@ def test_mi355x_runtime_decodes_through_the_fake_aiter(aiter_pinned_table, monke
             assert calls["static_per_tensor_quant"] == before["static_per_tensor_quant"] + 2
     assert rt.dispatcher.misses == {}
     n_calls = calls["mla_decode_fwd"]
-    _assert_fallback_serves_a_missing_shape_and_a_ragged_batch(rt, seed=9)
-    assert calls["mla_decode_fwd"] == n_calls  # neither went through AITER
+    # a missing shape and a ragged batch: each warns and runs the triton fallback, not AITER
+    case, ragged = _case(*MISSING, seed=9), ragged_input(RAGGED, seed=10, device="cpu")
+    fallback = r"; running the fallback triton\("
+    with pytest.warns(UserWarning, match=r"a shape the table lacks \(2x24\)" + fallback):
+        _assert_matches(rt.custom_kernel(case).clone(), case)
+    with pytest.warns(UserWarning, match=r"a ragged batch \(3x40\)" + fallback):
+        _assert_matches(rt.decode(*ragged[:4]).clone(), ragged)
+    assert rt.dispatcher.misses == {Shape(*MISSING): 1, Shape(3, 40): 1}
+    assert calls["mla_decode_fwd"] == n_calls
 
 
 def test_mi355x_exports_import_with_the_fake_aiter_and_without_mla_tune(aiter_sweep, aiter_pinned_table,
@@ -342,7 +314,7 @@ def test_mi355x_exports_import_with_the_fake_aiter_and_without_mla_tune(aiter_sw
     cases = {name: [_case(*s, seed=400 + i) for i, s in enumerate(shapes)] for name in ("aiter_only", "pinned")}
     outs, report = run_exported(tmp_path, cases, _aiter_env(platform=None))
     for name, module_cases in cases.items():
-        _assert_served(outs[name], module_cases, report[name])
+        _assert_served(outs[name], module_cases, report[name]["misses"])
     # each file's two table rows went through the fake (one process: the counts add up)
     assert report["aiter_only"]["aiter_calls"]["mla_decode_fwd"] == 2
     assert report["pinned"]["aiter_calls"]["mla_decode_fwd"] == 4

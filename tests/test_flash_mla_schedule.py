@@ -4,6 +4,7 @@ and `sweep --merge RESULTS --refit TABLE`, which fits a committed table's models
 
 import json
 import random
+from unittest import mock
 
 import pytest
 
@@ -28,12 +29,8 @@ KEY = FamilyKey("bf16", 64, 128, 4)  # 512 q rows: 8 tiles, 132 // 8 = 16 partit
 
 
 def _python(lens, heads=128, q_len=4, sm=132):
-    real = fm._native
-    fm._native = lambda: None
-    try:
+    with mock.patch.object(fm, "_native", lambda: None):
         return fm.flash_mla_features(lens, heads, q_len, sm)
-    finally:
-        fm._native = real
 
 
 def test_the_replay_fills_flashmlas_partitions_in_order_and_splits_where_one_fills():
@@ -130,13 +127,12 @@ def test_refit_fits_the_models_again_from_the_results_and_keeps_every_other_entr
     with pytest.raises(ServingSweepError, match="names no config hash"):
         refit_models(nameless, [tmp_path / "r.jsonl"], log=said.append)
     # on the command line: the table's own results, given with --merge
-    bare_out = tmp_path / "cli.yaml"
-    result = invoke("sweep", "--gpu", "H200", "--config", "configs/serving.yaml", "--refit", bare)
+    refit = ("sweep", "--gpu", "H200", "--config", "configs/serving.yaml", "--refit", bare)
+    result = invoke(*refit)
     assert result.exit_code == 2 and "give them with --merge" in result.output
-    result = invoke("sweep", "--gpu", "H200", "--config", "configs/serving.yaml", "--refit", bare,
-                    "--merge", tmp_path / "r.jsonl", "--out", bare_out)
+    result = invoke(*refit, "--merge", tmp_path / "r.jsonl", "--out", tmp_path / "cli.yaml")
     assert result.exit_code == 0, result.output
-    assert load_serving_table(bare_out).families[KEY].models
+    assert load_serving_table(tmp_path / "cli.yaml").families[KEY].models
 
 
 @pytest.mark.gpu

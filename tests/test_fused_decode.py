@@ -119,7 +119,7 @@ def test_mxfp4_bit_dequantization_is_exact_for_every_code_and_scale_on_the_gpu(t
     assert err < 2.0**-123
 
 
-def test_candidates_follow_the_validity_rules():
+def test_candidates_follow_the_validity_rules_and_build_refuses_a_variant_that_breaks_them():
     plat = fake_platform("H200")
     space = {"kv": ["fp8", "bf16"], "q": ["bf16", "fp8_dynamic"], "qk_dot": ["fp16", "fp8"],
              "pv_dot": ["fp16", "fp8"], "num_splits": [1, 2, 64], "reduce": ["last", "spin"]}
@@ -136,12 +136,17 @@ def test_candidates_follow_the_validity_rules():
     assert big and all(v.get("reduce") == "last" for v in big)
     # more splits than 64-token tiles are refused
     assert not triton_fused.candidates(Shape(4, 64), {"num_splits": [2], "block_n": [64]}, plat)
+    with pytest.raises(ValueError, match="unknown search-space keys"):
+        triton_fused.candidates(Shape(2, 64), {"splits": [2]}, plat)
+    bad = _variant(kv="bf16", q="fp8_dynamic", qk_dot="fp8", num_splits=1, reduce="none")
+    with pytest.raises(ValueError, match="fp8 KV cache"):
+        triton_fused.build(bad, Shape(2, 64), "cpu")
 
 
-def test_later_parameters_keep_old_variant_texts_and_expand_the_space():
+def test_levers_left_at_their_defaults_stay_out_of_variant_texts_and_expand_the_space():
     plat = fake_platform("H200")
-    old = triton_fused.candidates(Shape(4, 1024), {"num_splits": [1, 2], "reduce": ["last"]}, plat)
-    assert old and all("load" not in v.p and "grid" not in v.p and "waves" not in v.p for v in old)
+    plain = triton_fused.candidates(Shape(4, 1024), {"num_splits": [1, 2], "reduce": ["last"]}, plat)
+    assert plain and all("load" not in v.p and "grid" not in v.p and "waves" not in v.p for v in plain)
     space = {"kv": ["fp8", "mxfp4"], "q": ["bf16"], "qk_dot": ["fp16", "bf16"], "pv_dot": ["fp16", "bf16"],
              "block_n": [32], "num_warps": [4], "num_splits": [1, 2], "reduce": ["last"],
              "load": ["ptr", "tma"], "grid": ["split", "persistent"], "waves": [1, 2]}
@@ -153,14 +158,6 @@ def test_later_parameters_keep_old_variant_texts_and_expand_the_space():
     assert all(v.get("qk_dot") == v.get("pv_dot") for v in cands if v.get("kv") == "mxfp4")
     assert any(v.get("load") == "tma" for v in cands) and len(set(cands)) == len(cands)
     assert all(Variant.parse(str(v)) == v for v in cands)
-
-
-def test_build_refuses_an_invalid_variant_with_the_reason():
-    bad = _variant(kv="bf16", q="fp8_dynamic", qk_dot="fp8", num_splits=1, reduce="none")
-    with pytest.raises(ValueError, match="fp8 KV cache"):
-        triton_fused.build(bad, Shape(2, 64), "cpu")
-    with pytest.raises(ValueError, match="unknown search-space keys"):
-        triton_fused.candidates(Shape(2, 64), {"splits": [2]}, fake_platform("H200"))
 
 
 # ----------------------------------------------------------------- gfx942's fp8 (fnuz)

@@ -128,9 +128,11 @@ def run_twice(data, *, num_splits: int, **opts) -> torch.Tensor:
 
 
 def test_validate_accepts_the_base_and_names_each_bad_parameter():
+    assert not {"q_load", "part", "reduce", "ws"} & set(_variant().p)  # defaults: left out
     for ok in [dict(), dict(block_n=128, num_stages=2, v_path="rs8", num_splits=4), dict(v_path="rs8"),
-               *(dict(v_path="rs8", num_stages=4, ws=ws) for ws in (0, 1, 2)), dict(v_path="ss16a", ws=1)]:
-        gluon_fused.validate(_variant(**ok))  # ws: a later parameter, 0 where left out
+               *(dict(v_path="rs8", num_stages=4, ws=ws) for ws in (0, 1, 2)), dict(v_path="ss16a", ws=1),
+               dict(num_splits=4), dict(num_splits=4, q_load="first", part="bf16"), dict(reduce="spin")]:
+        gluon_fused.validate(_variant(**ok))
     for params, match in [
         (dict(block_n=32), r"block_n=32 is not allowed; allowed: 64, 128"),
         (dict(v_path="ss8t"), r"v_path=ss8t is not allowed; allowed: ss16, rs16, rs8, ss16a"),
@@ -196,6 +198,12 @@ def test_candidates_pass_validate_and_never_split_past_the_tiles():
         (64, 2, "ss16"), (64, 3, "ss16"), (64, 4, "ss16"), (128, 2, "ss16"),
         (64, 2, "rs16"), (64, 3, "rs16"), (64, 4, "rs16"), (128, 2, "rs16"),
         (64, 2, "ss16a"), (64, 3, "ss16a")}  # shared memory rules out the others
+    space = {"num_stages": [2], "v_path": ["rs8"], "q_load": ["twice", "first"], "part": ["fp32", "bf16"]}
+    found = gluon_fused.candidates(Shape(4, 1024), space, None)
+    by = {(v.get("num_splits"), v.get("q_load", "twice"), v.get("part", "fp32")) for v in found}
+    assert (1, "first", "fp32") in by and (16, "first", "bf16") in by
+    assert not any(ns == 1 and part == "bf16" for ns, _q, part in by)  # one split writes no partials
+    assert all("q_load=twice" not in str(v) and "part=fp32" not in str(v) for v in found)  # defaults left out
     with pytest.raises(ValueError, match=r"unknown search-space keys \['tok_m'\]"):
         gluon_fused.candidates(Shape(4, 1024), {"tok_m": [True]}, None)
 
@@ -290,7 +298,7 @@ def test_kernel_math_is_the_reference_math_but_for_the_q_scale_and_meets_the_bou
         check(off_by_one, expect(data), "the last token dropped")
 
 
-def test_the_backend_passes_ws_q_load_and_the_partials_type_to_the_kernel(monkeypatch):
+def test_the_backend_passes_ws_q_load_and_the_partials_type_to_the_kernel_or_refuses_them(monkeypatch):
     seen = []
     monkeypatch.setattr(gluon_fused, "unavailable_reason", lambda: None)
     monkeypatch.setattr(gluon_fused, "gd_kv_descriptor", lambda kv, block_n: ("desc", block_n))
@@ -308,22 +316,6 @@ def test_the_backend_passes_ws_q_load_and_the_partials_type_to_the_kernel(monkey
         args, kwargs = seen[-1]
         assert out.shape == (2, 16, V_DIM) and args[5].dtype == part  # part_o, the sixth argument
         assert (kwargs["ws"], kwargs["q_load"], kwargs["num_stages"]) == (ws, q_load, stages)
-
-
-def test_reduce_q_load_and_part_are_later_parameters_offered_where_they_mean_something(monkeypatch):
-    old = _variant(num_splits=4)
-    for later in ("q_load", "part", "reduce"):
-        assert later not in old.p
-    gluon_fused.validate(old)
-    gluon_fused.validate(_variant(num_splits=4, q_load="first", part="bf16"))
-    gluon_fused.validate(_variant(reduce="spin"))
-    space = {"num_stages": [2], "v_path": ["rs8"], "q_load": ["twice", "first"], "part": ["fp32", "bf16"]}
-    found = gluon_fused.candidates(Shape(4, 1024), space, None)
-    by = {(v.get("num_splits"), v.get("q_load", "twice"), v.get("part", "fp32")) for v in found}
-    assert (1, "first", "fp32") in by and (16, "first", "bf16") in by
-    assert not any(ns == 1 and part == "bf16" for ns, _q, part in by)  # one split writes no partials
-    assert all("q_load=twice" not in str(v) and "part=fp32" not in str(v) for v in found)  # defaults left out
-    monkeypatch.setattr(gluon_fused, "unavailable_reason", lambda: None)
     with pytest.raises(ValueError, match="one split writes no partials"):
         gluon_fused.build(_variant(part="bf16"), Shape(1, 64), "cpu")
 
@@ -344,7 +336,7 @@ def test_candidates_offer_ws_only_where_asked_and_where_it_can_pay():
     sm = h200.sm_count
     for shape in (Shape(4, 1024), Shape(32, 8192), Shape(256, 1024)):
         plain = gluon_fused.candidates(shape, {}, h200)
-        assert plain and all("ws" not in v.p for v in plain)  # the default space: as before
+        assert plain and all("ws" not in v.p for v in plain)  # the default space offers no ws
         space = {"ws": [0, 1, 2], "num_stages": [2, 3, 4], "v_path": ["rs8"], "reduce": ["launch", "spin"]}
         found = gluon_fused.candidates(shape, space, h200)
         assert len(found) == len(set(found))
@@ -391,7 +383,7 @@ def test_gluon_decode_launches_with_ws_its_register_budget_and_q_load_and_refuse
         assert gluon_decode.gluon_decode(q, None, None, indptr, None, None, None, ws=ws, **common) == "compiled"
     (g0, k0), (g1, k1), (g2, k2) = rec.calls
     assert g0 == g1 == g2 == (1, 3)
-    assert "WS" not in k0 and "maxnreg" not in k0  # ws 0 launches exactly as before
+    assert "WS" not in k0 and "maxnreg" not in k0  # ws 0 passes neither
     assert (k1["WS"], k1["maxnreg"], k2["WS"], k2["maxnreg"]) == (1, 128, 2, 168)
     assert all(k["num_warps"] == 4 for k in (k0, k1, k2))
     with pytest.raises(ValueError, match="ws must be one of"):
@@ -402,7 +394,7 @@ def test_gluon_decode_launches_with_ws_its_register_budget_and_q_load_and_refuse
         gluon_decode.gluon_decode(q, None, None, indptr, None, torch.empty(4, dtype=torch.float16), None,
                                   **{**common, "num_splits": 2})
     assert len(rec.calls) == 3  # refused before any launch
-    assert "Q_LOAD" not in k0  # q_load "twice" (the default) launches as before it existed too
+    assert "Q_LOAD" not in k0  # q_load "twice", the default, passes no Q_LOAD
     gluon_decode.gluon_decode(q, None, None, indptr, None, None, None, q_load="first", **common)
     assert rec.calls[-1][1]["Q_LOAD"] == 1
 

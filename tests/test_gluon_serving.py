@@ -218,14 +218,9 @@ def test_the_backends_schedule_model_splits_as_the_kernel_does():
         assert (last > 0).all() and (last <= per[live]).all()
 
 
-@pytest.mark.parametrize("rows", gluon_serving.GS_ROWS)
-@pytest.mark.parametrize("stages", [2, 3, 4])
-@pytest.mark.parametrize("fp8", [True, False])
-def test_the_shared_memory_is_the_kernels(rows, stages, fp8):
-    assert gl.smem_bytes(rows, stages, fp8) == gluon_serving.gs_smem_bytes(rows, stages, fp8)
-
-
-def test_the_occupancy_is_what_the_shared_memory_holds():
+def test_the_shared_memory_is_the_kernels_and_the_occupancy_is_what_it_holds():
+    for rows, stages, fp8 in itertools.product(gluon_serving.GS_ROWS, (2, 3, 4), (True, False)):
+        assert gl.smem_bytes(rows, stages, fp8) == gluon_serving.gs_smem_bytes(rows, stages, fp8)
     fp8_16 = _variant(block_h=16)  # 16 rows at q_len 1: two programs of ~85 KB
     assert gl.occupancy_cap(fp8_16, 1) == 228 * 1024 // gluon_serving.gs_smem_bytes(16, 2, True) == 2
     assert gl.occupancy_cap(_variant(block_h=16, kv="bf16"), 1) == 1

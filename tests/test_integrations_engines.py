@@ -69,9 +69,9 @@ class Cache:
         kv = self.kv[layer].view(self.num_pages, self.page, QK_DIM)
         return kv.view(torch.uint8) if self.as_bytes and self.fp8 else kv
 
-    def reference(self, layer, q, rows, sm_scale):
+    def reference(self, layer, q, rows, sm_scale, q_len=1):
         lens = torch.tensor([self.lens[b] for b in rows], dtype=torch.int32, device=self.device)
-        qo = torch.arange(len(rows) + 1, dtype=torch.int32, device=self.device)
+        qo = torch.arange(len(rows) + 1, dtype=torch.int32, device=self.device) * q_len
         return serving.reference(q, qo, self.kv[layer].view(self.num_pages, self.page, QK_DIM),
                                  self.scales[layer] if self.fp8 else None,
                                  block_table=self.table[rows].to(self.device),
@@ -215,29 +215,23 @@ def _vllm_step(cache, rows, seed, builder, impls, layers):
     return metadata
 
 
-def test_vllm_decode_loop_at_deepseek_v3_scale_with_lse(monkeypatch):
-    """An fp8 cache kept as uint8 bytes, as vLLM keeps it (bf16 runs in the SGLang loop)."""
-    engine_fakes.install(monkeypatch, "vllm")
-    cache = Cache([5, 30, 47, 70], 16, 3, fp8=True, seed=1, as_bytes=True)
-    builder, impls, layers = vllm_layers(cache, "fp8", 16, dcp=2, max_seqs=4)
-    assert builder.plans.spec.sm_scale == SCALE
-    assert builder.plans.spec.cache_dtype == ""  # vLLM views its uint8 bytes as fp8 before forward_mqa
-    assert builder.plans.spec.heads == 2 * HEADS  # q's heads gathered over the DCP group of 2
-    assert builder.plans.spec.return_lse and builder.plans.graph is not None
-    for step, rows in enumerate(([0, 1, 2, 3], [0, 2, 3], [0, 1, 2, 3])):  # 4: captured, 3: eager
-        metadata = _vllm_step(cache, rows, 10 + step, builder, impls, layers)
-        assert metadata.decode.plans.active is (builder.plans.graph if len(rows) == 4 else builder.plans.eager)
-
-
-@pytest.mark.parametrize(("dcp", "speculative", "takes"), [(1, 0, "lengths"), (2, 0, None), (1, 1, "mean")])
-def test_vllm_eager_steps_take_vllms_host_lengths(monkeypatch, dcp, speculative, takes):
-    """vLLM's host copy of the lengths (seq_lens_cpu_upper_bound) reaches an eager step's
+@pytest.mark.parametrize(("dcp", "speculative", "cache_dtype", "takes"),
+                         [(2, 0, "fp8", None), (1, 0, "auto", "lengths"), (1, 1, "auto", "mean")])
+def test_vllm_decode_loop_at_deepseek_v3_scale_gives_eager_steps_vllms_host_lengths(
+        monkeypatch, dcp, speculative, cache_dtype, takes):
+    """An fp8 cache kept as uint8 bytes, as vLLM keeps it; decode context parallelism asks for
+    the LSE. vLLM's host copy of the lengths (seq_lens_cpu_upper_bound) reaches an eager step's
     plan, whose lookup estimates at them; with speculative decoding (an upper bound then)
     their mean; with decode context parallelism (each rank's share differs) nothing. A graph
     step takes none."""
     engine_fakes.install(monkeypatch, "vllm")
-    cache = Cache([5, 30, 47, 70], 16, 3, seed=2)
-    builder, impls, layers = vllm_layers(cache, "auto", 16, dcp=dcp, max_seqs=4, speculative=speculative)
+    fp8 = cache_dtype == "fp8"
+    cache = Cache([5, 30, 47, 70], 16, 3, fp8=fp8, seed=1, as_bytes=fp8)
+    builder, impls, layers = vllm_layers(cache, cache_dtype, 16, dcp=dcp, max_seqs=4, speculative=speculative)
+    spec = builder.plans.spec
+    assert spec.sm_scale == SCALE and spec.return_lse == (dcp > 1) and builder.plans.graph is not None
+    assert spec.cache_dtype == ""  # vLLM views its uint8 bytes as fp8 before forward_mqa
+    assert spec.heads == dcp * HEADS  # q's heads gathered over the DCP group
     calls = []
     update = builder.plans.update
     monkeypatch.setattr(builder.plans, "update",
@@ -245,9 +239,11 @@ def test_vllm_eager_steps_take_vllms_host_lengths(monkeypatch, dcp, speculative,
                                                                   layout["mean_kv_len"],
                                                                   layout["seq_lens"].tolist())) or
                         update(graph, qo, **layout))
-    for step, rows in enumerate(([0, 1, 2, 3], [0, 2, 3])):  # 4: captured (unless q_len 2), 3: eager
-        _vllm_step(cache, rows, 20 + step, builder, impls, layers)
-    assert [graph for graph, *_ in calls] == [not speculative, False]
+    for step, rows in enumerate(([0, 1, 2, 3], [0, 2, 3], [0, 1, 2, 3])):  # 4: captured unless q_len 2
+        metadata = _vllm_step(cache, rows, 10 + step, builder, impls, layers)
+        graph = len(rows) == 4 and not speculative
+        assert metadata.decode.plans.active is (builder.plans.graph if graph else builder.plans.eager)
+    assert [graph for graph, *_ in calls] == [not speculative, False, not speculative]
     for graph, kv_lens, mean, lens in calls:
         assert kv_lens == (lens if takes == "lengths" and not graph else None)
         assert mean == (sum(lens) / len(lens) if takes == "mean" and not graph else None)
@@ -273,9 +269,7 @@ def test_vllm_a_graph_step_padded_with_empty_requests_answers_its_real_rows(monk
     assert builder.plans.active is builder.plans.graph
     q = torch.randn((padded * q_len, HEADS, QK_DIM), generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     out, _ = impls[0].forward_mqa((q[..., :V_DIM], q[..., V_DIM:]), cache.engine_view(0), metadata, layers[0])
-    ref, _ = serving.reference(q[: real * q_len], qsl[: real + 1], cache.kv[0].view(cache.num_pages, 16, QK_DIM),
-                               None, block_table=cache.table[:real], seq_lens=lens[:real], sm_scale=SCALE,
-                               return_lse=True)
+    ref, _ = cache.reference(0, q[: real * q_len], list(range(real)), SCALE, q_len)
     close_to_reference(out[: real * q_len], ref, f"vLLM padded graph step, q_len {q_len}")
     assert torch.isfinite(out[real * q_len:].float()).all()
 

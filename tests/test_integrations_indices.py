@@ -55,8 +55,8 @@ def test_bad_buffers_are_refused_with_what_was_expected(device):
     assert lens.tolist() == [4, 2] and table[0].tolist() == [10, 11, 12, 13] and table[1, :2].tolist() == [20, 21]
 
 
-@pytest.mark.parametrize("kv_format", ["fp8"])  # bf16 at page 1 runs in the SGLang loop (test_integrations_engines)
-def test_a_page_one_cache_through_the_plan_matches_the_block_table_path(kv_format, device):
+def test_a_page_one_fp8_cache_through_the_plan_matches_the_block_table_path(device):
+    kv_format = "fp8"  # bf16 at page 1 runs in the SGLang loop (test_integrations_engines)
     spec = CallSpec(kv_format, page_size=1, heads=16, max_q_len=2, mixed_q_len=True)
     plan = DecodePlan(spec, max_batch=4, device=device)
     pages = PageOneTable(4, 64, device=device)

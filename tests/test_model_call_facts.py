@@ -57,10 +57,8 @@ def test_callspec_refuses_a_scale_that_is_no_softmax_scale_and_uint8_bytes_of_an
         CallSpec(kv, **facts)
 
 
-SERVING_CASES = [(name, kv) for name in ("triton", "triton_fused", "flashmla", "flashinfer") for kv in ("bf16", "fp8")]
-
-
-@pytest.mark.parametrize("name,kv", SERVING_CASES, ids=[f"{n}-{k}" for n, k in SERVING_CASES])
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("name", ["triton", "triton_fused", "flashmla", "flashinfer"])
 def test_the_serving_call_answers_at_the_models_scale(name, kv, monkeypatch):
     out, variant, inp, _ = serving_call(monkeypatch, name, kv, [1, 1, 1], [5, 70, 130], 5)
     q_format = {"bf16": "bf16", "fp8_dynamic": "fp8"}[variant.get("q")]
@@ -94,11 +92,9 @@ def _leaderboard_variant(name: str, shape: Shape, kv: str) -> Variant:
                 and v.get("pv_dot", "fp16") == "fp16")
 
 
-LEADERBOARD_CASES = [("torch", "bf16"), ("triton", "bf16"), ("triton", "fp8"), ("triton_fused", "bf16"),
-                     ("triton_fused", "fp8"), ("flashmla", "bf16"), ("flashinfer", "bf16"), ("flashinfer", "fp8")]
-
-
-@pytest.mark.parametrize("name,kv", LEADERBOARD_CASES, ids=[f"{n}-{k}" for n, k in LEADERBOARD_CASES])
+@pytest.mark.parametrize("name,kv", [("torch", "bf16"), ("triton", "bf16"), ("triton", "fp8"), ("triton_fused", "bf16"),
+                                     ("triton_fused", "fp8"), ("flashmla", "bf16"), ("flashinfer", "bf16"),
+                                     ("flashinfer", "fp8")])
 def test_build_takes_the_models_scale(name, kv, monkeypatch):
     """build(..., sm_scale=) of every backend that runs on the CPU."""
     if name in VENDOR_MODULES:
@@ -198,14 +194,6 @@ def _assert_lse(lse: torch.Tensor, ref_lse: torch.Tensor, what: str) -> None:
     assert err < 5e-2, f"{what}: max |lse - reference| = {err:.4f}"
 
 
-def test_the_capability_record_says_who_returns_it():
-    for name in ("triton", "triton_fused", "flashmla", "flashinfer"):
-        assert capabilities(name).lse is True, name
-    spec = CallSpec("bf16", page_size=16, return_lse=True)
-    assert capabilities("triton").refusal(spec) is None
-    assert Decoder(spec).backend == "triton"  # the first of the preference order
-
-
 # Split-K (triton): kv_len 1 and 17 run in one split (stage 1 writes out and LSE), 300 in several
 # (stage 2 merges them), all in one at max_splits 1; triton_fused splits the long sequences, so
 # its reduction's LSE runs too. (backend, kv, q_len, max_splits: None for the default's)
@@ -218,6 +206,7 @@ LSE_CASES = [("triton", "bf16", 1, 4), ("triton", "fp8", 1, 4), ("triton", "bf16
 @pytest.mark.parametrize("name,kv,q_len,max_splits", LSE_CASES,
                          ids=[f"{n}-{k}-q{q}-s{s}" for n, k, q, s in LSE_CASES])
 def test_each_declared_backend_returns_the_references_lse(name, kv, q_len, max_splits, monkeypatch):
+    assert capabilities(name).lse is True  # the record says who returns it
     mixed = name != "flashmla" and q_len > 1
     if name == "triton":
         q_lens, kv_lens, seed = [1, q_len, q_len], [1, 17, 300], 13
@@ -242,9 +231,9 @@ def test_each_declared_backend_returns_the_references_lse(name, kv, q_len, max_s
 
 def test_a_plan_with_return_lse_returns_out_and_lse_per_layer():
     spec = CallSpec("bf16", page_size=16, heads=16, max_q_len=2, mixed_q_len=True, sm_scale=DSV3, return_lse=True)
-    plan = DecodePlan(spec, max_batch=4)
+    assert Decoder(spec).backend == "triton"  # the first of the preference order returns it
     inp = serving.make_input([2, 1, 2], [40, 3, 90], 16, 16, "bf16", seed=12)
-    plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
+    plan = _plan(spec, inp)
     ref, ref_lse = inp.reference(sm_scale=DSV3, return_lse=True)
     for _layer in range(2):  # the second layer replays what the first recorded (on a GPU)
         out, lse = plan.run(inp.q, inp.kv)
@@ -264,6 +253,12 @@ def _input() -> serving.ServingInput:
     return serving.make_input([1, 1, 1], [3, 40, 77], 16, 16, "fp8", seed=21)
 
 
+def _plan(spec: CallSpec, inp: serving.ServingInput, **kwargs) -> DecodePlan:
+    plan = DecodePlan(spec, max_batch=4, **kwargs)
+    plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
+    return plan
+
+
 def _close(out, inp):
     result = problem.check(out.float(), inp.reference(sm_scale=DSV3), STRICT)
     assert result.passed, result.reason
@@ -272,8 +267,7 @@ def _close(out, inp):
 @pytest.mark.parametrize("backend", ["triton", "triton_fused"])
 def test_a_declared_uint8_cache_is_read_as_fp8_and_kv_scale_may_be_a_python_float(backend):
     inp = _input()
-    plan = DecodePlan(BYTES, max_batch=4, backend=backend)
-    plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
+    plan = _plan(BYTES, inp, backend=backend)
     raw, scale = inp.kv.view(torch.uint8), float(inp.kv_scale)
     # a tensor, a Python float, a float subclass (as an engine's config may hold)
     for kv_scale in (inp.kv_scale, scale, np.float64(scale)):
@@ -293,8 +287,7 @@ def test_a_declared_uint8_cache_is_read_as_fp8_and_kv_scale_may_be_a_python_floa
 def test_an_undeclared_uint8_cache_is_refused_by_every_path():
     inp = _input()
     raw = inp.kv.view(torch.uint8)
-    plan = DecodePlan(SPEC, max_batch=4)
-    plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
+    plan = _plan(SPEC, inp)
     for run in (plan.run, plan.run_checked):
         with pytest.raises(ValueError, match="cache_dtype='uint8'"):
             run(inp.q, raw, inp.kv_scale)
@@ -312,7 +305,5 @@ def test_an_undeclared_uint8_cache_is_refused_by_every_path():
     # and the right cache still runs after the refusals
     _close(plan.run(inp.q, inp.kv, inp.kv_scale).clone(), inp)
     # a bf16 plan refuses an fp8 cache
-    plan = DecodePlan(CallSpec("bf16", page_size=16, heads=16), max_batch=4)
-    plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
     with pytest.raises(ValueError, match="kv must be bf16"):
-        plan.run(inp.q, inp.kv, inp.kv_scale)
+        _plan(CallSpec("bf16", page_size=16, heads=16), inp).run(inp.q, inp.kv, inp.kv_scale)

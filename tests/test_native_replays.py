@@ -23,6 +23,8 @@ from mla_tune.serving.decode_plan import DecodePlan
 from mla_tune.serving.table import load_serving_table
 
 COMMITTED = "tables/H200.serving.yaml"
+needs_c = pytest.mark.skipif(native.compiler() is None,
+                             reason="no C compiler here: the Python path runs (checked elsewhere)")
 
 
 @pytest.fixture(autouse=True)
@@ -101,30 +103,23 @@ def _dealings(seed: int, n: int):
     """n random dealings (work in launch order, slots): runs of equal programs, equal loads,
     rising (past the ascending queue's buffer), falling, mixed, long among short, fractional."""
     rng = random.Random(seed)
+    draw = {"alphabet": lambda: float(rng.choice([1, 2, 3, 5])),  # one program's work, by shape
+            "rising": lambda: float(rng.randint(1, 50)),
+            "falling": lambda: float(rng.randint(1, 5000)),
+            "random": lambda: float(rng.randint(1, 100000)),
+            "long among short": lambda: float(rng.choice([512, 512, 512, rng.randint(1, 64)])),
+            "fractional": lambda: rng.randint(1, 300) + rng.choice([0.5, 0.1, 0.25, 1 / 3])}
     for _ in range(n):
         slots = rng.choice([1, 2, 3, 7, 16, 17, 64, 132, 264, rng.randint(1, 300)])
         count = rng.randint(1, 10 * slots + 20)
-        shape = rng.choice(["runs", "alphabet", "rising", "falling", "random", "long among short",
-                            "fractional"])
-        if shape == "runs":
-            work = []
-            while len(work) < count:
-                work += [float(rng.choice([16, 32, 64, 96, 128]) * rng.randint(1, 8) + rng.choice([0, 32, 256]))] * \
-                    rng.choice([1, 1, 2, 4, 8, rng.randint(1, 2 * slots)])
-            work = work[:count]
-        elif shape == "alphabet":
-            work = [float(rng.choice([1, 2, 3, 5])) for _ in range(count)]
-        elif shape == "rising":
-            work = sorted(float(rng.randint(1, 50)) for _ in range(count))
-        elif shape == "falling":
-            work = sorted((float(rng.randint(1, 5000)) for _ in range(count)), reverse=True)
-        elif shape == "random":
-            work = [float(rng.randint(1, 100000)) for _ in range(count)]
-        elif shape == "long among short":
-            work = [float(rng.choice([512, 512, 512, rng.randint(1, 64)])) for _ in range(count)]
-        else:
-            work = [rng.randint(1, 300) + rng.choice([0.5, 0.1, 0.25, 1 / 3]) for _ in range(count)]
-        yield np.asarray(work, dtype=np.float64), slots
+        shape = rng.choice(["runs", *draw])
+        work = [draw[shape]() for _ in range(count)] if shape != "runs" else []
+        while len(work) < count:  # runs
+            run = rng.choice([16, 32, 64, 96, 128]) * rng.randint(1, 8) + rng.choice([0, 32, 256])
+            work += [float(run)] * rng.choice([1, 1, 2, 4, 8, rng.randint(1, 2 * slots)])
+        if shape in ("rising", "falling"):
+            work.sort(reverse=shape == "falling")
+        yield np.asarray(work[:count], dtype=np.float64), slots
 
 
 def test_the_runs_dealing_in_numpy_and_in_c_is_a_plain_heaps_makespan():
@@ -241,11 +236,10 @@ def test_without_a_compiler_or_with_a_broken_one_the_python_path_runs(monkeypatc
     assert load("other", source + "\n") is None
 
 
+@needs_c
 def test_the_interpolation_in_c_is_the_python_interpolation():
     """The committed table's grids interpolated in C agree with the Python steps to rounding, with
     the same variants left out, at random batches and lengths, on grid points and past both ends."""
-    if estimate._native() is None:
-        pytest.skip("no C compiler here: the Python interpolation is the only one (checked elsewhere)")
     table = load_serving_table(COMMITTED)
     rng = random.Random(11)
     compared = left_out = 0
@@ -297,11 +291,10 @@ def test_a_split_k_and_a_gluon_models_one_call_replay_in_c_is_its_numpy_replay(n
         assert model.replay(call) == numpy_path(model.replay, call), (lens.tolist(), heads, variant)
 
 
+@needs_c
 def test_a_familys_compiled_estimate_picks_and_estimates_as_the_python_estimate_does():
     """Estimator.pick's one C call against Estimator.estimates and fastest on the committed table:
     the same pick and estimates, float for float, for ragged, uniform and length-less calls."""
-    if native.compiler() is None:
-        pytest.skip("no C compiler here: the Python estimate is the only one (checked elsewhere)")
     table = load_serving_table(COMMITTED)
     families = list(table.families.values())
     for family in families:
@@ -335,12 +328,11 @@ def test_a_familys_compiled_estimate_picks_and_estimates_as_the_python_estimate_
     assert {"flashinfer", "gluon_fused", "triton"} <= picks  # every kind of model decided some
 
 
+@needs_c
 def test_a_plans_step_with_host_lengths_picks_in_one_c_call_what_its_lookup_picks_from_the_mean():
     """DecodePlan.update with host lengths (_Compiled.pick_lengths) picks and counts misses as
     `pick(batch, mean, lengths)` on every committed family: ragged and uniform, batch 1 to 256 and
     600 (past the lookup's buffer: it grows first), lengths 1 to 2^17, lists and tuples."""
-    if native.compiler() is None:
-        pytest.skip("no C compiler here: the plan picks through the Python estimate (checked elsewhere)")
     table = load_serving_table(COMMITTED)
     plans = {}
     with warnings.catch_warnings():

@@ -15,8 +15,6 @@ from mla_tune import locate, runtime
 from mla_tune.tables.table import TableError
 from tests.helpers import REPO
 
-FAKES = REPO / "tests" / "fakes"
-
 
 def _tables(folder: Path, *names: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
@@ -95,7 +93,7 @@ def test_a_built_wheel_ships_the_tables_and_finds_them_outside_the_checkout(tmp_
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     # the vendor fakes stand in for flash_mla / flashinfer, which the table's picks name
-    env = dict(clean, TRITON_INTERPRET="1", PYTHONPATH=str(FAKES))
+    env = dict(clean, TRITON_INTERPRET="1", PYTHONPATH=str(REPO / "tests" / "fakes"))
 
     def outside_run(*command):
         return subprocess.run([str(c) for c in command], cwd=outside, env=env, capture_output=True, text=True)

@@ -45,8 +45,9 @@ EAGER_4_256 = _variant("triton_fused", 4, 32)
 GRAPH_8 = _variant("triton_fused", 2, 128)
 
 
-def _table(spec: CallSpec = SPEC) -> ServingTable:
-    fam = Family(FamilyKey.of(spec))
+def _table(spec: CallSpec = SPEC, points=None, models=None) -> ServingTable:
+    """The cell (4, 256) and the graph picks of 4 and 8; points and models as given."""
+    fam = Family(FamilyKey.of(spec), points=points or {}, models=models or {})
     fam.cells[(4, 256)] = Cell(4, 256, EAGER_4_256, 10.0)
     fam.graph[4] = GraphPick(4, GRAPH_4, 0.05, 32)
     fam.graph[8] = GraphPick(8, GRAPH_8, 0.02, 256)
@@ -97,13 +98,11 @@ def test_the_plan_builds_every_pick_up_front_and_picks_by_bucket_and_mean_length
 
 
 def test_an_eager_plan_builds_the_point_variants_and_picks_the_fastest_estimate():
-    table = _table()
-    fam = table.families[FamilyKey.of(SPEC)]
     # measured points: the graph pick of 8 is estimated fastest near 256
-    fam.points = {(4, 32): {EAGER_4_256: 5.0, GRAPH_8: 9.0},
-                  (4, 256): {EAGER_4_256: 20.0, GRAPH_8: 12.0},
-                  (8, 32): {EAGER_4_256: 6.0, GRAPH_8: 9.5},
-                  (8, 256): {EAGER_4_256: 24.0, GRAPH_8: 13.0}}
+    table = _table(points={(4, 32): {EAGER_4_256: 5.0, GRAPH_8: 9.0},
+                           (4, 256): {EAGER_4_256: 20.0, GRAPH_8: 12.0},
+                           (8, 32): {EAGER_4_256: 6.0, GRAPH_8: 9.5},
+                           (8, 256): {EAGER_4_256: 24.0, GRAPH_8: 13.0}})
     plan = DecodePlan(SPEC, max_batch=4, table=table)
     assert GRAPH_8 in plan.variants  # a point variant, though no cell or graph pick <= 4 has it
     long, short = [240, 250, 260], [30, 40, 50]
@@ -113,19 +112,18 @@ def test_an_eager_plan_builds_the_point_variants_and_picks_the_fastest_estimate(
 
 def test_an_eager_plan_does_the_lookups_one_off_work_when_it_is_made(monkeypatch):
     """The split-K rates over the points are computed when the plan is made, not at step one."""
-    table = _table()
-    key = FamilyKey.of(SPEC)
-    fam = table.families[key]
-    fam.points = {(4, 32): {GRAPH_4: 5.0, GRAPH_8: 9.0}, (4, 256): {GRAPH_4: 20.0, GRAPH_8: 12.0}}
-    fam.models = {GRAPH_4: SplitKModel(GRAPH_4, occupancy=1, overhead_us=1.0, sm_count=132,
-                                       fit_error=0.0)}
+    table = _table(points={(4, 32): {GRAPH_4: 5.0, GRAPH_8: 9.0},
+                           (4, 256): {GRAPH_4: 20.0, GRAPH_8: 12.0}},
+                   models={GRAPH_4: SplitKModel(GRAPH_4, occupancy=1, overhead_us=1.0, sm_count=132,
+                                                fit_error=0.0)})
     made = []
     real = SplitKModel.point_rate
     monkeypatch.setattr(SplitKModel, "point_rate",
                         lambda self, *a: made.append(a[1:3]) or real(self, *a))
     DecodePlan(SPEC, max_batch=4, table=table, warm=False)
     assert sorted(made) == [(4, 32), (4, 256)]  # each point's rate once, at the plan
-    assert set(table.estimator.derived("rates", fam)) == {(4, 32), (4, 256)} and len(made) == 2
+    rates = table.estimator.derived("rates", table.families[FamilyKey.of(SPEC)])
+    assert set(rates) == {(4, 32), (4, 256)} and len(made) == 2
 
 
 def test_a_graph_plan_ignores_lengths_and_takes_the_graph_pick():

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -68,14 +67,6 @@ def test_the_prior_is_a_table_marked_prior_with_the_seeds_and_aiters_choices():
             assert row.calibration["q_amax"] == variant.get("q_amax")
 
 
-def _edited(tmp_path: Path, edit) -> Path:
-    data = yaml.safe_load(PRIOR.read_text())
-    edit(data)
-    path = tmp_path / "MI355X.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
 def _measured(data):  # the prior's rows in a table that claims to be measured
     del data["provenance"]["kind"]
     for row in data["rows"]:
@@ -89,8 +80,11 @@ def _measured(data):  # the prior's rows in a table that claims to be measured
     (_measured, r"row 1 .*field `prior` belongs in a prior's rows"),
 ], ids=["timed", "sourceless", "measured"])
 def test_the_schema_keeps_priors_and_measurements_apart(tmp_path, edit, message):
+    data = yaml.safe_load(PRIOR.read_text())
+    edit(data)
+    (tmp_path / "MI355X.yaml").write_text(yaml.safe_dump(data))
     with pytest.raises(TableError, match=message):
-        load_table(_edited(tmp_path, edit), check_params=False)
+        load_table(tmp_path / "MI355X.yaml", check_params=False)
 
 
 CHILD = textwrap.dedent('''

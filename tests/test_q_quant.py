@@ -107,7 +107,8 @@ def _row(shape: Shape, variant: Variant, q_amax: float) -> dict:
     }
 
 
-def _static_table(tmp_path) -> Path:
+@pytest.fixture
+def static_table(tmp_path) -> Path:
     """The CPU test table with fp8_static winners: triton at 2x40, flashmla at 2x64."""
     amax = _q_amax(TRITON_SHAPE)
     triton = Variant.make("triton", block_n=16, dot_dtype="fp16", kv="fp8", num_splits=2, num_stages=1,
@@ -138,8 +139,8 @@ def _load(path, **kwargs):
         return runtime.load(table=path, device="cpu", **kwargs)
 
 
-def test_the_default_runtime_counts_saturated_q_without_a_sync_per_call(tmp_path, fakes):
-    rt = _load(_static_table(tmp_path))
+def test_the_default_runtime_counts_saturated_q_without_a_sync_per_call(static_table, fakes):
+    rt = _load(static_table)
     for shape in (TRITON_SHAPE, FLASHMLA_SHAPE):
         data = _scaled(shape, 1.0)
         out = rt.custom_kernel(data)
@@ -161,8 +162,8 @@ def test_the_default_runtime_counts_saturated_q_without_a_sync_per_call(tmp_path
     assert rt.q_saturation() == 0
 
 
-def test_check_mode_raise_refuses_the_call_before_the_kernel_launches(tmp_path, fakes, monkeypatch):
-    rt = _load(_static_table(tmp_path), check_q_range=True)
+def test_check_mode_raise_refuses_the_call_before_the_kernel_launches(static_table, fakes, monkeypatch):
+    rt = _load(static_table, check_q_range=True)
     rt.custom_kernel(_scaled(TRITON_SHAPE, 1.0))  # in range: runs
     launched = []
     monkeypatch.setattr(triton_splitk, "flash_decode", lambda *a, **k: launched.append(1))
@@ -178,18 +179,18 @@ def test_check_mode_raise_refuses_the_call_before_the_kernel_launches(tmp_path, 
     assert rt.q_saturation() > 0
 
 
-def test_check_mode_warn_runs_and_warns_and_off_counts_only_where_free(tmp_path, fakes):
-    rt = _load(_static_table(tmp_path), check_q_range="warn")
+def test_check_mode_warn_runs_and_warns_and_off_counts_only_where_free(static_table, fakes):
+    rt, big = _load(static_table, check_q_range="warn"), _scaled(TRITON_SHAPE, 8.0)
     with pytest.warns(UserWarning, match="q elements exceed q_amax"):
-        rt.custom_kernel(_scaled(TRITON_SHAPE, 8.0))
-    assert rt.q_saturation() == _beyond(_scaled(TRITON_SHAPE, 8.0)[0], _q_amax(TRITON_SHAPE))
-    off = _load(_static_table(tmp_path), check_q_range=False)
-    off.custom_kernel(_scaled(TRITON_SHAPE, 8.0))
+        rt.custom_kernel(big)
+    assert rt.q_saturation() == _beyond(big[0], _q_amax(TRITON_SHAPE))
+    off = _load(static_table, check_q_range=False)
+    off.custom_kernel(big)
     assert off.q_saturation() == 0  # the triton kernel quantizes q inside: not counted when off
     off.custom_kernel(_scaled(FLASHMLA_SHAPE, 8.0))
     assert off.q_saturation() > 0  # flashmla's quantizer counts for free
     with pytest.raises(ValueError, match="check_q_range must be one of off, count, warn, raise"):
-        runtime.load(table=_static_table(tmp_path), device="cpu", check_q_range="loud")
+        runtime.load(table=static_table, device="cpu", check_q_range="loud")
 
 
 def test_the_flashmla_runner_exposes_its_counter(fakes):

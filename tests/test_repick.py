@@ -82,7 +82,7 @@ def test_a_bucket_takes_the_variant_clearly_faster_over_its_recorded_shapes_and_
     assert back.provenance["graph_repick"]["replaced"] == 1
 
 
-def test_too_few_shapes_leave_a_bucket_as_swept_and_a_pick_not_timed_everywhere_gives_way(tmp_path):
+def test_a_bucket_stays_as_swept_on_too_few_shapes_or_a_run_that_never_timed_its_pick(tmp_path):
     shapes = [_shape(3, {SWEPT: 150.0, BETTER: 100.0}) for _ in range(repick.MIN_SHAPES - 1)]
     table = _table()
     assert repick.repick_graph(table, [_report(tmp_path / "r.json", shapes)], log=lambda _: None) == []
@@ -91,48 +91,21 @@ def test_too_few_shapes_leave_a_bucket_as_swept_and_a_pick_not_timed_everywhere_
         repick.repick_graph(table, [_report(tmp_path / "r.json", shapes)], log=lambda _: None)
     table.provenance = {k: v for k, v in table.provenance.items() if k != "search"}
     assert table.families[KEY].graph[4].variant == Variant.parse(SWEPT)
-    # a pick not timed at every shape (pruned at one) gives way to the best timed everywhere
-    shapes = [_shape(3, {SWEPT: 100.0, BETTER: 101.0}) for _ in range(6)] + [_shape(3, {BETTER: 100.0})]
-    table = _table()
-    (change,) = repick.repick_graph(table, [_report(tmp_path / "r.json", shapes)], log=lambda _: None)
-    assert change["now"] == BETTER and change["was_geomean_regret"] is None
-
-
-def test_a_run_that_never_timed_the_pick_cannot_judge_it(tmp_path):
     # an older run whose config did not offer the swept pick (it timed SWEPT nowhere) has
     # BETTER faster at 6 shapes: it cannot replace a pick it never ran; a run that timed
     # SWEPT somewhere (another bucket) can
     older = _report(tmp_path / "older.json", [_shape(3, {BETTER: 100.0, PARTIAL: 110.0}) for _ in range(6)])
-    table = _table()
     assert repick.repick_graph(table, [older], log=lambda _: None) == []
     assert table.families[KEY].graph[4].variant == Variant.parse(SWEPT)
     newer = _report(tmp_path / "newer.json", [_shape(3, {BETTER: 100.0}) for _ in range(6)]
                     + [_shape(7, {SWEPT: 100.0, BETTER: 100.0})])
     (change,) = repick.repick_graph(table, [older, newer], log=lambda _: None)
     assert (change["batch"], change["now"], change["shapes"]) == (4, BETTER, 6)
-
-
-def test_the_command_writes_the_table_and_leaves_the_input_alone(tmp_path):
-    source = write_serving_table(tmp_path / "in.serving.yaml", _table())
-    before = source.read_bytes()
-    report = _report(tmp_path / "r.json", [_shape(3, {SWEPT: 120.0, BETTER: 100.0}) for _ in range(6)])
-    out = tmp_path / "out.serving.yaml"
-    result = invoke("verify", "--table", source, "--rescore", report, "--repick-graph", out)
-    assert result.exit_code == 0, result.output
-    assert "1 graph pick(s) replaced" in result.output and "--judge graph" in result.output
-    assert source.read_bytes() == before
-    assert load_serving_table(out).families[KEY].graph[4].variant == Variant.parse(BETTER)
-    refused = invoke("verify", "--table", source, "--repick-graph", out)
-    assert refused.exit_code != 0 and "--rescore" in refused.output
-    # never over its own input, a file that is not a serving table, or with options it would ignore
-    text = tmp_path / "notes.txt"
-    text.write_text("mine")
-    for target, extra, says in [(source, [], "is the table it re-chooses from"),
-                                (text, [], "exists and is not a serving table"),
-                                (out, ["--json", tmp_path / "v.json"], "drop --json")]:
-        refused = invoke("verify", "--table", source, "--rescore", report, "--repick-graph", target, *extra)
-        assert refused.exit_code in (1, 2) and says in refused.output, refused.output
-    assert source.read_bytes() == before and text.read_text() == "mine"
+    # a pick not timed at every shape (pruned at one) gives way to the best timed everywhere
+    shapes = [_shape(3, {SWEPT: 100.0, BETTER: 101.0}) for _ in range(6)] + [_shape(3, {BETTER: 100.0})]
+    table = _table()
+    (change,) = repick.repick_graph(table, [_report(tmp_path / "r.json", shapes)], log=lambda _: None)
+    assert change["now"] == BETTER and change["was_geomean_regret"] is None
 
 
 def _loop(path: Path, rows: dict, gpu: str = "H200", **fields) -> Path:
@@ -196,19 +169,33 @@ def test_engine_loops_leave_a_pick_they_did_not_time_and_refuse_another_gpu_or_a
     assert table.families[KEY].graph[4].variant == Variant.parse(SWEPT)
 
 
-def test_the_command_repicks_on_engine_loops_and_asks_for_one_source(tmp_path):
+def test_the_command_repicks_on_either_source_writes_the_table_and_leaves_the_input_alone(tmp_path):
     source = write_serving_table(tmp_path / "in.serving.yaml", _table())
+    before = source.read_bytes()
+    report = _report(tmp_path / "r.json", [_shape(3, {SWEPT: 120.0, BETTER: 100.0}) for _ in range(6)])
     loop = _loop(tmp_path / "loop.json", {8: {SWEPT: 1.3, BETTER: 1.0}})
     out = tmp_path / "out.serving.yaml"
-    result = invoke("verify", "--table", source, "--engine-loop", loop, "--repick-graph", out)
-    assert result.exit_code == 0, result.output
-    assert "1 graph pick(s) replaced" in result.output and "engine_loop.py" in result.output
-    assert load_serving_table(out).families[KEY].graph[8].variant == Variant.parse(BETTER)
-    report = _report(tmp_path / "r.json", [_shape(3, {SWEPT: 120.0, BETTER: 100.0}) for _ in range(6)])
-    for args, says in [(["--engine-loop", loop], "give --repick-graph"),
-                       (["--engine-loop", loop, "--rescore", report, "--repick-graph", out], "one of the two")]:
+    for runs, batch, next_step in [(["--rescore", report], 4, "--judge graph"),
+                                   (["--engine-loop", loop], 8, "engine_loop.py")]:
+        result = invoke("verify", "--table", source, *runs, "--repick-graph", out)
+        assert result.exit_code == 0, result.output
+        assert "1 graph pick(s) replaced" in result.output and next_step in result.output
+        assert load_serving_table(out).families[KEY].graph[batch].variant == Variant.parse(BETTER)
+    # never without runs, with both sources, over its own input, a file that is not a serving
+    # table, or with options it would ignore
+    text = tmp_path / "notes.txt"
+    text.write_text("mine")
+    for args, code, says in [(["--repick-graph", out], 2, "--rescore"),
+                             (["--engine-loop", loop, "--rescore", report, "--repick-graph", out], 2,
+                              "one of the two"),
+                             (["--engine-loop", loop], 2, "give --repick-graph"),
+                             (["--rescore", report, "--repick-graph", source], 2, "is the table it re-chooses from"),
+                             (["--rescore", report, "--repick-graph", text], 1, "exists and is not a serving table"),
+                             (["--rescore", report, "--repick-graph", out, "--json", tmp_path / "v.json"], 2,
+                              "drop --json")]:
         refused = invoke("verify", "--table", source, *args)
-        assert refused.exit_code == 2 and says in refused.output, refused.output
+        assert refused.exit_code == code and says in refused.output, refused.output
+    assert source.read_bytes() == before and text.read_text() == "mine"
 
 
 @pytest.mark.gpu

@@ -20,14 +20,18 @@ from mla_tune.tables.render import summary_lines, variant_lines, wrap
 from mla_tune.tables.table import load_table
 from mla_tune.tune.progress import summarize
 from mla_tune.tune.results import read_results
+from tests.helpers import CPU_TABLE, REPO
 
-REPO = Path(__file__).parents[1]
 H200 = REPO / "tables" / "H200.yaml"
 H200_RESULTS = REPO / "tables" / "H200.results.jsonl"
-TABLE = Path(__file__).parent / "data" / "table_cpu.yaml"
 # the H200 table and results before the budgeted search: fixed numbers for exact assertions
-H200_FIXED = Path(__file__).parent / "data" / "H200.pre-search.yaml"
-H200_FIXED_RESULTS = Path(__file__).parent / "data" / "H200.pre-search.results.jsonl"
+H200_FIXED = REPO / "tests" / "data" / "H200.pre-search.yaml"
+H200_FIXED_RESULTS = REPO / "tests" / "data" / "H200.pre-search.results.jsonl"
+
+
+def _images(text: str) -> list[str]:
+    """The files a report's Markdown links as images."""
+    return [line.split("](")[1].rstrip(")") for line in text.splitlines() if line.startswith("![")]
 
 
 def test_the_markdown_has_every_shape_its_floor_backends_and_curves_or_says_what_is_missing():
@@ -49,7 +53,7 @@ def test_the_markdown_has_every_shape_its_floor_backends_and_curves_or_says_what
     assert dict(curve["triton"])[16] == best_16 == table.rows[Shape(4, 1024)].time_us
     assert "flashmla" not in curve  # it has no num_splits
     # without a results file: says what is left out
-    text = report_markdown(load_table(TABLE, check_params=False), None, plots={})
+    text = report_markdown(load_table(CPU_TABLE, check_params=False), None, plots={})
     assert "No results file next to the table" in text and "| 3x16 | none |" in text
 
 
@@ -57,17 +61,15 @@ def test_a_results_record_without_a_shape_is_one_line_naming_it(tmp_path):
     results = tmp_path / "r.jsonl"
     good = {"kind": "candidate", "shape": {"batch": 1, "kv_len": 8}, "backend": "torch",
             "variant": "torch(kv=bf16,q=bf16)", "status": "ok", "params": {}, "time": {"median_us": 3.0}}
-    bad = {k: v for k, v in good.items() if k != "shape"}
-    results.write_text("\n".join(json.dumps(r) for r in ({"kind": "header"}, good, bad)) + "\n")
-    # the results reader refuses it, naming the line (results.read_results checks shapes)
-    with pytest.raises(ReportError, match=r"line 3: a candidate record without a valid shape") as info:
-        read_candidates(results)
-    assert "\n" not in str(info.value)
-    # a record the reader passes but the report cannot use (no backend) is named too
-    no_backend = {k: v for k, v in good.items() if k != "backend"}
-    results.write_text("\n".join(json.dumps(r) for r in ({"kind": "header"}, good, no_backend)) + "\n")
-    with pytest.raises(ReportError, match=r"candidate record 2: missing or malformed 'backend'"):
-        read_candidates(results)
+    # no shape: the results reader refuses it, naming the line (results.read_results checks
+    # shapes); no backend: the reader passes it but the report cannot use it
+    for left_out, message in (("shape", r"line 3: a candidate record without a valid shape"),
+                              ("backend", r"candidate record 2: missing or malformed 'backend'")):
+        bad = {k: v for k, v in good.items() if k != left_out}
+        results.write_text("\n".join(json.dumps(r) for r in ({"kind": "header"}, good, bad)) + "\n")
+        with pytest.raises(ReportError, match=message) as info:
+            read_candidates(results)
+        assert "\n" not in str(info.value)
     # a prior has no times: refused by name, nothing written
     with pytest.raises(ReportError, match="is a prior .* it has no times to report"):
         write_report(REPO / "configs" / "priors" / "MI355X.yaml", tmp_path / "report")
@@ -82,7 +84,7 @@ def test_write_report_draws_the_plots_and_links_them(tmp_path):
     (tmp_path / "H200.results.jsonl").write_text(H200_RESULTS.read_text())
     out = write_report(table, tmp_path / "report")
     text = out.read_text()
-    images = [line.split("](")[1].rstrip(")") for line in text.splitlines() if line.startswith("![")]
+    images = _images(text)
     assert "time_per_shape.png" in images and "bandwidth_share.png" in images
     assert len(images) == 2 + 8  # one time-against-parameters plot per shape
     for name in images:
@@ -94,16 +96,13 @@ def test_the_committed_report_is_the_one_for_the_committed_table(monkeypatch):
     monkeypatch.chdir(REPO)
     report = Path("docs/report/report.md")
     text = report.read_text()
-    table = load_table(Path("tables/H200.yaml"), check_params=False)
-    assert text == report_markdown(table, read_candidates(H200_RESULTS), plots=_linked(text))
-    for name in _linked(text).values():
-        assert (report.parent / name).is_file()
-
-
-def _linked(text: str) -> dict[str, str]:
-    names = [line.split("](")[1].rstrip(")") for line in text.splitlines() if line.startswith("![")]
     keys = {"time_per_shape.png": "time", "bandwidth_share.png": "share"}
-    return {keys.get(n, "params " + n.removeprefix("params_").removesuffix(".png")): n for n in names}
+    linked = {keys.get(n, "params " + n.removeprefix("params_").removesuffix(".png")): n
+              for n in _images(text)}
+    table = load_table(Path("tables/H200.yaml"), check_params=False)
+    assert text == report_markdown(table, read_candidates(H200_RESULTS), plots=linked)
+    for name in linked.values():
+        assert (report.parent / name).is_file()
 
 
 # ----------------------------------------------------------------------- rendering rules
@@ -117,7 +116,7 @@ def test_wrapping_never_splits_a_parameter_and_repeats_the_lead():
     assert wrap("x: ", "a" * 300, 80) == ["x: " + "a" * 74 + "..."]  # one huge word: cut
 
 
-def test_the_sweep_summary_fits_80_columns_with_full_winners():
+def test_the_sweep_summary_fits_80_columns_with_full_winners_in_plain_lines(monkeypatch):
     _header, records, _ = read_results(H200_FIXED_RESULTS)
     records.append({"kind": "candidate", "variant": "torch(kv=bf16,q=bf16)", "status": "ok"})  # no shape
     records.append({"kind": "candidate", "shape": {"batch": 2, "kv_len": 17}, "status": "rejected",
@@ -130,9 +129,7 @@ def test_the_sweep_summary_fits_80_columns_with_full_winners():
         assert "".join(line.split(maxsplit=2)[2].strip() for line in mine) == winner["variant"]
     assert "  2x17      winner none: no candidate passed the gate and was timed" in lines
     assert lines[-1] == "  1 record(s) without a readable shape or variant were left out"
-
-
-def test_summarize_prints_plain_lines_through_the_sweeps_console(monkeypatch):
+    # summarize prints it through the sweep's console, without escape codes
     monkeypatch.setenv("COLUMNS", "80")
     _header, records, _ = read_results(H200_RESULTS)
     buffer = io.StringIO()

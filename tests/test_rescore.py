@@ -33,7 +33,7 @@ def _table(eager: str, graph: str = B, runner_up: dict | None = None) -> Serving
     return ServingTable("H200", {}, [4], [512, 1024], {fam.key: fam})
 
 
-def _shape(index: int, key: FamilyKey, final: dict, short: dict, pruned: list, kind: str = "uniform") -> dict:
+def _shape(index: int, key: FamilyKey, final: dict, short=(), pruned=(), kind="uniform") -> dict:
     best = min(final, key=final.get)
     fb = final.get(F)
     return {"index": index, "kind": kind, "family": key.as_dict(), "batch": 3,
@@ -41,7 +41,8 @@ def _shape(index: int, key: FamilyKey, final: dict, short: dict, pruned: list, k
             "roles": {"eager": A, "graph": B, "fallback": F}, "from_table": {"eager": True, "graph": True},
             "best": best, "best_us": final[best],
             "regret": {"eager": 0.0, "graph": 0.0, "fallback": fb / final[best] - 1},
-            "final_us": final, "short_us": {**short, **final}, "pruned": pruned, "failed": {},
+            "final_us": final, "short_us": {**dict(short), **final}, "pruned": list(pruned),
+            "failed": {},
             "checks": {v: {"passed": True, "reason": "ok"} for v in final}}
 
 
@@ -57,12 +58,12 @@ def _report(path, shapes, seed=1, **fields):
 @pytest.fixture
 def reports(tmp_path):
     one = _report(tmp_path / "v1.json", [
-        _shape(0, KEY, {A: 110.0, B: 130.0, C: 100.0, F: 200.0}, {}, []),
+        _shape(0, KEY, {A: 110.0, B: 130.0, C: 100.0, F: 200.0}),
         _shape(1, KEY, {B: 120.0, C: 100.0, F: 150.0}, {A: 104.0}, [D], kind="ragged"),
     ], seed=1)
     two = _report(tmp_path / "v2.json.gz", [
         _shape(0, KEY, {A: 100.0, B: 125.0, F: 300.0}, {C: 90.0}, [D]),
-        _shape(1, OTHER, {F: 100.0, D: 80.0}, {}, []),  # no family in the table: the fallback
+        _shape(1, OTHER, {F: 100.0, D: 80.0}),  # no family in the table: the fallback
     ], seed=2)
     return [one, two]
 
@@ -101,14 +102,13 @@ def test_a_folder_names_its_reports_in_order_and_bad_reports_are_named(reports, 
     (tmp_path / "notes.txt").write_text("not a report")
     assert rs.report_paths([tmp_path]) == sorted(reports)
     assert len(rs.rescore(_table(A), [tmp_path], log=lambda _: None)["shapes"]) == 4
-    with pytest.raises(VerifyError, match="no such verify report"):
-        rs.read_report(tmp_path / "missing.json")
     (tmp_path / "bad.json").write_text("{not json")
-    with pytest.raises(VerifyError, match="not a verify report"):
-        rs.read_report(tmp_path / "bad.json")
     (tmp_path / "other.json").write_text(json.dumps({"schema": "serving-results/1"}))
-    with pytest.raises(VerifyError, match="rescore reads 'serving-verify/1'"):
-        rs.read_report(tmp_path / "other.json")
+    for name, says in (("missing.json", "no such verify report"),
+                       ("bad.json", "not a verify report"),
+                       ("other.json", "rescore reads 'serving-verify/1'")):
+        with pytest.raises(VerifyError, match=says):
+            rs.read_report(tmp_path / name)
     with pytest.raises(VerifyError, match="at least one verify report"):
         rs.rescore(_table(A), [], log=lambda _: None)
     (tmp_path / "empty").mkdir()
@@ -129,7 +129,7 @@ def test_reports_timed_under_another_protocol_than_the_tables_are_refused(report
     with pytest.raises(VerifyError, match=r"v1\.json timed each candidate as one flushed call, the table's "
                                           r"points were timed as a layer of a 8-layer step"):
         rs.rescore(stepped, reports, log=lambda _: None)
-    shapes = [_shape(0, KEY, {A: 110.0, C: 100.0, F: 200.0}, {}, [])]
+    shapes = [_shape(0, KEY, {A: 110.0, C: 100.0, F: 200.0})]
     steps = _report(tmp_path / "steps.json", shapes, seed=3, protocol={"step_layers": 8})
     assert len(rs.rescore(stepped, [steps], log=lambda _: None)["shapes"]) == 1
     with pytest.raises(VerifyError, match="as a layer of a 8-layer step, the table's points were timed as one "
@@ -153,8 +153,8 @@ def test_unrunnable_backends_are_scored_by_the_stand_ins_a_plan_runs(reports):
 
 def test_a_shape_recorded_twice_is_summarized_across_its_recordings(reports, tmp_path):
     again = _report(tmp_path / "v3.json", [  # v1's shapes, recorded again: A stays 5% behind at #0
-        _shape(0, KEY, {A: 105.0, B: 130.0, C: 100.0, F: 200.0}, {}, []),
-        _shape(1, KEY, {A: 90.0, B: 120.0, C: 100.0, F: 150.0}, {}, [D], kind="ragged"),
+        _shape(0, KEY, {A: 105.0, B: 130.0, C: 100.0, F: 200.0}),
+        _shape(1, KEY, {A: 90.0, B: 120.0, C: 100.0, F: 150.0}, pruned=[D], kind="ragged"),
     ], seed=1)
     assert rs.rescore(_table(A), reports[:1], log=lambda _: None)["repeats"] is None  # no shape twice
     lines: list[str] = []
@@ -178,7 +178,7 @@ def test_the_points_agreement_compares_relative_times_just_below_a_point_and_bet
                                   (4, 512): {Variant.parse(A): 30.0, Variant.parse(B): 30.0}}
 
     def at(index, batch, kv, final):
-        return {**_shape(index, KEY, final, {}, []), "batch": batch, "kv_lens": kv, "mean_kv_len": float(kv)}
+        return {**_shape(index, KEY, final), "batch": batch, "kv_lens": kv, "mean_kv_len": kv * 1.0}
     shapes = [at(0, 4, 1010, {A: 100.0, B: 110.0, C: 90.0, F: 300.0}),  # 1.3% below 1024: B/A 1.10, the point's 1.05
               at(1, 4, 1030, {A: 100.0, B: 200.0, F: 300.0}),  # past the point: not compared
               at(2, 3, 1020, {A: 100.0, B: 200.0, F: 300.0}),  # not a point's batch

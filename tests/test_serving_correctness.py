@@ -50,8 +50,6 @@ def _spec(name: str, layout: int, heads: int, q_len: int, kv: str) -> CallSpec:
 
 # The own kernels' partials: stage 2 (or the fused reduction) must read only what this call wrote.
 _PARTIALS = {"triton": ("part_out", "part_lse", "q_amax"), "triton_fused": ("part_o", "part_lse")}
-
-
 # Libraries that return a new output tensor per eager call: their answers are checked, not buffers.
 LIBRARY_OUTPUTS = ("flashmla",)
 
@@ -300,7 +298,6 @@ def test_decode_keeps_one_decoder_per_spec_and_picks_the_own_split_k_kernel_firs
     paged = serving.make_input([1, 1], [9, 40], 16, 16, "bf16", seed=2, device=device)
     decode(paged.q, paged.qo_indptr, paged.kv, **paged.layout)
     assert [s.page_size for s in built] == [0, 16]
-    # decode picks the own split-K kernel first
     assert PREFERENCE[:2] == OWN and Decoder(CallSpec("bf16"), device=device).backend == "triton"
 
 

@@ -1,7 +1,9 @@
 """kernels/serving_runner.py: the own kernels' serving runner, its scratch and shared launch
 checks; every call is refused or built before a launch."""
 
-from pathlib import Path
+import runpy
+import sys
+from dataclasses import replace
 
 import pytest
 
@@ -18,9 +20,7 @@ from mla_tune.kernels.serving_runner import (
 )
 from mla_tune.kernels.split_rule import most_items
 from mla_tune.serving import inputs as serving
-from tests.helpers import assert_close
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO, assert_close
 
 
 @pytest.mark.parametrize("backend", ["triton", "triton_fused"])
@@ -33,6 +33,9 @@ def test_both_own_backends_build_an_own_serving_runner_with_the_shared_launch_ar
     shared = serving_launch_args(variant, spec)
     assert shared["sm_scale"] == 0.125 and shared["max_q_len"] == 2
     assert shared["max_splits"] == variant.get("max_splits") and shared["block_h"] == variant.get("block_h")
+    # the build's checks return next_pow2(max_q_len): q_len 3 fills 4 rows of each head
+    three = replace(spec, max_q_len=3)
+    assert check_serving_build(backend, variant, three, module.CAPABILITIES, True, 16) == 4
 
 
 def test_a_split_k_runner_with_a_batch_budget_splits_by_batch_size_and_sizes_its_scratch_to_it(device):
@@ -58,17 +61,6 @@ def test_a_split_k_runner_with_a_batch_budget_splits_by_batch_size_and_sizes_its
     unbudgeted = triton.build_serving(variant.with_params(split_budget=0), spec, device)
     unbudgeted(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
     assert unbudgeted.workspace.split_count[:3].tolist() == [3, 3, 3]
-
-
-def test_a_build_refuses_a_leaderboard_variant_and_a_head_tile_that_does_not_divide_the_heads():
-    spec = CallSpec("bf16", heads=16)
-    caps = get_backend("triton").CAPABILITIES
-    variant = get_backend("triton").default_serving_variant(spec, gpu.fake_platform("H200"))
-    with pytest.raises(ValueError, match="leaderboard variant"):
-        check_serving_build("triton", variant, spec, caps, False, 16)
-    with pytest.raises(ValueError, match=r"block_h=12 must divide 16 heads.*use block_h=16"):
-        check_serving_build("triton", variant.with_params(block_h=12), spec, caps, True, 16)
-    assert check_serving_build("triton", variant, CallSpec("bf16", heads=16, max_q_len=3), caps, True, 16) == 4
 
 
 def test_shared_scratch_reserves_first_places_views_and_keeps_a_larger_workspace_its_own():
@@ -110,12 +102,9 @@ def test_the_gpu_default_of_64_rows_shares_one_wave_of_splits_and_holds_what_tha
 def test_the_recorded_comparison_behind_the_gpu_default_runs_on_the_committed_sweep(capsys, monkeypatch):
     """scripts/compare_recorded.py --defaults (docs/perf.md 7's figures) pairs today's default
     with the sweep's unbudgeted one in the eight families of 64-row defaults."""
-    import runpy
-    import sys
-
-    monkeypatch.chdir(ROOT)
+    monkeypatch.chdir(REPO)
     monkeypatch.setattr(sys, "argv", ["compare_recorded.py", "--defaults"])
-    runpy.run_path(str(ROOT / "scripts" / "compare_recorded.py"), run_name="__main__")
+    runpy.run_path(str(REPO / "scripts" / "compare_recorded.py"), run_name="__main__")
     lines = capsys.readouterr().out.splitlines()
     compared = [line for line in lines if " cells, B / A median " in line]
     assert len(compared) == 8 and all(float(line.split("median ")[1].split(",")[0]) < 0.9 for line in compared)

@@ -2,8 +2,8 @@
 tiny config with made-up times (tests/serving_timers.py); the config, candidates, plan, dry run."""
 
 import copy
-import dataclasses
 import functools
+import itertools
 import json
 import math
 import re
@@ -31,7 +31,7 @@ from mla_tune.serving.config import (
     load_serving_config,
     serving_config_from_dict,
 )
-from mla_tune.serving.gate import GateJob, reference_q_format, run_gates
+from mla_tune.serving.gate import GateJob, run_gates
 from mla_tune.serving.results import read_records, results_path_for
 from mla_tune.serving.table import FamilyKey, kv_bucket, load_serving_table
 from mla_tune.tune import timing
@@ -65,9 +65,14 @@ class FakeTimer:
         return Timing(t, t, t, reps)
 
 
+def _n(variant: str) -> str:
+    """The made-up name of a variant string."""
+    return name(Variant.parse(variant))
+
+
 def _named(picks: dict) -> dict:
     """{key: variant string} as {key: the made-up name of the variant}."""
-    return {k: name(Variant.parse(v)) for k, v in picks.items()}
+    return {k: _n(v) for k, v in picks.items()}
 
 
 _gate_cached = functools.cache(gate_module.gate_one)  # each candidate is gated once in this module
@@ -98,9 +103,14 @@ def _sweep(cfg, tmp_path, timer, **kw):
     return sw.run_serving_sweep(cfg, "CPU", out=tmp_path / "CPU.serving.yaml", platform=detect(), timer=timer, **kw)
 
 
+def _records(results, kind: str, status: str | None = None) -> list[dict]:
+    """The records of one kind (and status) in a serving results file."""
+    return [r for r in read_records(results)[1]
+            if r["kind"] == kind and (status is None or r["status"] == status)]
+
+
 def _steps(path) -> set[tuple]:
-    _, records, _ = read_records(path)
-    return {(r["batch"], r["kv_len"], r["variant"], r["samples"]) for r in records if r["kind"] == "step"}
+    return {(r["batch"], r["kv_len"], r["variant"], r["samples"]) for r in _records(path, "step")}
 
 
 def _families(path) -> list:
@@ -118,10 +128,10 @@ def test_a_tiny_sweep_picks_gated_winners_and_the_worst_case_graph_pick(tiny, tm
     timer = FakeTimer(run=True)
     summary = _sweep(tiny, tmp_path, timer)
     table = load_serving_table(summary["table"])
-    header, records, _ = read_records(summary["results"])
-    assert header["platform"]["smem_per_sm"] == header["platform"]["sm_count"] == 0  # the CPU's
-    gates = {r["variant"]: r["ok"] for r in records if r["kind"] == "gate"}
-    assert sorted(name(Variant.parse(v)) for v, ok in gates.items() if ok) == ["A", "B", "C", "D"]
+    platform = read_records(summary["results"])[0]["platform"]
+    assert platform["smem_per_sm"] == platform["sm_count"] == 0  # the CPU's
+    gates = {r["variant"]: r["ok"] for r in _records(summary["results"], "gate")}
+    assert sorted(_n(v) for v, ok in gates.items() if ok) == ["A", "B", "C", "D"]
     assert [ok for v, ok in gates.items() if v.startswith("wrong_serving")] == [False]
     assert not any(v.startswith("wrong_serving") for _, _, v, _ in timer.timed)  # gated out: never timed
     cells, graph = _picks(table)
@@ -144,13 +154,11 @@ def test_the_graph_pick_is_judged_on_the_buckets_ragged_mix_too(tiny, tmp_path, 
         return 2.0 if call.kv_len == sw.RAGGED_PROBE_KV and name(call.variant) == "C" else 1.0
 
     summary = _sweep(tiny, tmp_path, FakeTimer(slow=slow))
-    _, records, _ = read_records(summary["results"])
-    graphs = {r["batch"]: r for r in records if r["kind"] == "graph"}
+    graphs = {r["batch"]: r for r in _records(summary["results"], "graph")}
     assert _named({b: g["variant"] for b, g in graphs.items()}) == {1: "B", 2: "B"}
     assert [len(graphs[b]["ragged_kv_lens"]) for b in (1, 2)] == [1, 2]
     assert all(32 <= n <= 64 for b in (1, 2) for n in graphs[b]["ragged_kv_lens"])
-    ragged_steps = {name(Variant.parse(v)) for b, kv, v, _ in _steps(summary["results"]) if kv == 0}
-    assert ragged_steps >= {"A", "B", "C"}
+    assert {_n(v) for _, kv, v, _ in _steps(summary["results"]) if kv == 0} >= {"A", "B", "C"}
     # C 15.6% over B on the mix, more than its 12% at kv 32 and less than B's 20% there:
     # C is the pick and its worst case is the mix, recorded as kv_len 0
     mix = {**TIMES[sw.RAGGED_PROBE_KV], "A": 30.0, "B": 16.0, "C": 18.5}
@@ -180,12 +188,11 @@ def test_a_probe_prunes_a_hopeless_candidate_at_the_first_rung(tiny, tmp_path):
 
     timer = FakeTimer()
     summary = _sweep(tiny, tmp_path, timer, probe=probe)
-    _, records, _ = read_records(summary["results"])
-    pruned = [r for r in records if r["kind"] == "step" and r["status"] == "pruned"]
+    pruned = _records(summary["results"], "step", "pruned")
     # C (slow by its probe) and D (triton's default, 50 us against 10-20) are over 4x
-    assert pruned and {name(Variant.parse(r["variant"])) for r in pruned} == {"C", "D"}
+    assert pruned and {_n(r["variant"]) for r in pruned} == {"C", "D"}
     assert all(r["probe_us"] > sw.PRUNE_FACTOR * 1.0 for r in pruned)
-    assert not any(name(Variant.parse(v)) == "C" for _, _, v, _ in timer.timed)
+    assert not any(_n(v) == "C" for _, _, v, _ in timer.timed)
     cells, graph = _picks(load_serving_table(summary["table"]))
     assert {*_named(cells).values(), *_named(graph).values()} <= {"A", "B"}
     # a resume replays the pruned steps instead of probing again
@@ -216,9 +223,8 @@ def test_a_killed_a_sharded_and_a_worker_timed_sweep_each_end_as_the_table_of_on
     assert _picks(load_serving_table(summary["table"])) == _picks(load_serving_table(whole["table"]))
     # timed in a worker process
     there = _sweep(tiny, tmp_path / "worker", "tests.serving_timers:crashing_time")
-    _, records, _ = read_records(there["results"])
-    crashed = [r for r in records if r["kind"] == "step" and r["status"] == "crashed"]
-    assert [(r["batch"], r["kv_len"], name(Variant.parse(r["variant"]))) for r in crashed] == [(1, 32, "D")]
+    crashed = _records(there["results"], "step", "crashed")
+    assert [(r["batch"], r["kv_len"], _n(r["variant"])) for r in crashed] == [(1, 32, "D")]
     assert "exit code 11" in crashed[0]["error"] and "worker-0.log" in crashed[0]["error"]
     assert _steps(there["results"]) == _steps(whole["results"])
     assert _families(there["table"]) == _families(whole["table"])
@@ -256,13 +262,11 @@ def test_a_step_the_budgets_hard_deadline_kills_is_not_recorded_and_a_resume_tim
         m.setattr(sw.BudgetClock, "timeout", lambda self, limit_s: min(limit_s, 1.5))
         m.setattr(sw.BudgetClock, "past_hard_deadline", lambda self: True)
         first = _sweep(tiny, tmp_path, timer, candidate_timeout_s=120, log=lines.append)
-    _, records, _ = read_records(first["results"])
-    assert first["stopped"] and not [r for r in records if r["kind"] == "step" and r["status"] != "ok"]
+    assert first["stopped"] and all(r["status"] == "ok" for r in _records(first["results"], "step"))
     assert any("budget spent" in line and "without --fresh" in line for line in lines), lines
     again = _sweep(tiny, tmp_path, timer, candidate_timeout_s=2)
-    _, records, _ = read_records(again["results"])
-    timeouts = [(r["batch"], r["kv_len"], name(Variant.parse(r["variant"]))) for r in records
-                if r["kind"] == "step" and r["status"] == "timeout"]
+    timeouts = [(r["batch"], r["kv_len"], _n(r["variant"]))
+                for r in _records(again["results"], "step", "timeout")]
     assert not again["stopped"] and timeouts == [(1, 32, "D")]
 
 
@@ -294,17 +298,15 @@ def test_serving_candidates_are_valid_for_every_family_and_use_fp16_dots_without
     h200, cpu = fake_platform("H200"), detect()
     for module, rows in ((triton_splitk, "mma_rows"), (triton_fused, "mma_columns")):
         space = {rows: [16, 32], "tokens_per_split": [256, 4096], "split_waves": [1, 2], "max_splits": [1]}
-        for heads in CORE_HEADS:
-            for q_len in (1, 2, 3, 4):
-                for kv in ("fp8", "bf16"):
-                    spec = CallSpec(kv, 64, heads, q_len, mixed_q_len=q_len > 1)
-                    offered = module.serving_candidates(spec, space, h200)
-                    assert offered and len(set(offered)) == len(offered)
-                    for v in offered:
-                        module.build_serving(v, spec, "cpu")  # builds (no launch): accepts spec and variant
-                        assert v.get("kv") == kv and v.get("block_h") * (1 << (q_len - 1).bit_length()) >= 16
-                    one = [v for v in offered if v.get("max_splits") == 1]
-                    assert {v.get("tokens_per_split") for v in one} == {4096}
+        for heads, q_len, kv in itertools.product(CORE_HEADS, (1, 2, 3, 4), ("fp8", "bf16")):
+            spec = CallSpec(kv, 64, heads, q_len, mixed_q_len=q_len > 1)
+            offered = module.serving_candidates(spec, space, h200)
+            assert offered and len(set(offered)) == len(offered)
+            for v in offered:
+                module.build_serving(v, spec, "cpu")  # builds (no launch): accepts spec and variant
+                assert v.get("kv") == kv and v.get("block_h") * (1 << (q_len - 1).bit_length()) >= 16
+            one = [v for v in offered if v.get("max_splits") == 1]
+            assert {v.get("tokens_per_split") for v in one} == {4096}
         on_cpu = module.serving_candidates(CallSpec("fp8", 16, 16, 1), {}, cpu)
         assert on_cpu and all("bf16" not in (v.get("dot_dtype"), v.get("qk_dot"), v.get("pv_dot")) for v in on_cpu)
     assert triton_splitk.serving_candidates(CallSpec("bf16", 64, 128, 1), {"kv": ["fp8"]}, h200) == []
@@ -344,12 +346,11 @@ def test_config_errors_name_the_field_and_the_hash_ignores_order(tiny):
             ({"search": {"rungs": [2, 1]}}, "search.rungs"), ({"kv_buckets": [64, 32]}, "kv_buckets"),
             ({"left_out": [{"max_tokens": 10}]}, r"left_out\[0\]\.why"),
             ({"search": {"cell_lengths": "uniform"}}, r"search\.cell_lengths.*aligned, spread.*'uniform'"),
-            ({"search": {"batch_edge": "yes"}, "batch_buckets": [1, 4]}, r"search\.batch_edge.*true or false.*'yes'")):
+            ({"search": {"batch_edge": "yes"}, "batch_buckets": [1, 4]}, r"search\.batch_edge.*true or false.*'yes'"),
+            *(({"search": {**TINY["search"], "step_layers": bad}}, r"search\.step_layers.*integer 0\.\.64")
+              for bad in (-1, 65, 1.5, True))):
         with pytest.raises(ServingConfigError, match=match):
             _config("bad.yaml", **changes)
-    fm8 = Variant.make("flashmla", kv="fp8", q="fp8_dynamic")
-    assert reference_q_format(fm8, tiny.gate) == "bf16"  # exact: the fp8 q error counts
-    assert reference_q_format(fm8, dataclasses.replace(tiny.gate, reference_q="variant")) == "fp8"
     reordered = dict(reversed(list(copy.deepcopy(TINY).items())))
     assert serving_config_from_dict(reordered, "other.yaml").hash == tiny.hash
 
@@ -372,9 +373,7 @@ def test_the_committed_config_plans_tier_1_within_21_gpu_minutes_and_dry_runs_fr
     shards = [plan_sweep(cfg, fake_platform("H200"), (i, 3), check_available=False)
               for i in (1, 2, 3)]
     assert sorted(u.index for s in shards for u in s.units) == list(range(plan.all_units))
-    # `mla-tune sweep --config` (sweep_from_cli): a dry run; a bad option is one line and exit 1
-    assert sw.sweep_from_cli("configs/serving.yaml", "H200", dry_run=True) == 0
-    assert "estimated GPU time" in capsys.readouterr().out
+    # `mla-tune sweep --config` (sweep_from_cli): a bad option is one line and exit 1
     assert sw.sweep_from_cli("configs/serving.yaml", "H200", shard="3/2", dry_run=True) == 1
     assert "--shard must be i/n" in capsys.readouterr().err
     assert sw.sweep_from_cli("configs/serving.yaml", "H200", shard="1/2", devices=[0, 1]) == 1
@@ -475,9 +474,6 @@ def test_step_layers_time_every_candidate_as_a_layer_of_a_step_and_change_the_ha
     assert _picks(table) == _picks(plain) and "step_layers" not in plain.provenance["search"]
     fam, plain_fam = (next(iter(t.families.values())) for t in (table, plain))
     assert {at: c.time_us * 2 for at, c in fam.cells.items()} == {at: c.time_us for at, c in plain_fam.cells.items()}
-    for bad in (-1, 65, 1.5, True):
-        with pytest.raises(ServingConfigError, match=r"search\.step_layers.*integer 0\.\.64"):
-            _config("bad.yaml", {"step_layers": bad})
     # a cell whose KV copies would pass the bound is that measurement's failure, not the sweep's
     monkeypatch.setattr(measure_module, "LAYERED_KV_BYTES", 1)
     key, variant = stepped.families[0], next(iter(fam.cells.values())).variant
@@ -496,6 +492,12 @@ def _edge_timer() -> FakeTimer:
     return FakeTimer(slow=lambda call: 2.0 if call.batch == 2 and name(call.variant) == "A" else 1.0)
 
 
+def _edge_union(summary) -> set[str]:
+    """The cross stage's union of finalists for the bucket of 4, by made-up name."""
+    graphs = _records(summary["results"], "graph")
+    return next({_n(v) for v in r["union"]} for r in graphs if r["batch"] == 4)
+
+
 def test_the_edge_stage_times_finalists_and_the_last_rung_at_the_buckets_smallest_batch(tiny, tmp_path):
     """search.batch_edge (off by default): the bucket of 4 also times its finalists and its
     cells' last rung at batch 2, so 4 x 32 picks C over A (twice as slow at 2); resume and dry run."""
@@ -507,10 +509,8 @@ def test_the_edge_stage_times_finalists_and_the_last_rung_at_the_buckets_smalles
     timer = _edge_timer()
     summary = _sweep(edged, tmp_path / "edge", timer)
     table = load_serving_table(summary["table"])
-    at_edge = {(kv, name(Variant.parse(v))) for b, kv, v, _ in timer.timed if b == 2}
-    _, records, _ = read_records(summary["results"])  # the cross stage's union for the bucket of 4
-    union = next(r["union"] for r in records if r["kind"] == "graph" and r["batch"] == 4)
-    union = {name(Variant.parse(v)) for v in union}
+    at_edge = {(kv, _n(v)) for b, kv, v, _ in timer.timed if b == 2}
+    union = _edge_union(summary)
     assert {"A", "B", "C"} <= union
     assert at_edge == {(kv, n) for kv in (32, 64) for n in union}  # the bucket's finalists at every kv
     assert {b for b, _, _, _ in timer.timed} == {1, 2, 4}  # the bucket of 1 has no edge
@@ -526,13 +526,12 @@ def test_the_edge_stage_times_finalists_and_the_last_rung_at_the_buckets_smalles
     narrow = _config("narrow.yaml", {"batch_edge": True, "cross_top": 1}, batch_buckets=[1, 4])
     timer = _edge_timer()
     summary = _sweep(narrow, tmp_path / "narrow", timer)
-    _, records, _ = read_records(summary["results"])
-    union = next(r["union"] for r in records if r["kind"] == "graph" and r["batch"] == 4)
-    last = {(r["kv_len"], name(Variant.parse(r["variant"]))) for r in records
-            if r["kind"] == "step" and r["batch"] == 4 and r["samples"] == 2 and r["kv_len"] in (32, 64)}
-    assert {name(Variant.parse(v)) for v in union} == {"A", "B"} and {n for _, n in last} == {"A", "B", "C"}
-    at_edge = {(kv, name(Variant.parse(v))) for b, kv, v, _ in timer.timed if b == 2}
-    assert at_edge == last | {(kv, name(Variant.parse(v))) for kv in (32, 64) for v in union}
+    union = _edge_union(summary)
+    last = {(r["kv_len"], _n(r["variant"])) for r in _records(summary["results"], "step")
+            if r["batch"] == 4 and r["samples"] == 2 and r["kv_len"] in (32, 64)}
+    assert union == {"A", "B"} and {n for _, n in last} == {"A", "B", "C"}
+    at_edge = {(kv, _n(v)) for b, kv, v, _ in timer.timed if b == 2}
+    assert at_edge == last | {(kv, n) for kv in (32, 64) for n in union}
     assert _named(_picks(load_serving_table(summary["table"]))[0])[(4, 32)] == "C"
     assert sw.dry_run(edged, "H200", log=lambda line: None)["edge"] > 0
     assert sw.dry_run(plain, "H200", log=lambda line: None)["edge"] == 0

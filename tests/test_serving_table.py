@@ -218,7 +218,7 @@ def test_eager_pick_does_not_follow_one_buckets_outlier_and_weighs_the_buckets_s
 
 def test_a_table_cut_between_entries_or_with_entries_removed_is_refused(tmp_path):
     """provenance.entry_counts (above the families) catches what YAML alone reads as a smaller
-    table; a table written without it (before 2026-12-05) loads unchecked."""
+    table; a table written without it loads unchecked."""
     text = open("tables/H200.serving.yaml").read()
     assert load_serving_table("tables/H200.serving.yaml").provenance["entry_counts"]["families"] == 12
     lines = text.splitlines(keepends=True)

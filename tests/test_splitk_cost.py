@@ -111,26 +111,22 @@ def test_the_fit_recovers_the_occupancy_and_the_overhead():
     assert _splitk_models(KEY, few, 132) == {}  # too few points
 
 
-def _table(models: dict) -> ServingTable:
-    fam = Family(KEY)
-    for (b, k), t in _grid().items():
-        fam.points[(b, k)] = {**t, FM: 1.15 * t[ONE]}  # FlashMLA 15% behind on every uniform batch
-    fam.models = models
-    return _serving(fam)
-
-
-def _serving(fam: Family) -> ServingTable:
-    return ServingTable("H200", {}, [64, 128, 256, 512], [512, 1024, 2048], {KEY: fam})
+def _serving(points, models, calibration=None, batches=(64, 128, 256, 512), kvs=(512, 1024, 2048)):
+    """A table of KEY's one family."""
+    fam = Family(KEY, points=points, models=models, calibration=calibration or {})
+    return ServingTable("H200", {}, list(batches), list(kvs), {KEY: fam})
 
 
 def test_the_models_estimate_a_ragged_batch_by_its_schedule():
-    table = _table(_splitk_models(KEY, _grid(), 132))
+    # FlashMLA 15% behind on every uniform batch
+    points = {pt: {**t, FM: 1.15 * t[ONE]} for pt, t in _grid().items()}
+    table = _serving(points, _splitk_models(KEY, _grid(), 132))
     assert table.lookup(SPEC, 100, 1024.0, kv_lens=UNIFORM) == ONE
     est = table.estimates(SPEC, 100, 1024.0, kv_lens=RAGGED)
     assert est[ONE] == pytest.approx(10 + 30 / 512 * 92500, rel=1e-6)  # the long one alone
     assert table.lookup(SPEC, 100, 1024.0, kv_lens=RAGGED) == FM
     # without its model the split-K variant is interpolated as if uniform, and kept
-    assert _table({}).lookup(SPEC, 100, 1024.0, kv_lens=RAGGED) == ONE
+    assert _serving(points, {}).lookup(SPEC, 100, 1024.0, kv_lens=RAGGED) == ONE
 
 
 def test_the_reduction_steps_follow_the_longest_sequences_splits():
@@ -152,18 +148,16 @@ def test_the_reduction_steps_follow_the_longest_sequences_splits():
 
 def test_the_lookup_adds_the_measured_reduction_steps_beyond_a_uniform_batchs():
     split = SPLIT.with_params(tokens_per_split=16)  # many splits at the grid's short lengths
-    fam = Family(KEY)
-    for (b, k), t in _grid().items():
-        fam.points[(b, k)] = {**t, split: 1.02 * t[ONE]}
-    fam.models = _splitk_models(KEY, {pt: {split: t[split]} for pt, t in fam.points.items()}, 132)
-    table = _serving(fam)
+    points = {pt: {**t, split: 1.02 * t[ONE]} for pt, t in _grid().items()}
+    models = _splitk_models(KEY, {pt: {split: t[split]} for pt, t in points.items()}, 132)
+    table = _serving(points, models)
     params = dict(split.params)  # RAGGED's long sequence has most splits
     extra = reduce_steps(RAGGED, 16, 1, params, 132) - reduce_steps(UNIFORM, 16, 1, params, 132)
     assert extra > 1
     before = table.estimates(SPEC, 100, 1024.0, kv_lens=RAGGED)[split]
     assert _splitk(table, SPEC, RAGGED) == {split: pytest.approx(before)}
-    fam.calibration = {"triton": {"reduce_step_us": {16: 5.0, 64: 1.0}}}
-    table = _serving(fam)  # 100 x 16 heads: the narrow grid's 16 splits a step
+    # 100 x 16 heads: the narrow grid's 16 splits a step
+    table = _serving(points, models, {"triton": {"reduce_step_us": {16: 5.0, 64: 1.0}}})
     after = table.estimates(SPEC, 100, 1024.0, kv_lens=RAGGED)[split]
     assert after == pytest.approx(before + 5.0 * extra)
     assert _splitk(table, SPEC, RAGGED, calibrated=False) == {split: pytest.approx(before)}
@@ -190,12 +184,11 @@ def test_a_split_k_estimate_stays_near_its_interpolated_time_and_a_gluon_one_doe
     of the longest item would be 38% faster. gluon_fused's model has no floor (GluonModel.floor)."""
     gluon = Variant.parse("gluon_fused(block_h=16,kv=bf16,max_splits=64,num_stages=2,q=bf16,"
                           "tokens_per_split=512,v_halves=1)")
-    fam = Family(KEY)
-    fam.points = {(b, k): {SPLIT: 0.1 * k, FM: 0.12 * k, gluon: 0.11 * k}  # in proportion
-                  for b in (64, 128) for k in (512, 1024)}
-    fam.models = {SPLIT: SplitKModel(SPLIT, 1, 0.0, 132, 0.0), gluon: GluonModel(gluon, 1, 0.0, 132, 0.0)}
-    table = ServingTable("H200", {}, [64, 128], [512, 1024], {KEY: fam})
-    interp = table.estimator.interpolated("times", fam, 64, 600.0)
+    points = {(b, k): {SPLIT: 0.1 * k, FM: 0.12 * k, gluon: 0.11 * k}  # in proportion
+              for b in (64, 128) for k in (512, 1024)}
+    models = {v: cls(v, 1, 0.0, 132, 0.0) for v, cls in ((SPLIT, SplitKModel), (gluon, GluonModel))}
+    table = _serving(points, models, batches=[64, 128], kvs=[512, 1024])
+    interp = table.estimator.interpolated("times", table.families[KEY], 64, 600.0)
     assert interp[SPLIT] == pytest.approx(60.0, rel=0.01)  # the memo takes lengths to ~1%
     own = table.model_estimates(SPEC, [600] * 64)
     assert own[SPLIT] < 0.7 * interp[SPLIT] and own[gluon] < 0.7 * interp[gluon]
@@ -210,10 +203,10 @@ def test_a_rate_the_points_cannot_blend_comes_from_the_interpolated_time():
     """With no split-K variant in common at the two kv points around the call, the model takes the
     rate of the variant's interpolated time, so a ragged call still sees its long sequence."""
     other = SPLIT.with_params(split_budget=264, tokens_per_split=128, block_n=32)
-    fam = Family(KEY)
-    fam.points = {(64, 512): {ONE: 51.2, FM: 60.0}, (64, 1024): {other: 90.0, FM: 110.0}}
-    fam.models = {ONE: SplitKModel(ONE, 1, 0.0, 132, 0.0), other: SplitKModel(other, 1, 0.0, 132, 0.0)}
-    table = ServingTable("H200", {}, [64], [512, 1024], {KEY: fam})
+    points = {(64, 512): {ONE: 51.2, FM: 60.0}, (64, 1024): {other: 90.0, FM: 110.0}}
+    models = {ONE: SplitKModel(ONE, 1, 0.0, 132, 0.0), other: SplitKModel(other, 1, 0.0, 132, 0.0)}
+    table = _serving(points, models, batches=[64], kvs=[512, 1024])
+    fam = table.families[KEY]
     assert table.estimator.interpolated("rates", fam, 64, 700.0) == {}  # nothing in common to blend by
     times = table.estimator.interpolated("times", fam, 64, 700.0)
     assert ONE in times  # (other, at the point of weight 0.45 alone, sits out: MIN_MEASURED_WEIGHT)

@@ -218,11 +218,14 @@ def _hold(path: Path, write_pid: bool) -> subprocess.Popen:
     return holder
 
 
-def test_a_live_holder_is_never_taken_over_even_while_its_file_is_still_empty(tmp_path):
+@pytest.mark.parametrize("write_pid", [False, True], ids=["pid-not-yet-written", "pid-written"])
+def test_a_live_holder_is_never_taken_over_and_a_killed_ones_lock_is_with_a_warning_naming_its_pid(
+        tmp_path, write_pid):
+    """Before its pid is written (the file just created) or after (what SweepLock.acquire leaves)."""
     path = tmp_path / "t.yaml.lock"
-    holder = _hold(path, write_pid=False)
+    holder = _hold(path, write_pid)
     try:
-        assert path.read_text() == ""  # just created: no pid in it yet
+        assert path.read_text() == (f"{holder.pid}\n" if write_pid else "")
         with pytest.raises(ResultsError, match="another sweep .* holds the lock"):
             SweepLock(path).acquire()
         assert path.exists()
@@ -230,18 +233,10 @@ def test_a_live_holder_is_never_taken_over_even_while_its_file_is_still_empty(tm
         holder.kill()
         holder.wait()
     lock = SweepLock(path).acquire()  # the holder died: its flock went with it
-    assert lock.warning is None and path.read_text().strip() == str(os.getpid())
-    lock.release()
-
-
-def test_a_lock_of_a_killed_sweep_is_taken_over_with_a_warning_naming_its_pid(tmp_path):
-    path = tmp_path / "t.yaml.lock"
-    killed = _hold(path, write_pid=True)  # what SweepLock.acquire leaves: flock held, pid written
-    killed.kill()
-    killed.wait()
-    assert path.read_text().strip() == str(killed.pid)
-    lock = SweepLock(path).acquire()
-    assert "stale lock" in lock.warning and f"left by pid {killed.pid}" in lock.warning
+    if write_pid:
+        assert "stale lock" in lock.warning and f"left by pid {holder.pid}" in lock.warning
+    else:
+        assert lock.warning is None
     assert path.read_text().strip() == str(os.getpid())
     with pytest.raises(ResultsError, match=f"pid {os.getpid()}"):
         SweepLock(path).acquire()  # a second sweep in this very process is refused too

@@ -18,7 +18,7 @@ from mla_tune import fileio
 from mla_tune.backends import BACKEND_MODULES, get_backend
 from mla_tune.backends.params import PARAM_RULES, check_variant_rules
 from mla_tune.core import Shape, Variant
-from mla_tune.fileio import WriteError, atomic_write_text
+from mla_tune.fileio import WriteError, atomic_write_text, dump_yaml
 from mla_tune.gpu import fake_platform
 from mla_tune.problem import get_rule
 from mla_tune.tables.table import TableError, load_table, pick_best, table_from_results, write_table
@@ -178,16 +178,11 @@ def test_a_table_cut_between_rows_is_refused_by_its_row_count(tmp_path):
         load_table(cut)
 
 
-class _FullDumper(yaml.SafeDumper):
-    def ignore_aliases(self, data):  # tables never hold YAML aliases; the loader refuses them
-        return True
-
-
 def _broken(tmp_path, edit) -> Path:
     data = yaml.safe_load((DATA / "table_cpu.yaml").read_text())
     edit(data)
     path = tmp_path / "broken.yaml"
-    path.write_text(yaml.dump(data, Dumper=_FullDumper, sort_keys=False))
+    path.write_text(dump_yaml(data))  # no aliases: the loader refuses them
     return path
 
 

@@ -1,5 +1,6 @@
-"""`mla-tune time` (mla_tune/time_cli.py) on the CPU: its pieces, help, refusals, and each
-subcommand end to end on Triton's interpreter (times are wall clock there, meaningless)."""
+"""`mla-tune time` (mla_tune/time_cli.py) on the CPU: its pieces, refusals, and each subcommand
+end to end on Triton's interpreter (times are wall clock there, meaningless). Its help and
+options' help are test_cli.py's, with every command's."""
 
 import json
 import math
@@ -7,9 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import typer.main
 
-from mla_tune.cli import app
 from mla_tune.core import Variant
 from mla_tune.errors import MlaTuneError
 from mla_tune.serving import gate as gate_module
@@ -78,22 +77,7 @@ def test_the_scanned_lengths_span_their_bucket_and_budget_variants_come_from_spl
             parse(bad)
 
 
-# -------------------------------------------------------------------- help, refusals
-def test_each_subcommand_explains_itself_and_every_option_has_a_sentence_of_help():
-    result = _invoke("--help")
-    assert result.exit_code == 0 and all(name in result.output for name in ("variants", "mix", "scan"))
-    group = typer.main.get_command(app).commands["time"]
-    for name, command in group.commands.items():
-        assert _invoke(name, "-h").exit_code == 0
-        assert (command.help or "").strip(), name
-        for param in command.params:
-            if param.name == "help":
-                continue
-            assert not getattr(param, "secondary_opts", None), f"{name} {param.opts}"
-            text = getattr(param, "help", None) or ""
-            assert text[:1].isupper() and text.rstrip().endswith("."), f"{name} {param.opts}: {text!r}"
-
-
+# ------------------------------------------------------------------------ refusals
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
 def test_without_a_gpu_each_subcommand_says_so_in_one_line():
     for args in (["variants", "torch(kv=bf16,q=bf16)", "--shapes", "1x8"],
@@ -166,7 +150,8 @@ def _table(tmp_path, cells=CELLS, **family) -> Path:
         {KEY: Family(KEY, cells=dict(cells), **family)}))
 
 
-def test_variants_are_checked_and_timed_and_a_failing_one_is_a_row(interpreter):
+def test_variants_are_checked_and_timed_a_failing_one_is_a_row_and_the_floor_row_times_one_launch(
+        interpreter, monkeypatch):
     good = "torch(kv=bf16,q=bf16)"
     output = _run("variants", good, "nobackend(kv=bf16)", "--shapes", "1x8,2x5", "--reps", "1")
     lines = output.strip().splitlines()
@@ -176,16 +161,13 @@ def test_variants_are_checked_and_timed_and_a_failing_one_is_a_row(interpreter):
     errors = [line for line in lines if "nobackend" in line]
     assert len(errors) == 2 and all(" error " in line and "unknown backend" in line for line in errors)
     assert time_variants.FLOOR_ROW not in output  # no --floor
-
-
-def test_the_floor_row_times_one_tiny_launch_before_each_shapes_variants(interpreter, stand_in_timer):
-    good = "torch(kv=bf16,q=bf16)"
+    # --floor: one tiny launch timed before each shape's variants
+    timed = _stand_in(monkeypatch)
     output = _run("variants", good, "--shapes", "1x8,2x5", "--reps", "1", "--floor")
     rows = [line.split() for line in output.strip().splitlines()[1:]]
     assert [(r[0], r[-1]) for r in rows] == [("1x8", "element"), ("1x8", good), ("2x5", "element"), ("2x5", good)]
     assert [r[1] for r in rows] == ["10.0", "20.0", "30.0", "40.0"]  # timed in that order
-    floor = stand_in_timer[0]
-    assert floor.__name__ == "zero_" and floor.__self__.numel() == 1  # one element, one launch
+    assert timed[0].__name__ == "zero_" and timed[0].__self__.numel() == 1  # one element, one launch
     assert time_variants.FLOOR_ROW in output
 
 
@@ -318,11 +300,11 @@ def test_points_write_times_every_point_in_passes_or_as_a_layer_of_a_step_into_t
                   "--write", out)
     # every point (the one-variant one too, --points ignored), one round of two passes: 10, 20, ...
     assert len(stand_in_timer) == 2 + 4 + 4
-    written = load_serving_table(out).families[KEY]
-    assert written.points == {(1, 32): {S16: 15.0}, (2, 32): {S16: 40.0, DEF: 50.0},
-                              (2, 64): {S16: 80.0, DEF: 90.0}}
-    assert written.cells == CELLS  # as swept
-    retimed = load_serving_table(out).provenance["points_retimed"][-1]
+    written = load_serving_table(out)
+    assert written.families[KEY].points == {(1, 32): {S16: 15.0}, (2, 32): {S16: 40.0, DEF: 50.0},
+                                            (2, 64): {S16: 80.0, DEF: 90.0}}
+    assert written.families[KEY].cells == CELLS  # as swept
+    retimed = written.provenance["points_retimed"][-1]
     assert ([retimed[k] for k in ("families", "points", "variant_times", "kept")]
             == [[str(KEY)], 3, 5, 0])
     assert retimed["from"] == str(table) and retimed["passes"] == 2

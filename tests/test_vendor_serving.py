@@ -18,6 +18,7 @@ from tests.helpers import (
     cell_spec,
     declared_cells,
     max_error,
+    serving_expected,
     serving_input,
     vendor_fakes,
 )
@@ -43,11 +44,9 @@ def _install(monkeypatch, name: str, **settings):
 def _expected(variant: Variant, inp: serving.ServingInput) -> torch.Tensor:
     """The reference on q as the variant's q mode sees it. AITER's dynamic scale stays fp32
     (FlashMLA's rounds to bf16): a static scale of this call's amax is the same."""
-    q_mode = variant.get("q")
-    if variant.backend == "aiter" and q_mode == "fp8_dynamic":
+    if variant.backend == "aiter" and variant.get("q") == "fp8_dynamic":
         return inp.reference("fp8_static", float(inp.q.abs().amax()))
-    q_format = {"bf16": "bf16", "fp8_dynamic": "fp8", "fp8_static": "fp8_static"}[q_mode]
-    return inp.reference(q_format, variant.get("q_amax"))
+    return serving_expected(variant, inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
 
 
 def _assert_close(out: torch.Tensor, ref: torch.Tensor, max_error: float, what: str) -> None:
