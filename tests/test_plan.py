@@ -264,6 +264,8 @@ def test_the_tables_plan_pick_is_what_a_plan_steps_with_where_picks_cannot_run(v
         for graph in (False, True):
             spec = CallSpec(key.kv_format, key.page_size, key.heads, key.q_len, graph=graph)
             plan, _ = _plan(spec, table)
+            # an engine's eager step, its lengths on the host: update's one C call and stand-in
+            stepped, _ = _plan(replace(spec, host_lengths=True), table) if not graph else (None, None)
             built = set(plan.variants)
             for _ in range(60):
                 batch = rng.randint(1, 256)
@@ -273,6 +275,12 @@ def test_the_tables_plan_pick_is_what_a_plan_steps_with_where_picks_cannot_run(v
                 got = table.plan_pick(spec, batch, built.__contains__, mean, lens)
                 assert (got or plan.variants[0]) == want, (key, graph, batch)
                 replaced += table.lookup(spec, batch, mean, graph=graph, kv_lens=lens) not in built
+                if stepped is not None:
+                    qo = torch.arange(0, batch * key.q_len + 1, key.q_len, dtype=torch.int32)
+                    ran = stepped.update(qo, block_table=torch.zeros((batch, 1), dtype=torch.int32),
+                                         seq_lens=torch.tensor(lens, dtype=torch.int32),
+                                         q_lens_host=[key.q_len] * batch, kv_lens_host=lens)
+                    assert ran == want, (key, batch)
     assert replaced > 100  # the stand-ins were exercised
 
 

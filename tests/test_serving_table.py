@@ -1,7 +1,9 @@
 """The serving table (mla_tune/serving/table.py): bucket rules, the graph pick by
 worst case, lookup, a write/load round trip, and load errors that name file, family, field."""
 
+import bisect
 import copy
+import math
 import re
 
 import pytest
@@ -20,6 +22,7 @@ from mla_tune.serving.table import (
     batch_bucket,
     choose_graph_pick,
     kv_bucket,
+    kv_bucket_edges,
     load_serving_table,
     write_serving_table,
 )
@@ -46,6 +49,10 @@ def test_batch_goes_up_to_the_next_bucket_and_kv_len_takes_the_nearest_in_log_sc
     assert kv_bucket(KVS, 5792) == 4096 and kv_bucket(KVS, 5793) == 8192
     assert kv_bucket(KVS, 1) == 512 and kv_bucket(KVS, 10**6) == 65536
     assert kv_bucket(KVS, 1024) == 1024 and kv_bucket(KVS, 1400) == 1024
+    # a step's one bisect over the edges: the same bucket at every length, the edges included
+    edges = kv_bucket_edges(KVS)
+    for x in [*range(1, 70000, 7), *edges, *(math.nextafter(e, 0) for e in edges), 10**6]:
+        assert KVS[bisect.bisect_right(edges, x)] == kv_bucket(KVS, x), x
 
 
 def test_the_graph_pick_minimises_the_worst_case_not_the_mean():

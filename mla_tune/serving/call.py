@@ -287,8 +287,10 @@ class Decoder:
                     and seq_lens.dtype == torch.int32 and seq_lens.device == dev and seq_lens.is_contiguous()):
                 self._refuse(f"seq_lens must be a contiguous int32 ({batch},) tensor on {dev}, got "
                              f"{_tensor_text(seq_lens)}")
+        # (a list passes before the ABC's isinstance, which costs several times more)
         if spec.host_lengths and not (
-                isinstance(q_lens_host, Sequence) and isinstance(kv_lens_host, Sequence)
+                (type(q_lens_host) is list or isinstance(q_lens_host, Sequence))
+                and (type(kv_lens_host) is list or isinstance(kv_lens_host, Sequence))
                 and len(q_lens_host) == batch and len(kv_lens_host) == batch):
             self._refuse(f"{self.backend} plans from the lengths on the host: pass q_lens_host and "
                          f"kv_lens_host, lists of {batch} ints")
@@ -360,11 +362,12 @@ def runner_step(runner, qo_indptr, *, kv_indptr=None, block_table=None, seq_lens
     own `step(...)` where it has one (the own runners, flashmla, flashinfer: the step's
     shared work done once, later layers on a short path), else a call of the runner with
     the step's arguments (any runner of the serving contract)."""
-    layout = dict(kv_indptr=kv_indptr, block_table=block_table, seq_lens=seq_lens,
-                  q_lens_host=q_lens_host, kv_lens_host=kv_lens_host)
     step = getattr(runner, "step", None)
     if step is not None:
-        return step(qo_indptr, **layout)
+        return step(qo_indptr, kv_indptr=kv_indptr, block_table=block_table, seq_lens=seq_lens,
+                    q_lens_host=q_lens_host, kv_lens_host=kv_lens_host)
+    layout = dict(kv_indptr=kv_indptr, block_table=block_table, seq_lens=seq_lens,
+                  q_lens_host=q_lens_host, kv_lens_host=kv_lens_host)
 
     def layer(q, kv, kv_scale=None):
         return runner(q, qo_indptr, kv, kv_scale, **layout)

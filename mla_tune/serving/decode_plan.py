@@ -57,6 +57,7 @@ projection does). FlashMLA returns a tensor of its own per call.
 
 from __future__ import annotations
 
+import bisect
 import math
 import warnings
 
@@ -66,7 +67,13 @@ from mla_tune.core import QK_DIM, CallSpec, Variant
 from mla_tune.kernels.serving_runner import SharedScratch
 from mla_tune.locate import table_path
 from mla_tune.serving.call import Decoder, runner_step, spec_text, why_not
-from mla_tune.serving.table import ServingTable, batch_bucket, kv_bucket, load_serving_table
+from mla_tune.serving.table import (
+    ServingTable,
+    batch_bucket,
+    kv_bucket,
+    kv_bucket_edges,
+    load_serving_table,
+)
 
 
 def _no_step(*_args):
@@ -179,6 +186,15 @@ class DecodePlan:
             self._decoders = {same.get(v, v): d for v, d in self._decoders.items()}
             self._unrunnable = {same.get(v, v): r for v, r in self._unrunnable.items()}
             self._runner_ups = {at: same.get(v, v) for at, v in self._runner_ups.items()}
+        # the runner-ups by batch (up to max_batch), a row over the kv buckets each, and
+        # where a mean moves from one kv bucket to the next: a step's two lookups, one list
+        # index and one bisect
+        self._runner_up_rows: list[list[Variant | None]] = []
+        self._kv_edges = kv_bucket_edges(self.table.kv_buckets) if self._runner_ups else []
+        if self._runner_ups:
+            rows = {b: [self._runner_ups.get((b, kv)) for kv in self.table.kv_buckets]
+                    for b in self.table.batch_buckets}
+            self._runner_up_rows = [rows[batch_bucket(self.table.batch_buckets, b)] for b in range(max_batch + 1)]
         # the runnable variants as the family's compiled estimate reads them: a step whose
         # pick cannot run here takes the fastest of them from the same C call
         self._allowed = (self.table.estimator.allowed(family, self._decoders.__contains__)
@@ -273,22 +289,22 @@ class DecodePlan:
     def _pick_lengths(self, batch: int, kv_lens) -> Variant:
         """`pick(batch, sum(kv_lens) / len(kv_lens), kv_lens)` where the family's estimate is
         compiled and kv_lens holds one or more lengths: the same variant, in one C call."""
-        variant, runnable = self._compiled.pick_lengths(batch, kv_lens, self._mask)
+        compiled = self._compiled
+        variant, runnable = compiled.pick_lengths(batch, kv_lens, self._mask)
         if variant is None:  # no variant is estimated around the call: the cells decide
             return self.pick(batch, sum(kv_lens) / len(kv_lens), kv_lens)
-        return self._runnable(variant, runnable, batch, None, kv_lens)
+        if variant in self._unrunnable:  # else runnable, or the cell's runner-up at the mean
+            return self._runnable(variant, runnable, batch, compiled.last_mean)
+        return variant if variant in self._decoders else self._default.variant
 
-    def _runnable(self, variant: Variant | None, runnable: Variant | None, batch: int, mean: float | None,
-                  kv_lens=None) -> Variant:
+    def _runnable(self, variant: Variant | None, runnable: Variant | None, batch: int, mean: float | None
+                  ) -> Variant:
         """The variant the step runs for the table's pick: a pick that cannot run here is
         counted in misses and replaced by `runnable` (the fastest runnable estimate), else by
-        the cell's runner-up at `mean` (kv_lens' mean where mean is None and they are given);
-        anything the plan did not build runs the default."""
+        the cell's runner-up at `mean`; anything the plan did not build runs the default."""
         if variant in self._unrunnable:
             key = self._miss_keys[variant]
             self.misses[key] = self.misses.get(key, 0) + 1
-            if runnable is None and mean is None and kv_lens:
-                mean = sum(kv_lens) / len(kv_lens)
             variant = runnable if runnable is not None else self._runner_up(batch, mean)
         return variant if variant is not None and variant in self._decoders else self._default.variant
 
@@ -303,8 +319,10 @@ class DecodePlan:
         `runnable`): the cell's runner-up where it runs here, else None (the default)."""
         if mean is None or not self._runner_ups:
             return None
-        table = self.table
-        return self._runner_ups.get((batch_bucket(table.batch_buckets, batch), kv_bucket(table.kv_buckets, mean)))
+        if batch >= len(self._runner_up_rows):  # pick() of more sequences than max_batch
+            table = self.table
+            return self._runner_ups.get((batch_bucket(table.batch_buckets, batch), kv_bucket(table.kv_buckets, mean)))
+        return self._runner_up_rows[batch][bisect.bisect_right(self._kv_edges, mean)]
 
     def update(self, qo_indptr, *, kv_indptr=None, block_table=None, seq_lens=None,
                q_lens_host=None, kv_lens_host=None, mean_kv_len: float | None = None) -> Variant:
@@ -331,10 +349,11 @@ class DecodePlan:
         else:
             variant = self.pick(batch, mean_kv_len, kv_lens_host)
         decoder = self._decoders[variant]
-        layout = dict(kv_indptr=kv_indptr, block_table=block_table, seq_lens=seq_lens,
-                      q_lens_host=q_lens_host, kv_lens_host=kv_lens_host)
-        decoder.check_step(qo_indptr, **layout)  # the layers' q and caches are not checked
-        self._layer = runner_step(decoder.runner, qo_indptr, **layout)
+        # the layers' q and caches are not checked
+        decoder.check_step(qo_indptr, kv_indptr=kv_indptr, block_table=block_table, seq_lens=seq_lens,
+                           q_lens_host=q_lens_host, kv_lens_host=kv_lens_host)
+        self._layer = runner_step(decoder.runner, qo_indptr, kv_indptr=kv_indptr, block_table=block_table,
+                                  seq_lens=seq_lens, q_lens_host=q_lens_host, kv_lens_host=kv_lens_host)
         self._decoder, self._qo = decoder, qo_indptr
         return variant
 

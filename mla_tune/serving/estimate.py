@@ -303,6 +303,7 @@ typedef struct {
     double *scratch, *interp, *rates_out, *buckets_out, *est;
     int64_t best_allowed;
     double kv_steps;              /* _KV_STEPS_PER_OCTAVE */
+    double mean;                  /* family_step's: the lengths' mean, as Python's sum / len */
 } family_t;
 
 int64_t family_estimate(family_t *f, const int64_t *lens, int64_t n, int64_t batch, double kv,
@@ -348,6 +349,7 @@ int64_t family_step(family_t *f, const int64_t *lens, int64_t n, int64_t batch, 
     int64_t total = 0;
     for (int64_t s = 0; s < n; s++) total += lens[s];
     double mean = (double)total / (double)n;
+    f->mean = mean;
     double step = nearbyint(log2(mean > 1.0 ? mean : 1.0) * f->kv_steps);
     double kv = pow(2.0, step / f->kv_steps);
     double whole = nearbyint(kv);
@@ -377,7 +379,7 @@ class _FamilyC(ctypes.Structure):
                 ("model_fn", ctypes.c_void_p), ("model_params", ctypes.c_void_p), ("window", ctypes.c_double),
                 ("scratch", ctypes.c_void_p), ("interp", ctypes.c_void_p), ("rates_out", ctypes.c_void_p),
                 ("buckets_out", ctypes.c_void_p), ("est", ctypes.c_void_p), ("best_allowed", ctypes.c_int64),
-                ("kv_steps", ctypes.c_double)]
+                ("kv_steps", ctypes.c_double), ("mean", ctypes.c_double)]
 
 
 _I64 = ctypes.c_int64
@@ -492,6 +494,12 @@ class _Compiled:
             n = lens.fill(kv_lens)  # so its address is read after)
             best = self.step_fn(self.address, lens.address, n, batch, mask_address)
         return self._picked(best)
+
+    @property
+    def last_mean(self) -> float:
+        """The mean of the lengths of the last `pick_lengths` call (their sum / their count,
+        as Python's int arithmetic gives it), from the same C call."""
+        return self.struct.mean
 
     def estimates_left(self) -> dict[Variant, float]:
         """The estimates (us) the last call left in `out`, a variant with none left out."""

@@ -174,6 +174,13 @@ def kv_bucket(buckets: list[int], kv_len: float) -> int:
     return lo if kv_len < math.sqrt(lo * hi) else hi
 
 
+def kv_bucket_edges(buckets: list[int]) -> list[float]:
+    """The lengths where kv_bucket moves to the next bucket (its geometric midpoints):
+    kv_bucket(buckets, x) == buckets[bisect.bisect_right(edges, x)] for every x, one bisect
+    where a step looks a bucket up many times."""
+    return [math.sqrt(lo * hi) for lo, hi in zip(buckets[:-1], buckets[1:], strict=True)]
+
+
 def choose_graph_pick(times: Mapping[Variant, Mapping[int, float]],
                       best: Mapping[int, float]) -> tuple[Variant, float, int] | None:
     """(variant, worst regret, kv_len of the worst case) of the variant whose largest regret
