@@ -21,6 +21,7 @@ from mla_tune.serving.table import (
     write_serving_table,
 )
 from mla_tune.serving.verify import VERIFY_SCHEMA, VerifyError
+from mla_tune.tables.table import TableError
 from tests.helpers import invoke
 
 KEY = FamilyKey("bf16", 64, 16, 1)
@@ -167,6 +168,25 @@ def test_engine_loops_leave_a_pick_they_did_not_time_and_refuse_another_gpu_or_a
         with pytest.raises(VerifyError, match=says):
             repick.repick_graph_on_steps(table, [path], log=lambda _: None)
     assert table.families[KEY].graph[4].variant == Variant.parse(SWEPT)
+
+
+def test_a_variant_the_sweeps_gate_refused_never_becomes_a_pick_on_either_source(tmp_path):
+    """provenance.gate_refused (the sweep's records): BETTER, 20% faster in a loop and 10% over
+    verify's shapes, was refused there, so the next fastest, PARTIAL, replaces the pick."""
+    table = _table()
+    table.provenance["gate_refused"] = {str(KEY): {BETTER: "ragged probe: 2.67% of elements outside"}}
+    lines = []
+    loop = _loop(tmp_path / "loop.json", {4: {SWEPT: 1.2, BETTER: 1.0, PARTIAL: 1.1}})
+    (change,) = repick.repick_graph_on_steps(table, [loop], log=lines.append)
+    assert (change["batch"], change["now"]) == (4, PARTIAL)
+    assert [line for line in lines if "refused" in line] == [
+        f"  {KEY}: {BETTER} was refused by the sweep's gate (ragged probe: 2.67% of elements outside); "
+        "not a candidate"]
+    shapes = [_shape(7, {SWEPT: 110.0, BETTER: 100.0}) for _ in range(6)]
+    assert repick.repick_graph(table, [_report(tmp_path / "r.json", shapes)], log=lambda _: None) == []
+    table.provenance["gate_refused"] = {str(KEY): [BETTER]}
+    with pytest.raises(TableError, match="gate_refused.*must map variants to reasons"):
+        repick.repick_graph_on_steps(table, [loop], log=lambda _: None)
 
 
 def test_the_command_repicks_on_either_source_writes_the_table_and_leaves_the_input_alone(tmp_path):

@@ -33,7 +33,7 @@ from mla_tune.serving.config import (
 )
 from mla_tune.serving.gate import GateJob, run_gates
 from mla_tune.serving.results import read_records, results_path_for
-from mla_tune.serving.table import FamilyKey, kv_bucket, load_serving_table
+from mla_tune.serving.table import FamilyKey, gate_refused, kv_bucket, load_serving_table
 from mla_tune.tune import timing
 from mla_tune.tune.timing import Timing
 from tests.helpers import invoke
@@ -142,6 +142,9 @@ def test_a_tiny_sweep_picks_gated_winners_and_the_worst_case_graph_pick(tiny, tm
     assert fam.graph[1].worst_regret == pytest.approx(0.12) and fam.graph[1].worst_kv_len == 32
     assert fam.cells[(1, 64)].runner_up["time_us"] == pytest.approx(16.5)
     assert table.provenance["config"]["hash"] == tiny.hash and table.provenance["rule"]["name"] == "strict"
+    # the gate's refusal, with its reason, where a graph pick's re-choice reads it
+    refused = {r["variant"]: r["reason"] for r in _records(summary["results"], "gate") if not r["ok"]}
+    assert gate_refused(table, fam.key) == refused and len(refused) == 1
     spec = CallSpec("fp8", 16, 16, 2, mixed_q_len=True)
     assert name(table.lookup(spec, batch=2, mean_kv_len=60)) == "B"
     assert name(table.lookup(spec, batch=2, graph=True)) == "C"

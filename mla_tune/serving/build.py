@@ -170,7 +170,17 @@ def _points(cfg: ServingConfig, timed: dict, key: FamilyKey, picks: set[Variant]
     return points
 
 
-def _provenance(cfg: ServingConfig, headers: list[dict], plan: SweepPlan, extra: dict) -> dict:
+def gate_refusals(records: Records) -> dict[str, dict[str, str]]:
+    """The gate's refusals in `records`, by family (str of its key): {variant: reason}, the
+    table's provenance.gate_refused (table.gate_refused reads it)."""
+    out: dict[str, dict[str, str]] = {}
+    for (key, variant), r in sorted(records.gates.items(), key=lambda item: (str(item[0][0]), item[0][1])):
+        if not r.get("ok"):
+            out.setdefault(str(key), {})[variant] = str(r.get("reason", ""))
+    return out
+
+
+def _provenance(cfg: ServingConfig, headers: list[dict], plan: SweepPlan, records: Records, extra: dict) -> dict:
     first = headers[0]
     return {
         "date": _dt.date.today().isoformat(),
@@ -190,6 +200,7 @@ def _provenance(cfg: ServingConfig, headers: list[dict], plan: SweepPlan, extra:
                    **({"step_layers": cfg.search.step_layers} if cfg.search.step_layers else {})},
         "candidates": {str(k): f.per_backend() for k, f in plan.families.items()},
         "skipped_backends": {str(k): dict(f.skipped) for k, f in plan.families.items() if f.skipped},
+        "gate_refused": gate_refusals(records),
         "results": [{"file": h.get("file"), "shard": h.get("shard")} for h in headers],
         **extra,
     }
@@ -198,7 +209,7 @@ def _provenance(cfg: ServingConfig, headers: list[dict], plan: SweepPlan, extra:
 def write_table(cfg: ServingConfig, plan: SweepPlan, records: Records, headers: list[dict], out: Path,
                 gpu_name: str, missing_reason: str, extra: dict) -> ServingTable:
     platform = headers[0].get("platform") or {}
-    table = build_table(cfg, plan, records, gpu_name, _provenance(cfg, headers, plan, extra), missing_reason,
+    table = build_table(cfg, plan, records, gpu_name, _provenance(cfg, headers, plan, records, extra), missing_reason,
                         int(platform.get("sm_count") or 0), int(platform.get("smem_per_sm") or 0))
     write_serving_table(out, table)
     return load_serving_table(out)  # what was written loads: the same checks as the runtime's

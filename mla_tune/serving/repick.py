@@ -60,6 +60,7 @@ from mla_tune.serving.table import (
     GraphPick,
     ServingTable,
     batch_bucket,
+    gate_refused,
     kv_bucket,
 )
 from mla_tune.serving.verify import VerifyError
@@ -102,7 +103,7 @@ def repick_graph(table: ServingTable, reports: Sequence[str | Path], *, margin: 
             if key in table.families and factors:
                 bucket = batch_bucket(table.batch_buckets, record["batch"])
                 shapes.setdefault((key, bucket), []).append((record, factors, offered))
-    changes = []
+    changes, told = [], set()
     for (key, bucket), offered_rows in sorted(shapes.items()):
         current = table.families[key].graph.get(bucket)
         if current is None:
@@ -113,12 +114,12 @@ def repick_graph(table: ServingTable, reports: Sequence[str | Path], *, margin: 
         rows = [(r, f) for r, f, offered in offered_rows if str(current.variant) in offered]
         if len(rows) < min_shapes:
             continue
-        everywhere = set.intersection(*(set(f) for _, f in rows))
+        was = str(current.variant)
+        everywhere = _gated(table, key, set.intersection(*(set(f) for _, f in rows)), was, told, log)
         if not everywhere:
             continue
         score = {v: _geomean([f[v] for _, f in rows]) for v in everywhere}
         best = min(sorted(score), key=score.__getitem__)
-        was = str(current.variant)
         if best == was or (was in score and not score[best] < (1.0 - margin) * score[was]):
             continue
         worst = max(rows, key=lambda row: row[1][best])
@@ -130,6 +131,19 @@ def repick_graph(table: ServingTable, reports: Sequence[str | Path], *, margin: 
         "reports": [p.name for p in paths], "margin": margin, "min_shapes": min_shapes, "replaced": len(changes)}}
     table.estimator.clear()
     return changes
+
+
+def _gated(table: ServingTable, key: FamilyKey, timed: set[str], was: str, told: set,
+           log: Callable[[str], None]) -> set[str]:
+    """The timed variants that may become a pick of family `key`: those the sweep's gate did
+    not refuse (table.gate_refused; the current pick `was` stays, to be compared). Says once
+    per family and variant which were left out."""
+    refused = gate_refused(table, key)
+    for v in sorted(timed & refused.keys() - {was}):
+        if (key, v) not in told:
+            told.add((key, v))
+            log(f"  {key}: {v} was refused by the sweep's gate ({refused[v]}); not a candidate")
+    return {v for v in timed if v not in refused or v == was}
 
 
 def _replace(table: ServingTable, key: FamilyKey, bucket: int, best: str, score: dict[str, float],
@@ -209,11 +223,11 @@ def repick_graph_on_steps(table: ServingTable, reports: Sequence[str | Path], *,
             fastest = min(row["steps_ms"].values())
             rows.setdefault((key, row["bucket"]), []).append(
                 (path.name, {v: t / fastest for v, t in row["steps_ms"].items()}))
-    changes = []
+    changes, told = [], set()
     for (key, bucket), named in sorted(rows.items()):
         loops = [factors for _, factors in named]
         was = str(table.families[key].graph[bucket].variant)
-        everywhere = set.intersection(*(set(f) for f in loops))
+        everywhere = _gated(table, key, set.intersection(*(set(f) for f in loops)), was, told, log)
         if was not in everywhere:
             log(f"  {key}, batch {bucket}: its pick {was} was not timed in every loop; left")
             continue

@@ -43,7 +43,9 @@ an mla-tune of before then refuses; serving/repick.py); a left-out cell
 `{batch, kv_len, reason}`. `provenance.entry_counts` (written since 2026-12-05, optional at
 load) counts the families and, over all of them, each part's entries (ENTRY_PARTS): it sits
 above the families, so a file cut between entries, or entries removed by hand, is refused at
-load rather than read as a smaller table. Loading never executes anything from the file
+load rather than read as a smaller table. `provenance.gate_refused` (written since 2026-12-06,
+optional) maps a family to the variants the sweep's gate refused and why (gate_refused): a
+graph pick's re-choice takes none of them. Loading never executes anything from the file
 (fileio.read_yaml) and every error names the file, the family and the field.
 Nothing here imports torch.
 """
@@ -172,6 +174,16 @@ def kv_bucket(buckets: list[int], kv_len: float) -> int:
         return buckets[-1]
     lo, hi = buckets[i - 1], buckets[i]
     return lo if kv_len < math.sqrt(lo * hi) else hi
+
+
+def gate_refused(table: ServingTable, key: FamilyKey) -> dict[str, str]:
+    """The variants the sweep's correctness gate refused for family `key`, each with the
+    gate's reason: provenance.gate_refused (by family, as str(key)), {} where it has none. A
+    graph pick is never one of them (serving/repick.py)."""
+    refused = (table.provenance.get("gate_refused") or {}).get(str(key)) or {}
+    if not (isinstance(refused, dict) and all(isinstance(v, str) and isinstance(r, str) for v, r in refused.items())):
+        raise TableError(f"{table.path}: provenance.gate_refused[{str(key)!r}] must map variants to reasons")
+    return refused
 
 
 def kv_bucket_edges(buckets: list[int]) -> list[float]:
