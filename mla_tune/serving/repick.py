@@ -41,7 +41,9 @@ growing every step, the plan's update before each replay) and writes ENGINE_REPO
 step times (the same MARGIN; no MIN_SHAPES: each loop is many steps of one mix). Its picks
 record `chosen_on` as above (shapes: the loops) with the loops' report names
 (table.CHOSEN_ON_LOOPS), and the provenance `graph_repick_steps`; `repick_graph` leaves
-such a pick alone (an engine's step is what a graph pick is for).
+such a pick alone (an engine's step is what a graph pick is for). Neither takes a variant
+the sweep's gate refused for the family (table.gate_refused): a loop checks each step at the
+rule's full allowance, the gate at its margin.
 Nothing here imports torch.
 """
 
