@@ -11,9 +11,10 @@ every sequence grows by one token per step; before each replay the plan's update
 the host with the engine's host lengths (the protocol of docs/serving.md; the step's time
 includes it). The same loop with FlashMLA's own call (its schedule made once per step
 inside the graph) is timed beside it. `--variants` (with `--table`; `graph-picks` in the
-list stands for every variant the family's graph picks name) times the loop again with each
-variant as the bucket's graph pick, on the same lengths: what each candidate costs an
-engine's step. `--q-len N`: each sequence brings N new tokens a step (a spec of max_q_len
+list stands for every variant the family's graph picks name, `cell-picks` for its eager
+cells' picks and runner-ups; a variant the sweep's gate refused is left out, said in a line)
+times the loop again with each variant as the bucket's graph pick, on the same lengths: what
+each candidate costs an engine's step. `--q-len N`: each sequence brings N new tokens a step (a spec of max_q_len
 N). Before timing, the first and last layers' outputs of the first and last step are
 checked against mla_tune.serving.inputs' fp32 reference (strict rule). Prints ms per step
 and us per layer; `--out DIR` writes DIR/engine_loop.json (atomically), the report
@@ -37,10 +38,37 @@ from mla_tune.fileio import atomic_write_text
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.decode_plan import DecodePlan
 from mla_tune.serving.repick import ENGINE_REPORT
-from mla_tune.serving.table import load_serving_table
+from mla_tune.serving.table import gate_refused, load_serving_table
 
 PAGE = 64
 GRAPH_PICKS = "graph-picks"  # in --variants: the family's graph picks, each a candidate at every bucket
+CELL_PICKS = "cell-picks"  # in --variants: the family's eager cell picks and runner-ups likewise
+
+
+def loop_candidates(text: str, table, spec: CallSpec) -> tuple[list[Variant], list[str]]:
+    """The variants `--variants` names (;-separated; GRAPH_PICKS and CELL_PICKS expanded from
+    the family's entries), each once, in order, and a line for each left out: one the sweep's
+    gate refused for the family (table.gate_refused), which no re-choice takes, so its loop
+    is not run. ValueError where the table has no family for the spec."""
+    names = [v.strip() for v in text.split(";") if v.strip()]
+    family = table.family(spec) if names else None
+    if names and family is None:
+        raise ValueError(f"{table.path} has no family for {spec.kv_format} KV, {spec.heads} heads, "
+                         f"q_len {spec.max_q_len}")
+    variants = []
+    for name in names:
+        if name == GRAPH_PICKS:
+            variants += [g.variant for _, g in sorted(family.graph.items())]
+        elif name == CELL_PICKS:
+            for _, cell in sorted(family.cells.items()):
+                variants += [cell.variant] + ([cell.runner_up_variant] if cell.runner_up_variant else [])
+        else:
+            variants.append(Variant.parse(name))
+    refused = gate_refused(table, family.key) if family is not None else {}
+    kept = [v for v in dict.fromkeys(variants) if str(v) not in refused]
+    left = [f"{v}: refused by the sweep's gate ({refused[str(v)]}); not looped"
+            for v in dict.fromkeys(variants) if str(v) in refused]
+    return kept, left
 
 
 def _loop(args, bucket: int, layers: int):
@@ -206,16 +234,12 @@ def main() -> None:
         parser.error("--variants replaces the table's graph picks: give --table")
     table = load_serving_table(args.table) if args.table is not None else None
     spec = _spec(args)
-    variants = []
-    for text in (v.strip() for v in args.variants.split(";")):
-        if text == GRAPH_PICKS:  # every variant the family's graph picks name
-            family = table.family(spec)
-            if family is None:
-                parser.error(f"{args.table} has no family for {args.kv} KV, {args.heads} heads, q_len {args.q_len}")
-            variants += [g.variant for _, g in sorted(family.graph.items())]
-        elif text:
-            variants.append(Variant.parse(text))
-    variants = list(dict.fromkeys(variants))
+    try:
+        variants, left = loop_candidates(args.variants, table, spec) if table is not None else ([], [])
+    except ValueError as exc:
+        parser.error(str(exc))
+    for line in left:
+        print(line)
     rows = []
     for bucket in [int(b) for b in args.buckets.split(",")]:
         times, replays, variant = run_plan(args, bucket, table)

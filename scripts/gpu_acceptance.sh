@@ -62,7 +62,8 @@
 #       loop (61 layers) at every batch bucket of each of GRAPH_FAMILIES= (KV/heads/q_len, default
 #       all twelve) at each of LENS= (LO,HI pairs; default 500,4000), the table's graph pick beside
 #       each candidate of GRAPH_VARIANTS_bf16= / GRAPH_VARIANTS_fp8= (;-separated; default the
-#       family's graph picks, FlashMLA, and FlashInfer at bf16) as the bucket's pick; the reports
+#       family's graph picks, FlashMLA, and FlashInfer at bf16; `cell-picks` adds its eager cells'
+#       picks and runner-ups; what the sweep's gate refused is not looped) as the bucket's pick; the reports
 #       come back in engine_loops.tgz for `mla-tune verify --engine-loop ... --repick-graph OUT`
 #   bash scripts/gpu_acceptance.sh serving-table        # on two GPUs: `mla-tune verify` of
 #       tables/H200.serving.yaml and the FlashInfer tests on GPU 1; on GPU 0 the fast-path and

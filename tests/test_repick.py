@@ -2,6 +2,7 @@
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mla_tune.core import Variant
+from mla_tune.core import CallSpec, Variant
 from mla_tune.serving import repick
 from mla_tune.serving.table import (
     Cell,
@@ -17,6 +18,7 @@ from mla_tune.serving.table import (
     FamilyKey,
     GraphPick,
     ServingTable,
+    gate_refused,
     load_serving_table,
     write_serving_table,
 )
@@ -216,6 +218,27 @@ def test_the_command_repicks_on_either_source_writes_the_table_and_leaves_the_in
         refused = invoke("verify", "--table", source, *args)
         assert refused.exit_code == code and says in refused.output, refused.output
     assert source.read_bytes() == before and text.read_text() == "mine"
+
+
+def test_the_engine_loops_candidates_expand_the_familys_picks_and_leave_out_what_the_gate_refused():
+    """scripts/engine_loop.py's --variants on the committed table at fp8, 128 heads, q_len 4:
+    graph-picks and cell-picks name the family's entries, each once, and FlashMLA's fp8
+    kernel, which the sweep's gate refused there, is left out with the gate's reason."""
+    loop = runpy.run_path(str(ROOT / "scripts" / "engine_loop.py"))
+    table = load_serving_table(ROOT / "tables" / "H200.serving.yaml")
+    spec = CallSpec("fp8", 64, 128, 4, graph=True, host_lengths=True)
+    family = table.family(spec)
+    fm = "flashmla(kv=fp8,q=fp8_dynamic)"
+    graph = list(dict.fromkeys(g.variant for _, g in sorted(family.graph.items())))
+    cells = {c.variant for c in family.cells.values()} | {
+        c.runner_up_variant for c in family.cells.values() if c.runner_up_variant}
+    variants, left = loop["loop_candidates"](f"graph-picks;cell-picks;{fm};{graph[0]}", table, spec)
+    assert variants[:len(graph)] == graph and set(variants) == set(graph) | cells
+    assert len(variants) == len(set(variants)) and Variant.parse(fm) not in variants
+    assert left == [f"{fm}: refused by the sweep's gate ({gate_refused(table, family.key)[fm]}); not looped"]
+    assert loop["loop_candidates"]("", table, spec) == ([], [])
+    with pytest.raises(ValueError, match="no family for fp8 KV, 32 heads"):
+        loop["loop_candidates"]("graph-picks", table, CallSpec("fp8", 64, 32, 1, graph=True))
 
 
 @pytest.mark.gpu
