@@ -16,7 +16,8 @@ cells' picks and runner-ups; a variant the sweep's gate refused is left out, sai
 times the loop again with each variant as the bucket's graph pick, on the same lengths: what
 each candidate costs an engine's step. `--q-len N`: each sequence brings N new tokens a step (a spec of max_q_len
 N). Before timing, the first and last layers' outputs of the first and last step are
-checked against mla_tune.serving.inputs' fp32 reference (strict rule). Prints ms per step
+checked against mla_tune.serving.inputs' fp32 reference (strict rule), its q quantized as
+the pick's q mode does (gate.variant_q_format: per row for gluon_fused's fp8 q). Prints ms per step
 and us per layer; `--out DIR` writes DIR/engine_loop.json (atomically), the report
 `mla-tune verify --table T --engine-loop REPORT --repick-graph OUT` re-chooses graph picks
 on (mla_tune/serving/repick.py: ENGINE_REPORT).
@@ -37,6 +38,7 @@ from mla_tune.core import QK_DIM, SM_SCALE, V_DIM, CallSpec, Variant
 from mla_tune.fileio import atomic_write_text
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.decode_plan import DecodePlan
+from mla_tune.serving.gate import variant_q_format
 from mla_tune.serving.repick import ENGINE_REPORT
 from mla_tune.serving.table import gate_refused, load_serving_table
 
@@ -163,7 +165,7 @@ def _run(args, bucket, plan, base, caches, seq_lens, qs, outs, start):
     seq_lens.copy_(torch.tensor(start, dtype=torch.int32, device="cuda"))
     update(0)
     graph.replay()
-    q_format = "fp8" if str(plan.pick(bucket).get("q")).startswith("fp8") else "bf16"
+    q_format = variant_q_format(plan.pick(bucket))  # q as the pick quantizes it (gluon_fused: per row)
     _check(f"mla-tune bucket {bucket} first step", base, caches, seq_lens, qs, outs, q_format)
     times, replays = _time_steps(graph, seq_lens, args.steps, before_replay=update)
     _check(f"mla-tune bucket {bucket} last step", base, caches, seq_lens, qs, outs, q_format)

@@ -10,7 +10,7 @@ from mla_tune.backends import flash_mla, gluon_fused, triton_splitk
 from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, QK_DIM, CallSpec, Variant
 from mla_tune.gpu import fake_platform
 from mla_tune.serving.config import GateSpec
-from mla_tune.serving.gate import GateJob, gate_one, reference_q_format
+from mla_tune.serving.gate import GateJob, gate_one, reference_q_format, variant_q_format
 from mla_tune.serving.inputs import make_input, quantize_fp8_rows, reference, reference_q
 from tests.helpers import register_backends, unavailable
 
@@ -89,6 +89,9 @@ def test_the_gate_reads_q_as_each_backend_quantizes_it():
     for q in ("fp8_dynamic", "fp8_static"):
         assert reference_q_format(Variant.make(flash_mla.NAME, kv="fp8", q=q), VARIANT_GATE) == "fp8"
     assert reference_q_format(Variant.make(flash_mla.NAME, kv="bf16", q="bf16"), VARIANT_GATE) == "bf16"
+    # the engine loop's check reads q as the pick quantizes it, whatever the gate's setting
+    fm8 = Variant.make(flash_mla.NAME, kv="fp8", q="fp8_dynamic")
+    assert [variant_q_format(v) for v in (g8, g16, t8[0], fm8)] == ["fp8_row", "bf16", "fp8", "fp8"]
 
 
 HOOK_NAME = "qref_probe"

@@ -100,7 +100,17 @@ def reference_q_format(variant: Variant, gate: GateSpec) -> str:
     fp8_row: its kernel quantizes q per (new token, head) row), else per tensor ("fp8",
     problem.quantize_fp8's scale, the convention of scripts/engine_loop.py and the vendor
     tests)."""
-    if gate.reference_q != "variant" or not str(variant.get("q", "bf16")).startswith("fp8"):
+    if gate.reference_q != "variant":
+        return "bf16"
+    return variant_q_format(variant)
+
+
+def variant_q_format(variant: Variant) -> str:
+    """The q format of serving.reference that reads q as `variant`'s q mode quantizes it:
+    bf16 for bf16 q; for an fp8 q mode its backend's `serving_q_reference(variant)` hook's
+    answer, else "fp8" (per tensor). What reference_q: variant gates against, and what
+    scripts/engine_loop.py checks a step against."""
+    if not str(variant.get("q", "bf16")).startswith("fp8"):
         return "bf16"
     hook = getattr(get_backend(variant.backend), "serving_q_reference", None)
     if hook is None:
