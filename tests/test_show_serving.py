@@ -48,7 +48,8 @@ def _table(edit=None) -> ServingTable:
     table = ServingTable("H200", {"date": "2026-12-01", "config": {"path": "configs/serving.yaml",
                                                                    "hash": "6c0e034f4930b8a9c3de"},
                                   "versions": {"flashinfer-python": "0.6.18", "triton": "3.6.0"},
-                                  "candidates": {str(FP8): {"triton": 10, "flashinfer": 1}}},
+                                  "candidates": {str(FP8): {"triton": 10, "flashinfer": 1}},
+                                  "gate_refused": {str(FP8): {"flashmla(kv=fp8,q=fp8_dynamic)": "ragged probe"}}},
                          BATCHES, KVS, {FP8: fp8, BF16: bf16})
     if edit:
         edit(table)
@@ -92,6 +93,7 @@ def test_show_prints_every_pick_in_80_columns_and_its_json_every_cell(tmp_path):
     assert rows == {"1": ["A", "A", "B", "A", "12.5%", "sweep"], "32": ["A", "A", "B", "A", "12.5%", "sweep"],
                     "256": ["A", ".", "-", "A", "12.5%", "sweep"]}
     assert "  candidates: triton 10, flashinfer 1" in lines
+    assert "  refused by the gate: flashmla(kv=fp8,q=fp8_dynamic): ragged probe" in lines
     assert any("-: 1 cell(s) left out by the config, e.g. 256x65536: over max_kv_bytes" in line
                for line in lines)
     assert "  .: 1 cell(s) with no pick and no reason: the fallback serves them" in lines
@@ -116,7 +118,8 @@ def test_show_prints_every_pick_in_80_columns_and_its_json_every_cell(tmp_path):
                                                           "time_us": 20.24}
     assert fp8["graph"][2] == {"batch": 256, "variant": str(_v(8)), "worst_regret": 0.125, "worst_kv_len": 65536}
     assert fp8["left_out"] == [{"batch": 256, "kv_len": 65536, "reason": "over max_kv_bytes"}]
-    assert fams[str(BF16)]["candidates"] == {}
+    assert fams[str(BF16)]["candidates"] == {} == fams[str(BF16)]["gate_refused"]
+    assert fp8["gate_refused"] == {"flashmla(kv=fp8,q=fp8_dynamic)": "ragged probe"}
     # an unquoted YAML date is text in the JSON
     path.write_text(path.read_text().replace("date: '2026-12-01'", "date: 2026-12-01"))
     result = invoke("show", "--table", path, "--json")

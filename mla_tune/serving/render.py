@@ -96,9 +96,10 @@ def _mapping(value: Any) -> Mapping:
 # ------------------------------------------------------------------ show: the view
 def _family_view(family: Family, provenance: Mapping) -> dict:
     candidates = _mapping(_mapping(provenance.get("candidates")).get(str(family.key)))
+    refused = _mapping(_mapping(provenance.get("gate_refused")).get(str(family.key)))
     return {
         "key": family.key.as_dict(), "name": str(family.key), "tag": family.key.tag,
-        "candidates": dict(candidates),
+        "candidates": dict(candidates), "gate_refused": dict(refused),
         "cells": [{"batch": c.batch, "kv_len": c.kv_len, "variant": str(c.variant),
                    "time_us": round(c.time_us, 3),
                    **({"runner_up": c.runner_up} if c.runner_up else {})}
@@ -178,6 +179,8 @@ def _family_lines(family: dict, batch_buckets: Sequence[int], kv_buckets: Sequen
     if family["candidates"]:
         offered = ", ".join(f"{clip(b, 40)} {clip(n, 10)}" for b, n in family["candidates"].items())
         lines += wrap("  candidates: ", offered, width, sep=", ")
+    for variant, reason in family["gate_refused"].items():  # the sweep's gate: never a pick
+        lines += wrap("  refused by the gate: ", f"{variant}: {reason}", width)
     rows = []
     missing = 0
     for batch in batch_buckets:
