@@ -67,10 +67,9 @@ def loop_candidates(text: str, table, spec: CallSpec) -> tuple[list[Variant], li
         else:
             variants.append(Variant.parse(name))
     refused = gate_refused(table, family.key) if family is not None else {}
-    kept = [v for v in dict.fromkeys(variants) if str(v) not in refused]
-    left = [f"{v}: refused by the sweep's gate ({refused[str(v)]}); not looped"
-            for v in dict.fromkeys(variants) if str(v) in refused]
-    return kept, left
+    variants = list(dict.fromkeys(variants))
+    return ([v for v in variants if str(v) not in refused],
+            [f"{v}: refused by the sweep's gate ({refused[str(v)]}); not looped" for v in variants if str(v) in refused])
 
 
 def _loop(args, bucket: int, layers: int):

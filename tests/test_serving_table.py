@@ -154,6 +154,8 @@ def test_a_written_table_loads_back_equal_with_its_points_models_and_calibration
                                                      "engine_loops": "loop.json"}),
      "engine_loops, a list of report names"),
     (lambda d: _fp8(d)["left_out"][0].update(reason=""), "must say why"),
+    (lambda d: d["provenance"].update(gate_refused={str(FP8): ["flashmla(kv=fp8,q=fp8_dynamic)"]}),
+     "provenance.gate_refused must map variants to reasons, per family"),
     (lambda d: d["families"].append(copy.deepcopy(_fp8(d))), "a second family"),
     # the points and the vendors' (linear) models
     (lambda d: _bf16(d)["points"][0].update(kv_len=1000), "kv_len 1000 is not one of"),

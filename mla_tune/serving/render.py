@@ -94,9 +94,8 @@ def _mapping(value: Any) -> Mapping:
 
 
 # ------------------------------------------------------------------ show: the view
-def _family_view(family: Family, provenance: Mapping) -> dict:
+def _family_view(family: Family, provenance: Mapping, refused: Mapping[str, str]) -> dict:
     candidates = _mapping(_mapping(provenance.get("candidates")).get(str(family.key)))
-    refused = _mapping(_mapping(provenance.get("gate_refused")).get(str(family.key)))
     return {
         "key": family.key.as_dict(), "name": str(family.key), "tag": family.key.tag,
         "candidates": dict(candidates), "gate_refused": dict(refused),
@@ -117,9 +116,12 @@ def show_view(table: ServingTable, path: str | Path) -> dict:
     """What `mla-tune show` prints for a serving table, as data (`--json`): provenance,
     buckets, and per family its key, candidate counts, eager picks (cells), graph picks,
     left-out cells and how many points it timed."""
+    from mla_tune.serving.table import gate_refused
+
     view = {"path": str(path), "kind": "serving", "gpu": table.gpu, "provenance": table.provenance,
             "batch_buckets": list(table.batch_buckets), "kv_buckets": list(table.kv_buckets),
-            "families": [_family_view(table.families[k], table.provenance) for k in sorted(table.families)]}
+            "families": [_family_view(table.families[k], table.provenance, gate_refused(table, k))
+                         for k in sorted(table.families)]}
     # free fields (provenance, reasons, runner-ups) hold what YAML read: an unquoted date
     # becomes its text, so the view is plain JSON
     return json.loads(json.dumps(view, default=str))

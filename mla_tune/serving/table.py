@@ -180,9 +180,19 @@ def gate_refused(table: ServingTable, key: FamilyKey) -> dict[str, str]:
     """The variants the sweep's correctness gate refused for family `key`, each with the
     gate's reason: provenance.gate_refused (by family, as str(key)), {} where it has none. A
     graph pick is never one of them (serving/repick.py)."""
-    refused = (table.provenance.get("gate_refused") or {}).get(str(key)) or {}
-    if not (isinstance(refused, dict) and all(isinstance(v, str) and isinstance(r, str) for v, r in refused.items())):
-        raise TableError(f"{table.path}: provenance.gate_refused[{str(key)!r}] must map variants to reasons")
+    return _gate_refusals(table.path, table.provenance).get(str(key), {})
+
+
+def _gate_refusals(where: Any, provenance: Mapping) -> dict[str, dict[str, str]]:
+    """provenance.gate_refused, checked ({} where absent): load_serving_table's check, and
+    gate_refused's for a table made in memory."""
+    refused = provenance.get("gate_refused") or {}
+    if not (isinstance(refused, dict) and all(
+            isinstance(family, str) and isinstance(by, dict)
+            and all(isinstance(v, str) and isinstance(r, str) for v, r in by.items())
+            for family, by in refused.items())):
+        raise TableError(f"{where}: provenance.gate_refused must map variants to reasons, per family "
+                         "(mla-tune sweep writes it), or be absent")
     return refused
 
 
@@ -659,4 +669,5 @@ def load_serving_table(path: str | Path, check_params: bool = True) -> ServingTa
             raise TableError(f"{where}: holds {', '.join(wrong)}, not what its provenance.entry_counts "
                              "states: the file was cut short or entries were removed; restore it (git) or "
                              "build it again (mla-tune sweep --config configs/serving.yaml --merge RESULTS)")
+    _gate_refusals(where, provenance)
     return ServingTable(gpu, provenance, batch_buckets, kv_buckets, families, path)
