@@ -224,8 +224,7 @@ serving-tests)
     "tests/test_serving_correctness.py -k 'triton and not triton_fused'"
     "tests/test_serving_correctness.py -k 'flashinfer or flashmla'"
     "tests/test_serving_correctness.py -k gluon_fused"
-    "tests/test_gluon_serving_gpu.py tests/test_graph_replay.py tests/test_vendor_serving.py"
-    "tests/test_gpu_engine_call.py"
+    "tests/test_graph_replay.py tests/test_vendor_serving.py"
     "tests/test_gluon_decode.py -k 'reduce_spin'"
   )
   run_groups 330 3
@@ -346,7 +345,8 @@ leaderboard-export)
     --out "$out" 2>&1 | grep -v -i warn | tail -18
   if [ -n "${TEST_GROUPS:-}" ]; then IFS=';' read -r -a groups <<< "$TEST_GROUPS"; else
   groups=(
-    "tests/test_gpu_engine_call.py tests/test_integrations_engines.py"
+    "tests/test_serving_correctness.py -k 'uint8 or flashmla'"
+    "tests/test_integrations_engines.py"
     "tests/test_gluon_decode.py"
     "tests/test_xcompile.py tests/test_nvidia_backends.py"
   ); fi

@@ -143,19 +143,21 @@ def row_quantized_q(q: torch.Tensor) -> torch.Tensor:
     return (q / scale).to(torch.float8_e4m3fn).float() * scale
 
 
-def serving_expected(variant, q, qo_indptr, kv, kv_scale, *, sm_scale: float | None = None, **layout):
+def serving_expected(variant, q, qo_indptr, kv, kv_scale, *, sm_scale: float | None = None,
+                     return_lse: bool = False, **layout):
     """The serving call's fp32 reference (mla_tune.serving.inputs.reference) on q as the
-    serving variant's q mode sees it; layout: kv_indptr, or block_table and seq_lens."""
+    serving variant's q mode sees it; layout: kv_indptr, or block_table and seq_lens;
+    return_lse: (out, lse)."""
     from mla_tune.core import SM_SCALE
     from mla_tune.serving import inputs
 
-    sm_scale = SM_SCALE if sm_scale is None else sm_scale
+    common = dict(sm_scale=SM_SCALE if sm_scale is None else sm_scale, return_lse=return_lse)
     q_mode = variant.get("q")
     if variant.backend in ROW_QUANTIZED_Q and q_mode == "fp8_dynamic":
-        return inputs.reference(row_quantized_q(q), qo_indptr, kv, kv_scale, **layout, sm_scale=sm_scale)
+        return inputs.reference(row_quantized_q(q), qo_indptr, kv, kv_scale, **layout, **common)
     q_format = {"bf16": "bf16", "fp8_dynamic": "fp8", "fp8_static": "fp8_static"}[q_mode]
     return inputs.reference(q, qo_indptr, kv, kv_scale, **layout, q_format=q_format, q_amax=variant.get("q_amax"),
-                            sm_scale=sm_scale)
+                            **common)
 
 
 CELL_LAYOUTS = (0, 1, 16, 64)  # 0: contiguous; else the page size

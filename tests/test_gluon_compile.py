@@ -34,8 +34,8 @@ CASES = [
      "v_path=ss16)", Shape(4, 1024)),
 ]
 
-# (spec, variant) of the serving kernel: two binaries, to keep CI short;
-# tests/test_gluon_serving_gpu.py runs the rest.
+# (spec, variant) of the serving kernel: two binaries, to keep CI short; the GPU matrix of
+# tests/test_serving_correctness.py runs the rest.
 SERVING_CASES = [
     (CallSpec("fp8", 64, 128, max_q_len=2, mixed_q_len=True, graph=True, return_lse=True),
      "gluon_fused(block_h=16,kv=fp8,max_splits=8,num_stages=2,q=fp8_dynamic,split_budget=40,"

@@ -16,10 +16,10 @@ import torch
 
 from mla_tune import problem
 from mla_tune.backends import gluon_fused
-from mla_tune.core import QK_DIM, SM_SCALE, V_DIM, Shape, Variant
-from mla_tune.gpu import fake_platform
+from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, QK_DIM, SM_SCALE, V_DIM, Shape, Variant
+from mla_tune.gpu import detect, fake_platform
 from mla_tune.kernels import gluon_decode
-from tests.helpers import DecodeBuffers, ragged_input, rel_l2, unavailable
+from tests.helpers import DecodeBuffers, ragged_input, rel_l2, row_quantized_q, unavailable
 
 BASE = dict(kv="fp8", q="fp8_dynamic", block_n=64, num_stages=3, num_splits=1, v_path="ss16")
 
@@ -420,6 +420,21 @@ def test_gluon_decode_matches_the_reference_under_strict(batch, kv_len, params):
     for splits in sorted({1, min(tiles, max(1, 128 // batch)), min(tiles, 3)}):
         variant = _variant(num_splits=splits, **params)
         check_backend(variant, shape, data, f"{variant} at {shape}")
+
+
+@gluon_gpu
+def test_the_backend_takes_the_models_softmax_scale():
+    """At DeepSeek-V3's scale, against the reference with q quantized per (sequence, head) as
+    the kernel does; the same answer fails strict against the default scale's reference."""
+    shape = Shape(4, 1024)
+    variant = gluon_fused.candidates(shape, {}, detect())[0]
+    data = problem.generate_input(shape.batch, shape.kv_len, seed=9, device="cuda")
+    out = gluon_fused.build(variant, shape, "cuda", sm_scale=CORE_DEEPSEEK_V3_SCALE)(*data[:4])
+    torch.cuda.synchronize()
+    rowwise = (row_quantized_q(data[0]), *data[1:])  # fp32 q: reference("bf16", ...) takes it as is
+    ref = problem.reference(rowwise, "bf16", "fp8", sm_scale=CORE_DEEPSEEK_V3_SCALE)
+    assert problem.check(out, ref, problem.RULES["strict"]).passed
+    assert not problem.check(out, problem.reference(rowwise, "bf16", "fp8"), problem.RULES["strict"]).passed
 
 
 # 4 splits on a ragged batch: the 1- and 17-token sequences leave splits empty.

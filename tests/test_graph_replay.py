@@ -43,6 +43,7 @@ CALL_CASES = [
     ("triton_fused", 0, "fp8", "kernel"), ("triton_fused", 64, "fp8", None),
     ("flashmla", 64, "bf16", None), ("flashmla", 64, "fp8", None),
     ("flashinfer", 0, "fp8", None), ("flashinfer", 64, "fp8", None),
+    ("gluon_fused", 0, "fp8", None), ("gluon_fused", 64, "fp8", None), ("gluon_fused", 64, "bf16", None),
 ]
 
 
@@ -53,7 +54,7 @@ def _graph_backends() -> list[str]:
             if (caps := get_backend(name).CAPABILITIES).serving and caps.graph_safe and caps.runs_on(tags)]
 
 
-# Any other (the Gluon kernel where it serves): its default variant on paged 64 (or contiguous).
+# Any other: its default variant on paged 64 (or contiguous).
 CALL_CASES += [(name, 64 if 64 in get_backend(name).CAPABILITIES.page_sizes else 0, "fp8", None)
                for name in _graph_backends() if name not in {c[0] for c in CALL_CASES}]
 
@@ -141,7 +142,7 @@ def test_a_decode_step_through_a_plan_captured_once_replays_growing_lengths(back
 
 
 def test_every_backend_that_serves_a_graph_on_the_h200_has_a_replay_case():
-    assert {"triton", "triton_fused", "flashmla", "flashinfer"} <= set(_graph_backends())
+    assert {"triton", "triton_fused", "flashmla", "flashinfer", "gluon_fused"} <= set(_graph_backends())
     assert {c[0] for c in CALL_CASES} == set(_graph_backends())
 
 

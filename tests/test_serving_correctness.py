@@ -1,18 +1,21 @@
 """The Decoder of every serving backend against the fp32 reference, called twice (the first
 answer and the partials poisoned with NaN). GPU: each declared cell at DeepSeek-V3's scale, a
-few settings per cell. CPU: the own kernels over a sample covering every pair of factors; the
-one decode call (Decoder, decode): its buffers, specs, refusals and variants."""
+few settings per cell, the LSE on every other cell, an fp8 cache as uint8 bytes through a
+plan. CPU: the own kernels over a sample covering every pair of factors; the one decode call
+(Decoder, decode): its buffers, specs, refusals and variants."""
 
+import dataclasses
 import itertools
 
 import pytest
 import torch
 
-from mla_tune import gpu
+from mla_tune import gpu, problem
 from mla_tune.backends import UnknownBackend, get_backend
-from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, CORE_HEADS, CallSpec, Shape, Variant
+from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, CORE_HEADS, SM_SCALE, CallSpec, Shape, Variant
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.call import PREFERENCE, Decoder, clear_decoders, decode, infer_spec
+from mla_tune.serving.decode_plan import DecodePlan
 from tests.helpers import (
     CELL_GRID,
     CELL_KV_FORMATS,
@@ -54,21 +57,27 @@ _PARTIALS = {"triton": ("part_out", "part_lse", "q_amax"), "triton_fused": ("par
 LIBRARY_OUTPUTS = ("flashmla",)
 
 
-def _answer_into_poisoned_buffers(decoder: Decoder, inp: serving.ServingInput, warm=None) -> torch.Tensor:
-    """Call `warm` (or `inp`), poison its answer and the partials, and call `inp` into them."""
+def _answer_into_poisoned_buffers(decoder: Decoder, inp: serving.ServingInput, warm=None):
+    """Call `warm` (or `inp`), poison its answer (and LSE) and the partials, and call `inp`
+    into them: the answer, or (answer, LSE) where the spec returns the LSE."""
     first = call_with_host_lengths(decoder, warm or inp)
-    first.fill_(float("nan"))
+    first = first if decoder.spec.return_lse else (first,)
+    for tensor in first:
+        tensor.fill_(float("nan"))
     for name in _PARTIALS.get(decoder.backend, ()):
         getattr(decoder.runner.workspace, name).fill_(float("nan"))
     again = call_with_host_lengths(decoder, inp)
+    answer = again[0] if decoder.spec.return_lse else again
     if decoder.variant.backend not in LIBRARY_OUTPUTS:
-        assert again.data_ptr() == first.data_ptr(), "the runner allocated a new output for the same new tokens"
+        assert answer.data_ptr() == first[0].data_ptr(), "the runner allocated a new output for the same new tokens"
     return again
 
 
-def _expected(variant: Variant, inp: serving.ServingInput) -> torch.Tensor:
-    """The reference at the model's scale on q as the variant's q mode sees it."""
-    return serving_expected(variant, inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout, sm_scale=SCALE)
+def _expected(variant: Variant, inp: serving.ServingInput, **kw):
+    """The reference at the model's scale (kw: sm_scale, return_lse) on q as the variant's q
+    mode sees it."""
+    kw.setdefault("sm_scale", SCALE)
+    return serving_expected(variant, inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout, **kw)
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -112,6 +121,10 @@ def _gpu_variants(name: str, cell: tuple, spec: CallSpec, q_amax: float, platfor
         variants.append(Variant.make("flashinfer", kernel="fa2", kv=cell[3], q="bf16"))
     elif name == "flashmla" and cell == (64, 128, 2, "fp8"):  # some values clamp, as in serving
         variants.append(Variant.make("flashmla", kv="fp8", q="fp8_static", q_amax=q_amax))
+    elif name == "gluon_fused":  # no splits at q_len 1; else two V halves, 4 splits, a batch budget
+        default = variants[0]
+        variants.append(default.with_params(max_splits=1) if spec.max_q_len == 1 else default.with_params(
+            v_halves=2, max_splits=4, tokens_per_split=256, split_budget=24))
     return list(dict.fromkeys(variants))
 
 
@@ -122,27 +135,62 @@ def _serving_backends() -> list[str]:
 
 
 FUSED_GRID = list(itertools.product(CELL_LAYOUTS, (16, 32, 64, 128), CELL_Q_LENS, CELL_KV_FORMATS))
+GLUON_64_HEADS = list(itertools.product((64,), (64,), CELL_Q_LENS, CELL_KV_FORMATS))
 OTHERS = [name for name in _serving_backends() if name not in OWN]  # FlashMLA, FlashInfer, ...
 GPU_CASES = (declared_cells("triton", CELL_GRID + ODD_CELLS)
              + declared_cells("triton_fused", FUSED_GRID + [c for c in ODD_CELLS if c not in FUSED_GRID])
-             + [case for name in OTHERS for case in declared_cells(name)])
+             + [case for name in OTHERS for case in declared_cells(name)]
+             + declared_cells("gluon_fused", GLUON_64_HEADS))
+
+
+def _gpu_spec(name: str, layout: int, heads: int, q_len: int, kv: str) -> CallSpec:
+    """The cell's call, returning the LSE on every other cell of a backend that declares it."""
+    lse = _caps(name).lse and (layout + heads // 16 + q_len) % 2 == 1
+    return dataclasses.replace(_spec(name, layout, heads, q_len, kv), return_lse=lse)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("case", GPU_CASES, ids=cell_id)
 def test_every_declared_cell_matches_the_reference_on_the_gpu(case):
+    """And the answer is not the default softmax scale's: the model's scale reached the kernel."""
     name, *cell = case
     backend = get_backend(name)
     reason = backend.unavailable_reason() if hasattr(backend, "unavailable_reason") else None
     assert reason is None, reason
-    spec = _spec(name, *cell)
+    spec = _gpu_spec(name, *cell)
     inp = serving_input(spec, GPU_KV_LENS, GPU_SEED, "cuda")
     for variant in _gpu_variants(name, tuple(cell), spec, 0.8 * float(inp.q.abs().amax()), gpu.detect()):
         decoder = Decoder(spec, variant=variant, device="cuda")
-        out = _answer_into_poisoned_buffers(decoder, inp)
+        got = _answer_into_poisoned_buffers(decoder, inp)
+        out, lse = got if spec.return_lse else (got, None)
         torch.cuda.synchronize()
-        assert_close(out, _expected(variant, inp), max_error(variant, "cuda"), f"{cell_id(case)} {variant}")
+        what = f"{cell_id(case)} {variant}"
+        ref, ref_lse = _expected(variant, inp, return_lse=True)
+        assert_close(out, ref, max_error(variant, "cuda"), what)
+        assert not problem.check(out.float(), _expected(variant, inp, sm_scale=SM_SCALE),
+                                 problem.RULES["strict"]).passed, f"{what}: the answer ignores the scale"
+        if lse is not None:
+            assert lse.shape == ref_lse.shape and lse.dtype == torch.float32, what
+            assert float((lse - ref_lse).abs().max()) < 5e-2, f"{what}: LSE"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("backend", ["triton", "triton_fused", "flashmla"])
+def test_an_fp8_cache_as_uint8_bytes_through_a_plan(backend):
+    """The engines' uint8 cache and a Python float scale; the second call replays what the
+    first recorded (own kernels)."""
+    reason = get_backend(backend).unavailable_reason()
+    assert reason is None, reason
+    spec = CallSpec("fp8", page_size=64, heads=128, max_q_len=1, sm_scale=SCALE, cache_dtype="uint8")
+    plan = DecodePlan(spec, max_batch=8, backend=backend, device="cuda")
+    inp = serving.make_input([1] * 6, [1, 17, 64, 65, 300, 3000], 128, 64, "fp8", seed=6, device="cuda")
+    picked = plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
+    for _ in range(2):
+        out = plan.run(inp.q, inp.kv.view(torch.uint8), float(inp.kv_scale))
+    torch.cuda.synchronize()
+    assert_close(out, _expected(picked, inp), max_error(picked, "cuda"), f"{backend} uint8")
 
 
 def test_the_gpu_matrix_covers_every_cell_and_setting_and_its_variants_build(monkeypatch):
@@ -154,8 +202,14 @@ def test_the_gpu_matrix_covers_every_cell_and_setting_and_its_variants_build(mon
     assert cases["triton_fused"] == set(FUSED_GRID) | set(ODD_CELLS)
     assert {c[0] for c in cases["flashmla"]} == {64} and len(cases["flashmla"]) == 12
     assert {c[0] for c in cases["flashinfer"]} == set(CELL_LAYOUTS) and len(cases["flashinfer"]) == 48
+    assert {c[1] for c in cases["gluon_fused"]} == {16, 64, 128} and len(cases["gluon_fused"]) == 30
     for name in OTHERS:
-        assert cases[name] and cases[name] == {c for c in CELL_GRID if _caps(name).refusal(_spec(name, *c)) is None}
+        declared = {c for c in CELL_GRID if _caps(name).refusal(_spec(name, *c)) is None}
+        assert cases[name] and cases[name] - set(GLUON_64_HEADS) == declared
+    for name, cells in cases.items():  # the LSE on and off; split-K's from stage 2's merge too
+        assert {_gpu_spec(name, *c).return_lse for c in cells} == {_caps(name).lse, False}, name
+    assert any(_gpu_spec("triton", *c).return_lse and _splitk_variant(*c).get("max_splits") > 1
+               for c in cases["triton"])
     settings = {(v.get("max_splits"), v.get("block_h") * (1 << (c[2] - 1).bit_length()) >= 64, v.get("q"))
                 for c in cases["triton"] for v in [_splitk_variant(*c)]}
     assert {s[0] for s in settings} == {1, 8, 16} and {s[1] for s in settings} == {True, False}
