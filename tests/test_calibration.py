@@ -3,7 +3,6 @@
 import copy
 import dataclasses
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,11 +10,11 @@ import yaml
 
 from mla_tune import problem
 from mla_tune.core import Shape
-from mla_tune.tune import calibration, worker
+from mla_tune.tune import worker
 from mla_tune.tune.calibration import CalibrationError, CalibrationSpec, calibrate, normal_tail_amax
 from mla_tune.tune.config import ConfigError, config_from_dict, load_config
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 SHAPE = Shape(2, 16)
 FP8_STATIC = {"torch": {}, "triton": {"kv": ["fp8"], "q": ["bf16", "fp8_static"]}}  # offers q=fp8_static
 
@@ -27,9 +26,8 @@ def _raw(**changes) -> dict:
 
 
 def test_generator_calibration_is_the_max_over_calibration_seeds_and_says_so():
-    config = load_config(REPO / "configs" / "leaderboard.yaml")  # states it
-    assert config.calibration.source == "generator" and config.calibration.stated
-    assert config.calibration.purpose == "leaderboard" and config.calibration.margin == 1.1
+    config = load_config(REPO / "configs" / "leaderboard.yaml")  # states it: generator, margin 1.1
+    assert config.calibration == CalibrationSpec(stated=True)
     record = calibrate(None, SHAPE, [11, 12], "cpu")
     amax = max(float(problem.generate_input(2, 1, s, device="cpu")[0].abs().amax()) for s in (11, 12))
     assert record["q_amax"] == round(amax * 1.1, 4)
@@ -85,39 +83,30 @@ def test_a_stated_distribution_calibrates_from_its_tail_and_a_stated_q_amax_as_i
     ({"q_amax": 3, "margin": 1.2}, "applies to generator and q_sample only"),
     ({"q_sample": "missing.pt"}, "cannot read the q sample"),
     ("q.pt", "must be a mapping"),
+    # a q sample that is not q: q.pt holds the object given (saved with torch.save) or the bytes
+    ({"q_sample": torch.randn(3, 512)}, "must hold q with last dim 576"),
+    ({"q_sample": {"q": torch.randn(3, 576)}}, "must hold one floating tensor of q, got dict"),
+    ({"q_sample": torch.full((2, 576), float("inf"))}, "holds no finite nonzero values"),
+    ({"q_sample": b"import os"}, "is not a tensor saved with torch.save"),  # a text file
 ])
 def test_bad_calibrations_fail_at_config_load_naming_the_field(tmp_path, calib, message):
+    held = calib.get("q_sample", "") if isinstance(calib, dict) else ""
+    if isinstance(held, bytes):
+        (tmp_path / "q.pt").write_bytes(held)
+    elif not isinstance(held, str):
+        torch.save(held, tmp_path / "q.pt")
     with pytest.raises(ConfigError, match=re.escape(message)):
-        config_from_dict(_raw(calibration=calib), tmp_path / "c.yaml")
-
-
-@pytest.mark.parametrize(("content", "message"), [
-    (torch.randn(3, 512), "must hold q with last dim 576"),
-    ({"q": torch.randn(3, 576)}, "must hold one floating tensor of q, got dict"),
-    (torch.full((2, 576), float("inf")), "holds no finite nonzero values"),
-    ("import os", "is not a tensor saved with torch.save"),  # a text file
-])
-def test_a_q_sample_that_is_not_q_fails_at_config_load(tmp_path, content, message):
-    if isinstance(content, str):
-        (tmp_path / "q.pt").write_text(content)
-    else:
-        torch.save(content, tmp_path / "q.pt")
-    with pytest.raises(ConfigError, match=re.escape(message)):
-        config_from_dict(_raw(calibration={"q_sample": "q.pt"}), tmp_path / "c.yaml")
+        config_from_dict(_raw(calibration=calib if isinstance(held, str) else {"q_sample": "q.pt"}),
+                         tmp_path / "c.yaml")
 
 
 def test_a_serving_config_refuses_generator_calibration_of_fp8_static():
-    for calib in (None, {"generator": "leaderboard"}):
-        raw = _raw(purpose="serving", backends=copy.deepcopy(FP8_STATIC))
-        if calib is not None:
-            raw["calibration"] = calib
+    sub_grid = {"torch": {}, "triton": {"grids": [{"kv": ["fp8"], "q": ["fp8_static"]}]}}  # in a sub-grid too
+    for backends, calib in ((FP8_STATIC, {}), (FP8_STATIC, {"calibration": {"generator": "leaderboard"}}),
+                            (sub_grid, {})):
         with pytest.raises(ConfigError, match=r"'calibration': a serving config offers q=fp8_static \(triton\) "
                                               r"but calibrates on the leaderboard's generator only"):
-            config_from_dict(raw)
-    # in a sub-grid too
-    grid = {"torch": {}, "triton": {"grids": [{"kv": ["fp8"], "q": ["fp8_static"]}]}}
-    with pytest.raises(ConfigError, match="a serving config offers q=fp8_static"):
-        config_from_dict(_raw(purpose="serving", backends=grid))
+            config_from_dict(_raw(purpose="serving", backends=copy.deepcopy(backends), **calib))
     with pytest.raises(ConfigError, match="'purpose': must be one of leaderboard, serving"):
         config_from_dict(_raw(purpose="prod"))
     # with a real source it loads; without fp8_static it needs none
@@ -139,15 +128,12 @@ def test_the_worker_runs_fp8_static_with_the_configs_calibration_or_fails_the_ca
     assert record["status"] == "ok", record["reason"]
     assert record["variant"].endswith("q=fp8_static,q_amax=40.0)")
     assert record["calibration"]["kind"] == "q_amax"
-    # a serving spec without a source (flashmla and aiter offer fp8_static unasked) fails the
-    # candidate, not the sweep
-    spec = config_from_dict(_raw(purpose="serving")).calibration
-    with pytest.raises(CalibrationError,
-                       match="a serving config calibrates fp8_static from real q only"):
-        calibrate(spec.as_dict(), SHAPE, [11], "cpu")
-    with pytest.raises(CalibrationError, match="from real q only"):
-        calibrate(CalibrationSpec(purpose="serving"), SHAPE, [11], "cpu")
-    serving = calibration.CalibrationSpec(purpose="serving", source=None).as_dict()
+    # a serving spec without a source (flashmla and aiter offer fp8_static unasked), or with the
+    # generator, fails the candidate, not the sweep
+    serving = config_from_dict(_raw(purpose="serving")).calibration.as_dict()
+    for spec in (serving, CalibrationSpec(purpose="serving")):
+        with pytest.raises(CalibrationError, match="a serving config calibrates fp8_static from real q only"):
+            calibrate(spec, SHAPE, [11], "cpu")
     result, _state = worker.run_step(dataclasses.replace(step, calibration=serving), None, "cpu",
                                      has_gpu=False)
     record = result.fields()

@@ -3,8 +3,6 @@ field, a hook), never its name: made-up backends follow the fact, today's keep t
 
 import ast
 import re
-import types
-import warnings
 from importlib import metadata
 
 import pytest
@@ -97,8 +95,8 @@ def test_every_builtin_backend_declares_a_record_its_candidates_and_validate_agr
 
 
 def test_the_registry_reads_builtin_and_plugin_records_alike_and_a_plugin_without_one_is_conservative(
-        plugins):
-    assert capabilities("torch").baseline
+        plugins, monkeypatch):
+    """And a second baseline, or a built-in backend without a record, is a loud error."""
     assert [n for n in BACKEND_MODULES if capabilities(n).baseline] == ["torch"]
     assert ragged_backends() == frozenset({"triton"})
     assert ragged_backends(["torch", "triton_fused"]) == frozenset()
@@ -129,9 +127,6 @@ def test_the_registry_reads_builtin_and_plugin_records_alike_and_a_plugin_withou
     assert platform_refusal("ragged_one", PLATFORMS["MI355X"]) is None
     assert platform_refusal("ragged_one", PLATFORMS["H200"]) == \
         "it runs on hip/gfx950, not on H200 (cuda/sm_90)"
-
-
-def test_a_second_baseline_or_a_builtin_without_a_record_is_a_loud_error(plugins, monkeypatch):
     plugins({"other_base": ('kv_formats=("bf16",), baseline=True', "")})
     with pytest.raises(TypeError, match="exactly one backend must declare CAPABILITIES.baseline, "
                                         "found torch, other_base"):
@@ -142,7 +137,8 @@ def test_a_second_baseline_or_a_builtin_without_a_record_is_a_loud_error(plugins
 
 
 # ------------------------------------------------------------------ refusals
-def test_refusal_says_in_one_sentence_why_a_call_is_not_served():
+def test_refusal_says_in_one_sentence_why_a_call_is_not_served_and_the_own_kernels_serve_their_matrix():
+    """The vendors' records: tests/test_vendor_serving.py."""
     caps = Capabilities(kv_formats=("bf16", "fp8", "mxfp4"), serving_kv_formats=("bf16", "fp8"), serving=True,
                         contiguous=False, page_sizes=(64,), heads=(16, 128), max_q_len=2, graph_safe=False,
                         host_lengths=True)
@@ -162,16 +158,8 @@ def test_refusal_says_in_one_sentence_why_a_call_is_not_served():
     }
     for spec, message in cases.items():
         assert caps.refusal(spec) == message, spec
-
-
-def test_the_builtin_records_refuse_what_their_libraries_cannot_serve():
-    contiguous = CallSpec("bf16", 0, heads=16)
-    assert capabilities("torch").refusal(contiguous) == "it serves the leaderboard's call only (no build_serving)"
     # the Gluon serving kernel reads a 64-token tile from one page: pages of 64 or 128, or contiguous
     assert capabilities("gluon_fused").refusal(CallSpec("fp8", 64, heads=128, max_q_len=4)) is None
-    assert "not the contiguous layout" in capabilities("flashmla").refusal(contiguous)  # 64-token pages only
-    assert capabilities("triton_fused").refusal(CallSpec("mxfp4", 16)) == "it reads bf16, fp8 KV, not mxfp4"
-    assert "host_lengths" in capabilities("flashinfer").refusal(CallSpec("bf16", 16))
     # the own kernels serve the whole matrix the issue asks for, in a graph
     for name in ("triton", "triton_fused"):
         for page_size in (0, 1, 16, 64):
@@ -237,7 +225,6 @@ def test_the_versions_and_their_drift_notes_come_from_the_vendors_and_hooks_the_
     # aiter keeps its binary note and the other versions get none
     aiter = capabilities("aiter").vendor
     assert drift_note(aiter, "0.1.11", "0.1.20") == aiter_mla.aiter_drift_note("0.1.11", "0.1.20") != ""
-    assert drift_note(aiter, "0.1.13", "0.1.14") == ""  # one binary era
     for name in ("torch", "triton", capabilities("flashinfer").vendor,
                  capabilities("flashmla").vendor):
         assert drift_note(name, "1.0", "2.0") == ""
@@ -259,11 +246,6 @@ def test_the_versions_and_their_drift_notes_come_from_the_vendors_and_hooks_the_
     assert fields[:4] == ("torch", "triton", "cuda", "hip")
     assert {"acme-mla", "acme-mla-commit"} <= set(fields)
     assert set(vendor_distributions()) <= set(fields)
-    table = types.SimpleNamespace(path="t.yaml", gpu="H200", provenance={"versions": {"acme-mla": "1.0"}})
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        runtime._warn_versions(table, gpu.Platform("H200", "x", "sm_90", False, 1, versions=versions))
-    assert [str(w.message) for w in caught if "acme-mla is 1.0 but this process has 2.0" in str(w.message)]
 
 
 def test_the_runtime_the_sweep_and_its_dry_run_name_a_backend_whose_record_excludes_the_platform(
@@ -335,7 +317,9 @@ def batch_split_budget(waves, sm_count, head_tiles):
 '''
 
 
-def test_the_vendor_rows_of_a_mix_are_the_serving_backends_that_wrap_a_vendor_for_this_gpu(plugins):
+def test_the_vendor_rows_of_a_mix_and_the_budget_variants_follow_the_records_and_hooks(plugins):
+    """The vendor rows: the serving backends that wrap a vendor for this GPU; budget variants:
+    a backend's batch_split_budget hook."""
     h200, mi355x = PLATFORMS["H200"], PLATFORMS["MI355X"]
     assert vendor_backends(h200) == ["flashinfer", "flashmla"] and vendor_backends(mi355x) == ["aiter"]
     sm90 = 'platforms=(("cuda", "sm_90"),)'
@@ -345,13 +329,10 @@ def test_the_vendor_rows_of_a_mix_are_the_serving_backends_that_wrap_a_vendor_fo
                        SERVING_PAIR),
         "no_serving": (f'kv_formats=("bf16",), vendor="lb-lib", {sm90}', ""),
         "own_kernel": (f'kv_formats=("bf16",), serving=True, {sm90}', SERVING_PAIR),
+        "budgeted": ('kv_formats=("bf16",)', BUDGET_HOOK), "unbudgeted": ('kv_formats=("bf16",)', ""),
     })
     assert vendor_backends(h200) == ["flashinfer", "flashmla", "new_vendor"]
     assert vendor_backends(mi355x) == ["aiter", "amd_vendor"]
-
-
-def test_budget_variants_come_from_a_backends_batch_split_budget_hook(plugins):
-    plugins({"budgeted": ('kv_formats=("bf16",)', BUDGET_HOOK), "unbudgeted": ('kv_formats=("bf16",)', "")})
     split = dict(kv="bf16", q="bf16", block_h=16, max_splits=8, tokens_per_split=512)
     made = with_budget(Variant.make("budgeted", **split), 2, 128, sm_count=100, heads=64)
     assert made == Variant.make("budgeted", **{**split, "tokens_per_split": 128, "split_budget": 200 * 1000 + 4})
@@ -365,9 +346,31 @@ def test_budget_variants_come_from_a_backends_batch_split_budget_hook(plugins):
 
 
 # ------------------------------------------------------------------ one place for each fact
-def test_no_module_but_the_backends_names_a_vendor_a_ragged_set_or_the_baseline():
+# Modules outside backends/ that may name built-in backends (torch and triton count, as the
+# libraries too) in a comparison or a literal of names: how many places (at most), and why.
+NAMED_OUTSIDE_BACKENDS = {
+    "mla_tune/gpu.py": (1, "the torch and triton libraries' versions"),
+    "mla_tune/export/modules.py": (1, "torch and triton, the third-party imports an export may keep"),
+    "mla_tune/runtime/__init__.py": (1, "torch and triton, library versions the runtime compares"),
+    "mla_tune/tables/dispatch.py": (4, "the leaderboard's fallback policy: which backend stands in, by rule"),
+    "mla_tune/export/__init__.py": (3, "the export's fallback: triton's default_variant"),
+    "mla_tune/tune/schedule.py": (1, "DEFAULT_COSTS: cost priors; a backend without a line takes '*'"),
+}
+
+
+def _backend_names(node, names: set[str]) -> list[str]:
+    if isinstance(node, ast.Constant) and node.value in names:
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [e.value for e in node.elts if isinstance(e, ast.Constant) and e.value in names]
+    return []
+
+
+def test_no_module_but_the_backends_names_a_vendor_a_ragged_set_the_baseline_or_a_backend():
+    """And a comparison with a built-in backend's name, or a literal of two or more of them (an
+    order, a table keyed by name), is a place a new backend must join: none but those listed."""
     vendors, baseline, backends = set(vendor_distributions()), baseline_backend(), set(known_backends())
-    found = []
+    builtin, found, named = set(BACKEND_MODULES), [], {}
     for path in sorted((ROOT / "mla_tune").rglob("*.py")):
         name = path.relative_to(ROOT / "mla_tune").as_posix()
         if name.startswith("backends/") and name != "backends/__init__.py":
@@ -392,4 +395,18 @@ def test_no_module_but_the_backends_names_a_vendor_a_ragged_set_or_the_baseline(
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
                     and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value == baseline):
                 found.append(f"{where} looks the baseline up by name")
+            if isinstance(node, ast.Compare):
+                hit = any(_backend_names(side, builtin) for side in (node.left, *node.comparators))
+            elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                hit = len(_backend_names(node, builtin)) >= 2
+            elif isinstance(node, ast.Dict):
+                hit = sum(bool(_backend_names(k, builtin)) for k in node.keys if k is not None) >= 2
+            else:
+                hit = False
+            if hit and name != "backends/__init__.py":
+                named.setdefault(f"mla_tune/{name}", []).append(node.lineno)
     assert found == []
+    over = {f: lines for f, lines in named.items()
+            if len(lines) > NAMED_OUTSIDE_BACKENDS.get(f, (0, ""))[0]}
+    assert not over, ("backend names outside mla_tune/backends (a capability or an optional "
+                      f"backend member instead): {over}")

@@ -95,18 +95,12 @@ def _candidates(config_path: Path, platform, backends) -> list[tuple[Variant, Sh
                               for v in get_backend(name).candidates(shape, grid, platform)))
 
 
-@pytest.fixture
-def stub_flash_mla(monkeypatch):
-    """A flash_mla stub, so the runner reaches its Triton q quantizer (kernels/q_quant.py)."""
-    stub = types.ModuleType("flash_mla")
+def test_every_candidate_compiles_at_its_stand_in_exactly_the_kernels_of_its_shape_h200_and_rocm(monkeypatch):
+    stub = types.ModuleType("flash_mla")  # a stub: the runner reaches its Triton q quantizer (q_quant.py)
     stub.get_mla_metadata = lambda *a, **k: (types.SimpleNamespace(), None)
     stub.get_mla_decoding_metadata = lambda *a, **k: (None, None)
     stub.flash_mla_with_kvcache = lambda q, *a, **k: (torch.empty((*q.shape[:3], 512), device=q.device), None)
     monkeypatch.setitem(sys.modules, "flash_mla", stub)
-
-
-def test_every_leaderboard_candidate_compiles_at_its_stand_in_exactly_the_kernels_of_its_shape(
-        monkeypatch, stub_flash_mla):
     h200 = gpu.fake_platform("H200")
     pairs = _candidates(LEADERBOARD, h200, ("triton", "triton_fused", "flashmla"))
     assert len(pairs) > 500
@@ -118,10 +112,23 @@ def test_every_leaderboard_candidate_compiles_at_its_stand_in_exactly_the_kernel
         # FlashMLA's bf16 path is all vendor code; every other candidate launches Triton
         assert real or str(variant) == "flashmla(kv=bf16,q=bf16)", f"{variant} launched no Triton kernel"
         assert keys.of(variant, standin) == real, f"{variant} at {shape} vs its stand-in {standin}"
+    # on ROCm a cache over 2 GiB is kept in a large storage, so that its pointer specializes alike
+    keys = LaunchKeys(monkeypatch, _HipSpecialization)
+    mi355x = gpu.fake_platform("MI355X")
+    pairs = _candidates(ROOT / "configs" / "mi355x.yaml", mi355x, ("triton",))
+    sample = [(v, s) for v, s in pairs if s == Shape(256, 8192)][::7] + [(v, s) for v, s in pairs][:: 97]
+    assert any(v.get("kv") == "bf16" and s == Shape(256, 8192) for v, s in sample)
+    for variant, shape in sample:
+        (job,) = plan_jobs([(variant, shape)], mi355x.sm_count, hip=True)
+        assert job.big_kv == (("bf16",) if shape == Shape(256, 8192) else ())
+        assert keys.of(variant, job.shape, job.big_kv) == keys.of(variant, shape), (variant, shape)
+    bf16 = next(v for v, s in sample if v.get("kv") == "bf16" and s == Shape(256, 8192))
+    assert keys.of(bf16, Shape(1, 1)) != keys.of(bf16, Shape(256, 8192))  # the check can fail
 
 
-def test_a_shape_class_stand_in_cannot_run_the_splits_compile_shape_for_keeps():
-    """The shape-class stand-in of 4 x 8192 (2 x 64) cannot run 8 splits of 64 tokens."""
+def test_a_shape_class_stand_in_cannot_run_the_splits_compile_shape_for_keeps_one_job_per_stand_in():
+    """The shape-class stand-in of 4 x 8192 (2 x 64) cannot run 8 splits of 64 tokens; a job is
+    one per variant and stand-in, and remembers the real shapes."""
     variant = Variant.parse("triton_fused(block_n=64,kv=fp8,num_splits=8,num_stages=3,num_warps=4,"
                             "pv_dot=fp16,q=fp8_dynamic,qk_dot=fp8,reduce=last,tok_m=true)")
     with pytest.raises(ValueError, match="more splits than tiles"):
@@ -131,6 +138,9 @@ def test_a_shape_class_stand_in_cannot_run_the_splits_compile_shape_for_keeps():
     assert compile_shape_for(Shape(256, 8192)) == Shape(16, 64)
     assert compile_shape_for(Shape(4, 1024)) == Shape(2, 64)
     assert compile_shape_for(Shape(1, 1000)) == Shape(1, 17)
+    v = Variant.parse("triton(block_n=32,dot_dtype=fp16,kv=fp8,num_splits=4,num_stages=1,num_warps=4,q=bf16)")
+    jobs = plan_jobs([(v, Shape(4, 1024)), (v, Shape(256, 8192)), (str(v), Shape(32, 1024))], 132, hip=False)
+    assert jobs == [CompileJob(str(v), Shape(1, 1), (Shape(4, 1024), Shape(256, 8192), Shape(32, 1024)))]
 
 
 @pytest.mark.parametrize("waves", [1, 2])
@@ -149,20 +159,6 @@ def test_persistent_grid_stand_ins_keep_the_reduction_chunk_of_every_shape(monke
             assert compile_shape_for(Shape(4, 1024), variant, None) == Shape(4, 1024)  # SMs unknown
 
 
-def test_on_rocm_a_cache_over_2gib_is_kept_in_a_large_storage_so_its_pointer_specializes_alike(monkeypatch):
-    keys = LaunchKeys(monkeypatch, _HipSpecialization)
-    mi355x = gpu.fake_platform("MI355X")
-    pairs = _candidates(ROOT / "configs" / "mi355x.yaml", mi355x, ("triton",))
-    sample = [(v, s) for v, s in pairs if s == Shape(256, 8192)][::7] + [(v, s) for v, s in pairs][:: 97]
-    assert any(v.get("kv") == "bf16" and s == Shape(256, 8192) for v, s in sample)
-    for variant, shape in sample:
-        (job,) = plan_jobs([(variant, shape)], mi355x.sm_count, hip=True)
-        assert job.big_kv == (("bf16",) if shape == Shape(256, 8192) else ())
-        assert keys.of(variant, job.shape, job.big_kv) == keys.of(variant, shape), (variant, shape)
-    bf16 = next(v for v, s in sample if v.get("kv") == "bf16" and s == Shape(256, 8192))
-    assert keys.of(bf16, Shape(1, 1)) != keys.of(bf16, Shape(256, 8192))  # the check can fail
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter's sample")
 def test_stand_ins_run_through_the_kernels_under_the_interpreter_at_the_most_splits():
     """Split-K with 32 splits of a 1-token stand-in; the one-launch kernel, tiles == splits."""
@@ -175,12 +171,6 @@ def test_stand_ins_run_through_the_kernels_under_the_interpreter_at_the_most_spl
         (job,) = plan_jobs([(text, shape)], 132, hip=False)
         assert job.shape.total_kv <= 128
         compile_pool.run_job(job, torch.device("cpu"), {})  # raises if the stand-in cannot run
-
-
-def test_jobs_are_one_per_variant_and_stand_in_and_remember_their_shapes():
-    v = Variant.parse("triton(block_n=32,dot_dtype=fp16,kv=fp8,num_splits=4,num_stages=1,num_warps=4,q=bf16)")
-    jobs = plan_jobs([(v, Shape(4, 1024)), (v, Shape(256, 8192)), (str(v), Shape(32, 1024))], 132, hip=False)
-    assert jobs == [CompileJob(str(v), Shape(1, 1), (Shape(4, 1024), Shape(256, 8192), Shape(32, 1024)))]
 
 
 # ------------------------------------------------------------------ isolation
@@ -199,7 +189,7 @@ def _job(act: str, tag: str = "x", sleep_s: float = 0.0) -> CompileJob:
     return CompileJob(str(variant), Shape(2, 17))
 
 
-def test_a_hang_and_two_crashes_cost_only_themselves_and_every_other_job_is_kept(fake_env, tmp_path):
+def test_a_hang_or_crash_costs_only_itself_and_a_deadline_stops_the_pool_keeping_the_rest(fake_env, tmp_path):
     # the bad ones first, one per process, so their replacements start together
     jobs = [_job("hang", "h"), _job("exit", "e"), _job("segv", "s"), _job("raise", "r")]
     jobs += [_job("ok", f"ok{i}") for i in range(5)]
@@ -223,9 +213,12 @@ def test_a_hang_and_two_crashes_cost_only_themselves_and_every_other_job_is_kept
     assert report.elapsed_s <= wall + 0.001 and wall < 60  # elapsed_s is rounded to ms
     assert set(report.errors()) == {str(status[k].job) for k in "hesr"}
     assert "Segmentation fault" in (tmp_path / "compile.log").read_text()  # faulthandler's trace
-
-
-def test_start_returns_at_once_and_a_deadline_stops_the_pool_keeping_finished_jobs(fake_env):
+    # precompile, the blocking form over (variant, real shape) pairs: what failed, by "variant at shape"
+    bad = "fake_raise(kv=bf16,q=bf16)"
+    pairs = [(_job("ok").variant, Shape(2, 17)), (bad, Shape(2, 17))]
+    errors = compile_pool.precompile(pairs, device_index=0, has_gpu=False, processes=2, timeout_s=120)
+    assert list(errors) == [f"{bad} at 2x17"] and "does not compile" in errors[f"{bad} at 2x17"]
+    # start returns at once, and a deadline stops the pool keeping the finished jobs
     jobs = [_job("ok", "quick")] + [_job("ok", f"slow{i}", sleep_s=30.0) for i in range(3)]
     t0 = time.monotonic()
     handle = compile_pool.start(jobs, has_gpu=False, processes=1, job_timeout_s=120)
@@ -267,11 +260,9 @@ def _children(pid: int) -> set[int]:
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"  # neither gone nor a zombie
+    except (FileNotFoundError, ProcessLookupError):
         return False
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and stat.read_text().split()[2] == "Z")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")

@@ -38,12 +38,9 @@ def test_leaderboard_config_loads_with_its_eight_shapes_and_rule():
     assert config.rule.name == "leaderboard" and config.rule.rtol == 0.1
     assert len(config.shapes) == 8 and Shape(256, 8192) in config.shapes
     assert config.check_seeds == [1001, 2002]
-    assert not set(config.check_seeds) & set(config.calibration_seeds)
     assert config.timing.reps >= config.timing.prune_reps >= 1 and config.timing.prune_factor >= 1
     assert config.budget_s is not None and config.budget_s > 0
     assert {"torch", "triton"} <= set(config.backends)
-    assert config.precompile["triton"] is True and config.precompile["torch"] is False
-    assert config.raw["name"] == "leaderboard"
     assert len(config.hash) == 64
 
 
@@ -56,21 +53,13 @@ def test_hash_ignores_key_order_and_comments_but_not_values(tmp_path):
     assert load_config(a).hash != load_config(c).hash
 
 
-def test_precompile_is_taken_out_of_the_space_and_defaults_to_the_backends_word(tmp_path):
+def test_precompile_is_taken_out_of_the_space_and_the_configs_word_wins(tmp_path):
     raw = with_change(backends={"torch": {"precompile": True},
                                 "triton": {"precompile": False, "block_n": [32]}})
     config = load_config(write(tmp_path, raw))
     assert config.precompile == {"torch": True, "triton": False}
     assert config.backends["triton"] == {"block_n": [32]}
     assert config.backends["torch"] == {}
-    # a search section is left to the search
-    config = load_config(write(tmp_path, with_change(search={"rungs": [1, 3]})))
-    assert config.raw["search"] == {"rungs": [1, 3]}
-    assert config.precompile == {"torch": False, "triton": True}  # their CAPABILITIES.precompile
-
-
-def _backends(**spaces):
-    return {"backends": {"torch": {}, **spaces}}
 
 
 TIMING = {"reps": 3, "prune_reps": 1, "prune_factor": 2}
@@ -88,8 +77,7 @@ NAN, INF = float("nan"), float("inf")
         ({"check_seeds": [1, 2**64]}, "check_seeds", "seeds must lie in -9223372036854775808 to"),
         ({"calibration_seeds": [2, 3]}, "calibration_seeds", "also check_seeds"),
         ({"timing": {"prune_reps": 1, "prune_factor": 2}}, "timing.reps", "missing"),
-        ({"timing": {"reps": 3, "prune_reps": 1, "prune_factor": 0.5}}, "timing.prune_factor", ">= 1"),
-        ({"timing": {"reps": 3, "prune_reps": 1, "prune_factor": 2, "rep": 1}}, "timing.rep", "unknown"),
+        ({"timing": {**TIMING, "rep": 1}}, "timing.rep", "unknown"),
         ({"shapes": []}, "shapes", "non-empty"),
         ({"shapes": [{"batch": 2, "kv_len": 9}, {"batch": 2, "kv_len": 9}]}, "shapes[1]", "duplicate"),
         ({"shapes": [{"batch": 2, "kv_len": 0}]}, "shapes[0]", "positive"),
@@ -99,19 +87,19 @@ NAN, INF = float("nan"), float("inf")
         ({"backends": {"torch": [1]}}, "backends.torch", "mapping"),
         ({"shape": []}, "shape", "unknown field"),
         # an unknown search space key: its place and the allowed keys
-        (_backends(triton={"num_splitz": [1, 2]}), "backends.triton.num_splitz",
+        ({"backends": {"triton": {"num_splitz": [1, 2]}}}, "backends.triton.num_splitz",
          ("unknown key", "num_splits")),
-        (_backends(triton={"grids": [{"kv": ["fp8"], "blok_n": [32]}]}),
+        ({"backends": {"triton": {"grids": [{"kv": ["fp8"], "blok_n": [32]}]}}},
          "backends.triton.grids[0].blok_n", ("unknown key", "block_n")),
-        (_backends(torch={"kv": ["bf16"]}), "backends.torch.kv",
+        ({"backends": {"torch": {"kv": ["bf16"]}}}, "backends.torch.kv",
          ("unknown key", "allowed: precompile, grids")),
-        (_backends(flashinfer={"kernel": ["fa3"]}), "backends.flashinfer.kernel",
+        ({"backends": {"flashinfer": {"kernel": ["fa3"]}}}, "backends.flashinfer.kernel",
          ("unknown key", "backend, kv")),
-        (_backends(flashmla={"q_amax": [1.0]}), "backends.flashmla.q_amax",
+        ({"backends": {"flashmla": {"q_amax": [1.0]}}}, "backends.flashmla.q_amax",
          ("unknown key", "kv, q")),
-        (_backends(triton_fused={"reduce_mode": ["spin"]}), "backends.triton_fused.reduce_mode",
+        ({"backends": {"triton_fused": {"reduce_mode": ["spin"]}}}, "backends.triton_fused.reduce_mode",
          ("unknown key", "reduce")),
-        (_backends(aiter={"num_splits": [2]}), "backends.aiter.num_splits",
+        ({"backends": {"aiter": {"num_splits": [2]}}}, "backends.aiter.num_splits",
          ("unknown key", "num_kv_splits")),
         # a KV format or q mode outside the backend's CAPABILITIES, checked before its own word
         ({"backends": {"triton": {"kv": ["fp9"]}}}, "backends.triton.kv",
@@ -119,23 +107,16 @@ NAN, INF = float("nan"), float("inf")
          "(its CAPABILITIES): bf16, fp8"),
         # nested: the backend's own check, on a ROCm probe
         ({"backends": {"triton": {"hip": {"kpak": [1]}}}}, "backends.triton", "kpak"),
-        ({"backends": {"flashinfer": {"kv": ["fp4"]}}}, "backends.flashinfer.kv",
-         "'backends.flashinfer.kv': backend flashinfer does not offer kv=fp4"),
         ({"backends": {"triton_fused": {"grids": [{"kv": ["bf16"]}, {"q": ["fp8_static"]}]}}},
          "backends.triton_fused.grids[1].q", "'backends.triton_fused.grids[1].q': backend "
          "triton_fused does not offer q=fp8_static; its q modes (its CAPABILITIES): bf16, "
          "fp8_dynamic"),
-        ({"backends": {"flashinfer": {"backend": ["fa4"]}}}, "backends.flashinfer",
-         "backend must be a list of fa3, fa2"),  # its own check
-        # a value no variant may carry: the parameter rules (backends/params.py), naming the field
-        ({"backends": {"aiter": {"mode": ["eager"]}}}, "backends.aiter.mode",
-         "'backends.aiter.mode': aiter: mode=eager is not allowed"),
         # seconds: positive finite numbers; prune_factor at least one; reps positive integers
         *(({field: v}, field, f"'{field}': must be a positive, finite number")
           for field in ("budget_s", "candidate_timeout_s")
           for v in (NAN, INF, -INF, -1, 0, "60", True, [60])),
-        *(({"timing": {**TIMING, "prune_factor": v}}, "timing.prune_factor", ())
-          for v in (NAN, INF, 0, -2, "2", False)),
+        *(({"timing": {**TIMING, "prune_factor": v}}, "timing.prune_factor", "must be a finite number >= 1")
+          for v in (NAN, INF, 0, 0.5, -2, "2", False)),
         *(({"timing": {**TIMING, "reps": v}}, "timing.reps", "'timing.reps': must be an integer >= 1")
           for v in (NAN, INF, 2.5, "3", True, 0)),
     ],
@@ -149,18 +130,3 @@ def test_each_config_error_is_one_line_naming_the_file_and_the_field(
     assert str(path) in message and f"'{field}'" in message and "\n" not in message, message
     assert all(w in message for w in ((words,) if isinstance(words, str) else words)), message
 
-
-def test_unreadable_or_odd_files_give_one_line_naming_the_file(tmp_path):
-    """The config's own cases of the YAML reader (fileio.read_yaml): the rest, binary and
-    unparsable files and alias bombs, are test_table.py's."""
-    (tmp_path / "adir").mkdir()
-    for path, words in ((tmp_path / "adir", "is a directory"),
-                        (tmp_path / "missing.yaml", "does not exist; pass the path of a config"),
-                        (write(tmp_path, "- 1\n- 2\n", "list.yaml"), "must be a YAML mapping"),
-                        (write(tmp_path, "name: x\n" + "#" * (1 << 20), "huge.yaml"), "over 1048576 bytes"),
-                        (write(tmp_path, "a: &a [*a]\n", "rec.yaml"), "alias")):
-        with pytest.raises(ConfigError) as info:
-            load_config(path)
-        message = str(info.value)
-        assert str(path) in message and words in message and "\n" not in message, message
-    assert issubclass(ConfigError, ValueError)  # the CLI catches it as one

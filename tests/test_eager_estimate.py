@@ -24,6 +24,7 @@ FM = Variant.parse("flashmla(kv=bf16,q=bf16)")
 TR = Variant.parse("triton(block_h=16,block_n=32,dot_dtype=bf16,kv=bf16,max_splits=64,num_stages=2,"
                    "num_warps=4,q=bf16,tokens_per_split=128)")
 KEY = FamilyKey("bf16", 64, 16, 4)
+SPEC = CallSpec("bf16", page_size=64, heads=16, max_q_len=4)
 POINTS = {(8, 16384): {FI: 60.0, FM: 80.0}, (8, 32768): {FI: 100.0, FM: 130.0},
           (16, 16384): {FI: 96.0, FM: 127.0}, (16, 32768): {FI: 166.0, FM: 202.0}}
 
@@ -33,11 +34,9 @@ def test_interpolate_is_log_log_and_takes_a_variant_a_point_lacks_from_the_other
     nearest; a variant a point lacks is taken from the others' ratio there, or left out."""
     points = dict(POINTS)
     assert interpolate(points, 8, 16384) == {FI: pytest.approx(60.0), FM: pytest.approx(80.0)}
-    mid = interpolate(points, 8, 16384 * 2 ** 0.5)
-    assert mid[FI] == pytest.approx((60.0 * 100.0) ** 0.5)
-    both = interpolate(points, 11, 32768)  # 11 is 0.46 of the way from 8 to 16 in log
-    w = 0.45943161863729726
-    assert both[FM] == pytest.approx(130.0 ** (1 - w) * 202.0 ** w)
+    assert interpolate(points, 8, 16384 * 2 ** 0.5)[FI] == pytest.approx((60.0 * 100.0) ** 0.5)
+    w = 0.45943161863729726  # 11 is 0.46 of the way from 8 to 16 in log
+    assert interpolate(points, 11, 32768)[FM] == pytest.approx(130.0 ** (1 - w) * 202.0 ** w)
     past = interpolate(points, 16, 65536)  # slope log(166/96)/log 2 = 0.79: 166 x 2^0.79
     assert past[FI] == pytest.approx(166.0 * 2 ** 0.7901, rel=1e-3)
     assert interpolate(points, 64, 16384) == interpolate(points, 16, 16384)  # beyond: the nearest
@@ -95,57 +94,53 @@ def _table(model: VendorModel | None = None) -> ServingTable:
 
 
 def test_the_eager_pick_is_the_fastest_estimate_and_flashinfers_comes_from_its_schedule():
-    spec = CallSpec("bf16", page_size=64, heads=16, max_q_len=4)
-    plain = _table()
     # 15 x 44654: interpolated FlashInfer (166 x 1.36^0.79 ~ 212) beats FlashMLA (~260)
-    assert plain.lookup(spec, 15, 44654.0, kv_lens=[44654] * 15) == FI
+    assert _table().lookup(SPEC, 15, 44654.0, kv_lens=[44654] * 15) == FI
     # a model whose time is its makespan / 20: 9070 / 20 = 453 us at 15 x 44654 (135 chunks
     # overflow the clusters), 4224 / 20 = 211 at 16 x 32768
-    coef = (0.0, 0.05, 0.0, 0.0, 0.0, 0.0)
-    table = _table(VendorModel(FI, coef, 132, 0.0))
-    est = table.estimates(spec, 15, 44654.0, kv_lens=[44654] * 15)
+    table = _table(VendorModel(FI, (0.0, 0.05, 0.0, 0.0, 0.0, 0.0), 132, 0.0))
+    est = table.estimates(SPEC, 15, 44654.0, kv_lens=[44654] * 15)
     assert est[FI] == pytest.approx(9070 * 0.05) and est[FI] > est[FM]
-    assert table.lookup(spec, 15, 44654.0, kv_lens=[44654] * 15) == FM
+    assert table.lookup(SPEC, 15, 44654.0, kv_lens=[44654] * 15) == FM
     # without the lengths, `batch` sequences of the mean
-    assert table.lookup(spec, 15, 44654.0) == FM
+    assert table.lookup(SPEC, 15, 44654.0) == FM
     # near FlashMLA's the model runs; over 1.5x from it either way, the interpolated time stands
-    assert table.estimates(spec, 8, 16384.0)[FI] != pytest.approx(60.0)
+    assert table.estimates(SPEC, 8, 16384.0)[FI] != pytest.approx(60.0)
     table.families[KEY].points[(8, 16384)] = {FI: 60.0, FM: 200.0}
     table.estimator.clear()
-    assert table.estimates(spec, 8, 16384.0)[FI] == pytest.approx(60.0)
+    assert table.estimates(SPEC, 8, 16384.0)[FI] == pytest.approx(60.0)
     # a graph pick still ignores the lengths
-    assert table.lookup(spec, 15, graph=True) is None
+    assert table.lookup(SPEC, 15, graph=True) is None
     # where no variant was measured at every point around the call, the cell decides
     fam = table.families[KEY]
     fam.points[(16, 32768)] = {TR: 300.0}
     fam.cells[(16, 32768)] = Cell(16, 32768, FM, 202.0)
     table.estimator.clear()
-    assert table.estimates(spec, 15, 44654.0) == {} and table.lookup(spec, 15, 44654.0) == FM
+    assert table.estimates(SPEC, 15, 44654.0) == {} and table.lookup(SPEC, 15, 44654.0) == FM
 
 
 def test_the_build_fits_flashinfers_model_to_its_aligned_cells():
-    def _flashinfer_model(timed, key, points, sm_count):  # as serving/build.py fits a family's models
-        cells = {(b, kv): t for (k, b, kv), t in timed.items() if k == key and kv > 0}
-        return fit_models(key, points, cells, {"sm_count": sm_count, "smem_per_sm": 0}).get(FI)
+    def _flashinfer_model(cells, points, sm_count):  # as serving/build.py fits a family's models
+        return fit_models(KEY, points, cells, {"sm_count": sm_count, "smem_per_sm": 0}).get(FI)
 
     truth = (6.0, 0.03, 1.5, 0.02, 0.05, 0.01)
-    timed, points = {}, {}
+    cells, points = {}, {}
     for b in (1, 2, 4, 8, 12, 16):
         for kv in (512, 1024, 2048, 4096, 8192):
             t = predict(truth, flashinfer_mla_features([kv] * b, 16, 4, 132))
-            timed[(KEY, b, kv)] = {str(FI): t, str(FM): 2 * t}
+            cells[(b, kv)] = {str(FI): t, str(FM): 2 * t}
             points[(b, kv)] = {FI: t, FM: 2 * t}
-    timed[(KEY, 16, 0)] = {str(FI): 1e6}  # the graph stage's ragged mix: not a cell, not fitted
-    model = _flashinfer_model(timed, KEY, points, 132)
+    cells[(16, 0)] = {str(FI): 1e6}  # the graph stage's ragged mix: not a cell, not fitted
+    model = _flashinfer_model(cells, points, 132)
     assert model.variant == FI and model.sm_count == 132 and model.fit_error_p90 < 1e-4
     for lens in ([3000] * 7, [44654] * 15, [600, 9000, 30000]):  # off the grid: features the grid
         feats = flashinfer_mla_features(lens, 16, 4, 132)  # only spans approximately
         assert model.time_us(KEY, lens) == pytest.approx(predict(truth, feats), rel=0.02)
-    assert _flashinfer_model(timed, KEY, points, 0) is None  # no SM count in the results header
-    few = dict(list(timed.items())[:FIT_MIN_CELLS - 1])
-    assert _flashinfer_model(few, KEY, points, 132) is None
+    assert _flashinfer_model(cells, points, 0) is None  # no SM count in the results header
+    few = dict(list(cells.items())[:FIT_MIN_CELLS - 1])
+    assert _flashinfer_model(few, points, 132) is None
     no_fi = {p: {FM: t[FM]} for p, t in points.items()}
-    assert _flashinfer_model(timed, KEY, no_fi, 132) is None  # FlashInfer is no eager pick
+    assert _flashinfer_model(cells, no_fi, 132) is None  # FlashInfer is no eager pick
 
 
 def test_the_lookup_warns_once_where_the_installed_vendor_is_not_the_tables(monkeypatch):
@@ -153,17 +148,12 @@ def test_the_lookup_warns_once_where_the_installed_vendor_is_not_the_tables(monk
 
     real = metadata.version
     monkeypatch.setattr(metadata, "version", lambda d: "0.7.0" if d == "flashinfer-python" else real(d))
-    spec = CallSpec("bf16", page_size=64, heads=16, max_q_len=1)
     for version, warned in (("0.6.18.post1", 1), ("0.7.0", 0)):
-        fam = Family(FamilyKey.of(spec))
-        fam.points = {(b, k): {FI: 10.0 * b * k / 1024, TR: 12.0 * b * k / 1024}
-                      for b in (4, 8) for k in (1024, 2048)}
-        fam.models = {FI: VendorModel(FI, (1.0, 0.01, 0.0, 0.0, 0.0, 0.0), 132, 0.05)}
-        table = ServingTable("H200", {"versions": {"flashinfer-python": version}}, [4, 8], [1024, 2048],
-                             {fam.key: fam})
+        table = _table(VendorModel(FI, (1.0, 0.01, 0.0, 0.0, 0.0, 0.0), 132, 0.05))
+        table.provenance = {"versions": {"flashinfer-python": version}}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for batch in (5, 6, 7):
-                table.lookup(spec, batch, 1500.0)
+            for batch in (9, 10, 11):
+                table.lookup(SPEC, batch, 20000.0)
         said = [str(w.message) for w in caught if "flashinfer-python" in str(w.message)]
         assert len(said) == warned and all(version in m and "0.7.0" in m for m in said), said

@@ -7,6 +7,7 @@ scripts/bench_serving_host.py).
 
 import inspect
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -100,13 +101,6 @@ def test_the_interpreter_takes_the_jit_path_and_records_nothing():
                          dot_dtype="fp16", workspace=FlashDecodeServingWorkspace.allocate(8, 16, 4, "cpu", max_q_len=2),
                          record=record)
     assert record == [None, None]  # stage 1 and stage 2, neither replayable here
-    assert LaunchReplay.build(record, (first.q, first.kv, None)) is None
-
-
-def test_the_jit_launch_is_still_the_call_a_replay_makes():
-    """This Triton's JITFunction.run binds and launches as launch.py replays it (3.6 / 3.9)."""
-    source = "".join(inspect.getsource(JITFunction.run).split())
-    assert launch._ln_JIT_BIND in source and launch._ln_JIT_LAUNCH in source, triton.__version__
 
 
 # --------------------------------------------------------------------- the guard, on fakes
@@ -149,6 +143,11 @@ def _replay(values, tensors, grid=(2, 3)):
 
 
 def test_the_guard_rejects_a_changed_dtype_alignment_shape_stride_or_device_or_a_launch_hook():
+    """It compares each tensor's tensor_sig: what the compile specialized on."""
+    t = torch.zeros(64, dtype=torch.bfloat16)
+    assert tensor_sig(t) == (torch.bfloat16, torch.Size([64]), (1,), True, -1)
+    assert tensor_sig(t[1:9])[3] is False  # 2 bytes in: not 16-byte aligned
+    assert tensor_sig(None) is None
     q, kv, scale = _FakeTensor(4096), _FakeTensor(8192, torch.float8_e4m3fn, (10, 16, 576)), _FakeTensor(64, torch.float32, (1,), (1,))
     replay, _ = _replay([q, 5, kv, scale], (q, kv, scale))
     kv2 = _FakeTensor(1 << 21, torch.float8_e4m3fn, (10, 16, 576))
@@ -161,7 +160,6 @@ def test_the_guard_rejects_a_changed_dtype_alignment_shape_stride_or_device_or_a
         assert not replay.matches((bad_q, kv2, scale)), bad_q.__dict__
     assert not replay.matches((q, kv2, None))  # a scale where the recording had none, and back
     assert not replay.matches((q, _FakeTensor(1 << 21, torch.bfloat16, (10, 16, 576)), scale))
-    assert replay.matches((q, kv, scale))
 
     def hook(_metadata):
         return None
@@ -174,7 +172,7 @@ def test_the_guard_rejects_a_changed_dtype_alignment_shape_stride_or_device_or_a
     assert replay.matches((q, kv, scale))
 
 
-def test_a_replay_substitutes_by_identity_and_launches_as_the_jit_does():
+def test_a_replay_substitutes_by_identity_launches_as_the_jit_does_and_refuses_views_and_unrecordables():
     q, kv, ws = _FakeTensor(4096), _FakeTensor(1 << 16), _FakeTensor(1 << 24)
     replay, compiled = _replay([q, kv, ws, 7, q, "CONST"], (q, kv, None))
     q2, kv2 = _FakeTensor(1 << 26), _FakeTensor(1 << 27)
@@ -183,22 +181,11 @@ def test_a_replay_substitutes_by_identity_and_launches_as_the_jit_does():
     assert compiled.calls == [(2, 3, 1, 77, "FUNCTION", "PACKED", None, None, None,
                                1 << 26, 1 << 27, 1 << 24, 7, 1 << 26, "CONST")]
     assert not replay.try_launch((_FakeTensor(4096 + 4), kv2, None)) and len(compiled.calls) == 1
-
-
-def test_a_replay_is_refused_for_a_view_of_a_substituted_tensor_or_an_unrecordable_launch():
-    q = _FakeTensor(4096)
     view = _FakeTensor(4096)  # another object over q's storage: it would not follow the layer
     assert _replay([q, view], (q,))[0] is None
     assert _replay([_FakeTensor(99)], (q,))[0] is None  # q reaches no launch
     assert LaunchReplay.build([None], (q,)) is None
     assert LaunchReplay.build([], (q,)) is None
-
-
-def test_tensor_sig_reads_what_the_compile_specialized_on():
-    t = torch.zeros(64, dtype=torch.bfloat16)
-    assert tensor_sig(t) == (torch.bfloat16, torch.Size([64]), (1,), True, -1)
-    assert tensor_sig(t[1:9])[3] is False  # 2 bytes in: not 16-byte aligned
-    assert tensor_sig(None) is None
 
 
 # --------------------------------------------------------------------- a step's recording, on fakes
@@ -214,13 +201,7 @@ class _FakeReplay:
         return True
 
 
-class _FakeWorkspace:
-    @classmethod
-    def allocate(cls, capacity, heads, max_splits, device, max_q_len=1):
-        return cls()
-
-
-def _fake_runner():
+def test_a_step_records_at_its_first_layer_replays_the_rest_and_keeps_it_for_the_same_tensors():
     launches = []
 
     def decode(q, qo_indptr, kv, kv_scale, out, *, record, **_):
@@ -236,11 +217,8 @@ def _fake_runner():
         return replays[-1]
 
     spec = CallSpec("bf16", page_size=16, heads=16, max_q_len=1)
-    return OwnServingRunner("fake", spec, "cpu", decode, _FakeWorkspace, 4, {}, replay_from), launches, replays
-
-
-def test_a_step_records_at_its_first_layer_replays_the_rest_and_keeps_it_for_the_same_tensors():
-    runner, launches, replays = _fake_runner()
+    workspace_type = SimpleNamespace(allocate=lambda *args, **kwargs: SimpleNamespace())
+    runner = OwnServingRunner("fake", spec, "cpu", decode, workspace_type, 4, {}, replay_from)
     qo, table, lens = torch.arange(3, dtype=torch.int32), torch.zeros((2, 4), dtype=torch.int32), torch.ones(2, dtype=torch.int32)
     kv = torch.zeros((4, 16, 576), dtype=torch.bfloat16)
     qs = [torch.randn((2, 16, 576)).to(torch.bfloat16) for _ in range(3)]
@@ -281,9 +259,8 @@ def test_a_graph_steps_vendor_work_lands_where_the_captured_layers_read_it(monke
     of a graph that holds the layers. FlashInfer must plan at update (a replay cannot run
     host code); FlashMLA's update enqueues nothing: its schedule is launched by the first
     layer, into fixed buffers, and again by the first layer captured, so the graph holds it."""
-    installed = vendor_fakes.install(monkeypatch, "flash_mla", "flashinfer")
+    fm = vendor_fakes.install(monkeypatch, "flash_mla", "flashinfer")["flash_mla"]
     import flashinfer.mla as fi
-    fm = installed["flash_mla"]
     spec = CallSpec("bf16", page_size=64, heads=16, max_q_len=1, graph=True, host_lengths=True)
     lens = [70, 129, 64]
     first, layers = _layers(spec, lens, [1, 1, 1], 2)
@@ -352,8 +329,10 @@ def _bind_me(A, b, C: triton.language.constexpr, D: triton.language.constexpr = 
 
 def test_a_record_holds_every_parameter_in_signature_order_with_defaults(monkeypatch):
     """What JITFunction.run's binder passes to the launcher: constexprs and defaults
-    included, compile options (num_warps) left out."""
-    from types import SimpleNamespace
+    included, compile options (num_warps) left out; and this Triton's JITFunction.run still
+    binds and launches as launch.py replays it (3.6 / 3.9)."""
+    source = "".join(inspect.getsource(JITFunction.run).split())
+    assert launch._ln_JIT_BIND in source and launch._ln_JIT_LAUNCH in source, triton.__version__
 
     monkeypatch.setattr(launch, "replay_unsupported", lambda: None)
     driver = SimpleNamespace(active=SimpleNamespace(get_current_stream=lambda device: 5, get_current_device=lambda: 0))

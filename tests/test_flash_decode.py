@@ -11,11 +11,11 @@ import torch
 
 from mla_tune import problem
 from mla_tune.backends import triton_splitk
-from mla_tune.core import SM_SCALE, Shape, Variant, fp8_dtype_for
+from mla_tune.core import Shape, Variant, fp8_dtype_for
 from mla_tune.gpu import fake_platform
-from mla_tune.kernels import flash_decode as fd
 from mla_tune.kernels.flash_decode import FlashDecodeWorkspace, flash_decode
-from tests.helpers import ragged_input, rel_l2
+from tests.helpers import assert_close as _assert_close  # the GPU tests' name for it
+from tests.helpers import ragged_input
 
 
 def _calibrated_q_amax(batch: int, device: str, seeds=(901, 902)) -> float:
@@ -36,14 +36,6 @@ def _expected(data, kv: str, q: str, q_amax: float | None = None) -> torch.Tenso
     scale = q_amax / fp8_max
     qf = (data[0].float() / scale).clamp(-fp8_max, fp8_max).to(dtype).float() * scale
     return problem.reference((qf, *data[1:]), "bf16", kv)
-
-
-def _assert_close(out, ref) -> None:
-    """Relative L2 under 1e-2 and the strict rule (which implies the leaderboard's)."""
-    err = rel_l2(out, ref)
-    assert err < 1e-2, f"relative L2 error {err:.4f}"
-    result = problem.check(out, ref, problem.RULES["strict"])
-    assert result.passed, f"strict: {result.reason}"
 
 
 def _options(device) -> dict:
@@ -89,37 +81,8 @@ def test_kernel_and_register_file_options_match_reference_in_their_formats(
         assert registers or bool((data[0].abs() > q_amax).any())
         params["q_amax"] = q_amax
     out = _run_variant(Variant.make("triton", **params), data, device)
-    assert out.shape == (len(kv_lens), 16, 512) and out.dtype == torch.bfloat16
+    assert out.dtype == torch.bfloat16
     _assert_close(out, _expected(data, kv, q, q_amax))
-
-
-def test_wrong_sm_scale_fails_the_check(device):
-    data = problem.generate_input(2, 40, seed=5, device=device)
-    q, kv_data, _qo, kv_indptr, _cfg = data
-    kv, kv_scale = kv_data["fp8"]
-    out = torch.empty((2, 16, 512), dtype=torch.bfloat16, device=device)
-    flash_decode(q, kv, kv_scale, kv_indptr, out, num_splits=2, sm_scale=2 * SM_SCALE, **_options(device))
-    ref = problem.reference(data, "bf16", "fp8")
-    assert rel_l2(out, ref) > 0.1
-    assert not problem.check(out, ref, problem.RULES["strict"]).passed
-
-
-def test_one_split_is_a_single_launch_and_more_splits_reduce(device, monkeypatch):
-    data = problem.generate_input(1, 20, seed=9, device=device)
-    q, kv_data, _qo, kv_indptr, _cfg = data
-    out = torch.empty((1, 16, 512), dtype=torch.bfloat16, device=device)
-
-    class NoLaunch:
-        def __getitem__(self, grid):
-            raise AssertionError("stage 2 launched")
-
-    monkeypatch.setattr(fd, "_fd_stage2_kernel", NoLaunch())
-    kwargs = _options(device)
-    workspace = FlashDecodeWorkspace.allocate(1, 1, device)
-    flash_decode(q, kv_data["bf16"], None, kv_indptr, out, num_splits=1, workspace=workspace, **kwargs)
-    _assert_close(out, problem.reference(data, "bf16", "bf16"))
-    with pytest.raises(AssertionError, match="stage 2 launched"):
-        flash_decode(q, kv_data["bf16"], None, kv_indptr, out, num_splits=2, **kwargs)
 
 
 def test_runner_reuses_its_output_and_follows_a_new_ragged_batch(device):
@@ -130,16 +93,13 @@ def test_runner_reuses_its_output_and_follows_a_new_ragged_batch(device):
     _assert_close(out1, problem.reference(first, "bf16", "fp8"))
     assert runner(*first[:4]).data_ptr() == out1.data_ptr()
     ragged = ragged_input([1, 17, 40], seed=2, device=device)
-    out2 = runner(*ragged[:4])
-    assert out2.shape == (3, 16, 512)
-    _assert_close(out2, problem.reference(ragged, "bf16", "fp8"))
+    _assert_close(runner(*ragged[:4]), problem.reference(ragged, "bf16", "fp8"))
 
 
 def test_default_variant_uses_fp16_dots_under_the_interpreter_and_fills_the_gpu():
     v = triton_splitk.default_variant(Shape(4, 8192), sm_count=132)
     assert v.get("kv") == "fp8" and v.get("q") == "bf16"
     assert v.get("dot_dtype") == ("fp16" if triton_splitk._tsk_interpreted() else "bf16")
-    assert v.get("num_splits") == 32  # the cap: more splits cost more in stage 2
     assert 32 * triton_splitk.default_variant(Shape(32, 8192), sm_count=132).get("num_splits") >= 132
     assert triton_splitk.default_variant(Shape(256, 8192)).get("num_splits") == 1
     assert triton_splitk.default_variant(Shape(4, 1)).get("num_splits") == 1
@@ -178,16 +138,6 @@ def test_candidates_drop_splits_shorter_than_a_tile_and_grids_over_four_waves(sh
     assert all(v.get("q_amax") is None for v in variants)
 
 
-def test_hip_options_are_offered_only_on_rocm():
-    space = {**SPACE, "kv": ["fp8"], "q": ["bf16"], "num_splits": [1],
-             "hip": {"waves_per_eu": [1, 2], "kpack": [2]}}
-    amd = triton_splitk.candidates(Shape(4, 1024), space, fake_platform("MI355X"))
-    assert len(amd) == 2
-    assert {v.get("waves_per_eu") for v in amd} == {1, 2} and all(v.get("kpack") == 2 for v in amd)
-    nvidia = triton_splitk.candidates(Shape(4, 1024), space, fake_platform("H200"))
-    assert len(nvidia) == 1 and nvidia[0].get("waves_per_eu") is None
-
-
 # ---------------------------------------------------- stage 1 for AMD's register file
 def test_v_split_halves_write_every_column_and_one_lse_and_a_bad_qk_split_is_refused(device):
     data = problem.generate_input(2, 70, seed=4, device=device)
@@ -205,8 +155,16 @@ def test_v_split_halves_write_every_column_and_one_lse_and_a_bad_qk_split_is_ref
         flash_decode(q, kv, kv_scale, kv_indptr, out, num_splits=3, qk_split=3, **_options(device))
 
 
-def test_candidates_leave_default_register_options_out_of_the_name_and_refuse_unknown_ones():
-    space = {**SPACE, "kv": ["fp8"], "q": ["bf16"], "num_splits": [1], "v_split": [1, 2], "qk_split": [1, 8]}
+def test_candidates_offer_hip_options_only_on_rocm_leave_default_register_options_out_of_the_name():
+    """hip options on ROCm only; v_split 1 and qk_split 1 add no key; unknown options are refused."""
+    one = {**SPACE, "kv": ["fp8"], "q": ["bf16"], "num_splits": [1]}
+    hip = {**one, "hip": {"waves_per_eu": [1, 2], "kpack": [2]}}
+    amd = triton_splitk.candidates(Shape(4, 1024), hip, fake_platform("MI355X"))
+    assert len(amd) == 2
+    assert {v.get("waves_per_eu") for v in amd} == {1, 2} and all(v.get("kpack") == 2 for v in amd)
+    nvidia = triton_splitk.candidates(Shape(4, 1024), hip, fake_platform("H200"))
+    assert len(nvidia) == 1 and nvidia[0].get("waves_per_eu") is None
+    space = {**one, "v_split": [1, 2], "qk_split": [1, 8]}
     variants = triton_splitk.candidates(Shape(4, 1024), space, fake_platform("MI355X"))
     assert len(variants) == 4
     assert Variant.make("triton", **{k: v[0] for k, v in SPACE.items() if k not in ("kv", "q")},
@@ -220,25 +178,20 @@ def test_candidates_leave_default_register_options_out_of_the_name_and_refuse_un
 
 
 def test_candidates_refuse_what_cannot_fit_the_platforms_lds():
-    # gfx942's 64 KiB: bf16 KV at block_n 64, 2 stages needs 73728 B of LDS; block_n 32 fits.
+    # gfx942's 64 KiB: bf16 KV at block_n 64, 2 stages needs 73728 B of LDS; block_n 32 fits. The
+    # limit comes from gpu.KNOWN_GPUS, so planning without the GPU (a dry run) refuses too.
     space = {**SPACE, "kv": ["bf16"], "q": ["bf16"], "num_splits": [1], "block_n": [32, 64],
              "num_stages": [2]}
-    mi300x = dataclasses.replace(fake_platform("MI300X"), smem_per_sm=64 * 1024)
+    mi300x, mi355x = fake_platform("MI300X"), fake_platform("MI355X")
     assert {v.get("block_n") for v in triton_splitk.candidates(Shape(4, 1024), space, mi300x)} == {32}
     big = Variant.make("triton", kv="bf16", q="bf16", num_splits=1, block_n=64, num_warps=4,
                        num_stages=2, dot_dtype="bf16")
     reason = triton_splitk.lds_refusal(big, mi300x)
     assert "73728" in reason and "65536" in reason and "MI300X" in reason
-    mi355x = dataclasses.replace(fake_platform("MI355X"), smem_per_sm=160 * 1024)
-    assert triton_splitk.lds_refusal(big, mi355x) is None
+    assert triton_splitk.lds_refusal(big, mi355x) is None  # 160 KiB
     assert len(triton_splitk.candidates(Shape(4, 1024), space, mi355x)) == 2
-    # planning without the GPU: the limit comes from gpu.KNOWN_GPUS, so a dry run refuses too
-    assert triton_splitk.lds_refusal(big, fake_platform("MI300X")) == reason
-    assert {v.get("block_n") for v in triton_splitk.candidates(Shape(4, 1024), space,
-                                                               fake_platform("MI300X"))} == {32}
     # a platform that states no limit refuses nothing
-    unknown = dataclasses.replace(fake_platform("MI300X"), lds_bytes=0)
-    assert triton_splitk.lds_refusal(big, unknown) is None
+    assert triton_splitk.lds_refusal(big, dataclasses.replace(mi300x, lds_bytes=0)) is None
 
 
 # ------------------------------------------------------------------------------ GPU

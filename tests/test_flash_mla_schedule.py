@@ -74,24 +74,6 @@ def _table(models: bool = True) -> ServingTable:
     return ServingTable("H200", provenance, [1, 64], [512, 1024, 2048, 4096], {KEY: family})
 
 
-def test_the_model_fits_flashmlas_cells_and_estimates_its_step_at_a_split():
-    table = _table()
-    fam = table.families[KEY]
-    model = fam.models[FM]
-    assert isinstance(model, fm.FlashMLAModel) and model.fit_error_p90 < 1e-4
-    # between grid points it follows the schedule: 36 x 700 splits, 32 x 700 does not
-    for lens in ([700] * 36, [700] * 32, [100, 9000, 30000, 64]):
-        assert model.time_us(KEY, lens) == pytest.approx(
-            predict(TRUTH, fm.flash_mla_features(lens, KEY.heads, KEY.q_len, 132)), rel=1e-6)
-    # in the lookup: the model's estimate, FlashMLA being within the window of FlashInfer
-    lens = [700] * 36
-    est = table.estimator.estimates(fam, 36, 700.0, lens)
-    assert est[FM] == pytest.approx(model.time_us(KEY, lens), rel=1e-9)
-    cells, points = _cells()
-    few = dict(list(cells.items())[:5])
-    assert fit_models(KEY, points, few, {"sm_count": 132}) == {}  # too few cells
-
-
 def _results(path, config_hash: str):
     cells, _ = _cells()
     lines = [{"kind": "header", "schema": "serving-results/1", "config_hash": config_hash,
@@ -105,34 +87,43 @@ def _results(path, config_hash: str):
     return path
 
 
-def test_refit_fits_the_models_again_from_the_results_and_keeps_every_other_entry(tmp_path):
+def test_the_model_fits_flashmlas_cells_and_refit_fits_it_again_keeping_every_other_entry(tmp_path):
+    """The build's fit estimates FlashMLA's step at a split; `sweep --merge RESULTS --refit TABLE`
+    (on the command line: the table's own results) fits the models again from the results."""
+    table = _table()
+    fam = table.families[KEY]
+    model = fam.models[FM]
+    assert isinstance(model, fm.FlashMLAModel) and model.fit_error_p90 < 1e-4
+    # between grid points it follows the schedule: 36 x 700 splits, 32 x 700 does not
+    for lens in ([700] * 36, [700] * 32, [100, 9000, 30000, 64]):
+        assert model.time_us(KEY, lens) == pytest.approx(
+            predict(TRUTH, fm.flash_mla_features(lens, KEY.heads, KEY.q_len, 132)), rel=1e-6)
+    # in the lookup: the model's estimate, FlashMLA being within the window of FlashInfer
+    lens = [700] * 36
+    est = table.estimator.estimates(fam, 36, 700.0, lens)
+    assert est[FM] == pytest.approx(model.time_us(KEY, lens), rel=1e-9)
     bare = write_serving_table(tmp_path / "H200.serving.yaml", _table(models=False))
-    said = []
-    out = refit_models(bare, [_results(tmp_path / "r.jsonl", "ab" * 32)], out=tmp_path / "new.yaml",
-                       log=said.append)
+    refit = ("sweep", "--gpu", "H200", "--config", "configs/serving.yaml", "--refit", bare)
+    result = invoke(*refit)
+    assert result.exit_code == 2 and "give them with --merge" in result.output
+    out = tmp_path / "new.yaml"
+    result = invoke(*refit, "--merge", _results(tmp_path / "r.jsonl", "ab" * 32), "--out", out)
+    assert result.exit_code == 0, result.output
     new, old = load_serving_table(out), load_serving_table(bare)
     models = new.as_dict()["families"][0]["models"]
-    assert models == _table().as_dict()["families"][0]["models"]  # as the build fits them
+    assert models == table.as_dict()["families"][0]["models"]  # as the build fits them
     assert new.families[KEY].points == old.families[KEY].points
     assert new.provenance["models_refit"]["results"] == ["r.jsonl"]
     date = new.provenance["models_refit"]["date"]
     assert f"  models: fitted again {date} from r.jsonl" in show_lines(new, out, 80)
     # two: FlashMLA's and FlashInfer's
-    assert said == [f"wrote {out}: its schedule models fitted again from 1 results file(s), 0 -> 2"]
+    assert result.output == f"wrote {out}: its schedule models fitted again from 1 results file(s), 0 -> 2\n"
     with pytest.raises(ServingSweepError, match="config hash cdcd.*give the results .* was built from"):
-        refit_models(bare, [_results(tmp_path / "other.jsonl", "cd" * 32)], log=said.append)
-    table = _table(models=False)
-    table.provenance = {}
-    nameless = write_serving_table(tmp_path / "bare.serving.yaml", table)
+        refit_models(bare, [_results(tmp_path / "other.jsonl", "cd" * 32)])
+    old.provenance = {}
+    nameless = write_serving_table(tmp_path / "bare.serving.yaml", old)
     with pytest.raises(ServingSweepError, match="names no config hash"):
-        refit_models(nameless, [tmp_path / "r.jsonl"], log=said.append)
-    # on the command line: the table's own results, given with --merge
-    refit = ("sweep", "--gpu", "H200", "--config", "configs/serving.yaml", "--refit", bare)
-    result = invoke(*refit)
-    assert result.exit_code == 2 and "give them with --merge" in result.output
-    result = invoke(*refit, "--merge", tmp_path / "r.jsonl", "--out", tmp_path / "cli.yaml")
-    assert result.exit_code == 0, result.output
-    assert load_serving_table(tmp_path / "cli.yaml").families[KEY].models
+        refit_models(nameless, [tmp_path / "r.jsonl"])
 
 
 @pytest.mark.gpu

@@ -119,7 +119,7 @@ def test_mxfp4_bit_dequantization_is_exact_for_every_code_and_scale_on_the_gpu(t
     assert err < 2.0**-123
 
 
-def test_candidates_follow_the_validity_rules_and_build_refuses_a_variant_that_breaks_them():
+def test_candidates_follow_the_validity_rules_leave_default_levers_out_and_build_refuses_the_rest():
     plat = fake_platform("H200")
     space = {"kv": ["fp8", "bf16"], "q": ["bf16", "fp8_dynamic"], "qk_dot": ["fp16", "fp8"],
              "pv_dot": ["fp16", "fp8"], "num_splits": [1, 2, 64], "reduce": ["last", "spin"]}
@@ -141,10 +141,7 @@ def test_candidates_follow_the_validity_rules_and_build_refuses_a_variant_that_b
     bad = _variant(kv="bf16", q="fp8_dynamic", qk_dot="fp8", num_splits=1, reduce="none")
     with pytest.raises(ValueError, match="fp8 KV cache"):
         triton_fused.build(bad, Shape(2, 64), "cpu")
-
-
-def test_levers_left_at_their_defaults_stay_out_of_variant_texts_and_expand_the_space():
-    plat = fake_platform("H200")
+    # levers left at their defaults stay out of the variant texts, and set ones expand the space
     plain = triton_fused.candidates(Shape(4, 1024), {"num_splits": [1, 2], "reduce": ["last"]}, plat)
     assert plain and all("load" not in v.p and "grid" not in v.p and "waves" not in v.p for v in plain)
     space = {"kv": ["fp8", "mxfp4"], "q": ["bf16"], "qk_dot": ["fp16", "bf16"], "pv_dot": ["fp16", "bf16"],
@@ -161,16 +158,13 @@ def test_levers_left_at_their_defaults_stay_out_of_variant_texts_and_expand_the_
 
 
 # ----------------------------------------------------------------- gfx942's fp8 (fnuz)
-def test_an_fp8_dot_follows_the_caches_fp8():
+def test_an_fp8_dot_follows_the_caches_fp8_so_fused_decode_reads_an_fnuz_cache(device):
     fn = torch.empty(4, 576, dtype=torch.float8_e4m3fn)
     fnuz = torch.empty(4, 576, dtype=torch.float8_e4m3fnuz)
     assert fu_dot_code("fp8", fn) == FU_DOT_CODES["fp8"]
     assert fu_dot_code("fp8", fnuz) == FU_DOT_FP8_FNUZ != FU_DOT_CODES["fp8"]
     for dot in ("fp16", "bf16"):
         assert fu_dot_code(dot, fnuz) == fu_dot_code(dot, fn) == FU_DOT_CODES[dot]
-
-
-def test_fused_decode_reads_an_fnuz_cache_with_fp8_dots(device):
     # fp8 q x fp8 K and fp8 P x fp8 V (P scaled into fnuz's 240): a few percent off even with
     # e4m3fn at these sizes, so the fnuz cache must do as well as the e4m3fn one.
     ocp = ragged_input([17, 40], seed=5, device=device)
@@ -236,8 +230,7 @@ DIRECT_CPU = dict(q_fp8=False, qk_dot="fp16", pv_dot="fp16", num_warps=4, num_st
 
 def run_fused(data, bufs: DecodeBuffers, *, kv: str, num_splits: int, reduce: str, v_split: int, tok_m: bool = True,
               load: str = "ptr", **params) -> torch.Tensor:
-    q, kv_data = data[0], data[1]
-    entry = kv_data[kv]
+    q, entry = data[0], data[1][kv]
     dummy = torch.zeros(1, dtype=torch.float32, device=q.device)
     cache, scale = (entry.view(-1, QK_DIM), dummy) if kv == "bf16" else (entry[0].view(-1, QK_DIM), entry[1])
     if load == "tma":  # the device descriptors' scratch
@@ -249,10 +242,6 @@ def run_fused(data, bufs: DecodeBuffers, *, kv: str, num_splits: int, reduce: st
                  reduce=reduce if num_splits > 1 else "none", sm_scale_log2=SM_SCALE * math.log2(math.e),
                  load=load, v_split=v_split, **options)
     return bufs.out[: q.shape[0]]
-
-
-def _check(out, data, kv: str, what: str) -> None:
-    assert_close(out, problem.reference(data, q_format="bf16", kv_format=kv), 1e-2, what)
 
 
 # (lens, num_splits, reduce, tok_m, load): a single token, a partial tile, ragged batches
@@ -278,24 +267,20 @@ def test_v_split_matches_the_reference_and_v_split_1(device, kv, lens, num_split
     whole = run_fused(data, bufs, v_split=1, **kwargs).clone()
     bufs.out.fill_(float("nan"))  # every output element must be written by one of the halves
     halves = run_fused(data, bufs, v_split=2, **kwargs).clone()
-    _check(whole, data, kv, f"v_split 1 {kwargs} at {lens}")
-    _check(halves, data, kv, f"v_split 2 {kwargs} at {lens}")
+    ref = problem.reference(data, q_format="bf16", kv_format=kv)
+    assert_close(whole, ref, 1e-2, f"v_split 1 {kwargs} at {lens}")
+    assert_close(halves, ref, 1e-2, f"v_split 2 {kwargs} at {lens}")
     # The halves differ from the whole only by the scores' summation order (bf16 output).
     torch.testing.assert_close(halves.float(), whole.float(), rtol=1e-2, atol=1e-2)
 
 
-def test_v_split_last_reducer_resets_its_counters_so_calls_repeat(device):
+def test_v_split_resets_its_counters_so_calls_repeat_and_refuses_what_it_does_not_run(device):
     data = ragged_input([50, 20, 9], seed=3, device=device)
     bufs = DecodeBuffers(3, 3, device)
     calls = [run_fused(data, bufs, kv="fp8", num_splits=3, reduce="last", v_split=2).clone() for _ in range(3)]
     assert torch.equal(calls[0], calls[1]) and torch.equal(calls[0], calls[2])
     assert int(bufs.count.abs().sum()) == 0  # every (sequence, half) counter is back at zero
-    _check(calls[0], data, "fp8", "v_split 2, 3 calls")
-
-
-def test_v_split_refuses_what_it_does_not_run(device):
-    data = ragged_input([17], seed=1, device=device)
-    bufs = DecodeBuffers(1, 2, device)
+    assert_close(calls[0], problem.reference(data, q_format="bf16", kv_format="fp8"), 1e-2, "3 calls")
     for kwargs, match in [(dict(v_split=3), "v_split must be 1 or 2"),
                           (dict(v_split=2, programs=2), "split grid"),
                           (dict(v_split=2, num_splits=129), "at most 128 splits")]:

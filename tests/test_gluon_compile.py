@@ -108,7 +108,6 @@ def test_the_backends_launch_compiles_for_sm90(compiled, text, shape):
     variant = Variant.parse(text)
     launches = compiled["decode"][text]
     assert [launch.get("error") for launch in launches] == [None] * len(launches)
-    # num_splits > 1: the decode, then the reduce launch, unless the splits combine in the kernel
     one_launch = variant.p.get("reduce") == "spin"
     expected = ["_gd_decode_kernel"] if one_launch else ["_gd_decode_kernel", "_gd_reduce_kernel"]
     assert [launch["name"] for launch in launches] == expected
@@ -131,20 +130,16 @@ def _first(ptx: str, opcode: str) -> int:
                 if re.match(r"(@!?%p\d+\s+)?" + re.escape(opcode), line.strip()))
 
 
-def test_q_loaded_first_is_issued_before_the_kv_indptr_loads_and_the_ring(compiled):
+def test_q_loaded_first_is_issued_before_the_kv_indptr_loads_and_bf16_partials_are_16_bit_stores(compiled):
     """q_load=first: q's box loads (16-byte ld.global.v4) come first, so their round trip runs
     while KV_INDPTR's does; with twice (the winner) they wait behind the ring's first TMA
-    copies, which wait for KV_INDPTR."""
+    copies, which wait for KV_INDPTR. part=bf16: each of the 64 partial O values a thread holds
+    is rounded to bf16 and stored as 16 bits, where the fp32 winner stores 64 32-bit values."""
     twice, first = (compiled["decode"][text][0]["ptx"] for text, _ in CASES[0:3:2])
     for ptx in (twice, first):
         assert _first(ptx, "ld.global.b32") < _first(ptx, "cp.async.bulk.tensor")  # the indptr before the ring
     assert _first(twice, "cp.async.bulk.tensor") < _first(twice, "ld.global.v4")
     assert _first(first, "ld.global.v4") < _first(first, "ld.global.b32")
-
-
-def test_bf16_partials_are_stored_as_16_bit_values(compiled):
-    """part=bf16: each of the 64 partial O values a thread holds is rounded to bf16 and
-    stored as 16 bits, where the fp32 winner stores 64 32-bit values."""
     fp32, bf16 = (compiled["decode"][CASES[i][0]][0]["ptx"] for i in (0, 3))
     count = lambda ptx, op: len(re.findall(rf"\b{re.escape(op)}\b", ptx))  # noqa: E731
     assert (count(fp32, "st.global.b32"), count(fp32, "st.global.b16")) == (64, 0)
@@ -157,7 +152,6 @@ def test_the_serving_launches_compile_for_sm90_without_spills(compiled, index):
     p = Variant.parse(text).p
     records = compiled["serving"][index]
     assert [r["error"] for r in records] == [None] * len(records)
-    # one split writes the output: no reduction launch
     names = ["_gs_serving_kernel"] + (["_gs_reduce_kernel"] if p["max_splits"] > 1 else [])
     assert [r["kernel"] for r in records] == names
     decode = records[0]

@@ -18,6 +18,7 @@ from mla_tune.core import CORE_HEADS, QK_DIM, V_DIM, CallSpec, Variant
 from mla_tune.gpu import fake_platform
 from mla_tune.kernels import gluon_serving
 from mla_tune.kernels.gluon_serving import GS_BN, GluonServingWorkspace, gs_num_splits, gs_reduce
+from mla_tune.serving.inputs import reference
 
 H200 = fake_platform("H200")
 
@@ -49,11 +50,9 @@ def test_a_batch_budget_shares_its_splits_by_length():
 
 def _partials(q, kv, q_lens, kv_lens, heads, max_splits, tokens_per_split, cap, budget):
     """In torch, the serving kernel's partials per (split, new token, head): normalized O and
-    log2-sum-exp (0 and -inf for a split a new token sees none of); the exact answer, LSE."""
+    log2-sum-exp (0 and -inf for a split a new token sees none of)."""
     part_o = torch.full((max_splits * cap * heads, V_DIM), float("nan"))
     part_lse = torch.full((max_splits * cap * heads,), float("nan"))
-    exact = torch.empty((sum(q_lens), heads, V_DIM))
-    exact_lse = torch.empty((sum(q_lens), heads))
     tok0 = kv0 = 0
     for q_len, seq_len in zip(q_lens, kv_lens, strict=True):
         k = kv[kv0:kv0 + seq_len]
@@ -63,9 +62,6 @@ def _partials(q, kv, q_lens, kv_lens, heads, max_splits, tokens_per_split, cap, 
             tok = tok0 + i
             scores = q[tok] @ k.T * math.log2(math.e)  # (heads, seq_len), log2 units
             scores[:, seq_len - q_len + 1 + i:] = float("-inf")  # causal among the new tokens
-            weights = torch.softmax(scores * math.log(2), dim=-1)
-            exact[tok] = weights @ k[:, :V_DIM]
-            exact_lse[tok] = torch.logsumexp(scores * math.log(2), dim=-1)
             for s in range(splits):
                 part = scores[:, s * per:(s + 1) * per]
                 rows = (s * cap + tok) * heads + torch.arange(heads)
@@ -79,7 +75,7 @@ def _partials(q, kv, q_lens, kv_lens, heads, max_splits, tokens_per_split, cap, 
                 part_lse[rows] = m + torch.log2(l_sum)
         tok0 += q_len
         kv0 += seq_len
-    return part_o, part_lse, exact, exact_lse
+    return part_o, part_lse
 
 
 @pytest.mark.parametrize("paged, budget", [(False, 0), (True, 0), (True, 5), (False, 9)])
@@ -90,14 +86,15 @@ def test_the_reduction_combines_the_splits_into_the_exact_answer(device, paged, 
     q = torch.randn((sum(q_lens), heads, QK_DIM), generator=gen) / 16
     kv = torch.randn((sum(kv_lens), QK_DIM), generator=gen)
     workspace = GluonServingWorkspace.allocate(sum(q_lens), heads, max_splits, device)
-    part_o, part_lse, exact, exact_lse = _partials(q, kv, q_lens, kv_lens, heads, max_splits, tokens_per_split,
-                                                   workspace.max_total_q, budget)
+    part_o, part_lse = _partials(q, kv, q_lens, kv_lens, heads, max_splits, tokens_per_split,
+                                 workspace.max_total_q, budget)
     workspace.part_o.copy_(part_o)
     workspace.part_lse.copy_(part_lse)
-    qo_indptr = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    lengths = torch.tensor(kv_lens, dtype=torch.int32, device=device)
-    layout = ({"seq_lens": lengths} if paged else
-              {"kv_indptr": torch.tensor([0, *lengths.cumsum(0).tolist()], dtype=torch.int32, device=device)})
+    qo_ptr, kv_ptr = (torch.tensor([0, *itertools.accumulate(n)]).int() for n in (q_lens, kv_lens))
+    exact, exact_lse = reference(q, qo_ptr, kv[:, None], kv_indptr=kv_ptr, sm_scale=1.0, return_lse=True)
+    qo_indptr = qo_ptr.to(device)
+    layout = {"seq_lens": torch.tensor(kv_lens, dtype=torch.int32, device=device)} if paged else {
+        "kv_indptr": kv_ptr.to(device)}
     sentinel = 7.0
     out = torch.full((sum(q_lens), heads, V_DIM), sentinel, dtype=torch.bfloat16, device=device)
     lse = torch.full((sum(q_lens), heads), sentinel, device=device)
@@ -189,10 +186,6 @@ def test_a_table_entry_naming_a_serving_variant_passes_the_tables_rules():
 
 
 # ---------------------------------------------------------------- the schedule model
-def _params(**kw) -> dict:
-    return dict(_variant(**kw).params)
-
-
 def _variant(max_splits=16, tokens_per_split=512, block_h=16, v_halves=1, split_budget=0, kv="fp8"):
     extra = {"split_budget": split_budget} if split_budget else {}
     return Variant.make("gluon_fused", kv=kv, q="fp8_dynamic" if kv == "fp8" else "bf16", block_h=block_h,
@@ -200,9 +193,10 @@ def _variant(max_splits=16, tokens_per_split=512, block_h=16, v_halves=1, split_
                         v_halves=v_halves, **extra)
 
 
-def test_the_backends_schedule_model_splits_as_the_kernel_does():
+def test_the_backends_schedule_model_splits_and_holds_shared_memory_as_the_kernel_does():
     """gluon_splits is gs_num_splits, with and without a batch budget, empty sequences
-    included; each split holds per tokens but the last, which holds the rest (> 0)."""
+    included; each split holds per tokens but the last, which holds the rest (> 0). The
+    shared memory is the kernel's, and the occupancy what an SM holds of it."""
     assert schedule_module("gluon_fused") is gl
     assert gl.TILE == GS_BN
     rng = random.Random(7)
@@ -216,9 +210,6 @@ def test_the_backends_schedule_model_splits_as_the_kernel_does():
         live = lens > 0
         last = lens[live] - (splits[live] - 1) * per[live]
         assert (last > 0).all() and (last <= per[live]).all()
-
-
-def test_the_shared_memory_is_the_kernels_and_the_occupancy_is_what_it_holds():
     for rows, stages, fp8 in itertools.product(gluon_serving.GS_ROWS, (2, 3, 4), (True, False)):
         assert gl.smem_bytes(rows, stages, fp8) == gluon_serving.gs_smem_bytes(rows, stages, fp8)
     fp8_16 = _variant(block_h=16)  # 16 rows at q_len 1: two programs of ~85 KB
@@ -233,19 +224,19 @@ def test_a_ragged_batch_waits_on_a_small_split_cap_and_more_programs_per_split_p
     V halves or 8-head tiles double the programs per split: past a wave the makespan grows,
     within one it does not."""
     ragged = [64000] + [1000] * 31
-    few = gl.gluon_schedule(ragged, 16, _params(max_splits=16), 2, 132)
-    many = gl.gluon_schedule(ragged, 16, _params(max_splits=64), 2, 132)
+    few = gl.gluon_schedule(ragged, 16, _variant(max_splits=16).p, 2, 132)
+    many = gl.gluon_schedule(ragged, 16, _variant(max_splits=64).p, 2, 132)
     assert few >= 4000 and many < 0.5 * few
     uniform = [1000] * 32
-    assert (gl.gluon_schedule(uniform, 16, _params(max_splits=16), 2, 132)
-            == gl.gluon_schedule(uniform, 16, _params(max_splits=64), 2, 132))
+    assert (gl.gluon_schedule(uniform, 16, _variant(max_splits=16).p, 2, 132)
+            == gl.gluon_schedule(uniform, 16, _variant(max_splits=64).p, 2, 132))
     lens = [8192] * 64
-    base = gl.gluon_schedule(lens, 16, _params(), 1, 132)
-    assert gl.gluon_schedule(lens, 16, _params(v_halves=2), 1, 132) > 1.5 * base
-    assert gl.gluon_schedule(lens, 16, _params(block_h=8), 1, 132) > 1.5 * base
+    base = gl.gluon_schedule(lens, 16, _variant().p, 1, 132)
+    assert gl.gluon_schedule(lens, 16, _variant(v_halves=2).p, 1, 132) > 1.5 * base
+    assert gl.gluon_schedule(lens, 16, _variant(block_h=8).p, 1, 132) > 1.5 * base
     short = [512] * 4
-    assert (gl.gluon_schedule(short, 16, _params(v_halves=2), 1, 132)
-            == gl.gluon_schedule(short, 16, _params(), 1, 132))
+    assert (gl.gluon_schedule(short, 16, _variant(v_halves=2).p, 1, 132)
+            == gl.gluon_schedule(short, 16, _variant().p, 1, 132))
 
 
 def test_the_leaderboards_variants_get_no_model():

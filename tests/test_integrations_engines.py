@@ -162,7 +162,8 @@ def _ignored_scale_would_fail(out, cache, layer, q, rows):
 
 
 # ---------------------------------------------------------------------------------- vLLM
-def test_vllm_backend_registers_as_custom_and_the_fake_refuses_wrong_hooks(monkeypatch):
+def test_vllm_backend_registers_and_refuses_more_speculative_tokens_than_its_kernels_take(monkeypatch):
+    """It registers as CUSTOM; the fake, which enforces vLLM 0.33.0's hooks, refuses a wrong one."""
     engine_fakes.install(monkeypatch, "vllm")
     from vllm.model_executor.layers.attention.mla_attention import MLACommonImpl
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -177,6 +178,11 @@ def test_vllm_backend_registers_as_custom_and_the_fake_refuses_wrong_hooks(monke
         class Wrong(MLACommonImpl):  # noqa: F841
             def forward_mqa(self, q, kv_cache, attn_metadata, layer):
                 pass
+    cache = Cache([5, 30], 16, 3, seed=2)
+    vllm_layers(cache, "auto", 16, dcp=1, max_seqs=4, speculative=3)  # q_len 4
+    with pytest.raises(ValueError, match=r"up to 5 tokens per sequence .* take up to 4: use "
+                                         r"num_speculative_tokens 3 or fewer"):
+        vllm_layers(cache, "auto", 16, dcp=1, max_seqs=4, speculative=4)
 
 
 def _common(qsl, lens, table, slots, tokens=None, max_seq_len=None):
@@ -272,15 +278,6 @@ def test_vllm_a_graph_step_padded_with_empty_requests_answers_its_real_rows(monk
     ref, _ = cache.reference(0, q[: real * q_len], list(range(real)), SCALE, q_len)
     close_to_reference(out[: real * q_len], ref, f"vLLM padded graph step, q_len {q_len}")
     assert torch.isfinite(out[real * q_len:].float()).all()
-
-
-def test_vllm_more_speculative_tokens_than_the_kernels_take_are_refused_with_the_limit(monkeypatch):
-    engine_fakes.install(monkeypatch, "vllm")
-    cache = Cache([5, 30], 16, 3, seed=2)
-    vllm_layers(cache, "auto", 16, dcp=1, max_seqs=4, speculative=3)  # q_len 4
-    with pytest.raises(ValueError, match=r"up to 5 tokens per sequence .* take up to 4: use "
-                                         r"num_speculative_tokens 3 or fewer"):
-        vllm_layers(cache, "auto", 16, dcp=1, max_seqs=4, speculative=4)
 
 
 def test_vllm_a_step_with_prefills_runs_its_decodes_on_the_eager_plan(monkeypatch):

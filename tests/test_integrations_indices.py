@@ -56,12 +56,11 @@ def test_bad_buffers_are_refused_with_what_was_expected(device):
 
 
 def test_a_page_one_fp8_cache_through_the_plan_matches_the_block_table_path(device):
-    kv_format = "fp8"  # bf16 at page 1 runs in the SGLang loop (test_integrations_engines)
-    spec = CallSpec(kv_format, page_size=1, heads=16, max_q_len=2, mixed_q_len=True)
+    spec = CallSpec("fp8", page_size=1, heads=16, max_q_len=2, mixed_q_len=True)
     plan = DecodePlan(spec, max_batch=4, device=device)
     pages = PageOneTable(4, 64, device=device)
     lens = [1, 17, 40]
-    inp = serving.make_input([1, 2, 2], lens, 16, 1, kv_format, seed=11, device=device)
+    inp = serving.make_input([1, 2, 2], lens, 16, 1, "fp8", seed=11, device=device)
     indptr, indices = _as_indices(inp)
     block_table, seq_lens = pages.update(indptr, indices, kv_lens_host=lens)
     assert block_table.data_ptr() == pages.block_table.data_ptr()  # the table's own storage
@@ -69,9 +68,8 @@ def test_a_page_one_fp8_cache_through_the_plan_matches_the_block_table_path(devi
     out = plan.run(inp.q, inp.kv, inp.kv_scale).clone()
     plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
     assert torch.equal(out, plan.run(inp.q, inp.kv, inp.kv_scale))
-    assert not torch.isnan(out).any()
     result = problem.check(out, inp.reference(), problem.RULES["strict"])
-    assert result.passed, f"{kv_format}: {result}"
+    assert result.passed, str(result)
 
 
 @pytest.mark.parametrize("page", [1, 4])

@@ -4,13 +4,12 @@ as uint8 bytes (CallSpec.cache_dtype) and kv_scale as a Python float."""
 
 import math
 import sys
-import warnings
 
 import numpy as np
 import pytest
 import torch
 
-from mla_tune import gpu, problem, runtime
+from mla_tune import problem, runtime
 from mla_tune.backends import capabilities, get_backend
 from mla_tune.core import CORE_DEEPSEEK_V3_SCALE as DSV3
 from mla_tune.core import SM_SCALE, CallSpec, Shape, Variant
@@ -57,23 +56,8 @@ def test_callspec_refuses_a_scale_that_is_no_softmax_scale_and_uint8_bytes_of_an
         CallSpec(kv, **facts)
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp8"])
-@pytest.mark.parametrize("name", ["triton", "triton_fused", "flashmla", "flashinfer"])
-def test_the_serving_call_answers_at_the_models_scale(name, kv, monkeypatch):
-    out, variant, inp, _ = serving_call(monkeypatch, name, kv, [1, 1, 1], [5, 70, 130], 5)
-    q_format = {"bf16": "bf16", "fp8_dynamic": "fp8"}[variant.get("q")]
-    _scaled_and_not(out, inp.reference(q_format, sm_scale=DSV3), inp.reference(q_format), f"{name} {kv}")
-    if name == "flashmla":
-        assert sys.modules["flash_mla.flash_mla_interface"].last_call["softmax_scale"] == DSV3
-    if name == "flashinfer":
-        assert sys.modules["flashinfer.mla"].last_run["sm_scale"] == DSV3
-
-
-def test_the_decoder_and_decode_pass_the_spec_scale():
+def test_decode_passes_the_scale_to_its_decoders_spec():
     inp = serving.make_input([2, 1], [40, 9], 16, 0, "bf16", seed=6)
-    spec = CallSpec("bf16", heads=16, max_q_len=2, mixed_q_len=True, sm_scale=DSV3)
-    out = Decoder(spec)(inp.q, inp.qo_indptr, inp.kv, None, kv_indptr=inp.kv_indptr)
-    _scaled_and_not(out, inp.reference(sm_scale=DSV3), inp.reference(), "Decoder")
     out = decode(inp.q, inp.qo_indptr, inp.kv, kv_indptr=inp.kv_indptr, max_q_len=2, sm_scale=DSV3)
     _scaled_and_not(out, inp.reference(sm_scale=DSV3), inp.reference(), "decode")
 
@@ -81,8 +65,6 @@ def test_the_decoder_and_decode_pass_the_spec_scale():
 def _leaderboard_variant(name: str, shape: Shape, kv: str) -> Variant:
     if name == "triton":
         return get_backend(name).default_variant(shape, sm_count=4, kv=kv, q="bf16")
-    if name == "torch":
-        return Variant.make("torch", kv="bf16", q="bf16")
     if name == "flashmla":
         return Variant.make("flashmla", kv=kv, q="bf16" if kv == "bf16" else "fp8_dynamic")
     space = {"kv": [kv]} if name == "flashinfer" else {"kv": [kv], "num_splits": [2], "block_n": [32]}
@@ -92,32 +74,27 @@ def _leaderboard_variant(name: str, shape: Shape, kv: str) -> Variant:
                 and v.get("pv_dot", "fp16") == "fp16")
 
 
-@pytest.mark.parametrize("name,kv", [("torch", "bf16"), ("triton", "bf16"), ("triton", "fp8"), ("triton_fused", "bf16"),
+@pytest.mark.parametrize("name,kv", [("triton", "bf16"), ("triton", "fp8"), ("triton_fused", "bf16"),
                                      ("triton_fused", "fp8"), ("flashmla", "bf16"), ("flashinfer", "bf16"),
                                      ("flashinfer", "fp8")])
 def test_build_takes_the_models_scale(name, kv, monkeypatch):
-    """build(..., sm_scale=) of every backend that runs on the CPU."""
+    """build(..., sm_scale=) of every backend that runs on the CPU (torch's: the runtime's, below)."""
     if name in VENDOR_MODULES:
         vendor_fakes.install(monkeypatch, VENDOR_MODULES[name])
     shape = Shape(2, 128)
     data = problem.generate_input(shape.batch, shape.kv_len, seed=7, device="cpu")
     variant = _leaderboard_variant(name, shape, kv)
-    runner = get_backend(name).build(variant, shape, "cpu", sm_scale=DSV3)
-    out = runner(*data[:4])
+    out = get_backend(name).build(variant, shape, "cpu", sm_scale=DSV3)(*data[:4])
     q_format = "fp8" if variant.get("q") == "fp8_dynamic" else "bf16"
     _scaled_and_not(out, problem.reference(data, q_format, kv, sm_scale=DSV3),
                     problem.reference(data, q_format, kv), f"{name} build {kv}")
 
 
-def test_fp8_static_q_composes_with_the_models_scale():
+def test_fp8_static_q_composes_with_the_models_scale(monkeypatch):
     """The model's scale changes neither the calibration nor the quantized static q."""
-    spec = CallSpec("fp8", page_size=16, heads=16, max_q_len=1, sm_scale=DSV3)
-    inp = serving.make_input([1, 1], [33, 90], 16, 16, "fp8", seed=8)
-    q_amax = 1.1 * float(inp.q.abs().amax())
-    base = get_backend("triton").default_serving_variant(spec, gpu.detect())
-    variant = base.with_params(q="fp8_static", q_amax=q_amax)
-    runner = get_backend("triton").build_serving(variant, spec, "cpu")
-    out = runner(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
+    q_amax = 1.1 * float(serving.make_input([1, 1], [33, 90], 16, 16, "fp8", seed=8).q.abs().amax())
+    out, _, inp, _ = serving_call(monkeypatch, "triton", "fp8", [1, 1], [33, 90], 8,
+                                  dict(q="fp8_static", q_amax=q_amax), host=False)
     _scaled_and_not(out, inp.reference("fp8_static", q_amax, sm_scale=DSV3),
                     inp.reference("fp8_static", q_amax), "triton fp8_static")
 
@@ -168,10 +145,7 @@ def test_two_scales_bind_to_one_compiled_kernel(monkeypatch, module, serve, dots
 
 def test_the_leaderboard_runtime_takes_the_scale_from_the_config(tmp_path):
     """custom_kernel passes config["sm_scale"] to the builds, its repeat path included."""
-    path = cpu_table(tmp_path)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        rt = runtime.load(table=path, device="cpu")
+    rt = runtime.load(table=cpu_table(tmp_path), device="cpu")
     data = problem.generate_input(1, 8, seed=1, device="cpu")  # a torch row
     model = (*data[:4], {**data[4], "sm_scale": DSV3})
     ref_model, ref_board = (problem.reference(model, "bf16", "bf16", sm_scale=DSV3),
@@ -205,7 +179,9 @@ LSE_CASES = [("triton", "bf16", 1, 4), ("triton", "fp8", 1, 4), ("triton", "bf16
 
 @pytest.mark.parametrize("name,kv,q_len,max_splits", LSE_CASES,
                          ids=[f"{n}-{k}-q{q}-s{s}" for n, k, q, s in LSE_CASES])
-def test_each_declared_backend_returns_the_references_lse(name, kv, q_len, max_splits, monkeypatch):
+def test_each_declared_backend_returns_the_references_lse_at_the_models_scale(name, kv, q_len, max_splits,
+                                                                              monkeypatch):
+    """And the serving call's answer is at the model's scale, not the leaderboard's."""
     assert capabilities(name).lse is True  # the record says who returns it
     mixed = name != "flashmla" and q_len > 1
     if name == "triton":
@@ -218,15 +194,20 @@ def test_each_declared_backend_returns_the_references_lse(name, kv, q_len, max_s
                                                     host=name != "triton", mixed_q_len=mixed, return_lse=True)
     q_format = {"bf16": "bf16", "fp8_dynamic": "fp8"}[variant.get("q")]
     ref, ref_lse = inp.reference(q_format, sm_scale=DSV3, return_lse=True)
-    _assert_lse(lse, ref_lse, f"{name} {kv} q_len {q_len} max_splits {max_splits}")
+    what = f"{name} {kv} q_len {q_len} max_splits {max_splits}"
+    _assert_lse(lse, ref_lse, what)
     assert float((out.float() - ref).abs().max()) < 0.05
+    _scaled_and_not(out, ref, inp.reference(q_format), what)
     if name == "triton":
         counts = runner.workspace.split_count[:3].tolist()
         assert counts[:2] == [1, 1] and (counts[2] > 1) == (max_splits > 1), counts  # both branches ran
         # at the leaderboard's scale the LSE is another: the scale reaches it
         assert float((lse - inp.reference(return_lse=True)[1]).abs().max()) > 0.5
+    if name == "flashmla":
+        assert sys.modules["flash_mla.flash_mla_interface"].last_call["softmax_scale"] == DSV3
     if name == "flashinfer":
-        assert sys.modules["flashinfer.mla"].last_run["return_lse_base_on_e"] is True
+        run = sys.modules["flashinfer.mla"].last_run
+        assert run["return_lse_base_on_e"] is True and run["sm_scale"] == DSV3
 
 
 def test_a_plan_with_return_lse_returns_out_and_lse_per_layer():
@@ -249,10 +230,6 @@ SPEC = CallSpec("fp8", page_size=16, heads=16, max_q_len=1, sm_scale=DSV3)
 BYTES = CallSpec("fp8", page_size=16, heads=16, max_q_len=1, sm_scale=DSV3, cache_dtype="uint8")
 
 
-def _input() -> serving.ServingInput:
-    return serving.make_input([1, 1, 1], [3, 40, 77], 16, 16, "fp8", seed=21)
-
-
 def _plan(spec: CallSpec, inp: serving.ServingInput, **kwargs) -> DecodePlan:
     plan = DecodePlan(spec, max_batch=4, **kwargs)
     plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens)
@@ -265,11 +242,13 @@ def _close(out, inp):
 
 
 @pytest.mark.parametrize("backend", ["triton", "triton_fused"])
-def test_a_declared_uint8_cache_is_read_as_fp8_and_kv_scale_may_be_a_python_float(backend):
-    inp = _input()
+def test_a_uint8_cache_is_read_as_fp8_where_declared_and_refused_by_every_path_where_not(backend):
+    """Declared (cache_dtype='uint8'): kv_scale may be a tensor, a Python float or a float
+    subclass (as an engine's config may hold). Undeclared: the plan, the Decoder and the
+    runners beneath, called directly, refuse it, and the right cache still runs after."""
+    inp = serving.make_input([1, 1, 1], [3, 40, 77], 16, 16, "fp8", seed=21)
     plan = _plan(BYTES, inp, backend=backend)
     raw, scale = inp.kv.view(torch.uint8), float(inp.kv_scale)
-    # a tensor, a Python float, a float subclass (as an engine's config may hold)
     for kv_scale in (inp.kv_scale, scale, np.float64(scale)):
         for run in (plan.run, plan.run_checked):
             _close(run(inp.q, raw, kv_scale).clone(), inp)
@@ -277,33 +256,19 @@ def test_a_declared_uint8_cache_is_read_as_fp8_and_kv_scale_may_be_a_python_floa
         plan.run(inp.q, inp.kv, inp.kv_scale)  # the spec said bytes
     with pytest.raises(ValueError, match="positive and finite"):
         plan.run(inp.q, raw, -1.0)
-    decoder = Decoder(SPEC)
+    undeclared = _plan(SPEC, inp, backend=backend)
+    for run in (undeclared.run, undeclared.run_checked):
+        with pytest.raises(ValueError, match="cache_dtype='uint8'"):
+            run(inp.q, raw, inp.kv_scale)
+    decoder = Decoder(SPEC, backend=backend)
+    with pytest.raises(ValueError, match="cache_dtype='uint8'"):
+        decoder(inp.q, inp.qo_indptr, raw, inp.kv_scale, **inp.layout)
+    with pytest.raises(ValueError, match="kv is uint8"):
+        decoder.runner(inp.q, inp.qo_indptr, raw, inp.kv_scale, **inp.layout)
+    _close(undeclared.run(inp.q, inp.kv, inp.kv_scale).clone(), inp)
     kept = decoder.inputs.scale(scale)
     assert kept.dtype == torch.float32 and tuple(kept.shape) == (1,)
     assert decoder.inputs.scale(scale) is kept
     _close(decoder(inp.q, inp.qo_indptr, inp.kv, scale, **inp.layout).clone(), inp)
-
-
-def test_an_undeclared_uint8_cache_is_refused_by_every_path():
-    inp = _input()
-    raw = inp.kv.view(torch.uint8)
-    plan = _plan(SPEC, inp)
-    for run in (plan.run, plan.run_checked):
-        with pytest.raises(ValueError, match="cache_dtype='uint8'"):
-            run(inp.q, raw, inp.kv_scale)
-    decoder = Decoder(SPEC)
-    with pytest.raises(ValueError, match="cache_dtype='uint8'"):
-        decoder(inp.q, inp.qo_indptr, raw, inp.kv_scale, **inp.layout)
-    with pytest.raises(ValueError, match="kv.view"):
-        decode(inp.q, inp.qo_indptr, raw, inp.kv_scale, **inp.layout)
-    fused = get_backend("triton_fused")
-    fused_runner = fused.build_serving(fused.default_serving_variant(SPEC, decoder.platform), SPEC,
-                                       "cpu")
-    for runner in (decoder.runner, fused_runner):  # the runners beneath, called directly
-        with pytest.raises(ValueError, match="kv is uint8"):
-            runner(inp.q, inp.qo_indptr, raw, inp.kv_scale, **inp.layout)
-    # and the right cache still runs after the refusals
-    _close(plan.run(inp.q, inp.kv, inp.kv_scale).clone(), inp)
-    # a bf16 plan refuses an fp8 cache
-    with pytest.raises(ValueError, match="kv must be bf16"):
+    with pytest.raises(ValueError, match="kv must be bf16"):  # a bf16 plan refuses an fp8 cache
         _plan(CallSpec("bf16", page_size=16, heads=16), inp).run(inp.q, inp.kv, inp.kv_scale)

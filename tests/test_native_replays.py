@@ -76,7 +76,7 @@ def test_the_split_k_replay_in_c_is_the_numpy_one_and_the_loop_over_a_list(numpy
     dealt = []  # the numpy path's exact dealings (the other steps are one wave or many waves)
     real = makespan.greedy_makespan  # the dealing split-K's replay shares (makespan.deal)
     monkeypatch.setattr(makespan, "greedy_makespan", lambda work, slots: dealt.append(1) or real(work, slots))
-    runs, branches = 0, set()
+    branches = set()
     for rng, _batch, lens, heads in _batches(3, 1000):
         q_len, params = rng.randint(1, 4), _splitk_params(rng)
         # a few SMs too: fewer slots than a dealing block (16) cuts every block short
@@ -86,8 +86,7 @@ def test_the_split_k_replay_in_c_is_the_numpy_one_and_the_loop_over_a_list(numpy
         got = _on_every_path(numpy_path, sk.splitk_schedule, lens, *case)
         assert type(got[1]) is int, (lens.tolist(), *case)
         branches.add("one wave" if got[0] == max(lens) + item else "more")
-        runs += 1
-    assert runs // 10 < len(dealt) < runs - runs // 10  # both the exact dealing and the others, often
+    assert 100 < len(dealt) < 900  # of 1000: both the exact dealing and the others, often
     assert branches == {"one wave", "more"}
     no_budget = {"max_splits": 8, "tokens_per_split": 512, "block_n": 32, "block_h": 64}
     for zeros in (np.zeros(3, dtype=np.int64), [0, 0, 0]):  # all lengths 0
@@ -234,33 +233,17 @@ def test_without_a_compiler_or_with_a_broken_one_the_python_path_runs(monkeypatc
         assert load("broken", "this is not C\n") is None
     monkeypatch.setattr(native, "compiler", lambda: None)
     assert load("other", source + "\n") is None
-
-
-@needs_c
-def test_the_interpolation_in_c_is_the_python_interpolation():
-    """The committed table's grids interpolated in C agree with the Python steps to rounding, with
-    the same variants left out, at random batches and lengths, on grid points and past both ends."""
+    # the estimator's pick without its C library: the Python estimates
+    monkeypatch.setattr(estimate, "_native", lambda: None)
     table = load_serving_table(COMMITTED)
-    rng = random.Random(11)
-    compared = left_out = 0
-    for family in table.families.values():
-        kvs = sorted({k for _, k in family.points})
-        for kind in ("times", "rates", "buckets"):
-            grid = table.estimator.grid(kind, family)
-            if not grid.batches:
-                continue
-            assert grid.dense is not None
-            for _ in range(400):
-                batch = rng.choice([rng.randint(1, 400), rng.choice(grid.batches)])
-                kv = rng.choice([2 ** rng.uniform(4, 18), float(rng.choice(kvs))])
-                got = grid.interpolate(batch, kv)
-                want = estimate._blend([(w, grid.at_batch(b, kv)) for b, w in estimate._bracket(grid.batches, batch)])
-                assert got.keys() == want.keys(), (kind, family.key, batch, kv)
-                for v, t in got.items():
-                    assert t == pytest.approx(want[v], rel=1e-12), (kind, family.key, batch, kv, v)
-                compared += len(got)
-                left_out += len({v for p in family.points.values() for v in p} - got.keys())
-    assert compared > 10000 and left_out > 0  # the imputing and leaving-out branches ran
+    family = next(iter(table.families.values()))
+    table.estimator.prepare(family)
+    assert table.estimator.compiled(family) is None
+    allowed = table.estimator.allowed(family, lambda v: v.backend == "triton")
+    variant, ok = table.estimator.pick(family, 8, 3000.0, [3000] * 8, allowed)
+    want = table.estimator.estimates(family, 8, 3000.0, [3000] * 8)
+    assert variant == estimate.fastest(want) and want
+    assert ok == estimate.fastest(want, allowed.accepts) and allowed.mask is None
 
 
 def test_a_split_k_and_a_gluon_models_one_call_replay_in_c_is_its_numpy_replay(numpy_path):
@@ -292,21 +275,42 @@ def test_a_split_k_and_a_gluon_models_one_call_replay_in_c_is_its_numpy_replay(n
 
 
 @needs_c
-def test_a_familys_compiled_estimate_picks_and_estimates_as_the_python_estimate_does():
-    """Estimator.pick's one C call against Estimator.estimates and fastest on the committed table:
-    the same pick and estimates, float for float, for ragged, uniform and length-less calls."""
+def test_a_familys_compiled_interpolation_and_estimate_pick_and_estimate_as_the_python_ones_do():
+    """On the committed table: its grids interpolated in C agree with the Python steps to rounding,
+    with the same variants left out, at random batches and lengths, on grid points and past both
+    ends; Estimator.pick's one C call against Estimator.estimates and fastest: the same pick and
+    estimates, float for float, for ragged, uniform and length-less calls."""
     table = load_serving_table(COMMITTED)
+    rng = random.Random(11)
+    compared = left_out = 0
+    for family in table.families.values():
+        kvs = sorted({k for _, k in family.points})
+        for kind in ("times", "rates", "buckets"):
+            grid = table.estimator.grid(kind, family)
+            if not grid.batches:
+                continue
+            assert grid.dense is not None
+            for _ in range(400):
+                batch = rng.choice([rng.randint(1, 400), rng.choice(grid.batches)])
+                kv = rng.choice([2 ** rng.uniform(4, 18), float(rng.choice(kvs))])
+                got = grid.interpolate(batch, kv)
+                want = estimate._blend([(w, grid.at_batch(b, kv)) for b, w in estimate._bracket(grid.batches, batch)])
+                assert got.keys() == want.keys(), (kind, family.key, batch, kv)
+                for v, t in got.items():
+                    assert t == pytest.approx(want[v], rel=1e-12), (kind, family.key, batch, kv, v)
+                compared += len(got)
+                left_out += len({v for p in family.points.values() for v in p} - got.keys())
+    assert compared > 10000 and left_out > 0  # the imputing and leaving-out branches ran
     families = list(table.families.values())
+    allowed = {}  # per family: every other variant, and none
     for family in families:
         table.estimator.prepare(family)
         assert table.estimator.compiled(family) is not None
-    rng = random.Random(2)
-    picks = set()
-    allowed = {}  # per family: every other variant, and none
-    for family in families:
         names = sorted({v for times in family.points.values() for v in times}, key=str)[::2]
         allowed[family.key] = [table.estimator.allowed(family, set(names).__contains__),
                                table.estimator.allowed(family, lambda v: False)]
+    rng = random.Random(2)
+    picks = set()
     for _ in range(3000):
         family = rng.choice(families)
         batch = rng.randint(1, 300)
@@ -361,27 +365,13 @@ def test_a_plans_step_with_host_lengths_picks_in_one_c_call_what_its_lookup_pick
         # the estimates the step's C call left, float for float the Python estimate's at the mean
         want_est = table.estimator.estimates(table.families[key], batch, sum(lens) / batch, lens)
         assert plan.last_estimates() == want_est, (key, batch, lens)
-        want = plan.pick(batch, sum(lens) / batch, lens)
-        assert got == want, (key, batch, lens)
+        assert got == plan.pick(batch, sum(lens) / batch, lens), (key, batch, lens)
         assert {k: n - before.get(k, 0) for k, n in after.items()} == {
             k: n - after.get(k, 0) for k, n in plan.misses.items()}, (key, batch, lens)
         seen.add(got.backend)
     # the own Triton kernels ran, and stood in for picks that cannot run here (counted in misses)
     assert {"triton", "triton_fused"} <= seen
     assert sum(n for plan in plans.values() for k, n in plan.misses.items() if "cannot run here" in k) > 0
-
-
-def test_without_a_c_compiler_the_pick_is_the_python_estimates(monkeypatch):
-    monkeypatch.setattr(estimate, "_native", lambda: None)
-    table = load_serving_table(COMMITTED)
-    family = next(iter(table.families.values()))
-    table.estimator.prepare(family)
-    assert table.estimator.compiled(family) is None
-    allowed = table.estimator.allowed(family, lambda v: v.backend == "triton")
-    variant, ok = table.estimator.pick(family, 8, 3000.0, [3000] * 8, allowed)
-    want = table.estimator.estimates(family, 8, 3000.0, [3000] * 8)
-    assert variant == estimate.fastest(want) and want
-    assert ok == estimate.fastest(want, allowed.accepts) and allowed.mask is None
 
 
 def test_a_list_of_ints_is_copied_into_the_int_buffer_exactly():

@@ -2,10 +2,8 @@
 module in tmp_path; the fp32 reference rounded to bf16, at 8 heads, which no built-in serves),
 registered by MLA_TUNE_EXTRA_BACKENDS (`plugin`) or one BACKEND_MODULES entry (`builtin`)."""
 
-import ast
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -40,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from mla_tune.core import CallSpec, Capabilities, Variant
+from mla_tune.core import CallSpec, Capabilities, Variant, check_serving_spec
 from mla_tune.serving.inputs import reference
 
 NAME = "probe_serving"
@@ -86,11 +84,7 @@ def serving_candidates(spec: CallSpec, space: dict, platform) -> list[Variant]:
 
 def build_serving(variant: Variant, spec: CallSpec, device):
     validate(variant)
-    reason = CAPABILITIES.refusal(spec)
-    if reason is not None:
-        raise ValueError(f"{NAME} cannot serve this spec: {reason}")
-    if variant.get("kv") != spec.kv_format:
-        raise ValueError(f"{variant} reads {variant.get('kv')} KV, the spec {spec.kv_format}")
+    check_serving_spec(NAME, spec, CAPABILITIES, variant)
 
     def run(q, qo_indptr, kv, kv_scale, *, kv_indptr=None, block_table=None, seq_lens=None,
             q_lens_host=None, kv_lens_host=None):
@@ -141,7 +135,7 @@ def _config(tmp_path, listed: dict, **changes) -> str:
     return str(path)
 
 
-def test_the_decoder_takes_it_by_the_registrys_order_and_it_answers_as_the_reference(probe):
+def test_the_decoder_takes_it_by_the_registrys_order_and_it_answers_as_the_reference(probe, monkeypatch):
     assert serving_backends()[-1] == NAME  # its registry line is its place in the order
     assert serving_backends()[:2] == ["triton", "triton_fused"]  # the own kernels first
     decoder = Decoder(SPEC8, device="cpu")  # no backend named: the first that serves 8 heads
@@ -155,16 +149,12 @@ def test_the_decoder_takes_it_by_the_registrys_order_and_it_answers_as_the_refer
     _close(out, inp.reference(), "fp8 KV, 16 heads")
     with pytest.raises(ValueError, match=rf"backend {NAME} cannot serve .*32 heads"):
         Decoder(CallSpec("bf16", 16, 32), backend=NAME, device="cpu")
-
-
-@pytest.mark.parametrize("probe", ["builtin"], indirect=True)  # plugins follow the built-in lines
-def test_first_in_the_registry_is_first_in_the_decoders_order(probe, monkeypatch):
-    """Where its line sits is its preference: moved to the front, it serves what the own
-    kernels would have."""
-    monkeypatch.setattr(backends, "BACKEND_MODULES",
-                        {NAME: backends.BACKEND_MODULES[NAME], **backends.BACKEND_MODULES})
-    assert serving_backends()[0] == NAME
-    assert Decoder(CallSpec("bf16", 16, 16), device="cpu").backend == NAME
+    if NAME in backends.BACKEND_MODULES:  # built in (plugins follow the built-in lines): where its
+        # line sits is its preference; moved to the front, it serves what the own kernels would have
+        monkeypatch.setattr(backends, "BACKEND_MODULES",
+                            {NAME: backends.BACKEND_MODULES[NAME], **backends.BACKEND_MODULES})
+        assert serving_backends()[0] == NAME
+        assert Decoder(CallSpec("bf16", 16, 16), device="cpu").backend == NAME
 
 
 def test_the_serving_sweep_and_its_dry_run_plan_it_where_a_config_lists_it(probe, tmp_path):
@@ -230,50 +220,3 @@ def test_a_serving_table_that_picks_it_loads_and_a_decode_plan_runs_it(probe, tm
     picked = plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens, mean_kv_len=15)
     assert picked == plan.pick(2, 15.0) and picked.backend == NAME
     _close(plan.run(inp.q, inp.kv), inp.reference(), "the default")
-
-
-# Modules outside backends/ that may name built-in backends (torch and triton count, as the
-# libraries too) in a comparison or a literal of names: how many places (at most), and why.
-NAMED_OUTSIDE_BACKENDS = {
-    "mla_tune/gpu.py": (1, "the torch and triton libraries' versions"),
-    "mla_tune/export/modules.py": (1, "torch and triton, the third-party imports an export may keep"),
-    "mla_tune/runtime/__init__.py": (1, "torch and triton, library versions the runtime compares"),
-    "mla_tune/tables/dispatch.py": (4, "the leaderboard's fallback policy: which backend stands in, by rule"),
-    "mla_tune/export/__init__.py": (3, "the export's fallback: triton's default_variant"),
-    "mla_tune/tune/schedule.py": (1, "DEFAULT_COSTS: cost priors; a backend without a line takes '*'"),
-}
-
-
-def _backend_names(node, names: set[str]) -> list[str]:
-    if isinstance(node, ast.Constant) and node.value in names:
-        return [node.value]
-    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-        return [e.value for e in node.elts if isinstance(e, ast.Constant) and e.value in names]
-    return []
-
-
-def test_no_new_module_outside_the_backends_names_a_backend():
-    """A comparison with a built-in backend's name, or a literal of two or more of them (an
-    order, a table keyed by name), is a place a new backend must join: none but those listed."""
-    names = set(backends.BACKEND_MODULES)
-    root = Path(backends.__file__).parents[1]
-    found: dict[str, list[int]] = {}
-    for path in sorted(root.rglob("*.py")):
-        text = path.read_text(encoding="utf-8")
-        if path.parent.name == "backends" or not any(f'"{n}"' in text or f"'{n}'" in text for n in names):
-            continue
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.Compare):
-                hit = any(_backend_names(side, names) for side in (node.left, *node.comparators))
-            elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-                hit = len(_backend_names(node, names)) >= 2
-            elif isinstance(node, ast.Dict):
-                hit = sum(bool(_backend_names(k, names)) for k in node.keys if k is not None) >= 2
-            else:
-                hit = False
-            if hit:
-                found.setdefault(path.relative_to(root.parent).as_posix(), []).append(node.lineno)
-    over = {f: lines for f, lines in found.items()
-            if len(lines) > NAMED_OUTSIDE_BACKENDS.get(f, (0, ""))[0]}
-    assert not over, ("backend names outside mla_tune/backends (a capability or an optional "
-                      f"backend member instead): {over}")

@@ -41,17 +41,10 @@ def _static(variant, shape=SHAPE, device="cpu"):
     return variant.with_params(q_amax=amax)
 
 
-# ------------------------------------------------------------------- FlashInfer
-def test_unavailable_reasons_name_the_missing_library(fakes, monkeypatch):
-    assert flashinfer_mla.unavailable_reason() is None  # the CPU fakes count as available
-    assert flash_mla.unavailable_reason() is None
-    for module in ("flashinfer", "flash_mla"):
-        monkeypatch.setitem(sys.modules, module, None)  # makes the import raise ImportError
-    assert flashinfer_mla.unavailable_reason().startswith("FlashInfer cannot be imported")
-    assert flash_mla.unavailable_reason().startswith("FlashMLA cannot be imported")
-
-
-def test_the_fakes_have_flashinfer_0_6_18s_and_flash_mla_1_0_0s_signatures(fakes):
+# ----------------------------------------------------------- FlashInfer and FlashMLA
+def test_the_fakes_have_flashinfer_0_6_18s_and_flash_mla_1_0_0s_signatures_and_count_as_available(
+        fakes, monkeypatch):
+    """Where the import fails, the unavailable reasons name the missing library."""
     wrapper = fakes["flashinfer"].mla.BatchMLAPagedAttentionWrapper
     empty = inspect.Parameter.empty
     pk, kw = "POSITIONAL_OR_KEYWORD", "KEYWORD_ONLY"
@@ -72,9 +65,16 @@ def test_the_fakes_have_flashinfer_0_6_18s_and_flash_mla_1_0_0s_signatures(fakes
         "seqlens_k", "num_q_tokens_per_head_k", "h_k", "h_q", "is_fp8_kvcache", "topk",
         "use_legacy"]
     assert fm.__version__ == "1.0.0" and fm.has_legacy()
+    assert flashinfer_mla.unavailable_reason() is None and flash_mla.unavailable_reason() is None
+    for module in ("flashinfer", "flash_mla"):
+        monkeypatch.setitem(sys.modules, module, None)  # makes the import raise ImportError
+    assert flashinfer_mla.unavailable_reason().startswith("FlashInfer cannot be imported")
+    assert flash_mla.unavailable_reason().startswith("FlashMLA cannot be imported")
 
 
-def test_flashinfer_candidates_follow_the_platform_and_a_runner_refuses_another_shape(fakes, data):
+def test_candidates_follow_the_platform_and_build_refuses_what_the_library_cannot_run(fakes, data):
+    """FlashInfer's fa3 and fp8 KV need SM90 and a runner refuses another shape; FlashMLA needs
+    SM90, whole 64-token pages and a q_amax for fp8_static."""
     space = {"backend": ["fa3", "fa2"], "kv": ["bf16", "fp8"]}
     variants = flashinfer_mla.candidates(SHAPE, space, H200)
     assert [str(v) for v in variants] == [
@@ -88,30 +88,50 @@ def test_flashinfer_candidates_follow_the_platform_and_a_runner_refuses_another_
     runner = flashinfer_mla.build(Variant.make("flashinfer", kernel="fa2", kv="bf16", q="bf16"), Shape(2, 128), "cpu")
     with pytest.raises(ValueError, match="planned for 2x128"):
         runner(*data[:4])
+    space = {"kv": ["bf16", "fp8"], "q": ["bf16", "fp8_dynamic", "fp8_static"]}
+    assert [str(v) for v in flash_mla.candidates(Shape(4, 1024), space, H200)] == [
+        "flashmla(kv=bf16,q=bf16)", "flashmla(kv=fp8,q=fp8_dynamic)", "flashmla(kv=fp8,q=fp8_static)"]
+    assert flash_mla.candidates(Shape(4, 1000), space, H200) == []
+    assert flash_mla.candidates(Shape(4, 1024), space, MI355X) == []
+    assert flash_mla.candidates(Shape(4, 1024), space, gpu.fake_platform("A100")) == []
+    with pytest.raises(ValueError, match="kv_len 96 is not a multiple of 64"):
+        flash_mla.build(Variant.make("flashmla", kv="bf16", q="bf16"), Shape(2, 96), "cpu")
+    with pytest.raises(ValueError, match="q_amax"):
+        flash_mla.build(Variant.make("flashmla", kv="fp8", q="fp8_static"), SHAPE, "cpu")
+    with pytest.raises(ValueError, match="bf16 q with bf16 KV, or fp8 q"):
+        flash_mla.build(Variant.make("flashmla", kv="fp8", q="bf16"), SHAPE, "cpu")
 
 
-@pytest.mark.parametrize("backend", ["fa3", "fa2"])
-@pytest.mark.parametrize("kv", ["bf16", "fp8"])
-def test_flashinfer_plans_once_runs_on_views_and_matches_the_reference(fakes, data, backend, kv):
-    mla = fakes["flashinfer"].mla
-    runner = flashinfer_mla.build(Variant.make("flashinfer", kernel=backend, kv=kv, q="bf16"), SHAPE, "cpu")
-    assert mla.calls["plan"] == 1
+@pytest.mark.parametrize("variant", [
+    *(Variant.make("flashinfer", kernel=k, kv=kv, q="bf16")
+      for k in ("fa3", "fa2") for kv in ("bf16", "fp8")),
+    *(Variant.make("flashmla", kv=kv, q=q)
+      for kv, q in (("bf16", "bf16"), ("fp8", "fp8_dynamic"), ("fp8", "fp8_static")))], ids=str)
+def test_each_vendor_plans_once_in_build_runs_into_its_buffer_and_matches_the_reference(fakes, data, variant):
+    """FlashInfer plans and FlashMLA schedules once, in build; each call runs the kernel alone,
+    into the runner's bf16 output buffer (FlashInfer's on views of the cache, no copy)."""
+    flashinfer = variant.backend == "flashinfer"
+    calls = fakes["flashinfer"].mla.calls if flashinfer else fakes["flash_mla"].calls
+    variant = _static(variant)
+    runner = _BACKENDS[variant.backend].build(variant, SHAPE, "cpu")
+    assert calls["plan" if flashinfer else "get_mla_decoding_metadata"] == 1
     first = runner(*data[:4]).clone()
-    out, last = runner(*data[:4]), mla.last_run
-    assert mla.calls == {"init": 1, "plan": 1, "run": 2}
-    assert out.data_ptr() == last["out_ptr"]  # run() wrote into the runner's buffer
-    assert torch.equal(first, out)
-    result = problem.check(out, problem.reference(data, "bf16", kv), STRICT)
+    out = runner(*data[:4])
+    assert calls == ({"init": 1, "plan": 1, "run": 2} if flashinfer
+                     else {"get_mla_decoding_metadata": 1, "flash_mla_with_kvcache": 2})
+    assert torch.equal(first, out) and out.dtype == torch.bfloat16
+    result = problem.check(out, expected_output(data, variant), STRICT)
     assert result.passed, result.reason
-    assert last["ckv_stride"] == (576, 576, 1)  # a view of the (total_kv, 1, 576) cache, no copy
-    if kv == "bf16":
-        assert last["ckv_ptr"] == data[1]["bf16"].data_ptr()
-        assert last["q_nope_stride"] == (16 * 576, 576, 1)
-    else:
-        assert last["ckv_ptr"] == data[1]["fp8"][0].data_ptr()
+    if flashinfer:
+        last, kv = fakes["flashinfer"].mla.last_run, data[1][variant.get("kv")]
+        assert out.data_ptr() == last["out_ptr"]
+        assert last["ckv_stride"] == (576, 576, 1)  # a view of the (total_kv, 1, 576) cache
+        assert last["ckv_ptr"] == (kv if variant.get("kv") == "bf16" else kv[0]).data_ptr()
+        if variant.get("kv") == "bf16":
+            assert last["q_nope_stride"] == (16 * 576, 576, 1)
 
 
-def test_flashinfer_fake_rejects_what_flashinfer_rejects(fakes, data):
+def test_the_fakes_reject_what_flashinfer_and_flash_mla_reject(fakes, data):
     mla = fakes["flashinfer"].mla
     wrapper = mla.BatchMLAPagedAttentionWrapper(torch.empty(8, dtype=torch.uint8), backend="fa3")
     i32 = torch.int32
@@ -131,39 +151,6 @@ def test_flashinfer_fake_rejects_what_flashinfer_rejects(fakes, data):
     with pytest.raises(TypeError):  # the scales are keyword-only
         wrapper.run(*views, None, None, False, None, None, None, False, None, 1.0)
     wrapper.run(*views, ckv_scale=1.0, kpe_scale=1.0)
-
-
-# --------------------------------------------------------------------- FlashMLA
-def test_flash_mla_candidates_and_build_need_sm90_whole_pages_and_a_q_amax(fakes):
-    space = {"kv": ["bf16", "fp8"], "q": ["bf16", "fp8_dynamic", "fp8_static"]}
-    assert [str(v) for v in flash_mla.candidates(Shape(4, 1024), space, H200)] == [
-        "flashmla(kv=bf16,q=bf16)", "flashmla(kv=fp8,q=fp8_dynamic)", "flashmla(kv=fp8,q=fp8_static)"]
-    assert flash_mla.candidates(Shape(4, 1000), space, H200) == []
-    assert flash_mla.candidates(Shape(4, 1024), space, MI355X) == []
-    assert flash_mla.candidates(Shape(4, 1024), space, gpu.fake_platform("A100")) == []
-    with pytest.raises(ValueError, match="kv_len 96 is not a multiple of 64"):
-        flash_mla.build(Variant.make("flashmla", kv="bf16", q="bf16"), Shape(2, 96), "cpu")
-    with pytest.raises(ValueError, match="q_amax"):
-        flash_mla.build(Variant.make("flashmla", kv="fp8", q="fp8_static"), SHAPE, "cpu")
-    with pytest.raises(ValueError, match="bf16 q with bf16 KV, or fp8 q"):
-        flash_mla.build(Variant.make("flashmla", kv="fp8", q="bf16"), SHAPE, "cpu")
-
-
-@pytest.mark.parametrize("kv,q", [("bf16", "bf16"), ("fp8", "fp8_dynamic"), ("fp8", "fp8_static")])
-def test_flash_mla_schedules_once_and_matches_the_reference(fakes, data, kv, q):
-    calls = fakes["flash_mla"].calls
-    variant = _static(Variant.make("flashmla", kv=kv, q=q))
-    runner = flash_mla.build(variant, SHAPE, "cpu")
-    assert calls["get_mla_decoding_metadata"] == 1
-    for _ in range(2):
-        out = runner(*data[:4])
-    assert calls == {"get_mla_decoding_metadata": 1, "flash_mla_with_kvcache": 2}
-    assert out.shape == (SHAPE.batch, 16, 512) and out.dtype == torch.bfloat16
-    result = problem.check(out, expected_output(data, variant), STRICT)
-    assert result.passed, result.reason
-
-
-def test_flash_mla_fake_rejects_what_flash_mla_rejects(fakes, data):
     fm = fakes["flash_mla"]
     q, kv = data[0].view(3, 1, 16, 576), data[1]["bf16"]
     seqlens = torch.full((3,), 128, dtype=torch.int32)

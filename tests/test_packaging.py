@@ -1,6 +1,5 @@
 """Tables that ship: one lookup order (mla_tune/locate.py), and a wheel that finds them."""
 
-import json
 import os
 import shutil
 import site
@@ -23,7 +22,15 @@ def _tables(folder: Path, *names: str) -> Path:
     return folder
 
 
-def test_a_gpu_name_is_looked_up_env_then_cwd_then_packaged(monkeypatch, tmp_path):
+def test_a_path_is_a_path_a_gpu_name_is_looked_up_env_then_cwd_then_packaged_and_so_is_a_config(
+        monkeypatch, tmp_path):
+    assert locate.table_path("x.yaml") == Path("x.yaml")
+    assert locate.table_path(tmp_path / "H200") == tmp_path / "H200"  # a Path is never a name
+    assert locate.table_path("some/H200") == Path("some/H200")
+    # runtime.load takes a path as its first argument
+    missing = tmp_path / "x.yaml"
+    with pytest.raises(TableError, match=r"x\.yaml does not exist"):
+        runtime.load(str(missing))  # a path, not a GPU named ".../x.yaml"
     env, cwd, pkg = tmp_path / "env", tmp_path / "cwd", tmp_path / "pkg"
     _tables(env, "A.yaml")
     _tables(cwd / "tables", "A.yaml", "B.yaml")
@@ -42,31 +49,13 @@ def test_a_gpu_name_is_looked_up_env_then_cwd_then_packaged(monkeypatch, tmp_pat
     message = str(info.value)
     assert "D.yaml does not exist" in message and "./tables" in message and str(pkg) in message
     assert "tables there: A, B, C" in message
-
-
-def test_a_path_is_a_path_and_a_name_is_a_name(tmp_path):
-    assert locate.table_path("x.yaml") == Path("x.yaml")
-    assert locate.table_path(tmp_path / "H200") == tmp_path / "H200"  # a Path is never a name
-    assert locate.table_path("some/H200") == Path("some/H200")
-    assert locate.is_gpu_name("MI355X") and not locate.is_gpu_name("H200.yaml")
-    # the same folder reached twice (./tables is the checkout's) is searched once
+    # the same folder reached twice (./tables, given as the packaged one too) is searched once
     dirs = locate.table_dirs(packaged=Path("tables"))
     assert [label for label, _ in dirs].count("./tables") == 1 and len(dirs) == 1
-    # runtime.load takes a path as its first argument
-    missing = tmp_path / "x.yaml"
-    with pytest.raises(TableError, match=r"x\.yaml does not exist"):
-        runtime.load(str(missing))  # a path, not a GPU named ".../x.yaml"
-    with pytest.raises(TableError, match=r"NOPE\.yaml does not exist.*searched"):
-        runtime.load(table="NOPE")
-
-
-def test_a_config_path_falls_back_to_the_packaged_copy(monkeypatch, tmp_path):
-    monkeypatch.chdir(tmp_path)
     packaged = locate.packaged_dir("configs")
-    assert packaged is not None and (packaged / "leaderboard.yaml").is_file()
     assert locate.config_path("configs/leaderboard.yaml") == packaged / "leaderboard.yaml"
     assert locate.config_path("elsewhere/leaderboard.yaml") == Path("elsewhere/leaderboard.yaml")
-    _tables(tmp_path / "configs", "leaderboard.yaml")
+    _tables(cwd / "configs", "leaderboard.yaml")
     assert locate.config_path("configs/leaderboard.yaml") == Path("configs/leaderboard.yaml")
 
 
@@ -98,10 +87,6 @@ def test_a_built_wheel_ships_the_tables_and_finds_them_outside_the_checkout(tmp_
     def outside_run(*command):
         return subprocess.run([str(c) for c in command], cwd=outside, env=env, capture_output=True, text=True)
 
-    show = outside_run(venv / "bin" / "mla-tune", "show", "--gpu", "H200", "--json")
-    assert show.returncode == 0, show.stderr
-    shown = json.loads(show.stdout)
-    assert shown["path"] == f"{purelib}/mla_tune/data/tables/H200.yaml" and len(shown["rows"]) == 8
     # no MI355X table anywhere: export writes the packaged prior (configs/priors/ ships too)
     prior = outside_run(venv / "bin" / "mla-tune", "export", "--gpu", "MI355X", "-o", "sub.py")
     assert prior.returncode == 0, prior.stderr

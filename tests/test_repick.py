@@ -28,14 +28,9 @@ from tests.helpers import invoke
 
 KEY = FamilyKey("bf16", 64, 16, 1)
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _v(splits: int) -> str:
-    return str(Variant.parse(f"triton(block_h=16,block_n=32,dot_dtype=bf16,kv=bf16,max_splits={splits},"
-                             "num_stages=2,num_warps=4,q=bf16,tokens_per_split=128)"))
-
-
-SWEPT, BETTER, PARTIAL = _v(2), _v(4), _v(8)
+SWEPT, BETTER, PARTIAL = (
+    str(Variant.parse(f"triton(block_h=16,block_n=32,dot_dtype=bf16,kv=bf16,max_splits={n},num_stages=2,"
+                      "num_warps=4,q=bf16,tokens_per_split=128)")) for n in (2, 4, 8))
 
 
 def _table() -> ServingTable:
@@ -58,7 +53,7 @@ def _report(path: Path, shapes: list) -> Path:
     return path
 
 
-def test_a_bucket_takes_the_variant_clearly_faster_over_its_recorded_shapes_and_keeps_it_written(tmp_path):
+def test_a_bucket_takes_the_variant_clearly_faster_over_enough_shapes_of_runs_that_timed_its_pick(tmp_path):
     # bucket 4: BETTER 10% faster than the swept pick at 6 shapes (one ragged, its worst);
     # bucket 8: only 2% faster (under MARGIN): kept
     shapes = [_shape(3, {SWEPT: 110.0, BETTER: 100.0}) for _ in range(5)]
@@ -79,13 +74,7 @@ def test_a_bucket_takes_the_variant_clearly_faster_over_its_recorded_shapes_and_
     assert table.provenance["graph_repick"] == {"reports": ["r.json"], "margin": repick.MARGIN,
                                                 "min_shapes": repick.MIN_SHAPES, "replaced": 1}
     assert len(lines) == 1 and "batch 4" in lines[0]
-    # the written table reads back with its chosen picks
-    back = load_serving_table(write_serving_table(tmp_path / "t.serving.yaml", table))
-    assert back.families[KEY].graph == table.families[KEY].graph
-    assert back.provenance["graph_repick"]["replaced"] == 1
-
-
-def test_a_bucket_stays_as_swept_on_too_few_shapes_or_a_run_that_never_timed_its_pick(tmp_path):
+    # too few shapes, a run under another timing protocol, a run that never timed the pick
     shapes = [_shape(3, {SWEPT: 150.0, BETTER: 100.0}) for _ in range(repick.MIN_SHAPES - 1)]
     table = _table()
     assert repick.repick_graph(table, [_report(tmp_path / "r.json", shapes)], log=lambda _: None) == []
@@ -93,7 +82,6 @@ def test_a_bucket_stays_as_swept_on_too_few_shapes_or_a_run_that_never_timed_its
     with pytest.raises(VerifyError, match="timed each candidate as one flushed call"):
         repick.repick_graph(table, [_report(tmp_path / "r.json", shapes)], log=lambda _: None)
     table.provenance = {k: v for k, v in table.provenance.items() if k != "search"}
-    assert table.families[KEY].graph[4].variant == Variant.parse(SWEPT)
     # an older run whose config did not offer the swept pick (it timed SWEPT nowhere) has
     # BETTER faster at 6 shapes: it cannot replace a pick it never ran; a run that timed
     # SWEPT somewhere (another bucket) can
@@ -120,39 +108,7 @@ def _loop(path: Path, rows: dict, gpu: str = "H200", **fields) -> Path:
     return path
 
 
-def test_engine_loops_replace_a_graph_pick_whose_step_is_slower_over_their_geomean(tmp_path):
-    # bucket 4: BETTER's step 20% and 4% faster in two loops (geomean 11.7%): replaced, its
-    # worst over the loops 0 (fastest in both); bucket 8: 2% faster (under MARGIN): kept
-    short = _loop(tmp_path / "short.json", {4: {SWEPT: 1.2, BETTER: 1.0, PARTIAL: 1.1}, 8: {SWEPT: 1.02, BETTER: 1.0}})
-    long = _loop(tmp_path / "long.json", {4: {SWEPT: 2.08, BETTER: 2.0}})
-    table = _table()
-    lines = []
-    changes = repick.repick_graph_on_steps(table, [short, long], log=lines.append)
-    assert [(c["batch"], c["was"], c["now"], c["shapes"]) for c in changes] == [(4, SWEPT, BETTER, 2)]
-    pick = table.families[KEY].graph[4]
-    assert (pick.variant, pick.worst_regret, pick.worst_kv_len) == (Variant.parse(BETTER), 0.0, 0)
-    assert pick.chosen_on == {"reports": 2, "shapes": 2, "geomean_regret": 0.0, "sweep_pick": SWEPT,
-                              "sweep_geomean_regret": round((1.2 * 1.04) ** 0.5 - 1, 4),
-                              "engine_loops": ["short.json", "long.json"]}
-    assert table.families[KEY].graph[8].variant == Variant.parse(SWEPT)
-    assert table.provenance["graph_repick_steps"] == {"reports": ["short.json", "long.json"],
-                                                      "margin": repick.MARGIN, "replaced": 1}
-    assert len(lines) == 1 and "batch 4" in lines[0]
-    # PARTIAL was timed in one loop of two: it does not compete, though it beat SWEPT there
-    assert all(c["now"] != PARTIAL for c in changes)
-    back = load_serving_table(write_serving_table(tmp_path / "t.serving.yaml", table))
-    assert back.families[KEY].graph == table.families[KEY].graph
-    # verify runs that time the other variant 10% faster at both buckets re-choose bucket 8,
-    # not bucket 4, whose pick the loops chose
-    shapes = [_shape(3, {SWEPT: 100.0, BETTER: 110.0}) for _ in range(6)]
-    shapes += [_shape(7, {SWEPT: 110.0, BETTER: 100.0}) for _ in range(6)]
-    lines.clear()
-    (change,) = repick.repick_graph(back, [_report(tmp_path / "r.json", shapes)], log=lines.append)
-    assert change["batch"] == 8 and back.families[KEY].graph[4].variant == Variant.parse(BETTER)
-    assert any("batch 4" in line and "chosen on engine loops; left" in line for line in lines)
-
-
-def test_engine_loops_leave_a_pick_they_did_not_time_and_refuse_another_gpu_or_a_bad_report(tmp_path):
+def test_engine_loops_replace_a_slower_pick_leave_one_they_did_not_time_and_refuse_a_bad_report(tmp_path):
     table = _table()
     lines = []
     untimed = _loop(tmp_path / "u.json", {4: {BETTER: 1.0, PARTIAL: 1.5}})
@@ -170,6 +126,33 @@ def test_engine_loops_leave_a_pick_they_did_not_time_and_refuse_another_gpu_or_a
         with pytest.raises(VerifyError, match=says):
             repick.repick_graph_on_steps(table, [path], log=lambda _: None)
     assert table.families[KEY].graph[4].variant == Variant.parse(SWEPT)
+    # bucket 4: BETTER's step 20% and 4% faster in two loops (geomean 11.7%): replaced, its
+    # worst over the loops 0 (fastest in both); PARTIAL, timed in one loop of two, does not
+    # compete, though it beat SWEPT there; bucket 8: 2% faster (under MARGIN): kept
+    short = _loop(tmp_path / "short.json", {4: {SWEPT: 1.2, BETTER: 1.0, PARTIAL: 1.1}, 8: {SWEPT: 1.02, BETTER: 1.0}})
+    long = _loop(tmp_path / "long.json", {4: {SWEPT: 2.08, BETTER: 2.0}})
+    lines.clear()
+    changes = repick.repick_graph_on_steps(table, [short, long], log=lines.append)
+    assert [(c["batch"], c["was"], c["now"], c["shapes"]) for c in changes] == [(4, SWEPT, BETTER, 2)]
+    pick = table.families[KEY].graph[4]
+    assert (pick.variant, pick.worst_regret, pick.worst_kv_len) == (Variant.parse(BETTER), 0.0, 0)
+    assert pick.chosen_on == {"reports": 2, "shapes": 2, "geomean_regret": 0.0, "sweep_pick": SWEPT,
+                              "sweep_geomean_regret": round((1.2 * 1.04) ** 0.5 - 1, 4),
+                              "engine_loops": ["short.json", "long.json"]}
+    assert table.families[KEY].graph[8].variant == Variant.parse(SWEPT)
+    assert table.provenance["graph_repick_steps"] == {"reports": ["short.json", "long.json"],
+                                                      "margin": repick.MARGIN, "replaced": 1}
+    assert len(lines) == 1 and "batch 4" in lines[0]
+    back = load_serving_table(write_serving_table(tmp_path / "t.serving.yaml", table))
+    assert back.families[KEY].graph == table.families[KEY].graph
+    # verify runs that time the other variant 10% faster at both buckets re-choose bucket 8,
+    # not bucket 4, whose pick the loops chose
+    shapes = [_shape(3, {SWEPT: 100.0, BETTER: 110.0}) for _ in range(6)]
+    shapes += [_shape(7, {SWEPT: 110.0, BETTER: 100.0}) for _ in range(6)]
+    lines.clear()
+    (change,) = repick.repick_graph(back, [_report(tmp_path / "r.json", shapes)], log=lines.append)
+    assert change["batch"] == 8 and back.families[KEY].graph[4].variant == Variant.parse(BETTER)
+    assert any("batch 4" in line and "chosen on engine loops; left" in line for line in lines)
 
 
 def test_a_variant_the_sweeps_gate_refused_never_becomes_a_pick_on_either_source(tmp_path):

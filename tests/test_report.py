@@ -34,7 +34,9 @@ def _images(text: str) -> list[str]:
     return [line.split("](")[1].rstrip(")") for line in text.splitlines() if line.startswith("![")]
 
 
-def test_the_markdown_has_every_shape_its_floor_backends_and_curves_or_says_what_is_missing():
+def test_the_markdown_has_every_shape_its_floor_backends_and_curves_or_says_what_is_missing_or_unreadable(
+        monkeypatch, tmp_path):
+    """Unreadable: a record without a shape or backend, or a prior; docs/report is the committed table's."""
     table = load_table(H200_FIXED, check_params=False)
     candidates = read_candidates(H200_FIXED_RESULTS)
     text = report_markdown(table, candidates, plots={})
@@ -55,9 +57,18 @@ def test_the_markdown_has_every_shape_its_floor_backends_and_curves_or_says_what
     # without a results file: says what is left out
     text = report_markdown(load_table(CPU_TABLE, check_params=False), None, plots={})
     assert "No results file next to the table" in text and "| 3x16 | none |" in text
-
-
-def test_a_results_record_without_a_shape_is_one_line_naming_it(tmp_path):
+    # `mla-tune report --gpu H200` run from the repository root wrote docs/report/ for the committed table
+    monkeypatch.chdir(REPO)
+    report = Path("docs/report/report.md")
+    text = report.read_text()
+    keys = {"time_per_shape.png": "time", "bandwidth_share.png": "share"}
+    linked = {keys.get(n, "params " + n.removeprefix("params_").removesuffix(".png")): n
+              for n in _images(text)}
+    table = load_table(Path("tables/H200.yaml"), check_params=False)
+    assert text == report_markdown(table, read_candidates(H200_RESULTS), plots=linked)
+    for name in linked.values():
+        assert (report.parent / name).is_file()
+    # a results record without a shape or a backend is one line naming it
     results = tmp_path / "r.jsonl"
     good = {"kind": "candidate", "shape": {"batch": 1, "kv_len": 8}, "backend": "torch",
             "variant": "torch(kv=bf16,q=bf16)", "status": "ok", "params": {}, "time": {"median_us": 3.0}}
@@ -91,32 +102,14 @@ def test_write_report_draws_the_plots_and_links_them(tmp_path):
         assert (tmp_path / "report" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_the_committed_report_is_the_one_for_the_committed_table(monkeypatch):
-    # `mla-tune report --gpu H200` run from the repository root wrote docs/report/
-    monkeypatch.chdir(REPO)
-    report = Path("docs/report/report.md")
-    text = report.read_text()
-    keys = {"time_per_shape.png": "time", "bandwidth_share.png": "share"}
-    linked = {keys.get(n, "params " + n.removeprefix("params_").removesuffix(".png")): n
-              for n in _images(text)}
-    table = load_table(Path("tables/H200.yaml"), check_params=False)
-    assert text == report_markdown(table, read_candidates(H200_RESULTS), plots=linked)
-    for name in linked.values():
-        assert (report.parent / name).is_file()
-
-
-# ----------------------------------------------------------------------- rendering rules
-def test_wrapping_never_splits_a_parameter_and_repeats_the_lead():
+def test_wrapping_never_splits_a_parameter_and_the_sweep_summary_has_full_winners_in_80_columns(monkeypatch):
     text = "triton_fused(" + ",".join(f"param_{i}=value_{i}" for i in range(12)) + ")"
-    lines = variant_lines("  4x1024  winner ", text, 60)
+    lines = variant_lines("  4x1024  winner ", text, 60)  # each line repeats the lead
     assert all(len(line) <= 60 and line.startswith("  4x1024  winner ") for line in lines)
     assert "".join(line[len("  4x1024  winner "):].strip() for line in lines) == text
     for i in range(12):
         assert sum(f"param_{i}=value_{i}" in line for line in lines) == 1
     assert wrap("x: ", "a" * 300, 80) == ["x: " + "a" * 74 + "..."]  # one huge word: cut
-
-
-def test_the_sweep_summary_fits_80_columns_with_full_winners_in_plain_lines(monkeypatch):
     _header, records, _ = read_results(H200_FIXED_RESULTS)
     records.append({"kind": "candidate", "variant": "torch(kv=bf16,q=bf16)", "status": "ok"})  # no shape
     records.append({"kind": "candidate", "shape": {"batch": 2, "kv_len": 17}, "status": "rejected",

@@ -38,35 +38,26 @@ def _line(obj) -> bytes:
 
 
 @READERS
-def test_a_missing_or_empty_file_reads_as_nothing(tmp_path, reader):
+def test_a_torn_last_line_warns_and_repair_tail_cuts_it_once_but_a_damaged_line_or_header_raises(
+        tmp_path, reader):
+    """Naming the line and the fix, or the wrong header before it; a missing or empty file is nothing."""
     path = tmp_path / "r.jsonl"
     assert reader["read"](path) == (None, [], [])
     path.write_bytes(b"")
     assert reader["read"](path) == (None, [], [])
-
-
-@READERS
-def test_a_torn_last_line_is_left_out_with_one_warning_and_repair_tail_cuts_it_once(tmp_path, reader):
-    path = tmp_path / "r.jsonl"
     torn, good = b'{"kind": "cand', _line(reader["header"]) + b"\n" + _line(reader["record"])
     path.write_bytes(good + torn)
     header, records, warnings = reader["read"](path)
     assert header == reader["header"] and records == [reader["record"]]  # the blank line skipped
     assert warnings == [f"{path}: ignoring a truncated last line ({len(torn)} bytes, a write cut short "
                         f"by a kill); {reader['redone']}"]
-    assert path.read_bytes().endswith(torn)  # reading never writes: repair_tail cuts it
     assert repair_tail(path) and path.read_bytes() == good and not repair_tail(path)
-
-
-@READERS
-def test_a_damaged_line_raises_naming_it_and_the_fix_a_wrong_header_before_it(tmp_path, reader):
-    path = tmp_path / "r.jsonl"
-    path.write_bytes(_line(reader["header"]) + _line(reader["record"]) + b"{not json\n")
+    path.write_bytes(good + b"{not json\n")
     with pytest.raises(ResultsError) as info:
         reader["read"](path)
     exc = info.value
     assert isinstance(exc.__cause__, json.JSONDecodeError)
-    assert str(exc) == (f"{path}, line 3: not valid JSON ({exc.__cause__}); the file was damaged or edited. "
+    assert str(exc) == (f"{path}, line 4: not valid JSON ({exc.__cause__}); the file was damaged or edited. "
                         f"{reader['fix']}")
     path.write_bytes(_line(reader["record"]) + b"{not json\n")
     with pytest.raises(ResultsError, match=f"^{re.escape(f'{path}: ' + reader['not_header'])}$"):
@@ -74,7 +65,6 @@ def test_a_damaged_line_raises_naming_it_and_the_fix_a_wrong_header_before_it(tm
 
 
 @pytest.mark.parametrize("record", [
-    {"kind": "candidate", "variant": "torch(kv=bf16,q=bf16)", "status": "ok"},
     {"kind": "candidate", "shape": {"batch": 0, "kv_len": 4}, "variant": "torch(kv=bf16,q=bf16)", "status": "ok"},
     {"kind": "step", "shape": {"batch": 2, "kv_len": 17}, "status": "ok"},  # no variant
     {"kind": "rung", "shape": "2x17"},

@@ -14,7 +14,6 @@ import yaml
 from mla_tune import gpu as gpu_mod
 from mla_tune.core import Shape, Variant
 from mla_tune.tables.table import table_from_results
-from mla_tune.tune import worker
 from mla_tune.tune.config import config_from_dict, load_config
 from mla_tune.tune.results import read_results
 from mla_tune.tune.schedule import DEFAULT_COSTS, BackendCost, CostModel, fit_plan, measured_costs
@@ -36,7 +35,7 @@ def fake_backends():
 
 
 # ---------------------------------------------------------------------- halving
-def test_promote_keeps_the_best_fraction_each_backends_best_and_the_baseline():
+def test_promote_keeps_the_best_fraction_each_backends_best_and_the_baseline_or_carried_seeds():
     timed = [Timed(f"triton(n={i})", "triton", 10.0 + i) for i in range(12)]
     timed += [Timed("flashinfer(k=a)", "flashinfer", 30.0), Timed("flashinfer(k=b)", "flashinfer", 31.0),
               Timed("torch(kv=bf16)", "torch", 90.0)]
@@ -47,10 +46,7 @@ def test_promote_keeps_the_best_fraction_each_backends_best_and_the_baseline():
     assert "flashinfer(k=b)" in cut and len(cut) + len(order) == 15
     few = promote(timed[:2], keep=0.25, min_keep=3, baseline="torch")
     assert len(few[0]) == 2 and few[1] == []  # never fewer than min_keep, never more than there are
-
-
-def test_the_serving_sweeps_halving_is_promote_with_carried_seeds_and_no_per_backend_keep():
-    """No baseline or per-backend best; carried winners never cut; ties broken by Timed.rank."""
+    # the serving sweep's: no baseline or per-backend best, carried winners never cut, ties by Timed.rank
     timed = [Timed("b(x=1)", "b", 10.0, rank=3), Timed("a(x=9)", "a", 10.0, rank=1),
              Timed("a(x=2)", "a", 11.0, rank=0), Timed("c(x=1)", "c", 30.0, rank=2),
              Timed("a(x=3)", "a", 12.0, rank=4), Timed("b(x=2)", "b", 13.0, rank=5)]
@@ -78,24 +74,19 @@ def test_dedupe_hook_collapses_candidates_the_backend_calls_the_same_kernel():
 
 
 # ------------------------------------------------------------------ plan fitting
-def _plan(n_triton: int) -> dict[Shape, list[Variant]]:
-    plan = {}
-    for shape in (Shape(4, 1024), Shape(64, 8192)):
-        plan[shape] = [Variant.make("torch", kv="bf16", q="bf16")]
-        plan[shape] += [Variant.make("triton", kv="fp8", q="bf16", num_splits=i) for i in range(n_triton)]
-        plan[shape] += [Variant.make("triton", kv="bf16", q="bf16", num_splits=i) for i in range(3)]
-        plan[shape] += [Variant.make("flashinfer", kv="bf16", q="bf16", kernel="fa3")]
-    return plan
-
-
 def test_a_budget_too_small_cuts_samples_then_candidates_keeping_baseline_and_families():
     costs = CostModel(dict(DEFAULT_COSTS), "defaults")
     args = dict(keep=0.25, min_keep=3, costs=costs, n_devices=1, precompile={"triton": True},
                 processes=4)
-    roomy = fit_plan(_plan(200), (5, 12, 30), budget_s=10_000, **args)
+    plan = {shape: [Variant.make("torch", kv="bf16", q="bf16"),
+                    *(Variant.make("triton", kv="fp8", q="bf16", num_splits=i) for i in range(200)),
+                    *(Variant.make("triton", kv="bf16", q="bf16", num_splits=i) for i in range(3)),
+                    Variant.make("flashinfer", kv="bf16", q="bf16", kernel="fa3")]
+            for shape in (Shape(4, 1024), Shape(64, 8192))}
+    roomy = fit_plan(plan, (5, 12, 30), budget_s=10_000, **args)
     assert roomy.rungs == (5, 12, 30) and not roomy.dropped and roomy.fits
-    tight = fit_plan(_plan(200), (5, 12, 30), budget_s=120, **args)
-    again = fit_plan(_plan(200), (5, 12, 30), budget_s=120, **args)
+    tight = fit_plan(plan, (5, 12, 30), budget_s=120, **args)
+    again = fit_plan(plan, (5, 12, 30), budget_s=120, **args)
     assert tight.fits and tight.estimate.seconds <= 120
     assert tight.plan == again.plan  # deterministic: a seeded subsample
     for shape, variants in tight.plan.items():
@@ -108,7 +99,9 @@ def test_a_budget_too_small_cuts_samples_then_candidates_keeping_baseline_and_fa
     assert any("dropped to fit the budget" in n for n in tight.notes)
 
 
-def test_a_first_call_jit_goes_to_first_s_observed_or_measured_from_the_h200_results_file():
+def test_a_first_call_jit_goes_to_first_s_observed_or_measured_and_an_old_results_file_builds_a_table():
+    """The pre-search H200 results: FlashInfer JIT-compiled in the timed worker then, and the
+    file, without rungs, still builds a table."""
     model = CostModel({"*": BackendCost(0.01, 0.005, 0.0, 0.0)}, "test")
     model.observe("flashinfer", 0, 5, 18.0, first_call=True)  # the JIT
     for _ in range(5):
@@ -116,15 +109,21 @@ def test_a_first_call_jit_goes_to_first_s_observed_or_measured_from_the_h200_res
     model.observe("flashinfer", 0, 5, 16.0, first_call=True)
     cost = model.cost("flashinfer")  # the usual cost left alone
     assert cost.rung0_s == pytest.approx(0.02) and cost.first_s == pytest.approx(17.0, abs=0.1)
-    # the pre-search H200 sweep: FlashInfer JIT-compiled in the timed worker then
-    costs, n = measured_costs(REPO / "tests" / "data" / "H200.pre-search.results.jsonl")
+    costs, n = measured_costs(DATA / "H200.pre-search.results.jsonl")
     assert n > 500
     assert costs["flashinfer"].first_s > 5  # FlashInfer's JIT, once per variant and class
     assert 0 < costs["triton"].rung0_s < 0.1
+    header, records, _ = read_results(DATA / "H200.pre-search.results.jsonl")
+    config = load_config(REPO / "configs" / "leaderboard.yaml")
+    header = {**header, "config": {**header["config"], "hash": config.hash}}
+    table = table_from_results(header, records, config)
+    assert len(table["rows"]) == 8 and all(r["winner"] for r in table["rows"])
+    assert all("rung0" not in r["candidates"] and "dropped" not in r["candidates"] for r in table["rows"])
 
 
-# ---------------------------------------------------------------------- dry run
-def test_the_dry_run_plans_each_shape_per_rung_with_an_estimate_and_writes_nothing(tmp_path):
+def test_the_dry_run_plans_each_shape_per_rung_with_an_estimate_within_budget_and_writes_nothing(tmp_path):
+    """The leaderboard's H200 plan, its estimate's basis the results beside --out, else the GPU's
+    committed ones, else (MI355X: none yet) the defaults; MI355X's plan fits its budget."""
     console, buf = capture()
     summary = run_sweep(REPO / "configs" / "leaderboard.yaml", "H200", out=tmp_path / "H200.yaml",
                         dry_run=True, console=console)
@@ -143,39 +142,31 @@ def test_the_dry_run_plans_each_shape_per_rung_with_an_estimate_and_writes_nothi
     assert n0 > n1 > n2 >= 3 and f"per rung {n0} -> {n1} -> {n2}" in text
     assert re.search(r"estimated \d+ s: start \d+ s, compile \d+ s, first calls \d+ s, candidates \d+ s; "
                      r"fits the budget of 540 s", text)
-    # the committed results of this GPU give the basis when nothing sits beside --out
     assert "estimate basis: measured from tables/H200.results.jsonl" in text
-    # an earlier results file beside the table comes first
     shutil.copy(REPO / "tables" / "H200.results.jsonl", tmp_path / "H200.results.jsonl")
     console, buf = capture()
     run_sweep(REPO / "configs" / "leaderboard.yaml", "H200", out=tmp_path / "H200.yaml", dry_run=True,
               console=console)
     assert f"estimate basis: measured from {tmp_path / 'H200.results.jsonl'}" in buf.getvalue()
-
-
-def test_the_mi355x_dry_run_plans_within_its_budget():
     console, buf = capture()
     summary = run_sweep(REPO / "configs" / "mi355x.yaml", "MI355X", out=Path("/nonexistent/MI355X.yaml"),
                         dry_run=True, console=console)
     budget = load_config(REPO / "configs" / "mi355x.yaml").budget_s
     assert summary.estimate_s <= budget
     assert f"fits the budget of {budget:.0f} s" in buf.getvalue()
-    assert "estimate basis: defaults" in buf.getvalue()  # no MI355X results anywhere yet
+    assert "estimate basis: defaults" in buf.getvalue()
 
 
 # ------------------------------------------------------------- the budget, for real
-@pytest.fixture(scope="module")
-def budget_sweep(tmp_path_factory):
-    out = tmp_path_factory.mktemp("budget") / "cpu.yaml"
+def test_a_sweep_over_its_budget_ends_within_10_percent_of_it_says_how_plainly_and_plans_ahead(tmp_path):
+    """The clock cuts candidates, the sweep ends within budget + 10%; without a terminal it
+    prints a plain line per shape and rung; the next dry run plans from the measured costs."""
+    config = DATA / "sweep_search_budget.yaml"
     console, buf = capture()
     t0 = time.monotonic()
-    summary = run_sweep(DATA / "sweep_search_budget.yaml", "cpu", out=out, console=console)
-    return summary, time.monotonic() - t0, buf.getvalue()
-
-
-def test_a_sweep_over_its_budget_cuts_candidates_and_ends_within_budget_plus_10_percent(budget_sweep):
-    summary, wall_s, text = budget_sweep
-    budget = load_config(DATA / "sweep_search_budget.yaml").budget_s
+    summary = run_sweep(config, "cpu", out=tmp_path / "cpu.yaml", console=console)
+    wall_s, text = time.monotonic() - t0, buf.getvalue()
+    budget = load_config(config).budget_s
     assert wall_s <= 1.1 * budget, f"the sweep took {wall_s:.1f} s against a budget of {budget} s"
     lines = [json.loads(x) for x in summary.results_path.read_text().splitlines()[1:]]
     finals = [r for r in lines if r["kind"] == "candidate"]
@@ -192,6 +183,14 @@ def test_a_sweep_over_its_budget_cuts_candidates_and_ends_within_budget_plus_10_
         # what the clock left untimed at rung 0 is counted, and said (a resume with room times it)
         assert row["candidates"].get("skipped", 0) == skipped.get((row["batch"], row["kv_len"]), 0)
     assert ("skipped at rung 0 to fit the budget" in " ".join(text.split())) == (sum(skipped.values()) > 0)
+    pattern = re.compile(r"^(1x17|2x17): rung [12]/2 done; \d+/\d+ candidates done; best [\d.]+ us \S+; "
+                         r"elapsed \d+ s, ETA \d+ s$", re.M)
+    assert {m.group(1) for m in pattern.finditer(text)} == {"1x17", "2x17"}
+    assert "\x1b[" not in text  # no terminal codes
+    console, buf = capture()
+    dry = run_sweep(config, "cpu", out=summary.table_path, dry_run=True, console=console)
+    assert f"estimate basis: measured from {summary.results_path}" in buf.getvalue()
+    assert any("dropped to fit the budget" in n or "cut from" in n for n in dry.notes)
 
 
 def test_a_resume_times_what_rung_0_skipped_decides_again_and_keeps_what_was_kept(tmp_path, monkeypatch):
@@ -222,51 +221,16 @@ def test_a_resume_times_what_rung_0_skipped_decides_again_and_keeps_what_was_kep
     assert "fast_for_batch=2" in again.winners["2x17"]["variant"]
     row = yaml.safe_load(again.table_path.read_text())["rows"][0]
     assert "skipped" not in row["candidates"] and "skipped at rung 0" not in buf.getvalue()
-    assert len(again.results_path.read_text().splitlines()) == 1 + len(before) + len(after)
     third = run_sweep(config, "cpu", out=out, console=capture()[0])  # nothing left: nothing re-opens
     assert third.results_path.read_text() == again.results_path.read_text()
 
 
-def test_without_a_terminal_the_sweep_prints_a_plain_line_per_shape_and_rung(budget_sweep):
-    _summary, _wall, text = budget_sweep
-    pattern = re.compile(r"^(1x17|2x17): rung [12]/2 done; \d+/\d+ candidates done; best [\d.]+ us \S+; "
-                         r"elapsed \d+ s, ETA \d+ s$", re.M)
-    assert {m.group(1) for m in pattern.finditer(text)} == {"1x17", "2x17"}
-    assert "\x1b[" not in text  # no terminal codes
-
-
-def test_the_next_dry_run_plans_from_the_measured_costs_and_cuts_ahead(budget_sweep):
-    summary, _wall, _text = budget_sweep
-    console, buf = capture()
-    dry = run_sweep(DATA / "sweep_search_budget.yaml", "cpu", out=summary.table_path, dry_run=True,
-                    console=console)
-    text = buf.getvalue()
-    assert f"estimate basis: measured from {summary.results_path}" in text
-    assert any("dropped to fit the budget" in n or "cut from" in n for n in dry.notes)
-
-
-# ---------------------------------------------------------------------- refusal
 def test_another_gpu_is_refused_from_its_name_before_any_worker_starts(monkeypatch, tmp_path):
     monkeypatch.setattr(gpu_mod, "quick_device_name", lambda: "NVIDIA H200")
-
-    def no_worker(self):
-        raise AssertionError("a worker was started")
-
-    monkeypatch.setattr(worker.WorkerHandle, "launch", no_worker)
+    monkeypatch.setattr(WorkerHandle, "launch", lambda self: pytest.fail("a worker was started"))
     with pytest.raises(SweepError, match=r"this machine has an NVIDIA H200 \(H200\), not MI355X"):
         run_sweep(DATA / "sweep_torch.yaml", "MI355X", out=tmp_path / "MI355X.yaml", console=capture()[0])
     assert list(tmp_path.iterdir()) == []
-
-
-# ------------------------------------------------------------------ old results
-def test_an_old_results_file_without_rungs_still_builds_a_table():
-    path = REPO / "tests" / "data" / "H200.pre-search.results.jsonl"
-    header, records, _ = read_results(path)
-    config = load_config(REPO / "configs" / "leaderboard.yaml")
-    header = {**header, "config": {**header["config"], "hash": config.hash}}
-    table = table_from_results(header, records, config)
-    assert len(table["rows"]) == 8 and all(r["winner"] for r in table["rows"])
-    assert all("rung0" not in r["candidates"] and "dropped" not in r["candidates"] for r in table["rows"])
 
 
 def test_a_worker_reaped_from_two_threads_at_once_is_closed_once(tmp_path):
@@ -279,17 +243,16 @@ def test_a_worker_reaped_from_two_threads_at_once_is_closed_once(tmp_path):
             time.sleep(0.002)
             closes.append(threading.get_ident())
 
+    def reap(handle):
+        gate.wait()
+        handle.reap()
+
     for _ in range(20):
         handle = WorkerHandle(0, tmp_path / "w.log")
         handle._proc = SimpleNamespace(is_alive=lambda: False, join=lambda _timeout: None)
         handle._conn = Conn()
         closes.clear()
-
-        def reap(handle=handle):
-            gate.wait()
-            handle.reap()
-
-        threads = [threading.Thread(target=reap) for _ in range(2)]
+        threads = [threading.Thread(target=reap, args=(handle,)) for _ in range(2)]
         for t in threads:
             t.start()
         for t in threads:

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from mla_tune.core import CallSpec, Variant
+from mla_tune.core import Variant
 from mla_tune.gpu import Platform
 from mla_tune.kernels.split_rule import reduce_splits_per_step
 from mla_tune.serving import calibrate as cal
@@ -35,10 +35,8 @@ def test_each_probe_pairs_a_long_tail_with_the_uniform_batch_of_its_tokens(monke
         assert (model.reduction_steps(p.key, p.uniform), model.reduction_steps(p.key, p.tail)) == p.steps
         assert p.steps[1] > p.steps[0]
     # a family without split-K models has none
-    def splitk(f):
-        return [v for v in f.models if v.backend == "triton"]
-    assert all(splitk(table.families[p.key]) for p in probes)
-    assert not cal.plan_probes(table, [k for k, f in table.families.items() if not splitk(f)])
+    plain = [k for k, f in table.families.items() if not any(v.backend == "triton" for v in f.models)]
+    assert not cal.plan_probes(table, plain)
     # a model blind at a probe's batch (its variant pruned early there) is not picked for it
     blind = {(p.key, len(p.tail)): p.variant for p in probes}
     real = table.estimator.model_estimates
@@ -87,17 +85,10 @@ def test_the_table_keeps_the_step_cost_the_model_misses_on_a_tail_and_bad_runs_k
     out = cal.calibrate(path, families=FAMILY, platform=H200, device="cpu",
                         measure_fn=fake_measure, log=lambda _: None)
     assert [p["per_step"] for p in out["probes"]] == [16, 64] and len(seen) == 2
-    assert all(p["step_us"] == pytest.approx(4.5) for p in out["probes"])
     loaded = load_serving_table(path)
     assert loaded.families[KEY].calibration == {"triton": {"reduce_step_us": {16: 4.5, 64: 4.5}}}
     assert loaded.provenance["reduce_calibration"]["probes"][0]["steps"] == list(seen[0].steps)
     assert {k: f.calibration for k, f in loaded.families.items() if k != KEY} == others  # only the family asked
-    # the lookup now charges a long-tail call for its reduction
-    spec = CallSpec("bf16", 64, 16, 1)
-    tail = list(seen[0].tail)
-    before = table.model_estimates(spec, tail, calibrated=False)[seen[0].variant]
-    after = loaded.model_estimates(spec, tail)[seen[0].variant]
-    assert after == pytest.approx(before + 4.5 * (seen[0].steps[1] - seen[0].steps[0]), rel=1e-6)
     # a model that is faster on the tail than it says gives 0, not a negative cost
     cal.calibrate(path, families=FAMILY, platform=H200, device="cpu",
                   measure_fn=lambda p, *a: {"uniform": 100.0, "tail": 1.0}, log=lambda _: None)
@@ -110,8 +101,7 @@ def test_a_probe_runs_checked_on_the_real_kernel(device):
     dot = "fp16" if device == "cpu" else "bf16"  # the interpreter's bf16 dot is wrong (README)
     variant = Variant.parse(f"triton(block_h=16,block_n=16,dot_dtype={dot},kv=bf16,max_splits=64,num_stages=1,"
                             "num_warps=4,q=bf16,tokens_per_split=16)")
-    tail = (200, 16, 16)
-    probe = cal.ReduceProbe(KEY, 64, variant, tail, (78, 77, 77), (1, 2))
+    probe = cal.ReduceProbe(KEY, 64, variant, (200, 16, 16), (78, 77, 77), (1, 2))
     times = cal.measure(probe, cfg, device, timing.cpu_time if device == "cpu" else timing.time_call, 1, 1)
     assert set(times) == {"uniform", "tail"} and all(t > 0 for t in times.values())
     # under a config's search.step_layers: each probe a LayeredStep, its figure over the layers

@@ -4,7 +4,6 @@ tiny config with made-up times (tests/serving_timers.py); the config, candidates
 import copy
 import functools
 import itertools
-import json
 import math
 import re
 
@@ -27,7 +26,6 @@ from mla_tune.serving.cells import (
 )
 from mla_tune.serving.config import (
     ServingConfigError,
-    is_serving_config,
     load_serving_config,
     serving_config_from_dict,
 )
@@ -51,13 +49,11 @@ class FakeTimer:
         self.stop_after = stop_after
         self.run = run
         self.slow = slow
-        self.ran: set[tuple] = set()
 
     def __call__(self, call: sw.TimedCall, reps: int) -> Timing:
         if self.stop_after is not None and len(self.timed) >= self.stop_after:
             raise KeyboardInterrupt
-        if self.run and (str(call.variant), call.batch, call.kv_len) not in self.ran:
-            self.ran.add((str(call.variant), call.batch, call.kv_len))
+        if self.run and (call.batch, call.kv_len, str(call.variant)) not in {t[:3] for t in self.timed}:
             call()
         self.timed.append((call.batch, call.kv_len, str(call.variant), reps))
         self.kinds.add(type(call).__name__)
@@ -78,15 +74,11 @@ def _named(picks: dict) -> dict:
 _gate_cached = functools.cache(gate_module.gate_one)  # each candidate is gated once in this module
 
 
-def _gate_once(job):
-    return copy.deepcopy(_gate_cached(job))
-
-
 @pytest.fixture
 def tiny(monkeypatch):
     """The tiny config; each (family, candidate) is gated once per module, as a resume replays it."""
     monkeypatch.setenv(EXTRA_BACKENDS_ENV, "wrong_serving=tests.serving_fakes")
-    monkeypatch.setattr(gate_module, "gate_one", _gate_once)
+    monkeypatch.setattr(gate_module, "gate_one", lambda job: copy.deepcopy(_gate_cached(job)))
     return _config("tiny.yaml")
 
 
@@ -124,7 +116,11 @@ def _picks(table) -> dict:
             {b: str(g.variant) for b, g in fam.graph.items()})
 
 
-def test_a_tiny_sweep_picks_gated_winners_and_the_worst_case_graph_pick(tiny, tmp_path):
+def test_a_tiny_sweep_picks_gated_winners_and_the_worst_case_graph_pick_and_step_layers_time_a_layer(
+        tiny, tmp_path, monkeypatch):
+    """The picks and their gate; then search.step_layers N (0 by default, and the hash without
+    it): every step of the sweep times a LayeredStep of N layers, its time over N (the made-up
+    time here, halved), and the table's provenance says so; the picks follow the times as before."""
     timer = FakeTimer(run=True)
     summary = _sweep(tiny, tmp_path, timer)
     table = load_serving_table(summary["table"])
@@ -148,14 +144,47 @@ def test_a_tiny_sweep_picks_gated_winners_and_the_worst_case_graph_pick(tiny, tm
     spec = CallSpec("fp8", 16, 16, 2, mixed_q_len=True)
     assert name(table.lookup(spec, batch=2, mean_kv_len=60)) == "B"
     assert name(table.lookup(spec, batch=2, graph=True)) == "C"
+    # gate workers in a spawned process reject the wrong candidate too
+    spec = tiny.spec(tiny.families[0])
+    good = triton_splitk.default_serving_variant(spec, detect())
+    jobs = [GateJob(spec, str(v), tiny.gate, tiny.rule, "cpu")
+            for v in (good, Variant.make("wrong_serving", kv="fp8", q="bf16"))]
+    out = {job.variant: result for job, result in run_gates(jobs, workers=1)}
+    assert out[str(good)]["ok"] and not out[jobs[1].variant]["ok"]
+    assert "ragged probe" in out[jobs[1].variant]["reason"]
+    assert tiny.search.step_layers == 0 and "step_layers" not in table.provenance["search"]
+    stepped = _config("step.yaml", {"step_layers": 2})
+    assert stepped.search.step_layers == 2 and stepped.hash != tiny.hash
+    timer = FakeTimer(run=True)
+    layered = load_serving_table(_sweep(stepped, tmp_path / "step", timer)["table"])
+    assert timer.kinds == {"LayeredStep"}
+    assert layered.provenance["search"]["step_layers"] == 2
+    assert _picks(layered) == _picks(table)
+    layered_fam = next(iter(layered.families.values()))
+    assert {at: c.time_us * 2 for at, c in layered_fam.cells.items()} == {
+        at: c.time_us for at, c in fam.cells.items()}
+    # a cell whose KV copies would pass the bound is that measurement's failure, not the sweep's
+    monkeypatch.setattr(measure_module, "LAYERED_KV_BYTES", 1)
+    key, variant = stepped.families[0], next(iter(layered_fam.cells.values())).variant
+    job = measure_module.MeasureJob(stepped.spec(key), key, 1, 32, (32,), 5, str(variant), 1, "cpu", layers=2)
+    out = measure_module.measure(job, {}, FakeTimer(), None)
+    assert out["status"] == "failed" and "2 layers need" in out["error"]
+    # the dry run's estimate counts each sample as a step of that many kernels
+    key = FamilyKey("bf16", 64, 128, 1)
+    k = kernel_us(key, 64, 8192)
+    extra = measurement_s(key, 64, 8192, 20, layers=8) - measurement_s(key, 64, 8192, 20)
+    assert extra == pytest.approx((20 * 7 * k + (8 * 8 - 6) * k) / 1e6)
 
 
 def test_the_graph_pick_is_judged_on_the_buckets_ragged_mix_too(tiny, tmp_path, monkeypatch):
-    """C, 2x slower on the ragged mix, loses the graph pick to B; the mix's lengths are
-    recorded; a pick whose worst case is the mix says kv_len 0."""
+    """C, 2x slower on the ragged mix, loses the graph pick to B; the mix's lengths (fixed, in
+    range) are recorded; a pick whose worst case is the mix says kv_len 0."""
     def slow(call):
         return 2.0 if call.kv_len == sw.RAGGED_PROBE_KV and name(call.variant) == "C" else 1.0
 
+    lens = sw.ragged_probe_lengths(64, [512, 1024, 65536])
+    assert lens == sw.ragged_probe_lengths(64, [512, 1024, 65536]) and len(lens) == 64
+    assert min(lens) >= 512 and max(lens) <= 65536 and len(set(lens)) > 32
     summary = _sweep(tiny, tmp_path, FakeTimer(slow=slow))
     graphs = {r["batch"]: r for r in _records(summary["results"], "graph")}
     assert _named({b: g["variant"] for b, g in graphs.items()}) == {1: "B", 2: "B"}
@@ -172,15 +201,6 @@ def test_the_graph_pick_is_judged_on_the_buckets_ragged_mix_too(tiny, tmp_path, 
         assert name(fam.graph[b].variant) == "C" and fam.graph[b].worst_kv_len == 0
         # 4 places in the table
         assert fam.graph[b].worst_regret == pytest.approx(18.5 / 16.0 - 1, abs=1e-4)
-
-
-def test_ragged_probe_lengths_are_fixed_and_in_range_and_an_edge_batch_is_a_buckets_smallest():
-    lens = sw.ragged_probe_lengths(64, [512, 1024, 65536])
-    assert lens == sw.ragged_probe_lengths(64, [512, 1024, 65536]) and len(lens) == 64
-    assert min(lens) >= 512 and max(lens) <= 65536 and len(set(lens)) > 32
-    buckets = [1, 2, 4, 8, 12, 96, 112]
-    assert [edge_batch(buckets, b) for b in buckets] == [None, None, 3, 5, 9, 13, 97]
-    assert edge_batch([4, 1, 2], 4) == 3  # any order
 
 
 def test_a_probe_prunes_a_hopeless_candidate_at_the_first_rung(tiny, tmp_path):
@@ -205,9 +225,9 @@ def test_a_probe_prunes_a_hopeless_candidate_at_the_first_rung(tiny, tmp_path):
 
 
 def test_a_killed_a_sharded_and_a_worker_timed_sweep_each_end_as_the_table_of_one_run(tiny, tmp_path):
-    """A killed sweep resumes without retiming; shards merge; a sweep timed in a worker process
-    writes the same steps and table, and a worker killed by D (batch 1, kv 32) costs only that
-    step, recorded as crashed."""
+    """A killed sweep resumes without retiming (another config's, refused, leaves its results
+    alone); shards merge; a sweep timed in a worker process writes the same steps and table, and
+    a worker killed by D (batch 1, kv 32) costs only that step, recorded as crashed."""
     whole = _sweep(tiny, tmp_path / "whole", FakeTimer())
     with pytest.raises(KeyboardInterrupt):
         _sweep(tiny, tmp_path, FakeTimer(stop_after=4))
@@ -224,6 +244,10 @@ def test_a_killed_a_sharded_and_a_worker_timed_sweep_each_end_as_the_table_of_on
     assert all(re.search(r"elapsed \d+ s, ETA \d+ s$", line) for line in cells), cells
     assert _steps(results) == _steps(whole["results"])
     assert _picks(load_serving_table(summary["table"])) == _picks(load_serving_table(whole["table"]))
+    kept = results.read_bytes()
+    with pytest.raises(Exception, match="config_hash .*--fresh"):
+        _sweep(_config("other.yaml", {"keep": 1.0}), tmp_path, FakeTimer())
+    assert results.read_bytes() == kept
     # timed in a worker process
     there = _sweep(tiny, tmp_path / "worker", "tests.serving_timers:crashing_time")
     crashed = _records(there["results"], "step", "crashed")
@@ -238,7 +262,6 @@ def test_a_killed_a_sharded_and_a_worker_timed_sweep_each_end_as_the_table_of_on
         summary = _sweep(tiny, shards, FakeTimer(), shard=(i, 2))
         assert summary["table"] is None and summary["cells"] == 2
         paths.append(summary["results"])
-    assert paths[0] != paths[1]
     config = shards / "tiny.yaml"  # the command line reads the config from its file
     config.write_text(yaml.safe_dump(TINY))
     out = shards / "merged.serving.yaml"
@@ -256,10 +279,11 @@ def test_a_killed_a_sharded_and_a_worker_timed_sweep_each_end_as_the_table_of_on
     assert any(line.startswith("warning: shard(s) 1/2 not merged") for line in said), said
 
 
-def test_a_step_the_budgets_hard_deadline_kills_is_not_recorded_and_a_resume_times_it(tiny, tmp_path,
-                                                                                      monkeypatch):
+def test_the_budget_stops_cleanly_and_a_step_its_hard_deadline_kills_is_not_recorded_but_resumed(
+        tiny, tmp_path, monkeypatch):
     """A measurement cut by the budget, not by its own limit (D hangs at batch 1, kv 32): no
-    record, the sweep stops; the resume times it under its own limit (a timeout, recorded)."""
+    record, the sweep stops; the resume times it under its own limit (a timeout, recorded).
+    A sweep stopped by its budget says in its table what was left out."""
     timer, lines = "tests.serving_timers:hanging_time", []
     with monkeypatch.context() as m:  # the budget's end: every limit cut to 1.5 s, and come when one is
         m.setattr(sw.BudgetClock, "timeout", lambda self, limit_s: min(limit_s, 1.5))
@@ -271,13 +295,10 @@ def test_a_step_the_budgets_hard_deadline_kills_is_not_recorded_and_a_resume_tim
     timeouts = [(r["batch"], r["kv_len"], _n(r["variant"]))
                 for r in _records(again["results"], "step", "timeout")]
     assert not again["stopped"] and timeouts == [(1, 32, "D")]
-
-
-def test_the_budget_stops_cleanly_and_the_table_says_what_was_left_out(tiny, tmp_path, monkeypatch):
     checks = iter(range(10**6))
     # past the budget after the 4 gate jobs and 7 measurements: in the second cell
     monkeypatch.setattr(sw.Sweeper, "_over_budget", lambda self: next(checks) >= 4 + 7)
-    summary = _sweep(tiny, tmp_path, timing.cpu_time)  # the CPU stand-in timer, as the CLI uses here
+    summary = _sweep(tiny, tmp_path / "2", timing.cpu_time)  # the CPU stand-in timer, as the CLI uses here
     assert summary["stopped"]
     table = load_serving_table(summary["table"])
     fam = next(iter(table.families.values()))
@@ -287,17 +308,9 @@ def test_the_budget_stops_cleanly_and_the_table_says_what_was_left_out(tiny, tmp
     assert table.provenance["sweep"]["stopped"] is True
 
 
-def test_gate_workers_reject_a_wrong_candidate_in_a_spawned_process(tiny):
-    spec = tiny.spec(tiny.families[0])
-    good = triton_splitk.default_serving_variant(spec, detect())
-    jobs = [GateJob(spec, str(v), tiny.gate, tiny.rule, "cpu")
-            for v in (good, Variant.make("wrong_serving", kv="fp8", q="bf16"))]
-    out = {job.variant: result for job, result in run_gates(jobs, workers=1)}
-    assert out[str(good)]["ok"] and not out[jobs[1].variant]["ok"]
-    assert "ragged probe" in out[jobs[1].variant]["reason"]
-
-
-def test_serving_candidates_are_valid_for_every_family_and_use_fp16_dots_without_a_gpu():
+def test_serving_candidates_are_valid_for_every_family_use_fp16_dots_without_a_gpu_and_offer_budgets():
+    """batch_waves W: split_budget ceil(W x SMs / head tiles), a runtime argument (no compile),
+    instead of a per-sequence cap."""
     h200, cpu = fake_platform("H200"), detect()
     for module, rows in ((triton_splitk, "mma_rows"), (triton_fused, "mma_columns")):
         space = {rows: [16, 32], "tokens_per_split": [256, 4096], "split_waves": [1, 2], "max_splits": [1]}
@@ -316,14 +329,10 @@ def test_serving_candidates_are_valid_for_every_family_and_use_fp16_dots_without
     splits = {v.get("max_splits") for v in triton_splitk.serving_candidates(
         CallSpec("fp8", 64, 128, 1), {"split_waves": [1, 2]}, h200)}
     assert splits == {math.ceil(132 / 8), math.ceil(2 * 132 / 8)}  # 8 head tiles of 16
-
-
-def test_batch_waves_offer_batch_budgets_instead_of_per_sequence_caps():
-    """batch_waves W: split_budget ceil(W x SMs / head tiles), a runtime argument (no compile)."""
     spec = CallSpec("fp8", 64, 128, 4)
 
     def rules(spec, space):
-        offered = triton_splitk.serving_candidates(spec, space, fake_platform("H200"))
+        offered = triton_splitk.serving_candidates(spec, space, h200)
         return offered, sorted((v.get("max_splits"), v.p.get("split_budget", 0)) for v in offered)
 
     offered, split_rules = rules(spec, {"mma_rows": [64], "batch_waves": [1, 2], "max_splits": [1],
@@ -342,7 +351,8 @@ def test_batch_waves_offer_batch_budgets_instead_of_per_sequence_caps():
         triton_splitk.validate(offered[-1].with_params(split_budget=-1))
 
 
-def test_config_errors_name_the_field_and_the_hash_ignores_order(tiny):
+def test_config_errors_name_the_field_the_hash_ignores_order_and_the_committed_one_plans_tier_1(tiny, capsys):
+    """The committed config plans tier 1 within 21 GPU minutes and dry runs from the CLI."""
     bad_triton = {**TINY["backends"], "triton": {"mma_rows": [12]}}
     for changes, match in (
             ({"backends": bad_triton}, r"backends\.triton.*mma_rows"), ({"budget": 5}, "unknown field"),
@@ -356,15 +366,11 @@ def test_config_errors_name_the_field_and_the_hash_ignores_order(tiny):
             _config("bad.yaml", **changes)
     reordered = dict(reversed(list(copy.deepcopy(TINY).items())))
     assert serving_config_from_dict(reordered, "other.yaml").hash == tiny.hash
-
-
-def test_the_committed_config_plans_tier_1_within_21_gpu_minutes_and_dry_runs_from_the_cli(capsys):
     cfg = load_serving_config("configs/serving.yaml")
     assert len(cfg.families) == 12 and cfg.budget_s <= 600
     est = sw.dry_run(cfg, "H200")
     out = capsys.readouterr().out
     assert est["total"] <= 21 * 60 and "left out batch 192, 224, 256: kv 8192, 16384" in out  # 1242 s, edge 219
-    assert max(map(len, out.splitlines())) <= 80  # wrapped to a pipe's 80 columns
     plan = plan_sweep(cfg, fake_platform("H200"), check_available=False)
     # every family gets every backend, and a choice of split rules and head tiles
     backends = {"triton", "triton_fused", "flashmla", "flashinfer", "gluon_fused"}
@@ -377,25 +383,13 @@ def test_the_committed_config_plans_tier_1_within_21_gpu_minutes_and_dry_runs_fr
               for i in (1, 2, 3)]
     assert sorted(u.index for s in shards for u in s.units) == list(range(plan.all_units))
     # `mla-tune sweep --config` (sweep_from_cli): a bad option is one line and exit 1
-    assert sw.sweep_from_cli("configs/serving.yaml", "H200", shard="3/2", dry_run=True) == 1
-    assert "--shard must be i/n" in capsys.readouterr().err
-    assert sw.sweep_from_cli("configs/serving.yaml", "H200", shard="1/2", devices=[0, 1]) == 1
-    assert "not both" in capsys.readouterr().err
-    assert sw.sweep_from_cli("configs/serving.yaml", "H200", dry_run=True, budget=60, devices=[0, 1]) == 1
-    assert "--budget, --devices" in capsys.readouterr().err  # a dry run would ignore them
+    for options, says in (({"shard": "3/2", "dry_run": True}, "--shard must be i/n"),
+                          ({"shard": "1/2", "devices": [0, 1]}, "not both"),
+                          ({"dry_run": True, "budget": 60, "devices": [0, 1]}, "--budget, --devices")):
+        assert sw.sweep_from_cli("configs/serving.yaml", "H200", **options) == 1
+        assert says in capsys.readouterr().err  # (a dry run would ignore --budget and --devices)
     with pytest.raises(ValueError):
         parse_shard("0/2")
-    assert is_serving_config("configs/serving.yaml") and not is_serving_config("configs/leaderboard.yaml")
-
-
-def test_a_results_file_of_another_config_is_refused(tiny, tmp_path):
-    results = results_path_for(tmp_path / "CPU.serving.yaml")
-    results.parent.mkdir(parents=True, exist_ok=True)
-    header = {"kind": "header", "schema": "serving-results/1", "config_hash": "0" * 64, "gpu": "CPU", "shard": [1, 1]}
-    results.write_text(json.dumps(header) + "\n")
-    with pytest.raises(Exception, match="--fresh"):
-        _sweep(tiny, tmp_path, FakeTimer())
-    assert yaml.safe_load(results.read_text().splitlines()[0])["config_hash"] == "0" * 64
 
 
 @pytest.mark.gpu
@@ -461,35 +455,6 @@ def test_cell_lengths_are_a_search_option_that_changes_the_hash_and_the_timed_le
     assert _named(_picks(table)[0]) == {(1, 32): "A", (1, 64): "B", (2, 32): "A", (2, 64): "B"}
 
 
-def test_step_layers_time_every_candidate_as_a_layer_of_a_step_and_change_the_hash(tiny, tmp_path, monkeypatch):
-    """search.step_layers N (0 by default, and the hash without it): every step of the sweep
-    times a LayeredStep of N layers, its time over N (the made-up time here, halved), and the
-    table's provenance says so; the picks follow the times as before."""
-    assert tiny.search.step_layers == 0
-    stepped = _config("step.yaml", {"step_layers": 2})
-    assert stepped.search.step_layers == 2 and stepped.hash != tiny.hash
-    timer = FakeTimer(run=True)
-    summary = _sweep(stepped, tmp_path, timer)
-    assert timer.kinds == {"LayeredStep"}
-    table = load_serving_table(summary["table"])
-    assert table.provenance["search"]["step_layers"] == 2
-    plain = load_serving_table(_sweep(tiny, tmp_path / "plain", FakeTimer())["table"])
-    assert _picks(table) == _picks(plain) and "step_layers" not in plain.provenance["search"]
-    fam, plain_fam = (next(iter(t.families.values())) for t in (table, plain))
-    assert {at: c.time_us * 2 for at, c in fam.cells.items()} == {at: c.time_us for at, c in plain_fam.cells.items()}
-    # a cell whose KV copies would pass the bound is that measurement's failure, not the sweep's
-    monkeypatch.setattr(measure_module, "LAYERED_KV_BYTES", 1)
-    key, variant = stepped.families[0], next(iter(fam.cells.values())).variant
-    job = measure_module.MeasureJob(stepped.spec(key), key, 1, 32, (32,), 5, str(variant), 1, "cpu", layers=2)
-    out = measure_module.measure(job, {}, FakeTimer(), None)
-    assert out["status"] == "failed" and "2 layers need" in out["error"]
-    # the dry run's estimate counts each sample as a step of that many kernels
-    key = FamilyKey("bf16", 64, 128, 1)
-    k = kernel_us(key, 64, 8192)
-    extra = measurement_s(key, 64, 8192, 20, layers=8) - measurement_s(key, 64, 8192, 20)
-    assert extra == pytest.approx((20 * 7 * k + (8 * 8 - 6) * k) / 1e6)
-
-
 def _edge_timer() -> FakeTimer:
     """TIMES, except that A is twice as slow at batch 2 (the edge of the bucket of 4 after 1)."""
     return FakeTimer(slow=lambda call: 2.0 if call.batch == 2 and name(call.variant) == "A" else 1.0)
@@ -504,6 +469,9 @@ def _edge_union(summary) -> set[str]:
 def test_the_edge_stage_times_finalists_and_the_last_rung_at_the_buckets_smallest_batch(tiny, tmp_path):
     """search.batch_edge (off by default): the bucket of 4 also times its finalists and its
     cells' last rung at batch 2, so 4 x 32 picks C over A (twice as slow at 2); resume and dry run."""
+    buckets = [1, 2, 4, 8, 12, 96, 112]
+    assert [edge_batch(buckets, b) for b in buckets] == [None, None, 3, 5, 9, 13, 97]
+    assert edge_batch([4, 1, 2], 4) == 3  # any order
     assert tiny.search.batch_edge is False
     plain = _config("plain.yaml", batch_buckets=[1, 4])
     edged = _config("edge.yaml", {"batch_edge": True}, batch_buckets=[1, 4])

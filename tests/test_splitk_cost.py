@@ -62,7 +62,6 @@ def test_the_makespan_counts_waves_waits_for_the_longest_and_charges_each_items_
     # past EXACT_WAVES waves: the mean load plus half the longest item
     n = 132 * (EXACT_WAVES + 1)
     assert _span([100] * n) == pytest.approx(n * 100 / 132 + 50)
-    assert _span([0, 0]) == 0
     # each item costs its fixed tokens, so more splits are not free
     assert _span([100] * 132, item_tokens=50) == 150
     assert _span([100] * 133, item_tokens=50) == 300  # the second wave's item pays it again
@@ -77,7 +76,13 @@ def test_the_makespan_counts_waves_waits_for_the_longest_and_charges_each_items_
     assert budget(132, 128) == 152 + 2 * 128 > budget(66, 128) == 192 + 128
 
 
-def test_the_occupancy_cap_follows_the_warps_registers_and_the_devices_shared_memory():
+def _grid(overhead=10.0, rate=30 / 512, occupancy=1, kvs=(512, 1024, 2048), item_tokens=0):
+    """A variant's times at uniform grid points from a known model."""
+    return {(b, k): {ONE: overhead + rate * _span([k] * b, occupancy, item_tokens=item_tokens)}
+            for b in (64, 128, 132, 133, 200, 264, 265, 300) for k in kvs}
+
+
+def test_the_fit_recovers_the_overhead_and_an_occupancy_within_the_cap_of_warps_registers_and_memory():
     assert occupancy_cap(SPLIT) == 2 and occupancy_cap(ONE) == 2  # 4 warps at 186+ registers: 2 CTAs
     assert occupancy_cap(SPLIT.with_params(num_warps=8)) == 1
     assert occupancy_cap(ONE, 60 * 1024) == 1  # one KV tile of 32 tokens (36 KiB) and a reserved KiB
@@ -87,15 +92,6 @@ def test_the_occupancy_cap_follows_the_warps_registers_and_the_devices_shared_me
     assert _splitk_models(KEY, grid, 132)[ONE].occupancy == 2
     assert _splitk_models(KEY, grid, 132, smem_per_sm=60 * 1024)[ONE].occupancy == 1
     assert schedule_module("triton") is triton_splitk_schedule and schedule_module("torch") is None
-
-
-def _grid(overhead=10.0, rate=30 / 512, occupancy=1, kvs=(512, 1024, 2048), item_tokens=0):
-    """A variant's times at uniform grid points from a known model."""
-    return {(b, k): {ONE: overhead + rate * _span([k] * b, occupancy, item_tokens=item_tokens)}
-            for b in (64, 128, 132, 133, 200, 264, 265, 300) for k in kvs}
-
-
-def test_the_fit_recovers_the_occupancy_and_the_overhead():
     # overhead 10 us = a quarter of the fastest point's 40 us, one of the fractions tried
     m = _splitk_models(KEY, _grid(), 132)[ONE]
     assert (m.occupancy, m.overhead_us, m.item_tokens, m.sm_count) == (1, pytest.approx(10.0), 0, 132)
@@ -103,7 +99,7 @@ def test_the_fit_recovers_the_occupancy_and_the_overhead():
     # a program's fixed cost in tokens, one of ITEM_TOKENS (overhead 12.5 of 12.5 + 30/512 x 640)
     m = _splitk_models(KEY, _grid(overhead=12.5, item_tokens=128), 132)[ONE]
     assert (m.occupancy, m.overhead_us, m.item_tokens) == (1, pytest.approx(12.5), 128) and m.fit_error < 1e-9
-    # two programs an SM fit a grid of one length a batch (the occupancy cap's test); on the
+    # two programs an SM fit a grid of one length a batch (above); on the
     # full grid a left-out point's neighbours share its batch's rate: occupancies look alike
     assert _splitk_models(KEY, _grid(occupancy=2), 132)[ONE].occupancy == 1
     assert _splitk_models(KEY, _grid(), 0) == {}  # no SM count, no model
@@ -115,18 +111,6 @@ def _serving(points, models, calibration=None, batches=(64, 128, 256, 512), kvs=
     """A table of KEY's one family."""
     fam = Family(KEY, points=points, models=models, calibration=calibration or {})
     return ServingTable("H200", {}, list(batches), list(kvs), {KEY: fam})
-
-
-def test_the_models_estimate_a_ragged_batch_by_its_schedule():
-    # FlashMLA 15% behind on every uniform batch
-    points = {pt: {**t, FM: 1.15 * t[ONE]} for pt, t in _grid().items()}
-    table = _serving(points, _splitk_models(KEY, _grid(), 132))
-    assert table.lookup(SPEC, 100, 1024.0, kv_lens=UNIFORM) == ONE
-    est = table.estimates(SPEC, 100, 1024.0, kv_lens=RAGGED)
-    assert est[ONE] == pytest.approx(10 + 30 / 512 * 92500, rel=1e-6)  # the long one alone
-    assert table.lookup(SPEC, 100, 1024.0, kv_lens=RAGGED) == FM
-    # without its model the split-K variant is interpolated as if uniform, and kept
-    assert _serving(points, {}).lookup(SPEC, 100, 1024.0, kv_lens=RAGGED) == ONE
 
 
 def test_the_reduction_steps_follow_the_longest_sequences_splits():
@@ -142,11 +126,20 @@ def test_the_reduction_steps_follow_the_longest_sequences_splits():
     # one split per sequence writes the output: no reduction; nor for a sequence of one split
     assert reduce_steps(ragged, 16, 1, dict(ONE.params), 132) == 0
     assert reduce_steps([100] * 49, 16, 1, params, 132) == 0
-    span, steps = splitk_schedule(ragged, 16, 1, params, 1, 132, 64)
-    assert (span, steps) == (_span(ragged, item_tokens=64, variant=SPLIT), 7)
+    assert splitk_schedule(ragged, 16, 1, params, 1, 132, 64)[1] == 7  # the schedule's steps
 
 
-def test_the_lookup_adds_the_measured_reduction_steps_beyond_a_uniform_batchs():
+def test_the_models_estimate_a_ragged_batch_by_its_schedule_and_its_measured_reduction_steps():
+    # FlashMLA 15% behind on every uniform batch
+    points = {pt: {**t, FM: 1.15 * t[ONE]} for pt, t in _grid().items()}
+    table = _serving(points, _splitk_models(KEY, _grid(), 132))
+    assert table.lookup(SPEC, 100, 1024.0, kv_lens=UNIFORM) == ONE
+    est = table.estimates(SPEC, 100, 1024.0, kv_lens=RAGGED)
+    assert est[ONE] == pytest.approx(10 + 30 / 512 * 92500, rel=1e-6)  # the long one alone
+    assert table.lookup(SPEC, 100, 1024.0, kv_lens=RAGGED) == FM
+    # without its model the split-K variant is interpolated as if uniform, and kept
+    assert _serving(points, {}).lookup(SPEC, 100, 1024.0, kv_lens=RAGGED) == ONE
+    # the reduction steps a ragged batch takes beyond a uniform batch's, at their measured cost
     split = SPLIT.with_params(tokens_per_split=16)  # many splits at the grid's short lengths
     points = {pt: {**t, split: 1.02 * t[ONE]} for pt, t in _grid().items()}
     models = _splitk_models(KEY, {pt: {split: t[split]} for pt, t in points.items()}, 132)
@@ -181,7 +174,8 @@ def test_a_uniform_batchs_steps_need_no_pass_over_its_lengths(variant):
 def test_a_split_k_estimate_stays_near_its_interpolated_time_and_a_gluon_one_does_not():
     """A split-K model may not say much faster than its uniform neighbours (SPLITK_FLOOR): at
     600 tokens a split per 512 makes 2 of 320 where the grid's 512 made one of 512, so a time
-    of the longest item would be 38% faster. gluon_fused's model has no floor (GluonModel.floor)."""
+    of the longest item would be 38% faster. gluon_fused's model has no floor (GluonModel.floor).
+    Where no split-K rate blends around the call, it comes from the interpolated time."""
     gluon = Variant.parse("gluon_fused(block_h=16,kv=bf16,max_splits=64,num_stages=2,q=bf16,"
                           "tokens_per_split=512,v_halves=1)")
     points = {(b, k): {SPLIT: 0.1 * k, FM: 0.12 * k, gluon: 0.11 * k}  # in proportion
@@ -197,11 +191,8 @@ def test_a_split_k_estimate_stays_near_its_interpolated_time_and_a_gluon_one_doe
     assert estimates[gluon] == pytest.approx(own[gluon])
     # at a grid point the model is exact, over the floor
     assert table.estimates(SPEC, 64, 1024.0, kv_lens=[1024] * 64)[SPLIT] == pytest.approx(102.4)
-
-
-def test_a_rate_the_points_cannot_blend_comes_from_the_interpolated_time():
-    """With no split-K variant in common at the two kv points around the call, the model takes the
-    rate of the variant's interpolated time, so a ragged call still sees its long sequence."""
+    # with no split-K variant in common at the two kv points around the call, the model takes the
+    # rate of the variant's interpolated time, so a ragged call still sees its long sequence
     other = SPLIT.with_params(split_budget=264, tokens_per_split=128, block_n=32)
     points = {(64, 512): {ONE: 51.2, FM: 60.0}, (64, 1024): {other: 90.0, FM: 110.0}}
     models = {ONE: SplitKModel(ONE, 1, 0.0, 132, 0.0), other: SplitKModel(other, 1, 0.0, 132, 0.0)}
@@ -213,7 +204,6 @@ def test_a_rate_the_points_cannot_blend_comes_from_the_interpolated_time():
     uniform = _splitk(table, SPEC, [700] * 64)
     assert uniform[ONE] == pytest.approx(times[ONE], rel=0.02)  # a uniform call: the interpolated time
     ragged = [100] * 63 + [700 * 64 - 6300]  # the same tokens, one long sequence (one program each)
-    assert _splitk(table, SPEC, ragged)[ONE] > 10 * uniform[ONE]
     assert table.estimates(SPEC, 64, 700.0, kv_lens=ragged)[ONE] > 10 * uniform[ONE]
 
 
@@ -245,10 +235,9 @@ def compiled_ctas() -> list[dict]:
             with capture.recording(facts) as launches:
                 call_with_host_lengths(triton_splitk.build_serving(Variant.parse(text), spec, "cpu"),
                                        serving_input(spec, [1024, 700, 64, 3000], 5, "cpu"))
-            stage1 = [x for x in launches if x.kernel.fn.__name__ == "_fd_serving_stage1_kernel"]
-            record = targets.compile_bound(targets.bind(stage1[0].kernel, stage1[0].grid, stage1[0].args,
-                                                        stage1[0].kwargs, targets.target_for(facts)),
-                                           facts.lds_bytes)
+            x = next(x for x in launches if x.kernel.fn.__name__ == "_fd_serving_stage1_kernel")
+            bound = targets.bind(x.kernel, x.grid, x.args, x.kwargs, targets.target_for(facts))
+            record = targets.compile_bound(bound, facts.lds_bytes)
             out.append({k: record.get(k) for k in ("error", "registers", "lds", "ctas_per_sm")})
     return out
 

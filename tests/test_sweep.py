@@ -25,7 +25,6 @@ from mla_tune.tune.results import (
     read_results,
 )
 from mla_tune.tune.sweep import SweepError, assign_shapes, run_sweep
-from mla_tune.tune.worker import precompile
 from tests.fakes import EXTRA_BACKENDS, capture, registered
 from tests.helpers import REPO, sigint_as_in_a_terminal
 
@@ -40,8 +39,11 @@ def fake_backends():
         yield
 
 
-# ------------------------------------------------------------------------- dry run
-def test_dry_run_lists_candidates_of_a_backend_that_only_lacks_the_gpu(tmp_path):
+def test_every_outcome_is_recorded_with_a_reason_the_fastest_wins_and_the_header_names_the_timer(tmp_path):
+    """The dry run lists the candidates of a backend that only lacks the GPU; every outcome is
+    recorded with its status and a reason (an out-of-memory one costs only itself); the ok
+    candidates passed every seed, the fastest wins each shape, an fp8_static one is built with a
+    calibrated q_amax; the header carries the provenance and names the CPU timer."""
     console, buf = capture()
     summary = run_sweep(TINY, "H200", out=tmp_path / "t.yaml", dry_run=True, console=console)
     assert summary.plan["2x17"]["fake_nogpu"] == [
@@ -50,23 +52,12 @@ def test_dry_run_lists_candidates_of_a_backend_that_only_lacks_the_gpu(tmp_path)
     assert "needs a GPU" in summary.unavailable["fake_nogpu"]
     assert "not runnable here" in buf.getvalue()
     assert summary.plan["1x33"].get("fake_crash") is None  # it offers nothing at batch 1
-
-
-# ------------------------------------------------------------ one sweep, every outcome
-@pytest.fixture(scope="module")
-def tiny_sweep(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny") / "cpu.yaml"
     console, buf = capture()
-    summary = run_sweep(TINY, "cpu", out=out, console=console, candidate_timeout_s=4)
+    summary = run_sweep(TINY, "cpu", out=tmp_path / "cpu.yaml", console=console, candidate_timeout_s=4)
     header, records, warnings = read_results(summary.results_path)
+    text = buf.getvalue()
     assert not warnings
-    return summary, header, records, buf.getvalue()
-
-
-def test_every_outcome_is_recorded_with_its_status_and_a_reason(tiny_sweep):
-    summary, _header, records, text = tiny_sweep
-    statuses = {(r["shape"]["batch"], r["variant"].split("(")[0], r["variant"]): r for r in records}
-    got = {(b, backend): r["status"] for (b, backend, _), r in statuses.items() if backend != "fake_ok"}
+    got = {(r["shape"]["batch"], r["backend"]): r["status"] for r in records if r["backend"] != "fake_ok"}
     assert got == {
         (2, "torch"): "ok", (1, "torch"): "ok",
         (2, "fake_wrong"): "rejected", (1, "fake_wrong"): "rejected",
@@ -99,10 +90,6 @@ def test_every_outcome_is_recorded_with_its_status_and_a_reason(tiny_sweep):
     at_rung0 = [r for r in records if r["shape"]["batch"] == 1 and r["rung"] == 0 and r["status"] != "pruned"]
     assert [(r["backend"], r["status"]) for r in at_rung0] == [
         ("fake_poison", "failed"), ("fake_wrong", "rejected"), ("fake_raise", "failed")]
-
-
-def test_ok_candidates_pass_every_seed_and_the_fastest_wins_each_shape(tiny_sweep):
-    summary, _header, records, text = tiny_sweep
     for r in records:
         if r["status"] == "ok":
             assert [c["seed"] for c in r["checks"]] == [1001, 2002]
@@ -116,11 +103,6 @@ def test_ok_candidates_pass_every_seed_and_the_fastest_wins_each_shape(tiny_swee
     assert {r["backend"] for r in pruned} <= {"fake_ok"} and all(r["time"]["median_us"] > 15000 for r in pruned)
     assert all(r["rung"] == 0 and "not among the" in r["reason"] for r in pruned)
     assert "sweep summary" in text and fast.format(2) in text
-    assert summary.table_path.exists()
-
-
-def test_fp8_static_variant_is_built_with_a_calibrated_q_amax(tiny_sweep):
-    _summary, _header, records, _text = tiny_sweep
     static = [r for r in records if r["params"].get("q") == "fp8_static"]
     assert len(static) == 2
     for r in static:
@@ -129,13 +111,8 @@ def test_fp8_static_variant_is_built_with_a_calibrated_q_amax(tiny_sweep):
         assert r["calibration"]["seeds"] == [11, 12] and "x 1.1" in r["calibration"]["method"]
         assert q_amax == pytest.approx(r["calibration"]["observed_amax"] * 1.1, rel=1e-3)
         assert r["status"] in ("ok", "pruned")  # fake_ok raises when q_amax is missing
-
-
-def test_header_carries_provenance_and_names_the_cpu_timer(tiny_sweep):
-    summary, header, _records, _text = tiny_sweep
     config = load_config(TINY)
-    assert header["kind"] == "header" and header["schema"] == 1
-    assert header["gpu"] == "cpu" and header["forced"] is False
+    assert header["schema"] == 1
     assert header["config"]["hash"] == config.hash and header["config"]["path"] == str(TINY)
     assert header["rule"] == config.rule.as_dict()
     assert header["protocol"]["name"] == "cpu-wall-clock"
@@ -143,10 +120,30 @@ def test_header_carries_provenance_and_names_the_cpu_timer(tiny_sweep):
     assert header["unavailable"] == {"fake_nogpu": "fake_nogpu needs a GPU; this machine has none"}
     assert header["platform"]["versions"]["torch"] == torch.__version__
     assert header["date"].startswith("20") and header["mla_tune_version"]
+    summary = run_sweep(DATA / "sweep_oom.yaml", "cpu", out=tmp_path / "oom" / "cpu.yaml",
+                        console=capture()[0], candidate_timeout_s=30)
+    by_backend = {r["backend"]: r for r in read_results(summary.results_path)[1]}
+    assert by_backend["fake_oom"]["status"] == "failed"
+    assert by_backend["fake_oom"]["reason"].startswith("OutOfMemoryError: fake_oom: CUDA out of memory")
+    assert by_backend["torch"]["status"] == "ok"  # ran after it, in the same sweep
+    assert summary.winners["1x17"]["variant"].startswith("torch(")
 
 
 # ------------------------------------------------------------------- refusals, lock
-def test_a_second_sweep_on_the_same_table_is_refused_naming_the_pid(tmp_path):
+def test_another_configs_results_or_a_table_another_sweep_holds_is_refused_and_fresh_moves_them(tmp_path):
+    results = tmp_path / "cpu.results.jsonl"
+    old = json.dumps({"kind": "header", "config": {"path": "old.yaml", "hash": "0" * 64}}) + "\n"
+    results.write_text(old)
+    with pytest.raises(SweepError, match="another config .*--fresh"):
+        run_sweep(TORCH, "cpu", out=tmp_path / "cpu.yaml", console=capture()[0])
+    assert results.read_text() == old
+    summary = run_sweep(TORCH, "cpu", out=tmp_path / "cpu.yaml", fresh=True, console=capture()[0])
+    aside = list(tmp_path.glob("cpu.results.jsonl.*.old"))
+    assert len(aside) == 1 and aside[0].read_text() == old
+    header, records, _ = read_results(results)
+    assert header["config"]["hash"] == load_config(TORCH).hash
+    assert [r["status"] for r in records] == ["ok"] and summary.counts["ok"] == 1
+    assert summary.winners["2x9"]["variant"] == "torch(kv=bf16,q=bf16)"
     lock = lock_path_for(tmp_path / "cpu.yaml")
     assert lock == lock_path_for(tmp_path / "cpu") == tmp_path / "cpu.results.jsonl.lock"  # one results file, one lock
     lock.write_text(f"{os.getpid()}\n")  # a live process holds it
@@ -203,8 +200,12 @@ def test_two_sweeps_started_together_exactly_one_runs_the_other_names_lock_and_p
     assert not lock.exists()  # the winner removed it on the way out
 
 
-def _hold(path: Path, write_pid: bool) -> subprocess.Popen:
-    """A process holding the flock of `path`, its pid written in if `write_pid` (no torch: fast)."""
+@pytest.mark.parametrize("write_pid", [False, True], ids=["pid-not-yet-written", "pid-written"])
+def test_a_live_holder_is_never_taken_over_and_a_killed_ones_lock_is_with_a_warning_naming_its_pid(
+        tmp_path, write_pid):
+    """The holder, a process holding the flock (no torch: fast), before its pid is written (the
+    file just created) or after (what SweepLock.acquire leaves)."""
+    path = tmp_path / "t.yaml.lock"
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import fcntl, os, time
         fd = os.open({str(path)!r}, os.O_RDWR | os.O_CREAT)
@@ -214,17 +215,8 @@ def _hold(path: Path, write_pid: bool) -> subprocess.Popen:
         print("held", flush=True)
         time.sleep(30)
     """)], stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "held"
-    return holder
-
-
-@pytest.mark.parametrize("write_pid", [False, True], ids=["pid-not-yet-written", "pid-written"])
-def test_a_live_holder_is_never_taken_over_and_a_killed_ones_lock_is_with_a_warning_naming_its_pid(
-        tmp_path, write_pid):
-    """Before its pid is written (the file just created) or after (what SweepLock.acquire leaves)."""
-    path = tmp_path / "t.yaml.lock"
-    holder = _hold(path, write_pid)
     try:
+        assert holder.stdout.readline().strip() == "held"
         assert path.read_text() == (f"{holder.pid}\n" if write_pid else "")
         with pytest.raises(ResultsError, match="another sweep .* holds the lock"):
             SweepLock(path).acquire()
@@ -242,49 +234,6 @@ def test_a_live_holder_is_never_taken_over_and_a_killed_ones_lock_is_with_a_warn
         SweepLock(path).acquire()  # a second sweep in this very process is refused too
     lock.release()
     assert not path.exists()
-
-
-def test_config_hash_mismatch_is_refused_and_fresh_moves_the_old_file_aside(tmp_path):
-    results = tmp_path / "cpu.results.jsonl"
-    old = json.dumps({"kind": "header", "config": {"path": "old.yaml", "hash": "0" * 64}}) + "\n"
-    results.write_text(old)
-    with pytest.raises(SweepError, match="another config .*--fresh"):
-        run_sweep(TORCH, "cpu", out=tmp_path / "cpu.yaml", console=capture()[0])
-    assert results.read_text() == old
-    summary = run_sweep(TORCH, "cpu", out=tmp_path / "cpu.yaml", fresh=True, console=capture()[0])
-    aside = list(tmp_path.glob("cpu.results.jsonl.*.old"))
-    assert len(aside) == 1 and aside[0].read_text() == old
-    header, records, _ = read_results(results)
-    assert header["config"]["hash"] == load_config(TORCH).hash
-    assert [r["status"] for r in records] == ["ok"] and summary.counts["ok"] == 1
-    assert summary.winners["2x9"]["variant"] == "torch(kv=bf16,q=bf16)"
-
-
-# ------------------------------------------------------------------ results file
-def test_resume_key_drops_the_calibrated_q_amax():
-    offered = Variant.make("triton", q="fp8_static", kv="fp8", num_splits=4)
-    built = offered.with_params(q_amax=4.3)
-    shape = {"batch": 4, "kv_len": 1024}
-    assert candidate_key(shape, str(built)) == candidate_key(shape, str(offered)) == (4, 1024, str(offered))
-
-
-def test_shapes_are_shared_out_whole_and_balanced_between_devices():
-    v = [Variant.make("torch", kv="bf16", q="bf16")]
-    pending = {Shape(256, 8192): v, Shape(4, 1024): v, Shape(64, 8192): v, Shape(32, 1024): v * 0}
-    one, two = assign_shapes(pending, 2)
-    assert [s for s, _ in one] == [Shape(256, 8192)]
-    assert [s for s, _ in two] == [Shape(64, 8192), Shape(4, 1024)]  # empty shapes dropped
-    assert assign_shapes(pending, 1) == [[(s, vs) for s, vs in pending.items() if vs]]
-
-
-def test_the_compile_pool_builds_each_variant_and_reports_what_failed():
-    ok = "fake_ok(delay_us=20000,fast_for_batch=2,kv=fp8,q=bf16)"
-    static = "fake_ok(delay_us=20000,fast_for_batch=0,kv=fp8,q=fp8_static)"  # gets a placeholder scale
-    bad = "fake_raise(kv=bf16,q=bf16)"
-    jobs = [(ok, Shape(2, 17)), (static, Shape(16, 64)), (bad, Shape(2, 17))]
-    errors = precompile(jobs, device_index=0, has_gpu=False, processes=2, timeout_s=120)
-    assert list(errors) == [f"{bad} at 2x17"]
-    assert "does not compile" in errors[f"{bad} at 2x17"]
 
 
 # --------------------------------------------------------------- multi device, budget
@@ -308,7 +257,13 @@ def test_a_candidate_the_budgets_hard_deadline_kills_is_not_recorded_and_a_resum
     assert "the 2 s limit" in hang[0]["reason"]
 
 
-def test_two_devices_share_the_shapes_and_an_impossible_budget_keeps_the_baseline(tmp_path):
+def test_two_devices_share_the_shapes_whole_and_balanced_an_impossible_budget_keeps_the_baseline(tmp_path):
+    v = [Variant.make("torch", kv="bf16", q="bf16")]
+    pending = {Shape(256, 8192): v, Shape(4, 1024): v, Shape(64, 8192): v, Shape(32, 1024): v * 0}
+    one, two = assign_shapes(pending, 2)
+    assert [s for s, _ in one] == [Shape(256, 8192)]
+    assert [s for s, _ in two] == [Shape(64, 8192), Shape(4, 1024)]  # empty shapes dropped
+    assert assign_shapes(pending, 1) == [[(s, vs) for s, vs in pending.items() if vs]]
     console, buf = capture()
     summary = run_sweep(BUDGET, "H200", out=tmp_path / "H200.yaml", devices=[0, 1], force=True,
                         console=console)
@@ -339,14 +294,6 @@ def _lines(path: Path) -> list[dict]:
     return read_results(path, ("candidate", "step", "rung", "note"))[1]
 
 
-_SWEEP = (
-    "import sys; from pathlib import Path; "
-    "from mla_tune.tune.sweep import run_sweep, SweepInterrupted\n"
-    "try:\n    run_sweep(sys.argv[1], 'cpu', out=Path(sys.argv[2]))\n"
-    "except SweepInterrupted:\n    sys.exit(130)\n"
-)
-
-
 def test_a_ctrl_c_mid_rung_0_stops_the_workers_and_the_same_command_resumes_running_no_step_twice(
         tmp_path):
     """A Ctrl-C stops the workers, prints how to resume and leaves no lock; the same command
@@ -356,9 +303,9 @@ def test_a_ctrl_c_mid_rung_0_stops_the_workers_and_the_same_command_resumes_runn
     out = tmp_path / "cpu.yaml"
     results = tmp_path / "cpu.results.jsonl"
     env = {**os.environ, EXTRA_BACKENDS_ENV: EXTRA_BACKENDS, "PYTHONPATH": str(REPO), "COLUMNS": "400"}
-    proc = subprocess.Popen([sys.executable, "-c", _SWEEP, str(config), str(out)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            preexec_fn=sigint_as_in_a_terminal)
+    proc = subprocess.Popen([sys.executable, "-m", "mla_tune", "sweep", "--gpu", "cpu", "--config",
+                             str(config), "--out", str(out)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, preexec_fn=sigint_as_in_a_terminal)
     deadline = time.monotonic() + 120
     while len(_lines(results)) < 2:
         assert proc.poll() is None, f"the sweep ended early: {proc.stdout.read().decode()[-2000:]}"
@@ -366,7 +313,6 @@ def test_a_ctrl_c_mid_rung_0_stops_the_workers_and_the_same_command_resumes_runn
         time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
     output = proc.communicate(timeout=60)[0].decode()
-    kept = results.read_bytes()
     before = _lines(results)
     assert sum(r["kind"] == "candidate" and r["status"] == "ok" and r["rung"] == 1 for r in before) < 8
     assert proc.returncode == 130, output
@@ -380,11 +326,7 @@ def test_a_ctrl_c_mid_rung_0_stops_the_workers_and_the_same_command_resumes_runn
     assert "KeyboardInterrupt" not in log  # the worker ignored it; the sweep stopped it
     assert read_results(results, kinds=("candidate", "step", "rung"))[2] == []  # no warnings
 
-    console, buf = capture()
-    summary = run_sweep(config, "cpu", out=out, console=console)
-    n_final = sum(r["kind"] == "candidate" for r in before)
-    assert f"{n_final} already recorded" in buf.getvalue()
-    assert results.read_bytes().startswith(kept)  # what was recorded stays as it was
+    summary = run_sweep(config, "cpu", out=out, console=capture()[0])
     lines = _lines(results)
     steps = [(r["kind"], r["rung"], *candidate_key(r["shape"], r["variant"])) for r in lines if r["kind"] == "step"]
     assert len(steps) == len(set(steps))  # no step ran twice
@@ -394,15 +336,8 @@ def test_a_ctrl_c_mid_rung_0_stops_the_workers_and_the_same_command_resumes_runn
     assert len(finals) == len(set(finals)) == 8  # each candidate ends exactly once
     assert sum(r["kind"] == "step" for r in lines) == 8  # each passed rung 0 once
     assert set(summary.winners) == {"2x17", "1x33"}
-    assert not (tmp_path / "cpu.results.jsonl.lock").exists()
-
-
-def test_an_out_of_memory_candidate_costs_only_itself(tmp_path):
-    summary = run_sweep(DATA / "sweep_oom.yaml", "cpu", out=tmp_path / "cpu.yaml",
-                        console=capture()[0], candidate_timeout_s=30)
-    _header, records, _warnings = read_results(summary.results_path)
-    by_backend = {r["backend"]: r for r in records}
-    assert by_backend["fake_oom"]["status"] == "failed"
-    assert by_backend["fake_oom"]["reason"].startswith("OutOfMemoryError: fake_oom: CUDA out of memory")
-    assert by_backend["torch"]["status"] == "ok"  # ran after it, in the same sweep
-    assert summary.winners["1x17"]["variant"].startswith("torch(")
+    # the key a resume matches records by drops the calibrated q_amax
+    offered = Variant.make("triton", q="fp8_static", kv="fp8", num_splits=4)
+    built = offered.with_params(q_amax=4.3)
+    shape = {"batch": 4, "kv_len": 1024}
+    assert candidate_key(shape, str(built)) == candidate_key(shape, str(offered)) == (4, 1024, str(offered))

@@ -50,26 +50,20 @@ def _run(*args) -> str:
     return result.output
 
 
-# ------------------------------------------------------------------------- pieces
-def test_the_scanned_lengths_span_their_bucket_and_budget_variants_come_from_split_k_ones_only():
+def test_the_scanned_lengths_span_their_bucket_a_budget_copy_takes_tritons_budget_and_lists_parse_by_name():
     buckets = [512, 1024, 2048, 4096]
     for bucket in buckets:
         lens = bucket_lengths(bucket, 8)
         assert len(lens) == 8 and lens == sorted(lens)
         assert {kv_bucket(buckets, n) for n in lens} == {bucket}
         assert lens[0] < bucket * 0.75 and lens[-1] > bucket * 1.25  # both halves of the octave
-    # budget variants are made from split-K ones only
+    # triton's budget (none without a split or the hook: test_capabilities.py)
     split = Variant.make("triton", kv="fp8", q="bf16", block_n=64, block_h=16, max_splits=17,
                          tokens_per_split=512, num_warps=8, num_stages=2, dot_dtype="bf16")
     budget = with_budget(split, 2, 128, sm_count=132, heads=128)
     assert budget.p == {**split.p, "split_budget": math.ceil(2 * 132 / 8), "tokens_per_split": 128}
-    unsplit = Variant.make("triton", **{**split.p, "max_splits": 1})
-    assert with_budget(unsplit, 1, 128, 132, 128) is None
-    assert with_budget(Variant.make("flashmla", kv="fp8", q="fp8_dynamic"), 1, 128, 132, 128) is None
-    # lists, lengths and shapes are parsed or refused by name
-    assert parse_ints("25,28,32", "--batch") == [25, 28, 32]
+    # lists, lengths and shapes are parsed (plain lists: the commands below) or refused by name
     assert parse_lens("7,1024*3") == [7, 1024, 1024, 1024]
-    assert [str(s) for s in parse_shapes("4x1024,32x8192")] == ["4x1024", "32x8192"]
     for parse, bad, name in [*[(lambda t: parse_ints(t, "--lengths"), text, "--lengths") for text in ("25,x", "0", "")],
                              (parse_lens, "5*x", "--lens"), (parse_lens, "0", "--lens"),
                              (parse_shapes, "4x0", "--shapes"), (parse_shapes, "4by1024", "--shapes")]:
@@ -77,19 +71,7 @@ def test_the_scanned_lengths_span_their_bucket_and_budget_variants_come_from_spl
             parse(bad)
 
 
-# ------------------------------------------------------------------------ refusals
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
-def test_without_a_gpu_each_subcommand_says_so_in_one_line():
-    for args in (["variants", "torch(kv=bf16,q=bf16)", "--shapes", "1x8"],
-                 ["mix", "--table", "t.yaml", "--kv", "fp8", "--heads", "16", "--lens", "8"],
-                 ["scan", "--kv", "fp8", "--heads", "16", "--mix", "8,9"],
-                 ["points", "--table", "t.yaml"]):
-        result = _invoke(*args)
-        assert result.exit_code == 1, result.output
-        assert "needs a CUDA GPU" in result.output and len(result.output.strip().splitlines()) == 1
-
-
-def test_bad_options_are_refused_by_name_in_one_line(monkeypatch):
+def test_bad_options_and_without_a_gpu_each_subcommand_are_refused_by_name_in_one_line(monkeypatch):
     scan = ["scan", "--kv", "bf16", "--heads", "16", "--config", CONFIG, "--device", "cpu"]
     for extra, says in [(["--mix", "90,7", "--batch", "2"], "--mix is one ragged batch"),
                         (["--batch", "2"], "give --batch with --bucket"),
@@ -99,6 +81,14 @@ def test_bad_options_are_refused_by_name_in_one_line(monkeypatch):
         assert result.exit_code == 1 and says in result.output, result.output
     result = _invoke("variants", "triton(", "--device", "cpu")
     assert result.exit_code == 1 and "is not a variant" in result.output
+    if not torch.cuda.is_available():  # each subcommand says it needs one
+        for args in (["variants", "torch(kv=bf16,q=bf16)", "--shapes", "1x8"],
+                     ["mix", "--table", "t.yaml", "--kv", "fp8", "--heads", "16", "--lens", "8"],
+                     ["scan", "--kv", "fp8", "--heads", "16", "--mix", "8,9"],
+                     ["points", "--table", "t.yaml"]):
+            result = _invoke(*args)
+            assert result.exit_code == 1, result.output
+            assert "needs a CUDA GPU" in result.output and len(result.output.strip().splitlines()) == 1
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     result = _invoke("variants", "torch(kv=bf16,q=bf16)", "--shapes", "1x8", "--device", "cpu")
     assert result.exit_code == 1 and "TRITON_INTERPRET=1" in result.output
@@ -129,11 +119,6 @@ def _stand_in(monkeypatch, lost_at: int | None = None) -> list:
 
     monkeypatch.setattr(time_variants, "timer_for", timer_for)
     return timed
-
-
-@pytest.fixture
-def stand_in_timer(monkeypatch):
-    return _stand_in(monkeypatch)
 
 
 KEY = FamilyKey("fp8", 16, 16, 1)
@@ -171,21 +156,13 @@ def test_variants_are_checked_and_timed_a_failing_one_is_a_row_and_the_floor_row
     assert time_variants.FLOOR_ROW in output
 
 
-def _worst_lines(data: dict) -> list[str]:
-    """The regret lines the scan must print for its times."""
-    best = {n: min(t[n] for t in data["times"].values()) for n in data["shapes"]}
-    rows = sorted((max(t[n] / best[n] - 1 for n in data["shapes"]), v, [t[n] / best[n] - 1 for n in data["shapes"]])
-                  for v, t in data["times"].items())
-    return [f"worst {100 * w:5.1f}%  " + " ".join(f"{100 * r:5.1f}" for r in rs) + f"  {v}" for w, v, rs in rows]
-
-
-def test_a_scan_times_every_candidate_and_its_budget_copies_at_each_shape(interpreter, stand_in_timer, tmp_path):
+def test_a_scan_times_every_candidate_and_its_budget_copies_at_each_shape(interpreter, tmp_path, monkeypatch):
     """One batch at two lengths: the config's two split-K candidates and their budget copies,
     each checked and timed at each shape, the worst regrets printed and the times written; and
     a ragged mix, one shape."""
+    stand_in_timer = _stand_in(monkeypatch)
     out = tmp_path / "scan.json"
-    scan = ("scan", "--heads", "16", "--page", "16", "--config", CONFIG, "--reps", "1",
-            "--json", out)
+    scan = ("scan", "--heads", "16", "--page", "16", "--config", CONFIG, "--reps", "1", "--json", out)
     output = _run(*scan, "--kv", "fp8", "--batch", "1", "--lengths", "20,40", "--budget-waves", "1")
     data = json.loads(out.read_text())
     assert data["shapes"] == ["1x20", "1x40"] and data["family"] == str(KEY)
@@ -194,7 +171,12 @@ def test_a_scan_times_every_candidate_and_its_budget_copies_at_each_shape(interp
     assert len(budgeted) == 2 and len(data["times"]) == 4 and len(stand_in_timer) == 8
     assert all(set(t) == {"1x20", "1x40"} for t in data["times"].values())
     assert "fails the check" not in output
-    assert [line for line in output.splitlines() if line.startswith("worst")] == _worst_lines(data)
+    # the worst regrets, from the times written
+    best = {n: min(t[n] for t in data["times"].values()) for n in data["shapes"]}
+    rows = sorted((max(regrets), v, regrets) for v, t in data["times"].items()
+                  for regrets in [[t[n] / best[n] - 1 for n in data["shapes"]]])
+    assert [line for line in output.splitlines() if line.startswith("worst")] == [
+        f"worst {100 * w:5.1f}%  " + " ".join(f"{100 * r:5.1f}" for r in rs) + f"  {v}" for w, v, rs in rows]
     # a ragged mix scans as one shape
     output = _run(*scan, "--kv", "bf16", "--mix", "9,30")
     data = json.loads(out.read_text())
@@ -212,11 +194,12 @@ def test_a_scan_times_every_candidate_and_its_budget_copies_at_each_shape(interp
 
 
 def test_a_mix_runs_the_tables_picks_and_extra_variants_and_with_layers_each_as_a_steps_layers(
-        interpreter, stand_in_timer, tmp_path, monkeypatch):
+        interpreter, tmp_path, monkeypatch):
     """The table's eager and graph picks and the extra variants, each checked; --layers N: each
     role also as N back-to-back layers of one step (a LayeredStep, by the same timer: its figure
     over N), its last layer checked; past the KV copies' bound the layered column is an error
     with the reason, the flushed call's figures stand."""
+    stand_in_timer = _stand_in(monkeypatch)
     extra = SPLIT16.format(kv="fp8").replace("max_splits=4", "max_splits=1")
     table = _table(tmp_path, graph={2: GraphPick(2, DEF, 0.1, 64)})
     args = ("mix", "--table", table, "--kv", "fp8", "--heads", "16", "--page", "16", "--lens", "30,34",
@@ -247,11 +230,13 @@ def test_a_mix_runs_the_tables_picks_and_extra_variants_and_with_layers_each_as_
     assert "2 layers need 0.0 GiB of KV copies, over 0 GiB: give fewer layers or shorter lengths)" in eager
 
 
-def test_points_retimes_a_tables_points_as_a_sweep_step_and_in_alternating_passes(interpreter, stand_in_timer,
-                                                                                  tmp_path, monkeypatch):
+def test_points_retimes_a_tables_points_as_a_sweep_step_in_alternating_passes_or_a_steps_layer_into_the_table(
+        interpreter, tmp_path, monkeypatch):
+    stand_in_timer = _stand_in(monkeypatch)
     table = _table(tmp_path, points=POINTS)
+    points = ("points", "--table", table, "--samples", "1")
     out = tmp_path / "points.json"
-    output = _run("points", "--table", table, "--samples", "1", "--passes", "2", "--json", out)
+    output = _run(*points, "--passes", "2", "--json", out)
     data = json.loads(out.read_text())
     assert [(p["batch"], p["kv_len"]) for p in data["points"]] == [(2, 32), (2, 64)]
     # per point, the stand-in's 10, 20, ... us in the order timed: each variant as a sweep step
@@ -278,26 +263,20 @@ def test_points_retimes_a_tables_points_as_a_sweep_step_and_in_alternating_passe
         assert sorted(j.variant for j in jobs) == sorted(map(str, [S16, DEF]))  # once each
         return [(j, {"ok": j.variant != str(DEF), "reason": "wrong at kv 17"}) for j in jobs]
     monkeypatch.setattr(gate_module, "run_gates", gate)
-    output = _run("points", "--table", table, "--samples", "1", "--passes", "1", "--workers", "3",
-                  "--json", out)
+    output = _run(*points, "--passes", "1", "--workers", "3", "--json", out)
     data = json.loads(out.read_text())
     assert all(list(p["variants"]) == [str(S16)] for p in data["points"])
-    assert all(p["failed"] == {str(DEF): "the gate rejected it: wrong at kv 17"}
-               for p in data["points"])
+    assert all(p["failed"] == {str(DEF): "the gate rejected it: wrong at kv 17"} for p in data["points"])
     assert f"not timed: the gate rejected it: wrong at kv 17  {DEF}" in output
     # refusals, by name in one line
     for args, says in [(["--families", "heads=128"], "matches none of the table's families"),
                        (["--points", "0"], "--points")]:
         result = _invoke("points", "--table", table, "--device", "cpu", *args)
         assert result.exit_code != 0 and says in result.output, result.output
-
-
-def test_points_write_times_every_point_in_passes_or_as_a_layer_of_a_step_into_the_table(
-        interpreter, stand_in_timer, tmp_path, monkeypatch):
-    table = _table(tmp_path, points=POINTS)
+    # --write: every point timed again into a copy of the table
+    stand_in_timer.clear()
     out = tmp_path / "RETIMED.serving.yaml"
-    output = _run("points", "--table", table, "--samples", "1", "--passes", "2", "--points", "1",
-                  "--write", out)
+    output = _run(*points, "--passes", "2", "--points", "1", "--write", out)
     # every point (the one-variant one too, --points ignored), one round of two passes: 10, 20, ...
     assert len(stand_in_timer) == 2 + 4 + 4
     written = load_serving_table(out)
@@ -305,8 +284,7 @@ def test_points_write_times_every_point_in_passes_or_as_a_layer_of_a_step_into_t
                                             (2, 64): {S16: 80.0, DEF: 90.0}}
     assert written.families[KEY].cells == CELLS  # as swept
     retimed = written.provenance["points_retimed"][-1]
-    assert ([retimed[k] for k in ("families", "points", "variant_times", "kept")]
-            == [[str(KEY)], 3, 5, 0])
+    assert [retimed[k] for k in ("families", "points", "variant_times", "kept")] == [[str(KEY)], 3, 5, 0]
     assert retimed["from"] == str(table) and retimed["passes"] == 2
     assert load_serving_table(table).families[KEY].points == POINTS  # the table given is untouched
     assert f"wrote {out}: 5 variant times at 3 points of 1 families timed again" in output
@@ -316,8 +294,7 @@ def test_points_write_times_every_point_in_passes_or_as_a_layer_of_a_step_into_t
     # --layers N: each variant timed as a LayeredStep of N layers (the same timer, its figure
     # over N), every point's KV copied once for its variants; the provenance names the layers
     stand_in_timer.clear()
-    _run("points", "--table", table, "--samples", "1", "--passes", "2", "--write",
-         tmp_path / "STEP.yaml", "--layers", "2")
+    _run(*points, "--passes", "2", "--write", tmp_path / "STEP.yaml", "--layers", "2")
     assert len(stand_in_timer) == 10 and {type(c).__name__ for c in stand_in_timer} == {"LayeredStep"}
     written = load_serving_table(tmp_path / "STEP.yaml")
     assert written.families[KEY].points == {(1, 32): {S16: 7.5}, (2, 32): {S16: 20.0, DEF: 25.0},
@@ -327,8 +304,7 @@ def test_points_write_times_every_point_in_passes_or_as_a_layer_of_a_step_into_t
     # with the gate run first, no check per point (as the sweep): no reference is computed
     monkeypatch.setattr(gate_module, "run_gates", lambda jobs, workers: [(j, {"ok": True}) for j in jobs])
     monkeypatch.setattr(ServingInput, "reference", lambda *a, **k: pytest.fail("checked after the gate"))
-    _run("points", "--table", table, "--samples", "1", "--passes", "1", "--workers", "2",
-         "--write", tmp_path / "gated.yaml")
+    _run(*points, "--passes", "1", "--workers", "2", "--write", tmp_path / "gated.yaml")
     assert load_serving_table(tmp_path / "gated.yaml").provenance["points_retimed"][-1]["variant_times"] == 5
     # a run from a re-timed table adds its record after the first's (a long run split by family)
     _run("points", "--table", out, "--samples", "1", "--passes", "1", "--workers", "2", "--write",
@@ -336,8 +312,7 @@ def test_points_write_times_every_point_in_passes_or_as_a_layer_of_a_step_into_t
     chain = load_serving_table(tmp_path / "chained.yaml").provenance["points_retimed"]
     assert [r["from"] for r in chain] == [str(table), str(out)]
     # a family the budget cuts short keeps all its times (its points are not mixed)
-    output = _run("points", "--table", table, "--samples", "1", "--passes", "1", "--write", out,
-                  "--budget", "0")
+    output = _run(*points, "--passes", "1", "--write", out, "--budget", "0")
     assert load_serving_table(out).families[KEY].points == POINTS
     assert f"not reached in full, so left as swept: {KEY}" in output
 

@@ -2,6 +2,7 @@
 declared cells run, the rest are refused. A padded slot of length 0, for every backend (the own
 kernels' too); on the H200 (`-m gpu`) the vendors' on the GPU."""
 
+import contextlib
 import sys
 
 import pytest
@@ -70,12 +71,36 @@ def _any_runner(monkeypatch, device, name, *cell, **extra):
     return (*_runner(name, *cell, platform=gpu.detect(), device=device, **extra), device)
 
 
+# the fakes answer with these
+_REFERENCES = ("mla_tune.serving.inputs", "mla_tune.problem")
+_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "__iter__")
+
+
+@contextlib.contextmanager
+def _host_reads_refused():
+    """Reading a tensor's values on the host raises when mla-tune's code (not a fake) does it."""
+    with pytest.MonkeyPatch.context() as patched:
+        for method in _READS:
+            original = getattr(torch.Tensor, method)
+
+            def guarded(self, *args, _original=original, _method=method, **kwargs):
+                caller = sys._getframe(1).f_globals.get("__name__", "")
+                assert not caller.startswith("mla_tune.") or caller in _REFERENCES, \
+                    f"{caller} called Tensor.{_method}"
+                return _original(self, *args, **kwargs)
+
+            patched.setattr(torch.Tensor, method, guarded)
+        yield
+
+
 def _run_case(name, layout, heads, q_len, kv, platform, seed=17):
-    """The cell's default serving variant, called twice (the first answer poisoned with NaN)."""
+    """The cell's default serving variant, called twice (the first answer poisoned with NaN),
+    its runner reading no tensor on the host."""
     spec, variant, runner = _runner(name, layout, heads, q_len, kv, platform=platform)
     inp = serving_input(spec, KV_LENS, seed, "cpu")
-    call_with_host_lengths(runner, inp).fill_(float("nan"))
-    out = call_with_host_lengths(runner, inp)
+    with _host_reads_refused():
+        call_with_host_lengths(runner, inp).fill_(float("nan"))
+        out = call_with_host_lengths(runner, inp)
     what = cell_id((name, layout, heads, q_len, kv))
     _assert_close(out, _expected(variant, inp), max_error(variant, "cpu"), what)
 
@@ -108,34 +133,21 @@ def test_build_serving_refuses_what_the_capabilities_refuse(case, monkeypatch):
         backend.default_serving_variant(spec, H200)
 
 
-@pytest.mark.parametrize("name", BACKENDS)
-def test_a_variant_for_the_other_kv_format_is_refused(name, monkeypatch):
-    _install(monkeypatch, name)
-    backend = BACKENDS[name]
-    layout = 64 if name == "flashmla" else 0
-    bf16_variant = backend.default_serving_variant(cell_spec(name, layout, 16, 1, "bf16"), H200)
-    with pytest.raises(ValueError, match="make the variant with kv=fp8"):
-        backend.build_serving(bf16_variant, cell_spec(name, layout, 16, 1, "fp8"), "cpu")
-
-
-def test_leaderboard_variants_stay_valid():
-    for variant in (Variant.make("flashmla", kv="fp8", q="fp8_static", q_amax=6.0),
-                    Variant.make("flashinfer", kernel="fa2", kv="fp8", q="bf16"),
-                    Variant.make("aiter", kv="fp8", q="fp8_dynamic", mode="persistent", kv_granularity=16,
-                                 max_split_per_batch=4, fast_mode=False, intra_batch=True)):
-        BACKENDS[variant.backend].validate(variant)
-
-
 # ------------------------------------------------------------ the call, on the CPU
 @pytest.mark.parametrize("case", SERVED, ids=cell_id)
 def test_declared_cells_default_variants_validate_and_match_the_reference_through_the_fakes(case, monkeypatch):
+    """And a variant for the other KV format is refused, naming the fix."""
     name, *cell = case
+    _install(monkeypatch, name)
     backend = BACKENDS[name]
     variant = backend.default_serving_variant(cell_spec(name, *cell), H200)
     backend.validate(variant)
     assert variant.backend == backend.NAME and variant.get("kv") == cell[3]  # it reads the call's KV
+    if cell[3] == "fp8":
+        bf16_variant = backend.default_serving_variant(cell_spec(name, *cell[:3], "bf16"), H200)
+        with pytest.raises(ValueError, match="make the variant with kv=fp8"):
+            backend.build_serving(bf16_variant, cell_spec(name, *cell), "cpu")
     if case in CPU_SERVED:  # the cells run here (see CPU_SERVED)
-        _install(monkeypatch, name)
         _run_case(name, *cell, platform=H200 if name != "aiter" else gpu.fake_platform("MI355X"))
 
 
@@ -194,9 +206,11 @@ def test_flashinfer_replans_only_when_the_lengths_or_the_page_array_change(layou
     assert calls["run"] == 3 + 1 + bool(layout)  # plan() alone runs nothing
 
 
-def test_flashinfer_plans_uniform_steps_from_index_arrays_made_once(monkeypatch):
+def test_flashinfer_plans_uniform_steps_from_index_arrays_made_once_and_keeps_a_graphs_grid(monkeypatch):
     """A uniform q_len's qo_indptr and a block table's row starts are host tensors made once
-    per (step, batch) and passed again unchanged; a ragged step's are its running sums."""
+    per (step, batch) and passed again unchanged; a ragged step's are its running sums. A graph
+    runner refuses a replan that changes its launch grid (32 heads: q_len 1 packs 32 rows per
+    request, 1-CTA clusters; q_len 4 packs 128, 2)."""
     fi = _install(monkeypatch, "flashinfer")
     seen = []
     plan = fi.mla.BatchMLAPagedAttentionWrapper.plan
@@ -219,11 +233,6 @@ def test_flashinfer_plans_uniform_steps_from_index_arrays_made_once(monkeypatch)
     ragged = serving.make_input([2, 1, 2], [40, 5, 70], 16, 16, "bf16", seed=3)
     _assert_close(call_with_host_lengths(mixed, ragged), ragged.reference(), 1e-2, "ragged q_lens")
     assert seen[-1][0].tolist() == [0, 2, 3, 5]
-
-
-def test_flashinfer_refuses_a_replan_that_changes_a_graphs_grid(monkeypatch):
-    """32 heads: q_len 1 packs 32 rows per request (1-CTA clusters), q_len 4 packs 128 (2)."""
-    _install(monkeypatch, "flashinfer")
     _, _, runner = _runner("flashinfer", 0, 32, 4, "bf16", graph=True)
     short = serving.make_input([1, 1], [40, 9], 32, 0, "bf16", seed=1)
     long = serving.make_input([4, 4], [40, 9], 32, 0, "bf16", seed=1)
@@ -280,36 +289,6 @@ def test_flash_mla_schedules_each_call_and_keeps_it_at_fixed_addresses_only_for_
         assert (step.sched[0] is made[-1][0]) == (not graph)
     assert (addresses[0] == addresses[1]) == graph
     assert fm.calls == {"get_mla_decoding_metadata": 4, "flash_mla_with_kvcache": 4}
-
-
-# the fakes answer with these
-_REFERENCES = ("mla_tune.serving.inputs", "mla_tune.problem")
-_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "__iter__")
-
-
-@pytest.mark.parametrize("case", [("flashmla", 64, 128, 2, "fp8"), ("flashinfer", 16, 16, 4, "fp8"),
-                                  ("flashinfer", 0, 128, 1, "bf16"), ("aiter", 1, 16, 2, "fp8"),
-                                  ("aiter", 0, 128, 1, "bf16")], ids=cell_id)
-def test_runners_read_no_tensor_on_the_host(case, monkeypatch):
-    """Reading a tensor's values on the host raises when mla-tune's code (not a fake) does it."""
-    name, *cell = case
-    _install(monkeypatch, name)
-    platform = gpu.fake_platform("MI355X") if name == "aiter" else H200
-    spec, variant, runner = _runner(name, *cell, platform=platform)
-    inp = serving_input(spec, [70, 1, 17], 8, "cpu")
-    with monkeypatch.context() as patched:
-        for method in _READS:
-            original = getattr(torch.Tensor, method)
-
-            def guarded(self, *args, _original=original, _method=method, **kwargs):
-                caller = sys._getframe(1).f_globals.get("__name__", "")
-                assert not caller.startswith("mla_tune.") or caller in _REFERENCES, \
-                    f"{caller} called Tensor.{_method}"
-                return _original(self, *args, **kwargs)
-
-            patched.setattr(torch.Tensor, method, guarded)
-        out = call_with_host_lengths(runner, inp)
-    _assert_close(out, _expected(variant, inp), 1e-2, cell_id(case))
 
 
 # The vendors through their fakes and the own kernels (graph specs) where the tests run; then,

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from mla_tune.backends import EXTRA_BACKENDS_ENV, get_backend
-from mla_tune.core import CallSpec, Variant
+from mla_tune.core import Variant
 from mla_tune.gpu import detect
 from mla_tune.serving import verify as vf
 from mla_tune.serving.call import Decoder
@@ -30,7 +30,6 @@ from tests.helpers import invoke
 from tests.serving_timers import TINY as SWEEP_TINY
 
 TINY = {**copy.deepcopy(SWEEP_TINY), "name": "tiny-verify", "batch_buckets": [2, 4]}
-SPEC = CallSpec("fp8", 16, 16, 2, mixed_q_len=True)
 # Made-up times per sequence: the fused kernel C is the best correct candidate; the table's
 # eager pick A is 10% slower, its graph pick B 30%, the fallback F twice; W (wrong_serving)
 # is fastest but its output is wrong, so it can never be the best.
@@ -84,12 +83,15 @@ class FakeTimer:
         return Timing(t, t, t, reps)
 
 
+def _verify(table_path, names, timer=None, **kw):
+    """run_verify on the CPU, quietly, timed by `timer` (by default a FakeTimer of names)."""
+    return vf.run_verify(table_path, timer=timer or FakeTimer(names), device="cpu", log=lambda _: None, **kw)
+
+
 def test_held_out_shapes_are_off_the_grid_deterministic_and_respect_left_out(tiny):
-    raw = copy.deepcopy(TINY)
-    raw["families"]["kv_format"] = ["fp8", "bf16"]
     # 2 sequences of 64 tokens fit, 4 of 40 do not: what is left is drawn again
-    raw["left_out"] = [{"max_tokens": 150, "why": "a test's limit"}]
-    cfg = serving_config_from_dict(raw, "two.yaml")
+    cfg = serving_config_from_dict({**TINY, "families": {**TINY["families"], "kv_format": ["fp8", "bf16"]},
+                                    "left_out": [{"max_tokens": 150, "why": "a test's limit"}]}, "two.yaml")
     _, table_path, _ = tiny
     table = load_serving_table(table_path)
     keys = list(cfg.families)
@@ -112,7 +114,8 @@ def test_held_out_shapes_are_off_the_grid_deterministic_and_respect_left_out(tin
         vf.select_families(table, "heads=128")
 
 
-def test_regret_is_the_picks_time_over_the_best_correct_candidate(tiny, tmp_path):
+def test_regret_is_the_picks_time_over_the_best_correct_candidate_the_gate_admitted_timed_in_rotating_passes(
+        tiny, tmp_path, monkeypatch):
     cfg, table_path, names = tiny
     timer = FakeTimer(names)
 
@@ -120,8 +123,8 @@ def test_regret_is_the_picks_time_over_the_best_correct_candidate(tiny, tmp_path
         return 1000.0 if call.variant == names["W"] else PER_SEQUENCE_US[timer.name[call.variant]]
 
     out = tmp_path / "out" / "verify.json"
-    report = vf.run_verify(table_path, shapes=2, ragged=1, seed=3, samples=2, json_path=out, timer=timer,
-                           probe=probe, device="cpu", log=lambda _: None)
+    report = _verify(table_path, names, shapes=2, ragged=1, seed=3, samples=2, json_path=out, timer=timer,
+                     probe=probe)
     assert report["exit_code"] == 0 and not report["verdict"]["failed"]
     assert len(report["shapes"]) == 3
     for r in report["shapes"]:
@@ -144,106 +147,100 @@ def test_regret_is_the_picks_time_over_the_best_correct_candidate(tiny, tmp_path
     assert saved["schema"] == vf.VERIFY_SCHEMA and saved["options"]["seed"] == 3
     assert saved["config"]["hash"] == cfg.hash and saved["versions"]["torch"]
     assert saved["shapes"][0]["final_us"] and saved["shapes"][0]["input_seed"] == report["shapes"][0]["input_seed"]
+    # the final round's passes rotate and reverse, and a failing call sits out the rest
+    order, failed = [], []
 
+    def turn(call, samples):
+        order.append(call)
+        if call == "c" and len(order) > 3:
+            raise RuntimeError("lost at its second turn")
+        return Timing(float(len(order)), 0.0, 0.0, samples)
+    calls = {"a": "a", "b": "b", "c": "c", "d": "d"}
+    times = vf.alternating_passes(calls, turn, 5, passes=3, sit_out=["d"],
+                                  on_error=lambda v, exc: failed.append((v, str(exc))))
+    # pass 0: a b c; pass 1 starts at b, backwards: a c(fails) b; pass 2 starts at c: a b (c out, d never)
+    assert order == ["a", "b", "c", "a", "c", "b", "a", "b"]
+    assert times == {"a": [1.0, 4.0, 7.0], "b": [2.0, 6.0, 8.0], "c": [3.0], "d": []}
+    assert failed == [("c", "lost at its second turn")]
+    with pytest.raises(RuntimeError):  # without on_error it is the caller's
+        vf.alternating_passes({"c": "c"}, lambda call, samples: (_ for _ in ()).throw(RuntimeError("x")), 1)
 
-def test_a_table_swept_as_steps_is_verified_as_steps(tiny):
-    """A config with search.step_layers N: verify times every candidate as a LayeredStep of N
-    layers (its figures over N: the same regrets, best_us over N) and the report says so."""
-    cfg, table_path, names = tiny
-    stepped = dataclasses.replace(cfg, search=dataclasses.replace(cfg.search, step_layers=2))
-    kw = dict(shapes=1, ragged=0, seed=3, samples=1, device="cpu", log=lambda _: None)
-    plain = vf.run_verify(table_path, timer=FakeTimer(names), **kw)
-    timer = FakeTimer(names)
-    report = vf.run_verify(table_path, config=stepped, timer=timer, **kw)
-    assert timer.kinds == {"LayeredStep"} and report["protocol"]["step_layers"] == 2
-    assert "step_layers" not in plain["protocol"]
-    (r,), (p,) = report["shapes"], plain["shapes"]
-    assert r["regret"] == pytest.approx(p["regret"]) and r["best_us"] == pytest.approx(p["best_us"] / 2)
-
-
-def test_a_candidate_the_gate_rejects_does_not_compete_for_best(tiny, monkeypatch):
-    """The table's sweep never admitted it, so the lookup is not judged against it."""
-    _, table_path, names = tiny
-
+    # a candidate the gate rejects does not compete for best: the table's sweep never admitted
+    # it, so the lookup is not judged against it
     def gates(jobs, workers, stop=None):
         for job in jobs:  # C, the fastest correct candidate, fails the gate's margin
             ok = job.variant != str(names["C"])
             yield job, {"ok": ok, "reason": "ok" if ok else "ragged probe: 2.6% of elements outside"}
 
     monkeypatch.setattr(vf, "run_gates", gates)
-    report = vf.run_verify(table_path, shapes=1, ragged=1, samples=1, workers=1, timer=FakeTimer(names),
-                           device="cpu", log=lambda _: None)
+    report = _verify(table_path, names, shapes=1, ragged=1, samples=1, workers=1)
     assert report["compile"]["gate_failed"] == {str(names["C"]): "ragged probe: 2.6% of elements outside"}
     for r in report["shapes"]:
         assert r["best"] == str(names["A"]) and r["regret"]["eager"] == pytest.approx(0.0)
         assert str(names["C"]) not in r["final_us"]
 
 
-def test_thresholds_set_the_exit_code_from_the_regret_statistics_and_a_wrong_fast_pick_fails(tiny):
-    """The regret thresholds set the exit code; a wrong fast candidate is never the best, and
-    as the eager pick it fails the run."""
-    _, table_path, names = tiny
-    kw = dict(shapes=1, ragged=0, samples=1, device="cpu", log=lambda _: None)
-    report = vf.run_verify(table_path, max_p95=0.05, timer=FakeTimer(names), **kw)
+def _cli(*args):  # `mla-tune verify ARGS` in 100 columns
+    return invoke("verify", *args, env={"COLUMNS": "100", "NO_COLOR": "1"})
+
+
+def test_thresholds_set_the_exit_code_on_the_command_line_too_a_wrong_fast_pick_fails_and_steps_are_verified(
+        tiny, tmp_path, monkeypatch):
+    """The regret thresholds set the exit code; a wrong fast candidate is never the best, and as
+    the eager pick it fails the run. Under a config's search.step_layers N each candidate is timed
+    as a LayeredStep of N layers (its figures over N: the same regrets) and the report says so.
+    The command refuses a bad option or no GPU, writes its JSON and rescores it."""
+    cfg, table_path, names = tiny
+    kw = dict(shapes=1, ragged=0, seed=3, samples=1)
+    report = _verify(table_path, names, max_p95=0.05, **kw)
     assert report["exit_code"] == 1 and "p95 regret 10.0% is over 5.0%" in report["verdict"]["reasons"][0]
+    timer = FakeTimer(names)
+    stepped = dataclasses.replace(cfg, search=dataclasses.replace(cfg.search, step_layers=2))
+    steps = _verify(table_path, names, config=stepped, timer=timer, **kw)
+    assert timer.kinds == {"LayeredStep"} and steps["protocol"]["step_layers"] == 2
+    assert "step_layers" not in report["protocol"]
+    (r,), (p,) = steps["shapes"], report["shapes"]
+    assert r["regret"] == pytest.approx(p["regret"]) and r["best_us"] == pytest.approx(p["best_us"] / 2)
     records = report["shapes"]
     summary = vf.summarize(records)
-    assert not vf.verdict_of(summary, records, 0.2, 0.2, "eager", False)["failed"]
     assert vf.verdict_of(summary, records, None, 0.2, "graph", False)["failed"]  # graph pick: 30%
     assert vf.verdict_of(summary, records, None, None, "both", False) == {
         "failed": False, "reasons": [], "judged": [], "partial": False, "checks": 5, "checks_failed": 0}
-    stopped = vf.run_verify(table_path, budget_s=1e-9, timer=FakeTimer(names), **kw)  # spent at once
+    stopped = _verify(table_path, names, budget_s=1e-9, **kw)  # spent at once
     assert stopped["stopped"] and stopped["exit_code"] == 3 and stopped["shapes"] == []
-    # the regret statistics
     s = vf.regret_stats([0.0] * 18 + [0.10, 0.20])
     assert s["n"] == 20 and s["p95"] == pytest.approx(0.10) and s["max"] == pytest.approx(0.20)
     assert s["geomean"] == pytest.approx((1.1 * 1.2) ** (1 / 20) - 1)
     assert vf.regret_stats([0.1, math.inf])["max"] == math.inf
     assert vf.regret_stats([])["n"] == 0
-    text = table_path.read_text().replace(str(names["A"]), str(names["W"]))
-    table_path.write_text(text)  # the eager pick is now the wrong (fast) backend
-    report = vf.run_verify(table_path, timer=FakeTimer(names), **kw)
+    assert _cli("--table", tmp_path / "x.yaml", "--max-p95", "5").exit_code == 2  # a fraction
+    monkeypatch.delenv("TRITON_INTERPRET")  # no GPU and no interpreter: verify cannot time here
+    result = _cli("--table", table_path)
+    assert result.exit_code == 1 and "torch sees none here" in result.output and "--rescore" in result.output
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # a missing table: test_cli.py's path errors
+    monkeypatch.setattr(timing, "cpu_time", FakeTimer(names))  # the CPU's default timer
+    out = tmp_path / "v.json"
+    result = _cli("--table", table_path, "--shapes", 1, "--ragged", 1, "--samples", 1,
+                  "--max-p95", "0.2", "--max-regret", "0.2", "--json", out)
+    assert result.exit_code == 0, result.output
+    assert "PASS" in result.output and "eager pick" in result.output and "elapsed" in result.output
+    assert max(map(len, result.output.splitlines())) <= 100  # fitted to the COLUMNS given
+    assert len(json.loads(out.read_text())["shapes"]) == 2
+    result = _cli("--table", table_path, "--shapes", 1, "--ragged", 0, "--samples", 1, "--max-regret", "0.05")
+    assert result.exit_code == 1 and "FAIL" in result.output
+    # --rescore: no timing, the picks' times read back from the report just written
+    monkeypatch.setattr(timing, "cpu_time", lambda *a: pytest.fail("a rescore timed something"))
+    result = _cli("--table", table_path, "--rescore", out, "--max-regret", "0.12")
+    assert result.exit_code == 0 and "PASS (on recorded times)" in result.output, result.output
+    result = _cli("--table", table_path, "--rescore", out, "--max-regret", "0.05")
+    assert result.exit_code == 1 and "max regret 10.0% is over 5.0%" in result.output
+    table_path.write_text(table_path.read_text().replace(str(names["A"]), str(names["W"])))  # eager pick: W
+    report = _verify(table_path, names, **kw)
     r = report["shapes"][0]
     assert r["best"] == str(names["C"]) and r["checks"][str(names["W"])]["passed"] is False
     assert r["regret"]["eager"] == pytest.approx(-0.5)  # faster than the best correct one, and wrong
     assert report["verdict"]["failed"] and report["exit_code"] == 1
     assert "outside the rule" in report["verdict"]["reasons"][0]
-
-
-def _invoke(*args):
-    return invoke(*args, env={"COLUMNS": "100", "NO_COLOR": "1"})
-
-
-def test_cli_help_bad_table_and_a_run_writing_json(tiny, tmp_path, monkeypatch):
-    result = _invoke("verify", "--help")
-    assert result.exit_code == 0 and "Re-time a serving table's picks" in " ".join(result.output.split())
-    assert _invoke("verify", "--table", tmp_path / "x.yaml", "--max-p95", "5").exit_code == 2  # a fraction
-    monkeypatch.delenv("TRITON_INTERPRET")  # no GPU and no interpreter: verify cannot time here
-    _, table_path, names = tiny
-    result = _invoke("verify", "--table", table_path)
-    assert result.exit_code == 1 and "torch sees none here" in result.output and "--rescore" in result.output
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    result = _invoke("verify", "--table", tmp_path / "nope.serving.yaml")
-    assert result.exit_code == 1
-    lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and "nope.serving.yaml" in lines[0]
-    monkeypatch.setattr(timing, "cpu_time", FakeTimer(names))  # the CPU's default timer
-    out = tmp_path / "v.json"
-    result = _invoke("verify", "--table", table_path, "--shapes", 1, "--ragged", 1, "--samples", 1,
-                     "--max-p95", "0.2", "--max-regret", "0.2", "--json", out)
-    assert result.exit_code == 0, result.output
-    assert "PASS" in result.output and "eager pick" in result.output and "elapsed" in result.output
-    assert max(map(len, result.output.splitlines())) <= 100  # fitted to the COLUMNS given
-    assert len(json.loads(out.read_text())["shapes"]) == 2
-    result = _invoke("verify", "--table", table_path, "--shapes", 1, "--ragged", 0, "--samples", 1,
-                     "--max-regret", "0.05")
-    assert result.exit_code == 1 and "FAIL" in result.output
-    # --rescore: no timing, the picks' times read back from the report just written
-    monkeypatch.setattr(timing, "cpu_time", lambda *a: pytest.fail("a rescore timed something"))
-    result = _invoke("verify", "--table", table_path, "--rescore", out, "--max-regret", "0.12")
-    assert result.exit_code == 0 and "PASS (on recorded times)" in result.output, result.output
-    result = _invoke("verify", "--table", table_path, "--rescore", out, "--max-regret", "0.05")
-    assert result.exit_code == 1 and "max regret 10.0% is over 5.0%" in result.output
 
 
 @pytest.mark.gpu
@@ -272,22 +269,3 @@ def test_verify_on_the_gpu(tmp_path):
         assert r["best"] is not None and all(0 <= r["regret"][role] < math.inf for role in vf.ROLES)
         assert all(c["passed"] for v, c in r["checks"].items() if v in r["roles"].values())
     assert get_backend("triton") and Variant.parse(report["shapes"][0]["best"])
-
-
-def test_the_final_rounds_passes_rotate_and_reverse_and_a_failing_call_sits_out_the_rest():
-    order, failed = [], []
-
-    def timer(call, samples):
-        order.append(call)
-        if call == "c" and len(order) > 3:
-            raise RuntimeError("lost at its second turn")
-        return Timing(float(len(order)), 0.0, 0.0, samples)
-    calls = {"a": "a", "b": "b", "c": "c", "d": "d"}
-    out = vf.alternating_passes(calls, timer, 5, passes=3, on_error=lambda v, exc: failed.append((v, str(exc))),
-                                sit_out=["d"])
-    # pass 0: a b c; pass 1 starts at b, backwards: a c(fails) b; pass 2 starts at c: a b (c out, d never)
-    assert order == ["a", "b", "c", "a", "c", "b", "a", "b"]
-    assert out == {"a": [1.0, 4.0, 7.0], "b": [2.0, 6.0, 8.0], "c": [3.0], "d": []}
-    assert failed == [("c", "lost at its second turn")]
-    with pytest.raises(RuntimeError):  # without on_error it is the caller's
-        vf.alternating_passes({"c": "c"}, lambda call, samples: (_ for _ in ()).throw(RuntimeError("x")), 1)
