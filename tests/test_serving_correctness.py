@@ -197,7 +197,6 @@ def test_the_gpu_matrix_covers_every_cell_and_setting_and_its_variants_build(mon
     """Every declared cell and odd cell, split-K setting, q mode and fused setting is in it; on
     the CPU each case's variants validate, and the own ones build."""
     cases = {name: {tuple(c[1:]) for c in GPU_CASES if c[0] == name} for name in _serving_backends()}
-    assert {"flashmla", "flashinfer"} <= set(OTHERS)
     assert cases["triton"] == set(CELL_GRID) | set(ODD_CELLS)
     assert cases["triton_fused"] == set(FUSED_GRID) | set(ODD_CELLS)
     assert {c[0] for c in cases["flashmla"]} == {64} and len(cases["flashmla"]) == 12
@@ -352,7 +351,6 @@ def test_decode_keeps_one_decoder_per_spec_and_picks_the_own_split_k_kernel_firs
     paged = serving.make_input([1, 1], [9, 40], 16, 16, "bf16", seed=2, device=device)
     decode(paged.q, paged.qo_indptr, paged.kv, **paged.layout)
     assert [s.page_size for s in built] == [0, 16]
-    assert PREFERENCE[:2] == OWN and Decoder(CallSpec("bf16"), device=device).backend == "triton"
 
 
 # ---------------------------------------------------------------------------- the spec

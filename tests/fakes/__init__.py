@@ -1,32 +1,24 @@
-"""Tiny fake backends for the sweep's tests (CPU, fast), registered through
-MLA_TUNE_EXTRA_BACKENDS so that spawned worker processes find them too."""
+"""Helpers shared by the fakes: the tiny fake backends of the sweep's tests (CPU, fast),
+registered through MLA_TUNE_EXTRA_BACKENDS so that spawned worker processes find them too,
+and the engine fakes' check of a subclass's overrides."""
 
-import contextlib
+import inspect
 import io
 import os
+from unittest import mock
 
 from rich.console import Console
 
-FAKES = ("fake_ok", "fake_wrong", "fake_raise", "fake_crash", "fake_hang", "fake_nogpu", "fake_poison",
-         "fake_oom")
-EXTRA_BACKENDS = ",".join(f"{name}=tests.fakes.{name}" for name in FAKES)
+EXTRA_BACKENDS = ",".join(f"{name}=tests.fakes.{name}" for name in (
+    "fake_ok", "fake_wrong", "fake_raise", "fake_crash", "fake_hang", "fake_nogpu", "fake_poison", "fake_oom"))
 
 
-@contextlib.contextmanager
 def registered(backends: str = EXTRA_BACKENDS):
     """Register fake backends for this process and, through the environment, its workers;
-    the old value comes back afterwards."""
+    the old environment comes back when the `with` block ends."""
     from mla_tune.backends import EXTRA_BACKENDS_ENV
 
-    old = os.environ.get(EXTRA_BACKENDS_ENV)
-    os.environ[EXTRA_BACKENDS_ENV] = backends
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(EXTRA_BACKENDS_ENV, None)
-        else:
-            os.environ[EXTRA_BACKENDS_ENV] = old
+    return mock.patch.dict(os.environ, {EXTRA_BACKENDS_ENV: backends})
 
 
 def capture() -> tuple[Console, io.StringIO]:
@@ -48,3 +40,21 @@ def one_variant(name: str, batch: int | None = None):
         return [Variant.make(name, kv="bf16", q="bf16")] if batch in (None, shape.batch) else []
 
     return candidates
+
+
+def _names(fn) -> list[str]:
+    fn = fn.__func__ if isinstance(fn, (staticmethod, classmethod)) else fn
+    return [p.name for p in inspect.signature(fn).parameters.values()
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def check_overrides(cls, base, hooks, init=None) -> None:
+    """An engine fake's refusal of a subclass whose override of one of base's `hooks` takes
+    other arguments (__init__'s are `init`'s: what the engine passes it)."""
+    for hook in hooks:
+        if hook not in cls.__dict__:
+            continue
+        want = _names(init if hook == "__init__" else base.__dict__[hook])
+        got = _names(cls.__dict__[hook])
+        if got != want:
+            raise TypeError(f"{cls.__name__}.{hook} takes {got}; {base.__name__}.{hook} takes {want}")

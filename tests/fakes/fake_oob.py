@@ -4,12 +4,9 @@ sweep must record the candidate and go on with a fresh worker (tests/test_crash_
 
 The store lands FAR_BYTES past the output buffer. Every CUDA address of this process lies
 in the user half of the 47-bit address space, so pointer + 2**47 bytes lies in
-[2**47, 2**48): mapped by nothing, neither device memory nor (through HMM) host memory. The
-fault is therefore certain and writes nothing anywhere.
-
-Never run on the CPU: under TRITON_INTERPRET=1 the store would hit a wild host address (a
-segfault at best, silent memory corruption at worst). unavailable_reason() says so without
-a GPU, and build() refuses as well.
+[2**47, 2**48), mapped by nothing (device or, through HMM, host): the fault is certain and
+writes nothing. Never on the CPU, where TRITON_INTERPRET=1's store would hit a wild host
+address (a segfault or silent memory corruption): unavailable_reason() and build() refuse.
 
 Space: `batches` (optional list of batch sizes): offer the variant at these batches only.
 """
@@ -39,12 +36,8 @@ def oob_store(out: torch.Tensor, element_offset: int) -> None:
     _oob_store_kernel[(1,)](out, element_offset, BLOCK=_OOB_BLOCK)
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def unavailable_reason() -> str | None:
-    if _interpreted() or not torch.cuda.is_available():
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or not torch.cuda.is_available():
         return (
             "fake_oob needs a CUDA GPU: its kernel stores 2**47 bytes out of bounds on purpose, "
             "which on the CPU (Triton's interpreter) would segfault or corrupt memory; "
@@ -55,9 +48,7 @@ def unavailable_reason() -> str | None:
 
 def candidates(shape: Shape, space: dict, platform) -> list[Variant]:
     batches = (space or {}).get("batches")
-    if batches is not None and shape.batch not in batches:
-        return []
-    return [Variant.make(NAME, kv="bf16", q="bf16")]
+    return [Variant.make(NAME, kv="bf16", q="bf16")] if batches is None or shape.batch in batches else []
 
 
 def build(variant: Variant, shape: Shape, device):

@@ -15,9 +15,6 @@ in the child (the fakes are only ever imported by name). The backends treat a fa
 runnable on the CPU (each fake sets MLA_TUNE_CPU_FAKE), but their `candidates` still ask
 for the platform a real library needs: plan CPU sweeps with gpu.fake_platform("MI355X") for
 aiter and gpu.fake_platform("H200") for flashinfer / flashmla.
-
-Load this module by path (it is not part of a package), e.g.
-    spec = importlib.util.spec_from_file_location("vendor_fakes", FAKES_DIR / "vendor_fakes.py")
 """
 
 import importlib.util
@@ -27,8 +24,6 @@ from pathlib import Path
 
 FAKES_DIR = Path(__file__).resolve().parent
 PACKAGES = ("aiter", "flashinfer", "flash_mla")
-# The releases the fakes imitate.
-VERSIONS = {"aiter": "0.1.11", "flashinfer": "0.6.18.post1", "flash_mla": "1.0.0"}
 
 
 def _settings_env(cu_num: int | None, arch: str | None) -> dict[str, str]:
@@ -74,7 +69,6 @@ def load(monkeypatch, name: str, drop=()):
     try:
         spec.loader.exec_module(module)  # imports every submodule of the fake eagerly
     finally:
-        # hand every module the fake added to monkeypatch, which removes them afterwards
         for key in set(sys.modules) - before:
             monkeypatch.setitem(sys.modules, key, sys.modules.pop(key))
     return module

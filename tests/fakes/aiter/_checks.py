@@ -27,6 +27,13 @@ def need_tensor(name, t, dtype=None, dim=None, shape=None):
         need(tuple(t.shape) == tuple(shape), f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
+def need_type(ok, message):
+    """What compile_ops raises (TypeError) for an argument unlike the pybind doc's annotation;
+    the real one checks only a process's first call, the fake every call."""
+    if not ok:
+        raise TypeError(message)
+
+
 def need_int(name, value):
     need(isinstance(value, int) and not isinstance(value, bool), f"{name} must be an int, got {value!r}")
 
@@ -41,14 +48,34 @@ def check_scale(name, scale):
     need(tuple(scale.shape) == (1,), f"{name} must be a per-tensor fp32 [1] dequant scale, got {tuple(scale.shape)}")
 
 
-def need_indptrs(bs, **named):
-    """The 1-D int32 index tensors of a paged call: indptrs of bs + 1 entries, last page
-    lengths of bs, page indices of any length (named *indices)."""
-    for name, t in named.items():
-        size = None if name.endswith("indices") else bs if name == "kv_last_page_lens" else bs + 1
+def need_paged(names, q, kv, o, page_size, nhead_kv, max_seqlen_q, qo_indptr, kv_indptr, kv_indices,
+               kv_last_page_lens):
+    """What both paged entry points check of q, KV, output and page indices (`names`), bs returned.
+    The kernels address KV and output from their base pointers and outer strides only, and find
+    sequence b's q rows at b * max_seqlen_q (asm_mla.cu: stride_Q = Q.stride(0) * max_seqlen_q)."""
+    q_name, kv_name, o_name, indices_name = names
+    need(nhead_kv == 1, f"nhead_kv must be 1, got {nhead_kv!r}")
+    need_tensor(q_name, q, dim=3)
+    need(q.is_contiguous(), f"{q_name} must be contiguous")
+    need(q.shape[2] == 576, f"{q_name} must be [total_q, heads, 576], got {tuple(q.shape)}")
+    need_tensor(kv_name, kv, dim=4)
+    need(kv.shape[1] == page_size and kv.shape[2] == nhead_kv,
+         f"{kv_name} must be [num_pages, page_size={page_size}, nhead_kv=1, 576], got {tuple(kv.shape)}")
+    need(kv.shape[3] == q.shape[2], f"{kv_name}.size(3) must equal {q_name}'s head size")
+    need(kv.stride()[1:] == (nhead_kv * 576, 576, 1),
+         f"{kv_name}'s inner dims must be dense (strides (*, {nhead_kv * 576}, 576, 1)), got {kv.stride()}")
+    need_tensor(o_name, o, dtype=dtypes.bf16, shape=(q.shape[0], q.shape[1], 512))
+    need(o.is_contiguous(), f"{o_name} must be dense (contiguous), got strides {o.stride()}")
+    bs = qo_indptr.shape[0] - 1 if isinstance(qo_indptr, torch.Tensor) else -1
+    for name, t, size in (("qo_indptr", qo_indptr, bs + 1), ("kv_indptr", kv_indptr, bs + 1),
+                          ("kv_last_page_lens", kv_last_page_lens, bs), (indices_name, kv_indices, None)):
         need_tensor(name, t, dim=1)
         need(t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}")
         need(size is None or t.shape[0] == size, f"{name} must have {size} entries, got {t.shape[0]}")
+    need(qo_indptr.tolist() == [b * max_seqlen_q for b in range(bs + 1)],
+         f"qo_indptr must be arange(bs + 1) * max_seqlen_q ({max_seqlen_q} new tokens per sequence), "
+         f"got {qo_indptr.tolist()[:8]}")
+    return bs
 
 
 def need_scales(q_name, q_dtype, q_scale, kv_dtype, kv_scale, unset):
@@ -127,9 +154,8 @@ def attend(q32, kv_tokens32, token_indptr, sm_scale, qo_indptr=None):
     among themselves (bottom-right aligned, as AITER's op test's tril(diagonal=s_k - s_q))."""
     from mla_tune.serving.inputs import reference
 
-    bs = len(token_indptr) - 1
     if qo_indptr is None:
-        qo_indptr = torch.arange(bs + 1, dtype=torch.int32)
+        qo_indptr = torch.arange(len(token_indptr), dtype=torch.int32)
     return reference(q32, qo_indptr, kv_tokens32.reshape(-1, 1, kv_tokens32.shape[-1]),
                      kv_indptr=torch.tensor(token_indptr, dtype=torch.int32), sm_scale=sm_scale)
 
@@ -146,8 +172,7 @@ def paged_attend(q, q_scale, kv_buffer, kv_scale, qo_indptr, kv_indptr, kv_indic
     tokens, token_indptr = [], [0]
     for b in range(len(page_bounds) - 1):
         ids = kv_indices[page_bounds[b]:page_bounds[b + 1]].long()
-        seq = pages[ids].reshape(-1, pages.shape[-1])
-        seq = seq[: (len(ids) - 1) * page_size + last[b]]
+        seq = pages[ids].reshape(-1, pages.shape[-1])[: (len(ids) - 1) * page_size + last[b]]
         tokens.append(seq)
         token_indptr.append(token_indptr[-1] + seq.shape[0])
     scale = sm_scale if sm_scale is not None else 1.0 / (576 ** 0.5)

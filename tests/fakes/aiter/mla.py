@@ -1,12 +1,9 @@
-"""Fake aiter.mla: mla_decode_fwd with the real signature and contract of the build the
-fake imitates (0.1.11 and f3be04a12 share one: 0.1.20.post1's less context parallelism
-and `causal`; see _state.py).
+"""Fake aiter.mla: mla_decode_fwd with the real signature and contract of each build faked.
 
 It enforces what the real call path checks or silently depends on (aiter/mla.py,
 csrc/py_itfs_cu/asm_mla.cu, hsa/gfx950/mla/mla_asm.csv) and computes the answer on the CPU
 with mla_tune.serving.inputs' fp32 reference (causal among a sequence's new tokens), writing it into `o`
 as the real one does; every sequence brings max_seqlen_q new tokens.
-The fp32 numerics say nothing about the accuracy of AITER's fp8 kernels: no accuracy evidence.
 """
 
 import functools
@@ -32,9 +29,6 @@ _NONPERSISTENT_QLEN = {
     (dtypes.bf16, dtypes.bf16): {16: 8, 32: 16, 64: 16, 128: 16},
     (dtypes.fp8, dtypes.fp8): {16: 4, 128: 16},
 }
-# The non-persistent stage 2 reads at most ceil(kv_len / block) splits (get_meta_param and
-# mgc in aiter/mla.py): 128 tokens for fp8 q, 64 for bf16.
-_SPLIT_BLOCK = {True: 128, False: 64}
 # 0.1.18+ (#4144): at or above AITER_MLA_DECODE_PERSISTENT_MAX_BATCH (default 32; <= 0
 # turns the gate off), a gfx950 bf16 x bf16, 16-head, q_len 1 persistent call that leaves
 # num_kv_splits to AITER runs non-persistent. Read once per process, as AITER reads it.
@@ -58,7 +52,7 @@ def _use_persistent_mla_decode(bs, nhead, max_seqlen_q, q_dtype, kv_dtype):
     return max_batch <= 0 or bs < max_batch
 
 
-def _mla_decode_fwd(
+def mla_decode_fwd(
     q,
     kv_buffer,
     o,
@@ -92,63 +86,26 @@ def _mla_decode_fwd(
     need(g_kv_indptr is None and cp_world_size == 1 and cp_rank == 0, "the fake covers no context parallelism")
     # read on every call, like the real one; it applies to fp8 persistent calls with page 1
     use_opus = os.environ.get("AITER_MLA_USE_OPUS", "0") == "1"
-    keep_persistent = True
-    if work_meta_data is not None and num_kv_splits is None and isinstance(q, torch.Tensor):
-        keep_persistent = _use_persistent_mla_decode(qo_indptr.shape[0] - 1, q.shape[1], max_seqlen_q, q.dtype,
-                                                     kv_buffer.dtype)
-    args = dict(locals())
-    for name in ("g_kv_indptr", "cp_world_size", "cp_rank", "causal", "use_opus", "keep_persistent"):
-        args.pop(name)
-    return _decode(args, use_opus=use_opus, keep_persistent=keep_persistent)
+    keep_persistent = (work_meta_data is None or num_kv_splits is not None or not isinstance(q, torch.Tensor)
+                       or _use_persistent_mla_decode(qo_indptr.shape[0] - 1, q.shape[1], max_seqlen_q,
+                                                     q.dtype, kv_buffer.dtype))
+    return _decode(**locals())
 
 
-def _mla_decode_fwd_v0_1_11(**args):
-    return _decode(args, use_opus=False)
-
-
-_mla_decode_fwd.__name__ = _mla_decode_fwd_v0_1_11.__name__ = "mla_decode_fwd"
-if not _state.new_api:  # 0.1.11 and f3be04a12: no context parallelism, no `causal`, no gate
-    _mla_decode_fwd = older(_mla_decode_fwd, "g_kv_indptr", "cp_world_size", "cp_rank", "causal",
-                            body=_mla_decode_fwd_v0_1_11)
-# q, kv_buffer and o positionally; the rest by keyword (mla-tune's rule, _checks.keywords_past)
-mla_decode_fwd = keywords_past(3)(_mla_decode_fwd)
-mla_decode_fwd.__qualname__ = "mla_decode_fwd"
-
-
-def _decode(args, use_opus, keep_persistent=True):
-    (q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q, page_size,
-     nhead_kv, sm_scale, logit_cap, num_kv_splits, num_kv_splits_indptr, work_meta_data, work_indptr,
-     work_info_set, reduce_indptr, reduce_final_map, reduce_partial_map, q_scale, kv_scale,
-     intra_batch_mode, _return_logits, _return_lse) = args.values()
+def _decode(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q, page_size,
+            nhead_kv, sm_scale, logit_cap, num_kv_splits, num_kv_splits_indptr, work_meta_data, work_indptr,
+            work_info_set, reduce_indptr, reduce_final_map, reduce_partial_map, q_scale, kv_scale,
+            intra_batch_mode, return_logits, return_lse, use_opus=False, keep_persistent=True, **_unfaked):
     assert logit_cap <= 0, f"{logit_cap=} is not support yet"
     # v0.1.10.post2 put page_size and nhead_kv after max_seqlen_q: an old positional call
     # lands sm_scale here
     need_pow2("page_size (pass sm_scale and what follows by keyword)", page_size)
-    need(nhead_kv == 1, f"nhead_kv must be 1, got {nhead_kv!r}")
     need_int("max_seqlen_q", max_seqlen_q)
     need(max_seqlen_q >= 1, f"max_seqlen_q must be >= 1, got {max_seqlen_q}")
-    need_tensor("q", q, dim=3)
-    need(q.is_contiguous(), "q must be contiguous")
+    bs = _checks.need_paged(("q", "kv_buffer", "o", "kv_indices"), q, kv_buffer, o, page_size, nhead_kv,
+                            max_seqlen_q, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens)
     heads = q.shape[1]
-    need(q.shape[2] == 576, f"q must be [total_q, heads, 576], got {tuple(q.shape)}")
-    need_tensor("kv_buffer", kv_buffer, dim=4)
-    need(kv_buffer.shape[1] == page_size and kv_buffer.shape[2] == nhead_kv,
-         f"kv_buffer must be [num_pages, page_size={page_size}, nhead_kv=1, 576], got {tuple(kv_buffer.shape)}")
-    need(kv_buffer.shape[3] == q.shape[2], "KV.size(3) must equal q's head size")
-    need_tensor("o", o, dtype=dtypes.bf16, shape=(q.shape[0], heads, 512))
-    # the kernels address o and the KV pages from their base pointers and outer strides only
-    need(o.is_contiguous(), f"o must be dense (contiguous), got strides {o.stride()}")
-    need(kv_buffer.stride()[1:] == (nhead_kv * 576, 576, 1),
-         f"kv_buffer's inner dims must be dense (strides (*, {nhead_kv * 576}, 576, 1)), got {kv_buffer.stride()}")
-    bs = qo_indptr.shape[0] - 1 if isinstance(qo_indptr, torch.Tensor) else -1
-    _checks.need_indptrs(bs, qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_last_page_lens=kv_last_page_lens,
-                         kv_indices=kv_indices)
     need(sm_scale is None or isinstance(sm_scale, float), f"sm_scale must be a float, got {sm_scale!r}")
-    # the kernels find sequence b's q rows at b * max_seqlen_q (asm_mla.cu: stride_Q =
-    # Q.stride(0) * max_seqlen_q), so every sequence brings max_seqlen_q new tokens
-    need(qo_indptr.tolist() == [b * max_seqlen_q for b in range(bs + 1)],
-         f"qo_indptr must be arange(bs + 1) * max_seqlen_q ({max_seqlen_q} new tokens per sequence), "
-         f"got {qo_indptr.tolist()[:8]}")
 
     # 0.1.18+: the #4144 gate may turn a persistent request into a non-persistent call
     # (ignoring the work list) without a word
@@ -183,7 +140,9 @@ def _decode(args, use_opus, keep_persistent=True):
         need_int("num_kv_splits", num_kv_splits)
         bounds = kv_indptr.tolist()
         longest = max((b - a for a, b in zip(bounds, bounds[1:], strict=False)), default=0) * page_size
-        cap = -(-longest // _SPLIT_BLOCK[q.dtype == dtypes.fp8])
+        # stage 2 reads at most ceil(kv_len / block) splits (get_meta_param and mgc in
+        # aiter/mla.py): blocks of 128 tokens for fp8 q, 64 for bf16
+        cap = -(-longest // (128 if q.dtype == dtypes.fp8 else 64))
         need(1 <= num_kv_splits <= cap, f"num_kv_splits={num_kv_splits} is past what stage 2 reads at kv_len "
              f"{longest} (1..{cap}): the extra splits are left unreduced")
         need_tensor("num_kv_splits_indptr", num_kv_splits_indptr, dtype=torch.int32, shape=(bs + 1,))
@@ -203,3 +162,9 @@ def _decode(args, use_opus, keep_persistent=True):
                        page_size, sm_scale)
     o.copy_(out.to(o.dtype))
     return out.unsqueeze(1), None
+
+
+if not _state.new_api:  # 0.1.11 and f3be04a12: no context parallelism, no `causal`, no gate, no OPUS
+    mla_decode_fwd = older(mla_decode_fwd, "g_kv_indptr", "cp_world_size", "cp_rank", "causal", body=_decode)
+# q, kv_buffer and o positionally; the rest by keyword (mla-tune's rule, _checks.keywords_past)
+mla_decode_fwd = keywords_past(3)(mla_decode_fwd)

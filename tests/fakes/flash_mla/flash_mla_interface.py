@@ -52,8 +52,7 @@ def get_mla_decoding_metadata(
     _need(seqlens_k.dtype == torch.int32, "seqlens_k must have dtype int32")
     _need(h_k == 1, "num_heads_k must be 1 (MQA)")
     dense_fp8 = is_fp8_kvcache and topk is None
-    if dense_fp8:
-        assert use_legacy, "dense fp8 decoding exists only on the legacy side"
+    assert use_legacy or not dense_fp8, "dense fp8 decoding exists only on the legacy side"
     calls["get_mla_decoding_metadata"] += 1
     batch = seqlens_k.shape[0]
     meta = torch.zeros((8, 8), dtype=torch.int32)
@@ -91,8 +90,7 @@ def flash_mla_with_kvcache(
     assert isinstance(sched, FlashMLASchedMeta), "tile_scheduler_metadata must be of type FlashMLASchedMeta"
     assert num_splits is None, "num_splits must be None"
     _need(indices is None, "the fake covers dense decoding only")
-    if is_fp8_kvcache is None:
-        is_fp8_kvcache = False
+    is_fp8_kvcache = bool(is_fp8_kvcache)
     assert use_legacy, "Dense MLA decoding was removed from the current kernels; pass use_legacy=True"
     assert kv_format is None, "kv_format does not apply to dense decoding"
     _need(q.dim() == 4 and k_cache.dim() == 4, "q must be (b, s_q, h_q, d) and k_cache (blocks, page, h_k, d)")

@@ -107,6 +107,7 @@ class BatchMLAPagedAttentionWrapper:
         # num_blks_y (clusters), then workspace offsets
         cluster = 2 if sum(q_lens) * num_heads // max(len(q_lens), 1) > 64 else 1
         self._plan_info = [cluster, _FAKE_SMS // cluster]
+        self._q_lens = q_lens
         self._planned = True
 
     def run(
@@ -174,15 +175,11 @@ class BatchMLAPagedAttentionWrapper:
         q32 = torch.cat((q_nope.float(), q_pe.float()), dim=-1)[:total_q]
         qo_indptr = self._qo_indptr
         if not self._causal:  # every new token sees its whole sequence: one query per row
-            q_lens = [y - x for x, y in zip(qo_indptr, qo_indptr[1:], strict=False)]
-            tokens = [t for t, n in zip(tokens, q_lens, strict=True) for _ in range(n)]
+            tokens = [t for t, n in zip(tokens, self._q_lens, strict=True) for _ in range(n)]
             qo_indptr = list(range(total_q + 1))
-        kv_indptr = [0]
-        for t in tokens:
-            kv_indptr.append(kv_indptr[-1] + t.shape[0])
+        kv_indptr = torch.tensor([0] + [t.shape[0] for t in tokens]).cumsum(0).to(torch.int32)
         ref, ref_lse = reference(q32, torch.tensor(qo_indptr, dtype=torch.int32), torch.cat(tokens).unsqueeze(1),
-                                 kv_indptr=torch.tensor(kv_indptr, dtype=torch.int32), sm_scale=self._sm_scale,
-                                 return_lse=True)
+                                 kv_indptr=kv_indptr, sm_scale=self._sm_scale, return_lse=True)
         out[:total_q].copy_(ref.to(out.dtype))
         if return_lse:
             lse[:total_q].copy_(ref_lse if return_lse_base_on_e else ref_lse * math.log2(math.e))

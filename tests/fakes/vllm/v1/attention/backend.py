@@ -5,7 +5,8 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import torch
-from vllm._signatures import check_overrides
+
+from tests.fakes import check_overrides
 
 
 class AttentionType:

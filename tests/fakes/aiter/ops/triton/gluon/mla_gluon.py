@@ -58,6 +58,5 @@ def mla_gluon(
     _state.last_call = {"mode": "gluon", "kv_dtype": kv_c.dtype}
     q32 = torch.cat([q_nope.float(), q_pe.float()], dim=-1)
     tokens = kv_c[page_table[: bounds[-1]].long()].float() * kv_scale
-    out = attend(q32, tokens, bounds, sm_scale)
-    o.copy_(out.to(o.dtype))
+    o.copy_(attend(q32, tokens, bounds, sm_scale).to(o.dtype))
     return o, None

@@ -1,17 +1,13 @@
 """sglang.srt.layers.attention.base_attn_backend: 0.5.23's AttentionBackend hooks."""
 
-import inspect
 from abc import ABC
+
+from tests.fakes import check_overrides
 
 _HOOKS = ("init_forward_metadata", "init_forward_metadata_out_graph", "init_forward_metadata_in_graph",
           "init_cuda_graph_state", "get_cuda_graph_seq_len_fill_value", "forward", "forward_decode",
           "forward_extend")
 _REMOVED = ("init_forward_metadata_capture_cuda_graph", "init_forward_metadata_replay_cuda_graph")
-
-
-def _names(fn) -> list[str]:
-    return [p.name for p in inspect.signature(fn).parameters.values()
-            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
 class AttentionBackend(ABC):  # noqa: B024 (as SGLang 0.5.23: no abstract hook left)
@@ -21,10 +17,7 @@ class AttentionBackend(ABC):  # noqa: B024 (as SGLang 0.5.23: no abstract hook l
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        for hook in _HOOKS:
-            if hook in cls.__dict__ and _names(cls.__dict__[hook]) != _names(AttentionBackend.__dict__[hook]):
-                raise TypeError(f"{cls.__name__}.{hook} takes {_names(cls.__dict__[hook])}; "
-                                f"AttentionBackend.{hook} takes {_names(AttentionBackend.__dict__[hook])}")
+        check_overrides(cls, AttentionBackend, _HOOKS)
         for hook in _REMOVED:
             if hook in cls.__dict__:
                 raise TypeError(f"{cls.__name__}.{hook}: removed from the 0.5.23 base class; "

@@ -1,25 +1,20 @@
 """vllm.model_executor.layers.attention.mla_attention: the MLA common backend, metadata,
 builder and impl that a vLLM MLA backend subclasses (0.33.0's names and signatures).
 
-The fake's builder serves decode-only steps (what a decode backend's hooks see); its
-impl's `forward_decode_step` stands in for MLACommonImpl.forward on such a step: it writes
-the new tokens' latent KV into the cache at slot_mapping (an fp8 cache as uint8 bytes at
-the layer's _k_scale, as vLLM's concat_and_cache_mla), views an fp8 cache as fp8, calls
-`forward_mqa(q, cache, attn_metadata, layer)` with q as the (ql_nope, q_pe) tuple (or, with
-an fp8 cache and `supports_quant_query_input`, q quantized to fp8 as MLAAttention does; with
-decode context parallelism, q's heads gathered over the group: here the group's every rank
-holds this q), and checks what comes back: out (tokens, heads of the group, kv_lora_rank),
-lse (tokens, heads of the group) float32 or None. It returns the latent out of this rank's
-heads (the LSE merge and the up-projection are vLLM's, not the backend's; vllm-project/vllm
-mla_attention.py at 0014ca6b)."""
+The fake's builder serves decode-only steps (what a decode backend's hooks see). Its
+impl's `forward_decode_step` stands in for MLACommonImpl.forward on such a step (vllm-project/vllm
+mla_attention.py at 0014ca6b): it writes the new tokens' latent KV into the cache as
+concat_and_cache_mla, calls `forward_mqa` as MLAAttention does, checks what comes back and
+returns the latent out of this rank's heads (the LSE merge and the up-projection are vLLM's)."""
 
 import enum
 from dataclasses import dataclass
 from typing import ClassVar, Generic, TypeVar
 
 import torch
-from vllm._signatures import check_overrides
 from vllm.v1.attention.backend import AttentionBackend, AttentionMetadataBuilder, MLAAttentionImpl
+
+from tests.fakes import check_overrides
 
 
 class QueryLenSupport(enum.Enum):
@@ -80,8 +75,6 @@ class MLACommonMetadata(Generic[D]):
 
 M = TypeVar("M", bound=MLACommonMetadata)
 
-_BUILDER_HOOKS = ("__init__", "_build_decode", "build", "build_for_cudagraph_capture")
-
 
 class MLACommonMetadataBuilder(AttentionMetadataBuilder[M]):
     query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.SINGLE_ONLY
@@ -89,10 +82,8 @@ class MLACommonMetadataBuilder(AttentionMetadataBuilder[M]):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        base = {"__init__": _BuilderSignatures.__init__, "_build_decode": MLACommonMetadataBuilder._build_decode,
-                "build": MLACommonMetadataBuilder.build,
-                "build_for_cudagraph_capture": MLACommonMetadataBuilder.build_for_cudagraph_capture}
-        check_overrides(cls, type("MLACommonMetadataBuilder", (), base), _BUILDER_HOOKS)
+        check_overrides(cls, MLACommonMetadataBuilder, ("__init__", "_build_decode", "build",
+                                                        "build_for_cudagraph_capture"), init=_builder_init)
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device,
                  metadata_cls=None, supports_dcp_with_varlen: bool = False):
@@ -121,9 +112,8 @@ class MLACommonMetadataBuilder(AttentionMetadataBuilder[M]):
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
         """The step's metadata as vLLM's build makes it: the decodes (query_len <=
-        reorder_batch_threshold, at the batch's front, where vLLM's reorder puts them) through
-        `_build_decode`; the prefills after them get a stand-in (vLLM's prefill path is not
-        faked)."""
+        reorder_batch_threshold, at the batch's front) through `_build_decode`; a stand-in for
+        the prefills after them (vLLM's prefill path is not faked)."""
         m = common_attn_metadata
         lens = (m.query_start_loc_cpu[1:] - m.query_start_loc_cpu[:-1]).tolist()
         n = next((i for i, q in enumerate(lens) if q > self.reorder_batch_threshold), len(lens))
@@ -146,12 +136,8 @@ class MLACommonMetadataBuilder(AttentionMetadataBuilder[M]):
                                  prefill=object() if n < m.num_reqs else None)
 
 
-class _BuilderSignatures:
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
-        """What a backend's builder __init__ takes: vLLM constructs it with these four."""
-
-
-_IMPL_HOOKS = ("__init__", "forward_mqa")
+def _builder_init(self, kv_cache_spec, layer_names, vllm_config, device):
+    """What a backend's builder __init__ takes: vLLM constructs it with these four."""
 
 
 class MLACommonImpl(MLAAttentionImpl[M]):
@@ -159,8 +145,7 @@ class MLACommonImpl(MLAAttentionImpl[M]):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        base = {"__init__": _ImplSignatures.__init__, "forward_mqa": MLACommonImpl.forward_mqa}
-        check_overrides(cls, type("MLACommonImpl", (), base), _IMPL_HOOKS)
+        check_overrides(cls, MLACommonImpl, ("__init__", "forward_mqa"), init=_impl_init)
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  alibi_slopes, sliding_window, kv_cache_dtype: str, logits_soft_cap, attn_type: str,
@@ -184,8 +169,7 @@ class MLACommonImpl(MLAAttentionImpl[M]):
         slots = attn_metadata.slot_mapping.long()
         if self.kv_cache_dtype.startswith("fp8"):
             assert kv_cache.dtype == torch.uint8, "vLLM keeps an fp8 MLA cache as uint8"
-            quant = (latent.float() / layer._k_scale.float()).to(torch.float8_e4m3fn)
-            flat[slots] = quant.view(torch.uint8)
+            flat[slots] = (latent.float() / layer._k_scale.float()).to(torch.float8_e4m3fn).view(torch.uint8)
             kv_cache = kv_cache.view(torch.float8_e4m3fn)  # MLAAttention's view before forward_mqa
         else:
             flat[slots] = latent.to(kv_cache.dtype)
@@ -208,7 +192,6 @@ class MLACommonImpl(MLAAttentionImpl[M]):
         return out, lse
 
 
-class _ImplSignatures:
-    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
-                 kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name):
-        """What an MLA impl's __init__ takes before **mla_args (vLLM passes them by keyword)."""
+def _impl_init(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
+               kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name):
+    """What an MLA impl's __init__ takes before **mla_args (vLLM passes them by keyword)."""
