@@ -17,7 +17,7 @@ times the loop again with each variant as the bucket's graph pick, on the same l
 each candidate costs an engine's step. `--q-len N`: each sequence brings N new tokens a step (a spec of max_q_len
 N). Before timing, the first and last layers' outputs of the first and last step are
 checked against mla_tune.serving.inputs' fp32 reference (strict rule), its q quantized as
-the pick's q mode does (gate.variant_q_format: per row for gluon_fused's fp8 q). Prints ms per step
+the pick's q mode does (gate.variant_q_format: per row for the fused kernels' fp8 q). Prints ms per step
 and us per layer; `--out DIR` writes DIR/engine_loop.json (atomically), the report
 `mla-tune verify --table T --engine-loop REPORT --repick-graph OUT` re-chooses graph picks
 on (mla_tune/serving/repick.py: ENGINE_REPORT).
@@ -164,7 +164,7 @@ def _run(args, bucket, plan, base, caches, seq_lens, qs, outs, start):
     seq_lens.copy_(torch.tensor(start, dtype=torch.int32, device="cuda"))
     update(0)
     graph.replay()
-    q_format = variant_q_format(plan.pick(bucket))  # q as the pick quantizes it (gluon_fused: per row)
+    q_format = variant_q_format(plan.pick(bucket))  # q as the pick quantizes it (the fused kernels: per row)
     _check(f"mla-tune bucket {bucket} first step", base, caches, seq_lens, qs, outs, q_format)
     times, replays = _time_steps(graph, seq_lens, args.steps, before_replay=update)
     _check(f"mla-tune bucket {bucket} last step", base, caches, seq_lens, qs, outs, q_format)

@@ -130,34 +130,19 @@ def expected_output(data, variant):
     return problem.reference((q, *data[1:]), "bf16", kv)
 
 
-# The serving kernels that quantize q=fp8_dynamic per (new token, head) row; split-K and the
-# vendors quantize it per tensor, as the reference's fp8 q does.
-ROW_QUANTIZED_Q = ("triton_fused", "gluon_fused")
-
-
-def row_quantized_q(q: torch.Tensor) -> torch.Tensor:
-    """q as the fused kernels quantize it under q=fp8_dynamic: e4m3 per (new token, head)
-    row, scale amax / 448, returned in fp32."""
-    q = q.float()
-    scale = q.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 448.0
-    return (q / scale).to(torch.float8_e4m3fn).float() * scale
-
-
 def serving_expected(variant, q, qo_indptr, kv, kv_scale, *, sm_scale: float | None = None,
                      return_lse: bool = False, **layout):
     """The serving call's fp32 reference (mla_tune.serving.inputs.reference) on q as the
-    serving variant's q mode sees it; layout: kv_indptr, or block_table and seq_lens;
-    return_lse: (out, lse)."""
+    serving variant's q mode sees it (gate.variant_q_format: per row where its backend's
+    serving_q_reference hook says so; fp8_static at the variant's q_amax); layout: kv_indptr,
+    or block_table and seq_lens; return_lse: (out, lse)."""
     from mla_tune.core import SM_SCALE
     from mla_tune.serving import inputs
+    from mla_tune.serving.gate import variant_q_format
 
-    common = dict(sm_scale=SM_SCALE if sm_scale is None else sm_scale, return_lse=return_lse)
-    q_mode = variant.get("q")
-    if variant.backend in ROW_QUANTIZED_Q and q_mode == "fp8_dynamic":
-        return inputs.reference(row_quantized_q(q), qo_indptr, kv, kv_scale, **layout, **common)
-    q_format = {"bf16": "bf16", "fp8_dynamic": "fp8", "fp8_static": "fp8_static"}[q_mode]
+    q_format = "fp8_static" if variant.get("q") == "fp8_static" else variant_q_format(variant)
     return inputs.reference(q, qo_indptr, kv, kv_scale, **layout, q_format=q_format, q_amax=variant.get("q_amax"),
-                            **common)
+                            sm_scale=SM_SCALE if sm_scale is None else sm_scale, return_lse=return_lse)
 
 
 CELL_LAYOUTS = (0, 1, 16, 64)  # 0: contiguous; else the page size

@@ -19,7 +19,8 @@ from mla_tune.backends import gluon_fused
 from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, QK_DIM, SM_SCALE, V_DIM, Shape, Variant
 from mla_tune.gpu import detect, fake_platform
 from mla_tune.kernels import gluon_decode
-from tests.helpers import DecodeBuffers, ragged_input, rel_l2, row_quantized_q, unavailable
+from mla_tune.serving.inputs import reference_q
+from tests.helpers import DecodeBuffers, ragged_input, rel_l2, unavailable
 
 BASE = dict(kv="fp8", q="fp8_dynamic", block_n=64, num_stages=3, num_splits=1, v_path="ss16")
 
@@ -431,7 +432,7 @@ def test_the_backend_takes_the_models_softmax_scale():
     data = problem.generate_input(shape.batch, shape.kv_len, seed=9, device="cuda")
     out = gluon_fused.build(variant, shape, "cuda", sm_scale=CORE_DEEPSEEK_V3_SCALE)(*data[:4])
     torch.cuda.synchronize()
-    rowwise = (row_quantized_q(data[0]), *data[1:])  # fp32 q: reference("bf16", ...) takes it as is
+    rowwise = (reference_q(data[0], "fp8_row"), *data[1:])  # fp32 q: reference("bf16", ...) takes it as is
     ref = problem.reference(rowwise, "bf16", "fp8", sm_scale=CORE_DEEPSEEK_V3_SCALE)
     assert problem.check(out, ref, problem.RULES["strict"]).passed
     assert not problem.check(out, problem.reference(rowwise, "bf16", "fp8"), problem.RULES["strict"]).passed

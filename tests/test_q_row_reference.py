@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mla_tune import problem
-from mla_tune.backends import flash_mla, gluon_fused, triton_splitk
+from mla_tune.backends import flash_mla, gluon_fused, triton_fused, triton_splitk
 from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, QK_DIM, CallSpec, Variant
 from mla_tune.gpu import fake_platform
 from mla_tune.serving.config import GateSpec
@@ -99,12 +99,16 @@ def test_the_gate_reads_q_as_each_backend_or_its_hook_quantizes_it_and_judges_by
     t8 = [v for v in triton_splitk.serving_candidates(CallSpec("fp8", 64, 16, 1), {"q": ["fp8_dynamic"]}, H200)
           if v.get("q") == "fp8_dynamic"]
     assert t8 and {reference_q_format(v, VARIANT_GATE) for v in t8} == {"fp8"}
+    f8 = [v for v in triton_fused.serving_candidates(CallSpec("fp8", 64, 16, 2, mixed_q_len=True),
+                                                     {"q": ["fp8_dynamic"], "qk_dot": ["fp8"]}, H200)
+          if v.get("q") == "fp8_dynamic"]  # fused_decode.py quantizes q per (new token, head) row
+    assert f8 and {reference_q_format(v, VARIANT_GATE) for v in f8} == {"fp8_row"}
     for q in ("fp8_dynamic", "fp8_static"):
         assert reference_q_format(Variant.make(flash_mla.NAME, kv="fp8", q=q), VARIANT_GATE) == "fp8"
     assert reference_q_format(Variant.make(flash_mla.NAME, kv="bf16", q="bf16"), VARIANT_GATE) == "bf16"
     # the engine loop's check reads q as the pick quantizes it, whatever the gate's setting
     fm8 = Variant.make(flash_mla.NAME, kv="fp8", q="fp8_dynamic")
-    assert [variant_q_format(v) for v in (g8, g16, t8[0], fm8)] == ["fp8_row", "bf16", "fp8", "fp8"]
+    assert [variant_q_format(v) for v in (g8, g16, f8[0], t8[0], fm8)] == ["fp8_row", "bf16", "fp8_row", "fp8", "fp8"]
     register_backends(tmp_path, monkeypatch, {HOOK_NAME: HOOK_BODY})  # a backend with a hook
 
     def probe(ref: str, q: str = "fp8_dynamic") -> Variant:
@@ -125,26 +129,31 @@ def test_the_gate_reads_q_as_each_backend_or_its_hook_quantizes_it_and_judges_by
 
 # ------------------------------------------------------------------ on the H200
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["gluon_fused", "triton_fused"])
 @pytest.mark.parametrize("heads,q_len", [(16, 1), (128, 2), (128, 4)])
-def test_the_gluon_kernel_passes_the_gate_against_the_per_row_reference(heads, q_len):
-    """gluon_fused's default fp8 serving variant at DeepSeek-V3's scale passes the gate of
+def test_the_fused_kernels_pass_the_gate_against_the_per_row_reference(backend, heads, q_len):
+    """The fused kernels' fp8-q serving variants (gluon_fused's default; triton_fused's default
+    with q=fp8_dynamic and fp8 dots) at DeepSeek-V3's scale pass the gate of
     configs/serving.yaml (fp8_row) and, on a ragged call, the strict rule per row."""
     from mla_tune.kernels.gluon_serving import GS_UNAVAILABLE
     from mla_tune.serving.config import load_serving_config
 
-    reason = GS_UNAVAILABLE or gluon_fused.unavailable_reason()
+    module = {"gluon_fused": gluon_fused, "triton_fused": triton_fused}[backend]
+    reason = (GS_UNAVAILABLE if backend == "gluon_fused" else None) or module.unavailable_reason()
     if reason:
         unavailable(reason)
     cfg = load_serving_config("configs/serving.yaml")
     assert cfg.gate.reference_q == "variant"
     spec = CallSpec("fp8", 64, heads, q_len, mixed_q_len=True, graph=True, sm_scale=CORE_DEEPSEEK_V3_SCALE)
-    variant = gluon_fused.default_serving_variant(spec, H200)
+    variant = module.default_serving_variant(spec, H200)
+    if backend == "triton_fused":
+        variant = variant.with_params(q="fp8_dynamic", qk_dot="fp8", pv_dot="fp8")
     assert reference_q_format(variant, cfg.gate) == "fp8_row"
     gated = gate_one(GateJob(spec, str(variant), cfg.gate, cfg.rule, "cuda"))
     assert gated["ok"], gated
     kv_lens = [1, 17, 3000, 64, 65, 129, 2, 4133]
     inp = make_input([min(q_len, n) for n in kv_lens], kv_lens, heads, 64, "fp8", seed=77, device="cuda")
-    out = gluon_fused.build_serving(variant, spec, "cuda")(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
+    out = module.build_serving(variant, spec, "cuda")(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
     torch.cuda.synchronize()
     by_row = problem.check(out, inp.reference("fp8_row", sm_scale=spec.sm_scale), STRICT, margin=cfg.gate.margin)
     by_tensor = problem.check(out, inp.reference("fp8", sm_scale=spec.sm_scale), STRICT)

@@ -24,7 +24,8 @@ Variant parameters (all explicit, so CPU interpreter tests can pick fp16 dots):
 Serving variants (build_serving, kernels/fused_decode.py's fused_decode_serving; told apart
 by max_splits / tokens_per_split) carry their own set:
   kv         bf16 | fp8           (no MXFP4 path)
-  q, qk_dot, pv_dot               as above (q=fp8_dynamic: per-(new token, head) amax)
+  q, qk_dot, pv_dot               as above (q=fp8_dynamic: per-(new token, head) amax, which
+                                  serving_q_reference names for the serving gate)
   block_n, num_warps, num_stages  as above
   block_h                         heads per program: a power of two dividing the heads,
                                   block_h x next_pow2(max_q_len) >= 16 MMA columns
@@ -367,6 +368,14 @@ _FU_SERVING_MAX_SPLITS = 64
 _FU_MMA_COLUMNS = 16  # the smallest tl.dot N: block_h x next_pow2(max_q_len) columns
 # A platform without SMs (the interpreter) stands in this many, so CPU tests still split.
 _FU_SERVING_STANDIN_SMS = 4
+
+
+def serving_q_reference(variant: Variant) -> str:
+    """The q format (serving.inputs.reference's q_format) the serving gate's reference reads
+    for `variant` under `reference_q: variant`: fp8_row for fp8 q (kernels/fused_decode.py
+    quantizes q per (new token, head) row, amax / 448, e4m3fn: serving.inputs
+    quantize_fp8_rows), bf16 for bf16 q."""
+    return "fp8_row" if str(variant.get("q", "bf16")).startswith("fp8") else "bf16"
 
 
 def _fu_next_pow2(n: int) -> int:

@@ -96,8 +96,8 @@ def reference_q_format(variant: Variant, gate: GateSpec) -> str:
     """The q the gate's reference reads: bf16, the exact answer (reference_q: exact, and any
     variant with bf16 q), or q quantized as the variant's q mode does (reference_q: variant):
     then the gate judges the kernel, not the price of its q mode. An fp8 q mode is read as
-    its backend's optional `serving_q_reference(variant)` hook says (gluon_fused's answers
-    fp8_row: its kernel quantizes q per (new token, head) row), else per tensor ("fp8",
+    its backend's optional `serving_q_reference(variant)` hook says (gluon_fused's and
+    triton_fused's answer fp8_row: their kernels quantize q per (new token, head) row), else per tensor ("fp8",
     problem.quantize_fp8's scale, the convention of scripts/engine_loop.py and the vendor
     tests)."""
     if gate.reference_q != "variant":

@@ -143,15 +143,15 @@ def _sequence_tokens(kv, kv_indptr, block_table, seq_lens, b: int) -> torch.Tens
 # amax, problem.quantize_fp8); fp8 per (new token, head) row (quantize_fp8_rows); fp8 with a
 # fixed q_amax (fp8_static).
 Q_FORMATS = ("bf16", "fp8", "fp8_row", "fp8_static")
-# The per-row quantization of the Gluon kernels (kernels/gluon_serving.py and gluon_decode.py,
-# their q prologue): amax starts at this floor, scale = amax / 448, e4m3fn.
+# The per-row quantization of the own fused kernels (kernels/gluon_serving.py, gluon_decode.py
+# and fused_decode.py, their q prologue): amax starts at this floor, scale = amax / 448, e4m3fn.
 ROW_AMAX_FLOOR = 1e-12
 ROW_FP8_DTYPE = torch.float8_e4m3fn
 
 
 def quantize_fp8_rows(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q (..., 576) in float8_e4m3fn with one fp32 scale per row of its last dimension (a
-    serving q's (new token, head)), as the Gluon kernels quantize q in the kernel: amax =
+    serving q's (new token, head)), as the own fused kernels quantize q in the kernel: amax =
     max(1e-12, max |row| in fp32), scale = amax / 448 in fp32, q8 = e4m3fn(q / scale)
     rounded to nearest even and saturated at +-448. An all-zero row is zeros with scale
     1e-12 / 448. Returns (q8, scale (..., 1) float32); q8 x scale is the q whose scores
@@ -169,7 +169,7 @@ def reference_q(q: torch.Tensor, q_format: str = "bf16", q_amax: float | None = 
     """q in fp32 as `reference` reads it, as a kernel of that q mode multiplies it with K:
     bf16 as is, fp8 per tensor (dynamic: this call's amax, as problem.quantize_fp8; static:
     a fixed q_amax, values beyond it clamped), or fp8 per (new token, head) row (fp8_row:
-    quantize_fp8_rows, the Gluon kernels' q)."""
+    quantize_fp8_rows, the own fused kernels' q)."""
     if q_format == "bf16":
         return q.to(torch.float32)
     if q_format == "fp8":
