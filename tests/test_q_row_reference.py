@@ -133,7 +133,7 @@ def test_the_gate_reads_q_as_each_backend_or_its_hook_quantizes_it_and_judges_by
 @pytest.mark.parametrize("heads,q_len", [(16, 1), (128, 2), (128, 4)])
 def test_the_fused_kernels_pass_the_gate_against_the_per_row_reference(backend, heads, q_len):
     """The fused kernels' fp8-q serving variants (gluon_fused's default; triton_fused's default
-    with q=fp8_dynamic and fp8 dots) at DeepSeek-V3's scale pass the gate of
+    with q=fp8_dynamic, its fp8 S dot and an fp16 P V dot) at DeepSeek-V3's scale pass the gate of
     configs/serving.yaml (fp8_row) and, on a ragged call, the strict rule per row."""
     from mla_tune.kernels.gluon_serving import GS_UNAVAILABLE
     from mla_tune.serving.config import load_serving_config
@@ -147,7 +147,7 @@ def test_the_fused_kernels_pass_the_gate_against_the_per_row_reference(backend, 
     spec = CallSpec("fp8", 64, heads, q_len, mixed_q_len=True, graph=True, sm_scale=CORE_DEEPSEEK_V3_SCALE)
     variant = module.default_serving_variant(spec, H200)
     if backend == "triton_fused":
-        variant = variant.with_params(q="fp8_dynamic", qk_dot="fp8", pv_dot="fp8")
+        variant = variant.with_params(q="fp8_dynamic", qk_dot="fp8", pv_dot="fp16")
     assert reference_q_format(variant, cfg.gate) == "fp8_row"
     gated = gate_one(GateJob(spec, str(variant), cfg.gate, cfg.rule, "cuda"))
     assert gated["ok"], gated
