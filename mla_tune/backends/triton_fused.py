@@ -357,7 +357,7 @@ def build(variant: Variant, shape: Shape, device, *, sm_scale: float = SM_SCALE)
 
 
 # ------------------------------------------------------------------------ the serving call
-# Serving defaults, untuned (issue 10 adds a serving table): block_n 64, 4 warps and 2
+# Serving defaults, untuned (a serving table holds the tuned picks): block_n 64, 4 warps and 2
 # stages (as the GPU serving tests run; three stages of a bf16 cache's 64-token tiles
 # would take 221 KB of the H200's 227 KB of shared memory), 16 MMA columns per program, a
 # split every 256 tokens. Scratch per new token is max_splits x heads x
