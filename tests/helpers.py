@@ -1,6 +1,6 @@
 """What several test files share: reference math and serving inputs for the backend tests,
-a backend's serving call at DeepSeek-V3's softmax scale, a captured CUDA graph's new calls
-(`refill_for_replays`), the CLI in 80 columns, the exported file run in a fresh process that
+a backend's serving call at DeepSeek-V3's softmax scale, a captured CUDA graph's buffers refilled
+with a new call (`refill`), the CLI in 80 columns, the exported file run in a fresh process that
 refuses mla_tune, test backends registered for one test, the vendor libraries' CPU fakes, and
 `unavailable`: the GPU tests' skip for a backend that cannot run, a failure in require mode.
 
@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -22,10 +23,11 @@ from typing import NoReturn
 
 import pytest
 import torch
+import yaml
 
 from mla_tune import gpu, problem
-from mla_tune.backends import get_backend
-from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, V_DIM, CallSpec
+from mla_tune.backends import EXTRA_BACKENDS_ENV, get_backend
+from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, SM_SCALE, V_DIM, CallSpec
 from mla_tune.serving import inputs as serving
 from tests.fakes import vendor_fakes  # noqa: F401  (re-exported for the tests)
 
@@ -54,8 +56,6 @@ def unavailable(reason: str) -> NoReturn:
 def runnable_backends(names) -> list[str]:
     """The backends of `names` that run here, for a GPU test that samples over whichever do;
     in the require mode (see unavailable) one that does not fails the test, naming why."""
-    from mla_tune.backends import get_backend
-
     reasons = {name: get_backend(name).unavailable_reason() for name in names}
     missing = "; ".join(f"{name}: {reason}" for name, reason in reasons.items() if reason is not None)
     if missing and torch.cuda.is_available() and os.environ.get(REQUIRE_BACKENDS) == "1":
@@ -67,12 +67,8 @@ def cpu_table(tmp_path: Path, name: str = "table.yaml", edit=None, versions: dic
     """tests/data/table_cpu.yaml written to tmp_path/name with this process's versions (so it
     loads without a drift warning) updated by `versions`, top-level fields replaced by `top`,
     then edit(data) where given."""
-    import yaml
-
-    from mla_tune.gpu import detect
-
     data = yaml.safe_load(CPU_TABLE.read_text())
-    data["provenance"]["versions"] = {**{k: str(v) for k, v in detect().versions.items()}, **(versions or {})}
+    data["provenance"]["versions"] = {**{k: str(v) for k, v in gpu.detect().versions.items()}, **(versions or {})}
     data.update(top)
     if edit:
         edit(data)
@@ -136,13 +132,11 @@ def serving_expected(variant, q, qo_indptr, kv, kv_scale, *, sm_scale: float | N
     serving variant's q mode sees it (gate.variant_q_format: per row where its backend's
     serving_q_reference hook says so; fp8_static at the variant's q_amax); layout: kv_indptr,
     or block_table and seq_lens; return_lse: (out, lse)."""
-    from mla_tune.core import SM_SCALE
-    from mla_tune.serving import inputs
     from mla_tune.serving.gate import variant_q_format
 
     q_format = "fp8_static" if variant.get("q") == "fp8_static" else variant_q_format(variant)
-    return inputs.reference(q, qo_indptr, kv, kv_scale, **layout, q_format=q_format, q_amax=variant.get("q_amax"),
-                            sm_scale=SM_SCALE if sm_scale is None else sm_scale, return_lse=return_lse)
+    return serving.reference(q, qo_indptr, kv, kv_scale, **layout, q_format=q_format, q_amax=variant.get("q_amax"),
+                             sm_scale=SM_SCALE if sm_scale is None else sm_scale, return_lse=return_lse)
 
 
 CELL_LAYOUTS = (0, 1, 16, 64)  # 0: contiguous; else the page size
@@ -155,8 +149,6 @@ def cell_spec(name: str, layout: int, heads: int, q_len: int, kv: str, **extra) 
     """The call of a cell (layout 0: contiguous, else the page size) as an engine would declare
     it to this backend: ragged q_len where the backend takes it, host lengths where it needs
     them; extra: CallSpec's other fields (graph, sm_scale)."""
-    from mla_tune.backends import get_backend
-
     caps = get_backend(name).CAPABILITIES
     return CallSpec(kv_format=kv, page_size=layout, heads=heads, max_q_len=q_len,
                     mixed_q_len=caps.mixed_q_len and q_len > 1, host_lengths=caps.host_lengths, **extra)
@@ -199,12 +191,6 @@ def serving_input(spec: CallSpec, kv_lens: list[int], seed: int, device) -> serv
 # test_graph_replay's growing plan step): 1, either side of a 64-token page, 700, 3000, 129.
 GPU_LENS = [1, 17, 63, 64, 65, 700, 3000, 129]
 
-# One call captured at these lengths (each kv_len >= its q_len), then replayed with the
-# others: ragged, with 1-, 2- and 3000-token sequences moved between batch slots.
-GRAPH_Q_LENS = [2, 2, 2, 2, 2, 1]
-GRAPH_KV_LENS = [3000, 700, 65, 2, 17, 64]
-GRAPH_REPLAYS = ((42, [5, 3000, 1, 64, 65, 2]), (43, [700, 17, 2, 1, 64, 3000]))
-
 
 def refill(static: serving.ServingInput, new: serving.ServingInput, what: str = "the new call") -> None:
     """new's tensors copied into `static`'s buffers, as an engine's update step does before
@@ -220,23 +206,10 @@ def refill(static: serving.ServingInput, new: serving.ServingInput, what: str = 
         static.block_table.zero_()
         static.block_table[:, : new.block_table.shape[1]].copy_(new.block_table)
     if new.kv.shape[0] > static.kv.shape[0]:
-        raise ValueError(f"{what} needs {new.kv.shape[0]} cache rows, the captured call has "
-                         f"{static.kv.shape[0]}")
+        raise ValueError(f"{what} needs {new.kv.shape[0]} cache rows, the captured call has {static.kv.shape[0]}")
     static.kv.view(torch.uint8)[: new.kv.shape[0]].copy_(new.kv.view(torch.uint8))
     if new.kv_scale is not None:
         static.kv_scale.copy_(new.kv_scale)
-
-
-def refill_for_replays(static: serving.ServingInput, max_q_len: int, heads: int, kv_format: str, device):
-    """For each of GRAPH_REPLAYS: a new call's tensors copied into `static`'s buffers
-    (`refill`); yields (seed, the new input) so the caller replays and compares with
-    `new.reference(...)`."""
-    for seed, kv_lens in GRAPH_REPLAYS:
-        q_lens = [min(n, max_q_len) for n in kv_lens]
-        q_lens[-1] = 1  # the total stays within the captured q
-        new = serving.make_input(q_lens, kv_lens, heads, static.page_size, kv_format, seed=seed, device=device)
-        refill(static, new, f"replay seed {seed}")
-        yield seed, new
 
 
 VENDOR_MODULES = {"flashmla": "flash_mla", "flashinfer": "flashinfer"}  # a vendor backend's fake
@@ -260,18 +233,15 @@ def serving_call(monkeypatch, name: str, kv: str, q_lens, kv_lens, seed: int, pa
     variant = backend.default_serving_variant(spec, platform).with_params(**(params or {}))
     inp = serving.make_input(q_lens, kv_lens, 16, page, kv, seed=seed)
     runner = backend.build_serving(variant, spec, "cpu")
-    if host:
-        out = call_with_host_lengths(runner, inp)
-    else:
-        out = runner(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
+    out = (call_with_host_lengths(runner, inp) if host
+           else runner(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout))
     return out, variant, inp, runner
 
 
 def ragged_input(kv_lens: list[int], seed: int, device="cuda"):
     """problem.generate_input's tuple with one kv length per sequence (config's kv_seq_len is
     the longest): the leaderboard's kernels at ragged lengths."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     batch = len(kv_lens)
     q = torch.randn((batch, problem.NUM_HEADS, problem.QK_DIM), dtype=torch.bfloat16, device=device, generator=gen)
     kv = torch.randn((sum(kv_lens), problem.NUM_KV_HEADS, problem.QK_DIM), dtype=torch.bfloat16, device=device,
@@ -321,8 +291,6 @@ def sigint_as_in_a_terminal() -> None:
     """A Popen preexec_fn: the child's SIGINT as a shell gives it (default action, not
     blocked), whatever the test process's own state is (pytest-xdist's workers run threads
     and other tests' children), so a test's Ctrl-C reaches the child's own handler."""
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
@@ -460,8 +428,6 @@ def register_backends(tmp_path: Path, monkeypatch, bodies: dict[str, str]):
     """Each name of bodies a backend module in tmp_path (NAME and the protocol's minimum, then
     its body), registered by MLA_TUNE_EXTRA_BACKENDS (with those registered before) for this
     test only; the first one's module."""
-    from mla_tune.backends import EXTRA_BACKENDS_ENV, get_backend
-
     monkeypatch.syspath_prepend(str(tmp_path))
     entries = [e for e in os.environ.get(EXTRA_BACKENDS_ENV, "").split(",") if e]
     for name, body in bodies.items():

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mla_tune import gpu, problem
-from mla_tune.backends import aiter_mla
+from mla_tune.backends import aiter_mla, get_backend
 from mla_tune.core import SM_SCALE, CallSpec, Shape, Variant
 from mla_tune.tune.config import expand_space, load_config
 from tests.helpers import REPO, expected_output, vendor_fakes
@@ -39,8 +39,7 @@ def install(monkeypatch, release, **config):
     return vendor_fakes.install(monkeypatch, "aiter", **config)["aiter"]
 
 
-@pytest.fixture(params=("0.1.11", "0.1.20.post1", F3BE04A12),
-                ids=("v0.1.11", "v0.1.20.post1", "f3be04a12"))
+@pytest.fixture(params=("0.1.11", "0.1.20.post1", F3BE04A12), ids=("v0.1.11", "v0.1.20.post1", "f3be04a12"))
 def aiter(monkeypatch, request):
     """The fake of each faked release in turn, installed in this process."""
     return install(monkeypatch, request.param)
@@ -92,44 +91,35 @@ def fill_work(aiter, qo, kvp, last, work, **kwargs):
                 reduce_final_map=work[4], reduce_partial_map=work[5])
 
 # Parameter lists of ROCm/aiter v0.1.11 and f3be04a12a (aiter/mla.py, aiter/ops/attention.py).
-_V0111_DECODE = [
-    "q", "kv_buffer", "o", "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_lens", "max_seqlen_q",
-    ("page_size", 1), ("nhead_kv", 1), ("sm_scale", None), ("logit_cap", 0.0), ("num_kv_splits", None),
-    ("num_kv_splits_indptr", None), ("work_meta_data", None), ("work_indptr", None), ("work_info_set", None),
-    ("reduce_indptr", None), ("reduce_final_map", None), ("reduce_partial_map", None), ("q_scale", None),
-    ("kv_scale", None), ("intra_batch_mode", False), ("return_logits", False), ("return_lse", False),
-]
+_V0111_DECODE = ["q", "kv_buffer", "o", "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_lens", "max_seqlen_q",
+                 ("page_size", 1), ("nhead_kv", 1), ("sm_scale", None), ("logit_cap", 0.0), ("num_kv_splits", None),
+                 ("num_kv_splits_indptr", None), ("work_meta_data", None), ("work_indptr", None),
+                 ("work_info_set", None), ("reduce_indptr", None), ("reduce_final_map", None),
+                 ("reduce_partial_map", None), ("q_scale", None), ("kv_scale", None), ("intra_batch_mode", False),
+                 ("return_logits", False), ("return_lse", False)]
 _V01120_DECODE = _V0111_DECODE + [("g_kv_indptr", None), ("cp_world_size", 1), ("cp_rank", 0), ("causal", True)]
-_V0111_INFO = [
-    "batch_size", "max_seqlen_qo", "num_head_qo", "q_dtype", "kv_dtype", "is_sparse",
-    ("fast_mode", True), ("num_kv_splits", 32), ("intra_batch_mode", False),
-]
+_V0111_INFO = ["batch_size", "max_seqlen_qo", "num_head_qo", "q_dtype", "kv_dtype", "is_sparse", ("fast_mode", True),
+               ("num_kv_splits", 32), ("intra_batch_mode", False)]
 _V01120_INFO = _V0111_INFO + [("max_split_per_batch", -1)]
-_V0111_BUILDER = [
-    "seqlens_qo_indptr", "seqlens_kv_indptr", "kv_last_page_lens", "num_heads_per_head_k", "num_heads_k",
-    "is_causal", "work_metadata_ptrs", "work_info_set", "work_indptr", "reduce_indptr", "reduce_final_map",
-    "reduce_partial_map", ("page_size", 1), ("kv_granularity", 16), ("max_seqlen_qo", -1),
-    ("uni_seqlen_qo", -1), ("fast_mode", True), ("topk", -1), ("max_split_per_batch", -1),
-    ("intra_batch_mode", False), ("dtype_q", None), ("dtype_kv", None),
-]
+_V0111_BUILDER = ["seqlens_qo_indptr", "seqlens_kv_indptr", "kv_last_page_lens", "num_heads_per_head_k", "num_heads_k",
+                  "is_causal", "work_metadata_ptrs", "work_info_set", "work_indptr", "reduce_indptr",
+                  "reduce_final_map", "reduce_partial_map", ("page_size", 1), ("kv_granularity", 16),
+                  ("max_seqlen_qo", -1), ("uni_seqlen_qo", -1), ("fast_mode", True), ("topk", -1),
+                  ("max_split_per_batch", -1), ("intra_batch_mode", False), ("dtype_q", None), ("dtype_kv", None)]
 # v0.1.20.post1 inserts these before the legacy dtype_q / dtype_kv aliases
-_V01120_BUILDER = _V0111_BUILDER[:-2] + [
-    ("is_cp_round_robin", False), ("mla_version", 0), ("dtype_q_nope", None), ("dtype_q_rope", None),
-    ("dtype_kv_nope", None), ("dtype_kv_rope", None), ("dtype_q", None), ("dtype_kv", None),
-]
+_V01120_BUILDER = _V0111_BUILDER[:-2] + [("is_cp_round_robin", False), ("mla_version", 0), ("dtype_q_nope", None),
+                                         ("dtype_q_rope", None), ("dtype_kv_nope", None), ("dtype_kv_rope", None),
+                                         ("dtype_q", None), ("dtype_kv", None)]
 # The two ops under mla_decode_fwd's persistent path (compile_ops stubs; their pybind
 # declarations in csrc/include/rocm_ops.hpp name the same arguments)
-_V0111_STAGE1 = [
-    "Q", "KV", "qo_indptr", "kv_indptr", "kv_page_indices", "kv_last_page_lens", "num_kv_splits_indptr",
-    "work_meta_data", "work_indptr", "work_info_set", "max_seqlen_q", "page_size", "nhead_kv", "softmax_scale",
-    "splitData", "splitLse", "output", ("q_scale", None), ("kv_scale", None),
-]
+_V0111_STAGE1 = ["Q", "KV", "qo_indptr", "kv_indptr", "kv_page_indices", "kv_last_page_lens", "num_kv_splits_indptr",
+                 "work_meta_data", "work_indptr", "work_info_set", "max_seqlen_q", "page_size", "nhead_kv",
+                 "softmax_scale", "splitData", "splitLse", "output", ("q_scale", None), ("kv_scale", None)]
 # v0.1.20.post1: `lse` between output and q_scale (a positional q_scale lands in lse), then
 # context parallelism, gfx1250 scratch and `causal`
-_V01120_STAGE1 = _V0111_STAGE1[:17] + [
-    ("lse", None), ("q_scale", None), ("kv_scale", None), ("g_kv_indptr", None), ("cp_world_size", 1),
-    ("cp_rank", 0), ("valid_split_count", None), ("use_valid_split_count_reduce", 0), ("causal", True),
-]
+_V01120_STAGE1 = _V0111_STAGE1[:17] + [("lse", None), ("q_scale", None), ("kv_scale", None), ("g_kv_indptr", None),
+                                       ("cp_world_size", 1), ("cp_rank", 0), ("valid_split_count", None),
+                                       ("use_valid_split_count_reduce", 0), ("causal", True)]
 _V0111_REDUCE = ["partial_output", "partial_lse", "reduce_indptr", "reduce_final_map", "reduce_partial_map",
                  "max_seqlen_q", "final_output", ("final_lse", None)]
 _V01120_REDUCE = _V0111_REDUCE[:6] + ["num_kv_splits"] + _V0111_REDUCE[6:]  # required, before final_output
@@ -203,7 +193,6 @@ FAMILIES = [
     _family("fp8", "bf16", "gluon"),
     _family("bf16", "bf16", "gluon"),
 ]
-_NEW_ONLY = {"opus", "gluon"}
 
 
 @pytest.mark.parametrize("params", FAMILIES,
@@ -213,9 +202,9 @@ def test_each_variant_family_builds_and_matches_the_reference(aiter, data, param
     if params["q"] == "fp8_static":
         calibration = problem.generate_input(SHAPE.batch, SHAPE.kv_len, seed=11, device="cpu")
         variant = variant.with_params(q_amax=float(calibration[0].abs().amax()))
-    new_only = "opus" if params.get("opus") else params["mode"] if params["mode"] in _NEW_ONLY else None
+    new_only = "OPUS" if params.get("opus") else "Gluon" if params["mode"] == "gluon" else None
     if new_only and not is_new(aiter):
-        with pytest.raises(ValueError, match=rf"this AITER has no {'OPUS' if new_only == 'opus' else 'Gluon'}.*0\.1\.(20|18)\+"):
+        with pytest.raises(ValueError, match=rf"this AITER has no {new_only}.*0\.1\.(20|18)\+"):
             aiter_mla.build(variant, SHAPE, "cpu")
         return
     monkeypatch.setenv("AITER_MLA_USE_OPUS", "1")  # the runner pins it per call, whatever is set
@@ -383,9 +372,9 @@ def test_without_aiter_imported_the_reason_is_one_sentence_and_provenance_finds_
     monkeypatch.delitem(sys.modules, "aiter")
     scm = _package(tmp_path / "scm", "__version__ = '0.1.21.dev4+g1234abc.d20260901'\n")
     monkeypatch.syspath_prepend(str(scm))
-    assert aiter_mla.aiter_provenance() == {"amd-aiter": "0.1.21.dev4+g1234abc.d20260901",
-                                            "amd-aiter-commit": "1234abc",
-                                            "amd-aiter-persistent-gate": "bypassed (persistent calls pass num_kv_splits)"}
+    assert aiter_mla.aiter_provenance() == {
+        "amd-aiter": "0.1.21.dev4+g1234abc.d20260901", "amd-aiter-commit": "1234abc",
+        "amd-aiter-persistent-gate": "bypassed (persistent calls pass num_kv_splits)"}
     assert "aiter" not in sys.modules  # found, not imported
     # a source checkout: the commit from the .git next to the package (a branch, packed)
     tree = _package(tmp_path / "tree", "__version__ = '0.1.dev123'\n")
@@ -460,8 +449,7 @@ def test_candidates_come_only_on_a_hip_platform_and_direct_ones_where_aiter_has_
         aiter_mla.build(BF16_DIRECT, SHAPE, "cpu")
 
 
-@pytest.mark.parametrize("shape", [Shape(4, 8192), Shape(32, 1024), Shape(64, 8192), Shape(256, 1024)],
-                         ids=str)
+@pytest.mark.parametrize("shape", [Shape(4, 8192), Shape(32, 1024), Shape(64, 8192), Shape(256, 1024)], ids=str)
 def test_persistent_caps_are_offered_once_per_distinct_metadata(aiter, shape):
     """Two candidates whose work lists would be identical are never both offered, and the
     caps that change the work at this shape are all there."""
@@ -485,8 +473,7 @@ def test_persistent_caps_are_offered_once_per_distinct_metadata(aiter, shape):
 def test_a_worker_subprocess_sees_the_fake_through_subprocess_env():
     """The runner's build by its commit (the alias); 0.1.11 and 0.1.20.post1 reach the sweep's
     workers in test_end_to_end."""
-    env = vendor_fakes.subprocess_env("aiter", cu_num=304, arch="gfx942")
-    env["MLA_TUNE_FAKE_AITER_VERSION"] = "f3be04a12"
+    env = vendor_fakes.subprocess_env("aiter", cu_num=304, arch="gfx942") | {"MLA_TUNE_FAKE_AITER_VERSION": "f3be04a12"}
     code = ("import aiter; from mla_tune.backends import aiter_mla; "
             "print(aiter.__version__, aiter._state.cu_num, aiter._state.arch, aiter_mla.unavailable_reason())")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -511,8 +498,6 @@ def test_the_mi355x_config_follows_gfx950_facts_and_plans_a_modest_sweep(aiter):
     """configs/mi355x.yaml: no kpack (Triton forces 1 on gfx950), 16x16 MFMA only, AITER's
     336 candidates (plus Gluon and OPUS where the AITER has them), and a header comment that
     states the plan this test computes."""
-    from mla_tune.backends import get_backend
-
     config = load_config(REPO / "configs" / "mi355x.yaml")
     counts = {}
     for name, space in config.backends.items():
@@ -543,9 +528,7 @@ def test_the_backend_passes_everything_past_the_leading_tensors_by_keyword():
     """An AST check of every call aiter_mla.py makes into AITER (the fakes refuse at call time)."""
     tree = ast.parse((REPO / "mla_tune" / "backends" / "aiter_mla.py").read_text())
     seen = set()
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.Call):
-            continue
+    for node in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
         func = node.func
         name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
         if name in _BACKEND_LEADING:
@@ -577,8 +560,7 @@ def test_the_work_list_is_built_once_in_build_and_direct_partials_are_known(aite
     # the fake's reduction refuses partials stage 1 did not write (it knows them by address)
     other = torch.zeros((64, 1, 16, 512))
     extra = {"num_kv_splits": 256} if is_new(aiter) else {}
-    buffers = next(iter(aiter._state.metadata.values()))["reduce"]
-    assert buffers  # the work list's reduce buffers are recorded
+    assert next(iter(aiter._state.metadata.values()))["reduce"]  # the work list's reduce buffers are recorded
     with pytest.raises(RuntimeError, match="not written by mla_decode_stage1_asm_fwd"):
         aiter.mla_reduce_v1(
             other, torch.zeros((64, 1, 16, 1)), reduce_indptr=torch.zeros(4, dtype=torch.int32),
@@ -644,8 +626,7 @@ def test_the_softmax_scale_reaches_every_aiter_call(aiter, data, variant):
     ("0.1.20.post1", "4", 4), ("0.1.20.post1", "0", 4),
 ], ids=["v0.1.11", "contest-build-has-no-gate", "newer-gates-at-32", "newer-gates-at-4",
         "newer-gate-off"])
-def test_each_builds_persistent_gate_and_the_backend_stays_persistent(monkeypatch, release, cap,
-                                                                      batch):
+def test_each_builds_persistent_gate_and_the_backend_stays_persistent(monkeypatch, release, cap, batch):
     """0.1.18+: a bf16 persistent call at batch >= AITER_MLA_DECODE_PERSISTENT_MAX_BATCH
     (default 32, <= 0 off) that leaves num_kv_splits to AITER runs non-persistent; the backend
     passes get_mla_decode_fwd_max_splits and stays persistent, and refuses to build without it."""

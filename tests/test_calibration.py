@@ -20,9 +20,7 @@ FP8_STATIC = {"torch": {}, "triton": {"kv": ["fp8"], "q": ["bf16", "fp8_static"]
 
 
 def _raw(**changes) -> dict:
-    raw = yaml.safe_load((REPO / "tests" / "data" / "sweep_torch.yaml").read_text())
-    raw.update(changes)
-    return raw
+    return {**yaml.safe_load((REPO / "tests" / "data" / "sweep_torch.yaml").read_text()), **copy.deepcopy(changes)}
 
 
 def test_generator_calibration_is_the_max_over_calibration_seeds_and_says_so():
@@ -45,7 +43,7 @@ def test_a_q_sample_file_calibrates_from_its_max_and_records_its_hash(tmp_path):
     sample[0, 0, 0] = 70.0  # the real q's outlier channel
     torch.save(sample, tmp_path / "q.pt")
     config = config_from_dict(_raw(calibration={"q_sample": "q.pt", "margin": 1.2},
-                                   backends=copy.deepcopy(FP8_STATIC)), tmp_path / "c.yaml")
+                                   backends=FP8_STATIC), tmp_path / "c.yaml")
     spec = config.calibration
     assert spec.source == "q_sample" and spec.q_sample == str((tmp_path / "q.pt").resolve())
     record = calibrate(spec.as_dict(), SHAPE, [11], "cpu")  # as it travels to the worker
@@ -106,23 +104,21 @@ def test_a_serving_config_refuses_generator_calibration_of_fp8_static():
                             (sub_grid, {})):
         with pytest.raises(ConfigError, match=r"'calibration': a serving config offers q=fp8_static \(triton\) "
                                               r"but calibrates on the leaderboard's generator only"):
-            config_from_dict(_raw(purpose="serving", backends=copy.deepcopy(backends), **calib))
+            config_from_dict(_raw(purpose="serving", backends=backends, **calib))
     with pytest.raises(ConfigError, match="'purpose': must be one of leaderboard, serving"):
         config_from_dict(_raw(purpose="prod"))
     # with a real source it loads; without fp8_static it needs none
-    ok = config_from_dict(_raw(purpose="serving", backends=copy.deepcopy(FP8_STATIC), calibration={"q_amax": 30.0}))
+    ok = config_from_dict(_raw(purpose="serving", backends=FP8_STATIC, calibration={"q_amax": 30.0}))
     assert ok.calibration.source == "q_amax" and ok.calibration.purpose == "serving"
     assert config_from_dict(_raw(purpose="serving")).calibration.source is None
 
 
 def test_the_worker_runs_fp8_static_with_the_configs_calibration_or_fails_the_candidate():
     spec = config_from_dict(_raw(calibration={"q_amax": 40.0})).calibration
-    step = worker.Step(
-        Shape(1, 16),
-        "triton(block_n=16,dot_dtype=fp16,kv=bf16,num_splits=1,num_stages=1,num_warps=4,q=fp8_static)",
-        rung=0, samples=1, wall_samples=1, gate=True, rule=problem.RULES["leaderboard"],
-        check_seeds=(1, 2), calibration_seeds=(11,), calibration=spec.as_dict(),
-    )
+    variant = "triton(block_n=16,dot_dtype=fp16,kv=bf16,num_splits=1,num_stages=1,num_warps=4,q=fp8_static)"
+    step = worker.Step(Shape(1, 16), variant, rung=0, samples=1, wall_samples=1, gate=True,
+                       rule=problem.RULES["leaderboard"], check_seeds=(1, 2), calibration_seeds=(11,),
+                       calibration=spec.as_dict())
     result, _state = worker.run_step(step, None, "cpu", has_gpu=False)
     record = result.fields()
     assert record["status"] == "ok", record["reason"]
@@ -134,7 +130,6 @@ def test_the_worker_runs_fp8_static_with_the_configs_calibration_or_fails_the_ca
     for spec in (serving, CalibrationSpec(purpose="serving")):
         with pytest.raises(CalibrationError, match="a serving config calibrates fp8_static from real q only"):
             calibrate(spec, SHAPE, [11], "cpu")
-    result, _state = worker.run_step(dataclasses.replace(step, calibration=serving), None, "cpu",
-                                     has_gpu=False)
+    result, _state = worker.run_step(dataclasses.replace(step, calibration=serving), None, "cpu", has_gpu=False)
     record = result.fields()
     assert record["status"] == "failed" and "from real q only" in record["reason"]

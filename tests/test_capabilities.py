@@ -2,6 +2,7 @@
 field, a hook), never its name: made-up backends follow the fact, today's keep their behaviour."""
 
 import ast
+import itertools
 import re
 from importlib import metadata
 
@@ -43,11 +44,9 @@ PLATFORMS = {name: gpu.fake_platform(name) for name in gpu.KNOWN_GPUS} | {"cpu":
 
 
 def _config(backends: dict):
-    return config_from_dict({
-        "name": "caps", "rule": "leaderboard", "check_seeds": [1, 2], "calibration_seeds": [3],
-        "timing": {"reps": 3, "prune_reps": 2, "prune_factor": 2},
-        "shapes": [{"batch": 2, "kv_len": 64}], "backends": backends,
-    })
+    return config_from_dict({"name": "caps", "rule": "leaderboard", "check_seeds": [1, 2], "calibration_seeds": [3],
+                             "timing": {"reps": 3, "prune_reps": 2, "prune_factor": 2},
+                             "shapes": [{"batch": 2, "kv_len": 64}], "backends": backends})
 
 
 @pytest.fixture
@@ -125,8 +124,7 @@ def test_the_registry_reads_builtin_and_plugin_records_alike_and_a_plugin_withou
     assert _config({"torch": {}, "triton": {}, "ragged_one": {}}).precompile == {
         "torch": False, "triton": True, "ragged_one": True}
     assert platform_refusal("ragged_one", PLATFORMS["MI355X"]) is None
-    assert platform_refusal("ragged_one", PLATFORMS["H200"]) == \
-        "it runs on hip/gfx950, not on H200 (cuda/sm_90)"
+    assert platform_refusal("ragged_one", PLATFORMS["H200"]) == "it runs on hip/gfx950, not on H200 (cuda/sm_90)"
     plugins({"other_base": ('kv_formats=("bf16",), baseline=True', "")})
     with pytest.raises(TypeError, match="exactly one backend must declare CAPABILITIES.baseline, "
                                         "found torch, other_base"):
@@ -161,11 +159,9 @@ def test_refusal_says_in_one_sentence_why_a_call_is_not_served_and_the_own_kerne
     # the Gluon serving kernel reads a 64-token tile from one page: pages of 64 or 128, or contiguous
     assert capabilities("gluon_fused").refusal(CallSpec("fp8", 64, heads=128, max_q_len=4)) is None
     # the own kernels serve the whole matrix the issue asks for, in a graph
-    for name in ("triton", "triton_fused"):
-        for page_size in (0, 1, 16, 64):
-            for heads in (16, 128):
-                spec = CallSpec("fp8", page_size, heads, max_q_len=4, mixed_q_len=True, graph=True)
-                assert capabilities(name).refusal(spec) is None, (name, spec)
+    for name, page_size, heads in itertools.product(("triton", "triton_fused"), (0, 1, 16, 64), (16, 128)):
+        spec = CallSpec("fp8", page_size, heads, max_q_len=4, mixed_q_len=True, graph=True)
+        assert capabilities(name).refusal(spec) is None, (name, spec)
 
 
 def test_a_backend_with_the_serving_call_declares_it_and_its_default_variant_fits_the_spec():
@@ -208,25 +204,19 @@ def test_the_versions_and_their_drift_notes_come_from_the_vendors_and_hooks_the_
     assert drift_note("drifty-lib", "1.0", "2.0") == "drifty says 1.0 -> 2.0 moved its kernels; "
     assert drift_note("quiet-lib", "1.0", "2.0") == ""
     assert drift_note("hook_no_vendor", "1.0", "2.0") == ""
-    versions = {"drifty-lib": "1.0", "quiet-lib": "3.0", "triton": "3.6.0",
-                "sgl-flash-mla": "1.0.0"}
+    versions = {"drifty-lib": "1.0", "quiet-lib": "3.0", "triton": "3.6.0", "sgl-flash-mla": "1.0.0"}
     with pytest.warns(UserWarning) as record:
         runtime.load(table=cpu_table(tmp_path, versions=versions), device="cpu")
-    messages = [str(w.message) for w in record]
-    here = gpu.detect().versions["triton"]
-    assert any(f"provenance.versions.triton is 3.6.0 but this process has {here}" in m
-               for m in messages)
-    assert any("provenance.versions.sgl-flash-mla is 1.0.0 but this process has not installed" in m
-               for m in messages)
-    assert any("provenance.versions.drifty-lib is 1.0 but this process has not installed; "
-               "drifty says 1.0 -> None moved its kernels; timings may have moved" in m for m in messages)
-    assert any("provenance.versions.quiet-lib is 3.0 but this process has not installed; timings may "
-               "have moved" in m for m in messages)
+    messages = "\n".join(str(w.message) for w in record)  # no expected text spans two warnings
+    assert f"provenance.versions.triton is 3.6.0 but this process has {gpu.detect().versions['triton']}" in messages
+    assert "provenance.versions.sgl-flash-mla is 1.0.0 but this process has not installed" in messages
+    assert ("provenance.versions.drifty-lib is 1.0 but this process has not installed; "
+            "drifty says 1.0 -> None moved its kernels; timings may have moved") in messages
+    assert "provenance.versions.quiet-lib is 3.0 but this process has not installed; timings may have moved" in messages
     # aiter keeps its binary note and the other versions get none
     aiter = capabilities("aiter").vendor
     assert drift_note(aiter, "0.1.11", "0.1.20") == aiter_mla.aiter_drift_note("0.1.11", "0.1.20") != ""
-    for name in ("torch", "triton", capabilities("flashinfer").vendor,
-                 capabilities("flashmla").vendor):
+    for name in ("torch", "triton", capabilities("flashinfer").vendor, capabilities("flashmla").vendor):
         assert drift_note(name, "1.0", "2.0") == ""
     assert drift_note(aiter, "0.1.11", None) == ""  # not installed here: nothing to compare
     # software versions: each vendor the records name, where installed
@@ -244,12 +234,10 @@ def test_the_versions_and_their_drift_notes_come_from_the_vendors_and_hooks_the_
     assert not set(vendor_distributions()) - set(installed) & set(versions)  # absent ones are left out
     fields = runtime.version_fields()
     assert fields[:4] == ("torch", "triton", "cuda", "hip")
-    assert {"acme-mla", "acme-mla-commit"} <= set(fields)
-    assert set(vendor_distributions()) <= set(fields)
+    assert {"acme-mla", "acme-mla-commit", *vendor_distributions()} <= set(fields)
 
 
-def test_the_runtime_the_sweep_and_its_dry_run_name_a_backend_whose_record_excludes_the_platform(
-        tmp_path):
+def test_the_runtime_the_sweep_and_its_dry_run_name_a_backend_whose_record_excludes_the_platform(tmp_path):
     # on the plain CPU a GPU backend's own reason speaks (a CPU fake of a vendor may stand in)
     reason = get_backend("gluon_fused").unavailable_reason()
     assert reason and runtime.backend_unavailable("gluon_fused", CPU) == reason
@@ -388,10 +376,9 @@ def test_no_module_but_the_backends_names_a_vendor_a_ragged_set_the_baseline_or_
                         found.append(f"{where} defines a set of ragged backends ({target.id})")
                 if isinstance(node.value, ast.Constant) and node.value.value == baseline:
                     found.append(f"{where} assigns the baseline's name")
-            if isinstance(node, ast.Compare):
-                for side in [node.left, *node.comparators]:
-                    if isinstance(side, ast.Constant) and side.value == baseline:
-                        found.append(f"{where} compares with the baseline's name")
+            if isinstance(node, ast.Compare) and any(isinstance(side, ast.Constant) and side.value == baseline
+                                                     for side in (node.left, *node.comparators)):
+                found.append(f"{where} compares with the baseline's name")
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
                     and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value == baseline):
                 found.append(f"{where} looks the baseline up by name")

@@ -18,7 +18,6 @@ from mla_tune.tables.table import load_table
 from tests.helpers import CPU_TABLE as TABLE
 from tests.helpers import NARROW, REPO, cpu_table, invoke
 
-H200 = REPO / "tables" / "H200.yaml"
 # the H200 table before the budgeted search: fixed numbers for exact assertions
 H200_FIXED = REPO / "tests" / "data" / "H200.pre-search.yaml"
 
@@ -74,8 +73,7 @@ def test_every_command_and_parameter_has_sentences_of_help_with_h_too_in_80_colu
                 assert len(line) + 1 + len(after.split()[0]) > 78, f"mla-tune {' '.join(path)}: {line!r}"
 
 
-def test_show_prints_rows_notes_provenance_and_json_in_80_columns_40_lines_piped_too_and_diff_flags_changes(
-        tmp_path):
+def test_show_prints_rows_notes_provenance_and_json_in_80_columns_40_lines_piped_too_and_diff_flags_changes(tmp_path):
     """On a wide terminal each winner is on one line; a huge text field is clipped; diff flags
     winner changes and times outside the noise."""
     # `mla-tune show --gpu H200 | cat`: no terminal and no COLUMNS, so 80 columns
@@ -84,7 +82,7 @@ def test_show_prints_rows_notes_provenance_and_json_in_80_columns_40_lines_piped
                            capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
     assert piped.returncode == 0, piped.stderr
     fixed = _output("show", "--table", H200_FIXED)
-    for path, output in ((H200, piped.stdout), (H200_FIXED, fixed)):
+    for path, output in ((REPO / "tables" / "H200.yaml", piped.stdout), (H200_FIXED, fixed)):
         lines = output.splitlines()
         assert len(lines) <= 40 and max(map(len, lines)) <= 80, output
         assert "…" not in output and "\x1b[" not in output  # no rich ellipsis, no ANSI
@@ -139,8 +137,7 @@ def test_show_prints_rows_notes_provenance_and_json_in_80_columns_40_lines_piped
 def test_a_gpu_name_that_is_not_a_name_is_refused_in_one_line(bad):
     for command in (["show"], ["export", "-o", "x.py"], ["sweep", "--dry-run"], ["report"]):
         assert _error_lines(*command, f"--gpu={bad}", code=2) == [
-            f"error: --gpu {bad!r} is not a GPU name; use letters, digits, '-' and '_' only, "
-            "like H200 or MI355X"]
+            f"error: --gpu {bad!r} is not a GPU name; use letters, digits, '-' and '_' only, like H200 or MI355X"]
     assert "--gpu NAME or a table file with --table PATH" in _output("show", code=2)
 
 
@@ -226,9 +223,8 @@ def test_sweep_passes_its_options_and_budget_through_for_either_kind_of_config(m
     monkeypatch.setattr("mla_tune.tune.sweep.run_sweep", lambda *a, **k: calls.append((a, k)))
     _output(*sweep, "--config", tmp_path / "c.yaml", "--out", tmp_path / "t.yaml", "--devices", "0,1",
             "--fresh", "--force")
-    assert calls == [((tmp_path / "c.yaml", "H200"),
-                      {"out": tmp_path / "t.yaml", "dry_run": False, "force": True,
-                       "devices": [0, 1], "fresh": True})]  # no candidate_timeout_s: the config's
+    assert calls == [((tmp_path / "c.yaml", "H200"),  # no candidate_timeout_s: the config's
+                      {"out": tmp_path / "t.yaml", "dry_run": False, "force": True, "devices": [0, 1], "fresh": True})]
     _output(*sweep, "--config", tmp_path / "c.yaml", "--candidate-timeout", "7.5")
     assert calls[-1][1]["candidate_timeout_s"] == 7.5
     output = _output(*sweep, "--candidate-timeout", "0", code=2)
@@ -246,8 +242,7 @@ def test_sweep_passes_its_options_and_budget_through_for_either_kind_of_config(m
     ("H200", "none.yaml", 1, ["none.yaml"]),  # missing: exit 1, naming it
     ("H201", None, 0, ["warning: H201 is neither this machine's GPU nor one mla-tune knows"]),
 ], ids=["leaderboard", "serving", "missing", "unknown-gpu"])
-def test_sweep_dry_run_plans_either_kind_of_config_or_names_a_missing_one_or_unknown_gpu(
-        gpu, config, code, says):
+def test_sweep_dry_run_plans_either_kind_of_config_or_names_a_missing_one_or_unknown_gpu(gpu, config, code, says):
     config_args = ["--config", config] if config else []  # none: the GPU's default config
     output = _output("sweep", "--gpu", gpu, *config_args, "--dry-run", code=code)
     assert all(word in " ".join(output.split()) for word in says) and "Traceback" not in output

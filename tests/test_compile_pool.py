@@ -33,13 +33,11 @@ LEADERBOARD = ROOT / "configs" / "leaderboard.yaml"
 # compiled; meta-device tensors make the real 256 x 8192 shapes cost no memory.
 def _meta_inputs(shape: Shape, big: tuple[str, ...] = ()):
     meta, total = torch.device("meta"), shape.total_kv
-    kv_data = {
-        "bf16": torch.empty((total, 1, QK_DIM), dtype=torch.bfloat16, device=meta),
-        "fp8": (torch.empty((total, 1, QK_DIM), dtype=torch.float8_e4m3fn, device=meta),
-                torch.empty(1, dtype=torch.float32, device=meta)),
-        "mxfp4": (torch.empty((total, 1, QK_DIM // 2), dtype=torch.uint8, device=meta),
-                  torch.empty((total, 18), dtype=torch.uint8, device=meta)),
-    }
+    kv_data = {"bf16": torch.empty((total, 1, QK_DIM), dtype=torch.bfloat16, device=meta),
+               "fp8": (torch.empty((total, 1, QK_DIM), dtype=torch.float8_e4m3fn, device=meta),
+                       torch.empty(1, dtype=torch.float32, device=meta)),
+               "mxfp4": (torch.empty((total, 1, QK_DIM // 2), dtype=torch.uint8, device=meta),
+                         torch.empty((total, 18), dtype=torch.uint8, device=meta))}
     if big:  # what the pool does for ROCm (compile_pool._rehome_large), on meta tensors
         kv_data = compile_pool._rehome_large(kv_data, big, meta)
     q = torch.empty((shape.batch, NUM_HEADS, QK_DIM), dtype=torch.bfloat16, device=meta)
@@ -194,15 +192,12 @@ def test_a_hang_or_crash_costs_only_itself_and_a_deadline_stops_the_pool_keeping
     jobs = [_job("hang", "h"), _job("exit", "e"), _job("segv", "s"), _job("raise", "r")]
     jobs += [_job("ok", f"ok{i}") for i in range(5)]
     t0 = time.monotonic()
-    handle = compile_pool.start(jobs, has_gpu=False, processes=3, job_timeout_s=3.0,
-                                log_path=tmp_path / "compile.log")
+    handle = compile_pool.start(jobs, has_gpu=False, processes=3, job_timeout_s=3.0, log_path=tmp_path / "compile.log")
     report = handle.wait(time.monotonic() + 90)
     wall = time.monotonic() - t0
     status = {Variant.parse(r.job.variant).get("tag"): r for r in report.results}
-    assert {k: r.status for k, r in status.items()} == {
-        "h": "timeout", "e": "crashed", "s": "crashed", "r": "failed",
-        **{f"ok{i}": "ok" for i in range(5)},
-    }
+    assert {k: r.status for k, r in status.items()} == {"h": "timeout", "e": "crashed", "s": "crashed", "r": "failed",
+                                                         **{f"ok{i}": "ok" for i in range(5)}}
     assert "exit code 7" in status["e"].error and "SIGSEGV" in status["s"].error
     assert "compile.log" in status["s"].error
     assert "3 s limit" in status["h"].error and 3.0 <= status["h"].elapsed_s < 10

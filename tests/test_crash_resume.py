@@ -48,9 +48,8 @@ def _sweep(args: list[str], env: dict, log: Path, deadline: float, kill_at: int 
     whitespace collapsed); with kill_at, SIGKILL to the group at that many candidate lines."""
     results = results_path_for(Path(args[args.index("--out") + 1]))
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-c", SWEEP_MAIN, "sweep", *args], cwd=REPO,
-                                env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-c", SWEEP_MAIN, "sweep", *args], cwd=REPO, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
         try:
             while kill_at and _candidate_lines(results) < kill_at:
                 assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
@@ -134,13 +133,11 @@ def _kill_and_resume(out: Path, gpu: str, config: Path, extra_backends: str, cra
     lines = read_results(b_results, ("step", "rung"))[1]
     steps = [(r["rung"], *_key(r)) for r in lines if r["kind"] == "step"]
     assert len(steps) == len(set(steps))  # no step ran twice
-    decisions = [(r["shape"]["batch"], r["shape"]["kv_len"], r["rung"]) for r in lines
-                 if r["kind"] == "rung"]
+    decisions = [(r["shape"]["batch"], r["shape"]["kv_len"], r["rung"]) for r in lines if r["kind"] == "rung"]
     assert len(decisions) == len(set(decisions))  # each rung decided once
-    return SimpleNamespace(
-        lines_at_kill=lines_at_kill, decisions=decisions,
-        crashes=[_crash(records, crash_backend) for records in (a_records, b_records)],
-        shapes=_winners(tables["a"], tables["b"]))
+    return SimpleNamespace(lines_at_kill=lines_at_kill, decisions=decisions,
+                           crashes=[_crash(records, crash_backend) for records in (a_records, b_records)],
+                           shapes=_winners(tables["a"], tables["b"]))
 
 
 def test_a_sweep_killed_halfway_resumes_to_the_uninterrupted_sweeps_results_and_winners(tmp_path):

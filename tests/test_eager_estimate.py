@@ -102,15 +102,13 @@ def test_the_eager_pick_is_the_fastest_estimate_and_flashinfers_comes_from_its_s
     est = table.estimates(SPEC, 15, 44654.0, kv_lens=[44654] * 15)
     assert est[FI] == pytest.approx(9070 * 0.05) and est[FI] > est[FM]
     assert table.lookup(SPEC, 15, 44654.0, kv_lens=[44654] * 15) == FM
-    # without the lengths, `batch` sequences of the mean
-    assert table.lookup(SPEC, 15, 44654.0) == FM
+    assert table.lookup(SPEC, 15, 44654.0) == FM  # without the lengths, `batch` sequences of the mean
     # near FlashMLA's the model runs; over 1.5x from it either way, the interpolated time stands
     assert table.estimates(SPEC, 8, 16384.0)[FI] != pytest.approx(60.0)
     table.families[KEY].points[(8, 16384)] = {FI: 60.0, FM: 200.0}
     table.estimator.clear()
     assert table.estimates(SPEC, 8, 16384.0)[FI] == pytest.approx(60.0)
-    # a graph pick still ignores the lengths
-    assert table.lookup(SPEC, 15, graph=True) is None
+    assert table.lookup(SPEC, 15, graph=True) is None  # a graph pick still ignores the lengths
     # where no variant was measured at every point around the call, the cell decides
     fam = table.families[KEY]
     fam.points[(16, 32768)] = {TR: 300.0}

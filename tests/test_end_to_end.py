@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import warnings
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ CPU_CONFIG = "tests/data/e2e_cpu.yaml"  # relative to REPO: the table records th
 AITER_CONFIG = "tests/data/e2e_aiter.yaml"
 RULE = get_rule("leaderboard")
 MISSING = (2, 24)  # a shape neither table has: the fallback serves it
+_case = partial(generate_input, device="cpu")  # (batch, kv_len, seed=)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -64,10 +66,8 @@ def _sweep(tmp: Path, gpu_name: str, config: str, env: dict[str, str]) -> dict:
     done = _mla_tune("sweep", "--gpu", gpu_name, "--config", config, "--out", out, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = [json.loads(line) for line in out.with_name(f"{gpu_name}.results.jsonl").read_text().splitlines()]
-    return {
-        "done": done, "path": out, "table": yaml.safe_load(out.read_text()),
-        "header": results[0], "records": [r for r in results if r.get("kind") == "candidate"],
-    }
+    return {"done": done, "path": out, "table": yaml.safe_load(out.read_text()), "header": results[0],
+            "records": [r for r in results if r.get("kind") == "candidate"]}
 
 
 def _records(sweep: dict, shape: tuple[int, int]) -> list[dict]:
@@ -81,10 +81,6 @@ def _rows(sweep: dict) -> dict[tuple[int, int], dict]:
 def _assert_matches(out: torch.Tensor, case) -> None:
     result = check(out, reference(case), RULE)
     assert result.passed, result.reason
-
-
-def _case(batch: int, kv_len: int, seed: int):
-    return generate_input(batch, kv_len, seed=seed, device="cpu")
 
 
 def _assert_served(outs: list, cases: list, misses: list) -> None:
@@ -145,8 +141,7 @@ def test_cpu_sweep_writes_a_row_per_shape_whose_winner_passed_and_the_runtime_se
     assert rt.dispatcher.misses == {}  # the fallback on the CPU: tests/test_runtime.py
 
 
-def test_cpu_export_of_own_triton_kernels_imports_without_mla_tune_and_matches_the_reference(
-        cpu_sweep, tmp_path):
+def test_cpu_export_of_own_triton_kernels_imports_without_mla_tune_and_matches_the_reference(cpu_sweep, tmp_path):
     """`--only triton_fused,triton` takes each row's best allowed alternate where its winner is
     excluded; the file runs in a subprocess on its cases (the full and the torch-only export:
     tests/test_export.py)."""
@@ -208,8 +203,7 @@ def test_mi355x_sweep_runs_every_aiter_family_through_the_fake_into_simulated_ro
 
 def test_mi355x_sweep_without_the_fake_platform_is_refused_naming_the_cpu(tmp_path):
     out = tmp_path / "MI355X.yaml"
-    done = _mla_tune("sweep", "--gpu", "MI355X", "--config", AITER_CONFIG, "--out", out,
-                     env=_aiter_env(platform=None))
+    done = _mla_tune("sweep", "--gpu", "MI355X", "--config", AITER_CONFIG, "--out", out, env=_aiter_env(platform=None))
     assert done.returncode == 1, done.stdout[-2000:]
     assert ("this machine has no GPU (cpu), not MI355X; run on an MI355X or pass --force"
             in " ".join(done.stderr.split())), done.stderr
@@ -260,8 +254,7 @@ def test_mi355x_runtime_decodes_through_the_fake_aiter(aiter_pinned_table, monke
     assert rt.dispatcher.misses == {}  # a miss or a ragged batch runs the fallback: tests/test_runtime.py
 
 
-def test_mi355x_exports_import_with_the_fake_aiter_and_without_mla_tune(aiter_sweep, aiter_pinned_table,
-                                                                         tmp_path):
+def test_mi355x_exports_import_with_the_fake_aiter_and_without_mla_tune(aiter_sweep, aiter_pinned_table, tmp_path):
     exports = {"plain": (aiter_sweep["path"], None),        # the sweep's winners, as they came out
                "aiter_only": (aiter_sweep["path"], "aiter,triton"),  # rows take aiter alternates
                "pinned": (aiter_pinned_table, None)}        # aiter winners, fp8_static included

@@ -34,12 +34,9 @@ def _layers(spec: CallSpec, kv_lens, q_lens, n: int, device="cpu"):
     (same shapes, new values)."""
     first = serving.make_input(q_lens, kv_lens, spec.heads, spec.page_size, spec.kv_format, seed=3, device=device)
     gen = torch.Generator(device=device).manual_seed(4)
-    layers = [(first.q, first.kv)]
-    for _ in range(n - 1):
-        q = torch.randn(first.q.shape, generator=gen, device=device).to(first.q.dtype)
-        kv = torch.randn(first.kv.shape, generator=gen, device=device).to(first.kv.dtype)
-        layers.append((q, kv))
-    return first, layers
+    more = [tuple(torch.randn(t.shape, generator=gen, device=device).to(t.dtype) for t in (first.q, first.kv))
+            for _ in range(n - 1)]
+    return first, [(first.q, first.kv), *more]
 
 
 def _ref(first, q, kv, q_format="bf16"):

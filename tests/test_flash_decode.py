@@ -14,8 +14,7 @@ from mla_tune.backends import triton_splitk
 from mla_tune.core import Shape, Variant, fp8_dtype_for
 from mla_tune.gpu import fake_platform
 from mla_tune.kernels.flash_decode import FlashDecodeWorkspace, flash_decode
-from tests.helpers import assert_close as _assert_close  # the GPU tests' name for it
-from tests.helpers import ragged_input
+from tests.helpers import assert_close, ragged_input
 
 
 def _calibrated_q_amax(batch: int, device: str, seeds=(901, 902)) -> float:
@@ -26,10 +25,8 @@ def _calibrated_q_amax(batch: int, device: str, seeds=(901, 902)) -> float:
 
 def _expected(data, kv: str, q: str, q_amax: float | None = None) -> torch.Tensor:
     """The fp32 reference in the formats the variant computes in."""
-    if q == "bf16":
-        return problem.reference(data, "bf16", kv)
-    if q == "fp8_dynamic":
-        return problem.reference(data, "fp8", kv)
+    if q != "fp8_static":  # bf16 or fp8_dynamic
+        return problem.reference(data, "bf16" if q == "bf16" else "fp8", kv)
     # fp8_static: q quantized with the fixed scale (values beyond q_amax clamp), in fp32.
     dtype = fp8_dtype_for(data[0].device)
     fp8_max = torch.finfo(dtype).max
@@ -82,7 +79,7 @@ def test_kernel_and_register_file_options_match_reference_in_their_formats(
         params["q_amax"] = q_amax
     out = _run_variant(Variant.make("triton", **params), data, device)
     assert out.dtype == torch.bfloat16
-    _assert_close(out, _expected(data, kv, q, q_amax))
+    assert_close(out, _expected(data, kv, q, q_amax))
 
 
 def test_runner_reuses_its_output_and_follows_a_new_ragged_batch(device):
@@ -90,10 +87,10 @@ def test_runner_reuses_its_output_and_follows_a_new_ragged_batch(device):
     runner = triton_splitk.build(variant, Shape(2, 40), device)
     first = problem.generate_input(2, 40, seed=1, device=device)
     out1 = runner(*first[:4])
-    _assert_close(out1, problem.reference(first, "bf16", "fp8"))
+    assert_close(out1, problem.reference(first, "bf16", "fp8"))
     assert runner(*first[:4]).data_ptr() == out1.data_ptr()
     ragged = ragged_input([1, 17, 40], seed=2, device=device)
-    _assert_close(runner(*ragged[:4]), problem.reference(ragged, "bf16", "fp8"))
+    assert_close(runner(*ragged[:4]), problem.reference(ragged, "bf16", "fp8"))
 
 
 def test_default_variant_uses_fp16_dots_under_the_interpreter_and_fills_the_gpu():
@@ -150,7 +147,7 @@ def test_v_split_halves_write_every_column_and_one_lse_and_a_bad_qk_split_is_ref
     flash_decode(q, kv, kv_scale, kv_indptr, out, num_splits=3, workspace=workspace, v_split=2, qk_split=4,
                  **_options(device))
     assert not workspace.part_out.isnan().any() and not workspace.part_lse.isnan().any()
-    _assert_close(out, problem.reference(data, "bf16", "fp8"))
+    assert_close(out, problem.reference(data, "bf16", "fp8"))
     with pytest.raises(ValueError, match="qk_split must be one of 1, 2, 4, 8"):
         flash_decode(q, kv, kv_scale, kv_indptr, out, num_splits=3, qk_split=3, **_options(device))
 
@@ -169,8 +166,7 @@ def test_candidates_offer_hip_options_only_on_rocm_leave_default_register_option
     assert len(variants) == 4
     assert Variant.make("triton", **{k: v[0] for k, v in SPACE.items() if k not in ("kv", "q")},
                         kv="fp8", q="bf16") in variants  # v_split 1, qk_split 1: no such keys
-    assert {(v.get("v_split"), v.get("qk_split")) for v in variants} == {(None, None), (2, None), (None, 8),
-                                                                         (2, 8)}
+    assert {(v.get("v_split"), v.get("qk_split")) for v in variants} == {(None, None), (2, None), (None, 8), (2, 8)}
     for bad, message in [({"qk_split": [3]}, "qk_split"), ({"block_size": [32]}, "block_size.*known"),
                          ({"kv": ["mxfp4"]}, "mxfp4")]:
         with pytest.raises(ValueError, match=message):
@@ -184,8 +180,7 @@ def test_candidates_refuse_what_cannot_fit_the_platforms_lds():
              "num_stages": [2]}
     mi300x, mi355x = fake_platform("MI300X"), fake_platform("MI355X")
     assert {v.get("block_n") for v in triton_splitk.candidates(Shape(4, 1024), space, mi300x)} == {32}
-    big = Variant.make("triton", kv="bf16", q="bf16", num_splits=1, block_n=64, num_warps=4,
-                       num_stages=2, dot_dtype="bf16")
+    big = Variant.make("triton", **{**VALID, "kv": "bf16", "block_n": 64, "num_stages": 2, "dot_dtype": "bf16"})
     reason = triton_splitk.lds_refusal(big, mi300x)
     assert "73728" in reason and "65536" in reason and "MI300X" in reason
     assert triton_splitk.lds_refusal(big, mi355x) is None  # 160 KiB
@@ -213,7 +208,7 @@ def test_leaderboard_shapes_on_gpu(kv, q, device):
             variant = variant.with_params(q_amax=q_amax)
         out = _run_variant(variant, data, device)
         torch.cuda.synchronize()
-        _assert_close(out, _expected(data, kv, q, q_amax))
+        assert_close(out, _expected(data, kv, q, q_amax))
         result = problem.check(out, problem.reference(data), problem.RULES["leaderboard"])
         assert result.passed, f"{shape} {variant} vs the leaderboard reference: {result.reason}"
 
@@ -231,7 +226,7 @@ def test_register_file_options_at_leaderboard_shapes_on_gpu(kv, v_split, qk_spli
                                    qk_split=qk_split)
             out = _run_variant(variant, data, device)
             torch.cuda.synchronize()
-            _assert_close(out, _expected(data, kv, "bf16"))
+            assert_close(out, _expected(data, kv, "bf16"))
 
 
 @pytest.mark.gpu
@@ -243,4 +238,4 @@ def test_odd_and_ragged_lengths_on_gpu(kv_lens, num_splits, device):
         variant = Variant.make("triton", kv=kv, q=q, num_splits=num_splits, block_n=32,
                                num_warps=4, num_stages=2, dot_dtype="bf16")
         out = _run_variant(variant, data, device)
-        _assert_close(out, _expected(data, kv, q))
+        assert_close(out, _expected(data, kv, q))

@@ -7,7 +7,9 @@ import random
 from unittest import mock
 
 import pytest
+import torch
 
+from mla_tune.backends import flash_mla
 from mla_tune.backends import flash_mla_schedule as fm
 from mla_tune.backends.linear_schedule import predict
 from mla_tune.core import Variant
@@ -76,13 +78,11 @@ def _table(models: bool = True) -> ServingTable:
 
 def _results(path, config_hash: str):
     cells, _ = _cells()
-    lines = [{"kind": "header", "schema": "serving-results/1", "config_hash": config_hash,
-              "gpu": "H200"}]
+    lines = [{"kind": "header", "schema": "serving-results/1", "config_hash": config_hash, "gpu": "H200"}]
     for (b, kv), times in cells.items():
         for variant, t in times.items():
-            lines.append({"kind": "step", "family": KEY.as_dict(), "batch": b, "kv_len": kv,
-                          "variant": variant, "samples": 20, "status": "ok",
-                          "time": {"median_us": t}})
+            lines.append({"kind": "step", "family": KEY.as_dict(), "batch": b, "kv_len": kv, "variant": variant,
+                          "samples": 20, "status": "ok", "time": {"median_us": t}})
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
 
@@ -127,17 +127,11 @@ def test_the_model_fits_flashmlas_cells_and_refit_fits_it_again_keeping_every_ot
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_the_replay_splits_the_sequences_flashmlas_own_scheduler_splits(fp8):
-    """On the GPU: FlashMLA's get_mla_decoding_metadata (legacy, the wrapper of the op
-    backends/flash_mla.py calls) makes as many partitions as sm_parts says and splits the
-    sequences the replay splits."""
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    from mla_tune.backends import flash_mla
-
+    """On the GPU: FlashMLA's get_mla_decoding_metadata (legacy, the wrapper of the op backends/flash_mla.py
+    calls) makes as many partitions as sm_parts says and splits the sequences the replay splits."""
     if (reason := flash_mla.unavailable_reason()) is not None:
         unavailable(reason)
     import flash_mla as vendor

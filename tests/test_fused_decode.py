@@ -52,8 +52,7 @@ CASES = [(kv, lens, dict(num_splits=num_splits, reduce=reduce, tok_m=tok_m), 7)
 def test_fused_decode_and_its_levers_match_the_reference(device, kv, lens, params, seed):
     data = ragged_input(lens, seed=seed, device=device)
     p = dict(kv=kv, num_splits=1, reduce="last" if params.get("grid") == "persistent" else "none")
-    run = triton_fused.build(_variant(**{**p, **params}), Shape(len(lens), max(lens)), device)
-    out = run(*data[:4])
+    out = triton_fused.build(_variant(**{**p, **params}), Shape(len(lens), max(lens)), device)(*data[:4])
     assert out.shape == (len(lens), 16, 512) and out.dtype == torch.bfloat16
     assert rel_l2(out, problem.reference(data, q_format="bf16", kv_format=kv)) < 1e-2  # bf16 rounding: ~3e-3
 
@@ -61,8 +60,7 @@ def test_fused_decode_and_its_levers_match_the_reference(device, kv, lens, param
 # The first plan is for one sequence: the first call's larger ragged batch grows the buffers.
 @pytest.mark.parametrize("lens,params,seed,plan_batch", [([50, 20], dict(num_splits=3), 3, 1),
                                                          ([50, 20, 9], dict(num_splits=1, grid="persistent"), 5, 3)])
-def test_last_reducer_and_persistent_grid_reset_their_counters_so_calls_repeat(device, lens, params, seed,
-                                                                                plan_batch):
+def test_last_reducer_and_persistent_grid_reset_their_counters_so_calls_repeat(device, lens, params, seed, plan_batch):
     data = ragged_input(lens, seed=seed, device=device)
     run = triton_fused.build(_variant(kv="fp8", reduce="last", **params), Shape(plan_batch, 50), device)
     first = run(*data[:4]).clone()
@@ -83,14 +81,12 @@ def _mx_rows_through_decode(scale_bytes: list[int], params: dict, device, exact_
     scales = torch.full((rows, 18), 127, dtype=torch.uint8)
     scales[:, :16] = flat.reshape(rows, 16)
     i, j = torch.arange(16), torch.arange(18)
-    packed = (i[None, :] | (((i[None, :] + j[:, None]) % 16) << 4)).to(torch.uint8).reshape(1, 288)
-    packed = packed.repeat(rows, 1).contiguous()
+    packed = (i[None, :] | (((i[None, :] + j[:, None]) % 16) << 4)).to(torch.uint8).reshape(1, 288).repeat(rows, 1)
     q = torch.zeros(rows, 16, 576, dtype=torch.bfloat16, device=device)
     indptr = torch.arange(rows + 1, dtype=torch.int32, device=device)
     variant = Variant.make("triton_fused", **{**params, "kv": "mxfp4", "q": "bf16", "num_splits": 1, "reduce": "none"})
     run = triton_fused.build(variant, Shape(rows, 1), device)
-    out = run(q, {"mxfp4": (packed.to(device), scales.to(device))}, indptr, indptr)
-    out = out.float().cpu()
+    out = run(q, {"mxfp4": (packed.to(device), scales.to(device))}, indptr, indptr).float().cpu()
     ref = problem.dequantize_mxfp4(packed, scales)[:, None, :512].expand_as(out)
     byte = scales[:, :16].repeat_interleave(32, dim=1).int()
     exact = (byte >= exact_from)[:, None, :].expand_as(out)
@@ -159,8 +155,7 @@ def test_candidates_follow_the_validity_rules_leave_default_levers_out_and_build
 
 # ----------------------------------------------------------------- gfx942's fp8 (fnuz)
 def test_an_fp8_dot_follows_the_caches_fp8_so_fused_decode_reads_an_fnuz_cache(device):
-    fn = torch.empty(4, 576, dtype=torch.float8_e4m3fn)
-    fnuz = torch.empty(4, 576, dtype=torch.float8_e4m3fnuz)
+    fn, fnuz = (torch.empty(4, 576, dtype=dtype) for dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz))
     assert fu_dot_code("fp8", fn) == FU_DOT_CODES["fp8"]
     assert fu_dot_code("fp8", fnuz) == FU_DOT_FP8_FNUZ != FU_DOT_CODES["fp8"]
     for dot in ("fp16", "bf16"):
@@ -193,12 +188,9 @@ GPU_FAMILIES = {
 
 # The levers on the fp8-q and MXFP4 families (the fused reduction `last` where splits > 1);
 # without a lever, every family with reductions `spin` and `last`.
-GPU_LEVERS = {
-    "tma": dict(load="tma"),
-    "tma_host": dict(load="tma_host"),
-    "persistent": dict(grid="persistent", num_splits=1, reduce="last"),
-    "persistent_tma": dict(grid="persistent", load="tma", num_splits=1, reduce="last"),
-}
+GPU_LEVERS = {"tma": dict(load="tma"), "tma_host": dict(load="tma_host"),
+              "persistent": dict(grid="persistent", num_splits=1, reduce="last"),
+              "persistent_tma": dict(grid="persistent", load="tma", num_splits=1, reduce="last")}
 GPU_CASES = [(family, None) for family in GPU_FAMILIES] + [
     (family, lever) for lever in GPU_LEVERS for family in ("fp8_q8", "mxfp4")]
 
@@ -214,8 +206,7 @@ def test_leaderboard_shapes_pass_the_rule(family, lever, batch, kv_len):
     splits = max(1, min(32, 128 // batch, kv_len // GPU_FAMILIES[family]["block_n"]))
     reduces = ["none"] if splits == 1 else ["last"] if lever else ["spin", "last"]
     for reduce in reduces:
-        plan = dict(num_splits=splits, reduce=reduce)
-        params = {**GPU_FAMILIES[family], **plan, **GPU_LEVERS.get(lever, {})}
+        params = {**GPU_FAMILIES[family], "num_splits": splits, "reduce": reduce, **GPU_LEVERS.get(lever, {})}
         variant = Variant.make("triton_fused", tok_m=True, **params)
         run = triton_fused.build(variant, Shape(batch, kv_len), "cuda")
         first = run(*data[:4]).clone()
@@ -234,27 +225,19 @@ def run_fused(data, bufs: DecodeBuffers, *, kv: str, num_splits: int, reduce: st
     dummy = torch.zeros(1, dtype=torch.float32, device=q.device)
     cache, scale = (entry.view(-1, QK_DIM), dummy) if kv == "bf16" else (entry[0].view(-1, QK_DIM), entry[1])
     if load == "tma":  # the device descriptors' scratch
-        triton.set_allocator(lambda size, _align, _stream: torch.empty(size, dtype=torch.int8,
-                                                                         device=q.device))
-    options = {**DIRECT_CPU, **params}
+        triton.set_allocator(lambda size, _align, _stream: torch.empty(size, dtype=torch.int8, device=q.device))
     fused_decode(q, cache, scale, dummy, data[3], bufs.out[: q.shape[0]], bufs.part_o, bufs.part_lse,
                  bufs.count, bufs.flag, num_splits=num_splits, kv_fmt=kv, tok_m=tok_m,
                  reduce=reduce if num_splits > 1 else "none", sm_scale_log2=SM_SCALE * math.log2(math.e),
-                 load=load, v_split=v_split, **options)
+                 load=load, v_split=v_split, **{**DIRECT_CPU, **params})
     return bufs.out[: q.shape[0]]
 
 
 # (lens, num_splits, reduce, tok_m, load): a single token, a partial tile, ragged batches
 # with empty splits in the short sequences, heads on M, and the TMA loads.
-V_SPLIT_CASES = [
-    ([1], 1, "none", True, "ptr"),
-    ([17], 1, "none", True, "ptr"),
-    ([17], 2, "last", False, "ptr"),
-    ([17, 40, 3], 3, "last", True, "ptr"),
-    ([100, 33], 4, "last", False, "ptr"),
-    ([17, 40, 3], 3, "last", True, "tma"),
-    ([100, 33], 4, "last", True, "tma_host"),
-]
+V_SPLIT_CASES = [([1], 1, "none", True, "ptr"), ([17], 1, "none", True, "ptr"), ([17], 2, "last", False, "ptr"),
+                 ([17, 40, 3], 3, "last", True, "ptr"), ([100, 33], 4, "last", False, "ptr"),
+                 ([17, 40, 3], 3, "last", True, "tma"), ([100, 33], 4, "last", True, "tma_host")]
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])

@@ -83,14 +83,11 @@ def compile_cases() -> dict:
             result = runner(q, _meta(batch + 1), kv, scale, **layout)
             out = result[0] if spec.return_lse else result
             assert tuple(out.shape) == (q.shape[0], spec.heads, V_DIM)
-            keys = ("kernel", "error", "registers", "scratch", "spill_loads", "lds", "mma_ops",
-                    "ctas_per_sm")
-            records = []
-            for x in recorded:
-                bound = targets.bind(x.kernel, x.grid, x.args, x.kwargs, target)
-                record = targets.compile_bound(bound, facts.lds_bytes)
-                records.append({"grid": list(x.grid), **{k: record.get(k) for k in keys}})
-            serving.append(records)
+            keys = ("kernel", "error", "registers", "scratch", "spill_loads", "lds", "mma_ops", "ctas_per_sm")
+            records = [targets.compile_bound(targets.bind(x.kernel, x.grid, x.args, x.kwargs, target), facts.lds_bytes)
+                       for x in recorded]
+            serving.append([{"grid": list(x.grid), **{k: r.get(k) for k in keys}}
+                            for x, r in zip(recorded, records, strict=True)])
     return {"decode": decode, "serving": serving}
 
 

@@ -26,7 +26,6 @@ BASE = dict(kv="fp8", q="fp8_dynamic", block_n=64, num_stages=3, num_splits=1, v
 
 
 def _variant(**params) -> Variant:
-    """gluon_fused's BASE variant with `params` changed."""
     return Variant.make("gluon_fused", **{**BASE, **params})
 
 
@@ -99,22 +98,19 @@ def check_backend(variant: Variant, shape: Shape, data, what: str, repeats: int 
     return first
 
 
-def run_gluon(data, bufs: DecodeBuffers, *, num_splits: int, reduce: str, v_halves: int = 1,
-              block_n: int = 64, num_stages: int = 2, v_path: str = "rs8",
-              ws: int = 0) -> torch.Tensor:
+def run_gluon(data, bufs: DecodeBuffers, *, num_splits: int, reduce: str, v_halves: int = 1, block_n: int = 64,
+              num_stages: int = 2, v_path: str = "rs8", ws: int = 0) -> torch.Tensor:
     """One gluon_decode call on the leaderboard inputs; the output is NaN-filled first, so
     an element no program writes fails the check."""
     q, kv_data, _qo, kv_indptr, _config = data
     kv8, kv_scale = kv_data["fp8"]
-    kv = kv8.view(-1, QK_DIM)
     out = bufs.out[: q.shape[0]]
     out.fill_(float("nan"))
     gluon_decode.gluon_decode(
-        q, gluon_decode.gd_kv_descriptor(kv, block_n), kv_scale, kv_indptr, out, bufs.part_o, bufs.part_lse,
-        num_splits=num_splits, block_n=block_n, num_stages=num_stages, v_path=v_path,
+        q, gluon_decode.gd_kv_descriptor(kv8.view(-1, QK_DIM), block_n), kv_scale, kv_indptr, out, bufs.part_o,
+        bufs.part_lse, num_splits=num_splits, block_n=block_n, num_stages=num_stages, v_path=v_path,
         sm_scale_log2=SM_SCALE * math.log2(math.e), reduce=reduce, v_halves=v_halves, count=bufs.count,
-        flag=bufs.flag, sm_count=torch.cuda.get_device_properties(0).multi_processor_count,
-        ws=ws)
+        flag=bufs.flag, sm_count=torch.cuda.get_device_properties(0).multi_processor_count, ws=ws)
     return out
 
 
@@ -156,9 +152,8 @@ def test_validate_accepts_the_base_and_names_each_bad_parameter():
     ]:
         with pytest.raises(ValueError, match=match):
             gluon_fused.validate(_variant(**params))
-    no_v_path = {k: v for k, v in BASE.items() if k != "v_path"}
     with pytest.raises(ValueError, match="missing parameter v_path"):
-        gluon_fused.validate(Variant.make("gluon_fused", **no_v_path))
+        gluon_fused.validate(Variant.make("gluon_fused", **{k: v for k, v in BASE.items() if k != "v_path"}))
 
 
 def test_shared_memory_and_residency_estimates_match_the_compilers_figures():
@@ -319,6 +314,8 @@ def test_the_backend_passes_ws_q_load_and_the_partials_type_to_the_kernel_or_ref
         assert (kwargs["ws"], kwargs["q_load"], kwargs["num_stages"]) == (ws, q_load, stages)
     with pytest.raises(ValueError, match="one split writes no partials"):
         gluon_fused.build(_variant(part="bf16"), Shape(1, 64), "cpu")
+    with pytest.raises(ValueError, match="one split has nothing to reduce"):  # candidates() never offer it
+        gluon_fused.build(_variant(num_splits=1, v_path="rs8", reduce="spin"), Shape(3, 17), "cpu")
 
 
 # ------------------------------------------------------------- warp specialization (ws)
@@ -363,26 +360,21 @@ def test_candidates_offer_ws_only_where_asked_and_where_it_can_pay():
     assert gluon_fused._gf_ws_reason({**p, "ws": 1}, Shape(4, 1024), sm) is None
 
 
-class _Recorder:
-    """Stands in for the jitted kernel: `kernel[grid](*args, **kwargs)` records the call."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append((grid, kwargs)) or "compiled"
-
-
 def test_gluon_decode_launches_with_ws_its_register_budget_and_q_load_and_refuses_bad_values(monkeypatch):
-    rec = _Recorder()
+    calls = []
+
+    class Kernel:  # stands in for the jitted kernel: kernel[grid](*args, **kwargs) records (grid, kwargs)
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((grid, kwargs)) or "compiled"
+
     monkeypatch.setattr(gluon_decode, "GD_UNAVAILABLE", None)
-    monkeypatch.setattr(gluon_decode, "_gd_decode_kernel", rec)
+    monkeypatch.setattr(gluon_decode, "_gd_decode_kernel", Kernel())
     q = torch.zeros(3, 16, QK_DIM)
     indptr = torch.arange(4, dtype=torch.int32)
     common = dict(num_splits=1, block_n=64, num_stages=4, v_path="rs8", sm_scale_log2=1.0)
     for ws in (0, 1, 2):
         assert gluon_decode.gluon_decode(q, None, None, indptr, None, None, None, ws=ws, **common) == "compiled"
-    (g0, k0), (g1, k1), (g2, k2) = rec.calls
+    (g0, k0), (g1, k1), (g2, k2) = calls
     assert g0 == g1 == g2 == (1, 3)
     assert "WS" not in k0 and "maxnreg" not in k0  # ws 0 passes neither
     assert (k1["WS"], k1["maxnreg"], k2["WS"], k2["maxnreg"]) == (1, 128, 2, 168)
@@ -394,20 +386,15 @@ def test_gluon_decode_launches_with_ws_its_register_budget_and_q_load_and_refuse
     with pytest.raises(ValueError, match="part_o must be float32 or bfloat16"):
         gluon_decode.gluon_decode(q, None, None, indptr, None, torch.empty(4, dtype=torch.float16), None,
                                   **{**common, "num_splits": 2})
-    assert len(rec.calls) == 3  # refused before any launch
+    assert len(calls) == 3  # refused before any launch
     assert "Q_LOAD" not in k0  # q_load "twice", the default, passes no Q_LOAD
     gluon_decode.gluon_decode(q, None, None, indptr, None, None, None, q_load="first", **common)
-    assert rec.calls[-1][1]["Q_LOAD"] == 1
+    assert calls[-1][1]["Q_LOAD"] == 1
 
 
 # ----------------------------------------------------------------------------- H200
-GPU_VARIANTS = [
-    dict(block_n=64, num_stages=3, v_path="ss16"),
-    dict(block_n=64, num_stages=4, v_path="rs16"),
-    dict(block_n=64, num_stages=2, v_path="rs8"),
-    dict(block_n=128, num_stages=2, v_path="ss16"),
-    dict(block_n=64, num_stages=3, v_path="ss16a"),
-]
+GPU_VARIANTS = [dict(block_n=block_n, num_stages=stages, v_path=v_path) for block_n, stages, v_path in
+                [(64, 3, "ss16"), (64, 4, "rs16"), (64, 2, "rs8"), (128, 2, "ss16"), (64, 3, "ss16a")]]
 
 
 @gluon_gpu
@@ -454,22 +441,22 @@ def test_gluon_decode_ragged_batch_with_empty_splits(params):
     check_backend(variant, Shape(5, 3000), data, str(variant), repeats=0)
 
 
+# (batch, kv_len, seed, params) of rs8: spin at 2 stages, two CTAs per SM, so 64 x 4 splits = 256
+# programs are resident on 132 SMs (one split, nothing to reduce: the CPU test of build refuses
+# it); then ws 1 and 2. Two more calls: the barrier's count and flag are left ready for the next.
+BACKEND_REPEATS = [(b, n, b + n, dict(num_splits=splits, num_stages=2, reduce="spin"))
+                   for b, n, splits in [(4, 1024, 16), (4, 8192, 32), (32, 1024, 4), (64, 8192, 4), (5, 3000, 8)]]
+BACKEND_REPEATS += [(32, 1024, 77, params) for params in [dict(ws=1, num_stages=2, num_splits=4, reduce="spin"),
+                                                          dict(ws=2, num_stages=4, num_splits=4, reduce="spin"),
+                                                          dict(ws=2, num_stages=3, num_splits=1)]]
+
+
 @gluon_gpu
-@pytest.mark.parametrize("batch, kv_len, splits", [(4, 1024, 16), (4, 8192, 32), (32, 1024, 4), (64, 8192, 4),
-                                                   (3, 17, 1), (5, 3000, 8)])
-def test_the_backend_with_reduce_spin_matches_the_reference_and_repeats(batch, kv_len, splits):
-    data = problem.generate_input(batch, kv_len, seed=batch + kv_len, device="cuda")
-    shape = Shape(batch, kv_len)
-    tiles = -(-kv_len // 64)
-    splits = min(splits, tiles)
-    if splits == 1:  # nothing to reduce: candidates() never offers it, build refuses it
-        with pytest.raises(ValueError, match="one split has nothing to reduce"):
-            gluon_fused.build(_variant(num_splits=1, v_path="rs8", reduce="spin"), shape, "cuda")
-        return
-    # 2 stages: two CTAs per SM, so 64 x 4 splits = 256 programs are resident on 132 SMs;
-    # two more calls: the barrier's count and flag are left ready for the next call
-    variant = _variant(num_splits=splits, num_stages=2, v_path="rs8", reduce="spin")
-    check_backend(variant, shape, data, f"spin {splits} splits at {shape}", repeats=2)
+@pytest.mark.parametrize("batch, kv_len, seed, params", BACKEND_REPEATS, ids=str)
+def test_the_backend_with_reduce_spin_or_ws_matches_the_reference_and_repeats(batch, kv_len, seed, params):
+    data = problem.generate_input(batch, kv_len, seed=seed, device="cuda")
+    check_backend(_variant(v_path="rs8", **params), Shape(batch, kv_len), data, f"{params} at {batch}x{kv_len}",
+                  repeats=2)
 
 
 @gluon_gpu
@@ -516,14 +503,6 @@ def test_spin_is_refused_for_a_grid_the_gpu_cannot_hold_at_once():
             check(*args, **{**base, **more})
 
 
-def _split_counts(batch: int, kv_len: int, v_halves: int, block_n: int = 64) -> list[int]:
-    """3 splits (a non-power of two), about one program per SM (at most 64), and 1 where the
-    V halves write the output directly."""
-    tiles = -(-kv_len // block_n)
-    counts = {min(tiles, 3), min(tiles, gluon_decode.GD_MAX_INKERNEL_SPLITS, max(1, 128 // batch))}
-    return sorted(counts | ({1} if v_halves == 2 else set()))
-
-
 @gluon_gpu
 @pytest.mark.parametrize("v_halves", [1, 2])
 @pytest.mark.parametrize("reduce", ["last", "spin"])
@@ -531,7 +510,11 @@ def _split_counts(batch: int, kv_len: int, v_halves: int, block_n: int = 64) -> 
 @pytest.mark.parametrize("batch", [1, 4, 32])
 def test_inkernel_reduce_and_v_halves_match_under_strict(batch, kv_len, reduce, v_halves):
     data = problem.generate_input(batch, kv_len, seed=batch * 31 + kv_len, device="cuda")
-    for splits in _split_counts(batch, kv_len, v_halves):
+    # 3 splits (a non-power of two), about one program per SM (at most 64), and 1 where the V
+    # halves write the output directly
+    tiles = -(-kv_len // 64)
+    counts = {min(tiles, 3), min(tiles, gluon_decode.GD_MAX_INKERNEL_SPLITS, max(1, 128 // batch))}
+    for splits in sorted(counts | ({1} if v_halves == 2 else set())):
         what = f"rs8/2, {splits} splits, reduce {reduce}, v_halves {v_halves} at {batch}x{kv_len}"
         out = run_twice(data, num_splits=splits, reduce=reduce, v_halves=v_halves)
         check(out, expect(data), what)
@@ -618,16 +601,12 @@ LEADERBOARD_PLANS = {
 @pytest.mark.parametrize("batch, kv_len", list(LEADERBOARD_PLANS), ids=lambda v: str(v))
 def test_ws_matches_at_the_leaderboard_shapes(batch, kv_len):
     data = problem.generate_input(batch, kv_len, seed=batch * 7 + kv_len, device="cuda")
-    exp = expect(data)
-    ref = problem.reference(data)
+    exp, ref = expect(data), problem.reference(data)
     (v_path, stages, splits, reduce, halves), (splits2, reduce2) = LEADERBOARD_PLANS[(batch, kv_len)]
-    for what, out in [
-        (f"ws 1 {v_path}/{stages} s{splits} {reduce} h{halves} at {batch}x{kv_len}",
-         run_twice(data, ws=1, num_splits=splits, reduce=reduce, num_stages=stages, v_path=v_path,
-                   v_halves=halves)),
-        (f"ws 2 rs8/4 s{splits2} {reduce2} at {batch}x{kv_len}",
-         run_twice(data, ws=2, num_splits=splits2, reduce=reduce2, num_stages=4)),
-    ]:
+    ws1 = run_twice(data, ws=1, num_splits=splits, reduce=reduce, num_stages=stages, v_path=v_path, v_halves=halves)
+    ws2 = run_twice(data, ws=2, num_splits=splits2, reduce=reduce2, num_stages=4)
+    for what, out in [(f"ws 1 {v_path}/{stages} s{splits} {reduce} h{halves} at {batch}x{kv_len}", ws1),
+                      (f"ws 2 rs8/4 s{splits2} {reduce2} at {batch}x{kv_len}", ws2)]:
         check(out, exp, what)
         # the leaderboard's own rule against its reference, as the bench checks it
         result = problem.check(out, ref, problem.RULES["strict"])
@@ -648,12 +627,3 @@ def test_ws_at_tiny_and_odd_lengths(batch, kv_len):
                 out = run_twice(data, ws=ws, num_splits=splits, reduce="launch", num_stages=stages)
                 check(out, exp, f"ws {ws} rs8/{stages} s{splits} at {batch}x{kv_len}")
 
-
-@gluon_gpu
-@pytest.mark.parametrize("params", [dict(ws=1, num_stages=2, num_splits=4, reduce="spin"),
-                                    dict(ws=2, num_stages=4, num_splits=4, reduce="spin"),
-                                    dict(ws=2, num_stages=3, num_splits=1)], ids=str)
-def test_the_backend_with_ws_matches_and_repeats(params):
-    data = problem.generate_input(32, 1024, seed=77, device="cuda")
-    variant = _variant(v_path="rs8", **params)
-    check_backend(variant, Shape(32, 1024), data, f"backend {params}", repeats=2)

@@ -92,14 +92,13 @@ def test_the_reduction_combines_the_splits_into_the_exact_answer(device, paged, 
     workspace.part_lse.copy_(part_lse)
     qo_ptr, kv_ptr = (torch.tensor([0, *itertools.accumulate(n)]).int() for n in (q_lens, kv_lens))
     exact, exact_lse = reference(q, qo_ptr, kv[:, None], kv_indptr=kv_ptr, sm_scale=1.0, return_lse=True)
-    qo_indptr = qo_ptr.to(device)
     layout = {"seq_lens": torch.tensor(kv_lens, dtype=torch.int32, device=device)} if paged else {
         "kv_indptr": kv_ptr.to(device)}
     sentinel = 7.0
     out = torch.full((sum(q_lens), heads, V_DIM), sentinel, dtype=torch.bfloat16, device=device)
     lse = torch.full((sum(q_lens), heads), sentinel, device=device)
-    gs_reduce(qo_indptr, workspace, out, lse, max_q_len=2, tokens_per_split=tokens_per_split, split_budget=budget,
-              **layout)
+    gs_reduce(qo_ptr.to(device), workspace, out, lse, max_q_len=2, tokens_per_split=tokens_per_split,
+              split_budget=budget, **layout)
     split = [gs_num_splits(n, max_splits, tokens_per_split, budget, sum(kv_lens)) > 1 for n in kv_lens]
     rows = torch.tensor([s for s, n in zip(split, q_lens, strict=True) for _ in range(n)])
     assert 0 < int(rows.sum()) < len(rows)
@@ -186,19 +185,16 @@ def test_a_table_entry_naming_a_serving_variant_passes_the_tables_rules():
 
 
 # ---------------------------------------------------------------- the schedule model
-def _variant(max_splits=16, tokens_per_split=512, block_h=16, v_halves=1, split_budget=0, kv="fp8"):
-    extra = {"split_budget": split_budget} if split_budget else {}
+def _variant(max_splits=16, block_h=16, v_halves=1, kv="fp8"):
     return Variant.make("gluon_fused", kv=kv, q="fp8_dynamic" if kv == "fp8" else "bf16", block_h=block_h,
-                        max_splits=max_splits, num_stages=2, tokens_per_split=tokens_per_split,
-                        v_halves=v_halves, **extra)
+                        max_splits=max_splits, num_stages=2, tokens_per_split=512, v_halves=v_halves)
 
 
 def test_the_backends_schedule_model_splits_and_holds_shared_memory_as_the_kernel_does():
     """gluon_splits is gs_num_splits, with and without a batch budget, empty sequences
     included; each split holds per tokens but the last, which holds the rest (> 0). The
     shared memory is the kernel's, and the occupancy what an SM holds of it."""
-    assert schedule_module("gluon_fused") is gl
-    assert gl.TILE == GS_BN
+    assert schedule_module("gluon_fused") is gl and gl.TILE == GS_BN
     rng = random.Random(7)
     for _ in range(300):
         lens = np.asarray([int(2 ** rng.uniform(0, 16.5)) * (rng.random() > 0.1) for _ in range(rng.randint(1, 64))])
@@ -223,20 +219,18 @@ def test_a_ragged_batch_waits_on_a_small_split_cap_and_more_programs_per_split_p
     uniform short batch (fewer splits than either cap) has the same makespan under both. Two
     V halves or 8-head tiles double the programs per split: past a wave the makespan grows,
     within one it does not."""
+    def makespan(lens, q_len, **variant):  # 16 heads on 132 SMs
+        return gl.gluon_schedule(lens, 16, _variant(**variant).p, q_len, 132)
+
     ragged = [64000] + [1000] * 31
-    few = gl.gluon_schedule(ragged, 16, _variant(max_splits=16).p, 2, 132)
-    many = gl.gluon_schedule(ragged, 16, _variant(max_splits=64).p, 2, 132)
+    few, many = makespan(ragged, 2, max_splits=16), makespan(ragged, 2, max_splits=64)
     assert few >= 4000 and many < 0.5 * few
-    uniform = [1000] * 32
-    assert (gl.gluon_schedule(uniform, 16, _variant(max_splits=16).p, 2, 132)
-            == gl.gluon_schedule(uniform, 16, _variant(max_splits=64).p, 2, 132))
+    assert makespan([1000] * 32, 2, max_splits=16) == makespan([1000] * 32, 2, max_splits=64)
     lens = [8192] * 64
-    base = gl.gluon_schedule(lens, 16, _variant().p, 1, 132)
-    assert gl.gluon_schedule(lens, 16, _variant(v_halves=2).p, 1, 132) > 1.5 * base
-    assert gl.gluon_schedule(lens, 16, _variant(block_h=8).p, 1, 132) > 1.5 * base
-    short = [512] * 4
-    assert (gl.gluon_schedule(short, 16, _variant(v_halves=2).p, 1, 132)
-            == gl.gluon_schedule(short, 16, _variant().p, 1, 132))
+    base = makespan(lens, 1)
+    assert makespan(lens, 1, v_halves=2) > 1.5 * base
+    assert makespan(lens, 1, block_h=8) > 1.5 * base
+    assert makespan([512] * 4, 1, v_halves=2) == makespan([512] * 4, 1)
 
 
 def test_the_leaderboards_variants_get_no_model():

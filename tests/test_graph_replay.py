@@ -11,31 +11,33 @@ from mla_tune.core import CallSpec, Variant
 from mla_tune.serving import inputs as serving
 from mla_tune.serving.call import PREFERENCE, Decoder
 from mla_tune.serving.decode_plan import DecodePlan
-from tests.helpers import (
-    GPU_LENS,
-    GRAPH_KV_LENS,
-    GRAPH_Q_LENS,
-    GRAPH_REPLAYS,
-    assert_close,
-    max_error,
-    refill_for_replays,
-    serving_expected,
-)
-
-
-def _gpu(test):
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")(test))
-
+from tests.helpers import GPU_LENS, assert_close, cell_spec, max_error, refill, serving_expected
 
 HEADS = 128
+# One call captured at these lengths (each kv_len >= its q_len), then replayed with the
+# others: ragged, with 1-, 2- and 3000-token sequences moved between batch slots.
+GRAPH_Q_LENS = [2, 2, 2, 2, 2, 1]
+GRAPH_KV_LENS = [3000, 700, 65, 2, 17, 64]
+GRAPH_REPLAYS = ((42, [5, 3000, 1, 64, 65, 2]), (43, [700, 17, 2, 1, 64, 3000]))
+
+
+def refill_for_replays(static: serving.ServingInput, max_q_len: int, heads: int, kv_format: str, device):
+    """For each of GRAPH_REPLAYS: (seed, the new input), its tensors copied into `static`'s
+    buffers (`refill`) for the caller to replay and compare with the new call's reference."""
+    for seed, kv_lens in GRAPH_REPLAYS:
+        q_lens = [min(n, max_q_len) for n in kv_lens]
+        q_lens[-1] = 1  # the total stays within the captured q
+        new = serving.make_input(q_lens, kv_lens, heads, static.page_size, kv_format, seed=seed, device=device)
+        refill(static, new, f"replay seed {seed}")
+        yield seed, new
+
 
 # The own kernels' settings of the kernel-level graph tests: 16 splits of 128 tokens, split-K
 # with q quantized to fp8 in the graph (its amax pass included), fused with bf16 q.
-SPLITK_SETTING = dict(q="fp8_dynamic", max_splits=16, tokens_per_split=128, block_n=64, block_h=16,
-                      num_warps=4, num_stages=2, dot_dtype="bf16")
-FUSED_SETTING = dict(q="bf16", qk_dot="bf16", pv_dot="bf16", max_splits=16, tokens_per_split=128, block_n=64,
-                     block_h=8, num_warps=4, num_stages=2)
-SETTINGS = {"triton": SPLITK_SETTING, "triton_fused": FUSED_SETTING}
+SETTINGS = {"triton": dict(q="fp8_dynamic", max_splits=16, tokens_per_split=128, block_n=64, block_h=16,
+                           num_warps=4, num_stages=2, dot_dtype="bf16"),
+            "triton_fused": dict(q="bf16", qk_dot="bf16", pv_dot="bf16", max_splits=16, tokens_per_split=128,
+                                 block_n=64, block_h=8, num_warps=4, num_stages=2)}
 
 # (backend, layout, kv, setting): None is the backend's default serving variant.
 CALL_CASES = [
@@ -64,16 +66,15 @@ def _ids(case) -> str:
     return f"{name}-{'contiguous' if layout == 0 else f'page{layout}'}-{kv}-{setting or 'default'}"
 
 
-@_gpu
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("case", CALL_CASES, ids=_ids)
 def test_a_captured_serving_call_replays_new_lengths_and_block_tables(case):
     name, layout, kv, setting = case
     backend = get_backend(name)
-    reason = backend.unavailable_reason() if hasattr(backend, "unavailable_reason") else None
-    assert reason is None, reason
+    assert (reason := backend.unavailable_reason()) is None, reason
     max_q = 2 if backend.CAPABILITIES.mixed_q_len else 1
-    spec = CallSpec(kv, page_size=layout, heads=HEADS, max_q_len=max_q, mixed_q_len=max_q > 1, graph=True,
-                    host_lengths=backend.CAPABILITIES.host_lengths)
+    spec = cell_spec(name, layout, HEADS, max_q, kv, graph=True)  # the ragged q_len and host lengths it takes
     variant = Variant.make(name, kv=kv, **SETTINGS[name]) if setting else None
     decoder = Decoder(spec, backend=name, variant=variant, device="cuda")
     q_lens = GRAPH_Q_LENS if max_q > 1 else [1] * len(GRAPH_KV_LENS)
@@ -100,7 +101,8 @@ def test_a_captured_serving_call_replays_new_lengths_and_block_tables(case):
             assert int(decoder.runner.workspace.count.abs().sum()) == 0
 
 
-@_gpu
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("update_in_graph", [True, False], ids=["update-captured", "update-before-replay"])
 @pytest.mark.parametrize("backend", ["triton", "triton_fused", "flashmla"])
 def test_a_decode_step_through_a_plan_captured_once_replays_growing_lengths(backend, update_in_graph):
@@ -148,12 +150,10 @@ def test_every_backend_that_serves_a_graph_on_the_h200_has_a_replay_case():
 
 @pytest.mark.parametrize("layout", [0, 64])
 def test_refilling_the_captured_buffers_reproduces_each_replay_input(layout):
-    """After each refill (serving.refill_for_replays) the captured buffers are exactly the new call."""
-    heads, max_q = 16, 2
-    static = serving.make_input(GRAPH_Q_LENS, GRAPH_KV_LENS, heads, layout, "fp8",
-                                seed=41, device="cpu")
+    """After each refill (refill_for_replays) the captured buffers are exactly the new call."""
+    static = serving.make_input(GRAPH_Q_LENS, GRAPH_KV_LENS, 16, layout, "fp8", seed=41, device="cpu")
     seen = []
-    for seed, new in refill_for_replays(static, max_q, heads, "fp8", "cpu"):
+    for seed, new in refill_for_replays(static, 2, 16, "fp8", "cpu"):
         rows = new.q.shape[0]
         refilled = serving.reference(static.q, static.qo_indptr, static.kv, static.kv_scale,
                                      **static.layout, q_format="fp8")[:rows]

@@ -25,8 +25,7 @@ CPU = torch.device("cpu")
 class Cache:
     """A paged latent cache per layer that sequences grow into, every unheld slot NaN."""
 
-    def __init__(self, lens, page, steps, seed, fp8=False, as_bytes=False, device="cpu",
-                 unit_scales=False):
+    def __init__(self, lens, page, steps, seed, fp8=False, as_bytes=False, device="cpu", unit_scales=False):
         """unit_scales: an fp8 cache written without a scale (SGLang's MLA pool), else each
         layer's latent divided by its own k_scale (vLLM's)."""
         gen = torch.Generator().manual_seed(seed)
@@ -73,8 +72,7 @@ class Cache:
         lens = torch.tensor([self.lens[b] for b in rows], dtype=torch.int32, device=self.device)
         qo = torch.arange(len(rows) + 1, dtype=torch.int32, device=self.device) * q_len
         return serving.reference(q, qo, self.kv[layer].view(self.num_pages, self.page, QK_DIM),
-                                 self.scales[layer] if self.fp8 else None,
-                                 block_table=self.table[rows].to(self.device),
+                                 self.scales[layer] if self.fp8 else None, block_table=self.table[rows].to(self.device),
                                  seq_lens=lens, sm_scale=sm_scale, return_lse=True)
 
 
@@ -102,11 +100,10 @@ def vllm_layers(cache, cache_dtype, page, dcp, max_seqs, device=CPU, speculative
                            if speculative else None)
     impls, layers, names = [], [], [f"layers.{i}.attn" for i in range(LAYERS)]
     for layer, name in enumerate(names):
-        impl = backend.MlaTuneMLAImpl(num_heads=HEADS, head_size=QK_DIM, scale=SCALE, num_kv_heads=1,
-                                      alibi_slopes=None, sliding_window=None, kv_cache_dtype=cache_dtype,
-                                      logits_soft_cap=None, attn_type=AttentionType.DECODER,
-                                      kv_sharing_target_layer_name=None, kv_lora_rank=V_DIM,
-                                      qk_rope_head_dim=QK_DIM - V_DIM)
+        impl = backend.MlaTuneMLAImpl(num_heads=HEADS, head_size=QK_DIM, scale=SCALE, num_kv_heads=1, alibi_slopes=None,
+                                      sliding_window=None, kv_cache_dtype=cache_dtype, logits_soft_cap=None,
+                                      attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None,
+                                      kv_lora_rank=V_DIM, qk_rope_head_dim=QK_DIM - V_DIM)
         if dcp > 1:
             impl.dcp_world_size = dcp  # decode context parallelism: the LSE is asked for
         impls.append(impl)
@@ -197,30 +194,6 @@ def _common(qsl, lens, table, slots, tokens=None, max_seq_len=None):
         slot_mapping=slots, seq_lens_cpu_upper_bound=lens)
 
 
-def _vllm_step(cache, rows, seed, builder, impls, layers):
-    gen = torch.Generator().manual_seed(seed)
-    for b in rows:
-        cache.lens[b] += 1  # this step's new token, written by the layer below
-    n = len(rows)
-    qsl = torch.arange(n + 1, dtype=torch.int32)
-    slots = torch.tensor([cache.slot(b, cache.lens[b] - 1) for b in rows], dtype=torch.int64)
-    lens = torch.tensor([cache.lens[b] for b in rows], dtype=torch.int32)
-    metadata = builder.build(0, _common(qsl, lens, cache.table[rows], slots))
-    for layer, (impl, layer_obj) in enumerate(zip(impls, layers, strict=True)):
-        q = torch.randn((n, HEADS, QK_DIM), generator=gen).to(torch.bfloat16)
-        latent = torch.randn((n, QK_DIM), generator=gen)
-        out, lse = impl.forward_decode_step(layer_obj, q, latent[:, :V_DIM], latent[:, V_DIM:],
-                                            cache.engine_view(layer), metadata)
-        ref, ref_lse = cache.reference(layer, q, rows, SCALE)
-        close_to_reference(out, ref, f"vLLM layer {layer}")
-        if builder.plans.spec.return_lse:  # decode context parallelism asks for it
-            torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=0)
-        else:
-            assert lse is None
-        _ignored_scale_would_fail(out, cache, layer, q, rows)
-    return metadata
-
-
 @pytest.mark.parametrize(("dcp", "speculative", "cache_dtype", "takes"),
                          [(2, 0, "fp8", None), (1, 0, "auto", "lengths"), (1, 1, "auto", "mean")])
 def test_vllm_decode_loop_at_deepseek_v3_scale_gives_eager_steps_vllms_host_lengths(
@@ -240,13 +213,28 @@ def test_vllm_decode_loop_at_deepseek_v3_scale_gives_eager_steps_vllms_host_leng
     assert spec.heads == dcp * HEADS  # q's heads gathered over the DCP group
     calls = []
     update = builder.plans.update
-    monkeypatch.setattr(builder.plans, "update",
-                        lambda graph, qo, **layout: calls.append((graph, layout["kv_lens_host"],
-                                                                  layout["mean_kv_len"],
-                                                                  layout["seq_lens"].tolist())) or
-                        update(graph, qo, **layout))
+    monkeypatch.setattr(builder.plans, "update", lambda graph, qo, **kw: calls.append(
+        (graph, kw["kv_lens_host"], kw["mean_kv_len"], kw["seq_lens"].tolist())) or update(graph, qo, **kw))
     for step, rows in enumerate(([0, 1, 2, 3], [0, 2, 3], [0, 1, 2, 3])):  # 4: captured unless q_len 2
-        metadata = _vllm_step(cache, rows, 10 + step, builder, impls, layers)
+        gen = torch.Generator().manual_seed(10 + step)
+        for b in rows:
+            cache.lens[b] += 1  # this step's new token, written by the layer below
+        qsl = torch.arange(len(rows) + 1, dtype=torch.int32)
+        slots = torch.tensor([cache.slot(b, cache.lens[b] - 1) for b in rows], dtype=torch.int64)
+        lens = torch.tensor([cache.lens[b] for b in rows], dtype=torch.int32)
+        metadata = builder.build(0, _common(qsl, lens, cache.table[rows], slots))
+        for layer, (impl, layer_obj) in enumerate(zip(impls, layers, strict=True)):
+            q = torch.randn((len(rows), HEADS, QK_DIM), generator=gen).to(torch.bfloat16)
+            latent = torch.randn((len(rows), QK_DIM), generator=gen)
+            out, lse = impl.forward_decode_step(layer_obj, q, latent[:, :V_DIM], latent[:, V_DIM:],
+                                                cache.engine_view(layer), metadata)
+            ref, ref_lse = cache.reference(layer, q, rows, SCALE)
+            close_to_reference(out, ref, f"vLLM layer {layer}")
+            if spec.return_lse:  # decode context parallelism asks for it
+                torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=0)
+            else:
+                assert lse is None
+            _ignored_scale_would_fail(out, cache, layer, q, rows)
         graph = len(rows) == 4 and not speculative
         assert metadata.decode.plans.active is (builder.plans.graph if graph else builder.plans.eager)
     assert [graph for graph, *_ in calls] == [not speculative, False, not speculative]
@@ -325,8 +313,7 @@ V2_LITE = (1 / math.sqrt(192) * _M * _M, 192 ** -0.5 * _M * _M)
 
 @pytest.mark.parametrize(("config_scale", "layer_scale", "fp8"), [(SCALE, SCALE, False), (*V2_LITE, False),
                                                                  (SCALE, SCALE, True)], ids=["v3", "v2_lite", "v3_fp8"])
-def test_sglang_page_one_decode_loop_at_the_models_scale_with_graph_hooks(monkeypatch, config_scale, layer_scale,
-                                                                           fp8):
+def test_sglang_page_one_decode_loop_at_the_models_scale_with_graph_hooks(monkeypatch, config_scale, layer_scale, fp8):
     """An fp8 cache is read at scale 1 whatever the layer's k_scale (0.37 here): the pool wrote
     it unscaled."""
     engine_fakes.install(monkeypatch, "sglang")

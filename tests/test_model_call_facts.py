@@ -50,7 +50,8 @@ def test_the_serving_tables_key_leaves_out_the_calls_own_facts():
 @pytest.mark.parametrize("kv, facts, says", [
     *[("bf16", {"sm_scale": bad}, "sm_scale must be a positive finite float")
       for bad in (0.0, -0.1, float("nan"), float("inf"), True, "0.13")],
-    ("bf16", {"cache_dtype": "uint8"}, "use kv_format='fp8'"), ("fp8", {"cache_dtype": "int8"}, "cache_dtype must be one of")])
+    ("bf16", {"cache_dtype": "uint8"}, "use kv_format='fp8'"),
+    ("fp8", {"cache_dtype": "int8"}, "cache_dtype must be one of")])
 def test_callspec_refuses_a_scale_that_is_no_softmax_scale_and_uint8_bytes_of_anything_but_fp8(kv, facts, says):
     with pytest.raises(ValueError, match=says):
         CallSpec(kv, **facts)
@@ -74,9 +75,8 @@ def _leaderboard_variant(name: str, shape: Shape, kv: str) -> Variant:
                 and v.get("pv_dot", "fp16") == "fp16")
 
 
-@pytest.mark.parametrize("name,kv", [("triton", "bf16"), ("triton", "fp8"), ("triton_fused", "bf16"),
-                                     ("triton_fused", "fp8"), ("flashmla", "bf16"), ("flashinfer", "bf16"),
-                                     ("flashinfer", "fp8")])
+@pytest.mark.parametrize("name,kv", [(name, kv) for name in ("triton", "triton_fused", "flashinfer")
+                                     for kv in ("bf16", "fp8")] + [("flashmla", "bf16")])
 def test_build_takes_the_models_scale(name, kv, monkeypatch):
     """build(..., sm_scale=) of every backend that runs on the CPU (torch's: the runtime's, below)."""
     if name in VENDOR_MODULES:
@@ -131,9 +131,8 @@ def test_two_scales_bind_to_one_compiled_kernel(monkeypatch, module, serve, dots
     out = torch.empty((2, 16, 512), dtype=torch.bfloat16)
     common = dict(max_q_len=1, max_splits=2, tokens_per_split=4, block_n=16, block_h=16, num_warps=4, num_stages=1)
 
-    def launch(sm_scale, block_n=16):
-        serve(inp.q, inp.qo_indptr, inp.kv, None, out, **inp.layout, **{**common, "block_n": block_n}, **dots,
-              sm_scale=sm_scale)
+    def launch(**changes):  # sm_scale, and block_n where it changes
+        serve(inp.q, inp.qo_indptr, inp.kv, None, out, **inp.layout, **dots, **{**common, **changes})
 
     keys = _bind_keys(monkeypatch, launch, module,
                       [{"sm_scale": SM_SCALE}, {"sm_scale": DSV3}, {"sm_scale": DSV3, "block_n": 32}])
@@ -188,8 +187,7 @@ def test_each_declared_backend_returns_the_references_lse_at_the_models_scale(na
         q_lens, kv_lens, seed = [1, q_len, q_len], [1, 17, 300], 13
     else:
         q_lens, kv_lens, seed = [q_len, 1 if mixed else q_len, q_len], [70, 5 if mixed else 9, 130], 11
-    params = None if max_splits is None else dict(max_splits=max_splits,
-                                                  tokens_per_split=64 if name == "triton" else 32)
+    params = dict(max_splits=max_splits, tokens_per_split=64 if name == "triton" else 32) if max_splits else None
     (out, lse), variant, inp, runner = serving_call(monkeypatch, name, kv, q_lens, kv_lens, seed, params,
                                                     host=name != "triton", mixed_q_len=mixed, return_lse=True)
     q_format = {"bf16": "bf16", "fp8_dynamic": "fp8"}[variant.get("q")]

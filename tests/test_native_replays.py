@@ -187,8 +187,7 @@ def test_flashinfer_replay_and_dealing_in_c_are_the_numpy_paths_and_built_wherev
         several_tiles += q_len * heads > 128
     assert merged > 100 and several_tiles > 100  # of 800 batches
     for heads in (16, 128):  # no sequences
-        none = np.zeros(0, dtype=np.int64)
-        got = _on_every_path(numpy_path, fi.flashinfer_mla_features, none, heads, 1, 132)
+        got = _on_every_path(numpy_path, fi.flashinfer_mla_features, np.zeros(0, dtype=np.int64), heads, 1, 132)
         assert got == _chunk_replay([], heads, 1, 132)
     if not have:
         pytest.skip("no C compiler here: the numpy dealing is the only one")
@@ -231,8 +230,6 @@ def test_without_a_compiler_or_with_a_broken_one_the_python_path_runs(monkeypatc
     monkeypatch.delenv(native.DISABLE_ENV)
     with pytest.warns(UserWarning, match="cannot build broken"):
         assert load("broken", "this is not C\n") is None
-    monkeypatch.setattr(native, "compiler", lambda: None)
-    assert load("other", source + "\n") is None
     # the estimator's pick without its C library: the Python estimates
     monkeypatch.setattr(estimate, "_native", lambda: None)
     table = load_serving_table(COMMITTED)
@@ -244,6 +241,9 @@ def test_without_a_compiler_or_with_a_broken_one_the_python_path_runs(monkeypatc
     want = table.estimator.estimates(family, 8, 3000.0, [3000] * 8)
     assert variant == estimate.fastest(want) and want
     assert ok == estimate.fastest(want, allowed.accepts) and allowed.mask is None
+    # last: the schedules' C libraries load once per process, so none may first load without a compiler
+    monkeypatch.setattr(native, "compiler", lambda: None)
+    assert load("other", source + "\n") is None
 
 
 def test_a_split_k_and_a_gluon_models_one_call_replay_in_c_is_its_numpy_replay(numpy_path):
@@ -351,8 +351,7 @@ def test_a_plans_step_with_host_lengths_picks_in_one_c_call_what_its_lookup_pick
     for i in range(1500):
         key = rng.choice(sorted(plans))
         plan = plans[key]
-        drawn = rng.randint(1, 256)
-        batch = 1 if i % 50 == 0 else 256 if i % 50 == 1 else 600 if i % 50 == 2 else drawn
+        batch = {0: 1, 1: 256, 2: 600}.get(i % 50, rng.randint(1, 256))  # the random draw made either way
         lens = ([int(2 ** rng.uniform(0, 17))] * batch if rng.random() < 0.3
                 else [int(2 ** rng.uniform(0, 17)) for _ in range(batch)])
         pages = max(-(-n // key.page_size) for n in lens)

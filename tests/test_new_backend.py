@@ -42,45 +42,35 @@ from mla_tune.core import CallSpec, Capabilities, Variant, check_serving_spec
 from mla_tune.serving.inputs import reference
 
 NAME = "probe_serving"
-CAPABILITIES = Capabilities(
-    kv_formats=("bf16",), q_modes=("bf16",), serving=True, serving_kv_formats=("bf16", "fp8"),
-    contiguous=True, page_sizes=(16,), heads=(8, 16), max_q_len=2, mixed_q_len=True,
-    platforms=(("cuda",), ("cpu",)),
-)
+CAPABILITIES = Capabilities(kv_formats=("bf16",), q_modes=("bf16",), serving=True, serving_kv_formats=("bf16", "fp8"),
+                            contiguous=True, page_sizes=(16,), heads=(8, 16), max_q_len=2, mixed_q_len=True,
+                            platforms=(("cuda",), ("cpu",)))
 TILES = (1, 2)  # a parameter that changes nothing but the variant
 SPACE_KEYS = ("tile",)
 RUNS: dict = {}  # str(variant) -> calls, for the tests
 
-
 def unavailable_reason():
     return None
 
-
 def validate(variant: Variant) -> None:
     p = dict(variant.params)
-    if (set(p) != {"kv", "q", "tile"} or p["q"] != "bf16" or p["kv"] not in ("bf16", "fp8")
-            or p["tile"] not in TILES):
+    if set(p) != {"kv", "q", "tile"} or p["q"] != "bf16" or p["kv"] not in ("bf16", "fp8") or p["tile"] not in TILES:
         raise ValueError(f"{NAME} takes kv=bf16 or fp8, q=bf16 and a tile of {TILES}, not {variant}")
-
 
 def candidates(shape, space, platform) -> list[Variant]:
     return []  # the serving call only
 
-
 def build(variant, shape, device):
     raise ValueError(f"{NAME} serves the serving call only")
 
-
 def default_serving_variant(spec: CallSpec, platform) -> Variant:
     return Variant.make(NAME, kv=spec.kv_format, q="bf16", tile=1)
-
 
 def serving_candidates(spec: CallSpec, space: dict, platform) -> list[Variant]:
     unknown = sorted(set(space) - set(SPACE_KEYS))
     if unknown:
         raise ValueError(f"{NAME}'s serving space takes {', '.join(SPACE_KEYS)}, not {unknown[0]}")
     return [Variant.make(NAME, kv=spec.kv_format, q="bf16", tile=t) for t in space.get("tile", [1])]
-
 
 def build_serving(variant: Variant, spec: CallSpec, device):
     validate(variant)
@@ -102,8 +92,7 @@ CONFIG = {
     "families": {"kv_format": ["bf16"], "page_size": [16], "heads": [8, 16], "q_len": [2]},
     "call": {"mixed_q_len": True, "graph": False, "host_lengths": False},
     "batch_buckets": [2, 4], "kv_buckets": [32, 256],
-    "gate": {"ragged_kv_lens": [1, 17, 63], "tail_kv_len": 77, "tail_batch": 2, "margin": 0.5,
-             "reference_q": "exact"},
+    "gate": {"ragged_kv_lens": [1, 17, 63], "tail_kv_len": 77, "tail_batch": 2, "margin": 0.5, "reference_q": "exact"},
     "search": {"rungs": [1, 2], "keep": 0.5, "min_keep": 1, "cross_top": 2},
 }
 
@@ -159,27 +148,26 @@ def test_the_decoder_takes_it_by_the_registrys_order_and_it_answers_as_the_refer
 
 def test_the_serving_sweep_and_its_dry_run_plan_it_where_a_config_lists_it(probe, tmp_path):
     platform = gpu.detect()
-    listed = load_serving_config(_config(tmp_path, {"triton": {}, NAME: {"tile": [1, 2]}}))
-    tiles = [TILE1, TILE2]
+    config = _config(tmp_path, {"triton": {}, NAME: {"tile": [1, 2]}})
+    listed = load_serving_config(config)
     for key in listed.families:
         plan = family_plan(listed, key, platform)
-        assert [v for v in plan.candidates if v.backend == NAME] == tiles, key
+        assert [v for v in plan.candidates if v.backend == NAME] == [TILE1, TILE2], key
     eight = family_plan(listed, FamilyKey("bf16", 16, 8, 2), platform)
     assert [v.backend for v in eight.candidates] == [NAME, NAME] and "8" in eight.skipped["triton"]
-    # an empty section: its serving_candidates over an empty space (its default tile)
-    bare = load_serving_config(_config(tmp_path, {NAME: None}))
-    assert family_plan(bare, FamilyKey("bf16", 16, 8, 2), platform).candidates == tiles[:1]
-    # a config that does not list it does not sweep it
-    unlisted = load_serving_config(_config(tmp_path, {"triton": {}}))
-    sixteen = family_plan(unlisted, FamilyKey("bf16", 16, 16, 2), platform)
-    assert sixteen.candidates and all(v.backend == "triton" for v in sixteen.candidates)
     # the command line's dry run plans it
-    config = _config(tmp_path, {"triton": {}, NAME: {"tile": [1, 2]}})
     result = invoke("sweep", "--gpu", "H200", "--config", config, "--dry-run")
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert any("8 heads" in line and f"2 candidates ({NAME} 2)" in line for line in lines), result.output
     assert any("16 heads" in line and f"{NAME} 2)" in line and "triton" in line for line in lines), result.output
+    # an empty section: its serving_candidates over an empty space (its default tile)
+    bare = load_serving_config(_config(tmp_path, {NAME: None}))
+    assert family_plan(bare, FamilyKey("bf16", 16, 8, 2), platform).candidates == [TILE1]
+    # a config that does not list it does not sweep it
+    unlisted = load_serving_config(_config(tmp_path, {"triton": {}}))
+    sixteen = family_plan(unlisted, FamilyKey("bf16", 16, 16, 2), platform)
+    assert sixteen.candidates and all(v.backend == "triton" for v in sixteen.candidates)
     # the sweeps' cost prior has no line for it either: it takes the default
     assert CostModel(dict(DEFAULT_COSTS), "defaults").cost(NAME) == DEFAULT_COSTS["*"]
 
@@ -211,8 +199,7 @@ def test_a_serving_table_that_picks_it_loads_and_a_decode_plan_runs_it(probe, tm
     assert set(plan.variants) == {TILE2, TILE1}
     runs = dict(probe.RUNS)
     inp = serving.make_input([2, 1, 2], [190, 200, 210], 8, 16, "bf16", seed=5)
-    assert plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens,
-                       mean_kv_len=200) == TILE2
+    assert plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens, mean_kv_len=200) == TILE2
     _close(plan.run(inp.q, inp.kv), inp.reference(), "the table's pick")
     assert probe.RUNS[str(TILE2)] == runs.get(str(TILE2), 0) + 1
     # a cell the table lacks: the preferred backend's default, which for 8 heads is the probe's

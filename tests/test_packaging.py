@@ -15,15 +15,13 @@ from mla_tune.tables.table import TableError
 from tests.helpers import REPO
 
 
-def _tables(folder: Path, *names: str) -> Path:
+def _tables(folder: Path, *names: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for name in names:
         (folder / name).write_text("schema: 1\n")
-    return folder
 
 
-def test_a_path_is_a_path_a_gpu_name_is_looked_up_env_then_cwd_then_packaged_and_so_is_a_config(
-        monkeypatch, tmp_path):
+def test_a_path_is_a_path_a_gpu_name_is_looked_up_env_then_cwd_then_packaged_and_so_is_a_config(monkeypatch, tmp_path):
     assert locate.table_path("x.yaml") == Path("x.yaml")
     assert locate.table_path(tmp_path / "H200") == tmp_path / "H200"  # a Path is never a name
     assert locate.table_path("some/H200") == Path("some/H200")

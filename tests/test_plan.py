@@ -48,8 +48,9 @@ def _table(spec: CallSpec = SPEC, points=None, models=None) -> ServingTable:
 
 
 def _step(plan: DecodePlan, kv_lens: list[int], seed: int, **update):
-    q_lens = [min(2, n) for n in kv_lens]
-    inp = serving.make_input(q_lens, kv_lens, SPEC.heads, SPEC.page_size, "bf16", seed=seed, device=plan.device)
+    spec = plan.spec
+    inp = serving.make_input([min(spec.max_q_len, n) for n in kv_lens], kv_lens, spec.heads, spec.page_size, "bf16",
+                             seed=seed, device=plan.device)
     picked = plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens, **update)
     return inp, picked
 
@@ -73,10 +74,9 @@ def test_a_plan_without_a_table_runs_the_default_variant_correctly_and_reuses_it
 
 
 def test_the_plan_builds_every_pick_up_front_into_one_scratch_and_picks_by_bucket_and_mean_length():
-    """The split partials of every own runner are views of plan.scratch, which is the largest
-    runner's at max_batch, not their sum, and their outputs views of plan.outputs, one
-    runner's; the fused kernel's arrival counters stay each runner's own; steps that alternate
-    between the variants stay right."""
+    """The split partials of every own runner are views of plan.scratch, which is the largest runner's at max_batch,
+    not their sum, and their outputs views of plan.outputs, one runner's; the fused kernel's arrival counters stay
+    each runner's own; steps that alternate between the variants stay right."""
     plan = DecodePlan(SPEC, max_batch=8, table=_table())
     assert set(plan.variants) == {plan._default.variant, GRAPH_4, EAGER_4_256, GRAPH_8}
     runners = list(plan.runners.values())
@@ -114,23 +114,18 @@ def test_the_plan_builds_every_pick_up_front_into_one_scratch_and_picks_by_bucke
 
 def test_an_eager_plan_does_the_lookups_one_off_work_when_made_and_picks_the_fastest_estimate(monkeypatch):
     """The split-K rates over the points are computed, and point variants built, with the plan."""
-    table = _table(points={(4, 32): {GRAPH_4: 5.0, GRAPH_8: 9.0},
-                           (4, 256): {GRAPH_4: 20.0, GRAPH_8: 12.0}},
-                   models={GRAPH_4: SplitKModel(GRAPH_4, occupancy=1, overhead_us=1.0, sm_count=132,
-                                                fit_error=0.0)})
+    table = _table(points={(4, 32): {GRAPH_4: 5.0, GRAPH_8: 9.0}, (4, 256): {GRAPH_4: 20.0, GRAPH_8: 12.0}},
+                   models={GRAPH_4: SplitKModel(GRAPH_4, occupancy=1, overhead_us=1.0, sm_count=132, fit_error=0.0)})
     made = []
     real = SplitKModel.point_rate
-    monkeypatch.setattr(SplitKModel, "point_rate",
-                        lambda self, *a: made.append(a[1:3]) or real(self, *a))
+    monkeypatch.setattr(SplitKModel, "point_rate", lambda self, *a: made.append(a[1:3]) or real(self, *a))
     DecodePlan(SPEC, max_batch=4, table=table, warm=False)
     assert sorted(made) == [(4, 32), (4, 256)]  # each point's rate once, at the plan
     rates = table.estimator.derived("rates", table.families[FamilyKey.of(SPEC)])
     assert set(rates) == {(4, 32), (4, 256)} and len(made) == 2
     # measured points: the graph pick of 8 is estimated fastest near 256
-    table = _table(points={(4, 32): {EAGER_4_256: 5.0, GRAPH_8: 9.0},
-                           (4, 256): {EAGER_4_256: 20.0, GRAPH_8: 12.0},
-                           (8, 32): {EAGER_4_256: 6.0, GRAPH_8: 9.5},
-                           (8, 256): {EAGER_4_256: 24.0, GRAPH_8: 13.0}})
+    table = _table(points={(4, 32): {EAGER_4_256: 5.0, GRAPH_8: 9.0}, (4, 256): {EAGER_4_256: 20.0, GRAPH_8: 12.0},
+                           (8, 32): {EAGER_4_256: 6.0, GRAPH_8: 9.5}, (8, 256): {EAGER_4_256: 24.0, GRAPH_8: 13.0}})
     plan = DecodePlan(SPEC, max_batch=4, table=table)
     assert GRAPH_8 in plan.variants  # a point variant, though no cell or graph pick <= 4 has it
     long, short = [240, 250, 260], [30, 40, 50]
@@ -237,24 +232,19 @@ def test_a_flashmla_pick_warns_once_and_steps_with_its_stand_in(graph, vendors_c
     """The cell's runner-up stands in for it; a graph pick, which keeps none, the default."""
     fam = Family(FamilyKey.of(replace(SPEC64, graph=graph)))
     if not graph:
-        fam.cells[(4, 256)] = Cell(4, 256, FLASHMLA, 10.0,
-                                   runner_up={"variant": str(RUNNER_UP), "time_us": 11.0})
+        fam.cells[(4, 256)] = Cell(4, 256, FLASHMLA, 10.0, runner_up={"variant": str(RUNNER_UP), "time_us": 11.0})
     fam.graph[4] = GraphPick(4, FLASHMLA, 0.05, 32)
     table = ServingTable("H200", {}, [2, 4], [32, 256], {fam.key: fam})
     plan, messages = _plan(replace(SPEC64, graph=graph), table, 4, warm=True)
     said = [m for m in messages if "cannot serve it here" in m]
     assert len(said) == 1 and "flashmla" in said[0], messages
     stand_in = plan.variants[0] if graph else RUNNER_UP  # the plan's default: its first variant
-    assert FLASHMLA not in plan.variants and stand_in in plan.variants
-    assert stand_in.backend == "triton"
+    assert FLASHMLA not in plan.variants and stand_in in plan.variants and stand_in.backend == "triton"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no further word per step
         for step, kv_lens in enumerate(([200, 250, 300], [70, 129, 3, 240])):
-            inp = serving.make_input([1] * len(kv_lens), kv_lens, 16, 64, "bf16", seed=30 + step, device=plan.device)
-            picked = plan.update(inp.qo_indptr, block_table=inp.block_table, seq_lens=inp.seq_lens,
-                                 mean_kv_len=sum(kv_lens) / len(kv_lens))
-            assert picked == stand_in
-            assert_close(plan.run(inp.q, inp.kv), inp.reference(), what=f"step {step}")
+            mean = sum(kv_lens) / len(kv_lens)
+            assert _checked_step(plan, kv_lens, 30 + step, f"step {step}", mean_kv_len=mean) == stand_in
     assert plan.misses == {"flashmla cannot run here": 2}
 
 

@@ -128,8 +128,7 @@ CHILD = textwrap.dedent('''
 AITER_BUILDS = ("f3be04a12", "0.1.11", "0.1.20.post1")  # the contest runner's build first, then every other faked
 
 
-def test_export_without_a_table_writes_the_prior_says_so_and_runs_it_through_aiter_and_triton(
-        tmp_path, monkeypatch):
+def test_export_without_a_table_writes_the_prior_says_so_and_runs_it_through_aiter_and_triton(tmp_path, monkeypatch):
     """`mla-tune export --gpu MI355X -o sub.py` in a folder without tables, as a new user runs
     it; the file runs the test shapes through AITER under every AITER fake, the rest through Triton."""
     if locate.find_table("MI355X") is not None:

@@ -153,10 +153,15 @@ def test_the_fused_kernels_pass_the_gate_against_the_per_row_reference(backend, 
     assert gated["ok"], gated
     kv_lens = [1, 17, 3000, 64, 65, 129, 2, 4133]
     inp = make_input([min(q_len, n) for n in kv_lens], kv_lens, heads, 64, "fp8", seed=77, device="cuda")
-    out = module.build_serving(variant, spec, "cuda")(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
-    torch.cuda.synchronize()
-    by_row = problem.check(out, inp.reference("fp8_row", sm_scale=spec.sm_scale), STRICT, margin=cfg.gate.margin)
-    by_tensor = problem.check(out, inp.reference("fp8", sm_scale=spec.sm_scale), STRICT)
-    print(f"heads {heads} q_len {q_len}: per-row mismatch {by_row.mismatch:.4f} (max abs {by_row.max_abs_err:.4f}), "
-          f"per-tensor mismatch {by_tensor.mismatch:.4f}; gate {gated['checks']}")
-    assert by_row.passed, by_row
+    refs = {f: inp.reference(f, sm_scale=spec.sm_scale) for f in ("fp8_row", "fp8", "bf16")}
+    # triton_fused with fp8 P as well: nearer the per-row reference, off it by P's own rounding
+    others = [variant.with_params(pv_dot="fp8")] if backend == "triton_fused" else []
+    for v in [variant, *others]:
+        out = module.build_serving(v, spec, "cuda")(inp.q, inp.qo_indptr, inp.kv, inp.kv_scale, **inp.layout)
+        torch.cuda.synchronize()
+        checks = {f: problem.check(out, ref, STRICT, margin=cfg.gate.margin) for f, ref in refs.items()}
+        gate = f"; gate {gated['checks']}" if v is variant else ""
+        print(f"{v}: share off strict against q as fp8_row / fp8 per tensor / bf16: "
+              + " / ".join(f"{c.mismatch:.2%}" for c in checks.values()) + gate)
+        assert checks["fp8_row"].mismatch < checks["fp8"].mismatch / 4, checks
+        assert checks["fp8_row"].passed or v is not variant, checks  # the gated variant: strict per row

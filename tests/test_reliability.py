@@ -55,8 +55,7 @@ def test_show_refuses_what_export_refuses_with_the_same_line_and_without_torch(t
         out["torch"] = "torch" in sys.modules
         print(json.dumps(out))
     """)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          cwd=REPO)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.splitlines()[-1])
     assert out["torch"] is False, "show or diff imported torch"
@@ -79,10 +78,9 @@ def test_every_backend_has_rules_and_space_values_are_checked_one_by_one():
     check_space_value(PARAM_RULES["triton"], "max_splits", 64)  # the serving form's key
     check_space_value(PARAM_RULES["triton"], "unknown_key", 0)  # left to candidates()
     check_space_value(PARAM_RULES["aiter"], "max_split_per_batch", -1)
-    for backend, name, value, message in (
-            ("triton", "block_n", 48, "block_n=48 is not allowed"),
-            ("aiter", "mode", "turbo", "mode=turbo is not allowed"),
-            ("gluon_fused", "v_path", "rs4", "v_path=rs4 is not allowed")):
+    for backend, name, value, message in (("triton", "block_n", 48, "block_n=48 is not allowed"),
+                                          ("aiter", "mode", "turbo", "mode=turbo is not allowed"),
+                                          ("gluon_fused", "v_path", "rs4", "v_path=rs4 is not allowed")):
         with pytest.raises(ValueError, match=message):
             check_space_value(PARAM_RULES[backend], name, value)
 
@@ -178,9 +176,8 @@ class FailingFolder:
             return real_write(fd, data)
 
         def fake_builtin_open(file, mode="r", *args, **kwargs):
-            if isinstance(file, (str, bytes, os.PathLike)) and under(file) and set(mode) & set("wax+"):
-                if rofs or spent():
-                    fail(file)
+            if under(file) and set(mode) & set("wax+") and (rofs or spent()):  # under() is False for an fd
+                fail(file)
             return real_builtin_open(file, mode, *args, **kwargs)
 
         if rofs:  # nothing under the folder is opened for writing, made or replaced
@@ -209,8 +206,7 @@ VERIFY_REPORTS = sorted((REPO / "docs" / "data" / "verify").glob("*.json.gz"))[:
 
 @pytest.mark.parametrize("code", [30, 28])
 @pytest.mark.parametrize("command", ["export", "sweep", "serving sweep", "verify --json"])
-def test_a_command_into_a_read_only_or_full_folder_is_one_line_and_leaves_nothing(tmp_path, monkeypatch,
-                                                                                 code, command):
+def test_a_command_into_a_read_only_or_full_folder_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, code, command):
     out = tmp_path / "ro"
     out.mkdir()
     args, needles = {
@@ -320,10 +316,9 @@ def test_a_nan_in_the_fp8_cache_cannot_vanish_in_the_gate():
     result = check(finite, ref, rule)
     assert not result.passed and "the reference is NaN at 8192 elements where the output is finite" in result.reason
     # 1 of 4 sequences is 25% of the elements; hidden in 1 of 256 sequences it still fails
-    big = torch.zeros(256, 16, 512)
-    big_ref = big.clone()
+    big_ref = torch.zeros(256, 16, 512)
     big_ref[7] = float("nan")
-    assert not check(big, big_ref, rule).passed
+    assert not check(torch.zeros(256, 16, 512), big_ref, rule).passed
     assert check(ref.clone(), ref, rule).passed  # NaN where the reference is NaN: they agree
     wrong = ref.clone()
     wrong[0, 0, 0] = float("nan")
@@ -349,9 +344,8 @@ def _write_table(path, fill):
 
 @pytest.mark.parametrize("write, name, advice, kept", [
     (_report_plot, "full.png", "", {"ok.png": PNG}),
-    (_write_table, "cpu.yaml",
-     "; the results file keeps every step, so re-running the same command writes the table without timing "
-     "anything again", {}),
+    (_write_table, "cpu.yaml", "; the results file keeps every step, so re-running the same command writes the table "
+     "without timing anything again", {}),
 ], ids=["report plot", "sweep table"])
 def test_a_write_on_a_full_disk_is_one_write_error_naming_the_file_and_leaves_no_partial_file(
         tmp_path, monkeypatch, write, name, advice, kept):

@@ -24,10 +24,9 @@ from mla_tune.serving.table import (
 )
 from mla_tune.serving.verify import VERIFY_SCHEMA, VerifyError
 from mla_tune.tables.table import TableError
-from tests.helpers import invoke
+from tests.helpers import REPO, invoke
 
 KEY = FamilyKey("bf16", 64, 16, 1)
-ROOT = Path(__file__).resolve().parents[1]
 SWEPT, BETTER, PARTIAL = (
     str(Variant.parse(f"triton(block_h=16,block_n=32,dot_dtype=bf16,kv=bf16,max_splits={n},num_stages=2,"
                       "num_warps=4,q=bf16,tokens_per_split=128)")) for n in (2, 4, 8))
@@ -68,8 +67,7 @@ def test_a_bucket_takes_the_variant_clearly_faster_over_enough_shapes_of_runs_th
     assert pick.worst_regret == pytest.approx(90.0 / 80.0 - 1.0)  # its worst: the ragged shape
     assert pick.worst_kv_len == 0
     assert pick.chosen_on == {"reports": 1, "shapes": 6, "geomean_regret": round(1.125 ** (1 / 6) - 1, 4),
-                              "sweep_pick": SWEPT,
-                              "sweep_geomean_regret": round((1.1 ** 5 * 1.25) ** (1 / 6) - 1, 4)}
+                              "sweep_pick": SWEPT, "sweep_geomean_regret": round((1.1 ** 5 * 1.25) ** (1 / 6) - 1, 4)}
     assert table.families[KEY].graph[8].variant == Variant.parse(SWEPT) and table.families[KEY].graph[8].chosen_on is None
     assert table.provenance["graph_repick"] == {"reports": ["r.json"], "margin": repick.MARGIN,
                                                 "min_shapes": repick.MIN_SHAPES, "replaced": 1}
@@ -207,8 +205,8 @@ def test_the_engine_loops_candidates_expand_the_familys_picks_and_leave_out_what
     """scripts/engine_loop.py's --variants on the committed table at fp8, 128 heads, q_len 4:
     graph-picks and cell-picks name the family's entries, each once, and FlashMLA's fp8
     kernel, which the sweep's gate refused there, is left out with the gate's reason."""
-    loop = runpy.run_path(str(ROOT / "scripts" / "engine_loop.py"))
-    table = load_serving_table(ROOT / "tables" / "H200.serving.yaml")
+    loop = runpy.run_path(str(REPO / "scripts" / "engine_loop.py"))
+    table = load_serving_table(REPO / "tables" / "H200.serving.yaml")
     spec = CallSpec("fp8", 64, 128, 4, graph=True, host_lengths=True)
     family = table.family(spec)
     fm = "flashmla(kv=fp8,q=fp8_dynamic)"
@@ -230,21 +228,21 @@ def test_the_engine_loop_writes_a_report_the_re_choice_reads(tmp_path):
     """scripts/engine_loop.py on the GPU, 2 layers, buckets 1 and 2 of bf16 at 16 heads and
     q_len 2, the family's graph picks and FlashMLA as candidates (each checked strict by the
     script): its report names every candidate at every bucket, and the re-choice reads it."""
-    table = ROOT / "tables" / "H200.serving.yaml"
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # the vendors' path kept
+    table = REPO / "tables" / "H200.serving.yaml"
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # the vendors' path kept
     done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "engine_loop.py"), "--layers", "2", "--steps", "3", "--buckets", "1,2",
+        [sys.executable, str(REPO / "scripts" / "engine_loop.py"), "--layers", "2", "--steps", "3", "--buckets", "1,2",
          "--kv", "bf16", "--heads", "16", "--q-len", "2", "--lens", "64,300", "--table", str(table),
          "--variants", "graph-picks;flashmla(kv=bf16,q=bf16)", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": path})
     assert done.returncode == 0, done.stderr[-2000:]
     report = repick.read_engine_report(tmp_path / "engine_loop.json")
     assert (report["heads"], report["q_len"], report["layers"], report["lens"]) == (16, 2, 2, [64, 300])
-    family = load_serving_table(table).families[FamilyKey("bf16", 64, 16, 2)]
+    chosen = load_serving_table(table)
+    family = chosen.families[FamilyKey("bf16", 64, 16, 2)]
     candidates = {str(g.variant) for g in family.graph.values()} | {"flashmla(kv=bf16,q=bf16)"}
     assert [row["bucket"] for row in report["buckets"]] == [1, 2]
     assert all(set(row["steps_ms"]) == candidates for row in report["buckets"]), (
         [(row["bucket"], sorted(row["steps_ms"])) for row in report["buckets"]], done.stdout[-3000:])
-    chosen = load_serving_table(table)
     chosen.gpu = report["gpu"]  # the committed table's GPU may not be this one
     repick.repick_graph_on_steps(chosen, [tmp_path / "engine_loop.json"], log=lambda _line: None)

@@ -22,7 +22,6 @@ from mla_tune.tune.progress import summarize
 from mla_tune.tune.results import read_results
 from tests.helpers import CPU_TABLE, REPO
 
-H200 = REPO / "tables" / "H200.yaml"
 H200_RESULTS = REPO / "tables" / "H200.results.jsonl"
 # the H200 table and results before the budgeted search: fixed numbers for exact assertions
 H200_FIXED = REPO / "tests" / "data" / "H200.pre-search.yaml"
@@ -45,8 +44,7 @@ def test_the_markdown_has_every_shape_its_floor_backends_and_curves_or_says_what
     # winner, time, spread, floor, share, then flashinfer flashmla torch triton triton_fused
     assert row == "| 4x1024 | triton | 14.7 | 3.9% | 0.56 | 3.8% | 17.5 | 18.7 | 29.3 | 14.7 | 15.5 |"
     for shape, r in table.rows.items():
-        assert f"- {shape}: `{r.winner['variant']}`" in lines
-        assert f"### {shape}" in lines
+        assert f"- {shape}: `{r.winner['variant']}`" in lines and f"### {shape}" in lines
     assert "![" not in text  # no plots drawn, none linked
     # the curve tables: each value's best time over the backend's other parameters
     curve = param_curves(candidates, Shape(4, 1024), "num_splits")
@@ -91,7 +89,7 @@ def test_write_report_draws_the_plots_and_links_them(tmp_path):
     pytest.importorskip("matplotlib", reason="matplotlib (the `report` extra) is not installed: "
                                              "the plots cannot be drawn here")
     table = tmp_path / "H200.yaml"
-    table.write_text(H200.read_text())
+    table.write_text((REPO / "tables" / "H200.yaml").read_text())
     (tmp_path / "H200.results.jsonl").write_text(H200_RESULTS.read_text())
     out = write_report(table, tmp_path / "report")
     text = out.read_text()

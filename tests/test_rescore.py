@@ -13,14 +13,9 @@ from mla_tune.serving.verify import VERIFY_SCHEMA, VerifyError
 
 KEY = FamilyKey("bf16", 64, 16, 1)
 OTHER = FamilyKey("fp8", 64, 128, 4)  # a family the table lacks
-
-
-def _v(splits: int) -> str:
-    return str(Variant.parse(f"triton(block_h=16,block_n=32,dot_dtype=bf16,kv=bf16,max_splits={splits},"
-                             "num_stages=2,num_warps=4,q=bf16,tokens_per_split=128)"))
-
-
-A, B, C, D, F = _v(2), _v(4), _v(8), _v(16), _v(64)  # F: the fallback
+A, B, C, D, F = (  # F: the fallback
+    str(Variant.parse(f"triton(block_h=16,block_n=32,dot_dtype=bf16,kv=bf16,max_splits={n},num_stages=2,"
+                      "num_warps=4,q=bf16,tokens_per_split=128)")) for n in (2, 4, 8, 16, 64))
 
 
 def _table(eager: str, graph: str = B, runner_up: dict | None = None) -> ServingTable:

@@ -13,23 +13,16 @@ from mla_tune.serving.results import read_records
 from mla_tune.tune.results import ResultsError, read_json_lines, read_results, repair_tail
 
 FAMILY = {"kv_format": "bf16", "page_size": 1, "heads": 16, "q_len": 1}
-TUNE = {
-    "read": read_results,
-    "header": {"kind": "header"},
-    "record": {"kind": "candidate", "shape": {"batch": 2, "kv_len": 17}, "variant": "torch(kv=bf16,q=bf16)"},
-    "redone": "that candidate will run again",
-    "fix": "Fix or remove that line, or start over with --fresh (moves the file aside)",
-    "not_header": "the first line is not a header; start over with --fresh",
-}
-SERVING = {
-    "read": read_records,
-    "header": {"kind": "header", "schema": SERVING_SCHEMA},
-    "record": {"kind": "gate", "family": FAMILY, "variant": "torch(kv=bf16)", "ok": True},
-    "redone": "that record will be redone",
-    "fix": "Fix or remove that line, or start over with --fresh",
-    "not_header": (f"the first line is not a {SERVING_SCHEMA} header; is this a serving sweep's results "
-                   "file? Start over with --fresh"),
-}
+TUNE = {"read": read_results, "header": {"kind": "header"},
+        "record": {"kind": "candidate", "shape": {"batch": 2, "kv_len": 17}, "variant": "torch(kv=bf16,q=bf16)"},
+        "redone": "that candidate will run again",
+        "fix": "Fix or remove that line, or start over with --fresh (moves the file aside)",
+        "not_header": "the first line is not a header; start over with --fresh"}
+SERVING = {"read": read_records, "header": {"kind": "header", "schema": SERVING_SCHEMA},
+           "record": {"kind": "gate", "family": FAMILY, "variant": "torch(kv=bf16)", "ok": True},
+           "redone": "that record will be redone", "fix": "Fix or remove that line, or start over with --fresh",
+           "not_header": (f"the first line is not a {SERVING_SCHEMA} header; is this a serving sweep's results "
+                          "file? Start over with --fresh")}
 READERS = pytest.mark.parametrize("reader", [TUNE, SERVING], ids=["tune", "serving"])
 
 
@@ -38,8 +31,7 @@ def _line(obj) -> bytes:
 
 
 @READERS
-def test_a_torn_last_line_warns_and_repair_tail_cuts_it_once_but_a_damaged_line_or_header_raises(
-        tmp_path, reader):
+def test_a_torn_last_line_warns_and_repair_tail_cuts_it_once_but_a_damaged_line_or_header_raises(tmp_path, reader):
     """Naming the line and the fix, or the wrong header before it; a missing or empty file is nothing."""
     path = tmp_path / "r.jsonl"
     assert reader["read"](path) == (None, [], [])

@@ -5,6 +5,7 @@ import re
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -64,8 +65,7 @@ def test_dedupe_hook_collapses_candidates_the_backend_calls_the_same_kernel():
     config = config_from_dict({
         "name": "dup", "rule": "leaderboard", "check_seeds": [1, 2], "calibration_seeds": [3],
         "timing": {"reps": 3, "prune_reps": 2, "prune_factor": 2}, "shapes": [{"batch": 2, "kv_len": 17}],
-        "backends": {"torch": {}, "fake_dup": {"num_splits": [1, 2, 4], "ignored": [0, 1, 2]}},
-    })
+        "backends": {"torch": {}, "fake_dup": {"num_splits": [1, 2, 4], "ignored": [0, 1, 2]}}})
     planned = plan_candidates(config, gpu_mod.fake_platform("H200"))
     variants = planned.plan[Shape(2, 17)]
     dup = [v for v in variants if v.backend == "fake_dup"]
@@ -76,8 +76,7 @@ def test_dedupe_hook_collapses_candidates_the_backend_calls_the_same_kernel():
 # ------------------------------------------------------------------ plan fitting
 def test_a_budget_too_small_cuts_samples_then_candidates_keeping_baseline_and_families():
     costs = CostModel(dict(DEFAULT_COSTS), "defaults")
-    args = dict(keep=0.25, min_keep=3, costs=costs, n_devices=1, precompile={"triton": True},
-                processes=4)
+    args = dict(keep=0.25, min_keep=3, costs=costs, n_devices=1, precompile={"triton": True}, processes=4)
     plan = {shape: [Variant.make("torch", kv="bf16", q="bf16"),
                     *(Variant.make("triton", kv="fp8", q="bf16", num_splits=i) for i in range(200)),
                     *(Variant.make("triton", kv="bf16", q="bf16", num_splits=i) for i in range(3)),
@@ -129,8 +128,7 @@ def test_the_dry_run_plans_each_shape_per_rung_with_an_estimate_within_budget_an
                         dry_run=True, console=console)
     text = buf.getvalue()
     assert summary.dry_run and summary.table_path is None
-    assert set(summary.plan) == {"4x1024", "4x8192", "32x1024", "32x8192", "64x1024",
-                                 "64x8192", "256x1024", "256x8192"}
+    assert set(summary.plan) == {"4x1024", "4x8192", "32x1024", "32x8192", "64x1024", "64x8192", "256x1024", "256x8192"}
     for per_backend in summary.plan.values():
         assert per_backend["torch"] == ["torch(kv=bf16,q=bf16)"]
         # triton is planned (its candidates listed) or named unavailable with its reason
@@ -145,8 +143,7 @@ def test_the_dry_run_plans_each_shape_per_rung_with_an_estimate_within_budget_an
     assert "estimate basis: measured from tables/H200.results.jsonl" in text
     shutil.copy(REPO / "tables" / "H200.results.jsonl", tmp_path / "H200.results.jsonl")
     console, buf = capture()
-    run_sweep(REPO / "configs" / "leaderboard.yaml", "H200", out=tmp_path / "H200.yaml", dry_run=True,
-              console=console)
+    run_sweep(REPO / "configs" / "leaderboard.yaml", "H200", out=tmp_path / "H200.yaml", dry_run=True, console=console)
     assert f"estimate basis: measured from {tmp_path / 'H200.results.jsonl'}" in buf.getvalue()
     console, buf = capture()
     summary = run_sweep(REPO / "configs" / "mi355x.yaml", "MI355X", out=Path("/nonexistent/MI355X.yaml"),
@@ -252,9 +249,6 @@ def test_a_worker_reaped_from_two_threads_at_once_is_closed_once(tmp_path):
         handle._proc = SimpleNamespace(is_alive=lambda: False, join=lambda _timeout: None)
         handle._conn = Conn()
         closes.clear()
-        threads = [threading.Thread(target=reap, args=(handle,)) for _ in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        with ThreadPoolExecutor(2) as pool:  # two threads: each waits at the barrier for the other
+            list(pool.map(reap, [handle, handle]))
         assert len(closes) == 1 and handle._conn is None and handle._proc is None

@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from mla_tune.core import Variant
-from mla_tune.gpu import Platform
+from mla_tune.gpu import Platform, simulated_platform
 from mla_tune.kernels.split_rule import reduce_splits_per_step
 from mla_tune.serving import calibrate as cal
 from mla_tune.serving.config import load_serving_config
@@ -60,10 +60,9 @@ def test_the_table_keeps_the_step_cost_the_model_misses_on_a_tail_and_bad_runs_k
     the cost per step that the model misses on the tail, for the family asked only."""
     path = shutil.copy(TABLE, tmp_path / "H200.serving.yaml")
     before = path.read_bytes()
-    mi355x = Platform("MI355X", "AMD Instinct MI355X (simulated)", "gfx950", True, 256, simulated=True)
     with pytest.raises(cal.CalibrateError, match="the table is for H200; this is MI355X"):
-        cal.calibrate(path, platform=mi355x, families="heads=16,q_len=1,kv_format=bf16", log=lambda _: None,
-                      measure_fn=lambda *a: pytest.fail("measured on the wrong GPU"))
+        cal.calibrate(path, platform=simulated_platform("MI355X"), families="heads=16,q_len=1,kv_format=bf16",
+                      log=lambda _: None, measure_fn=lambda *a: pytest.fail("measured on the wrong GPU"))
     with pytest.raises(cal.CalibrateError, match="--reps and --rounds must be >= 1"):
         cal.calibrate(path, reps=0, log=lambda _: None)
     lines = []

@@ -34,9 +34,8 @@ from tests.helpers import (
 
 OWN = ("triton", "triton_fused")
 CPU = gpu.Platform("cpu", "cpu", "cpu", False, 0)
+H200 = gpu.fake_platform("H200")
 SCALE = CORE_DEEPSEEK_V3_SCALE
-GPU_KV_LENS = [3000, 1, 17, 63, 64, 65, 1000, 129]
-GPU_SEED = 31
 # Beyond the grid: pages of 2, 8 and 128 tokens, q_len 3 (padded to 4 rows), 32 and 64 heads.
 ODD_CELLS = [(8, 32, 3, "fp8"), (128, 64, 2, "bf16"), (128, 32, 1, "fp8"), (2, 64, 4, "fp8"),
              (16, 64, 1, "bf16"), (0, 32, 1, "fp8")]
@@ -98,15 +97,11 @@ def _fused_variants(heads: int, q_len: int, kv: str) -> list[Variant]:
     """One split (the direct write), 16 splits with a doubled head tile, and on fp8 KV fp8 q
     with an fp8 QK dot; 16 MMA columns (heads x next_pow2(q_len)) per program otherwise."""
     block_h = min(heads, 16 // (1 << (q_len - 1).bit_length()))
-    common = dict(kv=kv, num_warps=4, num_stages=2)
-    bf16 = dict(q="bf16", qk_dot="bf16", pv_dot="bf16")
-    plans = [Variant.make("triton_fused", **common, **bf16, max_splits=1, tokens_per_split=1, block_n=64,
-                          block_h=block_h),
-             Variant.make("triton_fused", **common, **bf16, max_splits=16, tokens_per_split=64, block_n=32,
-                          block_h=min(heads, 2 * block_h))]
+    one = Variant.make("triton_fused", kv=kv, q="bf16", qk_dot="bf16", pv_dot="bf16", max_splits=1, tokens_per_split=1,
+                       block_n=64, block_h=block_h, num_warps=4, num_stages=2)
+    plans = [one, one.with_params(max_splits=16, tokens_per_split=64, block_n=32, block_h=min(heads, 2 * block_h))]
     if kv == "fp8":
-        plans.append(Variant.make("triton_fused", **common, q="fp8_dynamic", qk_dot="fp8", pv_dot="fp16",
-                                  max_splits=8, tokens_per_split=256, block_n=64, block_h=block_h))
+        plans.append(one.with_params(q="fp8_dynamic", qk_dot="fp8", pv_dot="fp16", max_splits=8, tokens_per_split=256))
     return plans
 
 
@@ -130,8 +125,7 @@ def _gpu_variants(name: str, cell: tuple, spec: CallSpec, q_amax: float, platfor
 
 def _serving_backends() -> list[str]:
     """Every serving backend that runs on an H200, in the order a Decoder tries them."""
-    tags = gpu.fake_platform("H200").tags
-    return [name for name in PREFERENCE if _caps(name).serving and _caps(name).runs_on(tags)]
+    return [name for name in PREFERENCE if _caps(name).serving and _caps(name).runs_on(H200.tags)]
 
 
 FUSED_GRID = list(itertools.product(CELL_LAYOUTS, (16, 32, 64, 128), CELL_Q_LENS, CELL_KV_FORMATS))
@@ -155,11 +149,9 @@ def _gpu_spec(name: str, layout: int, heads: int, q_len: int, kv: str) -> CallSp
 def test_every_declared_cell_matches_the_reference_on_the_gpu(case):
     """And the answer is not the default softmax scale's: the model's scale reached the kernel."""
     name, *cell = case
-    backend = get_backend(name)
-    reason = backend.unavailable_reason() if hasattr(backend, "unavailable_reason") else None
-    assert reason is None, reason
+    assert (reason := get_backend(name).unavailable_reason()) is None, reason
     spec = _gpu_spec(name, *cell)
-    inp = serving_input(spec, GPU_KV_LENS, GPU_SEED, "cuda")
+    inp = serving_input(spec, [3000, 1, 17, 63, 64, 65, 1000, 129], 31, "cuda")
     for variant in _gpu_variants(name, tuple(cell), spec, 0.8 * float(inp.q.abs().amax()), gpu.detect()):
         decoder = Decoder(spec, variant=variant, device="cuda")
         got = _answer_into_poisoned_buffers(decoder, inp)
@@ -181,8 +173,7 @@ def test_every_declared_cell_matches_the_reference_on_the_gpu(case):
 def test_an_fp8_cache_as_uint8_bytes_through_a_plan(backend):
     """The engines' uint8 cache and a Python float scale; the second call replays what the
     first recorded (own kernels)."""
-    reason = get_backend(backend).unavailable_reason()
-    assert reason is None, reason
+    assert (reason := get_backend(backend).unavailable_reason()) is None, reason
     spec = CallSpec("fp8", page_size=64, heads=128, max_q_len=1, sm_scale=SCALE, cache_dtype="uint8")
     plan = DecodePlan(spec, max_batch=8, backend=backend, device="cuda")
     inp = serving.make_input([1] * 6, [1, 17, 64, 65, 300, 3000], 128, 64, "fp8", seed=6, device="cuda")
@@ -215,11 +206,10 @@ def test_the_gpu_matrix_covers_every_cell_and_setting_and_its_variants_build(mon
     assert {s[2] for s in settings} == {"bf16", "fp8_dynamic"}
     assert all(len(_fused_variants(*c[1:])) == (3 if c[3] == "fp8" else 2) for c in cases["triton_fused"])
     vendor_fakes.install(monkeypatch, "flash_mla", "flashinfer")
-    h200 = gpu.fake_platform("H200")
     built = 0
     for name, *cell in GPU_CASES:
         spec = _spec(name, *cell)
-        for variant in _gpu_variants(name, tuple(cell), spec, 6.0, h200):
+        for variant in _gpu_variants(name, tuple(cell), spec, 6.0, H200):
             get_backend(name).validate(variant)
             assert variant.get("kv") == spec.kv_format
             if name in OWN:
@@ -232,11 +222,12 @@ def test_the_gpu_matrix_covers_every_cell_and_setting_and_its_variants_build(mon
 # ------------------------------------------------------------------------------ CPU
 # (backend, layout, heads, q_len, kv, kv_lens, setting); 32 heads stand in for 128 (the
 # interpreter runs a program per head in the reduction). Setting: (block_n, block_h,
-# max_splits, tokens_per_split[, q mode]) with fp16 dots, or None: the default variant.
+# max_splits, tokens_per_split, split-K's q mode; fused: bf16 q) with fp16 dots, or None: the
+# default variant.
 _ROWS = [(0, 16, 1, "bf16"), (0, 32, 2, "fp8"), (0, 16, 4, "fp8"), (1, 32, 1, "bf16"), (1, 16, 2, "fp8"),
          (1, 32, 4, "bf16"), (16, 16, 1, "fp8"), (16, 32, 2, "bf16"), (16, 16, 4, "bf16"), (64, 32, 1, "fp8"),
          (64, 16, 2, "bf16"), (64, 32, 4, "fp8")]
-_SPLITK_SETTINGS = [
+_SETTINGS = [
     ([300, 1, 17], (64, 16, 8, 32, "bf16")), ([65, 1], (32, 32, 4, 32, "fp8_dynamic")),
     ([63, 4, 64], (16, 4, 1, 1, "bf16")), ([17, 64], (16, 32, 2, 32, "bf16")),
     ([300, 1, 65], (64, 8, 4, 64, "fp8_static")), ([18, 5], (16, 16, 3, 8, "bf16")),
@@ -244,23 +235,18 @@ _SPLITK_SETTINGS = [
     ([65, 17, 4], (16, 8, 8, 16, "bf16")), ([65, 1], (32, 16, 4, 32, "bf16")),
     ([300, 17, 64], (64, 16, 16, 32, "bf16")), ([17, 63], (16, 16, 2, 16, "fp8_dynamic")),
 ]
-_FUSED_SETTINGS = [(lens, setting[:4]) for lens, setting in _SPLITK_SETTINGS]
-CPU_CASES = ([("triton", *row, lens, s) for row, (lens, s) in zip(_ROWS, _SPLITK_SETTINGS, strict=True)]
-             + [("triton_fused", *row, lens, s) for row, (lens, s) in zip(_ROWS, _FUSED_SETTINGS, strict=True)]
+CPU_CASES = ([(name, *row, lens, s) for name in OWN for row, (lens, s) in zip(_ROWS, _SETTINGS, strict=True)]
              + [("triton", 16, 16, 2, "fp8", [300, 17], None), ("triton", 0, 16, 1, "bf16", [300, 1], None),
-                ("triton_fused", 64, 16, 1, "fp8", [300, 17], None), ("triton_fused", 1, 16, 2, "bf16", [300, 2], None)])
+                ("triton_fused", 64, 16, 1, "fp8", [300, 17], None),
+                ("triton_fused", 1, 16, 2, "bf16", [300, 2], None)])
 
 
 def _cpu_variant(name: str, kv: str, setting: tuple, q_amax: float) -> Variant:
-    if name == "triton":
-        block_n, block_h, max_splits, tokens_per_split, q_mode = setting
-        return Variant.make("triton", kv=kv, q=q_mode, block_n=block_n, block_h=block_h, max_splits=max_splits,
-                            tokens_per_split=tokens_per_split, num_warps=4, num_stages=1, dot_dtype="fp16",
-                            **({"q_amax": q_amax} if q_mode == "fp8_static" else {}))
-    block_n, block_h, max_splits, tokens_per_split = setting
-    return Variant.make("triton_fused", kv=kv, q="bf16", qk_dot="fp16", pv_dot="fp16", block_n=block_n,
-                        block_h=block_h, max_splits=max_splits, tokens_per_split=tokens_per_split, num_warps=4,
-                        num_stages=1)
+    tiles = dict(zip(("block_n", "block_h", "max_splits", "tokens_per_split"), setting[:4], strict=True))
+    if name == "triton_fused":
+        return Variant.make(name, kv=kv, q="bf16", qk_dot="fp16", pv_dot="fp16", **tiles, num_warps=4, num_stages=1)
+    return Variant.make(name, kv=kv, q=setting[4], **tiles, num_warps=4, num_stages=1, dot_dtype="fp16",
+                        **({"q_amax": q_amax} if setting[4] == "fp8_static" else {}))
 
 
 def test_cpu_sample_covers_every_pair_of_factors():
@@ -395,43 +381,37 @@ def _fp8(heads=16, page_size=16):
 
 
 # name: (the arguments that differ from a right call of CallSpec('fp8', 16, 16, max_q_len=2), the refusal)
+INP, FLAT = _fp8(), _fp8(page_size=0)
 MISMATCHES = {
-    "heads": (lambda inp, flat: dict(q=_fp8(heads=32).q), r"\(total_q, 16, 576\)"),
-    "page_size": (lambda inp, flat: dict(kv=_fp8(page_size=64).kv), r"\(num_pages, 16, 576\)"),
-    "contiguous": (lambda inp, flat: dict(kv=flat.kv, kv_indptr=flat.kv_indptr, block_table=None,
-                                          seq_lens=None), "pass block_table and seq_lens"),
-    "both": (lambda inp, flat: dict(kv_indptr=flat.kv_indptr), "not kv_indptr"),
-    "bf16_kv": (lambda inp, flat: dict(kv=torch.zeros(inp.kv.shape, dtype=torch.bfloat16), kv_scale=None),
-                "kv must have an fp8 dtype"),
-    "no_scale": (lambda inp, flat: dict(kv_scale=None), "fp8 KV needs kv_scale"),
+    "heads": (dict(q=_fp8(heads=32).q), r"\(total_q, 16, 576\)"),
+    "page_size": (dict(kv=_fp8(page_size=64).kv), r"\(num_pages, 16, 576\)"),
+    "contiguous": (dict(kv=FLAT.kv, kv_indptr=FLAT.kv_indptr, block_table=None, seq_lens=None),
+                   "pass block_table and seq_lens"),
+    "both": (dict(kv_indptr=FLAT.kv_indptr), "not kv_indptr"),
+    "bf16_kv": (dict(kv=torch.zeros(INP.kv.shape, dtype=torch.bfloat16), kv_scale=None), "kv must have an fp8 dtype"),
+    "no_scale": (dict(kv_scale=None), "fp8 KV needs kv_scale"),
     # a Python float is a kv_scale (tests/test_model_call_facts.py); this is not
-    "float64_scale": (lambda inp, flat: dict(kv_scale=torch.tensor([0.5], dtype=torch.float64)),
-                      "fp8 KV needs kv_scale"),
-    "batch": (lambda inp, flat: dict(qo_indptr=torch.tensor([0, 1, 2, 3], dtype=torch.int32)),
+    "float64_scale": (dict(kv_scale=torch.tensor([0.5], dtype=torch.float64)), "fp8 KV needs kv_scale"),
+    "batch": (dict(qo_indptr=torch.tensor([0, 1, 2, 3], dtype=torch.int32)),
               r"block_table must be an int32 \(3, max_pages\)"),
-    "too_many_tokens": (lambda inp, flat: dict(q=torch.zeros((5, 16, 576), dtype=torch.bfloat16)),
-                        "each brings 1 to 2"),
-    "block_table_dtype": (lambda inp, flat: dict(block_table=inp.block_table.long()),
-                          "block_table must be an int32"),
-    "seq_lens_rows": (lambda inp, flat: dict(seq_lens=inp.seq_lens[:1]),
-                      r"seq_lens must be a contiguous int32 \(2,\)"),
+    "too_many_tokens": (dict(q=torch.zeros((5, 16, 576), dtype=torch.bfloat16)), "each brings 1 to 2"),
+    "block_table_dtype": (dict(block_table=INP.block_table.long()), "block_table must be an int32"),
+    "seq_lens_rows": (dict(seq_lens=INP.seq_lens[:1]), r"seq_lens must be a contiguous int32 \(2,\)"),
     # the same values in a strided view: the kernels would read its gaps as lengths
-    "seq_lens_strided": (lambda inp, flat: dict(seq_lens=inp.seq_lens.repeat_interleave(2)[::2]),
+    "seq_lens_strided": (dict(seq_lens=INP.seq_lens.repeat_interleave(2)[::2]),
                          r"seq_lens must be a contiguous int32 \(2,\)"),
-    "qo_indptr_strided": (lambda inp, flat: dict(qo_indptr=inp.qo_indptr.repeat_interleave(2)[::2]),
+    "qo_indptr_strided": (dict(qo_indptr=INP.qo_indptr.repeat_interleave(2)[::2]),
                           "qo_indptr must be a contiguous int32"),
-    "q_dtype": (lambda inp, flat: dict(q=inp.q.float()), "contiguous bfloat16"),
+    "q_dtype": (dict(q=INP.q.float()), "contiguous bfloat16"),
 }
 
 
 @pytest.mark.parametrize("name", MISMATCHES)
 def test_a_call_that_does_not_match_its_decoder_is_refused_before_launch(name):
     decoder = Decoder(CallSpec("fp8", 16, 16, max_q_len=2, mixed_q_len=True), device="cpu")
-    inp = _fp8()
-    args = dict(q=inp.q, qo_indptr=inp.qo_indptr, kv=inp.kv, kv_scale=inp.kv_scale, **inp.layout)
-    edit, message = MISMATCHES[name]
-    with pytest.raises(ValueError, match=message):
-        decoder(**{**args, **edit(inp, _fp8(page_size=0))})
+    args = dict(q=INP.q, qo_indptr=INP.qo_indptr, kv=INP.kv, kv_scale=INP.kv_scale, **INP.layout)
+    with pytest.raises(ValueError, match=MISMATCHES[name][1]):
+        decoder(**{**args, **MISMATCHES[name][0]})
 
 
 @pytest.mark.parametrize("backend", OWN)
@@ -449,7 +429,7 @@ def test_the_runners_beneath_refuse_strided_index_tensors(backend):
 
 
 # ---------------------------------------------------------------- variants and specs
-PLATFORMS = [CPU, gpu.fake_platform("H200"), gpu.Platform("gpu78", "gpu78", "sm_89", False, 78)]
+PLATFORMS = [CPU, H200, gpu.Platform("gpu78", "gpu78", "sm_89", False, 78)]
 
 
 @pytest.mark.parametrize("backend", OWN)
@@ -477,18 +457,12 @@ def test_default_serving_variants_validate_and_build_for_every_spec(backend, pla
 
 
 @pytest.mark.parametrize("backend,params,message", [
-    ("triton", dict(block_h=3), "block_h=3"),
-    ("triton", dict(block_h=256), "block_h=256"),
-    ("triton", dict(max_splits=0), "max_splits=0"),
-    ("triton", dict(max_splits=257), "max_splits=257"),
-    ("triton", dict(tokens_per_split=0), "tokens_per_split=0"),
-    ("triton", dict(num_splits=4), "unknown parameter num_splits"),
-    ("triton", dict(q="fp8_static"), "q_amax"),
-    ("triton", dict(kv="mxfp4"), "kv=mxfp4"),
-    ("triton_fused", dict(block_h=3), "block_h=3"),
-    ("triton_fused", dict(max_splits=300), "max_splits=300"),
-    ("triton_fused", dict(tokens_per_split=-1), "tokens_per_split=-1"),
-    ("triton_fused", dict(kv="mxfp4"), "kv=mxfp4"),
+    ("triton", dict(block_h=3), "block_h=3"), ("triton", dict(block_h=256), "block_h=256"),
+    ("triton", dict(max_splits=0), "max_splits=0"), ("triton", dict(max_splits=257), "max_splits=257"),
+    ("triton", dict(tokens_per_split=0), "tokens_per_split=0"), ("triton", dict(q="fp8_static"), "q_amax"),
+    ("triton", dict(num_splits=4), "unknown parameter num_splits"), ("triton", dict(kv="mxfp4"), "kv=mxfp4"),
+    ("triton_fused", dict(block_h=3), "block_h=3"), ("triton_fused", dict(max_splits=300), "max_splits=300"),
+    ("triton_fused", dict(tokens_per_split=-1), "tokens_per_split=-1"), ("triton_fused", dict(kv="mxfp4"), "kv=mxfp4"),
     ("triton_fused", dict(qk_dot="fp8"), "q=fp8_dynamic goes with qk_dot=fp8"),
     ("triton_fused", dict(q="fp8_dynamic", qk_dot="fp8", pv_dot="fp8"), "fp8 dots read an fp8 KV cache"),
     ("triton_fused", dict(reduce="last"), "unknown parameter reduce"),

@@ -44,17 +44,6 @@ def dot_options(kernel: str, device: str, q_fp8: bool = False) -> dict:
     return dict(q_fp8=False, qk_dot=dot, pv_dot=dot)
 
 
-SMALL = serving.make_input([1, 1], [5, 9], 16, 16, "bf16", seed=1)
-
-
-def small_call(kernel: str) -> dict:
-    """SMALL's arguments for the kernel's serving launcher on the CPU."""
-    return dict(q=SMALL.q, qo_indptr=SMALL.qo_indptr, kv=SMALL.kv, kv_scale=None, **SMALL.layout,
-                out=torch.empty((2, 16, 512), dtype=torch.bfloat16), max_q_len=1, max_splits=2,
-                tokens_per_split=4, block_n=16, block_h=16, num_warps=4, num_stages=1,
-                **dot_options(kernel, "cpu"))
-
-
 def _launch(inp: serving.ServingInput, device: str, *, max_splits: int, kernel: str = "splitk",
             q_fp8: bool = False, workspace=None, out=None, **launch):
     """One launch into poisoned buffers (bf16 q unless the fused kernel's q_fp8); the output."""
@@ -98,8 +87,7 @@ def test_reference_equals_the_leaderboard_reference_on_its_layout(kv_lens, kv, q
     data = ragged_input(kv_lens, seed=5, device="cpu")
     q, kv_data, qo_indptr, kv_indptr, _config = data  # the leaderboard's call as a serving one:
     cache, kv_scale = (kv_data["bf16"], None) if kv == "bf16" else kv_data["fp8"]
-    ours = serving.ServingInput(q, qo_indptr, cache, kv_scale, kv_indptr, None, None, [1] * q.shape[0], kv_lens,
-                                0).reference(q_format)
+    ours = serving.reference(q, qo_indptr, cache, kv_scale, kv_indptr=kv_indptr, q_format=q_format)
     torch.testing.assert_close(ours, problem.reference(data, q_format, kv), rtol=1e-5, atol=1e-5)
 
 
@@ -136,8 +124,7 @@ def test_paged_input_holds_the_same_tokens_shuffled(page_size, kv):
 def test_kernel_reproduces_flash_decode_on_the_leaderboard_call(device):
     """A batch of one sequence splits as the old kernel: the same sums, bit for bit."""
     for kv_len, splits in ((100, 4), (3000, 4), (17, 1)):
-        data = ragged_input([kv_len], seed=8, device=device)
-        q, kv_data, qo_indptr, kv_indptr, _cfg = data
+        q, kv_data, qo_indptr, kv_indptr, _cfg = ragged_input([kv_len], seed=8, device=device)
         kv, kv_scale = kv_data["fp8"]
         common = dict(block_n=16, num_warps=4, num_stages=1, **dot_options("splitk", device))
         old = torch.empty((1, 16, 512), dtype=torch.bfloat16, device=device)
@@ -332,6 +319,7 @@ def test_padded_new_token_rows_leave_the_schedule_alone(device):
     assert workspace.split_count[:3].tolist() == [4, 1, 8]
 
 
+SMALL = serving.make_input([1, 1], [5, 9], 16, 16, "bf16", seed=1)
 _BOTH_BAD = [
     (dict(block_h=12), "block_h"), (dict(block_h=4), "block_h"),  # block_h 4: under 16 MMA rows
     (dict(block_n=24), "block_n"), (dict(tokens_per_split=0), "tokens_per_split"),
@@ -354,8 +342,12 @@ BAD_CALLS = [("splitk", *bad) for bad in _BOTH_BAD + [
 
 @pytest.mark.parametrize("kernel,change,message", BAD_CALLS)
 def test_bad_calls_are_refused_by_name(kernel, change, message):
+    """SMALL's call of the kernel's serving launcher on the CPU, with one bad argument."""
+    call = dict(q=SMALL.q, qo_indptr=SMALL.qo_indptr, kv=SMALL.kv, kv_scale=None, **SMALL.layout,
+                out=torch.empty((2, 16, 512), dtype=torch.bfloat16), max_q_len=1, max_splits=2, tokens_per_split=4,
+                block_n=16, block_h=16, num_warps=4, num_stages=1, **dot_options(kernel, "cpu"))
     with pytest.raises(ValueError, match=message):
-        KERNELS[kernel][0](**{**small_call(kernel), **change})
+        KERNELS[kernel][0](**{**call, **change})
 
 
 # ------------------------------------------------------------- the fused kernel alone

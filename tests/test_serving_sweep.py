@@ -97,8 +97,7 @@ def _sweep(cfg, tmp_path, timer, **kw):
 
 def _records(results, kind: str, status: str | None = None) -> list[dict]:
     """The records of one kind (and status) in a serving results file."""
-    return [r for r in read_records(results)[1]
-            if r["kind"] == kind and (status is None or r["status"] == status)]
+    return [r for r in read_records(results)[1] if r["kind"] == kind and (status is None or r["status"] == status)]
 
 
 def _steps(path) -> set[tuple]:
@@ -106,14 +105,12 @@ def _steps(path) -> set[tuple]:
 
 
 def _families(path) -> list:
-    """The families of a serving table, as written."""
     return load_serving_table(path).as_dict()["families"]
 
 
 def _picks(table) -> dict:
     fam = next(iter(table.families.values()))
-    return ({cell: str(c.variant) for cell, c in fam.cells.items()},
-            {b: str(g.variant) for b, g in fam.graph.items()})
+    return {cell: str(c.variant) for cell, c in fam.cells.items()}, {b: str(g.variant) for b, g in fam.graph.items()}
 
 
 def test_a_tiny_sweep_picks_gated_winners_and_the_worst_case_graph_pick_and_step_layers_time_a_layer(
@@ -161,8 +158,7 @@ def test_a_tiny_sweep_picks_gated_winners_and_the_worst_case_graph_pick_and_step
     assert layered.provenance["search"]["step_layers"] == 2
     assert _picks(layered) == _picks(table)
     layered_fam = next(iter(layered.families.values()))
-    assert {at: c.time_us * 2 for at, c in layered_fam.cells.items()} == {
-        at: c.time_us for at, c in fam.cells.items()}
+    assert {at: c.time_us * 2 for at, c in layered_fam.cells.items()} == {at: c.time_us for at, c in fam.cells.items()}
     # a cell whose KV copies would pass the bound is that measurement's failure, not the sweep's
     monkeypatch.setattr(measure_module, "LAYERED_KV_BYTES", 1)
     key, variant = stepped.families[0], next(iter(layered_fam.cells.values())).variant
@@ -199,8 +195,7 @@ def test_the_graph_pick_is_judged_on_the_buckets_ragged_mix_too(tiny, tmp_path, 
     fam = next(iter(table.families.values()))
     for b in (1, 2):
         assert name(fam.graph[b].variant) == "C" and fam.graph[b].worst_kv_len == 0
-        # 4 places in the table
-        assert fam.graph[b].worst_regret == pytest.approx(18.5 / 16.0 - 1, abs=1e-4)
+        assert fam.graph[b].worst_regret == pytest.approx(18.5 / 16.0 - 1, abs=1e-4)  # 4 places in the table
 
 
 def test_a_probe_prunes_a_hopeless_candidate_at_the_first_rung(tiny, tmp_path):
@@ -265,8 +260,7 @@ def test_a_killed_a_sharded_and_a_worker_timed_sweep_each_end_as_the_table_of_on
     config = shards / "tiny.yaml"  # the command line reads the config from its file
     config.write_text(yaml.safe_dump(TINY))
     out = shards / "merged.serving.yaml"
-    result = invoke("sweep", "--gpu", "CPU", "--config", config, "--out", out,
-                    "--merge", ",".join(map(str, paths)))
+    result = invoke("sweep", "--gpu", "CPU", "--config", config, "--out", out, "--merge", ",".join(map(str, paths)))
     assert result.exit_code == 0, result.output
     assert _families(out) == _families(whole["table"])  # every pick, time and reason
     with pytest.raises(sw.ServingSweepError, match="merge only the shards of one config"):
@@ -292,8 +286,7 @@ def test_the_budget_stops_cleanly_and_a_step_its_hard_deadline_kills_is_not_reco
     assert first["stopped"] and all(r["status"] == "ok" for r in _records(first["results"], "step"))
     assert any("budget spent" in line and "without --fresh" in line for line in lines), lines
     again = _sweep(tiny, tmp_path, timer, candidate_timeout_s=2)
-    timeouts = [(r["batch"], r["kv_len"], _n(r["variant"]))
-                for r in _records(again["results"], "step", "timeout")]
+    timeouts = [(r["batch"], r["kv_len"], _n(r["variant"])) for r in _records(again["results"], "step", "timeout")]
     assert not again["stopped"] and timeouts == [(1, 32, "D")]
     checks = iter(range(10**6))
     # past the budget after the 4 gate jobs and 7 measurements: in the second cell
@@ -374,13 +367,11 @@ def test_config_errors_name_the_field_the_hash_ignores_order_and_the_committed_o
     plan = plan_sweep(cfg, fake_platform("H200"), check_available=False)
     # every family gets every backend, and a choice of split rules and head tiles
     backends = {"triton", "triton_fused", "flashmla", "flashinfer", "gluon_fused"}
-    assert all(len(f.candidates) >= 8 and set(f.per_backend()) == backends
-               for f in plan.families.values())
+    assert all(len(f.candidates) >= 8 and set(f.per_backend()) == backends for f in plan.families.values())
     # bf16 caches over 768 MiB per layer are left out; fp8 ones fit twice the tokens
     fp8 = next(f for k, f in plan.families.items() if k.kv_format == "fp8")
     assert (256, 4096) not in [(c["batch"], c["kv_len"]) for c in fp8.left_out]
-    shards = [plan_sweep(cfg, fake_platform("H200"), (i, 3), check_available=False)
-              for i in (1, 2, 3)]
+    shards = [plan_sweep(cfg, fake_platform("H200"), (i, 3), check_available=False) for i in (1, 2, 3)]
     assert sorted(u.index for s in shards for u in s.units) == list(range(plan.all_units))
     # `mla-tune sweep --config` (sweep_from_cli): a bad option is one line and exit 1
     for options, says in (({"shard": "3/2", "dry_run": True}, "--shard must be i/n"),
@@ -415,12 +406,11 @@ def test_a_small_serving_sweep_on_the_gpu(tmp_path):
 @pytest.mark.parametrize("kv_len", [32, 512, 4096, 65536])
 @pytest.mark.parametrize("batch", [1, 2, 7, 64, 256])
 def test_spread_cell_lengths_stay_in_their_bucket_and_off_its_split_steps(batch, kv_len):
-    """Spread lengths stay within half an octave of the bucket, off its split steps."""
     buckets = [32, 64, 512, 1024, 2048, 4096, 8192, 32768, 65536]
     assert sw.cell_kv_lens(batch, kv_len) == [kv_len] * batch
     lens = sw.cell_kv_lens(batch, kv_len, "spread")
     assert len(lens) == batch and lens == sorted(lens) == sw.cell_kv_lens(batch, kv_len, "spread")
-    assert all(kv_len / math.sqrt(2) <= n < kv_len * math.sqrt(2) for n in lens)
+    assert all(kv_len / math.sqrt(2) <= n < kv_len * math.sqrt(2) for n in lens)  # within half an octave
     assert kv_bucket(buckets, sum(lens) / batch) == kv_len
     geo = math.exp(sum(math.log(n / kv_len) for n in lens) / batch)
     assert abs(math.log2(geo)) <= 0.5 / batch + 0.01  # centred on the bucket, within a step
@@ -434,9 +424,7 @@ def test_spread_cell_lengths_stay_in_their_bucket_and_off_its_split_steps(batch,
         sw.cell_kv_lens(batch, kv_len, "ragged")
 
 
-def test_cell_lengths_are_a_search_option_that_changes_the_hash_and_the_timed_lengths(
-        tiny, tmp_path, monkeypatch):
-    """search.cell_lengths: aligned by default; `spread` changes the hash and the timed lengths."""
+def test_cell_lengths_are_a_search_option_that_changes_the_hash_and_the_timed_lengths(tiny, tmp_path, monkeypatch):
     assert tiny.search.cell_lengths == "aligned"
     spread = _config("spread.yaml", {"cell_lengths": "spread"})
     assert spread.search.cell_lengths == "spread" and spread.hash != tiny.hash

@@ -208,16 +208,14 @@ def test_a_broken_table_is_refused_naming_file_family_and_field(tmp_path, edit, 
     path.write_text(text if isinstance(text, str) else dump_yaml(data))
     with pytest.raises(TableError) as err:
         load_serving_table(path)
-    message = str(err.value)
-    assert "bad.serving.yaml" in message, message
-    assert all(w in message for w in ((words,) if isinstance(words, str) else words)), message
+    message = str(err.value)  # naming the file, and what is wrong
+    assert all(w in message for w in ("bad.serving.yaml", *((words,) if isinstance(words, str) else words))), message
 
 
 def test_a_table_cut_between_entries_or_with_entries_removed_is_refused(tmp_path):
     """provenance.entry_counts (above the families) catches what YAML alone reads as a smaller
     table; a table written without it loads unchecked."""
-    text = open("tables/H200.serving.yaml").read()
-    lines = text.splitlines(keepends=True)
+    lines = (REPO / "tables" / "H200.serving.yaml").read_text().splitlines(keepends=True)
     cut = max(i for i, line in enumerate(lines) if line.startswith("  - {batch:"))  # the last point
     path = tmp_path / "cut.serving.yaml"
     for broken, words in [("".join(lines[:cut]), "points 2615 (stated 2616)"),

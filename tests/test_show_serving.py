@@ -29,7 +29,7 @@ def _v(splits: int, kv: str = "fp8") -> Variant:
                          "num_stages=2,num_warps=4,q=bf16,tokens_per_split=128)")
 
 
-def _table(edit=None) -> ServingTable:
+def _table() -> ServingTable:
     fp8 = Family(FP8)
     for batch in BATCHES:
         for kv in KVS:
@@ -45,19 +45,16 @@ def _table(edit=None) -> ServingTable:
     bf16 = Family(BF16)
     bf16.cells[(1, 1024)] = Cell(1, 1024, flashinfer, 15.0)
     bf16.graph[1] = GraphPick(1, flashinfer, 0.0, 0)
-    table = ServingTable("H200", {"date": "2026-12-01", "config": {"path": "configs/serving.yaml",
-                                                                   "hash": "6c0e034f4930b8a9c3de"},
-                                  "versions": {"flashinfer-python": "0.6.18", "triton": "3.6.0"},
-                                  "candidates": {str(FP8): {"triton": 10, "flashinfer": 1}},
-                                  "gate_refused": {str(FP8): {"flashmla(kv=fp8,q=fp8_dynamic)": "ragged probe"}}},
-                         BATCHES, KVS, {FP8: fp8, BF16: bf16})
-    if edit:
-        edit(table)
-    return table
+    return ServingTable("H200", {"date": "2026-12-01", "config": {"path": "configs/serving.yaml",
+                                                                  "hash": "6c0e034f4930b8a9c3de"},
+                                 "versions": {"flashinfer-python": "0.6.18", "triton": "3.6.0"},
+                                 "candidates": {str(FP8): {"triton": 10, "flashinfer": 1}},
+                                 "gate_refused": {str(FP8): {"flashmla(kv=fp8,q=fp8_dynamic)": "ragged probe"}}},
+                        BATCHES, KVS, {FP8: fp8, BF16: bf16})
 
 
-def _write(tmp_path: Path, name: str = "H200.serving.yaml", edit=None) -> Path:
-    return write_serving_table(tmp_path / name, _table(edit))
+def _write(tmp_path: Path, name: str = "H200.serving.yaml") -> Path:
+    return write_serving_table(tmp_path / name, _table())
 
 
 def _shown(*args, env=NARROW) -> str:
@@ -78,8 +75,7 @@ def _legend(lines: list[str], tag: str) -> dict[str, str]:
     return out
 
 
-def test_show_prints_every_pick_in_80_columns_wide_grids_split_its_json_every_cell_and_by_gpu_each_table(
-        tmp_path):
+def test_show_prints_every_pick_in_80_columns_wide_grids_split_its_json_every_cell_and_by_gpu_each_table(tmp_path):
     """The committed table too: each family's grid, and the graph picks engine loops chose."""
     path = _write(tmp_path)
     lines = _shown("show", "--table", path).splitlines()
@@ -96,8 +92,7 @@ def test_show_prints_every_pick_in_80_columns_wide_grids_split_its_json_every_ce
                     "256": ["A", ".", "-", "A", "12.5%", "sweep"]}
     assert "  candidates: triton 10, flashinfer 1" in lines
     assert "  refused by the gate: flashmla(kv=fp8,q=fp8_dynamic): ragged probe" in lines
-    assert any("-: 1 cell(s) left out by the config, e.g. 256x65536: over max_kv_bytes" in line
-               for line in lines)
+    assert any("-: 1 cell(s) left out by the config, e.g. 256x65536: over max_kv_bytes" in line for line in lines)
     assert "  .: 1 cell(s) with no pick and no reason: the fallback serves them" in lines
     assert "  config: configs/serving.yaml (hash 6c0e034f4930)" in lines
     assert "  versions: flashinfer-python 0.6.18, triton 3.6.0" in lines
@@ -114,8 +109,7 @@ def test_show_prints_every_pick_in_80_columns_wide_grids_split_its_json_every_ce
     wide.kv_buckets = kvs
     wide.families[FP8].cells = {(b, k): Cell(b, k, _v(8), 1234.5) for b in BATCHES for k in kvs}
     wide.families[FP8].left_out = []
-    lines = _shown("show", "--table", write_serving_table(tmp_path / "wide.serving.yaml", wide),
-                   "--times").splitlines()
+    lines = _shown("show", "--table", write_serving_table(tmp_path / "wide.serving.yaml", wide), "--times").splitlines()
     headers = [line.split() for line in lines if line.split()[:1] == ["batch"] and "buckets:" not in line]
     shown = [int(k) for h in headers for k in h[1:] if k.isdigit()]
     assert sorted(shown) == sorted(kvs * 4)  # every kv bucket in both families' picks and times grids
@@ -176,8 +170,12 @@ def test_show_prints_every_pick_in_80_columns_wide_grids_split_its_json_every_ce
         "engine_bf16_h128_q1_500-4000.json"]
 
 
-def _changed(table: ServingTable) -> None:
-    fp8 = table.families[FP8]
+def test_diff_of_serving_tables_flags_pick_and_time_changes_per_family_and_none_with_itself_without_torch(tmp_path):
+    from mla_tune.serving.render import table_kind
+
+    old = _write(tmp_path, "old.serving.yaml")
+    changed = _table()  # the new table: picks, times, a left-out cell, a graph pick, points, calibration
+    fp8 = changed.families[FP8]
     fp8.cells[(1, 1024)] = Cell(1, 1024, _v(16), fp8.cells[(1, 1024)].time_us * 1.2)  # pick and time
     fp8.cells[(32, 1024)] = Cell(32, 1024, _v(8), fp8.cells[(32, 1024)].time_us * 1.005)  # inside noise
     fp8.cells[(32, 8192)] = Cell(32, 8192, _v(8), fp8.cells[(32, 8192)].time_us * 0.9)  # faster
@@ -188,14 +186,7 @@ def _changed(table: ServingTable) -> None:
     fp8.points[(1, 1024)][_v(16)] = 30.0
     fp8.points[(32, 1024)][_v(8)] *= 1.1
     fp8.calibration = {"triton": {"reduce_step_us": {16: 2.5}}}
-
-
-def test_diff_of_serving_tables_flags_pick_and_time_changes_per_family_and_none_with_itself_without_torch(
-        tmp_path):
-    from mla_tune.serving.render import table_kind
-
-    old = _write(tmp_path, "old.serving.yaml")
-    new = _write(tmp_path, "new.serving.yaml", _changed)
+    new = write_serving_table(tmp_path / "new.serving.yaml", changed)
     assert_commands_import_no_torch(["show", "--table", old], ["show", "--table", old, "--json"],
                                     ["diff", old, new], ["diff", old, new, "--json"],
                                     ["show", "--table", LEADERBOARD_H200],  # a leaderboard table's too

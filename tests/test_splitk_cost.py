@@ -1,10 +1,11 @@
 """The split-K schedule model (backends/triton_splitk_schedule.py): schedule, fit and lookup."""
 
-from pathlib import Path
+from unittest import mock
 
 import pytest
+import torch
 
-from mla_tune.backends import schedule_module, triton_splitk_schedule
+from mla_tune.backends import schedule_module, triton_splitk, triton_splitk_schedule
 from mla_tune.backends.gluon_fused_schedule import GluonModel
 from mla_tune.backends.makespan import EXACT_WAVES
 from mla_tune.backends.triton_splitk_schedule import (
@@ -16,9 +17,14 @@ from mla_tune.backends.triton_splitk_schedule import (
     uniform_reduce_steps,
 )
 from mla_tune.core import CallSpec, Variant
+from mla_tune.kernels import flash_decode
 from mla_tune.kernels.split_rule import reduce_splits_per_step
+from mla_tune.serving.call import Decoder
 from mla_tune.serving.estimate import interpolate
 from mla_tune.serving.table import Family, FamilyKey, ServingTable, load_serving_table
+from mla_tune.xcompile import capture, check, targets
+from mla_tune.xcompile.resources import SMEM_PER_SM, cuda_ctas_per_sm
+from tests.helpers import REPO, call_with_host_lengths, cell_spec, serving_input
 
 # max_splits 1: one program per sequence, so a batch's items are its lengths
 ONE = Variant.parse("triton(block_h=16,block_n=32,dot_dtype=bf16,kv=bf16,max_splits=1,num_stages=2,"
@@ -30,7 +36,7 @@ KEY = FamilyKey("bf16", 64, 16, 1)
 SPEC = CallSpec("bf16", 64, 16, 1)
 UNIFORM = [1024] * 100
 RAGGED = [100] * 99 + [1024 * 100 - 9900]  # UNIFORM's mean, one long sequence
-TABLE = Path(__file__).resolve().parents[1] / "tables" / "H200.serving.yaml"
+TABLE = REPO / "tables" / "H200.serving.yaml"
 
 
 def _splitk_models(key, points, sm_count, smem_per_sm=0) -> dict:
@@ -108,7 +114,6 @@ def test_the_fit_recovers_the_overhead_and_an_occupancy_within_the_cap_of_warps_
 
 
 def _serving(points, models, calibration=None, batches=(64, 128, 256, 512), kvs=(512, 1024, 2048)):
-    """A table of KEY's one family."""
     fam = Family(KEY, points=points, models=models, calibration=calibration or {})
     return ServingTable("H200", {}, list(batches), list(kvs), {KEY: fam})
 
@@ -130,8 +135,7 @@ def test_the_reduction_steps_follow_the_longest_sequences_splits():
 
 
 def test_the_models_estimate_a_ragged_batch_by_its_schedule_and_its_measured_reduction_steps():
-    # FlashMLA 15% behind on every uniform batch
-    points = {pt: {**t, FM: 1.15 * t[ONE]} for pt, t in _grid().items()}
+    points = {pt: {**t, FM: 1.15 * t[ONE]} for pt, t in _grid().items()}  # FlashMLA 15% behind on every uniform batch
     table = _serving(points, _splitk_models(KEY, _grid(), 132))
     assert table.lookup(SPEC, 100, 1024.0, kv_lens=UNIFORM) == ONE
     est = table.estimates(SPEC, 100, 1024.0, kv_lens=RAGGED)
@@ -221,12 +225,6 @@ COMPILE_CASES = [
 def compiled_ctas() -> list[dict]:
     """Each COMPILE_CASES variant's serving stage-1 launch (build_serving's real path) compiled
     for sm_90: registers, shared memory, CTAs per SM. Runs without TRITON_INTERPRET."""
-    from unittest import mock
-
-    from mla_tune.backends import triton_splitk
-    from mla_tune.xcompile import capture, check, targets
-    from tests.helpers import call_with_host_lengths, cell_spec, serving_input
-
     facts = check.facts_for("H200")
     out = []
     with mock.patch.object(triton_splitk, "device_sm_count", lambda device=None: facts.sm_count):
@@ -244,7 +242,6 @@ def compiled_ctas() -> list[dict]:
 
 def test_the_occupancy_cap_is_what_the_kernel_compiled_for_sm90_gets():
     """On the CPU, with the installed Triton (the H200's 3.6 gives the same CTAs)."""
-    from mla_tune.xcompile.resources import SMEM_PER_SM
     from tests.helpers import run_outside_the_interpreter
 
     records = run_outside_the_interpreter("tests.test_splitk_cost", "compiled_ctas", timeout=900)
@@ -258,13 +255,6 @@ def test_the_occupancy_cap_is_what_the_kernel_compiled_for_sm90_gets():
 def test_the_occupancy_cap_is_what_the_compiled_kernel_gets_on_the_gpu(monkeypatch, capsys):
     """Each split-K variant of the committed table, launched here, holds as many CTAs per SM
     (cuda_ctas_per_sm) as `occupancy_cap` lets the fit choose."""
-    import torch
-
-    from mla_tune.kernels import flash_decode
-    from mla_tune.serving.call import Decoder
-    from mla_tune.xcompile.resources import cuda_ctas_per_sm
-    from tests.helpers import call_with_host_lengths, cell_spec, serving_input
-
     launched = []
     kernel = flash_decode._fd_serving_stage1_kernel
     run = kernel.run

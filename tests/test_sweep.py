@@ -46,9 +46,7 @@ def test_every_outcome_is_recorded_with_a_reason_the_fastest_wins_and_the_header
     calibrated q_amax; the header carries the provenance and names the CPU timer."""
     console, buf = capture()
     summary = run_sweep(TINY, "H200", out=tmp_path / "t.yaml", dry_run=True, console=console)
-    assert summary.plan["2x17"]["fake_nogpu"] == [
-        "fake_nogpu(kv=bf16,num_splits=1,q=bf16)", "fake_nogpu(kv=bf16,num_splits=2,q=bf16)",
-    ]
+    assert summary.plan["2x17"]["fake_nogpu"] == [f"fake_nogpu(kv=bf16,num_splits={n},q=bf16)" for n in (1, 2)]
     assert "needs a GPU" in summary.unavailable["fake_nogpu"]
     assert "not runnable here" in buf.getvalue()
     assert summary.plan["1x33"].get("fake_crash") is None  # it offers nothing at batch 1
@@ -58,13 +56,9 @@ def test_every_outcome_is_recorded_with_a_reason_the_fastest_wins_and_the_header
     text = buf.getvalue()
     assert not warnings
     got = {(r["shape"]["batch"], r["backend"]): r["status"] for r in records if r["backend"] != "fake_ok"}
-    assert got == {
-        (2, "torch"): "ok", (1, "torch"): "ok",
-        (2, "fake_wrong"): "rejected", (1, "fake_wrong"): "rejected",
-        (2, "fake_raise"): "failed", (1, "fake_raise"): "failed",
-        (2, "fake_crash"): "crashed", (2, "fake_hang"): "timeout",
-        (1, "fake_poison"): "failed",
-    }
+    assert got == {(2, "torch"): "ok", (1, "torch"): "ok", (2, "fake_wrong"): "rejected", (1, "fake_wrong"): "rejected",
+                   (2, "fake_raise"): "failed", (1, "fake_raise"): "failed", (2, "fake_crash"): "crashed",
+                   (2, "fake_hang"): "timeout", (1, "fake_poison"): "failed"}
     # rungs [2, 3] (the timing's defaults): of 4 timed per shape the best 3 (min_keep) and
     # the baseline go on; a cut fake_ok is "pruned" with its rung-0 time
     fake_ok = [r for r in records if r["backend"] == "fake_ok"]
@@ -184,11 +178,8 @@ def test_two_sweeps_started_together_exactly_one_runs_the_other_names_lock_and_p
     lock.write_text("")  # what a sweep killed between creating and writing it leaves
     ready = tmp_path / "ready"
     ready.mkdir()
-    procs = [
-        subprocess.Popen([sys.executable, "-c", _RACER, str(ready), str(TORCH), str(out)],
-                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for _ in range(2)
-    ]
+    procs = [subprocess.Popen([sys.executable, "-c", _RACER, str(ready), str(TORCH), str(out)], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outputs = [p.communicate(timeout=60) for p in procs]
     by_code = {p.returncode: (p, stdout) for p, (stdout, _) in zip(procs, outputs, strict=True)}
     assert sorted(by_code) == [0, 1], outputs
@@ -201,8 +192,7 @@ def test_two_sweeps_started_together_exactly_one_runs_the_other_names_lock_and_p
 
 
 @pytest.mark.parametrize("write_pid", [False, True], ids=["pid-not-yet-written", "pid-written"])
-def test_a_live_holder_is_never_taken_over_and_a_killed_ones_lock_is_with_a_warning_naming_its_pid(
-        tmp_path, write_pid):
+def test_a_live_holder_is_never_taken_over_and_a_killed_ones_lock_is_with_a_warning_naming_its_pid(tmp_path, write_pid):
     """The holder, a process holding the flock (no torch: fast), before its pid is written (the
     file just created) or after (what SweepLock.acquire leaves)."""
     path = tmp_path / "t.yaml.lock"
@@ -265,8 +255,7 @@ def test_two_devices_share_the_shapes_whole_and_balanced_an_impossible_budget_ke
     assert [s for s, _ in two] == [Shape(64, 8192), Shape(4, 1024)]  # empty shapes dropped
     assert assign_shapes(pending, 1) == [[(s, vs) for s, vs in pending.items() if vs]]
     console, buf = capture()
-    summary = run_sweep(BUDGET, "H200", out=tmp_path / "H200.yaml", devices=[0, 1], force=True,
-                        console=console)
+    summary = run_sweep(BUDGET, "H200", out=tmp_path / "H200.yaml", devices=[0, 1], force=True, console=console)
     header, records, _ = read_results(summary.results_path)
     assert header["gpu"] == "cpu" and header["requested_gpu"] == "H200" and header["forced"] is True
     assert header["devices"] == [0, 1]
@@ -294,8 +283,7 @@ def _lines(path: Path) -> list[dict]:
     return read_results(path, ("candidate", "step", "rung", "note"))[1]
 
 
-def test_a_ctrl_c_mid_rung_0_stops_the_workers_and_the_same_command_resumes_running_no_step_twice(
-        tmp_path):
+def test_a_ctrl_c_mid_rung_0_stops_the_workers_and_the_same_command_resumes_running_no_step_twice(tmp_path):
     """A Ctrl-C stops the workers, prints how to resume and leaves no lock; the same command
     then resumes. A kill -9 (mid rung 1: its stale lock, its torn line) is
     tests/test_crash_resume.py's."""

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import yaml
@@ -27,38 +28,32 @@ from mla_tune.tune.config import ConfigError, load_config
 DATA = Path(__file__).parent / "data"
 TRITON_A = "triton(block_n=32,dot_dtype=bf16,kv=fp8,num_splits=4,num_stages=2,num_warps=4,q=bf16)"
 TRITON_B = "triton(block_n=64,dot_dtype=bf16,kv=fp8,num_splits=2,num_stages=2,num_warps=4,q=bf16)"
-STATIC = ("triton(block_n=32,dot_dtype=bf16,kv=fp8,num_splits=1,num_stages=2,num_warps=4,"
-          "q=fp8_static,q_amax=5.5)")
+STATIC = "triton(block_n=32,dot_dtype=bf16,kv=fp8,num_splits=1,num_stages=2,num_warps=4,q=fp8_static,q_amax=5.5)"
 TORCH = "torch(kv=bf16,q=bf16)"
 
 
 def _config(shapes=((4, 1024), (8, 64))):
-    return SimpleNamespace(
-        name="test", path=Path("configs/test.yaml"), rule=get_rule("leaderboard"), hash="abc123",
-        shapes=[Shape(b, n) for b, n in shapes], raw={"backends": {"torch": {}, "triton": {}}},
-    )
+    return SimpleNamespace(name="test", path=Path("configs/test.yaml"), rule=get_rule("leaderboard"), hash="abc123",
+                           shapes=[Shape(b, n) for b, n in shapes], raw={"backends": {"torch": {}, "triton": {}}})
 
 
 def _header(**extra):
-    return {
-        "kind": "header", "gpu": "H200", "schema": 1, "date": "2026-12-01",
-        "platform": {"device_name": "NVIDIA H200", "arch": "sm_90", "driver": "570.1",
-                     "versions": {"torch": "2.11.0", "triton": "3.6.0"}},
-        "protocol": {"name": "leaderboard-emulation"}, "copy_bandwidth_gbps": 4280.0,
-        "config": {"path": "configs/test.yaml", "hash": "abc123"},
-        "rule": get_rule("leaderboard").as_dict(), "mla_tune_version": "0.1.0",
-        "unavailable": {"aiter": "ROCm only"}, **extra,
-    }
+    return {"kind": "header", "gpu": "H200", "schema": 1, "date": "2026-12-01",
+            "platform": {"device_name": "NVIDIA H200", "arch": "sm_90", "driver": "570.1",
+                         "versions": {"torch": "2.11.0", "triton": "3.6.0"}},
+            "protocol": {"name": "leaderboard-emulation"}, "copy_bandwidth_gbps": 4280.0,
+            "config": {"path": "configs/test.yaml", "hash": "abc123"},
+            "rule": get_rule("leaderboard").as_dict(), "mla_tune_version": "0.1.0",
+            "unavailable": {"aiter": "ROCm only"}, **extra}
 
 
 def _record(variant, status="ok", median=None, shape=(4, 1024), p10=None, p90=None, **extra):
     v = Variant.parse(variant)
     time = None if median is None else {"median_us": median, "p10_us": p10 or median * 0.98,
                                         "p90_us": p90 or median * 1.02, "samples": 30}
-    return {"kind": "candidate", "shape": {"batch": shape[0], "kv_len": shape[1]},
-            "variant": variant, "backend": v.backend, "params": v.p, "status": status,
-            "reason": "" if status == "ok" else "because", "checks": [], "time": time,
-            "wall": {"median_us": 40.0} if median else None, "calibration": None,
+    return {"kind": "candidate", "shape": {"batch": shape[0], "kv_len": shape[1]}, "variant": variant,
+            "backend": v.backend, "params": v.p, "status": status, "reason": "" if status == "ok" else "because",
+            "checks": [], "time": time, "wall": {"median_us": 40.0} if median else None, "calibration": None,
             "elapsed_s": 1.0, **extra}
 
 
@@ -78,8 +73,7 @@ def test_winner_is_the_fastest_the_row_carries_its_evidence_and_a_lost_shape_a_r
     ]
     table = table_from_results(_header(), records, _config())
     row = _row(table, 4, 1024)
-    assert row["winner"] == {"variant": TRITON_A, "backend": "triton",
-                             "params": Variant.parse(TRITON_A).p}
+    assert row["winner"] == {"variant": TRITON_A, "backend": "triton", "params": Variant.parse(TRITON_A).p}
     assert row["time_us"] == 20.0 and row["spread"] == pytest.approx(0.1)
     assert row["wall_us"] == 40.0
     assert row["runner_up"] == {"variant": TRITON_B, "time_us": 25.0}
@@ -105,8 +99,7 @@ def test_winner_is_the_fastest_the_row_carries_its_evidence_and_a_lost_shape_a_r
 
 def test_ties_within_one_percent_go_to_the_earlier_backend_then_the_text_and_a_rerun_counts_once():
     # torch is 0.5% faster, but within the tie tolerance triton comes first in BACKEND_MODULES
-    records = [_record(TORCH, median=10.0), _record(TRITON_B, median=10.05),
-               _record(TRITON_A, median=10.08)]
+    records = [_record(TORCH, median=10.0), _record(TRITON_B, median=10.05), _record(TRITON_A, median=10.08)]
     row = _row(table_from_results(_header(), records, _config()), 4, 1024)
     assert row["winner"]["variant"] == TRITON_A  # same backend: the smaller text wins
     assert row["alternates"]["triton"]["variant"] == TRITON_A
@@ -136,8 +129,7 @@ def test_results_that_do_not_belong_to_the_config_are_refused():
 
 
 def test_written_table_round_trips_without_yaml_aliases(tmp_path):
-    records = [_record(TRITON_A, median=20.0), _record(TORCH, median=40.0),
-               _record(TORCH, median=3.0, shape=(8, 64))]
+    records = [_record(TRITON_A, median=20.0), _record(TORCH, median=40.0), _record(TORCH, median=3.0, shape=(8, 64))]
     table = table_from_results(_header(), records, _config())
     shared = {"note": "the same object twice"}  # still written out twice, never as an alias
     table["rows"][0]["calibration"] = shared
@@ -272,8 +264,7 @@ def no_vendor_libraries(monkeypatch):
 
 
 @pytest.mark.parametrize("case", list(BACKEND_CASES))
-def test_validate_accepts_every_candidate_of_its_backend_and_refuses_an_unknown_parameter(
-        case, no_vendor_libraries):
+def test_validate_accepts_every_candidate_of_its_backend_and_refuses_an_unknown_parameter(case, no_vendor_libraries):
     name = case.split("@")[0]
     platform, space = BACKEND_CASES[case]
     backend = get_backend(name)
@@ -330,11 +321,8 @@ RULE_CASES = [
     ("flashinfer(kv=bf16,q=bf16)", r"missing parameter kernel"),
     ("flashmla(kv=bf16,q=bf16,q_amax=3.0)", r"q_amax=3.0 is not allowed with q=bf16"),
 ]
-OWN_CASES = [
-    ("aiter(fast_mode=false,intra_batch=true,kv=fp8,kv_granularity=16,max_split_per_batch=-1,"
-     "mode=persistent,q=fp8_dynamic)",
-     r"max_split_per_batch=-1 is not allowed with intra_batch=true"),
-]
+OWN_CASES = [("aiter(fast_mode=false,intra_batch=true,kv=fp8,kv_granularity=16,max_split_per_batch=-1,"
+              "mode=persistent,q=fp8_dynamic)", r"max_split_per_batch=-1 is not allowed with intra_batch=true")]
 
 
 @pytest.mark.parametrize(("text", "message"), RULE_CASES + OWN_CASES)
@@ -352,8 +340,7 @@ def test_validate_names_the_parameter_the_value_and_what_is_allowed(text, messag
 def test_an_old_table_without_the_later_fields_loads_with_their_defaults(tmp_path):
     def drop_later_fields(data):
         for row in data["rows"]:
-            for name in ("wall_us", "floor_us", "floor_share", "calibration", "alternates",
-                         "spread", "baseline_us"):
+            for name in ("wall_us", "floor_us", "floor_share", "calibration", "alternates", "spread", "baseline_us"):
                 row.pop(name, None)
             row["candidates"]["rungs"] = [12, 4]  # a key a later sweep adds: kept, not checked
 
@@ -412,29 +399,19 @@ def test_missing_unparsable_or_odd_files_are_refused_in_one_line_naming_the_file
 
 
 # ------------------------------------------------------------------------- atomic writes
-def _mode(path) -> int:
-    return stat.S_IMODE(path.stat().st_mode)
-
-
 def test_a_new_file_gets_the_mode_the_umask_gives_and_a_replaced_one_keeps_its_own(tmp_path):
     old = os.umask(0o022)
     try:
         path = atomic_write_text(tmp_path / "t.yaml", "a")
-        assert _mode(path) == 0o644 and path.read_text() == "a"
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644 and path.read_text() == "a"
         os.umask(0o077)
-        assert _mode(atomic_write_text(tmp_path / "private.yaml", "b")) == 0o600
+        assert stat.S_IMODE(atomic_write_text(tmp_path / "private.yaml", "b").stat().st_mode) == 0o600
         path.chmod(0o664)
         atomic_write_text(path, "c")
-        assert _mode(path) == 0o664 and path.read_text() == "c"
+        assert stat.S_IMODE(path.stat().st_mode) == 0o664 and path.read_text() == "c"
     finally:
         os.umask(old)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["private.yaml", "t.yaml"]
-
-
-def _fail(code):
-    def fail(*args, **kwargs):
-        raise OSError(code, os.strerror(code))  # EACCES: a PermissionError
-    return fail
 
 
 @pytest.mark.parametrize("case, match", [
@@ -451,9 +428,10 @@ def test_a_failed_write_is_one_line_and_leaves_the_old_file_and_nothing_else(tmp
     old = folder / "t.yaml"
     old.write_text("old")
     if case == "full disk":
-        monkeypatch.setattr(fileio.os, "fsync", _fail(errno.ENOSPC))
-    elif case == "read-only faked":
-        monkeypatch.setattr(fileio.tempfile, "mkstemp", _fail(errno.EACCES))
+        monkeypatch.setattr(fileio.os, "fsync", mock.Mock(side_effect=OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
+    elif case == "read-only faked":  # EACCES: a PermissionError
+        monkeypatch.setattr(fileio.tempfile, "mkstemp",
+                            mock.Mock(side_effect=OSError(errno.EACCES, os.strerror(errno.EACCES))))
     elif case == "read-only":
         folder.chmod(0o555)
     try:

@@ -28,10 +28,9 @@ from mla_tune.serving.time_picks import bucket_lengths, parse_ints, parse_lens, 
 from mla_tune.tune import time_variants
 from mla_tune.tune.time_variants import parse_shapes
 from mla_tune.tune.timing import Timing
-from tests.helpers import invoke
+from tests.helpers import WIDE, invoke
 
 CONFIG = Path(__file__).parent / "data" / "serving_time_cpu.yaml"
-ENV = {"COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"}
 # The config's two triton candidates for a family at 16 heads, q_len 1 (every family also
 # offers triton's default serving variant: the second).
 SPLIT16, DEFAULT = (
@@ -40,7 +39,7 @@ SPLIT16, DEFAULT = (
 
 
 def _invoke(*args):
-    return invoke("time", *args, env=ENV)
+    return invoke("time", *args, env=WIDE)
 
 
 def _run(*args) -> str:
@@ -245,8 +244,7 @@ def test_points_retimes_a_tables_points_as_a_sweep_step_in_alternating_passes_or
     assert data["points"][0]["variants"] == {
         str(S16): {"table": 5.0, "fresh": 10.0, "passes": 40.0, "again": 90.0},
         str(DEF): {"table": 6.0, "fresh": 20.0, "passes": 50.0, "again": 80.0}}
-    assert data["points"][1]["variants"][str(S16)] == {"table": 7.0, "fresh": 110.0,
-                                                       "passes": 140.0, "again": 190.0}
+    assert data["points"][1]["variants"][str(S16)] == {"table": 7.0, "fresh": 110.0, "passes": 140.0, "again": 190.0}
     assert len(stand_in_timer) == 2 * (2 + 2 * 2 * 2)
     summary = data["summary"]
     assert all(s["pairs"] == 2 for s in summary.values())
@@ -320,8 +318,7 @@ def test_points_retimes_a_tables_points_as_a_sweep_step_in_alternating_passes_or
 @pytest.mark.parametrize("lost_at", [7, 9])  # the second point's first timing, or its first pass
 def test_points_stop_where_the_cuda_context_is_lost_and_keep_what_was_timed(interpreter, tmp_path, monkeypatch,
                                                                             lost_at):
-    table = _table(tmp_path, cells={(2, 32): CELLS[(2, 32)]},
-                   points={k: POINTS[k] for k in [(2, 32), (2, 64)]})
+    table = _table(tmp_path, cells={(2, 32): CELLS[(2, 32)]}, points={k: POINTS[k] for k in [(2, 32), (2, 64)]})
     timed = _stand_in(monkeypatch, lost_at)  # six a point: 2 fresh, then 2 rounds of 2
     out = tmp_path / "points.json"
     output = _run("points", "--table", table, "--samples", "1", "--passes", "1", "--json", out)

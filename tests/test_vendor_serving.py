@@ -29,12 +29,10 @@ PACKAGES = {"flashmla": "flash_mla", "flashinfer": "flashinfer", "aiter": "aiter
 KV_LENS = [3000, 1, 17, 63, 64, 65]
 H200 = gpu.fake_platform("H200")
 
-
 SERVED = [c for name in BACKENDS for c in declared_cells(name)]
 # FlashMLA's fp8 cells at 128 heads and q_len 2 or 4 are left out on the CPU (their q quantizer
 # takes ~100 s under the interpreter); their wiring is checked by the neighbouring cells.
-CPU_SERVED = [c for c in SERVED
-              if not (c[0] == "flashmla" and c[2] == 128 and c[3] > 1 and c[4] == "fp8")]
+CPU_SERVED = [c for c in SERVED if not (c[0] == "flashmla" and c[2] == 128 and c[3] > 1 and c[4] == "fp8")]
 REFUSED = [c for name in BACKENDS for c in declared_cells(name, served=False)]
 
 
@@ -71,22 +69,18 @@ def _any_runner(monkeypatch, device, name, *cell, **extra):
     return (*_runner(name, *cell, platform=gpu.detect(), device=device, **extra), device)
 
 
-# the fakes answer with these
-_REFERENCES = ("mla_tune.serving.inputs", "mla_tune.problem")
-_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "__iter__")
-
-
 @contextlib.contextmanager
 def _host_reads_refused():
-    """Reading a tensor's values on the host raises when mla-tune's code (not a fake) does it."""
+    """Reading a tensor's values on the host raises when mla-tune's code (not a fake, nor the
+    references the fakes answer with) does it."""
     with pytest.MonkeyPatch.context() as patched:
-        for method in _READS:
+        for method in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "__iter__"):
             original = getattr(torch.Tensor, method)
 
             def guarded(self, *args, _original=original, _method=method, **kwargs):
                 caller = sys._getframe(1).f_globals.get("__name__", "")
-                assert not caller.startswith("mla_tune.") or caller in _REFERENCES, \
-                    f"{caller} called Tensor.{_method}"
+                references = ("mla_tune.serving.inputs", "mla_tune.problem")
+                assert not caller.startswith("mla_tune.") or caller in references, f"{caller} called Tensor.{_method}"
                 return _original(self, *args, **kwargs)
 
             patched.setattr(torch.Tensor, method, guarded)
@@ -101,8 +95,7 @@ def _run_case(name, layout, heads, q_len, kv, platform, seed=17):
     with _host_reads_refused():
         call_with_host_lengths(runner, inp).fill_(float("nan"))
         out = call_with_host_lengths(runner, inp)
-    what = cell_id((name, layout, heads, q_len, kv))
-    _assert_close(out, _expected(variant, inp), max_error(variant, "cpu"), what)
+    _assert_close(out, _expected(variant, inp), max_error(variant, "cpu"), cell_id((name, layout, heads, q_len, kv)))
 
 
 # ------------------------------------------------------------------ what is declared
@@ -181,8 +174,7 @@ def test_one_q_len_per_call_backends_refuse_a_ragged_one(name, monkeypatch):
 @pytest.mark.parametrize("layout", [0, 16])
 def test_flashinfer_replans_only_when_the_lengths_or_the_page_array_change(layout, monkeypatch):
     """Also: a call without host lengths, or with too few, is refused."""
-    fi = _install(monkeypatch, "flashinfer")
-    calls = fi.mla.calls
+    calls = _install(monkeypatch, "flashinfer").mla.calls
     spec, _, runner = _runner("flashinfer", layout, 16, 2, "fp8")
     inp = serving_input(spec, [40, 5, 70], 3, "cpu")
     with pytest.raises(ValueError, match="pass q_lens_host and kv_lens_host"):
@@ -220,8 +212,7 @@ def test_flashinfer_plans_uniform_steps_from_index_arrays_made_once_and_keeps_a_
         return plan(self, qo_indptr, kv_indptr, *args, **kw)
     monkeypatch.setattr(fi.mla.BatchMLAPagedAttentionWrapper, "plan", recording)
     spec = CallSpec("bf16", page_size=16, heads=16, max_q_len=2, host_lengths=True)  # one q_len a step
-    runner = get_backend("flashinfer").build_serving(get_backend("flashinfer").default_serving_variant(spec, H200),
-                                                     spec, "cpu")
+    runner = flashinfer_mla.build_serving(flashinfer_mla.default_serving_variant(spec, H200), spec, "cpu")
     for seed, lens in ((1, [40, 5, 70]), (2, [41, 6, 71])):
         inp = serving.make_input([2, 2, 2], lens, 16, 16, "bf16", seed=seed)
         _assert_close(call_with_host_lengths(runner, inp), inp.reference(), 1e-2, f"lengths {lens}")
@@ -307,8 +298,7 @@ def test_a_padded_slot_with_seq_len_0_spoils_no_other_row(case, h200, monkeypatc
     """A graph padded past the live batch carries seq_len 0: every other sequence is right
     (and on the H200 nothing crashes)."""
     if h200:
-        reason = BACKENDS[case[0]].unavailable_reason()
-        assert reason is None, reason
+        assert (reason := BACKENDS[case[0]].unavailable_reason()) is None, reason
         spec, variant, runner = _runner(*case, platform=gpu.detect(), device="cuda")
         where = "cuda"
     else:

@@ -212,7 +212,7 @@ def test_the_gpu_picks_its_config_and_compile_names_the_known_gpus(args, code, s
     assert all(s in result.output for s in says) and not any(s in result.output for s in never)
 
 
-def test_another_python_runs_the_check_and_its_json_is_read_back(monkeypatch):
+def test_another_python_runs_the_check_and_its_json_is_read_back():
     """--triton PYTHON (here this one): a subprocess computes the report; the parent prints it."""
     result = invoke("compile", "--gpu", "H200", "--config", TINY, "--triton", sys.executable, "--jobs", 2)
     assert result.exit_code == 0, result.output
