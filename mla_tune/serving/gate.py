@@ -97,8 +97,8 @@ def reference_q_format(variant: Variant, gate: GateSpec) -> str:
     variant with bf16 q), or q quantized as the variant's q mode does (reference_q: variant):
     then the gate judges the kernel, not the price of its q mode. An fp8 q mode is read as
     its backend's optional `serving_q_reference(variant)` hook says (gluon_fused's and
-    triton_fused's answer fp8_row: their kernels quantize q per (new token, head) row), else per tensor ("fp8",
-    problem.quantize_fp8's scale, the convention of scripts/engine_loop.py and the vendor
+    triton_fused's answer fp8_row: their kernels quantize q per (new token, head) row),
+    else per tensor ("fp8", problem.quantize_fp8's scale, the convention of the vendor
     tests)."""
     if gate.reference_q != "variant":
         return "bf16"
