@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mla_tune import problem
-from mla_tune.backends import flash_mla, gluon_fused, triton_fused, triton_splitk
+from mla_tune.backends import flash_mla, get_backend, gluon_fused, triton_fused, triton_splitk
 from mla_tune.core import CORE_DEEPSEEK_V3_SCALE, QK_DIM, CallSpec, Variant
 from mla_tune.gpu import fake_platform
 from mla_tune.serving.config import GateSpec
@@ -135,12 +135,10 @@ def test_the_fused_kernels_pass_the_gate_against_the_per_row_reference(backend, 
     """The fused kernels' fp8-q serving variants (gluon_fused's default; triton_fused's default
     with q=fp8_dynamic, its fp8 S dot and an fp16 P V dot) at DeepSeek-V3's scale pass the gate of
     configs/serving.yaml (fp8_row) and, on a ragged call, the strict rule per row."""
-    from mla_tune.kernels.gluon_serving import GS_UNAVAILABLE
     from mla_tune.serving.config import load_serving_config
 
-    module = {"gluon_fused": gluon_fused, "triton_fused": triton_fused}[backend]
-    reason = (GS_UNAVAILABLE if backend == "gluon_fused" else None) or module.unavailable_reason()
-    if reason:
+    module = get_backend(backend)  # gluon_fused's reason covers its serving kernel's (GS_UNAVAILABLE)
+    if reason := module.unavailable_reason():
         unavailable(reason)
     cfg = load_serving_config("configs/serving.yaml")
     assert cfg.gate.reference_q == "variant"
